@@ -1,0 +1,25 @@
+"""virtualflow: train the same model on any hardware.
+
+A :class:`Job` fixes what the model sees (global batch size B, virtual nodes V, seed, ...);
+:func:`train` maps its V virtual nodes onto however many workers exist and returns a
+:class:`Result` that does not depend on that mapping.
+"""
+
+from virtualflow.api import JobHandle, Result, TrainingError, launch, train
+from virtualflow.job import Job, JobImportError
+from virtualflow.plan.data import vn_seed
+from virtualflow.runtime.engine import LossShapeError, NonFiniteLossError
+
+__all__ = [
+    "Job",
+    "JobHandle",
+    "JobImportError",
+    "LossShapeError",
+    "NonFiniteLossError",
+    "Result",
+    "TrainingError",
+    "launch",
+    "train",
+    "vn_seed",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,413 @@
+"""Public entry points: :func:`train` (blocking), :func:`launch` (returns a :class:`JobHandle`).
+
+Everything a user can get wrong is checked here, in the calling process, before any worker
+starts: the arguments, the job (built once here, its dataset measured, its loss evaluated on
+one virtual node's batch) and whether worker processes will be able to rebuild it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from virtualflow.backends.local import LocalBackend, describe_exit
+from virtualflow.control.coordinator import Coordinator
+from virtualflow.job import Job, JobSource, source_from, resolve_spec
+from virtualflow.plan.data import DataPlan
+from virtualflow.plan.vnmap import contiguous_assignment, describe_assignment
+from virtualflow.runtime.checkpoint import load_state
+from virtualflow.runtime.engine import BatchLoader, check_loss
+from virtualflow.runtime.worker import WorkerConfig
+
+logger = logging.getLogger("virtualflow")
+
+__all__ = ["train", "launch", "JobHandle", "Result", "TrainingError"]
+
+
+class TrainingError(RuntimeError):
+    """The job failed; the message names the worker, what happened and where the logs are."""
+
+
+@dataclass(slots=True)
+class Result:
+    state_dict: dict[str, torch.Tensor]
+    """Final model weights (CPU tensors)."""
+    optimizer_state_dict: dict[str, Any]
+    lr_scheduler_state_dict: dict[str, Any] | None
+    history: list[dict[str, Any]]
+    """One record per step: step (0-based), loss, samples, step_time_s, workers, generation,
+    vns (the VN ids each worker ran)."""
+    metrics: dict[str, float]
+    """The last evaluation's metrics (empty without ``Job.evaluate``)."""
+    eval_history: list[dict[str, Any]] = field(default_factory=list)
+    run_dir: str | None = None
+    steps: int = 0
+    """Steps completed."""
+    stopped: bool = False
+    """True when :meth:`JobHandle.stop` ended the job before ``steps``."""
+
+
+def _check_count(name: str, value: Any, knob: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer; set {knob}")
+
+
+def launch(
+    job: Job | Callable[[], Job] | str,
+    *,
+    workers: int = 1,
+    steps: int | None = None,
+    epochs: int | None = None,
+    deterministic: bool = False,
+    run_dir: str | None = None,
+    global_batch_size: int | None = None,
+    virtual_nodes: int | None = None,
+    seed: int | None = None,
+    threads_per_worker: int | None = None,
+    device: str = "cpu",
+    collective_timeout_s: float = 120.0,
+    progress: bool = False,
+    backend: str = "local",
+) -> "JobHandle":
+    """Start training ``job`` on ``workers`` local worker processes; returns at once.
+
+    ``job`` is a :class:`Job`, an importable zero-argument function returning one, or a
+    ``"module:function"`` / ``"file.py:function"`` string. Give exactly one of ``steps`` and
+    ``epochs``. ``global_batch_size``, ``virtual_nodes`` and ``seed`` override the job's fields.
+    ``deterministic=True`` makes the final weights bit-identical for any number of workers (at
+    some cost in speed: per-VN gradients are summed along a fixed tree, one thread per worker
+    unless ``threads_per_worker`` says otherwise).
+    """
+    if backend != "local":
+        raise ValueError(f"backend={backend!r} is not available; the only backend so far is 'local'")
+    _check_count("workers", workers, "workers= (--workers) to 1 or more")
+    if (steps is None) == (epochs is None):
+        raise ValueError(
+            f"give exactly one of steps and epochs (got steps={steps!r}, epochs={epochs!r}); "
+            f"e.g. steps=100 (--steps 100) or epochs=3 (--epochs 3)"
+        )
+    if steps is not None:
+        _check_count("steps", steps, "steps= (--steps)")
+    if epochs is not None:
+        _check_count("epochs", epochs, "epochs= (--epochs)")
+    if threads_per_worker is not None:
+        _check_count("threads_per_worker", threads_per_worker, "threads_per_worker=")
+
+    source = source_from(job)
+    if isinstance(job, Job):
+        job_obj = job
+    else:
+        fn = resolve_spec(source.target)
+        job_obj = fn()
+        if not isinstance(job_obj, Job):
+            raise TypeError(f"the job function {source.target!r} returned {type(job_obj).__name__}, not virtualflow.Job")
+    overrides = {
+        k: v
+        for k, v in dict(global_batch_size=global_batch_size, virtual_nodes=virtual_nodes, seed=seed).items()
+        if v is not None
+    }
+    job_obj = job_obj.replace(**overrides)
+    dataset = job_obj.build_dataset()
+    plan = DataPlan(len(dataset), job_obj.global_batch_size, job_obj.virtual_nodes, job_obj.seed)
+    assignment = contiguous_assignment(job_obj.virtual_nodes, workers)
+    total_steps = steps if steps is not None else epochs * plan.steps_per_epoch
+    _preflight(job_obj, dataset, plan)
+
+    own_state_dir = run_dir is None
+    if run_dir is not None:
+        os.makedirs(run_dir, exist_ok=True)
+        for name in ("events.jsonl", "metrics.jsonl", "summary.json", "final.pt", "final.pt.sha256"):
+            if os.path.exists(os.path.join(run_dir, name)):
+                os.remove(os.path.join(run_dir, name))
+        state_dir = run_dir
+    else:
+        state_dir = tempfile.mkdtemp(prefix="virtualflow-")
+    if threads_per_worker is None:
+        threads_per_worker = 1 if deterministic else max(1, (os.cpu_count() or 1) // workers)
+
+    handle = JobHandle(
+        job=job_obj,
+        source=source,
+        overrides=overrides,
+        workers=workers,
+        assignment=assignment,
+        total_steps=total_steps,
+        deterministic=deterministic,
+        run_dir=run_dir,
+        state_dir=state_dir,
+        own_state_dir=own_state_dir,
+        threads=threads_per_worker,
+        device=device,
+        collective_timeout_s=collective_timeout_s,
+        progress=progress,
+        steps_per_epoch=plan.steps_per_epoch,
+    )
+    handle._start()
+    return handle
+
+
+def train(job: Job | Callable[[], Job] | str, **options: Any) -> Result:
+    """Train ``job`` and block until it ends; same arguments as :func:`launch`."""
+    handle = launch(job, **options)
+    try:
+        return handle.wait()
+    except KeyboardInterrupt:
+        handle.kill()
+        raise
+
+
+def _preflight(job: Job, dataset: Any, plan: DataPlan) -> None:
+    """Build the model and run the loss on VN 0's batch of step 0, here, before any worker."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(job.seed)
+        model = job.model()
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"Job.model must return a torch.nn.Module, got {type(model).__name__}")
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("the model has no trainable parameters (requires_grad=True); nothing to train")
+        job.optimizer(model.parameters())
+        batch = BatchLoader(dataset, job.collate_fn)(plan.vn_indices(0, 0))
+        model.train()
+        with torch.no_grad():
+            loss = job.loss(model, batch)
+        check_loss(loss, "on virtual node 0's batch of step 0")
+
+
+class JobHandle:
+    """A running job: ``status()``, ``wait()``, ``stop()``; ``resize()`` comes with elasticity."""
+
+    def __init__(self, *, job: Job, source: JobSource, overrides: dict, workers: int, assignment, total_steps: int,
+                 deterministic: bool, run_dir: str | None, state_dir: str, own_state_dir: bool, threads: int,
+                 device: str, collective_timeout_s: float, progress: bool, steps_per_epoch: int) -> None:
+        self.job = job
+        self.run_dir = run_dir
+        self._state_dir = state_dir
+        self._own_state_dir = own_state_dir
+        self._workers = workers
+        self._assignment = assignment
+        self.total_steps = total_steps
+        self._deterministic = deterministic
+        self._progress = progress
+        self._bar = None
+        self._result: Result | None = None
+        self._error: BaseException | None = None
+        self._stop_requested = False
+        self._finished = threading.Event()
+        self._t0 = time.time()
+        self._steps_per_epoch = steps_per_epoch
+        self.coordinator = Coordinator(total_steps=total_steps, run_dir=run_dir, on_step=self._on_step)
+        self._config = WorkerConfig(
+            store_host=self.coordinator.host,
+            store_port=self.coordinator.port,
+            job_source=source,
+            total_steps=total_steps,
+            state_dir=state_dir,
+            overrides=overrides,
+            deterministic=deterministic,
+            threads=threads,
+            device=device,
+            collective_timeout_s=collective_timeout_s,
+        )
+        self.backend = LocalBackend(self._config, state_dir)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def _start(self) -> None:
+        job, V = self.job, self.job.virtual_nodes
+        msg = (
+            f"{job.name}: global batch {job.global_batch_size} = {V} virtual nodes x "
+            f"{job.global_batch_size // V}; {self.total_steps} steps ({self._steps_per_epoch} per epoch) "
+            f"on {self._workers} worker{'s' if self._workers > 1 else ''} "
+            f"({self._config.threads} thread{'s' if self._config.threads > 1 else ''} each"
+            f"{', deterministic' if self._deterministic else ''}); {describe_assignment(self._assignment)}"
+        )
+        logger.info(msg)
+        self.coordinator.event(
+            "start",
+            job=job.name,
+            global_batch_size=job.global_batch_size,
+            virtual_nodes=V,
+            seed=job.seed,
+            workers=self._workers,
+            total_steps=self.total_steps,
+            deterministic=self._deterministic,
+            threads_per_worker=self._config.threads,
+        )
+        self.coordinator.publish_generation(0, list(range(self._workers)), self._assignment, 0)
+        for wid in range(self._workers):
+            self.backend.start_worker(wid)
+        if self._progress:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=self.total_steps, desc=job.name, unit="step", dynamic_ncols=True)
+        self._thread = threading.Thread(target=self._monitor, name="virtualflow-monitor", daemon=True)
+        self._thread.start()
+
+    def _on_step(self, record: dict[str, Any]) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+            sps = record["samples"] / record["step_time_s"] if record["step_time_s"] > 0 else float("nan")
+            self._bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{sps:.0f}", workers=record["workers"])
+
+    def _monitor(self) -> None:
+        coord, progress = self.coordinator, self.coordinator.progress
+        try:
+            while True:
+                coord.poll()
+                codes = self.backend.poll()
+                failed = {wid: c for wid, c in codes.items() if c not in (None, 0)}
+                if progress.errors or failed:
+                    time.sleep(0.3)  # let the other workers' reports arrive: pick the root cause
+                    coord.poll()
+                    raise TrainingError(self._failure_message(self.backend.poll()))
+                if all(c == 0 for c in codes.values()):
+                    coord.poll()
+                    if not progress.done:
+                        raise TrainingError("all workers exited without finishing the job (no final state was written)")
+                    self._result = self._collect()
+                    progress.state = "stopped" if self._result.stopped else "done"
+                    coord.event("done", steps=self._result.steps, stopped=self._result.stopped,
+                                wall_time_s=time.time() - self._t0)
+                    return
+                time.sleep(0.01)
+        except BaseException as exc:  # noqa: BLE001 - reported through wait()
+            self._error = exc
+            progress.state = "failed"
+            self.backend.terminate_all()
+            coord.event("failed", error=str(exc))
+        finally:
+            if self._bar is not None:
+                self._bar.close()
+            self._write_summary()
+            coord.close()
+            if self._own_state_dir and self._error is None:
+                shutil.rmtree(self._state_dir, ignore_errors=True)
+            self._finished.set()
+
+    def _failure_message(self, codes: dict[int, int | None]) -> str:
+        errors = self.coordinator.progress.errors
+        # Prefer the root cause: an error that is not a peer's connection dropping.
+        consequential = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timeout")
+        primary = next((e for e in errors if not any(s in e["error"] for s in consequential)), errors[0] if errors else None)
+        where = f"logs in {os.path.join(self._state_dir, 'logs')}"
+        if primary is not None:
+            return f"worker {primary['worker']} (pid {primary['pid']}) failed: {primary['error']} ({where})"
+        wid, code = next((w, c) for w, c in codes.items() if c not in (None, 0))
+        wp = self.backend.workers[wid]
+        tail = wp.log_tail().strip()
+        step = self.coordinator.progress.step
+        return (
+            f"worker {wid} (pid {wp.pid}) {describe_exit(code)} during step {step} ({where})"
+            + (f"; its last output:\n{tail}" if tail else "")
+        )
+
+    def _collect(self) -> Result:
+        state = load_state(os.path.join(self._state_dir, "final.pt"))
+        steps = int(state["step"])
+        return Result(
+            state_dict=state["model"],
+            optimizer_state_dict=state["optimizer"],
+            lr_scheduler_state_dict=state["lr_scheduler"],
+            history=list(self.coordinator.history),
+            metrics=dict(self.coordinator.progress.metrics),
+            eval_history=list(self.coordinator.eval_history),
+            run_dir=self.run_dir,
+            steps=steps,
+            stopped=steps < self.total_steps,
+        )
+
+    def _write_summary(self) -> None:
+        if self.run_dir is None:
+            return
+        history = self.coordinator.history
+        times = [h["step_time_s"] for h in history[1:]] or [h["step_time_s"] for h in history]
+        mean_step = sum(times) / len(times) if times else None
+        summary = {
+            "job": self.job.name,
+            "status": self.coordinator.progress.state,
+            "error": str(self._error) if self._error else None,
+            "global_batch_size": self.job.global_batch_size,
+            "virtual_nodes": self.job.virtual_nodes,
+            "seed": self.job.seed,
+            "workers": self._workers,
+            "assignment": self._assignment,
+            "deterministic": self._deterministic,
+            "threads_per_worker": self._config.threads,
+            "steps_total": self.total_steps,
+            "steps_completed": self.coordinator.progress.step,
+            "final_loss": history[-1]["loss"] if history else None,
+            "metrics": self.coordinator.progress.metrics,
+            "mean_step_time_s": mean_step,
+            "samples_per_s": self.job.global_batch_size / mean_step if mean_step else None,
+            "wall_time_s": time.time() - self._t0,
+            "versions": {"python": platform.python_version(), "torch": torch.__version__, "virtualflow": _version()},
+            "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "platform": platform.platform()},
+        }
+        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+
+    # -- public ------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        p = self.coordinator.progress
+        return {
+            "state": p.state,
+            "step": p.step,
+            "total_steps": p.total_steps,
+            "generation": p.generation,
+            "workers": [
+                {"id": wid, "pid": wp.pid, "vns": self._assignment[wid]} for wid, wp in self.backend.workers.items()
+            ],
+            "loss": p.last_loss,
+            "samples_per_s": p.samples_per_s,
+            "metrics": dict(p.metrics),
+            "run_dir": self.run_dir,
+        }
+
+    def wait(self, timeout_s: float | None = None) -> Result:
+        """Block until the job ends; returns its :class:`Result` or raises :class:`TrainingError`."""
+        if not self._finished.wait(timeout_s):
+            raise TimeoutError(f"the job is still running after {timeout_s} s (step {self.coordinator.progress.step})")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def stop(self, timeout_s: float = 60.0) -> Result:
+        """Stop at the next step boundary, keeping the state reached; returns the Result."""
+        if not self._finished.is_set():
+            self.coordinator.progress.state = "stopping"
+            self.coordinator.command("stop")
+        try:
+            return self.wait(timeout_s)
+        except TimeoutError:
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        """Terminate the workers at once (no final state)."""
+        self.backend.terminate_all(grace_s=1.0)
+        self._finished.wait(10.0)
+
+    @property
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("virtualflow")
+    except Exception:
+        return "unknown"

@@ -1,0 +1,148 @@
+"""Gradient reduction strategies across workers.
+
+* :class:`BucketReducer` (default mode): gradients of the *last* local virtual node's backward
+  are packed into buckets as autograd finishes them and each bucket's all-reduce starts at once,
+  overlapping communication with the rest of the backward (as DDP does). Earlier VNs only
+  accumulate locally. Buckets are launched strictly in index order on every worker, so the
+  collectives match even if autograd finishes parameters in a different order.
+* :func:`tree_exchange` (deterministic mode): per-VN gradient vectors are summed along the fixed
+  tree of :mod:`virtualflow.plan.vnmap`; the partial sums that cross workers are exchanged
+  through one all-reduce in which every slot has a single non-zero writer, so the sum is exact
+  and independent of the worker count.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from virtualflow.comm.groups import Group
+from virtualflow.plan.vnmap import Node, TreePlan, split
+
+DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024
+FIRST_BUCKET_CAP_BYTES = 1024 * 1024
+
+
+class BucketReducer:
+    """Overlap gradient all-reduce with the last backward pass of a step."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        group: Group,
+        bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
+        first_bucket_cap_bytes: int = FIRST_BUCKET_CAP_BYTES,
+    ) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.group = group
+        # Reverse registration order approximates the order in which backward produces grads.
+        self.buckets: list[list[int]] = []
+        current, size, cap = [], 0, first_bucket_cap_bytes
+        for i in reversed(range(len(self.params))):
+            p = self.params[i]
+            current.append(i)
+            size += p.numel() * p.element_size()
+            if size >= cap:
+                self.buckets.append(current)
+                current, size, cap = [], 0, bucket_cap_bytes
+        if current:
+            self.buckets.append(current)
+        self._bucket_of = {}
+        for b, idx in enumerate(self.buckets):
+            for i in idx:
+                self._bucket_of[id(self.params[i])] = b
+        self._armed = False
+        self._pending: list[int] = []
+        self._next = 0
+        self._flat: list[torch.Tensor | None] = []
+        self._works: list = []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    def arm(self) -> None:
+        """The next backward is the step's last local one: reduce as gradients become final."""
+        if self.group.size == 1:
+            return
+        self._armed = True
+        self._pending = [len(b) for b in self.buckets]
+        self._next = 0
+        self._flat = [None] * len(self.buckets)
+        self._works = [None] * len(self.buckets)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        b = self._bucket_of[id(p)]
+        self._pending[b] -= 1
+        while self._next < len(self.buckets) and self._pending[self._next] == 0:
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch(self, b: int) -> None:
+        parts = []
+        for i in self.buckets[b]:
+            p = self.params[i]
+            parts.append(p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()))
+        flat = torch.cat(parts)
+        self._flat[b] = flat
+        self._works[b] = self.group.all_reduce(flat, async_op=True)
+
+    def finish(self) -> None:
+        """Launch what is left (unused parameters), wait, and write summed grads back."""
+        if not self._armed:
+            return
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+            self._next += 1
+        for b, idx in enumerate(self.buckets):
+            self._works[b].wait()
+            flat, offset = self._flat[b], 0
+            for i in idx:
+                p = self.params[i]
+                n = p.numel()
+                p.grad = flat[offset : offset + n].view_as(p)
+                offset += n
+        self._armed = False
+        self._flat = []
+        self._works = []
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+def tree_reduce_local(nodes: Sequence[Node], leaf: Callable[[int], torch.Tensor]) -> dict[Node, torch.Tensor]:
+    """Sum leaves along the tree inside each node; at most depth+1 vectors alive at a time."""
+
+    def compute(node: Node) -> torch.Tensor:
+        lo, hi = node
+        if hi - lo == 1:
+            return leaf(lo)
+        left, right = split(node)
+        acc = compute(left)
+        acc = acc.add_(compute(right)) if acc.is_floating_point() else acc + compute(right)
+        return acc
+
+    return {node: compute(node) for node in nodes}
+
+
+def tree_exchange(plan: TreePlan, group: Group, local: dict[Node, torch.Tensor]) -> torch.Tensor:
+    """Every worker gets the root sum of the fixed tree, bit-identical for any VN map."""
+    if group.size == 1:
+        return local[(0, plan.virtual_nodes)]
+    slots = plan.slots
+    some = next(iter(local.values()))
+    buf = some.new_zeros((len(slots), some.numel()))
+    for i, node in enumerate(slots):
+        if node in local:
+            buf[i].copy_(local[node])
+    group.all_reduce(buf)
+    known = {node: buf[i] for i, node in enumerate(slots)}
+
+    def combine(node: Node) -> torch.Tensor:
+        if node in known:
+            return known[node]
+        left, right = split(node)
+        return combine(left) + combine(right)
+
+    return combine((0, plan.virtual_nodes))

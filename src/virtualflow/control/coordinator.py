@@ -1,0 +1,164 @@
+"""The coordinator: owns the job's store, its membership generations and its records.
+
+It hosts a ``torch.distributed.TCPStore`` (loopback in local mode, free port chosen by the OS),
+publishes membership as numbered generations, accepts control commands (``stop`` now; resize
+in the elasticity work) and turns the workers' reports into the run's records:
+``events.jsonl`` (join, generation, step, eval, error, done), ``metrics.jsonl`` (one line per
+step) and the in-memory history returned to the user. It logs once for the whole job.
+
+It starts no processes and reads no environment: backends do that.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch.distributed as dist
+
+from virtualflow.comm import protocol
+from virtualflow.plan.vnmap import describe_assignment
+
+logger = logging.getLogger(__name__)
+
+
+class JsonlWriter:
+    """Append-only JSON-lines file (or nothing when ``path`` is None); flushed per line."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self._f = open(path, "a", buffering=1) if path else None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+@dataclass(slots=True)
+class JobProgress:
+    """What the coordinator knows about the running job (the source of ``JobHandle.status``)."""
+
+    state: str = "starting"  # starting | running | stopping | done | failed | stopped
+    step: int = 0  # steps completed
+    total_steps: int = 0
+    generation: int = -1
+    workers: dict[int, dict[str, Any]] = field(default_factory=dict)
+    last_loss: float | None = None
+    samples_per_s: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    done: bool = False
+
+
+class Coordinator:
+    def __init__(
+        self,
+        *,
+        total_steps: int,
+        run_dir: str | None,
+        host: str = "127.0.0.1",
+        store_timeout_s: float = 120.0,
+        on_step: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.store = dist.TCPStore(
+            host,
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=store_timeout_s),
+        )
+        self.host = host
+        self.port = self.store.port
+        self.run_dir = run_dir
+        self.events = JsonlWriter(os.path.join(run_dir, "events.jsonl") if run_dir else None)
+        self.metrics_log = JsonlWriter(os.path.join(run_dir, "metrics.jsonl") if run_dir else None)
+        self.progress = JobProgress(total_steps=total_steps)
+        self.history: list[dict[str, Any]] = []
+        self.eval_history: list[dict[str, Any]] = []
+        self.on_step = on_step
+        self._control_seq = 0
+        self.store.set(protocol.CONTROL_SEQ_KEY, "0")
+        self._t0 = time.time()
+
+    # -- events ---------------------------------------------------------------------------
+    def event(self, kind: str, **fields: Any) -> None:
+        self.events.write({"time": time.time(), "elapsed_s": time.time() - self._t0, "event": kind, **fields})
+
+    # -- generations and commands ---------------------------------------------------------
+    def publish_generation(self, generation: int, members: Sequence[int], assignment: Sequence[Sequence[int]], start_step: int) -> None:
+        record = protocol.GenerationRecord(generation, list(members), [list(a) for a in assignment], start_step)
+        self.store.set(protocol.generation_key(generation), record.to_json())
+        self.store.set(protocol.GENERATION_KEY, str(generation))
+        self.progress.generation = generation
+        self.event("generation", generation=generation, members=list(members), assignment=record.assignment, start_step=start_step)
+        logger.info("generation %d: %s", generation, describe_assignment(assignment))
+
+    def command(self, op: str, **fields: Any) -> int:
+        """Queue a control command; workers apply it together at a step boundary."""
+        self._control_seq += 1
+        self.store.set(protocol.control_key(self._control_seq), json.dumps({"op": op, **fields}))
+        self.store.set(protocol.CONTROL_SEQ_KEY, str(self._control_seq))
+        self.event("command", op=op, seq=self._control_seq, **fields)
+        return self._control_seq
+
+    # -- reports ---------------------------------------------------------------------------
+    def poll(self) -> list[dict[str, Any]]:
+        """Process every report queued so far; returns them."""
+        reports = protocol.pop_reports(self.store)
+        for r in reports:
+            kind = r.get("type")
+            if kind == "step":
+                self._on_step(r)
+            elif kind == "join":
+                self.progress.workers[r["worker"]] = {"pid": r["pid"], "setup_s": r["setup_s"]}
+                self.event("join", worker=r["worker"], pid=r["pid"], setup_s=r["setup_s"])
+            elif kind == "eval":
+                self.progress.metrics = r["metrics"]
+                self.eval_history.append({"step": r["step"], **r["metrics"]})
+                self.event("eval", step=r["step"], metrics=r["metrics"], eval_time_s=r["eval_time_s"])
+                logger.info("eval after %d steps: %s", r["step"], _fmt_metrics(r["metrics"]))
+            elif kind == "error":
+                self.progress.errors.append(r)
+                self.event("error", worker=r["worker"], pid=r["pid"], error=r["error"], step=r.get("step"), traceback=r["traceback"])
+            elif kind == "done":
+                self.progress.done = True
+        if self.progress.state == "starting" and self.history:
+            self.progress.state = "running"
+        return reports
+
+    def _on_step(self, r: dict[str, Any]) -> None:
+        record = {
+            "step": r["step"],
+            "loss": r["loss"],
+            "samples": r["samples"],
+            "step_time_s": r["step_time_s"],
+            "workers": r["workers"],
+            "generation": r["generation"],
+            "vns": r["vns"],
+        }
+        self.history.append(record)
+        self.progress.step = r["step"] + 1
+        self.progress.last_loss = r["loss"]
+        self.progress.samples_per_s = r["samples"] / r["step_time_s"] if r["step_time_s"] > 0 else None
+        self.metrics_log.write({"time": r["time"], **record})
+        self.event("step", step=r["step"], loss=r["loss"], step_time_s=r["step_time_s"], workers=r["workers"])
+        if self.on_step is not None:
+            self.on_step(record)
+
+    def close(self) -> None:
+        self.events.close()
+        self.metrics_log.close()
+
+
+def _fmt_metrics(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{k}={v:.4g}" for k, v in metrics.items())

@@ -1,0 +1,271 @@
+"""The hardware-independent description of a training job, and how workers rebuild it.
+
+A :class:`Job` fixes everything the model sees: model, optimizer, loss, data, global batch
+size B, number of virtual nodes V, seed. Nothing in it names a worker or a device. Workers run
+in other processes, so a job reaches them either as an importable zero-argument function
+(``"pkg.module:make_job"``, ``"path/to/file.py:make_job"`` or the function object itself) or as
+a pickled :class:`Job` whose factories are module-level functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import os
+import pickle
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Mapping
+
+import torch
+
+BatchNormMode = Literal["mean", "first"]
+
+
+@dataclass(kw_only=True, slots=True)
+class Job:
+    """What the model sees; identical for any number or kind of workers."""
+
+    model: Callable[[], torch.nn.Module]
+    """Zero-argument factory returning the model. Called after ``torch.manual_seed(seed)``."""
+    optimizer: Callable[[Any], torch.optim.Optimizer]
+    """Factory taking ``model.parameters()`` and returning the optimizer."""
+    loss: Callable[[torch.nn.Module, Any], torch.Tensor]
+    """``(model, batch) -> scalar`` mean loss over that batch."""
+    dataset: Any
+    """A map-style ``torch.utils.data.Dataset`` or a zero-argument factory returning one."""
+    global_batch_size: int
+    """B: samples per optimizer step, whatever the number of workers."""
+    virtual_nodes: int
+    """V: logical data-parallel replicas per step; each processes B / V samples."""
+    seed: int = 0
+    """Seeds model initialisation, data order and the random streams inside each VN."""
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    """Optional factory taking the optimizer; the scheduler is stepped once per step."""
+    collate_fn: Callable[[list], Any] | None = None
+    """Optional; defaults to ``torch.utils.data.default_collate``."""
+    evaluate: Callable[[torch.nn.Module], Mapping[str, float]] | None = None
+    """Optional ``(model) -> {metric: value}``, run in eval mode without gradients."""
+    eval_every: int | None = None
+    """Run ``evaluate`` every this many steps (and always at the end)."""
+    batchnorm: BatchNormMode = "mean"
+    """Running statistics of BatchNorm layers after a step: ``"mean"`` over the V virtual nodes'
+    updates (once per step), or ``"first"``: those of VN 0 (PyTorch DDP's default behaviour)."""
+    name: str = "job"
+    """Shown in logs and the run summary."""
+
+    def __post_init__(self) -> None:
+        for field_name in ("model", "optimizer", "loss"):
+            if not callable(getattr(self, field_name)):
+                raise TypeError(
+                    f"Job.{field_name} must be callable, got {type(getattr(self, field_name)).__name__}"
+                )
+        for field_name in ("lr_scheduler", "collate_fn", "evaluate"):
+            value = getattr(self, field_name)
+            if value is not None and not callable(value):
+                raise TypeError(f"Job.{field_name} must be callable or None, got {type(value).__name__}")
+        _check_positive_int("global_batch_size", self.global_batch_size)
+        _check_positive_int("virtual_nodes", self.virtual_nodes)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ValueError(f"Job.seed={self.seed!r} must be a non-negative int")
+        if self.global_batch_size % self.virtual_nodes:
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} is not divisible by "
+                f"virtual_nodes={self.virtual_nodes}; choose a multiple of {self.virtual_nodes} "
+                f"(e.g. {self.global_batch_size - self.global_batch_size % self.virtual_nodes or self.virtual_nodes}) "
+                f"or a virtual_nodes that divides {self.global_batch_size}"
+            )
+        if self.eval_every is not None:
+            _check_positive_int("eval_every", self.eval_every)
+        if self.batchnorm not in ("mean", "first"):
+            raise ValueError(f"Job.batchnorm={self.batchnorm!r} must be 'mean' or 'first'")
+        if not (callable(self.dataset) or hasattr(self.dataset, "__getitem__")):
+            raise TypeError(
+                "Job.dataset must be a map-style Dataset (with __getitem__ and __len__) or a "
+                f"zero-argument factory returning one, got {type(self.dataset).__name__}"
+            )
+
+    def build_dataset(self) -> Any:
+        ds = self.dataset
+        if not hasattr(ds, "__getitem__") and callable(ds):
+            ds = ds()
+        if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
+            raise TypeError(
+                f"Job.dataset must give a map-style dataset with __getitem__ and __len__; "
+                f"got {type(ds).__name__} (iterable-style datasets cannot be split into virtual nodes)"
+            )
+        return ds
+
+    def replace(self, **changes: Any) -> "Job":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"Job.{name}={value!r} must be a positive int")
+
+
+class JobImportError(ValueError):
+    """The job cannot be rebuilt in a worker process."""
+
+
+# --------------------------------------------------------------------------------------------
+# Job sources: how a worker process gets the same Job the user gave.
+
+
+@dataclass(frozen=True, slots=True)
+class JobSource:
+    """A recipe a worker process follows to rebuild the job.
+
+    ``kind="spec"``: ``target`` is ``"module:function"`` or ``"/abs/path.py:function"``.
+    ``kind="pickle"``: ``payload`` is a pickled :class:`Job`; ``main_file`` is the launching
+    script, imported in the worker as ``__mp_main__`` (as multiprocessing's spawn does) so that
+    objects defined in it can be unpickled.
+    """
+
+    kind: Literal["spec", "pickle"]
+    target: str = ""
+    payload: bytes = b""
+    main_file: str | None = None
+    sys_path: tuple[str, ...] = ()
+
+    def load(self) -> Job:
+        for p in reversed(self.sys_path):
+            if p not in sys.path:
+                sys.path.insert(0, p)
+        if self.kind == "spec":
+            job = resolve_spec(self.target)()
+        else:
+            if self.main_file and "__mp_main__" not in sys.modules:
+                _import_main(self.main_file)
+            job = pickle.loads(self.payload)
+        if not isinstance(job, Job):
+            raise TypeError(
+                f"the job function {self.target!r} returned {type(job).__name__}, not virtualflow.Job"
+            )
+        return job
+
+
+def source_from(job: Job | Callable[[], Job] | str) -> JobSource:
+    """Make a :class:`JobSource` from what the user passed, checking that workers can use it."""
+    sys_path = tuple(os.path.abspath(p) if p else os.getcwd() for p in sys.path)
+    if isinstance(job, str):
+        resolve_spec(job)  # raises a clear error here, before any worker starts
+        target = _absolute_spec(job)
+        return JobSource("spec", target=target, sys_path=sys_path)
+    if isinstance(job, Job):
+        try:
+            payload = pickle.dumps(job)
+        except Exception as exc:  # lambdas, local functions, open files...
+            raise JobImportError(
+                f"the Job cannot be sent to worker processes ({type(exc).__name__}: {exc}); define "
+                f"its factories (model, optimizer, loss, dataset...) as module-level functions, "
+                f"or pass an importable function such as 'my_module:make_job' instead"
+            ) from exc
+        main_file = _main_file()
+        if b"__main__" in payload and main_file is None:
+            raise JobImportError(
+                "the Job refers to objects defined in an interactive session (__main__ has no "
+                "file), which worker processes cannot import; move them into a module or file"
+            )
+        return JobSource("pickle", payload=payload, main_file=main_file, sys_path=sys_path)
+    if callable(job):
+        module = getattr(job, "__module__", None)
+        qualname = getattr(job, "__qualname__", "")
+        if not module or "<locals>" in qualname or "<lambda>" in qualname:
+            raise JobImportError(
+                f"the job function {qualname or job!r} cannot be imported from a worker process "
+                f"(it is a lambda or defined inside another function); define it at module level"
+            )
+        if module == "__main__":
+            main_file = _main_file()
+            if main_file is None:
+                raise JobImportError(
+                    f"the job function {qualname} is defined in an interactive session and cannot "
+                    f"be imported from a worker process; put it in a file and pass 'file.py:{qualname}'"
+                )
+            target = f"{main_file}:{qualname}"
+        else:
+            target = f"{module}:{qualname}"
+        return JobSource("spec", target=target, sys_path=sys_path)
+    raise TypeError(
+        f"job must be a virtualflow.Job, an importable zero-argument function returning one, or a "
+        f"'module:function' / 'file.py:function' string; got {type(job).__name__}"
+    )
+
+
+def resolve_spec(spec: str) -> Callable[[], Job]:
+    """``"pkg.mod:fn"``, ``"file.py:fn"`` or ``"file.py"`` (function ``make_job``) -> the function."""
+    path, _, func = spec.partition(":")
+    func = func or "make_job"
+    try:
+        if path.endswith(".py") or os.sep in path:
+            if not os.path.isfile(path):
+                raise JobImportError(f"job file {path!r} does not exist")
+            module = _import_file(os.path.abspath(path))
+        else:
+            module = importlib.import_module(path)
+    except JobImportError:
+        raise
+    except Exception as exc:
+        raise JobImportError(f"cannot import the job module of {spec!r}: {type(exc).__name__}: {exc}") from exc
+    obj: Any = module
+    for part in func.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise JobImportError(
+                f"{path!r} has no function {func!r}; name it with '{path}:FUNCTION' "
+                f"(the default is make_job)"
+            )
+    if not callable(obj):
+        raise JobImportError(f"{spec!r} is not callable")
+    return obj
+
+
+def _absolute_spec(spec: str) -> str:
+    path, sep, func = spec.partition(":")
+    if path.endswith(".py") or os.sep in path:
+        return f"{os.path.abspath(path)}:{func or 'make_job'}"
+    return f"{path}:{func or 'make_job'}"
+
+
+def _import_file(path: str) -> Any:
+    """Import a .py file once per process under a stable private module name."""
+    name = "_virtualflow_job_" + str(abs(hash(path)))
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise JobImportError(f"cannot load {path!r} as a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    directory = os.path.dirname(path)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _import_main(path: str) -> None:
+    """Import the launching script as ``__mp_main__`` and alias it as ``__main__`` for unpickling."""
+    spec = importlib.util.spec_from_file_location("__mp_main__", path)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["__mp_main__"] = module
+    spec.loader.exec_module(module)
+    sys.modules["__main__"] = module
+
+
+def _main_file() -> str | None:
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path and os.path.isfile(path) and path.endswith(".py"):
+        return os.path.abspath(path)
+    return None

@@ -1,0 +1,94 @@
+"""Data order and random streams: pure functions of (seed, epoch, step, VN id).
+
+Invariant 3 of DESIGN.md made concrete. Nothing here depends on ranks or worker counts:
+
+* for epoch ``e`` the sample order is
+  ``torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + e))``;
+* each epoch has ``len(dataset) // B`` steps (the incomplete tail is dropped);
+* global step ``s`` uses positions ``[i*B, (i+1)*B)`` of its epoch's order, with
+  ``e = s // steps_per_epoch`` and ``i = s % steps_per_epoch``;
+* virtual node ``v`` gets the ``v``-th contiguous slice of ``B / V`` of those positions;
+* randomness inside VN ``v`` of step ``s`` (dropout, augmentation) draws from the global torch
+  generator seeded with :func:`vn_seed` ``(seed, s, v)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def vn_seed(seed: int, step: int, vn: int) -> int:
+    """Seed of the random stream used inside virtual node ``vn`` of global step ``step``.
+
+    A fixed mix of the three integers (splitmix64), kept below 2**63 so that
+    ``torch.manual_seed`` accepts it. Public: tests and users' references may call it.
+    """
+    x = _splitmix64(seed & _MASK64)
+    x = _splitmix64(x ^ (step & _MASK64))
+    x = _splitmix64(x ^ (vn & _MASK64))
+    return x & ((1 << 63) - 1)
+
+
+@dataclass(slots=True)
+class DataPlan:
+    """Which dataset indices each virtual node reads at each global step."""
+
+    dataset_size: int
+    global_batch_size: int
+    virtual_nodes: int
+    seed: int = 0
+    _cache: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.global_batch_size % self.virtual_nodes:
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} is not divisible by "
+                f"virtual_nodes={self.virtual_nodes}; choose a multiple of {self.virtual_nodes}"
+            )
+        if self.dataset_size < self.global_batch_size:
+            raise ValueError(
+                f"the dataset has {self.dataset_size} samples, fewer than "
+                f"global_batch_size={self.global_batch_size}; an epoch needs at least one full "
+                f"global batch: lower global_batch_size or use a larger dataset"
+            )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.dataset_size // self.global_batch_size
+
+    @property
+    def vn_batch_size(self) -> int:
+        return self.global_batch_size // self.virtual_nodes
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        order = self._cache.get(epoch)
+        if order is None:
+            gen = torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(self.dataset_size, generator=gen)
+            self._cache.clear()  # one epoch at a time is enough; keeps memory flat
+            self._cache[epoch] = order
+        return order
+
+    def step_indices(self, step: int) -> torch.Tensor:
+        """Dataset indices of the whole global batch of ``step``."""
+        epoch, i = divmod(step, self.steps_per_epoch)
+        b = self.global_batch_size
+        return self.epoch_order(epoch)[i * b : (i + 1) * b]
+
+    def vn_indices(self, step: int, vn: int) -> torch.Tensor:
+        """Dataset indices read by virtual node ``vn`` at global ``step``."""
+        if not 0 <= vn < self.virtual_nodes:
+            raise ValueError(f"vn={vn} is outside 0..{self.virtual_nodes - 1}")
+        n = self.vn_batch_size
+        return self.step_indices(step)[vn * n : (vn + 1) * n]

@@ -1,0 +1,284 @@
+"""The virtual node engine: one optimizer step over this worker's virtual nodes.
+
+Per step, for each of its VNs in order, a worker restores the BatchNorm running statistics to
+their value at the start of the step, loads the VN's samples, seeds the random stream with
+``vn_seed(seed, step, vn)``, runs forward and backward on the loss weighted by ``n_v / B``, and
+frees the VN's activations before the next one (only one VN's activations are ever alive).
+Gradients are then summed across workers, BatchNorm statistics are combined once for the step
+(mean over the V virtual nodes, or VN 0's), and every worker applies the same update.
+
+A step whose loss is not finite in any VN is never applied: all workers learn of it from the
+same reduction and stop before the optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils.data import TensorDataset, default_collate
+
+from virtualflow.comm.groups import Group
+from virtualflow.comm.reduce import BucketReducer, tree_exchange, tree_reduce_local
+from virtualflow.plan.data import DataPlan, vn_seed
+from virtualflow.plan.vnmap import TreePlan
+
+
+class NonFiniteLossError(RuntimeError):
+    """A virtual node's loss was NaN or infinite; the step was not applied."""
+
+
+class LossShapeError(ValueError):
+    """The job's loss did not return a scalar tensor."""
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    loss: float
+    bad_vns: list[int]
+    control: int
+
+
+def check_loss(loss: Any, where: str) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise LossShapeError(
+            f"Job.loss must return a scalar floating-point tensor (the mean loss over the batch); "
+            f"{where} it returned {shape}: reduce it with .mean()"
+        )
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+class BatchLoader:
+    """Loads the samples of one virtual node; only the VN's own samples are read."""
+
+    def __init__(self, dataset: Any, collate_fn: Callable | None) -> None:
+        self.dataset = dataset
+        self.collate = collate_fn or default_collate
+        self._tensors = dataset.tensors if isinstance(dataset, TensorDataset) and collate_fn is None else None
+
+    def __call__(self, indices: torch.Tensor) -> Any:
+        if self._tensors is not None:  # fast path: one gather per tensor, same values as collate
+            return [t[indices] for t in self._tensors]
+        idx = indices.tolist()
+        getitems = getattr(self.dataset, "__getitems__", None)
+        samples = getitems(idx) if getitems is not None else [self.dataset[i] for i in idx]
+        return self.collate(samples)
+
+
+class BatchNormState:
+    """The running statistics of the model's BatchNorm layers, as one flat vector."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.float_bufs: list[torch.Tensor] = []
+        self.int_bufs: list[torch.Tensor] = []
+        for m in model.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+                for name in ("running_mean", "running_var"):
+                    b = getattr(m, name)
+                    if b is not None:
+                        self.float_bufs.append(b)
+                if m.num_batches_tracked is not None:
+                    self.int_bufs.append(m.num_batches_tracked)
+        self.numel = sum(b.numel() for b in self.float_bufs)
+        self._start: list[torch.Tensor] = []
+        self._start_int: list[torch.Tensor] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.float_bufs or self.int_bufs)
+
+    def snapshot(self) -> None:
+        self._start = [b.detach().clone() for b in self.float_bufs]
+        self._start_int = [b.detach().clone() for b in self.int_bufs]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for b, s in zip(self.float_bufs, self._start):
+                b.copy_(s)
+            for b, s in zip(self.int_bufs, self._start_int):
+                b.copy_(s)
+
+    def flat(self) -> torch.Tensor:
+        if not self.float_bufs:
+            return torch.zeros(0)
+        return torch.cat([b.detach().reshape(-1) for b in self.float_bufs])
+
+    def load_flat(self, flat: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for b in self.float_bufs:
+                n = b.numel()
+                b.copy_(flat[offset : offset + n].view_as(b))
+                offset += n
+
+
+class VNEngine:
+    """Runs steps of one job on one worker; the group and the VN list may change between steps."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        loss_fn: Callable,
+        plan: DataPlan,
+        loader: BatchLoader,
+        *,
+        seed: int,
+        batchnorm: str,
+        deterministic: bool,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.loss_fn = loss_fn
+        self.plan = plan
+        self.loader = loader
+        self.seed = seed
+        self.batchnorm = batchnorm
+        self.deterministic = deterministic
+        self.device = device
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.bn = BatchNormState(model)
+        self.group: Group | None = None
+        self.vns: list[int] = []
+        self.reducer: BucketReducer | None = None
+        self.tree: TreePlan | None = None
+        self.grad_numel = sum(p.numel() for p in self.params)
+
+    def set_membership(self, group: Group, assignment: Sequence[Sequence[int]]) -> None:
+        """Adopt a generation: this worker runs ``assignment[group.rank]``."""
+        if self.reducer is not None:
+            self.reducer.close()
+            self.reducer = None
+        self.group = group
+        self.vns = list(assignment[group.rank])
+        if self.deterministic:
+            self.tree = TreePlan.build(assignment)
+        elif group.size > 1:
+            self.reducer = BucketReducer(self.params, group)
+
+    # ------------------------------------------------------------------------------------
+    def _forward_backward(self, step: int, vn: int) -> torch.Tensor:
+        """Forward and weighted backward of one VN; returns the detached weighted loss."""
+        if self.bn:
+            self.bn.restore()
+        indices = self.plan.vn_indices(step, vn)
+        batch = to_device(self.loader(indices), self.device)
+        torch.manual_seed(vn_seed(self.seed, step, vn))
+        loss = self.loss_fn(self.model, batch)
+        check_loss(loss, f"at step {step} in virtual node {vn}")
+        weight = len(indices) / self.plan.global_batch_size
+        weighted = loss * weight
+        weighted.backward()
+        return weighted.detach()
+
+    def step(self, step: int, control: int = 0) -> StepOutcome:
+        """Run one step. ``control`` is summed across workers and handed back (see worker)."""
+        assert self.group is not None, "set_membership() first"
+        self.model.train()
+        if self.bn:
+            self.bn.snapshot()
+        V = self.plan.virtual_nodes
+        bad = torch.zeros(V, device=self.device)
+        first_bn = None  # VN 0's statistics, for batchnorm="first"
+        if self.deterministic:
+            loss, bn_mean = self._step_deterministic(step, bad)
+            if self.batchnorm == "first" and 0 in self.vns:
+                first_bn = self._first_bn
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = torch.zeros((), device=self.device)
+            bn_sum = torch.zeros(self.bn.numel, device=self.device)
+            for i, vn in enumerate(self.vns):
+                if self.reducer is not None and i == len(self.vns) - 1:
+                    self.reducer.arm()
+                weighted = self._forward_backward(step, vn)
+                loss += weighted
+                bad[vn] = (~torch.isfinite(weighted)).to(bad.dtype)
+                if self.bn.numel:
+                    if self.batchnorm == "mean":
+                        bn_sum += self.bn.flat()
+                    elif vn == 0:
+                        first_bn = self.bn.flat()
+            if self.reducer is not None:
+                self.reducer.finish()
+        # One small all-reduce carries everything else the step must agree on.
+        parts = [bad, torch.tensor([float(control)], device=self.device)]
+        if not self.deterministic:
+            parts.append(loss.reshape(1).float())
+            if self.bn.numel and self.batchnorm == "mean":
+                parts.append(bn_sum)
+        if self.bn.numel and self.batchnorm == "first":
+            parts.append(first_bn if first_bn is not None else torch.zeros(self.bn.numel, device=self.device))
+        stats = torch.cat(parts)
+        self.group.all_reduce(stats)
+        bad_vns = [int(v) for v in torch.nonzero(stats[:V]).flatten().tolist()]
+        control_sum = int(round(stats[V].item()))
+        offset = V + 1
+        if not self.deterministic:
+            loss_value = float(stats[offset])
+            offset += 1
+            if self.bn.numel and self.batchnorm == "mean":
+                bn_mean = stats[offset : offset + self.bn.numel] / V
+                offset += self.bn.numel
+        else:
+            loss_value = float(loss)
+        if bad_vns:
+            if self.bn:
+                self.bn.restore()
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepOutcome(loss_value, bad_vns, control_sum)
+        if self.bn.numel:
+            self.bn.load_flat(bn_mean if self.batchnorm == "mean" else stats[offset : offset + self.bn.numel])
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepOutcome(loss_value, [], control_sum)
+
+    def _step_deterministic(self, step: int, bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-VN vectors [grads | BN stats | weighted loss] summed along the fixed tree."""
+        assert self.tree is not None and self.group is not None
+        self._first_bn = None
+        with_bn = self.bn.numel and self.batchnorm == "mean"
+
+        def leaf(vn: int) -> torch.Tensor:
+            self.optimizer.zero_grad(set_to_none=True)
+            weighted = self._forward_backward(step, vn)
+            bad[vn] = (~torch.isfinite(weighted)).to(bad.dtype)
+            parts = [
+                p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in self.params
+            ]
+            if with_bn:
+                parts.append(self.bn.flat())
+            elif self.bn.numel and vn == 0:
+                self._first_bn = self.bn.flat()
+            parts.append(weighted.reshape(1))
+            return torch.cat(parts)
+
+        local = tree_reduce_local(self.tree.per_worker[self.group.rank], leaf)
+        total = tree_exchange(self.tree, self.group, local)
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = total[offset : offset + n].view_as(p).clone()
+            offset += n
+        bn_mean = None
+        if with_bn:
+            bn_mean = total[offset : offset + self.bn.numel] / self.plan.virtual_nodes
+            offset += self.bn.numel
+        return total[offset], bn_mean
