@@ -56,6 +56,8 @@ class Result:
     """Steps completed."""
     stopped: bool = False
     """True when :meth:`JobHandle.stop` ended the job before ``steps``."""
+    peak_rss_mib: dict[int, float] = field(default_factory=dict)
+    """Peak resident memory of each worker process (worker id -> MiB)."""
 
 
 def _check_count(name: str, value: Any, knob: str) -> None:
@@ -325,6 +327,7 @@ class JobHandle:
             run_dir=self.run_dir,
             steps=steps,
             stopped=steps < self.total_steps,
+            peak_rss_mib={w: i["peak_rss_mib"] for w, i in self.coordinator.progress.workers.items() if "peak_rss_mib" in i},
         )
 
     def _write_summary(self) -> None:
@@ -351,6 +354,7 @@ class JobHandle:
             "mean_step_time_s": mean_step,
             "samples_per_s": self.job.global_batch_size / mean_step if mean_step else None,
             "wall_time_s": time.time() - self._t0,
+            "peak_rss_mib": {str(w): i.get("peak_rss_mib") for w, i in self.coordinator.progress.workers.items()},
             "versions": {"python": platform.python_version(), "torch": torch.__version__, "virtualflow": _version()},
             "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "platform": platform.platform()},
         }

@@ -131,7 +131,9 @@ class Coordinator:
                 self.progress.errors.append(r)
                 self.event("error", worker=r["worker"], pid=r["pid"], error=r["error"], step=r.get("step"), traceback=r["traceback"])
             elif kind == "done":
-                self.progress.done = True
+                self.progress.workers.setdefault(r["worker"], {})["peak_rss_mib"] = r["peak_rss_mib"]
+                if r.get("rank") == 0:
+                    self.progress.done = True
         if self.progress.state == "starting" and self.history:
             self.progress.state = "running"
         return reports

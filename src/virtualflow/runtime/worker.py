@@ -211,10 +211,21 @@ def _train(cfg: WorkerConfig, worker_id: int, store: dist.Store) -> None:
         if job.evaluate is not None and last_eval_step != step:
             _evaluate(store, job, engine, step)
         save_state(os.path.join(cfg.state_dir, "final.pt"), training_state(job, engine, step))
-        protocol.push_report(store, {"type": "done", "step": step, "worker": worker_id})
+    protocol.push_report(store, {"type": "done", "step": step, "worker": worker_id, "rank": rank,
+                                 "peak_rss_mib": _peak_rss_mib()})
     if group.pg is not None:
         # Nobody leaves before rank 0 has written the final state (a late error is still seen).
         group.all_reduce(torch.zeros(1, device=device))
+        group.pg.shutdown()
+
+
+def _peak_rss_mib() -> float:
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+    except Exception:
+        return float("nan")
 
 
 def _evaluate(store: dist.Store, job: Job, engine: VNEngine, step: int) -> None:

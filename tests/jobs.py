@@ -1,0 +1,135 @@
+"""Module-level job factories for the tests (worker processes must be able to import them)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+import virtualflow as vf
+
+FEATURES = 10
+
+
+def regression_data(n: int = 256, seed: int = 7) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, FEATURES, generator=g)
+    y = (x[:, :1] * 2 - x[:, 1:2]).tanh() + 0.05 * torch.randn(n, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+def classification_data(n: int = 192, seed: int = 3) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, FEATURES, generator=g)
+    y = (x[:, 0] + x[:, 1] > 0).long() + (x[:, 2] > 1).long()
+    return TensorDataset(x, y)
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(FEATURES, 32), nn.Tanh(), nn.Linear(32, 1))
+
+
+def bn_dropout_net() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(FEATURES, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.3),
+        nn.Linear(32, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3),
+    )
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def step_lr(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.7)
+
+
+def mse(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def cross_entropy(model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def per_sample_loss(model, batch):  # not a scalar: a user mistake the preflight must catch
+    x, y = batch
+    return (model(x) - y) ** 2
+
+
+def exploding_loss(model, batch):  # finite until the weights blow up
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y) * 1e30 * 1e30
+
+
+def accuracy(model) -> dict:
+    ds = classification_data(96, seed=11)
+    x, y = ds.tensors
+    return {"accuracy": (model(x).argmax(1) == y).float().mean().item()}
+
+
+OPTIMIZERS = {"sgd": sgd, "adam": adam}
+
+
+def regression_job(optimizer: str = "sgd", virtual_nodes: int = 8, global_batch_size: int = 32, **kw) -> vf.Job:
+    return vf.Job(
+        name=f"mlp-{optimizer}",
+        model=mlp,
+        optimizer=OPTIMIZERS[optimizer],
+        loss=mse,
+        dataset=regression_data,
+        global_batch_size=global_batch_size,
+        virtual_nodes=virtual_nodes,
+        lr_scheduler=step_lr,
+        seed=5,
+        **kw,
+    )
+
+
+def bn_job(batchnorm: str = "mean", **kw) -> vf.Job:
+    return vf.Job(
+        name="bn-dropout",
+        model=bn_dropout_net,
+        optimizer=sgd,
+        loss=cross_entropy,
+        dataset=classification_data,
+        global_batch_size=48,
+        virtual_nodes=8,
+        batchnorm=batchnorm,
+        seed=1,
+        **kw,
+    )
+
+
+def make_job() -> vf.Job:
+    """Importable by spec: 'jobs:make_job'."""
+    return regression_job()
+
+
+class SlowToImportDataset(Dataset):  # map-style dataset with per-sample __getitem__
+    def __init__(self) -> None:
+        self.base = regression_data()
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int):
+        x, y = self.base[i]
+        return {"x": x, "y": y}
+
+
+def dict_mse(model, batch):
+    return nn.functional.mse_loss(model(batch["x"]), batch["y"])
+
+
+def dict_dataset_job() -> vf.Job:
+    return vf.Job(model=mlp, optimizer=sgd, loss=dict_mse, dataset=SlowToImportDataset,
+                  global_batch_size=32, virtual_nodes=4, seed=5)
