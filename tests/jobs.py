@@ -133,3 +133,45 @@ def dict_mse(model, batch):
 def dict_dataset_job() -> vf.Job:
     return vf.Job(model=mlp, optimizer=sgd, loss=dict_mse, dataset=SlowToImportDataset,
                   global_batch_size=32, virtual_nodes=4, seed=5)
+
+
+# A dataset with one NaN sample placed, by the documented data order, in step 3, VN 5.
+NAN_STEP, NAN_VN = 3, 5
+
+
+def nan_data() -> TensorDataset:
+    ds = regression_data()
+    n, B, V, seed = len(ds), 32, 8, 5
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 0))
+    position = NAN_STEP * B + NAN_VN * (B // V) + 1
+    x, y = ds.tensors
+    x = x.clone()
+    x[order[position], 0] = float("nan")
+    return TensorDataset(x, y)
+
+
+def nan_job() -> vf.Job:
+    return regression_job("sgd").replace(dataset=nan_data)
+
+
+def long_job() -> vf.Job:
+    return regression_job("sgd", virtual_nodes=4)
+
+
+class CrashingDataset(Dataset):
+    """Raises for one sample that a worker reaches only after a few steps."""
+
+    def __init__(self) -> None:
+        self.base = regression_data()
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int):
+        if i == 17:
+            raise RuntimeError(f"boom at index {i}")
+        return self.base[i]
+
+
+def crashing_job() -> vf.Job:
+    return regression_job("sgd").replace(dataset=CrashingDataset)

@@ -301,18 +301,23 @@ class JobHandle:
         errors = self.coordinator.progress.errors
         # Prefer the root cause: an error that is not a peer's connection dropping.
         consequential = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timeout")
-        primary = next((e for e in errors if not any(s in e["error"] for s in consequential)), errors[0] if errors else None)
+        primary = next((e for e in errors if not any(s in e["error"] for s in consequential)), None)
         where = f"logs in {os.path.join(self._state_dir, 'logs')}"
         if primary is not None:
             return f"worker {primary['worker']} (pid {primary['pid']}) failed: {primary['error']} ({where})"
-        wid, code = next((w, c) for w, c in codes.items() if c not in (None, 0))
-        wp = self.backend.workers[wid]
-        tail = wp.log_tail().strip()
-        step = self.coordinator.progress.step
-        return (
-            f"worker {wid} (pid {wp.pid}) {describe_exit(code)} during step {step} ({where})"
-            + (f"; its last output:\n{tail}" if tail else "")
-        )
+        reported = {e["worker"] for e in errors}
+        died = [(w, c) for w, c in codes.items() if c not in (None, 0) and w not in reported]
+        if died:  # killed or crashed without a word: that is the root cause
+            wid, code = died[0]
+            wp = self.backend.workers[wid]
+            tail = wp.log_tail().strip()
+            step = self.coordinator.progress.step
+            return (
+                f"worker {wid} (pid {wp.pid}) {describe_exit(code)} during step {step} ({where})"
+                + (f"; its last output:\n{tail}" if tail else "")
+            )
+        e = errors[0]
+        return f"worker {e['worker']} (pid {e['pid']}) failed: {e['error']} ({where})"
 
     def _collect(self) -> Result:
         state = load_state(os.path.join(self._state_dir, "final.pt"))

@@ -88,8 +88,8 @@ class Job:
 
     def build_dataset(self) -> Any:
         ds = self.dataset
-        if not hasattr(ds, "__getitem__") and callable(ds):
-            ds = ds()
+        if isinstance(ds, type) or (callable(ds) and not hasattr(ds, "__getitem__")):
+            ds = ds()  # a factory (a function, or a Dataset class taking no arguments)
         if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
             raise TypeError(
                 f"Job.dataset must give a map-style dataset with __getitem__ and __len__; "

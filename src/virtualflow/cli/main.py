@@ -1,0 +1,45 @@
+"""``virtualflow`` command line: one module per verb."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from virtualflow.cli import plot, run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="virtualflow",
+        description="Train the same model on any hardware: a fixed global batch split into virtual nodes.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run.add_parser(sub)
+    plot.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+    try:
+        return args.func(args)
+    except (ValueError, TypeError) as exc:
+        # User errors: one clear line, no traceback.
+        print(f"virtualflow {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""``virtualflow run FILE.py[:FUNCTION]``: train a job on the local backend."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import virtualflow as vf
+from virtualflow.api import TrainingError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run",
+        help="train a job",
+        description="Train the job returned by FUNCTION (default make_job) in FILE.py or a module. "
+        "Flags override the job's fields.",
+    )
+    p.add_argument("job", help="FILE.py[:FUNCTION] or package.module[:FUNCTION]; FUNCTION defaults to make_job")
+    p.add_argument("--workers", type=int, default=1, help="number of local worker processes (default 1)")
+    length = p.add_mutually_exclusive_group(required=True)
+    length.add_argument("--steps", type=int, help="optimizer steps to run")
+    length.add_argument("--epochs", type=int, help="epochs to run (len(dataset) // B steps each)")
+    p.add_argument("--global-batch-size", type=int, help="override Job.global_batch_size (B)")
+    p.add_argument("--virtual-nodes", type=int, help="override Job.virtual_nodes (V)")
+    p.add_argument("--seed", type=int, help="override Job.seed")
+    p.add_argument("--deterministic", action="store_true", help="bit-identical weights for any worker count")
+    p.add_argument("--threads-per-worker", type=int, help="torch threads per worker (default: cores / workers; 1 if deterministic)")
+    p.add_argument("--run-dir", help="where metrics.jsonl, events.jsonl, summary.json and final.pt go "
+                   "(default runs/<file>-<time>)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=main)
+
+
+def default_run_dir(job_spec: str) -> str:
+    stem = os.path.splitext(os.path.basename(job_spec.partition(":")[0]))[0] or "job"
+    return os.path.join("runs", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def main(args: argparse.Namespace) -> int:
+    run_dir = args.run_dir or default_run_dir(args.job)
+    try:
+        result = vf.train(
+            args.job,
+            workers=args.workers,
+            steps=args.steps,
+            epochs=args.epochs,
+            global_batch_size=args.global_batch_size,
+            virtual_nodes=args.virtual_nodes,
+            seed=args.seed,
+            deterministic=args.deterministic,
+            threads_per_worker=args.threads_per_worker,
+            run_dir=run_dir,
+            progress=not args.no_progress,
+        )
+    except TrainingError as exc:
+        print(f"virtualflow run: training failed: {exc}", file=sys.stderr)
+        return 1
+    last = result.history[-1] if result.history else {}
+    line = f"done: {result.steps} steps, final loss {last.get('loss', float('nan')):.4f}"
+    if result.metrics:
+        line += ", " + ", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items())
+    print(line)
+    print(f"run directory: {run_dir} (final.pt, metrics.jsonl, events.jsonl, summary.json)")
+    return 0
