@@ -99,7 +99,7 @@ class Job:
 
     def replace(self, **changes: Any) -> "Job":
         """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+        return dataclasses.replace(self, **changes)
 
 
 def _check_positive_int(name: str, value: Any) -> None:

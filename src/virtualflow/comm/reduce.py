@@ -41,6 +41,9 @@ class BucketReducer:
         current, size, cap = [], 0, first_bucket_cap_bytes
         for i in reversed(range(len(self.params))):
             p = self.params[i]
+            if current and self.params[current[-1]].dtype != p.dtype:  # one dtype per bucket
+                self.buckets.append(current)
+                current, size, cap = [], 0, bucket_cap_bytes
             current.append(i)
             size += p.numel() * p.element_size()
             if size >= cap:
@@ -53,16 +56,22 @@ class BucketReducer:
             for i in idx:
                 self._bucket_of[id(self.params[i])] = b
         self._armed = False
+        self._extra: torch.Tensor | None = None
         self._pending: list[int] = []
         self._next = 0
         self._flat: list[torch.Tensor | None] = []
         self._works: list = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
-    def arm(self) -> None:
-        """The next backward is the step's last local one: reduce as gradients become final."""
+    def arm(self, extra: torch.Tensor | None = None) -> None:
+        """The next backward is the step's last local one: reduce as gradients become final.
+
+        ``extra`` (a small vector) is summed too, riding in the last bucket; :meth:`finish`
+        returns its reduced value. It saves the separate round trip a second all-reduce costs.
+        """
         if self.group.size == 1:
             return
+        self._extra = extra
         self._armed = True
         self._pending = [len(b) for b in self.buckets]
         self._next = 0
@@ -83,14 +92,19 @@ class BucketReducer:
         for i in self.buckets[b]:
             p = self.params[i]
             parts.append(p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()))
+        if b == len(self.buckets) - 1 and self._extra is not None:
+            parts.append(self._extra.to(parts[0].dtype))
         flat = torch.cat(parts)
         self._flat[b] = flat
         self._works[b] = self.group.all_reduce(flat, async_op=True)
 
-    def finish(self) -> None:
-        """Launch what is left (unused parameters), wait, and write summed grads back."""
+    def finish(self) -> torch.Tensor | None:
+        """Launch what is left (unused parameters), wait, and write summed grads back.
+
+        Returns the reduced ``extra`` given to :meth:`arm` (None without one).
+        """
         if not self._armed:
-            return
+            return self._extra
         while self._next < len(self.buckets):
             self._launch(self._next)
             self._next += 1
@@ -102,9 +116,14 @@ class BucketReducer:
                 n = p.numel()
                 p.grad = flat[offset : offset + n].view_as(p)
                 offset += n
+        extra = self._extra
+        if extra is not None:
+            extra = self._flat[-1][-extra.numel() :].to(extra.dtype)
         self._armed = False
+        self._extra = None
         self._flat = []
         self._works = []
+        return extra
 
     def close(self) -> None:
         for h in self._hooks:

@@ -158,6 +158,7 @@ class VNEngine:
         self.reducer: BucketReducer | None = None
         self.tree: TreePlan | None = None
         self.grad_numel = sum(p.numel() for p in self.params)
+        self._first_bn: torch.Tensor | None = None
 
     def set_membership(self, group: Group, assignment: Sequence[Sequence[int]]) -> None:
         """Adopt a generation: this worker runs ``assignment[group.rank]``."""
@@ -172,8 +173,8 @@ class VNEngine:
             self.reducer = BucketReducer(self.params, group)
 
     # ------------------------------------------------------------------------------------
-    def _forward_backward(self, step: int, vn: int) -> torch.Tensor:
-        """Forward and weighted backward of one VN; returns the detached weighted loss."""
+    def _forward(self, step: int, vn: int) -> torch.Tensor:
+        """Forward of one VN from the step's starting BN statistics; returns the weighted loss."""
         if self.bn:
             self.bn.restore()
         indices = self.plan.vn_indices(step, vn)
@@ -181,69 +182,79 @@ class VNEngine:
         torch.manual_seed(vn_seed(self.seed, step, vn))
         loss = self.loss_fn(self.model, batch)
         check_loss(loss, f"at step {step} in virtual node {vn}")
-        weight = len(indices) / self.plan.global_batch_size
-        weighted = loss * weight
-        weighted.backward()
-        return weighted.detach()
+        return loss * (len(indices) / self.plan.global_batch_size)
+
+    def _pack_stats(self, bad: torch.Tensor, control: int, loss: torch.Tensor | None,
+                    bn: torch.Tensor | None) -> torch.Tensor:
+        """[bad flag per VN | control | loss (default mode) | BN statistics (if any)]."""
+        parts = [bad, torch.tensor([float(control)], device=self.device, dtype=bad.dtype)]
+        if loss is not None:
+            parts.append(loss.reshape(1).to(bad.dtype))
+        if self.bn.numel and (self.batchnorm == "first" or not self.deterministic):
+            parts.append(bn.to(bad.dtype) if bn is not None else torch.zeros(self.bn.numel, device=self.device, dtype=bad.dtype))
+        return torch.cat(parts)
 
     def step(self, step: int, control: int = 0) -> StepOutcome:
-        """Run one step. ``control`` is summed across workers and handed back (see worker)."""
+        """Run one step. ``control`` is summed across workers and handed back (see worker).
+
+        Besides the gradients, workers must agree on a few numbers (which VNs had a
+        non-finite loss, the control sequence, the loss, the BatchNorm statistics): they travel
+        in one small vector, appended to the last gradient bucket in default mode.
+        """
         assert self.group is not None, "set_membership() first"
         self.model.train()
         if self.bn:
             self.bn.snapshot()
         V = self.plan.virtual_nodes
         bad = torch.zeros(V, device=self.device)
-        first_bn = None  # VN 0's statistics, for batchnorm="first"
         if self.deterministic:
             loss, bn_mean = self._step_deterministic(step, bad)
-            if self.batchnorm == "first" and 0 in self.vns:
-                first_bn = self._first_bn
+            stats = self._pack_stats(bad, control, None, self._first_bn)
+            self.group.all_reduce(stats)
         else:
             self.optimizer.zero_grad(set_to_none=True)
             loss = torch.zeros((), device=self.device)
-            bn_sum = torch.zeros(self.bn.numel, device=self.device)
+            bn_acc = torch.zeros(self.bn.numel, device=self.device) if self.batchnorm == "mean" else None
+            last = len(self.vns) - 1
             for i, vn in enumerate(self.vns):
-                if self.reducer is not None and i == len(self.vns) - 1:
-                    self.reducer.arm()
-                weighted = self._forward_backward(step, vn)
-                loss += weighted
-                bad[vn] = (~torch.isfinite(weighted)).to(bad.dtype)
+                weighted = self._forward(step, vn)
+                w = weighted.detach()
+                loss += w
+                bad[vn] = (~torch.isfinite(w)).to(bad.dtype)
                 if self.bn.numel:
                     if self.batchnorm == "mean":
-                        bn_sum += self.bn.flat()
+                        bn_acc += self.bn.flat()
                     elif vn == 0:
-                        first_bn = self.bn.flat()
+                        bn_acc = self.bn.flat()
+                if i == last:
+                    stats = self._pack_stats(bad, control, loss, bn_acc)
+                    if self.reducer is not None:
+                        self.reducer.arm(extra=stats)
+                weighted.backward()
             if self.reducer is not None:
-                self.reducer.finish()
-        # One small all-reduce carries everything else the step must agree on.
-        parts = [bad, torch.tensor([float(control)], device=self.device)]
-        if not self.deterministic:
-            parts.append(loss.reshape(1).float())
-            if self.bn.numel and self.batchnorm == "mean":
-                parts.append(bn_sum)
-        if self.bn.numel and self.batchnorm == "first":
-            parts.append(first_bn if first_bn is not None else torch.zeros(self.bn.numel, device=self.device))
-        stats = torch.cat(parts)
-        self.group.all_reduce(stats)
+                stats = self.reducer.finish()
         bad_vns = [int(v) for v in torch.nonzero(stats[:V]).flatten().tolist()]
         control_sum = int(round(stats[V].item()))
         offset = V + 1
         if not self.deterministic:
-            loss_value = float(stats[offset])
+            loss = stats[offset]
             offset += 1
-            if self.bn.numel and self.batchnorm == "mean":
-                bn_mean = stats[offset : offset + self.bn.numel] / V
-                offset += self.bn.numel
-        else:
-            loss_value = float(loss)
+        bn_new = None
+        if self.bn.numel:
+            if self.deterministic and self.batchnorm == "mean":
+                bn_new = bn_mean
+            else:
+                bn_new = stats[offset : offset + self.bn.numel]
+                if self.batchnorm == "mean":
+                    bn_new = bn_new / V
+        loss_value = float(loss)
         if bad_vns:
             if self.bn:
                 self.bn.restore()
             self.optimizer.zero_grad(set_to_none=True)
             return StepOutcome(loss_value, bad_vns, control_sum)
-        if self.bn.numel:
-            self.bn.load_flat(bn_mean if self.batchnorm == "mean" else stats[offset : offset + self.bn.numel])
+        if bn_new is not None:
+            self.bn.load_flat(bn_new)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -258,7 +269,9 @@ class VNEngine:
 
         def leaf(vn: int) -> torch.Tensor:
             self.optimizer.zero_grad(set_to_none=True)
-            weighted = self._forward_backward(step, vn)
+            weighted = self._forward(step, vn)
+            weighted.backward()
+            weighted = weighted.detach()
             bad[vn] = (~torch.isfinite(weighted)).to(bad.dtype)
             parts = [
                 p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in self.params
