@@ -220,10 +220,19 @@ def _train(cfg: WorkerConfig, worker_id: int, store: dist.Store) -> None:
 
 
 def _peak_rss_mib() -> float:
+    """This process's own peak resident memory (VmHWM). ``ru_maxrss`` is not used: on Linux it
+    carries the parent's peak across fork+exec, so a worker would report its launcher's."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0  # kB
+    except OSError:
+        pass
     try:
         import resource
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     except Exception:
         return float("nan")
 
