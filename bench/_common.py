@@ -70,9 +70,9 @@ def cross_entropy(model: nn.Module, batch) -> torch.Tensor:
 
 
 def memory_metrics(model: nn.Module) -> dict[str, float]:
-    """Used as ``Job.evaluate``: runs once, on rank 0, after the last step; reports the
-    worker's own peak RSS (VmHWM), which ``Result.peak_rss_mib`` does not give (see above)."""
-    return {"vmhwm_mib": vmhwm_mib(), "ru_maxrss_mib": ru_maxrss_mib()}
+    """Used as ``Job.evaluate``: runs once, on rank 0, after the last step (before the final state
+    is written); reports the worker's own peak RSS (VmHWM) and ru_maxrss (see above)."""
+    return {"vmhwm_mib": vmhwm_mib(), "ru_maxrss_mib": ru_maxrss_mib(), "minor_faults": float(minor_faults())}
 
 
 def param_count() -> int:
@@ -135,6 +135,103 @@ class PeakPoller:
 
 
 # --------------------------------------------------------------------------------------------
+# Machine load. Other work on this 2-core machine (a test suite, another benchmark) would be
+# measured as our step time: wait for a quiet machine before each run and record how much CPU
+# everything else used while it ran.
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds all processes have used since boot (all cores)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process and of its reaped children (workers, reference processes)."""
+    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+
+def wait_for_quiet(max_wait_s: float = 180.0, busy_cores: float = 0.15, sample_s: float = 1.0) -> float:
+    """Wait until the machine's other load is below ``busy_cores`` over a ``sample_s`` window
+    (at most ``max_wait_s``); returns the seconds waited."""
+    t0 = time.perf_counter()
+    while True:
+        b0, o0 = _machine_busy_s(), _own_cpu_s()
+        time.sleep(sample_s)
+        busy = (_machine_busy_s() - b0) - (_own_cpu_s() - o0)
+        waited = time.perf_counter() - t0
+        if busy / sample_s < busy_cores or waited >= max_wait_s:
+            return waited
+
+
+class LoadMeter:
+    """CPU used by processes other than ours while the block ran, in cores (0 = quiet machine)."""
+
+    def __enter__(self) -> "LoadMeter":
+        self._t0, self._b0, self._o0 = time.perf_counter(), _machine_busy_s(), _own_cpu_s()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        wall = time.perf_counter() - self._t0
+        other = (_machine_busy_s() - self._b0) - (_own_cpu_s() - self._o0)
+        self.other_cores = max(0.0, other) / wall if wall > 0 else 0.0
+
+
+def run_pair(runners: dict[str, Any], order: Sequence[str], *, max_other_cores: float, retries: int,
+             quiet_wait_s: float, label: str) -> dict[str, dict]:
+    """Run each of ``runners`` once, in ``order``, on a quiet machine; repeat the pair (up to
+    ``retries`` times) when other processes used more than ``max_other_cores`` during it."""
+    for attempt in range(retries + 1):
+        waited = wait_for_quiet(quiet_wait_s) if quiet_wait_s > 0 else 0.0
+        runs = {}
+        for which in order:
+            with LoadMeter() as meter:
+                runs[which] = runners[which]()
+            runs[which]["other_load_cores"] = meter.other_cores
+            runs[which]["waited_for_quiet_s"] = waited
+            runs[which]["attempt"] = attempt
+        load = max(r["other_load_cores"] for r in runs.values())
+        if load <= max_other_cores or attempt == retries:
+            if load > max_other_cores:
+                print(f"  {label}: other processes used {load:.2f} cores during this pair (kept: out of retries)")
+            return runs
+        print(f"  {label}: other processes used {load:.2f} cores during this pair: repeating it", flush=True)
+    raise AssertionError("unreachable")
+
+
+# --------------------------------------------------------------------------------------------
+# The C allocator. With glibc's defaults, freed blocks above the (dynamic) mmap threshold and
+# free memory at the top of the heap go back to the OS, and touching them again costs page
+# faults: measured here, 1,000-25,000 minor faults per step of this workload, varying from one
+# process to the next with the allocator's history, which moves a process's median step time by
+# 10-50% (more than any effect measured). "stable" mode gives every training process (virtualflow
+# workers and the PyTorch references alike) the same settings that keep memory in the process:
+# identical conditions on both sides, no faults in the steady state, much less noise.
+
+MALLOC_STABLE = {"MALLOC_MMAP_THRESHOLD_": "33554432", "MALLOC_TRIM_THRESHOLD_": "1073741824"}
+
+
+def apply_malloc_mode(mode: str) -> dict[str, str]:
+    """Set (for child processes, which inherit the environment) the allocator settings of ``mode``."""
+    if mode == "stable":
+        for k, v in MALLOC_STABLE.items():
+            os.environ.setdefault(k, v)
+    elif mode == "default":
+        for k in MALLOC_STABLE:
+            os.environ.pop(k, None)
+    else:
+        raise ValueError(f"malloc mode {mode!r} must be 'stable' or 'default'")
+    return {k: os.environ[k] for k in MALLOC_STABLE if k in os.environ}
+
+
+def minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+# --------------------------------------------------------------------------------------------
 # Child processes (the PyTorch references run in fresh interpreters, like virtualflow workers).
 
 
@@ -160,6 +257,23 @@ def run_child(args: Sequence[str], threads: int, timeout_s: float = 300.0) -> di
 
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile (q in [0, 1])."""
+    if not xs:
+        return float("nan")
+    ys = sorted(xs)
+    pos = q * (len(ys) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ys) - 1)
+    return ys[lo] + (ys[hi] - ys[lo]) * (pos - lo)
+
+
+def paired_ratios(a_runs: Sequence[Sequence[float]], b_runs: Sequence[Sequence[float]], warmup: int,
+                  stat=median) -> list[float]:
+    """stat(a's post-warm-up step times) / stat(b's), for each interleaved pair of runs."""
+    return [stat(a[warmup:]) / stat(b[warmup:]) for a, b in zip(a_runs, b_runs)]
 
 
 def cpu_model() -> str:
@@ -194,8 +308,36 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "virtualflow": vf_version,
         "git_commit": commit,
+        "virtualflow_source": vf_source(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
+
+
+def vf_source() -> dict[str, Any]:
+    """Which virtualflow code is measured: its path, and its git commit / uncommitted edits."""
+    import virtualflow
+
+    path = os.path.dirname(os.path.abspath(virtualflow.__file__))
+    info: dict[str, Any] = {"path": path, "snapshot_of": os.environ.get("VF_BENCH_SNAPSHOT_OF")}
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=path, capture_output=True, text=True,
+                             timeout=10)
+        if rev.returncode == 0:
+            dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], cwd=path, capture_output=True,
+                                   text=True, timeout=10).stdout.strip()
+            info.update(commit=rev.stdout.strip(), uncommitted_changes=bool(dirty))
+    except Exception:
+        pass
+    return info
+
+
+def describe_source() -> str:
+    s = vf_source()
+    if s.get("commit"):
+        return f"{s['path']} at {s['commit']}" + (" + uncommitted edits" if s.get("uncommitted_changes") else "")
+    if s.get("snapshot_of"):
+        return f"snapshot of {s['snapshot_of']} ({s['path']})"
+    return s["path"]
 
 
 def banner(title: str) -> str:
@@ -203,7 +345,7 @@ def banner(title: str) -> str:
     return (
         f"{title}\n"
         f"  {env['cpu_count']}-core CPU machine ({env['cpu_model']}), no GPU; {env['platform']}\n"
-        f"  python {env['python']}, torch {env['torch']}, virtualflow {env['virtualflow']} ({env['git_commit']})\n"
+        f"  python {env['python']}, torch {env['torch']}, virtualflow {env['virtualflow']} from {describe_source()}\n"
         f"  Real-compute ratios at equal thread/worker counts; machine noise is cancelled by interleaving runs."
     )
 
@@ -213,7 +355,7 @@ def env_markdown() -> str:
     return (
         f"Hardware: {env['cpu_count']}-core CPU machine, {env['cpu_model']}, no GPU ({env['platform']}).  \n"
         f"Versions: python {env['python']}, torch {env['torch']}, virtualflow {env['virtualflow']} "
-        f"(commit {env['git_commit']}), {env['date']}."
+        f"from {describe_source()}, {env['date']}."
     )
 
 

@@ -1,0 +1,427 @@
+"""virtualflow with 2 workers against PyTorch DistributedDataParallel doing the same accumulation.
+
+Global batch B = 256 in V = 8 virtual nodes: each of the 2 processes runs 4 micro-batches of 32.
+(a) ``virtualflow.train(make_job, workers=2, virtual_nodes=8, threads_per_worker=1)``;
+(b) DDP over gloo, 2 fresh processes (1 thread each) on a TCPStore the launcher hosts on a free
+port, the way a PyTorch user accumulates::
+
+    opt.zero_grad()
+    for k in range(4):                                   # this rank's micro-batches
+        ctx = ddp.no_sync() if k < 3 else nullcontext()  # all-reduce only on the last backward
+        with ctx:
+            (loss_fn(ddp, micro_batch_k) / 4).backward()
+    opt.step()
+
+Per-step time: median over post-warm-up steps of rank 0's step time (end of step to end of step,
+inside the training process) in both; runs interleaved (A B, then B A). Target (issue):
+virtualflow <= 1.00x DDP. Both compute the same thing: their final weights are compared.
+Memory: each process's own peak RSS (VmHWM).
+
+This is a 2-core CPU machine: 2 processes with 1 thread each fill it, so this is a ratio at equal
+worker counts, not a scaling result.
+
+    python bench/vs_ddp.py            # full run, about 2-3 minutes
+    python bench/vs_ddp.py --quick    # under a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+NAME = "vs_ddp"
+TARGET_RATIO = 1.00
+WORKERS = 2
+
+
+def make_job():
+    """The job virtualflow trains (imported by the worker processes)."""
+    import virtualflow as vf
+
+    return vf.Job(
+        model=C.mlp,
+        optimizer=C.sgd,
+        loss=C.cross_entropy,
+        dataset=C.bench_data,
+        global_batch_size=256,
+        virtual_nodes=8,
+        seed=C.SEED,
+        evaluate=C.memory_metrics,  # on rank 0 after the last step (and every VF_BENCH_EVAL_EVERY steps)
+        eval_every=int(os.environ.get("VF_BENCH_EVAL_EVERY", "0")) or None,
+        name=NAME,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# (b) DDP, one child process per rank: ``vs_ddp.py --child-ddp JSON``.
+
+
+def _init_rank(cfg: dict):
+    import torch.distributed as dist
+
+    torch.set_num_threads(cfg["threads"])
+    store = dist.TCPStore("127.0.0.1", cfg["port"], is_master=False, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", store=dist.PrefixStore("ddp", store), rank=cfg["rank"],
+                            world_size=cfg["world"], timeout=datetime.timedelta(seconds=120))
+    return store
+
+
+def ddp_stepper(rank: int, world: int, V: int, B: int):
+    """A DDP replica and its step function (the loop a PyTorch user writes)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    X, Y = C.bench_data().tensors
+    torch.manual_seed(C.SEED)
+    model = DDP(C.mlp())
+    opt = C.sgd(model.parameters())
+    model.train()
+    local_b = B // world  # this rank's share of the global batch
+    micro = V // world  # micro-batches per rank
+    n = local_b // micro
+    steps_per_epoch = len(X) // B
+    orders: dict[int, torch.Tensor] = {}
+
+    def step_fn(step: int) -> float:
+        e, i = divmod(step, steps_per_epoch)
+        if e not in orders:  # same sample order as virtualflow's DataPlan
+            orders.clear()
+            orders[e] = torch.randperm(len(X), generator=torch.Generator().manual_seed(C.SEED + e))
+        idx = orders[e][i * B + rank * local_b : i * B + (rank + 1) * local_b]
+        xb, yb = X[idx], Y[idx]
+        opt.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros(())
+        for k in range(micro):
+            ctx = model.no_sync() if k < micro - 1 else contextlib.nullcontext()
+            with ctx:
+                loss = C.cross_entropy(model, (xb[k * n : (k + 1) * n], yb[k * n : (k + 1) * n])) * (1.0 / micro)
+                loss.backward()
+            loss_sum += loss.detach()
+        opt.step()
+        return float(loss_sum)  # this rank's loss, logged (not reduced)
+
+    return model, step_fn
+
+
+def ddp_rank(cfg: dict) -> dict:
+    import torch.distributed as dist
+
+    rank, steps = cfg["rank"], cfg["steps"]
+    _init_rank(cfg)
+    model, step_fn = ddp_stepper(rank, cfg["world"], cfg["V"], cfg["B"])
+    times, losses = [], []
+    faults_at = {}
+    t_prev = time.perf_counter()
+    for step in range(steps):
+        if step == cfg["warmup"]:
+            faults_at[step] = C.minor_faults()
+        losses.append(step_fn(step))
+        now = time.perf_counter()
+        times.append(now - t_prev)
+        t_prev = now
+    faults_at[steps] = C.minor_faults()
+    (s0, f0), (s1, f1) = sorted(faults_at.items())
+    if rank == 0 and cfg.get("save"):
+        torch.save(model.module.state_dict(), cfg["save"])
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"rank": rank, "step_times": times, "losses": losses, "vmhwm_mib": C.vmhwm_mib(),
+            "ru_maxrss_mib": C.ru_maxrss_mib(), "faults_per_step": (f1 - f0) / max(1, s1 - s0)}
+
+
+def alternating_rank(cfg: dict) -> dict:
+    """Diagnostic: virtualflow's engine (internal API: VNEngine + BucketReducer on its own gloo group)
+    and DDP alternating step by step in the same 2 processes, so host noise cancels."""
+    import torch.distributed as dist
+
+    from virtualflow.comm.groups import make_group
+    from virtualflow.plan.data import DataPlan
+    from virtualflow.plan.vnmap import contiguous_assignment
+    from virtualflow.runtime.engine import BatchLoader, VNEngine
+
+    rank, world, V, B, steps = cfg["rank"], cfg["world"], cfg["V"], cfg["B"], cfg["steps"]
+    store = _init_rank(cfg)
+    ddp_model, ddp_step = ddp_stepper(rank, world, V, B)
+    ds = C.bench_data()
+    torch.manual_seed(C.SEED)
+    model = C.mlp()
+    engine = VNEngine(model, C.sgd(model.parameters()), None, C.cross_entropy, DataPlan(len(ds), B, V, C.SEED),
+                      BatchLoader(ds, None), seed=C.SEED, batchnorm="mean", deterministic=False,
+                      device=torch.device("cpu"))
+    group = make_group(store, 0, rank, world, 120.0, torch.device("cpu"))
+    engine.set_membership(group, contiguous_assignment(V, world))
+    t_vf, t_ddp = [], []
+    for step in range(steps):
+        for which in (("vf", "ddp") if step % 2 == 0 else ("ddp", "vf")):
+            t0 = time.perf_counter()
+            engine.step(step, 0) if which == "vf" else ddp_step(step)
+            (t_vf if which == "vf" else t_ddp).append(time.perf_counter() - t0)
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), ddp_model.module.parameters()))
+    max_diff = max(float((a - b).abs().max()) for a, b in zip(model.parameters(), ddp_model.module.parameters()))
+    dist.barrier()
+    if group.pg is not None:
+        group.pg.shutdown()
+    dist.destroy_process_group()
+    return {"rank": rank, "vf_step_times": t_vf, "ddp_step_times": t_ddp, "bit_identical": same,
+            "max_abs_weight_diff": max_diff}
+
+
+def run_ddp(V: int, B: int, steps: int, save: str | None, warmup: int, mode: str = "--child-ddp") -> list[dict]:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=120))
+    procs = []
+    for rank in range(WORKERS):
+        cfg = {"rank": rank, "world": WORKERS, "port": store.port, "V": V, "B": B, "steps": steps,
+               "threads": 1, "save": save, "warmup": warmup}
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), mode, json.dumps(cfg)],
+                                      env=C.child_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        if p.returncode != 0:
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"DDP rank exited {p.returncode}:\n{stderr[-4000:]}")
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    del store
+    return sorted(out, key=lambda r: r["rank"])
+
+
+# --------------------------------------------------------------------------------------------
+# (a) virtualflow.
+
+
+def run_vf(V: int, B: int, steps: int, warmup: int) -> dict:
+    import virtualflow as vf
+
+    os.environ["VF_BENCH_EVAL_EVERY"] = str(warmup)  # rank 0 samples its page faults at `warmup`
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    handle = vf.launch(make_job, workers=WORKERS, steps=steps, virtual_nodes=V, global_batch_size=B,
+                       threads_per_worker=1)
+    pids = lambda: {w["id"]: w["pid"] for w in handle.status()["workers"]}  # noqa: E731
+    with C.PeakPoller(pids, period_s=0.25) as poller:  # rank 1's VmHWM (rank 0 reports its own)
+        result = handle.wait()
+    evals = [e for e in result.eval_history if "minor_faults" in e]
+    faults = ((evals[-1]["minor_faults"] - evals[0]["minor_faults"]) / max(1, evals[-1]["step"] - evals[0]["step"])
+              if len(evals) >= 2 else float("nan"))
+    return {
+        "faults_per_step": faults,
+        "step_times": [h["step_time_s"] for h in result.history],
+        "losses": [h["loss"] for h in result.history],
+        "vmhwm_mib": [result.metrics.get("vmhwm_mib"), poller.peak_mib.get(1, float("nan"))],
+        "vmhwm_rank0_polled_mib": poller.peak_mib.get(0, float("nan")),
+        "peak_rss_mib": [result.peak_rss_mib.get(w) for w in range(WORKERS)],
+        "launcher_cpu_s": time.process_time() - cpu0,
+        "wall_s": time.perf_counter() - t0,
+        "state_dict": result.state_dict,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="short run (fewer steps and repetitions)")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10, help="steps excluded from the medians")
+    p.add_argument("--reps", type=int, default=6, help="interleaved repetitions (pairs)")
+    p.add_argument("--vns", type=int, default=8)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--max-other-load", type=float, default=0.10,
+                   help="repeat a pair of runs when other processes used more CPU cores than this meanwhile")
+    p.add_argument("--retries", type=int, default=2, help="repetitions of a disturbed pair")
+    p.add_argument("--quiet-wait", type=float, default=120.0,
+                   help="wait up to this many seconds for a quiet machine before each pair (0: do not wait)")
+    p.add_argument("--malloc", choices=["stable", "default"], default="stable",
+                   help="glibc allocator settings of every training process (see bench/_common.py); "
+                        "'default' writes results/vs_ddp_default_malloc.*")
+    p.add_argument("--alt-steps", type=int, default=80,
+                   help="steps of the alternating diagnostic (virtualflow engine and DDP step by step in the same "
+                        "2 processes; 0: skip)")
+    p.add_argument("--child-ddp", help=argparse.SUPPRESS)
+    p.add_argument("--child-alternating", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.child_ddp:
+        print(json.dumps(ddp_rank(json.loads(args.child_ddp))))
+        return 0
+    if args.child_alternating:
+        print(json.dumps(alternating_rank(json.loads(args.child_alternating))))
+        return 0
+    if args.quick:
+        args.steps, args.warmup, args.reps, args.alt_steps = 20, 5, 2, 30
+    if args.steps <= args.warmup or args.warmup < 1:
+        p.error(f"--steps={args.steps} must exceed --warmup={args.warmup} (at least 1)")
+    malloc_env = C.apply_malloc_mode(args.malloc)
+    name = NAME if args.malloc == "stable" else f"{NAME}_default_malloc"
+    if args.vns % WORKERS or args.batch % args.vns:
+        p.error(f"--vns must be a multiple of {WORKERS} and divide --batch")
+    torch.set_num_threads(1)
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    print(C.banner(f"virtualflow ({WORKERS} workers) vs DDP ({WORKERS} processes, gloo, no_sync) "
+                   f"(MLP {C.param_count() / 1e6:.2f} M params, B={args.batch}, V={args.vns}: "
+                   f"{args.vns // WORKERS} micro-batches of {args.batch // args.vns} per process)"))
+    print(f"  allocator: {args.malloc} {malloc_env or '(glibc defaults)'}")
+    t_start = time.perf_counter()
+    tmp = tempfile.mkdtemp(prefix="vs_ddp-")
+    vf_runs, ddp_runs, weight_diffs, ddp_load = [], [], [], []
+    w = args.warmup
+    for rep in range(args.reps):
+        save = os.path.join(tmp, "ddp.pt")
+        runs = C.run_pair(
+            {"vf": lambda: run_vf(args.vns, args.batch, args.steps, w),
+             "ddp": lambda: {"ranks": run_ddp(args.vns, args.batch, args.steps, save, w)}},
+            ("vf", "ddp") if rep % 2 == 0 else ("ddp", "vf"),
+            max_other_cores=args.max_other_load, retries=args.retries, quiet_wait_s=args.quiet_wait,
+            label=f"rep {rep}")
+        weight_diffs.append(C.state_max_abs_diff(runs["vf"].pop("state_dict"), torch.load(save)))
+        vf_runs.append(runs["vf"])
+        ddp_runs.append(runs["ddp"]["ranks"])
+        ddp_load.append(runs["ddp"]["other_load_cores"])
+        a, b = C.median(runs["vf"]["step_times"][w:]), C.median(runs["ddp"]["ranks"][0]["step_times"][w:])
+        print(f"  rep {rep}: virtualflow {1e3 * a:7.2f} ms, DDP {1e3 * b:7.2f} ms, ratio {a / b:.3f}", flush=True)
+
+    alt = None
+    if args.alt_steps > w:
+        C.wait_for_quiet(args.quiet_wait) if args.quiet_wait > 0 else None
+        try:
+            ranks = run_ddp(args.vns, args.batch, args.alt_steps, None, w, mode="--child-alternating")
+        except Exception as exc:  # internal API: report, do not fail the benchmark
+            print(f"  alternating diagnostic skipped: {str(exc)[-300:]}")
+        else:
+            a, b = ranks[0]["vf_step_times"][w:], ranks[0]["ddp_step_times"][w:]
+            alt = {"vf_median_step_s": C.median(a), "ddp_median_step_s": C.median(b),
+                   "time_ratio": C.median(a) / C.median(b),
+                   "p25_time_ratio": C.quantile(a, 0.25) / C.quantile(b, 0.25),
+                   "bit_identical": all(r["bit_identical"] for r in ranks),
+                   "max_abs_weight_diff": max(r["max_abs_weight_diff"] for r in ranks), "raw": ranks}
+            print(f"  alternating diagnostic: engine {1e3 * alt['vf_median_step_s']:.2f} ms, DDP "
+                  f"{1e3 * alt['ddp_median_step_s']:.2f} ms, ratio {alt['time_ratio']:.3f} "
+                  f"(p25 ratio {alt['p25_time_ratio']:.3f})", flush=True)
+
+    vf_all = [x for r in vf_runs for x in r["step_times"][w:]]
+    ddp_all = [x for r in ddp_runs for x in r[0]["step_times"][w:]]
+    vf_med, ddp_med = C.median(vf_all), C.median(ddp_all)
+    vf_times, ddp_times = [r["step_times"] for r in vf_runs], [r[0]["step_times"] for r in ddp_runs]
+    per_rep = C.paired_ratios(vf_times, ddp_times, w)
+    ratio = C.median(per_rep)
+    vf_mem = [C.median([r["vmhwm_mib"][k] for r in vf_runs]) for k in range(WORKERS)]
+    ddp_mem = [C.median([r[k]["vmhwm_mib"] for r in ddp_runs]) for k in range(WORKERS)]
+    row = {
+        "workers": WORKERS, "threads_per_worker": 1, "virtual_nodes": args.vns, "global_batch": args.batch,
+        "micro_batch": args.batch // args.vns,
+        "vf_median_step_s": vf_med, "ddp_median_step_s": ddp_med, "time_ratio": ratio,
+        "time_ratio_per_rep": per_rep, "pooled_time_ratio": vf_med / ddp_med,
+        "p25_time_ratio": C.median(C.paired_ratios(vf_times, ddp_times, w, lambda x: C.quantile(x, 0.25))),
+        "target_time_ratio": TARGET_RATIO, "target_met": ratio <= TARGET_RATIO,
+        "vf_vmhwm_mib_per_rank": vf_mem, "ddp_vmhwm_mib_per_rank": ddp_mem,
+        "mem_ratio_per_rank": [a / b for a, b in zip(vf_mem, ddp_mem)],
+        "vf_reported_peak_rss_mib": [C.median([r["peak_rss_mib"][k] for r in vf_runs]) for k in range(WORKERS)],
+        "ddp_ru_maxrss_mib": [C.median([r[k]["ru_maxrss_mib"] for r in ddp_runs]) for k in range(WORKERS)],
+        "vf_launcher_cpu_s_per_run": C.median([r["launcher_cpu_s"] for r in vf_runs]),
+        "vf_minor_faults_per_step_rank0": C.median([r["faults_per_step"] for r in vf_runs]),
+        "ddp_minor_faults_per_step_rank0": C.median([r[0]["faults_per_step"] for r in ddp_runs]),
+        "max_abs_weight_diff": max(weight_diffs),
+        "raw": {"vf_step_times": [r["step_times"] for r in vf_runs],
+                "ddp_step_times_rank0": [r[0]["step_times"] for r in ddp_runs],
+                "ddp_step_times_rank1": [r[1]["step_times"] for r in ddp_runs],
+                "vf_vmhwm_mib": [r["vmhwm_mib"] for r in vf_runs],
+                "vf_vmhwm_rank0_polled_mib": [r["vmhwm_rank0_polled_mib"] for r in vf_runs],
+                "ddp_vmhwm_mib": [[x["vmhwm_mib"] for x in r] for r in ddp_runs],
+                "vf_wall_s": [r["wall_s"] for r in vf_runs],
+                "vf_other_load_cores": [r["other_load_cores"] for r in vf_runs],
+                "ddp_other_load_cores": ddp_load,
+                "attempts": [r["attempt"] + 1 for r in vf_runs]},
+    }
+
+    header = ["workers", "V", "B/V", "virtualflow ms", "DDP ms", "time ratio", "per-pair ratios", "p25 ratio",
+              f"<= {TARGET_RATIO}",
+              "vf VmHWM MiB (r0, r1)", "DDP VmHWM MiB (r0, r1)", "mem ratio (r0, r1)", "vf reported peak MiB",
+              "faults/step r0 vf, DDP"]
+    table = [[WORKERS, args.vns, args.batch // args.vns, f"{1e3 * vf_med:.2f}", f"{1e3 * ddp_med:.2f}",
+              f"{row['time_ratio']:.3f}", " ".join(f"{x:.3f}" for x in per_rep), f"{row['p25_time_ratio']:.3f}",
+              "yes" if row["target_met"] else "NO",
+              ", ".join(f"{x:.1f}" for x in vf_mem), ", ".join(f"{x:.1f}" for x in ddp_mem),
+              ", ".join(f"{x:.3f}" for x in row["mem_ratio_per_rank"]),
+              ", ".join(f"{x:.1f}" for x in row["vf_reported_peak_rss_mib"]),
+              f"{row['vf_minor_faults_per_step_rank0']:.0f}, {row['ddp_minor_faults_per_step_rank0']:.0f}"]]
+    config = {"steps": args.steps, "warmup": args.warmup, "reps": args.reps, "workers": WORKERS,
+              "threads_per_worker": 1, "virtual_nodes": args.vns, "global_batch": args.batch, "quick": args.quick,
+              "max_other_load_cores": args.max_other_load, "retries": args.retries,
+              "malloc": args.malloc, "malloc_env": malloc_env,
+              "model": f"MLP {C.IN_FEATURES}-{C.HIDDEN}-{C.HIDDEN}-{C.HIDDEN}-{C.CLASSES} ReLU",
+              "params": C.param_count(), "optimizer": "SGD lr=0.01 momentum=0.9",
+              "dataset": f"synthetic {C.DATASET_SIZE}x{C.IN_FEATURES}",
+              "ddp": "gloo, DistributedDataParallel defaults (bucket_cap_mb=25), no_sync() on all but the last "
+                     "micro-batch, 2 subprocesses on a launcher-hosted TCPStore (port 0)",
+              "timing": "rank 0's per-step time, end of step to end of step inside the training process. "
+                        "'time ratio' = median over interleaved pairs of (virtualflow median step / DDP median "
+                        "step), post-warm-up steps; 'ms' columns = medians pooled over all pairs; 'p25 ratio' = "
+                        "the same paired ratio of lower-quartile step times",
+              "memory": "VmHWM = each process's own peak RSS (virtualflow rank 0: reported by the worker after "
+                        "the last step; rank 1: polled from the launcher every 0.25 s); 'vf reported peak' = "
+                        "Result.peak_rss_mib (ru_maxrss up to e402a8c, which includes the launcher's RSS "
+                        "inherited across exec; VmHWM at worker exit from b277f06)"}
+    payload = {"benchmark": name, "environment": C.environment(), "config": config, "results": [row],
+               "alternating_diagnostic": alt,
+               "target_time_ratio": TARGET_RATIO, "all_targets_met": row["target_met"],
+               "wall_time_s": time.perf_counter() - t_start}
+    print()
+    print(C.text_table(header, table))
+    if alt:
+        print(f"  diagnostic, VNEngine.step and DDP alternating step by step in the same 2 processes "
+              f"({args.alt_steps} steps): engine {1e3 * alt['vf_median_step_s']:.2f} ms, DDP "
+              f"{1e3 * alt['ddp_median_step_s']:.2f} ms, ratio {alt['time_ratio']:.3f}, p25 ratio "
+              f"{alt['p25_time_ratio']:.3f}, max |weight diff| {alt['max_abs_weight_diff']:.1e}")
+    print(f"  same computation: max |weight diff| virtualflow vs DDP {max(weight_diffs):.2e}")
+    md = [f"# {name}: virtualflow ({WORKERS} workers) vs DistributedDataParallel with no_sync", "",
+          C.env_markdown(), "",
+          f"Workload: {config['model']} ({C.param_count() / 1e6:.2f} M params), {config['optimizer']}, global "
+          f"batch {args.batch} in {args.vns} virtual nodes ({args.vns // WORKERS} micro-batches of "
+          f"{args.batch // args.vns} per process), {WORKERS} processes x 1 thread (fills the 2 cores), "
+          f"{args.steps} steps ({args.warmup} warm-up), {args.reps} interleaved repetitions. Time ratio = "
+          f"median over interleaved pairs of virtualflow's median step time / DDP's (target <= {TARGET_RATIO}); "
+          f"p25 ratio = the same with lower-quartile step times. Memory = each process's own peak "
+          f"RSS (VmHWM). Final weights differ by at most {max(weight_diffs):.1e}. Allocator: {args.malloc} "
+          f"({malloc_env or 'glibc defaults'}, the same for both sides; see bench/_common.py).", "",
+          C.md_table(header, table), "",
+          *([f"Diagnostic (host noise cancelled): virtualflow's `VNEngine.step` (with its `BucketReducer`, own "
+             f"gloo group) and the DDP loop alternating step by step in the same 2 processes, {args.alt_steps} "
+             f"steps ({w} warm-up): engine {1e3 * alt['vf_median_step_s']:.2f} ms, DDP "
+             f"{1e3 * alt['ddp_median_step_s']:.2f} ms, ratio {alt['time_ratio']:.3f} (p25 ratio "
+             f"{alt['p25_time_ratio']:.3f}). It excludes the worker loop and the launcher.", ""] if alt else []),
+          "`vf reported peak` is `Result.peak_rss_mib` as virtualflow reports it, read when the worker exits "
+          "(rank 0: after writing the final state). Up to commit e402a8c it was ru_maxrss, which on Linux carries "
+          "the launching process's RSS across exec; from b277f06 on it is the worker's own VmHWM.", "",
+          f"Reproduce: `OMP_NUM_THREADS=1 .venv/bin/python bench/{NAME}.py"
+          f"{' --quick' if args.quick else ''}{' --malloc default' if args.malloc == 'default' else ''}`"]
+    jp, mp = C.write_results(name, payload, "\n".join(md))
+    print(f"wrote {jp} and {mp} ({time.perf_counter() - t_start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
