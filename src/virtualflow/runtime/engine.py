@@ -49,6 +49,18 @@ def check_loss(loss: Any, where: str) -> None:
         )
 
 
+def seed_random_streams(seed: int, device: torch.device) -> None:
+    """Seed the generators a VN's forward draws from: the CPU one and, on a GPU, that device's.
+
+    Not ``torch.manual_seed``: it also seeds every CUDA/MPS/XPU backend lazily and records a
+    Python stack trace for each on a CPU-only process (about 0.1-0.3 ms per call measured here,
+    paid once per virtual node).
+    """
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()].manual_seed(seed)
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
     if device.type == "cpu":
         return batch
@@ -179,7 +191,7 @@ class VNEngine:
             self.bn.restore()
         indices = self.plan.vn_indices(step, vn)
         batch = to_device(self.loader(indices), self.device)
-        torch.manual_seed(vn_seed(self.seed, step, vn))
+        seed_random_streams(vn_seed(self.seed, step, vn), self.device)
         loss = self.loss_fn(self.model, batch)
         check_loss(loss, f"at step {step} in virtual node {vn}")
         return loss * (len(indices) / self.plan.global_batch_size)
