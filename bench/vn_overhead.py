@@ -77,11 +77,17 @@ def hand_loop(cfg: dict) -> dict:
     n = B // V
     steps_per_epoch = len(X) // B
     epoch, order = -1, None
-    times, losses = [], []
+    times, losses, ends = [], [], []
     setup_mib = C.vmhwm_mib()
     faults_at = {}
+    stop_file = cfg.get("stop_file")  # concurrent mode: run until the launcher creates this file
+    if stop_file:
+        open(cfg["ready_file"], "w").close()
     t_prev = time.perf_counter()
     for step in range(steps):
+        if stop_file and os.path.exists(stop_file):
+            steps = step
+            break
         if step == cfg.get("warmup", 0):
             faults_at[step] = C.minor_faults()
         e, i = divmod(step, steps_per_epoch)
@@ -99,18 +105,65 @@ def hand_loop(cfg: dict) -> dict:
         losses.append(float(loss_sum))  # logged, as virtualflow reports each step's loss
         now = time.perf_counter()
         times.append(now - t_prev)
+        ends.append(time.time())
         t_prev = now
     faults_at[steps] = C.minor_faults()
-    (s0, f0), (s1, f1) = sorted(faults_at.items())
+    (s0, f0), (s1, f1) = min(faults_at.items()), max(faults_at.items())
     if cfg.get("save"):
         torch.save(model.state_dict(), cfg["save"])
     return {"step_times": times, "losses": losses, "vmhwm_mib": C.vmhwm_mib(), "ru_maxrss_mib": C.ru_maxrss_mib(),
-            "vmhwm_after_setup_mib": setup_mib, "faults_per_step": (f1 - f0) / max(1, s1 - s0)}
+            "vmhwm_after_setup_mib": setup_mib, "faults_per_step": (f1 - f0) / max(1, s1 - s0), "step_ends": ends}
 
 
 def run_hand(V: int, B: int, threads: int, steps: int, save: str | None = None, warmup: int = 0) -> dict:
     cfg = {"V": V, "B": B, "threads": threads, "steps": steps, "save": save, "warmup": warmup}
     return C.run_child([os.path.abspath(__file__), "--child-hand", json.dumps(cfg)], threads)
+
+
+# --------------------------------------------------------------------------------------------
+# Diagnostic (off by default): virtualflow (1 worker, 1 thread) and the hand loop (1 thread)
+# running at the same time, one per core, compared over the same time window. Meant to cancel
+# host noise while keeping the worker loop's costs; on this VM each vCPU's speed drifts on its
+# own, so it did not (kept for machines where it does). The launcher's polling (about 2% of a
+# core) is shared between the two here instead of being charged to virtualflow.
+
+
+def run_concurrent(V: int, B: int, steps: int, warmup: int, tmp: str) -> dict:
+    import subprocess
+
+    import virtualflow as vf
+
+    stop, ready = os.path.join(tmp, f"stop-{V}"), os.path.join(tmp, f"ready-{V}")
+    for f in (stop, ready):
+        if os.path.exists(f):
+            os.remove(f)
+    cfg = {"V": V, "B": B, "threads": 1, "steps": 100 * steps, "warmup": 0, "stop_file": stop, "ready_file": ready}
+    hand = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child-hand", json.dumps(cfg)],
+                            env=C.child_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while not os.path.exists(ready) and time.time() < deadline and hand.poll() is None:
+            time.sleep(0.05)
+        run_dir = os.path.join(tmp, f"concurrent-{V}")
+        os.environ["VF_BENCH_EVAL_EVERY"] = "0"
+        vf.train(make_job, workers=1, steps=steps, virtual_nodes=V, global_batch_size=B, threads_per_worker=1,
+                 run_dir=run_dir)
+    finally:
+        open(stop, "w").close()
+        out, err = hand.communicate(timeout=120)
+    if hand.returncode != 0:
+        raise RuntimeError(f"hand loop exited {hand.returncode}: {err[-2000:]}")
+    h = json.loads(out.strip().splitlines()[-1])
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    vf_recs = recs[warmup:]
+    lo = vf_recs[0]["time"] - vf_recs[0]["step_time_s"]
+    hi = vf_recs[-1]["time"]
+    hand_in = [t for t, end in zip(h["step_times"], h["step_ends"]) if lo + t <= end <= hi]
+    vf_times = [r["step_time_s"] for r in vf_recs]
+    return {"vf_step_times": vf_times, "hand_step_times_in_window": hand_in,
+            "vf_median_step_s": C.median(vf_times), "hand_median_step_s": C.median(hand_in),
+            "time_ratio": C.median(vf_times) / C.median(hand_in)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
                         "'default' writes results/vn_overhead_default_malloc.*")
     p.add_argument("--alt-steps", type=int, default=40,
                    help="steps of the in-process alternating diagnostic, per V, 1 thread (0: skip)")
+    p.add_argument("--concurrent-steps", type=int, default=0,
+                   help="steps of the side-by-side diagnostic (virtualflow and hand loop at once, 1 thread "
+                        "each, one per core; 0: skip). Off by default: on this VM each core's speed drifts "
+                        "independently, so it cancelled little noise (ratios 0.80-1.26 for the same code)")
+    p.add_argument("--concurrent-reps", type=int, default=2)
     p.add_argument("--child-hand", help=argparse.SUPPRESS)
     p.add_argument("--child-alternating", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -338,6 +396,22 @@ def main(argv: list[str] | None = None) -> int:
             "vf_peak_does_not_grow_with_V": hi["vf_vmhwm_mib"] <= lo["vf_vmhwm_mib"] + 1.0,
         }
 
+    # ---- diagnostic: virtualflow and hand loop side by side (1 thread each) ----------------
+    conc_rows = []
+    if args.concurrent_steps > args.warmup:
+        for V in args.vns:
+            runs = []
+            for rep in range(args.concurrent_reps):
+                C.wait_for_quiet(args.quiet_wait) if args.quiet_wait > 0 else None
+                runs.append(run_concurrent(V, args.batch, args.concurrent_steps, args.warmup, tmp))
+            ratios = [r["time_ratio"] for r in runs]
+            conc_rows.append({"threads": 1, "virtual_nodes": V, "time_ratio": C.median(ratios), "time_ratio_per_rep": ratios,
+                              "vf_median_step_s": C.median([r["vf_median_step_s"] for r in runs]),
+                              "hand_median_step_s": C.median([r["hand_median_step_s"] for r in runs]), "raw": runs})
+            print(f"  side by side V={V:>2}: virtualflow {1e3 * conc_rows[-1]['vf_median_step_s']:7.2f} ms, hand "
+                  f"{1e3 * conc_rows[-1]['hand_median_step_s']:7.2f} ms, ratios {' '.join(f'{x:.3f}' for x in ratios)}",
+                  flush=True)
+
     # ---- diagnostic: engine and hand loop alternating step by step in one process ------------
     alt_rows = []
     if args.alt_steps > args.warmup:
@@ -392,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
                         "e402a8c, which includes the launcher's RSS inherited across exec; VmHWM at worker exit "
                         "from b277f06)"}
     payload = {"benchmark": name, "environment": C.environment(), "config": config, "results": rows,
-               "alternating_diagnostic": alt_rows,
+               "alternating_diagnostic": alt_rows, "side_by_side_diagnostic": conc_rows,
                "memory_probe": mem_rows, "memory_claim": mem_claim, "target_time_ratio": TARGET_RATIO,
                "all_targets_met": all(r["target_met"] for r in rows),
                "wall_time_s": time.perf_counter() - t_start}
@@ -408,6 +482,13 @@ def main(argv: list[str] | None = None) -> int:
     alt_table = [[r["virtual_nodes"], f"{1e3 * r['engine_median_step_s']:.2f}", f"{1e3 * r['hand_median_step_s']:.2f}",
                   f"{r['time_ratio']:.3f}", f"{r['p25_time_ratio']:.3f}", f"{r['extra_per_vn_us']:.0f}",
                   "yes" if r["bit_identical"] else "NO"] for r in alt_rows]
+    conc_header = ["V", "virtualflow ms", "hand ms", "ratio", "per-rep ratios"]
+    conc_table = [[r["virtual_nodes"], f"{1e3 * r['vf_median_step_s']:.2f}", f"{1e3 * r['hand_median_step_s']:.2f}",
+                   f"{r['time_ratio']:.3f}", " ".join(f"{x:.3f}" for x in r["time_ratio_per_rep"])] for r in conc_rows]
+    if conc_rows:
+        print()
+        print("  diagnostic: virtualflow (1 worker) and the hand loop side by side, 1 thread each, one per core")
+        print(C.text_table(conc_header, conc_table))
     if alt_rows:
         print()
         print("  diagnostic: VNEngine.step and the hand loop alternating step by step in one process (1 thread)")
@@ -429,6 +510,12 @@ def main(argv: list[str] | None = None) -> int:
         if mem_claim:
             md += ["", f"Peak V=32 minus V=1: virtualflow {mem_claim['vf_peak_V32_minus_V1_mib']:+.1f} MiB, "
                        f"hand loop {mem_claim['hand_peak_V32_minus_V1_mib']:+.1f} MiB."]
+    if conc_rows:
+        md += ["", f"Diagnostic (host noise cancelled, worker loop included): virtualflow (1 worker) and the hand "
+                   f"loop running at the same time, 1 thread each (one per core), {args.concurrent_steps} virtualflow "
+                   f"steps ({args.warmup} warm-up) against the hand-loop steps in the same time window, "
+                   f"{args.concurrent_reps} repetitions. The launcher's polling is shared by both here.", "",
+               C.md_table(conc_header, conc_table)]
     if alt_rows:
         md += ["", f"Diagnostic (host noise cancelled): virtualflow's `VNEngine.step` and the hand loop alternating "
                    f"step by step in one process, 1 thread, {args.alt_steps} steps each ({args.warmup} warm-up). "

@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="short run (fewer steps and repetitions)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10, help="steps excluded from the medians")
-    p.add_argument("--reps", type=int, default=6, help="interleaved repetitions (pairs)")
+    p.add_argument("--reps", type=int, default=10, help="interleaved repetitions (pairs)")
     p.add_argument("--vns", type=int, default=8)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--max-other-load", type=float, default=0.10,
