@@ -282,7 +282,7 @@ class JobHandle:
                     coord.event("done", steps=self._result.steps, stopped=self._result.stopped,
                                 wall_time_s=time.time() - self._t0)
                     return
-                time.sleep(0.01)
+                time.sleep(0.05)  # the launcher must not take CPU from the workers
         except BaseException as exc:  # noqa: BLE001 - reported through wait()
             self._error = exc
             progress.state = "failed"

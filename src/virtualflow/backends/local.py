@@ -60,6 +60,11 @@ class LocalBackend:
         env = dict(os.environ)
         threads = str(self.config.threads)
         env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
+        # Keep freed tensor memory in the process instead of returning it to the OS after every
+        # step: with glibc's defaults a training step paid thousands of page faults (10-40 % of a
+        # step measured in bench/). Peak memory is unchanged. A user's own setting wins.
+        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 * 1024 * 1024))
+        env.setdefault("MALLOC_TRIM_THRESHOLD_", str(1024 * 1024 * 1024))
         src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join([src] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         log_path = os.path.join(self.state_dir, "logs", f"worker-{worker_id}.log")
