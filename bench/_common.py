@@ -386,3 +386,22 @@ def text_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def state_max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def bench_job(name: str, virtual_nodes: int):
+    """The job both benchmarks train: the MLP on bench_data, B=256. ``memory_metrics`` runs as
+    the evaluation after the last step (and every VF_BENCH_EVAL_EVERY steps): VmHWM, faults."""
+    import virtualflow as vf
+
+    return vf.Job(
+        model=mlp,
+        optimizer=sgd,
+        loss=cross_entropy,
+        dataset=bench_data,
+        global_batch_size=256,
+        virtual_nodes=virtual_nodes,
+        seed=SEED,
+        evaluate=memory_metrics,
+        eval_every=int(os.environ.get("VF_BENCH_EVAL_EVERY", "0")) or None,
+        name=name,
+    )

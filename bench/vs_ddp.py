@@ -50,20 +50,7 @@ WORKERS = 2
 
 def make_job():
     """The job virtualflow trains (imported by the worker processes)."""
-    import virtualflow as vf
-
-    return vf.Job(
-        model=C.mlp,
-        optimizer=C.sgd,
-        loss=C.cross_entropy,
-        dataset=C.bench_data,
-        global_batch_size=256,
-        virtual_nodes=8,
-        seed=C.SEED,
-        evaluate=C.memory_metrics,  # on rank 0 after the last step (and every VF_BENCH_EVAL_EVERY steps)
-        eval_every=int(os.environ.get("VF_BENCH_EVAL_EVERY", "0")) or None,
-        name=NAME,
-    )
+    return C.bench_job(NAME, virtual_nodes=8)
 
 
 # --------------------------------------------------------------------------------------------
