@@ -1,0 +1,21 @@
+"""Multi-job cluster scheduling (Gavel-style): cluster/job model, throughput tables, policies.
+
+The round-based mechanism, simulator and traces live in sibling modules of this package.
+"""
+
+from __future__ import annotations
+
+from virtualflow.cluster.model import Cluster, JobSpec
+from virtualflow.cluster.policies.base import (
+    Allocation,
+    AllocationError,
+    Policy,
+    PolicyInput,
+    check_allocation,
+    get_policy,
+    policy_names,
+)
+from virtualflow.cluster.throughputs import ThroughputTable, gavel_data_dir
+
+__all__ = ["Allocation", "AllocationError", "Cluster", "JobSpec", "Policy", "PolicyInput", "ThroughputTable",
+           "check_allocation", "gavel_data_dir", "get_policy", "policy_names"]
