@@ -1,0 +1,333 @@
+"""The round-based mechanism: turn a policy's allocation X into concrete placements, round by round.
+
+A policy says *what fraction of time* each row (a job, or two jobs sharing GPUs) should spend on
+each accelerator type. The mechanism enacts that in rounds of ``round_s`` seconds (default 6
+minutes, Gavel's value):
+
+1. **Priorities.** For every row ``r`` and type ``k`` with ``X[r, k] > 0``::
+
+       priority[r, k] = X[r, k] / share[r, k],   share[r, k] = received[r, k] / present[r]
+
+   where ``received`` is the time the row ran on ``k`` and ``present`` the time it has been in
+   the allocation, both counted since the allocation was last replaced, starting from a prior
+   of one round at the allocation (``received = X * round_s``, ``present = round_s``, so every
+   row starts at priority 1). A row that has received less than its share rises, one that has
+   received more sinks. The rows of every job are tracked by the job ids they contain.
+2. **Greedy fill.** Candidates ``(r, k)`` are visited in descending priority (ties: the row
+   already running on ``k`` first, so leases extend; then larger ``X``; then row order). A row
+   is scheduled on ``k`` if none of its jobs is scheduled yet and ``k`` has enough free GPUs.
+3. **Placement.** Rows that keep their type and GPU count keep their exact GPUs (*lease
+   extension*: no restart). The others are placed largest first, consolidated: a job that fits in
+   one server goes to the fullest server that still holds it (best fit); a larger job takes whole
+   free servers first. Each job lands on one type only, on the fewest servers the free GPUs allow.
+4. **Change costs** (what Gavel's simulator leaves out). A job that was not running with the same
+   (type, GPU count, GPUs) in the previous round pays, at the start of this round:
+
+   - ``restart_cost_s`` (default 45 s: save a checkpoint, start processes, load it, warm up) when it
+     resumes after a preemption or moves to other GPUs or another type (rigid or elastic);
+   - ``resize_cost_s`` (default 1.5 s) when an elastic job only changes its GPU count on the same
+     type (virtualflow resizes in place between steps); with ``elastic_resize="restart"`` this
+     too costs ``restart_cost_s`` (the checkpoint-restart way of resizing);
+   - ``start_cost_s`` (default 0) on its very first start (the same for every policy).
+
+Invariants: a round never uses more GPUs of a type than exist (or of a server than it holds);
+every job runs on one type, whole; a job appears in at most one scheduled row. The mechanism is
+pure bookkeeping: it has no clock, the caller passes times in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from virtualflow.cluster.model import Cluster
+from virtualflow.cluster.policies.base import Allocation
+
+__all__ = ["MechanismConfig", "Placement", "RoundPlan", "RoundMechanism"]
+
+_EPS = 1e-9
+
+
+@dataclass(kw_only=True, slots=True)
+class MechanismConfig:
+    """Knobs of the round-based mechanism."""
+
+    round_s: float = 360.0
+    """Length of a round (seconds)."""
+    restart_cost_s: float = 45.0
+    """Time lost when a job resumes after a preemption or moves (checkpoint, restart, reload)."""
+    resize_cost_s: float = 1.5
+    """Time lost when an elastic job changes its GPU count in place."""
+    start_cost_s: float = 0.0
+    """Time lost on a job's first start."""
+    elastic_resize: str = "in_place"
+    """``"in_place"`` (virtualflow) or ``"restart"`` (resizing by checkpoint-restart)."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.round_s) and self.round_s > 0):
+            raise ValueError(f"round_s={self.round_s} must be a positive number of seconds")
+        for name in ("restart_cost_s", "resize_cost_s", "start_cost_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name}={v} must be a number of seconds >= 0")
+        if self.elastic_resize not in ("in_place", "restart"):
+            raise ValueError(f"elastic_resize={self.elastic_resize!r} must be 'in_place' or 'restart'")
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one job runs this round."""
+
+    acc_type: str
+    gpus: int
+    servers: tuple[tuple[int, int], ...]
+    """(server index within the type, GPUs used on it)."""
+    row: tuple[int, ...]
+    """The scheduled row (one job id, or a space-sharing pair)."""
+    cost_s: float
+    """Time lost at the start of the round to a (re)start or resize."""
+    change: str
+    """``"kept"``, ``"start"``, ``"resume"``, ``"move"``, ``"resize"``."""
+
+
+@dataclass(slots=True)
+class RoundPlan:
+    """The decision for one round: job id -> placement (jobs not in it do not run)."""
+
+    placements: dict[int, Placement]
+    used: dict[str, int]
+    """GPUs used per type."""
+    unconsolidated: int = 0
+    """Multi-GPU jobs placed on more servers than the minimum (fragmentation)."""
+
+
+@dataclass
+class _RowStat:
+    received: np.ndarray
+    present: float
+
+
+@dataclass
+class RoundMechanism:
+    """Stateful round scheduler for one cluster (state: the current allocation, the time each row
+    received since it was set, and the previous round's placements)."""
+
+    cluster: Cluster
+    config: MechanismConfig = field(default_factory=MechanismConfig)
+
+    def __post_init__(self) -> None:
+        self._types = list(self.cluster.types)
+        self._alloc: Allocation | None = None
+        self._elastic: dict[int, bool] = {}
+        self._stats: dict[tuple[int, ...], _RowStat] = {}
+        self._prev: dict[int, Placement] = {}
+        self._ever_ran: set[int] = set()
+
+    # ------------------------------------------------------------------------ allocation
+
+    @property
+    def allocation(self) -> Allocation | None:
+        return self._alloc
+
+    def set_allocation(self, alloc: Allocation, elastic: dict[int, bool] | None = None) -> None:
+        """Replace the allocation (after a policy recomputation); resets the received-time counters.
+
+        ``elastic`` (job id -> bool) says which jobs resize in place; default: none.
+        """
+        X = np.asarray(alloc.X, dtype=float)
+        if X.shape != (len(alloc.rows), len(self._types)):
+            raise ValueError(f"allocation X has shape {X.shape}; expected ({len(alloc.rows)}, {len(self._types)}) "
+                             f"for cluster types {self._types}")
+        for row in alloc.rows:
+            g = alloc.gpus[row[0]]
+            if g > max(self.cluster.gpus.values()):
+                raise ValueError(f"row {row} needs {g} GPUs; the largest type has {max(self.cluster.gpus.values())}")
+        self._alloc = alloc
+        if elastic is not None:
+            self._elastic = dict(elastic)
+        r = self.config.round_s
+        self._stats = {tuple(row): _RowStat(received=X[i] * r, present=r) for i, row in enumerate(alloc.rows)}
+
+    def forget(self, job_id: int) -> None:
+        """Drop a finished job's lease and history."""
+        self._prev.pop(job_id, None)
+        self._ever_ran.discard(job_id)
+        self._elastic.pop(job_id, None)
+
+    # ------------------------------------------------------------------------ one round
+
+    def priorities(self) -> np.ndarray:
+        """(rows, types) current priorities (0 where X is 0, inf where a positive X got nothing)."""
+        alloc = self._alloc
+        if alloc is None:
+            return np.zeros((0, len(self._types)))
+        X = np.asarray(alloc.X, dtype=float)
+        rec = np.stack([self._stats[tuple(r)].received for r in alloc.rows]) if alloc.rows else X * 0
+        pres = np.array([self._stats[tuple(r)].present for r in alloc.rows]) if alloc.rows else np.zeros(0)
+        share = rec / np.maximum(pres, _EPS)[:, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            pr = np.where(X > _EPS, np.where(share > _EPS, X / np.maximum(share, _EPS), np.inf), 0.0)
+        return pr
+
+    def plan_round(self, active: set[int] | None = None) -> RoundPlan:
+        """Choose this round's placements (does not advance the counters: call ``end_round``).
+
+        ``active``: job ids still running (rows naming any other job are skipped).
+        """
+        alloc = self._alloc
+        caps = {t: self.cluster.gpus[t] for t in self._types}
+        if alloc is None or not alloc.rows:
+            self._prev = {}
+            return RoundPlan(placements={}, used={t: 0 for t in self._types})
+        X = np.asarray(alloc.X, dtype=float)
+        pr = self.priorities()
+        nrow, k = X.shape
+        g_row = np.array([alloc.gpus[row[0]] for row in alloc.rows], dtype=np.int64)
+        # Is row r running on type c now with the same GPU count (a lease that can extend)?
+        holder = np.zeros((nrow, k), dtype=bool)
+        tix = {t: i for i, t in enumerate(self._types)}
+        for r, row in enumerate(alloc.rows):
+            p = self._prev.get(row[0])
+            if p is not None and p.gpus == g_row[r] and tuple(p.row) == tuple(row):
+                holder[r, tix[p.acc_type]] = True
+        rr, cc = np.nonzero(X > _EPS)
+        # Sort: priority desc, holder first, X desc, row index, type index.
+        order = np.lexsort((cc, rr, -X[rr, cc], ~holder[rr, cc], -pr[rr, cc]))
+        free = np.array([caps[t] for t in self._types], dtype=np.int64)
+        taken: set[int] = set()
+        chosen: list[tuple[int, int]] = []
+        for o in order:
+            r, c = int(rr[o]), int(cc[o])
+            row = alloc.rows[r]
+            if any(j in taken for j in row):
+                continue
+            if active is not None and any(j not in active for j in row):
+                continue
+            if free[c] < g_row[r]:
+                continue
+            free[c] -= g_row[r]
+            taken.update(row)
+            chosen.append((r, c))
+        return self._place(chosen, g_row)
+
+    def _place(self, chosen: list[tuple[int, int]], g_row: np.ndarray) -> RoundPlan:
+        alloc = self._alloc
+        assert alloc is not None
+        cfg = self.config
+        per = self.cluster.gpus_per_server
+        free_srv = {t: self._server_caps(t) for t in self._types}
+        placed: dict[int, tuple[str, tuple[tuple[int, int], ...]]] = {}
+        row_of: dict[int, tuple[int, int]] = {}
+        rest: list[tuple[int, int]] = []
+        # 1. Lease extension: keep the exact GPUs of any job of the row that ran with the same type and count.
+        for r, c in chosen:
+            t = self._types[c]
+            row = alloc.rows[r]
+            kept = None
+            for j in row:
+                p = self._prev.get(j)
+                if p is not None and p.acc_type == t and p.gpus == g_row[r] and all(
+                        free_srv[t][s] >= n for s, n in p.servers):
+                    kept = p.servers
+                    break
+            if kept is None:
+                rest.append((r, c))
+                continue
+            for s, n in kept:
+                free_srv[t][s] -= n
+            placed[r] = (t, kept)
+        # 2. Everyone else, largest first, consolidated (fewest servers, best fit).
+        unconsolidated = 0
+        rest.sort(key=lambda rc: (-int(g_row[rc[0]]), rc[0]))
+        for r, c in rest:
+            t = self._types[c]
+            need = int(g_row[r])
+            servers = _consolidated(free_srv[t], need)
+            if len(servers) > math.ceil(need / per[t]):
+                unconsolidated += 1
+            for s, n in servers:
+                free_srv[t][s] -= n
+            placed[r] = (t, servers)
+        # 3. Change costs, against the previous round.
+        placements: dict[int, Placement] = {}
+        used = {t: 0 for t in self._types}
+        for r, (t, servers) in placed.items():
+            row = alloc.rows[r]
+            g = int(g_row[r])
+            used[t] += g
+            for j in row:
+                p = self._prev.get(j)
+                if p is not None and p.acc_type == t and p.servers == servers and p.gpus == g:
+                    change, cost = "kept", 0.0
+                elif p is None:
+                    if j in self._ever_ran:
+                        change, cost = "resume", cfg.restart_cost_s
+                    else:
+                        change, cost = "start", cfg.start_cost_s
+                elif p.acc_type == t and p.gpus != g and self._elastic.get(j, False):
+                    change = "resize"
+                    cost = cfg.resize_cost_s if cfg.elastic_resize == "in_place" else cfg.restart_cost_s
+                else:
+                    change, cost = "move", cfg.restart_cost_s
+                placements[j] = Placement(acc_type=t, gpus=g, servers=servers, row=tuple(row), cost_s=cost,
+                                          change=change)
+        for t in self._types:
+            if used[t] > self.cluster.gpus[t]:  # cannot happen: the greedy fill checked it
+                raise RuntimeError(f"mechanism bug: {used[t]} GPUs of {t} used, {self.cluster.gpus[t]} exist")
+        self._prev = placements
+        self._ever_ran.update(placements)
+        return RoundPlan(placements=placements, used=used, unconsolidated=unconsolidated)
+
+    def _server_caps(self, t: str) -> np.ndarray:
+        n, per = self.cluster.gpus[t], self.cluster.gpus_per_server[t]
+        caps = np.full(n // per, per, dtype=np.int64)
+        if n % per:
+            caps = np.append(caps, n % per)
+        return caps
+
+    def end_round(self, ran_s: dict[int, float] | None = None) -> None:
+        """Count the round just played: each row in the allocation was present for a round; each
+        scheduled row received ``round_s`` on its type (``ran_s`` is unused by the counters on
+        purpose: a job that finished early still held its GPUs for the round)."""
+        alloc = self._alloc
+        if alloc is None:
+            return
+        r = self.config.round_s
+        tix = {t: i for i, t in enumerate(self._types)}
+        for row in alloc.rows:
+            self._stats[tuple(row)].present += r
+        seen: set[tuple[int, ...]] = set()
+        for p in self._prev.values():
+            if p.row in seen:
+                continue
+            seen.add(p.row)
+            st = self._stats.get(p.row)
+            if st is not None:
+                st.received[tix[p.acc_type]] += r
+
+    def stop(self, job_id: int) -> None:
+        """The job no longer runs (finished): its GPUs are free next round and it is not a holder."""
+        self.forget(job_id)
+
+
+def _consolidated(free: np.ndarray, need: int) -> tuple[tuple[int, int], ...]:
+    """GPUs for a job of ``need`` on servers with ``free`` GPUs: one server if any holds it (the
+    fullest that does), else whole servers, largest free first (fewest servers)."""
+    fits = np.flatnonzero(free >= need)
+    if fits.size:
+        s = int(fits[np.argmin(free[fits])])  # best fit: keep big holes for big jobs
+        return ((s, need),)
+    out: list[tuple[int, int]] = []
+    left = need
+    for s in np.argsort(-free, kind="stable"):
+        if left == 0:
+            break
+        n = int(min(free[s], left))
+        if n > 0:
+            out.append((int(s), n))
+            left -= n
+    if left:
+        raise RuntimeError(f"mechanism bug: {need} GPUs requested, only {need - left} free")
+    return tuple(sorted(out))

@@ -1,0 +1,274 @@
+"""Job traces for the cluster simulator: Gavel's TSV format and a seeded workload generator.
+
+Gavel's trace format (``../shared/data/gavel/traces/*.trace``) has one job per line, tab-separated::
+
+    job_type  command  working_directory  num_steps_arg  needs_data_dir  total_steps
+    scale_factor  [priority_weight  [SLO  [arrival_time]]]
+
+``command``, ``working_directory``, ``num_steps_arg`` and ``needs_data_dir`` only matter to a real
+deployment and are checked for presence, not used. Missing trailing columns take their defaults
+(weight 1, no SLO, arrival 0). An SLO column <= 0 (Gavel writes ``-1.000000``) means "no SLO"; a
+positive value is a multiplier of the job's isolated run time on ``reference_type`` at its own
+scale (Gavel's convention), converted here to an absolute ``slo_s`` (seconds after arrival).
+
+The generator draws Gavel's continuous workload:
+
+* arrivals: a Poisson process of ``rate_per_hour`` jobs per hour (the first job arrives at 0);
+* durations: ``10**U(1.5, 3)`` minutes with probability 0.8, else ``10**U(3, 4)`` minutes;
+* GPU counts 1/2/4/8 with probabilities .70/.10/.15/.05;
+* job type: uniform over the table's types that have a throughput at that GPU count;
+* total steps = duration x throughput on one ``reference_type`` GPU (``steps_reference="one"``,
+  the issue's definition) or on ``scale_factor`` of them (``"scale"``, what Gavel's own
+  generator does; it makes multi-GPU jobs longer).
+
+Invariants: job ids are 0..n-1 in trace order; the same seed and arguments give the same jobs
+(one ``numpy.random.Generator``, draws in a fixed order); every error names the file and line.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from virtualflow.cluster.model import JobSpec
+from virtualflow.cluster.throughputs import ThroughputTable
+
+__all__ = ["read_gavel_trace", "write_gavel_trace", "GeneratorConfig", "generate_jobs", "parse_generate_spec"]
+
+_MIN_COLUMNS = 7
+_MAX_COLUMNS = 10
+SCALE_CHOICES = (1, 2, 4, 8)
+SCALE_PROBS = (0.70, 0.10, 0.15, 0.05)
+
+
+def _has_throughput(table: ThroughputTable, job_type: str, acc_type: str, scale: int) -> bool:
+    try:
+        return table.throughput(job_type, acc_type, scale) > 0
+    except (KeyError, ValueError):
+        return False
+
+
+def _isolated_time_s(table: ThroughputTable, job_type: str, scale: int, total_steps: float,
+                     reference_type: str) -> float:
+    thr = table.throughput(job_type, reference_type, scale)
+    return total_steps / thr
+
+
+def read_gavel_trace(path: str | os.PathLike, table: ThroughputTable, *, reference_type: str = "v100") -> list[JobSpec]:
+    """Parse a Gavel ``.trace`` file into ``JobSpec``s (ids 0..n-1 in line order; blank lines skipped).
+
+    Raises ``ValueError("FILE:LINE: ...")`` for a malformed line (wrong column count, a number that
+    does not parse or is out of range) or a job type the throughput table does not know.
+    """
+    path = os.fspath(path)
+    known = set(table.job_types)
+    jobs: list[JobSpec] = []
+    with open(path) as f:
+        for lineno, raw in enumerate(f, start=1):
+            line = raw.rstrip("\r\n")
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            cols = line.split("\t")
+            if not _MIN_COLUMNS <= len(cols) <= _MAX_COLUMNS:
+                raise ValueError(f"{where}: expected {_MIN_COLUMNS} to {_MAX_COLUMNS} tab-separated columns "
+                                 f"(job_type, command, working_directory, num_steps_arg, needs_data_dir, "
+                                 f"total_steps, scale_factor[, priority_weight[, SLO[, arrival_time]]]), "
+                                 f"got {len(cols)}")
+            job_type = cols[0].strip()
+            if job_type not in known:
+                raise ValueError(f"{where}: unknown job type {job_type!r}; the throughput table knows "
+                                 f"{sorted(known)}")
+
+            def num(i: int, name: str, kind=float):
+                try:
+                    v = kind(float(cols[i])) if kind is int else float(cols[i])
+                except ValueError:
+                    raise ValueError(f"{where}: column {i + 1} ({name}) = {cols[i]!r} is not a number") from None
+                if kind is int and float(cols[i]) != int(float(cols[i])):
+                    raise ValueError(f"{where}: column {i + 1} ({name}) = {cols[i]!r} is not an integer")
+                if not math.isfinite(v):
+                    raise ValueError(f"{where}: column {i + 1} ({name}) = {cols[i]!r} is not finite")
+                return v
+
+            total_steps = num(5, "total_steps")
+            scale = num(6, "scale_factor", int)
+            weight = num(7, "priority_weight") if len(cols) > 7 else 1.0
+            slo = num(8, "SLO") if len(cols) > 8 else -1.0
+            arrival = num(9, "arrival_time") if len(cols) > 9 else 0.0
+            if total_steps <= 0:
+                raise ValueError(f"{where}: total_steps={total_steps} must be > 0")
+            if scale < 1:
+                raise ValueError(f"{where}: scale_factor={scale} must be >= 1")
+            if weight <= 0:
+                raise ValueError(f"{where}: priority_weight={weight} must be > 0")
+            if arrival < 0:
+                raise ValueError(f"{where}: arrival_time={arrival} must be >= 0")
+            if not any(_has_throughput(table, job_type, t, scale) for t in table_acc_types(table)):
+                raise ValueError(f"{where}: the throughput table has no throughput for {job_type!r} at "
+                                 f"scale_factor={scale} on any accelerator type")
+            slo_s = None
+            if slo > 0:
+                if not _has_throughput(table, job_type, reference_type, scale):
+                    raise ValueError(f"{where}: SLO={slo} is relative to the run time on {reference_type!r}, "
+                                     f"which has no throughput for {job_type!r} at scale {scale}")
+                slo_s = slo * _isolated_time_s(table, job_type, scale, total_steps, reference_type)
+            jobs.append(JobSpec(job_id=len(jobs), job_type=job_type, scale_factor=scale, total_steps=total_steps,
+                                weight=weight, slo_s=slo_s, arrival_s=arrival))
+    return jobs
+
+
+def table_acc_types(table: ThroughputTable) -> list[str]:
+    """Accelerator types of a table (``acc_types`` if it has it, else Gavel's three)."""
+    types = getattr(table, "acc_types", None)
+    if types is None:
+        types = getattr(table, "accelerator_types", None)
+    return list(types) if types is not None else ["v100", "p100", "k80"]
+
+
+def write_gavel_trace(path: str | os.PathLike, jobs: Sequence[JobSpec]) -> None:
+    """Write jobs as a Gavel trace (10 columns; SLO column -1: absolute SLOs do not round-trip).
+
+    Elastic ranges are not part of Gavel's format: an elastic job is written at its maximum.
+    """
+    with open(path, "w") as f:
+        for j in jobs:
+            f.write("\t".join([j.job_type, "-", "-", "-", "0", repr(float(j.total_steps)), str(int(j.scale_factor)),
+                               repr(float(j.weight)), "-1", repr(float(j.arrival_s))]) + "\n")
+
+
+@dataclass(kw_only=True, slots=True)
+class GeneratorConfig:
+    """Knobs of the synthetic workload (defaults: Gavel's continuous multi-GPU workload)."""
+
+    num_jobs: int = 800
+    """How many jobs to generate."""
+    rate_per_hour: float = 2.0
+    """Poisson arrival rate (jobs per hour); 0 puts every job at time 0."""
+    seed: int = 0
+    """Seed of the one ``numpy.random.Generator`` all draws come from."""
+    reference_type: str = "v100"
+    """Accelerator type whose throughput turns a duration into steps."""
+    steps_reference: str = "one"
+    """``"one"``: steps = duration x throughput on one reference GPU; ``"scale"``: on scale_factor GPUs."""
+    multi_gpu: bool = True
+    """False: every job asks for one GPU."""
+    elastic_fraction: float = 0.0
+    """Fraction of jobs that are elastic (``min_gpus=1``, ``scale_factor`` = the drawn maximum)."""
+    priorities: tuple[float, ...] | None = None
+    """If set, each job's weight is drawn uniformly from these values (else 1)."""
+    scale_choices: tuple[int, ...] = SCALE_CHOICES
+    """GPU counts to draw from."""
+    scale_probs: tuple[float, ...] = SCALE_PROBS
+    """Their probabilities."""
+
+    def __post_init__(self) -> None:
+        if self.num_jobs < 1:
+            raise ValueError(f"num_jobs={self.num_jobs} must be >= 1")
+        if not (self.rate_per_hour >= 0 and math.isfinite(self.rate_per_hour)):
+            raise ValueError(f"rate_per_hour={self.rate_per_hour} must be a finite number >= 0")
+        if self.steps_reference not in ("one", "scale"):
+            raise ValueError(f"steps_reference={self.steps_reference!r} must be 'one' or 'scale'")
+        if not 0.0 <= self.elastic_fraction <= 1.0:
+            raise ValueError(f"elastic_fraction={self.elastic_fraction} must be in [0, 1]")
+        if len(self.scale_choices) != len(self.scale_probs) or not self.scale_choices:
+            raise ValueError(f"scale_choices={self.scale_choices} and scale_probs={self.scale_probs} "
+                             "must be non-empty and of the same length")
+        if abs(sum(self.scale_probs) - 1.0) > 1e-9 or min(self.scale_probs) < 0:
+            raise ValueError(f"scale_probs={self.scale_probs} must be >= 0 and sum to 1")
+        if self.priorities is not None and (not self.priorities or min(self.priorities) <= 0):
+            raise ValueError(f"priorities={self.priorities} must be a non-empty tuple of positive weights")
+
+
+def draw_duration_s(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Gavel's duration distribution, in seconds: 10**U(1.5,3) min w.p. 0.8, else 10**U(3,4) min."""
+    long = rng.random(n) >= 0.8
+    exps = np.where(long, rng.uniform(3.0, 4.0, n), rng.uniform(1.5, 3.0, n))
+    return 60.0 * 10.0 ** exps
+
+
+def generate_jobs(table: ThroughputTable, config: GeneratorConfig | None = None, **kw) -> list[JobSpec]:
+    """Draw ``config.num_jobs`` jobs (ids 0..n-1 in arrival order). Keyword arguments build a config."""
+    cfg = config if config is not None else GeneratorConfig(**kw)
+    if config is not None and kw:
+        raise ValueError("pass either a GeneratorConfig or keyword arguments, not both")
+    rng = np.random.default_rng(cfg.seed)
+    n = cfg.num_jobs
+    types = list(table.job_types)
+    if not types:
+        raise ValueError("the throughput table has no job types")
+    # Which job types can run at each GPU count on the reference type.
+    by_scale = {s: [t for t in types if _has_throughput(table, t, cfg.reference_type, s)] for s in cfg.scale_choices}
+    for s, ts in by_scale.items():
+        if not ts:
+            raise ValueError(f"no job type has a throughput at {s} GPUs on reference_type={cfg.reference_type!r}; "
+                             "change scale_choices or the table")
+    # Draws in a fixed order (arrivals, durations, scales, type picks, elastic, priorities).
+    if cfg.rate_per_hour > 0:
+        gaps = rng.exponential(3600.0 / cfg.rate_per_hour, n)
+        gaps[0] = 0.0
+        arrivals = np.cumsum(gaps)
+    else:
+        arrivals = np.zeros(n)
+    durations = draw_duration_s(rng, n)
+    if cfg.multi_gpu:
+        scales = np.asarray(cfg.scale_choices)[rng.choice(len(cfg.scale_choices), size=n, p=np.asarray(cfg.scale_probs))]
+    else:
+        scales = np.ones(n, dtype=int)
+    picks = rng.random(n)
+    elastic = rng.random(n) < cfg.elastic_fraction
+    weights = (np.asarray(cfg.priorities, dtype=float)[rng.integers(0, len(cfg.priorities), n)]
+               if cfg.priorities else np.ones(n))
+    jobs: list[JobSpec] = []
+    for i in range(n):
+        s = int(scales[i])
+        candidates = by_scale.get(s) or [t for t in types if _has_throughput(table, t, cfg.reference_type, s)]
+        if not candidates:
+            raise ValueError(f"no job type runs on {s} GPUs of {cfg.reference_type!r}")
+        jt = candidates[min(int(picks[i] * len(candidates)), len(candidates) - 1)]
+        ref_scale = 1 if cfg.steps_reference == "one" else s
+        steps = float(durations[i]) * table.throughput(jt, cfg.reference_type, ref_scale)
+        jobs.append(JobSpec(job_id=i, job_type=jt, scale_factor=s, min_gpus=1 if elastic[i] else None,
+                            total_steps=steps, weight=float(weights[i]), arrival_s=float(arrivals[i])))
+    return jobs
+
+
+_GEN_KEYS = {"rate": "rate_per_hour", "rate_per_hour": "rate_per_hour", "jobs": "num_jobs",
+             "num_jobs": "num_jobs", "seed": "seed", "elastic": "elastic_fraction",
+             "elastic_fraction": "elastic_fraction", "steps_reference": "steps_reference",
+             "reference": "reference_type", "reference_type": "reference_type", "priorities": "priorities",
+             "multi_gpu": "multi_gpu"}
+
+
+def parse_generate_spec(spec: str) -> GeneratorConfig:
+    """``"rate=2.0,jobs=800,seed=0"`` -> GeneratorConfig (also ``elastic=0.5``,
+    ``priorities=1/5/10``, ``steps_reference=scale``, ``reference=v100``, ``multi_gpu=0``)."""
+    kw: dict = {}
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        key, eq, val = part.partition("=")
+        key = key.strip()
+        if not eq or key not in _GEN_KEYS:
+            raise ValueError(f"--generate: {part!r} is not KEY=VALUE with KEY in "
+                             f"{sorted(set(_GEN_KEYS))} (e.g. rate=2.0,jobs=800,seed=0)")
+        name = _GEN_KEYS[key]
+        val = val.strip()
+        try:
+            if name in ("num_jobs", "seed"):
+                kw[name] = int(val)
+            elif name in ("rate_per_hour", "elastic_fraction"):
+                kw[name] = float(val)
+            elif name == "priorities":
+                kw[name] = tuple(float(v) for v in val.split("/"))
+            elif name == "multi_gpu":
+                kw[name] = val.lower() not in ("0", "false", "no")
+            else:
+                kw[name] = val
+        except ValueError:
+            raise ValueError(f"--generate: {key}={val!r} is not a valid value") from None
+    return GeneratorConfig(**kw)
