@@ -1,0 +1,141 @@
+"""``virtualflow simulate``: replay a trace (or a generated workload) through a scheduling policy.
+
+Example::
+
+    virtualflow simulate --cluster v100=12,p100=12,k80=12 --generate rate=2.0,jobs=800,seed=0 \\
+        --policy las --window 300:700 -o runs/sim-las
+
+Prints one line of metrics and writes ``summary.json``, ``jobs.jsonl`` and ``jct_cdf.png`` to
+``-o DIR`` when given. Bad input raises ``ValueError`` (the CLI prints one line, exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="simulate a cluster scheduling policy on a job trace",
+        description="Run a Gavel-style scheduling policy and the round-based mechanism on a trace of jobs "
+        "(Gavel TSV, or generated) over a heterogeneous cluster, on simulated time.",
+    )
+    p.add_argument("--cluster", default="v100=12,p100=12,k80=12",
+                   help="GPU counts per accelerator type (default v100=12,p100=12,k80=12)")
+    p.add_argument("--gpus-per-server", type=int, default=4, help="GPUs per server, every type (default 4)")
+    p.add_argument("--prices", help="$ per GPU-hour per type, e.g. v100=2.48,p100=1.46,k80=0.45 (cost metric)")
+    p.add_argument("--throughputs", help="throughput table: Gavel JSON or virtualflow JSON "
+                   "(default: simulation_throughputs.json in the Gavel data directory)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", help="Gavel .trace file (TSV)")
+    src.add_argument("--generate", metavar="SPEC",
+                     help="generate jobs: rate=JOBS_PER_HOUR,jobs=N,seed=S[,elastic=FRACTION][,priorities=1/5/10]"
+                     "[,steps_reference=one|scale]")
+    p.add_argument("--policy", default="las", help="scheduling policy (default las); see docs/cluster.md")
+    p.add_argument("--window", help="measurement window of job ids LO:HI (default: every job)")
+    p.add_argument("--round-s", type=float, default=360.0, help="round length in seconds (default 360)")
+    p.add_argument("--restart-cost-s", type=float, default=45.0,
+                   help="seconds lost per checkpoint-restart (preemption, move) (default 45)")
+    p.add_argument("--resize-cost-s", type=float, default=1.5,
+                   help="seconds lost per in-place resize of an elastic job (default 1.5)")
+    p.add_argument("--elastic-resize", choices=("in_place", "restart"), default="in_place",
+                   help="how elastic jobs change GPU count (default in_place)")
+    p.add_argument("--recompute", choices=("on_change", "every_round"), default="on_change",
+                   help="when the policy is re-solved (default on_change: arrivals and completions)")
+    p.add_argument("--max-hours", type=float, help="stop after this many simulated hours")
+    p.add_argument("-o", "--out-dir", help="write summary.json, jobs.jsonl, jct_cdf.png here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=main)
+
+
+def parse_window(spec: str | None) -> tuple[int, int] | None:
+    if spec is None:
+        return None
+    lo, sep, hi = spec.partition(":")
+    try:
+        w = (int(lo), int(hi))
+    except ValueError:
+        raise ValueError(f"--window {spec!r} must be LO:HI job ids, e.g. 300:700") from None
+    if not sep or not 0 <= w[0] < w[1]:
+        raise ValueError(f"--window {spec!r} must be LO:HI with 0 <= LO < HI, e.g. 300:700")
+    return w
+
+
+def parse_prices(spec: str | None) -> dict[str, float] | None:
+    if not spec:
+        return None
+    out: dict[str, float] = {}
+    for part in spec.split(","):
+        name, sep, val = part.partition("=")
+        try:
+            out[name.strip()] = float(val)
+        except ValueError:
+            raise ValueError(f"--prices item {part!r} must be TYPE=DOLLARS_PER_GPU_HOUR, e.g. v100=2.48") from None
+        if not sep:
+            raise ValueError(f"--prices item {part!r} must be TYPE=DOLLARS_PER_GPU_HOUR")
+    return out
+
+
+def load_table(path: str | None):
+    """A throughput table from Gavel's JSON or virtualflow's JSON (told apart by their keys)."""
+    import json
+
+    from virtualflow.cluster.throughputs import ThroughputTable, gavel_data_dir
+
+    if path is None:
+        path = os.path.join(gavel_data_dir(), "simulation_throughputs.json")
+    if not os.path.exists(path):
+        raise ValueError(f"--throughputs {path!r} does not exist (set VIRTUALFLOW_GAVEL_DATA or pass a file)")
+    with open(path) as f:
+        data = json.load(f)
+    if isinstance(data, dict) and data and all(isinstance(v, dict) and any(str(k).startswith("(") for k in v)
+                                               for v in data.values()):
+        return ThroughputTable.from_gavel_json(path)
+    return ThroughputTable.from_dict(data, source=path)
+
+
+def main(args: argparse.Namespace) -> int:
+    from virtualflow.cluster import Cluster, get_policy
+    from virtualflow.cluster.mechanism import MechanismConfig
+    from virtualflow.cluster.metrics import summarize, write_summary
+    from virtualflow.cluster.simulator import SimConfig, simulate
+    from virtualflow.cluster.traces import generate_jobs, parse_generate_spec, read_gavel_trace
+
+    cluster = Cluster.parse(args.cluster, gpus_per_server=args.gpus_per_server, prices=parse_prices(args.prices))
+    table = load_table(args.throughputs)
+    if args.trace:
+        jobs = read_gavel_trace(args.trace, table)
+        source = args.trace
+    else:
+        cfg = parse_generate_spec(args.generate)
+        jobs = generate_jobs(table, cfg)
+        source = f"generated {cfg.num_jobs} jobs at {cfg.rate_per_hour} jobs/h, seed {cfg.seed}"
+    policy = get_policy(args.policy)
+    sim_cfg = SimConfig(
+        mechanism=MechanismConfig(round_s=args.round_s, restart_cost_s=args.restart_cost_s,
+                                  resize_cost_s=args.resize_cost_s, elastic_resize=args.elastic_resize),
+        recompute=args.recompute, window=parse_window(args.window),
+        max_sim_s=args.max_hours * 3600.0 if args.max_hours else None, progress=not args.no_progress)
+    log.info("simulating %s on %s (%d GPUs), %s", args.policy, args.cluster, cluster.total_gpus, source)
+    result = simulate(jobs, cluster, table, policy, sim_cfg)
+    s = summarize(result)
+    line = (f"{args.policy}: {s['finished']}/{s['window_jobs']} jobs done; JCT avg {s['avg_jct_h']:.2f} h, "
+            f"median {s['median_jct_h']:.2f} h, p99 {s['p99_jct_h']:.2f} h; makespan "
+            f"{s['makespan_s'] / 3600:.1f} h; utilisation {s['utilisation']:.1%}; restarts {s['restarts']}, "
+            f"resizes {s['resizes']}")
+    if "cost_usd" in s:
+        line += f"; cost ${s['cost_usd']:.0f}"
+    if s["slo_jobs"]:
+        line += f"; SLO violations {s['slo_violations']}/{s['slo_jobs']}"
+    print(line)
+    if s["unfinished"]:
+        print(f"warning: {s['unfinished']} jobs of the window had not finished when the simulation stopped")
+    if args.out_dir:
+        paths = write_summary(result, args.out_dir, s)
+        print(f"wrote {', '.join(sorted(paths.values()))}")
+    return 0
