@@ -90,7 +90,8 @@ class PolicyInput:
                         f"job {j.job_id} ({j.job_type!r}) needs {need} GPUs but the largest accelerator type has "
                         f"{biggest} ({self.cluster.gpus}); a job runs on one type at a time: add GPUs or "
                         f"lower its {'min_gpus' if j.elastic else 'scale_factor'}")
-            cannot = np.flatnonzero(~self.runnable.any(axis=1))
+            elastic = np.array([j.elastic for j in self.jobs])
+            cannot = np.flatnonzero(~self.runnable.any(axis=1) & ~elastic)  # elastic: may run smaller
             if cannot.size:
                 j = self.jobs[int(cannot[0])]
                 raise ValueError(f"job {j.job_id} ({j.job_type!r} at {j.scale_factor} GPUs) cannot run on any type "

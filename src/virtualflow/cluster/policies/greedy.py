@@ -78,7 +78,8 @@ class Qssf:
     def allocate(self, inp: PolicyInput) -> Allocation:
         steps = inp.remaining_steps if self.remaining else inp.total_steps
         best = np.where(inp.runnable, inp.T, 0.0).max(axis=1) if inp.n else np.zeros(0)
-        service = inp.scales * steps / best
+        with np.errstate(divide="ignore"):
+            service = inp.scales * steps / best  # inf: runs nowhere at this size (last)
         arrival = np.array([j.arrival_s for j in inp.jobs], dtype=float)
         order = np.lexsort((inp.job_ids, arrival, service))
         return _single_rows(inp, greedy_fill(inp, order, self.aware), order=order.tolist(),

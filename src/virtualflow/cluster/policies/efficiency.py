@@ -1,0 +1,65 @@
+"""Efficiency policies over effective throughput: makespan, total throughput, total JCT.
+
+Notation as in ``fairness``: ``thr_i(X) = sum_k T[i, k] X[i, k]`` steps/s, ``R_i`` steps left.
+
+- ``makespan``: maximise ``min_i thr_i(X) / R_i`` (the slowest job's rate of finishing), i.e.
+  minimise ``max_i R_i / thr_i(X)``, the time the last job would finish if X were kept. One LP with
+  a variable ``t``; objective reported: that makespan in seconds, ``1 / t``. Then filled (see
+  ``lp.max_min``).
+- ``max_throughput``: maximise ``sum_i thr_i(X) / best_i``, total throughput with each job's
+  steps/s normalised by its best type's (raw steps/s of different models are not comparable).
+- ``min_jct``: a linear surrogate of minimum total JCT: maximise ``sum_i w_i thr_i(X) / R_i``, the
+  sum of the inverse remaining times. On one type it is the fractional knapsack that runs jobs in
+  order of least remaining GPU-time (SRPT, optimal for total completion time on one machine); with
+  several types it also puts each job where its speed-up is largest. The exact ``min sum R_i /
+  thr_i(X)`` is convex but not linear, and it ignores that finishing jobs free GPUs for others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from virtualflow.cluster.policies import lp
+from virtualflow.cluster.policies.base import Allocation, PolicyInput
+from virtualflow.cluster.policies.fairness import single_rows
+
+
+@dataclass(kw_only=True, slots=True)
+class Makespan:
+    """Minimise the time the last job finishes (objective: that time in seconds)."""
+
+    name: str = "makespan"
+    fill: bool = True
+
+    def allocate(self, inp: PolicyInput) -> Allocation:
+        C = np.where(inp.runnable, inp.T, 0.0) / inp.remaining_steps[:, None]
+        X, t = lp.max_min(C, inp.scales, inp.capacities, inp.runnable, fill=self.fill, what=self.name)
+        return single_rows(inp, X, 1.0 / t if t > 0 else float("inf"))
+
+
+@dataclass(kw_only=True, slots=True)
+class MaxThroughput:
+    """Maximise total normalised throughput (objective: ``sum_i thr_i / best_i``)."""
+
+    name: str = "max_throughput"
+
+    def allocate(self, inp: PolicyInput) -> Allocation:
+        T = np.where(inp.runnable, inp.T, 0.0)
+        best = T.max(axis=1, keepdims=True) if inp.n else np.ones((0, 1))
+        C = T / np.where(best > 0, best, 1.0)
+        X, v = lp.max_sum(C, inp.scales, inp.capacities, inp.runnable, what=self.name)
+        return single_rows(inp, X, v)
+
+
+@dataclass(kw_only=True, slots=True)
+class MinJct:
+    """Linear surrogate of minimum total JCT (objective: ``sum_i w_i thr_i / R_i``, 1/s)."""
+
+    name: str = "min_jct"
+
+    def allocate(self, inp: PolicyInput) -> Allocation:
+        C = np.where(inp.runnable, inp.T, 0.0) * (inp.weights / inp.remaining_steps)[:, None]
+        X, v = lp.max_sum(C, inp.scales, inp.capacities, inp.runnable, what=self.name)
+        return single_rows(inp, X, v)

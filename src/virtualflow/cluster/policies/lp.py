@@ -1,0 +1,119 @@
+"""Sparse LP building blocks shared by the optimisation policies, solved with HiGHS (scipy).
+
+Variables of a single-job problem are ``x = X.ravel()`` (row-major: job ``i``, type ``k`` at
+``i * n_types + k``), optionally followed by extra scalars (``t``, ``z``...). The blocks:
+
+- ``job_rows``: ``sum_k X[i, k] <= 1`` (n_jobs rows);
+- ``cap_rows``: ``sum_i scale_i X[i, k] <= capacity_k`` (n_types rows);
+- ``coef_rows(C)``: ``sum_k C[i, k] X[i, k]`` per job (n_jobs rows), e.g. effective throughput.
+
+Everything is built from index arrays (no Python loop over jobs), so building costs O(n_jobs x n_types).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+from scipy.optimize import linprog
+
+EPS_FIX = 1e-7
+"""Relative slack when a first-stage optimum is fixed as a constraint of a second stage."""
+
+
+def job_rows(n: int, k: int, extra: int = 0) -> sp.csr_matrix:
+    rows = np.repeat(np.arange(n), k)
+    return sp.csr_matrix((np.ones(n * k), (rows, np.arange(n * k))), shape=(n, n * k + extra))
+
+
+def cap_rows(scales: np.ndarray, k: int, extra: int = 0) -> sp.csr_matrix:
+    n = len(scales)
+    cols = np.arange(n * k)
+    return sp.csr_matrix((np.repeat(scales, k), (np.tile(np.arange(k), n), cols)), shape=(k, n * k + extra))
+
+
+def coef_rows(C: np.ndarray, extra: int = 0) -> sp.csr_matrix:
+    n, k = C.shape
+    rows = np.repeat(np.arange(n), k)
+    return sp.csr_matrix((C.ravel(), (rows, np.arange(n * k))), shape=(n, n * k + extra))
+
+
+def solve(c: np.ndarray, A_ub: sp.spmatrix | None, b_ub: np.ndarray | None, bounds: np.ndarray,
+          A_eq: sp.spmatrix | None = None, b_eq: np.ndarray | None = None, what: str = "LP") -> tuple[np.ndarray, float]:
+    """Minimise ``c @ x`` with HiGHS; ``bounds`` is (n_vars, 2). Raises RuntimeError unless optimal."""
+    res = linprog(c, A_ub=A_ub, b_ub=b_ub, A_eq=A_eq, b_eq=b_eq, bounds=bounds, method="highs")
+    if res.status != 0:
+        raise RuntimeError(f"{what}: HiGHS did not find an optimum (status {res.status}: {res.message})")
+    return res.x, float(res.fun)
+
+
+def x_bounds(runnable: np.ndarray, extra: list[tuple[float, float]] = ()) -> np.ndarray:
+    """0 <= X <= 1 where the job can run, X = 0 where it cannot; then bounds of the extra scalars."""
+    b = np.zeros((runnable.size + len(extra), 2))
+    b[: runnable.size, 1] = runnable.ravel().astype(float)
+    for j, (lo, hi) in enumerate(extra):
+        b[runnable.size + j] = (lo, hi)
+    return b
+
+
+def max_min(C: np.ndarray, scales: np.ndarray, caps: np.ndarray, runnable: np.ndarray,
+            fill: bool = True, what: str = "max-min") -> tuple[np.ndarray, float]:
+    """Maximise ``min_i sum_k C[i, k] X[i, k]`` over the single-job polytope; returns (X, optimum).
+
+    With ``fill`` a second LP keeps every job at >= the optimum (less ``EPS_FIX`` relative) and
+    maximises the sum of ``C * X``, so capacity the bottleneck jobs cannot use goes to others.
+    """
+    n, k = C.shape
+    nk = n * k
+    if n == 0:
+        return np.zeros((0, k)), float("inf")
+    # Jobs that cannot get anything (all-zero rows: nowhere to run) do not bound t.
+    active = np.flatnonzero((C > 0).any(axis=1))
+    if active.size == 0:
+        return np.zeros((n, k)), 0.0
+    m = active.size
+    A_thr = coef_rows(C, extra=1)[active]
+    t_col = sp.csr_matrix((np.ones(m), (np.arange(m), np.full(m, nk))), shape=(m, nk + 1))
+    A = sp.vstack([t_col - A_thr, job_rows(n, k, 1), cap_rows(scales, k, 1)], format="csr")
+    b = np.concatenate([np.zeros(m), np.ones(n), caps])
+    c = np.zeros(nk + 1)
+    c[-1] = -1.0
+    x, fun = solve(c, A, b, x_bounds(runnable, [(0.0, None)]), what=what)
+    t = -fun
+    if not fill:
+        return x[:nk].reshape(n, k), t
+    X, _ = max_sum(C, scales, caps, runnable, floor=t * (1 - EPS_FIX), what=what + " (fill)")
+    return X, t
+
+
+def max_sum(C: np.ndarray, scales: np.ndarray, caps: np.ndarray, runnable: np.ndarray,
+            floor: float | np.ndarray | None = None, what: str = "max-sum") -> tuple[np.ndarray, float]:
+    """Maximise ``sum_ik C[i, k] X[i, k]``, optionally with every job's ``sum_k C X >= floor``."""
+    n, k = C.shape
+    if n == 0:
+        return np.zeros((0, k)), 0.0
+    blocks = [job_rows(n, k), cap_rows(scales, k)]
+    rhs = [np.ones(n), caps]
+    if floor is not None:
+        active = np.flatnonzero((C > 0).any(axis=1))
+        blocks.append(-coef_rows(C)[active])
+        rhs.append(-np.broadcast_to(np.asarray(floor, dtype=float), (n,))[active])
+    x, fun = solve(-C.ravel(), sp.vstack(blocks, format="csr"), np.concatenate(rhs), x_bounds(runnable), what=what)
+    return x.reshape(n, k), -fun
+
+
+def equal_share_throughput(T: np.ndarray, scales: np.ndarray, caps: np.ndarray, runnable: np.ndarray) -> np.ndarray:
+    """Steps/s of each job under an equal 1/n share of every type's GPUs (the normaliser of the
+    fairness policies): time fraction ``f_i = min(1, C / (n scale_i))`` spread over the types it can
+    run on in proportion to their GPU counts (``C`` = all GPUs)."""
+    n = T.shape[0]
+    C = caps.sum()
+    f = np.minimum(1.0, C / (n * scales))
+    return f * (np.where(runnable, T, 0.0) @ caps) / C  # 0 for a job that can run nowhere
+
+
+def equal_share_X(scales: np.ndarray, caps: np.ndarray, runnable: np.ndarray) -> np.ndarray:
+    """The (feasible) allocation behind ``equal_share_throughput``."""
+    n = len(scales)
+    C = caps.sum()
+    f = np.minimum(1.0, C / (n * scales))
+    return np.where(runnable, f[:, None] * caps[None, :] / C, 0.0)
