@@ -16,10 +16,13 @@ minutes, Gavel's value):
 2. **Greedy fill.** Candidates ``(r, k)`` are visited in descending priority (ties: the row
    already running on ``k`` first, so leases extend; then larger ``X``; then row order). A row
    is scheduled on ``k`` if none of its jobs is scheduled yet and ``k`` has enough free GPUs.
-3. **Placement.** Rows that keep their type and GPU count keep their exact GPUs (*lease
-   extension*: no restart). The others are placed largest first, consolidated: a job that fits in
-   one server goes to the fullest server that still holds it (best fit); a larger job takes whole
-   free servers first. Each job lands on one type only, on the fewest servers the free GPUs allow.
+3. **Placement**, as each row is chosen. A row that keeps its type and GPU count keeps its exact
+   GPUs if they are still free (*lease extension*: no restart). Any other row is placed
+   consolidated, on the fewest servers possible (``ceil(gpus / gpus_per_server)``): one server if
+   it fits (the fullest that holds it: best fit), else whole free servers plus one for the rest.
+   Newcomers avoid GPUs that lease holders still to be visited hold, when they can. A row with
+   enough free GPUs of the type but no consolidated placement waits (``skipped_fragmented``);
+   since the highest-priority row always sees an empty cluster, nobody waits forever.
 4. **Change costs** (what Gavel's simulator leaves out). A job that was not running with the same
    (type, GPU count, GPUs) in the previous round pays, at the start of this round:
 
@@ -31,7 +34,7 @@ minutes, Gavel's value):
    - ``start_cost_s`` (default 0) on its very first start (the same for every policy).
 
 Invariants: a round never uses more GPUs of a type than exist (or of a server than it holds);
-every job runs on one type, whole; a job appears in at most one scheduled row. The mechanism is
+every job runs on one type, whole, on the fewest servers; a job appears in at most one scheduled row. The mechanism is
 pure bookkeeping: it has no clock, the caller passes times in.
 """
 
@@ -99,8 +102,9 @@ class RoundPlan:
     placements: dict[int, Placement]
     used: dict[str, int]
     """GPUs used per type."""
-    unconsolidated: int = 0
-    """Multi-GPU jobs placed on more servers than the minimum (fragmentation)."""
+    skipped_fragmented: int = 0
+    """Rows the greedy fill passed over this round: enough free GPUs of the type, but not on the
+    fewest servers the job needs (fragmentation); they run in a later round."""
 
 
 @dataclass
@@ -177,7 +181,6 @@ class RoundMechanism:
         ``active``: job ids still running (rows naming any other job are skipped).
         """
         alloc = self._alloc
-        caps = {t: self.cluster.gpus[t] for t in self._types}
         if alloc is None or not alloc.rows:
             self._prev = {}
             return RoundPlan(placements={}, used={t: 0 for t in self._types})
@@ -185,19 +188,29 @@ class RoundMechanism:
         pr = self.priorities()
         nrow, k = X.shape
         g_row = np.array([alloc.gpus[row[0]] for row in alloc.rows], dtype=np.int64)
-        # Is row r running on type c now with the same GPU count (a lease that can extend)?
-        holder = np.zeros((nrow, k), dtype=bool)
         tix = {t: i for i, t in enumerate(self._types)}
+        # Leases: the servers a job held last round, if it may keep them (same type and GPU count).
+        holder = np.zeros((nrow, k), dtype=bool)
+        lease: dict[int, tuple[int, tuple[tuple[int, int], ...]]] = {}  # row -> (type index, servers)
         for r, row in enumerate(alloc.rows):
-            p = self._prev.get(row[0])
-            if p is not None and p.gpus == g_row[r] and tuple(p.row) == tuple(row):
-                holder[r, tix[p.acc_type]] = True
+            for j in row:
+                p = self._prev.get(j)
+                if p is not None and p.gpus == g_row[r] and X[r, tix[p.acc_type]] > _EPS:
+                    holder[r, tix[p.acc_type]] = True
+                    lease.setdefault(r, (tix[p.acc_type], p.servers))
+        free_srv = [self._server_caps(t) for t in self._types]
+        # GPUs held by possible lease holders: newcomers avoid them when they can (soft reservation).
+        reserved = [np.zeros_like(f) for f in free_srv]
+        for c, servers in lease.values():
+            for s, n in servers:
+                reserved[c][s] += n
         rr, cc = np.nonzero(X > _EPS)
-        # Sort: priority desc, holder first, X desc, row index, type index.
+        # Visit: priority desc, holder first, X desc, row index, type index.
         order = np.lexsort((cc, rr, -X[rr, cc], ~holder[rr, cc], -pr[rr, cc]))
-        free = np.array([caps[t] for t in self._types], dtype=np.int64)
+        per = [self.cluster.gpus_per_server[t] for t in self._types]
         taken: set[int] = set()
-        chosen: list[tuple[int, int]] = []
+        placed: list[tuple[int, int, tuple[tuple[int, int], ...]]] = []
+        skipped = 0
         for o in order:
             r, c = int(rr[o]), int(cc[o])
             row = alloc.rows[r]
@@ -205,55 +218,38 @@ class RoundMechanism:
                 continue
             if active is not None and any(j not in active for j in row):
                 continue
-            if free[c] < g_row[r]:
+            need = int(g_row[r])
+            if free_srv[c].sum() < need:
                 continue
-            free[c] -= g_row[r]
+            servers = None
+            if r in lease and lease[r][0] == c:
+                old = lease[r][1]
+                for s, n in old:
+                    reserved[c][s] -= n
+                if all(free_srv[c][s] >= n for s, n in old):
+                    servers = old
+            if servers is None:
+                servers = (_consolidated(np.maximum(free_srv[c] - reserved[c], 0), need, per[c])
+                           or _consolidated(free_srv[c], need, per[c]))
+            if servers is None:  # enough GPUs, but not on few enough servers: wait for a later round
+                skipped += 1
+                continue
+            for s, n in servers:
+                free_srv[c][s] -= n
             taken.update(row)
-            chosen.append((r, c))
-        return self._place(chosen, g_row)
+            placed.append((r, c, servers))
+        return self._commit(placed, g_row, skipped)
 
-    def _place(self, chosen: list[tuple[int, int]], g_row: np.ndarray) -> RoundPlan:
+    def _commit(self, placed: list[tuple[int, int, tuple[tuple[int, int], ...]]], g_row: np.ndarray,
+                skipped: int) -> RoundPlan:
+        """Change costs against the previous round; remember this round's placements."""
         alloc = self._alloc
         assert alloc is not None
         cfg = self.config
-        per = self.cluster.gpus_per_server
-        free_srv = {t: self._server_caps(t) for t in self._types}
-        placed: dict[int, tuple[str, tuple[tuple[int, int], ...]]] = {}
-        row_of: dict[int, tuple[int, int]] = {}
-        rest: list[tuple[int, int]] = []
-        # 1. Lease extension: keep the exact GPUs of any job of the row that ran with the same type and count.
-        for r, c in chosen:
-            t = self._types[c]
-            row = alloc.rows[r]
-            kept = None
-            for j in row:
-                p = self._prev.get(j)
-                if p is not None and p.acc_type == t and p.gpus == g_row[r] and all(
-                        free_srv[t][s] >= n for s, n in p.servers):
-                    kept = p.servers
-                    break
-            if kept is None:
-                rest.append((r, c))
-                continue
-            for s, n in kept:
-                free_srv[t][s] -= n
-            placed[r] = (t, kept)
-        # 2. Everyone else, largest first, consolidated (fewest servers, best fit).
-        unconsolidated = 0
-        rest.sort(key=lambda rc: (-int(g_row[rc[0]]), rc[0]))
-        for r, c in rest:
-            t = self._types[c]
-            need = int(g_row[r])
-            servers = _consolidated(free_srv[t], need)
-            if len(servers) > math.ceil(need / per[t]):
-                unconsolidated += 1
-            for s, n in servers:
-                free_srv[t][s] -= n
-            placed[r] = (t, servers)
-        # 3. Change costs, against the previous round.
         placements: dict[int, Placement] = {}
         used = {t: 0 for t in self._types}
-        for r, (t, servers) in placed.items():
+        for r, c, servers in placed:
+            t = self._types[c]
             row = alloc.rows[r]
             g = int(g_row[r])
             used[t] += g
@@ -274,11 +270,11 @@ class RoundMechanism:
                 placements[j] = Placement(acc_type=t, gpus=g, servers=servers, row=tuple(row), cost_s=cost,
                                           change=change)
         for t in self._types:
-            if used[t] > self.cluster.gpus[t]:  # cannot happen: the greedy fill checked it
+            if used[t] > self.cluster.gpus[t]:  # cannot happen: placement takes free GPUs only
                 raise RuntimeError(f"mechanism bug: {used[t]} GPUs of {t} used, {self.cluster.gpus[t]} exist")
         self._prev = placements
         self._ever_ran.update(placements)
-        return RoundPlan(placements=placements, used=used, unconsolidated=unconsolidated)
+        return RoundPlan(placements=placements, used=used, skipped_fragmented=skipped)
 
     def _server_caps(self, t: str) -> np.ndarray:
         n, per = self.cluster.gpus[t], self.cluster.gpus_per_server[t]
@@ -312,22 +308,28 @@ class RoundMechanism:
         self.forget(job_id)
 
 
-def _consolidated(free: np.ndarray, need: int) -> tuple[tuple[int, int], ...]:
-    """GPUs for a job of ``need`` on servers with ``free`` GPUs: one server if any holds it (the
-    fullest that does), else whole servers, largest free first (fewest servers)."""
-    fits = np.flatnonzero(free >= need)
-    if fits.size:
-        s = int(fits[np.argmin(free[fits])])  # best fit: keep big holes for big jobs
+def _consolidated(free: np.ndarray, need: int, per_server: int) -> tuple[tuple[int, int], ...] | None:
+    """GPUs for a job of ``need`` on the fewest servers (``ceil(need / per_server)``), given each
+    server's ``free`` GPUs; None if that is impossible. A job that fits one server goes to the
+    fullest server that holds it (best fit: big holes stay for big jobs); a larger one takes whole
+    free servers, then the best-fitting server for the remainder."""
+    if need <= per_server:
+        fits = np.flatnonzero(free >= need)
+        if not fits.size:
+            return None
+        s = int(fits[np.argmin(free[fits])])
         return ((s, need),)
-    out: list[tuple[int, int]] = []
-    left = need
-    for s in np.argsort(-free, kind="stable"):
-        if left == 0:
-            break
-        n = int(min(free[s], left))
-        if n > 0:
-            out.append((int(s), n))
-            left -= n
-    if left:
-        raise RuntimeError(f"mechanism bug: {need} GPUs requested, only {need - left} free")
+    whole, rest = divmod(need, per_server)
+    full = np.flatnonzero(free >= per_server)
+    if full.size < whole:
+        return None
+    out = [(int(s), per_server) for s in full[:whole]]
+    if rest:
+        left = free.copy()
+        left[full[:whole]] = -1
+        fits = np.flatnonzero(left >= rest)
+        if not fits.size:
+            return None
+        s = int(fits[np.argmin(left[fits])])
+        out.append((s, rest))
     return tuple(sorted(out))

@@ -84,7 +84,7 @@ def summarize(result: SimResult, window: tuple[int, int] | None = None) -> dict[
         "rounds": result.rounds,
         "policy_solves": result.solves,
         "policy_solve_s": result.solve_s,
-        "unconsolidated_placements": result.unconsolidated,
+        "skipped_fragmented": result.skipped_fragmented,
     }
     if cl.prices is not None:
         prices = np.array([cl.prices[t] for t in cl.types])

@@ -121,7 +121,8 @@ class SimResult:
     solves: int
     solve_s: float
     """Wall-clock seconds spent in the policy."""
-    unconsolidated: int
+    skipped_fragmented: int
+    """Rows passed over by the mechanism for lack of a consolidated placement (summed over rounds)."""
     window: tuple[int, int] | None = None
 
     @property
@@ -198,7 +199,7 @@ def simulate(jobs: Sequence[JobSpec], cluster: Cluster, table: ThroughputTable, 
     changed = False
     rounds = solves = 0
     solve_s = 0.0
-    unconsolidated = 0
+    skipped_fragmented = 0
     cache: dict = {}
     bar = None
     if cfg.progress:
@@ -237,7 +238,7 @@ def simulate(jobs: Sequence[JobSpec], cluster: Cluster, table: ThroughputTable, 
                 changed = False
             active_ids = {jobs[i].job_id for i in active}
             plan = mech.plan_round(active_ids)
-            unconsolidated += plan.unconsolidated
+            skipped_fragmented += plan.skipped_fragmented
             end = t + R
             finished: list[int] = []
             for jid, p in plan.placements.items():
@@ -298,5 +299,5 @@ def simulate(jobs: Sequence[JobSpec], cluster: Cluster, table: ThroughputTable, 
     return SimResult(jobs=jobs, cluster=cluster, policy=getattr(policy, "name", type(policy).__name__),
                      arrival_s=arrival, finish_s=finish, steps_run=steps_run, restarts=restarts, resizes=resizes,
                      lost_s=lost, gpu_s=gpu_s, contention=contention, isolated_s=iso, end_s=float(t), rounds=rounds,
-                     solves=solves, solve_s=solve_s, unconsolidated=unconsolidated, window=cfg.window)
+                     solves=solves, solve_s=solve_s, skipped_fragmented=skipped_fragmented, window=cfg.window)
 

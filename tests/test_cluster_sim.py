@@ -1,0 +1,227 @@
+"""The round-based mechanism and the discrete-event simulator (virtualflow.cluster.mechanism/simulator)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from virtualflow.cluster import Allocation, Cluster, JobSpec, PolicyInput, ThroughputTable, gavel_data_dir, get_policy
+from virtualflow.cluster.mechanism import MechanismConfig, RoundMechanism
+from virtualflow.cluster.metrics import summarize, write_summary
+from virtualflow.cluster.simulator import SimClock, SimConfig, simulate
+from virtualflow.cluster.traces import generate_jobs
+
+
+@pytest.fixture(scope="module")
+def gavel() -> ThroughputTable:
+    return ThroughputTable.from_gavel_json(gavel_data_dir() / "simulation_throughputs.json")
+
+
+def toy_table() -> ThroughputTable:
+    # a: 2 steps/s on v100, 1 on k80; b: 3 on v100, 1 on k80 (single GPU); e: elastic, 1/2/4 GPUs.
+    return ThroughputTable.from_dict({
+        "a": {"v100": {1: 2.0}, "k80": {1: 1.0}},
+        "b": {"v100": {1: 3.0}, "k80": {1: 1.0}},
+        "e": {"v100": {1: 1.0, 2: 2.0, 4: 4.0}, "k80": {1: 0.5, 2: 1.0, 4: 2.0}},
+    })
+
+
+class Fixed:
+    """A policy with a fixed allocation for named job ids (test helper)."""
+
+    name = "fixed"
+
+    def __init__(self, X: dict[int, list[float]], gpus: dict[int, int] | None = None):
+        self.X, self.gpus = X, gpus or {}
+
+    def allocate(self, inp: PolicyInput) -> Allocation:
+        ids = [j.job_id for j in inp.jobs]
+        return Allocation(rows=[(i,) for i in ids], X=np.array([self.X[i] for i in ids], dtype=float),
+                          gpus={j.job_id: self.gpus.get(j.job_id, j.scale_factor) for j in inp.jobs})
+
+
+# ---------------------------------------------------------------------------------------- by hand
+
+
+@pytest.mark.parametrize("restart_cost_s", [45.0, 0.0])
+def test_two_jobs_two_types_by_hand(restart_cost_s):
+    """fifo on 1 v100 + 1 k80 (one GPU per server), rounds of 360 s.
+
+    t=0: A (1000 steps) arrives, alone: fifo puts it on its fastest type, v100 (2/s).
+    t=100: B (600 steps) arrives mid-round and waits for the next round.
+    t=360: recompute: A keeps v100 (lease extended, no cost), B starts on k80 (1/s).
+    t=500: A finishes (1000 / 2). JCT_A = 500.
+    t=720: B has 360 steps, 240 left; recompute: B alone moves to v100 (3/s), paying a
+           checkpoint-restart: finishes at 720 + restart + 240 / 3 = 800 + restart. JCT_B = that - 100.
+    """
+    cluster = Cluster(gpus={"v100": 1, "k80": 1}, gpus_per_server={"v100": 1, "k80": 1},
+                      prices={"v100": 3.0, "k80": 1.0})
+    jobs = [JobSpec(job_id=0, job_type="a", scale_factor=1, total_steps=1000.0, arrival_s=0.0),
+            JobSpec(job_id=1, job_type="b", scale_factor=1, total_steps=600.0, arrival_s=100.0)]
+    clock = SimClock()
+    cfg = SimConfig(mechanism=MechanismConfig(round_s=360.0, restart_cost_s=restart_cost_s), check_allocations=True)
+    r = simulate(jobs, cluster, toy_table(), get_policy("fifo"), cfg, clock=clock)
+    assert r.jct_s.tolist() == pytest.approx([500.0, 700.0 + restart_cost_s], abs=1e-9)
+    assert r.restarts.tolist() == [0, 1]
+    assert r.lost_s.tolist() == pytest.approx([0.0, restart_cost_s])
+    assert r.rounds == 3 and clock.now() == pytest.approx(1080.0)
+    # GPU-seconds held: A 500 on v100; B 360 on k80, then 45 + 80 on v100.
+    np.testing.assert_allclose(r.gpu_s, [[500.0, 0.0], [restart_cost_s + 80.0, 360.0]], atol=1e-9)
+    s = summarize(r)
+    assert s["makespan_s"] == pytest.approx(800.0 + restart_cost_s)
+    assert s["cost_usd"] == pytest.approx(((500.0 + restart_cost_s + 80.0) * 3.0 + 360.0 * 1.0) / 3600.0)
+    assert s["utilisation"] == pytest.approx((940.0 + restart_cost_s) / (2 * 1080.0))
+
+
+def test_elastic_resize_costs_by_hand():
+    """One elastic job alone on 4 v100s, told to use 2 GPUs then 4: the second round is an in-place
+    resize (1.5 s) — or a checkpoint-restart (45 s) when resizing by restart."""
+    cluster = Cluster(gpus={"v100": 4, "k80": 4}, gpus_per_server={"v100": 4, "k80": 4})
+    job = JobSpec(job_id=0, job_type="e", scale_factor=4, min_gpus=1, total_steps=2000.0)
+    for mode, cost in (("in_place", 1.5), ("restart", 45.0)):
+        mech = RoundMechanism(cluster, MechanismConfig(elastic_resize=mode))
+        mech.set_allocation(Allocation(rows=[(0,)], X=np.array([[1.0, 0.0]]), gpus={0: 2}), elastic={0: True})
+        p1 = mech.plan_round({0}).placements[0]
+        mech.end_round()
+        mech.set_allocation(Allocation(rows=[(0,)], X=np.array([[1.0, 0.0]]), gpus={0: 4}), elastic={0: True})
+        p2 = mech.plan_round({0}).placements[0]
+        assert (p1.change, p1.gpus, p1.cost_s) == ("start", 2, 0.0)
+        assert (p2.change, p2.gpus, p2.cost_s) == ("resize", 4, cost)
+    # Through the simulator: 2 GPUs (2/s) for one round = 720 steps, then 4 GPUs (4/s) after 1.5 s.
+    policy = _Switching()
+    r = simulate([job], cluster, toy_table(), policy, SimConfig(recompute="every_round"))
+    assert r.finish_s[0] == pytest.approx(360.0 + 1.5 + (2000.0 - 720.0) / 4.0)
+    assert (r.resizes[0], r.restarts[0]) == (1, 0)
+
+
+class _Switching:
+    name = "switching"
+
+    def __init__(self):
+        self.calls = 0
+
+    def allocate(self, inp: PolicyInput) -> Allocation:
+        self.calls += 1
+        return Allocation(rows=[(0,)], X=np.array([[1.0, 0.0]]), gpus={0: 2 if self.calls == 1 else 4})
+
+
+# ---------------------------------------------------------------------------------------- invariants
+
+
+def test_conservation_every_job_runs_exactly_its_steps(gavel):
+    cluster = Cluster.parse("v100=8,p100=8,k80=8")
+    jobs = generate_jobs(gavel, num_jobs=40, rate_per_hour=3.0, seed=3)
+    r = simulate(jobs, cluster, gavel, get_policy("las"), SimConfig(check_allocations=True))
+    total = np.array([j.total_steps for j in jobs])
+    assert np.isfinite(r.finish_s).all()
+    assert np.array_equal(r.steps_run, total)
+    # Progress is throughput x time: steps are bounded by what the held GPU time could produce.
+    T = np.array([[gavel.throughput(j.job_type, t, j.scale_factor) for t in cluster.types] for j in jobs])
+    g = np.array([j.scale_factor for j in jobs])[:, None]
+    held_steps = (r.gpu_s / g * T).sum(axis=1)
+    assert np.all(held_steps >= total * (1 - 1e-9))
+    assert np.all(held_steps - r.lost_s * T.max(axis=1) <= total * (1 + 1e-9))
+    # No job finishes faster than alone on its fastest type.
+    assert np.all(r.jct_s >= r.isolated_s * (1 - 1e-9))
+    assert np.all(r.finish_s >= r.arrival_s)
+
+
+def test_same_seed_same_results(gavel):
+    cluster = Cluster.parse("v100=8,p100=8,k80=8")
+
+    def run(seed):
+        jobs = generate_jobs(gavel, num_jobs=30, rate_per_hour=2.0, seed=seed)
+        return simulate(jobs, cluster, gavel, get_policy("las"), SimConfig(window=(5, 25)))
+
+    a, b, c = run(1), run(1), run(2)
+    assert np.array_equal(a.finish_s, b.finish_s) and np.array_equal(a.restarts, b.restarts)
+    assert summarize(a) | {"policy_solve_s": 0} == summarize(b) | {"policy_solve_s": 0}
+    assert not np.array_equal(a.finish_s, c.finish_s)
+
+
+def test_mechanism_never_oversubscribes_and_places_jobs_whole(gavel):
+    cluster = Cluster.parse("v100=8,p100=8,k80=8", gpus_per_server=4)
+    rng = np.random.default_rng(0)
+    for trial in range(3):
+        jobs = generate_jobs(gavel, num_jobs=40, rate_per_hour=0.0, seed=trial)
+        inp = PolicyInput(jobs=jobs, cluster=cluster, table=gavel)
+        mech = RoundMechanism(cluster)
+        active = {j.job_id for j in jobs}
+        alloc = get_policy("las").allocate(inp)
+        mech.set_allocation(alloc)
+        by_id = {j.job_id: j for j in jobs}
+        for rnd in range(60):
+            if rnd % 20 == 19:  # some jobs leave, the allocation changes
+                active -= set(rng.choice(sorted(active), 5, replace=False).tolist())
+                inp = PolicyInput(jobs=[by_id[i] for i in sorted(active)], cluster=cluster, table=gavel)
+                alloc = get_policy("las").allocate(inp)
+                mech.set_allocation(alloc)
+            plan = mech.plan_round(active)
+            per_server: dict[tuple[str, int], int] = {}
+            for jid, p in plan.placements.items():
+                assert jid in active
+                assert p.gpus == by_id[jid].scale_factor == sum(n for _, n in p.servers)  # whole job
+                assert len(p.servers) == math.ceil(p.gpus / 4)  # consolidated: fewest servers
+                for s, n in p.servers:
+                    per_server[(p.acc_type, s)] = per_server.get((p.acc_type, s), 0) + n
+            for t in cluster.types:
+                assert plan.used[t] <= cluster.gpus[t]
+                assert sum(p.gpus for p in plan.placements.values() if p.acc_type == t) == plan.used[t]
+            assert all(v <= 4 for v in per_server.values())
+            mech.end_round()
+
+
+def test_received_shares_converge_to_the_allocation():
+    """Six one-GPU jobs time-share 2 v100 + 2 k80 under a fixed allocation: over many rounds the
+    fraction of rounds each job gets on each type approaches X."""
+    cluster = Cluster(gpus={"v100": 2, "k80": 2}, gpus_per_server={"v100": 1, "k80": 1})
+    X = np.array([[0.5, 0.0], [0.3, 0.2], [0.2, 0.4], [0.4, 0.3], [0.1, 0.6], [0.5, 0.5]])
+    assert np.all(X.sum(axis=0) <= 2) and np.all(X.sum(axis=1) <= 1)
+    mech = RoundMechanism(cluster)
+    mech.set_allocation(Allocation(rows=[(i,) for i in range(6)], X=X, gpus={i: 1 for i in range(6)}))
+    got = np.zeros_like(X)
+    rounds = 2000
+    for _ in range(rounds):
+        plan = mech.plan_round(set(range(6)))
+        for jid, p in plan.placements.items():
+            got[jid, cluster.types.index(p.acc_type)] += 1
+        mech.end_round()
+    assert np.abs(got / rounds - X).max() < 0.01
+
+
+def test_policy_jct_gain_and_outputs(gavel, tmp_path):
+    """Heterogeneity-aware LAS beats the agnostic one on Gavel's table (a small, fast instance)."""
+    cluster = Cluster.parse("v100=4,p100=4,k80=4")
+    jobs = generate_jobs(gavel, num_jobs=60, rate_per_hour=1.0, seed=0, multi_gpu=False)
+    res = {p: simulate(jobs, cluster, gavel, get_policy(p), SimConfig(window=(10, 50))) for p in ("las_agnostic", "las")}
+    s = {p: summarize(r) for p, r in res.items()}
+    assert s["las"]["unfinished"] == s["las_agnostic"]["unfinished"] == 0
+    assert s["las"]["avg_jct_s"] < s["las_agnostic"]["avg_jct_s"]
+    paths = write_summary(res["las"], str(tmp_path / "out"))
+    assert open(paths["summary"]).read().startswith("{")
+    assert len(open(paths["jobs"]).read().splitlines()) == 60
+
+
+# ---------------------------------------------------------------------------------------- bad input
+
+
+def test_job_needing_more_gpus_than_the_cluster():
+    cluster = Cluster(gpus={"v100": 2, "k80": 2})
+    jobs = [JobSpec(job_id=0, job_type="e", scale_factor=4, total_steps=10.0)]
+    with pytest.raises(ValueError, match="job 0 .* needs 4 GPUs but the largest accelerator type has 2"):
+        simulate(jobs, cluster, toy_table(), get_policy("las"))
+
+
+def test_bad_window_and_config():
+    cluster = Cluster(gpus={"v100": 1, "k80": 1})
+    jobs = [JobSpec(job_id=0, job_type="a", scale_factor=1, total_steps=10.0)]
+    with pytest.raises(ValueError, match="window=5:9 contains none"):
+        simulate(jobs, cluster, toy_table(), get_policy("las"), SimConfig(window=(5, 9)))
+    with pytest.raises(ValueError, match="round_s=0 must be a positive"):
+        MechanismConfig(round_s=0)
+    with pytest.raises(ValueError, match="elastic_resize='fast'"):
+        MechanismConfig(elastic_resize="fast")
+    with pytest.raises(ValueError, match="recompute='never'"):
+        SimConfig(recompute="never")
