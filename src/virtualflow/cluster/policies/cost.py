@@ -137,8 +137,9 @@ class MinCostSlo:
             d = d * lam * (1 - lp.EPS_FIX)
         if relaxed:
             log.warning("min_cost_slo: the SLOs of %d jobs (ids %s%s) cannot all be met; relaxed: %d past their "
-                        "deadline are dropped, every other SLO job gets %.4g of its required throughput",
-                        len(relaxed), sorted(relaxed)[:10], "..." if len(relaxed) > 10 else "", len(dropped), lam)
+                        "deadline dropped%s", len(relaxed), sorted(relaxed)[:10], "..." if len(relaxed) > 10 else "",
+                        len(dropped), f", every other SLO job gets {lam:.4g} of its required throughput"
+                        if lam < 1 else "")
         X, v = max_throughput_per_dollar(inp, prices, d, self.name)
         alloc = single_rows(inp, X, v, slo_factor=lam, slo_throughput=d.tolist())
         alloc.relaxed_slos = sorted(relaxed)
