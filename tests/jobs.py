@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 
+import time
+
 import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
@@ -175,3 +177,27 @@ class CrashingDataset(Dataset):
 
 def crashing_job() -> vf.Job:
     return regression_job("sgd").replace(dataset=CrashingDataset)
+
+
+# -- elasticity -----------------------------------------------------------------------------
+PACE_S = 0.004  # per virtual node: keeps a step long enough for resizes to land mid-run
+
+
+def paced_cross_entropy(model, batch):
+    time.sleep(PACE_S)
+    return cross_entropy(model, batch)
+
+
+def elastic_job() -> vf.Job:
+    """Everything a state transfer must carry: BatchNorm buffers, dropout, Adam, an LR schedule."""
+    return vf.Job(
+        name="elastic",
+        model=bn_dropout_net,
+        optimizer=adam,
+        loss=paced_cross_entropy,
+        dataset=classification_data,
+        global_batch_size=48,
+        virtual_nodes=8,
+        lr_scheduler=step_lr,
+        seed=2,
+    )

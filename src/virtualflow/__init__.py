@@ -9,8 +9,11 @@ from virtualflow.api import JobHandle, Result, TrainingError, launch, train
 from virtualflow.job import Job, JobImportError
 from virtualflow.plan.data import vn_seed
 from virtualflow.runtime.engine import LossShapeError, NonFiniteLossError
+from virtualflow.runtime.faults import Fault, FaultPlan
 
 __all__ = [
+    "Fault",
+    "FaultPlan",
     "Job",
     "JobHandle",
     "JobImportError",

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -26,7 +27,10 @@ from virtualflow.control.coordinator import Coordinator
 from virtualflow.job import Job, JobSource, source_from, resolve_spec
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.vnmap import contiguous_assignment, describe_assignment
-from virtualflow.runtime.checkpoint import load_state
+from virtualflow.comm import protocol
+from virtualflow.control.membership import JobFailed, MembershipController, check_resize
+from virtualflow.runtime.checkpoint import CorruptCheckpointError, load_state
+from virtualflow.runtime.faults import FaultPlan
 from virtualflow.runtime.engine import BatchLoader, check_loss
 from virtualflow.runtime.worker import WorkerConfig
 
@@ -58,6 +62,10 @@ class Result:
     """True when :meth:`JobHandle.stop` ended the job before ``steps``."""
     peak_rss_mib: dict[int, float] = field(default_factory=dict)
     """Peak resident memory of each worker process (worker id -> MiB)."""
+    generations: int = 1
+    """Membership generations the job went through (1: no resize, no failure)."""
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    """Workers lost and survived: worker id, cause, generation."""
 
 
 def _check_count(name: str, value: Any, knob: str) -> None:
@@ -81,6 +89,13 @@ def launch(
     collective_timeout_s: float = 120.0,
     progress: bool = False,
     backend: str = "local",
+    min_workers: int = 1,
+    replace_failed: bool = False,
+    heartbeat_timeout_s: float = 3.0,
+    min_workers_timeout_s: float = 60.0,
+    checkpoint_every: int | None = None,
+    resume: str | None = None,
+    fault_plan: FaultPlan | None = None,
 ) -> "JobHandle":
     """Start training ``job`` on ``workers`` local worker processes; returns at once.
 
@@ -90,6 +105,15 @@ def launch(
     ``deterministic=True`` makes the final weights bit-identical for any number of workers (at
     some cost in speed: per-VN gradients are summed along a fixed tree, one thread per worker
     unless ``threads_per_worker`` says otherwise).
+
+    Elasticity: :meth:`JobHandle.resize` changes the worker count at the next step boundary; a
+    worker that dies or stops responding (no heartbeat for ``heartbeat_timeout_s``) is removed
+    and the survivors redo the interrupted step. Below ``min_workers`` the job holds (state
+    checkpointed) for up to ``min_workers_timeout_s`` waiting for workers; ``replace_failed``
+    starts a replacement for every lost worker. ``checkpoint_every`` writes
+    ``checkpoints/step-N.pt`` (the last two kept); ``resume`` (a run directory or a checkpoint
+    file) continues a job from its latest good checkpoint. ``fault_plan`` injects failures
+    (tests; see :mod:`virtualflow.runtime.faults`).
     """
     if backend != "local":
         raise ValueError(f"backend={backend!r} is not available; the only backend so far is 'local'")
@@ -105,6 +129,19 @@ def launch(
         _check_count("epochs", epochs, "epochs= (--epochs)")
     if threads_per_worker is not None:
         _check_count("threads_per_worker", threads_per_worker, "threads_per_worker=")
+    _check_count("min_workers", min_workers, "min_workers= (--min-workers)")
+    if min_workers > workers:
+        raise ValueError(
+            f"min_workers={min_workers} is greater than the starting workers={workers}; the job could "
+            f"never start: lower min_workers (--min-workers) or start more workers (--workers)"
+        )
+    if checkpoint_every is not None:
+        _check_count("checkpoint_every", checkpoint_every, "checkpoint_every= (--checkpoint-every)")
+    for name, value in (("heartbeat_timeout_s", heartbeat_timeout_s), ("min_workers_timeout_s", min_workers_timeout_s)):
+        if not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive number of seconds")
+    if fault_plan is not None and not isinstance(fault_plan, FaultPlan):
+        raise TypeError(f"fault_plan must be a virtualflow.FaultPlan, got {type(fault_plan).__name__}")
 
     source = source_from(job)
     if isinstance(job, Job):
@@ -125,11 +162,24 @@ def launch(
     assignment = contiguous_assignment(job_obj.virtual_nodes, workers)
     total_steps = steps if steps is not None else epochs * plan.steps_per_epoch
     _preflight(job_obj, dataset, plan)
+    resume_path, resume_step = None, 0
+    if resume is not None:
+        resume_path, resume_step = find_resume_state(resume, job_obj)
+        if resume_step >= total_steps:
+            raise ValueError(
+                f"the checkpoint {resume_path} is at step {resume_step}, which already reaches steps={total_steps}; "
+                f"ask for more steps (--steps/--epochs) to continue training"
+            )
+        if run_dir is None and os.path.isdir(resume):
+            run_dir = resume
 
     own_state_dir = run_dir is None
     if run_dir is not None:
         os.makedirs(run_dir, exist_ok=True)
-        for name in ("events.jsonl", "metrics.jsonl", "summary.json", "final.pt", "final.pt.sha256"):
+        stale = ["summary.json", "final.pt", "final.pt.sha256", "status.json"]
+        if resume is None:
+            stale += ["events.jsonl", "metrics.jsonl"]
+        for name in stale:
             if os.path.exists(os.path.join(run_dir, name)):
                 os.remove(os.path.join(run_dir, name))
         state_dir = run_dir
@@ -154,9 +204,68 @@ def launch(
         collective_timeout_s=collective_timeout_s,
         progress=progress,
         steps_per_epoch=plan.steps_per_epoch,
+        min_workers=min_workers,
+        replace_failed=replace_failed,
+        heartbeat_timeout_s=heartbeat_timeout_s,
+        min_workers_timeout_s=min_workers_timeout_s,
+        checkpoint_every=checkpoint_every,
+        resume_path=resume_path,
+        resume_step=resume_step,
+        fault_plan=fault_plan,
     )
     handle._start()
     return handle
+
+
+def find_resume_state(resume: str, job: Job) -> tuple[str, int]:
+    """The newest good state file under ``resume`` (a run directory or a state file) that belongs
+    to ``job``; corrupt or truncated files are reported and skipped."""
+    if os.path.isdir(resume):
+        folder = os.path.join(resume, "checkpoints")
+        names = sorted(f for f in os.listdir(folder) if f.startswith("step-") and f.endswith(".pt")) if os.path.isdir(folder) else []
+        candidates = [os.path.join(folder, f) for f in reversed(names)]
+        if not candidates:
+            raise ValueError(
+                f"resume={resume!r}: no checkpoints in {folder}; a run writes them with "
+                f"checkpoint_every= (--checkpoint-every N)"
+            )
+    elif os.path.isfile(resume):
+        candidates = [resume]
+    else:
+        raise ValueError(f"resume={resume!r} is neither a run directory nor a checkpoint file")
+    problems = []
+    for path in candidates:
+        try:
+            state = load_state(path)
+        except CorruptCheckpointError as exc:
+            logger.warning("skipping %s: %s", path, exc)
+            problems.append(str(exc))
+            continue
+        _check_same_job(path, state, job)
+        if problems:
+            logger.warning("resuming from %s, the newest good checkpoint", path)
+        return path, int(state["step"])
+    raise ValueError(f"resume={resume!r}: no readable checkpoint ({'; '.join(problems)})")
+
+
+def _check_same_job(path: str, state: dict[str, Any], job: Job) -> None:
+    saved = state.get("job", {})
+    for key in ("global_batch_size", "virtual_nodes", "seed"):
+        if saved.get(key) != getattr(job, key):
+            raise ValueError(
+                f"the checkpoint {path} is from a different job: its {key}={saved.get(key)!r}, the job's is "
+                f"{getattr(job, key)!r}. Resume with the same {key} (--{key.replace('_', '-')}), or start a new run"
+            )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(job.seed)
+        expected = {k: tuple(v.shape) for k, v in job.model().state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state["model"].items()}
+    if expected != got:
+        diff = sorted(set(expected.items()) ^ set(got.items()))[:3]
+        raise ValueError(
+            f"the checkpoint {path} holds a different model than the job's (first differences: {diff}); "
+            f"resume it with the job that wrote it"
+        )
 
 
 def train(job: Job | Callable[[], Job] | str, **options: Any) -> Result:
@@ -188,11 +297,14 @@ def _preflight(job: Job, dataset: Any, plan: DataPlan) -> None:
 
 
 class JobHandle:
-    """A running job: ``status()``, ``wait()``, ``stop()``; ``resize()`` comes with elasticity."""
+    """A running job: ``status()``, ``resize()``, ``wait()``, ``stop()``, ``kill()``."""
 
     def __init__(self, *, job: Job, source: JobSource, overrides: dict, workers: int, assignment, total_steps: int,
                  deterministic: bool, run_dir: str | None, state_dir: str, own_state_dir: bool, threads: int,
-                 device: str, collective_timeout_s: float, progress: bool, steps_per_epoch: int) -> None:
+                 device: str, collective_timeout_s: float, progress: bool, steps_per_epoch: int,
+                 min_workers: int = 1, replace_failed: bool = False, heartbeat_timeout_s: float = 3.0,
+                 min_workers_timeout_s: float = 60.0, checkpoint_every: int | None = None,
+                 resume_path: str | None = None, resume_step: int = 0, fault_plan: FaultPlan | None = None) -> None:
         self.job = job
         self.run_dir = run_dir
         self._state_dir = state_dir
@@ -205,11 +317,16 @@ class JobHandle:
         self._bar = None
         self._result: Result | None = None
         self._error: BaseException | None = None
-        self._stop_requested = False
         self._finished = threading.Event()
         self._t0 = time.time()
         self._steps_per_epoch = steps_per_epoch
+        self._min_workers = min_workers
+        self._resume_path = resume_path
+        self._resume_step = resume_step
+        self._requests: deque[int] = deque()
+        self._status_written = 0.0
         self.coordinator = Coordinator(total_steps=total_steps, run_dir=run_dir, on_step=self._on_step)
+        self.coordinator.progress.step = resume_step
         self._config = WorkerConfig(
             store_host=self.coordinator.host,
             store_port=self.coordinator.port,
@@ -221,8 +338,23 @@ class JobHandle:
             threads=threads,
             device=device,
             collective_timeout_s=collective_timeout_s,
+            checkpoint_every=checkpoint_every,
+            resume_path=resume_path,
+            initial_workers=workers,
+            fault_plan=fault_plan,
         )
         self.backend = LocalBackend(self._config, state_dir)
+        self.controller = MembershipController(
+            self.coordinator,
+            self.backend,
+            virtual_nodes=job.virtual_nodes,
+            workers=workers,
+            min_workers=min_workers,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            replace_failed=replace_failed,
+            min_workers_timeout_s=min_workers_timeout_s,
+        )
+        self.controller.last_step = resume_step
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _start(self) -> None:
@@ -234,6 +366,8 @@ class JobHandle:
             f"({self._config.threads} thread{'s' if self._config.threads > 1 else ''} each"
             f"{', deterministic' if self._deterministic else ''}); {describe_assignment(self._assignment)}"
         )
+        if self._resume_path:
+            msg += f"; resuming from {self._resume_path} (step {self._resume_step})"
         logger.info(msg)
         self.coordinator.event(
             "start",
@@ -245,14 +379,17 @@ class JobHandle:
             total_steps=self.total_steps,
             deterministic=self._deterministic,
             threads_per_worker=self._config.threads,
+            min_workers=self._min_workers,
+            resume_path=self._resume_path,
+            resume_step=self._resume_step,
         )
-        self.coordinator.publish_generation(0, list(range(self._workers)), self._assignment, 0)
-        for wid in range(self._workers):
-            self.backend.start_worker(wid)
+        self.controller.start()
         if self._progress:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=self.total_steps, desc=job.name, unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=self.total_steps, initial=self._resume_step, desc=job.name, unit="step",
+                             dynamic_ncols=True)
+        self._write_status(force=True)
         self._thread = threading.Thread(target=self._monitor, name="virtualflow-monitor", daemon=True)
         self._thread.start()
 
@@ -263,26 +400,35 @@ class JobHandle:
             self._bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{sps:.0f}", workers=record["workers"])
 
     def _monitor(self) -> None:
-        coord, progress = self.coordinator, self.coordinator.progress
+        coord, progress, ctl = self.coordinator, self.coordinator.progress, self.controller
         try:
             while True:
-                coord.poll()
-                codes = self.backend.poll()
-                failed = {wid: c for wid, c in codes.items() if c not in (None, 0)}
-                if progress.errors or failed:
+                reports = coord.poll()
+                if progress.errors:
                     time.sleep(0.3)  # let the other workers' reports arrive: pick the root cause
                     coord.poll()
                     raise TrainingError(self._failure_message(self.backend.poll()))
-                if all(c == 0 for c in codes.values()):
-                    coord.poll()
-                    if not progress.done:
-                        raise TrainingError("all workers exited without finishing the job (no final state was written)")
-                    self._result = self._collect()
-                    progress.state = "stopped" if self._result.stopped else "done"
-                    coord.event("done", steps=self._result.steps, stopped=self._result.stopped,
-                                wall_time_s=time.time() - self._t0)
-                    return
-                time.sleep(0.05)  # the launcher must not take CPU from the workers
+                self._take_requests()
+                try:
+                    ctl.tick(reports)
+                except JobFailed as exc:
+                    raise TrainingError(self._job_failed_message(exc)) from None
+                if progress.state == "starting" and progress.step > self._resume_step:
+                    progress.state = "running"
+                if progress.done:
+                    codes = self.backend.poll()
+                    if all(codes.get(w) is not None for w in ctl.members):
+                        coord.poll()
+                        self.backend.terminate_all()  # newcomers still starting, if any
+                        self._result = self._collect()
+                        progress.state = "stopped" if self._result.stopped else "done"
+                        coord.event("done", steps=self._result.steps, stopped=self._result.stopped,
+                                    wall_time_s=time.time() - self._t0, generations=ctl.generation + 1,
+                                    failures=len(ctl.failures))
+                        return
+                self._write_status()
+                # The launcher must not take CPU from the workers; it looks closer during changes.
+                time.sleep(0.01 if ctl.busy else 0.05)
         except BaseException as exc:  # noqa: BLE001 - reported through wait()
             self._error = exc
             progress.state = "failed"
@@ -292,10 +438,36 @@ class JobHandle:
             if self._bar is not None:
                 self._bar.close()
             self._write_summary()
+            self._write_status(force=True)
             coord.close()
             if self._own_state_dir and self._error is None:
                 shutil.rmtree(self._state_dir, ignore_errors=True)
             self._finished.set()
+
+    def _take_requests(self) -> None:
+        """Resize requests from this process (:meth:`resize`) and from outside (``virtualflow
+        resize`` pushes to the store's request queue)."""
+        while self._requests:
+            self.controller.request_resize(self._requests.popleft(), source="api")
+        for req in protocol.pop_reports(self.coordinator.store, queue=protocol.REQUESTS_QUEUE):
+            try:
+                if req.get("op") != "resize":
+                    raise ValueError(f"unknown request op={req.get('op')!r}")
+                self.controller.request_resize(req.get("workers"), source=req.get("source", "cli"))
+            except ValueError as exc:
+                logger.warning("rejected request %s: %s", req, exc)
+                self.coordinator.event("request_rejected", request=req, error=str(exc))
+
+    def _job_failed_message(self, exc: JobFailed) -> str:
+        where = f"logs in {os.path.join(self._state_dir, 'logs')}"
+        msg = f"{exc} ({where})"
+        if self.controller.failures:
+            wid = self.controller.failures[-1]["worker"]
+            wp = self.backend.workers.get(wid)
+            tail = wp.log_tail().strip() if wp is not None else ""
+            if tail:
+                msg += f"; worker {wid}'s last output:\n{tail}"
+        return msg
 
     def _failure_message(self, codes: dict[int, int | None]) -> str:
         errors = self.coordinator.progress.errors
@@ -305,17 +477,6 @@ class JobHandle:
         where = f"logs in {os.path.join(self._state_dir, 'logs')}"
         if primary is not None:
             return f"worker {primary['worker']} (pid {primary['pid']}) failed: {primary['error']} ({where})"
-        reported = {e["worker"] for e in errors}
-        died = [(w, c) for w, c in codes.items() if c not in (None, 0) and w not in reported]
-        if died:  # killed or crashed without a word: that is the root cause
-            wid, code = died[0]
-            wp = self.backend.workers[wid]
-            tail = wp.log_tail().strip()
-            step = self.coordinator.progress.step
-            return (
-                f"worker {wid} (pid {wp.pid}) {describe_exit(code)} during step {step} ({where})"
-                + (f"; its last output:\n{tail}" if tail else "")
-            )
         e = errors[0]
         return f"worker {e['worker']} (pid {e['pid']}) failed: {e['error']} ({where})"
 
@@ -333,6 +494,8 @@ class JobHandle:
             steps=steps,
             stopped=steps < self.total_steps,
             peak_rss_mib={w: i["peak_rss_mib"] for w, i in self.coordinator.progress.workers.items() if "peak_rss_mib" in i},
+            generations=self.controller.generation + 1,
+            failures=list(self.controller.failures),
         )
 
     def _write_summary(self) -> None:
@@ -349,11 +512,15 @@ class JobHandle:
             "virtual_nodes": self.job.virtual_nodes,
             "seed": self.job.seed,
             "workers": self._workers,
+            "workers_final": len(self.controller.members),
             "assignment": self._assignment,
+            "generations": self.controller.generation + 1,
+            "failures": self.controller.failures,
             "deterministic": self._deterministic,
             "threads_per_worker": self._config.threads,
             "steps_total": self.total_steps,
             "steps_completed": self.coordinator.progress.step,
+            "resumed_from": self._resume_path,
             "final_loss": history[-1]["loss"] if history else None,
             "metrics": self.coordinator.progress.metrics,
             "mean_step_time_s": mean_step,
@@ -366,22 +533,74 @@ class JobHandle:
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
 
+    def _write_status(self, force: bool = False) -> None:
+        """``status.json`` in the run directory: what ``virtualflow status`` prints, and how
+        ``virtualflow resize`` reaches the coordinator (loopback host, port, pid)."""
+        if self.run_dir is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._status_written < 0.5:
+            return
+        self._status_written = now
+        data = self.status()
+        data.update(
+            job=self.job.name,
+            virtual_nodes=self.job.virtual_nodes,
+            min_workers=self._min_workers,
+            coordinator={"host": self.coordinator.host, "port": self.coordinator.port, "pid": os.getpid()},
+            updated=time.time(),
+        )
+        tmp = os.path.join(self.run_dir, f".status.json.{os.getpid()}")
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, os.path.join(self.run_dir, "status.json"))
+
     # -- public ------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        p = self.coordinator.progress
+        p, ctl = self.coordinator.progress, self.controller
         return {
             "state": p.state,
             "step": p.step,
             "total_steps": p.total_steps,
-            "generation": p.generation,
-            "workers": [
-                {"id": wid, "pid": wp.pid, "vns": self._assignment[wid]} for wid, wp in self.backend.workers.items()
-            ],
+            "generation": ctl.generation,
+            "formed_generation": ctl.formed,
+            "target_workers": ctl.target,
+            "workers": ctl.worker_table(),
+            "recent_step_times_s": [round(h["step_time_s"], 6) for h in self.coordinator.history[-10:]],
             "loss": p.last_loss,
             "samples_per_s": p.samples_per_s,
             "metrics": dict(p.metrics),
+            "failures": len(ctl.failures),
             "run_dir": self.run_dir,
         }
+
+    def resize(self, workers: int, *, wait: bool = False, timeout_s: float = 120.0) -> None:
+        """Change the number of workers; it takes effect at a step boundary, without a restart.
+
+        Growing starts new workers, which build the job before they join (training goes on
+        meanwhile) and receive the full state from a survivor; shrinking lets the highest ranks
+        leave. ``B``, ``V`` and the trained model are unchanged. With ``wait=True``, block until
+        a generation with ``workers`` members has formed.
+        """
+        if self._finished.is_set():
+            raise RuntimeError(f"the job has {self.coordinator.progress.state}; it cannot be resized")
+        check_resize(workers, self.job.virtual_nodes, self._min_workers)
+        self._requests.append(workers)
+        if not wait:
+            return
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ctl = self.controller
+            if not self._requests and not ctl.busy and ctl.target == workers and len(ctl.members) == workers:
+                return
+            if self._finished.is_set():
+                if self._error is not None:
+                    raise self._error
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"resize to {workers} workers not done after {timeout_s} s "
+                                   f"(generation {ctl.generation}, {len(ctl.members)} members)")
+            time.sleep(0.02)
 
     def wait(self, timeout_s: float | None = None) -> Result:
         """Block until the job ends; returns its :class:`Result` or raises :class:`TrainingError`."""

@@ -81,6 +81,20 @@ class LocalBackend:
         self.workers[worker_id] = wp
         return wp
 
+    def kill_worker(self, worker_id: int) -> None:
+        """SIGKILL one worker (fencing a hung one works even if it is stopped)."""
+        wp = self.workers.get(worker_id)
+        if wp is not None and wp.proc.poll() is None:
+            wp.proc.kill()
+            try:
+                wp.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def pid(self, worker_id: int) -> int | None:
+        wp = self.workers.get(worker_id)
+        return wp.pid if wp is not None else None
+
     def poll(self) -> dict[int, int | None]:
         """Exit code of every worker, None while it runs."""
         return {wid: wp.proc.poll() for wid, wp in self.workers.items()}
@@ -89,6 +103,10 @@ class LocalBackend:
         alive = [wp for wp in self.workers.values() if wp.proc.poll() is None]
         for wp in alive:
             wp.proc.terminate()
+            try:
+                os.kill(wp.pid, signal.SIGCONT)  # a stopped (hung) worker must wake up to die
+            except OSError:
+                pass
         deadline = time.monotonic() + grace_s
         for wp in alive:
             try:

@@ -95,13 +95,19 @@ class Coordinator:
         self.events.write({"time": time.time(), "elapsed_s": time.time() - self._t0, "event": kind, **fields})
 
     # -- generations and commands ---------------------------------------------------------
-    def publish_generation(self, generation: int, members: Sequence[int], assignment: Sequence[Sequence[int]], start_step: int) -> None:
-        record = protocol.GenerationRecord(generation, list(members), [list(a) for a in assignment], start_step)
+    def publish_generation(self, generation: int, members: Sequence[int], assignment: Sequence[Sequence[int]],
+                           start_step: int, *, hold: bool = False, reason: str = "") -> None:
+        record = protocol.GenerationRecord(generation, list(members), [list(a) for a in assignment], start_step,
+                                           hold=hold, reason=reason)
         self.store.set(protocol.generation_key(generation), record.to_json())
         self.store.set(protocol.GENERATION_KEY, str(generation))
         self.progress.generation = generation
-        self.event("generation", generation=generation, members=list(members), assignment=record.assignment, start_step=start_step)
-        logger.info("generation %d: %s", generation, describe_assignment(assignment))
+        self.event("generation", generation=generation, members=list(members), assignment=record.assignment,
+                   start_step=start_step, hold=hold, reason=reason)
+        if generation > 0:
+            ids = ", ".join(f"worker {w} runs VNs {_span(a)}" for w, a in zip(members, assignment))
+            logger.info("generation %d (%s, from step %d)%s: %s", generation, reason, start_step,
+                        " HOLD" if hold else "", ids)
 
     def command(self, op: str, **fields: Any) -> int:
         """Queue a control command; workers apply it together at a step boundary."""
@@ -139,6 +145,8 @@ class Coordinator:
         return reports
 
     def _on_step(self, r: dict[str, Any]) -> None:
+        if r["step"] < self.progress.step:
+            return  # re-sent after a regroup and already recorded
         record = {
             "step": r["step"],
             "loss": r["loss"],
@@ -160,6 +168,12 @@ class Coordinator:
     def close(self) -> None:
         self.events.close()
         self.metrics_log.close()
+
+
+def _span(vns: Sequence[int]) -> str:
+    if not vns:
+        return "none"
+    return f"{vns[0]}-{vns[-1]}" if len(vns) > 1 else str(vns[0])
 
 
 def _fmt_metrics(metrics: dict[str, float]) -> str:

@@ -180,6 +180,40 @@ class VNEngine:
         self.tree: TreePlan | None = None
         self.grad_numel = sum(p.numel() for p in self.params)
         self._first_bn: torch.Tensor | None = None
+        self.phase = "idle"
+        """Where the current step is (reported when a peer fails): before_forward, backward,
+        reduction, apply, idle."""
+        self._fault_point: Callable[[int, str], None] | None = None
+        self._step_no = -1
+        self._in_last_backward = False
+
+    def install_fault_point(self, fn: Callable[[int, str], None]) -> None:
+        """Call ``fn(step, phase)`` at each fault-injection point (see runtime/faults.py)."""
+        self._fault_point = fn
+
+        def mid_backward(_: torch.Tensor) -> None:
+            if self._in_last_backward:
+                self._in_last_backward = False
+                fn(self._step_no, "mid_backward")
+
+        # params[0] receives its gradient late in backward, after most buckets have launched.
+        self.params[0].register_post_accumulate_grad_hook(mid_backward)
+
+    def _point(self, phase: str) -> None:
+        if self._fault_point is not None:
+            self._fault_point(self._step_no, phase)
+
+    def abandon_step(self) -> None:
+        """Forget a step interrupted by a peer failure: BN statistics back to the step's start,
+        gradients dropped, the reducer discarded (the generation's group is broken)."""
+        if self.bn and self.phase in ("before_forward", "backward", "reduction"):
+            self.bn.restore()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.reducer is not None:
+            self.reducer.close()
+            self.reducer = None
+        self.group = None
+        self.phase = "idle"
 
     def set_membership(self, group: Group, assignment: Sequence[Sequence[int]]) -> None:
         """Adopt a generation: this worker runs ``assignment[group.rank]``."""
@@ -226,15 +260,21 @@ class VNEngine:
         in one small vector, appended to the last gradient bucket in default mode.
         """
         assert self.group is not None, "set_membership() first"
+        self._step_no = step
         self.model.train()
         if self.bn:
             self.bn.snapshot()
+        self.phase = "before_forward"
+        self._point("before_forward")
         V = self.plan.virtual_nodes
         bad = torch.zeros(V, device=self.device)
         if self.deterministic:
+            if self._fault_point is not None:
+                self.group.on_launch = lambda: self._point("during_reduction")
             loss, bn_mean = self._step_deterministic(step, bad)
             stats = self._pack_stats(bad, control, None, self._first_bn)
             self.group.all_reduce(stats)
+            self.group.on_launch = None
         else:
             self.optimizer.zero_grad(set_to_none=True)
             bn_acc = torch.zeros(self.bn.numel, device=self.device) if self.batchnorm == "mean" else None
@@ -258,8 +298,13 @@ class VNEngine:
                     stats = self._pack_stats(bad, control, loss, bn_acc)
                     if self.reducer is not None:
                         self.reducer.arm(extra=stats)
+                    self.phase = "backward"
+                    self._in_last_backward = True
                 weighted.backward()
+            self._in_last_backward = False
+            self.phase = "reduction"
             if self.reducer is not None:
+                self._point("during_reduction")
                 stats = self.reducer.finish()
         bad_vns = [int(v) for v in torch.nonzero(stats[:V]).flatten().tolist()]
         control_sum = int(round(stats[V].item()))
@@ -280,13 +325,19 @@ class VNEngine:
             if self.bn:
                 self.bn.restore()
             self.optimizer.zero_grad(set_to_none=True)
+            self.phase = "idle"
             return StepOutcome(loss_value, bad_vns, control_sum)
+        # The reduced gradient is held: from here on the step is committed on this worker (see
+        # runtime/worker.py for the rule that keeps survivors consistent).
+        self.phase = "apply"
+        self._point("after_reduction")
         if bn_new is not None:
             self.bn.load_flat(bn_new)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.phase = "idle"
         return StepOutcome(loss_value, [], control_sum)
 
     def _step_deterministic(self, step: int, bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -295,10 +346,16 @@ class VNEngine:
         self._first_bn = None
         with_bn = self.bn.numel and self.batchnorm == "mean"
 
+        last_vn = self.vns[-1]
+
         def leaf(vn: int) -> torch.Tensor:
             self.optimizer.zero_grad(set_to_none=True)
             weighted = self._forward(step, vn)
+            if vn == last_vn:
+                self.phase = "backward"
+                self._in_last_backward = True
             weighted.backward()
+            self._in_last_backward = False
             weighted = weighted.detach()
             bad[vn] = (~torch.isfinite(weighted)).to(bad.dtype)
             parts = [
@@ -312,6 +369,7 @@ class VNEngine:
             return torch.cat(parts)
 
         local = tree_reduce_local(self.tree.per_worker[self.group.rank], leaf)
+        self.phase = "reduction"
         total = tree_exchange(self.tree, self.group, local)
         offset = 0
         for p in self.params:

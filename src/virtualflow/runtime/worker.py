@@ -1,17 +1,34 @@
-"""A worker: rebuild the job, join the current generation, run steps until told to stop.
+"""A worker: rebuild the job, then live through membership generations until the job ends.
 
 The worker is started by a backend with a :class:`WorkerConfig` and its worker id. It talks to
 the coordinator only through the job's TCPStore (see :mod:`virtualflow.comm.protocol`):
 
-1. rebuild the job and its dataset, build the model with ``torch.manual_seed(seed)``, report
-   ``join`` (all of this before touching any process group);
-2. read the generation record, build the generation's group, broadcast parameters and buffers
-   from rank 0 (initialisation is identical on every worker, whatever the model factory does);
-3. run steps. Rank 0 reads the control sequence number at the start of each step and it travels
-   in the step's small all-reduce, so every worker sees the same commands at the same step
-   boundary; rank 0 reports each step and runs evaluation.
+1. **Set-up before joining.** Rebuild the job and its dataset, build the model with
+   ``torch.manual_seed(seed)``, the optimizer and the engine, start the heartbeat thread, report
+   ``join``. Survivors never wait for a newcomer's start-up: the coordinator adds a newcomer to a
+   generation only after this report.
+2. **Form a generation.** Follow ``vf/member/<id>/next/<g>`` to the generation to join, meet the
+   other members at its rendezvous, build its group from ``PrefixStore("gen/<g>")``, agree on
+   how far everyone got, and broadcast the full state from the most advanced member to anyone
+   behind (newcomers; a survivor that had not applied an interrupted step).
+3. **Train** until the job ends, a ``stop`` or ``regroup`` command arrives (every member sees it
+   at the same step boundary, it rides in the step's all-reduce), or a collective fails
+   (:class:`PeerFailure`): then the interrupted step is abandoned (BatchNorm statistics and
+   gradients restored), a ``fault`` is reported with the phase, and the worker waits for the
+   coordinator's next generation, where the step is redone.
 
-Any exception is reported with its traceback before the process exits non-zero.
+Commit rule (why survivors always agree). A worker applies step ``s`` only after its gradient
+all-reduce for ``s`` completed, i.e. it holds the complete, deterministic gradient of ``s``
+(all V virtual nodes). A failure can stop some survivors after that point and others before it,
+so survivors may differ by *exactly one applied step*, never more (nobody can finish the
+reduction of ``s+1`` before everyone has entered it, i.e. applied ``s``). When the next
+generation forms, members all-reduce their step counters and the state of a member with the
+highest one is broadcast to the others before any training: every survivor ends up with the
+state an undisturbed run has after that step, bit for bit, and no update is ever applied by
+one survivor and missed by another once training continues. Data order and randomness are
+functions of (seed, step, VN id), so the step that is redone is the same step.
+
+Any other exception is reported with its traceback before the process exits non-zero.
 """
 
 from __future__ import annotations
@@ -19,6 +36,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -28,11 +46,13 @@ import torch
 import torch.distributed as dist
 
 from virtualflow.comm import protocol
-from virtualflow.comm.groups import Group, make_group
+from virtualflow.comm.groups import Group, PeerFailure, make_group
 from virtualflow.job import Job, JobSource
 from virtualflow.plan.data import DataPlan
-from virtualflow.runtime.checkpoint import save_state
+from virtualflow.runtime.checkpoint import load_state, save_state
 from virtualflow.runtime.engine import BatchLoader, NonFiniteLossError, VNEngine
+from virtualflow.runtime.faults import FaultPlan
+from virtualflow.runtime.transfer import Progress, agree_progress, broadcast_state
 
 
 @dataclass(slots=True)
@@ -47,7 +67,16 @@ class WorkerConfig:
     threads: int = 1
     device: str = "cpu"
     collective_timeout_s: float = 120.0
-    store_timeout_s: float = 120.0
+    store_timeout_s: float = 600.0
+    """Bound on waits for the coordinator (a generation to join; a rendezvous)."""
+    heartbeat_interval_s: float = 0.2
+    checkpoint_every: int | None = None
+    keep_checkpoints: int = 2
+    resume_path: str | None = None
+    initial_workers: int = 1
+    """Workers ``0 .. initial_workers-1`` start the job (load ``resume_path`` if given); later
+    ids are newcomers that receive the state from a member."""
+    fault_plan: FaultPlan | None = None
 
 
 def build_job(cfg: WorkerConfig) -> Job:
@@ -120,103 +149,328 @@ def run_worker(cfg: WorkerConfig, worker_id: int) -> int:
         return 1
 
 
-def _train(cfg: WorkerConfig, worker_id: int, store: dist.Store) -> None:
-    t_start = time.perf_counter()
-    device = torch.device(cfg.device)
-    job = build_job(cfg)
-    dataset = job.build_dataset()
-    plan = DataPlan(len(dataset), job.global_batch_size, job.virtual_nodes, job.seed)
-    torch.manual_seed(job.seed)
-    model = job.model().to(device)
-    protocol.push_report(
-        store,
-        {"type": "join", "worker": worker_id, "pid": os.getpid(), "setup_s": time.perf_counter() - t_start},
-    )
+class Heartbeat:
+    """A daemon thread that bumps ``vf/hb/<id>`` every ``interval_s`` on its own store client.
 
-    store.wait([protocol.GENERATION_KEY])
-    g = int(store.get(protocol.GENERATION_KEY))
-    record = protocol.GenerationRecord.from_json(store.get(protocol.generation_key(g)))
-    rank = record.members.index(worker_id)
-    group = make_group(store, g, rank, len(record.members), cfg.collective_timeout_s, device)
-    broadcast_module(model, group)
+    A stopped or frozen process stops beating and the coordinator fences it. If the coordinator
+    itself is gone (the store stops answering), the worker exits: an orphan must not keep
+    training (``virtualflow run --resume`` continues the job from its last checkpoint).
+    """
 
-    optimizer = job.optimizer(model.parameters())
-    scheduler = job.lr_scheduler(optimizer) if job.lr_scheduler is not None else None
-    engine = VNEngine(
-        model,
-        optimizer,
-        scheduler,
-        job.loss,
-        plan,
-        BatchLoader(dataset, job.collate_fn),
-        seed=job.seed,
-        batchnorm=job.batchnorm,
-        deterministic=cfg.deterministic,
-        device=device,
-    )
-    engine.set_membership(group, record.assignment)
+    def __init__(self, cfg: WorkerConfig, worker_id: int) -> None:
+        self.cfg = cfg
+        self.key = protocol.heartbeat_key(worker_id)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="virtualflow-heartbeat", daemon=True)
 
-    applied_control = 0
-    last_eval_step = -1
-    step = record.start_step
-    t_prev = time.perf_counter()
-    while step < cfg.total_steps:
-        control = int(store.get(protocol.CONTROL_SEQ_KEY)) if rank == 0 else 0
-        outcome = engine.step(step, control)
-        if outcome.bad_vns:
-            path = os.path.join(cfg.state_dir, "checkpoint.pt")
-            if rank == 0:
-                save_state(path, training_state(job, engine, step))
-            err = NonFiniteLossError(
-                f"non-finite loss at step {step} in virtual node"
-                f"{'s' if len(outcome.bad_vns) > 1 else ''} {', '.join(map(str, outcome.bad_vns))}; "
-                f"the step was not applied and the last good state (before step {step}) is in {path}. "
-                f"Lower the learning rate, check the data of those samples, or clip gradients"
-            )
-            err.step = step  # type: ignore[attr-defined]
-            raise err
-        now = time.perf_counter()
-        step_time = now - t_prev
-        t_prev = now
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        misses = 0
+        store = None
+        while not self._stop.is_set():
+            try:
+                if store is None:
+                    store = dist.TCPStore(self.cfg.store_host, self.cfg.store_port, is_master=False,
+                                          timeout=datetime.timedelta(seconds=5))
+                store.add(self.key, 1)
+                misses = 0
+            except Exception as exc:  # noqa: BLE001
+                misses += 1
+                store = None
+                if misses >= 3:
+                    print(f"virtualflow worker: the coordinator is unreachable ({exc}); exiting", flush=True)
+                    os._exit(3)
+            self._stop.wait(self.cfg.heartbeat_interval_s)
+
+
+class _Aborted(Exception):
+    """The generation was abandoned before it formed (a member failed during the rendezvous)."""
+
+
+def _wait_next(store: dist.Store, cfg: WorkerConfig, worker_id: int, generation: int) -> str:
+    """Block until the coordinator says where this worker goes after ``generation``."""
+    key = protocol.next_key(worker_id, generation)
+    store.wait([key], datetime.timedelta(seconds=cfg.store_timeout_s))
+    return store.get(key).decode()
+
+
+def _rendezvous(store: dist.Store, cfg: WorkerConfig, generation: int, size: int) -> None:
+    """Wait until every member of ``generation`` has arrived (or the generation is aborted)."""
+    store.add(protocol.arrived_key(generation), 1)
+    if size == 1:
+        return
+    deadline = time.monotonic() + cfg.store_timeout_s
+    pause = 0.001
+    while store.add(protocol.arrived_key(generation), 0) < size:
+        if store.check([protocol.abort_key(generation)]):
+            raise _Aborted()
+        if time.monotonic() > deadline:
+            raise _Aborted()
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+
+
+def _full_state(engine: VNEngine, progress: Progress) -> dict[str, Any]:
+    return {
+        "model": engine.model.state_dict(),
+        "optimizer": engine.optimizer.state_dict(),
+        "lr_scheduler": engine.scheduler.state_dict() if engine.scheduler is not None else None,
+        "step": progress.step,
+        "control": progress.control,
+    }
+
+
+def _load_full_state(engine: VNEngine, state: dict[str, Any]) -> None:
+    engine.model.load_state_dict(state["model"])
+    engine.optimizer.load_state_dict(state["optimizer"])
+    if engine.scheduler is not None and state.get("lr_scheduler") is not None:
+        engine.scheduler.load_state_dict(state["lr_scheduler"])
+
+
+def checkpoint_path(state_dir: str, step: int) -> str:
+    return os.path.join(state_dir, "checkpoints", f"step-{step:08d}.pt")
+
+
+def _save_checkpoint(cfg: WorkerConfig, job: Job, engine: VNEngine, step: int) -> str:
+    path = checkpoint_path(cfg.state_dir, step)
+    save_state(path, training_state(job, engine, step))
+    folder = os.path.dirname(path)
+    kept = sorted(f for f in os.listdir(folder) if f.startswith("step-") and f.endswith(".pt"))
+    for old in kept[: max(0, len(kept) - cfg.keep_checkpoints)]:
+        for suffix in ("", ".sha256"):
+            try:
+                os.remove(os.path.join(folder, old + suffix))
+            except OSError:
+                pass
+    return path
+
+
+class _Worker:
+    """One worker's life: generations one after another until the job ends or it leaves."""
+
+    def __init__(self, cfg: WorkerConfig, worker_id: int, store: dist.Store) -> None:
+        self.cfg, self.id, self.store = cfg, worker_id, store
+        self.device = torch.device(cfg.device)
+        self.progress = Progress(step=-1, control=0)
+        self.last_report: dict[str, Any] | None = None
+        self.last_eval_step = -1
+        self.retired: list[Group] = []
+
+    def report(self, message: dict[str, Any]) -> None:
+        protocol.push_report(self.store, {"worker": self.id, "pid": os.getpid(), **message})
+
+    # -- set-up: everything slow happens before joining --------------------------------------
+    def setup(self) -> None:
+        cfg = self.cfg
+        t_start = time.perf_counter()
+        job = self.job = build_job(cfg)
+        dataset = job.build_dataset()
+        plan = DataPlan(len(dataset), job.global_batch_size, job.virtual_nodes, job.seed)
+        torch.manual_seed(job.seed)
+        model = job.model().to(self.device)
+        optimizer = job.optimizer(model.parameters())
+        scheduler = job.lr_scheduler(optimizer) if job.lr_scheduler is not None else None
+        self.engine = VNEngine(
+            model, optimizer, scheduler, job.loss, plan, BatchLoader(dataset, job.collate_fn),
+            seed=job.seed, batchnorm=job.batchnorm, deterministic=cfg.deterministic, device=self.device,
+        )
+        self.faults = cfg.fault_plan.for_worker(self.id) if cfg.fault_plan is not None else None
+        if self.faults:
+            self.engine.install_fault_point(self.faults.point)
+        if cfg.resume_path is not None and self.id < cfg.initial_workers:
+            state = load_state(cfg.resume_path)
+            _load_full_state(self.engine, state)
+            self.progress = Progress(step=int(state["step"]), control=0)
+        elif self.id < cfg.initial_workers:
+            # Generation 0 starts from the job's initial weights: everyone built the same model
+            # from the same seed, and rank 0's copy is broadcast anyway (see _form).
+            self.progress = Progress(step=0, control=0)
+        self.heartbeat = Heartbeat(cfg, self.id)
+        self.heartbeat.start()
+        self.report({"type": "join", "setup_s": time.perf_counter() - t_start})
+
+    # -- the life loop ------------------------------------------------------------------------
+    def run(self) -> None:
+        self.setup()
+        where = _wait_next(self.store, self.cfg, self.id, -1)
+        while True:
+            if where == protocol.FAIL:
+                return
+            if where.startswith(protocol.LEAVE):
+                self.leave(where)
+                return
+            gen = int(where)
+            record = protocol.GenerationRecord.from_json(self.store.get(protocol.generation_key(gen)))
+            try:
+                group = self._form(record)
+            except (PeerFailure, _Aborted) as exc:
+                phase = "state_transfer" if getattr(self, "_transferring", False) else "regroup"
+                self.report({"type": "fault", "generation": gen, "phase": phase, "step": self.progress.step,
+                             "error": str(exc) or "generation aborted"})
+                where = _wait_next(self.store, self.cfg, self.id, gen)
+                continue
+            if record.hold:
+                if group.rank == 0:
+                    path = _save_checkpoint(self.cfg, self.job, self.engine, self.progress.step)
+                    self.report({"type": "held", "generation": gen, "step": self.progress.step, "checkpoint": path})
+                self.retired.append(group)
+                where = _wait_next(self.store, self.cfg, self.id, gen)
+                continue
+            try:
+                outcome = self._steps(record, group)
+            except PeerFailure as exc:
+                phase = self.engine.phase
+                self.engine.abandon_step()
+                self.report({"type": "fault", "generation": gen, "phase": phase, "step": self.progress.step,
+                             "error": str(exc)})
+                self.retired.append(group)
+                where = _wait_next(self.store, self.cfg, self.id, gen)
+                continue
+            if outcome == "regroup":
+                self.retired.append(group)
+                where = self.store.get(protocol.next_key(self.id, gen)).decode()
+                continue
+            self._finish(group)
+            return
+
+    def _form(self, record: protocol.GenerationRecord) -> Group:
+        """Rendezvous, build the generation's group, agree on the state, transfer it if needed."""
+        cfg, gen = self.cfg, record.generation
+        self._transferring = False
+        t0 = time.perf_counter()
+        rank = record.members.index(self.id)
+        _rendezvous(self.store, cfg, gen, len(record.members))
+        group = make_group(self.store, gen, rank, len(record.members), cfg.collective_timeout_s, self.device)
+        t_group = time.perf_counter() - t0
+        for old in self.retired:  # every member has left the old groups: release them
+            old.close()
+        self.retired = []
+        everyone = agree_progress(group, self.progress, self.device)
+        target = max(p.step for p in everyone)
+        if target < 0:
+            raise RuntimeError("no member of the new generation holds the training state")
+        src = next(r for r, p in enumerate(everyone) if p.step == target)
+        behind = [record.members[r] for r, p in enumerate(everyone) if p.step < target]
+        moved, t_transfer = 0, 0.0
+        if target == 0 and group.size > 1 and not behind:
+            broadcast_module(self.engine.model, group)  # identical start whatever the factory does
+        if behind:
+            self._transferring = True
+            t1 = time.perf_counter()
+            mine = _full_state(self.engine, self.progress) if rank == src else None
+            point = (lambda: self.faults.point(target, "state_transfer")) if self.faults else None
+            state, moved = broadcast_state(group, src, mine, self.device, on_started=point)
+            if rank != src:
+                _load_full_state(self.engine, state)
+            t_transfer = time.perf_counter() - t1
+            self._transferring = False
+        self.progress = Progress(step=target, control=max(p.control for p in everyone))
+        self.engine.set_membership(group, record.assignment)
         if rank == 0:
-            protocol.push_report(
-                store,
-                {
-                    "type": "step",
-                    "step": step,
-                    "loss": outcome.loss,
-                    "samples": job.global_batch_size,
-                    "step_time_s": step_time,
-                    "workers": group.size,
-                    "generation": g,
-                    "vns": record.assignment,
-                    "time": time.time(),
-                },
-            )
-        step += 1
-        if rank == 0 and job.evaluate is not None and job.eval_every and step % job.eval_every == 0:
-            _evaluate(store, job, engine, step)
-            last_eval_step = step
-            t_prev = time.perf_counter()  # evaluation time is not step time
-        if outcome.control > applied_control:
-            stop = False
-            for n in range(applied_control + 1, outcome.control + 1):
-                command = json.loads(store.get(protocol.control_key(n)))
-                if command.get("op") == "stop":
-                    stop = True
-            applied_control = outcome.control
-            if stop:
-                break
-    if rank == 0:
-        if job.evaluate is not None and last_eval_step != step:
-            _evaluate(store, job, engine, step)
-        save_state(os.path.join(cfg.state_dir, "final.pt"), training_state(job, engine, step))
-    protocol.push_report(store, {"type": "done", "step": step, "worker": worker_id, "rank": rank,
-                                 "peak_rss_mib": _peak_rss_mib()})
-    if group.pg is not None:
-        # Nobody leaves before rank 0 has written the final state (a late error is still seen).
-        group.all_reduce(torch.zeros(1, device=device))
-        group.pg.shutdown()
+            self.store.set(protocol.formed_key(gen), "1")
+            self.report({
+                "type": "formed", "generation": gen, "members": record.members, "step": target,
+                "hold": record.hold, "group_s": t_group, "transfer_s": t_transfer, "bytes": moved,
+                "source": record.members[src] if behind else None, "receivers": behind,
+                "form_s": time.perf_counter() - t0, "time": time.time(),
+            })
+            if self.last_report is not None:
+                self.report(self.last_report)  # a step the previous rank 0 may not have reported
+        return group
+
+    def _steps(self, record: protocol.GenerationRecord, group: Group) -> str:
+        """Train until the end, a stop, or a planned regroup; returns which."""
+        cfg, job, engine = self.cfg, self.job, self.engine
+        gen, rank = record.generation, group.rank
+        step = self.progress.step
+        t_prev = time.perf_counter()
+        while step < cfg.total_steps:
+            control = int(self.store.get(protocol.CONTROL_SEQ_KEY)) if rank == 0 else 0
+            outcome = engine.step(step, control)
+            if outcome.bad_vns:
+                self._non_finite(outcome, step, rank)
+            step += 1
+            self.progress = Progress(step=step, control=self.progress.control)
+            now = time.perf_counter()
+            step_time, t_prev = now - t_prev, now
+            report = {
+                "type": "step", "step": step - 1, "loss": outcome.loss, "samples": job.global_batch_size,
+                "step_time_s": step_time, "workers": group.size, "generation": gen,
+                "vns": record.assignment, "time": time.time(),
+            }
+            self.last_report = report
+            if rank == 0:
+                protocol.push_report(self.store, {"worker": self.id, **report})
+                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.total_steps:
+                    t_ck = time.perf_counter()
+                    path = _save_checkpoint(cfg, job, engine, step)
+                    self.report({"type": "checkpoint", "step": step, "path": path,
+                                 "save_s": time.perf_counter() - t_ck})
+                if job.evaluate is not None and job.eval_every and step % job.eval_every == 0:
+                    _evaluate(self.store, job, engine, step)
+                    self.last_eval_step = step
+                t_prev = time.perf_counter()  # checkpoint and evaluation time is not step time
+            if outcome.control > self.progress.control:
+                ops = [json.loads(self.store.get(protocol.control_key(n))).get("op")
+                       for n in range(self.progress.control + 1, outcome.control + 1)]
+                self.progress = Progress(step=step, control=outcome.control)
+                if "stop" in ops:
+                    return "stop"
+                if "regroup" in ops:
+                    return "regroup"
+        return "done"
+
+    def _non_finite(self, outcome, step: int, rank: int) -> None:
+        path = os.path.join(self.cfg.state_dir, "checkpoint.pt")
+        if rank == 0:
+            save_state(path, training_state(self.job, self.engine, step))
+        err = NonFiniteLossError(
+            f"non-finite loss at step {step} in virtual node"
+            f"{'s' if len(outcome.bad_vns) > 1 else ''} {', '.join(map(str, outcome.bad_vns))}; "
+            f"the step was not applied and the last good state (before step {step}) is in {path}. "
+            f"Lower the learning rate, check the data of those samples, or clip gradients"
+        )
+        err.step = step  # type: ignore[attr-defined]
+        raise err
+
+    def _finish(self, group: Group) -> None:
+        step, job = self.progress.step, self.job
+        if group.rank == 0:
+            if job.evaluate is not None and self.last_eval_step != step:
+                _evaluate(self.store, job, self.engine, step)
+            save_state(os.path.join(self.cfg.state_dir, "final.pt"), training_state(job, self.engine, step))
+        self.report({"type": "done", "step": step, "rank": group.rank, "peak_rss_mib": _peak_rss_mib()})
+        self.heartbeat.stop()
+        if group.pg is not None:
+            try:
+                # Nobody leaves before rank 0 has written the final state (a late error is still seen).
+                group.all_reduce(torch.zeros(1, device=self.device))
+            except PeerFailure:
+                pass  # the state is written; a peer that died now changes nothing
+            group.close()
+
+    def leave(self, where: str) -> None:
+        """Planned departure: wait until the next generation has formed, so that no survivor is
+        still reading from this worker's sockets, then exit."""
+        self.report({"type": "leave", "step": self.progress.step})
+        self.heartbeat.stop()
+        parts = where.split()
+        if len(parts) == 2:
+            try:
+                self.store.wait([protocol.formed_key(int(parts[1]))], datetime.timedelta(seconds=10))
+            except Exception:
+                pass
+        for old in self.retired:
+            old.close()
+
+
+def _train(cfg: WorkerConfig, worker_id: int, store: dist.Store) -> None:
+    _Worker(cfg, worker_id, store).run()
 
 
 def _peak_rss_mib() -> float:

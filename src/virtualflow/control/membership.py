@@ -1,0 +1,371 @@
+"""Membership control: who works in which generation, decided by one object in the coordinator.
+
+The :class:`MembershipController` turns what it observes (workers' reports, process exits,
+heartbeats) and what it is asked (resize requests) into generations. It starts and kills
+workers only through the :class:`WorkerLauncher` it is given (a backend), so it runs
+unchanged over the local backend, Ray, or a fake in tests.
+
+Rules it enforces:
+
+* **Newcomers join ready.** A worker started for a grow is added to a generation only after it
+  has reported ``join`` (job, data and model built): survivors never wait for a start-up.
+* **One planned change at a time.** A resize is published as generation ``g+1`` plus a
+  ``regroup`` command; the next is considered once ``g+1`` has formed. Failures are handled at
+  once, whatever is in flight.
+* **Failures.** A worker that exits unexpectedly, or whose heartbeat is silent for
+  ``heartbeat_timeout_s`` (it is then killed: fencing), is removed; generation ``g`` is marked
+  aborted and the survivors get ``g+1``, where they redo the interrupted step.
+* **min_workers.** With fewer survivors than ``min_workers`` the next generation is a *hold*:
+  members form it, checkpoint, and wait. Once enough workers are ready (``replace_failed`` or a
+  resize), training resumes; after ``min_workers_timeout_s`` the job fails with the checkpoint
+  named in the error.
+* **Next pointers.** Every member's next generation is written to ``vf/member/<id>/next/<g>``
+  for the last generation ``g`` it was assigned to, so a worker that abandons ``g`` for any
+  reason (planned regroup, broken collective, aborted rendezvous) always finds where to go.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+from virtualflow.comm import protocol
+from virtualflow.plan.vnmap import contiguous_assignment
+
+logger = logging.getLogger("virtualflow")
+
+
+class WorkerLauncher(Protocol):
+    def start_worker(self, worker_id: int) -> Any: ...
+
+    def kill_worker(self, worker_id: int) -> None: ...
+
+    def poll(self) -> dict[int, int | None]: ...
+
+    def pid(self, worker_id: int) -> int | None: ...
+
+
+class JobFailed(RuntimeError):
+    """The membership cannot go on (every worker lost, min_workers not reached in time, ...)."""
+
+
+@dataclass(slots=True)
+class _Change:
+    generation: int
+    kind: str  # start | grow | shrink | failure | hold | resume
+    t_start: float
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+class MembershipController:
+    def __init__(
+        self,
+        coordinator: Any,
+        launcher: WorkerLauncher,
+        *,
+        virtual_nodes: int,
+        workers: int,
+        min_workers: int = 1,
+        heartbeat_timeout_s: float = 3.0,
+        replace_failed: bool = False,
+        min_workers_timeout_s: float = 60.0,
+        max_newcomer_failures: int = 5,
+        assign: Callable[[int, int], list[list[int]]] = contiguous_assignment,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.coord = coordinator
+        self.store = coordinator.store
+        self.launcher = launcher
+        self.V = virtual_nodes
+        self.min_workers = min_workers
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.replace_failed = replace_failed
+        self.min_workers_timeout_s = min_workers_timeout_s
+        self.max_newcomer_failures = max_newcomer_failures
+        self.assign = assign
+        self.clock = clock
+        self.target = workers
+        self.members: list[int] = []
+        self.assignment: list[list[int]] = []
+        self.generation = -1
+        self.formed = -1
+        self.hold = False
+        self.hold_since: float | None = None
+        self.next_id = 0
+        self.assigned: dict[int, int] = {}  # worker -> last generation it was assigned to (-1: none)
+        self.pending: dict[int, float] = {}  # started, not yet joined -> start time
+        self.ready: list[int] = []  # joined, not in any generation yet
+        self.leaving: set[int] = set()
+        self.gone: set[int] = set()  # exited or killed, handled
+        self.joined: set[int] = set()
+        self._hb: dict[int, tuple[int, float]] = {}
+        self._change: _Change | None = None
+        self._failed_newcomers = 0
+        self._fault_at: float | None = None  # a member reported a broken current generation
+        self._retries = 0
+        self.finished = False
+        self.failures: list[dict[str, Any]] = []
+        self.last_step = 0
+
+    # -- start ------------------------------------------------------------------------------
+    def start(self) -> None:
+        ids = [self._new_worker() for _ in range(self.target)]
+        self._publish(ids, kind="start", hold=False)
+
+    def _new_worker(self) -> int:
+        wid = self.next_id
+        self.next_id += 1
+        self.assigned[wid] = -1
+        self.pending[wid] = self.clock()
+        self.launcher.start_worker(wid)
+        return wid
+
+    # -- requests ---------------------------------------------------------------------------
+    def request_resize(self, workers: int, source: str = "api") -> None:
+        check_resize(workers, self.V, self.min_workers)
+        self.coord.event("resize_request", workers=workers, current=len(self.members), source=source)
+        logger.info("resize requested (%s): %d -> %d workers", source, len(self.members), workers)
+        self.target = workers
+
+    @property
+    def busy(self) -> bool:
+        """A published generation has not formed yet."""
+        return self.formed != self.generation
+
+    # -- the loop body ----------------------------------------------------------------------
+    def tick(self, reports: Sequence[dict[str, Any]]) -> None:
+        now = self.clock()
+        for r in reports:
+            self._on_report(r, now)
+        failed: dict[int, str] = {}
+        for wid, code in self.launcher.poll().items():
+            if code is None or wid in self.gone:
+                continue
+            self.gone.add(wid)
+            if wid in self.leaving and code == 0:
+                self.leaving.discard(wid)
+                continue
+            if self.finished and code == 0:
+                continue
+            failed[wid] = _describe_exit(code)
+        for wid, (count, t_seen) in list(self._hb.items()):
+            if self.finished:
+                break
+            if wid in self.gone or wid in failed:
+                self._hb.pop(wid, None)
+                continue
+            value = self.store.add(protocol.heartbeat_key(wid), 0)
+            if value != count:
+                self._hb[wid] = (value, now)
+            elif now - t_seen > self.heartbeat_timeout_s:
+                failed[wid] = f"stopped responding (no heartbeat for {now - t_seen:.1f} s); killed"
+                self.launcher.kill_worker(wid)
+                self.gone.add(wid)
+        if failed and not self.finished:
+            self._on_failures(failed, now)
+        elif not self.finished:
+            self._retry_broken(now)
+            self._plan(now)
+
+    def _on_report(self, r: dict[str, Any], now: float) -> None:
+        kind, wid = r.get("type"), r.get("worker")
+        if kind == "join":
+            self.joined.add(wid)
+            self._hb[wid] = (self.store.add(protocol.heartbeat_key(wid), 0), now)
+            if wid in self.pending:
+                started = self.pending.pop(wid)
+                if self.assigned.get(wid, -1) < 0 and wid not in self.members:
+                    self.ready.append(wid)
+                    self.coord.event("ready", worker=wid, startup_s=now - started)
+        elif kind == "formed":
+            g = r["generation"]
+            if g > self.formed:
+                self.formed = g
+            change = self._change
+            if change is not None and change.generation == g:
+                self.coord.event(
+                    "formed", generation=g, change=change.kind, members=r["members"], step=r["step"],
+                    pause_s=now - change.t_start, group_s=r["group_s"], transfer_s=r["transfer_s"],
+                    transfer_bytes=r["bytes"], source=r["source"], receivers=r["receivers"], **change.detail,
+                )
+                self._change = None
+            if self.hold and g == self.generation:
+                pass  # a hold generation formed: members checkpoint and wait
+        elif kind == "fault":
+            if r["generation"] == self.generation and self._fault_at is None:
+                self._fault_at = now
+            self.coord.event("fault", worker=wid, generation=r["generation"], phase=r["phase"],
+                             step=r["step"], error=r["error"][:300])
+        elif kind == "leave":
+            self.coord.event("leave", worker=wid, step=r["step"])
+        elif kind == "held":
+            self.coord.event("held", generation=r["generation"], step=r["step"], checkpoint=r["checkpoint"])
+            self.hold_checkpoint = r["checkpoint"]
+        elif kind == "step":
+            self.last_step = max(self.last_step, r["step"] + 1)
+            if r.get("generation") == self.generation:
+                self._retries = 0
+        elif kind == "done":
+            self.finished = True
+
+    # -- failures ---------------------------------------------------------------------------
+    def _on_failures(self, failed: dict[int, str], now: float) -> None:
+        for wid, cause in failed.items():
+            pid = self.launcher.pid(wid)
+            role = "member" if wid in self.members else "newcomer"
+            self.failures.append({"worker": wid, "cause": cause, "generation": self.generation, "time": now})
+            self.coord.event("failure", worker=wid, pid=pid, role=role, cause=cause, generation=self.generation,
+                             step=self.last_step)
+            logger.warning("worker %d (pid %s, %s) %s at step %d", wid, pid, role, cause, self.last_step)
+            self.pending.pop(wid, None)
+            if wid in self.ready:
+                self.ready.remove(wid)
+            self._hb.pop(wid, None)
+        lost = [w for w in self.members if w in failed]
+        newcomers_lost = [w for w in failed if w not in self.members]
+        self._failed_newcomers += len(newcomers_lost)
+        if self._failed_newcomers > self.max_newcomer_failures:
+            raise JobFailed(f"{self._failed_newcomers} newcomer workers failed before joining; "
+                            f"see their logs (last: worker {newcomers_lost[-1]}: {failed[newcomers_lost[-1]]})")
+        # A newcomer assigned to an unformed generation breaks that generation too.
+        breaks = lost or any(self.assigned.get(w, -1) == self.generation and self.busy for w in newcomers_lost)
+        if not breaks:
+            return
+        survivors = [w for w in self.members if w not in failed]
+        newcomers_in_gen = [w for w in self.members if w not in failed and self.assigned.get(w) == self.generation]
+        self.store.set(protocol.abort_key(self.generation), "1")
+        if not survivors:
+            raise JobFailed(
+                "every worker of the job failed ("
+                + "; ".join(f"worker {w} {c}" for w, c in failed.items())
+                + ")"
+            )
+        if not self.replace_failed:
+            self.target = max(min(self.target, len(survivors)), 1)
+        else:
+            for _ in lost:
+                self._new_worker()
+        del newcomers_in_gen
+        hold = len(survivors) < self.min_workers
+        self._publish(survivors, kind="hold" if hold else "failure", hold=hold,
+                      detail={"failed": sorted(failed), "causes": failed})
+
+    def _retry_broken(self, now: float) -> None:
+        """A member reported the current generation broken but no worker was found dead or
+        silent (e.g. a collective timed out): after a heartbeat timeout's grace, form the next
+        generation with everyone alive. Bounded: repeated breaks without progress fail the job."""
+        if self._fault_at is None or now - self._fault_at < self.heartbeat_timeout_s:
+            return
+        self._fault_at = None
+        self._retries += 1
+        if self._retries > 3:
+            raise JobFailed(
+                f"generation {self.generation} broke {self._retries} times without a lost worker and without "
+                f"progress; see the fault events in events.jsonl and the worker logs"
+            )
+        self.store.set(protocol.abort_key(self.generation), "1")
+        self._publish(list(self.members), kind="failure", hold=self.hold,
+                      detail={"failed": [], "causes": {}, "retry": self._retries})
+
+    # -- planned changes --------------------------------------------------------------------
+    def _plan(self, now: float) -> None:
+        if self.busy:
+            return
+        size = len(self.members)
+        if self.hold:
+            if size + len(self.ready) >= self.min_workers:
+                add = self.ready[: max(self.min_workers, self.target) - size]
+                self.ready = self.ready[len(add):]
+                self._publish(self.members + add, kind="resume", hold=False, command=False)
+            elif self.hold_since is not None and now - self.hold_since > self.min_workers_timeout_s:
+                ck = getattr(self, "hold_checkpoint", None)
+                for w in self.members:
+                    self.store.set(protocol.next_key(w, self.assigned[w]), protocol.FAIL)
+                raise JobFailed(
+                    f"only {size} worker{'s' if size != 1 else ''} left, below min_workers={self.min_workers}, "
+                    f"and no replacement arrived within {self.min_workers_timeout_s:g} s; the state at step "
+                    f"{self.last_step} is in {ck}. Continue with `virtualflow run ... --resume RUN_DIR`, "
+                    f"lower min_workers, or use replace_failed (--replace-failed)"
+                )
+            elif self.replace_failed or self.target > size:
+                self._start_missing(max(self.min_workers, self.target) - size)
+            return
+        if self.target > size:
+            need = self.target - size
+            self._start_missing(need)
+            if len(self.ready) >= need:
+                add, self.ready = self.ready[:need], self.ready[need:]
+                self._publish(self.members + add, kind="grow", hold=False, command=True,
+                              detail={"from": size, "to": self.target, "added": add})
+        elif self.target < size:
+            keep = self.members[: self.target]
+            self._publish(keep, kind="shrink", hold=False, command=True,
+                          detail={"from": size, "to": self.target, "removed": self.members[self.target:]})
+
+    def _start_missing(self, need: int) -> None:
+        for _ in range(need - len(self.ready) - len(self.pending)):
+            self._new_worker()
+
+    # -- publishing -------------------------------------------------------------------------
+    def _publish(self, members: list[int], *, kind: str, hold: bool, command: bool = False,
+                 detail: dict[str, Any] | None = None) -> None:
+        g = self.generation + 1
+        assignment = self.assign(self.V, len(members))
+        previous = list(self.members)
+        self.coord.publish_generation(g, members, assignment, self.last_step, hold=hold, reason=kind)
+        for w in members:
+            self.store.set(protocol.next_key(w, self.assigned.get(w, -1)), str(g))
+            self.assigned[w] = g
+        for w in previous:
+            if w not in members and w not in self.gone:
+                self.leaving.add(w)
+                self.store.set(protocol.next_key(w, self.assigned[w]), f"{protocol.LEAVE} {g}")
+                self._hb.pop(w, None)
+        self.members, self.assignment, self.generation = list(members), assignment, g
+        self.hold = hold
+        self.hold_since = self.clock() if hold and self.hold_since is None else (self.hold_since if hold else None)
+        self._change = _Change(g, kind, self.clock(), dict(detail or {}))
+        self._fault_at = None
+        if command:
+            self.coord.command("regroup", generation=g)
+
+    # -- status -----------------------------------------------------------------------------
+    def worker_table(self) -> list[dict[str, Any]]:
+        rows = []
+        for rank, w in enumerate(self.members):
+            rows.append({"id": w, "pid": self.launcher.pid(w), "rank": rank, "vns": self.assignment[rank]})
+        for w in self.ready:
+            rows.append({"id": w, "pid": self.launcher.pid(w), "rank": None, "vns": [], "state": "ready"})
+        for w in self.pending:
+            rows.append({"id": w, "pid": self.launcher.pid(w), "rank": None, "vns": [], "state": "starting"})
+        return rows
+
+
+def check_resize(workers: Any, virtual_nodes: int, min_workers: int) -> None:
+    """Validate a resize target: names the value, the rule and the knob."""
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ValueError(f"resize to workers={workers!r}: the job needs at least 1 worker")
+    if workers > virtual_nodes:
+        raise ValueError(
+            f"resize to workers={workers} is more than virtual_nodes={virtual_nodes}: every worker needs "
+            f"at least one virtual node; resize to at most {virtual_nodes} or start the job with more "
+            f"virtual nodes"
+        )
+    if workers < min_workers:
+        raise ValueError(
+            f"resize to workers={workers} is below min_workers={min_workers}; resize to at least "
+            f"{min_workers} or start the job with a lower min_workers"
+        )
+
+
+def _describe_exit(code: int) -> str:
+    import signal
+
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
