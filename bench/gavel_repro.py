@@ -1,0 +1,165 @@
+"""Gavel's headline experiment: heterogeneity-aware vs -agnostic LAS on a 12:12:12 cluster.
+
+Workload (Gavel's continuous multi-GPU trace, ``virtualflow.cluster.traces.generate_jobs``):
+Poisson arrivals at each rate, Gavel's duration and GPU-count distributions, job types uniform
+over the 26 types of Gavel's measured table (``../shared/data/gavel/simulation_throughputs.json``).
+Cluster: 12 V100 + 12 P100 + 12 K80, 4 GPUs per server. Round 360 s; the mechanism charges a
+45 s checkpoint-restart whenever a job resumes or moves (Gavel's simulator charges nothing).
+Metric: average JCT of jobs 300..699 (the measurement window); the simulation stops when they are
+all done (later jobs keep the cluster loaded meanwhile).
+
+Both policies run on the same jobs (same seed) in the same process; the gain is
+agnostic JCT / aware JCT per (rate, seed). Target (issue 6): the gain is at least the 1.4-2.2x
+Gavel's own simulator reports for this workload.
+
+Saturation rate: the lowest input rate at which a policy's average JCT (mean over seeds) exceeds
+``SATURATION_FACTOR`` x its value at the lowest rate (the JCT-vs-load curve turns up); "> max
+rate" when it never does in the sweep.
+
+    python bench/gavel_repro.py            # rates 0.6..2.4 step 0.3, seeds 0-2, 800 jobs (about 15 min)
+    python bench/gavel_repro.py --quick    # rates 0.6, 1.5, 2.4, seed 0, 400 jobs, window 100:300
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+from virtualflow.cluster import Cluster, ThroughputTable, gavel_data_dir, get_policy  # noqa: E402
+from virtualflow.cluster.mechanism import MechanismConfig  # noqa: E402
+from virtualflow.cluster.metrics import plot_jct_vs_load, summarize  # noqa: E402
+from virtualflow.cluster.simulator import SimConfig, simulate  # noqa: E402
+from virtualflow.cluster.traces import GeneratorConfig, generate_jobs  # noqa: E402
+
+NAME = "gavel_repro"
+POLICIES = ("las_agnostic", "las")
+GAVEL_GAIN = (1.4, 2.2)
+SATURATION_FACTOR = 3.0
+
+
+def run(args: argparse.Namespace) -> dict:
+    table = ThroughputTable.from_gavel_json(gavel_data_dir() / "simulation_throughputs.json")
+    cluster = Cluster.parse("v100=12,p100=12,k80=12", gpus_per_server=4)
+    mech = MechanismConfig(round_s=360.0, restart_cost_s=args.restart_cost_s)
+    runs = []
+    for rate in args.rates:
+        for seed in args.seeds:
+            gen = GeneratorConfig(num_jobs=args.jobs, rate_per_hour=rate, seed=seed,
+                                  steps_reference=args.steps_reference)
+            jobs = generate_jobs(table, gen)
+            for pol in POLICIES:
+                t0 = time.perf_counter()
+                res = simulate(jobs, cluster, table, get_policy(pol), SimConfig(mechanism=mech, window=args.window))
+                s = summarize(res)
+                s.update(rate=rate, seed=seed, wall_s=time.perf_counter() - t0)
+                runs.append(s)
+                print(f"rate {rate:.1f} seed {seed} {pol:>12}: avg JCT {s['avg_jct_h']:7.2f} h, median "
+                      f"{s['median_jct_h']:6.2f} h, unfinished {s['unfinished']}, util {s['utilisation']:.2f}, "
+                      f"restarts {s['restarts']}, {s['wall_s']:.1f} s", flush=True)
+    return {"runs": runs}
+
+
+def analyse(runs: list[dict], rates: list[float], seeds: list[int]) -> dict:
+    by = {(r["policy"], r["rate"], r["seed"]): r for r in runs}
+    rows, gains_all = [], []
+    mean_jct = {p: {} for p in POLICIES}
+    for rate in rates:
+        g = [by[("las_agnostic", rate, s)]["avg_jct_s"] / by[("las", rate, s)]["avg_jct_s"] for s in seeds]
+        gains_all += g
+        for p in POLICIES:
+            mean_jct[p][rate] = float(np.mean([by[(p, rate, s)]["avg_jct_h"] for s in seeds]))
+        rows.append({"rate": rate, "agnostic_h": mean_jct["las_agnostic"][rate], "aware_h": mean_jct["las"][rate],
+                     "gain_per_seed": g, "gain_mean": float(np.mean(g)),
+                     "restarts_per_job_agnostic": float(np.mean([by[("las_agnostic", rate, s)]["restarts"] /
+                                                                 by[("las_agnostic", rate, s)]["window_jobs"]
+                                                                 for s in seeds])),
+                     "restarts_per_job_aware": float(np.mean([by[("las", rate, s)]["restarts"] /
+                                                              by[("las", rate, s)]["window_jobs"] for s in seeds]))})
+    sat = {}
+    for p in POLICIES:
+        base = mean_jct[p][rates[0]]
+        over = [r for r in rates if mean_jct[p][r] > SATURATION_FACTOR * base]
+        sat[p] = over[0] if over else None
+    return {"rows": rows, "saturation_rate": sat, "gain_min": float(min(gains_all)),
+            "gain_max": float(max(gains_all)), "gain_median": float(np.median(gains_all)), "mean_jct_h": {
+                p: {str(k): v for k, v in d.items()} for p, d in mean_jct.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")])
+    ap.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--jobs", type=int)
+    ap.add_argument("--window", type=lambda s: tuple(int(x) for x in s.split(":")))
+    ap.add_argument("--restart-cost-s", type=float, default=45.0)
+    ap.add_argument("--steps-reference", choices=("one", "scale"), default="one",
+                    help="steps = duration x throughput on one V100 (issue's definition) or on scale_factor V100s")
+    ap.add_argument("--name", default=NAME, help="result file stem (default gavel_repro)")
+    args = ap.parse_args()
+    if args.quick:
+        args.rates = args.rates or [0.6, 1.5, 2.4]
+        args.seeds = args.seeds or [0]
+        args.jobs = args.jobs or 400
+        args.window = args.window or (100, 300)
+    args.rates = args.rates or [0.6, 0.9, 1.2, 1.5, 1.8, 2.1, 2.4]
+    args.seeds = args.seeds or [0, 1, 2]
+    args.jobs = args.jobs or 800
+    args.window = args.window or (300, 700)
+    print(C.banner(f"Gavel reproduction: LAS aware vs agnostic, 12:12:12, window {args.window[0]}:{args.window[1]}"))
+    t0 = time.perf_counter()
+    out = run(args)
+    a = analyse(out["runs"], args.rates, args.seeds)
+    wall = time.perf_counter() - t0
+    header = ["rate (jobs/h)", "agnostic avg JCT (h)", "aware avg JCT (h)", "gain per seed", "mean gain",
+              "restarts/job agn.", "restarts/job aware"]
+    rows = [[f"{r['rate']:.1f}", f"{r['agnostic_h']:.1f}", f"{r['aware_h']:.1f}",
+             " / ".join(f"{g:.2f}" for g in r["gain_per_seed"]), f"{r['gain_mean']:.2f}x",
+             f"{r['restarts_per_job_agnostic']:.0f}", f"{r['restarts_per_job_aware']:.0f}"] for r in a["rows"]]
+    sat = {p: (f"{v:.1f} jobs/h" if v is not None else f"> {args.rates[-1]:.1f} jobs/h")
+           for p, v in a["saturation_rate"].items()}
+    meets = a["gain_min"] >= GAVEL_GAIN[0]
+    cmd = "python bench/gavel_repro.py" + (" --quick" if args.quick else "")
+    md = "\n".join([
+        f"# Gavel reproduction: heterogeneity-aware vs -agnostic LAS ({'quick' if args.quick else 'full'} run)",
+        "",
+        f"`{cmd}` — {len(args.rates)} rates x {len(args.seeds)} seeds x 2 policies, {args.jobs} jobs each, "
+        f"window {args.window[0]}:{args.window[1]}, cluster v100=12,p100=12,k80=12 (4 GPUs/server), round 360 s, "
+        f"restart cost {args.restart_cost_s:.0f} s, steps reference `{args.steps_reference}`; {wall / 60:.1f} min wall.",
+        "",
+        C.md_table(header, rows),
+        "",
+        f"Gain (agnostic / aware average JCT) over all (rate, seed): min {a['gain_min']:.2f}x, median "
+        f"{a['gain_median']:.2f}x, max {a['gain_max']:.2f}x. Gavel's simulator: {GAVEL_GAIN[0]}-{GAVEL_GAIN[1]}x. "
+        f"Target (every point >= {GAVEL_GAIN[0]}x): {'met' if meets else 'NOT met'}.",
+        "",
+        f"Saturation rate (first rate whose mean average JCT exceeds {SATURATION_FACTOR:.0f}x the JCT at "
+        f"{args.rates[0]:.1f} jobs/h): agnostic {sat['las_agnostic']}, aware {sat['las']}.",
+        "",
+        C.env_markdown(),
+    ])
+    payload = {"config": {"rates": args.rates, "seeds": args.seeds, "jobs": args.jobs, "window": list(args.window),
+                          "cluster": "v100=12,p100=12,k80=12", "round_s": 360.0,
+                          "restart_cost_s": args.restart_cost_s, "steps_reference": args.steps_reference,
+                          "quick": args.quick},
+               "analysis": a, "runs": out["runs"], "wall_s": wall, "environment": C.environment()}
+    jp, mp = C.write_results(args.name, payload, md)
+    try:
+        plot_jct_vs_load({p: [(float(k), v) for k, v in a["mean_jct_h"][p].items()] for p in POLICIES},
+                         os.path.join(C.RESULTS_DIR, f"{args.name}.png"),
+                         title="Gavel workload, 12:12:12: average JCT vs load")
+    except ImportError:
+        pass
+    print(md)
+    print(f"wrote {jp}, {mp}")
+
+
+if __name__ == "__main__":
+    main()
