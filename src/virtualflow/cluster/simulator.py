@@ -26,6 +26,7 @@ clamped at completion); the clock never moves backwards; the same inputs give th
 from __future__ import annotations
 
 import logging
+import time as _time
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -156,8 +157,6 @@ def validate_jobs(jobs: Sequence[JobSpec], cluster: Cluster, table: ThroughputTa
 def simulate(jobs: Sequence[JobSpec], cluster: Cluster, table: ThroughputTable, policy: Policy,
              config: SimConfig | None = None, clock: Clock | None = None) -> SimResult:
     """Run ``policy`` on ``jobs`` over ``cluster`` and return per-job outcomes (see module docstring)."""
-    import time as _time
-
     cfg = config or SimConfig()
     clock = clock or SimClock()
     jobs = list(jobs)
