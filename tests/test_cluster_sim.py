@@ -225,3 +225,31 @@ def test_bad_window_and_config():
         MechanismConfig(elastic_resize="fast")
     with pytest.raises(ValueError, match="recompute='never'"):
         SimConfig(recompute="never")
+
+
+# ---------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_simulate_module(tmp_path, capsys):
+    """``virtualflow simulate`` as its module defines it (``add_parser`` + ``main``)."""
+    import argparse
+    import json
+
+    from virtualflow.cli import simulate as simulate_cli
+
+    parser = argparse.ArgumentParser(prog="virtualflow")
+    simulate_cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    trace = str(gavel_data_dir() / "traces" / "small_test.trace")
+    args = parser.parse_args(["simulate", "--cluster", "v100=4,p100=4,k80=4", "--trace", trace, "--policy", "las",
+                              "--no-progress", "--prices", "v100=2.48,p100=1.46,k80=0.45", "-o", str(tmp_path)])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "las: 20/20 jobs done" in out and "cost $" in out
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert summary["finished"] == 20 and summary["unfinished"] == 0 and summary["cost_usd"] > 0
+    args = parser.parse_args(["simulate", "--generate", "rate=2,jobs=20,seed=0", "--window", "5", "--no-progress"])
+    with pytest.raises(ValueError, match="--window '5' must be LO:HI"):
+        args.func(args)
+    args = parser.parse_args(["simulate", "--trace", trace, "--policy", "fastest", "--no-progress"])
+    with pytest.raises(ValueError, match="unknown policy 'fastest'"):
+        args.func(args)
