@@ -15,6 +15,7 @@ import cvxpy as cp
 import numpy as np
 
 SOLVER = "CLARABEL"
+SOLVER_OPTS = {"tol_gap_abs": 1e-9, "tol_gap_rel": 1e-9, "tol_feas": 1e-9, "max_iter": 500}
 
 
 def throughput_matrix(inp, gpus=None) -> tuple[np.ndarray, np.ndarray]:
@@ -59,7 +60,7 @@ def thr_expr(T, X, i):
 
 
 def solve(prob: cp.Problem) -> float:
-    prob.solve(solver=SOLVER)
+    prob.solve(solver=SOLVER, **SOLVER_OPTS)
     if prob.status not in ("optimal", "optimal_inaccurate"):
         raise RuntimeError(f"reference problem status {prob.status}")
     return float(prob.value)
