@@ -206,7 +206,8 @@ def elastic_counts(inp) -> list[int]:
             a = [j.scale_factor]
         else:
             a = [x for x in inp.table.scales if inp.table.has(j.job_type, x)
-                 and j.min_gpus <= x <= min(j.scale_factor, biggest)]
+                 and j.min_gpus <= x <= min(j.scale_factor, biggest)
+                 and any(inp.table.throughput(j.job_type, t, x) > 0 and x <= c for t, c in inp.cluster.gpus.items())]
         allowed.append(a)
         below = [x for x in a if x <= s + 1e-9]
         g.append(max(below) if below else min(a))

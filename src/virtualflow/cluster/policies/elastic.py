@@ -4,9 +4,9 @@ count, then share the accelerator types fairly and heterogeneity-aware at those 
 1. **GPU counts.** The cluster's GPUs are water-filled by weight: job ``i`` is entitled to
    ``share_i = min(demand_i, w_i L)`` GPUs, ``demand_i`` = its ``scale_factor``, with the level
    ``L`` set so the shares add up to all GPUs (everyone gets its demand when they fit). An elastic
-   job runs at the largest count it allows (``[min_gpus, scale_factor]``, known to the table, at
-   most the largest type) not above its share, or at its smallest allowed count if its share is
-   below that. GPUs left over by rounding down go, by descending weight (then arrival, id), to
+   job runs at the largest count it allows (in ``[min_gpus, scale_factor]``, known to the table,
+   with throughput > 0 on some type that has that many GPUs) not above its share, or at its
+   smallest allowed count if its share is below that. GPUs left over by rounding down go, by descending weight (then arrival, id), to
    elastic jobs that can step up to their next allowed count within what is left. Rigid jobs keep
    their ``scale_factor``.
 2. **Time shares.** Heterogeneity-aware weighted max-min fairness (``las``) at those counts, filled.
@@ -43,6 +43,10 @@ def water_fill(demand: np.ndarray, weights: np.ndarray, total: float) -> np.ndar
     return share
 
 
+def runs_somewhere(inp: PolicyInput, job_type: str, gpus: int) -> bool:
+    return any(inp.table.throughput(job_type, t, gpus) > 0 and gpus <= inp.cluster.gpus[t] for t in inp.types)
+
+
 def allowed_counts(inp: PolicyInput) -> list[np.ndarray]:
     """Per job, the GPU counts it may run at (ascending)."""
     biggest = inp.capacities.max()
@@ -51,11 +55,12 @@ def allowed_counts(inp: PolicyInput) -> list[np.ndarray]:
         if not j.elastic:
             out.append(np.array([j.scale_factor]))
             continue
-        counts = np.array([g for g in inp.table.scales_of(j.job_type) if j.min_gpus <= g <= min(j.scale_factor, biggest)])
+        counts = np.array([g for g in inp.table.scales_of(j.job_type)
+                           if j.min_gpus <= g <= min(j.scale_factor, biggest) and runs_somewhere(inp, j.job_type, g)])
         if counts.size == 0:
             raise ValueError(f"elastic job {j.job_id} ({j.job_type!r}): the throughput table has no GPU count in "
-                             f"[min_gpus={j.min_gpus}, scale_factor={j.scale_factor}] that fits the largest type "
-                             f"({int(biggest)} GPUs); it has {list(inp.table.scales_of(j.job_type))}")
+                             f"[min_gpus={j.min_gpus}, scale_factor={j.scale_factor}] at which it runs on a type "
+                             f"that has that many GPUs (largest: {int(biggest)}); the table has {list(inp.table.scales_of(j.job_type))}")
         out.append(counts)
     return out
 
