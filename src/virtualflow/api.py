@@ -96,6 +96,7 @@ def launch(
     checkpoint_every: int | None = None,
     resume: str | None = None,
     fault_plan: FaultPlan | None = None,
+    _control_plane: bool = True,
 ) -> "JobHandle":
     """Start training ``job`` on ``workers`` local worker processes; returns at once.
 
@@ -213,6 +214,11 @@ def launch(
         resume_step=resume_step,
         fault_plan=fault_plan,
     )
+    if not _control_plane:  # benchmarks only: measure what heartbeats and control reads cost
+        handle._config.control_plane = False
+        handle.backend = LocalBackend(handle._config, state_dir)
+        handle.controller.launcher = handle.backend
+        handle.controller.heartbeat_timeout_s = float("inf")
     handle._start()
     return handle
 

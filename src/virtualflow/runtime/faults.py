@@ -42,8 +42,9 @@ class InjectedFault(RuntimeError):
 class Fault:
     worker: int
     """Worker id (ids are never reused: a replacement gets a new id)."""
-    step: int
-    """Step at which to fire (for ``state_transfer``: the step the transfer happens before)."""
+    step: int | None
+    """Step at which to fire (for ``state_transfer``: the step the transfer happens before);
+    None: the first time the worker reaches ``phase``."""
     phase: str = "before_forward"
     action: str = "crash"
 
@@ -52,7 +53,7 @@ class Fault:
             raise ValueError(f"Fault phase={self.phase!r} is not one of {', '.join(PHASES)}")
         if self.action not in ACTIONS:
             raise ValueError(f"Fault action={self.action!r} is not one of {', '.join(ACTIONS)}")
-        if self.worker < 0 or self.step < 0:
+        if self.worker < 0 or (self.step is not None and self.step < 0):
             raise ValueError(f"Fault worker={self.worker} and step={self.step} must be >= 0")
 
 
@@ -75,7 +76,7 @@ class WorkerFaults:
         return bool(self._pending)
 
     def point(self, step: int, phase: str) -> None:
-        fault = self._pending.pop((step, phase), None)
+        fault = self._pending.pop((step, phase), None) or self._pending.pop((None, phase), None)
         if fault is None:
             return
         if fault.action == "crash":

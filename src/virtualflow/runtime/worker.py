@@ -77,6 +77,9 @@ class WorkerConfig:
     """Workers ``0 .. initial_workers-1`` start the job (load ``resume_path`` if given); later
     ids are newcomers that receive the state from a member."""
     fault_plan: FaultPlan | None = None
+    control_plane: bool = True
+    """False (benchmarks only): no heartbeat thread and no per-step control read, so stop,
+    resize and hang detection do not work; it measures what the control plane costs."""
 
 
 def build_job(cfg: WorkerConfig) -> Job:
@@ -291,7 +294,8 @@ class _Worker:
             # from the same seed, and rank 0's copy is broadcast anyway (see _form).
             self.progress = Progress(step=0, control=0)
         self.heartbeat = Heartbeat(cfg, self.id)
-        self.heartbeat.start()
+        if cfg.control_plane:
+            self.heartbeat.start()
         self.report({"type": "join", "setup_s": time.perf_counter() - t_start})
 
     # -- the life loop ------------------------------------------------------------------------
@@ -390,7 +394,7 @@ class _Worker:
         step = self.progress.step
         t_prev = time.perf_counter()
         while step < cfg.total_steps:
-            control = int(self.store.get(protocol.CONTROL_SEQ_KEY)) if rank == 0 else 0
+            control = int(self.store.get(protocol.CONTROL_SEQ_KEY)) if rank == 0 and cfg.control_plane else 0
             outcome = engine.step(step, control)
             if outcome.bad_vns:
                 self._non_finite(outcome, step, rank)
