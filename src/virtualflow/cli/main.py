@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from virtualflow.cli import plot, run
+from virtualflow.cli import plot, resize, run, status
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,6 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     run.add_parser(sub)
+    status.add_parser(sub)
+    resize.add_parser(sub)
     plot.add_parser(sub)
     return parser
 

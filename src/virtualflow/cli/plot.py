@@ -1,8 +1,10 @@
 """``virtualflow plot RUN_DIR [RUN_DIR ...] -o loss.png``: training curves of one or more runs.
 
 Loss per step (and, when the job evaluates, each evaluation metric) of every run on one
-figure, so that runs on 1, 2 and 4 workers can be seen to train the same model. Needs
-matplotlib (``pip install virtualflow[plot]``).
+figure, so that runs on 1, 2 and 4 workers can be seen to train the same model.
+``--timeline`` instead draws, per run, the number of workers over steps and the step time,
+with resizes, failures and new generations marked. Needs matplotlib
+(``pip install virtualflow[plot]``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plot", help="plot loss and evaluation curves of runs",
                        description="Plot loss (and evaluation metric) curves of one or several runs.")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    p.add_argument("-o", "--output", default="loss.png", help="image file to write (default loss.png)")
+    p.add_argument("-o", "--output", default=None, help="image file to write (default loss.png, or timeline.png)")
+    p.add_argument("--timeline", action="store_true",
+                   help="workers over steps and step times, with resizes, failures and generations marked")
     p.set_defaults(func=main)
 
 
@@ -78,7 +82,76 @@ def plot_runs(run_dirs: list[str], output: str) -> str:
     return output
 
 
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ValueError("plotting needs matplotlib: pip install 'virtualflow[plot]'") from exc
+    return plt
+
+
+def plot_timeline(run_dirs: list[str], output: str) -> str:
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, len(run_dirs), figsize=(8 * len(run_dirs), 6), squeeze=False, sharex="col")
+    for col, run_dir in enumerate(run_dirs):
+        run = load_run(run_dir)
+        events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
+        steps = run["steps"]
+        xs = [s["step"] for s in steps]
+        ax, ax2 = axes[0][col], axes[1][col]
+        ax.step(xs, [s["workers"] for s in steps], where="post", color="tab:blue", linewidth=1.8, label="workers")
+        ax2.plot(xs, [s["step_time_s"] * 1000 for s in steps], color="tab:gray", linewidth=0.8, label="step time")
+        marks = {"resize_request": ("tab:green", "--", "resize request"),
+                 "failure": ("tab:red", "-", "worker lost"),
+                 "formed": ("tab:purple", ":", "generation formed")}
+        seen = set()
+        for e in events:
+            kind = e.get("event")
+            if kind not in marks:
+                continue
+            if kind == "formed" and e.get("generation") == 0:
+                continue
+            step = e.get("step")
+            if step is None:
+                step = _step_at(steps, e.get("time"))
+            color, style, label = marks[kind]
+            for a in (ax, ax2):
+                a.axvline(step, color=color, linestyle=style, linewidth=1.0,
+                          label=label if (kind not in seen and a is ax) else None)
+            seen.add(kind)
+            if kind == "formed":
+                ax.annotate(f"g{e['generation']}: {e.get('change', '')} {e.get('pause_s', 0) * 1000:.0f} ms",
+                            (step, max(s["workers"] for s in steps) + 0.2), fontsize=7, rotation=90, va="bottom")
+        ax.set(title=f"{run['label']}: workers over steps", ylabel="workers")
+        ax.set_ylim(0, max([s["workers"] for s in steps] + [1]) + 1.5)
+        ax2.set(xlabel="step", ylabel="step time (ms)")
+        for a in (ax, ax2):
+            a.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    fig.savefig(output, dpi=110)
+    plt.close(fig)
+    return output
+
+
+def _step_at(steps: list[dict], t: float | None) -> int:
+    """The step being run at wall-clock time ``t`` (events carry times, steps carry end times)."""
+    if t is None or not steps:
+        return 0
+    for s in steps:
+        if s.get("time", 0) >= t:
+            return s["step"]
+    return steps[-1]["step"]
+
+
 def main(args: argparse.Namespace) -> int:
-    out = plot_runs(args.run_dirs, args.output)
+    if args.timeline:
+        out = plot_timeline(args.run_dirs, args.output or "timeline.png")
+    else:
+        out = plot_runs(args.run_dirs, args.output or "loss.png")
     print(f"wrote {out}")
     return 0

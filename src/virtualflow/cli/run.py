@@ -31,6 +31,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-dir", help="where metrics.jsonl, events.jsonl, summary.json and final.pt go "
                    "(default runs/<file>-<time>)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    el = p.add_argument_group("elasticity and fault tolerance")
+    el.add_argument("--min-workers", type=int, default=1,
+                    help="below this many workers the job holds (checkpointed) and waits (default 1)")
+    el.add_argument("--min-workers-timeout", type=float, default=60.0, metavar="SECONDS",
+                    help="how long to wait for workers below --min-workers before failing (default 60)")
+    el.add_argument("--replace-failed", action="store_true",
+                    help="start a replacement worker for every worker lost, as a cluster manager would")
+    el.add_argument("--heartbeat-timeout", type=float, default=3.0, metavar="SECONDS",
+                    help="a worker silent this long is declared hung, killed and removed (default 3)")
+    el.add_argument("--checkpoint-every", type=int, metavar="N",
+                    help="write checkpoints/step-N.pt every N steps (the last two are kept)")
+    el.add_argument("--resume", metavar="RUN_DIR_OR_FILE",
+                    help="continue from the newest good checkpoint of a run (e.g. one whose coordinator died)")
     p.set_defaults(func=main)
 
 
@@ -40,7 +53,7 @@ def default_run_dir(job_spec: str) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    run_dir = args.run_dir or default_run_dir(args.job)
+    run_dir = args.run_dir or (args.resume if args.resume and os.path.isdir(args.resume) else default_run_dir(args.job))
     try:
         result = vf.train(
             args.job,
@@ -54,6 +67,12 @@ def main(args: argparse.Namespace) -> int:
             threads_per_worker=args.threads_per_worker,
             run_dir=run_dir,
             progress=not args.no_progress,
+            min_workers=args.min_workers,
+            min_workers_timeout_s=args.min_workers_timeout,
+            replace_failed=args.replace_failed,
+            heartbeat_timeout_s=args.heartbeat_timeout,
+            checkpoint_every=args.checkpoint_every,
+            resume=args.resume,
         )
     except TrainingError as exc:
         print(f"virtualflow run: training failed: {exc}", file=sys.stderr)
@@ -62,6 +81,8 @@ def main(args: argparse.Namespace) -> int:
     line = f"done: {result.steps} steps, final loss {last.get('loss', float('nan')):.4f}"
     if result.metrics:
         line += ", " + ", ".join(f"{k} {v:.4f}" for k, v in result.metrics.items())
+    if result.generations > 1:
+        line += f"; {result.generations} generations, {len(result.failures)} worker failure(s) survived"
     print(line)
     print(f"run directory: {run_dir} (final.pt, metrics.jsonl, events.jsonl, summary.json)")
     return 0

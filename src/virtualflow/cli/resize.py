@@ -1,0 +1,68 @@
+"""``virtualflow resize RUN_DIR --workers N``: change a running job's worker count in place.
+
+The request goes to the job's coordinator through its store (loopback only in local mode) and
+takes effect at the next step boundary. A finished run, or one whose coordinator is gone, is
+refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+
+from virtualflow.cli.runinfo import read_status, run_state
+from virtualflow.control.membership import check_resize
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("resize", help="change a running job's number of workers",
+                       description="Ask a running job to grow or shrink; it changes at the next step boundary, "
+                       "without a restart.")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--workers", type=int, required=True, help="new number of workers")
+    p.add_argument("--wait", action="store_true", help="wait until the new generation has formed")
+    p.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS", help="with --wait (default 120)")
+    p.set_defaults(func=main)
+
+
+def request_resize(run_dir: str, workers: int) -> dict:
+    import torch.distributed as dist
+
+    from virtualflow.comm import protocol
+
+    status = read_status(run_dir)
+    state = run_state(run_dir, status)
+    if state == "finished":
+        raise ValueError(f"the run in {run_dir!r} has finished ({status.get('state')}); there is nothing to resize")
+    if state == "orphaned":
+        raise ValueError(f"the run in {run_dir!r} has no live coordinator (pid {status['coordinator']['pid']} is gone); "
+                         f"continue it with `virtualflow run JOB --resume {run_dir}`")
+    check_resize(workers, int(status["virtual_nodes"]), int(status.get("min_workers", 1)))
+    coord = status["coordinator"]
+    store = dist.TCPStore(coord["host"], int(coord["port"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=10))
+    store.queue_push(protocol.REQUESTS_QUEUE, json.dumps({"op": "resize", "workers": workers, "source": "cli"}))
+    return status
+
+
+def main(args: argparse.Namespace) -> int:
+    before = request_resize(args.run_dir, args.workers)
+    print(f"requested: {len(before.get('workers', []))} -> {args.workers} workers "
+          f"(takes effect at the next step boundary)")
+    if args.wait:
+        deadline = time.monotonic() + args.timeout
+        while time.monotonic() < deadline:
+            st = read_status(args.run_dir)
+            members = [w for w in st.get("workers", []) if w.get("rank") is not None]
+            if st.get("generation") == st.get("formed_generation") and len(members) == args.workers:
+                print(f"generation {st['generation']} formed with {args.workers} workers at step {st['step']}")
+                return 0
+            if run_state(args.run_dir, st) != "running":
+                print(f"the run ended ({st.get('state')}) before the resize completed")
+                return 1
+            time.sleep(0.2)
+        print(f"not done after {args.timeout:g} s; see `virtualflow status {args.run_dir}`")
+        return 1
+    return 0

@@ -1,0 +1,50 @@
+"""``virtualflow status RUN_DIR``: step, generation, workers and recent step times of a run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from virtualflow.cli.runinfo import read_status, run_state
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="show a run's progress and workers",
+                       description="Show the step, generation, workers (id, pid, VNs) and recent step times of a run.")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    p.set_defaults(func=main)
+
+
+def format_status(run_dir: str, status: dict, state: str) -> str:
+    lines = []
+    head = f"{status.get('job', '?')} in {run_dir}: {status.get('state')}"
+    if state == "orphaned":
+        head += " (its coordinator is gone: continue with `virtualflow run JOB --resume RUN_DIR`)"
+    elif state == "finished":
+        head += " (finished)"
+    lines.append(head)
+    lines.append(f"step {status.get('step')}/{status.get('total_steps')}, generation {status.get('generation')}, "
+                 f"target {status.get('target_workers')} workers, {status.get('failures', 0)} failure(s) survived")
+    times = status.get("recent_step_times_s") or []
+    if times:
+        lines.append(f"recent step times: median {statistics.median(times) * 1000:.1f} ms, last "
+                     + ", ".join(f"{t * 1000:.1f}" for t in times[-5:]) + " ms")
+    lines.append(f"{'worker':>6} {'pid':>8} {'rank':>5}  VNs")
+    for w in status.get("workers", []):
+        vns = w.get("vns") or []
+        span = (f"{vns[0]}-{vns[-1]}" if len(vns) > 1 else str(vns[0])) if vns else w.get("state", "-")
+        rank = "-" if w.get("rank") is None else str(w["rank"])
+        lines.append(f"{w['id']:>6} {w.get('pid') or '-':>8} {rank:>5}  {span}")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    status = read_status(args.run_dir)
+    state = run_state(args.run_dir, status)
+    if args.json:
+        print(json.dumps({**status, "run_state": state}, indent=2))
+    else:
+        print(format_status(args.run_dir, status, state))
+    return 0
