@@ -349,3 +349,33 @@ def test_check_allocation_rejects_violations(table):
     bad([[0, 0], [0, 0], [0, 0]], "between min_gpus=1", gpus={0: 2, 1: 2, 7: 4})
     bad([[0, 0], [0, 0], [0, 0]], "not an active job", rows=[(0,), (1,), (8,)])
     bad([[0, 0]], r"X has shape \(1, 2\)")
+
+
+@pytest.mark.parametrize("name", ["las", "las_agnostic", "max_throughput", "elastic_fair"])
+def test_identical_jobs_solved_as_classes_match_reference(table, name):
+    """Many copies of few (type, scale, weight) classes: the policies solve one LP row per class;
+    the optimum must still equal the per-job reference, and copies get the same X."""
+    rng = np.random.default_rng(4)
+    cluster = Cluster(gpus={"v100": 3, "p100": 5, "k80": 4})
+    kinds = [("ResNet-50 (batch size 64)", 1, 1.0), ("Transformer (batch size 32)", 2, 2.0), ("A3C", 1, 1.0),
+             ("LM (batch size 20)", 4, 5.0)]
+    jobs = []
+    for i in range(14):
+        jt, s, w = kinds[rng.integers(len(kinds))]
+        jobs.append(JobSpec(job_id=i, job_type=jt, scale_factor=s, total_steps=1e4, weight=w,
+                            min_gpus=1 if s > 1 and i % 2 else None))
+    inp = PolicyInput(jobs=jobs, cluster=cluster, table=table)
+    alloc = get_policy(name).allocate(inp)
+    X = single_X(alloc, inp)
+    if name == "max_throughput":
+        want = ref.max_throughput(inp)[0]
+    elif name == "elastic_fair":
+        want = ref.elastic_fair(inp)[0]
+    else:
+        want = ref.las(inp, agnostic=name == "las_agnostic")[0]
+    assert close(alloc.objective, want), (alloc.objective, want)
+    key = [(j.job_type, alloc.gpus[j.job_id], j.weight) for j in jobs]
+    for a in range(len(jobs)):
+        for b in range(len(jobs)):
+            if key[a] == key[b] and (name != "elastic_fair" or jobs[a].elastic == jobs[b].elastic):
+                np.testing.assert_allclose(X[a], X[b], atol=1e-9)

@@ -55,17 +55,52 @@ def x_bounds(runnable: np.ndarray, extra: list[tuple[float, float]] = ()) -> np.
     return b
 
 
+def job_classes(*per_job: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Group jobs whose data rows are identical: (first index of each class, class of each job, sizes)."""
+    key = np.column_stack([np.asarray(a, dtype=float).reshape(len(a), -1) for a in per_job])
+    _, first, inv, counts = np.unique(key, axis=0, return_index=True, return_inverse=True, return_counts=True)
+    return first, inv.ravel(), counts
+
+
 def max_min(C: np.ndarray, scales: np.ndarray, caps: np.ndarray, runnable: np.ndarray,
             fill: bool = True, what: str = "max-min") -> tuple[np.ndarray, float]:
     """Maximise ``min_i sum_k C[i, k] X[i, k]`` over the single-job polytope; returns (X, optimum).
 
     With ``fill`` a second LP keeps every job at >= the optimum (less ``EPS_FIX`` relative) and
     maximises the sum of ``C * X``, so capacity the bottleneck jobs cannot use goes to others.
+
+    Jobs with identical data (row of C, scale, runnable types) are solved as one class of
+    multiplicity m: the problem is symmetric under swapping them and its objectives are concave,
+    so averaging any optimum over the class gives an optimum where they all share one X (the
+    same optimum value, and the natural fair answer). Fairness policies have few classes (job
+    type x scale x weight), which keeps their LPs small whatever the number of jobs.
     """
     n, k = C.shape
-    nk = n * k
     if n == 0:
         return np.zeros((0, k)), float("inf")
+    first, cls, mult = job_classes(C, scales, runnable)
+    Xc, t = _max_min(C[first], scales[first], mult.astype(float), caps, runnable[first], fill, what)
+    return Xc[cls], t
+
+
+def max_sum(C: np.ndarray, scales: np.ndarray, caps: np.ndarray, runnable: np.ndarray,
+            floor: float | np.ndarray | None = None, what: str = "max-sum") -> tuple[np.ndarray, float]:
+    """Maximise ``sum_ik C[i, k] X[i, k]``, optionally with every job's ``sum_k C X >= floor``
+    (identical jobs solved as one class, as in ``max_min``)."""
+    n, k = C.shape
+    if n == 0:
+        return np.zeros((0, k)), 0.0
+    fl = None if floor is None else np.broadcast_to(np.asarray(floor, dtype=float), (n,))
+    first, cls, mult = job_classes(C, scales, runnable, *(() if fl is None else (fl,)))
+    Xc, v = _max_sum(C[first], scales[first], mult.astype(float), caps, runnable[first],
+                     None if fl is None else fl[first], what)
+    return Xc[cls], v
+
+
+def _max_min(C: np.ndarray, scales: np.ndarray, mult: np.ndarray, caps: np.ndarray, runnable: np.ndarray,
+             fill: bool, what: str) -> tuple[np.ndarray, float]:
+    n, k = C.shape
+    nk = n * k
     # Jobs that cannot get anything (all-zero rows: nowhere to run) do not bound t.
     active = np.flatnonzero((C > 0).any(axis=1))
     if active.size == 0:
@@ -73,7 +108,7 @@ def max_min(C: np.ndarray, scales: np.ndarray, caps: np.ndarray, runnable: np.nd
     m = active.size
     A_thr = coef_rows(C, extra=1)[active]
     t_col = sp.csr_matrix((np.ones(m), (np.arange(m), np.full(m, nk))), shape=(m, nk + 1))
-    A = sp.vstack([t_col - A_thr, job_rows(n, k, 1), cap_rows(scales, k, 1)], format="csr")
+    A = sp.vstack([t_col - A_thr, job_rows(n, k, 1), cap_rows(scales * mult, k, 1)], format="csr")
     b = np.concatenate([np.zeros(m), np.ones(n), caps])
     c = np.zeros(nk + 1)
     c[-1] = -1.0
@@ -81,23 +116,21 @@ def max_min(C: np.ndarray, scales: np.ndarray, caps: np.ndarray, runnable: np.nd
     t = -fun
     if not fill:
         return x[:nk].reshape(n, k), t
-    X, _ = max_sum(C, scales, caps, runnable, floor=t * (1 - EPS_FIX), what=what + " (fill)")
+    X, _ = _max_sum(C, scales, mult, caps, runnable, np.full(n, t * (1 - EPS_FIX)), what + " (fill)")
     return X, t
 
 
-def max_sum(C: np.ndarray, scales: np.ndarray, caps: np.ndarray, runnable: np.ndarray,
-            floor: float | np.ndarray | None = None, what: str = "max-sum") -> tuple[np.ndarray, float]:
-    """Maximise ``sum_ik C[i, k] X[i, k]``, optionally with every job's ``sum_k C X >= floor``."""
+def _max_sum(C: np.ndarray, scales: np.ndarray, mult: np.ndarray, caps: np.ndarray, runnable: np.ndarray,
+             floor: np.ndarray | None, what: str) -> tuple[np.ndarray, float]:
     n, k = C.shape
-    if n == 0:
-        return np.zeros((0, k)), 0.0
-    blocks = [job_rows(n, k), cap_rows(scales, k)]
+    blocks = [job_rows(n, k), cap_rows(scales * mult, k)]
     rhs = [np.ones(n), caps]
     if floor is not None:
         active = np.flatnonzero((C > 0).any(axis=1))
         blocks.append(-coef_rows(C)[active])
-        rhs.append(-np.broadcast_to(np.asarray(floor, dtype=float), (n,))[active])
-    x, fun = solve(-C.ravel(), sp.vstack(blocks, format="csr"), np.concatenate(rhs), x_bounds(runnable), what=what)
+        rhs.append(-floor[active])
+    x, fun = solve(-(C * mult[:, None]).ravel(), sp.vstack(blocks, format="csr"), np.concatenate(rhs),
+                   x_bounds(runnable), what=what)
     return x.reshape(n, k), -fun
 
 
