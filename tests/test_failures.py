@@ -30,16 +30,18 @@ def test_nan_loss_names_step_and_vn_and_keeps_last_good_state(run_dir):
         assert '"status": "failed"' in f.read()
 
 
-def test_killed_worker_fails_fast_with_its_id_and_signal():
-    handle = vf.launch(jobs.long_job, workers=2, steps=100_000)
+def test_losing_the_last_worker_fails_fast_with_its_id_and_signal():
+    # With survivors the job goes on (tests/test_elastic.py); with none it must fail clearly.
+    handle = vf.launch(jobs.long_job, workers=1, steps=100_000)
     deadline = time.monotonic() + 60
     while handle.status()["step"] < 3:
         assert time.monotonic() < deadline, "the job did not start"
         time.sleep(0.05)
-    victim = handle.status()["workers"][1]
+    victim = handle.status()["workers"][0]
     os.kill(victim["pid"], signal.SIGKILL)
     t0 = time.monotonic()
-    with pytest.raises(vf.TrainingError, match=rf"worker 1 \(pid {victim['pid']}\) was killed by SIGKILL"):
+    with pytest.raises(vf.TrainingError, match=rf"worker 0 \(pid {victim['pid']}\) was killed by SIGKILL at step \d+, "
+                       r"and no worker is left"):
         handle.wait(timeout_s=30)
     assert time.monotonic() - t0 < 10
     assert handle.status()["state"] == "failed"

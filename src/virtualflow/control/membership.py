@@ -183,6 +183,7 @@ class MembershipController:
             g = r["generation"]
             if g > self.formed:
                 self.formed = g
+            self.last_step = max(self.last_step, r["step"])
             change = self._change
             if change is not None and change.generation == g:
                 self.coord.event(
@@ -237,10 +238,11 @@ class MembershipController:
         newcomers_in_gen = [w for w in self.members if w not in failed and self.assigned.get(w) == self.generation]
         self.store.set(protocol.abort_key(self.generation), "1")
         if not survivors:
+            lost_desc = "; ".join(f"worker {w} (pid {self.launcher.pid(w)}) {c}" for w, c in failed.items())
             raise JobFailed(
-                "every worker of the job failed ("
-                + "; ".join(f"worker {w} {c}" for w, c in failed.items())
-                + ")"
+                f"{lost_desc} at step {self.last_step}, and no worker is left to continue the job; "
+                f"with checkpoint_every= (--checkpoint-every) a later run can resume from the last "
+                f"checkpoint (--resume RUN_DIR)"
             )
         if not self.replace_failed:
             self.target = max(min(self.target, len(survivors)), 1)

@@ -1,0 +1,215 @@
+"""The membership controller's decisions, without processes: a fake launcher, a real store."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import virtualflow as vf
+from virtualflow.comm import protocol
+from virtualflow.control.coordinator import Coordinator
+from virtualflow.control.membership import JobFailed, MembershipController, check_resize
+from virtualflow.runtime.checkpoint import save_state
+import jobs
+
+
+class FakeLauncher:
+    def __init__(self) -> None:
+        self.started: list[int] = []
+        self.killed: list[int] = []
+        self.codes: dict[int, int | None] = {}
+
+    def start_worker(self, worker_id: int) -> None:
+        self.started.append(worker_id)
+        self.codes[worker_id] = None
+
+    def kill_worker(self, worker_id: int) -> None:
+        self.killed.append(worker_id)
+        self.codes[worker_id] = -9
+
+    def poll(self) -> dict[int, int | None]:
+        return dict(self.codes)
+
+    def pid(self, worker_id: int) -> int:
+        return 1000 + worker_id
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(workers=2, **kw):
+    coord = Coordinator(total_steps=100, run_dir=None)
+    launcher, clock = FakeLauncher(), Clock()
+    ctl = MembershipController(coord, launcher, virtual_nodes=8, workers=workers, clock=clock, **kw)
+    ctl.start()
+    return ctl, coord, launcher, clock
+
+
+def record(coord, g) -> protocol.GenerationRecord:
+    return protocol.GenerationRecord.from_json(coord.store.get(protocol.generation_key(g)))
+
+
+def nxt(coord, worker, g) -> str:
+    return coord.store.get(protocol.next_key(worker, g)).decode()
+
+
+def joined_and_formed(ctl, workers, g):
+    ctl.tick([{"type": "join", "worker": w, "setup_s": 0.0} for w in workers]
+             + [{"type": "formed", "generation": g, "members": workers, "step": 0, "group_s": 0, "transfer_s": 0,
+                 "bytes": 0, "source": None, "receivers": []}])
+
+
+def test_start_publishes_generation_zero_and_entry_pointers():
+    ctl, coord, launcher, _ = make(3)
+    assert launcher.started == [0, 1, 2]
+    rec = record(coord, 0)
+    assert rec.members == [0, 1, 2] and rec.assignment == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert [nxt(coord, w, -1) for w in range(3)] == ["0", "0", "0"]
+
+
+def test_grow_waits_for_the_newcomer_to_be_ready_then_regroups_by_command():
+    ctl, coord, launcher, _ = make(2)
+    joined_and_formed(ctl, [0, 1], 0)
+    ctl.request_resize(3)
+    ctl.tick([])
+    assert launcher.started == [0, 1, 2] and ctl.generation == 0  # started, not yet published
+    ctl.tick([])
+    assert ctl.generation == 0
+    ctl.tick([{"type": "join", "worker": 2, "setup_s": 0.0}])
+    assert ctl.generation == 1 and record(coord, 1).members == [0, 1, 2]
+    assert [nxt(coord, w, g) for w, g in ((0, 0), (1, 0), (2, -1))] == ["1", "1", "1"]
+    seq = int(coord.store.get(protocol.CONTROL_SEQ_KEY))
+    assert json.loads(coord.store.get(protocol.control_key(seq)))["op"] == "regroup"
+
+
+def test_shrink_tells_the_highest_ranks_to_leave_and_expects_their_exit():
+    ctl, coord, launcher, _ = make(3)
+    joined_and_formed(ctl, [0, 1, 2], 0)
+    ctl.request_resize(1)
+    ctl.tick([])
+    assert record(coord, 1).members == [0]
+    assert nxt(coord, 1, 0) == "leave 1" and nxt(coord, 2, 0) == "leave 1"
+    launcher.codes[1] = launcher.codes[2] = 0
+    ctl.tick([])
+    assert not ctl.failures  # a planned departure is not a failure
+
+
+def test_member_death_aborts_the_generation_and_survivors_follow_pointers():
+    ctl, coord, launcher, _ = make(3)
+    joined_and_formed(ctl, [0, 1, 2], 0)
+    launcher.codes[1] = -9
+    ctl.tick([])
+    assert coord.store.check([protocol.abort_key(0)])
+    assert record(coord, 1).members == [0, 2] and record(coord, 1).reason == "failure"
+    assert nxt(coord, 0, 0) == "1" and nxt(coord, 2, 0) == "1"
+    assert ctl.failures[0]["worker"] == 1 and "SIGKILL" in ctl.failures[0]["cause"]
+    assert ctl.target == 2  # without replace_failed the job goes on smaller
+
+
+def test_failure_while_a_planned_generation_forms_chains_the_pointers():
+    ctl, coord, launcher, _ = make(2)
+    joined_and_formed(ctl, [0, 1], 0)
+    ctl.request_resize(3)
+    ctl.tick([])
+    ctl.tick([{"type": "join", "worker": 2, "setup_s": 0.0}])
+    assert ctl.generation == 1 and ctl.busy
+    launcher.codes[0] = -9  # dies before generation 1 forms
+    ctl.tick([])
+    assert coord.store.check([protocol.abort_key(1)])
+    assert record(coord, 2).members == [1, 2]
+    # A worker still in generation 0 goes 0 -> 1 (aborted) -> 2.
+    assert nxt(coord, 1, 0) == "1" and nxt(coord, 1, 1) == "2" and nxt(coord, 2, 1) == "2"
+
+
+def test_silent_worker_is_killed_after_the_heartbeat_timeout():
+    ctl, coord, launcher, clock = make(2, heartbeat_timeout_s=2.0)
+    joined_and_formed(ctl, [0, 1], 0)
+    for t in (0.5, 1.0, 1.5, 2.0, 2.6):
+        clock.t = t
+        coord.store.add(protocol.heartbeat_key(0), 1)  # worker 0 beats, worker 1 is silent
+        ctl.tick([])
+    assert launcher.killed == [1]
+    assert "no heartbeat for 2.6 s" in ctl.failures[0]["cause"]
+    assert record(coord, 1).members == [0]
+
+
+def test_below_min_workers_holds_then_fails_after_the_timeout():
+    ctl, coord, launcher, clock = make(2, min_workers=2, min_workers_timeout_s=5.0)
+    joined_and_formed(ctl, [0, 1], 0)
+    launcher.codes[1] = -9
+    ctl.tick([])
+    assert record(coord, 1).hold
+    ctl.tick([{"type": "formed", "generation": 1, "members": [0], "step": 4, "group_s": 0, "transfer_s": 0,
+               "bytes": 0, "source": None, "receivers": []}])
+    clock.t = 6.0
+    coord.store.add(protocol.heartbeat_key(0), 1)  # the survivor is alive, just alone
+    with pytest.raises(JobFailed, match="below min_workers=2"):
+        ctl.tick([])
+    assert nxt(coord, 0, 1) == protocol.FAIL
+
+
+def test_every_worker_lost_fails_the_job():
+    ctl, coord, launcher, _ = make(1)
+    joined_and_formed(ctl, [0], 0)
+    launcher.codes[0] = -9
+    with pytest.raises(JobFailed, match=r"worker 0 \(pid 1000\) was killed by SIGKILL at step 0, and no worker is left"):
+        ctl.tick([])
+
+
+@pytest.mark.parametrize(
+    "workers, message",
+    [(0, "at least 1 worker"), (9, "more than virtual_nodes=8"), (True, "at least 1 worker"), (1, "below min_workers=2")],
+)
+def test_resize_bad_targets_are_refused_with_the_rule(workers, message):
+    with pytest.raises(ValueError, match=message):
+        check_resize(workers, 8, 2)
+
+
+def test_resize_of_a_finished_job_and_bad_launch_options_are_refused():
+    handle = vf.launch(jobs.regression_job(), workers=1, steps=2)
+    handle.wait(120)
+    with pytest.raises(RuntimeError, match="has done; it cannot be resized"):
+        handle.resize(2)
+    with pytest.raises(ValueError, match=r"min_workers=3 is greater than the starting workers=2"):
+        vf.launch(jobs.regression_job(), workers=2, steps=2, min_workers=3)
+    with pytest.raises(ValueError, match="checkpoint_every=0"):
+        vf.launch(jobs.regression_job(), workers=1, steps=2, checkpoint_every=0)
+
+
+def wide_mlp():
+    import torch.nn as nn
+
+    return nn.Sequential(nn.Linear(jobs.FEATURES, 64), nn.Tanh(), nn.Linear(64, 1))
+
+
+def _checkpoint(path, job, step=3):
+    import torch
+
+    torch.manual_seed(job.seed)
+    model = job.model()
+    save_state(path, {"model": model.state_dict(), "optimizer": {}, "lr_scheduler": None, "step": step,
+                      "job": {"name": job.name, "global_batch_size": job.global_batch_size,
+                              "virtual_nodes": job.virtual_nodes, "seed": job.seed}})
+
+
+def test_resume_refuses_a_checkpoint_of_another_job(tmp_path):
+    path = str(tmp_path / "ck.pt")
+    _checkpoint(path, jobs.regression_job())
+    with pytest.raises(ValueError, match="different model"):
+        vf.launch(jobs.regression_job().replace(model=wide_mlp), workers=1, steps=10, resume=path)
+    with pytest.raises(ValueError, match=r"its global_batch_size=32, the job's is 64"):
+        vf.launch(jobs.regression_job(), workers=1, steps=10, resume=path, global_batch_size=64)
+    with pytest.raises(ValueError, match=r"at step 3, which already reaches steps=3"):
+        vf.launch(jobs.regression_job(), workers=1, steps=3, resume=path)
+    with pytest.raises(ValueError, match="no checkpoints in"):
+        vf.launch(jobs.regression_job(), workers=1, steps=10, resume=str(tmp_path))
+    with open(path, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError, match="no readable checkpoint.*corrupt or truncated"):
+        vf.launch(jobs.regression_job(), workers=1, steps=10, resume=path)
