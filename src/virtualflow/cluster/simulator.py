@@ -177,6 +177,7 @@ def simulate(jobs: Sequence[JobSpec], cluster: Cluster, table: ThroughputTable, 
     resizes = np.zeros(n, dtype=np.int64)
     lost = np.zeros(n)
     gpu_s = np.zeros((n, k))
+    run_s = np.zeros((n, k))  # seconds each job held GPUs of each type (whatever its GPU count)
     cont = np.zeros(n)
     present = np.zeros(n)
     iso = np.array([j.total_steps / max(table.throughput(j.job_type, t, j.scale_factor)
@@ -226,7 +227,7 @@ def simulate(jobs: Sequence[JobSpec], cluster: Cluster, table: ThroughputTable, 
                 inp = PolicyInput(jobs=[jobs[i] for i in active], cluster=cluster, table=table, time_s=t,
                                   steps_done=np.minimum(done[ai], total[ai]),
                                   elapsed_s=np.maximum(t - arrival[ai], 0.0),
-                                  time_received_s=gpu_s[ai] / np.array([jobs[i].scale_factor for i in active])[:, None])
+                                  time_received_s=run_s[ai])
                 t0 = _time.perf_counter()
                 alloc = policy.allocate(inp)
                 solve_s += _time.perf_counter() - t0
@@ -266,6 +267,7 @@ def simulate(jobs: Sequence[JobSpec], cluster: Cluster, table: ThroughputTable, 
                         done[i] = min(done[i] + thr * (end - start), total[i])
                     held = R
                 gpu_s[i, c] += p.gpus * held
+                run_s[i, c] += held
             ai = np.array(active)
             cont[ai] += len(active) * R
             present[ai] += R
