@@ -109,11 +109,13 @@ def test_las_fill_uses_spare_capacity(table):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_finish_time_fairness_matches_reference(table, seed):
+@pytest.mark.parametrize("warm_start", [True, False])
+def test_finish_time_fairness_matches_reference(table, seed, warm_start):
     inp = instance(table, seed)
-    alloc = get_policy("finish_time_fairness").allocate(inp)
+    alloc = get_policy("finish_time_fairness", warm_start=warm_start).allocate(inp)
     want, _ = ref.finish_time_fairness(inp)
     assert close(alloc.objective, want), (alloc.objective, want)
+    assert alloc.info["lower_bound"] <= want * (1 + REL) and close(alloc.info["lower_bound"], alloc.objective)
     assert close(ref.finish_time_ratio_of(inp, single_X(alloc, inp)), want)
     assert want <= 1 + 1e-9  # the equal share is feasible and has rho = 1
 

@@ -141,6 +141,6 @@ class MinCostSlo:
                         len(dropped), f", every other SLO job gets {lam:.4g} of its required throughput"
                         if lam < 1 else "")
         X, v = max_throughput_per_dollar(inp, prices, d, self.name)
-        alloc = single_rows(inp, X, v, slo_factor=lam, slo_throughput=d.tolist())
+        alloc = single_rows(inp, X, v, slo_factor=lam, slo_throughput=d)
         alloc.relaxed_slos = sorted(relaxed)
         return alloc

@@ -105,4 +105,4 @@ class ElasticFair:
         X, t = lp.max_min(C, g, inp.capacities, runnable, fill=self.fill, what=self.name)
         gpus = {j.job_id: int(x) for j, x in zip(inp.jobs, g)}
         return single_rows(inp, X, t, gpus=gpus, gpu_share=water_fill(inp.scales, inp.weights,
-                                                                      inp.capacities.sum()).tolist())
+                                                                      inp.capacities.sum()))

@@ -63,7 +63,7 @@ class Fifo:
         arrival = np.array([j.arrival_s for j in inp.jobs], dtype=float)
         keys = (inp.job_ids, arrival, -inp.weights) if self.by_weight else (inp.job_ids, arrival)
         order = np.lexsort(keys)
-        return _single_rows(inp, greedy_fill(inp, order, self.aware), order=order.tolist())
+        return _single_rows(inp, greedy_fill(inp, order, self.aware), order=order)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -82,5 +82,5 @@ class Qssf:
             service = inp.scales * steps / best  # inf: runs nowhere at this size (last)
         arrival = np.array([j.arrival_s for j in inp.jobs], dtype=float)
         order = np.lexsort((inp.job_ids, arrival, service))
-        return _single_rows(inp, greedy_fill(inp, order, self.aware), order=order.tolist(),
-                            predicted_gpu_s=service.tolist())
+        return _single_rows(inp, greedy_fill(inp, order, self.aware), order=order,
+                            predicted_gpu_s=service)

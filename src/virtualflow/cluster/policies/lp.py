@@ -40,10 +40,18 @@ def coef_rows(C: np.ndarray, extra: int = 0) -> sp.csr_matrix:
 def solve(c: np.ndarray, A_ub: sp.spmatrix | None, b_ub: np.ndarray | None, bounds: np.ndarray,
           A_eq: sp.spmatrix | None = None, b_eq: np.ndarray | None = None, what: str = "LP") -> tuple[np.ndarray, float]:
     """Minimise ``c @ x`` with HiGHS; ``bounds`` is (n_vars, 2). Raises RuntimeError unless optimal."""
-    res = linprog(c, A_ub=A_ub, b_ub=b_ub, A_eq=A_eq, b_eq=b_eq, bounds=bounds, method="highs")
+    res = solve_full(c, A_ub, b_ub, bounds, A_eq, b_eq, what)
+    return res.x, float(res.fun)
+
+
+def solve_full(c: np.ndarray, A_ub: sp.spmatrix | None, b_ub: np.ndarray | None, bounds: np.ndarray,
+               A_eq: sp.spmatrix | None = None, b_eq: np.ndarray | None = None, what: str = "LP",
+               method: str = "highs"):
+    """``solve`` returning scipy's result (with the duals: ``res.ineqlin.marginals``)."""
+    res = linprog(c, A_ub=A_ub, b_ub=b_ub, A_eq=A_eq, b_eq=b_eq, bounds=bounds, method=method)
     if res.status != 0:
         raise RuntimeError(f"{what}: HiGHS did not find an optimum (status {res.status}: {res.message})")
-    return res.x, float(res.fun)
+    return res
 
 
 def x_bounds(runnable: np.ndarray, extra: list[tuple[float, float]] = ()) -> np.ndarray:
@@ -51,8 +59,63 @@ def x_bounds(runnable: np.ndarray, extra: list[tuple[float, float]] = ()) -> np.
     b = np.zeros((runnable.size + len(extra), 2))
     b[: runnable.size, 1] = runnable.ravel().astype(float)
     for j, (lo, hi) in enumerate(extra):
-        b[runnable.size + j] = (lo, hi)
+        b[runnable.size + j] = (-np.inf if lo is None else lo, np.inf if hi is None else hi)
     return b
+
+
+class WarmStartLP:
+    """A sequence of LPs of one shape (``min c x, A x <= b, bounds``) solved by HiGHS through
+    ``highspy``, each started from the previous optimal basis (dual simplex); the first one by
+    interior point + crossover when ``first_ipm``. ``highspy`` ships with cvxpy, not with scipy:
+    ``WarmStartLP.available()`` says whether it can be used (callers fall back to ``solve_full``)."""
+
+    def __init__(self, first_ipm: bool = True) -> None:
+        import highspy
+
+        self._hs = highspy
+        self._h = highspy.Highs()
+        self._h.setOptionValue("output_flag", False)
+        self._first_ipm = first_ipm
+        self._basis = None
+
+    @staticmethod
+    def available() -> bool:
+        try:
+            import highspy  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    def solve(self, c: np.ndarray, A_ub: sp.spmatrix, b_ub: np.ndarray, bounds: np.ndarray,
+              what: str = "LP") -> tuple[np.ndarray, float, np.ndarray]:
+        """(x, objective, row duals y <= 0 of the ``A x <= b`` rows, scipy's sign convention)."""
+        hs, h = self._hs, self._h
+        A = sp.csc_matrix(A_ub)
+        A.sort_indices()
+        lp_ = hs.HighsLp()
+        lp_.num_col_, lp_.num_row_ = A.shape[1], A.shape[0]
+        lp_.col_cost_ = np.asarray(c, dtype=float)
+        lp_.col_lower_ = bounds[:, 0].astype(float)
+        lp_.col_upper_ = bounds[:, 1].astype(float)
+        lp_.row_lower_ = np.full(A.shape[0], -np.inf)
+        lp_.row_upper_ = np.asarray(b_ub, dtype=float)
+        lp_.a_matrix_.format_ = hs.MatrixFormat.kColwise
+        lp_.a_matrix_.start_ = A.indptr.astype(np.int32)
+        lp_.a_matrix_.index_ = A.indices.astype(np.int32)
+        lp_.a_matrix_.value_ = A.data.astype(float)
+        lp_.a_matrix_.num_col_, lp_.a_matrix_.num_row_ = A.shape[1], A.shape[0]
+        h.passModel(lp_)
+        if self._basis is not None:
+            h.setOptionValue("solver", "simplex")
+            h.setBasis(self._basis)
+        else:
+            h.setOptionValue("solver", "ipm" if self._first_ipm else "simplex")
+        h.run()
+        if h.getModelStatus() != hs.HighsModelStatus.kOptimal:
+            raise RuntimeError(f"{what}: HiGHS did not find an optimum ({h.modelStatusToString(h.getModelStatus())})")
+        sol = h.getSolution()
+        self._basis = h.getBasis()
+        return np.asarray(sol.col_value), float(h.getInfo().objective_function_value), np.asarray(sol.row_dual)
 
 
 def job_classes(*per_job: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
