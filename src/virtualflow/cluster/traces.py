@@ -37,7 +37,8 @@ import numpy as np
 from virtualflow.cluster.model import JobSpec
 from virtualflow.cluster.throughputs import ThroughputTable
 
-__all__ = ["read_gavel_trace", "write_gavel_trace", "GeneratorConfig", "generate_jobs", "parse_generate_spec"]
+__all__ = ["read_gavel_trace", "write_gavel_trace", "GeneratorConfig", "generate_jobs", "parse_generate_spec",
+           "draw_duration_s"]
 
 _MIN_COLUMNS = 7
 _MAX_COLUMNS = 10
@@ -108,7 +109,7 @@ def read_gavel_trace(path: str | os.PathLike, table: ThroughputTable, *, referen
                 raise ValueError(f"{where}: priority_weight={weight} must be > 0")
             if arrival < 0:
                 raise ValueError(f"{where}: arrival_time={arrival} must be >= 0")
-            if not any(_has_throughput(table, job_type, t, scale) for t in table_acc_types(table)):
+            if not any(_has_throughput(table, job_type, t, scale) for t in table.acc_types):
                 raise ValueError(f"{where}: the throughput table has no throughput for {job_type!r} at "
                                  f"scale_factor={scale} on any accelerator type")
             slo_s = None
@@ -120,14 +121,6 @@ def read_gavel_trace(path: str | os.PathLike, table: ThroughputTable, *, referen
             jobs.append(JobSpec(job_id=len(jobs), job_type=job_type, scale_factor=scale, total_steps=total_steps,
                                 weight=weight, slo_s=slo_s, arrival_s=arrival))
     return jobs
-
-
-def table_acc_types(table: ThroughputTable) -> list[str]:
-    """Accelerator types of a table (``acc_types`` if it has it, else Gavel's three)."""
-    types = getattr(table, "acc_types", None)
-    if types is None:
-        types = getattr(table, "accelerator_types", None)
-    return list(types) if types is not None else ["v100", "p100", "k80"]
 
 
 def write_gavel_trace(path: str | os.PathLike, jobs: Sequence[JobSpec]) -> None:
