@@ -5,7 +5,7 @@ drawn like the issue's trace generator (GPU counts 1/2/4/8 with probabilities .7
 durations 10^U(1.5,3) minutes w.p. 0.8 else 10^U(3,4), total steps = duration x single-GPU V100
 steps/s), a third of the multi-GPU jobs elastic (min 1 GPU), a quarter with an SLO, weights
 {1, 2, 5}, mid-flight (random progress and age); cluster of 3 types (v100, p100, k80) with n/4
-GPUs each and per-hour prices. Sizes 256, 1024, 2048, 4096 jobs (space sharing: 128-2048).
+GPUs each and per-hour prices. Sizes 256, 1024, 2048, 4096 jobs (space sharing: 128-4096).
 
 Measured: wall time of ``policy.allocate(PolicyInput(...))`` (building the throughput matrix,
 the sparse LP and HiGHS included; median of repeats, fresh input each time), and, in the same
@@ -44,7 +44,7 @@ from virtualflow.cluster import Cluster, JobSpec, PolicyInput, ThroughputTable, 
 
 NAME = "policy_solve"
 SIZES = (256, 1024, 2048, 4096)
-SS_SIZES = (128, 256, 512, 1024, 2048)
+SS_SIZES = (128, 256, 512, 1024, 2048, 4096)
 TYPES = ("v100", "p100", "k80")
 PRICES = {"v100": 2.48, "p100": 1.46, "k80": 0.45}  # $ per GPU-hour (cloud on-demand, as in Gavel)
 TARGET_S = 1.0

@@ -353,7 +353,7 @@ def test_check_allocation_rejects_violations(table):
     bad([[0, 0]], r"X has shape \(1, 2\)")
 
 
-@pytest.mark.parametrize("name", ["las", "las_agnostic", "max_throughput", "elastic_fair"])
+@pytest.mark.parametrize("name", ["las", "las_agnostic", "max_throughput", "elastic_fair", "las_space_sharing"])
 def test_identical_jobs_solved_as_classes_match_reference(table, name):
     """Many copies of few (type, scale, weight) classes: the policies solve one LP row per class;
     the optimum must still equal the per-job reference, and copies get the same X."""
@@ -368,11 +368,15 @@ def test_identical_jobs_solved_as_classes_match_reference(table, name):
                             min_gpus=1 if s > 1 and i % 2 else None))
     inp = PolicyInput(jobs=jobs, cluster=cluster, table=table)
     alloc = get_policy(name).allocate(inp)
-    X = single_X(alloc, inp)
+    check_allocation(alloc, inp)
+    X = alloc.job_shares([j.job_id for j in jobs])  # alone + in pairs
     if name == "max_throughput":
         want = ref.max_throughput(inp)[0]
     elif name == "elastic_fair":
         want = ref.elastic_fair(inp)[0]
+    elif name == "las_space_sharing":
+        want = ref.las_space_sharing(inp)[0]
+        assert want > ref.las(inp)[0] * (1 + 1e-3)  # sharing matters here
     else:
         want = ref.las(inp, agnostic=name == "las_agnostic")[0]
     assert close(alloc.objective, want), (alloc.objective, want)

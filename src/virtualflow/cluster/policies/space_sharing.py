@@ -7,7 +7,7 @@ time and uses the pair's GPUs once. Policy: heterogeneity-aware weighted max-min
 (``las``) over each job's total effective throughput (alone + in pairs), then filled.
 
 The straightforward LP has a variable per (pair of jobs, type): ~n^2/2 of them (44 s at 512 jobs
-with HiGHS here). Two exact reductions make it small:
+with HiGHS here). Three exact reductions make it small:
 
 1. **Pruning.** A pair on type ``k`` is useful only when ``Ca / T[a, k] + Cb / T[b, k] > 1``;
    otherwise running the two apart for ``Ca / T[a, k]`` and ``Cb / T[b, k]`` of that time gives both
@@ -21,10 +21,17 @@ with HiGHS here). Two exact reductions make it small:
    half of the class's total, ``2 y[i, a, k] <= sum_j y[j, a, k]`` (a symmetric, zero-diagonal
    plan exists: lay the totals around a circle and pair each point with the antipodal one). The
    GPU use of pair time is ``scale / 2`` per unit of ``y`` (each pair is counted from both sides).
-   Variables: ``n x (partner classes) x k`` instead of ``n^2 / 2 x k``; same optimum.
+3. **Groups of identical jobs.** Jobs with the same normalised throughputs (job type x scale x
+   weight) are interchangeable in the LP, whose objectives are concave: averaging an optimum over
+   a group is still optimal, so one ``X`` row and one ``y`` per group suffice, with the group's
+   multiplicity in the capacity and consistency rows. The LP's size then depends on the number of
+   distinct groups (a few hundred with Gavel's table and a few weights), not on the number of jobs.
+
+Same optimum as the pairwise LP (the tests check it against a cvxpy pairwise formulation).
 
 Invariant: pair rows only name two different jobs with the same GPU count; pairs are rebuilt from
-``y`` by the two constructions above, so each job's time and throughput equal the LP's.
+each job's ``y`` (its group's) by the two constructions above, so each job's time and throughput
+equal the LP's.
 """
 
 from __future__ import annotations
@@ -74,23 +81,31 @@ class LasSpaceSharing:
         gpus = {j.job_id: j.scale_factor for j in inp.jobs}
         if n == 0:
             return Allocation(rows=[], X=np.zeros((0, k)), gpus=gpus, objective=0.0)
-        T = np.where(inp.runnable, inp.T, 0.0)
-        Cn = las_coefficients(T, inp.scales, inp.capacities, inp.runnable, inp.weights)  # per unit of X, alone
-        norm = np.divide(Cn, T, out=np.zeros_like(T), where=T > 0).max(axis=1)            # 1 / (w eq)
+        T_all = np.where(inp.runnable, inp.T, 0.0)
+        Cn_all = las_coefficients(T_all, inp.scales, inp.capacities, inp.runnable, inp.weights)
+        # ---- the LP's units: groups of identical jobs (same normalised throughputs, scale, types:
+        # job type x scale x weight), multiplicity m; by symmetry one X and one y per group is optimal.
+        rep, rep_of, m = lp.job_classes(Cn_all, inp.scales, inp.runnable)
+        m = m.astype(float)
+        R = rep.size
+        T, Cn, scales, runnable = T_all[rep], Cn_all[rep], inp.scales[rep], inp.runnable[rep]
+        norm = np.divide(Cn, T, out=np.zeros_like(T), where=T > 0).max(axis=1)  # 1 / (w eq)
 
-        # ---- classes (job type, scale) and their useful (class a <= class b, type) entries
-        jt = np.array([inp.table.job_type_index(j.job_type) for j in inp.jobs], dtype=np.int64)
-        s_int = inp.scales.astype(np.int64)
+        # ---- co-location classes (job type, scale) of the groups, and useful (a <= b, type) entries
+        jt = np.array([inp.table.job_type_index(inp.jobs[i].job_type) for i in rep], dtype=np.int64)
+        s_int = scales.astype(np.int64)
         _, first, cls = np.unique(jt * 1024 + s_int, return_index=True, return_inverse=True)
+        cls = cls.ravel()
         ncls = first.size
         order = np.argsort(cls, kind="stable")
-        size = np.bincount(cls, minlength=ncls)
-        start = np.cumsum(size) - size
+        ngroups = np.bincount(cls, minlength=ncls)
+        njobs = np.bincount(cls, weights=m, minlength=ncls)
+        start = np.cumsum(ngroups) - ngroups
         ea, eb = np.triu_indices(ncls)  # a <= b
-        keep = (s_int[first[ea]] == s_int[first[eb]]) & ((ea != eb) | (size[ea] >= 2))
+        keep = (s_int[first[ea]] == s_int[first[eb]]) & ((ea != eb) | (njobs[ea] >= 2))
         ea, eb = ea[keep], eb[keep]
         if ea.size and inp.table.has_colocation:
-            Cab = inp.table.colocation_arrays([j.job_type for j in inp.jobs], s_int, inp.types,
+            Cab = inp.table.colocation_arrays([inp.jobs[i].job_type for i in rep], s_int, inp.types,
                                               first[ea], first[eb])  # (E, k, 2)
             Ta, Tb = T[first[ea]], T[first[eb]]
             with np.errstate(divide="ignore", invalid="ignore"):
@@ -104,39 +119,41 @@ class LasSpaceSharing:
         a_e, b_e = ea[e_idx], eb[e_idx]
         ca_e, cb_e = Cab[e_idx, e_k, 0], Cab[e_idx, e_k, 1]
         intra = a_e == b_e
-        # ---- y variables: side A (members of a, partner b), then side B (members of b, partner a; a != b)
-        cntA, cntB = size[a_e], np.where(intra, 0, size[b_e])
+        # ---- y variables: side A (groups of a, partner b), then side B (groups of b, partner a; a != b)
+        cntA, cntB = ngroups[a_e], np.where(intra, 0, ngroups[b_e])
         yA = order[ragged_arange(start[a_e], cntA)]
         yB = order[ragged_arange(start[b_e], cntB)]
         eA, eB = np.repeat(np.arange(E), cntA), np.repeat(np.arange(E), cntB)
-        y_job = np.concatenate([yA, yB])
+        y_grp = np.concatenate([yA, yB])
         y_ent = np.concatenate([eA, eB])
         y_coef = np.concatenate([ca_e[eA], cb_e[eB]])
         y_side = np.concatenate([np.ones(yA.size), -np.ones(yB.size)])
-        V = y_job.size
+        V = y_grp.size
         intra_ids = np.flatnonzero(intra)
         n_intra = intra_ids.size
-        nk = n * k
+        nk = R * k
         nv = nk + V + n_intra  # then t
         ycol = nk + np.arange(V)
-        jrow = np.repeat(np.arange(n), k)
+        grow = np.repeat(np.arange(R), k)
         xcol = np.arange(nk)
-        thr = sp.csr_matrix((np.concatenate([Cn.ravel(), y_coef * norm[y_job]]),
-                             (np.concatenate([jrow, y_job]), np.concatenate([xcol, ycol]))), shape=(n, nv + 1))
-        time = sp.csr_matrix((np.ones(nk + V), (np.concatenate([jrow, y_job]), np.concatenate([xcol, ycol]))),
-                             shape=(n, nv + 1))
-        cap = sp.csr_matrix((np.concatenate([np.repeat(inp.scales, k), inp.scales[y_job] / 2]),
-                             (np.concatenate([np.tile(np.arange(k), n), e_k[y_ent]]), np.concatenate([xcol, ycol]))),
+        # Per group (= per job of the group): normalised throughput and time.
+        thr = sp.csr_matrix((np.concatenate([Cn.ravel(), y_coef * norm[y_grp]]),
+                             (np.concatenate([grow, y_grp]), np.concatenate([xcol, ycol]))), shape=(R, nv + 1))
+        time = sp.csr_matrix((np.ones(nk + V), (np.concatenate([grow, y_grp]), np.concatenate([xcol, ycol]))),
+                             shape=(R, nv + 1))
+        # GPUs: every job of a group uses them; pair time counted from both sides -> scale / 2.
+        cap = sp.csr_matrix((np.concatenate([np.repeat(scales * m, k), m[y_grp] * scales[y_grp] / 2]),
+                             (np.concatenate([np.tile(np.arange(k), R), e_k[y_ent]]), np.concatenate([xcol, ycol]))),
                             shape=(k, nv + 1))
-        # (a) cross-class consistency and the definition of each intra entry's total S_e.
+        # (a) cross-class consistency (jobs of a with b == jobs of b with a) and each intra total S_e.
         s_col = np.full(E, -1)
         s_col[intra_ids] = nk + V + np.arange(n_intra)
         in_intra = intra[y_ent]
         eq_rows = np.concatenate([y_ent, intra_ids])
         eq_cols = np.concatenate([ycol, s_col[intra_ids]])
-        eq_vals = np.concatenate([y_side, -np.ones(n_intra)])
+        eq_vals = np.concatenate([y_side * m[y_grp], -np.ones(n_intra)])
         A_eq = sp.csr_matrix((eq_vals, (eq_rows, eq_cols)), shape=(E, nv + 1)) if E else None
-        # (b) within a class, nobody holds more than half: 2 y - S_e <= 0.
+        # (b) within a class, no job holds more than half of the class's total: 2 y - S_e <= 0.
         yi = np.flatnonzero(in_intra)
         half = sp.csr_matrix((np.concatenate([np.full(yi.size, 2.0), -np.ones(yi.size)]),
                               (np.concatenate([np.arange(yi.size)] * 2), np.concatenate([ycol[yi], s_col[y_ent[yi]]]))),
@@ -145,27 +162,35 @@ class LasSpaceSharing:
         t_col = sp.csr_matrix((np.ones(active.size), (np.arange(active.size), np.full(active.size, nv))),
                               shape=(active.size, nv + 1))
         bounds = np.zeros((nv + 1, 2))
-        bounds[:nk, 1] = inp.runnable.ravel()
+        bounds[:nk, 1] = runnable.ravel()
         bounds[nk:nk + V, 1] = 1.0
         bounds[nk + V:nv, 1] = np.inf
         bounds[nv] = (0.0, np.inf)
         b_eq = np.zeros(E) if E else None
         A = sp.vstack([t_col - thr[active], time, cap, half], format="csr")
-        b = np.concatenate([np.zeros(active.size), np.ones(n), inp.capacities, np.zeros(yi.size)])
+        b = np.concatenate([np.zeros(active.size), np.ones(R), inp.capacities, np.zeros(yi.size)])
         c = np.zeros(nv + 1)
         c[-1] = -1.0
         x, fun = lp.solve(c, A, b, bounds, A_eq=A_eq, b_eq=b_eq, what=self.name)
         t = -fun
         if self.fill and active.size:
             A2 = sp.vstack([-thr[active], time, cap, half], format="csr")
-            b2 = np.concatenate([-np.full(active.size, t * (1 - lp.EPS_FIX)), np.ones(n), inp.capacities,
+            b2 = np.concatenate([-np.full(active.size, t * (1 - lp.EPS_FIX)), np.ones(R), inp.capacities,
                                  np.zeros(yi.size)])
             bounds[nv] = (0.0, 0.0)
-            x, _ = lp.solve(-np.asarray(thr.sum(axis=0)).ravel(), A2, b2, bounds, A_eq=A_eq, b_eq=b_eq,
-                            what=self.name + " (fill)")
-        X_single = np.clip(x[:nk].reshape(n, k), 0.0, 1.0)
-        y = np.clip(x[nk:nk + V], 0.0, 1.0)
-        pa, pb, pk, pm = self._pairs(y, y_job, y_ent, in_intra, y_side, e_k, E)
+            obj = -np.asarray((sp.diags(m) @ thr).sum(axis=0)).ravel()
+            x, _ = lp.solve(obj, A2, b2, bounds, A_eq=A_eq, b_eq=b_eq, what=self.name + " (fill)")
+        X_single = np.clip(x[:nk].reshape(R, k), 0.0, 1.0)[rep_of]
+        y_g = np.clip(x[nk:nk + V], 0.0, 1.0)
+        # ---- back to jobs: every job of a group gets its group's y; then rebuild pairs.
+        live = y_g > 1e-12
+        members_order = np.argsort(rep_of, kind="stable")
+        m_start = np.cumsum(m.astype(np.intp)) - m.astype(np.intp)
+        vi = np.flatnonzero(live)
+        cnt = m.astype(np.intp)[y_grp[vi]]
+        y_job = members_order[ragged_arange(m_start[y_grp[vi]], cnt)]
+        rep_v = np.repeat(vi, cnt)
+        pa, pb, pk, pm = self._pairs(y_g[rep_v], y_job, y_ent[rep_v], in_intra[rep_v], y_side[rep_v], e_k, E)
         keys = np.minimum(pa, pb) * n + np.maximum(pa, pb)
         uniq, inv = np.unique(keys, return_inverse=True)
         X_pair = np.zeros((uniq.size, k))
