@@ -239,6 +239,14 @@ def test_elastic_fair_weighted_shares():
     assert get_policy("elastic_fair").allocate(solo).gpus == {0: 8}
 
 
+def test_elastic_job_without_a_usable_count_is_rejected():
+    table = ThroughputTable.from_dict({"m": {"v100": {1: 1.0, 8: 5.0}}})
+    job = JobSpec(job_id=3, job_type="m", scale_factor=8, min_gpus=2, total_steps=10.0)
+    inp = PolicyInput(jobs=[job], cluster=Cluster(gpus={"v100": 4}), table=table)
+    with pytest.raises(ValueError, match=r"elastic job 3 .*no GPU count in \[min_gpus=2, scale_factor=8\]"):
+        get_policy("elastic_fair").allocate(inp)
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("name", ["fifo", "qssf"])
 def test_queue_policies_match_reference(table, seed, name):

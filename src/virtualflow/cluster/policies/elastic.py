@@ -6,9 +6,9 @@ count, then share the accelerator types fairly and heterogeneity-aware at those 
    ``L`` set so the shares add up to all GPUs (everyone gets its demand when they fit). An elastic
    job runs at the largest count it allows (in ``[min_gpus, scale_factor]``, known to the table,
    with throughput > 0 on some type that has that many GPUs) not above its share, or at its
-   smallest allowed count if its share is below that. GPUs left over by rounding down go, by descending weight (then arrival, id), to
-   elastic jobs that can step up to their next allowed count within what is left. Rigid jobs keep
-   their ``scale_factor``.
+   smallest allowed count if its share is below that. GPUs left over by rounding down go, by
+   descending weight (then arrival, id), to elastic jobs that can step up to their next allowed
+   count within what is left. Rigid jobs keep their ``scale_factor``.
 2. **Time shares.** Heterogeneity-aware weighted max-min fairness (``las``) at those counts, filled.
 
 Resizing in place is what makes this pay: when a job arrives or leaves, elastic jobs shrink or grow
@@ -60,7 +60,8 @@ def allowed_counts(inp: PolicyInput) -> list[np.ndarray]:
         if counts.size == 0:
             raise ValueError(f"elastic job {j.job_id} ({j.job_type!r}): the throughput table has no GPU count in "
                              f"[min_gpus={j.min_gpus}, scale_factor={j.scale_factor}] at which it runs on a type "
-                             f"that has that many GPUs (largest: {int(biggest)}); the table has {list(inp.table.scales_of(j.job_type))}")
+                             f"that has that many GPUs (largest: {int(biggest)}); the table has "
+                             f"{list(inp.table.scales_of(j.job_type))}")
         out.append(counts)
     return out
 
