@@ -7,10 +7,12 @@ generations over its life and two jobs can live in one process.
 
 A collective that fails because a peer died, hung or left raises :class:`PeerFailure`, so the
 worker can tell "the group is broken, regroup" from an error in the user's own code. gloo has no
-abort: a dead peer's sockets close and every survivor's collective fails within milliseconds,
-while a silent (stopped) peer is only noticed by the coordinator's heartbeats, which then kill
-it (fencing) and so turn the hang into the same fast failure. The group's timeout is the last
-bound.
+abort, and a dead peer is not enough to unblock everyone: in a ring, the dead peer's neighbours
+fail at once, but a survivor waiting on a *live* neighbour that has already given up waits for
+the whole timeout (measured: 120 s). So waits are sliced (``WAIT_SLICE_S``) and between slices
+the group asks ``abort_check`` (the coordinator's ``gen/<g>/abort`` flag) whether the
+generation is broken; a silent (stopped) peer is noticed by the coordinator's heartbeats and
+killed (fencing). The group's timeout stays the last bound.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass
 from typing import Callable
+
+WAIT_SLICE_S = 0.05
 
 import torch
 import torch.distributed as dist
@@ -42,6 +46,8 @@ class Group:
     on_launch: Callable[[], None] | None = None
     """Test hook (fault injection): called after a blocking collective is launched, before it is
     waited on, i.e. while the peers are inside it."""
+    abort_check: Callable[[], bool] | None = None
+    """Asked between wait slices: True when the coordinator has declared this generation broken."""
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
         if self.pg is None:
@@ -53,10 +59,10 @@ class Group:
         except RuntimeError as exc:
             raise PeerFailure(self.generation, str(exc)) from exc
         if async_op:
-            return _Work(work, self.generation)
+            return _Work(work, self.generation, self.abort_check)
         if self.on_launch is not None:
             self.on_launch()
-        _Work(work, self.generation).wait()
+        _Work(work, self.generation, self.abort_check).wait()
         return None
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
@@ -71,7 +77,7 @@ class Group:
             raise PeerFailure(self.generation, str(exc)) from exc
         if self.on_launch is not None:
             self.on_launch()
-        _Work(work, self.generation).wait()
+        _Work(work, self.generation, self.abort_check).wait()
 
     def close(self) -> None:
         """Release the group's sockets and threads (best effort; a broken group may refuse)."""
@@ -84,17 +90,34 @@ class Group:
 
 
 class _Work:
-    __slots__ = ("work", "generation")
+    __slots__ = ("work", "generation", "abort_check")
 
-    def __init__(self, work, generation: int) -> None:
+    def __init__(self, work, generation: int, abort_check: Callable[[], bool] | None = None) -> None:
         self.work = work
         self.generation = generation
+        self.abort_check = abort_check
 
     def wait(self) -> bool:
-        try:
-            return self.work.wait()
-        except RuntimeError as exc:
-            raise PeerFailure(self.generation, _first_line(str(exc))) from exc
+        if self.abort_check is None:
+            try:
+                return self.work.wait()
+            except RuntimeError as exc:
+                raise PeerFailure(self.generation, _first_line(str(exc))) from exc
+        # A gloo work can be waited on again after a wait times out (measured), so a long wait
+        # is a loop of short ones with a look at the abort flag in between.
+        while True:
+            try:
+                return self.work.wait(_SLICE)
+            except RuntimeError as exc:
+                text = str(exc)
+                if "timed out" not in text.lower() or "Timed out waiting" in text:
+                    raise PeerFailure(self.generation, _first_line(text)) from exc
+            if self.abort_check():
+                raise PeerFailure(self.generation, "the coordinator declared the generation broken "
+                                                   "(a member failed)")
+
+
+_SLICE = datetime.timedelta(seconds=WAIT_SLICE_S)
 
 
 def _first_line(text: str) -> str:

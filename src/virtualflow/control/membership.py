@@ -195,6 +195,9 @@ class MembershipController:
             if self.hold and g == self.generation:
                 pass  # a hold generation formed: members checkpoint and wait
         elif kind == "fault":
+            # A member saw the generation break: tell the others at once, so that none of them
+            # waits out a collective timeout on a peer that has already given up.
+            self.store.set(protocol.abort_key(r["generation"]), "1")
             if r["generation"] == self.generation and self._fault_at is None:
                 self._fault_at = now
             self.coord.event("fault", worker=wid, generation=r["generation"], phase=r["phase"],

@@ -350,6 +350,8 @@ class _Worker:
         rank = record.members.index(self.id)
         _rendezvous(self.store, cfg, gen, len(record.members))
         group = make_group(self.store, gen, rank, len(record.members), cfg.collective_timeout_s, self.device)
+        abort = protocol.abort_key(gen)
+        group.abort_check = lambda: self.store.check([abort])
         t_group = time.perf_counter() - t0
         for old in self.retired:  # every member has left the old groups: release them
             old.close()
