@@ -208,3 +208,42 @@ def test_cli_status_and_resize_act_on_a_running_job_only(run_dir, capsys):
     assert main(["resize", os.path.join(run_dir, "nope"), "--workers", "1"]) == 2
     assert main(["plot", run_dir, "--timeline", "-o", os.path.join(run_dir, "t.png")]) == 0
     assert os.path.getsize(os.path.join(run_dir, "t.png")) > 0
+
+
+def test_workers_exit_when_the_coordinator_dies_and_resume_continues_exactly(run_dir):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "virtualflow.cli.main", "run", "tests/jobs.py:elastic_job", "--workers", "2",
+           "--steps", str(FOREVER), "--deterministic", "--checkpoint-every", "5", "--run-dir", run_dir,
+           "--no-progress"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    launcher = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    folder = os.path.join(run_dir, "checkpoints")
+    deadline = time.monotonic() + 120
+    while not (os.path.isdir(folder) and any(f.endswith("00010.pt") for f in os.listdir(folder))):
+        assert launcher.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    with open(os.path.join(run_dir, "status.json")) as f:
+        pids = [w["pid"] for w in json.load(f)["workers"]]
+    launcher.kill()  # the coordinator dies with its process
+    launcher.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids):  # orphans notice the store is gone and exit
+        assert time.monotonic() < deadline, "workers outlived their coordinator"
+        time.sleep(0.1)
+    from virtualflow.cli.main import main
+
+    assert main(["status", run_dir]) == 0  # says the coordinator is gone
+    newest = max(int(f[5:13]) for f in os.listdir(folder) if f.endswith(".pt"))
+    result = vf.train(jobs.elastic_job, workers=3, steps=newest + 6, deterministic=True, resume=run_dir)
+    assert result.history[0]["step"] == newest
+    assert_same_training(result, reference(newest + 6))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False

@@ -340,11 +340,13 @@ class MembershipController:
     def worker_table(self) -> list[dict[str, Any]]:
         rows = []
         for rank, w in enumerate(self.members):
-            rows.append({"id": w, "pid": self.launcher.pid(w), "rank": rank, "vns": self.assignment[rank]})
+            rows.append({"id": w, "pid": self.launcher.pid(w), "rank": rank, "vns": self.assignment[rank],
+                         "state": "member" if w in self.joined else "starting"})
         for w in self.ready:
             rows.append({"id": w, "pid": self.launcher.pid(w), "rank": None, "vns": [], "state": "ready"})
         for w in self.pending:
-            rows.append({"id": w, "pid": self.launcher.pid(w), "rank": None, "vns": [], "state": "starting"})
+            if w not in self.members:
+                rows.append({"id": w, "pid": self.launcher.pid(w), "rank": None, "vns": [], "state": "starting"})
         return rows
 
 
