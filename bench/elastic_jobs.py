@@ -44,7 +44,14 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
-from virtualflow.cluster import Allocation, Cluster, PolicyInput, ThroughputTable, gavel_data_dir, get_policy  # noqa: E402
+from virtualflow.cluster import (  # noqa: E402
+    Allocation,
+    Cluster,
+    PolicyInput,
+    ThroughputTable,
+    gavel_data_dir,
+    get_policy,
+)
 from virtualflow.cluster.mechanism import MechanismConfig  # noqa: E402
 from virtualflow.cluster.metrics import plot_jct_cdf, summarize  # noqa: E402
 from virtualflow.cluster.simulator import SimConfig, simulate  # noqa: E402
@@ -100,8 +107,8 @@ def workload(table: ThroughputTable, seed: int, duration_scale: float = 1.0):
                                                 scale_choices=(1, 2, 4, 8), scale_probs=(0.25, 0.25, 0.25, 0.25),
                                                 elastic_fraction=1.0))
     if duration_scale != 1.0:
-        jobs = [dataclasses.replace(j, total_steps=j.total_steps * duration_scale, arrival_s=j.arrival_s * duration_scale)
-                for j in jobs]
+        jobs = [dataclasses.replace(j, total_steps=j.total_steps * duration_scale,
+                                    arrival_s=j.arrival_s * duration_scale) for j in jobs]
     return jobs
 
 
@@ -128,7 +135,8 @@ def run_config(table: ThroughputTable, seeds: list[int], duration_scale: float, 
         per_seed.append({"seed": seed, "median_jct_h": med,
                          "reduction_vs_pq": 1 - med["elastic_fair (in place)"] / med["priority_queue"],
                          "reduction_ckpt_vs_pq": 1 - med["elastic_fair (ckpt-restart resize)"] / med["priority_queue"],
-                         "inplace_over_ckpt": med["elastic_fair (in place)"] / med["elastic_fair (ckpt-restart resize)"]})
+                         "inplace_over_ckpt": (med["elastic_fair (in place)"]
+                                               / med["elastic_fair (ckpt-restart resize)"])})
     red = np.array([p["reduction_vs_pq"] for p in per_seed])
     red_ck = np.array([p["reduction_ckpt_vs_pq"] for p in per_seed])
     labels = [s[0] for s in SCHEDULERS]

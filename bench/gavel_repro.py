@@ -66,7 +66,8 @@ def run(args: argparse.Namespace) -> dict:
                 s.update(rate=rate, seed=seed, restart_cost_s=cost, wall_s=time.perf_counter() - t0,
                          completion_rate_per_h=done, window_arrival_rate_per_h=arrived)
                 runs.append(s)
-                print(f"rate {rate:.1f} seed {seed} cost {cost:.0f} s {pol:>12}: avg JCT {s['avg_jct_h']:7.2f} h, median "
+                print(f"rate {rate:.1f} seed {seed} cost {cost:.0f} s {pol:>12}: avg JCT {s['avg_jct_h']:7.2f} h, "
+                      f"median "
                       f"{s['median_jct_h']:6.2f} h, unfinished {s['unfinished']}, util {s['utilisation']:.2f}, "
                       f"done {s['completion_rate_per_h']:.2f} jobs/h, "
                       f"restarts {s['restarts']}, {s['wall_s']:.1f} s", flush=True)

@@ -195,7 +195,8 @@ def test_policy_jct_gain_and_outputs(gavel, tmp_path):
     """Heterogeneity-aware LAS beats the agnostic one on Gavel's table (a small, fast instance)."""
     cluster = Cluster.parse("v100=4,p100=4,k80=4")
     jobs = generate_jobs(gavel, num_jobs=60, rate_per_hour=1.0, seed=0, multi_gpu=False)
-    res = {p: simulate(jobs, cluster, gavel, get_policy(p), SimConfig(window=(10, 50))) for p in ("las_agnostic", "las")}
+    res = {p: simulate(jobs, cluster, gavel, get_policy(p), SimConfig(window=(10, 50)))
+           for p in ("las_agnostic", "las")}
     s = {p: summarize(r) for p, r in res.items()}
     assert s["las"]["unfinished"] == s["las_agnostic"]["unfinished"] == 0
     assert s["las"]["avg_jct_s"] < s["las_agnostic"]["avg_jct_s"]

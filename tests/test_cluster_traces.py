@@ -125,7 +125,8 @@ def test_generator_elastic_and_priorities(table):
 
 def test_generate_spec_parsing():
     c = parse_generate_spec("rate=2.0,jobs=800,seed=3,elastic=0.25,priorities=1/5/10")
-    assert (c.rate_per_hour, c.num_jobs, c.seed, c.elastic_fraction, c.priorities) == (2.0, 800, 3, 0.25, (1.0, 5.0, 10.0))
+    assert (c.rate_per_hour, c.num_jobs, c.seed, c.elastic_fraction, c.priorities) == \
+        (2.0, 800, 3, 0.25, (1.0, 5.0, 10.0))
     with pytest.raises(ValueError, match="'speed=3' is not KEY=VALUE"):
         parse_generate_spec("speed=3")
     with pytest.raises(ValueError, match="num_jobs=0 must be >= 1"):

@@ -64,7 +64,7 @@ def summarize(result: SimResult, window: tuple[int, int] | None = None) -> dict[
     out: dict[str, Any] = {
         "policy": result.policy,
         "jobs": len(result.jobs),
-        "window": list(result.window) if window is None and result.window is not None else (list(window) if window else None),
+        "window": list(w) if (w := window if window is not None else result.window) is not None else None,
         "window_jobs": int(m.sum()),
         "finished": int((m & fin).sum()),
         "unfinished": int((m & ~fin).sum()),

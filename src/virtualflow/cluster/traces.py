@@ -209,7 +209,8 @@ def generate_jobs(table: ThroughputTable, config: GeneratorConfig | None = None,
         arrivals = np.zeros(n)
     durations = draw_duration_s(rng, n)
     if cfg.multi_gpu:
-        scales = np.asarray(cfg.scale_choices)[rng.choice(len(cfg.scale_choices), size=n, p=np.asarray(cfg.scale_probs))]
+        pick = rng.choice(len(cfg.scale_choices), size=n, p=np.asarray(cfg.scale_probs))
+        scales = np.asarray(cfg.scale_choices)[pick]
     else:
         scales = np.ones(n, dtype=int)
     picks = rng.random(n)
