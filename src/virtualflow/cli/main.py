@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from virtualflow.cli import plot, resize, run, status
+from virtualflow.cli import plot, resize, run, simulate, status
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_parser(sub)
     resize.add_parser(sub)
     plot.add_parser(sub)
+    simulate.add_parser(sub)
     return parser
 
 
