@@ -10,8 +10,10 @@ from virtualflow.job import Job, JobImportError
 from virtualflow.plan.data import vn_seed
 from virtualflow.runtime.engine import LossShapeError, NonFiniteLossError
 from virtualflow.runtime.faults import Fault, FaultPlan
+from virtualflow.spec import WorkerSpec
 
 __all__ = [
+    "WorkerSpec",
     "Fault",
     "FaultPlan",
     "Job",

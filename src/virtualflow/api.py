@@ -30,7 +30,9 @@ from virtualflow.plan.vnmap import contiguous_assignment, describe_assignment
 from virtualflow.comm import protocol
 from virtualflow.control.membership import JobFailed, MembershipController, check_resize
 from virtualflow.runtime.checkpoint import CorruptCheckpointError, load_state
+from virtualflow.plan.hetero import check_memory
 from virtualflow.runtime.faults import FaultPlan
+from virtualflow.spec import WorkerSpec
 from virtualflow.runtime.engine import BatchLoader, check_loss
 from virtualflow.runtime.worker import WorkerConfig
 
@@ -96,6 +98,9 @@ def launch(
     checkpoint_every: int | None = None,
     resume: str | None = None,
     fault_plan: FaultPlan | None = None,
+    worker_specs: list[WorkerSpec] | None = None,
+    slowdowns: list[float] | None = None,
+    balance: bool | None = None,
     _control_plane: bool = True,
 ) -> "JobHandle":
     """Start training ``job`` on ``workers`` local worker processes; returns at once.
@@ -115,6 +120,11 @@ def launch(
     ``checkpoints/step-N.pt`` (the last two kept); ``resume`` (a run directory or a checkpoint
     file) continues a job from its latest good checkpoint. ``fault_plan`` injects failures
     (tests; see :mod:`virtualflow.runtime.faults`).
+
+    Heterogeneous workers: ``worker_specs`` (one :class:`WorkerSpec` per starting worker:
+    memory limit, emulated ``slowdown``) or ``slowdowns`` (shorthand). ``balance`` (default: on
+    when specs or slowdowns are given) maps VNs by measured speed with an exact solver and
+    rebalances as speeds drift; B, V and the trained model do not change.
     """
     if backend != "local":
         raise ValueError(f"backend={backend!r} is not available; the only backend so far is 'local'")
@@ -141,6 +151,16 @@ def launch(
     for name, value in (("heartbeat_timeout_s", heartbeat_timeout_s), ("min_workers_timeout_s", min_workers_timeout_s)):
         if not isinstance(value, (int, float)) or value <= 0:
             raise ValueError(f"{name}={value!r} must be a positive number of seconds")
+    if slowdowns is not None:
+        if worker_specs is not None:
+            raise ValueError("give worker_specs or slowdowns, not both (slowdowns is a shorthand)")
+        if len(slowdowns) != workers:
+            raise ValueError(f"slowdowns has {len(slowdowns)} values for workers={workers}; give one per worker")
+        worker_specs = [WorkerSpec(slowdown=float(x)) for x in slowdowns]
+    if worker_specs is not None and len(worker_specs) != workers:
+        raise ValueError(f"worker_specs has {len(worker_specs)} entries for workers={workers}; give one per worker")
+    if balance is None:
+        balance = worker_specs is not None
     if fault_plan is not None and not isinstance(fault_plan, FaultPlan):
         raise TypeError(f"fault_plan must be a virtualflow.FaultPlan, got {type(fault_plan).__name__}")
 
@@ -163,6 +183,8 @@ def launch(
     assignment = contiguous_assignment(job_obj.virtual_nodes, workers)
     total_steps = steps if steps is not None else epochs * plan.steps_per_epoch
     _preflight(job_obj, dataset, plan)
+    if worker_specs is not None:
+        check_memory(job_obj.global_batch_size // job_obj.virtual_nodes, [s.memory_limit for s in worker_specs])
     resume_path, resume_step = None, 0
     if resume is not None:
         resume_path, resume_step = find_resume_state(resume, job_obj)
@@ -213,6 +235,8 @@ def launch(
         resume_path=resume_path,
         resume_step=resume_step,
         fault_plan=fault_plan,
+        worker_specs=worker_specs,
+        balance=balance,
     )
     if not _control_plane:  # benchmarks only: measure what heartbeats and control reads cost
         handle._config.control_plane = False
@@ -310,7 +334,8 @@ class JobHandle:
                  device: str, collective_timeout_s: float, progress: bool, steps_per_epoch: int,
                  min_workers: int = 1, replace_failed: bool = False, heartbeat_timeout_s: float = 3.0,
                  min_workers_timeout_s: float = 60.0, checkpoint_every: int | None = None,
-                 resume_path: str | None = None, resume_step: int = 0, fault_plan: FaultPlan | None = None) -> None:
+                 resume_path: str | None = None, resume_step: int = 0, fault_plan: FaultPlan | None = None,
+                 worker_specs: list[WorkerSpec] | None = None, balance: bool = False) -> None:
         self.job = job
         self.run_dir = run_dir
         self._state_dir = state_dir
@@ -348,6 +373,7 @@ class JobHandle:
             resume_path=resume_path,
             initial_workers=workers,
             fault_plan=fault_plan,
+            slowdowns={i: s.slowdown for i, s in enumerate(worker_specs or []) if s.slowdown != 1.0},
         )
         self.backend = LocalBackend(self._config, state_dir)
         self.controller = MembershipController(
@@ -359,6 +385,9 @@ class JobHandle:
             heartbeat_timeout_s=heartbeat_timeout_s,
             replace_failed=replace_failed,
             min_workers_timeout_s=min_workers_timeout_s,
+            balance=balance,
+            vn_batch=job.global_batch_size // job.virtual_nodes,
+            memory_limits={i: s.memory_limit for i, s in enumerate(worker_specs or [])},
         )
         self.controller.last_step = resume_step
 
@@ -570,6 +599,10 @@ class JobHandle:
             "total_steps": p.total_steps,
             "generation": ctl.generation,
             "formed_generation": ctl.formed,
+            "balance": ctl.balance,
+            "predicted_step_s": ctl.predicted_step_s,
+            "measured_step_s": (sorted(ctl._gen_step_times[2:])[len(ctl._gen_step_times[2:]) // 2]
+                                if len(ctl._gen_step_times) > 2 else None),
             "target_workers": ctl.target,
             "workers": ctl.worker_table(),
             "recent_step_times_s": [round(h["step_time_s"], 6) for h in self.coordinator.history[-10:]],
@@ -607,6 +640,12 @@ class JobHandle:
                 raise TimeoutError(f"resize to {workers} workers not done after {timeout_s} s "
                                    f"(generation {ctl.generation}, {len(ctl.members)} members)")
             time.sleep(0.02)
+
+    def set_slowdown(self, worker: int, factor: float) -> None:
+        """Emulation: make worker ``worker`` ``factor`` times slower from the next step boundary
+        (a straggler appears; with balance on, the mapper notices and rebalances)."""
+        WorkerSpec(slowdown=factor)  # validates
+        self.coordinator.command("slowdown", worker=worker, factor=float(factor))
 
     def wait(self, timeout_s: float | None = None) -> Result:
         """Block until the job ends; returns its :class:`Result` or raises :class:`TrainingError`."""

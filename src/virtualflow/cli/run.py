@@ -9,6 +9,7 @@ import time
 
 import virtualflow as vf
 from virtualflow.api import TrainingError
+from virtualflow.spec import parse_slowdowns
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -42,6 +43,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="a worker silent this long is declared hung, killed and removed (default 3)")
     el.add_argument("--checkpoint-every", type=int, metavar="N",
                     help="write checkpoints/step-N.pt every N steps (the last two are kept)")
+    el.add_argument("--slowdowns", metavar="F1,F2,...",
+                    help="emulate unequal workers: one slowdown factor per worker (1 = full speed), e.g. 1,1,3,3; "
+                    "turns on speed-based VN mapping")
+    el.add_argument("--balance", action="store_true",
+                    help="map VNs by measured worker speed and rebalance as speeds drift (on with --slowdowns)")
     el.add_argument("--resume", metavar="RUN_DIR_OR_FILE",
                     help="continue from the newest good checkpoint of a run (e.g. one whose coordinator died)")
     p.set_defaults(func=main)
@@ -73,6 +79,8 @@ def main(args: argparse.Namespace) -> int:
             heartbeat_timeout_s=args.heartbeat_timeout,
             checkpoint_every=args.checkpoint_every,
             resume=args.resume,
+            slowdowns=parse_slowdowns(args.slowdowns, args.workers) if args.slowdowns else None,
+            balance=True if (args.balance or args.slowdowns) else None,
         )
     except TrainingError as exc:
         print(f"virtualflow run: training failed: {exc}", file=sys.stderr)

@@ -19,6 +19,12 @@ Rules it enforces:
   members form it, checkpoint, and wait. Once enough workers are ready (``replace_failed`` or a
   resize), training resumes; after ``min_workers_timeout_s`` the job fails with the checkpoint
   named in the error.
+* **Heterogeneous workers** (``balance=True``). Step reports carry each rank's compute time;
+  the controller keeps a smoothed seconds-per-VN for every worker and maps VNs with the exact
+  solver of :mod:`virtualflow.plan.hetero` on every new generation (resize, failure), and
+  re-solves as speeds drift: when the current map is predicted slower than the best one by
+  more than ``rebalance_threshold`` for ``rebalance_patience`` consecutive steps, a
+  ``rebalance`` generation (same members, new map) is published like a resize.
 * **Next pointers.** Every member's next generation is written to ``vf/member/<id>/next/<g>``
   for the last generation ``g`` it was assigned to, so a worker that abandons ``g`` for any
   reason (planned regroup, broken collective, aborted rendezvous) always finds where to go.
@@ -32,6 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 from virtualflow.comm import protocol
+from virtualflow.plan.hetero import check_memory, predict_step_s
+from virtualflow.plan.hetero import solve as solve_hetero
 from virtualflow.plan.vnmap import contiguous_assignment
 
 logger = logging.getLogger("virtualflow")
@@ -74,6 +82,13 @@ class MembershipController:
         max_newcomer_failures: int = 5,
         assign: Callable[[int, int], list[list[int]]] = contiguous_assignment,
         clock: Callable[[], float] = time.monotonic,
+        balance: bool = False,
+        vn_batch: int | None = None,
+        memory_limits: dict[int, int | None] | None = None,
+        rebalance_threshold: float = 0.10,
+        rebalance_patience: int = 3,
+        min_observations: int = 3,
+        speed_smoothing: float = 0.3,
     ) -> None:
         self.coord = coordinator
         self.store = coordinator.store
@@ -108,6 +123,20 @@ class MembershipController:
         self.finished = False
         self.failures: list[dict[str, Any]] = []
         self.last_step = 0
+        # Heterogeneous mapping: the profiler's smoothed seconds per VN of each worker.
+        self.balance = balance
+        self.vn_batch = vn_batch
+        self.memory_limits = dict(memory_limits or {})
+        self.rebalance_threshold = rebalance_threshold
+        self.rebalance_patience = rebalance_patience
+        self.min_observations = min_observations
+        self.alpha = speed_smoothing
+        self.time_per_vn: dict[int, float] = {}
+        self.reduction_s = 0.0
+        self.predicted_step_s: float | None = None
+        self._obs: dict[int, int] = {}
+        self._gen_step_times: list[float] = []
+        self._drift = 0
 
     # -- start ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -211,8 +240,74 @@ class MembershipController:
             self.last_step = max(self.last_step, r["step"] + 1)
             if r.get("generation") == self.generation:
                 self._retries = 0
+                self._profile(r)
         elif kind == "done":
             self.finished = True
+
+    # -- heterogeneous mapping --------------------------------------------------------------
+    def _profile(self, r: dict[str, Any]) -> None:
+        """Fold one step's per-rank compute times (previous step, same generation) into the
+        smoothed seconds per VN of each worker."""
+        compute, members, vns = r.get("compute_s"), r.get("members"), r.get("vns")
+        if not compute or not members or len(compute) != len(members):
+            return
+        self._gen_step_times.append(r["step_time_s"])
+        if max(compute) <= 0:
+            return  # the generation's first step carries no measurement
+        for rank, w in enumerate(members):
+            if compute[rank] <= 0 or not vns[rank]:
+                continue
+            t = compute[rank] / len(vns[rank])
+            old = self.time_per_vn.get(w)
+            self.time_per_vn[w] = t if old is None else (1 - self.alpha) * old + self.alpha * t
+            self._obs[w] = self._obs.get(w, 0) + 1
+        reduction = max(0.0, r["step_time_s"] - max(compute))
+        self.reduction_s = reduction if self.reduction_s == 0 else 0.8 * self.reduction_s + 0.2 * reduction
+        n = len(self._gen_step_times)
+        if self.predicted_step_s is not None and n == 12:
+            measured = sorted(self._gen_step_times[2:])[len(self._gen_step_times[2:]) // 2]
+            self.coord.event("prediction", generation=self.generation, predicted_step_s=self.predicted_step_s,
+                             measured_step_s=measured,
+                             error=(self.predicted_step_s - measured) / measured if measured > 0 else None)
+
+    def _speeds(self, members: Sequence[int]) -> list[float] | None:
+        known = [self.time_per_vn[w] for w in members if w in self.time_per_vn]
+        if not known:
+            return None
+        fallback = sorted(known)[len(known) // 2]  # a newcomer is assumed typical until measured
+        return [self.time_per_vn.get(w, fallback) for w in members]
+
+    def _assignment_for(self, members: Sequence[int]) -> list[list[int]]:
+        self.predicted_step_s = None
+        if not self.balance:
+            return self.assign(self.V, len(members))
+        limits = [self.memory_limits.get(w) for w in members]
+        if self.vn_batch is not None:
+            check_memory(self.vn_batch, limits)
+        speeds = self._speeds(members)
+        if speeds is None:
+            return self.assign(self.V, len(members))
+        plan = solve_hetero(self.V, speeds, reduction_s=self.reduction_s)
+        self.predicted_step_s = plan.predicted_step_s
+        return plan.blocks()
+
+    def _check_drift(self) -> None:
+        """Re-solve with the current speeds; rebalance when the current map is worse than the
+        best one by more than the threshold for ``patience`` consecutive steps."""
+        if not self.balance or any(self._obs.get(w, 0) < self.min_observations for w in self.members):
+            return
+        speeds = self._speeds(self.members)
+        best = solve_hetero(self.V, speeds, reduction_s=self.reduction_s)
+        current = predict_step_s([len(a) for a in self.assignment], speeds, self.reduction_s)
+        if best.counts != [len(a) for a in self.assignment] and current > best.predicted_step_s * (1 + self.rebalance_threshold):
+            self._drift += 1
+        else:
+            self._drift = 0
+        if self._drift >= self.rebalance_patience:
+            self._drift = 0
+            self._publish(list(self.members), kind="rebalance", hold=False, command=True,
+                          detail={"time_per_vn": {str(w): self.time_per_vn.get(w) for w in self.members},
+                                  "predicted_before_s": current})
 
     # -- failures ---------------------------------------------------------------------------
     def _on_failures(self, failed: dict[int, str], now: float) -> None:
@@ -297,7 +392,9 @@ class MembershipController:
             elif self.replace_failed or self.target > size:
                 self._start_missing(max(self.min_workers, self.target) - size)
             return
-        if self.target > size:
+        if self.target == size:
+            self._check_drift()
+        elif self.target > size:
             need = self.target - size
             self._start_missing(need)
             if len(self.ready) >= need:
@@ -317,7 +414,7 @@ class MembershipController:
     def _publish(self, members: list[int], *, kind: str, hold: bool, command: bool = False,
                  detail: dict[str, Any] | None = None) -> None:
         g = self.generation + 1
-        assignment = self.assign(self.V, len(members))
+        assignment = self._assignment_for(members)
         previous = list(self.members)
         self.coord.publish_generation(g, members, assignment, self.last_step, hold=hold, reason=kind)
         for w in members:
@@ -332,7 +429,12 @@ class MembershipController:
         self.hold = hold
         self.hold_since = self.clock() if hold and self.hold_since is None else (self.hold_since if hold else None)
         self._change = _Change(g, kind, self.clock(), dict(detail or {}))
+        if self.predicted_step_s is not None:
+            self._change.detail["predicted_step_s"] = self.predicted_step_s
         self._fault_at = None
+        self._obs = {}
+        self._gen_step_times = []
+        self._drift = 0
         if command:
             self.coord.command("regroup", generation=g)
 
@@ -341,7 +443,8 @@ class MembershipController:
         rows = []
         for rank, w in enumerate(self.members):
             rows.append({"id": w, "pid": self.launcher.pid(w), "rank": rank, "vns": self.assignment[rank],
-                         "state": "member" if w in self.joined else "starting"})
+                         "state": "member" if w in self.joined else "starting",
+                         "time_per_vn_s": self.time_per_vn.get(w)})
         for w in self.ready:
             rows.append({"id": w, "pid": self.launcher.pid(w), "rank": None, "vns": [], "state": "ready"})
         for w in self.pending:

@@ -13,6 +13,7 @@ same reduction and stop before the optimizer step.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -38,6 +39,10 @@ class StepOutcome:
     loss: float
     bad_vns: list[int]
     control: int
+    compute_s: list[float] | None = None
+    """Each rank's local compute time (its VNs' forward and backward, up to the reduction) of
+    the *previous* step, in rank order: the profiler's input, free since it rides in the step's
+    reduction."""
 
 
 def check_loss(loss: Any, where: str) -> None:
@@ -180,6 +185,11 @@ class VNEngine:
         self.tree: TreePlan | None = None
         self.grad_numel = sum(p.numel() for p in self.params)
         self._first_bn: torch.Tensor | None = None
+        self.slowdown = 1.0
+        """Emulated slowness (tests, benchmarks): each VN's compute is followed by a sleep of
+        ``(slowdown - 1)`` times its measured duration."""
+        self._last_compute_s = 0.0
+        self._vn_s = 0.0  # smoothed compute time of one VN, without emulated sleep
         self.phase = "idle"
         """Where the current step is (reported when a peer fails): before_forward, backward,
         reduction, apply, idle."""
@@ -223,6 +233,7 @@ class VNEngine:
         self.group = group
         self.vns = list(assignment[group.rank])
         self._vn_ids = torch.tensor(self.vns, device=self.device)
+        self._last_compute_s = 0.0
         if self.deterministic:
             self.tree = TreePlan.build(assignment)
         elif group.size > 1:
@@ -250,7 +261,17 @@ class VNEngine:
             parts.append(loss.reshape(1).to(bad.dtype))
         if self.bn.numel and (self.batchnorm == "first" or not self.deterministic):
             parts.append(bn.to(bad.dtype) if bn is not None else torch.zeros(self.bn.numel, device=self.device, dtype=bad.dtype))
+        timing = torch.zeros(self.group.size, device=self.device, dtype=bad.dtype)
+        timing[self.group.rank] = self._last_compute_s
+        parts.append(timing)
         return torch.cat(parts)
+
+    def _emulate(self, t0: float) -> None:
+        """Sleep ``(slowdown - 1)`` times the VN's compute that started at ``t0``."""
+        dt = time.perf_counter() - t0
+        self._vn_s = dt if self._vn_s == 0.0 else 0.8 * self._vn_s + 0.2 * dt
+        if self.slowdown > 1.0:
+            time.sleep((self.slowdown - 1.0) * dt)
 
     def step(self, step: int, control: int = 0) -> StepOutcome:
         """Run one step. ``control`` is summed across workers and handed back (see worker).
@@ -275,6 +296,7 @@ class VNEngine:
             stats = self._pack_stats(bad, control, None, self._first_bn)
             self.group.all_reduce(stats)
             self.group.on_launch = None
+            self._last_compute_s = self._det_compute_s
         else:
             self.optimizer.zero_grad(set_to_none=True)
             bn_acc = torch.zeros(self.bn.numel, device=self.device) if self.batchnorm == "mean" else None
@@ -282,7 +304,9 @@ class VNEngine:
             indices = [self.plan.vn_indices(step, vn) for vn in self.vns]
             batches = self.loader.vn_batches(indices)
             losses = []
+            t_step = time.perf_counter()
             for i, vn in enumerate(self.vns):
+                t_vn = time.perf_counter()
                 weighted = self._forward(step, vn, batches[i], len(indices[i]))
                 batches[i] = None  # drop the VN's inputs with its activations
                 losses.append(weighted.detach())
@@ -300,8 +324,15 @@ class VNEngine:
                         self.reducer.arm(extra=stats)
                     self.phase = "backward"
                     self._in_last_backward = True
+                    if self.slowdown > 1.0:
+                        # The last VN's backward launches the reduction: sleep before it, for
+                        # the forward just run and a backward estimated from earlier VNs.
+                        time.sleep((self.slowdown - 1.0) * max(self._vn_s, time.perf_counter() - t_vn))
                 weighted.backward()
+                if i != last:
+                    self._emulate(t_vn)
             self._in_last_backward = False
+            self._last_compute_s = time.perf_counter() - t_step
             self.phase = "reduction"
             if self.reducer is not None:
                 self._point("during_reduction")
@@ -320,13 +351,16 @@ class VNEngine:
                 bn_new = stats[offset : offset + self.bn.numel]
                 if self.batchnorm == "mean":
                     bn_new = bn_new / V
+            if not (self.deterministic and self.batchnorm == "mean"):
+                offset += self.bn.numel
+        compute_s = stats[offset : offset + self.group.size].tolist()
         loss_value = float(loss)
         if bad_vns:
             if self.bn:
                 self.bn.restore()
             self.optimizer.zero_grad(set_to_none=True)
             self.phase = "idle"
-            return StepOutcome(loss_value, bad_vns, control_sum)
+            return StepOutcome(loss_value, bad_vns, control_sum, compute_s)
         # The reduced gradient is held: from here on the step is committed on this worker (see
         # runtime/worker.py for the rule that keeps survivors consistent).
         self.phase = "apply"
@@ -338,7 +372,7 @@ class VNEngine:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.phase = "idle"
-        return StepOutcome(loss_value, [], control_sum)
+        return StepOutcome(loss_value, [], control_sum, compute_s)
 
     def _step_deterministic(self, step: int, bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-VN vectors [grads | BN stats | weighted loss] summed along the fixed tree."""
@@ -349,6 +383,7 @@ class VNEngine:
         last_vn = self.vns[-1]
 
         def leaf(vn: int) -> torch.Tensor:
+            t_vn = time.perf_counter()
             self.optimizer.zero_grad(set_to_none=True)
             weighted = self._forward(step, vn)
             if vn == last_vn:
@@ -356,6 +391,7 @@ class VNEngine:
                 self._in_last_backward = True
             weighted.backward()
             self._in_last_backward = False
+            self._emulate(t_vn)
             weighted = weighted.detach()
             bad[vn] = (~torch.isfinite(weighted)).to(bad.dtype)
             parts = [
@@ -368,7 +404,9 @@ class VNEngine:
             parts.append(weighted.reshape(1))
             return torch.cat(parts)
 
+        t_step = time.perf_counter()
         local = tree_reduce_local(self.tree.per_worker[self.group.rank], leaf)
+        self._det_compute_s = time.perf_counter() - t_step
         self.phase = "reduction"
         total = tree_exchange(self.tree, self.group, local)
         offset = 0

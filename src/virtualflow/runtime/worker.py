@@ -77,6 +77,8 @@ class WorkerConfig:
     """Workers ``0 .. initial_workers-1`` start the job (load ``resume_path`` if given); later
     ids are newcomers that receive the state from a member."""
     fault_plan: FaultPlan | None = None
+    slowdowns: dict[int, float] = field(default_factory=dict)
+    """Emulated slowness per worker id (see :class:`virtualflow.WorkerSpec`)."""
     control_plane: bool = True
     """False (benchmarks only): no heartbeat thread and no per-step control read, so stop,
     resize and hang detection do not work; it measures what the control plane costs."""
@@ -282,6 +284,7 @@ class _Worker:
             model, optimizer, scheduler, job.loss, plan, BatchLoader(dataset, job.collate_fn),
             seed=job.seed, batchnorm=job.batchnorm, deterministic=cfg.deterministic, device=self.device,
         )
+        self.engine.slowdown = float(cfg.slowdowns.get(self.id, 1.0))
         self.faults = cfg.fault_plan.for_worker(self.id) if cfg.fault_plan is not None else None
         if self.faults:
             self.engine.install_fault_point(self.faults.point)
@@ -407,7 +410,8 @@ class _Worker:
             report = {
                 "type": "step", "step": step - 1, "loss": outcome.loss, "samples": job.global_batch_size,
                 "step_time_s": step_time, "workers": group.size, "generation": gen,
-                "vns": record.assignment, "time": time.time(),
+                "vns": record.assignment, "members": record.members, "compute_s": outcome.compute_s,
+                "time": time.time(),
             }
             self.last_report = report
             if rank == 0:
@@ -422,8 +426,12 @@ class _Worker:
                     self.last_eval_step = step
                 t_prev = time.perf_counter()  # checkpoint and evaluation time is not step time
             if outcome.control > self.progress.control:
-                ops = [json.loads(self.store.get(protocol.control_key(n))).get("op")
-                       for n in range(self.progress.control + 1, outcome.control + 1)]
+                commands = [json.loads(self.store.get(protocol.control_key(n)))
+                            for n in range(self.progress.control + 1, outcome.control + 1)]
+                ops = [c.get("op") for c in commands]
+                for c in commands:
+                    if c.get("op") == "slowdown" and c.get("worker") == self.id:
+                        engine.slowdown = float(c["factor"])
                 self.progress = Progress(step=step, control=outcome.control)
                 if "stop" in ops:
                     return "stop"

@@ -1,0 +1,39 @@
+"""How a worker is described to the mapper: its device, memory limit and (for emulation) speed."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerSpec:
+    """One worker of a heterogeneous job.
+
+    ``slowdown`` emulates a slower device on one machine: after each virtual node's compute the
+    worker sleeps ``slowdown - 1`` times that compute's measured duration, so a worker with
+    ``slowdown=3`` takes three times as long per VN (sleeping frees the CPU, so unequal devices
+    can be emulated on 2 cores). It changes speed only, never what is computed.
+    """
+
+    device: str = "cpu"
+    memory_limit: int | None = None
+    """The largest VN batch (samples) this worker can hold; None: no limit."""
+    slowdown: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.slowdown, (int, float)) and math.isfinite(self.slowdown) and self.slowdown >= 1.0):
+            raise ValueError(f"WorkerSpec slowdown={self.slowdown!r} must be a number >= 1 (1 = full speed)")
+        if self.memory_limit is not None and (not isinstance(self.memory_limit, int) or self.memory_limit < 1):
+            raise ValueError(f"WorkerSpec memory_limit={self.memory_limit!r} must be a positive number of samples")
+
+
+def parse_slowdowns(text: str, workers: int) -> list[float]:
+    """``"1,1,3,3"`` -> ``[1.0, 1.0, 3.0, 3.0]``; one value per starting worker."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--slowdowns {text!r} must be comma-separated numbers, e.g. 1,1,3,3") from None
+    if len(values) != workers:
+        raise ValueError(f"--slowdowns {text!r} gives {len(values)} values for --workers {workers}; give one per worker")
+    return values
