@@ -551,6 +551,10 @@ class JobHandle:
             "assignment": self._assignment,
             "generations": self.controller.generation + 1,
             "failures": self.controller.failures,
+            "final_map": [{"worker": w, "vns": a, "time_per_vn_s": self.controller.time_per_vn.get(w)}
+                          for w, a in zip(self.controller.members, self.controller.assignment)],
+            "balance": self.controller.balance,
+            "predicted_step_s": self.controller.predicted_step_s,
             "deterministic": self._deterministic,
             "threads_per_worker": self._config.threads,
             "steps_total": self.total_steps,

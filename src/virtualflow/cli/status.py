@@ -31,12 +31,19 @@ def format_status(run_dir: str, status: dict, state: str) -> str:
     if times:
         lines.append(f"recent step times: median {statistics.median(times) * 1000:.1f} ms, last "
                      + ", ".join(f"{t * 1000:.1f}" for t in times[-5:]) + " ms")
-    lines.append(f"{'worker':>6} {'pid':>8} {'rank':>5}  VNs")
+    if status.get("balance"):
+        pred, meas = status.get("predicted_step_s"), status.get("measured_step_s")
+        lines.append("speed-based VN map: predicted step "
+                     + (f"{pred * 1000:.1f} ms" if pred else "-") + ", measured "
+                     + (f"{meas * 1000:.1f} ms" if meas else "-"))
+    lines.append(f"{'worker':>6} {'pid':>8} {'rank':>5} {'ms/VN':>7}  VNs")
     for w in status.get("workers", []):
         vns = w.get("vns") or []
         span = (f"{vns[0]}-{vns[-1]}" if len(vns) > 1 else str(vns[0])) if vns else w.get("state", "-")
         rank = "-" if w.get("rank") is None else str(w["rank"])
-        lines.append(f"{w['id']:>6} {w.get('pid') or '-':>8} {rank:>5}  {span}")
+        t = w.get("time_per_vn_s")
+        speed = f"{t * 1000:.1f}" if t else "-"
+        lines.append(f"{w['id']:>6} {w.get('pid') or '-':>8} {rank:>5} {speed:>7}  {span}")
     return "\n".join(lines)
 
 
