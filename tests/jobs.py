@@ -201,3 +201,13 @@ def elastic_job() -> vf.Job:
         lr_scheduler=step_lr,
         seed=2,
     )
+
+
+def paced_mse(model, batch):
+    time.sleep(PACE_S)
+    return mse(model, batch)
+
+
+def paced_regression_job() -> vf.Job:
+    """No BatchNorm, no dropout: the update is the exact mean gradient whatever the VN sizes."""
+    return regression_job("sgd", virtual_nodes=8, global_batch_size=64).replace(loss=paced_mse)

@@ -106,3 +106,78 @@ def test_memory_limit_below_the_vn_batch_is_refused_before_start():
         vf.WorkerSpec(slowdown=0.5)
     with pytest.raises(ValueError, match="slowdowns has 1 values for workers=2"):
         vf.launch(jobs.regression_job(), workers=2, steps=3, slowdowns=[2.0])
+
+
+def test_uneven_solver_is_optimal_against_brute_force_and_respects_memory():
+    from virtualflow.plan.hetero import brute_force_uneven, solve_uneven
+
+    rng = random.Random(1)
+    for _ in range(60):
+        n = rng.choice([1, 2, 3])
+        V = rng.randint(n, 6)
+        B = rng.randint(V, 14)
+        a = [rng.choice([0.0, 0.5, 1.0]) for _ in range(n)]
+        b = [rng.choice([0.1, 0.2, 0.5]) for _ in range(n)]
+        mem = [rng.choice([None, 2, 3, 5]) for _ in range(n)]
+        best = brute_force_uneven(V, B, a, b, mem)
+        if best == float("inf"):
+            with pytest.raises(InfeasibleAssignment):
+                solve_uneven(V, B, a, b, memory_limits=mem)
+            continue
+        plan = solve_uneven(V, B, a, b, memory_limits=mem)
+        assert plan.predicted_step_s == pytest.approx(best, abs=1e-9)
+        assert sum(plan.counts) == V and sum(plan.samples) == B and sum(plan.vn_sizes) == B
+        for i, m in enumerate(mem):
+            own = plan.vn_sizes[sum(plan.counts[:i]) : sum(plan.counts[: i + 1])]
+            assert min(own) >= 1 and (m is None or max(own) <= m)
+
+
+def test_uneven_sizes_give_the_fast_worker_more_samples():
+    from virtualflow.plan.hetero import solve_uneven
+
+    # Worker 1 is 3x slower per sample; with equal VN counts forced by V=2 it gets smaller VNs.
+    plan = solve_uneven(2, 64, [0.0, 0.0], [1.0, 3.0])
+    assert plan.counts == [1, 1] and plan.samples == [48, 16] and plan.vn_sizes == [48, 16]
+
+
+def test_data_plan_with_uneven_vn_sizes_covers_the_batch_exactly():
+    from virtualflow.plan.data import DataPlan
+
+    plan = DataPlan(100, 20, 4, seed=3)
+    even = [plan.vn_indices(5, v) for v in range(4)]
+    plan.set_vn_sizes([8, 8, 2, 2])
+    uneven = [plan.vn_indices(5, v) for v in range(4)]
+    assert [len(x) for x in uneven] == [8, 8, 2, 2]
+    assert torch_equal_cat(even, uneven)
+    with pytest.raises(ValueError, match="summing to global_batch_size=20"):
+        plan.set_vn_sizes([8, 8, 2, 1])
+
+
+def torch_equal_cat(a, b) -> bool:
+    import torch
+
+    return torch.equal(torch.cat(a), torch.cat(b))
+
+
+@pytest.mark.slow
+def test_uneven_vn_sizes_give_the_fast_worker_bigger_vns_and_the_same_gradient(run_dir):
+    job = jobs.paced_regression_job()
+    handle = vf.launch(job, workers=2, steps=1_000_000, slowdowns=[1, 3], uneven_vn_sizes=True, run_dir=run_dir)
+    deadline = time.monotonic() + 120
+    while handle.status()["generation"] < 1 or handle.status()["generation"] != handle.status()["formed_generation"]:
+        assert time.monotonic() < deadline and not handle.done
+        time.sleep(0.02)
+    step = handle.status()["step"]
+    while handle.status()["step"] < step + 5:
+        time.sleep(0.02)
+    result = handle.stop()
+    sizes = _events(run_dir, "generation")[-1]["vn_sizes"]
+    assert sizes is not None and sum(sizes) == 64
+    vns = _events(run_dir, "generation")[-1]["assignment"]
+    fast = sum(sizes[v] for v in vns[0])
+    assert fast > 40  # the 3x faster worker takes most of the global batch
+    # No BatchNorm or dropout: the step is the exact mean gradient over B for any VN sizes.
+    ref = vf.train(job.replace(loss=jobs.mse), workers=1, steps=result.steps)
+    from conftest import assert_state_close
+
+    assert_state_close(result.state_dict, ref.state_dict, rtol=1e-5, atol=1e-6)

@@ -101,6 +101,7 @@ def launch(
     worker_specs: list[WorkerSpec] | None = None,
     slowdowns: list[float] | None = None,
     balance: bool | None = None,
+    uneven_vn_sizes: bool = False,
     _control_plane: bool = True,
 ) -> "JobHandle":
     """Start training ``job`` on ``workers`` local worker processes; returns at once.
@@ -125,6 +126,10 @@ def launch(
     memory limit, emulated ``slowdown``) or ``slowdowns`` (shorthand). ``balance`` (default: on
     when specs or slowdowns are given) maps VNs by measured speed with an exact solver and
     rebalances as speeds drift; B, V and the trained model do not change.
+    ``uneven_vn_sizes=True`` also lets VN sizes differ per worker (a faster or larger worker
+    gets bigger VNs; gradients stay exactly weighted by sample counts, but BatchNorm statistics
+    and per-VN random streams then depend on the map, so runs match bit for bit only under the
+    same map).
     """
     if backend != "local":
         raise ValueError(f"backend={backend!r} is not available; the only backend so far is 'local'")
@@ -160,7 +165,9 @@ def launch(
     if worker_specs is not None and len(worker_specs) != workers:
         raise ValueError(f"worker_specs has {len(worker_specs)} entries for workers={workers}; give one per worker")
     if balance is None:
-        balance = worker_specs is not None
+        balance = worker_specs is not None or uneven_vn_sizes
+    if uneven_vn_sizes and not balance:
+        raise ValueError("uneven_vn_sizes=True needs balance (speed-based mapping); drop balance=False")
     if fault_plan is not None and not isinstance(fault_plan, FaultPlan):
         raise TypeError(f"fault_plan must be a virtualflow.FaultPlan, got {type(fault_plan).__name__}")
 
@@ -237,6 +244,7 @@ def launch(
         fault_plan=fault_plan,
         worker_specs=worker_specs,
         balance=balance,
+        uneven_vn_sizes=uneven_vn_sizes,
     )
     if not _control_plane:  # benchmarks only: measure what heartbeats and control reads cost
         handle._config.control_plane = False
@@ -335,7 +343,8 @@ class JobHandle:
                  min_workers: int = 1, replace_failed: bool = False, heartbeat_timeout_s: float = 3.0,
                  min_workers_timeout_s: float = 60.0, checkpoint_every: int | None = None,
                  resume_path: str | None = None, resume_step: int = 0, fault_plan: FaultPlan | None = None,
-                 worker_specs: list[WorkerSpec] | None = None, balance: bool = False) -> None:
+                 worker_specs: list[WorkerSpec] | None = None, balance: bool = False,
+                 uneven_vn_sizes: bool = False) -> None:
         self.job = job
         self.run_dir = run_dir
         self._state_dir = state_dir
@@ -388,6 +397,8 @@ class JobHandle:
             balance=balance,
             vn_batch=job.global_batch_size // job.virtual_nodes,
             memory_limits={i: s.memory_limit for i, s in enumerate(worker_specs or [])},
+            uneven_vn_sizes=uneven_vn_sizes,
+            global_batch_size=job.global_batch_size,
         )
         self.controller.last_step = resume_step
 
@@ -553,6 +564,7 @@ class JobHandle:
             "failures": self.controller.failures,
             "final_map": [{"worker": w, "vns": a, "time_per_vn_s": self.controller.time_per_vn.get(w)}
                           for w, a in zip(self.controller.members, self.controller.assignment)],
+            "vn_sizes": self.controller.vn_sizes,
             "balance": self.controller.balance,
             "predicted_step_s": self.controller.predicted_step_s,
             "deterministic": self._deterministic,

@@ -48,6 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "turns on speed-based VN mapping")
     el.add_argument("--balance", action="store_true",
                     help="map VNs by measured worker speed and rebalance as speeds drift (on with --slowdowns)")
+    el.add_argument("--uneven-vn-sizes", action="store_true",
+                    help="let VN sizes differ per worker (faster workers get bigger VNs); implies --balance")
     el.add_argument("--resume", metavar="RUN_DIR_OR_FILE",
                     help="continue from the newest good checkpoint of a run (e.g. one whose coordinator died)")
     p.set_defaults(func=main)
@@ -80,7 +82,8 @@ def main(args: argparse.Namespace) -> int:
             checkpoint_every=args.checkpoint_every,
             resume=args.resume,
             slowdowns=parse_slowdowns(args.slowdowns, args.workers) if args.slowdowns else None,
-            balance=True if (args.balance or args.slowdowns) else None,
+            balance=True if (args.balance or args.slowdowns or args.uneven_vn_sizes) else None,
+            uneven_vn_sizes=args.uneven_vn_sizes,
         )
     except TrainingError as exc:
         print(f"virtualflow run: training failed: {exc}", file=sys.stderr)

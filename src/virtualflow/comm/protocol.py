@@ -81,6 +81,8 @@ class GenerationRecord:
     """Fewer members than ``min_workers``: form, checkpoint, and wait for the next generation
     instead of training."""
     reason: str = ""
+    vn_sizes: list[int] | None = None
+    """Samples per VN when VN sizes differ per worker (``uneven_vn_sizes``); None: ``B/V`` each."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -40,6 +40,7 @@ from typing import Any, Callable, Protocol, Sequence
 from virtualflow.comm import protocol
 from virtualflow.plan.hetero import check_memory, predict_step_s
 from virtualflow.plan.hetero import solve as solve_hetero
+from virtualflow.plan.hetero import solve_uneven
 from virtualflow.plan.vnmap import contiguous_assignment
 
 logger = logging.getLogger("virtualflow")
@@ -89,6 +90,8 @@ class MembershipController:
         rebalance_patience: int = 3,
         min_observations: int = 3,
         speed_smoothing: float = 0.3,
+        uneven_vn_sizes: bool = False,
+        global_batch_size: int | None = None,
     ) -> None:
         self.coord = coordinator
         self.store = coordinator.store
@@ -137,6 +140,10 @@ class MembershipController:
         self._obs: dict[int, int] = {}
         self._gen_step_times: list[float] = []
         self._drift = 0
+        self.uneven = uneven_vn_sizes
+        self.B = global_batch_size
+        self.vn_sizes: list[int] | None = None
+        self._cost: dict[int, dict[tuple[int, int], float]] = {}  # worker -> (VNs, samples) -> compute s
 
     # -- start ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -254,9 +261,15 @@ class MembershipController:
         self._gen_step_times.append(r["step_time_s"])
         if max(compute) <= 0:
             return  # the generation's first step carries no measurement
+        sizes = r.get("vn_sizes")
         for rank, w in enumerate(members):
             if compute[rank] <= 0 or not vns[rank]:
                 continue
+            if self.uneven:
+                samples = sum(sizes[v] for v in vns[rank]) if sizes else len(vns[rank]) * (self.vn_batch or 1)
+                costs = self._cost.setdefault(w, {})
+                key = (len(vns[rank]), samples)
+                costs[key] = compute[rank] if key not in costs else 0.7 * costs[key] + 0.3 * compute[rank]
             t = compute[rank] / len(vns[rank])
             old = self.time_per_vn.get(w)
             self.time_per_vn[w] = t if old is None else (1 - self.alpha) * old + self.alpha * t
@@ -277,10 +290,47 @@ class MembershipController:
         fallback = sorted(known)[len(known) // 2]  # a newcomer is assumed typical until measured
         return [self.time_per_vn.get(w, fallback) for w in members]
 
+    def _cost_models(self, members: Sequence[int]) -> tuple[list[float], list[float]] | None:
+        """Per worker (seconds per VN, seconds per sample), fitted to its measured step costs:
+        non-negative least squares over the (VNs, samples) configurations it has run; with one
+        configuration only, all of the cost is put on the samples."""
+        from scipy.optimize import nnls
+
+        fits: dict[int, tuple[float, float]] = {}
+        for w in members:
+            costs = self._cost.get(w)
+            if not costs:
+                continue
+            keys = list(costs)
+            if len({n / c for c, n in keys}) >= 2:
+                import numpy as np
+
+                A = np.array([[c, n] for c, n in keys], dtype=float)
+                coef, _ = nnls(A, np.array([costs[k] for k in keys]))
+                fits[w] = (float(coef[0]), max(float(coef[1]), 1e-9))
+            else:
+                (c, n), t = keys[-1], costs[keys[-1]]
+                fits[w] = (0.0, t / n)
+        if not fits:
+            return None
+        typical = sorted(fits.values(), key=lambda ab: ab[1])[len(fits) // 2]
+        chosen = [fits.get(w, typical) for w in members]
+        return [a for a, _ in chosen], [b for _, b in chosen]
+
     def _assignment_for(self, members: Sequence[int]) -> list[list[int]]:
         self.predicted_step_s = None
+        self.vn_sizes = None
         if not self.balance:
             return self.assign(self.V, len(members))
+        if self.uneven:
+            models = self._cost_models(members)
+            if models is None:
+                return self.assign(self.V, len(members))
+            plan = solve_uneven(self.V, self.B, models[0], models[1], reduction_s=self.reduction_s,
+                                memory_limits=[self.memory_limits.get(w) for w in members])
+            self.predicted_step_s = plan.predicted_step_s
+            self.vn_sizes = plan.vn_sizes
+            return plan.blocks()
         limits = [self.memory_limits.get(w) for w in members]
         if self.vn_batch is not None:
             check_memory(self.vn_batch, limits)
@@ -295,6 +345,22 @@ class MembershipController:
         """Re-solve with the current speeds; rebalance when the current map is worse than the
         best one by more than the threshold for ``patience`` consecutive steps."""
         if not self.balance or any(self._obs.get(w, 0) < self.min_observations for w in self.members):
+            return
+        if self.uneven:
+            a, b = self._cost_models(self.members)
+            best_u = solve_uneven(self.V, self.B, a, b, reduction_s=self.reduction_s,
+                                  memory_limits=[self.memory_limits.get(w) for w in self.members])
+            sizes = self.vn_sizes or [self.B // self.V] * self.V
+            samples = [sum(sizes[v] for v in vns) for vns in self.assignment]
+            counts = [len(vns) for vns in self.assignment]
+            current = max(a[i] * counts[i] + b[i] * samples[i] for i in range(len(counts))) + self.reduction_s
+            changed = (best_u.counts, best_u.samples) != (counts, samples)
+            worse = current > best_u.predicted_step_s * (1 + self.rebalance_threshold)
+            self._drift = self._drift + 1 if changed and worse else 0
+            if self._drift >= self.rebalance_patience:
+                self._drift = 0
+                self._publish(list(self.members), kind="rebalance", hold=False, command=True,
+                              detail={"predicted_before_s": current})
             return
         speeds = self._speeds(self.members)
         best = solve_hetero(self.V, speeds, reduction_s=self.reduction_s)
@@ -416,7 +482,8 @@ class MembershipController:
         g = self.generation + 1
         assignment = self._assignment_for(members)
         previous = list(self.members)
-        self.coord.publish_generation(g, members, assignment, self.last_step, hold=hold, reason=kind)
+        self.coord.publish_generation(g, members, assignment, self.last_step, hold=hold, reason=kind,
+                                      vn_sizes=self.vn_sizes)
         for w in members:
             self.store.set(protocol.next_key(w, self.assigned.get(w, -1)), str(g))
             self.assigned[w] = g

@@ -7,7 +7,8 @@ Invariant 3 of DESIGN.md made concrete. Nothing here depends on ranks or worker 
 * each epoch has ``len(dataset) // B`` steps (the incomplete tail is dropped);
 * global step ``s`` uses positions ``[i*B, (i+1)*B)`` of its epoch's order, with
   ``e = s // steps_per_epoch`` and ``i = s % steps_per_epoch``;
-* virtual node ``v`` gets the ``v``-th contiguous slice of ``B / V`` of those positions;
+* virtual node ``v`` gets the ``v``-th contiguous slice of ``B / V`` of those positions (with
+  uneven VN sizes ``s_0..s_{V-1}``, summing to ``B``: the slice ``[s_0+..+s_{v-1}, +s_v)``);
 * randomness inside VN ``v`` of step ``s`` (dropout, augmentation) draws from the global torch
   generator seeded with :func:`vn_seed` ``(seed, s, v)``.
 """
@@ -49,6 +50,7 @@ class DataPlan:
     virtual_nodes: int
     seed: int = 0
     _cache: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _offsets: list[int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.global_batch_size % self.virtual_nodes:
@@ -86,9 +88,26 @@ class DataPlan:
         b = self.global_batch_size
         return self.epoch_order(epoch)[i * b : (i + 1) * b]
 
+    def set_vn_sizes(self, sizes: list[int] | None) -> None:
+        """Uneven VN sizes (heterogeneous mode), or None for ``B / V`` each."""
+        if sizes is None:
+            self._offsets = None
+            return
+        if len(sizes) != self.virtual_nodes or sum(sizes) != self.global_batch_size or min(sizes) < 1:
+            raise ValueError(
+                f"VN sizes {sizes} must be {self.virtual_nodes} positive integers summing to "
+                f"global_batch_size={self.global_batch_size}"
+            )
+        offsets = [0]
+        for n in sizes:
+            offsets.append(offsets[-1] + n)
+        self._offsets = offsets
+
     def vn_indices(self, step: int, vn: int) -> torch.Tensor:
         """Dataset indices read by virtual node ``vn`` at global ``step``."""
         if not 0 <= vn < self.virtual_nodes:
             raise ValueError(f"vn={vn} is outside 0..{self.virtual_nodes - 1}")
+        if self._offsets is not None:
+            return self.step_indices(step)[self._offsets[vn] : self._offsets[vn + 1]]
         n = self.vn_batch_size
         return self.step_indices(step)[vn * n : (vn + 1) * n]

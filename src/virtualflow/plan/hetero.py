@@ -121,3 +121,113 @@ def brute_force(virtual_nodes: int, time_per_vn: Sequence[float]) -> float:
 
     rec(0, virtual_nodes, 0.0)
     return best
+
+
+# -- uneven VN sizes --------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class UnevenPlan:
+    counts: list[int]
+    """VNs per worker, in rank order."""
+    samples: list[int]
+    """Samples per worker per step (``sum == B``)."""
+    vn_sizes: list[int]
+    """Samples of each VN, VN ids in order (a worker's VNs split its samples as evenly as possible)."""
+    predicted_step_s: float
+
+    def blocks(self) -> list[list[int]]:
+        return blocks(self.counts)
+
+
+def vn_sizes_for(counts: Sequence[int], samples: Sequence[int]) -> list[int]:
+    out: list[int] = []
+    for c, n in zip(counts, samples):
+        base, extra = divmod(n, c)
+        out.extend(base + (1 if k < extra else 0) for k in range(c))
+    return out
+
+
+def solve_uneven(
+    virtual_nodes: int,
+    global_batch_size: int,
+    per_vn_s: Sequence[float],
+    per_sample_s: Sequence[float],
+    *,
+    memory_limits: Sequence[int | None] | None = None,
+    reduction_s: float = 0.0,
+) -> UnevenPlan:
+    """VN counts *and* samples per worker when VN sizes may differ between workers.
+
+    Worker ``i`` runs ``c_i`` VNs holding ``n_i`` samples in all and takes
+    ``per_vn_s[i] * c_i + per_sample_s[i] * n_i`` (a fixed cost per VN plus a cost per sample,
+    as the profiler fits it). Minimise the slowest worker subject to ``sum c_i = V``,
+    ``sum n_i = B``, ``1 <= c_i <= n_i`` and ``n_i <= c_i * memory_limit_i`` (each VN fits):
+    a small integer program solved exactly with HiGHS (``scipy.optimize.milp``).
+    """
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    n = len(per_vn_s)
+    V, B = virtual_nodes, global_batch_size
+    if V < n:
+        raise InfeasibleAssignment(
+            f"virtual_nodes={V} is smaller than the {n} workers; every worker needs at least one virtual node"
+        )
+    limits = list(memory_limits) if memory_limits is not None else [None] * n
+    # x = [c_0..c_{n-1}, n_0..n_{n-1}, T]
+    nv = 2 * n + 1
+    cost = np.zeros(nv)
+    cost[-1] = 1.0
+    rows, lo, hi = [], [], []
+    for i in range(n):
+        r = np.zeros(nv)
+        r[i], r[n + i], r[-1] = per_vn_s[i], per_sample_s[i], -1.0
+        rows.append(r), lo.append(-np.inf), hi.append(0.0)
+        r = np.zeros(nv)
+        r[i], r[n + i] = 1.0, -1.0  # c_i <= n_i
+        rows.append(r), lo.append(-np.inf), hi.append(0.0)
+        if limits[i] is not None:
+            r = np.zeros(nv)
+            r[n + i], r[i] = 1.0, -float(limits[i])  # n_i <= mem_i c_i
+            rows.append(r), lo.append(-np.inf), hi.append(0.0)
+    r = np.zeros(nv)
+    r[:n] = 1.0
+    rows.append(r), lo.append(V), hi.append(V)
+    r = np.zeros(nv)
+    r[n : 2 * n] = 1.0
+    rows.append(r), lo.append(B), hi.append(B)
+    integrality = np.array([1] * (2 * n) + [0])
+    bounds = Bounds([1] * (2 * n) + [0.0], [V] * n + [B] * n + [np.inf])
+    res = milp(cost, constraints=LinearConstraint(np.array(rows), lo, hi), integrality=integrality, bounds=bounds)
+    if res.status != 0 or res.x is None:
+        raise InfeasibleAssignment(
+            f"no map of V={V} virtual nodes and B={B} samples fits the workers' memory limits {limits}; "
+            f"raise virtual_nodes or the limits"
+        )
+    counts = [int(round(v)) for v in res.x[:n]]
+    samples = [int(round(v)) for v in res.x[n : 2 * n]]
+    finish = max(per_vn_s[i] * counts[i] + per_sample_s[i] * samples[i] for i in range(n))
+    return UnevenPlan(counts, samples, vn_sizes_for(counts, samples), finish + reduction_s)
+
+
+def brute_force_uneven(V: int, B: int, per_vn_s, per_sample_s, memory_limits=None) -> float:
+    """Optimal slowest-worker time by enumeration (tests only: tiny inputs)."""
+    n = len(per_vn_s)
+    limits = memory_limits or [None] * n
+    best = math.inf
+
+    def comps(total: int, parts: int):
+        if parts == 1:
+            yield (total,)
+            return
+        for first in range(1, total - parts + 2):
+            for rest in comps(total - first, parts - 1):
+                yield (first,) + rest
+
+    for cs in comps(V, n):
+        for ns in comps(B, n):
+            if any(c > m for c, m in zip(cs, ns)):
+                continue
+            if any(lim is not None and m > lim * c for c, m, lim in zip(cs, ns, limits)):
+                continue
+            best = min(best, max(per_vn_s[i] * cs[i] + per_sample_s[i] * ns[i] for i in range(n)))
+    return best

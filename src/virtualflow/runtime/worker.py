@@ -379,6 +379,7 @@ class _Worker:
             t_transfer = time.perf_counter() - t1
             self._transferring = False
         self.progress = Progress(step=target, control=max(p.control for p in everyone))
+        self.engine.plan.set_vn_sizes(record.vn_sizes)
         self.engine.set_membership(group, record.assignment)
         if rank == 0:
             self.store.set(protocol.formed_key(gen), "1")
@@ -411,6 +412,7 @@ class _Worker:
                 "type": "step", "step": step - 1, "loss": outcome.loss, "samples": job.global_batch_size,
                 "step_time_s": step_time, "workers": group.size, "generation": gen,
                 "vns": record.assignment, "members": record.members, "compute_s": outcome.compute_s,
+                "vn_sizes": record.vn_sizes,
                 "time": time.time(),
             }
             self.last_report = report
