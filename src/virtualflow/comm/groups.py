@@ -79,6 +79,20 @@ class Group:
             self.on_launch()
         _Work(work, self.generation, self.abort_check).wait()
 
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        try:
+            work = self.pg.send([tensor], dst, tag)
+        except RuntimeError as exc:
+            raise PeerFailure(self.generation, str(exc)) from exc
+        _Work(work, self.generation, self.abort_check).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
+        try:
+            work = self.pg.recv([tensor], src, tag)
+        except RuntimeError as exc:
+            raise PeerFailure(self.generation, str(exc)) from exc
+        _Work(work, self.generation, self.abort_check).wait()
+
     def close(self) -> None:
         """Release the group's sockets and threads (best effort; a broken group may refuse)."""
         if self.pg is not None:

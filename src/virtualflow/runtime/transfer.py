@@ -2,22 +2,20 @@
 
 When a generation forms, its members first agree on how far each of them got
 (:func:`agree_progress`), then, if anyone is behind (a newcomer, or a survivor that had not yet
-applied the step a failed peer interrupted), the state of the most advanced member is broadcast
-to all (:func:`broadcast_state`): model parameters and buffers, optimizer state, LR-scheduler
-state, step and control position.
+applied the step a failed peer interrupted), the state of the most advanced member is sent to
+those behind (:func:`broadcast_state`, point to point): model parameters and buffers, optimizer
+state, LR-scheduler state, step and control position.
 
 The state is sent as one small pickled skeleton (the nested structure with tensors replaced by
 slots) plus one flat buffer per dtype, so a 25M-parameter model with Adam moves in a handful of
-collectives at loopback bandwidth; copying is bit-exact.
+messages at loopback bandwidth; copying is bit-exact.
 """
 
 from __future__ import annotations
 
-import io
 import pickle
-import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -86,59 +84,58 @@ def broadcast_state(
     state: Any | None,
     device: torch.device,
     on_started: Callable[[], None] | None = None,
+    receivers: Sequence[int] | None = None,
 ) -> tuple[Any, int]:
-    """Broadcast ``state`` (nested dicts/lists of tensors and plain values) from rank ``src``.
+    """Send ``state`` (nested dicts/lists of tensors and plain values) from rank ``src`` to the
+    ranks in ``receivers`` (default: every other rank).
 
-    Non-source ranks pass ``None`` and get the source's state; every rank gets back
-    ``(state, bytes_moved)``. ``on_started`` is called after the skeleton has been exchanged
+    Point to point: members that are already up to date take no part (they go straight on to
+    the first step, where they wait for the receivers), and the source's bytes go out once per
+    receiver. Receivers pass ``None`` and get the source's state; the source gets ``state``
+    back. Returns ``(state, bytes_moved)``. ``on_started`` is called once the header is through
     (the fault-injection point ``state_transfer``).
     """
+    receivers = [r for r in (receivers if receivers is not None else range(group.size)) if r != src]
     is_src = group.rank == src
+    if not is_src and group.rank not in receivers:
+        return None, 0
     if is_src:
         tensors: list[torch.Tensor] = []
         skeleton = _flatten(state, tensors)
         metas = [_Meta(t.dtype, tuple(t.shape)) for t in tensors]
         header = pickle.dumps((skeleton, metas), protocol=pickle.HIGHEST_PROTOCOL)
-        size = torch.tensor([len(header)], dtype=torch.int64)
-    else:
-        size = torch.zeros(1, dtype=torch.int64)
-    group.broadcast(size.to(device), src)
-    n = int(size.item())
-    buf = torch.frombuffer(bytearray(header), dtype=torch.uint8) if is_src else torch.empty(n, dtype=torch.uint8)
-    buf = buf.to(device)
-    group.broadcast(buf, src)
-    if not is_src:
-        skeleton, metas = pickle.loads(bytes(buf.cpu().numpy()))
+        size = torch.tensor([len(header)], dtype=torch.int64, device=device)
+        hbuf = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
+        for r in receivers:
+            group.send(size, r, tag=1)
+            group.send(hbuf, r, tag=2)
+        if on_started is not None:
+            on_started()
+        moved = 0
+        for k, dtype in enumerate(sorted({m.dtype for m in metas}, key=str)):
+            idx = [i for i, m in enumerate(metas) if m.dtype == dtype]
+            flat = torch.cat([tensors[i].reshape(-1).to(device) for i in idx])
+            for r in receivers:
+                group.send(flat, r, tag=3 + k)
+                moved += flat.numel() * flat.element_size()
+        return state, moved + len(header) * len(receivers)
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    group.recv(size, src, tag=1)
+    hbuf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    group.recv(hbuf, src, tag=2)
+    skeleton, metas = pickle.loads(bytes(hbuf.cpu().numpy()))
     if on_started is not None:
         on_started()
-    moved = n
     received: list[torch.Tensor | None] = [None] * len(metas)
-    for dtype in sorted({m.dtype for m in metas}, key=str):
+    moved = hbuf.numel()
+    for k, dtype in enumerate(sorted({m.dtype for m in metas}, key=str)):
         idx = [i for i, m in enumerate(metas) if m.dtype == dtype]
         numels = [int(torch.Size(metas[i].shape).numel()) for i in idx]
-        if is_src:
-            flat = torch.cat([tensors[i].reshape(-1).to(device) for i in idx]) if idx else None
-        else:
-            flat = torch.empty(sum(numels), dtype=dtype, device=device)
-        group.broadcast(flat, src)
+        flat = torch.empty(sum(numels), dtype=dtype, device=device)
+        group.recv(flat, src, tag=3 + k)
         moved += flat.numel() * flat.element_size()
         offset = 0
-        for i, k in zip(idx, numels):
-            received[i] = flat[offset : offset + k].view(metas[i].shape)
-            offset += k
-    if is_src:
-        return state, moved
+        for i, n in zip(idx, numels):
+            received[i] = flat[offset : offset + n].view(metas[i].shape)
+            offset += n
     return _unflatten(skeleton, received), moved
-
-
-def state_bytes(state: Any) -> int:
-    """Size of ``state`` as torch.save would write it (for reports)."""
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return buf.tell()
-
-
-def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0

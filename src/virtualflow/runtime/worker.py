@@ -69,7 +69,7 @@ class WorkerConfig:
     collective_timeout_s: float = 120.0
     store_timeout_s: float = 600.0
     """Bound on waits for the coordinator (a generation to join; a rendezvous)."""
-    heartbeat_interval_s: float = 0.2
+    heartbeat_interval_s: float = 0.05
     checkpoint_every: int | None = None
     keep_checkpoints: int = 2
     resume_path: str | None = None
@@ -155,16 +155,21 @@ def run_worker(cfg: WorkerConfig, worker_id: int) -> int:
 
 
 class Heartbeat:
-    """A daemon thread that bumps ``vf/hb/<id>`` every ``interval_s`` on its own store client.
+    """A daemon thread on its own store client: bumps ``vf/hb/<id>`` and reads the control
+    sequence number every ``heartbeat_interval_s``.
 
-    A stopped or frozen process stops beating and the coordinator fences it. If the coordinator
-    itself is gone (the store stops answering), the worker exits: an orphan must not keep
-    training (``virtualflow run --resume`` continues the job from its last checkpoint).
+    A stopped or frozen process stops beating and the coordinator fences it. Reading the control
+    number here keeps the store round trip off the step's critical path: rank 0 puts the latest
+    value it has into the step's reduction, so every member still acts on a command at the same
+    boundary (a command waits at most one interval longer). If the coordinator itself is gone
+    (the store stops answering), the worker exits: an orphan must not keep training
+    (``virtualflow run --resume`` continues the job from its last checkpoint).
     """
 
     def __init__(self, cfg: WorkerConfig, worker_id: int) -> None:
         self.cfg = cfg
         self.key = protocol.heartbeat_key(worker_id)
+        self.control_seq = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="virtualflow-heartbeat", daemon=True)
 
@@ -183,6 +188,7 @@ class Heartbeat:
                     store = dist.TCPStore(self.cfg.store_host, self.cfg.store_port, is_master=False,
                                           timeout=datetime.timedelta(seconds=5))
                 store.add(self.key, 1)
+                self.control_seq = int(store.get(protocol.CONTROL_SEQ_KEY))
                 misses = 0
             except Exception as exc:  # noqa: BLE001
                 misses += 1
@@ -373,8 +379,9 @@ class _Worker:
             t1 = time.perf_counter()
             mine = _full_state(self.engine, self.progress) if rank == src else None
             point = (lambda: self.faults.point(target, "state_transfer")) if self.faults else None
-            state, moved = broadcast_state(group, src, mine, self.device, on_started=point)
-            if rank != src:
+            behind_ranks = [r for r, p in enumerate(everyone) if p.step < target]
+            state, moved = broadcast_state(group, src, mine, self.device, on_started=point, receivers=behind_ranks)
+            if rank in behind_ranks:
                 _load_full_state(self.engine, state)
             t_transfer = time.perf_counter() - t1
             self._transferring = False
@@ -400,7 +407,7 @@ class _Worker:
         step = self.progress.step
         t_prev = time.perf_counter()
         while step < cfg.total_steps:
-            control = int(self.store.get(protocol.CONTROL_SEQ_KEY)) if rank == 0 and cfg.control_plane else 0
+            control = self.heartbeat.control_seq if rank == 0 else 0
             outcome = engine.step(step, control)
             if outcome.bad_vns:
                 self._non_finite(outcome, step, rank)
