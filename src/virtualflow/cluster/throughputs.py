@@ -35,19 +35,26 @@ GAVEL_DATA_ENV = "VIRTUALFLOW_GAVEL_DATA"
 
 
 def gavel_data_dir() -> Path:
-    """Folder of Gavel's data: ``$VIRTUALFLOW_GAVEL_DATA``, else ``<repo root>/../shared/data/gavel``."""
+    """Folder of Gavel's data: ``$VIRTUALFLOW_GAVEL_DATA``, else ``shared/data/gavel`` beside the
+    repository (``<repo root>/../shared/data/gavel``) or beside one of its parent folders (a
+    checkout nested deeper, as CI may make)."""
     env = os.environ.get(GAVEL_DATA_ENV)
     if env:
         path = Path(env).expanduser().resolve()
-        knob = f"${GAVEL_DATA_ENV}={env!r}"
-    else:
-        repo_root = Path(__file__).resolve().parents[3]  # src/virtualflow/cluster/throughputs.py
-        path = (repo_root / ".." / "shared" / "data" / "gavel").resolve()
-        knob = f"the default <repo root>/../shared/data/gavel (set ${GAVEL_DATA_ENV} to override)"
-    if not path.is_dir():
-        raise FileNotFoundError(f"Gavel data folder {path} does not exist ({knob}); it should hold "
-                                "simulation_throughputs.json and traces/")
-    return path
+        if not path.is_dir():
+            raise FileNotFoundError(f"Gavel data folder {path} does not exist (${GAVEL_DATA_ENV}={env!r}); it "
+                                    "should hold simulation_throughputs.json and traces/")
+        return path
+    repo_root = Path(__file__).resolve().parents[3]  # src/virtualflow/cluster/throughputs.py
+    candidates = [(folder / "shared" / "data" / "gavel") for folder in repo_root.parents]
+    for path in candidates:
+        if path.is_dir():
+            return path
+    raise FileNotFoundError(
+        f"Gavel data folder not found: looked for shared/data/gavel beside {repo_root} and its parents "
+        f"({candidates[0]} first); set ${GAVEL_DATA_ENV} to the folder holding "
+        "simulation_throughputs.json and traces/"
+    )
 
 
 def _check_value(v: Any, where: str) -> float:
