@@ -330,6 +330,17 @@ def bcast_rank(cfg: dict) -> dict:
     return {"rank": cfg["rank"], "times": times}
 
 
+def bcast_world() -> int:
+    """Processes the grow's state transfer involves: from 5bcfd66 on, ``broadcast_state`` sends
+    point to point to the members that are behind (the newcomer: 2 processes); before, it was a
+    broadcast to the whole new generation (3)."""
+    import inspect
+
+    from virtualflow.runtime.transfer import broadcast_state
+
+    return 2 if "receivers" in inspect.signature(broadcast_state).parameters else 3
+
+
 def measure_bcast(nbytes: int, world: int = 3, reps: int = 5) -> dict:
     import torch.distributed as dist
 
@@ -396,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = one_rep(model, args.warm, args.after, tmp)
                 r["waited_for_quiet_s"], r["other_load_before_cores"] = waited, load0
                 with TreeLoadMeter() as meter:  # loopback speed now, in about the same conditions
-                    r["broadcast"] = measure_bcast(r["grow"]["transfer_bytes"])
+                    r["broadcast"] = measure_bcast(r["grow"]["transfer_bytes"], world=bcast_world())
                 r["broadcast"]["other_load_cores"] = meter.other_cores
                 reps.append(r)
                 print(f"  {model} rep {rep}: grow pause {r['grow']['pause_s']:.3f} s "
@@ -405,9 +416,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"/ {r['restart_shrink']['pause_s']:.2f} s; other load "
                       f"{max(r[k]['other_load_cores'] for k in r if isinstance(r[k], dict)):.2f} cores", flush=True)
             nbytes = int(C.median([r["grow"]["transfer_bytes"] for r in reps]))
-            bw = {"bytes": nbytes, "median_s": C.median([r["broadcast"]["median_s"] for r in reps])}
+            bw = {"bytes": nbytes, "median_s": C.median([r["broadcast"]["median_s"] for r in reps]),
+                  "world": reps[0]["broadcast"]["world"]}
             bw["gb_per_s"] = nbytes / bw["median_s"] / 1e9
-            print(f"  {model}: gloo broadcast of {nbytes / 1e6:.1f} MB among 3 processes (median of the "
+            print(f"  {model}: gloo broadcast of {nbytes / 1e6:.1f} MB among {reps[0]['broadcast']['world']} "
+                  f"processes (median of the "
                   f"repetitions): {bw['median_s']:.3f} s ({bw['gb_per_s']:.2f} GB/s)", flush=True)
             raw[model] = {"reps": reps, "broadcast": bw}
             for kind, restart in (("grow", "restart_grow"), ("shrink", "restart_shrink")):
@@ -476,8 +489,10 @@ def main(argv: list[str] | None = None) -> int:
                        "smaller). Medians over repetitions.",
               "restart": "handle.stop() (final state written at a step boundary), then vf.launch(resume=final.pt, "
                          "workers=N) in the same launcher process; fresh worker processes",
-              "state_move": "formed.transfer_bytes / bandwidth of a gloo broadcast of that many bytes among 3 fresh "
-                            "processes (1 thread each), measured after each repetition (median)",
+              "state_move": "formed.transfer_bytes / bandwidth of a gloo broadcast of that many bytes among fresh "
+                            "processes (1 thread each; 2 when the transfer goes point to point to the newcomer, "
+                            "3 when it is broadcast to the whole generation), measured after each repetition "
+                            "(median)", "broadcast_world": bcast_world(),
               "idle": "gap minus the first new-generation step's step_time_s (timed by the worker from the end of "
                       "formation): time without training"}
     payload = {"benchmark": NAME, "environment": C.environment(), "config": config, "results": rows, "raw": raw,
@@ -500,8 +515,8 @@ def main(argv: list[str] | None = None) -> int:
           "or the new generation's (`vs new`); `judged` = the larger of the two, median (max) over repetitions. "
           "Restart = the same gap when the job is stopped (`handle.stop()`, final state written) and relaunched "
           "on fresh processes with `resume=final.pt`, minus the old normal step; in brackets from the stop "
-          "request. State move @loopback = bytes moved / the bandwidth of a gloo broadcast of that size among 3 "
-          f"fresh processes (measured in the same run). Target: judged pause <= {TARGET_FIXED_S} s + state move, "
+          f"request. State move @loopback = bytes moved / the bandwidth of a gloo broadcast of that size among "
+          f"{bcast_world()} fresh processes (the processes the transfer involves; measured after each repetition). Target: judged pause <= {TARGET_FIXED_S} s + state move, "
           f"and restart >= {TARGET_FACTOR:g}x the judged pause. 3 workers on 2 cores run slower steps than 2. "
           "`idle` = the same gap minus the first new step's own time (the worker times it from the moment its "
           "generation has formed): the time the survivors do no training at all (rendezvous, group, state "
