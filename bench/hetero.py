@@ -54,7 +54,7 @@ TARGET_PRED_ERR = 0.05
 
 
 def pace_s() -> float:
-    return float(os.environ.get("VF_HETERO_PACE_S", "0.010"))
+    return float(os.environ.get("VF_HETERO_PACE_S", "0.020"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -127,7 +127,9 @@ def run_config(slowdowns: list[float], balance: bool, *, warm: int, measure: int
                     rebalance_inputs = {"generation": status["generation"],
                                         "detail": dict(ch.detail) if ch is not None else None,
                                         "reduction_s_seen": handle.controller.reduction_s}
-                if gen_target is None and status["generation"] >= 1 and status["formed_generation"] == status["generation"]:
+                if (wait_rebalance and status["generation"] >= 1 and status["formed_generation"] == status["generation"]
+                        and status["generation"] != gen_target):
+                    # Measure the last generation: the controller may rebalance again (drift).
                     gen_target, gen_step = status["generation"], status["step"]
                 if gen_target is not None and status["step"] >= gen_step + warm + measure + 1:
                     break
@@ -155,6 +157,7 @@ def run_config(slowdowns: list[float], balance: bool, *, warm: int, measure: int
         "balance": balance,
         "generation_measured": gen_target,
         "generations_seen": gens,
+        "rebalances": sum(1 for e in events if e.get("event") == "generation" and e.get("reason") == "rebalance"),
         "steps_total": len(hist),
         "counts": counts,
         "step_times": times,
