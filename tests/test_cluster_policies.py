@@ -71,9 +71,35 @@ def close(a: float, b: float, rel: float = REL) -> bool:
     return abs(a - b) <= rel * max(1.0, abs(a), abs(b))
 
 
+def assert_feasible(alloc: Allocation, inp: PolicyInput, tol: float = 1e-6) -> None:
+    """The issue's constraints, recomputed from the rows with plain loops (independent of
+    ``check_allocation``, which is code under test): no type over capacity (a pair uses its GPUs
+    once), no job over 100 % of its time, no time where the job cannot run, X in [0, 1]."""
+    X = np.asarray(alloc.X, dtype=float)
+    assert X.min(initial=0.0) >= -tol and X.max(initial=0.0) <= 1 + tol
+    used = {t: 0.0 for t in inp.cluster.types}
+    time = {j.job_id: 0.0 for j in inp.jobs}
+    by_id = {j.job_id: j for j in inp.jobs}
+    for row, x in zip(alloc.rows, X):
+        g = alloc.gpus[row[0]]
+        for c, t in enumerate(inp.cluster.types):
+            used[t] += g * x[c]
+            if x[c] > tol:
+                assert g <= inp.cluster.gpus[t], (row, t)
+                if len(row) == 1:
+                    assert inp.table.throughput(by_id[row[0]].job_type, t, g) > 0, (row, t)
+        for i in row:
+            time[i] += x.sum()
+    for t, u in used.items():
+        assert u <= inp.cluster.gpus[t] * (1 + tol), (t, u, inp.cluster.gpus[t])
+    for i, s in time.items():
+        assert s <= 1 + tol, (i, s)
+
+
 def single_X(alloc: Allocation, inp: PolicyInput) -> np.ndarray:
     """The allocation as one row per job (order of inp.jobs), after checking the invariants."""
     check_allocation(alloc, inp)
+    assert_feasible(alloc, inp)
     return alloc.job_shares([j.job_id for j in inp.jobs])
 
 
@@ -263,6 +289,7 @@ def test_space_sharing_matches_pairwise_reference(table, seed):
         inp = instance(table, seed)
     alloc = get_policy("las_space_sharing").allocate(inp)
     check_allocation(alloc, inp)
+    assert_feasible(alloc, inp)
     want, _ = ref.las_space_sharing(inp)
     assert close(alloc.objective, want), (alloc.objective, want)
     # Recompute every job's throughput from the rows (alone and in pairs) with table lookups.
@@ -317,6 +344,7 @@ def test_every_policy_respects_invariants_on_gavel_sized_input(table, name):
     inp = PolicyInput(jobs=jobs, cluster=cluster, table=table, time_s=500.0)
     alloc = get_policy(name).allocate(inp)
     check_allocation(alloc, inp)
+    assert_feasible(alloc, inp)
     assert alloc.objective is not None and np.isfinite(alloc.objective)
     assert set(alloc.gpus) == {j.job_id for j in jobs}
 
@@ -377,6 +405,7 @@ def test_identical_jobs_solved_as_classes_match_reference(table, name):
     inp = PolicyInput(jobs=jobs, cluster=cluster, table=table)
     alloc = get_policy(name).allocate(inp)
     check_allocation(alloc, inp)
+    assert_feasible(alloc, inp)
     X = alloc.job_shares([j.job_id for j in jobs])  # alone + in pairs
     if name == "max_throughput":
         want = ref.max_throughput(inp)[0]
