@@ -191,6 +191,83 @@ def test_received_shares_converge_to_the_allocation():
     assert np.abs(got / rounds - X).max() < 0.01
 
 
+def test_lease_extension_and_preemption_costs():
+    """2 v100 (one server): A has X=1, B and C X=0.5 each. A keeps its GPU round after round
+    (lease extended: "kept", no cost, also across a policy recomputation); B and C share the
+    other GPU, and every return after a preemption is a checkpoint-restart ("resume", 45 s),
+    while a row that runs two rounds in a row keeps its lease at no cost."""
+    cluster = Cluster(gpus={"v100": 2, "k80": 1})
+    cfg = MechanismConfig(restart_cost_s=45.0)
+    mech = RoundMechanism(cluster, cfg)
+    alloc = Allocation(rows=[(0,), (1,), (2,)], X=np.array([[1.0, 0.0], [0.5, 0.0], [0.5, 0.0]]),
+                       gpus={0: 1, 1: 1, 2: 1})
+    mech.set_allocation(alloc)
+    ran: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    rounds = 12
+    for rnd in range(rounds):
+        if rnd == 6:
+            mech.set_allocation(alloc)  # a policy recomputation with the same answer: counters reset
+        plan = mech.plan_round({0, 1, 2})
+        assert set(plan.placements) in ({0, 1}, {0, 2})
+        for jid, p in plan.placements.items():
+            before = ran[jid]
+            want = ("start", 0.0) if not before else ("kept", 0.0) if before[-1] == rnd - 1 else ("resume", 45.0)
+            assert (p.change, p.cost_s) == want, (rnd, jid, p)
+            before.append(rnd)
+        mech.end_round()
+    assert ran[0] == list(range(rounds))  # never preempted, never restarted
+    assert len(ran[1]) == len(ran[2]) == rounds // 2
+    assert any(ran[1][i + 1] > ran[1][i] + 1 for i in range(len(ran[1]) - 1))  # B was preempted and resumed
+    # Through the simulator: A (X=1) runs 2000 s without a break; B and C pay 45 s per resume.
+    table = ThroughputTable.from_dict({"m": {"v100": {1: 1.0}, "k80": {1: 0.0}}})
+    jobs = [JobSpec(job_id=i, job_type="m", scale_factor=1, total_steps=steps)
+            for i, steps in enumerate([2000.0, 1000.0, 1000.0])]
+    r = simulate(jobs, cluster, table, Fixed({0: [1.0, 0.0], 1: [0.5, 0.0], 2: [0.5, 0.0]}),
+                 SimConfig(mechanism=cfg))
+    assert r.finish_s[0] == pytest.approx(2000.0) and r.restarts[0] == 0 and r.lost_s[0] == 0.0
+    assert r.restarts[1] >= 1 and r.restarts[2] >= 1
+    np.testing.assert_allclose(r.lost_s, 45.0 * r.restarts)
+    np.testing.assert_array_equal(r.steps_run, [2000.0, 1000.0, 1000.0])
+
+
+def test_consolidated_placement_best_fit_and_fragmentation():
+    """(1) Best fit: 7 GPUs as servers of 4 + 3; the 3-GPU job (visited first) takes the 3-GPU
+    server, so the 4-GPU job still fits (first fit would split or block it). (2) An 8-GPU job
+    takes two whole servers. (3) Fragmentation: two 3-GPU leases leave 1 + 1 free GPUs; a 2-GPU
+    job waits (counted) instead of being split, and later gets one server: nobody waits forever."""
+    mech = RoundMechanism(Cluster(gpus={"v100": 7}, gpus_per_server={"v100": 4}))
+    mech.set_allocation(Allocation(rows=[(0,), (1,)], X=np.ones((2, 1)), gpus={0: 3, 1: 4}))
+    plan = mech.plan_round({0, 1})
+    assert plan.placements[0].servers == ((1, 3),) and plan.placements[1].servers == ((0, 4),)
+    assert plan.skipped_fragmented == 0
+
+    cluster = Cluster(gpus={"v100": 8}, gpus_per_server={"v100": 4})
+    mech = RoundMechanism(cluster)
+    mech.set_allocation(Allocation(rows=[(0,)], X=np.ones((1, 1)), gpus={0: 8}))
+    assert mech.plan_round({0}).placements[0].servers == ((0, 4), (1, 4))
+
+    mech = RoundMechanism(cluster)
+    mech.set_allocation(Allocation(rows=[(0,), (1,)], X=np.ones((2, 1)), gpus={0: 3, 1: 3}))
+    first = mech.plan_round({0, 1})
+    assert sorted(p.servers for p in first.placements.values()) == [((0, 3),), ((1, 3),)]
+    mech.end_round()
+    mech.set_allocation(Allocation(rows=[(0,), (1,), (2,)], X=np.array([[0.5], [0.5], [1.0]]),
+                                   gpus={0: 3, 1: 3, 2: 2}))
+    second = mech.plan_round({0, 1, 2})
+    assert set(second.placements) == {0, 1} and second.skipped_fragmented == 1
+    assert all(p.change == "kept" for p in second.placements.values())
+    mech.end_round()
+    ran = False
+    for _ in range(3):
+        plan = mech.plan_round({0, 1, 2})
+        if 2 in plan.placements:
+            assert len(plan.placements[2].servers) == 1
+            ran = True
+            break
+        mech.end_round()
+    assert ran
+
+
 def test_policy_jct_gain_and_outputs(gavel, tmp_path):
     """Heterogeneity-aware LAS beats the agnostic one on Gavel's table (a small, fast instance)."""
     cluster = Cluster.parse("v100=4,p100=4,k80=4")
