@@ -282,6 +282,57 @@ def test_policy_jct_gain_and_outputs(gavel, tmp_path):
     assert len(open(paths["jobs"]).read().splitlines()) == 60
 
 
+# ---------------------------------------------------------------------------------------- metrics
+
+
+def test_metrics_by_hand(tmp_path):
+    """summarize() on a result written by hand: JCT statistics over the window only (unfinished
+    jobs counted, not averaged), makespan, utilisation, cost, SLO violations, FTF ratios,
+    restarts/resizes; write_summary's JSON, JSONL and CDF plot; the JCT-vs-load plot."""
+    import json
+
+    from virtualflow.cluster.metrics import plot_jct_vs_load
+    from virtualflow.cluster.simulator import SimResult
+
+    cluster = Cluster(gpus={"v100": 2, "k80": 2}, prices={"v100": 3.0, "k80": 1.0})
+    jobs = [JobSpec(job_id=0, job_type="a", scale_factor=1, total_steps=1.0, slo_s=100.0),
+            JobSpec(job_id=1, job_type="a", scale_factor=1, total_steps=1.0, slo_s=100.0),
+            JobSpec(job_id=2, job_type="e", scale_factor=2, min_gpus=1, total_steps=1.0, slo_s=1000.0,
+                    arrival_s=100.0),
+            JobSpec(job_id=3, job_type="b", scale_factor=1, total_steps=1.0, slo_s=500.0, arrival_s=200.0)]
+    r = SimResult(jobs=jobs, cluster=cluster, policy="hand", arrival_s=np.array([0.0, 0.0, 100.0, 200.0]),
+                  finish_s=np.array([400.0, 150.0, 300.0, np.nan]), steps_run=np.array([1.0, 1.0, 1.0, 0.5]),
+                  restarts=np.array([5, 1, 0, 2]), resizes=np.array([0, 0, 2, 0]),
+                  lost_s=np.array([225.0, 45.0, 3.0, 90.0]),
+                  gpu_s=np.array([[400.0, 0.0], [0.0, 150.0], [400.0, 0.0], [0.0, 300.0]]),
+                  contention=np.array([1.0, 2.0, 3.0, 2.0]), isolated_s=np.array([100.0, 50.0, 200.0, 100.0]),
+                  end_s=600.0, rounds=2, solves=2, solve_s=0.01, skipped_fragmented=0, window=(1, 4))
+    s = summarize(r)
+    assert (s["window_jobs"], s["finished"], s["unfinished"]) == (3, 2, 1)
+    assert s["avg_jct_s"] == pytest.approx(175.0) and s["median_jct_s"] == pytest.approx(175.0)
+    assert s["p99_jct_s"] == pytest.approx(150.0 + 0.99 * 50.0)
+    assert s["avg_jct_h"] == pytest.approx(175.0 / 3600)
+    assert s["makespan_s"] == pytest.approx(400.0)  # every finished job, window or not
+    assert s["utilisation"] == pytest.approx(1250.0 / (4 * 600.0))
+    assert s["utilisation_by_type"] == pytest.approx({"v100": 800.0 / 1200.0, "k80": 450.0 / 1200.0})
+    assert s["cost_usd"] == pytest.approx(800.0 / 3600 * 3.0 + 450.0 / 3600 * 1.0)
+    # Job 1 late (150 > 100), job 2 on time, job 3 unfinished: 2 of 3 (job 0 is outside the window).
+    assert (s["slo_jobs"], s["slo_violations"]) == (3, 2)
+    assert (s["restarts"], s["resizes"], s["lost_to_changes_s"]) == (3, 2, pytest.approx(138.0))
+    # rho = JCT / (isolated x max(1, N g / G)): job 1: 150 / (50 x 1) = 3; job 2: 200 / (200 x 1.5).
+    assert s["ftf_rho"] == pytest.approx({"avg": (3.0 + 2 / 3) / 2, "max": 3.0, "frac_gt_1": 0.5})
+    assert summarize(r, window=(0, 1))["avg_jct_s"] == pytest.approx(400.0)
+
+    paths = write_summary(r, str(tmp_path / "out"))
+    assert json.load(open(paths["summary"]))["slo_violations"] == 2
+    recs = [json.loads(line) for line in open(paths["jobs"])]
+    assert [x["finish_s"] for x in recs] == [400.0, 150.0, 300.0, None]
+    assert open(paths["cdf"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    load = plot_jct_vs_load({"las": [(1.0, 2.0), (0.5, 1.0)], "fifo": [(0.5, 1.5), (1.0, 4.0)]},
+                            str(tmp_path / "load.png"))
+    assert open(load, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
 # ---------------------------------------------------------------------------------------- bad input
 
 
