@@ -382,3 +382,48 @@ def test_cli_simulate_module(tmp_path, capsys):
     args = parser.parse_args(["simulate", "--trace", trace, "--policy", "fastest", "--no-progress"])
     with pytest.raises(ValueError, match="unknown policy 'fastest'"):
         args.func(args)
+
+
+def test_cli_own_table_format_progress_bar_and_errors(tmp_path, capsys):
+    """Through the real entry point (``virtualflow.cli.main``): a table in virtualflow's own
+    format with a Gavel trace, the progress bar over simulated hours on stderr, and bad input
+    reported in one line with exit status 2."""
+    import json
+    import re
+
+    from virtualflow.cli.main import main
+
+    table = tmp_path / "own.json"
+    table.write_text(json.dumps({"throughputs": {"a": {"v100": {"1": 2.0}, "k80": {"1": 1.0}},
+                                                 "b": {"v100": {"1": 3.0}, "k80": {"1": 1.0}}}}))
+    trace = tmp_path / "t.trace"
+    trace.write_text("a\tcmd\tdir\t-n\t0\t1000\t1\t1\t-1\t0\nb\tcmd\tdir\t-n\t0\t600\t1\t1\t-1\t100\n")
+    argv = ["simulate", "--cluster", "v100=1,k80=1", "--gpus-per-server", "1", "--throughputs", str(table),
+            "--trace", str(trace), "--policy", "fifo", "--restart-cost-s", "0"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    # The by-hand case of test_two_jobs_two_types_by_hand with free restarts: JCTs 500 s and 700 s.
+    assert "fifo: 2/2 jobs done; JCT avg 0.17 h" in out
+    assert "simulated h" in err  # tqdm's bar over simulated time
+    assert main(argv + ["--no-progress"]) == 0
+    assert "simulated h" not in capsys.readouterr().err
+    for bad, message in [
+        (["--trace", str(tmp_path / "missing.trace")], "--trace '.*missing.trace' does not exist"),
+        (["--throughputs", str(tmp_path / "none.json")], "--throughputs '.*none.json' does not exist"),
+        (["--policy", "lass"], "unknown policy 'lass'"),
+        (["--cluster", "v100=1,k80=x"], "count 'x' is not an integer"),
+        (["--generate", "rate=2,jobs=5,colour=red"], "'colour=red' is not KEY=VALUE"),
+    ]:
+        args = list(argv)
+        for flag, value in zip(bad[::2], bad[1::2]):
+            if flag == "--generate":
+                i = args.index("--trace")
+                del args[i:i + 2]
+            if flag in args:
+                args[args.index(flag) + 1] = value
+            else:
+                args += [flag, value]
+        assert main(args + ["--no-progress"]) == 2, bad
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("virtualflow simulate: error: "), err
+        assert re.search(message, err[0]), (message, err[0])

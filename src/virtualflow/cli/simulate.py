@@ -88,8 +88,11 @@ def load_table(path: str | None):
     from virtualflow.cluster.throughputs import ThroughputTable, gavel_data_dir
 
     if path is None:
-        path = os.path.join(gavel_data_dir(), "simulation_throughputs.json")
-    if not os.path.exists(path):
+        try:
+            path = os.path.join(gavel_data_dir(), "simulation_throughputs.json")
+        except FileNotFoundError as exc:  # a user error: one line, exit status 2 (not a traceback)
+            raise ValueError(f"no --throughputs given and {exc}") from None
+    if not os.path.isfile(path):
         raise ValueError(f"--throughputs {path!r} does not exist (set VIRTUALFLOW_GAVEL_DATA or pass a file)")
     with open(path) as f:
         data = json.load(f)
@@ -109,6 +112,9 @@ def main(args: argparse.Namespace) -> int:
     cluster = Cluster.parse(args.cluster, gpus_per_server=args.gpus_per_server, prices=parse_prices(args.prices))
     table = load_table(args.throughputs)
     if args.trace:
+        if not os.path.isfile(args.trace):
+            raise ValueError(f"--trace {args.trace!r} does not exist; give a Gavel .trace file "
+                             "(e.g. ../shared/data/gavel/traces/) or use --generate")
         jobs = read_gavel_trace(args.trace, table)
         source = args.trace
     else:
