@@ -105,6 +105,16 @@ def test_generator_distributions(table):
     dur_min = np.array([j.total_steps / table.throughput(j.job_type, "v100", 1) for j in jobs]) / 60.0
     assert dur_min.min() >= 10 ** 1.5 * (1 - 1e-9) and dur_min.max() <= 1e4 * (1 + 1e-9)
     assert abs((dur_min < 1e3).mean() - 0.8) < 0.025
+    # log10(duration) is uniform on [1.5, 3) for the short jobs and on [3, 4] for the long ones:
+    # compare each branch's empirical CDF with the uniform one (Kolmogorov-Smirnov, alpha ~ 1e-3).
+    for lo, hi, part in ((1.5, 3.0, dur_min < 1e3), (3.0, 4.0, dur_min >= 1e3)):
+        u = np.sort((np.log10(dur_min[part]) - lo) / (hi - lo))
+        ks = np.max(np.abs(u - np.arange(1, u.size + 1) / u.size))
+        assert ks < 1.95 / np.sqrt(u.size), (lo, hi, ks)
+    # Poisson arrivals: exponential gaps (CDF 1 - exp(-x / mean)), same test.
+    g = np.sort(gaps)
+    ks = np.max(np.abs(1 - np.exp(-g / 1800.0) - np.arange(1, g.size + 1) / g.size))
+    assert ks < 1.95 / np.sqrt(g.size), ks
     # Job types: every type appears; multi-GPU jobs only get types the table has at that scale.
     assert len({j.job_type for j in jobs}) == len(table.job_types)
     assert all(table.has(j.job_type, j.scale_factor) for j in jobs)
