@@ -399,12 +399,14 @@ def test_cli_own_table_format_progress_bar_and_errors(tmp_path, capsys):
     trace = tmp_path / "t.trace"
     trace.write_text("a\tcmd\tdir\t-n\t0\t1000\t1\t1\t-1\t0\nb\tcmd\tdir\t-n\t0\t600\t1\t1\t-1\t100\n")
     argv = ["simulate", "--cluster", "v100=1,k80=1", "--gpus-per-server", "1", "--throughputs", str(table),
-            "--trace", str(trace), "--policy", "fifo", "--restart-cost-s", "0"]
+            "--trace", str(trace), "--policy", "fifo", "--restart-cost-s", "0", "--round-s", "360",
+            "--window", "0:2", "-o", str(tmp_path / "out")]
     assert main(argv) == 0
     out, err = capsys.readouterr()
     # The by-hand case of test_two_jobs_two_types_by_hand with free restarts: JCTs 500 s and 700 s.
     assert "fifo: 2/2 jobs done; JCT avg 0.17 h" in out
     assert "simulated h" in err  # tqdm's bar over simulated time
+    assert json.load(open(tmp_path / "out" / "summary.json"))["window"] == [0, 2]
     assert main(argv + ["--no-progress"]) == 0
     assert "simulated h" not in capsys.readouterr().err
     for bad, message in [
