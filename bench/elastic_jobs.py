@@ -27,14 +27,28 @@ A second section replays the same jobs compressed in time: 1/20 of their steps (
 instead of 0.5-166 hours) and arrivals 20x closer (240 jobs/h, so the same contention), with
 2-minute rounds: there a 45 s restart is no longer negligible next to a job's run time.
 
-    python bench/elastic_jobs.py            # seeds 0-9 (about two minutes)
-    python bench/elastic_jobs.py --quick    # seeds 0-2
+    python bench/elastic_jobs.py            # seeds 0-99 (about four minutes)
+    python bench/elastic_jobs.py --quick    # seeds 0-9
+
+Seeds, and what changed: the first version of this benchmark ran seeds 0-9 only and measured a
+35 % reduction, below the 40 % target. It was then enlarged to seeds 0-99, after that result:
+with 20 jobs per seed and heavy-tailed durations the per-seed reduction ranges from below 0 %
+(the priority queue wins) to about 90 %, so a median over 10 seeds depends strongly on which
+seeds (the report lists the medians of the ten disjoint blocks of 10 seeds). The larger sample is
+a better estimate, not a different experiment: seeds 0-9 are still its first ten and still give
+35 %. The report gives the median over seeds with a bootstrap 95 % interval and calls the target
+met only on the point estimate when that interval reaches below 40 %.
+
+Output: ``bench/results/elastic_jobs.{md,json}`` (per-seed medians and averages per scheduler,
+JCT quantiles pooled over all seeds; not every job's record) and ``elastic_jobs_cdf.png`` (JCT
+CDF pooled over all seeds).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -112,58 +126,100 @@ def workload(table: ThroughputTable, seed: int, duration_scale: float = 1.0):
     return jobs
 
 
+def verdict(median: float, ci_low: float) -> str:
+    if ci_low >= TARGET_REDUCTION:
+        return "met (the whole 95 % interval is above it)"
+    if median >= TARGET_REDUCTION:
+        return f"met on the point estimate only: the 95 % interval reaches down to {ci_low:.0%}"
+    return "NOT met"
+
+
 def run_config(table: ThroughputTable, seeds: list[int], duration_scale: float, round_s: float) -> dict:
     """Every scheduler on the same jobs, per seed."""
     cluster = Cluster(gpus={"v100": 8}, gpus_per_server={"v100": 8})
-    runs, per_seed, cdf = [], [], {}
+    labels = [s[0] for s in SCHEDULERS]
+    keys = ("median_jct_h", "avg_jct_h", "restarts", "resizes", "utilisation", "lost_to_changes_s")
+    per: dict[str, dict[str, list[float]]] = {k: {lab: [] for lab in labels} for k in keys}
+    jcts: dict[str, list[np.ndarray]] = {lab: [] for lab in labels}
     for seed in seeds:
         jobs = workload(table, seed, duration_scale)
-        med = {}
         for label, pol, kw, mode in SCHEDULERS:
             cfg = SimConfig(mechanism=MechanismConfig(round_s=round_s, restart_cost_s=RESTART_COST_S,
                                                       resize_cost_s=RESIZE_COST_S, elastic_resize=mode))
             res = simulate(jobs, cluster, table, make_policy(pol, **kw), cfg)
             s = summarize(res)
-            s.update(label=label, seed=seed)
-            runs.append(s)
-            med[label] = s["median_jct_h"]
-            if seed == seeds[0]:
-                cdf[label] = res.jct_s
+            assert s["unfinished"] == 0
+            for k in keys:
+                per[k][label].append(s[k])
+            jcts[label].append(res.jct_s)
             print(f"x{duration_scale:g} seed {seed} {label:>36}: median JCT {s['median_jct_h']:6.2f} h, avg "
                   f"{s['avg_jct_h']:6.2f} h, restarts {s['restarts']}, resizes {s['resizes']}, "
                   f"util {s['utilisation']:.2f}", flush=True)
-        per_seed.append({"seed": seed, "median_jct_h": med,
-                         "reduction_vs_pq": 1 - med["elastic_fair (in place)"] / med["priority_queue"],
-                         "reduction_ckpt_vs_pq": 1 - med["elastic_fair (ckpt-restart resize)"] / med["priority_queue"],
-                         "inplace_over_ckpt": (med["elastic_fair (in place)"]
-                                               / med["elastic_fair (ckpt-restart resize)"])})
-    red = np.array([p["reduction_vs_pq"] for p in per_seed])
-    red_ck = np.array([p["reduction_ckpt_vs_pq"] for p in per_seed])
-    labels = [s[0] for s in SCHEDULERS]
+    med = {lab: np.array(per["median_jct_h"][lab]) for lab in labels}
+    red = 1 - med["elastic_fair (in place)"] / med["priority_queue"]
+    red_ck = 1 - med["elastic_fair (ckpt-restart resize)"] / med["priority_queue"]
+    rng = np.random.default_rng(0)
+    boot = np.median(rng.choice(red, size=(10_000, len(red)), replace=True), axis=1)
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    first10 = float(np.median(red[:10]))
+    blocks = [float(np.median(red[i:i + 10])) for i in range(0, len(red) - 9, 10)]
     header = ["seed"] + [f"{lab} median JCT (h)" for lab in labels] + ["reduction vs PQ (in place)",
                                                                         "reduction vs PQ (ckpt-restart)"]
-    rows = [[p["seed"]] + [f"{p['median_jct_h'][lab]:.2f}" for lab in labels]
-            + [f"{p['reduction_vs_pq']:.0%}", f"{p['reduction_ckpt_vs_pq']:.0%}"] for p in per_seed]
-    agg = {lab: {k: float(np.mean([r[k] for r in runs if r["label"] == lab]))
-                 for k in ("restarts", "resizes", "utilisation", "avg_jct_h", "lost_to_changes_s")} for lab in labels}
+    rows = [[seed] + [f"{med[lab][i]:.2f}" for lab in labels] + [f"{red[i]:.0%}", f"{red_ck[i]:.0%}"]
+            for i, seed in enumerate(seeds[:10])]
+    agg = {lab: {k: float(np.mean(per[k][lab])) for k in keys if k != "median_jct_h"} for lab in labels}
     rows2 = [[lab, f"{agg[lab]['avg_jct_h']:.2f}", f"{agg[lab]['restarts']:.1f}", f"{agg[lab]['resizes']:.1f}",
               f"{agg[lab]['lost_to_changes_s'] / 3600:.2f}", f"{agg[lab]['utilisation']:.2f}"] for lab in labels]
+    levels = np.linspace(0.0, 1.0, 101)
+    pooled = {lab: np.concatenate(jcts[lab]) for lab in labels}
+    blocks_md = (f" Medians of the {len(blocks)} disjoint blocks of 10 seeds: "
+                 f"{', '.join(f'{b:.0%}' for b in blocks)} ({sum(b < TARGET_REDUCTION for b in blocks)} below "
+                 f"{TARGET_REDUCTION:.0%}); seeds {seeds[0]}-{seeds[min(9, len(seeds) - 1)]} alone (the first version "
+                 f"of this benchmark): {first10:.0%}." if len(blocks) > 1 else "")
     md = "\n".join([
         C.md_table(header, rows),
         "",
-        f"Median over seeds of the median-JCT reduction vs the priority queue: **{np.median(red):.0%}** with "
-        f"in-place resizing (min {red.min():.0%}, max {red.max():.0%}), {np.median(red_ck):.0%} with "
-        f"checkpoint-restart resizing. Target >= {TARGET_REDUCTION:.0%}: "
-        f"{'met' if np.median(red) >= TARGET_REDUCTION else 'NOT met'}.",
+        f"(first {min(10, len(seeds))} of {len(seeds)} seeds shown; every seed's medians are in the JSON)",
+        "",
+        f"Median over {len(red)} seeds of the per-seed median-JCT reduction vs the priority queue: "
+        f"**{np.median(red):.0%}** with in-place resizing (bootstrap 95 % interval {lo:.0%}-{hi:.0%}; per seed: "
+        f"min {red.min():.0%}, quartiles {np.percentile(red, 25):.0%}/{np.percentile(red, 75):.0%}, max "
+        f"{red.max():.0%}; the priority queue wins on {int((red < 0).sum())} of {len(red)} seeds, "
+        f"{int((red >= TARGET_REDUCTION).sum())} seeds reach {TARGET_REDUCTION:.0%}), {np.median(red_ck):.0%} with "
+        f"checkpoint-restart resizing.{blocks_md}",
+        "",
+        f"Target >= {TARGET_REDUCTION:.0%}: {verdict(float(np.median(red)), float(lo))}.",
         "",
         "Means over seeds (per run, all 20 jobs):",
         "",
         C.md_table(["scheduler", "avg JCT (h)", "restarts", "in-place resizes", "GPU-h lost to changes",
                     "utilisation"], rows2),
     ])
-    return {"duration_scale": duration_scale, "round_s": round_s, "per_seed": per_seed,
-            "median_reduction": float(np.median(red)), "median_reduction_ckpt": float(np.median(red_ck)),
-            "means": agg, "runs": runs, "cdf": cdf, "markdown": md}
+    r6 = lambda v: [float(f"{x:.6g}") for x in v]  # noqa: E731
+    return {"duration_scale": duration_scale, "round_s": round_s,
+            "median_reduction": float(np.median(red)), "median_reduction_ci95": [float(lo), float(hi)],
+            "median_reduction_ckpt": float(np.median(red_ck)), "verdict": verdict(float(np.median(red)), float(lo)),
+            "first_10_seeds_median_reduction": first10, "ten_seed_block_medians": blocks,
+            "means": agg,
+            "per_seed": {"seed": list(seeds), "reduction_vs_pq": r6(red), "reduction_ckpt_vs_pq": r6(red_ck),
+                         **{k: {lab: r6(per[k][lab]) for lab in labels} for k in keys}},
+            "jct_quantiles_h_pooled_over_seeds": {"levels": r6(levels),
+                                **{lab: r6(np.quantile(pooled[lab], levels) / 3600.0) for lab in labels}},
+            "pooled_jct_s": pooled, "markdown": md}
+
+
+def dump_compact(obj, indent: int = 0) -> str:
+    """JSON with nested objects indented and every list of numbers (and every object of
+    numbers) on one line: the per-seed arrays stay readable without one line per number."""
+    pad = "  " * (indent + 1)
+    if isinstance(obj, dict):
+        if all(not isinstance(v, (dict, list)) for v in obj.values()):
+            return json.dumps(obj)
+        items = [f"{pad}{json.dumps(k)}: {dump_compact(v, indent + 1)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + "  " * indent + "}"
+    if isinstance(obj, list) and any(isinstance(v, (dict, list)) for v in obj):
+        return "[\n" + ",\n".join(pad + dump_compact(v, indent + 1) for v in obj) + "\n" + "  " * indent + "]"
+    return json.dumps(obj)
 
 
 def main() -> None:
@@ -171,7 +227,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")])
     args = ap.parse_args()
-    seeds = args.seeds or ([0, 1, 2] if args.quick else list(range(10)))
+    seeds = args.seeds or (list(range(10)) if args.quick else list(range(100)))
     table = ThroughputTable.from_gavel_json(gavel_data_dir() / "simulation_throughputs.json")
     print(C.banner("VirtualFlow scheduling experiment: 20 elastic jobs on 8 V100s"))
     t0 = time.perf_counter()
@@ -200,14 +256,22 @@ def main() -> None:
         "",
         C.env_markdown(),
     ])
-    strip = lambda d: {k: v for k, v in d.items() if k not in ("cdf", "markdown")}  # noqa: E731
-    payload = {"config": {"seeds": seeds, "jobs": 20, "rate_per_hour": 12.0, "priorities": [1, 5, 10],
+    strip = lambda d: {k: v for k, v in d.items() if k not in ("pooled_jct_s", "markdown")}  # noqa: E731
+    payload = {"config": {"seeds": f"{seeds[0]}-{seeds[-1]}" if seeds == list(range(seeds[0], seeds[-1] + 1))
+                          else seeds, "jobs": 20, "rate_per_hour": 12.0, "priorities": [1, 5, 10],
                           "demands": [1, 2, 4, 8], "cluster": "v100=8 (1 server)", "restart_cost_s": RESTART_COST_S,
-                          "resize_cost_s": RESIZE_COST_S, "quick": args.quick},
+                          "resize_cost_s": RESIZE_COST_S, "quick": args.quick,
+                          "schedulers": [s[0] for s in SCHEDULERS]},
                "main": strip(main_cfg), "short_jobs": strip(short), "wall_s": wall, "environment": C.environment()}
-    jp, mp = C.write_results(NAME, payload, md)
+    os.makedirs(C.RESULTS_DIR, exist_ok=True)
+    jp, mp = (os.path.join(C.RESULTS_DIR, f"{NAME}.{ext}") for ext in ("json", "md"))
+    with open(jp, "w") as f:
+        f.write(dump_compact(payload) + "\n")
+    with open(mp, "w") as f:
+        f.write(md.rstrip() + "\n")
     try:
-        plot_jct_cdf(main_cfg["cdf"], os.path.join(C.RESULTS_DIR, f"{NAME}_cdf.png"), title=f"JCT CDF, seed {seeds[0]}")
+        plot_jct_cdf(main_cfg["pooled_jct_s"], os.path.join(C.RESULTS_DIR, f"{NAME}_cdf.png"),
+                     title=f"JCT CDF, {len(seeds)} seeds x 20 jobs pooled")
     except ImportError:
         pass
     print(md)
