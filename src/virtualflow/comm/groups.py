@@ -13,6 +13,13 @@ the whole timeout (measured: 120 s). So waits are sliced (``WAIT_SLICE_S``) and 
 the group asks ``abort_check`` (the coordinator's ``gen/<g>/abort`` flag) whether the
 generation is broken; a silent (stopped) peer is noticed by the coordinator's heartbeats and
 killed (fencing). The group's timeout stays the last bound.
+
+Point-to-point waits are *not* sliced: gloo closes the pair when a ``recv`` wait times out
+("Application timeout caused pair closure", measured with torch 2.13), so a sliced receive of a
+message that takes longer than one slice (a state transfer of a few hundred MB) would break the
+group. They wait for the group's timeout instead; a peer that gives up releases them by closing
+its group (:meth:`Group.close` drops the process group, whose destructor closes the sockets), and
+a hung peer is fenced by the coordinator, which closes its sockets too.
 """
 
 from __future__ import annotations
@@ -84,14 +91,14 @@ class Group:
             work = self.pg.send([tensor], dst, tag)
         except RuntimeError as exc:
             raise PeerFailure(self.generation, str(exc)) from exc
-        _Work(work, self.generation, self.abort_check).wait()
+        _Work(work, self.generation).wait()  # unsliced: see the module docstring
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
         try:
             work = self.pg.recv([tensor], src, tag)
         except RuntimeError as exc:
             raise PeerFailure(self.generation, str(exc)) from exc
-        _Work(work, self.generation, self.abort_check).wait()
+        _Work(work, self.generation).wait()  # unsliced: see the module docstring
 
     def close(self) -> None:
         """Release the group's sockets and threads (best effort; a broken group may refuse)."""
@@ -117,14 +124,15 @@ class _Work:
                 return self.work.wait()
             except RuntimeError as exc:
                 raise PeerFailure(self.generation, _first_line(str(exc))) from exc
-        # A gloo work can be waited on again after a wait times out (measured), so a long wait
-        # is a loop of short ones with a look at the abort flag in between.
+        # A gloo *collective* can be waited on again after a wait times out (measured), so a long
+        # wait is a loop of short ones with a look at the abort flag in between. An expired slice
+        # reads "Operation timed out!"; the group's own timeout reads "Timed out waiting <T>ms".
         while True:
             try:
                 return self.work.wait(_SLICE)
             except RuntimeError as exc:
                 text = str(exc)
-                if "timed out" not in text.lower() or "Timed out waiting" in text:
+                if not _is_slice_expiry(text):
                     raise PeerFailure(self.generation, _first_line(text)) from exc
             if self.abort_check():
                 raise PeerFailure(self.generation, "the coordinator declared the generation broken "
@@ -132,6 +140,10 @@ class _Work:
 
 
 _SLICE = datetime.timedelta(seconds=WAIT_SLICE_S)
+
+
+def _is_slice_expiry(text: str) -> bool:
+    return "timed out" in text.lower() and "Timed out waiting" not in text
 
 
 def _first_line(text: str) -> str:
