@@ -211,3 +211,19 @@ def paced_mse(model, batch):
 def paced_regression_job() -> vf.Job:
     """No BatchNorm, no dropout: the update is the exact mean gradient whatever the VN sizes."""
     return regression_job("sgd", virtual_nodes=8, global_batch_size=64).replace(loss=paced_mse)
+
+
+WIDE = 2048
+
+
+def wide_mlp() -> nn.Module:
+    """About 4.2 M parameters: with Adam a 50 MB state (16 MB tensors travel on their own)."""
+    return nn.Sequential(nn.Linear(FEATURES, WIDE), nn.ReLU(), nn.Linear(WIDE, WIDE), nn.ReLU(),
+                         nn.Linear(WIDE, 1))
+
+
+def big_state_job() -> vf.Job:
+    return vf.Job(
+        name="big-state", model=wide_mlp, optimizer=adam, loss=mse, dataset=regression_data,
+        global_batch_size=12, virtual_nodes=3, seed=5,
+    )

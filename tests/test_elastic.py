@@ -247,3 +247,20 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except OSError:
         return False
+
+
+def test_grow_with_a_large_state_receives_in_place_and_trains_identically(run_dir):
+    # A 50 MB state: tensors of >= 1 MiB travel as their own messages into the newcomer's own
+    # (pre-allocated) tensors; small ones are packed. (test_groups.py covers receives that
+    # outlast a wait slice, whatever the machine's speed.)
+    handle = vf.launch(jobs.big_state_job, workers=2, steps=FOREVER, deterministic=True, run_dir=run_dir)
+    wait_for_step(handle, 2)
+    handle.resize(3, wait=True, timeout_s=120)
+    wait_for_step(handle, handle.status()["step"] + 2)
+    result = handle.stop()
+    assert result.failures == [] and result.generations == 2
+    grow = {e["generation"]: e for e in events(run_dir, "formed")}[1]
+    assert grow["change"] == "grow" and grow["transfer_bytes"] > 40e6
+    assert {h["workers"] for h in result.history} == {2, 3}
+    ref = vf.train(jobs.big_state_job(), workers=2, steps=result.steps, deterministic=True)
+    assert_same_training(result, ref)

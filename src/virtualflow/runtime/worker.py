@@ -243,6 +243,24 @@ def _load_full_state(engine: VNEngine, state: dict[str, Any]) -> None:
         engine.scheduler.load_state_dict(state["lr_scheduler"])
 
 
+def _materialize_optimizer_state(engine: VNEngine) -> None:
+    """Give a newcomer's optimizer its state tensors now, during set-up, by one step with zero
+    gradients. The values do not matter (the state transfer overwrites model, optimizer and
+    scheduler state); what matters is that the memory is allocated and touched before the
+    worker joins, so the transfer receives into it instead of faulting in hundreds of MB while
+    the survivors wait. Best effort: an optimizer that cannot step this way (e.g. one that needs
+    a closure) just gets its state from the transfer as usual."""
+    params = [p for g in engine.optimizer.param_groups for p in g["params"] if p.requires_grad]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        engine.optimizer.step()
+    except Exception:  # noqa: BLE001 - an optimization only
+        pass
+    finally:
+        engine.optimizer.zero_grad(set_to_none=True)
+
+
 def checkpoint_path(state_dir: str, step: int) -> str:
     return os.path.join(state_dir, "checkpoints", f"step-{step:08d}.pt")
 
@@ -302,6 +320,8 @@ class _Worker:
             # Generation 0 starts from the job's initial weights: everyone built the same model
             # from the same seed, and rank 0's copy is broadcast anyway (see _form).
             self.progress = Progress(step=0, control=0)
+        else:
+            _materialize_optimizer_state(self.engine)
         self.heartbeat = Heartbeat(cfg, self.id)
         if cfg.control_plane:
             self.heartbeat.start()
@@ -365,6 +385,18 @@ class _Worker:
         for old in self.retired:  # every member has left the old groups: release them
             old.close()
         self.retired = []
+        try:
+            return self._agree_and_transfer(record, group, rank, t0, t_group)
+        except BaseException:
+            # Close at once: a peer blocked in an (unsliced) point-to-point receive from this
+            # worker is released by the closed sockets instead of waiting for the timeout.
+            group.close()
+            raise
+
+    def _agree_and_transfer(
+        self, record: protocol.GenerationRecord, group: Group, rank: int, t0: float, t_group: float
+    ) -> Group:
+        gen = record.generation
         everyone = agree_progress(group, self.progress, self.device)
         target = max(p.step for p in everyone)
         if target < 0:
@@ -380,7 +412,12 @@ class _Worker:
             mine = _full_state(self.engine, self.progress) if rank == src else None
             point = (lambda: self.faults.point(target, "state_transfer")) if self.faults else None
             behind_ranks = [r for r, p in enumerate(everyone) if p.step < target]
-            state, moved = broadcast_state(group, src, mine, self.device, on_started=point, receivers=behind_ranks)
+            # A newcomer's own tensors hold nothing of value: receive into them. A survivor one
+            # step behind keeps its state intact until the transfer is through (if the source
+            # dies mid-way, that state may be the best one left).
+            into = _full_state(self.engine, self.progress) if self.progress.step < 0 else None
+            state, moved = broadcast_state(group, src, mine, self.device, on_started=point,
+                                           receivers=behind_ranks, into=into)
             if rank in behind_ranks:
                 _load_full_state(self.engine, state)
             t_transfer = time.perf_counter() - t1
