@@ -10,7 +10,9 @@ it: reach the known optimum, stay in bounds, make a bounded number of resizes, i
 from __future__ import annotations
 
 import math
+import os
 import random
+import sys
 
 import pytest
 
@@ -35,13 +37,16 @@ from virtualflow.control.autoscale import (
     scaling_efficiency,
 )
 
-B = 96
-# Step time (ms) per worker count of the emulated workload (examples/emulated_scaling.py with
-# pace 10 ms, comm 0.5 ms): 24 VNs, a quadratic communication cost. Scaling efficiency of each
-# addition: 1->2 0.99, 2->3 0.94, 3->4 0.81, 4->5 0.51, 5->6 0.45, 6->7 -0.22: the efficiency
-# rule's answer is 6.
-STEP_MS = {1: 240.0, 2: 120.5, 3: 82.0, 4: 64.5, 5: 57.22, 6: 52.5, 7: 54.5, 8: 54.5,
-           9: 80.5, 10: 80.5, 11: 80.5, 12: 80.5}
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+sys.path.insert(0, EXAMPLES)
+import emulated_scaling as emu  # noqa: E402
+
+B = emu.B
+# The emulated workload's analytic step times (examples/emulated_scaling.py, defaults: V=24,
+# pace 20 ms, cubic communication): 480, 240.1, 160.8, 122.7, 105.5, 92.5, 94.3, 94.3 ms for 1-8
+# workers, 173.1 ms for 9-12. Scaling efficiency of each addition: 1->2 1.00, 2->3 0.99,
+# 3->4 0.93, 4->5 0.65, 5->6 0.70, 6->7 -0.11: the efficiency rule's answer is 6.
+STEP_MS = {k: emu.step_time_s(k) * 1000 for k in range(1, 13)}
 
 
 def emulated_step_s(k: int) -> float:
@@ -115,7 +120,7 @@ def test_efficiency_reaches_known_optimum_from_one_worker():
     assert plant.final() == 6
     # Up one at a time to 7, where the addition fails, then back to 6: 7 resizes, each size once.
     assert [(a, b) for _, a, b, _ in plant.resizes] == [(1, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 7), (7, 6)]
-    assert plant.resizes[3][3].startswith("4 -> 5: scaling efficiency 0.81 > 0.10")
+    assert plant.resizes[3][3].startswith("4 -> 5: scaling efficiency 0.93 > 0.10 (3 -> 4)")
     assert "settling at 6" in plant.resizes[-1][3]
     # Settled early in a long job, then never moved again.
     assert plant.last_resize_step() < 100
@@ -174,7 +179,7 @@ def test_efficiency_starting_at_max_explores_downward():
 
 def test_efficiency_step_size():
     plant = Plant(emulated_step_s, start=1, total_steps=500).run(EfficiencyPolicy(step_size=2), Limits(1, 12))
-    # 1, 3, 5, 7 (5->7: s = 2.5 x (57.22/54.5 - 1) = 0.125 > 0.1), 9 (7->9 fails) -> settle 7;
+    # 1, 3, 5, 7 (5->7: s = 2.5 x (105.5/94.3 - 1) = 0.30 > 0.1), 9 (7->9 fails) -> settle 7;
     # never an even count.
     assert [b for *_, b, _ in plant.resizes] == [3, 5, 7, 9, 7]
     assert plant.final() == 7
@@ -364,3 +369,39 @@ def test_registry_builds_every_policy_from_a_spec():
     assert make_policy(own) is own
     with pytest.raises(ValueError, match="must be a policy name"):
         make_policy(42)
+
+
+# --------------------------------------------------------------------------------------------
+# the emulated workload (examples/emulated_scaling.py): its analytic model and its sleeps
+
+
+def test_emulated_workload_saturates_at_6_workers():
+    assert emu.efficiency_optimum(12) == 6
+    assert emu.efficiency_optimum(12, start=3) == 6
+    assert max(range(1, 13), key=emu.throughput) == 6
+    # Worker-seconds per step grow with the worker count: more workers are never cheaper here.
+    ws = [k * emu.step_time_s(k) for k in range(1, 13)]
+    assert ws == sorted(ws)
+
+
+def test_emulated_loss_finds_its_step_and_sleeps_the_communication(monkeypatch):
+    import torch
+    import virtualflow as vf
+
+    sleeps: list[float] = []
+    monkeypatch.setattr(emu.time, "sleep", sleeps.append)
+    loss = emu.EmulatedLoss(pace_s=0.0, comm_s=0.001, seed=0)
+    model = emu.model()
+    batch = (torch.randn(4, emu.FEATURES), torch.zeros(4, dtype=torch.long))
+    plain = torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+    # A worker holding VNs 4-7 of 24 (k = 6) for steps 100-102.
+    for step in (100, 101, 102):
+        for vn in (4, 5, 6, 7):
+            torch.default_generator.manual_seed(vf.vn_seed(0, step, vn))
+            assert torch.equal(loss(model, batch), plain)  # the math is untouched
+    # No communication before the first step it ran; then (24/4 - 1)^3 x comm_s per step.
+    assert sleeps == [pytest.approx(0.001 * 5 ** 3)] * 2
+    # Pickling sends the parameters only (each process counts its own steps).
+    import pickle
+    clone = pickle.loads(pickle.dumps(loss))
+    assert (clone.pace_s, clone.comm_s, clone._step) == (0.0, 0.001, None)
