@@ -52,14 +52,131 @@ def test_memory_limit_and_infeasible_inputs_name_the_limit():
         solve(4, [1.0, 0])
 
 
-# -- end to end: emulated unequal workers ----------------------------------------------------
-import json
-import os
-import time
+# -- a member with no VN: the engine, over a real gloo group (one thread per worker) -----------
+import datetime
+import threading
+
+import torch
+import torch.distributed as dist
+from torch import nn
 
 import virtualflow as vf
 from conftest import assert_state_equal
 import jobs
+from virtualflow.comm.groups import Group, make_group
+from virtualflow.plan.data import DataPlan
+from virtualflow.runtime.engine import BatchLoader, VNEngine
+
+
+def _bn_net() -> nn.Module:
+    # BatchNorm (running statistics and batch counters) but no dropout: the threads share the
+    # process's random generator, which only matters for layers that draw from it. (SGD, not
+    # Adam: Adam turns the rounding noise in the near-zero gradient of the bias before a
+    # BatchNorm into full-size steps, so default mode could not be compared with a tolerance.)
+    return nn.Sequential(nn.Linear(jobs.FEATURES, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 3))
+
+
+def _bn_job(batchnorm: str) -> vf.Job:
+    # Paced (4 ms of sleep per VN): a probe (one VN) then surely fits in the idle member's wait
+    # for the others' 3+ VNs, whatever the load on the cores, so probes follow PROBE_EVERY.
+    return vf.Job(name="bn", model=_bn_net, optimizer=jobs.sgd, loss=jobs.paced_cross_entropy,
+                  dataset=jobs.classification_data, global_batch_size=48, virtual_nodes=8,
+                  batchnorm=batchnorm, lr_scheduler=jobs.step_lr, seed=4)
+
+
+def _engine(job: vf.Job, deterministic: bool) -> VNEngine:
+    torch.manual_seed(job.seed)
+    model = job.model()
+    opt = job.optimizer(model.parameters())
+    ds = job.build_dataset()
+    plan = DataPlan(len(ds), job.global_batch_size, job.virtual_nodes, job.seed)
+    return VNEngine(model, opt, job.lr_scheduler(opt), job.loss, plan, BatchLoader(ds, None), seed=job.seed,
+                    batchnorm=job.batchnorm, deterministic=deterministic, device=torch.device("cpu"))
+
+
+def _train_in_threads(job: vf.Job, assignment: list[list[int]], steps: int, deterministic: bool):
+    """Each worker's final state and per-step compute_s, one engine per thread."""
+    n = len(assignment)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    out: list = [None] * n
+    errors: list = []
+    # Built here, one after another: the initial weights come from the process's generator,
+    # which the threads share (the real workers build theirs in separate processes).
+    engines = [_engine(job, deterministic) for _ in range(n)]
+
+    def body(rank: int) -> None:
+        try:
+            eng = engines[rank]
+            # A store client per thread: one client's blocking waits would stall the other's.
+            client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=60))
+            group = make_group(client, 0, rank, n, 60.0, torch.device("cpu")) if n > 1 else Group(0, 0, 1, None)
+            eng.set_membership(group, assignment)
+            compute = [eng.step(s).compute_s for s in range(steps)]
+            out[rank] = ({k: v.detach().clone() for k, v in eng.model.state_dict().items()}, compute)
+            group.close()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert all(o is not None for o in out), "a worker thread did not finish in 120 s"
+    return out
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("batchnorm", ["mean", "first"])
+@pytest.mark.parametrize("assignment", [[[0, 1, 2, 3, 4], [], [5, 6, 7]], [[], list(range(8))]],
+                         ids=["middle-idle", "rank0-idle"])
+def test_a_member_with_no_vn_trains_the_same_weights(deterministic, batchnorm, assignment):
+    job = _bn_job(batchnorm)
+    steps = 10
+    ref = _train_in_threads(job, [list(range(8))], steps, deterministic)[0][0]
+    runs = _train_in_threads(job, assignment, steps, deterministic)
+    idle = next(r for r, a in enumerate(assignment) if not a)
+    for state, _ in runs:
+        # Every member, the idle one included (BatchNorm statistics and batch counters too),
+        # holds the same state: bit-identical to each other in both modes (same reduced values).
+        assert_state_equal(state, runs[0][0])
+    if deterministic:
+        assert_state_equal(runs[idle][0], ref)  # the fixed tree: bit-identical to one worker
+    else:
+        from conftest import assert_state_close
+
+        assert_state_close(runs[idle][0], ref, rtol=1e-5, atol=1e-6)
+    # The idle member's speed stays measured: its probes show up in its compute_s slot (a step
+    # reports the previous step's times), at least every PROBE_EVERY steps after the first.
+    probes = [s for s, c in enumerate(runs[idle][1]) if c[idle] > 0]
+    assert probes and probes[0] == 1
+    assert all(b - a <= 4 for a, b in zip(probes, probes[1:])) and probes[-1] >= steps - 4
+    assert all(c[idle] == 0 for s, c in enumerate(runs[idle][1]) if s not in probes)
+
+
+def test_probes_of_a_much_slower_idle_member_are_spaced_by_their_cost():
+    """A probe that outlasts the wait is spaced so its delay costs <= PROBE_BUDGET of the step."""
+    from virtualflow.runtime import engine as E
+
+    eng = _engine(_bn_job("mean"), False)
+    eng.set_membership(Group(0, 0, 1, None), [list(range(8))])
+    eng._loss_dtype = torch.float32
+    eng._probe_s, eng._idle_s = 0.010, 0.100  # fits in the wait: every PROBE_EVERY steps
+    due = [eng._probe_due() for _ in range(E.PROBE_EVERY)]
+    assert due == [False] * (E.PROBE_EVERY - 1) + [True]
+    eng._since_probe, eng._probe_s = 0, 1.100  # 1 s longer than the wait: 1 / (0.02 x 0.1) = 500 steps
+    due = [eng._probe_due() for _ in range(500)]
+    assert due.index(True) == 499
+    eng._since_probe, eng._idle_s = 0, 0.0  # wait not measured yet (first step): no probe
+    assert not eng._probe_due()
+
+
+# -- end to end: emulated unequal workers ----------------------------------------------------
+import json
+import os
+import time
 
 
 def _events(run_dir, kind):

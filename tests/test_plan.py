@@ -63,6 +63,7 @@ def test_describe_assignment():
         "worker 0 runs VNs 0-2, worker 1 runs VNs 3-5, worker 2 runs VNs 6-7"
     )
     assert describe_assignment([[0], [1, 3]]) == "worker 0 runs VN 0, worker 1 runs VNs 1,3"
+    assert describe_assignment([[0, 1], []]) == "worker 0 runs VNs 0-1, worker 1 runs no VN"
 
 
 @pytest.mark.parametrize("V", range(1, 20))
@@ -92,3 +93,11 @@ def test_tree_plan_slots():
     assert TreePlan.build([[0, 1, 2, 3]]).slots == [(0, 4)]
     with pytest.raises(ValueError, match="contiguous"):
         TreePlan.build([[0, 2], [1, 3]])
+
+
+def test_tree_plan_with_a_worker_without_vns():
+    # A worker with no VN holds no node; the others' nodes still partition the whole tree.
+    plan = TreePlan.build([[0, 1, 2], [], [3, 4, 5, 6, 7]])
+    assert plan.per_worker == (((0, 2), (2, 3)), (), ((3, 4), (4, 8)))
+    assert plan.virtual_nodes == 8
+    assert TreePlan.build([[], [0, 1, 2, 3]]).slots == [(0, 4)]

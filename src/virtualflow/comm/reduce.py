@@ -152,12 +152,19 @@ def tree_reduce_local(nodes: Sequence[Node], leaf: Callable[[int], torch.Tensor]
     return {node: compute(node) for node in nodes}
 
 
-def tree_exchange(plan: TreePlan, group: Group, local: dict[Node, torch.Tensor]) -> torch.Tensor:
-    """Every worker gets the root sum of the fixed tree, bit-identical for any VN map."""
+def tree_exchange(plan: TreePlan, group: Group, local: dict[Node, torch.Tensor],
+                  like: torch.Tensor | None = None) -> torch.Tensor:
+    """Every worker gets the root sum of the fixed tree, bit-identical for any VN map.
+
+    ``like`` (a vector of one node's size and dtype) is needed only by a worker with no VN in
+    this generation: it holds no node, writes nothing, and still takes part in the all-reduce.
+    """
     if group.size == 1:
         return local[(0, plan.virtual_nodes)]
     slots = plan.slots
-    some = next(iter(local.values()))
+    some = next(iter(local.values())) if local else like
+    if some is None:
+        raise ValueError("tree_exchange: a worker without virtual nodes must pass like= (one node's shape)")
     buf = some.new_zeros((len(slots), some.numel()))
     for i, node in enumerate(slots):
         if node in local:

@@ -8,7 +8,9 @@ The *reduction tree* fixes the order in which per-VN gradients are summed in det
 ``node(lo, hi) = node(lo, mid) + node(mid, hi)`` with ``mid = (lo + hi) // 2``, leaves being single
 VNs. It depends on V only, so every mapping of VNs onto workers sums in the same order and the
 result is bit-identical. A worker computes the largest subtrees that lie inside its own VN block;
-the few nodes that cross workers are combined after an exchange.
+the few nodes that cross workers are combined after an exchange. A worker may have no VN at all
+(the heterogeneous solver gives none to a worker too slow to help): it contributes no node and
+still takes part in the exchange, so the sum is the same.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ def describe_assignment(assignment: Sequence[Sequence[int]]) -> str:
     """``worker 0 runs VNs 0-3, worker 1 runs VNs 4-7`` (ranges collapsed)."""
     parts = []
     for w, vns in enumerate(assignment):
+        if not vns:
+            parts.append(f"worker {w} runs no VN")
+            continue
         parts.append(f"worker {w} runs VN{'s' if len(vns) != 1 else ''} {_ranges(vns)}")
     return ", ".join(parts)
 
@@ -105,6 +110,9 @@ class TreePlan:
         v = sum(len(a) for a in assignment)
         per_worker = []
         for vns in assignment:
+            if not vns:  # a worker with no VN contributes no node (it still takes part in the exchange)
+                per_worker.append(())
+                continue
             if list(vns) != list(range(vns[0], vns[0] + len(vns))):
                 raise ValueError(f"deterministic reduction needs contiguous VN blocks, got {vns}")
             per_worker.append(tuple(covering_nodes(v, vns[0], vns[0] + len(vns))))

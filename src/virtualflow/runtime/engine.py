@@ -9,10 +9,24 @@ Gradients are then summed across workers, BatchNorm statistics are combined once
 
 A step whose loss is not finite in any VN is never applied: all workers learn of it from the
 same reduction and stop before the optimizer step.
+
+A worker may have **no VN** in a generation (the heterogeneous solver gives none to a worker too
+slow to help). It still takes part in every reduction with a zero contribution (default mode: its
+gradient buckets are zeros; deterministic mode: it holds no node of the tree), advances its
+BatchNorm batch counters as a forward would, and applies the same update, so its state stays
+identical to everyone else's. Its speed stays measured by a *probe*: now and then, before
+joining the reduction, it times one VN's forward and backward (``torch.autograd.grad``: nothing
+is accumulated, BatchNorm statistics are restored, random streams are seeded per (step, VN) as
+always) and reports that time as its compute time. The probe runs while the worker would
+otherwise wait for the others, so it costs no step time when it is shorter than that wait; when
+it is expected to be longer (a worker far slower than the rest), probes are spaced so that the
+delay they add is at most ``PROBE_BUDGET`` of the step time, amortised.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -24,6 +38,16 @@ from virtualflow.comm.groups import Group
 from virtualflow.comm.reduce import BucketReducer, tree_exchange, tree_reduce_local
 from virtualflow.plan.data import DataPlan, vn_seed
 from virtualflow.plan.vnmap import TreePlan
+
+
+PROBE_EVERY = 4
+"""Steps between probes of a worker with no VN while a probe fits in the time it waits anyway."""
+PROBE_BUDGET = 0.02
+"""A probe expected to outlast that wait is spaced so that its delay, amortised over the steps
+between probes, is at most this share of the step time."""
+PROBE_CHANGE = 0.2
+"""A probe that differs from the previous estimate by more than this (relative) is followed by
+probes on the next ``PROBE_EVERY`` steps (when free), so a speed change is seen quickly."""
 
 
 class NonFiniteLossError(RuntimeError):
@@ -40,9 +64,12 @@ class StepOutcome:
     bad_vns: list[int]
     control: int
     compute_s: list[float] | None = None
-    """Each rank's local compute time (its VNs' forward and backward, up to the reduction) of
-    the *previous* step, in rank order: the profiler's input, free since it rides in the step's
-    reduction."""
+    """Each rank's local compute time (loading its VNs' data, their forward and backward, up to
+    the reduction) of the *previous* step, in rank order; 0 on the first step of a generation.
+    A rank with no VN reports the time of its probe VN, or 0 in a step without a probe. The
+    profiler's input, free since it rides in the step's reduction (the current step's time is
+    not known when that reduction starts: the profiler pairs it with the previous step's
+    duration)."""
 
 
 def check_loss(loss: Any, where: str) -> None:
@@ -136,6 +163,13 @@ class BatchNormState:
             for b, s in zip(self.int_bufs, self._start_int):
                 b.copy_(s)
 
+    def advance_counters(self) -> None:
+        """``num_batches_tracked += 1``, as one training forward does (a worker that ran no VN in
+        a step keeps its counters equal to the others')."""
+        with torch.no_grad():
+            for b in self.int_bufs:
+                b.add_(1)
+
     def flat(self) -> torch.Tensor:
         if not self.float_bufs:
             return torch.zeros(0)
@@ -190,6 +224,13 @@ class VNEngine:
         ``(slowdown - 1)`` times its measured duration."""
         self._last_compute_s = 0.0
         self._vn_s = 0.0  # smoothed compute time of one VN, without emulated sleep
+        # A worker with no VN: its probes (see the module docstring).
+        self._probe_s = 0.0  # the last probe's time (emulated slowness included)
+        self._idle_s = 0.0  # smoothed time it waits for the others in a step without a probe
+        self._since_probe = 0
+        self._probe_burst = 0
+        self._steps_in_generation = 0
+        self._loss_dtype: torch.dtype | None = None
         self.phase = "idle"
         """Where the current step is (reported when a peer fails): before_forward, backward,
         reduction, apply, idle."""
@@ -232,8 +273,12 @@ class VNEngine:
             self.reducer = None
         self.group = group
         self.vns = list(assignment[group.rank])
-        self._vn_ids = torch.tensor(self.vns, device=self.device)
+        self._vn_ids = torch.tensor(self.vns, dtype=torch.long, device=self.device)
         self._last_compute_s = 0.0
+        self._idle_s = 0.0
+        self._since_probe = 0
+        self._probe_burst = 0
+        self._steps_in_generation = 0
         if self.deterministic:
             self.tree = TreePlan.build(assignment)
         elif group.size > 1:
@@ -251,7 +296,70 @@ class VNEngine:
         seed_random_streams(vn_seed(self.seed, step, vn), self.device)
         loss = self.loss_fn(self.model, batch)
         check_loss(loss, f"at step {step} in virtual node {vn}")
+        self._loss_dtype = loss.dtype
         return loss * (n / self.plan.global_batch_size)
+
+    # -- a worker with no VN -------------------------------------------------------------------
+    def _probe_due(self) -> bool:
+        """Whether this step (of a worker with no VN) runs a probe; see the module docstring."""
+        self._since_probe += 1
+        if self._loss_dtype is None:
+            return True  # never ran a forward: measure (deterministic mode also needs the dtype)
+        est = self._probe_s if self._probe_s > 0 else self._vn_s * self.slowdown
+        if est <= 0:
+            return True
+        if self._idle_s <= 0:
+            return False  # learn first how long this worker waits for the others
+        if self._probe_burst > 0 and est <= self._idle_s:
+            return True
+        excess = max(0.0, est - self._idle_s)
+        return self._since_probe >= max(PROBE_EVERY, math.ceil(excess / (PROBE_BUDGET * self._idle_s)))
+
+    def _probe(self, step: int) -> float:
+        """Time one VN's forward and backward without contributing it; returns the seconds."""
+        old = self._probe_s if self._probe_s > 0 else self._vn_s * self.slowdown
+        vn = step % self.plan.virtual_nodes
+        t0 = time.perf_counter()
+        weighted = self._forward(step, vn)
+        if weighted.requires_grad:
+            torch.autograd.grad(weighted, self.params, allow_unused=True)
+        self._emulate(t0)
+        del weighted
+        if self.bn:
+            self.bn.restore()
+        took = time.perf_counter() - t0
+        if old > 0 and abs(took - old) > PROBE_CHANGE * old:
+            self._probe_burst = PROBE_EVERY
+        elif self._probe_burst > 0:
+            self._probe_burst -= 1
+        self._probe_s = took
+        self._since_probe = 0
+        return took
+
+    def _idle_compute(self, step: int) -> tuple[float, bool]:
+        """A worker with no VN, before it joins the reduction: (compute time to report, probed)."""
+        if self._probe_due():
+            return self._probe(step), True
+        return 0.0, False
+
+    def _note_idle(self, t_step: float, probed: bool) -> None:
+        """After the reduction: how long a worker with no VN waited for the others (the time a
+        probe may take for free). The generation's first step (warm-up) is left out."""
+        if probed or self._steps_in_generation <= 1:
+            return
+        waited = time.perf_counter() - t_step
+        self._idle_s = waited if self._idle_s == 0.0 else 0.7 * self._idle_s + 0.3 * waited
+
+    def _leaf_like(self) -> torch.Tensor:
+        """An (uninitialised) vector of one deterministic-mode leaf's size and dtype: what a
+        worker with no VN hands to the tree exchange."""
+        with_bn = self.bn.numel and self.batchnorm == "mean"
+        dtypes = [p.dtype for p in self.params] + [self._loss_dtype or self.params[0].dtype]
+        numel = self.grad_numel + 1
+        if with_bn:
+            dtypes += [b.dtype for b in self.bn.float_bufs]
+            numel += self.bn.numel
+        return torch.empty(numel, dtype=functools.reduce(torch.promote_types, dtypes), device=self.device)
 
     def _pack_stats(self, bad: torch.Tensor, control: int, loss: torch.Tensor | None,
                     bn: torch.Tensor | None) -> torch.Tensor:
@@ -282,6 +390,7 @@ class VNEngine:
         """
         assert self.group is not None, "set_membership() first"
         self._step_no = step
+        self._steps_in_generation += 1
         self.model.train()
         if self.bn:
             self.bn.snapshot()
@@ -297,14 +406,28 @@ class VNEngine:
             self.group.all_reduce(stats)
             self.group.on_launch = None
             self._last_compute_s = self._det_compute_s
+        elif not self.vns:
+            # No VN here: maybe a probe, then zeros into every bucket (finish() launches them all).
+            self.optimizer.zero_grad(set_to_none=True)
+            t_step = time.perf_counter()
+            compute_s, probed = self._idle_compute(step)
+            bn_acc = torch.zeros(self.bn.numel, device=self.device) if self.batchnorm == "mean" else None
+            stats = self._pack_stats(bad, control, torch.zeros((), device=self.device), bn_acc)
+            self.phase = "reduction"
+            if self.reducer is not None:
+                self.reducer.arm(extra=stats)
+                self._point("during_reduction")
+                stats = self.reducer.finish()
+            self._last_compute_s = compute_s
+            self._note_idle(t_step, probed)
         else:
             self.optimizer.zero_grad(set_to_none=True)
+            t_step = time.perf_counter()  # the VNs' data loading counts as their compute
             bn_acc = torch.zeros(self.bn.numel, device=self.device) if self.batchnorm == "mean" else None
             last = len(self.vns) - 1
             indices = [self.plan.vn_indices(step, vn) for vn in self.vns]
             batches = self.loader.vn_batches(indices)
             losses = []
-            t_step = time.perf_counter()
             for i, vn in enumerate(self.vns):
                 t_vn = time.perf_counter()
                 weighted = self._forward(step, vn, batches[i], len(indices[i]))
@@ -367,6 +490,8 @@ class VNEngine:
         self._point("after_reduction")
         if bn_new is not None:
             self.bn.load_flat(bn_new)
+        if not self.vns:
+            self.bn.advance_counters()  # as the forward of a VN would have (the others ran one)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -380,7 +505,7 @@ class VNEngine:
         self._first_bn = None
         with_bn = self.bn.numel and self.batchnorm == "mean"
 
-        last_vn = self.vns[-1]
+        last_vn = self.vns[-1] if self.vns else None
 
         def leaf(vn: int) -> torch.Tensor:
             t_vn = time.perf_counter()
@@ -405,10 +530,17 @@ class VNEngine:
             return torch.cat(parts)
 
         t_step = time.perf_counter()
-        local = tree_reduce_local(self.tree.per_worker[self.group.rank], leaf)
-        self._det_compute_s = time.perf_counter() - t_step
+        probed = False
+        if self.vns:
+            local = tree_reduce_local(self.tree.per_worker[self.group.rank], leaf)
+            self._det_compute_s = time.perf_counter() - t_step
+        else:  # no VN here: maybe a probe; no node of the tree to contribute
+            local = {}
+            self._det_compute_s, probed = self._idle_compute(step)
         self.phase = "reduction"
-        total = tree_exchange(self.tree, self.group, local)
+        total = tree_exchange(self.tree, self.group, local, like=None if local else self._leaf_like())
+        if not self.vns:
+            self._note_idle(t_step, probed)
         offset = 0
         for p in self.params:
             n = p.numel()
