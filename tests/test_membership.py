@@ -213,3 +213,41 @@ def test_resume_refuses_a_checkpoint_of_another_job(tmp_path):
         f.truncate(100)
     with pytest.raises(ValueError, match="no readable checkpoint.*corrupt or truncated"):
         vf.launch(jobs.regression_job(), workers=1, steps=10, resume=path)
+
+
+# -- heterogeneous workers: the profiler and the speed-based map ------------------------------
+def step_report(g, step, step_time_s, compute_s, members, vns):
+    return {"type": "step", "worker": members[0], "step": step, "generation": g, "step_time_s": step_time_s,
+            "compute_s": list(compute_s), "members": list(members), "vns": [list(a) for a in vns],
+            "vn_sizes": None, "loss": 0.0, "samples": 32, "workers": len(members)}
+
+
+def test_profiler_pairs_compute_times_with_their_own_step_and_skips_the_warm_up_step():
+    ctl, coord, _, _ = make(2, balance=True)
+    joined_and_formed(ctl, [0, 1], 0)
+    vns = ctl.assignment
+    # Step k's report carries the compute times of step k-1 (0 on the generation's first step).
+    ctl.tick([step_report(0, 0, 0.50, [0.0, 0.0], [0, 1], vns)])
+    ctl.tick([step_report(0, 1, 0.30, [0.45, 0.47], [0, 1], vns)])  # step 0's: warm-up, not used
+    assert ctl.time_per_vn == {} and ctl.reduction_s == 0.0
+    ctl.tick([step_report(0, 2, 0.25, [0.10, 0.20], [0, 1], vns)])  # step 1's compute
+    assert ctl.time_per_vn == pytest.approx({0: 0.10 / 4, 1: 0.20 / 4})
+    # Reduction = step 1's duration (0.30, from the previous report) - its slowest compute, not
+    # step 2's duration (0.25) - step 1's compute.
+    assert ctl.reduction_s == pytest.approx(0.30 - 0.20)
+
+
+def test_drift_patience_counts_measured_steps_not_ticks():
+    ctl, coord, _, _ = make(2, balance=True, min_observations=1, rebalance_patience=3)
+    joined_and_formed(ctl, [0, 1], 0)
+    vns = ctl.assignment
+    ctl.tick([step_report(0, 0, 0.5, [0.0, 0.0], [0, 1], vns)])
+    ctl.tick([step_report(0, 1, 0.11, [0.4, 0.4], [0, 1], vns)])
+    ctl.tick([step_report(0, 2, 0.11, [0.04, 0.1], [0, 1], vns)])  # one measurement: drift 1
+    for _ in range(20):  # the monitor ticks every 50 ms; a 1 s step spans many ticks
+        ctl.tick([])
+    assert ctl.generation == 0
+    ctl.tick([step_report(0, 3, 0.11, [0.04, 0.1], [0, 1], vns)])
+    assert ctl.generation == 0
+    ctl.tick([step_report(0, 4, 0.11, [0.04, 0.1], [0, 1], vns)])
+    assert ctl.generation == 1 and [len(a) for a in record(coord, 1).assignment] == [6, 2]

@@ -23,8 +23,14 @@ Rules it enforces:
   the controller keeps a smoothed seconds-per-VN for every worker and maps VNs with the exact
   solver of :mod:`virtualflow.plan.hetero` on every new generation (resize, failure), and
   re-solves as speeds drift: when the current map is predicted slower than the best one by
-  more than ``rebalance_threshold`` for ``rebalance_patience`` consecutive steps, a
+  more than ``rebalance_threshold`` for ``rebalance_patience`` consecutive measured steps, a
   ``rebalance`` generation (same members, new map) is published like a resize.
+  The solver may give a worker no VN (when that is faster): it stays a member, and its engine
+  keeps measuring it on a probe VN while it waits for the others, so its speed stays known and
+  it gets VNs back once it is fast enough. Measurements: a report for step ``k`` carries the
+  compute times of step ``k-1`` (they ride in step ``k``'s reduction), so they are paired with
+  step ``k-1``'s duration from the previous report (reduction = duration - slowest compute);
+  the first step of a generation (warm-up) is not measured.
 * **Next pointers.** Every member's next generation is written to ``vf/member/<id>/next/<g>``
   for the last generation ``g`` it was assigned to, so a worker that abandons ``g`` for any
   reason (planned regroup, broken collective, aborted rendezvous) always finds where to go.
@@ -139,6 +145,8 @@ class MembershipController:
         self.predicted_step_s: float | None = None
         self._obs: dict[int, int] = {}
         self._gen_step_times: list[float] = []
+        self._prev_step: tuple[int, float, bool] | None = None  # (step, duration, generation's first)
+        self._measured = False  # a step was measured since the last drift check
         self._drift = 0
         self.uneven = uneven_vn_sizes
         self.B = global_batch_size
@@ -253,35 +261,52 @@ class MembershipController:
 
     # -- heterogeneous mapping --------------------------------------------------------------
     def _profile(self, r: dict[str, Any]) -> None:
-        """Fold one step's per-rank compute times (previous step, same generation) into the
-        smoothed seconds per VN of each worker."""
+        """Fold one step report into the smoothed seconds per VN of each worker and the
+        reduction estimate.
+
+        The report for step ``k`` carries each rank's compute time of step ``k-1`` (it rides in
+        step ``k``'s reduction, which starts before step ``k``'s compute is over), so it is
+        paired with the duration of step ``k-1``, from the previous report: both then describe
+        the same step. The generation's first step is warm-up (a new group's first collectives,
+        cold caches) and is not measured; a rank with no VN reports a probe VN's time, or 0.
+        """
         compute, members, vns = r.get("compute_s"), r.get("members"), r.get("vns")
         if not compute or not members or len(compute) != len(members):
             return
         self._gen_step_times.append(r["step_time_s"])
-        if max(compute) <= 0:
-            return  # the generation's first step carries no measurement
-        sizes = r.get("vn_sizes")
-        for rank, w in enumerate(members):
-            if compute[rank] <= 0 or not vns[rank]:
-                continue
-            if self.uneven:
-                samples = sum(sizes[v] for v in vns[rank]) if sizes else len(vns[rank]) * (self.vn_batch or 1)
-                costs = self._cost.setdefault(w, {})
-                key = (len(vns[rank]), samples)
-                costs[key] = compute[rank] if key not in costs else 0.7 * costs[key] + 0.3 * compute[rank]
-            t = compute[rank] / len(vns[rank])
-            old = self.time_per_vn.get(w)
-            self.time_per_vn[w] = t if old is None else (1 - self.alpha) * old + self.alpha * t
-            self._obs[w] = self._obs.get(w, 0) + 1
-        reduction = max(0.0, r["step_time_s"] - max(compute))
-        self.reduction_s = reduction if self.reduction_s == 0 else 0.8 * self.reduction_s + 0.2 * reduction
+        prev = self._prev_step
+        self._prev_step = (r["step"], r["step_time_s"], max(compute) <= 0)
+        if prev is not None and prev[0] == r["step"] - 1 and not prev[2] and max(compute) > 0:
+            self._measure(compute, members, vns, r.get("vn_sizes"), step_time_s=prev[1])
         n = len(self._gen_step_times)
         if self.predicted_step_s is not None and n == 12:
             measured = sorted(self._gen_step_times[2:])[len(self._gen_step_times[2:]) // 2]
             self.coord.event("prediction", generation=self.generation, predicted_step_s=self.predicted_step_s,
                              measured_step_s=measured,
                              error=(self.predicted_step_s - measured) / measured if measured > 0 else None)
+
+    def _measure(self, compute: list[float], members: list[int], vns: list[list[int]], sizes: list[int] | None,
+                 step_time_s: float) -> None:
+        """One step's compute times (and its duration) into the profile."""
+        for rank, w in enumerate(members):
+            if compute[rank] <= 0:
+                continue
+            if not vns[rank]:  # no VN: a probe, one VN's forward and backward
+                count = 1
+            else:
+                count = len(vns[rank])
+                if self.uneven:
+                    samples = sum(sizes[v] for v in vns[rank]) if sizes else count * (self.vn_batch or 1)
+                    costs = self._cost.setdefault(w, {})
+                    key = (count, samples)
+                    costs[key] = compute[rank] if key not in costs else 0.7 * costs[key] + 0.3 * compute[rank]
+            t = compute[rank] / count
+            old = self.time_per_vn.get(w)
+            self.time_per_vn[w] = t if old is None else (1 - self.alpha) * old + self.alpha * t
+            self._obs[w] = self._obs.get(w, 0) + 1
+        reduction = max(0.0, step_time_s - max(compute))
+        self.reduction_s = reduction if self.reduction_s == 0 else 0.8 * self.reduction_s + 0.2 * reduction
+        self._measured = True
 
     def _speeds(self, members: Sequence[int]) -> list[float] | None:
         known = [self.time_per_vn[w] for w in members if w in self.time_per_vn]
@@ -343,8 +368,13 @@ class MembershipController:
 
     def _check_drift(self) -> None:
         """Re-solve with the current speeds; rebalance when the current map is worse than the
-        best one by more than the threshold for ``patience`` consecutive steps."""
-        if not self.balance or any(self._obs.get(w, 0) < self.min_observations for w in self.members):
+        best one by more than the threshold for ``patience`` consecutive measured steps (checked
+        once per new measurement, not per tick). Members running no VN are measured by probes
+        only now and then: their last known speed counts, they are not waited for."""
+        if not self.balance or not self._measured:
+            return
+        self._measured = False
+        if any(self._obs.get(w, 0) < self.min_observations for w, a in zip(self.members, self.assignment) if a):
             return
         if self.uneven:
             a, b = self._cost_models(self.members)
@@ -501,6 +531,8 @@ class MembershipController:
         self._fault_at = None
         self._obs = {}
         self._gen_step_times = []
+        self._prev_step = None
+        self._measured = False
         self._drift = 0
         if command:
             self.coord.command("regroup", generation=g)
