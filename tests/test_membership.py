@@ -237,6 +237,42 @@ def test_profiler_pairs_compute_times_with_their_own_step_and_skips_the_warm_up_
     assert ctl.reduction_s == pytest.approx(0.30 - 0.20)
 
 
+def _feed(ctl, g, first_step, n, step_time_s, compute_s):
+    """n consecutive step reports of generation g, one per tick."""
+    members, vns = list(ctl.members), [list(a) for a in ctl.assignment]
+    for k in range(first_step, first_step + n):
+        ctl.tick([step_report(g, k, step_time_s, compute_s if k > first_step else [0.0] * len(members),
+                              members, vns)])
+        if ctl.generation != g:
+            return k
+    return None
+
+
+def test_a_very_slow_member_gets_no_vn_keeps_a_known_speed_and_gets_vns_back_when_probes_show_it_fast():
+    ctl, coord, _, _ = make(2, balance=True, min_observations=3, rebalance_patience=3)
+    joined_and_formed(ctl, [0, 1], 0)
+    # Worker 1 is 20x slower: 4 VNs each take 0.04 s and 0.8 s.
+    at = _feed(ctl, 0, 0, 20, 0.82, [0.04, 0.80])
+    # Steps 0 and 1 carry nothing usable (first step; warm-up), then 3 observations, then 3 steps
+    # of patience: the rebalance is decided on the report of step 6.
+    assert at == 6 and ctl.generation == 1
+    assert record(coord, 1).assignment == [list(range(8)), []]  # 8 x 0.01 < 1 x 0.2
+    assert ctl.predicted_step_s == pytest.approx(0.08 + ctl.reduction_s)
+    ctl.tick([{"type": "formed", "generation": 1, "members": [0, 1], "step": 7, "group_s": 0, "transfer_s": 0,
+               "bytes": 0, "source": None, "receivers": []}])
+    slow = ctl.time_per_vn[1]
+    assert slow == pytest.approx(0.2)
+    # Steps without a probe (0 in the idle member's slot) leave its last known speed alone, and
+    # the drift check does not wait for observations of a member that runs no VN.
+    assert _feed(ctl, 1, 7, 10, 0.085, [0.08, 0.0]) is None
+    assert ctl.time_per_vn[1] == slow and ctl.generation == 1
+    # The idle member's probes (one VN each) show it fast now: it gets VNs again.
+    at = _feed(ctl, 1, 17, 30, 0.085, [0.08, 0.01])
+    assert at is not None and at - 17 <= 12 and ctl.generation == 2
+    counts = [len(a) for a in record(coord, 2).assignment]
+    assert counts[1] > 0 and ctl.time_per_vn[1] < slow / 4
+
+
 def test_drift_patience_counts_measured_steps_not_ticks():
     ctl, coord, _, _ = make(2, balance=True, min_observations=1, rebalance_patience=3)
     joined_and_formed(ctl, [0, 1], 0)

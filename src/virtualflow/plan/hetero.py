@@ -3,18 +3,29 @@
 Workers differ in speed (measured seconds per virtual node, ``t_i``) and may have a memory limit
 (the largest VN batch they can hold). With every VN the same size (``B/V``: the semantics are
 unchanged), a step takes ``max_i c_i t_i + reduction`` where ``c_i`` is worker ``i``'s VN count,
-so the solver picks integers ``c_i >= 1`` with ``sum c_i = V`` that minimise ``max_i c_i t_i``.
+so the solver picks integers ``c_i >= min_vns`` with ``sum c_i = V`` that minimise
+``max_i c_i t_i``.
 
-Method (exact): water-filling. Start from one VN each and give the remaining ``V - n`` VNs one
-at a time to the worker whose finish time *after* taking it, ``(c_i + 1) t_i``, is smallest.
-Each choice keeps the running maximum as small as any assignment of that many VNs can make it
-(an exchange argument: the k-th smallest value of the multiset ``{j t_i}`` is a lower bound
-on the maximum after k additions, and the greedy attains it), so the final maximum is optimal.
-``tests/test_hetero.py`` checks it against brute force on every small case. Ties go to the
-lower rank, so the result is deterministic.
+``min_vns`` is 0 by default: a worker so slow that one VN of it takes longer than the others
+need for all of theirs gets no VN at all. It stays a member (it takes part in the gradient
+reduction with a zero contribution, and the engine keeps measuring its speed on a probe VN while
+it waits, see :mod:`virtualflow.runtime.engine`), so it gets VNs again once it is fast enough.
+Forcing ``min_vns=1`` makes such a worker the bottleneck: with slowdowns {1,1,1,8} (``t`` per
+VN on a fast worker) and V=16 the best map with a VN each is 5-5-5-1, 8 t for the slow worker's
+one VN, while 6-5-5-0 takes 6 t. (At V=24 the two tie in theory, 8-8-7-1 and 8-8-8-0 both 8 t,
+and the measured slow VN decides.)
 
-Assignments are contiguous VN blocks in rank order (``blocks``), as for equal workers: the
-deterministic reduction tree depends on V only, so any assignment trains bit-identical weights.
+Method (exact): water-filling. Start from ``min_vns`` VNs each and give the remaining VNs one at
+a time to the worker whose finish time *after* taking it, ``(c_i + 1) t_i``, is smallest. The
+finish times a worker can reach form the multiset ``{j t_i : j > min_vns}`` (plus the fixed
+``min_vns t_i``); any assignment of k more VNs has a maximum at least the k-th smallest value of
+that multiset (an exchange argument), and the greedy takes exactly the k smallest, so the final
+maximum is optimal. ``tests/test_hetero.py`` checks it against brute force on every small case,
+zero counts included. Ties go to the lower rank, so the result is deterministic.
+
+Assignments are contiguous VN blocks in rank order (``blocks``; a worker with no VN gets an
+empty block), as for equal workers: the deterministic reduction tree depends on V only, so any
+assignment trains bit-identical weights.
 """
 
 from __future__ import annotations
@@ -71,15 +82,26 @@ def solve(
     reduction_s: float = 0.0,
     vn_batch: int | None = None,
     memory_limits: Sequence[int | None] | None = None,
+    min_vns: int = 0,
 ) -> HeteroPlan:
-    """VN counts minimising the step time; see the module docstring."""
+    """VN counts minimising the step time; see the module docstring.
+
+    ``min_vns`` (default 0) is the fewest VNs any worker gets. Memory limits are checked for
+    every worker, also one that may get no VN: a worker that cannot hold one VN batch can never
+    do anything in this job, which is a configuration error, not a map to solve.
+    """
     n = len(time_per_vn)
     if n < 1:
         raise ValueError("no workers to assign virtual nodes to")
-    if virtual_nodes < n:
+    if virtual_nodes < 1:
+        raise ValueError(f"virtual_nodes={virtual_nodes} must be at least 1")
+    if min_vns < 0:
+        raise ValueError(f"min_vns={min_vns} must be >= 0")
+    if virtual_nodes < n * min_vns:
         raise InfeasibleAssignment(
-            f"virtual_nodes={virtual_nodes} is smaller than the {n} workers; every worker needs at least "
-            f"one virtual node: use at most {virtual_nodes} workers or raise virtual_nodes"
+            f"virtual_nodes={virtual_nodes} is smaller than the {n} workers x min_vns={min_vns}; every worker "
+            f"needs at least {min_vns} virtual node{'s' if min_vns != 1 else ''}: use at most "
+            f"{virtual_nodes // min_vns} workers, raise virtual_nodes or lower min_vns"
         )
     for i, t in enumerate(time_per_vn):
         if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
@@ -88,10 +110,10 @@ def solve(
         if len(memory_limits) != n:
             raise ValueError(f"{len(memory_limits)} memory limits for {n} workers")
         check_memory(vn_batch, memory_limits)
-    counts = [1] * n
-    heap = [(2 * t, i) for i, t in enumerate(time_per_vn)]
+    counts = [min_vns] * n
+    heap = [((min_vns + 1) * t, i) for i, t in enumerate(time_per_vn)]
     heapq.heapify(heap)
-    for _ in range(virtual_nodes - n):
+    for _ in range(virtual_nodes - n * min_vns):
         _, i = heapq.heappop(heap)
         counts[i] += 1
         heapq.heappush(heap, ((counts[i] + 1) * time_per_vn[i], i))
@@ -104,8 +126,9 @@ def predict_step_s(counts: Sequence[int], time_per_vn: Sequence[float], reductio
     return max(c * t for c, t in zip(counts, time_per_vn)) + reduction_s
 
 
-def brute_force(virtual_nodes: int, time_per_vn: Sequence[float]) -> float:
-    """The optimal ``max_i c_i t_i`` by enumerating every composition (tests only: tiny inputs)."""
+def brute_force(virtual_nodes: int, time_per_vn: Sequence[float], min_vns: int = 0) -> float:
+    """The optimal ``max_i c_i t_i`` over every composition with ``c_i >= min_vns`` (tests only:
+    tiny inputs)."""
     n = len(time_per_vn)
     best = math.inf
 
@@ -116,10 +139,11 @@ def brute_force(virtual_nodes: int, time_per_vn: Sequence[float]) -> float:
         if i == n - 1:
             best = min(best, max(worst, left * time_per_vn[i]))
             return
-        for c in range(1, left - (n - 1 - i) + 1):
+        for c in range(min_vns, left - (n - 1 - i) * min_vns + 1):
             rec(i + 1, left - c, max(worst, c * time_per_vn[i]))
 
-    rec(0, virtual_nodes, 0.0)
+    if virtual_nodes >= n * min_vns:
+        rec(0, virtual_nodes, 0.0)
     return best
 
 
