@@ -5,7 +5,9 @@ with slowdown s sleeps (s-1) x its measured per-VN compute after each VN). For e
 
   (a) equal split        ``balance=False`` (V/N VNs per worker);
   (b) virtualflow        ``balance=True``: the coordinator measures seconds per VN, solves the VN
-                         counts exactly and publishes a ``rebalance`` generation; measured after it;
+                         counts exactly (a worker may get none: it then idles in the reduction and
+                         is measured by probes) and publishes a ``rebalance`` generation; measured
+                         after it;
   (c) best homogeneous   each speed class of the set alone (``balance=False``), best throughput;
   (d) ideal sum          sum over the set's workers of B / (V * t_vn(s)), t_vn(s) measured once
                          per distinct slowdown with 1 worker running all V VNs.
@@ -43,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
 NAME = "hetero"
-V = 24  # {1,1,3,3} -> 9,9,3,3; {1,4} -> 19/5 or 20/4; {1,1,1,8} -> 8,8,7,1: all near the ideal
+V = 24  # {1,1,3,3} -> 9,9,3,3; {1,4} -> 19/5 or 20/4; {1,1,1,8} -> 8,8,8,0 (or 8,8,7,1): all near the ideal
 VN_BATCH = 4
 B = V * VN_BATCH
 FEATURES = 32
@@ -391,7 +393,9 @@ def main(argv: list[str] | None = None) -> int:
         f"at end {ml['loadavg_end'][0]:.2f}.", "",
         "## Throughput (samples/s)", "", table, "",
         "(c) is the best of each speed class of the set alone, equal split. 'integer optimum/(d)': the best any "
-        "integer VN map can do relative to the ideal sum with the standalone per-VN times (V is finite).", "",
+        "integer VN map (counts >= 0) can do relative to the ideal sum with the standalone per-VN times (V is "
+        "finite). A worker with 0 VNs stays a member: it joins the gradient reduction with a zero "
+        "contribution and its speed is re-measured by probes (one VN timed while it waits for the others).", "",
         "## Targets", "", *verdict, "",
         "## Solver prediction against measured step time", "", ptable, "",
         "## Standalone per-VN time (1 worker, all V VNs)", "", stable, "",
