@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import platform
 import shutil
@@ -23,6 +24,8 @@ from typing import Any, Callable
 import torch
 
 from virtualflow.backends.local import LocalBackend, describe_exit
+from virtualflow.control.autoscale import FixedPolicy, Limits, Policy, make_policy
+from virtualflow.control.autoscale_executor import AutoscaleExecutor
 from virtualflow.control.coordinator import Coordinator
 from virtualflow.job import Job, JobSource, source_from, resolve_spec
 from virtualflow.plan.data import DataPlan
@@ -68,6 +71,9 @@ class Result:
     """Membership generations the job went through (1: no resize, no failure)."""
     failures: list[dict[str, Any]] = field(default_factory=list)
     """Workers lost and survived: worker id, cause, generation."""
+    autoscale: dict[str, Any] | None = None
+    """With ``autoscale=``: the policy, its decisions, the measurement of every worker count
+    tried and where it settled (None without autoscaling)."""
 
 
 def _check_count(name: str, value: Any, knob: str) -> None:
@@ -78,7 +84,7 @@ def _check_count(name: str, value: Any, knob: str) -> None:
 def launch(
     job: Job | Callable[[], Job] | str,
     *,
-    workers: int = 1,
+    workers: int | None = None,
     steps: int | None = None,
     epochs: int | None = None,
     deterministic: bool = False,
@@ -102,9 +108,13 @@ def launch(
     slowdowns: list[float] | None = None,
     balance: bool | None = None,
     uneven_vn_sizes: bool = False,
+    autoscale: str | Policy | None = None,
+    max_workers: int | None = None,
+    price_per_worker_hour: float = 1.0,
     _control_plane: bool = True,
 ) -> "JobHandle":
-    """Start training ``job`` on ``workers`` local worker processes; returns at once.
+    """Start training ``job`` on ``workers`` local worker processes (default 1, or
+    ``min_workers`` with ``autoscale``); returns at once.
 
     ``job`` is a :class:`Job`, an importable zero-argument function returning one, or a
     ``"module:function"`` / ``"file.py:function"`` string. Give exactly one of ``steps`` and
@@ -130,9 +140,30 @@ def launch(
     gets bigger VNs; gradients stay exactly weighted by sample counts, but BatchNorm statistics
     and per-VN random streams then depend on the map, so runs match bit for bit only under the
     same map).
+
+    Autoscaling: ``autoscale`` (a policy name, ``"NAME:PARAM=VALUE,..."``, or a
+    :class:`virtualflow.control.autoscale.Policy` object; built-ins: ``efficiency``, ``utility``,
+    ``straggler``, ``fixed``) grows and shrinks the job between ``min_workers`` and
+    ``max_workers`` by trial and error while it trains, through the same in-place resizes;
+    ``price_per_worker_hour`` prices a worker for the observations' cost rate (``utility``).
+    Decisions and the throughput of every size tried go to ``events.jsonl`` and
+    ``Result.autoscale``; B, V and the trained model do not change.
     """
     if backend != "local":
         raise ValueError(f"backend={backend!r} is not available; the only backend so far is 'local'")
+    policy = None
+    if autoscale is not None:
+        policy = make_policy(autoscale)
+        if max_workers is None and not isinstance(policy, FixedPolicy):
+            raise ValueError(
+                f"autoscale={getattr(policy, 'name', autoscale)!r} needs max_workers= (--max-workers): the largest "
+                f"worker count it may try (at most virtual_nodes)"
+            )
+    elif max_workers is not None:
+        raise ValueError(f"max_workers={max_workers!r} bounds the autoscaler; give autoscale= (--autoscale POLICY) "
+                         f"too, or drop max_workers")
+    if workers is None:
+        workers = min_workers if policy is not None else 1
     _check_count("workers", workers, "workers= (--workers) to 1 or more")
     if (steps is None) == (epochs is None):
         raise ValueError(
@@ -168,6 +199,17 @@ def launch(
         balance = worker_specs is not None or uneven_vn_sizes
     if uneven_vn_sizes and not balance:
         raise ValueError("uneven_vn_sizes=True needs balance (speed-based mapping); drop balance=False")
+    limits = None
+    if policy is not None:
+        limits = Limits(min_workers, max_workers if max_workers is not None else workers)
+        if not limits.min_workers <= workers <= limits.max_workers:
+            raise ValueError(
+                f"the starting workers={workers} is outside [min_workers={limits.min_workers}, "
+                f"max_workers={limits.max_workers}]; start inside the autoscaler's range (--workers)"
+            )
+        if not (isinstance(price_per_worker_hour, (int, float)) and math.isfinite(price_per_worker_hour)
+                and price_per_worker_hour > 0):
+            raise ValueError(f"price_per_worker_hour={price_per_worker_hour!r} must be a positive number")
     if fault_plan is not None and not isinstance(fault_plan, FaultPlan):
         raise TypeError(f"fault_plan must be a virtualflow.FaultPlan, got {type(fault_plan).__name__}")
 
@@ -190,6 +232,11 @@ def launch(
     assignment = contiguous_assignment(job_obj.virtual_nodes, workers)
     total_steps = steps if steps is not None else epochs * plan.steps_per_epoch
     _preflight(job_obj, dataset, plan)
+    if limits is not None and limits.max_workers > job_obj.virtual_nodes:
+        raise ValueError(
+            f"max_workers={limits.max_workers} is more than virtual_nodes={job_obj.virtual_nodes}: every worker "
+            f"needs at least one virtual node; lower --max-workers or raise --virtual-nodes"
+        )
     if worker_specs is not None:
         check_memory(job_obj.global_batch_size // job_obj.virtual_nodes, [s.memory_limit for s in worker_specs])
     resume_path, resume_step = None, 0
@@ -245,6 +292,9 @@ def launch(
         worker_specs=worker_specs,
         balance=balance,
         uneven_vn_sizes=uneven_vn_sizes,
+        autoscale=policy,
+        autoscale_limits=limits,
+        price_per_worker_hour=float(price_per_worker_hour),
     )
     if not _control_plane:  # benchmarks only: measure what heartbeats and control reads cost
         handle._config.control_plane = False
@@ -344,7 +394,8 @@ class JobHandle:
                  min_workers_timeout_s: float = 60.0, checkpoint_every: int | None = None,
                  resume_path: str | None = None, resume_step: int = 0, fault_plan: FaultPlan | None = None,
                  worker_specs: list[WorkerSpec] | None = None, balance: bool = False,
-                 uneven_vn_sizes: bool = False) -> None:
+                 uneven_vn_sizes: bool = False, autoscale: Policy | None = None,
+                 autoscale_limits: Limits | None = None, price_per_worker_hour: float = 1.0) -> None:
         self.job = job
         self.run_dir = run_dir
         self._state_dir = state_dir
@@ -401,6 +452,14 @@ class JobHandle:
             global_batch_size=job.global_batch_size,
         )
         self.controller.last_step = resume_step
+        self.autoscaler: AutoscaleExecutor | None = None
+        if autoscale is not None:
+            assert autoscale_limits is not None
+            self.autoscaler = AutoscaleExecutor(
+                autoscale, self.controller, self.coordinator, limits=autoscale_limits,
+                global_batch_size=job.global_batch_size, virtual_nodes=job.virtual_nodes, total_steps=total_steps,
+                price_per_worker_hour=price_per_worker_hour, start_time=self._t0,
+            )
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _start(self) -> None:
@@ -428,7 +487,12 @@ class JobHandle:
             min_workers=self._min_workers,
             resume_path=self._resume_path,
             resume_step=self._resume_step,
+            autoscale=self._autoscale_info(),
         )
+        if self.autoscaler is not None:
+            a = self.autoscaler
+            logger.info("autoscale: policy %s between %d and %d workers (%s)", a.policy.name, a.limits.min_workers,
+                        a.limits.max_workers, a.policy)
         self.controller.start()
         if self._progress:
             from tqdm.auto import tqdm
@@ -459,6 +523,8 @@ class JobHandle:
                     ctl.tick(reports)
                 except JobFailed as exc:
                     raise TrainingError(self._job_failed_message(exc)) from None
+                if self.autoscaler is not None:
+                    self.autoscaler.update(reports)
                 if progress.state == "starting" and progress.step > self._resume_step:
                     progress.state = "running"
                 if progress.done:
@@ -542,6 +608,7 @@ class JobHandle:
             peak_rss_mib={w: i["peak_rss_mib"] for w, i in self.coordinator.progress.workers.items() if "peak_rss_mib" in i},
             generations=self.controller.generation + 1,
             failures=list(self.controller.failures),
+            autoscale=self.autoscaler.summary() if self.autoscaler is not None else None,
         )
 
     def _write_summary(self) -> None:
@@ -566,6 +633,7 @@ class JobHandle:
                           for w, a in zip(self.controller.members, self.controller.assignment)],
             "vn_sizes": self.controller.vn_sizes,
             "balance": self.controller.balance,
+            "autoscale": self.autoscaler.summary() if self.autoscaler is not None else None,
             "predicted_step_s": self.controller.predicted_step_s,
             "deterministic": self._deterministic,
             "threads_per_worker": self._config.threads,
@@ -627,7 +695,17 @@ class JobHandle:
             "metrics": dict(p.metrics),
             "failures": len(ctl.failures),
             "run_dir": self.run_dir,
+            "autoscale": self._autoscale_info(),
         }
+
+    def _autoscale_info(self) -> dict[str, Any] | None:
+        a = self.autoscaler
+        if a is None:
+            return None
+        last = a.decisions[-1] if a.decisions else None
+        return {"policy": a.policy.name, "min_workers": a.limits.min_workers, "max_workers": a.limits.max_workers,
+                "settled_at": a.settled_at, "decisions": len(a.decisions),
+                "last_decision": last["reason"] if last else None, "disabled": a.disabled}
 
     def resize(self, workers: int, *, wait: bool = False, timeout_s: float = 120.0) -> None:
         """Change the number of workers; it takes effect at a step boundary, without a restart.

@@ -20,7 +20,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "Flags override the job's fields.",
     )
     p.add_argument("job", help="FILE.py[:FUNCTION] or package.module[:FUNCTION]; FUNCTION defaults to make_job")
-    p.add_argument("--workers", type=int, default=1, help="number of local worker processes (default 1)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="number of local worker processes (default 1; with --autoscale, --min-workers)")
     length = p.add_mutually_exclusive_group(required=True)
     length.add_argument("--steps", type=int, help="optimizer steps to run")
     length.add_argument("--epochs", type=int, help="epochs to run (len(dataset) // B steps each)")
@@ -34,7 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     el = p.add_argument_group("elasticity and fault tolerance")
     el.add_argument("--min-workers", type=int, default=1,
-                    help="below this many workers the job holds (checkpointed) and waits (default 1)")
+                    help="below this many workers the job holds (checkpointed) and waits; also the autoscaler's "
+                    "lower bound (default 1)")
     el.add_argument("--min-workers-timeout", type=float, default=60.0, metavar="SECONDS",
                     help="how long to wait for workers below --min-workers before failing (default 60)")
     el.add_argument("--replace-failed", action="store_true",
@@ -52,6 +54,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="let VN sizes differ per worker (faster workers get bigger VNs); implies --balance")
     el.add_argument("--resume", metavar="RUN_DIR_OR_FILE",
                     help="continue from the newest good checkpoint of a run (e.g. one whose coordinator died)")
+    au = p.add_argument_group("autoscaling")
+    au.add_argument("--autoscale", metavar="POLICY",
+                    help="grow and shrink the job while it trains to find the most resource-efficient worker count: "
+                    "efficiency (add workers while the scaling efficiency of the last addition > threshold), "
+                    "utility (while the utility gain exceeds the added cost), straggler (replace slow workers), "
+                    "fixed; parameters as NAME:PARAM=VALUE,..., e.g. efficiency:threshold=0.2,step_size=2 or "
+                    "utility:value=deadline:30m:100")
+    au.add_argument("--max-workers", type=int, metavar="N", help="the autoscaler's upper bound (needed with --autoscale)")
+    au.add_argument("--price-per-worker-hour", type=float, default=1.0, metavar="PRICE",
+                    help="what a worker costs per hour, for the cost the autoscaler weighs (default 1)")
     p.set_defaults(func=main)
 
 
@@ -81,9 +93,12 @@ def main(args: argparse.Namespace) -> int:
             heartbeat_timeout_s=args.heartbeat_timeout,
             checkpoint_every=args.checkpoint_every,
             resume=args.resume,
-            slowdowns=parse_slowdowns(args.slowdowns, args.workers) if args.slowdowns else None,
+            slowdowns=parse_slowdowns(args.slowdowns, args.workers or 1) if args.slowdowns else None,
             balance=True if (args.balance or args.slowdowns or args.uneven_vn_sizes) else None,
             uneven_vn_sizes=args.uneven_vn_sizes,
+            autoscale=args.autoscale,
+            max_workers=args.max_workers,
+            price_per_worker_hour=args.price_per_worker_hour,
         )
     except TrainingError as exc:
         print(f"virtualflow run: training failed: {exc}", file=sys.stderr)
@@ -95,5 +110,10 @@ def main(args: argparse.Namespace) -> int:
     if result.generations > 1:
         line += f"; {result.generations} generations, {len(result.failures)} worker failure(s) survived"
     print(line)
+    if result.autoscale is not None:
+        a = result.autoscale
+        tried = ", ".join(f"{k}: {v['throughput']:.1f}" for k, v in a["sizes"].items() if v["throughput"])
+        where = f"settled at {a['settled_at']} workers" if a["settled_at"] else "did not settle"
+        print(f"autoscale ({a['policy']}): {where} after {a['resizes']} resize(s); samples/s per worker count: {tried}")
     print(f"run directory: {run_dir} (final.pt, metrics.jsonl, events.jsonl, summary.json)")
     return 0

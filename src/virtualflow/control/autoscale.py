@@ -116,6 +116,8 @@ class Stay:
     """Keep the current workers."""
 
     reason: str = ""
+    settled: bool = False
+    """True when the search has ended here (the executor records it once)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,7 +328,7 @@ def _decision_from_search(name: str, current: int, counts: Mapping[int, int], mi
     if n == current:
         if kind == "try":
             return Stay(f"measuring {current} workers ({counts.get(current, 0)}/{min_steps} steps)")
-        return Stay(f"settled at {current} workers ({why})")
+        return Stay(f"settled at {current} workers ({why})", settled=True)
     return Resize(n, f"{current} -> {n}: {why}", detail)
 
 
