@@ -405,3 +405,39 @@ def test_emulated_loss_finds_its_step_and_sleeps_the_communication(monkeypatch):
     import pickle
     clone = pickle.loads(pickle.dumps(loss))
     assert (clone.pace_s, clone.comm_s, clone._step) == (0.0, 0.001, None)
+
+
+# --------------------------------------------------------------------------------------------
+# bad input through train/launch and the command line: refused before any worker starts
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(autoscale="efficiency"), r"needs max_workers= \(--max-workers\)"),
+    (dict(autoscale="efficiency", min_workers=3, max_workers=2),
+     r"min_workers=3 is greater than max_workers=2"),
+    (dict(autoscale="efficiency:threshold=1.5", max_workers=4), r"must be in \(0, 1\]"),
+    (dict(autoscale="utility:value=linear", max_workers=4), r"accepted forms: linear:VALUE_PER_HOUR"),
+    (dict(autoscale="greedy", max_workers=4), r"accepted: efficiency, utility, straggler, fixed"),
+    (dict(autoscale="efficiency", max_workers=30), r"max_workers=30 is more than virtual_nodes=24"),
+    (dict(max_workers=4), r"give autoscale= \(--autoscale POLICY\) too"),
+    (dict(autoscale="efficiency", workers=5, max_workers=4), r"starting workers=5 is outside \[min_workers=1, max_workers=4\]"),
+    (dict(autoscale="utility", max_workers=4, price_per_worker_hour=0), r"price_per_worker_hour=0 must be a positive"),
+])
+def test_launch_refuses_bad_autoscale_options(kwargs, message):
+    import virtualflow as vf
+
+    with pytest.raises(ValueError, match=message):
+        vf.launch(emu.make_job(pace_s=0.0, comm_s=0.0), steps=5, **kwargs)
+
+
+def test_cli_reports_a_bad_policy_in_one_line(capsys):
+    from virtualflow.cli.main import main as cli
+
+    job = os.path.join(EXAMPLES, "emulated_scaling.py")
+    assert cli(["run", job, "--steps", "5", "--autoscale", "bogus", "--max-workers", "4", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown autoscaling policy 'bogus'; accepted: efficiency, utility, straggler, fixed" in err
+    assert "Traceback" not in err
+    assert cli(["run", job, "--steps", "5", "--autoscale", "efficiency", "--min-workers", "3",
+                "--max-workers", "2", "--no-progress"]) == 2
+    assert "min_workers=3 is greater than max_workers=2" in capsys.readouterr().err

@@ -3,7 +3,9 @@
 Loss per step (and, when the job evaluates, each evaluation metric) of every run on one
 figure, so that runs on 1, 2 and 4 workers can be seen to train the same model.
 ``--timeline`` instead draws, per run, the number of workers over steps and the step time,
-with resizes, failures and new generations marked. Needs matplotlib
+with resizes, failures and new generations marked. ``--scaling`` draws, per run, the throughput
+and the cost per sample at every worker count the run went through (from the autoscaler's
+measurements, or from metrics.jsonl for a run without one), with the chosen size marked. Needs matplotlib
 (``pip install virtualflow[plot]``).
 """
 
@@ -18,9 +20,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plot", help="plot loss and evaluation curves of runs",
                        description="Plot loss (and evaluation metric) curves of one or several runs.")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    p.add_argument("-o", "--output", default=None, help="image file to write (default loss.png, or timeline.png)")
-    p.add_argument("--timeline", action="store_true",
-                   help="workers over steps and step times, with resizes, failures and generations marked")
+    p.add_argument("-o", "--output", default=None,
+                   help="image file to write (default loss.png, timeline.png or scaling.png)")
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--timeline", action="store_true",
+                      help="workers over steps and step times, with resizes, failures and generations marked")
+    kind.add_argument("--scaling", action="store_true",
+                      help="throughput and cost per worker count (autoscaling measurements), the chosen size marked")
     p.set_defaults(func=main)
 
 
@@ -148,8 +154,81 @@ def _step_at(steps: list[dict], t: float | None) -> int:
     return steps[-1]["step"]
 
 
+def scaling_table(run_dir: str, warmup_steps: int = 2) -> tuple[list[dict], int | None, str]:
+    """Per worker count: throughput (samples/s) and worker-seconds per 1,000 samples, and the
+    chosen size. From the autoscaler's ``autoscale_size`` events (frozen medians) when the run
+    had one, else the median over metrics.jsonl's steps (skipping ``warmup_steps`` per generation);
+    the chosen size is where the autoscaler settled, else the final worker count."""
+    import statistics
+
+    run = load_run(run_dir)  # validates the run directory
+    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    sizes = {e["workers"]: e for e in events if e.get("event") == "autoscale_size"}
+    price = next((e.get("cost_rate_per_h") / e["workers"] for e in sizes.values() if e.get("cost_rate_per_h")), 1.0)
+    rows: list[dict] = []
+    if sizes:
+        source = "autoscaler's measurements"
+        for k in sorted(sizes):
+            rows.append({"workers": k, "throughput": sizes[k]["throughput"]})
+    else:
+        source = "median step time per worker count (metrics.jsonl)"
+        by_k: dict[int, list[float]] = {}
+        seen: dict[int, int] = {}
+        for s in run["steps"]:
+            g = s.get("generation", 0)
+            seen[g] = seen.get(g, 0) + 1
+            if seen[g] > warmup_steps and s.get("step_time_s", 0) > 0:
+                by_k.setdefault(s["workers"], []).append(s["samples"] / s["step_time_s"])
+        for k in sorted(by_k):
+            rows.append({"workers": k, "throughput": statistics.median(by_k[k])})
+    for r in rows:
+        r["worker_s_per_1k_samples"] = 1000.0 * r["workers"] / r["throughput"]
+        r["cost_per_1k_samples"] = r["worker_s_per_1k_samples"] * price / 3600.0
+    settled = [e for e in events if e.get("event") == "autoscale_settled"]
+    chosen = settled[-1]["workers"] if settled else (run["steps"][-1]["workers"] if run["steps"] else None)
+    return rows, chosen, source
+
+
+def plot_scaling(run_dirs: list[str], output: str) -> str:
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(run_dirs), figsize=(7 * len(run_dirs), 4.5), squeeze=False)
+    for col, run_dir in enumerate(run_dirs):
+        rows, chosen, source = scaling_table(run_dir)
+        ax = axes[0][col]
+        if not rows:
+            ax.set_title(f"{os.path.basename(os.path.normpath(run_dir))}: no measured steps")
+            continue
+        ks = [r["workers"] for r in rows]
+        ax.plot(ks, [r["throughput"] for r in rows], marker="o", color="tab:blue", label="throughput")
+        ax.set(xlabel="workers", ylabel="samples/s")
+        ax2 = ax.twinx()
+        ax2.plot(ks, [r["worker_s_per_1k_samples"] for r in rows], marker="s", linestyle="--", color="tab:orange",
+                 label="cost")
+        ax2.set_ylabel("worker-seconds per 1,000 samples")
+        if chosen in ks:
+            r = rows[ks.index(chosen)]
+            ax.plot([chosen], [r["throughput"]], marker="*", markersize=18, color="tab:red", linestyle="none",
+                    label=f"chosen: {chosen} workers")
+            ax.annotate(f"{chosen} workers\n{r['throughput']:.0f} samples/s", (chosen, r["throughput"]),
+                        textcoords="offset points", xytext=(8, -28), fontsize=8, color="tab:red")
+        ax.set_xticks(ks)
+        ax.grid(alpha=0.3)
+        handles = ax.get_legend_handles_labels()
+        handles2 = ax2.get_legend_handles_labels()
+        ax.legend(handles[0] + handles2[0], handles[1] + handles2[1], fontsize=8, loc="lower right")
+        ax.set_title(f"{os.path.basename(os.path.normpath(run_dir))}: throughput and cost per worker count\n({source})",
+                     fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    fig.savefig(output, dpi=110)
+    plt.close(fig)
+    return output
+
+
 def main(args: argparse.Namespace) -> int:
-    if args.timeline:
+    if args.scaling:
+        out = plot_scaling(args.run_dirs, args.output or "scaling.png")
+    elif args.timeline:
         out = plot_timeline(args.run_dirs, args.output or "timeline.png")
     else:
         out = plot_runs(args.run_dirs, args.output or "loss.png")

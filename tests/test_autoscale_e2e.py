@@ -1,0 +1,99 @@
+"""Autoscaling end to end on the emulated workload (examples/emulated_scaling.py: EMULATED compute,
+sleep-paced virtual nodes and a 6-port emulated interconnect, so the best worker count is known
+analytically: 6).
+
+Starting from 1 worker, the ``efficiency`` policy must settle at 6 within a bounded number of
+trials, through in-place resizes only, and the trained weights must be bit-identical
+(deterministic mode) to a static run of the same number of steps: autoscaling never changes
+B, V or what the model computes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+import virtualflow as vf
+from conftest import assert_state_equal, flat_optimizer_state
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+sys.path.insert(0, EXAMPLES)
+import emulated_scaling as emu  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+FOREVER = 1_000_000
+
+
+def events(run_dir: str, kind: str) -> list[dict]:
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        return [e for e in map(json.loads, f) if e["event"] == kind]
+
+
+def test_efficiency_settles_at_the_known_optimum_with_static_weights(run_dir, tmp_path):
+    print(emu.DESCRIPTION)
+    max_workers = 8
+    best = emu.efficiency_optimum(max_workers)
+    assert best == 6
+    t0 = time.monotonic()
+    handle = vf.launch(emu.make_job(), workers=1, steps=FOREVER, deterministic=True, run_dir=run_dir,
+                       autoscale="efficiency", min_workers=1, max_workers=max_workers)
+    try:
+        settled_step = None
+        while True:
+            st = handle.status()
+            if handle.done:
+                handle.wait()
+                raise AssertionError("the job ended before the autoscaler settled")
+            a = st["autoscale"]
+            if settled_step is None and a["settled_at"] is not None and len(handle.controller.members) == a["settled_at"]:
+                settled_step = st["step"]
+            if settled_step is not None and st["step"] >= settled_step + 3:
+                break
+            assert time.monotonic() - t0 < 240, f"not settled after 240 s: {st['autoscale']}, step {st['step']}"
+            time.sleep(0.05)
+        result = handle.stop()
+    except BaseException:
+        handle.kill()
+        raise
+    wall = time.monotonic() - t0
+
+    a = result.autoscale
+    assert a["policy"] == "efficiency" and a["settled_at"] == best
+    # Every size from 1 to 7 measured once (7 is where the addition fails), then back to 6:
+    # a bounded number of trials, no oscillation.
+    assert sorted(int(k) for k, v in a["sizes"].items() if v["throughput"]) == list(range(1, best + 2))
+    assert [d["to"] for d in a["decisions"]] == [2, 3, 4, 5, 6, 7, 6]
+    assert a["resizes"] == 7
+    assert "scaling efficiency" in a["decisions"][-1]["reason"] and "settling at 6" in a["decisions"][-1]["reason"]
+    sizes = [h["workers"] for h in result.history]
+    assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [1, 2, 3, 4, 5, 6, 7, 6]
+    # What the model sees never changed.
+    assert {h["samples"] for h in result.history} == {emu.B}
+    assert all(sorted(v for vns in h["vns"] for v in vns) == list(range(emu.V)) for h in result.history)
+    assert [h["step"] for h in result.history] == list(range(result.steps))
+
+    # Recorded for plotting and for the user.
+    assert [e["workers"] for e in events(run_dir, "autoscale_size")] == list(range(1, best + 2))
+    decisions = events(run_dir, "autoscale_decision")
+    assert decisions[1]["reason"].startswith("2 -> 3: scaling efficiency") and "> 0.10" in decisions[1]["reason"]
+    assert events(run_dir, "autoscale_settled")[-1]["workers"] == best
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        assert json.load(f)["autoscale"]["settled_at"] == best
+
+    from virtualflow.cli.main import main as cli
+    png = str(tmp_path / "scaling.png")
+    assert cli(["plot", run_dir, "--scaling", "-o", png]) == 0 and os.path.getsize(png) > 10_000
+
+    # Bit-identical to a static run of the same number of steps (the sleep-free job computes
+    # the same model; deterministic mode makes it independent of the worker count).
+    ref = vf.train(emu.reference_job(), workers=2, steps=result.steps, deterministic=True)
+    assert_state_equal(result.state_dict, ref.state_dict)
+    assert_state_equal(flat_optimizer_state(result.optimizer_state_dict), flat_optimizer_state(ref.optimizer_state_dict))
+    print(f"emulated autoscaling: settled at {a['settled_at']} after {a['resizes']} resizes, "
+          f"{result.steps} steps, {wall:.1f} s")
+    assert wall < 240
