@@ -227,3 +227,17 @@ def big_state_job() -> vf.Job:
         name="big-state", model=wide_mlp, optimizer=adam, loss=mse, dataset=regression_data,
         global_batch_size=12, virtual_nodes=3, seed=5,
     )
+
+
+SLOW_VN_S = 0.1
+
+
+def slow_vn_cross_entropy(model, batch):
+    time.sleep(SLOW_VN_S)
+    return cross_entropy(model, batch)
+
+
+def slow_vn_job() -> vf.Job:
+    """Steps of several 100 ms virtual nodes per worker: long enough to see a survivor abandon
+    a doomed step between two VNs."""
+    return elastic_job().replace(loss=slow_vn_cross_entropy, virtual_nodes=12)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils.data import TensorDataset, default_collate
 
-from virtualflow.comm.groups import Group
+from virtualflow.comm.groups import Group, PeerFailure
 from virtualflow.comm.reduce import BucketReducer, tree_exchange, tree_reduce_local
 from virtualflow.plan.data import DataPlan, vn_seed
 from virtualflow.plan.vnmap import TreePlan
@@ -237,6 +237,10 @@ class VNEngine:
         self._fault_point: Callable[[int, str], None] | None = None
         self._step_no = -1
         self._in_last_backward = False
+        self.generation_broken: Callable[[], bool] | None = None
+        """Asked before each virtual node's forward: True once the coordinator has declared this
+        generation broken (the worker's heartbeat thread watches the flag). The step is then
+        abandoned at once instead of after computing the VNs left, whose result nobody can use."""
 
     def install_fault_point(self, fn: Callable[[int, str], None]) -> None:
         """Call ``fn(step, phase)`` at each fault-injection point (see runtime/faults.py)."""
@@ -249,6 +253,12 @@ class VNEngine:
 
         # params[0] receives its gradient late in backward, after most buckets have launched.
         self.params[0].register_post_accumulate_grad_hook(mid_backward)
+
+    def _check_broken(self) -> None:
+        if self.generation_broken is not None and self.generation_broken():
+            generation = self.group.generation if self.group is not None else -1
+            raise PeerFailure(generation, "the coordinator declared the generation broken (a member failed); "
+                                          "the step is abandoned before its next virtual node")
 
     def _point(self, phase: str) -> None:
         if self._fault_point is not None:
@@ -429,6 +439,7 @@ class VNEngine:
             batches = self.loader.vn_batches(indices)
             losses = []
             for i, vn in enumerate(self.vns):
+                self._check_broken()
                 t_vn = time.perf_counter()
                 weighted = self._forward(step, vn, batches[i], len(indices[i]))
                 batches[i] = None  # drop the VN's inputs with its activations
@@ -508,6 +519,7 @@ class VNEngine:
         last_vn = self.vns[-1] if self.vns else None
 
         def leaf(vn: int) -> torch.Tensor:
+            self._check_broken()
             t_vn = time.perf_counter()
             self.optimizer.zero_grad(set_to_none=True)
             weighted = self._forward(step, vn)

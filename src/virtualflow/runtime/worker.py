@@ -163,7 +163,9 @@ class Heartbeat:
     value it has into the step's reduction, so every member still acts on a command at the same
     boundary (a command waits at most one interval longer). If the coordinator itself is gone
     (the store stops answering), the worker exits: an orphan must not keep training
-    (``virtualflow run --resume`` continues the job from its last checkpoint).
+    (``virtualflow run --resume`` continues the job from its last checkpoint). It also watches
+    the current generation's abort flag, so a step that can no longer complete is abandoned
+    before its next virtual node rather than at its reduction (:meth:`broken`).
     """
 
     def __init__(self, cfg: WorkerConfig, worker_id: int) -> None:
@@ -171,6 +173,9 @@ class Heartbeat:
         self.key = protocol.heartbeat_key(worker_id)
         self.control_seq = 0
         self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._abort_key: str | None = None
+        self._broken = threading.Event()
         self._thread = threading.Thread(target=self._run, name="virtualflow-heartbeat", daemon=True)
 
     def start(self) -> None:
@@ -178,6 +183,17 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def watch(self, generation: int) -> None:
+        """From now on, also watch generation ``generation``'s abort flag (see :meth:`broken`)."""
+        with self._lock:
+            self._abort_key = protocol.abort_key(generation)
+            self._broken.clear()
+
+    def broken(self) -> bool:
+        """True once the watched generation has been declared broken (read on the step path:
+        no store round trip, the flag is polled by this thread)."""
+        return self._broken.is_set()
 
     def _run(self) -> None:
         misses = 0
@@ -189,6 +205,12 @@ class Heartbeat:
                                           timeout=datetime.timedelta(seconds=5))
                 store.add(self.key, 1)
                 self.control_seq = int(store.get(protocol.CONTROL_SEQ_KEY))
+                with self._lock:
+                    key = self._abort_key
+                if key is not None and store.check([key]):
+                    with self._lock:
+                        if key == self._abort_key:
+                            self._broken.set()
                 misses = 0
             except Exception as exc:  # noqa: BLE001
                 misses += 1
@@ -425,6 +447,9 @@ class _Worker:
         self.progress = Progress(step=target, control=max(p.control for p in everyone))
         self.engine.plan.set_vn_sizes(record.vn_sizes)
         self.engine.set_membership(group, record.assignment)
+        if self.cfg.control_plane:
+            self.heartbeat.watch(gen)
+            self.engine.generation_broken = self.heartbeat.broken
         if rank == 0:
             self.store.set(protocol.formed_key(gen), "1")
             self.report({
