@@ -458,8 +458,11 @@ class _Worker:
                 "source": record.members[src] if behind else None, "receivers": behind,
                 "form_s": time.perf_counter() - t0, "time": time.time(),
             })
-            if self.last_report is not None:
-                self.report(self.last_report)  # a step the previous rank 0 may not have reported
+        if rank == src and self.last_report is not None:
+            # The most advanced member re-sends its last step record before anyone trains on:
+            # the step may have been applied by survivors only, never reported by a rank 0 (the
+            # old one died, or the new one is behind). The coordinator drops duplicates.
+            self.report(self.last_report)
         return group
 
     def _steps(self, record: protocol.GenerationRecord, group: Group) -> str:
