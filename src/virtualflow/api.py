@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from virtualflow.backends.local import LocalBackend, describe_exit
+from virtualflow.backends.ray import RayBackend, RayOptions, WorkersUnavailable, check_capacity, connect
 from virtualflow.control.autoscale import FixedPolicy, Limits, Policy, make_policy
 from virtualflow.control.autoscale_executor import AutoscaleExecutor
 from virtualflow.control.coordinator import Coordinator
@@ -111,10 +112,15 @@ def launch(
     autoscale: str | Policy | None = None,
     max_workers: int | None = None,
     price_per_worker_hour: float = 1.0,
+    address: str | None = None,
+    cpus_per_worker: float | None = None,
+    gpus_per_worker: float | None = None,
+    resources: dict[str, float] | None = None,
+    placement_timeout_s: float | None = None,
     _control_plane: bool = True,
 ) -> "JobHandle":
-    """Start training ``job`` on ``workers`` local worker processes (default 1, or
-    ``min_workers`` with ``autoscale``); returns at once.
+    """Start training ``job`` on ``workers`` worker processes (default 1, or ``min_workers``
+    with ``autoscale``); returns at once.
 
     ``job`` is a :class:`Job`, an importable zero-argument function returning one, or a
     ``"module:function"`` / ``"file.py:function"`` string. Give exactly one of ``steps`` and
@@ -148,9 +154,20 @@ def launch(
     ``price_per_worker_hour`` prices a worker for the observations' cost rate (``utility``).
     Decisions and the throughput of every size tried go to ``events.jsonl`` and
     ``Result.autoscale``; B, V and the trained model do not change.
+
+    Backends: ``"local"`` (worker processes on this machine) or ``"ray"``: every worker is a Ray
+    actor with ``cpus_per_worker`` (default 1), ``gpus_per_worker`` and custom ``resources``
+    (e.g. ``{"accel_a100": 1}``), on the cluster at ``address`` (``"auto"``, ``"HOST:PORT"``;
+    default: the one this process is connected to, or a new local instance). Resizes and
+    failures are handled in place as on the local backend. A request the cluster cannot hold
+    raises :class:`virtualflow.backends.ray.WorkersUnavailable` naming the short resource; a
+    starting worker Ray has not placed within ``placement_timeout_s`` (default 60) fails the
+    job. The run directory must be on a filesystem every node sees. Needs
+    ``pip install virtualflow[ray]``.
     """
-    if backend != "local":
-        raise ValueError(f"backend={backend!r} is not available; the only backend so far is 'local'")
+    ray_options = _backend_options(backend, address=address, cpus_per_worker=cpus_per_worker,
+                                   gpus_per_worker=gpus_per_worker, resources=resources,
+                                   placement_timeout_s=placement_timeout_s)
     policy = None
     if autoscale is not None:
         policy = make_policy(autoscale)
@@ -239,6 +256,12 @@ def launch(
         )
     if worker_specs is not None:
         check_memory(job_obj.global_batch_size // job_obj.virtual_nodes, [s.memory_limit for s in worker_specs])
+    store_host = "127.0.0.1"  # local: loopback only
+    if ray_options is not None:
+        store_host = connect(ray_options)  # the node's address, which the other nodes reach
+        check_capacity(ray_options, workers)
+        if limits is not None and limits.max_workers > workers:
+            check_capacity(ray_options, limits.max_workers, knob="--max-workers")
     resume_path, resume_step = None, 0
     if resume is not None:
         resume_path, resume_step = find_resume_state(resume, job_obj)
@@ -263,7 +286,12 @@ def launch(
     else:
         state_dir = tempfile.mkdtemp(prefix="virtualflow-")
     if threads_per_worker is None:
-        threads_per_worker = 1 if deterministic else max(1, (os.cpu_count() or 1) // workers)
+        if deterministic:
+            threads_per_worker = 1
+        elif ray_options is not None:
+            threads_per_worker = ray_options.default_threads()
+        else:
+            threads_per_worker = max(1, (os.cpu_count() or 1) // workers)
 
     handle = JobHandle(
         job=job_obj,
@@ -295,14 +323,36 @@ def launch(
         autoscale=policy,
         autoscale_limits=limits,
         price_per_worker_hour=float(price_per_worker_hour),
+        ray_options=ray_options,
+        store_host=store_host,
     )
     if not _control_plane:  # benchmarks only: measure what heartbeats and control reads cost
         handle._config.control_plane = False
-        handle.backend = LocalBackend(handle._config, state_dir)
+        handle.backend = _make_backend(handle._config, state_dir, ray_options)
         handle.controller.launcher = handle.backend
         handle.controller.heartbeat_timeout_s = float("inf")
     handle._start()
     return handle
+
+
+def _backend_options(backend: str, **ray_kwargs: Any) -> RayOptions | None:
+    """``None`` for the local backend (which takes none of the Ray options), else the
+    validated :class:`RayOptions`."""
+    if backend not in ("local", "ray"):
+        raise ValueError(f"backend={backend!r} is not available; choose 'local' (this machine) or 'ray' (--backend)")
+    given = {k: v for k, v in ray_kwargs.items() if v is not None}
+    if backend == "local":
+        if given:
+            names = ", ".join(f"{k}=" for k in given)
+            raise ValueError(f"{names} only apply to backend='ray'; add backend='ray' (--backend ray) or drop them")
+        return None
+    return RayOptions(**given)
+
+
+def _make_backend(config: WorkerConfig, state_dir: str, ray_options: RayOptions | None) -> LocalBackend | RayBackend:
+    if ray_options is None:
+        return LocalBackend(config, state_dir)
+    return RayBackend(config, state_dir, ray_options)
 
 
 def find_resume_state(resume: str, job: Job) -> tuple[str, int]:
@@ -395,7 +445,8 @@ class JobHandle:
                  resume_path: str | None = None, resume_step: int = 0, fault_plan: FaultPlan | None = None,
                  worker_specs: list[WorkerSpec] | None = None, balance: bool = False,
                  uneven_vn_sizes: bool = False, autoscale: Policy | None = None,
-                 autoscale_limits: Limits | None = None, price_per_worker_hour: float = 1.0) -> None:
+                 autoscale_limits: Limits | None = None, price_per_worker_hour: float = 1.0,
+                 ray_options: RayOptions | None = None, store_host: str = "127.0.0.1") -> None:
         self.job = job
         self.run_dir = run_dir
         self._state_dir = state_dir
@@ -416,7 +467,9 @@ class JobHandle:
         self._resume_step = resume_step
         self._requests: deque[int] = deque()
         self._status_written = 0.0
-        self.coordinator = Coordinator(total_steps=total_steps, run_dir=run_dir, on_step=self._on_step)
+        self._ray_options = ray_options
+        self.coordinator = Coordinator(total_steps=total_steps, run_dir=run_dir, host=store_host,
+                                       on_step=self._on_step)
         self.coordinator.progress.step = resume_step
         self._config = WorkerConfig(
             store_host=self.coordinator.host,
@@ -435,7 +488,7 @@ class JobHandle:
             fault_plan=fault_plan,
             slowdowns={i: s.slowdown for i, s in enumerate(worker_specs or []) if s.slowdown != 1.0},
         )
-        self.backend = LocalBackend(self._config, state_dir)
+        self.backend = _make_backend(self._config, state_dir, ray_options)
         self.controller = MembershipController(
             self.coordinator,
             self.backend,
@@ -467,7 +520,7 @@ class JobHandle:
         msg = (
             f"{job.name}: global batch {job.global_batch_size} = {V} virtual nodes x "
             f"{job.global_batch_size // V}; {self.total_steps} steps ({self._steps_per_epoch} per epoch) "
-            f"on {self._workers} worker{'s' if self._workers > 1 else ''} "
+            f"on {self._workers} worker{'s' if self._workers > 1 else ''}{' (Ray actors)' if self._ray_options else ''} "
             f"({self._config.threads} thread{'s' if self._config.threads > 1 else ''} each"
             f"{', deterministic' if self._deterministic else ''}); {describe_assignment(self._assignment)}"
         )
@@ -483,6 +536,7 @@ class JobHandle:
             workers=self._workers,
             total_steps=self.total_steps,
             deterministic=self._deterministic,
+            backend="ray" if self._ray_options is not None else "local",
             threads_per_worker=self._config.threads,
             min_workers=self._min_workers,
             resume_path=self._resume_path,
@@ -523,6 +577,8 @@ class JobHandle:
                     ctl.tick(reports)
                 except JobFailed as exc:
                     raise TrainingError(self._job_failed_message(exc)) from None
+                except WorkersUnavailable as exc:
+                    raise TrainingError(f"{exc} (logs in {os.path.join(self._state_dir, 'logs')})") from None
                 if self.autoscaler is not None:
                     self.autoscaler.update(reports)
                 if progress.state == "starting" and progress.step > self._resume_step:
@@ -565,10 +621,16 @@ class JobHandle:
             try:
                 if req.get("op") != "resize":
                     raise ValueError(f"unknown request op={req.get('op')!r}")
+                self._check_room(req.get("workers"))
                 self.controller.request_resize(req.get("workers"), source=req.get("source", "cli"))
             except ValueError as exc:
                 logger.warning("rejected request %s: %s", req, exc)
                 self.coordinator.event("request_rejected", request=req, error=str(exc))
+
+    def _check_room(self, workers: Any) -> None:
+        """On Ray, refuse a resize the cluster's nodes could never hold (names the short resource)."""
+        if self._ray_options is not None and isinstance(workers, int) and not isinstance(workers, bool):
+            check_capacity(self._ray_options, workers)
 
     def _job_failed_message(self, exc: JobFailed) -> str:
         where = f"logs in {os.path.join(self._state_dir, 'logs')}"
@@ -636,6 +698,7 @@ class JobHandle:
             "autoscale": self.autoscaler.summary() if self.autoscaler is not None else None,
             "predicted_step_s": self.controller.predicted_step_s,
             "deterministic": self._deterministic,
+            "backend": "ray" if self._ray_options is not None else "local",
             "threads_per_worker": self._config.threads,
             "steps_total": self.total_steps,
             "steps_completed": self.coordinator.progress.step,
@@ -718,6 +781,7 @@ class JobHandle:
         if self._finished.is_set():
             raise RuntimeError(f"the job has {self.coordinator.progress.state}; it cannot be resized")
         check_resize(workers, self.job.virtual_nodes, self._min_workers)
+        self._check_room(workers)
         self._requests.append(workers)
         if not wait:
             return

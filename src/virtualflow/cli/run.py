@@ -1,4 +1,4 @@
-"""``virtualflow run FILE.py[:FUNCTION]``: train a job on the local backend."""
+"""``virtualflow run FILE.py[:FUNCTION]``: train a job on the local backend or on Ray."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 
 import virtualflow as vf
 from virtualflow.api import TrainingError
+from virtualflow.backends.ray import RayNotInstalled, parse_resources
 from virtualflow.spec import parse_slowdowns
 
 
@@ -33,6 +34,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run-dir", help="where metrics.jsonl, events.jsonl, summary.json and final.pt go "
                    "(default runs/<file>-<time>)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    rb = p.add_argument_group("backend")
+    rb.add_argument("--backend", choices=("local", "ray"), default="local",
+                    help="local: worker processes on this machine (default); ray: one Ray actor per worker, "
+                    "on any node of a Ray cluster (pip install virtualflow[ray])")
+    rb.add_argument("--address", metavar="auto|HOST:PORT",
+                    help="Ray cluster to use (default: RAY_ADDRESS, else a new local Ray instance)")
+    rb.add_argument("--cpus-per-worker", type=float, metavar="C",
+                    help="Ray CPUs per worker actor, fractions allowed (default 1; also the thread budget)")
+    rb.add_argument("--gpus-per-worker", type=float, metavar="G", help="Ray GPUs per worker actor (default 0)")
+    rb.add_argument("--resources", metavar="JSON|NAME=AMOUNT,...",
+                    help="custom Ray resources per worker, e.g. accel_a100=1 or '{\"accel_a100\": 1}'")
+    rb.add_argument("--placement-timeout", type=float, metavar="SECONDS",
+                    help="give up on a worker actor Ray has not placed after this long (default 60)")
     el = p.add_argument_group("elasticity and fault tolerance")
     el.add_argument("--min-workers", type=int, default=1,
                     help="below this many workers the job holds (checkpointed) and waits; also the autoscaler's "
@@ -99,10 +113,19 @@ def main(args: argparse.Namespace) -> int:
             autoscale=args.autoscale,
             max_workers=args.max_workers,
             price_per_worker_hour=args.price_per_worker_hour,
+            backend=args.backend,
+            address=args.address,
+            cpus_per_worker=args.cpus_per_worker,
+            gpus_per_worker=args.gpus_per_worker,
+            resources=parse_resources(args.resources) if args.resources is not None else None,
+            placement_timeout_s=args.placement_timeout,
         )
     except TrainingError as exc:
         print(f"virtualflow run: training failed: {exc}", file=sys.stderr)
         return 1
+    except RayNotInstalled as exc:
+        print(f"virtualflow run: error: {exc}", file=sys.stderr)
+        return 2
     last = result.history[-1] if result.history else {}
     line = f"done: {result.steps} steps, final loss {last.get('loss', float('nan')):.4f}"
     if result.metrics:

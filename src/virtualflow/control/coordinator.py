@@ -1,6 +1,7 @@
 """The coordinator: owns the job's store, its membership generations and its records.
 
-It hosts a ``torch.distributed.TCPStore`` (loopback in local mode, free port chosen by the OS),
+It hosts a ``torch.distributed.TCPStore`` listening on ``host`` only (loopback in local mode, the
+node's address on Ray; a free port chosen by the OS),
 publishes membership as numbered generations, accepts control commands (``stop`` now; resize
 in the elasticity work) and turns the workers' reports into the run's records:
 ``events.jsonl`` (join, generation, step, eval, error, done), ``metrics.jsonl`` (one line per
@@ -15,6 +16,7 @@ import datetime
 import json
 import logging
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -70,13 +72,7 @@ class Coordinator:
         store_timeout_s: float = 120.0,
         on_step: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
-        self.store = dist.TCPStore(
-            host,
-            0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=store_timeout_s),
-        )
+        self.store = _listening_store(host, datetime.timedelta(seconds=store_timeout_s))
         self.host = host
         self.port = self.store.port
         self.run_dir = run_dir
@@ -169,6 +165,35 @@ class Coordinator:
     def close(self) -> None:
         self.events.close()
         self.metrics_log.close()
+
+
+def _listening_store(host: str, timeout: datetime.timedelta) -> dist.TCPStore:
+    """A master TCPStore that accepts connections on ``host``'s address only.
+
+    Given a bare port, TCPStore's server listens on every interface whatever host it is told;
+    handing it a socket already bound to ``host`` (``master_listen_fd``) keeps a local job off the
+    network. Should this torch refuse the socket, it falls back to TCPStore's own listener."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(addr[:2] if family == socket.AF_INET else addr)
+        sock.listen(512)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    fd = sock.detach()  # the store owns (and closes) the descriptor from here on
+    try:
+        return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout,
+                             master_listen_fd=fd)
+    except (TypeError, RuntimeError, ValueError) as exc:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        logger.warning("this torch's TCPStore does not take a bound socket (%s): the job's store listens on "
+                       "all interfaces, not only %s", exc, host)
+        return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
 
 
 def _span(vns: Sequence[int]) -> str:

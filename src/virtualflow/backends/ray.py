@@ -1,0 +1,457 @@
+"""The Ray backend: every worker is a Ray actor, placed by Ray on any node of a cluster.
+
+Ray places and supervises the processes; torch.distributed (gloo/NCCL) stays the collective
+engine, and the coordinator and membership controller are the same as on the local backend:
+they see this backend only through ``start_worker`` / ``kill_worker`` / ``poll`` / ``pid``
+(plus ``terminate_all`` and ``workers[id].log_tail()`` for the job handle). So a resize
+creates or kills actors and the survivors carry on in place, and a failure is redone as a
+step, exactly as on the local backend (Ray Train, by contrast, restarts the whole worker group
+from a checkpoint).
+
+Invariants:
+
+* **One actor per worker, one process per actor.** The actor's resources are the job's
+  (``cpus_per_worker``, ``gpus_per_worker``, custom resources such as an accelerator type, which
+  pass through to Ray unchanged). Its ``run`` method is :func:`virtualflow.runtime.worker.run_worker`;
+  the actor is never restarted by Ray (``max_restarts=0``): virtualflow decides what a loss means.
+* **Exit codes as on the local backend.** ``run`` returning is the process exiting with that
+  code (the actor is then killed to give its resources back); an actor that dies (``ray.kill``,
+  a crash, its node lost) reads as killed by SIGKILL; an exception escaping ``run`` as code 1,
+  with Ray's error appended to the worker's log.
+* **A job that cannot get its workers says which resource is short.** Before anything starts,
+  the request is checked against the resources of the cluster's live nodes (a resource nobody
+  has, or more workers than the nodes can hold): :class:`WorkersUnavailable` at once. An actor
+  that Ray has not placed after ``placement_timeout_s`` (the cluster is busy) is given up, with
+  the resources that are short right now in the message; for a starting worker the job fails.
+* **Same environment as a local worker.** ``OMP_NUM_THREADS``/``MKL_NUM_THREADS`` equal the
+  thread budget, the allocator settings of the local backend, ``PYTHONPATH`` led by this
+  checkout's ``src``; output goes to ``<state_dir>/logs/worker-<id>.log``. The run directory
+  must be visible at the same path on every node (as Ray Train's ``storage_path`` on a
+  multi-node cluster): workers write checkpoints, ``final.pt`` and their logs there, and a
+  worker that does not see it fails at once with that in its error.
+
+``ray`` is imported only inside this module's functions: without it, asking for the backend
+raises :class:`RayNotInstalled` naming ``pip install virtualflow[ray]``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the worker module imports torch: keep it out of the actor's start-up
+    from virtualflow.runtime.worker import WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install virtualflow[ray]"
+_MARKER = ".virtualflow-ray"
+
+
+class RayNotInstalled(ImportError):
+    """``backend="ray"`` was asked for but ``ray`` cannot be imported."""
+
+
+class WorkersUnavailable(ValueError):
+    """The Ray cluster cannot give the job the workers it asks for; the message names the
+    resource that is short and the knob to change."""
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise RayNotInstalled(
+            f"backend='ray' needs the ray package, which cannot be imported here ({exc}); "
+            f"install it with: {INSTALL_HINT}"
+        ) from exc
+    return ray
+
+
+def parse_resources(text: str) -> dict[str, float]:
+    """``--resources``: a JSON object (``'{"accel_a100": 1}'``) or ``NAME=AMOUNT,...``."""
+    text = text.strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--resources {text!r} is not valid JSON ({exc}); e.g. '{{\"accel_a100\": 1}}'") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"--resources {text!r} must be a JSON object of resource name -> amount")
+        items = list(raw.items())
+    else:
+        items = []
+        for part in text.split(","):
+            name, sep, amount = part.partition("=")
+            if not sep or not name.strip():
+                raise ValueError(f"--resources {text!r}: {part!r} is not NAME=AMOUNT; e.g. accel_a100=1,fast_disk=0.5")
+            items.append((name.strip(), amount.strip()))
+    out: dict[str, float] = {}
+    for name, amount in items:
+        try:
+            out[str(name)] = float(amount)
+        except (TypeError, ValueError):
+            raise ValueError(f"--resources: the amount of {name!r} is {amount!r}, not a number") from None
+    return out
+
+
+@dataclass(kw_only=True, slots=True)
+class RayOptions:
+    """Where and how the job's worker actors are placed."""
+
+    address: str | None = None
+    """Ray cluster to use: ``None`` (the one this process is connected to, ``RAY_ADDRESS``, or a
+    new local instance), ``"auto"`` (the cluster running on this machine) or ``"HOST:PORT"``."""
+    cpus_per_worker: float = 1.0
+    """Ray CPUs reserved per worker actor (fractions allowed); also the default thread budget."""
+    gpus_per_worker: float = 0.0
+    """Ray GPUs per worker actor (then use ``device="cuda"``)."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources per worker, e.g. ``{"accel_a100": 1}`` for an accelerator type."""
+    placement_timeout_s: float = 60.0
+    """An actor that Ray has not placed and started after this long is given up (the resources
+    short are named); a starting worker then fails the job."""
+
+    def __post_init__(self) -> None:
+        if self.address is not None and (not isinstance(self.address, str) or not self.address.strip()):
+            raise ValueError(f"address={self.address!r} must be 'auto' or 'HOST:PORT' (--address)")
+        if isinstance(self.address, str) and self.address.startswith("ray://"):
+            raise ValueError(
+                f"address={self.address!r}: Ray Client (ray://) is not supported: the coordinator runs in this "
+                f"process and the workers must reach it; run on a node of the cluster with address='auto' (--address auto)"
+            )
+        for name in ("cpus_per_worker", "gpus_per_worker"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name}={value!r} must be a number >= 0 (--{name.replace('_', '-')})")
+        if not isinstance(self.resources, dict):
+            raise ValueError(f"resources={self.resources!r} must be a dict of resource name -> amount (--resources)")
+        for name, amount in self.resources.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"resources: {name!r} is not a resource name")
+            if name in ("CPU", "GPU"):
+                raise ValueError(f"resources={{{name!r}: ...}}: ask for {name}s with "
+                                 f"{name.lower()}s_per_worker= (--{name.lower()}s-per-worker)")
+            if not isinstance(amount, (int, float)) or isinstance(amount, bool) or not amount > 0:
+                raise ValueError(f"resources[{name!r}]={amount!r} must be a number > 0 (--resources)")
+        if not isinstance(self.placement_timeout_s, (int, float)) or not self.placement_timeout_s > 0:
+            raise ValueError(f"placement_timeout_s={self.placement_timeout_s!r} must be a positive number of seconds")
+
+    def demand(self) -> dict[str, float]:
+        """What one worker actor needs from a node (resources asked in zero amounts left out)."""
+        out = {"CPU": float(self.cpus_per_worker), "GPU": float(self.gpus_per_worker), **self.resources}
+        return {k: float(v) for k, v in out.items() if v > 0}
+
+    def default_threads(self) -> int:
+        return max(1, int(self.cpus_per_worker))
+
+
+def connect(options: RayOptions) -> str:
+    """Make sure this process is a Ray driver; returns the address of this node that the
+    workers will reach the coordinator on (Ray's node IP, never loopback unless Ray says so)."""
+    ray = import_ray()
+    if not ray.is_initialized():
+        kwargs: dict[str, Any] = {"address": options.address, "logging_level": logging.WARNING}
+        if options.address is None and not os.environ.get("RAY_ADDRESS"):
+            kwargs["include_dashboard"] = False  # a new local instance: no dashboard to start
+        ray.init(**kwargs)
+    elif options.address is not None:
+        logger.debug("already connected to a Ray cluster; address=%r is not used", options.address)
+    return ray.util.get_node_ip_address()
+
+
+def _fits(node_resources: dict[str, float], demand: dict[str, float]) -> int:
+    """How many workers of ``demand`` one node can hold."""
+    if not demand:
+        return 1 << 30
+    return min(int(math.floor(node_resources.get(r, 0.0) / d + 1e-9)) for r, d in demand.items())
+
+
+def _fmt(resources: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())) + "}"
+
+
+def check_capacity(options: RayOptions, workers: int, *, knob: str = "--workers") -> None:
+    """Raise :class:`WorkersUnavailable` when the cluster's live nodes, empty, could not hold
+    ``workers`` actors of ``options.demand()``; the message names the short resource."""
+    ray = import_ray()
+    demand = options.demand()
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    per_worker = f"each worker asks for {_fmt(demand)} (--cpus-per-worker, --gpus-per-worker, --resources)"
+    totals: dict[str, float] = {}
+    for n in nodes:
+        for r, v in n.items():
+            totals[r] = totals.get(r, 0.0) + v
+    for r, d in demand.items():
+        best = max((n.get(r, 0.0) for n in nodes), default=0.0)
+        if best + 1e-9 < d:
+            have = (f"the most any node has is {best:g}" if best > 0 else "no node of the Ray cluster has it")
+            custom = sorted(k for k in totals if k not in ("CPU", "GPU", "memory", "object_store_memory")
+                            and not k.startswith("node:"))
+            raise WorkersUnavailable(
+                f"resource {r!r} is short: one worker needs {r}={d:g} and {have} "
+                f"({len(nodes)} live node{'s' if len(nodes) != 1 else ''}; custom resources there: "
+                f"{', '.join(custom) or 'none'}); {per_worker}: ask for less, or add nodes that have {r!r}"
+            )
+    capacity = sum(_fits(n, demand) for n in nodes)
+    if capacity >= workers:
+        return
+    short = [r for r in demand if sum(_fits(n, {r: demand[r]}) for n in nodes) < workers]
+    if short:
+        r = short[0]
+        detail = (f"resource {r!r} is short: {workers} workers need {workers * demand[r]:g} {r} "
+                  f"({demand[r]:g} each) and the cluster has {totals.get(r, 0.0):g}")
+    else:
+        detail = (f"no node has the resources {_fmt(demand)} together for more than "
+                  f"{capacity} worker{'s' if capacity != 1 else ''}")
+    raise WorkersUnavailable(
+        f"workers={workers} do not fit on the Ray cluster: {detail} ({capacity} fit); "
+        f"{per_worker}: lower {knob} or the amount per worker, or add nodes"
+    )
+
+
+class _WorkerActor:
+    """The body of a worker actor (wrapped with ``ray.remote`` by :class:`RayBackend`)."""
+
+    def __init__(self, worker_id: int, log_path: str) -> None:
+        self.worker_id = worker_id
+        self.log_path = log_path
+        # The actor owns its process: its output goes where a local worker's goes.
+        try:
+            fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError:
+            return  # run() reports the missing run directory
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+
+    def info(self) -> tuple[int, str, str]:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return os.getpid(), ctx.get_node_id(), ray.util.get_node_ip_address()
+
+    def run(self, config: "WorkerConfig", marker: str) -> int:
+        import sys
+
+        if not os.path.isfile(marker):
+            raise RuntimeError(
+                f"the run directory {config.state_dir} is not visible on this node (pid {os.getpid()}); "
+                f"the Ray backend needs it on a filesystem every node shares (give run_dir= / --run-dir there)"
+            )
+        from virtualflow.runtime.worker import run_worker
+
+        try:
+            return run_worker(config, self.worker_id)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+
+
+@dataclass(slots=True)
+class RayWorker:
+    """One worker actor, as the job handle and the controller see it."""
+
+    worker_id: int
+    actor: Any
+    log_path: str
+    info_ref: Any
+    run_ref: Any
+    initial: bool
+    started: float
+    pid_: int | None = None
+    node_id: str | None = None
+    node_ip: str | None = None
+    code: int | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.pid_
+
+    @property
+    def placed(self) -> bool:
+        return self.pid_ is not None
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class RayBackend:
+    def __init__(self, config: "WorkerConfig", state_dir: str, options: RayOptions) -> None:
+        self._ray = ray = import_ray()
+        self.config = config
+        self.state_dir = state_dir
+        self.options = options
+        self.workers: dict[int, RayWorker] = {}
+        os.makedirs(os.path.join(state_dir, "logs"), exist_ok=True)
+        self.marker = os.path.join(state_dir, _MARKER)
+        with open(self.marker, "w") as f:
+            f.write(uuid.uuid4().hex)
+        self._config_ref = ray.put(config)
+        self._actor_cls = ray.remote(_WorkerActor)
+
+    def _env(self) -> dict[str, str]:
+        threads = str(self.config.threads)
+        env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
+        # As on the local backend: keep freed tensor memory in the process (a user's own setting wins).
+        env["MALLOC_MMAP_THRESHOLD_"] = os.environ.get("MALLOC_MMAP_THRESHOLD_", str(32 * 1024 * 1024))
+        env["MALLOC_TRIM_THRESHOLD_"] = os.environ.get("MALLOC_TRIM_THRESHOLD_", str(1024 * 1024 * 1024))
+        src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(
+            [src] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+        return env
+
+    def start_worker(self, worker_id: int) -> RayWorker:
+        opts = self.options
+        actor = self._actor_cls.options(
+            num_cpus=opts.cpus_per_worker,
+            num_gpus=opts.gpus_per_worker,
+            resources=dict(opts.resources),
+            max_restarts=0,
+            max_task_retries=0,
+            runtime_env={"env_vars": self._env()},
+        ).remote(worker_id, os.path.join(self.state_dir, "logs", f"worker-{worker_id}.log"))
+        w = RayWorker(
+            worker_id=worker_id,
+            actor=actor,
+            log_path=os.path.join(self.state_dir, "logs", f"worker-{worker_id}.log"),
+            info_ref=actor.info.remote(),
+            run_ref=actor.run.remote(self._config_ref, self.marker),
+            initial=worker_id < self.config.initial_workers,
+            started=time.monotonic(),
+        )
+        self.workers[worker_id] = w
+        return w
+
+    def kill_worker(self, worker_id: int) -> None:
+        """Kill one worker's actor (fencing a hung one works: Ray kills the process)."""
+        w = self.workers.get(worker_id)
+        if w is not None and w.code is None:
+            self._ray.kill(w.actor, no_restart=True)
+
+    def pid(self, worker_id: int) -> int | None:
+        w = self.workers.get(worker_id)
+        if w is None:
+            return None
+        if w.pid_ is None:
+            self._resolve_info([w])
+        return w.pid_
+
+    def poll(self) -> dict[int, int | None]:
+        """Exit code of every worker, None while it runs (see the module's docstring)."""
+        ray = self._ray
+        running = {w.run_ref: w for w in self.workers.values() if w.code is None}
+        if running:
+            done, _ = ray.wait(list(running), num_returns=len(running), timeout=0, fetch_local=False)
+            for ref in done:
+                self._finished(running[ref])
+        unplaced = [w for w in self.workers.values() if w.code is None and not w.placed]
+        if unplaced:
+            self._resolve_info(unplaced)
+            now = time.monotonic()
+            for w in unplaced:
+                if not w.placed and w.code is None and now - w.started > self.options.placement_timeout_s:
+                    self._give_up(w, now - w.started)
+        return {wid: w.code for wid, w in self.workers.items()}
+
+    def _resolve_info(self, workers: list[RayWorker]) -> None:
+        ray = self._ray
+        refs = {w.info_ref: w for w in workers}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0, fetch_local=True)
+        for ref in ready:
+            w = refs[ref]
+            try:
+                w.pid_, w.node_id, w.node_ip = ray.get(ref)
+            except Exception:  # noqa: BLE001 - the actor died; poll() reports it through run_ref
+                w.pid_ = -1 if w.pid_ is None else w.pid_
+
+    def _finished(self, w: RayWorker) -> None:
+        ray = self._ray
+        try:
+            w.code = int(ray.get(w.run_ref))
+        except ray.exceptions.RayActorError as exc:
+            w.code = -int(signal.SIGKILL)
+            self._append_log(w, f"virtualflow: Ray reports the worker's actor dead: {_first_lines(exc)}")
+        except ray.exceptions.RayError as exc:
+            w.code = 1
+            self._append_log(w, f"virtualflow: the worker's actor failed: {_first_lines(exc, 20)}")
+        # The process has exited as far as the job is concerned: give its resources back.
+        try:
+            ray.kill(w.actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+    def _give_up(self, w: RayWorker, waited_s: float) -> None:
+        msg = (f"worker {w.worker_id} was not placed by Ray within {waited_s:.0f} s "
+               f"(placement_timeout_s={self.options.placement_timeout_s:g}): {self.shortage()}")
+        try:
+            self._ray.kill(w.actor, no_restart=True)
+        except Exception:  # noqa: BLE001
+            pass
+        w.code = 1
+        self._append_log(w, f"virtualflow: {msg}")
+        if w.initial:
+            raise WorkersUnavailable(msg + "; lower --workers or the resources per worker, or free or add nodes")
+        logger.warning("%s; the newcomer is given up", msg)
+
+    def shortage(self) -> str:
+        """Which of one worker's resources the cluster has too few of free right now."""
+        ray = self._ray
+        demand = self.options.demand()
+        try:
+            free = ray.available_resources()
+            total = ray.cluster_resources()
+        except Exception as exc:  # noqa: BLE001
+            return f"it needs {_fmt(demand)} (the cluster's resources could not be read: {exc})"
+        short = [f"{r} (needs {d:g}, {free.get(r, 0.0):g} of {total.get(r, 0.0):g} free)"
+                 for r, d in sorted(demand.items()) if free.get(r, 0.0) + 1e-9 < d]
+        if short:
+            return "short of " + ", ".join(short)
+        return f"it needs {_fmt(demand)} on one node, and no node has that free together (or the node is slow to start it)"
+
+    def check_capacity(self, workers: int) -> None:
+        check_capacity(self.options, workers)
+
+    def terminate_all(self, grace_s: float = 3.0) -> None:
+        ray = self._ray
+        alive = [w for w in self.workers.values() if w.code is None]
+        for w in alive:
+            try:
+                ray.kill(w.actor, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        if not alive:
+            return
+        # Wait (bounded) until Ray has seen them die, so their resources are free for what comes next.
+        refs = [w.run_ref for w in alive]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=grace_s, fetch_local=False)
+        for w in alive:
+            if w.run_ref in done:
+                self._finished(w)
+            else:
+                w.code = -int(signal.SIGKILL)
+
+    def _append_log(self, w: RayWorker, text: str) -> None:
+        try:
+            with open(w.log_path, "a") as f:
+                f.write(text.rstrip() + "\n")
+        except OSError:
+            pass
+        logger.debug("worker %d: %s", w.worker_id, text)
+
+
+def _first_lines(exc: BaseException, n: int = 6) -> str:
+    return "\n".join(str(exc).strip().splitlines()[:n])
