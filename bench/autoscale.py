@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     t_start = time.perf_counter()
     load0 = os.getloadavg()
+    env0 = C.environment()  # the code measured: as it is at the start (the tree is shared)
     plan = [
         ("static-opt", dict(workers=opt)),
         ("efficiency", dict(workers=lo, autoscale="efficiency", min_workers=lo, max_workers=hi)),
@@ -244,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
 
     payload = {
         "benchmark": NAME,
-        "environment": C.environment(),
+        "environment": env0,
+        "environment_at_end": C.environment(),
         "config": {"steps": steps, "min_workers": lo, "max_workers": hi, "V": emu.V, "B": emu.B,
                    "pace_s": emu.PACE_S, "comm_s": emu.COMM_S, "ports": emu.PORTS, "utility": UTILITY,
                    "efficiency_threshold": 0.1, "analytic_optimum": opt, "utility_analytic_optimum": util_opt,
@@ -264,9 +266,26 @@ def main(argv: list[str] | None = None) -> int:
     stable = C.md_table(["workers", "analytic samples/s", "analytic step (ms)", "efficiency measured",
                          "utility measured", "static run measured"], size_rows)
     ml = payload["machine_load"]
+    src0, src1 = env0["virtualflow_source"], payload["environment_at_end"]["virtualflow_source"]
+    provenance = (f"virtualflow from {src0.get('path')} at {src0.get('commit')}"
+                  + (" + uncommitted edits" if src0.get("uncommitted_changes") else "") + " at the start")
+    if (src1.get("commit"), src1.get("uncommitted_changes")) != (src0.get("commit"), src0.get("uncommitted_changes")):
+        provenance += (f"; at the end {src1.get('commit')}" + (" + uncommitted edits" if src1.get("uncommitted_changes")
+                                                               else "") +
+                       " (the working tree is shared: worker processes started later import what is on disk then)")
+    scaling_png = None
+    try:
+        from virtualflow.cli.plot import plot_scaling
+
+        scaling_png = plot_scaling([runs["efficiency"]["run_dir"], runs["utility"]["run_dir"]],
+                                   os.path.join(C.RESULTS_DIR, f"{args.out}_scaling.png"))
+    except Exception as exc:  # plotting is optional (matplotlib)
+        print(f"  (no scaling plot: {exc})")
     md = "\n".join([
         f"# Autoscaling (issue 5){' — quick run' if args.quick else ''}", "",
-        C.env_markdown(), "",
+        f"Hardware: {env0['cpu_count']}-core CPU machine, {env0['cpu_model']}, no GPU ({env0['platform']}).  ",
+        f"Versions: python {env0['python']}, torch {env0['torch']}, virtualflow {env0['virtualflow']}; "
+        f"{provenance}; {env0['date']}.", "",
         f"**Compute is EMULATED** (examples/emulated_scaling.py): each of V={emu.V} virtual nodes sleeps to "
         f"{emu.PACE_S * 1e3:.0f} ms with a tiny real linear model inside; each step sleeps "
         f"{emu.COMM_S * 1e3:.0f} ms per worker beyond {emu.PORTS} (an emulated switch with {emu.PORTS} full-rate ports). "
@@ -286,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         "## Results", "", table, "",
         "## Targets", "", *verdicts, "",
         "## Throughput per worker count (samples/s)", "", stable, "",
+        *([f"![throughput and cost per worker count]({os.path.basename(scaling_png)})", ""] if scaling_png else []),
         "The measured throughput is below the analytic one by the real work the emulation does not model: "
         "the gloo reduction, data loading and Python per step, which grow with the worker count on 2 shared "
         "cores. The autoscalers judge what they measure.", "",

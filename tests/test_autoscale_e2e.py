@@ -97,3 +97,42 @@ def test_efficiency_settles_at_the_known_optimum_with_static_weights(run_dir, tm
     print(f"emulated autoscaling: settled at {a['settled_at']} after {a['resizes']} resizes, "
           f"{result.steps} steps, {wall:.1f} s")
     assert wall < 240
+
+
+def test_straggler_is_replaced_in_place_with_static_weights(run_dir):
+    """``straggler``: worker 1 becomes 3x slower; a replacement joins (grow to 4), then worker 1
+    leaves (a shrink that removes that very worker); the job trains on with 3 workers and the
+    weights equal a static run's."""
+    t0 = time.monotonic()
+    handle = vf.launch(emu.make_job(), workers=3, steps=FOREVER, deterministic=True, run_dir=run_dir,
+                       autoscale="straggler", min_workers=1, max_workers=4)
+    try:
+        while handle.status()["step"] < 4:
+            assert not handle.done and time.monotonic() - t0 < 120
+            time.sleep(0.05)
+        handle.set_slowdown(1, 3.0)
+        done_step = None
+        while True:
+            st = handle.status()
+            assert not handle.done, "the job ended early"
+            members = [w["id"] for w in st["workers"] if w["rank"] is not None]
+            if done_step is None and 1 not in members and len(members) == 3 and st["formed_generation"] == st["generation"]:
+                done_step = st["step"]
+            if done_step is not None and st["step"] >= done_step + 8:
+                break
+            assert time.monotonic() - t0 < 180, f"straggler not replaced after 180 s: {st['autoscale']}, {members}"
+            time.sleep(0.05)
+        result = handle.stop()
+    except BaseException:
+        handle.kill()
+        raise
+    a = result.autoscale
+    assert [d["action"] for d in a["decisions"]] == ["replace"]  # once: the replacement is not slow
+    assert a["decisions"][0]["worker"] == 1 and "below 0.80 x the median" in a["decisions"][0]["reason"]
+    gens = events(run_dir, "generation")
+    assert [g["members"] for g in gens[-2:]] == [[0, 1, 2, 3], [0, 2, 3]]
+    assert gens[-1]["reason"] == "shrink"
+    sizes = [h["workers"] for h in result.history]
+    assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [3, 4, 3]
+    ref = vf.train(emu.reference_job(), workers=2, steps=result.steps, deterministic=True)
+    assert_state_equal(result.state_dict, ref.state_dict)

@@ -36,6 +36,13 @@ def format_status(run_dir: str, status: dict, state: str) -> str:
         lines.append("speed-based VN map: predicted step "
                      + (f"{pred * 1000:.1f} ms" if pred else "-") + ", measured "
                      + (f"{meas * 1000:.1f} ms" if meas else "-"))
+    auto = status.get("autoscale")
+    if auto:
+        where = f"settled at {auto['settled_at']}" if auto.get("settled_at") else "searching"
+        lines.append(f"autoscale {auto['policy']} in [{auto['min_workers']}, {auto['max_workers']}]: {where}, "
+                     f"{auto.get('decisions', 0)} decision(s)"
+                     + (f"; last: {auto['last_decision']}" if auto.get("last_decision") else "")
+                     + (f"; OFF ({auto['disabled']})" if auto.get("disabled") else ""))
     lines.append(f"{'worker':>6} {'pid':>8} {'rank':>5} {'ms/VN':>7}  VNs")
     for w in status.get("workers", []):
         vns = w.get("vns") or []
