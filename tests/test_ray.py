@@ -123,6 +123,9 @@ def test_resize_2_3_2_on_ray_keeps_training_in_place(cluster, run_dir):
     wait_for_free_cpus(2)
     handle = vf.launch(jobs.elastic_job, workers=2, steps=FOREVER, deterministic=True, run_dir=run_dir,
                        backend="ray", address=cluster.address, cpus_per_worker=0.5, resources=SLOT)
+    # A size the cluster could never hold is refused at once, naming what is short; the job goes on.
+    with pytest.raises(WorkersUnavailable, match="resource 'CPU' is short: 5 workers need 2.5 CPU"):
+        handle.resize(5)
     for n in (3, 2):
         wait_for_step(handle, handle.status()["step"] + 3)
         handle.resize(n, wait=True, timeout_s=120)
@@ -154,6 +157,24 @@ def test_actor_killed_mid_run_survivors_redo_the_step(cluster, run_dir):
     assert result.generations == 2
     assert {h["workers"] for h in result.history[-5:]} == {2}
     assert_same_training(result, vf.train(unpaced(), workers=2, steps=result.steps, deterministic=True))
+
+
+def test_hung_actor_is_fenced_through_ray_and_the_run_stays_identical(cluster, run_dir):
+    """A worker that stops (SIGSTOP) is found by its silent heartbeat; kill_worker (ray.kill)
+    must then really end the stopped process, and the survivors redo the step."""
+    wait_for_free_cpus(2)
+    plan = vf.FaultPlan([vf.Fault(worker=2, step=5, phase="mid_backward", action="hang")])
+    handle = vf.launch(jobs.elastic_job, workers=3, steps=20, deterministic=True, fault_plan=plan, run_dir=run_dir,
+                       backend="ray", address=cluster.address, cpus_per_worker=0.5, resources=SLOT)
+    result = handle.wait(timeout_s=240)
+    assert [f["worker"] for f in result.failures] == [2]
+    assert "stopped responding" in result.failures[0]["cause"]
+    assert_same_training(result, vf.train(unpaced(), workers=2, steps=20, deterministic=True))
+    pid = handle.backend.pid(2)  # this cluster's nodes are this machine: the process is visible here
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{pid}"):
+        assert time.monotonic() < deadline, f"the stopped worker's process {pid} is still there"
+        time.sleep(0.05)
 
 
 def test_a_resource_nobody_has_fails_at_once_naming_it(cluster):
