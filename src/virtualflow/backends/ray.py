@@ -272,6 +272,7 @@ class RayWorker:
     node_id: str | None = None
     node_ip: str | None = None
     code: int | None = None
+    info_failed: bool = False
 
     @property
     def pid(self) -> int | None:
@@ -279,7 +280,8 @@ class RayWorker:
 
     @property
     def placed(self) -> bool:
-        return self.pid_ is not None
+        """Ray created the actor (or gave up on it: then ``run_ref`` reports why)."""
+        return self.pid_ is not None or self.info_failed
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -346,7 +348,7 @@ class RayBackend:
         w = self.workers.get(worker_id)
         if w is None:
             return None
-        if w.pid_ is None:
+        if not w.placed:
             self._resolve_info([w])
         return w.pid_
 
@@ -376,7 +378,7 @@ class RayBackend:
             try:
                 w.pid_, w.node_id, w.node_ip = ray.get(ref)
             except Exception:  # noqa: BLE001 - the actor died; poll() reports it through run_ref
-                w.pid_ = -1 if w.pid_ is None else w.pid_
+                w.info_failed = True
 
     def _finished(self, w: RayWorker) -> None:
         ray = self._ray
