@@ -51,6 +51,22 @@ def cluster():
         c.shutdown()
 
 
+@pytest.fixture
+def launch():
+    """``vf.launch`` whose jobs are killed at teardown if a failed test left them running (a
+    job outliving the module would keep using Ray after the cluster is shut down)."""
+    started: list[vf.JobHandle] = []
+
+    def _launch(*args, **kwargs) -> vf.JobHandle:
+        started.append(vf.launch(*args, **kwargs))
+        return started[-1]
+
+    yield _launch
+    for handle in started:
+        if not handle.done:
+            handle.kill()
+
+
 def wait_for_step(handle: vf.JobHandle, step: int, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while handle.status()["step"] < step:
@@ -87,10 +103,10 @@ def digits_local():
     return vf.train(DIGITS, workers=2, steps=12, deterministic=True)
 
 
-def test_digits_trains_bit_identical_on_two_ray_nodes_and_locally(cluster, digits_local, run_dir):
+def test_digits_trains_bit_identical_on_two_ray_nodes_and_locally(cluster, digits_local, run_dir, launch):
     wait_for_free_cpus(2)
     # One CPU per worker: the two actors must land on different nodes.
-    handle = vf.launch(DIGITS, workers=2, steps=12, deterministic=True, run_dir=run_dir, backend="ray",
+    handle = launch(DIGITS, workers=2, steps=12, deterministic=True, run_dir=run_dir, backend="ray",
                        address=cluster.address, cpus_per_worker=1, resources=SLOT)
     result = handle.wait(timeout_s=240)
     nodes = {w.node_id for w in handle.backend.workers.values()}
@@ -119,17 +135,29 @@ def test_cli_backend_ray_trains_the_same_weights(cluster, digits_local, tmp_path
     assert_state_equal(load_state(os.path.join(d, "final.pt"))["model"], digits_local.state_dict)
 
 
-def test_resize_2_3_2_on_ray_keeps_training_in_place(cluster, run_dir):
+def test_resize_2_3_2_on_ray_keeps_training_in_place(cluster, run_dir, launch):
     wait_for_free_cpus(2)
-    handle = vf.launch(jobs.elastic_job, workers=2, steps=FOREVER, deterministic=True, run_dir=run_dir,
+    handle = launch(jobs.elastic_job, workers=2, steps=FOREVER, deterministic=True, run_dir=run_dir,
                        backend="ray", address=cluster.address, cpus_per_worker=0.5, resources=SLOT)
     # A size the cluster could never hold is refused at once, naming what is short; the job goes on.
     with pytest.raises(WorkersUnavailable, match="resource 'CPU' is short: 5 workers need 2.5 CPU"):
         handle.resize(5)
-    for n in (3, 2):
-        wait_for_step(handle, handle.status()["step"] + 3)
-        handle.resize(n, wait=True, timeout_s=120)
-        assert len([w for w in handle.status()["workers"] if w["rank"] is not None]) == n
+    wait_for_step(handle, 3)
+    handle.resize(3, wait=True, timeout_s=120)
+    assert len([w for w in handle.status()["workers"] if w["rank"] is not None]) == 3
+    # The command line reaches the coordinator at the node's address (from status.json).
+    wait_for_step(handle, handle.status()["step"] + 3)
+    from virtualflow.cli.main import main
+
+    assert main(["resize", run_dir, "--workers", "2"]) == 0
+    deadline = time.monotonic() + 60
+    while True:  # (not --wait: it can read a status.json written before the request was taken)
+        st = handle.status()
+        if st["generation"] == 2 and st["formed_generation"] == 2:
+            break
+        assert time.monotonic() < deadline and not handle.done, f"the shrink did not happen: {st}"
+        time.sleep(0.02)
+    assert len([w for w in handle.status()["workers"] if w["rank"] is not None]) == 2
     wait_for_step(handle, handle.status()["step"] + 3)
     result = handle.stop()
     assert result.generations == 3 and not result.failures
@@ -140,9 +168,9 @@ def test_resize_2_3_2_on_ray_keeps_training_in_place(cluster, run_dir):
     assert_same_training(result, vf.train(unpaced(), workers=2, steps=result.steps, deterministic=True))
 
 
-def test_actor_killed_mid_run_survivors_redo_the_step(cluster, run_dir):
+def test_actor_killed_mid_run_survivors_redo_the_step(cluster, run_dir, launch):
     wait_for_free_cpus(2)
-    handle = vf.launch(jobs.elastic_job, workers=3, steps=FOREVER, deterministic=True, run_dir=run_dir,
+    handle = launch(jobs.elastic_job, workers=3, steps=FOREVER, deterministic=True, run_dir=run_dir,
                        backend="ray", address=cluster.address, cpus_per_worker=0.5, resources=SLOT)
     wait_for_step(handle, 5)
     ray.kill(handle.backend.workers[1].actor)
@@ -159,12 +187,12 @@ def test_actor_killed_mid_run_survivors_redo_the_step(cluster, run_dir):
     assert_same_training(result, vf.train(unpaced(), workers=2, steps=result.steps, deterministic=True))
 
 
-def test_hung_actor_is_fenced_through_ray_and_the_run_stays_identical(cluster, run_dir):
+def test_hung_actor_is_fenced_through_ray_and_the_run_stays_identical(cluster, run_dir, launch):
     """A worker that stops (SIGSTOP) is found by its silent heartbeat; kill_worker (ray.kill)
     must then really end the stopped process, and the survivors redo the step."""
     wait_for_free_cpus(2)
     plan = vf.FaultPlan([vf.Fault(worker=2, step=5, phase="mid_backward", action="hang")])
-    handle = vf.launch(jobs.elastic_job, workers=3, steps=20, deterministic=True, fault_plan=plan, run_dir=run_dir,
+    handle = launch(jobs.elastic_job, workers=3, steps=20, deterministic=True, fault_plan=plan, run_dir=run_dir,
                        backend="ray", address=cluster.address, cpus_per_worker=0.5, resources=SLOT)
     result = handle.wait(timeout_s=240)
     assert [f["worker"] for f in result.failures] == [2]
@@ -189,14 +217,14 @@ def test_a_resource_nobody_has_fails_at_once_naming_it(cluster):
     assert time.monotonic() - t0 < 10
 
 
-def test_a_busy_resource_gives_up_after_the_placement_timeout_naming_it(cluster):
+def test_a_busy_resource_gives_up_after_the_placement_timeout_naming_it(cluster, launch):
     """The cluster has the resource, but something else holds it: bounded wait, then a clear error."""
     wait_for_free_cpus(2)
     held = ray.util.placement_group([{"accel_x": 1}])  # reserves the only accel_x, no process
     ray.get(held.ready(), timeout=30)
     try:
         t0 = time.monotonic()
-        handle = vf.launch(jobs.elastic_job, workers=1, steps=5, backend="ray", address=cluster.address,
+        handle = launch(jobs.elastic_job, workers=1, steps=5, backend="ray", address=cluster.address,
                            cpus_per_worker=0.5, resources={"accel_x": 1}, placement_timeout_s=3)
         with pytest.raises(vf.TrainingError, match=r"not placed by Ray within 3 s .*short of accel_x"):
             handle.wait(timeout_s=60)
