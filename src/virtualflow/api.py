@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from virtualflow.backends.external import ExternalBackend, parse_address
 from virtualflow.backends.local import LocalBackend, describe_exit
 from virtualflow.backends.ray import RayBackend, RayOptions, WorkersUnavailable, check_capacity, connect
 from virtualflow.control.autoscale import FixedPolicy, Limits, Policy, make_policy
@@ -31,7 +32,7 @@ from virtualflow.control.coordinator import Coordinator
 from virtualflow.job import Job, JobSource, source_from, resolve_spec
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.vnmap import contiguous_assignment, describe_assignment
-from virtualflow.comm import protocol
+from virtualflow.comm import auth, protocol
 from virtualflow.control.membership import JobFailed, MembershipController, check_resize
 from virtualflow.runtime.checkpoint import CorruptCheckpointError, load_state
 from virtualflow.plan.hetero import check_memory
@@ -117,6 +118,8 @@ def launch(
     gpus_per_worker: float | None = None,
     resources: dict[str, float] | None = None,
     placement_timeout_s: float | None = None,
+    listen: str | None = None,
+    token_file: str | None = None,
     _control_plane: bool = True,
 ) -> "JobHandle":
     """Start training ``job`` on ``workers`` worker processes (default 1, or ``min_workers``
@@ -164,7 +167,26 @@ def launch(
     starting worker Ray has not placed within ``placement_timeout_s`` (default 60) fails the
     job. The run directory must be on a filesystem every node sees. Needs
     ``pip install virtualflow[ray]``.
+
+    ``"external"``: workers started elsewhere join by address. The coordinator's store listens on
+    ``listen`` (``"ADDR:PORT"``) and waits for ``workers`` workers to run
+    ``virtualflow worker --join ADDR:PORT --token-file FILE``; a later join grows the job in place,
+    a worker that exits or stops beating is a failure as on the other backends. The run
+    directory must be on a filesystem the workers see at the same path.
+
+    Control requests from outside this process (joins, ``virtualflow resize``) must be signed
+    with the job's token (HMAC-SHA256, :mod:`virtualflow.comm.auth`): the contents of
+    ``token_file``, or a new random token written to ``<run_dir>/token`` (mode 0600) for every
+    backend. Unsigned or wrongly signed requests are ignored and logged.
     """
+    if backend == "external":
+        if listen is None:
+            raise ValueError("backend='external' needs listen='ADDR:PORT' (--listen), the address workers join")
+        listen_addr = parse_address(listen)
+    elif listen is not None:
+        raise ValueError(f"listen={listen!r} only applies to backend='external'; add backend='external' "
+                         f"(--backend external) or drop it")
+    token = auth.read_token(token_file) if token_file is not None else None
     ray_options = _backend_options(backend, address=address, cpus_per_worker=cpus_per_worker,
                                    gpus_per_worker=gpus_per_worker, resources=resources,
                                    placement_timeout_s=placement_timeout_s)
@@ -256,7 +278,9 @@ def launch(
         )
     if worker_specs is not None:
         check_memory(job_obj.global_batch_size // job_obj.virtual_nodes, [s.memory_limit for s in worker_specs])
-    store_host = "127.0.0.1"  # local: loopback only
+    store_host, store_port = "127.0.0.1", 0  # local: loopback only
+    if backend == "external":
+        store_host, store_port = listen_addr
     if ray_options is not None:
         store_host = connect(ray_options)  # the node's address, which the other nodes reach
         check_capacity(ray_options, workers)
@@ -285,6 +309,12 @@ def launch(
         state_dir = run_dir
     else:
         state_dir = tempfile.mkdtemp(prefix="virtualflow-")
+    if token is None:
+        token_path = os.path.join(state_dir, "token")
+        token = auth.new_token()
+        auth.write_token(token_path, token)
+    else:
+        token_path = os.path.abspath(token_file)
     if threads_per_worker is None:
         if deterministic:
             threads_per_worker = 1
@@ -325,6 +355,10 @@ def launch(
         price_per_worker_hour=float(price_per_worker_hour),
         ray_options=ray_options,
         store_host=store_host,
+        store_port=store_port,
+        external=backend == "external",
+        token=token,
+        token_path=token_path,
     )
     if not _control_plane:  # benchmarks only: measure what heartbeats and control reads cost
         handle._config.control_plane = False
@@ -338,10 +372,11 @@ def launch(
 def _backend_options(backend: str, **ray_kwargs: Any) -> RayOptions | None:
     """``None`` for the local backend (which takes none of the Ray options), else the
     validated :class:`RayOptions`."""
-    if backend not in ("local", "ray"):
-        raise ValueError(f"backend={backend!r} is not available; choose 'local' (this machine) or 'ray' (--backend)")
+    if backend not in ("local", "ray", "external"):
+        raise ValueError(f"backend={backend!r} is not available; choose 'local' (this machine), 'ray' or "
+                         f"'external' (workers join by address) (--backend)")
     given = {k: v for k, v in ray_kwargs.items() if v is not None}
-    if backend == "local":
+    if backend in ("local", "external"):
         if given:
             names = ", ".join(f"{k}=" for k in given)
             raise ValueError(f"{names} only apply to backend='ray'; add backend='ray' (--backend ray) or drop them")
@@ -446,7 +481,8 @@ class JobHandle:
                  worker_specs: list[WorkerSpec] | None = None, balance: bool = False,
                  uneven_vn_sizes: bool = False, autoscale: Policy | None = None,
                  autoscale_limits: Limits | None = None, price_per_worker_hour: float = 1.0,
-                 ray_options: RayOptions | None = None, store_host: str = "127.0.0.1") -> None:
+                 ray_options: RayOptions | None = None, store_host: str = "127.0.0.1", store_port: int = 0,
+                 external: bool = False, token: str | None = None, token_path: str | None = None) -> None:
         self.job = job
         self.run_dir = run_dir
         self._state_dir = state_dir
@@ -468,7 +504,12 @@ class JobHandle:
         self._requests: deque[int] = deque()
         self._status_written = 0.0
         self._ray_options = ray_options
-        self.coordinator = Coordinator(total_steps=total_steps, run_dir=run_dir, host=store_host,
+        self._external = external
+        self._backend_name = "external" if external else ("ray" if ray_options is not None else "local")
+        self._token = token or auth.new_token()
+        self._token_path = token_path
+        self._replay = auth.ReplayGuard()
+        self.coordinator = Coordinator(total_steps=total_steps, run_dir=run_dir, host=store_host, port=store_port,
                                        on_step=self._on_step)
         self.coordinator.progress.step = resume_step
         self._config = WorkerConfig(
@@ -488,7 +529,11 @@ class JobHandle:
             fault_plan=fault_plan,
             slowdowns={i: s.slowdown for i, s in enumerate(worker_specs or []) if s.slowdown != 1.0},
         )
-        self.backend = _make_backend(self._config, state_dir, ray_options)
+        if external:
+            self.backend = ExternalBackend(self._config, self.coordinator.store, self._token,
+                                           grow=self._grow_for_join, event=self.coordinator.event)
+        else:
+            self.backend = _make_backend(self._config, state_dir, ray_options)
         self.controller = MembershipController(
             self.coordinator,
             self.backend,
@@ -527,6 +572,13 @@ class JobHandle:
         if self._resume_path:
             msg += f"; resuming from {self._resume_path} (step {self._resume_step})"
         logger.info(msg)
+        if self._external:
+            logger.info("waiting for %d worker%s to join %s:%d; on each machine run: virtualflow worker --join "
+                        "%s:%d --token-file FILE (the job's token is in %s; copy it there, mode 0600)",
+                        self._workers, "s" if self._workers > 1 else "", self.coordinator.host, self.coordinator.port,
+                        self.coordinator.host, self.coordinator.port, self._token_path)
+        else:
+            logger.info("control requests (virtualflow resize) are signed with the token in %s", self._token_path)
         self.coordinator.event(
             "start",
             job=job.name,
@@ -536,7 +588,7 @@ class JobHandle:
             workers=self._workers,
             total_steps=self.total_steps,
             deterministic=self._deterministic,
-            backend="ray" if self._ray_options is not None else "local",
+            backend=self._backend_name,
             threads_per_worker=self._config.threads,
             min_workers=self._min_workers,
             resume_path=self._resume_path,
@@ -572,6 +624,9 @@ class JobHandle:
                     time.sleep(0.3)  # let the other workers' reports arrive: pick the root cause
                     coord.poll()
                     raise TrainingError(self._failure_message(self.backend.poll()))
+                serve = getattr(self.backend, "serve", None)
+                if serve is not None:  # external workers: answer joins, note exits
+                    serve(reports)
                 self._take_requests()
                 try:
                     ctl.tick(reports)
@@ -617,7 +672,14 @@ class JobHandle:
         resize`` pushes to the store's request queue)."""
         while self._requests:
             self.controller.request_resize(self._requests.popleft(), source="api")
-        for req in protocol.pop_reports(self.coordinator.store, queue=protocol.REQUESTS_QUEUE):
+        for message in protocol.pop_reports(self.coordinator.store, queue=protocol.REQUESTS_QUEUE):
+            try:
+                req = auth.verify(self._token, message, guard=self._replay)
+            except auth.AuthError as exc:
+                shown = message if len(json.dumps(message)) < 500 else "(a long message)"
+                logger.warning("ignored a control request that is not signed with the job's token: %s (%s)", exc, shown)
+                self.coordinator.event("request_rejected", request=shown, error=str(exc), auth=False)
+                continue
             try:
                 if req.get("op") != "resize":
                     raise ValueError(f"unknown request op={req.get('op')!r}")
@@ -626,6 +688,20 @@ class JobHandle:
             except ValueError as exc:
                 logger.warning("rejected request %s: %s", req, exc)
                 self.coordinator.event("request_rejected", request=req, error=str(exc))
+
+    def _grow_for_join(self) -> str | None:
+        """An external worker asked to join and no slot is open: grow the job by one through
+        the ordinary resize path. Returns why not, or None."""
+        ctl = self.controller
+        want = max(ctl.target, len(ctl.members)) + 1
+        if want > self.job.virtual_nodes:
+            return (f"the job already has {want - 1} workers for virtual_nodes={self.job.virtual_nodes}; every worker "
+                    f"needs at least one virtual node")
+        try:
+            ctl.request_resize(max(want, self._min_workers), source="join")
+        except ValueError as exc:
+            return str(exc)
+        return None
 
     def _check_room(self, workers: Any) -> None:
         """On Ray, refuse a resize the cluster's nodes could never hold (names the short resource)."""
@@ -698,7 +774,7 @@ class JobHandle:
             "autoscale": self.autoscaler.summary() if self.autoscaler is not None else None,
             "predicted_step_s": self.controller.predicted_step_s,
             "deterministic": self._deterministic,
-            "backend": "ray" if self._ray_options is not None else "local",
+            "backend": self._backend_name,
             "threads_per_worker": self._config.threads,
             "steps_total": self.total_steps,
             "steps_completed": self.coordinator.progress.step,
@@ -729,7 +805,9 @@ class JobHandle:
             job=self.job.name,
             virtual_nodes=self.job.virtual_nodes,
             min_workers=self._min_workers,
-            coordinator={"host": self.coordinator.host, "port": self.coordinator.port, "pid": os.getpid()},
+            coordinator={"host": self.coordinator.host, "port": self.coordinator.port, "pid": os.getpid(),
+                         "token_file": self._token_path},
+            backend=self._backend_name,
             updated=time.time(),
         )
         tmp = os.path.join(self.run_dir, f".status.json.{os.getpid()}")

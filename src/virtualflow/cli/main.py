@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from virtualflow.cli import plot, resize, run, simulate, status
+from virtualflow.cli import plot, resize, run, simulate, status, worker
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     resize.add_parser(sub)
     plot.add_parser(sub)
     simulate.add_parser(sub)
+    worker.add_parser(sub)
     return parser
 
 

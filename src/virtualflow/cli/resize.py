@@ -1,8 +1,9 @@
 """``virtualflow resize RUN_DIR --workers N``: change a running job's worker count in place.
 
 The request goes to the job's coordinator through its store (loopback only in local mode) and
-takes effect at the next step boundary. A finished run, or one whose coordinator is gone, is
-refused.
+takes effect at the next step boundary. It is signed with the run's token (``RUN_DIR/token``, or
+the token file the job was started with): the coordinator ignores unsigned requests. A finished
+run, or one whose coordinator is gone, is refused.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import time
 
 from virtualflow.cli.runinfo import read_status, run_state
@@ -24,13 +26,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, required=True, help="new number of workers")
     p.add_argument("--wait", action="store_true", help="wait until the new generation has formed")
     p.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS", help="with --wait (default 120)")
+    p.add_argument("--token-file", metavar="FILE",
+                   help="the job's token (default: the token file named in RUN_DIR/status.json, else RUN_DIR/token)")
     p.set_defaults(func=main)
 
 
-def request_resize(run_dir: str, workers: int) -> dict:
+def token_path(run_dir: str, status: dict) -> str:
+    return status.get("coordinator", {}).get("token_file") or os.path.join(run_dir, "token")
+
+
+def request_resize(run_dir: str, workers: int, token_file: str | None = None) -> dict:
     import torch.distributed as dist
 
-    from virtualflow.comm import protocol
+    from virtualflow.comm import auth, protocol
 
     status = read_status(run_dir)
     state = run_state(run_dir, status)
@@ -43,12 +51,14 @@ def request_resize(run_dir: str, workers: int) -> dict:
     coord = status["coordinator"]
     store = dist.TCPStore(coord["host"], int(coord["port"]), is_master=False,
                           timeout=datetime.timedelta(seconds=10))
-    store.queue_push(protocol.REQUESTS_QUEUE, json.dumps({"op": "resize", "workers": workers, "source": "cli"}))
+    token = auth.read_token(token_file or token_path(run_dir, status))
+    message = auth.sign(token, {"op": "resize", "workers": workers, "source": "cli"})
+    store.queue_push(protocol.REQUESTS_QUEUE, json.dumps(message))
     return status
 
 
 def main(args: argparse.Namespace) -> int:
-    before = request_resize(args.run_dir, args.workers)
+    before = request_resize(args.run_dir, args.workers, args.token_file)
     print(f"requested: {len(before.get('workers', []))} -> {args.workers} workers "
           f"(takes effect at the next step boundary)")
     if args.wait:

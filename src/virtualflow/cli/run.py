@@ -35,9 +35,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(default runs/<file>-<time>)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     rb = p.add_argument_group("backend")
-    rb.add_argument("--backend", choices=("local", "ray"), default="local",
+    rb.add_argument("--backend", choices=("local", "ray", "external"), default="local",
                     help="local: worker processes on this machine (default); ray: one Ray actor per worker, "
-                    "on any node of a Ray cluster (pip install virtualflow[ray])")
+                    "on any node of a Ray cluster (pip install virtualflow[ray]); external: wait for workers "
+                    "started elsewhere with `virtualflow worker --join ADDR:PORT --token-file FILE`")
+    rb.add_argument("--listen", metavar="ADDR:PORT",
+                    help="external backend: the address workers join (e.g. 10.0.0.5:29400; 0.0.0.0 for every interface)")
+    rb.add_argument("--token-file", metavar="FILE",
+                    help="the job's secret token: joins and control requests must be signed with it (default: a new "
+                    "random token written to RUN_DIR/token, mode 0600)")
     rb.add_argument("--address", metavar="auto|HOST:PORT",
                     help="Ray cluster to use (default: RAY_ADDRESS, else a new local Ray instance)")
     rb.add_argument("--cpus-per-worker", type=float, metavar="C",
@@ -119,6 +125,8 @@ def main(args: argparse.Namespace) -> int:
             gpus_per_worker=args.gpus_per_worker,
             resources=parse_resources(args.resources) if args.resources is not None else None,
             placement_timeout_s=args.placement_timeout,
+            listen=args.listen,
+            token_file=args.token_file,
         )
     except TrainingError as exc:
         print(f"virtualflow run: training failed: {exc}", file=sys.stderr)

@@ -1,7 +1,8 @@
 """The coordinator: owns the job's store, its membership generations and its records.
 
 It hosts a ``torch.distributed.TCPStore`` listening on ``host`` only (loopback in local mode, the
-node's address on Ray; a free port chosen by the OS),
+node's address on Ray, the ``--listen`` address with external workers; a free port chosen by the
+OS unless ``port`` is given),
 publishes membership as numbered generations, accepts control commands (``stop`` now; resize
 in the elasticity work) and turns the workers' reports into the run's records:
 ``events.jsonl`` (join, generation, step, eval, error, done), ``metrics.jsonl`` (one line per
@@ -69,10 +70,11 @@ class Coordinator:
         total_steps: int,
         run_dir: str | None,
         host: str = "127.0.0.1",
+        port: int = 0,
         store_timeout_s: float = 120.0,
         on_step: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
-        self.store = _listening_store(host, datetime.timedelta(seconds=store_timeout_s))
+        self.store = _listening_store(host, datetime.timedelta(seconds=store_timeout_s), port)
         self.host = host
         self.port = self.store.port
         self.run_dir = run_dir
@@ -167,15 +169,17 @@ class Coordinator:
         self.metrics_log.close()
 
 
-def _listening_store(host: str, timeout: datetime.timedelta) -> dist.TCPStore:
+def _listening_store(host: str, timeout: datetime.timedelta, port: int = 0) -> dist.TCPStore:
     """A master TCPStore that accepts connections on ``host``'s address only.
 
     Given a bare port, TCPStore's server listens on every interface whatever host it is told;
     handing it a socket already bound to ``host`` (``master_listen_fd``) keeps a local job off the
     network. Should this torch refuse the socket, it falls back to TCPStore's own listener."""
-    family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     try:
+        if port:  # a fixed port (external workers join it): rebindable right after a previous job
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr[:2] if family == socket.AF_INET else addr)
         sock.listen(512)
         port = sock.getsockname()[1]
@@ -193,7 +197,7 @@ def _listening_store(host: str, timeout: datetime.timedelta) -> dist.TCPStore:
             pass
         logger.warning("this torch's TCPStore does not take a bound socket (%s): the job's store listens on "
                        "all interfaces, not only %s", exc, host)
-        return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
 
 
 def _span(vns: Sequence[int]) -> str:
