@@ -24,8 +24,8 @@ cluster would bill, start-up and newcomers still starting included), training wo
 Targets (issue 5): the autoscalers' worker-seconds within 10 % of static-opt's, and >= 40 % fewer
 than static-max's.
 
-    python bench/autoscale.py            # 500 steps per run, ~10 min
-    python bench/autoscale.py --quick    # 250 steps per run, ~5 min
+    python bench/autoscale.py            # 500 steps per run, each autoscaler twice, ~14 min
+    python bench/autoscale.py --quick    # 250 steps per run, ~8 min
 """
 
 from __future__ import annotations
@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="steps per run (default 500; quick 250)")
     p.add_argument("--min-workers", type=int, default=1)
     p.add_argument("--max-workers", type=int, default=12)
+    p.add_argument("--reps", type=int, default=2, help="runs of each autoscaler (static runs: one each)")
     p.add_argument("--quiet-wait", type=float, default=30.0, help="wait up to this long for a quiet machine per run")
     p.add_argument("--out", default=NAME, help="result file name under bench/results")
     args = p.parse_args(argv)
@@ -186,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         ("utility", dict(workers=lo, autoscale=f"utility:value={UTILITY}", min_workers=lo, max_workers=hi)),
         ("static-min", dict(workers=lo)),
     ]
+    for i in range(2, args.reps + 1):  # the autoscalers again: their search is the noisy part
+        plan += [(f"efficiency#{i}", plan[1][1]), (f"utility#{i}", plan[3][1])]
     runs: dict[str, dict] = {}
     for label, kw in plan:
         waited = C.wait_for_quiet(args.quiet_wait) if args.quiet_wait > 0 else 0.0
@@ -208,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{1 - r['train_ws_vs_max']:.1%}", f"{r['time_to_first_step_s']:.1f}", r["resizes"],
                      r["settled_at"] or "-", r["steps_until_last_decision"] if r["autoscale"] else "-",
                      r["processes_started"], f"{r['other_load_cores']:.2f}"])
-    for label in ("efficiency", "utility"):
+    for label in [k for k in runs if runs[k]["autoscale"]]:
         r = runs[label]
         within = r["ws_vs_opt"] <= 1 + TARGET_WITHIN_OPT
         below = 1 - r["ws_vs_max"] >= TARGET_BELOW_MAX
@@ -265,6 +268,16 @@ def main(argv: list[str] | None = None) -> int:
                         "other load (cores)"], rows)
     stable = C.md_table(["workers", "analytic samples/s", "analytic step (ms)", "efficiency measured",
                          "utility measured", "static run measured"], size_rows)
+    summary_lines = []
+    for policy in ("efficiency", "utility"):
+        mine = [t for k, t in targets.items() if k.split("#")[0] == policy]
+        summary_lines.append(
+            f"- `{policy}`: settled at {[t['settled_at'] for t in mine]} (analytic optimum {opt}); within 10 % of "
+            f"static-opt's worker-seconds in {sum(t['within_10pct_of_opt'] for t in mine)} of {len(mine)} runs "
+            f"(training worker-seconds: {sum(t['training_within_10pct_of_opt'] for t in mine)} of {len(mine)}); "
+            f">= 40 % below static-max in {sum(t['at_least_40pct_below_max'] for t in mine)} of {len(mine)} "
+            f"(training: {sum(t['training_at_least_40pct_below_max'] for t in mine)} of {len(mine)}).")
+    payload["targets_summary"] = summary_lines
     ml = payload["machine_load"]
     src0, src1 = env0["virtualflow_source"], payload["environment_at_end"]["virtualflow_source"]
     provenance = (f"virtualflow from {src0.get('path')} at {src0.get('commit')}"
@@ -294,8 +307,9 @@ def main(argv: list[str] | None = None) -> int:
         f"has the same optimum ({util_opt}). The autoscalers start at {lo} worker and are not told the optimum.", "",
         "Worker-seconds = the lifetime of every worker process (sampled every 20 ms): start-up, newcomers still "
         "starting and the trial sizes all count. Training worker-seconds = sum over steps of workers x step time "
-        "(start-up excluded). JCT includes worker start-up. One run per configuration (this VM is shared: the "
-        "'other load' column is the CPU other processes used during each run).", "",
+        "(start-up excluded). JCT includes worker start-up. Static runs once, each autoscaler "
+        f"{args.reps} time(s) (#2, ...), in the order of the table (this VM is shared: the 'other load' column is "
+        "the CPU other processes used during each run).", "",
         "Caveat on start-up: a static run starts all its workers at once, and on these 2 shared cores their "
         "imports (torch, ~1.3 s of CPU each) contend, so 6 or 12 workers take several times longer to reach the "
         "first step than 1 ('first step after' column); on a cluster each worker would start on its own machine. "
@@ -303,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         "process worker-seconds and JCT; the training worker-seconds columns leave start-up out.", "",
         f"Machine load: load average {ml['loadavg_start'][0]:.2f} at start, {ml['loadavg_end'][0]:.2f} at end.", "",
         "## Results", "", table, "",
-        "## Targets", "", *verdicts, "",
+        "## Targets", "", *summary_lines, "", "Per run:", "", *verdicts, "",
         "## Throughput per worker count (samples/s)", "", stable, "",
         *([f"![throughput and cost per worker count]({os.path.basename(scaling_png)})", ""] if scaling_png else []),
         "The measured throughput is below the analytic one by the real work the emulation does not model: "
@@ -317,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                         "train/opt", "train < max", "1st step s", "resizes", "settled", "at step", "procs", "load"],
                        [[c.replace("**", "") if isinstance(c, str) else c for c in r] for r in rows]))
     print(*verdicts, sep="\n")
+    print(*summary_lines, sep="\n")
     print(f"wrote {jp} and {mp} ({payload['wall_s']:.0f} s)")
     return 0
 

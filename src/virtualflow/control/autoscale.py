@@ -359,10 +359,12 @@ class EfficiencyPolicy:
     """Smallest scaling efficiency an addition must show, in (0, 1]."""
     step_size: int = 1
     """Workers added or removed per trial."""
-    min_steps: int = 5
-    """Measured steps per size before judging it (>= 1; >= 3 to outvote one noisy step)."""
-    warmup_steps: int = 2
-    """Steps skipped at the start of every generation (the regroup, cold caches)."""
+    min_steps: int = 10
+    """Measured steps per size before judging it (>= 1; >= 3 to outvote one noisy step). 10: on a
+    shared machine a 5-step median was seen to misjudge a size by 20 % (a burst of other load)."""
+    warmup_steps: int = 3
+    """Steps skipped at the start of every generation (the regroup, a newcomer's first steps,
+    which run slower for a few steps)."""
     name: str = "efficiency"
 
     def __post_init__(self) -> None:
@@ -488,8 +490,8 @@ class UtilityPolicy:
     value: LinearUtility | DeadlineUtility | str = "linear:10"
     """The utility of completion time (see :func:`parse_utility`)."""
     step_size: int = 1
-    min_steps: int = 5
-    warmup_steps: int = 2
+    min_steps: int = 10
+    warmup_steps: int = 3
     name: str = "utility"
 
     def __post_init__(self) -> None:

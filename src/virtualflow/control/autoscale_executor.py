@@ -114,8 +114,8 @@ class AutoscaleExecutor:
         self.disabled: str | None = None
         self._noted: set[str] = set()
         # How the executor's own per-size table is measured (the policy's settings if it has them).
-        self.min_steps = int(getattr(policy, "min_steps", 5))
-        self.warmup_steps = int(getattr(policy, "warmup_steps", 2))
+        self.min_steps = int(getattr(policy, "min_steps", 10))
+        self.warmup_steps = int(getattr(policy, "warmup_steps", 3))
 
     # -- observations ------------------------------------------------------------------------
     def observation(self, r: dict[str, Any]) -> Observation | None:
