@@ -172,3 +172,69 @@ def test_unsigned_requests_are_refused_and_joins_leaves_resize_in_place(tmp_path
     assert [e["source"] for e in events(run_dir, "resize_request")] == ["cli", "join"]
     assert not result.failures
     assert_same_training(result, vf.train(jobs.elastic_job, workers=2, steps=result.steps, deterministic=True))
+
+
+def test_a_joined_worker_killed_mid_run_is_survived_and_a_replacement_can_join(tmp_path):
+    import signal
+
+    run_dir = str(tmp_path / "run")
+    address = f"127.0.0.1:{free_port()}"
+    handle = vf.launch(jobs.elastic_job, workers=2, steps=FOREVER, deterministic=True, run_dir=run_dir,
+                       backend="external", listen=address, heartbeat_timeout_s=2.0)
+    token_file = os.path.join(run_dir, "token")
+    procs = [start_worker(address, token_file, str(tmp_path / f"w{i}.log")) for i in range(2)]
+    try:
+        wait_until(lambda: handle.status()["step"] >= 3, "step 3", handle=handle)
+        victim = next(w["pid"] for w in handle.status()["workers"] if w["id"] == 1)
+        os.kill(victim, signal.SIGKILL)  # no goodbye: only its silent heartbeat tells
+        wait_until(lambda: settled(handle, 1), "the survivor alone in a generation", handle=handle)
+        procs.append(start_worker(address, token_file, str(tmp_path / "w2.log")))
+        wait_until(lambda: settled(handle, 2), "the replacement in a generation", handle=handle)
+        step = handle.status()["step"]
+        wait_until(lambda: handle.status()["step"] >= step + 3, "3 more steps", handle=handle)
+        result = handle.stop()
+    finally:
+        if not handle.done:
+            handle.kill()
+        codes = reap(procs)
+    assert sorted(codes) == [-signal.SIGKILL, 0, 0]
+    assert [f["worker"] for f in result.failures] == [1] and "no heartbeat" in result.failures[0]["cause"]
+    assert_same_training(result, vf.train(jobs.elastic_job, workers=2, steps=result.steps, deterministic=True))
+
+
+def test_listen_belongs_to_the_external_backend_and_the_local_store_stays_on_loopback(tmp_path):
+    with pytest.raises(ValueError, match="needs listen="):
+        vf.launch(jobs.elastic_job, steps=1, backend="external")
+    with pytest.raises(ValueError, match="only applies to backend='external'"):
+        vf.launch(jobs.elastic_job, steps=1, listen="127.0.0.1:1234")
+    with pytest.raises(ValueError, match="not ADDR:PORT"):
+        vf.launch(jobs.elastic_job, steps=1, backend="external", listen="10.0.0.5")
+    result = vf.train(jobs.elastic_job, workers=1, steps=1, run_dir=str(tmp_path / "run"))
+    with open(tmp_path / "run" / "status.json") as f:
+        coordinator = json.load(f)["coordinator"]
+    assert coordinator["host"] == "127.0.0.1" and coordinator["token_file"] == str(tmp_path / "run" / "token")
+    assert result.steps == 1
+
+
+def test_command_line_coordinator_says_where_the_token_is_and_a_worker_joins_it(tmp_path):
+    run_dir = str(tmp_path / "run")
+    address = f"127.0.0.1:{free_port()}"
+    root = os.path.dirname(SRC)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=SRC)
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "virtualflow.cli.main", "run", "tests/jobs.py:elastic_job", "--backend", "external",
+         "--listen", address, "--workers", "1", "--steps", "3", "--deterministic", "--run-dir", run_dir,
+         "--no-progress"], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    token_file = os.path.join(run_dir, "token")
+    try:
+        wait_until(lambda: os.path.exists(os.path.join(run_dir, "status.json")), "the coordinator listening", 60)
+        worker = start_worker(address, token_file, str(tmp_path / "w0.log"))
+        out, err = coordinator.communicate(timeout=120)
+    finally:
+        if coordinator.poll() is None:
+            coordinator.kill()
+        codes = reap([worker]) if "worker" in locals() else []
+    assert coordinator.returncode == 0, err[-3000:]
+    assert codes == [0]
+    assert f"virtualflow worker --join {address} --token-file FILE" in err and token_file in err
+    assert "done: 3 steps" in out
