@@ -172,7 +172,8 @@ class ExternalBackend:
             logger.warning("rejected a join request (claims host %s, pid %s): %s", host, pid, exc)
             self.event("join_rejected", host=host, pid=pid, reason=str(exc))
             nonce = claimed.get("nonce")
-            if isinstance(nonce, str) and _NONCE.match(nonce):
+            # Answer a misconfigured worker, but never overwrite an answer (a replayed request).
+            if isinstance(nonce, str) and _NONCE.match(nonce) and not self.store.check([join_reply_key(nonce)]):
                 self._reply(nonce, {"rejected": str(exc)})
             return
         if not _NONCE.match(payload["nonce"]):

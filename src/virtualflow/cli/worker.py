@@ -29,6 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the job's token (the coordinator's RUN_DIR/token or its --token-file), mode 0600")
     p.add_argument("--join-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="give up when the coordinator has not answered after this long (default 120)")
+    p.add_argument("--threads", type=int, metavar="T",
+                   help="torch threads for this worker (default: the job's --threads-per-worker, which the "
+                   "coordinator derived from its own machine unless given)")
     p.set_defaults(func=main)
 
 
@@ -87,10 +90,14 @@ def main(args: argparse.Namespace) -> int:
               f"external workers need it on a filesystem they share with the coordinator (same path)",
               file=sys.stderr)
         return 1
-    print(f"joined {args.join} as worker {worker_id}", flush=True)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads {args.threads} must be at least 1")
+        config = dataclasses.replace(config, threads=args.threads)
+    print(f"joined {args.join} as worker {worker_id} ({config.threads} thread{'s' if config.threads > 1 else ''})",
+          flush=True)
     from virtualflow.runtime.worker import run_worker
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(config.threads))
     code = run_worker(config, worker_id)
     sys.stdout.flush()
     sys.stderr.flush()
