@@ -669,7 +669,8 @@ class JobHandle:
 
     def _take_requests(self) -> None:
         """Resize requests from this process (:meth:`resize`) and from outside (``virtualflow
-        resize`` pushes to the store's request queue)."""
+        resize`` pushes to the store's request queue). Those from outside count only when signed
+        with the job's token (the store has no authentication): others are ignored and logged."""
         while self._requests:
             self.controller.request_resize(self._requests.popleft(), source="api")
         for message in protocol.pop_reports(self.coordinator.store, queue=protocol.REQUESTS_QUEUE):
