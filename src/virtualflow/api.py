@@ -502,6 +502,7 @@ class JobHandle:
         self._resume_path = resume_path
         self._resume_step = resume_step
         self._requests: deque[int] = deque()
+        self._taken_requests: list[str] = []
         self._status_written = 0.0
         self._ray_options = ray_options
         self._external = external
@@ -686,6 +687,10 @@ class JobHandle:
                     raise ValueError(f"unknown request op={req.get('op')!r}")
                 self._check_room(req.get("workers"))
                 self.controller.request_resize(req.get("workers"), source=req.get("source", "cli"))
+                # ``virtualflow resize --wait`` looks for its nonce here: only a status written
+                # after its request was taken tells whether the request has been carried out.
+                self._taken_requests = (self._taken_requests + [req["nonce"]])[-20:]
+                self._write_status(force=True)
             except ValueError as exc:
                 logger.warning("rejected request %s: %s", req, exc)
                 self.coordinator.event("request_rejected", request=req, error=str(exc))
@@ -809,6 +814,7 @@ class JobHandle:
             coordinator={"host": self.coordinator.host, "port": self.coordinator.port, "pid": os.getpid(),
                          "token_file": self._token_path},
             backend=self._backend_name,
+            taken_requests=list(self._taken_requests),
             updated=time.time(),
         )
         tmp = os.path.join(self.run_dir, f".status.json.{os.getpid()}")

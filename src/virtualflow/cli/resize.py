@@ -54,6 +54,7 @@ def request_resize(run_dir: str, workers: int, token_file: str | None = None) ->
     token = auth.read_token(token_file or token_path(run_dir, status))
     message = auth.sign(token, {"op": "resize", "workers": workers, "source": "cli"})
     store.queue_push(protocol.REQUESTS_QUEUE, json.dumps(message))
+    status["request_nonce"] = message["payload"]["nonce"]
     return status
 
 
@@ -66,7 +67,10 @@ def main(args: argparse.Namespace) -> int:
         while time.monotonic() < deadline:
             st = read_status(args.run_dir)
             members = [w for w in st.get("workers", []) if w.get("rank") is not None]
-            if st.get("generation") == st.get("formed_generation") and len(members) == args.workers:
+            # A status written before the coordinator took this request says nothing about it
+            # (it may show the requested size from an earlier state of the job).
+            taken = before["request_nonce"] in st.get("taken_requests", [])
+            if taken and st.get("generation") == st.get("formed_generation") and len(members) == args.workers:
                 print(f"generation {st['generation']} formed with {args.workers} workers at step {st['step']}")
                 return 0
             if run_state(args.run_dir, st) != "running":
