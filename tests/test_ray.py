@@ -205,6 +205,30 @@ def test_hung_actor_is_fenced_through_ray_and_the_run_stays_identical(cluster, r
         time.sleep(0.05)
 
 
+def test_worker_specs_place_each_worker_on_its_device_type(cluster, run_dir, launch):
+    # A heterogeneous job on Ray: worker 1 asks for the accelerator type only the second node
+    # has; VNs are then mapped by measured speed as for any unequal workers, and the weights
+    # are those of any other mapping (deterministic mode).
+    wait_for_free_cpus(2)
+    specs = [vf.WorkerSpec(), vf.WorkerSpec(resources={"accel_x": 1})]
+    handle = launch(unpaced(), workers=2, steps=8, deterministic=True, run_dir=run_dir, backend="ray",
+                    address=cluster.address, cpus_per_worker=0.5, resources=SLOT, worker_specs=specs)
+    result = handle.wait(timeout_s=240)
+    accel_node = next(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("accel_x"))
+    assert handle.backend.workers[1].node_id == accel_node
+    ref = vf.train(unpaced(), workers=2, steps=8, deterministic=True)
+    assert_same_training(result, ref)
+    # A device type nobody has is refused before anything starts, naming it; and per-worker
+    # resources mean nothing to the local backend.
+    with pytest.raises(WorkersUnavailable, match="worker 1 asks for .*'accel_nope' is short"):
+        vf.launch(unpaced(), workers=2, steps=8, backend="ray", address=cluster.address, cpus_per_worker=0.5,
+                  worker_specs=[vf.WorkerSpec(), vf.WorkerSpec(resources={"accel_nope": 1})])
+    with pytest.raises(ValueError, match="only apply to backend='ray'"):
+        vf.launch(unpaced(), workers=2, steps=8, worker_specs=[vf.WorkerSpec(resources={"accel_x": 1}), vf.WorkerSpec()])
+    with pytest.raises(ValueError, match="must map resource names to numbers > 0"):
+        vf.WorkerSpec(resources={"accel_x": 0})
+
+
 def test_a_resource_nobody_has_fails_at_once_naming_it(cluster):
     t0 = time.monotonic()
     with pytest.raises(WorkersUnavailable, match="'nobody_has_this' is short"):

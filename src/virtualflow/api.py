@@ -234,6 +234,13 @@ def launch(
         worker_specs = [WorkerSpec(slowdown=float(x)) for x in slowdowns]
     if worker_specs is not None and len(worker_specs) != workers:
         raise ValueError(f"worker_specs has {len(worker_specs)} entries for workers={workers}; give one per worker")
+    per_worker = {i: dict(s.resources) for i, s in enumerate(worker_specs or []) if s.resources}
+    if per_worker:
+        if ray_options is None:
+            raise ValueError(f"WorkerSpec resources (given for worker{'s' if len(per_worker) > 1 else ''} "
+                             f"{', '.join(map(str, sorted(per_worker)))}) only apply to backend='ray'; add "
+                             f"backend='ray' (--backend ray) or drop them")
+        ray_options.per_worker = per_worker
     if balance is None:
         balance = worker_specs is not None or uneven_vn_sizes
     if uneven_vn_sizes and not balance:

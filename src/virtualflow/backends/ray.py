@@ -117,6 +117,9 @@ class RayOptions:
     """Ray GPUs per worker actor (then use ``device="cuda"``)."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources per worker, e.g. ``{"accel_a100": 1}`` for an accelerator type."""
+    per_worker: dict[int, dict[str, float]] = field(default_factory=dict)
+    """Worker id -> custom resources that worker asks for on top of ``resources`` (from
+    ``WorkerSpec.resources``: a heterogeneous job places each worker on its device type)."""
     placement_timeout_s: float = 60.0
     """An actor that Ray has not placed and started after this long is given up (the resources
     short are named); a starting worker then fails the job."""
@@ -146,9 +149,11 @@ class RayOptions:
         if not isinstance(self.placement_timeout_s, (int, float)) or not self.placement_timeout_s > 0:
             raise ValueError(f"placement_timeout_s={self.placement_timeout_s!r} must be a positive number of seconds")
 
-    def demand(self) -> dict[str, float]:
-        """What one worker actor needs from a node (resources asked in zero amounts left out)."""
-        out = {"CPU": float(self.cpus_per_worker), "GPU": float(self.gpus_per_worker), **self.resources}
+    def demand(self, worker_id: int | None = None) -> dict[str, float]:
+        """What one worker actor (``worker_id``'s, with its own extras) needs from a node
+        (resources asked in zero amounts left out)."""
+        extra = self.per_worker.get(worker_id, {}) if worker_id is not None else {}
+        out = {"CPU": float(self.cpus_per_worker), "GPU": float(self.gpus_per_worker), **self.resources, **extra}
         return {k: float(v) for k, v in out.items() if v > 0}
 
     def default_threads(self) -> int:
@@ -184,8 +189,18 @@ def check_capacity(options: RayOptions, workers: int, *, knob: str = "--workers"
     """Raise :class:`WorkersUnavailable` when the cluster's live nodes, empty, could not hold
     ``workers`` actors of ``options.demand()``; the message names the short resource."""
     ray = import_ray()
-    demand = options.demand()
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    for wid in sorted(options.per_worker):
+        # A worker with its own resources: some node must be able to hold it at all.
+        demand_w = options.demand(wid)
+        if wid < workers and not any(_fits(n, demand_w) for n in nodes):
+            missing = [r for r in demand_w if max((n.get(r, 0.0) for n in nodes), default=0.0) + 1e-9 < demand_w[r]]
+            what = f"resource {missing[0]!r} is short" if missing else "no node has them together"
+            raise WorkersUnavailable(
+                f"worker {wid} asks for {_fmt(demand_w)} (its WorkerSpec resources plus the job's) and {what} "
+                f"on the Ray cluster; change that worker's WorkerSpec(resources=...) or add such a node"
+            )
+    demand = options.demand()
     per_worker = f"each worker asks for {_fmt(demand)} (--cpus-per-worker, --gpus-per-worker, --resources)"
     totals: dict[str, float] = {}
     for n in nodes:
@@ -321,7 +336,7 @@ class RayBackend:
         actor = self._actor_cls.options(
             num_cpus=opts.cpus_per_worker,
             num_gpus=opts.gpus_per_worker,
-            resources=dict(opts.resources),
+            resources={**opts.resources, **opts.per_worker.get(worker_id, {})},
             max_restarts=0,
             max_task_retries=0,
             runtime_env={"env_vars": self._env()},
