@@ -1,4 +1,5 @@
 import os
+import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -31,6 +32,31 @@ def flat_optimizer_state(sd: dict) -> dict:
             if isinstance(v, torch.Tensor):
                 out[f"{pid}.{name}"] = v
     return out
+
+
+def assert_same_training(result, ref, *, first_step: int | None = 0, scheduler: bool = True) -> None:
+    """``result`` trained exactly as ``ref``: same steps, bit-identical weights and optimizer
+    state, same LR-scheduler state, and every step recorded exactly once (none lost or doubled
+    by resizes or failures) from ``first_step`` (None: from the first recorded one, for a run
+    resumed from a checkpoint)."""
+    assert result.steps == ref.steps
+    assert_state_equal(result.state_dict, ref.state_dict)
+    assert_state_equal(flat_optimizer_state(result.optimizer_state_dict), flat_optimizer_state(ref.optimizer_state_dict))
+    if scheduler:
+        assert result.lr_scheduler_state_dict == ref.lr_scheduler_state_dict
+    start = result.history[0]["step"] if first_step is None else first_step
+    assert [h["step"] for h in result.history] == list(range(start, result.steps))
+
+
+def wait_for_step(handle, step: int, timeout_s: float = 120.0) -> None:
+    """Wait until a launched job has recorded ``step`` steps (fails if it ends first)."""
+    deadline = time.monotonic() + timeout_s
+    while handle.status()["step"] < step:
+        if handle.done:
+            handle.wait()
+            raise AssertionError(f"the job ended before step {step}")
+        assert time.monotonic() < deadline, f"step {step} not reached in {timeout_s} s"
+        time.sleep(0.01)
 
 
 @pytest.fixture

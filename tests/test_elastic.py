@@ -21,7 +21,7 @@ import time
 import pytest
 
 import virtualflow as vf
-from conftest import assert_state_close, assert_state_equal, flat_optimizer_state
+from conftest import assert_same_training, assert_state_close, wait_for_step
 import jobs
 
 pytestmark = pytest.mark.slow
@@ -35,25 +35,6 @@ def unpaced():
 
 def reference(steps: int, deterministic: bool = True) -> vf.Result:
     return vf.train(unpaced(), workers=2, steps=steps, deterministic=deterministic)
-
-
-def assert_same_training(result: vf.Result, ref: vf.Result) -> None:
-    assert result.steps == ref.steps
-    assert_state_equal(result.state_dict, ref.state_dict)
-    assert_state_equal(flat_optimizer_state(result.optimizer_state_dict), flat_optimizer_state(ref.optimizer_state_dict))
-    assert result.lr_scheduler_state_dict == ref.lr_scheduler_state_dict
-    # Every step recorded exactly once, none lost or doubled by the changes.
-    assert [h["step"] for h in result.history] == list(range(result.history[0]["step"], result.steps))
-
-
-def wait_for_step(handle: vf.JobHandle, step: int, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while handle.status()["step"] < step:
-        if handle.done:
-            handle.wait()
-            raise AssertionError(f"the job ended before step {step}")
-        assert time.monotonic() < deadline, f"step {step} not reached in {timeout_s} s"
-        time.sleep(0.01)
 
 
 def events(run_dir: str, kind: str) -> list[dict]:
@@ -181,8 +162,7 @@ def test_min_workers_timeout_fails_with_checkpoint_and_resume_uses_newest_good_o
     with open(newest, "r+b") as f:
         f.truncate(os.path.getsize(newest) // 2)
     result = vf.train(jobs.elastic_job, workers=2, steps=30, deterministic=True, resume=run_dir)
-    assert result.history[0]["step"] == 8
-    assert_same_training(result, reference_30)
+    assert_same_training(result, reference_30, first_step=8)
     start = events(run_dir, "start")[-1]
     assert start["resume_step"] == 8 and start["resume_path"].endswith("step-00000008.pt")
 
@@ -237,8 +217,7 @@ def test_workers_exit_when_the_coordinator_dies_and_resume_continues_exactly(run
     assert main(["status", run_dir]) == 0  # says the coordinator is gone
     newest = max(int(f[5:13]) for f in os.listdir(folder) if f.endswith(".pt"))
     result = vf.train(jobs.elastic_job, workers=3, steps=newest + 6, deterministic=True, resume=run_dir)
-    assert result.history[0]["step"] == newest
-    assert_same_training(result, reference(newest + 6))
+    assert_same_training(result, reference(newest + 6), first_step=newest)
 
 
 def _alive(pid: int) -> bool:

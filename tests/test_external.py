@@ -23,7 +23,7 @@ import pytest
 import torch.distributed as dist
 
 import virtualflow as vf
-from conftest import assert_state_equal, flat_optimizer_state
+from conftest import assert_same_training
 import jobs
 
 pytestmark = pytest.mark.slow
@@ -70,13 +70,6 @@ def members(handle: vf.JobHandle) -> int:
 def settled(handle: vf.JobHandle, n: int) -> bool:
     st = handle.status()
     return st["generation"] == st["formed_generation"] and members(handle) == n
-
-
-def assert_same_training(result: vf.Result, ref: vf.Result) -> None:
-    assert result.steps == ref.steps
-    assert_state_equal(result.state_dict, ref.state_dict)
-    assert_state_equal(flat_optimizer_state(result.optimizer_state_dict), flat_optimizer_state(ref.optimizer_state_dict))
-    assert [h["step"] for h in result.history] == list(range(result.steps))
 
 
 def reap(procs: list[subprocess.Popen]) -> list[int]:

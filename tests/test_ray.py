@@ -23,7 +23,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 import virtualflow as vf
-from conftest import assert_state_equal, flat_optimizer_state
+from conftest import assert_same_training, assert_state_equal, flat_optimizer_state, wait_for_step
 from virtualflow.backends.ray import WorkersUnavailable, parse_resources
 from virtualflow.control.coordinator import Coordinator
 from virtualflow.runtime.checkpoint import load_state
@@ -67,16 +67,6 @@ def launch():
             handle.kill()
 
 
-def wait_for_step(handle: vf.JobHandle, step: int, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while handle.status()["step"] < step:
-        if handle.done:
-            handle.wait()
-            raise AssertionError(f"the job ended before step {step}")
-        assert time.monotonic() < deadline, f"step {step} not reached in {timeout_s} s"
-        time.sleep(0.01)
-
-
 def wait_for_free_cpus(cpus: float, timeout_s: float = 30.0) -> None:
     """Actors of a previous test are killed asynchronously: start from a quiet cluster."""
     deadline = time.monotonic() + timeout_s
@@ -87,14 +77,6 @@ def wait_for_free_cpus(cpus: float, timeout_s: float = 30.0) -> None:
 
 def unpaced() -> vf.Job:
     return jobs.elastic_job().replace(loss=jobs.cross_entropy)
-
-
-def assert_same_training(result: vf.Result, ref: vf.Result) -> None:
-    assert result.steps == ref.steps
-    assert_state_equal(result.state_dict, ref.state_dict)
-    assert_state_equal(flat_optimizer_state(result.optimizer_state_dict), flat_optimizer_state(ref.optimizer_state_dict))
-    assert result.lr_scheduler_state_dict == ref.lr_scheduler_state_dict
-    assert [h["step"] for h in result.history] == list(range(result.steps))
 
 
 @pytest.fixture(scope="module")

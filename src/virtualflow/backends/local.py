@@ -30,11 +30,16 @@ class WorkerProcess:
         return self.proc.pid
 
     def log_tail(self, lines: int = 15) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return ""
+        return log_tail(self.log_path, lines)
+
+
+def log_tail(path: str, lines: int = 15) -> str:
+    """The last ``lines`` lines of a worker's log ("" if it cannot be read)."""
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
 
 
 def describe_exit(code: int) -> str:

@@ -299,11 +299,9 @@ class RayWorker:
         return self.pid_ is not None or self.info_failed
 
     def log_tail(self, lines: int = 15) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return ""
+        from virtualflow.backends.local import log_tail  # not at the top: it imports torch
+
+        return log_tail(self.log_path, lines)
 
 
 class RayBackend:
