@@ -72,6 +72,16 @@ def settled(handle: vf.JobHandle, n: int) -> bool:
     return st["generation"] == st["formed_generation"] and members(handle) == n
 
 
+def join_then_stop(handle: vf.JobHandle, procs: list, address: str, token_file: str, log: str,
+                   who: str) -> vf.Result:
+    """Start one more worker, wait until it is in a generation of 2 and 3 more steps ran, stop."""
+    procs.append(start_worker(address, token_file, log))
+    wait_until(lambda: settled(handle, 2), f"{who} in a generation", handle=handle)
+    step = handle.status()["step"]
+    wait_until(lambda: handle.status()["step"] >= step + 3, "3 more steps", handle=handle)
+    return handle.stop()
+
+
 def reap(procs: list[subprocess.Popen]) -> list[int]:
     codes = []
     for p in procs:
@@ -150,11 +160,7 @@ def test_unsigned_requests_are_refused_and_joins_leaves_resize_in_place(tmp_path
         assert [p.poll() for p in procs].count(0) == 1 and [p.poll() for p in procs].count(None) == 1
 
         # 4. ... and a worker that joins later grows it in place.
-        procs.append(start_worker(address, token_file, str(tmp_path / "w2.log")))
-        wait_until(lambda: settled(handle, 2), "the joined worker in a generation", handle=handle)
-        step = handle.status()["step"]
-        wait_until(lambda: handle.status()["step"] >= step + 3, "3 more steps", handle=handle)
-        result = handle.stop()
+        result = join_then_stop(handle, procs, address, token_file, str(tmp_path / "w2.log"), "the joined worker")
     finally:
         if not handle.done:
             handle.kill()
@@ -181,11 +187,7 @@ def test_a_joined_worker_killed_mid_run_is_survived_and_a_replacement_can_join(t
         victim = next(w["pid"] for w in handle.status()["workers"] if w["id"] == 1)
         os.kill(victim, signal.SIGKILL)  # no goodbye: only its silent heartbeat tells
         wait_until(lambda: settled(handle, 1), "the survivor alone in a generation", handle=handle)
-        procs.append(start_worker(address, token_file, str(tmp_path / "w2.log")))
-        wait_until(lambda: settled(handle, 2), "the replacement in a generation", handle=handle)
-        step = handle.status()["step"]
-        wait_until(lambda: handle.status()["step"] >= step + 3, "3 more steps", handle=handle)
-        result = handle.stop()
+        result = join_then_stop(handle, procs, address, token_file, str(tmp_path / "w2.log"), "the replacement")
     finally:
         if not handle.done:
             handle.kill()

@@ -239,6 +239,18 @@ def measure_sizes(history: Sequence[Observation], *, min_steps: int, warmup_step
     return done, counts
 
 
+def _outside_search(history: Sequence[Observation], limits: Limits) -> Decision | None:
+    """What every searching policy decides before it searches: nothing to judge yet, or a
+    worker count outside the bounds (brought back inside)."""
+    if not history:
+        return Stay("no observation yet")
+    current = history[-1].workers
+    if current != limits.clamp(current):
+        n = limits.clamp(current)
+        return Resize(n, f"{current} -> {n}: outside [{limits.min_workers}, {limits.max_workers}]")
+    return None
+
+
 def scaling_efficiency(prev: SizeMeasurement, new: SizeMeasurement) -> float:
     """s = (ΔR / Δk) / (R_prev / k_prev): the marginal throughput of the workers added, relative
     to the average throughput per worker before. 1 = linear scaling, 0 = no gain, < 0 = loss."""
@@ -382,12 +394,10 @@ class EfficiencyPolicy:
                         f"scaling efficiency {s:.2f} {op} {self.threshold:.2f} ({prev.workers} -> {new.workers})")
 
     def decide(self, history: Sequence[Observation], limits: Limits) -> Decision:
-        if not history:
-            return Stay("no observation yet")
+        early = _outside_search(history, limits)
+        if early is not None:
+            return early
         current = history[-1].workers
-        if current != limits.clamp(current):
-            n = limits.clamp(current)
-            return Resize(n, f"{current} -> {n}: outside [{limits.min_workers}, {limits.max_workers}]")
         measured, counts = measure_sizes(history, min_steps=self.min_steps, warmup_steps=self.warmup_steps)
         result = _search(current, history[0].workers, measured, limits, self.step_size, self.judge)
         return _decision_from_search(self.name, current, counts, self.min_steps, result, measured)
@@ -523,12 +533,10 @@ class UtilityPolicy:
         return _Verdict(small.workers, large.workers, passed, net, text + (" > 0" if net > 0 else ""))
 
     def decide(self, history: Sequence[Observation], limits: Limits) -> Decision:
-        if not history:
-            return Stay("no observation yet")
+        early = _outside_search(history, limits)
+        if early is not None:
+            return early
         current = history[-1].workers
-        if current != limits.clamp(current):
-            n = limits.clamp(current)
-            return Resize(n, f"{current} -> {n}: outside [{limits.min_workers}, {limits.max_workers}]")
         measured, counts = measure_sizes(history, min_steps=self.min_steps, warmup_steps=self.warmup_steps)
         kind, n, why, verdict = _search(current, history[0].workers, measured, limits, self.step_size, self.judge)
         if kind == "settle":
