@@ -7,7 +7,6 @@ import signal
 import time
 
 import pytest
-import torch
 
 import virtualflow as vf
 from virtualflow.runtime.checkpoint import load_state

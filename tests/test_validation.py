@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from torch.utils.data import TensorDataset
 
 import virtualflow as vf
 from virtualflow.backends.local import LocalBackend

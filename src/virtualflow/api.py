@@ -13,7 +13,6 @@ import math
 import os
 import platform
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -24,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from virtualflow.backends.external import ExternalBackend, parse_address
-from virtualflow.backends.local import LocalBackend, describe_exit
+from virtualflow.backends.local import LocalBackend
 from virtualflow.backends.ray import RayBackend, RayOptions, WorkersUnavailable, check_capacity, connect
 from virtualflow.control.autoscale import FixedPolicy, Limits, Policy, make_policy
 from virtualflow.control.autoscale_executor import AutoscaleExecutor

@@ -25,7 +25,6 @@ from typing import Any, Callable, Sequence
 import torch.distributed as dist
 
 from virtualflow.comm import protocol
-from virtualflow.plan.vnmap import describe_assignment
 
 logger = logging.getLogger(__name__)
 

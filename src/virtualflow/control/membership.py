@@ -334,7 +334,7 @@ class MembershipController:
                 coef, _ = nnls(A, np.array([costs[k] for k in keys]))
                 fits[w] = (float(coef[0]), max(float(coef[1]), 1e-9))
             else:
-                (c, n), t = keys[-1], costs[keys[-1]]
+                (_, n), t = keys[-1], costs[keys[-1]]
                 fits[w] = (0.0, t / n)
         if not fits:
             return None
