@@ -839,8 +839,7 @@ class JobHandle:
             "formed_generation": ctl.formed,
             "balance": ctl.balance,
             "predicted_step_s": ctl.predicted_step_s,
-            "measured_step_s": (sorted(ctl._gen_step_times[2:])[len(ctl._gen_step_times[2:]) // 2]
-                                if len(ctl._gen_step_times) > 2 else None),
+            "measured_step_s": ctl.measured_step_s,
             "target_workers": ctl.target,
             "workers": ctl.worker_table(),
             "recent_step_times_s": [round(h["step_time_s"], 6) for h in self.coordinator.history[-10:]],

@@ -14,7 +14,7 @@ import json
 import os
 import time
 
-from virtualflow.cli.runinfo import read_status, run_state
+from virtualflow.rundir import read_status, run_state
 from virtualflow.control.membership import check_resize
 
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import statistics
 
-from virtualflow.cli.runinfo import read_status, run_state
+from virtualflow.rundir import read_status, run_state
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -266,7 +266,7 @@ class AutoscaleExecutor:
         # The controller's own publishing path (a new generation + a regroup command at the next
         # step boundary), with a member list the controller's planner cannot express by itself:
         # "these members" rather than "the first n".
-        self.ctl._publish(members, kind=kind, hold=False, command=True, detail=detail)
+        self.ctl.publish(members, kind=kind, detail=detail)
 
     # -- records -------------------------------------------------------------------------------
     def _record_sizes(self, history: list[Observation]) -> None:

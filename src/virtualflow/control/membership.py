@@ -67,7 +67,10 @@ class JobFailed(RuntimeError):
 
 
 @dataclass(slots=True)
-class _Change:
+class Change:
+    """A published generation that has not formed yet: what kind of change it is and when it
+    was published (the controller's clock)."""
+
     generation: int
     kind: str  # start | grow | shrink | failure | hold | resume
     t_start: float
@@ -125,7 +128,7 @@ class MembershipController:
         self.gone: set[int] = set()  # exited or killed, handled
         self.joined: set[int] = set()
         self._hb: dict[int, tuple[int, float]] = {}
-        self._change: _Change | None = None
+        self._change: Change | None = None
         self._failed_newcomers = 0
         self._fault_at: float | None = None  # a member reported a broken current generation
         self._retries = 0
@@ -177,6 +180,18 @@ class MembershipController:
     def busy(self) -> bool:
         """A published generation has not formed yet."""
         return self.formed != self.generation
+
+    @property
+    def change_in_flight(self) -> Change | None:
+        """The published change whose generation has not formed yet (None when none)."""
+        return self._change
+
+    @property
+    def measured_step_s(self) -> float | None:
+        """Median step time of the current generation, its first two steps (warm-up) left out;
+        None until a third step is measured."""
+        times = self._gen_step_times[2:]
+        return sorted(times)[len(times) // 2] if times else None
 
     # -- the loop body ----------------------------------------------------------------------
     def tick(self, reports: Sequence[dict[str, Any]]) -> None:
@@ -280,7 +295,7 @@ class MembershipController:
             self._measure(compute, members, vns, r.get("vn_sizes"), step_time_s=prev[1])
         n = len(self._gen_step_times)
         if self.predicted_step_s is not None and n == 12:
-            measured = sorted(self._gen_step_times[2:])[len(self._gen_step_times[2:]) // 2]
+            measured = self.measured_step_s
             self.coord.event("prediction", generation=self.generation, predicted_step_s=self.predicted_step_s,
                              measured_step_s=measured,
                              error=(self.predicted_step_s - measured) / measured if measured > 0 else None)
@@ -507,6 +522,13 @@ class MembershipController:
             self._new_worker()
 
     # -- publishing -------------------------------------------------------------------------
+    def publish(self, members: list[int], *, kind: str, detail: dict[str, Any] | None = None) -> None:
+        """Publish a generation with exactly ``members`` (in rank order) and tell the current
+        members to regroup at the next step boundary: for deciders that need "these members"
+        rather than "the first n" (the autoscaler replacing a straggler). The target follows."""
+        self.target = len(members)
+        self._publish(list(members), kind=kind, hold=False, command=True, detail=detail)
+
     def _publish(self, members: list[int], *, kind: str, hold: bool, command: bool = False,
                  detail: dict[str, Any] | None = None) -> None:
         g = self.generation + 1
@@ -525,7 +547,7 @@ class MembershipController:
         self.members, self.assignment, self.generation = list(members), assignment, g
         self.hold = hold
         self.hold_since = self.clock() if hold and self.hold_since is None else (self.hold_since if hold else None)
-        self._change = _Change(g, kind, self.clock(), dict(detail or {}))
+        self._change = Change(g, kind, self.clock(), dict(detail or {}))
         if self.predicted_step_s is not None:
             self._change.detail["predicted_step_s"] = self.predicted_step_s
         self._fault_at = None

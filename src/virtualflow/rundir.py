@@ -1,5 +1,8 @@
-"""What the CLI knows about a run directory: its status file, whether it is still running, and
-how to reach its coordinator.
+"""The run directory's records: one place that reads and writes them.
+
+Writers: :func:`write_json` (atomic: temp file, then rename). Readers: :func:`read_jsonl`
+(tolerates a partial last line, as a crash mid-write leaves), :func:`read_status`,
+:func:`run_state`. Used by the job handle, ``status``, ``resize`` and ``plot``.
 
 A running job's launcher rewrites ``status.json`` about twice a second (state, step,
 generation, workers, recent step times, and the coordinator's loopback address and pid). A
@@ -14,6 +17,39 @@ import os
 from typing import Any
 
 FINAL_STATES = ("done", "failed", "stopped")
+
+
+def write_json(path: str, data: Any) -> None:
+    """Write ``data`` as JSON to ``path`` atomically (readers see the old or the new file)."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """Every record of a JSONL file ([] if it does not exist). A line that is not a JSON object
+    (a partial last line after a crash) is skipped."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                out.append(record)
+    return out
 
 
 def read_status(run_dir: str) -> dict[str, Any]:
