@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from virtualflow.cluster import Cluster, JobSpec, PolicyInput, ThroughputTable, gavel_data_dir
-from virtualflow.cluster.throughputs import GAVEL_DATA_ENV
+from virtualflow.cluster.gavel_data import GAVEL_DATA_ENV
 
 
 @pytest.fixture(scope="module")
@@ -196,12 +196,56 @@ def test_own_format_errors(data, match):
 
 def test_gavel_data_dir(monkeypatch, tmp_path):
     monkeypatch.delenv(GAVEL_DATA_ENV, raising=False)
-    assert (gavel_data_dir() / "simulation_throughputs.json").is_file()
+    bundled = gavel_data_dir()
+    assert bundled.parts[-4:] == ("virtualflow", "cluster", "data", "gavel")
+    assert (bundled / "simulation_throughputs.json").stat().st_size > 1_000_000
     monkeypatch.setenv(GAVEL_DATA_ENV, str(tmp_path))
     assert gavel_data_dir() == tmp_path.resolve()
     monkeypatch.setenv(GAVEL_DATA_ENV, str(tmp_path / "nope"))
     with pytest.raises(FileNotFoundError, match="VIRTUALFLOW_GAVEL_DATA"):
         gavel_data_dir()
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "not valid JSON (Expecting value at line 1, column 1)"),
+    (b'{"v100": {"(\'m\', 1)": {"null": 1.0}}', "not valid JSON"),
+    (b"\xff\xfe{}", "not a JSON throughput table (byte 0 is not UTF-8 text)"),
+    (b"[1, 2]", "expected an object"),
+    (b"7", "expected an object"),
+    (b"{}", "non-empty"),
+    (b'{"throughputs": {"a": {"v100": {"1": 1.0}}}, "colocation": {"a": {"a": {"k80": {"1": [1, 1]}}}}}',
+     "colocation of 'a'/'a' on accelerator type 'k80', which has no throughputs of jobs alone"),
+    (b'{"throughputs": {"a": {"v100": {"1": 1.0}}}, "colocation": [1]}', "colocation must map"),
+    (b'{"throughputs": {"a": {"v100": {"1": 1.0}}}, "colocation": {"a": {"a": {"v100": 3}}}}',
+     "colocation['a']['a']['v100'] must map scale"),
+    (b'{"a": {"v100": {"1": 1.0}, "k80": {"1": 1.0}}, "b": {"v100": {"1": 1.0}}}',
+     r"'b' at scale 1 is missing on ['k80']"),
+    (b'{"v100": {"(\'m\', 1)": {"null": 1.0}}, "k80": [1]}', "['k80'] must be an object"),
+    (b'{"v100_unconsolidated": {"(\'m\', 1)": {"null": 1.0}}}', "no accelerator types to load"),
+    (b'{"v100": {"(\'m\', 1)": {"null": 1.0}, "(\'n\', 1)": {"null": 1.0}}, "k80": {"(\'m\', 1)": {"null": 2}}}',
+     r"'n' at scale 1 is missing on ['k80']"),
+])
+def test_invalid_table_file_is_one_value_error_naming_it(tmp_path, content, message):
+    """Every reader (the CLI's format-sniffing one, and the Gavel one where the file looks like
+    Gavel's) fails with one line that names the file, never a KeyError or a bare JSON error."""
+    p = tmp_path / "table.json"
+    p.write_bytes(content)
+    readers = [ThroughputTable.from_file]
+    readers.append(ThroughputTable.from_gavel_json if b"('" in content or content[:1] != b"{" else
+                   ThroughputTable.from_json)
+    for read in readers:
+        with pytest.raises(ValueError) as e:
+            read(p)
+        text = str(e.value)
+        assert type(e.value) is ValueError, (read, type(e.value))
+        assert text.startswith(str(p)) and message in text and "\n" not in text, (read, text)
+
+
+def test_from_file_tells_the_formats_apart(tmp_path, gavel_path, table):
+    assert ThroughputTable.from_file(gavel_path).job_types == table.job_types
+    p = tmp_path / "own.json"
+    p.write_text(json.dumps({"throughputs": {"bert": {"v100": {"1": 10.0}}}}))
+    assert ThroughputTable.from_file(p).throughput("bert", "v100", 1) == 10.0
 
 
 # ------------------------------------------------------------------------------------------------ PolicyInput

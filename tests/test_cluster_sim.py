@@ -159,6 +159,7 @@ def test_mechanism_never_oversubscribes_and_places_jobs_whole(gavel):
                 alloc = get_policy("las").allocate(inp)
                 mech.set_allocation(alloc)
             plan = mech.plan_round(active)
+            assert plan.placements  # the checks below must see jobs placed, not pass on an empty round
             per_server: dict[tuple[str, int], int] = {}
             for jid, p in plan.placements.items():
                 assert jid in active
@@ -285,11 +286,21 @@ def test_policy_jct_gain_and_outputs(gavel, tmp_path):
 # ---------------------------------------------------------------------------------------- metrics
 
 
-def test_metrics_by_hand(tmp_path):
+def test_metrics_by_hand(tmp_path, monkeypatch):
     """summarize() on a result written by hand: JCT statistics over the window only (unfinished
     jobs counted, not averaged), makespan, utilisation, cost, SLO violations, FTF ratios,
-    restarts/resizes; write_summary's JSON, JSONL and CDF plot; the JCT-vs-load plot."""
+    restarts/resizes; write_summary's JSON, JSONL and CDF plot; the JCT-vs-load plot. Plotting
+    is library code: it must neither pick a matplotlib backend nor go through pyplot."""
     import json
+    import sys
+
+    import matplotlib
+
+    def no_backend_change(*args, **kwargs):
+        raise AssertionError(f"library code called matplotlib.use{args}")
+
+    monkeypatch.setattr(matplotlib, "use", no_backend_change)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)  # importing pyplot now fails
 
     from virtualflow.cluster.metrics import plot_jct_vs_load
     from virtualflow.cluster.simulator import SimResult
@@ -368,7 +379,7 @@ def test_cli_simulate_module(tmp_path, capsys):
 
     parser = argparse.ArgumentParser(prog="virtualflow")
     simulate_cli.add_parser(parser.add_subparsers(dest="command", required=True))
-    trace = str(gavel_data_dir() / "traces" / "small_test.trace")
+    trace = "small_test"  # a trace bundled with the package, by name
     args = parser.parse_args(["simulate", "--cluster", "v100=4,p100=4,k80=4", "--trace", trace, "--policy", "las",
                               "--no-progress", "--prices", "v100=2.48,p100=1.46,k80=0.45", "-o", str(tmp_path)])
     assert args.func(args) == 0
@@ -411,6 +422,8 @@ def test_cli_own_table_format_progress_bar_and_errors(tmp_path, capsys):
     assert "simulated h" not in capsys.readouterr().err
     for bad, message in [
         (["--trace", str(tmp_path / "missing.trace")], "--trace '.*missing.trace' does not exist"),
+        (["--trace", "tiny_test"], r"--trace 'tiny_test' does not exist; .* bundled one \(artifact_evaluation.trace, "),
+        (["--throughputs", str(trace)], r"t.trace: not valid JSON \(Expecting value at line 1, column 1\)"),
         (["--throughputs", str(tmp_path / "none.json")], "--throughputs '.*none.json' does not exist"),
         (["--policy", "lass"], "unknown policy 'lass'"),
         (["--cluster", "v100=1,k80=x"], "count 'x' is not an integer"),

@@ -1,11 +1,17 @@
-"""Gavel traces and the workload generator (virtualflow.cluster.traces)."""
+"""Gavel traces (the ones bundled with the package and bad files) and the workload generator
+(virtualflow.cluster.traces, virtualflow.cluster.gavel_data)."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from virtualflow.cluster import ThroughputTable, gavel_data_dir
+import virtualflow.cluster
+from virtualflow.cluster import ThroughputTable, gavel_data_dir, gavel_trace_names, gavel_trace_path
+from virtualflow.cluster.gavel_data import GAVEL_DATA_ENV
 from virtualflow.cluster.traces import (
     GeneratorConfig,
     generate_jobs,
@@ -14,23 +20,43 @@ from virtualflow.cluster.traces import (
     write_gavel_trace,
 )
 
-DATA = gavel_data_dir()
+# The package data (src/virtualflow/cluster/data/gavel/traces/) and each file's job count.
+SHIPPED_TRACES = {"artifact_evaluation.trace": 15, "max_min_fairness.trace": 96, "medium_test.trace": 20,
+                  "minimize_makespan.trace": 100, "small_test.trace": 20}
 
 
 @pytest.fixture(scope="module")
 def table() -> ThroughputTable:
-    return ThroughputTable.from_gavel_json(DATA / "simulation_throughputs.json")
+    return ThroughputTable.from_gavel_json(gavel_data_dir() / "simulation_throughputs.json")
 
 
 LINE = ("ResNet-50 (batch size 64)\tpython3 main.py\timage_classification/imagenet\t--num_minibatches\t1\t2931"
         "\t2\t5\t-1.000000\t120")
 
 
-def test_every_shipped_trace_parses(table):
-    for path in sorted((DATA / "traces").glob("*.trace")):
+def test_traces_ship_with_the_package_and_need_no_configuration(monkeypatch):
+    """Found inside the package (importlib.resources), with the licence and a README naming the
+    source beside them; no environment variable or folder outside the project is needed."""
+    monkeypatch.delenv(GAVEL_DATA_ENV, raising=False)
+    data = gavel_data_dir()
+    assert data == Path(virtualflow.cluster.__file__).resolve().parent / "data" / "gavel"
+    assert gavel_trace_names() == tuple(sorted(SHIPPED_TRACES))
+    assert "MIT License" in (data / "LICENSE").read_text()
+    assert "stanford-futuredata/gavel" in (data / "README.md").read_text()
+    small = data / "traces" / "small_test.trace"
+    assert gavel_trace_path("small_test") == gavel_trace_path("small_test.trace") == small
+    with pytest.raises(ValueError, match=r"'tiny_test' is not one of Gavel's traces .*'small_test.trace'"):
+        gavel_trace_path("tiny_test")
+
+
+def test_every_shipped_trace_parses(table, monkeypatch):
+    monkeypatch.delenv(GAVEL_DATA_ENV, raising=False)
+    for name, count in SHIPPED_TRACES.items():
+        path = gavel_trace_path(name)
         lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
         jobs = read_gavel_trace(path, table)
-        assert [j.job_id for j in jobs] == list(range(len(lines)))
+        assert len(lines) == len(jobs) == count, name
+        assert [j.job_id for j in jobs] == list(range(count))
         for ln, j in zip(lines, jobs):
             cols = ln.split("\t")
             assert j.job_type == cols[0]
@@ -74,6 +100,31 @@ def test_bad_line_names_file_and_line(table, tmp_path, bad, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize("content, message", [
+    (b"", "no jobs (the file is empty or every line is blank)"),
+    (b"\n  \n\n", "no jobs"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00", "not a Gavel trace (byte 0 is not UTF-8 text)"),
+])
+def test_invalid_trace_file_names_the_file(table, tmp_path, content, message):
+    p = tmp_path / "bad.trace"
+    p.write_bytes(content)
+    with pytest.raises(ValueError) as e:
+        read_gavel_trace(p, table)
+    assert str(e.value).startswith(f"{p}: ") and message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("inf", "column 7 (scale_factor) = 'inf' is not finite"),
+    ("nan", "column 7 (scale_factor) = 'nan' is not finite"),
+    ("1e400", "column 7 (scale_factor) = '1e400' is not finite"),
+])
+def test_non_finite_scale_factor_is_a_value_error(table, tmp_path, value, message):
+    p = tmp_path / "bad.trace"
+    p.write_text(LINE.replace("\t2931\t2\t", f"\t2931\t{value}\t") + "\n")
+    with pytest.raises(ValueError, match="^" + re.escape(f"{p}:1: {message}")):
+        read_gavel_trace(p, table)
+
+
 def test_write_then_read_round_trips(table, tmp_path):
     jobs = generate_jobs(table, num_jobs=30, rate_per_hour=3.0, seed=4, priorities=(1.0, 5.0))
     p = tmp_path / "gen.trace"
@@ -84,12 +135,18 @@ def test_write_then_read_round_trips(table, tmp_path):
 
 
 def test_generator_is_seeded(table):
-    a = generate_jobs(table, num_jobs=50, rate_per_hour=2.0, seed=7)
-    b = generate_jobs(table, num_jobs=50, rate_per_hour=2.0, seed=7)
-    c = generate_jobs(table, num_jobs=50, rate_per_hour=2.0, seed=8)
+    """Two independent generations with one seed are equal, whatever numpy's global generator
+    holds (the draws come from the seed only); another seed gives other jobs."""
     key = lambda js: [(j.job_type, j.scale_factor, j.total_steps, j.arrival_s) for j in js]  # noqa: E731
+    np.random.seed(1)
+    a = generate_jobs(table, num_jobs=50, rate_per_hour=2.0, seed=7)
+    np.random.seed(2)
+    b = generate_jobs(table, GeneratorConfig(num_jobs=50, rate_per_hour=2.0, seed=7))
+    c = generate_jobs(table, num_jobs=50, rate_per_hour=2.0, seed=8)
     assert key(a) == key(b)
-    assert key(a) != key(c)
+    ka, kc = key(a), key(c)
+    assert all(x[3] != y[3] for x, y in zip(ka[1:], kc[1:]))  # every arrival after the first differs
+    assert sum(x[2] != y[2] for x, y in zip(ka, kc)) > 45  # and nearly every job's length
 
 
 def test_generator_distributions(table):

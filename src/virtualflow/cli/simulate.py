@@ -30,9 +30,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus-per-server", type=int, default=4, help="GPUs per server, every type (default 4)")
     p.add_argument("--prices", help="$ per GPU-hour per type, e.g. v100=2.48,p100=1.46,k80=0.45 (cost metric)")
     p.add_argument("--throughputs", help="throughput table: Gavel JSON or virtualflow JSON "
-                   "(default: simulation_throughputs.json in the Gavel data directory)")
+                   "(default: Gavel's simulation_throughputs.json, bundled with virtualflow)")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--trace", help="Gavel .trace file (TSV)")
+    src.add_argument("--trace", help="Gavel .trace file (TSV), or the name of one bundled with virtualflow "
+                     "(e.g. small_test, max_min_fairness; an unknown name lists them)")
     src.add_argument("--generate", metavar="SPEC",
                      help="generate jobs: rate=JOBS_PER_HOUR,jobs=N,seed=S[,elastic=FRACTION][,priorities=1/5/10]"
                      "[,steps_reference=one|scale]")
@@ -82,10 +83,8 @@ def parse_prices(spec: str | None) -> dict[str, float] | None:
 
 
 def load_table(path: str | None):
-    """A throughput table from Gavel's JSON or virtualflow's JSON (told apart by their keys)."""
-    import json
-
-    from virtualflow.cluster.throughputs import ThroughputTable, gavel_data_dir
+    """A throughput table from Gavel's JSON or virtualflow's JSON (default: Gavel's, bundled)."""
+    from virtualflow.cluster import ThroughputTable, gavel_data_dir
 
     if path is None:
         try:
@@ -93,13 +92,23 @@ def load_table(path: str | None):
         except FileNotFoundError as exc:  # a user error: one line, exit status 2 (not a traceback)
             raise ValueError(f"no --throughputs given and {exc}") from None
     if not os.path.isfile(path):
-        raise ValueError(f"--throughputs {path!r} does not exist (set VIRTUALFLOW_GAVEL_DATA or pass a file)")
-    with open(path) as f:
-        data = json.load(f)
-    if isinstance(data, dict) and data and all(isinstance(v, dict) and any(str(k).startswith("(") for k in v)
-                                               for v in data.values()):
-        return ThroughputTable.from_gavel_json(path)
-    return ThroughputTable.from_dict(data, source=path)
+        raise ValueError(f"--throughputs {path!r} does not exist; give a JSON throughput table or leave it out "
+                         "to use Gavel's, bundled with virtualflow")
+    return ThroughputTable.from_file(path)
+
+
+def trace_path(spec: str) -> str:
+    """``--trace``: a file, else the name of a Gavel trace bundled with virtualflow."""
+    from virtualflow.cluster import gavel_trace_names, gavel_trace_path
+
+    if os.path.isfile(spec):
+        return spec
+    if os.sep not in spec and "/" not in spec:
+        names = gavel_trace_names()
+        if spec in names or f"{spec}.trace" in names:
+            return str(gavel_trace_path(spec))
+    raise ValueError(f"--trace {spec!r} does not exist; give a Gavel .trace file, the name of a bundled one "
+                     f"({', '.join(gavel_trace_names())}), or use --generate")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -112,11 +121,8 @@ def main(args: argparse.Namespace) -> int:
     cluster = Cluster.parse(args.cluster, gpus_per_server=args.gpus_per_server, prices=parse_prices(args.prices))
     table = load_table(args.throughputs)
     if args.trace:
-        if not os.path.isfile(args.trace):
-            raise ValueError(f"--trace {args.trace!r} does not exist; give a Gavel .trace file "
-                             "(e.g. ../shared/data/gavel/traces/) or use --generate")
-        jobs = read_gavel_trace(args.trace, table)
-        source = args.trace
+        source = trace_path(args.trace)
+        jobs = read_gavel_trace(source, table)
     else:
         cfg = parse_generate_spec(args.generate)
         jobs = generate_jobs(table, cfg)

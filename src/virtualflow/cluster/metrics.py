@@ -17,18 +17,23 @@ Definitions (all times in seconds unless a key says ``_h``):
   jobs while it was in the system, g its GPU count and G the cluster's GPUs: the slowdown
   against running alone on an equal 1/N share of the cluster (Themis' rho). rho <= 1 is fair.
 
-Plotting imports matplotlib lazily (an optional dependency).
+Plotting imports matplotlib lazily (an optional dependency) and uses ``matplotlib.figure.Figure``
+directly, never pyplot, so it does not touch the caller's backend or figures.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
 from virtualflow.cluster.simulator import SimResult
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 __all__ = ["window_mask", "summarize", "write_summary", "plot_jct_cdf", "plot_jct_vs_load"]
 
@@ -134,14 +139,18 @@ def write_summary(result: SimResult, out_dir: str, summary: Mapping[str, Any] | 
     return paths
 
 
+def _figure() -> tuple[Figure, Axes]:
+    """A figure of its own, outside pyplot: no backend is chosen or changed and no global figure
+    list keeps it alive, so plotting from library code leaves the user's matplotlib as it was."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5, 3.5), layout="tight")
+    return fig, fig.subplots()
+
+
 def plot_jct_cdf(jcts: Mapping[str, Sequence[float] | np.ndarray], path: str, title: str = "JCT CDF") -> str:
     """CDF of job completion times (hours), one line per label."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = _figure()
     for label, x in jcts.items():
         x = np.sort(np.asarray(x, dtype=float)) / 3600.0
         if x.size:
@@ -151,21 +160,14 @@ def plot_jct_cdf(jcts: Mapping[str, Sequence[float] | np.ndarray], path: str, ti
     ax.set_ylabel("fraction of jobs")
     ax.set_title(title)
     ax.legend(fontsize=7, loc="best", framealpha=0.6)
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
 
 
 def plot_jct_vs_load(series: Mapping[str, Sequence[tuple[float, float]]], path: str,
                      title: str = "average JCT vs load", ylabel: str = "average JCT (hours)") -> str:
     """One line per label through (rate in jobs/hour, JCT in hours) points."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = _figure()
     for label, pts in series.items():
         pts = sorted(pts)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
@@ -173,7 +175,5 @@ def plot_jct_vs_load(series: Mapping[str, Sequence[tuple[float, float]]], path: 
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=7, loc="best", framealpha=0.6)
-    fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path

@@ -13,10 +13,15 @@ Two input formats:
   ``SCALE`` is a GPU count (an int, or its decimal string in JSON); ``"colocation"`` is optional;
   a pair given as (a, b) is also known as (b, a) with the values swapped.
 
+``from_file`` reads either, told apart by the layout. Gavel's own file ships with the package
+(``virtualflow.cluster.gavel_data_dir()``).
+
 Invariants (checked at load, so every lookup afterwards is safe):
 
 - every value is a finite number >= 0 (0 means "cannot run there", e.g. out of memory);
 - the table is complete: a (job type, scale) known on one accelerator type is known on all of them;
+- a file that is not such a table (not UTF-8, not JSON, wrong shape, bad value) raises one
+  ``ValueError`` naming the file and the fault, never a ``KeyError`` or a bare JSON error;
 - ``throughput`` raises ``ValueError`` for an unknown job type, accelerator type or scale.
 """
 
@@ -26,43 +31,38 @@ import ast
 import json
 import math
 import os
-from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-GAVEL_DATA_ENV = "VIRTUALFLOW_GAVEL_DATA"
+
+def _read_json(path: str | os.PathLike[str]) -> Any:
+    """The parsed JSON of ``path``; ``ValueError`` naming the file when it is not UTF-8 JSON."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not a JSON throughput table (byte {exc.start} is not UTF-8 text)") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to be a throughput table") from None
 
 
-def gavel_data_dir() -> Path:
-    """Folder of Gavel's data: ``$VIRTUALFLOW_GAVEL_DATA``, else ``shared/data/gavel`` beside the
-    repository (``<repo root>/../shared/data/gavel``) or beside one of its parent folders (a
-    checkout nested deeper, as CI may make)."""
-    env = os.environ.get(GAVEL_DATA_ENV)
-    if env:
-        path = Path(env).expanduser().resolve()
-        if not path.is_dir():
-            raise FileNotFoundError(f"Gavel data folder {path} does not exist (${GAVEL_DATA_ENV}={env!r}); it "
-                                    "should hold simulation_throughputs.json and traces/")
-        return path
-    repo_root = Path(__file__).resolve().parents[3]  # src/virtualflow/cluster/throughputs.py
-    candidates = [(folder / "shared" / "data" / "gavel") for folder in repo_root.parents]
-    for path in candidates:
-        if path.is_dir():
-            return path
-    raise FileNotFoundError(
-        f"Gavel data folder not found: looked for shared/data/gavel beside {repo_root} and its parents "
-        f"({candidates[0]} first); set ${GAVEL_DATA_ENV} to the folder holding "
-        "simulation_throughputs.json and traces/"
-    )
+def _is_gavel(data: Any) -> bool:
+    """Gavel's layout: ``{acc_type: {"('JOB TYPE', scale)": ...}}`` (tuple-literal keys one level down,
+    under at least one accelerator type: a file broken elsewhere still gets Gavel's error messages)."""
+    return isinstance(data, dict) and any(isinstance(v, dict) and any(str(k).startswith("(") for k in v)
+                                          for v in data.values())
 
 
 def _check_value(v: Any, where: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"throughput {where} = {v!r} is missing or not a number; every entry must be steps/s >= 0")
+        raise ValueError(f"{where}: throughput {v!r} is missing or not a number; every entry must be steps/s >= 0")
     f = float(v)
     if not math.isfinite(f) or f < 0:
-        raise ValueError(f"throughput {where} = {v!r} is invalid; throughputs must be finite and >= 0 "
+        raise ValueError(f"{where}: throughput {v!r} is invalid; throughputs must be finite and >= 0 "
                          "(0 = cannot run there)")
     return f
 
@@ -70,10 +70,10 @@ def _check_value(v: Any, where: str) -> float:
 def _scale(s: Any, where: str) -> int:
     try:
         n = int(s)
-    except (TypeError, ValueError):
-        raise ValueError(f"scale {s!r} {where} is not an integer GPU count") from None
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{where}: scale {s!r} is not an integer GPU count") from None
     if n <= 0 or str(n) != str(s).strip():
-        raise ValueError(f"scale {s!r} {where} must be a positive integer GPU count")
+        raise ValueError(f"{where}: scale {s!r} must be a positive integer GPU count")
     return n
 
 
@@ -111,16 +111,29 @@ class ThroughputTable:
     # ---------------------------------------------------------------- loading
 
     @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> ThroughputTable:
+        """Load either format from a JSON file, told apart by its layout (Gavel's keys are
+        ``"('JOB TYPE', scale)"`` strings one level down)."""
+        data = _read_json(path)
+        if _is_gavel(data):
+            return cls._from_gavel_data(data, str(path))
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
     def from_gavel_json(cls, path: str | os.PathLike[str], acc_types: Iterable[str] | None = None) -> ThroughputTable:
         """Load Gavel's ``simulation_throughputs.json``.
 
         ``acc_types`` picks the accelerator types (default: every type whose name does not end in
         ``_unconsolidated``, i.e. k80, p100, v100 for Gavel's file).
         """
-        with open(path) as f:
-            raw = json.load(f)
+        return cls._from_gavel_data(_read_json(path), str(path), acc_types)
+
+    @classmethod
+    def _from_gavel_data(cls, raw: Any, path: str, acc_types: Iterable[str] | None = None) -> ThroughputTable:
         if not isinstance(raw, dict) or not raw:
-            raise ValueError(f"{path}: expected a JSON object {{acc_type: {{job key: ...}}}}")
+            got = "an empty object" if isinstance(raw, dict) else type(raw).__name__
+            raise ValueError(f"{path}: expected an object {{acc_type: {{job key: ...}}}} (Gavel's layout) with at "
+                             f"least one accelerator type, got {got}")
         if acc_types is None:
             accs = [a for a in raw if not a.endswith("_unconsolidated")]
         else:
@@ -128,9 +141,14 @@ class ThroughputTable:
             unknown = [a for a in accs if a not in raw]
             if unknown:
                 raise ValueError(f"{path}: accelerator types {unknown} not in the file (it has {list(raw)})")
+        if not accs:
+            raise ValueError(f"{path}: no accelerator types to load (the file has {list(raw)})")
         iso_d: dict[tuple[str, int], dict[str, float]] = {}
         co_d: dict[tuple[str, str, int, str], tuple[float, float]] = {}
         for acc in accs:
+            if not isinstance(raw[acc], dict):
+                raise ValueError(f"{path}[{acc!r}] must be an object {{job key: {{'null': steps/s, ...}}}}, "
+                                 f"got {type(raw[acc]).__name__}")
             for key, entry in raw[acc].items():
                 jt, sc = cls._parse_gavel_key(key, f"{path}[{acc!r}]")
                 if not isinstance(entry, dict) or "null" not in entry:
@@ -146,13 +164,13 @@ class ThroughputTable:
                     if not isinstance(pair, (list, tuple)) or len(pair) != 2:
                         raise ValueError(f"{where} = {pair!r} must be [self, partner] steps/s")
                     co_d[(jt, pjt, sc, acc)] = (_check_value(pair[0], where), _check_value(pair[1], where))
-        return cls._build(iso_d, co_d, accs, str(path))
+        return cls._build(iso_d, co_d, accs, path)
 
     @staticmethod
     def _parse_gavel_key(key: str, where: str) -> tuple[str, int]:
         try:
             jt, sc = ast.literal_eval(key)
-        except (ValueError, SyntaxError, TypeError):
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
             raise ValueError(f"{where}: key {key!r} is not of the form \"('JOB TYPE', SCALE)\"") from None
         if not isinstance(jt, str) or isinstance(sc, bool) or not isinstance(sc, int) or sc <= 0:
             raise ValueError(f"{where}: key {key!r} is not of the form \"('JOB TYPE', SCALE)\"")
@@ -161,8 +179,7 @@ class ThroughputTable:
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> ThroughputTable:
         """Load virtualflow's own format (see the module docstring) from a JSON file."""
-        with open(path) as f:
-            return cls.from_dict(json.load(f), source=str(path))
+        return cls.from_dict(_read_json(path), source=str(path))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "table") -> ThroughputTable:
@@ -170,6 +187,9 @@ class ThroughputTable:
 
         A bare ``{job: {acc: {scale: v}}}`` (no ``"throughputs"`` key) is accepted too.
         """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{source}: expected an object {{'throughputs': {{...}}, 'colocation': {{...}}}}, "
+                             f"got {type(data).__name__}")
         if "throughputs" in data:
             thr, coloc = data["throughputs"], data.get("colocation") or {}
             extra = set(data) - {"throughputs", "colocation"}
@@ -190,15 +210,22 @@ class ThroughputTable:
                 if not isinstance(per_scale, Mapping):
                     raise ValueError(f"{source}[{jt!r}][{acc!r}] must map scale -> steps/s")
                 for s, v in per_scale.items():
-                    sc = _scale(s, f"in {source}[{jt!r}][{acc!r}]")
+                    sc = _scale(s, f"{source}[{jt!r}][{acc!r}]")
                     iso_d.setdefault((jt, sc), {})[acc] = _check_value(v, f"{source}[{jt!r}][{acc!r}][{s!r}]")
         co_d: dict[tuple[str, str, int, str], tuple[float, float]] = {}
-        for ja, partners in coloc.items():
-            for jb, per_acc in partners.items():
-                for acc, per_scale in per_acc.items():
-                    for s, pair in per_scale.items():
+        def mapping(value: Any, where: str, what: str) -> Mapping[str, Any]:
+            if not isinstance(value, Mapping):
+                raise ValueError(f"{where} must map {what}, got {type(value).__name__}")
+            return value
+
+        for ja, partners in mapping(coloc, f"{source} colocation", "job type -> partner type -> ...").items():
+            for jb, per_acc in mapping(partners, f"{source} colocation[{ja!r}]", "partner type -> ...").items():
+                for acc, per_scale in mapping(per_acc, f"{source} colocation[{ja!r}][{jb!r}]",
+                                              "accelerator type -> {scale: [a, b]}").items():
+                    for s, pair in mapping(per_scale, f"{source} colocation[{ja!r}][{jb!r}][{acc!r}]",
+                                           "scale -> [a, b]").items():
                         where = f"{source} colocation[{ja!r}][{jb!r}][{acc!r}][{s!r}]"
-                        sc = _scale(s, f"in {where}")
+                        sc = _scale(s, where)
                         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
                             raise ValueError(f"{where} = {pair!r} must be [a_steps_per_s, b_steps_per_s]")
                         a, b = _check_value(pair[0], where), _check_value(pair[1], where)
@@ -210,6 +237,8 @@ class ThroughputTable:
     def _build(cls, iso_d: dict[tuple[str, int], dict[str, float]],
                co_d: dict[tuple[str, str, int, str], tuple[float, float]], accs: Sequence[str],
                source: str) -> ThroughputTable:
+        if not iso_d:
+            raise ValueError(f"{source}: the table has no job types")
         job_types = sorted({jt for jt, _ in iso_d})
         scales = sorted({sc for _, sc in iso_d})
         ji = {t: i for i, t in enumerate(job_types)}
@@ -228,8 +257,14 @@ class ThroughputTable:
                         raise ValueError(f"{source}: colocation names job type {jt!r} with no throughput of its own")
                 if sc not in si:
                     raise ValueError(f"{source}: colocation of {ja!r}/{jb!r} at scale {sc} which no job has alone")
+                if acc not in ai:
+                    raise ValueError(f"{source}: colocation of {ja!r}/{jb!r} on accelerator type {acc!r}, which has "
+                                     f"no throughputs of jobs alone (the table has {list(accs)})")
                 co[ji[ja], ji[jb], si[sc], ai[acc]] = (a, b)
-        return cls(job_types, accs, scales, iso, co)
+        try:
+            return cls(job_types, accs, scales, iso, co)
+        except ValueError as exc:  # an incomplete table: say which file
+            raise ValueError(f"{source}: {exc}") from None
 
     # ---------------------------------------------------------------- lookups
 

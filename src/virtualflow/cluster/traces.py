@@ -1,6 +1,7 @@
 """Job traces for the cluster simulator: Gavel's TSV format and a seeded workload generator.
 
-Gavel's trace format (``../shared/data/gavel/traces/*.trace``) has one job per line, tab-separated::
+Gavel's trace format (examples ship with the package: ``gavel_trace_path("small_test")``) has one
+job per line, tab-separated::
 
     job_type  command  working_directory  num_steps_arg  needs_data_dir  total_steps
     scale_factor  [priority_weight  [SLO  [arrival_time]]]
@@ -63,63 +64,75 @@ def read_gavel_trace(path: str | os.PathLike, table: ThroughputTable, *, referen
     """Parse a Gavel ``.trace`` file into ``JobSpec``s (ids 0..n-1 in line order; blank lines skipped).
 
     Raises ``ValueError("FILE:LINE: ...")`` for a malformed line (wrong column count, a number that
-    does not parse or is out of range) or a job type the throughput table does not know.
+    does not parse or is out of range) or a job type the throughput table does not know, and
+    ``ValueError("FILE: ...")`` for a file that is not UTF-8 text or holds no job.
     """
     path = os.fspath(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not a Gavel trace (byte {exc.start} is not UTF-8 text)") from None
     known = set(table.job_types)
     jobs: list[JobSpec] = []
-    with open(path) as f:
-        for lineno, raw in enumerate(f, start=1):
-            line = raw.rstrip("\r\n")
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            cols = line.split("\t")
-            if not _MIN_COLUMNS <= len(cols) <= _MAX_COLUMNS:
-                raise ValueError(f"{where}: expected {_MIN_COLUMNS} to {_MAX_COLUMNS} tab-separated columns "
-                                 f"(job_type, command, working_directory, num_steps_arg, needs_data_dir, "
-                                 f"total_steps, scale_factor[, priority_weight[, SLO[, arrival_time]]]), "
-                                 f"got {len(cols)}")
-            job_type = cols[0].strip()
-            if job_type not in known:
-                raise ValueError(f"{where}: unknown job type {job_type!r}; the throughput table knows "
-                                 f"{sorted(known)}")
+    for lineno, raw in enumerate(text.split("\n"), start=1):
+        line = raw.rstrip("\r")
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        cols = line.split("\t")
+        if not _MIN_COLUMNS <= len(cols) <= _MAX_COLUMNS:
+            raise ValueError(f"{where}: expected {_MIN_COLUMNS} to {_MAX_COLUMNS} tab-separated columns "
+                             f"(job_type, command, working_directory, num_steps_arg, needs_data_dir, "
+                             f"total_steps, scale_factor[, priority_weight[, SLO[, arrival_time]]]), "
+                             f"got {len(cols)}")
+        job_type = cols[0].strip()
+        if job_type not in known:
+            raise ValueError(f"{where}: unknown job type {job_type!r}; the throughput table knows "
+                             f"{sorted(known)}")
 
-            def num(i: int, name: str, kind=float):
-                try:
-                    v = kind(float(cols[i])) if kind is int else float(cols[i])
-                except ValueError:
-                    raise ValueError(f"{where}: column {i + 1} ({name}) = {cols[i]!r} is not a number") from None
-                if kind is int and float(cols[i]) != int(float(cols[i])):
-                    raise ValueError(f"{where}: column {i + 1} ({name}) = {cols[i]!r} is not an integer")
-                if not math.isfinite(v):
-                    raise ValueError(f"{where}: column {i + 1} ({name}) = {cols[i]!r} is not finite")
-                return v
+        def num(i: int, name: str) -> float:
+            try:
+                v = float(cols[i])
+            except ValueError:
+                raise ValueError(f"{where}: column {i + 1} ({name}) = {cols[i]!r} is not a number") from None
+            if not math.isfinite(v):
+                raise ValueError(f"{where}: column {i + 1} ({name}) = {cols[i]!r} is not finite")
+            return v
 
-            total_steps = num(5, "total_steps")
-            scale = num(6, "scale_factor", int)
-            weight = num(7, "priority_weight") if len(cols) > 7 else 1.0
-            slo = num(8, "SLO") if len(cols) > 8 else -1.0
-            arrival = num(9, "arrival_time") if len(cols) > 9 else 0.0
-            if total_steps <= 0:
-                raise ValueError(f"{where}: total_steps={total_steps} must be > 0")
-            if scale < 1:
-                raise ValueError(f"{where}: scale_factor={scale} must be >= 1")
-            if weight <= 0:
-                raise ValueError(f"{where}: priority_weight={weight} must be > 0")
-            if arrival < 0:
-                raise ValueError(f"{where}: arrival_time={arrival} must be >= 0")
-            if not any(_has_throughput(table, job_type, t, scale) for t in table.acc_types):
-                raise ValueError(f"{where}: the throughput table has no throughput for {job_type!r} at "
-                                 f"scale_factor={scale} on any accelerator type")
-            slo_s = None
-            if slo > 0:
-                if not _has_throughput(table, job_type, reference_type, scale):
-                    raise ValueError(f"{where}: SLO={slo} is relative to the run time on {reference_type!r}, "
-                                     f"which has no throughput for {job_type!r} at scale {scale}")
-                slo_s = slo * _isolated_time_s(table, job_type, scale, total_steps, reference_type)
+        total_steps = num(5, "total_steps")
+        scale_f = num(6, "scale_factor")
+        if scale_f != int(scale_f):
+            raise ValueError(f"{where}: column 7 (scale_factor) = {cols[6]!r} is not an integer")
+        scale = int(scale_f)
+        weight = num(7, "priority_weight") if len(cols) > 7 else 1.0
+        slo = num(8, "SLO") if len(cols) > 8 else -1.0
+        arrival = num(9, "arrival_time") if len(cols) > 9 else 0.0
+        if total_steps <= 0:
+            raise ValueError(f"{where}: total_steps={total_steps} must be > 0")
+        if scale < 1:
+            raise ValueError(f"{where}: scale_factor={scale} must be >= 1")
+        if weight <= 0:
+            raise ValueError(f"{where}: priority_weight={weight} must be > 0")
+        if arrival < 0:
+            raise ValueError(f"{where}: arrival_time={arrival} must be >= 0")
+        if not any(_has_throughput(table, job_type, t, scale) for t in table.acc_types):
+            raise ValueError(f"{where}: the throughput table has no throughput for {job_type!r} at "
+                             f"scale_factor={scale} on any accelerator type")
+        slo_s = None
+        if slo > 0:
+            if not _has_throughput(table, job_type, reference_type, scale):
+                raise ValueError(f"{where}: SLO={slo} is relative to the run time on {reference_type!r}, "
+                                 f"which has no throughput for {job_type!r} at scale {scale}")
+            slo_s = slo * _isolated_time_s(table, job_type, scale, total_steps, reference_type)
+        try:
             jobs.append(JobSpec(job_id=len(jobs), job_type=job_type, scale_factor=scale, total_steps=total_steps,
                                 weight=weight, slo_s=slo_s, arrival_s=arrival))
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+    if not jobs:
+        raise ValueError(f"{path}: no jobs (the file is empty or every line is blank)")
     return jobs
 
 
