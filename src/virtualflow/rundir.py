@@ -1,8 +1,10 @@
 """The run directory's records: one place that reads and writes them.
 
 Writers: :func:`write_json` (atomic: temp file, then rename). Readers: :func:`read_jsonl`
-(tolerates a partial last line, as a crash mid-write leaves), :func:`read_status`,
-:func:`run_state`. Used by the job handle, ``status``, ``resize`` and ``plot``.
+(tolerates a partial last line, as a crash mid-write leaves), :func:`read_status` and
+:func:`read_summary` (a truncated or half-written file is a ``ValueError`` that names the file
+and says to retry, never a JSON traceback), :func:`run_state`. Used by the job handle,
+``status``, ``resize`` and ``plot``: nothing else opens these files.
 
 A running job's launcher rewrites ``status.json`` about twice a second (state, step,
 generation, workers, recent step times, and the coordinator's loopback address and pid). A
@@ -52,7 +54,31 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
     return out
 
 
+def _read_record(path: str, what: str) -> dict[str, Any]:
+    """One JSON object from ``path``; a file that is not one is a ``ValueError`` naming it."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        record = json.loads(text)
+    except ValueError as exc:
+        # A writer that is not atomic (or was killed mid-write, or a copy in progress) leaves a
+        # prefix of the record: say so instead of showing a decoder traceback.
+        where = f"line {exc.lineno}, column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else "?"
+        raise ValueError(
+            f"{path} is not complete JSON ({len(text)} bytes, unreadable at {where}): it may be in the "
+            f"middle of being rewritten; retry in a moment"
+        ) from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path} holds a JSON {type(record).__name__}, not a run's {what} (a JSON object)")
+    return record
+
+
 def read_status(run_dir: str) -> dict[str, Any]:
+    """The run's ``status.json``. A missing directory or file, or a truncated or partial file
+    (caught while being rewritten), is a ``ValueError`` that says what to do."""
     path = os.path.join(run_dir, "status.json")
     if not os.path.isdir(run_dir):
         raise ValueError(f"run directory {run_dir!r} does not exist; pass the --run-dir of a 'virtualflow run'")
@@ -61,8 +87,15 @@ def read_status(run_dir: str) -> dict[str, Any]:
             f"{run_dir!r} is not a virtualflow run directory (no status.json); pass the --run-dir of a "
             f"'virtualflow run'"
         )
-    with open(path) as f:
-        return json.load(f)
+    return _read_record(path, "status")
+
+
+def read_summary(run_dir: str) -> dict[str, Any] | None:
+    """The run's ``summary.json`` (written when the run ends), or None while it has none."""
+    path = os.path.join(run_dir, "summary.json")
+    if not os.path.exists(path):
+        return None
+    return _read_record(path, "summary")
 
 
 def pid_alive(pid: int | None) -> bool:

@@ -7,13 +7,23 @@ with resizes, failures and new generations marked. ``--scaling`` draws, per run,
 and the cost per sample at every worker count the run went through (from the autoscaler's
 measurements, or from metrics.jsonl for a run without one), with the chosen size marked. Needs matplotlib
 (``pip install virtualflow[plot]``).
+
+Figures are drawn with matplotlib's object API (``matplotlib.figure.Figure``), never pyplot:
+plotting from a user's process (a notebook, a training script) leaves its backend and its open
+figures alone. The run directory is read through :mod:`virtualflow.rundir` only, so a run that
+is still writing (a partial last JSONL line) can be plotted.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+from typing import TYPE_CHECKING
+
+from virtualflow.rundir import read_jsonl, read_summary
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,13 +40,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
-def read_jsonl(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def load_run(run_dir: str) -> dict:
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(metrics_path):
@@ -44,34 +47,41 @@ def load_run(run_dir: str) -> dict:
                          f"pass the --run-dir of a 'virtualflow run'")
     steps = read_jsonl(metrics_path)
     evals = [e for e in read_jsonl(os.path.join(run_dir, "events.jsonl")) if e.get("event") == "eval"]
-    summary = {}
-    if os.path.exists(os.path.join(run_dir, "summary.json")):
-        with open(os.path.join(run_dir, "summary.json")) as f:
-            summary = json.load(f)
+    summary = read_summary(run_dir) or {}
     workers = summary.get("workers") or (steps[0]["workers"] if steps else "?")
     label = f"{os.path.basename(os.path.normpath(run_dir))} ({workers} worker{'s' if workers != 1 else ''})"
     return {"label": label, "steps": steps, "evals": evals}
 
 
-def plot_runs(run_dirs: list[str], output: str) -> str:
+def _figure(width_in: float, height_in: float) -> Figure:
+    """A figure that belongs to no pyplot state and no backend (saving picks the file's format)."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError as exc:
         raise ValueError("plotting needs matplotlib: pip install 'virtualflow[plot]'") from exc
+    return Figure(figsize=(width_in, height_in))
+
+
+def _save(fig: Figure, output: str) -> str:
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    fig.savefig(output, dpi=110)
+    return output
+
+
+def plot_runs(run_dirs: list[str], output: str) -> str:
     runs = [load_run(d) for d in run_dirs]
-    metric_names = sorted({k for r in runs for e in r["evals"] for k in e["metrics"]})
+    metric_names = sorted({k for r in runs for e in r["evals"] for k in e.get("metrics", {})})
     n = 1 + len(metric_names)
-    fig, axes = plt.subplots(1, n, figsize=(6 * n, 4.2), squeeze=False)
+    fig = _figure(6 * n, 4.2)
+    axes = fig.subplots(1, n, squeeze=False)
     styles = ["-", "--", ":", "-."]
     for i, run in enumerate(runs):
         ax = axes[0][0]
         ax.plot([s["step"] for s in run["steps"]], [s["loss"] for s in run["steps"]],
                 linestyle=styles[i % len(styles)], linewidth=1.4, label=run["label"])
         for j, name in enumerate(metric_names, start=1):
-            pts = [(e["step"], e["metrics"][name]) for e in run["evals"] if name in e["metrics"]]
+            pts = [(e["step"], e["metrics"][name]) for e in run["evals"] if name in e.get("metrics", {})]
             if pts:
                 axes[0][j].plot(*zip(*pts), marker="o", linestyle=styles[i % len(styles)], label=run["label"])
     axes[0][0].set(title="training loss", xlabel="step", ylabel="loss")
@@ -81,27 +91,12 @@ def plot_runs(run_dirs: list[str], output: str) -> str:
     for ax in axes[0]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    fig.savefig(output, dpi=110)
-    plt.close(fig)
-    return output
-
-
-def _pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ValueError("plotting needs matplotlib: pip install 'virtualflow[plot]'") from exc
-    return plt
+    return _save(fig, output)
 
 
 def plot_timeline(run_dirs: list[str], output: str) -> str:
-    plt = _pyplot()
-    fig, axes = plt.subplots(2, len(run_dirs), figsize=(8 * len(run_dirs), 6), squeeze=False, sharex="col")
+    fig = _figure(8 * len(run_dirs), 6)
+    axes = fig.subplots(2, len(run_dirs), squeeze=False, sharex="col")
     for col, run_dir in enumerate(run_dirs):
         run = load_run(run_dir)
         events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
@@ -137,11 +132,7 @@ def plot_timeline(run_dirs: list[str], output: str) -> str:
         for a in (ax, ax2):
             a.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="lower left")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    fig.savefig(output, dpi=110)
-    plt.close(fig)
-    return output
+    return _save(fig, output)
 
 
 def _step_at(steps: list[dict], t: float | None) -> int:
@@ -190,8 +181,8 @@ def scaling_table(run_dir: str, warmup_steps: int = 2) -> tuple[list[dict], int 
 
 
 def plot_scaling(run_dirs: list[str], output: str) -> str:
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(run_dirs), figsize=(7 * len(run_dirs), 4.5), squeeze=False)
+    fig = _figure(7 * len(run_dirs), 4.5)
+    axes = fig.subplots(1, len(run_dirs), squeeze=False)
     for col, run_dir in enumerate(run_dirs):
         rows, chosen, source = scaling_table(run_dir)
         ax = axes[0][col]
@@ -218,11 +209,7 @@ def plot_scaling(run_dirs: list[str], output: str) -> str:
         ax.legend(handles[0] + handles2[0], handles[1] + handles2[1], fontsize=8, loc="lower right")
         ax.set_title(f"{os.path.basename(os.path.normpath(run_dir))}: throughput and cost per worker count\n({source})",
                      fontsize=9)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    fig.savefig(output, dpi=110)
-    plt.close(fig)
-    return output
+    return _save(fig, output)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -64,8 +64,16 @@ def main(args: argparse.Namespace) -> int:
           f"(takes effect at the next step boundary)")
     if args.wait:
         deadline = time.monotonic() + args.timeout
+        unreadable = ""
         while time.monotonic() < deadline:
-            st = read_status(args.run_dir)
+            try:
+                st = read_status(args.run_dir)
+            except ValueError as exc:
+                # Caught while the launcher rewrites it: the next poll sees the new file.
+                unreadable = f" (last read: {exc})"
+                time.sleep(0.2)
+                continue
+            unreadable = ""
             members = [w for w in st.get("workers", []) if w.get("rank") is not None]
             # A status written before the coordinator took this request says nothing about it
             # (it may show the requested size from an earlier state of the job).
@@ -77,6 +85,6 @@ def main(args: argparse.Namespace) -> int:
                 print(f"the run ended ({st.get('state')}) before the resize completed")
                 return 1
             time.sleep(0.2)
-        print(f"not done after {args.timeout:g} s; see `virtualflow status {args.run_dir}`")
+        print(f"not done after {args.timeout:g} s; see `virtualflow status {args.run_dir}`{unreadable}")
         return 1
     return 0
