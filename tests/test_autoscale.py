@@ -9,10 +9,12 @@ it: reach the known optimum, stay in bounds, make a bounded number of resizes, i
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import random
 import sys
+from dataclasses import dataclass
 
 import pytest
 
@@ -196,13 +198,74 @@ def test_efficiency_flat_noisy_curve_makes_a_bounded_number_of_resizes():
         assert all(visits.count(k) <= 2 for k in set(visits))  # a size is left and re-entered at most once
 
 
+def assert_decide_is_pure(policy, history, limits) -> list:
+    """``policy.decide`` is a function of its arguments (invariant 1 of the module): on every
+    prefix of ``history``, the policy, after deciding on the other prefixes in a scrambled order
+    (forwards, then backwards), gives the decision that a fresh copy of it gives; deciding
+    changes neither the policy nor the observations it is given. Returns the decisions."""
+    pristine, original = copy.deepcopy(policy), copy.deepcopy(list(history))
+    # What a fresh policy decides, each on its own copy of the observations.
+    expected = [copy.deepcopy(pristine).decide(copy.deepcopy(original[:t]), limits)
+                for t in range(1, len(original) + 1)]
+    order = list(range(len(expected)))
+    random.Random(0).shuffle(order)
+    for i in order + order[::-1]:
+        given = list(history[: i + 1])
+        assert policy.decide(given, limits) == expected[i], f"decision on the first {i + 1} steps changed"
+        assert given == original[: i + 1], f"decide changed its input (the first {i + 1} steps)"
+    assert policy == pristine, "decide changed the policy"
+    return expected
+
+
 def test_decide_is_pure():
-    plant = Plant(emulated_step_s, start=1, total_steps=60).run(EfficiencyPolicy(), Limits(1, 12))
-    history = list(plant.history)
-    snapshot = list(history)
-    p = EfficiencyPolicy()
-    assert p.decide(history, Limits(1, 12)) == p.decide(history, Limits(1, 12))
-    assert history == snapshot
+    searching = Plant(emulated_step_s, start=1, total_steps=160).run(EfficiencyPolicy(), Limits(1, 12)).history
+    stragglers = _straggler_history({0: 100.0, 1: 100.0, 2: 45.0, 3: 98.0})
+    cases = [
+        ("efficiency", searching, Limits(1, 12)),
+        ("efficiency:step_size=2,min_steps=3", searching, Limits(2, 9)),  # starts outside: brought in
+        ("utility:value=linear:20", searching, Limits(1, 12)),
+        ("utility:value=deadline:40s:100", searching, Limits(1, 12)),
+        ("straggler", stragglers, Limits(1, 5)),
+        ("straggler", stragglers, Limits(1, 4)),
+        ("fixed", searching, Limits(1, 12)),
+    ]
+    kinds = set()
+    for spec, history, limits in cases:
+        decisions = assert_decide_is_pure(make_policy(spec), history, limits)
+        kinds |= {(type(d).__name__, getattr(d, "settled", None)) for d in decisions}
+    # Every kind of decision was among those checked: searching, settled, resize, replace, rebalance.
+    assert kinds >= {("Stay", False), ("Stay", True), ("Resize", None), ("Replace", None), ("Rebalance", None)}
+
+
+@dataclass
+class _Remembers:
+    """A policy that keeps state between calls (what the built-in ones must not do)."""
+
+    name: str = "remembers"
+    largest: int = 0
+
+    def decide(self, history, limits):
+        self.largest = max(self.largest, history[-1].workers)
+        return Resize(self.largest) if self.largest != history[-1].workers else Stay()
+
+
+@dataclass
+class _EatsItsInput:
+    """A policy that changes the observations it is given."""
+
+    name: str = "eats"
+
+    def decide(self, history, limits):
+        history[-1].per_worker_throughput.clear()
+        return Stay()
+
+
+def test_the_purity_check_catches_state_and_changed_inputs():
+    searching = Plant(emulated_step_s, start=1, total_steps=80).run(EfficiencyPolicy(), Limits(1, 12)).history
+    with pytest.raises(AssertionError, match="decision on the first"):
+        assert_decide_is_pure(_Remembers(), searching, Limits(1, 12))
+    with pytest.raises(AssertionError, match="changed its input"):
+        assert_decide_is_pure(_EatsItsInput(), _straggler_history({0: 100.0, 1: 50.0}), Limits(1, 4))
 
 
 def test_measurements_are_frozen_and_skip_warmup():
@@ -318,9 +381,26 @@ def test_straggler_replacements_are_bounded():
     assert isinstance(d, Rebalance) and "budget spent" in d.reason
 
 
-def test_fixed_never_moves():
-    plant = Plant(emulated_step_s, start=3, total_steps=200).run(FixedPolicy(), Limits(1, 12))
-    assert plant.resizes == [] and plant.final() == 3
+def test_fixed_holds_where_the_other_policies_move():
+    fixed = make_policy("fixed")
+    assert isinstance(fixed, FixedPolicy)
+    # Situations that call for a move: every step at which the efficiency search resized, a
+    # worker count outside the bounds (a user's resize), a straggler that can be replaced, and
+    # one that can only be given fewer VNs.
+    searching = Plant(emulated_step_s, start=3, total_steps=200).run(EfficiencyPolicy(), Limits(1, 12))
+    assert len(searching.resizes) >= 3
+    situations = [(searching.history[: s + 1], Limits(1, 12)) for s, *_ in searching.resizes]
+    situations.append(([Observation(step=0, workers=9, throughput=1.0, step_time_s=1.0, cost_rate_per_h=9.0,
+                                    elapsed_s=1.0, steps_remaining=10)], Limits(1, 8)))
+    stragglers = _straggler_history({0: 100.0, 1: 100.0, 2: 45.0, 3: 98.0})
+    situations += [(stragglers, Limits(1, 5)), (stragglers, Limits(1, 4))]
+    for history, limits in situations:
+        moves = [make_policy(n).decide(history, limits) for n in ("efficiency", "utility", "straggler")]
+        assert not all(isinstance(d, Stay) for d in moves), moves  # the situation does call for a move
+        assert fixed.decide(history, limits) == Stay("fixed: no autoscaling")  # not settled: no search ran
+    # Run end to end, the job keeps the size it started with.
+    plant = Plant(emulated_step_s, start=3, total_steps=200).run(fixed, Limits(1, 12))
+    assert plant.resizes == [] and plant.sizes_seen == [3]
 
 
 # --------------------------------------------------------------------------------------------
@@ -403,10 +483,18 @@ def test_emulated_loss_finds_its_step_and_sleeps_the_communication(monkeypatch):
             assert torch.equal(loss(model, batch), plain)  # the math is untouched
     # No communication before the first step it ran; then (24/3 - 6) x comm_s per step.
     assert sleeps == [pytest.approx(0.001 * 2)] * 2
-    # Pickling sends the parameters only (each process counts its own steps).
+    # Pickling sends the parameters only: each process counts its own steps, so a copy (a new
+    # worker) sleeps nothing on the first step it runs, where the original would.
     import pickle
     clone = pickle.loads(pickle.dumps(loss))
-    assert (clone.pace_s, clone.comm_s, clone._step) == (0.0, 0.001, None)
+    assert (clone.pace_s, clone.comm_s, clone.seed, clone.V) == (0.0, 0.001, 0, emu.V)
+    for vn in (3, 4, 5):
+        torch.default_generator.manual_seed(vf.vn_seed(0, 103, vn))
+        clone(model, batch)
+    assert len(sleeps) == 2
+    torch.default_generator.manual_seed(vf.vn_seed(0, 103, 3))
+    loss(model, batch)
+    assert sleeps[2:] == [pytest.approx(0.001 * 2)]
 
 
 # --------------------------------------------------------------------------------------------

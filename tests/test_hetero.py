@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
 
-from virtualflow.plan.hetero import InfeasibleAssignment, blocks, brute_force, predict_step_s, solve
+from hetero_reference import brute_force, brute_force_uneven
+from virtualflow.plan.hetero import InfeasibleAssignment, blocks, predict_step_s, solve
 
 
 def test_optimal_on_every_small_case():
@@ -187,19 +189,27 @@ def test_a_member_with_no_vn_trains_the_same_weights(deterministic, batchnorm, a
 
 def test_probes_of_a_much_slower_idle_member_are_spaced_by_their_cost():
     """A probe that outlasts the wait is spaced so its delay costs <= PROBE_BUDGET of the step."""
-    from virtualflow.runtime import engine as E
+    from virtualflow.runtime.engine import PROBE_BUDGET, PROBE_EVERY, probe_due
 
-    eng = _engine(_bn_job("mean"), False)
-    eng.set_membership(Group(0, 0, 1, None), [list(range(8))])
-    eng._loss_dtype = torch.float32
-    eng._probe_s, eng._idle_s = 0.010, 0.100  # fits in the wait: every PROBE_EVERY steps
-    due = [eng._probe_due() for _ in range(E.PROBE_EVERY)]
-    assert due == [False] * (E.PROBE_EVERY - 1) + [True]
-    eng._since_probe, eng._probe_s = 0, 1.100  # 1 s longer than the wait: 1 / (0.02 x 0.1) = 500 steps
-    due = [eng._probe_due() for _ in range(500)]
-    assert due.index(True) == 499
-    eng._since_probe, eng._idle_s = 0, 0.0  # wait not measured yet (first step): no probe
-    assert not eng._probe_due()
+    def first_due(estimate_s, idle_s, **kw):
+        return next(n for n in range(1, 100_000) if probe_due(n, estimate_s, idle_s, **kw))
+
+    # Fits in the wait: every PROBE_EVERY steps.
+    assert [probe_due(n, 0.010, 0.100) for n in range(1, PROBE_EVERY + 1)] == [False] * (PROBE_EVERY - 1) + [True]
+    assert first_due(0.100, 0.100) == PROBE_EVERY
+    # 1 s longer than a 0.1 s wait: 1 / (PROBE_BUDGET x 0.1) = 500 steps apart, and the delay a
+    # probe adds, amortised over them, is PROBE_BUDGET of the wait.
+    assert first_due(1.100, 0.100) == 500
+    assert (1.100 - 0.100) / first_due(1.100, 0.100) == pytest.approx(PROBE_BUDGET * 0.100)
+    assert first_due(0.150, 0.100) == max(PROBE_EVERY, math.ceil(0.050 / (PROBE_BUDGET * 0.100))) == 25
+    # After a speed change (a burst), probes that fit in the wait run at once; longer ones do not.
+    assert probe_due(1, 0.050, 0.100, burst=2)
+    assert not probe_due(1, 0.150, 0.100, burst=2)
+    # Wait not measured yet (the first step): no probe, however long ago the last one was.
+    assert not probe_due(10_000, 0.010, 0.0)
+    # Nothing measured yet (no forward run, or no estimate): probe now.
+    assert probe_due(1, 0.010, 0.0, ran_forward=False)
+    assert probe_due(1, 0.0, 0.100)
 
 
 # -- end to end: emulated unequal workers ----------------------------------------------------
@@ -294,7 +304,7 @@ def test_memory_limit_below_the_vn_batch_is_refused_before_start():
 
 
 def test_uneven_solver_is_optimal_against_brute_force_and_respects_memory():
-    from virtualflow.plan.hetero import brute_force_uneven, solve_uneven
+    from virtualflow.plan.hetero import solve_uneven
 
     rng = random.Random(1)
     for _ in range(60):

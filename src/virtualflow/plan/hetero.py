@@ -20,8 +20,9 @@ a time to the worker whose finish time *after* taking it, ``(c_i + 1) t_i``, is 
 finish times a worker can reach form the multiset ``{j t_i : j > min_vns}`` (plus the fixed
 ``min_vns t_i``); any assignment of k more VNs has a maximum at least the k-th smallest value of
 that multiset (an exchange argument), and the greedy takes exactly the k smallest, so the final
-maximum is optimal. ``tests/test_hetero.py`` checks it against brute force on every small case,
-zero counts included. Ties go to the lower rank, so the result is deterministic.
+maximum is optimal. ``tests/test_hetero.py`` checks it against brute force
+(``tests/hetero_reference.py``) on every small case, zero counts included. Ties go to the lower
+rank, so the result is deterministic.
 
 Assignments are contiguous VN blocks in rank order (``blocks``; a worker with no VN gets an
 empty block), as for equal workers: the deterministic reduction tree depends on V only, so any
@@ -126,27 +127,6 @@ def predict_step_s(counts: Sequence[int], time_per_vn: Sequence[float], reductio
     return max(c * t for c, t in zip(counts, time_per_vn)) + reduction_s
 
 
-def brute_force(virtual_nodes: int, time_per_vn: Sequence[float], min_vns: int = 0) -> float:
-    """The optimal ``max_i c_i t_i`` over every composition with ``c_i >= min_vns`` (tests only:
-    tiny inputs)."""
-    n = len(time_per_vn)
-    best = math.inf
-
-    def rec(i: int, left: int, worst: float) -> None:
-        nonlocal best
-        if worst >= best:
-            return
-        if i == n - 1:
-            best = min(best, max(worst, left * time_per_vn[i]))
-            return
-        for c in range(min_vns, left - (n - 1 - i) * min_vns + 1):
-            rec(i + 1, left - c, max(worst, c * time_per_vn[i]))
-
-    if virtual_nodes >= n * min_vns:
-        rec(0, virtual_nodes, 0.0)
-    return best
-
-
 # -- uneven VN sizes --------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class UnevenPlan:
@@ -231,27 +211,3 @@ def solve_uneven(
     samples = [int(round(v)) for v in res.x[n : 2 * n]]
     finish = max(per_vn_s[i] * counts[i] + per_sample_s[i] * samples[i] for i in range(n))
     return UnevenPlan(counts, samples, vn_sizes_for(counts, samples), finish + reduction_s)
-
-
-def brute_force_uneven(V: int, B: int, per_vn_s, per_sample_s, memory_limits=None) -> float:
-    """Optimal slowest-worker time by enumeration (tests only: tiny inputs)."""
-    n = len(per_vn_s)
-    limits = memory_limits or [None] * n
-    best = math.inf
-
-    def comps(total: int, parts: int):
-        if parts == 1:
-            yield (total,)
-            return
-        for first in range(1, total - parts + 2):
-            for rest in comps(total - first, parts - 1):
-                yield (first,) + rest
-
-    for cs in comps(V, n):
-        for ns in comps(B, n):
-            if any(c > m for c, m in zip(cs, ns)):
-                continue
-            if any(lim is not None and m > lim * c for c, m, lim in zip(cs, ns, limits)):
-                continue
-            best = min(best, max(per_vn_s[i] * cs[i] + per_sample_s[i] * ns[i] for i in range(n)))
-    return best

@@ -50,6 +50,33 @@ PROBE_CHANGE = 0.2
 probes on the next ``PROBE_EVERY`` steps (when free), so a speed change is seen quickly."""
 
 
+def probe_due(steps_since_probe: int, estimate_s: float, idle_s: float, *, burst: int = 0,
+              ran_forward: bool = True) -> bool:
+    """Whether a worker with no VN runs a probe VN in this step (see the module docstring).
+
+    ``steps_since_probe`` counts the steps since its last probe, this one included;
+    ``estimate_s`` is the expected probe time (the last probe's, else the measured VN time times
+    the slowdown; 0 when unknown); ``idle_s`` the smoothed time it waits for the others in a
+    step without a probe (0 until measured); ``burst`` the free probes still owed after a speed
+    change (``PROBE_CHANGE``); ``ran_forward`` whether it has ever run a forward.
+
+    A worker that never ran a forward, or has no estimate, probes now. Until its wait is
+    measured it does not. A probe that fits in the wait is taken during a burst, else every
+    ``PROBE_EVERY`` steps; a longer one is spaced so that its excess over the wait, amortised
+    over the steps between probes, is at most ``PROBE_BUDGET`` of the wait.
+    """
+    if not ran_forward:
+        return True  # measure (deterministic mode also needs the loss dtype)
+    if estimate_s <= 0:
+        return True
+    if idle_s <= 0:
+        return False  # learn first how long this worker waits for the others
+    if burst > 0 and estimate_s <= idle_s:
+        return True
+    excess = max(0.0, estimate_s - idle_s)
+    return steps_since_probe >= max(PROBE_EVERY, math.ceil(excess / (PROBE_BUDGET * idle_s)))
+
+
 class NonFiniteLossError(RuntimeError):
     """A virtual node's loss was NaN or infinite; the step was not applied."""
 
@@ -311,19 +338,12 @@ class VNEngine:
 
     # -- a worker with no VN -------------------------------------------------------------------
     def _probe_due(self) -> bool:
-        """Whether this step (of a worker with no VN) runs a probe; see the module docstring."""
+        """Whether this step (of a worker with no VN) runs a probe: :func:`probe_due` on this
+        worker's counters."""
         self._since_probe += 1
-        if self._loss_dtype is None:
-            return True  # never ran a forward: measure (deterministic mode also needs the dtype)
-        est = self._probe_s if self._probe_s > 0 else self._vn_s * self.slowdown
-        if est <= 0:
-            return True
-        if self._idle_s <= 0:
-            return False  # learn first how long this worker waits for the others
-        if self._probe_burst > 0 and est <= self._idle_s:
-            return True
-        excess = max(0.0, est - self._idle_s)
-        return self._since_probe >= max(PROBE_EVERY, math.ceil(excess / (PROBE_BUDGET * self._idle_s)))
+        estimate = self._probe_s if self._probe_s > 0 else self._vn_s * self.slowdown
+        return probe_due(self._since_probe, estimate, self._idle_s, burst=self._probe_burst,
+                         ran_forward=self._loss_dtype is not None)
 
     def _probe(self, step: int) -> float:
         """Time one VN's forward and backward without contributing it; returns the seconds."""
