@@ -74,3 +74,51 @@ def test_overrides_change_what_the_model_sees():
     ref, _, _ = reference_train(jobs.regression_job(global_batch_size=64, virtual_nodes=4).replace(seed=9), 4)
     assert_state_close(r.state_dict, ref.state_dict(), rtol=1e-5, atol=1e-6)
     assert r.history[0]["samples"] == 64
+
+
+def test_lambdas_and_closures_train_on_two_workers():
+    """Jobs travel by value with cloudpickle: a closure returning a Job whose fields are lambdas."""
+    def make(lr):
+        return lambda: vf.Job(model=lambda: jobs.mlp(), optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9),
+                              loss=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+                              dataset=lambda: jobs.regression_data(), global_batch_size=32, virtual_nodes=8,
+                              lr_scheduler=lambda o: jobs.step_lr(o), seed=5)
+
+    by_lambdas = vf.train(make(0.05), workers=2, steps=6, deterministic=True)
+    by_module = vf.train(jobs.regression_job(), workers=1, steps=6, deterministic=True)
+    assert_state_equal(by_lambdas.state_dict, by_module.state_dict)
+
+
+MAIN_SCRIPT = '''
+import sys, torch, virtualflow as vf
+from torch import nn
+from torch.utils.data import Dataset
+
+class Squares(Dataset):  # defined in __main__: workers cannot import it, it travels by value
+    def __len__(self): return 96
+    def __getitem__(self, i):
+        x = torch.full((4,), float(i) / 96)
+        return x, (x ** 2).sum(0, keepdim=True)
+
+def make_job():
+    return vf.Job(model=lambda: nn.Linear(4, 1), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                  loss=lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]), dataset=Squares,
+                  global_batch_size=16, virtual_nodes=4, seed=3)
+
+if __name__ == "__main__":
+    two = vf.train(make_job, workers=2, steps=5, deterministic=True)
+    one = vf.train(make_job(), workers=1, steps=5, deterministic=True)
+    assert two.steps == 5 and all(torch.equal(two.state_dict[k], one.state_dict[k]) for k in one.state_dict)
+    print("same model", two.history[-1]["loss"])
+'''
+
+
+def test_a_job_defined_in_main_trains_on_two_workers(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "main_job.py"
+    script.write_text(MAIN_SCRIPT)
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "same model" in p.stdout

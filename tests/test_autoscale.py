@@ -511,7 +511,7 @@ def test_emulated_loss_finds_its_step_and_sleeps_the_communication(monkeypatch):
     (dict(autoscale="efficiency", max_workers=30), r"max_workers=30 is more than virtual_nodes=24"),
     (dict(max_workers=4), r"give autoscale= \(--autoscale POLICY\) too"),
     (dict(autoscale="efficiency", workers=5, max_workers=4), r"starting workers=5 is outside \[min_workers=1, max_workers=4\]"),
-    (dict(autoscale="utility", max_workers=4, price_per_worker_hour=0), r"price_per_worker_hour=0 must be a positive"),
+    (dict(autoscale="utility", max_workers=4, price_per_worker_hour=0), r"price_per_worker_hour=0 must be a finite number > 0"),
 ])
 def test_launch_refuses_bad_autoscale_options(kwargs, message):
     import virtualflow as vf

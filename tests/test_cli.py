@@ -69,4 +69,4 @@ def test_bad_input_is_one_clear_line(args, message, tmp_path):
 
 def test_steps_or_epochs_required():
     p = cli("run", "examples/synthetic.py")
-    assert p.returncode == 2 and "one of the arguments --steps --epochs is required" in p.stderr
+    assert p.returncode == 2 and "give exactly one of steps and epochs" in p.stderr and "(--steps 100)" in p.stderr

@@ -43,10 +43,16 @@ class Clock:
         return self.t
 
 
+TUNING = ("min_observations", "rebalance_patience", "rebalance_threshold")
+
+
 def make(workers=2, **kw):
+    """A controller over a fake launcher; ``kw`` are launch options or the controller's tuning."""
     coord = Coordinator(total_steps=100, run_dir=None)
     launcher, clock = FakeLauncher(), Clock()
-    ctl = MembershipController(coord, launcher, virtual_nodes=8, workers=workers, clock=clock, **kw)
+    tuning = {k: kw.pop(k) for k in TUNING if k in kw}
+    options = vf.LaunchOptions(workers=workers, steps=100, **kw)
+    ctl = MembershipController(coord, launcher, options, virtual_nodes=8, clock=clock, **tuning)
     ctl.start()
     return ctl, coord, launcher, clock
 

@@ -113,7 +113,7 @@ def test_cli_backend_ray_trains_the_same_weights(cluster, digits_local, tmp_path
         env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")},
     )
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "(Ray actors)" in p.stderr
+    assert "on 2 workers (Ray actors, " in p.stderr
     assert_state_equal(load_state(os.path.join(d, "final.pt"))["model"], digits_local.state_dict)
 
 

@@ -6,6 +6,7 @@ A :class:`Job` fixes what the model sees (global batch size B, virtual nodes V, 
 """
 
 from virtualflow.api import JobHandle, Result, TrainingError, launch, train
+from virtualflow.options import LaunchOptions
 from virtualflow.job import Job, JobImportError
 from virtualflow.plan.data import vn_seed
 from virtualflow.runtime.engine import LossShapeError, NonFiniteLossError
@@ -19,6 +20,7 @@ __all__ = [
     "Job",
     "JobHandle",
     "JobImportError",
+    "LaunchOptions",
     "LossShapeError",
     "NonFiniteLossError",
     "Result",

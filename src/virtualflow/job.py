@@ -2,9 +2,10 @@
 
 A :class:`Job` fixes everything the model sees: model, optimizer, loss, data, global batch
 size B, number of virtual nodes V, seed. Nothing in it names a worker or a device. Workers run
-in other processes, so a job reaches them either as an importable zero-argument function
-(``"pkg.module:make_job"``, ``"path/to/file.py:make_job"`` or the function object itself) or as
-a pickled :class:`Job` whose factories are module-level functions.
+in other processes, so a job reaches them as an importable zero-argument function
+(``"pkg.module:make_job"``, ``"path/to/file.py:make_job"`` or the function object itself), or
+pickled with cloudpickle: a :class:`Job` or a factory that is a lambda, a closure or defined in
+``__main__`` / a notebook.
 """
 
 from __future__ import annotations
@@ -107,6 +108,10 @@ def _check_positive_int(name: str, value: Any) -> None:
         raise ValueError(f"Job.{name}={value!r} must be a positive int")
 
 
+_FILE_MODULE = "_virtualflow_job_"
+"""Prefix of the private module names job files are imported under."""
+
+
 class JobImportError(ValueError):
     """The job cannot be rebuilt in a worker process."""
 
@@ -119,16 +124,17 @@ class JobImportError(ValueError):
 class JobSource:
     """A recipe a worker process follows to rebuild the job.
 
-    ``kind="spec"``: ``target`` is ``"module:function"`` or ``"/abs/path.py:function"``.
-    ``kind="pickle"``: ``payload`` is a pickled :class:`Job`; ``main_file`` is the launching
-    script, imported in the worker as ``__mp_main__`` (as multiprocessing's spawn does) so that
-    objects defined in it can be unpickled.
+    ``kind="spec"``: ``target`` is ``"module:function"`` or ``"/abs/path.py:function"``, imported
+    and called in the worker. ``kind="pickle"``: ``payload`` is a :class:`Job`, or a zero-argument
+    function returning one (``factory=True``), pickled with cloudpickle (as Ray does): lambdas,
+    closures and what is defined in ``__main__`` or a notebook travel by value, functions of
+    importable modules by reference. ``sys_path`` is the launching process's import path.
     """
 
     kind: Literal["spec", "pickle"]
     target: str = ""
     payload: bytes = b""
-    main_file: str | None = None
+    factory: bool = False
     sys_path: tuple[str, ...] = ()
 
     def load(self) -> Job:
@@ -138,13 +144,11 @@ class JobSource:
         if self.kind == "spec":
             job = resolve_spec(self.target)()
         else:
-            if self.main_file and "__mp_main__" not in sys.modules:
-                _import_main(self.main_file)
-            job = pickle.loads(self.payload)
+            obj = pickle.loads(self.payload)  # cloudpickle's output is read by plain pickle
+            job = obj() if self.factory else obj
         if not isinstance(job, Job):
-            raise TypeError(
-                f"the job function {self.target!r} returned {type(job).__name__}, not virtualflow.Job"
-            )
+            what = self.target or ("the job function" if self.factory else "the pickled job")
+            raise TypeError(f"{what} returned {type(job).__name__}, not virtualflow.Job")
         return job
 
 
@@ -153,47 +157,35 @@ def source_from(job: Job | Callable[[], Job] | str) -> JobSource:
     sys_path = tuple(os.path.abspath(p) if p else os.getcwd() for p in sys.path)
     if isinstance(job, str):
         resolve_spec(job)  # raises a clear error here, before any worker starts
-        target = _absolute_spec(job)
-        return JobSource("spec", target=target, sys_path=sys_path)
+        return JobSource("spec", target=_absolute_spec(job), sys_path=sys_path)
     if isinstance(job, Job):
-        try:
-            payload = pickle.dumps(job)
-        except Exception as exc:  # lambdas, local functions, open files...
-            raise JobImportError(
-                f"the Job cannot be sent to worker processes ({type(exc).__name__}: {exc}); define "
-                f"its factories (model, optimizer, loss, dataset...) as module-level functions, "
-                f"or pass an importable function such as 'my_module:make_job' instead"
-            ) from exc
-        main_file = _main_file()
-        if b"__main__" in payload and main_file is None:
-            raise JobImportError(
-                "the Job refers to objects defined in an interactive session (__main__ has no "
-                "file), which worker processes cannot import; move them into a module or file"
-            )
-        return JobSource("pickle", payload=payload, main_file=main_file, sys_path=sys_path)
+        return JobSource("pickle", payload=_dumps(job, "the Job"), sys_path=sys_path)
     if callable(job):
         module = getattr(job, "__module__", None)
         qualname = getattr(job, "__qualname__", "")
-        if not module or "<locals>" in qualname or "<lambda>" in qualname:
-            raise JobImportError(
-                f"the job function {qualname or job!r} cannot be imported from a worker process "
-                f"(it is a lambda or defined inside another function); define it at module level"
-            )
-        if module == "__main__":
-            main_file = _main_file()
-            if main_file is None:
-                raise JobImportError(
-                    f"the job function {qualname} is defined in an interactive session and cannot "
-                    f"be imported from a worker process; put it in a file and pass 'file.py:{qualname}'"
-                )
-            target = f"{main_file}:{qualname}"
-        else:
-            target = f"{module}:{qualname}"
-        return JobSource("spec", target=target, sys_path=sys_path)
+        importable = (module and module != "__main__" and not module.startswith(_FILE_MODULE)
+                      and "<locals>" not in qualname and "<lambda>" not in qualname)
+        if importable:
+            return JobSource("spec", target=f"{module}:{qualname}", sys_path=sys_path)
+        # A lambda, a closure, or a function of __main__ / a notebook / a job file: by value.
+        return JobSource("pickle", payload=_dumps(job, f"the job function {qualname or job!r}"), factory=True,
+                         sys_path=sys_path)
     raise TypeError(
-        f"job must be a virtualflow.Job, an importable zero-argument function returning one, or a "
+        f"job must be a virtualflow.Job, a zero-argument function returning one, or a "
         f"'module:function' / 'file.py:function' string; got {type(job).__name__}"
     )
+
+
+def _dumps(obj: Any, what: str) -> bytes:
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps(obj)
+    except Exception as exc:  # an open file, a lock, a live process group...
+        raise JobImportError(
+            f"{what} cannot be sent to worker processes ({type(exc).__name__}: {exc}); build such objects inside "
+            f"the factories (model, dataset, ...) instead of capturing them"
+        ) from exc
 
 
 def resolve_spec(spec: str) -> Callable[[], Job]:
@@ -233,7 +225,7 @@ def _absolute_spec(spec: str) -> str:
 
 def _import_file(path: str) -> Any:
     """Import a .py file once per process under a stable private module name."""
-    name = "_virtualflow_job_" + str(abs(hash(path)))
+    name = _FILE_MODULE + str(abs(hash(path)))
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
@@ -249,23 +241,8 @@ def _import_file(path: str) -> Any:
     except BaseException:
         del sys.modules[name]
         raise
+    import cloudpickle
+
+    # Workers cannot import this private module name: what it defines travels by value.
+    cloudpickle.register_pickle_by_value(module)
     return module
-
-
-def _import_main(path: str) -> None:
-    """Import the launching script as ``__mp_main__`` and alias it as ``__main__`` for unpickling."""
-    spec = importlib.util.spec_from_file_location("__mp_main__", path)
-    if spec is None or spec.loader is None:
-        return
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["__mp_main__"] = module
-    spec.loader.exec_module(module)
-    sys.modules["__main__"] = module
-
-
-def _main_file() -> str | None:
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if path and os.path.isfile(path) and path.endswith(".py"):
-        return os.path.abspath(path)
-    return None

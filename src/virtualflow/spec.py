@@ -35,14 +35,3 @@ class WorkerSpec:
             raise ValueError(f"WorkerSpec slowdown={self.slowdown!r} must be a number >= 1 (1 = full speed)")
         if self.memory_limit is not None and (not isinstance(self.memory_limit, int) or self.memory_limit < 1):
             raise ValueError(f"WorkerSpec memory_limit={self.memory_limit!r} must be a positive number of samples")
-
-
-def parse_slowdowns(text: str, workers: int) -> list[float]:
-    """``"1,1,3,3"`` -> ``[1.0, 1.0, 3.0, 3.0]``; one value per starting worker."""
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--slowdowns {text!r} must be comma-separated numbers, e.g. 1,1,3,3") from None
-    if len(values) != workers:
-        raise ValueError(f"--slowdowns {text!r} gives {len(values)} values for --workers {workers}; give one per worker")
-    return values

@@ -1,0 +1,108 @@
+"""Backends: where worker processes run. One typed protocol, one place that chooses.
+
+A backend is built from the job's :class:`~virtualflow.options.LaunchOptions` by
+:func:`make_backend` (the only place that looks at ``options.backend``), asked where the
+coordinator's store must listen (:meth:`Backend.store_address`), then attached to the running
+coordinator (:meth:`Backend.attach`) and driven by the membership controller and the job handle
+through the methods of :class:`Backend` only. The API never branches on a backend's name.
+
+- ``local`` (:mod:`virtualflow.backends.local`): worker processes on this machine.
+- ``ray`` (:mod:`virtualflow.backends.ray`): one Ray actor per worker on a Ray cluster.
+- ``external`` (:mod:`virtualflow.backends.external`): workers started elsewhere join by address.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from virtualflow.options import LaunchOptions
+    from virtualflow.runtime.worker import WorkerConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Attachment:
+    """What a backend gets from the running coordinator."""
+
+    config: WorkerConfig
+    """Every worker's configuration (store address, job, steps, ...)."""
+    state_dir: str
+    """The run directory (or a temporary one): logs, final state."""
+    store: Any
+    """The job's TCPStore (the coordinator is its server)."""
+    token: str
+    """The job's secret token: what joins and control requests are signed with."""
+    grow: Callable[[], str | None]
+    """Ask the controller for one more worker (a join with no open slot); returns why not, or None."""
+    event: Callable[..., None]
+    """Record a structured event in ``events.jsonl``."""
+
+
+class Backend(Protocol):
+    """Everything the API and the membership controller ask of a backend."""
+
+    name: str
+    """``"local"``, ``"ray"`` or ``"external"``: for records and messages only."""
+    kind_of_worker: str
+    """How a worker is named in the start-up line ("process", "Ray actor", "external worker")."""
+
+    def store_address(self) -> tuple[str, int]:
+        """Where the coordinator's store listens (host, port; port 0 picks a free one). Called
+        once, before the coordinator exists (the Ray backend connects to its cluster here)."""
+        ...
+
+    def default_threads(self, workers: int) -> int:
+        """Torch threads per worker when the user gave none (not in deterministic mode)."""
+        ...
+
+    def check_capacity(self, workers: int, *, knob: str = "--workers") -> None:
+        """Raise ``ValueError`` (naming the short resource and ``knob``) when ``workers``
+        workers could never be placed; no-op where capacity is not known."""
+        ...
+
+    def attach(self, attachment: Attachment) -> None:
+        """Called once the coordinator's store runs, before the first worker starts."""
+        ...
+
+    def start_worker(self, worker_id: int) -> Any: ...
+
+    def kill_worker(self, worker_id: int) -> None:
+        """Stop one worker at once (fencing: works on a hung one)."""
+        ...
+
+    def poll(self) -> dict[int, int | None]:
+        """Exit code of every worker started so far, None while it runs."""
+        ...
+
+    def pid(self, worker_id: int) -> int | None: ...
+
+    def log_tail(self, worker_id: int, lines: int = 15) -> str:
+        """The last lines of a worker's output ("" when unknown), for failure messages."""
+        ...
+
+    def serve(self, reports: Sequence[dict[str, Any]]) -> None:
+        """Called by the job's monitor every tick with the workers' reports (joins, exits)."""
+        ...
+
+    def terminate_all(self, grace_s: float = 3.0) -> None:
+        """End every worker still running (SIGTERM, then SIGKILL after ``grace_s``)."""
+        ...
+
+
+def make_backend(options: LaunchOptions) -> Backend:
+    """The backend ``options.backend`` names, configured from ``options``."""
+    if options.backend == "ray":
+        from virtualflow.backends.ray import RayBackend, RayOptions
+
+        given = {k: getattr(options, k) for k in ("address", "cpus_per_worker", "gpus_per_worker", "resources",
+                                                  "placement_timeout_s") if getattr(options, k) is not None}
+        per_worker = {i: dict(s.resources) for i, s in enumerate(options.specs) if s.resources}
+        return RayBackend(RayOptions(**given, per_worker=per_worker))
+    if options.backend == "external":
+        from virtualflow.backends.external import ExternalBackend, parse_address
+
+        return ExternalBackend(parse_address(options.listen))
+    from virtualflow.backends.local import LocalBackend
+
+    return LocalBackend()

@@ -27,19 +27,21 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import pickle
 import re
 import signal
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Sequence
+
+import cloudpickle
 
 from virtualflow.comm import auth
 
 if TYPE_CHECKING:
-    import torch.distributed as dist
-
+    from virtualflow.backends import Attachment
     from virtualflow.runtime.worker import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -64,7 +66,7 @@ def parse_address(text: str, what: str = "--listen") -> tuple[str, int]:
 
 
 def encode_config(config: "WorkerConfig") -> str:
-    return base64.b64encode(pickle.dumps(config)).decode("ascii")
+    return base64.b64encode(cloudpickle.dumps(config)).decode("ascii")
 
 
 def decode_config(text: str) -> "WorkerConfig":
@@ -93,19 +95,38 @@ class ExternalWorker:
 
 
 class ExternalBackend:
-    def __init__(self, config: "WorkerConfig", store: "dist.Store", token: str, *,
-                 grow: Callable[[], str | None], event: Callable[..., None]) -> None:
-        self.config = config
-        self.store = store
-        self.token = token
-        self.grow = grow
-        """Asks the controller for one more worker; returns why not (a string) or None."""
-        self.event = event
+    """Workers started elsewhere that join by address (see the module docstring)."""
+
+    name = "external"
+    kind_of_worker = "external worker"
+
+    def __init__(self, listen: tuple[str, int]) -> None:
+        self.listen = listen
         self.workers: dict[int, ExternalWorker] = {}
         self._open: list[int] = []
         self._waiting: deque[dict[str, Any]] = deque()
         self._guard = auth.ReplayGuard()
-        self._config_text = encode_config(config)
+
+    def store_address(self) -> tuple[str, int]:
+        return self.listen
+
+    def default_threads(self, workers: int) -> int:
+        return max(1, (os.cpu_count() or 1) // workers)
+
+    def check_capacity(self, workers: int, *, knob: str = "--workers") -> None:
+        return None  # whoever starts the workers decides
+
+    def attach(self, attachment: "Attachment") -> None:
+        self.config = attachment.config
+        self.store = attachment.store
+        self.token = attachment.token
+        self.grow = attachment.grow
+        self.event = attachment.event
+        self._config_text = encode_config(self.config)
+
+    def log_tail(self, worker_id: int, lines: int = 15) -> str:
+        w = self.workers.get(worker_id)
+        return w.log_tail(lines) if w is not None else ""
 
     # -- the launcher interface of the membership controller --------------------------------
     def start_worker(self, worker_id: int) -> ExternalWorker:
@@ -143,7 +164,7 @@ class ExternalBackend:
         self._waiting.clear()
 
     # -- joins -------------------------------------------------------------------------------
-    def serve(self, reports: list[dict[str, Any]]) -> None:
+    def serve(self, reports: Sequence[dict[str, Any]]) -> None:
         """Called by the job's monitor every tick: note workers that finished, answer joins."""
         for r in reports:
             if r.get("type") in ("done", "leave"):

@@ -9,14 +9,18 @@ its thread budget and writes its output to ``<state_dir>/logs/worker-<id>.log``.
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
 
-from virtualflow.runtime.worker import WorkerConfig
+import cloudpickle
+
+if TYPE_CHECKING:
+    from virtualflow.backends import Attachment
+    from virtualflow.runtime.worker import WorkerConfig
 
 
 @dataclass(slots=True)
@@ -42,27 +46,44 @@ def log_tail(path: str, lines: int = 15) -> str:
         return ""
 
 
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
 class LocalBackend:
-    def __init__(self, config: WorkerConfig, state_dir: str) -> None:
-        self.config = config
-        self.state_dir = state_dir
+    """Worker processes on this machine (see the module docstring)."""
+
+    name = "local"
+    kind_of_worker = "process"
+
+    def __init__(self) -> None:
         self.workers: dict[int, WorkerProcess] = {}
-        os.makedirs(os.path.join(state_dir, "logs"), exist_ok=True)
-        self.config_path = os.path.join(state_dir, "worker_config.pkl")
+        self.config: WorkerConfig | None = None
+        self.state_dir = ""
+        self.config_path = ""
+
+    def store_address(self) -> tuple[str, int]:
+        return "127.0.0.1", 0  # loopback only: nothing outside this machine reaches the store
+
+    def default_threads(self, workers: int) -> int:
+        return max(1, (os.cpu_count() or 1) // workers)
+
+    def check_capacity(self, workers: int, *, knob: str = "--workers") -> None:
+        return None  # processes on this machine: no capacity to check
+
+    def attach(self, attachment: Attachment) -> None:
+        self.config, self.state_dir = attachment.config, attachment.state_dir
+        os.makedirs(os.path.join(self.state_dir, "logs"), exist_ok=True)
+        self.config_path = os.path.join(self.state_dir, "worker_config.pkl")
         with open(self.config_path, "wb") as f:
-            pickle.dump(config, f)
+            cloudpickle.dump(self.config, f)
+
+    def serve(self, reports: Sequence[dict[str, Any]]) -> None:
+        return None
+
+    def log_tail(self, worker_id: int, lines: int = 15) -> str:
+        wp = self.workers.get(worker_id)
+        return wp.log_tail(lines) if wp is not None else ""
 
     def start_worker(self, worker_id: int) -> WorkerProcess:
         env = dict(os.environ)
+        assert self.config is not None, "attach() first"
         threads = str(self.config.threads)
         env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
         # Keep freed tensor memory in the process instead of returning it to the OS after every

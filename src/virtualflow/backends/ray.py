@@ -44,9 +44,10 @@ import signal
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:  # the worker module imports torch: keep it out of the actor's start-up
+    from virtualflow.backends import Attachment
     from virtualflow.runtime.worker import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -305,18 +306,42 @@ class RayWorker:
 
 
 class RayBackend:
-    def __init__(self, config: "WorkerConfig", state_dir: str, options: RayOptions) -> None:
-        self._ray = ray = import_ray()
-        self.config = config
-        self.state_dir = state_dir
+    """One Ray actor per worker (see the module docstring)."""
+
+    name = "ray"
+    kind_of_worker = "Ray actor"
+
+    def __init__(self, options: RayOptions) -> None:
+        self._ray = import_ray()
         self.options = options
         self.workers: dict[int, RayWorker] = {}
-        os.makedirs(os.path.join(state_dir, "logs"), exist_ok=True)
-        self.marker = os.path.join(state_dir, _MARKER)
+        self.config: "WorkerConfig | None" = None
+        self.state_dir = ""
+
+    def store_address(self) -> tuple[str, int]:
+        return connect(self.options), 0  # the node's address, which the other nodes reach
+
+    def default_threads(self, workers: int) -> int:
+        return self.options.default_threads()
+
+    def check_capacity(self, workers: int, *, knob: str = "--workers") -> None:
+        check_capacity(self.options, workers, knob=knob)
+
+    def attach(self, attachment: "Attachment") -> None:
+        self.config, self.state_dir = attachment.config, attachment.state_dir
+        os.makedirs(os.path.join(self.state_dir, "logs"), exist_ok=True)
+        self.marker = os.path.join(self.state_dir, _MARKER)
         with open(self.marker, "w") as f:
             f.write(uuid.uuid4().hex)
-        self._config_ref = ray.put(config)
-        self._actor_cls = ray.remote(_WorkerActor)
+        self._config_ref = self._ray.put(self.config)
+        self._actor_cls = self._ray.remote(_WorkerActor)
+
+    def serve(self, reports: Sequence[dict[str, Any]]) -> None:
+        return None
+
+    def log_tail(self, worker_id: int, lines: int = 15) -> str:
+        w = self.workers.get(worker_id)
+        return w.log_tail(lines) if w is not None else ""
 
     def _env(self) -> dict[str, str]:
         threads = str(self.config.threads)
@@ -436,9 +461,6 @@ class RayBackend:
         if short:
             return "short of " + ", ".join(short)
         return f"it needs {_fmt(demand)} on one node, and no node has that free together (or the node is slow to start it)"
-
-    def check_capacity(self, workers: int) -> None:
-        check_capacity(self.options, workers)
 
     def terminate_all(self, grace_s: float = 3.0) -> None:
         ray = self._ray

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 from virtualflow.comm import protocol
+from virtualflow.options import LaunchOptions
 from virtualflow.plan.hetero import check_memory, predict_step_s
 from virtualflow.plan.hetero import solve as solve_hetero
 from virtualflow.plan.hetero import solve_uneven
@@ -53,6 +54,9 @@ logger = logging.getLogger("virtualflow")
 
 
 class WorkerLauncher(Protocol):
+    """What the controller uses of a backend (a subset of :class:`virtualflow.backends.Backend`;
+    tests pass fakes)."""
+
     def start_worker(self, worker_id: int) -> Any: ...
 
     def kill_worker(self, worker_id: int) -> None: ...
@@ -78,48 +82,49 @@ class Change:
 
 
 class MembershipController:
+    """Turns reports, exits, heartbeats and requests into generations (see the module docstring).
+
+    Its settings come from the job's :class:`~virtualflow.options.LaunchOptions` (starting
+    workers, ``min_workers``, timeouts, ``replace_failed``, speed-based mapping and worker
+    specs); the keyword arguments are the job's shape and the controller's own tuning.
+    """
+
     def __init__(
         self,
         coordinator: Any,
         launcher: WorkerLauncher,
+        options: LaunchOptions,
         *,
         virtual_nodes: int,
-        workers: int,
-        min_workers: int = 1,
-        heartbeat_timeout_s: float = 3.0,
-        replace_failed: bool = False,
-        min_workers_timeout_s: float = 60.0,
+        global_batch_size: int | None = None,
         max_newcomer_failures: int = 5,
         assign: Callable[[int, int], list[list[int]]] = contiguous_assignment,
         clock: Callable[[], float] = time.monotonic,
-        balance: bool = False,
-        vn_batch: int | None = None,
-        memory_limits: dict[int, int | None] | None = None,
         rebalance_threshold: float = 0.10,
         rebalance_patience: int = 3,
         min_observations: int = 3,
         speed_smoothing: float = 0.3,
-        uneven_vn_sizes: bool = False,
-        global_batch_size: int | None = None,
     ) -> None:
         self.coord = coordinator
         self.store = coordinator.store
         self.launcher = launcher
         self.V = virtual_nodes
-        self.min_workers = min_workers
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.replace_failed = replace_failed
-        self.min_workers_timeout_s = min_workers_timeout_s
+        self.min_workers = options.min_workers
+        # Without the control plane (benchmarks) nobody beats: silence means nothing.
+        self.heartbeat_timeout_s = options.heartbeat_timeout_s if options.control_plane else float("inf")
+        self.replace_failed = options.replace_failed
+        self.min_workers_timeout_s = options.min_workers_timeout_s
         self.max_newcomer_failures = max_newcomer_failures
         self.assign = assign
         self.clock = clock
-        self.target = workers
+        self.target = options.start_workers
         self.members: list[int] = []
         self.assignment: list[list[int]] = []
         self.generation = -1
         self.formed = -1
         self.hold = False
         self.hold_since: float | None = None
+        self.hold_checkpoint: str | None = None  # where the members of a hold generation checkpointed
         self.next_id = 0
         self.assigned: dict[int, int] = {}  # worker -> last generation it was assigned to (-1: none)
         self.pending: dict[int, float] = {}  # started, not yet joined -> start time
@@ -136,9 +141,9 @@ class MembershipController:
         self.failures: list[dict[str, Any]] = []
         self.last_step = 0
         # Heterogeneous mapping: the profiler's smoothed seconds per VN of each worker.
-        self.balance = balance
-        self.vn_batch = vn_batch
-        self.memory_limits = dict(memory_limits or {})
+        self.balance = options.balanced
+        self.vn_batch = global_batch_size // virtual_nodes if global_batch_size is not None else None
+        self.memory_limits = {i: s.memory_limit for i, s in enumerate(options.specs)}
         self.rebalance_threshold = rebalance_threshold
         self.rebalance_patience = rebalance_patience
         self.min_observations = min_observations
@@ -151,7 +156,7 @@ class MembershipController:
         self._prev_step: tuple[int, float, bool] | None = None  # (step, duration, generation's first)
         self._measured = False  # a step was measured since the last drift check
         self._drift = 0
-        self.uneven = uneven_vn_sizes
+        self.uneven = options.uneven_vn_sizes
         self.B = global_batch_size
         self.vn_sizes: list[int] | None = None
         self._cost: dict[int, dict[tuple[int, int], float]] = {}  # worker -> (VNs, samples) -> compute s
@@ -491,7 +496,7 @@ class MembershipController:
                 self.ready = self.ready[len(add):]
                 self._publish(self.members + add, kind="resume", hold=False, command=False)
             elif self.hold_since is not None and now - self.hold_since > self.min_workers_timeout_s:
-                ck = getattr(self, "hold_checkpoint", None)
+                ck = self.hold_checkpoint
                 for w in self.members:
                     self.store.set(protocol.next_key(w, self.assigned[w]), protocol.FAIL)
                 raise JobFailed(

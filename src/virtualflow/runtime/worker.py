@@ -39,7 +39,7 @@ import os
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,33 +55,38 @@ from virtualflow.runtime.faults import FaultPlan
 from virtualflow.runtime.transfer import Progress, agree_progress, broadcast_state
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class WorkerConfig:
+    """What every worker process of a run is told, built once by the launching process from the
+    job's :class:`~virtualflow.options.LaunchOptions` and what it resolved (store address,
+    steps, threads, resume state). The options' defaults live there, not here."""
+
     store_host: str
     store_port: int
     job_source: JobSource
     total_steps: int
     state_dir: str
-    overrides: dict[str, Any] = field(default_factory=dict)
-    deterministic: bool = False
-    threads: int = 1
-    device: str = "cpu"
-    collective_timeout_s: float = 120.0
+    overrides: dict[str, Any]
+    """Job fields the options override (global_batch_size, virtual_nodes, seed)."""
+    deterministic: bool
+    threads: int
+    device: str
+    collective_timeout_s: float
+    checkpoint_every: int | None
+    resume_path: str | None
+    initial_workers: int
+    """Workers ``0 .. initial_workers-1`` start the job (load ``resume_path`` if given); later
+    ids are newcomers that receive the state from a member."""
+    fault_plan: FaultPlan | None
+    slowdowns: dict[int, float]
+    """Emulated slowness per worker id (see :class:`virtualflow.WorkerSpec`)."""
+    control_plane: bool
+    """False (benchmarks only): no heartbeat thread and no per-step control read, so stop,
+    resize and hang detection do not work; it measures what the control plane costs."""
     store_timeout_s: float = 600.0
     """Bound on waits for the coordinator (a generation to join; a rendezvous)."""
     heartbeat_interval_s: float = 0.05
-    checkpoint_every: int | None = None
     keep_checkpoints: int = 2
-    resume_path: str | None = None
-    initial_workers: int = 1
-    """Workers ``0 .. initial_workers-1`` start the job (load ``resume_path`` if given); later
-    ids are newcomers that receive the state from a member."""
-    fault_plan: FaultPlan | None = None
-    slowdowns: dict[int, float] = field(default_factory=dict)
-    """Emulated slowness per worker id (see :class:`virtualflow.WorkerSpec`)."""
-    control_plane: bool = True
-    """False (benchmarks only): no heartbeat thread and no per-step control read, so stop,
-    resize and hang detection do not work; it measures what the control plane costs."""
 
 
 def build_job(cfg: WorkerConfig) -> Job:
@@ -306,6 +311,7 @@ class _Worker:
 
     def __init__(self, cfg: WorkerConfig, worker_id: int, store: dist.Store) -> None:
         self.cfg, self.id, self.store = cfg, worker_id, store
+        self._transferring = False  # inside a state transfer (what a fault report names)
         self.device = torch.device(cfg.device)
         self.progress = Progress(step=-1, control=0)
         self.last_report: dict[str, Any] | None = None
@@ -364,7 +370,7 @@ class _Worker:
             try:
                 group = self._form(record)
             except (PeerFailure, _Aborted) as exc:
-                phase = "state_transfer" if getattr(self, "_transferring", False) else "regroup"
+                phase = "state_transfer" if self._transferring else "regroup"
                 self.report({"type": "fault", "generation": gen, "phase": phase, "step": self.progress.step,
                              "error": str(exc) or "generation aborted"})
                 where = _wait_next(self.store, self.cfg, self.id, gen)

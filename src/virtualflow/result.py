@@ -1,0 +1,41 @@
+"""What a finished job returns (:class:`Result`) and how a failed one is reported
+(:class:`TrainingError`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class TrainingError(RuntimeError):
+    """The job failed; the message names the worker, what happened and where the logs are."""
+
+
+@dataclass(slots=True)
+class Result:
+    state_dict: dict[str, torch.Tensor]
+    """Final model weights (CPU tensors)."""
+    optimizer_state_dict: dict[str, Any]
+    lr_scheduler_state_dict: dict[str, Any] | None
+    history: list[dict[str, Any]]
+    """One record per step: step (0-based), loss, samples, step_time_s, workers, generation,
+    vns (the VN ids each worker ran)."""
+    metrics: dict[str, float]
+    """The last evaluation's metrics (empty without ``Job.evaluate``)."""
+    eval_history: list[dict[str, Any]] = field(default_factory=list)
+    run_dir: str | None = None
+    steps: int = 0
+    """Steps completed."""
+    stopped: bool = False
+    """True when :meth:`JobHandle.stop` ended the job before ``steps``."""
+    peak_rss_mib: dict[int, float] = field(default_factory=dict)
+    """Peak resident memory of each worker process (worker id -> MiB)."""
+    generations: int = 1
+    """Membership generations the job went through (1: no resize, no failure)."""
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    """Workers lost and survived: worker id, cause, generation."""
+    autoscale: dict[str, Any] | None = None
+    """With ``autoscale=``: the policy, its decisions, the measurement of every worker count
+    tried and where it settled (None without autoscaling)."""

@@ -1,0 +1,397 @@
+"""The supervising loop of a running job, in the launching process.
+
+:class:`Supervisor` wires the parts of a run together — the coordinator (store and records),
+the backend (where workers run), the membership controller (generations) and the autoscaler's
+executor — and runs the monitor loop in a thread: it polls the workers' reports, lets the
+backend serve joins, takes resize requests (from this process, and signed ones from outside),
+ticks the controller and the autoscaler, and ends the job when every member has finished or
+something has failed. It writes ``status.json`` twice a second and ``summary.json`` at the end.
+
+It owns no policy: the controller decides generations, the autoscaler's policy decides sizes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import shutil
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from virtualflow.backends import Attachment, Backend
+from virtualflow.comm import auth, protocol
+from virtualflow.control.autoscale import Limits
+from virtualflow.control.autoscale_executor import AutoscaleExecutor
+from virtualflow.control.coordinator import Coordinator
+from virtualflow.control.membership import JobFailed, MembershipController, check_resize
+from virtualflow.job import Job, JobSource
+from virtualflow.options import LaunchOptions
+from virtualflow.result import Result, TrainingError
+from virtualflow.rundir import write_json
+from virtualflow.runtime.checkpoint import load_state
+from virtualflow.runtime.worker import WorkerConfig
+
+logger = logging.getLogger("virtualflow")
+
+# Errors that are the consequence of another worker's failure, not a root cause.
+_CONSEQUENTIAL = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timeout")
+
+
+@dataclass(slots=True, kw_only=True)
+class RunSetup:
+    """Everything :func:`virtualflow.launch` decided before starting a run."""
+
+    job: Job
+    source: JobSource
+    overrides: dict[str, Any]
+    options: LaunchOptions
+    backend: Backend
+    total_steps: int
+    steps_per_epoch: int
+    assignment: list[list[int]]
+    run_dir: str | None
+    state_dir: str
+    own_state_dir: bool
+    """A temporary state directory (no ``run_dir``): removed after a successful run."""
+    threads: int
+    resume_path: str | None
+    resume_step: int
+    token: str
+    token_path: str
+    autoscale: Any = None
+    """The autoscaler's policy object (None without autoscaling)."""
+    autoscale_limits: Limits | None = None
+
+
+class Supervisor:
+    def __init__(self, setup: RunSetup) -> None:
+        self.setup = setup
+        opts = setup.options
+        self.job = setup.job
+        self.t0 = time.time()
+        self.requests: deque[int] = deque()
+        self.taken_requests: list[str] = []
+        self.status_written = 0.0
+        self.replay = auth.ReplayGuard()
+        self.result: Result | None = None
+        self.error: BaseException | None = None
+        self.finished = threading.Event()
+        self.bar = None
+        self.on_step_hooks: list[Any] = []
+        host, port = setup.backend.store_address()
+        self.coordinator = Coordinator(total_steps=setup.total_steps, run_dir=setup.run_dir, host=host, port=port,
+                                       on_step=self._on_step)
+        self.coordinator.progress.step = setup.resume_step
+        specs = opts.specs
+        self.config = WorkerConfig(
+            store_host=self.coordinator.host,
+            store_port=self.coordinator.port,
+            job_source=setup.source,
+            total_steps=setup.total_steps,
+            state_dir=setup.state_dir,
+            overrides=setup.overrides,
+            deterministic=opts.deterministic,
+            threads=setup.threads,
+            device=opts.device,
+            collective_timeout_s=opts.collective_timeout_s,
+            checkpoint_every=opts.checkpoint_every,
+            resume_path=setup.resume_path,
+            initial_workers=opts.start_workers,
+            fault_plan=opts.fault_plan,
+            slowdowns={i: s.slowdown for i, s in enumerate(specs) if s.slowdown != 1.0},
+            control_plane=opts.control_plane,
+        )
+        self.backend = setup.backend
+        self.backend.attach(Attachment(config=self.config, state_dir=setup.state_dir, store=self.coordinator.store,
+                                       token=setup.token, grow=self._grow_for_join, event=self.coordinator.event))
+        self.controller = MembershipController(
+            self.coordinator, self.backend, opts,
+            virtual_nodes=self.job.virtual_nodes, global_batch_size=self.job.global_batch_size,
+        )
+        self.controller.last_step = setup.resume_step
+        self.autoscaler: AutoscaleExecutor | None = None
+        if setup.autoscale is not None:
+            assert setup.autoscale_limits is not None
+            self.autoscaler = AutoscaleExecutor(
+                setup.autoscale, self.controller, self.coordinator, limits=setup.autoscale_limits,
+                global_batch_size=self.job.global_batch_size, virtual_nodes=self.job.virtual_nodes,
+                total_steps=setup.total_steps, price_per_worker_hour=float(opts.price_per_worker_hour),
+                start_time=self.t0,
+            )
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        s, job = self.setup, self.job
+        self.coordinator.event(
+            "start", job=job.name, global_batch_size=job.global_batch_size, virtual_nodes=job.virtual_nodes,
+            seed=job.seed, workers=s.options.start_workers, total_steps=s.total_steps,
+            deterministic=s.options.deterministic, backend=self.backend.name, threads_per_worker=s.threads,
+            min_workers=s.options.min_workers, resume_path=s.resume_path, resume_step=s.resume_step,
+            autoscale=self.autoscale_info(),
+        )
+        self.controller.start()
+        if s.options.progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=s.total_steps, initial=s.resume_step, desc=job.name, unit="step", dynamic_ncols=True)
+        self.write_status(force=True)
+        self.thread = threading.Thread(target=self._monitor, name="virtualflow-monitor", daemon=True)
+        self.thread.start()
+
+    def _on_step(self, record: dict[str, Any]) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            sps = record["samples"] / record["step_time_s"] if record["step_time_s"] > 0 else float("nan")
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", samples_s=f"{sps:.0f}", workers=record["workers"])
+
+    def _monitor(self) -> None:
+        coord, progress, ctl = self.coordinator, self.coordinator.progress, self.controller
+        try:
+            while True:
+                reports = coord.poll()
+                if progress.errors:
+                    time.sleep(0.3)  # let the other workers' reports arrive: pick the root cause
+                    coord.poll()
+                    raise TrainingError(self._failure_message())
+                self.backend.serve(reports)
+                self._take_requests()
+                try:
+                    ctl.tick(reports)
+                except JobFailed as exc:
+                    raise TrainingError(self._job_failed_message(exc)) from None
+                except ValueError as exc:  # e.g. a grow the Ray cluster cannot place
+                    raise TrainingError(f"{exc} ({self._logs_where()})") from None
+                if self.autoscaler is not None:
+                    self.autoscaler.update(reports)
+                if progress.state == "starting" and progress.step > self.setup.resume_step:
+                    progress.state = "running"
+                if progress.done and self._all_exited():
+                    coord.poll()
+                    self.backend.terminate_all()  # newcomers still starting, if any
+                    self.result = self._collect()
+                    progress.state = "stopped" if self.result.stopped else "done"
+                    coord.event("done", steps=self.result.steps, stopped=self.result.stopped,
+                                wall_time_s=time.time() - self.t0, generations=ctl.generation + 1,
+                                failures=len(ctl.failures))
+                    return
+                self.write_status()
+                # The launcher must not take CPU from the workers; it looks closer during changes.
+                time.sleep(0.01 if ctl.busy else 0.05)
+        except BaseException as exc:  # noqa: BLE001 - reported through wait()
+            self.error = exc
+            progress.state = "failed"
+            self.backend.terminate_all()
+            coord.event("failed", error=str(exc))
+        finally:
+            if self.bar is not None:
+                self.bar.close()
+            self.write_summary()
+            self.write_status(force=True)
+            coord.close()
+            if self.setup.own_state_dir and self.error is None:
+                shutil.rmtree(self.setup.state_dir, ignore_errors=True)
+            self.finished.set()
+
+    def _all_exited(self) -> bool:
+        codes = self.backend.poll()
+        return all(codes.get(w) is not None for w in self.controller.members)
+
+    # -- requests ----------------------------------------------------------------------------
+    def request_resize(self, workers: int) -> None:
+        """A resize asked in this process (:meth:`JobHandle.resize`); checked, then queued."""
+        check_resize(workers, self.job.virtual_nodes, self.setup.options.min_workers)
+        self.backend.check_capacity(workers)
+        self.requests.append(workers)
+
+    def _take_requests(self) -> None:
+        """Resize requests from this process and from outside (``virtualflow resize`` pushes to
+        the store's request queue). Those from outside count only when signed with the job's
+        token (the store has no authentication): others are ignored and logged."""
+        while self.requests:
+            self.controller.request_resize(self.requests.popleft(), source="api")
+        for message in protocol.pop_reports(self.coordinator.store, queue=protocol.REQUESTS_QUEUE):
+            try:
+                req = auth.verify(self.setup.token, message, guard=self.replay)
+            except auth.AuthError as exc:
+                shown = message if len(str(message)) < 500 else "(a long message)"
+                logger.warning("ignored a control request that is not signed with the job's token: %s (%s)", exc, shown)
+                self.coordinator.event("request_rejected", request=shown, error=str(exc), auth=False)
+                continue
+            try:
+                if req.get("op") != "resize":
+                    raise ValueError(f"unknown request op={req.get('op')!r}")
+                workers = req.get("workers")
+                if isinstance(workers, int) and not isinstance(workers, bool):
+                    self.backend.check_capacity(workers)
+                self.controller.request_resize(workers, source=req.get("source", "cli"))
+                # ``virtualflow resize --wait`` looks for its nonce here: only a status written
+                # after its request was taken tells whether the request has been carried out.
+                self.taken_requests = (self.taken_requests + [req["nonce"]])[-20:]
+                self.write_status(force=True)
+            except ValueError as exc:
+                logger.warning("rejected request %s: %s", req, exc)
+                self.coordinator.event("request_rejected", request=req, error=str(exc))
+
+    def _grow_for_join(self) -> str | None:
+        """An external worker asked to join and no slot is open: grow the job by one through
+        the ordinary resize path. Returns why not, or None."""
+        ctl, V = self.controller, self.job.virtual_nodes
+        want = max(ctl.target, len(ctl.members)) + 1
+        if want > V:
+            return f"the job already has {want - 1} workers for virtual_nodes={V}; every worker needs at least one virtual node"
+        try:
+            ctl.request_resize(max(want, self.setup.options.min_workers), source="join")
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    # -- failures ----------------------------------------------------------------------------
+    def _logs_where(self) -> str:
+        return f"logs in {os.path.join(self.setup.state_dir, 'logs')}"
+
+    def _job_failed_message(self, exc: JobFailed) -> str:
+        msg = f"{exc} ({self._logs_where()})"
+        if self.controller.failures:
+            wid = self.controller.failures[-1]["worker"]
+            tail = self.backend.log_tail(wid).strip()
+            if tail:
+                msg += f"; worker {wid}'s last output:\n{tail}"
+        return msg
+
+    def _failure_message(self) -> str:
+        errors = self.coordinator.progress.errors
+        # Prefer the root cause: an error that is not a peer's connection dropping.
+        e = next((e for e in errors if not any(s in e["error"] for s in _CONSEQUENTIAL)), errors[0])
+        return f"worker {e['worker']} (pid {e['pid']}) failed: {e['error']} ({self._logs_where()})"
+
+    # -- results and records -----------------------------------------------------------------
+    def _collect(self) -> Result:
+        state = load_state(os.path.join(self.setup.state_dir, "final.pt"))
+        steps = int(state["step"])
+        p = self.coordinator.progress
+        return Result(
+            state_dict=state["model"],
+            optimizer_state_dict=state["optimizer"],
+            lr_scheduler_state_dict=state["lr_scheduler"],
+            history=list(self.coordinator.history),
+            metrics=dict(p.metrics),
+            eval_history=list(self.coordinator.eval_history),
+            run_dir=self.setup.run_dir,
+            steps=steps,
+            stopped=steps < self.setup.total_steps,
+            peak_rss_mib={w: i["peak_rss_mib"] for w, i in p.workers.items() if "peak_rss_mib" in i},
+            generations=self.controller.generation + 1,
+            failures=list(self.controller.failures),
+            autoscale=self.autoscaler.summary() if self.autoscaler is not None else None,
+        )
+
+    def status(self) -> dict[str, Any]:
+        p, ctl = self.coordinator.progress, self.controller
+        return {
+            "state": p.state,
+            "step": p.step,
+            "total_steps": p.total_steps,
+            "generation": ctl.generation,
+            "formed_generation": ctl.formed,
+            "balance": ctl.balance,
+            "predicted_step_s": ctl.predicted_step_s,
+            "measured_step_s": ctl.measured_step_s,
+            "target_workers": ctl.target,
+            "workers": ctl.worker_table(),
+            "recent_step_times_s": [round(h["step_time_s"], 6) for h in self.coordinator.history[-10:]],
+            "loss": p.last_loss,
+            "samples_per_s": p.samples_per_s,
+            "metrics": dict(p.metrics),
+            "failures": len(ctl.failures),
+            "run_dir": self.setup.run_dir,
+            "autoscale": self.autoscale_info(),
+        }
+
+    def autoscale_info(self) -> dict[str, Any] | None:
+        a = self.autoscaler
+        if a is None:
+            return None
+        last = a.decisions[-1] if a.decisions else None
+        return {"policy": a.policy.name, "min_workers": a.limits.min_workers, "max_workers": a.limits.max_workers,
+                "settled_at": a.settled_at, "decisions": len(a.decisions),
+                "last_decision": last["reason"] if last else None, "disabled": a.disabled}
+
+    def write_status(self, force: bool = False) -> None:
+        """``status.json`` in the run directory: what ``virtualflow status`` prints, and how
+        ``virtualflow resize`` reaches the coordinator (host, port, pid, token file)."""
+        run_dir = self.setup.run_dir
+        if run_dir is None:
+            return
+        now = time.monotonic()
+        if not force and now - self.status_written < 0.5:
+            return
+        self.status_written = now
+        data = self.status()
+        data.update(
+            job=self.job.name,
+            virtual_nodes=self.job.virtual_nodes,
+            min_workers=self.setup.options.min_workers,
+            coordinator={"host": self.coordinator.host, "port": self.coordinator.port, "pid": os.getpid(),
+                         "token_file": self.setup.token_path},
+            backend=self.backend.name,
+            taken_requests=list(self.taken_requests),
+            updated=time.time(),
+        )
+        write_json(os.path.join(run_dir, "status.json"), data)
+
+    def write_summary(self) -> None:
+        s, run_dir = self.setup, self.setup.run_dir
+        if run_dir is None:
+            return
+        history, ctl, p = self.coordinator.history, self.controller, self.coordinator.progress
+        times = [h["step_time_s"] for h in history[1:]] or [h["step_time_s"] for h in history]
+        mean_step = sum(times) / len(times) if times else None
+        summary = {
+            "job": self.job.name,
+            "status": p.state,
+            "error": str(self.error) if self.error else None,
+            "global_batch_size": self.job.global_batch_size,
+            "virtual_nodes": self.job.virtual_nodes,
+            "seed": self.job.seed,
+            "workers": s.options.start_workers,
+            "workers_final": len(ctl.members),
+            "assignment": s.assignment,
+            "generations": ctl.generation + 1,
+            "failures": ctl.failures,
+            "final_map": [{"worker": w, "vns": a, "time_per_vn_s": ctl.time_per_vn.get(w)}
+                          for w, a in zip(ctl.members, ctl.assignment)],
+            "vn_sizes": ctl.vn_sizes,
+            "balance": ctl.balance,
+            "autoscale": self.autoscaler.summary() if self.autoscaler is not None else None,
+            "predicted_step_s": ctl.predicted_step_s,
+            "deterministic": s.options.deterministic,
+            "backend": self.backend.name,
+            "threads_per_worker": s.threads,
+            "steps_total": s.total_steps,
+            "steps_completed": p.step,
+            "resumed_from": s.resume_path,
+            "final_loss": history[-1]["loss"] if history else None,
+            "metrics": p.metrics,
+            "mean_step_time_s": mean_step,
+            "samples_per_s": self.job.global_batch_size / mean_step if mean_step else None,
+            "wall_time_s": time.time() - self.t0,
+            "peak_rss_mib": {str(w): i.get("peak_rss_mib") for w, i in p.workers.items()},
+            "versions": {"python": platform.python_version(), "torch": torch.__version__, "virtualflow": _version()},
+            "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "platform": platform.platform()},
+        }
+        write_json(os.path.join(run_dir, "summary.json"), summary)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("virtualflow")
+    except Exception:  # noqa: BLE001 - not installed (a source tree on sys.path)
+        return "unknown"
