@@ -102,11 +102,26 @@ def launch(job: JobLike, options: LaunchOptions | None = None, **overrides: Any)
 
 
 def train(job: JobLike, options: LaunchOptions | None = None, **overrides: Any) -> Result:
-    """Train ``job`` and block until it ends; same arguments as :func:`launch`."""
+    """Train ``job`` and block until it ends; same arguments as :func:`launch`.
+
+    Ctrl-C (KeyboardInterrupt) stops the job at the next step boundary with the final state
+    written, and returns that :class:`Result` (``stopped=True``); a second Ctrl-C kills the
+    workers at once and raises."""
     handle = launch(job, options, **overrides)
     try:
         return handle.wait()
     except KeyboardInterrupt:
+        return stop_interrupted(handle, "interrupted (Ctrl-C)")
+
+
+def stop_interrupted(handle: JobHandle, reason: str) -> Result:
+    """Stop ``handle``'s job gracefully after an interrupt; a second interrupt kills it."""
+    logger.warning("%s: stopping at the next step boundary, with the final state written (Ctrl-C again to kill "
+                   "at once)", reason)
+    try:
+        return handle.stop(timeout_s=120.0, reason=reason)
+    except KeyboardInterrupt:
+        logger.warning("interrupted again: killing the workers (no final state)")
         handle.kill()
         raise
 

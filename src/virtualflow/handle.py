@@ -56,7 +56,7 @@ class JobHandle:
         msg = (
             f"{job.name}: global batch {job.global_batch_size} = {V} virtual nodes x "
             f"{job.global_batch_size // V}; {s.total_steps} steps ({s.steps_per_epoch} per epoch) "
-            f"on {n} worker{'s' if n > 1 else ''} ({self.backend.kind_of_worker}{'s' if n > 1 else ''}, "
+            f"on {n} worker{'s' if n > 1 else ''} ({self.backend.kind_of_worker}, "
             f"{s.threads} thread{'s' if s.threads > 1 else ''} each"
             f"{', deterministic' if s.options.deterministic else ''}); {describe_assignment(s.assignment)}"
         )
@@ -124,9 +124,11 @@ class JobHandle:
         assert sup.result is not None
         return sup.result
 
-    def stop(self, timeout_s: float = 60.0) -> Result:
-        """Stop at the next step boundary, keeping the state reached; returns the Result."""
-        if not self._sup.finished.is_set():
+    def stop(self, timeout_s: float = 60.0, *, reason: str = "stop() called") -> Result:
+        """Stop at the next step boundary, keeping the state reached (``final.pt``); returns the
+        Result. ``reason`` is recorded in ``status.json``, ``summary.json`` and the ``done`` event."""
+        if not self._sup.finished.is_set() and self._sup.stop_reason is None:
+            self._sup.stop_reason = reason
             self.coordinator.progress.state = "stopping"
             self.coordinator.command("stop")
         try:

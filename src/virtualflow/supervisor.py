@@ -83,7 +83,8 @@ class Supervisor:
         self.error: BaseException | None = None
         self.finished = threading.Event()
         self.bar = None
-        self.on_step_hooks: list[Any] = []
+        self.stop_reason: str | None = None
+        """Why the job was asked to stop early (``stop()``, Ctrl-C, SIGTERM); None if it was not."""
         host, port = setup.backend.store_address()
         self.coordinator = Coordinator(total_steps=setup.total_steps, run_dir=setup.run_dir, host=host, port=port,
                                        on_step=self._on_step)
@@ -176,7 +177,7 @@ class Supervisor:
                     self.backend.terminate_all()  # newcomers still starting, if any
                     self.result = self._collect()
                     progress.state = "stopped" if self.result.stopped else "done"
-                    coord.event("done", steps=self.result.steps, stopped=self.result.stopped,
+                    coord.event("done", steps=self.result.steps, stopped=self.result.stopped, stop_reason=self.stop_reason,
                                 wall_time_s=time.time() - self.t0, generations=ctl.generation + 1,
                                 failures=len(ctl.failures))
                     return
@@ -295,6 +296,7 @@ class Supervisor:
         p, ctl = self.coordinator.progress, self.controller
         return {
             "state": p.state,
+            "stop_reason": self.stop_reason,
             "step": p.step,
             "total_steps": p.total_steps,
             "generation": ctl.generation,
@@ -355,6 +357,7 @@ class Supervisor:
         summary = {
             "job": self.job.name,
             "status": p.state,
+            "stop_reason": self.stop_reason,
             "error": str(self.error) if self.error else None,
             "global_batch_size": self.job.global_batch_size,
             "virtual_nodes": self.job.virtual_nodes,

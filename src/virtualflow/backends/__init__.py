@@ -45,7 +45,7 @@ class Backend(Protocol):
     name: str
     """``"local"``, ``"ray"`` or ``"external"``: for records and messages only."""
     kind_of_worker: str
-    """How a worker is named in the start-up line ("process", "Ray actor", "external worker")."""
+    """What the workers are, for the start-up line ("local processes", "Ray actors", ...)."""
 
     def store_address(self) -> tuple[str, int]:
         """Where the coordinator's store listens (host, port; port 0 picks a free one). Called

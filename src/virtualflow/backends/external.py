@@ -98,7 +98,7 @@ class ExternalBackend:
     """Workers started elsewhere that join by address (see the module docstring)."""
 
     name = "external"
-    kind_of_worker = "external worker"
+    kind_of_worker = "external workers"
 
     def __init__(self, listen: tuple[str, int]) -> None:
         self.listen = listen

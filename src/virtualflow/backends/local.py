@@ -2,7 +2,9 @@
 
 Workers are fresh Python processes (``python -m virtualflow.backends.local_worker``), never
 forked from the caller, so they start from a clean interpreter whatever the caller has done
-(threads, CUDA, open sockets). Each gets ``OMP_NUM_THREADS``/``torch.set_num_threads`` equal to
+(threads, CUDA, open sockets). Each reads its configuration from its stdin pipe (nothing in the
+run directory is unpickled) and runs in a session of its own, so a terminal's Ctrl-C reaches
+only the launching process, which stops the job cleanly. Each gets ``OMP_NUM_THREADS``/``torch.set_num_threads`` equal to
 its thread budget and writes its output to ``<state_dir>/logs/worker-<id>.log``.
 """
 
@@ -50,13 +52,13 @@ class LocalBackend:
     """Worker processes on this machine (see the module docstring)."""
 
     name = "local"
-    kind_of_worker = "process"
+    kind_of_worker = "local processes"
 
     def __init__(self) -> None:
         self.workers: dict[int, WorkerProcess] = {}
         self.config: WorkerConfig | None = None
         self.state_dir = ""
-        self.config_path = ""
+        self._config_bytes = b""
 
     def store_address(self) -> tuple[str, int]:
         return "127.0.0.1", 0  # loopback only: nothing outside this machine reaches the store
@@ -70,9 +72,8 @@ class LocalBackend:
     def attach(self, attachment: Attachment) -> None:
         self.config, self.state_dir = attachment.config, attachment.state_dir
         os.makedirs(os.path.join(self.state_dir, "logs"), exist_ok=True)
-        self.config_path = os.path.join(self.state_dir, "worker_config.pkl")
-        with open(self.config_path, "wb") as f:
-            cloudpickle.dump(self.config, f)
+        # Handed to each worker through its stdin pipe: never a file another user could replace.
+        self._config_bytes = cloudpickle.dumps(self.config)
 
     def serve(self, reports: Sequence[dict[str, Any]]) -> None:
         return None
@@ -96,12 +97,21 @@ class LocalBackend:
         log_path = os.path.join(self.state_dir, "logs", f"worker-{worker_id}.log")
         log = open(log_path, "ab")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "virtualflow.backends.local_worker", self.config_path, str(worker_id)],
+            [sys.executable, "-m", "virtualflow.backends.local_worker", str(worker_id)],
             stdout=log,
             stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE,
             env=env,
+            # Its own session: a Ctrl-C in the terminal reaches the coordinator only, which then
+            # stops the workers at a step boundary with the final state written.
+            start_new_session=True,
         )
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(self._config_bytes)
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass  # it died at start-up: poll() reports its exit code
         log.close()
         wp = WorkerProcess(worker_id, proc, log_path)
         self.workers[worker_id] = wp

@@ -1,4 +1,5 @@
-"""Entry point of a local worker process: ``python -m virtualflow.backends.local_worker CONFIG ID``."""
+"""Entry point of a local worker process: ``python -m virtualflow.backends.local_worker ID``, its
+configuration (a pickled :class:`WorkerConfig`) on stdin, written by the launching process."""
 
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    config_path, worker_id = argv[1], int(argv[2])
-    with open(config_path, "rb") as f:
-        config = pickle.load(f)
+    worker_id = int(argv[1])
+    config = pickle.loads(sys.stdin.buffer.read())
     from virtualflow.runtime.worker import run_worker
 
     return run_worker(config, worker_id)

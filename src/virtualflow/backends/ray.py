@@ -309,7 +309,7 @@ class RayBackend:
     """One Ray actor per worker (see the module docstring)."""
 
     name = "ray"
-    kind_of_worker = "Ray actor"
+    kind_of_worker = "Ray actors"
 
     def __init__(self, options: RayOptions) -> None:
         self._ray = import_ray()

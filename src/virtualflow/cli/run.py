@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 
 import virtualflow as vf
 from virtualflow.backends.ray import RayNotInstalled
+from virtualflow.api import stop_interrupted
 from virtualflow.options import add_arguments, options_from_args
 from virtualflow.result import TrainingError
 
@@ -31,17 +33,43 @@ def default_run_dir(job_spec: str) -> str:
     return os.path.join("runs", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
+class _Interrupted(KeyboardInterrupt):
+    def __init__(self, reason: str, code: int) -> None:
+        super().__init__(reason)
+        self.reason, self.code = reason, code
+
+
+def _raise_on_sigterm(signum: int, frame: object) -> None:
+    raise _Interrupted("terminated (SIGTERM)", 128 + signal.SIGTERM)
+
+
 def main(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or (args.resume if args.resume and os.path.isdir(args.resume) else default_run_dir(args.job))
     options = options_from_args(args, run_dir=run_dir, progress=not args.no_progress)
+    code = 0
     try:
-        result = vf.train(args.job, options)
+        handle = vf.launch(args.job, options)
+        # SIGTERM (a scheduler, `kill`) and Ctrl-C stop at the next step boundary, with the final
+        # state written and `stopped` recorded; a second one kills the workers at once.
+        previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+        try:
+            try:
+                result = handle.wait()
+            except _Interrupted as exc:
+                result, code = stop_interrupted(handle, exc.reason), exc.code
+            except KeyboardInterrupt:
+                result, code = stop_interrupted(handle, "interrupted (Ctrl-C)"), 130
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     except TrainingError as exc:
         print(f"virtualflow run: training failed: {exc}", file=sys.stderr)
         return 1
     except RayNotInstalled as exc:
         print(f"virtualflow run: error: {exc}", file=sys.stderr)
         return 2
+    if code:
+        print(f"stopped at step {result.steps} of {handle.total_steps} ({handle.status()['stop_reason']}); the final "
+              f"state is in {run_dir}/final.pt: continue with --resume {run_dir}", file=sys.stderr)
     last = result.history[-1] if result.history else {}
     line = f"done: {result.steps} steps, final loss {last.get('loss', float('nan')):.4f}"
     if result.metrics:
@@ -55,4 +83,4 @@ def main(args: argparse.Namespace) -> int:
         where = f"settled at {a['settled_at']} workers" if a["settled_at"] else "did not settle"
         print(f"autoscale ({a['policy']}): {where} after {a['resizes']} resize(s); samples/s per worker count: {tried}")
     print(f"run directory: {run_dir} (final.pt, metrics.jsonl, events.jsonl, summary.json)")
-    return 0
+    return code
