@@ -14,20 +14,19 @@ import os
 import tempfile
 from typing import Any, Callable
 
-import torch
 
 from virtualflow.backends import make_backend
 from virtualflow.comm import auth
 from virtualflow.control.autoscale import FixedPolicy, Limits, make_policy
 from virtualflow.handle import JobHandle
-from virtualflow.job import Job, resolve_spec, source_from
+from virtualflow.job import Job, source_from
 from virtualflow.options import LaunchOptions, make_options
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.hetero import check_memory
 from virtualflow.plan.vnmap import contiguous_assignment
+from virtualflow.preflight import build_dataset, build_job, preflight
 from virtualflow.result import Result, TrainingError
 from virtualflow.resume import find_resume_state
-from virtualflow.runtime.engine import BatchLoader, check_loss
 from virtualflow.supervisor import RunSetup
 
 logger = logging.getLogger("virtualflow")
@@ -54,17 +53,17 @@ def launch(job: JobLike, options: LaunchOptions | None = None, **overrides: Any)
     backend = make_backend(opts)
 
     source = source_from(job)
-    job_obj = _build(job, source.target)
+    job_obj = build_job(job, source.target)
     overrides_job = {k: v for k in ("global_batch_size", "virtual_nodes", "seed")
                      if (v := getattr(opts, k)) is not None}
     job_obj = job_obj.replace(**overrides_job)
-    dataset = job_obj.build_dataset()
+    dataset = build_dataset(job_obj)
     plan = DataPlan(len(dataset), job_obj.global_batch_size, job_obj.virtual_nodes, job_obj.seed)
     workers = opts.start_workers
     total_steps = opts.steps if opts.steps is not None else opts.epochs * plan.steps_per_epoch
     assignment = contiguous_assignment(job_obj.virtual_nodes, workers)  # checks workers <= V
     _check_against_job(opts, job_obj, limits)
-    _preflight(job_obj, dataset, plan)
+    preflight(job_obj, dataset, plan)
     backend.check_capacity(workers)
     if limits is not None and limits.max_workers > workers:
         backend.check_capacity(limits.max_workers, knob="--max-workers")
@@ -138,17 +137,6 @@ def _autoscaler(opts: LaunchOptions) -> tuple[Any, Limits | None]:
     return policy, limits
 
 
-def _build(job: JobLike, target: str) -> Job:
-    if isinstance(job, Job):
-        return job
-    fn = resolve_spec(target) if isinstance(job, str) else job
-    built = fn()
-    if not isinstance(built, Job):
-        raise TypeError(f"the job function {target or getattr(fn, '__qualname__', fn)!r} returned "
-                        f"{type(built).__name__}, not virtualflow.Job")
-    return built
-
-
 def _check_against_job(opts: LaunchOptions, job: Job, limits: Limits | None) -> None:
     V = job.virtual_nodes
     if limits is not None and limits.max_workers > V:
@@ -171,21 +159,3 @@ def _prepare_run_dir(run_dir: str | None, *, resuming: bool) -> str:
         if os.path.exists(os.path.join(run_dir, name)):
             os.remove(os.path.join(run_dir, name))
     return run_dir
-
-
-def _preflight(job: Job, dataset: Any, plan: DataPlan) -> None:
-    """Build the model and run the loss on VN 0's batch of step 0, here, before any worker."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(job.seed)
-        model = job.model()
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"Job.model must return a torch.nn.Module, got {type(model).__name__}")
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("the model has no trainable parameters (requires_grad=True); nothing to train")
-        job.optimizer(model.parameters())
-        batch = BatchLoader(dataset, job.collate_fn)(plan.vn_indices(0, 0))
-        model.train()
-        with torch.no_grad():
-            loss = job.loss(model, batch)
-        check_loss(loss, "on virtual node 0's batch of step 0")
