@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
 
 from virtualflow.cli import plot, resize, run, simulate, status, worker
 
@@ -37,12 +38,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, TypeError) as exc:
-        # User errors: one clear line, no traceback.
-        print(f"virtualflow {args.command}: error: {exc}", file=sys.stderr)
+        # User errors: one clear line (the traceback with --verbose), exit code 2.
+        if args.verbose:
+            traceback.print_exc()
+        print(f"virtualflow {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001 - a runtime failure: one line, exit code 1
+        if args.verbose:
+            traceback.print_exc()
+        print(f"virtualflow {args.command}: failed: {type(exc).__name__}: {_one_line(exc)} (--verbose shows the "
+              f"traceback)", file=sys.stderr)
+        return 1
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 if __name__ == "__main__":
