@@ -34,6 +34,10 @@ Rules it enforces:
 * **Next pointers.** Every member's next generation is written to ``vf/member/<id>/next/<g>``
   for the last generation ``g`` it was assigned to, so a worker that abandons ``g`` for any
   reason (planned regroup, broken collective, aborted rendezvous) always finds where to go.
+
+Size: one state machine (about 600 lines) kept in one module on purpose: its rules above share
+the same fields (members, assigned pointers, the change in flight), and splitting them would
+spread one invariant over several files.
 """
 
 from __future__ import annotations
