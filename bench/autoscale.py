@@ -5,7 +5,9 @@ The workload is examples/emulated_scaling.py (COMPUTE IS EMULATED: every virtual
 that it takes 20 ms, plus a tiny real linear model; each step also sleeps an emulated
 communication cost of 20 ms per worker beyond 6). Its best worker count is known analytically:
 6 (throughput saturates there; worker-seconds per step are flat up to 6 and grow beyond). Real
-compute cannot scale past 2 processes on this 2-core machine, hence the emulation.
+compute cannot scale past 2 processes on this 2-core machine, hence the emulation. The job goes
+to virtualflow as the file spec ``examples/emulated_scaling.py:make_job`` (virtualflow imports
+it); the analytic model is read from the same file (``harness.load_file``).
 
 Runs, in one invocation, each training the same job for the same number of steps:
 
@@ -21,17 +23,17 @@ included), worker-seconds (the lifetime of every worker process, sampled every 2
 cluster would bill, start-up and newcomers still starting included), training worker-seconds
 (sum over steps of workers x step time), resizes, where the autoscaler settled.
 
-Targets (issue 5): the autoscalers' worker-seconds within 10 % of static-opt's, and >= 40 % fewer
-than static-max's.
+Targets (issue 5), for every autoscaled run: worker-seconds within 10 % of static-opt's (key
+``ws_vs_opt``, as a ratio: <= 1.10) and >= 40 % fewer than static-max's (key ``ws_below_max``).
+From the repository root::
 
-    python bench/autoscale.py            # 500 steps per run, each autoscaler twice, ~14 min
-    python bench/autoscale.py --quick    # 250 steps per run, ~8 min
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.autoscale            # 500 steps per run, each autoscaler twice, ~14 min
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.autoscale --quick    # 250 steps per run, ~8 min
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import logging
 import os
 import sys
 import tempfile
@@ -40,19 +42,20 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-import _common as C  # noqa: E402
-import emulated_scaling as emu  # noqa: E402
+from bench import harness as H
 
 NAME = "autoscale"
+TARGET_KEYS = ("ws_vs_opt", "ws_below_max")
+EXAMPLE = "examples/emulated_scaling.py"
+JOB = H.repo_path(EXAMPLE) + ":make_job"
 TARGET_WITHIN_OPT = 0.10
 TARGET_BELOW_MAX = 0.40
 UTILITY = "linear:20"
 
 
 class ProcessMeter:
-    """Worker-seconds: integrates the number of live worker processes of a handle over time."""
+    """Worker-seconds: integrates the number of live worker processes of a handle over time
+    (``Backend.poll()``: every worker started so far, None while it runs)."""
 
     def __init__(self, handle, period_s: float = 0.02) -> None:
         self.handle, self.period_s = handle, period_s
@@ -63,12 +66,9 @@ class ProcessMeter:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _alive(self) -> int:
-        n = 0
-        for wid, wp in list(self.handle.backend.workers.items()):
-            self.started.add(wid)
-            if wp.proc.poll() is None:
-                n += 1
-        return n
+        codes = self.handle.backend.poll()
+        self.started.update(codes)
+        return sum(1 for code in codes.values() if code is None)
 
     def _run(self) -> None:
         t = time.monotonic()
@@ -94,11 +94,10 @@ def run_one(label: str, steps: int, *, workers: int, autoscale: str | None = Non
     import virtualflow as vf
 
     kwargs = dict(autoscale=autoscale, max_workers=max_workers, min_workers=min_workers) if autoscale else {}
-    with C.LoadMeter() as load:
+    with H.LoadMeter() as load:
         t0 = time.perf_counter()
         run_dir = tempfile.mkdtemp(prefix=f"vf-autoscale-{label}-")
-        handle = vf.launch(emu.make_job(), workers=workers, steps=steps, threads_per_worker=1, run_dir=run_dir,
-                           **kwargs)
+        handle = vf.launch(JOB, workers=workers, steps=steps, threads_per_worker=1, run_dir=run_dir, **kwargs)
         with ProcessMeter(handle) as meter:
             try:
                 result = handle.wait(timeout_s=1800)
@@ -106,133 +105,116 @@ def run_one(label: str, steps: int, *, workers: int, autoscale: str | None = Non
                 handle.kill()
                 raise
         jct = time.perf_counter() - t0
+    out = describe_run(label, workers, autoscale, result, run_dir)
+    out.update(jct_s=jct, worker_seconds=meter.worker_seconds, processes_started=len(meter.started),
+               peak_processes=meter.peak, other_load_cores=load.other_cores)
+    print(f"  {label:11s} JCT {jct:6.1f} s, worker-seconds {meter.worker_seconds:7.1f} (training "
+          f"{out['training_worker_seconds']:6.1f}), {len(meter.started)} processes, first step after "
+          f"{out['time_to_first_step_s']:.1f} s, path {out['size_path']}, settled {out['settled_at']}, resizes "
+          f"{out['resizes']}, other load {load.other_cores:.2f} cores", flush=True)
+    return out
+
+
+def describe_run(label: str, workers: int, autoscale: str | None, result, run_dir: str) -> dict:
+    """What the run's history and events say: sizes, decisions, step times per size."""
     hist = result.history
-    with open(os.path.join(run_dir, "events.jsonl")) as f:
-        events = [json.loads(line) for line in f if line.strip()]
-    first_step_s = next((e["elapsed_s"] for e in events if e["event"] == "step"), None)
-    newcomer_startup = [e["startup_s"] for e in events if e["event"] == "ready"]
-    train_ws = sum(h["step_time_s"] * h["workers"] for h in hist)
+    events = H.run_events(run_dir)
     sizes = [h["workers"] for h in hist]
-    path = [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n]
-    a = result.autoscale
-    settle_step = None
-    if a and a["decisions"]:
-        settle_step = a["decisions"][-1]["step"]
+    a = result.autoscale or {}
     per_size = {}
     for k in sorted(set(sizes)):
         ts = [h["step_time_s"] for h in hist if h["workers"] == k]
-        per_size[str(k)] = {"steps": len(ts), "median_step_s": C.median(ts[2:] or ts)}
-    out = {
+        per_size[str(k)] = {"steps": len(ts), "median_step_s": H.steady_median(ts)}
+    return {
         "label": label,
         "workers_start": workers,
         "autoscale": autoscale,
         "steps": result.steps,
-        "jct_s": jct,
-        "worker_seconds": meter.worker_seconds,
-        "training_worker_seconds": train_ws,
-        "processes_started": len(meter.started),
-        "peak_processes": meter.peak,
-        "size_path": path,
-        "resizes": (a or {}).get("resizes", 0),
-        "settled_at": (a or {}).get("settled_at"),
-        "decisions": (a or {}).get("decisions", []),
-        "autoscale_sizes": (a or {}).get("sizes"),
-        "steps_until_last_decision": settle_step,
+        "training_worker_seconds": sum(h["step_time_s"] * h["workers"] for h in hist),
+        "size_path": [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n],
+        "resizes": a.get("resizes", 0),
+        "settled_at": a.get("settled_at"),
+        "decisions": a.get("decisions", []),
+        "autoscale_sizes": a.get("sizes"),
+        "steps_until_last_decision": a["decisions"][-1]["step"] if a.get("decisions") else None,
         "per_size_step_times": per_size,
-        "median_step_s_last_size": C.median([h["step_time_s"] for h in hist if h["workers"] == sizes[-1]][2:]),
-        "other_load_cores": load.other_cores,
+        "median_step_s_last_size": H.median([h["step_time_s"] for h in hist if h["workers"] == sizes[-1]][2:]),
         "final_loss": hist[-1]["loss"] if hist else None,
-        "time_to_first_step_s": first_step_s,
-        "newcomer_startup_s": newcomer_startup,
+        "time_to_first_step_s": next((e["elapsed_s"] for e in events if e["event"] == "step"), None),
+        "newcomer_startup_s": [e["startup_s"] for e in events if e["event"] == "ready"],
         "run_dir": run_dir,
     }
-    print(f"  {label:11s} JCT {jct:6.1f} s, worker-seconds {meter.worker_seconds:7.1f} (training {train_ws:6.1f}), "
-          f"{len(meter.started)} processes, first step after {first_step_s:.1f} s, path {path}, settled "
-          f"{out['settled_at']}, resizes {out['resizes']}, other load {load.other_cores:.2f} cores", flush=True)
-    return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="250 steps per run instead of 500")
+# --------------------------------------------------------------------------------------------
+# The phases of a run.
+
+
+def parse_args(argv: list[str] | None):
+    p = H.parser(__doc__, reps=2, reps_help="runs of each autoscaler (static runs: one each)", quiet_wait=30.0)
     p.add_argument("--steps", type=int, default=None, help="steps per run (default 500; quick 250)")
     p.add_argument("--min-workers", type=int, default=1)
     p.add_argument("--max-workers", type=int, default=12)
-    p.add_argument("--reps", type=int, default=2, help="runs of each autoscaler (static runs: one each)")
-    p.add_argument("--quiet-wait", type=float, default=30.0, help="wait up to this long for a quiet machine per run")
-    p.add_argument("--out", default=NAME, help="result file name under bench/results")
     args = p.parse_args(argv)
-    steps = args.steps or (250 if args.quick else 500)
+    args.steps = args.steps or (250 if args.quick else 500)
+    return args
+
+
+def plan_runs(args, opt: int) -> list[tuple[str, dict]]:
     lo, hi = args.min_workers, args.max_workers
-    opt = emu.efficiency_optimum(hi, start=lo)
-    util_opt = min(range(lo, hi + 1), key=lambda k: (20 + k) * emu.step_time_s(k))
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", C.MALLOC_STABLE["MALLOC_MMAP_THRESHOLD_"])
-    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", C.MALLOC_STABLE["MALLOC_TRIM_THRESHOLD_"])
-    import logging
-
-    logging.getLogger("virtualflow").setLevel(logging.ERROR)
-
-    print(C.banner(f"virtualflow autoscaling, emulated workload V={emu.V}, B={emu.B}, {steps} steps per run"))
-    print(f"  {emu.DESCRIPTION}; pace {emu.PACE_S * 1e3:.0f} ms/VN, comm {emu.COMM_S * 1e3:.0f} ms per worker "
-          f"beyond {emu.PORTS}")
-    print(f"  analytic optimum (efficiency rule) in [{lo}, {hi}]: {opt} workers; utility {UTILITY}: {util_opt}",
-          flush=True)
-    t_start = time.perf_counter()
-    load0 = os.getloadavg()
-    env0 = C.environment()  # the code measured: as it is at the start (the tree is shared)
-    plan = [
-        ("static-opt", dict(workers=opt)),
-        ("efficiency", dict(workers=lo, autoscale="efficiency", min_workers=lo, max_workers=hi)),
-        ("static-max", dict(workers=hi)),
-        ("utility", dict(workers=lo, autoscale=f"utility:value={UTILITY}", min_workers=lo, max_workers=hi)),
-        ("static-min", dict(workers=lo)),
-    ]
+    eff = dict(workers=lo, autoscale="efficiency", min_workers=lo, max_workers=hi)
+    util = dict(workers=lo, autoscale=f"utility:value={UTILITY}", min_workers=lo, max_workers=hi)
+    plan = [("static-opt", dict(workers=opt)), ("efficiency", eff), ("static-max", dict(workers=hi)),
+            ("utility", util), ("static-min", dict(workers=lo))]
     for i in range(2, args.reps + 1):  # the autoscalers again: their search is the noisy part
-        plan += [(f"efficiency#{i}", plan[1][1]), (f"utility#{i}", plan[3][1])]
-    runs: dict[str, dict] = {}
-    for label, kw in plan:
-        waited = C.wait_for_quiet(args.quiet_wait) if args.quiet_wait > 0 else 0.0
-        runs[label] = run_one(label, steps, **kw)
-        runs[label]["waited_for_quiet_s"] = waited
+        plan += [(f"efficiency#{i}", eff), (f"utility#{i}", util)]
+    return plan
 
+
+def compare(runs: dict[str, dict], targets: H.Targets) -> tuple[list[list], list[str], dict]:
+    """Every run against static-opt and static-max; the targets of the autoscaled runs."""
     ref_opt, ref_max = runs["static-opt"], runs["static-max"]
-    rows, verdicts, targets = [], [], {}
+    rows, verdicts, out = [], [], {}
     for label, r in runs.items():
         r["jct_vs_opt"] = r["jct_s"] / ref_opt["jct_s"]
         r["ws_vs_opt"] = r["worker_seconds"] / ref_opt["worker_seconds"]
         r["ws_vs_max"] = r["worker_seconds"] / ref_max["worker_seconds"]
         r["train_ws_vs_opt"] = r["training_worker_seconds"] / ref_opt["training_worker_seconds"]
         r["train_ws_vs_max"] = r["training_worker_seconds"] / ref_max["training_worker_seconds"]
-        workers = (f"{r['workers_start']}" if not r["autoscale"] else
-                   f"{r['workers_start']} -> ... -> {r['size_path'][-1]}")
+        workers = f"{r['workers_start']}" if not r["autoscale"] else f"{r['workers_start']} -> ... -> {r['size_path'][-1]}"
         rows.append([label, workers, f"{r['jct_s']:.1f}", f"{r['jct_vs_opt']:.2f}", f"{r['worker_seconds']:.1f}",
                      f"**{r['ws_vs_opt']:.3f}**", f"**{1 - r['ws_vs_max']:+.1%}**".replace("+", ""),
                      f"{r['training_worker_seconds']:.1f}", f"{r['train_ws_vs_opt']:.3f}",
                      f"{1 - r['train_ws_vs_max']:.1%}", f"{r['time_to_first_step_s']:.1f}", r["resizes"],
                      r["settled_at"] or "-", r["steps_until_last_decision"] if r["autoscale"] else "-",
                      r["processes_started"], f"{r['other_load_cores']:.2f}"])
+    ok = lambda b: "met" if b else "MISSED"  # noqa: E731
     for label in [k for k in runs if runs[k]["autoscale"]]:
         r = runs[label]
-        within = r["ws_vs_opt"] <= 1 + TARGET_WITHIN_OPT
-        below = 1 - r["ws_vs_max"] >= TARGET_BELOW_MAX
+        within = targets.at_most("ws_vs_opt", f"{label}: worker-seconds / static-opt's", r["ws_vs_opt"],
+                                 1 + TARGET_WITHIN_OPT)
+        below = targets.at_least("ws_below_max", f"{label}: fraction of static-max's worker-seconds saved",
+                                 1 - r["ws_vs_max"], TARGET_BELOW_MAX)
         t_within = r["train_ws_vs_opt"] <= 1 + TARGET_WITHIN_OPT
         t_below = 1 - r["train_ws_vs_max"] >= TARGET_BELOW_MAX
-        targets[label] = {"ws_vs_opt": r["ws_vs_opt"], "within_10pct_of_opt": within,
-                          "ws_reduction_vs_max": 1 - r["ws_vs_max"], "at_least_40pct_below_max": below,
-                          "training_ws_vs_opt": r["train_ws_vs_opt"], "training_within_10pct_of_opt": t_within,
-                          "training_ws_reduction_vs_max": 1 - r["train_ws_vs_max"],
-                          "training_at_least_40pct_below_max": t_below,
-                          "settled_at": r["settled_at"], "resizes": r["resizes"], "jct_vs_opt": r["jct_vs_opt"]}
-        ok = lambda b: "met" if b else "MISSED"  # noqa: E731
+        out[label] = {"ws_vs_opt": r["ws_vs_opt"], "within_10pct_of_opt": within,
+                      "ws_reduction_vs_max": 1 - r["ws_vs_max"], "at_least_40pct_below_max": below,
+                      "training_ws_vs_opt": r["train_ws_vs_opt"], "training_within_10pct_of_opt": t_within,
+                      "training_ws_reduction_vs_max": 1 - r["train_ws_vs_max"],
+                      "training_at_least_40pct_below_max": t_below,
+                      "settled_at": r["settled_at"], "resizes": r["resizes"], "jct_vs_opt": r["jct_vs_opt"]}
         verdicts.append(
             f"- `{label}` (settled at {r['settled_at']}, {r['resizes']} resizes, JCT {r['jct_vs_opt']:.2f} x "
             f"static-opt's): worker-seconds {r['ws_vs_opt']:.3f} x static-opt's -> within 10 %: **{ok(within)}**; "
             f"{1 - r['ws_vs_max']:.1%} fewer than static-max -> >= 40 %: **{ok(below)}**. On training "
             f"worker-seconds only (start-up excluded): {r['train_ws_vs_opt']:.3f} x static-opt's "
             f"(**{ok(t_within)}**), {1 - r['train_ws_vs_max']:.1%} fewer than static-max (**{ok(t_below)}**).")
+    return rows, verdicts, out
 
-    # Throughput per size: what the autoscalers measured against the analytic model.
-    size_rows = []
+
+def size_table(runs: dict[str, dict], emu, lo: int, hi: int) -> list[list]:
+    """Throughput per size: what the autoscalers measured against the analytic model."""
+    rows = []
     eff_sizes = runs["efficiency"]["autoscale_sizes"] or {}
     util_sizes = runs["utility"]["autoscale_sizes"] or {}
     for k in range(lo, hi + 1):
@@ -241,70 +223,60 @@ def main(argv: list[str] | None = None) -> int:
                        if not r["autoscale"] and str(k) in r["per_size_step_times"]), None)
         if not (e.get("throughput") or u.get("throughput") or static):
             continue
-        size_rows.append([k, f"{emu.throughput(k):.0f}", f"{emu.step_time_s(k) * 1e3:.0f}",
-                          f"{e['throughput']:.0f}" if e.get("throughput") else "-",
-                          f"{u['throughput']:.0f}" if u.get("throughput") else "-",
-                          f"{emu.B / static:.0f}" if static else "-"])
+        rows.append([k, f"{emu.throughput(k):.0f}", f"{emu.step_time_s(k) * 1e3:.0f}",
+                     f"{e['throughput']:.0f}" if e.get("throughput") else "-",
+                     f"{u['throughput']:.0f}" if u.get("throughput") else "-",
+                     f"{emu.B / static:.0f}" if static else "-"])
+    return rows
 
-    payload = {
-        "benchmark": NAME,
-        "environment": env0,
-        "environment_at_end": C.environment(),
-        "config": {"steps": steps, "min_workers": lo, "max_workers": hi, "V": emu.V, "B": emu.B,
-                   "pace_s": emu.PACE_S, "comm_s": emu.COMM_S, "ports": emu.PORTS, "utility": UTILITY,
-                   "efficiency_threshold": 0.1, "analytic_optimum": opt, "utility_analytic_optimum": util_opt,
-                   "compute": emu.DESCRIPTION, "threads_per_worker": 1, "deterministic": False,
-                   "worker_seconds": "lifetime of every worker process, sampled every 20 ms"},
-        "runs": runs,
-        "targets": targets,
-        "machine_load": {"loadavg_start": load0, "loadavg_end": os.getloadavg(),
-                         "other_load_cores": {k: r["other_load_cores"] for k, r in runs.items()}},
-        "wall_s": time.perf_counter() - t_start,
-    }
-    table = C.md_table(["run", "workers", "JCT (s)", "JCT / static-opt", "worker-seconds",
-                        "worker-s / static-opt", "fewer worker-s than static-max", "training worker-s",
-                        "training / static-opt", "training: fewer than static-max", "first step after (s)",
-                        "resizes", "settled at", "last decision at step", "processes started",
-                        "other load (cores)"], rows)
-    stable = C.md_table(["workers", "analytic samples/s", "analytic step (ms)", "efficiency measured",
-                         "utility measured", "static run measured"], size_rows)
-    summary_lines = []
+
+def summary_lines(targets: dict, opt: int) -> list[str]:
+    lines = []
     for policy in ("efficiency", "utility"):
         mine = [t for k, t in targets.items() if k.split("#")[0] == policy]
-        summary_lines.append(
+        lines.append(
             f"- `{policy}`: settled at {[t['settled_at'] for t in mine]} (analytic optimum {opt}); within 10 % of "
             f"static-opt's worker-seconds in {sum(t['within_10pct_of_opt'] for t in mine)} of {len(mine)} runs "
             f"(training worker-seconds: {sum(t['training_within_10pct_of_opt'] for t in mine)} of {len(mine)}); "
             f">= 40 % below static-max in {sum(t['at_least_40pct_below_max'] for t in mine)} of {len(mine)} "
             f"(training: {sum(t['training_at_least_40pct_below_max'] for t in mine)} of {len(mine)}).")
-    payload["targets_summary"] = summary_lines
-    ml = payload["machine_load"]
-    src0, src1 = env0["virtualflow_source"], payload["environment_at_end"]["virtualflow_source"]
-    provenance = (f"virtualflow from {src0.get('path')} at {src0.get('commit')}"
-                  + (" + uncommitted edits" if src0.get("uncommitted_changes") else "") + " at the start")
-    if (src1.get("commit"), src1.get("uncommitted_changes")) != (src0.get("commit"), src0.get("uncommitted_changes")):
-        provenance += (f"; at the end {src1.get('commit')}" + (" + uncommitted edits" if src1.get("uncommitted_changes")
-                                                               else "") +
-                       " (the working tree is shared: worker processes started later import what is on disk then)")
-    scaling_png = None
-    try:
-        from virtualflow.cli.plot import plot_scaling
+    return lines
 
-        scaling_png = plot_scaling([runs["efficiency"]["run_dir"], runs["utility"]["run_dir"]],
-                                   os.path.join(C.RESULTS_DIR, f"{args.out}_scaling.png"))
-    except Exception as exc:  # plotting is optional (matplotlib)
-        print(f"  (no scaling plot: {exc})")
-    md = "\n".join([
+
+def provenance(env0: dict, env1: dict) -> str:
+    src0, src1 = env0["virtualflow_source"], env1["virtualflow_source"]
+    text = (f"virtualflow from {src0.get('path')} at {src0.get('commit')}"
+            + (" + uncommitted edits" if src0.get("uncommitted_changes") else "") + " at the start")
+    if (src1.get("commit"), src1.get("uncommitted_changes")) != (src0.get("commit"), src0.get("uncommitted_changes")):
+        text += (f"; at the end {src1.get('commit')}" + (" + uncommitted edits" if src1.get("uncommitted_changes")
+                                                         else "")
+                 + " (the working tree is shared: worker processes started later import what is on disk then)")
+    return text
+
+
+RESULT_HEADER = ["run", "workers", "JCT (s)", "JCT / static-opt", "worker-seconds", "worker-s / static-opt",
+                 "fewer worker-s than static-max", "training worker-s", "training / static-opt",
+                 "training: fewer than static-max", "first step after (s)", "resizes", "settled at",
+                 "last decision at step", "processes started", "other load (cores)"]
+SIZE_HEADER = ["workers", "analytic samples/s", "analytic step (ms)", "efficiency measured", "utility measured",
+               "static run measured"]
+
+
+def markdown(run: H.Run, args, emu, payload: dict, rows, size_rows, verdicts, scaling_png) -> str:
+    env0, cfg, ml = payload["environment"], payload["config"], payload["machine_load"]
+    lo, hi = args.min_workers, args.max_workers
+    return "\n".join([
         f"# Autoscaling (issue 5){' — quick run' if args.quick else ''}", "",
         f"Hardware: {env0['cpu_count']}-core CPU machine, {env0['cpu_model']}, no GPU ({env0['platform']}).  ",
         f"Versions: python {env0['python']}, torch {env0['torch']}, virtualflow {env0['virtualflow']}; "
-        f"{provenance}; {env0['date']}.", "",
-        f"**Compute is EMULATED** (examples/emulated_scaling.py): each of V={emu.V} virtual nodes sleeps to "
+        f"{provenance(env0, payload['environment_at_end'])}; {env0['date']}.", "",
+        f"**Compute is EMULATED** ({EXAMPLE}): each of V={emu.V} virtual nodes sleeps to "
         f"{emu.PACE_S * 1e3:.0f} ms with a tiny real linear model inside; each step sleeps "
-        f"{emu.COMM_S * 1e3:.0f} ms per worker beyond {emu.PORTS} (an emulated switch with {emu.PORTS} full-rate ports). "
-        f"B={emu.B}, {steps} steps per run, 1 thread per worker, default (non-deterministic) mode. The analytic "
-        f"optimum is {opt} workers (efficiency rule, threshold 0.1, in [{lo}, {hi}]); `utility` with `{UTILITY}` "
-        f"has the same optimum ({util_opt}). The autoscalers start at {lo} worker and are not told the optimum.", "",
+        f"{emu.COMM_S * 1e3:.0f} ms per worker beyond {emu.PORTS} (an emulated switch with {emu.PORTS} full-rate "
+        f"ports). B={emu.B}, {args.steps} steps per run, 1 thread per worker, default (non-deterministic) mode. The "
+        f"analytic optimum is {cfg['analytic_optimum']} workers (efficiency rule, threshold 0.1, in [{lo}, {hi}]); "
+        f"`utility` with `{UTILITY}` has the same optimum ({cfg['utility_analytic_optimum']}). The autoscalers "
+        f"start at {lo} worker and are not told the optimum.", "",
         "Worker-seconds = the lifetime of every worker process (sampled every 20 ms): start-up, newcomers still "
         "starting and the trial sizes all count. Training worker-seconds = sum over steps of workers x step time "
         "(start-up excluded). JCT includes worker start-up. Static runs once, each autoscaler "
@@ -316,24 +288,71 @@ def main(argv: list[str] | None = None) -> int:
         "The autoscalers start one worker at a time while training goes on. This favours the autoscalers on "
         "process worker-seconds and JCT; the training worker-seconds columns leave start-up out.", "",
         f"Machine load: load average {ml['loadavg_start'][0]:.2f} at start, {ml['loadavg_end'][0]:.2f} at end.", "",
-        "## Results", "", table, "",
-        "## Targets", "", *summary_lines, "", "Per run:", "", *verdicts, "",
-        "## Throughput per worker count (samples/s)", "", stable, "",
+        "## Results", "", H.md_table(RESULT_HEADER, rows), "",
+        "## Targets", "", *payload["targets_summary"], "", "Per run:", "", *verdicts, "",
+        "## Throughput per worker count (samples/s)", "", H.md_table(SIZE_HEADER, size_rows), "",
         *([f"![throughput and cost per worker count]({os.path.basename(scaling_png)})", ""] if scaling_png else []),
         "The measured throughput is below the analytic one by the real work the emulation does not model: "
         "the gloo reduction, data loading and Python per step, which grow with the worker count on 2 shared "
         "cores. The autoscalers judge what they measure.", "",
-        f"Reproduce: `python bench/autoscale.py{' --quick' if args.quick else ''}`",
+        f"Reproduce: `{run.command(NAME)}`",
     ])
-    jp, mp = C.write_results(args.out, payload, md)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run = H.Run(NAME, args, TARGET_KEYS)
+    emu = H.load_file(EXAMPLE)  # the analytic model of the emulated workload
+    lo, hi = args.min_workers, args.max_workers
+    opt = emu.efficiency_optimum(hi, start=lo)
+    util_opt = min(range(lo, hi + 1), key=lambda k: (20 + k) * emu.step_time_s(k))
+    H.apply_malloc_mode("stable")
+    logging.getLogger("virtualflow").setLevel(logging.ERROR)
+    print(H.banner(f"virtualflow autoscaling, emulated workload V={emu.V}, B={emu.B}, {args.steps} steps per run"))
+    print(f"  {emu.DESCRIPTION}; pace {emu.PACE_S * 1e3:.0f} ms/VN, comm {emu.COMM_S * 1e3:.0f} ms per worker "
+          f"beyond {emu.PORTS}")
+    print(f"  analytic optimum (efficiency rule) in [{lo}, {hi}]: {opt} workers; utility {UTILITY}: {util_opt}",
+          flush=True)
+    load0 = os.getloadavg()
+    env0 = H.environment()  # the code measured: as it is at the start (the tree is shared)
+    runs: dict[str, dict] = {}
+    for label, kw in plan_runs(args, opt):
+        waited, _ = H.wait_for_quiet(args.quiet_wait)
+        runs[label] = run_one(label, args.steps, **kw)
+        runs[label]["waited_for_quiet_s"] = waited
+
+    rows, verdicts, targets = compare(runs, run.targets)
+    size_rows = size_table(runs, emu, lo, hi)
+    payload = {
+        "benchmark": run.name,
+        "environment": env0,
+        "environment_at_end": H.environment(),
+        "config": {"steps": args.steps, "min_workers": lo, "max_workers": hi, "V": emu.V, "B": emu.B,
+                   "pace_s": emu.PACE_S, "comm_s": emu.COMM_S, "ports": emu.PORTS, "utility": UTILITY,
+                   "efficiency_threshold": 0.1, "analytic_optimum": opt, "utility_analytic_optimum": util_opt,
+                   "compute": emu.DESCRIPTION, "threads_per_worker": 1, "deterministic": False,
+                   "worker_seconds": "lifetime of every worker process, sampled every 20 ms"},
+        "runs": runs,
+        "targets": targets,
+        "targets_summary": summary_lines(targets, opt),
+        "machine_load": {"loadavg_start": load0, "loadavg_end": os.getloadavg(),
+                         "other_load_cores": {k: r["other_load_cores"] for k, r in runs.items()}},
+        "wall_s": run.elapsed_s,
+    }
+    scaling_png = None
+    try:
+        from virtualflow.cli.plot import plot_scaling
+
+        scaling_png = plot_scaling([runs["efficiency"]["run_dir"], runs["utility"]["run_dir"]],
+                                   run.path("_scaling.png"))
+    except Exception as exc:  # noqa: BLE001 - plotting is optional (matplotlib)
+        print(f"  (no scaling plot: {exc})")
     print()
-    print(C.text_table(["run", "workers", "JCT s", "JCT/opt", "worker-s", "ws/opt", "< max", "train ws",
+    print(H.text_table(["run", "workers", "JCT s", "JCT/opt", "worker-s", "ws/opt", "< max", "train ws",
                         "train/opt", "train < max", "1st step s", "resizes", "settled", "at step", "procs", "load"],
-                       [[c.replace("**", "") if isinstance(c, str) else c for c in r] for r in rows]))
-    print(*verdicts, sep="\n")
-    print(*summary_lines, sep="\n")
-    print(f"wrote {jp} and {mp} ({payload['wall_s']:.0f} s)")
-    return 0
+                       rows))
+    print(*verdicts, *payload["targets_summary"], sep="\n")
+    return run.finish(payload, markdown(run, args, emu, payload, rows, size_rows, verdicts, scaling_png))
 
 
 if __name__ == "__main__":

@@ -2,20 +2,35 @@
 
 The same job (``examples/digits.py:make_job``: a small CNN with BatchNorm, global batch 64 in 8
 virtual nodes), the same 2 workers with 1 thread each, run with the control plane on (the
-default: a heartbeat thread per worker bumping a store counter every 0.2 s, and rank 0 reading
-the control sequence number from the coordinator's TCPStore before every step, carried to the
-other ranks in the step's all-reduce) and off (``launch(..., _control_plane=False)``: neither).
-Runs alternate (on, off, then off, on, ...); per run, the median of rank 0's post-warm-up step
-times from ``Result.history``; the overhead is the median over pairs of (on / off) - 1.
-Target (issue 3): <= 2 % of the step time.
+default: a heartbeat thread per worker that bumps its store counter, reads the control sequence
+number and checks the generation's abort flag, each beat) and off
+(``launch(..., control_plane=False)``: no heartbeat thread, no control reads). Runs alternate
+(on, off, then off, on, ...); per run, the median of rank 0's post-warm-up step times from
+``Result.history``; the overhead is the median over pairs of (on / off) - 1. Target (issue 3):
+<= 2 % of the step time, end to end (key ``overhead``) and by the direct estimate (key
+``direct_overhead``).
 
-The end-to-end ratio on a shared 2-core machine is noisy; the cost of the per-step control
-read is also measured directly: a fresh process (1 thread) times ``int(store.get(key))`` against
-a TCPStore hosted by this process, as the coordinator hosts it (and ``store.add(key, 1)``, the
-heartbeat), and that time is divided by the median step time.
+The end-to-end ratio on a shared 2-core machine is noisy, so the control plane's cost is also
+measured directly, from its behaviour:
 
-    python bench/control_overhead.py            # full run, about 6 minutes
-    python bench/control_overhead.py --quick    # about 1-2 minutes
+* **heartbeats per step**: one more run with the control plane on; the launcher reads every
+  worker's heartbeat counter (``vf/hb/<id>`` in the coordinator's store) after the warm-up and
+  near the end, and divides the beats by the steps trained meanwhile;
+* **time per heartbeat**: a fresh 1-thread process runs virtualflow's own heartbeat
+  (``virtualflow.runtime.worker.Heartbeat``, watching a generation's abort flag as a worker
+  does) back to back for a few seconds against a TCPStore hosted by this process, as the
+  coordinator hosts it; time / beats. The same while 2 CPU-bound processes keep both cores busy.
+
+Direct estimate = heartbeats per step x time per heartbeat / median step (control plane off),
+per worker, counted as if on the step path. It covers what the heartbeat thread does, whatever
+that is; a store round trip on the step path itself (rank 0 read the control number before
+every step up to b5ae33f) would show only end to end. The single store operations are timed too
+(``int(store.get(key))``, ``store.add(key, 1)``).
+
+From the repository root::
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.control_overhead            # about 6 minutes
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.control_overhead --quick    # about 2 minutes
 """
 
 from __future__ import annotations
@@ -23,65 +38,120 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
-import resize as R  # noqa: E402  (TreeLoadMeter, wait_for_quiet)
+from bench import harness as H
 
 NAME = "control_overhead"
+TARGET_KEYS = ("overhead", "direct_overhead")
+MODULE = "bench.control_overhead"
 TARGET = 0.02
 WORKERS = 2
-JOB = os.path.join(os.path.dirname(C.BENCH_DIR), "examples", "digits.py") + ":make_job"
+JOB = H.repo_path("examples/digits.py") + ":make_job"
+BUSY_LOOP = "import torch\nx = torch.randn(256, 256)\nwhile True:\n    x = torch.tanh(x @ x)\n"
 
 
 def run_once(control_plane: bool, steps: int) -> dict:
     import virtualflow as vf
 
     t0 = time.perf_counter()
-    result = vf.launch(JOB, workers=WORKERS, steps=steps, threads_per_worker=1, _control_plane=control_plane).wait()
+    result = vf.launch(JOB, workers=WORKERS, steps=steps, threads_per_worker=1, control_plane=control_plane).wait()
     return {"step_times": [h["step_time_s"] for h in result.history], "wall_s": time.perf_counter() - t0}
 
 
 # --------------------------------------------------------------------------------------------
-# The control read alone: ``control_overhead.py --child-store JSON``.
+# Heartbeats per step, read from the coordinator's store during a run.
+
+
+def _beats(handle) -> tuple[float, int, dict[int, int]]:
+    from virtualflow.comm import protocol
+
+    status = handle.status()
+    store = handle.coordinator.store
+    return time.time(), status["step"], {w["id"]: int(store.add(protocol.heartbeat_key(w["id"]), 0))
+                                         for w in status["workers"]}
+
+
+def count_heartbeats(steps: int, warmup: int, timeout_s: float = 300.0) -> dict:
+    """Run the job with the control plane on; beats per worker between the end of the warm-up
+    and about 10 steps before the end, per step and per second."""
+    import virtualflow as vf
+
+    handle = vf.launch(JOB, workers=WORKERS, steps=steps, threads_per_worker=1)
+    marks = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        for at in (warmup, max(warmup + 1, steps - 10)):
+            while handle.status()["step"] < at:
+                if handle.done or time.monotonic() > deadline:
+                    handle.wait(0)
+                    raise RuntimeError(f"the heartbeat run ended before step {at}")
+                time.sleep(0.02)
+            marks.append(_beats(handle))
+        handle.wait()
+    except BaseException:
+        handle.kill()
+        raise
+    (t0, s0, b0), (t1, s1, b1) = marks
+    per_worker = {w: b1[w] - b0[w] for w in b1 if w in b0}
+    beats = H.median(list(per_worker.values()))
+    return {"steps": s1 - s0, "seconds": t1 - t0, "beats_per_worker": per_worker,
+            "heartbeats_per_step": beats / max(1, s1 - s0), "heartbeat_interval_s": (t1 - t0) / max(1.0, beats)}
+
+
+# --------------------------------------------------------------------------------------------
+# The store operations and one heartbeat, timed from a fresh process:
+# ``-m bench.control_overhead --child-store JSON``.
 
 
 def store_child(cfg: dict) -> dict:
     import torch.distributed as dist
 
+    from virtualflow.comm import protocol
+    from virtualflow.runtime.worker import Heartbeat
+
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", cfg["port"], is_master=False, timeout=datetime.timedelta(seconds=60))
-    key = cfg["key"]
-    out = {}
+    out: dict = {}
     for op in ("get", "add"):
         times = []
         for i in range(cfg["n"] + 100):
             t0 = time.perf_counter()
             if op == "get":
-                int(store.get(key))  # exactly what rank 0 does before every step
+                int(store.get(protocol.CONTROL_SEQ_KEY))  # a control read
             else:
-                store.add("vf/bench/hb", 1)  # what the heartbeat thread does every 0.2 s
+                store.add("vf/bench/hb", 1)  # a heartbeat's counter
             if i >= 100:
                 times.append(time.perf_counter() - t0)
         out[op] = times
+    # virtualflow's own heartbeat, back to back (interval 0), watching generation 0's abort flag.
+    # It reads only the store address and its interval from the worker's configuration.
+    hb_cfg = SimpleNamespace(store_host="127.0.0.1", store_port=cfg["port"], heartbeat_interval_s=0.0)
+    hb = Heartbeat(hb_cfg, worker_id=cfg["hb_worker"])
+    hb.watch(0)
+    t0 = time.perf_counter()
+    hb.start()
+    time.sleep(cfg["hb_seconds"])
+    hb.stop()
+    seconds = time.perf_counter() - t0
+    beats = int(store.add(protocol.heartbeat_key(cfg["hb_worker"]), 0))
+    out["heartbeat"] = {"beats": beats, "seconds": seconds}
     return out
 
 
-BUSY_LOOP = "import torch\nx = torch.randn(256, 256)\nwhile True:\n    x = torch.tanh(x @ x)\n"
-
-
-def measure_store(n: int, busy: int = 0) -> dict:
-    """Time the control read from a fresh process; with ``busy`` CPU-bound processes (1 thread
-    each) running meanwhile, as the 2 workers keep both cores busy during training, so the
-    store's server thread (in this process) and the client must wait for a core."""
+def measure_store(n: int, busy: int = 0, hb_seconds: float = 3.0) -> dict:
+    """Time the store operations and a heartbeat from a fresh process; with ``busy`` CPU-bound
+    processes (1 thread each) running meanwhile, as the 2 workers keep both cores busy during
+    training, so the store's server thread (in this process) and the client wait for a core."""
     import torch.distributed as dist
 
     from virtualflow.comm import protocol
@@ -89,168 +159,173 @@ def measure_store(n: int, busy: int = 0) -> dict:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=60))
     store.set(protocol.CONTROL_SEQ_KEY, "0")
-    cfg = {"port": store.port, "key": protocol.CONTROL_SEQ_KEY, "n": n}
-    hogs = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP], env=C.child_env(1)) for _ in range(busy)]
+    cfg = {"port": store.port, "n": n, "hb_worker": 1000 + busy, "hb_seconds": hb_seconds}
+    hogs = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP], env=H.child_env(1)) for _ in range(busy)]
     try:
         if hogs:
             time.sleep(3.0)  # past their start-up
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child-store", json.dumps(cfg)],
-                              env=C.child_env(1), capture_output=True, text=True, timeout=300)
+        res = H.run_child(MODULE, ["--child-store", json.dumps(cfg)], 1)
     finally:
         for h in hogs:
             h.kill()
             h.wait()
-    if proc.returncode != 0:
-        raise RuntimeError(f"store child exited {proc.returncode}: {proc.stderr[-2000:]}")
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {op: {"median_us": 1e6 * C.median(t), "p90_us": 1e6 * C.quantile(t, 0.9), "mean_us": 1e6 * sum(t) / len(t)}
-            for op, t in res.items()}
+    out = {op: {"median_us": 1e6 * H.median(t), "p90_us": 1e6 * H.quantile(t, 0.9), "mean_us": 1e6 * sum(t) / len(t)}
+           for op, t in res.items() if op in ("get", "add")}
+    hb = res["heartbeat"]
+    out["heartbeat"] = {**hb, "mean_us": 1e6 * hb["seconds"] / max(1, hb["beats"])}
+    return out
 
 
-def control_plane_shape() -> dict:
-    """What the measured virtualflow's control plane does, read from its code: store round trips
-    per step on the step's path, the heartbeat interval and whether the heartbeat reads the
-    control number too."""
-    import inspect
-
-    from virtualflow.runtime import worker
-
-    hb = worker.WorkerConfig.__dataclass_fields__["heartbeat_interval_s"].default
-    on_path = "store.get(protocol.CONTROL_SEQ_KEY)" in inspect.getsource(worker._Worker._steps)
-    return {"reads_per_step": 1 if on_path else 0, "heartbeat_interval_s": float(hb),
-            "heartbeat_reads_control": "CONTROL_SEQ_KEY" in inspect.getsource(worker.Heartbeat._run)}
+# --------------------------------------------------------------------------------------------
+# The phases of a run.
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer steps and pairs")
+def parse_args(argv: list[str] | None):
+    p = H.parser(__doc__, reps=16, reps_help="interleaved pairs of runs (on, off)", quiet_wait=10.0)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=30, help="steps excluded from the medians")
-    p.add_argument("--reps", type=int, default=16, help="interleaved pairs of runs (on, off)")
     p.add_argument("--store-ops", type=int, default=5000, help="timed store operations of the direct measurement")
-    p.add_argument("--quiet-wait", type=float, default=10.0,
-                   help="wait up to this many seconds for a quiet machine before each pair (0: do not wait)")
     p.add_argument("--child-store", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child_store:
-        print(json.dumps(store_child(json.loads(args.child_store))))
-        return 0
+        return args
     if args.quick:
         args.steps, args.warmup, args.reps, args.store_ops = 150, 20, 3, 2000
-    if args.steps <= args.warmup or args.warmup < 1:
-        p.error(f"--steps={args.steps} must exceed --warmup={args.warmup} (at least 1)")
-    import logging
+    if args.steps <= args.warmup + 10 or args.warmup < 1:
+        p.error(f"--steps={args.steps} must exceed --warmup={args.warmup} (at least 1) by more than 10")
+    return args
 
-    logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(1)
-    print(C.banner(f"control-plane overhead with no change pending (digits CNN, B=64, V=8, {WORKERS} workers x "
-                   f"1 thread, {args.steps} steps, {args.warmup} warm-up)"))
-    t_start = time.perf_counter()
+
+def measure_pairs(args) -> list[dict]:
     w = args.warmup
     pairs = []
     for rep in range(args.reps):
-        waited, load0 = R.wait_for_quiet(args.quiet_wait) if args.quiet_wait > 0 else (0.0, float("nan"))
-        order = (True, False) if rep % 2 == 0 else (False, True)
+        waited, load0 = H.wait_for_quiet(args.quiet_wait)
         runs = {}
-        for flag in order:
-            with R.TreeLoadMeter() as meter:
+        for flag in H.pair_order(rep, True, False):
+            with H.LoadMeter() as meter:
                 runs[flag] = run_once(flag, args.steps)
             runs[flag]["other_load_cores"] = meter.other_cores
-        on, off = C.median(runs[True]["step_times"][w:]), C.median(runs[False]["step_times"][w:])
+        on, off = H.median(runs[True]["step_times"][w:]), H.median(runs[False]["step_times"][w:])
         pairs.append({"on": runs[True], "off": runs[False], "ratio": on / off, "waited_for_quiet_s": waited,
                       "other_load_before_cores": load0})
         print(f"  pair {rep}: control plane on {1e3 * on:.2f} ms, off {1e3 * off:.2f} ms, ratio {on / off:.4f}; "
               f"other load {runs[True]['other_load_cores']:.2f} / {runs[False]['other_load_cores']:.2f} cores",
               flush=True)
+    return pairs
+
+
+def measure_direct(args) -> dict:
+    beats = count_heartbeats(args.steps, args.warmup)
+    print(f"  heartbeats: {beats['heartbeats_per_step']:.3f} per step per worker (one every "
+          f"{1e3 * beats['heartbeat_interval_s']:.0f} ms)", flush=True)
     store = measure_store(args.store_ops)
-    print(f"  control read int(store.get(key)) from a fresh process: median {store['get']['median_us']:.1f} us "
-          f"(p90 {store['get']['p90_us']:.1f}); heartbeat store.add: median {store['add']['median_us']:.1f} us",
-          flush=True)
+    print(f"  from a fresh process: control read int(store.get(key)) median {store['get']['median_us']:.1f} us "
+          f"(p90 {store['get']['p90_us']:.1f}); store.add median {store['add']['median_us']:.1f} us; one heartbeat "
+          f"{store['heartbeat']['mean_us']:.1f} us", flush=True)
     busy = measure_store(args.store_ops, busy=WORKERS)
     print(f"  the same with {WORKERS} CPU-bound processes keeping both cores busy: control read median "
           f"{busy['get']['median_us']:.1f} us (p90 {busy['get']['p90_us']:.1f}); store.add median "
-          f"{busy['add']['median_us']:.1f} us", flush=True)
+          f"{busy['add']['median_us']:.1f} us; one heartbeat {busy['heartbeat']['mean_us']:.1f} us", flush=True)
+    return {"beats": beats, "store": store, "busy": busy}
 
+
+def summarize(pairs: list[dict], direct: dict, args, targets: H.Targets) -> dict:
+    w = args.warmup
     per_pair = [x["ratio"] for x in pairs]
-    ratio = C.median(per_pair)
-    on_all = [t for x in pairs for t in x["on"]["step_times"][w:]]
-    off_all = [t for x in pairs for t in x["off"]["step_times"][w:]]
-    on_med, off_med = C.median(on_all), C.median(off_all)
-    p25 = C.median([C.quantile(x["on"]["step_times"][w:], 0.25) / C.quantile(x["off"]["step_times"][w:], 0.25)
-                    for x in pairs])
-    # Direct estimate from what the measured code does: a control read per step on rank 0 (up to
-    # b5ae33f), and per heartbeat interval a store.add (+ a control read from 5bcfd66 on).
-    shape = control_plane_shape()
-    print(f"  control plane of the measured code: {shape}", flush=True)
-
-    def estimate(get_us: float, add_us: float) -> float:
-        per_step = get_us * shape["reads_per_step"]
-        per_beat = add_us + (get_us if shape["heartbeat_reads_control"] else 0.0)
-        return (per_step + per_beat * off_med / shape["heartbeat_interval_s"]) * 1e-6 / off_med
-
-    direct = estimate(store["get"]["median_us"], store["add"]["median_us"])
-    direct_busy = estimate(busy["get"]["mean_us"], busy["add"]["mean_us"])
-    row = {
+    ratio = H.median(per_pair)
+    on_med = H.median([t for x in pairs for t in x["on"]["step_times"][w:]])
+    off_med = H.median([t for x in pairs for t in x["off"]["step_times"][w:]])
+    p25 = H.median([H.p25(x["on"]["step_times"][w:]) / H.p25(x["off"]["step_times"][w:]) for x in pairs])
+    store, busy, beats = direct["store"], direct["busy"], direct["beats"]
+    per_step = beats["heartbeats_per_step"]
+    est = per_step * store["heartbeat"]["mean_us"] * 1e-6 / off_med
+    est_busy = per_step * busy["heartbeat"]["mean_us"] * 1e-6 / off_med
+    e2e_met = targets.at_most("overhead", f"end to end: control plane on / off - 1 (median of {len(pairs)} pairs)",
+                              ratio - 1.0, TARGET)
+    direct_met = targets.at_most("direct_overhead", "direct: heartbeats per step x time per heartbeat / step",
+                                 est, TARGET)
+    return {
         "workers": WORKERS, "steps": args.steps, "warmup": w, "pairs": args.reps,
         "on_median_step_s": on_med, "off_median_step_s": off_med,
         "overhead": ratio - 1.0, "ratio_per_pair": per_pair, "pooled_overhead": on_med / off_med - 1.0,
         "p25_overhead": p25 - 1.0,
         "control_read_median_us": store["get"]["median_us"], "control_read_p90_us": store["get"]["p90_us"],
         "heartbeat_add_median_us": store["add"]["median_us"],
-        "direct_overhead": direct, "control_plane_shape": shape,
+        "heartbeat_us": store["heartbeat"]["mean_us"], "heartbeat_busy_us": busy["heartbeat"]["mean_us"],
+        "heartbeats_per_step": per_step, "heartbeat_interval_s": beats["heartbeat_interval_s"],
+        "direct_overhead": est, "direct_overhead_busy": est_busy,
         "control_read_busy_median_us": busy["get"]["median_us"], "control_read_busy_p90_us": busy["get"]["p90_us"],
-        "control_read_busy_mean_us": busy["get"]["mean_us"], "direct_overhead_busy": direct_busy,
-        "target": TARGET, "target_met_end_to_end": ratio - 1.0 <= TARGET, "target_met_direct": direct <= TARGET,
+        "control_read_busy_mean_us": busy["get"]["mean_us"],
+        "target": targets.limit("overhead", TARGET), "target_met_end_to_end": e2e_met, "target_met_direct": direct_met,
         "other_load_cores_max": max(max(x["on"]["other_load_cores"], x["off"]["other_load_cores"]) for x in pairs),
-        "other_load_cores_median": C.median([x[k]["other_load_cores"] for x in pairs for k in ("on", "off")]),
+        "other_load_cores_median": H.median([x[k]["other_load_cores"] for x in pairs for k in ("on", "off")]),
     }
-    header = ["workers", "step ms on", "step ms off", "overhead (median of pairs)", "per-pair ratios",
-              "p25 overhead", "control read us (p90)", "direct estimate",
-              "read us busy cores: median (p90, mean)", "direct estimate, busy (means)", f"<= {100 * TARGET:g} %",
-              "other load cores (median, max)"]
-    table = [[WORKERS, f"{1e3 * on_med:.2f}", f"{1e3 * off_med:.2f}", f"{100 * row['overhead']:+.2f} %",
-              " ".join(f"{x:.3f}" for x in per_pair), f"{100 * row['p25_overhead']:+.2f} %",
-              f"{row['control_read_median_us']:.0f} ({row['control_read_p90_us']:.0f})",
-              f"{100 * direct:.2f} %",
-              f"{busy['get']['median_us']:.0f} ({busy['get']['p90_us']:.0f}, {busy['get']['mean_us']:.0f})",
-              f"{100 * direct_busy:.2f} %",
-              f"end-to-end {'yes' if row['target_met_end_to_end'] else 'NO'}, direct "
-              f"{'yes' if row['target_met_direct'] else 'NO'}",
-              f"{row['other_load_cores_median']:.2f}, {row['other_load_cores_max']:.2f}"]]
-    config = {"job": JOB, "workers": WORKERS, "threads_per_worker": 1, "steps": args.steps, "warmup": w,
+
+
+HEADER = ["workers", "step ms on", "step ms off", "overhead (median of pairs)", "per-pair ratios", "p25 overhead",
+          "heartbeats per step", "heartbeat us (busy cores)", "direct estimate (busy cores)",
+          "control read us (p90)", f"<= {100 * TARGET:g} %", "other load cores (median, max)"]
+
+
+def table(row: dict) -> list[list]:
+    return [[WORKERS, f"{1e3 * row['on_median_step_s']:.2f}", f"{1e3 * row['off_median_step_s']:.2f}",
+             f"{100 * row['overhead']:+.2f} %", " ".join(f"{x:.3f}" for x in row["ratio_per_pair"]),
+             f"{100 * row['p25_overhead']:+.2f} %", f"{row['heartbeats_per_step']:.3f}",
+             f"{row['heartbeat_us']:.0f} ({row['heartbeat_busy_us']:.0f})",
+             f"{100 * row['direct_overhead']:.2f} % ({100 * row['direct_overhead_busy']:.2f} %)",
+             f"{row['control_read_median_us']:.0f} ({row['control_read_p90_us']:.0f})",
+             f"end-to-end {H.yes_no(row['target_met_end_to_end'])}, direct {H.yes_no(row['target_met_direct'])}",
+             f"{row['other_load_cores_median']:.2f}, {row['other_load_cores_max']:.2f}"]]
+
+
+def markdown(run: H.Run, args, row: dict) -> str:
+    return "\n".join([
+        f"# {run.name}: per-step control-plane cost with no change pending (digits example)", "", H.env_markdown(), "",
+        f"Job: `examples/digits.py:make_job` (CNN with BatchNorm and dropout, global batch 64 in 8 virtual nodes), "
+        f"{WORKERS} workers x 1 thread, {args.steps} steps ({args.warmup} warm-up), {args.reps} alternating pairs of "
+        f"runs with the control plane on (default: heartbeat thread) and off (`control_plane=False`). Overhead = "
+        f"median over pairs of (on / off median step) - 1; p25 = the same with lower-quartile steps. Direct "
+        f"estimate = heartbeats per step and worker (read from the workers' heartbeat counters in the "
+        f"coordinator's store during one more run: one every {1e3 * row['heartbeat_interval_s']:.0f} ms) x the "
+        f"time of one heartbeat (virtualflow's `Heartbeat` run back to back in a fresh 1-thread process against a "
+        f"TCPStore hosted by the benchmark process, watching an abort flag as a worker does) / the median step "
+        f"with the control plane off, counted as if on the step path; in brackets the same while {WORKERS} "
+        f"CPU-bound 1-thread processes keep both cores busy (as the workers do while training). Target: <= "
+        f"{100 * TARGET:g} %.", "",
+        H.md_table(HEADER, table(row)), "",
+        "`other load` = CPU cores used by other processes on this shared 2-core machine during each run.", "",
+        f"Reproduce: `{run.command(NAME)}`"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child_store:
+        print(json.dumps(store_child(json.loads(args.child_store))))
+        return 0
+    run = H.Run(NAME, args, TARGET_KEYS)
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+    print(H.banner(f"control-plane overhead with no change pending (digits CNN, B=64, V=8, {WORKERS} workers x "
+                   f"1 thread, {args.steps} steps, {args.warmup} warm-up)"))
+    pairs = measure_pairs(args)
+    direct = measure_direct(args)
+    row = summarize(pairs, direct, args, run.targets)
+    config = {"job": JOB, "workers": WORKERS, "threads_per_worker": 1, "steps": args.steps, "warmup": args.warmup,
               "pairs": args.reps, "quick": args.quick, "store_ops": args.store_ops,
               "timing": "rank 0's step times from Result.history (checkpoint/evaluation time excluded by the worker); "
                         "overhead = median over alternating pairs of (median step on / median step off) - 1",
-              "direct": "(median int(store.get(CONTROL_SEQ_KEY)) + median store.add x step/0.2 s) / median step "
-                        "off; store hosted by the benchmark process, client in a fresh 1-thread process"}
-    payload = {"benchmark": NAME, "environment": C.environment(), "config": config, "results": [row],
+              "direct": "heartbeats per step and worker (counters read from the coordinator's store during one more "
+                        "run) x mean time of one virtualflow Heartbeat beat run back to back in a fresh 1-thread "
+                        "process / median step off"}
+    payload = {"benchmark": run.name, "environment": H.environment(), "config": config, "results": [row],
                "raw": {"pairs": [{"ratio": x["ratio"], "on": x["on"], "off": x["off"],
-                                  "waited_for_quiet_s": x["waited_for_quiet_s"]} for x in pairs], "store": store,
-                       "store_busy": busy},
-               "target": f"control-plane overhead <= {100 * TARGET:g} % of step time",
-               "all_targets_met": row["target_met_end_to_end"] and row["target_met_direct"],
-               "wall_time_s": time.perf_counter() - t_start}
+                                  "waited_for_quiet_s": x["waited_for_quiet_s"]} for x in pairs],
+                       "heartbeats": direct["beats"], "store": direct["store"], "store_busy": direct["busy"]},
+               "target": f"control-plane overhead <= {100 * TARGET:g} % of step time"}
     print()
-    print(C.text_table(header, table))
-    md = [f"# {NAME}: per-step control-plane cost with no change pending (digits example)", "", C.env_markdown(), "",
-          f"Job: `examples/digits.py:make_job` (CNN with BatchNorm and dropout, global batch 64 in 8 virtual nodes), "
-          f"{WORKERS} workers x 1 thread, {args.steps} steps ({w} warm-up), {args.reps} alternating pairs of runs "
-          f"with the control plane on (default: heartbeat thread, control read) and off "
-          f"(`_control_plane=False`). Overhead = median over pairs of (on / off median step) - 1; p25 = the same "
-          f"with lower-quartile steps. Direct estimate = the store round trips the control plane makes per step "
-          f"(measured code: {shape['reads_per_step']} control read per step on rank 0's step path; every "
-          f"{shape['heartbeat_interval_s']:g} s per worker a heartbeat `store.add`"
-          f"{' and a control read' if shape['heartbeat_reads_control'] else ''}, counted as if on the step path) x "
-          f"their median time / median step off, timed from a fresh process against a TCPStore hosted by "
-          f"the benchmark process; `busy`: the same while {WORKERS} CPU-bound 1-thread processes keep both cores "
-          f"busy (as the workers do while training), with means, since a read that waits for a core is the "
-          f"cost. Target: <= {100 * TARGET:g} %.", "",
-          C.md_table(header, table), "",
-          "`other load` = CPU cores used by other processes on this shared 2-core machine during each run.", "",
-          f"Reproduce: `OMP_NUM_THREADS=1 .venv/bin/python bench/{NAME}.py{' --quick' if args.quick else ''}`"]
-    jp, mp = C.write_results(NAME, payload, "\n".join(md))
-    print(f"wrote {jp} and {mp} ({time.perf_counter() - t_start:.0f} s)")
-    return 0
+    print(H.text_table(HEADER, table(row)))
+    return run.finish(payload, markdown(run, args, row))
 
 
 if __name__ == "__main__":

@@ -19,36 +19,37 @@ and the backlog grows. The saturation rate is the lowest offered rate at which t
 rate (mean over seeds) falls below ``KEEP_UP`` (90 %) of it; the capacity is the highest
 completion rate seen in the sweep.
 
-    python bench/gavel_repro.py            # rates 0.6..2.4 step 0.3, seeds 0-2, 800 jobs, restart
-                                           # costs 45 s and 0 s (about 30 min on 2 busy cores)
-    python bench/gavel_repro.py --quick    # rates 0.6, 1.5, 2.4, seed 0, 400 jobs, window 100:300
+Target (key ``gain``): the smallest gain over every (rate, seed) >= 1.4, for each restart cost.
+From the repository root::
+
+    .venv/bin/python -m bench.gavel_repro            # rates 0.6..2.4 step 0.3, seeds 0-2, 800 jobs, restart
+                                                     # costs 45 s and 0 s (about 30 min on 2 busy cores)
+    .venv/bin/python -m bench.gavel_repro --quick    # rates 0.6, 1.5, 2.4, seed 0, 400 jobs, window 100:300
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
-
-from virtualflow.cluster import Cluster, ThroughputTable, gavel_data_dir, get_policy  # noqa: E402
-from virtualflow.cluster.mechanism import MechanismConfig  # noqa: E402
-from virtualflow.cluster.metrics import plot_jct_vs_load, summarize  # noqa: E402
-from virtualflow.cluster.simulator import SimConfig, simulate  # noqa: E402
-from virtualflow.cluster.traces import GeneratorConfig, generate_jobs  # noqa: E402
+from bench import harness as H
+from virtualflow.cluster import Cluster, ThroughputTable, gavel_data_dir, get_policy
+from virtualflow.cluster.mechanism import MechanismConfig
+from virtualflow.cluster.metrics import plot_jct_vs_load, summarize
+from virtualflow.cluster.simulator import SimConfig, simulate
+from virtualflow.cluster.traces import GeneratorConfig, generate_jobs
 
 NAME = "gavel_repro"
+TARGET_KEYS = ("gain",)
 POLICIES = ("las_agnostic", "las")
 GAVEL_GAIN = (1.4, 2.2)
 KEEP_UP = 0.9
 
 
-def run(args: argparse.Namespace) -> dict:
+def simulate_all(args: argparse.Namespace) -> dict:
     table = ThroughputTable.from_gavel_json(gavel_data_dir() / "simulation_throughputs.json")
     cluster = Cluster.parse("v100=12,p100=12,k80=12", gpus_per_server=4)
     runs = []
@@ -131,9 +132,9 @@ def section(a: dict, cost: float, rates: list[float]) -> str:
     sat = {p: (f"{v:.1f} jobs/h" if v is not None else f"> {rates[-1]:.1f} jobs/h")
            for p, v in a["saturation_rate"].items()}
     cap = a["capacity_jobs_per_h"]
-    meets = a["gain_min"] >= GAVEL_GAIN[0]
+    meets = a["gain_min"] >= GAVEL_GAIN[0]  # the run's verdict, with any --target override, is in Target checks
     return "\n".join([
-        C.md_table(header, rows),
+        H.md_table(header, rows),
         "",
         f"Gain (agnostic / aware average JCT) over all (rate, seed): min {a['gain_min']:.2f}x, median "
         f"{a['gain_median']:.2f}x, max {a['gain_max']:.2f}x. Gavel's simulator: {GAVEL_GAIN[0]}-{GAVEL_GAIN[1]}x. "
@@ -146,9 +147,8 @@ def section(a: dict, cost: float, rates: list[float]) -> str:
     ])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = H.parser(__doc__)
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")])
     ap.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--jobs", type=int)
@@ -157,8 +157,7 @@ def main() -> None:
                     help="checkpoint-restart costs to run, seconds (default 45,0: ours, and Gavel's free restarts)")
     ap.add_argument("--steps-reference", choices=("one", "scale"), default="one",
                     help="steps = duration x throughput on one V100 (issue's definition) or on scale_factor V100s")
-    ap.add_argument("--name", default=NAME, help="result file stem (default gavel_repro)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.quick:
         args.rates = args.rates or [0.6, 1.5, 2.4]
         args.seeds = args.seeds or [0]
@@ -168,43 +167,57 @@ def main() -> None:
     args.seeds = args.seeds or [0, 1, 2]
     args.jobs = args.jobs or 800
     args.window = args.window or (300, 700)
-    print(C.banner(f"Gavel reproduction: LAS aware vs agnostic, 12:12:12, window {args.window[0]}:{args.window[1]}"))
-    t0 = time.perf_counter()
-    out = run(args)
-    analyses = {cost: analyse(out["runs"], args.rates, args.seeds, cost) for cost in args.restart_costs}
-    wall = time.perf_counter() - t0
-    cmd = "python bench/gavel_repro.py" + (" --quick" if args.quick else "")
+    return args
+
+
+def markdown(run: H.Run, args: argparse.Namespace, analyses: dict, wall: float) -> str:
     parts = [
         f"# Gavel reproduction: heterogeneity-aware vs -agnostic LAS ({'quick' if args.quick else 'full'} run)",
         "",
-        f"`{cmd}` — {len(args.rates)} rates x {len(args.seeds)} seeds x 2 policies x {len(args.restart_costs)} "
-        f"restart costs, {args.jobs} jobs each, window {args.window[0]}:{args.window[1]}, cluster "
-        f"v100=12,p100=12,k80=12 (4 GPUs/server), round 360 s, steps reference `{args.steps_reference}`; "
+        f"`{run.command(NAME)}` — {len(args.rates)} rates x {len(args.seeds)} seeds x 2 policies x "
+        f"{len(args.restart_costs)} restart costs, {args.jobs} jobs each, window {args.window[0]}:{args.window[1]}, "
+        f"cluster v100=12,p100=12,k80=12 (4 GPUs/server), round 360 s, steps reference `{args.steps_reference}`; "
         f"{wall / 60:.1f} min wall. Average JCTs are means over seeds.",
     ]
     for cost in args.restart_costs:
         title = (f"## Restart cost {cost:.0f} s" + (" (Gavel's simulator: restarts are free)" if cost == 0 else
                                                      " (virtualflow's default change cost)"))
         parts += ["", title, "", section(analyses[cost], cost, args.rates)]
-    parts += ["", C.env_markdown()]
-    md = "\n".join(parts)
+    parts += ["", H.env_markdown()]
+    return "\n".join(parts)
+
+
+def plot(run: H.Run, args: argparse.Namespace, analyses: dict) -> None:
+    try:
+        series = {f"{p} (restart {c:.0f} s)": [(float(k), v) for k, v in analyses[c]["mean_jct_h"][p].items()]
+                  for c in args.restart_costs for p in POLICIES}
+        plot_jct_vs_load(series, run.path(".png"), title="Gavel workload, 12:12:12: average JCT vs load")
+    except ImportError:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run = H.Run(NAME, args, TARGET_KEYS)
+    print(H.banner(f"Gavel reproduction: LAS aware vs agnostic, 12:12:12, window {args.window[0]}:{args.window[1]}"))
+    out = simulate_all(args)
+    analyses = {cost: analyse(out["runs"], args.rates, args.seeds, cost) for cost in args.restart_costs}
+    for cost, a in analyses.items():
+        a["target_met"] = run.targets.at_least(
+            "gain", f"restart cost {cost:.0f} s: smallest agnostic / aware average JCT over every (rate, seed)",
+            a["gain_min"], GAVEL_GAIN[0], "x")
+    wall = run.elapsed_s
+    md = markdown(run, args, analyses, wall)
     payload = {"config": {"rates": args.rates, "seeds": args.seeds, "jobs": args.jobs, "window": list(args.window),
                           "cluster": "v100=12,p100=12,k80=12", "round_s": 360.0,
                           "restart_costs_s": args.restart_costs, "steps_reference": args.steps_reference,
                           "quick": args.quick},
                "analysis": {str(c): a for c, a in analyses.items()}, "runs": out["runs"], "wall_s": wall,
-               "environment": C.environment()}
-    jp, mp = C.write_results(args.name, payload, md)
-    try:
-        series = {f"{p} (restart {c:.0f} s)": [(float(k), v) for k, v in analyses[c]["mean_jct_h"][p].items()]
-                  for c in args.restart_costs for p in POLICIES}
-        plot_jct_vs_load(series, os.path.join(C.RESULTS_DIR, f"{args.name}.png"),
-                         title="Gavel workload, 12:12:12: average JCT vs load")
-    except ImportError:
-        pass
+               "environment": H.environment()}
+    plot(run, args, analyses)
     print(md)
-    print(f"wrote {jp}, {mp}")
+    return run.finish(payload, md)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
