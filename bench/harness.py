@@ -16,7 +16,8 @@ Invariants:
   otherwise, so a quick run never overwrites a recorded full run.
 * Machine load: this is a shared 2-core machine. :class:`LoadMeter` reports the CPU used by
   processes *outside* this process tree while a block ran (psutil: all CPUs' busy time minus the
-  CPU of this process, its live descendants and every descendant they reaped), and
+  CPU of this process, its live descendants and every descendant they reaped; with ``poll_s``,
+  of every process seen in the tree, for descendants nobody reaps, such as Ray's workers), and
   :func:`wait_for_quiet` waits for that to fall below a threshold before a measurement.
 
 Memory: a process's own peak resident memory is ``VmHWM`` in ``/proc/self/status`` (psutil does
@@ -294,14 +295,17 @@ def machine_busy_s() -> float:
     return t.user + t.nice + t.system + t.irq + t.softirq + t.steal
 
 
+def _tree(psutil) -> list:
+    me = psutil.Process()
+    return [me, *me.children(recursive=True)]
+
+
 def tree_cpu_s() -> float:
     """CPU seconds of this process, its live descendants and the descendants any of them reaped
-    (a process's ``children_*`` times). Ray's workers are the raylet's children, and the raylet is
-    ours, so they count too."""
+    (a process's ``children_*`` times count only children it waited for)."""
     psutil = _psutil()
-    me = psutil.Process()
     total = 0.0
-    for p in [me, *me.children(recursive=True)]:
+    for p in _tree(psutil):
         try:
             t = p.cpu_times()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -310,19 +314,62 @@ def tree_cpu_s() -> float:
     return total
 
 
+def tree_cpu_by_pid() -> dict[int, float]:
+    """Each live process of this tree: its own CPU seconds (children not included)."""
+    psutil = _psutil()
+    out = {}
+    for p in _tree(psutil):
+        try:
+            t = p.cpu_times()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        out[p.pid] = t.user + t.system
+    return out
+
+
 class LoadMeter:
-    """CPU cores used by processes outside this process tree while the block ran (0 = quiet)."""
+    """CPU cores used by processes outside this process tree while the block ran (0 = quiet).
+
+    By default "ours" is this process, its live descendants and what they reaped, read at the
+    start and the end. A descendant that exits without being waited for (Ray's workers: the
+    raylet does not reap them into its ``children_*`` times) would take its CPU with it and
+    show as other load; ``poll_s`` instead reads every process of the tree every ``poll_s``
+    seconds and keeps the last CPU time seen of each, exited ones included (what a process used
+    after its last reading is missed; the polling thread is ours and costs a little CPU).
+    """
 
     other_cores: float = 0.0
     wall_s: float = 0.0
 
+    def __init__(self, poll_s: float | None = None) -> None:
+        self.poll_s = poll_s
+
     def __enter__(self) -> "LoadMeter":
-        self._t0, self._b0, self._o0 = time.perf_counter(), machine_busy_s(), tree_cpu_s()
+        self._t0, self._b0 = time.perf_counter(), machine_busy_s()
+        if self.poll_s:
+            self._base = tree_cpu_by_pid()
+            self._last = dict(self._base)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+            self._thread.start()
+        else:
+            self._o0 = tree_cpu_s()
         return self
 
+    def _poll(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self._last.update(tree_cpu_by_pid())
+
     def __exit__(self, *exc) -> None:
+        if self.poll_s:
+            self._stop.set()
+            self._thread.join()
+            self._last.update(tree_cpu_by_pid())
+            ours = sum(v - self._base.get(pid, 0.0) for pid, v in self._last.items())
+        else:
+            ours = tree_cpu_s() - self._o0
         self.wall_s = time.perf_counter() - self._t0
-        other = (machine_busy_s() - self._b0) - (tree_cpu_s() - self._o0)
+        other = (machine_busy_s() - self._b0) - ours
         self.other_cores = max(0.0, other) / self.wall_s if self.wall_s > 0 else 0.0
 
 
@@ -697,8 +744,8 @@ class Check:
     key: str | None = None
 
     def line(self) -> str:
-        shown = "" if self.value is None else f"{self.value:.4g} "
-        return f"  {'met' if self.met else 'NO ':3s}  {self.label}: {shown}{self.rule}".rstrip()
+        detail = " ".join(x for x in ("" if self.value is None else f"{self.value:.4g}", self.rule) if x)
+        return f"  {'met' if self.met else 'NO ':3s}  {self.label}" + (f": {detail}" if detail else "")
 
 
 @dataclass

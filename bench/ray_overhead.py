@@ -4,8 +4,9 @@ in place on Ray vs restarting the worker group from a checkpoint on Ray actors (
 One Ray instance on this machine (``ray.init(num_cpus=4)``: 4 *logical* CPUs, so that 3 workers
 of 1 CPU fit; the machine has 2 cores) stays up for the whole run, so its daemons (GCS, raylet,
 agents) load the machine in the local runs as much as in the Ray runs; their idle CPU use is
-measured and reported. Ray's processes are this process's descendants, so the load meter counts
-them as ours, not as other load.
+measured and reported. Ray's processes are this process's descendants, but the raylet does not
+reap its workers into its CPU times, so the load meter polls the process tree (``poll_s``) to
+count an exited actor's CPU as ours, not as other load.
 
 1. **Step time.** The same job (the harness's MLP, 2.63 M parameters, SGD + momentum, B = 256 in
    V = 8 virtual nodes, default mode, 1 thread per worker) on 2 workers: local processes, then 2
@@ -55,6 +56,7 @@ GLOBAL_BATCH = 256
 VIRTUAL_NODES = 8
 WORKERS = 2
 RAY_CPUS = 4
+POLL_S = 0.1  # see harness.LoadMeter: Ray actors exit without being reaped into our CPU times
 
 
 def step_job():
@@ -76,7 +78,7 @@ def _backend(backend: str) -> dict:
 def step_run(backend: str, steps: int, warm: int) -> dict:
     import virtualflow as vf
 
-    with H.LoadMeter() as meter:
+    with H.LoadMeter(poll_s=POLL_S) as meter:
         result = vf.train(step_job, workers=WORKERS, steps=warm + steps, threads_per_worker=1, **_backend(backend))
     times = [h["step_time_s"] for h in result.history[warm:]]
     return {"backend": backend, "median_step_s": H.median(times), "p25_step_s": H.p25(times),
@@ -127,7 +129,7 @@ def resize_rep(warm: int, after: int, tmp: str) -> dict:
     try:
         H.wait_steps(handle, dirs[0], warm)
         for name, target, g_old in (("grow", 3, 0), ("shrink", 2, 1)):
-            with H.LoadMeter() as meter:
+            with H.LoadMeter(poll_s=POLL_S) as meter:
                 t_request = time.time()
                 handle.resize(target, wait=True, timeout_s=180)
                 H.wait_steps(handle, dirs[0], after, generation=g_old + 1)
@@ -135,7 +137,7 @@ def resize_rep(warm: int, after: int, tmp: str) -> dict:
             out[name]["other_load_cores"] = meter.other_cores
         for name, workers, old_dir, new_dir in (("restart_grow", 3, dirs[0], dirs[1]),
                                                 ("restart_shrink", 2, dirs[1], dirs[2])):
-            with H.LoadMeter() as meter:
+            with H.LoadMeter(poll_s=POLL_S) as meter:
                 handle, out[name] = H.restart_pause(handle, old_dir, new_dir, after,
                                                     lambda run_dir, resume, n=workers: _launch(n, run_dir, resume))
             out[name]["other_load_cores"] = meter.other_cores

@@ -281,6 +281,27 @@ def markdown(run: H.Run, args, rows: list[dict], all_met: bool) -> str:
         f"Reproduce: `{run.command(NAME)}`"])
 
 
+def run_config(args) -> dict:
+    """What was run and how it was measured (the JSON's ``config``)."""
+    return {"models": {m: {"widths": H.RESIZE_MODELS[m], "params": H.resize_params(m)} for m in args.models},
+            "optimizer": "Adam lr=1e-3", "global_batch": H.RESIZE_BATCH, "virtual_nodes": H.RESIZE_VNS,
+            "samples": H.RESIZE_SAMPLES, "threads_per_worker": 1, "reps": args.reps, "warm_steps": args.warm,
+            "steps_after_change": args.after, "quick": args.quick,
+            "pause": "gap between the metrics.jsonl time of the last old-generation step and of the first "
+                     "new-generation step, minus the old generation's median step before the request "
+                     "('pause'), or minus the new generation's median step ('vs new'); 'judged' = the larger "
+                     "of the two (the restart's 'pause' subtracts the same normal step; its 'judged' the "
+                     "smaller). Medians over repetitions.",
+            "restart": "handle.stop() (final state written at a step boundary), then vf.launch(resume=final.pt, "
+                       "workers=N) in the same launcher process; fresh worker processes",
+            "state_move": "formed.transfer_bytes / bandwidth of a gloo broadcast of that many bytes among fresh "
+                          "processes (1 thread each; 2 when the transfer goes point to point to the newcomer, "
+                          "3 when it is broadcast to the whole generation), measured after each repetition "
+                          "(median)", "broadcast_world": bcast_world(),
+            "idle": "gap minus the first new-generation step's step_time_s (timed by the worker from the end of "
+                    "formation): time without training"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child_bcast:
@@ -305,23 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
 
     all_met = all(r["pause_target_met"] and r["ratio_target_met"] for r in rows)
-    config = {"models": {m: {"widths": H.RESIZE_MODELS[m], "params": H.resize_params(m)} for m in args.models},
-              "optimizer": "Adam lr=1e-3", "global_batch": H.RESIZE_BATCH, "virtual_nodes": H.RESIZE_VNS,
-              "samples": H.RESIZE_SAMPLES, "threads_per_worker": 1, "reps": args.reps, "warm_steps": args.warm,
-              "steps_after_change": args.after, "quick": args.quick,
-              "pause": "gap between the metrics.jsonl time of the last old-generation step and of the first "
-                       "new-generation step, minus the old generation's median step before the request "
-                       "('pause'), or minus the new generation's median step ('vs new'); 'judged' = the larger "
-                       "of the two (the restart's 'pause' subtracts the same normal step; its 'judged' the "
-                       "smaller). Medians over repetitions.",
-              "restart": "handle.stop() (final state written at a step boundary), then vf.launch(resume=final.pt, "
-                         "workers=N) in the same launcher process; fresh worker processes",
-              "state_move": "formed.transfer_bytes / bandwidth of a gloo broadcast of that many bytes among fresh "
-                            "processes (1 thread each; 2 when the transfer goes point to point to the newcomer, "
-                            "3 when it is broadcast to the whole generation), measured after each repetition "
-                            "(median)", "broadcast_world": bcast_world(),
-              "idle": "gap minus the first new-generation step's step_time_s (timed by the worker from the end of "
-                      "formation): time without training"}
+    config = run_config(args)
     payload = {"benchmark": run.name, "environment": H.environment(), "config": config, "results": rows, "raw": raw,
                "target": f"pause <= {TARGET_FIXED_S} s + state move at loopback speed, and restart >= "
                          f"{TARGET_FACTOR:g}x the pause"}

@@ -499,6 +499,26 @@ def print_tables(t: dict, rows: list[dict], mem_claim: dict | None, args) -> Non
           f"max |loss diff| {max(r['max_abs_loss_diff'] for r in rows):.2e}")
 
 
+def run_config(args, malloc_env: dict) -> dict:
+    """What was run and how it was measured (the JSON's ``config``)."""
+    return {"steps": args.steps, "warmup": args.warmup, "reps": args.reps, "threads": args.threads,
+            "virtual_nodes": args.vns, "global_batch": args.batch, "quick": args.quick,
+            "model": H.MLP_DESCRIPTION, "params": H.param_count(), "optimizer": "SGD lr=0.01 momentum=0.9",
+            "dataset": f"synthetic {H.DATASET_SIZE}x{H.IN_FEATURES}",
+            "mem_batch": args.mem_batch, "mem_steps": args.mem_steps,
+            "max_other_load_cores": args.max_other_load, "retries": args.retries,
+            "malloc": args.malloc, "malloc_env": malloc_env,
+            "virtualflow_source": H.vf_source(),
+            "timing": "per-step: end of step to end of step inside the training process. 'time ratio' = "
+                      "median over interleaved pairs of (virtualflow median step / hand median step), "
+                      "post-warm-up steps; 'ms' columns = medians pooled over all pairs; 'p25 ratio' = the "
+                      "same paired ratio of lower-quartile step times (less sensitive to host noise)",
+            "memory": "VmHWM = the process's own peak RSS (virtualflow: read by the worker after the last "
+                      "step, through Job.evaluate); 'vf reported peak' = Result.peak_rss_mib (ru_maxrss up to "
+                      "e402a8c, which includes the launcher's RSS inherited across exec; VmHWM at worker exit "
+                      "from b277f06)"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child_hand:
@@ -526,22 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     alt_rows = alternating_diagnostic(args)
 
     t = tables(rows, mem_rows, alt_rows, conc_rows)
-    config = {"steps": args.steps, "warmup": args.warmup, "reps": args.reps, "threads": args.threads,
-              "virtual_nodes": args.vns, "global_batch": args.batch, "quick": args.quick,
-              "model": H.MLP_DESCRIPTION, "params": H.param_count(), "optimizer": "SGD lr=0.01 momentum=0.9",
-              "dataset": f"synthetic {H.DATASET_SIZE}x{H.IN_FEATURES}",
-              "mem_batch": args.mem_batch, "mem_steps": args.mem_steps,
-              "max_other_load_cores": args.max_other_load, "retries": args.retries,
-              "malloc": args.malloc, "malloc_env": malloc_env,
-              "virtualflow_source": H.vf_source(),
-              "timing": "per-step: end of step to end of step inside the training process. 'time ratio' = "
-                        "median over interleaved pairs of (virtualflow median step / hand median step), "
-                        "post-warm-up steps; 'ms' columns = medians pooled over all pairs; 'p25 ratio' = the "
-                        "same paired ratio of lower-quartile step times (less sensitive to host noise)",
-              "memory": "VmHWM = the process's own peak RSS (virtualflow: read by the worker after the last "
-                        "step, through Job.evaluate); 'vf reported peak' = Result.peak_rss_mib (ru_maxrss up to "
-                        "e402a8c, which includes the launcher's RSS inherited across exec; VmHWM at worker exit "
-                        "from b277f06)"}
+    config = run_config(args, malloc_env)
     payload = {"benchmark": run.name, "environment": H.environment(), "config": config, "results": rows,
                "alternating_diagnostic": alt_rows, "side_by_side_diagnostic": conc_rows,
                "memory_probe": mem_rows, "memory_claim": mem_claim, "target_time_ratio": TARGET_RATIO}

@@ -374,6 +374,26 @@ def markdown(run: H.Run, args, row: dict, alt: dict | None, malloc_env: dict) ->
         f"Reproduce: `{run.command(NAME, ' --malloc default' if args.malloc == 'default' else '')}`"])
 
 
+def run_config(args, malloc_env: dict) -> dict:
+    """What was run and how it was measured (the JSON's ``config``)."""
+    return {"steps": args.steps, "warmup": args.warmup, "reps": args.reps, "workers": WORKERS,
+            "threads_per_worker": 1, "virtual_nodes": args.vns, "global_batch": args.batch, "quick": args.quick,
+            "max_other_load_cores": args.max_other_load, "retries": args.retries,
+            "malloc": args.malloc, "malloc_env": malloc_env,
+            "model": H.MLP_DESCRIPTION, "params": H.param_count(), "optimizer": "SGD lr=0.01 momentum=0.9",
+            "dataset": f"synthetic {H.DATASET_SIZE}x{H.IN_FEATURES}",
+            "ddp": "gloo, DistributedDataParallel defaults (bucket_cap_mb=25), no_sync() on all but the last "
+                   "micro-batch, 2 subprocesses on a launcher-hosted TCPStore (port 0)",
+            "timing": "rank 0's per-step time, end of step to end of step inside the training process. "
+                      "'time ratio' = median over interleaved pairs of (virtualflow median step / DDP median "
+                      "step), post-warm-up steps; 'ms' columns = medians pooled over all pairs; 'p25 ratio' = "
+                      "the same paired ratio of lower-quartile step times",
+            "memory": "VmHWM = each process's own peak RSS (virtualflow rank 0: reported by the worker after "
+                      "the last step; rank 1: polled from the launcher every 0.25 s); 'vf reported peak' = "
+                      "Result.peak_rss_mib (ru_maxrss up to e402a8c, which includes the launcher's RSS "
+                      "inherited across exec; VmHWM at worker exit from b277f06)"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child_ddp:
@@ -395,22 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     alt = alternating_diagnostic(args)
     row = summarize(measured, args, run.targets)
 
-    config = {"steps": args.steps, "warmup": args.warmup, "reps": args.reps, "workers": WORKERS,
-              "threads_per_worker": 1, "virtual_nodes": args.vns, "global_batch": args.batch, "quick": args.quick,
-              "max_other_load_cores": args.max_other_load, "retries": args.retries,
-              "malloc": args.malloc, "malloc_env": malloc_env,
-              "model": H.MLP_DESCRIPTION, "params": H.param_count(), "optimizer": "SGD lr=0.01 momentum=0.9",
-              "dataset": f"synthetic {H.DATASET_SIZE}x{H.IN_FEATURES}",
-              "ddp": "gloo, DistributedDataParallel defaults (bucket_cap_mb=25), no_sync() on all but the last "
-                     "micro-batch, 2 subprocesses on a launcher-hosted TCPStore (port 0)",
-              "timing": "rank 0's per-step time, end of step to end of step inside the training process. "
-                        "'time ratio' = median over interleaved pairs of (virtualflow median step / DDP median "
-                        "step), post-warm-up steps; 'ms' columns = medians pooled over all pairs; 'p25 ratio' = "
-                        "the same paired ratio of lower-quartile step times",
-              "memory": "VmHWM = each process's own peak RSS (virtualflow rank 0: reported by the worker after "
-                        "the last step; rank 1: polled from the launcher every 0.25 s); 'vf reported peak' = "
-                        "Result.peak_rss_mib (ru_maxrss up to e402a8c, which includes the launcher's RSS "
-                        "inherited across exec; VmHWM at worker exit from b277f06)"}
+    config = run_config(args, malloc_env)
     payload = {"benchmark": run.name, "environment": H.environment(), "config": config, "results": [row],
                "alternating_diagnostic": alt, "target_time_ratio": TARGET_RATIO}
     print()
