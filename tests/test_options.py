@@ -86,7 +86,8 @@ def test_command_line_round_trips_every_flagged_option():
     samples = {
         "workers": ("3", 3), "steps": ("7", 7), "global_batch_size": ("64", 64), "virtual_nodes": ("8", 8),
         "seed": ("5", 5), "deterministic": (None, True), "threads_per_worker": ("2", 2), "device": ("cpu", "cpu"),
-        "collective_timeout_s": ("30", 30.0), "run_dir": ("runs/x", "runs/x"), "min_workers": ("2", 2),
+        "collective_timeout_s": ("30", 30.0), "run_dir": ("runs/x", "runs/x"), "overwrite": (None, True),
+        "min_workers": ("2", 2),
         "min_workers_timeout_s": ("5", 5.0), "replace_failed": (None, True), "heartbeat_timeout_s": ("1.5", 1.5),
         "checkpoint_every": ("4", 4), "resume": ("runs/y", "runs/y"), "slowdowns": ("1,1,3", [1.0, 1.0, 3.0]),
         "balance": (None, True), "uneven_vn_sizes": (None, True), "price_per_worker_hour": ("2.5", 2.5),

@@ -4,7 +4,9 @@ Everything a user can get wrong is checked here, in the calling process, before 
 starts: the options (:class:`~virtualflow.options.LaunchOptions`, validated when built), the job
 (built once here, its dataset measured, its loss evaluated on one virtual node's batch), the
 checks that need both (worker counts against ``virtual_nodes``, memory limits, the capacity of a
-Ray cluster, a resume state), and whether worker processes will be able to rebuild the job.
+Ray cluster, a resume state), and whether worker processes will be able to rebuild the job. The
+run directory is made private and locked, and an earlier run's files in it are continued (resume)
+or set aside (never deleted), before the run writes anything there.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from virtualflow.plan.vnmap import contiguous_assignment
 from virtualflow.preflight import build_dataset, build_job, preflight
 from virtualflow.result import Result, TrainingError
 from virtualflow.resume import find_resume_state
+from virtualflow.rundir import RunLock, earlier_run, make_private_dir, set_aside, state_files, trim_metrics
 from virtualflow.supervisor import RunSetup
 
 logger = logging.getLogger("virtualflow")
@@ -68,35 +71,50 @@ def launch(job: JobLike, options: LaunchOptions | None = None, **overrides: Any)
     if limits is not None and limits.max_workers > workers:
         backend.check_capacity(limits.max_workers, knob="--max-workers")
 
-    resume_path, resume_step, run_dir = None, 0, opts.run_dir
-    if opts.resume is not None:
-        resume_path, resume_step = find_resume_state(opts.resume, job_obj)
-        if resume_step >= total_steps:
-            raise ValueError(
-                f"the checkpoint {resume_path} is at step {resume_step}, which already reaches steps={total_steps}; "
-                f"ask for more steps (--steps/--epochs) to continue training"
-            )
-        if run_dir is None and os.path.isdir(opts.resume):
-            run_dir = opts.resume
-    state_dir = _prepare_run_dir(run_dir, resuming=opts.resume is not None)
-    if opts.token_file is not None:
-        token, token_path = auth.read_token(opts.token_file), os.path.abspath(opts.token_file)
-    else:
-        token, token_path = auth.new_token(), os.path.join(state_dir, "token")
-        auth.write_token(token_path, token)
-    threads = opts.threads_per_worker
-    if threads is None:
-        threads = 1 if opts.deterministic else backend.default_threads(workers)
+    # A given token file is checked before anything is written; then the run directory is made
+    # private and locked before anything in it is read or written (see virtualflow.rundir).
+    token = auth.read_token(opts.token_file, private=True) if opts.token_file is not None else None
+    run_dir = opts.run_dir
+    if run_dir is None and opts.resume is not None and os.path.isdir(opts.resume):
+        run_dir = opts.resume
+    lock, created = _claim_run_dir(run_dir)
+    try:
+        resume_path, resume_step = None, 0
+        if opts.resume is not None:
+            resume_path, resume_step = find_resume_state(opts.resume, job_obj)
+            if resume_step >= total_steps:
+                raise ValueError(
+                    f"the checkpoint {resume_path} is at step {resume_step}, which already reaches "
+                    f"steps={total_steps}; ask for more steps (--steps/--epochs) to continue training"
+                )
+        state_dir = _prepare_run_dir(run_dir, opts, resume_path, resume_step)
+        if token is not None:
+            token_path = os.path.abspath(opts.token_file)
+        else:
+            token, token_path = auth.new_token(), os.path.join(state_dir, "token")
+            auth.write_token(token_path, token)
+        threads = opts.threads_per_worker
+        if threads is None:
+            threads = 1 if opts.deterministic else backend.default_threads(workers)
 
-    handle = JobHandle(RunSetup(
-        job=job_obj, source=source, overrides=overrides_job, options=opts, backend=backend,
-        total_steps=total_steps, steps_per_epoch=plan.steps_per_epoch,
-        assignment=assignment,
-        run_dir=run_dir, state_dir=state_dir, own_state_dir=run_dir is None, threads=threads,
-        resume_path=resume_path, resume_step=resume_step, token=token, token_path=token_path,
-        autoscale=policy, autoscale_limits=limits,
-    ))
-    handle.start()
+        handle = JobHandle(RunSetup(
+            job=job_obj, source=source, overrides=overrides_job, options=opts, backend=backend,
+            total_steps=total_steps, steps_per_epoch=plan.steps_per_epoch,
+            assignment=assignment,
+            run_dir=run_dir, state_dir=state_dir, own_state_dir=run_dir is None, threads=threads,
+            resume_path=resume_path, resume_step=resume_step, token=token, token_path=token_path,
+            autoscale=policy, autoscale_limits=limits, run_lock=lock,
+        ))
+        handle.start()
+    except BaseException:
+        if lock is not None:
+            lock.release()
+            if created:
+                try:
+                    os.rmdir(run_dir)  # only if nothing was written there
+                except OSError:
+                    pass
+        raise
     return handle
 
 
@@ -146,16 +164,64 @@ def _check_against_job(opts: LaunchOptions, job: Job, limits: Limits | None) -> 
         check_memory(job.global_batch_size // V, [s.memory_limit for s in opts.specs])
 
 
-def _prepare_run_dir(run_dir: str | None, *, resuming: bool) -> str:
-    """Create the run directory and clear the records a previous run left there (a resumed run
-    keeps its event and metric logs); without one, a temporary state directory."""
+def _claim_run_dir(run_dir: str | None) -> tuple[RunLock | None, bool]:
+    """Make ``run_dir`` private (created 0700; an existing one must be this user's real directory
+    that group and others cannot write) and lock it for this run: a directory whose coordinator
+    is alive is refused, naming its pid. Returns the lock (released when the run ends) and
+    whether the directory was created here."""
+    if run_dir is None:
+        return None, False
+    created = make_private_dir(run_dir)
+    try:
+        return RunLock.acquire(run_dir), created
+    except BaseException:
+        if created:
+            os.rmdir(run_dir)
+        raise
+
+
+def _prepare_run_dir(run_dir: str | None, opts: LaunchOptions, resume_path: str | None, resume_step: int) -> str:
+    """Make the (locked) run directory ready for this run; without one, a temporary state
+    directory. Nothing is deleted that the run could need, and two runs never share one:
+
+    * continuing the run that is there (``resume`` from this directory or one of its state
+      files): its states stay until the new run writes newer ones; its metrics of the steps
+      about to be redone are dropped (no step twice in ``metrics.jsonl``), its events kept;
+    * a new run where an earlier one left states: refused unless ``overwrite``; with it, and
+      always for an earlier run's records alone, all it left is moved into
+      ``previous-<time>/`` (so checkpoint retention and resume never mix two runs)."""
     if run_dir is None:
         return tempfile.mkdtemp(prefix="virtualflow-")
-    os.makedirs(run_dir, exist_ok=True)
-    stale = ["summary.json", "final.pt", "final.pt.sha256", "status.json"]
-    if not resuming:
-        stale += ["events.jsonl", "metrics.jsonl"]
-    for name in stale:
-        if os.path.exists(os.path.join(run_dir, name)):
-            os.remove(os.path.join(run_dir, name))
+    if resume_path is not None and _continues(run_dir, resume_path):
+        if opts.overwrite:
+            raise ValueError(f"overwrite=True (--overwrite) would set aside the states of {run_dir} that resume= "
+                             f"continues from ({resume_path}); drop --overwrite to continue that run, or resume "
+                             f"into another --run-dir")
+        for name in ("summary.json", "status.json"):  # rewritten by this run
+            if os.path.exists(os.path.join(run_dir, name)):
+                os.remove(os.path.join(run_dir, name))
+        dropped = trim_metrics(run_dir, resume_step)
+        if dropped:
+            logger.info("%s: dropped %d metric record(s) of steps from %d on, which the resumed run redoes",
+                        os.path.join(run_dir, "metrics.jsonl"), dropped, resume_step)
+        return run_dir
+    leftovers = earlier_run(run_dir)
+    if not leftovers:
+        return run_dir
+    states = state_files(run_dir)
+    if states and not opts.overwrite:
+        shown = ", ".join(states[:3]) + (f" and {len(states) - 3} more" if len(states) > 3 else "")
+        raise ValueError(
+            f"the run directory {run_dir} holds the states of an earlier run ({shown}); a new run there would mix "
+            f"with them. Continue that run with resume= (--resume {run_dir}), choose another run directory "
+            f"(--run-dir), or pass overwrite=True (--overwrite) to move them into {run_dir}/previous-<time>/"
+        )
+    dest = set_aside(run_dir, leftovers)
+    logger.info("moved what an earlier run left in %s (%s) to %s", run_dir, ", ".join(leftovers), dest)
     return run_dir
+
+
+def _continues(run_dir: str, resume_path: str) -> bool:
+    """Whether ``resume_path`` is one of ``run_dir``'s own state files (the run there goes on)."""
+    folder = os.path.realpath(os.path.dirname(os.path.abspath(resume_path)))
+    return folder in (os.path.realpath(run_dir), os.path.realpath(os.path.join(run_dir, "checkpoints")))

@@ -81,6 +81,9 @@ class LaunchOptions:
     run_dir: str | None = _opt(None, "where metrics.jsonl, events.jsonl, status.json, summary.json and final.pt "
                                "go (Python default: a temporary folder removed after a successful run; "
                                "command line default: runs/<file>-<time>)", "training", metavar="DIR")
+    overwrite: bool = _opt(False, "start a new run in a --run-dir that holds an earlier run's states: move "
+                           "everything that run left into RUN_DIR/previous-<time>/ (without it, such a directory is "
+                           "refused)", "training")
     progress: bool = _opt(False, "progress bar on the console (the command line shows one unless --no-progress)",
                           "training", flag=None)
     control_plane: bool = _opt(True, "False (benchmarks only): no heartbeat thread and no per-step control "

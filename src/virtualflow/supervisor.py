@@ -33,7 +33,7 @@ from virtualflow.control.membership import JobFailed, MembershipController, chec
 from virtualflow.job import Job, JobSource
 from virtualflow.options import LaunchOptions
 from virtualflow.result import Result, TrainingError
-from virtualflow.rundir import write_json
+from virtualflow.rundir import RunLock, write_json
 from virtualflow.runtime.checkpoint import load_state
 from virtualflow.runtime.worker import WorkerConfig
 
@@ -67,6 +67,8 @@ class RunSetup:
     autoscale: Any = None
     """The autoscaler's policy object (None without autoscaling)."""
     autoscale_limits: Limits | None = None
+    run_lock: RunLock | None = None
+    """The run directory's lock (:class:`virtualflow.rundir.RunLock`), released when the run ends."""
 
 
 class Supervisor:
@@ -197,6 +199,8 @@ class Supervisor:
             coord.close()
             if self.setup.own_state_dir and self.error is None:
                 shutil.rmtree(self.setup.state_dir, ignore_errors=True)
+            if self.setup.run_lock is not None:
+                self.setup.run_lock.release()
             self.finished.set()
 
     def _all_exited(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import sys
 import time
@@ -29,8 +30,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def default_run_dir(job_spec: str) -> str:
+    """``runs/<file>-<YYYYmmdd-HHMMSS>-<6 random hex digits>``: runs started in the same second get
+    their own directories (and should two ever meet, the second is refused by the run lock)."""
     stem = os.path.splitext(os.path.basename(job_spec.partition(":")[0]))[0] or "job"
-    return os.path.join("runs", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return os.path.join("runs", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}")
 
 
 class _Interrupted(KeyboardInterrupt):

@@ -104,22 +104,47 @@ def new_token() -> str:
 
 
 def write_token(path: str, token: str) -> None:
-    """Write ``token`` to ``path`` readable by its owner only (mode 0600)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """Write ``token`` to ``path``, readable by its owner only (mode 0600), atomically: a new file
+    created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` is renamed into place
+    (:func:`virtualflow.rundir.atomic_write`). A symbolic link (or anything but a regular file) at
+    ``path`` is refused, never followed: a link planted there would have the token written, and
+    its target's mode changed, wherever it points."""
+    from virtualflow.rundir import atomic_write
+
     try:
-        os.fchmod(fd, 0o600)  # an existing file keeps its old mode through O_CREAT
-        os.write(fd, (token + "\n").encode())
-    finally:
-        os.close(fd)
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+        raise ValueError(f"refusing to write the job's token to {path}: it is {kind}, which someone else may have "
+                         f"put there; remove it (rm {path}) or choose another run directory (--run-dir)")
+    atomic_write(path, (token + "\n").encode(), mode=0o600)
 
 
-def read_token(path: str) -> str:
-    """The token in ``path`` (surrounding whitespace stripped); at least 16 characters."""
-    try:
-        with open(path) as f:
-            token = f.read().strip()
+def read_token(path: str, *, private: bool = False) -> str:
+    """The token in ``path`` (surrounding whitespace stripped); at least 16 characters. With
+    ``private``, a file that group or others may access is refused, naming the ``chmod`` fix
+    (the mode is checked on the file that is read, not on the name)."""
+    try:  # O_NONBLOCK: a FIFO planted under the name must not hang the caller
+        f = os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb")
     except OSError as exc:
-        raise ValueError(f"cannot read the token file {path!r}: {exc}") from None
+        raise ValueError(f"cannot read the token file {path!r}: {exc.strerror or exc}") from None
+    with f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"the token file {path!r} is not a regular file; give a file holding the token")
+        if private and st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ValueError(f"the token file {path} may be accessed by other users (mode "
+                             f"{stat.S_IMODE(st.st_mode):04o}), and whoever reads it can control the job (resize "
+                             f"it, join it as a worker): chmod 600 {path}")
+        raw = f.read(4097)
+    if len(raw) > 4096:
+        raise ValueError(f"the token file {path!r} is over 4096 bytes; a token file holds one token")
+    try:
+        token = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"the token file {path!r} is not text; a token file holds one token") from None
     if len(token) < 16:
         raise ValueError(f"the token file {path!r} holds {len(token)} characters; a token needs at least 16 "
                          f"(e.g. python -c 'import secrets; print(secrets.token_hex(32))' > {path})")

@@ -1,9 +1,23 @@
-"""Training-state files: written atomically, verified by checksum when read.
+"""Training-state files: written atomically with their checksum inside, read as data only.
 
-A state file holds ``{"model", "optimizer", "lr_scheduler", "step", "job"}``. It is written to a
-temporary file in the same directory, fsynced and renamed, with its SHA-256 in a ``.sha256``
-sidecar written the same way; a reader that finds a mismatch or a truncated file gets a clear
-error instead of silently wrong weights.
+A state file holds ``{"model", "optimizer", "lr_scheduler", "step", "job", "checksum"}``: plain
+data (tensors, numbers, strings, lists, dicts), as ``torch.save`` writes it, so that
+``torch.load(path, weights_only=True)`` reads it.
+
+Invariants:
+
+* **Nothing is unpickled but data.** :func:`load_state` reads with ``weights_only=True``: a file
+  holding any other object (one whose unpickling would call a function, as a tampered
+  checkpoint's does) is refused with :class:`UntrustedStateError` before anything of it runs.
+* **A complete file is never read as corrupt, a corrupt one never as good.** The checksum is
+  *inside* the file: ``checksum.sha256`` is a SHA-256 of the state's contents (every tensor's
+  dtype, shape and bytes, every other value, in order; :func:`content_digest`), computed before
+  the write and checked after the load. One file is written by one atomic rename
+  (:func:`virtualflow.rundir.atomic_write`), so there is no moment at which a state and a
+  separate checksum disagree (with a ``.sha256`` sidecar there was: a crash between the two
+  renames left a good file that read as corrupt). A truncated file fails to load; a flipped
+  bit fails the checksum. Files written before this format (a ``.sha256`` sidecar over the
+  file's bytes) are still verified by their sidecar.
 """
 
 from __future__ import annotations
@@ -11,54 +25,157 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import pickle
+import re
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from virtualflow.rundir import atomic_write
+
+CHECKSUM_KEY = "checksum"
+_SCHEME = "virtualflow-state-content-v1"
+
 
 class CorruptCheckpointError(RuntimeError):
-    """A state file does not match its recorded checksum, or cannot be read."""
+    """A state file does not match its checksum, cannot be read, or is not a training state."""
 
 
-def _atomic_write(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+class UntrustedStateError(ValueError):
+    """A state file holds objects other than plain data: loading it could run code. Refused."""
 
 
 def save_state(path: str, state: dict[str, Any]) -> str:
-    """Write ``state`` to ``path`` atomically; returns its SHA-256."""
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    data = buf.getvalue()
-    digest = hashlib.sha256(data).hexdigest()
+    """Write ``state`` to ``path`` atomically with its content checksum inside; returns the checksum."""
+    digest = content_digest(state)
+    body = {**state, CHECKSUM_KEY: {"sha256": digest, "scheme": _SCHEME}}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    _atomic_write(path, data)
-    _atomic_write(path + ".sha256", digest.encode())
+    atomic_write(path, lambda f: torch.save(body, f))
     return digest
 
 
 def load_state(path: str) -> dict[str, Any]:
-    """Read a state file, verifying its checksum when a sidecar exists."""
+    """Read and verify a state file (plain data only); the returned dict has no ``checksum``."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError as exc:
-        raise CorruptCheckpointError(f"cannot read state file {path}: {exc}") from exc
-    sidecar = path + ".sha256"
-    if os.path.exists(sidecar):
-        with open(sidecar) as f:
+        raise CorruptCheckpointError(f"cannot read state file {path}: {exc.strerror or exc}") from None
+    if not data:
+        raise CorruptCheckpointError(f"state file {path} is empty (truncated)")
+    state = _load_data(path, data)
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(f"{path} is not a training state (a torch file holding a "
+                                     f"{type(state).__name__}, not a dict with model, optimizer and step)")
+    recorded = state.pop(CHECKSUM_KEY, None)
+    if recorded is not None:
+        expected = recorded.get("sha256") if isinstance(recorded, dict) else None
+        actual = content_digest(state)
+        if actual != expected:
+            raise CorruptCheckpointError(f"state file {path} is corrupt: the checksum of its contents {actual[:12]}… "
+                                         f"does not match the recorded {str(expected)[:12]}…")
+    elif os.path.exists(path + ".sha256"):  # written before the checksum moved inside the file
+        with open(path + ".sha256") as f:
             expected = f.read().strip()
         actual = hashlib.sha256(data).hexdigest()
         if actual != expected:
-            raise CorruptCheckpointError(
-                f"state file {path} is corrupt or truncated: sha256 {actual[:12]}… does not match "
-                f"the recorded {expected[:12]}…"
-            )
+            raise CorruptCheckpointError(f"state file {path} is corrupt or truncated: sha256 {actual[:12]}… does not "
+                                         f"match the recorded {expected[:12]}…")
+    _check_shape(path, state)
+    return state
+
+
+def _load_data(path: str, data: bytes) -> Any:
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-    except Exception as exc:
-        raise CorruptCheckpointError(f"cannot load state file {path}: {exc}") from exc
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        refused = _refused_global(str(exc))
+        if refused is not None:
+            raise UntrustedStateError(
+                f"refusing to load {path}: it holds a pickled object that is not plain training data (it calls "
+                f"{refused}), and loading it could run code; a state virtualflow wrote holds only tensors, numbers, "
+                f"strings, lists and dicts. Resume from a state file you trust"
+            ) from None
+        raise CorruptCheckpointError(f"state file {path} is corrupt or truncated: {_first_line(str(exc))}") from None
+    except Exception as exc:  # noqa: BLE001 - whatever a damaged file makes torch raise
+        raise CorruptCheckpointError(f"state file {path} is corrupt or truncated: {_first_line(str(exc))}") from None
+
+
+def _refused_global(text: str) -> str | None:
+    """The function or class a weights-only load refused to import (``GLOBAL os.system``), if
+    that is why it failed: the mark of a pickle built to run code, not of a damaged file."""
+    if "Weights only load failed" not in text:
+        return None
+    found = re.search(r"GLOBAL\s+([\w.]+)", text)
+    return found.group(1) if found else None
+
+
+def _first_line(text: str) -> str:
+    """The informative first sentence of a torch load error."""
+    unpickler = re.search(r"WeightsUnpickler error:\s*([^\n]+)", text)
+    if unpickler is not None:
+        return unpickler.group(1).strip()[:300]
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[0].split(". ")[0][:300] if lines else "unreadable"
+
+
+def _check_shape(path: str, state: dict[str, Any]) -> None:
+    model, step = state.get("model"), state.get("step")
+    problems = []
+    if not isinstance(model, Mapping) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                 for k, v in model.items()):
+        problems.append("'model' is not a dict of tensors")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        problems.append(f"'step' is {step!r}, not a step count")
+    if not isinstance(state.get("optimizer"), Mapping):
+        problems.append("'optimizer' is not a state dict")
+    if problems:
+        raise CorruptCheckpointError(f"{path} is not a training state written by virtualflow ({'; '.join(problems)}); "
+                                     f"resume from a run directory or one of its state files")
+
+
+def content_digest(state: Any) -> str:
+    """SHA-256 over the contents of a state: every tensor's dtype, shape and bytes (wherever it
+    lives), every number, string and ``None``, and the structure of dicts, lists and tuples, in
+    order. The same for a state before ``torch.save`` and after ``torch.load``."""
+    h = hashlib.sha256(_SCHEME.encode())
+    _feed(h, state)
+    return h.hexdigest()
+
+
+def _feed(h: Any, obj: Any) -> None:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        h.update(f"T{t.dtype}{tuple(t.shape)}{t.layout};".encode())
+        if t.layout == torch.strided and t.numel():
+            t = t.resolve_conj().resolve_neg().cpu().contiguous()
+            try:
+                h.update(t.reshape(-1).view(torch.uint8).numpy())
+            except (RuntimeError, TypeError):  # quantized and other exotic tensors: dtype and shape only
+                pass
+    elif obj is None:
+        h.update(b"n;")
+    elif isinstance(obj, bool):
+        h.update(b"b1;" if obj else b"b0;")
+    elif isinstance(obj, int):
+        h.update(f"i{obj};".encode())
+    elif isinstance(obj, float):
+        h.update(f"f{obj!r};".encode())
+    elif isinstance(obj, str):
+        raw = obj.encode("utf-8", "surrogatepass")
+        h.update(f"s{len(raw)};".encode() + raw)
+    elif isinstance(obj, (bytes, bytearray)):
+        h.update(f"y{len(obj)};".encode() + bytes(obj))
+    elif isinstance(obj, Mapping):
+        h.update(f"d{len(obj)};".encode())
+        for k, v in obj.items():
+            _feed(h, k)
+            _feed(h, v)
+    elif isinstance(obj, (list, tuple)):
+        h.update(f"{'l' if isinstance(obj, list) else 't'}{len(obj)};".encode())
+        for v in obj:
+            _feed(h, v)
+    else:  # torch.dtype, torch.device, ...: what a weights-only load may return besides the above
+        h.update(f"o{type(obj).__module__}.{type(obj).__qualname__}:{obj};".encode())
+
