@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv (once) and install virtualflow with its test/plot/example extras. Idempotent.
+# Create .venv (once) and install virtualflow with its test/plot/example/bench extras. Idempotent.
 # PyTorch is pinned and installed first: on this kind of machine torch==2.13.0 is a local CPU
 # wheel, while an unpinned torch would pull a multi-GB CUDA build. Override with TORCH_SPEC.
 set -euo pipefail
@@ -10,4 +10,4 @@ if [ ! -x .venv/bin/python ]; then
 fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" "${TORCH_SPEC:-torch==2.13.0}"
-"${PIP[@]}" -e ".[test,plot,examples]"
+"${PIP[@]}" -e ".[test,plot,examples,bench]"

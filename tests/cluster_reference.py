@@ -1,4 +1,4 @@
-"""Straightforward cvxpy formulations of the scheduling policies (reference for tests and bench).
+"""Straightforward cvxpy formulations of the scheduling policies (the tests' independent reference).
 
 Each function rebuilds the problem from the definitions, one job / one type at a time, with
 cvxpy and the CLARABEL interior-point solver: a different code path and a different solver from
