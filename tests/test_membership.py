@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 import virtualflow as vf
@@ -58,11 +56,11 @@ def make(workers=2, **kw):
 
 
 def record(coord, g) -> protocol.GenerationRecord:
-    return protocol.GenerationRecord.from_json(coord.store.get(protocol.generation_key(g)))
+    return protocol.parse_generation(coord.run, coord.store.get(protocol.generation_key(g)), g)
 
 
 def nxt(coord, worker, g) -> str:
-    return coord.store.get(protocol.next_key(worker, g)).decode()
+    return protocol.parse_next(coord.run, coord.store.get(protocol.next_key(worker, g)), worker, g)
 
 
 def joined_and_formed(ctl, workers, g):
@@ -91,7 +89,7 @@ def test_grow_waits_for_the_newcomer_to_be_ready_then_regroups_by_command():
     assert ctl.generation == 1 and record(coord, 1).members == [0, 1, 2]
     assert [nxt(coord, w, g) for w, g in ((0, 0), (1, 0), (2, -1))] == ["1", "1", "1"]
     seq = int(coord.store.get(protocol.CONTROL_SEQ_KEY))
-    assert json.loads(coord.store.get(protocol.control_key(seq)))["op"] == "regroup"
+    assert protocol.parse_command(coord.run, coord.store.get(protocol.control_key(seq)), seq)["op"] == "regroup"
 
 
 def test_shrink_tells_the_highest_ranks_to_leave_and_expects_their_exit():

@@ -19,9 +19,12 @@ from virtualflow.cli.main import main
 from virtualflow.comm import auth, protocol
 
 
+JOB = "0123456789abcdef"
+
+
 def write_status(run_dir: str, store: dist.TCPStore, workers: int, taken: list[str]) -> None:
     status = {
-        "state": "running", "step": 5, "generation": 1, "formed_generation": 1, "virtual_nodes": 8,
+        "job_id": JOB, "state": "running", "step": 5, "generation": 1, "formed_generation": 1, "virtual_nodes": 8,
         "min_workers": 1, "target_workers": workers, "taken_requests": taken,
         "workers": [{"id": i, "rank": i, "pid": os.getpid(), "vns": []} for i in range(workers)],
         "coordinator": {"host": "127.0.0.1", "port": store.port, "pid": os.getpid(),
@@ -48,8 +51,8 @@ def test_wait_ignores_a_status_from_before_the_request_was_taken(tmp_path, capsy
     def coordinator() -> None:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            for message in protocol.pop_reports(store, queue=protocol.REQUESTS_QUEUE):
-                req = auth.verify(token, message)
+            for message in protocol.pop_raw(store, protocol.REQUESTS_QUEUE):
+                req = protocol.parse_request(token, JOB, message, None)  # signed for this job's id
                 if req["workers"] == 2:
                     time.sleep(0.5)  # the request is taken a little later than it is sent
                     write_status(run_dir, store, workers=2, taken=[req["nonce"]])

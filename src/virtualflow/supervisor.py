@@ -88,8 +88,12 @@ class Supervisor:
         self.stop_reason: str | None = None
         """Why the job was asked to stop early (``stop()``, Ctrl-C, SIGTERM); None if it was not."""
         host, port = setup.backend.store_address()
+        # One id per launch (a resumed run gets a new one): every signed message names it, so a
+        # message captured from one run verifies in no other, even one sharing the token file.
+        self.job_id = auth.new_job_id()
+        run_key = auth.run_key(setup.token, self.job_id)
         self.coordinator = Coordinator(total_steps=setup.total_steps, run_dir=setup.run_dir, host=host, port=port,
-                                       on_step=self._on_step)
+                                       on_step=self._on_step, job_id=self.job_id, key=run_key)
         self.coordinator.progress.step = setup.resume_step
         specs = opts.specs
         self.config = WorkerConfig(
@@ -109,6 +113,8 @@ class Supervisor:
             fault_plan=opts.fault_plan,
             slowdowns={i: s.slowdown for i, s in enumerate(specs) if s.slowdown != 1.0},
             control_plane=opts.control_plane,
+            job_id=self.job_id,
+            run_key=run_key,
         )
         self.backend = setup.backend
         self.backend.attach(Attachment(config=self.config, state_dir=setup.state_dir, store=self.coordinator.store,
@@ -217,31 +223,28 @@ class Supervisor:
     def _take_requests(self) -> None:
         """Resize requests from this process and from outside (``virtualflow resize`` pushes to
         the store's request queue). Those from outside count only when signed with the job's
-        token (the store has no authentication): others are ignored and logged."""
+        token for this job id, fresh and not seen before, and of the request schema
+        (:func:`virtualflow.comm.protocol.parse_request`; the store has no authentication):
+        others are dropped and logged (``request_rejected``, bounded), never raised."""
         while self.requests:
             self.controller.request_resize(self.requests.popleft(), source="api")
-        for message in protocol.pop_reports(self.coordinator.store, queue=protocol.REQUESTS_QUEUE):
+        rejects = self.coordinator.rejects
+        for raw in protocol.pop_raw(self.coordinator.store, protocol.REQUESTS_QUEUE, limit=100):
             try:
-                req = auth.verify(self.setup.token, message, guard=self.replay)
-            except auth.AuthError as exc:
-                shown = message if len(str(message)) < 500 else "(a long message)"
-                logger.warning("ignored a control request that is not signed with the job's token: %s (%s)", exc, shown)
-                self.coordinator.event("request_rejected", request=shown, error=str(exc), auth=False)
+                req = protocol.parse_request(self.setup.token, self.job_id, raw, self.replay)
+            except ValueError as exc:
+                rejects("request_rejected", exc, raw, auth=False)
                 continue
             try:
-                if req.get("op") != "resize":
-                    raise ValueError(f"unknown request op={req.get('op')!r}")
-                workers = req.get("workers")
-                if isinstance(workers, int) and not isinstance(workers, bool):
-                    self.backend.check_capacity(workers)
-                self.controller.request_resize(workers, source=req.get("source", "cli"))
+                workers = req["workers"]
+                self.backend.check_capacity(workers)
+                self.controller.request_resize(workers, source=req["source"][:40])
                 # ``virtualflow resize --wait`` looks for its nonce here: only a status written
                 # after its request was taken tells whether the request has been carried out.
                 self.taken_requests = (self.taken_requests + [req["nonce"]])[-20:]
                 self.write_status(force=True)
-            except ValueError as exc:
-                logger.warning("rejected request %s: %s", req, exc)
-                self.coordinator.event("request_rejected", request=req, error=str(exc))
+            except ValueError as exc:  # signed, but not possible (beyond virtual_nodes, ...)
+                rejects("request_rejected", exc, raw, auth=True)
 
     def _grow_for_join(self) -> str | None:
         """An external worker asked to join and no slot is open: grow the job by one through
@@ -346,6 +349,7 @@ class Supervisor:
             coordinator={"host": self.coordinator.host, "port": self.coordinator.port, "pid": os.getpid(),
                          "token_file": self.setup.token_path},
             backend=self.backend.name,
+            job_id=self.job_id,
             taken_requests=list(self.taken_requests),
             updated=time.time(),
         )

@@ -16,20 +16,26 @@ backends, so joins, leaves and failures go through the ordinary generations:
   controller; this process cannot kill a process on another machine). A worker that reports
   ``done`` or ``leave`` reads as exited with code 0.
 
-Security: a join request must be signed with the job's token (:mod:`virtualflow.comm.auth`);
-others are refused, logged (warning and a ``join_rejected`` event) and change nothing. The
-reply is signed too, so a worker only runs a configuration that comes from the holder of the
-token (it is a pickle: never unpickled unverified).
+Security: a join request must be signed with the job's token for this job's id (read from the
+store's ``vf/job``), fresh and never seen before (:mod:`virtualflow.comm.auth`); others are
+refused, logged (a warning and a ``join_rejected`` event, every field cut short and at most 30 a
+minute: :class:`~virtualflow.comm.rejects.RejectLog`) and change nothing. A refused request that
+names a sensible nonce gets a short refusal at ``vf/join/<nonce>`` (so a misconfigured worker
+learns why at once), but never over an answer already given, at most
+:data:`MAX_REFUSALS` at a time, each deleted after :data:`REFUSAL_TTL_S`. The reply to an accepted
+join is signed too, so a worker only runs a configuration that comes from the holder of the
+token (it is a pickle: never unpickled unverified). The configuration sent carries the job id
+but not the run key (the store is not private): the worker derives that from its token file.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import logging
 import os
 import pickle
-import re
 import signal
 import time
 from collections import deque
@@ -38,7 +44,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import cloudpickle
 
-from virtualflow.comm import auth
+from virtualflow.comm import auth, protocol
+from virtualflow.comm.rejects import RejectLog, short
 
 if TYPE_CHECKING:
     from virtualflow.backends import Attachment
@@ -47,8 +54,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 JOINS_QUEUE = "vf/joins"
-"""Queue of signed join requests (JSON) from ``virtualflow worker --join``."""
-_NONCE = re.compile(r"^[0-9a-f]{16,64}$")
+"""Queue of signed join requests from ``virtualflow worker --join``."""
+MAX_REFUSALS = 32
+"""Refusal answers (``vf/join/<nonce>``) that may wait in the store at once; beyond that a refused
+request gets none (its worker times out instead)."""
+REFUSAL_TTL_S = 60.0
+"""A refusal answer nobody has read is deleted after this long."""
 
 
 def join_reply_key(nonce: str) -> str:
@@ -66,7 +77,8 @@ def parse_address(text: str, what: str = "--listen") -> tuple[str, int]:
 
 
 def encode_config(config: "WorkerConfig") -> str:
-    return base64.b64encode(cloudpickle.dumps(config)).decode("ascii")
+    """The configuration a joining worker receives, without the run key (see the module docstring)."""
+    return base64.b64encode(cloudpickle.dumps(dataclasses.replace(config, run_key=""))).decode("ascii")
 
 
 def decode_config(text: str) -> "WorkerConfig":
@@ -106,6 +118,7 @@ class ExternalBackend:
         self._open: list[int] = []
         self._waiting: deque[dict[str, Any]] = deque()
         self._guard = auth.ReplayGuard()
+        self._refusals: deque[tuple[float, str]] = deque()  # (when to delete, key)
 
     def store_address(self) -> tuple[str, int]:
         return self.listen
@@ -122,6 +135,8 @@ class ExternalBackend:
         self.token = attachment.token
         self.grow = attachment.grow
         self.event = attachment.event
+        self.job_id = attachment.config.job_id
+        self.rejects = RejectLog(attachment.event, logger)
         self._config_text = encode_config(self.config)
 
     def log_tail(self, worker_id: int, lines: int = 15) -> str:
@@ -160,8 +175,9 @@ class ExternalBackend:
                 w.code = -int(signal.SIGTERM)
         self._open.clear()
         for req in self._waiting:
-            self._reply(req["nonce"], {"rejected": "the job has ended"})
+            self._refuse(req["nonce"], "the job has ended")
         self._waiting.clear()
+        self.rejects.flush()
 
     # -- joins -------------------------------------------------------------------------------
     def serve(self, reports: Sequence[dict[str, Any]]) -> None:
@@ -171,38 +187,31 @@ class ExternalBackend:
                 w = self.workers.get(r.get("worker"))
                 if w is not None and w.code is None:
                     w.code = 0
-        n = self.store.queue_len(JOINS_QUEUE)
-        for _ in range(min(n, 100)):
-            raw = self.store.queue_pop(JOINS_QUEUE, block=False)
+        now = time.monotonic()
+        while self._refusals and self._refusals[0][0] <= now:
+            key = self._refusals.popleft()[1]
+            try:
+                self.store.delete_key(key)
+            except Exception:  # noqa: BLE001 - gone already (the worker read and deleted it)
+                pass
+        for raw in protocol.pop_raw(self.store, JOINS_QUEUE, limit=100):
             self._on_join_request(raw)
         self._assign()
 
-    def _on_join_request(self, raw: bytes | str) -> None:
+    def _on_join_request(self, raw: bytes) -> None:
         try:
-            message = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            message = None
-        claimed = message.get("payload", {}) if isinstance(message, dict) else {}
-        claimed = claimed if isinstance(claimed, dict) else {}
-        try:
-            payload = auth.verify(self.token, message, guard=self._guard)
-            if payload.get("op") != "join":
-                raise auth.AuthError(f"not a join request (op={payload.get('op')!r})")
-        except auth.AuthError as exc:
-            host, pid = str(claimed.get("host"))[:100], claimed.get("pid")
-            logger.warning("rejected a join request (claims host %s, pid %s): %s", host, pid, exc)
-            self.event("join_rejected", host=host, pid=pid, reason=str(exc))
+            payload = protocol.parse_join(self.token, self.job_id, raw, self._guard)
+        except ValueError as exc:
+            claimed = protocol.claims(raw)
+            self.rejects("join_rejected", exc, raw, host=claimed.get("host"), pid=claimed.get("pid"))
             nonce = claimed.get("nonce")
             # Answer a misconfigured worker, but never overwrite an answer (a replayed request).
-            if isinstance(nonce, str) and _NONCE.match(nonce) and not self.store.check([join_reply_key(nonce)]):
-                self._reply(nonce, {"rejected": str(exc)})
+            if nonce is not None and not self.store.check([join_reply_key(nonce)]):
+                self._refuse(nonce, str(exc))
             return
-        if not _NONCE.match(payload["nonce"]):
-            return
-        self.event("join_request", host=payload.get("host"), pid=payload.get("pid"))
-        req = {"nonce": payload["nonce"], "host": str(payload.get("host")), "pid": payload.get("pid"),
-               "asked": False}
-        self._waiting.append(req)
+        host = short(payload["host"], 100)
+        self.event("join_request", host=host, pid=payload["pid"])
+        self._waiting.append({"nonce": payload["nonce"], "host": host, "pid": payload["pid"], "asked": False})
 
     def _assign(self) -> None:
         """Fill open slots with waiting joiners (lowest id first); ask to grow for the rest."""
@@ -212,8 +221,8 @@ class ExternalBackend:
             w = self.workers[wid]
             w.host, w.pid_ = req["host"], req["pid"]
             reply = auth.sign(self.token, {"op": "welcome", "worker": wid, "request": req["nonce"],
-                                           "config": self._config_text})
-            self._reply(req["nonce"], reply)
+                                           "config": self._config_text}, job=self.job_id, kind="welcome")
+            self.store.set(join_reply_key(req["nonce"]), reply)
             self.event("joined", worker=wid, host=w.host, pid=w.pid_)
             logger.info("worker %d joined from %s (pid %s)", wid, w.host, w.pid_)
         for req in list(self._waiting):
@@ -225,7 +234,13 @@ class ExternalBackend:
                 self._waiting.remove(req)
                 logger.warning("refused a join from %s (pid %s): %s", req["host"], req["pid"], why)
                 self.event("join_refused", host=req["host"], pid=req["pid"], reason=why)
-                self._reply(req["nonce"], {"rejected": why})
+                self._refuse(req["nonce"], why)
 
-    def _reply(self, nonce: str, message: dict[str, Any]) -> None:
-        self.store.set(join_reply_key(nonce), json.dumps(message))
+    def _refuse(self, nonce: str, why: str) -> None:
+        """Answer a join with a refusal (unsigned: it only tells a worker to give up), if fewer than
+        :data:`MAX_REFUSALS` are waiting; deleted after :data:`REFUSAL_TTL_S` if nobody reads it."""
+        if len(self._refusals) >= MAX_REFUSALS:
+            return
+        key = join_reply_key(nonce)
+        self.store.set(key, json.dumps({"rejected": short(why)}))
+        self._refusals.append((time.monotonic() + REFUSAL_TTL_S, key))

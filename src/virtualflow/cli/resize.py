@@ -2,15 +2,15 @@
 
 The request goes to the job's coordinator through its store (loopback only in local mode) and
 takes effect at the next step boundary. It is signed with the run's token (``RUN_DIR/token``, or
-the token file the job was started with): the coordinator ignores unsigned requests. A finished
-run, or one whose coordinator is gone, is refused.
+the token file the job was started with) for the run's job id (from ``status.json``): the
+coordinator ignores unsigned requests, and a request for one run verifies in no other, even one
+that shares the token file. A finished run, or one whose coordinator is gone, is refused.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import time
 
@@ -48,13 +48,17 @@ def request_resize(run_dir: str, workers: int, token_file: str | None = None) ->
         raise ValueError(f"the run in {run_dir!r} has no live coordinator (pid {status['coordinator']['pid']} is gone); "
                          f"continue it with `virtualflow run JOB --resume {run_dir}`")
     check_resize(workers, int(status["virtual_nodes"]), int(status.get("min_workers", 1)))
+    job_id = status.get("job_id")
+    if not auth.is_job_id(job_id):
+        raise ValueError(f"{os.path.join(run_dir, 'status.json')} names no job id (a run started by an older "
+                         f"virtualflow?): resize it from the process that launched it")
     coord = status["coordinator"]
     store = dist.TCPStore(coord["host"], int(coord["port"]), is_master=False,
                           timeout=datetime.timedelta(seconds=10))
     token = auth.read_token(token_file or token_path(run_dir, status))
-    message = auth.sign(token, {"op": "resize", "workers": workers, "source": "cli"})
-    store.queue_push(protocol.REQUESTS_QUEUE, json.dumps(message))
-    status["request_nonce"] = message["payload"]["nonce"]
+    message = auth.sign(token, {"op": "resize", "workers": workers, "source": "cli"}, job=job_id, kind="request")
+    store.queue_push(protocol.REQUESTS_QUEUE, message)
+    status["request_nonce"] = auth.payload_of(message)["nonce"]
     return status
 
 

@@ -1,11 +1,13 @@
 """``virtualflow worker --join ADDR:PORT --token-file FILE``: join a job started with
 ``virtualflow run JOB --backend external --listen ADDR:PORT`` and train in it until it ends.
 
-The worker connects to the job's store, pushes a join request signed with the job's token
-(HMAC-SHA256 over the request, with a nonce and a time: :mod:`virtualflow.comm.auth`) and waits
-for the coordinator's answer, which is signed too: its worker id and the job's configuration.
-An answer that does not verify is refused (the configuration is never unpickled unverified).
-Then it runs :func:`virtualflow.runtime.worker.run_worker`, the same loop as a local worker's.
+The worker connects to the job's store, reads the job id (``vf/job``), pushes a join request
+signed with the job's token for that job (HMAC-SHA256 over the request, with a nonce and a time:
+:mod:`virtualflow.comm.auth`) and waits for the coordinator's answer, which is signed too: its
+worker id and the job's configuration. An answer that does not verify is refused (the
+configuration is never unpickled unverified). The configuration comes without the run key (it
+travelled through the store); the worker derives the key from its token and the job id. Then it
+runs :func:`virtualflow.runtime.worker.run_worker`, the same loop as a local worker's.
 """
 
 from __future__ import annotations
@@ -44,33 +46,55 @@ def join(address: str, token: str, timeout_s: float = 120.0) -> tuple[int, objec
     import torch.distributed as dist
 
     from virtualflow.backends.external import JOINS_QUEUE, decode_config, join_reply_key, parse_address
-    from virtualflow.comm import auth
+    from virtualflow.comm import auth, protocol
+    from virtualflow.comm.rejects import short
 
     host, port = parse_address(address, "--join")
     store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=min(timeout_s, 60.0)))
-    request = auth.sign(token, {"op": "join", "host": socket.gethostname(), "pid": os.getpid()})
-    nonce = request["payload"]["nonce"]
-    store.queue_push(JOINS_QUEUE, json.dumps(request))
-    key = join_reply_key(nonce)
     deadline = time.monotonic() + timeout_s
+    while not store.check([protocol.JOB_KEY]):
+        if time.monotonic() > deadline:
+            raise JoinRefused(f"{address} holds no virtualflow job (no job id in its store)")
+        time.sleep(0.05)
+    job_id = store.get(protocol.JOB_KEY).decode("ascii", "replace")
+    if not auth.is_job_id(job_id):
+        raise JoinRefused(f"the job id in the store at {address} is not one: {short(job_id, 40)!r}")
+    request = auth.sign(token, {"op": "join", "host": socket.gethostname(), "pid": os.getpid()}, job=job_id,
+                        kind="join")
+    nonce = auth.payload_of(request)["nonce"]
+    store.queue_push(JOINS_QUEUE, request)
+    key = join_reply_key(nonce)
     while not store.check([key]):
         if time.monotonic() > deadline:
             raise JoinRefused(f"the coordinator at {address} did not answer the join request within {timeout_s:g} s")
         time.sleep(0.05)
-    answer = json.loads(store.get(key))
+    raw = store.get(key)
     store.delete_key(key)
-    if isinstance(answer, dict) and "rejected" in answer:
-        raise JoinRefused(f"the coordinator at {address} refused the join: {answer['rejected']}")
     try:
-        payload = auth.verify(token, answer)
-    except auth.AuthError as exc:
+        payload = protocol.parse_welcome(token, job_id, raw, nonce)
+    except ValueError as exc:
+        refusal = _refusal(raw)
+        if refusal is not None:
+            raise JoinRefused(f"the coordinator at {address} refused the join: {short(refusal)}") from None
         raise JoinRefused(f"the answer from {address} does not verify with this token: {exc}") from None
-    if payload.get("op") != "welcome" or payload.get("request") != nonce:
-        raise JoinRefused(f"the answer from {address} is not for this join request")
     config = decode_config(payload["config"])
-    # The coordinator may listen on 0.0.0.0: reach it where this worker reached it.
-    config = dataclasses.replace(config, store_host=host, store_port=port)
-    return int(payload["worker"]), config
+    if getattr(config, "job_id", None) != job_id:
+        raise JoinRefused(f"the configuration from {address} is for another job")
+    # The coordinator may listen on 0.0.0.0: reach it where this worker reached it. The run key
+    # never travels through the store: derive it from the token.
+    config = dataclasses.replace(config, store_host=host, store_port=port, run_key=auth.run_key(token, job_id))
+    return payload["worker"], config
+
+
+def _refusal(raw: bytes) -> str | None:
+    """The reason of an (unsigned) refusal, ``{"rejected": REASON}``; None if ``raw`` is not one."""
+    try:
+        answer = json.loads(raw) if len(raw) < 4096 else None
+    except (ValueError, RecursionError):
+        return None
+    if isinstance(answer, dict) and isinstance(answer.get("rejected"), str):
+        return answer["rejected"]
+    return None
 
 
 def main(args: argparse.Namespace) -> int:

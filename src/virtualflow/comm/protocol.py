@@ -1,40 +1,89 @@
-"""The keys and messages coordinator and workers exchange through the job's TCPStore.
+"""The keys and messages coordinator and workers exchange through the job's TCPStore, and the
+one place where what is read from the store is checked.
 
 Control plane only; tensors travel over process groups. Keys:
 
+* ``vf/job``                   the job id of this launch (hex; public, not a secret)
 * ``vf/generation``            number of the latest membership generation (decimal string)
-* ``vf/gen/<g>``               JSON :class:`GenerationRecord` of generation ``g``
-* ``vf/control/seq``           number of the latest control command (0: none)
-* ``vf/control/<n>``           JSON command ``n`` (``{"op": "stop"}``, ``{"op": "regroup"}``)
-* ``vf/member/<w>/next/<g>``   where worker ``w`` goes after generation ``g`` ends (planned or
-                               broken): the next generation number, or ``leave``/``fail``.
-                               ``g = -1`` is a newcomer's entry point.
+* ``vf/gen/<g>``               signed :class:`GenerationRecord` of generation ``g``
+* ``vf/control/seq``           number of the latest control command (0: none; a plain counter)
+* ``vf/control/<n>``           signed command ``n`` (``stop``, ``regroup``, ``slowdown``)
+* ``vf/member/<w>/next/<g>``   signed: where worker ``w`` goes after generation ``g`` ends
+                               (planned or broken): the next generation number, or
+                               ``leave <g'>``/``fail``. ``g = -1`` is a newcomer's entry point.
 * ``vf/gen/<g>/arrived``       counter: members that reached generation ``g``'s rendezvous
-* ``vf/gen/<g>/abort``         set when generation ``g`` is broken (a member died or hung)
+* ``vf/gen/<g>/abort``         signed flag: generation ``g`` is broken (a member died or hung)
 * ``vf/gen/<g>/formed``        set by rank 0 once generation ``g``'s group and state are ready
 * ``vf/hb/<w>``                worker ``w``'s heartbeat counter (incremented by a thread)
-* queue ``vf/reports``         JSON messages from workers (join, ready, formed, step, fault,
-                               leave, eval, error, done)
-* queue ``vf/requests``        JSON requests from outside the job (``virtualflow resize``)
+* queue ``vf/reports``         signed messages from workers (join, formed, step, fault, leave,
+                               held, checkpoint, eval, error, done, rejected)
+* queue ``vf/requests``        signed requests from outside the job (``virtualflow resize``)
 
 Process groups of generation ``g`` live under ``PrefixStore(f"gen/{g}", store)``, a namespace
 no key above can collide with.
+
+Invariants of every read (the ``parse_*`` functions; nothing else parses what the store holds):
+
+* a raw message over its channel's size limit is refused before it is looked at;
+* its signature is checked over the raw bytes before anything is parsed
+  (:mod:`virtualflow.comm.auth`), with the key of its channel: the job's token for requests,
+  joins and join answers, the run key for everything the run's processes write;
+* the verified payload must be of the channel's kind and job, and bound to where it was read
+  (a command to its sequence number, a record to its generation, a next pointer to its worker
+  and generation, a report to a sequence number above its worker's last one), so a valid
+  message copied to another key or queued again does not verify;
+* its fields are checked against the small explicit schemas below (types, bounded sizes;
+  unknown extra fields are ignored).
+
+Each raises :class:`BadMessage` (a ``ValueError``; :class:`~virtualflow.comm.auth.AuthError` is
+one too) and nothing else: the reader drops the message and logs it
+(:class:`virtualflow.comm.rejects.RejectLog`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch.distributed as dist
 
+from virtualflow.comm import auth
+
+JOB_KEY = "vf/job"
 GENERATION_KEY = "vf/generation"
 CONTROL_SEQ_KEY = "vf/control/seq"
 REPORTS_QUEUE = "vf/reports"
 REQUESTS_QUEUE = "vf/requests"
 LEAVE = "leave"
 FAIL = "fail"
+
+# Size limits per channel (raw bytes), checked before anything else.
+MAX_REPORT_BYTES = 256 * 1024
+"""A step report of a job with thousands of VNs, or an error with its (truncated) traceback."""
+MAX_REQUEST_BYTES = 16 * 1024
+MAX_JOIN_BYTES = 16 * 1024
+MAX_CONTROL_BYTES = 16 * 1024
+"""Commands, next pointers and abort flags."""
+MAX_RECORD_BYTES = 4 * 1024 * 1024
+"""A generation record: members and their VN lists."""
+MAX_WELCOME_BYTES = 512 * 1024 * 1024
+"""A join answer carries the job's configuration (the job's code, pickled)."""
+
+MAX_TEXT = 64 * 1024
+"""Longest string field of any message."""
+MAX_ITEMS = 1 << 20
+"""Most items of any list or map field."""
+
+_SEQ = re.compile(rb"\d{1,18}")
+_NONCE = re.compile(r"[0-9a-f]{16,64}")
+_NEXT = re.compile(r"(\d{1,18})|leave \d{1,18}|fail")
+
+
+class BadMessage(ValueError):
+    """A message read from the store was refused: unsigned, wrongly signed, out of place, or not
+    of its schema. The message says why."""
 
 
 def generation_key(g: int) -> str:
@@ -65,6 +114,124 @@ def heartbeat_key(worker: int) -> str:
     return f"vf/hb/{worker}"
 
 
+# -- schemas ---------------------------------------------------------------------------------
+# A spec is INT, NUM, STR, BOOL, or ("list" | "opt" | "map", spec). NUM accepts ints; bools are
+# never numbers.
+INT, NUM, STR, BOOL = "int", "num", "str", "bool"
+
+
+def LIST(spec: Any) -> tuple[str, Any]:
+    return ("list", spec)
+
+
+def OPT(spec: Any) -> tuple[str, Any]:
+    return ("opt", spec)
+
+
+def MAP(spec: Any) -> tuple[str, Any]:
+    """A JSON object with string keys and values of ``spec``."""
+    return ("map", spec)
+
+
+REPORT_FIELDS = {"type": STR, "worker": INT, "pid": INT, "seq": INT}
+"""Every report: what it is, who sent it (worker id, process id) and its sequence number (1, 2,
+... per worker: a report is accepted only above the last one accepted from that worker)."""
+
+REPORTS: dict[str, dict[str, Any]] = {
+    "join": {"setup_s": NUM},
+    "formed": {"generation": INT, "members": LIST(INT), "step": INT, "hold": BOOL, "group_s": NUM,
+               "transfer_s": NUM, "bytes": INT, "source": OPT(INT), "receivers": LIST(INT), "form_s": NUM,
+               "time": NUM},
+    "fault": {"generation": INT, "phase": STR, "step": INT, "error": STR},
+    "held": {"generation": INT, "step": INT, "checkpoint": STR},
+    "step": {"step": INT, "loss": NUM, "samples": INT, "step_time_s": NUM, "workers": INT, "generation": INT,
+             "vns": LIST(LIST(INT)), "members": LIST(INT), "compute_s": OPT(LIST(NUM)),
+             "vn_sizes": OPT(LIST(INT)), "time": NUM},
+    "checkpoint": {"step": INT, "path": STR, "save_s": NUM},
+    "eval": {"step": INT, "metrics": MAP(NUM), "eval_time_s": NUM},
+    "error": {"error": STR, "traceback": STR, "step": OPT(INT)},
+    "done": {"step": INT, "rank": INT, "peak_rss_mib": NUM},
+    "leave": {"step": INT},
+    "rejected": {"channel": STR, "reason": STR, "message": STR, "bytes": INT},
+}
+"""Fields of each report type beyond :data:`REPORT_FIELDS` (``rejected``: a worker refused a
+message it read from the store and says so, for ``events.jsonl``)."""
+
+REQUEST = {"op": STR, "workers": INT, "source": STR, "nonce": STR}
+"""``virtualflow resize``: ``op`` is ``resize``."""
+JOIN = {"op": STR, "host": STR, "pid": INT, "nonce": STR}
+"""``virtualflow worker --join``: ``op`` is ``join``."""
+WELCOME = {"op": STR, "worker": INT, "request": STR, "config": STR}
+"""The coordinator's answer to a join: the worker's id and the job's configuration."""
+COMMANDS: dict[str, dict[str, Any]] = {
+    "stop": {},
+    "regroup": {"generation": INT},
+    "slowdown": {"worker": INT, "factor": NUM},
+}
+GENERATION = {"generation": INT, "members": LIST(INT), "assignment": LIST(LIST(INT)), "start_step": INT,
+              "hold": BOOL, "reason": STR, "vn_sizes": OPT(LIST(INT))}
+
+
+def check(value: Any, spec: Any, where: str = "message") -> None:
+    """Raise :class:`BadMessage` unless ``value`` is of ``spec`` (a schema dict or a spec)."""
+    if isinstance(spec, dict):
+        if not isinstance(value, dict):
+            raise BadMessage(f"{where} is a {type(value).__name__}, not an object")
+        for name, field_spec in spec.items():
+            if name not in value:
+                raise BadMessage(f"{where} lacks the field {name!r}")
+            check(value[name], field_spec, f"{where}.{name}")
+        return
+    if spec == INT:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif spec == NUM:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif spec == BOOL:
+        ok = isinstance(value, bool)
+    elif spec == STR:
+        ok = isinstance(value, str) and len(value) <= MAX_TEXT
+    elif spec[0] == "opt":
+        if value is not None:
+            check(value, spec[1], where)
+        return
+    elif spec[0] == "list":
+        if not isinstance(value, list) or len(value) > MAX_ITEMS:
+            raise BadMessage(f"{where} is not a list of at most {MAX_ITEMS} items")
+        for i, item in enumerate(value):
+            check(item, spec[1], f"{where}[{i}]")
+        return
+    elif spec[0] == "map":
+        if not isinstance(value, dict) or len(value) > MAX_ITEMS:
+            raise BadMessage(f"{where} is not an object of at most {MAX_ITEMS} fields")
+        for k, item in value.items():
+            check(item, spec[1], f"{where}.{k[:40]}")
+        return
+    else:  # pragma: no cover - a mistake in the schemas above
+        raise AssertionError(f"unknown spec {spec!r}")
+    if not ok:
+        raise BadMessage(f"{where} is {_kind_of(value)}, not {spec}")
+
+
+def _kind_of(value: Any) -> str:
+    return f"a {type(value).__name__}" if not isinstance(value, str) else f"a string of {len(value)} characters"
+
+
+# -- the run key and the messages it signs ---------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RunKey:
+    """The run's signing key and its job id: what signs and checks every message the run's own
+    processes exchange (see :mod:`virtualflow.comm.auth`)."""
+
+    key: str
+    job: str
+
+    def seal(self, kind: str, payload: dict[str, Any]) -> str:
+        return auth.sign(self.key, payload, job=self.job, kind=kind, fresh=False)
+
+    def open(self, kind: str, raw: Any, max_bytes: int) -> dict[str, Any]:
+        return auth.verify(self.key, raw, job=self.job, kind=kind, fresh=False, max_bytes=max_bytes)
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationRecord:
     """One membership epoch: who works, which VNs each runs, from which step on."""
@@ -84,22 +251,164 @@ class GenerationRecord:
     vn_sizes: list[int] | None = None
     """Samples per VN when VN sizes differ per worker (``uneven_vn_sizes``); None: ``B/V`` each."""
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> "GenerationRecord":
-        return cls(**json.loads(text))
+    def seal(self, run: RunKey) -> str:
+        return run.seal("generation", asdict(self))
 
 
-def push_report(store: dist.Store, message: dict[str, Any]) -> None:
-    store.queue_push(REPORTS_QUEUE, json.dumps(message))
+def parse_generation(run: RunKey, raw: Any, generation: int) -> GenerationRecord:
+    """The record of ``generation`` read from ``vf/gen/<generation>``."""
+    p = run.open("generation", raw, MAX_RECORD_BYTES)
+    check(p, GENERATION, "generation record")
+    if p["generation"] != generation:
+        raise BadMessage(f"the record of generation {p['generation']} stored as generation {generation}'s")
+    if len(p["assignment"]) != len(p["members"]) or len(set(p["members"])) != len(p["members"]):
+        raise BadMessage("generation record: members and assignment do not match")
+    return GenerationRecord(**{k: p[k] for k in GENERATION})
 
 
-def pop_reports(store: dist.Store, limit: int = 1000, queue: str = REPORTS_QUEUE) -> list[dict[str, Any]]:
-    """Non-blocking: every message queued so far (up to ``limit``)."""
-    out = []
+def seal_command(run: RunKey, seq: int, op: str, fields: dict[str, Any]) -> str:
+    return run.seal("command", {"seq": seq, "op": op, **fields})
+
+
+def parse_command(run: RunKey, raw: Any, seq: int) -> dict[str, Any]:
+    """Control command ``seq`` read from ``vf/control/<seq>``: ``{"op": ..., fields}``."""
+    p = run.open("command", raw, MAX_CONTROL_BYTES)
+    check(p, {"seq": INT, "op": STR}, "command")
+    if p["seq"] != seq:
+        raise BadMessage(f"command {p['seq']} stored as command {seq}")
+    spec = COMMANDS.get(p["op"])
+    if spec is None:
+        raise BadMessage(f"unknown command op {p['op'][:40]!r}")
+    check(p, spec, f"{p['op']} command")
+    if p["op"] == "slowdown" and not 0 < p["factor"] < float("inf"):
+        raise BadMessage(f"slowdown factor {p['factor']!r} is not a positive finite number")
+    return p
+
+
+def seal_next(run: RunKey, worker: int, after: int, to: str) -> str:
+    return run.seal("next", {"worker": worker, "after": after, "to": to})
+
+
+def parse_next(run: RunKey, raw: Any, worker: int, after: int) -> str:
+    """Where ``worker`` goes after generation ``after``: ``"<g>"``, ``"leave <g>"`` or ``"fail"``."""
+    p = run.open("next", raw, MAX_CONTROL_BYTES)
+    check(p, {"worker": INT, "after": INT, "to": STR}, "next pointer")
+    if (p["worker"], p["after"]) != (worker, after):
+        raise BadMessage(f"the next pointer of worker {p['worker']} after generation {p['after']} stored as "
+                         f"worker {worker}'s after generation {after}")
+    if not _NEXT.fullmatch(p["to"]):
+        raise BadMessage(f"next pointer {p['to'][:40]!r} is not a generation, 'leave <g>' or 'fail'")
+    return p["to"]
+
+
+def seal_abort(run: RunKey, generation: int) -> str:
+    return run.seal("abort", {"generation": generation})
+
+
+def parse_abort(run: RunKey, raw: Any, generation: int) -> None:
+    """Return if ``raw`` (read from ``vf/gen/<generation>/abort``) truly declares the generation
+    broken; :class:`BadMessage` otherwise."""
+    p = run.open("abort", raw, MAX_CONTROL_BYTES)
+    check(p, {"generation": INT}, "abort flag")
+    if p["generation"] != generation:
+        raise BadMessage(f"generation {p['generation']}'s abort flag stored as generation {generation}'s")
+
+
+def parse_seq(raw: Any) -> int | None:
+    """A plain counter (``vf/control/seq``); None when it is not a decimal number."""
+    if isinstance(raw, (bytes, bytearray)) and _SEQ.fullmatch(raw):
+        return int(raw)
+    return None
+
+
+# -- reports ---------------------------------------------------------------------------------
+def seal_report(run: RunKey, message: dict[str, Any]) -> str:
+    return run.seal("report", message)
+
+
+def push_report(store: dist.Store, run: RunKey, message: dict[str, Any]) -> None:
+    store.queue_push(REPORTS_QUEUE, seal_report(run, message))
+
+
+class ReportReader:
+    """Checks the workers' reports: signature, schema, and a sequence number above the last
+    one accepted from the same worker (a report queued again is refused)."""
+
+    def __init__(self, run: RunKey) -> None:
+        self.run = run
+        self.last_seq: dict[int, int] = {}
+
+    def parse(self, raw: Any) -> dict[str, Any]:
+        p = self.run.open("report", raw, MAX_REPORT_BYTES)
+        check(p, REPORT_FIELDS, "report")
+        spec = REPORTS.get(p["type"])
+        if spec is None:
+            raise BadMessage(f"unknown report type {p['type'][:40]!r}")
+        check(p, spec, f"{p['type']} report")
+        worker, seq = p["worker"], p["seq"]
+        if seq <= self.last_seq.get(worker, 0):
+            raise BadMessage(f"report {seq} of worker {worker} is not after its last one "
+                             f"({self.last_seq.get(worker, 0)}): replayed")
+        self.last_seq[worker] = seq
+        return p
+
+
+def pop_raw(store: dist.Store, queue: str, limit: int = 1000) -> list[bytes]:
+    """Non-blocking: every message queued so far (up to ``limit``), as the raw bytes."""
     n = min(store.queue_len(queue), limit)
-    for _ in range(n):
-        out.append(json.loads(store.queue_pop(queue, block=False)))
+    return [store.queue_pop(queue, block=False) for _ in range(n)]
+
+
+# -- messages signed with the job's token ----------------------------------------------------
+def parse_request(token: str, job: str, raw: Any, guard: auth.ReplayGuard | None) -> dict[str, Any]:
+    """A ``virtualflow resize`` request from the request queue."""
+    p = auth.verify(token, raw, job=job, kind="request", guard=guard, max_bytes=MAX_REQUEST_BYTES)
+    check(p, REQUEST, "request")
+    if p["op"] != "resize":
+        raise BadMessage(f"unknown request op {p['op'][:40]!r}")
+    if not _NONCE.fullmatch(p["nonce"]):
+        raise BadMessage("the request's nonce is not 16-64 hex digits")
+    return p
+
+
+def parse_join(token: str, job: str, raw: Any, guard: auth.ReplayGuard | None) -> dict[str, Any]:
+    """An external worker's join request."""
+    p = auth.verify(token, raw, job=job, kind="join", guard=guard, max_bytes=MAX_JOIN_BYTES)
+    check(p, JOIN, "join request")
+    if p["op"] != "join":
+        raise BadMessage(f"not a join request (op={p['op'][:40]!r})")
+    if not _NONCE.fullmatch(p["nonce"]):
+        raise BadMessage("the join request's nonce is not 16-64 hex digits")
+    return p
+
+
+def parse_welcome(token: str, job: str, raw: Any, request: str) -> dict[str, Any]:
+    """The coordinator's answer to the join request with nonce ``request``."""
+    p = auth.verify(token, raw, job=job, kind="welcome", max_bytes=MAX_WELCOME_BYTES)
+    check(p, WELCOME, "join answer")
+    if p["op"] != "welcome" or p["request"] != request:
+        raise BadMessage("the answer is not for this join request")
+    return p
+
+
+def claims(raw: Any, max_bytes: int = MAX_JOIN_BYTES) -> dict[str, Any]:
+    """What an unverified ``SIG.PAYLOAD`` message says about its sender (``host``, ``pid``,
+    ``nonce``), for the log line of a refusal and for answering a misconfigured worker. Never
+    trusted; bounded; empty when there is nothing sensible to say."""
+    out: dict[str, Any] = {}
+    try:
+        if not isinstance(raw, (bytes, bytearray)) or len(raw) > max_bytes:
+            return out
+        body = bytes(raw).partition(b".")[2]
+        p = json.loads(body.decode("utf-8"))
+    except (ValueError, RecursionError):
+        return out
+    if not isinstance(p, dict):
+        return out
+    if isinstance(p.get("host"), str):
+        out["host"] = p["host"][:100]
+    if isinstance(p.get("pid"), int) and not isinstance(p.get("pid"), bool):
+        out["pid"] = p["pid"]
+    if isinstance(p.get("nonce"), str) and _NONCE.fullmatch(p["nonce"]):
+        out["nonce"] = p["nonce"]
     return out

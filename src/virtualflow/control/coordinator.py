@@ -8,6 +8,12 @@ in the elasticity work) and turns the workers' reports into the run's records:
 ``events.jsonl`` (join, generation, step, eval, error, done), ``metrics.jsonl`` (one line per
 step) and the in-memory history returned to the user. It logs once for the whole job.
 
+Everything it writes that workers act on (generation records, next pointers, commands, abort
+flags) is signed with the run key, and every report it reads is checked
+(:func:`virtualflow.comm.protocol.ReportReader`) before it counts: a report that does not verify
+or is not of its schema is dropped and logged (``report_rejected``, bounded by
+:class:`~virtualflow.comm.rejects.RejectLog`), never raised into the job's monitor.
+
 It starts no processes and reads no environment: backends do that.
 """
 
@@ -24,7 +30,8 @@ from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
-from virtualflow.comm import protocol
+from virtualflow.comm import auth, protocol
+from virtualflow.comm.rejects import RejectLog
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +79,14 @@ class Coordinator:
         port: int = 0,
         store_timeout_s: float = 120.0,
         on_step: Callable[[dict[str, Any]], None] | None = None,
+        job_id: str | None = None,
+        key: str | None = None,
     ) -> None:
         self.store = _listening_store(host, datetime.timedelta(seconds=store_timeout_s), port)
+        self.job_id = job_id or auth.new_job_id()
+        self.run = protocol.RunKey(key or auth.new_token(), self.job_id)
+        """Signs what workers act on and checks their reports (a random key when none is given:
+        tests that play the workers read it from here)."""
         self.host = host
         self.port = self.store.port
         self.run_dir = run_dir
@@ -84,8 +97,12 @@ class Coordinator:
         self.eval_history: list[dict[str, Any]] = []
         self.on_step = on_step
         self._control_seq = 0
+        self.store.set(protocol.JOB_KEY, self.job_id)
         self.store.set(protocol.CONTROL_SEQ_KEY, "0")
         self._t0 = time.time()
+        self.reports = protocol.ReportReader(self.run)
+        self.rejects = RejectLog(self.event, logger)
+        """Every refused message of the job is logged through this (bounded)."""
 
     # -- events ---------------------------------------------------------------------------
     def event(self, kind: str, **fields: Any) -> None:
@@ -97,7 +114,7 @@ class Coordinator:
                            vn_sizes: list[int] | None = None) -> None:
         record = protocol.GenerationRecord(generation, list(members), [list(a) for a in assignment], start_step,
                                            hold=hold, reason=reason, vn_sizes=vn_sizes)
-        self.store.set(protocol.generation_key(generation), record.to_json())
+        self.store.set(protocol.generation_key(generation), record.seal(self.run))
         self.store.set(protocol.GENERATION_KEY, str(generation))
         self.progress.generation = generation
         self.event("generation", generation=generation, members=list(members), assignment=record.assignment,
@@ -110,15 +127,31 @@ class Coordinator:
     def command(self, op: str, **fields: Any) -> int:
         """Queue a control command; workers apply it together at a step boundary."""
         self._control_seq += 1
-        self.store.set(protocol.control_key(self._control_seq), json.dumps({"op": op, **fields}))
+        self.store.set(protocol.control_key(self._control_seq),
+                       protocol.seal_command(self.run, self._control_seq, op, fields))
         self.store.set(protocol.CONTROL_SEQ_KEY, str(self._control_seq))
         self.event("command", op=op, seq=self._control_seq, **fields)
         return self._control_seq
 
+    def point(self, worker: int, after: int, to: str) -> None:
+        """Tell ``worker`` where to go once generation ``after`` ends: a generation number,
+        ``leave <g>`` or ``fail`` (``vf/member/<worker>/next/<after>``, signed)."""
+        self.store.set(protocol.next_key(worker, after), protocol.seal_next(self.run, worker, after, to))
+
+    def abort(self, generation: int) -> None:
+        """Declare generation ``generation`` broken (its members stop waiting on each other)."""
+        self.store.set(protocol.abort_key(generation), protocol.seal_abort(self.run, generation))
+
     # -- reports ---------------------------------------------------------------------------
     def poll(self) -> list[dict[str, Any]]:
-        """Process every report queued so far; returns them."""
-        reports = protocol.pop_reports(self.store)
+        """Process every report queued so far; returns those that verify and fit their schema
+        (the others are dropped and logged)."""
+        reports = []
+        for raw in protocol.pop_raw(self.store, protocol.REPORTS_QUEUE):
+            try:
+                reports.append(self.reports.parse(raw))
+            except ValueError as exc:
+                self.rejects("report_rejected", exc, raw)
         for r in reports:
             kind = r.get("type")
             if kind == "step":
@@ -138,6 +171,9 @@ class Coordinator:
                 self.progress.workers.setdefault(r["worker"], {})["peak_rss_mib"] = r["peak_rss_mib"]
                 if r.get("rank") == 0:
                     self.progress.done = True
+            elif kind == "rejected":  # a worker refused something it read from the store
+                self.rejects(f"{r['channel'].partition(' ')[0]}_rejected", r["reason"], worker=r["worker"],
+                             channel=r["channel"], message=r["message"], bytes=r["bytes"])
         if self.progress.state == "starting" and self.history:
             self.progress.state = "running"
         return reports
@@ -164,6 +200,7 @@ class Coordinator:
             self.on_step(record)
 
     def close(self) -> None:
+        self.rejects.flush()
         self.events.close()
         self.metrics_log.close()
 

@@ -238,6 +238,9 @@ class MembershipController:
             self._plan(now)
 
     def _on_report(self, r: dict[str, Any], now: float) -> None:
+        """One worker report. Reports reach the controller checked (signature, sequence and the
+        schema of their type in :mod:`virtualflow.comm.protocol`): :meth:`Coordinator.poll`
+        drops and logs the rest, so the fields used here are present and of their type."""
         kind, wid = r.get("type"), r.get("worker")
         if kind == "join":
             self.joined.add(wid)
@@ -265,7 +268,7 @@ class MembershipController:
         elif kind == "fault":
             # A member saw the generation break: tell the others at once, so that none of them
             # waits out a collective timeout on a peer that has already given up.
-            self.store.set(protocol.abort_key(r["generation"]), "1")
+            self.coord.abort(r["generation"])
             if r["generation"] == self.generation and self._fault_at is None:
                 self._fault_at = now
             self.coord.event("fault", worker=wid, generation=r["generation"], phase=r["phase"],
@@ -454,7 +457,7 @@ class MembershipController:
             return
         survivors = [w for w in self.members if w not in failed]
         newcomers_in_gen = [w for w in self.members if w not in failed and self.assigned.get(w) == self.generation]
-        self.store.set(protocol.abort_key(self.generation), "1")
+        self.coord.abort(self.generation)
         if not survivors:
             lost_desc = "; ".join(f"worker {w} (pid {self.launcher.pid(w)}) {c}" for w, c in failed.items())
             raise JobFailed(
@@ -485,7 +488,7 @@ class MembershipController:
                 f"generation {self.generation} broke {self._retries} times without a lost worker and without "
                 f"progress; see the fault events in events.jsonl and the worker logs"
             )
-        self.store.set(protocol.abort_key(self.generation), "1")
+        self.coord.abort(self.generation)
         self._publish(list(self.members), kind="failure", hold=self.hold,
                       detail={"failed": [], "causes": {}, "retry": self._retries})
 
@@ -502,7 +505,7 @@ class MembershipController:
             elif self.hold_since is not None and now - self.hold_since > self.min_workers_timeout_s:
                 ck = self.hold_checkpoint
                 for w in self.members:
-                    self.store.set(protocol.next_key(w, self.assigned[w]), protocol.FAIL)
+                    self.coord.point(w, self.assigned[w], protocol.FAIL)
                 raise JobFailed(
                     f"only {size} worker{'s' if size != 1 else ''} left, below min_workers={self.min_workers}, "
                     f"and no replacement arrived within {self.min_workers_timeout_s:g} s; the state at step "
@@ -546,12 +549,12 @@ class MembershipController:
         self.coord.publish_generation(g, members, assignment, self.last_step, hold=hold, reason=kind,
                                       vn_sizes=self.vn_sizes)
         for w in members:
-            self.store.set(protocol.next_key(w, self.assigned.get(w, -1)), str(g))
+            self.coord.point(w, self.assigned.get(w, -1), str(g))
             self.assigned[w] = g
         for w in previous:
             if w not in members and w not in self.gone:
                 self.leaving.add(w)
-                self.store.set(protocol.next_key(w, self.assigned[w]), f"{protocol.LEAVE} {g}")
+                self.coord.point(w, self.assigned[w], f"{protocol.LEAVE} {g}")
                 self._hb.pop(w, None)
         self.members, self.assignment, self.generation = list(members), assignment, g
         self.hold = hold

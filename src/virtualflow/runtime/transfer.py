@@ -6,22 +6,43 @@ applied the step a failed peer interrupted), the state of the most advanced memb
 those behind (:func:`broadcast_state`, point to point): model parameters and buffers, optimizer
 state, LR-scheduler state, step and control position.
 
-The state is sent as one small pickled skeleton (the nested structure with tensors replaced by
-slots), then every large tensor as its own message and the small ones packed into one buffer per
-dtype, so a 25M-parameter model with Adam moves in a few dozen messages at loopback bandwidth;
-copying is bit-exact. A newcomer receives straight into tensors it allocated (and touched) during
-its set-up, before it joined, so the survivors do not wait for it to fault in fresh memory.
+The state is sent as one small JSON header (the nested structure with tensors replaced by
+slots, and each tensor's dtype name and shape: :func:`encode_header`), then every large tensor as
+its own message and the small ones packed into one buffer per dtype, so a 25M-parameter model with
+Adam moves in a few dozen messages at loopback bandwidth; copying is bit-exact. A newcomer
+receives straight into tensors it allocated (and touched) during its set-up, before it joined, so
+the survivors do not wait for it to fault in fresh memory.
+
+The header comes from a peer found through the job's (unauthenticated) store, so it is data, not
+code: nothing is unpickled. The structure may hold dicts (with their key types: optimizer states
+are keyed by ints), ordered dicts (a ``state_dict`` and its ``_metadata``), lists, tuples, str,
+int, float (NaN and infinities included), bool, None and tensors of the dtypes in
+:data:`DTYPES`; a header that is not of that form is a :class:`PeerFailure` (the generation is
+abandoned and formed again, as when the peer dies), never an exception in the user's job.
 """
 
 from __future__ import annotations
 
-import pickle
+import json
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
-from virtualflow.comm.groups import Group
+from virtualflow.comm.groups import Group, PeerFailure
+
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+              torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+}
+"""Tensor dtypes a state transfer carries, by name (the allow-list of a received header)."""
+
+MAX_HEADER_BYTES = 64 * 1024 * 1024
+MAX_DEPTH = 64
+"""Deepest nesting of the state structure (a state dict is 3-5 levels deep)."""
+MAX_DIMS = 64
 
 
 @dataclass(slots=True)
@@ -44,34 +65,124 @@ def agree_progress(group: Group, mine: Progress, device: torch.device) -> list[P
     return [Progress(vals[2 * r] - 1, vals[2 * r + 1]) for r in range(group.size)]
 
 
-def _flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
+def _flatten(obj: Any, tensors: list[torch.Tensor]) -> None:
+    """Collect the tensors of ``obj`` in the order :func:`encode_header` numbers them."""
     if isinstance(obj, torch.Tensor):
         tensors.append(obj.detach())
-        return _Slot(len(tensors) - 1)
-    if isinstance(obj, dict):
-        return {k: _flatten(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_flatten(v, tensors) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_flatten(v, tensors) for v in obj)
-    return obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _flatten(v, tensors)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _flatten(v, tensors)
 
 
-def _unflatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, _Slot):
-        return tensors[obj.index]
-    if isinstance(obj, dict):
-        return {k: _unflatten(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_unflatten(v, tensors) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_unflatten(v, tensors) for v in obj)
-    return obj
+_SCALARS = (type(None), bool, int, float, str)
 
 
-@dataclass(frozen=True, slots=True)
-class _Slot:
-    index: int
+def _encode(obj: Any, tensors: list[torch.Tensor], depth: int, where: str) -> Any:
+    """JSON-ready form: scalars as they are, containers and tensors as one-key objects
+    (``t``: tensor slot, ``d``: dict as [key, value] pairs, ``o``: ordered dict plus its
+    ``_metadata`` in ``m``, ``l``: list, ``u``: tuple)."""
+    if type(obj) in _SCALARS:
+        return obj
+    if isinstance(obj, (int, float, str)) and not isinstance(obj, bool):  # e.g. numpy.float64: same value
+        return float(obj) if isinstance(obj, float) else int(obj) if isinstance(obj, int) else str(obj)
+    if depth >= MAX_DEPTH:
+        raise ValueError(f"the training state is nested more than {MAX_DEPTH} levels deep at {where}")
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj.detach())
+        return {"t": len(tensors) - 1}
+    if type(obj) is dict or type(obj) is OrderedDict:
+        items = [[_encode(k, tensors, depth + 1, where), _encode(v, tensors, depth + 1, f"{where}[{k!r}]")]
+                 for k, v in obj.items()]
+        if type(obj) is dict:
+            return {"d": items}
+        return {"o": items, "m": _encode(getattr(obj, "_metadata", None), tensors, depth + 1, f"{where}._metadata")}
+    if type(obj) is list:
+        return {"l": [_encode(v, tensors, depth + 1, f"{where}[{i}]") for i, v in enumerate(obj)]}
+    if type(obj) is tuple:
+        return {"u": [_encode(v, tensors, depth + 1, f"{where}[{i}]") for i, v in enumerate(obj)]}
+    raise ValueError(f"the training state holds a {type(obj).__module__}.{type(obj).__qualname__} at {where}: a "
+                     f"state transfer carries dicts, lists, tuples, str, int, float, bool, None and tensors only; "
+                     f"keep optimizer and LR-scheduler state to those")
+
+
+def _decode(obj: Any, tensors: list[Any], depth: int) -> Any:
+    if type(obj) in _SCALARS:
+        return obj
+    if depth >= MAX_DEPTH or not isinstance(obj, dict):
+        raise ValueError("not a state structure")
+    tag = "t" if "t" in obj else "d" if "d" in obj else "o" if "o" in obj else "l" if "l" in obj else "u"
+    if set(obj) != ({"o", "m"} if tag == "o" else {tag}):
+        raise ValueError(f"unknown container {sorted(obj)[:3]}")
+    body = obj[tag]
+    if tag == "t":
+        if type(body) is not int or not 0 <= body < len(tensors):
+            raise ValueError("bad tensor slot")
+        return tensors[body]
+    if not isinstance(body, list):
+        raise ValueError(f"bad {tag!r} container")
+    if tag in "lu":
+        items = [_decode(v, tensors, depth + 1) for v in body]
+        return items if tag == "l" else tuple(items)
+    if any(not isinstance(kv, list) or len(kv) != 2 for kv in body):
+        raise ValueError("bad dict item")
+    pairs = [(_decode(k, tensors, depth + 1), _decode(v, tensors, depth + 1)) for k, v in body]
+    if any(not isinstance(k, _SCALARS + (tuple,)) for k, _ in pairs):
+        raise ValueError("bad dict key")
+    try:
+        out = dict(pairs) if tag == "d" else OrderedDict(pairs)
+    except TypeError:  # a tuple key holding a list
+        raise ValueError("bad dict key") from None
+    if tag == "o":
+        meta = _decode(obj["m"], tensors, depth + 1)
+        if meta is not None:
+            out._metadata = meta  # type: ignore[attr-defined]
+    return out
+
+
+def encode_header(state: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """The header of ``state`` (ASCII JSON) and its tensors in slot order."""
+    tensors: list[torch.Tensor] = []
+    skeleton = _encode(state, tensors, 0, "state")
+    for t in tensors:
+        if str(t.dtype).removeprefix("torch.") not in DTYPES:
+            raise ValueError(f"the training state holds a tensor of dtype {t.dtype}, which a state transfer does "
+                             f"not carry (it carries {', '.join(DTYPES)})")
+    metas = [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]
+    text = json.dumps({"skeleton": skeleton, "tensors": metas}, separators=(",", ":"), ensure_ascii=True)
+    return text.encode("ascii"), tensors
+
+
+def decode_header(raw: bytes) -> tuple[Any, list["_Meta"]]:
+    """``(skeleton, metas)`` of a received header; the skeleton's slots are filled by
+    :func:`fill_header`. Raises ``ValueError`` when ``raw`` is not a header of the form above
+    (size, encoding, nesting, dtype names, shapes)."""
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ValueError(f"state header of {len(raw)} bytes (more than {MAX_HEADER_BYTES})")
+    try:
+        doc = json.loads(raw.decode("ascii"))
+    except (ValueError, RecursionError):
+        raise ValueError("state header is not ASCII JSON") from None
+    if not isinstance(doc, dict) or set(doc) != {"skeleton", "tensors"} or not isinstance(doc["tensors"], list):
+        raise ValueError("state header lacks its skeleton or tensor list")
+    metas = []
+    for m in doc["tensors"]:
+        if (not isinstance(m, list) or len(m) != 2 or not isinstance(m[0], str) or m[0] not in DTYPES
+                or not isinstance(m[1], list) or len(m[1]) > MAX_DIMS
+                or any(type(d) is not int or d < 0 for d in m[1])):
+            raise ValueError(f"state header: bad tensor description {str(m)[:80]}")
+        metas.append(_Meta(DTYPES[m[0]], tuple(m[1])))
+    return doc["skeleton"], metas
+
+
+def fill_header(skeleton: Any, tensors: list[Any]) -> Any:
+    """The state a header's skeleton describes, its slots filled with ``tensors``."""
+    try:
+        return _decode(skeleton, tensors, 0)
+    except RecursionError:
+        raise ValueError("state header nested too deeply") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,10 +258,8 @@ def broadcast_state(
     if not is_src and group.rank not in receivers:
         return None, 0
     if is_src:
-        tensors: list[torch.Tensor] = []
-        skeleton = _flatten(state, tensors)
+        header, tensors = encode_header(state)
         metas = [_Meta(t.dtype, tuple(t.shape)) for t in tensors]
-        header = pickle.dumps((skeleton, metas), protocol=pickle.HIGHEST_PROTOCOL)
         size = torch.tensor([len(header)], dtype=torch.int64, device=device)
         hbuf = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
         for r in receivers:
@@ -169,9 +278,14 @@ def broadcast_state(
         return state, moved + len(header) * len(receivers)
     size = torch.zeros(1, dtype=torch.int64, device=device)
     group.recv(size, src, tag=1)
+    if not 0 < int(size.item()) <= MAX_HEADER_BYTES:
+        raise PeerFailure(group.generation, f"the state transfer's header would be {int(size.item())} bytes")
     hbuf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     group.recv(hbuf, src, tag=2)
-    skeleton, metas = pickle.loads(bytes(hbuf.cpu().numpy()))
+    try:
+        skeleton, metas = decode_header(bytes(hbuf.cpu().numpy()))
+    except ValueError as exc:
+        raise PeerFailure(group.generation, f"the state transfer's header is invalid: {exc}") from None
     if on_started is not None:
         on_started()
     own: list[torch.Tensor] = []
@@ -198,4 +312,7 @@ def broadcast_state(
             n = metas[i].numel
             received[i] = flat[offset : offset + n].view(metas[i].shape)
             offset += n
-    return _unflatten(skeleton, received), moved
+    try:
+        return fill_header(skeleton, received), moved
+    except ValueError as exc:
+        raise PeerFailure(group.generation, f"the state transfer's header is invalid: {exc}") from None

@@ -29,30 +29,45 @@ one survivor and missed by another once training continues. Data order and rando
 functions of (seed, step, VN id), so the step that is redone is the same step.
 
 Any other exception is reported with its traceback before the process exits non-zero.
+
+Trust. The store has no authentication, so a worker acts only on what verifies with the run key
+(:mod:`virtualflow.comm.protocol`): next pointers, generation records, control commands and abort
+flags that do not are refused, noted (its log, and a ``rejected`` report that becomes a
+``<channel>_rejected`` event) and read again until the coordinator's own value is there. Its own
+reports are signed and numbered. A forged command written ahead of the coordinator's never
+advances the worker's control position: commands are followed in order and only as far as they
+verify (the heartbeat thread checks them, so rank 0 puts only a verified position into the step's
+reduction).
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
-import json
+import hashlib
+import logging
 import os
 import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from virtualflow.comm import protocol
+from virtualflow.comm import auth, protocol
 from virtualflow.comm.groups import Group, PeerFailure, make_group
+from virtualflow.comm.rejects import RejectLog
 from virtualflow.job import Job, JobSource
 from virtualflow.plan.data import DataPlan
 from virtualflow.runtime.checkpoint import load_state, save_state
 from virtualflow.runtime.engine import BatchLoader, NonFiniteLossError, VNEngine
 from virtualflow.runtime.faults import FaultPlan
 from virtualflow.runtime.transfer import Progress, agree_progress, broadcast_state
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -87,6 +102,12 @@ class WorkerConfig:
     """Bound on waits for the coordinator (a generation to join; a rendezvous)."""
     heartbeat_interval_s: float = 0.05
     keep_checkpoints: int = 2
+    job_id: str = ""
+    """This launch's id (:func:`virtualflow.comm.auth.new_job_id`), named by every signed message."""
+    run_key: str = ""
+    """The run key (:func:`virtualflow.comm.auth.run_key`): signs this worker's reports and checks
+    what it reads from the store. Never sent through the store: the external backend blanks it in
+    the configuration a joining worker receives, and the worker derives it from its token file."""
 
 
 def build_job(cfg: WorkerConfig) -> Job:
@@ -128,6 +149,9 @@ def training_state(job: Job, engine: VNEngine, step: int) -> dict[str, Any]:
 
 def run_worker(cfg: WorkerConfig, worker_id: int) -> int:
     """Run one worker to completion; returns the process exit code."""
+    if not cfg.run_key or not auth.is_job_id(cfg.job_id):
+        raise ValueError("WorkerConfig has no run key or job id: a worker signs its reports and checks the "
+                         "coordinator's messages with them (the launching process fills them in)")
     torch.set_num_threads(cfg.threads)
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -138,48 +162,122 @@ def run_worker(cfg: WorkerConfig, worker_id: int) -> int:
         timeout=datetime.timedelta(seconds=cfg.store_timeout_s),
     )
     step = -1
+    reporter = Reporter(store, protocol.RunKey(cfg.run_key, cfg.job_id), worker_id)
     try:
-        _train(cfg, worker_id, store)
+        _Worker(cfg, worker_id, store, reporter).run()
         return 0
     except Exception as exc:
         try:
-            protocol.push_report(
-                store,
-                {
-                    "type": "error",
-                    "worker": worker_id,
-                    "pid": os.getpid(),
-                    "error": f"{type(exc).__name__}: {exc}",
-                    "traceback": traceback.format_exc(),
-                    "step": getattr(exc, "step", step),
-                },
-            )
+            reporter({
+                "type": "error",
+                "error": f"{type(exc).__name__}: {exc}"[:4000],
+                "traceback": traceback.format_exc()[-16000:],
+                "step": getattr(exc, "step", step),
+            })
         except Exception:
             pass
         return 1
 
 
-class Heartbeat:
-    """A daemon thread on its own store client: bumps ``vf/hb/<id>`` and reads the control
-    sequence number every ``heartbeat_interval_s``.
+class Reporter:
+    """Signs and sends this worker's reports, numbered 1, 2, ... (the coordinator accepts each
+    number once and in order, so a report queued again is refused). Called from the main thread
+    only (one store client, so reports arrive in the order they are numbered); other threads
+    hand their reports in with :meth:`queue`, sent with the next report or :meth:`flush`."""
 
-    A stopped or frozen process stops beating and the coordinator fences it. Reading the control
-    number here keeps the store round trip off the step's critical path: rank 0 puts the latest
-    value it has into the step's reduction, so every member still acts on a command at the same
-    boundary (a command waits at most one interval longer). If the coordinator itself is gone
+    def __init__(self, store: dist.Store, run: protocol.RunKey, worker_id: int) -> None:
+        self.store, self.run, self.worker = store, run, worker_id
+        self.pid = os.getpid()
+        self.seq = 0
+        self._queued: collections.deque[dict[str, Any]] = collections.deque()
+
+    def __call__(self, message: dict[str, Any]) -> None:
+        self.flush()
+        self._push(message)
+
+    def queue(self, message: dict[str, Any]) -> None:
+        self._queued.append(message)
+
+    def flush(self) -> None:
+        while self._queued:
+            self._push(self._queued.popleft())
+
+    def _push(self, message: dict[str, Any]) -> None:
+        self.seq += 1
+        protocol.push_report(self.store, self.run, {**message, "worker": self.worker, "pid": self.pid, "seq": self.seq})
+
+
+class Rejections:
+    """What this worker refused from the store: noted once per distinct value of a key, logged
+    (bounded: :class:`~virtualflow.comm.rejects.RejectLog`) and reported to the coordinator.
+    Thread-safe."""
+
+    def __init__(self, reporter: Reporter | None) -> None:
+        self.reporter = reporter
+        self._lock = threading.Lock()
+        self._seen: dict[str, bytes] = {}
+        self.log = RejectLog(self._report, logger)
+
+    def __call__(self, channel: str, key: str, raw: bytes, reason: Exception) -> None:
+        digest = hashlib.sha256(raw if isinstance(raw, bytes) else repr(raw).encode()).digest()
+        with self._lock:
+            if self._seen.get(key) == digest:
+                return  # read again while waiting for the coordinator's own value: noted already
+            if len(self._seen) > 1024:
+                self._seen.clear()
+            self._seen[key] = digest
+            self.log(f"{channel.partition(' ')[0]}_rejected", reason, raw, channel=channel, key=key)
+
+    def _report(self, event: str, **fields: Any) -> None:
+        if self.reporter is None or event == "rejections_suppressed":
+            return  # the count is in this worker's own log
+        self.reporter.queue({"type": "rejected", "channel": str(fields.get("channel", "")),
+                             "reason": str(fields.get("reason", "")), "message": str(fields.get("message", "")),
+                             "bytes": int(fields.get("bytes") or 0)})
+
+
+def _aborted(store: dist.Store, run: protocol.RunKey, generation: int, rejections: Rejections) -> bool:
+    """True when the coordinator has declared ``generation`` broken (a verified abort flag)."""
+    key = protocol.abort_key(generation)
+    if not store.check([key]):
+        return False
+    raw = store.get(key)
+    try:
+        protocol.parse_abort(run, raw, generation)
+        return True
+    except ValueError as exc:
+        rejections(f"abort {generation}", key, raw, exc)
+        return False
+
+
+class Heartbeat:
+    """A daemon thread on its own store client: bumps ``vf/hb/<id>`` and follows the control
+    sequence every ``heartbeat_interval_s``.
+
+    A stopped or frozen process stops beating and the coordinator fences it. Following the control
+    sequence here keeps the store round trips off the step's critical path: the thread reads and
+    verifies new commands in order (:attr:`control_seq` is the last one that verified, with all
+    before it; :attr:`commands` holds them), rank 0 puts that number into the step's reduction, so
+    every member still acts on a command at the same boundary (a command waits at most one
+    interval longer) and none acts on a forged one. Without ``run`` (a benchmark of the
+    heartbeat alone) it reads the same keys but follows nothing. If the coordinator itself is gone
     (the store stops answering), the worker exits: an orphan must not keep training
     (``virtualflow run --resume`` continues the job from its last checkpoint). It also watches
     the current generation's abort flag, so a step that can no longer complete is abandoned
     before its next virtual node rather than at its reduction (:meth:`broken`).
     """
 
-    def __init__(self, cfg: WorkerConfig, worker_id: int) -> None:
+    def __init__(self, cfg: WorkerConfig, worker_id: int, run: protocol.RunKey | None = None,
+                 rejections: Rejections | None = None) -> None:
         self.cfg = cfg
         self.key = protocol.heartbeat_key(worker_id)
+        self.run = run
+        self.rejections = rejections if rejections is not None else Rejections(None)
         self.control_seq = 0
+        self.commands: dict[int, dict[str, Any]] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._abort_key: str | None = None
+        self._generation: int | None = None
         self._broken = threading.Event()
         self._thread = threading.Thread(target=self._run, name="virtualflow-heartbeat", daemon=True)
 
@@ -192,7 +290,7 @@ class Heartbeat:
     def watch(self, generation: int) -> None:
         """From now on, also watch generation ``generation``'s abort flag (see :meth:`broken`)."""
         with self._lock:
-            self._abort_key = protocol.abort_key(generation)
+            self._generation = generation
             self._broken.clear()
 
     def broken(self) -> bool:
@@ -209,13 +307,19 @@ class Heartbeat:
                     store = dist.TCPStore(self.cfg.store_host, self.cfg.store_port, is_master=False,
                                           timeout=datetime.timedelta(seconds=5))
                 store.add(self.key, 1)
-                self.control_seq = int(store.get(protocol.CONTROL_SEQ_KEY))
+                seq = protocol.parse_seq(store.get(protocol.CONTROL_SEQ_KEY))
                 with self._lock:
-                    key = self._abort_key
-                if key is not None and store.check([key]):
-                    with self._lock:
-                        if key == self._abort_key:
-                            self._broken.set()
+                    g = self._generation
+                if self.run is None:
+                    if g is not None:
+                        store.check([protocol.abort_key(g)])
+                else:
+                    if seq is not None and seq > self.control_seq:
+                        self._follow(store, seq)
+                    if g is not None and _aborted(store, self.run, g, self.rejections):
+                        with self._lock:
+                            if g == self._generation:
+                                self._broken.set()
                 misses = 0
             except Exception as exc:  # noqa: BLE001
                 misses += 1
@@ -225,19 +329,33 @@ class Heartbeat:
                     os._exit(3)
             self._stop.wait(self.cfg.heartbeat_interval_s)
 
+    def _follow(self, store: dist.Store, seq: int) -> None:
+        """Verify the commands after :attr:`control_seq`, in order, up to ``seq`` (at most 16 a
+        beat); stop at the first that is missing or does not verify (a forged one is refused,
+        and read again until the coordinator's own command replaces it)."""
+        assert self.run is not None
+        first = self.control_seq + 1
+        for n in range(first, min(seq, first + 15) + 1):
+            key = protocol.control_key(n)
+            if not store.check([key]):
+                return
+            raw = store.get(key)
+            try:
+                command = protocol.parse_command(self.run, raw, n)
+            except ValueError as exc:
+                self.rejections(f"command {n}", key, raw, exc)
+                return
+            self.commands[n] = command
+            self.commands.pop(n - 64, None)
+            self.control_seq = n
+
 
 class _Aborted(Exception):
     """The generation was abandoned before it formed (a member failed during the rendezvous)."""
 
 
-def _wait_next(store: dist.Store, cfg: WorkerConfig, worker_id: int, generation: int) -> str:
-    """Block until the coordinator says where this worker goes after ``generation``."""
-    key = protocol.next_key(worker_id, generation)
-    store.wait([key], datetime.timedelta(seconds=cfg.store_timeout_s))
-    return store.get(key).decode()
-
-
-def _rendezvous(store: dist.Store, cfg: WorkerConfig, generation: int, size: int) -> None:
+def _rendezvous(store: dist.Store, cfg: WorkerConfig, generation: int, size: int,
+                aborted: Callable[[], bool]) -> None:
     """Wait until every member of ``generation`` has arrived (or the generation is aborted)."""
     store.add(protocol.arrived_key(generation), 1)
     if size == 1:
@@ -245,7 +363,7 @@ def _rendezvous(store: dist.Store, cfg: WorkerConfig, generation: int, size: int
     deadline = time.monotonic() + cfg.store_timeout_s
     pause = 0.001
     while store.add(protocol.arrived_key(generation), 0) < size:
-        if store.check([protocol.abort_key(generation)]):
+        if aborted():
             raise _Aborted()
         if time.monotonic() > deadline:
             raise _Aborted()
@@ -309,8 +427,11 @@ def _save_checkpoint(cfg: WorkerConfig, job: Job, engine: VNEngine, step: int) -
 class _Worker:
     """One worker's life: generations one after another until the job ends or it leaves."""
 
-    def __init__(self, cfg: WorkerConfig, worker_id: int, store: dist.Store) -> None:
+    def __init__(self, cfg: WorkerConfig, worker_id: int, store: dist.Store, reporter: Reporter) -> None:
         self.cfg, self.id, self.store = cfg, worker_id, store
+        self.report = reporter
+        self.run_key = reporter.run
+        self.rejections = Rejections(reporter)
         self._transferring = False  # inside a state transfer (what a fault report names)
         self.device = torch.device(cfg.device)
         self.progress = Progress(step=-1, control=0)
@@ -318,8 +439,34 @@ class _Worker:
         self.last_eval_step = -1
         self.retired: list[Group] = []
 
-    def report(self, message: dict[str, Any]) -> None:
-        protocol.push_report(self.store, {"worker": self.id, "pid": os.getpid(), **message})
+    def read_signed(self, key: str, parse: Callable[[bytes], T], channel: str) -> T:
+        """``parse`` of the value at ``key`` once it is there. A value that does not verify is
+        refused (noted once) and read again until the coordinator's own value replaces it; after
+        ``store_timeout_s`` the worker gives up with an error."""
+        timeout_s = self.cfg.store_timeout_s
+        deadline = time.monotonic() + timeout_s
+        self.store.wait([key], datetime.timedelta(seconds=timeout_s))
+        while True:
+            raw = self.store.get(key)
+            try:
+                return parse(raw)
+            except ValueError as exc:
+                self.rejections(channel, key, raw, exc)
+                last = exc
+            self.report.flush()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{channel} ({key}) in the job's store did not verify for {timeout_s:g} s "
+                                   f"(something other than the coordinator writes there): {last}")
+            time.sleep(0.05)
+
+    def next_generation(self, after: int) -> str:
+        """Where this worker goes after generation ``after`` (waits for the coordinator)."""
+        return self.read_signed(protocol.next_key(self.id, after),
+                                lambda raw: protocol.parse_next(self.run_key, raw, self.id, after),
+                                f"next {self.id}/{after}")
+
+    def aborted(self, generation: int) -> bool:
+        return _aborted(self.store, self.run_key, generation, self.rejections)
 
     # -- set-up: everything slow happens before joining --------------------------------------
     def setup(self) -> None:
@@ -350,7 +497,7 @@ class _Worker:
             self.progress = Progress(step=0, control=0)
         else:
             _materialize_optimizer_state(self.engine)
-        self.heartbeat = Heartbeat(cfg, self.id)
+        self.heartbeat = Heartbeat(cfg, self.id, run=self.run_key, rejections=self.rejections)
         if cfg.control_plane:
             self.heartbeat.start()
         self.report({"type": "join", "setup_s": time.perf_counter() - t_start})
@@ -358,7 +505,7 @@ class _Worker:
     # -- the life loop ------------------------------------------------------------------------
     def run(self) -> None:
         self.setup()
-        where = _wait_next(self.store, self.cfg, self.id, -1)
+        where = self.next_generation(-1)
         while True:
             if where == protocol.FAIL:
                 return
@@ -366,21 +513,23 @@ class _Worker:
                 self.leave(where)
                 return
             gen = int(where)
-            record = protocol.GenerationRecord.from_json(self.store.get(protocol.generation_key(gen)))
+            record = self.read_signed(protocol.generation_key(gen),
+                                      lambda raw: protocol.parse_generation(self.run_key, raw, gen),
+                                      f"generation {gen}")
             try:
                 group = self._form(record)
             except (PeerFailure, _Aborted) as exc:
                 phase = "state_transfer" if self._transferring else "regroup"
                 self.report({"type": "fault", "generation": gen, "phase": phase, "step": self.progress.step,
-                             "error": str(exc) or "generation aborted"})
-                where = _wait_next(self.store, self.cfg, self.id, gen)
+                             "error": (str(exc) or "generation aborted")[:2000]})
+                where = self.next_generation(gen)
                 continue
             if record.hold:
                 if group.rank == 0:
                     path = _save_checkpoint(self.cfg, self.job, self.engine, self.progress.step)
                     self.report({"type": "held", "generation": gen, "step": self.progress.step, "checkpoint": path})
                 self.retired.append(group)
-                where = _wait_next(self.store, self.cfg, self.id, gen)
+                where = self.next_generation(gen)
                 continue
             try:
                 outcome = self._steps(record, group)
@@ -388,13 +537,13 @@ class _Worker:
                 phase = self.engine.phase
                 self.engine.abandon_step()
                 self.report({"type": "fault", "generation": gen, "phase": phase, "step": self.progress.step,
-                             "error": str(exc)})
+                             "error": str(exc)[:2000]})
                 self.retired.append(group)
-                where = _wait_next(self.store, self.cfg, self.id, gen)
+                where = self.next_generation(gen)
                 continue
             if outcome == "regroup":
                 self.retired.append(group)
-                where = self.store.get(protocol.next_key(self.id, gen)).decode()
+                where = self.next_generation(gen)
                 continue
             self._finish(group)
             return
@@ -405,10 +554,9 @@ class _Worker:
         self._transferring = False
         t0 = time.perf_counter()
         rank = record.members.index(self.id)
-        _rendezvous(self.store, cfg, gen, len(record.members))
+        _rendezvous(self.store, cfg, gen, len(record.members), lambda: self.aborted(gen))
         group = make_group(self.store, gen, rank, len(record.members), cfg.collective_timeout_s, self.device)
-        abort = protocol.abort_key(gen)
-        group.abort_check = lambda: self.store.check([abort])
+        group.abort_check = lambda: self.aborted(gen)
         t_group = time.perf_counter() - t0
         for old in self.retired:  # every member has left the old groups: release them
             old.close()
@@ -495,22 +643,23 @@ class _Worker:
             }
             self.last_report = report
             if rank == 0:
-                protocol.push_report(self.store, {"worker": self.id, **report})
+                self.report(report)
+            else:
+                self.report.flush()  # what the heartbeat thread refused, if anything
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.total_steps:
                     t_ck = time.perf_counter()
                     path = _save_checkpoint(cfg, job, engine, step)
                     self.report({"type": "checkpoint", "step": step, "path": path,
                                  "save_s": time.perf_counter() - t_ck})
                 if job.evaluate is not None and job.eval_every and step % job.eval_every == 0:
-                    _evaluate(self.store, job, engine, step)
+                    _evaluate(self.report, job, engine, step)
                     self.last_eval_step = step
                 t_prev = time.perf_counter()  # checkpoint and evaluation time is not step time
             if outcome.control > self.progress.control:
-                commands = [json.loads(self.store.get(protocol.control_key(n)))
-                            for n in range(self.progress.control + 1, outcome.control + 1)]
-                ops = [c.get("op") for c in commands]
+                commands = [self._command(n) for n in range(self.progress.control + 1, outcome.control + 1)]
+                ops = [c["op"] for c in commands]
                 for c in commands:
-                    if c.get("op") == "slowdown" and c.get("worker") == self.id:
+                    if c["op"] == "slowdown" and c["worker"] == self.id:
                         engine.slowdown = float(c["factor"])
                 self.progress = Progress(step=step, control=outcome.control)
                 if "stop" in ops:
@@ -518,6 +667,14 @@ class _Worker:
                 if "regroup" in ops:
                     return "regroup"
         return "done"
+
+    def _command(self, n: int) -> dict[str, Any]:
+        """Control command ``n``, verified (by the heartbeat thread, or here)."""
+        command = self.heartbeat.commands.get(n)
+        if command is None:
+            command = self.read_signed(protocol.control_key(n),
+                                       lambda raw: protocol.parse_command(self.run_key, raw, n), f"command {n}")
+        return command
 
     def _non_finite(self, outcome, step: int, rank: int) -> None:
         path = os.path.join(self.cfg.state_dir, "checkpoint.pt")
@@ -536,7 +693,7 @@ class _Worker:
         step, job = self.progress.step, self.job
         if group.rank == 0:
             if job.evaluate is not None and self.last_eval_step != step:
-                _evaluate(self.store, job, self.engine, step)
+                _evaluate(self.report, job, self.engine, step)
             save_state(os.path.join(self.cfg.state_dir, "final.pt"), training_state(job, self.engine, step))
         self.report({"type": "done", "step": step, "rank": group.rank, "peak_rss_mib": _peak_rss_mib()})
         self.heartbeat.stop()
@@ -563,10 +720,6 @@ class _Worker:
             old.close()
 
 
-def _train(cfg: WorkerConfig, worker_id: int, store: dist.Store) -> None:
-    _Worker(cfg, worker_id, store).run()
-
-
 def _peak_rss_mib() -> float:
     """This process's own peak resident memory (VmHWM). ``ru_maxrss`` is not used: on Linux it
     carries the parent's peak across fork+exec, so a worker would report its launcher's."""
@@ -585,19 +738,16 @@ def _peak_rss_mib() -> float:
         return float("nan")
 
 
-def _evaluate(store: dist.Store, job: Job, engine: VNEngine, step: int) -> None:
+def _evaluate(report: Reporter, job: Job, engine: VNEngine, step: int) -> None:
     model = engine.model
     model.eval()
     t0 = time.perf_counter()
     with torch.no_grad():
         metrics = job.evaluate(model)
     model.train()
-    protocol.push_report(
-        store,
-        {
-            "type": "eval",
-            "step": step,
-            "metrics": {k: float(v) for k, v in dict(metrics).items()},
-            "eval_time_s": time.perf_counter() - t0,
-        },
-    )
+    report({
+        "type": "eval",
+        "step": step,
+        "metrics": {str(k): float(v) for k, v in dict(metrics).items()},
+        "eval_time_s": time.perf_counter() - t0,
+    })
