@@ -105,3 +105,17 @@ def test_interrupt_stops_at_a_step_boundary_with_the_final_state(tmp_path, sig, 
     steps = [json.loads(line)["step"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert steps == list(range(final["step"]))  # every committed step recorded once, none after the state
     assert all(torch.isfinite(v).all() for v in final["model"].values() if v.is_floating_point())
+
+
+def test_worker_join_with_nothing_listening_is_one_line(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("0123456789abcdef" * 4)
+    token.chmod(0o600)
+    p = cli("worker", "--join", "127.0.0.1:1", "--token-file", str(token), "--join-timeout", "1")
+    assert p.returncode == 1 and "Traceback" not in p.stderr and "frame #" not in p.stderr, p.stderr
+    assert p.stderr.strip() == ("virtualflow worker: nothing is listening at 127.0.0.1:1 (Connection refused); start "
+                                "the job first (virtualflow run ... --backend external --listen 127.0.0.1:1) or "
+                                "check --join")
+    token.chmod(0o644)  # a token others can read is refused, naming the fix
+    p = cli("worker", "--join", "127.0.0.1:1", "--token-file", str(token), "--join-timeout", "1")
+    assert p.returncode == 2 and f"chmod 600 {token}" in p.stderr and len(p.stderr.strip().splitlines()) == 1

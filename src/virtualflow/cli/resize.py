@@ -55,7 +55,7 @@ def request_resize(run_dir: str, workers: int, token_file: str | None = None) ->
     coord = status["coordinator"]
     store = dist.TCPStore(coord["host"], int(coord["port"]), is_master=False,
                           timeout=datetime.timedelta(seconds=10))
-    token = auth.read_token(token_file or token_path(run_dir, status))
+    token = auth.read_token(token_file or token_path(run_dir, status), private=True)
     message = auth.sign(token, {"op": "resize", "workers": workers, "source": "cli"}, job=job_id, kind="request")
     store.queue_push(protocol.REQUESTS_QUEUE, message)
     status["request_nonce"] = auth.payload_of(message)["nonce"]

@@ -50,8 +50,9 @@ def join(address: str, token: str, timeout_s: float = 120.0) -> tuple[int, objec
     from virtualflow.comm.rejects import short
 
     host, port = parse_address(address, "--join")
-    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=min(timeout_s, 60.0)))
     deadline = time.monotonic() + timeout_s
+    _wait_for_listener(address, host, port, deadline)
+    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=min(timeout_s, 60.0)))
     while not store.check([protocol.JOB_KEY]):
         if time.monotonic() > deadline:
             raise JoinRefused(f"{address} holds no virtualflow job (no job id in its store)")
@@ -86,6 +87,22 @@ def join(address: str, token: str, timeout_s: float = 120.0) -> tuple[int, objec
     return payload["worker"], config
 
 
+def _wait_for_listener(address: str, host: str, port: int, deadline: float) -> None:
+    """Retry a plain TCP connection until something listens at ``address`` (the coordinator may
+    start later), so that nobody listening is one clear error instead of the store's retries."""
+    last: OSError | None = None
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=2.0).close()
+            return
+        except OSError as exc:
+            last = exc
+        if time.monotonic() > deadline:
+            raise JoinRefused(f"nothing is listening at {address} ({last.strerror or last}); start the job first "
+                              f"(virtualflow run ... --backend external --listen {address}) or check --join")
+        time.sleep(0.5)
+
+
 def _refusal(raw: bytes) -> str | None:
     """The reason of an (unsigned) refusal, ``{"rejected": REASON}``; None if ``raw`` is not one."""
     try:
@@ -100,10 +117,7 @@ def _refusal(raw: bytes) -> str | None:
 def main(args: argparse.Namespace) -> int:
     from virtualflow.comm import auth
 
-    token = auth.read_token(args.token_file)
-    if not auth.token_file_is_private(args.token_file):
-        print(f"virtualflow worker: warning: {args.token_file} is readable by other users; chmod 600 it",
-              file=sys.stderr)
+    token = auth.read_token(args.token_file, private=True)
     try:
         worker_id, config = join(args.join, token, args.join_timeout)
     except JoinRefused as exc:
