@@ -325,6 +325,7 @@ class RayBackend:
         return self.options.default_threads()
 
     def check_capacity(self, workers: int, *, knob: str = "--workers") -> None:
+        connect(self.options)  # the cluster's resources are known once this process is its driver
         check_capacity(self.options, workers, knob=knob)
 
     def attach(self, attachment: "Attachment") -> None:

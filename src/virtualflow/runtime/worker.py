@@ -642,10 +642,10 @@ class _Worker:
                 "time": time.time(),
             }
             self.last_report = report
-            if rank == 0:
-                self.report(report)
-            else:
+            if rank != 0:
                 self.report.flush()  # what the heartbeat thread refused, if anything
+            else:
+                self.report(report)
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.total_steps:
                     t_ck = time.perf_counter()
                     path = _save_checkpoint(cfg, job, engine, step)
