@@ -17,7 +17,7 @@ measured directly, from its behaviour:
   worker's heartbeat counter (``vf/hb/<id>`` in the coordinator's store) after the warm-up and
   near the end, and divides the beats by the steps trained meanwhile;
 * **time per heartbeat**: a fresh 1-thread process runs virtualflow's own heartbeat
-  (``virtualflow.runtime.worker.Heartbeat``, watching a generation's abort flag as a worker
+  (``virtualflow.runtime.channel.Heartbeat``, watching a generation's abort flag as a worker
   does) back to back for a few seconds against a TCPStore hosted by this process, as the
   coordinator hosts it; time / beats. The same while 2 CPU-bound processes keep both cores busy.
 
@@ -117,7 +117,7 @@ def store_child(cfg: dict) -> dict:
     import torch.distributed as dist
 
     from virtualflow.comm import protocol
-    from virtualflow.runtime.worker import Heartbeat
+    from virtualflow.runtime.channel import Heartbeat
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", cfg["port"], is_master=False, timeout=datetime.timedelta(seconds=60))

@@ -40,7 +40,8 @@ from virtualflow.backends import external
 from virtualflow.comm import auth, protocol
 from virtualflow.comm.rejects import RejectLog
 from virtualflow.runtime import transfer
-from virtualflow.runtime.worker import Heartbeat, Reporter, WorkerConfig, _Worker
+from virtualflow.runtime.channel import Heartbeat, Reporter
+from virtualflow.runtime.worker import Worker, WorkerConfig
 import jobs
 
 KEY = "k" * 64
@@ -306,7 +307,7 @@ def test_hostile_state_headers_are_refused(header):
 def test_a_worker_refuses_forged_values_says_so_once_and_takes_the_coordinators_own():
     store = master_store()
     reporter = Reporter(store, RUN, 5)
-    worker = _Worker(worker_config(store_port=store.port), 5, store, reporter)
+    worker = Worker(worker_config(store_port=store.port), 5, store, reporter)
 
     def later(key: str, value: str) -> threading.Thread:
         t = threading.Timer(0.4, lambda: store.set(key, value))
@@ -330,11 +331,11 @@ def test_a_worker_refuses_forged_values_says_so_once_and_takes_the_coordinators_
     # Commands: a forged one at the next number holds the control position until the real one.
     hb = Heartbeat(worker.cfg, 5, run=RUN, rejections=worker.rejections)
     store.set(protocol.control_key(1), json.dumps({"op": "stop"}))
-    hb._follow(store, 10**12)  # a forged sequence number too: followed only as far as commands verify
+    hb.follow(store, 10**12)  # a forged sequence number too: followed only as far as commands verify
     assert hb.control_seq == 0
     store.set(protocol.control_key(1), protocol.seal_command(RUN, 1, "slowdown", {"worker": 5, "factor": 2.0}))
     store.set(protocol.control_key(2), store.get(protocol.control_key(1)))  # replayed at the next number
-    hb._follow(store, 2)
+    hb.follow(store, 2)
     assert hb.control_seq == 1 and hb.commands[1]["factor"] == 2.0
     reporter.flush()
     reader = protocol.ReportReader(RUN)

@@ -1,0 +1,199 @@
+"""A worker's side of the control plane: its signed reports out, and what it reads back.
+
+:class:`Reporter` signs and numbers this worker's reports; :class:`Rejections` notes (bounded)
+what the worker refused from the store; :class:`Heartbeat` is the thread that beats, follows
+the verified control sequence and watches the current generation's abort flag, off the step's
+critical path; :func:`aborted` reads a verified abort flag. Protocol and signatures are in
+:mod:`virtualflow.comm.protocol`.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import hashlib
+import logging
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from virtualflow.comm import protocol
+from virtualflow.comm.rejects import RejectLog
+
+if TYPE_CHECKING:
+    from virtualflow.runtime.worker import WorkerConfig
+
+logger = logging.getLogger("virtualflow.runtime.worker")
+
+
+class Reporter:
+    """Signs and sends this worker's reports, numbered 1, 2, ... (the coordinator accepts each
+    number once and in order, so a report queued again is refused). Called from the main thread
+    only (one store client, so reports arrive in the order they are numbered); other threads
+    hand their reports in with :meth:`queue`, sent with the next report or :meth:`flush`."""
+
+    def __init__(self, store: dist.Store, run: protocol.RunKey, worker_id: int) -> None:
+        self.store, self.run, self.worker = store, run, worker_id
+        self.pid = os.getpid()
+        self.seq = 0
+        self._queued: collections.deque[dict[str, Any]] = collections.deque()
+
+    def __call__(self, message: dict[str, Any]) -> None:
+        self.flush()
+        self._push(message)
+
+    def queue(self, message: dict[str, Any]) -> None:
+        self._queued.append(message)
+
+    def flush(self) -> None:
+        while self._queued:
+            self._push(self._queued.popleft())
+
+    def _push(self, message: dict[str, Any]) -> None:
+        self.seq += 1
+        protocol.push_report(self.store, self.run, {**message, "worker": self.worker, "pid": self.pid, "seq": self.seq})
+
+
+class Rejections:
+    """What this worker refused from the store: noted once per distinct value of a key, logged
+    (bounded: :class:`~virtualflow.comm.rejects.RejectLog`) and reported to the coordinator.
+    Thread-safe."""
+
+    def __init__(self, reporter: Reporter | None) -> None:
+        self.reporter = reporter
+        self._lock = threading.Lock()
+        self._seen: dict[str, bytes] = {}
+        self.log = RejectLog(self._report, logger)
+
+    def __call__(self, channel: str, key: str, raw: bytes, reason: Exception) -> None:
+        digest = hashlib.sha256(raw if isinstance(raw, bytes) else repr(raw).encode()).digest()
+        with self._lock:
+            if self._seen.get(key) == digest:
+                return  # read again while waiting for the coordinator's own value: noted already
+            if len(self._seen) > 1024:
+                self._seen.clear()
+            self._seen[key] = digest
+            self.log(f"{channel.partition(' ')[0]}_rejected", reason, raw, channel=channel, key=key)
+
+    def _report(self, event: str, **fields: Any) -> None:
+        if self.reporter is None or event == "rejections_suppressed":
+            return  # the count is in this worker's own log
+        self.reporter.queue({"type": "rejected", "channel": str(fields.get("channel", "")),
+                             "reason": str(fields.get("reason", "")), "message": str(fields.get("message", "")),
+                             "bytes": int(fields.get("bytes") or 0)})
+
+
+def aborted(store: dist.Store, run: protocol.RunKey, generation: int, rejections: Rejections) -> bool:
+    """True when the coordinator has declared ``generation`` broken (a verified abort flag)."""
+    key = protocol.abort_key(generation)
+    if not store.check([key]):
+        return False
+    raw = store.get(key)
+    try:
+        protocol.parse_abort(run, raw, generation)
+        return True
+    except ValueError as exc:
+        rejections(f"abort {generation}", key, raw, exc)
+        return False
+
+
+class Heartbeat:
+    """A daemon thread on its own store client: bumps ``vf/hb/<id>`` and follows the control
+    sequence every ``heartbeat_interval_s``.
+
+    A stopped or frozen process stops beating and the coordinator fences it. Following the control
+    sequence here keeps the store round trips off the step's critical path: the thread reads and
+    verifies new commands in order (:attr:`control_seq` is the last one that verified, with all
+    before it; :attr:`commands` holds them), rank 0 puts that number into the step's reduction, so
+    every member still acts on a command at the same boundary (a command waits at most one
+    interval longer) and none acts on a forged one. Without ``run`` (a benchmark of the
+    heartbeat alone) it reads the same keys but follows nothing. If the coordinator itself is gone
+    (the store stops answering), the worker exits: an orphan must not keep training
+    (``virtualflow run --resume`` continues the job from its last checkpoint). It also watches
+    the current generation's abort flag, so a step that can no longer complete is abandoned
+    before its next virtual node rather than at its reduction (:meth:`broken`).
+    """
+
+    def __init__(self, cfg: WorkerConfig, worker_id: int, run: protocol.RunKey | None = None,
+                 rejections: Rejections | None = None) -> None:
+        self.cfg = cfg
+        self.key = protocol.heartbeat_key(worker_id)
+        self.run = run
+        self.rejections = rejections if rejections is not None else Rejections(None)
+        self.control_seq = 0
+        self.commands: dict[int, dict[str, Any]] = {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._generation: int | None = None
+        self._broken = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="virtualflow-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def watch(self, generation: int) -> None:
+        """From now on, also watch generation ``generation``'s abort flag (see :meth:`broken`)."""
+        with self._lock:
+            self._generation = generation
+            self._broken.clear()
+
+    def broken(self) -> bool:
+        """True once the watched generation has been declared broken (read on the step path:
+        no store round trip, the flag is polled by this thread)."""
+        return self._broken.is_set()
+
+    def _run(self) -> None:
+        misses = 0
+        store = None
+        while not self._stop.is_set():
+            try:
+                if store is None:
+                    store = dist.TCPStore(self.cfg.store_host, self.cfg.store_port, is_master=False,
+                                          timeout=datetime.timedelta(seconds=5))
+                store.add(self.key, 1)
+                seq = protocol.parse_seq(store.get(protocol.CONTROL_SEQ_KEY))
+                with self._lock:
+                    g = self._generation
+                if self.run is None:
+                    if g is not None:
+                        store.check([protocol.abort_key(g)])
+                else:
+                    if seq is not None and seq > self.control_seq:
+                        self.follow(store, seq)
+                    if g is not None and aborted(store, self.run, g, self.rejections):
+                        with self._lock:
+                            if g == self._generation:
+                                self._broken.set()
+                misses = 0
+            except Exception as exc:  # noqa: BLE001
+                misses += 1
+                store = None
+                if misses >= 3:
+                    print(f"virtualflow worker: the coordinator is unreachable ({exc}); exiting", flush=True)
+                    os._exit(3)
+            self._stop.wait(self.cfg.heartbeat_interval_s)
+
+    def follow(self, store: dist.Store, seq: int) -> None:
+        """Verify the commands after :attr:`control_seq`, in order, up to ``seq`` (at most 16 a
+        beat); stop at the first that is missing or does not verify (a forged one is refused,
+        and read again until the coordinator's own command replaces it)."""
+        assert self.run is not None
+        first = self.control_seq + 1
+        for n in range(first, min(seq, first + 15) + 1):
+            key = protocol.control_key(n)
+            if not store.check([key]):
+                return
+            raw = store.get(key)
+            try:
+                command = protocol.parse_command(self.run, raw, n)
+            except ValueError as exc:
+                self.rejections(f"command {n}", key, raw, exc)
+                return
+            self.commands[n] = command
+            self.commands.pop(n - 64, None)
+            self.control_seq = n
