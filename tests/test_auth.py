@@ -100,7 +100,7 @@ def test_replay_guard_forgets_nonces_once_their_messages_are_stale():
     with pytest.raises(auth.AuthError, match="more than 3"):
         guard.check("n3", 100.0, now=101.0)
     guard.check("n3", 100.0, now=111.0)  # the first three expired and are forgotten
-    assert len(guard._seen) == 1
+    assert len(guard) == 1
 
 
 def test_stale_message_is_refused():

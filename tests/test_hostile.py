@@ -27,7 +27,7 @@ import os
 import pickle
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -223,13 +223,14 @@ def worker_config(**kw) -> WorkerConfig:
 def test_external_join_refusals_are_bounded_and_the_configuration_sent_holds_no_key(tmp_path):
     store = master_store()
     events: list[dict] = []
-    backend = external.ExternalBackend(("127.0.0.1", store.port))
+    now = [1000.0]
+    backend = external.ExternalBackend(("127.0.0.1", store.port), clock=lambda: now[0])
     cfg = worker_config()
     backend.attach(Attachment(config=cfg, state_dir=str(tmp_path), store=store, token=TOKEN,
                               grow=lambda: "full", event=lambda kind, **f: events.append({"event": kind, **f})))
-    sent = external.decode_config(backend._config_text)
+    sent = external.decode_config(backend.config_text)
     assert sent.run_key == "" and sent.job_id == JOB  # the store is not private: no key goes through it
-    pickled = base64.b64decode(backend._config_text)
+    pickled = base64.b64decode(backend.config_text)
     assert KEY.encode() not in pickled and TOKEN.encode() not in pickled
     # 50 unsigned joins with a 100 KB field, and 50 wrongly signed ones that name a nonce each.
     for i in range(50):
@@ -240,12 +241,12 @@ def test_external_join_refusals_are_bounded_and_the_configuration_sent_holds_no_
     backend.serve([])
     rejected = [e for e in events if e["event"] == "join_rejected"]
     assert len(rejected) == 30 and max(len(json.dumps(e)) for e in events) < 1200
-    assert len(backend._refusals) == external.MAX_REFUSALS  # a refusal answer for the first 32 only
-    keys = [k for _, k in backend._refusals]
+    assert len(backend.refusals) == external.MAX_REFUSALS  # a refusal answer for the first 32 only
+    keys = [k for _, k in backend.refusals]
     assert all(store.check([k]) for k in keys)
-    backend._refusals = deque((0.0, k) for _, k in backend._refusals)  # as if REFUSAL_TTL_S had passed
+    now[0] += external.REFUSAL_TTL_S  # the refusal answers' time is up
     backend.serve([])
-    assert not any(store.check([k]) for k in keys) and not backend._refusals
+    assert not any(store.check([k]) for k in keys) and not backend.refusals
     backend.terminate_all()
     assert {"event": "rejections_suppressed", "of": "join_rejected", "count": 70, "per_minute": 30} in events
 

@@ -40,7 +40,7 @@ import signal
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import cloudpickle
 
@@ -112,13 +112,15 @@ class ExternalBackend:
     name = "external"
     kind_of_worker = "external workers"
 
-    def __init__(self, listen: tuple[str, int]) -> None:
+    def __init__(self, listen: tuple[str, int], *, clock: Callable[[], float] = time.monotonic) -> None:
         self.listen = listen
+        self.clock = clock
         self.workers: dict[int, ExternalWorker] = {}
         self._open: list[int] = []
         self._waiting: deque[dict[str, Any]] = deque()
         self._guard = auth.ReplayGuard()
-        self._refusals: deque[tuple[float, str]] = deque()  # (when to delete, key)
+        self.refusals: deque[tuple[float, str]] = deque()
+        """Refusal answers waiting in the store: (when to delete, key)."""
 
     def store_address(self) -> tuple[str, int]:
         return self.listen
@@ -137,7 +139,8 @@ class ExternalBackend:
         self.event = attachment.event
         self.job_id = attachment.config.job_id
         self.rejects = RejectLog(attachment.event, logger)
-        self._config_text = encode_config(self.config)
+        self.config_text = encode_config(self.config)
+        """What a welcome carries: the workers' configuration with no key in it."""
 
     def log_tail(self, worker_id: int, lines: int = 15) -> str:
         w = self.workers.get(worker_id)
@@ -145,7 +148,7 @@ class ExternalBackend:
 
     # -- the launcher interface of the membership controller --------------------------------
     def start_worker(self, worker_id: int) -> ExternalWorker:
-        w = ExternalWorker(worker_id, time.monotonic())
+        w = ExternalWorker(worker_id, self.clock())
         self.workers[worker_id] = w
         self._open.append(worker_id)
         self._assign()
@@ -187,9 +190,9 @@ class ExternalBackend:
                 w = self.workers.get(r.get("worker"))
                 if w is not None and w.code is None:
                     w.code = 0
-        now = time.monotonic()
-        while self._refusals and self._refusals[0][0] <= now:
-            key = self._refusals.popleft()[1]
+        now = self.clock()
+        while self.refusals and self.refusals[0][0] <= now:
+            key = self.refusals.popleft()[1]
             try:
                 self.store.delete_key(key)
             except Exception:  # noqa: BLE001 - gone already (the worker read and deleted it)
@@ -221,7 +224,7 @@ class ExternalBackend:
             w = self.workers[wid]
             w.host, w.pid_ = req["host"], req["pid"]
             reply = auth.sign(self.token, {"op": "welcome", "worker": wid, "request": req["nonce"],
-                                           "config": self._config_text}, job=self.job_id, kind="welcome")
+                                           "config": self.config_text}, job=self.job_id, kind="welcome")
             self.store.set(join_reply_key(req["nonce"]), reply)
             self.event("joined", worker=wid, host=w.host, pid=w.pid_)
             logger.info("worker %d joined from %s (pid %s)", wid, w.host, w.pid_)
@@ -239,8 +242,8 @@ class ExternalBackend:
     def _refuse(self, nonce: str, why: str) -> None:
         """Answer a join with a refusal (unsigned: it only tells a worker to give up), if fewer than
         :data:`MAX_REFUSALS` are waiting; deleted after :data:`REFUSAL_TTL_S` if nobody reads it."""
-        if len(self._refusals) >= MAX_REFUSALS:
+        if len(self.refusals) >= MAX_REFUSALS:
             return
         key = join_reply_key(nonce)
         self.store.set(key, json.dumps({"rejected": short(why)}))
-        self._refusals.append((time.monotonic() + REFUSAL_TTL_S, key))
+        self.refusals.append((self.clock() + REFUSAL_TTL_S, key))

@@ -170,6 +170,10 @@ class ReplayGuard:
         self._seen: set[str] = set()
         self._order: collections.deque[tuple[float, str]] = collections.deque()
 
+    def __len__(self) -> int:
+        """Nonces remembered now."""
+        return len(self._seen)
+
     def check(self, nonce: str, t: float, *, now: float | None = None) -> None:
         now = time.time() if now is None else now
         # A nonce is kept until its message could no longer pass the time check.
