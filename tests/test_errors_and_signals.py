@@ -92,7 +92,7 @@ def test_interrupt_stops_at_a_step_boundary_with_the_final_state(tmp_path, sig, 
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == code, err[-2000:]
-    assert f"stopped at step" in err and reason in err and "Traceback" not in err
+    assert "stopped at step" in err and reason in err and "Traceback" not in err
     with open(os.path.join(run_dir, "summary.json")) as fh:
         summary = json.load(fh)
     with open(os.path.join(run_dir, "status.json")) as fh:

@@ -8,7 +8,6 @@ import math
 
 import pytest
 
-import virtualflow as vf
 from virtualflow.cli.main import build_parser
 from virtualflow.options import LaunchOptions, add_arguments, flag_of, make_options, options_from_args
 
