@@ -141,7 +141,7 @@ BAD_SHAPES = [
                 "step_time_s": 0.1, "workers": 2, "generation": 0, "vns": [[0], [[1]]], "members": [0, 1],
                 "compute_s": None, "vn_sizes": None, "time": 0.0}, r"vns\[1\]\[0\]"),
     ("request", {"op": "resize", "workers": "1", "source": "cli"}, "workers is a string"),
-    ("request", {"op": "stop", "workers": 1, "source": "cli"}, "unknown request op"),
+    ("request", {"op": "stop", "workers": 1, "source": "cli"}, "not a resize request"),
     ("request", {"op": "resize", "workers": 1}, "lacks the field 'source'"),
     ("join", {"op": "join", "host": ["h"], "pid": 1}, "host is a list"),
     ("join", {"op": "join", "host": "h" * 20_000, "pid": 1}, "over the 16384-byte limit"),

@@ -360,26 +360,28 @@ def pop_raw(store: dist.Store, queue: str, limit: int = 1000) -> list[bytes]:
 
 
 # -- messages signed with the job's token ----------------------------------------------------
+def _parse_fresh(token: str, job: str, raw: Any, guard: auth.ReplayGuard | None, *, kind: str, op: str,
+                 schema: Any, what: str, max_bytes: int) -> dict[str, Any]:
+    """A message from outside the run, signed with the token: verified, then checked."""
+    p = auth.verify(token, raw, job=job, kind=kind, guard=guard, max_bytes=max_bytes)
+    check(p, schema, what)
+    if p["op"] != op:
+        raise BadMessage(f"not a {what} (op={p['op'][:40]!r})")
+    if not _NONCE.fullmatch(p["nonce"]):
+        raise BadMessage(f"the {what}'s nonce is not 16-64 hex digits")
+    return p
+
+
 def parse_request(token: str, job: str, raw: Any, guard: auth.ReplayGuard | None) -> dict[str, Any]:
     """A ``virtualflow resize`` request from the request queue."""
-    p = auth.verify(token, raw, job=job, kind="request", guard=guard, max_bytes=MAX_REQUEST_BYTES)
-    check(p, REQUEST, "request")
-    if p["op"] != "resize":
-        raise BadMessage(f"unknown request op {p['op'][:40]!r}")
-    if not _NONCE.fullmatch(p["nonce"]):
-        raise BadMessage("the request's nonce is not 16-64 hex digits")
-    return p
+    return _parse_fresh(token, job, raw, guard, kind="request", op="resize", schema=REQUEST, what="resize request",
+                        max_bytes=MAX_REQUEST_BYTES)
 
 
 def parse_join(token: str, job: str, raw: Any, guard: auth.ReplayGuard | None) -> dict[str, Any]:
     """An external worker's join request."""
-    p = auth.verify(token, raw, job=job, kind="join", guard=guard, max_bytes=MAX_JOIN_BYTES)
-    check(p, JOIN, "join request")
-    if p["op"] != "join":
-        raise BadMessage(f"not a join request (op={p['op'][:40]!r})")
-    if not _NONCE.fullmatch(p["nonce"]):
-        raise BadMessage("the join request's nonce is not 16-64 hex digits")
-    return p
+    return _parse_fresh(token, job, raw, guard, kind="join", op="join", schema=JOIN, what="join request",
+                        max_bytes=MAX_JOIN_BYTES)
 
 
 def parse_welcome(token: str, job: str, raw: Any, request: str) -> dict[str, Any]:
