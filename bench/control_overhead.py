@@ -301,8 +301,10 @@ def markdown(run: H.Run, args, row: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child_store:
-        print(json.dumps(store_child(json.loads(args.child_store))))
-        return 0
+        print(json.dumps(store_child(json.loads(args.child_store))), flush=True)
+        # Skip interpreter teardown, as virtualflow's own workers do: the store's background
+        # threads can abort the process while C++ statics are destroyed.
+        os._exit(0)
     run = H.Run(NAME, args, TARGET_KEYS)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
