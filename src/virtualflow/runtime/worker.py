@@ -38,6 +38,10 @@ reports are signed and numbered. A forged command written ahead of the coordinat
 advances the worker's control position: commands are followed in order and only as far as they
 verify (the heartbeat thread checks them, so rank 0 puts only a verified position into the step's
 reduction).
+
+Size: about 580 lines, one concept (a worker's life through generations: set-up, forming a
+group, agreeing and transferring state, the step loop, leaving); its side of the control plane
+is in :mod:`virtualflow.runtime.channel`.
 """
 
 from __future__ import annotations
