@@ -2,7 +2,7 @@
 
 Workload (Gavel's continuous multi-GPU trace, ``virtualflow.cluster.traces.generate_jobs``):
 Poisson arrivals at each rate, Gavel's duration and GPU-count distributions, job types uniform
-over the 26 types of Gavel's measured table (``../shared/data/gavel/simulation_throughputs.json``).
+over the 26 types of Gavel's measured table (``virtualflow/cluster/data/gavel/simulation_throughputs.json``, bundled).
 Cluster: 12 V100 + 12 P100 + 12 K80, 4 GPUs per server. Round 360 s; the mechanism charges a
 45 s checkpoint-restart whenever a job resumes or moves; the sweep is repeated with restarts
 free (0 s), which is what Gavel's simulator assumes, so the gain can be compared with Gavel's.
