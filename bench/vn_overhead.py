@@ -253,7 +253,7 @@ def parse_args(argv: list[str] | None):
                    help="repeat a pair of runs when other processes used more CPU cores than this meanwhile")
     p.add_argument("--retries", type=int, default=2, help="repetitions of a disturbed pair")
     p.add_argument("--malloc", choices=["stable", "default"], default="stable",
-                   help="glibc allocator settings of every training process (see bench/harness.py); "
+                   help="glibc allocator settings of every training process (see bench/harness/machine.py); "
                         "'default' writes vn_overhead_default_malloc.*")
     p.add_argument("--alt-steps", type=int, default=40,
                    help="steps of the in-process alternating diagnostic, per V, 1 thread (0: skip)")
@@ -454,7 +454,7 @@ def markdown(run: H.Run, args, malloc_env: dict, t: dict, mem_claim: dict | None
           f"repetitions. Time ratio = median over interleaved pairs of virtualflow's median step time / the "
           f"hand loop's (target <= {TARGET_RATIO}); p25 ratio = the same with lower-quartile step times. "
           f"Memory = each training process's own peak RSS (VmHWM). Allocator: {args.malloc} "
-          f"({malloc_env or 'glibc defaults'}, the same for both sides; see bench/harness.py).", "",
+          f"({malloc_env or 'glibc defaults'}, the same for both sides; see bench/harness/machine.py).", "",
           H.md_table(*t["timing"])]
     if t["memory"][1]:
         md += ["", f"Memory probe (B={args.mem_batch}, 1 thread, {args.mem_steps} steps): peak memory must not "

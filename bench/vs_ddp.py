@@ -227,7 +227,7 @@ def parse_args(argv: list[str] | None):
                    help="repeat a pair of runs when other processes used more CPU cores than this meanwhile")
     p.add_argument("--retries", type=int, default=2, help="repetitions of a disturbed pair")
     p.add_argument("--malloc", choices=["stable", "default"], default="stable",
-                   help="glibc allocator settings of every training process (see bench/harness.py); "
+                   help="glibc allocator settings of every training process (see bench/harness/machine.py); "
                         "'default' writes vs_ddp_default_malloc.*")
     p.add_argument("--alt-steps", type=int, default=80,
                    help="steps of the alternating diagnostic (virtualflow engine and DDP step by step in the same "
@@ -365,7 +365,7 @@ def markdown(run: H.Run, args, row: dict, alt: dict | None, malloc_env: dict) ->
         f"median over interleaved pairs of virtualflow's median step time / DDP's (target <= {TARGET_RATIO}); "
         f"p25 ratio = the same with lower-quartile step times. Memory = each process's own peak "
         f"RSS (VmHWM). Final weights differ by at most {row['max_abs_weight_diff']:.1e}. Allocator: {args.malloc} "
-        f"({malloc_env or 'glibc defaults'}, the same for both sides; see bench/harness.py).", "",
+        f"({malloc_env or 'glibc defaults'}, the same for both sides; see bench/harness/machine.py).", "",
         H.md_table(HEADER, [table_row(row)]), "",
         *alt_text,
         "`vf reported peak` is `Result.peak_rss_mib` as virtualflow reports it, read when the worker exits "
