@@ -1,0 +1,17 @@
+"""Pipeline parallelism, planning side. Pure code, no processes.
+
+- ``schedules``: GPipe, 1F1B, interleaved 1F1B, zero-bubble H1, PipeDream-2BW and asynchronous
+  PipeDream as per-rank action lists (a ``Schedule`` of ``Action``s). The job's virtual nodes on
+  one pipeline replica are the schedule's micro-batches.
+- ``check``: the validity checker (order, matching send/recv, no deadlock, stash and
+  weight-version bounds); raises ``ScheduleError`` naming the rank, action index and rule.
+- ``simulate``: an event simulation giving per-action times, step time, bubble and peak stash.
+"""
+
+from __future__ import annotations
+
+from virtualflow.plan.pipeline.check import CheckResult, ScheduleError, check
+from virtualflow.plan.pipeline.schedules import SCHEDULES, Action, Schedule
+from virtualflow.plan.pipeline.schedules import gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_h1
+from virtualflow.plan.pipeline.schedules import pipedream_2bw, pipedream_async
+from virtualflow.plan.pipeline.simulate import SimResult, Slot, simulate
