@@ -15,4 +15,12 @@ from virtualflow.plan.pipeline.schedules import SCHEDULES, Action, Schedule
 from virtualflow.plan.pipeline.schedules import gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_h1
 from virtualflow.plan.pipeline.schedules import pipedream_2bw, pipedream_async
 from virtualflow.plan.pipeline.simulate import SimResult, Slot, simulate
-from virtualflow.plan.pipeline.partition import InfeasiblePartition, LayerProfile, Link, Partition, equal_layer_split, evaluate_split, partition
+from virtualflow.plan.pipeline.partition import (
+    InfeasiblePartition, LayerProfile, Link, Partition, equal_layer_split, evaluate_split, partition,
+)
+
+__all__ = [
+    "Action", "Schedule", "SCHEDULES", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "pipedream_2bw",
+    "pipedream_async", "check", "CheckResult", "ScheduleError", "simulate", "SimResult", "Slot", "partition",
+    "Partition", "LayerProfile", "Link", "InfeasiblePartition", "equal_layer_split", "evaluate_split",
+]
