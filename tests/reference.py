@@ -43,7 +43,7 @@ def reference_train(job: vf.Job, steps: int):
                 b.copy_(s0)
             sl = idx[v * (B // V) : (v + 1) * (B // V)]
             torch.manual_seed(vf.vn_seed(job.seed, s, v))
-            loss = job.loss(model, (x_all[sl], y_all[sl])) * (len(sl) / B)
+            loss = job.compute_loss(model, (x_all[sl], y_all[sl])) * (len(sl) / B)
             loss.backward()
             total += loss.item()
             ends.append([b.clone() for b in bn_buffers(model)])

@@ -32,14 +32,23 @@ class Job:
     """Zero-argument factory returning the model. Called after ``torch.manual_seed(seed)``."""
     optimizer: Callable[[Any], torch.optim.Optimizer]
     """Factory taking ``model.parameters()`` and returning the optimizer."""
-    loss: Callable[[torch.nn.Module, Any], torch.Tensor]
-    """``(model, batch) -> scalar`` mean loss over that batch."""
     dataset: Any
     """A map-style ``torch.utils.data.Dataset`` or a zero-argument factory returning one."""
     global_batch_size: int
     """B: samples per optimizer step, whatever the number of workers."""
     virtual_nodes: int
     """V: logical data-parallel replicas per step; each processes B / V samples."""
+    loss: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None
+    """``(model, batch) -> scalar`` mean loss over that batch. May be left out when
+    ``output_loss`` is given: the loss is then ``output_loss(model(model_input(batch)), batch)``."""
+    output_loss: Callable[[Any, Any], torch.Tensor] | None = None
+    """``(outputs, batch) -> scalar`` mean loss from the model's outputs. Required for a pipelined
+    job (the loss is computed on the last stage, which sees only the outputs and the batch)."""
+    model_input: Callable[[Any], Any] | None = None
+    """``batch -> what the model (its first layer) takes``; default ``batch[0]`` (a dict batch:
+    ``batch["input"]``)."""
+    pipeline: Any = None
+    """A :class:`virtualflow.Pipeline` to cut the model into stages; ``None``: no pipeline."""
     seed: int = 0
     """Seeds model initialisation, data order and the random streams inside each VN."""
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
@@ -57,12 +66,24 @@ class Job:
     """Shown in logs and the run summary."""
 
     def __post_init__(self) -> None:
-        for field_name in ("model", "optimizer", "loss"):
+        if self.loss is None and self.output_loss is None:
+            raise TypeError("Job needs a loss: give loss=(model, batch) -> scalar, or output_loss=(outputs, batch) -> scalar")
+        if self.pipeline is not None:
+            from virtualflow.pipeline import Pipeline
+
+            if not isinstance(self.pipeline, Pipeline):
+                raise TypeError(f"Job.pipeline must be a virtualflow.Pipeline or None, got {type(self.pipeline).__name__}")
+            if self.output_loss is None:
+                raise ValueError(
+                    "a pipelined job needs Job.output_loss=(outputs, batch) -> scalar: the loss is computed on the "
+                    "last stage, which holds only the model's outputs and the batch (Job.loss sees the whole model)"
+                )
+        for field_name in ("model", "optimizer"):
             if not callable(getattr(self, field_name)):
                 raise TypeError(
                     f"Job.{field_name} must be callable, got {type(getattr(self, field_name)).__name__}"
                 )
-        for field_name in ("lr_scheduler", "collate_fn", "evaluate"):
+        for field_name in ("loss", "output_loss", "model_input", "lr_scheduler", "collate_fn", "evaluate"):
             value = getattr(self, field_name)
             if value is not None and not callable(value):
                 raise TypeError(f"Job.{field_name} must be callable or None, got {type(value).__name__}")
@@ -86,6 +107,23 @@ class Job:
                 "Job.dataset must be a map-style Dataset (with __getitem__ and __len__) or a "
                 f"zero-argument factory returning one, got {type(self.dataset).__name__}"
             )
+
+    def compute_loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        """The mean loss of ``batch``: ``loss(model, batch)``, or, without ``loss``,
+        ``output_loss(model(model_input(batch)), batch)``."""
+        if self.loss is not None:
+            return self.loss(model, batch)
+        return self.output_loss(model(self.input_of(batch)), batch)
+
+    def input_of(self, batch: Any) -> Any:
+        """What the model's first layer takes from ``batch`` (``model_input``, default ``batch[0]``)."""
+        if self.model_input is not None:
+            return self.model_input(batch)
+        if isinstance(batch, dict):
+            if "input" not in batch:
+                raise KeyError(f"a dict batch needs an 'input' key or Job.model_input; it has {sorted(batch)}")
+            return batch["input"]
+        return batch[0]
 
     def build_dataset(self) -> Any:
         ds = self.dataset

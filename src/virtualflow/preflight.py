@@ -86,5 +86,5 @@ def preflight(job: Job, dataset: Any, plan: DataPlan) -> None:
         hint = (f" on virtual node 0's batch of step 0, a {describe(batch)}; dataset items must be tensors, "
                 f"or tuples/dicts of tensors, that the default collate stacks (or give Job.collate_fn)")
         with torch.no_grad():
-            loss = _call("Job.loss", job.loss, model, batch, hint=hint)
+            loss = _call("Job.loss" if job.loss is not None else "Job.output_loss", job.compute_loss, model, batch, hint=hint)
         check_loss(loss, "on virtual node 0's batch of step 0")

@@ -310,7 +310,7 @@ class Worker:
         optimizer = job.optimizer(model.parameters())
         scheduler = job.lr_scheduler(optimizer) if job.lr_scheduler is not None else None
         self.engine = VNEngine(
-            model, optimizer, scheduler, job.loss, plan, BatchLoader(dataset, job.collate_fn),
+            model, optimizer, scheduler, job.compute_loss, plan, BatchLoader(dataset, job.collate_fn),
             seed=job.seed, batchnorm=job.batchnorm, deterministic=cfg.deterministic, device=self.device,
         )
         self.engine.slowdown = float(cfg.slowdowns.get(self.id, 1.0))

@@ -1,0 +1,211 @@
+"""The pipeline description of a job, and how a model is cut into stages.
+
+A job opts into pipeline parallelism with ``Job(..., pipeline=Pipeline(stages=4))``. The model is
+then a chain of *layers*: the children of the ``nn.Sequential`` that ``Job.model`` returns (a
+model that is not a ``Sequential`` is first turned into one by a tracer, see
+:func:`virtualflow.tracing.sequential_from`). Layer ``k`` takes the output of layer ``k-1`` (one
+tensor, or a tuple of tensors) and the first layer takes ``Job.model_input(batch)``; the last
+layer's output goes to ``Job.output_loss(outputs, batch)``. So the same job without its pipeline
+computes ``output_loss(model(model_input(batch)), batch)``, and a pipelined run trains the same
+model (see ``docs/pipeline.md`` for the exact semantics of each schedule).
+
+A pipeline replica has ``stages`` workers; with ``chunks = v > 1`` (the interleaved schedule) the
+model is cut into ``stages * v`` pieces and worker ``r`` holds pieces ``r, r + p, r + 2p, ...``.
+A run with ``W`` workers has ``d = W / stages`` pipeline replicas; worker rank ``r`` of a
+generation is stage-rank ``r % p`` of replica ``r // p``.
+
+Stage modules keep the parameter names of the whole model (a stage is an ``nn.Sequential`` whose
+children are named by their index in the whole model), so the union of the stages' state dicts
+is the whole model's state dict.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Sequence, Union
+
+import torch
+from torch import nn
+
+from virtualflow.plan.pipeline.partition import equal_layer_split
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "2bw", "async")
+FLUSH_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+SplitSpec = Union[str, Sequence[int]]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Pipeline:
+    """How a job's model is cut into stages and which schedule streams micro-batches through them.
+
+    The job's virtual nodes are the micro-batches: each pipeline replica runs its VNs (as the VN
+    engine hands them out over replicas) as the schedule's ``m`` micro-batches.
+    """
+
+    stages: int
+    """p: workers per pipeline replica. The run's worker count must be a multiple of it."""
+    schedule: str = "1f1b"
+    """``gpipe``, ``1f1b`` (PipeDream-Flush), ``interleaved_1f1b`` (Megatron, ``chunks`` model
+    pieces per worker), ``zb_h1`` (zero bubble: backward split into input and weight gradient),
+    ``2bw`` (PipeDream-2BW: no flush, 2 weight versions) or ``async`` (PipeDream: no flush, weight
+    stashing)."""
+    chunks: int = 1
+    """v: model pieces per worker (``interleaved_1f1b`` only); the model is cut into
+    ``stages * chunks`` pieces."""
+    split: SplitSpec = "equal"
+    """Where to cut: ``"equal"`` (equal layer counts), ``"auto"`` (profile each layer on this
+    machine and let the PipeDream partitioner minimise the slowest stage under
+    ``memory_limit_gib``), or explicit layer counts per piece (``stages * chunks`` positive
+    integers summing to the layer count)."""
+    memory_limit_gib: float | None = None
+    """Per-worker memory limit the ``"auto"`` split must respect (weights, gradients, optimizer
+    state and stashed activations); ``None``: no limit."""
+    window: int = 4
+    """``2bw`` / ``async`` only: steps streamed back to back without a flush; the pipeline drains
+    every ``window`` steps (where checkpoints, resizes and evaluation happen)."""
+    record_timeline: bool = False
+    """Record each action's start and end on every worker (``pipeline_timeline.jsonl`` in the
+    run directory, drawn by ``virtualflow plot RUN_DIR --pipeline``)."""
+
+    def __post_init__(self) -> None:
+        _positive("stages", self.stages)
+        _positive("chunks", self.chunks)
+        _positive("window", self.window)
+        if self.schedule not in SCHEDULE_NAMES:
+            raise ValueError(f"Pipeline.schedule={self.schedule!r} is not one of {SCHEDULE_NAMES}")
+        if self.chunks > 1 and self.schedule != "interleaved_1f1b":
+            raise ValueError(
+                f"Pipeline.chunks={self.chunks} needs schedule='interleaved_1f1b' (got {self.schedule!r}); "
+                f"use chunks=1 or the interleaved schedule"
+            )
+        if isinstance(self.split, str):
+            if self.split not in ("equal", "auto"):
+                raise ValueError(f"Pipeline.split={self.split!r} must be 'equal', 'auto' or a list of layer counts")
+        else:
+            counts = list(self.split)
+            if len(counts) != self.pieces or any(not isinstance(c, int) or isinstance(c, bool) or c < 1
+                                                 for c in counts):
+                raise ValueError(
+                    f"Pipeline.split={counts!r} must be {self.pieces} positive layer counts (stages x chunks = "
+                    f"{self.stages} x {self.chunks}); every piece needs at least one layer"
+                )
+            object.__setattr__(self, "split", tuple(counts))
+        if self.memory_limit_gib is not None and not (self.memory_limit_gib > 0):
+            raise ValueError(f"Pipeline.memory_limit_gib={self.memory_limit_gib!r} must be positive or None")
+
+    @property
+    def pieces(self) -> int:
+        """Model pieces: ``stages * chunks``."""
+        return self.stages * self.chunks
+
+    @property
+    def flush(self) -> bool:
+        return self.schedule in FLUSH_SCHEDULES
+
+
+def _positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"Pipeline.{name}={value!r} must be a positive int")
+
+
+def layers_of(model: nn.Module) -> list[nn.Module]:
+    """The layers a pipelined model is cut between: the children of its ``nn.Sequential``."""
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(
+            f"a pipelined job's model must be an nn.Sequential (its children are the layers cut into "
+            f"stages); got {type(model).__name__}. Wrap a model of another kind with "
+            f"virtualflow.tracing.sequential_from(model, example_input, split_points=[...])"
+        )
+    return list(model.children())
+
+
+def bounds_from_counts(counts: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    out, start = [], 0
+    for c in counts:
+        out.append((start, start + c))
+        start += c
+    return tuple(out)
+
+
+def resolve_bounds(pipeline: Pipeline, n_layers: int) -> tuple[tuple[int, int], ...]:
+    """Layer ranges ``[a, b)`` of the ``stages * chunks`` pieces for an explicit or equal split.
+    (``"auto"`` is resolved by the launcher's profiler into explicit counts first.)"""
+    pieces = pipeline.pieces
+    if n_layers < pieces:
+        raise ValueError(
+            f"the model has {n_layers} layers but the pipeline needs {pieces} non-empty pieces "
+            f"(stages={pipeline.stages} x chunks={pipeline.chunks}); use at most {n_layers} stages x chunks, "
+            f"or cut the model into more layers"
+        )
+    if isinstance(pipeline.split, str):
+        if pipeline.split == "auto":
+            raise ValueError("Pipeline.split='auto' must be resolved by the profiler before stages are built")
+        return tuple(equal_layer_split(n_layers, pieces))
+    counts = list(pipeline.split)
+    if sum(counts) != n_layers:
+        raise ValueError(
+            f"Pipeline.split={counts} covers {sum(counts)} layers but the model has {n_layers}; "
+            f"give {pieces} counts that sum to {n_layers}"
+        )
+    return bounds_from_counts(counts)
+
+
+def piece_module(layers: Sequence[nn.Module], lo: int, hi: int) -> nn.Sequential:
+    """Layers ``[lo, hi)`` as an ``nn.Sequential`` whose children keep their whole-model names."""
+    return nn.Sequential(OrderedDict((str(i), layers[i]) for i in range(lo, hi)))
+
+
+@dataclass(slots=True)
+class Grid:
+    """Where a worker sits: ``replica`` of ``replicas``, ``stage_rank`` of ``stages``."""
+
+    stages: int
+    replicas: int
+    rank: int
+    stage_rank: int = field(init=False)
+    replica: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stage_rank = self.rank % self.stages
+        self.replica = self.rank // self.stages
+
+    def rank_of(self, replica: int, stage_rank: int) -> int:
+        return replica * self.stages + stage_rank
+
+    def describe(self) -> str:
+        return (f"{self.stages * self.replicas} workers = {self.stages} stages x {self.replicas} "
+                f"pipeline replica{'s' if self.replicas != 1 else ''}")
+
+
+def check_workers(pipeline: Pipeline, workers: int) -> int:
+    """Pipeline replicas for ``workers``; a clear error when it is not a multiple of the stages."""
+    if workers % pipeline.stages:
+        lo = (workers // pipeline.stages) * pipeline.stages
+        hint = f"{lo} or {lo + pipeline.stages}" if lo else str(pipeline.stages)
+        raise ValueError(
+            f"workers={workers} is not a multiple of Pipeline.stages={pipeline.stages}; a pipelined job runs "
+            f"whole pipelines (workers = stages x replicas): use workers={hint}"
+        )
+    return workers // pipeline.stages
+
+
+def describe_split(layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]], stages: int) -> str:
+    lines = []
+    for k, (a, b) in enumerate(bounds):
+        names = ", ".join(type(layers[i]).__name__ for i in range(a, min(b, a + 3))) + (", ..." if b - a > 3 else "")
+        params = sum(p.numel() for i in range(a, b) for p in layers[i].parameters())
+        lines.append(f"  piece {k} (worker {k % stages}): layers {a}-{b - 1} [{names}], {params:,} parameters")
+    return "\n".join(lines)
+
+
+def tensors_of(value: object) -> tuple[torch.Tensor, ...]:
+    """The tensors a layer boundary carries: one tensor, or a tuple/list of tensors."""
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
+        return tuple(value)
+    raise TypeError(
+        f"a pipeline stage boundary must carry a tensor or a tuple of tensors, got {type(value).__name__}; "
+        f"make each layer return tensors (and take the previous layer's output as its one argument)"
+    )

@@ -1,0 +1,854 @@
+"""The pipeline executor: runs one worker's action list of a pipeline schedule.
+
+A :class:`StageEngine` holds the model pieces of one worker (stage-rank ``r`` of a pipeline
+replica: pieces ``r, r + p, ...``) and runs a :class:`~virtualflow.plan.pipeline.Schedule`'s
+action list for it, micro-batch ``i`` of step ``t`` being the ``i``-th virtual node this replica
+runs. It never talks to the network itself: :meth:`StageEngine.steps` is a generator that
+*yields* what it needs from outside (:class:`Send`, :class:`Recv`, :class:`StageSum`,
+:class:`StageTree`, :class:`AllSum`) and gets the answer back through ``send()``. Two drivers
+answer those requests: :func:`run_processes`' loop in a worker process (torch.distributed point
+to point and collectives over the generation's groups) and :class:`LocalDriver` (all workers of a
+job in one process, cooperatively, for tests and for profiling without processes). So one piece
+of code runs the schedule in both, and the in-process proofs hold for the multi-process runs.
+
+What makes a pipelined step equal to the unpipelined one (``docs/pipeline.md``):
+
+- **Micro-batch = virtual node.** A micro-batch loads the VN's samples (``plan.vn_indices``), its
+  loss is weighted by ``n_v / B`` on the last piece, exactly as in the VN engine.
+- **Random streams travel with the micro-batch.** The first piece seeds the stream with
+  ``vn_seed(seed, step, vn)``; each piece sends the generator state after its forward along with
+  its output, and the next piece continues from it. Dropout therefore draws the same numbers
+  as in the unpipelined forward, whatever the schedule interleaves in between.
+- **BatchNorm** running statistics of each piece are restored to the step's start before every
+  micro-batch's forward and combined once per step (mean over the V virtual nodes, or VN 0's).
+- **Gradients.** Default mode: backward accumulates into ``.grad`` (micro-batches in schedule
+  order), then each piece's gradients are summed over the pipeline replicas (one group per
+  stage-rank). Deterministic mode: each micro-batch's gradient vector (with BatchNorm statistics
+  and, on the last piece, the weighted loss) is kept apart and summed along the fixed VN-id tree
+  (:mod:`virtualflow.plan.vnmap`). Summation is element-wise, so a piece's slice of that sum is
+  bit-identical to the same slice of the unpipelined job's sum, for every p, d, v and schedule.
+- **Flush schedules** apply the update once per step after every piece's gradients are summed;
+  a non-finite loss in any VN (learnt by every worker from one small all-reduce) skips the step.
+- **No-flush schedules** (``2bw``, ``async``) stream ``window`` steps: a piece applies step ``t``'s
+  update right after its last backward of step ``t``; forwards run on *snapshots* (weight
+  versions, ``torch.func.functional_call``) so that the backward of a micro-batch uses the weights
+  of its forward. ``2bw``: step ``t`` uses the weights after ``max(t - 1, 0)`` updates (two
+  versions live); ``async``: the newest weights when the forward runs (weight stashing).
+
+Message keys are ``(direction, from_piece, micro-batch)``; the process driver turns them into
+gloo tags. A send never blocks; a receive blocks until its message is there (the schedule checker
+proves no deadlock under exactly these rules).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generator, Sequence
+
+import torch
+from torch import nn
+
+from virtualflow.comm.reduce import tree_reduce_local
+from virtualflow.pipeline import Pipeline, tensors_of
+from virtualflow.plan.data import DataPlan, vn_seed
+from virtualflow.plan.pipeline import SCHEDULES, Schedule
+from virtualflow.plan.vnmap import Node, TreePlan, split
+from virtualflow.runtime.engine import check_loss, seed_random_streams, to_device
+
+MsgKey = tuple[str, int, int]  # ("F" | "B", from piece, micro-batch id within the action list)
+
+
+# ---- requests a StageEngine yields to its driver ---------------------------------------------
+@dataclass(slots=True)
+class Send:
+    peer: int
+    """Stage-rank of the receiver in the same pipeline replica."""
+    key: MsgKey
+    tensors: list[torch.Tensor]
+
+
+@dataclass(slots=True)
+class Recv:
+    peer: int
+    key: MsgKey
+
+
+@dataclass(slots=True)
+class StageSum:
+    """Sum ``vector`` over the pipeline replicas of this stage-rank (default mode)."""
+
+    vector: torch.Tensor
+
+
+@dataclass(slots=True)
+class StageTree:
+    """Sum the per-VN tree nodes over the replicas of this stage-rank; the root comes back."""
+
+    plan: TreePlan
+    nodes: dict[Node, torch.Tensor]
+    like: torch.Tensor
+
+
+@dataclass(slots=True)
+class AllSum:
+    """Sum ``vector`` over every worker of the job."""
+
+    vector: torch.Tensor
+
+
+Request = Send | Recv | StageSum | StageTree | AllSum
+
+
+@dataclass(slots=True)
+class StepResult:
+    step: int
+    loss: float
+    bad_vns: list[int]
+    control: int
+    compute_s: float
+
+
+@dataclass(slots=True)
+class _MB:
+    """What one (piece, micro-batch) holds between its forward and its backward."""
+
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    outputs: tuple[torch.Tensor, ...] = ()
+    rng: torch.Tensor | None = None
+    batch: Any = None
+    n: int = 0
+    version: dict[str, torch.Tensor] | None = None
+    out_grads: list[torch.Tensor | None] | None = None
+    in_grads: list[torch.Tensor] | None = None
+
+
+def schedule_for(pipeline: Pipeline, m: int, steps: int = 1) -> Schedule:
+    """The schedule of ``pipeline`` for ``m`` micro-batches (and ``steps`` streamed steps)."""
+    gen = SCHEDULES[pipeline.schedule]
+    p = pipeline.stages
+    if pipeline.schedule == "interleaved_1f1b":
+        return gen(p, m, pipeline.chunks)
+    if pipeline.schedule in ("2bw", "async"):
+        return gen(p, m, steps)
+    return gen(p, m)
+
+
+class StageEngine:
+    """One worker of a pipeline replica: its model pieces, optimizer and schedule execution."""
+
+    def __init__(
+        self,
+        *,
+        pieces: dict[int, nn.Module],
+        n_pieces: int,
+        stage_rank: int,
+        optimizer_factory: Callable[[Any], torch.optim.Optimizer],
+        scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None,
+        pipeline: Pipeline,
+        plan: DataPlan,
+        loader: Callable[[torch.Tensor], Any],
+        model_input: Callable[[Any], Any],
+        output_loss: Callable[[Any, Any], torch.Tensor],
+        seed: int,
+        batchnorm: str,
+        deterministic: bool,
+        device: torch.device,
+    ) -> None:
+        self.pipeline = pipeline
+        self.p = pipeline.stages
+        self.stage_rank = stage_rank
+        self.n_pieces = n_pieces
+        self.pieces = dict(sorted(pieces.items()))
+        # One module holding this worker's layers under their whole-model names, so its
+        # state_dict is this worker's slice of the whole model's state_dict.
+        self.model = nn.Sequential(OrderedDict(
+            (name, layer) for k in self.pieces for name, layer in self.pieces[k].named_children()
+        ))
+        self.params = [q for q in self.model.parameters() if q.requires_grad]
+        self.piece_params = {k: [q for q in m.parameters() if q.requires_grad] for k, m in self.pieces.items()}
+        # A worker whose pieces have no parameters (a stage of activations only) has no optimizer.
+        self.optimizer = optimizer_factory(self.model.parameters()) if self.params else _NoOptimizer()
+        self.scheduler = (scheduler_factory(self.optimizer) if scheduler_factory is not None and self.params
+                          else None)
+        self.plan = plan
+        self.loader = loader
+        self.model_input = model_input
+        self.output_loss = output_loss
+        self.seed = seed
+        self.batchnorm = batchnorm
+        self.deterministic = deterministic
+        self.device = device
+        self.bn = {k: _PieceBatchNorm(m) for k, m in self.pieces.items()}
+        self.bn_numel = sum(b.numel for b in self.bn.values())
+        self.grad_numel = sum(q.numel() for q in self.params)
+        self.replicas = 1
+        self.replica = 0
+        self.assignment: list[list[int]] = [list(range(plan.virtual_nodes))]
+        self.tree: TreePlan | None = None
+        self.timeline: list[dict[str, Any]] | None = [] if pipeline.record_timeline else None
+        self.phase = "idle"
+        self.slowdown = 1.0
+        self.prev_version: dict[int, dict[str, torch.Tensor]] | None = None
+        """``2bw``: per piece, the weights after the second-to-last update (the version the next
+        window's first step runs on); ``None`` before the first update."""
+        self._clone_input = {k: bool(getattr(next(iter(m.children()), None), "inplace", False))
+                             for k, m in self.pieces.items()}
+        if not pipeline.flush and self.bn_numel:
+            raise ValueError(
+                f"Pipeline.schedule={pipeline.schedule!r} streams steps without a flush, which cannot keep "
+                f"BatchNorm's per-step statistics exact; use a flush schedule (1f1b, gpipe, interleaved_1f1b, "
+                f"zb_h1) for a model with BatchNorm"
+            )
+
+    # ---- membership -----------------------------------------------------------------------
+    def set_layout(self, replica: int, assignment: Sequence[Sequence[int]]) -> None:
+        """Adopt a generation: this worker is in pipeline replica ``replica``; ``assignment[j]`` are
+        the VNs replica ``j`` runs (in micro-batch order)."""
+        self.replica = replica
+        self.replicas = len(assignment)
+        self.assignment = [list(a) for a in assignment]
+        self.tree = TreePlan.build(self.assignment) if self.deterministic else None
+        vns = self.assignment[replica]
+        if not vns:
+            raise ValueError(
+                f"pipeline replica {replica} has no virtual node; every replica needs at least one: use at most "
+                f"{self.plan.virtual_nodes} replicas"
+            )
+        schedule_for(self.pipeline, len(vns), self.pipeline.window)  # validate m for this schedule now
+
+    @property
+    def first(self) -> int:
+        return 0
+
+    @property
+    def last(self) -> int:
+        return self.n_pieces - 1
+
+    # ---- one action list --------------------------------------------------------------------
+    def steps(self, first_step: int, n_steps: int, control: int = 0) -> Generator[Request, Any, list[StepResult]]:
+        """Run steps ``first_step .. first_step + n_steps - 1`` (flush schedules: one at a time;
+        no-flush schedules: streamed as one action list). Yields requests; returns one
+        :class:`StepResult` per step."""
+        results = []
+        if self.pipeline.flush:
+            for t in range(first_step, first_step + n_steps):
+                res = yield from self._flush_step(t, control if t == first_step else 0)
+                results.append(res)
+            return results
+        return (yield from self._stream(first_step, n_steps, control))
+
+    def _vn_of(self, first_step: int, mb: int, m: int) -> tuple[int, int]:
+        """(step, VN id) of micro-batch ``mb`` of an action list starting at ``first_step``."""
+        return first_step + mb // m, self.assignment[self.replica][mb % m]
+
+    def _run_actions(self, schedule: Schedule, first_step: int, mbs: dict, *, on_backward_done=None,
+                     forward=None, backward=None) -> Generator[Request, Any, float]:
+        """Run this worker's actions; returns its compute seconds."""
+        m = schedule.m
+        local: dict[MsgKey, list[torch.Tensor]] = {}
+        grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}
+        busy = 0.0
+        t_origin = time.perf_counter()
+        for a in schedule.actions[self.stage_rank]:
+            t0 = time.perf_counter()
+            if a.kind == "RECV_F":
+                tensors = yield Recv(a.peer, ("F", a.stage - 1, a.microbatch))
+                local[("F", a.stage - 1, a.microbatch)] = tensors
+            elif a.kind == "RECV_B":
+                tensors = yield Recv(a.peer, ("B", a.stage + 1, a.microbatch))
+                local[("B", a.stage + 1, a.microbatch)] = tensors
+            elif a.kind == "SEND_F":
+                ctx = mbs[a.stage, a.microbatch]
+                yield Send(a.peer, ("F", a.stage, a.microbatch), _forward_message(ctx))
+            elif a.kind == "SEND_B":
+                yield Send(a.peer, ("B", a.stage, a.microbatch), grads_out.pop((a.stage, a.microbatch)))
+            elif a.kind == "F":
+                step, vn = self._vn_of(first_step, a.microbatch, m)
+                if a.stage == self.first:
+                    message = None
+                else:
+                    message = local.pop(("F", a.stage - 1, a.microbatch))
+                    if self.pieces.get(a.stage - 1) is not None:  # the previous piece is local
+                        message = [t.detach() for t in message]
+                mbs[a.stage, a.microbatch] = forward(a.stage, a.microbatch, step, vn, message)
+                if a.stage + 1 in self.pieces:  # pass to the next piece on this worker
+                    local[("F", a.stage, a.microbatch)] = _forward_message(mbs[a.stage, a.microbatch])
+            else:  # B, I, W
+                ctx = mbs[a.stage, a.microbatch]
+                if a.kind in ("B", "I") and a.stage != self.last:
+                    ctx.out_grads = local.pop(("B", a.stage + 1, a.microbatch))
+                backward(a.kind, a.stage, a.microbatch, ctx)
+                if a.kind in ("B", "I") and a.stage != self.first:
+                    if a.stage - 1 in self.pieces:
+                        local[("B", a.stage, a.microbatch)] = ctx.in_grads
+                    else:
+                        grads_out[a.stage, a.microbatch] = ctx.in_grads
+                    ctx.in_grads = None
+                if a.kind in ("B", "W"):
+                    del mbs[a.stage, a.microbatch]
+                    if on_backward_done is not None:
+                        yield from on_backward_done(a.stage, a.microbatch, ctx)
+            t1 = time.perf_counter()
+            if a.kind in ("F", "B", "I", "W"):
+                busy += t1 - t0
+                if self.slowdown > 1.0:
+                    time.sleep((self.slowdown - 1.0) * (t1 - t0))
+                    t1 = time.perf_counter()
+            if self.timeline is not None:
+                self.timeline.append({"kind": a.kind, "stage": a.stage, "mb": a.microbatch, "step": first_step,
+                                      "start": t0 - t_origin, "end": t1 - t_origin, "origin": t_origin})
+        return busy
+
+    # ---- forward and backward of one (piece, micro-batch) -------------------------------------
+    def _inputs(self, k: int, step: int, vn: int, message: list[torch.Tensor] | None, ctx: _MB) -> Any:
+        if message is None:  # the first piece: the VN's data, a fresh random stream
+            indices = self.plan.vn_indices(step, vn)
+            ctx.batch, ctx.n = to_device(self.loader(indices), self.device), len(indices)
+            seed_random_streams(vn_seed(self.seed, step, vn), self.device)
+            return self.model_input(ctx.batch)
+        *tensors, rng = message
+        torch.set_rng_state(rng)
+        if self.device.type == "cuda":
+            *tensors, cuda_rng = tensors
+            torch.cuda.set_rng_state(cuda_rng, self.device)
+        ins = []
+        for t in tensors:
+            t = t.detach()
+            if t.is_floating_point():
+                t.requires_grad_(True)
+            ins.append(t)
+        ctx.inputs = ins
+        x = [t.clone() if self._clone_input[k] and t.is_floating_point() else t for t in ins]
+        return x[0] if len(x) == 1 else tuple(x)
+
+    def _finish_forward(self, k: int, step: int, vn: int, out: Any, ctx: _MB) -> None:
+        if k == self.last:
+            if ctx.batch is None:
+                indices = self.plan.vn_indices(step, vn)
+                ctx.batch, ctx.n = to_device(self.loader(indices), self.device), len(indices)
+            loss = self.output_loss(out, ctx.batch)
+            check_loss(loss, f"Job.output_loss at step {step} in virtual node {vn}")
+            ctx.outputs = (loss * (ctx.n / self.plan.global_batch_size),)
+        else:
+            ctx.outputs = tensors_of(out)
+        if k != self.first:
+            ctx.batch = None if k != self.last else ctx.batch
+        ctx.rng = torch.get_rng_state()
+        if self.device.type == "cuda":
+            ctx.rng = (ctx.rng, torch.cuda.get_rng_state(self.device))
+
+    def _grad_pairs(self, ctx: _MB) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """(outputs that need a backward, their gradients)."""
+        if ctx.out_grads is None:  # the last piece: the weighted loss
+            return [ctx.outputs[0]], None
+        outs, grads = [], []
+        floats = [o for o in ctx.outputs if o.is_floating_point()]
+        for o, g in zip(floats, ctx.out_grads):
+            if o.requires_grad:
+                outs.append(o)
+                grads.append(g)
+        return outs, grads
+
+    def _input_grads(self, ctx: _MB, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        wanted = [t for t in ctx.inputs if t.is_floating_point()]
+        return [g if g is not None else torch.zeros_like(t) for t, g in zip(wanted, grads)]
+
+    # ---- flush schedules ----------------------------------------------------------------------
+    def _flush_step(self, step: int, control: int) -> Generator[Request, Any, StepResult]:
+        vns = self.assignment[self.replica]
+        m = len(vns)
+        schedule = schedule_for(self.pipeline, m)
+        V = self.plan.virtual_nodes
+        self.model.train()
+        for bn in self.bn.values():
+            if bn:
+                bn.snapshot()
+        self.optimizer.zero_grad(set_to_none=True)
+        bn_acc = {k: torch.zeros(b.numel, device=self.device) for k, b in self.bn.items()}
+        bn_first: dict[int, torch.Tensor] = {}
+        losses: dict[int, torch.Tensor] = {}
+        leaves: dict[int, list[torch.Tensor]] = {}  # deterministic mode: VN -> parts per piece
+        bn_vn: dict[tuple[int, int], torch.Tensor] = {}  # deterministic mode: (piece, VN) -> statistics
+        mbs: dict[tuple[int, int], _MB] = {}
+
+        def forward(k: int, mb: int, step_: int, vn: int, message) -> _MB:
+            ctx = _MB()
+            bn = self.bn[k]
+            if bn:
+                bn.restore()
+            x = self._inputs(k, step_, vn, message, ctx)
+            out = self.pieces[k](x)
+            self._finish_forward(k, step_, vn, out, ctx)
+            if bn.numel:
+                if self.deterministic and self.batchnorm == "mean":
+                    bn_vn[k, vn] = bn.flat()
+                elif self.batchnorm == "mean":
+                    bn_acc[k] += bn.flat()
+                elif vn == 0:
+                    bn_first[k] = bn.flat()
+            if k == self.last:
+                losses[vn] = ctx.outputs[0].detach()
+            return ctx
+
+        def backward(kind: str, k: int, mb: int, ctx: _MB) -> None:
+            outs, grads = self._grad_pairs(ctx)
+            params = self.piece_params[k]
+            wants_input = [t for t in ctx.inputs if t.is_floating_point()]
+            if self.deterministic and kind in ("B", "W"):
+                for q in params:
+                    q.grad = None
+            if kind == "B":
+                if params or wants_input:
+                    torch.autograd.backward(outs, grads, inputs=params + wants_input)
+                if wants_input:
+                    ctx.in_grads = self._input_grads(ctx, [t.grad for t in wants_input])
+            elif kind == "I":
+                if wants_input:
+                    got = torch.autograd.grad(outs, wants_input, grads, retain_graph=True, allow_unused=True)
+                    ctx.in_grads = self._input_grads(ctx, got)
+            else:  # W
+                if params:
+                    torch.autograd.backward(outs, grads, inputs=params)
+            if self.deterministic and kind in ("B", "W"):
+                vn = vns[mb % m]
+                parts = [q.grad.reshape(-1) if q.grad is not None else q.new_zeros(q.numel()) for q in params]
+                for q in params:
+                    q.grad = None
+                leaves.setdefault(vn, []).append((k, parts))
+
+        self.phase = "compute"
+        compute_s = yield from self._run_actions(schedule, step, mbs, forward=forward, backward=backward)
+        self.phase = "reduction"
+        # Per-rank reduction vector: [grads of my params | my BatchNorm statistics | loss].
+        is_last = self.last in self.pieces
+        if self.deterministic:
+            with_bn = self.bn_numel and self.batchnorm == "mean"
+
+            def leaf(vn: int) -> torch.Tensor:
+                by_piece = dict(leaves.pop(vn))
+                parts = [x for k in self.pieces for x in by_piece[k]]
+                if with_bn:
+                    parts += [bn_vn.pop((k, vn)) for k in self.pieces if self.bn[k].numel]
+                if is_last:
+                    parts.append(losses[vn].reshape(1))
+                return torch.cat(parts) if parts else torch.zeros(0, device=self.device)
+
+            nodes = tree_reduce_local(self.tree.per_worker[self.replica], leaf)
+            like = next(iter(nodes.values()))
+            total = yield StageTree(self.tree, nodes, like)
+            offset = 0
+            for q in self.params:
+                q.grad = total[offset: offset + q.numel()].view_as(q).clone()
+                offset += q.numel()
+            bn_new = None
+            if with_bn:
+                bn_new = total[offset: offset + self.bn_numel] / V
+                offset += self.bn_numel
+            loss_total = total[offset] if is_last else None
+        else:
+            parts = [q.grad.reshape(-1) if q.grad is not None else q.new_zeros(q.numel()) for q in self.params]
+            if self.bn_numel:
+                if self.batchnorm == "mean":
+                    parts += [bn_acc[k] for k in self.pieces if self.bn[k].numel]
+                else:
+                    parts += [bn_first.get(k, torch.zeros(self.bn[k].numel, device=self.device)) for k in self.pieces if self.bn[k].numel]
+            if is_last:
+                parts.append(torch.stack([losses[v] for v in vns]).sum().reshape(1))
+            vec = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
+            if self.replicas > 1:
+                vec = yield StageSum(vec)
+            offset = 0
+            for q in self.params:
+                q.grad = vec[offset: offset + q.numel()].view_as(q).clone()
+                offset += q.numel()
+            bn_new = None
+            if self.bn_numel:
+                bn_new = vec[offset: offset + self.bn_numel]
+                if self.batchnorm == "mean":
+                    bn_new = bn_new / V
+                offset += self.bn_numel
+            loss_total = vec[offset] if is_last else None
+        # One small all-reduce: bad VNs, control, loss (from one last-stage worker), compute times.
+        stats = torch.zeros(V + 2, dtype=torch.float64, device=self.device)
+        if is_last:
+            for v in vns:
+                stats[v] = float(not torch.isfinite(losses[v]).item())
+            if self.replica == 0:
+                stats[V + 1] = float(loss_total)
+        stats[V] = control
+        stats = yield AllSum(stats)
+        if self.deterministic and self.bn_numel and self.batchnorm == "first":
+            vec = torch.cat([bn_first.get(k, torch.zeros(self.bn[k].numel, device=self.device)) for k in self.pieces])
+            bn_new = (yield StageSum(vec)) if self.replicas > 1 else vec
+        bad = [v for v in range(V) if stats[v] > 0]
+        result = StepResult(step, float(stats[V + 1]), bad, int(round(float(stats[V]))), compute_s)
+        if bad:
+            for bn in self.bn.values():
+                if bn:
+                    bn.restore()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.phase = "idle"
+            return result
+        self.phase = "apply"
+        if bn_new is not None:
+            offset = 0
+            for k in self.pieces:
+                n = self.bn[k].numel
+                self.bn[k].load_flat(bn_new[offset: offset + n])
+                offset += n
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.phase = "idle"
+        return result
+
+    # ---- no-flush schedules (2BW, asynchronous PipeDream) ---------------------------------------
+    def _snapshot(self, k: int) -> dict[str, torch.Tensor]:
+        return {name: t.detach().clone().requires_grad_(t.requires_grad)
+                for name, t in self.pieces[k].named_parameters()}
+
+    def _stream(self, first_step: int, n_steps: int, control: int) -> Generator[Request, Any, list[StepResult]]:
+        vns = self.assignment[self.replica]
+        m = len(vns)
+        schedule = schedule_for(self.pipeline, m, n_steps)
+        V = self.plan.virtual_nodes
+        self.model.train()
+        (k,) = self.pieces  # v = 1 for the no-flush schedules
+        piece = self.pieces[k]
+        names = [n for n, q in piece.named_parameters() if q.requires_grad]
+        rule = schedule.weight_rule
+        current = self._snapshot(k)  # the weights after all updates so far
+        if self.prev_version is None:
+            self.prev_version = {k: current}
+        older = self.prev_version[k]  # the weights after one update fewer (2bw)
+        versions = {"current": current, "older": older}
+        done_in_step: dict[int, int] = {}
+        acc: dict[int, list[torch.Tensor]] = {}
+        leaves: dict[int, dict[int, torch.Tensor]] = {}
+        losses: dict[int, dict[int, torch.Tensor]] = {}
+        results: list[StepResult] = []
+        mbs: dict[tuple[int, int], _MB] = {}
+        compute = [0.0]
+        applied = [first_step]  # updates applied on this piece so far (one per step)
+
+        def forward(k_: int, mb: int, step: int, vn: int, message) -> _MB:
+            ctx = _MB()
+            if rule == "delay1":
+                # step t runs on the weights after max(t-1, 0) updates; two versions are live
+                want = max(step - 1, 0)
+                if want == applied[0]:
+                    ctx.version = versions["current"]
+                elif want == applied[0] - 1:
+                    ctx.version = versions["older"]
+                else:  # the schedule checker proves this cannot happen
+                    raise RuntimeError(f"2bw: step {step} needs version {want}, piece {k_} holds "
+                                       f"{applied[0] - 1} and {applied[0]}")
+            else:
+                ctx.version = versions["current"]
+            x = self._inputs(k_, step, vn, message, ctx)
+            out = torch.func.functional_call(piece, ctx.version, (x,), strict=False)
+            self._finish_forward(k_, step, vn, out, ctx)
+            if k_ == self.last:
+                losses.setdefault(step, {})[vn] = ctx.outputs[0].detach()
+            return ctx
+
+        def backward(kind: str, k_: int, mb: int, ctx: _MB) -> None:
+            outs, grads = self._grad_pairs(ctx)
+            wants_input = [t for t in ctx.inputs if t.is_floating_point()]
+            weights = [ctx.version[n] for n in names]
+            got = torch.autograd.grad(outs, weights + wants_input, grads, allow_unused=True)
+            gw, gi = got[: len(weights)], got[len(weights):]
+            if wants_input:
+                ctx.in_grads = self._input_grads(ctx, gi)
+            step, vn = self._vn_of(first_step, mb, m)
+            flat = [g if g is not None else torch.zeros_like(w) for g, w in zip(gw, weights)]
+            if self.deterministic:
+                leaves.setdefault(step, {})[vn] = torch.cat([g.reshape(-1) for g in flat])
+            elif step in acc:
+                for a_, g in zip(acc[step], flat):
+                    a_.add_(g)
+            else:
+                acc[step] = [g.clone() for g in flat]
+
+        def on_backward_done(k_: int, mb: int, ctx: _MB):
+            step, _ = self._vn_of(first_step, mb, m)
+            done_in_step[step] = done_in_step.get(step, 0) + 1
+            if done_in_step[step] < m:
+                return
+            # the last backward of `step` on this piece: reduce over replicas and apply
+            if self.deterministic:
+                step_leaves = leaves.pop(step)
+                is_last = k_ == self.last
+
+                def leaf(vn: int) -> torch.Tensor:
+                    v = step_leaves.pop(vn)
+                    return torch.cat([v, losses[step][vn].reshape(1)]) if is_last else v
+
+                nodes = tree_reduce_local(self.tree.per_worker[self.replica], leaf)
+                total = yield StageTree(self.tree, nodes, next(iter(nodes.values())))
+            else:
+                total = torch.cat([g.reshape(-1) for g in acc.pop(step)])
+                if self.replicas > 1:
+                    total = yield StageSum(total)
+            offset = 0
+            for n, q in zip(names, (dict(piece.named_parameters())[n] for n in names)):
+                q.grad = total[offset: offset + q.numel()].view_as(q).clone()
+                offset += q.numel()
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            versions["older"], versions["current"] = versions["current"], self._snapshot(k_)
+            applied[0] += 1
+
+        self.phase = "compute"
+        compute[0] = yield from self._run_actions(schedule, first_step, mbs, forward=forward, backward=backward,
+                                                  on_backward_done=on_backward_done)
+        self.prev_version = {k: versions["older"]}
+        # Window end: losses and bad VNs of every step, from the last piece.
+        stats = torch.zeros(n_steps, V + 2, dtype=torch.float64, device=self.device)
+        if k == self.last:
+            for i in range(n_steps):
+                t = first_step + i
+                for v in vns:
+                    stats[i, v] = float(not torch.isfinite(losses[t][v]).item())
+                stats[i, V + 1] = float(torch.stack([losses[t][v] for v in vns]).sum())
+        stats[0, V] = control
+        stats = yield AllSum(stats.reshape(-1))
+        stats = stats.reshape(n_steps, V + 2)
+        for i in range(n_steps):
+            bad = [v for v in range(V) if stats[i, v] > 0]
+            results.append(StepResult(first_step + i, float(stats[i, V + 1]), bad,
+                                      int(round(float(stats[i, V]))), compute[0] / n_steps))
+        self.phase = "idle"
+        return results
+
+
+class _PieceBatchNorm:
+    """The BatchNorm running statistics of one piece, restored between micro-batches by giving
+    each layer *fresh* buffer tensors: a micro-batch's backward may still need the buffers its
+    forward saw (the VN engine's in-place restore is safe only because it never interleaves
+    micro-batches). Flat layout as :class:`virtualflow.runtime.engine.BatchNormState`: per layer,
+    running mean then running variance."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.layers = [m for m in module.modules()
+                       if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+        self.numel = sum(m.running_mean.numel() + m.running_var.numel() for m in self.layers)
+        self._start: list[tuple[torch.Tensor, ...]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.layers)
+
+    def snapshot(self) -> None:
+        self._start = [(m.running_mean.detach().clone(), m.running_var.detach().clone(),
+                        m.num_batches_tracked.detach().clone()) for m in self.layers]
+
+    def restore(self) -> None:
+        for m, (mean, var, count) in zip(self.layers, self._start):
+            m.running_mean, m.running_var, m.num_batches_tracked = mean.clone(), var.clone(), count.clone()
+
+    def flat(self) -> torch.Tensor:
+        parts = [t.detach().reshape(-1) for m in self.layers for t in (m.running_mean, m.running_var)]
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def load_flat(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for m in self.layers:
+            for name in ("running_mean", "running_var"):
+                old = getattr(m, name)
+                n = old.numel()
+                setattr(m, name, flat[offset: offset + n].view_as(old).clone())
+                offset += n
+
+
+class _NoOptimizer:
+    """The optimizer of a worker without parameters: nothing to update, an empty state."""
+
+    param_groups: list = []
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"state": {}, "param_groups": []}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def _forward_message(ctx: _MB) -> list[torch.Tensor]:
+    rng = ctx.rng
+    extra = list(rng) if isinstance(rng, tuple) else [rng]
+    return [o.detach() for o in ctx.outputs] + extra
+
+
+# ---- building the engines of a job ------------------------------------------------------------
+def build_engine(job: Any, pipeline: Pipeline, bounds: Sequence[tuple[int, int]], stage_rank: int, *,
+                 dataset: Any, deterministic: bool, device: torch.device) -> StageEngine:
+    """Build worker ``stage_rank``'s engine: the whole model from the job's seed (so every worker's
+    pieces start from the same weights as the unpipelined model), then only its pieces kept."""
+    from virtualflow.pipeline import layers_of, piece_module
+    from virtualflow.runtime.engine import BatchLoader
+
+    torch.manual_seed(job.seed)
+    layers = layers_of(job.model())
+    p = pipeline.stages
+    pieces = {k: piece_module(layers, a, b).to(device) for k, (a, b) in enumerate(bounds) if k % p == stage_rank}
+    plan = DataPlan(len(dataset), job.global_batch_size, job.virtual_nodes, job.seed)
+    return StageEngine(
+        pieces=pieces, n_pieces=len(bounds), stage_rank=stage_rank, optimizer_factory=job.optimizer,
+        scheduler_factory=job.lr_scheduler, pipeline=pipeline, plan=plan,
+        loader=BatchLoader(dataset, job.collate_fn), model_input=job.input_of, output_loss=job.output_loss,
+        seed=job.seed, batchnorm=job.batchnorm, deterministic=deterministic, device=device,
+    )
+
+
+class PipelineDeadlock(RuntimeError):
+    """No worker of an in-process pipeline can move (a schedule the checker would refuse)."""
+
+
+class LocalDriver:
+    """Runs the workers of a pipelined job in this process, cooperatively (one at a time).
+
+    ``engines[r]`` is worker ``r`` = stage-rank ``r % p`` of replica ``r // p``. A worker runs until
+    it asks for a message that has not been sent yet or joins a collective; a collective completes
+    when every member has joined it. Single-threaded, so the global random generator is safe to
+    hand from piece to piece.
+    """
+
+    def __init__(self, engines: Sequence[StageEngine]) -> None:
+        self.engines = list(engines)
+        self.p = engines[0].p
+        if len(engines) % self.p:
+            raise ValueError(f"{len(engines)} engines is not a multiple of stages={self.p}")
+        self.d = len(engines) // self.p
+
+    def set_layout(self, assignment: Sequence[Sequence[int]]) -> None:
+        if len(assignment) != self.d:
+            raise ValueError(f"assignment has {len(assignment)} replicas, the driver has {self.d}")
+        for r, e in enumerate(self.engines):
+            e.set_layout(r // self.p, assignment)
+
+    def run(self, first_step: int, n_steps: int, control: int = 0) -> list[StepResult]:
+        gens = [e.steps(first_step, n_steps, control) for e in self.engines]
+        pending: list[Any] = [None] * len(gens)
+        answer: list[Any] = [None] * len(gens)
+        done: list[Any] = [None] * len(gens)
+        mailbox: dict[tuple[int, int, MsgKey], list[torch.Tensor]] = {}
+        live = set(range(len(gens)))
+
+        def advance(r: int) -> None:
+            try:
+                pending[r] = gens[r].send(answer[r]) if pending[r] is not None else next(gens[r])
+            except StopIteration as stop:
+                done[r] = stop.value
+                pending[r] = None
+                live.discard(r)
+            answer[r] = None
+
+        for r in range(len(gens)):
+            advance(r)
+        while live:
+            moved = False
+            for r in sorted(live):
+                while r in live:
+                    req = pending[r]
+                    rep, sr = divmod(r, self.p)
+                    if isinstance(req, Send):
+                        mailbox[rep, req.peer, req.key] = req.tensors
+                    elif isinstance(req, Recv):
+                        box = (rep, sr, req.key)
+                        if box not in mailbox:
+                            break
+                        answer[r] = mailbox.pop(box)
+                    else:
+                        break  # a collective: completed below when every member has joined
+                    advance(r)
+                    moved = True
+            moved |= self._collectives(pending, answer, live, advance)
+            if not moved and live:
+                waits = "; ".join(f"worker {r}: {pending[r]!r:.120}" for r in sorted(live))
+                raise PipelineDeadlock(f"no worker can move: {waits}")
+        return done[0]
+
+    def _collectives(self, pending, answer, live, advance) -> bool:
+        moved = False
+        everyone = list(range(len(self.engines)))
+        if all(isinstance(pending[r], AllSum) for r in everyone) and set(everyone) <= live:
+            total = pending[0].vector.clone()
+            for r in everyone[1:]:
+                total += pending[r].vector
+            for r in everyone:
+                answer[r] = total.clone()
+                advance(r)
+            return True
+        for sr in range(self.p):
+            members = [rep * self.p + sr for rep in range(self.d)]
+            reqs = [pending[r] for r in members]
+            if not all(r in live for r in members):
+                continue
+            if all(isinstance(q, StageSum) for q in reqs):
+                total = reqs[0].vector.clone()
+                for q in reqs[1:]:
+                    total += q.vector
+                for r in members:
+                    answer[r] = total.clone()
+                    advance(r)
+                moved = True
+            elif all(isinstance(q, StageTree) for q in reqs):
+                known: dict[Node, torch.Tensor] = {}
+                for q in reqs:
+                    known.update(q.nodes)
+                root = _combine(known, (0, reqs[0].plan.virtual_nodes))
+                for r in members:
+                    answer[r] = root.clone()
+                    advance(r)
+                moved = True
+        return moved
+
+
+def _combine(known: dict[Node, torch.Tensor], node: Node) -> torch.Tensor:
+    """The fixed tree's sum (as :func:`virtualflow.comm.reduce.tree_exchange` combines it)."""
+    if node in known:
+        return known[node]
+    left, right = split(node)
+    return _combine(known, left) + _combine(known, right)
+
+
+def train_local(job: Any, steps: int, *, replicas: int = 1, deterministic: bool = False,
+                bounds: Sequence[tuple[int, int]] | None = None,
+                device: torch.device = torch.device("cpu")) -> tuple[dict[str, torch.Tensor], list[StepResult]]:
+    """Train a pipelined job for ``steps`` steps with all its workers in this process; returns the
+    whole model's final state dict and one result per step. The proof harness of the executor
+    (``tests/test_pipeline_engine.py``) and a way to try a pipeline without processes."""
+    from virtualflow.pipeline import layers_of, resolve_bounds
+    from virtualflow.plan.vnmap import contiguous_assignment
+
+    pipeline = job.pipeline
+    dataset = job.build_dataset()
+    if bounds is None:
+        torch.manual_seed(job.seed)
+        bounds = resolve_bounds(pipeline, len(layers_of(job.model())))
+    engines = [build_engine(job, pipeline, bounds, r % pipeline.stages, dataset=dataset,
+                            deterministic=deterministic, device=device)
+               for r in range(pipeline.stages * replicas)]
+    driver = LocalDriver(engines)
+    driver.set_layout(contiguous_assignment(job.virtual_nodes, replicas))
+    history: list[StepResult] = []
+    window = 1 if pipeline.flush else pipeline.window
+    t = 0
+    while t < steps:
+        n = min(window, steps - t)
+        history += driver.run(t, n)
+        t += n
+    state: dict[str, torch.Tensor] = {}
+    for e in engines[: pipeline.stages]:
+        state.update({k: v.detach().clone() for k, v in e.model.state_dict().items()})
+    return state, history
