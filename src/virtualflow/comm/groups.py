@@ -93,6 +93,14 @@ class Group:
             raise PeerFailure(self.generation, str(exc)) from exc
         _Work(work, self.generation).wait()  # unsliced: see the module docstring
 
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> "_Work":
+        """Start sending ``tensor``; the caller keeps it alive and waits on the returned work."""
+        try:
+            work = self.pg.send([tensor], dst, tag)
+        except RuntimeError as exc:
+            raise PeerFailure(self.generation, str(exc)) from exc
+        return _Work(work, self.generation)
+
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
         try:
             work = self.pg.recv([tensor], src, tag)
@@ -154,6 +162,26 @@ def _first_line(text: str) -> str:
 class _Done:
     def wait(self) -> bool:
         return True
+
+
+def make_subgroup(store: dist.Store, generation: int, name: str, rank: int, size: int, timeout_s: float,
+                  device: torch.device) -> Group:
+    """A group of some members of generation ``generation`` (e.g. the replicas of one pipeline
+    stage), on its own fresh prefix ``gen/<g>/<name>``."""
+    if size == 1:
+        return Group(generation, 0, 1, None)
+    prefix = dist.PrefixStore(f"gen/{generation}/{name}", store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        if device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            pg = dist.ProcessGroupNCCL(prefix, rank, size, opts)
+        else:
+            pg = dist.ProcessGroupGloo(prefix, rank, size, timeout)
+    except RuntimeError as exc:
+        raise PeerFailure(generation, _first_line(str(exc))) from exc
+    return Group(generation, rank, size, pg)
 
 
 def make_group(

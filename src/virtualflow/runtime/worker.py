@@ -305,18 +305,24 @@ class Worker:
         job = self.job = build_job(cfg)
         dataset = job.build_dataset()
         plan = DataPlan(len(dataset), job.global_batch_size, job.virtual_nodes, job.seed)
-        torch.manual_seed(job.seed)
-        model = job.model().to(self.device)
-        optimizer = job.optimizer(model.parameters())
-        scheduler = job.lr_scheduler(optimizer) if job.lr_scheduler is not None else None
-        self.engine = VNEngine(
-            model, optimizer, scheduler, job.compute_loss, plan, BatchLoader(dataset, job.collate_fn),
-            seed=job.seed, batchnorm=job.batchnorm, deterministic=cfg.deterministic, device=self.device,
-        )
+        if job.pipeline is not None:
+            self.engine = self._pipeline_engine(job, dataset)
+        else:
+            torch.manual_seed(job.seed)
+            model = job.model().to(self.device)
+            optimizer = job.optimizer(model.parameters())
+            scheduler = job.lr_scheduler(optimizer) if job.lr_scheduler is not None else None
+            self.engine = VNEngine(
+                model, optimizer, scheduler, job.compute_loss, plan, BatchLoader(dataset, job.collate_fn),
+                seed=job.seed, batchnorm=job.batchnorm, deterministic=cfg.deterministic, device=self.device,
+            )
         self.engine.slowdown = float(cfg.slowdowns.get(self.id, 1.0))
         self.faults = cfg.fault_plan.for_worker(self.id) if cfg.fault_plan is not None else None
         if self.faults:
             self.engine.install_fault_point(self.faults.point)
+        self.pipelined = job.pipeline is not None
+        if self.pipelined and cfg.resume_path is not None:
+            raise ValueError("resuming a pipelined job from a checkpoint is not supported yet; start it afresh")
         if cfg.resume_path is not None and self.id < cfg.initial_workers:
             state = load_state(cfg.resume_path)
             _load_full_state(self.engine, state)
@@ -325,12 +331,42 @@ class Worker:
             # Generation 0 starts from the job's initial weights: everyone built the same model
             # from the same seed, and rank 0's copy is broadcast anyway (see _form).
             self.progress = Progress(step=0, control=0)
-        else:
+        elif not self.pipelined:
             _materialize_optimizer_state(self.engine)
         self.heartbeat = Heartbeat(cfg, self.id, run=self.run_key, rejections=self.rejections)
         if cfg.control_plane:
             self.heartbeat.start()
         self.report({"type": "join", "setup_s": time.perf_counter() - t_start})
+
+    def _pipeline_engine(self, job: Job, dataset: Any):
+        from virtualflow.comm.groups import make_subgroup
+        from virtualflow.pipeline import layers_of, resolve_bounds
+        from virtualflow.runtime.pipeline_worker import PipelineWorkerEngine
+
+        torch.manual_seed(job.seed)
+        bounds = resolve_bounds(job.pipeline, len(layers_of(job.model())))
+        cfg = self.cfg
+
+        def subgroup(generation: int, name: str, rank: int, size: int) -> Group:
+            return make_subgroup(self.store, generation, name, rank, size, cfg.collective_timeout_s, self.device)
+
+        engine = PipelineWorkerEngine(job, bounds, dataset, deterministic=cfg.deterministic, device=self.device,
+                                      subgroup=subgroup)
+        engine.total_steps = cfg.total_steps
+        return engine
+
+    def _whole_state(self, group: Group, step: int) -> dict[str, Any] | None:
+        """The training state a checkpoint or the final state holds; ``None`` except on rank 0.
+        A collective for a pipelined job (rank 0 gathers the stages), local otherwise."""
+        if not self.pipelined:
+            return training_state(self.job, self.engine, step) if group.rank == 0 else None
+        state = self.engine.gather_state(group)
+        if state is None:
+            return None
+        job = self.job
+        state.update({"step": step, "job": {"name": job.name, "global_batch_size": job.global_batch_size,
+                                            "virtual_nodes": job.virtual_nodes, "seed": job.seed}})
+        return state
 
     # -- the life loop ------------------------------------------------------------------------
     def run(self) -> None:
@@ -410,9 +446,18 @@ class Worker:
         src = next(r for r, p in enumerate(everyone) if p.step == target)
         behind = [record.members[r] for r, p in enumerate(everyone) if p.step < target]
         moved, t_transfer = 0, 0.0
-        if target == 0 and group.size > 1 and not behind:
+        if self.pipelined:
+            self.engine.plan.set_vn_sizes(record.vn_sizes)
+            self.engine.set_membership(group, record.assignment)
+            if behind:
+                self._transferring = True
+                t1 = time.perf_counter()
+                moved = self.engine.transfer(group, src, [r for r, p in enumerate(everyone) if p.step < target])
+                t_transfer = time.perf_counter() - t1
+                self._transferring = False
+        elif target == 0 and group.size > 1 and not behind:
             broadcast_module(self.engine.model, group)  # identical start whatever the factory does
-        if behind:
+        if behind and not self.pipelined:
             self._transferring = True
             t1 = time.perf_counter()
             mine = _full_state(self.engine, self.progress) if rank == src else None
@@ -429,8 +474,9 @@ class Worker:
             t_transfer = time.perf_counter() - t1
             self._transferring = False
         self.progress = Progress(step=target, control=max(p.control for p in everyone))
-        self.engine.plan.set_vn_sizes(record.vn_sizes)
-        self.engine.set_membership(group, record.assignment)
+        if not self.pipelined:
+            self.engine.plan.set_vn_sizes(record.vn_sizes)
+            self.engine.set_membership(group, record.assignment)
         if self.cfg.control_plane:
             self.heartbeat.watch(gen)
             self.engine.generation_broken = self.heartbeat.broken
@@ -472,11 +518,15 @@ class Worker:
                 "time": time.time(),
             }
             self.last_report = report
+            if self.pipelined:
+                self._pipeline_boundary(group, step)
             if rank != 0:
                 self.report.flush()  # what the heartbeat thread refused, if anything
             else:
                 self.report(report)
-                if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.total_steps:
+                if self.pipelined:
+                    t_prev = time.perf_counter()
+                elif cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.total_steps:
                     t_ck = time.perf_counter()
                     path = _save_checkpoint(cfg, job, engine, step)
                     self.report({"type": "checkpoint", "step": step, "path": path,
@@ -497,6 +547,25 @@ class Worker:
                 if "regroup" in ops:
                     return "regroup"
         return "done"
+
+    def _pipeline_boundary(self, group: Group, step: int) -> None:
+        """Checkpoint and evaluation of a pipelined job: every member takes part in the gather."""
+        cfg, job = self.cfg, self.job
+        ck = bool(cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.total_steps)
+        ev = bool(job.evaluate is not None and job.eval_every and step % job.eval_every == 0)
+        if not (ck or ev):
+            return
+        t_ck = time.perf_counter()
+        state = self._whole_state(group, step)
+        if state is None:
+            return
+        if ck:
+            path = checkpoint_path(cfg.state_dir, step)
+            save_state(path, state)
+            self.report({"type": "checkpoint", "step": step, "path": path, "save_s": time.perf_counter() - t_ck})
+        if ev:
+            _evaluate(self.report, job, self.engine, step)
+            self.last_eval_step = step
 
     def _command(self, n: int) -> dict[str, Any]:
         """Control command ``n``, verified (by the heartbeat thread, or here)."""
@@ -521,10 +590,11 @@ class Worker:
 
     def _finish(self, group: Group) -> None:
         step, job = self.progress.step, self.job
+        state = self._whole_state(group, step)
         if group.rank == 0:
             if job.evaluate is not None and self.last_eval_step != step:
                 _evaluate(self.report, job, self.engine, step)
-            save_state(os.path.join(self.cfg.state_dir, "final.pt"), training_state(job, self.engine, step))
+            save_state(os.path.join(self.cfg.state_dir, "final.pt"), state)
         self.report({"type": "done", "step": step, "rank": group.rank, "peak_rss_mib": _peak_rss_mib()})
         self.heartbeat.stop()
         if group.pg is not None:

@@ -1,0 +1,273 @@
+"""A pipelined job inside a worker process: the process driver of :mod:`runtime.pipeline` and the
+engine the worker's generation loop (:mod:`runtime.worker`) runs for a job with a pipeline.
+
+Layout. Generation rank ``r`` is stage-rank ``r % p`` of pipeline replica ``r // p``; a
+generation's size must be a multiple of ``p`` (whole pipelines). Activations and gradients move
+point to point over the generation's group; each stage-rank's replicas reduce their gradients
+over their own group (``gen/<g>/stage<s>``); one small all-reduce over the whole group per step
+carries losses, bad VNs and the control position. A resize adds or removes whole replicas: a
+survivor keeps its stage-rank (members keep their order), a newcomer receives its stage's state
+(pieces, optimizer, scheduler) from the same stage of the most advanced replica.
+
+Every worker builds the whole model once from the job's seed (so all pieces start from the
+unpipelined model's initial weights) and keeps the layers of its stage-rank for training; rank 0
+also keeps the whole model to assemble checkpoints, the final state and evaluation, gathered
+from the first replica's stages (:meth:`PipelineWorkerEngine.gather_state`, a collective).
+
+Message format (gloo point to point): a fixed-size int64 header (tensor count, then per tensor
+its dtype code, rank and shape), then each tensor; tags are unique per (direction, piece,
+micro-batch, part) so messages between the same two workers can never be confused.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Generator
+
+import torch
+
+from virtualflow.comm.groups import Group, PeerFailure
+from virtualflow.comm.reduce import tree_exchange
+from virtualflow.pipeline import Grid, Pipeline, check_workers, layers_of
+from virtualflow.plan.data import DataPlan
+from virtualflow.plan.vnmap import contiguous_assignment
+from virtualflow.runtime.engine import BatchLoader, StepOutcome
+from virtualflow.runtime.pipeline import AllSum, Recv, Send, StageEngine, StageSum, StageTree, StepResult
+from virtualflow.runtime.transfer import broadcast_state
+
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool)
+_HEADER = 128
+_PARTS = 64
+
+
+def _tag(key: tuple[str, int, int], n_pieces: int, part: int) -> int:
+    direction, piece, mb = key
+    return (((mb * n_pieces + piece) * 2 + (direction == "B")) * _PARTS + part) % (2 ** 31 - 1)
+
+
+def _header(tensors: list[torch.Tensor]) -> torch.Tensor:
+    h = [len(tensors)]
+    for t in tensors:
+        h += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+    if len(h) > _HEADER or len(tensors) >= _PARTS:
+        raise ValueError(f"a pipeline message of {len(tensors)} tensors {[tuple(t.shape) for t in tensors]} does not "
+                         f"fit the {_HEADER}-entry header; pass fewer, lower-rank tensors between stages")
+    return torch.tensor(h + [0] * (_HEADER - len(h)), dtype=torch.int64)
+
+
+def _parse(header: torch.Tensor) -> list[tuple[torch.dtype, list[int]]]:
+    h = header.tolist()
+    out, i = [], 1
+    for _ in range(int(h[0])):
+        code, ndim = int(h[i]), int(h[i + 1])
+        if not (0 <= code < len(_DTYPES)) or not (0 <= ndim <= 16):
+            raise ValueError(f"malformed pipeline message header {h[:16]}")
+        out.append((_DTYPES[code], [int(x) for x in h[i + 2: i + 2 + ndim]]))
+        i += 2 + ndim
+    return out
+
+
+def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pieces: int,
+          device: torch.device) -> list[StepResult]:
+    """Answer a :class:`StageEngine` generator's requests with real communication."""
+    pending: list[tuple[Any, list[torch.Tensor]]] = []
+    answer: Any = None
+    try:
+        req = next(gen)
+        while True:
+            if isinstance(req, Send):
+                dst = grid.rank_of(grid.replica, req.peer)
+                tensors = [t.detach().contiguous() for t in req.tensors]
+                header = _header(tensors).to(device)
+                works = [group.isend(header, dst, _tag(req.key, n_pieces, 0))]
+                works += [group.isend(t, dst, _tag(req.key, n_pieces, k + 1)) for k, t in enumerate(tensors)]
+                pending.append((works, [header, *tensors]))
+                answer = None
+            elif isinstance(req, Recv):
+                src = grid.rank_of(grid.replica, req.peer)
+                header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+                group.recv(header, src, _tag(req.key, n_pieces, 0))
+                try:
+                    metas = _parse(header.cpu())
+                except ValueError as exc:
+                    raise PeerFailure(group.generation, str(exc)) from None
+                answer = []
+                for k, (dtype, shape) in enumerate(metas):
+                    t = torch.empty(shape, dtype=dtype, device=device)
+                    group.recv(t, src, _tag(req.key, n_pieces, k + 1))
+                    answer.append(t)
+            elif isinstance(req, StageSum):
+                stage_group.all_reduce(req.vector)
+                answer = req.vector
+            elif isinstance(req, StageTree):
+                answer = tree_exchange(req.plan, stage_group, req.nodes, like=req.like)
+            elif isinstance(req, AllSum):
+                group.all_reduce(req.vector)
+                answer = req.vector
+            else:
+                raise TypeError(f"unknown pipeline request {req!r}")
+            req = gen.send(answer)
+    except StopIteration as stop:
+        results = stop.value
+    finally:
+        for works, _keep in pending:
+            for w in works:
+                try:
+                    w.wait()
+                except PeerFailure:
+                    pass
+    return results
+
+
+class PipelineWorkerEngine:
+    """The worker's engine for a pipelined job (same role as :class:`runtime.engine.VNEngine`)."""
+
+    pipelined = True
+
+    def __init__(self, job: Any, bounds: tuple[tuple[int, int], ...], dataset: Any, *, deterministic: bool,
+                 device: torch.device, subgroup: Callable[[int, str, int, int], Group]) -> None:
+        self.job = job
+        self.pipeline: Pipeline = job.pipeline
+        self.bounds = tuple(bounds)
+        self.dataset = dataset
+        self.deterministic = deterministic
+        self.device = device
+        self.subgroup = subgroup
+        torch.manual_seed(job.seed)
+        self.model = job.model().to(device)
+        """The whole model (rank 0 assembles checkpoints and evaluation in it)."""
+        self.layers = layers_of(self.model)
+        self.plan = DataPlan(len(dataset), job.global_batch_size, job.virtual_nodes, job.seed)
+        self.stage: StageEngine | None = None
+        self.group: Group | None = None
+        self.stage_group: Group | None = None
+        self.grid: Grid | None = None
+        self.phase = "idle"
+        self.slowdown = 1.0
+        self.generation_broken = None
+        self.total_steps: int | None = None
+        self._results: dict[int, StepOutcome] = {}
+
+    @property
+    def optimizer(self):
+        return self.stage.optimizer if self.stage is not None else None
+
+    @property
+    def scheduler(self):
+        return self.stage.scheduler if self.stage is not None else None
+
+    def install_fault_point(self, fn) -> None:  # fault injection is not wired into pipelines yet
+        pass
+
+    def _build_stage(self, stage_rank: int) -> None:
+        from virtualflow.pipeline import piece_module
+
+        p = self.pipeline.stages
+        pieces = {k: piece_module(self.layers, a, b) for k, (a, b) in enumerate(self.bounds) if k % p == stage_rank}
+        job = self.job
+        self.stage = StageEngine(
+            pieces=pieces, n_pieces=len(self.bounds), stage_rank=stage_rank, optimizer_factory=job.optimizer,
+            scheduler_factory=job.lr_scheduler, pipeline=self.pipeline, plan=self.plan,
+            loader=BatchLoader(self.dataset, job.collate_fn), model_input=job.input_of, output_loss=job.output_loss,
+            seed=job.seed, batchnorm=job.batchnorm, deterministic=self.deterministic, device=self.device,
+        )
+
+    def set_membership(self, group: Group, assignment: Any) -> None:
+        d = check_workers(self.pipeline, group.size)
+        grid = Grid(self.pipeline.stages, d, group.rank)
+        if self.stage is None:
+            self._build_stage(grid.stage_rank)
+        elif self.stage.stage_rank != grid.stage_rank:
+            raise RuntimeError(
+                f"worker moved from stage-rank {self.stage.stage_rank} to {grid.stage_rank}; a pipelined job "
+                f"resizes in whole pipeline replicas and its survivors keep their stage"
+            )
+        if self.stage_group is not None and self.stage_group.pg is not None:
+            self.stage_group.close()
+        self.stage_group = self.subgroup(group.generation, f"stage{grid.stage_rank}", grid.replica, d)
+        self.stage.set_layout(grid.replica, contiguous_assignment(self.job.virtual_nodes, d))
+        self.stage.slowdown = self.slowdown
+        self.group, self.grid = group, grid
+        self._results = {}
+
+    def step(self, step: int, control: int = 0) -> StepOutcome:
+        if step in self._results:
+            return self._results.pop(step)
+        n = 1
+        if not self.pipeline.flush:
+            end = self.total_steps if self.total_steps is not None else step + self.pipeline.window
+            n = max(1, min(self.pipeline.window, end - step))
+        self.stage.slowdown = self.slowdown
+        self.phase = "compute"
+        results = drive(self.stage.steps(step, n, control), group=self.group, stage_group=self.stage_group,
+                        grid=self.grid, n_pieces=len(self.bounds), device=self.device)
+        self.phase = "idle"
+        out = {r.step: StepOutcome(r.loss, r.bad_vns, r.control, None) for r in results}
+        first = out.pop(step)
+        self._results = out
+        return first
+
+    def abandon_step(self) -> None:
+        if self.stage is not None:
+            for bn in self.stage.bn.values():
+                if bn and bn._start:
+                    bn.restore()
+            self.stage.optimizer.zero_grad(set_to_none=True)
+        if self.stage_group is not None:
+            self.stage_group.close()
+        self.group = None
+        self._results = {}
+        self.phase = "idle"
+
+    # ---- state ---------------------------------------------------------------------------------
+    def stage_state(self) -> dict[str, Any]:
+        s = self.stage
+        return {"model": s.model.state_dict(), "optimizer": s.optimizer.state_dict(),
+                "lr_scheduler": s.scheduler.state_dict() if s.scheduler is not None else None}
+
+    def load_stage_state(self, state: dict[str, Any]) -> None:
+        s = self.stage
+        s.model.load_state_dict(state["model"])
+        s.optimizer.load_state_dict(state["optimizer"])
+        if s.scheduler is not None and state.get("lr_scheduler") is not None:
+            s.scheduler.load_state_dict(state["lr_scheduler"])
+
+    def transfer(self, group: Group, src: int, behind_ranks: list[int]) -> int:
+        """Send each stage's state from the replica of rank ``src`` to the workers behind. Collective."""
+        p = self.pipeline.stages
+        moved = 0
+        for s in range(p):
+            stage_src = (src // p) * p + s
+            receivers = [r for r in behind_ranks if r % p == s]
+            if not receivers:
+                continue
+            mine = self.stage_state() if group.rank == stage_src else None
+            state, n = broadcast_state(group, stage_src, mine, self.device, receivers=receivers)
+            moved += n
+            if group.rank in receivers:
+                self.load_stage_state(state)
+        return moved
+
+    def gather_state(self, group: Group) -> dict[str, Any] | None:
+        """Collective: rank 0 gets the whole model's state (in ``self.model``) and every stage's
+        optimizer and scheduler state; others get ``None``."""
+        p = self.pipeline.stages
+        stages = [self.stage_state() if group.rank == 0 else None]
+        for s in range(1, p):
+            if group.rank not in (0, s):
+                continue
+            state, _ = broadcast_state(group, s, self.stage_state() if group.rank == s else None, self.device,
+                                       receivers=[0])
+            if group.rank == 0:
+                stages.append(state)
+        if group.rank != 0:
+            return None
+        whole = {}
+        for st in stages:
+            whole.update(st["model"])
+        self.model.load_state_dict(whole)
+        return {"model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
+                "optimizer": {"pipeline_stages": [st["optimizer"] for st in stages]},
+                "lr_scheduler": {"pipeline_stages": [st["lr_scheduler"] for st in stages]},
+                "pipeline": {"stages": p, "bounds": [list(b) for b in self.bounds],
+                             "schedule": self.pipeline.schedule}}
