@@ -240,3 +240,29 @@ def slow_vn_job() -> vf.Job:
     """Steps of several 100 ms virtual nodes per worker: long enough to see a survivor abandon
     a doomed step between two VNs."""
     return elastic_job().replace(loss=slow_vn_cross_entropy, virtual_nodes=12)
+
+
+# ---- pipelined jobs (tests/test_pipeline_e2e.py) ----------------------------------------------
+def _pipelined_net() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(FEATURES, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2),
+        nn.Linear(32, 32), nn.Tanh(), nn.Dropout(0.1), nn.Linear(32, 3),
+    )
+
+
+def pipelined_job(schedule: str = "1f1b", stages: int = 2) -> vf.Job:
+    from virtualflow.pipeline import Pipeline
+
+    return vf.Job(
+        model=_pipelined_net, optimizer=sgd, dataset=classification_data,
+        output_loss=lambda out, batch: nn.functional.cross_entropy(out, batch[1]),
+        global_batch_size=32, virtual_nodes=8, seed=2,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7),
+        pipeline=Pipeline(stages=stages, schedule=schedule),
+    )
+
+
+def pipelined_slow_job() -> vf.Job:
+    """pipelined_job, slowed down per step so a test can resize it mid-run."""
+    job = pipelined_job()
+    return job.replace(output_loss=lambda out, batch: (time.sleep(0.01), nn.functional.cross_entropy(out, batch[1]))[1])

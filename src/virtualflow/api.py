@@ -27,6 +27,8 @@ from virtualflow.plan.data import DataPlan
 from virtualflow.plan.hetero import check_memory
 from virtualflow.plan.vnmap import contiguous_assignment
 from virtualflow.preflight import build_dataset, build_job, preflight
+from virtualflow.pipeline import check_workers, pipeline_of, plan_pipeline
+from virtualflow.plan.vnmap import pipeline_assignment
 from virtualflow.result import Result, TrainingError
 from virtualflow.resume import find_resume_state
 from virtualflow.rundir import RunLock, earlier_run, make_private_dir, set_aside, state_files, trim_metrics
@@ -60,13 +62,29 @@ def launch(job: JobLike, options: LaunchOptions | None = None, **overrides: Any)
     overrides_job = {k: v for k in ("global_batch_size", "virtual_nodes", "seed")
                      if (v := getattr(opts, k)) is not None}
     job_obj = job_obj.replace(**overrides_job)
+    pipeline = pipeline_of(job_obj, opts)
+    if pipeline is not None:
+        check_workers(pipeline, opts.start_workers)
+        if opts.max_workers is not None:
+            check_workers(pipeline, opts.max_workers)
     dataset = build_dataset(job_obj)
     plan = DataPlan(len(dataset), job_obj.global_batch_size, job_obj.virtual_nodes, job_obj.seed)
     workers = opts.start_workers
     total_steps = opts.steps if opts.steps is not None else opts.epochs * plan.steps_per_epoch
-    assignment = contiguous_assignment(job_obj.virtual_nodes, workers)  # checks workers <= V
-    _check_against_job(opts, job_obj, limits)
+    if pipeline is None:
+        assignment = contiguous_assignment(job_obj.virtual_nodes, workers)  # checks workers <= V
+        _check_against_job(opts, job_obj, limits)
+    else:
+        assignment = pipeline_assignment(job_obj.virtual_nodes, workers, pipeline.stages)
+        if opts.balance or opts.uneven_vn_sizes or opts.slowdowns is not None and len(set(opts.slowdowns)) > 1:
+            pass  # speed-based VN maps do not apply to pipelines: the VNs are split evenly over replicas
+        if limits is not None:
+            pipeline_assignment(job_obj.virtual_nodes, limits.max_workers, pipeline.stages)
     preflight(job_obj, dataset, plan)
+    if pipeline is not None:
+        pipeline = plan_pipeline(job_obj.replace(pipeline=pipeline), dataset, workers)
+        overrides_job["pipeline"] = pipeline
+        job_obj = job_obj.replace(pipeline=pipeline)
     backend.check_capacity(workers)
     if limits is not None and limits.max_workers > workers:
         backend.check_capacity(limits.max_workers, knob="--max-workers")

@@ -62,6 +62,16 @@ class LaunchOptions:
     (``global_batch_size``, ``virtual_nodes``, ``seed``).
     """
 
+    # -- pipeline ----------------------------------------------------------------------------
+    pipeline_stages: int | None = _opt(None, "cut the model into this many stages (workers per pipeline replica; "
+                                       "--workers must be a multiple); overrides Job.pipeline's stages", "pipeline",
+                                       metavar="P")
+    schedule: str | None = _opt(None, "pipeline schedule (default 1f1b, or Job.pipeline's)", "pipeline",
+                                choices=("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "2bw", "async"))
+    chunks: int | None = _opt(None, "model pieces per worker for interleaved_1f1b (v)", "pipeline", metavar="V")
+    split: str | None = _opt(None, "where to cut: auto (profile + partitioner), equal, or layer counts per piece "
+                             "such as 3,2,2,1", "pipeline", metavar="SPLIT")
+
     # -- training ----------------------------------------------------------------------------
     workers: int | None = _opt(None, "number of workers to start (default 1; with --autoscale, --min-workers)",
                                "training", metavar="N")
@@ -260,7 +270,7 @@ def make_options(options: LaunchOptions | None, overrides: dict[str, Any]) -> La
 
 # -- type checks ------------------------------------------------------------------------------
 _POSITIVE_INTS = ("workers", "steps", "epochs", "global_batch_size", "virtual_nodes", "threads_per_worker",
-                  "min_workers", "checkpoint_every", "max_workers")
+                  "min_workers", "checkpoint_every", "max_workers", "pipeline_stages", "chunks")
 _WORDS = {"int": "an integer", "float": "a number", "bool": "True or False", "str": "a string",
           "list[float]": "a list of numbers", "list[WorkerSpec]": "a list of virtualflow.WorkerSpec",
           "dict[str, float]": "a dict of name -> number", "FaultPlan": "a virtualflow.FaultPlan",

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 import torch
 from torch import nn
@@ -209,3 +209,82 @@ def tensors_of(value: object) -> tuple[torch.Tensor, ...]:
         f"a pipeline stage boundary must carry a tensor or a tuple of tensors, got {type(value).__name__}; "
         f"make each layer return tensors (and take the previous layer's output as its one argument)"
     )
+
+
+# ---- launch-time resolution (called by virtualflow.launch before any worker starts) ------------
+def parse_split(text: str) -> SplitSpec:
+    """``auto``, ``equal`` or comma-separated layer counts (``3,2,2,1``)."""
+    if text in ("auto", "equal"):
+        return text
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--split {text!r} must be auto, equal or comma-separated layer counts such as 3,2,2,1") from None
+
+
+def pipeline_of(job: Any, options: Any) -> Pipeline | None:
+    """The job's pipeline with the launch options' pipeline knobs applied (``None``: no pipeline)."""
+    import dataclasses
+
+    knobs = {"schedule": options.schedule, "chunks": options.chunks,
+             "split": parse_split(options.split) if options.split is not None else None}
+    given = {k: v for k, v in knobs.items() if v is not None}
+    base = job.pipeline
+    if options.pipeline_stages is None and base is None:
+        if given:
+            flags = ", ".join(f"--{k}" for k in given)
+            raise ValueError(f"{flags} apply to pipelined jobs only; add --pipeline-stages P (pipeline_stages=P) or "
+                             f"give the job a Job.pipeline")
+        return None
+    if options.pipeline_stages is not None:
+        given["stages"] = options.pipeline_stages
+    if "stages" in given and "split" not in given and base is not None and not isinstance(base.split, str):
+        given["split"] = "equal"  # explicit counts were for another stage count
+    pipeline = dataclasses.replace(base, **given) if base is not None else Pipeline(**given)
+    if job.output_loss is None:
+        raise ValueError(
+            "a pipelined job needs Job.output_loss=(outputs, batch) -> scalar: the loss is computed on the last "
+            "stage, which holds only the model's outputs and the batch"
+        )
+    return pipeline
+
+
+def plan_pipeline(job: Any, dataset: Any, workers: int, log: Any = None) -> Pipeline:
+    """Check a pipelined job against its model and worker count, resolve ``split="auto"`` with the
+    profiler, and return the pipeline with explicit layer counts (what every worker uses).
+    Raises ``ValueError`` naming the value, the rule and the knob when something does not fit."""
+    import dataclasses
+    import logging
+
+    from virtualflow.plan.vnmap import contiguous_assignment
+    from virtualflow.runtime.pipeline import schedule_for
+
+    log = log or logging.getLogger(__name__)
+    pipeline: Pipeline = job.pipeline
+    replicas = check_workers(pipeline, workers)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(job.seed)
+        model = job.model()
+    layers = layers_of(model)
+    if not pipeline.flush and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        raise ValueError(
+            f"Pipeline.schedule={pipeline.schedule!r} streams steps without a flush, which cannot keep BatchNorm's "
+            f"per-step statistics exact; use a flush schedule (1f1b, gpipe, interleaved_1f1b, zb_h1)"
+        )
+    sizes = sorted({len(b) for b in contiguous_assignment(job.virtual_nodes, replicas)})
+    for m in sizes:
+        schedule_for(pipeline, m, pipeline.window)  # raises with the schedule's own rule and knob
+    predicted = None
+    if pipeline.split == "auto":
+        from virtualflow.runtime.profile import auto_split
+
+        counts, predicted = auto_split(job, pipeline)
+        pipeline = dataclasses.replace(pipeline, split=tuple(counts))
+    bounds = resolve_bounds(pipeline, len(layers))
+    pipeline = dataclasses.replace(pipeline, split=tuple(b - a for a, b in bounds))
+    grid = Grid(pipeline.stages, replicas, 0)
+    log.info("pipeline: %s, schedule %s, %d micro-batches (virtual nodes) per replica; split:\n%s",
+             grid.describe(), pipeline.schedule, sizes[-1], describe_split(layers, bounds, pipeline.stages))
+    if predicted is not None:
+        log.info("pipeline prediction: %s", getattr(predicted, "describe", lambda *a: str(predicted))())
+    return pipeline

@@ -29,6 +29,7 @@ from virtualflow.comm import auth, protocol
 from virtualflow.control.autoscale import Limits
 from virtualflow.control.autoscale_executor import AutoscaleExecutor
 from virtualflow.control.coordinator import Coordinator
+from virtualflow.plan.vnmap import pipeline_assignment
 from virtualflow.control.membership import JobFailed, MembershipController, check_resize
 from virtualflow.job import Job, JobSource
 from virtualflow.options import LaunchOptions
@@ -119,10 +120,16 @@ class Supervisor:
         self.backend = setup.backend
         self.backend.attach(Attachment(config=self.config, state_dir=setup.state_dir, store=self.coordinator.store,
                                        token=setup.token, grow=self._grow_for_join, event=self.coordinator.event))
+        extra = {}
+        if self.job.pipeline is not None:
+            stages = self.job.pipeline.stages
+            extra["assign"] = lambda V, n: pipeline_assignment(V, n, stages)
         self.controller = MembershipController(
             self.coordinator, self.backend, opts,
-            virtual_nodes=self.job.virtual_nodes, global_batch_size=self.job.global_batch_size,
+            virtual_nodes=self.job.virtual_nodes, global_batch_size=self.job.global_batch_size, **extra,
         )
+        if self.job.pipeline is not None:
+            self.controller.stages = self.job.pipeline.stages
         self.controller.last_step = setup.resume_step
         self.autoscaler: AutoscaleExecutor | None = None
         if setup.autoscale is not None:
@@ -216,7 +223,8 @@ class Supervisor:
     # -- requests ----------------------------------------------------------------------------
     def request_resize(self, workers: int) -> None:
         """A resize asked in this process (:meth:`JobHandle.resize`); checked, then queued."""
-        check_resize(workers, self.job.virtual_nodes, self.setup.options.min_workers)
+        check_resize(workers, self.job.virtual_nodes, self.setup.options.min_workers,
+                     self.job.pipeline.stages if self.job.pipeline is not None else None)
         self.backend.check_capacity(workers)
         self.requests.append(workers)
 
@@ -345,6 +353,7 @@ class Supervisor:
         data.update(
             job=self.job.name,
             virtual_nodes=self.job.virtual_nodes,
+            pipeline_stages=self.job.pipeline.stages if self.job.pipeline is not None else None,
             min_workers=self.setup.options.min_workers,
             coordinator={"host": self.coordinator.host, "port": self.coordinator.port, "pid": os.getpid(),
                          "token_file": self.setup.token_path},
@@ -369,6 +378,7 @@ class Supervisor:
             "error": str(self.error) if self.error else None,
             "global_batch_size": self.job.global_batch_size,
             "virtual_nodes": self.job.virtual_nodes,
+            "pipeline": _pipeline_summary(self.job.pipeline),
             "seed": self.job.seed,
             "workers": s.options.start_workers,
             "workers_final": len(ctl.members),
@@ -406,3 +416,10 @@ def _version() -> str:
         return version("virtualflow")
     except Exception:  # noqa: BLE001 - not installed (a source tree on sys.path)
         return "unknown"
+
+
+def _pipeline_summary(pipeline: Any) -> dict[str, Any] | None:
+    if pipeline is None:
+        return None
+    return {"stages": pipeline.stages, "schedule": pipeline.schedule, "chunks": pipeline.chunks,
+            "split": list(pipeline.split) if not isinstance(pipeline.split, str) else pipeline.split}

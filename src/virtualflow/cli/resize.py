@@ -47,7 +47,9 @@ def request_resize(run_dir: str, workers: int, token_file: str | None = None) ->
     if state == "orphaned":
         raise ValueError(f"the run in {run_dir!r} has no live coordinator (pid {status['coordinator']['pid']} is gone); "
                          f"continue it with `virtualflow run JOB --resume {run_dir}`")
-    check_resize(workers, int(status["virtual_nodes"]), int(status.get("min_workers", 1)))
+    stages = status.get("pipeline_stages")
+    check_resize(workers, int(status["virtual_nodes"]), int(status.get("min_workers", 1)),
+                 int(stages) if isinstance(stages, int) and not isinstance(stages, bool) and stages > 0 else None)
     job_id = status.get("job_id")
     if not auth.is_job_id(job_id):
         raise ValueError(f"{os.path.join(run_dir, 'status.json')} names no job id (a run started by an older "

@@ -120,6 +120,8 @@ class MembershipController:
         self.min_workers_timeout_s = options.min_workers_timeout_s
         self.max_newcomer_failures = max_newcomer_failures
         self.assign = assign
+        self.stages: int | None = None
+        """Set for a pipelined job: resizes go in whole replicas of this many stages."""
         self.clock = clock
         self.target = options.start_workers
         self.members: list[int] = []
@@ -180,7 +182,7 @@ class MembershipController:
 
     # -- requests ---------------------------------------------------------------------------
     def request_resize(self, workers: int, source: str = "api") -> None:
-        check_resize(workers, self.V, self.min_workers)
+        check_resize(workers, self.V, self.min_workers, self.stages)
         self.coord.event("resize_request", workers=workers, current=len(self.members), source=source)
         logger.info("resize requested (%s): %d -> %d workers", source, len(self.members), workers)
         self.target = workers
@@ -586,11 +588,24 @@ class MembershipController:
         return rows
 
 
-def check_resize(workers: Any, virtual_nodes: int, min_workers: int) -> None:
-    """Validate a resize target: names the value, the rule and the knob."""
+def check_resize(workers: Any, virtual_nodes: int, min_workers: int, stages: int | None = None) -> None:
+    """Validate a resize target: names the value, the rule and the knob. ``stages``: the job is
+    pipelined with that many stages, and resizes in whole pipeline replicas."""
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ValueError(f"resize to workers={workers!r}: the job needs at least 1 worker")
-    if workers > virtual_nodes:
+    if stages is not None:
+        if workers % stages:
+            lo = max(stages, (workers // stages) * stages)
+            raise ValueError(
+                f"resize to workers={workers} is not a multiple of the pipeline's {stages} stages; a pipelined "
+                f"job grows and shrinks in whole pipeline replicas: resize to {lo} or {lo + stages}"
+            )
+        if workers // stages > virtual_nodes:
+            raise ValueError(
+                f"resize to workers={workers} makes {workers // stages} pipeline replicas, more than "
+                f"virtual_nodes={virtual_nodes}: every replica needs at least one virtual node"
+            )
+    elif workers > virtual_nodes:
         raise ValueError(
             f"resize to workers={workers} is more than virtual_nodes={virtual_nodes}: every worker needs "
             f"at least one virtual node; resize to at most {virtual_nodes} or start the job with more "

@@ -39,6 +39,24 @@ def contiguous_assignment(virtual_nodes: int, workers: int) -> list[list[int]]:
     return out
 
 
+def pipeline_assignment(virtual_nodes: int, workers: int, stages: int) -> list[list[int]]:
+    """VN map of a pipelined job: worker ``r`` is in pipeline replica ``r // stages`` and runs, as
+    micro-batches, the contiguous VN block of its replica (every stage of a replica runs the same
+    VNs). ``workers`` must be a multiple of ``stages``; every replica needs a VN."""
+    if workers % stages:
+        raise ValueError(f"workers={workers} is not a multiple of stages={stages}; a pipelined job runs whole "
+                         f"pipelines: use a multiple of {stages} workers")
+    replicas = workers // stages
+    if virtual_nodes < replicas:
+        raise ValueError(
+            f"virtual_nodes={virtual_nodes} is smaller than the {replicas} pipeline replicas ({workers} workers / "
+            f"{stages} stages); every replica needs at least one virtual node: use at most "
+            f"{virtual_nodes * stages} workers or raise virtual_nodes"
+        )
+    blocks = contiguous_assignment(virtual_nodes, replicas)
+    return [list(blocks[r // stages]) for r in range(workers)]
+
+
 def describe_assignment(assignment: Sequence[Sequence[int]]) -> str:
     """``worker 0 runs VNs 0-3, worker 1 runs VNs 4-7`` (ranges collapsed)."""
     parts = []

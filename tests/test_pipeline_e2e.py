@@ -1,0 +1,80 @@
+"""Pipelined jobs in worker processes (gloo point to point), end to end. Few and short: the
+executor's semantics are proven in-process (tests/test_pipeline_engine.py); these prove that
+the process driver, the per-stage groups, the state gathering and the resize path keep them.
+
+- A 2-stage x 2-replica run (BatchNorm, dropout, LR scheduler) is bit-identical to the
+  unpipelined deterministic run of the same job on one worker.
+- A run resized 1 -> 2 -> 1 pipeline replicas mid-way ends bit-identical to an undisturbed run.
+- Bad input is refused before any worker starts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import virtualflow as vf
+from conftest import assert_state_equal, wait_for_step
+import jobs
+
+FOREVER = 1_000_000
+
+
+def unpipelined(steps: int) -> vf.Result:
+    return vf.train(jobs.pipelined_job().replace(pipeline=None), workers=1, steps=steps, deterministic=True)
+
+
+def test_two_stages_two_replicas_bit_identical_to_unpipelined(run_dir):
+    result = vf.train(jobs.pipelined_job, workers=4, steps=5, deterministic=True, run_dir=run_dir)
+    ref = unpipelined(5)
+    assert_state_equal(result.state_dict, ref.state_dict)
+    assert [h["loss"] for h in result.history] == [h["loss"] for h in ref.history]
+    assert result.history[-1]["workers"] == 4
+    # final.pt holds the whole model and every stage's optimizer state
+    assert len(result.optimizer_state_dict["pipeline_stages"]) == 2
+
+
+def test_resize_one_two_one_replicas_bit_identical(run_dir):
+    handle = vf.launch(jobs.pipelined_slow_job, workers=2, steps=FOREVER, deterministic=True, run_dir=run_dir)
+    for n in (4, 2):
+        wait_for_step(handle, handle.status()["step"] + 3)
+        handle.resize(n, wait=True, timeout_s=120)
+    wait_for_step(handle, handle.status()["step"] + 2)
+    result = handle.stop()
+    sizes = [h["workers"] for h in result.history]
+    assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [2, 4, 2]
+    ref = unpipelined(result.steps)
+    assert_state_equal(result.state_dict, ref.state_dict)
+    assert [h["step"] for h in result.history] == list(range(result.steps))
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(workers=3), "not a multiple of Pipeline.stages=2"),
+    (dict(workers=9, pipeline_stages=9), "has 8 layers but the pipeline needs 9"),
+    (dict(workers=2, schedule="2bw"), "BatchNorm"),
+    (dict(workers=2, virtual_nodes=5), "not divisible by virtual_nodes=5"),
+    (dict(workers=2, schedule="interleaved_1f1b", chunks=2, virtual_nodes=3, global_batch_size=24),
+     "m=3 micro-batches is not a multiple of p=2"),
+])
+def test_bad_pipelines_are_refused_before_any_worker_starts(bad, message):
+    with pytest.raises(ValueError, match=message):
+        vf.train(jobs.pipelined_job, steps=1, **bad)
+
+
+def test_resize_to_a_partial_pipeline_is_refused():
+    from virtualflow.control.membership import check_resize
+
+    with pytest.raises(ValueError, match="whole pipeline replicas: resize to 2 or 4"):
+        check_resize(3, virtual_nodes=8, min_workers=1, stages=2)
+    check_resize(16, virtual_nodes=8, min_workers=1, stages=2)  # 8 replicas of 2 stages: allowed
+    with pytest.raises(ValueError, match="9 pipeline replicas"):
+        check_resize(18, virtual_nodes=8, min_workers=1, stages=2)
+
+
+def test_output_loss_is_required_for_a_pipeline():
+    job = jobs.pipelined_job()
+    with pytest.raises(ValueError, match="needs Job.output_loss"):
+        job.replace(output_loss=None, loss=lambda m, b: m(b[0]).sum())
+    with pytest.raises(ValueError, match="output_loss"):
+        vf.train(job.replace(pipeline=None, output_loss=None, loss=lambda m, b: torch.nn.functional.cross_entropy(
+            m(b[0]), b[1])), workers=2, steps=1, pipeline_stages=2)
