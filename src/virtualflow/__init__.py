@@ -8,6 +8,7 @@ A :class:`Job` fixes what the model sees (global batch size B, virtual nodes V, 
 from virtualflow.api import JobHandle, Result, TrainingError, launch, train
 from virtualflow.options import LaunchOptions
 from virtualflow.job import Job, JobImportError
+from virtualflow.pipeline import Pipeline
 from virtualflow.plan.data import vn_seed
 from virtualflow.runtime.engine import LossShapeError, NonFiniteLossError
 from virtualflow.runtime.faults import Fault, FaultPlan
@@ -22,6 +23,7 @@ __all__ = [
     "JobImportError",
     "LaunchOptions",
     "LossShapeError",
+    "Pipeline",
     "NonFiniteLossError",
     "Result",
     "TrainingError",

@@ -251,6 +251,7 @@ class StageEngine:
         grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}
         busy = 0.0
         t_origin = time.perf_counter()
+        wall_origin = time.time()
         for a in schedule.actions[self.stage_rank]:
             t0 = time.perf_counter()
             if a.kind == "RECV_F":
@@ -297,8 +298,10 @@ class StageEngine:
                     time.sleep((self.slowdown - 1.0) * (t1 - t0))
                     t1 = time.perf_counter()
             if self.timeline is not None:
-                self.timeline.append({"kind": a.kind, "stage": a.stage, "mb": a.microbatch, "step": first_step,
-                                      "start": t0 - t_origin, "end": t1 - t_origin, "origin": t_origin})
+                # wall-clock times, comparable between the workers of one machine
+                self.timeline.append({"kind": a.kind, "stage": a.stage, "mb": a.microbatch,
+                                      "step": first_step + a.microbatch // m,
+                                      "start": wall_origin + (t0 - t_origin), "end": wall_origin + (t1 - t_origin)})
         return busy
 
     # ---- forward and backward of one (piece, micro-batch) -------------------------------------

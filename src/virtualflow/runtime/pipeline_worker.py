@@ -147,6 +147,8 @@ class PipelineWorkerEngine:
         self.generation_broken = None
         self.total_steps: int | None = None
         self._results: dict[int, StepOutcome] = {}
+        self.timeline_dir: str | None = None
+        """Where recorded timelines go (``Pipeline.record_timeline``); set by the worker."""
 
     @property
     def optimizer(self):
@@ -202,10 +204,30 @@ class PipelineWorkerEngine:
         results = drive(self.stage.steps(step, n, control), group=self.group, stage_group=self.stage_group,
                         grid=self.grid, n_pieces=len(self.bounds), device=self.device)
         self.phase = "idle"
+        if self.stage.timeline:
+            self._write_timeline()
         out = {r.step: StepOutcome(r.loss, r.bad_vns, r.control, None) for r in results}
         first = out.pop(step)
         self._results = out
         return first
+
+    def _write_timeline(self) -> None:
+        """Append this worker's recorded actions to ``pipeline/timeline-<rank>.jsonl`` in the run's
+        state directory (``virtualflow plot RUN_DIR --pipeline`` draws them)."""
+        import json
+        import os
+
+        if self.timeline_dir is None:
+            self.stage.timeline.clear()
+            return
+        os.makedirs(self.timeline_dir, mode=0o700, exist_ok=True)
+        path = os.path.join(self.timeline_dir, f"timeline-{self.group.rank}.jsonl")
+        g = self.grid
+        with open(path, "a") as f:
+            for e in self.stage.timeline:
+                f.write(json.dumps({**e, "rank": self.group.rank, "replica": g.replica, "stage_rank": g.stage_rank,
+                                    "generation": self.group.generation}) + "\n")
+        self.stage.timeline.clear()
 
     def abandon_step(self) -> None:
         if self.stage is not None:

@@ -353,6 +353,7 @@ class Worker:
         engine = PipelineWorkerEngine(job, bounds, dataset, deterministic=cfg.deterministic, device=self.device,
                                       subgroup=subgroup)
         engine.total_steps = cfg.total_steps
+        engine.timeline_dir = os.path.join(cfg.state_dir, "pipeline")
         return engine
 
     def _whole_state(self, group: Group, step: int) -> dict[str, Any] | None:
