@@ -506,7 +506,7 @@ class Worker:
             control = self.heartbeat.control_seq if rank == 0 else 0
             outcome = engine.step(step, control)
             if outcome.bad_vns:
-                self._non_finite(outcome, step, rank)
+                self._non_finite(outcome, step, group)
             step += 1
             self.progress = Progress(step=step, control=self.progress.control)
             now = time.perf_counter()
@@ -576,15 +576,19 @@ class Worker:
                                        lambda raw: protocol.parse_command(self.run_key, raw, n), f"command {n}")
         return command
 
-    def _non_finite(self, outcome, step: int, rank: int) -> None:
+    def _non_finite(self, outcome, step: int, group: Group) -> None:
         path = os.path.join(self.cfg.state_dir, "checkpoint.pt")
-        if rank == 0:
-            save_state(path, training_state(self.job, self.engine, step))
+        state = self._whole_state(group, step)  # every member learnt of the bad VNs from the same reduction
+        if group.rank == 0:
+            save_state(path, state)
+        streamed = self.pipelined and not self.job.pipeline.flush
+        what = (f"the {self.job.pipeline.schedule} schedule streams steps without a flush, so the updates of its "
+                f"window were applied; the state after them is in {path}" if streamed else
+                f"the step was not applied and the last good state (before step {step}) is in {path}")
         err = NonFiniteLossError(
             f"non-finite loss at step {step} in virtual node"
             f"{'s' if len(outcome.bad_vns) > 1 else ''} {', '.join(map(str, outcome.bad_vns))}; "
-            f"the step was not applied and the last good state (before step {step}) is in {path}. "
-            f"Lower the learning rate, check the data of those samples, or clip gradients"
+            f"{what}. Lower the learning rate, check the data of those samples, or clip gradients"
         )
         err.step = step  # type: ignore[attr-defined]
         raise err
