@@ -10,6 +10,9 @@ the process driver, the per-stage groups, the state gathering and the resize pat
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 import torch
 
@@ -78,3 +81,19 @@ def test_output_loss_is_required_for_a_pipeline():
     with pytest.raises(ValueError, match="output_loss"):
         vf.train(job.replace(pipeline=None, output_loss=None, loss=lambda m, b: torch.nn.functional.cross_entropy(
             m(b[0]), b[1])), workers=2, steps=1, pipeline_stages=2)
+
+
+def test_killed_worker_leaves_the_whole_replicas_training_bit_identical(run_dir):
+    """SIGKILL of rank 0 (stage 0 of replica 0): its replica's other worker leaves, the other
+    replica goes on (its workers keep their stages), and the model is the undisturbed one."""
+    handle = vf.launch(jobs.pipelined_slow_job, workers=4, steps=FOREVER, deterministic=True, run_dir=run_dir)
+    wait_for_step(handle, 3)
+    victim = next(w for w in handle.status()["workers"] if w["rank"] == 0)
+    os.kill(victim["pid"], signal.SIGKILL)
+    wait_for_step(handle, handle.status()["step"] + 3)
+    result = handle.stop()
+    sizes = [h["workers"] for h in result.history]
+    assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [4, 2]
+    assert [f["worker"] for f in result.failures] == [victim["id"]]
+    assert_state_equal(result.state_dict, unpipelined(result.steps).state_dict)
+    assert [h["step"] for h in result.history] == list(range(result.steps))

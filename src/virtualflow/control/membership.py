@@ -458,6 +458,21 @@ class MembershipController:
         if not breaks:
             return
         survivors = [w for w in self.members if w not in failed]
+        if self.stages is not None and survivors:
+            # A pipelined job goes on with its whole replicas only (members keep their order, so
+            # every survivor keeps its stage); the rest of a broken replica leaves.
+            p = self.stages
+            replicas = [self.members[i:i + p] for i in range(0, len(self.members), p)]
+            whole = [w for rep in replicas if not any(x in failed for x in rep) for w in rep]
+            if not whole:
+                self.coord.abort(self.generation)
+                lost_desc = "; ".join(f"worker {w} {c}" for w, c in failed.items())
+                raise JobFailed(
+                    f"{lost_desc} at step {self.last_step}: every pipeline replica lost a stage, so no whole "
+                    f"pipeline is left to continue; run with more replicas (--workers a larger multiple of "
+                    f"{p}) to survive a failure"
+                )
+            survivors = whole
         newcomers_in_gen = [w for w in self.members if w not in failed and self.assigned.get(w) == self.generation]
         self.coord.abort(self.generation)
         if not survivors:

@@ -254,13 +254,24 @@ class PipelineWorkerEngine:
         if s.scheduler is not None and state.get("lr_scheduler") is not None:
             s.scheduler.load_state_dict(state["lr_scheduler"])
 
-    def transfer(self, group: Group, src: int, behind_ranks: list[int]) -> int:
-        """Send each stage's state from the replica of rank ``src`` to the workers behind. Collective."""
+    def transfer(self, group: Group, steps: list[int], target: int) -> int:
+        """Bring every worker to step ``target``: each stage's state goes from a member of that
+        stage that reached it to the members of that stage behind. ``steps[r]`` is rank ``r``'s
+        step. Collective. Raises when no member of some stage reached ``target`` (a stage applied
+        a step another stage lost: the pipeline cannot be made consistent)."""
         p = self.pipeline.stages
         moved = 0
         for s in range(p):
-            stage_src = (src // p) * p + s
-            receivers = [r for r in behind_ranks if r % p == s]
+            ranks = [r for r in range(len(steps)) if r % p == s]
+            ahead = [r for r in ranks if steps[r] == target]
+            receivers = [r for r in ranks if steps[r] < target]
+            if not ahead:
+                raise RuntimeError(
+                    f"no worker of stage {s} holds step {target} (stage steps {[steps[r] for r in ranks]}): a "
+                    f"failure struck between the stages' updates of one step; the pipelined job cannot continue "
+                    f"consistently (resume from a checkpoint)"
+                )
+            stage_src = ahead[0]
             if not receivers:
                 continue
             mine = self.stage_state() if group.rank == stage_src else None

@@ -453,7 +453,7 @@ class Worker:
             if behind:
                 self._transferring = True
                 t1 = time.perf_counter()
-                moved = self.engine.transfer(group, src, [r for r, p in enumerate(everyone) if p.step < target])
+                moved = self.engine.transfer(group, [p.step for p in everyone], target)
                 t_transfer = time.perf_counter() - t1
                 self._transferring = False
         elif target == 0 and group.size > 1 and not behind:
