@@ -266,3 +266,17 @@ def pipelined_slow_job() -> vf.Job:
     """pipelined_job, slowed down per step so a test can resize it mid-run."""
     job = pipelined_job()
     return job.replace(output_loss=lambda out, batch: (time.sleep(0.01), nn.functional.cross_entropy(out, batch[1]))[1])
+
+
+def pipelined_2bw_job() -> vf.Job:
+    """A BatchNorm-free pipelined job on PipeDream-2BW (windows of 2 steps), slowed per step."""
+    from virtualflow.pipeline import Pipeline
+
+    return vf.Job(
+        model=lambda: nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 32),
+                                    nn.Tanh(), nn.Linear(32, 3)),
+        optimizer=sgd, dataset=classification_data,
+        output_loss=lambda out, batch: (time.sleep(0.005), nn.functional.cross_entropy(out, batch[1]))[1],
+        global_batch_size=32, virtual_nodes=8, seed=4,
+        pipeline=Pipeline(stages=2, schedule="2bw", window=2),
+    )

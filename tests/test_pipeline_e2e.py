@@ -97,3 +97,22 @@ def test_killed_worker_leaves_the_whole_replicas_training_bit_identical(run_dir)
     assert [f["worker"] for f in result.failures] == [victim["id"]]
     assert_state_equal(result.state_dict, unpipelined(result.steps).state_dict)
     assert [h["step"] for h in result.history] == list(range(result.steps))
+
+
+def test_2bw_resize_keeps_the_weight_versions_bit_identical(run_dir):
+    """PipeDream-2BW across a grow and a shrink: the newcomers receive the older weight version
+    too, resizes land at window ends, and the run equals the undisturbed in-process run."""
+    from virtualflow.runtime.pipeline import train_local
+
+    handle = vf.launch(jobs.pipelined_2bw_job, workers=2, steps=FOREVER, deterministic=True, run_dir=run_dir)
+    for n in (4, 2):
+        wait_for_step(handle, handle.status()["step"] + 3)
+        handle.resize(n, wait=True, timeout_s=120)
+    wait_for_step(handle, handle.status()["step"] + 2)
+    result = handle.stop()
+    sizes = [h["workers"] for h in result.history]
+    assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [2, 4, 2]
+    assert all(h["step"] % 2 == 0 for h in result.history[1:] if h["workers"] != sizes[result.history.index(h) - 1])
+    state, history = train_local(jobs.pipelined_2bw_job(), result.steps, deterministic=True)
+    assert_state_equal(result.state_dict, state)
+    assert [h["loss"] for h in result.history] == [r.loss for r in history]

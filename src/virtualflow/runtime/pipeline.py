@@ -42,6 +42,7 @@ proves no deadlock under exactly these rules).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -126,11 +127,16 @@ class _MB:
 
 def schedule_for(pipeline: Pipeline, m: int, steps: int = 1) -> Schedule:
     """The schedule of ``pipeline`` for ``m`` micro-batches (and ``steps`` streamed steps)."""
-    gen = SCHEDULES[pipeline.schedule]
-    p = pipeline.stages
-    if pipeline.schedule == "interleaved_1f1b":
-        return gen(p, m, pipeline.chunks)
-    if pipeline.schedule in ("2bw", "async"):
+    return _schedule(pipeline.schedule, pipeline.stages, m, pipeline.chunks, steps)
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(name: str, p: int, m: int, v: int, steps: int) -> Schedule:
+    """Schedules are pure and immutable: built once per shape, not once per step."""
+    gen = SCHEDULES[name]
+    if name == "interleaved_1f1b":
+        return gen(p, m, v)
+    if name in ("2bw", "async"):
         return gen(p, m, steps)
     return gen(p, m)
 
@@ -513,6 +519,14 @@ class StageEngine:
         return {name: t.detach().clone().requires_grad_(t.requires_grad)
                 for name, t in self.pieces[k].named_parameters()}
 
+    def load_prev_version(self, versions: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Adopt another worker's older weight version (2BW state moved to a newcomer)."""
+        out = {}
+        for k, v in versions.items():
+            params = dict(self.pieces[int(k)].named_parameters())
+            out[int(k)] = {n: t.detach().clone().requires_grad_(params[n].requires_grad) for n, t in v.items()}
+        self.prev_version = out
+
     def _stream(self, first_step: int, n_steps: int, control: int) -> Generator[Request, Any, list[StepResult]]:
         vns = self.assignment[self.replica]
         m = len(vns)
@@ -536,6 +550,7 @@ class StageEngine:
         mbs: dict[tuple[int, int], _MB] = {}
         compute = [0.0]
         applied = [first_step]  # updates applied on this piece so far (one per step)
+        tree_loss: dict[int, float] = {}
 
         def forward(k_: int, mb: int, step: int, vn: int, message) -> _MB:
             ctx = _MB()
@@ -592,6 +607,8 @@ class StageEngine:
 
                 nodes = tree_reduce_local(self.tree.per_worker[self.replica], leaf)
                 total = yield StageTree(self.tree, nodes, next(iter(nodes.values())))
+                if is_last:
+                    tree_loss[step] = float(total[-1])  # summed along the VN tree, as the VN engine does
             else:
                 total = torch.cat([g.reshape(-1) for g in acc.pop(step)])
                 if self.replicas > 1:
@@ -618,8 +635,11 @@ class StageEngine:
                 t = first_step + i
                 for v in vns:
                     stats[i, v] = float(not torch.isfinite(losses[t][v]).item())
-                stats[i, V + 1] = float(torch.stack([losses[t][v] for v in vns]).sum())
-        stats[0, V] = control
+                if self.deterministic:
+                    stats[i, V + 1] = tree_loss[t] if self.replica == 0 else 0.0
+                else:
+                    stats[i, V + 1] = float(torch.stack([losses[t][v] for v in vns]).sum())
+        stats[n_steps - 1, V] = control  # commands act at the window's end, where the pipeline is drained
         stats = yield AllSum(stats.reshape(-1))
         stats = stats.reshape(n_steps, V + 2)
         for i in range(n_steps):

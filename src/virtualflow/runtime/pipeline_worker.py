@@ -7,7 +7,8 @@ point to point over the generation's group; each stage-rank's replicas reduce th
 over their own group (``gen/<g>/stage<s>``); one small all-reduce over the whole group per step
 carries losses, bad VNs and the control position. A resize adds or removes whole replicas: a
 survivor keeps its stage-rank (members keep their order), a newcomer receives its stage's state
-(pieces, optimizer, scheduler) from the same stage of the most advanced replica.
+(pieces, optimizer, scheduler, 2BW's older weights) from a member of the same stage that reached
+the step. A failure leaves the job its whole replicas (see ``control/membership.py``).
 
 Every worker builds the whole model once from the job's seed (so all pieces start from the
 unpipelined model's initial weights) and keeps the layers of its stage-rank for training; rank 0
@@ -211,6 +212,11 @@ class PipelineWorkerEngine:
         self._results = out
         return first
 
+    @property
+    def mid_window(self) -> bool:
+        """True between the steps of a no-flush window (its later steps are already computed)."""
+        return bool(self._results)
+
     def _write_timeline(self) -> None:
         """Append this worker's recorded actions to ``pipeline/timeline-<rank>.jsonl`` in the run's
         state directory (``virtualflow plot RUN_DIR --pipeline`` draws them)."""
@@ -244,8 +250,11 @@ class PipelineWorkerEngine:
     # ---- state ---------------------------------------------------------------------------------
     def stage_state(self) -> dict[str, Any]:
         s = self.stage
-        return {"model": s.model.state_dict(), "optimizer": s.optimizer.state_dict(),
-                "lr_scheduler": s.scheduler.state_dict() if s.scheduler is not None else None}
+        state = {"model": s.model.state_dict(), "optimizer": s.optimizer.state_dict(),
+                 "lr_scheduler": s.scheduler.state_dict() if s.scheduler is not None else None}
+        if s.prev_version is not None:  # 2bw: the older weight version is training state too
+            state["prev_version"] = {k: {n: t.detach() for n, t in v.items()} for k, v in s.prev_version.items()}
+        return state
 
     def load_stage_state(self, state: dict[str, Any]) -> None:
         s = self.stage
@@ -253,6 +262,8 @@ class PipelineWorkerEngine:
         s.optimizer.load_state_dict(state["optimizer"])
         if s.scheduler is not None and state.get("lr_scheduler") is not None:
             s.scheduler.load_state_dict(state["lr_scheduler"])
+        if state.get("prev_version") is not None:
+            s.load_prev_version(state["prev_version"])
 
     def transfer(self, group: Group, steps: list[int], target: int) -> int:
         """Bring every worker to step ``target``: each stage's state goes from a member of that

@@ -338,6 +338,9 @@ class Worker:
             self.heartbeat.start()
         self.report({"type": "join", "setup_s": time.perf_counter() - t_start})
 
+    _due: tuple[bool, bool] = (False, False)
+    """Pipelined job: a checkpoint / an evaluation fell due inside a no-flush window."""
+
     def _pipeline_engine(self, job: Job, dataset: Any):
         from virtualflow.comm.groups import make_subgroup
         from virtualflow.pipeline import layers_of, resolve_bounds
@@ -554,6 +557,13 @@ class Worker:
         cfg, job = self.cfg, self.job
         ck = bool(cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.total_steps)
         ev = bool(job.evaluate is not None and job.eval_every and step % job.eval_every == 0)
+        # A no-flush schedule has computed its whole window already: what falls due inside a
+        # window is done at the window's end, where the state is that of a step boundary.
+        self._due = (self._due[0] or ck, self._due[1] or ev)
+        if self.engine.mid_window:
+            return
+        ck, ev = self._due
+        self._due = (False, False)
         if not (ck or ev):
             return
         t_ck = time.perf_counter()
