@@ -5,7 +5,9 @@ figure, so that runs on 1, 2 and 4 workers can be seen to train the same model.
 ``--timeline`` instead draws, per run, the number of workers over steps and the step time,
 with resizes, failures and new generations marked. ``--scaling`` draws, per run, the throughput
 and the cost per sample at every worker count the run went through (from the autoscaler's
-measurements, or from metrics.jsonl for a run without one), with the chosen size marked. Needs matplotlib
+measurements, or from metrics.jsonl for a run without one), with the chosen size marked. ``--pipeline``
+draws one step's measured pipeline schedule beside the simulator's prediction
+(:mod:`virtualflow.cli.plot_pipeline`). Needs matplotlib
 (``pip install virtualflow[plot]``).
 
 Figures are drawn with matplotlib's object API (``matplotlib.figure.Figure``), never pyplot:
@@ -31,12 +33,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Plot loss (and evaluation metric) curves of one or several runs.")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     p.add_argument("-o", "--output", default=None,
-                   help="image file to write (default loss.png, timeline.png or scaling.png)")
+                   help="image file to write (default loss.png, timeline.png, scaling.png or pipeline.png)")
     kind = p.add_mutually_exclusive_group()
     kind.add_argument("--timeline", action="store_true",
                       help="workers over steps and step times, with resizes, failures and generations marked")
     kind.add_argument("--scaling", action="store_true",
                       help="throughput and cost per worker count (autoscaling measurements), the chosen size marked")
+    kind.add_argument("--pipeline", action="store_true",
+                      help="one step's measured pipeline schedule (a run with Pipeline(record_timeline=True)) "
+                           "beside the simulator's prediction, with step times and bubbles printed")
+    p.add_argument("--step", type=int, default=None,
+                   help="with --pipeline: the step to draw (default: the last complete step of replica 0)")
     p.set_defaults(func=main)
 
 
@@ -213,6 +220,12 @@ def plot_scaling(run_dirs: list[str], output: str) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.step is not None and not args.pipeline:
+        raise ValueError("--step goes with --pipeline (the step whose pipeline schedule to draw)")
+    if args.pipeline:
+        from virtualflow.cli import plot_pipeline
+
+        return plot_pipeline.main(args)
     if args.scaling:
         out = plot_scaling(args.run_dirs, args.output or "scaling.png")
     elif args.timeline:
