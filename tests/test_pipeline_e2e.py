@@ -116,3 +116,28 @@ def test_2bw_resize_keeps_the_weight_versions_bit_identical(run_dir):
     state, history = train_local(jobs.pipelined_2bw_job(), result.steps, deterministic=True)
     assert_state_equal(result.state_dict, state)
     assert [h["loss"] for h in result.history] == [r.loss for r in history]
+
+
+def test_a_weight_tied_across_workers_is_refused():
+    import dataclasses
+    from torch import nn
+
+    from virtualflow.pipeline import plan_pipeline
+
+    def tied():
+        first, last = nn.Linear(10, 10), nn.Linear(10, 10)
+        last.weight = first.weight
+        return nn.Sequential(first, nn.ReLU(), nn.Linear(10, 10), last)
+
+    job = jobs.pipelined_job().replace(model=tied)
+    with pytest.raises(ValueError, match="parameter 0.weight is also layer 3's weight.*untie it"):
+        plan_pipeline(job, job.build_dataset(), 2)
+    # both uses on one worker: allowed (interleaved pieces 0 and 2 of 2 workers are on worker 0)
+    def tied_near():
+        first, third = nn.Linear(10, 10), nn.Linear(10, 10)
+        third.weight = first.weight
+        return nn.Sequential(first, nn.ReLU(), third, nn.Linear(10, 10))
+
+    one = job.replace(model=tied_near, pipeline=dataclasses.replace(job.pipeline, schedule="interleaved_1f1b",
+                                                                    chunks=2, split=(1, 1, 1, 1)))
+    assert plan_pipeline(one, one.build_dataset(), 2).split == (1, 1, 1, 1)

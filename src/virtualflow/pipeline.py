@@ -280,12 +280,15 @@ def plan_pipeline(job: Any, dataset: Any, workers: int, log: Any = None) -> Pipe
     # worth it for the split and the predicted time per stage printed before the run.
     import os
 
+    if pipeline.split != "auto":
+        check_shared_parameters(layers, resolve_bounds(pipeline, len(layers)), pipeline)  # before profiling
     threads = max(1, (os.cpu_count() or 1) // workers)  # a local worker's thread budget
     profile = profile_model(job, weight_grad=pipeline.schedule == "zb_h1", threads=threads)
     if pipeline.split == "auto":
         counts, _ = auto_split(job, pipeline, workers=workers, profiles=profile)
         pipeline = dataclasses.replace(pipeline, split=tuple(counts))
     bounds = resolve_bounds(pipeline, len(layers))
+    check_shared_parameters(layers, bounds, pipeline)
     pipeline = dataclasses.replace(pipeline, split=tuple(b - a for a, b in bounds))
     grid = Grid(pipeline.stages, replicas, 0)
     log.info("pipeline: %s, schedule %s, %d micro-batches (virtual nodes) per replica; split:\n%s",
@@ -298,3 +301,28 @@ def plan_pipeline(job: Any, dataset: Any, workers: int, log: Any = None) -> Pipe
     except Exception as exc:  # noqa: BLE001 - the prediction is information, never a reason to refuse a run
         log.info("pipeline prediction unavailable: %s", exc)
     return pipeline
+
+
+def check_shared_parameters(layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]],
+                            pipeline: Pipeline) -> None:
+    """Refuse a parameter shared by layers on different workers (a tied embedding and output
+    matrix, say): each worker holds its own copy and the runtime does not sum their gradients
+    across stages, so the copies would drift apart."""
+    owner: dict[int, tuple[int, str]] = {}
+    p = pipeline.stages
+
+    def worker_of(layer: int) -> int:
+        return next(k for k, (a, b) in enumerate(bounds) if a <= layer < b) % p
+
+    for i, layer in enumerate(layers):
+        for name, param in layer.named_parameters():
+            key = id(param)
+            if key in owner and worker_of(owner[key][0]) != worker_of(i):
+                j, first = owner[key]
+                raise ValueError(
+                    f"parameter {j}.{first} is also layer {i}'s {name}: a weight shared by layers on different "
+                    f"pipeline workers (a tied embedding, say) would be two copies whose gradients are never "
+                    f"summed; untie it (e.g. GPT2Config(tie_word_embeddings=False)) or cut the model so both "
+                    f"layers are on one worker (Pipeline.split)"
+                )
+            owner.setdefault(key, (i, name))

@@ -28,7 +28,7 @@ import torch
 
 from virtualflow.comm.groups import Group, PeerFailure
 from virtualflow.comm.reduce import tree_exchange
-from virtualflow.pipeline import Grid, Pipeline, check_workers, layers_of
+from virtualflow.pipeline import Grid, Pipeline, check_workers, layers_of, resolve_bounds
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.vnmap import contiguous_assignment
 from virtualflow.runtime.engine import BatchLoader, StepOutcome
@@ -125,11 +125,10 @@ class PipelineWorkerEngine:
 
     pipelined = True
 
-    def __init__(self, job: Any, bounds: tuple[tuple[int, int], ...], dataset: Any, *, deterministic: bool,
-                 device: torch.device, subgroup: Callable[[int, str, int, int], Group]) -> None:
+    def __init__(self, job: Any, dataset: Any, *, deterministic: bool, device: torch.device,
+                 subgroup: Callable[[int, str, int, int], Group]) -> None:
         self.job = job
         self.pipeline: Pipeline = job.pipeline
-        self.bounds = tuple(bounds)
         self.dataset = dataset
         self.deterministic = deterministic
         self.device = device
@@ -138,6 +137,7 @@ class PipelineWorkerEngine:
         self.model = job.model().to(device)
         """The whole model (rank 0 assembles checkpoints and evaluation in it)."""
         self.layers = layers_of(self.model)
+        self.bounds = resolve_bounds(self.pipeline, len(self.layers))
         self.plan = DataPlan(len(dataset), job.global_batch_size, job.virtual_nodes, job.seed)
         self.stage: StageEngine | None = None
         self.group: Group | None = None

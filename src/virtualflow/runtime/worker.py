@@ -343,17 +343,14 @@ class Worker:
 
     def _pipeline_engine(self, job: Job, dataset: Any):
         from virtualflow.comm.groups import make_subgroup
-        from virtualflow.pipeline import layers_of, resolve_bounds
         from virtualflow.runtime.pipeline_worker import PipelineWorkerEngine
 
-        torch.manual_seed(job.seed)
-        bounds = resolve_bounds(job.pipeline, len(layers_of(job.model())))
         cfg = self.cfg
 
         def subgroup(generation: int, name: str, rank: int, size: int) -> Group:
             return make_subgroup(self.store, generation, name, rank, size, cfg.collective_timeout_s, self.device)
 
-        engine = PipelineWorkerEngine(job, bounds, dataset, deterministic=cfg.deterministic, device=self.device,
+        engine = PipelineWorkerEngine(job, dataset, deterministic=cfg.deterministic, device=self.device,
                                       subgroup=subgroup)
         engine.total_steps = cfg.total_steps
         engine.timeline_dir = os.path.join(cfg.state_dir, "pipeline")
