@@ -199,7 +199,7 @@ class StageEngine:
         self.prev_version: dict[int, dict[str, torch.Tensor]] | None = None
         """``2bw``: per piece, the weights after the second-to-last update (the version the next
         window's first step runs on); ``None`` before the first update."""
-        self._clone_input = {k: bool(getattr(next(iter(m.children()), None), "inplace", False))
+        self._clone_input = {k: any(getattr(mod, "inplace", False) for mod in next(iter(m.children()), nn.Identity()).modules())
                              for k, m in self.pieces.items()}
         if not pipeline.flush and self.bn_numel:
             raise ValueError(
@@ -297,6 +297,7 @@ class StageEngine:
                     del mbs[a.stage, a.microbatch]
                     if on_backward_done is not None:
                         yield from on_backward_done(a.stage, a.microbatch, ctx)
+                ctx = None  # a finished micro-batch's graph (and its weight version) may go now
             t1 = time.perf_counter()
             if a.kind in ("F", "B", "I", "W"):
                 busy += t1 - t0
@@ -538,10 +539,10 @@ class StageEngine:
         names = [n for n, q in piece.named_parameters() if q.requires_grad]
         rule = schedule.weight_rule
         current = self._snapshot(k)  # the weights after all updates so far
-        if self.prev_version is None:
-            self.prev_version = {k: current}
-        older = self.prev_version[k]  # the weights after one update fewer (2bw)
-        versions = {"current": current, "older": older}
+        prev, self.prev_version = self.prev_version, None  # from here on only `versions` holds them
+        versions = {"current": current,  # "older": the weights after one update fewer (2bw only)
+                    "older": (prev[k] if prev is not None else current) if rule == "delay1" else None}
+        del current, prev
         done_in_step: dict[int, int] = {}
         acc: dict[int, list[torch.Tensor]] = {}
         leaves: dict[int, dict[int, torch.Tensor]] = {}
@@ -584,7 +585,8 @@ class StageEngine:
             step, vn = self._vn_of(first_step, mb, m)
             flat = [g if g is not None else torch.zeros_like(w) for g, w in zip(gw, weights)]
             if self.deterministic:
-                leaves.setdefault(step, {})[vn] = torch.cat([g.reshape(-1) for g in flat])
+                leaves.setdefault(step, {})[vn] = (torch.cat([g.reshape(-1) for g in flat]) if flat
+                                                   else torch.zeros(0, device=self.device))
             elif step in acc:
                 for a_, g in zip(acc[step], flat):
                     a_.add_(g)
@@ -610,7 +612,8 @@ class StageEngine:
                 if is_last:
                     tree_loss[step] = float(total[-1])  # summed along the VN tree, as the VN engine does
             else:
-                total = torch.cat([g.reshape(-1) for g in acc.pop(step)])
+                parts = acc.pop(step)
+                total = torch.cat([g.reshape(-1) for g in parts]) if parts else torch.zeros(0, device=self.device)
                 if self.replicas > 1:
                     total = yield StageSum(total)
             offset = 0
@@ -621,13 +624,14 @@ class StageEngine:
             if self.scheduler is not None:
                 self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-            versions["older"], versions["current"] = versions["current"], self._snapshot(k_)
+            versions["older"] = versions["current"] if rule == "delay1" else None
+            versions["current"] = self._snapshot(k_)
             applied[0] += 1
 
         self.phase = "compute"
         compute[0] = yield from self._run_actions(schedule, first_step, mbs, forward=forward, backward=backward,
                                                   on_backward_done=on_backward_done)
-        self.prev_version = {k: versions["older"]}
+        self.prev_version = {k: versions["older"]} if rule == "delay1" else None
         # Window end: losses and bad VNs of every step, from the last piece.
         stats = torch.zeros(n_steps, V + 2, dtype=torch.float64, device=self.device)
         if k == self.last:

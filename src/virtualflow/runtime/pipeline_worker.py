@@ -148,6 +148,7 @@ class PipelineWorkerEngine:
         self.generation_broken = None
         self.total_steps: int | None = None
         self._results: dict[int, StepOutcome] = {}
+        self._broken_window = False
         self.timeline_dir: str | None = None
         """Where recorded timelines go (``Pipeline.record_timeline``); set by the worker."""
 
@@ -176,6 +177,12 @@ class PipelineWorkerEngine:
         )
 
     def set_membership(self, group: Group, assignment: Any) -> None:
+        if self._broken_window:
+            raise RuntimeError(
+                f"a failure interrupted a {self.pipeline.schedule} window after some stages had applied its updates; "
+                f"a no-flush pipeline cannot redo it consistently. Use a flush schedule (1f1b, ...) for a job that "
+                f"must survive failures, or a shorter Pipeline.window"
+            )
         d = check_workers(self.pipeline, group.size)
         grid = Grid(self.pipeline.stages, d, group.rank)
         if self.stage is None:
@@ -236,6 +243,10 @@ class PipelineWorkerEngine:
         self.stage.timeline.clear()
 
     def abandon_step(self) -> None:
+        if self.stage is not None and not self.pipeline.flush:
+            # Some stages may have applied updates of the interrupted window already: the window
+            # cannot be redone consistently.
+            self._broken_window = True
         if self.stage is not None:
             for bn in self.stage.bn.values():
                 if bn and bn._start:
