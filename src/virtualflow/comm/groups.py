@@ -168,29 +168,21 @@ def make_subgroup(store: dist.Store, generation: int, name: str, rank: int, size
                   device: torch.device) -> Group:
     """A group of some members of generation ``generation`` (e.g. the replicas of one pipeline
     stage), on its own fresh prefix ``gen/<g>/<name>``."""
-    if size == 1:
-        return Group(generation, 0, 1, None)
-    prefix = dist.PrefixStore(f"gen/{generation}/{name}", store)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    try:
-        if device.type == "cuda":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            pg = dist.ProcessGroupNCCL(prefix, rank, size, opts)
-        else:
-            pg = dist.ProcessGroupGloo(prefix, rank, size, timeout)
-    except RuntimeError as exc:
-        raise PeerFailure(generation, _first_line(str(exc))) from exc
-    return Group(generation, rank, size, pg)
+    return _build(store, f"gen/{generation}/{name}", generation, rank, size, timeout_s, device)
 
 
 def make_group(
     store: dist.Store, generation: int, rank: int, size: int, timeout_s: float, device: torch.device
 ) -> Group:
     """Build generation ``generation``'s group (gloo on CPU, NCCL on CUDA)."""
+    return _build(store, f"gen/{generation}", generation, rank, size, timeout_s, device)
+
+
+def _build(store: dist.Store, prefix_name: str, generation: int, rank: int, size: int, timeout_s: float,
+           device: torch.device) -> Group:
     if size == 1:
         return Group(generation, 0, 1, None)
-    prefix = dist.PrefixStore(f"gen/{generation}", store)
+    prefix = dist.PrefixStore(prefix_name, store)
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         if device.type == "cuda":
