@@ -101,6 +101,14 @@ class Group:
             raise PeerFailure(self.generation, str(exc)) from exc
         return _Work(work, self.generation)
 
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> "_Work":
+        """Post a receive into ``tensor``; wait on the returned work (unsliced, see above)."""
+        try:
+            work = self.pg.recv([tensor], src, tag)
+        except RuntimeError as exc:
+            raise PeerFailure(self.generation, str(exc)) from exc
+        return _Work(work, self.generation)
+
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
         try:
             work = self.pg.recv([tensor], src, tag)

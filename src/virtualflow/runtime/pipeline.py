@@ -42,6 +42,7 @@ proves no deadlock under exactly these rules).
 
 from __future__ import annotations
 
+import bisect
 import functools
 import time
 from collections import OrderedDict
@@ -77,6 +78,15 @@ class Recv:
 
 
 @dataclass(slots=True)
+class Expect:
+    """A hint, no answer expected: ``Recv(peer, key)`` will come soon. A process driver posts
+    the receive now, so the message moves as soon as it is sent instead of when it is needed."""
+
+    peer: int
+    key: MsgKey
+
+
+@dataclass(slots=True)
 class StageSum:
     """Sum ``vector`` over the pipeline replicas of this stage-rank (default mode)."""
 
@@ -99,7 +109,10 @@ class AllSum:
     vector: torch.Tensor
 
 
-Request = Send | Recv | StageSum | StageTree | AllSum
+Request = Send | Recv | Expect | StageSum | StageTree | AllSum
+
+LOOKAHEAD = 4
+"""Receives announced (:class:`Expect`) ahead of the action that needs them, per worker."""
 
 
 @dataclass(slots=True)
@@ -258,7 +271,15 @@ class StageEngine:
         busy = 0.0
         t_origin = time.perf_counter()
         wall_origin = time.time()
-        for a in schedule.actions[self.stage_rank]:
+        actions = schedule.actions[self.stage_rank]
+        receives = [k for k, a in enumerate(actions) if a.kind in ("RECV_F", "RECV_B")]
+        announced = 0  # receives[:announced] have been announced
+        for index, a in enumerate(actions):
+            done = bisect.bisect_left(receives, index)  # receives before this action have run
+            while announced < min(len(receives), done + LOOKAHEAD):
+                b = actions[receives[announced]]
+                yield Expect(b.peer, _recv_key(b))
+                announced += 1
             t0 = time.perf_counter()
             if a.kind == "RECV_F":
                 tensors = yield Recv(a.peer, ("F", a.stage - 1, a.microbatch))
@@ -318,11 +339,13 @@ class StageEngine:
             ctx.batch, ctx.n = to_device(self.loader(indices), self.device), len(indices)
             seed_random_streams(vn_seed(self.seed, step, vn), self.device)
             return self.model_input(ctx.batch)
-        *tensors, rng = message
-        torch.set_rng_state(rng)
+        # The generator states may be views into a received buffer: the generators want their own.
         if self.device.type == "cuda":
-            *tensors, cuda_rng = tensors
-            torch.cuda.set_rng_state(cuda_rng, self.device)
+            *tensors, rng, cuda_rng = message
+            torch.cuda.set_rng_state(cuda_rng.cpu().clone(), self.device)
+        else:
+            *tensors, rng = message
+        torch.set_rng_state(rng.cpu().clone())
         ins = []
         for t in tensors:
             t = t.detach()
@@ -710,6 +733,11 @@ class _NoOptimizer:
         pass
 
 
+def _recv_key(a: Any) -> MsgKey:
+    """The message key a RECV_F / RECV_B action waits for."""
+    return ("F", a.stage - 1, a.microbatch) if a.kind == "RECV_F" else ("B", a.stage + 1, a.microbatch)
+
+
 def _forward_message(ctx: _MB) -> list[torch.Tensor]:
     rng = ctx.rng
     extra = list(rng) if isinstance(rng, tuple) else [rng]
@@ -788,7 +816,9 @@ class LocalDriver:
                 while r in live:
                     req = pending[r]
                     rep, sr = divmod(r, self.p)
-                    if isinstance(req, Send):
+                    if isinstance(req, Expect):
+                        pass  # everything is in this process: nothing to post ahead
+                    elif isinstance(req, Send):
                         mailbox[rep, req.peer, req.key] = req.tensors
                     elif isinstance(req, Recv):
                         box = (rep, sr, req.key)

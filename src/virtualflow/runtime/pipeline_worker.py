@@ -32,13 +32,16 @@ from virtualflow.pipeline import Grid, Pipeline, check_workers, layers_of, resol
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.vnmap import contiguous_assignment
 from virtualflow.runtime.engine import BatchLoader, StepOutcome
-from virtualflow.runtime.pipeline import AllSum, Recv, Send, StageEngine, StageSum, StageTree, StepResult
+from virtualflow.runtime.pipeline import AllSum, Expect, Recv, Send, StageEngine, StageSum, StageTree, StepResult
 from virtualflow.runtime.transfer import broadcast_state
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool)
 _HEADER = 128
-_PARTS = 64
+_ALIGN = 16
+# tag parts of one message: 0 header, 1 payload of the link's reference shapes, 2 payload of new shapes
+_PARTS = 4
+_SAME, _NEW, _CHANGED = 0, 1, 2
 
 
 def _tag(key: tuple[str, int, int], n_pieces: int, part: int) -> int:
@@ -46,57 +49,158 @@ def _tag(key: tuple[str, int, int], n_pieces: int, part: int) -> int:
     return (((mb * n_pieces + piece) * 2 + (direction == "B")) * _PARTS + part) % (2 ** 31 - 1)
 
 
-def _header(tensors: list[torch.Tensor]) -> torch.Tensor:
-    h = [len(tensors)]
-    for t in tensors:
-        h += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
-    if len(h) > _HEADER or len(tensors) >= _PARTS:
-        raise ValueError(f"a pipeline message of {len(tensors)} tensors {[tuple(t.shape) for t in tensors]} does not "
-                         f"fit the {_HEADER}-entry header; pass fewer, lower-rank tensors between stages")
+Metas = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+
+
+def _metas(tensors: list[torch.Tensor]) -> Metas:
+    return tuple((t.dtype, tuple(t.shape)) for t in tensors)
+
+
+def _header(flag: int, metas: Metas) -> torch.Tensor:
+    h = [flag, len(metas)]
+    for dtype, shape in metas:
+        h += [_DTYPES.index(dtype), len(shape), *shape]
+    if len(h) > _HEADER:
+        raise ValueError(f"a pipeline message of {len(metas)} tensors {[m[1] for m in metas]} does not fit the "
+                         f"{_HEADER}-entry header; pass fewer, lower-rank tensors between stages")
     return torch.tensor(h + [0] * (_HEADER - len(h)), dtype=torch.int64)
 
 
-def _parse(header: torch.Tensor) -> list[tuple[torch.dtype, list[int]]]:
+def _parse(header: torch.Tensor) -> tuple[int, Metas]:
     h = header.tolist()
-    out, i = [], 1
-    for _ in range(int(h[0])):
-        code, ndim = int(h[i]), int(h[i + 1])
-        if not (0 <= code < len(_DTYPES)) or not (0 <= ndim <= 16):
+    flag, n = int(h[0]), int(h[1])
+    if flag not in (_SAME, _NEW, _CHANGED) or not 0 <= n <= _HEADER:
+        raise ValueError(f"malformed pipeline message header {h[:16]}")
+    out, i = [], 2
+    for _ in range(n):
+        if i + 2 > _HEADER:
             raise ValueError(f"malformed pipeline message header {h[:16]}")
-        out.append((_DTYPES[code], [int(x) for x in h[i + 2: i + 2 + ndim]]))
+        code, ndim = int(h[i]), int(h[i + 1])
+        if not (0 <= code < len(_DTYPES)) or not (0 <= ndim <= 16) or i + 2 + ndim > _HEADER:
+            raise ValueError(f"malformed pipeline message header {h[:16]}")
+        shape = tuple(int(x) for x in h[i + 2: i + 2 + ndim])
+        if any(d < 0 for d in shape):
+            raise ValueError(f"malformed pipeline message header {h[:16]}")
+        out.append((_DTYPES[code], shape))
         i += 2 + ndim
+    return flag, tuple(out)
+
+
+def _layout(metas: Metas) -> tuple[list[int], int]:
+    """Byte offset of each tensor in a packed payload (aligned), and the payload's size."""
+    offsets, size = [], 0
+    for dtype, shape in metas:
+        offsets.append(size)
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        size += -(-n // _ALIGN) * _ALIGN
+    return offsets, size
+
+
+def _pack(tensors: list[torch.Tensor], metas: Metas, device: torch.device) -> torch.Tensor:
+    offsets, size = _layout(metas)
+    buf = torch.empty(size, dtype=torch.uint8, device=device)
+    for t, off in zip(tensors, offsets):
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        buf[off: off + raw.numel()].copy_(raw)
+    return buf
+
+
+def _unpack(buf: torch.Tensor, metas: Metas) -> list[torch.Tensor]:
+    offsets, _ = _layout(metas)
+    out = []
+    for (dtype, shape), off in zip(metas, offsets):
+        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        out.append(buf[off: off + n].view(dtype).reshape(shape))
     return out
 
 
+class Links:
+    """Per link (direction, sending piece): the shapes of its last message in the previous drive
+    (step or window). Sender and receiver keep the same table (they see the same messages in the
+    same order), so a receiver can post a message's payload before it arrives, and the sender
+    knows whether that posted buffer fits. Reset with every generation."""
+
+    def __init__(self) -> None:
+        self.ref: dict[tuple[str, int], Metas] = {}
+        self.last: dict[tuple[str, int], Metas] = {}
+
+    def end_of_drive(self) -> None:
+        self.ref.update(self.last)
+        self.last = {}
+
+
 def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pieces: int,
-          device: torch.device) -> list[StepResult]:
-    """Answer a :class:`StageEngine` generator's requests with real communication."""
+          device: torch.device, links: Links | None = None) -> list[StepResult]:
+    """Answer a :class:`StageEngine` generator's requests with real communication.
+
+    A message is a fixed-size header (flag and shapes) and one packed payload (every tensor of
+    the message, random-generator state included, in one buffer). Receives are posted when the
+    engine announces them (:class:`Expect`), header and, when the link's shapes are known, the
+    payload too, so data moves as soon as it is sent. When a message's shapes differ from its
+    link's reference, the sender fills the posted payload with the reference's size (ignored)
+    and sends the real one on its own tag.
+    """
+    links = links if links is not None else Links()
     pending: list[tuple[Any, list[torch.Tensor]]] = []
+    posted: dict[tuple[str, int, int], tuple[Any, torch.Tensor, Any, torch.Tensor | None]] = {}
     answer: Any = None
+
+    def post(peer_rank: int, key: tuple[str, int, int]) -> None:
+        header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+        h_work = group.irecv(header, peer_rank, _tag(key, n_pieces, 0))
+        ref = links.ref.get((key[0], key[1]))
+        p_work, payload = None, None
+        if ref is not None:
+            payload = torch.empty(_layout(ref)[1], dtype=torch.uint8, device=device)
+            p_work = group.irecv(payload, peer_rank, _tag(key, n_pieces, 1))
+        posted[key] = (h_work, header, p_work, payload)
+
     try:
         req = next(gen)
         while True:
-            if isinstance(req, Send):
+            if isinstance(req, Expect):
+                post(grid.rank_of(grid.replica, req.peer), req.key)
+                answer = None
+            elif isinstance(req, Send):
                 dst = grid.rank_of(grid.replica, req.peer)
-                tensors = [t.detach().contiguous() for t in req.tensors]
-                header = _header(tensors).to(device)
+                link = (req.key[0], req.key[1])
+                metas = _metas(req.tensors)
+                ref = links.ref.get(link)
+                flag = _NEW if ref is None else (_SAME if metas == ref else _CHANGED)
+                header = _header(flag, metas).to(device)
+                payload = _pack(req.tensors, metas, device)
                 works = [group.isend(header, dst, _tag(req.key, n_pieces, 0))]
-                works += [group.isend(t, dst, _tag(req.key, n_pieces, k + 1)) for k, t in enumerate(tensors)]
-                pending.append((works, [header, *tensors]))
+                keep = [header, payload]
+                if flag == _SAME:
+                    works.append(group.isend(payload, dst, _tag(req.key, n_pieces, 1)))
+                else:
+                    if flag == _CHANGED:  # fill the receiver's posted buffer, then the real payload
+                        filler = torch.zeros(_layout(ref)[1], dtype=torch.uint8, device=device)
+                        works.append(group.isend(filler, dst, _tag(req.key, n_pieces, 1)))
+                        keep.append(filler)
+                    works.append(group.isend(payload, dst, _tag(req.key, n_pieces, 2)))
+                links.last[link] = metas
+                pending.append((works, keep))
                 answer = None
             elif isinstance(req, Recv):
                 src = grid.rank_of(grid.replica, req.peer)
-                header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-                group.recv(header, src, _tag(req.key, n_pieces, 0))
+                if req.key not in posted:
+                    post(src, req.key)
+                h_work, header, p_work, payload = posted.pop(req.key)
+                h_work.wait()
                 try:
-                    metas = _parse(header.cpu())
+                    flag, metas = _parse(header.cpu())
+                    if (flag == _NEW) != (p_work is None):
+                        raise ValueError(f"pipeline message flag {flag} does not match the link's state")
                 except ValueError as exc:
                     raise PeerFailure(group.generation, str(exc)) from None
-                answer = []
-                for k, (dtype, shape) in enumerate(metas):
-                    t = torch.empty(shape, dtype=dtype, device=device)
-                    group.recv(t, src, _tag(req.key, n_pieces, k + 1))
-                    answer.append(t)
+                if p_work is not None:
+                    p_work.wait()
+                if flag != _SAME:
+                    payload = torch.empty(_layout(metas)[1], dtype=torch.uint8, device=device)
+                    group.recv(payload, src, _tag(req.key, n_pieces, 2))
+                links.last[(req.key[0], req.key[1])] = metas
+                answer = _unpack(payload, metas)
             elif isinstance(req, StageSum):
                 stage_group.all_reduce(req.vector)
                 answer = req.vector
@@ -117,6 +221,9 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
                     w.wait()
                 except PeerFailure:
                     pass
+    if posted:
+        raise RuntimeError(f"pipeline receives announced but never taken: {sorted(posted)[:4]}")
+    links.end_of_drive()
     return results
 
 
@@ -198,6 +305,7 @@ class PipelineWorkerEngine:
         self.stage.set_layout(grid.replica, contiguous_assignment(self.job.virtual_nodes, d))
         self.stage.slowdown = self.slowdown
         self.group, self.grid = group, grid
+        self.links = Links()  # a new generation: new peers, no shared history
         self._results = {}
 
     def step(self, step: int, control: int = 0) -> StepOutcome:
@@ -210,7 +318,7 @@ class PipelineWorkerEngine:
         self.stage.slowdown = self.slowdown
         self.phase = "compute"
         results = drive(self.stage.steps(step, n, control), group=self.group, stage_group=self.stage_group,
-                        grid=self.grid, n_pieces=len(self.bounds), device=self.device)
+                        grid=self.grid, n_pieces=len(self.bounds), device=self.device, links=self.links)
         self.phase = "idle"
         if self.stage.timeline:
             self._write_timeline()
