@@ -15,9 +15,15 @@ unpipelined model's initial weights) and keeps the layers of its stage-rank for 
 also keeps the whole model to assemble checkpoints, the final state and evaluation, gathered
 from the first replica's stages (:meth:`PipelineWorkerEngine.gather_state`, a collective).
 
-Message format (gloo point to point): a fixed-size int64 header (tensor count, then per tensor
-its dtype code, rank and shape), then each tensor; tags are unique per (direction, piece,
-micro-batch, part) so messages between the same two workers can never be confused.
+Message format (point to point; see :func:`drive`): a fixed-size int64 header (a flag, the tensor
+count, then per tensor its dtype code, rank and shape) and one packed payload; tags are unique per
+(direction, piece, micro-batch, part), so messages between the same two workers can never be
+confused. Headers come from a peer of the same job but are still parsed defensively: a malformed
+one is a :class:`PeerFailure` (the generation is formed again), never an exception in the job.
+
+Measured (``bench/pipeline.py``): the first protocol, a header then one blocking receive per
+tensor, each posted only when needed, cost 2-3 round trips per hop (1.4-2.0x torch.distributed.
+pipelining's step time at p = 2); posting receives ahead and packing the payload removed them.
 """
 
 from __future__ import annotations
