@@ -481,21 +481,26 @@ class StageEngine:
                 offset += self.bn_numel
             loss_total = total[offset] if is_last else None
         else:
-            parts = [q.grad.reshape(-1) if q.grad is not None else q.new_zeros(q.numel()) for q in self.params]
+            # [grads | BatchNorm statistics | loss], summed over the replicas in one vector; with
+            # one replica nothing is summed and the gradients stay where backward put them.
+            multi = self.replicas > 1
+            parts = ([q.grad.reshape(-1) if q.grad is not None else q.new_zeros(q.numel()) for q in self.params]
+                     if multi else [])
             if self.bn_numel:
                 if self.batchnorm == "mean":
                     parts += [bn_acc[k] for k in self.pieces if self.bn[k].numel]
                 else:
-                    parts += [bn_first.get(k, torch.zeros(self.bn[k].numel, device=self.device)) for k in self.pieces if self.bn[k].numel]
+                    parts += [bn_first.get(k, torch.zeros(self.bn[k].numel, device=self.device))
+                              for k in self.pieces if self.bn[k].numel]
             if is_last:
                 parts.append(torch.stack([losses[v] for v in vns]).sum().reshape(1))
             vec = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
-            if self.replicas > 1:
-                vec = yield StageSum(vec)
             offset = 0
-            for q in self.params:
-                q.grad = vec[offset: offset + q.numel()].view_as(q).clone()
-                offset += q.numel()
+            if multi:
+                vec = yield StageSum(vec)
+                for q in self.params:
+                    q.grad = vec[offset: offset + q.numel()].view_as(q).clone()
+                    offset += q.numel()
             bn_new = None
             if self.bn_numel:
                 bn_new = vec[offset: offset + self.bn_numel]
