@@ -3,35 +3,37 @@ its bubbles against the simulator, and its stashed activations against the sched
 
 Three measurements in one run, from the repository root::
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m bench.pipeline            # about 2.5 minutes
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.pipeline            # about 2 minutes
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.pipeline --quick    # under a minute
 
+virtualflow runs as its executor, **not the worker loop**: ``runtime.pipeline.build_engine`` (the
+``StageEngine`` of a rank) driven by the public ``runtime.pipeline_worker.drive`` over its own
+``ProcessGroupGloo`` (``virtualflow.comm.groups.make_group``), with one ``Links`` per engine kept
+across steps, as ``PipelineWorkerEngine`` keeps one per generation: from the second step on, every
+receive's payload is posted before the message arrives (the engine announces its receives with
+``Expect``). The optimizer step and the per-step all-reduce are inside ``StageEngine.steps``.
+
 **(1) Step time against torch.distributed.pipelining** (real compute, p = 2). Two fresh processes
-(``python -m bench.pipeline --child-vs JSON``, 1 thread each, OMP_NUM_THREADS=1) on a TCPStore
-the launcher hosts on a free port (port 0, chosen at run time). In each process:
+(``python -m bench.pipeline --child-vs JSON``, 1 thread each) on a TCPStore the launcher hosts on a
+free port. torch: ``init_process_group("gloo")``, one ``PipelineStage`` per model piece of the rank,
+``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` (2 pieces per rank) with
+``loss_fn=cross_entropy``, then ``optimizer.step()`` and ``zero_grad()``. Same ``nn.Sequential``
+(an MLP of 8 layers), same pieces (``resolve_bounds`` + ``piece_module``), same initial weights,
+same micro-batches (virtualflow's ``DataPlan``: micro-batch i is virtual node i; torch gets their
+concatenation and splits it into m chunks), SGD + momentum; the final weights agree (key
+``weight_diff``). The two alternate step by step in the same 2 processes (order swapped every
+step; an untimed barrier before each step), so host noise cancels; a step's time is the slower
+rank's. Per schedule and repetition (fresh processes): median over post-warm-up steps; ratio =
+virtualflow / torch, the median of the repetitions' ratios. Target <= 1.00 per schedule (keys
+``ratio_gpipe``, ``ratio_1f1b``, ``ratio_interleaved_1f1b``).
 
-* torch: ``init_process_group("gloo")``, one ``PipelineStage`` per model piece of the rank, and
-  ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` (2 pieces per rank) with
-  ``loss_fn=cross_entropy`` (``scale_grads=True``), then ``optimizer.step()`` and ``zero_grad()``;
-* virtualflow: its executor, **not the worker loop**: ``runtime.pipeline.build_engine`` (the
-  ``StageEngine`` of the rank) driven by ``runtime.pipeline_worker.drive`` over its own
-  ``ProcessGroupGloo`` on the same TCPStore (``virtualflow.comm.groups.make_group``); the
-  optimizer step and the per-step all-reduce are inside ``StageEngine.steps``.
-
-Same ``nn.Sequential`` (an MLP of 8 layers), same pieces (``resolve_bounds`` + ``piece_module``),
-same initial weights, same micro-batches (virtualflow's ``DataPlan``: micro-batch i is virtual
-node i; torch gets their concatenation and splits it into m chunks), SGD + momentum; the final
-weights agree (key ``weight_diff``). The two alternate step by step in the same 2 processes
-(order swapped every step; an untimed barrier before each timed step), so host noise cancels; a
-step's time is the slower rank's. Per schedule and repetition (fresh processes): median over
-post-warm-up steps; ratio = virtualflow / torch, the median of the repetitions' ratios. Target
-<= 1.00 per schedule (keys ``ratio_gpipe``, ``ratio_1f1b``, ``ratio_interleaved_1f1b``).
-
-Then a **profile** of the difference in the same processes: a ladder of instrumented copies of
-``drive()`` (bench code; ``src/`` is not touched), each removing one more of what virtualflow's
-message protocol does beyond torch's (receiving a message's parts one after another, the header
-message, receives posted only when needed, the RNG state part, the per-step all-reduce),
-alternating with torch again, plus the costs of those pieces measured in isolation.
+A second model size (``--hidden2``, 1024 by default: about 4x the compute per message, 1 repetition)
+is compared the same way as a diagnostic, not a target. Diagnostic, in the same processes after
+the timed steps: a few more alternating steps with the
+executor's timeline switched on (``StageEngine.timeline``): per rank, the step's time in compute
+(F/B actions), blocked in receives, in sends, and the rest (the engine's bookkeeping between
+actions, posting receives, the optimizer, the per-step all-reduce); and the latency of a message
+whose receiver was already waiting (receive end - send end).
 
 **(2) Bubbles with emulated compute** (p = 4, m = 8, equal stage times). Four processes, each a
 ``StageEngine`` (``Pipeline(record_timeline=True)``) driven by ``drive``. The model's layers
@@ -39,10 +41,11 @@ alternating with torch again, plus the costs of those pieces measured in isolati
 input-gradient path and ``w`` on the weight-gradient path (so ``B`` = i + w, zb_h1's ``I`` = i and
 ``W`` = w), so 4 processes overlap on 2 cores. Bubble of a rank in a step = 1 - (its compute
 time) / (first compute start to last compute end of the step over all ranks), from the timeline,
-averaged over ranks and steps (2BW: over a window of steps). Against
+averaged over ranks, median over steps (2BW: windows of steps). Against
 ``virtualflow.plan.pipeline.simulate`` with the nominal times, and for 1F1B also the analytic
 ``(p-1)/(m+p-1)``: within 5 points (key ``bubble_error``); interleaved and zb_h1 below 1F1B;
 2BW throughput (samples/s over a window of steps) above 1F1B's (key ``throughput_2bw``).
+``--f-ms/--i-ms/--w-ms`` change the emulated unit (10 ms each by default).
 
 **(3) Stashed activations** (the same emulated runs): live micro-batch contexts per rank, counted
 with ``torch.autograd.graph.saved_tensors_hooks``: a context (one forward of one piece, tagged by
@@ -59,6 +62,7 @@ import json
 import os
 import sys
 import time
+import weakref
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -78,12 +82,13 @@ TARGET_RATIO = 1.00
 TARGET_WEIGHT_DIFF = 1e-4
 TARGET_BUBBLE_ERR = 0.05
 TARGET_TPUT_2BW = 1.00
-SEED = 0
+SEED = H.SEED
 CPU = torch.device("cpu")
+COMPUTE = ("F", "B", "I", "W")
 
 # (1) the real-compute workload
 VS_P = 2
-VS_IN, VS_HIDDEN, VS_CLASSES = 256, 512, 10
+VS_IN, VS_HIDDEN, VS_CLASSES = 256, 512, H.CLASSES
 VS_DATASET = 4096
 
 # (2) the emulated workload
@@ -93,10 +98,10 @@ EMU_MB = 4
 
 
 def vs_data() -> TensorDataset:
-    g = torch.Generator().manual_seed(1234)
-    x = torch.randn(VS_DATASET, VS_IN, generator=g)
-    teacher = torch.randn(VS_IN, VS_CLASSES, generator=g)
-    return TensorDataset(x, (x @ teacher).argmax(dim=1))
+    """The harness's synthetic classification set, cut to 4,096 samples of its first 256 features
+    (labels from its teacher)."""
+    x, y = H.bench_data().tensors
+    return TensorDataset(x[:VS_DATASET, :VS_IN].contiguous(), y[:VS_DATASET])
 
 
 def vs_model(hidden: int = VS_HIDDEN) -> nn.Sequential:
@@ -104,10 +109,6 @@ def vs_model(hidden: int = VS_HIDDEN) -> nn.Sequential:
     blocks = [nn.Sequential(nn.Linear(VS_IN, hidden), nn.ReLU())]
     blocks += [nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU()) for _ in range(6)]
     return nn.Sequential(*blocks, nn.Linear(hidden, VS_CLASSES))
-
-
-def vs_sgd(params):
-    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 
 def vs_loss(out: torch.Tensor, batch) -> torch.Tensor:
@@ -118,7 +119,7 @@ def vs_job(schedule: str, m: int, mb: int, hidden: int):
     import virtualflow as vf
 
     chunks = 2 if schedule == "interleaved_1f1b" else 1
-    return vf.Job(model=lambda: vs_model(hidden), optimizer=vs_sgd, output_loss=vs_loss, dataset=vs_data,
+    return vf.Job(model=lambda: vs_model(hidden), optimizer=H.sgd, output_loss=vs_loss, dataset=vs_data,
                   global_batch_size=m * mb, virtual_nodes=m, seed=SEED,
                   pipeline=vf.Pipeline(stages=VS_P, schedule=schedule, chunks=chunks), name=NAME)
 
@@ -141,14 +142,69 @@ def _start_children(mode: str, world: int, cfg: dict, timeout_s: float = 300.0) 
     return sorted(out, key=lambda r: r["rank"])
 
 
-def _child_store(cfg: dict):
-    import torch.distributed as dist
+class _Driver:
+    """One rank's virtualflow side: its group, a trivial stage group (one pipeline replica) and
+    ``drive`` with one :class:`Links` per engine, kept across that engine's steps."""
 
-    return dist.TCPStore("127.0.0.1", cfg["port"], is_master=False, timeout=datetime.timedelta(seconds=120))
+    def __init__(self, cfg: dict, p: int) -> None:
+        import torch.distributed as dist
+
+        from virtualflow.comm.groups import make_group
+        from virtualflow.pipeline import Grid
+
+        torch.set_num_threads(1)
+        self.store = dist.TCPStore("127.0.0.1", cfg["port"], is_master=False, timeout=datetime.timedelta(seconds=120))
+        self.group = make_group(self.store, 0, cfg["rank"], cfg["world"], 120.0, CPU)
+        self.trivial = make_group(self.store, 1, 0, 1, 120.0, CPU)
+        self.grid = Grid(p, 1, cfg["rank"])
+        self.links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def run(self, engine, first_step: int, n_steps: int = 1) -> list:
+        from virtualflow.runtime.pipeline_worker import Links, drive
+
+        links = self.links.get(engine)
+        if links is None:
+            links = self.links[engine] = Links()
+        return drive(engine.steps(first_step, n_steps), group=self.group, stage_group=self.trivial, grid=self.grid,
+                     n_pieces=engine.n_pieces, device=CPU, links=links)
+
+    def barrier(self) -> None:
+        self.group.all_reduce(torch.zeros(1))
+
+    def close(self) -> None:
+        self.group.close()
 
 
 # --------------------------------------------------------------------------------------------
 # (1) virtualflow's executor vs torch.distributed.pipelining, alternating in the same processes.
+
+
+class _TimedPg:
+    """Diagnostic: virtualflow's process group, timing each call that posts a send or a receive
+    (``Group.isend`` / ``irecv`` / ``recv`` make one each); everything else is passed through."""
+
+    def __init__(self, pg) -> None:
+        self.pg = pg
+        self.calls: dict[str, list[float]] = {"send": [], "recv": []}
+
+    def __getattr__(self, name: str):
+        return getattr(self.pg, name)
+
+    def send(self, tensors, dst: int, tag: int):
+        return self._timed("send", tensors, dst, tag)
+
+    def recv(self, tensors, src: int, tag: int):
+        return self._timed("recv", tensors, src, tag)
+
+    def _timed(self, kind: str, tensors, peer: int, tag: int):
+        t0 = time.perf_counter()
+        work = getattr(self.pg, kind)(tensors, peer, tag)
+        self.calls[kind].append(time.perf_counter() - t0)
+        return work
+
+    def take(self) -> dict[str, list[float]]:
+        calls, self.calls = self.calls, {"send": [], "recv": []}
+        return calls
 
 
 def _torch_side(schedule: str, m: int, rank: int, hidden: int):
@@ -163,7 +219,7 @@ def _torch_side(schedule: str, m: int, rank: int, hidden: int):
     bounds = resolve_bounds(job.pipeline, len(layers))
     stages = [PipelineStage(piece_module(layers, a, b), k, len(bounds), CPU)
               for k, (a, b) in enumerate(bounds) if k % VS_P == rank]
-    opt = vs_sgd([q for st in stages for q in st.submod.parameters()])
+    opt = H.sgd([q for st in stages for q in st.submod.parameters()])
     loss_fn = nn.functional.cross_entropy
     if schedule == "gpipe":
         sched = ScheduleGPipe(stages[0], m, loss_fn=loss_fn)
@@ -185,127 +241,16 @@ def _vf_engine(schedule: str, m: int, mb: int, hidden: int, rank: int, ds):
     return engine
 
 
-# The profile ladder: instrumented copies of drive(), each removing one more of virtualflow's
-# extras. Options: parts_together (receive a message's parts with one batch of irecvs after its
-# header, not one blocking recv after another), prepost_headers (post every header receive of the
-# step at its start), no_header (shapes cached from the first step: no header message),
-# prepost_all (with no_header: post every receive of the step at its start), no_rng (the RNG state
-# part is not sent; the receiver uses its own), no_allsum (the per-step all-reduce answered locally).
-LADDER = (
-    ("drive", {}),
-    ("parts together", {"parts_together": True}),
-    ("+ headers pre-posted", {"parts_together": True, "prepost_headers": True}),
-    ("no header, recv on demand", {"no_header": True}),
-    ("no header, recvs pre-posted", {"no_header": True, "prepost_all": True}),
-    ("+ no RNG part", {"no_header": True, "prepost_all": True, "no_rng": True}),
-    ("+ no all-reduce", {"no_header": True, "prepost_all": True, "no_rng": True, "no_allsum": True}),
-)
-
-
-def _drive_variant(gen, *, group, grid, engine, opts: dict, state: dict):
-    """A copy of ``pipeline_worker.drive`` (one pipeline replica) with ``opts`` applied."""
-    from virtualflow.runtime.pipeline import AllSum, Recv, Send, schedule_for
-    from virtualflow.runtime.pipeline_worker import _HEADER, _header, _parse, _tag
-
-    pg, n_pieces = group.pg, engine.n_pieces
-    shapes: dict = state.setdefault("shapes", {})  # (direction, from piece) -> [(dtype, shape)]
-    first = state.get("steps", 0) == 0  # the first step always carries headers (learns the shapes)
-    no_header = opts.get("no_header") and not first
-    pending, posted = [], {}
-    if opts.get("prepost_headers") or (opts.get("prepost_all") and no_header):
-        sched = schedule_for(engine.pipeline, len(engine.assignment[0]), state.get("n_steps", 1))
-        for a in sched.actions[engine.stage_rank]:
-            if a.kind not in ("RECV_F", "RECV_B"):
-                continue
-            key = ("F", a.stage - 1, a.microbatch) if a.kind == "RECV_F" else ("B", a.stage + 1, a.microbatch)
-            src = grid.rank_of(grid.replica, a.peer)
-            if no_header:
-                bufs = [torch.empty(s, dtype=d) for d, s in shapes[key[:2]]]
-                posted[key] = (bufs, [pg.recv([b], src, _tag(key, n_pieces, k + 1)) for k, b in enumerate(bufs)])
-            else:
-                h = torch.empty(_HEADER, dtype=torch.int64)
-                posted[key] = (h, pg.recv([h], src, _tag(key, n_pieces, 0)))
-    answer = None
-    try:
-        req = next(gen)
-        while True:
-            if isinstance(req, Send):
-                dst = grid.rank_of(grid.replica, req.peer)
-                tensors = [t.detach().contiguous() for t in req.tensors]
-                if opts.get("no_rng") and req.key[0] == "F":
-                    tensors = tensors[:-1]
-                works, keep = [], list(tensors)
-                if not no_header:
-                    header = _header(tensors)
-                    works.append(pg.send([header], dst, _tag(req.key, n_pieces, 0)))
-                    keep.append(header)
-                works += [pg.send([t], dst, _tag(req.key, n_pieces, k + 1)) for k, t in enumerate(tensors)]
-                pending.append((works, keep))
-                answer = None
-            elif isinstance(req, Recv):
-                src = grid.rank_of(grid.replica, req.peer)
-                if no_header:
-                    if req.key in posted:
-                        bufs, works = posted.pop(req.key)
-                    else:
-                        bufs = [torch.empty(s, dtype=d) for d, s in shapes[req.key[:2]]]
-                        works = [pg.recv([b], src, _tag(req.key, n_pieces, k + 1)) for k, b in enumerate(bufs)]
-                    for w in works:
-                        w.wait()
-                else:
-                    if req.key in posted:
-                        header, w = posted.pop(req.key)
-                        w.wait()
-                    else:
-                        header = torch.empty(_HEADER, dtype=torch.int64)
-                        pg.recv([header], src, _tag(req.key, n_pieces, 0)).wait()
-                    metas = _parse(header)
-                    shapes[req.key[:2]] = metas
-                    bufs = [torch.empty(s, dtype=d) for d, s in metas]
-                    if opts.get("parts_together") or opts.get("no_header"):
-                        works = [pg.recv([b], src, _tag(req.key, n_pieces, k + 1)) for k, b in enumerate(bufs)]
-                        for w in works:
-                            w.wait()
-                    else:
-                        for k, b in enumerate(bufs):
-                            pg.recv([b], src, _tag(req.key, n_pieces, k + 1)).wait()
-                answer = bufs
-                if opts.get("no_rng") and req.key[0] == "F":
-                    answer = bufs + [torch.get_rng_state()]
-            elif isinstance(req, AllSum):
-                if not opts.get("no_allsum"):
-                    group.all_reduce(req.vector)
-                answer = req.vector
-            else:
-                raise TypeError(f"the profile ladder drives one pipeline replica, not {req!r}")
-            req = gen.send(answer)
-    except StopIteration as stop:
-        results = stop.value
-    for works, _keep in pending:
-        for w in works:
-            w.wait()
-    state["steps"] = state.get("steps", 0) + 1
-    return results
-
-
 def vs_rank(cfg: dict) -> dict:
     """One rank of the comparison: every schedule of ``cfg['schedules']`` in turn; virtualflow and
-    torch alternate step by step, then (``cfg['ladder_steps']``) the profile ladder."""
+    torch alternate step by step, then (``cfg['diag_steps']``) more steps with the timeline on."""
     import torch.distributed as dist
 
-    from virtualflow.comm.groups import make_group
-    from virtualflow.pipeline import Grid
-    from virtualflow.runtime.pipeline_worker import drive
-
-    torch.set_num_threads(1)
+    drv = _Driver(cfg, VS_P)
     rank, world, m, mb, hidden = cfg["rank"], cfg["world"], cfg["m"], cfg["mb"], cfg["hidden"]
-    store = _child_store(cfg)
-    dist.init_process_group("gloo", store=dist.PrefixStore("torch", store), rank=rank, world_size=world,
+    dist.init_process_group("gloo", store=dist.PrefixStore("torch", drv.store), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
-    group = make_group(store, 0, rank, world, 120.0, CPU)
-    trivial = make_group(store, 1, 0, 1, 120.0, CPU)  # one pipeline replica: the stage group is trivial
-    grid = Grid(VS_P, 1, rank)
-    out: dict = {"rank": rank, "schedules": {}, "ladder": {}}
+    out: dict = {"rank": rank, "schedules": {}}
     ds = vs_data()
     X, Y = ds.tensors
     for schedule in cfg["schedules"]:
@@ -322,152 +267,98 @@ def vs_rank(cfg: dict) -> dict:
             opt.zero_grad(set_to_none=True)
             return float(torch.stack(losses).sum() / m) if losses else float("nan")
 
-        def vf_step(eng, t: int) -> float:
-            (res,) = drive(eng.steps(t, 1), group=group, stage_group=trivial, grid=grid, n_pieces=eng.n_pieces,
-                           device=CPU)
-            return res.loss
+        sides = {"vf": lambda t: drv.run(engine, t)[0].loss, "torch": torch_step}
 
-        sides = {"vf": lambda t: vf_step(engine, t), "torch": torch_step}
-        times: dict[str, list[float]] = {k: [] for k in sides}
-        losses: dict[str, list[float]] = {k: [] for k in sides}
-        for t in range(cfg["steps"]):
-            for which in (("vf", "torch") if t % 2 == 0 else ("torch", "vf")):
-                dist.barrier()
-                t0 = time.perf_counter()
-                losses[which].append(sides[which](t))
-                times[which].append(time.perf_counter() - t0)
+        def alternate(first: int, n: int, times: dict, losses: dict, stamps: list | None = None) -> None:
+            for t in range(first, first + n):
+                for which in H.pair_order(t, "vf", "torch"):
+                    dist.barrier()
+                    t0, w0 = time.perf_counter(), time.time()
+                    losses[which].append(sides[which](t))
+                    times[which].append(time.perf_counter() - t0)
+                    if which == "vf" and stamps is not None:
+                        stamps.append((w0, time.time(), drv.group.pg.take()))
+
+        times: dict[str, list[float]] = {"vf": [], "torch": []}
+        losses: dict[str, list[float]] = {"vf": [], "torch": []}
+        alternate(0, cfg["steps"], times, losses)
         theirs = {k: v for st in stages for k, v in st.submod.state_dict().items()}
         mine = engine.model.state_dict()
-        out["schedules"][schedule] = {
+        row = out["schedules"][schedule] = {
             "times": times, "losses": losses, "n_pieces": engine.n_pieces,
-            "max_abs_weight_diff": max(float((mine[k] - theirs[k]).abs().max()) for k in theirs),
+            "max_abs_weight_diff": H.state_max_abs_diff(theirs, mine),
             "bit_identical": all(torch.equal(mine[k], theirs[k]) for k in theirs),
         }
-        if cfg["ladder_steps"]:
-            ladder_sides = {"torch": torch_step}
-            for label, opts in LADDER:
-                eng, st = _vf_engine(schedule, m, mb, hidden, rank, ds), {}
-                if label == "drive":
-                    ladder_sides[label] = lambda t, eng=eng: vf_step(eng, t)
-                else:
-                    ladder_sides[label] = lambda t, eng=eng, opts=opts, st=st: _drive_variant(
-                        eng.steps(t, 1), group=group, grid=grid, engine=eng, opts=opts, state=st)[0].loss
-            names = list(ladder_sides)
-            lt: dict[str, list[float]] = {k: [] for k in names}
-            for t in range(cfg["ladder_steps"]):
-                for which in (names if t % 2 == 0 else names[::-1]):
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    ladder_sides[which](cfg["steps"] + t if which == "torch" else t)
-                    lt[which].append(time.perf_counter() - t0)
-            out["ladder"][schedule] = lt
+        if cfg["diag_steps"]:
+            engine.timeline, pg = [], drv.group.pg
+            drv.group.pg = _TimedPg(pg)
+            diag_times: dict[str, list[float]] = {"vf": [], "torch": []}
+            stamps: list = []
+            alternate(cfg["steps"], cfg["diag_steps"], diag_times, {"vf": [], "torch": []}, stamps)
+            drv.group.pg = pg
+            row["diag"] = {"times": diag_times, "stamps": stamps, "first_step": cfg["steps"],
+                           "timeline": [{k: e[k] for k in ("kind", "stage", "mb", "step", "start", "end")}
+                                        for e in engine.timeline]}
+            engine.timeline = None
         dist.barrier()
-    if cfg.get("costs_reps"):
-        out["costs"] = _costs(cfg, group, rank)
-    dist.barrier()
-    group.close()
+    drv.close()
     dist.destroy_process_group()
     return out
 
 
-def _costs(cfg: dict, group, rank: int) -> dict:
-    """What the extras cost in isolation, in these processes: one-way message time (half a round
-    trip) of a bare activation, of header + activation received one part after another (as
-    ``drive``), of header + activation + RNG state; the RNG calls; the per-step all-reduce."""
-    import torch.distributed as dist
-
-    from virtualflow.runtime.engine import seed_random_streams
-    from virtualflow.runtime.pipeline_worker import _header, _parse
-
-    reps, peer, pg = cfg["costs_reps"], 1 - rank, group.pg
-    act = torch.randn(cfg["mb"], cfg["hidden"])
-    rng = torch.get_rng_state()
-    header = _header([act, rng])
-
-    def timed(fn, n=reps) -> float:
-        for _ in range(max(3, n // 10)):
-            fn()
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return (time.perf_counter() - t0) / n
-
-    def one_way(parts, together=False):
-        def once():  # rank 0 sends the parts, rank 1 receives them (as drive: one after another) and answers
-            for direction in (0, 1):
-                if rank == direction:
-                    ws = [pg.send([t], peer, 10 * direction + k) for k, t in enumerate(parts)]
-                    for w in ws:
-                        w.wait()
-                elif together:
-                    ws = [pg.recv([torch.empty_like(t)], peer, 10 * direction + k) for k, t in enumerate(parts)]
-                    for w in ws:
-                        w.wait()
-                else:
-                    for k, t in enumerate(parts):
-                        pg.recv([torch.empty_like(t)], peer, 10 * direction + k).wait()
-        return timed(once) / 2
-
-    def after_idle(parts, together: bool, idle_s: float = 0.003, n: int = 120) -> list[float]:
-        """Latency of one forward message (as drive sends it) when the sender computes (sleeps)
-        before sending and the receiver waits: time from the send to the last part received."""
-        out = []
-        stamp = torch.zeros(1, dtype=torch.float64)
-        dist.barrier()
-        for it in range(n):
-            if rank == 0:
-                time.sleep(idle_s)
-                stamp[0] = time.time()
-                ws = [pg.send([stamp], peer, 50)] + [pg.send([t], peer, 51 + k) for k, t in enumerate(parts)]
-                pg.recv([torch.zeros(1)], peer, 49).wait()
-                for w in ws:
-                    w.wait()
-            else:
-                got = torch.zeros(1, dtype=torch.float64)
-                bufs = [torch.empty_like(t) for t in parts]
-                if together:
-                    ws = [pg.recv([got], peer, 50)] + [pg.recv([b], peer, 51 + k) for k, b in enumerate(bufs)]
-                    for w in ws:
-                        w.wait()
-                else:
-                    pg.recv([got], peer, 50).wait()
-                    for k, b in enumerate(bufs):
-                        pg.recv([b], peer, 51 + k).wait()
-                if it >= 10:
-                    out.append(time.time() - float(got))
-                pg.send([torch.zeros(1)], peer, 49).wait()
-        return out
-
-    idle = {}
-    for label, together in (("one_after_another", False), ("together", True)):
-        lat = after_idle([header, act, rng], together)
-        if rank == 1:
-            idle[label] = {"median_s": H.median(lat), "p90_s": H.quantile(lat, 0.9), "p99_s": H.quantile(lat, 0.99)}
-    stats = torch.zeros(cfg["m"] + 2, dtype=torch.float64)
-    return {
-        "after_idle_3ms": idle,
-        "msg_activation_s": one_way([act]),
-        "msg_header_activation_s": one_way([header, act]),
-        "msg_header_activation_rng_s": one_way([header, act, rng]),
-        "msg_header_activation_rng_together_s": one_way([header, act, rng], together=True),
-        "make_header_s": timed(lambda: _header([act, rng])),
-        "parse_header_s": timed(lambda: _parse(header)),
-        "get_rng_state_s": timed(torch.get_rng_state),
-        "set_rng_state_s": timed(lambda: torch.set_rng_state(rng)),
-        "seed_random_streams_s": timed(lambda: seed_random_streams(7, CPU)),
-        "allreduce_stats_s": timed(lambda: group.all_reduce(stats)),
-        "rng_state_bytes": rng.numel(), "activation_bytes": act.numel() * 4, "header_bytes": header.numel() * 8,
-    }
+def _message_latency(timelines: list[list[dict]], call_key: str = "call") -> list[float]:
+    """Per message whose receiver was already waiting: receive end - send end (seconds)."""
+    sends = {}
+    for tl in timelines:
+        for e in tl:
+            if e["kind"] in ("SEND_F", "SEND_B"):
+                to = e["stage"] + 1 if e["kind"] == "SEND_F" else e["stage"] - 1
+                sends[e["kind"][-1], to, e["mb"], e[call_key]] = e
+    out = []
+    for tl in timelines:
+        for e in tl:
+            if e["kind"] in ("RECV_F", "RECV_B"):
+                snd = sends.get((e["kind"][-1], e["stage"], e["mb"], e[call_key]))
+                if snd is not None and e["start"] < snd["end"]:
+                    out.append(max(0.0, e["end"] - snd["end"]))
+    return out
 
 
-def measure_vs(args) -> dict:
+def _breakdown(per_rank: list[dict], warm: int) -> dict:
+    """From the diagnostic steps' timelines: per rank, median ms per step in compute, blocked in
+    receives, in sends and the rest of the step; message latencies."""
+    ranks = []
+    for d in per_rank:
+        steps = range(d["first_step"] + warm, d["first_step"] + len(d["stamps"]))
+        parts: dict[str, list[float]] = {"step": [], "compute": [], "recv": [], "send": [], "other": [],
+                                         "gloo_sends": [], "gloo_recvs": [], "gloo_send_s": [], "gloo_recv_s": []}
+        for t, (w0, w1, calls) in zip(steps, d["stamps"][warm:]):
+            ev = [e for e in d["timeline"] if e["step"] == t]
+            compute = sum(e["end"] - e["start"] for e in ev if e["kind"] in COMPUTE)
+            recv = sum(e["end"] - e["start"] for e in ev if e["kind"].startswith("RECV"))
+            send = sum(e["end"] - e["start"] for e in ev if e["kind"].startswith("SEND"))
+            for k, v in (("step", w1 - w0), ("compute", compute), ("recv", recv), ("send", send),
+                         ("other", w1 - w0 - compute - recv - send), ("gloo_sends", len(calls["send"])),
+                         ("gloo_recvs", len(calls["recv"])), ("gloo_send_s", sum(calls["send"])),
+                         ("gloo_recv_s", sum(calls["recv"]))):
+                parts[k].append(v)
+        ranks.append({k: H.median(v) for k, v in parts.items()})
+    lat = _message_latency([[e for e in d["timeline"] if e["step"] >= d["first_step"] + warm] for d in per_rank],
+                           "step")
+    vf_t = [max(xs) for xs in zip(*(d["times"]["vf"] for d in per_rank))][warm:]
+    th_t = [max(xs) for xs in zip(*(d["times"]["torch"] for d in per_rank))][warm:]
+    return {"per_rank_s": ranks, "message_latency_median_s": H.median(lat) if lat else None,
+            "message_latency_p90_s": H.quantile(lat, 0.9) if lat else None, "messages": len(lat),
+            "vf_step_s": H.median(vf_t), "torch_step_s": H.median(th_t)}
+
+
+def measure_vs(args, hidden: int, n_reps: int, diag_steps: int) -> dict:
     reps = []
-    for rep in range(args.vs_reps):
+    for rep in range(n_reps):
         k = rep % len(VS_SCHEDULES)
         order = list(VS_SCHEDULES[k:] + VS_SCHEDULES[:k])
-        cfg = {"schedules": order, "m": args.m, "mb": args.mb, "hidden": args.hidden, "steps": args.vs_steps,
-               "ladder_steps": args.ladder_steps if rep == 0 else 0, "costs_reps": args.costs_reps if rep == 0 else 0}
+        cfg = {"schedules": order, "m": args.m, "mb": args.mb, "hidden": hidden, "steps": args.vs_steps,
+               "diag_steps": diag_steps}
         H.wait_for_quiet(args.quiet_wait)
         with H.LoadMeter() as meter:
             ranks = _start_children("--child-vs", VS_P, cfg)
@@ -486,42 +377,46 @@ def measure_vs(args) -> dict:
                 "last_loss_vf": per[-1]["losses"]["vf"][-1], "last_loss_torch": per[-1]["losses"]["torch"][-1],
                 "raw_vf_step_s": vf_t, "raw_torch_step_s": th_t,
             }
-            print(f"  rep {rep} {s:17s} virtualflow {1e3 * vf_med:7.2f} ms, torch {1e3 * th_med:7.2f} ms, ratio "
-                  f"{r['ratio']:.3f} (p25 {r['p25_ratio']:.3f}); max |weight diff| {r['max_abs_weight_diff']:.1e}"
-                  f"{' (bit-identical)' if r['bit_identical'] else ''}", flush=True)
-        if ranks[0]["ladder"]:
-            row["ladder"] = {}
-            lw = max(1, args.ladder_steps // 4)
-            for s in VS_SCHEDULES:
-                names = list(ranks[0]["ladder"][s])
-                step = {n: [max(xs) for xs in zip(*(r["ladder"][s][n] for r in ranks))] for n in names}
-                med = {n: H.median(v[lw:]) for n, v in step.items()}
-                row["ladder"][s] = {"median_step_s": med, "ratio_to_torch": {n: med[n] / med["torch"] for n in names},
-                                    "raw_step_s": step}
-                print(f"  profile {s:17s} " + ", ".join(f"{n} {med[n] / med['torch']:.2f}" for n in names[1:]),
-                      flush=True)
-        if "costs" in ranks[0]:
-            row["costs"] = [r["costs"] for r in ranks]
+            line = (f"  hidden={hidden} rep {rep} {s:17s} virtualflow {1e3 * vf_med:7.2f} ms, torch {1e3 * th_med:7.2f} ms, ratio "
+                    f"{r['ratio']:.3f} (p25 {r['p25_ratio']:.3f}); max |weight diff| {r['max_abs_weight_diff']:.1e}"
+                    f"{' (bit-identical)' if r['bit_identical'] else ''}")
+            if "diag" in per[0]:
+                d = r["diag"] = _breakdown([p["diag"] for p in per], max(1, diag_steps // 5))
+                line += "\n      timeline on: vf {:.2f} ms, torch {:.2f} ms; per rank ms compute/recv/send/other " \
+                        "(gloo sends+receives posted: n, ms): {}; message latency {:.2f} ms (p90 {:.2f})".format(
+                            1e3 * d["vf_step_s"], 1e3 * d["torch_step_s"],
+                            " | ".join("/".join(f"{1e3 * x[k]:.1f}" for k in ("compute", "recv", "send", "other"))
+                                       + f" ({x['gloo_sends'] + x['gloo_recvs']:.0f}, "
+                                         f"{1e3 * (x['gloo_send_s'] + x['gloo_recv_s']):.1f})"
+                                       for x in d["per_rank_s"]),
+                            1e3 * (d["message_latency_median_s"] or 0), 1e3 * (d["message_latency_p90_s"] or 0))
+            print(line, flush=True)
         reps.append(row)
-    return {"reps": reps}
+    return {"hidden": hidden, "reps": reps}
 
 
-def summarize_vs(vs: dict, args, targets: H.Targets) -> dict:
+def summarize_vs(vs: dict, args, targets: H.Targets | None) -> dict:
+    """Per schedule: the median ratio over repetitions (checked against the target when
+    ``targets`` is given; the second model size is a diagnostic)."""
     out = {}
     for s in VS_SCHEDULES:
-        ratios = [r["schedules"][s]["ratio"] for r in vs["reps"]]
+        rows = [r["schedules"][s] for r in vs["reps"]]
+        ratios = [r["ratio"] for r in rows]
         ratio = H.median(ratios)
-        key = f"ratio_{s}"
-        met = targets.at_most(key, f"p={VS_P} m={args.m} mb={args.mb} {s}: virtualflow / torch.distributed.pipelining "
-                                   f"step time (median of {len(ratios)} repetitions)", ratio, TARGET_RATIO)
+        met = ratio <= TARGET_RATIO
+        if targets is not None:
+            met = targets.at_most(f"ratio_{s}", f"p={VS_P} m={args.m} mb={args.mb} hidden={vs['hidden']} {s}: "
+                                  f"virtualflow / torch.distributed.pipelining step time (median of {len(ratios)} "
+                                  f"repetitions)", ratio, TARGET_RATIO)
         out[s] = {"ratio": ratio, "ratios": ratios, "met": met,
-                  "p25_ratio": H.median([r["schedules"][s]["p25_ratio"] for r in vs["reps"]]),
-                  "vf_step_s": H.median([r["schedules"][s]["vf_step_s"] for r in vs["reps"]]),
-                  "torch_step_s": H.median([r["schedules"][s]["torch_step_s"] for r in vs["reps"]]),
-                  "max_abs_weight_diff": max(r["schedules"][s]["max_abs_weight_diff"] for r in vs["reps"]),
-                  "bit_identical": all(r["schedules"][s]["bit_identical"] for r in vs["reps"])}
-    targets.at_most("weight_diff", "same computation: max |final weight difference| virtualflow vs torch",
-                    max(o["max_abs_weight_diff"] for o in out.values()), TARGET_WEIGHT_DIFF)
+                  "p25_ratio": H.median([r["p25_ratio"] for r in rows]),
+                  "vf_step_s": H.median([r["vf_step_s"] for r in rows]),
+                  "torch_step_s": H.median([r["torch_step_s"] for r in rows]),
+                  "max_abs_weight_diff": max(r["max_abs_weight_diff"] for r in rows),
+                  "bit_identical": all(r["bit_identical"] for r in rows)}
+    if targets is not None:
+        targets.at_most("weight_diff", "same computation: max |final weight difference| virtualflow vs torch",
+                        max(o["max_abs_weight_diff"] for o in out.values()), TARGET_WEIGHT_DIFF)
     return out
 
 
@@ -623,8 +518,6 @@ class _StashMeter:
 
     def wrap_snapshot(self, engine) -> None:
         """Count the weight snapshots ``StageEngine._snapshot`` makes (2BW) while they are alive."""
-        import weakref
-
         make = engine._snapshot
 
         def snapshot(k: int):
@@ -668,68 +561,48 @@ class _Saved:
             del live[self.ctx]
 
 
-EMU_VARIANT = {"no_header": True, "prepost_all": True}
-"""The emulated runs' second driver: drive() with every receive of a step (2BW: of a window) posted
-at its start, a message's parts received together, and no header after the first call (shapes
-cached). Same actions, same order; only when the receives are posted differs."""
-
-
 def emu_rank(cfg: dict) -> dict:
-    """One rank of the emulated pipeline: every schedule and driver in turn, with timelines and
-    stash counts."""
-    from virtualflow.comm.groups import make_group
-    from virtualflow.pipeline import Grid, bounds_from_counts
+    """One rank of the emulated pipeline: every schedule in turn, with timelines and stash counts."""
+    from virtualflow.pipeline import bounds_from_counts
     from virtualflow.runtime.pipeline import build_engine
-    from virtualflow.runtime.pipeline_worker import drive
 
-    torch.set_num_threads(1)
-    rank, world, m, window = cfg["rank"], cfg["world"], cfg["m"], cfg["window"]
-    f, i, w = cfg["f"], cfg["i"], cfg["w"]
-    store = _child_store(cfg)
-    group = make_group(store, 0, rank, world, 120.0, CPU)
-    trivial = make_group(store, 1, 0, 1, 120.0, CPU)
-    grid = Grid(EMU_P, 1, rank)
+    drv = _Driver(cfg, EMU_P)
+    rank, m, window = cfg["rank"], cfg["m"], cfg["window"]
     ds = emu_data()
     out: dict = {"rank": rank, "runs": {}}
-    for driver in cfg["drivers"]:
-        for schedule in cfg["schedules"]:
-            job = emu_job(schedule, m, f, i, w, window)
-            engine = build_engine(job, job.pipeline, bounds_from_counts(job.pipeline.split), rank, dataset=ds,
-                                  deterministic=False, device=CPU)
-            engine.set_layout(0, [list(range(m))])
-            meter = _StashMeter()
-            hooks = [piece.register_forward_pre_hook(meter.opener(piece)) for piece in engine.pieces.values()]
-            meter.wrap_snapshot(engine)
-            module_ptrs = {q.data_ptr() for q in engine.model.parameters()}
-            per_call = 1 if job.pipeline.flush else window
-            calls = cfg["flush_steps"] if job.pipeline.flush else cfg["windows"]
-            timeline, call_times, state = [], [], {}
-            cpu0, wall0 = time.process_time(), time.perf_counter()
-            with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
-                for c in range(calls):
-                    group.all_reduce(torch.zeros(1))  # line up (untimed)
-                    t0 = time.time()
-                    gen = engine.steps(c * per_call, per_call)
-                    if driver == "drive":
-                        drive(gen, group=group, stage_group=trivial, grid=grid, n_pieces=engine.n_pieces, device=CPU)
-                    else:
-                        state["n_steps"] = per_call
-                        _drive_variant(gen, group=group, grid=grid, engine=engine, opts=EMU_VARIANT, state=state)
-                    call_times.append(time.time() - t0)
-                    timeline += [{**e, "call": c} for e in engine.timeline]
-                    engine.timeline.clear()
-            cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
-            for h in hooks:
-                h.remove()
-            out["runs"][f"{driver}/{schedule}"] = {
-                "timeline": timeline, "call_times": call_times, "steps_per_call": per_call, "cpu_s": cpu_s,
-                "wall_s": wall_s, "peak_stash": meter.peak, "peak_versions_in_flight": meter.peak_versions,
-                "versions_seen": len(meter.versions_seen), "peak_snapshots_at_forward": meter.peak_snapshots_at_forward,
-                "peak_snapshots_transient": meter.peak_snapshots_transient, "snapshots_made": meter.snapshots_made,
-                "forward_used_module_weights": bool(meter.versions_seen & module_ptrs), "left_live": len(meter.live),
-            }
-            group.all_reduce(torch.zeros(1))
-    group.close()
+    for schedule in cfg["schedules"]:
+        job = emu_job(schedule, m, cfg["f"], cfg["i"], cfg["w"], window)
+        engine = build_engine(job, job.pipeline, bounds_from_counts(job.pipeline.split), rank, dataset=ds,
+                              deterministic=False, device=CPU)
+        engine.set_layout(0, [list(range(m))])
+        meter = _StashMeter()
+        hooks = [piece.register_forward_pre_hook(meter.opener(piece)) for piece in engine.pieces.values()]
+        meter.wrap_snapshot(engine)
+        module_ptrs = {q.data_ptr() for q in engine.model.parameters()}
+        per_call = 1 if job.pipeline.flush else window
+        calls = cfg["flush_steps"] if job.pipeline.flush else cfg["windows"]
+        timeline, call_times = [], []
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            for c in range(calls):
+                drv.barrier()  # line up (untimed)
+                t0 = time.time()
+                drv.run(engine, c * per_call, per_call)
+                call_times.append(time.time() - t0)
+                timeline += [{**e, "call": c} for e in engine.timeline]
+                engine.timeline.clear()
+        cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
+        for h in hooks:
+            h.remove()
+        out["runs"][schedule] = {
+            "timeline": timeline, "call_times": call_times, "steps_per_call": per_call, "cpu_s": cpu_s,
+            "wall_s": wall_s, "peak_stash": meter.peak, "peak_versions_in_flight": meter.peak_versions,
+            "versions_seen": len(meter.versions_seen), "peak_snapshots_at_forward": meter.peak_snapshots_at_forward,
+            "peak_snapshots_transient": meter.peak_snapshots_transient, "snapshots_made": meter.snapshots_made,
+            "forward_used_module_weights": bool(meter.versions_seen & module_ptrs), "left_live": len(meter.live),
+        }
+        drv.barrier()
+    drv.close()
     return out
 
 
@@ -757,7 +630,7 @@ def _measured_times(timelines: list[list[dict]], n_stages: int, calls: set) -> t
     d: dict[tuple[str, int], list[float]] = {}
     for tl in timelines:
         for e in tl:
-            if e["call"] in calls and e["kind"] in ("F", "B", "I", "W"):
+            if e["call"] in calls and e["kind"] in COMPUTE:
                 d.setdefault((e["kind"], e["stage"]), []).append(e["end"] - e["start"])
     med = {k: H.median(v) for k, v in d.items()}
     fs = [med[("F", s)] for s in range(n_stages)]
@@ -767,52 +640,33 @@ def _measured_times(timelines: list[list[dict]], n_stages: int, calls: set) -> t
     return fs, [med[("I", s)] + ws[s] for s in range(n_stages)], ws
 
 
-def _message_latency(timelines: list[list[dict]], calls: set) -> list[float]:
-    """Per message whose receiver was already waiting: receive end - send end (seconds)."""
-    sends = {}
-    for tl in timelines:
-        for e in tl:
-            if e["call"] in calls and e["kind"] in ("SEND_F", "SEND_B"):
-                to = e["stage"] + 1 if e["kind"] == "SEND_F" else e["stage"] - 1
-                sends[e["kind"][-1], to, e["mb"], e["call"]] = e
-    out = []
-    for tl in timelines:
-        for e in tl:
-            if e["call"] in calls and e["kind"] in ("RECV_F", "RECV_B"):
-                snd = sends.get((e["kind"][-1], e["stage"], e["mb"], e["call"]))
-                if snd is not None and e["start"] < snd["end"]:
-                    out.append(max(0.0, e["end"] - snd["end"]))
-    return out
-
-
 def measure_emu(args) -> dict:
     from virtualflow.plan.pipeline import simulate
 
     cfg = {"schedules": list(EMU_SCHEDULES), "m": args.emu_m, "f": args.f_ms / 1e3, "i": args.i_ms / 1e3,
-           "w": args.w_ms / 1e3, "window": args.window, "flush_steps": args.emu_steps, "windows": args.emu_windows,
-           "drivers": ["drive"] + (["variant"] if args.emu_variant else [])}
+           "w": args.w_ms / 1e3, "window": args.window, "flush_steps": args.emu_steps, "windows": args.emu_windows}
     H.wait_for_quiet(args.quiet_wait)
     with H.LoadMeter() as meter:
         ranks = _start_children("--child-emu", EMU_P, cfg)
     m, f, i, w, window = cfg["m"], cfg["f"], cfg["i"], cfg["w"], cfg["window"]
-    res: dict = {"other_load_cores": meter.other_cores, "config": cfg, "schedules": {}, "variant": {}}
-    for driver, s in [(d, s) for d in cfg["drivers"] for s in EMU_SCHEDULES]:
+    res: dict = {"other_load_cores": meter.other_cores, "config": cfg, "schedules": {}}
+    for s in EMU_SCHEDULES:
         sched = _emu_schedule(s, m, window)
         sim = simulate(sched, *_nominal_times(s, f, i, w))
-        per = [r["runs"][f"{driver}/{s}"] for r in ranks]
+        per = [r["runs"][s] for r in ranks]
         n_calls = len(per[0]["call_times"])
         calls = set(range(1 if n_calls > 1 else 0, n_calls))  # the first call is warm-up
-        timelines = [p["timeline"] for p in per]
+        timelines = [[e for e in p["timeline"] if e["call"] in calls] for p in per]
         bubbles, spans = [], []
         per_rank = [[] for _ in range(EMU_P)]
         for c in sorted(calls):
-            ev = [[e for e in tl if e["call"] == c and e["kind"] in ("F", "B", "I", "W")] for tl in timelines]
+            ev = [[e for e in tl if e["call"] == c and e["kind"] in COMPUTE] for tl in timelines]
             span = max(e["end"] for r in ev for e in r) - min(e["start"] for r in ev for e in r)
             spans.append(span)
             for r in range(EMU_P):
                 per_rank[r].append(1 - sum(e["end"] - e["start"] for e in ev[r]) / span)
             bubbles.append(sum(b[-1] for b in per_rank) / EMU_P)
-        lat = _message_latency(timelines, calls)
+        lat = _message_latency(timelines)
         comm = H.median(lat) if lat else 0.0
         calib = simulate(sched, *_measured_times(timelines, sched.stages, calls), comm_time=comm)
         measured = H.median(bubbles)
@@ -820,7 +674,7 @@ def measure_emu(args) -> dict:
         calib_bubble = sum(calib.bubble) / EMU_P
         call_time = H.median([max(xs) for xs in zip(*(p["call_times"] for p in per))][min(calls):])
         spc = per[0]["steps_per_call"]
-        row = res["schedules" if driver == "drive" else "variant"][s] = {
+        row = res["schedules"][s] = {
             "measured_bubble": measured, "measured_bubble_per_rank": [H.median(b) for b in per_rank],
             "simulated_bubble": sim_bubble, "simulated_bubble_per_rank": list(sim.bubble),
             "error_points": 100 * (measured - sim_bubble),
@@ -842,8 +696,7 @@ def measure_emu(args) -> dict:
         }
         if s == "1f1b":
             row["analytic_bubble"] = (EMU_P - 1) / (m + EMU_P - 1)
-        label = "emulated" if driver == "drive" else "variant "
-        print(f"  {label} {s:17s} bubble {100 * measured:5.1f} %, simulated {100 * sim_bubble:5.1f} %"
+        print(f"  {s:17s} bubble {100 * measured:5.1f} %, simulated {100 * sim_bubble:5.1f} %"
               + (f", analytic {100 * row['analytic_bubble']:5.1f} %" if s == "1f1b" else "")
               + f", calibrated {100 * calib_bubble:5.1f} % (message latency {1e3 * comm:.2f} ms); span "
               f"{1e3 * row['measured_span_s']:.0f} ms (sim {1e3 * row['simulated_span_s']:.0f}, calibrated "
@@ -884,26 +737,55 @@ def summarize_emu(emu: dict, targets: H.Targets) -> None:
 # Report.
 
 
-def _emu_table(rows: dict, with_stash: bool) -> str:
+def _ms(x: float | None) -> str:
+    return "" if x is None else f"{1e3 * x:.2f}"
+
+
+def _diag_table(vs: dict) -> str:
+    rows = []
+    for i, rep in enumerate(vs["reps"]):
+        for s, r in rep["schedules"].items():
+            d = r.get("diag")
+            if not d:
+                continue
+            rows.append([str(i), s, _ms(d["vf_step_s"]), _ms(d["torch_step_s"])]
+                        + [" / ".join(f"{1e3 * x[k]:.1f}" for x in d["per_rank_s"])
+                           for k in ("compute", "recv", "send", "other")]
+                        + [" / ".join(f"{x['gloo_sends']:.0f} + {x['gloo_recvs']:.0f}" for x in d["per_rank_s"]),
+                           " / ".join(f"{1e3 * x['gloo_send_s']:.1f} + {1e3 * x['gloo_recv_s']:.1f}"
+                                      for x in d["per_rank_s"])]
+                        + [f"{_ms(d['message_latency_median_s'])} ({_ms(d['message_latency_p90_s'])})"])
+    return H.md_table(["rep", "schedule", "virtualflow ms", "torch ms", "compute ms (rank 0 / 1)",
+                       "blocked in receives ms", "sends ms", "rest of the step ms", "gloo sends + receives posted",
+                       "ms in those calls", "message latency ms (p90)"], rows)
+
+
+def _emu_table(rows: dict) -> str:
     header = ["schedule", "bubble measured", "simulated (nominal)", "error (points)", "analytic",
-              "calibrated (measured times + median message latency)", "span ms (simulated)", "samples/s"]
-    if with_stash:
-        header += ["peak stash per rank", "stash_bound"]
+              "calibrated (measured times + median message latency)", "span ms (simulated)", "samples/s",
+              "peak stash per rank", "stash_bound"]
     out = []
     for s, r in rows.items():
-        row = [s, f"{100 * r['measured_bubble']:.1f} %", f"{100 * r['simulated_bubble']:.1f} %",
-               f"**{r['error_points']:+.1f}**", f"{100 * r['analytic_bubble']:.1f} %" if "analytic_bubble" in r else "",
-               f"{100 * r['calibrated_bubble']:.1f} % ({1e3 * r['message_latency_median_s']:.2f} ms; p90 "
-               f"{1e3 * (r['message_latency_p90_s'] or 0):.2f})",
-               f"{1e3 * r['measured_span_s']:.0f} ({1e3 * r['simulated_span_s']:.0f})",
-               f"{r['throughput_samples_s']:.0f}"]
-        if with_stash:
-            row += [str(r["peak_stash_measured"]), str(r["stash_bound"])]
-        out.append(row)
+        out.append([s, f"{100 * r['measured_bubble']:.1f} %", f"{100 * r['simulated_bubble']:.1f} %",
+                    f"**{r['error_points']:+.1f}**",
+                    f"{100 * r['analytic_bubble']:.1f} %" if "analytic_bubble" in r else "",
+                    f"{100 * r['calibrated_bubble']:.1f} % ({_ms(r['message_latency_median_s'])} ms; p90 "
+                    f"{_ms(r['message_latency_p90_s'])})",
+                    f"{1e3 * r['measured_span_s']:.0f} ({1e3 * r['simulated_span_s']:.0f})",
+                    f"{r['throughput_samples_s']:.0f}", str(r["peak_stash_measured"]), str(r["stash_bound"])])
     return H.md_table(header, out)
 
 
-def markdown(run: H.Run, args, vs: dict, vs_sum: dict, emu: dict) -> str:
+def _vs_table(vs_sum: dict) -> str:
+    return H.md_table(["schedule", "virtualflow ms", "torch ms", "ratio", "per-rep ratios", "p25 ratio",
+                       f"<= {TARGET_RATIO}", "final weights"],
+                      [[s, _ms(o["vf_step_s"]), _ms(o["torch_step_s"]), f"**{o['ratio']:.3f}**",
+                        " ".join(f"{x:.3f}" for x in o["ratios"]), f"{o['p25_ratio']:.3f}", H.yes_no(o["met"]),
+                        "bit-identical" if o["bit_identical"] else f"max diff {o['max_abs_weight_diff']:.1e}"]
+                       for s, o in vs_sum.items()])
+
+
+def markdown(run: H.Run, args, vs: dict, vs_sum: dict, vs2: dict | None, vs2_sum: dict | None, emu: dict) -> str:
     lines = [f"# {run.name}: pipeline executor vs torch.distributed.pipelining; bubbles; stash", "",
              H.env_markdown(), ""]
     loads = [r["other_load_cores"] for r in vs["reps"]]
@@ -913,62 +795,35 @@ def markdown(run: H.Run, args, vs: dict, vs_sum: dict, emu: dict) -> str:
         f"({sum(q.numel() for q in vs_model(args.hidden).parameters()) / 1e6:.2f} M params), SGD + momentum; "
         f"p = {VS_P} processes x 1 thread (gloo, one TCPStore on a free port), m = {args.m} micro-batches of "
         f"{args.mb}; interleaved: 2 pieces per rank. virtualflow = `build_engine` + `StageEngine.steps` driven by "
-        f"`pipeline_worker.drive` (its executor, not the worker loop of `virtualflow.train`); torch = "
-        f"`PipelineStage` + `ScheduleGPipe` / `Schedule1F1B` / `ScheduleInterleaved1F1B`, then `optimizer.step()`. "
-        f"Alternating step by step in the same 2 processes, {args.vs_steps} steps each ({args.vs_warmup} warm-up), "
-        f"{args.vs_reps} repetitions in fresh processes (other load {', '.join(f'{x:.2f}' for x in loads)} cores); "
-        f"step time = the slower rank's; ratio = median over repetitions of (median step ratio).", "",
-        H.md_table(["schedule", "virtualflow ms", "torch ms", "ratio", "per-rep ratios", "p25 ratio",
-                    f"<= {TARGET_RATIO}", "final weights"],
-                   [[s, f"{1e3 * o['vf_step_s']:.2f}", f"{1e3 * o['torch_step_s']:.2f}", f"**{o['ratio']:.3f}**",
-                     " ".join(f"{x:.3f}" for x in o["ratios"]), f"{o['p25_ratio']:.3f}", H.yes_no(o["met"]),
-                     "bit-identical" if o["bit_identical"] else f"max diff {o['max_abs_weight_diff']:.1e}"]
-                    for s, o in vs_sum.items()]), ""]
-    lad = vs["reps"][0].get("ladder")
-    if lad:
-        names = list(next(iter(lad.values()))["ratio_to_torch"])
+        f"`pipeline_worker.drive(..., links=Links())` (one `Links` per engine, kept across steps; its executor, not "
+        f"the worker loop of `virtualflow.train`); torch = `PipelineStage` + `ScheduleGPipe` / `Schedule1F1B` / "
+        f"`ScheduleInterleaved1F1B`, then `optimizer.step()`. Alternating step by step in the same 2 processes, "
+        f"{args.vs_steps} steps each ({args.vs_warmup} warm-up), {args.vs_reps} repetitions in fresh processes "
+        f"(other load {', '.join(f'{x:.2f}' for x in loads)} cores); step time = the slower rank's; ratio = median "
+        f"over repetitions of (median step ratio).", "",
+        _vs_table(vs_sum), ""]
+    if vs2 is not None:
         lines += [
-            "### Profile: where virtualflow's extra time goes", "",
-            f"Instrumented copies of `drive()` (bench code), each removing one more of the executor's extras, "
-            f"alternating with torch in the same processes ({args.ladder_steps} steps, the first quarter warm-up); "
-            f"step time / torch's step time:", "",
-            H.md_table(["driver"] + list(lad), [[n] + [f"{lad[s]['ratio_to_torch'][n]:.2f}" for s in lad]
-                                                 for n in names]), "",
-            "- `drive`: the real `pipeline_worker.drive`: per message a header receive, then one blocking "
-            "receive per part (activation or gradient, and on forward messages the 5 KB RNG state);",
-            "- `parts together`: after the header, all parts received with one batch of irecvs;",
-            "- `+ headers pre-posted`: also every header receive of the step posted at the step's start;",
-            "- `no header, recv on demand`: shapes cached from the first step, no header message, parts received "
-            "together when the action needs them;",
-            "- `no header, recvs pre-posted`: every receive of the step posted at its start (torch posts a "
-            "micro-batch's receives ahead of need, fused with its sends);",
-            "- `+ no RNG part`: the RNG state is not sent with forward messages;",
-            "- `+ no all-reduce`: the per-step (V+2) float64 all-reduce is skipped.", ""]
-    costs = vs["reps"][0].get("costs")
-    if costs:
-        c = costs[0]
+            f"The same comparison at hidden = {vs2['hidden']} (about {(vs2['hidden'] / args.hidden) ** 2:.0f}x the "
+            f"compute and {vs2['hidden'] / args.hidden:.0f}x the bytes per message; "
+            f"{sum(q.numel() for q in vs_model(vs2['hidden']).parameters()) / 1e6:.2f} M params; {len(vs2['reps'])} "
+            f"repetition(s); a diagnostic, not a target): a fixed cost per message shows as about the same "
+            f"milliseconds and a smaller ratio.", "",
+            _vs_table(vs2_sum), ""]
+    if args.diag_steps:
         lines += [
-            "Costs in isolation (rank 0; one-way = half a round trip between the 2 processes): activation "
-            f"({c['activation_bytes'] // 1024} KiB) alone {1e3 * c['msg_activation_s']:.3f} ms; header + activation "
-            f"received one after the other {1e3 * c['msg_header_activation_s']:.3f} ms; header + activation + RNG "
-            f"state ({c['rng_state_bytes']} B) one after the other (as `drive`) "
-            f"{1e3 * c['msg_header_activation_rng_s']:.3f} ms, received together "
-            f"{1e3 * c['msg_header_activation_rng_together_s']:.3f} ms; `get_rng_state` "
-            f"{1e6 * c['get_rng_state_s']:.1f} us, `set_rng_state` {1e6 * c['set_rng_state_s']:.1f} us, "
-            f"`seed_random_streams` {1e6 * c['seed_random_streams_s']:.1f} us; header build "
-            f"{1e6 * c['make_header_s']:.1f} us, parse {1e6 * c['parse_header_s']:.1f} us; the per-step all-reduce "
-            f"{1e3 * c['allreduce_stats_s']:.3f} ms.", ""]
-        idle = costs[1]["after_idle_3ms"]
-        if idle:
-            a, b = idle["one_after_another"], idle["together"]
-            lines += [
-                "A forward message (header, activation, RNG state) sent after 3 ms of sleep (emulated compute) to a "
-                "waiting receiver, 110 messages: received one part after another (as `drive`): median "
-                f"{1e3 * a['median_s']:.2f} ms, p90 {1e3 * a['p90_s']:.2f} ms, p99 {1e3 * a['p99_s']:.2f} ms; parts "
-                f"received together: median {1e3 * b['median_s']:.2f} ms, p90 {1e3 * b['p90_s']:.2f} ms, p99 "
-                f"{1e3 * b['p99_s']:.2f} ms. (gloo moves a message only once its receive is posted: each part "
-                f"received after the previous one costs another round trip, and on this VM a round trip to a "
-                f"sleeping process often costs milliseconds.)", ""]
+            "### Where the executor's step time goes (diagnostic)", "",
+            f"{args.diag_steps} more alternating steps per schedule and repetition in the same processes, with the "
+            f"executor's timeline on (the first {max(1, args.diag_steps // 5)} not counted); per rank, median ms per "
+            f"step: compute = its F/B actions; blocked in receives = RECV actions (waiting for the peer's compute "
+            f"included); sends = SEND actions (packing and posting); rest = the step's wall time minus all actions "
+            f"(posting receives, the optimizer, the per-step all-reduce, the engine's bookkeeping). gloo sends + "
+            f"receives posted: the calls into virtualflow's `ProcessGroupGloo` that post a send or a receive "
+            f"(per step, and the ms spent inside them: sends within the SEND actions, receives mostly in the "
+            f"rest, posted when the engine announces them); torch.distributed.pipelining posts one send and one "
+            f"receive per message. Message latency = receive end - send end for a message whose receiver was "
+            f"already waiting.", "",
+            _diag_table(vs), ""]
     e = emu["config"]
     rows = emu["schedules"]
     v2 = rows["2bw"]
@@ -978,30 +833,21 @@ def markdown(run: H.Run, args, vs: dict, vs_sum: dict, emu: dict) -> str:
         f"{EMU_MB}; sleep-paced layers, per stage and micro-batch: forward {args.f_ms:g} ms, backward "
         f"{args.i_ms + args.w_ms:g} ms (input-gradient path {args.i_ms:g} ms + weight-gradient path {args.w_ms:g} ms; "
         f"interleaved: 8 pieces of half these times). {e['flush_steps']} steps per flush schedule, 2BW "
-        f"{e['windows']} windows of {e['window']} steps; the first call is warm-up. Bubble = mean over ranks of "
-        f"1 - compute / (first compute start .. last compute end over all ranks), median over steps (2BW: windows). "
-        f"Simulated = `simulate(schedule, f, b, w)` with the nominal times, comm 0; calibrated = the same with the "
-        f"timeline's median action times and the median message latency (receive end - send end, receiver already "
-        f"waiting). Throughput = samples / wall time of a call (a step; 2BW a window of {e['window']}), flush and "
-        f"all-reduce included.", "",
-        "With `drive()` (the executor as it is):", "",
-        _emu_table(rows, True), ""]
-    if emu.get("variant"):
-        lines += [
-            "Diagnostic, the same runs with every receive of a step (2BW: a window) posted at its start, parts "
-            "received together, no header after the first call (bench driver; same actions in the same order):", "",
-            _emu_table(emu["variant"], False), ""]
-    lines += [
+        f"{e['windows']} windows of {e['window']} steps; the first call is warm-up. virtualflow = `drive` with one "
+        f"`Links` per engine. Bubble = mean over ranks of 1 - compute / (first compute start .. last compute end over "
+        f"all ranks), median over steps (2BW: windows). Simulated = `simulate(schedule, f, b, w)` with the nominal "
+        f"times, comm 0; calibrated = the same with the timeline's median action times and the median message "
+        f"latency (receive end - send end, receiver already waiting). Throughput = samples / wall time of a call "
+        f"(a step; 2BW a window of {e['window']}), flush and all-reduce included.", "",
+        _emu_table(rows), "",
         f"2BW / 1F1B throughput: {v2['throughput_samples_s'] / rows['1f1b']['throughput_samples_s']:.3f}x. 2BW weight "
         f"versions: snapshots alive at every forward, peak per stage {v2['peak_snapshots_at_forward']} (bound "
         f"{v2['weight_versions_bound']}); versions used by live micro-batches {v2['peak_versions_in_flight']} "
-        f"(the last "
-        f"stage holds one micro-batch at a time). Besides the snapshots, each stage keeps its module's own "
+        f"(the last stage holds one micro-batch at a time). Besides the snapshots, each stage keeps its module's own "
         f"parameters (the optimizer's copy, {'also' if any(v2['forward_used_module_weights']) else 'never'} read by a "
         f"forward), and the rotation after each update clones the new snapshot before dropping the oldest: "
-        f"{v2['peak_snapshots_transient']} snapshots alive for an instant. So weight memory is 3 copies steady and "
-        f"4 at the rotation, where 2BW needs 2.", ""]
-    lines += [f"Reproduce: `{run.command(NAME)}`"]
+        f"{v2['peak_snapshots_transient']} snapshots alive for an instant.", "",
+        f"Reproduce: `{run.command(NAME)}`"]
     return "\n".join(lines)
 
 
@@ -1017,8 +863,11 @@ def parse_args(argv):
     p.add_argument("--vs-steps", type=int, default=60, help="(1) steps per side per schedule")
     p.add_argument("--vs-warmup", type=int, default=10)
     p.add_argument("--vs-reps", type=int, default=3, help="(1) repetitions in fresh processes")
-    p.add_argument("--ladder-steps", type=int, default=30, help="(1) steps of the profile ladder (0: skip)")
-    p.add_argument("--costs-reps", type=int, default=300, help="(1) repetitions of each isolated cost (0: skip)")
+    p.add_argument("--hidden2", type=int, default=2 * VS_HIDDEN,
+                   help="(1) a second MLP width, compared as a diagnostic (0: skip)")
+    p.add_argument("--hidden2-reps", type=int, default=1, help="(1) repetitions at --hidden2")
+    p.add_argument("--diag-steps", type=int, default=20,
+                   help="(1) more steps per schedule with the executor's timeline on (0: skip)")
     p.add_argument("--emu-m", type=int, default=8, help="(2) micro-batches per step")
     p.add_argument("--f-ms", type=float, default=10.0, help="(2) emulated forward per stage and micro-batch")
     p.add_argument("--i-ms", type=float, default=10.0, help="(2) emulated input-gradient backward")
@@ -1026,46 +875,49 @@ def parse_args(argv):
     p.add_argument("--emu-steps", type=int, default=8, help="(2) steps per flush schedule (the first: warm-up)")
     p.add_argument("--window", type=int, default=4, help="(2) 2BW steps per window")
     p.add_argument("--emu-windows", type=int, default=3, help="(2) 2BW windows (the first: warm-up)")
-    p.add_argument("--no-emu-variant", dest="emu_variant", action="store_false",
-                   help="(2) skip the emulated runs with receives posted ahead (the diagnostic driver)")
     p.add_argument("--child-vs", help=argparse.SUPPRESS)
     p.add_argument("--child-emu", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.child_vs or args.child_emu:
-        return args
-    if args.quick:
-        args.vs_steps, args.vs_warmup, args.vs_reps = 24, 6, 1
-        args.ladder_steps, args.costs_reps, args.emu_steps, args.emu_windows = 10, 100, 4, 2
+    if args.quick and not (args.child_vs or args.child_emu):
+        args.vs_steps, args.vs_warmup, args.vs_reps, args.diag_steps = 24, 6, 1, 10
+        args.emu_steps, args.emu_windows = 4, 2
     return args
+
+
+CHILDREN = {"child_vs": "vs_rank", "child_emu": "emu_rank"}
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.child_vs:
-        print(json.dumps(vs_rank(json.loads(args.child_vs))))
-        return 0
-    if args.child_emu:
-        print(json.dumps(emu_rank(json.loads(args.child_emu))))
-        return 0
+    for flag, fn in CHILDREN.items():
+        if getattr(args, flag):
+            print(json.dumps(globals()[fn](json.loads(getattr(args, flag)))))
+            return 0
     run = H.Run(NAME, args, TARGET_KEYS)
     torch.set_num_threads(1)
     print(H.banner(f"pipeline: virtualflow's executor vs torch.distributed.pipelining (p={VS_P}, m={args.m}, "
                    f"mb={args.mb}); emulated bubbles and stash (p={EMU_P}, m={args.emu_m})"))
     print("(1) step time against torch.distributed.pipelining, alternating in the same processes", flush=True)
-    vs = measure_vs(args)
+    vs = measure_vs(args, args.hidden, args.vs_reps, args.diag_steps)
+    vs2 = measure_vs(args, args.hidden2, args.hidden2_reps, 0) if args.hidden2 else None
     print("(2)+(3) emulated compute: bubbles, stash, weight versions", flush=True)
     emu = measure_emu(args)
     vs_sum = summarize_vs(vs, args, run.targets)
+    vs2_sum = summarize_vs(vs2, args, None) if vs2 is not None else None
     summarize_emu(emu, run.targets)
     payload = {"benchmark": run.name, "environment": H.environment(),
                "config": {k: v for k, v in vars(args).items() if not k.startswith("child")},
-               "vs_torch": {"summary": vs_sum, "reps": vs["reps"]}, "emulated": emu,
+               "vs_torch": {"hidden": args.hidden, "summary": vs_sum, "reps": vs["reps"]},
+               "vs_torch_hidden2": (None if vs2 is None else
+                                    {"hidden": vs2["hidden"], "summary": vs2_sum, "reps": vs2["reps"]}),
+               "emulated": emu,
                "how": {"vs_torch": "virtualflow's executor (build_engine + StageEngine.steps driven by "
-                                   "pipeline_worker.drive over its own ProcessGroupGloo), not virtualflow.train",
+                                   "pipeline_worker.drive with one Links per engine kept across steps, over its own "
+                                   "ProcessGroupGloo), not virtualflow.train",
                        "bubble": "mean over ranks of 1 - compute/(first compute start .. last compute end of the "
                                  "step over all ranks), median over post-warm-up steps",
                        "stash": "live contexts from saved_tensors_hooks tagged by piece forward pre-hooks"}}
-    return run.finish(payload, markdown(run, args, vs, vs_sum, emu))
+    return run.finish(payload, markdown(run, args, vs, vs_sum, vs2, vs2_sum, emu))
 
 
 if __name__ == "__main__":
