@@ -280,3 +280,31 @@ def pipelined_2bw_job() -> vf.Job:
         global_batch_size=32, virtual_nodes=8, seed=4,
         pipeline=Pipeline(stages=2, schedule="2bw", window=2),
     )
+
+
+def _ragged_collate(samples):
+    """Pads a VN's token sequences to a length that depends on its samples (so the activations
+    crossing pipeline stages change shape from micro-batch to micro-batch)."""
+    ids = torch.stack([s[0] for s in samples])
+    length = 3 + int(ids[:, 0].sum()) % 4
+    return ids[:, :length], torch.stack([s[1] for s in samples])
+
+
+class _MeanOverTokens(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=1)
+
+
+def ragged_pipelined_job() -> vf.Job:
+    from virtualflow.pipeline import Pipeline
+
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 20, (128, 6), generator=g)
+    labels = (ids[:, 0] % 3).long()
+    return vf.Job(
+        model=lambda: nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 8), nn.Tanh(), _MeanOverTokens(),
+                                    nn.Linear(8, 3)),
+        optimizer=sgd, dataset=TensorDataset(ids, labels), collate_fn=_ragged_collate,
+        output_loss=lambda out, batch: nn.functional.cross_entropy(out, batch[1]),
+        global_batch_size=32, virtual_nodes=8, seed=1, pipeline=Pipeline(stages=3, schedule="1f1b"),
+    )

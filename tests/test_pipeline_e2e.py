@@ -141,3 +141,14 @@ def test_a_weight_tied_across_workers_is_refused():
     one = job.replace(model=tied_near, pipeline=dataclasses.replace(job.pipeline, schedule="interleaved_1f1b",
                                                                     chunks=2, split=(1, 1, 1, 1)))
     assert plan_pipeline(one, one.build_dataset(), 2).split == (1, 1, 1, 1)
+
+
+def test_activation_shapes_changing_between_micro_batches_cross_processes_exactly(run_dir):
+    """Sequence lengths differ per virtual node: the driver's new-link, same-shape and
+    changed-shape messages all occur, and the run equals the in-process one."""
+    from virtualflow.runtime.pipeline import train_local
+
+    result = vf.train(jobs.ragged_pipelined_job, workers=3, steps=4, deterministic=True, run_dir=run_dir)
+    state, history = train_local(jobs.ragged_pipelined_job(), 4, deterministic=True)
+    assert_state_equal(result.state_dict, state)
+    assert [h["loss"] for h in result.history] == [r.loss for r in history]

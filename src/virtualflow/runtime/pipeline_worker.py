@@ -102,21 +102,26 @@ def _layout(metas: Metas) -> tuple[list[int], int]:
     return offsets, size
 
 
-def _pack(tensors: list[torch.Tensor], metas: Metas, device: torch.device) -> torch.Tensor:
+def _pack(tensors: list[torch.Tensor], metas: Metas, device: torch.device, flag: int | None = None) -> torch.Tensor:
+    """One buffer: [flag (``_ALIGN`` bytes, when given) | each tensor's bytes, aligned]."""
     offsets, size = _layout(metas)
-    buf = torch.empty(size, dtype=torch.uint8, device=device)
+    start = _ALIGN if flag is not None else 0
+    buf = torch.empty(start + size, dtype=torch.uint8, device=device)
+    if flag is not None:
+        buf[:_ALIGN].zero_()
+        buf[:8].view(torch.int64).fill_(flag)
     for t, off in zip(tensors, offsets):
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        buf[off: off + raw.numel()].copy_(raw)
+        buf[start + off: start + off + raw.numel()].copy_(raw)
     return buf
 
 
-def _unpack(buf: torch.Tensor, metas: Metas) -> list[torch.Tensor]:
+def _unpack(buf: torch.Tensor, metas: Metas, start: int = 0) -> list[torch.Tensor]:
     offsets, _ = _layout(metas)
     out = []
     for (dtype, shape), off in zip(metas, offsets):
         n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        out.append(buf[off: off + n].view(dtype).reshape(shape))
+        out.append(buf[start + off: start + off + n].view(dtype).reshape(shape))
     return out
 
 
@@ -139,27 +144,41 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
           device: torch.device, links: Links | None = None) -> list[StepResult]:
     """Answer a :class:`StageEngine` generator's requests with real communication.
 
-    A message is a fixed-size header (flag and shapes) and one packed payload (every tensor of
-    the message, random-generator state included, in one buffer). Receives are posted when the
-    engine announces them (:class:`Expect`), header and, when the link's shapes are known, the
-    payload too, so data moves as soon as it is sent. When a message's shapes differ from its
-    link's reference, the sender fills the posted payload with the reference's size (ignored)
-    and sends the real one on its own tag.
+    Receives are posted when the engine announces them (:class:`Expect`), so a message moves as
+    soon as it is sent. On a link whose shapes are known (its reference, see :class:`Links`), a
+    message is ONE buffer on tag part 1: a flag, then every tensor of the message (generator state
+    included) packed; the receiver posted exactly that size. On a new link, or when the shapes
+    change, the sender sends a header (flag and shapes) on part 0 and the packed payload on part
+    2 (after, on a known link, a part-1 buffer flagged ``_CHANGED`` to complete the posted
+    receive). So the common case costs one message per hop, as hand-written pipelines do.
     """
     links = links if links is not None else Links()
     pending: list[tuple[Any, list[torch.Tensor]]] = []
-    posted: dict[tuple[str, int, int], tuple[Any, torch.Tensor, Any, torch.Tensor | None]] = {}
+    posted: dict[tuple[str, int, int], tuple[Any, torch.Tensor, Metas | None]] = {}
     answer: Any = None
 
     def post(peer_rank: int, key: tuple[str, int, int]) -> None:
-        header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-        h_work = group.irecv(header, peer_rank, _tag(key, n_pieces, 0))
         ref = links.ref.get((key[0], key[1]))
-        p_work, payload = None, None
-        if ref is not None:
-            payload = torch.empty(_layout(ref)[1], dtype=torch.uint8, device=device)
-            p_work = group.irecv(payload, peer_rank, _tag(key, n_pieces, 1))
-        posted[key] = (h_work, header, p_work, payload)
+        if ref is None:  # a new link: the header comes first
+            buf = torch.empty(_HEADER, dtype=torch.int64, device=device)
+            work = group.irecv(buf, peer_rank, _tag(key, n_pieces, 0))
+        else:
+            buf = torch.empty(_ALIGN + _layout(ref)[1], dtype=torch.uint8, device=device)
+            work = group.irecv(buf, peer_rank, _tag(key, n_pieces, 1))
+        posted[key] = (work, buf, ref)
+
+    def header_then_payload(src: int, key: tuple[str, int, int], header: torch.Tensor | None) -> list[torch.Tensor]:
+        if header is None:
+            header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+            group.recv(header, src, _tag(key, n_pieces, 0))
+        try:
+            flag, metas = _parse(header.cpu())
+        except ValueError as exc:
+            raise PeerFailure(group.generation, str(exc)) from None
+        payload = torch.empty(_layout(metas)[1], dtype=torch.uint8, device=device)
+        group.recv(payload, src, _tag(key, n_pieces, 2))
+        links.last[(key[0], key[1])] = metas
+        return _unpack(payload, metas)
 
     try:
         req = next(gen)
@@ -172,19 +191,21 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
                 link = (req.key[0], req.key[1])
                 metas = _metas(req.tensors)
                 ref = links.ref.get(link)
-                flag = _NEW if ref is None else (_SAME if metas == ref else _CHANGED)
-                header = _header(flag, metas).to(device)
-                payload = _pack(req.tensors, metas, device)
-                works = [group.isend(header, dst, _tag(req.key, n_pieces, 0))]
-                keep = [header, payload]
-                if flag == _SAME:
-                    works.append(group.isend(payload, dst, _tag(req.key, n_pieces, 1)))
+                if ref is not None and metas == ref:
+                    buf = _pack(req.tensors, metas, device, flag=_SAME)
+                    works, keep = [group.isend(buf, dst, _tag(req.key, n_pieces, 1))], [buf]
                 else:
-                    if flag == _CHANGED:  # fill the receiver's posted buffer, then the real payload
-                        filler = torch.zeros(_layout(ref)[1], dtype=torch.uint8, device=device)
+                    works, keep = [], []
+                    if ref is not None:  # complete the receive posted for the reference's size
+                        filler = torch.zeros(_ALIGN + _layout(ref)[1], dtype=torch.uint8, device=device)
+                        filler[:8].view(torch.int64).fill_(_CHANGED)
                         works.append(group.isend(filler, dst, _tag(req.key, n_pieces, 1)))
                         keep.append(filler)
+                    header = _header(_NEW if ref is None else _CHANGED, metas).to(device)
+                    payload = _pack(req.tensors, metas, device)
+                    works.append(group.isend(header, dst, _tag(req.key, n_pieces, 0)))
                     works.append(group.isend(payload, dst, _tag(req.key, n_pieces, 2)))
+                    keep += [header, payload]
                 links.last[link] = metas
                 pending.append((works, keep))
                 answer = None
@@ -192,21 +213,19 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
                 src = grid.rank_of(grid.replica, req.peer)
                 if req.key not in posted:
                     post(src, req.key)
-                h_work, header, p_work, payload = posted.pop(req.key)
-                h_work.wait()
-                try:
-                    flag, metas = _parse(header.cpu())
-                    if (flag == _NEW) != (p_work is None):
-                        raise ValueError(f"pipeline message flag {flag} does not match the link's state")
-                except ValueError as exc:
-                    raise PeerFailure(group.generation, str(exc)) from None
-                if p_work is not None:
-                    p_work.wait()
-                if flag != _SAME:
-                    payload = torch.empty(_layout(metas)[1], dtype=torch.uint8, device=device)
-                    group.recv(payload, src, _tag(req.key, n_pieces, 2))
-                links.last[(req.key[0], req.key[1])] = metas
-                answer = _unpack(payload, metas)
+                work, buf, ref = posted.pop(req.key)
+                work.wait()
+                if ref is None:
+                    answer = header_then_payload(src, req.key, buf)
+                else:
+                    flag = int(buf[:8].view(torch.int64).item())
+                    if flag == _SAME:
+                        links.last[(req.key[0], req.key[1])] = ref
+                        answer = _unpack(buf, ref, start=_ALIGN)
+                    elif flag == _CHANGED:
+                        answer = header_then_payload(src, req.key, None)
+                    else:
+                        raise PeerFailure(group.generation, f"pipeline message with unknown flag {flag}")
             elif isinstance(req, StageSum):
                 stage_group.all_reduce(req.vector)
                 answer = req.vector
