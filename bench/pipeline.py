@@ -6,7 +6,7 @@ Three measurements in one run, from the repository root::
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.pipeline            # about 2 minutes
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.pipeline --quick    # under a minute
 
-virtualflow runs as its executor, **not the worker loop**: ``runtime.pipeline.build_engine`` (the
+virtualflow runs as its executor, **not the worker loop**: ``runtime.pipeline_local.build_engine`` (the
 ``StageEngine`` of a rank) driven by the public ``runtime.pipeline_worker.drive`` over its own
 ``ProcessGroupGloo`` (``virtualflow.comm.groups.make_group``), with one ``Links`` per engine kept
 across steps, as ``PipelineWorkerEngine`` keeps one per generation: from the second step on, every
@@ -232,7 +232,7 @@ def _torch_side(schedule: str, m: int, rank: int, hidden: int):
 
 def _vf_engine(schedule: str, m: int, mb: int, hidden: int, rank: int, ds):
     from virtualflow.pipeline import layers_of, resolve_bounds
-    from virtualflow.runtime.pipeline import build_engine
+    from virtualflow.runtime.pipeline_local import build_engine
 
     job = vs_job(schedule, m, mb, hidden)
     bounds = resolve_bounds(job.pipeline, len(layers_of(vs_model(hidden))))
@@ -564,7 +564,7 @@ class _Saved:
 def emu_rank(cfg: dict) -> dict:
     """One rank of the emulated pipeline: every schedule in turn, with timelines and stash counts."""
     from virtualflow.pipeline import bounds_from_counts
-    from virtualflow.runtime.pipeline import build_engine
+    from virtualflow.runtime.pipeline_local import build_engine
 
     drv = _Driver(cfg, EMU_P)
     rank, m, window = cfg["rank"], cfg["m"], cfg["window"]

@@ -102,7 +102,7 @@ def test_killed_worker_leaves_the_whole_replicas_training_bit_identical(run_dir)
 def test_2bw_resize_keeps_the_weight_versions_bit_identical(run_dir):
     """PipeDream-2BW across a grow and a shrink: the newcomers receive the older weight version
     too, resizes land at window ends, and the run equals the undisturbed in-process run."""
-    from virtualflow.runtime.pipeline import train_local
+    from virtualflow.runtime.pipeline_local import train_local
 
     handle = vf.launch(jobs.pipelined_2bw_job, workers=2, steps=FOREVER, deterministic=True, run_dir=run_dir)
     for n in (4, 2):
@@ -146,7 +146,7 @@ def test_a_weight_tied_across_workers_is_refused():
 def test_activation_shapes_changing_between_micro_batches_cross_processes_exactly(run_dir):
     """Sequence lengths differ per virtual node: the driver's new-link, same-shape and
     changed-shape messages all occur, and the run equals the in-process one."""
-    from virtualflow.runtime.pipeline import train_local
+    from virtualflow.runtime.pipeline_local import train_local
 
     result = vf.train(jobs.ragged_pipelined_job, workers=3, steps=4, deterministic=True, run_dir=run_dir)
     state, history = train_local(jobs.ragged_pipelined_job(), 4, deterministic=True)

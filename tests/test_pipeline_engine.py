@@ -27,7 +27,8 @@ from reference import reference_train
 import virtualflow as vf
 from virtualflow.pipeline import Pipeline, check_workers
 from virtualflow.plan.pipeline import check
-from virtualflow.runtime.pipeline import StageEngine, train_local
+from virtualflow.runtime.pipeline import StageEngine
+from virtualflow.runtime.pipeline_local import train_local
 
 # Default mode sums gradients in another order than the unpipelined run (schedule order, then over
 # replicas), so it agrees to rounding only.

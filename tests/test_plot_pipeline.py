@@ -24,7 +24,8 @@ from virtualflow.cli.main import main as cli_main
 from virtualflow.pipeline import Pipeline, layers_of, resolve_bounds
 from virtualflow.plan.pipeline.simulate import simulate
 from virtualflow.plan.vnmap import contiguous_assignment
-from virtualflow.runtime.pipeline import LocalDriver, build_engine, schedule_for
+from virtualflow.runtime.pipeline import schedule_for
+from virtualflow.runtime.pipeline_local import LocalDriver, build_engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPUTE = ("F", "B", "I", "W")
