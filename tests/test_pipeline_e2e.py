@@ -152,3 +152,17 @@ def test_activation_shapes_changing_between_micro_batches_cross_processes_exactl
     state, history = train_local(jobs.ragged_pipelined_job(), 4, deterministic=True)
     assert_state_equal(result.state_dict, state)
     assert [h["loss"] for h in result.history] == [r.loss for r in history]
+
+
+def test_resume_from_a_checkpoint_continues_exactly(tmp_path):
+    """A pipelined run stopped after checkpointing resumes (same stages and split) to the state an
+    undisturbed run reaches; a different layout is refused naming the knobs."""
+    first = str(tmp_path / "first")
+    vf.train(jobs.pipelined_job, workers=4, steps=4, deterministic=True, run_dir=first, checkpoint_every=2)
+    result = vf.train(jobs.pipelined_job, workers=2, steps=7, deterministic=True, resume=first)
+    assert [h["step"] for h in result.history][-3:] == [4, 5, 6]
+    assert_state_equal(result.state_dict, unpipelined(7).state_dict)
+    with pytest.raises(ValueError, match="--pipeline-stages 2 --split 4,4"):
+        vf.train(jobs.pipelined_job, workers=4, steps=8, pipeline_stages=4, resume=first)
+    with pytest.raises(ValueError, match="written by a pipelined run"):
+        vf.train(jobs.pipelined_job().replace(pipeline=None), workers=1, steps=8, resume=first)

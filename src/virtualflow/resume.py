@@ -99,6 +99,7 @@ def _check_same_job(path: str, state: dict[str, Any], job: Job) -> None:
                 f"the checkpoint {path} is from a different job: its {key}={saved.get(key)!r}, the job's is "
                 f"{getattr(job, key)!r}. Resume with the same {key} (--{key.replace('_', '-')}), or start a new run"
             )
+    _check_same_pipeline(path, state, job)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(job.seed)
         expected = {k: tuple(v.shape) for k, v in job.model().state_dict().items()}
@@ -108,4 +109,34 @@ def _check_same_job(path: str, state: dict[str, Any], job: Job) -> None:
         raise ValueError(
             f"the checkpoint {path} holds a different model than the job's (first differences: {diff}); "
             f"resume it with the job that wrote it"
+        )
+
+
+def _check_same_pipeline(path: str, state: dict[str, Any], job: Job) -> None:
+    """A pipelined run's state holds one optimizer state per stage: it resumes only with the same
+    stages and split (the schedule may change, except to or from 2BW, whose older weight version
+    a state does not hold)."""
+    saved = state.get("pipeline")
+    saved = saved if isinstance(saved, dict) else None
+    pipeline = job.pipeline
+    if saved is None and pipeline is None:
+        return
+    if saved is None or pipeline is None:
+        what = "a pipelined run" if saved is not None else "a run without a pipeline"
+        raise ValueError(
+            f"the checkpoint {path} was written by {what}; its optimizer state is laid out for that run. Resume it "
+            f"{'with the same --pipeline-stages and --split' if saved is not None else 'without a pipeline'}"
+        )
+    bounds = saved.get("bounds")
+    counts = tuple(int(b) - int(a) for a, b in bounds) if isinstance(bounds, list) else None
+    if saved.get("stages") != pipeline.stages or counts != tuple(pipeline.split):
+        raise ValueError(
+            f"the checkpoint {path} holds {saved.get('stages')} stages with layer counts {counts}; the job has "
+            f"{pipeline.stages} stages with {pipeline.split}. Resume with --pipeline-stages {saved.get('stages')} "
+            f"--split {','.join(map(str, counts or ()))}"
+        )
+    if "2bw" in (saved.get("schedule"), pipeline.schedule):
+        raise ValueError(
+            f"the checkpoint {path} cannot resume a 2bw run (or be resumed by one): a state does not hold 2BW's "
+            f"older weight version; resume with a flush schedule, or start afresh"
         )

@@ -281,6 +281,8 @@ class PipelineWorkerEngine:
         self.total_steps: int | None = None
         self._results: dict[int, StepOutcome] = {}
         self._broken_window = False
+        self.resume_state: dict[str, Any] | None = None
+        """A state (checkpoint) to start from: loaded when the worker learns its stage."""
         self.timeline_dir: str | None = None
         """Where recorded timelines go (``Pipeline.record_timeline``); set by the worker."""
 
@@ -319,6 +321,9 @@ class PipelineWorkerEngine:
         grid = Grid(self.pipeline.stages, d, group.rank)
         if self.stage is None:
             self._build_stage(grid.stage_rank)
+            if self.resume_state is not None:
+                self._resume(self.resume_state, grid.stage_rank)
+                self.resume_state = None
         elif self.stage.stage_rank != grid.stage_rank:
             raise RuntimeError(
                 f"worker moved from stage-rank {self.stage.stage_rank} to {grid.stage_rank}; a pipelined job "
@@ -399,6 +404,16 @@ class PipelineWorkerEngine:
         if s.prev_version is not None:  # 2bw: the older weight version is training state too
             state["prev_version"] = {k: {n: t.detach() for n, t in v.items()} for k, v in s.prev_version.items()}
         return state
+
+    def _resume(self, state: dict[str, Any], stage_rank: int) -> None:
+        """Load a gathered state (``gather_state``'s layout): the whole model, then this stage's
+        optimizer and scheduler state."""
+        self.model.load_state_dict(state["model"])  # the stage's layers are the whole model's
+        opt = state["optimizer"]["pipeline_stages"][stage_rank]
+        sched = state["lr_scheduler"]["pipeline_stages"][stage_rank]
+        self.stage.optimizer.load_state_dict(opt)
+        if self.stage.scheduler is not None and sched is not None:
+            self.stage.scheduler.load_state_dict(sched)
 
     def load_stage_state(self, state: dict[str, Any]) -> None:
         s = self.stage

@@ -321,11 +321,12 @@ class Worker:
         if self.faults:
             self.engine.install_fault_point(self.faults.point)
         self.pipelined = job.pipeline is not None
-        if self.pipelined and cfg.resume_path is not None:
-            raise ValueError("resuming a pipelined job from a checkpoint is not supported yet; start it afresh")
         if cfg.resume_path is not None and self.id < cfg.initial_workers:
             state = load_state(cfg.resume_path)
-            _load_full_state(self.engine, state)
+            if self.pipelined:
+                self.engine.resume_state = state  # loaded into the stage once its place is known
+            else:
+                _load_full_state(self.engine, state)
             self.progress = Progress(step=int(state["step"]), control=0)
         elif self.id < cfg.initial_workers:
             # Generation 0 starts from the job's initial weights: everyone built the same model
