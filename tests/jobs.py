@@ -258,8 +258,14 @@ def pipelined_job(schedule: str = "1f1b", stages: int = 2) -> vf.Job:
         output_loss=lambda out, batch: nn.functional.cross_entropy(out, batch[1]),
         global_batch_size=32, virtual_nodes=8, seed=2,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7),
+        evaluate=_accuracy, eval_every=2,
         pipeline=Pipeline(stages=stages, schedule=schedule),
     )
+
+
+def _accuracy(model: nn.Module) -> dict[str, float]:
+    x, y = classification_data().tensors
+    return {"accuracy": float((model(x).argmax(1) == y).float().mean())}
 
 
 def pipelined_slow_job() -> vf.Job:

@@ -33,6 +33,9 @@ def test_two_stages_two_replicas_bit_identical_to_unpipelined(run_dir):
     assert_state_equal(result.state_dict, ref.state_dict)
     assert [h["loss"] for h in result.history] == [h["loss"] for h in ref.history]
     assert result.history[-1]["workers"] == 4
+    # evaluation runs on the whole model, gathered from the stages (every 2 steps and at the end)
+    assert [e["step"] for e in result.eval_history] == [2, 4, 5]
+    assert result.eval_history == ref.eval_history and 0 < result.metrics["accuracy"] <= 1
     # final.pt holds the whole model and every stage's optimizer state
     assert len(result.optimizer_state_dict["pipeline_stages"]) == 2
 

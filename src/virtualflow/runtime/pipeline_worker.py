@@ -266,9 +266,11 @@ class PipelineWorkerEngine:
         self.device = device
         self.subgroup = subgroup
         torch.manual_seed(job.seed)
-        self.model = job.model().to(device)
-        """The whole model (rank 0 assembles checkpoints and evaluation in it)."""
-        self.layers = layers_of(self.model)
+        self.model: torch.nn.Module | None = job.model().to(device)
+        """The whole model: built once from the seed so every piece starts from the unpipelined
+        model's weights, dropped once this worker's pieces are cut from it (only they stay in
+        memory); rebuilt on rank 0 when a checkpoint, an evaluation or the final state needs it."""
+        self.layers: list[torch.nn.Module] | None = layers_of(self.model)
         self.bounds = resolve_bounds(self.pipeline, len(self.layers))
         self.plan = DataPlan(len(dataset), job.global_batch_size, job.virtual_nodes, job.seed)
         self.stage: StageEngine | None = None
@@ -324,6 +326,7 @@ class PipelineWorkerEngine:
             if self.resume_state is not None:
                 self._resume(self.resume_state, grid.stage_rank)
                 self.resume_state = None
+            self.model, self.layers = None, None  # keep only this worker's pieces
         elif self.stage.stage_rank != grid.stage_rank:
             raise RuntimeError(
                 f"worker moved from stage-rank {self.stage.stage_rank} to {grid.stage_rank}; a pipelined job "
@@ -452,7 +455,8 @@ class PipelineWorkerEngine:
         return moved
 
     def gather_state(self, group: Group) -> dict[str, Any] | None:
-        """Collective: rank 0 gets the whole model's state (in ``self.model``) and every stage's
+        """Collective: rank 0 gets the whole model's state (also loaded into ``self.model``, rebuilt
+        from the job if needed) and every stage's
         optimizer and scheduler state; others get ``None``."""
         p = self.pipeline.stages
         stages = [self.stage_state() if group.rank == 0 else None]
@@ -468,6 +472,10 @@ class PipelineWorkerEngine:
         whole = {}
         for st in stages:
             whole.update(st["model"])
+        if self.model is None:  # the whole model again, for evaluation (Job.evaluate takes a model)
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                torch.manual_seed(self.job.seed)
+                self.model = self.job.model().to(self.device)
         self.model.load_state_dict(whole)
         return {"model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
                 "optimizer": {"pipeline_stages": [st["optimizer"] for st in stages]},

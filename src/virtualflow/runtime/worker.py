@@ -527,13 +527,13 @@ class Worker:
             else:
                 self.report(report)
                 if self.pipelined:
-                    t_prev = time.perf_counter()
+                    pass  # its checkpoints and evaluations were collectives: _pipeline_boundary
                 elif cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.total_steps:
                     t_ck = time.perf_counter()
                     path = _save_checkpoint(cfg, job, engine, step)
                     self.report({"type": "checkpoint", "step": step, "path": path,
                                  "save_s": time.perf_counter() - t_ck})
-                if job.evaluate is not None and job.eval_every and step % job.eval_every == 0:
+                if not self.pipelined and job.evaluate is not None and job.eval_every and step % job.eval_every == 0:
                     _evaluate(self.report, job, engine, step)
                     self.last_eval_step = step
                 t_prev = time.perf_counter()  # checkpoint and evaluation time is not step time
@@ -575,6 +575,7 @@ class Worker:
         if ev:
             _evaluate(self.report, job, self.engine, step)
             self.last_eval_step = step
+        self.engine.model = None  # the whole model was rebuilt on rank 0 for this; only pieces stay
 
     def _command(self, n: int) -> dict[str, Any]:
         """Control command ``n``, verified (by the heartbeat thread, or here)."""
