@@ -393,7 +393,14 @@ class Worker:
                 where = self.next_generation(gen)
                 continue
             if record.hold:
-                if group.rank == 0:
+                if self.pipelined:  # a collective: rank 0 gathers the stages
+                    state = self._whole_state(group, self.progress.step)
+                    if group.rank == 0:
+                        path = checkpoint_path(self.cfg.state_dir, self.progress.step)
+                        save_state(path, state)
+                        self.report({"type": "held", "generation": gen, "step": self.progress.step,
+                                     "checkpoint": path})
+                elif group.rank == 0:
                     path = _save_checkpoint(self.cfg, self.job, self.engine, self.progress.step)
                     self.report({"type": "held", "generation": gen, "step": self.progress.step, "checkpoint": path})
                 self.retired.append(group)
