@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -169,3 +170,23 @@ def test_resume_from_a_checkpoint_continues_exactly(tmp_path):
         vf.train(jobs.pipelined_job, workers=4, steps=8, pipeline_stages=4, resume=first)
     with pytest.raises(ValueError, match="written by a pipelined run"):
         vf.train(jobs.pipelined_job().replace(pipeline=None), workers=1, steps=8, resume=first)
+
+
+def test_a_lost_worker_is_replaced_by_a_whole_pipeline_with_replace_failed(run_dir):
+    """replace_failed on a 2x2 pipelined run: a SIGKILL costs a replica (2 workers), two
+    replacements start and the job grows back to 4 workers, bit-identical to an undisturbed run."""
+    handle = vf.launch(jobs.pipelined_slow_job, workers=4, steps=FOREVER, deterministic=True, run_dir=run_dir,
+                       replace_failed=True)
+    wait_for_step(handle, 3)
+    victim = next(w for w in handle.status()["workers"] if w["rank"] == 3)
+    os.kill(victim["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while not (handle.status()["step"] > 0 and len([w for w in handle.status()["workers"] if w["rank"] is not None]) == 4
+               and handle.status().get("generation", 0) >= 2):
+        assert time.monotonic() < deadline, handle.status()
+        time.sleep(0.05)
+    wait_for_step(handle, handle.status()["step"] + 2)
+    result = handle.stop()
+    sizes = [h["workers"] for h in result.history]
+    assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [4, 2, 4]
+    assert_state_equal(result.state_dict, unpipelined(result.steps).state_dict)

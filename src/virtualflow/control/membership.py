@@ -485,7 +485,8 @@ class MembershipController:
         if not self.replace_failed:
             self.target = max(min(self.target, len(survivors)), 1)
         else:
-            for _ in lost:
+            # one replacement per member gone (a pipelined job also loses the rest of a broken replica)
+            for _ in range(len(self.members) - len(survivors)):
                 self._new_worker()
         del newcomers_in_gen
         hold = len(survivors) < self.min_workers
