@@ -249,9 +249,10 @@ def pipeline_of(job: Any, options: Any) -> Pipeline | None:
     return pipeline
 
 
-def plan_pipeline(job: Any, dataset: Any, workers: int, log: Any = None) -> Pipeline:
+def plan_pipeline(job: Any, dataset: Any, workers: int, log: Any = None, device: str = "cpu") -> Pipeline:
     """Check a pipelined job against its model and worker count, resolve ``split="auto"`` with the
-    profiler, and return the pipeline with explicit layer counts (what every worker uses).
+    profiler (on ``device``, the workers' kind of device), and return the pipeline with explicit
+    layer counts (what every worker uses).
     Raises ``ValueError`` naming the value, the rule and the knob when something does not fit."""
     import dataclasses
     import logging
@@ -283,7 +284,7 @@ def plan_pipeline(job: Any, dataset: Any, workers: int, log: Any = None) -> Pipe
     if pipeline.split != "auto":
         check_shared_parameters(layers, resolve_bounds(pipeline, len(layers)), pipeline)  # before profiling
     threads = max(1, (os.cpu_count() or 1) // workers)  # a local worker's thread budget
-    profile = profile_model(job, weight_grad=pipeline.schedule == "zb_h1", threads=threads)
+    profile = profile_model(job, weight_grad=pipeline.schedule == "zb_h1", threads=threads, device=device)
     if pipeline.split == "auto":
         counts, _ = auto_split(job, pipeline, workers=workers, profiles=profile)
         pipeline = dataclasses.replace(pipeline, split=tuple(counts))
