@@ -14,9 +14,10 @@ Run as a script, it first checks on one batch, in plain PyTorch, that the pieces
 same loss as the untraced GPT-2, then trains the pipelined job on 4 workers and the same job
 without a pipeline on 1 worker, and plots both loss curves on one figure.
 
-The embedding and output matrices are untied (``tie_word_embeddings=False``): tied, they would
-be one weight read by the first and the last stage, and each stage process would update its own
-copy with only its share of the gradient (see ``virtualflow.tracing.shared_parameters``).
+The embedding and output matrices are untied (``tie_word_embeddings=False``) so that the run is
+exact in deterministic mode too: tied, they are one weight read by the first and the last stage;
+each stage then holds a copy and virtualflow sums the copies' gradients before every update
+(default mode only; see ``virtualflow.tracing.shared_parameters`` and docs/pipeline.md).
 """
 
 from __future__ import annotations

@@ -122,29 +122,53 @@ def test_2bw_resize_keeps_the_weight_versions_bit_identical(run_dir):
     assert [h["loss"] for h in result.history] == [r.loss for r in history]
 
 
-def test_a_weight_tied_across_workers_is_refused():
-    import dataclasses
+def _tied_model():
     from torch import nn
+
+    first, last = nn.Linear(10, 10), nn.Linear(10, 10)
+    last.weight = first.weight  # one weight read by the first and the last layer
+    return nn.Sequential(first, nn.Tanh(), nn.Linear(10, 10), nn.Tanh(), last)
+
+
+def test_a_weight_tied_across_workers_trains_like_the_unpipelined_model(run_dir):
+    """Default mode: each worker holds a copy of the shared weight; their gradients are summed
+    before every update, so the copies stay equal and the model is the unpipelined one."""
+    from virtualflow.runtime.pipeline_local import train_local
+
+    job = jobs.pipelined_job().replace(model=_tied_model, evaluate=None)
+    ref = vf.train(job.replace(pipeline=None), workers=1, steps=4)
+    for replicas in (1, 2):
+        state, _ = train_local(job, 4, replicas=replicas)
+        torch.testing.assert_close(state["4.weight"], state["0.weight"], rtol=0, atol=0)  # the copies agree
+        for k in ref.state_dict:
+            torch.testing.assert_close(state[k], ref.state_dict[k], rtol=1e-5, atol=1e-6)
+    result = vf.train(job, workers=4, steps=4, run_dir=run_dir)
+    for k in ref.state_dict:
+        torch.testing.assert_close(result.state_dict[k], ref.state_dict[k], rtol=1e-5, atol=1e-6)
+
+
+def test_a_weight_tied_across_workers_is_refused_where_it_cannot_be_exact():
+    import dataclasses
 
     from virtualflow.pipeline import plan_pipeline
 
-    def tied():
-        first, last = nn.Linear(10, 10), nn.Linear(10, 10)
-        last.weight = first.weight
-        return nn.Sequential(first, nn.ReLU(), nn.Linear(10, 10), last)
-
-    job = jobs.pipelined_job().replace(model=tied)
-    with pytest.raises(ValueError, match="parameter 0.weight is also layer 3's weight.*untie it"):
-        plan_pipeline(job, job.build_dataset(), 2)
-    # both uses on one worker: allowed (interleaved pieces 0 and 2 of 2 workers are on worker 0)
+    job = jobs.pipelined_job().replace(model=_tied_model, evaluate=None)
+    with pytest.raises(ValueError, match="parameter 0.weight is also layer 4's weight.*deterministic mode.*untie it"):
+        plan_pipeline(job, job.build_dataset(), 2, deterministic=True)
+    no_flush = job.replace(pipeline=dataclasses.replace(job.pipeline, schedule="async"))
+    with pytest.raises(ValueError, match="the async schedule"):
+        plan_pipeline(no_flush, no_flush.build_dataset(), 2)
+    # both uses on one worker (interleaved pieces 0 and 2 of 2 workers): nothing shared, exact
     def tied_near():
+        from torch import nn
+
         first, third = nn.Linear(10, 10), nn.Linear(10, 10)
         third.weight = first.weight
         return nn.Sequential(first, nn.ReLU(), third, nn.Linear(10, 10))
 
     one = job.replace(model=tied_near, pipeline=dataclasses.replace(job.pipeline, schedule="interleaved_1f1b",
                                                                     chunks=2, split=(1, 1, 1, 1)))
-    assert plan_pipeline(one, one.build_dataset(), 2).split == (1, 1, 1, 1)
+    assert plan_pipeline(one, one.build_dataset(), 2, deterministic=True).split == (1, 1, 1, 1)
 
 
 def test_activation_shapes_changing_between_micro_batches_cross_processes_exactly(run_dir):

@@ -82,7 +82,8 @@ def launch(job: JobLike, options: LaunchOptions | None = None, **overrides: Any)
             pipeline_assignment(job_obj.virtual_nodes, limits.max_workers, pipeline.stages)
     preflight(job_obj, dataset, plan)
     if pipeline is not None:
-        pipeline = plan_pipeline(job_obj.replace(pipeline=pipeline), dataset, workers, device=opts.device)
+        pipeline = plan_pipeline(job_obj.replace(pipeline=pipeline), dataset, workers, device=opts.device,
+                                 deterministic=opts.deterministic)
         overrides_job["pipeline"] = pipeline
         job_obj = job_obj.replace(pipeline=pipeline)
     backend.check_capacity(workers)

@@ -249,7 +249,8 @@ def pipeline_of(job: Any, options: Any) -> Pipeline | None:
     return pipeline
 
 
-def plan_pipeline(job: Any, dataset: Any, workers: int, log: Any = None, device: str = "cpu") -> Pipeline:
+def plan_pipeline(job: Any, dataset: Any, workers: int, log: Any = None, device: str = "cpu",
+                  deterministic: bool = False) -> Pipeline:
     """Check a pipelined job against its model and worker count, resolve ``split="auto"`` with the
     profiler (on ``device``, the workers' kind of device), and return the pipeline with explicit
     layer counts (what every worker uses).
@@ -282,14 +283,14 @@ def plan_pipeline(job: Any, dataset: Any, workers: int, log: Any = None, device:
     import os
 
     if pipeline.split != "auto":
-        check_shared_parameters(layers, resolve_bounds(pipeline, len(layers)), pipeline)  # before profiling
+        check_shared_parameters(layers, resolve_bounds(pipeline, len(layers)), pipeline, deterministic)
     threads = max(1, (os.cpu_count() or 1) // workers)  # a local worker's thread budget
     profile = profile_model(job, weight_grad=pipeline.schedule == "zb_h1", threads=threads, device=device)
     if pipeline.split == "auto":
         counts, _ = auto_split(job, pipeline, workers=workers, profiles=profile)
         pipeline = dataclasses.replace(pipeline, split=tuple(counts))
     bounds = resolve_bounds(pipeline, len(layers))
-    check_shared_parameters(layers, bounds, pipeline)
+    check_shared_parameters(layers, bounds, pipeline, deterministic)
     pipeline = dataclasses.replace(pipeline, split=tuple(b - a for a, b in bounds))
     grid = Grid(pipeline.stages, replicas, 0)
     log.info("pipeline: %s, schedule %s, %d micro-batches (virtual nodes) per replica; split:\n%s",
@@ -304,26 +305,51 @@ def plan_pipeline(job: Any, dataset: Any, workers: int, log: Any = None, device:
     return pipeline
 
 
-def check_shared_parameters(layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]],
-                            pipeline: Pipeline) -> None:
-    """Refuse a parameter shared by layers on different workers (a tied embedding and output
-    matrix, say): each worker holds its own copy and the runtime does not sum their gradients
-    across stages, so the copies would drift apart."""
-    owner: dict[int, tuple[int, str]] = {}
-    p = pipeline.stages
-
+def tied_parameters(layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]],
+                    stages: int) -> list[list[tuple[int, str]]]:
+    """Parameters shared by layers on different workers (a tied embedding and output matrix,
+    say): for each, its ``(layer index, name in that layer)`` locations, in model order."""
     def worker_of(layer: int) -> int:
-        return next(k for k, (a, b) in enumerate(bounds) if a <= layer < b) % p
+        return next(k for k, (a, b) in enumerate(bounds) if a <= layer < b) % stages
 
+    where: dict[int, list[tuple[int, str]]] = {}
     for i, layer in enumerate(layers):
         for name, param in layer.named_parameters():
-            key = id(param)
-            if key in owner and worker_of(owner[key][0]) != worker_of(i):
-                j, first = owner[key]
-                raise ValueError(
-                    f"parameter {j}.{first} is also layer {i}'s {name}: a weight shared by layers on different "
-                    f"pipeline workers (a tied embedding, say) would be two copies whose gradients are never "
-                    f"summed; untie it (e.g. GPT2Config(tie_word_embeddings=False)) or cut the model so both "
-                    f"layers are on one worker (Pipeline.split)"
-                )
-            owner.setdefault(key, (i, name))
+            where.setdefault(id(param), []).append((i, name))
+    return [locs for locs in where.values() if len({worker_of(i) for i, _ in locs}) > 1]
+
+
+def check_shared_parameters(layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]],
+                            pipeline: Pipeline, deterministic: bool = False) -> list[list[tuple[int, str]]]:
+    """A weight shared by layers on different workers is held by each of them as a copy; the
+    runtime sums the copies' gradients before every update (default mode, flush schedules), so
+    they stay equal. Deterministic mode and the no-flush schedules refuse it: the exact per-VN
+    order of that sum, and a version per copy, are not implemented."""
+    groups = tied_parameters(layers, bounds, pipeline.stages)
+    if groups and (deterministic or not pipeline.flush):
+        (j, first), (i, name) = groups[0][0], groups[0][1]
+        why = "deterministic mode" if deterministic else f"the {pipeline.schedule} schedule"
+        raise ValueError(
+            f"parameter {j}.{first} is also layer {i}'s {name}, on another pipeline worker: {why} cannot keep the "
+            f"copies of a shared weight exact; untie it (e.g. GPT2Config(tie_word_embeddings=False)), cut the "
+            f"model so both layers are on one worker (Pipeline.split), or train in default mode with a flush "
+            f"schedule"
+        )
+    return groups
+
+
+def tied_for_worker(layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]], stages: int,
+                    stage_rank: int) -> list[tuple[Any, int, torch.dtype]]:
+    """For each weight shared across workers (same order everywhere): this worker's copy, or
+    None if its pieces do not hold it; its size; its dtype."""
+    out = []
+    for locs in tied_parameters(layers, bounds, stages):
+        i0, n0 = locs[0]
+        param0 = layers[i0].get_parameter(n0)
+        mine = None
+        for i, name in locs:
+            if next(k for k, (a, b) in enumerate(bounds) if a <= i < b) % stages == stage_rank:
+                mine = layers[i].get_parameter(name)
+                break
+        out.append((mine, param0.numel(), param0.dtype))
+    return out

@@ -175,8 +175,15 @@ class StageEngine:
         batchnorm: str,
         deterministic: bool,
         device: torch.device,
+        tied: Sequence[tuple[torch.nn.Parameter | None, int, torch.dtype]] = (),
     ) -> None:
         self.pipeline = pipeline
+        self.tied = list(tied)
+        """Weights shared with pieces on other workers: per shared weight, this worker's copy (or
+        None), its size and dtype, in the same order on every worker (``pipeline.tied_parameters``).
+        Their gradients are summed over the copies before every update."""
+        if self.tied and (deterministic or not pipeline.flush):
+            raise ValueError("weights shared across pipeline workers need default mode and a flush schedule")
         self.p = pipeline.stages
         self.stage_rank = stage_rank
         self.n_pieces = n_pieces
@@ -509,6 +516,20 @@ class StageEngine:
                     bn_new = bn_new / V
                 offset += self.bn_numel
             loss_total = vec[offset] if is_last else None
+        if self.tied:
+            # A weight held by several workers: sum its copies' gradients (each replica's copies are
+            # already summed over the replicas, so replica 0 alone contributes) and give every copy
+            # the total, so all copies take the same update.
+            parts = []
+            for param, numel, dtype in self.tied:
+                grad = param.grad if param is not None and self.replica == 0 else None
+                parts.append(grad.reshape(-1) if grad is not None else torch.zeros(numel, dtype=dtype, device=self.device))
+            total = yield AllSum(torch.cat(parts))
+            offset = 0
+            for param, numel, _ in self.tied:
+                if param is not None:
+                    param.grad = total[offset: offset + numel].view_as(param).clone()
+                offset += numel
         # One small all-reduce: bad VNs, control, loss (from one last-stage worker), compute times.
         stats = torch.zeros(V + 2, dtype=torch.float64, device=self.device)
         if is_last:

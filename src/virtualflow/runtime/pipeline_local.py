@@ -26,19 +26,20 @@ def build_engine(job: Any, pipeline: Pipeline, bounds: Sequence[tuple[int, int]]
                  dataset: Any, deterministic: bool, device: torch.device) -> StageEngine:
     """Build worker ``stage_rank``'s engine: the whole model from the job's seed (so every worker's
     pieces start from the same weights as the unpipelined model), then only its pieces kept."""
-    from virtualflow.pipeline import layers_of, piece_module
+    from virtualflow.pipeline import layers_of, piece_module, tied_for_worker
     from virtualflow.runtime.engine import BatchLoader
 
     torch.manual_seed(job.seed)
-    layers = layers_of(job.model())
+    layers = [layer.to(device) for layer in layers_of(job.model())]
     p = pipeline.stages
-    pieces = {k: piece_module(layers, a, b).to(device) for k, (a, b) in enumerate(bounds) if k % p == stage_rank}
+    pieces = {k: piece_module(layers, a, b) for k, (a, b) in enumerate(bounds) if k % p == stage_rank}
     plan = DataPlan(len(dataset), job.global_batch_size, job.virtual_nodes, job.seed)
     return StageEngine(
         pieces=pieces, n_pieces=len(bounds), stage_rank=stage_rank, optimizer_factory=job.optimizer,
         scheduler_factory=job.lr_scheduler, pipeline=pipeline, plan=plan,
         loader=BatchLoader(dataset, job.collate_fn), model_input=job.input_of, output_loss=job.output_loss,
         seed=job.seed, batchnorm=job.batchnorm, deterministic=deterministic, device=device,
+        tied=tied_for_worker(layers, bounds, p, stage_rank),
     )
 
 

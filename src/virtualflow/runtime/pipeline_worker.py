@@ -300,7 +300,7 @@ class PipelineWorkerEngine:
         pass
 
     def _build_stage(self, stage_rank: int) -> None:
-        from virtualflow.pipeline import piece_module
+        from virtualflow.pipeline import piece_module, tied_for_worker
 
         p = self.pipeline.stages
         pieces = {k: piece_module(self.layers, a, b) for k, (a, b) in enumerate(self.bounds) if k % p == stage_rank}
@@ -310,6 +310,7 @@ class PipelineWorkerEngine:
             scheduler_factory=job.lr_scheduler, pipeline=self.pipeline, plan=self.plan,
             loader=BatchLoader(self.dataset, job.collate_fn), model_input=job.input_of, output_loss=job.output_loss,
             seed=job.seed, batchnorm=job.batchnorm, deterministic=self.deterministic, device=self.device,
+            tied=tied_for_worker(self.layers, self.bounds, p, stage_rank),
         )
 
     def set_membership(self, group: Group, assignment: Any) -> None:
