@@ -24,6 +24,22 @@ import jobs
 FOREVER = 1_000_000
 
 
+def resized_run(factory, run_dir: str, sizes=(4, 2)) -> vf.Result:
+    """Start on 2 workers, resize through ``sizes`` a few steps apart, stop; the result."""
+    handle = vf.launch(factory, workers=2, steps=FOREVER, deterministic=True, run_dir=run_dir)
+    for n in sizes:
+        wait_for_step(handle, handle.status()["step"] + 3)
+        handle.resize(n, wait=True, timeout_s=120)
+    wait_for_step(handle, handle.status()["step"] + 2)
+    return handle.stop()
+
+
+def size_changes(result: vf.Result) -> list[int]:
+    """The run's worker counts, each run of equal counts once."""
+    sizes = [h["workers"] for h in result.history]
+    return [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n]
+
+
 def unpipelined(steps: int) -> vf.Result:
     return vf.train(jobs.pipelined_job().replace(pipeline=None), workers=1, steps=steps, deterministic=True)
 
@@ -42,14 +58,8 @@ def test_two_stages_two_replicas_bit_identical_to_unpipelined(run_dir):
 
 
 def test_resize_one_two_one_replicas_bit_identical(run_dir):
-    handle = vf.launch(jobs.pipelined_slow_job, workers=2, steps=FOREVER, deterministic=True, run_dir=run_dir)
-    for n in (4, 2):
-        wait_for_step(handle, handle.status()["step"] + 3)
-        handle.resize(n, wait=True, timeout_s=120)
-    wait_for_step(handle, handle.status()["step"] + 2)
-    result = handle.stop()
-    sizes = [h["workers"] for h in result.history]
-    assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [2, 4, 2]
+    result = resized_run(jobs.pipelined_slow_job, run_dir)
+    assert size_changes(result) == [2, 4, 2]
     ref = unpipelined(result.steps)
     assert_state_equal(result.state_dict, ref.state_dict)
     assert [h["step"] for h in result.history] == list(range(result.steps))
@@ -96,8 +106,7 @@ def test_killed_worker_leaves_the_whole_replicas_training_bit_identical(run_dir)
     os.kill(victim["pid"], signal.SIGKILL)
     wait_for_step(handle, handle.status()["step"] + 3)
     result = handle.stop()
-    sizes = [h["workers"] for h in result.history]
-    assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [4, 2]
+    assert size_changes(result) == [4, 2]
     assert [f["worker"] for f in result.failures] == [victim["id"]]
     assert_state_equal(result.state_dict, unpipelined(result.steps).state_dict)
     assert [h["step"] for h in result.history] == list(range(result.steps))
@@ -108,15 +117,10 @@ def test_2bw_resize_keeps_the_weight_versions_bit_identical(run_dir):
     too, resizes land at window ends, and the run equals the undisturbed in-process run."""
     from virtualflow.runtime.pipeline_local import train_local
 
-    handle = vf.launch(jobs.pipelined_2bw_job, workers=2, steps=FOREVER, deterministic=True, run_dir=run_dir)
-    for n in (4, 2):
-        wait_for_step(handle, handle.status()["step"] + 3)
-        handle.resize(n, wait=True, timeout_s=120)
-    wait_for_step(handle, handle.status()["step"] + 2)
-    result = handle.stop()
+    result = resized_run(jobs.pipelined_2bw_job, run_dir)
+    assert size_changes(result) == [2, 4, 2]
     sizes = [h["workers"] for h in result.history]
-    assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [2, 4, 2]
-    assert all(h["step"] % 2 == 0 for h in result.history[1:] if h["workers"] != sizes[result.history.index(h) - 1])
+    assert all(result.history[i]["step"] % 2 == 0 for i in range(1, len(sizes)) if sizes[i] != sizes[i - 1])
     state, history = train_local(jobs.pipelined_2bw_job(), result.steps, deterministic=True)
     assert_state_equal(result.state_dict, state)
     assert [h["loss"] for h in result.history] == [r.loss for r in history]
@@ -211,6 +215,5 @@ def test_a_lost_worker_is_replaced_by_a_whole_pipeline_with_replace_failed(run_d
         time.sleep(0.05)
     wait_for_step(handle, handle.status()["step"] + 2)
     result = handle.stop()
-    sizes = [h["workers"] for h in result.history]
-    assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [4, 2, 4]
+    assert size_changes(result) == [4, 2, 4]
     assert_state_equal(result.state_dict, unpipelined(result.steps).state_dict)
