@@ -21,6 +21,8 @@ from virtualflow.comm.groups import Group
 from virtualflow.plan.data import DataPlan
 from virtualflow.runtime.engine import BatchLoader, VNEngine
 
+from reference import step_batch
+
 FEATURES = 8
 VOCAB, SEQ, WIDTH = 11, 6, 16
 
@@ -207,13 +209,10 @@ def stream_reference(job: vf.Job, steps: int, split: Sequence[int], version: dic
     ds = job.build_dataset()
     x_all, y_all = ds.tensors
     n, B, V = len(ds), job.global_batch_size, job.virtual_nodes
-    per_epoch = n // B
     history = {0: {k: q.detach().clone() for k, q in params.items()}}
     losses = []
     for t in range(steps):
-        epoch, i = divmod(t, per_epoch)
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(job.seed + epoch))
-        idx = order[i * B: (i + 1) * B]
+        idx = step_batch(job, n, t)
         grads: dict[int, list[torch.Tensor]] = {}
         step_losses = []
         for v in range(V):

@@ -19,6 +19,15 @@ def bn_buffers(model):
     return out
 
 
+def step_batch(job: vf.Job, n: int, step: int) -> torch.Tensor:
+    """Dataset indices of the global batch of ``step``: a fresh permutation per epoch from
+    ``seed + epoch``, cut into consecutive batches of B."""
+    B = job.global_batch_size
+    epoch, i = divmod(step, n // B)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(job.seed + epoch))
+    return order[i * B : (i + 1) * B]
+
+
 def reference_train(job: vf.Job, steps: int):
     torch.manual_seed(job.seed)
     model = job.model()
@@ -27,13 +36,10 @@ def reference_train(job: vf.Job, steps: int):
     ds = job.build_dataset()
     x_all, y_all = ds.tensors
     n, B, V = len(ds), job.global_batch_size, job.virtual_nodes
-    per_epoch = n // B
     losses = []
     model.train()
     for s in range(steps):
-        epoch, i = divmod(s, per_epoch)
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(job.seed + epoch))
-        idx = order[i * B : (i + 1) * B]
+        idx = step_batch(job, n, s)
         opt.zero_grad()
         start = [b.clone() for b in bn_buffers(model)]
         ends = []

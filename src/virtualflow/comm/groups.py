@@ -87,11 +87,7 @@ class Group:
         _Work(work, self.generation, self.abort_check).wait()
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
-        try:
-            work = self.pg.send([tensor], dst, tag)
-        except RuntimeError as exc:
-            raise PeerFailure(self.generation, str(exc)) from exc
-        _Work(work, self.generation).wait()  # unsliced: see the module docstring
+        self.isend(tensor, dst, tag).wait()  # unsliced: see the module docstring
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> "_Work":
         """Start sending ``tensor``; the caller keeps it alive and waits on the returned work."""
@@ -110,11 +106,7 @@ class Group:
         return _Work(work, self.generation)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
-        try:
-            work = self.pg.recv([tensor], src, tag)
-        except RuntimeError as exc:
-            raise PeerFailure(self.generation, str(exc)) from exc
-        _Work(work, self.generation).wait()  # unsliced: see the module docstring
+        self.irecv(tensor, src, tag).wait()  # unsliced: see the module docstring
 
     def close(self) -> None:
         """Release the group's sockets and threads (best effort; a broken group may refuse)."""
