@@ -171,39 +171,46 @@ def _cases(p: int) -> list[tuple[str, list[int], torch.dtype, int]]:
 
 def _check_cases(rank: int, p: int, group: Group) -> None:
     for seed, (name, sizes, dtype, seg) in enumerate(_cases(p)):
-        bounds = _bounds_from_sizes(sizes)
-        n = bounds[-1][1]
-        total = sum(_input(seed, r, n, torch.float64) for r in range(p)).to(dtype)
-        ledger = Ledger()
-        c = Collectives(group, ledger, segment_bytes=seg)
-        lo, hi = bounds[rank]
-        item = torch.tensor([], dtype=dtype).element_size()
+        for native in (False, True):  # our ring; the backend's own ops (the NCCL code path, on gloo)
+            _check_case(rank, p, group, seed, f"{name}{' native' if native else ''}", sizes, dtype, seg, native)
 
-        x = _input(seed, rank, n, dtype)
-        c.reduce_scatter(x, bounds)
-        torch.testing.assert_close(x[lo:hi], total[lo:hi], msg=lambda m: f"{name} reduce_scatter: {m}")
 
-        y = torch.full((n,), float("nan"), dtype=dtype)
-        y[lo:hi] = _input(seed, rank, n, dtype)[lo:hi]
-        c.all_gather(y, bounds)
-        want = torch.cat([_input(seed, r, n, dtype)[a:b] for r, (a, b) in enumerate(bounds)])
-        assert torch.equal(y, want), f"{name} all_gather"
+def _check_case(rank: int, p: int, group: Group, seed: int, name: str, sizes: list[int], dtype: torch.dtype,
+                seg: int, native: bool) -> None:
+    bounds = _bounds_from_sizes(sizes)
+    n = bounds[-1][1]
+    total = sum(_input(seed, r, n, torch.float64) for r in range(p)).to(dtype)
+    ledger = Ledger()
+    c = Collectives(group, ledger, segment_bytes=seg, native=native)
+    lo, hi = bounds[rank]
+    item = torch.tensor([], dtype=dtype).element_size()
 
-        z = _input(seed, rank, n, dtype)
-        c.all_reduce(z)
-        torch.testing.assert_close(z, total, msg=lambda m: f"{name} all_reduce: {m}")
+    x = _input(seed, rank, n, dtype)
+    c.reduce_scatter(x, bounds)
+    torch.testing.assert_close(x[lo:hi], total[lo:hi], msg=lambda m: f"{name} reduce_scatter: {m}")
 
-        by_op = ledger.by_op()
-        for op, b in (("reduce_scatter", bounds), ("all_gather", bounds), ("all_reduce", shard_bounds(n, p))):
-            t = ring_traffic(op, b, rank, item, segment_bytes=seg)
-            got = by_op[op]
-            assert (got["bytes_sent"], got["bytes_received"], got["messages"]) == \
-                (t.bytes_sent, t.bytes_received, t.messages_sent), f"{name} {op}: ledger {got} != {t}"
-        left = (rank - 1) % p
-        assert by_op["reduce_scatter"]["bytes_sent"] == (n - sizes[rank]) * item
-        assert by_op["reduce_scatter"]["bytes_received"] == (n - sizes[left]) * item
-        assert by_op["all_gather"]["bytes_sent"] == (n - sizes[(rank + 1) % p]) * item
-        c.close()
+    y = torch.full((n,), float("nan"), dtype=dtype)
+    y[lo:hi] = _input(seed, rank, n, dtype)[lo:hi]
+    c.all_gather(y, bounds)
+    want = torch.cat([_input(seed, r, n, dtype)[a:b] for r, (a, b) in enumerate(bounds)])
+    assert torch.equal(y, want), f"{name} all_gather"
+
+    z = _input(seed, rank, n, dtype)
+    c.all_reduce(z)
+    torch.testing.assert_close(z, total, msg=lambda m: f"{name} all_reduce: {m}")
+    c.close()
+    if native:
+        return
+    by_op = ledger.by_op()
+    for op, b in (("reduce_scatter", bounds), ("all_gather", bounds), ("all_reduce", shard_bounds(n, p))):
+        t = ring_traffic(op, b, rank, item, segment_bytes=seg)
+        got = by_op[op]
+        assert (got["bytes_sent"], got["bytes_received"], got["messages"]) == \
+            (t.bytes_sent, t.bytes_received, t.messages_sent), f"{name} {op}: ledger {got} != {t}"
+    left = (rank - 1) % p
+    assert by_op["reduce_scatter"]["bytes_sent"] == (n - sizes[rank]) * item
+    assert by_op["reduce_scatter"]["bytes_received"] == (n - sizes[left]) * item
+    assert by_op["all_gather"]["bytes_sent"] == (n - sizes[(rank + 1) % p]) * item
 
 
 def _check_async(rank: int, p: int, group: Group) -> None:

@@ -281,17 +281,21 @@ class Collectives:
 
     ``link``: optional emulated-link hook called with the byte count of every message before it
     is sent (a benchmark or test passes one that sleeps ``alpha + bytes / beta``); None = the real
-    link only. ``segment_bytes``: the gloo ring's largest message.
+    link only. ``segment_bytes``: the gloo ring's largest message. ``native``: use the backend's own
+    collectives (None: for CUDA tensors only, i.e. NCCL; True on gloo runs gloo's own
+    ``_reduce_scatter_base`` / ``_allgather_base`` / ``allreduce``, a baseline for benchmarks and
+    tests; ``link`` is not applied to them).
     """
 
     def __init__(self, group: Group, ledger: Ledger | None = None, *, link: Callable[[int], None] | None = None,
-                 segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
+                 segment_bytes: int = DEFAULT_SEGMENT_BYTES, native: bool | None = None) -> None:
         if segment_bytes < 1:
             raise ValueError(f"Collectives: segment_bytes={segment_bytes} must be positive")
         self.group = group
         self.ledger = ledger if ledger is not None else Ledger()
         self.link = link
         self.segment_bytes = segment_bytes
+        self.native = native
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -363,7 +367,7 @@ class Collectives:
             self._seq += 1
             self.ledger._add(entry)
             t_launch = time.perf_counter()
-            if flat.device.type == "cuda":
+            if self.native if self.native is not None else flat.device.type == "cuda":
                 handle = self._native_op(op, flat, bounds, entry, t_launch)
             else:
                 handle = Handle(entry, self.group.generation, t_launch)
@@ -473,7 +477,9 @@ class Collectives:
 
     def _native_op(self, op: str, flat: torch.Tensor, bounds: list[tuple[int, int]], entry: LedgerEntry,
                    t_launch: float) -> Handle:
-        """Launch NCCL's own collective (async on its stream); copy-backs run in ``wait()``."""
+        """Launch the backend's own collective (NCCL: async on its stream); copy-backs run in
+        ``wait()``. Bytes are recorded as a ring over chunks padded to the largest one moves them
+        (what NCCL's ring does; gloo's emulated reduce-scatter really moves an all-reduce's)."""
         g = self.group
         p, r = g.size, g.rank
         sizes = [hi - lo for lo, hi in bounds]
