@@ -7,7 +7,7 @@ import logging
 import sys
 import traceback
 
-from virtualflow.cli import plan, plot, resize, run, simulate, status, worker
+from virtualflow.cli import explain, plan, plot, resize, run, simulate, status, worker
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     resize.add_parser(sub)
     plot.add_parser(sub)
     plan.add_parser(sub)
+    explain.add_parser(sub)
     simulate.add_parser(sub)
     worker.add_parser(sub)
     return parser
