@@ -167,7 +167,8 @@ def split_range(n: int, parts: int, rank: int, what: str, knob: str) -> tuple[in
 
 def dropout_keep(seed: int, lo: int, hi: int, width: int, p: float,
                  block_rows: int = DROPOUT_BLOCK_ROWS) -> torch.Tensor:
-    """The keep-mask (bool ``[hi - lo, width]``) of token rows ``[lo, hi)`` under ``seed``."""
+    """The keep-mask (bool ``[hi - lo, width]``, on the CPU: the rule's generator is torch's CPU
+    generator on every device) of token rows ``[lo, hi)`` under ``seed``."""
     if not 0 <= lo <= hi:
         raise ValueError(f"dropout_keep: rows [{lo}, {hi}) are not a valid range")
     if hi == lo:
@@ -282,7 +283,8 @@ def _full_scale(block: Any, x2: torch.Tensor, dropout_seed: int | None) -> torch
     if not (block.training and block.dropout_p > 0):
         return None
     seed = block.seeds.next(dropout_seed)
-    return keep_scale(dropout_keep(seed, 0, x2.shape[0], x2.shape[1], block.dropout_p), block.dropout_p, x2.dtype)
+    keep = dropout_keep(seed, 0, x2.shape[0], x2.shape[1], block.dropout_p).to(x2.device)
+    return keep_scale(keep, block.dropout_p, x2.dtype)
 
 
 def _flat_tokens(x: torch.Tensor, hidden: int) -> torch.Tensor:
@@ -348,11 +350,11 @@ class _RowParallelEpilogue(torch.autograd.Function):
         comm, layout = cfg.comm, cfg.layout
         rank = comm.group.rank
         tokens, width = resid.shape
-        z = torch.empty(tokens, width, dtype=resid.dtype)
-        y = torch.empty(tokens, width, dtype=resid.dtype)
+        z = resid.new_empty(tokens, width)
+        y = resid.new_empty(tokens, width)
         hpre = a = None
         if w1 is not None:
-            hpre = torch.empty(tokens, w1.shape[0], dtype=inp.dtype)
+            hpre = inp.new_empty(tokens, w1.shape[0])
             a = torch.empty_like(hpre)
         keeps: list[torch.Tensor | None] = []
         gathers = []
@@ -363,7 +365,7 @@ class _RowParallelEpilogue(torch.autograd.Function):
             lo, hi = layout.owned[c][rank]
             scale = None
             if cfg.seed is not None:
-                keep = dropout_keep(cfg.seed, lo, hi, width, cfg.dropout_p)
+                keep = dropout_keep(cfg.seed, lo, hi, width, cfg.dropout_p).to(resid.device)
                 keeps.append(keep)
                 scale = keep_scale(keep, cfg.dropout_p, resid.dtype)
             y[lo:hi] = epilogue(z[lo:hi], b2, scale, resid[lo:hi])
@@ -402,7 +404,7 @@ class _RowParallelEpilogue(torch.autograd.Function):
         tokens, width = gy.shape
         # gz: the gradient of (z + b2), the same for every rank's partial z; each rank fills its
         # rows and the all-gathers fill the rest (the reduce-scatter's backward).
-        gz = torch.empty(tokens, width, dtype=gy.dtype)
+        gz = gy.new_empty(tokens, width)
         gathers = []
         for c, (c0, c1) in enumerate(layout.chunks):
             lo, hi = layout.owned[c][rank]
@@ -414,7 +416,7 @@ class _RowParallelEpilogue(torch.autograd.Function):
         src = a if w1 is not None else inp
         g_inp = torch.empty_like(inp) if need_inp else None
         g_w1 = torch.zeros_like(w1) if w1 is not None and need_w1 else None
-        g_b1 = torch.zeros(w1.shape[0], dtype=w1.dtype) if w1 is not None and need_b1 else None
+        g_b1 = w1.new_zeros(w1.shape[0]) if w1 is not None and need_b1 else None
         g_w2 = torch.zeros_like(w2) if need_w2 else None
         reduces = []
         for c, (c0, c1) in enumerate(layout.chunks):
