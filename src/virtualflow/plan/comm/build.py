@@ -64,6 +64,7 @@ class Builder:
         self.ops: list[Op] = []
         self.outputs: list[str] = []
         self.env: dict[str, Info] = {}
+        self._updated: set[str] = set()
         self._n = 0
 
     # -- declarations ---------------------------------------------------------------------------
@@ -114,6 +115,7 @@ class Builder:
 
     def emit(self, kind: str, args: Sequence[Operand], attrs: dict | None = None, name: str | None = None) -> Value:
         op = Op(kind, (self._fresh(name),), tuple(self._ref(a) for a in args), dict(attrs or {}))
+        self._check_reads(op)
         (info,) = infer_op(op, self.env, self.name)
         self.ops.append(op)
         self.env[op.out] = info
@@ -197,9 +199,19 @@ class Builder:
         t, v = self._ref(target), self._ref(value)
         if not any(d.name == t and d.state for d in self.decls):
             raise ValueError(f"{self.name}: update({t}): {t} is not a declared state; declare it with state(...)")
+        if t in self._updated:
+            raise ValueError(f"{self.name}: state {t} is updated twice; update it once with the final value")
         op = Op("update", (), (t, v), {})
+        self._check_reads(Op("update", (), (v,), {}))
         infer_op(op, self.env, self.name)
+        self._updated.add(t)
         self.ops.append(op)
+
+    def _check_reads(self, op: Op) -> None:
+        for a in op.tensor_args:
+            if a in self._updated:
+                raise ValueError(f"{self.name}: `{op.label()}` reads state {a} after its update; read the new value "
+                                 f"(the update's argument) instead")
 
     def output(self, *values: Operand) -> None:
         for v in values:
