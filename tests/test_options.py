@@ -91,6 +91,7 @@ def test_command_line_round_trips_every_flagged_option():
         "checkpoint_every": ("4", 4), "resume": ("runs/y", "runs/y"), "slowdowns": ("1,1,3", [1.0, 1.0, 3.0]),
         "balance": (None, True), "uneven_vn_sizes": (None, True), "price_per_worker_hour": ("2.5", 2.5),
         "pipeline_stages": ("4", 4), "schedule": ("zb_h1", "zb_h1"), "chunks": ("2", 2), "split": ("3,2,2,1", "3,2,2,1"),
+        "reduction": ("sharded", "sharded"),
     }
     for name, (text, value) in samples.items():
         flag = flag_of(name)

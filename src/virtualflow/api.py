@@ -80,7 +80,11 @@ def launch(job: JobLike, options: LaunchOptions | None = None, **overrides: Any)
             pass  # speed-based VN maps do not apply to pipelines: the VNs are split evenly over replicas
         if limits is not None:
             pipeline_assignment(job_obj.virtual_nodes, limits.max_workers, pipeline.stages)
-    preflight(job_obj, dataset, plan)
+    if pipeline is not None and opts.reduction == "sharded":
+        raise ValueError(f"reduction='sharded' shards the data-parallel optimizer of unpipelined jobs; this job is "
+                         f"pipelined in {pipeline.stages} stages (Job.pipeline / --pipeline-stages), so each worker "
+                         f"already holds only its stage's optimizer state: drop --reduction sharded")
+    preflight(job_obj, dataset, plan, reduction=opts.reduction)
     if pipeline is not None:
         pipeline = plan_pipeline(job_obj.replace(pipeline=pipeline), dataset, workers, device=opts.device,
                                  deterministic=opts.deterministic)

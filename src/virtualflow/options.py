@@ -83,6 +83,10 @@ class LaunchOptions:
     seed: int | None = _opt(None, "override Job.seed", "training")
     deterministic: bool = _opt(False, "bit-identical weights for any worker count (per-VN gradients summed "
                                "along a fixed tree; one thread per worker unless --threads-per-worker)", "training")
+    reduction: str = _opt("allreduce", "how workers combine gradients: allreduce (each holds the whole optimizer "
+                          "state) or sharded (reduce-scatter, each updates 1/N of the weights and holds 1/N of the "
+                          "Adam/AdamW/SGD state, all-gather); same model either way", "training",
+                          choices=("allreduce", "sharded"))
     threads_per_worker: int | None = _opt(None, "torch threads per worker (default: cores / workers; 1 if "
                                           "deterministic; Ray: --cpus-per-worker)", "training", metavar="T")
     device: str = _opt("cpu", "device the workers train on", "training")
@@ -177,6 +181,13 @@ class LaunchOptions:
             if not math.isfinite(value) or not low_ok:
                 rule = "a finite number >= 0" if name == "gpus_per_worker" else "a finite number > 0"
                 raise ValueError(f"{name}={value!r} must be {rule}; set {_knob(name)}")
+        if self.reduction not in ("allreduce", "sharded"):
+            raise ValueError(f"reduction={self.reduction!r} is not known; choose 'allreduce' (the default) or 'sharded' "
+                             f"(--reduction)")
+        if self.reduction == "sharded" and self.pipeline_stages is not None and self.pipeline_stages > 1:
+            raise ValueError(f"reduction='sharded' shards the data-parallel optimizer of unpipelined jobs; with "
+                             f"pipeline_stages={self.pipeline_stages} each worker already holds only its stage's "
+                             f"optimizer state: drop --reduction sharded or --pipeline-stages")
         self._check_backend()
         self._check_workers()
 

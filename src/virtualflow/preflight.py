@@ -68,8 +68,9 @@ def describe(batch: Any, depth: int = 0) -> str:
     return type(batch).__name__
 
 
-def preflight(job: Job, dataset: Any, plan: DataPlan) -> None:
-    """Build the model and optimizer and run the loss on VN 0's batch of step 0, here."""
+def preflight(job: Job, dataset: Any, plan: DataPlan, *, reduction: str = "allreduce") -> None:
+    """Build the model and optimizer and run the loss on VN 0's batch of step 0, here (and check
+    that the optimizer can be sharded, with ``reduction="sharded"``)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(job.seed)
         model = _call("Job.model", job.model)
@@ -78,7 +79,11 @@ def preflight(job: Job, dataset: Any, plan: DataPlan) -> None:
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameters (requires_grad=True); nothing to train")
-        _call("Job.optimizer", job.optimizer, model.parameters())
+        optimizer = _call("Job.optimizer", job.optimizer, model.parameters())
+        if reduction == "sharded":
+            from virtualflow.runtime.sharded import check_optimizer
+
+            check_optimizer(optimizer, params)
         indices = plan.vn_indices(0, 0)
         batch = _call("loading virtual node 0's batch (Job.dataset items, then Job.collate_fn)",
                       BatchLoader(dataset, job.collate_fn), indices)

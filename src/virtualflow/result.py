@@ -32,6 +32,9 @@ class Result:
     """True when :meth:`JobHandle.stop` ended the job before ``steps``."""
     peak_rss_mib: dict[int, float] = field(default_factory=dict)
     """Peak resident memory of each worker process (worker id -> MiB)."""
+    optimizer_bytes: dict[int, int] = field(default_factory=dict)
+    """Bytes of optimizer state each worker held at the end (worker id -> bytes): the whole state
+    with the default reduction, its chunk with ``reduction="sharded"`` (0 for pipelined jobs)."""
     generations: int = 1
     """Membership generations the job went through (1: no resize, no failure)."""
     failures: list[dict[str, Any]] = field(default_factory=list)

@@ -105,6 +105,7 @@ class Supervisor:
             state_dir=setup.state_dir,
             overrides=setup.overrides,
             deterministic=opts.deterministic,
+            reduction=opts.reduction,
             threads=setup.threads,
             device=opts.device,
             collective_timeout_s=opts.collective_timeout_s,
@@ -147,7 +148,8 @@ class Supervisor:
         self.coordinator.event(
             "start", job=job.name, global_batch_size=job.global_batch_size, virtual_nodes=job.virtual_nodes,
             seed=job.seed, workers=s.options.start_workers, total_steps=s.total_steps,
-            deterministic=s.options.deterministic, backend=self.backend.name, threads_per_worker=s.threads,
+            deterministic=s.options.deterministic, reduction=s.options.reduction, backend=self.backend.name,
+            threads_per_worker=s.threads,
             min_workers=s.options.min_workers, resume_path=s.resume_path, resume_step=s.resume_step,
             autoscale=self.autoscale_info(),
         )
@@ -302,6 +304,7 @@ class Supervisor:
             steps=steps,
             stopped=steps < self.setup.total_steps,
             peak_rss_mib={w: i["peak_rss_mib"] for w, i in p.workers.items() if "peak_rss_mib" in i},
+            optimizer_bytes={w: i["optimizer_bytes"] for w, i in p.workers.items() if "optimizer_bytes" in i},
             generations=self.controller.generation + 1,
             failures=list(self.controller.failures),
             autoscale=self.autoscaler.summary() if self.autoscaler is not None else None,
@@ -392,6 +395,7 @@ class Supervisor:
             "autoscale": self.autoscaler.summary() if self.autoscaler is not None else None,
             "predicted_step_s": ctl.predicted_step_s,
             "deterministic": s.options.deterministic,
+            "reduction": s.options.reduction,
             "backend": self.backend.name,
             "threads_per_worker": s.threads,
             "steps_total": s.total_steps,

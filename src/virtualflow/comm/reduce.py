@@ -24,6 +24,29 @@ DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024
 FIRST_BUCKET_CAP_BYTES = 1024 * 1024
 
 
+def plan_buckets(params: Sequence[torch.Tensor], bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
+                 first_bucket_cap_bytes: int = FIRST_BUCKET_CAP_BYTES) -> list[list[int]]:
+    """Parameter indices per bucket, in launch order: reverse registration order (approximately
+    the order in which backward produces gradients), consecutive indices, one dtype per bucket, a
+    small first bucket so that communication starts early."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size, cap = 0, first_bucket_cap_bytes
+    for i in reversed(range(len(params))):
+        p = params[i]
+        if current and params[current[-1]].dtype != p.dtype:
+            buckets.append(current)
+            current, size, cap = [], 0, bucket_cap_bytes
+        current.append(i)
+        size += p.numel() * p.element_size()
+        if size >= cap:
+            buckets.append(current)
+            current, size, cap = [], 0, bucket_cap_bytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
 class BucketReducer:
     """Overlap gradient all-reduce with the last backward pass of a step."""
 
@@ -36,21 +59,7 @@ class BucketReducer:
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.group = group
-        # Reverse registration order approximates the order in which backward produces grads.
-        self.buckets: list[list[int]] = []
-        current, size, cap = [], 0, first_bucket_cap_bytes
-        for i in reversed(range(len(self.params))):
-            p = self.params[i]
-            if current and self.params[current[-1]].dtype != p.dtype:  # one dtype per bucket
-                self.buckets.append(current)
-                current, size, cap = [], 0, bucket_cap_bytes
-            current.append(i)
-            size += p.numel() * p.element_size()
-            if size >= cap:
-                self.buckets.append(current)
-                current, size, cap = [], 0, bucket_cap_bytes
-        if current:
-            self.buckets.append(current)
+        self.buckets = plan_buckets(self.params, bucket_cap_bytes, first_bucket_cap_bytes)
         self._bucket_of = {}
         for b, idx in enumerate(self.buckets):
             for i in idx:
@@ -179,3 +188,123 @@ def tree_exchange(plan: TreePlan, group: Group, local: dict[Node, torch.Tensor],
         return combine(left) + combine(right)
 
     return combine((0, plan.virtual_nodes))
+
+
+class ShardReducer:
+    """Reduce-scatter gradients in buckets as the last backward of a step finishes them.
+
+    The gradients live in one flat vector (``grad``, parameter ``i`` at ``offsets[i]``), so a
+    bucket of consecutive parameters is a contiguous range of it; the bucket's reduce-scatter (in
+    place, by ``comm``) leaves on worker r the summed gradient of the part of the bucket inside
+    r's chunk ``bounds[r]``. Buckets launch strictly in index order on every worker, as in
+    :class:`BucketReducer`; the rest of the vector is scratch afterwards.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], offsets: Sequence[int], grad: torch.Tensor,
+                 bounds: Sequence[tuple[int, int]], comm, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
+                 first_bucket_cap_bytes: int = FIRST_BUCKET_CAP_BYTES) -> None:
+        from virtualflow.plan.shards import intersect
+
+        self.params = list(params)
+        self.comm = comm
+        self.grad = grad
+        self.ranges: list[tuple[int, int]] = []
+        self.parts: list[list[tuple[int, int]]] = []
+        self.buckets = plan_buckets(self.params, bucket_cap_bytes, first_bucket_cap_bytes)
+        self._bucket_of: dict[int, int] = {}
+        for b, idx in enumerate(self.buckets):
+            lo = min(offsets[i] for i in idx)
+            hi = max(offsets[i] + self.params[i].numel() for i in idx)
+            self.ranges.append((lo, hi))
+            self.parts.append(intersect(bounds, lo, hi))
+            for i in idx:
+                self._bucket_of[id(self.params[i])] = b
+        self._armed = False
+        self._pending: list[int] = []
+        self._next = 0
+        self._works: list = []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    def arm(self) -> None:
+        """The next backward is the step's last local one."""
+        self._armed = True
+        self._pending = [len(b) for b in self.buckets]
+        self._next = 0
+        self._works = []
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        self._pending[self._bucket_of[id(p)]] -= 1
+        while self._next < len(self.buckets) and self._pending[self._next] == 0:
+            self._launch()
+
+    def _launch(self) -> None:
+        lo, hi = self.ranges[self._next]
+        self._works.append(self.comm.reduce_scatter(self.grad[lo:hi], self.parts[self._next], async_op=True))
+        self._next += 1
+
+    def finish(self) -> None:
+        """Launch what is left (buckets of unused parameters, or all of them on a worker with no
+        VN) and wait for every bucket."""
+        if not self._armed:
+            self.arm()
+        while self._next < len(self.buckets):
+            self._launch()
+        try:
+            for w in self._works:
+                if w is not None:
+                    w.wait()
+        finally:
+            self._armed = False
+            self._works = []
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+def tree_exchange_sharded(plan: TreePlan, group: Group, local: dict[Node, torch.Tensor], like: torch.Tensor | None,
+                          comm, bounds: Sequence[tuple[int, int]], numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tree_exchange` for the sharded reduction: ``(this worker's chunk of the root sum's
+    first numel elements, the root sum's remaining elements)``, bit-identical to the matching
+    elements of :func:`tree_exchange`'s result.
+
+    The crossing partial sums are laid out element-major (``numel x slots``), so a worker's chunk
+    of every slot is one contiguous range; a reduce-scatter of that part and an all-reduce of the
+    short tail (loss, BatchNorm statistics) replace the one all-reduce. Each slot still has a
+    single non-zero writer, so every sum is exact, and the tree is combined on the chunk with the
+    same additions as on the whole vector.
+    """
+    lo, hi = bounds[group.rank]
+    if group.size == 1:
+        root = local[(0, plan.virtual_nodes)]
+        return root[lo:hi], root[numel:]
+    slots = plan.slots
+    some = next(iter(local.values())) if local else like
+    if some is None:
+        raise ValueError("tree_exchange_sharded: a worker without virtual nodes must pass like= (one node's shape)")
+    width = len(slots)
+    body = some.new_zeros((numel, width))
+    tail = some.new_zeros((width, some.numel() - numel))
+    for i, node in enumerate(slots):
+        if node in local:
+            body[:, i].copy_(local[node][:numel])
+            tail[i].copy_(local[node][numel:])
+    flat = body.view(-1)
+    work = comm.reduce_scatter(flat, [(a * width, b * width) for a, b in bounds], async_op=True)
+    group.all_reduce(tail)
+    if work is not None:
+        work.wait()
+    mine = body[lo:hi]
+    known = {node: (mine[:, i], tail[i]) for i, node in enumerate(slots)}
+
+    def combine(node: Node) -> tuple[torch.Tensor, torch.Tensor]:
+        if node in known:
+            return known[node]
+        left, right = split(node)
+        (a1, t1), (a2, t2) = combine(left), combine(right)
+        return a1 + a2, t1 + t2
+
+    chunk, rest = combine((0, plan.virtual_nodes))
+    return chunk.contiguous(), rest

@@ -168,7 +168,8 @@ class Coordinator:
                 self.progress.errors.append(r)
                 self.event("error", worker=r["worker"], pid=r["pid"], error=r["error"], step=r.get("step"), traceback=r["traceback"])
             elif kind == "done":
-                self.progress.workers.setdefault(r["worker"], {})["peak_rss_mib"] = r["peak_rss_mib"]
+                self.progress.workers.setdefault(r["worker"], {}).update(peak_rss_mib=r["peak_rss_mib"],
+                                                                          optimizer_bytes=r["optimizer_bytes"])
                 if r.get("rank") == 0:
                     self.progress.done = True
             elif kind == "rejected":  # a worker refused something it read from the store

@@ -39,9 +39,12 @@ import torch
 from torch.utils.data import TensorDataset, default_collate
 
 from virtualflow.comm.groups import Group, PeerFailure
-from virtualflow.comm.reduce import BucketReducer, tree_exchange, tree_reduce_local
+from virtualflow.comm.reduce import (BucketReducer, ShardReducer, tree_exchange, tree_exchange_sharded,
+                                     tree_reduce_local)
+from virtualflow.comm.ring import Collectives
 from virtualflow.plan.data import DataPlan, vn_seed
 from virtualflow.plan.vnmap import TreePlan
+from virtualflow.runtime.sharded import FlatParams, ShardedOptimizer
 
 
 PROBE_EVERY = 4
@@ -231,6 +234,7 @@ class VNEngine:
         batchnorm: str,
         deterministic: bool,
         device: torch.device,
+        reduction: str = "allreduce",
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -246,7 +250,16 @@ class VNEngine:
         self.bn = BatchNormState(model)
         self.group: Group | None = None
         self.vns: list[int] = []
-        self.reducer: BucketReducer | None = None
+        self.reducer: BucketReducer | ShardReducer | None = None
+        if reduction not in ("allreduce", "sharded"):
+            raise ValueError(f"reduction={reduction!r} is not known; choose 'allreduce' or 'sharded' (--reduction)")
+        self.sharded = reduction == "sharded"
+        self.flat: FlatParams | None = None
+        self.shard: ShardedOptimizer | None = None
+        self.comm: Collectives | None = None
+        if self.sharded:
+            self.flat = FlatParams(self.params)  # the model's parameters now live in one flat vector
+            self.shard = ShardedOptimizer(optimizer, self.flat)
         self.tree: TreePlan | None = None
         self.grad_numel = sum(p.numel() for p in self.params)
         self._first_bn: torch.Tensor | None = None
@@ -300,10 +313,13 @@ class VNEngine:
         gradients dropped, the reducer discarded (the generation's group is broken)."""
         if self.bn and self.phase in ("before_forward", "backward", "reduction"):
             self.bn.restore()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         if self.reducer is not None:
             self.reducer.close()
             self.reducer = None
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
         self.group = None
         self.phase = "idle"
 
@@ -312,6 +328,9 @@ class VNEngine:
         if self.reducer is not None:
             self.reducer.close()
             self.reducer = None
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
         self.group = group
         self.vns = list(assignment[group.rank])
         self._vn_ids = torch.tensor(self.vns, dtype=torch.long, device=self.device)
@@ -322,8 +341,76 @@ class VNEngine:
         self._steps_in_generation = 0
         if self.deterministic:
             self.tree = TreePlan.build(assignment)
-        elif group.size > 1:
+        if self.sharded:
+            assert self.shard is not None and self.flat is not None
+            self.shard.shard(group.rank, group.size)  # raises ShardLost after a failure
+            self.comm = Collectives(group)
+            if not self.deterministic and group.size > 1:
+                self.reducer = ShardReducer(self.params, self.flat.offsets, self.flat.grad, self.shard.bounds,
+                                            self.comm)
+        elif not self.deterministic and group.size > 1:
             self.reducer = BucketReducer(self.params, group)
+
+    def _zero_grad(self) -> None:
+        if self.flat is not None:
+            self.flat.zero_grad()  # gradients stay views of the flat vector
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    # -- the whole optimizer state (checkpoints, transfers) -------------------------------------
+    def optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's whole state (``state_dict`` format). Sharded: only while it is held
+        whole (:meth:`gather_optimizer_state` collects it, a collective)."""
+        if self.shard is None:
+            return self.optimizer.state_dict()
+        if self.shard.full is None:
+            raise RuntimeError("the sharded optimizer state is spread over the workers: gather_optimizer_state() "
+                               "(a collective) first")
+        return self.shard.full
+
+    def gather_optimizer_state(self) -> dict[str, Any]:
+        """The whole optimizer state on every member: a collective with the sharded reduction (every
+        member calls it at the same point), a local read otherwise."""
+        if self.shard is None:
+            return self.optimizer.state_dict()
+        assert self.comm is not None and self.group is not None
+        comm, group = self.comm, self.group
+        return self.shard.gather_state(lambda buf, bounds: comm.all_gather(buf, bounds), group.all_reduce)
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        if self.shard is None:
+            self.optimizer.load_state_dict(state)
+        else:
+            self.shard.load_state(state)  # cut into chunks when the next generation forms
+
+    def before_regroup(self) -> None:
+        """A planned membership change follows this step: with the sharded reduction, every member
+        gathers the whole optimizer state now, while the old generation's group still works, so the
+        next generation can cut it again (a leaving member's chunk is not lost)."""
+        if self.shard is not None and self.shard.full is None:
+            self.shard.keep_full(self.gather_optimizer_state())
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state this worker holds now."""
+        if self.shard is not None:
+            return self.shard.state_bytes()
+        return sum(v.numel() * v.element_size() for st in self.optimizer.state.values() for v in st.values()
+                   if isinstance(v, torch.Tensor))
+
+    def _apply(self) -> None:
+        """The update, with the reduced gradient in place."""
+        if self.shard is None:
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        assert self.comm is not None and self.flat is not None
+        self.shard.step()
+        self.comm.all_gather(self.flat.flat, self.shard.bounds)
+        if self.scheduler is not None:
+            self.shard.scheduler_step(self.scheduler)
+        self.flat.zero_grad()
 
     # ------------------------------------------------------------------------------------
     def _forward(self, step: int, vn: int, batch: Any = None, n: int = 0) -> torch.Tensor:
@@ -442,20 +529,18 @@ class VNEngine:
             self._last_compute_s = self._det_compute_s
         elif not self.vns:
             # No VN here: maybe a probe, then zeros into every bucket (finish() launches them all).
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
             t_step = time.perf_counter()
             compute_s, probed = self._idle_compute(step)
             bn_acc = torch.zeros(self.bn.numel, device=self.device) if self.batchnorm == "mean" else None
             stats = self._pack_stats(bad, control, torch.zeros((), device=self.device), bn_acc)
             self.phase = "reduction"
             if self.reducer is not None:
-                self.reducer.arm(extra=stats)
-                self._point("during_reduction")
-                stats = self.reducer.finish()
+                stats = self._reduce_default(stats, arm=True)
             self._last_compute_s = compute_s
             self._note_idle(t_step, probed)
         else:
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
             t_step = time.perf_counter()  # the VNs' data loading counts as their compute
             bn_acc = torch.zeros(self.bn.numel, device=self.device) if self.batchnorm == "mean" else None
             last = len(self.vns) - 1
@@ -479,7 +564,7 @@ class VNEngine:
                     bad[self._vn_ids] = (~torch.isfinite(ws)).to(bad.dtype)
                     stats = self._pack_stats(bad, control, loss, bn_acc)
                     if self.reducer is not None:
-                        self.reducer.arm(extra=stats)
+                        self.reducer.arm(**({} if self.sharded else {"extra": stats}))
                     self.phase = "backward"
                     self._in_last_backward = True
                     if self.slowdown > 1.0:
@@ -493,8 +578,7 @@ class VNEngine:
             self._last_compute_s = time.perf_counter() - t_step
             self.phase = "reduction"
             if self.reducer is not None:
-                self._point("during_reduction")
-                stats = self.reducer.finish()
+                stats = self._reduce_default(stats, arm=False)
         bad_vns = [int(v) for v in torch.nonzero(stats[:V]).flatten().tolist()]
         control_sum = int(round(stats[V].item()))
         offset = V + 1
@@ -516,7 +600,7 @@ class VNEngine:
         if bad_vns:
             if self.bn:
                 self.bn.restore()
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
             self.phase = "idle"
             return StepOutcome(loss_value, bad_vns, control_sum, compute_s)
         # The reduced gradient is held: from here on the step is committed on this worker (see
@@ -527,12 +611,23 @@ class VNEngine:
             self.bn.load_flat(bn_new)
         if not self.vns:
             self.bn.advance_counters()  # as the forward of a VN would have (the others ran one)
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._apply()
         self.phase = "idle"
         return StepOutcome(loss_value, [], control_sum, compute_s)
+
+    def _reduce_default(self, stats: torch.Tensor, *, arm: bool) -> torch.Tensor:
+        """Default mode's reduction after the last backward (``arm``: nothing was armed, as on a
+        worker with no VN); returns the reduced ``stats``."""
+        assert self.reducer is not None and self.group is not None
+        if isinstance(self.reducer, BucketReducer):
+            if arm:
+                self.reducer.arm(extra=stats)
+            self._point("during_reduction")
+            return self.reducer.finish()
+        self._point("during_reduction")
+        self.reducer.finish()  # gradients: reduce-scattered into this worker's chunk
+        self.group.all_reduce(stats)  # the few numbers everyone needs whole
+        return stats
 
     def _step_deterministic(self, step: int, bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-VN vectors [grads | BN stats | weighted loss] summed along the fixed tree."""
@@ -545,7 +640,7 @@ class VNEngine:
         def leaf(vn: int) -> torch.Tensor:
             self._check_broken()
             t_vn = time.perf_counter()
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
             weighted = self._forward(step, vn)
             if vn == last_vn:
                 self.phase = "backward"
@@ -574,7 +669,18 @@ class VNEngine:
             local = {}
             self._det_compute_s, probed = self._idle_compute(step)
         self.phase = "reduction"
-        total = tree_exchange(self.tree, self.group, local, like=None if local else self._leaf_like())
+        like = None if local else self._leaf_like()
+        if self.shard is not None:
+            assert self.flat is not None and self.comm is not None
+            chunk, rest = tree_exchange_sharded(self.tree, self.group, local, like, self.comm, self.shard.bounds,
+                                                self.grad_numel)
+            if not self.vns:
+                self._note_idle(t_step, probed)
+            lo, hi = self.shard.chunk()
+            self.flat.grad[lo:hi].copy_(chunk)
+            bn_mean = rest[: self.bn.numel] / self.plan.virtual_nodes if with_bn else None
+            return rest[-1], bn_mean
+        total = tree_exchange(self.tree, self.group, local, like=like)
         if not self.vns:
             self._note_idle(t_step, probed)
         offset = 0

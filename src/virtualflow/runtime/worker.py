@@ -99,6 +99,8 @@ class WorkerConfig:
     control_plane: bool
     """False (benchmarks only): no heartbeat thread and no per-step control read, so stop,
     resize and hang detection do not work; it measures what the control plane costs."""
+    reduction: str = "allreduce"
+    """How gradients are combined (:class:`~virtualflow.options.LaunchOptions` ``reduction``)."""
     store_timeout_s: float = 600.0
     """Bound on waits for the coordinator (a generation to join; a rendezvous)."""
     heartbeat_interval_s: float = 0.05
@@ -133,10 +135,13 @@ def broadcast_module(module: torch.nn.Module, group: Group, src: int = 0) -> Non
                 offset += n
 
 
-def training_state(job: Job, engine: VNEngine, step: int) -> dict[str, Any]:
+def training_state(job: Job, engine: VNEngine, step: int,
+                   optimizer_state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A checkpoint's contents. ``optimizer_state``: the whole optimizer state when the caller
+    gathered it (the sharded reduction), else the engine's."""
     return {
         "model": {k: v.detach().cpu() for k, v in engine.model.state_dict().items()},
-        "optimizer": engine.optimizer.state_dict(),
+        "optimizer": optimizer_state if optimizer_state is not None else engine.optimizer_state(),
         "lr_scheduler": engine.scheduler.state_dict() if engine.scheduler is not None else None,
         "step": step,
         "job": {
@@ -204,7 +209,7 @@ def _rendezvous(store: dist.Store, cfg: WorkerConfig, generation: int, size: int
 def _full_state(engine: VNEngine, progress: Progress) -> dict[str, Any]:
     return {
         "model": engine.model.state_dict(),
-        "optimizer": engine.optimizer.state_dict(),
+        "optimizer": engine.optimizer_state(),
         "lr_scheduler": engine.scheduler.state_dict() if engine.scheduler is not None else None,
         "step": progress.step,
         "control": progress.control,
@@ -213,7 +218,7 @@ def _full_state(engine: VNEngine, progress: Progress) -> dict[str, Any]:
 
 def _load_full_state(engine: VNEngine, state: dict[str, Any]) -> None:
     engine.model.load_state_dict(state["model"])
-    engine.optimizer.load_state_dict(state["optimizer"])
+    engine.load_optimizer_state(state["optimizer"])
     if engine.scheduler is not None and state.get("lr_scheduler") is not None:
         engine.scheduler.load_state_dict(state["lr_scheduler"])
 
@@ -240,9 +245,10 @@ def checkpoint_path(state_dir: str, step: int) -> str:
     return os.path.join(state_dir, "checkpoints", f"step-{step:08d}.pt")
 
 
-def _save_checkpoint(cfg: WorkerConfig, job: Job, engine: VNEngine, step: int) -> str:
+def _save_checkpoint(cfg: WorkerConfig, job: Job, engine: VNEngine, step: int,
+                     state: dict[str, Any] | None = None) -> str:
     path = checkpoint_path(cfg.state_dir, step)
-    save_state(path, training_state(job, engine, step))
+    save_state(path, state if state is not None else training_state(job, engine, step))
     folder = os.path.dirname(path)
     kept = sorted(f for f in os.listdir(folder) if f.startswith("step-") and f.endswith(".pt"))
     for old in kept[: max(0, len(kept) - cfg.keep_checkpoints)]:
@@ -315,12 +321,16 @@ class Worker:
             self.engine = VNEngine(
                 model, optimizer, scheduler, job.compute_loss, plan, BatchLoader(dataset, job.collate_fn),
                 seed=job.seed, batchnorm=job.batchnorm, deterministic=cfg.deterministic, device=self.device,
+                reduction=cfg.reduction,
             )
         self.engine.slowdown = float(cfg.slowdowns.get(self.id, 1.0))
         self.faults = cfg.fault_plan.for_worker(self.id) if cfg.fault_plan is not None else None
         if self.faults:
             self.engine.install_fault_point(self.faults.point)
         self.pipelined = job.pipeline is not None
+        self.sharded = not self.pipelined and cfg.reduction == "sharded"
+        self.collective_state = self.pipelined or self.sharded
+        """Whether the whole training state is assembled by a collective (every member takes part)."""
         if cfg.resume_path is not None and self.id < cfg.initial_workers:
             state = load_state(cfg.resume_path)
             if self.pipelined:
@@ -332,7 +342,7 @@ class Worker:
             # Generation 0 starts from the job's initial weights: everyone built the same model
             # from the same seed, and rank 0's copy is broadcast anyway (see _form).
             self.progress = Progress(step=0, control=0)
-        elif not self.pipelined:
+        elif not self.collective_state:
             _materialize_optimizer_state(self.engine)
         self.heartbeat = Heartbeat(cfg, self.id, run=self.run_key, rejections=self.rejections)
         if cfg.control_plane:
@@ -361,7 +371,8 @@ class Worker:
         """The training state a checkpoint or the final state holds; ``None`` except on rank 0.
         A collective for a pipelined job (rank 0 gathers the stages), local otherwise."""
         if not self.pipelined:
-            return training_state(self.job, self.engine, step) if group.rank == 0 else None
+            optimizer = self.engine.gather_optimizer_state() if self.sharded else None  # a collective
+            return training_state(self.job, self.engine, step, optimizer) if group.rank == 0 else None
         state = self.engine.gather_state(group)
         if state is None:
             return None
@@ -393,7 +404,9 @@ class Worker:
                 where = self.next_generation(gen)
                 continue
             if record.hold:
-                if self.pipelined:  # a collective: rank 0 gathers the stages
+                if self.sharded:
+                    self.engine.before_regroup()  # the next generation cuts the optimizer state again
+                if self.collective_state:  # rank 0 gathers the stages / the optimizer's chunks
                     state = self._whole_state(group, self.progress.step)
                     if group.rank == 0:
                         path = checkpoint_path(self.cfg.state_dir, self.progress.step)
@@ -427,6 +440,13 @@ class Worker:
         """Rendezvous, build the generation's group, agree on the state, transfer it if needed."""
         cfg, gen = self.cfg, record.generation
         self._transferring = False
+        if self.sharded and self.progress.step >= 0:
+            from virtualflow.runtime.sharded import ShardLost
+
+            try:
+                self.engine.shard.check_held()  # after a failure: ShardLost, naming the way out
+            except ShardLost as exc:
+                raise ShardLost(f"{exc} (this run's directory: {cfg.state_dir})") from None
         t0 = time.perf_counter()
         rank = record.members.index(self.id)
         _rendezvous(self.store, cfg, gen, len(record.members), lambda: self.aborted(gen))
@@ -529,12 +549,14 @@ class Worker:
             self.last_report = report
             if self.pipelined:
                 self._pipeline_boundary(group, step)
+            elif self.sharded:
+                self._sharded_boundary(group, step)
             if rank != 0:
                 self.report.flush()  # what the heartbeat thread refused, if anything
             else:
                 self.report(report)
-                if self.pipelined:
-                    pass  # its checkpoints and evaluations were collectives: _pipeline_boundary
+                if self.collective_state:
+                    pass  # its checkpoints were collectives: _pipeline_boundary / _sharded_boundary
                 elif cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.total_steps:
                     t_ck = time.perf_counter()
                     path = _save_checkpoint(cfg, job, engine, step)
@@ -554,6 +576,7 @@ class Worker:
                 if "stop" in ops:
                     return "stop"
                 if "regroup" in ops:
+                    engine.before_regroup()  # sharded: every member gathers the optimizer state
                     return "regroup"
         return "done"
 
@@ -583,6 +606,18 @@ class Worker:
             _evaluate(self.report, job, self.engine, step)
             self.last_eval_step = step
         self.engine.model = None  # the whole model was rebuilt on rank 0 for this; only pieces stay
+
+    def _sharded_boundary(self, group: Group, step: int) -> None:
+        """A checkpoint with the sharded reduction: every member takes part in gathering the
+        optimizer state; rank 0 writes it."""
+        cfg = self.cfg
+        if not (cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.total_steps):
+            return
+        t_ck = time.perf_counter()
+        state = self._whole_state(group, step)
+        if state is not None:
+            path = _save_checkpoint(cfg, self.job, self.engine, step, state)
+            self.report({"type": "checkpoint", "step": step, "path": path, "save_s": time.perf_counter() - t_ck})
 
     def _command(self, n: int) -> dict[str, Any]:
         """Control command ``n``, verified (by the heartbeat thread, or here)."""
@@ -616,7 +651,9 @@ class Worker:
             if job.evaluate is not None and self.last_eval_step != step:
                 _evaluate(self.report, job, self.engine, step)
             save_state(os.path.join(self.cfg.state_dir, "final.pt"), state)
-        self.report({"type": "done", "step": step, "rank": group.rank, "peak_rss_mib": _peak_rss_mib()})
+        optimizer_bytes = 0 if self.pipelined else self.engine.optimizer_state_bytes()
+        self.report({"type": "done", "step": step, "rank": group.rank, "peak_rss_mib": _peak_rss_mib(),
+                     "optimizer_bytes": optimizer_bytes})
         self.heartbeat.stop()
         if group.pg is not None:
             try:

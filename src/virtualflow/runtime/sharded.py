@@ -1,0 +1,309 @@
+"""The sharded optimizer of the virtual node engine (``reduction="sharded"``, ZeRO stage 1).
+
+With the default reduction every worker all-reduces the whole gradient and applies the whole
+update, holding the whole optimizer state. The sharded reduction splits that all-reduce into its
+two halves and moves the update between them (CoCoNeT's split + reorder rewrite of a
+data-parallel step, see :mod:`virtualflow.plan.comm`):
+
+1. **reduce-scatter** the gradient: worker r of p receives the sum of everyone's gradient for
+   its chunk ``[lo_r, hi_r)`` of the flat parameter vector (:func:`virtualflow.plan.shards.
+   shard_bounds`), in buckets launched as backward finishes them;
+2. **update the chunk**: an optimizer of the user's class and hyperparameters steps views of the
+   chunk, so worker r holds only its chunk's optimizer state (Adam's two moments: memory ÷ p);
+3. **all-gather** the parameters: every worker again holds the whole model before the next
+   forward.
+
+Invariants.
+
+* *Same model.* Adam, AdamW and SGD (with or without momentum) are elementwise: the update of an
+  element depends on that element's gradient and state only, and the CPU kernels give the same
+  bits on a slice as on the whole tensor (measured on torch 2.13 for slices at any offset). So
+  the deterministic engine's sharded run is bit-identical to its all-reduce run, and the default
+  engine's equal within float tolerance (the ring sums in another order). Optimizers whose update
+  is not elementwise (LAMB, LARS, Adafactor, anything with a norm over a tensor) would change the
+  model and are refused (:func:`check_optimizer`).
+* *Parameters live in one flat buffer.* Each trainable parameter's ``.data`` is re-pointed into
+  one flat vector and its ``.grad`` into another, so a bucket or a chunk is a contiguous range;
+  ``model.state_dict()``, ``load_state_dict`` and the user's own optimizer see ordinary tensors.
+* *The user's optimizer stays the source of hyperparameters.* Its ``param_groups`` (which an LR
+  scheduler edits) are copied into the chunk's optimizer before each update; the user's object
+  itself never steps and so holds no state.
+* *The whole state is reassembled only when needed*: for a checkpoint or the final state (an
+  all-gather of each state tensor, :meth:`ShardedOptimizer.gather_state`), and at a planned
+  membership change, where every member gathers it in the old generation and slices it again by
+  the new generation's chunks, so a resize loses no optimizer state. A *failure* loses the failed
+  worker's chunk of the optimizer state (there is one copy of each chunk): the job stops with
+  :class:`ShardLost`, naming the checkpoint to resume from.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+
+from virtualflow.plan.shards import Bounds, shard_bounds
+
+SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+ALIGN = 16
+"""Chunk boundaries fall on multiples of this many elements (a vector width)."""
+
+
+class ShardLost(RuntimeError):
+    """A member holding a chunk of the optimizer state failed; the state cannot be rebuilt in place."""
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:
+    """Raise ``ValueError`` unless ``optimizer`` can be sharded over ``params`` (the model's
+    trainable parameters) without changing the model."""
+    if type(optimizer) not in SUPPORTED:
+        raise ValueError(
+            f"reduction='sharded' updates each worker's slice of the parameters separately, which gives the "
+            f"same model only for optimizers whose update is elementwise: torch.optim.Adam, AdamW and SGD; "
+            f"Job.optimizer built {type(optimizer).__module__}.{type(optimizer).__name__}. Use one of those, "
+            f"or the default reduction='allreduce' (--reduction allreduce)")
+    if any(g.get("fused") for g in optimizer.param_groups):
+        pass  # fused kernels are elementwise too
+    dtypes = sorted({str(p.dtype) for p in params})
+    devices = sorted({str(p.device) for p in params})
+    if len(dtypes) > 1 or len(devices) > 1:
+        raise ValueError(f"reduction='sharded' keeps the trainable parameters in one flat buffer, so they must share "
+                         f"one dtype and device; the model has dtypes {dtypes} on {devices}. Cast the model, or use "
+                         f"reduction='allreduce'")
+    ids = {id(p) for p in params}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if id(p) not in ids:
+                raise ValueError("reduction='sharded': Job.optimizer holds a tensor that is not a trainable parameter "
+                                 "of the model (requires_grad=True); give it model.parameters() (or groups of them)")
+
+
+class FlatParams:
+    """The trainable parameters as views of one flat vector, their gradients of another."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        self.params = list(params)
+        self.offsets: list[int] = []
+        n = 0
+        for p in self.params:
+            self.offsets.append(n)
+            n += p.numel()
+        self.numel = n
+        p0 = self.params[0]
+        self.flat = torch.empty(n, dtype=p0.dtype, device=p0.device)
+        self.grad = torch.zeros(n, dtype=p0.dtype, device=p0.device)
+        with torch.no_grad():
+            for p, o in zip(self.params, self.offsets):
+                self.flat[o : o + p.numel()].copy_(p.detach().reshape(-1))
+                p.data = self.flat[o : o + p.numel()].view_as(p)
+        self.attach_grads()
+
+    def attach_grads(self) -> None:
+        """Point every ``p.grad`` into the flat gradient (autograd then accumulates into it)."""
+        for p, o in zip(self.params, self.offsets):
+            p.grad = self.grad[o : o + p.numel()].view_as(p)
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+        for p, o in zip(self.params, self.offsets):
+            g = p.grad
+            if g is None or g.data_ptr() != self.grad[o:].data_ptr():
+                self.attach_grads()  # someone replaced a .grad (e.g. zero_grad(set_to_none=True))
+                break
+
+    def pieces(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """``(param index, start in param, end in param)`` for each parameter meeting ``[lo, hi)``."""
+        out = []
+        for i, (p, o) in enumerate(zip(self.params, self.offsets)):
+            a, b = max(lo, o), min(hi, o + p.numel())
+            if a < b:
+                out.append((i, a - o, b - o))
+        return out
+
+
+class ShardedOptimizer:
+    """The chunk of the optimizer one worker holds, and the whole state when it must be moved."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, flat: FlatParams) -> None:
+        check_optimizer(optimizer, flat.params)
+        self.user = optimizer
+        self.flat = flat
+        self.index = {id(p): i for i, p in enumerate(flat.params)}
+        self.order = [self.index[id(p)] for g in optimizer.param_groups for p in g["params"]]
+        """Parameter index of each position of the user's ``state_dict`` (its state is keyed so)."""
+        self.bounds: Bounds | None = None
+        self.rank = 0
+        self.local: torch.optim.Optimizer | None = None
+        self.pieces: dict[int, tuple[int, torch.Tensor]] = {}
+        """Parameter index -> (flat offset, view) of this worker's part of it (what ``local`` steps)."""
+        self.full: dict[str, Any] | None = optimizer.state_dict()
+        """The whole optimizer state (the user's optimizer's ``state_dict`` format) while it is held
+        entirely: before the first generation, after a load, after a planned regroup's gather."""
+
+    @property
+    def holds_full(self) -> bool:
+        return self.full is not None
+
+    def chunk(self) -> tuple[int, int]:
+        assert self.bounds is not None, "shard() first"
+        return self.bounds[self.rank]
+
+    # -- layout ---------------------------------------------------------------------------------
+    def check_held(self) -> None:
+        """Raise :class:`ShardLost` unless the whole state is held (it is after a planned
+        regroup's gather, a load or at the start; it is not after a failure)."""
+        if self.full is None:
+            raise ShardLost(
+                "reduction='sharded' keeps one copy of each chunk of the optimizer state, and a member holding one "
+                "failed (or left without handing it over), so the state cannot be rebuilt in place. Resume from "
+                "the last checkpoint (--resume RUN_DIR; keep --checkpoint-every small), or train with "
+                "reduction='allreduce', which recovers from failures in place")
+
+    def shard(self, rank: int, size: int) -> None:
+        """Take chunk ``rank`` of ``size`` out of the whole state held (a new generation)."""
+        self.check_held()
+        self.bounds = shard_bounds(self.flat.numel, size, ALIGN)
+        self.rank = rank
+        lo, hi = self.bounds[rank]
+        self.user.load_state_dict(self.full)  # hyperparameters, and the whole state for a moment
+        self.pieces, groups = {}, []
+        for g in self.user.param_groups:
+            group_pieces = []
+            for p in g["params"]:
+                i = self.index[id(p)]
+                o = self.flat.offsets[i]
+                a, b = max(lo, o), min(hi, o + p.numel())
+                if a < b:
+                    view = self.flat.flat[a:b]
+                    self.pieces[i] = (a, view)
+                    group_pieces.append(view)
+            if group_pieces:
+                groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": group_pieces})
+        self.local = _same_kind(self.user, groups) if groups else None
+        if self.local is not None:
+            for p, st in self.user.state.items():
+                i = self.index[id(p)]
+                if i not in self.pieces:
+                    continue
+                a, view = self.pieces[i]
+                start = a - self.flat.offsets[i]
+                self.local.state[view] = {
+                    k: (v.reshape(-1)[start : start + view.numel()].clone() if _elementwise(v, p) else _copy(v))
+                    for k, v in st.items()
+                }
+        self.user.state.clear()  # the user's optimizer holds no state: memory ÷ p
+        self.full = None
+
+    # -- the update -----------------------------------------------------------------------------
+    def step(self) -> None:
+        """Update this worker's chunk from the reduced gradient in ``flat.grad[lo:hi]``."""
+        if self.local is None:
+            return
+        k = 0
+        for g in self.user.param_groups:
+            if not any(self.index[id(p)] in self.pieces for p in g["params"]):
+                continue
+            for key, value in g.items():  # an LR scheduler edits the user's groups
+                if key != "params":
+                    self.local.param_groups[k][key] = value
+            k += 1
+        for a, view in self.pieces.values():
+            view.grad = self.flat.grad[a : a + view.numel()]
+        self.local.step()
+        for _, view in self.pieces.values():
+            view.grad = None
+
+    @staticmethod
+    def scheduler_step(scheduler: Any) -> None:
+        """``scheduler.step()`` without torch's warning that the user's optimizer never stepped
+        (the chunk's optimizer did, with the user's learning rate)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            scheduler.step()
+
+    # -- moving the whole state -----------------------------------------------------------------
+    def gather_state(self, all_gather: Callable[[torch.Tensor, Bounds], None],
+                     all_reduce: Callable[[torch.Tensor], None]) -> dict[str, Any]:
+        """The whole optimizer state, in the user's optimizer's ``state_dict`` format, on every member.
+
+        ``all_gather(flat, bounds)`` and ``all_reduce(vector)`` are the generation's collectives
+        (in place); every member calls this at the same point. Elementwise state tensors travel
+        as flat vectors cut like the parameters; which parameter has which entry, and scalar
+        entries (Adam's ``step``), come from the member owning the parameter's first element.
+        """
+        if self.full is not None:
+            return self.full
+        flat, n = self.flat.flat, len(self.flat.params)
+        mine = self.local.state if self.local is not None else {}
+        owned = [i for i, (a, _) in self.pieces.items() if a == self.flat.offsets[i]]
+        info = torch.zeros(len(_STATE_KEYS) + 1, n, dtype=torch.float64, device=flat.device)
+        step_dtype = None
+        for i in owned:
+            for key, v in mine.get(self.pieces[i][1], {}).items():
+                if key not in _STATE_KEYS:
+                    raise ValueError(f"reduction='sharded' cannot move optimizer state {key!r} of "
+                                     f"{type(self.user).__name__}")
+                info[_STATE_KEYS.index(key), i] = 1.0
+                if key == "step":
+                    info[-1, i] = float(v)
+                    step_dtype = v.dtype if isinstance(v, torch.Tensor) else None
+        all_reduce(info)
+        if step_dtype is None:
+            step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        state: dict[int, dict[str, Any]] = {i: {} for i in range(n)}
+        for j, key in enumerate(_STATE_KEYS):
+            have = info[j] > 0
+            if not bool(have.any()):
+                continue
+            if key == "step":
+                for i in torch.nonzero(have).flatten().tolist():
+                    state[i]["step"] = torch.tensor(info[-1, i].item(), dtype=step_dtype)
+                continue
+            buf = torch.zeros(self.flat.numel, dtype=flat.dtype, device=flat.device)
+            for i, (a, view) in self.pieces.items():
+                value = mine.get(view, {}).get(key)
+                if value is not None:
+                    buf[a : a + view.numel()].copy_(value.reshape(-1))
+            all_gather(buf, self.bounds)
+            for i in torch.nonzero(have).flatten().tolist():
+                p, o = self.flat.params[i], self.flat.offsets[i]
+                state[i][key] = buf[o : o + p.numel()].view_as(p).clone()
+        groups = self.user.state_dict()["param_groups"]
+        return {"state": {pos: state[i] for pos, i in enumerate(self.order) if state[i]}, "param_groups": groups}
+
+    def load_state(self, state_dict: dict[str, Any]) -> None:
+        """Hold ``state_dict`` (the user's optimizer's format) entirely until the next :meth:`shard`."""
+        self.user.load_state_dict(state_dict)  # validates it and casts as torch does
+        self.full = self.user.state_dict()
+        self.user.state.clear()
+
+    def keep_full(self, state_dict: dict[str, Any]) -> None:
+        """Hold the whole state just gathered (a planned membership change follows)."""
+        self.full = state_dict
+        self.local = None
+        self.pieces = {}
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this worker holds."""
+        held = self.local.state.values() if self.local is not None else []
+        return sum(v.numel() * v.element_size() for st in held for v in st.values() if isinstance(v, torch.Tensor))
+
+
+_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+
+
+def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s class over ``groups`` (each carrying all its hyperparameters),
+    built with the defaults its constructor accepts (AdamW's defaults name one it does not)."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+
+
+def _elementwise(v: Any, p: torch.Tensor) -> bool:
+    return isinstance(v, torch.Tensor) and v.shape == p.shape and p.numel() > 0 and v.dim() > 0
+
+
+def _copy(v: Any) -> Any:
+    return v.clone() if isinstance(v, torch.Tensor) else v
