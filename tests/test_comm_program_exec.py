@@ -91,14 +91,15 @@ def _worker(port: int, world: int, rank: int, out: mp.Queue) -> None:
             else:
                 raise AssertionError(f"{case}: {prog.stages} stages x {p} ranks on a world of {world}")
             inputs = workloads.example_inputs(prog, p, seed=7)
-            res = execute(prog, inputs, group, stage=stage, p2p=p2p)
+            trace: list = []
+            res = execute(prog, inputs, group, stage=stage, p2p=p2p, trace=trace)
             sim = simulate(prog, p, inputs)
             diffs = [n for n, v in res.values.items() if not _same_bits(v, sim.values[n][r])]
             sim_ops = [(rec.op, rec.bytes_sent[rank], rec.messages[rank]) for rec in sim.ledger
                        if rec.bytes_sent[rank] or rec.messages[rank]]
             exec_ops = [(t.op, t.bytes_sent, t.messages) for t in res.ledger if t.bytes_sent or t.messages]
             summary[case] = {"differ": diffs, "sim": sim_ops, "exec": exec_ops,
-                             "names": sorted(res.values), "wait_s": sum(t.wait_s for t in res.ledger)}
+                             "names": sorted(res.values), "trace": trace}
         out.put((rank, summary, None))
     except BaseException:  # noqa: BLE001 - report to the test process
         out.put((rank, summary, traceback.format_exc()))
@@ -154,6 +155,12 @@ def test_executor_equals_simulator_on_2_ranks():
         s = results[rank]["dp_adam:split,reorder,fuse"]
         assert sum(b for _, b, _ in s["exec"]) == 2 * (n // 2) * 4
         assert [m for _, _, m in s["exec"]] == [1, 1]  # one bucket each way, p-1 = 1 message
+    # The overlapped MLP: chunk 0's reduce-scatter is issued, chunk 1's matmul runs while it is in
+    # flight, and it is waited on only where the concatenation reads it.
+    trace = results[0]["tp_mlp:split,reorder,fuse,overlap"]["trace"]
+    assert trace.index(("issue", "y_sum_slice_c0")) < trace.index(("run", "z_c1")) < \
+        trace.index(("issue", "y_sum_slice_c1")) < trace.index(("wait", "y_sum_slice_c0")) < \
+        trace.index(("run", "y_sum_slice"))
 
 
 @pytest.mark.slow

@@ -94,7 +94,7 @@ class _Pending:
 
 def execute(prog: Program, inputs: Mapping[str, object], group: Group, *, stage: int = 0,
             p2p: Group | None = None, collectives: Collectives | None = None,
-            compile_fused: bool = False) -> ExecResult:
+            compile_fused: bool = False, trace: list | None = None) -> ExecResult:
     """Run ``prog`` as rank ``group.rank`` of stage ``stage``.
 
     ``inputs``: each declared tensor of this stage by its global value (as for the simulator; a
@@ -102,8 +102,11 @@ def execute(prog: Program, inputs: Mapping[str, object], group: Group, *, stage:
     ``group``: this stage's group (``p`` ranks). ``p2p``: a group of all ``stages * p`` ranks
     (needed when the program sends). ``collectives``: reuse one (its ledger keeps growing);
     default: a fresh one, closed at the end. ``compile_fused``: run fused nodes through
-    ``torch.compile`` (see :mod:`virtualflow.plan.comm.kernels`).
+    ``torch.compile`` (see :mod:`virtualflow.plan.comm.kernels`). ``trace``: a list to which
+    ``("issue", name)``, ``("wait", name)`` and ``("run", name)`` events are appended in the order
+    they happen (a test of the overlap's asynchrony).
     """
+    events = trace
     p, r = group.size, group.rank
     if prog.stages > 1 and p2p is None:
         raise ValueError(f"execute: program {prog.name} has {prog.stages} stages; pass p2p=, a group of all "
@@ -130,6 +133,8 @@ def execute(prog: Program, inputs: Mapping[str, object], group: Group, *, stage:
         if not isinstance(a, str):
             return a
         if a in pending:
+            if events is not None:
+                events.append(("wait", a))
             env.update(pending.pop(a).wait())
         return env[a]
 
@@ -154,6 +159,8 @@ def execute(prog: Program, inputs: Mapping[str, object], group: Group, *, stage:
                 else:
                     outs = run_local(op, args, p, r)
                 env.update(zip(op.outs, outs))
+                if events is not None:
+                    events.append(("run", op.out))
                 continue
             traffic = OpTraffic(op.label(), k, _t0=time.perf_counter())
             ledger.append(traffic)
@@ -174,6 +181,8 @@ def execute(prog: Program, inputs: Mapping[str, object], group: Group, *, stage:
             traffic._entries = coll.ledger.entries[n0:]
             for name in op.outs:
                 pending[name] = pend
+            if events is not None:
+                events.append(("issue", op.out))
         for name in list(pending):
             if name in pending:
                 env.update(pending.pop(name).wait())
