@@ -45,6 +45,9 @@ def _cases(world: int) -> list[tuple[str, object, str, int]]:
             for k in range(len(chain) + 1):
                 cases.append((f"{name}:{','.join(chain[:k])}", workloads.WORKLOADS[name], ",".join(chain[:k]), 2))
         cases.append(("tp_mlp:overlap-rows", workloads.tp_mlp, "overlap", 2))  # chunks of rows + all_reduce
+        # Uneven pieces: 7 rows and a 9-wide hidden layer on 2 ranks; a 1-element bias (an empty chunk).
+        cases.append(("tp_mlp-odd", lambda: workloads.tp_mlp(seq=7, hidden=6, ffn=9), "split,reorder,fuse,overlap", 2))
+        cases.append(("dp_adam-odd", lambda: workloads.dp_adam(((5, 3), (1,))), "split,reorder,fuse", 2))
         return cases
     chain = workloads.DEFAULT_REWRITES["pipeline_boundary"]
     cases = [(f"pipeline_boundary:{','.join(chain[:k])}", workloads.pipeline_boundary, ",".join(chain[:k]), 2)
@@ -59,6 +62,22 @@ def _cases(world: int) -> list[tuple[str, object, str, int]]:
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
         a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+
+
+def test_executor_on_one_rank_equals_the_simulator():
+    # A group of one (no process group): every collective is the identity and sends nothing.
+    from virtualflow.comm.groups import Group
+    from virtualflow.comm.program import execute
+    from virtualflow.plan.comm.simulate import simulate
+
+    for name in ("dp_adam", "tp_mlp"):
+        prog = rewrites.apply(workloads.WORKLOADS[name](), workloads.DEFAULT_REWRITES[name])
+        inputs = workloads.example_inputs(prog, 1, seed=3)
+        res = execute(prog, inputs, Group(0, 0, 1, None))
+        sim = simulate(prog, 1, inputs)
+        for n, v in res.values.items():
+            assert _same_bits(v, sim.values[n][0]), f"{name}: {n}"
+        assert res.bytes_sent() == 0 and sim.bytes_per_rank() == [0]
 
 
 def _worker(port: int, world: int, rank: int, out: mp.Queue) -> None:
