@@ -120,6 +120,34 @@ def test_every_rewrite_is_close_when_chunks_do_not_align(name):
             torch.testing.assert_close(res[k], v, rtol=1e-6, atol=1e-6, msg=lambda m, k=k, rw=rw: f"{rw} {k}: {m}")
 
 
+def test_clipped_adam_moves_the_norm_onto_slices():
+    # The gradient norm of a split all-reduce becomes the slices' partial sums of squares and one
+    # bucketed scalar all-reduce, so nothing but the weights is all-gathered. The partial sums
+    # change the order of the norm's additions: tolerance 1e-6 relative.
+    p = 4
+    prog = dp_adam(((64, 8), (8,)), clip=0.5)
+    inp = example_inputs(prog, p, seed=2)
+    base = simulate(prog, p, inp)
+    after = apply(prog, "split,reorder,fuse")
+    kinds = [op.kind for op in after.ops]
+    assert kinds[:4] == ["reduce_scatter", "sum_sq", "sum_sq", "all_reduce"] and kinds.count("all_gather") == 1
+    res = simulate(after, p, inp)
+    for k, v in base.results().items():
+        torch.testing.assert_close(res.view(k), v, rtol=1e-6, atol=1e-7)
+    assert [r.bytes_sent for r in res.ledger] == [r.bytes_sent for r in comm_ledger(after, p)]
+    # against torch: clip_grad_norm_ then Adam
+    ws = [torch.nn.Parameter(inp[f"w{i}"].clone()) for i in range(2)]
+    for i, w in enumerate(ws):
+        w.grad = sum(inp[f"grad{i}"])
+    torch.nn.utils.clip_grad_norm_(ws, 0.5)
+    opt = torch.optim.Adam(ws, lr=1e-3)
+    for i, w in enumerate(ws):
+        opt.state[w] = {"step": torch.tensor(0.0), "exp_avg": inp[f"m{i}"].clone(), "exp_avg_sq": inp[f"v{i}"].clone()}
+    opt.step()
+    for i, w in enumerate(ws):
+        torch.testing.assert_close(res.view(f"w{i}"), w.detach(), rtol=1e-5, atol=1e-6)
+
+
 def ring_bytes(n_elems: int, p: int) -> int:
     """(p-1)/p of the data, for sizes p divides."""
     assert n_elems % p == 0

@@ -48,6 +48,7 @@ def _cases(world: int) -> list[tuple[str, object, str, int]]:
         # Uneven pieces: 7 rows and a 9-wide hidden layer on 2 ranks; a 1-element bias (an empty chunk).
         cases.append(("tp_mlp-odd", lambda: workloads.tp_mlp(seq=7, hidden=6, ffn=9), "split,reorder,fuse,overlap", 2))
         cases.append(("dp_adam-odd", lambda: workloads.dp_adam(((5, 3), (1,))), "split,reorder,fuse", 2))
+        cases.append(("dp_adam-clip", lambda: workloads.dp_adam(clip=0.5), "split,reorder,fuse", 2))
         return cases
     chain = workloads.DEFAULT_REWRITES["pipeline_boundary"]
     cases = [(f"pipeline_boundary:{','.join(chain[:k])}", workloads.pipeline_boundary, ",".join(chain[:k]), 2)

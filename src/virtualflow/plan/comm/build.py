@@ -130,6 +130,12 @@ class Builder:
     def sub(self, a: Operand, b: Operand, name: str | None = None) -> Value: return self._pw("sub", a, b, name=name)
     def mul(self, a: Operand, b: Operand, name: str | None = None) -> Value: return self._pw("mul", a, b, name=name)
     def div(self, a: Operand, b: Operand, name: str | None = None) -> Value: return self._pw("div", a, b, name=name)
+    def maximum(self, a: Operand, b: Operand, name: str | None = None) -> Value:
+        return self._pw("maximum", a, b, name=name)
+
+    def minimum(self, a: Operand, b: Operand, name: str | None = None) -> Value:
+        return self._pw("minimum", a, b, name=name)
+
     def sqrt(self, a: Operand, name: str | None = None) -> Value: return self._pw("sqrt", a, name=name)
     def neg(self, a: Operand, name: str | None = None) -> Value: return self._pw("neg", a, name=name)
     def gelu(self, a: Operand, name: str | None = None) -> Value: return self._pw("gelu", a, name=name)

@@ -70,7 +70,8 @@ Layout = Union[Local, Replicated, Sliced]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 POINTWISE = {  # name -> number of operands (tensor or scalar)
-    "add": 2, "sub": 2, "mul": 2, "div": 2, "sqrt": 1, "neg": 1, "gelu": 1, "relu": 1, "dropout": 2,
+    "add": 2, "sub": 2, "mul": 2, "div": 2, "maximum": 2, "minimum": 2, "sqrt": 1, "neg": 1, "gelu": 1,
+    "relu": 1, "dropout": 2,
 }
 LOCAL_KINDS = ("pointwise", "matmul", "sum_sq", "slice", "narrow", "concat", "fused")
 """Ops that need no communication."""

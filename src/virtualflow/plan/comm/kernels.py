@@ -38,6 +38,13 @@ def pointwise(fn: str, args: Sequence, attrs: dict) -> torch.Tensor:
         return args[0] * args[1]
     if fn == "div":
         return args[0] / args[1]
+    if fn in ("maximum", "minimum"):
+        a, b = args
+        if not isinstance(a, torch.Tensor):
+            a, b = b, a  # both are symmetric
+        if not isinstance(b, torch.Tensor):
+            return torch.clamp(a, min=b) if fn == "maximum" else torch.clamp(a, max=b)
+        return torch.maximum(a, b) if fn == "maximum" else torch.minimum(a, b)
     if fn == "sqrt":
         return torch.sqrt(args[0])
     if fn == "neg":

@@ -8,7 +8,8 @@ states) keep their meaning; new tensors get fresh names derived from the ones th
 * :func:`split`: ``all_reduce`` -> ``reduce_scatter`` + ``all_gather`` (same bytes, two halves).
 * :func:`reorder`: pointwise ops and updates that consume an all-gather's output run on the
   slices before it; replicated operands are sliced locally; a *shardable* state updated from a
-  slice is stored sliced (memory / p); values still needed whole are all-gathered where first used.
+  slice is stored sliced (memory / p); a sum of squares becomes the slices' partial sums and a
+  scalar all-reduce; values still needed whole are all-gathered where first used.
 * :func:`fuse`: independent collectives of one kind, stage and dtype -> one bucketed collective
   on their concatenation (ops that depend on them wait after it); runs of consecutive pointwise
   ops -> one ``fused`` node (intermediates never materialised as program tensors).
@@ -124,10 +125,14 @@ def reorder(prog: Program, name: str | None = None) -> Program:
     info = prog.info
     dim_of: dict[str, int] = {name: op.attrs["dims"][0]}  # full name -> its sliced dim (moved values)
     moved: set[int] = set()
+    norms: set[int] = set()  # sums of squares of a moved value: partial sums + a scalar all_reduce
     need_slice: dict[tuple[int, str], int] = {}
     # Pass 1: which pointwise ops can run on slices.
     for j in range(at + 1, len(prog.ops)):
         o = prog.ops[j]
+        if o.kind == "sum_sq" and o.args[0] in dim_of:
+            norms.add(j)
+            continue
         if o.kind != "pointwise" or not any(a in dim_of for a in o.tensor_args):
             continue
         out = info[o.out].shape
@@ -174,7 +179,7 @@ def reorder(prog: Program, name: str | None = None) -> Program:
             jd = d - (n - len(info[a].shape))
             if jd >= 0 and info[a].shape[jd] != 1:
                 need_slice[(j, a)] = jd
-    if not moved:
+    if not moved and not norms:
         raise _NothingToMove(f"reorder({name}): no pointwise op consumes {name} with Replicated operands only "
                              f"(consumers: {[c.label() for c in prog.consumers(name)]}); nothing to move before "
                              f"the all_gather")
@@ -222,6 +227,10 @@ def reorder(prog: Program, name: str | None = None) -> Program:
                     args.append(a)
             sl_name[o.out] = fresh(f"{o.out}_s")
             ops.append(Op(o.kind, (sl_name[o.out],), tuple(args), dict(o.attrs)))
+        elif j in norms:
+            part = fresh(f"{o.out}_part")
+            ops.append(Op("sum_sq", (part,), (sl_name[o.args[0]],), {}))
+            ops.append(Op("all_reduce", (o.out,), (part,), {}))
         elif o.kind == "update" and o.args[0] in sharded:
             ops.append(Op("update", (), (o.args[0], sl_name[o.args[1]]), {}))
         else:

@@ -23,12 +23,20 @@ from virtualflow.plan.comm.ir import Local, Program, Replicated, Sliced
 
 
 def dp_adam(shapes: tuple[tuple[int, ...], ...] = ((64, 8), (8,)), *, lr: float = 1e-3, beta1: float = 0.9,
-            beta2: float = 0.999, eps: float = 1e-8, step: int = 1) -> Program:
-    """A data-parallel Adam step over parameters of ``shapes`` (one all-reduce each)."""
+            beta2: float = 0.999, eps: float = 1e-8, step: int = 1, clip: float | None = None) -> Program:
+    """A data-parallel Adam step over parameters of ``shapes`` (one all-reduce each); ``clip``:
+    scale the gradients by ``clip / max(norm, clip)`` first (``norm``: their global L2 norm)."""
     b = Builder("dp_adam")
     c1, c2 = 1.0 / (1.0 - beta1 ** step), 1.0 / (1.0 - beta2 ** step)
     grads = [b.input(f"grad{i}", shape, Local()) for i, shape in enumerate(shapes)]
     gs = [b.all_reduce(grad, name=f"g{i}") for i, grad in enumerate(grads)]  # all gradients are ready
+    if clip is not None:
+        sq = [b.sum_sq(g, name=f"sq{i}") for i, g in enumerate(gs)]
+        total = sq[0]
+        for x in sq[1:]:
+            total = total + x
+        scale = clip / b.maximum(b.sqrt(total, name="norm"), clip)
+        gs = [b.mul(g, scale, name=f"g{i}_clipped") for i, g in enumerate(gs)]
     for i, (shape, g) in enumerate(zip(shapes, gs)):
         w = b.state(f"w{i}", shape, Replicated())
         m = b.state(f"m{i}", shape, Replicated(), shardable=True)  # optimizer state: only this program reads it
