@@ -148,6 +148,18 @@ def test_clipped_adam_moves_the_norm_onto_slices():
         torch.testing.assert_close(res.view(f"w{i}"), w.detach(), rtol=1e-5, atol=1e-6)
 
 
+def test_split_along_the_hidden_dim():
+    # reduce_scatter / all_gather along dim 1: the bias (hidden,) is sliced along its dim 0, the
+    # mask and the residual along dim 1. Elements change ring chunks (columns, not rows): 1e-6.
+    prog = reorder(split(tp_mlp(), "y_sum", dim=1))
+    assert str(prog.layout("y_s")) == "Sliced(1)" and str(prog.layout("b2_slice")) == "Sliced(0)"
+    p = 4
+    inp = example_inputs(prog, p, seed=6)
+    torch.testing.assert_close(simulate(prog, p, inp).view("y"), simulate(tp_mlp(), p, inp).view("y"),
+                               rtol=1e-6, atol=1e-6)
+    assert totals(comm_ledger(prog, p))[0] == [2 * ring_bytes(8 * 16, p)] * p
+
+
 def ring_bytes(n_elems: int, p: int) -> int:
     """(p-1)/p of the data, for sizes p divides."""
     assert n_elems % p == 0

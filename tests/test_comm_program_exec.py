@@ -49,6 +49,9 @@ def _cases(world: int) -> list[tuple[str, object, str, int]]:
         cases.append(("tp_mlp-odd", lambda: workloads.tp_mlp(seq=7, hidden=6, ffn=9), "split,reorder,fuse,overlap", 2))
         cases.append(("dp_adam-odd", lambda: workloads.dp_adam(((5, 3), (1,))), "split,reorder,fuse", 2))
         cases.append(("dp_adam-clip", lambda: workloads.dp_adam(clip=0.5), "split,reorder,fuse", 2))
+        # Collectives along dim 1 (the hidden dim): pieces made contiguous in chunk order.
+        cases.append(("tp_mlp:split-dim1", lambda: rewrites.reorder(rewrites.split(workloads.tp_mlp(), "y_sum", dim=1)),
+                      "fuse", 2))
         return cases
     chain = workloads.DEFAULT_REWRITES["pipeline_boundary"]
     cases = [(f"pipeline_boundary:{','.join(chain[:k])}", workloads.pipeline_boundary, ",".join(chain[:k]), 2)
