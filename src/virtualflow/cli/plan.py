@@ -162,7 +162,7 @@ def main(args: argparse.Namespace) -> int:
         }, indent=2))
         return 0
 
-    p, m = pipeline.stages, chosen["micro_batches"]
+    m = chosen["micro_batches"]
     lines = [
         f"job {job.name!r} ({args.job}): {len(profile.layers)} layers; global batch {job.global_batch_size} = "
         f"{job.virtual_nodes} virtual nodes x {profile.micro_batch_size}; profiled on {profile.device} in "
