@@ -49,16 +49,20 @@ weight shards get exactly the slices of the single-worker block's gradients
 **Dropout rule** (so that ``t`` ranks and the single worker draw the same mask): the keep-mask of
 the ``[T, h]`` output is cut into blocks of :data:`DROPOUT_BLOCK_ROWS` token rows; block ``b`` is
 ``torch.rand(DROPOUT_BLOCK_ROWS, h) >= p`` from a CPU generator seeded with
-``splitmix64((seed mod 2**32) << 32 | b) mod 2**32`` (:func:`dropout_keep`; torch's CPU generator
-keeps only the low 32 bits of a seed, so seed and block are mixed first). A rank draws only the blocks that meet its
-rows (its share plus at most two partial blocks per chunk), so the mask of a token does not depend
-on ``t`` or ``k``. ``seed`` is the forward's ``dropout_seed`` or, when not given, the module's
-``seed`` plus the number of training forwards it ran before (every rank runs the same number).
+``splitmix64((seed mod 2**32) << 32 | b) mod 2**32`` (:func:`dropout_keep`; torch's CPU
+generator keeps only the low 32 bits of a seed, so seed and block are mixed first). A rank draws
+only the blocks that meet its rows (its share plus at most two partial blocks per chunk), so the
+mask of a token depends on neither ``t`` nor ``k``. ``seed`` is the forward's ``dropout_seed`` or,
+when not given, the module's ``seed`` plus the number of training forwards it ran before (every
+rank runs the same number). The single-worker blocks draw the whole mask by the same rule.
 
-**Bytes per rank** (ring collectives, ``e`` bytes per element, even chunks): forward: reduce-scatter
-``(t-1)/t T h e`` + all-gather ``(t-1)/t T h e``; backward: all-gather ``(t-1)/t T h e`` +
-all-reduce ``2 (t-1)/t T h e`` (only when the input needs a gradient). Chunking does not change the
-bytes, only the number of messages (``k`` times as many).
+**Bytes per rank** (ring collectives, ``e`` bytes per element, even chunks): forward:
+reduce-scatter ``(t-1)/t T h e`` + all-gather ``(t-1)/t T h e``; backward: all-gather
+``(t-1)/t T h e`` + all-reduce ``2 (t-1)/t T h e`` of the input gradient (only when the input needs
+one; MLP: one per chunk, attention: one for the qkv projection). Chunking changes only the number
+of collectives (``k`` times as many), not the bytes. Saved for backward per rank: the input, fc1's
+pre-activation and activation ``[T, f/t]`` (MLP), and the keep-mask of the owned rows (bool,
+``[T/t, h]``).
 
 Invariants: every rank calls the same blocks in the same order with the same shapes (the
 collectives run in issue order, see ``comm/ring.py``); ``t`` <= the MLP width and <= the number
