@@ -453,24 +453,24 @@ def steady(times: list[float], warmup: int) -> float:
 
 
 def measure_step(args) -> dict:
+    """Interleaved (all-reduce, sharded) pairs, order swapped every pair; a pair during which other
+    processes used more than ``--max-other-cores`` is repeated (``--retries`` times at most)."""
     out: dict = {"emulation": {}, "torch": {}, "virtualflow": {}, "vf_has_sharded": vf_has_sharded()}
-    pairs = []
-    for rep in range(args.step_reps):
-        row = {}
-        for mode in H.pair_order(rep, "allreduce", "sharded"):
-            row[mode] = measure_step_variant(mode, args.steps)
-        pairs.append(row)
-    out["emulation"]["pairs"] = pairs
-    for mode in ("ddp", "zero", "fsdp2"):
-        out["torch"][mode] = measure_step_variant(mode, args.steps)
+    kw = dict(max_other_cores=args.max_other_cores, retries=args.retries, quiet_wait_s=args.quiet_wait)
+    out["emulation"]["pairs"] = [
+        H.run_pair({m: (lambda m=m: measure_step_variant(m, args.steps)) for m in ("allreduce", "sharded")},
+                   H.pair_order(rep, "allreduce", "sharded"), label=f"emulation pair {rep}", **kw)
+        for rep in range(args.step_reps)]
     if out["vf_has_sharded"]:
-        vf_pairs = []
-        for rep in range(args.step_reps):
-            row = {}
-            for red in H.pair_order(rep, "allreduce", "sharded"):
-                row[red] = measure_vf(red, args.vf_steps)
-            vf_pairs.append(row)
-        out["virtualflow"]["pairs"] = vf_pairs
+        out["virtualflow"]["pairs"] = [
+            H.run_pair({red: (lambda red=red: measure_vf(red, args.vf_steps)) for red in ("allreduce", "sharded")},
+                       H.pair_order(rep, "allreduce", "sharded"), label=f"virtualflow pair {rep}", **kw)
+            for rep in range(args.step_reps)]
+    for mode in ("ddp", "zero", "fsdp2"):
+        H.wait_for_quiet(args.quiet_wait)
+        with H.LoadMeter() as meter:
+            out["torch"][mode] = measure_step_variant(mode, args.steps)
+        out["torch"][mode]["other_load_cores"] = meter.other_cores
     return out
 
 
@@ -495,6 +495,7 @@ def summarize_step(m: dict, warmup: int, targets: H.Targets | None) -> dict:
             }
         s["emulation"] = {
             "step_ratio": H.median(ratios), "per_pair_ratios": ratios, "rows": rows,
+            "pair_other_load_cores": [max(r[k].get("other_load_cores", float("nan")) for k in r) for r in em],
             "same_model": em[0]["allreduce"]["param_head"] is not None and max(
                 abs(a - b) for a, b in zip(em[0]["allreduce"]["param_head"], em[0]["sharded"]["param_head"])),
             "checksums": [em[0]["allreduce"]["checksum"], em[0]["sharded"]["checksum"]],
@@ -519,6 +520,7 @@ def summarize_step(m: dict, warmup: int, targets: H.Targets | None) -> dict:
                          for r in vf_pairs]
             s["virtualflow"] = {
                 "step_ratio": H.median(vf_ratios), "per_pair_ratios": vf_ratios,
+                "pair_other_load_cores": [max(r[k].get("other_load_cores", float("nan")) for k in r) for r in vf_pairs],
                 "rows": {red: {"step_s": H.median([steady(r[red]["step_times"], warmup) for r in vf_pairs]),
                                "peak_rss_mib": [H.median([r[red]["peak_rss_mib"][k] for r in vf_pairs])
                                                 for k in range(WORLD)],
@@ -613,15 +615,15 @@ def step_table(s: dict) -> tuple[list[str], list[list]]:
                         ("sharded", "emulation: ring RS + Adam on slice + ring AG")):
         r = em.get("rows", {}).get(mode)
         if r:
-            rows.append([label, _ms(r["step_s"]), f"{r['step_s'] / base:.3f}",
+            rows.append([label, _ms(r["step_s"]), f"{em['step_ratio'] if mode == 'sharded' else 1.0:.3f}",
                          ", ".join(f"{v:.0f}" for v in r["vmhwm_mib"]), ", ".join(mib(b) for b in r["opt_state_bytes"]),
                          ""])
     vf_rows = s.get("virtualflow", {}).get("rows", {})
-    vbase = vf_rows.get("allreduce", {}).get("step_s")
     for red in ("allreduce", "sharded"):
         r = vf_rows.get(red)
         if r:
-            rows.append([f"virtualflow.train reduction={red!r}", _ms(r["step_s"]), f"{r['step_s'] / vbase:.3f}",
+            ratio = s["virtualflow"]["step_ratio"] if red == "sharded" else 1.0
+            rows.append([f"virtualflow.train reduction={red!r}", _ms(r["step_s"]), f"{ratio:.3f}",
                          ", ".join(f"{v:.0f}" for v in r["peak_rss_mib"]),
                          ", ".join(mib(b) if b else "?" for b in r["optimizer_bytes"]),
                          f"{r['training_vmhwm_rank0_mib']:.0f}"])
@@ -657,8 +659,11 @@ def markdown(run: H.Run, args, c: dict | None, s: dict | None, load: dict) -> st
         parts += ["## (2) Sharded data-parallel step",
                   f"Workload: MLP {'-'.join(map(str, WIDTHS))} ReLU ({s['params'] / 1e6:.1f} M params), Adam lr={LR}, "
                   f"global batch {GLOBAL_BATCH} (half per process), 2 processes x 1 thread; {args.steps} steps per run "
-                  f"({args.warmup_steps} warm-up), {args.step_reps} interleaved pairs; step time = the slower rank's, "
-                  f"median. Full Adam state = 2 x params x 4 B = {s['full_adam_state_bytes'] / 2**20:.0f} MiB.",
+                  f"({args.warmup_steps} warm-up), {args.step_reps} interleaved pairs (a pair during which other processes "
+                  f"used more than {args.max_other_cores} cores is measured again, {args.retries} time(s) at most); "
+                  f"a step's time = the slower rank's (virtualflow: `Result.history`'s `step_time_s`); `step ms` = median over "
+                  f"the pairs of each run's median; `vs all-reduce` = the median of the pairs' ratios (sharded rows; "
+                  f"the target), torch rows: their median / the emulated all-reduce's. Full Adam state = 2 x params x 4 B = {s['full_adam_state_bytes'] / 2**20:.0f} MiB.",
                   "",
                   f"Targets read from: **{s['targets_from']}**"
                   + ("" if s["targets_from"] == "virtualflow" else
@@ -666,11 +671,13 @@ def markdown(run: H.Run, args, c: dict | None, s: dict | None, load: dict) -> st
                      "sharded step stands in for it)") + ".", "",
                   H.md_table(h, rows), ""]
         if "step_ratio" in em:
-            parts.append(f"Emulation: per-pair ratios {', '.join(f'{x:.3f}' for x in em['per_pair_ratios'])}; "
+            parts.append(f"Emulation: per-pair ratios {', '.join(f'{x:.3f}' for x in em['per_pair_ratios'])} (other "
+                         f"load {', '.join(f'{x:.2f}' for x in em['pair_other_load_cores'])} cores); "
                          f"first 8 parameters differ by at most {em['same_model']:.1e} between the two (same model).")
         if "step_ratio" in s.get("virtualflow", {}):
             v = s["virtualflow"]
-            parts.append(f"virtualflow.train: per-pair ratios {', '.join(f'{x:.3f}' for x in v['per_pair_ratios'])}; "
+            parts.append(f"virtualflow.train: per-pair ratios {', '.join(f'{x:.3f}' for x in v['per_pair_ratios'])} "
+                         f"(other load {', '.join(f'{x:.2f}' for x in v['pair_other_load_cores'])} cores); "
                          f"final state checksums {v['checksums'][0]:.6f} (allreduce), {v['checksums'][1]:.6f} (sharded).")
         elif "error" in s.get("virtualflow", {}):
             parts.append(f"virtualflow.train failed: {s['virtualflow']['error']}")
@@ -697,14 +704,17 @@ def markdown(run: H.Run, args, c: dict | None, s: dict | None, load: dict) -> st
 
 
 def parse_args(argv: list[str] | None):
-    p = H.parser(__doc__, reps=9, reps_help="timed repetitions per collective and size")
+    p = H.parser(__doc__, reps=9, reps_help="timed repetitions per collective and size", quiet_wait=60.0)
     p.add_argument("--warmup", type=int, default=2, help="untimed repetitions per collective and size")
     p.add_argument("--sizes", type=lambda t: [float(x) for x in t.split(",")], default=[10, 30, 100],
                    help="vector sizes in millions of float32 (comma-separated)")
     p.add_argument("--steps", type=int, default=24, help="steps per plain-torch run")
     p.add_argument("--vf-steps", type=int, default=24, help="steps per virtualflow.train run")
     p.add_argument("--warmup-steps", type=int, default=4, help="steps left out of the medians")
-    p.add_argument("--step-reps", type=int, default=2, help="interleaved pairs of (all-reduce, sharded) runs")
+    p.add_argument("--step-reps", type=int, default=3, help="interleaved pairs of (all-reduce, sharded) runs")
+    p.add_argument("--max-other-cores", type=float, default=0.3,
+                   help="repeat a part-2 pair when other processes used more CPU cores than this during it")
+    p.add_argument("--retries", type=int, default=1, help="repetitions of a part-2 pair measured on a busy machine")
     p.add_argument("--parts", default="1,2", help="which parts to run (1, 2 or 1,2)")
     p.add_argument("--child-collectives", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-step", default=None, help=argparse.SUPPRESS)
@@ -712,7 +722,7 @@ def parse_args(argv: list[str] | None):
     if args.quick:
         args.reps, args.warmup, args.sizes = 3, 1, [10, 30]
         args.steps = args.vf_steps = 12
-        args.warmup_steps, args.step_reps = 3, 1
+        args.warmup_steps, args.step_reps, args.retries, args.quiet_wait = 3, 1, 0, min(args.quiet_wait, 10.0)
     return args
 
 
@@ -734,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
     load: dict[str, float] = {}
     c = s = None
     if "1" in parts:
-        H.wait_for_quiet(20.0)
+        H.wait_for_quiet(args.quiet_wait)
         with H.LoadMeter() as meter:
             c = measure_collectives(args)
         load["part 1"] = meter.other_cores
@@ -743,7 +753,6 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print(H.text_table(*collectives_table(c)))
     if "2" in parts:
-        H.wait_for_quiet(20.0)
         with H.LoadMeter() as meter:
             m = measure_step(args)
         load["part 2"] = meter.other_cores
