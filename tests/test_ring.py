@@ -246,7 +246,13 @@ def _check_async(rank: int, p: int, group: Group) -> None:
     # the reduce-scatter's wall time is its p-1 link delays; the caller was blocked for little of it
     assert rs.wall_s >= link_s * (p - 1) * 0.9
     assert rs.wait_s < link_s, f"exposed wait {rs.wait_s:.3f} s: no overlap with the compute"
+    # close() finishes what is queued, then stops the thread; later ops are refused
+    hc = c.all_gather(b, bounds, async_op=True)
     c.close()
+    assert hc.done() and not c._thread.is_alive()
+    hc.wait()
+    with pytest.raises(RuntimeError, match="closed"):
+        c.reduce_scatter(a, bounds)
 
 
 def _rank_main(rank: int, p: int, port: int, what: str, errors) -> None:

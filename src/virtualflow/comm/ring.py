@@ -195,7 +195,8 @@ def _tag(seq: int, step: int, segment: int) -> int:
 
 
 class Handle:
-    """One issued collective. ``wait()`` blocks until it is done (its result is in ``flat``)."""
+    """One issued collective. ``wait()`` blocks until it is done (its result is in ``flat``).
+    The caller must leave ``flat`` alone (neither read nor write it) until then."""
 
     def __init__(self, entry: LedgerEntry, generation: int, t_launch: float,
                  native: tuple[object, Callable[[], None] | None] | None = None) -> None:
@@ -217,11 +218,15 @@ class Handle:
         self._event.set()
 
     def done(self) -> bool:
+        """The collective has finished (no wait would block). Read ``flat`` only after
+        :meth:`wait`: a native op over uneven chunks copies its result back there."""
         if self._native is not None:
             return self._event.is_set() or bool(self._native[0].is_completed())
         return self._event.is_set()
 
     def wait(self) -> None:
+        """Block until done; raise :class:`PeerFailure` if the collective failed. The time
+        blocked here is added to the ledger entry's ``wait_s``."""
         t0 = time.perf_counter()
         try:
             if self._native is not None:
