@@ -14,7 +14,8 @@ than the single worker's matmul; nothing else differs); float32 ``atol = 1e-5, r
 fc2/out bias gradient is bit-identical (it is summed locally from the all-gathered gradient). Each
 rank's ledger must equal the ring formulas (``comm.ring.ring_traffic``) of the collectives the
 block issues: forward k reduce-scatters + k all-gathers, backward k all-gathers + the input
-gradient's all-reduce(s).
+gradient's all-reduce(s). The unfused differentiable collectives (``reduce_scatter_rows``,
+``all_gather_rows``, ``copy_to_ranks``) are checked against sums in the same launches.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from virtualflow.comm.ring import Collectives, ring_traffic
 from virtualflow.plan.shards import check_bounds, shard_bounds
 from virtualflow.runtime.tensor_parallel import (
     DROPOUT_BLOCK_ROWS, AttentionBlock, MLPBlock, TensorParallelAttention, TensorParallelMLP, TokenLayout,
-    dropout_keep,
+    all_gather_rows, copy_to_ranks, dropout_keep, reduce_scatter_rows,
 )
 
 JOIN_S = 90.0
@@ -112,6 +113,7 @@ def test_bad_settings_are_refused_with_the_knob_to_change():
 def test_one_rank_is_the_single_worker_block():
     """t = 1 (a trivial group): the same arithmetic, bit-identical without chunks."""
     one = Collectives(Group(0, 0, 1, None))
+    assert not _compare_pieces(one)
     for chunks in (1, 3):
         failures = _compare_mlp(one, torch.float64, chunks, 0.2, tokens=(3, 4), exact=chunks == 1)
         failures += _compare_attention(one, torch.float64, chunks, 0.2, exact=chunks == 1)
@@ -245,8 +247,33 @@ def _compare_stack(comm, chunks) -> list[str]:
     return failures
 
 
-def _all_cases(comm: Collectives) -> list[str]:
+def _compare_pieces(comm) -> list[str]:
+    """The unfused differentiable collectives: reduce-scatter then all-gather is a sum; the
+    reduce-scatter's backward gives every rank's partial the whole gradient; copy_to_ranks sums
+    the ranks' gradients."""
+    rank, size = comm.group.rank, comm.group.size
+    tokens, width = 7, 5
+    gen = torch.Generator().manual_seed(9)
+    zs = [torch.randn(tokens, width, generator=gen, dtype=torch.float64) for _ in range(size)]  # every rank's
+    g = torch.randn(tokens, width, generator=gen, dtype=torch.float64)
+    ws = [torch.randn(width, generator=gen, dtype=torch.float64) for _ in range(size)]
     failures: list[str] = []
+    z = zs[rank].clone().requires_grad_()
+    part = reduce_scatter_rows(z, comm)
+    lo, hi = shard_bounds(tokens, size)[rank]
+    _check(failures, "reduce_scatter_rows", part, sum(zs)[lo:hi], False, F64)
+    y = all_gather_rows(part * 2, comm, tokens)
+    _check(failures, "all_gather_rows", y, 2 * sum(zs), False, F64)
+    (y * g).sum().backward()
+    _check(failures, "reduce_scatter_rows backward", z.grad, 2 * g, True, F64)
+    x = zs[0].clone().requires_grad_()
+    (copy_to_ranks(x, comm) * ws[rank]).sum().backward()
+    _check(failures, "copy_to_ranks backward", x.grad, sum(ws).expand(tokens, width), False, F64)
+    return failures
+
+
+def _all_cases(comm: Collectives) -> list[str]:
+    failures: list[str] = _compare_pieces(comm)
     for chunks in (1, 2, 3):
         failures += _compare_mlp(comm, torch.float64, chunks, 0.1, tokens=(3, 4))
         failures += _compare_attention(comm, torch.float64, chunks, 0.1)

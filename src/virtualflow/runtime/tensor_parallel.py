@@ -42,7 +42,10 @@ replicated output). Under it:
 * the replicated bias of the epilogue gets ``sum`` over tokens of the all-gathered gradient,
   computed locally: bit-identical to the single-worker block's, with no extra message.
 
-So the block's input gradient is again the same on every rank, and blocks compose. Each rank's
+The blocks run these steps fused in two autograd Functions (so that they can be chunked and
+overlapped in both directions); :func:`copy_to_ranks`, :func:`reduce_scatter_rows` and
+:func:`all_gather_rows` are the same collectives unfused, one differentiable op each, for other
+compositions. So the block's input gradient is again the same on every rank, and blocks compose. Each rank's
 weight shards get exactly the slices of the single-worker block's gradients
 (:meth:`TensorParallelMLP.shard_state` slices a full state or gradient dict the same way).
 
@@ -330,6 +333,88 @@ class _ColumnParallelLinear(torch.autograd.Function):
         if handle is not None:
             handle.wait()
         return gx, gw, gb, None
+
+
+class _CopyToRanks(torch.autograd.Function):
+    """Identity forward; backward: the all-reduced sum of the ranks' gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        g = g.contiguous().clone()
+        ctx.comm.all_reduce(g.view(-1))
+        return g, None
+
+
+class _ReduceScatterRows(torch.autograd.Function):
+    """[T, h] partial sums -> this rank's rows of the sum; backward: all-gather (every rank's
+    partial gets the gradient of the whole sum)."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, comm: Comm) -> torch.Tensor:
+        tokens, width = z.shape
+        rows = shard_bounds(tokens, comm.group.size)
+        buf = z.contiguous().clone()
+        comm.reduce_scatter(buf.view(-1), [(lo * width, hi * width) for lo, hi in rows])
+        ctx.comm, ctx.rows = comm, rows
+        lo, hi = rows[comm.group.rank]
+        return buf[lo:hi].clone()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        rows, width = ctx.rows, g.shape[1]
+        lo, hi = rows[ctx.comm.group.rank]
+        full = g.new_empty(rows[-1][1], width)
+        full[lo:hi] = g
+        ctx.comm.all_gather(full.view(-1), [(a * width, b * width) for a, b in rows])
+        return full, None
+
+
+class _AllGatherRows(torch.autograd.Function):
+    """This rank's rows -> the replicated [T, h]; backward: this rank's rows of the (replicated,
+    the same on every rank) gradient."""
+
+    @staticmethod
+    def forward(ctx, o: torch.Tensor, comm: Comm, tokens: int) -> torch.Tensor:
+        rows = shard_bounds(tokens, comm.group.size)
+        lo, hi = rows[comm.group.rank]
+        if o.shape[0] != hi - lo:
+            raise ValueError(f"all_gather_rows: rank {comm.group.rank} owns rows [{lo}, {hi}) of {tokens} "
+                             f"(shard_bounds), but its input has {o.shape[0]} rows")
+        width = o.shape[1]
+        full = o.new_empty(tokens, width)
+        full[lo:hi] = o
+        comm.all_gather(full.view(-1), [(a * width, b * width) for a, b in rows])
+        ctx.lo, ctx.hi = lo, hi
+        return full
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g[ctx.lo:ctx.hi], None, None
+
+
+def copy_to_ranks(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """A replicated tensor entering rank-local computation (Megatron's "f"): identity forward; the
+    backward sums the ranks' gradients (all-reduce), so the gradient is again replicated."""
+    return _CopyToRanks.apply(x, comm)
+
+
+def reduce_scatter_rows(z: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """``[T, h]`` partial sums (one per rank) -> this rank's rows ``shard_bounds(T, t)[rank]`` of
+    their sum. Backward: an all-gather of the rows' gradients."""
+    return _ReduceScatterRows.apply(z, comm)
+
+
+def all_gather_rows(o: torch.Tensor, comm: Comm, tokens: int) -> torch.Tensor:
+    """Each rank's rows ``shard_bounds(tokens, t)[rank]`` -> the replicated ``[tokens, h]``.
+    Backward: this rank's rows of the gradient (which must be the same on every rank, see the
+    module docstring). The blocks fuse these steps (and chunk them); these are the unfused pieces
+    for other compositions, e.g. a pipeline boundary that sends only a rank's rows."""
+    return _AllGatherRows.apply(o, comm, tokens)
 
 
 @dataclass(frozen=True, slots=True)
