@@ -42,12 +42,13 @@ replicated output). Under it:
 * the replicated bias of the epilogue gets ``sum`` over tokens of the all-gathered gradient,
   computed locally: bit-identical to the single-worker block's, with no extra message.
 
-The blocks run these steps fused in two autograd Functions (so that they can be chunked and
-overlapped in both directions); :func:`copy_to_ranks`, :func:`reduce_scatter_rows` and
-:func:`all_gather_rows` are the same collectives unfused, one differentiable op each, for other
-compositions. So the block's input gradient is again the same on every rank, and blocks compose. Each rank's
+So the block's input gradient is again the same on every rank, and blocks compose. Each rank's
 weight shards get exactly the slices of the single-worker block's gradients
-(:meth:`TensorParallelMLP.shard_state` slices a full state or gradient dict the same way).
+(:meth:`TensorParallelMLP.shard_state` slices a full state or gradient dict the same way). The
+blocks run these steps fused in two autograd Functions (so that they can be chunked and overlapped
+in both directions); :func:`copy_to_ranks`, :func:`reduce_scatter_rows` and
+:func:`all_gather_rows` are the same collectives unfused, one differentiable op each, for other
+compositions.
 
 **Dropout rule** (so that ``t`` ranks and the single worker draw the same mask): the keep-mask of
 the ``[T, h]`` output is cut into blocks of :data:`DROPOUT_BLOCK_ROWS` token rows; block ``b`` is
