@@ -133,6 +133,9 @@ def test_size_one_is_a_no_op_and_inputs_are_validated():
         Collectives(Group(0, 0, 1, None), segment_bytes=0)
     c.close()
     c.close()  # idempotent
+    closed = Collectives(Group(3, 0, 2, None))  # a group of 2 whose process group was closed
+    with pytest.raises(PeerFailure, match="closed"):
+        closed.all_reduce(x)
 
 
 def test_ledger_totals_and_by_op():

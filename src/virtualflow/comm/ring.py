@@ -358,9 +358,11 @@ class Collectives:
                              f"(plan.shards.shard_bounds(numel, {size}))")
         check_bounds(bounds, flat.numel())
         entry = LedgerEntry(op, numel=flat.numel(), ranks=size)
-        if self.group.pg is None or size == 1:
+        if size == 1:
             self.ledger._add(entry)
             return _DoneHandle(entry) if async_op else None
+        if self.group.pg is None:  # Group.close() dropped it: never skip a collective silently
+            raise PeerFailure(self.group.generation, f"{op} refused: the group of {size} ranks was closed")
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{op}: this Collectives was closed; build a new one")
