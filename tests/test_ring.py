@@ -267,6 +267,8 @@ def _rank_main(rank: int, p: int, port: int, what: str, errors) -> None:
         group = make_group(store, 0, rank, p, timeout_s, torch.device("cpu"))
         if what == "kill":
             _killed_peer(rank, p, group)
+        elif what == "silent":
+            _silent_peer(rank, p, group)
         else:
             _check_cases(rank, p, group)
             _check_async(rank, p, group)
@@ -334,9 +336,35 @@ def _killed_peer(rank: int, p: int, group: Group) -> None:
     group.close()  # releases a survivor still waiting on us (gloo has no abort)
 
 
+def _silent_peer(rank: int, p: int, group: Group) -> None:
+    """Rank 1 never joins the op; rank 0's wait ends when the (emulated) coordinator's abort flag
+    rises, long before the group's timeout."""
+    if rank == 1:
+        time.sleep(3.0)
+        group.close()
+        return
+    c = Collectives(group)
+    t_abort = time.monotonic() + 0.3
+    group.abort_check = lambda: time.monotonic() > t_abort
+    t0 = time.perf_counter()
+    with pytest.raises(PeerFailure, match="declared the generation broken"):
+        c.reduce_scatter(torch.ones(1 << 16), shard_bounds(1 << 16, p))
+    assert time.perf_counter() - t0 < 2.0
+    with pytest.raises(PeerFailure, match="earlier collective"):
+        c.all_gather(torch.ones(8), shard_bounds(8, p))
+    group.close()
+    c.close(timeout_s=KILL_TIMEOUT_S)
+
+
 def test_a_killed_peer_raises_peer_failure_and_breaks_the_collectives():
     out = _launch(3, "kill")
     assert 2 not in out  # the killed rank reports nothing
     for r in (0, 1):
         assert r in out, f"rank {r} never reported (hung)"
         assert out[r] is None, f"rank {r}:\n{out[r]}"
+
+
+def test_an_aborted_generation_ends_the_wait_on_a_silent_peer():
+    out = _launch(2, "silent")
+    assert sorted(out) == [0, 1], f"ranks that reported: {sorted(out)}"
+    assert out[0] is None, f"rank 0:\n{out[0]}"

@@ -34,7 +34,9 @@ Invariants:
   reused: no large allocation per step or per op (fresh pages cost page faults, see NOTES).
 * A failure (a peer died, a gloo error or timeout) is raised as :class:`PeerFailure` from
   ``Handle.wait()`` (and from a synchronous call); the object is broken from then on: queued ops
-  fail with the same cause and new ones are refused. No wait outlasts the group's timeout.
+  fail with the same cause and new ones are refused. No wait outlasts the group's timeout, and
+  ``Handle.wait()`` reads the group's ``abort_check`` between short slices, as ``Group`` does, so
+  a generation the coordinator declared broken ends the wait at once.
 
 Bytes per rank (``n_i`` elements in chunk ``i``, ``N = sum n_i``, ``b`` bytes per element), the
 closed forms of the schedule above (:func:`ring_traffic` computes them from the schedule):
@@ -59,7 +61,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from virtualflow.comm.groups import Group, PeerFailure
+from virtualflow.comm.groups import WAIT_SLICE_S, Group, PeerFailure
 from virtualflow.plan.shards import check_bounds, shard_bounds
 
 log = logging.getLogger(__name__)
@@ -204,13 +206,21 @@ class Handle:
         self._generation = generation
         self._t_launch = t_launch
         self._event = threading.Event()
+        self._finish_lock = threading.Lock()
         self._error: BaseException | None = None
         self._native = native  # (torch Work, copy-back) for NCCL ops
         self._thread: threading.Thread | None = None
         self._on_failure: Callable[[BaseException], None] | None = None
+        self._abort_check: Callable[[], Callable[[], bool] | None] | None = None
 
     # Called by the worker thread.
     def _finish(self, error: BaseException | None) -> None:
+        with self._finish_lock:
+            if self._event.is_set():  # already ended (aborted by the caller, then the thread gave up)
+                return
+            self._finish_locked(error)
+
+    def _finish_locked(self, error: BaseException | None) -> None:
         self._entry.wall_s = time.perf_counter() - self._t_launch
         self._error = error
         if error is not None and self._on_failure is not None:
@@ -232,10 +242,16 @@ class Handle:
             if self._native is not None:
                 self._wait_native()
             else:
-                # Sliced so a worker thread that died without finishing us (it cannot, but a
-                # bug there must not hang the caller) is noticed.
-                while not self._event.wait(0.5):
-                    if self._thread is not None and not self._thread.is_alive() and not self._event.is_set():
+                # Sliced, like Group's collective waits: between slices the coordinator's abort
+                # flag is read, so a generation declared broken ends the wait at once (the thread
+                # itself may stay blocked in a receive until the group is closed or times out).
+                # A thread that ended without finishing us (a bug) is noticed too.
+                while not self._event.wait(WAIT_SLICE_S):
+                    abort_check = self._abort_check() if self._abort_check is not None else None
+                    if abort_check is not None and abort_check():
+                        self._finish(PeerFailure(self._generation, "the coordinator declared the generation "
+                                                                   "broken (a member failed)"))
+                    elif self._thread is not None and not self._thread.is_alive() and not self._event.is_set():
                         self._finish(RuntimeError("the collectives thread ended without finishing this op"))
         finally:
             self._entry.wait_s += time.perf_counter() - t0
@@ -327,16 +343,20 @@ class Collectives:
         """In place sum: a ring reduce-scatter then a ring all-gather over even chunks."""
         return self._issue("all_reduce", flat, None, async_op)
 
-    def close(self) -> None:
-        """Finish the queued ops, then stop the thread (idempotent)."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Finish the queued ops, then stop the thread (idempotent). After a failure the thread
+        may still be blocked in a receive from a silent peer: closing our own Group does not
+        release it (measured, torch 2.13), the peer's sockets closing (it died or was fenced) or
+        the group's timeout does. ``timeout_s`` bounds the join; the daemon thread is then left
+        to end on its own."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+            if not self._closed:
+                self._closed = True
+                if self._thread is not None:
+                    self._queue.put(None)
             thread = self._thread
         if thread is not None:
-            self._queue.put(None)
-            thread.join()
+            thread.join(timeout_s)
 
     @property
     def broken(self) -> BaseException | None:
@@ -378,6 +398,8 @@ class Collectives:
                 handle = self._native_op(op, flat, bounds, entry, t_launch)
             else:
                 handle = Handle(entry, self.group.generation, t_launch)
+                handle._on_failure = self._mark_failed
+                handle._abort_check = lambda: self.group.abort_check
                 self._ensure_thread()
                 handle._thread = self._thread
                 self._queue.put((handle, op, flat, bounds, seq))
