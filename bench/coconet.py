@@ -60,7 +60,7 @@ from bench import harness as H
 
 NAME = "coconet"
 MODULE = "bench.coconet"
-TARGET_KEYS = ("rs_speedup", "step_ratio", "opt_bytes_ratio", "rss_saving_fraction", "ring_bytes")
+TARGET_KEYS = ("rs_speedup", "step_ratio", "opt_bytes_ratio", "rss_saving_fraction")
 WORLD = 2
 RS_TARGET = 1.8
 STEP_TARGET = 1.00
