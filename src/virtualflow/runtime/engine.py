@@ -318,7 +318,7 @@ class VNEngine:
             self.reducer.close()
             self.reducer = None
         if self.comm is not None:
-            self.comm.close()
+            self.comm.close(timeout_s=1.0)  # its thread may wait on a silent peer: do not wait for it
             self.comm = None
         self.group = None
         self.phase = "idle"

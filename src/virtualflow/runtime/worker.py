@@ -576,7 +576,8 @@ class Worker:
                 if "stop" in ops:
                     return "stop"
                 if "regroup" in ops:
-                    engine.before_regroup()  # sharded: every member gathers the optimizer state
+                    if self.sharded:
+                        engine.before_regroup()  # every member gathers the optimizer state
                     return "regroup"
         return "done"
 
