@@ -314,3 +314,16 @@ def ragged_pipelined_job() -> vf.Job:
         output_loss=lambda out, batch: nn.functional.cross_entropy(out, batch[1]),
         global_batch_size=32, virtual_nodes=8, seed=1, pipeline=Pipeline(stages=3, schedule="1f1b"),
     )
+
+
+def pipelined_redundant_job() -> vf.Job:
+    """A 3-stage pipelined job with Bamboo's redundant stages, slowed per step (resizes mid-run)."""
+    from virtualflow.pipeline import Pipeline
+
+    return vf.Job(
+        model=_pipelined_net, optimizer=adam, dataset=classification_data,
+        output_loss=lambda out, batch: (time.sleep(0.004), nn.functional.cross_entropy(out, batch[1]))[1],
+        global_batch_size=32, virtual_nodes=8, seed=2,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7),
+        pipeline=Pipeline(stages=3, schedule="1f1b", redundancy=True),
+    )

@@ -67,6 +67,10 @@ class Pipeline:
     record_timeline: bool = False
     """Record each action's start and end on every worker (``pipeline_timeline.jsonl`` in the
     run directory, drawn by ``virtualflow plot RUN_DIR --pipeline``)."""
+    redundancy: bool = False
+    """Bamboo: every worker also keeps a replica of its successor's stage (stage ``(s+1) mod p``
+    of its pipeline replica): parameters, buffers, optimizer and scheduler state, brought up to
+    date after every step from the successor's reduced gradients (flush schedules only)."""
 
     def __post_init__(self) -> None:
         _positive("stages", self.stages)
@@ -91,6 +95,11 @@ class Pipeline:
                     f"{self.stages} x {self.chunks}); every piece needs at least one layer"
                 )
             object.__setattr__(self, "split", tuple(counts))
+        if self.redundancy and (self.stages < 2 or self.schedule not in FLUSH_SCHEDULES):
+            raise ValueError(
+                f"Pipeline.redundancy=True keeps a replica of each worker's successor stage, refreshed at every "
+                f"step's flush: it needs stages >= 2 (got {self.stages}) and a flush schedule "
+                f"{FLUSH_SCHEDULES} (got {self.schedule!r})")
         if self.memory_limit_gib is not None and not (self.memory_limit_gib > 0):
             raise ValueError(f"Pipeline.memory_limit_gib={self.memory_limit_gib!r} must be positive or None")
 
@@ -154,6 +163,17 @@ def resolve_bounds(pipeline: Pipeline, n_layers: int) -> tuple[tuple[int, int], 
 def piece_module(layers: Sequence[nn.Module], lo: int, hi: int) -> nn.Sequential:
     """Layers ``[lo, hi)`` as an ``nn.Sequential`` whose children keep their whole-model names."""
     return nn.Sequential(OrderedDict((str(i), layers[i]) for i in range(lo, hi)))
+
+
+def successor_pieces(pipeline: Pipeline, layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]],
+                     stage_rank: int) -> dict[int, nn.Sequential] | None:
+    """``Pipeline.redundancy``: the pieces of the successor stage ``(stage_rank + 1) mod p`` that a
+    worker keeps a replica of (cut from the whole model it built, so they start equal to the
+    successor's own); ``None`` without redundancy."""
+    if not pipeline.redundancy:
+        return None
+    succ = (stage_rank + 1) % pipeline.stages
+    return {k: piece_module(layers, a, b) for k, (a, b) in enumerate(bounds) if k % pipeline.stages == succ}
 
 
 @dataclass(slots=True)

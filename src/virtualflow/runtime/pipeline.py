@@ -176,6 +176,7 @@ class StageEngine:
         deterministic: bool,
         device: torch.device,
         tied: Sequence[tuple[torch.nn.Parameter | None, int, torch.dtype]] = (),
+        successor_pieces: dict[int, nn.Module] | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.tied = list(tied)
@@ -222,6 +223,13 @@ class StageEngine:
         window's first step runs on); ``None`` before the first update."""
         self._clone_input = {k: any(getattr(mod, "inplace", False) for mod in next(iter(m.children()), nn.Identity()).modules())
                              for k, m in self.pieces.items()}
+        self.replica_of_successor: StageReplica | None = None
+        """``Pipeline.redundancy``: the successor's stage, kept up to date after every step."""
+        if successor_pieces is not None:
+            if self.tied:
+                raise ValueError("Pipeline.redundancy=True does not support weights shared across pipeline workers yet")
+            self.replica_of_successor = StageReplica(successor_pieces, optimizer_factory, scheduler_factory,
+                                                     (stage_rank + 1) % self.p)
         if not pipeline.flush and self.bn_numel:
             raise ValueError(
                 f"Pipeline.schedule={pipeline.schedule!r} streams steps without a flush, which cannot keep "
@@ -530,6 +538,20 @@ class StageEngine:
                 if param is not None:
                     param.grad = total[offset: offset + numel].view_as(param).clone()
                 offset += numel
+        replica_update = None
+        if self.replica_of_successor is not None:
+            # Bamboo: hand the predecessor what it needs to take this stage's step on its replica
+            # (reduced gradients, BatchNorm statistics, buffers) before the step commits below, so
+            # a replica is never behind a committed step.
+            p_ = self.p
+            grads = [q.grad.reshape(-1) if q.grad is not None else q.new_zeros(q.numel()) for q in self.params]
+            message = [torch.cat(grads) if grads else torch.zeros(0, device=self.device),
+                       bn_new if bn_new is not None else torch.zeros(0, device=self.device)]
+            message += [b.detach() for b in self.model.buffers()]
+            succ = self.replica_of_successor.stage_rank
+            yield Expect(succ, ("R", succ, step))
+            yield Send((self.stage_rank - 1) % p_, ("R", self.stage_rank, step), message)
+            replica_update = yield Recv(succ, ("R", succ, step))
         # One small all-reduce: bad VNs, control, loss (from one last-stage worker), compute times.
         stats = torch.zeros(V + 2, dtype=torch.float64, device=self.device)
         if is_last:
@@ -562,6 +584,8 @@ class StageEngine:
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if replica_update is not None:
+            self.replica_of_successor.apply(replica_update)
         self.phase = "idle"
         return result
 
@@ -702,6 +726,68 @@ class StageEngine:
                                       int(round(float(stats[i, V]))), compute[0] / n_steps))
         self.phase = "idle"
         return results
+
+
+class StageReplica:
+    """A copy of another worker's stage (Bamboo's redundant stage): its pieces, optimizer and
+    scheduler, taking the same update as the original from the original's reduced gradients.
+
+    The update is the original's own code on the same values (same module structure, optimizer
+    class and hyperparameters, scheduler, gradients, BatchNorm statistics and buffers), so the
+    replica equals the original bit for bit after every step, whatever the optimizer.
+    """
+
+    def __init__(self, pieces: dict[int, nn.Module], optimizer_factory: Callable[[Any], torch.optim.Optimizer],
+                 scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None, stage_rank: int) -> None:
+        self.stage_rank = stage_rank
+        self.pieces = dict(sorted(pieces.items()))
+        self.model = nn.Sequential(OrderedDict(
+            (name, layer) for k in self.pieces for name, layer in self.pieces[k].named_children()
+        ))
+        self.params = [q for q in self.model.parameters() if q.requires_grad]
+        self.optimizer = optimizer_factory(self.model.parameters()) if self.params else _NoOptimizer()
+        self.scheduler = (scheduler_factory(self.optimizer) if scheduler_factory is not None and self.params
+                          else None)
+        self.bn = {k: _PieceBatchNorm(m) for k, m in self.pieces.items()}
+
+    def apply(self, message: list[torch.Tensor]) -> None:
+        """The original's step: ``message`` = [its reduced gradients (flat) | its new BatchNorm
+        statistics (or empty) | its buffers after the step's forwards]."""
+        grads, bn_new, *buffers = message
+        with torch.no_grad():
+            for b, value in zip(self.model.buffers(), buffers):
+                b.copy_(value)
+        if bn_new.numel():
+            offset = 0
+            for k in self.pieces:
+                n = self.bn[k].numel
+                self.bn[k].load_flat(bn_new[offset: offset + n])
+                offset += n
+        offset = 0
+        for q in self.params:
+            q.grad = grads[offset: offset + q.numel()].view_as(q).clone()
+            offset += q.numel()
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "lr_scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("lr_scheduler") is not None:
+            self.scheduler.load_state_dict(state["lr_scheduler"])
+
+    def nbytes(self) -> int:
+        """Bytes the replica holds: parameters, buffers and optimizer state."""
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        tensors += [v for st in getattr(self.optimizer, "state", {}).values() for v in st.values()
+                    if isinstance(v, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class _PieceBatchNorm:

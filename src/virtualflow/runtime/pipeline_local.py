@@ -26,7 +26,7 @@ def build_engine(job: Any, pipeline: Pipeline, bounds: Sequence[tuple[int, int]]
                  dataset: Any, deterministic: bool, device: torch.device) -> StageEngine:
     """Build worker ``stage_rank``'s engine: the whole model from the job's seed (so every worker's
     pieces start from the same weights as the unpipelined model), then only its pieces kept."""
-    from virtualflow.pipeline import layers_of, piece_module, tied_for_worker
+    from virtualflow.pipeline import layers_of, piece_module, successor_pieces, tied_for_worker
     from virtualflow.runtime.engine import BatchLoader
 
     torch.manual_seed(job.seed)
@@ -40,6 +40,7 @@ def build_engine(job: Any, pipeline: Pipeline, bounds: Sequence[tuple[int, int]]
         loader=BatchLoader(dataset, job.collate_fn), model_input=job.input_of, output_loss=job.output_loss,
         seed=job.seed, batchnorm=job.batchnorm, deterministic=deterministic, device=device,
         tied=tied_for_worker(layers, bounds, p, stage_rank),
+        successor_pieces=successor_pieces(pipeline, layers, bounds, stage_rank),
     )
 
 

@@ -52,6 +52,8 @@ _SAME, _NEW, _CHANGED = 0, 1, 2
 
 def _tag(key: tuple[str, int, int], n_pieces: int, part: int) -> int:
     direction, piece, mb = key
+    if direction == "R":  # a replica update (one per step and link; steps are sequential)
+        return 2 ** 30 + piece * _PARTS + part
     return (((mb * n_pieces + piece) * 2 + (direction == "B")) * _PARTS + part) % (2 ** 31 - 1)
 
 
@@ -300,7 +302,7 @@ class PipelineWorkerEngine:
         pass
 
     def _build_stage(self, stage_rank: int) -> None:
-        from virtualflow.pipeline import piece_module, tied_for_worker
+        from virtualflow.pipeline import piece_module, successor_pieces, tied_for_worker
 
         p = self.pipeline.stages
         pieces = {k: piece_module(self.layers, a, b) for k, (a, b) in enumerate(self.bounds) if k % p == stage_rank}
@@ -311,6 +313,7 @@ class PipelineWorkerEngine:
             loader=BatchLoader(self.dataset, job.collate_fn), model_input=job.input_of, output_loss=job.output_loss,
             seed=job.seed, batchnorm=job.batchnorm, deterministic=self.deterministic, device=self.device,
             tied=tied_for_worker(self.layers, self.bounds, p, stage_rank),
+            successor_pieces=successor_pieces(self.pipeline, self.layers, self.bounds, stage_rank),
         )
 
     def set_membership(self, group: Group, assignment: Any) -> None:
@@ -418,6 +421,12 @@ class PipelineWorkerEngine:
         self.stage.optimizer.load_state_dict(opt)
         if self.stage.scheduler is not None and sched is not None:
             self.stage.scheduler.load_state_dict(sched)
+        replica = self.stage.replica_of_successor
+        if replica is not None:  # its weights came with the whole model (the same layer objects)
+            succ = replica.stage_rank
+            replica.optimizer.load_state_dict(state["optimizer"]["pipeline_stages"][succ])
+            if replica.scheduler is not None and state["lr_scheduler"]["pipeline_stages"][succ] is not None:
+                replica.scheduler.load_state_dict(state["lr_scheduler"]["pipeline_stages"][succ])
 
     def load_stage_state(self, state: dict[str, Any]) -> None:
         s = self.stage
@@ -453,6 +462,20 @@ class PipelineWorkerEngine:
             moved += n
             if group.rank in receivers:
                 self.load_stage_state(state)
+        if self.pipeline.redundancy:
+            # Workers behind also hold a stale replica of their successor's stage: it comes from a
+            # member of that stage that reached the step.
+            for s in range(p):
+                succ = (s + 1) % p
+                receivers = [r for r in range(len(steps)) if r % p == s and steps[r] < target]
+                if not receivers:
+                    continue
+                src = next(r for r in range(len(steps)) if r % p == succ and steps[r] == target)
+                mine = self.stage_state() if group.rank == src else None
+                state, n = broadcast_state(group, src, mine, self.device, receivers=receivers)
+                moved += n
+                if group.rank in receivers:
+                    self.stage.replica_of_successor.load(state)
         return moved
 
     def gather_state(self, group: Group) -> dict[str, Any] | None:

@@ -1,0 +1,144 @@
+"""Bamboo's redundant stages (``Pipeline(redundancy=True)``): every worker keeps a replica of its
+successor's stage, equal to the successor's real state after every step.
+
+In-process (:class:`virtualflow.runtime.pipeline_local.LocalDriver`: the same requests as the
+process driver), the standard is bit-equality of the replica with the original: parameters,
+buffers (BatchNorm statistics and counters), optimizer state and LR schedule.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import virtualflow as vf
+from virtualflow.pipeline import Pipeline, layers_of, resolve_bounds
+from virtualflow.plan.vnmap import contiguous_assignment
+from virtualflow.runtime.pipeline_local import LocalDriver, build_engine, train_local
+import jobs
+
+
+def net() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(jobs.FEATURES, 24), nn.BatchNorm1d(24), nn.ReLU(), nn.Dropout(0.2),
+        nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3),
+    )
+
+
+def job(stages: int, schedule: str = "1f1b", redundancy: bool = True, chunks: int = 1) -> vf.Job:
+    return vf.Job(
+        model=net, optimizer=lambda ps: torch.optim.AdamW(ps, lr=0.01), dataset=jobs.classification_data,
+        output_loss=lambda out, batch: nn.functional.cross_entropy(out, batch[1]),
+        global_batch_size=32, virtual_nodes=8, seed=4,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+        pipeline=Pipeline(stages=stages, schedule=schedule, redundancy=redundancy, chunks=chunks),
+    )
+
+
+def engines_of(j: vf.Job, replicas: int = 1, deterministic: bool = False):
+    torch.manual_seed(j.seed)
+    bounds = resolve_bounds(j.pipeline, len(layers_of(j.model())))
+    dataset = j.build_dataset()
+    engines = [build_engine(j, j.pipeline, bounds, r % j.pipeline.stages, dataset=dataset,
+                            deterministic=deterministic, device=torch.device("cpu"))
+               for r in range(j.pipeline.stages * replicas)]
+    driver = LocalDriver(engines)
+    driver.set_layout(contiguous_assignment(j.virtual_nodes, replicas))
+    return engines, driver
+
+
+def assert_same(a, b, what: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, what
+        assert torch.equal(a.reshape(-1).view(torch.uint8) if a.is_floating_point() else a,
+                           b.reshape(-1).view(torch.uint8) if b.is_floating_point() else b), what
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), (what, a.keys(), b.keys())
+        for k in a:
+            assert_same(a[k], b[k], f"{what}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), what
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{what}[{i}]")
+    else:
+        assert a == b, (what, a, b)
+
+
+def assert_replicas_fresh(engines, p: int) -> None:
+    for r, e in enumerate(engines):
+        rep = e.replica_of_successor
+        succ = engines[(r // p) * p + (r % p + 1) % p]
+        assert rep.stage_rank == succ.stage_rank
+        assert_same(rep.model.state_dict(), succ.model.state_dict(), f"worker {r} replica model")
+        assert_same(rep.optimizer.state_dict(), succ.optimizer.state_dict(), f"worker {r} replica optimizer")
+        assert (rep.scheduler is None) == (succ.scheduler is None)  # a stage without parameters has none
+        if rep.scheduler is not None:
+            assert_same(rep.scheduler.state_dict(), succ.scheduler.state_dict(), f"worker {r} replica scheduler")
+
+
+@pytest.mark.parametrize("stages,schedule,replicas,deterministic", [
+    (3, "1f1b", 1, False), (4, "1f1b", 1, True), (4, "gpipe", 1, False), (2, "zb_h1", 2, False),
+    (3, "1f1b", 2, True),
+])
+def test_each_replica_equals_its_successor_after_every_step(stages, schedule, replicas, deterministic):
+    engines, driver = engines_of(job(stages, schedule), replicas, deterministic)
+    for t in range(5):
+        driver.run(t, 1)
+        assert_replicas_fresh(engines, stages)
+    # The replica really moved: it is not still the initial model.
+    fresh = engines_of(job(stages, schedule), replicas, deterministic)[0]
+    moved = [not torch.equal(a, b) for e, f in zip(engines, fresh)
+             for a, b in zip(e.replica_of_successor.model.parameters(), f.replica_of_successor.model.parameters())]
+    assert moved and all(moved)
+
+
+def test_interleaved_pieces_are_replicated_whole():
+    engines, driver = engines_of(job(2, "interleaved_1f1b", chunks=2))
+    for t in range(3):
+        driver.run(t, 1)
+        assert_replicas_fresh(engines, 2)
+    assert sorted(engines[0].replica_of_successor.pieces) == [1, 3]
+
+
+def test_redundancy_does_not_change_the_trained_model():
+    with_, _ = train_local(job(3), 4, deterministic=True)
+    without, _ = train_local(job(3, redundancy=False), 4, deterministic=True)
+    assert_same(with_, without, "model")
+
+
+def test_a_replica_holds_a_copy_of_its_successor():
+    engines, driver = engines_of(job(3))
+    driver.run(0, 1)
+    for r, e in enumerate(engines):
+        succ = engines[(r + 1) % 3]
+        stage_bytes = sum(t.numel() * t.element_size() for t in
+                          list(succ.model.parameters()) + list(succ.model.buffers()))
+        opt_bytes = sum(v.numel() * v.element_size() for st in succ.optimizer.state.values() for v in st.values()
+                        if isinstance(v, torch.Tensor))
+        assert e.replica_of_successor.nbytes() == stage_bytes + opt_bytes
+
+
+def test_redundancy_needs_a_flush_schedule_and_two_stages():
+    with pytest.raises(ValueError, match=r"redundancy=True.*stages >= 2 \(got 1\)"):
+        Pipeline(stages=1, redundancy=True)
+    with pytest.raises(ValueError, match=r"redundancy=True.*flush schedule.*got '2bw'"):
+        Pipeline(stages=2, schedule="2bw", redundancy=True)
+
+
+@pytest.mark.slow
+def test_redundant_pipeline_trains_the_same_model_in_processes_across_a_grow(run_dir):
+    """3 stages with redundancy, grown from one pipeline to two (the newcomers receive their
+    stage and the replica of their successor's): the model of the run without redundancy."""
+    from conftest import assert_state_equal, wait_for_step
+
+    handle = vf.launch(jobs.pipelined_redundant_job, workers=3, steps=1_000_000, deterministic=True,
+                       run_dir=run_dir)
+    wait_for_step(handle, 3)
+    handle.resize(6, wait=True, timeout_s=120)
+    wait_for_step(handle, handle.status()["step"] + 3)
+    result = handle.stop()
+    assert {h["workers"] for h in result.history} == {3, 6}
+    ref = vf.train(jobs.pipelined_redundant_job().replace(pipeline=Pipeline(stages=3)), workers=3,
+                   steps=result.steps, deterministic=True)
+    assert_state_equal(result.state_dict, ref.state_dict)
