@@ -1,0 +1,948 @@
+"""Spot-instance simulator: replay an availability trace for a pipelined job under three strategies.
+
+A *trace* is a step function of how many spot instances are up over time (``SpotTrace``; Bamboo's
+measured traces ship with the package, ``load_trace(NAME)``; ``generate_trace`` draws one from a
+Poisson process of preemptions). ``predict`` replays it for a job of ``stages`` pipeline stages and
+up to ``pipelines`` data-parallel pipelines under one strategy and returns a ``SpotResult`` with
+totals and a per-interval timeline:
+
+``bamboo``
+    Redundancy on spot. Stage s of every pipeline also holds a replica of stage (s+1) mod P, and
+    all the time pays ``redundancy_overhead`` (throughput / (1 + overhead)). A lost stage whose
+    predecessor survives is taken over by that predecessor (a *failover*): the job pauses
+    ``failover_s`` (loss -> first completed step, the redone step included), loses no step, and
+    that pipeline then runs ``failover_slowdown`` x slower. A loss that leaves two cyclically
+    adjacent stages of one pipeline missing (two consecutive stages, or the node already running
+    two stages) cannot be covered: a *fallback restart* from the last checkpoint (the work since
+    it is lost, then ``restart_s``). When instances arrive, the job *reconfigures* at a step
+    boundary (a pause of ``reconfigure_s``) if they can fully repair a failed-over pipeline or
+    form a new one (at most ``pipelines``).
+``checkpoint``
+    Checkpoint-restart on spot. A preemption of a node that holds a stage stops the job: the work
+    since the last checkpoint is lost and, once at least P instances are up, the job restarts
+    (``restart_s``) with min(pipelines, up // P) pipelines. When arrivals allow more pipelines,
+    it checkpoints and restarts to grow (``checkpoint_s`` + ``restart_s``, nothing lost; counted
+    as a reconfiguration).
+``on-demand``
+    ``stages x pipelines`` on-demand instances for the trace's span, never preempted, no
+    redundancy, no checkpoints.
+
+Rules shared by the spot strategies:
+
+- **Which node a preemption hits.** The trace gives counts only. Instances get ids in order of
+  arrival; a drop of k instances removes k of the up instances drawn uniformly without
+  replacement by ``numpy.random.default_rng(seed)`` (``node_events``). The draw depends on the
+  trace and the seed only, so both spot strategies see the same instances vanish; a hit on an
+  instance that holds no stage (a spare) costs nothing.
+- **Layout.** A (re)start uses the up instances in id order: pipeline j, stage s on instance
+  ``ids[j * P + s]``, for min(pipelines, up // P) pipelines; the rest are spares.
+- **Cost.** Every instance the trace says is up is billed at the spot price, whether it holds a
+  stage, is a spare, or waits for a restart. On-demand bills its fixed count.
+- **Checkpoints** every ``checkpoint_every_s`` of running time (pauses excluded), each a pause of
+  ``checkpoint_s``; a checkpoint commits when its write ends, and a loss during the write loses
+  it too. Default interval: Young's optimum sqrt(2 x checkpoint_s x MTBF), for each spot
+  strategy with the MTBF of its own restarts (span / restarts; ``predict`` starts from the
+  trace's span / instances lost and re-runs the replay until the interval settles within 1 %).
+- **Data-parallel pipelines** are synchronous: with ``sync="slowest"`` (default) a step waits for
+  the slowest pipeline, so one failed-over pipeline slows the job by ``failover_slowdown``; with
+  ``sync="proportional"`` micro-batches are split in proportion to pipeline speed (the job's
+  rate is the sum of the pipelines' rates).
+- **Pauses.** Events during a pause extend it: a failover or reconfiguration to at least
+  ``t + its cost``; a (fallback) restart starts over at ``t``. The job's first start, when P
+  instances are first up, is free (on-demand pays no start-up either).
+- **Time compression** (``SpotTrace.compressed(x)``) divides the trace's times by x and leaves
+  the constants alone; costs follow the compressed time.
+
+Invariants: the replay is deterministic given (trace, constants, job); the timeline's intervals
+tile [trace start, trace end] for every strategy; samples = produced - lost >= 0.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+__all__ = ["STRATEGIES", "SpotTrace", "SpotConstants", "SpotJob", "SpotResult", "Interval", "SpotEvent",
+           "NodeEvent", "load_trace", "parse_trace", "bamboo_trace_names", "bamboo_data_dir", "generate_trace",
+           "parse_generate_spec", "node_events", "young_interval_s", "predict", "compare", "find_bench_constants",
+           "summary", "plot_spot", "write_outputs"]
+
+STRATEGIES = ("bamboo", "checkpoint", "on-demand")
+SPOT_PRICE = 0.91
+"""$ per instance-hour on spot (the figure Bamboo used; see data/bamboo/README.md)."""
+ON_DEMAND_PRICE = 3.06
+"""$ per instance-hour on demand (the figure Bamboo used)."""
+_EPS = 1e-9
+
+
+# ------------------------------------------------------------------------------------------ traces
+
+
+@dataclass(frozen=True, slots=True)
+class SpotTrace:
+    """Instances up over time: ``counts[i]`` holds from ``times_s[i]`` to ``times_s[i + 1]`` (the last
+    to ``end_s``). Times are non-decreasing; two changes at the same time (a zero-length step: an
+    instance lost and replaced within the trace's resolution) are kept as two events."""
+
+    times_s: tuple[float, ...]
+    counts: tuple[int, ...]
+    end_s: float
+    name: str = "trace"
+
+    def __post_init__(self) -> None:
+        if not self.times_s or len(self.times_s) != len(self.counts):
+            raise ValueError(f"trace {self.name!r}: times ({len(self.times_s)}) and counts ({len(self.counts)}) "
+                             "must be non-empty and of the same length")
+        for i, (t, c) in enumerate(zip(self.times_s, self.counts)):
+            if not (math.isfinite(t) and t >= 0):
+                raise ValueError(f"trace {self.name!r}: time {t} (change {i}) must be finite and >= 0")
+            if c < 0 or int(c) != c:
+                raise ValueError(f"trace {self.name!r}: count {c} (change {i}) must be an integer >= 0")
+            if i and t < self.times_s[i - 1]:
+                raise ValueError(f"trace {self.name!r}: time {t} (change {i}) is before {self.times_s[i - 1]}; "
+                                 "times must not decrease")
+        if not self.end_s > self.times_s[0]:
+            raise ValueError(f"trace {self.name!r}: it spans {self.end_s - self.times_s[0]} s; it must span "
+                             "more than 0 s")
+        if self.end_s < self.times_s[-1]:
+            raise ValueError(f"trace {self.name!r}: end {self.end_s} is before its last change {self.times_s[-1]}")
+
+    @property
+    def start_s(self) -> float:
+        return self.times_s[0]
+
+    @property
+    def span_s(self) -> float:
+        return self.end_s - self.times_s[0]
+
+    @property
+    def max_count(self) -> int:
+        return max(self.counts)
+
+    @property
+    def instances_lost(self) -> int:
+        """Instances preempted over the trace (sum of the drops)."""
+        return sum(max(0, a - b) for a, b in zip(self.counts, self.counts[1:]))
+
+    def count_at(self, t: float) -> int:
+        """Instances up at time t (after every change at t)."""
+        i = int(np.searchsorted(np.asarray(self.times_s), t, side="right")) - 1
+        return self.counts[max(i, 0)]
+
+    def instance_hours(self) -> float:
+        bounds = list(self.times_s[1:]) + [self.end_s]
+        return sum(c * (b - a) for a, b, c in zip(self.times_s, bounds, self.counts)) / 3600.0
+
+    def compressed(self, speedup: float) -> "SpotTrace":
+        """The same trace replayed ``speedup`` times faster: every time divided by ``speedup``."""
+        if not (math.isfinite(speedup) and speedup > 0):
+            raise ValueError(f"--speedup {speedup} must be a finite number > 0 (1 replays the trace in real time)")
+        return SpotTrace(times_s=tuple(t / speedup for t in self.times_s), counts=self.counts,
+                         end_s=self.end_s / speedup, name=f"{self.name} x{speedup:g}" if speedup != 1 else self.name)
+
+
+def bamboo_data_dir() -> Path:
+    """The folder of Bamboo's traces shipped with the package (``data/bamboo``)."""
+    root = resources.files("virtualflow.cluster") / "data" / "bamboo"
+    if not isinstance(root, Path) or not root.is_dir():
+        raise FileNotFoundError(f"Bamboo traces missing from the installed package ({root}); reinstall virtualflow "
+                                "unpacked (its package data ships them)")
+    return root
+
+
+def bamboo_trace_names() -> tuple[str, ...]:
+    """Names of the bundled traces (file names without ``.csv``), sorted."""
+    return tuple(sorted(p.stem for p in bamboo_data_dir().glob("*.csv")))
+
+
+def parse_trace(text: str, *, time_unit: str = "s", name: str = "trace") -> SpotTrace:
+    """A trace from CSV text: rows ``time,count`` (no header; blank lines skipped), time in
+    ``time_unit`` ("s" or "h"). Rows that repeat the previous count are dropped; the last row's
+    time is the trace's end. Errors name the trace and line."""
+    scale = _time_scale(time_unit)
+    times: list[float] = []
+    counts: list[int] = []
+    last_t = None
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line:
+            continue
+        where = f"{name}:{lineno}"
+        cols = line.split(",")
+        if len(cols) != 2:
+            raise ValueError(f"{where}: expected 2 comma-separated columns (time,count), got {len(cols)}: {line!r}")
+        try:
+            t = float(cols[0])
+            c_f = float(cols[1])
+        except ValueError:
+            raise ValueError(f"{where}: {line!r} is not two numbers time,count") from None
+        if not (math.isfinite(t) and t >= 0):
+            raise ValueError(f"{where}: time {cols[0].strip()!r} must be a finite number >= 0")
+        if not (math.isfinite(c_f) and c_f >= 0 and c_f == int(c_f)):
+            raise ValueError(f"{where}: count {cols[1].strip()!r} must be an integer >= 0")
+        if last_t is not None and t < last_t:
+            raise ValueError(f"{where}: time {t:g} is before the previous row's {last_t:g}; times must not decrease")
+        last_t = t
+        c = int(c_f)
+        if counts and c == counts[-1]:
+            continue  # the "old count" row of a change, or a repeat
+        times.append(t * scale)
+        counts.append(c)
+    if last_t is None:
+        raise ValueError(f"{name}: no rows (expected CSV rows time,count)")
+    return SpotTrace(times_s=tuple(times), counts=tuple(counts), end_s=last_t * scale, name=name)
+
+
+def _time_scale(time_unit: str) -> float:
+    units = {"s": 1.0, "h": 3600.0}
+    if time_unit not in units:
+        raise ValueError(f"--time-unit {time_unit!r} must be 's' (seconds) or 'h' (hours)")
+    return units[time_unit]
+
+
+def load_trace(spec: str | os.PathLike, *, time_unit: str | None = None) -> SpotTrace:
+    """A trace from a CSV file, or the name of one bundled with virtualflow (``bamboo_trace_names()``,
+    with or without ``.csv``). ``time_unit`` None: hours when the file name ends in ``-hours``,
+    else seconds (the convention of Bamboo's files)."""
+    spec_s = os.fspath(spec)
+    path = Path(spec_s)
+    if not path.is_file() and os.sep not in spec_s and "/" not in spec_s:
+        stem = spec_s[:-4] if spec_s.endswith(".csv") else spec_s
+        if stem in bamboo_trace_names():
+            path = bamboo_data_dir() / f"{stem}.csv"
+    if not path.is_file():
+        raise ValueError(f"--trace {spec_s!r} does not exist; give a CSV file of time,count rows, the name of a "
+                         f"bundled trace ({', '.join(bamboo_trace_names())}), or use --generate")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not a CSV trace (byte {exc.start} is not UTF-8 text)") from None
+    unit = time_unit if time_unit is not None else ("h" if path.stem.endswith("-hours") else "s")
+    return parse_trace(text, time_unit=unit, name=path.stem)
+
+
+def generate_trace(*, rate_per_hour: float, nodes: int, hours: float, seed: int = 0,
+                   mean_down_s: float = 300.0) -> SpotTrace:
+    """A trace drawn from a Poisson process: ``nodes`` instances up at 0; preemptions arrive at
+    ``rate_per_hour`` (for the whole fleet) and each takes one up instance (none if all are down);
+    a preempted instance returns after an exponential time of mean ``mean_down_s``. Draws, in a
+    fixed order from one ``numpy.random.Generator(seed)``: every gap, then every down time."""
+    for key, v, ok in (("rate", rate_per_hour, rate_per_hour >= 0), ("hours", hours, hours > 0),
+                       ("mean_down_s", mean_down_s, mean_down_s > 0)):
+        if not (math.isfinite(v) and ok):
+            raise ValueError(f"--generate {key}={v} must be a finite number {'>= 0' if key == 'rate' else '> 0'}")
+    if nodes < 1 or int(nodes) != nodes:
+        raise ValueError(f"--generate nodes={nodes} must be an integer >= 1")
+    rng = np.random.default_rng(seed)
+    end = hours * 3600.0
+    hits: list[float] = []
+    if rate_per_hour > 0:
+        mean_gap = 3600.0 / rate_per_hour
+        t = 0.0
+        while True:
+            t += float(rng.exponential(mean_gap))
+            if t >= end:
+                break
+            hits.append(t)
+    downs = rng.exponential(mean_down_s, len(hits)) if hits else np.zeros(0)
+    times, counts = [0.0], [int(nodes)]
+    up = int(nodes)
+    returns: list[float] = []  # heap of return times
+    for t, d in zip(hits, downs):
+        while returns and returns[0] <= t:
+            r = heapq.heappop(returns)
+            up += 1
+            times.append(r)
+            counts.append(up)
+        if up == 0:
+            continue
+        up -= 1
+        times.append(t)
+        counts.append(up)
+        heapq.heappush(returns, t + float(d))
+    while returns and returns[0] < end:
+        up += 1
+        times.append(heapq.heappop(returns))
+        counts.append(up)
+    name = f"generated rate={rate_per_hour:g}/h nodes={nodes} hours={hours:g} seed={seed}"
+    return SpotTrace(times_s=tuple(times), counts=tuple(counts), end_s=end, name=name)
+
+
+_GEN_KEYS = {"rate": "rate_per_hour", "rate_per_hour": "rate_per_hour", "nodes": "nodes", "hours": "hours",
+             "seed": "seed", "mean_down_s": "mean_down_s"}
+
+
+def parse_generate_spec(spec: str) -> dict[str, Any]:
+    """``"rate=2,nodes=16,hours=24,seed=0[,mean_down_s=300]"`` -> keyword arguments of ``generate_trace``."""
+    kw: dict[str, Any] = {}
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        key, eq, val = part.partition("=")
+        key = key.strip()
+        if not eq or key not in _GEN_KEYS:
+            raise ValueError(f"--generate: {part!r} is not KEY=VALUE with KEY in {sorted(_GEN_KEYS)} "
+                             "(e.g. rate=2,nodes=16,hours=24,seed=0)")
+        name = _GEN_KEYS[key]
+        try:
+            kw[name] = int(val) if name in ("nodes", "seed") else float(val)
+        except ValueError:
+            raise ValueError(f"--generate: {key}={val.strip()!r} is not a valid "
+                             f"{'integer' if name in ('nodes', 'seed') else 'number'}") from None
+    for need in ("rate_per_hour", "nodes", "hours"):
+        if need not in kw:
+            raise ValueError(f"--generate {spec!r} lacks {need.split('_')[0]}=...; give "
+                             "rate=PREEMPTIONS_PER_HOUR,nodes=N,hours=H[,seed=S][,mean_down_s=S]")
+    return kw
+
+
+@dataclass(frozen=True, slots=True)
+class NodeEvent:
+    """A change of the trace at ``t_s``, at the level of instances (ids in order of arrival)."""
+
+    t_s: float
+    joined: tuple[int, ...]
+    lost: tuple[int, ...]
+    count: int
+
+
+def node_events(trace: SpotTrace, seed: int = 0) -> list[NodeEvent]:
+    """The trace's changes as instance arrivals and losses; which instances a drop takes is drawn
+    uniformly without replacement from those up (``numpy.random.default_rng(seed)``)."""
+    rng = np.random.default_rng(seed)
+    up: list[int] = []
+    next_id = 0
+    out: list[NodeEvent] = []
+    for t, c in zip(trace.times_s, trace.counts):
+        if c > len(up):
+            joined = tuple(range(next_id, next_id + c - len(up)))
+            next_id += len(joined)
+            up.extend(joined)
+            out.append(NodeEvent(t_s=t, joined=joined, lost=(), count=c))
+        elif c < len(up):
+            pick = rng.choice(len(up), size=len(up) - c, replace=False)
+            lost = tuple(sorted(up[int(i)] for i in pick))
+            gone = set(lost)
+            up = [n for n in up if n not in gone]
+            out.append(NodeEvent(t_s=t, joined=(), lost=lost, count=c))
+    return out
+
+
+def young_interval_s(trace: SpotTrace, checkpoint_s: float) -> float:
+    """Young's checkpoint interval sqrt(2 x checkpoint_s x MTBF), MTBF = span / instances lost
+    (the trace's span when it loses none)."""
+    return _young(trace.span_s, trace.instances_lost, checkpoint_s)
+
+
+def _young(span_s: float, failures: int, checkpoint_s: float) -> float:
+    if failures == 0 or checkpoint_s <= 0:
+        return span_s
+    return max(math.sqrt(2.0 * checkpoint_s * span_s / failures), checkpoint_s)
+
+
+# --------------------------------------------------------------------------------------- constants
+
+
+@dataclass(kw_only=True, slots=True)
+class SpotConstants:
+    """This engine's time and overhead constants, as ``bench/bamboo.py`` measures them.
+
+    JSON schema (``bench/results/bamboo.json``): a top-level object with a ``"constants"`` object
+    (or that object alone) holding any of the numeric fields below plus an optional ``"source"``
+    string (commit, date, machine). Fields it leaves out keep the defaults here, which are *not*
+    measurements (the issue's targets and Bamboo's published figures) and are listed in
+    ``defaulted``; unknown keys are refused.
+    """
+
+    step_s: float = 1.0
+    """Seconds per step of one full-depth pipeline without redundancy."""
+    samples_per_step: float = 32.0
+    """Samples one pipeline processes per step (its micro-batches)."""
+    redundancy_overhead: float = 0.15
+    """Redundant computation's cost: throughput / (1 + overhead) (issue target <= 1.15x)."""
+    failover_slowdown: float = 1.5
+    """A pipeline with a node running two stages is this much slower (Bamboo's figure)."""
+    failover_s: float = 1.0
+    """Loss -> first completed step after a failover (issue target <= 1 s)."""
+    reconfigure_s: float = 10.0
+    """Pause of an in-place reconfiguration (new nodes in, pipelines re-formed)."""
+    restart_s: float = 45.0
+    """Restart from a checkpoint: a new node starts and loads it (Bamboo: ~45 s)."""
+    checkpoint_s: float = 10.0
+    """Pause to write one checkpoint."""
+    source: str = "defaults (not measurements): issue targets and Bamboo's published figures"
+    """Where the numbers come from."""
+    defaulted: tuple[str, ...] = ()
+    """Fields that kept their default (not measured)."""
+
+    def __post_init__(self) -> None:
+        for name in ("step_s", "samples_per_step"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"constants: {name}={v!r} must be a finite number > 0")
+        for name in ("redundancy_overhead", "failover_s", "reconfigure_s", "restart_s", "checkpoint_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"constants: {name}={v!r} must be a finite number >= 0")
+        v = self.failover_slowdown
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 1):
+            raise ValueError(f"constants: failover_slowdown={v!r} must be a finite number >= 1")
+
+    @classmethod
+    def numeric_fields(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls) if f.name not in ("source", "defaulted"))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, where: str = "constants") -> "SpotConstants":
+        """From the ``constants`` object (see the class docstring); errors name ``where``."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{where}: expected a JSON object of constants, got {type(data).__name__}")
+        known = set(cls.numeric_fields())
+        kw: dict[str, Any] = {}
+        for key, val in data.items():
+            if key == "source":
+                if not isinstance(val, str):
+                    raise ValueError(f"{where}: source={val!r} must be a string")
+                kw["source"] = val
+            elif key in known:
+                if isinstance(val, bool) or not isinstance(val, (int, float)):
+                    raise ValueError(f"{where}: {key}={val!r} must be a number")
+                kw[key] = float(val)
+            else:
+                raise ValueError(f"{where}: unknown constant {key!r}; known: {sorted(known | {'source'})}")
+        kw.setdefault("source", where)
+        kw["defaulted"] = tuple(k for k in cls.numeric_fields() if k not in kw)
+        try:
+            return cls(**kw)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "SpotConstants":
+        """From a JSON file: ``{"constants": {...}, ...}`` or the constants object alone."""
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"--constants {os.fspath(path)!r} does not exist; give a JSON file with a "
+                             "'constants' object (bench/bamboo.py writes bench/results/bamboo.json)")
+        try:
+            data = json.loads(p.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--constants {os.fspath(path)!r}: not valid JSON ({exc})") from None
+        if isinstance(data, Mapping) and "constants" in data:
+            data = data["constants"]
+        c = cls.from_dict(data, where=os.fspath(path))
+        if c.source == os.fspath(path) or not c.source:
+            c.source = os.fspath(path)
+        else:
+            c.source = f"{os.fspath(path)}: {c.source}"
+        return c
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["defaulted"] = list(self.defaulted)
+        return d
+
+
+def find_bench_constants() -> Path | None:
+    """``bench/results/bamboo.json`` of the source tree this package runs from, if it has a
+    ``constants`` object; None otherwise (an installed package has no bench/)."""
+    root = Path(__file__).resolve().parents[3]
+    path = root / "bench" / "results" / "bamboo.json"
+    if not ((root / "pyproject.toml").is_file() and path.is_file()):
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ValueError(f"{path} is not valid JSON; fix it or give --constants FILE") from None
+    return path if isinstance(data, Mapping) and isinstance(data.get("constants"), Mapping) else None
+
+
+# --------------------------------------------------------------------------------------------- job
+
+
+@dataclass(kw_only=True, slots=True)
+class SpotJob:
+    """The job and the prices: what does not come from the engine's measurements."""
+
+    stages: int
+    """P: pipeline stages (>= 2: redundancy needs a predecessor)."""
+    pipelines: int | None = None
+    """D: data-parallel pipelines wanted (None: the trace's max count // P)."""
+    spot_price: float = SPOT_PRICE
+    """$ per spot instance-hour."""
+    on_demand_price: float = ON_DEMAND_PRICE
+    """$ per on-demand instance-hour."""
+    checkpoint_every_s: float | None = None
+    """Running seconds between checkpoints (None: each spot strategy gets Young's interval for the
+    restarts it suffers in this replay; see ``predict``)."""
+    seed: int = 0
+    """Which instances a preemption takes (``node_events``)."""
+    sync: str = "slowest"
+    """How synchronous pipelines share a step: "slowest" or "proportional" (see the module doc)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stages, bool) or int(self.stages) != self.stages or self.stages < 2:
+            raise ValueError(f"--stages {self.stages} must be an integer >= 2 (a stage's replica lives on its "
+                             "predecessor)")
+        if self.pipelines is not None and (int(self.pipelines) != self.pipelines or self.pipelines < 1):
+            raise ValueError(f"--pipelines {self.pipelines} must be an integer >= 1")
+        for flag, v in (("--spot-price", self.spot_price), ("--on-demand-price", self.on_demand_price)):
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{flag} {v} must be a finite number > 0 ($ per instance-hour)")
+        if self.checkpoint_every_s is not None and not (math.isfinite(self.checkpoint_every_s)
+                                                        and self.checkpoint_every_s > 0):
+            raise ValueError(f"--checkpoint-every-s {self.checkpoint_every_s} must be a finite number > 0")
+        if self.sync not in ("slowest", "proportional"):
+            raise ValueError(f"--sync {self.sync!r} must be 'slowest' or 'proportional'")
+
+    def resolved_pipelines(self, trace: SpotTrace) -> int:
+        d = self.pipelines if self.pipelines is not None else trace.max_count // self.stages
+        if d < 1:
+            raise ValueError(f"--stages {self.stages} is more than the trace's max count {trace.max_count}: no "
+                             "pipeline can ever run; lower --stages or use a bigger trace")
+        return int(d)
+
+
+
+# ------------------------------------------------------------------------------------------ result
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    """A piece of the timeline with one state: ``running`` (producing ``rate`` samples/s),
+    ``failover``, ``reconfigure``, ``restart``, ``checkpoint`` (pauses) or ``waiting`` (< P up)."""
+
+    start_s: float
+    end_s: float
+    state: str
+    instances: int
+    pipelines: int
+    failed_over: int
+    rate: float
+    samples: float
+    cost_usd: float
+
+
+@dataclass(frozen=True, slots=True)
+class SpotEvent:
+    """``failover``, ``fallback_restart``, ``restart``, ``reconfigure`` or ``checkpoint`` at ``t_s``."""
+
+    t_s: float
+    kind: str
+    detail: str
+
+
+@dataclass(slots=True)
+class SpotResult:
+    strategy: str
+    span_s: float
+    samples: float = 0.0
+    """Samples trained and kept (produced - lost)."""
+    lost_samples: float = 0.0
+    lost_steps: float = 0.0
+    steps: float = 0.0
+    """Job steps kept."""
+    cost_usd: float = 0.0
+    failovers: int = 0
+    restarts: int = 0
+    """Restarts from a checkpoint after a loss (bamboo: fallback restarts)."""
+    reconfigurations: int = 0
+    checkpoints: int = 0
+    checkpoint_every_s: float | None = None
+    timeline: list[Interval] = field(default_factory=list)
+    events: list[SpotEvent] = field(default_factory=list)
+
+    @property
+    def hours(self) -> float:
+        return self.span_s / 3600.0
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.span_s if self.span_s > 0 else 0.0
+
+    @property
+    def samples_per_usd(self) -> float:
+        return self.samples / self.cost_usd if self.cost_usd > 0 else 0.0
+
+    def totals(self) -> dict[str, Any]:
+        return {"strategy": self.strategy, "samples": self.samples, "hours": self.hours, "cost_usd": self.cost_usd,
+                "samples_per_s": self.samples_per_s, "samples_per_usd": self.samples_per_usd,
+                "steps": self.steps, "lost_samples": self.lost_samples, "lost_steps": self.lost_steps,
+                "failovers": self.failovers, "restarts": self.restarts,
+                "reconfigurations": self.reconfigurations, "checkpoints": self.checkpoints,
+                "checkpoint_every_s": self.checkpoint_every_s}
+
+
+# ------------------------------------------------------------------------------------------ replay
+
+
+class _Replay:
+    """The state machine shared by the spot strategies: pauses, checkpoints and accounting. A
+    strategy subclass says what a loss and an arrival do to its layout."""
+
+    strategy = ""
+
+    def __init__(self, trace: SpotTrace, c: SpotConstants, job: SpotJob, every_s: float) -> None:
+        self.c, self.job = c, job
+        self.P = job.stages
+        self.D = job.resolved_pipelines(trace)
+        self.every_s = every_s
+        self.res = SpotResult(strategy=self.strategy, span_s=trace.span_s, checkpoint_every_s=self.every_s)
+        self.t = trace.start_s
+        self.up: set[int] = set()
+        self.pipes: list[list[int | None]] = []  # node id per stage; None = run by the predecessor
+        self.started = False
+        self.waiting = True
+        self.pause_end = -math.inf
+        self.pause_kind = ""
+        self.commit_at: float | None = None  # a checkpoint being written commits then
+        self.run_since_ckpt = 0.0
+        self.samples_since_ckpt = 0.0
+        self.steps_since_ckpt = 0.0
+
+    # -- layout
+    def fresh_layout(self) -> None:
+        ids = sorted(self.up)
+        f = min(self.D, len(ids) // self.P)
+        self.pipes = [list(ids[j * self.P:(j + 1) * self.P]) for j in range(f)]
+
+    def used(self) -> set[int]:
+        return {n for p in self.pipes for n in p if n is not None}
+
+    def failed_over(self) -> int:
+        return sum(1 for p in self.pipes if None in p)
+
+    def rate(self) -> float:
+        """Samples/s of the layout while running."""
+        if not self.pipes:
+            return 0.0
+        r = self.c.samples_per_step / self.c.step_s / self.overhead()
+        s = self.c.failover_slowdown
+        if self.job.sync == "slowest":
+            return len(self.pipes) * r / (s if self.failed_over() else 1.0)
+        return sum(r / s if None in p else r for p in self.pipes)
+
+    def overhead(self) -> float:
+        return 1.0
+
+    # -- pauses
+    def pause(self, kind: str, seconds: float, *, restart: bool = False) -> None:
+        """Pause ``seconds`` from now: a restart starts over; anything else extends a pause under
+        way to at least its own end (the rest of the pause then carries its name)."""
+        end = self.t + seconds
+        if restart or self.t >= self.pause_end:
+            self.pause_end, self.pause_kind = end, kind
+        elif end > self.pause_end:
+            self.pause_end, self.pause_kind = end, kind
+
+    def lose_work(self) -> None:
+        self.res.lost_samples += self.samples_since_ckpt
+        self.res.lost_steps += self.steps_since_ckpt
+        self.samples_since_ckpt = self.steps_since_ckpt = self.run_since_ckpt = 0.0
+        self.commit_at = None
+
+    def event(self, kind: str, detail: str) -> None:
+        self.res.events.append(SpotEvent(t_s=self.t, kind=kind, detail=detail))
+
+    def restart_or_wait(self, kind: str, why: str) -> None:
+        """Re-form from scratch: a restart now if P instances are up, else wait for them."""
+        self.fresh_layout()
+        self.waiting = not self.pipes
+        if self.pipes:
+            self.pause(kind, self.c.restart_s, restart=True)
+        else:
+            self.pause_end = -math.inf
+        self.event(kind, why + (f"; restart with {len(self.pipes)} pipeline(s)" if self.pipes
+                                else f"; waiting for {self.P} instances ({len(self.up)} up)"))
+
+    # -- time
+    def record(self, end: float, state: str, rate: float) -> None:
+        dt = end - self.t
+        if dt <= 0:
+            return
+        samples = rate * dt
+        cost = len(self.up) * self.job.spot_price * dt / 3600.0
+        self.res.cost_usd += cost
+        self.res.timeline.append(Interval(start_s=self.t, end_s=end, state=state, instances=len(self.up),
+                                          pipelines=len(self.pipes), failed_over=self.failed_over(), rate=rate,
+                                          samples=samples, cost_usd=cost))
+        self.t = end
+
+    def advance(self, t_to: float) -> None:
+        while self.t < t_to:
+            if self.commit_at is not None and self.t >= self.commit_at - _EPS:
+                self.samples_since_ckpt = self.steps_since_ckpt = self.run_since_ckpt = 0.0
+                self.commit_at = None
+            if self.waiting:
+                self.record(t_to, "waiting", 0.0)
+                break
+            if self.t < self.pause_end:
+                end = min(self.pause_end, t_to)
+                if self.commit_at is not None and self.commit_at > self.t:
+                    end = min(end, self.commit_at)
+                self.record(end, self.pause_kind, 0.0)
+                continue
+            rate = self.rate()
+            end = min(t_to, self.t + max(self.every_s - self.run_since_ckpt, 0.0))
+            dt = end - self.t
+            step_rate = rate / (len(self.pipes) * self.c.samples_per_step)
+            self.samples_since_ckpt += rate * dt
+            self.steps_since_ckpt += step_rate * dt
+            self.res.samples += rate * dt
+            self.res.steps += step_rate * dt
+            self.run_since_ckpt += dt
+            self.record(end, "running", rate)
+            if self.run_since_ckpt >= self.every_s - _EPS:
+                self.res.checkpoints += 1
+                self.commit_at = self.t + self.c.checkpoint_s
+                self.run_since_ckpt = 0.0
+                self.pause("checkpoint", self.c.checkpoint_s)
+                if self.c.checkpoint_s == 0:
+                    self.samples_since_ckpt = self.steps_since_ckpt = 0.0
+                    self.commit_at = None
+
+    def on_event(self, ev: NodeEvent) -> None:
+        self.up.difference_update(ev.lost)
+        hit = set(ev.lost) & self.used()
+        if hit:
+            self.on_loss(hit)
+        if ev.joined:
+            self.up.update(ev.joined)
+            if not self.started or self.waiting:
+                self.fresh_layout()
+                if self.pipes:
+                    self.waiting = False
+                    if self.started:
+                        self.pause("restart", self.c.restart_s, restart=True)
+                        self.event("restart", f"{len(self.up)} instances up; restart with {len(self.pipes)} "
+                                              "pipeline(s)")
+                    self.started = True
+            elif self.t < self.pause_end and self.pause_kind in ("restart", "fallback_restart"):
+                self.fresh_layout()  # a restart under way takes the newcomers in for free
+            else:
+                self.on_arrival()
+
+    def on_loss(self, hit: set[int]) -> None:
+        raise NotImplementedError
+
+    def on_arrival(self) -> None:
+        raise NotImplementedError
+
+    def finish(self, end_s: float) -> SpotResult:
+        self.advance(end_s)
+        self.res.samples -= self.res.lost_samples
+        self.res.steps -= self.res.lost_steps
+        return self.res
+
+
+class _Bamboo(_Replay):
+    strategy = "bamboo"
+
+    def overhead(self) -> float:
+        return 1.0 + self.c.redundancy_overhead
+
+    def on_loss(self, hit: set[int]) -> None:
+        restarting = self.t < self.pause_end and self.pause_kind in ("restart", "fallback_restart")
+        new = [[None if n in hit else n for n in p] for p in self.pipes]
+        broken = [j for j, p in enumerate(new)
+                  if any(p[s] is None and p[s - 1] is None for s in range(self.P))]  # s - 1 wraps at 0
+        if restarting or broken:
+            self.res.restarts += 1
+            self.lose_work()
+            why = (f"instances {sorted(hit)} lost while restarting" if restarting else
+                   f"pipeline {broken[0]} lost two adjacent stages (instances {sorted(hit)}): redundancy cannot "
+                   "cover it")
+            self.restart_or_wait("fallback_restart", why)
+            return
+        self.pipes = new
+        self.res.failovers += len(hit)
+        self.pause("failover", self.c.failover_s)
+        self.event("failover", f"instances {sorted(hit)} lost; {self.failed_over()} pipeline(s) failed over")
+
+    def on_arrival(self) -> None:
+        spares = sorted(self.up - self.used())
+        changed = False
+        for p in self.pipes:
+            holes = [s for s in range(self.P) if p[s] is None]
+            if holes and len(holes) <= len(spares):
+                for s in holes:
+                    p[s] = spares.pop(0)
+                changed = True
+        while len(self.pipes) < self.D and len(spares) >= self.P:
+            self.pipes.append(spares[:self.P])
+            del spares[:self.P]
+            changed = True
+        if changed:
+            self.res.reconfigurations += 1
+            self.pause("reconfigure", self.c.reconfigure_s)
+            self.event("reconfigure", f"{len(self.up)} instances up; {len(self.pipes)} pipeline(s), "
+                                      f"{self.failed_over()} failed over")
+
+
+class _Checkpoint(_Replay):
+    strategy = "checkpoint"
+
+    def on_loss(self, hit: set[int]) -> None:
+        self.res.restarts += 1
+        self.lose_work()
+        self.restart_or_wait("restart", f"instances {sorted(hit)} lost")
+
+    def on_arrival(self) -> None:
+        if min(self.D, len(self.up) // self.P) > len(self.pipes):
+            # Grow: checkpoint at a step boundary (nothing lost), then restart on more instances.
+            self.res.reconfigurations += 1
+            self.res.checkpoints += 1
+            self.commit_at = self.t + self.c.checkpoint_s
+            self.run_since_ckpt = 0.0
+            self.fresh_layout()
+            self.pause("reconfigure", self.c.checkpoint_s + self.c.restart_s, restart=True)
+            self.event("reconfigure", f"{len(self.up)} instances up; checkpoint and restart with "
+                                      f"{len(self.pipes)} pipeline(s)")
+
+
+def _on_demand(trace: SpotTrace, c: SpotConstants, job: SpotJob) -> SpotResult:
+    d = job.resolved_pipelines(trace)
+    n = d * job.stages
+    rate = d * c.samples_per_step / c.step_s
+    cost = n * job.on_demand_price * trace.span_s / 3600.0
+    res = SpotResult(strategy="on-demand", span_s=trace.span_s, samples=rate * trace.span_s,
+                     steps=trace.span_s / c.step_s, cost_usd=cost)
+    res.timeline.append(Interval(start_s=trace.start_s, end_s=trace.end_s, state="running", instances=n,
+                                 pipelines=d, failed_over=0, rate=rate, samples=res.samples, cost_usd=cost))
+    return res
+
+
+def predict(trace: SpotTrace, constants: SpotConstants, strategy: str, job: SpotJob | None = None,
+            **job_kw: Any) -> SpotResult:
+    """Replay ``trace`` for ``job`` (or ``SpotJob(**job_kw)``) under ``strategy`` (one of
+    ``STRATEGIES``): totals and a per-interval timeline (see the module docstring for the rules)."""
+    if job is None:
+        job = SpotJob(**job_kw)
+    elif job_kw:
+        raise ValueError("pass either a SpotJob or keyword arguments, not both")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"--strategies: unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
+    if strategy == "on-demand":
+        return _on_demand(trace, constants, job)
+    kind = _Bamboo if strategy == "bamboo" else _Checkpoint
+    if job.checkpoint_every_s is not None:
+        return _replay(kind, trace, constants, job, float(job.checkpoint_every_s))
+    # Young's interval for the restarts this strategy suffers: start from the trace's loss rate,
+    # then re-run with the rate of the replay's own restarts until the interval settles.
+    every = young_interval_s(trace, constants.checkpoint_s)
+    res = _replay(kind, trace, constants, job, every)
+    for _ in range(8):
+        nxt = _young(trace.span_s, res.restarts, constants.checkpoint_s)
+        if abs(nxt - every) <= 0.01 * every:
+            break
+        every = nxt
+        res = _replay(kind, trace, constants, job, every)
+    return res
+
+
+def _replay(kind: type[_Replay], trace: SpotTrace, constants: SpotConstants, job: SpotJob,
+            every_s: float) -> SpotResult:
+    replay = kind(trace, constants, job, every_s)
+    for ev in node_events(trace, job.seed):
+        replay.advance(ev.t_s)
+        replay.on_event(ev)
+    return replay.finish(trace.end_s)
+
+
+def compare(trace: SpotTrace, constants: SpotConstants, job: SpotJob,
+            strategies: Iterable[str] = STRATEGIES) -> dict[str, SpotResult]:
+    """``predict`` for each strategy, in order."""
+    return {s: predict(trace, constants, s, job) for s in strategies}
+
+
+def summary(trace: SpotTrace, constants: SpotConstants, job: SpotJob,
+            results: Mapping[str, SpotResult]) -> dict[str, Any]:
+    """A JSON-ready dict: the trace, the job, the constants (and which are defaults), per-strategy
+    totals, value (samples per $) relative to on-demand, and bamboo relative to checkpoint."""
+    out: dict[str, Any] = {
+        "trace": {"name": trace.name, "span_h": trace.span_s / 3600.0, "max_count": trace.max_count,
+                  "instances_lost": trace.instances_lost, "instance_hours": trace.instance_hours()},
+        "job": {"stages": job.stages, "pipelines": job.resolved_pipelines(trace), "spot_price": job.spot_price,
+                "on_demand_price": job.on_demand_price, "seed": job.seed, "sync": job.sync,
+                "checkpoint_every_s": job.checkpoint_every_s,
+                "checkpoint_every_from": "--checkpoint-every-s" if job.checkpoint_every_s is not None
+                else "Young's interval for each strategy's own restart rate (strategies: checkpoint_every_s)"},
+        "constants": constants.to_dict(),
+        "strategies": {k: r.totals() for k, r in results.items()},
+    }
+    od = results.get("on-demand")
+    for k, r in results.items():
+        if od is not None and od.samples_per_usd > 0:
+            out["strategies"][k]["value_vs_on_demand"] = r.samples_per_usd / od.samples_per_usd
+    if "bamboo" in results and "checkpoint" in results and results["checkpoint"].samples_per_usd > 0:
+        out["bamboo_vs_checkpoint"] = results["bamboo"].samples_per_usd / results["checkpoint"].samples_per_usd
+    return out
+
+
+def plot_spot(trace: SpotTrace, results: Mapping[str, SpotResult], path: str, title: str | None = None) -> str:
+    """Instances, throughput per strategy and cumulative cost per strategy over time (hours), one
+    panel each; fallback restarts and restarts marked on the throughput panel. Uses
+    ``matplotlib.figure.Figure`` (no pyplot, no backend change)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 7.5), layout="tight")
+    ax_n, ax_r, ax_c = fig.subplots(3, 1, sharex=True)
+    t0 = trace.start_s
+    xs = [(t - t0) / 3600.0 for t in trace.times_s] + [trace.span_s / 3600.0]
+    ax_n.step(xs, list(trace.counts) + [trace.counts[-1]], where="post", color="0.3")
+    ax_n.set_ylabel("instances up")
+    ax_n.set_title(title or f"{trace.name}")
+    for name, res in results.items():
+        x: list[float] = []
+        y: list[float] = []
+        cum: list[float] = [0.0]
+        cx: list[float] = [0.0]
+        total = 0.0
+        for iv in res.timeline:
+            x += [(iv.start_s - t0) / 3600.0, (iv.end_s - t0) / 3600.0]
+            y += [iv.rate, iv.rate]
+            total += iv.cost_usd
+            cx.append((iv.end_s - t0) / 3600.0)
+            cum.append(total)
+        (line,) = ax_r.plot(x, y, lw=0.8, label=name)
+        ax_c.plot(cx, cum, label=name, color=line.get_color())
+        marks = [(e.t_s - t0) / 3600.0 for e in res.events if e.kind in ("fallback_restart", "restart")]
+        if marks:
+            ax_r.plot(marks, [0.0] * len(marks), "|", ms=8, color=line.get_color())
+    ax_r.set_ylabel("samples/s")
+    ax_r.legend(fontsize=7, loc="lower right", framealpha=0.6)
+    ax_c.set_ylabel("cumulative cost ($)")
+    ax_c.set_xlabel("hours")
+    ax_c.legend(fontsize=7, loc="upper left", framealpha=0.6)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def write_outputs(out_dir: str, trace: SpotTrace, summary_dict: Mapping[str, Any],
+                  results: Mapping[str, SpotResult]) -> dict[str, str]:
+    """``summary.json``, ``timeline.jsonl`` (one interval or event per line, with its strategy)
+    and ``spot.png`` (if matplotlib is installed) in ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"summary": os.path.join(out_dir, "summary.json"), "timeline": os.path.join(out_dir, "timeline.jsonl")}
+    with open(paths["summary"], "w") as f:
+        json.dump(summary_dict, f, indent=2)
+        f.write("\n")
+    with open(paths["timeline"], "w") as f:
+        for name, res in results.items():
+            for iv in res.timeline:
+                f.write(json.dumps({"type": "interval", "strategy": name, **asdict(iv)}) + "\n")
+            for ev in res.events:
+                f.write(json.dumps({"type": "event", "strategy": name, **asdict(ev)}) + "\n")
+    try:
+        paths["plot"] = plot_spot(trace, results, os.path.join(out_dir, "spot.png"))
+    except ImportError:
+        pass
+    return paths
