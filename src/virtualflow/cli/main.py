@@ -7,7 +7,7 @@ import logging
 import sys
 import traceback
 
-from virtualflow.cli import explain, plan, plot, resize, run, simulate, status, worker
+from virtualflow.cli import explain, plan, plot, resize, run, simulate, simulate_spot, status, worker
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_parser(sub)
     explain.add_parser(sub)
     simulate.add_parser(sub)
+    simulate_spot.add_parser(sub)
     worker.add_parser(sub)
     return parser
 

@@ -14,9 +14,11 @@ totals and a per-interval timeline:
     that pipeline then runs ``failover_slowdown`` x slower. A loss that leaves two cyclically
     adjacent stages of one pipeline missing (two consecutive stages, or the node already running
     two stages) cannot be covered: a *fallback restart* from the last checkpoint (the work since
-    it is lost, then ``restart_s``). When instances arrive, the job *reconfigures* at a step
-    boundary (a pause of ``reconfigure_s``) if they can fully repair a failed-over pipeline or
-    form a new one (at most ``pipelines``).
+    it is lost, then ``restart_s``). After a failover and when instances arrive, the job
+    *reconfigures* at a step boundary (a pause of ``reconfigure_s``, nothing lost) when spare
+    instances can fully repair a failed-over pipeline or form a new one (at most ``pipelines``),
+    or when fresh full-depth pipelines on the up instances (min(pipelines, up // P)) would be
+    faster than that (with ``sync="slowest"``, 3 full pipelines beat 4 with one failed over).
 ``checkpoint``
     Checkpoint-restart on spot. A preemption of a node that holds a stage stops the job: the work
     since the last checkpoint is lost and, once at least P instances are up, the job restarts
@@ -110,7 +112,7 @@ class SpotTrace:
                 raise ValueError(f"trace {self.name!r}: time {t} (change {i}) is before {self.times_s[i - 1]}; "
                                  "times must not decrease")
         if not self.end_s > self.times_s[0]:
-            raise ValueError(f"trace {self.name!r}: it spans {self.end_s - self.times_s[0]} s; it must span "
+            raise ValueError(f"trace {self.name!r}: it spans {self.end_s - self.times_s[0]:g} s; it must span "
                              "more than 0 s")
         if self.end_s < self.times_s[-1]:
             raise ValueError(f"trace {self.name!r}: end {self.end_s} is before its last change {self.times_s[-1]}")
@@ -163,10 +165,10 @@ def bamboo_trace_names() -> tuple[str, ...]:
     return tuple(sorted(p.stem for p in bamboo_data_dir().glob("*.csv")))
 
 
-def parse_trace(text: str, *, time_unit: str = "s", name: str = "trace") -> SpotTrace:
+def parse_trace(text: str, *, time_unit: str = "s", name: str = "trace", source: str | None = None) -> SpotTrace:
     """A trace from CSV text: rows ``time,count`` (no header; blank lines skipped), time in
     ``time_unit`` ("s" or "h"). Rows that repeat the previous count are dropped; the last row's
-    time is the trace's end. Errors name the trace and line."""
+    time is the trace's end. Errors name ``source`` (default: the name) and the line."""
     scale = _time_scale(time_unit)
     times: list[float] = []
     counts: list[int] = []
@@ -175,7 +177,7 @@ def parse_trace(text: str, *, time_unit: str = "s", name: str = "trace") -> Spot
         line = raw.strip()
         if not line:
             continue
-        where = f"{name}:{lineno}"
+        where = f"{source or name}:{lineno}"
         cols = line.split(",")
         if len(cols) != 2:
             raise ValueError(f"{where}: expected 2 comma-separated columns (time,count), got {len(cols)}: {line!r}")
@@ -197,7 +199,7 @@ def parse_trace(text: str, *, time_unit: str = "s", name: str = "trace") -> Spot
         times.append(t * scale)
         counts.append(c)
     if last_t is None:
-        raise ValueError(f"{name}: no rows (expected CSV rows time,count)")
+        raise ValueError(f"{source or name}: no rows (expected CSV rows time,count)")
     return SpotTrace(times_s=tuple(times), counts=tuple(counts), end_s=last_t * scale, name=name)
 
 
@@ -226,7 +228,7 @@ def load_trace(spec: str | os.PathLike, *, time_unit: str | None = None) -> Spot
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: not a CSV trace (byte {exc.start} is not UTF-8 text)") from None
     unit = time_unit if time_unit is not None else ("h" if path.stem.endswith("-hours") else "s")
-    return parse_trace(text, time_unit=unit, name=path.stem)
+    return parse_trace(text, time_unit=unit, name=path.stem, source=os.fspath(path))
 
 
 def generate_trace(*, rate_per_hour: float, nodes: int, hours: float, seed: int = 0,
@@ -620,15 +622,16 @@ class _Replay:
     def failed_over(self) -> int:
         return sum(1 for p in self.pipes if None in p)
 
-    def rate(self) -> float:
-        """Samples/s of the layout while running."""
-        if not self.pipes:
+    def rate(self, pipes: list[list[int | None]] | None = None) -> float:
+        """Samples/s of a layout (default: the current one) while running."""
+        pipes = self.pipes if pipes is None else pipes
+        if not pipes:
             return 0.0
         r = self.c.samples_per_step / self.c.step_s / self.overhead()
         s = self.c.failover_slowdown
         if self.job.sync == "slowest":
-            return len(self.pipes) * r / (s if self.failed_over() else 1.0)
-        return sum(r / s if None in p else r for p in self.pipes)
+            return len(pipes) * r / (s if any(None in p for p in pipes) else 1.0)
+        return sum(r / s if None in p else r for p in pipes)
 
     def overhead(self) -> float:
         return 1.0
@@ -766,21 +769,28 @@ class _Bamboo(_Replay):
         self.res.failovers += len(hit)
         self.pause("failover", self.c.failover_s)
         self.event("failover", f"instances {sorted(hit)} lost; {self.failed_over()} pipeline(s) failed over")
+        self.on_arrival()  # spares may repair it, or fewer full pipelines may be faster
 
     def on_arrival(self) -> None:
+        """Reconfigure when the spares can fully repair a failed-over pipeline or form a new one, or
+        when fresh full-depth pipelines on the up instances would be faster than that."""
         spares = sorted(self.up - self.used())
-        changed = False
-        for p in self.pipes:
+        pipes = [list(p) for p in self.pipes]
+        for p in pipes:
             holes = [s for s in range(self.P) if p[s] is None]
             if holes and len(holes) <= len(spares):
                 for s in holes:
                     p[s] = spares.pop(0)
-                changed = True
-        while len(self.pipes) < self.D and len(spares) >= self.P:
-            self.pipes.append(spares[:self.P])
+        while len(pipes) < self.D and len(spares) >= self.P:
+            pipes.append(spares[:self.P])
             del spares[:self.P]
-            changed = True
-        if changed:
+        ids = sorted(self.up)
+        fresh: list[list[int | None]] = [list(ids[j * self.P:(j + 1) * self.P])
+                                         for j in range(min(self.D, len(ids) // self.P))]
+        if self.rate(fresh) > self.rate(pipes) * (1 + 1e-12):
+            pipes = fresh
+        if pipes != self.pipes:
+            self.pipes = pipes
             self.res.reconfigurations += 1
             self.pause("reconfigure", self.c.reconfigure_s)
             self.event("reconfigure", f"{len(self.up)} instances up; {len(self.pipes)} pipeline(s), "
@@ -887,10 +897,12 @@ def summary(trace: SpotTrace, constants: SpotConstants, job: SpotJob,
     return out
 
 
-def plot_spot(trace: SpotTrace, results: Mapping[str, SpotResult], path: str, title: str | None = None) -> str:
+def plot_spot(trace: SpotTrace, results: Mapping[str, SpotResult], path: str, title: str | None = None,
+              bins: int = 300) -> str:
     """Instances, throughput per strategy and cumulative cost per strategy over time (hours), one
-    panel each; fallback restarts and restarts marked on the throughput panel. Uses
-    ``matplotlib.figure.Figure`` (no pyplot, no backend change)."""
+    panel each. Throughput is the samples produced per bin of span / ``bins`` (checkpoint pauses
+    every few minutes would make a raw step plot a solid band); restarts are marked below it.
+    Uses ``matplotlib.figure.Figure`` (no pyplot, no backend change)."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(8, 7.5), layout="tight")
@@ -899,26 +911,24 @@ def plot_spot(trace: SpotTrace, results: Mapping[str, SpotResult], path: str, ti
     xs = [(t - t0) / 3600.0 for t in trace.times_s] + [trace.span_s / 3600.0]
     ax_n.step(xs, list(trace.counts) + [trace.counts[-1]], where="post", color="0.3")
     ax_n.set_ylabel("instances up")
-    ax_n.set_title(title or f"{trace.name}")
+    ax_n.set_title(title or trace.name)
+    edges = np.linspace(trace.start_s, trace.end_s, bins + 1)
+    width = edges[1] - edges[0]
     for name, res in results.items():
-        x: list[float] = []
-        y: list[float] = []
-        cum: list[float] = [0.0]
-        cx: list[float] = [0.0]
-        total = 0.0
-        for iv in res.timeline:
-            x += [(iv.start_s - t0) / 3600.0, (iv.end_s - t0) / 3600.0]
-            y += [iv.rate, iv.rate]
-            total += iv.cost_usd
-            cx.append((iv.end_s - t0) / 3600.0)
-            cum.append(total)
-        (line,) = ax_r.plot(x, y, lw=0.8, label=name)
-        ax_c.plot(cx, cum, label=name, color=line.get_color())
+        ends = np.array([res.timeline[0].start_s] + [iv.end_s for iv in res.timeline]) if res.timeline else edges[:1]
+        produced = np.concatenate([[0.0], np.cumsum([iv.samples for iv in res.timeline])])
+        spent = np.concatenate([[0.0], np.cumsum([iv.cost_usd for iv in res.timeline])])
+        rate = np.diff(np.interp(edges, ends, produced)) / width
+        mid = (edges[:-1] + edges[1:] - 2 * t0) / 2 / 3600.0
+        (line,) = ax_r.plot(mid, rate, lw=0.9, label=name)
+        ax_c.plot((ends - t0) / 3600.0, spent, label=name, color=line.get_color(),
+                  ls="--" if name == "checkpoint" else "-")
         marks = [(e.t_s - t0) / 3600.0 for e in res.events if e.kind in ("fallback_restart", "restart")]
         if marks:
             ax_r.plot(marks, [0.0] * len(marks), "|", ms=8, color=line.get_color())
-    ax_r.set_ylabel("samples/s")
-    ax_r.legend(fontsize=7, loc="lower right", framealpha=0.6)
+    ax_r.set_ylabel(f"samples/s (mean per {width / 60:.3g} min)")
+    ax_r.set_ylim(bottom=0)
+    ax_r.legend(fontsize=7, loc="lower right", framealpha=0.6, title="| = restart", title_fontsize=7)
     ax_c.set_ylabel("cumulative cost ($)")
     ax_c.set_xlabel("hours")
     ax_c.legend(fontsize=7, loc="upper left", framealpha=0.6)
