@@ -340,6 +340,25 @@ def test_constants_json_schema(tmp_path):
         SpotConstants.from_json(tmp_path / "none.json")
 
 
+def test_constants_left_out_are_defaults_and_say_so():
+    d = SpotConstants()
+    assert d.defaulted == SpotConstants.numeric_fields() and "defaults (not measurements)" in d.source
+    assert (d.redundancy_overhead, d.failover_slowdown, d.restart_s) == (0.15, 1.5, 45.0)
+    m = SpotConstants(step_s=2.0, source="bench")
+    assert m.step_s == 2.0 and "step_s" not in m.defaulted and len(m.defaulted) == 7 and m.source == "bench"
+    assert HAND.defaulted == ()
+
+
+def test_timeline_windows_for_a_measured_replay():
+    """``produced_between`` reads the prediction over any window (what a time-compressed replay on
+    real workers is compared with): in the hand case of test_one_preemption_by_hand."""
+    tr = trace([(0, 4), (100, 3), (300, 4)], 600.0)
+    b = predict(tr, HAND, "bamboo", stages=4, checkpoint_every_s=60.0, **PRICES)
+    assert b.produced_between(0, 600) == pytest.approx(2832.0)
+    assert b.produced_between(100, 135) == pytest.approx(80.0)  # failover 100-110, then 25 s x 3.2
+    assert b.produced_between(50, 70) == pytest.approx(10 * 6.4 + 5 * 6.4)  # 50-60 run, ckpt, 65-70 run
+
+
 def test_job_validation():
     tr = trace([(0, 4)], 10.0)
     for kw, message in [(dict(stages=1), "--stages 1 must be an integer >= 2"),

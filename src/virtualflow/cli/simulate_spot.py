@@ -71,7 +71,7 @@ def load_constants(path: str | None):
     found = find_bench_constants()
     if found is not None:
         return SpotConstants.from_json(found)
-    return SpotConstants(defaulted=SpotConstants.numeric_fields())
+    return SpotConstants()
 
 
 def parse_strategies(spec: str) -> list[str]:

@@ -65,7 +65,7 @@ import heapq
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -353,54 +353,67 @@ def _young(span_s: float, failures: int, checkpoint_s: float) -> float:
 # --------------------------------------------------------------------------------------- constants
 
 
+_CONSTANT_DEFAULTS = {"step_s": 1.0, "samples_per_step": 32.0, "redundancy_overhead": 0.15,
+                      "failover_slowdown": 1.5, "failover_s": 1.0, "reconfigure_s": 10.0, "restart_s": 45.0,
+                      "checkpoint_s": 10.0}
+
+
 @dataclass(kw_only=True, slots=True)
 class SpotConstants:
     """This engine's time and overhead constants, as ``bench/bamboo.py`` measures them.
 
     JSON schema (``bench/results/bamboo.json``): a top-level object with a ``"constants"`` object
     (or that object alone) holding any of the numeric fields below plus an optional ``"source"``
-    string (commit, date, machine). Fields it leaves out keep the defaults here, which are *not*
-    measurements (the issue's targets and Bamboo's published figures) and are listed in
-    ``defaulted``; unknown keys are refused.
+    string (commit, date, machine). Fields it leaves out (None in Python) take the defaults
+    below, which are *not* measurements (the issue's bounds, Bamboo's published figures, two
+    guesses), and are listed in ``defaulted``; unknown keys are refused. ``SpotConstants()`` is all
+    defaults and says so in ``source``.
     """
 
-    step_s: float = 1.0
-    """Seconds per step of one full-depth pipeline without redundancy."""
-    samples_per_step: float = 32.0
-    """Samples one pipeline processes per step (its micro-batches)."""
-    redundancy_overhead: float = 0.15
-    """Redundant computation's cost: throughput / (1 + overhead) (issue target <= 1.15x)."""
-    failover_slowdown: float = 1.5
-    """A pipeline with a node running two stages is this much slower (Bamboo's figure)."""
-    failover_s: float = 1.0
-    """Loss -> first completed step after a failover (issue target <= 1 s)."""
-    reconfigure_s: float = 10.0
-    """Pause of an in-place reconfiguration (new nodes in, pipelines re-formed)."""
-    restart_s: float = 45.0
-    """Restart from a checkpoint: a new node starts and loads it (Bamboo: ~45 s)."""
-    checkpoint_s: float = 10.0
-    """Pause to write one checkpoint."""
-    source: str = "defaults (not measurements): issue targets and Bamboo's published figures"
-    """Where the numbers come from."""
-    defaulted: tuple[str, ...] = ()
-    """Fields that kept their default (not measured)."""
+    step_s: float | None = None
+    """Seconds per step of one full-depth pipeline without redundancy (default 1)."""
+    samples_per_step: float | None = None
+    """Samples one pipeline processes per step, its micro-batches (default 32)."""
+    redundancy_overhead: float | None = None
+    """Redundant computation's cost: throughput / (1 + overhead) (default 0.15, the issue's bound)."""
+    failover_slowdown: float | None = None
+    """A pipeline with a node running two stages is this much slower (default 1.5, Bamboo's figure)."""
+    failover_s: float | None = None
+    """Loss -> first completed step after a failover (default 1, the issue's bound)."""
+    reconfigure_s: float | None = None
+    """Pause of an in-place reconfiguration: newcomers in, pipelines re-formed (default 10, a guess)."""
+    restart_s: float | None = None
+    """Restart from a checkpoint: a new node starts and loads it (default 45, Bamboo's figure)."""
+    checkpoint_s: float | None = None
+    """Pause to write one checkpoint (default 10, a guess)."""
+    source: str = ""
+    """Where the numbers come from (default: says they are defaults)."""
+    defaulted: tuple[str, ...] = field(init=False, default=())
+    """Fields left out (None), which took their default: not measured."""
 
     def __post_init__(self) -> None:
+        missing = tuple(k for k in _CONSTANT_DEFAULTS if getattr(self, k) is None)
+        for k in missing:
+            setattr(self, k, _CONSTANT_DEFAULTS[k])
+        self.defaulted = missing
+        if not self.source:
+            self.source = ("defaults (not measurements): the issue's bounds and Bamboo's published figures"
+                           if len(missing) == len(_CONSTANT_DEFAULTS) else "given")
         for name in ("step_s", "samples_per_step"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"constants: {name}={v!r} must be a finite number > 0")
         for name in ("redundancy_overhead", "failover_s", "reconfigure_s", "restart_s", "checkpoint_s"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"constants: {name}={v!r} must be a finite number >= 0")
         v = self.failover_slowdown
-        if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 1):
+        if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 1):
             raise ValueError(f"constants: failover_slowdown={v!r} must be a finite number >= 1")
 
     @classmethod
     def numeric_fields(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls) if f.name not in ("source", "defaulted"))
+        return tuple(_CONSTANT_DEFAULTS)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, where: str = "constants") -> "SpotConstants":
@@ -421,7 +434,6 @@ class SpotConstants:
             else:
                 raise ValueError(f"{where}: unknown constant {key!r}; known: {sorted(known | {'source'})}")
         kw.setdefault("source", where)
-        kw["defaulted"] = tuple(k for k in cls.numeric_fields() if k not in kw)
         try:
             return cls(**kw)
         except ValueError as exc:
@@ -574,6 +586,16 @@ class SpotResult:
     def samples_per_usd(self) -> float:
         return self.samples / self.cost_usd if self.cost_usd > 0 else 0.0
 
+    def produced_between(self, t0_s: float, t1_s: float) -> float:
+        """Samples the timeline produces in [t0_s, t1_s] (work later lost at a restart included):
+        what a measured replay's counter of completed samples should show over that window."""
+        total = 0.0
+        for iv in self.timeline:
+            lo, hi = max(iv.start_s, t0_s), min(iv.end_s, t1_s)
+            if hi > lo:
+                total += iv.rate * (hi - lo)
+        return total
+
     def totals(self) -> dict[str, Any]:
         return {"strategy": self.strategy, "samples": self.samples, "hours": self.hours, "cost_usd": self.cost_usd,
                 "samples_per_s": self.samples_per_s, "samples_per_usd": self.samples_per_usd,
@@ -605,6 +627,7 @@ class _Replay:
         self.waiting = True
         self.pause_end = -math.inf
         self.pause_kind = ""
+        self.pause_is_restart = False  # the pause under way (re)starts the job: newcomers join it free
         self.commit_at: float | None = None  # a checkpoint being written commits then
         self.run_since_ckpt = 0.0
         self.samples_since_ckpt = 0.0
@@ -642,9 +665,12 @@ class _Replay:
         way to at least its own end (the rest of the pause then carries its name)."""
         end = self.t + seconds
         if restart or self.t >= self.pause_end:
-            self.pause_end, self.pause_kind = end, kind
+            self.pause_end, self.pause_kind, self.pause_is_restart = end, kind, restart
         elif end > self.pause_end:
             self.pause_end, self.pause_kind = end, kind
+
+    def restarting(self) -> bool:
+        return self.pause_is_restart and self.t < self.pause_end
 
     def lose_work(self) -> None:
         self.res.lost_samples += self.samples_since_ckpt
@@ -728,7 +754,7 @@ class _Replay:
                         self.event("restart", f"{len(self.up)} instances up; restart with {len(self.pipes)} "
                                               "pipeline(s)")
                     self.started = True
-            elif self.t < self.pause_end and self.pause_kind in ("restart", "fallback_restart"):
+            elif self.restarting():
                 self.fresh_layout()  # a restart under way takes the newcomers in for free
             else:
                 self.on_arrival()
@@ -753,7 +779,7 @@ class _Bamboo(_Replay):
         return 1.0 + self.c.redundancy_overhead
 
     def on_loss(self, hit: set[int]) -> None:
-        restarting = self.t < self.pause_end and self.pause_kind in ("restart", "fallback_restart")
+        restarting = self.restarting()
         new = [[None if n in hit else n for n in p] for p in self.pipes]
         broken = [j for j, p in enumerate(new)
                   if any(p[s] is None and p[s - 1] is None for s in range(self.P))]  # s - 1 wraps at 0
