@@ -387,8 +387,10 @@ def test_default_checkpoint_interval_is_young_per_strategy():
 # ---------------------------------------------------------------------------------------------- CLI
 
 
-def test_cli_table_outputs_and_json(tmp_path, capsys):
+def test_cli_table_outputs_and_json(tmp_path, capsys, monkeypatch):
     from virtualflow.cli.main import main
+
+    monkeypatch.setattr("virtualflow.cluster.spot.find_bench_constants", lambda: None)  # hermetic
 
     consts = tmp_path / "c.json"
     consts.write_text(json.dumps({"constants": {"redundancy_overhead": 0.1, "source": "unit test"}}))
@@ -426,8 +428,12 @@ def test_cli_default_constants_are_said_to_be_defaults(capsys, monkeypatch):
     assert "all of them defaults, NOT measurements" in capsys.readouterr().out
 
 
-def test_cli_bad_input_one_line_exit_2(tmp_path, capsys):
+def test_cli_bad_input_one_line_exit_2(tmp_path, capsys, monkeypatch):
     from virtualflow.cli.main import main
+
+    monkeypatch.setattr("virtualflow.cluster.spot.find_bench_constants", lambda: None)  # hermetic
+    bad_c = tmp_path / "bad_c.json"
+    bad_c.write_text(json.dumps({"constants": {"restart_s": -45}}))
 
     bad = tmp_path / "bad.csv"
     bad.write_text("0,4\n10,x\n")
@@ -436,14 +442,16 @@ def test_cli_bad_input_one_line_exit_2(tmp_path, capsys):
     base = ["simulate-spot", "--stages", "4"]
     for argv, message in [
         (["--trace", str(tmp_path / "missing.csv")], "--trace '.*missing.csv' does not exist"),
-        (["--trace", str(bad)], r"bad.csv:2: '10,x' is not two numbers time,count"),
-        (["--trace", str(neg)], r"neg.csv:2: time '-3' must be a finite number >= 0"),
+        (["--trace", str(bad)], r"--trace .*bad.csv:2: '10,x' is not two numbers time,count"),
+        (["--trace", str(neg)], r"--trace .*neg.csv:2: time '-3' must be a finite number >= 0"),
         (["--trace", "p2-xlarge-2020-11-20-hours", "--strategies", "bamboo,spot"], "unknown strategy 'spot'"),
         (["--trace", "p2-xlarge-2020-11-20-hours", "--stages", "1"], "--stages 1 must be an integer >= 2"),
         (["--trace", "p2-xlarge-2020-11-20-hours", "--speedup", "-2"], "--speedup -2.0 must be"),
         (["--trace", "p2-xlarge-2020-11-20-hours", "--constants", str(tmp_path / "c.json")],
          "--constants '.*c.json' does not exist"),
         (["--generate", "rate=1,nodes=4"], "lacks hours="),
+        (["--trace", "p2-xlarge-2020-11-20-hours", "--constants", str(bad_c)],
+         "--constants .*bad_c.json: constants: restart_s=-45.0 must be a finite number >= 0"),
     ]:
         assert main(base + argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()

@@ -226,9 +226,9 @@ def load_trace(spec: str | os.PathLike, *, time_unit: str | None = None) -> Spot
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not a CSV trace (byte {exc.start} is not UTF-8 text)") from None
+        raise ValueError(f"--trace {path}: not a CSV trace (byte {exc.start} is not UTF-8 text)") from None
     unit = time_unit if time_unit is not None else ("h" if path.stem.endswith("-hours") else "s")
-    return parse_trace(text, time_unit=unit, name=path.stem, source=os.fspath(path))
+    return parse_trace(text, time_unit=unit, name=path.stem, source=f"--trace {os.fspath(path)}")
 
 
 def generate_trace(*, rate_per_hour: float, nodes: int, hours: float, seed: int = 0,
@@ -452,11 +452,9 @@ class SpotConstants:
             raise ValueError(f"--constants {os.fspath(path)!r}: not valid JSON ({exc})") from None
         if isinstance(data, Mapping) and "constants" in data:
             data = data["constants"]
-        c = cls.from_dict(data, where=os.fspath(path))
-        if c.source == os.fspath(path) or not c.source:
-            c.source = os.fspath(path)
-        else:
-            c.source = f"{os.fspath(path)}: {c.source}"
+        c = cls.from_dict(data, where=f"--constants {os.fspath(path)}")
+        given = data.get("source") if isinstance(data, Mapping) else None
+        c.source = f"{os.fspath(path)}: {given}" if given else os.fspath(path)
         return c
 
     def to_dict(self) -> dict[str, Any]:
