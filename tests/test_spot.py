@@ -209,6 +209,29 @@ def test_a_preempted_spare_costs_nothing():
             assert (b.failovers, b.reconfigurations, c.restarts) == (1, 1, 1)
 
 
+def test_invariants_on_generated_traces():
+    """On many drawn traces, both spot strategies: the timeline tiles the span, cost = instance-hours
+    x spot price, 0 <= samples <= what full pipelines could train, lost work only with restarts,
+    and bamboo never loses work without a fallback restart."""
+    c = SpotConstants(reconfigure_s=5.0, restart_s=30.0, checkpoint_s=3.0)
+    for seed in range(12):
+        tr = generate_trace(rate_per_hour=20, nodes=3 + seed % 6, hours=3, seed=seed, mean_down_s=200)
+        job = SpotJob(stages=2 + seed % 3, seed=seed, sync=("slowest", "proportional")[seed % 2])
+        if tr.max_count < job.stages:
+            continue
+        d = job.resolved_pipelines(tr)
+        for name in ("bamboo", "checkpoint"):
+            r = predict(tr, c, name, job)
+            check_tiles(r, tr)
+            assert r.cost_usd == pytest.approx(tr.instance_hours() * job.spot_price)
+            assert 0 <= r.samples <= d * c.samples_per_step / c.step_s * tr.span_s + 1e-6
+            assert r.lost_samples >= 0 and (r.lost_samples == 0 or r.restarts > 0), (seed, name)
+            assert all(iv.pipelines <= d and iv.instances == tr.count_at(iv.start_s) for iv in r.timeline
+                       if iv.end_s > iv.start_s)
+            assert all(iv.rate == 0 for iv in r.timeline if iv.state != "running")
+        assert predict(tr, c, "bamboo", job).failovers + predict(tr, c, "bamboo", job).restarts > 0
+
+
 # ------------------------------------------------------------------------------------------- traces
 
 

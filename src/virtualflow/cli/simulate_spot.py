@@ -134,7 +134,7 @@ def main(args: argparse.Namespace) -> int:
         every = ", ".join(f"{k} {r['checkpoint_every_s']:.0f} s" for k, r in s["strategies"].items()
                           if r.get("checkpoint_every_s") is not None)
         if every:
-            print(f"checkpoint every ({j['checkpoint_every_from']}): {every}")
+            print(f"checkpoint every: {every} ({j['checkpoint_every_from']})")
         defaulted = constants.defaulted
         note = ("all of them defaults, NOT measurements" if len(defaulted) == len(constants.numeric_fields())
                 else f"defaults, not measured: {', '.join(defaulted)}" if defaulted else "all measured")

@@ -908,7 +908,7 @@ def summary(trace: SpotTrace, constants: SpotConstants, job: SpotJob,
                 "on_demand_price": job.on_demand_price, "seed": job.seed, "sync": job.sync,
                 "checkpoint_every_s": job.checkpoint_every_s,
                 "checkpoint_every_from": "--checkpoint-every-s" if job.checkpoint_every_s is not None
-                else "Young's interval for each strategy's own restart rate (strategies: checkpoint_every_s)"},
+                else "Young's interval for each strategy's own restart rate"},
         "constants": constants.to_dict(),
         "strategies": {k: r.totals() for k, r in results.items()},
     }
