@@ -112,6 +112,20 @@ def test_killed_worker_leaves_the_whole_replicas_training_bit_identical(run_dir)
     assert [h["step"] for h in result.history] == list(range(result.steps))
 
 
+@pytest.mark.parametrize("phase", ["send_recv", "mid_backward", "during_reduction", "after_reduction"])
+def test_a_crash_in_any_phase_of_a_pipelined_step_leaves_the_other_replica_bit_identical(phase, run_dir):
+    """Fault injection inside a pipelined step (2 stages x 2 replicas; worker 2 = stage 0 of
+    replica 1 SIGKILLs itself at step 3): the other replica goes on, the interrupted step is
+    redone (or was committed everywhere), no step is lost or doubled, and the model is the
+    undisturbed one."""
+    plan = vf.FaultPlan([vf.Fault(worker=2, step=3, phase=phase)])
+    result = vf.train(jobs.pipelined_job, workers=4, steps=7, deterministic=True, fault_plan=plan, run_dir=run_dir)
+    assert [f["worker"] for f in result.failures] == [2]
+    assert size_changes(result) == [4, 2]
+    assert_state_equal(result.state_dict, unpipelined(result.steps).state_dict)
+    assert [h["step"] for h in result.history] == list(range(7))
+
+
 def test_2bw_resize_keeps_the_weight_versions_bit_identical(run_dir):
     """PipeDream-2BW across a grow and a shrink: the newcomers receive the older weight version
     too, resizes land at window ends, and the run equals the undisturbed in-process run."""

@@ -8,8 +8,11 @@ failure can strike a step or a membership change:
 phase               where the worker is when the fault fires
 ==================  =========================================================================
 before_forward      at the start of the step, before any VN's forward
-mid_backward        inside the backward of the step's last VN (gradient buckets in flight)
-during_reduction    the gradient all-reduce is launched and peers are inside it
+mid_backward        inside the backward of the step's last VN (gradient buckets in flight;
+                    pipelines: the step's first backward action)
+send_recv           pipelines: the step's first point-to-point message (an activation) is sent
+during_reduction    the gradient all-reduce is launched and peers are inside it (pipelines: the
+                    step's commit all-reduce)
 after_reduction     the reduced gradient is held, before the optimizer step is applied
 state_transfer      a state broadcast to newcomers has begun (fires on source and receivers)
 ==================  =========================================================================
@@ -30,7 +33,7 @@ import os
 import signal
 from dataclasses import dataclass, field
 
-PHASES = ("before_forward", "mid_backward", "during_reduction", "after_reduction", "state_transfer")
+PHASES = ("before_forward", "mid_backward", "send_recv", "during_reduction", "after_reduction", "state_transfer")
 ACTIONS = ("crash", "hang", "error")
 
 

@@ -223,6 +223,10 @@ class StageEngine:
         window's first step runs on); ``None`` before the first update."""
         self._clone_input = {k: any(getattr(mod, "inplace", False) for mod in next(iter(m.children()), nn.Identity()).modules())
                              for k, m in self.pieces.items()}
+        self.fault_point: Callable[[str], None] | None = None
+        """Fault injection (tests): called with a phase name at the points of
+        :mod:`virtualflow.runtime.faults` a step passes (first send, first backward, the commit's
+        reduction, the update)."""
         self.replica_of_successor: StageReplica | None = None
         """``Pipeline.redundancy``: the successor's stage, kept up to date after every step."""
         if successor_pieces is not None:
@@ -290,6 +294,7 @@ class StageEngine:
         actions = schedule.actions[self.stage_rank]
         receives = [k for k, a in enumerate(actions) if a.kind in ("RECV_F", "RECV_B")]
         announced = 0  # receives[:announced] have been announced
+        sent = backed = False
         for index, a in enumerate(actions):
             done = bisect.bisect_left(receives, index)  # receives before this action have run
             while announced < min(len(receives), done + LOOKAHEAD):
@@ -305,6 +310,9 @@ class StageEngine:
                 local[("B", a.stage + 1, a.microbatch)] = tensors
             elif a.kind == "SEND_F":
                 ctx = mbs[a.stage, a.microbatch]
+                if not sent and self.fault_point is not None:
+                    sent = True
+                    self.fault_point("send_recv")
                 yield Send(a.peer, ("F", a.stage, a.microbatch), _forward_message(ctx))
             elif a.kind == "SEND_B":
                 yield Send(a.peer, ("B", a.stage, a.microbatch), grads_out.pop((a.stage, a.microbatch)))
@@ -320,6 +328,9 @@ class StageEngine:
                 if a.stage + 1 in self.pieces:  # pass to the next piece on this worker
                     local[("F", a.stage, a.microbatch)] = _forward_message(mbs[a.stage, a.microbatch])
             else:  # B, I, W
+                if not backed and self.fault_point is not None:
+                    backed = True
+                    self.fault_point("mid_backward")
                 ctx = mbs[a.stage, a.microbatch]
                 if a.kind in ("B", "I") and a.stage != self.last:
                     ctx.out_grads = local.pop(("B", a.stage + 1, a.microbatch))
@@ -560,7 +571,11 @@ class StageEngine:
             if self.replica == 0:
                 stats[V + 1] = float(loss_total)
         stats[V] = control
+        if self.fault_point is not None:
+            self.fault_point("during_reduction")
         stats = yield AllSum(stats)
+        if self.fault_point is not None:
+            self.fault_point("after_reduction")
         if self.deterministic and self.bn_numel and self.batchnorm == "first":
             vec = torch.cat([bn_first.get(k, torch.zeros(self.bn[k].numel, device=self.device)) for k in self.pieces])
             bn_new = (yield StageSum(vec)) if self.replicas > 1 else vec

@@ -287,6 +287,7 @@ class PipelineWorkerEngine:
         self._broken_window = False
         self.resume_state: dict[str, Any] | None = None
         """A state (checkpoint) to start from: loaded when the worker learns its stage."""
+        self._fault: Callable[[int, str], None] | None = None
         self.timeline_dir: str | None = None
         """Where recorded timelines go (``Pipeline.record_timeline``); set by the worker."""
 
@@ -298,8 +299,9 @@ class PipelineWorkerEngine:
     def scheduler(self):
         return self.stage.scheduler if self.stage is not None else None
 
-    def install_fault_point(self, fn) -> None:  # fault injection is not wired into pipelines yet
-        pass
+    def install_fault_point(self, fn) -> None:
+        """Call ``fn(step, phase)`` at each fault-injection point of a step (runtime/faults.py)."""
+        self._fault = fn
 
     def _build_stage(self, stage_rank: int) -> None:
         from virtualflow.pipeline import piece_module, successor_pieces, tied_for_worker
@@ -353,6 +355,10 @@ class PipelineWorkerEngine:
             end = self.total_steps if self.total_steps is not None else step + self.pipeline.window
             n = max(1, min(self.pipeline.window, end - step))
         self.stage.slowdown = self.slowdown
+        fault = self._fault
+        if fault is not None:
+            fault(step, "before_forward")
+            self.stage.fault_point = lambda phase: fault(step, phase)
         self.phase = "compute"
         results = drive(self.stage.steps(step, n, control), group=self.group, stage_group=self.stage_group,
                         grid=self.grid, n_pieces=len(self.bounds), device=self.device, links=self.links)
