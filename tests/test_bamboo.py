@@ -142,3 +142,41 @@ def test_redundant_pipeline_trains_the_same_model_in_processes_across_a_grow(run
     ref = vf.train(jobs.pipelined_redundant_job().replace(pipeline=Pipeline(stages=3)), workers=3,
                    steps=result.steps, deterministic=True)
     assert_state_equal(result.state_dict, ref.state_dict)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reduction", ["allreduce", "sharded"])
+def test_a_preemption_notice_releases_the_worker_at_a_step_boundary(reduction, run_dir):
+    """SIGTERM to a training worker is a preemption notice: the job regroups without it at a step
+    boundary (no failure, no step redone, the sharded optimizer's chunk handed over) and it
+    leaves cleanly; the model is the undisturbed one, bit for bit."""
+    import json
+    import os
+    import signal
+    import time
+
+    from conftest import assert_same_training, wait_for_step
+
+    handle = vf.launch(jobs.elastic_job, workers=3, steps=1_000_000, deterministic=True, reduction=reduction,
+                       run_dir=run_dir)
+    wait_for_step(handle, 3)
+    victim = next(w for w in handle.status()["workers"] if w["rank"] == 1)
+    os.kill(victim["pid"], signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while len([w for w in handle.status()["workers"] if w["rank"] is not None]) != 2:
+        assert time.monotonic() < deadline, handle.status()
+        time.sleep(0.05)
+    wait_for_step(handle, handle.status()["step"] + 3)
+    result = handle.stop()
+    assert result.failures == []
+    sizes = [h["workers"] for h in result.history]
+    assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [3, 2]
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        events = [json.loads(line) for line in f]
+    assert [e["worker"] for e in events if e["event"] == "preemption_notice"] == [victim["id"]]
+    formed = [e for e in events if e["event"] == "formed" and e.get("change") == "preempted"]
+    assert len(formed) == 1 and formed[0]["noticed"] == [victim["id"]]
+    assert [e["worker"] for e in events if e["event"] == "leave"] == [victim["id"]]
+    ref = vf.train(jobs.elastic_job().replace(loss=jobs.cross_entropy), workers=2, steps=result.steps,
+                   deterministic=True)
+    assert_same_training(result, ref)

@@ -11,9 +11,13 @@ import sys
 def main(argv: list[str]) -> int:
     worker_id = int(argv[1])
     config = pickle.loads(sys.stdin.buffer.read())
-    from virtualflow.runtime.worker import run_worker
+    import signal
 
-    return run_worker(config, worker_id)
+    from virtualflow.runtime.worker import PreemptionNotice, run_worker
+
+    notice = PreemptionNotice()
+    signal.signal(signal.SIGTERM, notice.handler)  # while training: a preemption notice
+    return run_worker(config, worker_id, notice)
 
 
 if __name__ == "__main__":

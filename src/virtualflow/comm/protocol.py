@@ -152,6 +152,7 @@ REPORTS: dict[str, dict[str, Any]] = {
     "error": {"error": STR, "traceback": STR, "step": OPT(INT)},
     "done": {"step": INT, "rank": INT, "peak_rss_mib": NUM, "optimizer_bytes": INT},
     "leave": {"step": INT},
+    "notice": {"step": INT},
     "rejected": {"channel": STR, "reason": STR, "message": STR, "bytes": INT},
 }
 """Fields of each report type beyond :data:`REPORT_FIELDS` (``rejected``: a worker refused a

@@ -120,6 +120,8 @@ class MembershipController:
         self.min_workers_timeout_s = options.min_workers_timeout_s
         self.max_newcomer_failures = max_newcomer_failures
         self.assign = assign
+        self.noticed: list[int] = []
+        """Members that reported a preemption notice and have not been released yet."""
         self.stages: int | None = None
         """Set for a pipelined job: resizes go in whole replicas of this many stages."""
         self.clock = clock
@@ -277,6 +279,13 @@ class MembershipController:
                              step=r["step"], error=r["error"][:300])
         elif kind == "leave":
             self.coord.event("leave", worker=wid, step=r["step"])
+        elif kind == "notice":
+            # A preemption notice (SIGTERM to the worker, as a spot instance gets before it is
+            # reclaimed): the worker keeps training until a generation without it forms at a
+            # step boundary, then leaves; nothing is lost and no step is redone.
+            self.coord.event("preemption_notice", worker=wid, step=r["step"])
+            if wid in self.members and wid not in self.noticed:
+                self.noticed.append(wid)
         elif kind == "held":
             self.coord.event("held", generation=r["generation"], step=r["step"], checkpoint=r["checkpoint"])
             self.hold_checkpoint = r["checkpoint"]
@@ -514,6 +523,8 @@ class MembershipController:
     def _plan(self, now: float) -> None:
         if self.busy:
             return
+        if self._release_noticed():
+            return
         size = len(self.members)
         if self.hold:
             if size + len(self.ready) >= self.min_workers:
@@ -546,6 +557,32 @@ class MembershipController:
             keep = self.members[: self.target]
             self._publish(keep, kind="shrink", hold=False, command=True,
                           detail={"from": size, "to": self.target, "removed": self.members[self.target:]})
+
+    def _release_noticed(self) -> bool:
+        """Publish a generation without the members that got a preemption notice (a planned
+        shrink: every member regroups at the same step boundary; a pipelined job loses the
+        noticed worker's whole replica). With ``replace_failed`` the target stays, so
+        replacements start. Returns whether a generation was published."""
+        noticed = [w for w in self.noticed if w in self.members]
+        self.noticed = noticed
+        if not noticed:
+            return False
+        members = list(self.members)
+        if self.stages is not None:
+            p = self.stages
+            broken = {i // p for i, w in enumerate(members) if w in noticed}
+            keep = [w for i, w in enumerate(members) if i // p not in broken]
+        else:
+            keep = [w for w in members if w not in noticed]
+        if not keep or len(keep) < self.min_workers:
+            return False  # nothing to hand over to: the notice runs out and the loss is a failure
+        target = self.target
+        self.noticed = []
+        self.publish(keep, kind="preempted", detail={"noticed": noticed, "removed": [w for w in members
+                                                                                     if w not in keep]})
+        if self.replace_failed:
+            self.target = target  # replacements start and the job grows back (_plan)
+        return True
 
     def _start_missing(self, need: int) -> None:
         for _ in range(need - len(self.ready) - len(self.pending)):

@@ -49,6 +49,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -153,8 +155,9 @@ def training_state(job: Job, engine: VNEngine, step: int,
     }
 
 
-def run_worker(cfg: WorkerConfig, worker_id: int) -> int:
-    """Run one worker to completion; returns the process exit code."""
+def run_worker(cfg: WorkerConfig, worker_id: int, notice: PreemptionNotice | None = None) -> int:
+    """Run one worker to completion; returns the process exit code. ``notice``: the process's
+    SIGTERM handling, when its entry point installed one (:class:`PreemptionNotice`)."""
     if not cfg.run_key or not auth.is_job_id(cfg.job_id):
         raise ValueError("WorkerConfig has no run key or job id: a worker signs its reports and checks the "
                          "coordinator's messages with them (the launching process fills them in)")
@@ -170,7 +173,7 @@ def run_worker(cfg: WorkerConfig, worker_id: int) -> int:
     step = -1
     reporter = Reporter(store, protocol.RunKey(cfg.run_key, cfg.job_id), worker_id)
     try:
-        Worker(cfg, worker_id, store, reporter).run()
+        Worker(cfg, worker_id, store, reporter, notice).run()
         return 0
     except Exception as exc:
         try:
@@ -183,6 +186,27 @@ def run_worker(cfg: WorkerConfig, worker_id: int) -> int:
         except Exception:
             pass
         return 1
+
+
+class PreemptionNotice:
+    """A worker process's SIGTERM handling (installed by the entry point, :meth:`handler`).
+
+    A SIGTERM while the worker trains is a *preemption notice* (what a spot instance gets before
+    it is reclaimed): :attr:`given` is set, the worker asks at its next step boundary to be
+    released, the job regroups without it at a step boundary and it leaves cleanly: no failure,
+    no step redone, nothing lost (the sharded reduction hands its optimizer chunk over). A
+    SIGTERM at any other time (waiting for a generation, setting up), or a second one, ends the
+    process at once, as the default action would (the launcher's shutdown sends SIGTERM, then
+    SIGKILL)."""
+
+    def __init__(self) -> None:
+        self.given = threading.Event()
+        self.training = threading.Event()
+
+    def handler(self, signum: int, frame: Any) -> None:
+        if self.given.is_set() or not self.training.is_set():
+            os._exit(128 + signal.SIGTERM)
+        self.given.set()
 
 
 class _Aborted(Exception):
@@ -263,8 +287,11 @@ def _save_checkpoint(cfg: WorkerConfig, job: Job, engine: VNEngine, step: int,
 class Worker:
     """One worker's life: generations one after another until the job ends or it leaves."""
 
-    def __init__(self, cfg: WorkerConfig, worker_id: int, store: dist.Store, reporter: Reporter) -> None:
+    def __init__(self, cfg: WorkerConfig, worker_id: int, store: dist.Store, reporter: Reporter,
+                 notice: PreemptionNotice | None = None) -> None:
         self.cfg, self.id, self.store = cfg, worker_id, store
+        self.notice = notice
+        self._noticed = False
         self.report = reporter
         self.run_key = reporter.run
         self.rejections = Rejections(reporter)
@@ -525,11 +552,21 @@ class Worker:
         return group
 
     def _steps(self, record: protocol.GenerationRecord, group: Group) -> str:
-        """Train until the end, a stop, or a planned regroup; returns which."""
-        cfg, job, engine = self.cfg, self.job, self.engine
-        gen, rank = record.generation, group.rank
+        """Train until the end, a stop, or a planned regroup; returns which. While it trains, a
+        SIGTERM is a preemption notice (:class:`PreemptionNotice`)."""
         step = self.progress.step
         t_prev = time.perf_counter()
+        if self.notice is not None:
+            self.notice.training.set()
+        try:
+            return self._train(record, group, step, t_prev)
+        finally:
+            if self.notice is not None:
+                self.notice.training.clear()
+
+    def _train(self, record: protocol.GenerationRecord, group: Group, step: int, t_prev: float) -> str:
+        cfg, job, engine = self.cfg, self.job, self.engine
+        gen, rank = record.generation, group.rank
         while step < cfg.total_steps:
             control = self.heartbeat.control_seq if rank == 0 else 0
             outcome = engine.step(step, control)
@@ -551,6 +588,9 @@ class Worker:
                 self._pipeline_boundary(group, step)
             elif self.sharded:
                 self._sharded_boundary(group, step)
+            if self.notice is not None and self.notice.given.is_set() and not self._noticed:
+                self._noticed = True  # reported once, at a step boundary (the reporter is not shared)
+                self.report({"type": "notice", "step": step})
             if rank != 0:
                 self.report.flush()  # what the heartbeat thread refused, if anything
             else:
