@@ -108,8 +108,24 @@ def run_sharded(kind: str, gs: list[torch.Tensor], sizes: list[int]) -> list:
                     fabric.all_gather(rank, f.flat, s.bounds)
                     s.scheduler_step(scheds[rank])
                 held = s.state_bytes()
-                state = s.gather_state(lambda b, bd: fabric.all_gather(rank, b, bd),
-                                       lambda v: fabric.all_reduce(rank, v))
+                lo, hi = s.chunk()
+
+                def everywhere(chunk: torch.Tensor) -> torch.Tensor:
+                    whole = chunk.new_zeros(f.numel)
+                    whole[lo:hi] = chunk
+                    fabric.all_gather(rank, whole, s.bounds)
+                    return whole
+
+                def to_rank0(chunk: torch.Tensor):
+                    whole = everywhere(chunk)
+                    return whole if rank == 0 else None
+
+                # A checkpoint's gather: only rank 0 gets the state (the others None).
+                at_root = s.gather_state(to_rank0, lambda v: fabric.all_reduce(rank, v))
+                assert (at_root is None) == (rank != 0)
+                state = s.gather_state(everywhere, lambda v: fabric.all_reduce(rank, v))
+                if at_root is not None:
+                    assert_optimizer_state_equal(at_root, state)
                 s.keep_full(state)
                 out[rank] = (models[rank].state_dict(), state, held)
             except BaseException as exc:  # noqa: BLE001 - reported by the test

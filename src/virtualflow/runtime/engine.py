@@ -47,6 +47,10 @@ from virtualflow.plan.vnmap import TreePlan
 from virtualflow.runtime.sharded import FlatParams, ShardedOptimizer
 
 
+_GATHER_TAG = 17
+"""Point-to-point tag of a sharded optimizer state's gather to one member (the ring's own tags
+start at 2**30, so they never meet)."""
+
 PROBE_EVERY = 4
 """Steps between probes of a worker with no VN while a probe fits in the time it waits anyway."""
 PROBE_BUDGET = 0.02
@@ -368,14 +372,38 @@ class VNEngine:
                                "(a collective) first")
         return self.shard.full
 
-    def gather_optimizer_state(self) -> dict[str, Any]:
-        """The whole optimizer state on every member: a collective with the sharded reduction (every
-        member calls it at the same point), a local read otherwise."""
+    def gather_optimizer_state(self, root: int | None = None) -> dict[str, Any] | None:
+        """The whole optimizer state: with the sharded reduction a collective (every member calls
+        it at the same point) that delivers it to every member, or only to rank ``root`` (the
+        others get ``None`` and never hold more than their chunk); a local read otherwise."""
         if self.shard is None:
             return self.optimizer.state_dict()
         assert self.comm is not None and self.group is not None
-        comm, group = self.comm, self.group
-        return self.shard.gather_state(lambda buf, bounds: comm.all_gather(buf, bounds), group.all_reduce)
+        comm, group, bounds = self.comm, self.group, self.shard.bounds
+        lo, hi = self.shard.chunk()
+
+        def everywhere(chunk: torch.Tensor) -> torch.Tensor:
+            whole = chunk.new_zeros(self.shard.flat.numel)
+            whole[lo:hi].copy_(chunk)
+            comm.all_gather(whole, bounds)
+            return whole
+
+        def to_root(chunk: torch.Tensor) -> torch.Tensor | None:
+            if group.size == 1:
+                return chunk
+            if group.rank != root:
+                if chunk.numel():
+                    group.send(chunk, root, tag=_GATHER_TAG)
+                return None
+            whole = chunk.new_zeros(self.shard.flat.numel)
+            whole[lo:hi].copy_(chunk)
+            works = [group.irecv(whole[a:b], q, tag=_GATHER_TAG) for q, (a, b) in enumerate(bounds)
+                     if q != root and b > a]
+            for w in works:
+                w.wait()
+            return whole
+
+        return self.shard.gather_state(everywhere if root is None else to_root, group.all_reduce)
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         if self.shard is None:

@@ -224,18 +224,22 @@ class ShardedOptimizer:
             scheduler.step()
 
     # -- moving the whole state -----------------------------------------------------------------
-    def gather_state(self, all_gather: Callable[[torch.Tensor, Bounds], None],
-                     all_reduce: Callable[[torch.Tensor], None]) -> dict[str, Any]:
-        """The whole optimizer state, in the user's optimizer's ``state_dict`` format, on every member.
+    def gather_state(self, gather: Callable[[torch.Tensor], torch.Tensor | None],
+                     all_reduce: Callable[[torch.Tensor], None]) -> dict[str, Any] | None:
+        """The whole optimizer state, in the user's optimizer's ``state_dict`` format.
 
-        ``all_gather(flat, bounds)`` and ``all_reduce(vector)`` are the generation's collectives
-        (in place); every member calls this at the same point. Elementwise state tensors travel
-        as flat vectors cut like the parameters; which parameter has which entry, and scalar
-        entries (Adam's ``step``), come from the member owning the parameter's first element.
+        ``gather(chunk)`` takes this member's chunk of a flat vector cut like the parameters and
+        returns the whole vector where the state is wanted (every member for an all-gather, the
+        writer of a checkpoint for a gather to one member) and ``None`` elsewhere; members where
+        it returned ``None`` get ``None`` (they never hold more than their chunk). ``all_reduce``
+        sums a small vector over the members. Every member calls this at the same point. Which
+        parameter has which entry, and scalar entries (Adam's ``step``), come from the member
+        owning the parameter's first element.
         """
         if self.full is not None:
             return self.full
         flat, n = self.flat.flat, len(self.flat.params)
+        lo, hi = self.chunk()
         mine = self.local.state if self.local is not None else {}
         owned = [i for i, (a, _) in self.pieces.items() if a == self.flat.offsets[i]]
         info = torch.zeros(len(_STATE_KEYS) + 1, n, dtype=torch.float64, device=flat.device)
@@ -253,6 +257,7 @@ class ShardedOptimizer:
         if step_dtype is None:
             step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
         state: dict[int, dict[str, Any]] = {i: {} for i in range(n)}
+        wanted = True
         for j, key in enumerate(_STATE_KEYS):
             have = info[j] > 0
             if not bool(have.any()):
@@ -261,15 +266,20 @@ class ShardedOptimizer:
                 for i in torch.nonzero(have).flatten().tolist():
                     state[i]["step"] = torch.tensor(info[-1, i].item(), dtype=step_dtype)
                 continue
-            buf = torch.zeros(self.flat.numel, dtype=flat.dtype, device=flat.device)
+            chunk = torch.zeros(hi - lo, dtype=flat.dtype, device=flat.device)
             for i, (a, view) in self.pieces.items():
                 value = mine.get(view, {}).get(key)
                 if value is not None:
-                    buf[a : a + view.numel()].copy_(value.reshape(-1))
-            all_gather(buf, self.bounds)
+                    chunk[a - lo : a - lo + view.numel()].copy_(value.reshape(-1))
+            whole = gather(chunk)
+            if whole is None:
+                wanted = False
+                continue
             for i in torch.nonzero(have).flatten().tolist():
                 p, o = self.flat.params[i], self.flat.offsets[i]
-                state[i][key] = buf[o : o + p.numel()].view_as(p).clone()
+                state[i][key] = whole[o : o + p.numel()].view_as(p).clone()
+        if not wanted:
+            return None
         groups = self.user.state_dict()["param_groups"]
         return {"state": {pos: state[i] for pos, i in enumerate(self.order) if state[i]}, "param_groups": groups}
 

@@ -398,7 +398,7 @@ class Worker:
         """The training state a checkpoint or the final state holds; ``None`` except on rank 0.
         A collective for a pipelined job (rank 0 gathers the stages), local otherwise."""
         if not self.pipelined:
-            optimizer = self.engine.gather_optimizer_state() if self.sharded else None  # a collective
+            optimizer = self.engine.gather_optimizer_state(root=0) if self.sharded else None  # a collective
             return training_state(self.job, self.engine, step, optimizer) if group.rank == 0 else None
         state = self.engine.gather_state(group)
         if state is None:
