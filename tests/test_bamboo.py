@@ -180,3 +180,122 @@ def test_a_preemption_notice_releases_the_worker_at_a_step_boundary(reduction, r
     ref = vf.train(jobs.elastic_job().replace(loss=jobs.cross_entropy), workers=2, steps=result.steps,
                    deterministic=True)
     assert_same_training(result, ref)
+
+
+# -- failover and reconfiguration decisions (pure) -------------------------------------------
+
+def test_failover_gives_a_lost_stage_to_its_predecessor():
+    from virtualflow.plan.pipeline.failover import Failover, failover, standard
+
+    got = failover(standard(4), [2])
+    assert got == Failover(((0,), (1, 2), (3,)), (0, 1, 3), {2: 1})
+    assert failover(standard(4), [1, 3]).layout == ((0, 1), (2, 3))
+    assert failover(standard(3), [2]).layout == ((0,), (1, 2))
+    assert failover(((0,), (1, 2), (3,)), [2]).layout == ((0,), (1, 2, 3))
+
+
+@pytest.mark.parametrize("layout,lost,why", [
+    (((0,), (1,), (2,), (3,)), [1, 2], r"consecutive stages 1 and 2"),
+    (((0,), (1,), (2,)), [0], r"first stage 0.*last worker"),
+    (((0,), (1, 2), (3,)), [1], r"running stages \[1, 2\]"),
+])
+def test_failover_falls_back_where_no_replica_covers_the_loss(layout, lost, why):
+    from virtualflow.plan.pipeline.failover import Fallback, failover
+
+    got = failover(layout, lost)
+    assert isinstance(got, Fallback)
+    import re
+    assert re.search(why, got.reason), got.reason
+
+
+def test_reconfiguration_hands_taken_over_stages_back_to_newcomers():
+    from virtualflow.plan.pipeline.failover import check_layout, reconfigure
+
+    got = reconfigure(((0,), (1, 2), (3,)), 1)
+    assert got.layout == ((0,), (1,), (2,), (3,)) and got.order == (0, 1, None, 2)
+    got = reconfigure(((0, 1), (2, 3)), 1)
+    assert got.layout == ((0,), (1,), (2, 3)) and got.order == (0, None, 1)
+    assert reconfigure(((0, 1), (2, 3)), 5).layout == ((0,), (1,), (2,), (3,))
+    with pytest.raises(ValueError, match="consecutive stages"):
+        check_layout([[0], [2], [1]], 3)
+
+
+# -- failover end to end ------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["before_forward", "send_recv", "mid_backward", "during_reduction",
+                                   "after_reduction"])
+def test_a_single_pipeline_fails_over_in_any_phase_and_trains_the_undisturbed_model(phase, run_dir):
+    """3 stages, one pipeline, redundancy: the middle worker SIGKILLs itself at step 3 in
+    ``phase``; stage 0's worker takes stage 1 over from its replica, the pipeline goes on two
+    workers deep, no step is lost or doubled, and the model is the undisturbed run's, bit for bit."""
+    import json
+    import os
+
+    from conftest import assert_state_equal
+
+    plan = vf.FaultPlan([vf.Fault(worker=1, step=3, phase=phase)])
+    result = vf.train(jobs.pipelined_redundant_job, workers=3, steps=7, deterministic=True, fault_plan=plan,
+                      run_dir=run_dir)
+    assert [f["worker"] for f in result.failures] == [1]
+    sizes = [h["workers"] for h in result.history]
+    assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [3, 2]
+    assert [h["step"] for h in result.history] == list(range(7))
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        events = [json.loads(line) for line in f]
+    failover = [e for e in events if e["event"] == "failover"]
+    assert len(failover) == 1 and failover[0]["layout"] == [[0, 1], [2]]
+    ref = vf.train(jobs.pipelined_redundant_job().replace(pipeline=Pipeline(stages=3)), workers=3, steps=7,
+                   deterministic=True)
+    assert_state_equal(result.state_dict, ref.state_dict)
+
+
+@pytest.mark.slow
+def test_a_failed_over_pipeline_reconfigures_to_full_depth_when_a_worker_returns(run_dir):
+    """replace_failed: after the failover a replacement starts; when it is ready the pipeline
+    re-forms at a step boundary, the replacement taking back the stage its predecessor ran;
+    every step once, the undisturbed model."""
+    import json
+    import os
+    import time
+
+    from conftest import assert_state_equal, wait_for_step
+
+    plan = vf.FaultPlan([vf.Fault(worker=2, step=3, phase="mid_backward")])
+    handle = vf.launch(jobs.pipelined_redundant_job, workers=3, steps=1_000_000, deterministic=True,
+                       fault_plan=plan, replace_failed=True, run_dir=run_dir)
+    deadline = time.monotonic() + 120
+    while True:
+        st = handle.status()
+        if st.get("generation", 0) >= 2 and len([w for w in st["workers"] if w["rank"] is not None]) == 3:
+            break
+        assert time.monotonic() < deadline and not handle.done, st
+        time.sleep(0.05)
+    wait_for_step(handle, handle.status()["step"] + 3)
+    result = handle.stop()
+    sizes = [h["workers"] for h in result.history]
+    assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [3, 2, 3]
+    assert [h["step"] for h in result.history] == list(range(result.steps))
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        events = [json.loads(line) for line in f]
+    assert [e["layout"] for e in events if e["event"] == "failover"] == [[[0], [1, 2]]]
+    assert [e["layout"] for e in events if e["event"] == "reconfigure"] == [[[0], [1], [2]]]
+    ref = vf.train(jobs.pipelined_redundant_job().replace(pipeline=Pipeline(stages=3)), workers=3,
+                   steps=result.steps, deterministic=True)
+    assert_state_equal(result.state_dict, ref.state_dict)
+
+
+@pytest.mark.slow
+def test_a_loss_redundancy_cannot_cover_ends_with_the_reason_and_the_way_out(run_dir):
+    """The first stage's worker: its replica is on the last worker, which cannot run the first
+    and the last stage together: the job ends (fallback_restart event) naming why and --resume."""
+    import json
+    import os
+
+    plan = vf.FaultPlan([vf.Fault(worker=0, step=2, phase="during_reduction")])
+    with pytest.raises(vf.TrainingError, match=r"first stage 0.*redundancy cannot cover the loss.*--resume"):
+        vf.train(jobs.pipelined_redundant_job, workers=3, steps=6, deterministic=True, fault_plan=plan,
+                 run_dir=run_dir)
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        events = [json.loads(line) for line in f]
+    assert [e["event"] for e in events if e["event"] in ("failover", "fallback_restart")] == ["fallback_restart"]

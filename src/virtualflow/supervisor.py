@@ -131,6 +131,7 @@ class Supervisor:
         )
         if self.job.pipeline is not None:
             self.controller.stages = self.job.pipeline.stages
+            self.controller.redundancy = self.job.pipeline.redundancy
         self.controller.last_step = setup.resume_step
         self.autoscaler: AutoscaleExecutor | None = None
         if setup.autoscale is not None:

@@ -170,7 +170,7 @@ COMMANDS: dict[str, dict[str, Any]] = {
     "slowdown": {"worker": INT, "factor": NUM},
 }
 GENERATION = {"generation": INT, "members": LIST(INT), "assignment": LIST(LIST(INT)), "start_step": INT,
-              "hold": BOOL, "reason": STR, "vn_sizes": OPT(LIST(INT))}
+              "hold": BOOL, "reason": STR, "vn_sizes": OPT(LIST(INT)), "layout": OPT(LIST(LIST(INT)))}
 
 
 def check(value: Any, spec: Any, where: str = "message") -> None:
@@ -251,6 +251,10 @@ class GenerationRecord:
     reason: str = ""
     vn_sizes: list[int] | None = None
     """Samples per VN when VN sizes differ per worker (``uneven_vn_sizes``); None: ``B/V`` each."""
+    layout: list[list[int]] | None = None
+    """A pipelined job after a Bamboo failover: the stages each member runs (one pipeline
+    replica, in order; :mod:`virtualflow.plan.pipeline.failover`). None: member ``r`` runs stage
+    ``r mod p``."""
 
     def seal(self, run: RunKey) -> str:
         return run.seal("generation", asdict(self))
@@ -264,6 +268,8 @@ def parse_generation(run: RunKey, raw: Any, generation: int) -> GenerationRecord
         raise BadMessage(f"the record of generation {p['generation']} stored as generation {generation}'s")
     if len(p["assignment"]) != len(p["members"]) or len(set(p["members"])) != len(p["members"]):
         raise BadMessage("generation record: members and assignment do not match")
+    if p["layout"] is not None and len(p["layout"]) != len(p["members"]):
+        raise BadMessage("generation record: members and layout do not match")
     return GenerationRecord(**{k: p[k] for k in GENERATION})
 
 

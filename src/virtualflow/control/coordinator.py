@@ -111,14 +111,15 @@ class Coordinator:
     # -- generations and commands ---------------------------------------------------------
     def publish_generation(self, generation: int, members: Sequence[int], assignment: Sequence[Sequence[int]],
                            start_step: int, *, hold: bool = False, reason: str = "",
-                           vn_sizes: list[int] | None = None) -> None:
+                           vn_sizes: list[int] | None = None, layout: list[list[int]] | None = None) -> None:
         record = protocol.GenerationRecord(generation, list(members), [list(a) for a in assignment], start_step,
-                                           hold=hold, reason=reason, vn_sizes=vn_sizes)
+                                           hold=hold, reason=reason, vn_sizes=vn_sizes, layout=layout)
         self.store.set(protocol.generation_key(generation), record.seal(self.run))
         self.store.set(protocol.GENERATION_KEY, str(generation))
         self.progress.generation = generation
         self.event("generation", generation=generation, members=list(members), assignment=record.assignment,
-                   start_step=start_step, hold=hold, reason=reason, vn_sizes=vn_sizes)
+                   start_step=start_step, hold=hold, reason=reason, vn_sizes=vn_sizes,
+                   **({"layout": layout} if layout is not None else {}))
         if generation > 0:
             ids = ", ".join(f"worker {w} runs VNs {_span(a)}" for w, a in zip(members, assignment))
             logger.info("generation %d (%s, from step %d)%s: %s", generation, reason, start_step,

@@ -124,6 +124,11 @@ class MembershipController:
         """Members that reported a preemption notice and have not been released yet."""
         self.stages: int | None = None
         """Set for a pipelined job: resizes go in whole replicas of this many stages."""
+        self.redundancy = False
+        """A pipelined job with Bamboo's redundant stages: a single pipeline that loses a worker
+        fails over (:mod:`virtualflow.plan.pipeline.failover`) instead of ending."""
+        self.layout: tuple[tuple[int, ...], ...] | None = None
+        """The current generation's layout after a failover (None: one stage per member)."""
         self.clock = clock
         self.target = options.start_workers
         self.members: list[int] = []
@@ -467,6 +472,10 @@ class MembershipController:
         if not breaks:
             return
         survivors = [w for w in self.members if w not in failed]
+        if (self.stages is not None and self.redundancy and survivors
+                and (len(self.members) == self.stages or self.layout is not None)):
+            self._failover(failed)
+            return
         if self.stages is not None and survivors:
             # A pipelined job goes on with its whole replicas only (members keep their order, so
             # every survivor keeps its stage); the rest of a broken replica leaves.
@@ -502,6 +511,50 @@ class MembershipController:
         self._publish(survivors, kind="hold" if hold else "failure", hold=hold,
                       detail={"failed": sorted(failed), "causes": failed})
 
+    def _failover(self, failed: dict[int, str]) -> None:
+        """Bamboo: a single pipeline lost workers; their predecessors take their stages over from
+        their replicas, or the job falls back (ends, naming its last checkpoint)."""
+        from virtualflow.plan.pipeline.failover import Fallback, failover, standard
+
+        layout = self.layout if self.layout is not None else standard(self.stages)
+        lost = [i for i, w in enumerate(self.members) if w in failed]
+        decision = failover(layout, lost)
+        self.coord.abort(self.generation)
+        lost_desc = "; ".join(f"worker {w} {c}" for w, c in failed.items())
+        if isinstance(decision, Fallback):
+            self.coord.event("fallback_restart", step=self.last_step, reason=decision.reason, failed=sorted(failed))
+            raise JobFailed(
+                f"{lost_desc} at step {self.last_step}: {decision.reason}, so redundancy cannot cover the loss. "
+                f"Resume from the last checkpoint (--resume RUN_DIR; --checkpoint-every N keeps one)"
+            )
+        survivors = [self.members[i] for i in decision.survivors]
+        self.coord.event("failover", step=self.last_step, failed=sorted(failed),
+                         taken_over={str(self.members[m]): self.members[p] for m, p in decision.taken_over.items()},
+                         layout=[list(r) for r in decision.layout])
+        if self.replace_failed:
+            for _ in range(len(lost)):
+                self._new_worker()
+        self.target = len(survivors) + (len(lost) if self.replace_failed else 0)
+        self.layout = decision.layout
+        self._publish(survivors, kind="failover", hold=False, detail={"failed": sorted(failed), "causes": failed})
+
+    def _reconfigure(self) -> bool:
+        """Bamboo: newcomers take back the stages a failover gave to other workers (full depth
+        again, at a step boundary). Returns whether a generation was published."""
+        from virtualflow.plan.pipeline.failover import is_standard, reconfigure
+
+        if self.layout is None or not self.ready:
+            return False
+        plan = reconfigure(self.layout, len(self.ready))
+        added = [self.ready.pop(0) for slot in plan.order if slot is None]
+        it = iter(added)
+        members = [self.members[i] if i is not None else next(it) for i in plan.order]
+        self.layout = plan.layout  # in the record even when standard: every member re-lays its stages
+        self.coord.event("reconfigure", step=self.last_step, added=added, layout=[list(r) for r in plan.layout])
+        self._publish(members, kind="reconfigure", hold=False, command=True, detail={"added": added})
+        self.layout = None if is_standard(plan.layout) else plan.layout
+        return True
+
     def _retry_broken(self, now: float) -> None:
         """A member reported the current generation broken but no worker was found dead or
         silent (e.g. a collective timed out): after a heartbeat timeout's grace, form the next
@@ -524,6 +577,8 @@ class MembershipController:
         if self.busy:
             return
         if self._release_noticed():
+            return
+        if self._reconfigure():
             return
         size = len(self.members)
         if self.hold:
@@ -599,10 +654,15 @@ class MembershipController:
     def _publish(self, members: list[int], *, kind: str, hold: bool, command: bool = False,
                  detail: dict[str, Any] | None = None) -> None:
         g = self.generation + 1
-        assignment = self._assignment_for(members)
+        if self.layout is not None:  # one pipeline, some members running several stages
+            assignment = [list(range(self.V)) for _ in members]
+            self.predicted_step_s, self.vn_sizes = None, None
+        else:
+            assignment = self._assignment_for(members)
         previous = list(self.members)
         self.coord.publish_generation(g, members, assignment, self.last_step, hold=hold, reason=kind,
-                                      vn_sizes=self.vn_sizes)
+                                      vn_sizes=self.vn_sizes,
+                                      layout=[list(r) for r in self.layout] if self.layout is not None else None)
         for w in members:
             self.coord.point(w, self.assigned.get(w, -1), str(g))
             self.assigned[w] = g

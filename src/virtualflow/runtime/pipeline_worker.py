@@ -288,6 +288,12 @@ class PipelineWorkerEngine:
         self.resume_state: dict[str, Any] | None = None
         """A state (checkpoint) to start from: loaded when the worker learns its stage."""
         self._fault: Callable[[int, str], None] | None = None
+        self.full_bounds = self.bounds
+        """Layer ranges of the job's own stages (``self.bounds`` are those of the current layout)."""
+        self.layout: tuple[tuple[int, ...], ...] | None = None
+        """After a Bamboo failover: the job stages each member runs (None: one per member)."""
+        self.group_rank = 0
+        self._relaid = -1
         self.timeline_dir: str | None = None
         """Where recorded timelines go (``Pipeline.record_timeline``); set by the worker."""
 
@@ -318,13 +324,19 @@ class PipelineWorkerEngine:
             successor_pieces=successor_pieces(self.pipeline, self.layers, self.bounds, stage_rank),
         )
 
-    def set_membership(self, group: Group, assignment: Any) -> None:
+    def set_membership(self, group: Group, assignment: Any, layout: list[list[int]] | None = None,
+                       steps: list[int] | None = None, target: int | None = None) -> None:
         if self._broken_window:
             raise RuntimeError(
                 f"a failure interrupted a {self.pipeline.schedule} window after some stages had applied its updates; "
                 f"a no-flush pipeline cannot redo it consistently. Use a flush schedule (1f1b, ...) for a job that "
                 f"must survive failures, or a shorter Pipeline.window"
             )
+        if layout is not None:  # Bamboo: a failover or a reconfiguration (one pipeline replica)
+            self._relayout(group, layout, steps, target)
+            return
+        if self.layout is not None:
+            raise RuntimeError("a failed-over pipeline changes its membership only through a layout")
         d = check_workers(self.pipeline, group.size)
         grid = Grid(self.pipeline.stages, d, group.rank)
         if self.stage is None:
@@ -338,14 +350,133 @@ class PipelineWorkerEngine:
                 f"worker moved from stage-rank {self.stage.stage_rank} to {grid.stage_rank}; a pipelined job "
                 f"resizes in whole pipeline replicas and its survivors keep their stage"
             )
+        self._adopt(group, grid, contiguous_assignment(self.job.virtual_nodes, d))
+
+    def _adopt(self, group: Group, grid: Grid, assignment: list[list[int]]) -> None:
         if self.stage_group is not None and self.stage_group.pg is not None:
             self.stage_group.close()
-        self.stage_group = self.subgroup(group.generation, f"stage{grid.stage_rank}", grid.replica, d)
-        self.stage.set_layout(grid.replica, contiguous_assignment(self.job.virtual_nodes, d))
+        self.stage_group = self.subgroup(group.generation, f"stage{grid.stage_rank}", grid.replica, grid.replicas)
+        self.stage.set_layout(grid.replica, assignment)
         self.stage.slowdown = self.slowdown
+        self.stage.fault_point = None
         self.group, self.grid = group, grid
         self.links = Links()  # a new generation: new peers, no shared history
         self._results = {}
+
+    # ---- Bamboo: failover and reconfiguration ---------------------------------------------------
+    def _stages_held(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(stages this worker runs, stages its replica holds), in the job's stage numbering."""
+        if self.stage is None:
+            return (), ()
+        if self.layout is None:
+            p = self.pipeline.stages
+            own = (self.stage.stage_rank,)
+            rep = ((self.stage.stage_rank + 1) % p,) if self.stage.replica_of_successor is not None else ()
+            return own, rep
+        n = len(self.layout)
+        r = self.group_rank
+        return self.layout[r], self.layout[(r + 1) % n]
+
+    def _stage_states(self, holder: Any, stages: tuple[int, ...]) -> dict[int, dict[str, Any]]:
+        """Per job stage, the state ``holder`` (a StageEngine or StageReplica running ``stages``)
+        keeps: its layers' tensors, its parameters' optimizer state (one parameter group), the
+        scheduler state."""
+        model_state = holder.model.state_dict()
+        opt = holder.optimizer.state_dict()
+        if len(opt["param_groups"]) > 1:
+            raise RuntimeError("a Bamboo failover moves optimizer state stage by stage and supports optimizers "
+                               "with one parameter group; this job's has several")
+        params = [name for name, _ in holder.model.named_parameters()]  # the optimizer's order
+        sched = holder.scheduler.state_dict() if holder.scheduler is not None else None
+        out = {}
+        for s in stages:
+            a, b = self.full_bounds[s]
+            mine = lambda name: a <= int(name.split(".")[0]) < b  # noqa: E731 - layer index of a name
+            idx = [i for i, name in enumerate(params) if mine(name)]
+            group = {k: v for k, v in opt["param_groups"][0].items() if k != "params"} if opt["param_groups"] else {}
+            out[s] = {
+                "model": {k: v.detach().clone() for k, v in model_state.items() if mine(k)},
+                "optimizer": {"state": {j: opt["state"][i] for j, i in enumerate(idx) if i in opt["state"]},
+                              "param_groups": [{**group, "params": list(range(len(idx)))}] if idx else []},
+                "lr_scheduler": sched,
+            }
+        return out
+
+    def _relayout(self, group: Group, layout: list[list[int]], steps: list[int] | None, target: int | None) -> None:
+        """Adopt a Bamboo layout (one pipeline replica, members running runs of stages): every
+        member ends up with the state of its own stages and a replica of its successor's, taken
+        from its own pieces, its replica, or (a broadcast) from a member holding them. Collective."""
+        from virtualflow.pipeline import Pipeline, bounds_from_counts, piece_module
+        from virtualflow.plan.pipeline.failover import check_layout
+
+        p = self.pipeline.stages
+        new = check_layout(layout, p)
+        if len(new) != group.size:
+            raise RuntimeError(f"layout {layout} names {len(new)} workers; the generation has {group.size}")
+        if steps is not None and target is not None and any(0 <= t != target for t in steps):
+            raise RuntimeError(f"a failover needs every surviving worker at the same step (steps {steps}); a "
+                               f"failure struck between the stages' updates of one step: resume from a checkpoint")
+        if self.pipeline.chunks != 1:
+            raise RuntimeError("a Bamboo failover needs chunks=1")
+        own_old, rep_old = self._stages_held()
+        # Who holds what: 2 = runs the stage, 1 = holds its replica.
+        held = torch.zeros(group.size, p, dtype=torch.float64)
+        for s in rep_old:
+            held[group.rank, s] = 1
+        for s in own_old:
+            held[group.rank, s] = 2
+        group.all_reduce(held)
+        n = len(new)
+        local: dict[int, dict[str, Any]] = {}
+        if self.stage is not None:
+            local.update(self._stage_states(self.stage.replica_of_successor, rep_old) if rep_old else {})
+            local.update(self._stage_states(self.stage, own_old))
+        got: dict[int, dict[str, Any]] = {}
+        for r in range(n):
+            for s in sorted(set(new[r]) | set(new[(r + 1) % n])):
+                if held[r, s] > 0:
+                    if r == group.rank:
+                        got[s] = local[s]
+                    continue
+                sources = [q for q in range(n) if held[q, s] == 2] or [q for q in range(n) if held[q, s] == 1]
+                if not sources:
+                    raise RuntimeError(f"no worker holds stage {s} (nor its replica): the pipeline cannot go on; "
+                                       f"resume from a checkpoint")
+                src = sources[0]
+                state, _ = broadcast_state(group, src, local[s] if group.rank == src else None, self.device,
+                                           receivers=[r])
+                if r == group.rank:
+                    got[s] = state
+        # Build this worker's pieces from the whole model's layers, loaded with the stages' states.
+        mine, succ = new[group.rank], new[(group.rank + 1) % n]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.job.seed)
+            layers = [layer.to(self.device) for layer in layers_of(self.job.model())]
+        whole = torch.nn.Sequential(*layers)
+        whole.load_state_dict({k: v for s in set(mine) | set(succ) for k, v in got[s]["model"].items()},
+                              strict=False)
+        counts = [self.full_bounds[run[-1]][1] - self.full_bounds[run[0]][0] for run in new]
+        self.layout = new
+        self.group_rank = group.rank
+        pipeline = Pipeline(stages=n, schedule=self.pipeline.schedule, split=counts, redundancy=n >= 2)
+        self.bounds = bounds_from_counts(counts)
+        a, b = self.bounds[group.rank]
+        sa, sb = self.bounds[(group.rank + 1) % n]
+        job = self.job
+        self.stage = StageEngine(
+            pieces={group.rank: piece_module(layers, a, b)}, n_pieces=n, stage_rank=group.rank,
+            optimizer_factory=job.optimizer, scheduler_factory=job.lr_scheduler, pipeline=pipeline, plan=self.plan,
+            loader=BatchLoader(self.dataset, job.collate_fn), model_input=job.input_of, output_loss=job.output_loss,
+            seed=job.seed, batchnorm=job.batchnorm, deterministic=self.deterministic, device=self.device,
+            successor_pieces={(group.rank + 1) % n: piece_module(layers, sa, sb)} if n >= 2 else None,
+        )
+        _load_merged(self.stage, [got[s] for s in mine])
+        _load_merged(self.stage.replica_of_successor, [got[s] for s in succ])
+        self.model, self.layers = None, None
+        self._relaid = group.generation
+        if n == p and all(len(run) == 1 for run in new):
+            self.layout = None  # full depth again: the standard layout from here on
+        self._adopt(group, Grid(n, 1, group.rank), [list(range(self.job.virtual_nodes))])
 
     def step(self, step: int, control: int = 0) -> StepOutcome:
         if step in self._results:
@@ -448,6 +579,8 @@ class PipelineWorkerEngine:
         stage that reached it to the members of that stage behind. ``steps[r]`` is rank ``r``'s
         step. Collective. Raises when no member of some stage reached ``target`` (a stage applied
         a step another stage lost: the pipeline cannot be made consistent)."""
+        if self._relaid == group.generation:
+            return 0  # the re-layout moved every stage a member needed
         p = self.pipeline.stages
         moved = 0
         for s in range(p):
@@ -487,10 +620,25 @@ class PipelineWorkerEngine:
     def gather_state(self, group: Group) -> dict[str, Any] | None:
         """Collective: rank 0 gets the whole model's state (also loaded into ``self.model``, rebuilt
         from the job if needed) and every stage's
-        optimizer and scheduler state; others get ``None``."""
+        optimizer and scheduler state; others get ``None``. After a failover, members running
+        several stages send each stage's state apart, so the layout is that of the job's stages."""
         p = self.pipeline.stages
-        stages = [self.stage_state() if group.rank == 0 else None]
-        for s in range(1, p):
+        if self.layout is not None:
+            n = len(self.layout)
+            per_stage: dict[int, dict[str, Any]] = {}
+            for r in range(n):
+                if group.rank not in (0, r):
+                    continue
+                mine = self._stage_states(self.stage, self.layout[r]) if group.rank == r else None
+                got = mine if r == 0 else broadcast_state(group, r, mine, self.device, receivers=[0])[0]
+                if group.rank == 0:
+                    per_stage.update({int(k): v for k, v in got.items()})
+            if group.rank != 0:
+                return None
+            stages = [per_stage[s] for s in range(p)]
+        else:
+            stages = [self.stage_state() if group.rank == 0 else None]
+        for s in range(1, p if self.layout is None else 1):
             if group.rank not in (0, s):
                 continue
             state, _ = broadcast_state(group, s, self.stage_state() if group.rank == s else None, self.device,
@@ -510,5 +658,27 @@ class PipelineWorkerEngine:
         return {"model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
                 "optimizer": {"pipeline_stages": [st["optimizer"] for st in stages]},
                 "lr_scheduler": {"pipeline_stages": [st["lr_scheduler"] for st in stages]},
-                "pipeline": {"stages": p, "bounds": [list(b) for b in self.bounds],
+                "pipeline": {"stages": p, "bounds": [list(b) for b in self.full_bounds],
                              "schedule": self.pipeline.schedule}}
+
+
+def _load_merged(holder: Any, states: list[dict[str, Any]]) -> None:
+    """Load the per-stage states of consecutive job stages into one engine or replica whose
+    parameters are theirs in order (optimizer states concatenated, one parameter group)."""
+    if holder is None:
+        return
+    state: dict[int, Any] = {}
+    group: dict[str, Any] = {}
+    offset = 0
+    for st in states:
+        opt = st["optimizer"]
+        for i, v in opt["state"].items():
+            state[offset + int(i)] = v
+        if opt["param_groups"]:
+            group = {k: v for k, v in opt["param_groups"][0].items() if k != "params"}
+            offset += len(opt["param_groups"][0]["params"])
+    if offset:
+        holder.optimizer.load_state_dict({"state": state, "param_groups": [{**group, "params": list(range(offset))}]})
+    sched = next((st["lr_scheduler"] for st in states if st["lr_scheduler"] is not None), None)
+    if holder.scheduler is not None and sched is not None:
+        holder.scheduler.load_state_dict(sched)

@@ -453,7 +453,12 @@ class Worker:
                 self.engine.abandon_step()
                 self.report({"type": "fault", "generation": gen, "phase": phase, "step": self.progress.step,
                              "error": str(exc)[:2000]})
-                self.retired.append(group)
+                if self.pipelined:
+                    # A pipeline neighbour may wait in an (unsliced) point-to-point receive from
+                    # this worker: closing the sockets now releases it instead of its timeout.
+                    group.close()
+                else:
+                    self.retired.append(group)
                 where = self.next_generation(gen)
                 continue
             if outcome == "regroup":
@@ -504,7 +509,8 @@ class Worker:
         moved, t_transfer = 0, 0.0
         if self.pipelined:
             self.engine.plan.set_vn_sizes(record.vn_sizes)
-            self.engine.set_membership(group, record.assignment)
+            self.engine.set_membership(group, record.assignment, layout=record.layout,
+                                       steps=[p.step for p in everyone], target=target)
             if behind:
                 self._transferring = True
                 t1 = time.perf_counter()

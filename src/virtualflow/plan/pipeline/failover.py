@@ -1,0 +1,124 @@
+"""Bamboo's failover and reconfiguration, as pure decisions on a pipeline's *layout*.
+
+A layout says which stages each worker of one pipeline replica runs, in pipeline order:
+``((0,), (1,), (2,), (3,))`` is the full-depth pipeline of 4 stages; ``((0,), (1, 2), (3,))`` is
+the same pipeline after the worker of stage 2 was lost and its predecessor took stage 2 over.
+Every worker keeps a replica of its successor worker's stages (``Pipeline.redundancy``), so:
+
+* **Failover.** A lost worker ``m`` is covered by its predecessor ``m - 1``, which holds a
+  replica of all of ``m``'s stages and runs them after its own. It cannot be covered when the
+  predecessor is lost too (two consecutive workers), when ``m`` already ran more than one stage
+  (a failed-over worker: its loss would put three stages on one worker), or when ``m`` is the
+  first worker (its replica is on the last worker, which would then run the last and the first
+  stage: not a contiguous piece of the model). Then the decision is a :class:`Fallback` naming
+  why, and the job restarts from its last checkpoint.
+* **Reconfiguration.** Newcomers go, one each, to the workers running more than one stage: a
+  newcomer takes the *last* stage of such a worker (the stage that worker took over), until every
+  worker runs one stage again.
+
+Pure: no processes; the membership controller and the worker engine act on these decisions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+Layout = tuple[tuple[int, ...], ...]
+
+
+def standard(stages: int) -> Layout:
+    """One stage per worker."""
+    return tuple((s,) for s in range(stages))
+
+
+def check_layout(layout: Sequence[Sequence[int]], stages: int) -> Layout:
+    """``layout`` as a tuple, or ``ValueError`` unless its workers run contiguous, non-empty runs
+    of stages that cover ``0 .. stages-1`` in order."""
+    out = tuple(tuple(int(s) for s in run) for run in layout)
+    flat = [s for run in out for s in run]
+    if not out or any(not run for run in out) or flat != list(range(stages)):
+        raise ValueError(f"pipeline layout {[list(r) for r in out]} must give each worker a non-empty run of "
+                         f"consecutive stages, covering stages 0..{stages - 1} in order")
+    return out
+
+
+def is_standard(layout: Layout) -> bool:
+    return all(len(run) == 1 for run in layout)
+
+
+@dataclass(frozen=True, slots=True)
+class Failover:
+    layout: Layout
+    """The new layout, over the surviving workers in their order."""
+    survivors: tuple[int, ...]
+    """Indices (in the old layout) of the workers that go on, in order."""
+    taken_over: dict[int, int]
+    """Old index of each lost worker -> old index of the worker that takes its stages over."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fallback:
+    reason: str
+
+
+def failover(layout: Layout, lost: Sequence[int]) -> Failover | Fallback:
+    """What the pipeline becomes when the workers at indices ``lost`` are gone."""
+    lost_set = set(lost)
+    n = len(layout)
+    if not lost_set:
+        return Failover(layout, tuple(range(n)), {})
+    if any(not 0 <= m < n for m in lost_set):
+        raise ValueError(f"lost workers {sorted(lost_set)} are not indices of a {n}-worker layout")
+    for m in sorted(lost_set):
+        stages = layout[m]
+        if len(stages) > 1:
+            return Fallback(f"the worker running stages {list(stages)} (it had taken a stage over) was lost; "
+                            f"no replica holds both")
+        if m == 0:
+            return Fallback(f"the worker of the first stage {stages[0]} was lost; its replica is on the last "
+                            f"worker, which cannot run the first and the last stage together")
+        if m - 1 in lost_set:
+            return Fallback(f"the workers of consecutive stages {layout[m - 1][-1]} and {stages[0]} were lost: "
+                            f"the replica of stage {stages[0]} was on the other one")
+    new: list[tuple[int, ...]] = []
+    survivors: list[int] = []
+    for i, run in enumerate(layout):
+        if i in lost_set:
+            new[-1] = new[-1] + run  # the predecessor (a survivor: checked above) runs them after its own
+        else:
+            new.append(run)
+            survivors.append(i)
+    return Failover(tuple(new), tuple(survivors), {m: m - 1 for m in lost_set})
+
+
+@dataclass(frozen=True, slots=True)
+class Reconfigure:
+    layout: Layout
+    order: tuple[int | None, ...]
+    """Per worker of the new layout: its index in the old layout, or ``None`` for a newcomer."""
+
+
+def reconfigure(layout: Layout, newcomers: int) -> Reconfigure:
+    """Place up to ``newcomers`` new workers: each takes the last stage of a worker running
+    more than one, in pipeline order, until every worker runs one stage (extra newcomers are not
+    placed: the layout has no room; whole new pipeline replicas are the controller's business)."""
+    new: list[tuple[int, ...]] = []
+    order: list[int | None] = []
+    left = newcomers
+    for i, run in enumerate(layout):
+        if len(run) > 1 and left > 0:
+            keep = run
+            taken: list[tuple[int, ...]] = []
+            while len(keep) > 1 and left > 0:
+                taken.insert(0, (keep[-1],))
+                keep = keep[:-1]
+                left -= 1
+            new.append(keep)
+            order.append(i)
+            new.extend(taken)
+            order.extend([None] * len(taken))
+        else:
+            new.append(run)
+            order.append(i)
+    return Reconfigure(tuple(new), tuple(order))
