@@ -192,11 +192,14 @@ def test_failover_gives_a_lost_stage_to_its_predecessor():
     assert failover(standard(4), [1, 3]).layout == ((0, 1), (2, 3))
     assert failover(standard(3), [2]).layout == ((0,), (1, 2))
     assert failover(((0,), (1, 2), (3,)), [2]).layout == ((0,), (1, 2, 3))
+    first = failover(standard(3), [0])  # the second worker runs the first stage (from the last one's replica)
+    assert first.layout == ((0, 1), (2,)) and first.survivors == (1, 2) and first.taken_over == {0: 1}
 
 
 @pytest.mark.parametrize("layout,lost,why", [
     (((0,), (1,), (2,), (3,)), [1, 2], r"consecutive stages 1 and 2"),
-    (((0,), (1,), (2,)), [0], r"first stage 0.*last worker"),
+    (((0,), (1,), (2,)), [0, 2], r"consecutive stages 2 and 0"),
+    (((0,), (1,)), [0, 1], r"consecutive stages"),
     (((0,), (1, 2), (3,)), [1], r"running stages \[1, 2\]"),
 ])
 def test_failover_falls_back_where_no_replica_covers_the_loss(layout, lost, why):
@@ -286,14 +289,34 @@ def test_a_failed_over_pipeline_reconfigures_to_full_depth_when_a_worker_returns
 
 
 @pytest.mark.slow
-def test_a_loss_redundancy_cannot_cover_ends_with_the_reason_and_the_way_out(run_dir):
-    """The first stage's worker: its replica is on the last worker, which cannot run the first
-    and the last stage together: the job ends (fallback_restart event) naming why and --resume."""
+def test_the_first_stage_fails_over_to_the_second_worker_from_the_last_ones_replica(run_dir):
     import json
     import os
 
-    plan = vf.FaultPlan([vf.Fault(worker=0, step=2, phase="during_reduction")])
-    with pytest.raises(vf.TrainingError, match=r"first stage 0.*redundancy cannot cover the loss.*--resume"):
+    from conftest import assert_state_equal
+
+    plan = vf.FaultPlan([vf.Fault(worker=0, step=3, phase="during_reduction")])
+    result = vf.train(jobs.pipelined_redundant_job, workers=3, steps=6, deterministic=True, fault_plan=plan,
+                      run_dir=run_dir)
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        events = [json.loads(line) for line in f]
+    assert [(e["layout"], e["taken_over"]) for e in events if e["event"] == "failover"] == [([[0, 1], [2]], {"0": 1})]
+    assert [h["step"] for h in result.history] == list(range(6))
+    ref = vf.train(jobs.pipelined_redundant_job().replace(pipeline=Pipeline(stages=3)), workers=3, steps=6,
+                   deterministic=True)
+    assert_state_equal(result.state_dict, ref.state_dict)
+
+
+@pytest.mark.slow
+def test_a_loss_redundancy_cannot_cover_ends_with_the_reason_and_the_way_out(run_dir):
+    """Two consecutive stages lost in one step (the replica of the second was on the first): the
+    job ends (fallback_restart event) naming why and --resume."""
+    import json
+    import os
+
+    plan = vf.FaultPlan([vf.Fault(worker=1, step=2, phase="during_reduction"),
+                         vf.Fault(worker=2, step=2, phase="during_reduction")])
+    with pytest.raises(vf.TrainingError, match=r"consecutive stages 1 and 2.*redundancy cannot cover the loss.*--resume"):
         vf.train(jobs.pipelined_redundant_job, workers=3, steps=6, deterministic=True, fault_plan=plan,
                  run_dir=run_dir)
     with open(os.path.join(run_dir, "events.jsonl")) as f:

@@ -129,6 +129,9 @@ class MembershipController:
         fails over (:mod:`virtualflow.plan.pipeline.failover`) instead of ending."""
         self.layout: tuple[tuple[int, ...], ...] | None = None
         """The current generation's layout after a failover (None: one stage per member)."""
+        self._formed_layout: tuple[list[int], tuple[tuple[int, ...], ...] | None] | None = None
+        """Members and layout of the last generation that formed: what the workers really hold
+        (a failover decides from it, so losses in quick succession are judged together)."""
         self.clock = clock
         self.target = options.start_workers
         self.members: list[int] = []
@@ -263,6 +266,8 @@ class MembershipController:
             g = r["generation"]
             if g > self.formed:
                 self.formed = g
+            if g == self.generation and self.stages is not None:
+                self._formed_layout = (list(self.members), self.layout)
             self.last_step = max(self.last_step, r["step"])
             change = self._change
             if change is not None and change.generation == g:
@@ -516,8 +521,13 @@ class MembershipController:
         their replicas, or the job falls back (ends, naming its last checkpoint)."""
         from virtualflow.plan.pipeline.failover import Fallback, failover, standard
 
-        layout = self.layout if self.layout is not None else standard(self.stages)
-        lost = [i for i, w in enumerate(self.members) if w in failed]
+        members, layout = self._formed_layout if self._formed_layout is not None else (self.members, self.layout)
+        layout = layout if layout is not None else standard(self.stages)
+        dead = {f["worker"] for f in self.failures} | set(failed)
+        lost = [i for i, w in enumerate(members) if w in dead]
+        if any(w not in members for w in self.members):  # newcomers of an unformed generation: judge now
+            members, layout = self.members, (self.layout if self.layout is not None else standard(self.stages))
+            lost = [i for i, w in enumerate(members) if w in dead]
         decision = failover(layout, lost)
         self.coord.abort(self.generation)
         lost_desc = "; ".join(f"worker {w} {c}" for w, c in failed.items())
@@ -527,14 +537,15 @@ class MembershipController:
                 f"{lost_desc} at step {self.last_step}: {decision.reason}, so redundancy cannot cover the loss. "
                 f"Resume from the last checkpoint (--resume RUN_DIR; --checkpoint-every N keeps one)"
             )
-        survivors = [self.members[i] for i in decision.survivors]
+        survivors = [members[i] for i in decision.survivors]
         self.coord.event("failover", step=self.last_step, failed=sorted(failed),
-                         taken_over={str(self.members[m]): self.members[p] for m, p in decision.taken_over.items()},
+                         taken_over={str(members[m]): members[p] for m, p in decision.taken_over.items()},
                          layout=[list(r) for r in decision.layout])
+        missing = sum(len(run) - 1 for run in decision.layout)  # workers short of full depth
         if self.replace_failed:
-            for _ in range(len(lost)):
+            for _ in range(sum(1 for w in failed if w in self.members)):
                 self._new_worker()
-        self.target = len(survivors) + (len(lost) if self.replace_failed else 0)
+        self.target = len(survivors) + (missing if self.replace_failed else 0)
         self.layout = decision.layout
         self._publish(survivors, kind="failover", hold=False, detail={"failed": sorted(failed), "causes": failed})
 

@@ -6,12 +6,13 @@ the same pipeline after the worker of stage 2 was lost and its predecessor took 
 Every worker keeps a replica of its successor worker's stages (``Pipeline.redundancy``), so:
 
 * **Failover.** A lost worker ``m`` is covered by its predecessor ``m - 1``, which holds a
-  replica of all of ``m``'s stages and runs them after its own. It cannot be covered when the
-  predecessor is lost too (two consecutive workers), when ``m`` already ran more than one stage
-  (a failed-over worker: its loss would put three stages on one worker), or when ``m`` is the
-  first worker (its replica is on the last worker, which would then run the last and the first
-  stage: not a contiguous piece of the model). Then the decision is a :class:`Fallback` naming
-  why, and the job restarts from its last checkpoint.
+  replica of all of ``m``'s stages and runs them after its own. The first worker is the
+  exception: its replica is on the last worker, which cannot run the last and the first stage
+  together (not a contiguous piece of the model), so the *second* worker runs the first stage
+  before its own, receiving its state from the last worker's replica (one transfer). A loss
+  cannot be covered when the replica holder is lost too (two cyclically consecutive workers),
+  or when ``m`` already ran more than one stage (a failed-over worker). Then the decision is a
+  :class:`Fallback` naming why, and the job ends with the checkpoint to resume from.
 * **Reconfiguration.** Newcomers go, one each, to the workers running more than one stage: a
   newcomer takes the *last* stage of such a worker (the stage that worker took over), until every
   worker runs one stage again.
@@ -75,21 +76,29 @@ def failover(layout: Layout, lost: Sequence[int]) -> Failover | Fallback:
         if len(stages) > 1:
             return Fallback(f"the worker running stages {list(stages)} (it had taken a stage over) was lost; "
                             f"no replica holds both")
-        if m == 0:
-            return Fallback(f"the worker of the first stage {stages[0]} was lost; its replica is on the last "
-                            f"worker, which cannot run the first and the last stage together")
-        if m - 1 in lost_set:
-            return Fallback(f"the workers of consecutive stages {layout[m - 1][-1]} and {stages[0]} were lost: "
-                            f"the replica of stage {stages[0]} was on the other one")
+        if (m - 1) % n in lost_set:
+            return Fallback(f"the workers of consecutive stages {layout[(m - 1) % n][-1]} and {stages[0]} were "
+                            f"lost: the replica of stage {stages[0]} was on the other one")
+        if m == 0 and (n < 2 or 1 in lost_set):
+            return Fallback(f"the worker of the first stage {stages[0]} was lost and no worker of the next "
+                            f"stage is left to run it")
     new: list[tuple[int, ...]] = []
     survivors: list[int] = []
+    taken: dict[int, int] = {}
     for i, run in enumerate(layout):
-        if i in lost_set:
+        if i in lost_set and i > 0:
             new[-1] = new[-1] + run  # the predecessor (a survivor: checked above) runs them after its own
+            taken[i] = survivors[-1]
+        elif i in lost_set:
+            continue  # the first worker: its stages go to the next worker (below)
+        elif 0 in lost_set and not new:
+            new.append(layout[0] + run)  # runs the first stage (its state comes from the last worker's replica)
+            survivors.append(i)
+            taken[0] = i
         else:
             new.append(run)
             survivors.append(i)
-    return Failover(tuple(new), tuple(survivors), {m: m - 1 for m in lost_set})
+    return Failover(tuple(new), tuple(survivors), taken)
 
 
 @dataclass(frozen=True, slots=True)
