@@ -283,6 +283,17 @@ def test_a_failed_over_pipeline_reconfigures_to_full_depth_when_a_worker_returns
         events = [json.loads(line) for line in f]
     assert [e["layout"] for e in events if e["event"] == "failover"] == [[[0], [1, 2]]]
     assert [e["layout"] for e in events if e["event"] == "reconfigure"] == [[[0], [1], [2]]]
+    # Visible in `virtualflow status` and on the timeline plot.
+    from virtualflow.cli.main import main
+    from virtualflow.cli.status import format_status
+    from virtualflow.rundir import read_status
+
+    status = read_status(run_dir)
+    text = format_status(run_dir, status, "finished")
+    assert "redundant stages (Bamboo): full depth" in text
+    assert "failover at step" in text and "[[0], [1, 2]]" in text and "reconfigure at step" in text
+    png = os.path.join(run_dir, "timeline.png")
+    assert main(["plot", run_dir, "--timeline", "-o", png]) == 0 and os.path.getsize(png) > 0
     ref = vf.train(jobs.pipelined_redundant_job().replace(pipeline=Pipeline(stages=3)), workers=3,
                    steps=result.steps, deterministic=True)
     assert_state_equal(result.state_dict, ref.state_dict)

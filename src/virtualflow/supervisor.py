@@ -330,6 +330,8 @@ class Supervisor:
             "samples_per_s": p.samples_per_s,
             "metrics": dict(p.metrics),
             "failures": len(ctl.failures),
+            "redundancy": ({"layout": [list(r) for r in ctl.layout] if ctl.layout is not None else None,
+                            "events": ctl.bamboo_events[-5:]} if ctl.redundancy else None),
             "run_dir": self.setup.run_dir,
             "autoscale": self.autoscale_info(),
         }

@@ -114,7 +114,11 @@ def plot_timeline(run_dirs: list[str], output: str) -> str:
         ax2.plot(xs, [s["step_time_s"] * 1000 for s in steps], color="tab:gray", linewidth=0.8, label="step time")
         marks = {"resize_request": ("tab:green", "--", "resize request"),
                  "failure": ("tab:red", "-", "worker lost"),
-                 "formed": ("tab:purple", ":", "generation formed")}
+                 "formed": ("tab:purple", ":", "generation formed"),
+                 "failover": ("tab:orange", "-", "failover (Bamboo)"),
+                 "reconfigure": ("tab:cyan", "--", "reconfigure (Bamboo)"),
+                 "fallback_restart": ("black", "-", "fallback restart"),
+                 "preemption_notice": ("tab:brown", ":", "preemption notice")}
         seen = set()
         for e in events:
             kind = e.get("event")

@@ -36,6 +36,14 @@ def format_status(run_dir: str, status: dict, state: str) -> str:
         lines.append("speed-based VN map: predicted step "
                      + (f"{pred * 1000:.1f} ms" if pred else "-") + ", measured "
                      + (f"{meas * 1000:.1f} ms" if meas else "-"))
+    red = status.get("redundancy")
+    if red:
+        layout = red.get("layout")
+        lines.append("redundant stages (Bamboo): " + ("full depth" if layout is None else
+                     "failed over, workers run stages " + " | ".join(",".join(map(str, r)) for r in layout)))
+        for e in red.get("events") or []:
+            what = e.get("layout") if e.get("kind") != "fallback_restart" else e.get("reason")
+            lines.append(f"  {e.get('kind')} at step {e.get('step')}: {what}")
     auto = status.get("autoscale")
     if auto:
         where = f"settled at {auto['settled_at']}" if auto.get("settled_at") else "searching"

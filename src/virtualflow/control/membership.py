@@ -129,6 +129,8 @@ class MembershipController:
         fails over (:mod:`virtualflow.plan.pipeline.failover`) instead of ending."""
         self.layout: tuple[tuple[int, ...], ...] | None = None
         """The current generation's layout after a failover (None: one stage per member)."""
+        self.bamboo_events: list[dict[str, Any]] = []
+        """Failovers, reconfigurations and fallbacks so far (kind, step, layout): for the status."""
         self._formed_layout: tuple[list[int], tuple[tuple[int, ...], ...] | None] | None = None
         """Members and layout of the last generation that formed: what the workers really hold
         (a failover decides from it, so losses in quick succession are judged together)."""
@@ -533,6 +535,7 @@ class MembershipController:
         lost_desc = "; ".join(f"worker {w} {c}" for w, c in failed.items())
         if isinstance(decision, Fallback):
             self.coord.event("fallback_restart", step=self.last_step, reason=decision.reason, failed=sorted(failed))
+            self.bamboo_events.append({"kind": "fallback_restart", "step": self.last_step, "reason": decision.reason})
             raise JobFailed(
                 f"{lost_desc} at step {self.last_step}: {decision.reason}, so redundancy cannot cover the loss. "
                 f"Resume from the last checkpoint (--resume RUN_DIR; --checkpoint-every N keeps one)"
@@ -541,6 +544,8 @@ class MembershipController:
         self.coord.event("failover", step=self.last_step, failed=sorted(failed),
                          taken_over={str(members[m]): members[p] for m, p in decision.taken_over.items()},
                          layout=[list(r) for r in decision.layout])
+        self.bamboo_events.append({"kind": "failover", "step": self.last_step, "failed": sorted(failed),
+                                   "layout": [list(r) for r in decision.layout]})
         missing = sum(len(run) - 1 for run in decision.layout)  # workers short of full depth
         if self.replace_failed:
             for _ in range(sum(1 for w in failed if w in self.members)):
@@ -562,6 +567,8 @@ class MembershipController:
         members = [self.members[i] if i is not None else next(it) for i in plan.order]
         self.layout = plan.layout  # in the record even when standard: every member re-lays its stages
         self.coord.event("reconfigure", step=self.last_step, added=added, layout=[list(r) for r in plan.layout])
+        self.bamboo_events.append({"kind": "reconfigure", "step": self.last_step, "added": added,
+                                   "layout": [list(r) for r in plan.layout]})
         self._publish(members, kind="reconfigure", hold=False, command=True, detail={"added": added})
         self.layout = None if is_standard(plan.layout) else plan.layout
         return True
