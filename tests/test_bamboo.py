@@ -319,17 +319,31 @@ def test_the_first_stage_fails_over_to_the_second_worker_from_the_last_ones_repl
 
 
 @pytest.mark.slow
-def test_a_loss_redundancy_cannot_cover_ends_with_the_reason_and_the_way_out(run_dir):
-    """Two consecutive stages lost in one step (the replica of the second was on the first): the
-    job ends (fallback_restart event) naming why and --resume."""
+def test_a_loss_redundancy_cannot_cover_restarts_from_the_last_checkpoint(run_dir):
+    """Two consecutive stages lost in one step (the replica of the second was on the first): a
+    fallback_restart event says why, and train() launches the job again from its last
+    checkpoint; it ends with the undisturbed model. Without a checkpoint it ends naming --resume."""
     import json
     import os
 
-    plan = vf.FaultPlan([vf.Fault(worker=1, step=2, phase="during_reduction"),
-                         vf.Fault(worker=2, step=2, phase="during_reduction")])
-    with pytest.raises(vf.TrainingError, match=r"consecutive stages 1 and 2.*redundancy cannot cover the loss.*--resume"):
-        vf.train(jobs.pipelined_redundant_job, workers=3, steps=6, deterministic=True, fault_plan=plan,
-                 run_dir=run_dir)
+    from conftest import assert_state_equal
+
+    plan = vf.FaultPlan([vf.Fault(worker=1, step=5, phase="during_reduction"),
+                         vf.Fault(worker=2, step=5, phase="during_reduction")])
+    result = vf.train(jobs.pipelined_redundant_job, workers=3, steps=8, deterministic=True, fault_plan=plan,
+                      checkpoint_every=4, run_dir=run_dir)
     with open(os.path.join(run_dir, "events.jsonl")) as f:
         events = [json.loads(line) for line in f]
-    assert [e["event"] for e in events if e["event"] in ("failover", "fallback_restart")] == ["fallback_restart"]
+    fallback = [e for e in events if e["event"] == "fallback_restart"]
+    # Worker 2's loss fails over to worker 1; worker 1 then dies (in the redone step or at once):
+    # the worker running stages 1 and 2 (or two consecutive stages) lost.
+    assert len(fallback) == 1 and ("stages [1, 2]" in fallback[0]["reason"]
+                                   or "consecutive stages 1 and 2" in fallback[0]["reason"]), fallback
+    assert [e["resume_step"] for e in events if e["event"] == "start"] == [0, 4]
+    assert [h["step"] for h in result.history] == list(range(4, 8))
+    ref = vf.train(jobs.pipelined_redundant_job().replace(pipeline=Pipeline(stages=3)), workers=3, steps=8,
+                   deterministic=True)
+    assert_state_equal(result.state_dict, ref.state_dict)
+    with pytest.raises(vf.TrainingError, match=r"redundancy cannot cover the loss.*--resume"):
+        vf.train(jobs.pipelined_redundant_job, workers=3, steps=8, deterministic=True, fault_plan=plan,
+                 run_dir=os.path.join(run_dir, "no-checkpoint"))

@@ -149,9 +149,36 @@ def train(job: JobLike, options: LaunchOptions | None = None, **overrides: Any) 
     workers at once and raises."""
     handle = launch(job, options, **overrides)
     try:
-        return handle.wait()
+        return wait_restarting(handle, job)[0]
     except KeyboardInterrupt:
         return stop_interrupted(handle, "interrupted (Ctrl-C)")
+
+
+MAX_FALLBACK_RESTARTS = 3
+"""Automatic restarts from the last checkpoint after losses Bamboo's redundancy cannot cover."""
+
+
+def wait_restarting(handle: JobHandle, job: JobLike) -> tuple[Result, JobHandle]:
+    """``handle.wait()``; when a pipeline with redundant stages lost workers its replicas could
+    not cover (a ``fallback_restart`` event), launch the job again from its run directory's last
+    checkpoint, with the same options (fault injection excepted: a test plan applies to the first
+    launch), up to :data:`MAX_FALLBACK_RESTARTS` times. Returns the result and the last handle."""
+    restarts = 0
+    while True:
+        try:
+            return handle.wait(), handle
+        except TrainingError as exc:
+            state_dir = handle.state_dir
+            checkpoints = os.path.join(state_dir, "checkpoints")
+            has_checkpoint = os.path.isdir(checkpoints) and any(f.endswith(".pt") for f in os.listdir(checkpoints))
+            if not exc.fallback_restart or restarts >= MAX_FALLBACK_RESTARTS or not has_checkpoint:
+                raise
+            restarts += 1
+            logger.warning("%s; restarting from the last checkpoint in %s (restart %d of at most %d)",
+                           str(exc).split(" (logs in")[0], state_dir, restarts, MAX_FALLBACK_RESTARTS)
+            opts = handle.options.replace(resume=state_dir, run_dir=state_dir, overwrite=False,
+                                                      fault_plan=None)
+            handle = launch(job, opts)
 
 
 def stop_interrupted(handle: JobHandle, reason: str) -> Result:

@@ -31,6 +31,11 @@ class JobHandle:
         self.job = setup.job
         self.run_dir = setup.run_dir
         self.total_steps = setup.total_steps
+        self.options = setup.options
+        """The run's launch options (validated)."""
+        self.state_dir = setup.state_dir
+        """Where the run's records, checkpoints and final state are (``run_dir``, or a temporary
+        folder when none was given)."""
 
     # Read-only views of the parts (tests and benchmarks observe them; they change nothing).
     @property

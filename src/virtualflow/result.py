@@ -12,6 +12,10 @@ import torch
 class TrainingError(RuntimeError):
     """The job failed; the message names the worker, what happened and where the logs are."""
 
+    fallback_restart: bool = False
+    """A pipeline lost workers its redundant stages could not cover: :func:`virtualflow.train`
+    (and ``virtualflow run``) restart it from its last checkpoint."""
+
 
 @dataclass(slots=True)
 class Result:

@@ -30,7 +30,7 @@ from virtualflow.control.autoscale import Limits
 from virtualflow.control.autoscale_executor import AutoscaleExecutor
 from virtualflow.control.coordinator import Coordinator
 from virtualflow.plan.vnmap import pipeline_assignment
-from virtualflow.control.membership import JobFailed, MembershipController, check_resize
+from virtualflow.control.membership import FallbackRestart, JobFailed, MembershipController, check_resize
 from virtualflow.job import Job, JobSource
 from virtualflow.options import LaunchOptions
 from virtualflow.result import Result, TrainingError
@@ -183,7 +183,9 @@ class Supervisor:
                 try:
                     ctl.tick(reports)
                 except JobFailed as exc:
-                    raise TrainingError(self._job_failed_message(exc)) from None
+                    err = TrainingError(self._job_failed_message(exc))
+                    err.fallback_restart = isinstance(exc, FallbackRestart)
+                    raise err from None
                 except ValueError as exc:  # e.g. a grow the Ray cluster cannot place
                     raise TrainingError(f"{exc} ({self._logs_where()})") from None
                 if self.autoscaler is not None:

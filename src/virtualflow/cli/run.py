@@ -11,7 +11,7 @@ import time
 
 import virtualflow as vf
 from virtualflow.backends.ray import RayNotInstalled
-from virtualflow.api import stop_interrupted
+from virtualflow.api import stop_interrupted, wait_restarting
 from virtualflow.options import add_arguments, options_from_args
 from virtualflow.result import TrainingError
 
@@ -57,7 +57,7 @@ def main(args: argparse.Namespace) -> int:
         previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
         try:
             try:
-                result = handle.wait()
+                result, handle = wait_restarting(handle, args.job)
             except _Interrupted as exc:
                 result, code = stop_interrupted(handle, exc.reason), exc.code
             except KeyboardInterrupt:

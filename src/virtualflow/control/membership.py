@@ -74,6 +74,10 @@ class JobFailed(RuntimeError):
     """The membership cannot go on (every worker lost, min_workers not reached in time, ...)."""
 
 
+class FallbackRestart(JobFailed):
+    """Bamboo: a loss redundancy cannot cover; the run is to restart from its last checkpoint."""
+
+
 @dataclass(slots=True)
 class Change:
     """A published generation that has not formed yet: what kind of change it is and when it
@@ -536,7 +540,7 @@ class MembershipController:
         if isinstance(decision, Fallback):
             self.coord.event("fallback_restart", step=self.last_step, reason=decision.reason, failed=sorted(failed))
             self.bamboo_events.append({"kind": "fallback_restart", "step": self.last_step, "reason": decision.reason})
-            raise JobFailed(
+            raise FallbackRestart(
                 f"{lost_desc} at step {self.last_step}: {decision.reason}, so redundancy cannot cover the loss. "
                 f"Resume from the last checkpoint (--resume RUN_DIR; --checkpoint-every N keeps one)"
             )
