@@ -252,6 +252,12 @@ def test_sharded_deterministic_run_with_resizes_and_an_uneven_map_is_bit_identic
     ref = vf.train(jobs.elastic_job().replace(loss=jobs.cross_entropy), workers=2, steps=result.steps,
                    deterministic=True)
     assert_same_training(result, ref)
+    import json
+    import os
+
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        checkpoints = [e for e in map(json.loads, f) if e["event"] == "checkpoint"]
+    assert checkpoints and all(e["step"] % 4 == 0 and e["save_s"] >= 0 for e in checkpoints)
 
 
 @pytest.mark.slow

@@ -173,6 +173,8 @@ class Coordinator:
                                                                           optimizer_bytes=r["optimizer_bytes"])
                 if r.get("rank") == 0:
                     self.progress.done = True
+            elif kind == "checkpoint":
+                self.event("checkpoint", step=r["step"], path=r["path"], save_s=r["save_s"])
             elif kind == "rejected":  # a worker refused something it read from the store
                 self.rejects(f"{r['channel'].partition(' ')[0]}_rejected", r["reason"], worker=r["worker"],
                              channel=r["channel"], message=r["message"], bytes=r["bytes"])
