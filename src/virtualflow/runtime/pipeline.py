@@ -779,8 +779,8 @@ class StageReplica:
                 self.bn[k].load_flat(bn_new[offset: offset + n])
                 offset += n
         offset = 0
-        for q in self.params:
-            q.grad = grads[offset: offset + q.numel()].view_as(q).clone()
+        for q in self.params:  # views of the message (a buffer of its own), dropped after the step
+            q.grad = grads[offset: offset + q.numel()].view_as(q)
             offset += q.numel()
         self.optimizer.step()
         if self.scheduler is not None:
