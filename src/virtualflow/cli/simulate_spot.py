@@ -41,8 +41,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pipelines", type=int,
                    help="data-parallel pipelines D the job wants (default: the trace's max count // P)")
     p.add_argument("--constants", metavar="FILE",
-                   help="JSON of the engine's measured constants (default: bench/results/bamboo.json of the "
-                   "source tree when it has a 'constants' object, else documented defaults)")
+                   help="JSON of the engine's measured constants (default: bench/results/bamboo_constants.json, "
+                   "else bench/results/bamboo.json, of the source tree when it has a 'constants' object, else "
+                   "documented defaults)")
     p.add_argument("--spot-price", type=float, default=SPOT_PRICE,
                    help=f"$ per spot instance-hour (default {SPOT_PRICE}, Bamboo's figure)")
     p.add_argument("--on-demand-price", type=float, default=ON_DEMAND_PRICE,

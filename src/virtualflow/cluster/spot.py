@@ -202,18 +202,28 @@ class SpotConstants:
         return d
 
 
+BENCH_CONSTANTS = ("bamboo_constants.json", "bamboo.json")
+"""Files under ``bench/results`` holding the engine's measured constants, most complete first
+(``bench/bamboo_failover.py`` merges ``bench/bamboo.py``'s with its failover measurements)."""
+
+
 def find_bench_constants() -> Path | None:
-    """``bench/results/bamboo.json`` of the source tree this package runs from, if it has a
+    """The first of :data:`BENCH_CONSTANTS` in the source tree this package runs from that has a
     ``constants`` object; None otherwise (an installed package has no bench/)."""
     root = Path(__file__).resolve().parents[3]
-    path = root / "bench" / "results" / "bamboo.json"
-    if not ((root / "pyproject.toml").is_file() and path.is_file()):
+    if not (root / "pyproject.toml").is_file():
         return None
-    try:
-        data = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ValueError(f"{path} is not valid JSON; fix it or give --constants FILE") from None
-    return path if isinstance(data, Mapping) and isinstance(data.get("constants"), Mapping) else None
+    for name in BENCH_CONSTANTS:
+        path = root / "bench" / "results" / name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise ValueError(f"{path} is not valid JSON; fix it or give --constants FILE") from None
+        if isinstance(data, Mapping) and isinstance(data.get("constants"), Mapping):
+            return path
+    return None
 
 
 # --------------------------------------------------------------------------------------------- job
