@@ -244,6 +244,8 @@ def test_a_single_pipeline_fails_over_in_any_phase_and_trains_the_undisturbed_mo
     sizes = [h["workers"] for h in result.history]
     assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [3, 2]
     assert [h["step"] for h in result.history] == list(range(7))
+    # The replica each survivor holds at the end (reported): its successor's stage.
+    assert sorted(result.replica_bytes) == [0, 2] and all(b > 0 for b in result.replica_bytes.values())
     with open(os.path.join(run_dir, "events.jsonl")) as f:
         events = [json.loads(line) for line in f]
     failover = [e for e in events if e["event"] == "failover"]
@@ -283,6 +285,8 @@ def test_a_failed_over_pipeline_reconfigures_to_full_depth_when_a_worker_returns
         events = [json.loads(line) for line in f]
     assert [e["layout"] for e in events if e["event"] == "failover"] == [[[0], [1, 2]]]
     assert [e["layout"] for e in events if e["event"] == "reconfigure"] == [[[0], [1], [2]]]
+    # The newcomer received its stage and the replica of its successor's: bytes reported.
+    assert [e["transfer_bytes"] > 0 for e in events if e["event"] == "formed" and e["change"] == "reconfigure"] == [True]
     # Visible in `virtualflow status` and on the timeline plot.
     from virtualflow.cli.main import main
     from virtualflow.cli.status import format_status

@@ -405,7 +405,7 @@ def test_a_job_under_a_hostile_store_trains_bit_identical_and_logs_every_refusal
             push(q, f"{name}5", ("\u00e9" * 32 + f'.{{"t":"{name}5"}}').encode())  # 64 bytes, not ASCII
         # A forged report that would end the job, unsigned and signed with the token instead of the run key.
         done = {"type": "done", "worker": 0, "pid": 1, "seq": 10**9, "step": 3, "rank": 0, "peak_rss_mib": 1.0,
-                "optimizer_bytes": 0}
+                "optimizer_bytes": 0, "replica_bytes": 0}
         push(protocol.REPORTS_QUEUE, "R6", json.dumps({**done, "t": "R6"}).encode())
         push(protocol.REPORTS_QUEUE, "R7", auth.sign(token, {**done, "t": "R7"}, job=job, kind="report",
                                                      fresh=False).encode())

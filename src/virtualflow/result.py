@@ -39,6 +39,9 @@ class Result:
     optimizer_bytes: dict[int, int] = field(default_factory=dict)
     """Bytes of optimizer state each worker held at the end (worker id -> bytes): the whole state
     with the default reduction, its chunk with ``reduction="sharded"`` (0 for pipelined jobs)."""
+    replica_bytes: dict[int, int] = field(default_factory=dict)
+    """``Pipeline(redundancy=True)``: bytes of each worker's replica of its successor's stage at
+    the end (parameters, buffers, optimizer state; worker id -> bytes; 0 without redundancy)."""
     generations: int = 1
     """Membership generations the job went through (1: no resize, no failure)."""
     failures: list[dict[str, Any]] = field(default_factory=list)

@@ -170,7 +170,8 @@ class Coordinator:
                 self.event("error", worker=r["worker"], pid=r["pid"], error=r["error"], step=r.get("step"), traceback=r["traceback"])
             elif kind == "done":
                 self.progress.workers.setdefault(r["worker"], {}).update(peak_rss_mib=r["peak_rss_mib"],
-                                                                          optimizer_bytes=r["optimizer_bytes"])
+                                                                          optimizer_bytes=r["optimizer_bytes"],
+                                                                          replica_bytes=r["replica_bytes"])
                 if r.get("rank") == 0:
                     self.progress.done = True
             elif kind == "checkpoint":

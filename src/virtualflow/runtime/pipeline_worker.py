@@ -294,6 +294,8 @@ class PipelineWorkerEngine:
         """After a Bamboo failover: the job stages each member runs (None: one per member)."""
         self.group_rank = 0
         self._relaid = -1
+        self.relayout_bytes = 0
+        """Bytes moved between the members in the last re-layout (a failover or a reconfiguration)."""
         self.timeline_dir: str | None = None
         """Where recorded timelines go (``Pipeline.record_timeline``); set by the worker."""
 
@@ -432,6 +434,7 @@ class PipelineWorkerEngine:
             local.update(self._stage_states(self.stage.replica_of_successor, rep_old) if rep_old else {})
             local.update(self._stage_states(self.stage, own_old))
         got: dict[int, dict[str, Any]] = {}
+        self.relayout_bytes = 0
         for r in range(n):
             for s in sorted(set(new[r]) | set(new[(r + 1) % n])):
                 if held[r, s] > 0:
@@ -443,10 +446,15 @@ class PipelineWorkerEngine:
                     raise RuntimeError(f"no worker holds stage {s} (nor its replica): the pipeline cannot go on; "
                                        f"resume from a checkpoint")
                 src = sources[0]
-                state, _ = broadcast_state(group, src, local[s] if group.rank == src else None, self.device,
-                                           receivers=[r])
+                state, nbytes = broadcast_state(group, src, local[s] if group.rank == src else None, self.device,
+                                                receivers=[r])
+                if group.rank == src:
+                    self.relayout_bytes += nbytes
                 if r == group.rank:
                     got[s] = state
+        total = torch.tensor([float(self.relayout_bytes)], dtype=torch.float64)
+        group.all_reduce(total)
+        self.relayout_bytes = int(total.item())  # every member: the re-layout's bytes in all
         # Build this worker's pieces from the whole model's layers, loaded with the stages' states.
         mine, succ = new[group.rank], new[(group.rank + 1) % n]
         with torch.random.fork_rng(devices=[]):

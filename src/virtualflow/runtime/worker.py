@@ -511,10 +511,12 @@ class Worker:
             self.engine.plan.set_vn_sizes(record.vn_sizes)
             self.engine.set_membership(group, record.assignment, layout=record.layout,
                                        steps=[p.step for p in everyone], target=target)
+            if record.layout is not None:
+                moved = self.engine.relayout_bytes  # what the re-layout moved between the members
             if behind:
                 self._transferring = True
                 t1 = time.perf_counter()
-                moved = self.engine.transfer(group, [p.step for p in everyone], target)
+                moved += self.engine.transfer(group, [p.step for p in everyone], target)
                 t_transfer = time.perf_counter() - t1
                 self._transferring = False
         elif target == 0 and group.size > 1 and not behind:
@@ -699,8 +701,9 @@ class Worker:
                 _evaluate(self.report, job, self.engine, step)
             save_state(os.path.join(self.cfg.state_dir, "final.pt"), state)
         optimizer_bytes = 0 if self.pipelined else self.engine.optimizer_state_bytes()
+        replica = self.engine.stage.replica_of_successor if self.pipelined and self.engine.stage is not None else None
         self.report({"type": "done", "step": step, "rank": group.rank, "peak_rss_mib": _peak_rss_mib(),
-                     "optimizer_bytes": optimizer_bytes})
+                     "optimizer_bytes": optimizer_bytes, "replica_bytes": replica.nbytes() if replica else 0})
         self.heartbeat.stop()
         if group.pg is not None:
             try:
