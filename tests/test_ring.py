@@ -10,7 +10,6 @@ kills a peer and expects ``PeerFailure`` within the group's timeout, then a refu
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import os
 import time
 import traceback
@@ -21,6 +20,7 @@ import torch.distributed as dist
 
 from virtualflow.comm.groups import Group, PeerFailure, make_group
 from virtualflow.comm.ring import (Collectives, Ledger, ag_schedule, ring_traffic, rs_schedule)
+from gloo_ranks import launch_ranks
 from virtualflow.plan.shards import shard_bounds
 
 JOIN_S = 60.0
@@ -281,30 +281,7 @@ def _rank_main(rank: int, p: int, port: int, what: str, errors) -> None:
 
 
 def _launch(p: int, what: str) -> dict[int, str | None]:
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, p, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
-    errors = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, p, store.port, what, errors), daemon=True) for r in range(p)]
-    for proc in procs:
-        proc.start()
-    out: dict[int, str | None] = {}
-    deadline = time.monotonic() + JOIN_S
-    try:
-        while len(out) < p and time.monotonic() < deadline:
-            try:
-                rank, err = errors.get(timeout=0.5)
-            except Exception:  # noqa: BLE001 - queue.Empty
-                if all(not proc.is_alive() for proc in procs) and errors.empty():
-                    break
-                continue
-            out[rank] = err
-    finally:
-        for proc in procs:
-            proc.join(max(0.1, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-    return out
+    return launch_ranks(_rank_main, p, what, timeout_s=JOIN_S)
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])

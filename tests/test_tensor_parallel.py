@@ -21,9 +21,7 @@ gradient's all-reduce(s). The unfused differentiable collectives (``reduce_scatt
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import os
-import time
 import traceback
 
 import pytest
@@ -32,6 +30,7 @@ import torch.distributed as dist
 
 from virtualflow.comm.groups import Group, make_group
 from virtualflow.comm.ring import Collectives, ring_traffic
+from gloo_ranks import launch_ranks
 from virtualflow.plan.shards import check_bounds, shard_bounds
 from virtualflow.runtime.tensor_parallel import (
     DROPOUT_BLOCK_ROWS, AttentionBlock, MLPBlock, TensorParallelAttention, TensorParallelMLP, TokenLayout,
@@ -306,30 +305,7 @@ def _rank_main(rank: int, p: int, port: int, results) -> None:
 
 
 def _launch(p: int) -> dict[int, list[str]]:
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, p, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, p, store.port, results), daemon=True) for r in range(p)]
-    for proc in procs:
-        proc.start()
-    out: dict[int, list[str]] = {}
-    deadline = time.monotonic() + JOIN_S
-    try:
-        while len(out) < p and time.monotonic() < deadline:
-            try:
-                rank, failures = results.get(timeout=0.5)
-            except Exception:  # noqa: BLE001 - queue.Empty
-                if all(not proc.is_alive() for proc in procs) and results.empty():
-                    break
-                continue
-            out[rank] = failures
-    finally:
-        for proc in procs:
-            proc.join(max(0.1, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-    return out
+    return launch_ranks(_rank_main, p, timeout_s=JOIN_S)
 
 
 @pytest.mark.parametrize("p", [2, 3])
