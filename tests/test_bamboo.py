@@ -304,6 +304,44 @@ def test_a_failed_over_pipeline_reconfigures_to_full_depth_when_a_worker_returns
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 2])
+def test_a_preemption_notice_hands_the_stage_to_the_predecessor_at_a_step_boundary(rank, run_dir):
+    """SIGTERM to a worker of a single redundant pipeline: at the next step boundary its stage goes
+    to the worker holding its replica (the first stage: to the second worker, from the last one's
+    replica) and it leaves cleanly: no failure, no step redone, the undisturbed model."""
+    import json
+    import os
+    import signal
+    import time
+
+    from conftest import assert_state_equal, wait_for_step
+
+    handle = vf.launch(jobs.pipelined_redundant_job, workers=3, steps=1_000_000, deterministic=True, run_dir=run_dir)
+    wait_for_step(handle, 3)
+    victim = next(w for w in handle.status()["workers"] if w["rank"] == rank)
+    os.kill(victim["pid"], signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while len([w for w in handle.status()["workers"] if w["rank"] is not None]) != 2:
+        assert time.monotonic() < deadline and not handle.done, handle.status()
+        time.sleep(0.05)
+    wait_for_step(handle, handle.status()["step"] + 2)
+    result = handle.stop()
+    assert result.failures == []
+    assert [h["step"] for h in result.history] == list(range(result.steps))
+    sizes = [h["workers"] for h in result.history]
+    assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [3, 2]
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        events = [json.loads(line) for line in f]
+    failover = [e for e in events if e["event"] == "failover"]
+    expected = [[0, 1], [2]] if rank == 0 else [[0], [1, 2]]
+    assert len(failover) == 1 and failover[0]["noticed"] == [victim["id"]] and failover[0]["layout"] == expected
+    assert [e["worker"] for e in events if e["event"] == "leave"] == [victim["id"]]
+    ref = vf.train(jobs.pipelined_redundant_job().replace(pipeline=Pipeline(stages=3)), workers=3,
+                   steps=result.steps, deterministic=True)
+    assert_state_equal(result.state_dict, ref.state_dict)
+
+
+@pytest.mark.slow
 def test_the_first_stage_fails_over_to_the_second_worker_from_the_last_ones_replica(run_dir):
     import json
     import os

@@ -135,6 +135,7 @@ class MembershipController:
         """The current generation's layout after a failover (None: one stage per member)."""
         self.bamboo_events: list[dict[str, Any]] = []
         """Failovers, reconfigurations and fallbacks so far (kind, step, layout): for the status."""
+        self._notice_uncovered = False
         self._formed_layout: tuple[list[int], tuple[tuple[int, ...], ...] | None] | None = None
         """Members and layout of the last generation that formed: what the workers really hold
         (a failover decides from it, so losses in quick succession are judged together)."""
@@ -645,6 +646,8 @@ class MembershipController:
         if not noticed:
             return False
         members = list(self.members)
+        if self.stages is not None and self.redundancy and (len(members) == self.stages or self.layout is not None):
+            return self._planned_failover(noticed)
         if self.stages is not None:
             p = self.stages
             broken = {i // p for i, w in enumerate(members) if w in noticed}
@@ -659,6 +662,40 @@ class MembershipController:
                                                                                      if w not in keep]})
         if self.replace_failed:
             self.target = target  # replacements start and the job grows back (_plan)
+        return True
+
+    def _planned_failover(self, noticed: list[int]) -> bool:
+        """Bamboo, on a preemption notice: the noticed workers of a single redundant pipeline
+        leave at the next step boundary and their predecessors take their stages over from the
+        replicas (fresh after every step), as a failover would after a loss, but with no step
+        redone. A notice redundancy cannot cover (see :func:`failover`) is not acted on: the
+        notice runs out and the loss is judged then (a fallback naming the checkpoint)."""
+        from virtualflow.plan.pipeline.failover import Fallback, failover, standard
+
+        members = list(self.members)
+        layout = self.layout if self.layout is not None else standard(self.stages)
+        decision = failover(layout, [i for i, w in enumerate(members) if w in noticed])
+        if isinstance(decision, Fallback):
+            if not self._notice_uncovered:
+                self._notice_uncovered = True
+                self.coord.event("preemption_uncovered", step=self.last_step, noticed=noticed, reason=decision.reason)
+                logger.warning("preemption notice for worker(s) %s not acted on: %s", noticed, decision.reason)
+            return False
+        self.noticed = []
+        survivors = [members[i] for i in decision.survivors]
+        taken = {str(members[m]): members[p] for m, p in decision.taken_over.items()}
+        self.coord.event("failover", step=self.last_step, failed=[], noticed=sorted(noticed), taken_over=taken,
+                         layout=[list(r) for r in decision.layout])
+        self.bamboo_events.append({"kind": "failover", "step": self.last_step, "failed": [], "noticed": sorted(noticed),
+                                   "layout": [list(r) for r in decision.layout]})
+        missing = sum(len(run) - 1 for run in decision.layout)
+        if self.replace_failed:
+            for _ in noticed:
+                self._new_worker()
+        self.target = len(survivors) + (missing if self.replace_failed else 0)
+        self.layout = decision.layout
+        self._publish(survivors, kind="preempted", hold=False, command=True,
+                      detail={"noticed": sorted(noticed), "removed": [w for w in members if w not in survivors]})
         return True
 
     def _start_missing(self, need: int) -> None:
