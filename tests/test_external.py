@@ -197,6 +197,35 @@ def test_a_joined_worker_killed_mid_run_is_survived_and_a_replacement_can_join(t
     assert_same_training(result, vf.train(jobs.elastic_job, workers=2, steps=result.steps, deterministic=True))
 
 
+def test_sigterm_to_a_joined_worker_is_a_preemption_notice(tmp_path):
+    """A spot machine's notice (SIGTERM to `virtualflow worker`) releases that worker at a step
+    boundary: no failure, it exits with code 0, the survivor goes on with the same model."""
+    import signal
+
+    run_dir = str(tmp_path / "run")
+    address = f"127.0.0.1:{free_port()}"
+    handle = vf.launch(jobs.elastic_job, workers=2, steps=FOREVER, deterministic=True, run_dir=run_dir,
+                       backend="external", listen=address)
+    token_file = os.path.join(run_dir, "token")
+    procs = [start_worker(address, token_file, str(tmp_path / f"w{i}.log")) for i in range(2)]
+    try:
+        wait_until(lambda: handle.status()["step"] >= 3, "step 3", handle=handle)
+        victim = next(w["pid"] for w in handle.status()["workers"] if w["id"] == 1)
+        os.kill(victim, signal.SIGTERM)
+        wait_until(lambda: settled(handle, 1), "the survivor alone in a generation", handle=handle)
+        step = handle.status()["step"]
+        wait_until(lambda: handle.status()["step"] >= step + 2, "2 more steps", handle=handle)
+        result = handle.stop()
+    finally:
+        if not handle.done:
+            handle.kill()
+        codes = reap(procs)
+    assert codes == [0, 0], [open(tmp_path / f"w{i}.log").read()[-2000:] for i in range(2)]
+    assert not result.failures and [e["worker"] for e in events(run_dir, "preemption_notice")] == [1]
+    assert [h["step"] for h in result.history] == list(range(result.steps))
+    assert_same_training(result, vf.train(jobs.elastic_job, workers=2, steps=result.steps, deterministic=True))
+
+
 def test_listen_belongs_to_the_external_backend_and_the_local_store_stays_on_loopback(tmp_path):
     with pytest.raises(ValueError, match="needs listen="):
         vf.launch(jobs.elastic_job, steps=1, backend="external")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -166,6 +167,28 @@ def test_actor_killed_mid_run_survivors_redo_the_step(cluster, run_dir, launch):
     assert "SIGKILL" in result.failures[0]["cause"]
     assert result.generations == 2
     assert {h["workers"] for h in result.history[-5:]} == {2}
+    assert_same_training(result, vf.train(unpaced(), workers=2, steps=result.steps, deterministic=True))
+
+
+def test_sigterm_to_an_actor_is_a_preemption_notice(cluster, run_dir, launch):
+    """SIGTERM to a training actor's process (a spot node's notice) releases it at a step
+    boundary, as for a local worker: no failure, no step redone, the actor ends with code 0."""
+    wait_for_free_cpus(2)
+    handle = launch(jobs.elastic_job, workers=3, steps=FOREVER, deterministic=True, run_dir=run_dir,
+                    backend="ray", address=cluster.address, cpus_per_worker=0.5, resources=SLOT)
+    wait_for_step(handle, 3)
+    victim = handle.backend.workers[1]
+    os.kill(victim.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while len([w for w in handle.status()["workers"] if w["rank"] is not None]) != 2:
+        assert time.monotonic() < deadline and not handle.done, handle.status()
+        time.sleep(0.02)
+    wait_for_step(handle, handle.status()["step"] + 3)
+    result = handle.stop()
+    assert result.failures == [] and victim.code == 0
+    assert [h["step"] for h in result.history] == list(range(result.steps))
+    sizes = [h["workers"] for h in result.history]
+    assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [3, 2]
     assert_same_training(result, vf.train(unpaced(), workers=2, steps=result.steps, deterministic=True))
 
 

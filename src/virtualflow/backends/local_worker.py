@@ -1,23 +1,38 @@
 """Entry point of a local worker process: ``python -m virtualflow.backends.local_worker ID``, its
-configuration (a pickled :class:`WorkerConfig`) on stdin, written by the launching process."""
+configuration (a pickled :class:`WorkerConfig`) on stdin, written by the launching process.
+
+:func:`preemption_notice` is shared by every backend's worker entry (local, Ray actors,
+``virtualflow worker``): SIGTERM while training is a preemption notice."""
 
 from __future__ import annotations
 
 import os
 import pickle
+import signal
 import sys
+import threading
+
+
+def preemption_notice():
+    """Install the SIGTERM handling of a worker process (:class:`PreemptionNotice`: a SIGTERM while
+    training is a preemption notice, at any other time it ends the process) and return it; ``None``
+    off the main thread, where Python cannot install signal handlers (a worker then dies on
+    SIGTERM, as before: the loss is handled as a failure)."""
+    from virtualflow.runtime.worker import PreemptionNotice
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    notice = PreemptionNotice()
+    signal.signal(signal.SIGTERM, notice.handler)
+    return notice
 
 
 def main(argv: list[str]) -> int:
     worker_id = int(argv[1])
     config = pickle.loads(sys.stdin.buffer.read())
-    import signal
+    from virtualflow.runtime.worker import run_worker
 
-    from virtualflow.runtime.worker import PreemptionNotice, run_worker
-
-    notice = PreemptionNotice()
-    signal.signal(signal.SIGTERM, notice.handler)  # while training: a preemption notice
-    return run_worker(config, worker_id, notice)
+    return run_worker(config, worker_id, preemption_notice())
 
 
 if __name__ == "__main__":

@@ -264,10 +264,13 @@ class _WorkerActor:
                 f"the run directory {config.state_dir} is not visible on this node (pid {os.getpid()}); "
                 f"the Ray backend needs it on a filesystem every node shares (give run_dir= / --run-dir there)"
             )
+        from virtualflow.backends.local_worker import preemption_notice
         from virtualflow.runtime.worker import run_worker
 
         try:
-            return run_worker(config, self.worker_id)
+            # A synchronous actor runs its methods on the process's main thread: SIGTERM to the
+            # actor's process while it trains is a preemption notice, as for a local worker.
+            return run_worker(config, self.worker_id, preemption_notice())
         finally:
             sys.stdout.flush()
             sys.stderr.flush()

@@ -134,9 +134,11 @@ def main(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, threads=args.threads)
     print(f"joined {args.join} as worker {worker_id} ({config.threads} thread{'s' if config.threads > 1 else ''})",
           flush=True)
+    from virtualflow.backends.local_worker import preemption_notice
     from virtualflow.runtime.worker import run_worker
 
-    code = run_worker(config, worker_id)
+    # SIGTERM while training (a spot machine's notice) releases this worker at a step boundary
+    code = run_worker(config, worker_id, preemption_notice())
     sys.stdout.flush()
     sys.stderr.flush()
     # As a local worker: skip interpreter teardown (gloo threads can abort it); all is reported.
