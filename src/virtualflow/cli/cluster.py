@@ -1,0 +1,290 @@
+"""``virtualflow cluster start|status|stop|dashboard``, ``virtualflow submit``, ``virtualflow queue``
+and ``virtualflow cancel``: the cluster service on the command line (``docs/cluster_service.md``).
+
+``cluster start`` runs the service in the background by default (a detached process logging to
+``DIR/service.log``; the command returns once it is up) and in this process with
+``--foreground``. Every other verb works on the cluster directory's database, with or without a
+running service: a job submitted while the service is down waits in the queue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from virtualflow.service.state import ClusterDB, JobRow
+
+DEFAULT_DIR_HELP = "the cluster directory (its database, job run directories, service log, dashboard token)"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser("cluster", help="run the cluster service: a scheduler that places, resizes and preempts jobs",
+                       description="The cluster service: jobs submitted with `virtualflow submit` run on emulated "
+                                   "accelerator slots, placed each round by a scheduling policy.")
+    csub = c.add_subparsers(dest="cluster_command", required=True)
+    s = csub.add_parser("start", help="start the service (in the background unless --foreground)")
+    s.add_argument("--dir", required=True, help=DEFAULT_DIR_HELP)
+    s.add_argument("--slots", required=True, metavar="TYPE=N,...",
+                   help="accelerator slots by type, e.g. v100=2,k80=2 (a job runs whole on one type)")
+    s.add_argument("--policy", default="las", help="scheduling policy, as in virtualflow simulate (default las)")
+    s.add_argument("--round-s", type=float, default=30.0, metavar="SECONDS", help="round length (default 30)")
+    s.add_argument("--slowdowns", default=None, metavar="TYPE=F,...",
+                   help="emulated speed of a type: its workers run F times slower (default: from Gavel's "
+                        "throughput table, fastest type 1)")
+    s.add_argument("--threads-per-worker", type=int, default=1, metavar="T", help="torch threads per worker (1)")
+    s.add_argument("--foreground", action="store_true", help="run in this process (Ctrl-C stops it)")
+    s.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="how long to wait for a background service to come up (60)")
+    s.set_defaults(func=start)
+    st = csub.add_parser("status", help="is the service up; slots and what runs on them")
+    st.add_argument("--dir", required=True, help=DEFAULT_DIR_HELP)
+    st.set_defaults(func=status)
+    sp = csub.add_parser("stop", help="stop the service; running jobs stop with their state kept and stay queued")
+    sp.add_argument("--dir", required=True, help=DEFAULT_DIR_HELP)
+    sp.add_argument("--timeout", type=float, default=180.0, metavar="SECONDS", help="how long to wait (180)")
+    sp.set_defaults(func=stop)
+    d = csub.add_parser("dashboard", help="serve the web dashboard on loopback (read-only without the token)")
+    d.add_argument("--dir", required=True, help=DEFAULT_DIR_HELP)
+    d.add_argument("--port", type=int, default=8265, help="port on 127.0.0.1 (0: any free port; default 8265)")
+    d.set_defaults(func=dashboard)
+
+    sb = sub.add_parser("submit", help="queue a job on a cluster service",
+                        description="Queue JOB (a file.py[:function] or module:function returning a virtualflow.Job) "
+                                    "on the cluster in --dir. It is checked now: nothing is queued on error.")
+    sb.add_argument("job", metavar="JOB.py[:FUNCTION]")
+    sb.add_argument("--dir", required=True, help=DEFAULT_DIR_HELP)
+    sb.add_argument("--steps", type=int, required=True, help="optimizer steps to run")
+    sb.add_argument("--workers", type=int, default=None, metavar="N", help="a rigid job's worker count (default 1)")
+    sb.add_argument("--elastic", action="store_true", help="resizable in place between --min-workers and "
+                                                             "--max-workers")
+    sb.add_argument("--min-workers", type=int, default=None, metavar="A", help="elastic: fewest workers (default 1)")
+    sb.add_argument("--max-workers", type=int, default=None, metavar="B", help="elastic: most workers (needed)")
+    sb.add_argument("--priority", type=float, default=1.0, metavar="W", help="weight in fair-share policies (1)")
+    sb.add_argument("--job-type", default=None, metavar="NAME",
+                    help="a job type of Gavel's throughput table (e.g. 'ResNet-18 (batch size 64)'): the emulated "
+                         "types slow this job down as they slow that model down")
+    sb.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                    help="checkpoint every N steps, what a crash of the service falls back to (default steps/10)")
+    sb.add_argument("--deterministic", action="store_true", help="bit-identical weights whatever the placements")
+    sb.set_defaults(func=submit)
+
+    q = sub.add_parser("queue", help="the jobs of a cluster: state, placement, progress, JCT")
+    q.add_argument("--dir", required=True, help=DEFAULT_DIR_HELP)
+    q.set_defaults(func=queue)
+
+    cn = sub.add_parser("cancel", help="cancel a queued or running job")
+    cn.add_argument("job_id", type=int, metavar="ID")
+    cn.add_argument("--dir", required=True, help=DEFAULT_DIR_HELP)
+    cn.set_defaults(func=cancel)
+
+
+# -- cluster start / status / stop / dashboard ---------------------------------------------------
+def start(args: argparse.Namespace) -> int:
+    from virtualflow.cluster.model import Cluster
+    from virtualflow.service.core import parse_slowdowns
+    from virtualflow.service.runner import Service, ServiceLock, init_cluster
+
+    slots = dict(Cluster.parse(args.slots).gpus)
+    slowdowns = parse_slowdowns(args.slowdowns) if args.slowdowns else {}
+    if args.threads_per_worker < 1:
+        raise ValueError(f"--threads-per-worker {args.threads_per_worker} must be >= 1")
+    if os.path.isdir(args.dir) and ServiceLock.held(args.dir):
+        raise ValueError(f"a cluster service already runs in {args.dir}; stop it first (virtualflow cluster stop "
+                         f"--dir {args.dir})")
+    init_cluster(args.dir, slots=slots, policy=args.policy, round_s=args.round_s, slowdowns=slowdowns,
+                 threads_per_worker=args.threads_per_worker).close()
+    if args.foreground:
+        import signal
+
+        service = Service(args.dir)
+        signal.signal(signal.SIGTERM, service.request_stop)
+        try:
+            service.run()
+        except KeyboardInterrupt:
+            pass
+        return 0
+    log_path = os.path.join(args.dir, "service.log")
+    with open(os.devnull, "rb") as devnull, open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "virtualflow.service", os.path.abspath(args.dir)],
+                                stdin=devnull, stdout=log, stderr=log, start_new_session=True, close_fds=True)
+    db = ClusterDB(args.dir)
+    deadline = time.monotonic() + args.timeout
+    while True:
+        svc = db.get_meta("service") or {}
+        if svc.get("pid") == proc.pid and svc.get("state") == "running":
+            break
+        if proc.poll() is not None:
+            raise RuntimeError(f"the cluster service exited at start-up (code {proc.returncode}); see {log_path}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the cluster service (pid {proc.pid}) is not up after {args.timeout} s; see {log_path}")
+        time.sleep(0.1)
+    print(f"cluster service running in {args.dir} (pid {proc.pid}; slots {args.slots}; policy {args.policy}; "
+          f"rounds of {args.round_s:g} s); log: {log_path}")
+    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    from virtualflow.service.runner import ServiceLock
+
+    db = ClusterDB(args.dir)
+    cfg = db.config()
+    svc = db.get_meta("service") or {}
+    up = ServiceLock.held(args.dir)
+    age = time.time() - float(svc.get("heartbeat_s") or 0)
+    print(f"cluster {args.dir}: service {'up' if up else 'down'}"
+          + (f" (pid {svc.get('pid')}, heartbeat {age:.1f} s ago)" if up else "")
+          + f"; policy {cfg['policy']}; rounds of {cfg['round_s']:g} s")
+    jobs = db.jobs()
+    holders = {s: j.id for j in jobs if j.state == "running" for s in j.slots}
+    from virtualflow.service.core import slot_names
+
+    print("slots: " + ", ".join(f"{s}={'job ' + str(holders[s]) if s in holders else 'free'}"
+                                for s in slot_names(cfg["slots"])))
+    counts: dict[str, int] = {}
+    for j in jobs:
+        counts[j.state] = counts.get(j.state, 0) + 1
+    print("jobs: " + (", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "none"))
+    return 0
+
+
+def stop(args: argparse.Namespace) -> int:
+    from virtualflow.service.runner import ServiceLock
+
+    db = ClusterDB(args.dir)
+    if not ServiceLock.held(args.dir):
+        print(f"no cluster service runs in {args.dir}")
+        return 0
+    db.set_meta("stop_requested", True)
+    deadline = time.monotonic() + args.timeout
+    while ServiceLock.held(args.dir):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the cluster service in {args.dir} has not stopped after {args.timeout} s")
+        time.sleep(0.2)
+    print(f"cluster service in {args.dir} stopped; running jobs were stopped with their state and stay queued")
+    return 0
+
+
+def dashboard(args: argparse.Namespace) -> int:
+    from virtualflow.service.dashboard import serve
+
+    ClusterDB(args.dir).config()  # a cluster directory, configured
+    serve(args.dir, port=args.port, announce=lambda url: print(f"dashboard: {url} (read-only; actions need the "
+                                                                f"token in {os.path.join(args.dir, 'token')})",
+                                                                flush=True))
+    return 0
+
+
+# -- submit / queue / cancel --------------------------------------------------------------------
+def check_submission(cluster_dir: str, job: str, *, steps: int, workers: int | None, elastic: bool,
+                     min_workers: int | None, max_workers: int | None, priority: float, job_type: str | None,
+                     checkpoint_every: int | None) -> dict[str, Any]:
+    """Every check of a submission, before anything is written; returns the row's fields."""
+    import math
+
+    from virtualflow.preflight import build_job
+
+    db = ClusterDB(cluster_dir)
+    cfg = db.config()
+    biggest = max(int(n) for n in cfg["slots"].values())
+    path = job.partition(":")[0]
+    if (path.endswith(".py") or os.sep in path) and not os.path.isfile(path):
+        raise ValueError(f"job file {path!r} does not exist; give JOB.py[:FUNCTION] (the default function is "
+                         f"make_job)")
+    if steps < 1:
+        raise ValueError(f"--steps {steps} must be a positive number of steps")
+    if not (math.isfinite(priority) and priority > 0):
+        raise ValueError(f"--priority {priority:g} must be a positive weight")
+    if elastic:
+        if workers is not None:
+            raise ValueError("--workers is a rigid job's count; an --elastic job takes --min-workers and --max-workers")
+        if max_workers is None:
+            raise ValueError("an --elastic job needs --max-workers B (and optionally --min-workers A, default 1)")
+        lo, hi = (1 if min_workers is None else min_workers), max_workers
+        if lo < 1:
+            raise ValueError(f"--min-workers {lo} must be >= 1")
+        if lo > hi:
+            raise ValueError(f"--min-workers {lo} is greater than --max-workers {hi}; lower --min-workers or raise "
+                             f"--max-workers")
+        if lo > biggest:
+            raise ValueError(f"--min-workers {lo} is more than the largest slot type has ({biggest}: "
+                             f"{cfg['slots']}); a job runs whole on one type: lower --min-workers")
+    else:
+        if min_workers is not None or max_workers is not None:
+            raise ValueError("--min-workers/--max-workers apply to --elastic jobs; a rigid job takes --workers N")
+        lo = hi = 1 if workers is None else workers
+        if lo < 1:
+            raise ValueError(f"--workers {lo} must be >= 1")
+        if lo > biggest:
+            raise ValueError(f"--workers {lo} is more than the largest slot type has ({biggest}: {cfg['slots']}); "
+                             f"a job runs whole on one type: lower --workers")
+    if job_type is not None:
+        from virtualflow.service.runner import gavel_table
+
+        table = gavel_table()
+        if not table.has(job_type, 1):
+            raise ValueError(f"--job-type {job_type!r} is not in Gavel's throughput table; choose one of "
+                             f"{list(table.job_types)[:6]}... or leave it out")
+    if checkpoint_every is None:
+        checkpoint_every = max(1, steps // 10)
+    elif checkpoint_every < 1:
+        raise ValueError(f"--checkpoint-every {checkpoint_every} must be >= 1")
+    built = build_job(job, job)  # imports the file and calls the function: its errors are reported now
+    V = built.virtual_nodes
+    if hi > V:
+        raise ValueError(f"{'--max-workers' if elastic else '--workers'} {hi} is more than the job's virtual_nodes={V}"
+                         f": every worker needs at least one virtual node")
+    name = built.name if getattr(built, "name", None) else os.path.basename(path)
+    return dict(name=str(name), steps=steps, elastic=elastic, min_workers=lo, max_workers=hi, priority=priority,
+                job_type=job_type, checkpoint_every=checkpoint_every)
+
+
+def submit(args: argparse.Namespace) -> int:
+    from virtualflow.job import source_from
+
+    fields = check_submission(args.dir, args.job, steps=args.steps, workers=args.workers, elastic=args.elastic,
+                              min_workers=args.min_workers, max_workers=args.max_workers, priority=args.priority,
+                              job_type=args.job_type, checkpoint_every=args.checkpoint_every)
+    db = ClusterDB(args.dir)
+    job_id = db.add_job(target=source_from(args.job).target, deterministic=args.deterministic, **fields)
+    shape = (f"elastic {fields['min_workers']}-{fields['max_workers']} workers" if args.elastic
+             else f"{fields['max_workers']} worker{'s' if fields['max_workers'] > 1 else ''}")
+    print(f"job {job_id} queued: {fields['name']}, {args.steps} steps, {shape}, priority {args.priority:g}")
+    return 0
+
+
+def format_queue(jobs: list[JobRow], now: float) -> str:
+    head = f"{'id':>4} {'name':<16} {'state':<9} {'placement':<14} {'progress':>13} {'JCT s':>8} {'restarts':>8} " \
+           f"{'resizes':>7}"
+    lines = [head]
+    for j in jobs:
+        place = f"{j.workers}x{j.acc_type}" if j.state == "running" and j.acc_type else "-"
+        shape = f" ({j.min_workers}-{j.max_workers})" if j.elastic else ""
+        end = j.finished_s if j.finished_s is not None else now
+        prog = f"{j.steps_done}/{j.steps}"
+        lines.append(f"{j.id:>4} {j.name[:16]:<16} {j.state:<9} {place + shape:<14} {prog:>13} "
+                     f"{end - j.submitted_s:>8.1f} {j.restarts:>8} {j.resizes:>7}")
+        if j.state == "failed" and j.error:
+            lines.append(f"     error: {j.error[:200]}")
+    return "\n".join(lines)
+
+
+def queue(args: argparse.Namespace) -> int:
+    db = ClusterDB(args.dir)
+    print(format_queue(db.jobs(), time.time()))
+    return 0
+
+
+def cancel(args: argparse.Namespace) -> int:
+    db = ClusterDB(args.dir)
+    what = db.request_cancel(args.job_id)
+    if what == "cancelled":
+        print(f"job {args.job_id} cancelled (it was queued)")
+    elif what == "requested":
+        print(f"job {args.job_id} will be stopped and cancelled by the service at its next check")
+    else:
+        print(f"job {args.job_id} had already ended ({what}); nothing to cancel")
+    return 0

@@ -1,0 +1,500 @@
+"""The cluster service's process layer: rounds in real time, jobs through the public API.
+
+:class:`Service` is a loop over rounds of ``round_s`` seconds. At a round's start it reads the
+database (new submissions, cancellations), builds a :class:`~virtualflow.service.core.JobView`
+per active job, asks the pure :class:`~virtualflow.service.core.Scheduler` for the round's
+decision, records it (``rounds`` and ``allocations`` tables) and enacts its actions with the
+public API, on the local backend:
+
+- ``start``: :func:`virtualflow.launch` with the placement's worker count, the type's slowdown
+  for every worker (``slowdowns=``, emulated accelerator types), ``checkpoint_every`` and, when
+  the job's run directory holds a state, ``resume=`` it;
+- ``resize`` (elastic jobs, same type): :meth:`JobHandle.resize` in place; a newcomer gets the
+  type's slowdown (:meth:`JobHandle.set_slowdown`) as soon as it is a member;
+- ``preempt``: :meth:`JobHandle.stop` (the state reached is written: ``final.pt``), the job is
+  queued again and resumes from it when next placed;
+- ``restart``: preempt, then start on the new placement.
+
+During the round it polls every job (``poll_s``): progress and loss go to the database; a job
+that ended is recorded done, a job that crashed is recorded failed (alone: its slots are free at
+the next round); a cancelled one is stopped. The steps a job makes after its workers formed are
+its **measured throughput** on that (type, workers), folded into the job's estimates at the end
+of the round. Without active jobs the service idles and starts a round as soon as a job arrives.
+
+Crash safety: the database is the truth. A service that was killed (SIGKILL) and started again
+closes the rounds left open, waits for the workers of the jobs it ran to exit (they lose their
+coordinator with it), then records a job whose run directory says it completed as done (never run
+again) and queues the others to resume from their newest state file (the steps after it are
+recomputed, bit-identically in deterministic mode, and recorded once). ``cluster stop`` stops every
+job with its state written and queues it, so nothing is lost across a planned stop either.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from virtualflow.cluster.policies.base import get_policy
+from virtualflow.cluster.throughputs import ThroughputTable
+from virtualflow.service.core import (Action, JobView, RoundDecision, Scheduler, recovery_action,
+                                      type_slowdowns, update_estimates)
+from virtualflow.service.state import ClusterDB, JobRow
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = "service.lock"
+
+
+@dataclass
+class Running:
+    """A job this service runs now."""
+
+    handle: Any
+    acc_type: str
+    workers: int
+    slots: tuple[str, ...]
+    slowdown: float
+    slowed: set[int] = field(default_factory=set)
+    """Worker ids that have their slowdown."""
+    samples: list[tuple[float, int]] = field(default_factory=list)
+    """(time, step) since the current (type, workers) formed."""
+    last_step: int = -1
+    last_write_s: float = 0.0
+    start_step: int = 0
+    """The step it started from (a job still there when preempted is killed: nothing to save)."""
+
+
+def gavel_table() -> ThroughputTable:
+    from virtualflow.cluster.gavel_data import gavel_data_dir
+
+    return ThroughputTable.from_file(os.path.join(gavel_data_dir(), "simulation_throughputs.json"))
+
+
+class ServiceLock:
+    """One service per cluster directory: an exclusive ``flock`` on ``service.lock`` held for the
+    service's lifetime (released by the kernel when the process dies, SIGKILL included)."""
+
+    def __init__(self, cluster_dir: str) -> None:
+        self.path = os.path.join(cluster_dir, LOCK_NAME)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise ValueError(f"a cluster service already runs in {cluster_dir} (it holds {self.path}); stop it "
+                             f"with virtualflow cluster stop --dir {cluster_dir}") from None
+        os.ftruncate(self.fd, 0)
+        os.write(self.fd, str(os.getpid()).encode())
+
+    @staticmethod
+    def held(cluster_dir: str) -> bool:
+        path = os.path.join(cluster_dir, LOCK_NAME)
+        if not os.path.exists(path):
+            return False
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
+
+    def release(self) -> None:
+        os.close(self.fd)
+
+
+class Service:
+    """The service of one cluster directory (created by ``cluster start``: see :func:`init_cluster`)."""
+
+    def __init__(self, cluster_dir: str, *, poll_s: float = 0.25, launch: Callable[..., Any] | None = None) -> None:
+        import virtualflow
+
+        self.dir = os.path.abspath(cluster_dir)
+        self.db = ClusterDB(self.dir)
+        cfg = self.db.config()
+        self.slots: dict[str, int] = {str(k): int(v) for k, v in cfg["slots"].items()}
+        self.types = tuple(self.slots)
+        self.policy_name: str = cfg["policy"]
+        self.round_s = float(cfg["round_s"])
+        self.overrides: dict[str, float] = {str(k): float(v) for k, v in (cfg.get("slowdowns") or {}).items()}
+        self.threads = int(cfg.get("threads_per_worker", 1))
+        self.poll_s = poll_s
+        self.launch = launch or virtualflow.launch
+        self.scheduler = Scheduler(self.slots, get_policy(self.policy_name), round_s=self.round_s)
+        self.table = gavel_table()  # per-job-type slowdowns (submit --job-type) come from it too
+        self.default_slowdowns = type_slowdowns(self.types, self.table, self.overrides)
+        self.running: dict[int, Running] = {}
+        self.round_id: int | None = None
+        self._job_slowdowns: dict[int, dict[str, float]] = {}
+        self._stop = False
+
+    # -- set-up and recovery ---------------------------------------------------------------
+    def slowdowns_of(self, row: JobRow) -> dict[str, float]:
+        got = self._job_slowdowns.get(row.id)
+        if got is None:
+            got = self.default_slowdowns
+            if row.job_type is not None and self.table.has(row.job_type, 1):
+                got = type_slowdowns(self.types, self.table, self.overrides, job_type=row.job_type)
+            self._job_slowdowns[row.id] = got
+        return got
+
+    def recover(self) -> None:
+        """After a crash: close open rounds, wait for orphaned workers, settle every job that was
+        running (done, or queued to resume)."""
+        now = time.time()
+        self.db.close_open_rounds(now)
+        for row in self.db.jobs(("running",)):
+            _wait_orphans(row.run_dir)
+            summary = _read_json(os.path.join(row.run_dir, "summary.json"))
+            has_state = _has_state(row.run_dir)
+            what = recovery_action(row.state, summary, has_state, row.steps)
+            if what == "done":
+                self.db.set_job_state(row.id, "done", event="done", finished_s=now, steps_done=row.steps,
+                                      acc_type=None, workers=0, slots=[])
+                log.info("job %d had completed before the service stopped: recorded done", row.id)
+            else:
+                self.db.set_job_state(row.id, "queued", event="requeued", acc_type=None, workers=0, slots=[],
+                                      info={"reason": f"service restarted ({what})"})
+                log.info("job %d was running when the service stopped: queued to %s", row.id,
+                         "resume from its newest state" if has_state else "start again")
+
+    # -- the loop ---------------------------------------------------------------------------
+    def request_stop(self, *_: Any) -> None:
+        self._stop = True
+
+    def stopping(self) -> bool:
+        return self._stop or bool(self.db.get_meta("stop_requested", False))
+
+    def run(self) -> None:
+        """Recover, then play rounds until ``cluster stop`` (or SIGTERM/SIGINT); stop the jobs
+        with their state kept on the way out."""
+        lock = ServiceLock(self.dir)
+        try:
+            self.db.set_meta("stop_requested", False)
+            if self.db.get_meta("epoch_s") is None:
+                self.db.set_meta("epoch_s", time.time())
+            self.epoch_s = float(self.db.get_meta("epoch_s"))
+            self._heartbeat(state="recovering")
+            self.recover()
+            self._heartbeat(state="running")
+            self.db.event("service_start", pid=os.getpid(), policy=self.policy_name, slots=self.slots,
+                          round_s=self.round_s)
+            log.info("cluster service in %s: slots %s (slowdowns %s), policy %s, rounds of %.1f s", self.dir,
+                     self.slots, {t: round(f, 3) for t, f in self.default_slowdowns.items()}, self.policy_name,
+                     self.round_s)
+            while not self.stopping():
+                if not self._active_rows():
+                    self._tick()
+                    time.sleep(self.poll_s)
+                    continue
+                self.play_round()
+        finally:
+            self.shutdown()
+            lock.release()
+
+    def _active_rows(self) -> list[JobRow]:
+        return [r for r in self.db.jobs(("queued", "running")) if not r.cancel_requested]
+
+    def play_round(self) -> None:
+        """One round: decide, record, enact, run for ``round_s`` while polling, measure."""
+        start = time.time()
+        rows = {r.id: r for r in self._active_rows()}
+        views = [self._view(r) for r in rows.values()]
+        decision = self.scheduler.plan(views, start - self.epoch_s)
+        placements = [{"job_id": jid, "acc_type": p.acc_type, "workers": p.gpus,
+                       "slots": list(decision.slots.get(jid, ())), "change": p.change}
+                      for jid, p in sorted(decision.plan.placements.items())]
+        self.round_id = self.db.add_round(start_s=start, policy=self.policy_name, solved=decision.solved,
+                                          decision_s=decision.decision_s, active=len(views), placements=placements)
+        log.info("round %d: %s", self.round_id, ", ".join(
+            f"job {p['job_id']} on {p['workers']}x{p['acc_type']} ({p['change']})" for p in placements) or "idle")
+        self.enact(decision, rows)
+        end = start + self.round_s
+        while time.time() < end and not self.stopping():
+            self._tick()
+            time.sleep(min(self.poll_s, max(end - time.time(), 0.0)))
+        self._end_round(time.time() - start)
+
+    def enact(self, decision: RoundDecision, rows: dict[int, JobRow]) -> None:
+        """Preempt (all at once, in threads: each waits for its job's next step boundary), then
+        resize and start, in the decision's order (slots are released before they are taken)."""
+        stopping = [a for a in decision.actions if a.kind in ("preempt", "restart")]
+        outcomes = self._stop_all({a.job_id: ("preempted by the cluster scheduler" if a.kind == "preempt" else
+                                              f"moved to {a.workers}x{a.acc_type} by the cluster scheduler")
+                                   for a in stopping})
+        for a in decision.actions:
+            row = rows[a.job_id]
+            try:
+                if a.kind in ("preempt", "restart"):
+                    goes_on = self._stopped(row, *outcomes.get(a.job_id, (None, None)))
+                    if a.kind == "restart" and goes_on:
+                        self._start(self.db.job(row.id) or row, a, restart=True)
+                elif a.kind == "resize":
+                    self._resize(row, a)
+                elif a.kind == "start":
+                    self._start(row, a, restart=False)
+            except (ValueError, TypeError, RuntimeError, OSError) as exc:
+                # The job's own fault (a broken job file, a bad checkpoint): it fails alone.
+                self._fail(row.id, f"{a.kind} failed: {type(exc).__name__}: {' '.join(str(exc).split())}")
+
+    # -- actions ----------------------------------------------------------------------------
+    def _start(self, row: JobRow, a: Action, *, restart: bool) -> None:
+        assert a.acc_type is not None
+        factor = self.slowdowns_of(row)[a.acc_type]
+        resume = row.run_dir if _has_state(row.run_dir) else None
+        opts: dict[str, Any] = dict(workers=a.workers, steps=row.steps, run_dir=row.run_dir,
+                                    deterministic=row.deterministic, threads_per_worker=self.threads,
+                                    resume=resume, balance=False, progress=False)
+        if row.checkpoint_every:
+            opts["checkpoint_every"] = row.checkpoint_every
+        if factor > 1.0:
+            opts["slowdowns"] = [factor] * a.workers
+        handle = self.launch(row.target, **opts)
+        self.running[row.id] = Running(handle=handle, acc_type=a.acc_type, workers=a.workers, slots=a.slots,
+                                       slowdown=factor, slowed=set(range(a.workers)),
+                                       start_step=int(handle.status().get("step") or 0))
+        fields: dict[str, Any] = dict(acc_type=a.acc_type, workers=a.workers, slots=list(a.slots),
+                                      starts=row.starts + 1)
+        if row.started_s is None:
+            fields["started_s"] = time.time()
+        if restart or resume is not None:
+            fields["restarts"] = row.restarts + 1
+        self.db.set_job_state(row.id, "running", event="start", info={"resumed": resume is not None}, **fields)
+
+    def _stop_all(self, reasons: dict[int, str]) -> dict[int, tuple[Any, BaseException | None]]:
+        """Stop these jobs at once, each with its state written (a job that has not made a step
+        since it started is killed instead: it has nothing to write and would first have to
+        finish starting). Returns job id -> (Result or None, error or None)."""
+        runs = {jid: self.running.pop(jid) for jid in reasons if jid in self.running}
+        if not runs:
+            return {}
+
+        def stop(jid: int) -> tuple[Any, BaseException | None]:
+            run = runs[jid]
+            try:
+                if int(run.handle.status().get("step") or 0) <= run.start_step and not run.handle.done:
+                    run.handle.kill()
+                    return None, None
+                return run.handle.stop(timeout_s=120.0, reason=reasons[jid]), None
+            except Exception as exc:  # noqa: BLE001 - judged by the caller
+                return None, exc
+
+        with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+            return dict(zip(runs, pool.map(stop, runs)))
+
+    def _stopped(self, row: JobRow, result: Any, error: BaseException | None) -> bool:
+        """Record a stopped job; True if it is to run on (False: it ended: done or failed)."""
+        if error is not None:
+            self._fail(row.id, f"{type(error).__name__}: {' '.join(str(error).split())}")
+            return False
+        steps = result.steps if result is not None else row.steps_done
+        if steps >= row.steps:
+            self._done(row.id, steps, result)
+            return False
+        self.db.set_job_state(row.id, "queued", event="preempt", steps_done=steps, acc_type=None,
+                              workers=0, slots=[], info={"killed_before_first_step": result is None})
+        return True
+
+    def _resize(self, row: JobRow, a: Action) -> None:
+        run = self.running.get(row.id)
+        if run is None or run.handle.done:
+            return  # it ended meanwhile; the next tick records how
+        run.handle.resize(a.workers)
+        run.workers, run.slots, run.samples = a.workers, a.slots, []
+        self.db.update_job(row.id, workers=a.workers, slots=list(a.slots), resizes=row.resizes + 1)
+        self.db.event("resize", row.id, workers=a.workers, acc_type=a.acc_type)
+
+    # -- polling ----------------------------------------------------------------------------
+    def _tick(self) -> None:
+        now = time.time()
+        self._heartbeat(state="running")
+        for jid in list(self.running):
+            run = self.running[jid]
+            row = self.db.job(jid)
+            if row is None:
+                continue
+            if run.handle.done:
+                self.running.pop(jid)
+                try:
+                    result = run.handle.wait(0)
+                except Exception as exc:  # noqa: BLE001 - the job crashed: it fails alone
+                    self._fail(jid, " ".join(str(exc).split()))
+                    continue
+                if result.steps >= row.steps:
+                    self._done(jid, result.steps, result)
+                else:  # stopped from outside the service (e.g. a signal): queue it again
+                    self.db.set_job_state(jid, "queued", event="preempt", steps_done=result.steps, acc_type=None,
+                                          workers=0, slots=[], info={"reason": "stopped outside the service"})
+                continue
+            if row.cancel_requested:
+                self.running.pop(jid)
+                try:
+                    result = run.handle.stop(timeout_s=60.0, reason="cancelled")
+                    steps = result.steps
+                except Exception:  # noqa: BLE001 - cancelled anyway
+                    steps = row.steps_done
+                self.db.set_job_state(jid, "cancelled", event="cancelled", finished_s=time.time(), steps_done=steps,
+                                      acc_type=None, workers=0, slots=[])
+                self._left(jid)
+                continue
+            try:
+                st = run.handle.status()
+            except Exception:  # noqa: BLE001 - between states; next tick
+                continue
+            step = int(st.get("step") or 0)
+            members = [w for w in st.get("workers", []) if w.get("rank") is not None]
+            if run.slowdown > 1.0:
+                for w in members:
+                    wid = w.get("id")
+                    if isinstance(wid, int) and wid not in run.slowed:
+                        run.handle.set_slowdown(wid, run.slowdown)
+                        run.slowed.add(wid)
+            formed = st.get("state") == "running" and len(members) == run.workers
+            if formed and (not run.samples or step != run.samples[-1][1]):
+                run.samples.append((now, step))
+            elif not formed:
+                run.samples = []
+            if step != run.last_step and now - run.last_write_s >= 0.5:
+                loss = st.get("loss")
+                self.db.update_job(jid, steps_done=step, loss=float(loss) if isinstance(loss, (int, float)) else None)
+                run.last_step, run.last_write_s = step, now
+
+    def _end_round(self, held_s: float) -> None:
+        for jid, run in self.running.items():
+            row = self.db.job(jid)
+            if row is None:
+                continue
+            received = dict(row.received)
+            received[run.acc_type] = received.get(run.acc_type, 0.0) + held_s
+            fields: dict[str, Any] = {"received": received}
+            s = run.samples
+            if len(s) >= 3 and s[-1][1] - s[0][1] >= 2 and s[-1][0] > s[0][0]:
+                rate = (s[-1][1] - s[0][1]) / (s[-1][0] - s[0][0])
+                fields["estimates"] = update_estimates(row.estimates, run.acc_type, run.workers, rate)
+                self.db.event("throughput", jid, acc_type=run.acc_type, workers=run.workers, steps_per_s=rate)
+                run.samples = s[-1:]
+            self.db.update_job(jid, **fields)
+        self.scheduler.end_round()
+        if self.round_id is not None:
+            self.db.end_round(self.round_id, time.time())
+
+    # -- outcomes ---------------------------------------------------------------------------
+    def _done(self, jid: int, steps: int, result: Any) -> None:
+        loss = result.history[-1].get("loss") if result is not None and result.history else None
+        self.db.set_job_state(jid, "done", event="done", finished_s=time.time(), steps_done=steps,
+                              loss=loss if isinstance(loss, (int, float)) else None, acc_type=None, workers=0, slots=[])
+        log.info("job %d done (%d steps)", jid, steps)
+        self._left(jid)
+
+    def _fail(self, jid: int, error: str) -> None:
+        run = self.running.pop(jid, None)
+        if run is not None and not run.handle.done:
+            try:
+                run.handle.kill()
+            except Exception:  # noqa: BLE001
+                pass
+        self.db.set_job_state(jid, "failed", event="failed", finished_s=time.time(), error=error[:2000],
+                              acc_type=None, workers=0, slots=[])
+        log.warning("job %d failed: %s", jid, error)
+        self._left(jid)
+
+    def _left(self, jid: int) -> None:
+        self.scheduler.finished(jid)
+        if self.round_id is not None:
+            self.db.end_allocation(self.round_id, jid, time.time())
+
+    def _view(self, row: JobRow) -> JobView:
+        run = self.running.get(row.id)
+        return JobView(job_id=row.id, steps=row.steps, steps_done=row.steps_done, elastic=row.elastic,
+                       min_workers=row.min_workers, max_workers=row.max_workers, priority=row.priority,
+                       arrival_s=row.submitted_s - self.epoch_s, slowdowns=self.slowdowns_of(row),
+                       estimates=row.estimates, received_s=row.received,
+                       running=(run.acc_type, run.workers) if run is not None else None,
+                       slots=run.slots if run is not None else ())
+
+    def _heartbeat(self, state: str) -> None:
+        self.db.set_meta("service", {"pid": os.getpid(), "heartbeat_s": time.time(), "state": state,
+                                     "round": self.round_id, "running": sorted(self.running)})
+
+    def shutdown(self) -> None:
+        """Stop every running job with its state written and queue it (``cluster stop``)."""
+        outcomes = self._stop_all({jid: "cluster service stopped" for jid in self.running})
+        for jid, (result, error) in outcomes.items():
+            row = self.db.job(jid)
+            if row is not None:
+                self._stopped(row, result, error)
+        if self.round_id is not None:
+            self.db.end_round(self.round_id, time.time())
+        self._heartbeat(state="stopped")
+        self.db.event("service_stop", pid=os.getpid())
+
+
+def init_cluster(cluster_dir: str, *, slots: dict[str, int], policy: str, round_s: float,
+                 slowdowns: dict[str, float] | None = None, threads_per_worker: int = 1) -> ClusterDB:
+    """Create (or reconfigure) a cluster directory: the database with the configuration, a
+    private dashboard token. Validates everything first (nothing is written on error)."""
+    if not slots:
+        raise ValueError("--slots is empty; give accelerator types and counts, e.g. --slots v100=2,k80=2")
+    get_policy(policy)  # raises for an unknown policy, naming the choices
+    if not (round_s > 0 and round_s < 1e6):
+        raise ValueError(f"--round-s {round_s} must be a positive number of seconds")
+    types = tuple(slots)
+    overrides = dict(slowdowns or {})
+    unknown = [t for t in overrides if t not in slots]
+    if unknown:
+        raise ValueError(f"--slowdowns names type(s) {unknown} that are not in --slots {list(slots)}")
+    type_slowdowns(types, gavel_table(), overrides)  # every type's speed is known
+    os.makedirs(cluster_dir, mode=0o700, exist_ok=True)
+    db = ClusterDB(cluster_dir, create=True)
+    db.set_meta("config", {"slots": slots, "policy": policy, "round_s": round_s, "slowdowns": overrides,
+                           "threads_per_worker": threads_per_worker})
+    token_path = os.path.join(cluster_dir, "token")
+    if not os.path.exists(token_path):
+        from virtualflow.comm import auth
+
+        auth.write_token(token_path, auth.new_token())
+    return db
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _has_state(run_dir: str) -> bool:
+    from virtualflow.rundir import state_files
+
+    return bool(run_dir) and os.path.isdir(run_dir) and bool(state_files(run_dir))
+
+
+def _wait_orphans(run_dir: str, timeout_s: float = 20.0) -> None:
+    """Wait for the workers of a job whose coordinator (the killed service) is gone to exit
+    (they notice the lost store within their heartbeat timeout); SIGKILL the ones still there
+    after ``timeout_s`` so two runs never write one run directory."""
+    status = _read_json(os.path.join(run_dir, "status.json")) or {}
+    pids = [w.get("pid") for w in status.get("workers", []) if isinstance(w, dict)]
+    pids = [p for p in pids if isinstance(p, int) and p > 1 and p != os.getpid()]
+    deadline = time.monotonic() + timeout_s
+    from virtualflow.rundir import pid_alive
+
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in pids:
+        if pid_alive(p):
+            log.warning("worker pid %d of %s outlived its coordinator; killing it", p, run_dir)
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
