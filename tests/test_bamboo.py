@@ -361,6 +361,30 @@ def test_the_first_stage_fails_over_to_the_second_worker_from_the_last_ones_repl
 
 
 @pytest.mark.slow
+def test_a_failover_after_a_commit_that_reached_only_some_members(run_dir):
+    """Step 3's commit all-reduce completes on worker 0 but not on worker 1 (a ``lose`` fault)
+    and worker 2 dies: worker 1 finishes step 3 from worker 0's stats (its replica of stage 2
+    included), then takes stage 2 over; no step lost or redone, the undisturbed model."""
+    import json
+    import os
+
+    from conftest import assert_state_equal
+
+    plan = vf.FaultPlan([vf.Fault(worker=2, step=3, phase="after_reduction"),
+                         vf.Fault(worker=1, step=3, phase="after_reduction", action="lose")])
+    result = vf.train(jobs.pipelined_redundant_job, workers=3, steps=6, deterministic=True, fault_plan=plan,
+                      run_dir=run_dir)
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        events = [json.loads(line) for line in f]
+    assert [e["layout"] for e in events if e["event"] == "failover"] == [[[0], [1, 2]]]
+    assert [f["worker"] for f in result.failures] == [2]
+    assert [h["step"] for h in result.history] == list(range(6))
+    ref = vf.train(jobs.pipelined_redundant_job().replace(pipeline=Pipeline(stages=3)), workers=3, steps=6,
+                   deterministic=True)
+    assert_state_equal(result.state_dict, ref.state_dict)
+
+
+@pytest.mark.slow
 def test_a_loss_redundancy_cannot_cover_restarts_from_the_last_checkpoint(run_dir):
     """Two consecutive stages lost in one step (the replica of the second was on the first): a
     fallback_restart event says why, and train() launches the job again from its last

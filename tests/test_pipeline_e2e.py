@@ -126,6 +126,20 @@ def test_a_crash_in_any_phase_of_a_pipelined_step_leaves_the_other_replica_bit_i
     assert [h["step"] for h in result.history] == list(range(7))
 
 
+def test_a_commit_that_reached_only_some_members_is_finished_from_their_stats(run_dir):
+    """Step 3's commit all-reduce completes on worker 0 (it applies the step) but not on worker 1
+    (a ``lose`` fault), and worker 3 dies after it: stage 1's only survivor missed the step its
+    stage-0 partner applied. It finishes the step from worker 0's stats (its gradients were
+    reduced already): every stage at step 4, nothing redone, the undisturbed model."""
+    plan = vf.FaultPlan([vf.Fault(worker=3, step=3, phase="after_reduction"),
+                         vf.Fault(worker=1, step=3, phase="after_reduction", action="lose")])
+    result = vf.train(jobs.pipelined_job, workers=4, steps=7, deterministic=True, fault_plan=plan, run_dir=run_dir)
+    assert [f["worker"] for f in result.failures] == [3]
+    assert size_changes(result) == [4, 2]
+    assert [h["step"] for h in result.history] == list(range(7))
+    assert_state_equal(result.state_dict, unpipelined(result.steps).state_dict)
+
+
 def test_2bw_resize_keeps_the_weight_versions_bit_identical(run_dir):
     """PipeDream-2BW across a grow and a shrink: the newcomers receive the older weight version
     too, resizes land at window ends, and the run equals the undisturbed in-process run."""

@@ -18,8 +18,10 @@ state_transfer      a state broadcast to newcomers has begun (fires on source an
 ==================  =========================================================================
 
 Actions: ``crash`` (SIGKILL itself: no report, sockets closed by the kernel), ``hang``
-(SIGSTOP itself: silent, only heartbeats reveal it) and ``error`` (raise an exception, as a
-bug in user code would). A fault fires at most once per process.
+(SIGSTOP itself: silent, only heartbeats reveal it), ``error`` (raise an exception, as a
+bug in user code would) and ``lose`` (this worker's collective fails as if a peer had gone
+while the others' completes: with ``after_reduction``, a commit all-reduce that finished on
+the other members but not here). A fault fires at most once per process.
 
 Usage::
 
@@ -34,7 +36,7 @@ import signal
 from dataclasses import dataclass, field
 
 PHASES = ("before_forward", "mid_backward", "send_recv", "during_reduction", "after_reduction", "state_transfer")
-ACTIONS = ("crash", "hang", "error")
+ACTIONS = ("crash", "hang", "error", "lose")
 
 
 class InjectedFault(RuntimeError):
@@ -86,5 +88,9 @@ class WorkerFaults:
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.action == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif fault.action == "lose":
+            from virtualflow.comm.groups import PeerFailure
+
+            raise PeerFailure(-1, f"injected: worker {self.worker} lost the collective at step {step}, phase {phase}")
         else:
             raise InjectedFault(f"injected error in worker {self.worker} at step {step}, phase {phase}")

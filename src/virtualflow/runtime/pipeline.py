@@ -218,6 +218,11 @@ class StageEngine:
         self.timeline: list[dict[str, Any]] | None = [] if pipeline.record_timeline else None
         self.phase = "idle"
         self.slowdown = 1.0
+        self.pending_commit: tuple[int, Callable[[torch.Tensor], StepResult]] | None = None
+        """(step, finish) while the step's stats all-reduce runs (flush schedules): what the step
+        still does once the stats are known (the gradients are reduced by then)."""
+        self.last_commit: tuple[int, torch.Tensor] | None = None
+        """(step, stats) of the last step whose stats all-reduce completed here."""
         self.prev_version: dict[int, dict[str, torch.Tensor]] | None = None
         """``2bw``: per piece, the weights after the second-to-last update (the version the next
         window's first step runs on); ``None`` before the first update."""
@@ -573,36 +578,56 @@ class StageEngine:
         stats[V] = control
         if self.fault_point is not None:
             self.fault_point("during_reduction")
-        stats = yield AllSum(stats)
-        if self.fault_point is not None:
-            self.fault_point("after_reduction")
-        if self.deterministic and self.bn_numel and self.batchnorm == "first":
+        first_bn = self.deterministic and self.bn_numel and self.batchnorm == "first"
+        if first_bn:
             vec = torch.cat([bn_first.get(k, torch.zeros(self.bn[k].numel, device=self.device)) for k in self.pieces])
-            bn_new = (yield StageSum(vec)) if self.replicas > 1 else vec
-        bad = [v for v in range(V) if stats[v] > 0]
-        result = StepResult(step, float(stats[V + 1]), bad, int(round(float(stats[V]))), compute_s)
-        if bad:
+            if self.replicas == 1:
+                bn_new, first_bn = vec, False
+
+        def commit(stats: torch.Tensor, bn_new: torch.Tensor | None) -> StepResult:
+            """The rest of the step once the stats all-reduce is through: skip it (a bad VN) or
+            apply it. Kept as :attr:`pending_commit` while that all-reduce runs: a failure can
+            complete it on some members only (they apply the step), and the others then finish
+            the step from the stats those hand over (:meth:`finish_commit`)."""
+            bad = [v for v in range(V) if stats[v] > 0]
+            result = StepResult(step, float(stats[V + 1]), bad, int(round(float(stats[V]))), compute_s)
+            if bad:
+                for bn in self.bn.values():
+                    if bn:
+                        bn.restore()
+                        bn.settle()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.phase = "idle"
+                return result
+            self.phase = "apply"
+            if bn_new is not None:
+                offset = 0
+                for k in self.pieces:
+                    n = self.bn[k].numel
+                    self.bn[k].load_flat(bn_new[offset: offset + n])
+                    offset += n
             for bn in self.bn.values():
-                if bn:
-                    bn.restore()
+                bn.settle()  # a failure after this step (at its boundary) must not undo it
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+            if replica_update is not None:
+                self.replica_of_successor.apply(replica_update)
             self.phase = "idle"
             return result
-        self.phase = "apply"
-        if bn_new is not None:
-            offset = 0
-            for k in self.pieces:
-                n = self.bn[k].numel
-                self.bn[k].load_flat(bn_new[offset: offset + n])
-                offset += n
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if replica_update is not None:
-            self.replica_of_successor.apply(replica_update)
-        self.phase = "idle"
-        return result
+
+        # (With BatchNorm's "first" statistics over several replicas one more collective follows
+        # the stats: a step interrupted there is not finished from another member's stats.)
+        self.pending_commit = None if first_bn else (step, lambda st: commit(st, bn_new))
+        stats = yield AllSum(stats)
+        if self.fault_point is not None:
+            self.fault_point("after_reduction")  # (a "lose" fault here: the stats missed this member)
+        self.pending_commit = None
+        self.last_commit = (step, stats.clone())
+        if first_bn:
+            bn_new = yield StageSum(vec)
+        return commit(stats, bn_new)
 
     # ---- no-flush schedules (2BW, asynchronous PipeDream) ---------------------------------------
     def _snapshot(self, k: int) -> dict[str, torch.Tensor]:
@@ -828,6 +853,10 @@ class _PieceBatchNorm:
     def restore(self) -> None:
         for m, (mean, var, count) in zip(self.layers, self._start):
             m.running_mean, m.running_var, m.num_batches_tracked = mean.clone(), var.clone(), count.clone()
+
+    def settle(self) -> None:
+        """The step is over (applied or skipped): nothing to restore if what follows fails."""
+        self._start = []
 
     def flat(self) -> torch.Tensor:
         parts = [t.detach().reshape(-1) for m in self.layers for t in (m.running_mean, m.running_var)]

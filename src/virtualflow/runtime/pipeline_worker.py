@@ -293,6 +293,9 @@ class PipelineWorkerEngine:
         self.layout: tuple[tuple[int, ...], ...] | None = None
         """After a Bamboo failover: the job stages each member runs (None: one per member)."""
         self.group_rank = 0
+        self._pending: tuple[int, Callable[[torch.Tensor], Any]] | None = None
+        """A step interrupted in its stats all-reduce (see :meth:`settle_commit`)."""
+        self._settled: tuple[int, list[int]] | None = None
         self._relaid = -1
         self.relayout_bytes = 0
         """Bytes moved between the members in the last re-layout (a failover or a reconfiguration)."""
@@ -334,6 +337,8 @@ class PipelineWorkerEngine:
                 f"a no-flush pipeline cannot redo it consistently. Use a flush schedule (1f1b, ...) for a job that "
                 f"must survive failures, or a shorter Pipeline.window"
             )
+        if steps is not None and target is not None:
+            steps = self.settle_commit(group, steps, target)
         if layout is not None:  # Bamboo: a failover or a reconfiguration (one pipeline replica)
             self._relayout(group, layout, steps, target)
             return
@@ -537,16 +542,59 @@ class PipelineWorkerEngine:
             # Some stages may have applied updates of the interrupted window already: the window
             # cannot be redone consistently.
             self._broken_window = True
+        self._pending = self.stage.pending_commit if self.stage is not None else None
         if self.stage is not None:
-            for bn in self.stage.bn.values():
-                if bn and bn._start:
-                    bn.restore()
-            self.stage.optimizer.zero_grad(set_to_none=True)
+            self.stage.pending_commit = None
+        if self.stage is not None and self._pending is None:
+            self._discard_step()
         if self.stage_group is not None:
             self.stage_group.close()
         self.group = None
         self._results = {}
         self.phase = "idle"
+
+    def _discard_step(self) -> None:
+        for bn in self.stage.bn.values():
+            if bn and bn._start:
+                bn.restore()
+        self.stage.optimizer.zero_grad(set_to_none=True)
+
+    def settle_commit(self, group: Group, steps: list[int], target: int) -> list[int]:
+        """A failure in a step's stats all-reduce can complete it on some members only: they
+        applied the step, the others did not (their gradients are reduced: only the stats are
+        missing). Those others finish the step now from the stats a member that completed it
+        hands over, so that every stage reaches ``target`` again (without it, a stage whose
+        every member missed the stats could not be made consistent). Collective only when the
+        members' steps (known to all) differ by one; returns the steps after settling."""
+        pending, self._pending = self._pending, None
+        me = group.rank
+        if not (target >= 1 and target - 1 in steps and target in steps):
+            if pending is not None:
+                self._discard_step()
+            return steps
+        mine = pending is not None and pending[0] == steps[me] == target - 1
+        holds = self.stage is not None and self.stage.last_commit is not None and \
+            self.stage.last_commit[0] == target - 1 and steps[me] == target
+        flags = torch.zeros(2 * group.size, dtype=torch.float64, device=self.device)
+        flags[2 * me], flags[2 * me + 1] = float(mine), float(holds)
+        group.all_reduce(flags)
+        waiting = [r for r in range(group.size) if flags[2 * r] > 0]
+        sources = [r for r in range(group.size) if flags[2 * r + 1] > 0]
+        if not waiting or not sources:
+            if pending is not None:
+                self._discard_step()
+            return steps
+        stats = self.stage.last_commit[1].clone() if me == sources[0] else \
+            torch.zeros(self.job.virtual_nodes + 2, dtype=torch.float64, device=self.device)
+        group.broadcast(stats, sources[0])
+        if mine:
+            pending[1](stats)
+            self.stage.last_commit = (target - 1, stats)
+        elif pending is not None:
+            self._discard_step()
+        settled = [target if r in waiting else s for r, s in enumerate(steps)]
+        self._settled = (group.generation, settled)
+        return settled
 
     # ---- state ---------------------------------------------------------------------------------
     def stage_state(self) -> dict[str, Any]:
@@ -589,6 +637,8 @@ class PipelineWorkerEngine:
         a step another stage lost: the pipeline cannot be made consistent)."""
         if self._relaid == group.generation:
             return 0  # the re-layout moved every stage a member needed
+        if self._settled is not None and self._settled[0] == group.generation:
+            steps = self._settled[1]  # members that finished the interrupted step need nothing
         p = self.pipeline.stages
         moved = 0
         for s in range(p):
