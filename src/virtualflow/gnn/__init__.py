@@ -1,0 +1,22 @@
+"""Dorylus-style GNN training: graph servers, stateless tensor workers, a parameter server with
+weight stashing, and bounded asynchrony (see docs/gnn.md).
+
+    from torch_geometric.nn import GCNConv
+    from virtualflow.gnn import GNNJob, GNNModel, sbm_graph, train_dorylus
+
+    job = GNNJob(graph=sbm_graph(10_000), model=lambda: GNNModel([GCNConv(32, 16), GCNConv(16, 8)]), epochs=50)
+    result = train_dorylus(job, graph_servers=2, tensor_workers=2, intervals=4, staleness=0)
+
+Needs PyTorch Geometric (``pip install torch_geometric``).
+"""
+
+from virtualflow.gnn.baseline import train_pyg
+from virtualflow.gnn.data import karate_club, sbm_graph
+from virtualflow.gnn.engine import DorylusOptions, GNNResult, ParameterServer, train_dorylus
+from virtualflow.gnn.job import GNNJob, make_graph
+from virtualflow.gnn.layers import GNNModel
+from virtualflow.gnn.price import PriceModel, value
+from virtualflow.gnn.workers import WorkerLimits
+
+__all__ = ["DorylusOptions", "GNNJob", "GNNModel", "GNNResult", "ParameterServer", "PriceModel", "WorkerLimits",
+           "karate_club", "make_graph", "sbm_graph", "train_dorylus", "train_pyg", "value"]

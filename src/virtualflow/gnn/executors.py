@@ -1,0 +1,303 @@
+"""Where the driver's tasks run: in its own process on a virtual clock (:class:`SimExecutor`), or on
+graph-server and tensor-worker processes (:class:`ProcessExecutor`).
+
+Both take the same requests and return the same replies; the driver cannot tell them apart,
+so the fast in-process tests exercise the scheduling, staleness and weight-stashing logic the
+process runs use.
+
+Why pipes from a driver and not torch.distributed: the driver decides every task (that is
+where the staleness rule and the relaunch of lost tensor tasks live), tasks are irregular and
+per interval, and a gloo collective needs every rank in lockstep, which bounded asynchrony is
+meant to avoid. One duplex pipe per process keeps each graph server's requests in order (a
+scatter posted before a gather is applied before it); ghost rows and gradient contributions are
+batched into one message per (interval, layer, destination server). The messages are pickled
+tensors between this process and the children it started (multiprocessing's own transport);
+nothing from outside is read.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import logging
+import multiprocessing as mp
+import time
+from multiprocessing.connection import wait as mp_wait
+from typing import Any, Callable, Protocol
+
+from virtualflow.gnn.servers import GraphServer, ServerPart, serve
+from virtualflow.gnn.workers import WorkerLimits, run_tensor_task, task_bytes, tensor_worker
+
+log = logging.getLogger(__name__)
+
+
+class Executor(Protocol):
+    def submit_gs(self, server: int, req: tuple, tag: Any) -> None: ...
+    def post_gs(self, server: int, req: tuple) -> None: ...
+    def submit_tw(self, task: dict, tag: Any, home: int) -> None: ...
+    def wait(self) -> tuple[Any, Any]: ...
+    def now(self) -> float: ...
+    def close(self) -> None: ...
+
+
+class ExecutorStats:
+    def __init__(self) -> None:
+        self.tw_busy_s = 0.0  # billed tensor-worker time (failed attempts included)
+        self.tw_tasks = 0  # invocations (attempts)
+        self.relaunches = 0
+        self.timeouts = 0
+        self.bytes_to_tw = 0
+        self.bytes_from_tw = 0
+
+
+class SimExecutor:
+    """Everything in this process; durations on a virtual clock.
+
+    A request is computed when submitted (in submission order, so a graph server sees its
+    scatters and requests in order) and completes at ``max(now, resource free) + duration``: each
+    graph server is one resource, the tensor workers ``L`` more (with ``L = 0`` the tensor work
+    runs on the interval's graph server). ``duration(kind, interval)`` (kind ``"gs"`` or
+    ``"tw"``) defaults to 1 s; tensor tasks add the emulated limits.
+    """
+
+    def __init__(self, parts: list[ServerPart], tensor_workers: int, limits: WorkerLimits,
+                 duration: Callable[[str, int], float] | None = None) -> None:
+        self.servers = [GraphServer(p) for p in parts]
+        self.specs, self.activation = parts[0].specs, parts[0].activation
+        self.limits = limits
+        self.duration = duration or (lambda kind, interval: 1.0)
+        self.gs_free = [0.0] * len(parts)
+        self.tw_free = [0.0] * tensor_workers
+        self.tw_started = [False] * tensor_workers
+        self.clock = 0.0
+        self.events: list[tuple[float, int, Any, Any]] = []
+        self.seq = itertools.count()
+        self.stats = ExecutorStats()
+
+    def now(self) -> float:
+        return self.clock
+
+    def _finish(self, t: float, tag: Any, out: Any) -> None:
+        heapq.heappush(self.events, (t, next(self.seq), tag, out))
+
+    def submit_gs(self, server: int, req: tuple, tag: Any) -> None:
+        out = self.servers[server].handle(req)
+        start = max(self.clock, self.gs_free[server])
+        self.gs_free[server] = start + self.duration("gs", tag[0])
+        self._finish(self.gs_free[server], tag, out)
+
+    def post_gs(self, server: int, req: tuple) -> None:
+        self.servers[server].handle(req)
+
+    def submit_tw(self, task: dict, tag: Any, home: int) -> None:
+        out = run_tensor_task(self.specs, self.activation, task)
+        d = self.duration("tw", tag[0])
+        if not self.tw_free:  # CPU-only: the graph server does it
+            start = max(self.clock, self.gs_free[home])
+            self.gs_free[home] = start + d
+            self._finish(start + d, tag, out)
+            return
+        w = min(range(len(self.tw_free)), key=lambda j: self.tw_free[j])
+        nbytes_in, nbytes_out = task_bytes(task), task_bytes(out)
+        d += self.limits.latency_s + self.limits.transfer_s(nbytes_in + nbytes_out)
+        if not self.tw_started[w]:
+            d += self.limits.cold_start_s
+            self.tw_started[w] = True
+        start = max(self.clock, self.tw_free[w])
+        self.tw_free[w] = start + d
+        self.stats.tw_busy_s += d
+        self.stats.tw_tasks += 1
+        self.stats.bytes_to_tw += nbytes_in
+        self.stats.bytes_from_tw += nbytes_out
+        self._finish(start + d, tag, out)
+
+    def wait(self) -> tuple[Any, Any]:
+        if not self.events:
+            raise RuntimeError("the driver waits for a task but none is in flight (a scheduling bug)")
+        t, _, tag, out = heapq.heappop(self.events)
+        self.clock = max(self.clock, t)
+        return tag, out
+
+    def close(self) -> None:
+        pass
+
+
+class _Worker:
+    __slots__ = ("proc", "conn", "task", "tag", "t0", "deadline")
+
+    def __init__(self, proc, conn) -> None:
+        self.proc, self.conn = proc, conn
+        self.task: dict | None = None
+        self.tag: Any = None
+        self.t0 = 0.0
+        self.deadline = float("inf")
+
+
+class ProcessExecutor:
+    """``P`` graph-server processes and ``L`` tensor-worker processes, one pipe each.
+
+    Tensor tasks go to idle workers from a queue; a worker that dies (its process sentinel fires)
+    or passes ``limits.task_timeout_s`` on a task is killed and relaunched, and the task is sent
+    again (attempt + 1). ``kill_tasks``: fault injection, the tensor-task dispatches (0-based,
+    first attempts) whose worker is SIGKILLed while holding the task.
+    """
+
+    def __init__(self, parts: list[ServerPart], tensor_workers: int, limits: WorkerLimits,
+                 kill_tasks: tuple[int, ...] = (), timeout_s: float = 600.0) -> None:
+        # forkserver: one server process imports torch and PyG once and forks every graph server and
+        # tensor worker from it (a spawned child would import them again: seconds each, here).
+        self.ctx = mp.get_context("forkserver")
+        self.ctx.set_forkserver_preload(["virtualflow.gnn.servers", "torch_geometric.nn"])
+        self.limits = limits
+        self.kill_tasks = set(kill_tasks)
+        self.timeout_s = timeout_s
+        self.specs, self.activation = parts[0].specs, parts[0].activation
+        self.stats = ExecutorStats()
+        self.gs: list[tuple[Any, Any]] = []
+        for part in parts:
+            parent, child = self.ctx.Pipe()
+            proc = self.ctx.Process(target=serve, args=(child, part), daemon=True, name=f"gnn-gs{part.server}")
+            proc.start()
+            child.close()
+            self.gs.append((proc, parent))
+        self.workers = [self._launch(w) for w in range(tensor_workers)]
+        self.idle = collections.deque(range(tensor_workers))
+        self.queue: collections.deque = collections.deque()
+        self.dispatches = 0
+        self.task_ids = itertools.count()
+        self.t_start = time.perf_counter()
+
+    def warm_up(self) -> None:
+        """Wait until every process answers (start-up is not training time); restarts the clock."""
+        for p, (_, conn) in enumerate(self.gs):
+            conn.send((("warm", p), ("ping",)))
+        for wk in self.workers:
+            wk.conn.send((("warm",), {"op": "ping"}))
+        for _, conn in self.gs:
+            self._recv_bounded(conn)
+        for wk in self.workers:
+            self._recv_bounded(wk.conn)
+        self.t_start = time.perf_counter()
+
+    def _recv_bounded(self, conn) -> Any:
+        if not conn.poll(self.timeout_s):
+            raise TimeoutError(f"a graph server or tensor worker did not start within {self.timeout_s:.0f} s")
+        return conn.recv()
+
+    def _launch(self, w: int) -> _Worker:
+        parent, child = self.ctx.Pipe()
+        proc = self.ctx.Process(target=tensor_worker, args=(child, self.specs, self.activation, self.limits),
+                                daemon=True, name=f"gnn-tw{w}")
+        proc.start()
+        child.close()
+        return _Worker(proc, parent)
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t_start
+
+    def submit_gs(self, server: int, req: tuple, tag: Any) -> None:
+        self.gs[server][1].send((tag, req))
+
+    def post_gs(self, server: int, req: tuple) -> None:
+        self.gs[server][1].send((None, req))
+
+    def submit_tw(self, task: dict, tag: Any, home: int) -> None:
+        if not self.workers:  # CPU-only: the graph server does the tensor work
+            self.submit_gs(home, ("tensor", task), tag)
+            return
+        self.queue.append((tag, dict(task, id=next(self.task_ids), attempt=0)))
+        self._pump()
+
+    def _pump(self) -> None:
+        while self.queue and self.idle:
+            w = self.idle.popleft()
+            tag, task = self.queue.popleft()
+            if task["attempt"] == 0 and self.dispatches in self.kill_tasks:
+                task = dict(task, crash=True)
+            if task["attempt"] == 0:
+                self.dispatches += 1
+            wk = self.workers[w]
+            wk.task, wk.tag, wk.t0 = task, tag, time.perf_counter()
+            wk.deadline = wk.t0 + self.limits.task_timeout_s
+            self.stats.tw_tasks += 1
+            self.stats.bytes_to_tw += task_bytes(task)
+            wk.conn.send((tag, task))
+
+    def _relaunch(self, w: int, why: str) -> None:
+        wk = self.workers[w]
+        if wk.proc.is_alive():
+            wk.proc.kill()
+        wk.proc.join(10)
+        wk.conn.close()
+        self.stats.relaunches += 1
+        if wk.task is not None:
+            self.stats.tw_busy_s += time.perf_counter() - wk.t0  # the lost attempt is billed too
+            retry = dict(wk.task, attempt=wk.task["attempt"] + 1)
+            retry.pop("crash", None)
+            self.queue.appendleft((wk.tag, retry))
+            log.warning("tensor worker %d %s on task %s (attempt %d); relaunched, task sent again", w, why,
+                        wk.tag, wk.task["attempt"])
+        self.workers[w] = self._launch(w)
+        if w not in self.idle:
+            self.idle.append(w)
+        self._pump()
+
+    def wait(self) -> tuple[Any, Any]:
+        t_give_up = time.perf_counter() + self.timeout_s
+        while True:
+            now = time.perf_counter()
+            if now > t_give_up:
+                raise TimeoutError(f"no graph server or tensor worker answered for {self.timeout_s:.0f} s")
+            busy = [w for w, wk in enumerate(self.workers) if wk.task is not None]
+            deadline = min([self.workers[w].deadline for w in busy], default=t_give_up)
+            objs: list[Any] = [c for _, c in self.gs] + [p.sentinel for p, _ in self.gs]
+            objs += [self.workers[w].conn for w in busy] + [self.workers[w].proc.sentinel for w in busy]
+            ready = set(mp_wait(objs, timeout=max(0.0, min(deadline, t_give_up) - now)))
+            for p, (proc, conn) in enumerate(self.gs):
+                if conn in ready:
+                    tag, out = conn.recv()
+                    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], str) and out[0] == "error":
+                        raise RuntimeError(f"graph server {p} failed: {out[1]}")
+                    if isinstance(tag, tuple) and tag and tag[0] == "error":
+                        raise RuntimeError(f"graph server {p} failed: {out}")
+                    return tag, out
+                if proc.sentinel in ready:
+                    raise RuntimeError(f"graph server {p} exited (code {proc.exitcode})")
+            for w in busy:
+                wk = self.workers[w]
+                if wk.conn in ready:
+                    try:
+                        tag, out = wk.conn.recv()
+                    except (EOFError, OSError):
+                        self._relaunch(w, "died")
+                        continue
+                    self.stats.tw_busy_s += time.perf_counter() - wk.t0
+                    self.stats.bytes_from_tw += task_bytes(out)
+                    wk.task = None
+                    wk.deadline = float("inf")
+                    self.idle.append(w)
+                    self._pump()
+                    return tag, out
+                if wk.proc.sentinel in ready:
+                    self._relaunch(w, "died")
+                elif time.perf_counter() > wk.deadline:
+                    self.stats.timeouts += 1
+                    self._relaunch(w, f"timed out after {self.limits.task_timeout_s} s")
+
+    def close(self) -> None:
+        for proc, conn in self.gs:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for wk in self.workers:
+            try:
+                wk.conn.send(None)
+            except OSError:
+                pass
+        for proc in [p for p, _ in self.gs] + [wk.proc for wk in self.workers]:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
