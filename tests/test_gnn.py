@@ -214,3 +214,51 @@ def test_bad_input_errors(karate):
         GNNJob(graph=karate, model=gcn_karate, epochs=0)
     with pytest.raises(ValueError, match="timeout_prob"):
         WorkerLimits(timeout_prob=1.5)
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+JOB_FILE = '''
+from torch_geometric.nn import GCNConv
+from virtualflow.gnn import GNNJob, GNNModel, karate_club
+
+def make_job():
+    return GNNJob(graph=karate_club(train_per_class=2), model=lambda: GNNModel([GCNConv(34, 8), GCNConv(8, 4)]),
+                  epochs=4, seed=0)
+
+def not_a_job():
+    return 3
+'''
+
+
+def test_cli_gnn_runs_baselines_and_reports(tmp_path, capsys):
+    import json
+
+    from virtualflow.cli.main import main
+
+    path = tmp_path / "job.py"
+    path.write_text(JOB_FILE)
+    rc = main(["gnn", str(path), "-P", "2", "-L", "2", "-K", "2", "--mode", "simulated", "--baselines", "cpu,pyg",
+               "--json", "--target", "0.1"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    records = json.loads(out[out.index("["):])
+    assert [r["run"] for r in records] == ["dorylus S=0", "cpu-only", "pyg"]
+    # S=0 and the CPU-only baseline train the same model as PyG: same accuracy
+    assert records[0]["test_acc"] == records[1]["test_acc"] == records[2]["test_acc"]
+    assert records[1]["servers"] == 4 and records[1]["tensor_workers"] == 0
+    assert records[1]["value_vs_cpu-only"] == 1.0 and records[0]["cost_usd"] > 0
+    assert records[0]["tw_tasks"] == 4 * 4 * 5  # epochs x intervals x tensor tasks per interval-epoch
+
+
+def test_cli_gnn_bad_input_is_one_line_exit_2(tmp_path, capsys):
+    from virtualflow.cli.main import main
+
+    path = tmp_path / "job.py"
+    path.write_text(JOB_FILE)
+    assert main(["gnn", str(path), "--staleness", "-2", "--mode", "simulated"]) == 2
+    assert "staleness=-2 must be an int >= 0" in capsys.readouterr().err
+    assert main(["gnn", f"{path}:not_a_job", "--mode", "simulated"]) == 2
+    assert "not virtualflow.gnn.GNNJob" in capsys.readouterr().err
+    assert main(["gnn", str(path), "-P", "40", "--mode", "simulated"]) == 2
+    assert "graph_servers=40 is more than the graph's 34 vertices" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import logging
 import sys
 import traceback
 
-from virtualflow.cli import cluster, explain, plan, plot, resize, run, simulate, simulate_spot, status, worker
+from virtualflow.cli import cluster, explain, gnn, plan, plot, resize, run, simulate, simulate_spot, status, worker
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_parser(sub)
     simulate.add_parser(sub)
     simulate_spot.add_parser(sub)
+    gnn.add_parser(sub)
     worker.add_parser(sub)
     cluster.add_parser(sub)  # cluster start|status|stop|dashboard, submit, queue, cancel
     return parser
