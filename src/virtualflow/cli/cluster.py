@@ -35,6 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--slowdowns", default=None, metavar="TYPE=F,...",
                    help="emulated speed of a type: its workers run F times slower (default: from Gavel's "
                         "throughput table, fastest type 1)")
+    s.add_argument("--min-run-s", type=float, default=0.0, metavar="SECONDS",
+                   help="a (re)started job keeps its placement until it has made a step and run this long (0)")
     s.add_argument("--threads-per-worker", type=int, default=1, metavar="T", help="torch threads per worker (1)")
     s.add_argument("--foreground", action="store_true", help="run in this process (Ctrl-C stops it)")
     s.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
@@ -96,7 +98,7 @@ def start(args: argparse.Namespace) -> int:
         raise ValueError(f"a cluster service already runs in {args.dir}; stop it first (virtualflow cluster stop "
                          f"--dir {args.dir})")
     init_cluster(args.dir, slots=slots, policy=args.policy, round_s=args.round_s, slowdowns=slowdowns,
-                 threads_per_worker=args.threads_per_worker).close()
+                 threads_per_worker=args.threads_per_worker, min_run_s=args.min_run_s).close()
     if args.foreground:
         import signal
 

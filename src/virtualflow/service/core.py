@@ -187,10 +187,19 @@ class Action:
 ORDER = {"preempt": 0, "restart": 1, "resize": 2, "start": 3}
 
 
-def diff_actions(views: list[JobView], placements: dict[int, tuple[str, int]],
-                 slots: dict[str, int]) -> tuple[list[Action], dict[int, tuple[str, ...]]]:
+def diff_actions(views: list[JobView], placements: dict[int, tuple[str, int]], slots: dict[str, int],
+                 pinned: set[int] | frozenset[int] = frozenset()) -> tuple[list[Action], dict[int, tuple[str, ...]]]:
     """The actions that turn what runs (``view.running``, ``view.slots``) into ``placements``
-    (job id -> (type, workers)), and every placed job's slots afterwards."""
+    (job id -> (type, workers)), and every placed job's slots afterwards.
+
+    A running job in ``pinned`` (one that has not settled since it was last started: see
+    :class:`Scheduler`) keeps what it runs on whatever ``placements`` says; a placement that then
+    finds too few free slots is deferred (no action: the job waits for a later round). Without
+    pins, a placement that does not fit is a ``ValueError`` (the mechanism over-committed)."""
+    placements = dict(placements)
+    for v in views:
+        if v.job_id in pinned and v.running is not None:
+            placements[v.job_id] = v.running
     free = {t: [f"{t}-{i}" for i in range(n)] for t, n in slots.items()}
     by_id = {v.job_id: v for v in views}
     held: dict[int, tuple[str, ...]] = {}
@@ -237,6 +246,12 @@ def diff_actions(views: list[JobView], placements: dict[int, tuple[str, int]],
     for kind, jid, t, n in sorted(pending, key=lambda p: (ORDER[p[0]], p[1])):
         have = held.get(jid, ()) if kind == "resize" else ()
         need = n - len(have)
+        if need > len(free[t]) and pinned:  # deferred: the slots are held by a pinned job
+            if kind == "restart":  # it was released to move: it waits, preempted
+                actions.append(Action("preempt", jid))
+            elif kind == "resize":  # it cannot grow yet: it runs on as it is
+                out[jid] = held[jid]
+            continue
         if need > len(free[t]):
             raise ValueError(f"placement of job {jid} needs {need} more {t} slot(s) but {len(free[t])} are free; "
                              f"the mechanism over-committed type {t!r}")
@@ -295,9 +310,15 @@ class Scheduler:
                 return True
         return False
 
-    def plan(self, views: list[JobView], now_s: float) -> RoundDecision:
+    def plan(self, views: list[JobView], now_s: float, pinned: set[int] | frozenset[int] = frozenset()) -> RoundDecision:
         """This round's placements and the actions that enact them (``now_s``: seconds since the
-        service's epoch, for the policy's time-dependent inputs)."""
+        service's epoch, for the policy's time-dependent inputs).
+
+        ``pinned``: running jobs that keep their placement this round whatever the mechanism says
+        (the service pins a job until it has made a step since its last start and run
+        ``min_run_s``: on a loaded machine a start can take longer than a round, and moving a job
+        that has not started yet would make no progress at all). The mechanism's placements are
+        reported as planned; the actions and slots say what really runs."""
         t0 = time.perf_counter()
         active = [v for v in views if v.steps_done < v.steps]
         solved = False
@@ -328,7 +349,7 @@ class Scheduler:
             solved = True
         plan = self.mechanism.plan_round({v.job_id for v in active})
         placements = {jid: (p.acc_type, p.gpus) for jid, p in plan.placements.items()}
-        actions, slots = diff_actions(views, placements, self.slots)
+        actions, slots = diff_actions(views, placements, self.slots, pinned)
         return RoundDecision(plan, actions, slots, solved, time.perf_counter() - t0)
 
     def end_round(self) -> None:

@@ -69,6 +69,7 @@ class Running:
     last_write_s: float = 0.0
     start_step: int = 0
     """The step it started from (a job still there when preempted is killed: nothing to save)."""
+    started_s: float = 0.0
 
 
 def gavel_table() -> ThroughputTable:
@@ -126,6 +127,7 @@ class Service:
         self.round_s = float(cfg["round_s"])
         self.overrides: dict[str, float] = {str(k): float(v) for k, v in (cfg.get("slowdowns") or {}).items()}
         self.threads = int(cfg.get("threads_per_worker", 1))
+        self.min_run_s = float(cfg.get("min_run_s", 0.0))
         self.poll_s = poll_s
         self.launch = launch or virtualflow.launch
         self.scheduler = Scheduler(self.slots, get_policy(self.policy_name), round_s=self.round_s)
@@ -208,10 +210,16 @@ class Service:
         start = time.time()
         rows = {r.id: r for r in self._active_rows()}
         views = [self._view(r) for r in rows.values()]
-        decision = self.scheduler.plan(views, start - self.epoch_s)
-        placements = [{"job_id": jid, "acc_type": p.acc_type, "workers": p.gpus,
-                       "slots": list(decision.slots.get(jid, ())), "change": p.change}
-                      for jid, p in sorted(decision.plan.placements.items())]
+        pinned = {jid for jid, run in self.running.items()
+                  if run.last_step <= run.start_step or start - run.started_s < self.min_run_s}
+        decision = self.scheduler.plan(views, start - self.epoch_s, pinned)
+        placements = []
+        for jid, slots in sorted(decision.slots.items()):
+            p = decision.plan.placements.get(jid)
+            acc_type, workers = slots[0].rpartition("-")[0], len(slots)
+            change = p.change if p is not None and (p.acc_type, p.gpus) == (acc_type, workers) else "pinned"
+            placements.append({"job_id": jid, "acc_type": acc_type, "workers": workers, "slots": list(slots),
+                               "change": change})
         self.round_id = self.db.add_round(start_s=start, policy=self.policy_name, solved=decision.solved,
                                           decision_s=decision.decision_s, active=len(views), placements=placements)
         log.info("round %d: %s", self.round_id, ", ".join(
@@ -260,7 +268,7 @@ class Service:
         handle = self.launch(row.target, **opts)
         self.running[row.id] = Running(handle=handle, acc_type=a.acc_type, workers=a.workers, slots=a.slots,
                                        slowdown=factor, slowed=set(range(a.workers)),
-                                       start_step=int(handle.status().get("step") or 0))
+                                       start_step=int(handle.status().get("step") or 0), started_s=time.time())
         fields: dict[str, Any] = dict(acc_type=a.acc_type, workers=a.workers, slots=list(a.slots),
                                       starts=row.starts + 1)
         if row.started_s is None:
@@ -438,7 +446,8 @@ class Service:
 
 
 def init_cluster(cluster_dir: str, *, slots: dict[str, int], policy: str, round_s: float,
-                 slowdowns: dict[str, float] | None = None, threads_per_worker: int = 1) -> ClusterDB:
+                 slowdowns: dict[str, float] | None = None, threads_per_worker: int = 1,
+                 min_run_s: float = 0.0) -> ClusterDB:
     """Create (or reconfigure) a cluster directory: the database with the configuration, a
     private dashboard token. Validates everything first (nothing is written on error)."""
     if not slots:
@@ -446,6 +455,8 @@ def init_cluster(cluster_dir: str, *, slots: dict[str, int], policy: str, round_
     get_policy(policy)  # raises for an unknown policy, naming the choices
     if not (round_s > 0 and round_s < 1e6):
         raise ValueError(f"--round-s {round_s} must be a positive number of seconds")
+    if not (min_run_s >= 0 and min_run_s < 1e6):
+        raise ValueError(f"--min-run-s {min_run_s} must be a number of seconds >= 0")
     types = tuple(slots)
     overrides = dict(slowdowns or {})
     unknown = [t for t in overrides if t not in slots]
@@ -455,7 +466,7 @@ def init_cluster(cluster_dir: str, *, slots: dict[str, int], policy: str, round_
     os.makedirs(cluster_dir, mode=0o700, exist_ok=True)
     db = ClusterDB(cluster_dir, create=True)
     db.set_meta("config", {"slots": slots, "policy": policy, "round_s": round_s, "slowdowns": overrides,
-                           "threads_per_worker": threads_per_worker})
+                           "threads_per_worker": threads_per_worker, "min_run_s": min_run_s})
     token_path = os.path.join(cluster_dir, "token")
     if not os.path.exists(token_path):
         from virtualflow.comm import auth
