@@ -196,7 +196,10 @@ def make_app(cluster_dir: str) -> Any:
         ev_rows = "".join(f"<tr><td>{time.strftime('%H:%M:%S', time.localtime(e['t']))}</td><td>{_e(e['kind'])}</td>"
                           f"<td class='muted'>{_e(json.dumps(e['data']))[:300]}</td></tr>" for e in events)
         est = "".join(f"<tr><td>{_e(k)}</td><td>{v:.3f}</td></tr>" for k, v in sorted(row.estimates.items()))
-        body = (f"<p>{_e(row.target)}: <b class='state-{_e(row.state)}'>{_e(row.state)}</b>, step {row.steps_done}/"
+        form = ("" if row.final else
+                f"<form id='cancel' method='post' action='/jobs/{jid}/cancel'><label>token <input type='password' "
+                f"name='token' autocomplete='off'></label> <button type='submit'>cancel job {jid}</button></form>")
+        body = (f"{form}<p>{_e(row.target)}: <b class='state-{_e(row.state)}'>{_e(row.state)}</b>, step {row.steps_done}/"
                 f"{row.steps}{'; error: ' + _e(row.error) if row.error else ''}</p>"
                 f"<h2>loss</h2>{curve_svg(read_losses(row.run_dir), label='step')}"
                 f"<h2>measured throughput (steps/s)</h2><table id='throughput'><tr><th>time</th><th>placement</th>"

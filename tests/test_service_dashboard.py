@@ -1,0 +1,138 @@
+"""The cluster dashboard in a real headless Chromium (the OS's /usr/bin/chromium, driven by
+Playwright; scripts/test.sh installs the Debian package when it is missing; the test fails,
+never skips, without it): the queue, the timeline, a job's loss curve, the policy page, and the
+one action (cancel), refused without the cluster's token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from virtualflow.service.dashboard import bind, make_server
+from virtualflow.service.runner import init_cluster
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--no-first-run"]
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """A cluster directory with a history: a done job that moved between types, a running elastic
+    job that was resized, a queued one and a failed one."""
+    d = str(tmp_path / "c")
+    db = init_cluster(d, slots={"v100": 2, "k80": 1}, policy="elastic_fair", round_s=5.0)
+    kw = dict(target="/x/job.py:make", deterministic=True, checkpoint_every=5, priority=1.0, job_type=None)
+    a = db.add_job(name="resnet", steps=30, elastic=False, min_workers=1, max_workers=1, now=100.0, **kw)
+    b = db.add_job(name="bert-elastic", steps=40, elastic=True, min_workers=1, max_workers=2, now=101.0, **kw)
+    c = db.add_job(name="waiting", steps=40, elastic=False, min_workers=1, max_workers=1, now=102.0, **kw)
+    f = db.add_job(name="crasher", steps=40, elastic=False, min_workers=1, max_workers=1, now=102.0, **kw)
+    plan = [[(a, "k80", ["k80-0"], "start"), (b, "v100", ["v100-0", "v100-1"], "start")],
+            [(a, "v100", ["v100-1"], "move"), (b, "v100", ["v100-0"], "resize")],
+            [(b, "v100", ["v100-0", "v100-1"], "resize")]]
+    for i, placements in enumerate(plan):
+        rid = db.add_round(start_s=103.0 + 5 * i, policy="elastic_fair", solved=i == 0, decision_s=0.002, active=3,
+                           placements=[{"job_id": j, "acc_type": t, "workers": len(s), "slots": s, "change": ch}
+                                       for j, t, s, ch in placements])
+        db.end_round(rid, 108.0 + 5 * i)
+    db.set_job_state(a, "done", event="done", finished_s=113.0, steps_done=30, loss=0.12)
+    db.set_job_state(b, "running", event="start", acc_type="v100", workers=2, slots=["v100-0", "v100-1"],
+                     steps_done=17, loss=0.4)
+    db.event("throughput", b, acc_type="v100", workers=2, steps_per_s=3.25)
+    db.set_job_state(f, "failed", event="failed", error="TrainingError: boom at index 17")
+    run_dir = db.job(a).run_dir
+    os.makedirs(run_dir)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as out:
+        for step in range(30):
+            out.write(json.dumps({"step": step, "loss": 1.0 / (1 + step)}) + "\n")
+        out.write("{truncated\n")
+    db.close()
+    return d, {"a": a, "b": b, "c": c, "f": f}
+
+
+@pytest.fixture
+def dashboard(cluster):
+    d, ids = cluster
+    sock = bind("127.0.0.1", 0)
+    server = make_server(d)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "the dashboard did not start"
+        time.sleep(0.05)
+    yield d, ids, url
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_pages_in_headless_chromium(dashboard):
+    d, ids, url = dashboard
+    assert os.path.exists(CHROMIUM), (f"{CHROMIUM} is missing: install the OS package (apt-get install -y chromium; "
+                                      f"scripts/test.sh does it as root)")
+    from playwright.sync_api import sync_playwright
+
+    with open(os.path.join(d, "token")) as f:
+        token = f.read().strip()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        try:
+            page = browser.new_page()
+            page.goto(url + "/")
+            rows = page.locator("table#queue tr.job")
+            assert rows.count() == 4
+            assert "bert-elastic" in rows.nth(1).inner_text() and "2xv100" in rows.nth(1).inner_text()
+            assert "failed" in rows.nth(3).inner_text()
+            assert "elastic_fair" in page.locator("#service").inner_text()
+            assert "v100-0: job 2" in page.locator("table#slots").inner_text()
+            page.click("text=timeline")
+            assert page.url == url + "/timeline"
+            bars = page.locator("svg#timeline rect.alloc")
+            assert bars.count() == 2 + 1 + 1 + 1 + 2  # one bar per (round, job, slot)
+            assert page.locator("svg#timeline rect.alloc[data-slot='k80-0']").count() == 1
+            assert page.locator("svg#timeline rect.alloc[data-job='2']").count() == 5
+            page.goto(url + f"/jobs/{ids['a']}")
+            points = page.locator("svg.curve polyline").get_attribute("points")
+            assert len(points.split()) == 30  # the loss curve: every step, the truncated line skipped
+            page.goto(url + f"/jobs/{ids['b']}")
+            assert "3.250" in page.locator("table#throughput").inner_text()
+            page.goto(url + "/policy")
+            assert "elastic_fair" in page.locator("#policy").inner_text()
+            # The one action needs the token: refused without it, done with it.
+            page.goto(url + f"/jobs/{ids['c']}")
+            page.fill("#cancel input[name=token]", "not-the-token")
+            page.click("#cancel button")
+            assert "forbidden" in page.content()
+            page.goto(url + f"/jobs/{ids['c']}")
+            page.fill("#cancel input[name=token]", token)
+            page.click("#cancel button")
+            page.wait_for_url(url + f"/jobs/{ids['c']}")
+            assert "cancelled" in page.locator("b").first.inner_text()
+        finally:
+            browser.close()
+
+
+def test_read_only_without_the_token_and_loopback_only(dashboard):
+    d, ids, url = dashboard
+    req = urllib.request.Request(url + f"/jobs/{ids['b']}/cancel", method="POST",
+                                 headers={"Authorization": "Bearer wrong"})
+    with pytest.raises(urllib.error.HTTPError) as exc:
+        urllib.request.urlopen(req, timeout=10)
+    assert exc.value.code == 403
+    state = json.load(urllib.request.urlopen(url + "/api/state", timeout=10))
+    assert [j["state"] for j in state["jobs"]] == ["done", "running", "queued", "failed"]
+    with open(os.path.join(d, "token")) as f:
+        token = f.read().strip()
+    req = urllib.request.Request(url + f"/jobs/{ids['b']}/cancel", method="POST",
+                                 headers={"Authorization": f"Bearer {token}"})
+    assert json.load(urllib.request.urlopen(req, timeout=10)) == {"job": ids["b"], "result": "requested"}
+    with pytest.raises(ValueError, match="loopback only"):
+        bind("0.0.0.0", 0)
