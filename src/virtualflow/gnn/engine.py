@@ -14,10 +14,16 @@ the server gathers another), subject to the rules of :mod:`virtualflow.gnn.stale
 
 Parameter server and weight stashing: an interval pins the latest weight version when it starts
 an epoch and runs all its AV tasks, forward and backward, with that version (the backward uses
-its forward's weights). Updates: with ``S = 0`` one optimizer step per epoch from the sum of all
-intervals' gradients, in interval order (exactly full-graph training); with ``S >= 1`` one step
-per interval as its epoch finishes, from its own gradients (its share of the full-graph
-gradient), so an epoch's updates add up to about one full-graph step.
+its forward's weights). Each interval-epoch's gradient is its share of the full-graph gradient.
+Updates (``update``):
+
+* ``"round"`` (default): one optimizer step as soon as every interval has handed in a gradient
+  since the last step, from the sum of one gradient per interval (in interval order). With
+  ``S = 0`` that is exactly one full-graph step per epoch; with ``S >= 1`` the intervals do not
+  wait for it (they run ahead on the latest version, up to ``S`` epochs): stale-synchronous.
+* ``"interval"``: one optimizer step per interval-epoch, from that interval's gradient alone, as
+  it finishes (Dorylus's per-interval updates; ``K x P`` steps per epoch, so the learning rate
+  may need lowering). With ``S = 0`` this is not full-graph training.
 
 ``pipeline=False`` runs the steps in lockstep (no interval starts step ``s`` before every
 interval has finished step ``s - 1``): the baseline for the share of latency pipelining hides.
@@ -43,6 +49,7 @@ from virtualflow.gnn.workers import WorkerLimits
 log = logging.getLogger(__name__)
 
 MODES = ("process", "simulated")
+UPDATES = ("round", "interval")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -69,6 +76,9 @@ class DorylusOptions:
     """Simulated mode: seconds a task takes, from ("gs" | "tw", interval); default 1."""
     timeout_s: float = 600.0
     """Process mode: fail when no process answers for this long."""
+    update: str = "round"
+    """"round": a step once every interval has a new gradient (S=0: full-graph); "interval": a step per
+    interval-epoch (see the module docstring)."""
     trace: bool = False
     """Keep one record per apply-vertex task (version used, weights checksum) in the result."""
 
@@ -81,6 +91,8 @@ class DorylusOptions:
         if not isinstance(self.intervals, int) or self.intervals < 1:
             raise ValueError(f"intervals={self.intervals!r} must be an int >= 1 per graph server; pass --intervals K")
         check_staleness(self.staleness)
+        if self.update not in UPDATES:
+            raise ValueError(f"update={self.update!r} is not an update rule; choose one of {UPDATES}")
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is not an engine mode; choose one of {MODES}")
         if not self.pipeline and self.staleness:
@@ -245,7 +257,7 @@ class Driver:
         self.completed = [0] * n_iv
         self.written_f = [[-1] * n_iv for _ in range(L)]
         self.written_b = [[-1] * n_iv for _ in range(L)]
-        self.epoch_grads: dict[int, dict[int, dict[str, Tensor]]] = {}
+        self.pending: list[list[dict[str, Tensor]]] = [[] for _ in range(n_iv)]  # gradients not yet applied
         self.epoch_stats: dict[int, dict] = {}
         self.history: list[dict] = []
         self.log = StalenessLog()
@@ -253,7 +265,6 @@ class Driver:
         self.total_train = int(pg.masks["train_mask"].sum())
         self.iv_masks = [{m: v[iv.own] for m, v in pg.masks.items()} for iv in plan.intervals]
         self.iv_y = [pg.y[iv.own] for iv in plan.intervals]
-        self.sync = opts.staleness == 0
 
     # ---- readiness -----------------------------------------------------------------------
 
@@ -367,20 +378,19 @@ class Driver:
         e = st.epoch
         grads, st.grads = st.grads, {}
         self.ps.release(st.version)
-        if self.sync:
-            self.epoch_grads.setdefault(e, {})[i] = grads
-        else:
+        if self.opts.update == "interval":
             self.ps.step(grads)
+        else:
+            self.pending[i].append(grads)
+            if all(self.pending):  # one gradient from every interval: one step from their sum
+                total: dict[str, Tensor] = {}
+                for q in self.pending:
+                    _add(total, q.pop(0))
+                self.ps.step(total)
         self.completed[i] += 1
         st.epoch += 1
         st.step = 0
         if min(self.completed) == e + 1:  # every interval has finished epoch e
-            if self.sync:
-                total: dict[str, Tensor] = {}
-                for k in sorted(self.epoch_grads[e]):
-                    _add(total, self.epoch_grads[e][k])
-                del self.epoch_grads[e]
-                self.ps.step(total)
             stats = self.epoch_stats.pop(e)
             rec = {"epoch": e, "time_s": self.ex.now(), "loss": stats["loss"], "version": self.ps.version}
             for m, (hit, cnt) in stats["correct"].items():
