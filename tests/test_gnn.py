@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch_geometric.nn import GATConv, GCNConv
 
-pytest.importorskip("torch_geometric")  # a declared dependency; CI installs it (pyproject)
-
-from torch_geometric.nn import GATConv, GCNConv  # noqa: E402
-
-from virtualflow.gnn import (DorylusOptions, GNNJob, GNNModel, ParameterServer, PriceModel, WorkerLimits,  # noqa: E402
+from virtualflow.gnn import (DorylusOptions, GNNJob, GNNModel, ParameterServer, PriceModel, WorkerLimits,
                              karate_club, make_graph, sbm_graph, train_dorylus, train_pyg, value)
-from virtualflow.gnn.job import prepare  # noqa: E402
-from virtualflow.gnn.partition import balanced_cuts, partition  # noqa: E402
-from virtualflow.gnn.staleness import fresh_enough, may_start  # noqa: E402
+from virtualflow.gnn.job import prepare
+from virtualflow.gnn.partition import balanced_cuts, partition
+from virtualflow.gnn.staleness import fresh_enough, may_start
 
 
 def gcn_karate():
@@ -270,3 +267,15 @@ def test_cli_gnn_bad_input_is_one_line_exit_2(tmp_path, capsys):
     assert "not virtualflow.gnn.GNNJob" in capsys.readouterr().err
     assert main(["gnn", str(path), "-P", "40", "--mode", "simulated"]) == 2
     assert "graph_servers=40 is more than the graph's 34 vertices" in capsys.readouterr().err
+
+
+def test_example_jobs_train(tmp_path):
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "gnn_sbm.py")
+    spec = importlib.util.spec_from_file_location("gnn_sbm_example", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for job in (mod.make_job(num_nodes=400, epochs=2), mod.make_gat_job(num_nodes=300, epochs=2)):
+        assert_same(train_dorylus(job, graph_servers=2, intervals=2, mode="simulated"), train_pyg(job), atol=1e-4)

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch_geometric.nn import GCNConv
 
-pytest.importorskip("torch_geometric")
-
-from torch_geometric.nn import GCNConv  # noqa: E402
-
-from virtualflow.gnn import GNNJob, GNNModel, WorkerLimits, karate_club, train_dorylus, train_pyg  # noqa: E402
+from virtualflow.gnn import GNNJob, GNNModel, WorkerLimits, karate_club, train_dorylus, train_pyg
 
 
 def gcn():
