@@ -275,7 +275,8 @@ class Service:
             fields["started_s"] = time.time()
         if restart or resume is not None:
             fields["restarts"] = row.restarts + 1
-        self.db.set_job_state(row.id, "running", event="start", info={"resumed": resume is not None}, **fields)
+        self.db.set_job_state(row.id, "running", event="start",
+                              info={"resumed": resume is not None, "from_step": self.running[row.id].start_step}, **fields)
 
     def _stop_all(self, reasons: dict[int, str]) -> dict[int, tuple[Any, BaseException | None]]:
         """Stop these jobs at once, each with its state written (a job that has not made a step
@@ -490,10 +491,11 @@ def _has_state(run_dir: str) -> bool:
     return bool(run_dir) and os.path.isdir(run_dir) and bool(state_files(run_dir))
 
 
-def _wait_orphans(run_dir: str, timeout_s: float = 20.0) -> None:
-    """Wait for the workers of a job whose coordinator (the killed service) is gone to exit
-    (they notice the lost store within their heartbeat timeout); SIGKILL the ones still there
-    after ``timeout_s`` so two runs never write one run directory."""
+def _wait_orphans(run_dir: str, timeout_s: float = 5.0) -> None:
+    """Wait for the workers of a job whose coordinator (the killed service) is gone to exit (a
+    member notices the lost store at its next step); SIGKILL the ones still there after
+    ``timeout_s`` (a worker still starting may wait much longer), so two runs never write one run
+    directory. Only processes whose command line is a virtualflow worker are signalled."""
     status = _read_json(os.path.join(run_dir, "status.json")) or {}
     pids = [w.get("pid") for w in status.get("workers", []) if isinstance(w, dict)]
     pids = [p for p in pids if isinstance(p, int) and p > 1 and p != os.getpid()]
@@ -503,9 +505,17 @@ def _wait_orphans(run_dir: str, timeout_s: float = 20.0) -> None:
     while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     for p in pids:
-        if pid_alive(p):
+        if pid_alive(p) and _is_worker(p):
             log.warning("worker pid %d of %s outlived its coordinator; killing it", p, run_dir)
             try:
                 os.kill(p, signal.SIGKILL)
             except OSError:
                 pass
+
+
+def _is_worker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"virtualflow" in f.read()
+    except OSError:
+        return False
