@@ -38,10 +38,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--epochs", type=int, help="override the job's epochs")
     p.add_argument("--mode", choices=("process", "simulated"), default="process",
                    help="real processes (default) or the same logic in this process on a virtual clock")
+    p.add_argument("--worker-backend", choices=("process", "ray"), default="process",
+                   help="tensor workers as local processes (default) or Ray tasks")
+    p.add_argument("--ray-address", help="Ray cluster for --worker-backend ray ('auto', HOST:PORT; default: a local one)")
+    p.add_argument("--update", choices=("round", "interval"), default="round",
+                   help="round: a step once every interval has a new gradient (S=0: full-graph; default); "
+                   "interval: a step per interval-epoch (Dorylus)")
     p.add_argument("--no-pipeline", action="store_true", help="run the intervals' steps in lockstep (S=0 only)")
     p.add_argument("--order", choices=("rcm", "natural"), default="rcm", help="partition order (default rcm)")
     p.add_argument("--baselines", default="",
-                   help="comma-separated: cpu (CPU-only: P+L graph servers doing the tensor work), pyg "
+                   help="comma-separated: cpu (CPU-only: P+L graph servers doing the tensor work, the same total "
+                   "intervals), pyg "
                    "(single-process PyTorch Geometric)")
     g = p.add_argument_group("emulated cheap-worker limits (tensor workers)")
     g.add_argument("--latency-s", type=float, default=0.0, help="invocation latency per task (default 0)")
@@ -97,7 +104,8 @@ def main(args: argparse.Namespace) -> int:
                           task_timeout_s=args.task_timeout_s)
     opts = DorylusOptions(graph_servers=args.graph_servers, tensor_workers=args.tensor_workers,
                           intervals=args.intervals, staleness=args.staleness, pipeline=not args.no_pipeline,
-                          mode=args.mode, order=args.order, limits=limits)
+                          mode=args.mode, order=args.order, limits=limits, worker_backend=args.worker_backend,
+                          ray_address=args.ray_address, update=args.update)
     job = load_job(args.job)
     if args.epochs is not None:
         job = dataclasses.replace(job, epochs=args.epochs)
@@ -108,8 +116,9 @@ def main(args: argparse.Namespace) -> int:
     name = f"dorylus S={opts.staleness}" if opts.tensor_workers else "cpu-only"
     records = [summarize(name, train_dorylus(job, opts), price, n, args.target)]
     if "cpu" in baselines and opts.tensor_workers:
-        cpu = dataclasses.replace(opts, graph_servers=opts.graph_servers + opts.tensor_workers, tensor_workers=0,
-                                  staleness=0, pipeline=True)
+        servers = opts.graph_servers + opts.tensor_workers  # same total workers, same total intervals
+        cpu = dataclasses.replace(opts, graph_servers=servers, tensor_workers=0, staleness=0, pipeline=True,
+                                  intervals=max(1, opts.graph_servers * opts.intervals // servers))
         records.append(summarize("cpu-only", train_dorylus(job, cpu), price, n, args.target))
     if "pyg" in baselines:
         records.append(summarize("pyg", train_pyg(job, threads=1), price, n, args.target))

@@ -72,10 +72,16 @@ class DorylusOptions:
     """Emulated cheap-worker limits (latency, bandwidth, cold start, timeouts)."""
     kill_tasks: tuple[int, ...] = ()
     """Fault injection (process mode): these tensor-task dispatches (0-based) lose their worker."""
-    sim_duration: Callable[[str, int], float] | None = None
-    """Simulated mode: seconds a task takes, from ("gs" | "tw", interval); default 1."""
+    sim_duration: Callable[[str, int], float] | str | None = None
+    """Simulated mode: seconds a task takes, from ("gs" | "tw", interval); default 1; "measured": the
+    time its computation took in this process."""
     timeout_s: float = 600.0
     """Process mode: fail when no process answers for this long."""
+    worker_backend: str = "process"
+    """Tensor workers as local processes ("process") or Ray tasks ("ray": connects to the Ray cluster
+    at ``ray_address``, or starts a local one)."""
+    ray_address: str | None = None
+    """Ray cluster for worker_backend="ray": None (local / RAY_ADDRESS), "auto" or "HOST:PORT"."""
     update: str = "round"
     """"round": a step once every interval has a new gradient (S=0: full-graph); "interval": a step per
     interval-epoch (see the module docstring)."""
@@ -91,6 +97,8 @@ class DorylusOptions:
         if not isinstance(self.intervals, int) or self.intervals < 1:
             raise ValueError(f"intervals={self.intervals!r} must be an int >= 1 per graph server; pass --intervals K")
         check_staleness(self.staleness)
+        if self.worker_backend not in ("process", "ray"):
+            raise ValueError(f"worker_backend={self.worker_backend!r} must be 'process' or 'ray'; pass --worker-backend")
         if self.update not in UPDATES:
             raise ValueError(f"update={self.update!r} is not an update rule; choose one of {UPDATES}")
         if self.mode not in MODES:
@@ -421,7 +429,8 @@ def train_dorylus(job: GNNJob, opts: DorylusOptions | None = None, **kw) -> GNNR
         ex = SimExecutor(parts, opts.tensor_workers, opts.limits, opts.sim_duration)
     else:
         ex = ProcessExecutor(parts, opts.tensor_workers, opts.limits, kill_tasks=opts.kill_tasks,
-                             timeout_s=opts.timeout_s)
+                             timeout_s=opts.timeout_s, use_ray=opts.worker_backend == "ray",
+                             ray_address=opts.ray_address)
     startup = time.perf_counter() - t0
     driver = Driver(job, opts, pg, plan, model, ex, feed)
     try:

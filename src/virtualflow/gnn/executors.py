@@ -58,15 +58,20 @@ class SimExecutor:
     scatters and requests in order) and completes at ``max(now, resource free) + duration``: each
     graph server is one resource, the tensor workers ``L`` more (with ``L = 0`` the tensor work
     runs on the interval's graph server). ``duration(kind, interval)`` (kind ``"gs"`` or
-    ``"tw"``) defaults to 1 s; tensor tasks add the emulated limits.
+    ``"tw"``) defaults to 1 s; ``duration="measured"`` uses the time the computation itself just
+    took in this process (real task times replayed on a virtual clock, without other processes'
+    interference). Tensor tasks add the emulated limits.
     """
 
     def __init__(self, parts: list[ServerPart], tensor_workers: int, limits: WorkerLimits,
-                 duration: Callable[[str, int], float] | None = None) -> None:
+                 duration: Callable[[str, int], float] | str | None = None) -> None:
+        self.measured = duration == "measured"
+        if isinstance(duration, str) and not self.measured:
+            raise ValueError(f"sim_duration={duration!r} must be a function, 'measured' or None")
         self.servers = [GraphServer(p) for p in parts]
         self.specs, self.activation = parts[0].specs, parts[0].activation
         self.limits = limits
-        self.duration = duration or (lambda kind, interval: 1.0)
+        self.duration = duration if callable(duration) else (lambda kind, interval: 1.0)
         self.gs_free = [0.0] * len(parts)
         self.tw_free = [0.0] * tensor_workers
         self.tw_started = [False] * tensor_workers
@@ -82,17 +87,20 @@ class SimExecutor:
         heapq.heappush(self.events, (t, next(self.seq), tag, out))
 
     def submit_gs(self, server: int, req: tuple, tag: Any) -> None:
+        t0 = time.perf_counter()
         out = self.servers[server].handle(req)
+        took = time.perf_counter() - t0
         start = max(self.clock, self.gs_free[server])
-        self.gs_free[server] = start + self.duration("gs", tag[0])
+        self.gs_free[server] = start + (took if self.measured else self.duration("gs", tag[0]))
         self._finish(self.gs_free[server], tag, out)
 
     def post_gs(self, server: int, req: tuple) -> None:
         self.servers[server].handle(req)
 
     def submit_tw(self, task: dict, tag: Any, home: int) -> None:
+        t0 = time.perf_counter()
         out = run_tensor_task(self.specs, self.activation, task)
-        d = self.duration("tw", tag[0])
+        d = time.perf_counter() - t0 if self.measured else self.duration("tw", tag[0])
         if not self.tw_free:  # CPU-only: the graph server does it
             start = max(self.clock, self.gs_free[home])
             self.gs_free[home] = start + d
@@ -144,7 +152,8 @@ class ProcessExecutor:
     """
 
     def __init__(self, parts: list[ServerPart], tensor_workers: int, limits: WorkerLimits,
-                 kill_tasks: tuple[int, ...] = (), timeout_s: float = 600.0) -> None:
+                 kill_tasks: tuple[int, ...] = (), timeout_s: float = 600.0, ray_address: str | None = None,
+                 use_ray: bool = False) -> None:
         # forkserver: one server process imports torch and PyG once and forks every graph server and
         # tensor worker from it (a spawned child would import them again: seconds each, here).
         self.ctx = mp.get_context("forkserver")
@@ -161,6 +170,10 @@ class ProcessExecutor:
             proc.start()
             child.close()
             self.gs.append((proc, parent))
+        self.ray: RayTensorPool | None = None
+        if use_ray and tensor_workers:
+            self.ray = RayTensorPool(tensor_workers, self.specs, self.activation, limits, self.stats, ray_address)
+            tensor_workers = 0  # no local worker processes
         self.workers = [self._launch(w) for w in range(tensor_workers)]
         self.idle = collections.deque(range(tensor_workers))
         self.queue: collections.deque = collections.deque()
@@ -170,6 +183,8 @@ class ProcessExecutor:
 
     def warm_up(self) -> None:
         """Wait until every process answers (start-up is not training time); restarts the clock."""
+        if self.ray is not None:
+            self.ray.warm_up()
         for p, (_, conn) in enumerate(self.gs):
             conn.send((("warm", p), ("ping",)))
         for wk in self.workers:
@@ -203,6 +218,11 @@ class ProcessExecutor:
         self.gs[server][1].send((None, req))
 
     def submit_tw(self, task: dict, tag: Any, home: int) -> None:
+        if self.ray is not None:
+            crash = self.dispatches in self.kill_tasks
+            self.dispatches += 1
+            self.ray.submit(tag, dict(task, id=next(self.task_ids), attempt=0, crash=crash))
+            return
         if not self.workers:  # CPU-only: the graph server does the tensor work
             self.submit_gs(home, ("tensor", task), tag)
             return
@@ -253,7 +273,10 @@ class ProcessExecutor:
             deadline = min([self.workers[w].deadline for w in busy], default=t_give_up)
             objs: list[Any] = [c for _, c in self.gs] + [p.sentinel for p, _ in self.gs]
             objs += [self.workers[w].conn for w in busy] + [self.workers[w].proc.sentinel for w in busy]
-            ready = set(mp_wait(objs, timeout=max(0.0, min(deadline, t_give_up) - now)))
+            wait_s = max(0.0, min(deadline, t_give_up) - now)
+            if self.ray is not None and self.ray.busy():
+                wait_s = min(wait_s, 0.002)  # Ray's refs cannot be waited on with the pipes: poll both
+            ready = set(mp_wait(objs, timeout=wait_s))
             for p, (proc, conn) in enumerate(self.gs):
                 if conn in ready:
                     tag, out = conn.recv()
@@ -264,6 +287,10 @@ class ProcessExecutor:
                     return tag, out
                 if proc.sentinel in ready:
                     raise RuntimeError(f"graph server {p} exited (code {proc.exitcode})")
+            if self.ray is not None and self.ray.busy():
+                got = self.ray.poll()
+                if got is not None:
+                    return got
             for w in busy:
                 wk = self.workers[w]
                 if wk.conn in ready:
@@ -286,6 +313,8 @@ class ProcessExecutor:
                     self._relaunch(w, f"timed out after {self.limits.task_timeout_s} s")
 
     def close(self) -> None:
+        if self.ray is not None:
+            self.ray.close()
         for proc, conn in self.gs:
             try:
                 conn.send(None)
@@ -301,3 +330,101 @@ class ProcessExecutor:
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
+
+
+def _ray_tensor_task(specs, activation: str, limits: WorkerLimits, task: dict) -> dict:
+    """One tensor task as a Ray task (the emulated latency and transfer included)."""
+    if task.get("crash"):  # fault injection: the Ray worker process dies holding the task
+        import os
+        import signal
+
+        time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if task.get("op") == "ping":
+        return {"pong": True}
+    if limits.hangs(task["id"], task["attempt"]):
+        time.sleep(limits.task_timeout_s * 100)
+    wait = limits.latency_s + limits.transfer_s(task_bytes(task))
+    if wait:
+        time.sleep(wait)
+    out = run_tensor_task(specs, activation, task)
+    t = limits.transfer_s(task_bytes(out))
+    if t:
+        time.sleep(t)
+    return out
+
+
+class RayTensorPool:
+    """Tensor workers as Ray tasks (``worker_backend="ray"``): at most ``slots`` in flight, each a
+    stateless task on whatever Ray worker process is free. Ray's own retries are off: a task whose
+    worker dies (``ray.get`` raises) or that passes ``limits.task_timeout_s`` (cancelled with
+    ``force=True``) is submitted again by us, attempt + 1, so a fault-injected task is not retried
+    with its fault. Cold starts are Ray's real ones (``cold_start_s`` is not added)."""
+
+    def __init__(self, slots: int, specs, activation: str, limits: WorkerLimits, stats: ExecutorStats,
+                 address: str | None) -> None:
+        from virtualflow.backends.ray import RayOptions, connect, import_ray
+
+        self.ray = import_ray()
+        connect(RayOptions(address=address))
+        self.slots, self.limits, self.stats = slots, limits, stats
+        self.fn = self.ray.remote(num_cpus=0, max_retries=0)(_ray_tensor_task)
+        self.specs_ref = self.ray.put(tuple(specs))
+        self.activation = activation
+        self.queue: collections.deque = collections.deque()
+        self.inflight: dict[Any, tuple[Any, dict, float]] = {}
+
+    def warm_up(self) -> None:
+        refs = [self.fn.remote(self.specs_ref, self.activation, self.limits, {"op": "ping"}) for _ in range(self.slots)]
+        self.ray.get(refs, timeout=120)
+
+    def busy(self) -> bool:
+        return bool(self.inflight or self.queue)
+
+    def submit(self, tag: Any, task: dict) -> None:
+        self.queue.append((tag, task))
+        self._pump()
+
+    def _pump(self) -> None:
+        while self.queue and len(self.inflight) < self.slots:
+            tag, task = self.queue.popleft()
+            self.stats.tw_tasks += 1
+            self.stats.bytes_to_tw += task_bytes(task)
+            ref = self.fn.remote(self.specs_ref, self.activation, self.limits, task)
+            self.inflight[ref] = (tag, task, time.perf_counter())
+
+    def _retry(self, ref, why: str) -> None:
+        tag, task, t0 = self.inflight.pop(ref)
+        self.stats.tw_busy_s += time.perf_counter() - t0
+        self.stats.relaunches += 1
+        retry = dict(task, attempt=task["attempt"] + 1)
+        retry.pop("crash", None)
+        log.warning("ray tensor task %s %s (attempt %d); sent again", tag, why, task["attempt"])
+        self.queue.appendleft((tag, retry))
+
+    def poll(self) -> tuple[Any, Any] | None:
+        ready, _ = self.ray.wait(list(self.inflight), num_returns=1, timeout=0)
+        now = time.perf_counter()
+        for ref in ready:
+            try:
+                out = self.ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - the worker died or the task failed: send it again
+                self._retry(ref, f"failed ({type(exc).__name__})")
+                continue
+            tag, task, t0 = self.inflight.pop(ref)
+            self.stats.tw_busy_s += now - t0
+            self.stats.bytes_from_tw += task_bytes(out)
+            self._pump()
+            return tag, out
+        for ref, (tag, task, t0) in list(self.inflight.items()):
+            if now - t0 > self.limits.task_timeout_s:
+                self.ray.cancel(ref, force=True)
+                self.stats.timeouts += 1
+                self._retry(ref, f"timed out after {self.limits.task_timeout_s} s")
+        self._pump()
+        return None
+
+    def close(self) -> None:
+        for ref in list(self.inflight):
+            self.ray.cancel(ref, force=True)
+        self.inflight.clear()
