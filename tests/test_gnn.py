@@ -279,3 +279,24 @@ def test_example_jobs_train(tmp_path):
     spec.loader.exec_module(mod)
     for job in (mod.make_job(num_nodes=400, epochs=2), mod.make_gat_job(num_nodes=300, epochs=2)):
         assert_same(train_dorylus(job, graph_servers=2, intervals=2, mode="simulated"), train_pyg(job), atol=1e-4)
+
+
+def test_emulated_limits_on_the_virtual_clock(karate):
+    """One server, one worker, one interval, every task 1 s: an epoch is 12 steps (5 on the tensor
+    worker), each tensor task adds the latency, the worker's first task the cold start, and a
+    bandwidth limit the tensors' transfer time."""
+    job = GNNJob(graph=karate, model=gcn_karate, epochs=2, seed=0)
+    base = dict(graph_servers=1, intervals=1, tensor_workers=1, mode="simulated")
+    plain = train_dorylus(job, **base)
+    assert plain.wall_s == pytest.approx(2 * 12.0)
+    slow = train_dorylus(job, limits=WorkerLimits(latency_s=0.5, cold_start_s=3.0), **base)
+    assert slow.wall_s == pytest.approx(2 * 12.0 + 2 * 5 * 0.5 + 3.0)
+    assert slow.tw_busy_s == pytest.approx(2 * 5 * 1.5 + 3.0) and slow.tw_tasks == 10
+    bw = 1e6
+    narrow = train_dorylus(job, limits=WorkerLimits(bandwidth_bytes_per_s=bw), **base)
+    moved = narrow.bytes_to_tw + narrow.bytes_from_tw
+    assert moved > 0 and narrow.wall_s == pytest.approx(2 * 12.0 + moved / bw)
+    # an emulated timeout is a pure function of (seed, task, attempt): the relaunched attempt differs
+    lim = WorkerLimits(timeout_prob=0.5, seed=3)
+    draws = [lim.hangs(t, 0) for t in range(200)]
+    assert draws == [lim.hangs(t, 0) for t in range(200)] and 50 < sum(draws) < 150
