@@ -22,7 +22,8 @@ from virtualflow.cluster.policies.base import get_policy
 from virtualflow.cluster.simulator import SimConfig, simulate
 from virtualflow.cluster.throughputs import ThroughputTable
 from virtualflow.service.core import (PRIOR_STEPS_PER_S, Action, JobView, Scheduler, diff_actions, estimate,
-                                      parse_slowdowns, recovery_action, type_slowdowns, update_estimates)
+                                      parse_slowdowns, prior_rate, recovery_action, type_slowdowns,
+                                      update_estimates)
 from virtualflow.service.runner import gavel_table, init_cluster
 from virtualflow.service.state import ClusterDB
 
@@ -64,6 +65,12 @@ def test_estimates_start_at_the_prior_then_follow_measurements():
     v.estimates = update_estimates(v.estimates, "k80", 1, 1.5)  # exponential average, half weight
     assert estimate(v, "k80", 1) == pytest.approx(1.0)
     assert update_estimates(v.estimates, "k80", 1, float("nan")) == v.estimates  # ignored
+    # A job never measured is assumed to be like the measured ones (their median per-worker rate).
+    fresh = JobView(job_id=2, steps=10, max_workers=2, slowdowns={"v100": 1.0, "k80": 4.0})
+    other = JobView(job_id=3, steps=10, max_workers=2, slowdowns={"v100": 1.0, "k80": 4.0}, estimates={"v100/2": 4.0})
+    assert prior_rate([v, fresh]) == pytest.approx(4.0) and prior_rate([fresh]) == PRIOR_STEPS_PER_S  # 1.0 x 4
+    assert prior_rate([v, fresh, other]) == pytest.approx(3.0)  # median of 4.0 and 2.0
+    assert estimate(fresh, "k80", 2, prior_rate([v, fresh, other])) == pytest.approx(3.0 * 2 / 4.0)
 
 
 # -- actions -------------------------------------------------------------------------------------

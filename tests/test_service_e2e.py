@@ -76,6 +76,9 @@ TRACE = (("paced", 100), ("paced_adam", 30), ("paced", 100))  # jobs 1 and 3 sha
 
 def test_trace_survives_sigkill_and_every_job_matches_its_standalone_run(tmp_path):
     T0[0] = time.monotonic()
+    # The standalone references run meanwhile (the paced jobs mostly sleep: they overlap well).
+    handles = {(name, steps): vf.launch(f"{JOBS}:{name}", workers=1, steps=steps, deterministic=True)
+               for name, steps in set(TRACE)}
     d = str(tmp_path / "cluster")
     slots = ["--slots", "v100=2,k80=1", "--slowdowns", "k80=2", "--round-s", "3"]
     cli("cluster", "start", "--dir", d, "--policy", "elastic_fair", *slots)
@@ -122,8 +125,6 @@ def test_trace_survives_sigkill_and_every_job_matches_its_standalone_run(tmp_pat
     assert changes, "no job was resized or preempted: the trace does not test the service"
     assert {a["acc_type"] for a in db.allocations()} == {"v100", "k80"}
     # Every job equals its standalone run; every step recorded once.
-    handles = {(name, steps): vf.launch(f"{JOBS}:{name}", workers=1, steps=steps, deterministic=True)
-               for name, steps in set(TRACE)}
     refs = {key: h.wait(timeout_s=120) for key, h in handles.items()}
     print(f"{time.monotonic() - T0[0]:6.1f} s: references")
     for j, key in zip(jobs, TRACE):

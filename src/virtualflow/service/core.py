@@ -6,9 +6,9 @@ Each round the service builds a :class:`JobView` per active job and asks
 1. builds a throughput table from the service's **estimates** (:func:`estimate`): a
    (type, workers) the job was measured on uses the measurement; any other is extrapolated from
    the job's measurements as ``base * workers / slowdown[type]`` (``base``: the job's steps/s
-   per worker at full speed, the median over its measurements; a job never measured gets
-   :data:`PRIOR_STEPS_PER_S`), so a job the table does not know is still scheduled, and better
-   each round;
+   per worker at full speed, the median over its measurements; a job never measured gets the
+   median ``base`` of the jobs measured so far, or :data:`PRIOR_STEPS_PER_S` before any), so a
+   job the table does not know is still scheduled, and better each round;
 2. re-solves the **policy** (the same :mod:`virtualflow.cluster.policies` code as ``virtualflow
    simulate``) when the set of active jobs changed or an estimate the last solution used moved by
    more than ``drift`` (re-solving resets the mechanism's time-share counters, so it is not done
@@ -46,7 +46,7 @@ from virtualflow.cluster.model import Cluster, JobSpec
 from virtualflow.cluster.policies.base import Policy, PolicyInput
 from virtualflow.cluster.throughputs import ThroughputTable
 
-__all__ = ["PRIOR_STEPS_PER_S", "JobView", "Action", "RoundDecision", "Scheduler", "type_slowdowns",
+__all__ = ["PRIOR_STEPS_PER_S", "JobView", "base_rate", "prior_rate", "Action", "RoundDecision", "Scheduler", "type_slowdowns",
            "slot_names", "estimate", "update_estimates", "diff_actions", "recovery_action", "parse_slowdowns"]
 
 PRIOR_STEPS_PER_S = 1.0
@@ -144,18 +144,31 @@ class JobView:
     """The slots it holds now."""
 
 
-def estimate(view: JobView, acc_type: str, workers: int) -> float:
-    """Steps/s of ``view``'s job on ``workers`` workers of ``acc_type`` (see the module docstring)."""
-    measured = view.estimates.get(estimate_key(acc_type, workers))
-    if measured is not None and measured > 0:
-        return measured
+def base_rate(view: JobView) -> float | None:
+    """The job's measured steps/s per full-speed worker (median over its measurements), or None."""
     bases = []
     for key, v in view.estimates.items():
         t, _, g = key.rpartition("/")
         if t in view.slowdowns and g.isdigit() and int(g) > 0 and v > 0:
             bases.append(v * view.slowdowns[t] / int(g))
-    base = statistics.median(bases) if bases else PRIOR_STEPS_PER_S
-    return base * workers / view.slowdowns[acc_type]
+    return statistics.median(bases) if bases else None
+
+
+def prior_rate(views: list[JobView]) -> float:
+    """What a job never measured is assumed to make per full-speed worker: the median of the
+    measured jobs' rates (jobs sharing a cluster tend to be alike), else :data:`PRIOR_STEPS_PER_S`."""
+    rates = [b for b in map(base_rate, views) if b is not None]
+    return statistics.median(rates) if rates else PRIOR_STEPS_PER_S
+
+
+def estimate(view: JobView, acc_type: str, workers: int, prior: float = PRIOR_STEPS_PER_S) -> float:
+    """Steps/s of ``view``'s job on ``workers`` workers of ``acc_type`` (see the module docstring);
+    ``prior``: the per-worker rate of a job not measured yet."""
+    measured = view.estimates.get(estimate_key(acc_type, workers))
+    if measured is not None and measured > 0:
+        return measured
+    base = base_rate(view)
+    return (prior if base is None else base) * workers / view.slowdowns[acc_type]
 
 
 def update_estimates(estimates: dict[str, float], acc_type: str, workers: int, measured: float,
@@ -294,8 +307,9 @@ class Scheduler:
     def table(self, views: list[JobView]) -> ThroughputTable:
         """The throughput table the policy sees: job type ``job-<id>``, every type, 1..max workers."""
         data: dict[str, dict[str, dict[str, float]]] = {}
+        prior = prior_rate(views)
         for v in views:
-            data[f"job-{v.job_id}"] = {t: {str(g): estimate(v, t, g) if g <= self.slots[t] else 0.0
+            data[f"job-{v.job_id}"] = {t: {str(g): estimate(v, t, g, prior) if g <= self.slots[t] else 0.0
                                            for g in range(1, v.max_workers + 1)} for t in self.cluster.types}
         return ThroughputTable.from_dict({"throughputs": data}, source="service estimates")
 
@@ -303,9 +317,10 @@ class Scheduler:
         ids = tuple(sorted(v.job_id for v in views))
         if ids != self._solved_for:
             return True
+        prior = prior_rate(views)
         for (jid, t, g), old in self._solved_T.items():
             v = next(v for v in views if v.job_id == jid)
-            new = estimate(v, t, g)
+            new = estimate(v, t, g, prior)
             if old > 0 and abs(new - old) / old > self.drift:
                 return True
         return False
@@ -344,7 +359,8 @@ class Scheduler:
             alloc = self.policy.allocate(inp)
             self.mechanism.set_allocation(alloc, elastic={v.job_id: v.elastic for v in active})
             self._solved_for = tuple(sorted(v.job_id for v in active))
-            self._solved_T = {(v.job_id, t, g): estimate(v, t, g) for v in active for t in types
+            prior = prior_rate(active)
+            self._solved_T = {(v.job_id, t, g): estimate(v, t, g, prior) for v in active for t in types
                               for g in {alloc.gpus.get(v.job_id, v.max_workers)} if g <= self.slots[t]}
             solved = True
         plan = self.mechanism.plan_round({v.job_id for v in active})

@@ -1,0 +1,281 @@
+"""The cluster service on real jobs against ``virtualflow simulate`` on the same trace (issue 17).
+
+A small version of the issue's benchmark, sized for a 2-core machine (a few minutes):
+
+1. **Fidelity.** A trace of ``JOBS`` short paced jobs (tests/service_jobs.py ``paced``: sleep-
+   emulated compute, so emulated slow types really are slower and processes overlap) arriving
+   every ``GAP_S`` seconds, half elastic (1-2 workers), on ``v100=2,k80=2`` emulated slots, run
+   physically by the service under ``elastic_fair``. Then the same trace is replayed in
+   ``virtualflow.cluster.simulator.simulate`` with what the physical run measured: each job's
+   throughput estimates (the service's, per type and worker count), the median start, restart and
+   resize pauses, the same round length and arrivals. Per-job JCT error (median of
+   |sim - phys| / phys) and makespan error. Targets (issue): <= 10 % and <= 5 %.
+2. **In place vs rigid.** The same trace with every job rigid (at its maximum), physically and in
+   the simulator: the median-JCT reduction of the elastic run over the rigid one, side by side.
+3. **Scheduler overhead.** One round's decision (policy + mechanism + actions) at 100 queued jobs
+   on 16 slots (pure, no processes), and the service process's CPU use while it holds 100 queued
+   jobs that cannot run (its polling of the database).
+
+The plain-PyTorch comparison the other benchmarks make does not apply here: there is no
+PyTorch way of scheduling a cluster; the comparison is the simulator.
+
+From the repository root::
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.cluster_physical          # about 6-10 minutes
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.cluster_physical --quick  # 4 jobs
+
+Output: ``bench/results/cluster_physical.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from bench.harness.machine import LoadMeter
+from bench.harness.paths import REPO_ROOT
+from bench.harness.report import Run, environment, env_markdown, md_table, median, parser, read_jsonl
+
+JOB_FILE = os.path.join(REPO_ROOT, "tests", "service_jobs.py")
+SLOTS = {"v100": 2, "k80": 2}
+SLOWDOWNS = {"k80": 2.0}
+ROUND_S = 6.0
+GAP_S = 4.0
+RESIZE_COST_S = 1.0  # not measured here: virtualflow's in-place resize pause (bench/resize.py measures it)
+
+
+def trace(n: int) -> list[dict]:
+    """Jobs: alternating elastic (1-2 workers) and rigid (1 worker), 80-200 steps."""
+    rng = np.random.default_rng(17)
+    return [{"steps": int(rng.integers(80, 201)), "elastic": i % 2 == 0, "arrival_s": i * GAP_S}
+            for i in range(n)]
+
+
+def run_physical(jobs: list[dict], *, elastic: bool, policy: str, work: str) -> dict:
+    """Run the trace on a fresh cluster directory; returns the database's view of it."""
+    from virtualflow.service.runner import init_cluster
+    from virtualflow.service.state import ClusterDB
+
+    d = os.path.join(work, f"cluster-{'elastic' if elastic else 'rigid'}")
+    init_cluster(d, slots=dict(SLOTS), policy=policy, round_s=ROUND_S, slowdowns=dict(SLOWDOWNS)).close()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.join(REPO_ROOT, "src"))
+    proc = subprocess.Popen([sys.executable, "-m", "virtualflow.service", d], env=env, cwd=REPO_ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    db = ClusterDB(d)
+    try:
+        while (db.get_meta("service") or {}).get("state") != "running":
+            time.sleep(0.1)
+        t0 = time.time()
+        for i, j in enumerate(jobs):
+            while time.time() < t0 + j["arrival_s"]:
+                time.sleep(0.05)
+            el = elastic and j["elastic"]
+            db.add_job(name=f"j{i}", target=f"{JOB_FILE}:paced", steps=j["steps"], elastic=el,
+                       min_workers=1 if el else (2 if j["elastic"] else 1), max_workers=2 if j["elastic"] else 1,
+                       priority=1.0, job_type=None, deterministic=True, checkpoint_every=max(1, j["steps"] // 10))
+        while not all(r.final for r in db.jobs()) or len(db.jobs()) < len(jobs):
+            time.sleep(0.5)
+    finally:
+        db.set_meta("stop_requested", True)
+        proc.wait(120)
+    rows = db.jobs()
+    events = db.events()
+    return {"dir": d, "rows": rows, "events": events, "rounds": db.rounds(), "t0": min(r.submitted_s for r in rows)}
+
+
+def pauses(phys: dict) -> dict:
+    """Median start, restart and (first) step latencies from the events and the jobs' metrics."""
+    first, resumed = [], []
+    for r in phys["rows"]:
+        times = [m["time"] for m in read_jsonl(os.path.join(r.run_dir, "metrics.jsonl")) if "loss" in m]
+        starts = [e for e in phys["events"] if e["job_id"] == r.id and e["kind"] == "start"]
+        stops = [e for e in phys["events"] if e["job_id"] == r.id and e["kind"] == "preempt"]
+        for s in starts:
+            after = [t for t in times if t > s["t"]]
+            if not after:
+                continue
+            if s["data"].get("resumed"):
+                before = [e["t"] for e in stops if e["t"] <= s["t"]]
+                resumed.append(after[0] - (before[-1] if before else s["t"]))
+            else:
+                first.append(after[0] - s["t"])
+    return {"start_s": median(first) if first else 0.0, "restart_s": median(resumed) if resumed else 0.0,
+            "starts": len(first), "restarts": len(resumed)}
+
+
+def simulate_like(phys: dict, costs: dict, *, policy: str) -> dict:
+    """Replay the physical trace in the simulator with the throughputs the service measured."""
+    from virtualflow.cluster.mechanism import MechanismConfig
+    from virtualflow.cluster.model import Cluster, JobSpec
+    from virtualflow.cluster.policies.base import get_policy
+    from virtualflow.cluster.simulator import SimConfig, simulate
+    from virtualflow.cluster.throughputs import ThroughputTable
+    from virtualflow.service.core import JobView, estimate, prior_rate
+
+    specs, data = [], {}
+    slow = {"v100": 1.0, **SLOWDOWNS}
+    views = [JobView(job_id=r.id, steps=r.steps, max_workers=r.max_workers, slowdowns=slow, estimates=r.estimates)
+             for r in phys["rows"]]
+    prior = prior_rate(views)  # a job the service never measured: the others' median (as the service does)
+    for r, v in zip(phys["rows"], views):
+        data[f"job-{r.id}"] = {t: {str(g): estimate(v, t, g, prior) for g in (1, 2)} for t in SLOTS}
+        specs.append(JobSpec(job_id=r.id, job_type=f"job-{r.id}", scale_factor=r.max_workers,
+                             min_gpus=r.min_workers if r.elastic else None, total_steps=float(r.steps),
+                             arrival_s=r.submitted_s - phys["t0"]))
+    table = ThroughputTable.from_dict({"throughputs": data})
+    cfg = SimConfig(mechanism=MechanismConfig(round_s=ROUND_S, restart_cost_s=costs["restart_s"],
+                                              resize_cost_s=RESIZE_COST_S, start_cost_s=costs["start_s"]))
+    res = simulate(specs, Cluster(gpus=dict(SLOTS), gpus_per_server=dict(SLOTS)), table, get_policy(policy), cfg)
+    return {"jct_s": [float(x) for x in res.jct_s], "makespan_s": float(np.nanmax(res.finish_s)),
+            "restarts": int(res.restarts.sum()), "resizes": int(res.resizes.sum())}
+
+
+def physical_summary(phys: dict) -> dict:
+    rows = phys["rows"]
+    jct = [r.finished_s - r.submitted_s for r in rows]
+    return {"jct_s": jct, "makespan_s": max(r.finished_s for r in rows) - phys["t0"],
+            "states": [r.state for r in rows], "restarts": sum(r.restarts for r in rows),
+            "resizes": sum(r.resizes for r in rows), "rounds": len(phys["rounds"])}
+
+
+def decision_overhead(n: int = 100, reps: int = 20) -> dict:
+    """One round's decision at ``n`` active jobs on 16 slots (policy re-solved every round: the worst case)."""
+    from virtualflow.cluster.policies.base import get_policy
+    from virtualflow.service.core import JobView, Scheduler
+
+    out = {}
+    for policy in ("las", "elastic_fair", "fifo"):
+        times, first = [], None
+        for rep in range(reps):
+            sched = Scheduler({"v100": 8, "k80": 8}, get_policy(policy), round_s=ROUND_S)
+            views = [JobView(job_id=i, steps=1000, elastic=i % 2 == 0, min_workers=1, max_workers=1 + i % 4,
+                             slowdowns={"v100": 1.0, "k80": 2.0}, estimates={"v100/1": 1.0 + (i % 7) / 7})
+                     for i in range(n)]
+            t = time.perf_counter()
+            d = sched.plan(views, 0.0)
+            times.append(time.perf_counter() - t)
+            first = first or len(d.plan.placements)
+        out[policy] = {"median_s": median(times), "placed": first}
+    return out
+
+
+class _EndlessHandle:
+    """A job handle that is always running and stepping (the service's own overhead, no processes)."""
+
+    def __init__(self, workers: int) -> None:
+        self.t0, self.workers, self.done = time.time(), workers, False
+
+    def status(self) -> dict:
+        return {"step": int((time.time() - self.t0) * 10), "state": "running", "loss": 0.5,
+                "workers": [{"id": i, "rank": i} for i in range(self.workers)]}
+
+    def resize(self, n: int) -> None:
+        self.workers = n
+
+    def set_slowdown(self, worker: int, factor: float) -> None:
+        pass
+
+    def stop(self, timeout_s: float = 60.0, *, reason: str = "") -> object:
+        self.done = True
+        return type("R", (), {"steps": self.status()["step"], "history": []})()
+
+    kill = stop
+
+
+def service_cpu(n: int = 100, rounds: int = 10, round_s: float = 2.0, work: str = "") -> dict:
+    """CPU seconds per wall second of the service loop itself (database, polling, policy, mechanism)
+    with ``n`` active jobs on 16 slots, jobs faked by handles that never end (no processes)."""
+    from virtualflow.service.runner import Service, init_cluster
+
+    d = os.path.join(work, "cluster-overhead")
+    db = init_cluster(d, slots={"v100": 8, "k80": 8}, policy="las", round_s=round_s, slowdowns=dict(SLOWDOWNS))
+    for i in range(n):
+        db.add_job(name=f"q{i}", target=f"{JOB_FILE}:paced", steps=10**9, elastic=i % 2 == 0, min_workers=1,
+                   max_workers=1 + i % 2, priority=1.0, job_type=None, deterministic=False, checkpoint_every=100)
+    db.close()
+    svc = Service(d, launch=lambda target, **kw: _EndlessHandle(kw["workers"]))
+    svc.epoch_s = time.time()
+    c0, t0 = time.process_time(), time.perf_counter()
+    decisions = []
+    for _ in range(rounds):
+        svc.play_round()
+        decisions.append(svc.db.rounds(limit=1)[-1]["decision_s"])
+    c1, t1 = time.process_time(), time.perf_counter()
+    return {"active_jobs": n, "cpu_per_wall_s": (c1 - c0) / (t1 - t0), "window_s": t1 - t0, "rounds": rounds,
+            "round_s": round_s, "decision_median_s": median(decisions)}
+
+
+def main() -> int:
+    args = parser(__doc__).parse_args()
+    run = Run("cluster_physical", args, target_keys=("jct_error", "makespan_error"))
+    n = 4 if run.quick else 8
+    policy = "elastic_fair"
+    jobs = trace(n)
+    work = tempfile.mkdtemp(prefix="vf-cluster-bench-")
+    try:
+        results = {}
+        for elastic in (True, False):
+            label = "elastic" if elastic else "rigid"
+            print(f"physical run ({label}, {n} jobs, {policy}) ...", flush=True)
+            with LoadMeter(poll_s=1.0) as meter:
+                phys = run_physical(jobs, elastic=elastic, policy=policy, work=work)
+            costs = pauses(phys)
+            ps = physical_summary(phys)
+            sim = simulate_like(phys, costs, policy=policy)
+            err = [abs(s - p) / p for s, p in zip(sim["jct_s"], ps["jct_s"])]
+            results[label] = {"physical": ps, "simulated": sim, "costs": costs,
+                              "jct_error_median": median(err),
+                              "makespan_error": abs(sim["makespan_s"] - ps["makespan_s"]) / ps["makespan_s"],
+                              "other_load_cores": meter.other_cores}
+            print(f"  physical median JCT {median(ps['jct_s']):.1f} s, makespan {ps['makespan_s']:.1f} s; simulated "
+                  f"{median(sim['jct_s']):.1f} s, {sim['makespan_s']:.1f} s; JCT error median "
+                  f"{results[label]['jct_error_median']:.1%}", flush=True)
+        overhead = decision_overhead()
+        print(f"decision at 100 jobs: {overhead}", flush=True)
+        idle = service_cpu(work=work)
+        print(f"service loop CPU with 100 jobs: {idle}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    e, r = results["elastic"], results["rigid"]
+    red_phys = 1 - median(e["physical"]["jct_s"]) / median(r["physical"]["jct_s"])
+    red_sim = 1 - median(e["simulated"]["jct_s"]) / median(r["simulated"]["jct_s"])
+    t = run.targets
+    t.at_most("jct_error", "per-job JCT, simulator vs physical (elastic run): median relative error",
+              e["jct_error_median"], 0.10)
+    t.at_most("makespan_error", "makespan, simulator vs physical (elastic run): relative error", e["makespan_error"],
+              0.05)
+    rows = [[k, f"{median(v['physical']['jct_s']):.1f}", f"{median(v['simulated']['jct_s']):.1f}",
+             f"{v['jct_error_median']:.1%}", f"{v['physical']['makespan_s']:.1f}", f"{v['simulated']['makespan_s']:.1f}",
+             f"{v['makespan_error']:.1%}", v["physical"]["restarts"], v["simulated"]["restarts"],
+             v["physical"]["resizes"], v["simulated"]["resizes"],
+             f"{v['costs']['start_s']:.1f} / {v['costs']['restart_s']:.1f}"] for k, v in results.items()]
+    md = (f"# Cluster service: physical vs simulated ({n} jobs, {policy}, slots {SLOTS}, k80 slowdown "
+          f"{SLOWDOWNS['k80']}, rounds of {ROUND_S:g} s, arrivals every {GAP_S:g} s)\n\n"
+          f"Reproduce: `{run.command('cluster_physical')}`\n\n"
+          + md_table(["jobs", "median JCT phys (s)", "sim (s)", "JCT error (median)", "makespan phys (s)", "sim (s)",
+                      "makespan error", "restarts phys", "sim", "resizes phys", "sim", "start / restart pause (s)"],
+                     rows)
+          + f"\n\nMedian-JCT reduction of elastic over rigid: physical {red_phys:.1%}, simulator {red_sim:.1%}.\n\n"
+          + "Decision time of one round at 100 active jobs on 16 slots (policy re-solved): "
+          + ", ".join(f"{p} {v['median_s'] * 1000:.1f} ms" for p, v in overhead.items())
+          + f".\n\nThe service loop's own CPU with {idle['active_jobs']} active jobs (16 slots, jobs faked by "
+            f"handles: no processes): {idle['cpu_per_wall_s']:.3f} CPU-s per s over {idle['rounds']} rounds of "
+            f"{idle['round_s']:g} s (median decision {idle['decision_median_s'] * 1000:.1f} ms).\n\n"
+          + "Other load on the machine during the physical runs (cores used by processes outside the benchmark): "
+          + ", ".join(f"{k} {v['other_load_cores']:.2f}" for k, v in results.items()) + "\n\n"
+          + env_markdown(environment()))
+    payload = {"jobs": jobs, "policy": policy, "slots": SLOTS, "slowdowns": SLOWDOWNS, "round_s": ROUND_S,
+               "results": {k: {kk: vv for kk, vv in v.items()} for k, v in results.items()},
+               "reduction_physical": red_phys, "reduction_simulated": red_sim, "decision_100": overhead,
+               "service_loop_cpu_100_jobs": idle, "environment": environment()}
+    return run.finish(payload, md, dump=lambda p: __import__("json").dumps(p, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
