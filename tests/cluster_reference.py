@@ -14,6 +14,8 @@ import math
 import cvxpy as cp
 import numpy as np
 
+from virtualflow.cluster.policies.base import PolicyInput
+
 SOLVER = "CLARABEL"
 SOLVER_OPTS = {"tol_gap_abs": 1e-9, "tol_gap_rel": 1e-9, "tol_feas": 1e-9, "max_iter": 500}
 
@@ -196,23 +198,58 @@ def water_fill(demand, weights, total) -> list[float]:
             capped[i] = True
 
 
-def elastic_counts(inp) -> list[int]:
-    total = sum(inp.cluster.gpus.values())
+def elastic_allowed(inp) -> list[list[int]]:
     biggest = max(inp.cluster.gpus.values())
-    share = water_fill([j.scale_factor for j in inp.jobs], [j.weight for j in inp.jobs], total)
-    allowed, g = [], []
-    for j, s in zip(inp.jobs, share):
+    out = []
+    for j in inp.jobs:
         if not j.elastic:
-            a = [j.scale_factor]
+            out.append([j.scale_factor])
         else:
-            a = [x for x in inp.table.scales if inp.table.has(j.job_type, x)
-                 and j.min_gpus <= x <= min(j.scale_factor, biggest)
-                 and any(inp.table.throughput(j.job_type, t, x) > 0 and x <= c for t, c in inp.cluster.gpus.items())]
-        allowed.append(a)
+            out.append([x for x in inp.table.scales if inp.table.has(j.job_type, x)
+                        and j.min_gpus <= x <= min(j.scale_factor, biggest)
+                        and any(inp.table.throughput(j.job_type, t, x) > 0 and x <= c
+                                for t, c in inp.cluster.gpus.items())])
+    return out
+
+
+def elastic_admitted(inp) -> list[bool]:
+    """Everyone if the minimum counts fit; else by weight, started first, arrival, id (backfilling)."""
+    total = sum(inp.cluster.gpus.values())
+    lo = [min(a) for a in elastic_allowed(inp)]
+    if sum(lo) <= total:
+        return [True] * len(inp.jobs)
+    key = lambda i: (-inp.jobs[i].weight, not inp.steps_done[i] > 0, inp.jobs[i].arrival_s, inp.jobs[i].job_id)
+    ok, free = [False] * len(inp.jobs), total
+    for i in sorted(range(len(inp.jobs)), key=key):
+        if lo[i] <= free:
+            ok[i], free = True, free - lo[i]
+    return ok
+
+
+def elastic_counts(inp, admitted=None) -> list[int]:
+    total = sum(inp.cluster.gpus.values())
+    n = len(inp.jobs)
+    adm = admitted if admitted is not None else [True] * n
+    ids = [i for i in range(n) if adm[i]]
+    fill = water_fill([inp.jobs[i].scale_factor for i in ids], [inp.jobs[i].weight for i in ids], total) if ids else []
+    share = [0.0] * n
+    for i, s in zip(ids, fill):
+        share[i] = s
+    allowed = elastic_allowed(inp)
+    g = []
+    for a, s in zip(allowed, share):
         below = [x for x in a if x <= s + 1e-9]
         g.append(max(below) if below else min(a))
-    spare = total - sum(g)
-    idx = sorted((i for i, j in enumerate(inp.jobs) if j.elastic),
+    # Shrink the admitted jobs toward their minimum until they fit.
+    while sum(g[i] for i in ids) > total:
+        can = [i for i in ids if g[i] > min(allowed[i])]
+        if not can:
+            break
+        i = max(can, key=lambda i: (g[i] / max(share[i], 1e-12), -inp.jobs[i].weight, inp.jobs[i].arrival_s,
+                                    inp.jobs[i].job_id))
+        g[i] = max(x for x in allowed[i] if x < g[i])
+    spare = total - sum(g[i] for i in ids)
+    idx = sorted((i for i in ids if inp.jobs[i].elastic),
                  key=lambda i: (-inp.jobs[i].weight, inp.jobs[i].arrival_s, inp.jobs[i].job_id))
     grew = True
     while grew and spare > 0:
@@ -226,9 +263,15 @@ def elastic_counts(inp) -> list[int]:
     return g
 
 
-def elastic_fair(inp):
-    g = elastic_counts(inp)
-    obj, X = las(inp, gpus=g)
+def elastic_fair(inp, overload: str = "queue"):
+    """(LAS value over the admitted jobs, X of every job (0 for those waiting), counts)."""
+    adm = elastic_admitted(inp) if overload == "queue" else [True] * len(inp.jobs)
+    g = elastic_counts(inp, adm)
+    ids = [i for i in range(len(inp.jobs)) if adm[i]]
+    sub = PolicyInput(jobs=[inp.jobs[i] for i in ids], cluster=inp.cluster, table=inp.table)
+    obj, Xs = las(sub, gpus=[g[i] for i in ids])
+    X = np.zeros((len(inp.jobs), len(inp.cluster.types)))
+    X[ids] = Xs
     return obj, X, g
 
 

@@ -418,7 +418,55 @@ def test_identical_jobs_solved_as_classes_match_reference(table, name):
         want = ref.las(inp, agnostic=name == "las_agnostic")[0]
     assert close(alloc.objective, want), (alloc.objective, want)
     key = [(j.job_type, alloc.gpus[j.job_id], j.weight) for j in jobs]
+    admitted = alloc.info.get("admitted", [j.job_id for j in jobs])
     for a in range(len(jobs)):
         for b in range(len(jobs)):
-            if key[a] == key[b] and (name != "elastic_fair" or jobs[a].elastic == jobs[b].elastic):
+            if key[a] == key[b] and (name != "elastic_fair" or (jobs[a].elastic == jobs[b].elastic and
+                                                                (a in admitted) == (b in admitted))):
                 np.testing.assert_allclose(X[a], X[b], atol=1e-9)
+
+
+def test_elastic_fair_shrinks_toward_minimum_before_time_sharing():
+    """8 GPUs; weights 10, 10, 10 and five of weight 1 (demand 8 each): the weight-1 shares
+    (8/35 GPU each) round up to their minimum of 1, so 3 x 2 + 5 = 11 GPUs would be asked.
+    Instead of time-sharing, the jobs furthest above their share shrink one count at a time until
+    everyone fits: 1 GPU each, all running all the time (X = 1)."""
+    table = ThroughputTable.from_dict({"m": {"v100": {1: 1.0, 2: 1.9, 4: 3.6, 8: 6.8}}})
+    jobs = [JobSpec(job_id=i, job_type="m", scale_factor=8, min_gpus=1, total_steps=100.0, weight=w)
+            for i, w in enumerate([10.0, 10.0, 10.0, 1.0, 1.0, 1.0, 1.0, 1.0])]
+    inp = PolicyInput(jobs=jobs, cluster=Cluster(gpus={"v100": 8}), table=table)
+    alloc = get_policy("elastic_fair").allocate(inp)
+    check_allocation(alloc, inp)
+    assert alloc.gpus == {i: 1 for i in range(8)}
+    np.testing.assert_allclose(single_X(alloc, inp)[:, 0], 1.0)
+    # Gavel's way (every job kept, max-min time shares) would time-share: reference agrees it fits here.
+    assert ref.elastic_counts(inp) == [1] * 8
+
+
+def test_elastic_fair_queues_instead_of_rotating_when_minimums_do_not_fit():
+    """11 elastic jobs of min 1 GPU on 8 GPUs: the 8 admitted (weight first, then already started,
+    then arrival) run all the time at 1 GPU; the rest wait (X = 0) — no round-robin preemptions.
+    A started job is not displaced by a newcomer of equal weight, but is by a heavier one."""
+    table = ThroughputTable.from_dict({"m": {"v100": {1: 1.0, 2: 1.9, 4: 3.6, 8: 6.8}}})
+    cluster = Cluster(gpus={"v100": 8})
+    jobs = [JobSpec(job_id=i, job_type="m", scale_factor=4, min_gpus=1, total_steps=100.0, arrival_s=float(i),
+                    weight=5.0 if i == 10 else 1.0) for i in range(11)]
+    steps = np.array([0.0] * 8 + [0.0, 7.0, 0.0])  # job 9 already ran (then waited), 8 never did
+    inp = PolicyInput(jobs=jobs, cluster=cluster, table=table, steps_done=steps)
+    alloc = get_policy("elastic_fair").allocate(inp)
+    check_allocation(alloc, inp)
+    X = single_X(alloc, inp)[:, 0]
+    running = {j.job_id for j, x in zip(jobs, X) if x > 0.5}
+    assert running == {10, 9, 0, 1, 2, 3, 4, 5}, running   # heavy first, started 9 before 6, 7, 8
+    np.testing.assert_allclose(X[sorted(running)], 1.0)
+    np.testing.assert_allclose(np.delete(X, sorted(running)), 0.0)
+    assert all(alloc.gpus[i] == 1 for i in range(11))
+    assert sorted(alloc.info["admitted"]) == sorted(running)
+    want, Xref, counts = ref.elastic_fair(inp)
+    assert close(alloc.objective, want) and counts == [1] * 11
+    np.testing.assert_allclose(np.delete(Xref[:, 0], sorted(running)), 0.0)  # the reference queues the same jobs
+    # The old behaviour stays available: every job time-shares (the heavy one gets all the time it can use).
+    ts = get_policy("elastic_fair", overload="time_share").allocate(inp)
+    np.testing.assert_allclose(single_X(ts, inp)[:, 0], [0.7] * 10 + [1.0], atol=1e-6)
+    with pytest.raises(ValueError, match="overload='rotate' must be 'queue' or 'time_share'"):
+        get_policy("elastic_fair", overload="rotate")

@@ -442,3 +442,74 @@ def test_cli_own_table_format_progress_bar_and_errors(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("virtualflow simulate: error: "), err
         assert re.search(message, err[0]), (message, err[0])
+
+
+# ------------------------------------------------------------------------- Gavel's mechanism options
+
+
+def test_spread_placement_runs_a_job_that_consolidated_placement_makes_wait():
+    """Two 4-GPU servers of v100, each holding a 3-GPU job (lease extended): one GPU is free on each
+    server. A 2-GPU job then has 2 free GPUs but no server with 2: consolidated placement makes it
+    wait (``skipped_fragmented``), spread placement runs it on one GPU of each server."""
+    cluster = Cluster(gpus={"v100": 8}, gpus_per_server={"v100": 4})
+    for placement, runs in (("consolidated", False), ("spread", True)):
+        mech = RoundMechanism(cluster, MechanismConfig(placement=placement))
+        mech.set_allocation(Allocation(rows=[(0,), (1,)], X=np.array([[1.0], [1.0]]), gpus={0: 3, 1: 3}))
+        first = mech.plan_round({0, 1})
+        assert {first.placements[0].servers, first.placements[1].servers} == {((0, 3),), ((1, 3),)}
+        mech.end_round()
+        mech.set_allocation(Allocation(rows=[(0,), (1,), (2,)], X=np.array([[1.0], [1.0], [1.0]]),
+                                       gpus={0: 3, 1: 3, 2: 2}))
+        plan = mech.plan_round({0, 1, 2})
+        assert plan.placements[0].change == plan.placements[1].change == "kept"
+        assert (2 in plan.placements) == runs
+        if runs:
+            assert plan.placements[2].servers == ((0, 1), (1, 1))
+            assert plan.used["v100"] == 8
+        else:
+            assert plan.skipped_fragmented == 1
+
+
+def test_per_type_order_fills_types_in_cluster_order_by_priority_then_allocation():
+    """Gavel's order: the first type is filled first from its own queue. Job 0 wants mostly the
+    k80 (X 0.9) and a little v100 (0.1), job 1 only v100 (0.5), one GPU of each type: with equal
+    priors the first round goes by allocation size within a type, v100 first: job 1 (0.5) takes
+    the v100, job 0 the k80. A global queue (priorities all 1 at first, ties by larger X) puts
+    job 0 on the k80 and job 1 on the v100 too; after that round the per-type queue keeps
+    ordering by X / share-of-the-type's-time."""
+    cluster = Cluster(gpus={"v100": 1, "k80": 1}, gpus_per_server={"v100": 1, "k80": 1})
+    alloc = Allocation(rows=[(0,), (1,)], X=np.array([[0.1, 0.9], [0.5, 0.0]]), gpus={0: 1, 1: 1})
+    mech = RoundMechanism(cluster, MechanismConfig(order="per_type", prior="equal"))
+    mech.set_allocation(alloc)
+    pr = mech.priorities()
+    # equal priors: share of the type's time is 1/2 for both rows on both types -> priority 2 X
+    np.testing.assert_allclose(pr, 2 * np.array([[0.1, 0.9], [0.5, 0.0]]))
+    plan = mech.plan_round({0, 1})
+    assert {j: p.acc_type for j, p in plan.placements.items()} == {0: "k80", 1: "v100"}
+    mech.end_round()
+    # Received: job 0 k80 +360, job 1 v100 +360 (priors 180 each): v100 shares 180/720 and 540/720.
+    np.testing.assert_allclose(mech.priorities()[:, 0], [0.1 / (180 / 720), 0.5 / (540 / 720)])
+
+
+def test_carried_deficits_break_ties_after_an_allocation_change():
+    """Two identical jobs share one GPU (X = 0.5 each). Job 0 runs the first round (its deficit
+    after the change: 0.5 x 360 - 360 = -180; job 1's: +180). After the allocation is replaced
+    by the same shares, priorities tie (equal priors): the carried deficit puts job 1 first.
+    Without carried deficits the tie goes to the lease holder, job 0."""
+    cluster = Cluster(gpus={"v100": 1}, gpus_per_server={"v100": 1})
+    alloc = Allocation(rows=[(0,), (1,)], X=np.array([[0.5], [0.5]]), gpus={0: 1, 1: 1})
+    for carry, want in ((True, 1), (False, 0)):
+        mech = RoundMechanism(cluster, MechanismConfig(order="per_type", prior="equal", carry_deficits=carry))
+        mech.set_allocation(alloc)
+        first = mech.plan_round({0, 1})
+        assert list(first.placements) == [0]  # tie at the start: row order
+        mech.end_round()
+        mech.set_allocation(alloc)
+        assert list(mech.plan_round({0, 1}).placements) == [want]
+    assert MechanismConfig.gavel().order == "per_type"
+
+
+@pytest.mark.parametrize("field,value", [("order", "random"), ("prior", "zero"), ("placement", "anywhere")])
+def test_mechanism_options_are_validated(field, value):
+    with pytest.raises(ValueError, match=f"{field}='{value}' must be one of"):
+        MechanismConfig(**{field: value})

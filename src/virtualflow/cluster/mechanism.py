@@ -67,6 +67,21 @@ class MechanismConfig:
     """Time lost on a job's first start."""
     elastic_resize: str = "in_place"
     """``"in_place"`` (virtualflow) or ``"restart"`` (resizing by checkpoint-restart)."""
+    order: str = "global"
+    """``"global"``: one queue of (row, type) candidates by priority; ``"per_type"``: the types are
+    filled one after another in the cluster's order (fastest first in the usual ``v100,p100,k80``),
+    each from its own queue (Gavel's round mechanism)."""
+    prior: str = "allocation"
+    """Counters after an allocation change: ``"allocation"`` starts every row at exactly its share
+    (priority 1 everywhere); ``"equal"`` gives every row the same half round on every type, so the
+    first round after a change goes by allocation size (Gavel's)."""
+    carry_deficits: bool = False
+    """Keep, across allocation changes, each job's deficit (time it should have received minus time
+    it received) and use it to break priority ties (Gavel's)."""
+    placement: str = "consolidated"
+    """``"consolidated"``: a job runs only on the fewest servers it needs (it waits otherwise);
+    ``"spread"``: consolidated when possible, else on any free GPUs of the type, fewest servers
+    first (Gavel's simulator, which also charges no slowdown for it)."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.round_s) and self.round_s > 0):
@@ -77,6 +92,15 @@ class MechanismConfig:
                 raise ValueError(f"{name}={v} must be a number of seconds >= 0")
         if self.elastic_resize not in ("in_place", "restart"):
             raise ValueError(f"elastic_resize={self.elastic_resize!r} must be 'in_place' or 'restart'")
+        for name, ok in (("order", ("global", "per_type")), ("prior", ("allocation", "equal")),
+                         ("placement", ("consolidated", "spread"))):
+            if getattr(self, name) not in ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {list(ok)}")
+
+    @classmethod
+    def gavel(cls, **kw) -> "MechanismConfig":
+        """Gavel's round mechanism: per-type queues, equal priors, carried deficits, spread placement."""
+        return cls(**{"order": "per_type", "prior": "equal", "carry_deficits": True, "placement": "spread", **kw})
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +152,7 @@ class RoundMechanism:
         self._stats: dict[tuple[int, ...], _RowStat] = {}
         self._prev: dict[int, Placement] = {}
         self._ever_ran: set[int] = set()
+        self._deficit: dict[tuple[int, ...], np.ndarray] = {}
 
     # ------------------------------------------------------------------------ allocation
 
@@ -148,11 +173,32 @@ class RoundMechanism:
             g = alloc.gpus[row[0]]
             if g > max(self.cluster.gpus.values()):
                 raise ValueError(f"row {row} needs {g} GPUs; the largest type has {max(self.cluster.gpus.values())}")
+        if self.config.carry_deficits and self._alloc is not None:
+            self._carry_deficits(set(map(tuple, alloc.rows)))
         self._alloc = alloc
         if elastic is not None:
             self._elastic = dict(elastic)
         r = self.config.round_s
-        self._stats = {tuple(row): _RowStat(received=X[i] * r, present=r) for i, row in enumerate(alloc.rows)}
+        if self.config.prior == "equal":
+            self._stats = {tuple(row): _RowStat(received=np.full(len(self._types), r / 2), present=r)
+                           for row in alloc.rows}
+        else:
+            self._stats = {tuple(row): _RowStat(received=X[i] * r, present=r) for i, row in enumerate(alloc.rows)}
+
+    def _carry_deficits(self, keep: set[tuple[int, ...]]) -> None:
+        """Add what each row of the outgoing allocation should have received minus what it did."""
+        old = self._alloc
+        assert old is not None
+        X = np.asarray(old.X, dtype=float)
+        for i, row in enumerate(old.rows):
+            row = tuple(row)
+            st = self._stats[row]
+            r = self.config.round_s
+            prior = np.full(len(self._types), r / 2) if self.config.prior == "equal" else X[i] * r
+            d = X[i] * (st.present - r) - (st.received - prior)
+            self._deficit[row] = self._deficit.get(row, 0.0) + d
+        for row in [k for k in self._deficit if k not in keep]:
+            del self._deficit[row]
 
     def forget(self, job_id: int) -> None:
         """Drop a finished job's lease and history."""
@@ -169,8 +215,11 @@ class RoundMechanism:
             return np.zeros((0, len(self._types)))
         X = np.asarray(alloc.X, dtype=float)
         rec = np.stack([self._stats[tuple(r)].received for r in alloc.rows]) if alloc.rows else X * 0
-        pres = np.array([self._stats[tuple(r)].present for r in alloc.rows]) if alloc.rows else np.zeros(0)
-        share = rec / np.maximum(pres, _EPS)[:, None]
+        if self.config.order == "per_type":  # share of the type's time (compared within a type only)
+            share = rec / np.maximum(rec.sum(axis=0), _EPS)[None, :]
+        else:
+            pres = np.array([self._stats[tuple(r)].present for r in alloc.rows]) if alloc.rows else np.zeros(0)
+            share = rec / np.maximum(pres, _EPS)[:, None]
         with np.errstate(divide="ignore", invalid="ignore"):
             pr = np.where(X > _EPS, np.where(share > _EPS, X / np.maximum(share, _EPS), np.inf), 0.0)
         return pr
@@ -205,8 +254,13 @@ class RoundMechanism:
             for s, n in servers:
                 reserved[c][s] += n
         rr, cc = np.nonzero(X > _EPS)
-        # Visit: priority desc, holder first, X desc, row index, type index.
-        order = np.lexsort((cc, rr, -X[rr, cc], ~holder[rr, cc], -pr[rr, cc]))
+        if self.config.order == "per_type":
+            # Visit type by type (cluster order); within a type: priority, deficit, X desc; holder first.
+            dfc = np.stack([np.broadcast_to(self._deficit.get(tuple(row), 0.0), (k,)) for row in alloc.rows])
+            order = np.lexsort((rr, ~holder[rr, cc], -X[rr, cc], -dfc[rr, cc], -np.round(pr[rr, cc], 12), cc))
+        else:
+            # Visit: priority desc, holder first, X desc, row index, type index.
+            order = np.lexsort((cc, rr, -X[rr, cc], ~holder[rr, cc], -pr[rr, cc]))
         per = [self.cluster.gpus_per_server[t] for t in self._types]
         taken: set[int] = set()
         placed: list[tuple[int, int, tuple[tuple[int, int], ...]]] = []
@@ -231,6 +285,8 @@ class RoundMechanism:
             if servers is None:
                 servers = (_consolidated(np.maximum(free_srv[c] - reserved[c], 0), need, per[c])
                            or _consolidated(free_srv[c], need, per[c]))
+            if servers is None and self.config.placement == "spread":
+                servers = _spread(free_srv[c], need)
             if servers is None:  # enough GPUs, but not on few enough servers: wait for a later round
                 skipped += 1
                 continue
@@ -306,6 +362,22 @@ class RoundMechanism:
     def stop(self, job_id: int) -> None:
         """The job no longer runs (finished): its GPUs are free next round and it is not a holder."""
         self.forget(job_id)
+
+
+def _spread(free: np.ndarray, need: int) -> tuple[tuple[int, int], ...] | None:
+    """``need`` GPUs from the servers with the most free GPUs first (fewest servers given what is
+    free); None if the type has fewer than ``need`` free."""
+    if free.sum() < need:
+        return None
+    out = []
+    for s in np.argsort(-free, kind="stable"):
+        if need <= 0:
+            break
+        n = int(min(free[s], need))
+        if n > 0:
+            out.append((int(s), n))
+            need -= n
+    return tuple(sorted(out))
 
 
 def _consolidated(free: np.ndarray, need: int, per_server: int) -> tuple[tuple[int, int], ...] | None:

@@ -9,11 +9,24 @@ count, then share the accelerator types fairly and heterogeneity-aware at those 
    smallest allowed count if its share is below that. GPUs left over by rounding down go, by
    descending weight (then arrival, id), to elastic jobs that can step up to their next allowed
    count within what is left. Rigid jobs keep their ``scale_factor``.
-2. **Time shares.** Heterogeneity-aware weighted max-min fairness (``las``) at those counts, filled.
+   If the counts still add up to more GPUs than the cluster has (a small share rounded *up* to a
+   job's minimum), elastic jobs are **shrunk toward their minimum**, one allowed count at a time,
+   the job furthest above its share first (ties: lower weight, later arrival, higher id), until
+   they fit: every job then runs all the time and nobody is preempted to make room.
+2. **Admission when even the minimums do not fit** (``overload="queue"``, the default). Jobs are
+   admitted by descending weight, then jobs that have already started (``steps_done > 0``) before
+   those that have not, then arrival and id, each at its minimum count (its ``scale_factor`` if
+   rigid), skipping one that does not fit (a smaller one behind it may); step 1 then shares the
+   cluster among the admitted jobs only, and the others wait (``X = 0``) at their minimum count. So
+   an elastic job is preempted only for a job of higher weight, never to rotate GPU-time among
+   equals; when a job leaves, the others grow back (in place). ``overload="time_share"`` keeps every
+   job and lets the max-min LP time-share the cluster (Gavel's way: the mechanism then rotates jobs
+   round by round, each rotation a preemption).
+3. **Time shares.** Heterogeneity-aware weighted max-min fairness (``las``) at those counts, filled.
 
 Resizing in place is what makes this pay: when a job arrives or leaves, elastic jobs shrink or grow
-instead of waiting in a queue (the round mechanism charges a short resize pause, not a restart).
-Objective reported: the LAS max-min value at the chosen counts.
+instead of being preempted or waiting in a queue (the round mechanism charges a short resize pause,
+not a restart). Objective reported: the LAS max-min value at the chosen counts over the admitted jobs.
 """
 
 from __future__ import annotations
@@ -66,14 +79,46 @@ def allowed_counts(inp: PolicyInput) -> list[np.ndarray]:
     return out
 
 
-def choose_gpu_counts(inp: PolicyInput) -> np.ndarray:
-    """Step 1 of the module docstring: each job's GPU count."""
+def admit(inp: PolicyInput, allowed: list[np.ndarray]) -> np.ndarray:
+    """Step 2 of the module docstring: which jobs run (bool per job)."""
     total = inp.capacities.sum()
-    share = water_fill(inp.scales, inp.weights, total)
+    lo = np.array([a[0] for a in allowed], dtype=float)
+    if lo.sum() <= total:
+        return np.ones(inp.n, dtype=bool)
+    started = inp.steps_done > 0
+    arrival = np.array([j.arrival_s for j in inp.jobs])
+    order = np.lexsort((inp.job_ids, arrival, ~started, -inp.weights))
+    ok = np.zeros(inp.n, dtype=bool)
+    free = total
+    for i in order:
+        if lo[i] <= free:
+            ok[i] = True
+            free -= lo[i]
+    return ok
+
+
+def choose_gpu_counts(inp: PolicyInput, admitted: np.ndarray | None = None) -> np.ndarray:
+    """Step 1 of the module docstring: each job's GPU count, sharing the cluster among the
+    ``admitted`` jobs (default: all); the others get their smallest allowed count."""
+    total = inp.capacities.sum()
     allowed = allowed_counts(inp)
+    adm = np.ones(inp.n, dtype=bool) if admitted is None else np.asarray(admitted, dtype=bool)
+    share = np.zeros(inp.n)
+    if adm.any():
+        share[adm] = water_fill(inp.scales[adm], inp.weights[adm], total)
     g = np.array([a[max(0, np.searchsorted(a, s + 1e-9) - 1)] for a, s in zip(allowed, share)], dtype=float)
-    spare = total - g.sum()
-    elastic = [i for i, j in enumerate(inp.jobs) if j.elastic]
+    g_adm = np.where(adm, g, 0.0)
+    # Shrink toward the minimum until the admitted jobs fit (a share rounded up to a minimum).
+    arrival = np.array([j.arrival_s for j in inp.jobs])
+    while g_adm.sum() > total + 1e-9:
+        can = [i for i in range(inp.n) if adm[i] and g[i] > allowed[i][0]]
+        if not can:
+            break  # every admitted job at its minimum: the LP time-shares what is left
+        i = max(can, key=lambda i: (g[i] / max(share[i], 1e-12), -inp.weights[i], arrival[i], inp.job_ids[i]))
+        g[i] = allowed[i][allowed[i] < g[i]][-1]
+        g_adm[i] = g[i]
+    spare = total - g_adm.sum()
+    elastic = [i for i, j in enumerate(inp.jobs) if j.elastic and adm[i]]
     if spare > 0 and elastic:
         arrival = np.array([inp.jobs[i].arrival_s for i in elastic])
         ids = inp.job_ids[elastic]
@@ -96,14 +141,23 @@ class ElasticFair:
 
     name: str = "elastic_fair"
     fill: bool = True
+    overload: str = "queue"
+    """When the jobs do not fit even at their minimum counts: ``"queue"`` (admit by weight, the
+    others wait; no rotation) or ``"time_share"`` (every job time-shares, Gavel's way)."""
+
+    def __post_init__(self) -> None:
+        if self.overload not in ("queue", "time_share"):
+            raise ValueError(f"overload={self.overload!r} must be 'queue' or 'time_share'")
 
     def allocate(self, inp: PolicyInput) -> Allocation:
         if inp.n == 0:
             return single_rows(inp, np.zeros((0, len(inp.types))), 0.0, gpus={})
-        g = choose_gpu_counts(inp)
+        adm = admit(inp, allowed_counts(inp)) if self.overload == "queue" else np.ones(inp.n, dtype=bool)
+        g = choose_gpu_counts(inp, adm)
         T, runnable = inp.with_scales(g)
-        C = las_coefficients(T, g, inp.capacities, runnable, inp.weights)
-        X, t = lp.max_min(C, g, inp.capacities, runnable, fill=self.fill, what=self.name)
+        runnable = runnable & adm[:, None]
+        C = las_coefficients(T[adm], g[adm], inp.capacities, runnable[adm], inp.weights[adm])
+        X = np.zeros((inp.n, len(inp.types)))
+        X[adm], t = lp.max_min(C, g[adm], inp.capacities, runnable[adm], fill=self.fill, what=self.name)
         gpus = {j.job_id: int(x) for j, x in zip(inp.jobs, g)}
-        return single_rows(inp, X, t, gpus=gpus, gpu_share=water_fill(inp.scales, inp.weights,
-                                                                      inp.capacities.sum()))
+        return single_rows(inp, X, t, gpus=gpus, admitted=[int(i) for i in inp.job_ids[adm]])
