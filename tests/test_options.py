@@ -92,6 +92,7 @@ def test_command_line_round_trips_every_flagged_option():
         "balance": (None, True), "uneven_vn_sizes": (None, True), "price_per_worker_hour": ("2.5", 2.5),
         "pipeline_stages": ("4", 4), "schedule": ("zb_h1", "zb_h1"), "chunks": ("2", 2), "split": ("3,2,2,1", "3,2,2,1"),
         "reduction": ("sharded", "sharded"),
+        "loader_workers": ("2", 2), "profile": ("5-8", "5-8"), "tensorboard": (None, True),
     }
     for name, (text, value) in samples.items():
         flag = flag_of(name)
@@ -103,7 +104,7 @@ def test_command_line_round_trips_every_flagged_option():
         assert getattr(got, name) == value, name
     flagged = {f.name for f in dataclasses.fields(LaunchOptions) if flag_of(f.name)}
     python_only = {f.name for f in dataclasses.fields(LaunchOptions) if not flag_of(f.name)}
-    assert python_only == {"control_plane", "fault_plan", "worker_specs", "progress"}
+    assert python_only == {"control_plane", "fault_plan", "worker_specs", "progress", "breakdown"}
     backend_flags = {"epochs", "autoscale", "max_workers", "backend", "listen", "token_file", "address",
                      "cpus_per_worker", "gpus_per_worker", "resources", "placement_timeout_s"}
     assert flagged == set(samples) | backend_flags

@@ -47,6 +47,30 @@ def _floats(text: str) -> list[float]:
         raise ValueError(f"--slowdowns {text!r} must be comma-separated numbers, e.g. 1,1,3,3") from None
 
 
+def parse_profile(text: str) -> str:
+    """``--profile STEPS``: ``N`` (N steps after the first two) or ``A-B`` (steps A to B inclusive)."""
+    profile_window(text)
+    return text
+
+
+def profile_window(text: str) -> tuple[int, int]:
+    """The ``[first, last)`` steps a ``profile`` value names (see :func:`parse_profile`)."""
+    try:
+        if "-" in text:
+            a, b = (int(x) for x in text.split("-", 1))
+            first, last = a, b + 1
+        else:
+            n = int(text)
+            first, last = 2, 2 + n
+    except ValueError:
+        raise ValueError(f"profile={text!r} must be a number of steps (e.g. 3) or a range of steps such as 5-8 "
+                         f"(--profile)") from None
+    if first < 0 or last <= first:
+        raise ValueError(f"profile={text!r} names no step: give a positive number of steps (e.g. 3) or a range "
+                         f"A-B with 0 <= A <= B (--profile)")
+    return first, last
+
+
 def _resources(text: str) -> dict[str, float]:
     from virtualflow.backends.ray import parse_resources
 
@@ -103,6 +127,19 @@ class LaunchOptions:
     control_plane: bool = _opt(True, "False (benchmarks only): no heartbeat thread and no per-step control "
                                "read, so stop, resize and hang detection are off; measures what they cost",
                                "training", flag=None)
+    # -- observability ----------------------------------------------------------------------
+    loader_workers: int = _opt(0, "threads per worker that load the next virtual nodes' batches while the current "
+                               "ones compute (same data order, same model); 0 loads each batch when it is needed",
+                               "observability and input", metavar="N")
+    breakdown: bool = _opt(True, "measure where each step's time goes per worker (input, forward, backward, "
+                           "reduction, waiting for the slowest, optimizer, control); False only to measure its cost",
+                           "observability and input", flag=None)
+    profile: str | None = _opt(None, "write a torch.profiler trace (Chrome/Perfetto JSON) of these steps on every "
+                               "worker into RUN_DIR/profile/: N steps after the first two, or A-B",
+                               "observability and input", metavar="STEPS", parse=parse_profile)
+    tensorboard: bool = _opt(False, "write TensorBoard event files to RUN_DIR/tensorboard/ (loss, throughput, the "
+                             "time breakdown, workers, resizes); view with tensorboard --logdir RUN_DIR/tensorboard",
+                             "observability and input")
     # -- elasticity and fault tolerance -----------------------------------------------------
     min_workers: int = _opt(1, "below this many workers the job holds (checkpointed) and waits; also the "
                             "autoscaler's lower bound", "elasticity and fault tolerance", metavar="M")
@@ -170,6 +207,11 @@ class LaunchOptions:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer; set {_knob(name)}")
+        if self.loader_workers < 0:
+            raise ValueError(f"loader_workers={self.loader_workers!r} must be 0 (no prefetching) or a positive number "
+                             f"of loader threads; set {_knob('loader_workers')}")
+        if self.profile is not None:
+            profile_window(self.profile)
         if self.seed is not None and self.seed < 0:
             raise ValueError(f"seed={self.seed!r} must be a non-negative integer; set {_knob('seed')}")
         for name in ("collective_timeout_s", "min_workers_timeout_s", "heartbeat_timeout_s", "price_per_worker_hour",
@@ -259,6 +301,11 @@ class LaunchOptions:
         if self.balance is not None:
             return self.balance or self.uneven_vn_sizes
         return bool(self.specs) or self.uneven_vn_sizes
+
+    @property
+    def profile_steps(self) -> tuple[int, int] | None:
+        """``[first, last)`` steps to trace with ``torch.profiler`` (None: no trace)."""
+        return profile_window(self.profile) if self.profile is not None else None
 
     def replace(self, **changes: Any) -> "LaunchOptions":
         """A copy with some options changed (validated again)."""

@@ -47,7 +47,7 @@ FINAL_STATES = ("done", "failed", "stopped")
 STATE_FILES = ("final.pt", "checkpoint.pt")
 """State files at the top of a run directory (besides ``checkpoints/step-N.pt``)."""
 RUN_FILES = ("final.pt", "final.pt.sha256", "checkpoint.pt", "checkpoint.pt.sha256", "checkpoints",
-             "metrics.jsonl", "events.jsonl", "status.json", "summary.json", "token", "logs")
+             "metrics.jsonl", "events.jsonl", "status.json", "summary.json", "token", "logs", "tensorboard", "profile")
 """Everything a run writes in its directory (besides its lock); what :func:`set_aside` moves."""
 LOCK_FILE = "coordinator.lock"
 

@@ -36,6 +36,7 @@ from virtualflow.options import LaunchOptions
 from virtualflow.result import Result, TrainingError
 from virtualflow.rundir import RunLock, write_json
 from virtualflow.runtime.checkpoint import load_state
+from virtualflow.runtime import breakdown
 from virtualflow.runtime.worker import WorkerConfig
 
 logger = logging.getLogger("virtualflow")
@@ -96,6 +97,11 @@ class Supervisor:
         self.coordinator = Coordinator(total_steps=setup.total_steps, run_dir=setup.run_dir, host=host, port=port,
                                        on_step=self._on_step, job_id=self.job_id, key=run_key)
         self.coordinator.progress.step = setup.resume_step
+        self.tensorboard = None
+        if opts.tensorboard and setup.run_dir is not None:
+            from virtualflow.observe.tensorboard import TensorBoardLog
+
+            self.tensorboard = TensorBoardLog(os.path.join(setup.run_dir, "tensorboard"))
         specs = opts.specs
         self.config = WorkerConfig(
             store_host=self.coordinator.host,
@@ -115,6 +121,9 @@ class Supervisor:
             fault_plan=opts.fault_plan,
             slowdowns={i: s.slowdown for i, s in enumerate(specs) if s.slowdown != 1.0},
             control_plane=opts.control_plane,
+            loader_workers=opts.loader_workers,
+            breakdown=opts.breakdown,
+            profile_steps=opts.profile_steps,
             job_id=self.job_id,
             run_key=run_key,
         )
@@ -164,6 +173,8 @@ class Supervisor:
         self.thread.start()
 
     def _on_step(self, record: dict[str, Any]) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.step(record)
         if self.bar is not None:
             self.bar.update(1)
             sps = record["samples"] / record["step_time_s"] if record["step_time_s"] > 0 else float("nan")
@@ -212,6 +223,8 @@ class Supervisor:
         finally:
             if self.bar is not None:
                 self.bar.close()
+            if self.tensorboard is not None:
+                self.tensorboard.close()
             self.write_summary()
             self.write_status(force=True)
             coord.close()
@@ -337,7 +350,13 @@ class Supervisor:
                             "events": ctl.bamboo_events[-5:]} if ctl.redundancy else None),
             "run_dir": self.setup.run_dir,
             "autoscale": self.autoscale_info(),
+            "breakdown": self.breakdown(self.coordinator.history[-20:]),
         }
+
+    def breakdown(self, history: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """Where the step time went over ``history`` (runtime/breakdown.py), or None."""
+        summary = breakdown.summarize(history, loader_workers=self.setup.options.loader_workers)
+        return summary.as_dict() if summary is not None else None
 
     def autoscale_info(self) -> dict[str, Any] | None:
         a = self.autoscaler
@@ -410,6 +429,7 @@ class Supervisor:
             "final_loss": history[-1]["loss"] if history else None,
             "metrics": p.metrics,
             "mean_step_time_s": mean_step,
+            "breakdown": self.breakdown(history),
             "samples_per_s": self.job.global_batch_size / mean_step if mean_step else None,
             "wall_time_s": time.time() - self.t0,
             "peak_rss_mib": {str(w): i.get("peak_rss_mib") for w, i in p.workers.items()},

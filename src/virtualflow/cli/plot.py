@@ -7,7 +7,8 @@ with resizes, failures and new generations marked. ``--scaling`` draws, per run,
 and the cost per sample at every worker count the run went through (from the autoscaler's
 measurements, or from metrics.jsonl for a run without one), with the chosen size marked. ``--pipeline``
 draws one step's measured pipeline schedule beside the simulator's prediction
-(:mod:`virtualflow.cli.plot_pipeline`). Needs matplotlib
+(:mod:`virtualflow.cli.plot_pipeline`). ``--breakdown`` stacks, per worker, where each step's time went
+(:mod:`virtualflow.runtime.breakdown`) over steps, with new generations marked. Needs matplotlib
 (``pip install virtualflow[plot]``).
 
 Figures are drawn with matplotlib's object API (``matplotlib.figure.Figure``), never pyplot:
@@ -39,6 +40,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="workers over steps and step times, with resizes, failures and generations marked")
     kind.add_argument("--scaling", action="store_true",
                       help="throughput and cost per worker count (autoscaling measurements), the chosen size marked")
+    kind.add_argument("--breakdown", action="store_true",
+                      help="where the step time went: stacked time per part (input, forward, backward, reduction, "
+                           "waiting for the slowest, optimizer, control) over steps, one panel per worker, "
+                           "generations and resizes marked")
     kind.add_argument("--pipeline", action="store_true",
                       help="one step's measured pipeline schedule (a run with Pipeline(record_timeline=True)) "
                            "beside the simulator's prediction, with step times and bubbles printed")
@@ -146,6 +151,56 @@ def plot_timeline(run_dirs: list[str], output: str) -> str:
     return _save(fig, output)
 
 
+_COLORS = {"input_s": "tab:orange", "forward_s": "tab:blue", "backward_s": "tab:cyan", "reduction_s": "tab:green",
+           "straggler_s": "tab:red", "optimizer_s": "tab:purple", "control_s": "tab:gray"}
+
+
+def plot_breakdown(run_dirs: list[str], output: str) -> str:
+    """Per run (a column) and worker (a row): stacked milliseconds of each part over steps; a
+    dotted line where a new generation starts (a resize, a failure, a rebalance)."""
+    from virtualflow.runtime import breakdown
+
+    tables = []
+    for run_dir in run_dirs:
+        run = load_run(run_dir)
+        rows = breakdown.rows(run["steps"])
+        if not rows:
+            raise ValueError(f"{run_dir!r} has no step breakdown in metrics.jsonl (a run with breakdown=False, a "
+                             f"pipelined run, or one whose generations each ran a single step)")
+        tables.append((run, rows))
+    n_rows = max(len({w for _, _, w, _ in rows}) for _, rows in tables)
+    fig = _figure(8 * len(run_dirs), 2.6 * n_rows + 0.6)
+    axes = fig.subplots(n_rows, len(run_dirs), squeeze=False, sharex="col")
+    for col, (run, rows) in enumerate(tables):
+        workers = sorted({w for _, _, w, _ in rows})
+        starts = []  # (step, generation) where a generation's first broken-down step is
+        last_gen = None
+        for step, gen, _, _ in rows:
+            if gen != last_gen:
+                starts.append((step, gen))
+                last_gen = gen
+        for r in range(n_rows):
+            ax = axes[r][col]
+            if r >= len(workers):
+                ax.axis("off")
+                continue
+            wid = workers[r]
+            mine = [(step, p) for step, _, w, p in rows if w == wid]
+            xs = [step for step, _ in mine]
+            ax.stackplot(xs, *[[1000 * p[k] for _, p in mine] for k in breakdown.PARTS],
+                         labels=[k.removesuffix("_s") for k in breakdown.PARTS],
+                         colors=[_COLORS[k] for k in breakdown.PARTS], step="mid", alpha=0.85)
+            for step, gen in starts[1:]:
+                ax.axvline(step - 0.5, color="black", linestyle=":", linewidth=1.0)
+                ax.annotate(f"g{gen}", (step - 0.5, ax.get_ylim()[1]), fontsize=7, va="top")
+            ax.set(ylabel="ms", title=f"{run['label']}: worker {wid}")
+            ax.grid(alpha=0.3)
+            if r == 0:
+                ax.legend(fontsize=7, loc="upper right", ncol=4)
+        axes[min(len(workers), n_rows) - 1][col].set_xlabel("step")
+    return _save(fig, output)
+
+
 def _step_at(steps: list[dict], t: float | None) -> int:
     """The step being run at wall-clock time ``t`` (events carry times, steps carry end times)."""
     if t is None or not steps:
@@ -232,6 +287,8 @@ def main(args: argparse.Namespace) -> int:
         return plot_pipeline.main(args)
     if args.scaling:
         out = plot_scaling(args.run_dirs, args.output or "scaling.png")
+    elif args.breakdown:
+        out = plot_breakdown(args.run_dirs, args.output or "breakdown.png")
     elif args.timeline:
         out = plot_timeline(args.run_dirs, args.output or "timeline.png")
     else:

@@ -7,11 +7,13 @@ import json
 import statistics
 
 from virtualflow.rundir import read_status, run_state
+from virtualflow.runtime.breakdown import PARTS, Summary
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="show a run's progress and workers",
-                       description="Show the step, generation, workers (id, pid, VNs) and recent step times of a run.")
+                       description="Show the step, generation, workers (id, pid, VNs), recent step times of a "
+                                   "run and where its last steps' time went per worker.")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--json", action="store_true", help="print the raw status as JSON")
     p.set_defaults(func=main)
@@ -59,7 +61,25 @@ def format_status(run_dir: str, status: dict, state: str) -> str:
         t = w.get("time_per_vn_s")
         speed = f"{t * 1000:.1f}" if t else "-"
         lines.append(f"{w['id']:>6} {w.get('pid') or '-':>8} {rank:>5} {speed:>7}  {span}")
+    lines += breakdown_lines(status.get("breakdown"))
     return "\n".join(lines)
+
+
+def breakdown_lines(data: object) -> list[str]:
+    """The breakdown table of ``status.json`` (its last steps), or nothing when it has none."""
+    from virtualflow.runtime.breakdown import format_table
+
+    try:
+        summary = Summary(steps=int(data["steps"]), mean=data["mean_s"], share=data["share"],  # type: ignore[index]
+                          per_worker={int(k): v for k, v in data["per_worker"].items()},  # type: ignore[index]
+                          io={int(k): v for k, v in data["io_per_step"].items()},  # type: ignore[index]
+                          advice=data.get("advice"))  # type: ignore[union-attr]
+        for m in summary.per_worker.values():
+            [float(m[k]) for k in PARTS + ("step_s",)]
+        lines = format_table(summary)
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return []  # no breakdown yet (or an older run's status)
+    return lines
 
 
 def main(args: argparse.Namespace) -> int:

@@ -11,8 +11,8 @@ handled the same batch of worker reports, and does four things:
 3. applies it: :class:`Resize` through ``controller.request_resize`` (the same path as
    ``JobHandle.resize``: newcomers build the job before joining, the others keep training);
    :class:`Replace` as a grow by one followed, once the replacement has joined, by a shrink
-   that removes the straggler; :class:`Rebalance` as an immediate re-solve of the VN map, only
-   when the job maps VNs by speed (``balance=True``);
+   that removes the straggler; :class:`Rebalance` as an immediate re-solve of the VN map by
+   measured speed (turning speed-based mapping on when the job started without it);
 4. records: ``autoscale_decision`` events (from, to, why, the throughput table),
    ``autoscale_size`` events (the frozen measurement of each worker count tried),
    ``autoscale_settled``, and the console line that says why (``3 -> 4: scaling efficiency
@@ -35,6 +35,7 @@ import time
 from collections import deque
 from typing import Any, Callable, Sequence
 
+from virtualflow.runtime import breakdown
 from virtualflow.control.autoscale import (
     Limits,
     Observation,
@@ -111,6 +112,9 @@ class AutoscaleExecutor:
         self._per_size: dict[int, dict[str, float]] = {}  # all steps, for the summary
         self.decisions: list[dict[str, Any]] = []
         self.settled_at: int | None = None
+        self.replans: list[dict[str, Any]] = []
+        """The points where the policy found the conditions changed and searched again."""
+        self._last_replan: int | None = None
         self.disabled: str | None = None
         self._noted: set[str] = set()
         # How the executor's own per-size table is measured (the policy's settings if it has them).
@@ -136,6 +140,9 @@ class AutoscaleExecutor:
             if rank < len(compute) and compute[rank] > 0:
                 per_worker[w] = samples / compute[rank]
         workers = int(r.get("workers") or len(members) or 1)
+        parts = breakdown.clean(r.get("breakdown"))
+        mean_parts = ({k: sum(p[k] for p in parts) / len(parts) for k in breakdown.PARTS + ("step_s",)}
+                      if parts else {})
         return Observation(
             step=int(r["step"]),
             workers=workers,
@@ -148,6 +155,7 @@ class AutoscaleExecutor:
             worker_ids=tuple(members),
             per_worker_throughput=per_worker,
             vn_counts=counts,
+            parts=mean_parts,
         )
 
     def _observe(self, r: dict[str, Any]) -> None:
@@ -207,6 +215,11 @@ class AutoscaleExecutor:
             target = self.limits.clamp(int(decision.workers))
             if target == current:
                 return
+            replan = decision.detail.get("replan") if isinstance(decision.detail, dict) else None
+            if replan is not None and replan.get("step") != self._last_replan:
+                self._last_replan = replan.get("step")
+                self.replans.append(dict(replan))
+                self.coord.event("autoscale_replan", policy=name, **replan)
             self.settled_at = None
             self._decided("resize", name, current, target, decision.reason, last, dict(decision.detail))
             self.ctl.request_resize(target, source="autoscale")
@@ -220,9 +233,12 @@ class AutoscaleExecutor:
             self.ctl.request_resize(current + 1, source="autoscale")
         elif isinstance(decision, Rebalance):
             if not self.ctl.balance:
-                self._note("rebalance-off", f"{decision.reason}: not applied, the job does not map VNs by speed "
-                                            f"(balance=False; --balance)")
-                return
+                # Fewer VNs for the straggler is a speed-based map: the controller measures every
+                # worker's time per VN anyway, so it can solve one now (and keeps the map balanced
+                # as speeds drift from here on).
+                self.ctl.balance = True
+                self._note("rebalance-on", f"{decision.reason}: VNs are mapped by measured speed from now on "
+                                           f"(the job started with balance off)")
             self._decided("rebalance", name, current, current, decision.reason, last, {"worker": decision.worker})
             self._republish("rebalance", list(self.ctl.members), {"straggler": decision.worker})
         else:
@@ -306,6 +322,7 @@ class AutoscaleExecutor:
             "settled_at": self.settled_at,
             "resizes": sum(1 for d in self.decisions if d["action"] == "resize"),
             "decisions": list(self.decisions),
+            "replans": list(self.replans),
             "sizes": sizes,
             "disabled": self.disabled,
         }

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from virtualflow.comm import auth, protocol
 from virtualflow.comm.rejects import RejectLog
+from virtualflow.runtime import breakdown
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +196,9 @@ class Coordinator:
             "generation": r["generation"],
             "vns": r["vns"],
         }
+        parts = breakdown.clean(r.get("breakdown"))  # where the previous step's time went, if measured
+        if parts is not None and isinstance(r.get("breakdown_step"), int):
+            record.update(breakdown=parts, breakdown_step=r["breakdown_step"])
         self.history.append(record)
         self.progress.step = r["step"] + 1
         self.progress.last_loss = r["loss"]

@@ -44,6 +44,8 @@ from virtualflow.comm.reduce import (BucketReducer, ShardReducer, tree_exchange,
 from virtualflow.comm.ring import Collectives
 from virtualflow.plan.data import DataPlan, vn_seed
 from virtualflow.plan.vnmap import TreePlan
+from virtualflow.runtime.breakdown import RAW, StepClock, derive, measured_load
+from virtualflow.runtime.prefetch import Prefetcher
 from virtualflow.runtime.sharded import FlatParams, ShardedOptimizer
 
 
@@ -108,6 +110,10 @@ class StepOutcome:
     profiler's input, free since it rides in the step's reduction (the current step's time is
     not known when that reduction starts: the profiler pairs it with the previous step's
     duration)."""
+    breakdown: list[dict[str, float]] | None = None
+    """Where the *previous* step's time went on each rank (rank order;
+    :func:`virtualflow.runtime.breakdown.derive`), reported by rank 0 only; None on a generation's
+    first step or with the breakdown off. It rides in this step's reduction, like ``compute_s``."""
 
 
 def check_loss(loss: Any, where: str) -> None:
@@ -239,6 +245,8 @@ class VNEngine:
         deterministic: bool,
         device: torch.device,
         reduction: str = "allreduce",
+        loader_workers: int = 0,
+        breakdown: bool = True,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -252,6 +260,10 @@ class VNEngine:
         self.device = device
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.bn = BatchNormState(model)
+        self.clock = StepClock(breakdown)
+        """This worker's step intervals (runtime/breakdown.py)."""
+        self.prefetcher = Prefetcher(loader, loader_workers, io=breakdown) if loader_workers > 0 else None
+        """Loads the next VNs' batches while the current ones compute (``loader_workers`` > 0)."""
         self.group: Group | None = None
         self.vns: list[int] = []
         self.reducer: BucketReducer | ShardReducer | None = None
@@ -315,6 +327,7 @@ class VNEngine:
     def abandon_step(self) -> None:
         """Forget a step interrupted by a peer failure: BN statistics back to the step's start,
         gradients dropped, the reducer discarded (the generation's group is broken)."""
+        self.clock.abandon()
         if self.bn and self.phase in ("before_forward", "backward", "reduction"):
             self.bn.restore()
         self._zero_grad()
@@ -336,6 +349,9 @@ class VNEngine:
             self.comm.close()
             self.comm = None
         self.group = group
+        self.clock.reset()
+        if self.prefetcher is not None:
+            self.prefetcher.clear()
         self.vns = list(assignment[group.rank])
         self._vn_ids = torch.tensor(self.vns, dtype=torch.long, device=self.device)
         self._last_compute_s = 0.0
@@ -445,15 +461,55 @@ class VNEngine:
         """Forward of one VN from the step's starting BN statistics; returns the weighted loss."""
         if self.bn:
             self.bn.restore()
+        now = time.perf_counter
         if batch is None:
             indices = self.plan.vn_indices(step, vn)
-            batch, n = self.loader(indices), len(indices)
-        batch = to_device(batch, self.device)
+            batch, n = self._load(step, vn, indices), len(indices)
+        if self.device.type != "cpu":
+            t0 = now()
+            batch = to_device(batch, self.device)
+            self.clock.add("input_s", now() - t0)
         seed_random_streams(vn_seed(self.seed, step, vn), self.device)
+        t0 = now()
         loss = self.loss_fn(self.model, batch)
+        self.clock.add("forward_s", now() - t0)
         check_loss(loss, f"at step {step} in virtual node {vn}")
         self._loss_dtype = loss.dtype
         return loss * (n / self.plan.global_batch_size)
+
+    def _load(self, step: int, vn: int, indices: torch.Tensor) -> Any:
+        """VN ``vn``'s batch of ``step``: from the prefetcher when there is one (the time waited
+        for it is the input time), else loaded now."""
+        if self.prefetcher is not None:
+            batch, waited, stats = self.prefetcher.take(step, vn, indices)
+            self.clock.add("input_s", waited)
+        else:
+            batch, stats = measured_load(self.loader, indices, io=self.clock.enabled)
+            self.clock.add("input_s", stats.seconds)
+        self.clock.add_load(stats)
+        return batch
+
+    def _prefetch(self, step: int) -> None:
+        """Start loading this step's VNs (what is not under way yet) and the next step's."""
+        assert self.prefetcher is not None
+        for s in (step, step + 1):
+            for vn in self.vns:
+                self.prefetcher.schedule(s, vn, self.plan.vn_indices(s, vn))
+
+    def _backward(self, weighted: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        weighted.backward()
+        self.clock.add("backward_s", time.perf_counter() - t0)
+
+    def _sleep(self, seconds: float) -> None:
+        """Emulated slowness (counted as compute, split between forward and backward)."""
+        time.sleep(seconds)
+        self.clock.add("emulated_s", seconds)
+
+    def close(self) -> None:
+        """Stop the loader threads (the worker is leaving)."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
 
     # -- a worker with no VN -------------------------------------------------------------------
     def _probe_due(self) -> bool:
@@ -471,7 +527,9 @@ class VNEngine:
         t0 = time.perf_counter()
         weighted = self._forward(step, vn)
         if weighted.requires_grad:
+            t_b = time.perf_counter()
             torch.autograd.grad(weighted, self.params, allow_unused=True)
+            self.clock.add("backward_s", time.perf_counter() - t_b)
         self._emulate(t0)
         del weighted
         if self.bn:
@@ -518,8 +576,13 @@ class VNEngine:
             parts.append(loss.reshape(1).to(bad.dtype))
         if self.bn.numel and (self.batchnorm == "first" or not self.deterministic):
             parts.append(bn.to(bad.dtype) if bn is not None else torch.zeros(self.bn.numel, device=self.device, dtype=bad.dtype))
-        timing = torch.zeros(self.group.size, device=self.device, dtype=bad.dtype)
+        size, K = self.group.size, len(RAW)
+        timing = torch.zeros(size * (1 + K), device=self.device, dtype=bad.dtype)
         timing[self.group.rank] = self._last_compute_s
+        prev = self.clock.previous()
+        if prev is not None:
+            start = size + self.group.rank * K
+            timing[start : start + K] = torch.tensor(prev, dtype=bad.dtype)
         parts.append(timing)
         return torch.cat(parts)
 
@@ -528,7 +591,7 @@ class VNEngine:
         dt = time.perf_counter() - t0
         self._vn_s = dt if self._vn_s == 0.0 else 0.8 * self._vn_s + 0.2 * dt
         if self.slowdown > 1.0:
-            time.sleep((self.slowdown - 1.0) * dt)
+            self._sleep((self.slowdown - 1.0) * dt)
 
     def step(self, step: int, control: int = 0) -> StepOutcome:
         """Run one step. ``control`` is summed across workers and handed back (see worker).
@@ -538,8 +601,11 @@ class VNEngine:
         in one small vector, appended to the last gradient bucket in default mode.
         """
         assert self.group is not None, "set_membership() first"
+        self.clock.begin()
         self._step_no = step
         self._steps_in_generation += 1
+        if self.prefetcher is not None:
+            self._prefetch(step)
         self.model.train()
         if self.bn:
             self.bn.snapshot()
@@ -553,6 +619,7 @@ class VNEngine:
             loss, bn_mean = self._step_deterministic(step, bad)
             stats = self._pack_stats(bad, control, None, self._first_bn)
             self.group.all_reduce(stats)
+            self.clock.leave_reduction()  # entered in _step_deterministic
             self.group.on_launch = None
             self._last_compute_s = self._det_compute_s
         elif not self.vns:
@@ -563,8 +630,10 @@ class VNEngine:
             bn_acc = torch.zeros(self.bn.numel, device=self.device) if self.batchnorm == "mean" else None
             stats = self._pack_stats(bad, control, torch.zeros((), device=self.device), bn_acc)
             self.phase = "reduction"
+            self.clock.enter_reduction()
             if self.reducer is not None:
                 stats = self._reduce_default(stats, arm=True)
+            self.clock.leave_reduction()
             self._last_compute_s = compute_s
             self._note_idle(t_step, probed)
         else:
@@ -573,10 +642,17 @@ class VNEngine:
             bn_acc = torch.zeros(self.bn.numel, device=self.device) if self.batchnorm == "mean" else None
             last = len(self.vns) - 1
             indices = [self.plan.vn_indices(step, vn) for vn in self.vns]
-            batches = self.loader.vn_batches(indices)
+            if self.prefetcher is not None:
+                batches = [None] * len(indices)  # each taken from the prefetcher when its turn comes
+            else:
+                batches, load = measured_load(self.loader.vn_batches, indices, io=self.clock.enabled)
+                self.clock.add("input_s", load.seconds)
+                self.clock.add_load(load)
             losses = []
             for i, vn in enumerate(self.vns):
                 self._check_broken()
+                if batches[i] is None:
+                    batches[i] = self._load(step, vn, indices[i])
                 t_vn = time.perf_counter()
                 weighted = self._forward(step, vn, batches[i], len(indices[i]))
                 batches[i] = None  # drop the VN's inputs with its activations
@@ -598,15 +674,17 @@ class VNEngine:
                     if self.slowdown > 1.0:
                         # The last VN's backward launches the reduction: sleep before it, for
                         # the forward just run and a backward estimated from earlier VNs.
-                        time.sleep((self.slowdown - 1.0) * max(self._vn_s, time.perf_counter() - t_vn))
-                weighted.backward()
+                        self._sleep((self.slowdown - 1.0) * max(self._vn_s, time.perf_counter() - t_vn))
+                self._backward(weighted)
                 if i != last:
                     self._emulate(t_vn)
             self._in_last_backward = False
             self._last_compute_s = time.perf_counter() - t_step
             self.phase = "reduction"
+            self.clock.enter_reduction()
             if self.reducer is not None:
                 stats = self._reduce_default(stats, arm=False)
+            self.clock.leave_reduction()
         bad_vns = [int(v) for v in torch.nonzero(stats[:V]).flatten().tolist()]
         control_sum = int(round(stats[V].item()))
         offset = V + 1
@@ -623,25 +701,32 @@ class VNEngine:
                     bn_new = bn_new / V
             if not (self.deterministic and self.batchnorm == "mean"):
                 offset += self.bn.numel
-        compute_s = stats[offset : offset + self.group.size].tolist()
+        size = self.group.size
+        compute_s = stats[offset : offset + size].tolist()
+        offset += size
+        breakdown = None
+        if self.clock.enabled and self.group.rank == 0:  # rank 0 reports it
+            breakdown = derive(stats[offset : offset + size * len(RAW)].view(size, len(RAW)).tolist())
         loss_value = float(loss)
         if bad_vns:
             if self.bn:
                 self.bn.restore()
             self._zero_grad()
             self.phase = "idle"
-            return StepOutcome(loss_value, bad_vns, control_sum, compute_s)
+            return StepOutcome(loss_value, bad_vns, control_sum, compute_s, breakdown)
         # The reduced gradient is held: from here on the step is committed on this worker (see
         # runtime/worker.py for the rule that keeps survivors consistent).
         self.phase = "apply"
         self._point("after_reduction")
+        t_apply = time.perf_counter()
         if bn_new is not None:
             self.bn.load_flat(bn_new)
         if not self.vns:
             self.bn.advance_counters()  # as the forward of a VN would have (the others ran one)
         self._apply()
+        self.clock.add("optimizer_s", time.perf_counter() - t_apply)
         self.phase = "idle"
-        return StepOutcome(loss_value, [], control_sum, compute_s)
+        return StepOutcome(loss_value, [], control_sum, compute_s, breakdown)
 
     def _reduce_default(self, stats: torch.Tensor, *, arm: bool) -> torch.Tensor:
         """Default mode's reduction after the last backward (``arm``: nothing was armed, as on a
@@ -673,7 +758,7 @@ class VNEngine:
             if vn == last_vn:
                 self.phase = "backward"
                 self._in_last_backward = True
-            weighted.backward()
+            self._backward(weighted)
             self._in_last_backward = False
             self._emulate(t_vn)
             weighted = weighted.detach()
@@ -697,6 +782,7 @@ class VNEngine:
             local = {}
             self._det_compute_s, probed = self._idle_compute(step)
         self.phase = "reduction"
+        self.clock.enter_reduction()  # left in step(), after the statistics' all-reduce
         like = None if local else self._leaf_like()
         if self.shard is not None:
             assert self.flat is not None and self.comm is not None

@@ -102,6 +102,13 @@ class WorkerConfig:
     """False (benchmarks only): no heartbeat thread and no per-step control read, so stop,
     resize and hang detection do not work; it measures what the control plane costs."""
     reduction: str = "allreduce"
+    loader_workers: int = 0
+    """Threads that load the next virtual nodes' batches while the current ones compute
+    (:class:`~virtualflow.options.LaunchOptions` ``loader_workers``; 0: load when needed)."""
+    breakdown: bool = True
+    """Measure where each step's time goes (:mod:`virtualflow.runtime.breakdown`)."""
+    profile_steps: tuple[int, int] | None = None
+    """``[first, last)`` steps traced with ``torch.profiler`` into ``state_dir/profile/``."""
     """How gradients are combined (:class:`~virtualflow.options.LaunchOptions` ``reduction``)."""
     store_timeout_s: float = 600.0
     """Bound on waits for the coordinator (a generation to join; a rendezvous)."""
@@ -348,9 +355,15 @@ class Worker:
             self.engine = VNEngine(
                 model, optimizer, scheduler, job.compute_loss, plan, BatchLoader(dataset, job.collate_fn),
                 seed=job.seed, batchnorm=job.batchnorm, deterministic=cfg.deterministic, device=self.device,
-                reduction=cfg.reduction,
+                reduction=cfg.reduction, loader_workers=cfg.loader_workers, breakdown=cfg.breakdown,
             )
         self.engine.slowdown = float(cfg.slowdowns.get(self.id, 1.0))
+        self.profiler = None
+        if cfg.profile_steps is not None:
+            from virtualflow.observe.profiler import StepProfiler
+
+            self.profiler = StepProfiler(cfg.profile_steps, os.path.join(cfg.state_dir, "profile"), self.id,
+                                         self.device.type)
         self.faults = cfg.fault_plan.for_worker(self.id) if cfg.fault_plan is not None else None
         if self.faults:
             self.engine.install_fault_point(self.faults.point)
@@ -575,9 +588,14 @@ class Worker:
     def _train(self, record: protocol.GenerationRecord, group: Group, step: int, t_prev: float) -> str:
         cfg, job, engine = self.cfg, self.job, self.engine
         gen, rank = record.generation, group.rank
+        profiler = self.profiler
         while step < cfg.total_steps:
             control = self.heartbeat.control_seq if rank == 0 else 0
+            if profiler is not None:
+                profiler.before(step)
             outcome = engine.step(step, control)
+            if profiler is not None:
+                profiler.after(step)
             if outcome.bad_vns:
                 self._non_finite(outcome, step, group)
             step += 1
@@ -591,6 +609,9 @@ class Worker:
                 "vn_sizes": record.vn_sizes,
                 "time": time.time(),
             }
+            if outcome.breakdown is not None:  # of the previous step (it rode in this one's reduction)
+                report["breakdown"] = [{"worker": w, **parts} for w, parts in zip(record.members, outcome.breakdown)]
+                report["breakdown_step"] = step - 2
             self.last_report = report
             if self.pipelined:
                 self._pipeline_boundary(group, step)
@@ -695,6 +716,10 @@ class Worker:
 
     def _finish(self, group: Group) -> None:
         step, job = self.progress.step, self.job
+        if self.profiler is not None:
+            self.profiler.close()
+        if not self.pipelined:
+            self.engine.close()  # its loader threads, if any
         state = self._whole_state(group, step)
         if group.rank == 0:
             if job.evaluate is not None and self.last_eval_step != step:
@@ -718,6 +743,8 @@ class Worker:
         still reading from this worker's sockets, then exit."""
         self.report({"type": "leave", "step": self.progress.step})
         self.heartbeat.stop()
+        if not self.pipelined:
+            self.engine.close()
         parts = where.split()
         if len(parts) == 2:
             try:

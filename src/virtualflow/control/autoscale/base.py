@@ -43,6 +43,10 @@ class Observation:
     compute time, without the reduction). Empty when unknown (the first step of a generation)."""
     vn_counts: Mapping[int, int] = field(default_factory=dict)
     """Worker id -> virtual nodes it ran in this step."""
+    parts: Mapping[str, float] = field(default_factory=dict)
+    """Where the time of a step at this size went, mean seconds per worker
+    (:data:`virtualflow.runtime.breakdown.PARTS` and ``step_s``; the breakdown of the previous
+    step of the same generation, which rides in this one's reduction). Empty when not measured."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.workers, int) or self.workers < 1:
@@ -148,6 +152,15 @@ class SizeMeasurement:
     elapsed_s: float
     steps_remaining: int
     cost_rate_per_h: float
+    shares: Mapping[str, float] = field(default_factory=dict)
+    """Median share of the step of each part of the breakdown over the measured steps (empty
+    when the steps carried none): what :func:`bound` reads."""
+
+    @property
+    def bound(self) -> str | None:
+        """What limits this size: ``compute``, ``communication``, ``waiting`` (for the slowest
+        member), ``input`` or ``control`` (see :func:`bound`); None without a breakdown."""
+        return bound(self.shares)[0] if self.shares else None
 
     @property
     def cost_per_sample(self) -> float:
@@ -157,6 +170,32 @@ class SizeMeasurement:
     @property
     def worker_seconds_per_sample(self) -> float:
         return self.workers / self.throughput
+
+
+BOUND_PARTS = {"compute": ("forward_s", "backward_s"), "communication": ("reduction_s",),
+               "waiting": ("straggler_s",), "input": ("input_s",), "control": ("optimizer_s", "control_s")}
+"""How the breakdown's parts group into what a step can be bound by."""
+
+
+def shares_of(observations: Sequence[Observation]) -> dict[str, float]:
+    """Median share of the step of each part over the observations that carry a breakdown."""
+    rows = [o.parts for o in observations if o.parts and o.parts.get("step_s", 0) > 0]
+    if not rows:
+        return {}
+    keys = [k for k in rows[0] if k != "step_s"]
+    return {k: statistics.median(r.get(k, 0.0) / r["step_s"] for r in rows) for k in keys}
+
+
+def bound(shares: Mapping[str, float]) -> tuple[str, float]:
+    """(what the step is bound by, its share): the group of :data:`BOUND_PARTS` with the largest
+    share. ``("compute", 0.7)`` means 70 % of the step is forward and backward; a size that is
+    ``communication``-bound gains little from more workers, a ``waiting``-bound one has a slow
+    member. ``("unknown", 0.0)`` without shares."""
+    if not shares:
+        return "unknown", 0.0
+    totals = {name: sum(shares.get(p, 0.0) for p in parts) for name, parts in BOUND_PARTS.items()}
+    name = max(totals, key=lambda n: totals[n])
+    return name, totals[name]
 
 
 def segments(history: Sequence[Observation]) -> list[list[Observation]]:
@@ -200,10 +239,113 @@ def measure_sizes(history: Sequence[Observation], *, min_steps: int, warmup_step
                     elapsed_s=last.elapsed_s,
                     steps_remaining=last.steps_remaining,
                     cost_rate_per_h=last.cost_rate_per_h,
+                    shares=shares_of(pool),
                 )
                 break
     counts = {k: (min_steps if k in done else len(p)) for k, p in pools.items()}
     return done, counts
+
+
+@dataclass(frozen=True, slots=True)
+class Replan:
+    """Measured conditions changed after a size was measured: a new search starts after ``step``."""
+
+    step: int
+    """The step that confirmed the change (the new search uses only later steps)."""
+    workers: int
+    measured: float
+    """The size's frozen throughput."""
+    now: float
+    """The median throughput of the last ``window`` steps at that size."""
+
+    @property
+    def text(self) -> str:
+        return (f"conditions changed: {self.workers} workers now run {self.now:.4g} samples/s, "
+                f"{self.now / self.measured:.2f} x their measured {self.measured:.4g}")
+
+
+Settled = Callable[[Sequence[Observation], Mapping[int, SizeMeasurement]], "int | None"]
+"""A policy's search on an epoch's history and measurements: the size it settles at, or None
+while it is still searching."""
+
+
+def _settle_point(sub: Sequence[Observation], measured: Mapping[int, SizeMeasurement],
+                  settled: Settled | None) -> tuple[int, int] | None:
+    """(step after which the search had settled, the size) in an epoch; with no ``settled``
+    function, every measured size is watched from its measurement on (returns None)."""
+    if settled is None:
+        return None
+    for m in sorted(measured.values(), key=lambda m: m.at_step):
+        known = {k: v for k, v in measured.items() if v.at_step <= m.at_step}
+        size = settled([o for o in sub if o.step <= m.at_step], known)
+        if size is not None:
+            return m.at_step, size
+    return -1, -1  # never settled: nothing is watched
+
+
+def replans(history: Sequence[Observation], *, min_steps: int, warmup_steps: int, change: float, window: int,
+            limit: int, settled: Settled | None = None) -> list[Replan]:
+    """Every point where the measured conditions changed (at most ``limit``), in order.
+
+    Within one *epoch* (the history after the last re-plan) sizes are measured as
+    :func:`measure_sizes` does. Once the policy's search has settled (``settled``: called at each
+    point where a measurement completed; without it, each size from its own measurement on), the
+    settled size's later measured steps (skipping every generation's warm-up) are watched in
+    windows of ``window`` consecutive steps: when the median throughput of a window differs from
+    the frozen measurement by more than ``change`` (relative), a new epoch starts after that
+    window's last step, and nothing measured before counts any more. Steps taken while the
+    search still runs are never watched (a search's own resizes and warm-ups cannot trigger one).
+    ``change <= 0`` or ``limit == 0``: never.
+    """
+    out: list[Replan] = []
+    if change <= 0 or limit <= 0 or window < 1:
+        return out
+    start = 0
+    while len(out) < limit:
+        sub = history[start:]
+        measured, _ = measure_sizes(sub, min_steps=min_steps, warmup_steps=warmup_steps)
+        point = _settle_point(sub, measured, settled)
+        found: tuple[int, Replan] | None = None
+        offset = start
+        for seg in segments(sub):
+            m = measured.get(seg[0].workers)
+            if point is not None and seg[0].workers != point[1]:
+                m = None
+            if m is None:
+                offset += len(seg)
+                continue
+            after = m.at_step if point is None else max(m.at_step, point[0])
+            recent: list[Observation] = []
+            for i, obs in enumerate(seg):
+                if i < warmup_steps or obs.step <= after:
+                    continue
+                recent.append(obs)
+                if len(recent) > window:
+                    recent.pop(0)
+                if len(recent) == window:
+                    now = statistics.median(o.throughput for o in recent)
+                    if abs(now / m.throughput - 1.0) > change:
+                        found = (offset + i + 1, Replan(obs.step, m.workers, m.throughput, now))
+                        break
+            if found is not None:
+                break
+            offset += len(seg)
+        if found is None:
+            break
+        start = found[0]
+        out.append(found[1])
+    return out
+
+
+def epoch(history: Sequence[Observation], *, min_steps: int, warmup_steps: int, change: float, window: int,
+          limit: int, settled: Settled | None = None) -> tuple[Sequence[Observation], Replan | None]:
+    """The history since the last re-plan (all of it when there was none) and that re-plan."""
+    points = replans(history, min_steps=min_steps, warmup_steps=warmup_steps, change=change, window=window,
+                     limit=limit, settled=settled)
+    if not points:
+        return history, None
+    last = points[-1]
+    return [o for o in history if o.step > last.step], last
 
 
 def outside_search(history: Sequence[Observation], limits: Limits) -> Decision | None:
@@ -297,15 +439,29 @@ def search(current: int, start: int, measured: Mapping[int, SizeMeasurement], li
 
 def decision_from_search(name: str, current: int, counts: Mapping[int, int], min_steps: int,
                           result: tuple[str, int, str, Verdict | None],
-                          measured: Mapping[int, SizeMeasurement]) -> Decision:
+                          measured: Mapping[int, SizeMeasurement], replan: Replan | None = None) -> Decision:
     kind, n, why, verdict = result
     table = {str(k): round(m.throughput, 3) for k, m in measured.items()}
     detail: dict[str, Any] = {"policy": name, "phase": "explore" if kind == "try" else "settled",
                               "throughput": table}
+    bounds = {str(k): m.bound for k, m in measured.items() if m.bound is not None}
+    if bounds:
+        detail["bound"] = bounds
     if verdict is not None:
         detail.update(judged=[verdict.small, verdict.large], value=verdict.value, passed=verdict.passed)
+        large = measured.get(verdict.large)
+        if not verdict.passed and large is not None and large.shares:
+            what, share = bound(large.shares)
+            why += f"; {verdict.large} workers are {what}-bound ({100 * share:.0f} % of the step)"
+    lead = ""
+    if replan is not None:
+        detail["replan"] = {"step": replan.step, "workers": replan.workers, "measured": replan.measured,
+                            "now": replan.now}
+        if len(measured) <= 1:  # the new search's first size: say why it searches again
+            lead = f"{replan.text}: searching again; "
+            why = lead + why
     if n == current:
         if kind == "try":
-            return Stay(f"measuring {current} workers ({counts.get(current, 0)}/{min_steps} steps)")
+            return Stay(f"{lead}measuring {current} workers ({counts.get(current, 0)}/{min_steps} steps)")
         return Stay(f"settled at {current} workers ({why})", settled=True)
     return Resize(n, f"{current} -> {n}: {why}", detail)

@@ -12,8 +12,28 @@ from typing import Any, Sequence
 
 from virtualflow.control.autoscale.base import (
     Decision, Limits, Observation, Policy, Rebalance, Replace, SizeMeasurement, Stay, Verdict,
-    decision_from_search, measure_sizes, outside_search, scaling_efficiency, search, segments,
+    decision_from_search, epoch, measure_sizes, outside_search, scaling_efficiency, search, segments,
 )
+
+
+def _check_replan(policy: Any) -> None:
+    c = policy.replan_change
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not (0 <= c < 10):
+        raise ValueError(f"{policy.name} replan_change={c!r} must be a number in [0, 10) (e.g. 0.3: search again "
+                         f"when a size runs 30 % faster or slower than measured; 0: search once)")
+    _check_int("replan_window", policy.replan_window, 1, policy.name)
+    _check_int("max_replans", policy.max_replans, 0, policy.name)
+
+
+def _epoch(policy: Any, history: Sequence[Observation], limits: Limits):
+    """The history since the last re-plan (conditions changed after the search settled)."""
+    def settled(sub: Sequence[Observation], measured: Any) -> int | None:
+        kind, n, _, _ = search(sub[-1].workers, sub[0].workers, measured, limits, policy.step_size, policy.judge)
+        return n if kind == "settle" else None
+
+    return epoch(history, min_steps=policy.min_steps, warmup_steps=policy.warmup_steps,
+                 change=policy.replan_change, window=policy.replan_window, limit=policy.max_replans,
+                 settled=settled)
 
 # --------------------------------------------------------------------------------------------
 # Built-in policies.
@@ -48,6 +68,13 @@ class EfficiencyPolicy:
     warmup_steps: int = 3
     """Steps skipped at the start of every generation (the regroup, a newcomer's first steps,
     which run slower for a few steps)."""
+    replan_change: float = 0.3
+    """Search again when a measured size later runs this much faster or slower (relative median
+    throughput over ``replan_window`` steps): a node slowed down, load appeared. 0: search once."""
+    replan_window: int = 10
+    """Steps whose median is compared with the size's measurement."""
+    max_replans: int = 4
+    """At most this many new searches in a job (each costs at most one resize per size)."""
     name: str = "efficiency"
 
     def __post_init__(self) -> None:
@@ -57,6 +84,7 @@ class EfficiencyPolicy:
         _check_int("step_size", self.step_size, 1, "efficiency")
         _check_int("min_steps", self.min_steps, 1, "efficiency")
         _check_int("warmup_steps", self.warmup_steps, 0, "efficiency")
+        _check_replan(self)
 
     def judge(self, prev: SizeMeasurement, new: SizeMeasurement) -> Verdict:
         s = scaling_efficiency(prev, new)
@@ -69,9 +97,13 @@ class EfficiencyPolicy:
         if early is not None:
             return early
         current = history[-1].workers
-        measured, counts = measure_sizes(history, min_steps=self.min_steps, warmup_steps=self.warmup_steps)
-        result = search(current, history[0].workers, measured, limits, self.step_size, self.judge)
-        return decision_from_search(self.name, current, counts, self.min_steps, result, measured)
+        recent, replan = _epoch(self, history, limits)
+        if not recent:
+            return decision_from_search(self.name, current, {}, self.min_steps,
+                                        ("try", current, "", None), {}, replan)
+        measured, counts = measure_sizes(recent, min_steps=self.min_steps, warmup_steps=self.warmup_steps)
+        result = search(current, recent[0].workers, measured, limits, self.step_size, self.judge)
+        return decision_from_search(self.name, current, counts, self.min_steps, result, measured, replan)
 
 
 # -- utility ---------------------------------------------------------------------------------
@@ -173,6 +205,10 @@ class UtilityPolicy:
     step_size: int = 1
     min_steps: int = 10
     warmup_steps: int = 3
+    replan_change: float = 0.3
+    """As :class:`EfficiencyPolicy`'s: search again when conditions change (0: search once)."""
+    replan_window: int = 10
+    max_replans: int = 4
     name: str = "utility"
 
     def __post_init__(self) -> None:
@@ -180,6 +216,7 @@ class UtilityPolicy:
         _check_int("step_size", self.step_size, 1, "utility")
         _check_int("min_steps", self.min_steps, 1, "utility")
         _check_int("warmup_steps", self.warmup_steps, 0, "utility")
+        _check_replan(self)
 
     def objective(self, m: SizeMeasurement, elapsed_s: float, steps_remaining: int) -> float:
         price = m.cost_rate_per_h / m.workers
@@ -208,6 +245,10 @@ class UtilityPolicy:
         if early is not None:
             return early
         current = history[-1].workers
+        history, replan = _epoch(self, history, limits)
+        if not history:
+            return decision_from_search(self.name, current, {}, self.min_steps,
+                                        ("try", current, "", None), {}, replan)
         measured, counts = measure_sizes(history, min_steps=self.min_steps, warmup_steps=self.warmup_steps)
         kind, n, why, verdict = search(current, history[0].workers, measured, limits, self.step_size, self.judge)
         if kind == "settle":
@@ -219,7 +260,8 @@ class UtilityPolicy:
             if best.workers != n:
                 why = f"{why}; best utility at {best.workers} workers"
                 n = best.workers
-        return decision_from_search(self.name, current, counts, self.min_steps, (kind, n, why, verdict), measured)
+        return decision_from_search(self.name, current, counts, self.min_steps, (kind, n, why, verdict), measured,
+                                    replan)
 
 
 # -- straggler ------------------------------------------------------------------------------

@@ -1,0 +1,324 @@
+"""Where a step's time goes, per worker: measured on each worker, combined on rank 0, summarised.
+
+A worker's *step period* is the wall time from the start of one step to the start of the next (on
+one clock, ``time.perf_counter``). :class:`StepClock` cuts it into intervals as the engine runs:
+
+* ``input_s``     dataset access and collation of the worker's VNs (with prefetching: only the
+  time the compute *waited* for a batch, a stall; the loaders' own time is ``loaded_s``);
+* ``forward_s``   the job's loss call (``Job.loss(model, batch)``: the model's forward and the loss);
+* ``backward_s``  ``.backward()`` of the weighted loss (the gradient buckets launch during it);
+* ``blocked_s``   from entering the step's reduction until its result is there;
+* ``optimizer_s`` the update (``optimizer.step()``, LR scheduler, zeroing; with the sharded
+  reduction also its all-gather);
+* the rest of the period is ``control_s``: the step loop around the engine (reports, control
+  commands, checkpoint decisions), BatchNorm bookkeeping, the probe of a worker with no VN.
+
+Emulated slowness (``WorkerSpec.slowdown``) sleeps after a VN's compute; it is split between
+forward and backward in proportion to their measured times.
+
+``blocked_s`` is split on rank 0 (:func:`derive`) into **waiting for the slowest member**
+(``straggler_s``) and the **exposed reduction** (``reduction_s``, the communication that did not
+overlap the backward). Every worker leaves a reduction at nearly the same moment, so the time
+from the end of the previous step's reduction to entering this one (``arrive_s``) is
+comparable across workers: a worker that arrived ``d`` seconds before the last one waited
+``min(d, blocked_s)`` for it, the rest of its blocked time is communication. (The first step of a
+generation has no previous reduction: the time since the step's start is used.)
+
+The intervals partition the period exactly, so ``sum(parts) == step_s`` per worker by
+construction; what makes each part *right* is that each is timed where it happens (the tests
+inject known latencies into each and find them there).
+
+Transport. Worker ``r``'s raw numbers of step ``s`` are known once step ``s+1`` starts; they ride
+in step ``s+1``'s reduction (a few floats per worker appended to the small statistics vector that
+travels anyway), so rank 0 learns everybody's and reports them with step ``s+1`` as
+``breakdown_step = s``. A generation's last step is therefore not broken down (it has no next step
+in that group). Cost: two ``perf_counter`` reads per interval and, for file-backed datasets, two
+reads of ``/proc/thread-self/io`` per batch loaded (the I/O profile), measured in
+``bench/input_pipeline.py``.
+
+Pure except :class:`StepClock` and :func:`thread_io` (clocks and the OS counters): no processes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+RAW = ("input_s", "forward_s", "backward_s", "emulated_s", "blocked_s", "optimizer_s", "period_s", "arrive_s",
+       "read_calls", "read_bytes", "loaded_s")
+"""What each worker measures per step, in this order (the vector that rides in the reduction)."""
+
+PARTS = ("input_s", "forward_s", "backward_s", "reduction_s", "straggler_s", "optimizer_s", "control_s")
+"""The parts a step period is cut into (they add up to ``step_s``)."""
+
+IO_FIELDS = ("read_calls", "read_bytes", "loaded_s")
+"""The I/O profile per worker and step: read system calls and bytes read while loading the
+dataset (the loading threads' own counters), and the loaders' busy time."""
+
+INPUT_ADVICE_SHARE = 0.25
+"""Input loading above this share of the step time gets a sentence of advice."""
+
+
+def thread_io() -> tuple[int, int, int] | None:
+    """(read system calls, bytes read, bytes this reading itself took) of the calling thread so
+    far (``/proc/thread-self/io``: ``syscr`` and ``rchar``, which counts page-cache hits too), or
+    None where the OS has none. The file is read with one system call, which the next reading
+    counts: :func:`measured_load` subtracts it."""
+    try:
+        fd = os.open("/proc/thread-self/io", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        text = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    calls = nbytes = -1
+    for line in text.splitlines():
+        key, _, value = line.partition(b":")
+        if key == b"syscr":
+            calls = int(value)
+        elif key == b"rchar":
+            nbytes = int(value)
+    return (calls, nbytes, len(text)) if calls >= 0 and nbytes >= 0 else None
+
+
+@dataclass(slots=True)
+class LoadStats:
+    """What loading some batches cost: seconds, read calls and bytes (the loading thread's)."""
+
+    seconds: float = 0.0
+    read_calls: int = 0
+    read_bytes: int = 0
+
+    def add(self, other: "LoadStats") -> None:
+        self.seconds += other.seconds
+        self.read_calls += other.read_calls
+        self.read_bytes += other.read_bytes
+
+
+def measured_load(fn, *args: Any, io: bool = True) -> tuple[Any, LoadStats]:
+    """``fn(*args)`` and what it cost the calling thread (time; reads when ``io``)."""
+    before = thread_io() if io else None
+    t0 = time.perf_counter()
+    out = fn(*args)
+    took = time.perf_counter() - t0
+    after = thread_io() if before is not None else None
+    if before is None or after is None:
+        return out, LoadStats(took)
+    # The first reading's own system call and bytes are in the second one's counters.
+    return out, LoadStats(took, max(0, after[0] - before[0] - 1), max(0, after[1] - before[1] - before[2]))
+
+
+class StepClock:
+    """One worker's intervals of the current step and the finished raw vector of the previous one.
+
+    The engine calls :meth:`begin` at each step's start, :meth:`add` for each interval,
+    :meth:`enter_reduction` / :meth:`leave_reduction` around the reduction; :meth:`previous` is the
+    last finished step's :data:`RAW` vector (None on a generation's first step). ``enabled=False``
+    turns every call into a no-op (the benchmark's baseline)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.now = time.perf_counter
+        self._cur = dict.fromkeys(RAW, 0.0)
+        self._prev: list[float] | None = None
+        self._start: float | None = None
+        self._left_reduction: float | None = None
+        self._entered: float | None = None
+
+    def reset(self) -> None:
+        """A new generation (a new group): nothing carries over."""
+        self._cur = dict.fromkeys(RAW, 0.0)
+        self._prev = None
+        self._start = None
+        self._left_reduction = None
+
+    def begin(self) -> None:
+        if not self.enabled:
+            return
+        now = self.now()
+        if self._start is not None:
+            self._cur["period_s"] = now - self._start
+            self._prev = [float(self._cur[k]) for k in RAW]
+        else:
+            self._prev = None
+        self._cur = dict.fromkeys(RAW, 0.0)
+        self._start = now
+        self._entered = None
+
+    def abandon(self) -> None:
+        """The step was interrupted (a peer failed): its partial times are dropped."""
+        self.reset()
+
+    def add(self, part: str, seconds: float) -> None:
+        if self.enabled:
+            self._cur[part] += seconds
+
+    def add_load(self, stats: LoadStats) -> None:
+        if self.enabled:
+            self._cur["read_calls"] += stats.read_calls
+            self._cur["read_bytes"] += stats.read_bytes
+            self._cur["loaded_s"] += stats.seconds
+
+    def enter_reduction(self) -> None:
+        if not self.enabled or self._start is None:
+            return
+        self._entered = now = self.now()
+        since = self._left_reduction if self._left_reduction is not None else self._start
+        self._cur["arrive_s"] = now - since
+
+    def leave_reduction(self) -> None:
+        if not self.enabled or self._entered is None:
+            return
+        now = self.now()
+        self._cur["blocked_s"] += now - self._entered
+        self._left_reduction = now
+        self._entered = None
+
+    def previous(self) -> list[float] | None:
+        return self._prev if self.enabled else None
+
+
+# -- rank 0: combining the workers' vectors ------------------------------------------------------
+def derive(raw: Sequence[Sequence[float]]) -> list[dict[str, float]] | None:
+    """Per worker (rank order) the :data:`PARTS`, ``step_s`` and the :data:`IO_FIELDS` of one step
+    from every worker's :data:`RAW` vector; None when a worker has no finished step (a
+    generation's first step, or the breakdown off)."""
+    if not raw or any(len(v) != len(RAW) for v in raw):
+        return None
+    rows = [dict(zip(RAW, (float(x) for x in v))) for v in raw]
+    if any(r["period_s"] <= 0 or not all(math.isfinite(x) for x in r.values()) for r in rows):
+        return None
+    last = max(r["arrive_s"] for r in rows)
+    out = []
+    for r in rows:
+        compute = r["forward_s"] + r["backward_s"]
+        fwd_share = r["forward_s"] / compute if compute > 0 else 0.5
+        forward = r["forward_s"] + r["emulated_s"] * fwd_share
+        backward = r["backward_s"] + r["emulated_s"] * (1 - fwd_share)
+        straggler = min(max(0.0, last - r["arrive_s"]), r["blocked_s"])
+        measured = r["input_s"] + forward + backward + r["blocked_s"] + r["optimizer_s"]
+        out.append({
+            "input_s": r["input_s"], "forward_s": forward, "backward_s": backward,
+            "reduction_s": r["blocked_s"] - straggler, "straggler_s": straggler,
+            "optimizer_s": r["optimizer_s"], "control_s": max(0.0, r["period_s"] - measured),
+            "step_s": r["period_s"],
+            "read_calls": int(round(r["read_calls"])), "read_bytes": int(round(r["read_bytes"])),
+            "loaded_s": r["loaded_s"],
+        })
+    return out
+
+
+def clean(value: Any, max_workers: int = 4096) -> list[dict[str, float]] | None:
+    """A breakdown read from a report: a list of per-worker records (rank order), each with its
+    ``worker`` id and a finite number >= 0 for each of :data:`PARTS`, ``step_s`` and
+    :data:`IO_FIELDS`; anything else is None (dropped)."""
+    if not isinstance(value, list) or not value or len(value) > max_workers:
+        return None
+    keys = PARTS + ("step_s",) + IO_FIELDS
+    out = []
+    for row in value:
+        if not isinstance(row, dict):
+            return None
+        wid = row.get("worker")
+        if isinstance(wid, bool) or not isinstance(wid, int):
+            return None
+        rec: dict[str, float] = {"worker": wid}
+        for k in keys:
+            x = row.get(k)
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+                return None
+            rec[k] = x
+        out.append(rec)
+    return out
+
+
+# -- summaries -------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Summary:
+    """Mean seconds per step of each part, over the broken-down steps, per worker id and overall."""
+
+    steps: int = 0
+    mean: dict[str, float] = field(default_factory=dict)
+    share: dict[str, float] = field(default_factory=dict)
+    per_worker: dict[int, dict[str, float]] = field(default_factory=dict)
+    io: dict[int, dict[str, float]] = field(default_factory=dict)
+    advice: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "mean_s": self.mean, "share": self.share,
+                "per_worker": {str(k): v for k, v in self.per_worker.items()},
+                "io_per_step": {str(k): v for k, v in self.io.items()}, "advice": self.advice}
+
+
+def rows(records: Iterable[dict[str, Any]]) -> list[tuple[int, int, int, dict[str, float]]]:
+    """(step, generation, worker id, parts) for every worker of every broken-down step record
+    (metrics.jsonl's or the history's), in order."""
+    out = []
+    for rec in records:
+        parts = clean(rec.get("breakdown"))
+        step = rec.get("breakdown_step")
+        gen = rec.get("generation")
+        if parts is None or isinstance(step, bool) or not isinstance(step, int):
+            continue
+        for p in parts:
+            out.append((step, gen if isinstance(gen, int) else 0, int(p["worker"]), p))
+    return out
+
+
+def summarize(records: Iterable[dict[str, Any]], *, loader_workers: int = 0) -> Summary | None:
+    """The run's breakdown: mean per part and worker, shares of the step, the I/O profile per step
+    and, when input loading dominates, one sentence of advice. None when nothing was broken down."""
+    table = rows(records)
+    if not table:
+        return None
+    keys = PARTS + ("step_s",)
+    by_worker: dict[int, list[dict[str, float]]] = {}
+    for _, _, wid, p in table:
+        by_worker.setdefault(wid, []).append(p)
+    per_worker = {w: {k: statistics.fmean(p[k] for p in ps) for k in keys} for w, ps in sorted(by_worker.items())}
+    io = {w: {k: statistics.fmean(p[k] for p in ps) for k in IO_FIELDS} for w, ps in sorted(by_worker.items())}
+    mean = {k: statistics.fmean(p[k] for _, _, _, p in table) for k in keys}
+    total = mean["step_s"]
+    share = {k: (mean[k] / total if total > 0 else 0.0) for k in PARTS}
+    steps = len({s for s, _, _, _ in table})
+    return Summary(steps, mean, share, per_worker, io, advice(share, loader_workers=loader_workers,
+                                                              stalled_s=mean["input_s"]))
+
+
+def advice(share: dict[str, float], *, loader_workers: int, stalled_s: float = 0.0) -> str | None:
+    """One plain sentence when input loading dominates the step, else None."""
+    s = share.get("input_s", 0.0)
+    if s < INPUT_ADVICE_SHARE:
+        return None
+    pct = f"{100 * s:.0f} %"
+    if loader_workers <= 0:
+        return (f"Input loading takes {pct} of the step time and the compute waits for it: load the next "
+                f"virtual nodes' batches while the current ones compute with --loader-workers 2 (or more), "
+                f"or make reading the dataset cheaper.")
+    return (f"Input loading still stalls the compute for {pct} of the step time with --loader-workers "
+            f"{loader_workers}: raise --loader-workers (the loaders cannot keep up), or make reading the dataset "
+            f"cheaper (faster storage, smaller or cached files).")
+
+
+def format_table(summary: Summary) -> list[str]:
+    """Lines for ``virtualflow status``: one row per worker, milliseconds per step."""
+    head = f"{'worker':>6} " + " ".join(f"{k.removesuffix('_s'):>9}" for k in PARTS) + f" {'step':>9}"
+    lines = [f"where the step time goes (mean ms per step over {summary.steps} step(s)):", head]
+    for wid, m in summary.per_worker.items():
+        lines.append(f"{wid:>6} " + " ".join(f"{1000 * m[k]:>9.1f}" for k in PARTS) + f" {1000 * m['step_s']:>9.1f}")
+    lines.append(f"{'share':>6} " + " ".join(f"{100 * summary.share[k]:>8.1f}%" for k in PARTS))
+    reads = [(w, v) for w, v in summary.io.items() if v["read_calls"] > 0]
+    if reads:
+        lines.append("dataset reads per step: " + ", ".join(
+            f"worker {w}: {v['read_calls']:.0f} reads, {v['read_bytes'] / 1e6:.2f} MB, loaders busy "
+            f"{1000 * v['loaded_s']:.1f} ms" for w, v in reads))
+    if summary.advice:
+        lines.append(summary.advice)
+    return lines
