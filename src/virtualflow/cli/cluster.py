@@ -51,7 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sp.set_defaults(func=stop)
     d = csub.add_parser("dashboard", help="serve the web dashboard on loopback (read-only without the token)")
     d.add_argument("--dir", required=True, help=DEFAULT_DIR_HELP)
-    d.add_argument("--port", type=int, default=8265, help="port on 127.0.0.1 (0: any free port; default 8265)")
+    d.add_argument("--port", type=int, default=8266, help="port on 127.0.0.1 (0: any free port; default 8266, beside Ray's 8265)")
     d.set_defaults(func=dashboard)
 
     sb = sub.add_parser("submit", help="queue a job on a cluster service",
