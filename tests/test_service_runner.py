@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -175,3 +176,36 @@ def test_recovery_records_completed_jobs_and_requeues_the_others(service):
     assert s.db.job(b).state == "queued" and s.db.job(c).state == "queued"
     reasons = [e["data"]["reason"] for e in s.db.events(kind="requeued")]
     assert reasons == ["service restarted (resume)", "service restarted (restart)"]
+
+
+def test_the_service_serves_its_dashboard_and_stops_on_request(tmp_path):
+    import threading
+    import urllib.request
+
+    from virtualflow.service.state import ClusterDB
+
+    d = str(tmp_path / "c")
+    init_cluster(d, slots={"v100": 1}, policy="fifo", round_s=1.0, dashboard_port=0).close()
+    errors = []
+
+    def serve():
+        try:
+            Service(d, poll_s=0.05, launch=lambda target, **kw: FakeHandle(kw)).run()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    db = ClusterDB(d)
+    deadline = time.monotonic() + 30
+    while (db.get_meta("service") or {}).get("state") != "running":
+        assert time.monotonic() < deadline and not errors, errors
+        time.sleep(0.05)
+    url = db.get_meta("dashboard")
+    assert url.startswith("http://127.0.0.1:")
+    with urllib.request.urlopen(url, timeout=10) as r:
+        assert r.status == 200 and b"cluster queue" in r.read()
+    db.set_meta("stop_requested", True)
+    thread.join(30)
+    assert not thread.is_alive() and not errors
+    assert db.get_meta("service")["state"] == "stopped"

@@ -38,6 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--min-run-s", type=float, default=0.0, metavar="SECONDS",
                    help="a (re)started job keeps its placement until it has made a step and run this long (0)")
     s.add_argument("--threads-per-worker", type=int, default=1, metavar="T", help="torch threads per worker (1)")
+    s.add_argument("--dashboard-port", type=int, default=None, metavar="PORT",
+                   help="also serve the dashboard from the service on 127.0.0.1:PORT (0: any free port; "
+                        "default: off, see `cluster dashboard`)")
     s.add_argument("--foreground", action="store_true", help="run in this process (Ctrl-C stops it)")
     s.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                    help="how long to wait for a background service to come up (60)")
@@ -98,7 +101,8 @@ def start(args: argparse.Namespace) -> int:
         raise ValueError(f"a cluster service already runs in {args.dir}; stop it first (virtualflow cluster stop "
                          f"--dir {args.dir})")
     init_cluster(args.dir, slots=slots, policy=args.policy, round_s=args.round_s, slowdowns=slowdowns,
-                 threads_per_worker=args.threads_per_worker, min_run_s=args.min_run_s).close()
+                 threads_per_worker=args.threads_per_worker, min_run_s=args.min_run_s,
+                 dashboard_port=args.dashboard_port).close()
     if args.foreground:
         import signal
 
@@ -124,8 +128,9 @@ def start(args: argparse.Namespace) -> int:
         if time.monotonic() > deadline:
             raise RuntimeError(f"the cluster service (pid {proc.pid}) is not up after {args.timeout} s; see {log_path}")
         time.sleep(0.1)
+    dash = db.get_meta("dashboard")
     print(f"cluster service running in {args.dir} (pid {proc.pid}; slots {args.slots}; policy {args.policy}; "
-          f"rounds of {args.round_s:g} s); log: {log_path}")
+          f"rounds of {args.round_s:g} s); log: {log_path}" + (f"; dashboard: {dash}" if dash else ""))
     return 0
 
 
@@ -139,7 +144,8 @@ def status(args: argparse.Namespace) -> int:
     age = time.time() - float(svc.get("heartbeat_s") or 0)
     print(f"cluster {args.dir}: service {'up' if up else 'down'}"
           + (f" (pid {svc.get('pid')}, heartbeat {age:.1f} s ago)" if up else "")
-          + f"; policy {cfg['policy']}; rounds of {cfg['round_s']:g} s")
+          + f"; policy {cfg['policy']}; rounds of {cfg['round_s']:g} s"
+          + (f"; dashboard {db.get_meta('dashboard')}" if up and db.get_meta("dashboard") else ""))
     jobs = db.jobs()
     holders = {s: j.id for j in jobs if j.state == "running" for s in j.slots}
     from virtualflow.service.core import slot_names

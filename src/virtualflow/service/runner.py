@@ -179,6 +179,7 @@ class Service:
         """Recover, then play rounds until ``cluster stop`` (or SIGTERM/SIGINT); stop the jobs
         with their state kept on the way out."""
         lock = ServiceLock(self.dir)
+        dashboard = None
         try:
             self.db.set_meta("stop_requested", False)
             if self.db.get_meta("epoch_s") is None:
@@ -186,6 +187,7 @@ class Service:
             self.epoch_s = float(self.db.get_meta("epoch_s"))
             self._heartbeat(state="recovering")
             self.recover()
+            dashboard = self._start_dashboard()
             self._heartbeat(state="running")
             self.db.event("service_start", pid=os.getpid(), policy=self.policy_name, slots=self.slots,
                           round_s=self.round_s)
@@ -200,7 +202,29 @@ class Service:
                 self.play_round()
         finally:
             self.shutdown()
+            if dashboard is not None:
+                dashboard.should_exit = True
             lock.release()
+
+    def _start_dashboard(self) -> Any:
+        """With ``dashboard_port`` in the configuration (``cluster start --dashboard-port``), serve
+        the dashboard on 127.0.0.1 from a thread of the service; its address goes to ``meta``."""
+        port = self.db.config().get("dashboard_port")
+        if port is None:
+            self.db.set_meta("dashboard", None)
+            return None
+        import threading
+
+        from virtualflow.service.dashboard import bind, make_server
+
+        sock = bind("127.0.0.1", int(port))
+        server = make_server(self.dir)
+        threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
+                         name="dashboard").start()
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/"
+        self.db.set_meta("dashboard", url)
+        log.info("dashboard: %s", url)
+        return server
 
     def _active_rows(self) -> list[JobRow]:
         return [r for r in self.db.jobs(("queued", "running")) if not r.cancel_requested]
@@ -448,7 +472,7 @@ class Service:
 
 def init_cluster(cluster_dir: str, *, slots: dict[str, int], policy: str, round_s: float,
                  slowdowns: dict[str, float] | None = None, threads_per_worker: int = 1,
-                 min_run_s: float = 0.0) -> ClusterDB:
+                 min_run_s: float = 0.0, dashboard_port: int | None = None) -> ClusterDB:
     """Create (or reconfigure) a cluster directory: the database with the configuration, a
     private dashboard token. Validates everything first (nothing is written on error)."""
     if not slots:
@@ -456,6 +480,8 @@ def init_cluster(cluster_dir: str, *, slots: dict[str, int], policy: str, round_
     get_policy(policy)  # raises for an unknown policy, naming the choices
     if not (round_s > 0 and round_s < 1e6):
         raise ValueError(f"--round-s {round_s} must be a positive number of seconds")
+    if dashboard_port is not None and not 0 <= dashboard_port <= 65535:
+        raise ValueError(f"--dashboard-port {dashboard_port} must be a TCP port (0: any free port)")
     if not (min_run_s >= 0 and min_run_s < 1e6):
         raise ValueError(f"--min-run-s {min_run_s} must be a number of seconds >= 0")
     types = tuple(slots)
@@ -467,7 +493,8 @@ def init_cluster(cluster_dir: str, *, slots: dict[str, int], policy: str, round_
     os.makedirs(cluster_dir, mode=0o700, exist_ok=True)
     db = ClusterDB(cluster_dir, create=True)
     db.set_meta("config", {"slots": slots, "policy": policy, "round_s": round_s, "slowdowns": overrides,
-                           "threads_per_worker": threads_per_worker, "min_run_s": min_run_s})
+                           "threads_per_worker": threads_per_worker, "min_run_s": min_run_s,
+                           "dashboard_port": dashboard_port})
     token_path = os.path.join(cluster_dir, "token")
     if not os.path.exists(token_path):
         from virtualflow.comm import auth
