@@ -29,6 +29,15 @@ From the repository root::
 
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.autoscale            # 500 steps per run, each autoscaler twice, ~14 min
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.autoscale --quick    # 250 steps per run, ~8 min
+
+``--midrun`` (issue 18): the ``efficiency`` policy starts at 6 workers in [1, 8] and settles; then
+half of its workers become 2x slower (``JobHandle.set_slowdown``). It must notice (re-plan), search
+again and re-settle at the best static choice for the changed conditions, found by static runs of
+3-8 workers with the same workers slowed; target: worker-seconds per sample from the change on
+within 10 % of that static choice's (key ``midrun_ws_vs_best``), results in
+``bench/results/autoscale_midrun.*``::
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.autoscale --midrun   # ~6 min
 """
 
 from __future__ import annotations
@@ -155,8 +164,11 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--steps", type=int, default=None, help="steps per run (default 500; quick 250)")
     p.add_argument("--min-workers", type=int, default=1)
     p.add_argument("--max-workers", type=int, default=12)
+    p.add_argument("--midrun", action="store_true",
+                   help="issue 18: the efficiency policy settles, then half its workers slow down 2x; it must "
+                        "re-settle at the best static size for the changed conditions (max workers capped at 8)")
     args = p.parse_args(argv)
-    args.steps = args.steps or (250 if args.quick else 500)
+    args.steps = args.steps or ((300 if args.quick else 420) if args.midrun else (250 if args.quick else 500))
     return args
 
 
@@ -301,6 +313,8 @@ def markdown(run: H.Run, args, emu, payload: dict, rows, size_rows, verdicts, sc
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.midrun:
+        return midrun_main(args)
     run = H.Run(NAME, args, TARGET_KEYS)
     emu = H.load_file(EXAMPLE)  # the analytic model of the emulated workload
     lo, hi = args.min_workers, args.max_workers
@@ -353,6 +367,149 @@ def main(argv: list[str] | None = None) -> int:
                        rows))
     print(*verdicts, *payload["targets_summary"], sep="\n")
     return run.finish(payload, markdown(run, args, emu, payload, rows, size_rows, verdicts, scaling_png))
+
+
+# --------------------------------------------------------------------------------------------
+# --midrun: conditions change after the autoscaler settled (issue 18).
+
+MIDRUN_NAME = "autoscale_midrun"
+MIDRUN_KEYS = ("midrun_ws_vs_best", "midrun_resettled")
+SLOW = 2.0
+
+
+def midrun_autoscaled(steps: int, start: int, lo: int, hi: int) -> dict:
+    """Efficiency autoscaler from ``start`` workers; once it has settled, half of its workers (the
+    higher ranks) become SLOW x slower. Returns the run's record, the change step and the slowed ids."""
+    import virtualflow as vf
+
+    run_dir = tempfile.mkdtemp(prefix="vf-autoscale-midrun-")
+    handle = vf.launch(JOB, workers=start, steps=steps, threads_per_worker=1, run_dir=run_dir,
+                       autoscale="efficiency", min_workers=lo, max_workers=hi)
+    change_step, slowed, settled_before, slowed_ranks = None, [], None, []
+    t0 = time.perf_counter()
+    with ProcessMeter(handle) as meter:
+        try:
+            while not handle.done:
+                st = handle.status()
+                a = st.get("autoscale") or {}
+                members = [w["id"] for w in st["workers"] if w.get("rank") is not None]
+                if (change_step is None and a.get("settled_at") and len(members) == a["settled_at"]
+                        and st["formed_generation"] == st["generation"]):
+                    slowed, settled_before = members[len(members) // 2:], len(members)
+                    slowed_ranks = list(range(len(members) // 2, len(members)))
+                    for w in slowed:
+                        handle.set_slowdown(w, SLOW)
+                    change_step = st["step"]
+                    print(f"  settled at {len(members)} workers at step {change_step}: workers {slowed} now "
+                          f"{SLOW:g}x slower", flush=True)
+                time.sleep(0.05)
+            result = handle.wait(timeout_s=1800)
+        except BaseException:
+            handle.kill()
+            raise
+    out = describe_run("midrun", start, "efficiency", result, run_dir)
+    out.update(jct_s=time.perf_counter() - t0, worker_seconds=meter.worker_seconds, change_step=change_step,
+               settled_before=settled_before, slowed_ranks=slowed_ranks,
+               slowed=slowed, replans=(result.autoscale or {}).get("replans", []))
+    return out
+
+
+def midrun_static(k: int, slowed: set[int], steps: int, warmup: int) -> dict:
+    """A static run of ``k`` workers under the changed conditions: the workers at the ranks in
+    ``slowed`` (the ranks the slowed workers held in the autoscaled run) SLOW x slower, VNs not
+    rebalanced, as in the autoscaled run (whose later sizes keep those workers at those ranks and
+    add or drop fast ones above them)."""
+    import virtualflow as vf
+
+    run_dir = tempfile.mkdtemp(prefix=f"vf-autoscale-midrun-static{k}-")
+    slowdowns = [SLOW if i in slowed else 1.0 for i in range(k)]
+    result = vf.train(JOB, workers=k, steps=steps, threads_per_worker=1, run_dir=run_dir, slowdowns=slowdowns,
+                      balance=False)
+    times = [h["step_time_s"] for h in result.history][warmup:]
+    med = H.median(times)
+    print(f"  static {k} workers (slowed ranks {sorted(w for w in slowed if w < k)}): median step {med * 1e3:.0f} ms",
+          flush=True)
+    return {"workers": k, "slowdowns": slowdowns, "median_step_s": med, "throughput": None}
+
+
+def midrun_main(args) -> int:
+    from virtualflow.control.autoscale import EfficiencyPolicy, Limits, SizeMeasurement
+    from virtualflow.control.autoscale.base import search
+
+    run = H.Run(MIDRUN_NAME, args, MIDRUN_KEYS)
+    emu = H.load_file(EXAMPLE)
+    lo, hi = args.min_workers, min(args.max_workers, 8)
+    steps = args.steps
+    H.apply_malloc_mode("stable")
+    logging.getLogger("virtualflow").setLevel(logging.ERROR)
+    print(H.banner(f"autoscaling with a mid-run change: efficiency from 6 workers in [{lo}, {hi}], {steps} steps; "
+                   f"after it settles, half the workers become {SLOW:g}x slower"))
+    load0 = os.getloadavg()
+    env0 = H.environment()
+    auto = midrun_autoscaled(steps, 6, lo, hi)
+    if auto["change_step"] is None:
+        raise SystemExit("the autoscaler never settled: no change was injected (raise --steps)")
+    hist = H.run_metrics(auto["run_dir"])
+    after = [h for h in hist if h["step"] >= auto["change_step"]]
+    auto_ws_per_sample = sum(h["workers"] * h["step_time_s"] for h in after) / (len(after) * emu.B)
+    final = hist[-1]["workers"]
+    settled = auto["settled_at"]
+    slowed = set(auto["slowed_ranks"])
+    sizes = range(max(lo, 3), hi + 1)
+    static_steps, warmup = (40, 5) if args.quick else (60, 8)
+    statics = {k: midrun_static(k, slowed, static_steps, warmup) for k in sizes}
+    for s in statics.values():
+        s["throughput"] = emu.B / s["median_step_s"]
+        s["ws_per_sample"] = s["workers"] * s["median_step_s"] / emu.B
+    # The best static choice for the changed conditions by the autoscaler's own rule (efficiency,
+    # threshold 0.1, from the size it had settled at), on the static runs' measurements.
+    policy = EfficiencyPolicy()
+    measured = {k: SizeMeasurement(k, s["throughput"], s["median_step_s"], static_steps - warmup, 0, 0.0, 0,
+                                   float(k)) for k, s in statics.items()}
+    before = min(measured, key=lambda k: abs(k - auto["settled_before"]))
+    _, best, why, _ = search(before, before, measured, Limits(min(sizes), max(sizes)), 1, policy.judge)
+    cheapest = min(statics.values(), key=lambda s: s["ws_per_sample"])
+    ratio = auto_ws_per_sample / statics[best]["ws_per_sample"]
+    run.targets.at_most("midrun_ws_vs_best", f"worker-seconds per sample after the change / the best static choice's "
+                        f"({best} workers under the changed conditions)", ratio, 1.10)
+    run.targets.holds(f"re-settled at the new optimum: settled at {settled}, final {final}, best static {best}",
+                      settled == best and final == best)
+    rows = [[k, f"{s['median_step_s'] * 1e3:.0f}", f"{s['throughput']:.0f}", f"{s['ws_per_sample'] * 1e3:.2f}"]
+            for k, s in statics.items()]
+    path = auto["size_path"]
+    print("\n" + H.text_table(["workers", "static step (ms)", "samples/s", "worker-ms per sample"], rows))
+    print(f"\nautoscaled: path {path}, settled at {settled}, final {final}, re-plans {len(auto['replans'])}; "
+          f"worker-ms per sample after the change {auto_ws_per_sample * 1e3:.2f} = {ratio:.3f} x the best static "
+          f"choice ({best} workers: {why}); cheapest static: {cheapest['workers']} workers")
+    payload = {"benchmark": run.name, "environment": env0, "config": {
+        "steps": steps, "start": 6, "min_workers": lo, "max_workers": hi, "slowdown": SLOW, "static_steps": static_steps,
+        "static_warmup": warmup, "compute": emu.DESCRIPTION},
+        "autoscaled": auto, "auto_ws_per_sample_after_change": auto_ws_per_sample, "static": statics,
+        "best_static": best, "best_static_why": why, "cheapest_static": cheapest["workers"], "ratio": ratio,
+        "machine_load": {"loadavg_start": load0, "loadavg_end": os.getloadavg()}}
+    md = "\n".join([
+        f"# Autoscaling with a mid-run change (issue 18){' — quick run' if args.quick else ''}", "",
+        f"**Compute is EMULATED** ({EXAMPLE}, as bench/autoscale.py). The `efficiency` policy starts at 6 workers in "
+        f"[{lo}, {hi}], {steps} steps; once it has settled, the higher half of its workers "
+        f"(ids {auto['slowed']}, ranks {sorted(slowed)}) become {SLOW:g}x slower (`JobHandle.set_slowdown`: every VN they run sleeps "
+        f"{SLOW - 1:g}x its compute; VNs are not rebalanced: `balance` off). The policy re-plans when a settled "
+        f"size's throughput moves by more than 30 % (median of 10 steps).", "",
+        f"Autoscaled run: sizes {path}, settled at **{settled}** (final {final}), change injected at step "
+        f"{auto['change_step']}, re-plans: {auto['replans']}.", "",
+        f"Static runs under the changed conditions ({static_steps} steps, {warmup} warm-up; the workers at ranks "
+        f"{sorted(slowed)} slowed, as in the autoscaled run):", "",
+        H.md_table(["workers", "median step (ms)", "samples/s", "worker-ms per sample"], rows), "",
+        f"Best static choice for the changed conditions (the efficiency rule, threshold 0.1, from "
+        f"{before} workers, on these measurements): **{best}** workers ({why}); the cheapest static size in "
+        f"worker-seconds is {cheapest['workers']}.", "",
+        f"Worker-seconds per sample after the change (training: sum of workers x step time over the steps from the "
+        f"change on, the re-search included): autoscaled {auto_ws_per_sample * 1e3:.2f} ms vs best static "
+        f"{statics[best]['ws_per_sample'] * 1e3:.2f} ms = **{ratio:.3f}x**.", "",
+        f"Machine load: load average {load0[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end (shared 2-core VM).", "",
+        f"Reproduce: `{run.command(NAME, ' --midrun')}`",
+        "", H.env_markdown(env0),
+    ])
+    return run.finish(payload, md)
 
 
 if __name__ == "__main__":
