@@ -9,7 +9,9 @@ demand). Cluster: 8 V100 in one server. Round 360 s.
 Schedulers, on the same jobs in the same process:
 
 - ``elastic_fair`` + in-place resizing (virtualflow): the policy picks each job's GPU count by
-  weighted water-filling; a count change costs a ``RESIZE_COST_S`` pause;
+  weighted water-filling, shrinking jobs toward their minimum rather than time-sharing, and queues
+  (by weight, started jobs first) the jobs that do not fit even at their minimum; a count change
+  costs a ``RESIZE_COST_S`` pause;
 - ``priority_queue``: ``fifo`` ordered by weight then arrival, every job at its full demand, no
   resizing (a job waits until its demand fits; a higher-priority arrival can preempt);
 - ``elastic_fair`` + checkpoint-restart resizing: the same decisions, each resize costs
@@ -17,7 +19,8 @@ Schedulers, on the same jobs in the same process:
 - ``las`` (rigid, time-shared, no resizing) and an elastic priority queue (``ElasticPriorityQueue``
   below: the priority queue's order, but a job that does not fit at its demand starts at the
   largest count that fits, resized in place): context, to separate the gain of resizing from the
-  gain of fair sharing.
+  gain of fair sharing; ``elastic_fair`` with ``overload="time_share"`` (every job time-shares when
+  the minimums do not fit: the rotation preempts jobs every round, as before issue 17).
 
 Every preemption/resume or move costs ``RESTART_COST_S`` in all of them. Metric: median JCT over
 the 20 jobs; the reduction is 1 - elastic / priority queue per seed. Target (issue 6): >= 40 %
@@ -25,7 +28,13 @@ lower median JCT than the priority queue (VirtualFlow reported about 48 %).
 
 A second section replays the same jobs compressed in time: 1/20 of their steps (1.6-500 minutes
 instead of 0.5-166 hours) and arrivals 20x closer (240 jobs/h, so the same contention), with
-2-minute rounds: there a 45 s restart is no longer negligible next to a job's run time.
+2-minute rounds: there a 45 s restart is no longer negligible next to a job's run time. A third
+replays them shorter still (steps x 0.005) at a light load (arrivals x 0.15, 80 jobs/h) with
+1-minute rounds, where running jobs are resized most often.
+
+Second target (issue 17, key ``inplace_margin``): in-place resizing beats checkpoint-restart
+resizing (the same decisions, each resize costing ``RESTART_COST_S``) by >= 10 points of median
+reduction, in the best of the three sections.
 
 From the repository root::
 
@@ -66,13 +75,18 @@ from virtualflow.cluster.simulator import SimConfig, simulate
 from virtualflow.cluster.traces import GeneratorConfig, generate_jobs
 
 NAME = "elastic_jobs"
-TARGET_KEYS = ("reduction",)
+TARGET_KEYS = ("reduction", "inplace_margin")
 RESTART_COST_S = 45.0
 RESIZE_COST_S = 1.5
 TARGET_REDUCTION = 0.40
+TARGET_INPLACE_MARGIN = 0.10
+"""Issue 17: in-place resizing should beat checkpoint-restart resizing by >= 10 points of median-JCT reduction."""
 SHORT_SCALE = 0.05
 """Second section: the same jobs compressed in time (steps and arrivals x 1/20): change costs become visible."""
 SHORT_ROUND_S = 120.0
+CHURN_STEPS, CHURN_ARRIVALS, CHURN_ROUND_S = 0.005, 0.15, 60.0
+"""Third section: jobs of 10 s - 50 min, arrivals at 80 jobs/h, 1-minute rounds: a light load where
+jobs arrive and leave while others run, so the fair share resizes running jobs often."""
 SCHEDULERS = (
     # label, policy name, policy kwargs, elastic_resize
     ("elastic_fair (in place)", "elastic_fair", {}, "in_place"),
@@ -80,6 +94,7 @@ SCHEDULERS = (
     ("elastic_fair (ckpt-restart resize)", "elastic_fair", {}, "restart"),
     ("las (rigid, time-shared)", "las", {}, "in_place"),
     ("elastic priority queue", "elastic_pq", {}, "in_place"),
+    ("elastic_fair time-shared overload (in place)", "elastic_fair", {"overload": "time_share"}, "in_place"),
 )
 
 
@@ -111,13 +126,14 @@ def make_policy(name: str, **kw):
     return ElasticPriorityQueue() if name == "elastic_pq" else get_policy(name, **kw)
 
 
-def workload(table: ThroughputTable, seed: int, duration_scale: float = 1.0):
+def workload(table: ThroughputTable, seed: int, duration_scale: float = 1.0, arrival_scale: float | None = None):
     jobs = generate_jobs(table, GeneratorConfig(num_jobs=20, rate_per_hour=12.0, seed=seed, priorities=(1.0, 5.0, 10.0),
                                                 scale_choices=(1, 2, 4, 8), scale_probs=(0.25, 0.25, 0.25, 0.25),
                                                 elastic_fraction=1.0))
-    if duration_scale != 1.0:
+    arrival_scale = duration_scale if arrival_scale is None else arrival_scale
+    if duration_scale != 1.0 or arrival_scale != 1.0:
         jobs = [dataclasses.replace(j, total_steps=j.total_steps * duration_scale,
-                                    arrival_s=j.arrival_s * duration_scale) for j in jobs]
+                                    arrival_s=j.arrival_s * arrival_scale) for j in jobs]
     return jobs
 
 
@@ -129,7 +145,8 @@ def verdict(median: float, ci_low: float) -> str:
     return "NOT met"
 
 
-def run_config(table: ThroughputTable, seeds: list[int], duration_scale: float, round_s: float) -> dict:
+def run_config(table: ThroughputTable, seeds: list[int], duration_scale: float, round_s: float,
+               arrival_scale: float | None = None) -> dict:
     """Every scheduler on the same jobs, per seed."""
     cluster = Cluster(gpus={"v100": 8}, gpus_per_server={"v100": 8})
     labels = [s[0] for s in SCHEDULERS]
@@ -137,7 +154,7 @@ def run_config(table: ThroughputTable, seeds: list[int], duration_scale: float, 
     per: dict[str, dict[str, list[float]]] = {k: {lab: [] for lab in labels} for k in keys}
     jcts: dict[str, list[np.ndarray]] = {lab: [] for lab in labels}
     for seed in seeds:
-        jobs = workload(table, seed, duration_scale)
+        jobs = workload(table, seed, duration_scale, arrival_scale)
         for label, pol, kw, mode in SCHEDULERS:
             cfg = SimConfig(mechanism=MechanismConfig(round_s=round_s, restart_cost_s=RESTART_COST_S,
                                                       resize_cost_s=RESIZE_COST_S, elastic_resize=mode))
@@ -158,6 +175,8 @@ def run_config(table: ThroughputTable, seeds: list[int], duration_scale: float, 
     rng = np.random.default_rng(0)
     boot = np.median(rng.choice(red, size=(10_000, len(red)), replace=True), axis=1)
     lo, hi = np.percentile(boot, [2.5, 97.5])
+    margin = float(np.median(red) - np.median(red_ck))
+    margin_per_seed = red - red_ck
     first10 = float(np.median(red[:10]))
     blocks = [float(np.median(red[i:i + 10])) for i in range(0, len(red) - 9, 10)]
     header = ["seed"] + [f"{lab} median JCT (h)" for lab in labels] + ["reduction vs PQ (in place)",
@@ -185,6 +204,11 @@ def run_config(table: ThroughputTable, seeds: list[int], duration_scale: float, 
         f"{int((red >= TARGET_REDUCTION).sum())} seeds reach {TARGET_REDUCTION:.0%}), {np.median(red_ck):.0%} with "
         f"checkpoint-restart resizing.{blocks_md}",
         "",
+        f"In place vs checkpoint-restart resizing (same decisions, resize cost {RESIZE_COST_S} s vs "
+        f"{RESTART_COST_S:.0f} s): **{margin * 100:+.1f} points** of median reduction (per seed: median "
+        f"{np.median(margin_per_seed) * 100:+.1f}, max {margin_per_seed.max() * 100:+.1f} points); target >= "
+        f"{TARGET_INPLACE_MARGIN * 100:.0f} points: {'met' if margin >= TARGET_INPLACE_MARGIN else 'NOT met'}.",
+        "",
         f"Target >= {TARGET_REDUCTION:.0%}: {verdict(float(np.median(red)), float(lo))}.",
         "",
         "Means over seeds (per run, all 20 jobs):",
@@ -195,7 +219,8 @@ def run_config(table: ThroughputTable, seeds: list[int], duration_scale: float, 
     r6 = lambda v: [float(f"{x:.6g}") for x in v]  # noqa: E731
     return {"duration_scale": duration_scale, "round_s": round_s,
             "median_reduction": float(np.median(red)), "median_reduction_ci95": [float(lo), float(hi)],
-            "median_reduction_ckpt": float(np.median(red_ck)), "verdict": verdict(float(np.median(red)), float(lo)),
+            "median_reduction_ckpt": float(np.median(red_ck)), "inplace_margin": margin,
+            "verdict": verdict(float(np.median(red)), float(lo)),
             "first_10_seeds_median_reduction": first10, "ten_seed_block_medians": blocks,
             "means": agg,
             "per_seed": {"seed": list(seeds), "reduction_vs_pq": r6(red), "reduction_ckpt_vs_pq": r6(red_ck),
@@ -227,7 +252,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def markdown(run: H.Run, seeds: list[int], main_cfg: dict, short: dict, wall: float) -> str:
+def markdown(run: H.Run, seeds: list[int], main_cfg: dict, short: dict, churn: dict, wall: float) -> str:
     return "\n".join([
         f"# Elastic jobs: elastic weighted fair share vs a priority queue ({'quick' if run.quick else 'full'} run)",
         "",
@@ -247,6 +272,15 @@ def markdown(run: H.Run, seeds: list[int], main_cfg: dict, short: dict, wall: fl
         "",
         short["markdown"],
         "",
+        f"## Short jobs at a light load: steps x {CHURN_STEPS:g} (durations {CHURN_STEPS * 10 ** 1.5 * 60:.0f} s-"
+        f"{CHURN_STEPS * 1e4:.0f} min), arrivals x {CHURN_ARRIVALS:g} ({12 / CHURN_ARRIVALS:.0f} jobs/h), round "
+        f"{CHURN_ROUND_S:.0f} s",
+        "",
+        "Jobs arrive and leave while others run, so the fair share resizes running jobs often: where "
+        "resizing in place should pay most.",
+        "",
+        churn["markdown"],
+        "",
         H.env_markdown(),
     ])
 
@@ -259,20 +293,26 @@ def main(argv: list[str] | None = None) -> int:
     print(H.banner("VirtualFlow scheduling experiment: 20 elastic jobs on 8 V100s"))
     main_cfg = run_config(table, seeds, 1.0, 360.0)
     short = run_config(table, seeds, SHORT_SCALE, SHORT_ROUND_S)
+    churn = run_config(table, seeds, CHURN_STEPS, CHURN_ROUND_S, arrival_scale=CHURN_ARRIVALS)
     run.targets.at_least("reduction", f"median over {len(seeds)} seeds of the median-JCT reduction vs the priority "
                                       f"queue (in-place resizing; 95 % interval "
                                       f"{main_cfg['median_reduction_ci95'][0]:.0%}-"
                                       f"{main_cfg['median_reduction_ci95'][1]:.0%})",
                          main_cfg["median_reduction"], TARGET_REDUCTION)
+    best = max((main_cfg, short, churn), key=lambda c: c["inplace_margin"])
+    run.targets.at_least("inplace_margin", f"median-JCT reduction, in-place minus checkpoint-restart resizing, "
+                                           f"points/100 (best of the three sections: steps x {best['duration_scale']:g})",
+                         best["inplace_margin"], TARGET_INPLACE_MARGIN)
     wall = run.elapsed_s
-    md = markdown(run, seeds, main_cfg, short, wall)
+    md = markdown(run, seeds, main_cfg, short, churn, wall)
     strip = lambda d: {k: v for k, v in d.items() if k not in ("pooled_jct_s", "markdown")}  # noqa: E731
     payload = {"config": {"seeds": f"{seeds[0]}-{seeds[-1]}" if seeds == list(range(seeds[0], seeds[-1] + 1))
                           else seeds, "jobs": 20, "rate_per_hour": 12.0, "priorities": [1, 5, 10],
                           "demands": [1, 2, 4, 8], "cluster": "v100=8 (1 server)", "restart_cost_s": RESTART_COST_S,
                           "resize_cost_s": RESIZE_COST_S, "quick": args.quick,
                           "schedulers": [s[0] for s in SCHEDULERS]},
-               "main": strip(main_cfg), "short_jobs": strip(short), "wall_s": wall, "environment": H.environment()}
+               "main": strip(main_cfg), "short_jobs": strip(short), "short_jobs_light_load": strip(churn),
+               "wall_s": wall, "environment": H.environment()}
     try:
         plot_jct_cdf(main_cfg["pooled_jct_s"], run.path("_cdf.png"),
                      title=f"JCT CDF, {len(seeds)} seeds x 20 jobs pooled")

@@ -387,6 +387,11 @@ def test_cli_simulate_module(tmp_path, capsys):
     assert "las: 20/20 jobs done" in out and "cost $" in out
     summary = json.load(open(tmp_path / "summary.json"))
     assert summary["finished"] == 20 and summary["unfinished"] == 0 and summary["cost_usd"] > 0
+    # Gavel's round mechanics: the same jobs complete (the mechanism only changes who runs when).
+    args = parser.parse_args(["simulate", "--cluster", "v100=4,p100=4,k80=4", "--trace", trace, "--policy", "las",
+                              "--no-progress", "--mechanism", "gavel", "--restart-cost-s", "0"])
+    assert args.func(args) == 0
+    assert "las: 20/20 jobs done" in capsys.readouterr().out
     args = parser.parse_args(["simulate", "--generate", "rate=2,jobs=20,seed=0", "--window", "5", "--no-progress"])
     with pytest.raises(ValueError, match="--window '5' must be LO:HI"):
         args.func(args)

@@ -44,6 +44,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds lost per checkpoint-restart (preemption, move) (default 45)")
     p.add_argument("--resize-cost-s", type=float, default=1.5,
                    help="seconds lost per in-place resize of an elastic job (default 1.5)")
+    p.add_argument("--mechanism", choices=("virtualflow", "gavel"), default="virtualflow",
+                   help="round mechanics: virtualflow (one global priority queue, consolidated placement only) or "
+                        "gavel (per-type queues fastest type first, equal priors, carried deficits, spread "
+                        "placement when no consolidated one exists) (default virtualflow)")
     p.add_argument("--elastic-resize", choices=("in_place", "restart"), default="in_place",
                    help="how elastic jobs change GPU count (default in_place)")
     p.add_argument("--recompute", choices=("on_change", "every_round"), default="on_change",
@@ -129,8 +133,9 @@ def main(args: argparse.Namespace) -> int:
         source = f"generated {cfg.num_jobs} jobs at {cfg.rate_per_hour} jobs/h, seed {cfg.seed}"
     policy = get_policy(args.policy)
     sim_cfg = SimConfig(
-        mechanism=MechanismConfig(round_s=args.round_s, restart_cost_s=args.restart_cost_s,
-                                  resize_cost_s=args.resize_cost_s, elastic_resize=args.elastic_resize),
+        mechanism=(MechanismConfig.gavel if args.mechanism == "gavel" else MechanismConfig)(
+            round_s=args.round_s, restart_cost_s=args.restart_cost_s, resize_cost_s=args.resize_cost_s,
+            elastic_resize=args.elastic_resize),
         recompute=args.recompute, window=parse_window(args.window),
         max_sim_s=args.max_hours * 3600.0 if args.max_hours else None, progress=not args.no_progress)
     log.info("simulating %s on %s (%d GPUs), %s", args.policy, args.cluster, cluster.total_gpus, source)

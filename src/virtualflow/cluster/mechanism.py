@@ -33,6 +33,16 @@ minutes, Gavel's value):
      too costs ``restart_cost_s`` (the checkpoint-restart way of resizing);
    - ``start_cost_s`` (default 0) on its very first start (the same for every policy).
 
+Gavel's mechanics, as options (``MechanismConfig.gavel()`` sets them all; docs/cluster.md compares):
+``order="per_type"`` fills the types one after another in the cluster's order, each from its own
+queue sorted by priority, then carried deficit, then X (priorities then compare within a type:
+``share`` is the row's fraction of the type's received time); ``prior="equal"`` starts every row
+with the same half round on every type after an allocation change (so the first round goes by
+allocation size, not lease holders first); ``carry_deficits=True`` keeps each row's owed-minus-
+received time across allocation changes as the tie-breaker; ``placement="spread"`` runs a row on
+any free GPUs of the type when no consolidated placement exists (no slowdown is charged for it,
+as in Gavel's simulator).
+
 Invariants: a round never uses more GPUs of a type than exist (or of a server than it holds);
 every job runs on one type, whole, on the fewest servers; a job appears in at most one scheduled row. The mechanism is
 pure bookkeeping: it has no clock, the caller passes times in.
