@@ -20,3 +20,14 @@ def paced_adam() -> "jobs.vf.Job":
 def crashing() -> "jobs.vf.Job":
     """Fails in its first steps (one sample of its dataset raises)."""
     return jobs.crashing_job()
+
+
+def _slow_paced_mse(model, batch):
+    jobs.time.sleep(0.012 * len(batch[0]) / 8)  # 12 ms per 8 samples: about 0.1 s a step on one worker
+    return jobs.mse(model, batch)
+
+
+def paced_slow() -> "jobs.vf.Job":
+    """``paced`` three times slower per sample (sleep-bound: a step takes about 0.1 s on one
+    worker on any machine), so it is still running when later jobs arrive."""
+    return jobs.paced_regression_job().replace(loss=_slow_paced_mse)

@@ -71,7 +71,7 @@ def submit(d, *args):
     assert cli_main.main(["submit", *args, "--dir", d, "--deterministic", "--checkpoint-every", "5"]) == 0
 
 
-TRACE = (("paced", 100), ("paced_adam", 30), ("paced", 100))  # jobs 1 and 3 share their standalone reference
+TRACE = (("paced_slow", 100), ("paced_adam", 30), ("paced", 60))
 
 
 def test_trace_survives_sigkill_and_every_job_matches_its_standalone_run(tmp_path):
@@ -80,16 +80,16 @@ def test_trace_survives_sigkill_and_every_job_matches_its_standalone_run(tmp_pat
     handles = {(name, steps): vf.launch(f"{JOBS}:{name}", workers=1, steps=steps, deterministic=True)
                for name, steps in set(TRACE)}
     d = str(tmp_path / "cluster")
-    slots = ["--slots", "v100=2,k80=1", "--slowdowns", "k80=2", "--round-s", "3"]
+    slots = ["--slots", "v100=2,k80=1", "--slowdowns", "k80=2", "--round-s", "2"]
     cli("cluster", "start", "--dir", d, "--policy", "elastic_fair", *slots)
     db = ClusterDB(d)
     try:
         # The elastic job alone gets both V100s; two rigid arrivals make elastic_fair shrink it to one
         # worker (in place when it stays on a V100, by a move otherwise), and it grows back later.
-        submit(d, f"{JOBS}:paced", "--steps", "100", "--elastic", "--max-workers", "2")
-        wait_until(lambda: db.job(1).state == "running" and db.job(1).steps_done >= 3, 60, "job 1 running")
+        submit(d, f"{JOBS}:paced_slow", "--steps", "100", "--elastic", "--max-workers", "2")
+        wait_until(lambda: db.job(1).state == "running" and db.job(1).steps_done >= 1, 60, "job 1 running")
         submit(d, f"{JOBS}:paced_adam", "--steps", "30")
-        submit(d, f"{JOBS}:paced", "--steps", "100")
+        submit(d, f"{JOBS}:paced", "--steps", "60")
         # Kill -9 once every job has made progress past a checkpoint (or ended).
         wait_until(lambda: all(j.steps_done >= 6 or j.final for j in db.jobs()), 90, "progress of every job")
         pid = service_pid(db)
@@ -100,11 +100,11 @@ def test_trace_survives_sigkill_and_every_job_matches_its_standalone_run(tmp_pat
         restarted_at = time.time()
         # Its jobs' workers lose their coordinator: members exit at their next step; the restarted
         # service kills what is left (a worker still starting can wait much longer).
-        # Started again in the foreground this time (one interpreter less to start), under fifo (no
-        # rotation between types: a short end of the trace).
+        # Started again in the foreground this time (one interpreter less to start), under fifo, and
+        # with --min-run-s: a job stays where it restarted for 20 s (no moves: a short end of the trace).
         env = dict(os.environ, OMP_NUM_THREADS="1")
         service = subprocess.Popen([sys.executable, "-m", "virtualflow.cli.main", "cluster", "start", "--dir", d,
-                                    "--policy", "fifo", "--foreground", *slots], cwd=ROOT, env=env,
+                                    "--policy", "fifo", "--min-run-s", "20", "--foreground", *slots], cwd=ROOT, env=env,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_until(lambda: all(j.final for j in db.jobs()), 150, "every job's completion")
         assert cli_main.main(["cluster", "stop", "--dir", d]) == 0
