@@ -247,7 +247,8 @@ def test_consolidated_placement_best_fit_and_fragmentation():
     mech.set_allocation(Allocation(rows=[(0,)], X=np.ones((1, 1)), gpus={0: 8}))
     assert mech.plan_round({0}).placements[0].servers == ((0, 4), (1, 4))
 
-    mech = RoundMechanism(cluster)
+    # (3) with the counters starting at the allocation (priority 1 for all: lease holders first).
+    mech = RoundMechanism(cluster, MechanismConfig(prior="allocation"))
     mech.set_allocation(Allocation(rows=[(0,), (1,)], X=np.ones((2, 1)), gpus={0: 3, 1: 3}))
     first = mech.plan_round({0, 1})
     assert sorted(p.servers for p in first.placements.values()) == [((0, 3),), ((1, 3),)]
