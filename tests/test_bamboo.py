@@ -246,6 +246,7 @@ def test_a_single_pipeline_fails_over_in_any_phase_and_trains_the_undisturbed_mo
     assert [h["step"] for h in result.history] == list(range(7))
     # The replica each survivor holds at the end (reported): its successor's stage.
     assert sorted(result.replica_bytes) == [0, 2] and all(b > 0 for b in result.replica_bytes.values())
+    assert sorted(result.replica_refresh_s) == [0, 2] and all(t > 0 for t in result.replica_refresh_s.values())
     with open(os.path.join(run_dir, "events.jsonl")) as f:
         events = [json.loads(line) for line in f]
     failover = [e for e in events if e["event"] == "failover"]

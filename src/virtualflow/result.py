@@ -42,6 +42,9 @@ class Result:
     replica_bytes: dict[int, int] = field(default_factory=dict)
     """``Pipeline(redundancy=True)``: bytes of each worker's replica of its successor's stage at
     the end (parameters, buffers, optimizer state; worker id -> bytes; 0 without redundancy)."""
+    replica_refresh_s: dict[int, float] = field(default_factory=dict)
+    """``Pipeline(redundancy=True)``: the redundant compute, seconds each worker spent taking its
+    successor's steps on its replica (worker id -> seconds; since the worker's last re-layout)."""
     generations: int = 1
     """Membership generations the job went through (1: no resize, no failure)."""
     failures: list[dict[str, Any]] = field(default_factory=list)

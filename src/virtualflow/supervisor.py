@@ -322,6 +322,7 @@ class Supervisor:
             peak_rss_mib={w: i["peak_rss_mib"] for w, i in p.workers.items() if "peak_rss_mib" in i},
             optimizer_bytes={w: i["optimizer_bytes"] for w, i in p.workers.items() if "optimizer_bytes" in i},
             replica_bytes={w: i["replica_bytes"] for w, i in p.workers.items() if "replica_bytes" in i},
+            replica_refresh_s={w: i["replica_refresh_s"] for w, i in p.workers.items() if "replica_refresh_s" in i},
             generations=self.controller.generation + 1,
             failures=list(self.controller.failures),
             autoscale=self.autoscaler.summary() if self.autoscaler is not None else None,

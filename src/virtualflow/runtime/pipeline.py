@@ -789,10 +789,17 @@ class StageReplica:
         self.scheduler = (scheduler_factory(self.optimizer) if scheduler_factory is not None and self.params
                           else None)
         self.bn = {k: _PieceBatchNorm(m) for k, m in self.pieces.items()}
+        self.refresh_s = 0.0
+        """Time spent taking the original's steps (the redundant compute), in seconds."""
 
     def apply(self, message: list[torch.Tensor]) -> None:
         """The original's step: ``message`` = [its reduced gradients (flat) | its new BatchNorm
         statistics (or empty) | its buffers after the step's forwards]."""
+        t0 = time.perf_counter()
+        self._apply(message)
+        self.refresh_s += time.perf_counter() - t0
+
+    def _apply(self, message: list[torch.Tensor]) -> None:
         grads, bn_new, *buffers = message
         with torch.no_grad():
             for b, value in zip(self.model.buffers(), buffers):

@@ -728,7 +728,8 @@ class Worker:
         optimizer_bytes = 0 if self.pipelined else self.engine.optimizer_state_bytes()
         replica = self.engine.stage.replica_of_successor if self.pipelined and self.engine.stage is not None else None
         self.report({"type": "done", "step": step, "rank": group.rank, "peak_rss_mib": _peak_rss_mib(),
-                     "optimizer_bytes": optimizer_bytes, "replica_bytes": replica.nbytes() if replica else 0})
+                     "optimizer_bytes": optimizer_bytes, "replica_bytes": replica.nbytes() if replica else 0,
+                     "replica_refresh_s": replica.refresh_s if replica else 0.0})
         self.heartbeat.stop()
         if group.pg is not None:
             try:
