@@ -212,13 +212,18 @@ def elastic_allowed(inp) -> list[list[int]]:
     return out
 
 
-def elastic_admitted(inp) -> list[bool]:
-    """Everyone if the minimum counts fit; else by weight, started first, arrival, id (backfilling)."""
+def elastic_admitted(inp, overload: str = "least_attained") -> list[bool]:
+    """Everyone if the minimum counts fit; else in the overload's order (backfilling)."""
     total = sum(inp.cluster.gpus.values())
     lo = [min(a) for a in elastic_allowed(inp)]
     if sum(lo) <= total:
         return [True] * len(inp.jobs)
-    key = lambda i: (-inp.jobs[i].weight, not inp.steps_done[i] > 0, inp.jobs[i].arrival_s, inp.jobs[i].job_id)
+    if overload == "least_attained" and inp.time_received_s is not None:
+        key = lambda i: (sum(inp.time_received_s[i]) / inp.jobs[i].weight, -inp.jobs[i].weight,  # noqa: E731
+                         inp.jobs[i].arrival_s, inp.jobs[i].job_id)
+    else:
+        key = lambda i: (-inp.jobs[i].weight, not inp.steps_done[i] > 0, inp.jobs[i].arrival_s,  # noqa: E731
+                         inp.jobs[i].job_id)
     ok, free = [False] * len(inp.jobs), total
     for i in sorted(range(len(inp.jobs)), key=key):
         if lo[i] <= free:
@@ -263,9 +268,9 @@ def elastic_counts(inp, admitted=None) -> list[int]:
     return g
 
 
-def elastic_fair(inp, overload: str = "queue"):
+def elastic_fair(inp, overload: str = "least_attained"):
     """(LAS value over the admitted jobs, X of every job (0 for those waiting), counts)."""
-    adm = elastic_admitted(inp) if overload == "queue" else [True] * len(inp.jobs)
+    adm = elastic_admitted(inp, overload) if overload != "time_share" else [True] * len(inp.jobs)
     g = elastic_counts(inp, adm)
     ids = [i for i in range(len(inp.jobs)) if adm[i]]
     sub = PolicyInput(jobs=[inp.jobs[i] for i in ids], cluster=inp.cluster, table=inp.table)

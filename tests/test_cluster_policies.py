@@ -453,7 +453,7 @@ def test_elastic_fair_queues_instead_of_rotating_when_minimums_do_not_fit():
                     weight=5.0 if i == 10 else 1.0) for i in range(11)]
     steps = np.array([0.0] * 8 + [0.0, 7.0, 0.0])  # job 9 already ran (then waited), 8 never did
     inp = PolicyInput(jobs=jobs, cluster=cluster, table=table, steps_done=steps)
-    alloc = get_policy("elastic_fair").allocate(inp)
+    alloc = get_policy("elastic_fair", overload="queue").allocate(inp)
     check_allocation(alloc, inp)
     X = single_X(alloc, inp)[:, 0]
     running = {j.job_id for j, x in zip(jobs, X) if x > 0.5}
@@ -462,11 +462,34 @@ def test_elastic_fair_queues_instead_of_rotating_when_minimums_do_not_fit():
     np.testing.assert_allclose(np.delete(X, sorted(running)), 0.0)
     assert all(alloc.gpus[i] == 1 for i in range(11))
     assert sorted(alloc.info["admitted"]) == sorted(running)
-    want, Xref, counts = ref.elastic_fair(inp)
+    want, Xref, counts = ref.elastic_fair(inp, "queue")
     assert close(alloc.objective, want) and counts == [1] * 11
     np.testing.assert_allclose(np.delete(Xref[:, 0], sorted(running)), 0.0)  # the reference queues the same jobs
     # The old behaviour stays available: every job time-shares (the heavy one gets all the time it can use).
     ts = get_policy("elastic_fair", overload="time_share").allocate(inp)
     np.testing.assert_allclose(single_X(ts, inp)[:, 0], [0.7] * 10 + [1.0], atol=1e-6)
-    with pytest.raises(ValueError, match="overload='rotate' must be 'queue' or 'time_share'"):
+    with pytest.raises(ValueError, match="overload='rotate' must be 'queue', 'least_attained' or 'time_share'"):
         get_policy("elastic_fair", overload="rotate")
+
+
+def test_elastic_fair_admits_least_attained_service_first_when_overloaded():
+    """The default overload rule: 10 elastic jobs of min 1 GPU on 8 GPUs; the two that have
+    received the most GPU-time per unit of weight wait. Job 0 ran 5 h at weight 1; job 1 ran 8 h
+    at weight 5 (1.6 h per unit: it stays in); job 2 ran 3 h at weight 1. Jobs 3-9 never ran.
+    Without ``time_received_s`` (a caller that does not track it) the weight order applies."""
+    table = ThroughputTable.from_dict({"m": {"v100": {1: 1.0, 2: 1.9, 4: 3.6, 8: 6.8}}})
+    cluster = Cluster(gpus={"v100": 8})
+    jobs = [JobSpec(job_id=i, job_type="m", scale_factor=4, min_gpus=1, total_steps=1e6, arrival_s=float(i),
+                    weight=5.0 if i == 1 else 1.0) for i in range(10)]
+    received = np.zeros((10, 1))
+    received[[0, 1, 2], 0] = [5 * 3600.0, 8 * 3600.0, 3 * 3600.0]
+    inp = PolicyInput(jobs=jobs, cluster=cluster, table=table, time_received_s=received,
+                      steps_done=np.where(received[:, 0] > 0, 10.0, 0.0))
+    alloc = get_policy("elastic_fair").allocate(inp)
+    check_allocation(alloc, inp)
+    assert sorted(alloc.info["admitted"]) == [1, 3, 4, 5, 6, 7, 8, 9]
+    want, _, counts = ref.elastic_fair(inp)
+    assert close(alloc.objective, want) and counts == [1] * 10
+    assert ref.elastic_admitted(inp) == [i in alloc.info["admitted"] for i in range(10)]
+    no_history = PolicyInput(jobs=jobs, cluster=cluster, table=table)
+    assert sorted(get_policy("elastic_fair").allocate(no_history).info["admitted"]) == [0, 1, 2, 3, 4, 5, 6, 7]

@@ -13,15 +13,18 @@ count, then share the accelerator types fairly and heterogeneity-aware at those 
    job's minimum), elastic jobs are **shrunk toward their minimum**, one allowed count at a time,
    the job furthest above its share first (ties: lower weight, later arrival, higher id), until
    they fit: every job then runs all the time and nobody is preempted to make room.
-2. **Admission when even the minimums do not fit** (``overload="queue"``, the default). Jobs are
-   admitted by descending weight, then jobs that have already started (``steps_done > 0``) before
-   those that have not, then arrival and id, each at its minimum count (its ``scale_factor`` if
-   rigid), skipping one that does not fit (a smaller one behind it may); step 1 then shares the
-   cluster among the admitted jobs only, and the others wait (``X = 0``) at their minimum count. So
-   an elastic job is preempted only for a job of higher weight, never to rotate GPU-time among
-   equals; when a job leaves, the others grow back (in place). ``overload="time_share"`` keeps every
-   job and lets the max-min LP time-share the cluster (Gavel's way: the mechanism then rotates jobs
-   round by round, each rotation a preemption).
+2. **Admission when even the minimums do not fit.** Jobs are admitted in an order, each at its
+   minimum count (its ``scale_factor`` if rigid), skipping one that does not fit (a smaller one
+   behind it may); step 1 then shares the cluster among the admitted jobs only, and the others
+   wait (``X = 0``) at their minimum count. The order (``overload``): ``"least_attained"`` (the
+   default) by least GPU-time received so far per unit of weight (``time_received_s`` summed over
+   types, divided by the weight; ties: weight, arrival, id), so with job sizes unknown and heavy-
+   tailed a short job is not stuck behind long ones (Tiresias' discretised LAS); the admitted set
+   changes only when the policy is re-solved (arrivals, completions), so a job is preempted at
+   most once per such event, not every round. ``"queue"``: by descending weight, then jobs that
+   have already started (``steps_done > 0``), then arrival and id: a job is preempted only for a
+   heavier one. ``"time_share"`` keeps every job and lets the max-min LP time-share the cluster
+   (Gavel's way: the mechanism then rotates jobs round by round, each rotation a preemption).
 3. **Time shares.** Heterogeneity-aware weighted max-min fairness (``las``) at those counts, filled.
 
 Resizing in place is what makes this pay: when a job arrives or leaves, elastic jobs shrink or grow
@@ -79,7 +82,7 @@ def allowed_counts(inp: PolicyInput) -> list[np.ndarray]:
     return out
 
 
-def admit(inp: PolicyInput, allowed: list[np.ndarray]) -> np.ndarray:
+def admit(inp: PolicyInput, allowed: list[np.ndarray], by: str = "weight") -> np.ndarray:
     """Step 2 of the module docstring: which jobs run (bool per job)."""
     total = inp.capacities.sum()
     lo = np.array([a[0] for a in allowed], dtype=float)
@@ -87,7 +90,13 @@ def admit(inp: PolicyInput, allowed: list[np.ndarray]) -> np.ndarray:
         return np.ones(inp.n, dtype=bool)
     started = inp.steps_done > 0
     arrival = np.array([j.arrival_s for j in inp.jobs])
-    order = np.lexsort((inp.job_ids, arrival, ~started, -inp.weights))
+    if by == "attained" and inp.time_received_s is not None:
+        # Least attained service per unit of weight first (Tiresias-style, weighted): short jobs
+        # are not stuck behind long ones, whose sizes nobody knows in advance.
+        attained = inp.time_received_s.sum(axis=1) / inp.weights
+        order = np.lexsort((inp.job_ids, arrival, -inp.weights, attained))
+    else:
+        order = np.lexsort((inp.job_ids, arrival, ~started, -inp.weights))
     ok = np.zeros(inp.n, dtype=bool)
     free = total
     for i in order:
@@ -141,18 +150,23 @@ class ElasticFair:
 
     name: str = "elastic_fair"
     fill: bool = True
-    overload: str = "queue"
-    """When the jobs do not fit even at their minimum counts: ``"queue"`` (admit by weight, the
-    others wait; no rotation) or ``"time_share"`` (every job time-shares, Gavel's way)."""
+    overload: str = "least_attained"
+    """When the jobs do not fit even at their minimum counts: ``"least_attained"`` (admit by least
+    GPU-time received per unit of weight, ``PolicyInput.time_received_s``; by weight when it is not
+    given), ``"queue"`` (admit by weight, started jobs first: no rotation at all) or
+    ``"time_share"`` (every job time-shares, Gavel's way: the mechanism rotates jobs every round)."""
 
     def __post_init__(self) -> None:
-        if self.overload not in ("queue", "time_share"):
-            raise ValueError(f"overload={self.overload!r} must be 'queue' or 'time_share'")
+        if self.overload not in ("queue", "least_attained", "time_share"):
+            raise ValueError(f"overload={self.overload!r} must be 'queue', 'least_attained' or 'time_share'")
 
     def allocate(self, inp: PolicyInput) -> Allocation:
         if inp.n == 0:
             return single_rows(inp, np.zeros((0, len(inp.types))), 0.0, gpus={})
-        adm = admit(inp, allowed_counts(inp)) if self.overload == "queue" else np.ones(inp.n, dtype=bool)
+        if self.overload == "time_share":
+            adm = np.ones(inp.n, dtype=bool)
+        else:
+            adm = admit(inp, allowed_counts(inp), by="attained" if self.overload == "least_attained" else "weight")
         g = choose_gpu_counts(inp, adm)
         T, runnable = inp.with_scales(g)
         runnable = runnable & adm[:, None]
