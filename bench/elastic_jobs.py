@@ -9,9 +9,10 @@ demand). Cluster: 8 V100 in one server. Round 360 s.
 Schedulers, on the same jobs in the same process:
 
 - ``elastic_fair`` + in-place resizing (virtualflow): the policy picks each job's GPU count by
-  weighted water-filling, shrinking jobs toward their minimum rather than time-sharing, and queues
-  (by weight, started jobs first) the jobs that do not fit even at their minimum; a count change
-  costs a ``RESIZE_COST_S`` pause;
+  weighted water-filling, shrinking jobs toward their minimum rather than time-sharing, and when
+  even the minimums do not fit admits jobs by least GPU-time received per unit of weight (the
+  others wait; the set changes only on arrivals and completions); a count change costs a
+  ``RESIZE_COST_S`` pause;
 - ``priority_queue``: ``fifo`` ordered by weight then arrival, every job at its full demand, no
   resizing (a job waits until its demand fits; a higher-priority arrival can preempt);
 - ``elastic_fair`` + checkpoint-restart resizing: the same decisions, each resize costs
