@@ -259,7 +259,7 @@ def markdown(run: H.Run, seeds: list[int], main_cfg: dict, short: dict, churn: d
         "",
         f"`{run.command(NAME)}` — seeds {seeds[0]}-{seeds[-1]}; 20 jobs per seed, Poisson 12 jobs/h, weights "
         f"{{1, 5, 10}}, demands {{1, 2, 4, 8}} GPUs (every job elastic, min 1 GPU), 8 V100 in one server, restart "
-        f"{RESTART_COST_S:.0f} s, in-place resize {RESIZE_COST_S} s; {wall:.0f} s wall for both sections.",
+        f"{RESTART_COST_S:.0f} s, in-place resize {RESIZE_COST_S} s; {wall:.0f} s wall for the three sections.",
         "",
         "## Gavel's durations (the issue's workload), round 360 s",
         "",
