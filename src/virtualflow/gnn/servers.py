@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from virtualflow.gnn.layers import LayerSpec, graph_op
-from virtualflow.gnn.workers import run_tensor_task
+from virtualflow.gnn.workers import incoming, run_tensor_task
 
 log = logging.getLogger(__name__)
 
@@ -156,14 +156,7 @@ def serve(conn, part: ServerPart) -> None:
     """A graph server process: requests in order from the driver's pipe; replies for tagged ones."""
     torch.set_num_threads(1)
     server = GraphServer(part)
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            return
-        if msg is None:
-            return
-        tag, req = msg
+    for tag, req in incoming(conn):
         try:
             out = server.handle(req)
         except Exception as exc:  # reported to the driver, which fails the run with it

@@ -109,10 +109,9 @@ def run_tensor_task(specs: Sequence[LayerSpec], activation: str, task: dict) -> 
     return res
 
 
-def tensor_worker(conn, specs: Sequence[LayerSpec], activation: str, limits: WorkerLimits) -> None:
-    """A tensor worker process: ``(tag, task)`` in, ``(tag, result)`` out, nothing kept between tasks."""
-    torch.set_num_threads(1)
-    first = True
+def incoming(conn):
+    """The driver's ``(tag, payload)`` messages on a process's pipe, until it closes the pipe or
+    sends ``None`` (the loop of every graph server and tensor worker process)."""
     while True:
         try:
             msg = conn.recv()
@@ -120,7 +119,14 @@ def tensor_worker(conn, specs: Sequence[LayerSpec], activation: str, limits: Wor
             return
         if msg is None:
             return
-        tag, task = msg
+        yield msg
+
+
+def tensor_worker(conn, specs: Sequence[LayerSpec], activation: str, limits: WorkerLimits) -> None:
+    """A tensor worker process: ``(tag, task)`` in, ``(tag, result)`` out, nothing kept between tasks."""
+    torch.set_num_threads(1)
+    first = True
+    for tag, task in incoming(conn):
         if task.get("op") == "ping":
             conn.send((tag, "pong"))
             continue
