@@ -184,6 +184,9 @@ def test_recovery_after_a_crash():
     assert recovery_action("running", done, True, 40) == "done"
     assert recovery_action("running", {"status": "stopped", "steps_completed": 12}, True, 40) == "resume"
     assert recovery_action("running", None, False, 40) == "restart"
+    # The workers wrote final.pt at the last step, the service died before the summary: done.
+    assert recovery_action("running", None, True, 40, state_step=40) == "done"
+    assert recovery_action("running", None, True, 40, state_step=12) == "resume"
     assert recovery_action("queued", None, True, 40) == "keep"
     assert recovery_action("done", done, True, 40) == "keep"
 

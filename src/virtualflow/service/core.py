@@ -382,11 +382,13 @@ def _replace(view: JobView, **fields: object) -> JobView:
     return JobView(**d)
 
 
-def recovery_action(state: str, summary: dict | None, has_state: bool, total_steps: int) -> str:
+def recovery_action(state: str, summary: dict | None, has_state: bool, total_steps: int,
+                    state_step: int | None = None) -> str:
     """What a restarted service does with a job its database says was ``state`` (pure):
 
     - ``"done"``: the job's run directory says it completed all its steps (the service died after
-      the job ended but before it recorded so): recorded as done, never run again;
+      the job ended but before it recorded so; ``state_step``: the step of its newest state file,
+      which the workers write before the service's summary): recorded as done, never run again;
     - ``"resume"``: it was running: queued again, to continue from its newest state file
       (``has_state``), or from the start when it has none;
     - ``"keep"``: nothing to recover (queued, or already final).
@@ -395,4 +397,6 @@ def recovery_action(state: str, summary: dict | None, has_state: bool, total_ste
         return "keep"
     if summary is not None and summary.get("status") == "done" and summary.get("steps_completed") == total_steps:
         return "done"
+    if state_step is not None and state_step >= total_steps:
+        return "done"  # the workers wrote the final state; the service died before the summary
     return "resume" if has_state else "restart"

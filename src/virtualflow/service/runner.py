@@ -157,7 +157,8 @@ class Service:
             _wait_orphans(row.run_dir)
             summary = _read_json(os.path.join(row.run_dir, "summary.json"))
             has_state = _has_state(row.run_dir)
-            what = recovery_action(row.state, summary, has_state, row.steps)
+            what = recovery_action(row.state, summary, has_state, row.steps,
+                                   _final_step(row.run_dir) if has_state else None)
             if what == "done":
                 self.db.set_job_state(row.id, "done", event="done", finished_s=now, steps_done=row.steps,
                                       acc_type=None, workers=0, slots=[])
@@ -516,6 +517,19 @@ def _has_state(run_dir: str) -> bool:
     from virtualflow.rundir import state_files
 
     return bool(run_dir) and os.path.isdir(run_dir) and bool(state_files(run_dir))
+
+
+def _final_step(run_dir: str) -> int | None:
+    """The step of the run directory's ``final.pt`` (None without a readable one)."""
+    from virtualflow.runtime.checkpoint import load_state
+
+    path = os.path.join(run_dir, "final.pt")
+    if not os.path.isfile(path):
+        return None
+    try:
+        return int(load_state(path)["step"])
+    except Exception:  # noqa: BLE001 - unreadable: judged by the other files (resume skips it too)
+        return None
 
 
 def _wait_orphans(run_dir: str, timeout_s: float = 5.0) -> None:
