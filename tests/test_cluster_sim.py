@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -519,3 +520,94 @@ def test_carried_deficits_break_ties_after_an_allocation_change():
 def test_mechanism_options_are_validated(field, value):
     with pytest.raises(ValueError, match=f"{field}='{value}' must be one of"):
         MechanismConfig(**{field: value})
+
+
+# ------------------------------------------------------------------- event-driven reallocation
+
+
+@pytest.mark.parametrize("mode,cost", [("in_place", 1.5), ("restart", 45.0)])
+def test_event_driven_reallocation_by_hand(mode, cost):
+    """elastic_fair on 4 v100s (one server), job type e (1, 2, 4 GPUs: 1, 2, 4 steps/s), rounds of 360 s.
+
+    With events: t=0 A (2000 steps, up to 4 GPUs) alone on 4 GPUs; t=100 B (200 steps, up to 4)
+    arrives: the round ends, A shrinks to 2 (resize cost c) with 400 + 2 (100 - c) = 600 - 2c steps
+    done by t=200, when B (2 GPUs, 2/s) finishes: the round ends, A grows back to 4 (cost c) and
+    finishes at 200 + c + (1400 + 2c) / 4 = 550 + 1.5c. JCT_B = 100.
+    Without events: B waits for t=360; A has 1440 steps then, shrinks to 2 (cost c) while B runs to
+    460; B's GPUs idle until 720, A finishes at 360 + c + 560 / 2 = 640 + c. JCT_B = 360.
+    """
+    cluster = Cluster(gpus={"v100": 4}, gpus_per_server={"v100": 4})
+    jobs = [JobSpec(job_id=0, job_type="e", scale_factor=4, min_gpus=1, total_steps=2000.0, arrival_s=0.0),
+            JobSpec(job_id=1, job_type="e", scale_factor=4, min_gpus=1, total_steps=200.0, arrival_s=100.0)]
+    out = {}
+    for events in (True, False):
+        mc = MechanismConfig(round_s=360.0, restart_cost_s=45.0, resize_cost_s=1.5, elastic_resize=mode,
+                             reallocate_on_events=events)
+        out[events] = simulate(jobs, cluster, toy_table(), get_policy("elastic_fair"),
+                               SimConfig(mechanism=mc, check_allocations=True))
+    ev, rb = out[True], out[False]
+    assert ev.finish_s.tolist() == pytest.approx([550.0 + 1.5 * cost, 200.0], abs=1e-9)
+    assert ev.lost_s.tolist() == pytest.approx([2 * cost, 0.0], abs=1e-12)
+    changes = (ev.resizes[0], ev.restarts[0])
+    assert changes == ((2, 0) if mode == "in_place" else (0, 2))
+    # Rounds: [0, 100), [100, 200), then A alone, past one full round (560) when c = 45.
+    assert ev.rounds == (3 if mode == "in_place" else 4) and ev.end_s == pytest.approx(550.0 + 1.5 * cost)
+    np.testing.assert_allclose(ev.gpu_s[:, 0], [4 * 100 + 2 * 100 + 4 * (350.0 + 1.5 * cost), 2 * 100], atol=1e-9)
+    assert rb.finish_s.tolist() == pytest.approx([640.0 + cost, 460.0], abs=1e-9)
+    assert rb.lost_s.tolist() == pytest.approx([cost, 0.0], abs=1e-12)
+
+
+def test_event_driven_round_end_keeps_an_unpaid_change_cost():
+    """fifo on 4 v100s, type a (1 GPU, 2 steps/s), start cost 30 s, events on.
+
+    t=0 X (200 steps) starts paying 30 s; t=10 Y (100 steps) arrives: the round ends with 20 s of
+    X's start still owed; X keeps its GPU and pays them first, Y pays its own 30 s and finishes at
+    10 + 30 + 50 = 90; X runs from 30 and finishes at 30 + 100 = 130, having lost exactly 30 s.
+    """
+    cluster = Cluster(gpus={"v100": 4}, gpus_per_server={"v100": 4})
+    jobs = [JobSpec(job_id=0, job_type="a", scale_factor=1, total_steps=200.0, arrival_s=0.0),
+            JobSpec(job_id=1, job_type="a", scale_factor=1, total_steps=100.0, arrival_s=10.0)]
+    mc = MechanismConfig(round_s=360.0, start_cost_s=30.0, reallocate_on_events=True)
+    r = simulate(jobs, cluster, toy_table(), get_policy("fifo"), SimConfig(mechanism=mc, check_allocations=True))
+    assert r.finish_s.tolist() == pytest.approx([130.0, 90.0], abs=1e-9)
+    assert r.lost_s.tolist() == pytest.approx([30.0, 30.0], abs=1e-12)
+    assert r.restarts.tolist() == [0, 0] and r.rounds == 3
+    # The round boundaries: 0, 10 (arrival), 90 (Y done), then X alone to 130.
+    np.testing.assert_allclose(r.gpu_s[:, 0], [130.0, 80.0], atol=1e-9)
+
+
+def test_end_round_counts_a_shortened_round():
+    """Two rows sharing one GPU half and half (prior: one round at the allocation, 180 of 360 s each):
+    row 0 runs a round cut to 60 s, so it has received 240 of 420 s and row 1 180 of 420 s."""
+    cluster = Cluster(gpus={"v100": 1}, gpus_per_server={"v100": 1})
+    mech = RoundMechanism(cluster, MechanismConfig(round_s=360.0, reallocate_on_events=True))
+    mech.set_allocation(Allocation(rows=[(0,), (1,)], X=np.array([[0.5], [0.5]]), gpus={0: 1, 1: 1}))
+    assert list(mech.plan_round({0, 1}).placements) == [0]
+    mech.end_round(length_s=60.0)
+    np.testing.assert_allclose(mech.priorities()[:, 0], [0.5 / (240 / 420), 0.5 / (180 / 420)])
+    assert list(mech.plan_round({0, 1}).placements) == [1]
+    with pytest.raises(ValueError, match="length_s=-1.0 must be a round length"):
+        mech.end_round(length_s=-1.0)
+    with pytest.raises(TypeError, match="reallocate_on_events=1 must be True or False"):
+        MechanismConfig(reallocate_on_events=1)
+
+
+@pytest.mark.parametrize("mode", ["in_place", "restart"])
+def test_event_driven_conservation_on_a_generated_trace(gavel, mode):
+    """Elastic and rigid jobs from the generator, events on: every job runs exactly its steps and
+    no type holds more GPU-seconds than it has over the run; rounds are cut at events, so there are
+    more of them than with fixed rounds, and the median JCT is lower (no wait for a boundary)."""
+    cluster = Cluster.parse("v100=4,p100=4,k80=4", gpus_per_server=4)
+    jobs = generate_jobs(gavel, num_jobs=24, rate_per_hour=12.0, seed=3, elastic_fraction=0.5,
+                         scale_choices=(1, 2, 4), scale_probs=(0.4, 0.3, 0.3))
+    jobs = [dataclasses.replace(j, total_steps=j.total_steps * 0.1) for j in jobs]
+    mc = MechanismConfig(round_s=360.0, elastic_resize=mode, reallocate_on_events=True)
+    r = simulate(jobs, cluster, gavel, get_policy("elastic_fair"), SimConfig(mechanism=mc, check_allocations=True))
+    assert np.isfinite(r.finish_s).all() and (r.finish_s > r.arrival_s).all()
+    np.testing.assert_allclose(r.steps_run, [j.total_steps for j in jobs])
+    assert (r.gpu_s.sum(axis=0) <= np.array([4, 4, 4]) * r.end_s + 1e-6).all()
+    assert (r.resizes > 0).any() if mode == "in_place" else (r.resizes == 0).all()
+    off = simulate(jobs, cluster, gavel, get_policy("elastic_fair"),
+                   SimConfig(mechanism=dataclasses.replace(mc, reallocate_on_events=False)))
+    assert r.rounds > off.rounds  # rounds cut at arrivals and completions
+    assert np.median(r.jct_s) < np.median(off.jct_s)

@@ -43,6 +43,11 @@ received time across allocation changes as the tie-breaker; ``placement="spread"
 any free GPUs of the type when no consolidated placement exists (no slowdown is charged for it,
 as in Gavel's simulator).
 
+**Event-driven reallocation** (``reallocate_on_events=True``): the caller ends a round early at a
+job's arrival or completion and plans the next one at once (``end_round(length_s=...)`` counts the
+shortened round); elastic jobs then change GPU count mid-round, each change costing
+``resize_cost_s`` in place (``restart_cost_s`` with ``elastic_resize="restart"``).
+
 Invariants: a round never uses more GPUs of a type than exist (or of a server than it holds);
 every job runs on one type, whole, on the fewest servers; a job appears in at most one scheduled row. The mechanism is
 pure bookkeeping: it has no clock, the caller passes times in.
@@ -92,6 +97,13 @@ class MechanismConfig:
     """``"consolidated"``: a job runs only on the fewest servers it needs (it waits otherwise);
     ``"spread"``: consolidated when possible, else on any free GPUs of the type, fewest servers
     first (Gavel's simulator, which also charges no slowdown for it)."""
+    reallocate_on_events: bool = False
+    """Event-driven reallocation: a round ends early at the first job arrival or completion in it,
+    the policy is re-solved at once and a new round starts then, so elastic jobs shrink the moment
+    a job arrives and grow back the moment one completes (cheap only when resized in place). Off:
+    an arrival waits for the next round boundary and a finished job's GPUs stay idle until then
+    (Gavel's). The caller (the simulator, the service) decides when a round ends; the mechanism
+    counts each round's actual length (``end_round(length_s=...)``)."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.round_s) and self.round_s > 0):
@@ -106,6 +118,8 @@ class MechanismConfig:
                          ("placement", ("consolidated", "spread"))):
             if getattr(self, name) not in ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {list(ok)}")
+        if not isinstance(self.reallocate_on_events, bool):
+            raise TypeError(f"reallocate_on_events={self.reallocate_on_events!r} must be True or False")
 
     @classmethod
     def gavel(cls, **kw) -> "MechanismConfig":
@@ -349,14 +363,17 @@ class RoundMechanism:
             caps = np.append(caps, n % per)
         return caps
 
-    def end_round(self, ran_s: dict[int, float] | None = None) -> None:
-        """Count the round just played: each row in the allocation was present for a round; each
-        scheduled row received ``round_s`` on its type (``ran_s`` is unused by the counters on
-        purpose: a job that finished early still held its GPUs for the round)."""
+    def end_round(self, ran_s: dict[int, float] | None = None, *, length_s: float | None = None) -> None:
+        """Count the round just played: each row in the allocation was present for the round; each
+        scheduled row received the round on its type (``ran_s`` is unused by the counters on
+        purpose: a job that finished early still held its GPUs for the round). ``length_s``: the
+        round's actual length when it ended early (event-driven reallocation); default ``round_s``."""
         alloc = self._alloc
         if alloc is None:
             return
-        r = self.config.round_s
+        r = self.config.round_s if length_s is None else float(length_s)
+        if not (np.isfinite(r) and r >= 0):
+            raise ValueError(f"length_s={length_s} must be a round length in seconds >= 0")
         tix = {t: i for i, t in enumerate(self._types)}
         for row in alloc.rows:
             self._stats[tuple(row)].present += r

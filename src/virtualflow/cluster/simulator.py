@@ -193,6 +193,8 @@ def simulate(jobs: Sequence[JobSpec], cluster: Cluster, table: ThroughputTable, 
     window_left = set(window_ids) if window_ids is not None else None
 
     mech = RoundMechanism(cluster, cfg.mechanism)
+    events = cfg.mechanism.reallocate_on_events
+    owed = np.zeros(n)  # change cost not yet paid when a round ended early (event-driven reallocation)
     order = sorted(range(n), key=lambda i: (arrival[i], jobs[i].job_id))
     ptr = 0
     active: list[int] = []  # job indices, arrival order
@@ -240,10 +242,9 @@ def simulate(jobs: Sequence[JobSpec], cluster: Cluster, table: ThroughputTable, 
             plan = mech.plan_round(active_ids)
             skipped_fragmented += plan.skipped_fragmented
             end = t + R
-            finished: list[int] = []
+            running = []  # (job index, type index, placement, change cost to pay now, throughput)
             for jid, p in plan.placements.items():
                 i = idx[jid]
-                c = tix[p.acc_type]
                 if p.change in ("resume", "move"):
                     restarts[i] += 1
                 elif p.change == "resize":
@@ -251,27 +252,42 @@ def simulate(jobs: Sequence[JobSpec], cluster: Cluster, table: ThroughputTable, 
                         restarts[i] += 1
                     else:
                         resizes[i] += 1
-                cost = min(p.cost_s, R)
-                lost[i] += cost
-                thr = _rate(table, by_id, jid, p.row, p.acc_type, p.gpus, cache)
-                start = t + cost
+                # A change cost cut short by an early round end is still owed if the job is kept.
+                cost = owed[i] if (events and p.change == "kept") else min(p.cost_s, R)
+                running.append((i, tix[p.acc_type], p, cost,
+                                _rate(table, by_id, jid, p.row, p.acc_type, p.gpus, cache)))
+            owed[:] = 0.0
+            if events:  # the round ends early at the first arrival or completion in it
+                if ptr < n:
+                    end = min(end, float(arrival[order[ptr]]))
+                for i, _, _, cost, thr in running:
+                    if thr > 0:
+                        end = min(end, t + cost + (total[i] - done[i]) / thr)
+            seg = end - t if events else R
+            finished: list[int] = []
+            for i, c, p, cost, thr in running:
+                paid = min(cost, seg)
+                owed[i] = cost - paid
+                lost[i] += paid
+                start = t + paid
                 rem = total[i] - done[i]
                 if thr > 0 and start + rem / thr <= end + 1e-9:
                     tf = start + rem / thr
                     done[i] = total[i]
                     finish[i] = tf
-                    finished.append(jid)
+                    owed[i] = 0.0
+                    finished.append(jobs[i].job_id)
                     held = tf - t
                 else:
                     if thr > 0:
                         done[i] = min(done[i] + thr * (end - start), total[i])
-                    held = R
+                    held = seg
                 gpu_s[i, c] += p.gpus * held
                 run_s[i, c] += held
             ai = np.array(active)
-            cont[ai] += len(active) * R
-            present[ai] += R
-            mech.end_round()
+            cont[ai] += len(active) * seg
+            present[ai] += seg
+            mech.end_round(length_s=seg)
             rounds += 1
             if finished:
                 fin = set(finished)
@@ -282,7 +298,7 @@ def simulate(jobs: Sequence[JobSpec], cluster: Cluster, table: ThroughputTable, 
                 active = [i for i in active if jobs[i].job_id not in fin]
                 changed = True
             if bar is not None:
-                bar.update(R / 3600.0)
+                bar.update((end - t) / 3600.0)
                 if rounds % 50 == 0:
                     bar.set_postfix(active=len(active), done=int(np.isfinite(finish).sum()), refresh=False)
             t = end
