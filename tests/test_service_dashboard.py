@@ -30,9 +30,12 @@ def cluster(tmp_path):
     d = str(tmp_path / "c")
     db = init_cluster(d, slots={"v100": 2, "k80": 1}, policy="elastic_fair", round_s=5.0)
     kw = dict(target="/x/job.py:make", deterministic=True, checkpoint_every=5, priority=1.0, job_type=None)
-    a = db.add_job(name="resnet", steps=30, elastic=False, min_workers=1, max_workers=1, now=100.0, **kw)
-    b = db.add_job(name="bert-elastic", steps=40, elastic=True, min_workers=1, max_workers=2, now=101.0, **kw)
-    c = db.add_job(name="waiting", steps=40, elastic=False, min_workers=1, max_workers=1, now=102.0, **kw)
+    a = db.add_job(name="resnet", steps=30, elastic=False, min_workers=1, max_workers=1, now=100.0,
+                   deadline_s=120.0, **kw)
+    b = db.add_job(name="bert-elastic", steps=40, elastic=True, min_workers=1, max_workers=2, now=101.0,
+                   deadline_s=time.time() + 3600, **kw)
+    c = db.add_job(name="waiting", steps=40, elastic=False, min_workers=1, max_workers=1, now=102.0,
+                   deadline_s=105.0, **kw)
     f = db.add_job(name="crasher", steps=40, elastic=False, min_workers=1, max_workers=1, now=102.0, **kw)
     plan = [[(a, "k80", ["k80-0"], "start"), (b, "v100", ["v100-0", "v100-1"], "start")],
             [(a, "v100", ["v100-1"], "move"), (b, "v100", ["v100-0"], "resize")],
@@ -46,6 +49,8 @@ def cluster(tmp_path):
     db.set_job_state(b, "running", event="start", acc_type="v100", workers=2, slots=["v100-0", "v100-1"],
                      steps_done=17, loss=0.4)
     db.event("throughput", b, acc_type="v100", workers=2, steps_per_s=3.25)
+    db.update_job(b, eta_s=600.0)
+    db.update_job(c, deadline_missed=True, eta_s=40.0)
     db.set_job_state(f, "failed", event="failed", error="TrainingError: boom at index 17")
     run_dir = db.job(a).run_dir
     os.makedirs(run_dir)
@@ -91,6 +96,13 @@ def test_pages_in_headless_chromium(dashboard):
             assert rows.count() == 4
             assert "bert-elastic" in rows.nth(1).inner_text() and "2xv100" in rows.nth(1).inner_text()
             assert "failed" in rows.nth(3).inner_text()
+            # Deadlines: met by 7 s (done at 113, due at 120); 1 h left with 50 min of slack; missed.
+            deadline = lambda i: rows.nth(i).locator("td.deadline").inner_text()  # noqa: E731
+            slack = lambda i: rows.nth(i).locator("td.slack").inner_text()  # noqa: E731
+            assert (deadline(0), slack(0)) == ("met 7s", "-")
+            assert deadline(1) in ("1h00m", "59m59s", "59m58s") and slack(1) in ("50m00s", "49m59s", "49m58s")
+            assert deadline(2) == "missed" and slack(2).startswith("-")
+            assert rows.nth(2).locator("td.slack .late").count() == 1 and (deadline(3), slack(3)) == ("-", "-")
             assert "elastic_fair" in page.locator("#service").inner_text()
             assert "v100-0: job 2" in page.locator("table#slots").inner_text()
             page.click("text=timeline")

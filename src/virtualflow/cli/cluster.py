@@ -75,6 +75,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sb.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                     help="checkpoint every N steps, what a crash of the service falls back to (default steps/10)")
     sb.add_argument("--deterministic", action="store_true", help="bit-identical weights whatever the placements")
+    sb.add_argument("--deadline", default=None, metavar="D",
+                    help="when the job should be done: a duration after submission (30m, 2h, 1h30m, 5400 seconds) "
+                         "or an ISO time (2026-11-25T18:00, local time without a zone); a job that would miss it "
+                         "if it waited another round gets priority (earliest deadline first)")
     sb.set_defaults(func=submit)
 
     q = sub.add_parser("queue", help="the jobs of a cluster: state, placement, progress, JCT")
@@ -189,8 +193,10 @@ def dashboard(args: argparse.Namespace) -> int:
 # -- submit / queue / cancel --------------------------------------------------------------------
 def check_submission(cluster_dir: str, job: str, *, steps: int, workers: int | None, elastic: bool,
                      min_workers: int | None, max_workers: int | None, priority: float, job_type: str | None,
-                     checkpoint_every: int | None) -> dict[str, Any]:
-    """Every check of a submission, before anything is written; returns the row's fields."""
+                     checkpoint_every: int | None, deadline: str | None = None,
+                     now: float | None = None) -> dict[str, Any]:
+    """Every check of a submission, before anything is written; returns the row's fields
+    (``now``: the submission time, what a ``deadline`` duration counts from)."""
     import math
 
     from virtualflow.preflight import build_job
@@ -204,6 +210,11 @@ def check_submission(cluster_dir: str, job: str, *, steps: int, workers: int | N
                          f"make_job)")
     if steps < 1:
         raise ValueError(f"--steps {steps} must be a positive number of steps")
+    deadline_s = None
+    if deadline is not None:
+        from virtualflow.service.deadlines import parse_deadline
+
+        deadline_s = parse_deadline(deadline, time.time() if now is None else now)
     if not (math.isfinite(priority) and priority > 0):
         raise ValueError(f"--priority {priority:g} must be a positive weight")
     if elastic:
@@ -247,34 +258,51 @@ def check_submission(cluster_dir: str, job: str, *, steps: int, workers: int | N
                          f": every worker needs at least one virtual node")
     name = built.name if getattr(built, "name", None) else os.path.basename(path)
     return dict(name=str(name), steps=steps, elastic=elastic, min_workers=lo, max_workers=hi, priority=priority,
-                job_type=job_type, checkpoint_every=checkpoint_every)
+                job_type=job_type, checkpoint_every=checkpoint_every, deadline_s=deadline_s)
 
 
 def submit(args: argparse.Namespace) -> int:
     from virtualflow.job import source_from
 
+    now = time.time()
     fields = check_submission(args.dir, args.job, steps=args.steps, workers=args.workers, elastic=args.elastic,
                               min_workers=args.min_workers, max_workers=args.max_workers, priority=args.priority,
-                              job_type=args.job_type, checkpoint_every=args.checkpoint_every)
+                              job_type=args.job_type, checkpoint_every=args.checkpoint_every, deadline=args.deadline,
+                              now=now)
     db = ClusterDB(args.dir)
-    job_id = db.add_job(target=source_from(args.job).target, deterministic=args.deterministic, **fields)
+    job_id = db.add_job(target=source_from(args.job).target, deterministic=args.deterministic, now=now, **fields)
     shape = (f"elastic {fields['min_workers']}-{fields['max_workers']} workers" if args.elastic
              else f"{fields['max_workers']} worker{'s' if fields['max_workers'] > 1 else ''}")
-    print(f"job {job_id} queued: {fields['name']}, {args.steps} steps, {shape}, priority {args.priority:g}")
+    due = ""
+    if fields["deadline_s"] is not None:
+        from virtualflow.service.deadlines import format_duration
+
+        due = (f", deadline {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(fields['deadline_s']))} "
+               f"(in {format_duration(fields['deadline_s'] - now)})")
+    print(f"job {job_id} queued: {fields['name']}, {args.steps} steps, {shape}, priority {args.priority:g}{due}")
     return 0
 
 
 def format_queue(jobs: list[JobRow], now: float) -> str:
     head = f"{'id':>4} {'name':<16} {'state':<9} {'placement':<14} {'progress':>13} {'JCT s':>8} {'restarts':>8} " \
            f"{'resizes':>7}"
+    due = any(j.deadline_s is not None for j in jobs)
+    if due:
+        head += f" {'deadline':>12} {'slack':>8}"
     lines = [head]
     for j in jobs:
         place = f"{j.workers}x{j.acc_type}" if j.state == "running" and j.acc_type else "-"
         shape = f" ({j.min_workers}-{j.max_workers})" if j.elastic else ""
         end = j.finished_s if j.finished_s is not None else now
         prog = f"{j.steps_done}/{j.steps}"
-        lines.append(f"{j.id:>4} {j.name[:16]:<16} {j.state:<9} {place + shape:<14} {prog:>13} "
-                     f"{end - j.submitted_s:>8.1f} {j.restarts:>8} {j.resizes:>7}")
+        line = (f"{j.id:>4} {j.name[:16]:<16} {j.state:<9} {place + shape:<14} {prog:>13} "
+                f"{end - j.submitted_s:>8.1f} {j.restarts:>8} {j.resizes:>7}")
+        if due:
+            from virtualflow.service.deadlines import deadline_cells
+
+            deadline, slack = deadline_cells(j, now)
+            line += f" {deadline:>12} {slack:>8}"
+        lines.append(line)
         if j.state == "failed" and j.error:
             lines.append(f"     error: {j.error[:200]}")
     return "\n".join(lines)

@@ -2,7 +2,8 @@
 
 Pages (all read-only, from the cluster directory's database and the jobs' run directories):
 
-- ``/``: the queue (state, placement, progress, JCT so far, restarts, resizes) and the slots;
+- ``/``: the queue (state, placement, progress, JCT so far, restarts, resizes, deadline and slack)
+  and the slots;
 - ``/timeline``: the allocation over time, one lane per slot, one bar per (round, job);
 - ``/jobs/{id}``: a job's loss curve (its ``metrics.jsonl``), measured throughputs and events;
 - ``/policy``: the policy in force, round length, emulated slowdowns, recent rounds' decision times;
@@ -29,6 +30,7 @@ import time
 from typing import Any, Callable
 
 from virtualflow.service.core import slot_names
+from virtualflow.service.deadlines import deadline_cells
 from virtualflow.service.state import ClusterDB, JobRow
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -39,7 +41,7 @@ _STYLE = """
 body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
 table{border-collapse:collapse}td,th{padding:.25em .6em;border-bottom:1px solid #ddd;text-align:left}
 nav a{margin-right:1em}.state-failed{color:#b00}.state-done{color:#070}.state-running{color:#05a}
-.muted{color:#777}
+.muted{color:#777}.late{color:#b00;font-weight:bold}
 """
 
 
@@ -64,17 +66,29 @@ def queue_html(jobs: list[JobRow], slots: dict[str, int], now: float) -> str:
         end = j.finished_s if j.finished_s is not None else now
         shape = f"elastic {j.min_workers}-{j.max_workers}" if j.elastic else f"rigid {j.max_workers}"
         loss = "-" if j.loss is None else f"{j.loss:.4g}"
+        deadline, slack = deadline_cells(j, now)
+        late = " class='late'" if j.deadline_missed or slack.startswith("-") and slack != "-" else ""
         rows.append(f"<tr class='job' data-job='{j.id}'><td><a href='/jobs/{j.id}'>{j.id}</a></td><td>{_e(j.name)}</td>"
                     f"<td class='state-{_e(j.state)}'>{_e(j.state)}</td><td>{_e(shape)}</td><td>{_e(place)}</td>"
                     f"<td>{j.steps_done}/{j.steps}</td><td>{end - j.submitted_s:.1f}</td><td>{loss}</td>"
-                    f"<td>{j.restarts}</td><td>{j.resizes}</td><td>{_e(', '.join(j.slots))}</td></tr>")
+                    f"<td>{j.restarts}</td><td>{j.resizes}</td><td>{_e(', '.join(j.slots))}</td>"
+                    f"<td class='deadline'>{_e(deadline)}</td><td class='slack'><span{late}>{_e(slack)}</span></td></tr>")
     holders = {s: j.id for j in jobs if j.state == "running" for s in j.slots}
     slot_cells = "".join(f"<td>{_e(s)}: {('job ' + str(holders[s])) if s in holders else 'free'}</td>"
                          for s in slot_names(slots))
     return ("<h2>slots</h2><table id='slots'><tr>" + slot_cells + "</tr></table>"
             "<h2>queue</h2><table id='queue'><tr><th>id</th><th>name</th><th>state</th><th>shape</th><th>placement</th>"
-            "<th>progress</th><th>JCT so far (s)</th><th>loss</th><th>restarts</th><th>resizes</th><th>slots</th></tr>"
+            "<th>progress</th><th>JCT so far (s)</th><th>loss</th><th>restarts</th><th>resizes</th><th>slots</th>"
+            "<th>deadline (left)</th><th>slack</th></tr>"
             + "".join(rows) + "</table>" + ("" if jobs else "<p class='muted'>no jobs submitted</p>"))
+
+
+def _deadline_text(row: JobRow) -> str:
+    if row.deadline_s is None:
+        return ""
+    deadline, slack = deadline_cells(row, time.time())
+    at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row.deadline_s))
+    return f"; <span id='deadline'>deadline {_e(at)} ({_e(deadline)}), slack {_e(slack)}</span>"
 
 
 def timeline_svg(allocations: list[dict[str, Any]], slots: dict[str, int], now: float, width: int = 900) -> str:
@@ -200,7 +214,7 @@ def make_app(cluster_dir: str) -> Any:
                 f"<form id='cancel' method='post' action='/jobs/{jid}/cancel'><label>token <input type='password' "
                 f"name='token' autocomplete='off'></label> <button type='submit'>cancel job {jid}</button></form>")
         body = (f"{form}<p>{_e(row.target)}: <b class='state-{_e(row.state)}'>{_e(row.state)}</b>, step {row.steps_done}/"
-                f"{row.steps}{'; error: ' + _e(row.error) if row.error else ''}</p>"
+                f"{row.steps}{'; error: ' + _e(row.error) if row.error else ''}{_deadline_text(row)}</p>"
                 f"<h2>loss</h2>{curve_svg(read_losses(row.run_dir), label='step')}"
                 f"<h2>measured throughput (steps/s)</h2><table id='throughput'><tr><th>time</th><th>placement</th>"
                 f"<th>steps/s</th></tr>{thr_rows}</table><h2>estimates</h2><table><tr><th>type/workers</th>"

@@ -43,8 +43,9 @@ from typing import Any, Callable
 
 from virtualflow.cluster.policies.base import get_policy
 from virtualflow.cluster.throughputs import ThroughputTable
-from virtualflow.service.core import (Action, JobView, RoundDecision, Scheduler, recovery_action,
-                                      type_slowdowns, update_estimates)
+from virtualflow.service.core import (PRIOR_STEPS_PER_S, Action, JobView, RoundDecision, Scheduler, diff_actions,
+                                      prior_rate, recovery_action, type_slowdowns, update_estimates)
+from virtualflow.service.deadlines import admit, eta_s, newly_missed
 from virtualflow.service.state import ClusterDB, JobRow
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,8 @@ class Service:
         self.round_id: int | None = None
         self._job_slowdowns: dict[int, dict[str, float]] = {}
         self._stop = False
+        self._prior = PRIOR_STEPS_PER_S  # the scheduler's rate for unmeasured jobs, as of the last round
+        self._deadlines_checked_s = 0.0
 
     # -- set-up and recovery ---------------------------------------------------------------
     def slowdowns_of(self, row: JobRow) -> dict[str, float]:
@@ -238,11 +241,14 @@ class Service:
         pinned = {jid for jid, run in self.running.items()
                   if run.last_step <= run.start_step or start - run.started_s < self.min_run_s}
         decision = self.scheduler.plan(views, start - self.epoch_s, pinned)
+        decision, admitted = self.admit_deadlines(decision, views, rows, pinned, start)
         placements = []
         for jid, slots in sorted(decision.slots.items()):
             p = decision.plan.placements.get(jid)
             acc_type, workers = slots[0].rpartition("-")[0], len(slots)
             change = p.change if p is not None and (p.acc_type, p.gpus) == (acc_type, workers) else "pinned"
+            if jid in admitted:
+                change = "deadline"
             placements.append({"job_id": jid, "acc_type": acc_type, "workers": workers, "slots": list(slots),
                                "change": change})
         self.round_id = self.db.add_round(start_s=start, policy=self.policy_name, solved=decision.solved,
@@ -255,6 +261,45 @@ class Service:
             self._tick()
             time.sleep(min(self.poll_s, max(end - time.time(), 0.0)))
         self._end_round(time.time() - start)
+
+    def admit_deadlines(self, decision: RoundDecision, views: list[JobView], rows: dict[int, JobRow],
+                        pinned: set[int], now: float) -> tuple[RoundDecision, set[int]]:
+        """Earliest-deadline-first admission over the policy's decision (the pure rule:
+        :func:`virtualflow.service.deadlines.admit`); refreshes the deadline jobs' ETAs. Returns the
+        decision to enact and the ids of the jobs admitted ahead of the policy."""
+        self._prior = prior_rate(views)
+        deadlines = {jid: r.deadline_s for jid, r in rows.items() if r.deadline_s is not None}
+        if not deadlines:
+            return decision, set()
+        for v in views:
+            if v.job_id in deadlines:
+                self.db.update_job(v.job_id, eta_s=eta_s(v, self.slots, self._prior))
+        t0 = time.perf_counter()
+        placed = {jid: (slots[0].rpartition("-")[0], len(slots)) for jid, slots in decision.slots.items() if slots}
+        adm = admit(views, placed, deadlines, now_s=now, round_s=self.round_s, slots=self.slots, pinned=pinned,
+                    prior=self._prior)
+        if not adm.swaps:
+            return decision, set()
+        actions, slots = diff_actions(views, adm.placements, self.slots, pinned)
+        for sw in adm.swaps:
+            self.db.event("deadline_priority", sw.job_id, acc_type=sw.acc_type, workers=sw.workers,
+                          slack_s=sw.slack_s, shrunk=[list(x) for x in sw.shrunk], preempted=list(sw.preempted))
+            log.info("job %d would miss its deadline if it waited a round (slack %.0f s): placed on %dx%s ahead of "
+                     "the policy%s%s", sw.job_id, sw.slack_s, sw.workers, sw.acc_type,
+                     "; shrinks " + ", ".join(f"job {j} to {to}" for j, _, to in sw.shrunk) if sw.shrunk else "",
+                     "; preempts " + ", ".join(f"job {j}" for j in sw.preempted) if sw.preempted else "")
+        return (RoundDecision(decision.plan, actions, slots, decision.solved,
+                              decision.decision_s + time.perf_counter() - t0), {sw.job_id for sw in adm.swaps})
+
+    def check_deadlines(self, now: float) -> None:
+        """Record one ``deadline_missed`` event for each unfinished job whose deadline has passed."""
+        rows = [r for r in self.db.jobs(("queued", "running")) if r.deadline_s is not None]
+        for jid in newly_missed(((r.id, r.deadline_s, r.deadline_missed) for r in rows), now):
+            r = next(r for r in rows if r.id == jid)
+            self.db.update_job(jid, deadline_missed=True)
+            self.db.event("deadline_missed", jid, now=now, deadline_s=r.deadline_s, late_s=now - r.deadline_s,
+                          steps_done=r.steps_done, steps=r.steps, state=r.state)
+            log.warning("job %d missed its deadline (%d/%d steps done)", jid, r.steps_done, r.steps)
 
     def enact(self, decision: RoundDecision, rows: dict[int, JobRow]) -> None:
         """Preempt (all at once, in threads: each waits for its job's next step boundary), then
@@ -350,6 +395,9 @@ class Service:
     def _tick(self) -> None:
         now = time.time()
         self._heartbeat(state="running")
+        if now - self._deadlines_checked_s >= 1.0:
+            self._deadlines_checked_s = now
+            self.check_deadlines(now)
         for jid in list(self.running):
             run = self.running[jid]
             row = self.db.job(jid)
@@ -398,7 +446,12 @@ class Service:
                 run.samples = []
             if step != run.last_step and now - run.last_write_s >= 0.5:
                 loss = st.get("loss")
-                self.db.update_job(jid, steps_done=step, loss=float(loss) if isinstance(loss, (int, float)) else None)
+                fields = {"steps_done": step, "loss": float(loss) if isinstance(loss, (int, float)) else None}
+                if row.deadline_s is not None:
+                    view = self._view(row)
+                    view.steps_done = step
+                    fields["eta_s"] = eta_s(view, self.slots, self._prior)
+                self.db.update_job(jid, **fields)
                 run.last_step, run.last_write_s = step, now
 
     def _end_round(self, held_s: float) -> None:

@@ -4,9 +4,10 @@ Tables (WAL mode, so the CLI, the dashboard and the service read and write at on
 
 - ``meta``: key -> JSON value (the cluster's slots, policy, round length, slowdowns; the
   service's pid and heartbeat; a stop request);
-- ``jobs``: one row per submitted job: what to run (target, steps, worker bounds, priority),
-  its state (``queued`` | ``running`` | ``done`` | ``failed`` | ``cancelled``), progress, where it
-  runs now, counters (starts, restarts, resizes) and its throughput estimates;
+- ``jobs``: one row per submitted job: what to run (target, steps, worker bounds, priority,
+  deadline), its state (``queued`` | ``running`` | ``done`` | ``failed`` | ``cancelled``), progress, where it
+  runs now, counters (starts, restarts, resizes), its throughput estimates and, for a job with a
+  deadline, the service's estimate of its time to finish and whether the deadline was missed;
 - ``rounds``: one row per scheduling round (start, end, policy, whether it was re-solved, the
   decision time);
 - ``allocations``: one row per (round, job) placed: accelerator type, worker count, slots, the
@@ -65,7 +66,10 @@ CREATE TABLE IF NOT EXISTS jobs (
     resizes INTEGER NOT NULL DEFAULT 0,
     loss REAL,
     received TEXT NOT NULL DEFAULT '{}',
-    estimates TEXT NOT NULL DEFAULT '{}'
+    estimates TEXT NOT NULL DEFAULT '{}',
+    deadline_s REAL,
+    deadline_missed INTEGER NOT NULL DEFAULT 0,
+    eta_s REAL
 );
 CREATE TABLE IF NOT EXISTS rounds (
     id INTEGER PRIMARY KEY,
@@ -97,6 +101,9 @@ CREATE TABLE IF NOT EXISTS events (
 );
 CREATE INDEX IF NOT EXISTS events_job ON events (job_id);
 """
+
+_ADDED_COLUMNS = (("deadline_s", "REAL"), ("deadline_missed", "INTEGER NOT NULL DEFAULT 0"), ("eta_s", "REAL"))
+"""Columns of ``jobs`` added after the first release (a database made before gets them on open)."""
 
 
 def _loads(text: Any, default: Any, where: str) -> Any:
@@ -143,6 +150,12 @@ class JobRow:
     """accelerator type -> seconds the job has held workers of that type."""
     estimates: dict[str, float] = field(default_factory=dict)
     """``"TYPE/WORKERS"`` -> measured steps/s (the service's estimates for this job)."""
+    deadline_s: float | None = None
+    """When the job should be done (seconds since the epoch; ``submit --deadline``), or None."""
+    deadline_missed: bool = False
+    """Its deadline passed while it was unfinished (one ``deadline_missed`` event was recorded)."""
+    eta_s: float | None = None
+    """The service's latest estimate of the seconds it needs to finish (deadline jobs only)."""
 
     @property
     def final(self) -> bool:
@@ -155,7 +168,7 @@ class JobRow:
         slots = _loads(d.pop("slots"), [], where + ".slots")
         received = _loads(d.pop("received"), {}, where + ".received")
         estimates = _loads(d.pop("estimates"), {}, where + ".estimates")
-        for k in ("elastic", "deterministic", "cancel_requested"):
+        for k in ("elastic", "deterministic", "cancel_requested", "deadline_missed"):
             d[k] = bool(d[k])
         return cls(**d, slots=[str(s) for s in slots] if isinstance(slots, list) else [],
                    received={str(k): float(v) for k, v in received.items() if isinstance(v, (int, float))}
@@ -180,6 +193,19 @@ class ClusterDB:
         self.conn.execute("PRAGMA synchronous=NORMAL")
         if create:
             self.conn.executescript(_SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Add the columns a database made by an older version lacks (nothing else changes)."""
+        have = {r[1] for r in self.conn.execute("PRAGMA table_info(jobs)").fetchall()}
+        if not have:
+            return
+        for name, decl in _ADDED_COLUMNS:
+            if name not in have:
+                try:
+                    self.conn.execute(f"ALTER TABLE jobs ADD COLUMN {name} {decl}")
+                except sqlite3.OperationalError:  # added meanwhile by another process
+                    pass
 
     def close(self) -> None:
         self.conn.close()
@@ -220,20 +246,21 @@ class ClusterDB:
     # -- jobs -------------------------------------------------------------------------------
     def add_job(self, *, name: str, target: str, steps: int, elastic: bool, min_workers: int, max_workers: int,
                 priority: float, job_type: str | None, deterministic: bool, checkpoint_every: int,
-                now: float | None = None) -> int:
+                now: float | None = None, deadline_s: float | None = None) -> int:
         now = time.time() if now is None else now
         with self.tx() as c:
             cur = c.execute(
                 "INSERT INTO jobs (name, target, steps, elastic, min_workers, max_workers, priority, job_type, "
-                "deterministic, checkpoint_every, submitted_s, state) VALUES (?,?,?,?,?,?,?,?,?,?,?, 'queued')",
+                "deterministic, checkpoint_every, submitted_s, state, deadline_s) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?, 'queued', ?)",
                 (name, target, steps, int(elastic), min_workers, max_workers, priority, job_type,
-                 int(deterministic), checkpoint_every, now))
+                 int(deterministic), checkpoint_every, now, deadline_s))
             job_id = int(cur.lastrowid)
             run_dir = os.path.join(os.path.abspath(self.cluster_dir), "jobs", str(job_id))
             c.execute("UPDATE jobs SET run_dir = ? WHERE id = ?", (run_dir, job_id))
             self._event(c, now, job_id, "submit", {"target": target, "steps": steps, "elastic": elastic,
                                                    "min_workers": min_workers, "max_workers": max_workers,
-                                                   "priority": priority})
+                                                   "priority": priority, "deadline_s": deadline_s})
         return job_id
 
     def job(self, job_id: int) -> JobRow | None:
