@@ -394,6 +394,21 @@ def test_cli_simulate_module(tmp_path, capsys):
                               "--no-progress", "--mechanism", "gavel", "--restart-cost-s", "0"])
     assert args.func(args) == 0
     assert "las: 20/20 jobs done" in capsys.readouterr().out
+    # Event-driven reallocation from the command line: the same figures as the API with the option.
+    gen = "rate=12,jobs=20,seed=1,elastic=1"
+    out_ev = tmp_path / "events"
+    args = parser.parse_args(["simulate", "--cluster", "v100=8", "--generate", gen, "--policy", "elastic_fair",
+                              "--no-progress", "--reallocate-on-events", "-o", str(out_ev)])
+    assert args.func(args) == 0
+    capsys.readouterr()
+    from virtualflow.cluster.traces import parse_generate_spec
+    table = ThroughputTable.from_gavel_json(gavel_data_dir() / "simulation_throughputs.json")
+    jobs = generate_jobs(table, parse_generate_spec(gen))
+    for ev in (True, False):
+        want = summarize(simulate(jobs, Cluster.parse("v100=8"), table, get_policy("elastic_fair"),
+                                  SimConfig(mechanism=MechanismConfig(reallocate_on_events=ev))))
+        got = json.load(open(out_ev / "summary.json"))
+        assert (got["avg_jct_h"] == pytest.approx(want["avg_jct_h"], rel=1e-12)) == ev
     args = parser.parse_args(["simulate", "--generate", "rate=2,jobs=20,seed=0", "--window", "5", "--no-progress"])
     with pytest.raises(ValueError, match="--window '5' must be LO:HI"):
         args.func(args)

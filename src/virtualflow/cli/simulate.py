@@ -50,6 +50,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "placement when no consolidated one exists) (default virtualflow)")
     p.add_argument("--elastic-resize", choices=("in_place", "restart"), default="in_place",
                    help="how elastic jobs change GPU count (default in_place)")
+    p.add_argument("--reallocate-on-events", action="store_true",
+                   help="end a round at each job arrival or completion and re-plan at once: elastic jobs shrink "
+                        "when a job arrives and grow back when one completes (default: at round boundaries)")
     p.add_argument("--recompute", choices=("on_change", "every_round"), default="on_change",
                    help="when the policy is re-solved (default on_change: arrivals and completions)")
     p.add_argument("--max-hours", type=float, help="stop after this many simulated hours")
@@ -135,7 +138,7 @@ def main(args: argparse.Namespace) -> int:
     sim_cfg = SimConfig(
         mechanism=(MechanismConfig.gavel if args.mechanism == "gavel" else MechanismConfig)(
             round_s=args.round_s, restart_cost_s=args.restart_cost_s, resize_cost_s=args.resize_cost_s,
-            elastic_resize=args.elastic_resize),
+            elastic_resize=args.elastic_resize, reallocate_on_events=args.reallocate_on_events),
         recompute=args.recompute, window=parse_window(args.window),
         max_sim_s=args.max_hours * 3600.0 if args.max_hours else None, progress=not args.no_progress)
     log.info("simulating %s on %s (%d GPUs), %s", args.policy, args.cluster, cluster.total_gpus, source)
