@@ -16,7 +16,9 @@ A small version of the issue's benchmark, sized for a 2-core machine (a few minu
    - ``virtualflow.cluster.simulator.simulate`` with the same rates, the measured start and resume
      pauses as its start and restart costs and the measured median round length.
 
-   Per-job JCT error (median of |pred - phys| / phys) and makespan error. Targets (issue): <= 10 %
+   A third prediction, the replay with each start taking the pause it really took (trace-driven),
+   separates how well the decisions are reproduced from how noisy the pauses are on a shared
+   machine. Per-job JCT error (median of |pred - phys| / phys) and makespan error. Targets (issue): <= 10 %
    and <= 5 %, checked on the replay (the simulator's errors are reported beside it: it models
    neither the pins nor the estimates, see docs/cluster_service.md). The constants are measured
    on the run they predict; the "cross" row predicts the elastic run from the constants of the
@@ -100,16 +102,16 @@ def run_physical(jobs: list[dict], *, elastic: bool, policy: str, work: str) -> 
     return {"dir": d, "rows": rows, "events": events, "rounds": db.rounds(), "t0": min(r.submitted_s for r in rows)}
 
 
-def predict(phys: dict, costs_from: dict | None = None) -> dict:
+def predict(phys: dict, costs_from: dict | None = None, observed_pauses: bool = False) -> dict:
     """The replay's prediction of a physical run (``costs_from``: take the constants and the job
-    rates of another run instead)."""
+    rates of another run instead; ``observed_pauses``: each start takes the pause it really took)."""
     from dataclasses import asdict
 
     from virtualflow.cli.cluster_replay import compare, predict as replay_predict, read_run
     from virtualflow.service.replay import ReplayJob, measure, replay
 
     data = read_run(phys["dir"])
-    jobs, costs, config, res = replay_predict(data)
+    jobs, costs, config, res = replay_predict(data, observed_pauses=observed_pauses)
     if costs_from is not None:
         other = read_run(costs_from["dir"])
         ojobs, costs = measure(other["jobs"], other["events"], other["rounds"], other["steps"],
@@ -154,14 +156,19 @@ def simulate_like(phys: dict, pred: dict, *, policy: str) -> dict:
     lengths = [r["end_s"] - r["start_s"] for r in phys["rounds"] if r["end_s"] is not None]
     round_s = median(lengths) if lengths else ROUND_S
     c = pred["costs"]
-    cfg = SimConfig(mechanism=MechanismConfig(round_s=round_s, restart_cost_s=c["resume_s"] + c["stop_s"],
-                                              resize_cost_s=RESIZE_COST_S, start_cost_s=c["start_s"]))
-    res = simulate(specs, Cluster(gpus=dict(SLOTS), gpus_per_server=dict(SLOTS)), table, get_policy(policy), cfg)
-    jct = [float(x) for x in res.jct_s]
-    actual = [r.finished_s - r.submitted_s for r in phys["rows"]]
-    makespan = float(np.nanmax(res.finish_s))
+    # A restart cost above the round length makes the simulator restart a job every round with no
+    # progress (it has no pins): bound it at 10x the physical makespan and report what did not finish.
     actual_ms = max(r.finished_s for r in phys["rows"]) - phys["t0"]
-    return {"jct_s": jct, "makespan_s": makespan, "round_s": round_s,
+    cfg = SimConfig(mechanism=MechanismConfig(round_s=round_s, restart_cost_s=c["resume_s"] + c["stop_s"],
+                                              resize_cost_s=RESIZE_COST_S, start_cost_s=c["start_s"]),
+                    max_sim_s=10 * actual_ms)
+    res = simulate(specs, Cluster(gpus=dict(SLOTS), gpus_per_server=dict(SLOTS)), table, get_policy(policy), cfg)
+    unfinished = int(np.isnan(res.finish_s).sum())
+    end = float(res.end_s)
+    jct = [float(f - a) if np.isfinite(f) else end - a for f, a in zip(res.finish_s, res.arrival_s)]
+    actual = [r.finished_s - r.submitted_s for r in phys["rows"]]
+    makespan = float(np.nanmax(np.where(np.isfinite(res.finish_s), res.finish_s, end)))
+    return {"jct_s": jct, "makespan_s": makespan, "round_s": round_s, "unfinished": unfinished,
             "jct_error_median": median([abs(a - b) / b for a, b in zip(jct, actual)]),
             "makespan_error": abs(makespan - actual_ms) / actual_ms,
             "restarts": int(res.restarts.sum()), "resizes": int(res.resizes.sum())}
@@ -263,8 +270,9 @@ def main() -> int:
                 physical[label] = phys
                 ps = physical_summary(phys)
                 pred = predict(phys)
+                traced = predict(phys, observed_pauses=True)
                 sim = simulate_like(phys, pred, policy=policy)
-                results[label] = {"physical": ps, "replay": pred, "simulated": sim,
+                results[label] = {"physical": ps, "replay": pred, "replay_observed_pauses": traced, "simulated": sim,
                                   "jct_error_median": pred["jct_error_median"], "makespan_error": pred["makespan_error"],
                                   "other_load_cores": meter.other_cores}
                 print(f"  physical median JCT {median(ps['jct_s']):.1f} s, makespan {ps['makespan_s']:.1f} s; replay "
@@ -302,7 +310,8 @@ def main() -> int:
     rows = []
     for k, v in results.items():
         ph = v["physical"]
-        for name, pr in (("replay", v["replay"]), ("simulate", v["simulated"])):
+        for name, pr in (("replay", v["replay"]), ("replay, observed pauses", v["replay_observed_pauses"]),
+                         ("simulate", v["simulated"])):
             rows.append([k, name, f"{median(ph['jct_s']):.1f}", f"{median(pr['jct_s']):.1f}",
                          f"{pr['jct_error_median']:.1%}", f"{ph['makespan_s']:.1f}", f"{pr['makespan_s']:.1f}",
                          f"{pr['makespan_error']:.1%}", f"{ph['restarts']} / {pr['restarts']}",

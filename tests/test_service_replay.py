@@ -118,6 +118,15 @@ def test_launches_that_block_the_loop_stretch_the_round():
     assert res.finish_s[1] == pytest.approx(0.9 + 0.5 + 49 / 20.0)
 
 
+def test_observed_pauses_replace_the_model():
+    a = job(1, 50, 0.0, {"v100/1": 20.0}, start_pauses=(4.0,))
+    costs = ReplayCosts(launch_s=0.0, first_launch_s=0.0, start_s=1.0, idle_s=0.0, done_s=0.0)
+    res = replay([a], ReplayConfig(slots={"v100": 1}, policy="fifo", round_s=5.0), costs)
+    assert res.finish_s[1] == pytest.approx(4.0 + 49 / 20.0)
+    with pytest.raises(ValueError, match="start_pauses"):
+        job(2, 5, 0.0, {}, start_pauses=(-1.0,))
+
+
 def test_concurrent_starts_pay_for_each_other():
     jobs = [job(i, 50, 0.0, {"v100/1": 20.0}) for i in range(1, 4)]
     costs = ReplayCosts(launch_s=0.0, first_launch_s=0.0, start_s=1.0, start_per_worker_s=0.5, idle_s=0.0, done_s=0.0)
@@ -201,6 +210,10 @@ def test_measure_recovers_the_constants_and_rates():
     assert by[1].measured == {"v100/1": 9.5}
     assert by[2].rates["k80/2"] == pytest.approx(5.0)
     assert by[2].arrival_s == 1005.0 and by[1].elastic and not by[2].elastic
+    assert by[1].start_pauses == () and by[2].start_pauses == ()
+    traced, _ = measure(rows, events, rounds, steps, round_s=6.0, slowdowns={1: dict(SLOW), 2: dict(SLOW)},
+                        observed_pauses=True)
+    assert [j.start_pauses for j in traced] == [pytest.approx((2.0,)), pytest.approx((4.0,))]
 
 
 # -- the command line ----------------------------------------------------------------------------
@@ -243,6 +256,8 @@ def test_cluster_replay_reproduces_a_run_from_its_database(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["jct_error_median"] < 0.02 and out["makespan_error"] < 0.02
     assert [p["job"] for p in out["jobs"]] == ids
+    assert cli_main.main(["cluster", "replay", "--dir", d, "--json", "--observed-pauses"]) == 0
+    assert json.loads(capsys.readouterr().out)["jct_error_median"] < 0.02
     assert cli_main.main(["cluster", "replay", "--dir", d]) == 0
     text = capsys.readouterr().out
     assert "median JCT error" in text and "predicted" in text

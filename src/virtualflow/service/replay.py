@@ -99,6 +99,10 @@ class ReplayJob:
     """Type -> the job's slowdown there (as the service gives it)."""
     rates: dict[str, float] = field(default_factory=dict)
     """``"TYPE/WORKERS"`` -> the job's real steps/s there (its per-step records)."""
+    start_pauses: tuple[float, ...] = ()
+    """Trace-driven pauses: the k-th start of the job takes ``start_pauses[k]`` (launch returned ->
+    first step) instead of the model's pause, where given (:func:`measure` with
+    ``observed_pauses=True``: separates the decisions' fidelity from the pauses' noise)."""
     measured: dict[str, float] = field(default_factory=dict)
     """``"TYPE/WORKERS"`` -> what the service's own measurement reports there (its polling samples
     the steps: a little off the real rate); where missing, the real rate."""
@@ -109,6 +113,8 @@ class ReplayJob:
         if not 1 <= self.min_workers <= self.max_workers:
             raise ValueError(f"job {self.job_id}: min_workers={self.min_workers} and max_workers={self.max_workers} "
                              f"must satisfy 1 <= min_workers <= max_workers")
+        if not all(math.isfinite(p) and p >= 0 for p in self.start_pauses):
+            raise ValueError(f"job {self.job_id}: start_pauses={self.start_pauses} must be seconds >= 0")
         if not math.isfinite(self.arrival_s):
             raise ValueError(f"job {self.job_id}: arrival_s={self.arrival_s} must be a finite number of seconds")
 
@@ -325,6 +331,8 @@ def replay(jobs: Iterable[ReplayJob], config: ReplayConfig, costs: ReplayCosts |
                 s.rate = job_rate(s.job, a.acc_type, a.workers, prior)
                 # The pause ends with the first step: stepping starts one step before.
                 pause = (costs.resume_s if resumed else costs.start_s) + crowd_s
+                if s.starts < len(s.job.start_pauses):
+                    pause = s.job.start_pauses[s.starts]
                 s.step_from = now + max(pause - 1.0 / s.rate, 0.0)
                 s.formed_s, s.started_s, s.start_progress = s.step_from, now, int(s.progress)
                 s.starts += 1
@@ -376,7 +384,8 @@ def _median(xs: list[float], default: float) -> float:
 
 def measure(jobs: list[Any], events: list[dict[str, Any]], rounds: list[dict[str, Any]],
             steps: dict[int, list[tuple[float, int, int]]], *, round_s: float,
-            slowdowns: dict[int, dict[str, float]]) -> tuple[list[ReplayJob], ReplayCosts]:
+            slowdowns: dict[int, dict[str, float]], observed_pauses: bool = False
+            ) -> tuple[list[ReplayJob], ReplayCosts]:
     """The trace and the constants of a finished cluster run, from its records (pure).
 
     ``jobs``: the database's job rows (``id``, ``steps``, ``elastic``, ``min_workers``,
@@ -385,7 +394,8 @@ def measure(jobs: list[Any], events: list[dict[str, Any]], rounds: list[dict[str
     its per-step records (wall time the step ended, step, workers) from its metrics; ``slowdowns``:
     job id -> its slowdown per type. A job's rate on a (type, workers) is the median of the
     service's throughput measurements there; the costs are medians over what happened (a cost
-    never observed keeps :class:`ReplayCosts`' default)."""
+    never observed keeps :class:`ReplayCosts`' default). ``observed_pauses``: also give each job the
+    pauses its starts really took (:attr:`ReplayJob.start_pauses`)."""
     d = ReplayCosts()
     by_job: dict[int, list[dict[str, Any]]] = {}
     for e in sorted(events, key=lambda e: e["t"]):
@@ -429,6 +439,7 @@ def measure(jobs: list[Any], events: list[dict[str, Any]], rounds: list[dict[str
         jid = int(row.id)
         recs = sorted(steps.get(jid, []))
         rates: dict[str, list[float]] = {}
+        pauses: list[float] = []
         workers_now = 0
         for e in by_job.get(jid, []):
             data = e.get("data") or {}
@@ -440,6 +451,7 @@ def measure(jobs: list[Any], events: list[dict[str, Any]], rounds: list[dict[str
                 r0 = round_of(e["t"])
                 if after:
                     starts_p.append((after[0] - e["t"], launched.get(r0, 1), bool(data.get("resumed"))))
+                pauses.append(after[0] - e["t"] if after else math.nan)
                 workers_now = int(data.get("workers", 0))
             elif e["kind"] == "resize":
                 new = int(data.get("workers", 0))
@@ -459,7 +471,9 @@ def measure(jobs: list[Any], events: list[dict[str, Any]], rounds: list[dict[str
                                elastic=bool(row.elastic), min_workers=int(row.min_workers),
                                max_workers=int(row.max_workers), priority=float(row.priority),
                                slowdowns=dict(slowdowns[jid]),
-                               rates={**seen, **stepped}, measured=seen))
+                               rates={**seen, **stepped}, measured=seen,
+                               start_pauses=tuple(pauses) if observed_pauses and all(map(math.isfinite, pauses))
+                               else ()))
     idle_p, extra_p = [], []
     ordered = sorted(rounds, key=lambda r: r["start_s"])
     arrivals = sorted(float(r.submitted_s) for r in jobs)
