@@ -209,3 +209,29 @@ def test_the_service_serves_its_dashboard_and_stops_on_request(tmp_path):
     thread.join(30)
     assert not thread.is_alive() and not errors
     assert db.get_meta("service")["state"] == "stopped"
+
+
+@pytest.mark.parametrize("emulate", [False, True])
+def test_on_ray_a_slot_type_is_a_ray_resource(tmp_path, emulate):
+    from virtualflow.service.state import ClusterDB
+
+    d = str(tmp_path / "c")
+    init_cluster(d, slots={"v100": 2, "k80": 2}, policy="las", round_s=5.0, slowdowns={"k80": 3.0}).close()
+    db = ClusterDB(d)  # as cluster start --backend ray writes it (its Ray check is in tests/test_service_ray.py)
+    db.set_meta("config", {**db.config(), "backend": "ray", "address": "10.0.0.1:6379", "cpus_per_worker": 0.5,
+                           "emulate_slowdowns": emulate})
+    launched = []
+    s = Service(d, launch=lambda target, **kw: launched.append(kw) or FakeHandle(kw))
+    s.epoch_s = 0.0
+    a = add(s, elastic=True, max_workers=2)
+    decide(s, Action("start", a, "k80", 1, ("k80-0",)))
+    kw = launched[-1]
+    assert (kw["backend"], kw["address"], kw["cpus_per_worker"], kw["resources"]) == \
+        ("ray", "10.0.0.1:6379", 0.5, {"k80": 1.0})
+    assert kw.get("slowdowns") == ([3.0] if emulate else None)
+    # A newcomer of an in-place resize asks for the same resource (job-wide) and gets the slowdown only if emulated.
+    h = s.running[a].handle
+    decide(s, Action("resize", a, "k80", 2, ("k80-0", "k80-1")))
+    h.workers[1]["rank"] = 1
+    s._tick()
+    assert (("slowdown", 1, 3.0) in h.calls) == emulate

@@ -41,6 +41,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--dashboard-port", type=int, default=None, metavar="PORT",
                    help="also serve the dashboard from the service on 127.0.0.1:PORT (0: any free port; "
                         "default: off, see `cluster dashboard`)")
+    s.add_argument("--backend", choices=("local", "ray"), default="local",
+                   help="local: emulated slots, worker processes on this machine (default); ray: a slot of type T "
+                        "is one unit of the Ray custom resource T, workers are Ray actors")
+    s.add_argument("--address", default=None, metavar="auto|HOST:PORT",
+                   help="--backend ray: the Ray cluster (default: RAY_ADDRESS); its nodes must have the slot types "
+                        "as resources, e.g. ray start --head --resources '{\"v100\": 2, \"k80\": 2}'")
+    s.add_argument("--cpus-per-worker", type=float, default=1.0, metavar="C",
+                   help="--backend ray: Ray CPUs each worker actor reserves (1; fractions allowed)")
+    s.add_argument("--emulate-slowdowns", action="store_true",
+                   help="--backend ray: slow the workers of each type down as on the local backend (default off: "
+                        "the types are real hardware; the slowdowns still inform the estimates)")
     s.add_argument("--foreground", action="store_true", help="run in this process (Ctrl-C stops it)")
     s.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                    help="how long to wait for a background service to come up (60)")
@@ -104,9 +115,15 @@ def start(args: argparse.Namespace) -> int:
     if os.path.isdir(args.dir) and ServiceLock.held(args.dir):
         raise ValueError(f"a cluster service already runs in {args.dir}; stop it first (virtualflow cluster stop "
                          f"--dir {args.dir})")
+    address = args.address
+    if args.backend == "ray" and address is None:
+        address = os.environ.get("RAY_ADDRESS") or None
+    if args.backend == "local" and args.cpus_per_worker != 1.0:
+        raise ValueError("--cpus-per-worker applies to --backend ray; add --backend ray or drop it")
     init_cluster(args.dir, slots=slots, policy=args.policy, round_s=args.round_s, slowdowns=slowdowns,
                  threads_per_worker=args.threads_per_worker, min_run_s=args.min_run_s,
-                 dashboard_port=args.dashboard_port).close()
+                 dashboard_port=args.dashboard_port, backend=args.backend, address=address,
+                 cpus_per_worker=args.cpus_per_worker, emulate_slowdowns=args.emulate_slowdowns).close()
     if args.foreground:
         import signal
 
@@ -133,7 +150,8 @@ def start(args: argparse.Namespace) -> int:
             raise RuntimeError(f"the cluster service (pid {proc.pid}) is not up after {args.timeout} s; see {log_path}")
         time.sleep(0.1)
     dash = db.get_meta("dashboard")
-    print(f"cluster service running in {args.dir} (pid {proc.pid}; slots {args.slots}; policy {args.policy}; "
+    on = f"; Ray cluster {address}" if args.backend == "ray" else ""
+    print(f"cluster service running in {args.dir} (pid {proc.pid}; slots {args.slots}{on}; policy {args.policy}; "
           f"rounds of {args.round_s:g} s); log: {log_path}" + (f"; dashboard: {dash}" if dash else ""))
     return 0
 
@@ -149,6 +167,7 @@ def status(args: argparse.Namespace) -> int:
     print(f"cluster {args.dir}: service {'up' if up else 'down'}"
           + (f" (pid {svc.get('pid')}, heartbeat {age:.1f} s ago)" if up else "")
           + f"; policy {cfg['policy']}; rounds of {cfg['round_s']:g} s"
+          + (f"; Ray cluster {cfg.get('address')}" if cfg.get("backend") == "ray" else "")
           + (f"; dashboard {db.get_meta('dashboard')}" if up and db.get_meta("dashboard") else ""))
     jobs = db.jobs()
     holders = {s: j.id for j in jobs if j.state == "running" for s in j.slots}

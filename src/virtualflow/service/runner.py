@@ -4,7 +4,7 @@
 database (new submissions, cancellations), builds a :class:`~virtualflow.service.core.JobView`
 per active job, asks the pure :class:`~virtualflow.service.core.Scheduler` for the round's
 decision, records it (``rounds`` and ``allocations`` tables) and enacts its actions with the
-public API, on the local backend:
+public API, on the local backend (or on a Ray cluster: see below):
 
 - ``start``: :func:`virtualflow.launch` with the placement's worker count, the type's slowdown
   for every worker (``slowdowns=``, emulated accelerator types), ``checkpoint_every`` and, when
@@ -21,6 +21,21 @@ the next round); a cancelled one is stopped. The steps a job makes after its wor
 its **measured throughput** on that (type, workers), folded into the job's estimates at the end
 of the round. Without active jobs the service idles and starts a round as soon as a job arrives.
 
+On a **Ray cluster** (``cluster start --backend ray --address ADDR``) a slot of type ``T`` is one
+unit of the Ray custom resource ``T``: every worker of a job placed on ``T`` is a Ray actor asking
+for ``{T: 1}`` (and ``--cpus-per-worker`` CPUs), so Ray puts it on a node that has a ``T`` free.
+The types' slowdowns then only inform the estimates (the hardware is real); ``--emulate-slowdowns``
+applies them to the workers as on the local backend. The service checks at ``cluster start`` and at
+every start that the Ray cluster has at least as many units of each type as the slots claim, and
+the CPUs for all slots busy at once (:func:`ray_slot_shortage`); the service is the actors' owner,
+so Ray ends them if the service dies.
+
+**Deadlines** (``submit --deadline``): each round, after the policy's decision,
+:func:`virtualflow.service.deadlines.admit` gives jobs that would otherwise miss their deadline
+the slots of jobs with no deadline or a later one (earliest deadline first); the service keeps
+each deadline job's estimated time to finish up to date (``eta_s``, for ``queue`` and the
+dashboard) and records one ``deadline_missed`` event for a job whose deadline passes unfinished.
+
 Crash safety: the database is the truth. A service that was killed (SIGKILL) and started again
 closes the rounds left open, waits for the workers of the jobs it ran to exit (they lose their
 coordinator with it), then records a job whose run directory says it completed as done (never run
@@ -34,6 +49,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import math
 import os
 import signal
 import time
@@ -129,6 +145,12 @@ class Service:
         self.overrides: dict[str, float] = {str(k): float(v) for k, v in (cfg.get("slowdowns") or {}).items()}
         self.threads = int(cfg.get("threads_per_worker", 1))
         self.min_run_s = float(cfg.get("min_run_s", 0.0))
+        self.backend = str(cfg.get("backend", "local"))
+        self.address: str | None = cfg.get("address")
+        self.cpus_per_worker = float(cfg.get("cpus_per_worker", 1.0))
+        self.emulate = self.backend == "local" or bool(cfg.get("emulate_slowdowns", False))
+        """Whether workers get their type's slowdown (always on the local backend, where types are
+        emulated; on Ray only with ``--emulate-slowdowns``: the types are real resources there)."""
         self.poll_s = poll_s
         self.launch = launch or virtualflow.launch
         self.scheduler = Scheduler(self.slots, get_policy(self.policy_name), round_s=self.round_s)
@@ -190,6 +212,8 @@ class Service:
                 self.db.set_meta("epoch_s", time.time())
             self.epoch_s = float(self.db.get_meta("epoch_s"))
             self._heartbeat(state="recovering")
+            if self.backend == "ray":
+                check_ray_cluster(self.address, self.slots, self.cpus_per_worker)
             self.recover()
             dashboard = self._start_dashboard()
             self._heartbeat(state="running")
@@ -333,11 +357,16 @@ class Service:
                                     resume=resume, balance=False, progress=False)
         if row.checkpoint_every:
             opts["checkpoint_every"] = row.checkpoint_every
-        if factor > 1.0:
+        if factor > 1.0 and self.emulate:
             opts["slowdowns"] = [factor] * a.workers
+        if self.backend == "ray":
+            # A slot of type T is one unit of the Ray resource T: every worker of the job (newcomers
+            # of a resize included) asks for one, so Ray places it on a node that has one free.
+            opts.update(backend="ray", address=self.address, cpus_per_worker=self.cpus_per_worker,
+                        resources={a.acc_type: 1.0})
         handle = self.launch(row.target, **opts)
         self.running[row.id] = Running(handle=handle, acc_type=a.acc_type, workers=a.workers, slots=a.slots,
-                                       slowdown=factor, slowed=set(range(a.workers)),
+                                       slowdown=factor if self.emulate else 1.0, slowed=set(range(a.workers)),
                                        start_step=int(handle.status().get("step") or 0), started_s=time.time())
         fields: dict[str, Any] = dict(acc_type=a.acc_type, workers=a.workers, slots=list(a.slots),
                                       starts=row.starts + 1)
@@ -526,9 +555,13 @@ class Service:
 
 def init_cluster(cluster_dir: str, *, slots: dict[str, int], policy: str, round_s: float,
                  slowdowns: dict[str, float] | None = None, threads_per_worker: int = 1,
-                 min_run_s: float = 0.0, dashboard_port: int | None = None) -> ClusterDB:
+                 min_run_s: float = 0.0, dashboard_port: int | None = None, backend: str = "local",
+                 address: str | None = None, cpus_per_worker: float = 1.0,
+                 emulate_slowdowns: bool = False) -> ClusterDB:
     """Create (or reconfigure) a cluster directory: the database with the configuration, a
-    private dashboard token. Validates everything first (nothing is written on error)."""
+    private dashboard token. Validates everything first (nothing is written on error); with
+    ``backend="ray"`` that includes connecting to the Ray cluster at ``address`` and checking that
+    it has the resources the slots claim (:func:`check_ray_cluster`)."""
     if not slots:
         raise ValueError("--slots is empty; give accelerator types and counts, e.g. --slots v100=2,k80=2")
     get_policy(policy)  # raises for an unknown policy, naming the choices
@@ -544,17 +577,69 @@ def init_cluster(cluster_dir: str, *, slots: dict[str, int], policy: str, round_
     if unknown:
         raise ValueError(f"--slowdowns names type(s) {unknown} that are not in --slots {list(slots)}")
     type_slowdowns(types, gavel_table(), overrides)  # every type's speed is known
+    if backend not in ("local", "ray"):
+        raise ValueError(f"--backend {backend!r} is not a cluster backend; choose local (emulated slots on this "
+                         f"machine) or ray (slots are Ray resources)")
+    if backend == "local" and (address is not None or emulate_slowdowns):
+        raise ValueError("--address and --emulate-slowdowns apply to --backend ray; add --backend ray or drop them")
+    if not (math.isfinite(cpus_per_worker) and cpus_per_worker > 0):
+        raise ValueError(f"--cpus-per-worker {cpus_per_worker:g} must be a positive number of Ray CPUs")
+    if backend == "ray":
+        if not address:
+            raise ValueError("--backend ray needs --address (auto, or HOST:PORT of the Ray head) of a running Ray "
+                             "cluster whose nodes have the slot types as custom resources, e.g. ray start --head "
+                             "--resources '{\"v100\": 2, \"k80\": 2}'")
+        check_ray_cluster(address, slots, cpus_per_worker)
     os.makedirs(cluster_dir, mode=0o700, exist_ok=True)
     db = ClusterDB(cluster_dir, create=True)
     db.set_meta("config", {"slots": slots, "policy": policy, "round_s": round_s, "slowdowns": overrides,
                            "threads_per_worker": threads_per_worker, "min_run_s": min_run_s,
-                           "dashboard_port": dashboard_port})
+                           "dashboard_port": dashboard_port, "backend": backend, "address": address,
+                           "cpus_per_worker": cpus_per_worker, "emulate_slowdowns": emulate_slowdowns})
     token_path = os.path.join(cluster_dir, "token")
     if not os.path.exists(token_path):
         from virtualflow.comm import auth
 
         auth.write_token(token_path, auth.new_token())
     return db
+
+
+def ray_slot_shortage(slots: dict[str, int], totals: dict[str, float], cpus_per_worker: float,
+                      where: str = "the Ray cluster") -> str | None:
+    """Why a Ray cluster with resources ``totals`` cannot hold ``slots`` (pure), or None: each
+    slot type T is a custom resource T with at least as many units as T has slots, and the
+    slots busy at once need ``cpus_per_worker`` CPUs each."""
+    custom = sorted(k for k in totals if k not in ("CPU", "GPU", "memory", "object_store_memory")
+                    and not k.startswith(("node:", "accelerator_type:")))
+    for t, n in slots.items():
+        have = float(totals.get(t, 0.0))
+        if have + 1e-9 < n:
+            has = f"has {t}={have:g}" if have > 0 else f"has no resource {t!r}"
+            fix = f"lower --slots {t}={int(have)}" if have >= 1 else f"drop {t} from --slots"
+            return (f"slot type {t!r} claims {n} slot{'s' if n != 1 else ''} (--slots {t}={n}) but {where} {has} "
+                    f"(its custom resources: {', '.join(f'{k}={totals[k]:g}' for k in custom) or 'none'}); {fix} "
+                    f"or add Ray nodes started with --resources '{{\"{t}\": N}}'")
+    need = sum(slots.values()) * cpus_per_worker
+    cpus = float(totals.get("CPU", 0.0))
+    if cpus + 1e-9 < need:
+        return (f"the {sum(slots.values())} slots need {need:g} CPUs when all are busy ({sum(slots.values())} x "
+                f"--cpus-per-worker {cpus_per_worker:g}) but {where} has CPU={cpus:g}; lower --cpus-per-worker "
+                f"or --slots, or add nodes")
+    return None
+
+
+def check_ray_cluster(address: str | None, slots: dict[str, int], cpus_per_worker: float) -> None:
+    """Connect to the Ray cluster (``address``: ``auto``, ``HOST:PORT``, or None for the one this
+    process is connected to / ``RAY_ADDRESS``) and raise ``ValueError`` when it lacks the
+    resources the slots claim (:func:`ray_slot_shortage`)."""
+    from virtualflow.backends.ray import RayOptions, connect, import_ray
+
+    ray = import_ray()
+    connect(RayOptions(address=address))
+    short = ray_slot_shortage(slots, ray.cluster_resources(), cpus_per_worker,
+                              where=f"the Ray cluster at {address}" if address else "the Ray cluster")
+    if short:
+        raise ValueError(short)
 
 
 def _read_json(path: str) -> dict | None:
