@@ -119,6 +119,128 @@ def test_a_replica_holds_a_copy_of_its_successor():
         assert e.replica_of_successor.nbytes() == stage_bytes + opt_bytes
 
 
+# -- eager redundant forwards ----------------------------------------------------------------------
+
+def _capture_eager(engines):
+    """Per worker: the eager forwards of every step, taken just before the step's commit drops them."""
+    seen = {r: {} for r in range(len(engines))}
+    for r, e in enumerate(engines):
+        rep = e.replica_of_successor
+        original = rep.end_step
+
+        def end_step(applied, rep=rep, r=r, original=original):
+            seen[r].update(rep.eager)
+            original(applied)
+        rep.end_step = end_step
+    return seen
+
+
+def _capture_forwards(engines, step_of):
+    """Per worker: the outputs of its own stage's forwards, in call order per step."""
+    out = {r: [] for r in range(len(engines))}
+    for r, e in enumerate(engines):
+        for module in e.pieces.values():
+            module.register_forward_hook(lambda mod, args, result, r=r: out[r].append((step_of[0], result.detach())))
+    return out
+
+
+@pytest.mark.parametrize("stages,schedule,deterministic", [(3, "1f1b", False), (4, "gpipe", True), (2, "1f1b", False)])
+def test_eager_forwards_equal_the_successors_own_forwards(stages, schedule, deterministic):
+    """Each worker runs its successor's forward of every micro-batch it sent (the first stage's from
+    the data) on its replica: outputs, bit for bit, those of the successor's own forward."""
+    j = job(stages, schedule)
+    engines, driver = engines_of(j, 1, deterministic)
+    assert all(e.eager for e in engines)
+    eager = _capture_eager(engines)
+    step_of = [0]
+    own = _capture_forwards(engines, step_of)
+    steps = 3
+    for t in range(steps):
+        step_of[0] = t
+        driver.run(t, 1)
+    m = j.virtual_nodes
+    for r, e in enumerate(engines):
+        succ = (r + 1) % stages
+        real = {(t, vn): out for (t, out), vn in zip(own[succ], [v for _ in range(steps) for v in range(m)])}
+        rep = e.replica_of_successor
+        assert rep.forwards + rep.skipped == m * steps
+        assert len(eager[r]) == rep.forwards
+        for key, entry in eager[r].items():
+            assert_same(entry.outputs[0], real[key], f"worker {r} eager forward {key}")
+        assert not rep.eager  # dropped at the commit
+    # In one process a receive waits only when the cooperative order has not run the sender yet;
+    # the workers that met such idle slots ran their redundant forwards there.
+    assert sum(e.replica_of_successor.forwards for e in engines) >= m
+
+
+def test_lazy_redundancy_runs_no_redundant_forward():
+    j = job(3).replace(pipeline=Pipeline(stages=3, redundancy=True, redundant_compute="lazy"))
+    engines, driver = engines_of(j)
+    for t in range(3):
+        driver.run(t, 1)
+        assert_replicas_fresh(engines, 3)
+    assert all(not e.eager and e.replica_of_successor.forwards == 0 for e in engines)
+    with pytest.raises(ValueError, match=r"redundant_compute='soon' must be 'eager'.*or 'lazy'"):
+        Pipeline(stages=3, redundancy=True, redundant_compute="soon")
+    # Schedules a failover does not re-lay keep no eager forwards.
+    assert not Pipeline(stages=2, schedule="zb_h1", redundancy=True).eager_forwards
+
+
+def test_a_redone_step_takes_the_lost_stage_from_eager_forwards_bit_for_bit():
+    """The failed-over worker runs its own layers [0, 3) and the lost stage's [3, 8) as one piece;
+    with the lost stage's eager forward spliced in, loss, every gradient, BatchNorm statistics and
+    the random stream after it are those of running all the layers (dropout and BatchNorm inside
+    the spliced stage)."""
+    import copy
+    from types import SimpleNamespace
+
+    from virtualflow.pipeline import piece_module
+    from virtualflow.runtime.pipeline import StageEngine, _Eager, _Reuse
+
+    torch.manual_seed(0)
+    layers = layers_of(net())
+    for layer in layers:  # non-trivial running statistics
+        if isinstance(layer, nn.BatchNorm1d):
+            layer.running_mean.uniform_(-1, 1)
+    x = torch.randn(16, jobs.FEATURES)
+    y = torch.randint(0, 3, (16,))
+    lo, hi = 3, 8
+
+    def run(module, forward):
+        torch.manual_seed(11)
+        out = forward(module)
+        loss = nn.functional.cross_entropy(out, y)
+        loss.backward()
+        return loss.detach(), {n: q.grad for n, q in module.named_parameters()}, \
+            {n: b.clone() for n, b in module.named_buffers()}, torch.get_rng_state()
+
+    plain = piece_module(copy.deepcopy(layers), 0, len(layers))
+    want = run(plain, lambda mod: mod(x))
+
+    # The predecessor's forward of its own layers, then the eager forward on its replica.
+    own = piece_module(copy.deepcopy(layers), 0, lo)
+    torch.manual_seed(11)
+    h = own(x)
+    rng = torch.get_rng_state()
+    replica = piece_module(copy.deepcopy(layers), lo, hi)
+    torch.set_rng_state(rng)
+    h_e = h.detach().requires_grad_(True)
+    out_e = replica(h_e)
+    entry = _Eager(inputs=[h_e], outputs=(out_e,), single=True, rng=torch.get_rng_state(),
+                   buffers={n: b.detach().clone() for n, b in replica.named_buffers()},
+                   params=dict(replica.named_parameters()))
+
+    merged = piece_module(copy.deepcopy(layers), 0, len(layers))
+    fake = SimpleNamespace(reuse=_Reuse(lo, hi, {}), device=torch.device("cpu"), reused_forwards=0)
+    got = run(merged, lambda mod: StageEngine._spliced_forward(fake, mod, x, entry))
+    assert fake.reused_forwards == 1
+    assert_same(got[0], want[0], "loss")
+    assert_same(got[1], want[1], "gradients")
+    assert_same(got[2], want[2], "buffers")
+    assert_same(got[3], want[3], "random stream after the forward")
+    assert all(q.grad is None for q in replica.parameters())  # the replica's copies took no gradient
+
+
 def test_redundancy_needs_a_flush_schedule_and_two_stages():
     with pytest.raises(ValueError, match=r"redundancy=True.*stages >= 2 \(got 1\)"):
         Pipeline(stages=1, redundancy=True)
@@ -251,6 +373,12 @@ def test_a_single_pipeline_fails_over_in_any_phase_and_trains_the_undisturbed_mo
         events = [json.loads(line) for line in f]
     failover = [e for e in events if e["event"] == "failover"]
     assert len(failover) == 1 and failover[0]["layout"] == [[0, 1], [2]]
+    # Eager redundant forwards (the default): worker 0 ran stage 1's forwards of what it sent on
+    # its replica; once the middle stage's forwards of step 3 had begun, the redone step 3 took
+    # them instead of running stage 1's layers again.
+    assert all(c["forwards"] > 0 for c in result.redundant_forwards.values())
+    if phase in ("mid_backward", "during_reduction"):
+        assert result.redundant_forwards[0]["reused"] > 0
     ref = vf.train(jobs.pipelined_redundant_job().replace(pipeline=Pipeline(stages=3)), workers=3, steps=7,
                    deterministic=True)
     assert_state_equal(result.state_dict, ref.state_dict)

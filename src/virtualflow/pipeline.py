@@ -71,6 +71,14 @@ class Pipeline:
     """Bamboo: every worker also keeps a replica of its successor's stage (stage ``(s+1) mod p``
     of its pipeline replica): parameters, buffers, optimizer and scheduler state, brought up to
     date after every step from the successor's reduced gradients (flush schedules only)."""
+    redundant_compute: str = "eager"
+    """With ``redundancy``: ``"eager"`` (default) - each worker also runs its successor stage's
+    forward on its replica for every micro-batch it sent, in the schedule's idle slots (while it
+    waits for a message), and keeps those forwards until the step commits, so that a failover's
+    redone step takes the lost stage's forwards from them instead of recomputing them;
+    ``"lazy"`` - no redundant forward: a failover recomputes the lost stage's forwards in the
+    redone step. Eager forwards apply to ``1f1b`` and ``gpipe`` with ``chunks=1`` (the schedules a
+    failover re-lays); elsewhere the mode is lazy."""
 
     def __post_init__(self) -> None:
         _positive("stages", self.stages)
@@ -100,6 +108,9 @@ class Pipeline:
                 f"Pipeline.redundancy=True keeps a replica of each worker's successor stage, refreshed at every "
                 f"step's flush: it needs stages >= 2 (got {self.stages}) and a flush schedule "
                 f"{FLUSH_SCHEDULES} (got {self.schedule!r})")
+        if self.redundant_compute not in ("eager", "lazy"):
+            raise ValueError(f"Pipeline.redundant_compute={self.redundant_compute!r} must be 'eager' (redundant "
+                             f"forwards in idle slots, the default) or 'lazy' (recompute on a failover)")
         if self.memory_limit_gib is not None and not (self.memory_limit_gib > 0):
             raise ValueError(f"Pipeline.memory_limit_gib={self.memory_limit_gib!r} must be positive or None")
 
@@ -111,6 +122,12 @@ class Pipeline:
     @property
     def flush(self) -> bool:
         return self.schedule in FLUSH_SCHEDULES
+
+    @property
+    def eager_forwards(self) -> bool:
+        """Whether workers run their successor's forwards on their replicas (``redundant_compute``)."""
+        return (bool(self.redundancy) and self.redundant_compute == "eager" and self.chunks == 1
+                and self.schedule in ("1f1b", "gpipe"))
 
 
 def _positive(name: str, value: object) -> None:

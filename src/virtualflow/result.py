@@ -45,6 +45,11 @@ class Result:
     replica_refresh_s: dict[int, float] = field(default_factory=dict)
     """``Pipeline(redundancy=True)``: the redundant compute, seconds each worker spent taking its
     successor's steps on its replica (worker id -> seconds; since the worker's last re-layout)."""
+    redundant_forwards: dict[int, dict[str, float]] = field(default_factory=dict)
+    """``Pipeline(redundancy=True, redundant_compute="eager")``: per worker (id -> counts), its
+    eager redundant forwards over the run: ``seconds`` spent in them, ``forwards`` run,
+    ``skipped`` (no idle slot left for them in their step), ``reused`` (forwards a failover's
+    redone step took from them instead of running the lost stage again)."""
     generations: int = 1
     """Membership generations the job went through (1: no resize, no failure)."""
     failures: list[dict[str, Any]] = field(default_factory=list)

@@ -323,6 +323,7 @@ class Supervisor:
             optimizer_bytes={w: i["optimizer_bytes"] for w, i in p.workers.items() if "optimizer_bytes" in i},
             replica_bytes={w: i["replica_bytes"] for w, i in p.workers.items() if "replica_bytes" in i},
             replica_refresh_s={w: i["replica_refresh_s"] for w, i in p.workers.items() if "replica_refresh_s" in i},
+            redundant_forwards={w: i["redundant_forwards"] for w, i in p.workers.items() if i.get("redundant_forwards")},
             generations=self.controller.generation + 1,
             failures=list(self.controller.failures),
             autoscale=self.autoscaler.summary() if self.autoscaler is not None else None,

@@ -173,7 +173,8 @@ class Coordinator:
                 self.progress.workers.setdefault(r["worker"], {}).update(peak_rss_mib=r["peak_rss_mib"],
                                                                           optimizer_bytes=r["optimizer_bytes"],
                                                                           replica_bytes=r["replica_bytes"],
-                                                                          replica_refresh_s=r["replica_refresh_s"])
+                                                                          replica_refresh_s=r["replica_refresh_s"],
+                                                                          redundant_forwards=r["redundant_forwards"])
                 if r.get("rank") == 0:
                     self.progress.done = True
             elif kind == "checkpoint":

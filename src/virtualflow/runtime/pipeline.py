@@ -46,7 +46,7 @@ from __future__ import annotations
 import bisect
 import functools
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Sequence
 
@@ -88,6 +88,15 @@ class Expect:
 
 
 @dataclass(slots=True)
+class Poll:
+    """Has the message ``Recv(peer, key)`` would take arrived? Answer ``True``/``False``, never
+    blocks (eager redundant forwards run while the answer is ``False``)."""
+
+    peer: int
+    key: MsgKey
+
+
+@dataclass(slots=True)
 class StageSum:
     """Sum ``vector`` over the pipeline replicas of this stage-rank (default mode)."""
 
@@ -110,7 +119,7 @@ class AllSum:
     vector: torch.Tensor
 
 
-Request = Send | Recv | Expect | StageSum | StageTree | AllSum
+Request = Send | Recv | Expect | Poll | StageSum | StageTree | AllSum
 
 LOOKAHEAD = 4
 """Receives announced (:class:`Expect`) ahead of the action that needs them, per worker."""
@@ -137,6 +146,71 @@ class _MB:
     version: dict[str, torch.Tensor] | None = None
     out_grads: list[torch.Tensor | None] | None = None
     in_grads: list[torch.Tensor] | None = None
+
+
+@dataclass(slots=True)
+class _Eager:
+    """One eager redundant forward: the successor stage's forward of one micro-batch, run on this
+    worker's replica, kept (graph included) until the step commits."""
+
+    inputs: list[torch.Tensor]
+    """The forward's input leaves (the message's tensors; empty for the first stage: its data)."""
+    outputs: tuple[torch.Tensor, ...]
+    single: bool
+    """The stage returned one tensor (not a tuple)."""
+    rng: Any
+    """The random generator state(s) after the forward."""
+    buffers: dict[str, torch.Tensor]
+    """The replica's buffers after the forward (BatchNorm statistics), by whole-model name."""
+    params: dict[str, torch.Tensor]
+    """The replica's parameters the graph uses, by whole-model name."""
+
+
+@dataclass
+class _Reuse:
+    """A failed-over worker's eager forwards of the stage it took over (layers ``[lo, hi)`` of the
+    whole model), for the redone step: (step, VN) -> forward."""
+
+    lo: int
+    hi: int
+    entries: dict[tuple[int, int], _Eager]
+
+
+class _Splice(torch.autograd.Function):
+    """Put an eager forward's outputs in place of running layers ``[lo, hi)`` again: forward gives
+    the kept outputs; backward runs the kept graph, adds its parameter gradients to the layers that
+    run the stage now (``targets``: whole-model name -> parameter) and hands the input gradients to
+    the live graph below. The values are those of running the layers again (same weights, same
+    inputs, same random stream), so the step is unchanged."""
+
+    @staticmethod
+    def forward(ctx, entry: _Eager, targets: dict[str, torch.Tensor], anchor: torch.Tensor, *live: torch.Tensor):
+        ctx.entry, ctx.targets = entry, targets
+        outs = tuple(o.detach().clone() for o in entry.outputs)
+        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        entry, targets = ctx.entry, ctx.targets
+        outs, gs = [], []
+        for o, g in zip(entry.outputs, grads):
+            if o.is_floating_point() and o.requires_grad and g is not None:
+                outs.append(o)
+                gs.append(g)
+        ins = [t for t in entry.inputs if t.requires_grad]
+        names = [n for n, q in entry.params.items() if q.requires_grad]
+        wrt = ins + [entry.params[n] for n in names]
+        got = (torch.autograd.grad(outs, wrt, gs, allow_unused=True) if outs and wrt
+               else (None,) * len(wrt))
+        for n, g in zip(names, got[len(ins):]):
+            if g is not None:
+                q = targets[n]
+                q.grad = g if q.grad is None else q.grad + g
+        it = iter(got[:len(ins)])
+        in_grads = [next(it) if t.requires_grad else None for t in entry.inputs]
+        ctx.entry = ctx.targets = None
+        return (None, None, None, *in_grads)
 
 
 def schedule_for(pipeline: Pipeline, m: int, steps: int = 1) -> Schedule:
@@ -239,6 +313,14 @@ class StageEngine:
                 raise ValueError("Pipeline.redundancy=True does not support weights shared across pipeline workers yet")
             self.replica_of_successor = StageReplica(successor_pieces, optimizer_factory, scheduler_factory,
                                                      (stage_rank + 1) % self.p)
+        self.eager = pipeline.eager_forwards and self.replica_of_successor is not None
+        """``Pipeline.redundant_compute="eager"``: run the successor's forwards on the replica in
+        idle slots (:meth:`_eager_forward`)."""
+        self.reuse: _Reuse | None = None
+        """After a failover: the eager forwards of the stage this worker took over, used by the
+        redone step instead of running that stage's forwards again."""
+        self.reused_forwards = 0
+        """Forwards the redone step took from eager forwards (since this engine was built)."""
         if not pipeline.flush and self.bn_numel:
             raise ValueError(
                 f"Pipeline.schedule={pipeline.schedule!r} streams steps without a flush, which cannot keep "
@@ -288,12 +370,18 @@ class StageEngine:
         return first_step + mb // m, self.assignment[self.replica][mb % m]
 
     def _run_actions(self, schedule: Schedule, first_step: int, mbs: dict, *, on_backward_done=None,
-                     forward=None, backward=None) -> Generator[Request, Any, float]:
-        """Run this worker's actions; returns its compute seconds."""
+                     forward=None, backward=None, eager: bool = False) -> Generator[Request, Any, float]:
+        """Run this worker's actions; returns its compute seconds (eager redundant forwards, run
+        while a receive would wait, not included)."""
         m = schedule.m
         local: dict[MsgKey, list[torch.Tensor]] = {}
         grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}
         busy = 0.0
+        replica = self.replica_of_successor if eager else None
+        todo: deque[tuple[int, int, list[torch.Tensor] | None]] = deque()  # eager forwards not run yet
+        if replica is not None and self.first in replica.pieces:
+            # The replica of the first stage: its inputs are the micro-batches' data, known now.
+            todo.extend((*self._vn_of(first_step, mb, m), None) for mb in range(m))
         t_origin = time.perf_counter()
         wall_origin = time.time()
         actions = schedule.actions[self.stage_rank]
@@ -306,6 +394,11 @@ class StageEngine:
                 b = actions[receives[announced]]
                 yield Expect(b.peer, _recv_key(b))
                 announced += 1
+            if todo and a.kind in ("RECV_F", "RECV_B"):
+                # An idle slot if the message is not there yet: run redundant forwards meanwhile.
+                key = _recv_key(a)
+                while todo and not (yield Poll(a.peer, key)):
+                    self._eager_forward(*todo.popleft())
             t0 = time.perf_counter()
             if a.kind == "RECV_F":
                 tensors = yield Recv(a.peer, ("F", a.stage - 1, a.microbatch))
@@ -318,7 +411,10 @@ class StageEngine:
                 if not sent and self.fault_point is not None:
                     sent = True
                     self.fault_point("send_recv")
-                yield Send(a.peer, ("F", a.stage, a.microbatch), _forward_message(ctx))
+                message = _forward_message(ctx)
+                yield Send(a.peer, ("F", a.stage, a.microbatch), message)
+                if replica is not None and a.stage + 1 in replica.pieces:
+                    todo.append((*self._vn_of(first_step, a.microbatch, m), message))
             elif a.kind == "SEND_B":
                 yield Send(a.peer, ("B", a.stage, a.microbatch), grads_out.pop((a.stage, a.microbatch)))
             elif a.kind == "F":
@@ -362,10 +458,70 @@ class StageEngine:
                 self.timeline.append({"kind": a.kind, "stage": a.stage, "mb": a.microbatch,
                                       "step": first_step + a.microbatch // m,
                                       "start": wall_origin + (t0 - t_origin), "end": wall_origin + (t1 - t_origin)})
+        if replica is not None:
+            replica.skipped += len(todo)  # no idle slot was left for them: a failover recomputes them
         return busy
 
+    def _eager_forward(self, step: int, vn: int, message: list[torch.Tensor] | None) -> None:
+        """Bamboo's eager redundant computation: the successor stage's forward of micro-batch
+        (step, VN) on the replica, from the message this worker sent it (or the VN's data for the
+        first stage), kept with its graph until the step commits."""
+        replica = self.replica_of_successor
+        (k, module), = replica.pieces.items()
+        t0 = time.perf_counter()
+        bn = replica.bn[k]
+        if bn:
+            bn.restore()
+        ctx = _MB()
+        x = self._inputs(k, step, vn, message, ctx, clone=replica.clone_input)
+        out = module(x)
+        try:
+            outs = tensors_of(out)
+        except TypeError:  # a model output of another kind (the last stage's): not kept
+            outs = None
+        if outs is not None:
+            rng = torch.get_rng_state()
+            if self.device.type == "cuda":
+                rng = (rng, torch.cuda.get_rng_state(self.device))
+            replica.eager[step, vn] = _Eager(
+                inputs=list(ctx.inputs), outputs=outs, single=isinstance(out, torch.Tensor), rng=rng,
+                buffers={n: b.detach().clone() for n, b in module.named_buffers()},
+                params=dict(module.named_parameters()))
+        t1 = time.perf_counter()
+        if self.slowdown > 1.0:
+            time.sleep((self.slowdown - 1.0) * (t1 - t0))
+        replica.forward_s += time.perf_counter() - t0
+        replica.forwards += 1
+
+    def _spliced_forward(self, module: nn.Module, x: Any, entry: _Eager) -> Any:
+        """``module(x)`` with layers ``[reuse.lo, reuse.hi)`` taken from an eager forward."""
+        lo, hi = self.reuse.lo, self.reuse.hi
+        targets = dict(module.named_parameters())
+        h = x
+        for name, layer in module.named_children():
+            i = int(name)
+            if i < lo or i >= hi:
+                h = layer(h)
+            elif i == lo:
+                live = tensors_of(h) if entry.inputs else ()
+                anchor = torch.zeros((), device=self.device, requires_grad=True)
+                outs = _Splice.apply(entry, targets, anchor, *live)
+                h = outs[0] if entry.single else tuple(outs)
+                with torch.no_grad():
+                    for bname, value in entry.buffers.items():
+                        owner, _, leaf = bname.rpartition(".")
+                        setattr(module.get_submodule(owner) if owner else module, leaf, value.clone())
+                if isinstance(entry.rng, tuple):
+                    torch.set_rng_state(entry.rng[0])
+                    torch.cuda.set_rng_state(entry.rng[1], self.device)
+                else:
+                    torch.set_rng_state(entry.rng)
+                self.reused_forwards += 1
+        return h
+
     # ---- forward and backward of one (piece, micro-batch) -------------------------------------
-    def _inputs(self, k: int, step: int, vn: int, message: list[torch.Tensor] | None, ctx: _MB) -> Any:
+    def _inputs(self, k: int, step: int, vn: int, message: list[torch.Tensor] | None, ctx: _MB,
+                clone: bool | None = None) -> Any:
         if message is None:  # the first piece: the VN's data, a fresh random stream
             indices = self.plan.vn_indices(step, vn)
             ctx.batch, ctx.n = to_device(self.loader(indices), self.device), len(indices)
@@ -385,7 +541,8 @@ class StageEngine:
                 t.requires_grad_(True)
             ins.append(t)
         ctx.inputs = ins
-        x = [t.clone() if self._clone_input[k] and t.is_floating_point() else t for t in ins]
+        clone = self._clone_input[k] if clone is None else clone
+        x = [t.clone() if clone and t.is_floating_point() else t for t in ins]
         return x[0] if len(x) == 1 else tuple(x)
 
     def _finish_forward(self, k: int, step: int, vn: int, out: Any, ctx: _MB) -> None:
@@ -430,6 +587,10 @@ class StageEngine:
         for bn in self.bn.values():
             if bn:
                 bn.snapshot()
+        if self.eager:
+            self.replica_of_successor.begin_step()
+        if self.reuse is not None and not any(key[0] == step for key in self.reuse.entries):
+            self.reuse = None
         self.optimizer.zero_grad(set_to_none=True)
         bn_acc = {k: torch.zeros(b.numel, device=self.device) for k, b in self.bn.items()}
         bn_first: dict[int, torch.Tensor] = {}
@@ -444,7 +605,8 @@ class StageEngine:
             if bn:
                 bn.restore()
             x = self._inputs(k, step_, vn, message, ctx)
-            out = self.pieces[k](x)
+            entry = self.reuse.entries.pop((step_, vn), None) if self.reuse is not None else None
+            out = self._spliced_forward(self.pieces[k], x, entry) if entry is not None else self.pieces[k](x)
             self._finish_forward(k, step_, vn, out, ctx)
             if bn.numel:
                 if self.deterministic and self.batchnorm == "mean":
@@ -484,7 +646,9 @@ class StageEngine:
                 leaves.setdefault(vn, []).append((k, parts))
 
         self.phase = "compute"
-        compute_s = yield from self._run_actions(schedule, step, mbs, forward=forward, backward=backward)
+        compute_s = yield from self._run_actions(schedule, step, mbs, forward=forward, backward=backward,
+                                                 eager=self.eager)
+        self.reuse = None
         self.phase = "reduction"
         # Per-rank reduction vector: [grads of my params | my BatchNorm statistics | loss].
         is_last = self.last in self.pieces
@@ -596,6 +760,8 @@ class StageEngine:
                     if bn:
                         bn.restore()
                         bn.settle()
+                if self.replica_of_successor is not None:
+                    self.replica_of_successor.end_step(applied=False)
                 self.optimizer.zero_grad(set_to_none=True)
                 self.phase = "idle"
                 return result
@@ -614,6 +780,7 @@ class StageEngine:
             self.optimizer.zero_grad(set_to_none=True)
             if replica_update is not None:
                 self.replica_of_successor.apply(replica_update)
+                self.replica_of_successor.end_step(applied=True)
             self.phase = "idle"
             return result
 
@@ -789,8 +956,40 @@ class StageReplica:
         self.scheduler = (scheduler_factory(self.optimizer) if scheduler_factory is not None and self.params
                           else None)
         self.bn = {k: _PieceBatchNorm(m) for k, m in self.pieces.items()}
+        self.clone_input = any(getattr(mod, "inplace", False) for m in self.pieces.values()
+                               for mod in next(iter(m.children()), nn.Identity()).modules())
         self.refresh_s = 0.0
         """Time spent taking the original's steps (the redundant compute), in seconds."""
+        self.eager: dict[tuple[int, int], _Eager] = {}
+        """This step's eager forwards, (step, VN) -> forward (``Pipeline.redundant_compute``)."""
+        self.forward_s = 0.0
+        """Time spent in eager redundant forwards, in seconds."""
+        self.forwards = 0
+        """Eager redundant forwards run."""
+        self.skipped = 0
+        """Forwards no idle slot was left for (a failover recomputes them)."""
+
+    def begin_step(self) -> None:
+        """A step starts: the forwards of earlier steps go; BatchNorm statistics are restored to
+        this point before each eager forward."""
+        self.eager.clear()
+        for bn in self.bn.values():
+            if bn:
+                bn.snapshot()
+
+    def rewind(self) -> None:
+        """Undo what eager forwards did to the replica's buffers (an interrupted step)."""
+        for bn in self.bn.values():
+            if bn and bn._start:
+                bn.restore()
+
+    def end_step(self, applied: bool) -> None:
+        """The step committed (``applied``) or was skipped: its eager forwards go."""
+        if not applied:
+            self.rewind()
+        for bn in self.bn.values():
+            bn.settle()
+        self.eager.clear()
 
     def apply(self, message: list[torch.Tensor]) -> None:
         """The original's step: ``message`` = [its reduced gradients (flat) | its new BatchNorm

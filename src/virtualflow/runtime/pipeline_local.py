@@ -18,7 +18,7 @@ import torch
 from virtualflow.pipeline import Pipeline
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.vnmap import Node, split
-from virtualflow.runtime.pipeline import AllSum, Expect, MsgKey, Recv, Send, StageEngine, StageSum, StageTree, StepResult
+from virtualflow.runtime.pipeline import AllSum, Expect, MsgKey, Poll, Recv, Send, StageEngine, StageSum, StageTree, StepResult
 
 
 # ---- building the engines of a job ------------------------------------------------------------
@@ -99,6 +99,8 @@ class LocalDriver:
                         pass  # everything is in this process: nothing to post ahead
                     elif isinstance(req, Send):
                         mailbox[rep, req.peer, req.key] = req.tensors
+                    elif isinstance(req, Poll):
+                        answer[r] = (rep, sr, req.key) in mailbox
                     elif isinstance(req, Recv):
                         box = (rep, sr, req.key)
                         if box not in mailbox:

@@ -38,7 +38,7 @@ from virtualflow.pipeline import Grid, Pipeline, check_workers, layers_of, resol
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.vnmap import contiguous_assignment
 from virtualflow.runtime.engine import BatchLoader, StepOutcome
-from virtualflow.runtime.pipeline import AllSum, Expect, Recv, Send, StageEngine, StageSum, StageTree, StepResult
+from virtualflow.runtime.pipeline import AllSum, Expect, Poll, Recv, Send, StageEngine, StageSum, StageTree, StepResult, _Reuse
 from virtualflow.runtime.transfer import broadcast_state
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -211,6 +211,10 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
                 links.last[link] = metas
                 pending.append((works, keep))
                 answer = None
+            elif isinstance(req, Poll):
+                if req.key not in posted:
+                    post(grid.rank_of(grid.replica, req.peer), req.key)
+                answer = posted[req.key][0].is_completed()
             elif isinstance(req, Recv):
                 src = grid.rank_of(grid.replica, req.peer)
                 if req.key not in posted:
@@ -301,6 +305,19 @@ class PipelineWorkerEngine:
         """Bytes moved between the members in the last re-layout (a failover or a reconfiguration)."""
         self.timeline_dir: str | None = None
         """Where recorded timelines go (``Pipeline.record_timeline``); set by the worker."""
+        self.redundant_totals = [0.0, 0, 0, 0]
+        """Eager redundant forwards of the engines this worker dropped at re-layouts: seconds,
+        forwards run, forwards skipped (no idle slot), forwards a redone step reused."""
+
+    def redundant_forwards(self) -> dict[str, float]:
+        """Eager redundant forwards of this worker over the whole run (``Result.redundant_forwards``)."""
+        s, n, skipped, reused = self.redundant_totals
+        replica = self.stage.replica_of_successor if self.stage is not None else None
+        if replica is not None:
+            s, n, skipped = s + replica.forward_s, n + replica.forwards, skipped + replica.skipped
+        if self.stage is not None:
+            reused += self.stage.reused_forwards
+        return {"seconds": s, "forwards": n, "skipped": skipped, "reused": reused}
 
     @property
     def optimizer(self):
@@ -426,6 +443,13 @@ class PipelineWorkerEngine:
         if self.pipeline.chunks != 1:
             raise RuntimeError("a Bamboo failover needs chunks=1")
         own_old, rep_old = self._stages_held()
+        old_replica = self.stage.replica_of_successor if self.stage is not None else None
+        if old_replica is not None:
+            self.redundant_totals[0] += old_replica.forward_s
+            self.redundant_totals[1] += old_replica.forwards
+            self.redundant_totals[2] += old_replica.skipped
+        if self.stage is not None:
+            self.redundant_totals[3] += self.stage.reused_forwards
         # Who holds what: 2 = runs the stage, 1 = holds its replica.
         held = torch.zeros(group.size, p, dtype=torch.float64)
         for s in rep_old:
@@ -471,7 +495,8 @@ class PipelineWorkerEngine:
         counts = [self.full_bounds[run[-1]][1] - self.full_bounds[run[0]][0] for run in new]
         self.layout = new
         self.group_rank = group.rank
-        pipeline = Pipeline(stages=n, schedule=self.pipeline.schedule, split=counts, redundancy=n >= 2)
+        pipeline = Pipeline(stages=n, schedule=self.pipeline.schedule, split=counts, redundancy=n >= 2,
+                            redundant_compute=self.pipeline.redundant_compute)
         self.bounds = bounds_from_counts(counts)
         a, b = self.bounds[group.rank]
         sa, sb = self.bounds[(group.rank + 1) % n]
@@ -485,6 +510,14 @@ class PipelineWorkerEngine:
         )
         _load_merged(self.stage, [got[s] for s in mine])
         _load_merged(self.stage.replica_of_successor, [got[s] for s in succ])
+        if old_replica is not None and old_replica.eager:
+            # Eager redundant forwards of the interrupted step, of a stage this worker now runs:
+            # the redone step takes them instead of running that stage's forwards again.
+            lo = min(int(name) for m in old_replica.pieces.values() for name, _ in m.named_children())
+            hi = max(int(name) for m in old_replica.pieces.values() for name, _ in m.named_children()) + 1
+            if a <= lo and hi <= b and self.stage.pipeline.eager_forwards:
+                self.stage.reuse = _Reuse(lo, hi, dict(old_replica.eager))
+            old_replica.eager.clear()
         self.model, self.layers = None, None
         self._relaid = group.generation
         if n == p and all(len(run) == 1 for run in new):
@@ -557,6 +590,8 @@ class PipelineWorkerEngine:
         for bn in self.stage.bn.values():
             if bn and bn._start:
                 bn.restore()
+        if self.stage.replica_of_successor is not None:
+            self.stage.replica_of_successor.rewind()
         self.stage.optimizer.zero_grad(set_to_none=True)
 
     def settle_commit(self, group: Group, steps: list[int], target: int) -> list[int]:

@@ -729,7 +729,8 @@ class Worker:
         replica = self.engine.stage.replica_of_successor if self.pipelined and self.engine.stage is not None else None
         self.report({"type": "done", "step": step, "rank": group.rank, "peak_rss_mib": _peak_rss_mib(),
                      "optimizer_bytes": optimizer_bytes, "replica_bytes": replica.nbytes() if replica else 0,
-                     "replica_refresh_s": replica.refresh_s if replica else 0.0})
+                     "replica_refresh_s": replica.refresh_s if replica else 0.0,
+                     "redundant_forwards": self.engine.redundant_forwards() if self.pipelined else {}})
         self.heartbeat.stop()
         if group.pg is not None:
             try:
