@@ -16,8 +16,8 @@ A small version of the issue's benchmark, sized for a 2-core machine (a few minu
    - ``virtualflow.cluster.simulator.simulate`` with the same rates, the measured start and resume
      pauses as its start and restart costs and the measured median round length.
 
-   A third prediction, the replay with each start taking the pause it really took (trace-driven),
-   separates how well the decisions are reproduced from how noisy the pauses are on a shared
+   A third prediction, the replay trace-driven (each start takes the pause it really took, each
+   measurement reports the service's value), separates how well the decisions are reproduced from how noisy the pauses are on a shared
    machine. Per-job JCT error (median of |pred - phys| / phys) and makespan error. Targets (issue): <= 10 %
    and <= 5 %, checked on the replay (the simulator's errors are reported beside it: it models
    neither the pins nor the estimates, see docs/cluster_service.md). The constants are measured
@@ -102,16 +102,17 @@ def run_physical(jobs: list[dict], *, elastic: bool, policy: str, work: str) -> 
     return {"dir": d, "rows": rows, "events": events, "rounds": db.rounds(), "t0": min(r.submitted_s for r in rows)}
 
 
-def predict(phys: dict, costs_from: dict | None = None, observed_pauses: bool = False) -> dict:
+def predict(phys: dict, costs_from: dict | None = None, observed: bool = False) -> dict:
     """The replay's prediction of a physical run (``costs_from``: take the constants and the job
-    rates of another run instead; ``observed_pauses``: each start takes the pause it really took)."""
+    rates of another run instead; ``observed``: trace-driven, each start takes the pause it really took and each measurement the
+    service's value)."""
     from dataclasses import asdict
 
     from virtualflow.cli.cluster_replay import compare, predict as replay_predict, read_run
     from virtualflow.service.replay import ReplayJob, measure, replay
 
     data = read_run(phys["dir"])
-    jobs, costs, config, res = replay_predict(data, observed_pauses=observed_pauses)
+    jobs, costs, config, res = replay_predict(data, observed=observed)
     if costs_from is not None:
         other = read_run(costs_from["dir"])
         ojobs, costs = measure(other["jobs"], other["events"], other["rounds"], other["steps"],
@@ -270,9 +271,9 @@ def main() -> int:
                 physical[label] = phys
                 ps = physical_summary(phys)
                 pred = predict(phys)
-                traced = predict(phys, observed_pauses=True)
+                traced = predict(phys, observed=True)
                 sim = simulate_like(phys, pred, policy=policy)
-                results[label] = {"physical": ps, "replay": pred, "replay_observed_pauses": traced, "simulated": sim,
+                results[label] = {"physical": ps, "replay": pred, "replay_observed": traced, "simulated": sim,
                                   "jct_error_median": pred["jct_error_median"], "makespan_error": pred["makespan_error"],
                                   "other_load_cores": meter.other_cores}
                 print(f"  physical median JCT {median(ps['jct_s']):.1f} s, makespan {ps['makespan_s']:.1f} s; replay "
@@ -310,7 +311,7 @@ def main() -> int:
     rows = []
     for k, v in results.items():
         ph = v["physical"]
-        for name, pr in (("replay", v["replay"]), ("replay, observed pauses", v["replay_observed_pauses"]),
+        for name, pr in (("replay", v["replay"]), ("replay, trace-driven", v["replay_observed"]),
                          ("simulate", v["simulated"])):
             rows.append([k, name, f"{median(ph['jct_s']):.1f}", f"{median(pr['jct_s']):.1f}",
                          f"{pr['jct_error_median']:.1%}", f"{ph['makespan_s']:.1f}", f"{pr['makespan_s']:.1f}",

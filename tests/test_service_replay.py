@@ -212,8 +212,9 @@ def test_measure_recovers_the_constants_and_rates():
     assert by[2].arrival_s == 1005.0 and by[1].elastic and not by[2].elastic
     assert by[1].start_pauses == () and by[2].start_pauses == ()
     traced, _ = measure(rows, events, rounds, steps, round_s=6.0, slowdowns={1: dict(SLOW), 2: dict(SLOW)},
-                        observed_pauses=True)
+                        observed=True)
     assert [j.start_pauses for j in traced] == [pytest.approx((2.0,)), pytest.approx((4.0,))]
+    assert traced[0].measurements == {"v100/1": (9.5,)}
 
 
 # -- the command line ----------------------------------------------------------------------------
@@ -256,7 +257,7 @@ def test_cluster_replay_reproduces_a_run_from_its_database(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["jct_error_median"] < 0.02 and out["makespan_error"] < 0.02
     assert [p["job"] for p in out["jobs"]] == ids
-    assert cli_main.main(["cluster", "replay", "--dir", d, "--json", "--observed-pauses"]) == 0
+    assert cli_main.main(["cluster", "replay", "--dir", d, "--json", "--observed"]) == 0
     assert json.loads(capsys.readouterr().out)["jct_error_median"] < 0.02
     assert cli_main.main(["cluster", "replay", "--dir", d]) == 0
     text = capsys.readouterr().out

@@ -34,9 +34,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default=None, help="what if: another policy")
     p.add_argument("--min-run-s", type=float, default=None, metavar="SECONDS", help="what if: another --min-run-s")
     p.add_argument("--slots", default=None, metavar="TYPE=N,...", help="what if: other slot counts (same types)")
-    p.add_argument("--observed-pauses", action="store_true",
-                   help="each start takes the pause it really took (trace-driven: how well the decisions are "
-                        "reproduced, apart from the noise of the pauses)")
+    p.add_argument("--observed", action="store_true",
+                   help="trace-driven: each start takes the pause it really took and each measurement reports what "
+                        "the service measured (how well the decisions are reproduced, apart from the machine's noise)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=run)
 
@@ -83,12 +83,12 @@ def read_run(cluster_dir: str) -> dict[str, Any]:
 
 
 def predict(run_: dict[str, Any], *, round_s: float | None = None, policy: str | None = None,
-            min_run_s: float | None = None, slots: dict[str, int] | None = None, observed_pauses: bool = False
+            min_run_s: float | None = None, slots: dict[str, int] | None = None, observed: bool = False
             ) -> tuple[list[ReplayJob], ReplayCosts, ReplayConfig, ReplayResult]:
     """Measure ``run_`` (from :func:`read_run`) and replay it (with the what-if overrides)."""
     cfg = run_["config"]
     jobs, costs = measure(run_["jobs"], run_["events"], run_["rounds"], run_["steps"],
-                          round_s=float(cfg["round_s"]), slowdowns=run_["slowdowns"], observed_pauses=observed_pauses)
+                          round_s=float(cfg["round_s"]), slowdowns=run_["slowdowns"], observed=observed)
     config = ReplayConfig(slots=dict(slots or {str(k): int(v) for k, v in cfg["slots"].items()}),
                           policy=policy or cfg["policy"], round_s=float(round_s or cfg["round_s"]),
                           min_run_s=float(cfg.get("min_run_s", 0.0) if min_run_s is None else min_run_s))
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     if slots is not None and set(slots) != set(data["config"]["slots"]):
         raise ValueError(f"--slots {args.slots} must name the cluster's types {list(data['config']['slots'])}")
     jobs, costs, config, result = predict(data, round_s=args.round_s, policy=args.policy, min_run_s=args.min_run_s,
-                                          slots=slots, observed_pauses=args.observed_pauses)
+                                          slots=slots, observed=args.observed)
     cmp_ = compare(data["jobs"], result)
     if args.json:
         from dataclasses import asdict

@@ -21,7 +21,8 @@ measured constants (:class:`ReplayCosts`):
   in the round to be measured (``2 * poll_s``, two steps: the service's rule), with
   :func:`~virtualflow.service.core.update_estimates`; received time grows by each round's length
   for the jobs running at its end (the service's bookkeeping);
-- a running job is pinned until it has made a step since its last start and run ``min_run_s``.
+- a running job is pinned until it has made a step since its last start (seen at the service's
+  next poll: a step less than ``poll_s`` before a round is not seen in it) and run ``min_run_s``.
 
 :func:`measure` derives :class:`ReplayCosts` and the jobs' rates from a finished cluster's
 records (jobs, events, rounds and each job's per-step metrics), so a cluster's own run can be
@@ -101,11 +102,14 @@ class ReplayJob:
     """``"TYPE/WORKERS"`` -> the job's real steps/s there (its per-step records)."""
     start_pauses: tuple[float, ...] = ()
     """Trace-driven pauses: the k-th start of the job takes ``start_pauses[k]`` (launch returned ->
-    first step) instead of the model's pause, where given (:func:`measure` with
-    ``observed_pauses=True``: separates the decisions' fidelity from the pauses' noise)."""
+    first step) instead of the model's pause, where given (:func:`measure` with ``observed=True``:
+    separates the decisions' fidelity from the noise of the machine)."""
     measured: dict[str, float] = field(default_factory=dict)
     """``"TYPE/WORKERS"`` -> what the service's own measurement reports there (its polling samples
     the steps: a little off the real rate); where missing, the real rate."""
+    measurements: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    """Trace-driven measurements: the k-th measurement on a key reports ``measurements[key][k]``
+    where given (what the service's throughput events said, in order), else ``measured``."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -204,6 +208,7 @@ class _State:
     formed_s: float = math.inf
     """Since when the current (type, workers) steps (the measurement window's start)."""
     estimates: dict[str, float] = field(default_factory=dict)
+    measured_n: dict[str, int] = field(default_factory=dict)
     received: dict[str, float] = field(default_factory=dict)
     done_s: float | None = None
     starts: int = 0
@@ -300,8 +305,10 @@ def replay(jobs: Iterable[ReplayJob], config: ReplayConfig, costs: ReplayCosts |
                          priority=s.job.priority, arrival_s=s.job.arrival_s - epoch, slowdowns=s.job.slowdowns,
                          estimates=s.estimates, received_s=s.received, running=s.running, slots=s.slots)
                  for s in active]
+        # The service sees a step at its next poll (every poll_s, none while a round ends): a step
+        # less than a poll before the round is not seen yet, and the job is still pinned.
         pinned = {s.job.job_id for s in active if s.running is not None and
-                  (s.first_step_s() > start + _EPS or start - s.started_s < config.min_run_s)}
+                  (s.first_step_s() > start - config.poll_s + _EPS or start - s.started_s < config.min_run_s)}
         decision = sched.plan(views, start - epoch, pinned)
         now = start
         launched = sum(a.workers for a in decision.actions if a.kind in ("start", "restart")) + sum(
@@ -358,7 +365,11 @@ def replay(jobs: Iterable[ReplayJob], config: ReplayConfig, costs: ReplayCosts |
                 s.advance(end)
             lo = max(s.formed_s, s.step_from, start)
             if end - lo >= 2 * config.poll_s - _EPS and (end - lo) * s.rate >= 2:
-                seen = s.job.measured.get(estimate_key(*s.running), s.rate)
+                key = estimate_key(*s.running)
+                k = s.measured_n.get(key, 0)
+                trace = s.job.measurements.get(key, ())
+                seen = trace[k] if k < len(trace) else s.job.measured.get(key, s.rate)
+                s.measured_n[key] = k + 1
                 s.estimates = update_estimates(s.estimates, s.running[0], s.running[1], seen)
             s.received = dict(s.received)
             s.received[s.running[0]] = s.received.get(s.running[0], 0.0) + (end - start)
@@ -384,7 +395,7 @@ def _median(xs: list[float], default: float) -> float:
 
 def measure(jobs: list[Any], events: list[dict[str, Any]], rounds: list[dict[str, Any]],
             steps: dict[int, list[tuple[float, int, int]]], *, round_s: float,
-            slowdowns: dict[int, dict[str, float]], observed_pauses: bool = False
+            slowdowns: dict[int, dict[str, float]], observed: bool = False
             ) -> tuple[list[ReplayJob], ReplayCosts]:
     """The trace and the constants of a finished cluster run, from its records (pure).
 
@@ -394,8 +405,9 @@ def measure(jobs: list[Any], events: list[dict[str, Any]], rounds: list[dict[str
     its per-step records (wall time the step ended, step, workers) from its metrics; ``slowdowns``:
     job id -> its slowdown per type. A job's rate on a (type, workers) is the median of the
     service's throughput measurements there; the costs are medians over what happened (a cost
-    never observed keeps :class:`ReplayCosts`' default). ``observed_pauses``: also give each job the
-    pauses its starts really took (:attr:`ReplayJob.start_pauses`)."""
+    never observed keeps :class:`ReplayCosts`' default). ``observed``: trace-driven, also give each
+    job the pauses its starts really took (:attr:`ReplayJob.start_pauses`) and the service's
+    measurements in order (:attr:`ReplayJob.measurements`)."""
     d = ReplayCosts()
     by_job: dict[int, list[dict[str, Any]]] = {}
     for e in sorted(events, key=lambda e: e["t"]):
@@ -472,8 +484,8 @@ def measure(jobs: list[Any], events: list[dict[str, Any]], rounds: list[dict[str
                                max_workers=int(row.max_workers), priority=float(row.priority),
                                slowdowns=dict(slowdowns[jid]),
                                rates={**seen, **stepped}, measured=seen,
-                               start_pauses=tuple(pauses) if observed_pauses and all(map(math.isfinite, pauses))
-                               else ()))
+                               start_pauses=tuple(pauses) if observed and all(map(math.isfinite, pauses)) else (),
+                               measurements={k: tuple(v) for k, v in rates.items()} if observed else {}))
     idle_p, extra_p = [], []
     ordered = sorted(rounds, key=lambda r: r["start_s"])
     arrivals = sorted(float(r.submitted_s) for r in jobs)
