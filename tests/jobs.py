@@ -327,3 +327,10 @@ def pipelined_redundant_job() -> vf.Job:
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7),
         pipeline=Pipeline(stages=3, schedule="1f1b", redundancy=True),
     )
+
+
+def pipelined_redundant_job_4() -> vf.Job:
+    """:func:`pipelined_redundant_job` on 4 stages (GPipe)."""
+    from virtualflow.pipeline import Pipeline
+
+    return pipelined_redundant_job().replace(pipeline=Pipeline(stages=4, schedule="gpipe", redundancy=True))

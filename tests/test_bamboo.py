@@ -167,6 +167,8 @@ def test_eager_forwards_equal_the_successors_own_forwards(stages, schedule, dete
         assert len(eager[r]) == rep.forwards
         for key, entry in eager[r].items():
             assert_same(entry.outputs[0], real[key], f"worker {r} eager forward {key}")
+        if rep.forwards:  # what the kept forwards held: at least their outputs
+            assert rep.peak_kept_bytes >= max(e.outputs[0].numel() * 4 for e in eager[r].values())
         assert not rep.eager  # dropped at the commit
     # In one process a receive waits only when the cooperative order has not run the sender yet;
     # the workers that met such idle slots ran their redundant forwards there.
@@ -381,6 +383,26 @@ def test_a_single_pipeline_fails_over_in_any_phase_and_trains_the_undisturbed_mo
         assert result.redundant_forwards[0]["reused"] > 0
     ref = vf.train(jobs.pipelined_redundant_job().replace(pipeline=Pipeline(stages=3)), workers=3, steps=7,
                    deterministic=True)
+    assert_state_equal(result.state_dict, ref.state_dict)
+
+
+@pytest.mark.slow
+def test_four_stages_fail_over_mid_backward_reusing_eager_forwards(run_dir):
+    """4 stages (GPipe), one pipeline: stage 2's worker dies in its first backward of step 2;
+    worker 1 runs stages 1-2, its redone step takes stage 2's forwards from its eager ones, and the
+    model is the undisturbed run's, bit for bit."""
+    from conftest import assert_state_equal
+
+    plan = vf.FaultPlan([vf.Fault(worker=2, step=2, phase="mid_backward")])
+    result = vf.train(jobs.pipelined_redundant_job_4, workers=4, steps=5, deterministic=True, fault_plan=plan,
+                      run_dir=run_dir)
+    assert [h["step"] for h in result.history] == list(range(5))
+    assert [h["workers"] for h in result.history][-1] == 3
+    # GPipe runs every forward before any backward: all 8 of stage 2's forwards were sent and kept.
+    assert result.redundant_forwards[1]["reused"] == 8
+    assert all(c["peak_bytes"] > 0 for c in result.redundant_forwards.values())
+    ref = vf.train(jobs.pipelined_redundant_job_4().replace(pipeline=Pipeline(stages=4, schedule="gpipe")),
+                   workers=4, steps=5, deterministic=True)
     assert_state_equal(result.state_dict, ref.state_dict)
 
 

@@ -49,7 +49,8 @@ class Result:
     """``Pipeline(redundancy=True, redundant_compute="eager")``: per worker (id -> counts), its
     eager redundant forwards over the run: ``seconds`` spent in them, ``forwards`` run,
     ``skipped`` (no idle slot left for them in their step), ``reused`` (forwards a failover's
-    redone step took from them instead of running the lost stage again)."""
+    redone step took from them instead of running the lost stage again), ``peak_bytes`` (the most
+    memory one step's kept forwards held: the activations their graphs saved and their outputs)."""
     generations: int = 1
     """Membership generations the job went through (1: no resize, no failure)."""
     failures: list[dict[str, Any]] = field(default_factory=list)

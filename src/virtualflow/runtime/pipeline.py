@@ -474,7 +474,17 @@ class StageEngine:
             bn.restore()
         ctx = _MB()
         x = self._inputs(k, step, vn, message, ctx, clone=replica.clone_input)
-        out = module(x)
+        weights = {q.untyped_storage().data_ptr() for q in module.parameters()}
+        kept: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:  # what the kept graph holds (weights aside)
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in weights:
+                kept[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = module(x)
         try:
             outs = tensors_of(out)
         except TypeError:  # a model output of another kind (the last stage's): not kept
@@ -487,6 +497,10 @@ class StageEngine:
                 inputs=list(ctx.inputs), outputs=outs, single=isinstance(out, torch.Tensor), rng=rng,
                 buffers={n: b.detach().clone() for n, b in module.named_buffers()},
                 params=dict(module.named_parameters()))
+            for t in outs:
+                kept.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            replica.kept_bytes += sum(kept.values())
+            replica.peak_kept_bytes = max(replica.peak_kept_bytes, replica.kept_bytes)
         t1 = time.perf_counter()
         if self.slowdown > 1.0:
             time.sleep((self.slowdown - 1.0) * (t1 - t0))
@@ -968,11 +982,16 @@ class StageReplica:
         """Eager redundant forwards run."""
         self.skipped = 0
         """Forwards no idle slot was left for (a failover recomputes them)."""
+        self.kept_bytes = 0
+        self.peak_kept_bytes = 0
+        """The most bytes one step's eager forwards held (activations their graphs saved and their
+        outputs; the weights they share with the replica not counted)."""
 
     def begin_step(self) -> None:
         """A step starts: the forwards of earlier steps go; BatchNorm statistics are restored to
         this point before each eager forward."""
         self.eager.clear()
+        self.kept_bytes = 0
         for bn in self.bn.values():
             if bn:
                 bn.snapshot()
@@ -990,6 +1009,7 @@ class StageReplica:
         for bn in self.bn.values():
             bn.settle()
         self.eager.clear()
+        self.kept_bytes = 0
 
     def apply(self, message: list[torch.Tensor]) -> None:
         """The original's step: ``message`` = [its reduced gradients (flat) | its new BatchNorm

@@ -305,19 +305,21 @@ class PipelineWorkerEngine:
         """Bytes moved between the members in the last re-layout (a failover or a reconfiguration)."""
         self.timeline_dir: str | None = None
         """Where recorded timelines go (``Pipeline.record_timeline``); set by the worker."""
-        self.redundant_totals = [0.0, 0, 0, 0]
+        self.redundant_totals = [0.0, 0, 0, 0, 0]
         """Eager redundant forwards of the engines this worker dropped at re-layouts: seconds,
-        forwards run, forwards skipped (no idle slot), forwards a redone step reused."""
+        forwards run, forwards skipped (no idle slot), forwards a redone step reused, the most
+        bytes one step's forwards kept."""
 
     def redundant_forwards(self) -> dict[str, float]:
         """Eager redundant forwards of this worker over the whole run (``Result.redundant_forwards``)."""
-        s, n, skipped, reused = self.redundant_totals
+        s, n, skipped, reused, peak = self.redundant_totals
         replica = self.stage.replica_of_successor if self.stage is not None else None
         if replica is not None:
             s, n, skipped = s + replica.forward_s, n + replica.forwards, skipped + replica.skipped
+            peak = max(peak, replica.peak_kept_bytes)
         if self.stage is not None:
             reused += self.stage.reused_forwards
-        return {"seconds": s, "forwards": n, "skipped": skipped, "reused": reused}
+        return {"seconds": s, "forwards": n, "skipped": skipped, "reused": reused, "peak_bytes": peak}
 
     @property
     def optimizer(self):
@@ -448,6 +450,7 @@ class PipelineWorkerEngine:
             self.redundant_totals[0] += old_replica.forward_s
             self.redundant_totals[1] += old_replica.forwards
             self.redundant_totals[2] += old_replica.skipped
+            self.redundant_totals[4] = max(self.redundant_totals[4], old_replica.peak_kept_bytes)
         if self.stage is not None:
             self.redundant_totals[3] += self.stage.reused_forwards
         # Who holds what: 2 = runs the stage, 1 = holds its replica.
