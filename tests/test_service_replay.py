@@ -127,6 +127,20 @@ def test_observed_pauses_replace_the_model():
         job(2, 5, 0.0, {}, start_pauses=(-1.0,))
 
 
+def test_a_deadline_job_is_admitted_ahead_of_the_policy():
+    """The service's earliest-deadline-first admission runs in the replay: under fifo a short job
+    with a deadline waits for a long one without it, and is put ahead of it with it."""
+    costs = ReplayCosts(start_s=0.5, resume_s=0.5, launch_s=0.0, first_launch_s=0.0, idle_s=0.0, done_s=0.0,
+                        stop_s=0.0)
+    cfg = ReplayConfig(slots={"v100": 1}, policy="fifo", round_s=2.0)
+    long_ = job(1, 400, 0.0, {"v100/1": 20.0})
+    plain = replay([long_, job(2, 40, 1.0, {"v100/1": 20.0})], cfg, costs)
+    assert plain.finish_s[2] > plain.finish_s[1] and plain.restarts[1] == 0
+    urgent = replay([long_, job(2, 40, 1.0, {"v100/1": 20.0}, deadline_s=11.0)], cfg, costs)
+    assert urgent.finish_s[2] < urgent.finish_s[1] and urgent.restarts[1] == 1
+    assert urgent.finish_s[2] <= 11.0  # admitted at the round whose slack fell under a round (t = 8)
+
+
 def test_concurrent_starts_pay_for_each_other():
     jobs = [job(i, 50, 0.0, {"v100/1": 20.0}) for i in range(1, 4)]
     costs = ReplayCosts(launch_s=0.0, first_launch_s=0.0, start_s=1.0, start_per_worker_s=0.5, idle_s=0.0, done_s=0.0)

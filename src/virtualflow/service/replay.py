@@ -21,6 +21,7 @@ measured constants (:class:`ReplayCosts`):
   in the round to be measured (``2 * poll_s``, two steps: the service's rule), with
   :func:`~virtualflow.service.core.update_estimates`; received time grows by each round's length
   for the jobs running at its end (the service's bookkeeping);
+- jobs with a deadline go through the service's earliest-deadline-first admission each round;
 - a running job is pinned until it has made a step since its last start (seen at the service's
   next poll: a step less than ``poll_s`` before a round is not seen in it) and run ``min_run_s``.
 
@@ -40,7 +41,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from virtualflow.cluster.policies.base import Policy, get_policy
-from virtualflow.service.core import JobView, Scheduler, base_rate, estimate_key, update_estimates
+from virtualflow.service.core import (JobView, Scheduler, base_rate, diff_actions, estimate_key, prior_rate,
+                                      update_estimates)
+from virtualflow.service.deadlines import admit
 
 __all__ = ["ReplayCosts", "ReplayJob", "ReplayConfig", "ReplayRound", "ReplayResult", "replay", "measure",
            "job_rate"]
@@ -100,6 +103,9 @@ class ReplayJob:
     """Type -> the job's slowdown there (as the service gives it)."""
     rates: dict[str, float] = field(default_factory=dict)
     """``"TYPE/WORKERS"`` -> the job's real steps/s there (its per-step records)."""
+    deadline_s: float | None = None
+    """When the job should be done (the trace's clock), or None: the service's earliest-deadline-
+    first admission (:func:`virtualflow.service.deadlines.admit`) runs over each round as it does."""
     start_pauses: tuple[float, ...] = ()
     """Trace-driven pauses: the k-th start of the job takes ``start_pauses[k]`` (launch returned ->
     first step) instead of the model's pause, where given (:func:`measure` with ``observed=True``:
@@ -310,14 +316,22 @@ def replay(jobs: Iterable[ReplayJob], config: ReplayConfig, costs: ReplayCosts |
         pinned = {s.job.job_id for s in active if s.running is not None and
                   (s.first_step_s() > start - config.poll_s + _EPS or start - s.started_s < config.min_run_s)}
         decision = sched.plan(views, start - epoch, pinned)
+        actions = decision.actions
+        deadlines = {s.job.job_id: s.job.deadline_s for s in active if s.job.deadline_s is not None}
+        if deadlines:  # the service's earliest-deadline-first admission over the policy's round
+            placed_now = {jid: (sl[0].rpartition("-")[0], len(sl)) for jid, sl in decision.slots.items() if sl}
+            adm = admit(views, placed_now, deadlines, now_s=start, round_s=config.round_s, slots=dict(config.slots),
+                        pinned=pinned, prior=prior_rate(views))
+            if adm.swaps:
+                actions, decision.slots = diff_actions(views, adm.placements, dict(config.slots), pinned)
         now = start
-        launched = sum(a.workers for a in decision.actions if a.kind in ("start", "restart")) + sum(
-            max(a.workers - states[a.job_id].running[1], 0) for a in decision.actions  # type: ignore[index]
+        launched = sum(a.workers for a in actions if a.kind in ("start", "restart")) + sum(
+            max(a.workers - states[a.job_id].running[1], 0) for a in actions  # type: ignore[index]
             if a.kind == "resize" and states[a.job_id].running is not None)
         crowd_s = costs.start_per_worker_s * max(launched - 1, 0)
-        if any(a.kind in ("preempt", "restart") for a in decision.actions):
+        if any(a.kind in ("preempt", "restart") for a in actions):
             now += costs.stop_s
-        for a in decision.actions:
+        for a in actions:
             s = states[a.job_id]
             if a.kind in ("preempt", "restart"):
                 s.advance(now)
@@ -376,7 +390,7 @@ def replay(jobs: Iterable[ReplayJob], config: ReplayConfig, costs: ReplayCosts |
         sched.end_round()
         rounds.append(ReplayRound(start_s=start, end_s=end, solved=decision.solved, active=len(active),
                                   placements=placed,  # type: ignore[arg-type]
-                                  actions=[(a.kind, a.job_id) for a in decision.actions]))
+                                  actions=[(a.kind, a.job_id) for a in actions]))
         t = end
     else:
         raise ValueError(f"replay did not finish in max_rounds={config.max_rounds} rounds; raise "
@@ -482,6 +496,7 @@ def measure(jobs: list[Any], events: list[dict[str, Any]], rounds: list[dict[str
         trace.append(ReplayJob(job_id=jid, steps=int(row.steps), arrival_s=float(row.submitted_s),
                                elastic=bool(row.elastic), min_workers=int(row.min_workers),
                                max_workers=int(row.max_workers), priority=float(row.priority),
+                               deadline_s=getattr(row, "deadline_s", None),
                                slowdowns=dict(slowdowns[jid]),
                                rates={**seen, **stepped}, measured=seen,
                                start_pauses=tuple(pauses) if observed and all(map(math.isfinite, pauses)) else (),
