@@ -5,16 +5,22 @@ simulator (``virtualflow simulate-spot``) reads from ``bench/results/bamboo.json
 What exists in the engine (and so what this measures): every worker keeps a replica of its
 successor's stage, refreshed every step from the successor's reduced gradients (one extra
 point-to-point message of the stage's gradient size per worker per step, sent after the
-reduction and before the step commits, and a duplicate optimizer step on the replica); a lost
-middle worker is covered by its predecessor, which runs the lost stage from its replica
-(failover, the interrupted step redone). **Eager redundant forward computation does not exist**
-(the overhead is the replica refresh's alone); the reconfiguration pause is not measured here
-yet: it stays the simulator's documented default and is listed as such.
+reduction and before the step commits, and a duplicate optimizer step on the replica); by
+default (``redundant_compute="eager"``) each worker also runs its successor stage's forward of
+every micro-batch it sent on the replica, only while one of its receives would wait, and keeps
+them until the step commits (``redundant_compute="lazy"``: none). A lost middle worker is
+covered by its predecessor, which runs the lost stage from its replica (failover, the
+interrupted step redone, splicing in the eager forwards it holds). The reconfiguration pause and
+the trace replay are measured by ``bench/bamboo_failover.py``, not here.
 
-1. **Redundancy overhead.** The same job with and without ``redundancy=True``, ``virtualflow.train``
-   (local backend, one worker process per stage, 1 thread each), 1F1B, interleaved pairs (the
-   order swapped every pair), per run the median step time after warm-up; overhead = median over
-   pairs of (step with / step without); target <= 1.15 (key ``redundancy_overhead``). The layers
+1. **Redundancy overhead.** The same job without redundancy, with lazy redundancy
+   (``Pipeline(redundancy=True, redundant_compute="lazy")``: the refresh alone) and with eager
+   redundancy (``Pipeline(redundancy=True)``, the default), ``virtualflow.train`` (local
+   backend, one worker process per stage, 1 thread each), 1F1B, interleaved triples (the order
+   rotated over the 6 permutations), per run the median step time after warm-up; overhead =
+   median over triples of (step eager / step without): target <= 1.15 (key
+   ``redundancy_overhead``); lazy beside it (key ``redundancy_overhead_lazy``); the eager
+   coverage (forwards run / skipped per worker, seconds) from ``Result.redundant_forwards``. The layers
    are SLEEP-EMULATED Linear(H, H) layers: each holds a real H x H weight and bias (so the
    gradient message, the optimizer and the replica's duplicate optimizer step are real costs of
    real sizes) but sleeps instead of multiplying: forward and backward sleep the time the real
@@ -22,7 +28,7 @@ yet: it stays the simulator's documented default and is listed as such.
    start, 1 thread), so compute and parameters keep a real layer's proportion while the worker
    processes overlap on 2 cores as they would on their own devices. The weight gradient a
    backward returns is a fixed tensor of the weight's size (accumulated by autograd as a real one
-   would be). Default 2 stages (one process per core: the replica's extra CPU work does not
+   would be); eager forwards sleep the same forward time (a device's idle slot, no CPU). Default 2 stages (one process per core: the replica's extra CPU work does not
    compete with another stage for a core); ``--stages 4`` runs 4 processes on 2 cores.
    Replica bytes: ``StageReplica.nbytes()`` after a step, in-process (``build_engine`` +
    ``LocalDriver``), checked against the successor's parameters + buffers + optimizer state;
@@ -37,14 +43,14 @@ yet: it stays the simulator's documented default and is listed as such.
    reports' ``save_s`` when the run's events have them, and the pause the checkpoint leaves
    between two steps in metrics.jsonl), then ``virtualflow.train(..., resume=RUN_DIR)`` on fresh
    processes: restart = launch call -> end of the first resumed step, minus a normal step.
-4. **Constants** for ``SpotConstants`` (``constants`` object; ``constants_sources`` beside it
+4. **Constants** for ``SpotConstants`` (``constants`` object, ``redundancy_overhead`` the eager one; ``constants_sources`` beside it
    names each constant's source, measured or default) and, when ``virtualflow.cluster.spot`` is
    importable, the simulator's replay of the shipped p2 trace with them (the simulator's output,
    not a measurement).
 
 From the repository root::
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m bench.bamboo            # about 5 minutes
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.bamboo            # about 8 minutes
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.bamboo --quick    # under 2 minutes
 """
 
@@ -68,7 +74,7 @@ from torch.utils.data import TensorDataset
 from bench import harness as H
 
 NAME = "bamboo"
-TARGET_KEYS = ("redundancy_overhead", "failover_slowdown", "failover_s")
+TARGET_KEYS = ("redundancy_overhead", "redundancy_overhead_lazy", "failover_slowdown", "failover_s")
 TARGET_OVERHEAD = 1.15
 TARGET_FAILOVER_SLOWDOWN = 1.5
 TARGET_FAILOVER_S = 1.0
@@ -146,21 +152,32 @@ def bamboo_job():
     import virtualflow as vf
 
     env = os.environ
+    mode = env.get("VF_BAMBOO_REDUNDANCY", "without")
     return vf.Job(model=model, optimizer=adamw, output_loss=output_loss, dataset=data,
                   global_batch_size=int(env.get("VF_BAMBOO_B", "256")), virtual_nodes=int(env.get("VF_BAMBOO_M", "8")),
                   seed=SEED, name=NAME,
                   pipeline=vf.Pipeline(stages=int(env.get("VF_BAMBOO_STAGES", "2")), schedule="1f1b",
-                                       redundancy=env.get("VF_BAMBOO_REDUNDANCY", "0") == "1"))
+                                       redundancy=mode != "without",
+                                       redundant_compute="lazy" if mode == "lazy" else "eager"))
 
 
-def configure(args, redundancy: bool | None = None) -> None:
-    """Put the job's shape into the environment (read by ``bamboo_job`` here and in the workers)."""
+MODES = ("without", "lazy", "eager")
+"""No redundancy; ``redundancy=True, redundant_compute="lazy"`` (replica refresh only);
+``redundancy=True`` with the default ``redundant_compute="eager"`` (refresh + eager forwards)."""
+
+
+def configure(args, redundancy: bool | str | None = None) -> None:
+    """Put the job's shape into the environment (read by ``bamboo_job`` here and in the workers);
+    ``redundancy``: one of :data:`MODES`, or ``True`` (the default mode, eager) / ``False``."""
     os.environ.update(VF_BAMBOO_WIDTH=str(args.width), VF_BAMBOO_LAYERS=str(args.layers_per_stage * args.stages),
                       VF_BAMBOO_STAGES=str(args.stages), VF_BAMBOO_M=str(args.m), VF_BAMBOO_B=str(args.m * args.mb),
                       VF_BAMBOO_SAMPLES=str(max(2048, 4 * args.m * args.mb)),
                       VF_BAMBOO_F_S=str(args.f_s), VF_BAMBOO_B_S=str(args.b_s))
     if redundancy is not None:
-        os.environ["VF_BAMBOO_REDUNDANCY"] = "1" if redundancy else "0"
+        mode = {True: "eager", False: "without"}.get(redundancy, redundancy)
+        if mode not in MODES:
+            raise ValueError(f"redundancy mode {redundancy!r} must be one of {MODES}")
+        os.environ["VF_BAMBOO_REDUNDANCY"] = mode
 
 
 # --------------------------------------------------------------------------------------------
@@ -190,47 +207,90 @@ def calibrate(width: int, mb: int, reps: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-# (1) Overhead: interleaved pairs through virtualflow.train.
+# (1) Overhead: interleaved triples (without / lazy / eager) through virtualflow.train.
+
+ORDERS = (("without", "lazy", "eager"), ("eager", "without", "lazy"), ("lazy", "eager", "without"),
+          ("without", "eager", "lazy"), ("lazy", "without", "eager"), ("eager", "lazy", "without"))
+"""The triples' orders in turn: every mode first, second and third equally often in 6 triples,
+and each ordered pair of modes as often as its reverse."""
 
 
-def one_run(args, redundancy: bool, steps: int) -> dict:
+def one_run(args, mode: str, steps: int) -> dict:
     import virtualflow as vf
 
-    configure(args, redundancy)
+    configure(args, mode)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         result = vf.train(bamboo_job, workers=args.stages, steps=steps, threads_per_worker=1,
                           run_dir=os.path.join(tmp, "run"))
         wall = time.perf_counter() - t0
     times = [h["step_time_s"] for h in result.history]
-    return {"redundancy": redundancy, "step_times": times, "step_s": H.median(times[args.warmup:]),
-            "wall_s": wall, "peak_rss_mib": [result.peak_rss_mib.get(w) for w in range(args.stages)]}
+    return {"mode": mode, "step_times": times, "step_s": H.median(times[args.warmup:]),
+            "wall_s": wall, "steps": len(times), "peak_rss_mib": [result.peak_rss_mib.get(w) for w in range(args.stages)],
+            "redundant_forwards": {str(w): dict(v) for w, v in sorted(result.redundant_forwards.items())},
+            "replica_refresh_s": {str(w): v for w, v in sorted(result.replica_refresh_s.items())}}
 
 
-def measure_overhead(args, n_pairs: int, label: str = "pair", retry_budget_s: float = 0.0) -> dict:
-    """``n_pairs`` interleaved pairs; a pair with more other load than ``--max-other-cores`` is
-    repeated (``--retries`` times) while less than ``retry_budget_s`` has passed, so that a busy
-    machine cannot stretch the run without bound."""
-    runners = {"without": lambda: one_run(args, False, args.steps), "with": lambda: one_run(args, True, args.steps)}
-    pairs = []
+def coverage(runs: list[dict]) -> dict:
+    """The eager runs' redundant forwards per worker, summed over ``runs``: run, skipped (no idle
+    slot left for them), seconds, and per step."""
+    out: dict = {}
+    for r in runs:
+        for w, v in r.get("redundant_forwards", {}).items():
+            c = out.setdefault(w, {"forwards": 0, "skipped": 0, "seconds": 0.0, "reused": 0, "steps": 0,
+                                   "peak_bytes": 0})
+            for k in ("forwards", "skipped", "reused"):
+                c[k] += int(v.get(k, 0))
+            c["peak_bytes"] = max(c["peak_bytes"], int(v.get("peak_bytes", 0)))
+            c["seconds"] += float(v.get("seconds", 0.0))
+            c["steps"] += r["steps"]
+    for c in out.values():
+        due = c["forwards"] + c["skipped"]
+        c["covered"] = c["forwards"] / due if due else None
+        c["seconds_per_step"] = c["seconds"] / c["steps"] if c["steps"] else None
+        c["forwards_per_step"] = c["forwards"] / c["steps"] if c["steps"] else None
+    return out
+
+
+def measure_overhead(args, n_triples: int, label: str = "triple", retry_budget_s: float = 0.0) -> dict:
+    """``n_triples`` interleaved triples (without / lazy / eager; orders in turn from
+    :data:`ORDERS`); a triple with more other load than ``--max-other-cores`` is repeated
+    (``--retries`` times) while less than ``retry_budget_s`` has passed, so that a busy machine
+    cannot stretch the run without bound."""
+    runners = {m: (lambda m=m: one_run(args, m, args.steps)) for m in MODES}
+    triples = []
     t0 = time.perf_counter()
-    for i in range(n_pairs):
-        order = H.pair_order(i, "without", "with")
+    for i in range(n_triples):
+        order = ORDERS[i % len(ORDERS)]
         retries = args.retries if time.perf_counter() - t0 < retry_budget_s else 0
         runs = H.run_pair(runners, order, max_other_cores=args.max_other_cores, retries=retries,
                           quiet_wait_s=args.quiet_wait, label=f"{label} {i}")
-        ratio = runs["with"]["step_s"] / runs["without"]["step_s"]
-        pairs.append({"order": list(order), "ratio": ratio, **{k: runs[k] for k in ("without", "with")}})
-        print(f"  {label} {i} ({' then '.join(order)}): step without {1e3 * runs['without']['step_s']:.1f} ms, with "
-              f"{1e3 * runs['with']['step_s']:.1f} ms -> {ratio:.3f}x (other load "
-              f"{max(runs[k]['other_load_cores'] for k in runs):.2f} cores)", flush=True)
-    ratios = [p["ratio"] for p in pairs]
-    quiet = [p["ratio"] for p in pairs
-             if max(p[k]["other_load_cores"] for k in ("without", "with")) <= args.max_other_cores]
-    return {"quiet_ratios": quiet, "quiet_overhead": H.median(quiet) if quiet else None,"mb": args.mb, "f_s": args.f_s, "b_s": args.b_s, "steps": args.steps, "warmup": args.warmup,
-            "pairs": pairs, "ratios": ratios, "overhead": H.median(ratios),
-            "step_without_s": H.median([p["without"]["step_s"] for p in pairs]),
-            "step_with_s": H.median([p["with"]["step_s"] for p in pairs])}
+        row = {"order": list(order), "ratio_eager": runs["eager"]["step_s"] / runs["without"]["step_s"],
+               "ratio_lazy": runs["lazy"]["step_s"] / runs["without"]["step_s"],
+               "eager_vs_lazy": runs["eager"]["step_s"] / runs["lazy"]["step_s"],
+               "other_load_cores": max(runs[k]["other_load_cores"] for k in MODES), **{k: runs[k] for k in MODES}}
+        triples.append(row)
+        cov = coverage([runs["eager"]])
+        print(f"  {label} {i} ({' then '.join(order)}): step without {1e3 * runs['without']['step_s']:.1f} ms, lazy "
+              f"{1e3 * runs['lazy']['step_s']:.1f} ms, eager {1e3 * runs['eager']['step_s']:.1f} ms -> lazy "
+              f"{row['ratio_lazy']:.3f}x, eager {row['ratio_eager']:.3f}x; eager forwards run/skipped "
+              f"{', '.join('w%s %d/%d' % (w, c['forwards'], c['skipped']) for w, c in cov.items())} (other load "
+              f"{row['other_load_cores']:.2f} cores)", flush=True)
+    quiet = [t for t in triples if t["other_load_cores"] <= args.max_other_cores]
+    return {"mb": args.mb, "f_s": args.f_s, "b_s": args.b_s, "steps": args.steps, "warmup": args.warmup,
+            "triples": triples,
+            "ratios": [t["ratio_eager"] for t in triples], "overhead": H.median([t["ratio_eager"] for t in triples]),
+            "ratios_lazy": [t["ratio_lazy"] for t in triples],
+            "overhead_lazy": H.median([t["ratio_lazy"] for t in triples]),
+            "eager_vs_lazy": H.median([t["eager_vs_lazy"] for t in triples]),
+            "quiet_ratios": [t["ratio_eager"] for t in quiet],
+            "quiet_overhead": H.median([t["ratio_eager"] for t in quiet]) if quiet else None,
+            "quiet_overhead_lazy": H.median([t["ratio_lazy"] for t in quiet]) if quiet else None,
+            "step_without_s": H.median([t["without"]["step_s"] for t in triples]),
+            "step_lazy_s": H.median([t["lazy"]["step_s"] for t in triples]),
+            "step_eager_s": H.median([t["eager"]["step_s"] for t in triples]),
+            "step_with_s": H.median([t["eager"]["step_s"] for t in triples]),
+            "coverage": coverage([t["eager"] for t in triples])}
 
 
 # --------------------------------------------------------------------------------------------
@@ -384,11 +444,14 @@ def measure_failover(args) -> dict:
                "failover_s": by_step[k]["time"] - by_step[k - 1]["time"] if k in by_step and k - 1 in by_step else None,
                "no_step_lost": [h["step"] for h in hist] == list(range(k + args.failover_after))}
         row["slowdown"] = row["step_after_s"] / row["step_before_s"]
+        row["redundant_forwards"] = {str(w): dict(v) for w, v in sorted(res.redundant_forwards.items())}
+        row["reused"] = sum(int(v.get("reused", 0)) for v in res.redundant_forwards.values())
         out["runs"].append(row)
         print(f"  failover {i}: worker {victim} lost at step {k}; layout after {fo[0].get('layout') if fo else '?'}; "
               f"end of step {k - 1} -> end of redone step {k}: {row['failover_s']:.2f} s; steps "
               f"{1e3 * row['step_before_s']:.0f} -> {1e3 * row['step_after_s']:.0f} ms ({row['slowdown']:.2f}x); "
-              f"no step lost or doubled: {row['no_step_lost']}", flush=True)
+              f"no step lost or doubled: {row['no_step_lost']}; eager forwards reused by the redone step: "
+              f"{row['reused']}", flush=True)
     good = [r for r in out["runs"] if "error" not in r and r["failover_s"] is not None and r["failover_events"]]
     out["failover_s"] = H.median([r["failover_s"] for r in good]) if good else None
     out["slowdown"] = H.median([r["slowdown"] for r in good]) if good else None
@@ -410,8 +473,11 @@ def constants_of(args, ov: dict, rs: dict, fo: dict | None, env: dict) -> tuple[
     sources = {
         "step_s": f"measured: median step of the job without redundancy ({args.stages} stages, 1f1b, m={args.m})",
         "samples_per_step": "the measured job's global batch (one pipeline)",
-        "redundancy_overhead": "measured: median over interleaved pairs of step(with)/step(without) - 1 "
-                               "(replica refresh only; no eager redundant forward exists yet)",
+        "redundancy_overhead": f"measured: eager redundancy (Pipeline(redundancy=True), the default "
+                               f"redundant_compute='eager': replica refresh + eager redundant forwards), median over "
+                               f"interleaved triples of step(eager)/step(without) - 1 ({args.stages} stages, 1f1b, "
+                               f"m={args.m}); lazy (refresh only) measured beside it: "
+                               f"{max(0.0, ov['overhead_lazy'] - 1.0):.4f}",
         "restart_s": "measured: virtualflow.launch(resume=RUN_DIR) on this machine, launch -> first resumed step, "
                      "minus a normal step (no instance to acquire or boot, a small model on a local disk)",
         "checkpoint_s": f"measured: {rs['checkpoint_from']}",
@@ -469,20 +535,41 @@ def _mib(b: float) -> str:
     return f"{b / 2 ** 20:.1f} MiB"
 
 
-def _pairs_table(ov: dict) -> str:
-    return H.md_table(["pair", "order", "step without (ms)", "step with (ms)", "with / without", "other load (cores)"],
-                      [[str(i), " then ".join(p["order"]), f"{1e3 * p['without']['step_s']:.1f}",
-                        f"{1e3 * p['with']['step_s']:.1f}", f"{p['ratio']:.3f}",
-                        f"{p['without']['other_load_cores']:.2f} / {p['with']['other_load_cores']:.2f}"]
-                       for i, p in enumerate(ov["pairs"])])
+def _triples_table(ov: dict) -> str:
+    rows = []
+    for i, t in enumerate(ov["triples"]):
+        cov = coverage([t["eager"]])
+        rows.append([str(i), " then ".join(t["order"]), *(f"{1e3 * t[k]['step_s']:.1f}" for k in MODES),
+                     f"{t['ratio_lazy']:.3f}", f"**{t['ratio_eager']:.3f}**",
+                     ", ".join(f"{c['forwards']}/{c['skipped']}" for c in cov.values()),
+                     " / ".join(f"{t[k]['other_load_cores']:.2f}" for k in MODES)])
+    return H.md_table(["triple", "order", "step without (ms)", "step lazy (ms)", "step eager (ms)", "lazy / without",
+                       "eager / without", "eager forwards run / skipped (per worker)",
+                       "other load (cores; without / lazy / eager)"], rows)
+
+
+def _coverage_table(ov: dict) -> str:
+    return H.md_table(["worker", "eager forwards run", "skipped (no idle slot)", "covered", "run per step",
+                       "seconds in them per step (ms)", "memory kept (peak per step)"],
+                      [[w, str(c["forwards"]), str(c["skipped"]), f"{100 * c['covered']:.1f} %" if c["covered"] is not None
+                        else "-", f"{c['forwards_per_step']:.2f}", f"{1e3 * c['seconds_per_step']:.1f}",
+                        _mib(c["peak_bytes"])]
+                       for w, c in ov["coverage"].items()])
 
 
 def where_time_goes(ov: dict, rep: dict) -> dict:
-    """The added step time against what the replica refresh does on the slowest worker, timed
-    in-process: building the message (a cat of the gradients) and the replica's step."""
-    added = ov["step_with_s"] - ov["step_without_s"]
+    """The time lazy redundancy adds (the replica refresh) against what the refresh does on the
+    slowest worker, timed in-process: building the message (a cat of the gradients) and the
+    replica's step; and the time eager adds on top of lazy against the eager forwards' own
+    seconds per step (run while a receive would wait: what they add is the wait they cause when
+    the message arrives during one)."""
+    added = ov["step_lazy_s"] - ov["step_without_s"]
     cpu = max(r["replica_apply_s"] + r["message_cat_s"] for r in rep["workers"])
-    return {"added_step_s": added, "cat_plus_apply_s": cpu, "rest_s": added - cpu}
+    eager_s = [c["seconds_per_step"] for c in ov["coverage"].values() if c["seconds_per_step"] is not None]
+    return {"added_step_s": added, "cat_plus_apply_s": cpu, "rest_s": added - cpu,
+            "eager_added_step_s": ov["step_eager_s"] - ov["step_lazy_s"],
+            "eager_forward_s_per_step_max": max(eager_s) if eager_s else None,
+            "eager_total_added_step_s": ov["step_eager_s"] - ov["step_without_s"]}
 
 
 def _failover_md(fo: dict | None) -> list[str]:
@@ -491,38 +578,42 @@ def _failover_md(fo: dict | None) -> list[str]:
     rows = []
     for i, r in enumerate(fo["runs"]):
         if "error" in r:
-            rows.append([str(i), f"failed: {r['error'][:200]}", "", "", "", "", ""])
+            rows.append([str(i), f"failed: {r['error'][:200]}", "", "", "", "", "", ""])
             continue
         rows.append([str(i), str(r["failover_events"][0]["layout"] if r["failover_events"] else "none"),
                      f"{r['failover_s']:.2f}" if r["failover_s"] is not None else "",
                      f"{1e3 * r['step_before_s']:.0f}", f"{1e3 * r['step_after_s']:.0f}", f"{r['slowdown']:.2f}",
-                     H.yes_no(r["no_step_lost"])])
+                     H.yes_no(r["no_step_lost"]), str(r.get("reused", "-"))])
     return [
         "## (2b) Failover (a worker SIGKILLed, its predecessor runs its stage from the replica)", "",
-        f"The same layers, {fo['stages']} stages, one pipeline, redundancy on ({fo['stages']} processes on 2 cores: "
+        f"The same layers, {fo['stages']} stages, one pipeline, redundancy on (eager, the default) ({fo['stages']} processes on 2 cores: "
         f"sleep-emulated compute overlaps, but the optimizer and replica steps of the workers share the 2 cores). "
         f"Worker {fo['victim_worker']} SIGKILLs itself at the start of step {fo['loss_step']} "
         f"(`FaultPlan(Fault(worker={fo['victim_worker']}, step={fo['loss_step']}, phase='before_forward'))`). "
         f"Failover = end of step {fo['loss_step'] - 1} -> end of the redone step {fo['loss_step']} (loss -> first "
         f"completed step, the redone step included); slowdown = median step after the failover / median step "
-        f"before it.", "",
+        f"before it. Reused: the lost stage's eager forwards the redone step spliced in (`Result.redundant_forwards`"
+        f"[w]['reused'], summed; the kill is at the step's start, before any forward of it, so none are expected "
+        f"here: `bench/bamboo_failover.py` kills at random points of a step).", "",
         H.md_table(["run", "layout after", "failover (s)", "step before (ms)", "step after (ms)", "slowdown",
-                    "every step once"], rows), ""]
+                    "every step once", "reused forwards"], rows), ""]
 
 
 def markdown(run: H.Run, args, cal: dict, ov: dict, small: dict | None, rep: dict, rs: dict, fo: dict | None,
              constants: dict, sources: dict, sim: dict) -> str:
     params_stage = args.layers_per_stage * (args.width * args.width + args.width)
-    lines: list[str] = [f"# {run.name}: Bamboo's redundant stages (replica refresh) - overhead, restart, simulator constants",
-             "", H.env_markdown(), ""]
+    lines: list[str] = [f"# {run.name}: Bamboo's redundant stages (replica refresh + eager redundant forwards) - "
+                        f"overhead, restart, simulator constants", "", H.env_markdown(), ""]
     lines += [
-        "**Not measured yet, and why**: **eager redundant forward computation** does not exist in the engine, so "
-        "the overhead below is that of the replica refresh alone (no redundant forwards), and a failover recomputes "
-        "the interrupted step. The **reconfiguration pause** (a replacement taking its stage back, "
-        "`replace_failed`) exists in the engine but is not measured here yet (the simulator's default is used), "
-        "and neither is the time-compressed replay of a real trace (0 lost steps, within 10 % of the simulator). "
-        "Failover (section 2b) is measured: it landed in the engine while this benchmark was written.", "",
-        "## (1) Redundancy overhead through `virtualflow.train`", "",
+        "**Not measured here, and why**: the **reconfiguration pause** (a replacement taking its stage back, "
+        "`replace_failed`) and the **time-compressed replay** of a real trace are measured by "
+        "`bench/bamboo_failover.py` (`bench/results/bamboo_failover.md`), not here; this file's constants leave "
+        "`reconfigure_s` to the simulator's default and `bench/results/bamboo_constants.json` takes it from there. "
+        "**Eager redundant forwards** (`Pipeline(redundancy=True)`'s default, `redundant_compute=\"eager\"`) are "
+        "measured in (1) against lazy redundancy (`redundant_compute=\"lazy\"`: the replica refresh alone) and "
+        "no redundancy; the eager forwards are SLEEP-EMULATED like every forward here (they take the emulated "
+        "compute time but no CPU), so they stand for a device's idle slots, not for this CPU's cores.", "",
+        "## (1) Redundancy overhead through `virtualflow.train`: without / lazy / eager", "",
         f"Job: {args.stages} stages (one worker process each, 1 thread), 1F1B, m = {args.m} micro-batches of "
         f"{args.mb}, AdamW; each stage {args.layers_per_stage} SLEEP-EMULATED Linear({args.width}, {args.width}) "
         f"layers ({params_stage / 1e6:.2f} M real parameters per stage, {args.stages * params_stage / 1e6:.2f} M "
@@ -532,34 +623,60 @@ def markdown(run: H.Run, args, cal: dict, ov: dict, small: dict | None, rep: dic
            f"fastest of {cal['reps']}: {1e3 * cal['forward_s']:.2f} / {1e3 * cal['backward_s']:.2f} ms)"
            if cal else "given on the command line")
         + ". Parameters, gradients, the optimizer, the replica message and the replica's optimizer step are real; "
-        f"the matrix multiplications are not. {len(ov['pairs'])} interleaved pairs, {args.steps} steps per run "
-        f"({args.warmup} warm-up), per run the median step time (rank 0's time between step ends).", "",
-        _pairs_table(ov), "",
-        f"**Overhead: {ov['overhead']:.3f}x** (median of per-pair ratios, every pair kept; target <= "
-        f"{TARGET_OVERHEAD}); pairs with at most {args.max_other_cores} cores of other load: "
-        + (f"{ov['quiet_overhead']:.3f}x ({len(ov['quiet_ratios'])} pairs)" if ov["quiet_ratios"] else "none")
-        + f" (a diagnostic). Median "
-        f"steps {1e3 * ov['step_without_s']:.1f} ms without, {1e3 * ov['step_with_s']:.1f} ms with; throughput "
-        f"{args.m * args.mb / ov['step_without_s']:.0f} vs {args.m * args.mb / ov['step_with_s']:.0f} samples/s.", ""]
+        f"the matrix multiplications are not. {len(ov['triples'])} interleaved triples (orders in turn, every "
+        f"mode first, second and third equally often over 6 triples): **without** redundancy; **lazy** "
+        f"(`Pipeline(redundancy=True, redundant_compute=\"lazy\")`: the replica refresh, no redundant forward); "
+        f"**eager** (`Pipeline(redundancy=True)`, the default: the refresh + each worker runs its successor "
+        f"stage's forward of every micro-batch it sent on its replica while one of its receives would wait). "
+        f"{args.steps} steps per run ({args.warmup} warm-up), per run the median step time (rank 0's time between "
+        f"step ends); a triple with more than {args.max_other_cores} cores of other load (`LoadMeter`) was "
+        f"repeated up to {args.retries} times while the first {args.retry_budget:g} s lasted, then kept.", "",
+        _triples_table(ov), "",
+        f"**Overhead, eager (the default): {ov['overhead']:.3f}x** (median of per-triple eager / without, every "
+        f"triple kept; target <= {TARGET_OVERHEAD}; key `redundancy_overhead`); **lazy: {ov['overhead_lazy']:.3f}x** "
+        f"(key `redundancy_overhead_lazy`); eager / lazy {ov['eager_vs_lazy']:.3f}x. Per-triple spread: eager "
+        f"{min(ov['ratios']):.3f}-{max(ov['ratios']):.3f}x, lazy {min(ov['ratios_lazy']):.3f}-"
+        f"{max(ov['ratios_lazy']):.3f}x. Triples with at most {args.max_other_cores} cores of other load: "
+        + (f"eager {ov['quiet_overhead']:.3f}x, lazy {ov['quiet_overhead_lazy']:.3f}x ({len(ov['quiet_ratios'])} "
+           f"triples)" if ov["quiet_ratios"] else "none")
+        + f" (a diagnostic). Median steps {1e3 * ov['step_without_s']:.1f} ms without, "
+        f"{1e3 * ov['step_lazy_s']:.1f} ms lazy, {1e3 * ov['step_eager_s']:.1f} ms eager; throughput "
+        f"{args.m * args.mb / ov['step_without_s']:.0f} / {args.m * args.mb / ov['step_lazy_s']:.0f} / "
+        f"{args.m * args.mb / ov['step_eager_s']:.0f} samples/s.", "",
+        f"Eager coverage (`Result.redundant_forwards`, summed over the {len(ov['triples'])} eager runs, warm-up "
+        f"steps included; a worker owes one forward per micro-batch and step, {args.m} per step here):", "",
+        _coverage_table(ov), ""]
     if small is not None:
         w = where_time_goes(small, rep)
         lines += [
-            f"**Diagnostic, not a target**: the same pairs at micro-batch {small['mb']} ({args.m * small['mb']} samples "
-            f"per step instead of {args.m * args.mb}: 1/{args.mb // small['mb']} of the compute per parameter and step; "
-            f"emulated layer forward {1e3 * small['f_s']:.2f} ms, backward {1e3 * small['b_s']:.2f} ms), "
+            f"**Diagnostic, not a target**: the same triples at micro-batch {small['mb']} ({args.m * small['mb']} "
+            f"samples per step instead of {args.m * args.mb}: 1/{args.mb // small['mb']} of the compute per parameter "
+            f"and step; emulated layer forward {1e3 * small['f_s']:.2f} ms, backward {1e3 * small['b_s']:.2f} ms), "
             f"{small['steps']} steps per run ({small['warmup']} warm-up):", "",
-            _pairs_table(small), "",
-            f"Overhead at micro-batch {small['mb']}: **{small['overhead']:.3f}x** (steps {1e3 * small['step_without_s']:.1f} "
-            f"-> {1e3 * small['step_with_s']:.1f} ms: +{1e3 * w['added_step_s']:.1f} ms). The refresh costs about a "
-            f"fixed time per step (message + duplicate optimizer step, proportional to the stage's parameters), so "
-            f"its share falls as the compute per parameter and step grows.", ""]
+            _triples_table(small), "",
+            f"Overhead at micro-batch {small['mb']}: eager **{small['overhead']:.3f}x**, lazy "
+            f"{small['overhead_lazy']:.3f}x (steps {1e3 * small['step_without_s']:.1f} -> lazy "
+            f"{1e3 * small['step_lazy_s']:.1f} -> eager {1e3 * small['step_eager_s']:.1f} ms: the refresh "
+            f"+{1e3 * w['added_step_s']:.1f} ms, the eager forwards {1e3 * w['eager_added_step_s']:+.1f} ms more). "
+            f"The refresh costs about a fixed time per step (message + duplicate optimizer step, proportional to the "
+            f"stage's parameters), so its share falls as the compute per parameter and step grows.", "",
+            "Eager coverage at this micro-batch:", "", _coverage_table(small), ""]
     w = where_time_goes(ov, rep)
+    eager_fw = w["eager_forward_s_per_step_max"]
     lines += [
-        f"Where the added time goes (micro-batch {args.mb}): +{1e3 * w['added_step_s']:.1f} ms per step; the slowest "
-        f"worker's message build (cat of the gradients) + replica step (`StageReplica.apply`), timed in-process, "
-        f"are {1e3 * w['cat_plus_apply_s']:.1f} ms; the rest ({1e3 * w['rest_s']:.1f} ms) is the message's transfer "
-        f"and waiting (the exchange sits between the reduction and the step's commit, on the critical path) plus "
-        f"noise.", "",
+        f"Where the added time goes (micro-batch {args.mb}). **Lazy** (the refresh): +{1e3 * w['added_step_s']:.1f} "
+        f"ms per step; the slowest worker's message build (cat of the gradients) + replica step "
+        f"(`StageReplica.apply`), timed in-process, are {1e3 * w['cat_plus_apply_s']:.1f} ms; the rest "
+        f"({1e3 * w['rest_s']:.1f} ms) is the message's transfer and waiting (the exchange sits between the "
+        f"reduction and the step's commit, on the critical path) plus noise. **Eager on top of lazy**: "
+        f"{1e3 * w['eager_added_step_s']:+.1f} ms per step (median eager step - median lazy step) while the "
+        f"busiest worker spends "
+        + (f"{1e3 * eager_fw:.1f} ms per step in eager forwards" if eager_fw is not None else "no time in eager forwards")
+        + ". The eager forwards run only while a receive would wait (the engine polls the message first), so in an "
+        "idle slot they cost nothing; what they add is the wait when the awaited message arrives while a forward "
+        "is running (at most one forward, here one stage's emulated forward "
+        f"{1e3 * args.layers_per_stage * args.f_s:.1f} ms, per receive that catches one), plus keeping their "
+        "graphs until the commit.", "",
         "### Replica memory, extra bytes per step, the duplicate optimizer step", "",
         H.md_table(["worker (stage)", "replica of stage", "replica bytes (`StageReplica.nbytes()`)",
                     "successor's params + buffers + optimizer state", "message bytes per step",
@@ -636,20 +753,20 @@ def parse_args(argv):
     p.add_argument("--width", type=int, default=1024, help="Linear width H")
     p.add_argument("--layers-per-stage", type=int, default=4)
     p.add_argument("--small-mb", type=int, default=32,
-                   help="diagnostic pairs at this micro-batch (less compute per parameter; 0: skip)")
-    p.add_argument("--small-pairs", type=int, default=3)
+                   help="diagnostic triples at this micro-batch (less compute per parameter; 0: skip)")
+    p.add_argument("--small-triples", type=int, default=3)
     p.add_argument("--small-steps", type=int, default=30)
     p.add_argument("--f-ms", type=float, default=None, help="emulated forward per layer and micro-batch (default: "
                    "calibrated from the real nn.Linear)")
     p.add_argument("--b-ms", type=float, default=None, help="emulated backward per layer and micro-batch")
-    p.add_argument("--pairs", type=int, default=6)
+    p.add_argument("--triples", type=int, default=6, help="interleaved triples without / lazy / eager")
     p.add_argument("--steps", type=int, default=14, help="steps per run")
     p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--max-other-cores", type=float, default=0.3, help="repeat a pair with more other load")
-    p.add_argument("--retries", type=int, default=2, help="repeat a pair with more other load up to this many times "
+    p.add_argument("--max-other-cores", type=float, default=0.3, help="repeat a triple with more other load")
+    p.add_argument("--retries", type=int, default=2, help="repeat a triple with more other load up to this many times "
                    "(while --retry-budget seconds have not passed)")
     p.add_argument("--retry-budget", type=float, default=150.0,
-                   help="seconds of the overhead measurement after which loaded pairs are no longer repeated")
+                   help="seconds of the overhead measurement after which loaded triples are no longer repeated")
     p.add_argument("--apply-reps", type=int, default=6)
     p.add_argument("--checkpoint-every", type=int, default=5)
     p.add_argument("--restart-reps", type=int, default=3)
@@ -660,7 +777,7 @@ def parse_args(argv):
     p.add_argument("--failover-reps", type=int, default=2, help="failover runs (0: skip)")
     args = p.parse_args(argv)
     if args.quick:
-        args.pairs, args.steps, args.warmup, args.restart_reps, args.apply_reps, args.small_pairs = 2, 8, 2, 1, 3, 0
+        args.triples, args.steps, args.warmup, args.restart_reps, args.apply_reps, args.small_triples = 2, 8, 2, 1, 3, 0
         args.checkpoint_every, args.quiet_wait, args.retry_budget = 3, min(args.quiet_wait, 3.0), 0.0
         args.failover_reps, args.failover_step, args.failover_after = 1, 4, 5
     return args
@@ -671,7 +788,7 @@ def main(argv=None) -> int:
     run = H.Run(NAME, args, TARGET_KEYS)
     torch.set_num_threads(1)
     logging.getLogger("virtualflow").setLevel(logging.ERROR)
-    print(H.banner(f"bamboo: Pipeline(redundancy=True) overhead ({args.stages} stages, 1f1b, m={args.m}, "
+    print(H.banner(f"bamboo: Pipeline(redundancy=True) overhead, lazy and eager ({args.stages} stages, 1f1b, m={args.m}, "
                    f"mb={args.mb}), restart/checkpoint, simulator constants"))
     print("  COMPUTE IS SLEEP-EMULATED (real parameters, optimizer and messages; sleeps instead of matmuls).",
           flush=True)
@@ -682,10 +799,10 @@ def main(argv=None) -> int:
     args.b_s = args.b_ms / 1e3 if args.b_ms is not None else cal["backward_s"]
     print(f"  emulated layer: forward {1e3 * args.f_s:.2f} ms, backward {1e3 * args.b_s:.2f} ms per micro-batch "
           f"({'calibrated' if cal else 'given'})", flush=True)
-    print("(1) overhead: interleaved pairs, without / with redundancy", flush=True)
-    ov = measure_overhead(args, args.pairs, retry_budget_s=args.retry_budget)
+    print("(1) overhead: interleaved triples, without / lazy / eager redundancy", flush=True)
+    ov = measure_overhead(args, args.triples, retry_budget_s=args.retry_budget)
     small = None
-    if args.small_mb and args.small_pairs:
+    if args.small_mb and args.small_triples:
         sargs = copy.copy(args)
         sargs.mb, sargs.steps, sargs.warmup = args.small_mb, args.small_steps, 5
         small_cal = calibrate(args.width, args.small_mb, 60) if cal is not None else None
@@ -693,7 +810,7 @@ def main(argv=None) -> int:
             sargs.f_s, sargs.b_s = small_cal["forward_s"], small_cal["backward_s"]
         print(f"    diagnostic: micro-batch {sargs.mb} (emulated forward {1e3 * sargs.f_s:.2f} ms, backward "
               f"{1e3 * sargs.b_s:.2f} ms per layer)", flush=True)
-        small = measure_overhead(sargs, args.small_pairs, "small-batch pair")
+        small = measure_overhead(sargs, args.small_triples, "small-batch triple")
         small["calibration"] = small_cal
     print("    replica bytes and the duplicate optimizer step (in-process)", flush=True)
     rep = measure_replica(args)
@@ -706,8 +823,11 @@ def main(argv=None) -> int:
     env = H.environment()
     constants, sources = constants_of(args, ov, rs, fo, env)
     t = run.targets
-    t.at_most("redundancy_overhead", f"step time with / without redundancy ({args.stages} stages, 1f1b, emulated "
-              "compute, median of per-pair ratios)", ov["overhead"], TARGET_OVERHEAD, "x")
+    t.at_most("redundancy_overhead", f"step time eager redundancy (the default) / without ({args.stages} stages, "
+              "1f1b, emulated compute, median of per-triple ratios)", ov["overhead"], TARGET_OVERHEAD, "x")
+    t.at_most("redundancy_overhead_lazy", f"step time lazy redundancy (refresh only) / without ({args.stages} "
+              "stages, 1f1b, emulated compute, median of per-triple ratios; the issue's bound applies to eager, "
+              "shown for comparison)", ov["overhead_lazy"], TARGET_OVERHEAD, "x")
     if fo is not None:
         t.at_most("failover_slowdown", f"failed-over pipeline: step after / before ({fo['stages']} stages, a worker "
                   "running two stages)", fo["slowdown"] if fo["slowdown"] is not None else float("nan"),
@@ -723,8 +843,8 @@ def main(argv=None) -> int:
                "config": {k: v for k, v in vars(args).items()},
                "constants": constants, "constants_sources": sources,
                "not_measured": {k: v for k, v in sources.items() if v.startswith("default")}
-               | {"eager_redundant_forward": "not implemented in the engine",
-                  "trace_replay": "time-compressed replay of a real trace: not written yet"},
+               | {"reconfigure_s": "measured by bench/bamboo_failover.py (bench/results/bamboo_constants.json), not here",
+                  "trace_replay": "measured by bench/bamboo_failover.py, not here"},
                "calibration": cal, "overhead": ov, "overhead_small_batch": small, "replica": rep,
                "where_time_goes": where_time_goes(ov, rep), "restart": rs, "failover": fo}
     # The simulator reads the constants from the file: write it first, then run it.

@@ -3,8 +3,9 @@ slower it runs failed over, the pause when a replacement takes its stage back, a
 replay of a real spot trace against the simulator's prediction, and the spot simulator's value
 on the shipped p2 trace with this engine's measured constants.
 
-The job: ``--stages`` (3) stages, one pipeline (workers == stages), ``Pipeline(redundancy=True)``,
-1F1B, ``--m`` (8) micro-batches, default (non-deterministic) mode, trained through
+The job: ``--stages`` (3) stages, one pipeline (workers == stages), ``Pipeline(redundancy=True)``
+(eager redundant forwards, the default ``redundant_compute="eager"``; section 1 runs every kill
+with ``"lazy"`` too), 1F1B, ``--m`` (8) micro-batches, default (non-deterministic) mode, trained through
 ``virtualflow.launch`` on the local backend (one process per stage, 1 thread each). Each stage
 is one SLEEP-EMULATED layer: a real ``--width`` x ``--width`` weight and bias (so the replica
 refresh, the re-layout and the optimizer are real costs of real sizes) whose forward sleeps
@@ -18,7 +19,10 @@ full-depth step is checked against the schedule's nominal ``(m + p - 1) (f + b)`
    step), so the loss time is known exactly; failover = kill -> end of the first step completed
    after it (the interrupted step, redone on the failed-over layout). Split: kill -> ``failure``
    event (detection), ``failure`` -> ``formed`` of the failover generation (new group, re-layout:
-   ``formed.pause_s``), ``formed`` -> end of the redone step. Median over all kills of (1)-(3).
+   ``formed.pause_s``), ``formed`` -> end of the redone step. Median over all eager kills of
+   (1)-(3). Each kill is repeated with ``redundant_compute="lazy"`` at the same point of the step
+   (back to back, order alternated): failover and redone step eager vs lazy, and the eager
+   forwards the redone step reused (``Result.redundant_forwards``).
 2. **Failed-over slowdown** (key ``failover_slowdown``, target <= 1.5x, Bamboo's constant): in
    runs without replacement (``replace_failed=False``), median failed-over step (the redone step
    and the next left out) / median full-depth step before the kill (warm-up left out), same run.
@@ -86,6 +90,9 @@ OTHER_CONSTANTS = "bench/results/bamboo.json"
 SEED = H.SEED
 EARLIER_RUNS = (
     "**Run to run** (earlier runs of this benchmark on this shared machine, 2026-11-24/25, not this run's data): "
+    "the last full run before the engine had eager redundant forwards (results of ed596fa, engine at 837359e, "
+    "every run then what is now `redundant_compute=\"lazy\"`, 0.0-1.4 cores of other load) measured failover "
+    "0.797 s (median of 6), slowdown 1.554x, reconfiguration pause 0.97 s and a replay error of -0.4 %; "
     "the replay's error was -10.0 % in the previous full run (commit 837359e: a NO by a hair, 0.97 cores of other "
     "load, the replay's full-depth steps 5 % slower than the kill runs'), -7.9 % and -3.3 % in two --quick runs: "
     "the simulator predicts this engine within a few percent, and the machine's other load moves the measurement "
@@ -158,7 +165,8 @@ def failover_job():
     m = int(env.get("VF_BF_M", "8"))
     return vf.Job(model=model, optimizer=adamw, output_loss=output_loss, dataset=data,
                   global_batch_size=m * int(env.get("VF_BF_MB", "4")), virtual_nodes=m, seed=SEED, name=NAME,
-                  pipeline=vf.Pipeline(stages=int(env.get("VF_BF_STAGES", "3")), schedule="1f1b", redundancy=True))
+                  pipeline=vf.Pipeline(stages=int(env.get("VF_BF_STAGES", "3")), schedule="1f1b", redundancy=True,
+                                       redundant_compute=env.get("VF_BF_COMPUTE", "eager")))
 
 
 def configure(args) -> None:
@@ -211,9 +219,10 @@ def _full_depth(handle, run_dir: str, stages: int) -> bool:
     return bool(ms) and ms[-1]["workers"] == stages and ms[-1]["generation"] == st["generation"]
 
 
-def _kill_stage(handle, stage: int, step_s: float, rng: random.Random) -> tuple[float, int, int]:
-    """SIGKILL the worker of ``stage`` at a random point of a step; (kill time, worker id, step)."""
-    time.sleep(rng.uniform(0.0, step_s))
+def _kill_stage(handle, stage: int, delay_s: float) -> tuple[float, int, int]:
+    """SIGKILL the worker of ``stage`` after ``delay_s`` (a random point of a step, drawn by the
+    caller); (kill time, worker id, step)."""
+    time.sleep(delay_s)
     st = handle.status()
     w = next(w for w in st["workers"] if w["rank"] == stage)
     t = time.time()
@@ -248,16 +257,22 @@ def _steps_once(metrics: list[dict]) -> bool:
 # (1)-(3) kill the middle stage: failover, slowdown (no replacement), reconfiguration (replacement).
 
 
-def one_kill(args, replace: bool, rng: random.Random) -> dict:
+def one_kill(args, replace: bool, frac: float, mode: str = "eager") -> dict:
+    """Kill the middle stage ``frac`` of a full-depth step after the ``--before-steps``-th step
+    was seen; ``mode``: the job's ``Pipeline.redundant_compute``."""
     stage = args.stages // 2
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = os.path.join(tmp, "run")
-        handle = _launch(args, run_dir, replace)
+        os.environ["VF_BF_COMPUTE"] = mode  # the worker processes inherit it at launch
+        try:
+            handle = _launch(args, run_dir, replace)
+        finally:
+            os.environ["VF_BF_COMPUTE"] = "eager"
         try:
             H.wait_steps(handle, run_dir, args.before_steps, timeout_s=180)
             full = H.steady_median([m["step_time_s"] for m in H.run_metrics(run_dir)])
             with H.LoadMeter() as meter:
-                t_kill, victim, _ = _kill_stage(handle, stage, full, rng)
+                t_kill, victim, _ = _kill_stage(handle, stage, frac * full)
                 try:
                     if replace:
                         _wait(handle, lambda: any(e["event"] == "reconfigure" for e in H.run_events(run_dir)),
@@ -270,7 +285,7 @@ def one_kill(args, replace: bool, rng: random.Random) -> dict:
                         n0 = len(H.run_metrics(run_dir))
                         H.wait_steps(handle, run_dir, n0 + args.after_steps, timeout_s=args.stuck_s)
                 except Exception as exc:  # noqa: BLE001 - a stuck or failed job is a finding: recorded
-                    return _stuck_row(handle, run_dir, replace, victim, stage, t_kill, exc)
+                    return {**_stuck_row(handle, run_dir, replace, victim, stage, t_kill, exc), "mode": mode}
             result = handle.stop()
         finally:
             if not handle.done:
@@ -279,7 +294,9 @@ def one_kill(args, replace: bool, rng: random.Random) -> dict:
                 except Exception:  # noqa: BLE001 - already recorded
                     pass
         metrics, events = H.run_metrics(run_dir), H.run_events(run_dir)
-    row: dict = {"replace_failed": replace, "victim_worker": victim, "victim_stage": stage,
+    fw = {str(w): dict(v) for w, v in sorted(result.redundant_forwards.items())}
+    row: dict = {"mode": mode, "replace_failed": replace, "victim_worker": victim, "victim_stage": stage, "kill_frac": frac,
+                 "redundant_forwards": fw, "reused": sum(int(v.get("reused", 0)) for v in fw.values()),
                  "other_load_cores": meter.other_cores, "steps": len(metrics),
                  "every_step_once": _steps_once(metrics) and [h["step"] for h in result.history] == list(range(len(metrics))),
                  "failures": [f.get("worker") for f in result.failures]}
@@ -334,34 +351,66 @@ def _stuck_row(handle, run_dir: str, replace: bool, victim: int, stage: int, t_k
     return row
 
 
+def _kill_line(i: int, r: dict) -> str:
+    line = (f"  {'replace' if r['replace_failed'] else 'no replacement'} {i} ({r['mode']}): kill stage "
+            f"{r['victim_stage']} {1e3 * r['kill_after_last_step_end_s']:.0f} ms after step {r['last_step_before']}: "
+            f"failover {r['failover_s']:.3f} s (detect {1e3 * r['detect_s']:.0f} ms, form {1e3 * r['form_s']:.0f} ms, "
+            f"redone step {1e3 * r['redone_step_s']:.0f} ms, {r['reused']} eager forwards reused); layout {r['layout']}")
+    if r["replace_failed"]:
+        line += (f"; replacement ready {r['kill_to_ready_s']:.2f} s after the kill; reconfigure gap "
+                 f"{r['reconfigure_gap_s']:.2f} s -> pause {r['reconfigure_s']:.2f} s (first step "
+                 f"{r['first_reconfigured_step_time_s']:.2f} s)")
+    else:
+        line += (f"; steps {1e3 * r['full_step_s']:.0f} -> {1e3 * r['failed_over_step_s']:.0f} ms "
+                 f"({r['slowdown']:.2f}x)")
+    return line + f"; every step once: {r['every_step_once']}; other load {r['other_load_cores']:.2f} cores"
+
+
 def measure_kills(args) -> dict:
+    """Each kill (``--reps`` of each kind, without / with a replacement) twice: eager (the
+    default, whose runs give (1)-(3) and the constants) and lazy, the same kill point (fraction of
+    a step) for both, back to back, their order alternated."""
     rng = random.Random(SEED)
     runs = []
+    j = 0
     for i in range(args.reps):
         for replace in (False, True):
+            frac = rng.random()
             H.wait_for_quiet(args.quiet_wait)
-            r = one_kill(args, replace, rng)
-            runs.append(r)
-            if r.get("stuck"):
-                continue
-            line = (f"  {'replace' if replace else 'no replacement'} {i}: kill stage {r['victim_stage']} "
-                    f"{1e3 * r['kill_after_last_step_end_s']:.0f} ms after step {r['last_step_before']}: failover "
-                    f"{r['failover_s']:.3f} s (detect {1e3 * r['detect_s']:.0f} ms, form {1e3 * r['form_s']:.0f} ms, "
-                    f"redone step {1e3 * r['redone_step_s']:.0f} ms); layout {r['layout']}")
-            if replace:
-                line += (f"; replacement ready {r['kill_to_ready_s']:.2f} s after the kill; reconfigure gap "
-                         f"{r['reconfigure_gap_s']:.2f} s -> pause {r['reconfigure_s']:.2f} s (first step "
-                         f"{r['first_reconfigured_step_time_s']:.2f} s)")
-            else:
-                line += (f"; steps {1e3 * r['full_step_s']:.0f} -> {1e3 * r['failed_over_step_s']:.0f} ms "
-                         f"({r['slowdown']:.2f}x)")
-            print(line + f"; every step once: {r['every_step_once']}; other load {r['other_load_cores']:.2f} cores",
-                  flush=True)
+            for mode in (("eager", "lazy") if j % 2 == 0 else ("lazy", "eager")):
+                r = one_kill(args, replace, frac, mode)
+                r["kill"] = j
+                runs.append(r)
+                if not r.get("stuck"):
+                    print(_kill_line(i, r), flush=True)
+            j += 1
     stuck = [r for r in runs if r.get("stuck")]
-    runs = [r for r in runs if not r.get("stuck")]
+    done = [r for r in runs if not r.get("stuck")]
+    lazy = [r for r in done if r["mode"] == "lazy"]
+    runs = [r for r in done if r["mode"] == "eager"]
     no_rep = [r for r in runs if not r["replace_failed"]]
     rep = [r for r in runs if r["replace_failed"]]
-    return {"runs": runs, "stuck": stuck, "failover_s": H.median([r["failover_s"] for r in runs]),
+
+    def arm(rs: list[dict]) -> dict:
+        if not rs:
+            return {"runs": 0}
+        return {"runs": len(rs), "failover_s": H.median([r["failover_s"] for r in rs]),
+                "detect_s": H.median([r["detect_s"] for r in rs]), "form_s": H.median([r["form_s"] for r in rs]),
+                "redone_step_s": H.median([r["redone_step_s"] for r in rs]),
+                "redone_step_time_s": H.median([r["redone_step_time_s"] for r in rs]),
+                "reused": sum(r["reused"] for r in rs), "reused_median": H.median([r["reused"] for r in rs]),
+                "every_step_once": all(r["every_step_once"] for r in rs)}
+
+    # Per kill, eager's failover minus lazy's (the same kill point, back to back).
+    by_kill = {}
+    for r in runs + lazy:
+        by_kill.setdefault(r["kill"], {})[r["mode"]] = r
+    diffs = [d["eager"]["failover_s"] - d["lazy"]["failover_s"] for d in by_kill.values() if len(d) == 2]
+    redone_diffs = [d["eager"]["redone_step_s"] - d["lazy"]["redone_step_s"] for d in by_kill.values() if len(d) == 2]
+    return {"runs": runs, "lazy_runs": lazy, "stuck": stuck, "failover_s": H.median([r["failover_s"] for r in runs]),
+            "eager": arm(runs), "lazy": arm(lazy),
+            "eager_minus_lazy_failover_s": H.median(diffs) if diffs else None,
+            "eager_minus_lazy_redone_step_s": H.median(redone_diffs) if redone_diffs else None,
             "detect_s": H.median([r["detect_s"] for r in runs]), "form_s": H.median([r["form_s"] for r in runs]),
             "redone_step_s": H.median([r["redone_step_s"] for r in runs]),
             "full_step_s": H.median([r["full_step_s"] for r in runs]),
@@ -375,7 +424,7 @@ def measure_kills(args) -> dict:
                                                    if r["first_step_after_formed_s"] is not None]),
             "first_reconfigured_step_time_s": H.median([r["first_reconfigured_step_time_s"] for r in rep]),
             "kill_to_ready_s": H.median([r["kill_to_ready_s"] for r in rep if r["kill_to_ready_s"] is not None]),
-            "every_step_once": all(r["every_step_once"] for r in runs)}
+            "every_step_once": all(r["every_step_once"] for r in runs + lazy)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -399,7 +448,6 @@ def replay_plan(args) -> dict:
 
 
 def run_replay(args, plan: dict) -> dict:
-    rng = random.Random(SEED + 1)
     order = [1 % args.stages, 2 % args.stages, 0] if args.stages >= 3 else [1, 0]
     kills: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -429,7 +477,7 @@ def run_replay(args, plan: dict) -> dict:
                         print(f"  replay: kill {j} skipped: full depth only at the end of the window", flush=True)
                         continue
                     stage = order[j % len(order)]
-                    t_kill, victim, step = _kill_stage(handle, stage, 0.0, rng)
+                    t_kill, victim, step = _kill_stage(handle, stage, 0.0)
                     kills.append({"due_s": d["at_s"], "at_s": t_kill - t0, "deferred_s": t_kill - due,
                                   "stage": stage, "worker": victim, "step": step, "trace_t_s": d["trace_t_s"]})
                     print(f"  replay: kill {j} (trace {d['trace_t_s'] / 60:.1f} min): stage {stage} (worker {victim}) "
@@ -544,8 +592,9 @@ def write_constants(run: H.Run, ks: dict, env: dict) -> dict:
     job = f"{run.args.stages} stages, 1f1b, m={run.args.m}, one pipeline, step {1e3 * ks['full_step_s']:.0f} ms"
     sources = {k: f"{where}: {their_sources.get(k, 'measured by bench/bamboo.py')}" for k in keep if k in theirs}
     sources.update({
-        "failover_s": f"measured here: SIGKILL of the middle stage -> end of the redone step, median of "
-                      f"{len(ks['runs'])} kills ({job}; it includes one failed-over step, so it scales with the step)",
+        "failover_s": f"measured here: SIGKILL of the middle stage -> end of the redone step, eager redundancy "
+                      f"(the default), median of {len(ks['runs'])} kills ({job}; it includes one failed-over step, "
+                      f"so it scales with the step; lazy: {_f(ks['lazy'].get('failover_s'))} s)",
         "failover_slowdown": f"measured here: failed-over step / full-depth step, same run, median of "
                              f"{sum(1 for r in ks['runs'] if not r['replace_failed'])} runs ({job})",
         "reconfigure_s": f"measured here: step-time gap at the reconfigure generation minus a normal step, "
@@ -616,6 +665,10 @@ def simulate_value(path: str) -> dict:
 # Report.
 
 
+def _mib(b: float) -> str:
+    return f"{b / 2 ** 20:.1f} MiB"
+
+
 def _f(x, fmt: str = ".3f") -> str:
     return "-" if x is None else format(x, fmt)
 
@@ -626,7 +679,7 @@ def stuck_md(stuck: list[dict]) -> list[str]:
     out = [f"**{len(stuck)} kill run(s) did not go on after the kill** (not in the medians above; the engine's, "
            "left alone here):", ""]
     for r in stuck:
-        out += [f"- {'with' if r['replace_failed'] else 'without'} replacement, stage {r['victim_stage']} (worker "
+        out += [f"- {r.get('mode', 'eager')}, {'with' if r['replace_failed'] else 'without'} replacement, stage {r['victim_stage']} (worker "
                 f"{r['victim_worker']}) killed: {r['error']}; last steps (step, generation, s after the kill) "
                 f"{r['last_steps']}; status {json.dumps(r['status'], default=str)[:600]}; events since the kill: "
                 f"{json.dumps(r['events_since_kill'], default=str)[:1500]}"]
@@ -687,37 +740,56 @@ def markdown(run: H.Run, args, ks: dict, plan: dict, rp: dict, pred: dict, cs: d
     nom_full, nom_fo = nominal_full_s(a), nominal_failed_over_s(a)
     out = [f"# {run.name}: Bamboo failover, reconfiguration, a compressed trace replay, value on the p2 trace", "",
            H.env_markdown(env), "",
-           f"Job: {a.stages} stages, one pipeline (workers == stages), `Pipeline(redundancy=True)`, 1F1B, m = {a.m} "
+           f"Job: {a.stages} stages, one pipeline (workers == stages), `Pipeline(redundancy=True)` (eager redundant "
+           f"forwards, the default; (1) also runs every kill lazy), 1F1B, m = {a.m} "
            f"micro-batches of {a.mb}, AdamW, default (non-deterministic) mode, `virtualflow.launch` on the local "
            f"backend (one process per stage, 1 thread). Each stage is one SLEEP-EMULATED layer with a real "
            f"{a.width} x {a.width} weight and bias ({a.width * (a.width + 1):,} parameters per stage): forward sleeps "
            f"{a.f_ms:g} ms, backward {a.b_ms:g} ms per micro-batch (equal stages). Nominal 1F1B step "
            f"(m + p - 1)(f + b) = {1e3 * nom_full:.0f} ms; measured full-depth step "
            f"{1e3 * ks['full_step_s']:.0f} ms (the rest: replica refresh, optimizer, messages).", "",
-           "## (1) Failover time: SIGKILL of the middle stage -> first completed step", "",
+           "## (1) Failover time: SIGKILL of the middle stage -> first completed step, eager vs lazy", "",
            "The benchmark kills the middle stage's worker itself (`os.kill(pid, SIGKILL)`, pid from "
            "`handle.status()`, at a random point of a step), so the loss time is exact. Split: kill -> `failure` "
            "event (the launcher sees the process die: detection), `failure` -> `formed` of the failover generation "
            "(the group without it, the predecessor re-laying its stages from its replica), `formed` -> end of the "
-           "redone step (the interrupted step, redone on the failed-over layout).", "",
-           H.md_table(["run", "replacement", "kill after the last step end (ms)", "failover (s)", "detect (ms)", "form (ms)",
-                       "of which group (ms)", "transfer bytes", "redone step (ms)", "layout", "every step once",
-                       "other load (cores)"],
-                      [[i, "yes" if r["replace_failed"] else "no", f"{1e3 * r['kill_after_last_step_end_s']:.0f}",
+           "redone step (the interrupted step, redone on the failed-over layout). Every kill is run twice, back to "
+           "back at the same point of the step (fraction drawn once), their order alternated: **eager** (the "
+           "default, `Pipeline(redundancy=True)`: the predecessor ran the lost stage's forward of each micro-batch "
+           "it had sent on its replica while it waited, and the redone step splices those in) and **lazy** "
+           "(`redundant_compute=\"lazy\"`: the redone step runs the lost stage's forwards again). Reused = the "
+           "eager forwards the redone step spliced in (`Result.redundant_forwards[w]['reused']`, summed over the "
+           "workers); only the eager runs feed (2), (3) and the constants.", "",
+           H.md_table(["kill", "mode", "replacement", "kill after the last step end (ms)", "failover (s)",
+                       "detect (ms)", "form (ms)", "of which group (ms)", "transfer bytes", "redone step (ms)",
+                       "reused forwards", "layout", "every step once", "other load (cores)"],
+                      [[r["kill"], r["mode"], "yes" if r["replace_failed"] else "no",
+                        f"{1e3 * r['kill_after_last_step_end_s']:.0f}",
                         f"{r['failover_s']:.3f}", f"{1e3 * r['detect_s']:.1f}", f"{1e3 * r['form_s']:.1f}",
                         f"{1e3 * (r['group_s'] or 0):.1f}", r["transfer_bytes"], f"{1e3 * r['redone_step_s']:.0f}",
-                        r["layout"], H.yes_no(r["every_step_once"]), f"{r['other_load_cores']:.2f}"]
-                       for i, r in enumerate(ks["runs"])]), "",
-           f"**Failover: {ks['failover_s']:.3f} s** (median of {len(ks['runs'])}; target <= 1 s): detection "
-           f"{1e3 * ks['detect_s']:.0f} ms, group formation and re-layout {1e3 * ks['form_s']:.0f} ms, the redone "
-           f"step {1e3 * ks['redone_step_s']:.0f} ms (a failed-over step, begun when the group formed). The work of "
-           f"the interrupted step before the kill is lost and redone; nothing else is. The predecessor already "
-           f"holds the lost stage (its replica, fresh after every step), so the re-layout moves no bytes between "
-           f"workers. **The bound is met because this job's step is short**: the fixed part (detection + "
-           f"formation) is {1e3 * (ks['detect_s'] + ks['form_s']):.0f} ms and the rest is one failed-over step "
-           f"(slowdown x full step), so failover <= 1 s holds for full-depth steps up to about "
-           f"{(1.0 - ks['detect_s'] - ks['form_s']) / ks['slowdown']:.2f} s; a job with longer steps pays one "
-           f"failed-over step more (the engine redoes the interrupted step; no eager redundant forward exists).", "",
+                        r["reused"], r["layout"], H.yes_no(r["every_step_once"]), f"{r['other_load_cores']:.2f}"]
+                       for r in sorted(ks["runs"] + ks["lazy_runs"], key=lambda r: (r["kill"], r["mode"]))]), "",
+           f"**Failover, eager (the default): {ks['failover_s']:.3f} s** (median of {len(ks['runs'])}; target <= "
+           f"1 s): detection {1e3 * ks['detect_s']:.0f} ms, group formation and re-layout {1e3 * ks['form_s']:.0f} "
+           f"ms, the redone step {1e3 * ks['redone_step_s']:.0f} ms (a failed-over step, begun when the group "
+           f"formed), {ks['eager']['reused']} eager forwards reused in all ({_f(ks['eager'].get('reused_median'), '.0f')} "
+           f"per kill, median). **Lazy: {_f(ks['lazy'].get('failover_s'))} s** (median of {ks['lazy']['runs']}; "
+           f"redone step {_f(1e3 * ks['lazy']['redone_step_s'] if ks['lazy'].get('redone_step_s') is not None else None, '.0f')} ms). "
+           f"Per kill (same point, back to back), eager - lazy: failover "
+           f"{_f(1e3 * ks['eager_minus_lazy_failover_s'] if ks['eager_minus_lazy_failover_s'] is not None else None, '+.0f')} "
+           f"ms, redone step "
+           f"{_f(1e3 * ks['eager_minus_lazy_redone_step_s'] if ks['eager_minus_lazy_redone_step_s'] is not None else None, '+.0f')} "
+           f"ms (medians). " + eager_why(a, ks) + " The predecessor already holds the lost stage (its replica, fresh "
+           f"after every step); the re-layout moved {_mib(H.median([r['transfer_bytes'] or 0 for r in ks['runs']]))} "
+           f"(median of the eager kills' `formed.transfer_bytes`: the replicas re-established around the merged "
+           f"stages). " + ("**The bound is met only because this job's step is short**" if ks["failover_s"] <= 1.0
+                           else f"**The bound is missed by {1e3 * (ks['failover_s'] - 1.0):.0f} ms**")
+           + f": the fixed part (detection + formation) is "
+           f"{1e3 * (ks['detect_s'] + ks['form_s']):.0f} ms and the rest is one failed-over step (slowdown x full "
+           f"step, less the spliced forwards), so failover <= 1 s holds for full-depth steps up to about "
+           f"{(1.0 - ks['detect_s'] - ks['form_s']) / ks['slowdown']:.2f} s at this run's detection, formation and "
+           f"slowdown (full-depth step here {1e3 * ks['full_step_s']:.0f} ms); a job with longer steps pays one "
+           f"failed-over step more.", "",
            *stuck_md(ks["stuck"]),
            "## (2) Failed-over slowdown", "",
            f"Runs without replacement: the full-depth step before the kill (warm-up of {a.warmup} steps left out) "
@@ -781,6 +853,15 @@ def markdown(run: H.Run, args, ks: dict, plan: dict, rp: dict, pred: dict, cs: d
                         f"{r['vs_checkpoint']:.2f}x"] for r in val["what_if"]]), "",
            f"Reproduce: `{run.command('bamboo_failover')}`"]
     return "\n".join(out)
+
+
+def eager_why(a, ks: dict) -> str:
+    """What eager can save in the redone step, for this job."""
+    return (f"What eager can save: the redone step splices in the lost stage's forwards the predecessor ran "
+            f"before the kill (one stage's forward, {a.f_ms:g} ms here, per micro-batch it had sent and found an "
+            f"idle slot for, at most m = {a.m}: {a.m * a.f_ms:g} ms); its own stage's forwards, every backward "
+            f"and the forwards of micro-batches not yet sent at the kill are run again. That bound is "
+            f"{100 * a.m * a.f_ms / 1e3 / ks['failover_s']:.0f} % of the eager failover here.")
 
 
 def value_why(c: dict, val: dict) -> str:
@@ -859,13 +940,15 @@ def main(argv=None) -> int:
     print(f"  wrote {cs['path']}; bamboo vs on-demand {val['vs_on_demand']:.2f}x, vs checkpoint "
           f"{val['vs_checkpoint']:.2f}x", flush=True)
     t = run.targets
-    t.at_most("failover_s", f"failover time, SIGKILL -> first completed step (median of {len(ks['runs'])})",
+    t.at_most("failover_s", f"failover time, SIGKILL -> first completed step, eager (the default; median of "
+              f"{len(ks['runs'])})",
               ks["failover_s"], TARGET_FAILOVER_S, " s")
     t.at_most("failover_slowdown", f"failed-over step / full-depth step ({args.stages} equal stages, m={args.m}; "
               f"1F1B's nominal {nominal_failed_over_s(args) / nominal_full_s(args):.3f})", ks["slowdown"],
               TARGET_SLOWDOWN, "x")
-    t.holds("every step exactly once in every kill run", ks["every_step_once"])
-    t.holds(f"every kill run went on after the kill ({len(ks['stuck'])} of {len(ks['runs']) + len(ks['stuck'])} stuck)",
+    t.holds("every step exactly once in every kill run (eager and lazy)", ks["every_step_once"])
+    t.holds(f"every kill run went on after the kill ({len(ks['stuck'])} of "
+            f"{len(ks['runs']) + len(ks['lazy_runs']) + len(ks['stuck'])} stuck)",
             not ks["stuck"])
     if pred is None:
         t.holds("replay: the job went on after every kill", False, rp["error"])
