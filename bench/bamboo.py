@@ -593,8 +593,10 @@ def _failover_md(fo: dict | None) -> list[str]:
         f"Failover = end of step {fo['loss_step'] - 1} -> end of the redone step {fo['loss_step']} (loss -> first "
         f"completed step, the redone step included); slowdown = median step after the failover / median step "
         f"before it. Reused: the lost stage's eager forwards the redone step spliced in (`Result.redundant_forwards`"
-        f"[w]['reused'], summed; the kill is at the step's start, before any forward of it, so none are expected "
-        f"here: `bench/bamboo_failover.py` kills at random points of a step).", "",
+        f"[w]['reused'], summed: the victim dies at the start of its step, but its predecessor goes on with that "
+        f"step's forwards, sends them and, its receives waiting on a dead peer, runs the victim's forwards of "
+        f"them on its replica until the failure is noticed; `bench/bamboo_failover.py` kills at random points of "
+        f"a step and compares with lazy).", "",
         H.md_table(["run", "layout after", "failover (s)", "step before (ms)", "step after (ms)", "slowdown",
                     "every step once", "reused forwards"], rows), ""]
 
@@ -621,7 +623,7 @@ def markdown(run: H.Run, args, cal: dict, ov: dict, small: dict | None, rep: dic
         f"micro-batch: "
         + (f"the real `nn.Linear`'s times at micro-batch {args.mb} on this machine (calibrated, 1 thread, "
            f"fastest of {cal['reps']}: {1e3 * cal['forward_s']:.2f} / {1e3 * cal['backward_s']:.2f} ms)"
-           if cal else "given on the command line")
+           if cal else "given on the command line (`--f-ms`, `--b-ms`)")
         + ". Parameters, gradients, the optimizer, the replica message and the replica's optimizer step are real; "
         f"the matrix multiplications are not. {len(ov['triples'])} interleaved triples (orders in turn, every "
         f"mode first, second and third equally often over 6 triples): **without** redundancy; **lazy** "
@@ -663,6 +665,7 @@ def markdown(run: H.Run, args, cal: dict, ov: dict, small: dict | None, rep: dic
             "Eager coverage at this micro-batch:", "", _coverage_table(small), ""]
     w = where_time_goes(ov, rep)
     eager_fw = w["eager_forward_s_per_step_max"]
+    fst, bst = args.layers_per_stage * args.f_s, args.layers_per_stage * args.b_s
     lines += [
         f"Where the added time goes (micro-batch {args.mb}). **Lazy** (the refresh): +{1e3 * w['added_step_s']:.1f} "
         f"ms per step; the slowest worker's message build (cat of the gradients) + replica step "
@@ -676,7 +679,15 @@ def markdown(run: H.Run, args, cal: dict, ov: dict, small: dict | None, rep: dic
         "idle slot they cost nothing; what they add is the wait when the awaited message arrives while a forward "
         "is running (at most one forward, here one stage's emulated forward "
         f"{1e3 * args.layers_per_stage * args.f_s:.1f} ms, per receive that catches one), plus keeping their "
-        "graphs until the commit.", "",
+        f"graphs until the commit. **Why they cannot all fit in idle slots here**: a worker owes m = {args.m} "
+        f"forwards of its successor's stage per step, m x f = {1e3 * args.m * fst:.0f} ms of emulated forward, "
+        f"while 1F1B leaves each worker (p - 1)(f + b) = {1e3 * (args.stages - 1) * (fst + bst):.0f} ms idle per "
+        f"step (f = {1e3 * fst:.1f}, b = {1e3 * bst:.1f} ms per stage and micro-batch; the fill and drain bubble, "
+        f"the only idle time at its receives in the nominal schedule): at most "
+        f"{min(1.0, (args.stages - 1) * (fst + bst) / (args.m * fst)):.0%} of them fit, so the engine, which never "
+        f"declines a forward while the message has not arrived, runs the rest into the time its messages arrive "
+        f"in (skipped is 0 above). The eager share of the added time therefore falls with more stages "
+        f"(bigger bubble) and rises with m.", "",
         "### Replica memory, extra bytes per step, the duplicate optimizer step", "",
         H.md_table(["worker (stage)", "replica of stage", "replica bytes (`StageReplica.nbytes()`)",
                     "successor's params + buffers + optimizer state", "message bytes per step",
