@@ -748,7 +748,11 @@ def markdown(run: H.Run, args, cal: dict, ov: dict, small: dict | None, rep: dic
                       f"{a.get('bamboo_vs_checkpoint', float('nan')):.2f}x checkpoint-restart.", ""]
     else:
         lines += [f"Not run: {sim.get('why')}", ""]
-    lines += [f"Reproduce: `{run.command(NAME)}`"]
+    given = "".join(f" --{k.replace('_', '-')} {getattr(args, k):g}" for k in ("f_ms", "b_ms")
+                    if getattr(args, k) is not None)
+    lines += [f"Reproduce: `{run.command(NAME, given)}`"
+              + (" (the emulated layer times given: a calibration on this loaded machine would measure the other "
+                 "load, not the layer)" if given else "")]
     return "\n".join(lines)
 
 
