@@ -54,7 +54,7 @@ full-depth step is checked against the schedule's nominal ``(m + p - 1) (f + b)`
 
 From the repository root::
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m bench.bamboo_failover            # about 5 minutes
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.bamboo_failover            # about 10 minutes
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.bamboo_failover --quick    # about 2 minutes
 """
 
