@@ -126,10 +126,6 @@ class _Work:
         self.generation = generation
         self.abort_check = abort_check
 
-    def is_completed(self) -> bool:
-        """Whether the operation is done (never blocks)."""
-        return self.work.is_completed()
-
     def wait(self) -> bool:
         if self.abort_check is None:
             try:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import os
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -122,6 +123,9 @@ class AllSum:
 Request = Send | Recv | Expect | Poll | StageSum | StageTree | AllSum
 
 LOOKAHEAD = 4
+SLACK = 1.1
+"""An eager redundant forward starts in a bubble if it ends within this factor of the bubble's
+predicted length (the prediction leaves out message latency, so waits run a little longer)."""
 """Receives announced (:class:`Expect`) ahead of the action that needs them, per worker."""
 
 
@@ -211,6 +215,20 @@ class _Splice(torch.autograd.Function):
         in_grads = [next(it) if t.requires_grad else None for t in entry.inputs]
         ctx.entry = ctx.targets = None
         return (None, None, None, *in_grads)
+
+
+@functools.lru_cache(maxsize=64)
+def idle_slots(name: str, p: int, m: int, b_over_f: float) -> tuple[tuple[float, ...], ...]:
+    """Per stage-rank: for each action of a one-step schedule, the time a receive waits for its
+    message (0 for other actions), then one more entry: the time from the rank's last action to
+    the end of the step (when the slowest rank is done) - in forward times, every stage's forward
+    taking 1 and its backward ``b_over_f`` (:func:`virtualflow.plan.pipeline.simulate.simulate`).
+    These are the schedule's bubbles, where eager redundant forwards go."""
+    from virtualflow.plan.pipeline.simulate import simulate
+
+    sim = simulate(_schedule(name, p, m, 1, 1), 1.0, b_over_f)
+    return tuple(tuple(float(sl.end - sl.start) if sl.action.kind in ("RECV_F", "RECV_B") else 0.0 for sl in rank)
+                 + (float(sim.step_time - (rank[-1].end if rank else 0)),) for rank in sim.timeline)
 
 
 def schedule_for(pipeline: Pipeline, m: int, steps: int = 1) -> Schedule:
@@ -321,6 +339,13 @@ class StageEngine:
         redone step instead of running that stage's forwards again."""
         self.reused_forwards = 0
         """Forwards the redone step took from eager forwards (since this engine was built)."""
+        self.eager_every_wait = os.environ.get("VIRTUALFLOW_EAGER_EVERY_WAIT") == "1"
+        """Diagnostic (``VIRTUALFLOW_EAGER_EVERY_WAIT=1``): run eager forwards at every receive whose
+        message is not there yet, bubble or not, from the first step (tests use it to make the
+        failover's reuse certain; it shows what placing them in the bubbles saves)."""
+        self.fb_times: tuple[float, float] | None = None
+        """This worker's mean forward and backward seconds per micro-batch in its last step (they
+        place eager forwards in the schedule's bubbles)."""
         if not pipeline.flush and self.bn_numel:
             raise ValueError(
                 f"Pipeline.schedule={pipeline.schedule!r} streams steps without a flush, which cannot keep "
@@ -379,9 +404,26 @@ class StageEngine:
         busy = 0.0
         replica = self.replica_of_successor if eager else None
         todo: deque[tuple[int, int, list[torch.Tensor] | None]] = deque()  # eager forwards not run yet
-        if replica is not None and self.first in replica.pieces:
-            # The replica of the first stage: its inputs are the micro-batches' data, known now.
-            todo.extend((*self._vn_of(first_step, mb, m), None) for mb in range(m))
+        idle: Sequence[float] = ()
+        f_s = 0.0
+        if replica is not None and self.eager_every_wait:
+            idle = [float("inf")] * (len(schedule.actions[self.stage_rank]) + 1)
+            if self.first in replica.pieces:
+                todo.extend((*self._vn_of(first_step, mb, m), None) for mb in range(m))
+        elif replica is not None and self.fb_times is not None:
+            # Eager forwards go where the schedule has this worker wait (its bubbles), as long as
+            # the predicted wait holds one more: they never delay a message that is due.
+            f_s, b_s = self.fb_times
+            units = idle_slots(self.pipeline.schedule, self.p, m, round(4 * b_s / f_s) / 4 if f_s > 0 else 2.0)
+            idle = [u * f_s for u in units[self.stage_rank]]
+            if self.first in replica.pieces:
+                # The replica of the first stage: its inputs are the micro-batches' data, known now.
+                todo.extend((*self._vn_of(first_step, mb, m), None) for mb in range(m))
+        elif replica is not None:
+            replica.skipped += m  # the first step: no measured times to find the bubbles with yet
+            replica = None
+        f_sum = b_sum = 0.0
+        f_n = b_n = 0
         t_origin = time.perf_counter()
         wall_origin = time.time()
         actions = schedule.actions[self.stage_rank]
@@ -394,10 +436,13 @@ class StageEngine:
                 b = actions[receives[announced]]
                 yield Expect(b.peer, _recv_key(b))
                 announced += 1
-            if todo and a.kind in ("RECV_F", "RECV_B"):
-                # An idle slot if the message is not there yet: run redundant forwards meanwhile.
+            if todo and idle[index] > 0 and a.kind in ("RECV_F", "RECV_B"):
+                # A bubble: run redundant forwards while the message is not there and the
+                # predicted wait still holds one.
                 key = _recv_key(a)
-                while todo and not (yield Poll(a.peer, key)):
+                t_slot = time.perf_counter()
+                while todo and time.perf_counter() - t_slot + replica.forward_est(f_s) <= SLACK * idle[index] \
+                        and not (yield Poll(a.peer, key)):
                     self._eager_forward(*todo.popleft())
             t0 = time.perf_counter()
             if a.kind == "RECV_F":
@@ -453,13 +498,24 @@ class StageEngine:
                 if self.slowdown > 1.0:
                     time.sleep((self.slowdown - 1.0) * (t1 - t0))
                     t1 = time.perf_counter()
+                if a.kind == "F":
+                    f_sum, f_n = f_sum + t1 - t0, f_n + 1
+                elif a.kind == "B":
+                    b_sum, b_n = b_sum + t1 - t0, b_n + 1
             if self.timeline is not None:
                 # wall-clock times, comparable between the workers of one machine
                 self.timeline.append({"kind": a.kind, "stage": a.stage, "mb": a.microbatch,
                                       "step": first_step + a.microbatch // m,
                                       "start": wall_origin + (t0 - t_origin), "end": wall_origin + (t1 - t_origin)})
+        if todo and 0 < idle[-1] < float("inf"):
+            # The bubble between this worker's last action and the slowest worker's.
+            t_slot = time.perf_counter()
+            while todo and time.perf_counter() - t_slot + replica.forward_est(f_s) <= SLACK * idle[-1]:
+                self._eager_forward(*todo.popleft())
         if replica is not None:
             replica.skipped += len(todo)  # no idle slot was left for them: a failover recomputes them
+        if f_n and b_n:
+            self.fb_times = (f_sum / f_n, b_sum / b_n)
         return busy
 
     def _eager_forward(self, step: int, vn: int, message: list[torch.Tensor] | None) -> None:
@@ -504,8 +560,10 @@ class StageEngine:
         t1 = time.perf_counter()
         if self.slowdown > 1.0:
             time.sleep((self.slowdown - 1.0) * (t1 - t0))
-        replica.forward_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        replica.forward_s += dt
         replica.forwards += 1
+        replica.last_forward_s = dt
 
     def _spliced_forward(self, module: nn.Module, x: Any, entry: _Eager) -> Any:
         """``module(x)`` with layers ``[reuse.lo, reuse.hi)`` taken from an eager forward."""
@@ -982,10 +1040,15 @@ class StageReplica:
         """Eager redundant forwards run."""
         self.skipped = 0
         """Forwards no idle slot was left for (a failover recomputes them)."""
+        self.last_forward_s: float | None = None
         self.kept_bytes = 0
         self.peak_kept_bytes = 0
         """The most bytes one step's eager forwards held (activations their graphs saved and their
         outputs; the weights they share with the replica not counted)."""
+
+    def forward_est(self, default: float) -> float:
+        """Seconds the next eager forward should take: the last one's, else ``default``."""
+        return self.last_forward_s if self.last_forward_s is not None else default
 
     def begin_step(self) -> None:
         """A step starts: the forwards of earlier steps go; BatchNorm statistics are restored to

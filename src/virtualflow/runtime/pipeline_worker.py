@@ -28,6 +28,7 @@ pipelining's step time at p = 2); posting receives ahead and packing the payload
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Generator
 
 import torch
@@ -142,6 +143,34 @@ class Links:
         self.last = {}
 
 
+class _Arrival:
+    """Tells, without blocking, whether a posted receive has completed (a :class:`Poll`): gloo's
+    point-to-point work reports ``is_completed()`` False until someone waits on it (measured), so a
+    daemon thread owns the wait and the driver reads its event; the receive itself then waits on
+    the event (one waiter per work: gloo's receive completes one wait)."""
+
+    __slots__ = ("done", "error")
+
+    def __init__(self, work: Any) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        threading.Thread(target=self._wait, args=(work,), daemon=True, name="vf-recv-arrival").start()
+
+    def _wait(self, work: Any) -> None:
+        try:
+            work.wait()
+        except BaseException as exc:  # handed to the driver's thread
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def wait(self) -> None:
+        while not self.done.wait(0.05):  # short waits: signals still reach this thread
+            pass
+        if self.error is not None:
+            raise self.error
+
+
 def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pieces: int,
           device: torch.device, links: Links | None = None) -> list[StepResult]:
     """Answer a :class:`StageEngine` generator's requests with real communication.
@@ -157,6 +186,7 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
     links = links if links is not None else Links()
     pending: list[tuple[Any, list[torch.Tensor]]] = []
     posted: dict[tuple[str, int, int], tuple[Any, torch.Tensor, Metas | None]] = {}
+    arrivals: dict[tuple[str, int, int], _Arrival] = {}
     answer: Any = None
 
     def post(peer_rank: int, key: tuple[str, int, int]) -> None:
@@ -214,13 +244,19 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
             elif isinstance(req, Poll):
                 if req.key not in posted:
                     post(grid.rank_of(grid.replica, req.peer), req.key)
-                answer = posted[req.key][0].is_completed()
+                if req.key not in arrivals:
+                    arrivals[req.key] = _Arrival(posted[req.key][0])
+                answer = arrivals[req.key].done.is_set()
             elif isinstance(req, Recv):
                 src = grid.rank_of(grid.replica, req.peer)
                 if req.key not in posted:
                     post(src, req.key)
                 work, buf, ref = posted.pop(req.key)
-                work.wait()
+                arrival = arrivals.pop(req.key, None)
+                if arrival is not None:
+                    arrival.wait()
+                else:
+                    work.wait()
                 if ref is None:
                     answer = header_then_payload(src, req.key, buf)
                 else:
