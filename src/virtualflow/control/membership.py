@@ -133,6 +133,8 @@ class MembershipController:
         fails over (:mod:`virtualflow.plan.pipeline.failover`) instead of ending."""
         self.layout: tuple[tuple[int, ...], ...] | None = None
         """The current generation's layout after a failover (None: one stage per member)."""
+        self._exited_0: set[int] = set()
+        """Workers seen exiting with code 0 one tick ago (see :meth:`tick`)."""
         self.bamboo_events: list[dict[str, Any]] = []
         """Failovers, reconfigurations and fallbacks so far (kind, step, layout): for the status."""
         self._notice_uncovered = False
@@ -229,6 +231,11 @@ class MembershipController:
         failed: dict[int, str] = {}
         for wid, code in self.launcher.poll().items():
             if code is None or wid in self.gone:
+                continue
+            if code == 0 and not self.finished and wid not in self.leaving and wid not in self._exited_0:
+                # A clean exit seen before the worker's last reports were read (rank 0 posts
+                # "done" and exits at once): judge it at the next tick, after those reports.
+                self._exited_0.add(wid)
                 continue
             self.gone.add(wid)
             if wid in self.leaving and code == 0:
