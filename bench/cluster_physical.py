@@ -17,8 +17,8 @@ A small version of the issue's benchmark, sized for a 2-core machine (a few minu
      pauses as its start and restart costs and the measured median round length.
 
    A third prediction, the replay trace-driven (each start takes the pause it really took, each
-   measurement reports the service's value), separates how well the decisions are reproduced from how noisy the pauses are on a shared
-   machine. Per-job JCT error (median of |pred - phys| / phys) and makespan error. Targets (issue): <= 10 %
+   measurement reports the service's value), separates how well the decisions are reproduced
+   from how noisy the pauses are on a shared machine. Per-job JCT error (median of |pred - phys| / phys) and makespan error. Targets (issue): <= 10 %
    and <= 5 %, checked on the replay (the simulator's errors are reported beside it: it models
    neither the pins nor the estimates, see docs/cluster_service.md). The constants are measured
    on the run they predict; the "cross" row predicts the elastic run from the constants of the
@@ -104,8 +104,8 @@ def run_physical(jobs: list[dict], *, elastic: bool, policy: str, work: str) -> 
 
 def predict(phys: dict, costs_from: dict | None = None, observed: bool = False) -> dict:
     """The replay's prediction of a physical run (``costs_from``: take the constants and the job
-    rates of another run instead; ``observed``: trace-driven, each start takes the pause it really took and each measurement the
-    service's value)."""
+    rates of another run instead; ``observed``: trace-driven, each start takes the pause it really
+    took and each measurement the service's value)."""
     from dataclasses import asdict
 
     from virtualflow.cli.cluster_replay import compare, predict as replay_predict, read_run
@@ -252,7 +252,8 @@ def service_cpu(n: int = 100, rounds: int = 10, round_s: float = 2.0, work: str 
 
 def main() -> int:
     args = parser(__doc__, reps=1, reps_help="physical repetitions of the fidelity section (the machine is shared: "
-                                            "repeat to see the noise; targets on the median over repetitions)").parse_args()
+                                            "repeat to see the noise; targets on the median over repetitions)"
+                  ).parse_args()
     run = Run("cluster_physical", args, target_keys=("jct_error", "makespan_error"))
     n = 4 if run.quick else 8
     policy = "elastic_fair"
@@ -274,7 +275,8 @@ def main() -> int:
                 traced = predict(phys, observed=True)
                 sim = simulate_like(phys, pred, policy=policy)
                 results[label] = {"physical": ps, "replay": pred, "replay_observed": traced, "simulated": sim,
-                                  "jct_error_median": pred["jct_error_median"], "makespan_error": pred["makespan_error"],
+                                  "jct_error_median": pred["jct_error_median"],
+                                  "makespan_error": pred["makespan_error"],
                                   "other_load_cores": meter.other_cores}
                 print(f"  physical median JCT {median(ps['jct_s']):.1f} s, makespan {ps['makespan_s']:.1f} s; replay "
                       f"{median(pred['jct_s']):.1f} s, {pred['makespan_s']:.1f} s (JCT error median "
@@ -304,7 +306,8 @@ def main() -> int:
     t.at_most("makespan_error", "makespan, replay vs physical (elastic run): relative error" + over,
               median([x["results"]["elastic"]["makespan_error"] for x in reps]), 0.05)
     def reduction(x: dict, what: str) -> str:
-        return f"{1 - median(x['results']['elastic'][what]['jct_s']) / median(x['results']['rigid'][what]['jct_s']):.1%}"
+        el, ri = x["results"]["elastic"][what]["jct_s"], x["results"]["rigid"][what]["jct_s"]
+        return f"{1 - median(el) / median(ri):.1%}"
 
     rep_rows = [[i + 1, *(f"{x['results'][k]['other_load_cores']:.2f}" for k in ("elastic", "rigid")),
                  *(f"{x['results'][k][w]['jct_error_median']:.1%} / {x['results'][k][w]['makespan_error']:.1%}"
@@ -324,7 +327,8 @@ def main() -> int:
     rows.append(["elastic", "replay, rigid run's constants", f"{median(e['physical']['jct_s']):.1f}",
                  f"{median(cross['jct_s']):.1f}", f"{cross['jct_error_median']:.1%}",
                  f"{e['physical']['makespan_s']:.1f}", f"{cross['makespan_s']:.1f}", f"{cross['makespan_error']:.1%}",
-                 f"{e['physical']['restarts']} / {cross['restarts']}", f"{e['physical']['resizes']} / {cross['resizes']}"])
+                 f"{e['physical']['restarts']} / {cross['restarts']}",
+                 f"{e['physical']['resizes']} / {cross['resizes']}"])
     costs_rows = [[k, *(f"{v['replay']['costs'][c]:.2f}" for c in ("start_s", "start_per_worker_s", "resume_s",
                                                                     "grow_s", "launch_s", "stop_s", "done_s")),
                    f"{v['simulated']['round_s']:.2f}"] for k, v in results.items()]

@@ -193,7 +193,8 @@ def synthetic_run():
     rounds = [{"start_s": t0 + 0.2, "end_s": t0 + 6.2}, {"start_s": t0 + 6.2, "end_s": t0 + 12.2}]
     events = [
         {"t": t0 + 1.2, "job_id": 1, "kind": "start", "data": {"acc_type": "v100", "workers": 1, "resumed": False}},
-        {"t": t0 + 6.2, "job_id": 1, "kind": "throughput", "data": {"acc_type": "v100", "workers": 1, "steps_per_s": 9.5}},
+        {"t": t0 + 6.2, "job_id": 1, "kind": "throughput",
+         "data": {"acc_type": "v100", "workers": 1, "steps_per_s": 9.5}},
         {"t": t0 + 6.3, "job_id": 1, "kind": "resize", "data": {"acc_type": "v100", "workers": 2}},
         {"t": t0 + 6.4, "job_id": 2, "kind": "start", "data": {"acc_type": "k80", "workers": 2, "resumed": False}},
         {"t": t0 + 10.0, "job_id": 1, "kind": "done", "data": {}},
@@ -224,6 +225,10 @@ def test_measure_recovers_the_constants_and_rates():
     assert by[1].measured == {"v100/1": 9.5}
     assert by[2].rates["k80/2"] == pytest.approx(5.0)
     assert by[2].arrival_s == 1005.0 and by[1].elastic and not by[2].elastic
+    assert by[1].steps == 80 and by[2].steps == 8
+    rows[1].state, rows[1].steps_done = "cancelled", 5
+    assert measure(rows, events, rounds, steps, round_s=6.0, slowdowns={1: dict(SLOW), 2: dict(SLOW)})[0][1].steps == 5
+    rows[1].state = "done"
     assert by[1].start_pauses == () and by[2].start_pauses == ()
     traced, _ = measure(rows, events, rounds, steps, round_s=6.0, slowdowns={1: dict(SLOW), 2: dict(SLOW)},
                         observed=True)

@@ -418,8 +418,9 @@ def measure(jobs: list[Any], events: list[dict[str, Any]], rounds: list[dict[str
     ``kind``, ``data``); ``rounds``: its rounds (``start_s``, ``end_s``); ``steps``: job id ->
     its per-step records (wall time the step ended, step, workers) from its metrics; ``slowdowns``:
     job id -> its slowdown per type. A job's rate on a (type, workers) is the median of the
-    service's throughput measurements there; the costs are medians over what happened (a cost
-    never observed keeps :class:`ReplayCosts`' default). ``observed``: trace-driven, also give each
+    service's throughput measurements there (its per-step records where they show it); a job that
+    failed or was cancelled makes the steps it made, then leaves; the costs are medians over what
+    happened (a cost never observed keeps :class:`ReplayCosts`' default). ``observed``: trace-driven, also give each
     job the pauses its starts really took (:attr:`ReplayJob.start_pauses`) and the service's
     measurements in order (:attr:`ReplayJob.measurements`)."""
     d = ReplayCosts()
@@ -493,7 +494,10 @@ def measure(jobs: list[Any], events: list[dict[str, Any]], rounds: list[dict[str
                 done_p.append(e["t"] - recs[-1][0])
         stepped = _step_rates(by_job.get(jid, []), recs)
         seen = {k: statistics.median(v) for k, v in rates.items() if v and statistics.median(v) > 0}
-        trace.append(ReplayJob(job_id=jid, steps=int(row.steps), arrival_s=float(row.submitted_s),
+        # A job that failed or was cancelled leaves after the steps it made (its slots free again).
+        ended = getattr(row, "state", None) in ("failed", "cancelled")
+        n_steps = max(int(getattr(row, "steps_done", 0)), 1) if ended else int(row.steps)
+        trace.append(ReplayJob(job_id=jid, steps=n_steps, arrival_s=float(row.submitted_s),
                                elastic=bool(row.elastic), min_workers=int(row.min_workers),
                                max_workers=int(row.max_workers), priority=float(row.priority),
                                deadline_s=getattr(row, "deadline_s", None),
@@ -517,7 +521,8 @@ def measure(jobs: list[Any], events: list[dict[str, Any]], rounds: list[dict[str
     costs = ReplayCosts(start_s=start_s, resume_s=resume_s, start_per_worker_s=per_worker_s,
                         grow_s=_median(grow_p, d.grow_s), shrink_s=_median(shrink_p, d.shrink_s),
                         launch_s=_median(launch_p, d.launch_s),
-                        first_launch_s=first_launch if first_launch is not None and first_launch >= 0 else d.first_launch_s,
+                        first_launch_s=(first_launch if first_launch is not None and first_launch >= 0
+                                        else d.first_launch_s),
                         stop_s=_median(stop_p, d.stop_s), done_s=_median(done_p, d.done_s),
                         idle_s=_median(idle_p, d.idle_s), round_extra_s=_median(extra_p, d.round_extra_s))
     return trace, costs
