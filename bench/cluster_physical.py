@@ -18,9 +18,10 @@ A small version of the issue's benchmark, sized for a 2-core machine (a few minu
 
    A third prediction, the replay trace-driven (each start takes the pause it really took, each
    measurement reports the service's value), separates how well the decisions are reproduced
-   from how noisy the pauses are on a shared machine. Per-job JCT error (median of |pred - phys| / phys) and makespan error. Targets (issue): <= 10 %
-   and <= 5 %, checked on the replay (the simulator's errors are reported beside it: it models
-   neither the pins nor the estimates, see docs/cluster_service.md). The constants are measured
+   from how noisy the pauses are on a shared machine. Per-job JCT error (median of
+   |pred - phys| / phys) and makespan error. Targets (issue): <= 10 % and <= 5 %, checked on the
+   replay, on the median over ``--reps`` repetitions (the simulator's errors are reported beside
+   it: it models neither the pins nor the estimates, see docs/cluster_service.md). The constants are measured
    on the run they predict; the "cross" row predicts the elastic run from the constants of the
    rigid run (out of sample: another run, another load).
 2. **In place vs rigid.** The same trace with every job rigid (at its maximum), physically and in
@@ -34,7 +35,7 @@ PyTorch way of scheduling a cluster; the comparison is the simulator.
 
 From the repository root::
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m bench.cluster_physical          # about 6-10 minutes
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.cluster_physical --reps 3  # about 8 minutes
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.cluster_physical --quick  # 4 jobs
 
 Output: ``bench/results/cluster_physical.{json,md}``.
@@ -334,7 +335,7 @@ def main() -> int:
                    f"{v['simulated']['round_s']:.2f}"] for k, v in results.items()]
     md = (f"# Cluster service: physical vs simulated ({n} jobs, {policy}, slots {SLOTS}, k80 slowdown "
           f"{SLOWDOWNS['k80']}, rounds of {ROUND_S:g} s, arrivals every {GAP_S:g} s)\n\n"
-          f"Reproduce: `{run.command('cluster_physical')}`\n\n"
+          f"Reproduce: `{run.command('cluster_physical', f' --reps {len(reps)}' if len(reps) > 1 else '')}`\n\n"
           + md_table(["jobs", "prediction", "median JCT phys (s)", "predicted (s)", "JCT error (median)",
                       "makespan phys (s)", "predicted (s)", "makespan error", "restarts phys / pred",
                       "resizes phys / pred"], rows)
