@@ -252,14 +252,19 @@ def service_cpu(n: int = 100, rounds: int = 10, round_s: float = 2.0, work: str 
 
 
 def main() -> int:
-    args = parser(__doc__, reps=1, reps_help="physical repetitions of the fidelity section (the machine is shared: "
-                                            "repeat to see the noise; targets on the median over repetitions)"
-                  ).parse_args()
+    p = parser(__doc__, reps=1, reps_help="physical repetitions of the fidelity section (the machine is shared: "
+                                         "repeat to see the noise; targets on the median over repetitions)")
+    p.add_argument("--keep", default=None, metavar="DIR",
+                   help="keep the physical runs' cluster directories under DIR (repN/cluster-elastic|rigid), e.g. "
+                        "for virtualflow cluster replay --dir DIR/rep0/cluster-elastic [--observed]")
+    args = p.parse_args()
     run = Run("cluster_physical", args, target_keys=("jct_error", "makespan_error"))
     n = 4 if run.quick else 8
     policy = "elastic_fair"
     jobs = trace(n)
-    work = tempfile.mkdtemp(prefix="vf-cluster-bench-")
+    if args.keep is not None and os.path.exists(args.keep) and os.listdir(args.keep):
+        raise SystemExit(f"--keep {args.keep} is not empty; give a new directory")
+    work = args.keep or tempfile.mkdtemp(prefix="vf-cluster-bench-")
     try:
         reps = []
         for rep in range(max(args.reps, 1)):
@@ -295,7 +300,8 @@ def main() -> int:
         idle = service_cpu(work=work)
         print(f"service loop CPU with 100 jobs: {idle}", flush=True)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep is None:
+            shutil.rmtree(work, ignore_errors=True)
     e, r = results["elastic"], results["rigid"]
     red_phys = 1 - median(e["physical"]["jct_s"]) / median(r["physical"]["jct_s"])
     red_sim = 1 - median(e["simulated"]["jct_s"]) / median(r["simulated"]["jct_s"])
