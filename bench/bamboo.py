@@ -7,8 +7,8 @@ successor's stage, refreshed every step from the successor's reduced gradients (
 point-to-point message of the stage's gradient size per worker per step, sent after the
 reduction and before the step commits, and a duplicate optimizer step on the replica); by
 default (``redundant_compute="eager"``) each worker also runs its successor stage's forward of
-every micro-batch it sent on the replica, only while one of its receives would wait, and keeps
-them until the step commits (``redundant_compute="lazy"``: none). A lost middle worker is
+the micro-batches it sent on the replica, only in the schedule's bubbles (the others skipped,
+counted), and keeps them until the step commits (``redundant_compute="lazy"``: none). A lost middle worker is
 covered by its predecessor, which runs the lost stage from its replica (failover, the
 interrupted step redone, splicing in the eager forwards it holds). The reconfiguration pause and
 the trace replay are measured by ``bench/bamboo_failover.py``, not here.
@@ -594,9 +594,9 @@ def _failover_md(fo: dict | None) -> list[str]:
         f"completed step, the redone step included); slowdown = median step after the failover / median step "
         f"before it. Reused: the lost stage's eager forwards the redone step spliced in (`Result.redundant_forwards`"
         f"[w]['reused'], summed: the victim dies at the start of its step, but its predecessor goes on with that "
-        f"step's forwards, sends them and, its receives waiting on a dead peer, runs the victim's forwards of "
-        f"them on its replica until the failure is noticed; `bench/bamboo_failover.py` kills at random points of "
-        f"a step and compares with lazy).", "",
+        f"step's forwards and sends them, and may run the victim's forwards of them on its replica in its "
+        f"bubbles before the failure is noticed; `bench/bamboo_failover.py` kills at random points of a step and "
+        f"compares with lazy).", "",
         H.md_table(["run", "layout after", "failover (s)", "step before (ms)", "step after (ms)", "slowdown",
                     "every step once", "reused forwards"], rows), ""]
 
@@ -629,7 +629,7 @@ def markdown(run: H.Run, args, cal: dict, ov: dict, small: dict | None, rep: dic
         f"mode first, second and third equally often over 6 triples): **without** redundancy; **lazy** "
         f"(`Pipeline(redundancy=True, redundant_compute=\"lazy\")`: the replica refresh, no redundant forward); "
         f"**eager** (`Pipeline(redundancy=True)`, the default: the refresh + each worker runs its successor "
-        f"stage's forward of every micro-batch it sent on its replica while one of its receives would wait). "
+        f"stage's forward of the micro-batches it sent on its replica, in the schedule's bubbles). "
         f"{args.steps} steps per run ({args.warmup} warm-up), per run the median step time (rank 0's time between "
         f"step ends); a triple with more than {args.max_other_cores} cores of other load (`LoadMeter`) was "
         f"repeated up to {args.retries} times while the first {args.retry_budget:g} s lasted, then kept.", "",
@@ -675,19 +675,19 @@ def markdown(run: H.Run, args, cal: dict, ov: dict, small: dict | None, rep: dic
         f"{1e3 * w['eager_added_step_s']:+.1f} ms per step (median eager step - median lazy step) while the "
         f"busiest worker spends "
         + (f"{1e3 * eager_fw:.1f} ms per step in eager forwards" if eager_fw is not None else "no time in eager forwards")
-        + ". The eager forwards run only while a receive would wait (the engine polls the message first), so in an "
-        "idle slot they cost nothing; what they add is the wait when the awaited message arrives while a forward "
-        "is running (at most one forward, here one stage's emulated forward "
-        f"{1e3 * args.layers_per_stage * args.f_s:.1f} ms, per receive that catches one), plus keeping their "
-        f"graphs until the commit. **Why they cannot all fit in idle slots here**: a worker owes m = {args.m} "
-        f"forwards of its successor's stage per step, m x f = {1e3 * args.m * fst:.0f} ms of emulated forward, "
-        f"while 1F1B leaves each worker (p - 1)(f + b) = {1e3 * (args.stages - 1) * (fst + bst):.0f} ms idle per "
-        f"step (f = {1e3 * fst:.1f}, b = {1e3 * bst:.1f} ms per stage and micro-batch; the fill and drain bubble, "
-        f"the only idle time at its receives in the nominal schedule): at most "
-        f"{min(1.0, (args.stages - 1) * (fst + bst) / (args.m * fst)):.0%} of them fit, so the engine, which never "
-        f"declines a forward while the message has not arrived, runs the rest into the time its messages arrive "
-        f"in (skipped is 0 above). The eager share of the added time therefore falls with more stages "
-        f"(bigger bubble) and rises with m.", "",
+        + ". The engine starts an eager forward only in one of the schedule's bubbles (a receive whose predicted "
+        "wait, from the schedule simulated with the worker's measured forward/backward times of its last step, "
+        "still holds the forward within 1.1x, and while the message has not arrived; or the tail after its last "
+        "action) and skips the rest (counted; a failover recomputes them; the first step, with no times "
+        "measured yet, skips all). In a bubble they cost nothing; what they add is the wait when the awaited "
+        "message arrives while a forward is running (at most one forward, here one stage's emulated forward "
+        f"{1e3 * fst:.1f} ms, per receive that catches one), plus keeping their graphs until the commit. "
+        f"**How many can fit**: a worker owes m = {args.m} forwards of its successor's stage per step, m x f = "
+        f"{1e3 * args.m * fst:.0f} ms of emulated forward, while 1F1B leaves each worker (p - 1)(f + b) = "
+        f"{1e3 * (args.stages - 1) * (fst + bst):.0f} ms idle per step (f = {1e3 * fst:.1f}, b = {1e3 * bst:.1f} "
+        f"ms per stage and micro-batch: the fill and drain bubble): at most "
+        f"{min(1.0, (args.stages - 1) * (fst + bst) / (args.m * fst)):.0%} of them fit in the nominal schedule; "
+        "measured coverage above. More stages (a bigger bubble) cover more; more micro-batches fewer.", "",
         "### Replica memory, extra bytes per step, the duplicate optimizer step", "",
         H.md_table(["worker (stage)", "replica of stage", "replica bytes (`StageReplica.nbytes()`)",
                     "successor's params + buffers + optimizer state", "message bytes per step",

@@ -755,8 +755,8 @@ def markdown(run: H.Run, args, ks: dict, plan: dict, rp: dict, pred: dict, cs: d
            "(the group without it, the predecessor re-laying its stages from its replica), `formed` -> end of the "
            "redone step (the interrupted step, redone on the failed-over layout). Every kill is run twice, back to "
            "back at the same point of the step (fraction drawn once), their order alternated: **eager** (the "
-           "default, `Pipeline(redundancy=True)`: the predecessor ran the lost stage's forward of each micro-batch "
-           "it had sent on its replica while it waited, and the redone step splices those in) and **lazy** "
+           "default, `Pipeline(redundancy=True)`: the predecessor ran the lost stage's forward of micro-batches "
+           "it had sent on its replica in its bubbles, and the redone step splices those in) and **lazy** "
            "(`redundant_compute=\"lazy\"`: the redone step runs the lost stage's forwards again). Reused = the "
            "eager forwards the redone step spliced in (`Result.redundant_forwards[w]['reused']`, summed over the "
            "workers); only the eager runs feed (2), (3) and the constants.", "",
@@ -858,8 +858,8 @@ def markdown(run: H.Run, args, ks: dict, plan: dict, rp: dict, pred: dict, cs: d
 def eager_why(a, ks: dict) -> str:
     """What eager can save in the redone step, for this job."""
     return (f"What eager can save: the redone step splices in the lost stage's forwards the predecessor ran "
-            f"before the kill (one stage's forward, {a.f_ms:g} ms here, per micro-batch it had sent and found an "
-            f"idle slot for, at most m = {a.m}: {a.m * a.f_ms:g} ms); its own stage's forwards, every backward "
+            f"before the kill (one stage's forward, {a.f_ms:g} ms here, per micro-batch it had sent and found a "
+            f"bubble for, at most m = {a.m}: {a.m * a.f_ms:g} ms); its own stage's forwards, every backward "
             f"and the forwards of micro-batches not yet sent at the kill are run again. That bound is "
             f"{100 * a.m * a.f_ms / 1e3 / ks['failover_s']:.0f} % of the eager failover here.")
 
