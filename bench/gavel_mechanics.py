@@ -19,7 +19,7 @@ mechanics help; and the figures, side by side.
 
 From the repository root::
 
-    .venv/bin/python -m bench.gavel_mechanics            # seeds 0-1, 800 jobs (about 15 min on 2 cores)
+    .venv/bin/python -m bench.gavel_mechanics            # continuous seeds 0-2 (800 jobs), static 0-9 (5-20 min on 2 cores)
     .venv/bin/python -m bench.gavel_mechanics --quick    # seed 0, 400 jobs, window 100:300
 """
 
@@ -40,11 +40,26 @@ from virtualflow.cluster.traces import GeneratorConfig, generate_jobs
 
 NAME = "gavel_mechanics"
 TARGET_KEYS = ("aware_jct_ratio",)
-MECHANISMS = ("virtualflow", "gavel")
+MECHANISMS = ("virtualflow", "equal_prior", "equal_prior_carry", "gavel_consolidated", "gavel")
+"""``virtualflow``: the mechanics before issue 17 (``MechanismConfig.lease_first()``: one global
+queue, lease holders first after an allocation change); ``equal_prior``: those with Gavel's prior only; ``equal_prior_carry``: plus
+carried deficits; ``gavel_consolidated``: all of Gavel's mechanics except spread placement (which
+charges no slowdown for a job split over servers)."""
 
 
 def mechanism(name: str) -> MechanismConfig:
-    return (MechanismConfig.gavel if name == "gavel" else MechanismConfig)(round_s=360.0, restart_cost_s=0.0)
+    base = {"round_s": 360.0, "restart_cost_s": 0.0}
+    if name == "gavel":
+        return MechanismConfig.gavel(**base)
+    if name == "gavel_consolidated":  # the default since issue 17
+        return MechanismConfig.gavel(placement="consolidated", **base)
+    if name == "equal_prior":
+        return MechanismConfig.lease_first(prior="equal", **base)
+    if name == "equal_prior_carry":
+        return MechanismConfig.lease_first(prior="equal", carry_deficits=True, **base)
+    if name != "virtualflow":
+        raise ValueError(f"mechanism {name!r} must be one of {list(MECHANISMS)}")
+    return MechanismConfig.lease_first(**base)
 
 
 def one(task: tuple) -> dict:
@@ -70,38 +85,51 @@ def one(task: tuple) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = H.parser(__doc__).parse_args(argv)
+    ap = H.parser(__doc__)
+    ap.add_argument("--seeds", type=lambda v: [int(x) for x in v.split(",")],
+                    help="seeds of the continuous workload (default 0,1,2; --quick: 0)")
+    ap.add_argument("--static-seeds", type=lambda v: [int(x) for x in v.split(",")],
+                    help="seeds of the static workload (default 0-9; --quick: 0)")
+    ap.add_argument("--mechanisms", type=lambda v: v.split(","), default=list(MECHANISMS[:2] + MECHANISMS[3:]),
+                    help=f"mechanisms to compare, from {','.join(MECHANISMS)} (default: all but equal_prior_carry)")
+    args = ap.parse_args(argv)
+    for m in args.mechanisms:
+        mechanism(m)  # unknown names fail here, before any run
+    mechs = tuple(args.mechanisms)
+    extra = "".join(f" {a}" for a in (sys.argv[1:] if argv is None else argv) if a != "--quick")
     run = H.Run(NAME, args, TARGET_KEYS)
-    seeds = [0] if args.quick else [0, 1]
+    seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
+    static_seeds = args.static_seeds or ([0] if args.quick else list(range(10)))
     jobs_n, window = (400, (100, 300)) if args.quick else (800, (300, 700))
     print(H.banner("Gavel's round mechanics vs virtualflow's (restarts free)"))
-    tasks = [("continuous", s, jobs_n, window, m, p) for s in seeds for m in MECHANISMS
+    tasks = [("continuous", s, jobs_n, window, m, p) for s in seeds for m in mechs
              for p in ("las_agnostic", "las")]
-    tasks += [("static", s, 100, None, m, p) for s in seeds for m in MECHANISMS for p in ("makespan", "las")]
+    tasks += [("static", s, 100, None, m, p) for s in static_seeds for m in mechs for p in ("makespan", "las")]
     with ProcessPoolExecutor(max_workers=2) as pool:
         runs = list(pool.map(one, tasks))
     get = lambda kind, m, p, key: float(np.mean([r[key] for r in runs  # noqa: E731
                                                  if (r["kind"], r["mechanism"], r["policy"]) == (kind, m, p)]))
     rows = []
-    for m in MECHANISMS:
+    for m in mechs:
         agn, aw = get("continuous", m, "las_agnostic", "avg_jct_h"), get("continuous", m, "las", "avg_jct_h")
         rows.append([m, f"{agn:.2f}", f"{aw:.2f}", f"{agn / aw:.2f}x",
                      f"{get('static', m, 'makespan', 'makespan_h'):.1f}",
                      f"{get('static', m, 'las', 'makespan_h'):.1f}", f"{get('static', m, 'las', 'avg_jct_h'):.2f}"])
     per_run = [[r["kind"], r["seed"], r["mechanism"], r["policy"], f"{r['avg_jct_h']:.2f}", f"{r['makespan_h']:.1f}",
                 f"{r['utilisation']:.3f}", r["restarts"], r["skipped_fragmented"]] for r in runs]
-    ratio = get("continuous", "gavel", "las", "avg_jct_h") / get("continuous", "virtualflow", "las", "avg_jct_h")
+    ref, alt = mechs[0], mechs[-1]  # the target compares the last mechanism listed with the first
+    ratio = get("continuous", alt, "las", "avg_jct_h") / get("continuous", ref, "las", "avg_jct_h")
     md = "\n".join([
         f"# Gavel's round mechanics vs virtualflow's ({'quick' if args.quick else 'full'} run)",
         "",
-        f"`{run.command(NAME)}` — restarts free; continuous: {jobs_n} jobs at 2 jobs/h, window "
-        f"{window[0]}:{window[1]}, 12:12:12; static: 100 jobs at t=0 on 8:8:8; seeds {seeds}; round 360 s. "
+        f"`{run.command(NAME, extra)}` — restarts free; continuous: {jobs_n} jobs at 2 jobs/h, window "
+        f"{window[0]}:{window[1]}, 12:12:12, seeds {seeds}; static: 100 jobs at t=0 on 8:8:8, seeds {static_seeds[0]}-{static_seeds[-1]}; round 360 s. "
         "Means over seeds.",
         "",
         H.md_table(["mechanism", "continuous: las_agnostic avg JCT (h)", "las avg JCT (h)", "gain",
                     "static: makespan policy, makespan (h)", "las makespan (h)", "las avg JCT (h)"], rows),
         "",
-        f"Aware LAS average JCT, Gavel's mechanics / virtualflow's: **{ratio:.3f}**.",
+        f"Aware LAS average JCT (continuous), {alt} / {ref}: **{ratio:.3f}**.",
         "",
         "Every run:",
         "",
@@ -110,10 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         "",
         H.env_markdown(),
     ])
-    run.targets.at_least("aware_jct_ratio", "aware LAS avg JCT, virtualflow's mechanics / Gavel's (>= 1: Gavel's "
-                                            "mechanics are no worse)", 1.0 / ratio, 1.0)
+    run.targets.at_least("aware_jct_ratio", f"aware LAS avg JCT, {ref} / {alt} (>= 1: {alt}'s mechanics are no "
+                                            "worse)", 1.0 / ratio, 1.0)
     print(md)
-    return run.finish({"runs": runs, "aware_jct_ratio_gavel_over_virtualflow": ratio, "environment": H.environment()},
+    return run.finish({"runs": runs, f"aware_jct_ratio_{alt}_over_{ref}": ratio, "environment": H.environment()},
                       md)
 
 

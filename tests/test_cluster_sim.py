@@ -249,7 +249,7 @@ def test_consolidated_placement_best_fit_and_fragmentation():
     assert mech.plan_round({0}).placements[0].servers == ((0, 4), (1, 4))
 
     # (3) with the counters starting at the allocation (priority 1 for all: lease holders first).
-    mech = RoundMechanism(cluster, MechanismConfig(prior="allocation"))
+    mech = RoundMechanism(cluster, MechanismConfig.lease_first())
     mech.set_allocation(Allocation(rows=[(0,), (1,)], X=np.ones((2, 1)), gpus={0: 3, 1: 3}))
     first = mech.plan_round({0, 1})
     assert sorted(p.servers for p in first.placements.values()) == [((0, 3),), ((1, 3),)]
@@ -394,6 +394,10 @@ def test_cli_simulate_module(tmp_path, capsys):
                               "--no-progress", "--mechanism", "gavel", "--restart-cost-s", "0"])
     assert args.func(args) == 0
     assert "las: 20/20 jobs done" in capsys.readouterr().out
+    args = parser.parse_args(["simulate", "--cluster", "v100=4,p100=4,k80=4", "--trace", trace, "--policy", "las",
+                              "--no-progress", "--mechanism", "lease_first"])
+    assert args.func(args) == 0
+    assert "las: 20/20 jobs done" in capsys.readouterr().out
     # Event-driven reallocation from the command line: the same figures as the API with the option.
     gen = "rate=12,jobs=20,seed=1,elastic=1"
     out_ev = tmp_path / "events"
@@ -529,6 +533,27 @@ def test_carried_deficits_break_ties_after_an_allocation_change():
         mech.set_allocation(alloc)
         assert list(mech.plan_round({0, 1}).placements) == [want]
     assert MechanismConfig.gavel().order == "per_type"
+
+
+def test_default_mechanics_and_lease_first():
+    """The default since issue 17 is Gavel's round mechanics with consolidated placement;
+    ``lease_first()`` gives the earlier ones; ``gavel()`` adds spread placement."""
+    d, old, g = MechanismConfig(), MechanismConfig.lease_first(round_s=60.0), MechanismConfig.gavel()
+    assert (d.order, d.prior, d.carry_deficits, d.placement, d.reallocate_on_events) == (
+        "per_type", "equal", True, "consolidated", False)
+    assert (old.order, old.prior, old.carry_deficits, old.placement, old.round_s) == (
+        "global", "allocation", False, "consolidated", 60.0)
+    assert (g.order, g.prior, g.carry_deficits, g.placement) == ("per_type", "equal", True, "spread")
+    # After an allocation change, the default goes by allocation size: the row with X = 0.9 runs
+    # before the one with X = 0.1 that held the GPU; lease_first keeps the holder.
+    cluster = Cluster(gpus={"v100": 1}, gpus_per_server={"v100": 1})
+    for cfg, want in ((d, 1), (old, 0)):
+        mech = RoundMechanism(cluster, cfg)
+        mech.set_allocation(Allocation(rows=[(0,)], X=np.array([[1.0]]), gpus={0: 1}))
+        assert list(mech.plan_round({0}).placements) == [0]
+        mech.end_round()
+        mech.set_allocation(Allocation(rows=[(0,), (1,)], X=np.array([[0.1], [0.9]]), gpus={0: 1, 1: 1}))
+        assert list(mech.plan_round({0, 1}).placements) == [want]
 
 
 @pytest.mark.parametrize("field,value", [("order", "random"), ("prior", "zero"), ("placement", "anywhere")])

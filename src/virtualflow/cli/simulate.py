@@ -44,10 +44,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds lost per checkpoint-restart (preemption, move) (default 45)")
     p.add_argument("--resize-cost-s", type=float, default=1.5,
                    help="seconds lost per in-place resize of an elastic job (default 1.5)")
-    p.add_argument("--mechanism", choices=("virtualflow", "gavel"), default="virtualflow",
-                   help="round mechanics: virtualflow (one global priority queue, consolidated placement only) or "
-                        "gavel (per-type queues fastest type first, equal priors, carried deficits, spread "
-                        "placement when no consolidated one exists) (default virtualflow)")
+    p.add_argument("--mechanism", choices=("virtualflow", "gavel", "lease_first"), default="virtualflow",
+                   help="round mechanics: virtualflow (per-type queues in the cluster's type order, equal priors, "
+                        "carried deficits, consolidated placement only), gavel (the same plus spread placement when "
+                        "no consolidated one exists) or lease_first (one global queue, lease holders first after "
+                        "an allocation change: the default before issue 17) (default virtualflow)")
     p.add_argument("--elastic-resize", choices=("in_place", "restart"), default="in_place",
                    help="how elastic jobs change GPU count (default in_place)")
     p.add_argument("--reallocate-on-events", action="store_true",
@@ -136,7 +137,8 @@ def main(args: argparse.Namespace) -> int:
         source = f"generated {cfg.num_jobs} jobs at {cfg.rate_per_hour} jobs/h, seed {cfg.seed}"
     policy = get_policy(args.policy)
     sim_cfg = SimConfig(
-        mechanism=(MechanismConfig.gavel if args.mechanism == "gavel" else MechanismConfig)(
+        mechanism={"gavel": MechanismConfig.gavel, "lease_first": MechanismConfig.lease_first}.get(
+            args.mechanism, MechanismConfig)(
             round_s=args.round_s, restart_cost_s=args.restart_cost_s, resize_cost_s=args.resize_cost_s,
             elastic_resize=args.elastic_resize, reallocate_on_events=args.reallocate_on_events),
         recompute=args.recompute, window=parse_window(args.window),
