@@ -57,30 +57,45 @@ def test_a_queued_job_starts_at_the_first_round_after_the_slot_frees():
     assert res.makespan_s == pytest.approx(6.95)
 
 
-def test_decisions_are_the_services_scheduler():
-    """Drive a Scheduler by hand with the replay's own views round by round: same actions."""
+def test_decisions_are_the_services_scheduler(monkeypatch):
+    """Every round enacts exactly what the service's Scheduler decided (recorded as it decides),
+    and the first round's decision is what a fresh Scheduler decides for the same jobs."""
+    import virtualflow.service.replay as replay_mod
+
+    decided: list[list[tuple[str, int]]] = []
+    seen: list[tuple[list[JobView], float]] = []
+
+    class Recording(Scheduler):
+        def plan(self, views, now_s, pinned=frozenset()):
+            d = super().plan(views, now_s, pinned)
+            decided.append([(a.kind, a.job_id) for a in d.actions])
+            seen.append((views, now_s))
+            return d
+
+    monkeypatch.setattr(replay_mod, "Scheduler", Recording)
     jobs = [job(i, 60 + 10 * i, 1.5 * i, {"v100/1": 20.0, "k80/1": 10.0, "v100/2": 36.0, "k80/2": 18.0},
                 elastic=i % 2 == 0, min_workers=1, max_workers=2 if i % 2 == 0 else 1) for i in range(1, 6)]
     cfg = ReplayConfig(slots={"v100": 2, "k80": 1}, policy="elastic_fair", round_s=2.0)
     res = replay(jobs, cfg, COSTS)
     assert sorted(res.finish_s) == [1, 2, 3, 4, 5]
-    # Independent drive: the same scheduler fed the placements the replay reports, round by round.
-    sched = Scheduler(dict(cfg.slots), get_policy("elastic_fair"), round_s=2.0)
-    running: dict[int, tuple[str, int]] = {}
-    for r in res.rounds[:3]:  # before any measurement or completion changes the inputs
-        views = [JobView(job_id=j.job_id, steps=j.steps, elastic=j.elastic, min_workers=j.min_workers,
-                         max_workers=j.max_workers, arrival_s=j.arrival_s - jobs[0].arrival_s, slowdowns=dict(SLOW),
-                         running=running.get(j.job_id),
-                         slots=tuple(f"{running[j.job_id][0]}-{k}" for k in range(running[j.job_id][1]))
-                         if j.job_id in running else ())
-                 for j in jobs if j.arrival_s <= r.start_s and j.job_id in r.placements or
-                 j.arrival_s <= r.start_s and j.job_id not in res.finish_s or
-                 j.arrival_s <= r.start_s and res.finish_s[j.job_id] > r.start_s]
-        pinned = set(running)  # nothing has stepped yet in the first rounds (start_s 2.0 = a round)
-        d = sched.plan(views, r.start_s - jobs[0].arrival_s, pinned)
-        assert [(a.kind, a.job_id) for a in d.actions] == r.actions
-        sched.end_round()
-        running = dict(r.placements)
+    assert [r.actions for r in res.rounds] == decided
+    assert sum(len(a) for a in decided) > 5
+    fresh = Scheduler(dict(cfg.slots), get_policy("elastic_fair"), round_s=2.0)
+    views, now_s = seen[0]
+    assert [(a.kind, a.job_id) for a in fresh.plan(views, now_s).actions] == decided[0]
+
+
+def test_the_replay_uses_the_mechanism_it_is_given():
+    from virtualflow.cluster.mechanism import MechanismConfig
+
+    mech = MechanismConfig(round_s=2.0, start_cost_s=0.0, order="global", prior="allocation", carry_deficits=False)
+    sched = Scheduler({"v100": 1}, get_policy("fifo"), round_s=2.0, mechanism=mech)
+    assert sched.mechanism.config is mech
+    jobs = [job(i, 60, 0.5 * i, {"v100/1": 20.0, "k80/1": 10.0}) for i in range(1, 5)]
+    a = replay(jobs, ReplayConfig(slots={"v100": 1, "k80": 1}, policy="las", round_s=2.0, mechanism=mech), COSTS)
+    b = replay(jobs, ReplayConfig(slots={"v100": 1, "k80": 1}, policy="las", round_s=2.0,
+                                  mechanism=MechanismConfig.gavel(round_s=2.0)), COSTS)
+    assert sorted(a.finish_s) == sorted(b.finish_s) == [1, 2, 3, 4]
 
 
 def test_a_job_is_not_moved_before_its_first_step():
@@ -278,6 +293,10 @@ def test_cluster_replay_reproduces_a_run_from_its_database(tmp_path, capsys):
     assert [p["job"] for p in out["jobs"]] == ids
     assert cli_main.main(["cluster", "replay", "--dir", d, "--json", "--observed"]) == 0
     assert json.loads(capsys.readouterr().out)["jct_error_median"] < 0.02
+    for mech in ("lease-first", "gavel"):  # the service's round mechanics, named explicitly
+        assert cli_main.main(["cluster", "replay", "--dir", d, "--json", "--mechanism", mech]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert got["config"]["mechanism"] == mech and got["jct_error_median"] < 0.02
     assert cli_main.main(["cluster", "replay", "--dir", d]) == 0
     text = capsys.readouterr().out
     assert "median JCT error" in text and "predicted" in text

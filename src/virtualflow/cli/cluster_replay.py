@@ -18,6 +18,7 @@ from typing import Any
 
 from virtualflow.service.replay import ReplayConfig, ReplayCosts, ReplayJob, ReplayResult, measure, replay
 
+MECHANISMS = ("current", "lease-first", "gavel")
 DIR_HELP = "the cluster directory of a service that ran jobs (its database and the jobs' run directories)"
 
 
@@ -37,6 +38,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--observed", action="store_true",
                    help="trace-driven: each start takes the pause it really took and each measurement reports what "
                         "the service measured (how well the decisions are reproduced, apart from the machine's noise)")
+    p.add_argument("--mechanism", choices=MECHANISMS, default="current",
+                   help="the round mechanism's knobs the service ran with: 'current' (this virtualflow's "
+                        "defaults, what a service started now uses), 'lease-first' (one global queue, lease "
+                        "holders first, no carried deficits: the defaults before Gavel's mechanics), 'gavel'")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=run)
 
@@ -82,16 +87,31 @@ def read_run(cluster_dir: str) -> dict[str, Any]:
     return {"config": cfg, "jobs": rows, "events": events, "rounds": rounds, "steps": steps, "slowdowns": slowdowns}
 
 
+def mechanism_config(name: str, round_s: float) -> Any:
+    """The ``--mechanism`` choice as a :class:`~virtualflow.cluster.mechanism.MechanismConfig`."""
+    from virtualflow.cluster.mechanism import MechanismConfig
+
+    if name not in MECHANISMS:
+        raise ValueError(f"--mechanism {name!r} must be one of {list(MECHANISMS)}")
+    if name == "lease-first":
+        return MechanismConfig(round_s=round_s, start_cost_s=0.0, order="global", prior="allocation",
+                               carry_deficits=False, placement="consolidated")
+    if name == "gavel":
+        return MechanismConfig.gavel(round_s=round_s, start_cost_s=0.0)
+    return None
+
+
 def predict(run_: dict[str, Any], *, round_s: float | None = None, policy: str | None = None,
-            min_run_s: float | None = None, slots: dict[str, int] | None = None, observed: bool = False
-            ) -> tuple[list[ReplayJob], ReplayCosts, ReplayConfig, ReplayResult]:
+            min_run_s: float | None = None, slots: dict[str, int] | None = None, observed: bool = False,
+            mechanism: str = "current") -> tuple[list[ReplayJob], ReplayCosts, ReplayConfig, ReplayResult]:
     """Measure ``run_`` (from :func:`read_run`) and replay it (with the what-if overrides)."""
     cfg = run_["config"]
     jobs, costs = measure(run_["jobs"], run_["events"], run_["rounds"], run_["steps"],
                           round_s=float(cfg["round_s"]), slowdowns=run_["slowdowns"], observed=observed)
     config = ReplayConfig(slots=dict(slots or {str(k): int(v) for k, v in cfg["slots"].items()}),
                           policy=policy or cfg["policy"], round_s=float(round_s or cfg["round_s"]),
-                          min_run_s=float(cfg.get("min_run_s", 0.0) if min_run_s is None else min_run_s))
+                          min_run_s=float(cfg.get("min_run_s", 0.0) if min_run_s is None else min_run_s),
+                          mechanism=mechanism_config(mechanism, float(round_s or cfg["round_s"])))
     return jobs, costs, config, replay(jobs, config, costs)
 
 
@@ -132,17 +152,18 @@ def run(args: argparse.Namespace) -> int:
     if slots is not None and set(slots) != set(data["config"]["slots"]):
         raise ValueError(f"--slots {args.slots} must name the cluster's types {list(data['config']['slots'])}")
     jobs, costs, config, result = predict(data, round_s=args.round_s, policy=args.policy, min_run_s=args.min_run_s,
-                                          slots=slots, observed=args.observed)
+                                          slots=slots, observed=args.observed, mechanism=args.mechanism)
     cmp_ = compare(data["jobs"], result)
     if args.json:
         from dataclasses import asdict
 
         print(json.dumps({"costs": asdict(costs), "config": {"slots": config.slots, "policy": str(config.policy),
-                                                              "round_s": config.round_s, "min_run_s": config.min_run_s},
+                                                              "round_s": config.round_s, "min_run_s": config.min_run_s,
+                                                              "mechanism": args.mechanism},
                           **cmp_}, indent=2))
         return 0
     print(f"replay of {args.dir}: policy {config.policy}, slots {config.slots}, rounds of {config.round_s:g} s, "
-          f"min_run_s {config.min_run_s:g}")
+          f"min_run_s {config.min_run_s:g}, mechanism {args.mechanism}")
     print("measured: " + ", ".join(f"{k} {v:.2f} s" for k, v in _costs(costs).items()))
     print(f"{'job':>5} {'actual JCT (s)':>15} {'predicted (s)':>14} {'error':>7} {'restarts':>9} {'resizes':>8}")
     for p in cmp_["jobs"]:

@@ -294,13 +294,16 @@ class Scheduler:
     """Policy + round mechanism over the service's estimates (stateful like the mechanism: the
     current allocation and the time-share counters)."""
 
-    def __init__(self, slots: dict[str, int], policy: Policy, *, round_s: float, drift: float = 0.25) -> None:
+    def __init__(self, slots: dict[str, int], policy: Policy, *, round_s: float, drift: float = 0.25,
+                 mechanism: MechanismConfig | None = None) -> None:
+        """``mechanism``: the round mechanism's knobs (default: the library's defaults with this
+        ``round_s``; its change costs do not matter here: the service pays real ones)."""
         # One machine: every type's slots are one "server" (a job runs whole on one type).
         self.cluster = Cluster(gpus=dict(slots), gpus_per_server=dict(slots))
         self.slots = dict(slots)
         self.policy = policy
         self.drift = drift
-        self.mechanism = RoundMechanism(self.cluster, MechanismConfig(round_s=round_s, start_cost_s=0.0))
+        self.mechanism = RoundMechanism(self.cluster, mechanism or MechanismConfig(round_s=round_s, start_cost_s=0.0))
         self._solved_for: tuple[int, ...] | None = None
         self._solved_T: dict[tuple[int, str, int], float] = {}
 

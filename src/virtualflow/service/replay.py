@@ -40,6 +40,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from virtualflow.cluster.mechanism import MechanismConfig
 from virtualflow.cluster.policies.base import Policy, get_policy
 from virtualflow.service.core import (JobView, Scheduler, base_rate, diff_actions, estimate_key, prior_rate,
                                       update_estimates)
@@ -139,6 +140,9 @@ class ReplayConfig:
     min_run_s: float = 0.0
     drift: float = 0.25
     poll_s: float = 0.25
+    mechanism: MechanismConfig | None = None
+    """The round mechanism the service used (default: the library's defaults with ``round_s``, as
+    a service started now uses; a run made under other defaults needs its own)."""
     max_rounds: int = 100000
     """A bound on the rounds played (a trace that never finishes is an error, not a hang)."""
 
@@ -268,7 +272,8 @@ def replay(jobs: Iterable[ReplayJob], config: ReplayConfig, costs: ReplayCosts |
         if missing:
             raise ValueError(f"job {j.job_id}: slowdowns has no factor for type(s) {missing} of the cluster's slots")
     policy = get_policy(config.policy) if isinstance(config.policy, str) else config.policy
-    sched = Scheduler(dict(config.slots), policy, round_s=config.round_s, drift=config.drift)
+    sched = Scheduler(dict(config.slots), policy, round_s=config.round_s, drift=config.drift,
+                      mechanism=config.mechanism)
     states = {j.job_id: _State(job=j, t=j.arrival_s) for j in jobs}
     measured = [j for j in jobs if j.rates]
     prior = statistics.median([b for j in measured if (b := base_rate(
