@@ -163,6 +163,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps-reference", choices=("one", "scale"), default="one",
                     help="steps = duration x throughput on one V100 (issue's definition) or on scale_factor V100s")
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.quick:
         args.rates = args.rates or [0.6, 1.5, 2.4]
         args.seeds = args.seeds or [0]
@@ -179,7 +180,7 @@ def markdown(run: H.Run, args: argparse.Namespace, analyses: dict, wall: float) 
     parts = [
         f"# Gavel reproduction: heterogeneity-aware vs -agnostic LAS ({'quick' if args.quick else 'full'} run)",
         "",
-        f"`{run.command(NAME)}` — {len(args.rates)} rates x {len(args.seeds)} seeds x 2 policies x "
+        f"`{run.command(NAME, ''.join(f' {a}' for a in args.argv if a != '--quick'))}` — {len(args.rates)} rates x {len(args.seeds)} seeds x 2 policies x "
         f"{len(args.restart_costs)} restart costs, {args.jobs} jobs each, window {args.window[0]}:{args.window[1]}, "
         f"cluster v100=12,p100=12,k80=12 (4 GPUs/server), round 360 s, steps reference `{args.steps_reference}`; "
         f"{wall / 60:.1f} min wall. Average JCTs are means over seeds.",
