@@ -179,7 +179,8 @@ class Service:
         now = time.time()
         self.db.close_open_rounds(now)
         for row in self.db.jobs(("running",)):
-            _wait_orphans(row.run_dir)
+            if self.backend == "local":  # on Ray, the actors' owner was the dead service: Ray ends them
+                _wait_orphans(row.run_dir)
             summary = _read_json(os.path.join(row.run_dir, "summary.json"))
             has_state = _has_state(row.run_dir)
             what = recovery_action(row.state, summary, has_state, row.steps,
