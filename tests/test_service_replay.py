@@ -314,3 +314,26 @@ def test_cluster_replay_refuses_what_it_cannot_replay(tmp_path, capsys):
     assert cli_main.main(["cluster", "replay", "--dir", d]) == 2
     assert "no finished job" in capsys.readouterr().err
     assert math.isfinite(1.0)
+
+
+def test_the_cluster_records_its_round_mechanics_and_the_replay_reads_them(tmp_path):
+    """`cluster start --mechanism` is written to the database; the service runs it and `cluster
+    replay` replays with it unless told otherwise; an unknown name is refused, nothing written."""
+    from virtualflow.cli.cluster_replay import mechanism_config
+    from virtualflow.cluster.mechanism import MechanismConfig
+    from virtualflow.service.runner import Service
+
+    d = str(tmp_path / "c")
+    with pytest.raises(ValueError, match=r"--mechanism 'gavle' must be one of \['default', 'lease-first', 'gavel'\]"):
+        init_cluster(d, slots={"v100": 1}, policy="fifo", round_s=2.0, mechanism="gavle")
+    assert not os.path.exists(d)
+    init_cluster(d, slots={"v100": 1}, policy="fifo", round_s=2.0, mechanism="lease-first").close()
+    recorded = ClusterDB(d).config()["mechanism"]
+    want = MechanismConfig.lease_first(round_s=2.0, start_cost_s=0.0)
+    service = Service(d)
+    try:
+        assert service.scheduler.mechanism.config == want
+    finally:
+        service.db.close()
+    assert mechanism_config("recorded", 2.0, recorded) == want
+    assert mechanism_config("recorded", 2.0, None) == MechanismConfig(round_s=2.0, start_cost_s=0.0)

@@ -35,6 +35,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--slowdowns", default=None, metavar="TYPE=F,...",
                    help="emulated speed of a type: its workers run F times slower (default: from Gavel's "
                         "throughput table, fastest type 1)")
+    s.add_argument("--mechanism", choices=("default", "lease-first", "gavel"), default="default",
+                   help="the round mechanics: 'default' (virtualflow simulate's), 'lease-first' (one global queue, "
+                        "lease holders first: the mechanics before issue 17), 'gavel' (Gavel's, spread placement); "
+                        "recorded in the cluster's database")
     s.add_argument("--min-run-s", type=float, default=0.0, metavar="SECONDS",
                    help="a (re)started job keeps its placement until it has made a step and run this long (0)")
     s.add_argument("--threads-per-worker", type=int, default=1, metavar="T", help="torch threads per worker (1)")
@@ -123,7 +127,8 @@ def start(args: argparse.Namespace) -> int:
     init_cluster(args.dir, slots=slots, policy=args.policy, round_s=args.round_s, slowdowns=slowdowns,
                  threads_per_worker=args.threads_per_worker, min_run_s=args.min_run_s,
                  dashboard_port=args.dashboard_port, backend=args.backend, address=address,
-                 cpus_per_worker=args.cpus_per_worker, emulate_slowdowns=args.emulate_slowdowns).close()
+                 cpus_per_worker=args.cpus_per_worker, emulate_slowdowns=args.emulate_slowdowns,
+                 mechanism=args.mechanism).close()
     if args.foreground:
         import signal
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from virtualflow.service.replay import ReplayConfig, ReplayCosts, ReplayJob, ReplayResult, measure, replay
 
-MECHANISMS = ("current", "lease-first", "gavel")
+MECHANISMS = ("recorded", "current", "lease-first", "gavel")
 DIR_HELP = "the cluster directory of a service that ran jobs (its database and the jobs' run directories)"
 
 
@@ -38,10 +38,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--observed", action="store_true",
                    help="trace-driven: each start takes the pause it really took and each measurement reports what "
                         "the service measured (how well the decisions are reproduced, apart from the machine's noise)")
-    p.add_argument("--mechanism", choices=MECHANISMS, default="current",
-                   help="the round mechanism's knobs the service ran with: 'current' (this virtualflow's "
-                        "defaults, what a service started now uses), 'lease-first' (one global queue, lease "
-                        "holders first, no carried deficits: the defaults before Gavel's mechanics), 'gavel'")
+    p.add_argument("--mechanism", choices=MECHANISMS, default="recorded",
+                   help="the round mechanics to replay with: 'recorded' (what the cluster's database says the "
+                        "service ran; 'current' for a database from before they were recorded), 'current' (this "
+                        "virtualflow's defaults), 'lease-first' (one global queue, lease holders first, no "
+                        "carried deficits: the defaults before Gavel's mechanics), 'gavel'")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=run)
 
@@ -87,12 +88,16 @@ def read_run(cluster_dir: str) -> dict[str, Any]:
     return {"config": cfg, "jobs": rows, "events": events, "rounds": rounds, "steps": steps, "slowdowns": slowdowns}
 
 
-def mechanism_config(name: str, round_s: float) -> Any:
-    """The ``--mechanism`` choice as a :class:`~virtualflow.cluster.mechanism.MechanismConfig`."""
+def mechanism_config(name: str, round_s: float, recorded: dict | None = None) -> Any:
+    """The ``--mechanism`` choice as a :class:`~virtualflow.cluster.mechanism.MechanismConfig`
+    (``recorded``: the knobs in the cluster's configuration, for ``"recorded"``)."""
     from virtualflow.cluster.mechanism import MechanismConfig
+    from virtualflow.service.core import mechanism_of
 
     if name not in MECHANISMS:
         raise ValueError(f"--mechanism {name!r} must be one of {list(MECHANISMS)}")
+    if name == "recorded":
+        return mechanism_of(recorded, round_s)
     if name == "lease-first":
         return MechanismConfig(round_s=round_s, start_cost_s=0.0, order="global", prior="allocation",
                                carry_deficits=False, placement="consolidated")
@@ -103,7 +108,7 @@ def mechanism_config(name: str, round_s: float) -> Any:
 
 def predict(run_: dict[str, Any], *, round_s: float | None = None, policy: str | None = None,
             min_run_s: float | None = None, slots: dict[str, int] | None = None, observed: bool = False,
-            mechanism: str = "current") -> tuple[list[ReplayJob], ReplayCosts, ReplayConfig, ReplayResult]:
+            mechanism: str = "recorded") -> tuple[list[ReplayJob], ReplayCosts, ReplayConfig, ReplayResult]:
     """Measure ``run_`` (from :func:`read_run`) and replay it (with the what-if overrides)."""
     cfg = run_["config"]
     jobs, costs = measure(run_["jobs"], run_["events"], run_["rounds"], run_["steps"],
@@ -111,7 +116,7 @@ def predict(run_: dict[str, Any], *, round_s: float | None = None, policy: str |
     config = ReplayConfig(slots=dict(slots or {str(k): int(v) for k, v in cfg["slots"].items()}),
                           policy=policy or cfg["policy"], round_s=float(round_s or cfg["round_s"]),
                           min_run_s=float(cfg.get("min_run_s", 0.0) if min_run_s is None else min_run_s),
-                          mechanism=mechanism_config(mechanism, float(round_s or cfg["round_s"])))
+                          mechanism=mechanism_config(mechanism, float(round_s or cfg["round_s"]), cfg.get("mechanism")))
     return jobs, costs, config, replay(jobs, config, costs)
 
 

@@ -47,7 +47,30 @@ from virtualflow.cluster.policies.base import Policy, PolicyInput
 from virtualflow.cluster.throughputs import ThroughputTable
 
 __all__ = ["PRIOR_STEPS_PER_S", "JobView", "base_rate", "prior_rate", "Action", "RoundDecision", "Scheduler", "type_slowdowns",
-           "slot_names", "estimate", "update_estimates", "diff_actions", "recovery_action", "parse_slowdowns"]
+           "slot_names", "estimate", "update_estimates", "diff_actions", "recovery_action", "parse_slowdowns",
+           "MECHANISMS", "mechanism_knobs", "mechanism_of"]
+
+MECHANISMS = ("default", "lease-first", "gavel")
+"""Round mechanics a cluster can be started with: this virtualflow's defaults (what ``virtualflow
+simulate`` uses), the mechanics before issue 17 (one global queue, lease holders first), Gavel's."""
+_KNOBS = ("order", "prior", "carry_deficits", "placement", "reallocate_on_events")
+
+
+def mechanism_knobs(name: str) -> dict:
+    """The round mechanism's knobs (beyond the round length and costs) of a :data:`MECHANISMS`
+    name, as a cluster's configuration records them."""
+    if name not in MECHANISMS:
+        raise ValueError(f"--mechanism {name!r} must be one of {list(MECHANISMS)}")
+    cfg = {"default": MechanismConfig, "lease-first": MechanismConfig.lease_first,
+           "gavel": MechanismConfig.gavel}[name]()
+    return {k: getattr(cfg, k) for k in _KNOBS}
+
+
+def mechanism_of(knobs: dict | None, round_s: float) -> MechanismConfig:
+    """The service's round mechanism from recorded knobs (``None``: a cluster created before they
+    were recorded, which ran this virtualflow's defaults)."""
+    extra = {k: knobs[k] for k in _KNOBS if k in knobs} if knobs else {}
+    return MechanismConfig(round_s=round_s, start_cost_s=0.0, **extra)
 
 PRIOR_STEPS_PER_S = 1.0
 """Steps/s per full-speed worker assumed for a job not measured yet."""

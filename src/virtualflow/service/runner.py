@@ -60,7 +60,8 @@ from typing import Any, Callable
 from virtualflow.cluster.policies.base import get_policy
 from virtualflow.cluster.throughputs import ThroughputTable
 from virtualflow.service.core import (PRIOR_STEPS_PER_S, Action, JobView, RoundDecision, Scheduler, diff_actions,
-                                      prior_rate, recovery_action, type_slowdowns, update_estimates)
+                                      mechanism_knobs, mechanism_of, prior_rate, recovery_action, type_slowdowns,
+                                      update_estimates)
 from virtualflow.service.deadlines import admit, eta_s, newly_missed
 from virtualflow.service.state import ClusterDB, JobRow
 
@@ -153,7 +154,9 @@ class Service:
         emulated; on Ray only with ``--emulate-slowdowns``: the types are real resources there)."""
         self.poll_s = poll_s
         self.launch = launch or virtualflow.launch
-        self.scheduler = Scheduler(self.slots, get_policy(self.policy_name), round_s=self.round_s)
+        self.mechanism = mechanism_of(cfg.get("mechanism"), self.round_s)
+        self.scheduler = Scheduler(self.slots, get_policy(self.policy_name), round_s=self.round_s,
+                                   mechanism=self.mechanism)
         self.table = gavel_table()  # per-job-type slowdowns (submit --job-type) come from it too
         self.default_slowdowns = type_slowdowns(self.types, self.table, self.overrides)
         self.running: dict[int, Running] = {}
@@ -558,7 +561,7 @@ def init_cluster(cluster_dir: str, *, slots: dict[str, int], policy: str, round_
                  slowdowns: dict[str, float] | None = None, threads_per_worker: int = 1,
                  min_run_s: float = 0.0, dashboard_port: int | None = None, backend: str = "local",
                  address: str | None = None, cpus_per_worker: float = 1.0,
-                 emulate_slowdowns: bool = False) -> ClusterDB:
+                 emulate_slowdowns: bool = False, mechanism: str = "default") -> ClusterDB:
     """Create (or reconfigure) a cluster directory: the database with the configuration, a
     private dashboard token. Validates everything first (nothing is written on error); with
     ``backend="ray"`` that includes connecting to the Ray cluster at ``address`` and checking that
@@ -566,6 +569,7 @@ def init_cluster(cluster_dir: str, *, slots: dict[str, int], policy: str, round_
     if not slots:
         raise ValueError("--slots is empty; give accelerator types and counts, e.g. --slots v100=2,k80=2")
     get_policy(policy)  # raises for an unknown policy, naming the choices
+    knobs = mechanism_knobs(mechanism)  # raises for an unknown name, naming the choices
     if not (round_s > 0 and round_s < 1e6):
         raise ValueError(f"--round-s {round_s} must be a positive number of seconds")
     if dashboard_port is not None and not 0 <= dashboard_port <= 65535:
@@ -596,7 +600,8 @@ def init_cluster(cluster_dir: str, *, slots: dict[str, int], policy: str, round_
     db.set_meta("config", {"slots": slots, "policy": policy, "round_s": round_s, "slowdowns": overrides,
                            "threads_per_worker": threads_per_worker, "min_run_s": min_run_s,
                            "dashboard_port": dashboard_port, "backend": backend, "address": address,
-                           "cpus_per_worker": cpus_per_worker, "emulate_slowdowns": emulate_slowdowns})
+                           "cpus_per_worker": cpus_per_worker, "emulate_slowdowns": emulate_slowdowns,
+                           "mechanism": knobs})
     token_path = os.path.join(cluster_dir, "token")
     if not os.path.exists(token_path):
         from virtualflow.comm import auth
