@@ -71,13 +71,14 @@ def trace(n: int) -> list[dict]:
             for i in range(n)]
 
 
-def run_physical(jobs: list[dict], *, elastic: bool, policy: str, work: str) -> dict:
+def run_physical(jobs: list[dict], *, elastic: bool, policy: str, work: str, mechanism: str = "default") -> dict:
     """Run the trace on a fresh cluster directory; returns the database's view of it."""
     from virtualflow.service.runner import init_cluster
     from virtualflow.service.state import ClusterDB
 
     d = os.path.join(work, f"cluster-{'elastic' if elastic else 'rigid'}")
-    init_cluster(d, slots=dict(SLOTS), policy=policy, round_s=ROUND_S, slowdowns=dict(SLOWDOWNS)).close()
+    init_cluster(d, slots=dict(SLOTS), policy=policy, round_s=ROUND_S, slowdowns=dict(SLOWDOWNS),
+                 mechanism=mechanism).close()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.join(REPO_ROOT, "src"))
     proc = subprocess.Popen([sys.executable, "-m", "virtualflow.service", d], env=env, cwd=REPO_ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -257,6 +258,8 @@ def main() -> int:
     p.add_argument("--keep", default=None, metavar="DIR",
                    help="keep the physical runs' cluster directories under DIR (repN/cluster-elastic|rigid), e.g. "
                         "for virtualflow cluster replay --dir DIR/rep0/cluster-elastic [--observed]")
+    p.add_argument("--mechanism", default="default", choices=("default", "lease-first", "gavel"),
+                   help="the service's round mechanics (cluster start --mechanism; default: the library's)")
     args = p.parse_args()
     run = Run("cluster_physical", args, target_keys=("jct_error", "makespan_error"))
     n = 4 if run.quick else 8
@@ -274,7 +277,7 @@ def main() -> int:
                 print(f"physical run {rep + 1}/{args.reps} ({label}, {n} jobs, {policy}) ...", flush=True)
                 with LoadMeter() as meter:
                     phys = run_physical(jobs, elastic=elastic, policy=policy,
-                                        work=os.path.join(work, f"rep{rep}"))
+                                        work=os.path.join(work, f"rep{rep}"), mechanism=args.mechanism)
                 physical[label] = phys
                 ps = physical_summary(phys)
                 pred = predict(phys)
@@ -339,7 +342,8 @@ def main() -> int:
     costs_rows = [[k, *(f"{v['replay']['costs'][c]:.2f}" for c in ("start_s", "start_per_worker_s", "resume_s",
                                                                     "grow_s", "launch_s", "stop_s", "done_s")),
                    f"{v['simulated']['round_s']:.2f}"] for k, v in results.items()]
-    md = (f"# Cluster service: physical vs simulated ({n} jobs, {policy}, slots {SLOTS}, k80 slowdown "
+    md = (f"# Cluster service: physical vs simulated ({n} jobs, {policy}, {args.mechanism} round mechanics, "
+          f"slots {SLOTS}, k80 slowdown "
           f"{SLOWDOWNS['k80']}, rounds of {ROUND_S:g} s, arrivals every {GAP_S:g} s)\n\n"
           f"Reproduce: `{run.command('cluster_physical', f' --reps {len(reps)}' if len(reps) > 1 else '')}`\n\n"
           + md_table(["jobs", "prediction", "median JCT phys (s)", "predicted (s)", "JCT error (median)",
