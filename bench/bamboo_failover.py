@@ -90,7 +90,12 @@ OTHER_CONSTANTS = "bench/results/bamboo.json"
 SEED = H.SEED
 EARLIER_RUNS = (
     "**Run to run** (earlier runs of this benchmark on this shared machine, 2026-11-24/25, not this run's data): "
-    "the last full run before the engine had eager redundant forwards (results of ed596fa, engine at 837359e, "
+    "the full run just before this one (same engine, 93392d0, 05:28 UTC, 0.5-1.8 cores of other load) measured "
+    "failover 0.849 s eager vs 0.886 s lazy (median of 6 kills each; eager - lazy -53 ms per kill; 3 forwards "
+    "reused per kill), slowdown 1.567x, reconfiguration pause 1.05 s, and its replay stalled after its third kill "
+    "(stage 0: `failure`, `failover` and the failover `generation` at once, the replacement `ready` 2.5 s later, "
+    "but no `formed` and no step for 60 s); a replay alone rerun right after (niced, not a measurement) went "
+    "through all 11 kills, every step once. The last full run" before the engine had eager redundant forwards (results of ed596fa, engine at 837359e, "
     "every run then what is now `redundant_compute=\"lazy\"`, 0.0-1.4 cores of other load) measured failover "
     "0.797 s (median of 6), slowdown 1.554x, reconfiguration pause 0.97 s and a replay error of -0.4 %; "
     "the replay's error was -10.0 % in the previous full run (commit 837359e: a NO by a hair, 0.97 cores of other "
