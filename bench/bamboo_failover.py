@@ -95,7 +95,7 @@ EARLIER_RUNS = (
     "reused per kill), slowdown 1.567x, reconfiguration pause 1.05 s, and its replay stalled after its third kill "
     "(stage 0: `failure`, `failover` and the failover `generation` at once, the replacement `ready` 2.5 s later, "
     "but no `formed` and no step for 60 s); a replay alone rerun right after (niced, not a measurement) went "
-    "through all 11 kills, every step once. The last full run" before the engine had eager redundant forwards (results of ed596fa, engine at 837359e, "
+    "through all 11 kills, every step once. The last full run before the engine had eager redundant forwards (results of ed596fa, engine at 837359e, "
     "every run then what is now `redundant_compute=\"lazy\"`, 0.0-1.4 cores of other load) measured failover "
     "0.797 s (median of 6), slowdown 1.554x, reconfiguration pause 0.97 s and a replay error of -0.4 %; "
     "the replay's error was -10.0 % in the previous full run (commit 837359e: a NO by a hair, 0.97 cores of other "
