@@ -258,7 +258,7 @@ def main() -> int:
     p.add_argument("--keep", default=None, metavar="DIR",
                    help="keep the physical runs' cluster directories under DIR (repN/cluster-elastic|rigid), e.g. "
                         "for virtualflow cluster replay --dir DIR/rep0/cluster-elastic [--observed]")
-    p.add_argument("--mechanism", default="default", choices=("default", "lease-first", "gavel"),
+    p.add_argument("--mechanism", default="default", choices=("default", "lease_first", "gavel"),
                    help="the service's round mechanics (cluster start --mechanism; default: the library's)")
     args = p.parse_args()
     run = Run("cluster_physical", args, target_keys=("jct_error", "makespan_error"))

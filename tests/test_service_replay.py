@@ -293,7 +293,7 @@ def test_cluster_replay_reproduces_a_run_from_its_database(tmp_path, capsys):
     assert [p["job"] for p in out["jobs"]] == ids
     assert cli_main.main(["cluster", "replay", "--dir", d, "--json", "--observed"]) == 0
     assert json.loads(capsys.readouterr().out)["jct_error_median"] < 0.02
-    for mech in ("lease-first", "gavel"):  # the service's round mechanics, named explicitly
+    for mech in ("lease_first", "gavel"):  # the service's round mechanics, named explicitly
         assert cli_main.main(["cluster", "replay", "--dir", d, "--json", "--mechanism", mech]) == 0
         got = json.loads(capsys.readouterr().out)
         assert got["config"]["mechanism"] == mech and got["jct_error_median"] < 0.02
@@ -324,10 +324,10 @@ def test_the_cluster_records_its_round_mechanics_and_the_replay_reads_them(tmp_p
     from virtualflow.service.runner import Service
 
     d = str(tmp_path / "c")
-    with pytest.raises(ValueError, match=r"--mechanism 'gavle' must be one of \['default', 'lease-first', 'gavel'\]"):
+    with pytest.raises(ValueError, match=r"--mechanism 'gavle' must be one of \['default', 'lease_first', 'gavel'\]"):
         init_cluster(d, slots={"v100": 1}, policy="fifo", round_s=2.0, mechanism="gavle")
     assert not os.path.exists(d)
-    init_cluster(d, slots={"v100": 1}, policy="fifo", round_s=2.0, mechanism="lease-first").close()
+    init_cluster(d, slots={"v100": 1}, policy="fifo", round_s=2.0, mechanism="lease_first").close()
     recorded = ClusterDB(d).config()["mechanism"]
     want = MechanismConfig.lease_first(round_s=2.0, start_cost_s=0.0)
     service = Service(d)

@@ -35,8 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--slowdowns", default=None, metavar="TYPE=F,...",
                    help="emulated speed of a type: its workers run F times slower (default: from Gavel's "
                         "throughput table, fastest type 1)")
-    s.add_argument("--mechanism", choices=("default", "lease-first", "gavel"), default="default",
-                   help="the round mechanics: 'default' (virtualflow simulate's), 'lease-first' (one global queue, "
+    s.add_argument("--mechanism", choices=("default", "lease_first", "gavel"), default="default",
+                   help="the round mechanics: 'default' (virtualflow simulate's), 'lease_first' (one global queue, "
                         "lease holders first: the mechanics before issue 17), 'gavel' (Gavel's, spread placement); "
                         "recorded in the cluster's database")
     s.add_argument("--min-run-s", type=float, default=0.0, metavar="SECONDS",

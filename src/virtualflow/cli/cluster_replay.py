@@ -18,7 +18,7 @@ from typing import Any
 
 from virtualflow.service.replay import ReplayConfig, ReplayCosts, ReplayJob, ReplayResult, measure, replay
 
-MECHANISMS = ("recorded", "current", "lease-first", "gavel")
+MECHANISMS = ("recorded", "default", "lease_first", "gavel")
 DIR_HELP = "the cluster directory of a service that ran jobs (its database and the jobs' run directories)"
 
 
@@ -40,8 +40,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "the service measured (how well the decisions are reproduced, apart from the machine's noise)")
     p.add_argument("--mechanism", choices=MECHANISMS, default="recorded",
                    help="the round mechanics to replay with: 'recorded' (what the cluster's database says the "
-                        "service ran; 'current' for a database from before they were recorded), 'current' (this "
-                        "virtualflow's defaults), 'lease-first' (one global queue, lease holders first, no "
+                        "service ran; 'default' for a database from before they were recorded), 'default' (this "
+                        "virtualflow's defaults), 'lease_first' (one global queue, lease holders first, no "
                         "carried deficits: the defaults before Gavel's mechanics), 'gavel'")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=run)
@@ -91,19 +91,11 @@ def read_run(cluster_dir: str) -> dict[str, Any]:
 def mechanism_config(name: str, round_s: float, recorded: dict | None = None) -> Any:
     """The ``--mechanism`` choice as a :class:`~virtualflow.cluster.mechanism.MechanismConfig`
     (``recorded``: the knobs in the cluster's configuration, for ``"recorded"``)."""
-    from virtualflow.cluster.mechanism import MechanismConfig
-    from virtualflow.service.core import mechanism_of
+    from virtualflow.service.core import mechanism_knobs, mechanism_of
 
     if name not in MECHANISMS:
         raise ValueError(f"--mechanism {name!r} must be one of {list(MECHANISMS)}")
-    if name == "recorded":
-        return mechanism_of(recorded, round_s)
-    if name == "lease-first":
-        return MechanismConfig(round_s=round_s, start_cost_s=0.0, order="global", prior="allocation",
-                               carry_deficits=False, placement="consolidated")
-    if name == "gavel":
-        return MechanismConfig.gavel(round_s=round_s, start_cost_s=0.0)
-    return None
+    return mechanism_of(recorded if name == "recorded" else mechanism_knobs(name), round_s)
 
 
 def predict(run_: dict[str, Any], *, round_s: float | None = None, policy: str | None = None,

@@ -44,11 +44,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds lost per checkpoint-restart (preemption, move) (default 45)")
     p.add_argument("--resize-cost-s", type=float, default=1.5,
                    help="seconds lost per in-place resize of an elastic job (default 1.5)")
-    p.add_argument("--mechanism", choices=("virtualflow", "gavel", "lease_first"), default="virtualflow",
-                   help="round mechanics: virtualflow (per-type queues in the cluster's type order, equal priors, "
-                        "carried deficits, consolidated placement only), gavel (the same plus spread placement when "
-                        "no consolidated one exists) or lease_first (one global queue, lease holders first after "
-                        "an allocation change: the default before issue 17) (default virtualflow)")
+    p.add_argument("--mechanism", choices=("default", "virtualflow", "gavel", "lease_first"), default="default",
+                   help="round mechanics: default (per-type queues in the cluster's type order, equal priors, "
+                        "carried deficits, consolidated placement only; 'virtualflow' is the same), gavel (the same "
+                        "plus spread placement when no consolidated one exists) or lease_first (one global queue, "
+                        "lease holders first after an allocation change: the default before issue 17); the names "
+                        "of virtualflow cluster start --mechanism (default: default)")
     p.add_argument("--elastic-resize", choices=("in_place", "restart"), default="in_place",
                    help="how elastic jobs change GPU count (default in_place)")
     p.add_argument("--reallocate-on-events", action="store_true",

@@ -50,7 +50,7 @@ __all__ = ["PRIOR_STEPS_PER_S", "JobView", "base_rate", "prior_rate", "Action", 
            "slot_names", "estimate", "update_estimates", "diff_actions", "recovery_action", "parse_slowdowns",
            "MECHANISMS", "mechanism_knobs", "mechanism_of"]
 
-MECHANISMS = ("default", "lease-first", "gavel")
+MECHANISMS = ("default", "lease_first", "gavel")
 """Round mechanics a cluster can be started with: this virtualflow's defaults (what ``virtualflow
 simulate`` uses), the mechanics before issue 17 (one global queue, lease holders first), Gavel's."""
 _KNOBS = ("order", "prior", "carry_deficits", "placement", "reallocate_on_events")
@@ -61,7 +61,7 @@ def mechanism_knobs(name: str) -> dict:
     name, as a cluster's configuration records them."""
     if name not in MECHANISMS:
         raise ValueError(f"--mechanism {name!r} must be one of {list(MECHANISMS)}")
-    cfg = {"default": MechanismConfig, "lease-first": MechanismConfig.lease_first,
+    cfg = {"default": MechanismConfig, "lease_first": MechanismConfig.lease_first,
            "gavel": MechanismConfig.gavel}[name]()
     return {k: getattr(cfg, k) for k in _KNOBS}
 
