@@ -143,11 +143,19 @@ class Links:
         self.last = {}
 
 
+_ABANDONED: list[Any] = []
+"""Sends a failed drive left unfinished, with their buffers: kept alive (gloo's transport may still
+read a buffer) instead of waited on - a send to a live peer that has stopped receiving would block
+until the group's timeout."""
+
+
 class _Arrival:
-    """Tells, without blocking, whether a posted receive has completed (a :class:`Poll`): gloo's
-    point-to-point work reports ``is_completed()`` False until someone waits on it (measured), so a
-    daemon thread owns the wait and the driver reads its event; the receive itself then waits on
-    the event (one waiter per work: gloo's receive completes one wait)."""
+    """The wait of one posted receive, owned by a daemon thread, so that the driver can (1) tell
+    without blocking whether the message is there (a :class:`Poll`: gloo's point-to-point work
+    reports ``is_completed()`` False until someone waits on it, measured) and (2) give up on it when
+    the coordinator declares the generation broken (a timed wait on a gloo point-to-point receive
+    breaks the pair, measured; a receive from a live peer that has itself left the generation
+    would otherwise block until the group's timeout)."""
 
     __slots__ = ("done", "error")
 
@@ -164,9 +172,12 @@ class _Arrival:
         finally:
             self.done.set()
 
-    def wait(self) -> None:
-        while not self.done.wait(0.05):  # short waits: signals still reach this thread
-            pass
+    def wait(self, group: Group) -> None:
+        if not self.done.wait(0.05):
+            while not self.done.wait(0.2):  # short waits: the abort flag is read in between
+                if group.abort_check is not None and group.abort_check():
+                    raise PeerFailure(group.generation, "the coordinator declared the generation broken (a member "
+                                                        "failed) during a pipeline receive")
         if self.error is not None:
             raise self.error
 
@@ -212,6 +223,7 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
         links.last[(key[0], key[1])] = metas
         return _unpack(payload, metas)
 
+    failed = False
     try:
         req = next(gen)
         while True:
@@ -252,11 +264,8 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
                 if req.key not in posted:
                     post(src, req.key)
                 work, buf, ref = posted.pop(req.key)
-                arrival = arrivals.pop(req.key, None)
-                if arrival is not None:
-                    arrival.wait()
-                else:
-                    work.wait()
+                arrival = arrivals.pop(req.key, None) or _Arrival(work)
+                arrival.wait(group)
                 if ref is None:
                     answer = header_then_payload(src, req.key, buf)
                 else:
@@ -281,13 +290,20 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
             req = gen.send(answer)
     except StopIteration as stop:
         results = stop.value
+    except BaseException:
+        failed = True
+        raise
     finally:
-        for works, _keep in pending:
-            for w in works:
-                try:
-                    w.wait()
-                except PeerFailure:
-                    pass
+        if failed:  # the caller closes the group; the peers may not be receiving any more
+            _ABANDONED.extend(pending)
+            del _ABANDONED[:-256]
+        else:
+            for works, _keep in pending:
+                for w in works:
+                    try:
+                        w.wait()
+                    except PeerFailure:
+                        pass
     if posted:
         raise RuntimeError(f"pipeline receives announced but never taken: {sorted(posted)[:4]}")
     links.end_of_drive()
