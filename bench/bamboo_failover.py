@@ -89,7 +89,7 @@ CONSTANTS_FILE = "bamboo_constants.json"
 OTHER_CONSTANTS = "bench/results/bamboo.json"
 SEED = H.SEED
 EARLIER_RUNS = (
-    "**Run to run** (earlier runs of this benchmark on this shared machine, 2026-11-24/25, not this run's data): "
+    "**Run to run** (earlier runs of this benchmark on this shared machine, 2026-11-24/25, not this run's data): not this run's data): this run is the first on the engine with the pipeline driver's failure fix (221a172: after a failure, pending sends are no longer waited on and receives are given up when the generation is declared broken): 0 of 12 kill runs stuck and the replay complete, where the runs on 93392d0 stalled 5 times in about 35 failovers (eager and lazy alike). "
     "the full run just before this one (same engine, 93392d0, 05:28 UTC, 0.5-1.8 cores of other load) measured "
     "failover 0.849 s eager vs 0.886 s lazy (median of 6 kills each; eager - lazy -53 ms per kill; 3 forwards "
     "reused per kill), slowdown 1.567x, reconfiguration pause 1.05 s, and its replay stalled after its third kill "
