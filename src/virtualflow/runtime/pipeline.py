@@ -408,20 +408,18 @@ class StageEngine:
         f_s = 0.0
         if replica is not None and self.eager_every_wait:
             idle = [float("inf")] * (len(schedule.actions[self.stage_rank]) + 1)
-            if self.first in replica.pieces:
-                todo.extend((*self._vn_of(first_step, mb, m), None) for mb in range(m))
         elif replica is not None and self.fb_times is not None:
             # Eager forwards go where the schedule has this worker wait (its bubbles), as long as
             # the predicted wait holds one more: they never delay a message that is due.
             f_s, b_s = self.fb_times
             units = idle_slots(self.pipeline.schedule, self.p, m, round(4 * b_s / f_s) / 4 if f_s > 0 else 2.0)
             idle = [u * f_s for u in units[self.stage_rank]]
-            if self.first in replica.pieces:
-                # The replica of the first stage: its inputs are the micro-batches' data, known now.
-                todo.extend((*self._vn_of(first_step, mb, m), None) for mb in range(m))
         elif replica is not None:
             replica.skipped += m  # the first step: no measured times to find the bubbles with yet
             replica = None
+        if replica is not None and self.first in replica.pieces:
+            # The replica of the first stage: its inputs are the micro-batches' data, known now.
+            todo.extend((*self._vn_of(first_step, mb, m), None) for mb in range(m))
         f_sum = b_sum = 0.0
         f_n = b_n = 0
         t_origin = time.perf_counter()
