@@ -71,6 +71,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--dir", required=True, help=DEFAULT_DIR_HELP)
     d.add_argument("--port", type=int, default=8266, help="port on 127.0.0.1 (0: any free port; default 8266, beside Ray's 8265)")
     d.set_defaults(func=dashboard)
+    from virtualflow.cli import cluster_replay
+
+    cluster_replay.add_parser(csub)  # cluster replay
 
     sb = sub.add_parser("submit", help="queue a job on a cluster service",
                         description="Queue JOB (a file.py[:function] or module:function returning a virtualflow.Job) "

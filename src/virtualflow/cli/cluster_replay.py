@@ -22,12 +22,9 @@ MECHANISMS = ("recorded", "default", "lease_first", "gavel")
 DIR_HELP = "the cluster directory of a service that ran jobs (its database and the jobs' run directories)"
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    """Add ``replay`` under the ``cluster`` verb (``cli/cluster.py`` builds it; main registers this after it)."""
-    cluster = sub.choices.get("cluster")
-    verbs = next((a for a in getattr(cluster, "_actions", []) if isinstance(a, argparse._SubParsersAction)), None)
-    target = verbs if verbs is not None else sub
-    p = target.add_parser("replay" if verbs is not None else "cluster-replay",
+def add_parser(csub: argparse._SubParsersAction) -> None:
+    """Add ``replay`` to the ``cluster`` verb's sub-commands (``cli/cluster.py`` calls this)."""
+    p = csub.add_parser("replay",
                           help="predict a cluster's job completion times by replaying the service in virtual time",
                           description=__doc__.split("\n\n")[1].replace("\n", " "))
     p.add_argument("--dir", required=True, help=DIR_HELP)

@@ -7,7 +7,7 @@ import logging
 import sys
 import traceback
 
-from virtualflow.cli import cluster, cluster_replay, explain, gnn, plan, plot, resize, run, simulate, simulate_spot, status, worker
+from virtualflow.cli import cluster, explain, gnn, plan, plot, resize, run, simulate, simulate_spot, status, worker
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,8 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate_spot.add_parser(sub)
     gnn.add_parser(sub)
     worker.add_parser(sub)
-    cluster.add_parser(sub)  # cluster start|status|stop|dashboard, submit, queue, cancel
-    cluster_replay.add_parser(sub)  # cluster replay (after cluster: it adds itself under it)
+    cluster.add_parser(sub)  # cluster start|status|stop|dashboard|replay, submit, queue, cancel
     return parser
 
 
