@@ -507,7 +507,12 @@ def test_a_preemption_notice_hands_the_stage_to_the_predecessor_at_a_step_bounda
     victim = next(w for w in handle.status()["workers"] if w["rank"] == rank)
     os.kill(victim["pid"], signal.SIGTERM)
     deadline = time.monotonic() + 60
-    while len([w for w in handle.status()["workers"] if w["rank"] is not None]) != 2:
+
+    def handed_over(st: dict) -> bool:  # the 2-member generation is published AND formed
+        return (len([w for w in st["workers"] if w["rank"] is not None]) == 2
+                and st["formed_generation"] == st["generation"])
+
+    while not handed_over(handle.status()):
         assert time.monotonic() < deadline and not handle.done, handle.status()
         time.sleep(0.05)
     wait_for_step(handle, handle.status()["step"] + 2)
