@@ -441,7 +441,7 @@ def test_cli_own_table_format_progress_bar_and_errors(tmp_path, capsys):
     assert main(argv) == 0
     out, err = capsys.readouterr()
     # The by-hand case of test_two_jobs_two_types_by_hand with free restarts: JCTs 500 s and 700 s.
-    assert "fifo: 2/2 jobs done; JCT avg 0.17 h" in out
+    assert "fifo: 2/2 jobs done; JCT avg 600.0 s" in out  # a short trace: seconds
     assert "simulated h" in err  # tqdm's bar over simulated time
     assert json.load(open(tmp_path / "out" / "summary.json"))["window"] == [0, 2]
     assert main(argv + ["--no-progress"]) == 0

@@ -252,9 +252,9 @@ def test_measure_recovers_the_constants_and_rates():
 
 
 # -- the command line ----------------------------------------------------------------------------
-def test_cluster_replay_reproduces_a_run_from_its_database(tmp_path, capsys):
-    """A cluster directory whose records were written by the replay's own model: the CLI predicts
-    every job's JCT from them within a step or two."""
+def two_job_cluster(tmp_path) -> tuple[str, list[int]]:
+    """A cluster directory (one v100 slot, fifo, rounds of 2 s) whose records were written by the
+    replay's own model: two 30-step jobs, the second queued behind the first."""
     d = str(tmp_path / "c")
     init_cluster(d, slots={"v100": 1}, policy="fifo", round_s=2.0, slowdowns={}).close()
     db = ClusterDB(d)
@@ -287,6 +287,12 @@ def test_cluster_replay_reproduces_a_run_from_its_database(tmp_path, capsys):
     db.set_job_state(ids[1], "done", now=done2, event="done", finished_s=done2, steps_done=30)
     db.end_round(r3, t0 + 6.2)
     db.close()
+    return d, ids
+
+
+def test_cluster_replay_reproduces_a_run_from_its_database(tmp_path, capsys):
+    """The CLI predicts every job's JCT of a run from its records within a step or two."""
+    d, ids = two_job_cluster(tmp_path)
     assert cli_main.main(["cluster", "replay", "--dir", d, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["jct_error_median"] < 0.02 and out["makespan_error"] < 0.02

@@ -6,6 +6,12 @@ per-step metrics, measures the machine's constants and each job's rates
 (:func:`virtualflow.service.replay.replay`) and prints each finished job's predicted JCT beside
 the actual one, the median error and the makespans. ``--round-s``, ``--policy``, ``--min-run-s``
 and ``--slots`` ask "what if" with the same jobs and constants.
+
+``--export DIR`` also writes the run as inputs of ``virtualflow simulate --model service``: the
+trace (``trace.json``: each job as type ``job-<id>``, its steps, elastic range, priority and
+arrival), its measured throughputs (``throughputs.json``: a (type, workers) the job never ran on
+is extrapolated as the service extrapolates), the measured pauses (``costs.json``) and
+``export.json`` (the cluster's configuration, which entries were measured, the command line).
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ def add_parser(csub: argparse._SubParsersAction) -> None:
                         "virtualflow's defaults), 'lease_first' (one global queue, lease holders first, no "
                         "carried deficits: the defaults before Gavel's mechanics), 'gavel'")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--export", metavar="OUT_DIR", default=None,
+                   help="also write the run as virtualflow simulate --model service inputs (trace.json, "
+                        "throughputs.json, costs.json, export.json with the command line) to OUT_DIR")
     p.set_defaults(func=run)
 
 
@@ -148,6 +157,10 @@ def run(args: argparse.Namespace) -> int:
     jobs, costs, config, result = predict(data, round_s=args.round_s, policy=args.policy, min_run_s=args.min_run_s,
                                           slots=slots, observed=args.observed, mechanism=args.mechanism)
     cmp_ = compare(data["jobs"], result)
+    if args.export:
+        info = export(data, jobs, costs, args.export)
+        if not args.json:
+            print(f"exported to {args.export}; simulate it with:\n  {info['command']}")
     if args.json:
         from dataclasses import asdict
 
@@ -171,3 +184,61 @@ def run(args: argparse.Namespace) -> int:
 
 def _costs(costs: ReplayCosts) -> dict[str, float]:
     return {k: getattr(costs, k) for k in costs.__slots__}  # type: ignore[attr-defined]
+
+
+def export(run_: dict[str, Any], jobs: list[ReplayJob], costs: ReplayCosts, out_dir: str) -> dict[str, Any]:
+    """Write ``run_`` (from :func:`read_run`, measured into ``jobs`` and ``costs``) as the inputs of
+    ``virtualflow simulate --model service`` (see the module docstring); returns export.json's content."""
+    from dataclasses import asdict
+
+    from virtualflow.cluster.model import JobSpec
+    from virtualflow.cluster.traces import write_json_trace
+    from virtualflow.service.core import MECHANISMS, JobView, base_rate, estimate_key, mechanism_knobs
+    from virtualflow.service.replay import job_rate
+
+    cfg = run_["config"]
+    slots = {str(k): int(v) for k, v in cfg["slots"].items()}
+    if not jobs:
+        raise ValueError("the cluster ran no job: nothing to export")
+    os.makedirs(out_dir, exist_ok=True)
+    t0 = min(j.arrival_s for j in jobs)
+    bases = [b for j in jobs if j.rates and (b := base_rate(JobView(job_id=j.job_id, steps=j.steps,
+                                                                      slowdowns=j.slowdowns, estimates=j.rates)))]
+    prior = statistics.median(bases) if bases else 1.0
+    biggest = max(slots.values())
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    measured: dict[str, list[str]] = {}
+    specs = []
+    for j in sorted(jobs, key=lambda j: (j.arrival_s, j.job_id)):
+        name = f"job-{j.job_id}"
+        hi = min(j.max_workers, biggest) if j.elastic else j.max_workers
+        table[name] = {t: {str(g): job_rate(j, t, g, prior) for g in range(1, hi + 1)} for t in slots}
+        measured[name] = sorted(k for k in j.rates if k in {estimate_key(t, g) for t in slots for g in range(1, hi + 1)})
+        specs.append(JobSpec(job_id=len(specs), job_type=name, scale_factor=j.max_workers,
+                             min_gpus=j.min_workers if j.elastic else None, total_steps=float(j.steps),
+                             weight=j.priority, arrival_s=j.arrival_s - t0,
+                             slo_s=None if j.deadline_s is None else max(j.deadline_s - j.arrival_s, 1e-3)))
+    paths = {k: os.path.join(out_dir, f"{k}.json") for k in ("trace", "throughputs", "costs", "export")}
+    write_json_trace(paths["trace"], specs)
+    with open(paths["throughputs"], "w") as f:
+        json.dump({"throughputs": table}, f, indent=1)
+    with open(paths["costs"], "w") as f:
+        json.dump(asdict(costs), f, indent=1)
+    # The service's slowdown factors (what it assumed of each type); jobs naming a known job type
+    # may have had their own: the most common set is exported.
+    sets = [tuple(sorted(j.slowdowns.items())) for j in jobs]
+    common = max(set(sets), key=sets.count)
+    mech = next((m for m in MECHANISMS if cfg.get("mechanism") and mechanism_knobs(m) == cfg["mechanism"]), "default")
+    slowdown_arg = ",".join(f"{t}={v:g}" for t, v in common)
+    command = (f"virtualflow simulate --model service --cluster {','.join(f'{t}={n}' for t, n in slots.items())} "
+               f"--slowdowns {slowdown_arg} --trace {paths['trace']} --throughputs {paths['throughputs']} "
+               f"--costs {paths['costs']} --policy {cfg['policy']} --round-s {float(cfg['round_s']):g} "
+               f"--min-run-s {float(cfg.get('min_run_s', 0.0)):g} --mechanism {mech}")
+    info = {"slots": slots, "slowdowns": dict(common), "policy": cfg["policy"],
+            "round_s": float(cfg["round_s"]), "min_run_s": float(cfg.get("min_run_s", 0.0)), "mechanism": mech,
+            "jobs": {f"job-{j.job_id}": {"trace_index": i, "measured": measured[f"job-{j.job_id}"]}
+                     for i, j in enumerate(sorted(jobs, key=lambda j: (j.arrival_s, j.job_id)))},
+            "jobs_with_other_slowdowns": sum(s != common for s in sets), "command": command}
+    with open(paths["export"], "w") as f:
+        json.dump(info, f, indent=1)
+    return info

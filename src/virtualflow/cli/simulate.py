@@ -5,6 +5,15 @@ Example::
     virtualflow simulate --cluster v100=12,p100=12,k80=12 --generate rate=2.0,jobs=800,seed=0 \\
         --policy las --window 300:700 -o runs/sim-las
 
+With ``--model service`` the trace is played through the cluster service's own scheduler
+(``virtualflow cluster start``: learned estimates, pins, start pauses; see
+:mod:`virtualflow.service.model`), e.g. a finished cluster's run exported by ``virtualflow
+cluster replay --export DIR``::
+
+    virtualflow simulate --model service --cluster v100=2,k80=2 --slowdowns k80=2 \
+        --trace DIR/trace.json --throughputs DIR/throughputs.json --costs DIR/costs.json \
+        --policy elastic_fair --round-s 6
+
 Prints one line of metrics and writes ``summary.json``, ``jobs.jsonl`` and ``jct_cdf.png`` to
 ``-o DIR`` when given. Bad input raises ``ValueError`` (the CLI prints one line, exit status 2).
 """
@@ -32,7 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--throughputs", help="throughput table: Gavel JSON or virtualflow JSON "
                    "(default: Gavel's simulation_throughputs.json, bundled with virtualflow)")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--trace", help="Gavel .trace file (TSV), or the name of one bundled with virtualflow "
+    src.add_argument("--trace", help="Gavel .trace file (TSV), virtualflow's JSON trace (*.json: elastic ranges, "
+                     "any job type of the table), or the name of a Gavel trace bundled with virtualflow "
                      "(e.g. small_test, max_min_fairness; an unknown name lists them)")
     src.add_argument("--generate", metavar="SPEC",
                      help="generate jobs: rate=JOBS_PER_HOUR,jobs=N,seed=S[,elastic=FRACTION][,priorities=1/5/10]"
@@ -57,6 +67,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "when a job arrives and grow back when one completes (default: at round boundaries)")
     p.add_argument("--recompute", choices=("on_change", "every_round"), default="on_change",
                    help="when the policy is re-solved (default on_change: arrivals and completions)")
+    p.add_argument("--model", choices=("rounds", "service"), default="rounds",
+                   help="rounds (default): the policies on Gavel's idealised rounds (a change costs "
+                        "--restart-cost-s / --resize-cost-s of the round it happens in); service: the cluster "
+                        "service's own scheduler (virtualflow cluster start) in virtual time: estimates learned "
+                        "from a prior, jobs pinned until their first step, start and resume pauses (--costs), one "
+                        "server per type")
+    p.add_argument("--costs", metavar="JSON",
+                   help="--model service: the machine's pauses and latencies (seconds; keys of "
+                        "virtualflow.service.replay.ReplayCosts, e.g. costs.json of virtualflow cluster replay "
+                        "--export; missing keys keep their defaults). Without it: start and resume pauses of "
+                        "--restart-cost-s, resizes of --resize-cost-s, no other latency")
+    p.add_argument("--slowdowns", metavar="TYPE=F,...",
+                   help="--model service: the service's slowdown factors per type, as cluster start --slowdowns "
+                        "(default: from the throughput table, per job type)")
+    p.add_argument("--min-run-s", type=float, default=0.0, metavar="SECONDS",
+                   help="--model service: as cluster start --min-run-s (default 0)")
     p.add_argument("--max-hours", type=float, help="stop after this many simulated hours")
     p.add_argument("-o", "--out-dir", help="write summary.json, jobs.jsonl, jct_cdf.png here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -125,13 +151,19 @@ def main(args: argparse.Namespace) -> int:
     from virtualflow.cluster.mechanism import MechanismConfig
     from virtualflow.cluster.metrics import summarize, write_summary
     from virtualflow.cluster.simulator import SimConfig, simulate
-    from virtualflow.cluster.traces import generate_jobs, parse_generate_spec, read_gavel_trace
+    from virtualflow.cluster.traces import generate_jobs, parse_generate_spec, read_gavel_trace, read_json_trace
 
+    if args.model != "service":
+        given = [f for f, v in (("--costs", args.costs), ("--slowdowns", args.slowdowns),
+                                ("--min-run-s", args.min_run_s)) if v]
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to --model service only (the service's knobs); add "
+                             f"--model service or leave them out")
     cluster = Cluster.parse(args.cluster, gpus_per_server=args.gpus_per_server, prices=parse_prices(args.prices))
     table = load_table(args.throughputs)
     if args.trace:
         source = trace_path(args.trace)
-        jobs = read_gavel_trace(source, table)
+        jobs = (read_json_trace if source.endswith(".json") else read_gavel_trace)(source, table)
     else:
         cfg = parse_generate_spec(args.generate)
         jobs = generate_jobs(table, cfg)
@@ -145,12 +177,19 @@ def main(args: argparse.Namespace) -> int:
         recompute=args.recompute, window=parse_window(args.window),
         max_sim_s=args.max_hours * 3600.0 if args.max_hours else None, progress=not args.no_progress)
     log.info("simulating %s on %s (%d GPUs), %s", args.policy, args.cluster, cluster.total_gpus, source)
-    result = simulate(jobs, cluster, table, policy, sim_cfg)
+    if args.model == "service":
+        result = simulate_as_service(args, jobs, cluster, table, policy, sim_cfg)
+    else:
+        result = simulate(jobs, cluster, table, policy, sim_cfg)
     s = summarize(result)
-    line = (f"{args.policy}: {s['finished']}/{s['window_jobs']} jobs done; JCT avg {s['avg_jct_h']:.2f} h, "
-            f"median {s['median_jct_h']:.2f} h, p99 {s['p99_jct_h']:.2f} h; makespan "
-            f"{s['makespan_s'] / 3600:.1f} h; utilisation {s['utilisation']:.1%}; restarts {s['restarts']}, "
-            f"resizes {s['resizes']}")
+    if s["makespan_s"] >= 7200 or s["makespan_s"] != s["makespan_s"]:  # hours (NaN: nothing finished)
+        times = (f"JCT avg {s['avg_jct_h']:.2f} h, median {s['median_jct_h']:.2f} h, p99 {s['p99_jct_h']:.2f} h; "
+                 f"makespan {s['makespan_s'] / 3600:.1f} h")
+    else:  # a short trace (e.g. a cluster's exported run): seconds
+        times = (f"JCT avg {s['avg_jct_s']:.1f} s, median {s['median_jct_s']:.1f} s, p99 {s['p99_jct_s']:.1f} s; "
+                 f"makespan {s['makespan_s']:.1f} s")
+    line = (f"{args.policy}: {s['finished']}/{s['window_jobs']} jobs done; {times}; utilisation "
+            f"{s['utilisation']:.1%}; restarts {s['restarts']}, resizes {s['resizes']}")
     if "cost_usd" in s:
         line += f"; cost ${s['cost_usd']:.0f}"
     if s["slo_jobs"]:
@@ -162,3 +201,71 @@ def main(args: argparse.Namespace) -> int:
         paths = write_summary(result, args.out_dir, s)
         print(f"wrote {', '.join(sorted(paths.values()))}")
     return 0
+
+
+def load_costs(path: str | None, restart_cost_s: float, resize_cost_s: float):
+    """``--costs``: a JSON object of :class:`~virtualflow.service.replay.ReplayCosts` fields (a
+    ``{"costs": {...}}`` wrapper, as ``cluster replay --json`` prints, is accepted); without it the
+    rounds model's change costs as pauses and no other latency."""
+    import json
+
+    from virtualflow.service.replay import ReplayCosts
+
+    if path is None:
+        return ReplayCosts(start_s=0.0, resume_s=restart_cost_s, grow_s=resize_cost_s, shrink_s=resize_cost_s,
+                           launch_s=0.0, first_launch_s=0.0, stop_s=0.0, done_s=0.0, idle_s=0.0)
+    if not os.path.isfile(path):
+        raise ValueError(f"--costs {path!r} does not exist; give a JSON file of pauses (costs.json of "
+                         f"virtualflow cluster replay --export) or leave it out")
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except ValueError as exc:
+            raise ValueError(f"--costs {path}: not JSON ({exc})") from None
+    if isinstance(data, dict) and isinstance(data.get("costs"), dict):
+        data = data["costs"]
+    known = set(ReplayCosts.__slots__)  # type: ignore[attr-defined]
+    if not isinstance(data, dict) or set(data) - known:
+        extra = sorted(set(data) - known) if isinstance(data, dict) else data
+        raise ValueError(f"--costs {path}: unknown keys {extra}; the keys are {sorted(known)} (seconds)")
+    return ReplayCosts(**{k: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+                          for k, v in data.items()})
+
+
+def simulate_as_service(args: argparse.Namespace, jobs, cluster, table, policy, sim_cfg):
+    """``--model service``: the trace through the cluster service's scheduler (service/model.py)."""
+    from virtualflow.service.core import parse_slowdowns
+    from virtualflow.service.model import simulate_service
+
+    mech = sim_cfg.mechanism
+    if mech.reallocate_on_events or mech.elastic_resize != "in_place":
+        raise ValueError("--model service plays the service's mechanics: it re-plans at round boundaries and "
+                         "resizes elastic jobs in place; leave out --reallocate-on-events / --elastic-resize restart")
+    if sim_cfg.recompute != "on_change" or sim_cfg.max_sim_s is not None:
+        raise ValueError("--model service re-solves the policy when the jobs change or an estimate drifts and runs "
+                         "every job to completion; leave out --recompute / --max-hours")
+    if not (args.min_run_s >= 0):
+        raise ValueError(f"--min-run-s {args.min_run_s} must be >= 0 seconds")
+    costs = load_costs(args.costs, args.restart_cost_s, args.resize_cost_s)
+    slowdowns = parse_slowdowns(args.slowdowns) if args.slowdowns else None
+    bar = None
+    on_round = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=None, unit="h", desc=f"simulate {args.policy} (service)",
+                   bar_format="{desc}: {n:.1f} simulated h [{elapsed}]")
+        last = [min(j.arrival_s for j in jobs)]
+
+        def tick(r) -> None:
+            bar.update((r.end_s - last[0]) / 3600.0)
+            last[0] = r.end_s
+
+        on_round = tick
+    try:
+        return simulate_service(jobs, cluster, table, policy, round_s=mech.round_s, costs=costs,
+                                slowdowns=slowdowns, min_run_s=args.min_run_s, mechanism=mech,
+                                window=sim_cfg.window, on_round=on_round)
+    finally:
+        if bar is not None:
+            bar.close()

@@ -22,6 +22,16 @@ The generator draws Gavel's continuous workload:
   the issue's definition) or on ``scale_factor`` of them (``"scale"``, what Gavel's own
   generator does; it makes multi-GPU jobs longer).
 
+virtualflow's own JSON trace (:func:`read_json_trace`, :func:`write_json_trace`) carries what
+Gavel's format cannot: elastic ranges, absolute SLOs and any job type the throughput table
+names::
+
+    {"jobs": [{"job_type": "job-0", "total_steps": 120, "scale_factor": 2, "min_gpus": 1,
+               "weight": 1.0, "arrival_s": 0.0, "slo_s": null}, ...]}
+
+(``min_gpus``, ``weight``, ``arrival_s``, ``slo_s`` optional: rigid, 1, 0, none).
+``virtualflow cluster replay --export`` writes one for a cluster's finished run.
+
 Invariants: job ids are 0..n-1 in trace order; the same seed and arguments give the same jobs
 (one ``numpy.random.Generator``, draws in a fixed order); every error names the file and line.
 """
@@ -38,8 +48,8 @@ import numpy as np
 from virtualflow.cluster.model import JobSpec
 from virtualflow.cluster.throughputs import ThroughputTable
 
-__all__ = ["read_gavel_trace", "write_gavel_trace", "GeneratorConfig", "generate_jobs", "parse_generate_spec",
-           "draw_duration_s"]
+__all__ = ["read_gavel_trace", "write_gavel_trace", "read_json_trace", "write_json_trace", "GeneratorConfig",
+           "generate_jobs", "parse_generate_spec", "draw_duration_s"]
 
 _MIN_COLUMNS = 7
 _MAX_COLUMNS = 10
@@ -145,6 +155,64 @@ def write_gavel_trace(path: str | os.PathLike, jobs: Sequence[JobSpec]) -> None:
         for j in jobs:
             f.write("\t".join([j.job_type, "-", "-", "-", "0", repr(float(j.total_steps)), str(int(j.scale_factor)),
                                repr(float(j.weight)), "-1", repr(float(j.arrival_s))]) + "\n")
+
+
+_JSON_KEYS = {"job_type", "total_steps", "scale_factor", "min_gpus", "weight", "arrival_s", "slo_s"}
+
+
+def read_json_trace(path: str | os.PathLike, table: ThroughputTable) -> list[JobSpec]:
+    """Parse virtualflow's JSON trace (see the module docstring) into ``JobSpec``s (ids 0..n-1 in
+    order). Raises ``ValueError("FILE: job N: ...")`` for a malformed job or a job type the
+    throughput table does not know at the job's largest GPU count."""
+    import json
+
+    path = os.fspath(path)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a virtualflow JSON trace ({exc})") from None
+    rows = data.get("jobs") if isinstance(data, dict) else None
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"{path}: expected {{\"jobs\": [{{\"job_type\": ..., \"total_steps\": ..., "
+                         f"\"scale_factor\": ...}}, ...]}} with at least one job")
+    known = set(table.job_types)
+    jobs: list[JobSpec] = []
+    for i, row in enumerate(rows):
+        where = f"{path}: job {i}"
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: must be an object, got {type(row).__name__}")
+        extra = sorted(set(row) - _JSON_KEYS)
+        missing = sorted({"job_type", "total_steps", "scale_factor"} - set(row))
+        if extra or missing:
+            raise ValueError(f"{where}: unknown keys {extra} / missing keys {missing}; a job has "
+                             f"{sorted(_JSON_KEYS)} (job_type, total_steps and scale_factor required)")
+        if row["job_type"] not in known:
+            raise ValueError(f"{where}: unknown job type {row['job_type']!r}; the throughput table knows "
+                             f"{sorted(known)[:5]}{' ...' if len(known) > 5 else ''}")
+        try:
+            job = JobSpec(job_id=i, job_type=row["job_type"], scale_factor=row["scale_factor"],
+                          min_gpus=row.get("min_gpus"), total_steps=float(row["total_steps"]),
+                          weight=float(row.get("weight", 1.0)), arrival_s=float(row.get("arrival_s", 0.0)),
+                          slo_s=None if row.get("slo_s") is None else float(row["slo_s"]))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        if not any(_has_throughput(table, job.job_type, t, job.scale_factor) for t in table.acc_types):
+            raise ValueError(f"{where}: the throughput table has no throughput for {job.job_type!r} at "
+                             f"scale_factor={job.scale_factor}")
+        jobs.append(job)
+    return jobs
+
+
+def write_json_trace(path: str | os.PathLike, jobs: Sequence[JobSpec]) -> None:
+    """Write jobs as virtualflow's JSON trace (round-trips through :func:`read_json_trace`)."""
+    import json
+
+    with open(path, "w") as f:
+        json.dump({"jobs": [{"job_type": j.job_type, "total_steps": float(j.total_steps),
+                             "scale_factor": int(j.scale_factor), "min_gpus": j.min_gpus, "weight": float(j.weight),
+                             "arrival_s": float(j.arrival_s), "slo_s": j.slo_s} for j in jobs]}, f, indent=1)
+        f.write("\n")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from virtualflow.cluster.mechanism import MechanismConfig
 from virtualflow.cluster.policies.base import Policy, get_policy
@@ -167,6 +167,8 @@ class ReplayRound:
     """Job id -> (type, workers) that runs after the round's actions."""
     actions: list[tuple[str, int]]
     """(kind, job id) of the round's actions."""
+    decision_s: float = 0.0
+    """Wall-clock seconds the scheduler's decision took (policy, mechanism, diff)."""
 
 
 @dataclass(slots=True)
@@ -179,6 +181,9 @@ class ReplayResult:
     restarts: dict[int, int]
     resizes: dict[int, int]
     rounds: list[ReplayRound]
+    lost_s: dict[int, float] = field(default_factory=dict)
+    """Seconds each job held slots without stepping: its starts' pauses (a resize loses nothing:
+    the old workers step on until the new group forms)."""
 
     @property
     def makespan_s(self) -> float:
@@ -224,6 +229,7 @@ class _State:
     starts: int = 0
     restarts: int = 0
     resizes: int = 0
+    lost_s: float = 0.0
 
     def advance(self, to: float) -> None:
         """Progress up to time ``to`` (never past the job's steps)."""
@@ -259,8 +265,10 @@ class _State:
         return self.step_from + 1.0 / self.rate if self.rate > 0 else math.inf
 
 
-def replay(jobs: Iterable[ReplayJob], config: ReplayConfig, costs: ReplayCosts | None = None) -> ReplayResult:
-    """Play the service's rounds over ``jobs`` in virtual time; see the module docstring."""
+def replay(jobs: Iterable[ReplayJob], config: ReplayConfig, costs: ReplayCosts | None = None, *,
+           on_round: Callable[[ReplayRound], None] | None = None) -> ReplayResult:
+    """Play the service's rounds over ``jobs`` in virtual time; see the module docstring.
+    ``on_round``: called with each round once played (progress output)."""
     costs = costs or ReplayCosts()
     jobs = sorted(jobs, key=lambda j: (j.arrival_s, j.job_id))
     if not jobs:
@@ -360,6 +368,7 @@ def replay(jobs: Iterable[ReplayJob], config: ReplayConfig, costs: ReplayCosts |
                 if s.starts < len(s.job.start_pauses):
                     pause = s.job.start_pauses[s.starts]
                 s.step_from = now + max(pause - 1.0 / s.rate, 0.0)
+                s.lost_s += s.step_from - now
                 s.formed_s, s.started_s, s.start_progress = s.step_from, now, int(s.progress)
                 s.starts += 1
                 s.restarts += 1 if resumed else 0
@@ -395,7 +404,9 @@ def replay(jobs: Iterable[ReplayJob], config: ReplayConfig, costs: ReplayCosts |
         sched.end_round()
         rounds.append(ReplayRound(start_s=start, end_s=end, solved=decision.solved, active=len(active),
                                   placements=placed,  # type: ignore[arg-type]
-                                  actions=[(a.kind, a.job_id) for a in actions]))
+                                  actions=[(a.kind, a.job_id) for a in actions], decision_s=decision.decision_s))
+        if on_round is not None:
+            on_round(rounds[-1])
         t = end
     else:
         raise ValueError(f"replay did not finish in max_rounds={config.max_rounds} rounds; raise "
@@ -404,7 +415,8 @@ def replay(jobs: Iterable[ReplayJob], config: ReplayConfig, costs: ReplayCosts |
     return ReplayResult(finish_s=finish, jct_s={jid: f - states[jid].job.arrival_s for jid, f in finish.items()},
                         starts={j: s.starts for j, s in states.items()},
                         restarts={j: s.restarts for j, s in states.items()},
-                        resizes={j: s.resizes for j, s in states.items()}, rounds=rounds)
+                        resizes={j: s.resizes for j, s in states.items()}, rounds=rounds,
+                        lost_s={j: s.lost_s for j, s in states.items()})
 
 
 def _median(xs: list[float], default: float) -> float:
