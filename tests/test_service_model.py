@@ -132,6 +132,8 @@ def test_the_command_line_refuses_what_the_service_model_does_not_do(tmp_path, c
     assert "apply to --model service only" in capsys.readouterr().err
     assert cli_main.main(base + ["--model", "service", "--reallocate-on-events"]) == 2
     assert "leave out --reallocate-on-events" in capsys.readouterr().err
+    assert cli_main.main(base + ["--model", "service", "--policy", "min_cost", "--prices", "v100=3,p100=2,k80=1"]) == 2
+    assert "--policy min_cost needs prices, which the cluster service does not have" in capsys.readouterr().err
     assert cli_main.main(base + ["--model", "service", "--costs", str(tmp_path / "none.json")]) == 2
     assert "--costs" in capsys.readouterr().err
     (tmp_path / "c.json").write_text(json.dumps({"start_s": 1.0, "restart_s": 2.0}))

@@ -232,6 +232,10 @@ def load_costs(path: str | None, restart_cost_s: float, resize_cost_s: float):
                           for k, v in data.items()})
 
 
+NO_SERVICE_INPUTS = {"min_cost": "prices", "min_cost_slo": "prices and SLOs", "las_space_sharing": "co-location throughputs"}
+"""Policies whose inputs the cluster service does not have (so --model service cannot play them)."""
+
+
 def simulate_as_service(args: argparse.Namespace, jobs, cluster, table, policy, sim_cfg):
     """``--model service``: the trace through the cluster service's scheduler (service/model.py)."""
     from virtualflow.service.core import parse_slowdowns
@@ -246,6 +250,9 @@ def simulate_as_service(args: argparse.Namespace, jobs, cluster, table, policy, 
                          "every job to completion; leave out --recompute / --max-hours")
     if not (args.min_run_s >= 0):
         raise ValueError(f"--min-run-s {args.min_run_s} must be >= 0 seconds")
+    if args.policy in NO_SERVICE_INPUTS:
+        raise ValueError(f"--policy {args.policy} needs {NO_SERVICE_INPUTS[args.policy]}, which the cluster service does "
+                         f"not have yet (docs/cluster_service.md, Limits); simulate it with --model rounds")
     costs = load_costs(args.costs, args.restart_cost_s, args.resize_cost_s)
     slowdowns = parse_slowdowns(args.slowdowns) if args.slowdowns else None
     bar = None
