@@ -22,6 +22,9 @@ The generator draws Gavel's continuous workload:
   the issue's definition) or on ``scale_factor`` of them (``"scale"``, what Gavel's own
   generator does; it makes multi-GPU jobs longer).
 
+``parse_generate_spec("gavel:rate=2.0,jobs=800,seed=0")`` instead gives the exact job sequence of
+Gavel's own scripts for that seed (:mod:`virtualflow.cluster.gavel_trace`).
+
 virtualflow's own JSON trace (:func:`read_json_trace`, :func:`write_json_trace`) carries what
 Gavel's format cannot: elastic ranges, absolute SLOs and any job type the throughput table
 names::
@@ -45,6 +48,7 @@ from typing import Sequence
 
 import numpy as np
 
+from virtualflow.cluster.gavel_trace import GavelTraceConfig, generate_gavel_jobs
 from virtualflow.cluster.model import JobSpec
 from virtualflow.cluster.throughputs import ThroughputTable
 
@@ -265,8 +269,14 @@ def draw_duration_s(rng: np.random.Generator, n: int) -> np.ndarray:
     return 60.0 * 10.0 ** exps
 
 
-def generate_jobs(table: ThroughputTable, config: GeneratorConfig | None = None, **kw) -> list[JobSpec]:
-    """Draw ``config.num_jobs`` jobs (ids 0..n-1 in arrival order). Keyword arguments build a config."""
+def generate_jobs(table: ThroughputTable, config: GeneratorConfig | GavelTraceConfig | None = None,
+                  **kw) -> list[JobSpec]:
+    """Draw ``config.num_jobs`` jobs (ids 0..n-1 in arrival order). Keyword arguments build a config.
+
+    A :class:`~virtualflow.cluster.gavel_trace.GavelTraceConfig` (``parse_generate_spec("gavel:...")``)
+    gives the job sequence Gavel's own scripts generate (:func:`generate_gavel_jobs`)."""
+    if isinstance(config, GavelTraceConfig):
+        return generate_gavel_jobs(table, config, **kw)
     cfg = config if config is not None else GeneratorConfig(**kw)
     if config is not None and kw:
         raise ValueError("pass either a GeneratorConfig or keyword arguments, not both")
@@ -319,9 +329,65 @@ _GEN_KEYS = {"rate": "rate_per_hour", "rate_per_hour": "rate_per_hour", "jobs": 
              "multi_gpu": "multi_gpu"}
 
 
-def parse_generate_spec(spec: str) -> GeneratorConfig:
+_GAVEL_KEYS = {"rate": "rate_per_hour", "rate_per_hour": "rate_per_hour", "jobs": "num_jobs",
+               "num_jobs": "num_jobs", "seed": "seed", "static": "static", "multi_gpu": "multi_gpu",
+               "multi_priority": "multi_priority", "slos": "slos", "reference": "reference_type",
+               "reference_type": "reference_type", "duration": "fixed_duration_s",
+               "fixed_duration_s": "fixed_duration_s"}
+
+
+def _flag(val: str) -> bool:
+    v = val.strip().lower()
+    if v in ("1", "true", "yes"):
+        return True
+    if v in ("0", "false", "no"):
+        return False
+    raise ValueError(val)
+
+
+def _parse_gavel_spec(spec: str) -> GavelTraceConfig:
+    kw: dict = {}
+    static = False
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        key, eq, val = part.partition("=")
+        key, val = key.strip(), val.strip()
+        if not eq or key not in _GAVEL_KEYS:
+            raise ValueError(f"--generate gavel: {part!r} is not KEY=VALUE with KEY in {sorted(_GAVEL_KEYS)} "
+                             "(e.g. gavel:rate=2.0,jobs=800,seed=0, or gavel:static=1,jobs=100,seed=0)")
+        name = _GAVEL_KEYS[key]
+        try:
+            if name in ("num_jobs", "seed"):
+                kw[name] = int(val)
+            elif name in ("rate_per_hour", "fixed_duration_s"):
+                kw[name] = float(val)
+            elif name == "static":
+                static = _flag(val)
+            elif name in ("multi_gpu", "multi_priority", "slos"):
+                kw[name] = _flag(val)
+            else:
+                kw[name] = val
+        except ValueError:
+            raise ValueError(f"--generate gavel: {key}={val!r} is not a valid value") from None
+    if static:
+        if kw.get("rate_per_hour", 0.0) != 0.0:
+            raise ValueError(f"--generate gavel: static=1 puts every job at time 0 but rate={kw['rate_per_hour']} "
+                             "was given; drop one of them")
+        kw["rate_per_hour"] = 0.0
+    return GavelTraceConfig(**kw)
+
+
+def parse_generate_spec(spec: str) -> GeneratorConfig | GavelTraceConfig:
     """``"rate=2.0,jobs=800,seed=0"`` -> GeneratorConfig (also ``elastic=0.5``,
-    ``priorities=1/5/10``, ``steps_reference=scale``, ``reference=v100``, ``multi_gpu=0``)."""
+    ``priorities=1/5/10``, ``steps_reference=scale``, ``reference=v100``, ``multi_gpu=0``).
+
+    ``"gavel:rate=2.0,jobs=800,seed=0"`` -> GavelTraceConfig: the jobs Gavel's own scripts generate
+    (also ``static=1`` for Gavel's static sweep, every job at 0; ``multi_gpu=0``,
+    ``multi_priority=1``, ``slos=1``, ``duration=SECONDS``, ``reference=v100``)."""
+    head, colon, rest = spec.partition(":")
+    if colon and head.strip().lower() == "gavel":
+        return _parse_gavel_spec(rest)
     kw: dict = {}
     for part in (p.strip() for p in spec.split(",")):
         if not part:
