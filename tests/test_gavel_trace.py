@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import collections
 
+import numpy as np
+
 import pytest
 
 from virtualflow.cluster import Cluster, ThroughputTable, gavel_data_dir, get_policy
@@ -136,3 +138,49 @@ def test_cli_simulate_generate_gavel(table, capsys):
     assert f"las: 12/12 jobs done; JCT avg {s['avg_jct_h']:.2f} h" in out
     assert main(argv[:3] + ["--generate", "gavel:jobs=5,colour=red"] + argv[5:]) == 2
     assert "'colour=red' is not KEY=VALUE" in capsys.readouterr().err
+
+
+# --- The makespan policy's central allocation (``Makespan(spread=...)``), Gavel's choice -------------
+
+
+def makespan_input(table, seed: int, n: int = 40):
+    from virtualflow.cluster.policies.base import PolicyInput
+
+    jobs = generate_gavel_jobs(table, num_jobs=n, rate_per_hour=0.0, seed=seed)
+    return PolicyInput(jobs=jobs, cluster=Cluster.parse("v100=8,p100=8,k80=8", gpus_per_server=1), table=table)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_makespan_spread_is_a_central_near_optimal_allocation(table, seed):
+    """``spread=s``: the same optimal makespan reported; an allocation that finishes every job within
+    (1 + s) x that makespan if kept, within capacity, with more (job, type) pairs in use than the
+    optimal vertex (the point of it: time on several types, no type planned full)."""
+    from virtualflow.cluster.policies.base import check_allocation
+    from virtualflow.cluster.policies.efficiency import Makespan
+
+    inp = makespan_input(table, seed)
+    vertex = Makespan().allocate(inp)
+    central = Makespan(spread=0.05).allocate(inp)
+    assert central.objective == pytest.approx(vertex.objective, rel=1e-9)
+    check_allocation(central, inp)
+    X = central.X
+    assert np.all(X >= 0) and np.all(X.sum(axis=1) <= 1 + 1e-9)
+    assert np.all((X * inp.scales[:, None]).sum(axis=0) <= inp.capacities + 1e-9)
+    finish_s = inp.remaining_steps / (inp.T * X).sum(axis=1)
+    assert finish_s.max() <= 1.05 * central.objective * (1 + 1e-6)
+    assert (X > 1e-6).sum() > (vertex.X > 1e-6).sum()
+    assert np.array_equal(Makespan(spread=0.0).allocate(inp).X, vertex.X)  # 0: the filled vertex, as before
+    with pytest.raises(ValueError, match=r"spread=1.0 must be in \[0, 1\)"):
+        Makespan(spread=1.0)
+
+
+def test_makespan_spread_shortens_gavel_static_trace(table):
+    """On the static trace of Gavel's scripts for seed 0 (the trace of issue 17's figures: 100 jobs at
+    t = 0, 8:8:8, restarts free) the central allocation finishes sooner than the filled vertex."""
+    from virtualflow.cluster.policies.efficiency import Makespan
+
+    jobs = generate_gavel_jobs(table, num_jobs=100, rate_per_hour=0.0, seed=0)
+    cluster = Cluster.parse("v100=8,p100=8,k80=8", gpus_per_server=1)
+    cfg = SimConfig(mechanism=MechanismConfig(round_s=360.0, restart_cost_s=0.0), progress=False)
+    spans = {s: summarize(simulate(jobs, cluster, table, Makespan(spread=s), cfg))["makespan_s"] for s in (0.0, 0.05)}
+    assert spans[0.05] < spans[0.0]

@@ -118,6 +118,35 @@ class WarmStartLP:
         return np.asarray(sol.col_value), float(h.getInfo().objective_function_value), np.asarray(sol.row_dual)
 
 
+def central_point(C: np.ndarray, scales: np.ndarray, caps: np.ndarray, runnable: np.ndarray,
+                  floor: np.ndarray) -> np.ndarray | None:
+    """An interior point of ``{X: sum_k C[i, k] X[i, k] >= floor_i, job rows, capacity rows}``:
+    HiGHS's interior-point method on the feasibility problem (zero objective), without presolve
+    and without crossover, so it stops inside the polytope instead of at a vertex. Every
+    constraint then keeps some slack: jobs get time on several types and no type is planned to
+    the last GPU. ``None`` when HiGHS does not report the point optimal (callers keep their
+    vertex). The point is pulled back inside [0, 1] and within capacity (IPM tolerances ~1e-7)."""
+    import warnings
+
+    from scipy.optimize import OptimizeWarning
+
+    n, k = C.shape
+    A = sp.vstack([-coef_rows(C), job_rows(n, k), cap_rows(scales, k)], format="csr")
+    b = np.concatenate([-np.asarray(floor, dtype=float), np.ones(n), np.asarray(caps, dtype=float)])
+    with warnings.catch_warnings():
+        # run_crossover is passed to HiGHS verbatim; scipy warns that it does not know it.
+        warnings.simplefilter("ignore", OptimizeWarning)
+        res = linprog(np.zeros(n * k), A_ub=A, b_ub=b, bounds=x_bounds(runnable), method="highs-ipm",
+                      options={"presolve": False, "run_crossover": "off"})
+    if res.status != 0 or res.x is None:
+        return None
+    X = np.where(runnable, np.clip(res.x.reshape(n, k), 0.0, 1.0), 0.0)
+    X /= np.maximum(X.sum(axis=1, keepdims=True), 1.0)
+    used = (X * np.asarray(scales, dtype=float)[:, None]).sum(axis=0)
+    caps_f = np.asarray(caps, dtype=float)
+    return X * np.where(used > caps_f, caps_f / np.maximum(used, 1e-300), 1.0)[None, :]
+
+
 def job_classes(*per_job: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Group jobs whose data rows are identical: (first index of each class, class of each job, sizes)."""
     key = np.column_stack([np.asarray(a, dtype=float).reshape(len(a), -1) for a in per_job])
