@@ -195,22 +195,43 @@ def successor_pieces(pipeline: Pipeline, layers: Sequence[nn.Module], bounds: Se
 
 @dataclass(slots=True)
 class Grid:
-    """Where a worker sits: ``replica`` of ``replicas``, ``stage_rank`` of ``stages``."""
+    """Where a worker sits: ``replica`` of ``replicas``, ``stage_rank`` of ``stages``.
+
+    Ranks run replica after replica. After a Bamboo failover the replicas may differ in depth
+    (a failed-over replica has one worker fewer): ``sizes`` then gives each replica's worker
+    count, and ``stage_rank`` is the worker's position in its replica."""
 
     stages: int
     replicas: int
     rank: int
+    sizes: tuple[int, ...] | None = None
+    """Workers per replica where they differ (``None``: ``stages`` each)."""
     stage_rank: int = field(init=False)
     replica: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.stage_rank = self.rank % self.stages
-        self.replica = self.rank // self.stages
+        if self.sizes is None:
+            self.stage_rank = self.rank % self.stages
+            self.replica = self.rank // self.stages
+            return
+        if len(self.sizes) != self.replicas or not 0 <= self.rank < sum(self.sizes):
+            raise ValueError(f"rank {self.rank} is not in {self.replicas} replicas of sizes {list(self.sizes)}")
+        offset = 0
+        for j, n in enumerate(self.sizes):
+            if self.rank < offset + n:
+                self.replica, self.stage_rank = j, self.rank - offset
+                break
+            offset += n
 
     def rank_of(self, replica: int, stage_rank: int) -> int:
-        return replica * self.stages + stage_rank
+        if self.sizes is None:
+            return replica * self.stages + stage_rank
+        return sum(self.sizes[:replica]) + stage_rank
 
     def describe(self) -> str:
+        if self.sizes is not None:
+            return (f"{sum(self.sizes)} workers in {self.replicas} pipeline replicas of "
+                    f"{', '.join(map(str, self.sizes))} workers")
         return (f"{self.stages * self.replicas} workers = {self.stages} stages x {self.replicas} "
                 f"pipeline replica{'s' if self.replicas != 1 else ''}")
 

@@ -15,6 +15,10 @@ Rules it enforces:
 * **Failures.** A worker that exits unexpectedly, or whose heartbeat is silent for
   ``heartbeat_timeout_s`` (it is then killed: fencing), is removed; generation ``g`` is marked
   aborted and the survivors get ``g+1``, where they redo the interrupted step.
+* **Pipelines.** A pipelined job keeps whole replicas: a replica that lost a worker leaves whole.
+  With Bamboo's redundancy each hit replica fails over instead (its lost worker's predecessor
+  takes the stage over, :mod:`virtualflow.plan.pipeline.failover`); only a replica that cannot
+  cover its loss leaves, and the job falls back to a restart when none is left.
 * **min_workers.** With fewer survivors than ``min_workers`` the next generation is a *hold*:
   members form it, checkpoint, and wait. Once enough workers are ready (``replace_failed`` or a
   resize), training resumes; after ``min_workers_timeout_s`` the job fails with the checkpoint
@@ -491,9 +495,8 @@ class MembershipController:
         if not breaks:
             return
         survivors = [w for w in self.members if w not in failed]
-        if (self.stages is not None and self.redundancy and survivors
-                and (len(self.members) == self.stages or self.layout is not None)):
-            self._failover(failed)
+        if self.stages is not None and self.redundancy and survivors:
+            self._failover(failed)  # per pipeline replica: fail over, leave whole, or fall back
             return
         if self.stages is not None and survivors:
             # A pipelined job goes on with its whole replicas only (members keep their order, so
@@ -530,19 +533,28 @@ class MembershipController:
         self._publish(survivors, kind="hold" if hold else "failure", hold=hold,
                       detail={"failed": sorted(failed), "causes": failed})
 
+    def _replica_layouts(self, layout: tuple[tuple[int, ...], ...] | None, size: int) -> tuple:
+        """Per pipeline replica, its layout (``layout`` None: every replica at full depth)."""
+        from virtualflow.plan.pipeline.failover import split_replicas, standard
+
+        if layout is None:
+            return tuple(standard(self.stages) for _ in range(size // self.stages))
+        return split_replicas(layout, self.stages)
+
     def _failover(self, failed: dict[int, str]) -> None:
-        """Bamboo: a single pipeline lost workers; their predecessors take their stages over from
-        their replicas, or the job falls back (ends, naming its last checkpoint)."""
-        from virtualflow.plan.pipeline.failover import Fallback, failover, standard
+        """Bamboo: pipeline replicas lost workers. In each hit replica the lost workers'
+        predecessors take their stages over from their replicas; a replica that cannot cover its
+        loss leaves whole; with no replica left the job falls back (ends, naming its last
+        checkpoint). See :func:`virtualflow.plan.pipeline.failover.failover_replicas`."""
+        from virtualflow.plan.pipeline.failover import Fallback, failover_replicas, is_standard
 
         members, layout = self._formed_layout if self._formed_layout is not None else (self.members, self.layout)
-        layout = layout if layout is not None else standard(self.stages)
         dead = {f["worker"] for f in self.failures} | set(failed)
-        lost = [i for i, w in enumerate(members) if w in dead]
         if any(w not in members for w in self.members):  # newcomers of an unformed generation: judge now
-            members, layout = self.members, (self.layout if self.layout is not None else standard(self.stages))
-            lost = [i for i, w in enumerate(members) if w in dead]
-        decision = failover(layout, lost)
+            members, layout = self.members, self.layout
+        layouts = self._replica_layouts(layout, len(members))
+        lost = [i for i, w in enumerate(members) if w in dead]
+        decision = failover_replicas(layouts, lost)
         self.coord.abort(self.generation)
         lost_desc = "; ".join(f"worker {w} {c}" for w, c in failed.items())
         if isinstance(decision, Fallback):
@@ -553,27 +565,48 @@ class MembershipController:
                 f"Resume from the last checkpoint (--resume RUN_DIR; --checkpoint-every N keeps one)"
             )
         survivors = [members[i] for i in decision.survivors]
-        self.coord.event("failover", step=self.last_step, failed=sorted(failed),
-                         taken_over={str(members[m]): members[p] for m, p in decision.taken_over.items()},
-                         layout=[list(r) for r in decision.layout])
-        self.bamboo_events.append({"kind": "failover", "step": self.last_step, "failed": sorted(failed),
-                                   "layout": [list(r) for r in decision.layout]})
-        missing = sum(len(run) - 1 for run in decision.layout)  # workers short of full depth
+        self._record_failover(members, layouts, decision, failed=sorted(failed))
+        dropped = [w for w in members if w not in survivors and w in self.members]
         if self.replace_failed:
-            for _ in range(sum(1 for w in failed if w in self.members)):
+            for _ in dropped:
                 self._new_worker()
-        self.target = len(survivors) + (missing if self.replace_failed else 0)
-        self.layout = decision.layout
-        self._publish(survivors, kind="failover", hold=False, detail={"failed": sorted(failed), "causes": failed})
+        missing = sum(len(run) - 1 for run in decision.layout)  # workers short of full depth
+        self.target = len(survivors) + ((missing + self.stages * len(decision.left)) if self.replace_failed else 0)
+        new_layout = decision.layout
+        standard_before = layout is None or is_standard(layout)
+        self.layout = None if is_standard(new_layout) and standard_before else new_layout
+        self._publish(survivors, kind="failover" if decision.failed_over else "failure", hold=False,
+                      detail={"failed": sorted(failed), "causes": failed})
+        if is_standard(new_layout):
+            self.layout = None  # full depth everywhere (the record carried the layout: members re-laid)
+
+    def _record_failover(self, members: list[int], layouts: tuple, decision: Any, **fields: Any) -> None:
+        """One ``failover`` event per replica that covered a loss (its index and new layout), one
+        warning per replica that leaves whole."""
+        offset, old_offsets = 0, []
+        for rep in layouts:
+            old_offsets.append(offset)
+            offset += len(rep)
+        for j, why in decision.left.items():
+            gone = members[old_offsets[j]: old_offsets[j] + len(layouts[j])]
+            logger.warning("pipeline replica %d (workers %s) leaves whole: %s", j, gone, why)
+            self.coord.event("replica_left", step=self.last_step, replica=j, workers=gone, reason=why)
+        for j in decision.failed_over:
+            lo, hi = old_offsets[j], old_offsets[j] + len(layouts[j])
+            new = [list(r) for r in decision.layouts[decision.kept.index(j)]]
+            taken = {str(members[m]): members[q] for m, q in decision.taken_over.items() if lo <= m < hi}
+            extra = {"replica": j} if len(layouts) > 1 else {}
+            self.coord.event("failover", step=self.last_step, taken_over=taken, layout=new, **extra, **fields)
+            self.bamboo_events.append({"kind": "failover", "step": self.last_step, "layout": new, **extra, **fields})
 
     def _reconfigure(self) -> bool:
         """Bamboo: newcomers take back the stages a failover gave to other workers (full depth
-        again, at a step boundary). Returns whether a generation was published."""
-        from virtualflow.plan.pipeline.failover import is_standard, reconfigure
+        again, at a step boundary), replica by replica. Returns whether a generation was published."""
+        from virtualflow.plan.pipeline.failover import is_standard, reconfigure_replicas
 
         if self.layout is None or not self.ready:
             return False
-        plan = reconfigure(self.layout, len(self.ready))
+        plan = reconfigure_replicas(self._replica_layouts(self.layout, len(self.members)), len(self.ready))
         added = [self.ready.pop(0) for slot in plan.order if slot is None]
         it = iter(added)
         members = [self.members[i] if i is not None else next(it) for i in plan.order]
@@ -638,6 +671,21 @@ class MembershipController:
                 add, self.ready = self.ready[:need], self.ready[need:]
                 self._publish(self.members + add, kind="grow", hold=False, command=True,
                               detail={"from": size, "to": self.target, "added": add})
+        elif self.target < size and self.layout is not None:
+            # Bamboo, failed over: whole replicas leave from the last one (at least one stays).
+            from virtualflow.plan.pipeline.failover import flatten
+
+            layouts = self._replica_layouts(self.layout, size)
+            while len(layouts) > 1 and sum(len(rep) for rep in layouts) > self.target:
+                layouts = layouts[:-1]
+            n = sum(len(rep) for rep in layouts)
+            self.target = n
+            if n < size:
+                self.layout = flatten(layouts)
+                self._publish(self.members[:n], kind="shrink", hold=False, command=True,
+                              detail={"from": size, "to": n, "removed": self.members[n:]})
+                if all(len(run) == 1 for run in self.layout):
+                    self.layout = None
         elif self.target < size:
             keep = self.members[: self.target]
             self._publish(keep, kind="shrink", hold=False, command=True,
@@ -653,7 +701,7 @@ class MembershipController:
         if not noticed:
             return False
         members = list(self.members)
-        if self.stages is not None and self.redundancy and (len(members) == self.stages or self.layout is not None):
+        if self.stages is not None and self.redundancy:
             return self._planned_failover(noticed)
         if self.stages is not None:
             p = self.stages
@@ -672,37 +720,39 @@ class MembershipController:
         return True
 
     def _planned_failover(self, noticed: list[int]) -> bool:
-        """Bamboo, on a preemption notice: the noticed workers of a single redundant pipeline
-        leave at the next step boundary and their predecessors take their stages over from the
-        replicas (fresh after every step), as a failover would after a loss, but with no step
-        redone. A notice redundancy cannot cover (see :func:`failover`) is not acted on: the
-        notice runs out and the loss is judged then (a fallback naming the checkpoint)."""
-        from virtualflow.plan.pipeline.failover import Fallback, failover, standard
+        """Bamboo, on a preemption notice: the noticed workers of a redundant pipeline leave at the
+        next step boundary and their predecessors take their stages over from the replicas (fresh
+        after every step), as a failover would after a loss, but with no step redone; a replica
+        that cannot cover its notice leaves whole if another replica goes on. A notice no replica
+        survives (see :func:`failover_replicas`) is not acted on: the notice runs out and the loss
+        is judged then (a fallback naming the checkpoint)."""
+        from virtualflow.plan.pipeline.failover import Fallback, failover_replicas, is_standard
 
         members = list(self.members)
-        layout = self.layout if self.layout is not None else standard(self.stages)
-        decision = failover(layout, [i for i, w in enumerate(members) if w in noticed])
-        if isinstance(decision, Fallback):
+        layouts = self._replica_layouts(self.layout, len(members))
+        decision = failover_replicas(layouts, [i for i, w in enumerate(members) if w in noticed])
+        survivors = [] if isinstance(decision, Fallback) else [members[i] for i in decision.survivors]
+        if isinstance(decision, Fallback) or len(survivors) < self.min_workers:
+            reason = decision.reason if isinstance(decision, Fallback) else f"below min_workers={self.min_workers}"
             if not self._notice_uncovered:
                 self._notice_uncovered = True
-                self.coord.event("preemption_uncovered", step=self.last_step, noticed=noticed, reason=decision.reason)
-                logger.warning("preemption notice for worker(s) %s not acted on: %s", noticed, decision.reason)
+                self.coord.event("preemption_uncovered", step=self.last_step, noticed=noticed, reason=reason)
+                logger.warning("preemption notice for worker(s) %s not acted on: %s", noticed, reason)
             return False
         self.noticed = []
-        survivors = [members[i] for i in decision.survivors]
-        taken = {str(members[m]): members[p] for m, p in decision.taken_over.items()}
-        self.coord.event("failover", step=self.last_step, failed=[], noticed=sorted(noticed), taken_over=taken,
-                         layout=[list(r) for r in decision.layout])
-        self.bamboo_events.append({"kind": "failover", "step": self.last_step, "failed": [], "noticed": sorted(noticed),
-                                   "layout": [list(r) for r in decision.layout]})
-        missing = sum(len(run) - 1 for run in decision.layout)
+        self._record_failover(members, layouts, decision, failed=[], noticed=sorted(noticed))
+        dropped = [w for w in members if w not in survivors]
         if self.replace_failed:
-            for _ in noticed:
+            for _ in dropped:
                 self._new_worker()
-        self.target = len(survivors) + (missing if self.replace_failed else 0)
-        self.layout = decision.layout
+        missing = sum(len(run) - 1 for run in decision.layout)
+        self.target = len(survivors) + ((missing + self.stages * len(decision.left)) if self.replace_failed else 0)
+        standard_before = self.layout is None or is_standard(self.layout)
+        self.layout = None if is_standard(decision.layout) and standard_before else decision.layout
         self._publish(survivors, kind="preempted", hold=False, command=True,
-                      detail={"noticed": sorted(noticed), "removed": [w for w in members if w not in survivors]})
+                      detail={"noticed": sorted(noticed), "removed": dropped})
+        if is_standard(decision.layout):
+            self.layout = None
         return True
 
     def _start_missing(self, need: int) -> None:
@@ -720,8 +770,10 @@ class MembershipController:
     def _publish(self, members: list[int], *, kind: str, hold: bool, command: bool = False,
                  detail: dict[str, Any] | None = None) -> None:
         g = self.generation + 1
-        if self.layout is not None:  # one pipeline, some members running several stages
-            assignment = [list(range(self.V)) for _ in members]
+        if self.layout is not None:  # Bamboo: some members run several stages (equal VN shares per replica)
+            layouts = self._replica_layouts(self.layout, len(members))
+            blocks = contiguous_assignment(self.V, len(layouts))
+            assignment = [list(blocks[j]) for j, rep in enumerate(layouts) for _ in rep]
             self.predicted_step_s, self.vn_sizes = None, None
         else:
             assignment = self._assignment_for(members)

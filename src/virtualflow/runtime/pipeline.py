@@ -102,6 +102,9 @@ class StageSum:
     """Sum ``vector`` over the pipeline replicas of this stage-rank (default mode)."""
 
     vector: torch.Tensor
+    stage: int | None = None
+    """A job stage (a worker running several after a Bamboo failover): sum over the workers that
+    run that stage in every replica; ``None``: this worker's one stage group."""
 
 
 @dataclass(slots=True)
@@ -111,6 +114,8 @@ class StageTree:
     plan: TreePlan
     nodes: dict[Node, torch.Tensor]
     like: torch.Tensor
+    stage: int | None = None
+    """As :attr:`StageSum.stage`."""
 
 
 @dataclass(slots=True)
@@ -305,6 +310,10 @@ class StageEngine:
         self.grad_numel = sum(q.numel() for q in self.params)
         self.replicas = 1
         self.replica = 0
+        self.job_stages: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None
+        """Bamboo, several replicas, this worker running several job stages: per job stage, the
+        indices of its gradients and of its BatchNorm statistics in this worker's flat vectors
+        (:meth:`set_job_stages`); each job stage is reduced over its own workers."""
         self.assignment: list[list[int]] = [list(range(plan.virtual_nodes))]
         self.tree: TreePlan | None = None
         self.timeline: list[dict[str, Any]] | None = [] if pipeline.record_timeline else None
@@ -368,6 +377,75 @@ class StageEngine:
                 f"{self.plan.virtual_nodes} replicas"
             )
         schedule_for(self.pipeline, len(vns), self.pipeline.window)  # validate m for this schedule now
+
+    def set_job_stages(self, stages: Sequence[tuple[int, int, int]] | None) -> None:
+        """Bamboo: this worker runs the job stages ``(stage, first layer, end layer)`` (consecutive,
+        in order) of a failed-over replica while other replicas run them on one worker each. Its
+        reductions over the replicas then go job stage by job stage, each over the workers that
+        run that stage (:attr:`StageSum.stage`), so every element is summed over the same replicas
+        in the same order as in an undisturbed run. ``None``: one reduction (one stage group)."""
+        if stages is None:
+            self.job_stages = None
+            return
+
+        def stage_of(layer: int) -> int:
+            for s, a, b in stages:
+                if a <= layer < b:
+                    return s
+            raise ValueError(f"layer {layer} of this worker is in none of its job stages {list(stages)}")
+
+        grad_owner = []
+        for name, q in self.model.named_parameters():
+            if q.requires_grad:
+                grad_owner += [stage_of(int(name.split(".")[0]))] * q.numel()
+        bn_owner = []
+        for k, module in self.pieces.items():  # the flat layout of _PieceBatchNorm, layer by layer
+            for name, layer in module.named_children():
+                n = sum(m.running_mean.numel() + m.running_var.numel() for m in layer.modules()
+                        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats)
+                bn_owner += [stage_of(int(name))] * n
+        if len(bn_owner) != self.bn_numel:
+            raise RuntimeError("BatchNorm statistics of a shared module cannot be split by job stage")
+        g, b = torch.tensor(grad_owner, dtype=torch.int64), torch.tensor(bn_owner, dtype=torch.int64)
+        self.job_stages = [(s, torch.nonzero(g == s).reshape(-1), torch.nonzero(b == s).reshape(-1))
+                           for s, _, _ in stages]
+
+    def _stage_slices(self, grads: bool, bn: bool, loss: bool) -> list[tuple[int, torch.Tensor]]:
+        """Per job stage, the indices of its elements in a vector laid out [grads | BatchNorm
+        statistics | loss] (each part present as told); the loss goes with the last job stage."""
+        G = self.grad_numel if grads else 0
+        B = self.bn_numel if bn else 0
+        out = []
+        for i, (s, gi, bi) in enumerate(self.job_stages):
+            parts = ([gi] if grads else []) + ([bi + G] if bn else [])
+            if loss and i == len(self.job_stages) - 1:
+                parts.append(torch.tensor([G + B], dtype=torch.int64))
+            idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+            out.append((s, idx.to(self.device)))
+        return out
+
+    def _sum_by_stage(self, vec: torch.Tensor, grads: bool, bn: bool, loss: bool) -> Generator[Request, Any, torch.Tensor]:
+        """:class:`StageSum` of ``vec``, job stage by job stage (see :meth:`set_job_stages`)."""
+        if self.job_stages is None:
+            return (yield StageSum(vec))
+        out = torch.empty_like(vec)
+        for s, idx in self._stage_slices(grads, bn, loss):
+            part = yield StageSum(vec.index_select(0, idx), stage=s)
+            out.index_copy_(0, idx, part)
+        return out
+
+    def _tree_by_stage(self, nodes: dict[Node, torch.Tensor], like: torch.Tensor, bn: bool,
+                       loss: bool) -> Generator[Request, Any, torch.Tensor]:
+        """:class:`StageTree` of ``nodes``, job stage by job stage (see :meth:`set_job_stages`):
+        the tree's sums are element-wise, so each element's sum is the undisturbed run's."""
+        if self.job_stages is None:
+            return (yield StageTree(self.tree, nodes, like))
+        out = torch.empty_like(like)
+        for s, idx in self._stage_slices(True, bn, loss):
+            sub = {node: t.index_select(0, idx) for node, t in nodes.items()}
+            part = yield StageTree(self.tree, sub, like.index_select(0, idx), stage=s)
+            out.index_copy_(0, idx, part)
+        return out
 
     @property
     def first(self) -> int:
@@ -736,7 +814,7 @@ class StageEngine:
 
             nodes = tree_reduce_local(self.tree.per_worker[self.replica], leaf)
             like = next(iter(nodes.values()))
-            total = yield StageTree(self.tree, nodes, like)
+            total = yield from self._tree_by_stage(nodes, like, bool(with_bn), is_last)
             offset = 0
             for q in self.params:
                 q.grad = total[offset: offset + q.numel()].view_as(q).clone()
@@ -763,7 +841,7 @@ class StageEngine:
             vec = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
             offset = 0
             if multi:
-                vec = yield StageSum(vec)
+                vec = yield from self._sum_by_stage(vec, True, bool(self.bn_numel), is_last)
                 for q in self.params:
                     q.grad = vec[offset: offset + q.numel()].view_as(q).clone()
                     offset += q.numel()
@@ -863,7 +941,7 @@ class StageEngine:
         self.pending_commit = None
         self.last_commit = (step, stats.clone())
         if first_bn:
-            bn_new = yield StageSum(vec)
+            bn_new = yield from self._sum_by_stage(vec, False, True, False)
         return commit(stats, bn_new)
 
     # ---- no-flush schedules (2BW, asynchronous PipeDream) ---------------------------------------

@@ -8,7 +8,10 @@ over their own group (``gen/<g>/stage<s>``); one small all-reduce over the whole
 carries losses, bad VNs and the control position. A resize adds or removes whole replicas: a
 survivor keeps its stage-rank (members keep their order), a newcomer receives its stage's state
 (pieces, optimizer, scheduler, 2BW's older weights) from a member of the same stage that reached
-the step. A failure leaves the job its whole replicas (see ``control/membership.py``).
+the step. A failure leaves the job its whole replicas (see ``control/membership.py``); with
+Bamboo's redundancy the hit replica fails over instead, one worker shorter (:meth:`_relayout`:
+replicas may then differ in depth, and a worker running several job stages joins each stage's
+group).
 
 Every worker builds the whole model once from the job's seed (so all pieces start from the
 unpipelined model's initial weights) and keeps the layers of its stage-rank for training; rank 0
@@ -183,7 +186,8 @@ class _Arrival:
 
 
 def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pieces: int,
-          device: torch.device, links: Links | None = None) -> list[StepResult]:
+          device: torch.device, links: Links | None = None,
+          stage_groups: dict[int, Group] | None = None) -> list[StepResult]:
     """Answer a :class:`StageEngine` generator's requests with real communication.
 
     Receives are posted when the engine announces them (:class:`Expect`), so a message moves as
@@ -193,6 +197,10 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
     change, the sender sends a header (flag and shapes) on part 0 and the packed payload on part
     2 (after, on a known link, a part-1 buffer flagged ``_CHANGED`` to complete the posted
     receive). So the common case costs one message per hop, as hand-written pipelines do.
+
+    A :class:`StageSum` / :class:`StageTree` naming a job stage goes over that stage's group in
+    ``stage_groups`` (a worker running several stages after a Bamboo failover), else over
+    ``stage_group``.
     """
     links = links if links is not None else Links()
     pending: list[tuple[Any, list[torch.Tensor]]] = []
@@ -278,10 +286,11 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
                     else:
                         raise PeerFailure(group.generation, f"pipeline message with unknown flag {flag}")
             elif isinstance(req, StageSum):
-                stage_group.all_reduce(req.vector)
+                (stage_group if req.stage is None else stage_groups[req.stage]).all_reduce(req.vector)
                 answer = req.vector
             elif isinstance(req, StageTree):
-                answer = tree_exchange(req.plan, stage_group, req.nodes, like=req.like)
+                answer = tree_exchange(req.plan, stage_group if req.stage is None else stage_groups[req.stage],
+                                       req.nodes, like=req.like)
             elif isinstance(req, AllSum):
                 group.all_reduce(req.vector)
                 answer = req.vector
@@ -334,6 +343,9 @@ class PipelineWorkerEngine:
         self.stage: StageEngine | None = None
         self.group: Group | None = None
         self.stage_group: Group | None = None
+        self.stage_groups: dict[int, Group] = {}
+        """Per job stage this worker runs, the group of the workers running it in every replica
+        (``stage_group`` is the first; more than one after a Bamboo failover)."""
         self.grid: Grid | None = None
         self.phase = "idle"
         self.slowdown = 1.0
@@ -430,16 +442,29 @@ class PipelineWorkerEngine:
             )
         self._adopt(group, grid, contiguous_assignment(self.job.virtual_nodes, d))
 
-    def _adopt(self, group: Group, grid: Grid, assignment: list[list[int]]) -> None:
-        if self.stage_group is not None and self.stage_group.pg is not None:
-            self.stage_group.close()
-        self.stage_group = self.subgroup(group.generation, f"stage{grid.stage_rank}", grid.replica, grid.replicas)
+    def _adopt(self, group: Group, grid: Grid, assignment: list[list[int]],
+               job_stages: tuple[int, ...] | None = None) -> None:
+        """Join the generation: its groups (one per job stage this worker runs, ``job_stages``; by
+        default its stage-rank's), its place in its replica, the replicas' VNs."""
+        self._close_stage_groups()
+        names = job_stages if job_stages is not None else (grid.stage_rank,)
+        # In increasing stage order on every worker, so building them cannot deadlock.
+        self.stage_groups = {s: self.subgroup(group.generation, f"stage{s}", grid.replica, grid.replicas)
+                             for s in sorted(names)}
+        self.stage_group = self.stage_groups[min(names)]
         self.stage.set_layout(grid.replica, assignment)
         self.stage.slowdown = self.slowdown
         self.stage.fault_point = None
         self.group, self.grid = group, grid
         self.links = Links()  # a new generation: new peers, no shared history
         self._results = {}
+
+    def _close_stage_groups(self) -> None:
+        for g in self.stage_groups.values():
+            if g.pg is not None:
+                g.close()
+        self.stage_groups = {}
+        self.stage_group = None
 
     # ---- Bamboo: failover and reconfiguration ---------------------------------------------------
     def _stages_held(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -451,9 +476,10 @@ class PipelineWorkerEngine:
             own = (self.stage.stage_rank,)
             rep = ((self.stage.stage_rank + 1) % p,) if self.stage.replica_of_successor is not None else ()
             return own, rep
-        n = len(self.layout)
-        r = self.group_rank
-        return self.layout[r], self.layout[(r + 1) % n]
+        own = self.layout[self.group_rank]
+        if self.stage.replica_of_successor is None:  # a replica of one worker keeps no replica
+            return own, ()
+        return own, self.layout[_successor(self.layout, self.pipeline.stages, self.group_rank)]
 
     def _stage_states(self, holder: Any, stages: tuple[int, ...]) -> dict[int, dict[str, Any]]:
         """Per job stage, the state ``holder`` (a StageEngine or StageReplica running ``stages``)
@@ -481,14 +507,18 @@ class PipelineWorkerEngine:
         return out
 
     def _relayout(self, group: Group, layout: list[list[int]], steps: list[int] | None, target: int | None) -> None:
-        """Adopt a Bamboo layout (one pipeline replica, members running runs of stages): every
-        member ends up with the state of its own stages and a replica of its successor's, taken
-        from its own pieces, its replica, or (a broadcast) from a member holding them. Collective."""
+        """Adopt a Bamboo layout (one run of stages per member, pipeline replica after replica;
+        a replica starts at the run holding stage 0): every member ends up with the state of its
+        own stages and a replica of its successor's in its replica, taken from its own pieces,
+        its replica, or (a broadcast) from a member holding them. With several replicas, each
+        job stage is reduced over the workers running it, one per replica, in replica order
+        (:meth:`StageEngine.set_job_stages`). Collective."""
         from virtualflow.pipeline import Pipeline, bounds_from_counts, piece_module
-        from virtualflow.plan.pipeline.failover import check_layout
+        from virtualflow.plan.pipeline.failover import flatten, split_replicas
 
         p = self.pipeline.stages
-        new = check_layout(layout, p)
+        layouts = split_replicas(layout, p)
+        new = flatten(layouts)
         if len(new) != group.size:
             raise RuntimeError(f"layout {layout} names {len(new)} workers; the generation has {group.size}")
         if steps is not None and target is not None and any(0 <= t != target for t in steps):
@@ -520,7 +550,7 @@ class PipelineWorkerEngine:
         got: dict[int, dict[str, Any]] = {}
         self.relayout_bytes = 0
         for r in range(n):
-            for s in sorted(set(new[r]) | set(new[(r + 1) % n])):
+            for s in sorted(set(new[r]) | set(new[_successor(new, p, r)])):
                 if held[r, s] > 0:
                     if r == group.rank:
                         got[s] = local[s]
@@ -540,44 +570,50 @@ class PipelineWorkerEngine:
         group.all_reduce(total)
         self.relayout_bytes = int(total.item())  # every member: the re-layout's bytes in all
         # Build this worker's pieces from the whole model's layers, loaded with the stages' states.
-        mine, succ = new[group.rank], new[(group.rank + 1) % n]
+        grid = Grid(p, len(layouts), group.rank, sizes=tuple(len(rep) for rep in layouts))
+        mine_rep = layouts[grid.replica]
+        pos, m = grid.stage_rank, len(mine_rep)
+        mine, succ = mine_rep[pos], mine_rep[(pos + 1) % m]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.job.seed)
             layers = [layer.to(self.device) for layer in layers_of(self.job.model())]
         whole = torch.nn.Sequential(*layers)
         whole.load_state_dict({k: v for s in set(mine) | set(succ) for k, v in got[s]["model"].items()},
                               strict=False)
-        counts = [self.full_bounds[run[-1]][1] - self.full_bounds[run[0]][0] for run in new]
+        counts = [self.full_bounds[run[-1]][1] - self.full_bounds[run[0]][0] for run in mine_rep]
         self.layout = new
         self.group_rank = group.rank
-        pipeline = Pipeline(stages=n, schedule=self.pipeline.schedule, split=counts, redundancy=n >= 2,
+        pipeline = Pipeline(stages=m, schedule=self.pipeline.schedule, split=counts, redundancy=m >= 2,
                             redundant_compute=self.pipeline.redundant_compute)
         self.bounds = bounds_from_counts(counts)
-        a, b = self.bounds[group.rank]
-        sa, sb = self.bounds[(group.rank + 1) % n]
+        a, b = self.bounds[pos]
+        sa, sb = self.bounds[(pos + 1) % m]
         job = self.job
         self.stage = StageEngine(
-            pieces={group.rank: piece_module(layers, a, b)}, n_pieces=n, stage_rank=group.rank,
+            pieces={pos: piece_module(layers, a, b)}, n_pieces=m, stage_rank=pos,
             optimizer_factory=job.optimizer, scheduler_factory=job.lr_scheduler, pipeline=pipeline, plan=self.plan,
             loader=BatchLoader(self.dataset, job.collate_fn), model_input=job.input_of, output_loss=job.output_loss,
             seed=job.seed, batchnorm=job.batchnorm, deterministic=self.deterministic, device=self.device,
-            successor_pieces={(group.rank + 1) % n: piece_module(layers, sa, sb)} if n >= 2 else None,
+            successor_pieces={(pos + 1) % m: piece_module(layers, sa, sb)} if m >= 2 else None,
         )
         _load_merged(self.stage, [got[s] for s in mine])
         _load_merged(self.stage.replica_of_successor, [got[s] for s in succ])
         if old_replica is not None and old_replica.eager:
             # Eager redundant forwards of the interrupted step, of a stage this worker now runs:
             # the redone step takes them instead of running that stage's forwards again.
-            lo = min(int(name) for m in old_replica.pieces.values() for name, _ in m.named_children())
-            hi = max(int(name) for m in old_replica.pieces.values() for name, _ in m.named_children()) + 1
+            lo = min(int(name) for mod in old_replica.pieces.values() for name, _ in mod.named_children())
+            hi = max(int(name) for mod in old_replica.pieces.values() for name, _ in mod.named_children()) + 1
             if a <= lo and hi <= b and self.stage.pipeline.eager_forwards:
                 self.stage.reuse = _Reuse(lo, hi, dict(old_replica.eager))
             old_replica.eager.clear()
+        if len(layouts) > 1 and len(mine) > 1:
+            self.stage.set_job_stages([(s, *self.full_bounds[s]) for s in mine])
         self.model, self.layers = None, None
         self._relaid = group.generation
-        if n == p and all(len(run) == 1 for run in new):
+        if all(len(run) == 1 for run in new):
             self.layout = None  # full depth again: the standard layout from here on
-        self._adopt(group, Grid(n, 1, group.rank), [list(range(self.job.virtual_nodes))])
+            grid = Grid(p, len(layouts), group.rank)
+        self._adopt(group, grid, contiguous_assignment(self.job.virtual_nodes, len(layouts)), job_stages=mine)
 
     def step(self, step: int, control: int = 0) -> StepOutcome:
         if step in self._results:
@@ -593,7 +629,8 @@ class PipelineWorkerEngine:
             self.stage.fault_point = lambda phase: fault(step, phase)
         self.phase = "compute"
         results = drive(self.stage.steps(step, n, control), group=self.group, stage_group=self.stage_group,
-                        grid=self.grid, n_pieces=len(self.bounds), device=self.device, links=self.links)
+                        grid=self.grid, n_pieces=len(self.bounds), device=self.device, links=self.links,
+                        stage_groups=self.stage_groups)
         self.phase = "idle"
         if self.stage.timeline:
             self._write_timeline()
@@ -635,8 +672,7 @@ class PipelineWorkerEngine:
             self.stage.pending_commit = None
         if self.stage is not None and self._pending is None:
             self._discard_step()
-        if self.stage_group is not None:
-            self.stage_group.close()
+        self._close_stage_groups()
         self.group = None
         self._results = {}
         self.phase = "idle"
@@ -772,7 +808,9 @@ class PipelineWorkerEngine:
         several stages send each stage's state apart, so the layout is that of the job's stages."""
         p = self.pipeline.stages
         if self.layout is not None:
-            n = len(self.layout)
+            from virtualflow.plan.pipeline.failover import split_replicas
+
+            n = len(split_replicas(self.layout, p)[0])  # the first replica's members: ranks 0 .. n-1
             per_stage: dict[int, dict[str, Any]] = {}
             for r in range(n):
                 if group.rank not in (0, r):
@@ -808,6 +846,18 @@ class PipelineWorkerEngine:
                 "lr_scheduler": {"pipeline_stages": [st["lr_scheduler"] for st in stages]},
                 "pipeline": {"stages": p, "bounds": [list(b) for b in self.full_bounds],
                              "schedule": self.pipeline.schedule}}
+
+
+def _successor(flat: Any, stages: int, r: int) -> int:
+    """Flat index of the successor of member ``r`` in its own pipeline replica (a flat layout:
+    one run per member, replicas one after another, each starting at the run holding stage 0)."""
+    start = r
+    while flat[start][0] != 0:
+        start -= 1
+    end = r + 1
+    while end < len(flat) and flat[end][0] != 0:
+        end += 1
+    return start + (r - start + 1) % (end - start)
 
 
 def _load_merged(holder: Any, states: list[dict[str, Any]]) -> None:

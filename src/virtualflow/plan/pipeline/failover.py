@@ -16,6 +16,14 @@ Every worker keeps a replica of its successor worker's stages (``Pipeline.redund
 * **Reconfiguration.** Newcomers go, one each, to the workers running more than one stage: a
   newcomer takes the *last* stage of such a worker (the stage that worker took over), until every
   worker runs one stage again.
+* **Several pipeline replicas.** A job of ``k`` replicas has one layout per replica; its *flat*
+  layout (the generation record's) lists every member's run, replica after replica (a replica
+  starts at the run holding stage 0). Each replica is judged on its own with :func:`failover`
+  (:func:`failover_replicas`): a replica that loses a worker it can cover fails over and goes on
+  one worker shorter while the others stay at full depth; a replica that cannot cover its loss
+  leaves whole (its survivors are dropped, as a job without redundancy does); only when no
+  replica is left is the decision a :class:`Fallback`. Reconfiguration is applied replica by
+  replica, in replica order (:func:`reconfigure_replicas`).
 
 Pure: no processes; the membership controller and the worker engine act on these decisions.
 """
@@ -130,4 +138,97 @@ def reconfigure(layout: Layout, newcomers: int) -> Reconfigure:
         else:
             new.append(run)
             order.append(i)
+    return Reconfigure(tuple(new), tuple(order))
+
+
+# ---- several pipeline replicas ------------------------------------------------------------------
+def split_replicas(flat: Sequence[Sequence[int]], stages: int) -> tuple[Layout, ...]:
+    """A job's flat layout (one run per member, replicas one after another) cut into its replicas'
+    layouts: a replica starts at each run that begins with stage 0. ``ValueError`` unless every
+    replica is a valid layout (:func:`check_layout`)."""
+    runs = [tuple(int(s) for s in run) for run in flat]
+    out: list[list[tuple[int, ...]]] = []
+    for run in runs:
+        if not out or (run and run[0] == 0):
+            out.append([])
+        out[-1].append(run)
+    if not out:
+        raise ValueError("a pipeline layout needs at least one worker")
+    return tuple(check_layout(rep, stages) for rep in out)
+
+
+def flatten(layouts: Sequence[Layout]) -> Layout:
+    """The flat layout of replicas' layouts (the inverse of :func:`split_replicas`)."""
+    return tuple(run for rep in layouts for run in rep)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicasFailover:
+    layouts: tuple[Layout, ...]
+    """The surviving replicas' layouts, in replica order."""
+    survivors: tuple[int, ...]
+    """Flat indices (in the old layout) of the workers that go on, in order."""
+    taken_over: dict[int, int]
+    """Flat old index of each lost worker -> flat old index of the worker that takes its stages over."""
+    failed_over: tuple[int, ...]
+    """Old indices of the replicas that covered a loss (they run shorter now)."""
+    left: dict[int, str]
+    """Old index of each replica that leaves whole -> why its loss could not be covered."""
+    kept: tuple[int, ...]
+    """Old indices of the replicas that go on, in order (``layouts[i]`` is replica ``kept[i]``'s)."""
+
+    @property
+    def layout(self) -> Layout:
+        return flatten(self.layouts)
+
+
+def failover_replicas(layouts: Sequence[Layout], lost: Sequence[int]) -> ReplicasFailover | Fallback:
+    """What a job of pipeline replicas becomes when the workers at flat indices ``lost`` are gone
+    (see the module docstring). One replica: exactly :func:`failover`'s decision."""
+    total = sum(len(rep) for rep in layouts)
+    lost_set = set(lost)
+    if any(not 0 <= m < total for m in lost_set):
+        raise ValueError(f"lost workers {sorted(lost_set)} are not indices of a {total}-worker layout")
+    new: list[Layout] = []
+    survivors: list[int] = []
+    taken: dict[int, int] = {}
+    failed_over: list[int] = []
+    left: dict[int, str] = {}
+    kept: list[int] = []
+    offset = 0
+    for j, rep in enumerate(layouts):
+        local = [m - offset for m in lost_set if offset <= m < offset + len(rep)]
+        decision = failover(rep, local)
+        if isinstance(decision, Fallback):
+            left[j] = decision.reason
+        else:
+            new.append(decision.layout)
+            kept.append(j)
+            survivors += [offset + i for i in decision.survivors]
+            taken.update({offset + m: offset + q for m, q in decision.taken_over.items()})
+            if local:
+                failed_over.append(j)
+        offset += len(rep)
+    if not new:
+        if len(layouts) == 1:
+            return Fallback(left[0])
+        return Fallback("every pipeline replica lost a stage it cannot cover ("
+                        + "; ".join(f"replica {j}: {why}" for j, why in left.items()) + ")")
+    return ReplicasFailover(tuple(new), tuple(survivors), taken, tuple(failed_over), left, tuple(kept))
+
+
+def reconfigure_replicas(layouts: Sequence[Layout], newcomers: int) -> Reconfigure:
+    """:func:`reconfigure` replica by replica, in replica order, over the flat layout: newcomers
+    go to the first failed-over replicas first. ``order`` holds flat old indices (``None``: a
+    newcomer); the new flat layout is ``layout``."""
+    new: list[tuple[int, ...]] = []
+    order: list[int | None] = []
+    left, offset = newcomers, 0
+    for rep in layouts:
+        plan = reconfigure(rep, left)
+        placed = sum(1 for i in plan.order if i is None)
+        left -= placed
+        new.extend(plan.layout)
+        order.extend(None if i is None else offset + i for i in plan.order)
+        offset += len(rep)
     return Reconfigure(tuple(new), tuple(order))
