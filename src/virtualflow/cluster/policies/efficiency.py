@@ -53,7 +53,7 @@ class Makespan:
         C = np.where(inp.runnable, inp.T, 0.0) / inp.remaining_steps[:, None]
         X, t = lp.max_min(C, inp.scales, inp.capacities, inp.runnable, fill=self.fill and self.spread == 0,
                           what=self.name)
-        if self.spread > 0 and t > 0:
+        if self.spread > 0 and 0 < t < float("inf"):
             floor = np.where((C > 0).any(axis=1), t / (1.0 + self.spread), 0.0)
             central = lp.central_point(C, inp.scales, inp.capacities, inp.runnable, floor)
             if central is not None:

@@ -53,10 +53,23 @@ class Las:
 
     name: str = "las"
     fill: bool = True
+    """Give capacity the bottleneck jobs cannot use to the others (a second LP); ``central`` off only."""
+    central: bool = False
+    """Return an interior point of the optimal face (``lp.central_point`` with every job at the
+    max-min value) instead of the filled vertex, as Gavel's interior-point solver does: the same
+    max-min value, every job with time on several types, no type planned full. On the traces of
+    Gavel's scripts (restarts free) it lowered the static LAS's average JCT by 1.4-2.2 % and its
+    makespan by 3 %, the continuous one's average JCT by 0.6 % (docs/cluster.md)."""
 
     def allocate(self, inp: PolicyInput) -> Allocation:
         C = las_coefficients(inp.T, inp.scales, inp.capacities, inp.runnable, inp.weights)
-        X, t = lp.max_min(C, inp.scales, inp.capacities, inp.runnable, fill=self.fill, what=self.name)
+        X, t = lp.max_min(C, inp.scales, inp.capacities, inp.runnable, fill=self.fill and not self.central,
+                          what=self.name)
+        if self.central and 0 < t < float("inf"):
+            floor = np.where((C > 0).any(axis=1), t * (1 - lp.EPS_FIX), 0.0)
+            inner = lp.central_point(C, inp.scales, inp.capacities, inp.runnable, floor)
+            if inner is not None:
+                X = inner
         return single_rows(inp, X, t)
 
 

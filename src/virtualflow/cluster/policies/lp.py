@@ -130,9 +130,18 @@ def central_point(C: np.ndarray, scales: np.ndarray, caps: np.ndarray, runnable:
 
     from scipy.optimize import OptimizeWarning
 
-    n, k = C.shape
-    A = sp.vstack([-coef_rows(C), job_rows(n, k), cap_rows(scales, k)], format="csr")
-    b = np.concatenate([-np.asarray(floor, dtype=float), np.ones(n), np.asarray(caps, dtype=float)])
+    n_all, k = C.shape
+    if n_all == 0:
+        return np.zeros((0, k))
+    floor_all = np.asarray(floor, dtype=float)
+    scales_all = np.asarray(scales, dtype=float)
+    # Identical jobs as one class (as max_min): the problem is symmetric under swapping them, so
+    # they share one X by construction (an interior point is not exactly symmetric otherwise).
+    first, cls, mult = job_classes(C, scales_all, runnable, floor_all)
+    C, scales, runnable, floor = C[first], scales_all[first], runnable[first], floor_all[first]
+    n = len(first)
+    A = sp.vstack([-coef_rows(C), job_rows(n, k), cap_rows(scales * mult, k)], format="csr")
+    b = np.concatenate([-floor, np.ones(n), np.asarray(caps, dtype=float)])
     with warnings.catch_warnings():
         # run_crossover is passed to HiGHS verbatim; scipy warns that it does not know it.
         warnings.simplefilter("ignore", OptimizeWarning)
@@ -142,9 +151,10 @@ def central_point(C: np.ndarray, scales: np.ndarray, caps: np.ndarray, runnable:
         return None
     X = np.where(runnable, np.clip(res.x.reshape(n, k), 0.0, 1.0), 0.0)
     X /= np.maximum(X.sum(axis=1, keepdims=True), 1.0)
-    used = (X * np.asarray(scales, dtype=float)[:, None]).sum(axis=0)
+    used = (X * (scales * mult)[:, None]).sum(axis=0)
     caps_f = np.asarray(caps, dtype=float)
-    return X * np.where(used > caps_f, caps_f / np.maximum(used, 1e-300), 1.0)[None, :]
+    X = X * np.where(used > caps_f, caps_f / np.maximum(used, 1e-300), 1.0)[None, :]
+    return X[cls]
 
 
 def job_classes(*per_job: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
