@@ -375,3 +375,40 @@ def test_the_short_replica_reforms_at_full_depth_when_a_worker_returns(run_dir):
     ref = vf.train(jobs.pipelined_redundant_job().replace(pipeline=Pipeline(stages=3)), workers=3,
                    steps=result.steps, deterministic=True)
     assert_state_equal(result.state_dict, ref.state_dict)
+
+
+@pytest.mark.slow
+def test_a_preemption_notice_in_one_replica_hands_its_stage_over_at_a_step_boundary(run_dir):
+    """SIGTERM to replica 0's last worker of a 2 x 3 job: at the next step boundary its
+    predecessor takes stage 2 over, replica 1 stays at full depth, the noticed worker leaves
+    cleanly: no failure, no step redone, the undisturbed model."""
+    import signal
+    import time
+
+    from conftest import assert_state_equal, wait_for_step
+
+    handle = vf.launch(jobs.pipelined_redundant_job, workers=6, steps=1_000_000, deterministic=True, run_dir=run_dir)
+    wait_for_step(handle, 3)
+    victim = next(w for w in handle.status()["workers"] if w["rank"] == 2)
+    os.kill(victim["pid"], signal.SIGTERM)
+    deadline = time.monotonic() + 60
+
+    def handed_over(st: dict) -> bool:
+        return (len([w for w in st["workers"] if w["rank"] is not None]) == 5
+                and st["formed_generation"] == st["generation"])
+
+    while not handed_over(handle.status()):
+        assert time.monotonic() < deadline and not handle.done, handle.status()
+        time.sleep(0.05)
+    wait_for_step(handle, handle.status()["step"] + 2)
+    result = handle.stop()
+    assert result.failures == []
+    assert [h["step"] for h in result.history] == list(range(result.steps))
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        events = [json.loads(line) for line in f]
+    assert [(e["replica"], e["layout"], e["noticed"]) for e in events if e["event"] == "failover"] == \
+        [(0, [[0], [1, 2]], [victim["id"]])]
+    assert [e["worker"] for e in events if e["event"] == "leave"] == [victim["id"]]
+    ref = vf.train(jobs.pipelined_redundant_job().replace(pipeline=Pipeline(stages=3)), workers=3,
+                   steps=result.steps, deterministic=True)
+    assert_state_equal(result.state_dict, ref.state_dict)
