@@ -25,6 +25,7 @@ a hung peer is fenced by the coordinator, which closes its sockets too.
 from __future__ import annotations
 
 import datetime
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -106,7 +107,16 @@ class Group:
         return _Work(work, self.generation)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
-        self.irecv(tensor, src, tag).wait()  # unsliced: see the module docstring
+        """Receive into ``tensor``. With an ``abort_check`` the wait is owned by a daemon thread
+        (:class:`Arrival`) and given up, as a :class:`PeerFailure`, when the coordinator declares
+        the generation broken: a receive from a live peer that has itself left the generation would
+        otherwise block until the group's timeout (a state transfer during a failure: measured
+        120 s). The wait itself stays unsliced (see the module docstring)."""
+        work = self.irecv(tensor, src, tag)
+        if self.abort_check is None:
+            work.wait()
+        else:
+            Arrival(work).wait(self)
 
     def close(self) -> None:
         """Release the group's sockets and threads (best effort; a broken group may refuse)."""
@@ -116,6 +126,42 @@ class Group:
             except Exception:
                 pass
             self.pg = None
+
+
+class Arrival:
+    """The wait of one posted receive, owned by a daemon thread, so that the receiver can (1) tell
+    without blocking whether the message is there (gloo's point-to-point work reports
+    ``is_completed()`` False until someone waits on it, measured) and (2) give up on it when the
+    coordinator declares the generation broken (a timed wait on a gloo point-to-point receive
+    breaks the pair, measured; a receive from a live peer that has itself left the generation
+    would otherwise block until the group's timeout). A thread left waiting ends when the group's
+    sockets close (the worker closes a broken generation's group) or at its timeout."""
+
+    __slots__ = ("done", "error")
+
+    def __init__(self, work) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        threading.Thread(target=self._wait, args=(work,), daemon=True, name="vf-recv-arrival").start()
+
+    def _wait(self, work) -> None:
+        try:
+            work.wait()
+        except BaseException as exc:  # handed to the receiver's thread
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def wait(self, group: "Group") -> None:
+        if not self.done.wait(0.05):
+            while not self.done.wait(0.2):  # short waits: the abort flag is read in between
+                if group.abort_check is not None and group.abort_check():
+                    raise PeerFailure(group.generation, "the coordinator declared the generation broken (a member "
+                                                        "failed) during a receive")
+        if self.error is not None:
+            if isinstance(self.error, RuntimeError) and not isinstance(self.error, PeerFailure):
+                raise PeerFailure(group.generation, _first_line(str(self.error))) from self.error
+            raise self.error
 
 
 class _Work:

@@ -31,12 +31,11 @@ pipelining's step time at p = 2); posting receives ahead and packing the payload
 
 from __future__ import annotations
 
-import threading
 from typing import Any, Callable, Generator
 
 import torch
 
-from virtualflow.comm.groups import Group, PeerFailure
+from virtualflow.comm.groups import Arrival, Group, PeerFailure
 from virtualflow.comm.reduce import tree_exchange
 from virtualflow.pipeline import Grid, Pipeline, check_workers, layers_of, resolve_bounds
 from virtualflow.plan.data import DataPlan
@@ -152,39 +151,6 @@ read a buffer) instead of waited on - a send to a live peer that has stopped rec
 until the group's timeout."""
 
 
-class _Arrival:
-    """The wait of one posted receive, owned by a daemon thread, so that the driver can (1) tell
-    without blocking whether the message is there (a :class:`Poll`: gloo's point-to-point work
-    reports ``is_completed()`` False until someone waits on it, measured) and (2) give up on it when
-    the coordinator declares the generation broken (a timed wait on a gloo point-to-point receive
-    breaks the pair, measured; a receive from a live peer that has itself left the generation
-    would otherwise block until the group's timeout)."""
-
-    __slots__ = ("done", "error")
-
-    def __init__(self, work: Any) -> None:
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-        threading.Thread(target=self._wait, args=(work,), daemon=True, name="vf-recv-arrival").start()
-
-    def _wait(self, work: Any) -> None:
-        try:
-            work.wait()
-        except BaseException as exc:  # handed to the driver's thread
-            self.error = exc
-        finally:
-            self.done.set()
-
-    def wait(self, group: Group) -> None:
-        if not self.done.wait(0.05):
-            while not self.done.wait(0.2):  # short waits: the abort flag is read in between
-                if group.abort_check is not None and group.abort_check():
-                    raise PeerFailure(group.generation, "the coordinator declared the generation broken (a member "
-                                                        "failed) during a pipeline receive")
-        if self.error is not None:
-            raise self.error
-
-
 def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pieces: int,
           device: torch.device, links: Links | None = None,
           stage_groups: dict[int, Group] | None = None) -> list[StepResult]:
@@ -205,7 +171,7 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
     links = links if links is not None else Links()
     pending: list[tuple[Any, list[torch.Tensor]]] = []
     posted: dict[tuple[str, int, int], tuple[Any, torch.Tensor, Metas | None]] = {}
-    arrivals: dict[tuple[str, int, int], _Arrival] = {}
+    arrivals: dict[tuple[str, int, int], Arrival] = {}
     answer: Any = None
 
     def post(peer_rank: int, key: tuple[str, int, int]) -> None:
@@ -265,14 +231,14 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
                 if req.key not in posted:
                     post(grid.rank_of(grid.replica, req.peer), req.key)
                 if req.key not in arrivals:
-                    arrivals[req.key] = _Arrival(posted[req.key][0])
+                    arrivals[req.key] = Arrival(posted[req.key][0])
                 answer = arrivals[req.key].done.is_set()
             elif isinstance(req, Recv):
                 src = grid.rank_of(grid.replica, req.peer)
                 if req.key not in posted:
                     post(src, req.key)
                 work, buf, ref = posted.pop(req.key)
-                arrival = arrivals.pop(req.key, None) or _Arrival(work)
+                arrival = arrivals.pop(req.key, None) or Arrival(work)
                 arrival.wait(group)
                 if ref is None:
                     answer = header_then_payload(src, req.key, buf)
