@@ -107,16 +107,7 @@ class Group:
         return _Work(work, self.generation)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
-        """Receive into ``tensor``. With an ``abort_check`` the wait is owned by a daemon thread
-        (:class:`Arrival`) and given up, as a :class:`PeerFailure`, when the coordinator declares
-        the generation broken: a receive from a live peer that has itself left the generation would
-        otherwise block until the group's timeout (a state transfer during a failure: measured
-        120 s). The wait itself stays unsliced (see the module docstring)."""
-        work = self.irecv(tensor, src, tag)
-        if self.abort_check is None:
-            work.wait()
-        else:
-            Arrival(work).wait(self)
+        self.irecv(tensor, src, tag).wait()  # unsliced: see the module docstring
 
     def close(self) -> None:
         """Release the group's sockets and threads (best effort; a broken group may refuse)."""
@@ -127,6 +118,16 @@ class Group:
                 pass
             self.pg = None
 
+    def close_soon(self, wait_s: float = 0.5) -> None:
+        """:meth:`close` a broken generation's group without hanging on it: gloo's shutdown waits
+        for the operations still in flight (a collective whose live peers have all given up, or a
+        receive given up on the abort flag, :class:`Arrival`), up to the group's timeout. So the
+        close runs on a daemon thread, waited for ``wait_s`` at most; one that hangs ends with the
+        group's timeout, after the caller has moved on."""
+        closer = threading.Thread(target=self.close, daemon=True, name="vf-close-group")
+        closer.start()
+        closer.join(wait_s)
+
 
 class Arrival:
     """The wait of one posted receive, owned by a daemon thread, so that the receiver can (1) tell
@@ -135,7 +136,8 @@ class Arrival:
     coordinator declares the generation broken (a timed wait on a gloo point-to-point receive
     breaks the pair, measured; a receive from a live peer that has itself left the generation
     would otherwise block until the group's timeout). A thread left waiting ends when the group's
-    sockets close (the worker closes a broken generation's group) or at its timeout."""
+    sockets close or at its timeout; close such a group with :meth:`Group.close_soon` (gloo's
+    shutdown waits for a receive in flight)."""
 
     __slots__ = ("done", "error")
 

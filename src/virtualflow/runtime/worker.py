@@ -220,17 +220,6 @@ class _Aborted(Exception):
     """The generation was abandoned before it formed (a member failed during the rendezvous)."""
 
 
-def _close_soon(group: Group, wait_s: float = 0.5) -> None:
-    """Close a broken generation's group without hanging on it: gloo's shutdown waits for the
-    collectives still in flight, and one whose live peers have all given up too (each stuck in
-    its own shutdown) waits for the group's timeout - seen with 6 pipelined workers after a loss
-    during the commit all-reduce. So the close runs on a daemon thread, waited for ``wait_s`` at
-    most; a close that hangs ends with the group's timeout, after the worker has moved on."""
-    closer = threading.Thread(target=group.close, daemon=True, name="vf-close-group")
-    closer.start()
-    closer.join(wait_s)
-
-
 def _rendezvous(store: dist.Store, cfg: WorkerConfig, generation: int, size: int,
                 aborted: Callable[[], bool]) -> None:
     """Wait until every member of ``generation`` has arrived (or the generation is aborted)."""
@@ -480,7 +469,7 @@ class Worker:
                 if self.pipelined:
                     # A pipeline neighbour may wait in an (unsliced) point-to-point receive from
                     # this worker: closing the sockets now releases it instead of its timeout.
-                    _close_soon(group)
+                    group.close_soon()
                 else:
                     self.retired.append(group)
                 where = self.next_generation(gen)
