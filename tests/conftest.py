@@ -59,6 +59,20 @@ def wait_for_step(handle, step: int, timeout_s: float = 120.0) -> None:
         time.sleep(0.01)
 
 
+def wait_for_members(handle, members: int, *, formed: bool = False, generation: int = 0,
+                     timeout_s: float = 60.0) -> None:
+    """Wait until a launched job's generation (at least ``generation``) has ``members`` ranked
+    workers, and, with ``formed``, has formed too (fails if the job ends first)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = handle.status()
+        if (st.get("generation", 0) >= generation and len([w for w in st["workers"] if w["rank"] is not None]) == members
+                and (not formed or st["formed_generation"] == st["generation"])):
+            return
+        assert time.monotonic() < deadline and not handle.done, st
+        time.sleep(0.05)
+
+
 @pytest.fixture
 def run_dir(tmp_path):
     return str(tmp_path / "run")

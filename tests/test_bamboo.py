@@ -448,20 +448,13 @@ def test_a_failed_over_pipeline_reconfigures_to_full_depth_when_a_worker_returns
     every step once, the undisturbed model."""
     import json
     import os
-    import time
 
-    from conftest import assert_state_equal, wait_for_step
+    from conftest import assert_state_equal, wait_for_members, wait_for_step
 
     plan = vf.FaultPlan([vf.Fault(worker=2, step=3, phase="mid_backward")])
     handle = vf.launch(jobs.pipelined_redundant_job, workers=3, steps=1_000_000, deterministic=True,
                        fault_plan=plan, replace_failed=True, run_dir=run_dir)
-    deadline = time.monotonic() + 120
-    while True:
-        st = handle.status()
-        if st.get("generation", 0) >= 2 and len([w for w in st["workers"] if w["rank"] is not None]) == 3:
-            break
-        assert time.monotonic() < deadline and not handle.done, st
-        time.sleep(0.05)
+    wait_for_members(handle, 3, generation=2, timeout_s=120)
     wait_for_step(handle, handle.status()["step"] + 3)
     result = handle.stop()
     sizes = [h["workers"] for h in result.history]
@@ -498,23 +491,14 @@ def test_a_preemption_notice_hands_the_stage_to_the_predecessor_at_a_step_bounda
     import json
     import os
     import signal
-    import time
 
-    from conftest import assert_state_equal, wait_for_step
+    from conftest import assert_state_equal, wait_for_members, wait_for_step
 
     handle = vf.launch(jobs.pipelined_redundant_job, workers=3, steps=1_000_000, deterministic=True, run_dir=run_dir)
     wait_for_step(handle, 3)
     victim = next(w for w in handle.status()["workers"] if w["rank"] == rank)
     os.kill(victim["pid"], signal.SIGTERM)
-    deadline = time.monotonic() + 60
-
-    def handed_over(st: dict) -> bool:  # the 2-member generation is published AND formed
-        return (len([w for w in st["workers"] if w["rank"] is not None]) == 2
-                and st["formed_generation"] == st["generation"])
-
-    while not handed_over(handle.status()):
-        assert time.monotonic() < deadline and not handle.done, handle.status()
-        time.sleep(0.05)
+    wait_for_members(handle, 2, formed=True)  # the 2-member generation is published AND formed
     wait_for_step(handle, handle.status()["step"] + 2)
     result = handle.stop()
     assert result.failures == []

@@ -348,21 +348,13 @@ def test_the_short_replica_reforms_at_full_depth_when_a_worker_returns(run_dir):
     """replace_failed: replica 1's last worker dies in its step-3 reduction; its predecessor runs stages 1-2 while replica 0
     stays at full depth; the replacement, once ready, takes stage 2 back (6 workers, full depth
     again); every step once, the undisturbed model."""
-    import time
 
-    from conftest import assert_state_equal, wait_for_step
+    from conftest import assert_state_equal, wait_for_members, wait_for_step
 
     plan = vf.FaultPlan([vf.Fault(worker=5, step=3, phase="during_reduction")])
     handle = vf.launch(jobs.pipelined_redundant_job, workers=6, steps=1_000_000, deterministic=True,
                        fault_plan=plan, replace_failed=True, run_dir=run_dir)
-    deadline = time.monotonic() + 90
-    while True:
-        st = handle.status()
-        if st.get("generation", 0) >= 2 and st["formed_generation"] == st["generation"] \
-                and len([w for w in st["workers"] if w["rank"] is not None]) == 6:
-            break
-        assert time.monotonic() < deadline and not handle.done, st
-        time.sleep(0.05)
+    wait_for_members(handle, 6, formed=True, generation=2, timeout_s=90)
     wait_for_step(handle, handle.status()["step"] + 2)
     result = handle.stop()
     sizes = [h["workers"] for h in result.history]
@@ -383,23 +375,14 @@ def test_a_preemption_notice_in_one_replica_hands_its_stage_over_at_a_step_bound
     predecessor takes stage 2 over, replica 1 stays at full depth, the noticed worker leaves
     cleanly: no failure, no step redone, the undisturbed model."""
     import signal
-    import time
 
-    from conftest import assert_state_equal, wait_for_step
+    from conftest import assert_state_equal, wait_for_members, wait_for_step
 
     handle = vf.launch(jobs.pipelined_redundant_job, workers=6, steps=1_000_000, deterministic=True, run_dir=run_dir)
     wait_for_step(handle, 3)
     victim = next(w for w in handle.status()["workers"] if w["rank"] == 2)
     os.kill(victim["pid"], signal.SIGTERM)
-    deadline = time.monotonic() + 60
-
-    def handed_over(st: dict) -> bool:
-        return (len([w for w in st["workers"] if w["rank"] is not None]) == 5
-                and st["formed_generation"] == st["generation"])
-
-    while not handed_over(handle.status()):
-        assert time.monotonic() < deadline and not handle.done, handle.status()
-        time.sleep(0.05)
+    wait_for_members(handle, 5, formed=True)
     wait_for_step(handle, handle.status()["step"] + 2)
     result = handle.stop()
     assert result.failures == []
