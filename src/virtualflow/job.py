@@ -16,6 +16,7 @@ import importlib.util
 import os
 import pickle
 import sys
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Mapping
 
@@ -214,10 +215,31 @@ def source_from(job: Job | Callable[[], Job] | str) -> JobSource:
     )
 
 
+def _code_keeping_filename(code: types.CodeType) -> Any:
+    """cloudpickle's reduction of a code object, with the code's real file name kept: cloudpickle
+    writes ``<dynamic-code>`` (for reproducible payloads), so a traceback from a worker would
+    not say which file of the user's the failing line is in, nor show the line."""
+    import cloudpickle
+
+    constructor, args = cloudpickle.cloudpickle._code_reduce(code)
+    return constructor, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+
+
 def _dumps(obj: Any, what: str) -> bytes:
+    import collections
+    import io
+
     import cloudpickle
 
     try:
+        if hasattr(cloudpickle.cloudpickle, "_code_reduce"):  # a private helper: used only where present
+            class Pickler(cloudpickle.Pickler):
+                dispatch_table = collections.ChainMap({types.CodeType: _code_keeping_filename},
+                                                      cloudpickle.Pickler.dispatch_table)
+
+            buf = io.BytesIO()
+            Pickler(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(obj)
+            return buf.getvalue()
         return cloudpickle.dumps(obj)
     except Exception as exc:  # an open file, a lock, a live process group...
         raise JobImportError(

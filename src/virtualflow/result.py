@@ -3,18 +3,92 @@
 
 from __future__ import annotations
 
+import os
+import sysconfig
+import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 
 class TrainingError(RuntimeError):
-    """The job failed; the message names the worker, what happened and where the logs are."""
+    """The job failed; the message (one line) names the worker, what happened, the step and
+    where the logs are. When a worker's code raised, the worker's traceback comes with it:
+    :attr:`worker_traceback` (the job's own frames first) and ``__cause__`` (a
+    :class:`WorkerTraceback`, which Python prints above this error)."""
 
     fallback_restart: bool = False
     """A pipeline lost workers its redundant stages could not cover: :func:`virtualflow.train`
     (and ``virtualflow run``) restart it from its last checkpoint."""
+    worker: int | None = None
+    """The worker whose failure ended the job (None when no single worker did)."""
+    step: int | None = None
+    """The step (0-based, as in ``Result.history``) the failing worker was at; None when it
+    failed before training (building the job) or the step is not known."""
+    worker_traceback: str | None = None
+    """The failing worker's traceback as text, starting at the job's own code (the virtualflow
+    frames that led to it are counted, not shown); None when the worker did not report one
+    (it was killed, or it lost its connection)."""
+    worker_traceback_full: str | None = None
+    """The same traceback with every frame (what the worker's log holds)."""
+
+
+class WorkerTraceback(Exception):
+    """A traceback that happened in a worker process, carried as text: the ``__cause__`` of the
+    :class:`TrainingError` it led to, so that Python's own report of the error shows where the
+    job's code failed (as ``concurrent.futures`` does for its worker processes)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return "raised in the worker:\n\n" + self.text.rstrip("\n")
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_STDLIB_DIRS = tuple({os.path.abspath(p) + os.sep for key in ("stdlib", "platstdlib")
+                      if (p := sysconfig.get_paths().get(key))})
+
+
+def is_internal_frame(filename: str) -> bool:
+    """Whether a frame of ``filename`` is not the job's own code: virtualflow's, Python's standard
+    library (threads, executors) or an installed library's (torch, Ray)."""
+    path = os.path.abspath(filename)
+    return (path.startswith(_PACKAGE_DIR) or path.startswith(_STDLIB_DIRS)
+            or f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path)
+
+
+def job_traceback(exc: BaseException, internal: Callable[[str], bool] = is_internal_frame) -> str:
+    """``exc``'s traceback as text, starting at the first frame of the job's code: the frames
+    before it (virtualflow's and the standard library's, see :func:`is_internal_frame`) are left
+    out and counted in the header; every frame after it is kept (the library calls the job's
+    code made, torch's included). Chained exceptions are shown as Python shows them. When no frame is the job's
+    (virtualflow itself failed), the whole traceback."""
+    te = traceback.TracebackException.from_exception(exc)
+    frames = list(te.stack)
+    first = next((i for i, f in enumerate(frames) if not internal(f.filename)), None)
+    if not first:  # None (no frame of the job's) or 0 (nothing to leave out)
+        return "".join(te.format())
+    te.stack = traceback.StackSummary.from_list(frames[first:])
+    lines = list(te.format())
+    header = "Traceback (most recent call last):\n"
+    last = max(i for i, line in enumerate(lines) if line == header)  # the outermost exception's
+    lines[last] = (f"Traceback (most recent call last; {first} frame{'s' if first > 1 else ''} of virtualflow "
+                   f"before the job's code left out):\n")
+    return "".join(lines)
+
+
+def job_frame(exc: BaseException, internal: Callable[[str], bool] = is_internal_frame) -> str | None:
+    """Where the job's code raised ``exc``: ``"FILE, line N, in FUNCTION (SOURCE)"`` of the last
+    frame of the job's own code in its traceback (None when there is none)."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not internal(f.filename)]
+    if not frames:
+        return None
+    f = frames[-1]
+    code = f" ({' '.join((f.line or '').split())})" if f.line else ""
+    return f"{f.filename}, line {f.lineno}, in {f.name}{code}"
 
 
 @dataclass(slots=True)

@@ -33,7 +33,7 @@ from virtualflow.plan.vnmap import pipeline_assignment
 from virtualflow.control.membership import FallbackRestart, JobFailed, MembershipController, check_resize
 from virtualflow.job import Job, JobSource
 from virtualflow.options import LaunchOptions
-from virtualflow.result import Result, TrainingError
+from virtualflow.result import Result, TrainingError, WorkerTraceback
 from virtualflow.rundir import RunLock, write_json
 from virtualflow.runtime.checkpoint import load_state
 from virtualflow.runtime import breakdown
@@ -188,7 +188,7 @@ class Supervisor:
                 if progress.errors:
                     time.sleep(0.3)  # let the other workers' reports arrive: pick the root cause
                     coord.poll()
-                    raise TrainingError(self._failure_message())
+                    raise self._worker_failure()
                 self.backend.serve(reports)
                 self._take_requests()
                 try:
@@ -219,7 +219,7 @@ class Supervisor:
             self.error = exc
             progress.state = "failed"
             self.backend.terminate_all()
-            coord.event("failed", error=str(exc))
+            coord.event("failed", error=str(exc), step=getattr(exc, "step", None))
         finally:
             if self.bar is not None:
                 self.bar.close()
@@ -298,11 +298,32 @@ class Supervisor:
                 msg += f"; worker {wid}'s last output:\n{tail}"
         return msg
 
-    def _failure_message(self) -> str:
+    def _worker_failure(self) -> TrainingError:
+        """The :class:`TrainingError` for the workers' error reports: the root cause's (an error
+        that is not a peer's connection dropping) in one line, with the step and where the logs
+        are; its traceback as ``worker_traceback`` and as the ``__cause__``. What a report holds
+        beyond its schema's fields (``job_traceback``, ``phase``) is used only when it is text."""
         errors = self.coordinator.progress.errors
-        # Prefer the root cause: an error that is not a peer's connection dropping.
         e = next((e for e in errors if not any(s in e["error"] for s in _CONSEQUENTIAL)), errors[0])
-        return f"worker {e['worker']} (pid {e['pid']}) failed: {e['error']} ({self._logs_where()})"
+        step = e.get("step")
+        phase = e.get("phase") if isinstance(e.get("phase"), str) else None
+        if isinstance(step, int) and step >= 0:
+            where = f"at step {step}; "
+        elif phase:
+            where = f"while {phase[:40]}; "
+        else:
+            where = ""
+        err = TrainingError(f"worker {e['worker']} (pid {e['pid']}) failed: {' '.join(e['error'].split())} "
+                            f"({where}{self._logs_where()})")
+        err.worker = e["worker"]
+        err.step = step if isinstance(step, int) and step >= 0 else None
+        full = e["traceback"] or None
+        short = e.get("job_traceback") if isinstance(e.get("job_traceback"), str) else None
+        err.worker_traceback_full = full
+        err.worker_traceback = short or full
+        if err.worker_traceback:
+            err.__cause__ = WorkerTraceback(err.worker_traceback)
+        return err
 
     # -- results and records -----------------------------------------------------------------
     def _collect(self) -> Result:

@@ -46,6 +46,10 @@ def _raise_on_sigterm(signum: int, frame: object) -> None:
     raise _Interrupted("terminated (SIGTERM)", 128 + signal.SIGTERM)
 
 
+def _indent(text: str) -> str:
+    return "".join("  " + line for line in text.rstrip("\n").splitlines(keepends=True)) + "\n"
+
+
 def main(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or (args.resume if args.resume and os.path.isdir(args.resume) else default_run_dir(args.job))
     options = options_from_args(args, run_dir=run_dir, progress=not args.no_progress)
@@ -66,6 +70,11 @@ def main(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGTERM, previous)
     except TrainingError as exc:
         print(f"virtualflow run: training failed: {exc}", file=sys.stderr)
+        # The worker's traceback under the summary: from the job's own code on, or every frame
+        # with --verbose (the worker's log holds it too).
+        shown = exc.worker_traceback_full if getattr(args, "verbose", False) else exc.worker_traceback
+        if shown:
+            print(_indent(shown), file=sys.stderr)
         return 1
     except RayNotInstalled as exc:
         print(f"virtualflow run: error: {exc}", file=sys.stderr)

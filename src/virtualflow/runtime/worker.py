@@ -28,7 +28,9 @@ state an undisturbed run has after that step, bit for bit, and no update is ever
 one survivor and missed by another once training continues. Data order and randomness are
 functions of (seed, step, VN id), so the step that is redone is the same step.
 
-Any other exception is reported with its traceback before the process exits non-zero.
+Any other exception is reported (:func:`report_failure`) with the step, the phase and its traceback,
+in full and from the job's own code on, and printed to the worker's log, before the process
+exits non-zero.
 
 Trust. The store has no authentication, so a worker acts only on what verifies with the run key
 (:mod:`virtualflow.comm.protocol`): next pointers, generation records, control commands and abort
@@ -50,6 +52,7 @@ import datetime
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -63,6 +66,7 @@ from virtualflow.comm import auth, protocol
 from virtualflow.comm.groups import Group, PeerFailure, make_group
 from virtualflow.job import Job, JobSource
 from virtualflow.plan.data import DataPlan
+from virtualflow.result import job_traceback
 from virtualflow.runtime.channel import Heartbeat, Rejections, Reporter, aborted
 from virtualflow.runtime.checkpoint import load_state, save_state
 from virtualflow.runtime.engine import BatchLoader, NonFiniteLossError, VNEngine
@@ -177,22 +181,58 @@ def run_worker(cfg: WorkerConfig, worker_id: int, notice: PreemptionNotice | Non
         is_master=False,
         timeout=datetime.timedelta(seconds=cfg.store_timeout_s),
     )
-    step = -1
     reporter = Reporter(store, protocol.RunKey(cfg.run_key, cfg.job_id), worker_id)
+    worker: Worker | None = None
     try:
-        Worker(cfg, worker_id, store, reporter, notice).run()
+        worker = Worker(cfg, worker_id, store, reporter, notice)
+        worker.run()
         return 0
     except Exception as exc:
-        try:
-            reporter({
-                "type": "error",
-                "error": f"{type(exc).__name__}: {exc}"[:4000],
-                "traceback": traceback.format_exc()[-16000:],
-                "step": getattr(exc, "step", step),
-            })
-        except Exception:
-            pass
+        report_failure(reporter, worker_id, exc, worker)
         return 1
+
+
+def failing_step(exc: BaseException, worker: Worker | None) -> int | None:
+    """The step (0-based) a worker failed at: the one the exception names (``exc.step``), else the
+    one the worker was running or about to run; None when it failed while setting up (building
+    the job), before any step was its."""
+    step = getattr(exc, "step", None)
+    if isinstance(step, int) and not isinstance(step, bool):
+        return step
+    if worker is None or worker.phase == "setting up" or worker.progress.step < 0:
+        return None
+    return worker.progress.step
+
+
+def report_failure(reporter: Reporter, worker_id: int, exc: BaseException, worker: Worker | None) -> None:
+    """Tell the coordinator and the worker's own log (stderr) why this worker failed: the
+    exception, the step, and the traceback, in full and from the job's own code on
+    (:func:`virtualflow.result.job_traceback`). Best effort: a report that cannot be sent (the
+    store is gone) leaves the log."""
+    step = failing_step(exc, worker)
+    phase = worker.phase if worker is not None else "setting up"
+    full = "".join(traceback.format_exception(exc))
+    try:
+        short = job_traceback(exc)
+    except Exception:  # noqa: BLE001 - never lose the failure over its formatting
+        short = full
+    where = f"at step {step}" if step is not None else f"while {phase}"
+    try:
+        print(f"virtualflow worker {worker_id} failed {where}: {type(exc).__name__}: {exc}\n{full}",
+              file=sys.stderr, flush=True)
+    except Exception:  # noqa: BLE001 - a closed stderr must not hide the report below
+        pass
+    try:
+        reporter({
+            "type": "error",
+            "error": f"{type(exc).__name__}: {exc}"[:4000],
+            "traceback": full[-16000:],
+            "job_traceback": short[-16000:],
+            "phase": phase,
+            "step": step,
+        })
+    except Exception:  # noqa: BLE001 - the store is gone: the log above is what is left
+        pass
 
 
 class PreemptionNotice:
@@ -308,6 +348,9 @@ class Worker:
         self.last_report: dict[str, Any] | None = None
         self.last_eval_step = -1
         self.retired: list[Group] = []
+        self.phase = "setting up"
+        """What the worker is doing, for a failure's report: setting up, forming a generation,
+        training, finishing."""
 
     def read_signed(self, key: str, parse: Callable[[bytes], T], channel: str) -> T:
         """``parse`` of the value at ``key`` once it is there. A value that does not verify is
@@ -424,6 +467,7 @@ class Worker:
     # -- the life loop ------------------------------------------------------------------------
     def run(self) -> None:
         self.setup()
+        self.phase = "forming a generation"  # waiting for the first generation counts as forming it
         where = self.next_generation(-1)
         while True:
             if where == protocol.FAIL:
@@ -435,6 +479,7 @@ class Worker:
             record = self.read_signed(protocol.generation_key(gen),
                                       lambda raw: protocol.parse_generation(self.run_key, raw, gen),
                                       f"generation {gen}")
+            self.phase = "forming a generation"
             try:
                 group = self._form(record)
             except (PeerFailure, _Aborted) as exc:
@@ -579,6 +624,7 @@ class Worker:
         t_prev = time.perf_counter()
         if self.notice is not None:
             self.notice.training.set()
+        self.phase = "training"
         try:
             return self._train(record, group, step, t_prev)
         finally:
@@ -715,6 +761,7 @@ class Worker:
         raise err
 
     def _finish(self, group: Group) -> None:
+        self.phase = "finishing"
         step, job = self.progress.step, self.job
         if self.profiler is not None:
             self.profiler.close()
