@@ -32,7 +32,7 @@ never what is computed, so a run with ``pace_s = comm_s = 0`` trains bit for bit
 (deterministic mode) and serves as a fast reference.
 
 How a worker finds its step and VN: the engine seeds each VN's random stream with
-``vn_seed(seed, step, vn)`` (DESIGN.md invariant 3), so ``torch.initial_seed()`` inside the loss
+``vn_seed(seed, step, vn)`` (docs/training.md, "Randomness"), so ``torch.initial_seed()`` inside the loss
 identifies (step, vn); a table of those seeds is kept per process.
 
     virtualflow run examples/emulated_scaling.py --autoscale efficiency --max-workers 8 --steps 1500

@@ -440,3 +440,39 @@ def _scalar_parser(annotation: str) -> Callable[[str], Any]:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(LaunchOptions)}
+
+
+# -- the documentation ------------------------------------------------------------------------
+def markdown_table() -> str:
+    """The options table of docs/training.md, generated from the fields above: one table per
+    group, one row per option (its flag, its default, its help text), in field order. A field
+    added here therefore appears in the guide when it is regenerated
+    (``python scripts/gen_options_table.py``), and ``tests/test_docs.py`` fails until it is."""
+    out: list[str] = []
+    group = None
+    for f in dataclasses.fields(LaunchOptions):
+        meta = f.metadata
+        if meta["group"] != group:
+            group = meta["group"]
+            out += ["", f"**{group}**", "", "| option | flag | default | meaning |", "|---|---|---|---|"]
+        flag = flag_of(f.name)
+        if flag is None:
+            flag_cell = "—"
+        elif f.type in ("bool", "bool | None"):
+            flag_cell = f"`{flag}`"
+        else:
+            value = "|".join(meta["choices"]) if meta["choices"] else (meta["metavar"] or f.name.upper())
+            flag_cell = f"`{flag} {value}`"
+        cells = [f"`{f.name}`", flag_cell, f"`{f.default!r}`", _markdown_text(meta["help"])]
+        # A "|" inside a cell, even in a code span, would end the cell in GitHub's tables.
+        out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(out[1:]) + "\n"
+
+
+def _markdown_text(text: str) -> str:
+    """Help text as Markdown: ``<`` and ``>`` outside code spans escaped (``runs/<file>`` would
+    otherwise be read as an HTML tag and vanish)."""
+    parts = text.split("`")
+    for i in range(0, len(parts), 2):  # even pieces are outside code spans
+        parts[i] = parts[i].replace("<", "&lt;").replace(">", "&gt;")
+    return "`".join(parts)

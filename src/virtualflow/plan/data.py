@@ -1,6 +1,7 @@
 """Data order and random streams: pure functions of (seed, epoch, step, VN id).
 
-Invariant 3 of DESIGN.md made concrete. Nothing here depends on ranks or worker counts:
+The data-order and randomness rules of docs/training.md ("Semantics") made concrete. Nothing
+here depends on ranks or worker counts:
 
 * for epoch ``e`` the sample order is
   ``torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + e))``;
