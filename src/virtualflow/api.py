@@ -21,7 +21,7 @@ from virtualflow.backends import make_backend
 from virtualflow.comm import auth
 from virtualflow.control.autoscale import FixedPolicy, Limits, make_policy
 from virtualflow.handle import JobHandle
-from virtualflow.job import Job, source_from
+from virtualflow.job import Job, check_not_importing, source_from
 from virtualflow.options import LaunchOptions, make_options
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.hetero import check_memory
@@ -53,6 +53,7 @@ def launch(job: JobLike, options: LaunchOptions | None = None, **overrides: Any)
     fields), e.g. ``launch(make_job, workers=2, steps=100, deterministic=True)``. Give exactly
     one of ``steps`` and ``epochs``. The guides in ``docs/`` explain the options by concern.
     """
+    check_not_importing()  # a job file's unguarded top-level training code, run by its import
     opts = make_options(options, overrides)
     policy, limits = _autoscaler(opts)
     backend = make_backend(opts)

@@ -79,6 +79,23 @@ class Job:
                     "a pipelined job needs Job.output_loss=(outputs, batch) -> scalar: the loss is computed on the "
                     "last stage, which holds only the model's outputs and the batch (Job.loss sees the whole model)"
                 )
+        # An instance where a factory belongs: each worker builds its own model (after
+        # torch.manual_seed(seed)) and its own optimizer over that model's parameters. A module
+        # is callable, so without this check the mistake surfaced as its forward's TypeError.
+        if isinstance(self.model, torch.nn.Module):
+            name = type(self.model).__name__
+            raise TypeError(
+                f"Job.model must be a zero-argument factory that returns the model, got a {name} instance; "
+                f"pass the function that builds it (e.g. model=lambda: {name}(...), or a def): every worker "
+                f"builds its own copy after torch.manual_seed(seed)"
+            )
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            name = type(self.optimizer).__name__
+            raise TypeError(
+                f"Job.optimizer must be a factory taking the model's parameters, got a {name} instance; pass "
+                f"e.g. optimizer=lambda params: torch.optim.{name}(params, lr=...): every worker builds its own "
+                f"over its own copy of the model"
+            )
         for field_name in ("model", "optimizer"):
             if not callable(getattr(self, field_name)):
                 raise TypeError(
@@ -283,6 +300,31 @@ def _absolute_spec(spec: str) -> str:
     return f"{path}:{func or 'make_job'}"
 
 
+_IMPORTING: list[str] = []
+"""Job files being imported by :func:`_import_file` in this process, innermost last."""
+
+
+def importing_job_file() -> str | None:
+    """The job file whose import is running now in this process, if any: a training run started
+    from there is the file's own top-level code, run because virtualflow imported the file to
+    read its job function (see :func:`check_not_importing`)."""
+    return _IMPORTING[-1] if _IMPORTING else None
+
+
+def check_not_importing() -> None:
+    """Refuse to start a run from a job file's top-level code while virtualflow imports that file
+    (``virtualflow run FILE.py`` imports it to find the job function; the workers import it
+    again). Without the guard such a file started a nested run at import, whose workers failed
+    on the private module name the file was imported under."""
+    path = importing_job_file()
+    if path is not None:
+        raise JobImportError(
+            f"{path} starts training when it is imported (virtualflow.train/launch runs at its top level), "
+            f"and virtualflow imports the file to read its job function: guard the module's training code "
+            f"with `if __name__ == \"__main__\":`"
+        )
+
+
 def _import_file(path: str) -> Any:
     """Import a .py file once per process under a stable private module name."""
     name = _FILE_MODULE + str(abs(hash(path)))
@@ -296,11 +338,14 @@ def _import_file(path: str) -> Any:
     directory = os.path.dirname(path)
     if directory not in sys.path:
         sys.path.insert(0, directory)
+    _IMPORTING.append(path)
     try:
         spec.loader.exec_module(module)
     except BaseException:
         del sys.modules[name]
         raise
+    finally:
+        _IMPORTING.pop()
     import cloudpickle
 
     # Workers cannot import this private module name: what it defines travels by value.

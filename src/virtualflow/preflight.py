@@ -15,6 +15,7 @@ import torch
 
 from virtualflow.job import Job, JobImportError, resolve_spec
 from virtualflow.plan.data import DataPlan
+from virtualflow.result import job_frame
 from virtualflow.runtime.engine import BatchLoader, LossShapeError, check_loss
 
 
@@ -22,13 +23,19 @@ class JobCodeError(ValueError):
     """The job's own code failed when it was tried before any worker started."""
 
 
-def _call(part: str, fn: Callable[..., Any], *args: Any, hint: str = "") -> Any:
+def _call(part: str, fn: Callable[..., Any], *args: Any, hint: str | Callable[[Exception], str] = "") -> Any:
+    """``fn(*args)``; an exception of the user's code becomes a :class:`JobCodeError` naming
+    ``part``, the exception, ``hint`` (or ``hint(exc)``) and the line of the job's code that
+    raised it."""
     try:
         return fn(*args)
     except (JobImportError, JobCodeError, LossShapeError):
         raise
     except Exception as exc:  # the user's code: any exception is theirs to fix
-        raise JobCodeError(f"{part} raised {type(exc).__name__}: {_one_line(exc)}{hint}") from exc
+        extra = hint(exc) if callable(hint) else hint
+        frame = job_frame(exc)
+        where = f"; raised at {frame}" if frame else ""
+        raise JobCodeError(f"{part} raised {type(exc).__name__}: {_one_line(exc)}{extra}{where}") from exc
 
 
 def _one_line(exc: BaseException) -> str:
@@ -68,6 +75,41 @@ def describe(batch: Any, depth: int = 0) -> str:
     return type(batch).__name__
 
 
+def stacked(batch: Any, depth: int = 0) -> bool:
+    """Whether ``batch`` looks like what the default collate makes of tensor items: a tensor, or
+    tuples/lists/dicts of tensors, with no list below the top level (the default collate turns
+    an item's Python list into a list of per-position tensors instead of stacking it)."""
+    if isinstance(batch, torch.Tensor):
+        return True
+    if isinstance(batch, list) and depth > 0:
+        return False
+    if isinstance(batch, (list, tuple)):
+        return all(stacked(b, depth + 1) for b in batch)
+    if isinstance(batch, dict):
+        return all(stacked(b, depth + 1) for b in batch.values())
+    return False
+
+
+def loss_hint(exc: Exception, batch: Any, model: torch.nn.Module, job: Job) -> str:
+    """What to add to the loss's error: the batch it saw, and the likely cause when the exception
+    and the batch tell it (a dict batch indexed by position, the arguments swapped, items that
+    are not tensors). Only what the evidence supports: an exception in a loss that got a batch
+    of tensors is reported as the user's code raised it."""
+    text = f" on virtual node 0's batch of step 0, a {describe(batch)}"
+    name = type(model).__name__
+    if isinstance(batch, dict) and isinstance(exc, KeyError) and exc.args and isinstance(exc.args[0], int):
+        keys = ", ".join(repr(k) for k in list(batch)[:6])
+        text += f"; the batch is a dict (keys {keys}): index it by key, not by position"
+    elif (job.loss is not None and isinstance(exc, (TypeError, AttributeError))
+          and (f"'{name}'" in str(exc) or f" {name} object" in str(exc))):
+        text += (f"; the error is about the model ({name}) where the loss expected the batch: Job.loss is called "
+                 f"as loss(model, batch), model first")
+    elif not stacked(batch):
+        text += ("; dataset items must be tensors, or tuples/dicts of tensors, that the default collate stacks "
+                 "(or give Job.collate_fn)")
+    return text
+
+
 def preflight(job: Job, dataset: Any, plan: DataPlan, *, reduction: str = "allreduce") -> None:
     """Build the model and optimizer and run the loss on VN 0's batch of step 0, here (and check
     that the optimizer can be sharded, with ``reduction="sharded"``)."""
@@ -88,8 +130,7 @@ def preflight(job: Job, dataset: Any, plan: DataPlan, *, reduction: str = "allre
         batch = _call("loading virtual node 0's batch (Job.dataset items, then Job.collate_fn)",
                       BatchLoader(dataset, job.collate_fn), indices)
         model.train()
-        hint = (f" on virtual node 0's batch of step 0, a {describe(batch)}; dataset items must be tensors, "
-                f"or tuples/dicts of tensors, that the default collate stacks (or give Job.collate_fn)")
         with torch.no_grad():
-            loss = _call("Job.loss" if job.loss is not None else "Job.output_loss", job.compute_loss, model, batch, hint=hint)
+            loss = _call("Job.loss" if job.loss is not None else "Job.output_loss", job.compute_loss, model, batch,
+                         hint=lambda exc: loss_hint(exc, batch, model, job))
         check_loss(loss, "on virtual node 0's batch of step 0")
