@@ -12,7 +12,10 @@ Each round the service builds a :class:`JobView` per active job and asks
 2. re-solves the **policy** (the same :mod:`virtualflow.cluster.policies` code as ``virtualflow
    simulate``) when the set of active jobs changed or an estimate the last solution used moved by
    more than ``drift`` (re-solving resets the mechanism's time-share counters, so it is not done
-   every round);
+   every round); a policy that fails (a solver that finds no optimum, or any error) never stops
+   the service: the round falls back to :data:`FALLBACK_POLICY` (first come, first served, no
+   solver) and the decision says why (:attr:`RoundDecision.fallback`, recorded as a
+   ``policy_fallback`` event);
 3. asks the **round mechanism** (:class:`~virtualflow.cluster.mechanism.RoundMechanism`) for this
    round's placements;
 4. diffs them against what runs now (:func:`diff_actions`): a job placed on the same type with
@@ -44,11 +47,12 @@ import numpy as np
 from virtualflow.cluster.mechanism import MechanismConfig, RoundMechanism, RoundPlan
 from virtualflow.cluster.model import Cluster, JobSpec
 from virtualflow.cluster.policies.base import Policy, PolicyInput
+from virtualflow.cluster.policies.greedy import Fifo
 from virtualflow.cluster.throughputs import ThroughputTable
 
 __all__ = ["PRIOR_STEPS_PER_S", "JobView", "base_rate", "prior_rate", "Action", "RoundDecision", "Scheduler", "type_slowdowns",
            "slot_names", "estimate", "update_estimates", "diff_actions", "recovery_action", "parse_slowdowns",
-           "MECHANISMS", "mechanism_knobs", "mechanism_of"]
+           "MECHANISMS", "mechanism_knobs", "mechanism_of", "FALLBACK_POLICY"]
 
 MECHANISMS = ("default", "lease_first", "gavel")
 """Round mechanics a cluster can be started with: this virtualflow's defaults (what ``virtualflow
@@ -74,6 +78,11 @@ def mechanism_of(knobs: dict | None, round_s: float) -> MechanismConfig:
 
 PRIOR_STEPS_PER_S = 1.0
 """Steps/s per full-speed worker assumed for a job not measured yet."""
+
+FALLBACK_POLICY = Fifo()
+"""What the scheduler allocates with when the cluster's policy fails (a solver that finds no
+optimum, e.g. for priorities spanning too many orders of magnitude, or any error): first come,
+first served on the fastest free type, no solver, never time-shared."""
 
 
 def estimate_key(acc_type: str, workers: int) -> str:
@@ -311,6 +320,10 @@ class RoundDecision:
     """Whether the policy was re-solved this round."""
     decision_s: float
     """Wall-clock seconds the decision took (policy + mechanism + diff)."""
+    fallback: str | None = None
+    """Why the policy's allocation was not used this round (it failed to solve, or raised), or
+    None. The scheduler then used :data:`FALLBACK_POLICY`, or, should that fail too, kept what
+    runs and started nothing; the service records a ``policy_fallback`` event with this text."""
 
 
 class Scheduler:
@@ -363,6 +376,7 @@ class Scheduler:
         t0 = time.perf_counter()
         active = [v for v in views if v.steps_done < v.steps]
         solved = False
+        fallback: str | None = None
         if not active:
             self._solved_for = ()
             plan = RoundPlan(placements={}, used={t: 0 for t in self.cluster.types})
@@ -382,8 +396,24 @@ class Scheduler:
                               steps_done=np.array([min(v.steps_done, v.steps) for v in active], dtype=float),
                               elapsed_s=np.array([max(now_s - v.arrival_s, 0.0) for v in active]),
                               time_received_s=np.array([[v.received_s.get(t, 0.0) for t in types] for v in active]))
-            alloc = self.policy.allocate(inp)
-            self.mechanism.set_allocation(alloc, elastic={v.job_id: v.elastic for v in active})
+            elastic = {v.job_id: v.elastic for v in active}
+            try:
+                alloc = self.policy.allocate(inp)
+                self.mechanism.set_allocation(alloc, elastic=elastic)
+            except Exception as exc:  # noqa: BLE001 - one job's numbers must not stop the service
+                fallback = f"policy {getattr(self.policy, 'name', type(self.policy).__name__)} failed: " \
+                           f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+                try:
+                    alloc = FALLBACK_POLICY.allocate(inp)
+                    self.mechanism.set_allocation(alloc, elastic=elastic)
+                except Exception as exc2:  # noqa: BLE001 - keep what runs, start nothing
+                    self._solved_for = None  # try again next round
+                    fallback += f"; {FALLBACK_POLICY.name} failed too ({type(exc2).__name__}): kept what runs"
+                    keep = {v.job_id: v.running for v in views if v.running is not None}
+                    actions, slots = diff_actions(views, keep, self.slots, pinned)
+                    plan = RoundPlan(placements={}, used={t: 0 for t in self.cluster.types})
+                    return RoundDecision(plan, actions, slots, True, time.perf_counter() - t0, fallback)
+                fallback += f"; this allocation is {FALLBACK_POLICY.name}'s (first come, first served)"
             self._solved_for = tuple(sorted(v.job_id for v in active))
             prior = prior_rate(active)
             self._solved_T = {(v.job_id, t, g): estimate(v, t, g, prior) for v in active for t in types
@@ -392,7 +422,7 @@ class Scheduler:
         plan = self.mechanism.plan_round({v.job_id for v in active})
         placements = {jid: (p.acc_type, p.gpus) for jid, p in plan.placements.items()}
         actions, slots = diff_actions(views, placements, self.slots, pinned)
-        return RoundDecision(plan, actions, slots, solved, time.perf_counter() - t0)
+        return RoundDecision(plan, actions, slots, solved, time.perf_counter() - t0, fallback)
 
     def end_round(self) -> None:
         self.mechanism.end_round()

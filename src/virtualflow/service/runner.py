@@ -197,6 +197,7 @@ class Service:
                                       info={"reason": f"service restarted ({what})"})
                 log.info("job %d was running when the service stopped: queued to %s", row.id,
                          "resume from its newest state" if has_state else "start again")
+        self.db.settle(now)  # a cancel made while the service was down: cancelled now, not resumed
 
     # -- the loop ---------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:
@@ -269,6 +270,9 @@ class Service:
         pinned = {jid for jid, run in self.running.items()
                   if run.last_step <= run.start_step or start - run.started_s < self.min_run_s}
         decision = self.scheduler.plan(views, start - self.epoch_s, pinned)
+        if decision.fallback is not None:  # the policy failed: the round runs on the fallback's decision
+            self.db.event("policy_fallback", policy=self.policy_name, reason=decision.fallback)
+            log.warning("round: %s", decision.fallback)
         decision, admitted = self.admit_deadlines(decision, views, rows, pinned, start)
         placements = []
         for jid, slots in sorted(decision.slots.items()):
@@ -355,6 +359,7 @@ class Service:
     def _start(self, row: JobRow, a: Action, *, restart: bool) -> None:
         assert a.acc_type is not None
         factor = self.slowdowns_of(row)[a.acc_type]
+        self.db.claim_run_dir(row)  # another job's states there are moved aside, never resumed
         resume = row.run_dir if _has_state(row.run_dir) else None
         opts: dict[str, Any] = dict(workers=a.workers, steps=row.steps, run_dir=row.run_dir,
                                     deterministic=row.deterministic, threads_per_worker=self.threads,
@@ -428,6 +433,7 @@ class Service:
     def _tick(self) -> None:
         now = time.time()
         self._heartbeat(state="running")
+        self.db.settle(now)  # cancels made while a job was queued or the service down; quarantined rows
         if now - self._deadlines_checked_s >= 1.0:
             self._deadlines_checked_s = now
             self.check_deadlines(now)
@@ -448,6 +454,13 @@ class Service:
                 else:  # stopped from outside the service (e.g. a signal): queue it again
                     self.db.set_job_state(jid, "queued", event="preempt", steps_done=result.steps, acc_type=None,
                                           workers=0, slots=[], info={"reason": "stopped outside the service"})
+                continue
+            if row.quarantine is not None:  # its row became unusable while it ran: stopped, state kept
+                result, _ = self._stop_all({jid: "quarantined"}).get(jid, (None, None))
+                self.db.set_job_state(jid, "queued", event="preempt", acc_type=None, workers=0, slots=[],
+                                      info={"reason": f"quarantined: {row.quarantine}"},
+                                      **({"steps_done": result.steps} if result is not None else {}))
+                self._left(jid)
                 continue
             if row.cancel_requested:
                 self.running.pop(jid)
@@ -565,7 +578,14 @@ def init_cluster(cluster_dir: str, *, slots: dict[str, int], policy: str, round_
     """Create (or reconfigure) a cluster directory: the database with the configuration, a
     private dashboard token. Validates everything first (nothing is written on error); with
     ``backend="ray"`` that includes connecting to the Ray cluster at ``address`` and checking that
-    it has the resources the slots claim (:func:`check_ray_cluster`)."""
+    it has the resources the slots claim (:func:`check_ray_cluster`).
+
+    The directory is private (:func:`~virtualflow.service.state.check_cluster_dir`): an existing
+    one that is a symbolic link, another user's, or writable by others, or a database or token
+    there that others may read or write, is refused naming the ``chmod`` that fixes it; what is
+    created here is 0700 (directory) and 0600 (database, token). A database made anew in a
+    directory whose earlier jobs it does not know (emptied, deleted) continues their ids above the
+    highest handed out (``db.recreated_over``; a ``database_new`` event)."""
     if not slots:
         raise ValueError("--slots is empty; give accelerator types and counts, e.g. --slots v100=2,k80=2")
     get_policy(policy)  # raises for an unknown policy, naming the choices
@@ -595,8 +615,11 @@ def init_cluster(cluster_dir: str, *, slots: dict[str, int], policy: str, round_
                              "cluster whose nodes have the slot types as custom resources, e.g. ray start --head "
                              "--resources '{\"v100\": 2, \"k80\": 2}'")
         check_ray_cluster(address, slots, cpus_per_worker)
-    os.makedirs(cluster_dir, mode=0o700, exist_ok=True)
-    db = ClusterDB(cluster_dir, create=True)
+    db = ClusterDB(cluster_dir, create=True)  # checks the directory (and makes it 0700 if missing)
+    if db.recreated_over is not None:
+        db.event("database_new", earlier_ids_up_to=db.recreated_over)
+        log.warning("%s was new, but this directory handed out job ids up to %d before: new ids continue above",
+                    db.path, db.recreated_over)
     db.set_meta("config", {"slots": slots, "policy": policy, "round_s": round_s, "slowdowns": overrides,
                            "threads_per_worker": threads_per_worker, "min_run_s": min_run_s,
                            "dashboard_port": dashboard_port, "backend": backend, "address": address,

@@ -16,6 +16,12 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import linprog
 
+class SolveError(RuntimeError):
+    """HiGHS found no optimum (infeasible, unbounded, or a model it cannot handle, e.g. weights
+    spanning too many orders of magnitude). A caller that must not stop (the cluster service)
+    catches it and falls back to a policy that needs no solver."""
+
+
 EPS_FIX = 1e-7
 """Relative slack when a first-stage optimum is fixed as a constraint of a second stage."""
 
@@ -39,7 +45,7 @@ def coef_rows(C: np.ndarray, extra: int = 0) -> sp.csr_matrix:
 
 def solve(c: np.ndarray, A_ub: sp.spmatrix | None, b_ub: np.ndarray | None, bounds: np.ndarray,
           A_eq: sp.spmatrix | None = None, b_eq: np.ndarray | None = None, what: str = "LP") -> tuple[np.ndarray, float]:
-    """Minimise ``c @ x`` with HiGHS; ``bounds`` is (n_vars, 2). Raises RuntimeError unless optimal."""
+    """Minimise ``c @ x`` with HiGHS; ``bounds`` is (n_vars, 2). Raises :class:`SolveError` unless optimal."""
     res = solve_full(c, A_ub, b_ub, bounds, A_eq, b_eq, what)
     return res.x, float(res.fun)
 
@@ -50,7 +56,7 @@ def solve_full(c: np.ndarray, A_ub: sp.spmatrix | None, b_ub: np.ndarray | None,
     """``solve`` returning scipy's result (with the duals: ``res.ineqlin.marginals``)."""
     res = linprog(c, A_ub=A_ub, b_ub=b_ub, A_eq=A_eq, b_eq=b_eq, bounds=bounds, method=method)
     if res.status != 0:
-        raise RuntimeError(f"{what}: HiGHS did not find an optimum (status {res.status}: {res.message})")
+        raise SolveError(f"{what}: HiGHS did not find an optimum (status {res.status}: {res.message})")
     return res
 
 
@@ -112,7 +118,7 @@ class WarmStartLP:
             h.setOptionValue("solver", "ipm" if self._first_ipm else "simplex")
         h.run()
         if h.getModelStatus() != hs.HighsModelStatus.kOptimal:
-            raise RuntimeError(f"{what}: HiGHS did not find an optimum ({h.modelStatusToString(h.getModelStatus())})")
+            raise SolveError(f"{what}: HiGHS did not find an optimum ({h.modelStatusToString(h.getModelStatus())})")
         sol = h.getSolution()
         self._basis = h.getBasis()
         return np.asarray(sol.col_value), float(h.getInfo().objective_function_value), np.asarray(sol.row_dual)
