@@ -57,6 +57,10 @@ def launch(job: JobLike, options: LaunchOptions | None = None, **overrides: Any)
     opts = make_options(options, overrides)
     policy, limits = _autoscaler(opts)
     backend = make_backend(opts)
+    # Only a backend whose workers run on this machine can tell whether the device exists.
+    check_device = getattr(backend, "check_device", None)
+    if check_device is not None:
+        check_device(opts.device)
 
     source = source_from(job)
     job_obj = build_job(job, source.target)
@@ -112,6 +116,10 @@ def launch(job: JobLike, options: LaunchOptions | None = None, **overrides: Any)
                     f"steps={total_steps}; ask for more steps (--steps/--epochs) to continue training"
                 )
         state_dir = _prepare_run_dir(run_dir, opts, resume_path, resume_step)
+        if run_dir is None and opts.checkpoint_every:
+            logger.warning("checkpoint_every=%d without run_dir: the checkpoints go to the temporary folder %s, which "
+                           "is removed when the run succeeds (kept if it fails); give run_dir= (--run-dir) to keep "
+                           "them", opts.checkpoint_every, state_dir)
         if token is not None:
             token_path = os.path.abspath(opts.token_file)
         else:

@@ -48,6 +48,39 @@ def log_tail(path: str, lines: int = 15) -> str:
         return ""
 
 
+def check_local_device(device: str) -> None:
+    """Refuse, before any worker starts, a ``device`` this process's torch cannot use: not a device
+    name, a CUDA device with a CPU-only torch or none visible, an index past the devices there
+    are, MPS where it is not available. (Without this, workers started and failed seconds later
+    on an assertion deep in torch.)"""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device={device!r} is not a torch device name; use e.g. cpu, cuda or cuda:1 "
+                         f"(--device)") from None
+    if dev.type == "cuda":
+        if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+            raise ValueError(f"device={device!r}, but this torch ({torch.__version__}) is a CPU-only build; install "
+                             f"a CUDA build of torch, or train on --device cpu")
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise ValueError(f"device={device!r}, but torch sees no CUDA device on this machine (check "
+                             f"CUDA_VISIBLE_DEVICES and the driver), or train on --device cpu")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"device={device!r}, but this machine has {count} CUDA device{'s' if count > 1 else ''} "
+                             f"(cuda:0 to cuda:{count - 1}); choose one of them (--device)")
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device={device!r}, but MPS is not available on this machine; train on --device cpu")
+    elif dev.type not in ("cpu", "cuda", "mps"):  # xpu and others that say whether they are there
+        module = getattr(torch, dev.type, None)
+        available = getattr(module, "is_available", None)
+        if callable(available) and not available():
+            raise ValueError(f"device={device!r}, but torch reports no {dev.type} device on this machine; train on "
+                             f"--device cpu")
+
+
 class LocalBackend:
     """Worker processes on this machine (see the module docstring)."""
 
@@ -68,6 +101,10 @@ class LocalBackend:
 
     def check_capacity(self, workers: int, *, knob: str = "--workers") -> None:
         return None  # processes on this machine: no capacity to check
+
+    def check_device(self, device: str) -> None:
+        """The workers run on this machine: ``device`` must exist here (:func:`check_local_device`)."""
+        check_local_device(device)
 
     def attach(self, attachment: Attachment) -> None:
         self.config, self.state_dir = attachment.config, attachment.state_dir
