@@ -40,6 +40,7 @@ from virtualflow.runtime.tensor_parallel import (
 JOIN_S = 90.0
 F64 = dict(atol=1e-12, rtol=1e-12)
 F32 = dict(atol=1e-5, rtol=1e-4)
+F32_GUIDE = dict(atol=1e-5, rtol=1e-4)
 
 
 # --------------------------------------------------------------------------------------------
@@ -90,6 +91,27 @@ def test_the_shards_of_all_ranks_put_together_are_the_whole_block():
         parts = [s["qkv.weight"].view(3, -1, 12)[j] for s in shards]
         assert torch.equal(torch.cat(parts), full["qkv.weight"][j * 12:(j + 1) * 12])
     assert torch.equal(torch.cat([s["out.weight"] for s in shards], 1), full["out.weight"])
+
+
+def test_the_seed_fixes_the_weights_whatever_the_global_random_state():
+    """Ranks build the reference block independently: the weights must come from ``seed`` alone
+    (the global generator differs between ranks), with nn.Linear's distribution."""
+    for build in (lambda s: MLPBlock(16, 40, 0.1, seed=s), lambda s: AttentionBlock(12, 3, 0.1, seed=s)):
+        torch.manual_seed(1)
+        a = build(0)
+        torch.manual_seed(2)
+        state = torch.random.get_rng_state()
+        b = build(0)
+        assert torch.equal(torch.random.get_rng_state(), state)  # the global generator is not touched
+        c = build(1)
+        pa, pb, pc = dict(a.named_parameters()), dict(b.named_parameters()), dict(c.named_parameters())
+        assert all(torch.equal(pa[n], pb[n]) for n in pa)
+        assert not any(torch.equal(pa[n], pc[n]) for n in pa)  # another seed, other weights
+        for n, v in pa.items():
+            fan_in = v.shape[-1] if n.endswith("weight") else pa[n.replace("bias", "weight")].shape[1]
+            bound = fan_in ** -0.5
+            assert v.abs().max() <= bound and v.abs().max() > 0.9 * bound  # U(-1/sqrt(in), 1/sqrt(in))
+            assert abs(v.mean().item()) < 0.1 * bound or v.numel() < 100
 
 
 def test_bad_settings_are_refused_with_the_knob_to_change():
@@ -271,8 +293,36 @@ def _compare_pieces(comm) -> list[str]:
     return failures
 
 
+def _guide_snippet(comm: Collectives) -> list[str]:
+    """docs/coconet.md's tensor-parallel snippet, its own values: every rank builds
+    ``MLPBlock(hidden=1024, ffn_hidden=4096, dropout_p=0.1, seed=0)`` itself, its global
+    generator in another state than the other ranks' (as after rank-dependent work), cuts its
+    shard with ``chunks=4`` and computes ``tp(x)``, which must equal its own ``block(x)``."""
+    rank = comm.group.rank
+    failures: list[str] = []
+    torch.manual_seed(100 + rank)
+    block = MLPBlock(hidden=1024, ffn_hidden=4096, dropout_p=0.1, seed=0)  # the reference block
+    tp = TensorParallelMLP.from_module(block, comm, chunks=4)             # this rank's 1/t of it
+    x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(5))  # the same on every rank
+    with torch.no_grad():
+        _check(failures, "guide snippet: tp(x) vs block(x)", tp(x), block(x), False, F32_GUIDE)
+    # A rank that builds another block is refused on every rank, before any wrong output.
+    for name, build in (("MLPBlock", lambda s: MLPBlock(8, 12, seed=s)),
+                        ("AttentionBlock", lambda s: AttentionBlock(12, 3, seed=s))):
+        cls = TensorParallelMLP if name == "MLPBlock" else TensorParallelAttention
+        try:
+            cls.from_module(build(rank), comm)
+            failures.append(f"{name} with seed=rank: from_module did not refuse")
+        except ValueError as exc:
+            if f"the {name} passed to from_module differs between the {comm.group.size} ranks" not in str(exc):
+                failures.append(f"{name} with seed=rank: unexpected error {exc}")
+        cls.from_module(build(7), comm)  # the same seed everywhere: accepted
+    return failures
+
+
 def _all_cases(comm: Collectives) -> list[str]:
-    failures: list[str] = _compare_pieces(comm)
+    failures: list[str] = _guide_snippet(comm)
+    failures += _compare_pieces(comm)
     for chunks in (1, 2, 3):
         failures += _compare_mlp(comm, torch.float64, chunks, 0.1, tokens=(3, 4))
         failures += _compare_attention(comm, torch.float64, chunks, 0.1)

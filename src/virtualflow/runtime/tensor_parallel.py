@@ -1,8 +1,9 @@
 """Tensor-parallel transformer blocks (Megatron-style) with CoCoNeT's reorder and overlap.
 
 Purpose: a transformer MLP block or attention block split over the ``t`` ranks of a group, each
-rank holding ``1/t`` of the block's weights, computing exactly the single-worker block
-(:class:`MLPBlock`, :class:`AttentionBlock`, in this file) up to the order of floating-point sums.
+rank holding ``1/t`` of the block's weights, computing the single-worker block (:class:`MLPBlock`,
+:class:`AttentionBlock`, in this file) up to the order of floating-point sums (see "What
+'exactly' means here" below).
 
 Layouts (``T`` = tokens = batch * sequence, ``h`` = hidden width, ``f`` = MLP width, rank ``r``)::
 
@@ -68,6 +69,22 @@ of collectives (``k`` times as many), not the bytes. Saved for backward per rank
 pre-activation and activation ``[T, f/t]`` (MLP), and the keep-mask of the owned rows (bool,
 ``[T/t, h]``).
 
+**The same block on every rank.** ``MLPBlock(..., seed=s)`` / ``AttentionBlock(..., seed=s)`` draw
+their whole weights from ``s`` (:func:`init_linears`), not from the global generator, so every
+rank builds the same single-worker block and ``from_module`` cuts its slice of it; ``from_module``
+also checks that the ranks' blocks are equal (:func:`verify_same_block`, one small all-reduce) and
+refuses otherwise, since a rank holding another block gives a wrong output with no error.
+
+**What "exactly" means here.** The tensor-parallel block adds the ranks' partial sums in the
+ring's order and, with ``chunks = k``, multiplies row chunks of the tokens (``x[rows] @ W``); BLAS
+picks its kernel by shape, so neither is the single worker's arithmetic and the outputs agree to
+float tolerance, not bit for bit (the tests hold float64 to ``1e-12`` and float32 to ``1e-5``
+absolute; docs/coconet.md has the measured differences). Bit-identical on every CPU are the
+results whose two sides run the same kernels on the same shapes: the overlapped and the serial
+schedule of the same ``k`` (the same matmuls, waited for at other times), one rank with
+``chunks=1`` against the single-worker block, and the out-projection's bias gradient (summed
+locally from the all-gathered ``[T, h]`` gradient, as the single worker sums it).
+
 Invariants: every rank calls the same blocks in the same order with the same shapes (the
 collectives run in issue order, see ``comm/ring.py``); ``t`` <= the MLP width and <= the number
 of heads (no rank without weights).
@@ -75,6 +92,8 @@ of heads (no rank without weights).
 
 from __future__ import annotations
 
+import hashlib
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence
@@ -91,6 +110,8 @@ DROPOUT_BLOCK_ROWS = 64
 """Token rows per dropout block (see the module docstring's dropout rule)."""
 
 _MASK32 = (1 << 32) - 1
+_MASK64 = (1 << 64) - 1
+_INIT_TAG = 0x5EED_0F_11  # mixed into the weight generator's seed (the dropout blocks mix in block indices)
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,6 +253,32 @@ def _check_p(p: float) -> None:
 # The single-worker reference blocks (same math, same dropout rule).
 
 
+def init_linears(seed: int, *linears: nn.Linear) -> None:
+    """Draw the weights and biases of ``linears`` (in order) from a CPU generator seeded from
+    ``seed`` alone, with ``nn.Linear``'s own distribution (``U(-1/sqrt(in), 1/sqrt(in))`` for both).
+
+    Why: ``nn.Linear`` draws from the global generator, whose state differs between ranks (data
+    shuffling, per-rank seeds): ranks would cut *different* blocks and the tensor-parallel output
+    would be wrong with no error. Drawn from ``seed``, the whole (unsharded) matrices are the same
+    on every rank and each rank takes its slice. The global generator is not touched. The
+    generator's seed is ``seed`` mixed twice with a tag: a stream unrelated to the dropout blocks'."""
+    gen = torch.Generator()
+    gen.manual_seed(_splitmix64(_splitmix64(seed & _MASK64) ^ _INIT_TAG) & _MASK32)
+    with torch.no_grad():
+        for lin in linears:
+            bound = 1.0 / math.sqrt(lin.in_features) if lin.in_features > 0 else 0.0
+            weight = torch.empty(lin.weight.shape, dtype=torch.float32).uniform_(-bound, bound, generator=gen)
+            lin.weight.copy_(weight)
+            if lin.bias is not None:
+                lin.bias.copy_(torch.empty(lin.bias.shape, dtype=torch.float32).uniform_(-bound, bound, generator=gen))
+
+
+def _skip_init_linear(in_features: int, out_features: int) -> nn.Linear:
+    """An ``nn.Linear`` whose constructor draws nothing from the global generator (its values are
+    set by :func:`init_linears`)."""
+    return torch.nn.utils.skip_init(nn.Linear, in_features, out_features)
+
+
 def epilogue(z: torch.Tensor, bias: torch.Tensor, scale: torch.Tensor | None, resid: torch.Tensor) -> torch.Tensor:
     """``(z + bias) * keep_scale + resid``: the pointwise work between the collectives."""
     v = z + bias
@@ -241,13 +288,19 @@ def epilogue(z: torch.Tensor, bias: torch.Tensor, scale: torch.Tensor | None, re
 
 
 class MLPBlock(nn.Module):
-    """``y = x + dropout(fc2(gelu(fc1(x))))`` on ``[..., hidden]`` (one worker)."""
+    """``y = x + dropout(fc2(gelu(fc1(x))))`` on ``[..., hidden]`` (one worker).
+
+    ``seed`` fixes the weights (drawn whole from it, :func:`init_linears`) and the dropout
+    masks, and nothing else does: every rank that builds ``MLPBlock(..., seed=s)`` holds the same
+    block, whatever its global random state, so :meth:`TensorParallelMLP.from_module` cuts the
+    same block on every rank. Stacked blocks need different seeds."""
 
     def __init__(self, hidden: int, ffn_hidden: int, dropout_p: float = 0.0, *, seed: int = 0) -> None:
         super().__init__()
         _check_p(dropout_p)
-        self.fc1 = nn.Linear(hidden, ffn_hidden)
-        self.fc2 = nn.Linear(ffn_hidden, hidden)
+        self.fc1 = _skip_init_linear(hidden, ffn_hidden)
+        self.fc2 = _skip_init_linear(ffn_hidden, hidden)
+        init_linears(seed, self.fc1, self.fc2)
         self.dropout_p = dropout_p
         self.seeds = _Seeds(seed)
 
@@ -262,7 +315,8 @@ class MLPBlock(nn.Module):
 
 class AttentionBlock(nn.Module):
     """``y = x + dropout(out(attention(qkv(x))))`` on ``[batch, seq, hidden]`` (one worker); qkv's
-    rows are ``[q; k; v]``, each ``heads`` blocks of ``hidden / heads`` rows."""
+    rows are ``[q; k; v]``, each ``heads`` blocks of ``hidden / heads`` rows. ``seed`` fixes the
+    weights and the dropout masks, as in :class:`MLPBlock`."""
 
     def __init__(self, hidden: int, heads: int, dropout_p: float = 0.0, *, causal: bool = True,
                  seed: int = 0) -> None:
@@ -270,8 +324,9 @@ class AttentionBlock(nn.Module):
         _check_p(dropout_p)
         if heads < 1 or hidden % heads:
             raise ValueError(f"AttentionBlock: hidden={hidden} must be a multiple of heads={heads}")
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.out = nn.Linear(hidden, hidden)
+        self.qkv = _skip_init_linear(hidden, 3 * hidden)
+        self.out = _skip_init_linear(hidden, hidden)
+        init_linears(seed, self.qkv, self.out)  # the same block on every rank (see MLPBlock)
         self.heads = heads
         self.causal = causal
         self.dropout_p = dropout_p
@@ -545,6 +600,38 @@ class _Linear(nn.Module):
         self.bias = nn.Parameter(bias)
 
 
+def block_fingerprint(block: nn.Module) -> list[int]:
+    """Three 16-bit numbers hashed from ``block``'s parameters (names, shapes, dtypes, bytes),
+    its dropout p and its seed: equal blocks give equal numbers."""
+    h = hashlib.blake2b(digest_size=6)
+    h.update(repr((type(block).__name__, block.dropout_p, block.seeds.seed)).encode())
+    for name, p in block.named_parameters():
+        h.update(repr((name, tuple(p.shape), str(p.dtype))).encode())
+        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    d = h.digest()
+    return [int.from_bytes(d[i:i + 2], "little") for i in (0, 2, 4)]
+
+
+def verify_same_block(block: nn.Module, comm: Comm, what: str) -> None:
+    """Raise ``ValueError`` on every rank unless every rank of ``comm.group`` holds the same
+    ``block`` (by :func:`block_fingerprint`).
+
+    One all-reduce of ``[f, f^2]`` per fingerprint number ``f``: the ranks' numbers are all equal
+    exactly when ``t * sum(f^2) == sum(f)^2`` (Cauchy-Schwarz), and with 16-bit numbers every
+    sum is an integer below 2**53, exact in float64. Every rank computes the same verdict."""
+    t = comm.group.size
+    f = torch.tensor(block_fingerprint(block), dtype=torch.float64)
+    buf = torch.cat([f, f * f])
+    comm.all_reduce(buf)
+    n = f.numel()
+    if t > 1 and not torch.equal(buf[n:] * t, buf[:n] * buf[:n]):
+        raise ValueError(
+            f"the {what} passed to from_module differs between the {t} ranks (weights, dropout_p or seed): each "
+            f"rank would hold a shard of another block and the output would be wrong; build it with the same "
+            f"arguments and seed=... on every rank (the seed fixes the weights) and load the same state, or pass "
+            f"verify=False to skip this check")
+
+
 def _check_chunks(chunks: int) -> None:
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks={chunks!r} must be an int >= 1 (1 = no overlap; k = k overlap chunks)")
@@ -575,8 +662,14 @@ class TensorParallelMLP(nn.Module):
                 "fc2.weight": full["fc2.weight"][:, lo:hi], "fc2.bias": full["fc2.bias"]}
 
     @classmethod
-    def from_module(cls, mlp: MLPBlock, comm: Comm, *, chunks: int = 1) -> "TensorParallelMLP":
-        """This rank's shard of ``mlp`` (copies of its weights' slices; same dropout p and seed)."""
+    def from_module(cls, mlp: MLPBlock, comm: Comm, *, chunks: int = 1, verify: bool = True) -> "TensorParallelMLP":
+        """This rank's shard of ``mlp`` (copies of its weights' slices; same dropout p and seed).
+
+        ``verify``: first check that every rank passed the same block (:func:`verify_same_block`,
+        one small all-reduce, so every rank must call this together); a rank holding another block
+        would make the output wrong with no error."""
+        if verify:
+            verify_same_block(mlp, comm, "MLPBlock")
         with torch.no_grad():
             s = cls.shard_state(dict(mlp.named_parameters()), comm.group.rank, comm.group.size)
             s = {k: v.detach().clone() for k, v in s.items()}
@@ -632,7 +725,11 @@ class TensorParallelAttention(nn.Module):
                 "out.weight": full["out.weight"][:, lo * d:hi * d], "out.bias": full["out.bias"]}
 
     @classmethod
-    def from_module(cls, block: AttentionBlock, comm: Comm, *, chunks: int = 1) -> "TensorParallelAttention":
+    def from_module(cls, block: AttentionBlock, comm: Comm, *, chunks: int = 1,
+                    verify: bool = True) -> "TensorParallelAttention":
+        """This rank's shard of ``block``; ``verify`` as in :meth:`TensorParallelMLP.from_module`."""
+        if verify:
+            verify_same_block(block, comm, "AttentionBlock")
         with torch.no_grad():
             s = cls.shard_state(dict(block.named_parameters()), comm.group.rank, comm.group.size, block.heads)
             s = {k: v.detach().clone() for k, v in s.items()}
