@@ -110,57 +110,109 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 # -- cluster start / status / stop / dashboard ---------------------------------------------------
+class _StartLock:
+    """``DIR/start.lock``, held (``flock``) by one ``cluster start`` from before it writes the
+    configuration until its service holds the service lock (a foreground service: for its life).
+    Two starts at the same moment would otherwise both write their configuration and the one
+    refused later would report the other's settings as its own."""
+
+    def __init__(self, cluster_dir: str) -> None:
+        import fcntl
+
+        self.path = os.path.join(cluster_dir, "start.lock")
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self.fd)
+            raise ValueError(f"another cluster start is under way in {cluster_dir} (pid {holder} holds {self.path}), "
+                             f"or its service runs in the foreground; wait for it, or stop it (virtualflow cluster "
+                             f"stop --dir {cluster_dir})") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+
+    def release(self) -> None:
+        os.close(self.fd)
+
+
 def start(args: argparse.Namespace) -> int:
     from virtualflow.cluster.model import Cluster
     from virtualflow.service.core import parse_slowdowns
     from virtualflow.service.runner import Service, ServiceLock, init_cluster
+    from virtualflow.service.state import check_cluster_dir
 
     slots = dict(Cluster.parse(args.slots).gpus)
     slowdowns = parse_slowdowns(args.slowdowns) if args.slowdowns else {}
     if args.threads_per_worker < 1:
         raise ValueError(f"--threads-per-worker {args.threads_per_worker} must be >= 1")
-    if os.path.isdir(args.dir) and ServiceLock.held(args.dir):
-        raise ValueError(f"a cluster service already runs in {args.dir}; stop it first (virtualflow cluster stop "
-                         f"--dir {args.dir})")
     address = args.address
     if args.backend == "ray" and address is None:
         address = os.environ.get("RAY_ADDRESS") or None
     if args.backend == "local" and args.cpus_per_worker != 1.0:
         raise ValueError("--cpus-per-worker applies to --backend ray; add --backend ray or drop it")
-    init_cluster(args.dir, slots=slots, policy=args.policy, round_s=args.round_s, slowdowns=slowdowns,
-                 threads_per_worker=args.threads_per_worker, min_run_s=args.min_run_s,
-                 dashboard_port=args.dashboard_port, backend=args.backend, address=address,
-                 cpus_per_worker=args.cpus_per_worker, emulate_slowdowns=args.emulate_slowdowns,
-                 mechanism=args.mechanism).close()
-    if args.foreground:
-        import signal
-
-        service = Service(args.dir)
-        signal.signal(signal.SIGTERM, service.request_stop)
+    created = not os.path.lexists(args.dir)
+    check_cluster_dir(args.dir, create=True)  # a private directory (made 0700 here if missing)
+    lock = _StartLock(args.dir)
+    try:
+        if ServiceLock.held(args.dir):
+            raise ValueError(f"a cluster service already runs in {args.dir}; stop it first (virtualflow cluster "
+                             f"stop --dir {args.dir})")
         try:
-            service.run()
-        except KeyboardInterrupt:
-            pass
-        return 0
-    log_path = os.path.join(args.dir, "service.log")
-    with open(os.devnull, "rb") as devnull, open(log_path, "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "virtualflow.service", os.path.abspath(args.dir)],
-                                stdin=devnull, stdout=log, stderr=log, start_new_session=True, close_fds=True)
-    db = ClusterDB(args.dir)
-    deadline = time.monotonic() + args.timeout
-    while True:
-        svc = db.get_meta("service") or {}
-        if svc.get("pid") == proc.pid and svc.get("state") == "running":
-            break
-        if proc.poll() is not None:
-            raise RuntimeError(f"the cluster service exited at start-up (code {proc.returncode}); see {log_path}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the cluster service (pid {proc.pid}) is not up after {args.timeout} s; see {log_path}")
-        time.sleep(0.1)
-    dash = db.get_meta("dashboard")
-    on = f"; Ray cluster {address}" if args.backend == "ray" else ""
-    print(f"cluster service running in {args.dir} (pid {proc.pid}; slots {args.slots}{on}; policy {args.policy}; "
-          f"rounds of {args.round_s:g} s); log: {log_path}" + (f"; dashboard: {dash}" if dash else ""))
+            db = init_cluster(args.dir, slots=slots, policy=args.policy, round_s=args.round_s, slowdowns=slowdowns,
+                              threads_per_worker=args.threads_per_worker, min_run_s=args.min_run_s,
+                              dashboard_port=args.dashboard_port, backend=args.backend, address=address,
+                              cpus_per_worker=args.cpus_per_worker, emulate_slowdowns=args.emulate_slowdowns,
+                              mechanism=args.mechanism)
+        except BaseException:
+            if created:  # nothing of this start stays behind
+                try:
+                    os.unlink(lock.path)
+                    os.rmdir(args.dir)
+                except OSError:
+                    pass
+            raise
+        if db.recreated_over is not None:
+            print(f"note: {db.path} is new, but this directory handed out job ids up to {db.recreated_over} before; "
+                  f"the earlier jobs are not in it (their run directories stay in {os.path.join(args.dir, 'jobs')}), "
+                  f"and new job ids continue above {db.recreated_over}")
+        db.close()
+        if args.foreground:
+            import signal
+
+            service = Service(args.dir)
+            signal.signal(signal.SIGTERM, service.request_stop)
+            try:
+                service.run()
+            except KeyboardInterrupt:
+                pass
+            return 0
+        log_path = os.path.join(args.dir, "service.log")
+        with open(os.devnull, "rb") as devnull, open(log_path, "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "virtualflow.service", os.path.abspath(args.dir)],
+                                    stdin=devnull, stdout=log, stderr=log, start_new_session=True, close_fds=True)
+        db = ClusterDB(args.dir)
+        deadline = time.monotonic() + args.timeout
+        while True:
+            svc = db.get_meta("service") or {}
+            if svc.get("pid") == proc.pid and svc.get("state") == "running":
+                break
+            if proc.poll() is not None:
+                raise RuntimeError(f"the cluster service exited at start-up (code {proc.returncode}); see {log_path}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the cluster service (pid {proc.pid}) is not up after {args.timeout} s; see "
+                                   f"{log_path}")
+            time.sleep(0.1)
+        # What the service runs, as recorded (not this command's arguments: they are the same
+        # under the start lock, and the record is what the service read).
+        cfg = db.config()
+        dash = db.get_meta("dashboard")
+    finally:
+        lock.release()
+    shown = ",".join(f"{t}={n}" for t, n in cfg["slots"].items())
+    on = f"; Ray cluster {cfg.get('address')}" if cfg.get("backend") == "ray" else ""
+    print(f"cluster service running in {args.dir} (pid {proc.pid}; slots {shown}{on}; policy {cfg['policy']}; "
+          f"rounds of {float(cfg['round_s']):g} s); log: {log_path}" + (f"; dashboard: {dash}" if dash else ""))
     return 0
 
 
