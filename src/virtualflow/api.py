@@ -31,7 +31,8 @@ from virtualflow.pipeline import check_workers, pipeline_of, plan_pipeline
 from virtualflow.plan.vnmap import pipeline_assignment
 from virtualflow.result import Result, TrainingError
 from virtualflow.resume import find_resume_state
-from virtualflow.rundir import RunLock, earlier_run, make_private_dir, set_aside, state_files, trim_metrics
+from virtualflow.rundir import (RunLock, disk_full_error, earlier_run, make_private_dir, set_aside, state_files,
+                                trim_metrics)
 from virtualflow.supervisor import RunSetup
 
 logger = logging.getLogger("virtualflow")
@@ -230,12 +231,21 @@ def _claim_run_dir(run_dir: str | None) -> tuple[RunLock | None, bool]:
     whether the directory was created here."""
     if run_dir is None:
         return None, False
-    created = make_private_dir(run_dir)
+    try:
+        created = make_private_dir(run_dir)
+    except OSError as exc:
+        full = disk_full_error(exc, run_dir)
+        if full is not None:
+            raise full from exc
+        raise
     try:
         return RunLock.acquire(run_dir), created
     except BaseException:
         if created:
-            os.rmdir(run_dir)
+            try:
+                os.rmdir(run_dir)
+            except OSError:  # not empty after all: never hide the error that brought us here
+                pass
         raise
 
 

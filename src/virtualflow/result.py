@@ -32,6 +32,9 @@ class TrainingError(RuntimeError):
     (it was killed, or it lost its connection)."""
     worker_traceback_full: str | None = None
     """The same traceback with every frame (what the worker's log holds)."""
+    disk_full: bool = False
+    """The run stopped because a write found no space left (the message names the file, the
+    space free there and what to do; the states already written are kept)."""
 
 
 class WorkerTraceback(Exception):

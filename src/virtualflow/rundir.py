@@ -9,6 +9,10 @@ Readers: :func:`read_jsonl` (tolerates a partial last line, as a crash mid-write
 ``ValueError`` that names the file and says to retry, never a JSON traceback), :func:`run_state`.
 Used by the job handle, ``status``, ``resize`` and ``plot``: nothing else opens these files.
 
+A full disk: every write through here that fails for lack of space is a :class:`DiskFullError`
+(the file, the space free there, the space needed when known); :func:`no_space` finds the
+``ENOSPC`` behind another library's error.
+
 Guards (used by :func:`virtualflow.launch` before a run writes anything):
 
 * :func:`make_private_dir` creates a run directory ``0700``; an existing one that is a symbolic
@@ -52,6 +56,78 @@ RUN_FILES = ("final.pt", "final.pt.sha256", "checkpoint.pt", "checkpoint.pt.sha2
 LOCK_FILE = "coordinator.lock"
 
 
+# -- a full disk -------------------------------------------------------------------------------
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFullError(OSError):
+    """A write failed for lack of space (``ENOSPC``, or ``EDQUOT``: a quota): names the file, the
+    space free on its filesystem and, when known, the space the write needed. What was written
+    before stays (writes are atomic: the failed one left nothing under the file's name)."""
+
+    def __init__(self, path: str, free_bytes: int | None, needed_bytes: int | None = None,
+                 code: int = errno.ENOSPC) -> None:
+        super().__init__(code, os.strerror(code), path)
+        self.path, self.free_bytes, self.needed_bytes = path, free_bytes, needed_bytes
+
+    def __str__(self) -> str:
+        free = "unknown space" if self.free_bytes is None else format_bytes(self.free_bytes)
+        need = f"; it needs about {format_bytes(self.needed_bytes)}" if self.needed_bytes else ""
+        what = "over the disk quota" if self.errno == errno.EDQUOT else "no space left on the device"
+        where = "in " if os.path.isdir(self.path) else ""  # a file of that directory, not known which
+        return f"{what} writing {where}{self.path} ({free} free there{need})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (DiskFullError, (self.path, self.free_bytes, self.needed_bytes, self.errno))
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes for a person: ``512 B``, ``3.4 KiB``, ``120.0 MiB``, ``2.5 GiB``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"  # pragma: no cover - the loop returns
+
+
+def free_bytes(path: str) -> int | None:
+    """Space free to this user on the filesystem that holds ``path`` (or its nearest existing
+    parent); None when it cannot be told."""
+    folder = os.path.abspath(path)
+    while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def no_space(exc: BaseException | None) -> OSError | None:
+    """The ``ENOSPC``/``EDQUOT`` error behind ``exc``, following ``__cause__`` and ``__context__``
+    (a library may turn one into its own error: ``torch.save`` raises a ``RuntimeError`` while
+    handling it); None when lack of space is not what failed."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def disk_full_error(exc: BaseException, path: str, needed_bytes: int | None = None) -> DiskFullError | None:
+    """A :class:`DiskFullError` for writing ``path`` when ``exc`` comes from a lack of space,
+    else None."""
+    cause = no_space(exc)
+    if cause is None:
+        return None
+    if isinstance(cause, DiskFullError):
+        return cause
+    return DiskFullError(path, free_bytes(path), needed_bytes, cause.errno)
+
+
 # -- writing ----------------------------------------------------------------------------------
 def atomic_write(path: str, data: bytes | Callable[[IO[bytes]], None], *, mode: int = 0o644) -> None:
     """Write ``data`` (bytes, or a function that writes to a binary file) to ``path`` atomically.
@@ -61,11 +137,18 @@ def atomic_write(path: str, data: bytes | Callable[[IO[bytes]], None], *, mode: 
     followed), flushed and fsynced, then renamed over ``path`` (a rename replaces a link named
     ``path`` itself, never its target); then the directory is fsynced so that the rename
     survives a power cut. On any failure the temporary file is removed and the error raised;
-    ``path`` is then untouched."""
+    ``path`` is then untouched. A failure for lack of space is a :class:`DiskFullError` naming
+    ``path`` (and how many bytes it needed, when ``data`` is bytes)."""
     folder, name = os.path.split(os.path.abspath(path))
     # A hidden name that no reader lists (it does not end in .pt or .json).
     tmp = os.path.join(folder, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
+    except OSError as exc:
+        full = disk_full_error(exc, path, None if callable(data) else len(data))
+        if full is not None:
+            raise full from exc
+        raise
     try:
         with os.fdopen(fd, "wb") as f:
             if callable(data):
@@ -75,11 +158,15 @@ def atomic_write(path: str, data: bytes | Callable[[IO[bytes]], None], *, mode: 
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        # After the partial file is gone: the free space reported is what the next try has.
+        full = disk_full_error(exc, path, None if callable(data) else len(data))
+        if full is not None:
+            raise full from exc
         raise
     _fsync_dir(folder)
 
@@ -184,8 +271,19 @@ class RunLock:
                 current = None
             if current is not None and os.path.samestat(os.fstat(fd), current):
                 record = json.dumps({"pid": os.getpid(), "host": os.uname().nodename, "started": time.time()})
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, record.encode(), 0)
+                try:
+                    os.ftruncate(fd, 0)
+                    os.pwrite(fd, record.encode(), 0)
+                except OSError as exc:  # a full disk: leave nothing behind, say what failed
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
+                    os.close(fd)
+                    full = disk_full_error(exc, path, len(record))
+                    if full is not None:
+                        raise full from exc
+                    raise
                 return cls(path, fd)
             os.close(fd)
         raise RuntimeError(f"could not take the lock {path}: it keeps being replaced")

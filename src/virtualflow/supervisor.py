@@ -34,7 +34,7 @@ from virtualflow.control.membership import FallbackRestart, JobFailed, Membershi
 from virtualflow.job import Job, JobSource
 from virtualflow.options import LaunchOptions
 from virtualflow.result import Result, TrainingError, WorkerTraceback
-from virtualflow.rundir import RunLock, write_json
+from virtualflow.rundir import RunLock, disk_full_error, state_files, write_json
 from virtualflow.runtime.checkpoint import load_state
 from virtualflow.runtime import breakdown
 from virtualflow.runtime.worker import WorkerConfig
@@ -259,31 +259,64 @@ class Supervisor:
                     self.backend.terminate_all()  # newcomers still starting, if any
                     self.result = self._collect()
                     progress.state = "stopped" if self.result.stopped else "done"
-                    coord.event("done", steps=self.result.steps, stopped=self.result.stopped, stop_reason=self.stop_reason,
-                                wall_time_s=time.time() - self.t0, generations=ctl.generation + 1,
-                                failures=len(ctl.failures))
+                    # The final state is written: a record that no longer fits does not undo that.
+                    self._best_effort("the done event", lambda: coord.event(
+                        "done", steps=self.result.steps, stopped=self.result.stopped, stop_reason=self.stop_reason,
+                        wall_time_s=time.time() - self.t0, generations=ctl.generation + 1,
+                        failures=len(ctl.failures)))
                     return
                 self.write_status()
                 # The launcher must not take CPU from the workers; it looks closer during changes.
                 time.sleep(0.01 if ctl.busy else 0.05)
         except BaseException as exc:  # noqa: BLE001 - reported through wait()
+            full = disk_full_error(exc, getattr(exc, "filename", None) or self.setup.state_dir)
+            if full is not None and not isinstance(exc, TrainingError):  # the launcher's own records
+                err = TrainingError(f"the run's records cannot be written: {full}; {self._disk_full_advice()}")
+                err.__cause__, err.disk_full = exc, True
+                exc = err
             self.error = exc
             progress.state = "failed"
-            self.backend.terminate_all()
-            coord.event("failed", error=str(exc), step=getattr(exc, "step", None))
+            self._best_effort("stopping the workers", self.backend.terminate_all)
+            self._best_effort("the failed event",
+                              lambda: coord.event("failed", error=str(exc), step=getattr(exc, "step", None)))
         finally:
+            # Every part of the ending runs, whatever the ones before it raised (a full disk fails
+            # every write): a monitor that died here left a job that never ended, which not even
+            # SIGTERM could stop. Records that cannot be written keep their last complete version.
             if self.bar is not None:
-                self.bar.close()
+                self._best_effort("closing the progress bar", self.bar.close)
             if self.tensorboard is not None:
-                self.tensorboard.close()
-            self.write_summary()
-            self.write_status(force=True)
-            coord.close()
+                self._best_effort("closing the TensorBoard log", self.tensorboard.close)
+            self._best_effort("summary.json", self.write_summary)
+            self._best_effort("status.json", lambda: self.write_status(force=True))
+            self._best_effort("closing the records", coord.close)
             if self.setup.own_state_dir and self.error is None:
                 shutil.rmtree(self.setup.state_dir, ignore_errors=True)
             if self.setup.run_lock is not None:
-                self.setup.run_lock.release()
+                self._best_effort("releasing the run directory's lock", self.setup.run_lock.release)
             self.finished.set()
+
+    def _best_effort(self, what: str, fn: Any) -> bool:
+        """Run ``fn``; an exception is logged (once per ``what``), not raised. For the parts of a
+        run's ending, each of which must run whatever the others did."""
+        try:
+            fn()
+            return True
+        except Exception as exc:  # noqa: BLE001 - logged; the ending goes on
+            full = disk_full_error(exc, getattr(exc, "filename", None) or self.setup.state_dir)
+            # After a full disk every record fails alike: the run's error already says so.
+            quiet = full is not None and getattr(self.error, "disk_full", False)
+            logger.log(logging.DEBUG if quiet else logging.WARNING, "%s: %s", what,
+                       full if full is not None else f"{type(exc).__name__}: {exc}")
+            return False
+
+    def _disk_full_advice(self) -> str:
+        """What to do after a full disk stopped the run: continue from its states, if it wrote any."""
+        folder = self.setup.state_dir
+        if not state_files(folder):
+            return "the run wrote no state yet: free space there (or choose another run directory) and start it again"
+        return (f"the states already written are kept: free space there (or move the run directory), then continue "
+                f"with --resume {self.setup.run_dir if self.setup.run_dir is not None else folder}")
 
     def _all_exited(self) -> bool:
         codes = self.backend.poll()
@@ -356,6 +389,7 @@ class Supervisor:
         beyond its schema's fields (``job_traceback``, ``phase``) is used only when it is text."""
         errors = self.coordinator.progress.errors
         e = next((e for e in errors if not any(s in e["error"] for s in _CONSEQUENTIAL)), errors[0])
+        disk_full = e["error"].startswith("DiskFullError:")
         step = e.get("step")
         phase = e.get("phase") if isinstance(e.get("phase"), str) else None
         if isinstance(step, int) and step >= 0:
@@ -364,14 +398,16 @@ class Supervisor:
             where = f"while {phase[:40]}; "
         else:
             where = ""
-        err = TrainingError(f"worker {e['worker']} (pid {e['pid']}) failed: {' '.join(e['error'].split())} "
-                            f"({where}{self._logs_where()})")
-        err.worker = e["worker"]
+        error = " ".join(e["error"].split())
+        if disk_full:  # not a bug in anyone's code: the line says what to do, no traceback
+            error = f"{error.removeprefix('DiskFullError: ')}; {self._disk_full_advice()}"
+        err = TrainingError(f"worker {e['worker']} (pid {e['pid']}) failed: {error} ({where}{self._logs_where()})")
+        err.worker, err.disk_full = e["worker"], disk_full
         err.step = step if isinstance(step, int) and step >= 0 else None
         full = e["traceback"] or None
         short = e.get("job_traceback") if isinstance(e.get("job_traceback"), str) else None
         err.worker_traceback_full = full
-        err.worker_traceback = short or full
+        err.worker_traceback = None if disk_full else short or full
         if err.worker_traceback:
             err.__cause__ = WorkerTraceback(err.worker_traceback)
         return err

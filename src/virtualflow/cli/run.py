@@ -14,6 +14,7 @@ from virtualflow.backends.ray import RayNotInstalled
 from virtualflow.api import stop_interrupted, wait_restarting
 from virtualflow.options import add_arguments, options_from_args
 from virtualflow.result import TrainingError
+from virtualflow.rundir import DiskFullError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -79,6 +80,9 @@ def main(args: argparse.Namespace) -> int:
     except RayNotInstalled as exc:
         print(f"virtualflow run: error: {exc}", file=sys.stderr)
         return 2
+    except DiskFullError as exc:  # before the run started: nothing of it to keep
+        print(f"virtualflow run: error: {exc}; free space there, or choose another --run-dir", file=sys.stderr)
+        return 1
     if code:
         print(f"stopped at step {result.steps} of {handle.total_steps} ({handle.status()['stop_reason']}); the final "
               f"state is in {run_dir}/final.pt: continue with --resume {run_dir}", file=sys.stderr)

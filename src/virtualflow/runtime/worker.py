@@ -67,6 +67,7 @@ from virtualflow.comm.groups import Group, PeerFailure, make_group
 from virtualflow.job import Job, JobSource
 from virtualflow.plan.data import DataPlan
 from virtualflow.result import job_traceback
+from virtualflow.rundir import DiskFullError, free_bytes, no_space
 from virtualflow.runtime.channel import Heartbeat, Rejections, Reporter, aborted
 from virtualflow.runtime.checkpoint import load_state, save_state
 from virtualflow.runtime.engine import BatchLoader, NonFiniteLossError, VNEngine
@@ -212,6 +213,11 @@ def report_failure(reporter: Reporter, worker_id: int, exc: BaseException, worke
     step = failing_step(exc, worker)
     phase = worker.phase if worker is not None else "setting up"
     full = "".join(traceback.format_exception(exc))
+    disk = no_space(exc)
+    if disk is not None:  # one line naming the file, the space free there and the space needed
+        path = disk.filename if isinstance(disk.filename, str) else (worker.cfg.state_dir if worker else "?")
+        needed = getattr(disk, "needed_bytes", None) or _state_bytes(worker)
+        exc = DiskFullError(path, free_bytes(path), needed, disk.errno)
     try:
         short = job_traceback(exc)
     except Exception:  # noqa: BLE001 - never lose the failure over its formatting
@@ -233,6 +239,17 @@ def report_failure(reporter: Reporter, worker_id: int, exc: BaseException, worke
         })
     except Exception:  # noqa: BLE001 - the store is gone: the log above is what is left
         pass
+
+
+def _state_bytes(worker: Worker | None) -> int | None:
+    """About how many bytes a state file of this worker's job takes (its model's tensors and the
+    optimizer state it holds); None when that cannot be told (set-up not done, pipelined)."""
+    try:
+        engine = worker.engine  # type: ignore[union-attr]
+        model = sum(t.numel() * t.element_size() for t in engine.model.state_dict().values())
+        return model + engine.optimizer_state_bytes()
+    except Exception:  # noqa: BLE001 - an estimate for a message only
+        return None
 
 
 class PreemptionNotice:
