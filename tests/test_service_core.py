@@ -249,8 +249,8 @@ def test_not_a_cluster_directory(tmp_path):
     (["JOB:paced", "--elastic", "--min-workers", "3", "--max-workers", "4"], "--min-workers 3 is more than the largest"),
     (["JOB:paced", "--elastic"], "needs --max-workers"),
     (["JOB:nope"], "has no function 'nope'"),
-    (["JOB:paced", "--elastic", "--max-workers", "16"], "--max-workers 16 is more than the job's virtual_nodes=8"),
-    (["JOB:paced", "--priority", "0"], "--priority 0 must be a positive weight"),
+    (["JOB:paced", "--elastic", "--max-workers", "16"], "--max-workers 16 is more than the largest slot type has (2"),
+    (["JOB:paced", "--priority", "0"], "--priority 0 must be a weight between 0.001 and 1000"),
     (["JOB:paced", "--job-type", "nonsense"], "--job-type 'nonsense' is not in Gavel's throughput table"),
 ])
 def test_bad_submissions_are_refused_and_nothing_is_queued(args, message, tmp_path, capsys):
@@ -265,10 +265,10 @@ def test_bad_submissions_are_refused_and_nothing_is_queued(args, message, tmp_pa
 def test_a_good_submission_is_queued(tmp_path, capsys):
     db = new_db(tmp_path)
     rc = cli_main.main(["submit", os.path.join(HERE, "service_jobs.py:paced"), "--dir", db.cluster_dir, "--steps",
-                        "10", "--elastic", "--max-workers", "3", "--priority", "2"])
+                        "10", "--elastic", "--max-workers", "2", "--priority", "2"])
     assert rc == 0, capsys.readouterr().err
     (row,) = db.jobs()
-    assert (row.state, row.elastic, row.min_workers, row.max_workers, row.priority) == ("queued", True, 1, 3, 2.0)
+    assert (row.state, row.elastic, row.min_workers, row.max_workers, row.priority) == ("queued", True, 1, 2, 2.0)
     assert os.path.isabs(row.target.partition(":")[0])
     assert cli_main.main(["queue", "--dir", db.cluster_dir]) == 0
     assert "queued" in capsys.readouterr().out

@@ -10,15 +10,28 @@ running service: a job submitted while the service is down waits in the queue.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
 from virtualflow.service.state import ClusterDB, JobRow
 
 DEFAULT_DIR_HELP = "the cluster directory (its database, job run directories, service log, dashboard token)"
+MAX_STEPS = 10**12
+"""``--steps`` above this is refused (a trillion optimizer steps; it also keeps every step count
+inside SQLite's 64-bit integers)."""
+PRIORITY_RANGE = (1e-3, 1e3)
+"""``--priority`` is a fair-share weight: a job's share is proportional to it, so weights further
+apart than a million to one stop meaning anything but "never" (and strain the policies' solvers)."""
+PROBE_TIMEOUT_S = 300.0
+"""How long ``submit`` waits for the job file to be imported and its function to return."""
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+"""Control characters, line separators and bidirectional overrides: what rewrites a terminal."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -270,15 +283,95 @@ def dashboard(args: argparse.Namespace) -> int:
 
 
 # -- submit / queue / cancel --------------------------------------------------------------------
+def printable(text: str) -> str:
+    """``text`` with every control character, line separator and bidirectional override shown
+    as a visible escape (``\\x1b``, ``\\n``, ``\\u202e``): a name or an error printed to a
+    terminal can neither clear the screen nor start a forged row."""
+    def escape(m: re.Match[str]) -> str:
+        c = m.group()
+        return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(c) or (
+            f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
+    return _UNPRINTABLE.sub(escape, text)
+
+
+def check_name(name: str) -> str:
+    """The job's name, refused (``ValueError``) when it holds control characters."""
+    if _UNPRINTABLE.search(name):
+        raise ValueError(f"the job's name '{printable(name)}' has control characters (shown escaped); set "
+                         f"Job.name to printable text")
+    return name
+
+
+def probe_job(job: str, timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
+    """Import ``job`` (``file.py[:function]`` or ``module:function``) and call its function in a
+    child Python process; returns ``{"name", "virtual_nodes", "target"}`` (``target``: the
+    absolute spec the service will import). Raises ``ValueError`` naming what went wrong.
+
+    Why a child: a job file runs arbitrary code at import, and one that calls ``os._exit(0)``
+    or ``sys.exit(3)`` would end ``submit`` itself with the status it chose (``os._exit(0)``
+    looked like success with nothing queued). The child has this process's working directory
+    and import path; what it prints is dropped unless it fails."""
+    with tempfile.TemporaryDirectory(prefix="virtualflow-submit-") as tmp:
+        result, output = os.path.join(tmp, "result.json"), os.path.join(tmp, "output")
+        code = "from virtualflow.cli.cluster import _probe_child; _probe_child()"
+        with open(output, "wb") as out:
+            try:
+                proc = subprocess.run([sys.executable, "-c", code, job, result, json.dumps(sys.path)],
+                                      stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                raise ValueError(f"importing the job {job!r} and calling its function took over {timeout_s:g} s; "
+                                 f"a job function should only describe the job (build models and data in its "
+                                 f"factories)") from None
+        try:
+            with open(result) as f:
+                found = json.load(f)
+        except (OSError, ValueError):
+            with open(output, "rb") as f:
+                tail = f.read()[-400:].decode("utf-8", "replace").strip()
+            how = (f"was killed by signal {-proc.returncode}" if proc.returncode < 0
+                   else f"exited with status {proc.returncode}")
+            raise ValueError(f"the job {job!r} ended the process that imported it: it {how} while the file was "
+                             f"imported or its function called (os._exit? a crash?); nothing was queued"
+                             + (f"; its last output: {printable(' '.join(tail.split()))}" if tail else "")) from None
+    if "error" in found:  # the user's own message may carry terminal escapes too
+        raise ValueError(printable(str(found["error"])))
+    return found
+
+
+def _probe_child() -> None:
+    """The child of :func:`probe_job`: ``argv`` = job, result path, the parent's ``sys.path`` (JSON)."""
+    job, result, path = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    sys.path[:] = [p for p in path if p] + [p for p in sys.path if p not in path]
+    try:
+        from virtualflow.job import source_from
+        from virtualflow.preflight import build_job
+
+        built = build_job(job, job)  # imports the file and calls the function
+        found: dict[str, Any] = {"name": str(built.name), "virtual_nodes": int(built.virtual_nodes),
+                                 "target": source_from(job).target}
+    except SystemExit as exc:
+        found = {"error": f"the job {job!r} called sys.exit({exc.code!r}) while the file was imported or its function "
+                          f"called; nothing was queued (a job file defines its job function, it does not exit)"}
+    except (ValueError, TypeError) as exc:
+        found = {"error": " ".join(str(exc).split()) or type(exc).__name__}
+    except BaseException as exc:  # noqa: BLE001 - the user's code; reported, not raised
+        found = {"error": f"importing the job {job!r} or calling its function failed: {type(exc).__name__}: "
+                          f"{' '.join(str(exc).split())[:400]}"}
+    with open(result + ".tmp", "w") as f:
+        json.dump(found, f)
+    os.replace(result + ".tmp", result)
+    os._exit(0)  # the job's atexit handlers are not ours to run
+
+
 def check_submission(cluster_dir: str, job: str, *, steps: int, workers: int | None, elastic: bool,
                      min_workers: int | None, max_workers: int | None, priority: float, job_type: str | None,
                      checkpoint_every: int | None, deadline: str | None = None,
                      now: float | None = None) -> dict[str, Any]:
     """Every check of a submission, before anything is written; returns the row's fields
-    (``now``: the submission time, what a ``deadline`` duration counts from)."""
+    (``now``: the submission time, what a ``deadline`` duration counts from), ``target`` among
+    them. The job is imported and built in a child process (:func:`probe_job`)."""
     import math
-
-    from virtualflow.preflight import build_job
 
     db = ClusterDB(cluster_dir)
     cfg = db.config()
@@ -287,15 +380,17 @@ def check_submission(cluster_dir: str, job: str, *, steps: int, workers: int | N
     if (path.endswith(".py") or os.sep in path) and not os.path.isfile(path):
         raise ValueError(f"job file {path!r} does not exist; give JOB.py[:FUNCTION] (the default function is "
                          f"make_job)")
-    if steps < 1:
-        raise ValueError(f"--steps {steps} must be a positive number of steps")
+    if not 1 <= steps <= MAX_STEPS:
+        raise ValueError(f"--steps {steps} must be a number of optimizer steps between 1 and {MAX_STEPS}")
     deadline_s = None
     if deadline is not None:
         from virtualflow.service.deadlines import parse_deadline
 
         deadline_s = parse_deadline(deadline, time.time() if now is None else now)
-    if not (math.isfinite(priority) and priority > 0):
-        raise ValueError(f"--priority {priority:g} must be a positive weight")
+    lo_w, hi_w = PRIORITY_RANGE
+    if not (math.isfinite(priority) and lo_w <= priority <= hi_w):
+        raise ValueError(f"--priority {priority:g} must be a weight between {lo_w:g} and {hi_w:g} (a fair-share "
+                         f"policy gives a job a share proportional to it; default 1)")
     if elastic:
         if workers is not None:
             raise ValueError("--workers is a rigid job's count; an --elastic job takes --min-workers and --max-workers")
@@ -310,6 +405,9 @@ def check_submission(cluster_dir: str, job: str, *, steps: int, workers: int | N
         if lo > biggest:
             raise ValueError(f"--min-workers {lo} is more than the largest slot type has ({biggest}: "
                              f"{cfg['slots']}); a job runs whole on one type: lower --min-workers")
+        if hi > biggest:
+            raise ValueError(f"--max-workers {hi} is more than the largest slot type has ({biggest}: "
+                             f"{cfg['slots']}); a job runs whole on one type: lower --max-workers to {biggest}")
     else:
         if min_workers is not None or max_workers is not None:
             raise ValueError("--min-workers/--max-workers apply to --elastic jobs; a rigid job takes --workers N")
@@ -328,28 +426,31 @@ def check_submission(cluster_dir: str, job: str, *, steps: int, workers: int | N
                              f"{list(table.job_types)[:6]}... or leave it out")
     if checkpoint_every is None:
         checkpoint_every = max(1, steps // 10)
-    elif checkpoint_every < 1:
-        raise ValueError(f"--checkpoint-every {checkpoint_every} must be >= 1")
-    built = build_job(job, job)  # imports the file and calls the function: its errors are reported now
-    V = built.virtual_nodes
+    elif not 1 <= checkpoint_every <= steps:
+        raise ValueError(f"--checkpoint-every {checkpoint_every} must be between 1 and --steps {steps} (a longer "
+                         f"interval never checkpoints before the job ends)")
+    built = probe_job(job)  # its errors (and an exit from the job's own code) are reported now
+    V = built["virtual_nodes"]
     if hi > V:
         raise ValueError(f"{'--max-workers' if elastic else '--workers'} {hi} is more than the job's virtual_nodes={V}"
                          f": every worker needs at least one virtual node")
-    name = built.name if getattr(built, "name", None) else os.path.basename(path)
-    return dict(name=str(name), steps=steps, elastic=elastic, min_workers=lo, max_workers=hi, priority=priority,
-                job_type=job_type, checkpoint_every=checkpoint_every, deadline_s=deadline_s)
+    from virtualflow.service.dashboard import DEFAULT_JOB_NAME, default_name
+
+    name = check_name(built["name"])
+    if not name or name == DEFAULT_JOB_NAME:  # Job.name left as it is: the file (and function) tell jobs apart
+        name = default_name(built["target"])
+    return dict(name=name, target=built["target"], steps=steps, elastic=elastic, min_workers=lo, max_workers=hi,
+                priority=priority, job_type=job_type, checkpoint_every=checkpoint_every, deadline_s=deadline_s)
 
 
 def submit(args: argparse.Namespace) -> int:
-    from virtualflow.job import source_from
-
     now = time.time()
     fields = check_submission(args.dir, args.job, steps=args.steps, workers=args.workers, elastic=args.elastic,
                               min_workers=args.min_workers, max_workers=args.max_workers, priority=args.priority,
                               job_type=args.job_type, checkpoint_every=args.checkpoint_every, deadline=args.deadline,
                               now=now)
     db = ClusterDB(args.dir)
-    job_id = db.add_job(target=source_from(args.job).target, deterministic=args.deterministic, now=now, **fields)
+    job_id = db.add_job(deterministic=args.deterministic, now=now, **fields)
     shape = (f"elastic {fields['min_workers']}-{fields['max_workers']} workers" if args.elastic
              else f"{fields['max_workers']} worker{'s' if fields['max_workers'] > 1 else ''}")
     due = ""
@@ -358,7 +459,8 @@ def submit(args: argparse.Namespace) -> int:
 
         due = (f", deadline {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(fields['deadline_s']))} "
                f"(in {format_duration(fields['deadline_s'] - now)})")
-    print(f"job {job_id} queued: {fields['name']}, {args.steps} steps, {shape}, priority {args.priority:g}{due}")
+    print(f"job {job_id} queued: {printable(fields['name'])}, {args.steps} steps, {shape}, priority "
+          f"{args.priority:g}{due}")
     return 0
 
 
@@ -374,7 +476,7 @@ def format_queue(jobs: list[JobRow], now: float) -> str:
         shape = f" ({j.min_workers}-{j.max_workers})" if j.elastic else ""
         end = j.finished_s if j.finished_s is not None else now
         prog = f"{j.steps_done}/{j.steps}"
-        line = (f"{j.id:>4} {j.name[:16]:<16} {j.state:<9} {place + shape:<14} {prog:>13} "
+        line = (f"{j.id:>4} {printable(j.name)[:16]:<16} {j.state:<9} {place + shape:<14} {prog:>13} "
                 f"{end - j.submitted_s:>8.1f} {j.restarts:>8} {j.resizes:>7}")
         if due:
             from virtualflow.service.deadlines import deadline_cells
@@ -383,7 +485,7 @@ def format_queue(jobs: list[JobRow], now: float) -> str:
             line += f" {deadline:>12} {slack:>8}"
         lines.append(line)
         if j.state == "failed" and j.error:
-            lines.append(f"     error: {j.error[:200]}")
+            lines.append(f"     error: {printable(j.error)[:200]}")
     return "\n".join(lines)
 
 

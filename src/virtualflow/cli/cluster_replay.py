@@ -211,11 +211,14 @@ def export(run_: dict[str, Any], jobs: list[ReplayJob], costs: ReplayCosts, out_
     specs = []
     for j in sorted(jobs, key=lambda j: (j.arrival_s, j.job_id)):
         name = f"job-{j.job_id}"
+        # An elastic job never gets more workers than the largest type has (the service caps it;
+        # databases from before submit refused more hold such jobs): the trace asks for what the
+        # table covers, or `simulate` finds no throughput at the job's scale factor.
         hi = min(j.max_workers, biggest) if j.elastic else j.max_workers
         table[name] = {t: {str(g): job_rate(j, t, g, prior) for g in range(1, hi + 1)} for t in slots}
         measured[name] = sorted(k for k in j.rates if k in {estimate_key(t, g) for t in slots for g in range(1, hi + 1)})
-        specs.append(JobSpec(job_id=len(specs), job_type=name, scale_factor=j.max_workers,
-                             min_gpus=j.min_workers if j.elastic else None, total_steps=float(j.steps),
+        specs.append(JobSpec(job_id=len(specs), job_type=name, scale_factor=hi,
+                             min_gpus=min(j.min_workers, hi) if j.elastic else None, total_steps=float(j.steps),
                              weight=j.priority, arrival_s=j.arrival_s - t0,
                              slo_s=None if j.deadline_s is None else max(j.deadline_s - j.arrival_s, 1e-3)))
     paths = {k: os.path.join(out_dir, f"{k}.json") for k in ("trace", "throughputs", "costs", "export")}

@@ -116,6 +116,17 @@ def _mib(x: float) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    """``virtualflow plan``. The job's own code runs here (its file's import, the job function,
+    the model's construction and forward/backward passes while profiling): a ``sys.exit`` in it
+    is reported as an error naming it, not obeyed silently with the job's exit status."""
+    try:
+        return _plan(args)
+    except SystemExit as exc:  # argparse is done: only the job's code can raise it here
+        raise ValueError(f"the job {args.job!r} called sys.exit({exc.code!r}) while plan imported, built or profiled "
+                         f"it; a job's code must not exit the process (nothing was planned)") from None
+
+
+def _plan(args: argparse.Namespace) -> int:
     from virtualflow.preflight import build_job
     from virtualflow.runtime.profile import auto_split, micro_batches, predict, profile_model, split_partition
 
