@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 
 import pytest
 
@@ -421,3 +422,66 @@ def test_a_corrupt_database_is_named_with_its_fix(tmp_path, capsys):
     assert path in msg and f"mv {path} {path}.bad" in msg and "continue above 1" in msg and "\n" not in msg
     assert cli_main.main(["queue", "--dir", d]) == 2
     assert path in capsys.readouterr().err
+
+
+# -- with real processes: the other jobs are untouched -------------------------------------------
+@pytest.mark.slow
+def test_hostile_rows_and_a_stale_run_directory_leave_the_other_jobs_bit_identical(tmp_path):
+    """The issue's case end to end: a directory whose database was emptied (job 1's ``final.pt``
+    is still in ``jobs/1``), then a policy that cannot solve (priority 1e-15) and a corrupted row.
+    The new jobs get new ids, train every step once from the start and end bit-identical to a
+    standalone run; the bad row waits quarantined; job 1's files are untouched."""
+    import threading
+
+    import torch
+
+    import virtualflow as vf
+    from conftest import assert_state_equal, flat_optimizer_state
+
+    jobs_file = os.path.join(os.path.dirname(os.path.abspath(__file__)), "service_jobs.py")
+    d = str(tmp_path / "c")
+    check_cluster_dir(d, create=True)
+    steps = 12
+    # The standalone reference runs meanwhile (the paced job mostly sleeps: they overlap well).
+    reference = vf.launch(f"{jobs_file}:paced", workers=1, steps=steps, deterministic=True,
+                          run_dir=str(tmp_path / "ref"), checkpoint_every=4)
+    old_dir = os.path.join(d, "jobs", "1")  # what "job 1" of the emptied database left
+    os.makedirs(old_dir, mode=0o700)
+    old_bytes = b"job 1's state at step 10 of 70"
+    with open(os.path.join(old_dir, "final.pt"), "wb") as f:
+        f.write(old_bytes)
+    init_cluster(d, slots={"v100": 1, "k80": 1}, policy="las", round_s=1.0, slowdowns={"k80": 2.0}).close()
+    db = ClusterDB(d)
+    assert [e["data"] for e in db.events(kind="database_new")] == [{"earlier_ids_up_to": 1}]
+    common = dict(name="paced", target=f"{jobs_file}:paced", steps=steps, elastic=False, min_workers=1,
+                  max_workers=1, job_type=None, deterministic=True, checkpoint_every=4)
+    good = db.add_job(priority=1.0, **common)
+    tiny = db.add_job(priority=1e-15, **common)
+    broken = db.add_job(priority=1.0, **common)
+    db.conn.execute("UPDATE jobs SET steps = 'abc' WHERE id = ?", (broken,))
+    assert (good, tiny) == (2, 3)
+    thread = threading.Thread(target=lambda: Service(d, poll_s=0.1).run(), daemon=True)  # its own connection
+    thread.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not (db.job(good).final and db.job(tiny).final):
+            assert time.monotonic() < deadline and thread.is_alive(), [(j.id, j.state) for j in db.jobs()]
+            time.sleep(0.2)
+    finally:
+        db.set_meta("stop_requested", True)
+        thread.join(60)
+    assert not thread.is_alive()
+    ref = reference.wait(timeout_s=120)
+    assert [db.job(j).state for j in (good, tiny, broken)] == ["done", "done", "quarantined"]
+    assert db.events(kind="policy_fallback") and db.events(kind="quarantined")[0]["job_id"] == broken
+    for jid in (good, tiny):
+        run_dir = db.job(jid).run_dir
+        final = torch.load(os.path.join(run_dir, "final.pt"), weights_only=False)
+        assert final["step"] == steps
+        assert_state_equal(final["model"], ref.state_dict)
+        assert_state_equal(flat_optimizer_state(final["optimizer"]), flat_optimizer_state(ref.optimizer_state_dict))
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            recorded = [r["step"] for r in map(json.loads, f) if "loss" in r]
+        assert recorded == list(range(steps))  # every step once, from the first: nothing adopted
+    with open(os.path.join(old_dir, "final.pt"), "rb") as f:
+        assert f.read() == old_bytes  # job 1's files untouched
