@@ -6,33 +6,67 @@ constructed directly (not through ``init_process_group``), so one process can ho
 generations over its life and two jobs can live in one process.
 
 A collective that fails because a peer died, hung or left raises :class:`PeerFailure`, so the
-worker can tell "the group is broken, regroup" from an error in the user's own code. gloo has no
-abort, and a dead peer is not enough to unblock everyone: in a ring, the dead peer's neighbours
-fail at once, but a survivor waiting on a *live* neighbour that has already given up waits for
-the whole timeout (measured: 120 s). So waits are sliced (``WAIT_SLICE_S``) and between slices
-the group asks ``abort_check`` (the coordinator's ``gen/<g>/abort`` flag) whether the
-generation is broken; a silent (stopped) peer is noticed by the coordinator's heartbeats and
-killed (fencing). The group's timeout stays the last bound.
+worker can tell "the group is broken, regroup" from an error in the user's own code.
+
+Invariant: no receive, send, collective or close outlives its generation. gloo has no abort, and
+a dead peer is not enough to unblock everyone: a dead peer's connections are closed by its kernel,
+so the operations waiting on *them* fail at once, but an operation waiting on a *live* peer that
+has left the generation waits for the whole timeout (measured: 120 s), and so does the gloo
+destructor of a group with such an operation in flight. Nor does dropping a group close its
+connections: gloo closes them only when the last reference to its context goes, and a posted
+receive's work object holds one (measured: a receive left waiting on a thread keeps the peer's
+receive from this process blocked until the timeout, although the group was shut down and
+dropped; a reference cycle through a stored exception's traceback keeps it until Python's cyclic
+collector happens to run, which is why such stalls came and went). So a group remembers its own
+TCP connections when it is built (the sockets this process opened while gloo connected the full
+mesh, :class:`Connections`) and :meth:`Group.abort` shuts them down (``shutdown(2)``, the socket
+stays gloo's to close): every operation of this process on the group, and every operation of a
+peer on a connection with this process, fails at once with "Connection closed by peer", exactly
+as when a process is killed. :meth:`Group.close` aborts first, so a close never waits for an
+operation in flight.
+
+Who aborts. A member that gives up on a generation (a :class:`PeerFailure`, an abort flag, any
+exception while forming it) closes its group, which releases every peer waiting on it. Waits do
+not depend on that alone: the coordinator's ``gen/<g>/abort`` flag, read through ``abort_check``,
+is looked at between short slices of every collective wait and while a point-to-point operation
+is waited for (:class:`Arrival`); once it reads True the group aborts itself (the flag is
+latched). A silent (stopped) peer is noticed by the coordinator's heartbeats and killed
+(fencing). The group's timeout stays the last bound.
 
 Point-to-point waits are *not* sliced: gloo closes the pair when a ``recv`` wait times out
 ("Application timeout caused pair closure", measured with torch 2.13), so a sliced receive of a
 message that takes longer than one slice (a state transfer of a few hundred MB) would break the
-group. They wait for the group's timeout instead; a peer that gives up releases them by closing
-its group (:meth:`Group.close` drops the process group, whose destructor closes the sockets), and
-a hung peer is fenced by the coordinator, which closes its sockets too.
+group. With an ``abort_check`` such a wait is owned by a daemon thread (:class:`Arrival`) and the
+caller watches the flag; giving up aborts the group and then waits for the thread to end, so no
+receive is left writing into a buffer its caller has moved on from.
+
+Limits: the connections are known on Linux (``/proc/self/fd``) for gloo groups built eagerly
+(the default; ``TORCH_GLOO_LAZY_INIT`` connects later and is not tracked); elsewhere, and for
+NCCL, :meth:`Group.abort` is a no-op and the timeouts bound the waits as before. While a group is
+built, sockets opened by other threads of the process would be taken for the group's; the worker
+opens none then except a heartbeat's reconnection to the store, which is excluded by its port.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
+import socket
+import stat
 import threading
-from dataclasses import dataclass
-from typing import Callable
-
-WAIT_SLICE_S = 0.05
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+WAIT_SLICE_S = 0.05
+"""A collective wait's slice: how often a waiting member reads the abort flag."""
+ARRIVAL_POLL_S = 0.2
+"""How often a point-to-point wait with an ``abort_check`` reads the abort flag."""
+DRAIN_S = 10.0
+"""After an abort, how long a give-up waits for the operation itself to end (it fails within
+milliseconds once the connections are shut down; the bound covers an untracked group)."""
 
 
 class PeerFailure(RuntimeError):
@@ -41,6 +75,111 @@ class PeerFailure(RuntimeError):
     def __init__(self, generation: int, message: str) -> None:
         super().__init__(f"collective of generation {generation} failed: {message}")
         self.generation = generation
+
+
+class Connections:
+    """The TCP connections of one gloo group: ``(fd, inode)`` of each connected socket this process
+    opened while the group was built (its listening socket is left alone: gloo owns it and a peer
+    never waits on it). The inode is checked again before a shutdown, so a descriptor that gloo has
+    closed and the process has reused for something else is never touched."""
+
+    __slots__ = ("sockets",)
+
+    def __init__(self, sockets: tuple[tuple[int, int], ...] = ()) -> None:
+        self.sockets = sockets
+
+    def __len__(self) -> int:
+        return len(self.sockets)
+
+    @staticmethod
+    def snapshot() -> dict[int, int]:
+        """This process's open sockets, descriptor -> inode (empty where ``/proc`` is missing)."""
+        out: dict[int, int] = {}
+        try:
+            names = os.listdir("/proc/self/fd")
+        except OSError:
+            return out
+        for name in names:
+            try:
+                st = os.stat(f"/proc/self/fd/{name}")
+            except (OSError, ValueError):
+                continue
+            if stat.S_ISSOCK(st.st_mode):
+                out[int(name)] = st.st_ino
+        return out
+
+    @classmethod
+    def opened_between(cls, before: dict[int, int], after: dict[int, int], exclude_port: int | None) -> "Connections":
+        """The connected TCP sockets in ``after`` and not in ``before``, except those with an end
+        at port ``exclude_port`` (the store's: a heartbeat thread may reconnect meanwhile, and a
+        process hosting the store accepts connections to it)."""
+        found = []
+        for fd, ino in sorted(after.items()):
+            if before.get(fd) == ino:
+                continue
+            ends = _ends_of(fd, ino)
+            if ends is not None and exclude_port not in ends:
+                found.append((fd, ino))
+        return cls(tuple(found))
+
+    def shut_down(self) -> int:
+        """``shutdown(SHUT_RDWR)`` every connection still open; returns how many. Safe to repeat
+        and from any thread; the descriptors stay gloo's to close."""
+        done = 0
+        for fd, ino in self.sockets:
+            try:
+                dup = os.dup(fd)
+            except OSError:
+                continue  # gloo closed it already
+            try:
+                if os.fstat(dup).st_ino != ino:
+                    continue  # the number was reused by another file
+                sock = socket.socket(fileno=dup)
+                dup = -1  # the socket object owns it now
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    done += 1
+                except OSError:
+                    pass  # not connected any more
+                finally:
+                    sock.close()  # closes the duplicate only
+            except OSError:
+                pass
+            finally:
+                if dup >= 0:
+                    os.close(dup)
+        return done
+
+
+def _ends_of(fd: int, ino: int) -> tuple[int, int] | None:
+    """(local port, peer port) of the connected TCP socket ``fd`` (inode ``ino``), else None."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        if os.fstat(dup).st_ino != ino:
+            return None
+        sock = socket.socket(fileno=dup)
+        dup = -1
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+                return None
+            peer = sock.getpeername()  # OSError for a listening socket
+            return int(sock.getsockname()[1]), int(peer[1])
+        except OSError:
+            return None
+        finally:
+            sock.close()
+    except OSError:
+        return None
+    finally:
+        if dup >= 0:
+            os.close(dup)
+
+
+_BUILD_LOCK = threading.Lock()
+"""Builds of groups in one process take turns, so each one's new sockets are its own."""
 
 
 @dataclass(slots=True)
@@ -54,8 +193,34 @@ class Group:
     on_launch: Callable[[], None] | None = None
     """Test hook (fault injection): called after a blocking collective is launched, before it is
     waited on, i.e. while the peers are inside it."""
-    abort_check: Callable[[], bool] | None = None
-    """Asked between wait slices: True when the coordinator has declared this generation broken."""
+    connections: Connections = field(default_factory=Connections)
+    """This group's TCP connections (what :meth:`abort` shuts down)."""
+    _check: Callable[[], bool] | None = None
+    _broken: bool = False
+
+    @property
+    def abort_check(self) -> Callable[[], bool] | None:
+        """Asked while waiting: True when the coordinator has declared this generation broken.
+        Reading True aborts the group (:meth:`abort`) and is remembered. Set it to the raw check
+        (e.g. a read of the ``gen/<g>/abort`` flag); reading gives the aborting one."""
+        return None if self._check is None else self._broken_now
+
+    @abort_check.setter
+    def abort_check(self, check: Callable[[], bool] | None) -> None:
+        self._check = check
+
+    def _broken_now(self) -> bool:
+        if not self._broken and self._check is not None and self._check():
+            self._broken = True
+            self.abort()
+        return self._broken
+
+    def abort(self) -> None:
+        """Give up on this generation now: shut its connections down, so every operation of this
+        process on the group and every operation of a peer on a connection with this process ends
+        at once with a :class:`PeerFailure` (the process group itself is released by
+        :meth:`close`)."""
+        self.connections.shut_down()
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
         if self.pg is None:
@@ -67,10 +232,10 @@ class Group:
         except RuntimeError as exc:
             raise PeerFailure(self.generation, str(exc)) from exc
         if async_op:
-            return _Work(work, self.generation, self.abort_check)
+            return _Work(work, self, sliced=True)
         if self.on_launch is not None:
             self.on_launch()
-        _Work(work, self.generation, self.abort_check).wait()
+        _Work(work, self, sliced=True).wait()
         return None
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
@@ -85,32 +250,49 @@ class Group:
             raise PeerFailure(self.generation, str(exc)) from exc
         if self.on_launch is not None:
             self.on_launch()
-        _Work(work, self.generation, self.abort_check).wait()
+        _Work(work, self, sliced=True).wait()
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
-        self.isend(tensor, dst, tag).wait()  # unsliced: see the module docstring
+        """Send ``tensor`` and wait until it is out; with an ``abort_check``, given up (the group
+        aborted) when the generation is declared broken."""
+        self._await(self.isend(tensor, dst, tag), "send")
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> "_Work":
         """Start sending ``tensor``; the caller keeps it alive and waits on the returned work."""
+        if self.pg is None:
+            raise PeerFailure(self.generation, "send on a closed group")
         try:
             work = self.pg.send([tensor], dst, tag)
         except RuntimeError as exc:
             raise PeerFailure(self.generation, str(exc)) from exc
-        return _Work(work, self.generation)
+        return _Work(work, self, sliced=False)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> "_Work":
         """Post a receive into ``tensor``; wait on the returned work (unsliced, see above)."""
+        if self.pg is None:
+            raise PeerFailure(self.generation, "receive on a closed group")
         try:
             work = self.pg.recv([tensor], src, tag)
         except RuntimeError as exc:
             raise PeerFailure(self.generation, str(exc)) from exc
-        return _Work(work, self.generation)
+        return _Work(work, self, sliced=False)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
-        self.irecv(tensor, src, tag).wait()  # unsliced: see the module docstring
+        """Receive into ``tensor``; with an ``abort_check``, given up (the group aborted) when the
+        generation is declared broken: a receive from a live peer that has itself left the
+        generation would otherwise block until the group's timeout."""
+        self._await(self.irecv(tensor, src, tag), "receive")
+
+    def _await(self, work: "_Work", what: str) -> None:
+        if self._check is None:
+            work.wait()
+        else:
+            Arrival(work).wait(self, what)
 
     def close(self) -> None:
-        """Release the group's sockets and threads (best effort; a broken group may refuse)."""
+        """Leave the generation: abort it (no operation in flight can hold the close or a peer),
+        then release the process group (best effort; a broken group may refuse)."""
+        self.abort()
         if self.pg is not None:
             try:
                 self.pg.shutdown()
@@ -119,47 +301,49 @@ class Group:
             self.pg = None
 
     def close_soon(self, wait_s: float = 0.5) -> None:
-        """:meth:`close` a broken generation's group without hanging on it: gloo's shutdown waits
-        for the operations still in flight (a collective whose live peers have all given up, or a
-        receive given up on the abort flag, :class:`Arrival`), up to the group's timeout. So the
-        close runs on a daemon thread, waited for ``wait_s`` at most; one that hangs ends with the
-        group's timeout, after the caller has moved on."""
+        """:meth:`close`, bounded by ``wait_s`` where the group's connections are not tracked
+        (then gloo's destructor may wait for an operation in flight, up to the group's timeout; the
+        close goes on, on a daemon thread, after the caller has moved on)."""
+        if len(self.connections):
+            self.close()
+            return
         closer = threading.Thread(target=self.close, daemon=True, name="vf-close-group")
         closer.start()
         closer.join(wait_s)
 
 
 class Arrival:
-    """The wait of one posted receive, owned by a daemon thread, so that the receiver can (1) tell
-    without blocking whether the message is there (gloo's point-to-point work reports
-    ``is_completed()`` False until someone waits on it, measured) and (2) give up on it when the
-    coordinator declares the generation broken (a timed wait on a gloo point-to-point receive
-    breaks the pair, measured; a receive from a live peer that has itself left the generation
-    would otherwise block until the group's timeout). A thread left waiting ends when the group's
-    sockets close or at its timeout; close such a group with :meth:`Group.close_soon` (gloo's
-    shutdown waits for a receive in flight)."""
+    """The wait of one posted point-to-point operation, owned by a daemon thread, so that the
+    waiting side can (1) tell without blocking whether the message is there (gloo's
+    point-to-point work reports ``is_completed()`` False until someone waits on it, measured) and
+    (2) give up on it when the coordinator declares the generation broken (a timed wait on a gloo
+    point-to-point receive breaks the pair, measured). Giving up aborts the group, which ends the
+    thread's wait at once (:meth:`Group.abort`); the thread is waited for before the give-up is
+    raised, so it never writes into the buffer afterwards."""
 
     __slots__ = ("done", "error")
 
-    def __init__(self, work) -> None:
+    def __init__(self, work: Any) -> None:
         self.done = threading.Event()
         self.error: BaseException | None = None
         threading.Thread(target=self._wait, args=(work,), daemon=True, name="vf-recv-arrival").start()
 
-    def _wait(self, work) -> None:
+    def _wait(self, work: Any) -> None:
         try:
             work.wait()
-        except BaseException as exc:  # handed to the receiver's thread
+        except BaseException as exc:  # handed to the waiting thread
             self.error = exc
         finally:
             self.done.set()
 
-    def wait(self, group: "Group") -> None:
+    def wait(self, group: Group, what: str = "receive") -> None:
         if not self.done.wait(0.05):
-            while not self.done.wait(0.2):  # short waits: the abort flag is read in between
-                if group.abort_check is not None and group.abort_check():
-                    raise PeerFailure(group.generation, "the coordinator declared the generation broken (a member "
-                                                        "failed) during a receive")
+            check = group.abort_check
+            while not self.done.wait(ARRIVAL_POLL_S):  # short waits: the abort flag is read in between
+                if check is not None and check():  # the group is aborted: the wait ends at once
+                    self.done.wait(DRAIN_S)
+                    raise PeerFailure(group.generation, f"the coordinator declared the generation broken (a member "
+                                                        f"failed) during a {what}")
         if self.error is not None:
             if isinstance(self.error, RuntimeError) and not isinstance(self.error, PeerFailure):
                 raise PeerFailure(group.generation, _first_line(str(self.error))) from self.error
@@ -167,19 +351,25 @@ class Arrival:
 
 
 class _Work:
-    __slots__ = ("work", "generation", "abort_check")
+    __slots__ = ("work", "group", "sliced")
 
-    def __init__(self, work, generation: int, abort_check: Callable[[], bool] | None = None) -> None:
+    def __init__(self, work: Any, group: Group, sliced: bool) -> None:
         self.work = work
-        self.generation = generation
-        self.abort_check = abort_check
+        self.group = group
+        self.sliced = sliced
+
+    @property
+    def generation(self) -> int:
+        return self.group.generation
 
     def wait(self) -> bool:
-        if self.abort_check is None:
+        group = self.group
+        check = group.abort_check if self.sliced else None
+        if check is None:
             try:
                 return self.work.wait()
             except RuntimeError as exc:
-                raise PeerFailure(self.generation, _first_line(str(exc))) from exc
+                raise PeerFailure(group.generation, _first_line(str(exc))) from exc
         # A gloo *collective* can be waited on again after a wait times out (measured), so a long
         # wait is a loop of short ones with a look at the abort flag in between. An expired slice
         # reads "Operation timed out!"; the group's own timeout reads "Timed out waiting <T>ms".
@@ -189,10 +379,23 @@ class _Work:
             except RuntimeError as exc:
                 text = str(exc)
                 if not _is_slice_expiry(text):
-                    raise PeerFailure(self.generation, _first_line(text)) from exc
-            if self.abort_check():
-                raise PeerFailure(self.generation, "the coordinator declared the generation broken "
-                                                   "(a member failed)")
+                    raise PeerFailure(group.generation, _first_line(text)) from exc
+            if check():  # the group is aborted: the collective fails at once; wait for that
+                self._drain()
+                raise PeerFailure(group.generation, "the coordinator declared the generation broken "
+                                                    "(a member failed)")
+
+    def _drain(self) -> None:
+        """Wait (bounded) for an aborted collective to end, so that it does not outlive the give-up."""
+        if not len(self.group.connections):
+            return  # nothing was shut down: it would end only at the group's timeout
+        for _ in range(int(DRAIN_S / WAIT_SLICE_S)):
+            try:
+                self.work.wait(_SLICE)
+                return
+            except RuntimeError as exc:
+                if not _is_slice_expiry(str(exc)):
+                    return
 
 
 _SLICE = datetime.timedelta(seconds=WAIT_SLICE_S)
@@ -232,13 +435,19 @@ def _build(store: dist.Store, prefix_name: str, generation: int, rank: int, size
         return Group(generation, 0, 1, None)
     prefix = dist.PrefixStore(prefix_name, store)
     timeout = datetime.timedelta(seconds=timeout_s)
+    connections = Connections()
     try:
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             pg = dist.ProcessGroupNCCL(prefix, rank, size, opts)
         else:
-            pg = dist.ProcessGroupGloo(prefix, rank, size, timeout)
+            with _BUILD_LOCK:
+                before = Connections.snapshot()
+                pg = dist.ProcessGroupGloo(prefix, rank, size, timeout)
+                port = getattr(store, "port", None)
+                connections = Connections.opened_between(before, Connections.snapshot(),
+                                                         port if isinstance(port, int) else None)
     except RuntimeError as exc:  # a peer died or vanished while the group was being built
         raise PeerFailure(generation, _first_line(str(exc))) from exc
-    return Group(generation, rank, size, pg)
+    return Group(generation, rank, size, pg, connections=connections)
