@@ -485,3 +485,14 @@ def test_hostile_rows_and_a_stale_run_directory_leave_the_other_jobs_bit_identic
         assert recorded == list(range(steps))  # every step once, from the first: nothing adopted
     with open(os.path.join(old_dir, "final.pt"), "rb") as f:
         assert f.read() == old_bytes  # job 1's files untouched
+
+
+def test_a_replay_leaves_quarantined_rows_out(tmp_path):
+    from virtualflow.service.replay import measure
+
+    db = ClusterDB(new_cluster(str(tmp_path / "c")))
+    a, b = add(db), add(db)
+    db.conn.execute("UPDATE jobs SET max_workers = 'two' WHERE id = ?", (b,))
+    slow = {"v100": 1.0, "k80": 3.0}
+    trace, _ = measure(db.jobs(), db.events(), [], {}, round_s=5.0, slowdowns={a: slow, b: slow})
+    assert [j.job_id for j in trace] == [a]

@@ -439,7 +439,9 @@ def measure(jobs: list[Any], events: list[dict[str, Any]], rounds: list[dict[str
     failed or was cancelled makes the steps it made, then leaves; the costs are medians over what
     happened (a cost never observed keeps :class:`ReplayCosts`' default). ``observed``: trace-driven, also give each
     job the pauses its starts really took (:attr:`ReplayJob.start_pauses`) and the service's
-    measurements in order (:attr:`ReplayJob.measurements`)."""
+    measurements in order (:attr:`ReplayJob.measurements`). A quarantined row (state
+    ``quarantined``: its defining cells are unusable) is left out: the service never scheduled it."""
+    jobs = [r for r in jobs if getattr(r, "state", None) != "quarantined"]
     d = ReplayCosts()
     by_job: dict[int, list[dict[str, Any]]] = {}
     for e in sorted(events, key=lambda e: e["t"]):
