@@ -289,3 +289,14 @@ def test_simulate_spot_output_is_what_the_command_prints(tmp_path, monkeypatch):
             assert main(command.split()[2:]) == 0, command
         assert len(shown) >= 5, command  # the trace line, the header and the three strategies at least
         assert shown == out.getvalue().splitlines()[:len(shown)], command
+
+
+def test_run_synopsis_lists_every_flag():
+    """docs/training.md's ``virtualflow run`` synopsis names every flag ``virtualflow run`` has."""
+    from virtualflow.options import flag_of
+
+    synopsis = next(b.code for b in blocks(ROOT / "docs" / "training.md", lang="bash")
+                    if b.code.startswith("virtualflow run FILE.py"))
+    shown = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", synopsis))
+    flags = {flag_of(f.name) for f in dataclasses.fields(LaunchOptions)} - {None}
+    assert flags | {"--no-progress"} == shown, (sorted(flags - shown), sorted(shown - flags))
