@@ -117,13 +117,14 @@ def chunked_like(before: Program, after: Program) -> Program:
 
 # What "the same result" means for a rewrite (docs/coconet.md, "Summation order"):
 # * split, reorder, fuse, boundary change no matmul's shape and, when p divides the sizes, no
-#   element's ring chunk; the pointwise ops they move onto slices are correctly rounded per element
-#   (add, mul, div, sqrt...), so the result is bit-identical on every CPU;
+#   element's ring chunk; the pointwise ops they move onto slices in the shipped workloads are
+#   correctly rounded per element (add, mul, div, sqrt...), so the result is bit-identical on every
+#   CPU (gelu is not: see test_gelu_moved_onto_slices_is_close);
 # * overlap cuts a matmul: bit-identical to `chunked_like` (the same matmul shapes, the same ring
-#   chunks), and within MATMUL_CHUNK_TOL of the uncut program: BLAS picks kernels by shape, so a
+#   chunks), and within OTHER_SHAPES_TOL of the uncut program: BLAS picks kernels by shape, so a
 #   cut matmul adds in another order on some CPUs (MKL's AVX2 code path, which AMD EPYC runs;
 #   measured max |diff| 7.2e-7, at most 0.42 of this tolerance, over 100 seeds, docs/coconet.md).
-MATMUL_CHUNK_TOL = dict(rtol=1e-6, atol=1e-6)
+OTHER_SHAPES_TOL = dict(rtol=1e-6, atol=1e-6)
 
 
 def rewrite_bit_identity_failures(name: str, p: int, seed: int = 5) -> list[str]:
@@ -142,7 +143,7 @@ def rewrite_bit_identity_failures(name: str, p: int, seed: int = 5) -> list[str]
                 failures.append(f"{name} after {rw} on {p} ranks: {k} differs from the "
                                 f"{'same matmul shapes' if rw == 'overlap' else 'original'}")
             try:
-                torch.testing.assert_close(res.view(k), v, **MATMUL_CHUNK_TOL)
+                torch.testing.assert_close(res.view(k), v, **OTHER_SHAPES_TOL)
             except AssertionError as exc:
                 failures.append(f"{name} after {rw} on {p} ranks: {k} not close to the original: {exc}")
         if [(r.op, r.bytes_sent, r.messages) for r in res.ledger] != \
@@ -199,6 +200,25 @@ def test_the_bit_identity_rules_hold_on_mkl_avx2_kernels():
     assert out.returncode == 0, out.stderr[-3000:]
     failures = json.loads(out.stdout.strip().splitlines()[-1])
     assert not failures, "\n".join(failures)
+
+
+def test_gelu_moved_onto_slices_is_close():
+    # gelu is an approximation of erf with a vectorised and a scalar kernel: an element may take the
+    # other one on a slice (here: torch 2.13's CPU gelu on a 1-element tensor, 4 ranks x 1 row,
+    # differs in 16 of 20 seeds, by up to 5.2e-7), so moving it onto slices is close, not
+    # bit-identical.
+    b = Builder("act")
+    y = b.all_reduce(b.input("z", (4, 1), Local()), name="y")
+    b.output(b.gelu(y * 3.0, name="a"))
+    prog = b.build()
+    moved = reorder(split(prog, "y"), "y")
+    assert [op.attrs.get("fn") for op in moved.ops if op.kind == "pointwise"] == ["mul", "gelu"]
+    assert str(moved.layout(moved.ops[2].outs[0])) == "Sliced(0)"  # gelu runs on the slices
+    for p in (2, 4):
+        for seed in range(5):
+            inp = example_inputs(prog, p, seed=seed)
+            torch.testing.assert_close(simulate(moved, p, inp).view("a"), simulate(prog, p, inp).view("a"),
+                                       **OTHER_SHAPES_TOL)
 
 
 def test_clipped_adam_moves_the_norm_onto_slices():
@@ -315,8 +335,8 @@ def test_overlap_chunks_rows_for_an_all_reduce_and_columns_for_a_row_scatter():
     assert [op.attrs["dim"] for op in cols.ops if op.kind == "narrow"] == [1] * 4
     inp = example_inputs(rows, 4, seed=4)
     base = simulate(tp_mlp(), 4, inp).view("y")
-    torch.testing.assert_close(simulate(rows, 4, inp).view("y"), base, **MATMUL_CHUNK_TOL)
-    torch.testing.assert_close(simulate(cols, 4, inp).view("y"), base, **MATMUL_CHUNK_TOL)
+    torch.testing.assert_close(simulate(rows, 4, inp).view("y"), base, **OTHER_SHAPES_TOL)
+    torch.testing.assert_close(simulate(cols, 4, inp).view("y"), base, **OTHER_SHAPES_TOL)
     # Against the same cut matmuls: columns keep every element's ring chunk (bit-identical on 4
     # ranks); rows cut the all-reduce's flat chunks elsewhere, so only 2 ranks (a + b = b + a) keep
     # the bits.
