@@ -18,7 +18,9 @@ Invariants:
   the flat buffer is every member's piece ``c``), so one ring op carries the bucket and every
   element sits in the chunk of the rank that owns it. An all-reduce bucket is a reduce-scatter
   then an all-gather over the per-member ``shard_bounds(numel, p)`` chunks. Hence each element is
-  summed in the same order as in the simulator: values equal the simulator's bit for bit on gloo.
+  summed in the same order as in the simulator, and every local op runs the simulator's kernel on
+  the same shapes: values equal the simulator's bit for bit on gloo, on every CPU. (A rewrite that
+  changes a matmul's shape, ``overlap``, is another program: see ``plan/comm/simulate.py``.)
 * Ledger: one :class:`OpTraffic` per communicating op with the bytes and messages this rank sent
   (from the ring's own :class:`~virtualflow.comm.ring.Ledger` for collectives; counted at the
   call for sends; the simulator's flat-tree formula for broadcast, whose traffic gloo does not

@@ -15,6 +15,9 @@ states) keep their meaning; new tensors get fresh names derived from the ones th
   ops -> one ``fused`` node (intermediates never materialised as program tensors).
 * :func:`overlap`: a matmul feeding a collective is cut into ``chunks`` pieces along a dim the
   collective does not slice; each piece's collective is issued while the next piece computes.
+  The only rewrite that changes a matmul's shape: BLAS picks kernels by shape, so the result is
+  within float tolerance of the original (bit-identical on some CPUs, not on others), and
+  bit-identical on every CPU to the original with the same matmul cut the same way.
 * :func:`boundary`: a Replicated tensor sent to another stage is sent as slices (each rank 1/t)
   and all-gathered on the receiving stage; an all-reduce or all-gather in front of the send
   becomes a reduce-scatter, or moves behind it.
@@ -365,7 +368,16 @@ def overlap(prog: Program, name: str | None = None, chunks: int = 2, dim: int | 
     """Cut the matmul producing ``name`` (consumed only by an all_reduce or reduce_scatter) into
     ``chunks`` pieces along output dim ``dim`` (0: rows of the left operand; last: columns of the
     right one; default: rows unless the collective scatters along them), one collective each, then
-    concatenate (``name=None``: every such matmul)."""
+    concatenate (``name=None``: every such matmul).
+
+    Result: the pieces' matmuls need not give the bits of the whole one (BLAS picks kernels by
+    shape: MKL's AVX-512 path happens to keep them for the shipped ``tp_mlp`` but not for larger
+    sizes, its AVX2 path, which AMD EPYC runs, does not), so the program agrees with the original
+    within float tolerance (``tests/test_comm_program.py``: 1e-6; docs/coconet.md has the measured
+    differences). Cutting
+    columns keeps each element's ring chunk, so the result is bit-identical to the original with
+    the matmul computed in the same pieces; cutting rows under an all-reduce moves elements between
+    the ring's flat chunks (bit-identical to that only on 2 ranks, where ``a + b == b + a``)."""
     if name is None:
         targets = [op.out for op in prog.ops if op.kind == "matmul" and _overlap_consumer(prog, op.out) is not None]
         if not targets:

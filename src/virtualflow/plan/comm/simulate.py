@@ -3,8 +3,13 @@
 :func:`simulate` runs a :class:`~virtualflow.plan.comm.ir.Program` with one torch tensor per rank
 per name: local ops run once per rank (the same kernels as the executor's), collectives combine
 the ranks' tensors. Sums are added in the ring's order (:func:`~virtualflow.plan.comm.kernels.ring_reduce`),
-so the simulator's values are bit-identical to the executor's on gloo, and a rewrite that keeps
-each element's chunk and its arithmetic unchanged is bit-identical to the original.
+so the simulator's values are bit-identical to the executor's on gloo (both run every local op on
+the same shapes). A rewrite that keeps each element's chunk and its arithmetic unchanged is
+bit-identical to the original on every CPU; "unchanged" means every matmul keeps its shape (BLAS
+picks kernels by shape, so ``x[rows] @ W`` is not always the rows of ``x @ W``: ``overlap`` is
+bit-identical only to the same matmuls cut the same way, and within float tolerance of the uncut
+program) and the ops moved onto slices are correctly rounded per element (add, mul, div, sqrt...;
+gelu's vectorised and scalar kernels may differ by an ulp).
 
 Every communicating op leaves a :class:`CommRecord`: bytes and messages *sent* by each rank
 (global rank ``stage * p + r``), counted on the tensors actually moved:
