@@ -48,7 +48,7 @@ def _raise_on_sigterm(signum: int, frame: object) -> None:
 
 
 def _indent(text: str) -> str:
-    return "".join("  " + line for line in text.rstrip("\n").splitlines(keepends=True)) + "\n"
+    return "".join("  " + line for line in text.rstrip("\n").splitlines(keepends=True))
 
 
 def main(args: argparse.Namespace) -> int:
