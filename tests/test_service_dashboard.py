@@ -1,7 +1,9 @@
 """The cluster dashboard in a real headless Chromium (the OS's /usr/bin/chromium, driven by
 Playwright; scripts/test.sh installs the Debian package when it is missing; the test fails,
-never skips, without it): the queue, the timeline, a job's loss curve, the policy page, and the
-one action (cancel), refused without the cluster's token.
+never skips, without it): the queue, the timeline, a job's loss curve (log scale, a linear
+toggle), its events rendered for people, the policy page, the pages refreshing themselves (and
+not while off, nor while a token is being typed), and the one action (cancel), refused without
+the cluster's token.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ import pytest
 
 from virtualflow.service.dashboard import bind, make_server
 from virtualflow.service.runner import init_cluster
+from virtualflow.service.state import ClusterDB
 
 CHROMIUM = "/usr/bin/chromium"
+REFRESH_S = 0.4
+EPOCH_FIELD = 1764000000.0  # an event field holding a time (seconds since the epoch)
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
         "--disable-component-update", "--no-first-run"]
 
@@ -43,7 +48,9 @@ def cluster(tmp_path):
                    deadline_s=time.time() + 3600, **kw)
     c = db.add_job(name="waiting", steps=40, elastic=False, min_workers=1, max_workers=1, now=102.0,
                    deadline_s=105.0, **kw)
-    f = db.add_job(name="crasher", steps=40, elastic=False, min_workers=1, max_workers=1, now=102.0, **kw)
+    # A job that kept Job.name's default (as every job submitted before names were derived did).
+    f = db.add_job(name="job", steps=40, elastic=False, min_workers=1, max_workers=1, now=102.0,
+                   **dict(kw, target="/x/crash.py:make_job"))
     plan = [[(a, "k80", ["k80-0"], "start"), (b, "v100", ["v100-0", "v100-1"], "start")],
             [(a, "v100", ["v100-1"], "move"), (b, "v100", ["v100-0"], "resize")],
             [(b, "v100", ["v100-0", "v100-1"], "resize")]]
@@ -56,6 +63,7 @@ def cluster(tmp_path):
     db.set_job_state(b, "running", event="start", acc_type="v100", workers=2, slots=["v100-0", "v100-1"],
                      steps_done=17, loss=0.4)
     db.event("throughput", b, acc_type="v100", workers=2, steps_per_s=3.25)
+    db.event("deadline_missed", b, deadline_s=EPOCH_FIELD, late_s=12.5)
     db.update_job(b, eta_s=600.0)
     db.update_job(c, deadline_missed=True, eta_s=40.0)
     db.set_job_state(f, "failed", event="failed", error="TrainingError: boom at index 17")
@@ -73,7 +81,7 @@ def cluster(tmp_path):
 def dashboard(cluster):
     d, ids = cluster
     sock = bind("127.0.0.1", 0)
-    server = make_server(d)
+    server = make_server(d, refresh_s=REFRESH_S)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -103,6 +111,7 @@ def test_pages_in_headless_chromium(dashboard):
             assert rows.count() == 4
             assert "bert-elastic" in rows.nth(1).inner_text() and "2xv100" in rows.nth(1).inner_text()
             assert "failed" in rows.nth(3).inner_text()
+            assert rows.nth(3).locator("td.name").inner_text() == "crash"  # Job.name's default: its file
             # Deadlines: met by 7 s (done at 113, due at 120); 1 h left with 50 min of slack; missed.
             deadline = lambda i: rows.nth(i).locator("td.deadline").inner_text()  # noqa: E731
             slack = lambda i: rows.nth(i).locator("td.slack").inner_text()  # noqa: E731
@@ -122,10 +131,50 @@ def test_pages_in_headless_chromium(dashboard):
             page.goto(url + f"/jobs/{ids['a']}")
             points = page.locator("svg.curve polyline").get_attribute("points")
             assert len(points.split()) == 30  # the loss curve: every step, the truncated line skipped
+            # Log scale by default (the loss falls from 1 to 1/30): gridlines at 1-2-5 steps of decades.
+            assert page.locator("svg.curve").get_attribute("data-scale") == "log"
+            ticks = page.locator("svg.curve text.tick").all_text_contents()
+            assert ticks == ["0.05", "0.1", "0.2", "0.5", "1"], ticks
+            page.click("#scale-linear")
+            assert page.locator("svg.curve").get_attribute("data-scale") == "linear"
+            assert len(page.locator("svg.curve polyline").get_attribute("points").split()) == 30
+            assert "0.5" in page.locator("svg.curve text.tick").all_text_contents()
             page.goto(url + f"/jobs/{ids['b']}")
             assert "3.250" in page.locator("table#throughput").inner_text()
+            events = page.locator("table#events").inner_text()
+            assert "{" not in events and "steps per s 3.25" in events  # fields, not raw JSON
+            assert time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(EPOCH_FIELD)) in events
+            assert "late s 12.5 s" in events and str(int(EPOCH_FIELD)) not in events
+            page.goto(url + f"/jobs/{ids['f']}")
+            assert page.title().startswith(f"job {ids['f']} (crash)")  # its file (make_job: the default function)
             page.goto(url + "/policy")
             assert "elastic_fair" in page.locator("#policy").inner_text()
+            # The pages refresh themselves ...
+            page.goto(url + "/")
+            assert page.locator("#autorefresh").is_checked()
+            progress = lambda: page.locator("table#queue tr.job").nth(2).locator("td").nth(5).inner_text()  # noqa
+            assert progress() == "0/40"
+            db = ClusterDB(d)
+            db.update_job(ids["c"], steps_done=7)
+            page.wait_for_function("() => document.querySelectorAll('table#queue tr.job')[2]"
+                                   ".children[5].textContent === '7/40'", timeout=10000)
+            # ... not when turned off (remembered across loads) ...
+            page.uncheck("#autorefresh")
+            db.update_job(ids["c"], steps_done=9)
+            time.sleep(4 * REFRESH_S)
+            assert progress() == "7/40"
+            page.reload()
+            assert progress() == "9/40" and not page.locator("#autorefresh").is_checked()
+            page.check("#autorefresh")
+            # ... and not while a token is being typed (a refresh would wipe it).
+            page.goto(url + f"/jobs/{ids['c']}")
+            page.fill("#cancel input[name=token]", "half-typed")
+            page.locator("h1").click()  # the field loses focus but keeps its text
+            db.update_job(ids["c"], steps_done=11)
+            time.sleep(4 * REFRESH_S)
+            assert page.input_value("#cancel input[name=token]") == "half-typed"
+            assert "step 9/40" in page.locator("main p").nth(0).inner_text()
+            db.close()
             # The one action needs the token: refused without it, done with it.
             page.goto(url + f"/jobs/{ids['c']}")
             page.fill("#cancel input[name=token]", "not-the-token")

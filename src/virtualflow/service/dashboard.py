@@ -213,7 +213,7 @@ def _ticks(lo: float, hi: float, log_scale: bool) -> list[float]:
         return [lo]
     if log_scale:
         a, b = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
-        steps = (1.0,) if b - a > 2 else (1.0, 2.0, 5.0)
+        steps = (1.0,) if b - a > 3 else (1.0, 2.0, 5.0)
         ticks = [m * 10.0**k for k in range(a, b + 1) for m in steps]
     else:
         raw = (hi - lo) / 4
@@ -308,7 +308,8 @@ def _field(key: str, value: Any) -> str:
     """One field of an event, for people: epoch times as local times, other ``*_s`` as durations."""
     if isinstance(value, bool) or value is None:
         text = str(value).lower()
-    elif isinstance(value, (int, float)) and key.endswith("_s") and math.isfinite(value):
+    elif isinstance(value, (int, float)) and key.endswith("_s") and not key.endswith("per_s") \
+            and math.isfinite(value):
         text = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(value)) if value > 1e9
                 else f"{value:.3g} s" if abs(value) < 60 else format_duration(value))
     elif isinstance(value, float):
