@@ -140,13 +140,27 @@ _ADDED_COLUMNS = (("deadline_s", "REAL"), ("deadline_missed", "INTEGER NOT NULL 
 """Columns of ``jobs`` added after the first release (a database made before gets them on open)."""
 
 
+_WARNED: set[tuple[str, str]] = set()
+"""(cell, value) pairs already logged: the service reads its rows several times a second, and a
+bad cell is worth one line, not a flood."""
+
+
+def _warn_once(where: str, value: Any, msg: str, *args: Any) -> None:
+    key = (where, repr(value)[:200])
+    if key in _WARNED:
+        return
+    if len(_WARNED) < 10000:
+        _WARNED.add(key)
+    log.warning(msg, *args)
+
+
 def _loads(text: Any, default: Any, where: str) -> Any:
     if text is None:
         return default
     try:
         return json.loads(text)
     except (TypeError, ValueError):
-        log.warning("malformed JSON in %s: %r (read as %r)", where, text, default)
+        _warn_once(where, text, "malformed JSON in %s: %r (read as %r)", where, str(text)[:200], default)
         return default
 
 
@@ -334,7 +348,7 @@ class JobRow:
             if defining:
                 bad.append(f"{key}={v!r}")
             else:
-                log.warning("bad value in %s.%s: %r (read as %r)", where, key, v, default)
+                _warn_once(f"{where}.{key}", v, "bad value in %s.%s: %r (read as %r)", where, key, v, default)
             return default
 
         def flag(key: str, *, defining: bool = False) -> bool:
@@ -344,7 +358,7 @@ class JobRow:
             if defining:
                 bad.append(f"{key}={v!r}")
             else:
-                log.warning("bad value in %s.%s: %r (read as False)", where, key, v)
+                _warn_once(f"{where}.{key}", v, "bad value in %s.%s: %r (read as False)", where, key, v)
             return False
 
         def text(key: str, default: str | None, *, optional: bool = False, defining: bool = False) -> str | None:
@@ -584,18 +598,24 @@ class ClusterDB:
         Returns (job id, what happened) for each."""
         now = time.time() if now is None else now
         done: list[tuple[int, str]] = []
-        with self.tx() as c:
-            for r in c.execute("SELECT id FROM jobs WHERE state = 'queued' AND cancel_requested = 1").fetchall():
-                c.execute("UPDATE jobs SET state = 'cancelled', finished_s = ? WHERE id = ?", (now, r[0]))
-                self._event(c, now, r[0], "cancelled", {"while": "queued", "requested": "earlier"})
-                done.append((int(r[0]), "cancelled"))
-        noted = {int(r[0]) for r in self.conn.execute("SELECT DISTINCT job_id FROM events WHERE kind = 'quarantined'")}
-        for j in self.jobs((QUARANTINED,)):
-            if j.id not in noted:
-                self.event("quarantined", j.id, now=now, reason=j.quarantine)
-                log.warning("job %d is quarantined (%s): it is not scheduled until the row is repaired", j.id,
-                            j.quarantine)
-                done.append((j.id, "quarantined"))
+        if self.conn.execute("SELECT 1 FROM jobs WHERE state = 'queued' AND cancel_requested = 1 LIMIT 1").fetchone():
+            with self.tx() as c:
+                for r in c.execute("SELECT id FROM jobs WHERE state = 'queued' AND cancel_requested = 1").fetchall():
+                    c.execute("UPDATE jobs SET state = 'cancelled', finished_s = ? WHERE id = ?", (now, r[0]))
+                    self._event(c, now, r[0], "cancelled", {"while": "queued", "requested": "earlier"})
+                    done.append((int(r[0]), "cancelled"))
+        # Rows that are not final by their stored state (a bogus state included): the ones the
+        # service could otherwise schedule. Each read costs one pass over those rows, no more.
+        q = f"SELECT * FROM jobs WHERE state NOT IN ({','.join('?' * len(FINAL_STATES))})"
+        for r in self.conn.execute(q, FINAL_STATES).fetchall():
+            j = JobRow.from_sql(r, self.run_dir_of(int(r["id"])))
+            if j.quarantine is None or self.conn.execute(
+                    "SELECT 1 FROM events WHERE job_id = ? AND kind = 'quarantined' LIMIT 1", (j.id,)).fetchone():
+                continue
+            self.event("quarantined", j.id, now=now, reason=j.quarantine)
+            log.warning("job %d is quarantined (%s): it is not scheduled until the row is repaired", j.id,
+                        j.quarantine)
+            done.append((j.id, "quarantined"))
         return done
 
     def claim_run_dir(self, row: JobRow) -> str | None:
