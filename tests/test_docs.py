@@ -300,3 +300,62 @@ def test_run_synopsis_lists_every_flag():
     shown = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", synopsis))
     flags = {flag_of(f.name) for f in dataclasses.fields(LaunchOptions)} - {None}
     assert flags | {"--no-progress"} == shown, (sorted(flags - shown), sorted(shown - flags))
+
+
+# -- references -------------------------------------------------------------------------------------
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but '-' and '_' dropped, spaces -> '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.replace("`", "").strip().lower()).replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    out: set[str] = set()
+    for m in re.finditer(r"^#{1,6}\s+(.*)$", FENCE.sub("", page.read_text()), re.M):
+        base = anchor = _slug(m.group(1))
+        i = 1
+        while anchor in out:  # a repeated heading gets -1, -2, ...
+            anchor, i = f"{base}-{i}", i + 1
+        out.add(anchor)
+    return out
+
+
+def test_links_between_pages_resolve():
+    """Every relative link of README.md and docs/*.md names a file of the project, and every
+    #anchor into a page names one of its headings."""
+    bad, count = [], 0
+    for page in PAGES:
+        text = re.sub(r"`[^`\n]*`", "", FENCE.sub("", page.read_text()))
+        for m in re.finditer(r"\]\(([^)\s]+)\)", text):
+            target = m.group(1)
+            if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+                continue
+            count += 1
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                bad.append(f"{page.name}: {target}: no such file")
+            elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
+                bad.append(f"{page.name}: {target}: no heading with that anchor")
+    assert count > 50, count
+    assert not bad, "\n".join(bad)
+
+
+def test_markdown_files_named_in_the_project_exist():
+    """A ``NAME.md`` mentioned in code, tests, examples, benchmarks, scripts or the guides is a
+    file of the project (the placeholder ``bench/results/NAME.md`` aside): no reference to notes
+    that live outside it."""
+    skip = {".git", ".venv", "runs", "__pycache__", "node_modules"}
+    files = [p for p in ROOT.rglob("*") if p.is_file() and not skip & set(p.relative_to(ROOT).parts)]
+    names = {p.name for p in files}
+    bad = []
+    for p in files:
+        rel = p.relative_to(ROOT)
+        if rel.parts[0] not in ("src", "tests", "examples", "bench", "docs", "scripts") and len(rel.parts) > 1:
+            continue
+        if p.suffix not in (".py", ".md", ".toml", ".sh", ".html", ".js", ".cfg", ".txt"):
+            continue
+        for m in re.finditer(r"[\w./-]+\.md\b", p.read_text(errors="replace")):
+            name = m.group(0).rsplit("/", 1)[-1]
+            if name not in names and name != "NAME.md":
+                bad.append(f"{rel}: {m.group(0)}")
+    assert not bad, "\n".join(bad)
