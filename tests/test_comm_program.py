@@ -21,7 +21,7 @@ from virtualflow.plan.comm import (
     memory_ledger, overlap, pipeline_boundary, reorder, simulate, split, tp_mlp,
 )
 from virtualflow.plan.comm.explain import explain_rewrites
-from virtualflow.plan.comm.ir import Op, Program
+from virtualflow.plan.comm.rewrites import overlap_reference
 from virtualflow.plan.comm.kernels import ring_reduce, ring_traffic
 from virtualflow.plan.comm.simulate import totals
 from virtualflow.plan.comm.workloads import DEFAULT_REWRITES, WORKLOADS
@@ -96,31 +96,12 @@ def test_the_dp_adam_step_equals_torch_adam_on_the_summed_gradient(p):
 # Every rewrite on every workload: same results, bytes = formula.
 
 
-def chunked_like(before: Program, after: Program) -> Program:
-    """``before`` with every matmul that ``after = overlap(before, ...)`` cut computed in the same
-    pieces (the same narrow, matmul and concat ops), its collective left whole: the reference
-    whose matmuls have the shapes of the overlapped program's, so the two may be compared bit
-    for bit on any CPU (BLAS picks kernels by shape, so a cut matmul is not the whole one's bits)."""
-    products = {op.outs[0]: op.args[0] for op in after.ops if op.attrs.get("overlap")}  # chunk result -> product
-    ops: list[Op] = []
-    for op in after.ops:
-        if op.attrs.get("overlap"):
-            continue  # the chunk's own collective
-        if op.kind == "concat" and op.args and all(a in products for a in op.args):
-            coll = before.producer(op.outs[0])  # the collective overlap cut, as it was
-            ops.append(Op("concat", (coll.args[0],), tuple(products[a] for a in op.args), op.attrs))
-            ops.append(coll)
-        else:
-            ops.append(op)
-    return Program(after.decls, tuple(ops), after.outputs, f"{after.name}-chunked")
-
-
 # What "the same result" means for a rewrite (docs/coconet.md, "Summation order"):
 # * split, reorder, fuse, boundary change no matmul's shape and, when p divides the sizes, no
 #   element's ring chunk; the pointwise ops they move onto slices in the shipped workloads are
 #   correctly rounded per element (add, mul, div, sqrt...), so the result is bit-identical on every
 #   CPU (gelu is not: see test_gelu_moved_onto_slices_is_close);
-# * overlap cuts a matmul: bit-identical to `chunked_like` (the same matmul shapes, the same ring
+# * overlap cuts a matmul: bit-identical to `overlap_reference` (the same matmul shapes, the same ring
 #   chunks), and within OTHER_SHAPES_TOL of the uncut program: BLAS picks kernels by shape, so a
 #   cut matmul adds in another order on some CPUs (MKL's AVX2 code path, which AMD EPYC runs;
 #   measured max |diff| 7.2e-7, at most 0.42 of this tolerance, over 100 seeds, docs/coconet.md).
@@ -137,7 +118,7 @@ def rewrite_bit_identity_failures(name: str, p: int, seed: int = 5) -> list[str]
     prev = steps[0][1]
     for rw, prog in steps[1:]:
         res = simulate(prog, p, inp)
-        ref = simulate(chunked_like(prev, prog), p, inp) if rw == "overlap" else base
+        ref = simulate(overlap_reference(prev, prog), p, inp) if rw == "overlap" else base
         for k, v in base.results().items():
             if not same_bits(res.view(k), ref.view(k)):
                 failures.append(f"{name} after {rw} on {p} ranks: {k} differs from the "
@@ -340,9 +321,16 @@ def test_overlap_chunks_rows_for_an_all_reduce_and_columns_for_a_row_scatter():
     # Against the same cut matmuls: columns keep every element's ring chunk (bit-identical on 4
     # ranks); rows cut the all-reduce's flat chunks elsewhere, so only 2 ranks (a + b = b + a) keep
     # the bits.
-    assert same_bits(simulate(cols, 4, inp).view("y"), simulate(chunked_like(split(tp_mlp()), cols), 4, inp).view("y"))
+    assert same_bits(simulate(cols, 4, inp).view("y"), simulate(overlap_reference(split(tp_mlp()), cols), 4, inp).view("y"))
     inp2 = example_inputs(rows, 2, seed=4)
-    assert same_bits(simulate(rows, 2, inp2).view("y"), simulate(chunked_like(tp_mlp(), rows), 2, inp2).view("y"))
+    assert same_bits(simulate(rows, 2, inp2).view("y"), simulate(overlap_reference(tp_mlp(), rows), 2, inp2).view("y"))
+    ref = overlap_reference(split(tp_mlp()), cols)  # the 4 cut matmuls, concatenated, one whole reduce-scatter
+    kinds = [op.kind for op in ref.ops]
+    assert kinds.count("matmul") == 5 and kinds.count("reduce_scatter") == 1 and kinds.count("concat") == 1
+    assert kinds.index("concat") + 1 == kinds.index("reduce_scatter")
+    assert not any(op.attrs.get("overlap") for op in ref.ops)
+    with pytest.raises(ValueError, match="has no overlapped collective"):
+        overlap_reference(tp_mlp(), tp_mlp())
     # fuse does not bucket the chunks' collectives back together
     assert [op.kind for op in fuse(cols).ops].count("reduce_scatter") == 4
 

@@ -17,7 +17,7 @@ states) keep their meaning; new tensors get fresh names derived from the ones th
   collective does not slice; each piece's collective is issued while the next piece computes.
   The only rewrite that changes a matmul's shape: BLAS picks kernels by shape, so the result is
   within float tolerance of the original (bit-identical on some CPUs, not on others), and
-  bit-identical on every CPU to the original with the same matmul cut the same way.
+  bit-identical on every CPU to :func:`overlap_reference` (the same matmul cut the same way).
 * :func:`boundary`: a Replicated tensor sent to another stage is sent as slices (each rank 1/t)
   and all-gathered on the receiving stage; an all-reduce or all-gather in front of the send
   becomes a reduce-scatter, or moves behind it.
@@ -442,6 +442,31 @@ def overlap(prog: Program, name: str | None = None, chunks: int = 2, dim: int | 
         else:
             ops.append(o)
     return _program(prog, ops)
+
+
+def overlap_reference(before: Program, after: Program) -> Program:
+    """``before`` with every matmul that ``after`` (``overlap`` of ``before``) cut computed in the
+    same pieces (the same narrow, matmul and concat ops), its collective left whole.
+
+    The program to compare ``after`` with bit for bit: its matmuls have ``after``'s shapes, so the
+    same kernels run on every CPU, and with a column cut every element stays in its ring chunk, so
+    every sum keeps its order (a row cut under an all-reduce keeps it only on 2 ranks). ``before``
+    itself agrees with ``after`` only within float tolerance (see :func:`overlap`)."""
+    products = {op.outs[0]: op.args[0] for op in after.ops if op.attrs.get("overlap")}  # chunk result -> product
+    if not products:
+        raise ValueError(f"overlap_reference: program {after.name} has no overlapped collective; pass the output of "
+                         f"overlap(before, ...)")
+    ops: list[Op] = []
+    for op in after.ops:
+        if op.attrs.get("overlap"):
+            continue  # the chunk's own collective
+        if op.kind == "concat" and op.args and all(a in products for a in op.args):
+            coll = before.producer(op.outs[0])  # the collective overlap cut, as it was
+            ops.append(Op("concat", (coll.args[0],), tuple(products[a] for a in op.args), op.attrs))
+            ops.append(coll)
+        else:
+            ops.append(op)
+    return Program(after.decls, tuple(ops), after.outputs, f"{after.name}-same-cuts")
 
 
 def _overlap_consumer(prog: Program, name: str) -> Op | None:
