@@ -276,7 +276,9 @@ class Supervisor:
                 exc = err
             self.error = exc
             progress.state = "failed"
-            self._best_effort("stopping the workers", self.backend.terminate_all)
+            # A failed job's workers have nothing left to write; one blocked in a collective (a
+            # SIGTERM while training is only a preemption notice to it) is killed after 1 s.
+            self._best_effort("stopping the workers", lambda: self.backend.terminate_all(grace_s=1.0))
             self._best_effort("the failed event",
                               lambda: coord.event("failed", error=str(exc), step=getattr(exc, "step", None)))
         finally:

@@ -217,7 +217,8 @@ def report_failure(reporter: Reporter, worker_id: int, exc: BaseException, worke
     if disk is not None:  # one line naming the file, the space free there and the space needed
         path = disk.filename if isinstance(disk.filename, str) else (worker.cfg.state_dir if worker else "?")
         needed = getattr(disk, "needed_bytes", None) or _state_bytes(worker)
-        exc = DiskFullError(path, free_bytes(path), needed, disk.errno)
+        free = disk.free_bytes if isinstance(disk, DiskFullError) else free_bytes(path)  # as measured at the failure
+        exc = DiskFullError(path, free, needed, disk.errno)
     try:
         short = job_traceback(exc)
     except Exception:  # noqa: BLE001 - never lose the failure over its formatting
@@ -525,15 +526,14 @@ class Worker:
                 outcome = self._steps(record, group)
             except PeerFailure as exc:
                 phase = self.engine.phase
+                # Leave the generation at once (Group.abort shuts its connections down): this
+                # worker's own operations still in flight (a reducer's thread) end now, and so does
+                # every peer's wait on this worker, instead of at the group's timeout.
+                group.abort()
                 self.engine.abandon_step()
                 self.report({"type": "fault", "generation": gen, "phase": phase, "step": self.progress.step,
                              "error": str(exc)[:2000]})
-                if self.pipelined:
-                    # A pipeline neighbour may wait in an (unsliced) point-to-point receive from
-                    # this worker: closing the sockets now releases it instead of its timeout.
-                    group.close_soon()
-                else:
-                    self.retired.append(group)
+                group.close()
                 where = self.next_generation(gen)
                 continue
             if outcome == "regroup":
