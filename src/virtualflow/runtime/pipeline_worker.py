@@ -417,6 +417,8 @@ class PipelineWorkerEngine:
         # In increasing stage order on every worker, so building them cannot deadlock.
         self.stage_groups = {s: self.subgroup(group.generation, f"stage{s}", grid.replica, grid.replicas)
                              for s in sorted(names)}
+        for g in self.stage_groups.values():  # broken with its generation: its waits end on the abort flag too
+            g.abort_check = group.abort_check
         self.stage_group = self.stage_groups[min(names)]
         self.stage.set_layout(grid.replica, assignment)
         self.stage.slowdown = self.slowdown
