@@ -11,6 +11,8 @@ import logging
 import os
 import re
 import shutil
+import subprocess
+import sys
 import textwrap
 import traceback
 
@@ -263,6 +265,35 @@ def test_job_file_that_trains_at_import_is_told_to_guard_it(tmp_path):
     guarded = _job_file(tmp_path, UNGUARDED.replace("result = ", 'if __name__ == "__main__":\n    result = '),
                         "guarded.py")
     assert resolve_spec(guarded).__name__ == "make_job"  # imported without training
+
+
+GUARDS = """
+from virtualflow.job import JobImportError, check_main_guard
+
+def start():
+    check_main_guard("worker processes")
+
+if __name__ == "__main__":
+    start()  # guarded: children that import this script again do not start anything
+    print("guarded: started")
+try:
+    start()
+except JobImportError as exc:
+    print("unguarded:", exc)
+"""
+
+
+def test_processes_that_reimport_the_script_need_its_main_guard(tmp_path):
+    # multiprocessing's spawn/forkserver children import the main script again (the GNN engine's
+    # processes do): unguarded top-level code there is refused before any child starts.
+    script = _job_file(tmp_path, GUARDS, "script.py")
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": src}).stdout.splitlines()
+    assert out == ["guarded: started",
+                   f"unguarded: {script}, line 11, starts worker processes from the script's top level, and every "
+                   f"new process imports the script again (and would start them again): guard the module's "
+                   f'training code with `if __name__ == "__main__":`']
 
 
 def test_a_device_this_machine_lacks_is_refused_before_any_worker_starts():

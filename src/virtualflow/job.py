@@ -10,6 +10,7 @@ pickled with cloudpickle: a :class:`Job` or a factory that is a lambda, a closur
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import importlib.util
@@ -323,6 +324,45 @@ def check_not_importing() -> None:
             f"and virtualflow imports the file to read its job function: guard the module's training code "
             f"with `if __name__ == \"__main__\":`"
         )
+
+
+def check_main_guard(what: str) -> None:
+    """Refuse to start child processes that import the main script again (multiprocessing's
+    ``spawn`` and ``forkserver`` start methods do) when the call comes from the script's
+    unguarded top-level code: every child would run that code again, and each one fails in
+    multiprocessing's bootstrapping with a long traceback. Decided from the script's source: the
+    top-level statement running now must sit inside ``if __name__ == "__main__":``. Silent when
+    there is no script to read (a notebook, ``python -c``, a REPL) or the call does not come
+    from the script's top level; a guard written another way (any ``if`` on ``__name__``) is
+    accepted. Also refuses a job file's top-level code run by virtualflow's import of it
+    (:func:`check_not_importing`)."""
+    check_not_importing()
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not isinstance(path, str) or not path.endswith(".py") or not os.path.isfile(path):
+        return
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__"):
+        frame = frame.f_back
+    if frame is None or os.path.abspath(frame.f_code.co_filename) != os.path.abspath(path):
+        return
+    line = frame.f_lineno
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return
+    for node in tree.body:
+        if node.lineno <= line <= (node.end_lineno or node.lineno):
+            guarded = isinstance(node, ast.If) and any(isinstance(n, ast.Name) and n.id == "__name__"
+                                                       for n in ast.walk(node.test))
+            if not guarded:
+                raise JobImportError(
+                    f"{path}, line {line}, starts {what} from the script's top level, and every new process "
+                    f"imports the script again (and would start them again): guard the module's training code "
+                    f"with `if __name__ == \"__main__\":`"
+                )
+            return
 
 
 def _import_file(path: str) -> Any:
