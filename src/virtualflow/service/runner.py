@@ -4,9 +4,12 @@
 database (new submissions, cancellations), builds a :class:`~virtualflow.service.core.JobView`
 per active job, asks the pure :class:`~virtualflow.service.core.Scheduler` for the round's
 decision, records it (``rounds`` and ``allocations`` tables) and enacts its actions with the
-public API, on the local backend (or on a Ray cluster: see below):
+public API, on the local backend (or on a Ray cluster: see below). **No job code runs in this
+process**: each start runs :func:`virtualflow.launch` in a driver process of its own
+(:mod:`virtualflow.service.launcher`: it imports, builds and checks the job under a time limit and
+hosts its coordinator); this process sees the job through that driver's JSON lines only.
 
-- ``start``: :func:`virtualflow.launch` with the placement's worker count, the type's slowdown
+- ``start``: :func:`virtualflow.launch` (in the job's driver) with the placement's worker count, the type's slowdown
   for every worker (``slowdowns=``, emulated accelerator types), ``checkpoint_every`` and, when
   the job's run directory holds a state, ``resume=`` it;
 - ``resize`` (elastic jobs, same type): :meth:`JobHandle.resize` in place; a newcomer gets the
@@ -14,6 +17,12 @@ public API, on the local backend (or on a Ray cluster: see below):
 - ``preempt``: :meth:`JobHandle.stop` (the state reached is written: ``final.pt``), the job is
   queued again and resumes from it when next placed;
 - ``restart``: preempt, then start on the new placement.
+
+Stops run in threads of their own (:class:`Stopping`): a job being stopped keeps its slots
+(pinned) until it has stopped, a start that needs them waits, and the loop goes on meanwhile. A
+job is **hung** when it makes no step for longer than its own step time allows
+(:mod:`virtualflow.service.watchdog`): it is killed and recorded failed; a stop is bounded by the
+same limit.
 
 During the round it polls every job (``poll_s``): progress and loss go to the database; a job
 that ended is recorded done, a job that crashed is recorded failed (alone: its slots are free at
@@ -37,11 +46,16 @@ each deadline job's estimated time to finish up to date (``eta_s``, for ``queue`
 dashboard) and records one ``deadline_missed`` event for a job whose deadline passes unfinished.
 
 Crash safety: the database is the truth. A service that was killed (SIGKILL) and started again
-closes the rounds left open, waits for the workers of the jobs it ran to exit (they lose their
-coordinator with it), then records a job whose run directory says it completed as done (never run
+closes the rounds left open, waits for the processes of the jobs it ran to exit (each driver sees
+the service's pipe close and stops its job with the state written) and kills those still there
+that are verifiably the job's (a marker in their environment, their start time: never a process
+picked by its name), then records a job whose run directory says it completed as done (never run
 again) and queues the others to resume from their newest state file (the steps after it are
 recomputed, bit-identically in deterministic mode, and recorded once). ``cluster stop`` stops every
 job with its state written and queues it, so nothing is lost across a planned stop either.
+When the service cannot write its database (the disk is full) it pauses, saying so in one line,
+and goes on once there is room (:meth:`Service.pause_for_space`); it never records a job failed
+because it could not write.
 """
 
 from __future__ import annotations
@@ -51,9 +65,11 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
+import sqlite3
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -63,11 +79,26 @@ from virtualflow.service.core import (PRIOR_STEPS_PER_S, Action, JobView, RoundD
                                       mechanism_knobs, mechanism_of, prior_rate, recovery_action, type_slowdowns,
                                       update_estimates)
 from virtualflow.service.deadlines import admit, eta_s, newly_missed
+from virtualflow.service.launcher import ChildJob, is_job_process, job_processes
 from virtualflow.service.state import ClusterDB, JobRow
+from virtualflow.service.watchdog import HangRule, StepClock
 
 log = logging.getLogger(__name__)
 
 LOCK_NAME = "service.lock"
+
+SERVICE_FREE_BYTES = 64 * 1024 * 1024
+"""Free space the service asks for on its database's file system after "database or disk is full"
+before it goes on (the database grows by its write-ahead log; 64 MiB is ample for many rounds)."""
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` is SQLite's (or the OS's) "out of space"."""
+    import errno
+
+    if isinstance(exc, sqlite3.OperationalError):
+        return "disk is full" in str(exc)  # SQLITE_FULL: "database or disk is full"
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 @dataclass
@@ -85,9 +116,31 @@ class Running:
     """(time, step) since the current (type, workers) formed."""
     last_step: int = -1
     last_write_s: float = 0.0
-    start_step: int = 0
-    """The step it started from (a job still there when preempted is killed: nothing to save)."""
+    start_step: int | None = 0
+    """The step it started from (a job still there when preempted is killed: nothing to save);
+    None until its driver has built the job and reported it."""
     started_s: float = 0.0
+    clock: StepClock | None = None
+    """Its step progress since the launch (the hang watch: :mod:`virtualflow.service.watchdog`)."""
+    start_event: dict[str, Any] | None = None
+    """The ``start`` event's data, recorded (dated ``started_s``) once the job reports its step."""
+
+
+@dataclass
+class Stopping:
+    """A job being stopped (preempted, moved, cancelled, or at shutdown) in a thread of its own:
+    it keeps its slots until its stop has ended, the loop goes on meanwhile."""
+
+    run: Running
+    kind: str
+    """``preempt``, ``restart``, ``cancel``, ``shutdown`` (recorded when it ends) or ``call``
+    (a caller of :meth:`Service._stop_all` records it)."""
+    reason: str
+    then: Action | None = None
+    """A restart's start, done once the stop has ended (if the job goes on)."""
+    thread: threading.Thread | None = None
+    outcome: tuple[Any, BaseException | None] | None = None
+    """(Result or None, error or None) once the stop has ended."""
 
 
 def gavel_table() -> ThroughputTable:
@@ -134,8 +187,6 @@ class Service:
     """The service of one cluster directory (created by ``cluster start``: see :func:`init_cluster`)."""
 
     def __init__(self, cluster_dir: str, *, poll_s: float = 0.25, launch: Callable[..., Any] | None = None) -> None:
-        import virtualflow
-
         self.dir = os.path.abspath(cluster_dir)
         self.db = ClusterDB(self.dir)
         cfg = self.db.config()
@@ -153,7 +204,22 @@ class Service:
         """Whether workers get their type's slowdown (always on the local backend, where types are
         emulated; on Ray only with ``--emulate-slowdowns``: the types are real resources there)."""
         self.poll_s = poll_s
-        self.launch = launch or virtualflow.launch
+        self.launch = launch
+        """``launch(target, **options) -> handle``; None (the default): each job runs under a child
+        process of its own (:class:`virtualflow.service.launcher.ChildJob`): this process never
+        imports, builds or runs a job's code."""
+        self.launch_timeout_s = float(cfg.get("launch_timeout_s", 60.0))
+        """How long a job's driver may take to import, build and check the job before it fails."""
+        self.hang = HangRule(factor=float(cfg.get("hang_factor", 10.0)), floor_s=float(cfg.get("hang_floor_s", 60.0)),
+                             first_step_s=float(cfg.get("hang_first_step_s", 600.0)))
+        self.settle_s = min(2.0, self.round_s / 4)
+        """How long the enactment of a round waits for its stops before it goes on without them."""
+        self.stops: dict[int, Stopping] = {}
+        """Jobs being stopped (see :class:`Stopping`)."""
+        self.pending: list[Action] = []
+        """Starts waiting for slots that jobs being stopped still hold."""
+        self.paused: str | None = None
+        """Why the service is paused (it cannot write its database), or None."""
         self.mechanism = mechanism_of(cfg.get("mechanism"), self.round_s)
         self.scheduler = Scheduler(self.slots, get_policy(self.policy_name), round_s=self.round_s,
                                    mechanism=self.mechanism)
@@ -181,9 +247,10 @@ class Service:
         running (done, or queued to resume)."""
         now = time.time()
         self.db.close_open_rounds(now)
-        for row in self.db.jobs(("running",)):
-            if self.backend == "local":  # on Ray, the actors' owner was the dead service: Ray ends them
-                _wait_orphans(row.run_dir)
+        rows = self.db.jobs(("running",))
+        if self.backend == "local":  # on Ray, the actors' owner was the dead service's driver: Ray ends them
+            _wait_orphans([row.run_dir for row in rows])
+        for row in rows:
             summary = _read_json(os.path.join(row.run_dir, "summary.json"))
             has_state = _has_state(row.run_dir)
             what = recovery_action(row.state, summary, has_state, row.steps,
@@ -228,11 +295,16 @@ class Service:
                      self.slots, {t: round(f, 3) for t, f in self.default_slowdowns.items()}, self.policy_name,
                      self.round_s)
             while not self.stopping():
-                if not self._active_rows():
-                    self._tick()
-                    time.sleep(self.poll_s)
-                    continue
-                self.play_round()
+                try:
+                    if not self._active_rows():
+                        self._tick()
+                        time.sleep(self.poll_s)
+                        continue
+                    self.play_round()
+                except sqlite3.OperationalError as exc:
+                    if not disk_full(exc):
+                        raise
+                    self.pause_for_space(exc)
         finally:
             self.shutdown()
             if dashboard is not None:
@@ -265,10 +337,18 @@ class Service:
     def play_round(self) -> None:
         """One round: decide, record, enact, run for ``round_s`` while polling, measure."""
         start = time.time()
+        self._settle_stops()
+        if self.pending:  # starts the last round could not make yet: this round decides again
+            log.info("round: %d start(s) still waiting for the slots of jobs being stopped are decided again",
+                     len(self.pending))
+            self.pending = []
         rows = {r.id: r for r in self._active_rows()}
         views = [self._view(r) for r in rows.values()]
+        # A job still starting (or within --min-run-s) keeps its placement; so does one being
+        # stopped: it holds its slots until it has stopped.
         pinned = {jid for jid, run in self.running.items()
-                  if run.last_step <= run.start_step or start - run.started_s < self.min_run_s}
+                  if run.start_step is None or run.last_step <= run.start_step or start - run.started_s < self.min_run_s}
+        pinned |= set(self.stops) & set(rows)
         decision = self.scheduler.plan(views, start - self.epoch_s, pinned)
         if decision.fallback is not None:  # the policy failed: the round runs on the fallback's decision
             self.db.event("policy_fallback", policy=self.policy_name, reason=decision.fallback)
@@ -334,26 +414,48 @@ class Service:
             log.warning("job %d missed its deadline (%d/%d steps done)", jid, r.steps_done, r.steps)
 
     def enact(self, decision: RoundDecision, rows: dict[int, JobRow]) -> None:
-        """Preempt (all at once, in threads: each waits for its job's next step boundary), then
-        resize and start, in the decision's order (slots are released before they are taken)."""
-        stopping = [a for a in decision.actions if a.kind in ("preempt", "restart")]
-        outcomes = self._stop_all({a.job_id: ("preempted by the cluster scheduler" if a.kind == "preempt" else
-                                              f"moved to {a.workers}x{a.acc_type} by the cluster scheduler")
-                                   for a in stopping})
+        """Stop the preempted and moved jobs (all at once, each in a thread: a stop ends at the
+        job's next step boundary), wait for them up to ``settle_s``, then resize and start in the
+        decision's order. A start whose slots a job still being stopped holds (and a move's start)
+        waits until that stop has ended (:meth:`_tick` makes it); the loop never waits for a stop."""
         for a in decision.actions:
-            row = rows[a.job_id]
-            try:
-                if a.kind in ("preempt", "restart"):
-                    goes_on = self._stopped(row, *outcomes.get(a.job_id, (None, None)))
+            if a.kind in ("preempt", "restart"):
+                if a.job_id in self.running:
+                    self._begin_stop(a.job_id, a.kind, "preempted by the cluster scheduler" if a.kind == "preempt"
+                                     else f"moved to {a.workers}x{a.acc_type} by the cluster scheduler",
+                                     then=a if a.kind == "restart" else None)
+                elif a.job_id not in self.stops:  # it ended meanwhile (the tick records how) or never ran
+                    goes_on = self._stopped(rows[a.job_id], None, None, a.kind)
                     if a.kind == "restart" and goes_on:
-                        self._start(self.db.job(row.id) or row, a, restart=True)
-                elif a.kind == "resize":
-                    self._resize(row, a)
-                elif a.kind == "start":
-                    self._start(row, a, restart=False)
+                        self.pending.append(a)
+        self._settle_stops(wait_s=self.settle_s)
+        for a in decision.actions:
+            if a.kind == "resize":
+                try:
+                    self._resize(rows[a.job_id], a)
+                except (ValueError, TypeError, RuntimeError, OSError) as exc:
+                    self._fail(a.job_id, f"resize failed: {type(exc).__name__}: {' '.join(str(exc).split())}")
+            elif a.kind == "start":
+                self.pending.append(a)
+        self._run_pending()
+
+    def _run_pending(self) -> None:
+        """Make the waiting starts whose slots no job being stopped holds any more."""
+        held = {s for st in self.stops.values() for s in st.run.slots}
+        waiting = []
+        for a in self.pending:
+            if a.job_id in self.stops or held & set(a.slots):
+                waiting.append(a)
+                continue
+            row = self.db.job(a.job_id)
+            if row is None or row.state != "queued" or row.cancel_requested or a.job_id in self.running:
+                continue  # it ended, was cancelled or started meanwhile
+            try:
+                self._start(row, a, restart=a.kind == "restart")
             except (ValueError, TypeError, RuntimeError, OSError) as exc:
-                # The job's own fault (a broken job file, a bad checkpoint): it fails alone.
+                # A launch that could not even begin (no run directory, ...): this job fails alone.
                 self._fail(row.id, f"{a.kind} failed: {type(exc).__name__}: {' '.join(str(exc).split())}")
+        self.pending = waiting
 
     # -- actions ----------------------------------------------------------------------------
     def _start(self, row: JobRow, a: Action, *, restart: bool) -> None:
@@ -373,51 +475,136 @@ class Service:
             # of a resize included) asks for one, so Ray places it on a node that has one free.
             opts.update(backend="ray", address=self.address, cpus_per_worker=self.cpus_per_worker,
                         resources={a.acc_type: 1.0})
-        handle = self.launch(row.target, **opts)
-        self.running[row.id] = Running(handle=handle, acc_type=a.acc_type, workers=a.workers, slots=a.slots,
-                                       slowdown=factor if self.emulate else 1.0, slowed=set(range(a.workers)),
-                                       start_step=int(handle.status().get("step") or 0), started_s=time.time())
+        launch = self.launch if self.launch is not None else self._driver_for(row)
+        handle = launch(row.target, **opts)
+        now = time.time()
+        run = Running(handle=handle, acc_type=a.acc_type, workers=a.workers, slots=a.slots,
+                      slowdown=factor if self.emulate else 1.0, slowed=set(range(a.workers)), start_step=None,
+                      started_s=now, clock=StepClock(now))
+        self.running[row.id] = run
         fields: dict[str, Any] = dict(acc_type=a.acc_type, workers=a.workers, slots=list(a.slots),
                                       starts=row.starts + 1)
         if row.started_s is None:
-            fields["started_s"] = time.time()
+            fields["started_s"] = now
         if restart or resume is not None:
             fields["restarts"] = row.restarts + 1
-        self.db.set_job_state(row.id, "running", event="start",
-                              info={"resumed": resume is not None, "from_step": self.running[row.id].start_step}, **fields)
+        self.db.set_job_state(row.id, "running", **fields)
+        run.start_event = {**{k: v for k, v in fields.items() if isinstance(v, (int, float, str, type(None)))},
+                           "resumed": resume is not None}
+        self._note_start(row.id, run)
+
+    def _driver_for(self, row: JobRow) -> Callable[..., Any]:
+        """The default ``launch``: the job runs under a driver process of its own, marked with the
+        job's run directory (:mod:`virtualflow.service.launcher`)."""
+        def launch(target: str, **options: Any) -> ChildJob:
+            return ChildJob(target, options, marker=row.run_dir, launch_timeout_s=self.launch_timeout_s,
+                            log_path=os.path.join(self.dir, "logs", f"job-{row.id}.log"))
+
+        return launch
+
+    def _note_start(self, jid: int, run: Running) -> None:
+        """Once the job reports the step it starts from, record its ``start`` event (dated when it
+        was launched: replay measures the launch from it) with that step."""
+        if run.start_event is None:
+            return
+        try:
+            step = run.handle.status().get("step")
+        except Exception:  # noqa: BLE001 - between states; next tick
+            return
+        if not isinstance(step, int):
+            return
+        run.start_step = step
+        self.db.event("start", jid, now=run.started_s, **run.start_event, from_step=step)
+        run.start_event = None
+
+    def _begin_stop(self, jid: int, kind: str, reason: str, then: Action | None = None) -> Stopping:
+        """Stop a running job in a thread of its own, with its state written (a job that has not
+        made a step since it started is killed instead: it has nothing to write and would first
+        have to finish starting). The stop may take as long as the job's hang limit
+        (:class:`~virtualflow.service.watchdog.HangRule`); a job that does not stop by then is
+        killed and the stop's error says so. Its outcome is recorded by :meth:`_settle_stops`."""
+        run = self.running.pop(jid)
+        limit = self.hang.limit_s(run.clock.step_times if run.clock is not None else [])
+        st = Stopping(run=run, kind=kind, reason=reason, then=then)
+
+        def stop() -> None:
+            try:
+                step = run.handle.status().get("step")
+                if (run.start_step is None or not isinstance(step, int) or step <= run.start_step) \
+                        and not run.handle.done:
+                    run.handle.kill()
+                    _wait_quietly(run.handle, 30.0)  # its run directory is free again once it is gone
+                    st.outcome = (None, None)
+                    return
+                st.outcome = (run.handle.stop(timeout_s=limit, reason=reason), None)
+            except TimeoutError:
+                st.outcome = (None, TimeoutError(
+                    f"it did not reach a step boundary within {limit:.0f} s of being stopped ({reason}; the limit "
+                    f"follows its step time: hang_factor={self.hang.factor:g}, hang_floor_s={self.hang.floor_s:g}): "
+                    f"hung, killed"))
+            except Exception as exc:  # noqa: BLE001 - judged when recorded
+                st.outcome = (None, exc)
+
+        st.thread = threading.Thread(target=stop, name=f"stop-job-{jid}", daemon=True)
+        self.stops[jid] = st
+        st.thread.start()
+        return st
+
+    def _settle_stops(self, wait_s: float = 0.0) -> None:
+        """Record the stops that have ended (waiting up to ``wait_s`` for the others), then make
+        the starts that were waiting for them."""
+        deadline = time.monotonic() + wait_s
+        for jid, st in list(self.stops.items()):
+            if st.kind == "call":
+                continue
+            assert st.thread is not None
+            st.thread.join(max(0.0, deadline - time.monotonic()))
+            if st.thread.is_alive():
+                continue
+            del self.stops[jid]
+            row = self.db.job(jid)
+            if row is None:
+                continue
+            result, error = st.outcome or (None, None)
+            goes_on = self._stopped(row, result, error, st.kind)
+            if st.then is not None and goes_on:
+                self.pending.append(st.then)
+        self._run_pending()
 
     def _stop_all(self, reasons: dict[int, str]) -> dict[int, tuple[Any, BaseException | None]]:
-        """Stop these jobs at once, each with its state written (a job that has not made a step
-        since it started is killed instead: it has nothing to write and would first have to
-        finish starting). Returns job id -> (Result or None, error or None)."""
-        runs = {jid: self.running.pop(jid) for jid in reasons if jid in self.running}
-        if not runs:
-            return {}
+        """Stop these jobs at once and wait (each at most its hang limit); the caller records the
+        outcomes. Returns job id -> (Result or None, error or None)."""
+        stops = {jid: self._begin_stop(jid, "call", reason) for jid, reason in reasons.items() if jid in self.running}
+        out = {}
+        for jid, st in stops.items():
+            assert st.thread is not None
+            st.thread.join()
+            self.stops.pop(jid, None)
+            out[jid] = st.outcome or (None, None)
+        return out
 
-        def stop(jid: int) -> tuple[Any, BaseException | None]:
-            run = runs[jid]
-            try:
-                if int(run.handle.status().get("step") or 0) <= run.start_step and not run.handle.done:
-                    run.handle.kill()
-                    return None, None
-                return run.handle.stop(timeout_s=120.0, reason=reasons[jid]), None
-            except Exception as exc:  # noqa: BLE001 - judged by the caller
-                return None, exc
-
-        with ThreadPoolExecutor(max_workers=len(runs)) as pool:
-            return dict(zip(runs, pool.map(stop, runs)))
-
-    def _stopped(self, row: JobRow, result: Any, error: BaseException | None) -> bool:
-        """Record a stopped job; True if it is to run on (False: it ended: done or failed)."""
-        if error is not None:
-            self._fail(row.id, f"{type(error).__name__}: {' '.join(str(error).split())}")
-            return False
+    def _stopped(self, row: JobRow, result: Any, error: BaseException | None, kind: str = "preempt") -> bool:
+        """Record a stopped job; True if it is to run on (False: it ended: done, failed or
+        cancelled). At shutdown a stop that failed queues the job (to resume from its newest
+        state): the service stopped it, so its failure is not the job's to carry."""
         steps = result.steps if result is not None else row.steps_done
-        if steps >= row.steps:
+        if kind == "cancel":
+            self.db.set_job_state(row.id, "cancelled", event="cancelled", finished_s=time.time(), steps_done=steps,
+                                  acc_type=None, workers=0, slots=[],
+                                  **({"error": _one_line(error)} if error is not None else {}))
+            self._left(row.id)
+            return False
+        if error is not None and kind != "shutdown":
+            self._fail(row.id, _one_line(error))
+            return False
+        if error is None and steps >= row.steps:
             self._done(row.id, steps, result)
             return False
+        info: dict[str, Any] = {"killed_before_first_step": result is None and error is None}
+        if error is not None:
+            info["reason"] = f"the service stopped while the job stopped: {_one_line(error)}"
         self.db.set_job_state(row.id, "queued", event="preempt", steps_done=steps, acc_type=None,
-                              workers=0, slots=[], info={"killed_before_first_step": result is None})
+                              workers=0, slots=[], info=info)
         return True
 
     def _resize(self, row: JobRow, a: Action) -> None:
@@ -426,6 +613,8 @@ class Service:
             return  # it ended meanwhile; the next tick records how
         run.handle.resize(a.workers)
         run.workers, run.slots, run.samples = a.workers, a.slots, []
+        if run.clock is not None:
+            run.clock.restart(time.time())  # the step at the switch takes longer
         self.db.update_job(row.id, workers=a.workers, slots=list(a.slots), resizes=row.resizes + 1)
         self.db.event("resize", row.id, workers=a.workers, acc_type=a.acc_type)
 
@@ -437,6 +626,8 @@ class Service:
         if now - self._deadlines_checked_s >= 1.0:
             self._deadlines_checked_s = now
             self.check_deadlines(now)
+        self._settle_stops()
+        cancelled = False
         for jid in list(self.running):
             run = self.running[jid]
             row = self.db.job(jid)
@@ -447,7 +638,10 @@ class Service:
                 try:
                     result = run.handle.wait(0)
                 except Exception as exc:  # noqa: BLE001 - the job crashed: it fails alone
-                    self._fail(jid, " ".join(str(exc).split()))
+                    if getattr(run.handle, "disk_full", False):
+                        self._out_of_space(row, _one_line(exc))
+                    else:
+                        self._fail(jid, _one_line(exc))
                     continue
                 if result.steps >= row.steps:
                     self._done(jid, result.steps, result)
@@ -463,20 +657,22 @@ class Service:
                 self._left(jid)
                 continue
             if row.cancel_requested:
-                self.running.pop(jid)
-                try:
-                    result = run.handle.stop(timeout_s=60.0, reason="cancelled")
-                    steps = result.steps
-                except Exception:  # noqa: BLE001 - cancelled anyway
-                    steps = row.steps_done
-                self.db.set_job_state(jid, "cancelled", event="cancelled", finished_s=time.time(), steps_done=steps,
-                                      acc_type=None, workers=0, slots=[])
-                self._left(jid)
+                self._begin_stop(jid, "cancel", "cancelled")  # recorded cancelled once it has stopped
+                cancelled = True
                 continue
+            self._note_start(jid, run)
             try:
                 st = run.handle.status()
             except Exception:  # noqa: BLE001 - between states; next tick
                 continue
+            if run.clock is not None:
+                times = st.get("step_times")
+                run.clock.observe(now, st.get("step") if isinstance(st.get("step"), int) else None,
+                                  times if isinstance(times, list) else None)
+                hung = self.hang.verdict(run.clock, now)
+                if hung is not None:
+                    self._fail(jid, f"hung: {hung}; its processes were killed")
+                    continue
             step = int(st.get("step") or 0)
             members = [w for w in st.get("workers", []) if w.get("rank") is not None]
             if run.slowdown > 1.0:
@@ -499,6 +695,8 @@ class Service:
                     fields["eta_s"] = eta_s(view, self.slots, self._prior)
                 self.db.update_job(jid, **fields)
                 run.last_step, run.last_write_s = step, now
+        if cancelled:  # a quick stop is recorded at once (within a poll interval: the loop sleeps that anyway)
+            self._settle_stops(wait_s=self.poll_s)
 
     def _end_round(self, held_s: float) -> None:
         for jid, run in self.running.items():
@@ -544,8 +742,52 @@ class Service:
         if self.round_id is not None:
             self.db.end_allocation(self.round_id, jid, time.time())
 
+    def _out_of_space(self, row: JobRow, error: str) -> None:
+        """The job ended because its files could not be written (its driver says: out of space).
+        Not the job's fault and not final: it is queued to resume from its newest complete state."""
+        free = _free_bytes(row.run_dir)
+        line = (f"job {row.id} stopped: it cannot write {row.run_dir} ({free / 2**20:.0f} MiB free there): {error}; "
+                f"it resumes from its newest state when placed again (free space there first)")
+        self.db.set_job_state(row.id, "queued", event="preempt", acc_type=None, workers=0, slots=[],
+                              info={"reason": line})
+        log.error("%s", line)
+        self._left(row.id)
+
+    def pause_for_space(self, exc: BaseException) -> None:
+        """The service cannot write its database (the file system is full): say so in one line,
+        then wait until ``SERVICE_FREE_BYTES`` are free and a write succeeds. The jobs run on in
+        their own processes meanwhile (what they report is recorded afterwards); nothing is
+        recorded in between, nothing is marked failed, nothing already written is lost."""
+        path = self.db.path
+        free = _free_bytes(self.dir)
+        self.paused = (f"cluster service paused: it cannot write {path} ({' '.join(str(exc).split())}); "
+                       f"{free / 2**20:.1f} MiB free there, it needs {SERVICE_FREE_BYTES / 2**20:.0f} MiB: free space "
+                       f"on that file system and it goes on by itself")
+        log.error("%s", self.paused)
+        while not self._stop:
+            time.sleep(max(self.poll_s, 0.5))
+            try:
+                if self.db.get_meta("stop_requested", False):
+                    break
+                if _free_bytes(self.dir) < SERVICE_FREE_BYTES:
+                    continue
+                self._heartbeat(state="running")  # a write: the proof that it can go on
+            except sqlite3.OperationalError as again:
+                if not disk_full(again):
+                    raise
+                continue
+            break
+        log.warning("cluster service: %s", "stopping while paused" if self.stopping() else
+                    f"resumed ({_free_bytes(self.dir) / 2**20:.0f} MiB free in {self.dir})")
+        self.paused = None
+        if self.round_id is not None and not self.stopping():
+            self.db.end_round(self.round_id, time.time())  # the round cut short by the pause
+            self.round_id = None
+
     def _view(self, row: JobRow) -> JobView:
         run = self.running.get(row.id)
+        if run is None and row.id in self.stops:
+            run = self.stops[row.id].run  # it holds its slots until it has stopped
         return JobView(job_id=row.id, steps=row.steps, steps_done=row.steps_done, elastic=row.elastic,
                        min_workers=row.min_workers, max_workers=row.max_workers, priority=row.priority,
                        arrival_s=row.submitted_s - self.epoch_s, slowdowns=self.slowdowns_of(row),
@@ -555,19 +797,32 @@ class Service:
 
     def _heartbeat(self, state: str) -> None:
         self.db.set_meta("service", {"pid": os.getpid(), "heartbeat_s": time.time(), "state": state,
-                                     "round": self.round_id, "running": sorted(self.running)})
+                                     "round": self.round_id, "running": sorted(self.running),
+                                     "stopping": sorted(self.stops)})
 
     def shutdown(self) -> None:
-        """Stop every running job with its state written and queue it (``cluster stop``)."""
-        outcomes = self._stop_all({jid: "cluster service stopped" for jid in self.running})
-        for jid, (result, error) in outcomes.items():
-            row = self.db.job(jid)
-            if row is not None:
-                self._stopped(row, result, error)
-        if self.round_id is not None:
-            self.db.end_round(self.round_id, time.time())
-        self._heartbeat(state="stopped")
-        self.db.event("service_stop", pid=os.getpid())
+        """Stop every running job with its state written and queue it (``cluster stop``), waiting
+        for every stop (each at most its job's hang limit). A job whose stop failed is queued, never
+        marked failed: the service stopped it. When the database cannot be written (disk full),
+        what could not be recorded stays as it was: the next start recovers it from the run
+        directories."""
+        for jid in list(self.running):
+            self._begin_stop(jid, "shutdown", "cluster service stopped")
+        for st in list(self.stops.values()):
+            if st.thread is not None:
+                st.thread.join()
+        try:
+            self._settle_stops()
+            if self.round_id is not None:
+                self.db.end_round(self.round_id, time.time())
+            self._heartbeat(state="stopped")
+            self.db.event("service_stop", pid=os.getpid())
+        except sqlite3.OperationalError as exc:
+            if not disk_full(exc):
+                raise
+            log.error("cluster service stopped without recording it: it cannot write %s (%s; %.1f MiB free); "
+                      "the next cluster start recovers every job from its run directory", self.db.path,
+                      " ".join(str(exc).split()), _free_bytes(self.dir) / 2**20)
 
 
 def init_cluster(cluster_dir: str, *, slots: dict[str, int], policy: str, round_s: float,
@@ -699,31 +954,69 @@ def _final_step(run_dir: str) -> int | None:
         return None
 
 
-def _wait_orphans(run_dir: str, timeout_s: float = 5.0) -> None:
-    """Wait for the workers of a job whose coordinator (the killed service) is gone to exit (a
-    member notices the lost store at its next step); SIGKILL the ones still there after
-    ``timeout_s`` (a worker still starting may wait much longer), so two runs never write one run
-    directory. Only processes whose command line is a virtualflow worker are signalled."""
+def _job_pids(run_dir: str) -> dict[int, float | None]:
+    """The processes of the job in ``run_dir`` that a dead service may have left: those its
+    ``status.json`` lists (its driver, which hosts the coordinator, and its workers), each with
+    the time that file was written (a process listed there had started by then), and any other
+    process carrying the job's marker (no time: the marker alone identifies it)."""
     status = _read_json(os.path.join(run_dir, "status.json")) or {}
-    pids = [w.get("pid") for w in status.get("workers", []) if isinstance(w, dict)]
-    pids = [p for p in pids if isinstance(p, int) and p > 1 and p != os.getpid()]
+    written = status.get("updated")
+    written = float(written) if isinstance(written, (int, float)) and not isinstance(written, bool) else None
+    listed = [w.get("pid") for w in status.get("workers", []) if isinstance(w, dict)]
+    coordinator = status.get("coordinator")
+    if isinstance(coordinator, dict):
+        listed.append(coordinator.get("pid"))
+    out: dict[int, float | None] = {p: written for p in listed
+                                    if isinstance(p, int) and not isinstance(p, bool) and p > 1 and written is not None}
+    for p in job_processes(run_dir):
+        out.setdefault(p, None)
+    return out
+
+
+def _wait_orphans(run_dirs: list[str], timeout_s: float = 20.0) -> None:
+    """Wait for what is left of the jobs in ``run_dirs`` after the service died: their drivers see
+    the service's pipe close and stop their jobs at the next step boundary with the state
+    written; SIGKILL those still there after ``timeout_s`` (a worker still starting may wait much
+    longer), so two runs never write one run directory. A process is waited for or signalled only
+    while it is verifiably the job's (:func:`virtualflow.service.launcher.is_job_process`: the
+    job's marker in its environment and, for a PID from ``status.json``, a start no later than
+    that file was written): a PID reused by another process is left alone, whatever its name."""
+    candidates = {(d, p): t for d in run_dirs for p, t in _job_pids(d).items()}
+
+    def ours() -> list[tuple[str, int]]:
+        return [(d, p) for (d, p), t in candidates.items() if is_job_process(p, d, not_after_s=t)]
+
     deadline = time.monotonic() + timeout_s
-    from virtualflow.rundir import pid_alive
-
-    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+    while ours() and time.monotonic() < deadline:
         time.sleep(0.1)
-    for p in pids:
-        if pid_alive(p) and _is_worker(p):
-            log.warning("worker pid %d of %s outlived its coordinator; killing it", p, run_dir)
-            try:
-                os.kill(p, signal.SIGKILL)
-            except OSError:
-                pass
+    for d, p in ours():
+        log.warning("process %d of the job in %s outlived the service that ran it; killing it", p, d)
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
 
 
-def _is_worker(pid: int) -> bool:
+def _wait_quietly(handle: Any, timeout_s: float) -> None:
+    """Wait for a killed job's handle to end, whatever it reports."""
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"virtualflow" in f.read()
+        handle.wait(timeout_s)
+    except Exception:  # noqa: BLE001 - killed: its outcome is known
+        pass
+
+
+def _one_line(error: BaseException | str) -> str:
+    """An error as one line: a job's own failure (``TrainingError``, the driver's report) or a
+    stop's time-out by its message, anything else with its type."""
+    text = str(error) if isinstance(error, (str, RuntimeError, TimeoutError)) else f"{type(error).__name__}: {error}"
+    return " ".join(text.split())
+
+
+def _free_bytes(path: str) -> float:
+    """Free bytes on the file system of ``path`` (or of its nearest existing parent)."""
+    while path and not os.path.exists(path):
+        path = os.path.dirname(path)
+    try:
+        return float(shutil.disk_usage(path or "/").free)
     except OSError:
-        return False
+        return float("nan")
