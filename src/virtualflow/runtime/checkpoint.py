@@ -18,15 +18,31 @@ Invariants:
   renames left a good file that read as corrupt). A truncated file fails to load; a flipped
   bit fails the checksum. Files written before this format (a ``.sha256`` sidecar over the
   file's bytes) are still verified by their sidecar.
+* **A state file is read only as a regular file.** It is opened with ``O_NOFOLLOW`` (and checked
+  to be a regular file): a symbolic link named ``final.pt`` (or any state file, or its sidecar)
+  is refused with :class:`UntrustedStateError`, so a link planted in a run directory cannot
+  redirect a resume or a result to another file. (Writing never follows one either: the atomic
+  rename replaces a link, not its target.)
+* **An interrupted write leaves nothing behind for long.** :func:`atomic_write` writes to a
+  hidden ``.<name>.tmp-<pid>-<8 hex>`` beside the file; a writer killed before its rename leaves
+  that file. Every :func:`save_state` first removes, in its folder, the state temporaries whose
+  writer is gone (:func:`remove_stale_temps`): a process id that is not alive on this host, or a
+  file untouched for :data:`STALE_TEMP_S` (a writer on another host of a shared run directory).
+  A run's state files are written one at a time (by its rank 0, at step boundaries), so a live
+  writer's temporary is never taken for a stale one.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
+import logging
 import os
 import pickle
 import re
+import stat
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,8 +50,14 @@ import torch
 
 from virtualflow.rundir import atomic_write
 
+logger = logging.getLogger(__name__)
+
 CHECKSUM_KEY = "checksum"
 _SCHEME = "virtualflow-state-content-v1"
+STALE_TEMP_S = 600.0
+"""A state temporary untouched this long is stale whoever wrote it (a live writer keeps writing)."""
+_TEMP = re.compile(r"\.(?P<target>[^/]+\.pt)\.tmp-(?P<pid>\d{1,10})-[0-9a-f]{8}")
+"""The temporary of a state file as :func:`virtualflow.rundir.atomic_write` names it."""
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -50,18 +72,97 @@ def save_state(path: str, state: dict[str, Any]) -> str:
     """Write ``state`` to ``path`` atomically with its content checksum inside; returns the checksum."""
     digest = content_digest(state)
     body = {**state, CHECKSUM_KEY: {"sha256": digest, "scheme": _SCHEME}}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    remove_stale_temps(folder)
     atomic_write(path, lambda f: torch.save(body, f))
     return digest
 
 
+def remove_stale_temps(folder: str) -> list[str]:
+    """Remove the temporaries of state writes in ``folder`` whose writer is gone (see the module
+    docstring); returns their names. Anything else, a temporary of a live writer included, is
+    left alone."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    removed = []
+    now = time.time()
+    for name in names:
+        found = _TEMP.fullmatch(name)
+        if found is None:
+            continue
+        full = os.path.join(folder, name)
+        try:
+            st = os.lstat(full)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue  # not something atomic_write made
+        if _writer_alive(int(found.group("pid"))) and now - st.st_mtime < STALE_TEMP_S:
+            continue
+        try:
+            os.unlink(full)
+        except OSError:
+            continue
+        removed.append(name)
+        logger.info("removed %s, left by an interrupted write of %s", full, found.group("target"))
+    return removed
+
+
+def _writer_alive(pid: int) -> bool:
+    """Whether process ``pid`` lives on this host (a zombie, killed and not yet reaped, does not)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid > 0  # another user's process, or a number no process can have
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _read_regular(path: str) -> bytes:
+    """The bytes of the regular file ``path``; a symbolic link or any other kind of file is refused
+    (:class:`UntrustedStateError`), a file that cannot be read is a :class:`CorruptCheckpointError`."""
+    if os.path.islink(path):
+        raise _link_refused(path)
+    try:
+        # O_NOFOLLOW closes the race with the check above; O_NONBLOCK: a FIFO must not block the open.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _link_refused(path) from None
+        raise CorruptCheckpointError(f"cannot read state file {path}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise UntrustedStateError(f"refusing to read {path}: it is not a regular file (state files are written "
+                                      f"as regular files); pass the path of a state file to resume")
+        return f.read()
+
+
+def _link_refused(path: str) -> UntrustedStateError:
+    try:
+        target = f" (to {os.readlink(path)!r})"
+    except OSError:
+        target = ""
+    return UntrustedStateError(
+        f"refusing to read {path}: it is a symbolic link{target}, and state files are read only as regular files "
+        f"(a link planted in a run directory must not redirect a resume or a result); copy the state file itself "
+        f"there, or pass its real path to resume"
+    )
+
+
 def load_state(path: str) -> dict[str, Any]:
     """Read and verify a state file (plain data only); the returned dict has no ``checksum``."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        raise CorruptCheckpointError(f"cannot read state file {path}: {exc.strerror or exc}") from None
+    data = _read_regular(path)
     if not data:
         raise CorruptCheckpointError(f"state file {path} is empty (truncated)")
     state = _load_data(path, data)
@@ -75,9 +176,8 @@ def load_state(path: str) -> dict[str, Any]:
         if actual != expected:
             raise CorruptCheckpointError(f"state file {path} is corrupt: the checksum of its contents {actual[:12]}… "
                                          f"does not match the recorded {str(expected)[:12]}…")
-    elif os.path.exists(path + ".sha256"):  # written before the checksum moved inside the file
-        with open(path + ".sha256") as f:
-            expected = f.read().strip()
+    elif os.path.lexists(path + ".sha256"):  # written before the checksum moved inside the file
+        expected = _read_regular(path + ".sha256").decode("ascii", "replace").strip()
         actual = hashlib.sha256(data).hexdigest()
         if actual != expected:
             raise CorruptCheckpointError(f"state file {path} is corrupt or truncated: sha256 {actual[:12]}… does not "
