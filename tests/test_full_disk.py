@@ -56,7 +56,7 @@ def test_atomic_write_names_the_file_and_keeps_the_old_one(tmp_path, monkeypatch
         assert isinstance(err, OSError) and err.errno == errno.ENOSPC and err.filename == path
         assert err.needed_bytes == needed
         need = f"; it needs about {format_bytes(needed)}" if needed else ""
-        assert str(err) == f"no space left on the device writing {path} ({format_bytes(free_bytes(path))} free there{need})"
+        assert str(err) == f"No space left on device writing {path} ({format_bytes(free_bytes(path))} free there{need})"
         with open(path, "rb") as f:
             assert f.read() == b"old"  # the last complete version stays
         assert os.listdir(tmp_path) == ["status.json"]  # no temporary file left behind
@@ -72,7 +72,7 @@ def test_full_disk_at_launch_reports_enospc_not_the_clean_up(tmp_path, monkeypat
     with pytest.raises(DiskFullError) as info:
         api._claim_run_dir(run_dir)  # created here, then its lock cannot be written
     assert info.value.filename == os.path.join(run_dir, rundir.LOCK_FILE)
-    assert str(info.value).startswith(f"no space left on the device writing {run_dir}/coordinator.lock (")
+    assert str(info.value).startswith(f"No space left on device writing {run_dir}/coordinator.lock (")
     assert not os.path.exists(run_dir)  # the directory it created is gone again
     # An existing directory keeps everything but the lock file it could not write.
     os.mkdir(run_dir, 0o700)
@@ -92,7 +92,7 @@ def test_worker_reports_a_full_disk_in_one_line_with_the_space_needed(tmp_path):
         reports = []
         report_failure(reports.append, 0, exc, None)
     (r,) = reports
-    assert r["error"] == f"DiskFullError: no space left on the device writing {target} (1.0 KiB free there)"
+    assert r["error"] == f"DiskFullError: No space left on device writing {target} (1.0 KiB free there)"
     assert r["step"] is None and r["phase"] == "setting up"
     assert "torch's own error while handling it" in r["traceback"]  # the log keeps the whole chain
 
@@ -117,7 +117,7 @@ def test_records_that_no_longer_fit_stop_the_run_cleanly(run_dir, monkeypatch):
         handle.wait(timeout_s=120)
     err = info.value
     assert err.disk_full and "\n" not in str(err)
-    assert str(err).startswith(f"the run's records cannot be written: no space left on the device writing in {run_dir} (")
+    assert str(err).startswith(f"the run's records cannot be written: No space left on device writing in {run_dir} (")
     assert str(err).endswith(f"the states already written are kept: free space there (or move the run directory), "
                              f"then continue with --resume {run_dir}")
     assert handle.done and time.monotonic() - t0 < 60
@@ -160,7 +160,7 @@ def test_checkpoints_filling_a_real_small_filesystem(tmp_path):
         err = info.value
         msg = str(err)
         assert err.disk_full and err.worker_traceback is None and "\n" not in msg
-        assert f"failed: no space left on the device writing {run_dir}/checkpoints/step-0000000{err.step}.pt (" in msg
+        assert f"failed: No space left on device writing {run_dir}/checkpoints/step-0000000{err.step}.pt (" in msg
         assert " free there; it needs about 25" in msg and f"continue with --resume {run_dir} (at step {err.step}" in msg
         kept = sorted(os.listdir(os.path.join(run_dir, "checkpoints")))
         assert kept == [f"step-{s:08d}.pt" for s in range(err.step - 2, err.step)]

@@ -24,7 +24,7 @@ import virtualflow as vf
 from virtualflow.backends.local import check_local_device
 from virtualflow.job import JobImportError, importing_job_file, resolve_spec
 from virtualflow.plan.data import DataPlan
-from virtualflow.preflight import JobCodeError, _call, preflight
+from virtualflow.preflight import JobCodeError, _call, build_job, preflight
 from virtualflow.result import TrainingError, WorkerTraceback, job_frame, job_traceback
 from virtualflow.supervisor import ProgressRate
 
@@ -196,6 +196,16 @@ def test_model_or_optimizer_instance_is_refused_naming_the_factory():
                                         r"Linear instance; pass the function that builds it \(e.g. model=lambda: "):
         vf.Job(model=nn.Linear(6, 1), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), dataset=_data,
                loss=lambda m, b: m(b[0]).mean(), global_batch_size=8, virtual_nodes=2)
+
+
+    def instance_job():
+        return vf.Job(model=nn.Linear(6, 1), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), dataset=_data,
+                      loss=lambda m, b: m(b[0]).mean(), global_batch_size=8, virtual_nodes=2)
+
+    # Through the launcher's preflight: the line of the job function, not the dataclass's __init__.
+    with pytest.raises(JobCodeError, match=rf"got a Linear instance; .*; raised at {re.escape(__file__)}, line \d+, "
+                                           rf"in instance_job \(return vf.Job\(model=nn.Linear\(6, 1\), "):
+        build_job(instance_job, "")
     model = nn.Linear(6, 1)
     with pytest.raises(TypeError, match=r"Job.optimizer must be a factory taking the model's parameters, got a SGD "
                                         r"instance; pass e.g. optimizer=lambda params: torch.optim.SGD\(params"):

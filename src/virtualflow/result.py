@@ -57,7 +57,10 @@ _STDLIB_DIRS = tuple({os.path.abspath(p) + os.sep for key in ("stdlib", "platstd
 
 def is_internal_frame(filename: str) -> bool:
     """Whether a frame of ``filename`` is not the job's own code: virtualflow's, Python's standard
-    library (threads, executors) or an installed library's (torch, Ray)."""
+    library (threads, executors), an installed library's (torch, Ray) or generated code
+    (``<string>``: a dataclass's ``__init__``)."""
+    if filename == "<string>":
+        return True
     path = os.path.abspath(filename)
     return (path.startswith(_PACKAGE_DIR) or path.startswith(_STDLIB_DIRS)
             or f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path)

@@ -73,9 +73,8 @@ class DiskFullError(OSError):
     def __str__(self) -> str:
         free = "unknown space" if self.free_bytes is None else format_bytes(self.free_bytes)
         need = f"; it needs about {format_bytes(self.needed_bytes)}" if self.needed_bytes else ""
-        what = "over the disk quota" if self.errno == errno.EDQUOT else "no space left on the device"
         where = "in " if os.path.isdir(self.path) else ""  # a file of that directory, not known which
-        return f"{what} writing {where}{self.path} ({free} free there{need})"
+        return f"{self.strerror} writing {where}{self.path} ({free} free there{need})"
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (DiskFullError, (self.path, self.free_bytes, self.needed_bytes, self.errno))
