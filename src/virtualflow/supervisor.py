@@ -203,14 +203,24 @@ class Supervisor:
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         s, job = self.setup, self.job
-        self.coordinator.event(
-            "start", job=job.name, global_batch_size=job.global_batch_size, virtual_nodes=job.virtual_nodes,
-            seed=job.seed, workers=s.options.start_workers, total_steps=s.total_steps,
-            deterministic=s.options.deterministic, reduction=s.options.reduction, backend=self.backend.name,
-            threads_per_worker=s.threads,
-            min_workers=s.options.min_workers, resume_path=s.resume_path, resume_step=s.resume_step,
-            autoscale=self.autoscale_info(),
-        )
+        # The first records are written before any worker starts: a run directory that cannot
+        # take them (a full disk) fails here, in one line, with no worker left behind.
+        try:
+            self.coordinator.event(
+                "start", job=job.name, global_batch_size=job.global_batch_size, virtual_nodes=job.virtual_nodes,
+                seed=job.seed, workers=s.options.start_workers, total_steps=s.total_steps,
+                deterministic=s.options.deterministic, reduction=s.options.reduction, backend=self.backend.name,
+                threads_per_worker=s.threads,
+                min_workers=s.options.min_workers, resume_path=s.resume_path, resume_step=s.resume_step,
+                autoscale=self.autoscale_info(),
+            )
+            self.write_status(force=True)
+        except OSError as exc:
+            self._best_effort("closing the records", self.coordinator.close)
+            full = disk_full_error(exc, getattr(exc, "filename", None) or s.state_dir)
+            if full is not None:
+                raise full from exc
+            raise
         self.controller.start()
         if s.options.progress:
             from tqdm.auto import tqdm
@@ -219,7 +229,6 @@ class Supervisor:
             self.bar = tqdm(total=s.total_steps, initial=s.resume_step, desc=job.name, unit="step", dynamic_ncols=True,
                             bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
             self.bar.set_postfix_str("starting the workers")
-        self.write_status(force=True)
         self.thread = threading.Thread(target=self._monitor, name="virtualflow-monitor", daemon=True)
         self.thread.start()
 
@@ -299,8 +308,9 @@ class Supervisor:
             self.finished.set()
 
     def _best_effort(self, what: str, fn: Any) -> bool:
-        """Run ``fn``; an exception is logged (once per ``what``), not raised. For the parts of a
-        run's ending, each of which must run whatever the others did."""
+        """Run ``fn``; an exception is logged (a warning; at debug level for one more write that a
+        full disk, already reported, refused), not raised; returns whether ``fn`` succeeded. For
+        the parts of a run's ending, each of which must run whatever the others did."""
         try:
             fn()
             return True
