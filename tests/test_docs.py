@@ -41,7 +41,7 @@ FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 MARK = re.compile(r"<!--\s*fragment:\s*(.*?)\s*-->", re.S)
 # A page whose blocks start processes (workers, graph servers) runs in the subprocess.
 STARTS_PROCESSES = re.compile(r"\bvf\.(train|launch)\(|\btrain_dorylus\(")
-SUBPROCESS_TIMEOUT_S = 240
+SUBPROCESS_TIMEOUT_S = 420  # about 50 s on two quiet cores; a bound for a hang, not a speed check
 
 
 @dataclass(frozen=True)
@@ -119,10 +119,12 @@ def test_snippets_that_start_workers_run(tmp_path):
     fresh interpreter started in the checkout, as ``python page.py`` would run them."""
     scripts = [str(write_script(p, tmp_path)) for p in pages_with_code(processes=True)]
     assert len(scripts) >= 4, scripts  # README, training, pipeline, elasticity, coconet, gnn
-    runner = ("import runpy, sys\n"
+    runner = ("import runpy, sys, time\n"
               "for path in sys.argv[1:]:\n"
+              "    start = time.monotonic()\n"
               "    print('running', path, flush=True)\n"
-              "    runpy.run_path(path, run_name='__main__')\n")
+              "    runpy.run_path(path, run_name='__main__')\n"
+              "    print(f'{path}: {time.monotonic() - start:.1f} s', flush=True)\n")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
     proc = subprocess.run([sys.executable, "-c", runner, *scripts], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=SUBPROCESS_TIMEOUT_S)
