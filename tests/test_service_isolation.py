@@ -266,6 +266,31 @@ def test_shutdown_never_marks_a_job_failed_and_survives_a_full_disk(tmp_path, mo
     assert any("cluster service stopped without recording it" in r.getMessage() for r in caplog.records)
 
 
+def test_a_job_out_of_space_is_queued_not_failed_and_waits_for_room(tmp_path, monkeypatch):
+    from virtualflow.service.launcher import JobProcessError
+
+    class OutOfSpace(FakeHandle):
+        disk_full = False
+
+        def wait(self, timeout_s=None):
+            raise JobProcessError("worker 0 failed: OSError: [Errno 28] No space left on device: 'final.pt'")
+
+    free = {"bytes": 5.0 * 2**20}
+    monkeypatch.setattr(runner, "_free_bytes", lambda path: free["bytes"])
+    s = make_service(tmp_path, {"/x/full.py:make": OutOfSpace})
+    a, b = add(s, target="/x/full.py:make"), add(s)
+    decide(s, Action("start", a, "v100", 1, ("v100-0",)), Action("start", b, "v100", 1, ("v100-1",)))
+    h = s.running[a].handle
+    h.step, h.done, h.disk_full = 4, True, True
+    s._tick()
+    row = s.db.job(a)
+    reason = s.db.events(job_id=a, kind="preempt")[-1]["data"]["reason"]
+    assert row.state == "queued" and row.error is None and row.run_dir in reason and "5 MiB free" in reason
+    assert [r.id for r in s._active_rows()] == [b]  # not placed again while there is no room
+    free["bytes"] = 100.0 * 2**20
+    assert [r.id for r in s._active_rows()] == [a, b]
+
+
 # -- a restart kills only what is verifiably a job's ------------------------------------------------
 def fake_proc(root, pid: int, *, env: dict[str, str], start_ticks: int, btime: int = 1_000_000) -> None:
     os.makedirs(root / str(pid), exist_ok=True)

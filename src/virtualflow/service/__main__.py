@@ -6,9 +6,10 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sqlite3
 import sys
 
-from virtualflow.service.runner import Service
+from virtualflow.service.runner import SERVICE_FREE_BYTES, Service, disk_full
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,10 +20,21 @@ def main(argv: list[str] | None = None) -> int:
     cluster_dir = args[0]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         filename=os.path.join(cluster_dir, "service.log"))
-    service = Service(cluster_dir)
-    signal.signal(signal.SIGTERM, service.request_stop)
-    signal.signal(signal.SIGINT, service.request_stop)
-    service.run()
+    try:
+        service = Service(cluster_dir)
+        signal.signal(signal.SIGTERM, service.request_stop)
+        signal.signal(signal.SIGINT, service.request_stop)
+        service.run()
+    except (OSError, sqlite3.OperationalError) as exc:
+        if not disk_full(exc):
+            raise
+        # Out of space before the service could pause (its lock file, its first write): one line,
+        # nothing recorded; the next start recovers every job from its run directory.
+        line = (f"cluster service in {cluster_dir} cannot start: {' '.join(str(exc).split())}; free at least "
+                f"{SERVICE_FREE_BYTES // 2**20} MiB on that file system and start it again")
+        logging.getLogger("virtualflow.service").error("%s", line)
+        print(line, file=sys.stderr)
+        return 1
     return 0
 
 

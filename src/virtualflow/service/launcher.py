@@ -283,13 +283,20 @@ class ChildJob:
 
     @property
     def done(self) -> bool:
+        if self._reader.is_alive() and self.proc.poll() is not None:
+            # Exited: what it wrote is in the pipe. A process it forked may hold the pipe open
+            # (no end of file): give the reader a moment, then take what it has read as all.
+            self._reader.join(0.5)
+            if self._reader.is_alive():
+                self._timer.cancel()
+                return True
         return not self._reader.is_alive()
 
     def wait(self, timeout_s: float | None = None) -> ChildResult:
         """The result, once the driver has exited; raises :class:`JobProcessError` when the job
         ended without one (the message says why), ``TimeoutError`` while it runs."""
         self._reader.join(timeout_s)
-        if self._reader.is_alive():
+        if self._reader.is_alive() and not self.done:
             raise TimeoutError(f"job {self.target} is still running after {timeout_s} s")
         if self._result is not None:
             return self._result
@@ -399,6 +406,7 @@ def driver_main(cmd_fd: int, msg_fd: int) -> int:
         send({"kind": "error", "error": f"malformed launch request from the service: {exc}"})
         return 2
     inbox: queue.Queue[dict[str, Any]] = queue.Queue()
+    started = threading.Event()
 
     def read_commands() -> None:
         for line in iter(lambda: cmds.readline(MAX_LINE), b""):
@@ -408,6 +416,8 @@ def driver_main(cmd_fd: int, msg_fd: int) -> int:
                 continue
             if isinstance(cmd, dict) and cmd.get("op") in OPS:
                 inbox.put(cmd)
+        if not started.is_set():  # the service died while the job was being built: nothing to keep
+            os._exit(3)  # (workers started meanwhile exit with their launcher)
         inbox.put({"op": "gone"})
 
     threading.Thread(target=read_commands, name="service-commands", daemon=True).start()
@@ -436,6 +446,7 @@ def driver_main(cmd_fd: int, msg_fd: int) -> int:
                             for w in st.get("workers", []) if isinstance(w, dict)]}
         return last_status
 
+    started.set()
     send({"kind": "started", "status": status()})
     last, sent_s = None, 0.0
     stopping: threading.Thread | None = None

@@ -220,6 +220,9 @@ class Service:
         """Starts waiting for slots that jobs being stopped still hold."""
         self.paused: str | None = None
         """Why the service is paused (it cannot write its database), or None."""
+        self._no_space: dict[int, float] = {}
+        """Jobs that ended for lack of space -> the free bytes at their run directory then: they
+        are not placed again before ``SERVICE_FREE_BYTES`` more are free there."""
         self.mechanism = mechanism_of(cfg.get("mechanism"), self.round_s)
         self.scheduler = Scheduler(self.slots, get_policy(self.policy_name), round_s=self.round_s,
                                    mechanism=self.mechanism)
@@ -279,14 +282,23 @@ class Service:
         lock = ServiceLock(self.dir)
         dashboard = None
         try:
-            self.db.set_meta("stop_requested", False)
-            if self.db.get_meta("epoch_s") is None:
-                self.db.set_meta("epoch_s", time.time())
-            self.epoch_s = float(self.db.get_meta("epoch_s"))
-            self._heartbeat(state="recovering")
-            if self.backend == "ray":
-                check_ray_cluster(self.address, self.slots, self.cpus_per_worker)
-            self.recover()
+            while True:  # a full disk at start-up pauses like one later (recovery only writes the database)
+                try:
+                    self.db.set_meta("stop_requested", False)
+                    if self.db.get_meta("epoch_s") is None:
+                        self.db.set_meta("epoch_s", time.time())
+                    self.epoch_s = float(self.db.get_meta("epoch_s"))
+                    self._heartbeat(state="recovering")
+                    if self.backend == "ray":
+                        check_ray_cluster(self.address, self.slots, self.cpus_per_worker)
+                    self.recover()
+                    break
+                except sqlite3.OperationalError as exc:
+                    if not disk_full(exc):
+                        raise
+                    self.pause_for_space(exc)
+                    if self.stopping():
+                        return
             dashboard = self._start_dashboard()
             self._heartbeat(state="running")
             self.db.event("service_start", pid=os.getpid(), policy=self.policy_name, slots=self.slots,
@@ -332,7 +344,13 @@ class Service:
         return server
 
     def _active_rows(self) -> list[JobRow]:
-        return [r for r in self.db.jobs(("queued", "running")) if not r.cancel_requested]
+        rows = [r for r in self.db.jobs(("queued", "running")) if not r.cancel_requested]
+        for r in rows:
+            if r.id in self._no_space and (r.state != "queued"
+                                           or _free_bytes(r.run_dir) >= self._no_space[r.id] + SERVICE_FREE_BYTES):
+                del self._no_space[r.id]
+                log.info("job %d may run again: %.0f MiB free at %s", r.id, _free_bytes(r.run_dir) / 2**20, r.run_dir)
+        return [r for r in rows if r.id not in self._no_space]
 
     def play_round(self) -> None:
         """One round: decide, record, enact, run for ``round_s`` while polling, measure."""
@@ -453,6 +471,10 @@ class Service:
             try:
                 self._start(row, a, restart=a.kind == "restart")
             except (ValueError, TypeError, RuntimeError, OSError) as exc:
+                if disk_full(exc):  # the service could not write for it: not the job's fault
+                    self.running.pop(row.id, None)
+                    self._out_of_space(row, _one_line(exc))
+                    continue
                 # A launch that could not even begin (no run directory, ...): this job fails alone.
                 self._fail(row.id, f"{a.kind} failed: {type(exc).__name__}: {' '.join(str(exc).split())}")
         self.pending = waiting
@@ -566,6 +588,10 @@ class Service:
             if row is None:
                 continue
             result, error = st.outcome or (None, None)
+            if error is not None and st.kind in ("preempt", "restart") and (
+                    getattr(st.run.handle, "disk_full", False) or disk_full(error)):
+                self._out_of_space(row, _one_line(error))
+                continue
             goes_on = self._stopped(row, result, error, st.kind)
             if st.then is not None and goes_on:
                 self.pending.append(st.then)
@@ -747,10 +773,12 @@ class Service:
         Not the job's fault and not final: it is queued to resume from its newest complete state."""
         free = _free_bytes(row.run_dir)
         line = (f"job {row.id} stopped: it cannot write {row.run_dir} ({free / 2**20:.0f} MiB free there): {error}; "
-                f"it resumes from its newest state when placed again (free space there first)")
+                f"it is placed again, from its newest complete state, once {SERVICE_FREE_BYTES / 2**20:.0f} MiB more "
+                f"are free there")
         self.db.set_job_state(row.id, "queued", event="preempt", acc_type=None, workers=0, slots=[],
                               info={"reason": line})
         log.error("%s", line)
+        self._no_space[row.id] = free
         self._left(row.id)
 
     def pause_for_space(self, exc: BaseException) -> None:
