@@ -100,6 +100,8 @@ def test_a_new_cluster_is_private(tmp_path):
     ("token_readable", "token is readable by group and others (mode 0644)"),
     ("db_writable", "cluster.db is writable by group and others (mode 0666)"),
     ("wal_other_user", "cluster.db-wal belongs to another user"),
+    ("logs_writable", "logs is writable by group and others (mode 0777)"),
+    ("jobs_symlink", "jobs is a symbolic link"),
 ])
 def test_cluster_start_refuses_what_another_user_could_write(hostile, message, tmp_path, monkeypatch, capsys):
     d = new_cluster(str(tmp_path / "c"))
@@ -131,6 +133,12 @@ def test_cluster_start_refuses_what_another_user_could_write(hostile, message, t
             pass
         os.chmod(os.path.join(d, "cluster.db-wal"), 0o600)
         foreign(os.path.join(d, "cluster.db-wal"), monkeypatch)
+    elif hostile == "logs_writable":
+        os.mkdir(os.path.join(d, "logs"))
+        os.chmod(os.path.join(d, "logs"), 0o777)
+    elif hostile == "jobs_symlink":
+        os.mkdir(str(tmp_path / "elsewhere"))
+        os.symlink(str(tmp_path / "elsewhere"), os.path.join(d, "jobs"))
     err = start_refusal(where, capsys)
     assert message in err, err
     fix = {"dir_world_writable": f"chmod 700 {d}", "token_readable": "chmod 600", "db_writable": "chmod 600"}

@@ -172,6 +172,8 @@ _PRIVATE_FILES = (DB_NAME, DB_NAME + "-wal", DB_NAME + "-shm", TOKEN_NAME)
 """Files nobody else may read either (the jobs' targets and history; the token)."""
 _OWN_FILES = (ID_MARK_NAME, "service.lock", "service.log", "start.lock")
 """Files nobody else may write (read access does not matter)."""
+_OWN_DIRS = (JOBS_DIR, "logs")
+"""Folders nobody else may write: the jobs' run directories, the jobs' drivers' logs."""
 
 
 def _who(mode: int, bits: tuple[tuple[str, int], ...]) -> str:
@@ -185,7 +187,7 @@ def check_cluster_dir(cluster_dir: str, *, create: bool = False) -> None:
 
     The directory: a real directory (not a symbolic link) of this user, not writable by group or
     others. In it, where they exist: the database, its WAL files, the token, the high-water mark,
-    the lock and log files and ``jobs/``: regular files (a directory) of this user that group and
+    the lock and log files, ``jobs/`` and ``logs/``: regular files (folders) of this user that group and
     others cannot write; the token also not readable by them (whoever reads it can cancel jobs).
     A database only readable by others (as ones made before this check were) is made 0600."""
     path = os.path.normpath(cluster_dir)  # "link/" would make lstat follow the link
@@ -217,13 +219,13 @@ def check_cluster_dir(cluster_dir: str, *, create: bool = False) -> None:
                          f"{stat.S_IMODE(st.st_mode):04o}); whoever can write there could queue jobs that run as you "
                          f"or plant the dashboard token: chmod 700 {path}")
     rwbits = (("group", stat.S_IRGRP | stat.S_IWGRP), ("others", stat.S_IROTH | stat.S_IWOTH))
-    for name in _PRIVATE_FILES + _OWN_FILES + (JOBS_DIR,):
+    for name in _PRIVATE_FILES + _OWN_FILES + _OWN_DIRS:
         f = os.path.join(path, name)
         try:
             fs = os.lstat(f)
         except FileNotFoundError:
             continue
-        want_dir = name == JOBS_DIR
+        want_dir = name in _OWN_DIRS
         if stat.S_ISLNK(fs.st_mode) or (stat.S_ISDIR(fs.st_mode) != want_dir) or not (
                 stat.S_ISDIR(fs.st_mode) or stat.S_ISREG(fs.st_mode)):
             kind = "a symbolic link" if stat.S_ISLNK(fs.st_mode) else \
