@@ -290,7 +290,9 @@ def test_simulate_spot_output_is_what_the_command_prints(tmp_path, monkeypatch):
         with redirect_stdout(out):
             assert main(command.split()[2:]) == 0, command
         assert len(shown) >= 5, command  # the trace line, the header and the three strategies at least
-        assert shown == out.getvalue().splitlines()[:len(shown)], command
+        assert shown == out.getvalue().splitlines()[:len(shown)], (
+            f"docs/bamboo.md shows stale output of `{command[2:]}` (new constants in bench/results?): paste "
+            f"what it prints now and check the figures quoted beside it")
 
 
 def test_run_synopsis_lists_every_flag():
