@@ -266,7 +266,7 @@ def test_flags_in_the_pages_exist():
             bad.append(f"{where}: `{cmd}`: no verb {words[0]!r}")
             continue
         known = set(parser._option_string_actions)
-        for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", cmd):
+        for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*|-[a-zA-Z](?![\w-]))", cmd):
             if flag not in known:
                 bad.append(f"{where}: `{cmd}`: {' '.join(path)} has no {flag}")
     assert not bad, "\n".join(bad)
