@@ -81,6 +81,24 @@ def test_full_disk_at_launch_reports_enospc_not_the_clean_up(tmp_path, monkeypat
     assert os.listdir(run_dir) == []
 
 
+def test_a_run_directory_that_cannot_take_the_first_records_starts_no_worker(run_dir, monkeypatch):
+    from virtualflow import supervisor
+    from virtualflow.backends.local import LocalBackend
+
+    started = []
+    monkeypatch.setattr(LocalBackend, "start_worker", lambda self, worker_id: started.append(worker_id))
+
+    def full_write_json(path, data):
+        raise _enospc()
+
+    monkeypatch.setattr(supervisor, "write_json", full_write_json)
+    with pytest.raises(DiskFullError) as info:
+        vf.launch(jobs.long_job, workers=2, steps=10, run_dir=run_dir)
+    assert str(info.value).startswith(f"No space left on device writing in {run_dir} (")
+    assert started == []
+    assert not os.path.exists(os.path.join(run_dir, rundir.LOCK_FILE))  # released: the directory can be used again
+
+
 def test_worker_reports_a_full_disk_in_one_line_with_the_space_needed(tmp_path):
     target = str(tmp_path / "checkpoints" / "step-00000003.pt")
     try:
