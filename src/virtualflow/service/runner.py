@@ -133,7 +133,7 @@ class Stopping:
 
     run: Running
     kind: str
-    """``preempt``, ``restart``, ``cancel``, ``shutdown`` (recorded when it ends) or ``call``
+    """``preempt``, ``restart``, ``cancel``, ``quarantine``, ``shutdown`` (recorded when it ends) or ``call``
     (a caller of :meth:`Service._stop_all` records it)."""
     reason: str
     then: Action | None = None
@@ -251,8 +251,10 @@ class Service:
         now = time.time()
         self.db.close_open_rounds(now)
         rows = self.db.jobs(("running",))
-        if self.backend == "local":  # on Ray, the actors' owner was the dead service's driver: Ray ends them
-            _wait_orphans([row.run_dir for row in rows])
+        # The jobs' drivers are local processes on either backend (on Ray they own the actors: Ray
+        # ends those with them); a remote worker's pid in status.json never matches a local process
+        # that carries the job's marker, so it is never signalled.
+        _wait_orphans([row.run_dir for row in rows])
         for row in rows:
             summary = _read_json(os.path.join(row.run_dir, "summary.json"))
             has_state = _has_state(row.run_dir)
@@ -614,6 +616,12 @@ class Service:
         cancelled). At shutdown a stop that failed queues the job (to resume from its newest
         state): the service stopped it, so its failure is not the job's to carry."""
         steps = result.steps if result is not None else row.steps_done
+        if kind == "quarantine":
+            self.db.set_job_state(row.id, "queued", event="preempt", acc_type=None, workers=0, slots=[],
+                                  info={"reason": f"quarantined: {row.quarantine}"},
+                                  **({"steps_done": result.steps} if result is not None else {}))
+            self._left(row.id)
+            return False
         if kind == "cancel":
             self.db.set_job_state(row.id, "cancelled", event="cancelled", finished_s=time.time(), steps_done=steps,
                                   acc_type=None, workers=0, slots=[],
@@ -653,7 +661,7 @@ class Service:
             self._deadlines_checked_s = now
             self.check_deadlines(now)
         self._settle_stops()
-        cancelled = False
+        began_stop = False
         for jid in list(self.running):
             run = self.running[jid]
             row = self.db.job(jid)
@@ -676,15 +684,12 @@ class Service:
                                           workers=0, slots=[], info={"reason": "stopped outside the service"})
                 continue
             if row.quarantine is not None:  # its row became unusable while it ran: stopped, state kept
-                result, _ = self._stop_all({jid: "quarantined"}).get(jid, (None, None))
-                self.db.set_job_state(jid, "queued", event="preempt", acc_type=None, workers=0, slots=[],
-                                      info={"reason": f"quarantined: {row.quarantine}"},
-                                      **({"steps_done": result.steps} if result is not None else {}))
-                self._left(jid)
+                self._begin_stop(jid, "quarantine", "quarantined")  # recorded once it has stopped
+                began_stop = True
                 continue
             if row.cancel_requested:
                 self._begin_stop(jid, "cancel", "cancelled")  # recorded cancelled once it has stopped
-                cancelled = True
+                began_stop = True
                 continue
             self._note_start(jid, run)
             try:
@@ -721,8 +726,8 @@ class Service:
                     fields["eta_s"] = eta_s(view, self.slots, self._prior)
                 self.db.update_job(jid, **fields)
                 run.last_step, run.last_write_s = step, now
-        if cancelled:  # a quick stop is recorded at once (within a poll interval: the loop sleeps that anyway)
-            self._settle_stops(wait_s=self.poll_s)
+        if began_stop:  # a quick stop is recorded at once (within a poll interval: the loop sleeps that anyway)
+            self._settle_stops(wait_s=max(self.poll_s, 0.05))
 
     def _end_round(self, held_s: float) -> None:
         for jid, run in self.running.items():
