@@ -303,7 +303,7 @@ def _guide_snippet(comm: Collectives) -> list[str]:
     torch.manual_seed(100 + rank)
     block = MLPBlock(hidden=1024, ffn_hidden=4096, dropout_p=0.1, seed=0)  # the reference block
     tp = TensorParallelMLP.from_module(block, comm, chunks=4)             # this rank's 1/t of it
-    x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(5))  # the same on every rank
+    x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(0))  # the same on every rank
     with torch.no_grad():
         _check(failures, "guide snippet: tp(x) vs block(x)", tp(x), block(x), False, F32_GUIDE)
     # A rank that builds another block is refused on every rank, before any wrong output.
