@@ -210,7 +210,7 @@ class Service:
         imports, builds or runs a job's code."""
         self.launch_timeout_s = float(cfg.get("launch_timeout_s", 60.0))
         """How long a job's driver may take to import, build and check the job before it fails."""
-        self.hang = HangRule(factor=float(cfg.get("hang_factor", 10.0)), floor_s=float(cfg.get("hang_floor_s", 60.0)),
+        self.hang = HangRule(factor=float(cfg.get("hang_factor", 10.0)), floor_s=float(cfg.get("hang_floor_s", 120.0)),
                              first_step_s=float(cfg.get("hang_first_step_s", 600.0)))
         self.settle_s = min(2.0, self.round_s / 4)
         """How long the enactment of a round waits for its stops before it goes on without them."""

@@ -31,8 +31,8 @@ class HangRule:
 
     factor: float = 10.0
     """A job is hung after this many of its own (median, recent) step times without a step."""
-    floor_s: float = 60.0
-    """... but never before this many seconds: evaluations, checkpoints and resizes pause steps."""
+    floor_s: float = 120.0
+    """... but never before this many seconds: evaluations, checkpoint writes and resizes pause steps."""
     first_step_s: float = 600.0
     """A job that has made no step since its launch is hung after this long."""
 
