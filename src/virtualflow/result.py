@@ -1,5 +1,7 @@
 """What a finished job returns (:class:`Result`) and how a failed one is reported
-(:class:`TrainingError`)."""
+(:class:`TrainingError`, with the failing worker's traceback as text: :class:`WorkerTraceback`),
+and how a traceback is shown from the job's own code on (:func:`job_traceback`,
+:func:`job_frame`)."""
 
 from __future__ import annotations
 
@@ -70,8 +72,8 @@ def job_traceback(exc: BaseException, internal: Callable[[str], bool] = is_inter
     """``exc``'s traceback as text, starting at the first frame of the job's code: the frames
     before it (virtualflow's and the standard library's, see :func:`is_internal_frame`) are left
     out and counted in the header; every frame after it is kept (the library calls the job's
-    code made, torch's included). Chained exceptions are shown as Python shows them. When no frame is the job's
-    (virtualflow itself failed), the whole traceback."""
+    code made, torch's included). Chained exceptions are shown as Python shows them. When no
+    frame is the job's (virtualflow itself failed), the whole traceback."""
     te = traceback.TracebackException.from_exception(exc)
     frames = list(te.stack)
     first = next((i for i, f in enumerate(frames) if not internal(f.filename)), None)
