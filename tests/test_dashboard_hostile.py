@@ -339,3 +339,66 @@ def test_connections_are_capped_far_below_the_descriptor_limit(server):
             pass
         assert time.monotonic() < deadline
         time.sleep(0.1)
+
+
+# What the service's loop does all the time (open its database, logs, pipes to workers), in a
+# process whose descriptor limit is low, while a client floods the dashboard with connections.
+SERVER_UNDER_A_LOW_LIMIT = r"""
+import errno, os, resource, sys, threading, time
+from virtualflow.service.dashboard import bind, make_server
+
+resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[2]), resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+sock = bind("127.0.0.1", 0)
+server = make_server(sys.argv[1])
+threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+while not server.started:
+    time.sleep(0.01)
+emfile, rounds = [0], [0]
+
+def scheduler():
+    while True:
+        try:
+            fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(8)]
+        except OSError as exc:
+            emfile[0] += exc.errno == errno.EMFILE
+        else:
+            for fd in fds:
+                os.close(fd)
+            rounds[0] += 1
+        time.sleep(0.001)
+
+threading.Thread(target=scheduler, daemon=True).start()
+print(sock.getsockname()[1], flush=True)
+sys.stdin.readline()
+print(emfile[0], rounds[0], flush=True)
+"""
+
+
+def test_a_connection_flood_leaves_the_schedulers_descriptors_alone(tmp_path):
+    """1000 connections at once against a server process limited to 256 descriptors (default
+    limits: 32 connections, a backlog of 64): its other thread never meets EMFILE."""
+    import subprocess
+    import sys
+
+    d = str(tmp_path / "c")
+    init_cluster(d, slots={"v100": 1}, policy="fifo", round_s=5.0).close()
+    child = subprocess.Popen([sys.executable, "-c", SERVER_UNDER_A_LOW_LIMIT, d, "256"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    socks: list[socket.socket] = []
+    try:
+        port = int(child.stdout.readline())
+        for _ in range(1000):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+            socks.append(s)
+        time.sleep(1.5)
+        child.stdin.write("done\n")
+        child.stdin.flush()
+        emfile, rounds = map(int, child.stdout.readline().split())
+    finally:
+        for s in socks:
+            s.close()
+        child.kill()
+        child.wait(10)
+    assert rounds > 0 and emfile == 0, (emfile, rounds)

@@ -305,32 +305,39 @@ def check_name(name: str) -> str:
 
 def probe_job(job: str, timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
     """Import ``job`` (``file.py[:function]`` or ``module:function``) and call its function in a
-    child Python process; returns ``{"name", "virtual_nodes", "target"}`` (``target``: the
-    absolute spec the service will import). Raises ``ValueError`` naming what went wrong.
+    child process; returns ``{"name", "virtual_nodes", "target"}`` (``target``: the absolute spec
+    the service will import). Raises ``ValueError`` naming what went wrong.
 
-    Why a child: a job file runs arbitrary code at import, and one that calls ``os._exit(0)``
-    or ``sys.exit(3)`` would end ``submit`` itself with the status it chose (``os._exit(0)``
-    looked like success with nothing queued). The child has this process's working directory
-    and import path; what it prints is dropped unless it fails."""
+    Why a child: a job file runs arbitrary code at import, and one that calls ``os._exit(0)`` or
+    ``sys.exit(3)`` would end ``submit`` itself with the status it chose (``os._exit(0)`` looked
+    like success with nothing queued). The child is forked where the platform can (this process
+    has virtualflow and torch imported already: a fresh interpreter would add seconds to every
+    submit), else spawned; it has this process's working directory and import path, and what it
+    prints goes to a file that is shown only if it dies."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
     with tempfile.TemporaryDirectory(prefix="virtualflow-submit-") as tmp:
         result, output = os.path.join(tmp, "result.json"), os.path.join(tmp, "output")
-        code = "from virtualflow.cli.cluster import _probe_child; _probe_child()"
-        with open(output, "wb") as out:
-            try:
-                proc = subprocess.run([sys.executable, "-c", code, job, result, json.dumps(sys.path)],
-                                      stdin=subprocess.DEVNULL, stdout=out, stderr=out, timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                raise ValueError(f"importing the job {job!r} and calling its function took over {timeout_s:g} s; "
-                                 f"a job function should only describe the job (build models and data in its "
-                                 f"factories)") from None
+        proc = ctx.Process(target=_probe_child, args=(job, result, output), name="virtualflow-submit-check")
+        proc.start()
+        proc.join(timeout_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            raise ValueError(f"importing the job {job!r} and calling its function took over {timeout_s:g} s; a job "
+                             f"function should only describe the job (build models and data in its factories)")
         try:
             with open(result) as f:
                 found = json.load(f)
         except (OSError, ValueError):
-            with open(output, "rb") as f:
-                tail = f.read()[-400:].decode("utf-8", "replace").strip()
-            how = (f"was killed by signal {-proc.returncode}" if proc.returncode < 0
-                   else f"exited with status {proc.returncode}")
+            try:
+                with open(output, "rb") as f:
+                    tail = f.read()[-400:].decode("utf-8", "replace").strip()
+            except OSError:
+                tail = ""
+            code = proc.exitcode if proc.exitcode is not None else 0
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
             raise ValueError(f"the job {job!r} ended the process that imported it: it {how} while the file was "
                              f"imported or its function called (os._exit? a crash?); nothing was queued"
                              + (f"; its last output: {printable(' '.join(tail.split()))}" if tail else "")) from None
@@ -339,10 +346,12 @@ def probe_job(job: str, timeout_s: float = PROBE_TIMEOUT_S) -> dict[str, Any]:
     return found
 
 
-def _probe_child() -> None:
-    """The child of :func:`probe_job`: ``argv`` = job, result path, the parent's ``sys.path`` (JSON)."""
-    job, result, path = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    sys.path[:] = [p for p in path if p] + [p for p in sys.path if p not in path]
+def _probe_child(job: str, result: str, output: str) -> None:
+    """The child of :func:`probe_job`: build the job, write what was found (or why not) to
+    ``result``, and leave without running anyone's exit handlers."""
+    fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
     try:
         from virtualflow.job import source_from
         from virtualflow.preflight import build_job
@@ -361,7 +370,7 @@ def _probe_child() -> None:
     with open(result + ".tmp", "w") as f:
         json.dump(found, f)
     os.replace(result + ".tmp", result)
-    os._exit(0)  # the job's atexit handlers are not ours to run
+    os._exit(0)  # the job's atexit handlers (and this process's inherited ones) are not ours to run
 
 
 def check_submission(cluster_dir: str, job: str, *, steps: int, workers: int | None, elastic: bool,

@@ -583,7 +583,7 @@ def make_server(cluster_dir: str, *, limits: WebLimits | None = None, refresh_s:
                             window_s=limits.error_log_window_s)
     config = uvicorn.Config(make_app(cluster_dir, limits=limits, refresh_s=refresh_s), log_level="warning",
                             lifespan="off", http=guarded_protocol(limits, errors),
-                            timeout_keep_alive=limits.keep_alive_s,
+                            timeout_keep_alive=limits.keep_alive_s, backlog=limits.backlog,
                             h11_max_incomplete_event_size=limits.max_header_bytes)
     return uvicorn.Server(config)
 

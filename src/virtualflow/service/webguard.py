@@ -6,8 +6,9 @@ when ``cluster start --dashboard-port`` is given, so whatever a client makes the
 
 - **Connections are bounded**: at most :attr:`WebLimits.max_connections` are open at once; one
   more is closed as soon as it is accepted (its descriptor is released at once; the kernel's
-  listen backlog, not this process, holds what waits to be accepted). The cap sits far below
-  the usual descriptor limit (1024), so the web server cannot starve the scheduler of descriptors.
+  listen backlog, :attr:`WebLimits.backlog`, not this process, holds what waits to be accepted,
+  and it bounds one burst of accepts). The server's descriptors peak near ``max_connections +
+  backlog`` (96), far below the usual limit (1024): it cannot starve the scheduler of descriptors.
 - **Every connection must deliver a whole request in time**: from the moment it is accepted (or
   its previous response completed), a client has :attr:`WebLimits.request_timeout_s` to send the
   request line, the headers and the body; a half-open or trickling connection is then closed.
@@ -37,6 +38,11 @@ class WebLimits:
 
     max_connections: int = 32
     """Open connections at once; one more is closed on accept."""
+    backlog: int = 64
+    """Connections waiting in the kernel to be accepted (they hold none of this process's
+    descriptors). It also bounds how many the event loop accepts in one burst, before any is
+    closed for being over ``max_connections``: the server's descriptors peak at about
+    ``max_connections + backlog`` (uvicorn's default, 2048, let one burst exhaust a 1024 limit)."""
     request_timeout_s: float = 10.0
     """Time a connection has to send a whole request (line, headers, body)."""
     keep_alive_s: int = 5
@@ -50,7 +56,7 @@ class WebLimits:
     error_log_window_s: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("max_connections", "keep_alive_s", "max_header_bytes", "max_body_bytes", "error_log_burst"):
+        for name in ("max_connections", "backlog", "keep_alive_s", "max_header_bytes", "max_body_bytes", "error_log_burst"):
             if getattr(self, name) < 1:
                 raise ValueError(f"WebLimits.{name}={getattr(self, name)!r} must be >= 1")
         for name in ("request_timeout_s", "error_log_window_s"):
