@@ -504,3 +504,25 @@ def test_a_replay_leaves_quarantined_rows_out(tmp_path):
     slow = {"v100": 1.0, "k80": 3.0}
     trace, _ = measure(db.jobs(), db.events(), [], {}, round_s=5.0, slowdowns={a: slow, b: slow})
     assert [j.job_id for j in trace] == [a]
+
+
+def test_damage_found_while_the_database_is_in_use_is_named_with_its_fix(tmp_path, capsys):
+    """Pages overwritten under an open cluster: the first read that meets them raises one line
+    naming the file and the fix (was a bare ``DatabaseError: database disk image is malformed``)."""
+    d = new_cluster(str(tmp_path / "c"))
+    db = ClusterDB(d)
+    for _ in range(20):
+        add(db, target="/x/" + "j" * 2000 + ".py:make")
+    db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    db.close()
+    path = os.path.join(d, "cluster.db")
+    db = ClusterDB(d)  # opens: the damage is not in the pages it reads to open
+    with open(path, "r+b") as f:
+        f.seek(4096 * 3)
+        f.write(b"\xff" * 4096 * 3)
+    with pytest.raises(state_mod.CorruptDatabaseError) as err:
+        db.jobs()
+    assert "database disk image is malformed" in str(err.value) and f"mv {path} {path}.bad" in str(err.value)
+    assert cli_main.main(["queue", "--dir", d]) == 2
+    err_text = capsys.readouterr().err
+    assert err_text.count("\n") == 1 and path in err_text

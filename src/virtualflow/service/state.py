@@ -276,6 +276,36 @@ def _corrupt_message(path: str, cluster_dir: str, exc: BaseException) -> str:
             f"--slots ...); the jobs' run directories stay" + (f" and new job ids continue above {mark}" if mark else ""))
 
 
+class CorruptDatabaseError(ValueError):
+    """The cluster database is not one SQLite can read (not a database, or a malformed image)."""
+
+
+class _Connection(sqlite3.Connection):
+    """A connection whose statements turn SQLite's "file is not a database" and "database disk
+    image is malformed" (plain ``sqlite3.DatabaseError``) into :class:`CorruptDatabaseError`, one
+    line naming the file and the fix, whenever the damage shows. Other errors pass unchanged (a
+    locked or full database is the caller's to handle)."""
+
+    where: tuple[str, str] = ("", "")
+    """(database path, cluster directory), for the message."""
+
+    def execute(self, *args: Any, **kwargs: Any) -> sqlite3.Cursor:  # type: ignore[override]
+        try:
+            return super().execute(*args, **kwargs)
+        except sqlite3.DatabaseError as exc:
+            if type(exc) is not sqlite3.DatabaseError:
+                raise
+            raise CorruptDatabaseError(_corrupt_message(*self.where, exc)) from None
+
+    def executescript(self, script: str) -> sqlite3.Cursor:  # type: ignore[override]
+        try:
+            return super().executescript(script)
+        except sqlite3.DatabaseError as exc:
+            if type(exc) is not sqlite3.DatabaseError:
+                raise
+            raise CorruptDatabaseError(_corrupt_message(*self.where, exc)) from None
+
+
 @dataclass(slots=True)
 class JobRow:
     """One row of ``jobs`` (see the module docstring)."""
@@ -473,7 +503,8 @@ class ClusterDB:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             os.close(fd)
         try:
-            self.conn = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None)
+            self.conn = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None, factory=_Connection)
+            self.conn.where = (self.path, cluster_dir)
             self.conn.row_factory = sqlite3.Row
             self.conn.execute("PRAGMA journal_mode=WAL")
             self.conn.execute("PRAGMA synchronous=NORMAL")
@@ -491,13 +522,14 @@ class ClusterDB:
                                  f"cluster again (virtualflow cluster start --dir {cluster_dir} --slots ...)"
                                  + (f": new job ids continue above {mark}" if mark else ""))
             self._migrate()
-        except sqlite3.DatabaseError as exc:
+        except (sqlite3.DatabaseError, CorruptDatabaseError) as exc:
             conn = getattr(self, "conn", None)
             if conn is not None:
                 conn.close()
-            if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
+            if isinstance(exc, CorruptDatabaseError) or (isinstance(exc, sqlite3.OperationalError)
+                                                         and "locked" in str(exc)):
                 raise
-            raise ValueError(_corrupt_message(self.path, cluster_dir, exc)) from None
+            raise CorruptDatabaseError(_corrupt_message(self.path, cluster_dir, exc)) from None
     def _migrate(self) -> None:
         """Add the columns a database made by an older version lacks (nothing else changes)."""
         have = {r[1] for r in self.conn.execute("PRAGMA table_info(jobs)").fetchall()}
