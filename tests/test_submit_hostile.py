@@ -159,3 +159,10 @@ def test_an_export_with_an_elastic_job_wider_than_the_cluster_simulates(tmp_path
     rc = cli_main.main(argv[1:])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
+
+
+def test_cancel_of_an_id_no_row_can_have_is_refused(cluster, capsys):
+    for text in ("99999999999999999999", "0"):
+        assert cli_main.main(["cancel", text, "--dir", cluster]) == 2
+        err = capsys.readouterr().err
+        assert f"job {text} does not exist" in err and err.count("\n") == 1, err

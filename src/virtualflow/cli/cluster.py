@@ -505,7 +505,11 @@ def queue(args: argparse.Namespace) -> int:
 
 
 def cancel(args: argparse.Namespace) -> int:
+    from virtualflow.service.dashboard import MAX_ROW_ID
+
     db = ClusterDB(args.dir)
+    if not 1 <= args.job_id <= MAX_ROW_ID:  # no such row can exist (SQLite would overflow on a larger one)
+        raise ValueError(f"job {args.job_id} does not exist in {args.dir}; see virtualflow queue --dir {args.dir}")
     what = db.request_cancel(args.job_id)
     if what == "cancelled":
         print(f"job {args.job_id} cancelled (it was queued)")
