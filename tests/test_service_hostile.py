@@ -526,3 +526,21 @@ def test_damage_found_while_the_database_is_in_use_is_named_with_its_fix(tmp_pat
     assert cli_main.main(["queue", "--dir", d]) == 2
     err_text = capsys.readouterr().err
     assert err_text.count("\n") == 1 and path in err_text
+
+
+def test_a_database_without_a_cluster_id_gets_one_before_any_identity_is_written(tmp_path):
+    """A database made before cluster ids: the first claim makes the id, and the identity it
+    writes matches at every later start (the job's own states are resumed, never set aside)."""
+    s = fake_service(new_cluster(str(tmp_path / "c")))
+    s.db.conn.execute("DELETE FROM meta WHERE key = 'cluster_id'")
+    a = add(s.db)
+    row = s.db.job(a)
+    assert s.db.claim_run_dir(row) is None
+    cid = s.db.get_meta("cluster_id")
+    assert isinstance(cid, str) and len(cid) == 16
+    with open(os.path.join(row.run_dir, "final.pt"), "wb") as f:
+        f.write(b"its own")
+    assert s.db.claim_run_dir(s.db.job(a)) is None and s.db.get_meta("cluster_id") == cid
+    assert os.path.exists(os.path.join(row.run_dir, "final.pt"))
+    with pytest.raises(ValueError, match="unknown job column 'quarantine'"):
+        s.db.update_job(a, quarantine="x")

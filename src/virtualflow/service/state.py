@@ -232,14 +232,18 @@ def check_cluster_dir(cluster_dir: str, *, create: bool = False) -> None:
                 f"not a {'directory' if want_dir else 'regular file'}"
             raise ValueError(f"{f} is {kind}, which someone else may have put there; remove it (rm {f}) after "
                              f"checking what it is")
+        rm = f"rm -r {f}" if stat.S_ISDIR(fs.st_mode) else f"rm {f}"
         if fs.st_uid != os.geteuid():
             raise ValueError(f"{f} belongs to another user (uid {fs.st_uid}), who may have planted it; remove it "
-                             f"(rm {f}) after checking what it is")
+                             f"({rm}) after checking what it is")
         if fs.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            why = ("whoever can write the token can cancel jobs" if name == TOKEN_NAME
+                   else "whoever can write it could change what the service runs")
+            fix = f"chmod {'700' if want_dir else '600'} {f}"
+            if name == TOKEN_NAME:
+                fix += f", or remove it ({rm}; cluster start writes a new one)"
             raise ValueError(f"{f} is writable by {_who(fs.st_mode, wbits)} (mode {stat.S_IMODE(fs.st_mode):04o}); "
-                             f"{'whoever can write the token can cancel jobs' if name == TOKEN_NAME else 'whoever can write it could change what the service runs'}"
-                             f": chmod {'700' if want_dir else '600'} {f}" + (", or remove it (cluster start writes a new "
-                                                                               "one)" if name == TOKEN_NAME else ""))
+                             f"{why}: {fix}")
         if name == TOKEN_NAME and fs.st_mode & (stat.S_IRGRP | stat.S_IROTH):
             raise ValueError(f"{f} is readable by {_who(fs.st_mode, rwbits)} (mode {stat.S_IMODE(fs.st_mode):04o}); "
                              f"whoever read it can cancel jobs: remove it (rm {f}; cluster start writes a new one), or "
@@ -514,8 +518,7 @@ class ClusterDB:
                 if "jobs" not in tables:
                     mark = read_id_mark(cluster_dir)
                     self.recreated_over = mark or None
-                if self.get_meta("cluster_id") is None:
-                    self.set_meta("cluster_id", secrets.token_hex(8))
+                self.cluster_id()
             elif "jobs" not in tables:
                 mark = read_id_mark(cluster_dir)
                 raise ValueError(f"{self.path} holds no cluster tables (an emptied or foreign database); start the "
@@ -569,6 +572,22 @@ class ClusterDB:
         with self.tx() as c:
             c.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = "
                       "excluded.value", (key, json.dumps(value)))
+
+    def cluster_id(self) -> str:
+        """This cluster's random id (``meta``), made the first time it is asked for: a database
+        made anew gets a new one, so a run directory's identity never matches a job of another
+        database."""
+        got = self.get_meta("cluster_id")
+        if isinstance(got, str) and got:
+            return got
+        with self.tx() as c:  # two processes asking at once agree on the first one written
+            c.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('cluster_id', ?)",
+                      (json.dumps(secrets.token_hex(8)),))
+        got = self.get_meta("cluster_id")
+        if not (isinstance(got, str) and got):  # a malformed cell: replaced
+            self.set_meta("cluster_id", secrets.token_hex(8))
+            got = self.get_meta("cluster_id")
+        return str(got)
 
     def config(self) -> dict[str, Any]:
         """The cluster's configuration (written by ``cluster start``)."""
@@ -670,7 +689,7 @@ class ClusterDB:
         check_cluster_dir(self.cluster_dir)  # jobs/ included
         make_private_dir(run_dir)
         ident_path = os.path.join(run_dir, IDENTITY_NAME)
-        mine = {"cluster": self.get_meta("cluster_id"), "job_id": row.id, "submitted_s": row.submitted_s}
+        mine = {"cluster": self.cluster_id(), "job_id": row.id, "submitted_s": row.submitted_s}
         identity = _read_identity(ident_path)
         why = foreign_run_dir(identity, mine, has_state=bool(state_files(run_dir)), started=row.starts > 0)
         moved = None
@@ -690,7 +709,7 @@ class ClusterDB:
             return
         cols, vals = [], []
         for k, v in fields.items():
-            if k not in JobRow.__slots__ or k == "id":  # type: ignore[attr-defined]
+            if k not in JobRow.__slots__ or k in ("id", "quarantine"):  # type: ignore[attr-defined]
                 raise ValueError(f"unknown job column {k!r}")
             cols.append(f"{k} = ?")
             vals.append(json.dumps(v) if isinstance(v, (list, dict)) else v)
