@@ -91,6 +91,9 @@ class Connections:
     def __len__(self) -> int:
         return len(self.sockets)
 
+    def __repr__(self) -> str:
+        return f"Connections({len(self.sockets)} sockets)"
+
     @staticmethod
     def snapshot() -> dict[int, int]:
         """This process's open sockets, descriptor -> inode (empty where ``/proc`` is missing)."""
@@ -195,8 +198,8 @@ class Group:
     waited on, i.e. while the peers are inside it."""
     connections: Connections = field(default_factory=Connections)
     """This group's TCP connections (what :meth:`abort` shuts down)."""
-    _check: Callable[[], bool] | None = None
-    _broken: bool = False
+    _check: Callable[[], bool] | None = field(default=None, repr=False)
+    _broken: bool = field(default=False, repr=False)
 
     @property
     def abort_check(self) -> Callable[[], bool] | None:
