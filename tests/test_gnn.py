@@ -247,7 +247,7 @@ def test_cli_gnn_runs_baselines_and_reports(tmp_path, capsys):
                "--json", "--target", "0.1"])
     out = capsys.readouterr().out
     assert rc == 0
-    records = json.loads(out[out.index("["):])
+    records = json.loads(out)  # stdout is the JSON document alone
     assert [r["run"] for r in records] == ["dorylus S=0", "cpu-only", "pyg"]
     # S=0 and the CPU-only baseline train the same model as PyG: same accuracy
     assert records[0]["test_acc"] == records[1]["test_acc"] == records[2]["test_acc"]

@@ -265,9 +265,9 @@ def test_parse_trace_rows_and_errors(tmp_path):
     for text, message in [
         ("0,1\n5\n", r"t:2: expected 2 comma-separated columns \(time,count\), got 1"),
         ("0,1\nfive,2\n", r"t:2: 'five,2' is not two numbers time,count"),
-        ("0,1\n-5,2\n", r"t:2: time '-5' must be a finite number >= 0"),
-        ("0,1\n5,2.5\n", r"t:2: count '2.5' must be an integer >= 0"),
-        ("0,1\n5,-1\n", r"t:2: count '-1' must be an integer >= 0"),
+        ("0,1\n-5,2\n", r"t:2: time \(s\)=-5 must be >= 0"),
+        ("0,1\n5,2.5\n", r"t:2: count=2.5 must be a whole number"),
+        ("0,1\n5,-1\n", r"t:2: count=-1 must be >= 0"),
         ("0,1\n5,2\n4,2\n", "t:3: time 4 is before the previous row's 5; times must not decrease"),
         ("\n\n", "t: no rows"),
         ("0,1\n0,2\n", "it spans 0 s"),
@@ -349,8 +349,8 @@ def test_constants_json_schema(tmp_path):
     g.write_text(json.dumps({n: 1.0 for n in SpotConstants.numeric_fields()}))
     assert SpotConstants.from_json(g).defaulted == ()
     for body, message in [({"constants": {"step": 1}}, "unknown constant 'step'"),
-                          ({"constants": {"restart_s": -1}}, "restart_s=-1.0 must be a finite number >= 0"),
-                          ({"constants": {"failover_slowdown": 0.5}}, "failover_slowdown=0.5 must be .* >= 1"),
+                          ({"constants": {"restart_s": -1}}, "restart_s=-1 must be >= 0"),
+                          ({"constants": {"failover_slowdown": 0.5}}, "failover_slowdown=0.5 must be >= 1"),
                           ({"constants": {"step_s": "1"}}, "step_s='1' must be a number"),
                           ({"constants": [1]}, "expected a JSON object")]:
         f.write_text(json.dumps(body))
@@ -384,10 +384,10 @@ def test_timeline_windows_for_a_measured_replay():
 
 def test_job_validation():
     tr = trace([(0, 4)], 10.0)
-    for kw, message in [(dict(stages=1), "--stages 1 must be an integer >= 2"),
-                        (dict(stages=4, pipelines=0), "--pipelines 0 must be an integer >= 1"),
-                        (dict(stages=4, spot_price=-1), "--spot-price -1 must be a finite number > 0"),
-                        (dict(stages=4, checkpoint_every_s=0), "--checkpoint-every-s 0 must be"),
+    for kw, message in [(dict(stages=1), "--stages=1 must be >= 2"),
+                        (dict(stages=4, pipelines=0), "--pipelines=0 must be >= 1"),
+                        (dict(stages=4, spot_price=-1), "--spot-price=-1 must be > 0"),
+                        (dict(stages=4, checkpoint_every_s=0), "--checkpoint-every-s=0 must be"),
                         (dict(stages=4, sync="fastest"), "--sync 'fastest' must be 'slowest' or 'proportional'")]:
         with pytest.raises(ValueError, match=message):
             SpotJob(**kw)
@@ -466,15 +466,15 @@ def test_cli_bad_input_one_line_exit_2(tmp_path, capsys, monkeypatch):
     for argv, message in [
         (["--trace", str(tmp_path / "missing.csv")], "--trace '.*missing.csv' does not exist"),
         (["--trace", str(bad)], r"--trace .*bad.csv:2: '10,x' is not two numbers time,count"),
-        (["--trace", str(neg)], r"--trace .*neg.csv:2: time '-3' must be a finite number >= 0"),
+        (["--trace", str(neg)], r"--trace .*neg.csv:2: time \(s\)=-3 must be >= 0"),
         (["--trace", "p2-xlarge-2020-11-20-hours", "--strategies", "bamboo,spot"], "unknown strategy 'spot'"),
-        (["--trace", "p2-xlarge-2020-11-20-hours", "--stages", "1"], "--stages 1 must be an integer >= 2"),
+        (["--trace", "p2-xlarge-2020-11-20-hours", "--stages", "1"], "--stages=1 must be >= 2"),
         (["--trace", "p2-xlarge-2020-11-20-hours", "--speedup", "-2"], "--speedup -2.0 must be"),
         (["--trace", "p2-xlarge-2020-11-20-hours", "--constants", str(tmp_path / "c.json")],
          "--constants '.*c.json' does not exist"),
         (["--generate", "rate=1,nodes=4"], "lacks hours="),
         (["--trace", "p2-xlarge-2020-11-20-hours", "--constants", str(bad_c)],
-         "--constants .*bad_c.json: constants: restart_s=-45.0 must be a finite number >= 0"),
+         "--constants .*bad_c.json: constants: restart_s=-45 must be >= 0"),
     ]:
         assert main(base + argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()

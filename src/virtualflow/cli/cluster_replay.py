@@ -148,6 +148,11 @@ def _parse_slots(spec: str | None) -> dict[str, int] | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.round_s is not None:  # 0 must not fall back to the recorded length unnoticed
+        from virtualflow.cluster import bounds
+
+        bounds.number(args.round_s, where="cluster replay", field="--round-s", lo=0, lo_open=True,
+                      hi=bounds.MAX_PAUSE_S, meaning="seconds per scheduling round")
     data = read_run(args.dir)
     if not any(r.state == "done" for r in data["jobs"]):
         raise ValueError(f"the cluster in {args.dir} has no finished job to compare with; replay it once jobs are done")

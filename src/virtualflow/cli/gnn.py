@@ -17,6 +17,8 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
+import sys
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +112,10 @@ def main(args: argparse.Namespace) -> int:
     if args.epochs is not None:
         job = dataclasses.replace(job, epochs=args.epochs)
     n = job.graph.x.size(0)
+    # With --json stdout is the JSON document alone: the description goes to stderr.
     print(f"graph: {n} vertices, {job.graph.edge_index.size(1)} edges; {opts.graph_servers} graph servers x "
           f"{opts.intervals} intervals, {opts.tensor_workers} tensor workers, staleness {opts.staleness}, "
-          f"{job.epochs} epochs, mode {opts.mode}", flush=True)
+          f"{job.epochs} epochs, mode {opts.mode}", flush=True, file=sys.stderr if args.json else sys.stdout)
     name = f"dorylus S={opts.staleness}" if opts.tensor_workers else "cpu-only"
     records = [summarize(name, train_dorylus(job, opts), price, n, args.target)]
     if "cpu" in baselines and opts.tensor_workers:
@@ -123,11 +126,30 @@ def main(args: argparse.Namespace) -> int:
     if "pyg" in baselines:
         records.append(summarize("pyg", train_pyg(job, threads=1), price, n, args.target))
     add_ratios(records)
+    diverged = [r["run"] for r in records if r.get("diverged")]
     if args.json:
-        print(json.dumps(records, indent=2, default=float))
+        print(json.dumps(json_safe(records), indent=2, allow_nan=False))
     else:
         print(format_table(records))
         print(f"price model: servers ${price.server_usd_per_hour}/h for the whole run; tensor workers "
               f"${price.usd_per_gb_s}/GB-s x {price.worker_gb} GB of task time + ${price.usd_per_request}/request; "
               f"value = 1/(epoch-run seconds x $)")
+    if diverged:
+        print(f"error: {', '.join(diverged)}: the loss became non-finite (NaN or inf); no value is reported for "
+              f"{'it' if len(diverged) == 1 else 'them'} (lower the learning rate, or check the features)",
+              file=sys.stderr)
+        return 1
     return 0
+
+
+def json_safe(value):
+    """``value`` with every non-finite float replaced by None (JSON has no NaN or Infinity) and
+    other non-JSON scalars (numpy, tensors) turned into floats."""
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    x = float(value)
+    return x if math.isfinite(x) else None

@@ -89,6 +89,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
+def check_numbers(args: argparse.Namespace) -> None:
+    """The numeric options bounded by what they mean (one line naming the flag and the rule): a
+    round of a second to a day, costs of at most a day, at most ten years of simulated time."""
+    from virtualflow.cluster import bounds
+
+    bounds.number(args.round_s, where="simulate", field="--round-s", lo=1, hi=bounds.MAX_PAUSE_S,
+                  meaning="seconds per scheduling round")
+    for flag, v in (("--restart-cost-s", args.restart_cost_s), ("--resize-cost-s", args.resize_cost_s),
+                    ("--min-run-s", args.min_run_s)):
+        bounds.number(v, where="simulate", field=flag, lo=0, hi=bounds.MAX_PAUSE_S, meaning="seconds, a day at most")
+    if args.max_hours is not None:
+        bounds.number(args.max_hours, where="simulate", field="--max-hours", lo=0, lo_open=True,
+                      hi=bounds.MAX_SIM_S / 3600, meaning="simulated hours, ten years at most")
+    bounds.number(args.gpus_per_server, where="simulate", field="--gpus-per-server", lo=1,
+                  hi=bounds.MAX_GPUS_PER_JOB, integral=True, meaning="GPUs per server")
+
+
 def parse_window(spec: str | None) -> tuple[int, int] | None:
     if spec is None:
         return None
@@ -153,6 +170,7 @@ def main(args: argparse.Namespace) -> int:
     from virtualflow.cluster.simulator import SimConfig, simulate
     from virtualflow.cluster.traces import generate_jobs, parse_generate_spec, read_gavel_trace, read_json_trace
 
+    check_numbers(args)
     if args.model != "service":
         given = [f for f, v in (("--costs", args.costs), ("--slowdowns", args.slowdowns),
                                 ("--min-run-s", args.min_run_s)) if v]
@@ -207,8 +225,7 @@ def load_costs(path: str | None, restart_cost_s: float, resize_cost_s: float):
     """``--costs``: a JSON object of :class:`~virtualflow.service.replay.ReplayCosts` fields (a
     ``{"costs": {...}}`` wrapper, as ``cluster replay --json`` prints, is accepted); without it the
     rounds model's change costs as pauses and no other latency."""
-    import json
-
+    from virtualflow.cluster import bounds
     from virtualflow.service.replay import ReplayCosts
 
     if path is None:
@@ -217,18 +234,17 @@ def load_costs(path: str | None, restart_cost_s: float, resize_cost_s: float):
     if not os.path.isfile(path):
         raise ValueError(f"--costs {path!r} does not exist; give a JSON file of pauses (costs.json of "
                          f"virtualflow cluster replay --export) or leave it out")
-    with open(path) as f:
-        try:
-            data = json.load(f)
-        except ValueError as exc:
-            raise ValueError(f"--costs {path}: not JSON ({exc})") from None
+    data = bounds.load_json(path, what="--costs")
     if isinstance(data, dict) and isinstance(data.get("costs"), dict):
         data = data["costs"]
     known = set(ReplayCosts.__slots__)  # type: ignore[attr-defined]
-    if not isinstance(data, dict) or set(data) - known:
-        extra = sorted(set(data) - known) if isinstance(data, dict) else data
-        raise ValueError(f"--costs {path}: unknown keys {extra}; the keys are {sorted(known)} (seconds)")
-    return ReplayCosts(**{k: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+    if not isinstance(data, dict):
+        raise ValueError(f"--costs {path}: expected a JSON object of pauses in seconds, got {type(data).__name__}")
+    if set(data) - known:
+        raise ValueError(f"--costs {path}: unknown keys {sorted(set(data) - known)}; the keys are {sorted(known)} "
+                         f"(seconds)")
+    return ReplayCosts(**{k: bounds.number(v, where=f"--costs {path}", field=k, lo=0, hi=bounds.MAX_PAUSE_S,
+                                           meaning="seconds of a pause or latency, a day at most")
                           for k, v in data.items()})
 
 

@@ -207,8 +207,10 @@ def simulate(jobs: Sequence[JobSpec], cluster: Cluster, table: ThroughputTable, 
     if cfg.progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=None, unit="h", desc=f"simulate {getattr(policy, 'name', 'policy')}",
-                   bar_format="{desc}: {n:.0f} simulated h [{elapsed}, {rate_fmt}{postfix}]")
+        # Counted in finished jobs (of the window when one is given), so that a long simulation
+        # shows how far it is and how long it has left; simulated hours go in the postfix.
+        bar = tqdm(total=len(window_ids) if window_ids is not None else n, unit="job",
+                   desc=f"simulate {getattr(policy, 'name', 'policy')}", mininterval=1.0)
     t = clock.now()
     try:
         while True:
@@ -298,9 +300,10 @@ def simulate(jobs: Sequence[JobSpec], cluster: Cluster, table: ThroughputTable, 
                 active = [i for i in active if jobs[i].job_id not in fin]
                 changed = True
             if bar is not None:
-                bar.update((end - t) / 3600.0)
-                if rounds % 50 == 0:
-                    bar.set_postfix(active=len(active), done=int(np.isfinite(finish).sum()), refresh=False)
+                counted = [jid for jid in finished if window_ids is None or jid in window_ids]
+                if rounds % 50 == 0 or counted:
+                    bar.set_postfix_str(f"{end / 3600:.0f} simulated h, {len(active)} active", refresh=False)
+                bar.update(len(counted))
             t = end
             clock.advance_to(t)
             if window_left is not None and cfg.stop_after_window and not window_left:

@@ -83,6 +83,7 @@ ON_DEMAND_PRICE = 3.06
 _EPS = 1e-9
 
 
+from virtualflow.cluster import bounds
 from virtualflow.cluster.spot_traces import (  # noqa: F401 - re-exported
     NodeEvent, SpotTrace, _young, bamboo_data_dir, bamboo_trace_names, generate_trace, load_trace, node_events,
     parse_generate_spec, parse_trace, young_interval_s,
@@ -138,17 +139,20 @@ class SpotConstants:
         if not self.source:
             self.source = ("defaults (not measurements): the issue's bounds and Bamboo's published figures"
                            if len(missing) == len(_CONSTANT_DEFAULTS) else "given")
-        for name in ("step_s", "samples_per_step"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ValueError(f"constants: {name}={v!r} must be a finite number > 0")
-        for name in ("redundancy_overhead", "failover_s", "reconfigure_s", "restart_s", "checkpoint_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"constants: {name}={v!r} must be a finite number >= 0")
-        v = self.failover_slowdown
-        if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 1):
-            raise ValueError(f"constants: failover_slowdown={v!r} must be a finite number >= 1")
+        # Bounded by what they mean (virtualflow.cluster.bounds): a step of a microsecond to a
+        # day, pauses of at most a day; smaller steps would make a replay of a long trace count
+        # more steps than it can represent.
+        bounds.number(self.step_s, where="constants", field="step_s", lo=1e-6, hi=bounds.MAX_PAUSE_S,
+                      meaning="seconds per step")
+        bounds.number(self.samples_per_step, where="constants", field="samples_per_step", lo=0, lo_open=True,
+                      hi=1e12, meaning="samples per step")
+        bounds.number(self.redundancy_overhead, where="constants", field="redundancy_overhead", lo=0, hi=100,
+                      meaning="relative extra time of redundant computation")
+        for name in ("failover_s", "reconfigure_s", "restart_s", "checkpoint_s"):
+            bounds.number(getattr(self, name), where="constants", field=name, lo=0, hi=bounds.MAX_PAUSE_S,
+                          meaning="seconds, a day at most")
+        bounds.number(self.failover_slowdown, where="constants", field="failover_slowdown", lo=1, hi=1000,
+                      meaning="a failed-over pipeline's step time / the normal one")
 
     @classmethod
     def numeric_fields(cls) -> tuple[str, ...]:
@@ -185,10 +189,7 @@ class SpotConstants:
         if not p.is_file():
             raise ValueError(f"--constants {os.fspath(path)!r} does not exist; give a JSON file with a "
                              "'constants' object (bench/bamboo.py writes bench/results/bamboo.json)")
-        try:
-            data = json.loads(p.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"--constants {os.fspath(path)!r}: not valid JSON ({exc})") from None
+        data = bounds.load_json(p, what="--constants")
         if isinstance(data, Mapping) and "constants" in data:
             data = data["constants"]
         c = cls.from_dict(data, where=f"--constants {os.fspath(path)}")
@@ -250,17 +251,16 @@ class SpotJob:
     """How synchronous pipelines share a step: "slowest" or "proportional" (see the module doc)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.stages, bool) or int(self.stages) != self.stages or self.stages < 2:
-            raise ValueError(f"--stages {self.stages} must be an integer >= 2 (a stage's replica lives on its "
-                             "predecessor)")
-        if self.pipelines is not None and (int(self.pipelines) != self.pipelines or self.pipelines < 1):
-            raise ValueError(f"--pipelines {self.pipelines} must be an integer >= 1")
+        bounds.number(self.stages, where="job", field="--stages", lo=2, hi=bounds.MAX_SPOT_INSTANCES, integral=True,
+                      meaning="pipeline stages; a stage's replica lives on its predecessor, so at least 2")
+        if self.pipelines is not None:
+            bounds.number(self.pipelines, where="job", field="--pipelines", lo=1, hi=bounds.MAX_SPOT_INSTANCES,
+                          integral=True, meaning="data-parallel pipelines")
         for flag, v in (("--spot-price", self.spot_price), ("--on-demand-price", self.on_demand_price)):
-            if not (math.isfinite(v) and v > 0):
-                raise ValueError(f"{flag} {v} must be a finite number > 0 ($ per instance-hour)")
-        if self.checkpoint_every_s is not None and not (math.isfinite(self.checkpoint_every_s)
-                                                        and self.checkpoint_every_s > 0):
-            raise ValueError(f"--checkpoint-every-s {self.checkpoint_every_s} must be a finite number > 0")
+            bounds.number(v, where="job", field=flag, lo=0, lo_open=True, hi=1e6, meaning="$ per instance-hour")
+        if self.checkpoint_every_s is not None:
+            bounds.number(self.checkpoint_every_s, where="job", field="--checkpoint-every-s", lo=1e-3,
+                          hi=bounds.MAX_SIM_S, meaning="running seconds between checkpoints")
         if self.sync not in ("slowest", "proportional"):
             raise ValueError(f"--sync {self.sync!r} must be 'slowest' or 'proportional'")
 

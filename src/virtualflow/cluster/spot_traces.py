@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from virtualflow.cluster import bounds
+
 _EPS = 1e-9
 
 
@@ -37,13 +39,16 @@ class SpotTrace:
             raise ValueError(f"trace {self.name!r}: times ({len(self.times_s)}) and counts ({len(self.counts)}) "
                              "must be non-empty and of the same length")
         for i, (t, c) in enumerate(zip(self.times_s, self.counts)):
-            if not (math.isfinite(t) and t >= 0):
-                raise ValueError(f"trace {self.name!r}: time {t} (change {i}) must be finite and >= 0")
-            if c < 0 or int(c) != c:
-                raise ValueError(f"trace {self.name!r}: count {c} (change {i}) must be an integer >= 0")
+            where = f"trace {self.name!r}: change {i}"
+            bounds.number(t, where=where, field="time_s", lo=0, hi=bounds.MAX_SIM_S,
+                          meaning="seconds into the trace, ten years at most")
+            bounds.number(c, where=where, field="count", lo=0, hi=bounds.MAX_SPOT_INSTANCES, integral=True,
+                          meaning="instances up")
             if i and t < self.times_s[i - 1]:
                 raise ValueError(f"trace {self.name!r}: time {t} (change {i}) is before {self.times_s[i - 1]}; "
                                  "times must not decrease")
+        bounds.number(self.end_s, where=f"trace {self.name!r}", field="end_s", lo=0, hi=bounds.MAX_SIM_S,
+                      meaning="seconds into the trace, ten years at most")
         if not self.end_s > self.times_s[0]:
             raise ValueError(f"trace {self.name!r}: it spans {self.end_s - self.times_s[0]:g} s; it must span "
                              "more than 0 s")
@@ -119,10 +124,10 @@ def parse_trace(text: str, *, time_unit: str = "s", name: str = "trace", source:
             c_f = float(cols[1])
         except ValueError:
             raise ValueError(f"{where}: {line!r} is not two numbers time,count") from None
-        if not (math.isfinite(t) and t >= 0):
-            raise ValueError(f"{where}: time {cols[0].strip()!r} must be a finite number >= 0")
-        if not (math.isfinite(c_f) and c_f >= 0 and c_f == int(c_f)):
-            raise ValueError(f"{where}: count {cols[1].strip()!r} must be an integer >= 0")
+        bounds.number(t * scale, where=where, field=f"time ({time_unit})", lo=0, hi=bounds.MAX_SIM_S,
+                      meaning=f"ten years at most: {bounds.MAX_SIM_S / scale:g} {time_unit}")
+        bounds.number(c_f, where=where, field="count", lo=0, hi=bounds.MAX_SPOT_INSTANCES, integral=True,
+                      meaning="instances up")
         if last_t is not None and t < last_t:
             raise ValueError(f"{where}: time {t:g} is before the previous row's {last_t:g}; times must not decrease")
         last_t = t
@@ -164,6 +169,9 @@ def load_trace(spec: str | os.PathLike, *, time_unit: str | None = None) -> Spot
     return parse_trace(text, time_unit=unit, name=path.stem, source=f"--trace {os.fspath(path)}")
 
 
+MAX_GENERATED_PREEMPTIONS = 1e6
+
+
 def generate_trace(*, rate_per_hour: float, nodes: int, hours: float, seed: int = 0,
                    mean_down_s: float = 300.0) -> SpotTrace:
     """A trace drawn from a Poisson process: ``nodes`` instances up at 0; preemptions arrive at
@@ -174,8 +182,15 @@ def generate_trace(*, rate_per_hour: float, nodes: int, hours: float, seed: int 
                        ("mean_down_s", mean_down_s, mean_down_s > 0)):
         if not (math.isfinite(v) and ok):
             raise ValueError(f"--generate {key}={v} must be a finite number {'>= 0' if key == 'rate' else '> 0'}")
-    if nodes < 1 or int(nodes) != nodes:
-        raise ValueError(f"--generate nodes={nodes} must be an integer >= 1")
+    bounds.number(nodes, where="--generate", field="nodes", lo=1, hi=bounds.MAX_SPOT_INSTANCES, integral=True,
+                  meaning="instances")
+    bounds.number(hours, where="--generate", field="hours", lo=0, lo_open=True, hi=bounds.MAX_SIM_S / 3600,
+                  meaning="ten years at most")
+    bounds.number(mean_down_s, where="--generate", field="mean_down_s", lo=0, lo_open=True, hi=bounds.MAX_SIM_S,
+                  meaning="seconds")
+    if rate_per_hour * hours > MAX_GENERATED_PREEMPTIONS:
+        raise ValueError(f"--generate rate={rate_per_hour:g} x hours={hours:g} expects {rate_per_hour * hours:.3g} "
+                         f"preemptions; at most {MAX_GENERATED_PREEMPTIONS:g} (lower rate or hours)")
     rng = np.random.default_rng(seed)
     end = hours * 3600.0
     hits: list[float] = []

@@ -48,6 +48,7 @@ from typing import Sequence
 
 import numpy as np
 
+from virtualflow.cluster import bounds
 from virtualflow.cluster.gavel_trace import GavelTraceConfig, generate_gavel_jobs
 from virtualflow.cluster.model import JobSpec
 from virtualflow.cluster.throughputs import ThroughputTable
@@ -55,6 +56,9 @@ from virtualflow.cluster.throughputs import ThroughputTable
 __all__ = ["read_gavel_trace", "write_gavel_trace", "read_json_trace", "write_json_trace", "GeneratorConfig",
            "generate_jobs", "parse_generate_spec", "draw_duration_s"]
 
+MAX_JOBS = 1_000_000
+"""Jobs one generated workload may have."""
+MAX_RATE_PER_HOUR = 1e6
 _MIN_COLUMNS = 7
 _MAX_COLUMNS = 10
 SCALE_CHOICES = (1, 2, 4, 8)
@@ -74,11 +78,28 @@ def _isolated_time_s(table: ThroughputTable, job_type: str, scale: int, total_st
     return total_steps / thr
 
 
+def check_job(where: str, table: ThroughputTable, job_type: str, total_steps: float, scale: int) -> None:
+    """A job's steps bounded by what they mean: the job must finish alone on its fastest
+    accelerator type, at its own scale, within :data:`bounds.MAX_JOB_RUN_S` (a longer one would
+    keep the simulation running for ever: 1e300 steps never finish)."""
+    best = 0.0
+    for t in table.acc_types:
+        try:
+            best = max(best, table.throughput(job_type, t, scale))
+        except (KeyError, ValueError):
+            continue
+    if best > 0 and total_steps / best > bounds.MAX_JOB_RUN_S:
+        raise ValueError(f"{where}: total_steps={total_steps:g} would take {total_steps / best / 3600:.3g} h alone on "
+                         f"its fastest GPU type ({best:g} steps/s at scale {scale}); a job may run at most "
+                         f"{bounds.MAX_JOB_RUN_S / 3600:.0f} h (one year)")
+
+
 def read_gavel_trace(path: str | os.PathLike, table: ThroughputTable, *, reference_type: str = "v100") -> list[JobSpec]:
     """Parse a Gavel ``.trace`` file into ``JobSpec``s (ids 0..n-1 in line order; blank lines skipped).
 
     Raises ``ValueError("FILE:LINE: ...")`` for a malformed line (wrong column count, a number that
-    does not parse or is out of range) or a job type the throughput table does not know, and
+    does not parse or is out of the bounds of :mod:`virtualflow.cluster.bounds`) or a job type the
+    throughput table does not know, and
     ``ValueError("FILE: ...")`` for a file that is not UTF-8 text or holds no job.
     """
     path = os.fspath(path)
@@ -115,25 +136,23 @@ def read_gavel_trace(path: str | os.PathLike, table: ThroughputTable, *, referen
                 raise ValueError(f"{where}: column {i + 1} ({name}) = {cols[i]!r} is not finite")
             return v
 
-        total_steps = num(5, "total_steps")
-        scale_f = num(6, "scale_factor")
-        if scale_f != int(scale_f):
-            raise ValueError(f"{where}: column 7 (scale_factor) = {cols[6]!r} is not an integer")
-        scale = int(scale_f)
-        weight = num(7, "priority_weight") if len(cols) > 7 else 1.0
+        total_steps = bounds.number(num(5, "total_steps"), where=where, field="total_steps", lo=0, lo_open=True,
+                                    hi=bounds.MAX_STEPS, meaning="a job's steps")
+        scale = bounds.number(num(6, "scale_factor"), where=where, field="scale_factor", lo=1,
+                              hi=bounds.MAX_GPUS_PER_JOB, integral=True, meaning="GPUs of a job")
+        weight = (bounds.number(num(7, "priority_weight"), where=where, field="priority_weight", lo=0, lo_open=True,
+                                hi=bounds.MAX_WEIGHT, meaning="a job's priority") if len(cols) > 7 else 1.0)
         slo = num(8, "SLO") if len(cols) > 8 else -1.0
-        arrival = num(9, "arrival_time") if len(cols) > 9 else 0.0
-        if total_steps <= 0:
-            raise ValueError(f"{where}: total_steps={total_steps} must be > 0")
-        if scale < 1:
-            raise ValueError(f"{where}: scale_factor={scale} must be >= 1")
-        if weight <= 0:
-            raise ValueError(f"{where}: priority_weight={weight} must be > 0")
-        if arrival < 0:
-            raise ValueError(f"{where}: arrival_time={arrival} must be >= 0")
+        if slo > 0:
+            bounds.number(slo, where=where, field="SLO", lo=0, hi=1e6,
+                          meaning="a multiple of the job's isolated run time")
+        arrival = (bounds.number(num(9, "arrival_time"), where=where, field="arrival_time", lo=0,
+                                 hi=bounds.MAX_SIM_S, meaning="seconds into the trace, ten years at most")
+                   if len(cols) > 9 else 0.0)
         if not any(_has_throughput(table, job_type, t, scale) for t in table.acc_types):
             raise ValueError(f"{where}: the throughput table has no throughput for {job_type!r} at "
                              f"scale_factor={scale} on any accelerator type")
+        check_job(where, table, job_type, total_steps, scale)
         slo_s = None
         if slo > 0:
             if not _has_throughput(table, job_type, reference_type, scale):
@@ -166,16 +185,11 @@ _JSON_KEYS = {"job_type", "total_steps", "scale_factor", "min_gpus", "weight", "
 
 def read_json_trace(path: str | os.PathLike, table: ThroughputTable) -> list[JobSpec]:
     """Parse virtualflow's JSON trace (see the module docstring) into ``JobSpec``s (ids 0..n-1 in
-    order). Raises ``ValueError("FILE: job N: ...")`` for a malformed job or a job type the
-    throughput table does not know at the job's largest GPU count."""
-    import json
-
+    order). Raises ``ValueError("FILE: job N: ...")`` for a malformed job (a field of the wrong type
+    or out of the bounds of :mod:`virtualflow.cluster.bounds`) or a job type the throughput table
+    does not know at the job's largest GPU count."""
     path = os.fspath(path)
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not a virtualflow JSON trace ({exc})") from None
+    data = bounds.load_json(path, what="trace")
     rows = data.get("jobs") if isinstance(data, dict) else None
     if not isinstance(rows, list) or not rows:
         raise ValueError(f"{path}: expected {{\"jobs\": [{{\"job_type\": ..., \"total_steps\": ..., "
@@ -191,19 +205,35 @@ def read_json_trace(path: str | os.PathLike, table: ThroughputTable) -> list[Job
         if extra or missing:
             raise ValueError(f"{where}: unknown keys {extra} / missing keys {missing}; a job has "
                              f"{sorted(_JSON_KEYS)} (job_type, total_steps and scale_factor required)")
-        if row["job_type"] not in known:
-            raise ValueError(f"{where}: unknown job type {row['job_type']!r}; the throughput table knows "
+        job_type = bounds.text(row["job_type"], where=where, field="job_type")
+        if job_type not in known:
+            raise ValueError(f"{where}: unknown job type {job_type!r}; the throughput table knows "
                              f"{sorted(known)[:5]}{' ...' if len(known) > 5 else ''}")
+        total_steps = bounds.number(row["total_steps"], where=where, field="total_steps", lo=0, lo_open=True,
+                                    hi=bounds.MAX_STEPS, meaning="a job's steps")
+        scale = bounds.number(row["scale_factor"], where=where, field="scale_factor", lo=1,
+                              hi=bounds.MAX_GPUS_PER_JOB, integral=True, meaning="GPUs of a job")
+        min_gpus = row.get("min_gpus")
+        if min_gpus is not None:
+            min_gpus = bounds.number(min_gpus, where=where, field="min_gpus", lo=1, hi=scale, integral=True,
+                                     meaning="an elastic job's fewest GPUs, at most its scale_factor")
+        weight = bounds.number(row.get("weight", 1.0), where=where, field="weight", lo=0, lo_open=True,
+                               hi=bounds.MAX_WEIGHT, meaning="a job's priority")
+        arrival = bounds.number(row.get("arrival_s", 0.0), where=where, field="arrival_s", lo=0,
+                                hi=bounds.MAX_SIM_S, meaning="seconds into the trace, ten years at most")
+        slo = row.get("slo_s")
+        if slo is not None:
+            slo = bounds.number(slo, where=where, field="slo_s", lo=0, lo_open=True, hi=bounds.MAX_SIM_S,
+                                meaning="seconds after arrival, ten years at most")
         try:
-            job = JobSpec(job_id=i, job_type=row["job_type"], scale_factor=row["scale_factor"],
-                          min_gpus=row.get("min_gpus"), total_steps=float(row["total_steps"]),
-                          weight=float(row.get("weight", 1.0)), arrival_s=float(row.get("arrival_s", 0.0)),
-                          slo_s=None if row.get("slo_s") is None else float(row["slo_s"]))
+            job = JobSpec(job_id=i, job_type=job_type, scale_factor=scale, min_gpus=min_gpus,
+                          total_steps=total_steps, weight=weight, arrival_s=arrival, slo_s=slo)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{where}: {exc}") from None
         if not any(_has_throughput(table, job.job_type, t, job.scale_factor) for t in table.acc_types):
             raise ValueError(f"{where}: the throughput table has no throughput for {job.job_type!r} at "
                              f"scale_factor={job.scale_factor}")
+        check_job(where, table, job_type, total_steps, scale)
         jobs.append(job)
     return jobs
 
@@ -245,8 +275,10 @@ class GeneratorConfig:
     """Their probabilities."""
 
     def __post_init__(self) -> None:
-        if self.num_jobs < 1:
-            raise ValueError(f"num_jobs={self.num_jobs} must be >= 1")
+        if not 1 <= self.num_jobs <= MAX_JOBS:
+            raise ValueError(f"num_jobs={self.num_jobs} must be in [1, {MAX_JOBS}] (jobs to generate)")
+        if not (self.rate_per_hour <= MAX_RATE_PER_HOUR):
+            raise ValueError(f"rate_per_hour={self.rate_per_hour} must be at most {MAX_RATE_PER_HOUR:g} jobs per hour")
         if not (self.rate_per_hour >= 0 and math.isfinite(self.rate_per_hour)):
             raise ValueError(f"rate_per_hour={self.rate_per_hour} must be a finite number >= 0")
         if self.steps_reference not in ("one", "scale"):

@@ -106,6 +106,12 @@ def check_graph(g: Any) -> None:
     n = x.size(0)
     if n < 1:
         raise ValueError("the graph has no vertices")
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        v, f = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"graph.x has {int(bad.sum())} non-finite feature value(s) (first: vertex {v}, feature {f} "
+                         f"= {float(x[v, f])}); every feature must be a finite number (training on them gives a "
+                         f"NaN loss)")
     ei = g.edge_index
     if not isinstance(ei, Tensor) or ei.dim() != 2 or ei.size(0) != 2 or ei.dtype != torch.long:
         raise ValueError(f"graph.edge_index must be a long tensor [2, num_edges]; got "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from virtualflow.gnn.engine import GNNResult
 from virtualflow.gnn.price import PriceModel, value
 
@@ -12,6 +14,9 @@ def summarize(name: str, r: GNNResult, price: PriceModel, num_nodes: int, target
     tensor workers billed per GB-second of task time."""
     cost = price.cost(servers=r.servers, wall_s=r.wall_s, worker_busy_s=r.tw_busy_s, requests=r.tw_tasks)
     epochs = len(r.history)
+    # A run whose loss became non-finite trained nothing worth a value: it is marked, and its
+    # value (and its accuracies, computed from NaN weights) are not reported.
+    diverged = any(not math.isfinite(float(h.get("loss", 0.0))) for h in r.history)
     rec = {
         "run": name, "servers": r.servers, "tensor_workers": r.tensor_workers, "epochs": epochs,
         "wall_s": r.wall_s, "epoch_s": r.wall_s / max(1, epochs), "startup_s": r.startup_s,
@@ -24,6 +29,11 @@ def summarize(name: str, r: GNNResult, price: PriceModel, num_nodes: int, target
     }
     if target is not None:
         rec["target"] = {"metric": metric, "value": target, "time_s": r.time_to(metric, target)}
+    if diverged:
+        rec.update(diverged=True, value=None, vertex_epochs_per_usd=None,
+                   **{k: None for k in r.accuracy})
+        if "target" in rec:
+            rec["target"]["time_s"] = None
     return rec
 
 
@@ -31,7 +41,8 @@ def add_ratios(records: list[dict], against: str = "cpu-only") -> None:
     """``value_vs_<against>`` on every record, when a record of that name is there."""
     base = next((r for r in records if r["run"] == against), None)
     for r in records:
-        r[f"value_vs_{against}"] = r["value"] / base["value"] if base and base["value"] else None
+        r[f"value_vs_{against}"] = (r["value"] / base["value"]
+                                    if base and base["value"] and r["value"] is not None else None)
 
 
 def format_table(records: list[dict]) -> str:

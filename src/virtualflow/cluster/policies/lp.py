@@ -12,9 +12,14 @@ Everything is built from index arrays (no Python loop over jobs), so building co
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
+
 import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import linprog
+
 
 class SolveError(RuntimeError):
     """HiGHS found no optimum (infeasible, unbounded, or a model it cannot handle, e.g. weights
@@ -69,6 +74,34 @@ def x_bounds(runnable: np.ndarray, extra: list[tuple[float, float]] = ()) -> np.
     return b
 
 
+_banner_lock = threading.Lock()
+_banner_shown = False
+
+
+def _new_highs(highspy):
+    """A ``highspy.Highs()`` whose banner does not reach stdout.
+
+    HiGHS prints its banner ("Running HiGHS ...") from C++ to file descriptor 1 when the first
+    ``Highs`` object of a process is built, before any option can turn output off, and the
+    command lines' stdout is theirs (one line of metrics, or JSON). So the first construction
+    runs with descriptor 1 pointed at descriptor 2 (stderr): the banner goes there, nothing is
+    lost. Later constructions print nothing and are left alone."""
+    global _banner_shown
+    with _banner_lock:
+        if _banner_shown:
+            return highspy.Highs()
+        sys.stdout.flush()
+        saved = os.dup(1)
+        try:
+            os.dup2(2, 1)
+            h = highspy.Highs()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+            _banner_shown = True
+        return h
+
+
 class WarmStartLP:
     """A sequence of LPs of one shape (``min c x, A x <= b, bounds``) solved by HiGHS through
     ``highspy``, each started from the previous optimal basis (dual simplex); the first one by
@@ -79,7 +112,7 @@ class WarmStartLP:
         import highspy
 
         self._hs = highspy
-        self._h = highspy.Highs()
+        self._h = _new_highs(highspy)
         self._h.setOptionValue("output_flag", False)
         self._first_ipm = first_ipm
         self._basis = None
