@@ -240,6 +240,19 @@ def test_bodies_over_the_limit_are_refused_unread(server):
     assert status == 200 and ClusterDB(d).job(jid).state == "cancelled"  # a small body still works
 
 
+def test_a_head_growing_past_the_limit_is_refused(server):
+    """Headers still incomplete after max_header_bytes are answered 400 (not buffered on)."""
+    d, port, jid, token = server
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        for k in range(2 * LIMITS.max_header_bytes // 1024):
+            try:
+                s.sendall(b"X-Pad-%d: %s\r\n" % (k, b"a" * 1000))
+            except OSError:
+                break
+        assert s.recv(4096).startswith(b"HTTP/1.1 400")
+
+
 def test_ids_that_are_not_row_ids_are_404_without_a_traceback(server):
     d, port, jid, token = server
     records: list[logging.LogRecord] = []

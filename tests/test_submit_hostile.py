@@ -135,8 +135,8 @@ def test_an_export_with_an_elastic_job_wider_than_the_cluster_simulates(tmp_path
         os.makedirs(run_dir)
         db.update_job(jid, submitted_s=t0 + k, run_dir=str(run_dir))
     r = db.add_round(start_s=t0 + 0.1, policy="fifo", solved=True, decision_s=0.001, active=2, placements=[])
-    for k, jid in enumerate(ids):
-        workers = 1 if k == 0 else 1
+    for k, jid in enumerate(ids):  # each ran on one worker
+        workers = 1
         db.event("start", jid, now=t0 + 0.3 + k, acc_type="v100", workers=workers, resumed=False)
         with open(tmp_path / f"run{jid}" / "metrics.jsonl", "w") as f:
             for s in range(20):

@@ -51,8 +51,6 @@ from virtualflow.service.deadlines import deadline_cells, format_duration
 from virtualflow.service.state import ClusterDB, JobRow
 from virtualflow.service.webguard import RateLimitedLog, WebLimits, guarded_protocol
 
-log = logging.getLogger(__name__)
-
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 COLORS = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f",
           "#bab0ac")

@@ -15,7 +15,8 @@ when ``cluster start --dashboard-port`` is given, so whatever a client makes the
   A request being answered is never cut. Idle keep-alive connections close after
   :attr:`WebLimits.keep_alive_s` (uvicorn's own timer).
 - **Headers are bounded** (:attr:`WebLimits.max_header_bytes`, h11's limit on an incomplete
-  event): a longer head is answered 400 by uvicorn.
+  event): a head still incomplete past it is answered 400 by uvicorn (what one read delivers,
+  at most 256 KiB, is parsed whole).
 - **Error logging is rate-limited** (:class:`RateLimitedLog`): a flood of failing or malformed
   requests logs a few lines per window and a count, not one traceback per request.
 
@@ -48,7 +49,8 @@ class WebLimits:
     keep_alive_s: int = 5
     """An idle keep-alive connection is closed after this long."""
     max_header_bytes: int = 16 * 1024
-    """The request line and headers together (h11's ``max_incomplete_event_size``)."""
+    """A request head still incomplete past this many bytes is refused (h11's
+    ``max_incomplete_event_size``)."""
     max_body_bytes: int = 4096
     """A request body (the cancel form); a longer one is refused with 413 before it is read."""
     error_log_burst: int = 5
