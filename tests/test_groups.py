@@ -37,14 +37,14 @@ def _peer(port: int, op: str, delay_s: float, timeout_s: float) -> None:
         # from the test process is still posted and waited for on a thread, as the pipeline
         # driver's receives are. It reports in the store when that receive ended.
         work = group.irecv(torch.zeros(4), 1, tag=9)
-        t0 = time.monotonic()
 
         def wait() -> None:
             try:
                 work.wait()
-            except PeerFailure:
-                pass
-            store.set("peer/released_s", f"{time.monotonic() - t0:.3f}")
+                outcome = "completed"
+            except PeerFailure as exc:
+                outcome = str(exc)
+            store.set("peer/outcome", outcome)
 
         threading.Thread(target=wait, daemon=True).start()
         time.sleep(delay_s)
@@ -113,41 +113,42 @@ def test_a_collective_wait_ends_when_the_generation_is_aborted(pair):
     peer.join(10)
 
 
-# The group timeout of the tests below: what a wait that is not released would take.
-LEFT_TIMEOUT_S = 15.0
-RELEASED_S = 5.0  # far below the timeout, far above a release on a loaded machine
+# The group timeout of the tests below. A wait that nobody releases ends with it, reading "Timed
+# out waiting ..."; one released by a shut-down connection reads "Connection closed by peer".
+LEFT_TIMEOUT_S = 20.0
+RELEASED = "Connection closed by peer"
 
 
-def _peer_released_s(store) -> float:
-    store.wait(["peer/released_s"], datetime.timedelta(seconds=LEFT_TIMEOUT_S + 10))
-    return float(store.get("peer/released_s"))
+def _peer_outcome(store) -> str:
+    """How the peer's own receive from the test process ended."""
+    store.wait(["peer/outcome"], datetime.timedelta(seconds=LEFT_TIMEOUT_S + 10))
+    return store.get("peer/outcome").decode()
 
 
 def test_a_peer_that_left_with_a_receive_in_flight_releases_a_receive_from_it(pair):
     """The peer closes its group while its own receive still waits on a thread (whose work keeps
     gloo's connections alive): the close must still release this process's receive at once."""
     store, group, _ = pair("leaves_receiving", delay_s=0.3, timeout_s=LEFT_TIMEOUT_S)
-    t0 = time.perf_counter()
-    with pytest.raises(PeerFailure):
+    with pytest.raises(PeerFailure, match=RELEASED):
         group.recv(torch.empty(4), 0, tag=7)  # no abort check: only the peer's close can end it
-    assert time.perf_counter() - t0 < RELEASED_S
-    assert _peer_released_s(store) < RELEASED_S  # the peer's own receive ended with its close
+    assert RELEASED in _peer_outcome(store)  # the peer's own receive ended with its close
 
 
 def test_a_collective_given_up_on_the_abort_flag_releases_the_peer_and_closes_at_once(pair):
     """The survivor's side of the 120 s stall: its all-reduce waits on a live peer that has left
     (here: a peer that never joins it, waiting itself on a receive from the survivor). The abort
     flag ends the wait, and then neither the peer's receive nor the survivor's close may wait for
-    the abandoned all-reduce."""
+    the abandoned all-reduce (gloo's destructor waits for a collective in flight)."""
     store, group, _ = pair("silent_receiving", delay_s=0.0, timeout_s=LEFT_TIMEOUT_S)
     group.abort_check = lambda: store.check(["gen/0/abort"])
     threading.Timer(0.3, lambda: store.set("gen/0/abort", "1")).start()
     with pytest.raises(PeerFailure, match="declared the generation broken"):
         group.all_reduce(torch.ones(4))
-    assert _peer_released_s(store) < RELEASED_S
-    t0 = time.perf_counter()
-    group.close()
-    assert time.perf_counter() - t0 < RELEASED_S
+    assert RELEASED in _peer_outcome(store)
+    closer = threading.Thread(target=group.close, daemon=True)
+    closer.start()
+    closer.join(LEFT_TIMEOUT_S / 2)  # a close that waits for the all-reduce takes the whole timeout
+    assert not closer.is_alive() and group.pg is None
 
 
 def test_a_receive_from_a_live_peer_that_left_ends_on_the_abort_flag(pair):
@@ -157,9 +158,7 @@ def test_a_receive_from_a_live_peer_that_left_ends_on_the_abort_flag(pair):
     group.abort_check = lambda: store.check(["gen/0/abort"])
     threading.Timer(0.3, lambda: store.set("gen/0/abort", "1")).start()
     buf = torch.zeros(4)
-    t0 = time.perf_counter()
     with pytest.raises(PeerFailure, match="declared the generation broken.*during a receive"):
         group.recv(buf, 0, tag=7)
-    assert time.perf_counter() - t0 < RELEASED_S
-    assert _peer_released_s(store) < RELEASED_S
+    assert RELEASED in _peer_outcome(store)
     assert torch.equal(buf, torch.zeros(4))  # nothing arrived, and nothing will write into it later
