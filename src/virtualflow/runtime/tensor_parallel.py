@@ -620,7 +620,8 @@ def verify_same_block(block: nn.Module, comm: Comm, what: str) -> None:
     exactly when ``t * sum(f^2) == sum(f)^2`` (Cauchy-Schwarz), and with 16-bit numbers every
     sum is an integer below 2**53, exact in float64. Every rank computes the same verdict."""
     t = comm.group.size
-    f = torch.tensor(block_fingerprint(block), dtype=torch.float64)
+    device = next(block.parameters()).device  # the collectives' device (NCCL takes CUDA tensors only)
+    f = torch.tensor(block_fingerprint(block), dtype=torch.float64, device=device)
     buf = torch.cat([f, f * f])
     comm.all_reduce(buf)
     n = f.numel()
