@@ -100,6 +100,7 @@ def test_driver_messages_are_parsed_defensively():
     times = parse_message(b'{"kind": "status", "status": {"step": 1, "step_times": [0.5, -1, "x", 0.25]}}')
     assert times["status"]["step_times"] == [0.5, 0.25]
     assert parse_message(b'{"kind": "result", "steps": 4, "stopped": false, "loss": NaN}')["loss"] is None
+    assert parse_message(b'{"kind": "building", "extra": [1]}') == {"kind": "building"}
     for bad in (b"not json", b"[1, 2]", b'{"kind": "exec", "code": "rm -rf /"}', b'{"kind": "status"}',
                 b'{"kind": "result", "steps": -1}', b'{"kind": "error", "error": 5}', b"\x80\x81"):
         assert parse_message(bad) is None, bad
@@ -403,6 +404,11 @@ def test_job_code_runs_only_in_job_processes_and_each_bad_job_fails_alone(tmp_pa
         ids[n] = db.add_job(name=n, target=f"{jobs_py}:{n}", steps=40, elastic=False, min_workers=1, max_workers=1,
                             priority=1.0, job_type=None, deterministic=True, checkpoint_every=10)
     decide(s, *(Action("start", ids[n], "v100", 1, (f"v100-{i}",)) for i, n in enumerate(names)))
+    # A driver that does not read its commands (still starting) never blocks the service: once its
+    # pipe is full a command is refused at once.
+    sent = [s.running[ids["sleeps"]].handle._send({"op": "slowdown", "worker": 0, "factor": 2.0})
+            for _ in range(5000)]
+    assert sent[0] and not sent[-1]
     hang_pids: list[int] = []
     deadline = time.monotonic() + 150
     try:

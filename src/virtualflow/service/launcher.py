@@ -8,7 +8,7 @@ job's handle and the service over two pipes of JSON lines:
 
 - service -> driver (``CMD_FD``): the launch request first (target and launch options), then
   ``resize``, ``slowdown``, ``stop`` and ``kill`` commands;
-- driver -> service (``MSG_FD``): ``started``, ``status`` (step, state, members, loss, the
+- driver -> service (``MSG_FD``): ``building`` (the job's code runs from now on), ``started``, ``status`` (step, state, members, loss, the
   coordinator's recent step times: about
   five times a second while something changes, once a second otherwise), and one final
   ``result`` (steps, stopped, loss) or ``error`` (one line).
@@ -21,7 +21,8 @@ Whatever the job's code does while it is built and checked - raise, ``sys.exit``
 ``os._exit``, crash the interpreter (SIGSEGV), sleep for ever - happens in the driver: the
 service sees an ``error`` message, an exit without a result, or no ``started`` within
 ``launch_timeout_s`` (then it kills the driver), and records *that job* failed with the reason;
-every other job and the service go on. If the service dies, the driver sees its command pipe
+every other job and the service go on. (The limit counts from ``building``: a driver's own start,
+slow on a loaded machine, is bounded apart by :data:`DRIVER_START_S`.) If the service dies, the driver sees its command pipe
 close and stops the job at the next step boundary with the state written.
 
 **Identity of a job's processes.** Every driver, and through the environment every local worker
@@ -58,7 +59,11 @@ MARKER_ENV = "VIRTUALFLOW_SERVICE_JOB"
 MAX_LINE = 1 << 20
 """Longest message line read from either side (a longer one is dropped)."""
 
-KINDS = ("started", "status", "result", "error", "note")
+KINDS = ("building", "started", "status", "result", "error", "note")
+
+DRIVER_START_S = 120.0
+"""How long a driver may take to start (its interpreter, torch, virtualflow: no job code yet)
+before it says it builds the job; ``launch_timeout_s`` counts from then."""
 OPS = ("resize", "slowdown", "stop", "kill")
 
 
@@ -93,6 +98,8 @@ def parse_message(line: bytes) -> dict[str, Any] | None:
     if not isinstance(msg, dict) or msg.get("kind") not in KINDS:
         return None
     kind = msg["kind"]
+    if kind == "building":
+        return {"kind": kind}
     if kind in ("started", "status"):
         st = msg.get("status")
         if not isinstance(st, dict):
@@ -155,7 +162,7 @@ class ChildJob:
         cmd_r, cmd_w = os.pipe()
         msg_r, msg_w = os.pipe()
         os.makedirs(os.path.dirname(log_path), mode=0o700, exist_ok=True)
-        logf = open(log_path, "ab")
+        logf = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "virtualflow.service.launcher", str(cmd_r), str(msg_w)],
@@ -167,20 +174,25 @@ class ChildJob:
             os.close(msg_w)
         self._cmd = os.fdopen(cmd_w, "wb", buffering=0)
         self._msgs = os.fdopen(msg_r, "rb")
-        self._send({"op": "launch", "target": target, "options": options})
+        self._send({"op": "launch", "target": target, "options": options})  # into an empty pipe: never blocks
+        # From now on a command the driver does not read (it is busy building the job) never blocks
+        # the service: each is one write of less than PIPE_BUF bytes, all or nothing.
+        os.set_blocking(cmd_w, False)
+        self._building = False
+        self._timer = threading.Timer(max(DRIVER_START_S, launch_timeout_s), self._launch_expired)
+        self._timer.daemon = True
         self._reader = threading.Thread(target=self._read, name=f"job-driver-{self.proc.pid}", daemon=True)
         self._reader.start()
-        self._timer = threading.Timer(launch_timeout_s, self._launch_expired)
-        self._timer.daemon = True
         self._timer.start()
 
     # -- the pipes -------------------------------------------------------------------------
     def _send(self, msg: dict[str, Any]) -> bool:
+        """Write one command; False if the driver is gone or its pipe is full (never blocks)."""
         try:
+            data = json.dumps(msg).encode() + b"\n"
             with self._lock:
-                self._cmd.write(json.dumps(msg).encode() + b"\n")
-            return True
-        except (OSError, ValueError):  # the driver is gone (its exit is what counts)
+                return self._cmd.write(data) == len(data)  # None: the pipe is full
+        except (OSError, ValueError):  # gone (its exit is what counts), or not reading: see callers
             return False
 
     def _read(self) -> None:
@@ -209,7 +221,15 @@ class ChildJob:
 
     def _take(self, msg: dict[str, Any]) -> None:
         kind = msg["kind"]
-        if kind in ("started", "status"):
+        if kind == "building" and not self._building:
+            # The job's own code runs from now on: its time limit starts (the interpreter's start
+            # and torch's import, slow on a loaded machine, are not the job's).
+            self._building = True
+            self._timer.cancel()
+            self._timer = threading.Timer(self.launch_timeout_s, self._launch_expired)
+            self._timer.daemon = True
+            self._timer.start()
+        elif kind in ("started", "status"):
             self._status = msg["status"]
             if kind == "started":
                 self._started.set()
@@ -222,6 +242,12 @@ class ChildJob:
 
     def _launch_expired(self) -> None:
         if self._started.is_set() or self.proc.poll() is not None:
+            return
+        if not self._building:
+            self._error = (f"the job's driver process did not start within {max(DRIVER_START_S, self.launch_timeout_s):g} "
+                           f"s (a fresh interpreter importing torch and virtualflow: is the machine overloaded?); it was "
+                           f"killed (log: {self.log_path})")
+            self._kill_now()
             return
         self._error = (f"building and checking the job (importing {self.target}, the job function, its dataset, "
                        f"model, optimizer and loss) did not finish within {self.launch_timeout_s:g} s (the cluster's "
@@ -421,6 +447,7 @@ def driver_main(cmd_fd: int, msg_fd: int) -> int:
         inbox.put({"op": "gone"})
 
     threading.Thread(target=read_commands, name="service-commands", daemon=True).start()
+    send({"kind": "building"})  # the job's time limit starts now (virtualflow and torch are imported)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         import virtualflow
