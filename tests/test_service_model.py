@@ -121,7 +121,7 @@ def test_the_json_trace_round_trips_and_refuses_bad_jobs(tmp_path):
     bad([{**ok, "gpus": 2}], r"job 0: unknown keys \['gpus'\]")
     bad([ok, {"job_type": "a", "scale_factor": 1}], r"job 1: .*missing keys \['total_steps'\]")
     bad([{**ok, "job_type": "zz"}], r"job 0: unknown job type 'zz'")
-    bad([{**ok, "min_gpus": 3}], r"job 0: .*min_gpus=3 must be an integer in \[1, scale_factor=1\]")
+    bad([{**ok, "min_gpus": 3}], r"job 0: .*min_gpus=3 must be at most 1 \(an elastic job.s fewest GPUs, at most its scale_factor\)")
     bad([{**ok, "scale_factor": 4}], r"job 0: the throughput table has no throughput for 'a' at scale_factor=4")
     bad([], r"at least one job")
 
