@@ -52,7 +52,7 @@ check that the serial wrapper itself costs nothing.
 
 **``--tolerance``** (no timing, one process at a time): how far cutting a matmul moves the
 results, float32, in two fresh processes: MKL as this CPU picks it, and forced onto MKL's AVX2
-code path (``MKL_ENABLE_INSTRUCTIONS=AVX2``, the one AMD EPYC runs). (A) the ``tp_mlp`` program
+code path (``MKL_ENABLE_INSTRUCTIONS=AVX2``, which reproduces the AMD EPYC failures). (A) the ``tp_mlp`` program
 after ``split,reorder,fuse,overlap`` against the program as written and against
 ``overlap_reference`` (the same cut matmuls), in the p-rank simulator: sizes ``seq x hidden x
 ffn``, p = 2, 3, 4, k = 2, 4, seeds 0-4. (B) ``TensorParallelMLP`` on one rank with k row chunks
@@ -470,7 +470,7 @@ def tolerance_main(args) -> int:
         "# CoCoNeT: how far cutting a matmul moves the results (float32)", "", H.env_markdown(), "",
         f"Command: `OMP_NUM_THREADS=1 .venv/bin/python -m bench.coconet_overlap --tolerance`", "",
         "Each configuration runs in two fresh processes: `default` (MKL's code path as this CPU picks it) and "
-        "`mkl_avx2` (`MKL_ENABLE_INSTRUCTIONS=AVX2`, the path MKL runs on AMD EPYC). `program`: the `tp_mlp` "
+        "`mkl_avx2` (`MKL_ENABLE_INSTRUCTIONS=AVX2`, which reproduces the failures seen on AMD EPYC). `program`: the `tp_mlp` "
         "program (`seq x hidden x ffn`) after split, reorder, fuse and overlap (k chunks) in the p-rank simulator, "
         "output `y`, against the program as written (`vs_written`) and against `overlap_reference` (the same cut "
         "matmuls, `vs_same_cuts`), 5 seeds. `block`: `TensorParallelMLP` on one rank with k row chunks against "

@@ -103,7 +103,7 @@ def test_the_dp_adam_step_equals_torch_adam_on_the_summed_gradient(p):
 #   CPU (gelu is not: see test_gelu_moved_onto_slices_is_close);
 # * overlap cuts a matmul: bit-identical to `overlap_reference` (the same matmul shapes, the same ring
 #   chunks), and within OTHER_SHAPES_TOL of the uncut program: BLAS picks kernels by shape, so a
-#   cut matmul adds in another order on some CPUs (MKL's AVX2 code path, which AMD EPYC runs;
+#   cut matmul adds in another order on some CPUs (AMD EPYC; MKL's AVX2 code path here;
 #   measured max |diff| 7.2e-7, at most 0.42 of this tolerance, over 100 seeds, docs/coconet.md).
 OTHER_SHAPES_TOL = dict(rtol=1e-6, atol=1e-6)
 
@@ -158,9 +158,10 @@ def test_every_rewrite_is_close_when_chunks_do_not_align(name):
 
 def test_the_bit_identity_rules_hold_on_mkl_avx2_kernels():
     """This machine's CPU may run kernels under which a cut matmul happens to keep the whole one's
-    bits (Intel with AVX-512: MKL's AVX-512 path) where another CPU does not (AMD EPYC: MKL's AVX2
-    path). So the bit-identity checks run again in a fresh interpreter forced onto MKL's AVX2 code
-    path (``MKL_ENABLE_INSTRUCTIONS=AVX2``, read when MKL loads; no effect on a torch without MKL):
+    bits (an Intel Xeon with AVX-512) where another CPU does not (an AMD EPYC; forcing MKL onto its
+    AVX2 code path on the Xeon reproduces exactly the test failures seen there). So the
+    bit-identity checks run again in a fresh interpreter forced onto MKL's AVX2 code path
+    (``MKL_ENABLE_INSTRUCTIONS=AVX2``, read when MKL loads; no effect on a torch without MKL):
     every rewrite rule above, and the tensor-parallel block on one rank with one chunk against the
     single-worker block (the same shapes: bit-identical)."""
     script = (
