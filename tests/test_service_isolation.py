@@ -149,7 +149,7 @@ def test_a_stop_that_blocks_does_not_block_the_loop(tmp_path):
     assert c in s.running and s.running[c].slots == ("v100-0",)
 
 
-def test_a_job_that_stops_stepping_is_killed_as_hung(tmp_path):
+def test_a_job_that_stops_stepping_is_killed_as_hung(tmp_path, monkeypatch):
     s = make_service(tmp_path, {}, hang_factor=5.0, hang_floor_s=1.0)
     a, b = add(s), add(s)
     decide(s, Action("start", a, "v100", 1, ("v100-0",)), Action("start", b, "v100", 1, ("v100-1",)))
@@ -165,6 +165,12 @@ def test_a_job_that_stops_stepping_is_killed_as_hung(tmp_path):
     row = s.db.job(a)
     assert row.state == "failed" and row.error.startswith("hung: no step for") and ha.calls[-1] == ("kill",)
     assert s.db.job(b).state == "running" and b in s.running and ("kill",) not in hb.calls
+    # A job that stops stepping on a full disk is not failed: it is queued to resume.
+    monkeypatch.setattr(runner, "_free_bytes", lambda path: 1024.0)
+    s.running[b].clock.since_s -= limit + 1
+    s._tick()
+    assert s.db.job(b).state == "queued" and hb.calls[-1] == ("kill",)
+    assert "0 MiB free there" in s.db.events(job_id=b, kind="preempt")[-1]["data"]["reason"]
 
 
 # -- a full disk: the service pauses, records nothing false ------------------------------------

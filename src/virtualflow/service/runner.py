@@ -702,7 +702,12 @@ class Service:
                                   times if isinstance(times, list) else None)
                 hung = self.hang.verdict(run.clock, now)
                 if hung is not None:
-                    self._fail(jid, f"hung: {hung}; its processes were killed")
+                    if _free_bytes(row.run_dir) < SERVICE_FREE_BYTES:  # stuck for want of space: not its fault
+                        self.running.pop(jid)
+                        run.handle.kill()
+                        self._out_of_space(row, f"no progress ({hung}); its processes were killed")
+                    else:
+                        self._fail(jid, f"hung: {hung}; its processes were killed")
                     continue
             step = int(st.get("step") or 0)
             members = [w for w in st.get("workers", []) if w.get("rank") is not None]
