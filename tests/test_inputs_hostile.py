@@ -194,3 +194,26 @@ def test_gnn_json_is_valid_json_and_a_diverged_run_reports_no_value(tmp_path, ca
     for r in records:
         assert r["diverged"] is True and r["value"] is None and r["test_acc"] is None
     assert "graph:" in captured.err and "the loss became non-finite" in captured.err
+
+
+def test_spot_trace_of_years_finishes(tmp_path, capsys):
+    # Within the bounds, but at 1e8 s a float's spacing is coarser than the replay's old absolute
+    # tolerance: it looped for ever a few nanoseconds before a checkpoint. An alarm bounds the
+    # test should that come back.
+    import signal
+
+    path = tmp_path / "years.csv"
+    path.write_text("0,4\n3.1e8,2\n3.15e8,2\n")
+
+    def too_long(*_):
+        raise TimeoutError("the replay of a 10-year trace did not finish in 120 s")
+
+    old = signal.signal(signal.SIGALRM, too_long)
+    signal.alarm(120)
+    try:
+        assert main(SPOT + ["--trace", str(path), "--strategies", "checkpoint,bamboo", "--json"]) == 0
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    s = json.loads(capsys.readouterr().out)
+    assert s["strategies"]["checkpoint"]["hours"] == pytest.approx(3.15e8 / 3600)

@@ -454,7 +454,11 @@ class _Replay:
 
     def advance(self, t_to: float) -> None:
         while self.t < t_to:
-            if self.commit_at is not None and self.t >= self.commit_at - _EPS:
+            # Tolerances relative to the time: at 1e8 s a float's spacing (~1e-8 s) is coarser
+            # than an absolute 1e-9, and a step of less than that spacing makes no progress (a
+            # trace of months looped for ever a few nanoseconds before a checkpoint).
+            tol = max(_EPS, 1e-12 * abs(self.t))
+            if self.commit_at is not None and self.t >= self.commit_at - tol:
                 self.samples_since_ckpt = self.steps_since_ckpt = self.run_since_ckpt = 0.0
                 self.commit_at = None
             if self.waiting:
@@ -468,6 +472,9 @@ class _Replay:
                 continue
             rate = self.rate()
             end = min(t_to, self.t + max(self.every_s - self.run_since_ckpt, 0.0))
+            if end - self.t <= tol and end < t_to:
+                self.run_since_ckpt = self.every_s  # within rounding of the checkpoint: take it now
+                end = self.t
             dt = end - self.t
             step_rate = rate / (len(self.pipes) * self.c.samples_per_step)
             self.samples_since_ckpt += rate * dt
@@ -476,7 +483,7 @@ class _Replay:
             self.res.steps += step_rate * dt
             self.run_since_ckpt += dt
             self.record(end, "running", rate)
-            if self.run_since_ckpt >= self.every_s - _EPS:
+            if self.run_since_ckpt >= self.every_s - tol:
                 self.res.checkpoints += 1
                 self.commit_at = self.t + self.c.checkpoint_s
                 self.run_since_ckpt = 0.0
