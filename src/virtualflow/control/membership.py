@@ -24,11 +24,14 @@ Rules it enforces:
   resize), training resumes; after ``min_workers_timeout_s`` the job fails with the checkpoint
   named in the error.
 * **Heterogeneous workers** (``balance=True``). Step reports carry each rank's compute time;
-  the controller keeps a smoothed seconds-per-VN for every worker and maps VNs with the exact
+  the controller keeps a noise-robust seconds-per-VN for every worker
+  (:class:`virtualflow.plan.hetero.SpeedModel`: the median of its last ``speed_window``
+  measurements; workers equal within the noise share one speed) and maps VNs with the exact
   solver of :mod:`virtualflow.plan.hetero` on every new generation (resize, failure), and
   re-solves as speeds drift: when the current map is predicted slower than the best one by
-  more than ``rebalance_threshold`` for ``rebalance_patience`` consecutive measured steps, a
-  ``rebalance`` generation (same members, new map) is published like a resize.
+  more than ``rebalance_threshold`` plus the measurements' noise margin for
+  ``rebalance_patience`` consecutive measured steps, a ``rebalance`` generation (same members,
+  new map) is published like a resize.
   The solver may give a worker no VN (when that is faster): it stays a member, and its engine
   keeps measuring it on a probe VN while it waits for the others, so its speed stays known and
   it gets VNs back once it is fast enough. Measurements: a report for step ``k`` carries the
@@ -53,9 +56,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from virtualflow.comm import protocol
 from virtualflow.options import LaunchOptions
-from virtualflow.plan.hetero import check_memory, predict_step_s
-from virtualflow.plan.hetero import solve as solve_hetero
-from virtualflow.plan.hetero import solve_uneven
+from virtualflow.plan.hetero import SpeedModel, check_memory, check_rebalance, solve_uneven
 from virtualflow.plan.vnmap import contiguous_assignment
 
 logger = logging.getLogger("virtualflow")
@@ -115,7 +116,7 @@ class MembershipController:
         rebalance_threshold: float = 0.10,
         rebalance_patience: int = 3,
         min_observations: int = 3,
-        speed_smoothing: float = 0.3,
+        speed_window: int = 15,
     ) -> None:
         self.coord = coordinator
         self.store = coordinator.store
@@ -176,8 +177,7 @@ class MembershipController:
         self.rebalance_threshold = rebalance_threshold
         self.rebalance_patience = rebalance_patience
         self.min_observations = min_observations
-        self.alpha = speed_smoothing
-        self.time_per_vn: dict[int, float] = {}
+        self.speed = SpeedModel(speed_window)
         self.reduction_s = 0.0
         self.predicted_step_s: float | None = None
         self._obs: dict[int, int] = {}
@@ -366,20 +366,20 @@ class MembershipController:
                     costs = self._cost.setdefault(w, {})
                     key = (count, samples)
                     costs[key] = compute[rank] if key not in costs else 0.7 * costs[key] + 0.3 * compute[rank]
-            t = compute[rank] / count
-            old = self.time_per_vn.get(w)
-            self.time_per_vn[w] = t if old is None else (1 - self.alpha) * old + self.alpha * t
+            self.speed.observe(w, compute[rank] / count)
             self._obs[w] = self._obs.get(w, 0) + 1
         reduction = max(0.0, step_time_s - max(compute))
         self.reduction_s = reduction if self.reduction_s == 0 else 0.8 * self.reduction_s + 0.2 * reduction
         self._measured = True
 
+    @property
+    def time_per_vn(self) -> dict[int, float]:
+        """Each measured worker's seconds per VN (the median of its recent measurements)."""
+        return self.speed.estimates()
+
     def _speeds(self, members: Sequence[int]) -> list[float] | None:
-        known = [self.time_per_vn[w] for w in members if w in self.time_per_vn]
-        if not known:
-            return None
-        fallback = sorted(known)[len(known) // 2]  # a newcomer is assumed typical until measured
-        return [self.time_per_vn.get(w, fallback) for w in members]
+        # Pooled speeds (equal within the noise -> one speed); a newcomer is assumed typical.
+        return self.speed.speeds(members)
 
     def _cost_models(self, members: Sequence[int]) -> tuple[list[float], list[float]] | None:
         """Per worker (seconds per VN, seconds per sample), fitted to its measured step costs:
@@ -425,10 +425,9 @@ class MembershipController:
         limits = [self.memory_limits.get(w) for w in members]
         if self.vn_batch is not None:
             check_memory(self.vn_batch, limits)
-        speeds = self._speeds(members)
-        if speeds is None:
+        if self._speeds(members) is None:
             return self.assign(self.V, len(members))
-        plan = solve_hetero(self.V, speeds, reduction_s=self.reduction_s)
+        plan = self.speed.plan(self.V, members, reduction_s=self.reduction_s)
         self.predicted_step_s = plan.predicted_step_s
         return plan.blocks()
 
@@ -458,18 +457,16 @@ class MembershipController:
                 self._publish(list(self.members), kind="rebalance", hold=False, command=True,
                               detail={"predicted_before_s": current})
             return
-        speeds = self._speeds(self.members)
-        best = solve_hetero(self.V, speeds, reduction_s=self.reduction_s)
-        current = predict_step_s([len(a) for a in self.assignment], speeds, self.reduction_s)
-        if best.counts != [len(a) for a in self.assignment] and current > best.predicted_step_s * (1 + self.rebalance_threshold):
-            self._drift += 1
-        else:
-            self._drift = 0
+        verdict = check_rebalance([len(a) for a in self.assignment], self.speed, self.members, self.V,
+                                  reduction_s=self.reduction_s, threshold=self.rebalance_threshold)
+        self._drift = self._drift + 1 if verdict.worse else 0
         if self._drift >= self.rebalance_patience:
             self._drift = 0
+            estimates = self.time_per_vn
             self._publish(list(self.members), kind="rebalance", hold=False, command=True,
-                          detail={"time_per_vn": {str(w): self.time_per_vn.get(w) for w in self.members},
-                                  "predicted_before_s": current})
+                          detail={"time_per_vn": {str(w): estimates.get(w) for w in self.members},
+                                  "predicted_before_s": verdict.current_step_s,
+                                  "required_gain": verdict.required_gain})
 
     # -- failures ---------------------------------------------------------------------------
     def _on_failures(self, failed: dict[int, str], now: float) -> None:

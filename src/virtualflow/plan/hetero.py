@@ -211,3 +211,215 @@ def solve_uneven(
     samples = [int(round(v)) for v in res.x[n : 2 * n]]
     finish = max(per_vn_s[i] * counts[i] + per_sample_s[i] * samples[i] for i in range(n))
     return UnevenPlan(counts, samples, vn_sizes_for(counts, samples), finish + reduction_s)
+
+
+# -- a noise-robust speed model ----------------------------------------------------------------
+# Measured seconds per VN are noisy: other load on the machine, a collective that overlapped a
+# worker's compute, a page-cache miss. A smoothed mean (the first speed model here) followed the
+# noise: under load two equally fast workers measured 26 % apart and were mapped 7-1-0. The model
+# below is built so that noise alone cannot move VNs:
+#
+# * each worker's speed is the **median** of its last ``window`` measurements (a spike in fewer
+#   than half of them does not move it);
+# * the noise is one figure for the machine: the largest relative spread (from the median
+#   absolute deviation) among the workers, shrunk towards a prior ``prior_noise`` while few
+#   measurements exist (``prior_weight`` pseudo-measurements), so that three quiet samples do
+#   not make the model over-confident;
+# * workers whose speeds differ by less than ``z`` standard errors of that difference (at least
+#   ``tie_tolerance``) are **pooled**: one common speed, so the solver gives them counts at most
+#   one VN apart;
+# * a worker gets **no VN** only when that beats giving it one by more than ``zero_gain``;
+# * a **rebalance** needs the current map to be predicted slower than the best one by more than
+#   the threshold plus ``margin_z`` standard errors of a speed (hysteresis), on pooled speeds.
+#
+# A real change of speed (a 3x slowdown) is far outside every margin and is still followed, once
+# it holds for more than half of the window.
+
+
+@dataclass(frozen=True, slots=True)
+class SpeedEstimate:
+    seconds_per_vn: float
+    """Median of the worker's recent measurements."""
+    spread: float
+    """Relative spread of one measurement (1.4826 x MAD / median; 0 with fewer than 2)."""
+    samples: int
+
+
+class SpeedModel:
+    """Per-worker seconds per VN from noisy measurements (see the comment above).
+
+    Invariants: an estimate exists exactly for the workers measured at least once; it is the
+    median of at most ``window`` recent finite positive measurements, so it depends on the
+    measurements only, never on the order in which workers were observed.
+    """
+
+    def __init__(self, window: int = 15, *, tie_tolerance: float = 0.10, z: float = 4.0, margin_z: float = 3.0,
+                 prior_noise: float = 0.2, prior_weight: float = 3.0) -> None:
+        if window < 1:
+            raise ValueError(f"window={window} must be at least 1 measurement")
+        if tie_tolerance < 0 or prior_noise < 0 or prior_weight < 0:
+            raise ValueError(f"tie_tolerance={tie_tolerance}, prior_noise={prior_noise} and "
+                             f"prior_weight={prior_weight} must be >= 0")
+        self.window = window
+        self.tie_tolerance = tie_tolerance
+        self.z = z
+        self.margin_z = margin_z
+        self.prior_noise = prior_noise
+        self.prior_weight = prior_weight
+        self._samples: dict[int, list[float]] = {}
+
+    def observe(self, worker: int, seconds_per_vn: float) -> None:
+        """One measurement; non-finite or non-positive values are ignored (no information)."""
+        if not (math.isfinite(seconds_per_vn) and seconds_per_vn > 0):
+            return
+        s = self._samples.setdefault(worker, [])
+        s.append(float(seconds_per_vn))
+        del s[: max(0, len(s) - self.window)]
+
+    def forget(self, worker: int) -> None:
+        self._samples.pop(worker, None)
+
+    def estimate(self, worker: int) -> SpeedEstimate | None:
+        s = self._samples.get(worker)
+        if not s:
+            return None
+        med = _median(s)
+        spread = 1.4826 * _median([abs(x - med) for x in s]) / med if len(s) >= 2 else 0.0
+        return SpeedEstimate(med, spread, len(s))
+
+    def estimates(self) -> dict[int, float]:
+        """Median seconds per VN of every measured worker."""
+        return {w: _median(s) for w, s in self._samples.items() if s}
+
+    def noise(self, members: Sequence[int]) -> float:
+        """Relative noise of one measurement on this machine: the largest members' spread, each
+        shrunk towards ``prior_noise`` by ``prior_weight`` pseudo-measurements."""
+        k, p = self.prior_weight, self.prior_noise
+        out = 0.0
+        for e in (self.estimate(w) for w in members):
+            if e is not None:
+                out = max(out, math.sqrt((e.samples * e.spread**2 + k * p * p) / (e.samples + k)))
+        return out
+
+    def std_error(self, members: Sequence[int], worker: int) -> float:
+        """Relative standard error of ``worker``'s median (its count, the machine's noise)."""
+        e = self.estimate(worker)
+        n = e.samples if e is not None else 1
+        return 1.2533 * self.noise(members) / math.sqrt(n)
+
+    def speeds(self, members: Sequence[int]) -> list[float] | None:
+        """Pooled seconds per VN of ``members`` for the solver (None when none is measured);
+        an unmeasured member is assumed typical (the median of the measured ones)."""
+        est = {w: self.estimate(w) for w in members}
+        known = [e for e in est.values() if e is not None]
+        if not known:
+            return None
+        typical = sorted(known, key=lambda e: e.seconds_per_vn)[len(known) // 2]
+        times = [(est[w] or typical).seconds_per_vn for w in members]
+        errors = [self.std_error(members, w) for w in members]
+        return pool_ties(times, errors, tie_tolerance=self.tie_tolerance, z=self.z)
+
+    def plan(self, virtual_nodes: int, members: Sequence[int], *, reduction_s: float = 0.0,
+             zero_gain: float = 0.10) -> HeteroPlan:
+        """The best map on the pooled speeds (:func:`solve_robust`); a worker is dropped (no
+        VN) only if that wins even when it is as fast as ``z`` standard errors allow."""
+        speeds = self.speeds(members)
+        if speeds is None:
+            raise ValueError("no measured worker among the members: nothing to plan with")
+        optimistic = [t * math.exp(-self.z * self.std_error(members, w)) for t, w in zip(speeds, members)]
+        return solve_robust(virtual_nodes, speeds, reduction_s=reduction_s, zero_gain=zero_gain,
+                            optimistic=optimistic)
+
+    def margin(self, members: Sequence[int]) -> float:
+        """The relative noise of a predicted step time: ``margin_z`` standard errors of the
+        least measured member's speed (0 when nothing is measured)."""
+        if not any(w in self._samples for w in members):
+            return 0.0
+        return self.margin_z * max(self.std_error(members, w) for w in members)
+
+
+def _median(values: Sequence[float]) -> float:
+    s = sorted(values)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def pool_ties(times: Sequence[float], rel_errors: Sequence[float], *, tie_tolerance: float = 0.10,
+              z: float = 3.0) -> list[float]:
+    """Give workers whose speeds differ by less than the noise one common speed.
+
+    Workers are taken fastest first; a worker joins the current group when its time is within
+    ``max(tie_tolerance, z * sqrt(e_a^2 + e_b^2))`` (in log ratio; ``e`` the relative standard
+    errors) of the group's *first* (fastest) member, so a group never spans more than that.
+    Each group gets the median of its times. Deterministic: ties in time keep rank order.
+    """
+    order = sorted(range(len(times)), key=lambda i: (times[i], i))
+    out = list(times)
+    group: list[int] = []
+
+    def close() -> None:
+        if group:
+            common = _median([times[i] for i in group])
+            for i in group:
+                out[i] = common
+
+    for i in order:
+        if group:
+            first = group[0]
+            tol = max(tie_tolerance, z * math.hypot(rel_errors[first], rel_errors[i]))
+            if math.log(times[i] / times[first]) > tol:
+                close()
+                group = []
+        group.append(i)
+    close()
+    return out
+
+
+def solve_robust(virtual_nodes: int, time_per_vn: Sequence[float], *, reduction_s: float = 0.0,
+                 zero_gain: float = 0.10, optimistic: Sequence[float] | None = None) -> HeteroPlan:
+    """:func:`solve`, except that a worker gets no VN only when that is predicted faster than
+    giving every worker at least one by more than ``zero_gain`` (relative), judged with the
+    dropped workers' ``optimistic`` times (a lower confidence bound of each time; default the
+    times themselves): a worker is not dropped on a margin that measurement noise could make up."""
+    plan = solve(virtual_nodes, time_per_vn, reduction_s=reduction_s)
+    n = len(time_per_vn)
+    if 0 not in plan.counts or virtual_nodes < n:
+        return plan
+    low = list(time_per_vn)
+    if optimistic is not None:
+        for i, c in enumerate(plan.counts):
+            if c == 0:
+                low[i] = min(low[i], optimistic[i])
+    everyone = solve(virtual_nodes, low, reduction_s=reduction_s, min_vns=1)
+    if everyone.predicted_step_s > plan.predicted_step_s * (1 + zero_gain):
+        return plan
+    finish = [c * t for c, t in zip(everyone.counts, time_per_vn)]
+    slowest = max(range(n), key=lambda i: (finish[i], -i))
+    return HeteroPlan(everyone.counts, finish[slowest] + reduction_s, slowest)
+
+
+@dataclass(frozen=True, slots=True)
+class RebalanceCheck:
+    """Whether the current map should be replaced (one measured step's verdict)."""
+
+    worse: bool
+    """The best map is better than the current one by more than the required gain."""
+    best: HeteroPlan
+    current_step_s: float
+    required_gain: float
+    """``threshold + noise margin``: the relative gain a rebalance needs."""
+
+
+def check_rebalance(counts: Sequence[int], model: SpeedModel, members: Sequence[int], virtual_nodes: int, *,
+                    reduction_s: float = 0.0, threshold: float = 0.10, zero_gain: float = 0.10) -> RebalanceCheck:
+    """Compare the current map (``counts``) with the best one on the model's pooled speeds; the
+    best one must win by more than ``threshold`` plus the model's noise margin (hysteresis), so
+    that noise cannot move VNs back and forth. Pure: the caller decides what to do with it."""
+    speeds = model.speeds(members)
+    if speeds is None:
+        raise ValueError("no measured worker among the members: nothing to compare")
+    best = model.plan(virtual_nodes, members, reduction_s=reduction_s, zero_gain=zero_gain)
+    current = predict_step_s(counts, speeds, reduction_s)
+    required = threshold + model.margin(members)
+    worse = list(best.counts) != list(counts) and current > best.predicted_step_s * (1 + required)
+    return RebalanceCheck(worse, best, current, required)
