@@ -60,9 +60,24 @@ def load_run(run_dir: str) -> dict:
     steps = read_jsonl(metrics_path)
     evals = [e for e in read_jsonl(os.path.join(run_dir, "events.jsonl")) if e.get("event") == "eval"]
     summary = read_summary(run_dir) or {}
-    workers = summary.get("workers") or (steps[0]["workers"] if steps else "?")
-    label = f"{os.path.basename(os.path.normpath(run_dir))} ({workers} worker{'s' if workers != 1 else ''})"
+    label = f"{os.path.basename(os.path.normpath(run_dir))} ({workers_label(steps, summary)})"
     return {"label": label, "steps": steps, "evals": evals}
+
+
+def workers_label(steps: list[dict], summary: dict) -> str:
+    """How many workers a run had, over its whole life: ``2 workers``, ``2→3 workers`` after a
+    grow, ``2 workers (1–3 on the way)`` when it came back to its start; the summary's count when
+    no step was recorded. (A title with only the starting count misreported resized runs.)"""
+    counts = [s["workers"] for s in steps if isinstance(s.get("workers"), int) and not isinstance(s["workers"], bool)]
+    if not counts:
+        n = summary.get("workers")
+        return f"{n} worker{'s' if n != 1 else ''}" if n is not None else "? workers"
+    first, last, lo, hi = counts[0], counts[-1], min(counts), max(counts)
+    if first != last:
+        text = f"{first}\u2192{last} workers"
+        return text if (lo, hi) == tuple(sorted((first, last))) else f"{text} ({lo}\u2013{hi} on the way)"
+    text = f"{first} worker{'s' if first != 1 else ''}"
+    return text if lo == hi else f"{text} ({lo}\u2013{hi} on the way)"
 
 
 def _figure(width_in: float, height_in: float) -> Figure:
@@ -107,6 +122,10 @@ def plot_runs(run_dirs: list[str], output: str) -> str:
 
 
 def plot_timeline(run_dirs: list[str], output: str) -> str:
+    return _save(timeline_figure(run_dirs), output)
+
+
+def timeline_figure(run_dirs: list[str]) -> Figure:
     fig = _figure(8 * len(run_dirs), 6)
     axes = fig.subplots(2, len(run_dirs), squeeze=False, sharex="col")
     for col, run_dir in enumerate(run_dirs):
@@ -140,15 +159,18 @@ def plot_timeline(run_dirs: list[str], output: str) -> str:
                           label=label if (kind not in seen and a is ax) else None)
             seen.add(kind)
             if kind == "formed":
+                # Hung from the top of the axes, inside them: a label above the data ran past
+                # the axes' top and was clipped.
                 ax.annotate(f"g{e['generation']}: {e.get('change', '')} {e.get('pause_s', 0) * 1000:.0f} ms",
-                            (step, max(s["workers"] for s in steps) + 0.2), fontsize=7, rotation=90, va="bottom")
+                            xy=(step, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -3),
+                            textcoords="offset points", fontsize=7, rotation=90, va="top", ha="left")
         ax.set(title=f"{run['label']}: workers over steps", ylabel="workers")
         ax.set_ylim(0, max([s["workers"] for s in steps] + [1]) + 1.5)
         ax2.set(xlabel="step", ylabel="step time (ms)")
         for a in (ax, ax2):
             a.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="lower left")
-    return _save(fig, output)
+    return fig
 
 
 _COLORS = {"input_s": "tab:orange", "forward_s": "tab:blue", "backward_s": "tab:cyan", "reduction_s": "tab:green",
@@ -156,8 +178,13 @@ _COLORS = {"input_s": "tab:orange", "forward_s": "tab:blue", "backward_s": "tab:
 
 
 def plot_breakdown(run_dirs: list[str], output: str) -> str:
+    return _save(breakdown_figure(run_dirs), output)
+
+
+def breakdown_figure(run_dirs: list[str]) -> Figure:
     """Per run (a column) and worker (a row): stacked milliseconds of each part over steps; a
-    dotted line where a new generation starts (a resize, a failure, a rebalance)."""
+    dotted line where a new generation starts (a resize, a failure, a rebalance). Every panel has
+    the same y-axis, so that runs and workers compare at a glance."""
     from virtualflow.runtime import breakdown
 
     tables = []
@@ -170,7 +197,7 @@ def plot_breakdown(run_dirs: list[str], output: str) -> str:
         tables.append((run, rows))
     n_rows = max(len({w for _, _, w, _ in rows}) for _, rows in tables)
     fig = _figure(8 * len(run_dirs), 2.6 * n_rows + 0.6)
-    axes = fig.subplots(n_rows, len(run_dirs), squeeze=False, sharex="col")
+    axes = fig.subplots(n_rows, len(run_dirs), squeeze=False, sharex="col", sharey="all")
     for col, (run, rows) in enumerate(tables):
         workers = sorted({w for _, _, w, _ in rows})
         starts = []  # (step, generation) where a generation's first broken-down step is
@@ -192,13 +219,14 @@ def plot_breakdown(run_dirs: list[str], output: str) -> str:
                          colors=[_COLORS[k] for k in breakdown.PARTS], step="mid", alpha=0.85)
             for step, gen in starts[1:]:
                 ax.axvline(step - 0.5, color="black", linestyle=":", linewidth=1.0)
-                ax.annotate(f"g{gen}", (step - 0.5, ax.get_ylim()[1]), fontsize=7, va="top")
+                ax.annotate(f"g{gen}", xy=(step - 0.5, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -2),
+                            textcoords="offset points", fontsize=7, va="top")
             ax.set(ylabel="ms", title=f"{run['label']}: worker {wid}")
             ax.grid(alpha=0.3)
             if r == 0:
                 ax.legend(fontsize=7, loc="upper right", ncol=4)
         axes[min(len(workers), n_rows) - 1][col].set_xlabel("step")
-    return _save(fig, output)
+    return fig
 
 
 def _step_at(steps: list[dict], t: float | None) -> int:
@@ -247,6 +275,10 @@ def scaling_table(run_dir: str, warmup_steps: int = 2) -> tuple[list[dict], int 
 
 
 def plot_scaling(run_dirs: list[str], output: str) -> str:
+    return _save(scaling_figure(run_dirs), output)
+
+
+def scaling_figure(run_dirs: list[str]) -> Figure:
     fig = _figure(7 * len(run_dirs), 4.5)
     axes = fig.subplots(1, len(run_dirs), squeeze=False)
     for col, run_dir in enumerate(run_dirs):
@@ -266,8 +298,12 @@ def plot_scaling(run_dirs: list[str], output: str) -> str:
             r = rows[ks.index(chosen)]
             ax.plot([chosen], [r["throughput"]], marker="*", markersize=18, color="tab:red", linestyle="none",
                     label=f"chosen: {chosen} workers")
+            # Toward the middle of the axes: at the largest worker count a label to the right of
+            # the marker ran past the axes and was clipped.
+            right = chosen == max(ks) and len(ks) > 1
             ax.annotate(f"{chosen} workers\n{r['throughput']:.0f} samples/s", (chosen, r["throughput"]),
-                        textcoords="offset points", xytext=(8, -28), fontsize=8, color="tab:red")
+                        textcoords="offset points", xytext=(-8 if right else 8, -28), fontsize=8, color="tab:red",
+                        ha="right" if right else "left")
         ax.set_xticks(ks)
         ax.grid(alpha=0.3)
         handles = ax.get_legend_handles_labels()
@@ -275,7 +311,7 @@ def plot_scaling(run_dirs: list[str], output: str) -> str:
         ax.legend(handles[0] + handles2[0], handles[1] + handles2[1], fontsize=8, loc="lower right")
         ax.set_title(f"{os.path.basename(os.path.normpath(run_dir))}: throughput and cost per worker count\n({source})",
                      fontsize=9)
-    return _save(fig, output)
+    return fig
 
 
 def main(args: argparse.Namespace) -> int:
