@@ -450,17 +450,12 @@ class Service:
                         self.pending.append(a)
         self._settle_stops(wait_s=self.settle_s)
         for a in decision.actions:
-            if a.kind == "resize":
-                try:
-                    self._resize(rows[a.job_id], a)
-                except (ValueError, TypeError, RuntimeError, OSError) as exc:
-                    self._fail(a.job_id, f"resize failed: {type(exc).__name__}: {' '.join(str(exc).split())}")
-            elif a.kind == "start":
-                self.pending.append(a)
+            if a.kind in ("resize", "start"):
+                self.pending.append(a)  # a grow, like a start, waits for slots a stopping job holds
         self._run_pending()
 
     def _run_pending(self) -> None:
-        """Make the waiting starts whose slots no job being stopped holds any more."""
+        """Make the waiting starts and resizes whose slots no job being stopped holds any more."""
         held = {s for st in self.stops.values() for s in st.run.slots}
         waiting = []
         for a in self.pending:
@@ -468,6 +463,13 @@ class Service:
                 waiting.append(a)
                 continue
             row = self.db.job(a.job_id)
+            if a.kind == "resize":
+                if row is not None:
+                    try:
+                        self._resize(row, a)
+                    except (ValueError, TypeError, RuntimeError, OSError) as exc:
+                        self._fail(a.job_id, f"resize failed: {type(exc).__name__}: {' '.join(str(exc).split())}")
+                continue
             if row is None or row.state != "queued" or row.cancel_requested or a.job_id in self.running:
                 continue  # it ended, was cancelled or started meanwhile
             try:
