@@ -96,7 +96,7 @@ def test_driver_messages_are_parsed_defensively():
     ok = parse_message(b'{"kind": "status", "status": {"step": 3, "state": "running", "loss": 0.5, '
                        b'"workers": [{"id": 0, "rank": 0, "pid": 12}, {"id": "x"}, 7]}}\n')
     assert ok == {"kind": "status", "status": {"state": "running", "step": 3, "loss": 0.5, "step_times": [],
-                                               "workers": [{"id": 0, "rank": 0, "pid": 12}]}}
+                                               "workers": [{"id": 0, "rank": 0, "pid": 12, "node": None}]}}
     times = parse_message(b'{"kind": "status", "status": {"step": 1, "step_times": [0.5, -1, "x", 0.25]}}')
     assert times["status"]["step_times"] == [0.5, 0.25]
     assert parse_message(b'{"kind": "result", "steps": 4, "stopped": false, "loss": NaN}')["loss"] is None

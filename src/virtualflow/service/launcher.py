@@ -46,6 +46,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,9 @@ def parse_message(line: bytes) -> dict[str, Any] | None:
         workers = []
         for w in st.get("workers") if isinstance(st.get("workers"), list) else []:
             if isinstance(w, dict) and _int(w.get("id")) is not None:
-                workers.append({"id": w["id"], "rank": _int(w.get("rank")), "pid": _int(w.get("pid"))})
+                node = w.get("node")
+                workers.append({"id": w["id"], "rank": _int(w.get("rank")), "pid": _int(w.get("pid")),
+                                "node": node[:200] if isinstance(node, str) else None})
         state = st.get("state")
         times = st.get("step_times") if isinstance(st.get("step_times"), list) else []
         times = [t for t in map(_finite, times[:50]) if t is not None and t >= 0]
@@ -146,6 +149,7 @@ class ChildJob:
     def __init__(self, target: str, options: dict[str, Any], *, marker: str, log_path: str,
                  launch_timeout_s: float = 60.0, env: dict[str, str] | None = None) -> None:
         self.target, self.marker, self.log_path = target, marker, log_path
+        self.options = dict(options)
         self.launch_timeout_s = launch_timeout_s
         self.launched_s = time.monotonic()
         self._status: dict[str, Any] = {"state": "launching", "step": None, "workers": [], "loss": None}
@@ -264,6 +268,19 @@ class ChildJob:
     @property
     def started(self) -> bool:
         return self._started.is_set()
+
+    @property
+    def backend(self) -> SimpleNamespace:
+        """A read-only view for observers (as :attr:`virtualflow.JobHandle.backend`): what this
+        launch asked for (``options.resources``, ``config.slowdowns``) and, as the driver last
+        reported, the Ray node of each worker (``workers[id].node_id``; None on the local backend
+        or while unplaced)."""
+        slowdowns = self.options.get("slowdowns") or []
+        return SimpleNamespace(
+            name=self.options.get("backend", "local"),
+            options=SimpleNamespace(resources=dict(self.options.get("resources") or {})),
+            config=SimpleNamespace(slowdowns={i: float(f) for i, f in enumerate(slowdowns) if f != 1.0}),
+            workers={w["id"]: SimpleNamespace(node_id=w.get("node")) for w in self._status.get("workers", [])})
 
     @property
     def disk_full(self) -> bool:
@@ -467,10 +484,12 @@ def driver_main(cmd_fd: int, msg_fd: int) -> int:
             st = handle.status()
         except Exception:  # noqa: BLE001 - between states: the last one stands
             return last_status
+        nodes = {wid: getattr(proc, "node_id", None) for wid, proc in getattr(handle.backend, "workers", {}).items()}
         last_status = {"state": st.get("state"), "step": st.get("step"), "loss": st.get("loss"),
                        "step_times": st.get("recent_step_times_s"),
-                "workers": [{"id": w.get("id"), "rank": w.get("rank"), "pid": w.get("pid")}
-                            for w in st.get("workers", []) if isinstance(w, dict)]}
+                       "workers": [{"id": w.get("id"), "rank": w.get("rank"), "pid": w.get("pid"),
+                                    "node": nodes.get(w.get("id"))}
+                                   for w in st.get("workers", []) if isinstance(w, dict)]}
         return last_status
 
     started.set()
