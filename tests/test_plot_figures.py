@@ -59,7 +59,8 @@ def test_timeline_and_scaling_labels_are_not_clipped(tmp_path):
 
 def _breakdown_run(run_dir: str, compute_s: float) -> None:
     os.makedirs(run_dir, exist_ok=True)
-    zero = {k: 0.0 for k in ("input_s", "reduction_s", "straggler_s", "optimizer_s", "control_s", "loaded_s")}
+    zero = {k: 0.0 for k in ("input_s", "reduction_s", "straggler_s", "optimizer_s", "overhead_s", "control_s",
+                             "loaded_s")}
     with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
         for step in range(1, 6):
             parts = [{"worker": w, **zero, "forward_s": compute_s, "backward_s": compute_s, "step_s": 2 * compute_s,

@@ -174,7 +174,7 @@ def timeline_figure(run_dirs: list[str]) -> Figure:
 
 
 _COLORS = {"input_s": "tab:orange", "forward_s": "tab:blue", "backward_s": "tab:cyan", "reduction_s": "tab:green",
-           "straggler_s": "tab:red", "optimizer_s": "tab:purple", "control_s": "tab:gray"}
+           "straggler_s": "tab:red", "optimizer_s": "tab:purple", "overhead_s": "tab:olive", "control_s": "tab:gray"}
 
 
 def plot_breakdown(run_dirs: list[str], output: str) -> str:

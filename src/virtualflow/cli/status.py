@@ -74,6 +74,8 @@ def breakdown_lines(data: object) -> list[str]:
                           per_worker={int(k): v for k, v in data["per_worker"].items()},  # type: ignore[index]
                           io={int(k): v for k, v in data["io_per_step"].items()},  # type: ignore[index]
                           advice=data.get("advice"))  # type: ignore[union-attr]
+        for m in [*summary.per_worker.values(), summary.share]:
+            m.setdefault("overhead_s", 0.0)  # a status written before the engine's overhead was apart
         for m in summary.per_worker.values():
             [float(m[k]) for k in PARTS + ("step_s",)]
         lines = format_table(summary)

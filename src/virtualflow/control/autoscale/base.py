@@ -173,7 +173,8 @@ class SizeMeasurement:
 
 
 BOUND_PARTS = {"compute": ("forward_s", "backward_s"), "communication": ("reduction_s",),
-               "waiting": ("straggler_s",), "input": ("input_s",), "control": ("optimizer_s", "control_s")}
+               "waiting": ("straggler_s",), "input": ("input_s",),
+               "control": ("optimizer_s", "overhead_s", "control_s")}
 """How the breakdown's parts group into what a step can be bound by."""
 
 
