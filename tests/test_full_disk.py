@@ -62,6 +62,15 @@ def test_atomic_write_names_the_file_and_keeps_the_old_one(tmp_path, monkeypatch
         assert os.listdir(tmp_path) == ["status.json"]  # no temporary file left behind
 
 
+def test_partial_writes_of_stopped_processes_are_removed_and_nothing_else(tmp_path):
+    names = [".step-00000003.pt.tmp-123-0a1b2c3d", ".status.json.tmp-456-0a1b2c3d", "step-00000002.pt",
+             ".step-00000004.pt.tmp-123-notmine", "notes.tmp-123-0a1b2c3d"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    assert rundir.remove_temporaries(str(tmp_path), {123}) == [".step-00000003.pt.tmp-123-0a1b2c3d"]
+    assert sorted(os.listdir(tmp_path)) == sorted(names[1:])
+
+
 def test_full_disk_at_launch_reports_enospc_not_the_clean_up(tmp_path, monkeypatch):
     run_dir = str(tmp_path / "run")
 
@@ -143,8 +152,10 @@ def test_records_that_no_longer_fit_stop_the_run_cleanly(run_dir, monkeypatch):
     with open(os.path.join(run_dir, "summary.json")) as f:
         assert json.load(f)["status"] == "failed"
     assert not os.path.exists(os.path.join(run_dir, "final.pt"))
+    # Every state written is whole; a write the stopped workers did not finish left nothing.
     kept = sorted(os.listdir(os.path.join(run_dir, "checkpoints")))
     assert kept and all(load_state(os.path.join(run_dir, "checkpoints", k))["step"] == int(k[5:13]) for k in kept)
+    assert not [f for f in os.listdir(run_dir) if f.startswith(".")]
     with pytest.raises(TrainingError):  # what SIGTERM and Ctrl-C do: the run has ended, nothing waits
         handle.stop(timeout_s=5)
 

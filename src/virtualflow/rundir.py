@@ -170,6 +170,29 @@ def atomic_write(path: str, data: bytes | Callable[[IO[bytes]], None], *, mode: 
     _fsync_dir(folder)
 
 
+def remove_temporaries(folder: str, pids: set[int]) -> list[str]:
+    """Remove the temporary files :func:`atomic_write` calls of processes ``pids`` left in
+    ``folder`` (a writer killed mid-write leaves its ``.NAME.tmp-PID-HEX``; on a full disk that
+    is space the next run needs). Only for processes known to be gone: a live writer's file is
+    the one it is about to rename. Returns the names removed."""
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        stem, sep, tail = name.rpartition(".tmp-")
+        pid, _, token = tail.partition("-")
+        if (name.startswith(".") and sep and pid.isdigit() and int(pid) in pids and len(token) == 8
+                and all(c in "0123456789abcdef" for c in token)):
+            try:
+                os.unlink(os.path.join(folder, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
 def _fsync_dir(folder: str) -> None:
     try:
         fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))

@@ -34,7 +34,7 @@ from virtualflow.control.membership import FallbackRestart, JobFailed, Membershi
 from virtualflow.job import Job, JobSource
 from virtualflow.options import LaunchOptions
 from virtualflow.result import Result, TrainingError, WorkerTraceback
-from virtualflow.rundir import RunLock, disk_full_error, state_files, write_json
+from virtualflow.rundir import RunLock, disk_full_error, remove_temporaries, state_files, write_json
 from virtualflow.runtime.checkpoint import load_state
 from virtualflow.runtime import breakdown
 from virtualflow.runtime.worker import WorkerConfig
@@ -288,6 +288,7 @@ class Supervisor:
             # A failed job's workers have nothing left to write; one blocked in a collective (a
             # SIGTERM while training is only a preemption notice to it) is killed after 1 s.
             self._best_effort("stopping the workers", lambda: self.backend.terminate_all(grace_s=1.0))
+            self._best_effort("removing the stopped workers' partial writes", self._remove_partial_writes)
             self._best_effort("the failed event",
                               lambda: coord.event("failed", error=str(exc), step=getattr(exc, "step", None)))
         finally:
@@ -321,6 +322,16 @@ class Supervisor:
             logger.log(logging.DEBUG if quiet else logging.WARNING, "%s: %s", what,
                        full if full is not None else f"{type(exc).__name__}: {exc}")
             return False
+
+    def _remove_partial_writes(self) -> None:
+        """A worker killed while it wrote a state leaves the temporary file of that write; the
+        job has failed and its workers are stopped, so no write of theirs is in progress: remove
+        what they left (the states they completed stay)."""
+        pids = {pid for w in self.backend.poll() if (pid := self.backend.pid(w)) is not None}
+        for folder in (self.setup.state_dir, os.path.join(self.setup.state_dir, "checkpoints")):
+            removed = remove_temporaries(folder, pids)
+            if removed:
+                logger.debug("removed %s in %s (writes the stopped workers did not finish)", ", ".join(removed), folder)
 
     def _disk_full_advice(self) -> str:
         """What to do after a full disk stopped the run: continue from its states, if it wrote any."""
