@@ -298,6 +298,42 @@ def test_a_job_out_of_space_is_queued_not_failed_and_waits_for_room(tmp_path, mo
     assert [r.id for r in s._active_rows()] == [a, b]
 
 
+
+def test_a_start_the_service_lacks_descriptors_for_is_held_back_not_failed(tmp_path, monkeypatch):
+    """EMFILE while the service starts a job (its own descriptors ran out, e.g. under a flood of
+    connections) is the machine's shortage, not the job's fault: the job stays queued, is not
+    placed during a back-off that doubles while the shortage lasts, and starts normally after."""
+    import errno
+
+    fail = {"left": 2}
+
+    def launch(target, **kw):
+        if fail["left"]:
+            fail["left"] -= 1
+            raise OSError(errno.EMFILE, "Too many open files")
+        return FakeHandle(kw)
+
+    clock = {"t": 1000.0}
+    monkeypatch.setattr(runner.time, "monotonic", lambda: clock["t"])
+    s = make_service(tmp_path, {})
+    s.launch = launch
+    a, b = add(s), add(s)
+    decide(s, Action("start", a, "v100", 1, ("v100-0",)))
+    row = s.db.job(a)
+    assert row.state == "queued" and row.error is None
+    held = s.db.events(job_id=a, kind="held")
+    assert len(held) == 1 and "Too many open files" in held[0]["data"]["reason"] and "15 s" in held[0]["data"]["reason"]
+    assert [r.id for r in s._active_rows()] == [b]  # held back meanwhile; the other job is not
+    clock["t"] += 16
+    assert [r.id for r in s._active_rows()] == [a, b]
+    decide(s, Action("start", a, "v100", 1, ("v100-0",)))  # short again: the back-off doubles
+    assert "30 s" in s.db.events(job_id=a, kind="held")[-1]["data"]["reason"]
+    clock["t"] += 31
+    decide(s, Action("start", a, "v100", 1, ("v100-0",)))
+    assert s.db.job(a).state == "running" and not s.db.events(job_id=a, kind="failed")
+    assert a not in s._held  # a start ends the back-off
+
+
 # -- a restart kills only what is verifiably a job's ------------------------------------------------
 def fake_proc(root, pid: int, *, env: dict[str, str], start_ticks: int, btime: int = 1_000_000) -> None:
     os.makedirs(root / str(pid), exist_ok=True)

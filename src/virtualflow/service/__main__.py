@@ -12,6 +12,23 @@ import sys
 from virtualflow.service.runner import SERVICE_FREE_BYTES, Service, disk_full
 
 
+def raise_descriptor_limit() -> None:
+    """Raise this process's soft limit on open files to its hard limit: the service holds the
+    database, each job driver's pipes and the dashboard's connections (which the dashboard caps),
+    and a start refused for want of descriptors only delays a job (it is retried after a back-off)."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system
+        return
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ValueError, OSError):
+        pass  # not allowed here: the soft limit stands
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
@@ -20,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster_dir = args[0]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         filename=os.path.join(cluster_dir, "service.log"))
+    raise_descriptor_limit()
     try:
         service = Service(cluster_dir)
         signal.signal(signal.SIGTERM, service.request_stop)

@@ -92,6 +92,20 @@ SERVICE_FREE_BYTES = 64 * 1024 * 1024
 before it goes on (the database grows by its write-ahead log; 64 MiB is ample for many rounds)."""
 
 
+RESOURCE_BACKOFF_S = (15.0, 600.0)
+"""A job whose start failed because the *service* ran short of a process resource (descriptors,
+processes, memory) is placed again after the first figure, doubling at each repeat up to the
+second: the shortage is the machine's, not the job's, so it never fails the job for good."""
+
+
+def short_of_resources(exc: BaseException) -> bool:
+    """Whether ``exc`` says this process (or the machine) ran out of descriptors, processes or
+    memory: EMFILE, ENFILE, EAGAIN (fork), ENOMEM. Transient, and no fault of the job's."""
+    import errno
+
+    return isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM)
+
+
 def disk_full(exc: BaseException) -> bool:
     """Whether ``exc`` is SQLite's (or the OS's) "out of space"."""
     import errno
@@ -223,6 +237,9 @@ class Service:
         self._no_space: dict[int, float] = {}
         """Jobs that ended for lack of space -> the free bytes at their run directory then: they
         are not placed again before ``SERVICE_FREE_BYTES`` more are free there."""
+        self._held: dict[int, tuple[float, int]] = {}
+        """Jobs whose start failed for want of the service's own resources -> (monotonic time before
+        which they are not placed again, how many times in a row): see ``RESOURCE_BACKOFF_S``."""
         self.mechanism = mechanism_of(cfg.get("mechanism"), self.round_s)
         self.scheduler = Scheduler(self.slots, get_policy(self.policy_name), round_s=self.round_s,
                                    mechanism=self.mechanism)
@@ -352,7 +369,9 @@ class Service:
                                            or _free_bytes(r.run_dir) >= self._no_space[r.id] + SERVICE_FREE_BYTES):
                 del self._no_space[r.id]
                 log.info("job %d may run again: %.0f MiB free at %s", r.id, _free_bytes(r.run_dir) / 2**20, r.run_dir)
-        return [r for r in rows if r.id not in self._no_space]
+        now = time.monotonic()
+        return [r for r in rows if r.id not in self._no_space
+                and not (r.state == "queued" and self._held.get(r.id, (0.0, 0))[0] > now)]
 
     def play_round(self) -> None:
         """One round: decide, record, enact, run for ``round_s`` while polling, measure."""
@@ -479,6 +498,10 @@ class Service:
                     self.running.pop(row.id, None)
                     self._out_of_space(row, _one_line(exc))
                     continue
+                if short_of_resources(exc):  # nor when the service ran out of descriptors/processes
+                    self.running.pop(row.id, None)
+                    self._hold_back(row, _one_line(exc))
+                    continue
                 # A launch that could not even begin (no run directory, ...): this job fails alone.
                 self._fail(row.id, f"{a.kind} failed: {type(exc).__name__}: {' '.join(str(exc).split())}")
         self.pending = waiting
@@ -515,6 +538,7 @@ class Service:
         if restart or resume is not None:
             fields["restarts"] = row.restarts + 1
         self.db.set_job_state(row.id, "running", **fields)
+        self._held.pop(row.id, None)  # a back-off for want of resources ends with a start
         run.start_event = {**{k: v for k, v in fields.items() if isinstance(v, (int, float, str, type(None)))},
                            "resumed": resume is not None}
         self._note_start(row.id, run)
@@ -779,6 +803,25 @@ class Service:
         self.scheduler.finished(jid)
         if self.round_id is not None:
             self.db.end_allocation(self.round_id, jid, time.time())
+
+    def _hold_back(self, row: JobRow, error: str) -> None:
+        """The job could not be started because the service itself ran short of descriptors,
+        processes or memory (``short_of_resources``). Not the job's fault and not final: it stays
+        queued and is placed again after a back-off that doubles while the shortage lasts."""
+        _, times = self._held.get(row.id, (0.0, 0))
+        first, most = RESOURCE_BACKOFF_S
+        wait_s = min(most, first * 2 ** times)
+        self._held[row.id] = (time.monotonic() + wait_s, times + 1)
+        line = (f"job {row.id} could not be started: the cluster service ran short of resources ({error}); it stays "
+                f"queued and is placed again in {wait_s:.0f} s (raise the service's limits, e.g. ulimit -n, if this "
+                f"repeats)")
+        if row.state != "queued":
+            self.db.set_job_state(row.id, "queued", event="preempt", acc_type=None, workers=0, slots=[],
+                                  info={"reason": line})
+        else:
+            self.db.event("held", row.id, reason=line)
+        log.error("%s", line)
+        self._left(row.id)
 
     def _out_of_space(self, row: JobRow, error: str) -> None:
         """The job ended because its files could not be written (its driver says: out of space).
