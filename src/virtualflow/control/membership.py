@@ -31,7 +31,11 @@ Rules it enforces:
   re-solves as speeds drift: when the current map is predicted slower than the best one by
   more than ``rebalance_threshold`` plus the measurements' noise margin for
   ``rebalance_patience`` consecutive measured steps, a ``rebalance`` generation (same members,
-  new map) is published like a resize.
+  new map) is published like a resize. A rebalance is then judged by its outcome: if the new
+  map's median step time is worse than the old one's by more than the threshold, the old map
+  comes back (a ``rebalance`` with ``reverted``) and the rejected map is not proposed again for
+  those members. Each rank's compute is taken from the step's breakdown (input + forward +
+  backward) when the report carries one.
   The solver may give a worker no VN (when that is faster): it stays a member, and its engine
   keeps measuring it on a probe VN while it waits for the others, so its speed stays known and
   it gets VNs back once it is fast enough. Measurements: a report for step ``k`` carries the
@@ -56,8 +60,9 @@ from typing import Any, Callable, Protocol, Sequence
 
 from virtualflow.comm import protocol
 from virtualflow.options import LaunchOptions
-from virtualflow.plan.hetero import SpeedModel, check_memory, check_rebalance, solve_uneven
+from virtualflow.plan.hetero import SpeedModel, blocks, check_memory, check_rebalance, solve_uneven
 from virtualflow.plan.vnmap import contiguous_assignment
+from virtualflow.runtime import breakdown
 
 logger = logging.getLogger("virtualflow")
 
@@ -178,6 +183,12 @@ class MembershipController:
         self.rebalance_patience = rebalance_patience
         self.min_observations = min_observations
         self.speed = SpeedModel(speed_window)
+        # Rebalances are judged by their outcome: the step time measured under the new map
+        # against the old one's; a map that made steps slower is reverted and not tried again
+        # for these members (per-VN times measured under CPU contention depend on the map).
+        self._trial: dict[str, Any] | None = None
+        self._rejected: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+        self._forced_counts: list[int] | None = None
         self.reduction_s = 0.0
         self.predicted_step_s: float | None = None
         self._obs: dict[int, int] = {}
@@ -339,6 +350,7 @@ class MembershipController:
         compute, members, vns = r.get("compute_s"), r.get("members"), r.get("vns")
         if not compute or not members or len(compute) != len(members):
             return
+        compute = _timed_compute(compute, members, vns, r.get("breakdown"))
         self._gen_step_times.append(r["step_time_s"])
         prev = self._prev_step
         self._prev_step = (r["step"], r["step_time_s"], max(compute) <= 0)
@@ -411,6 +423,9 @@ class MembershipController:
     def _assignment_for(self, members: Sequence[int]) -> list[list[int]]:
         self.predicted_step_s = None
         self.vn_sizes = None
+        forced, self._forced_counts = self._forced_counts, None
+        if forced is not None and len(forced) == len(members) and sum(forced) == self.V:
+            return blocks(forced)  # a revert to the map before a rebalance that made steps slower
         if not self.balance:
             return self.assign(self.V, len(members))
         if self.uneven:
@@ -457,16 +472,50 @@ class MembershipController:
                 self._publish(list(self.members), kind="rebalance", hold=False, command=True,
                               detail={"predicted_before_s": current})
             return
-        verdict = check_rebalance([len(a) for a in self.assignment], self.speed, self.members, self.V,
+        counts = [len(a) for a in self.assignment]
+        if self._judge_trial(counts):
+            return
+        verdict = check_rebalance(counts, self.speed, self.members, self.V,
                                   reduction_s=self.reduction_s, threshold=self.rebalance_threshold)
-        self._drift = self._drift + 1 if verdict.worse else 0
+        tried = (tuple(self.members), tuple(verdict.best.counts)) in self._rejected
+        self._drift = self._drift + 1 if verdict.worse and not tried else 0
         if self._drift >= self.rebalance_patience:
             self._drift = 0
             estimates = self.time_per_vn
+            before = self.measured_step_s
             self._publish(list(self.members), kind="rebalance", hold=False, command=True,
                           detail={"time_per_vn": {str(w): estimates.get(w) for w in self.members},
                                   "predicted_before_s": verdict.current_step_s,
                                   "required_gain": verdict.required_gain})
+            if before is not None:
+                self._trial = {"generation": self.generation, "members": tuple(self.members), "counts": counts,
+                               "step_s": before}
+
+    TRIAL_STEPS = 12
+    """Steps of a rebalanced map (warm-up included) before its step time is judged."""
+
+    def _judge_trial(self, counts: list[int]) -> bool:
+        """After a rebalance: once the new map has run :attr:`TRIAL_STEPS` steps, keep it if its
+        median step time is no worse than the old map's by more than the threshold, else revert
+        to the old map (a ``rebalance`` generation with ``reverted``) and never propose the
+        rejected map again for these members. True when it published the revert."""
+        trial = self._trial
+        if trial is None:
+            return False
+        if trial["generation"] != self.generation or trial["members"] != tuple(self.members):
+            self._trial = None  # something else changed the job meanwhile: nothing to judge
+            return False
+        if len(self._gen_step_times) < self.TRIAL_STEPS or self.measured_step_s is None:
+            return False
+        self._trial = None
+        now, before = self.measured_step_s, trial["step_s"]
+        if now <= before * (1 + self.rebalance_threshold):
+            return False
+        self._rejected.add((tuple(self.members), tuple(counts)))
+        self._forced_counts = list(trial["counts"])
+        self._publish(list(self.members), kind="rebalance", hold=False, command=True,
+                      detail={"reverted": True, "measured_step_s": now, "measured_before_s": before})
+        return True
 
     # -- failures ---------------------------------------------------------------------------
     def _on_failures(self, failed: dict[int, str], now: float) -> None:
@@ -814,6 +863,26 @@ class MembershipController:
             if w not in self.members:
                 rows.append({"id": w, "pid": self.launcher.pid(w), "rank": None, "vns": [], "state": "starting"})
         return rows
+
+
+def _timed_compute(compute: list[float], members: list[int], vns: list[list[int]], parts: Any) -> list[float]:
+    """Each rank's compute of the step, from the step's breakdown when the report carries one.
+
+    The breakdown (:mod:`virtualflow.runtime.breakdown`) rides in the same report and describes
+    the same step as ``compute_s``, but times input, forward and backward where they happen;
+    ``compute_s`` is one interval around the VN loop. Under other load the two disagreed for
+    rank 0 (``compute_s`` near its whole step, 7x its forward + backward, while the straggler
+    times showed it was not the slowest), and the map followed ``compute_s`` to 1-5-2 for
+    slowdowns 1,1,3. A rank with no VN keeps ``compute_s`` (its probe is not in the parts)."""
+    rows = breakdown.clean(parts)
+    if rows is None or [p["worker"] for p in rows] != list(members):
+        return compute
+    out = list(compute)
+    for rank, p in enumerate(rows):
+        timed = p["input_s"] + p["forward_s"] + p["backward_s"]
+        if vns[rank] and timed > 0:
+            out[rank] = timed
+    return out
 
 
 def check_resize(workers: Any, virtual_nodes: int, min_workers: int, stages: int | None = None) -> None:
