@@ -264,7 +264,9 @@ def test_malformed_rows_are_quarantined_and_the_others_run(tmp_path, capsys):
     assert sorted(e["job_id"] for e in s.db.events(kind="quarantined")) == [bad_steps, bad_state, bad_min]
     assert cli_main.main(["queue", "--dir", s.dir]) == 0
     out = capsys.readouterr().out
-    assert out.count("quarantined") == 3
+    assert out.count("quarantined") == 6  # each row's state, and a line saying why
+    for cell in ("steps='abc'", "state='bogus'", "min_workers=-3"):
+        assert any(line.lstrip().startswith("quarantined:") and cell in line for line in out.splitlines())
     assert format_queue(s.db.jobs(), 0.0).count("running") == 2
 
 

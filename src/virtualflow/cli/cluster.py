@@ -495,6 +495,8 @@ def format_queue(jobs: list[JobRow], now: float) -> str:
         lines.append(line)
         if j.state == "failed" and j.error:
             lines.append(f"     error: {printable(j.error)[:200]}")
+        if j.quarantine:  # never scheduled until the row is fixed or cancelled: say why
+            lines.append(f"     quarantined: {printable(j.quarantine)[:200]}")
     return "\n".join(lines)
 
 
