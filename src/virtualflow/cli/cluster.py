@@ -474,7 +474,7 @@ def submit(args: argparse.Namespace) -> int:
 
 
 def format_queue(jobs: list[JobRow], now: float) -> str:
-    head = f"{'id':>4} {'name':<16} {'state':<9} {'placement':<14} {'progress':>13} {'JCT s':>8} {'restarts':>8} " \
+    head = f"{'id':>4} {'name':<16} {'state':<11} {'placement':<14} {'progress':>13} {'JCT s':>8} {'restarts':>8} " \
            f"{'resizes':>7}"
     due = any(j.deadline_s is not None for j in jobs)
     if due:
@@ -485,7 +485,7 @@ def format_queue(jobs: list[JobRow], now: float) -> str:
         shape = f" ({j.min_workers}-{j.max_workers})" if j.elastic else ""
         end = j.finished_s if j.finished_s is not None else now
         prog = f"{j.steps_done}/{j.steps}"
-        line = (f"{j.id:>4} {printable(j.name)[:16]:<16} {j.state:<9} {place + shape:<14} {prog:>13} "
+        line = (f"{j.id:>4} {printable(j.name)[:16]:<16} {j.state:<11} {place + shape:<14} {prog:>13} "
                 f"{end - j.submitted_s:>8.1f} {j.restarts:>8} {j.resizes:>7}")
         if due:
             from virtualflow.service.deadlines import deadline_cells
