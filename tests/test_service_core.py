@@ -282,5 +282,22 @@ def test_cluster_start_refuses_bad_configurations(tmp_path, capsys):
     assert "--slowdowns t4=FACTOR" in capsys.readouterr().err
     assert cli_main.main(["cluster", "start", "--dir", d, "--slots", "v100=2", "--policy", "nope"]) == 2
     assert "unknown policy 'nope'" in capsys.readouterr().err
+    for flag, value in (("--hang-factor", "0.5"), ("--launch-timeout-s", "nan"), ("--hang-floor-s", "1e300"),
+                        ("--hang-first-step-s", "-1")):
+        assert cli_main.main(["cluster", "start", "--dir", d, "--slots", "v100=2", flag, value]) == 2
+        assert f"{flag} " in capsys.readouterr().err
     assert not os.path.exists(os.path.join(d, "cluster.db"))
+
+
+def test_cluster_start_records_the_launch_and_hang_limits(tmp_path):
+    """The service's driver time limit and hang rule come from `cluster start`'s flags."""
+    from virtualflow.service.runner import Service, init_cluster
+
+    d = str(tmp_path / "c")
+    init_cluster(d, slots={"v100": 1}, policy="fifo", round_s=4.0, launch_timeout_s=30.0, hang_factor=5.0,
+                 hang_floor_s=40.0, hang_first_step_s=90.0).close()
+    s = Service(d, launch=lambda target, **kw: None)
+    assert s.launch_timeout_s == 30.0
+    assert (s.hang.factor, s.hang.floor_s, s.hang.first_step_s) == (5.0, 40.0, 90.0)
+    s.db.close()
     np.testing.assert_equal(sqlite3.sqlite_version_info >= (3, 7, 0), True)

@@ -55,6 +55,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--min-run-s", type=float, default=0.0, metavar="SECONDS",
                    help="a (re)started job keeps its placement until it has made a step and run this long (0)")
     s.add_argument("--threads-per-worker", type=int, default=1, metavar="T", help="torch threads per worker (1)")
+    s.add_argument("--launch-timeout-s", type=float, default=60.0, metavar="SECONDS",
+                   help="how long a job's driver process may take to import, build and check the job before the "
+                        "job fails (60)")
+    s.add_argument("--hang-factor", type=float, default=10.0, metavar="K",
+                   help="a running job is hung (killed, failed) after K of its own step times without a step (10)")
+    s.add_argument("--hang-floor-s", type=float, default=120.0, metavar="SECONDS",
+                   help="... but never before this many seconds without a step (120)")
+    s.add_argument("--hang-first-step-s", type=float, default=600.0, metavar="SECONDS",
+                   help="a job that has made no step since its launch is hung after this long (600)")
     s.add_argument("--dashboard-port", type=int, default=None, metavar="PORT",
                    help="also serve the dashboard from the service on 127.0.0.1:PORT (0: any free port; "
                         "default: off, see `cluster dashboard`)")
@@ -176,7 +185,9 @@ def start(args: argparse.Namespace) -> int:
                               threads_per_worker=args.threads_per_worker, min_run_s=args.min_run_s,
                               dashboard_port=args.dashboard_port, backend=args.backend, address=address,
                               cpus_per_worker=args.cpus_per_worker, emulate_slowdowns=args.emulate_slowdowns,
-                              mechanism=args.mechanism)
+                              mechanism=args.mechanism, launch_timeout_s=args.launch_timeout_s,
+                              hang_factor=args.hang_factor, hang_floor_s=args.hang_floor_s,
+                              hang_first_step_s=args.hang_first_step_s)
         except BaseException:
             if created:  # nothing of this start stays behind
                 try:

@@ -912,7 +912,9 @@ def init_cluster(cluster_dir: str, *, slots: dict[str, int], policy: str, round_
                  slowdowns: dict[str, float] | None = None, threads_per_worker: int = 1,
                  min_run_s: float = 0.0, dashboard_port: int | None = None, backend: str = "local",
                  address: str | None = None, cpus_per_worker: float = 1.0,
-                 emulate_slowdowns: bool = False, mechanism: str = "default") -> ClusterDB:
+                 emulate_slowdowns: bool = False, mechanism: str = "default", launch_timeout_s: float = 60.0,
+                 hang_factor: float = 10.0, hang_floor_s: float = 120.0,
+                 hang_first_step_s: float = 600.0) -> ClusterDB:
     """Create (or reconfigure) a cluster directory: the database with the configuration, a
     private dashboard token. Validates everything first (nothing is written on error); with
     ``backend="ray"`` that includes connecting to the Ray cluster at ``address`` and checking that
@@ -934,6 +936,12 @@ def init_cluster(cluster_dir: str, *, slots: dict[str, int], policy: str, round_
         raise ValueError(f"--dashboard-port {dashboard_port} must be a TCP port (0: any free port)")
     if not (min_run_s >= 0 and min_run_s < 1e6):
         raise ValueError(f"--min-run-s {min_run_s} must be a number of seconds >= 0")
+    for flag, value, low, high in (("--launch-timeout-s", launch_timeout_s, 1.0, 86400.0),
+                                   ("--hang-factor", hang_factor, 1.0, 1000.0),
+                                   ("--hang-floor-s", hang_floor_s, 1.0, 86400.0),
+                                   ("--hang-first-step-s", hang_first_step_s, 1.0, 86400.0)):
+        if not (isinstance(value, (int, float)) and low <= value <= high):
+            raise ValueError(f"{flag} {value!r} must be between {low:g} and {high:g}")
     types = tuple(slots)
     overrides = dict(slowdowns or {})
     unknown = [t for t in overrides if t not in slots]
@@ -962,7 +970,8 @@ def init_cluster(cluster_dir: str, *, slots: dict[str, int], policy: str, round_
                            "threads_per_worker": threads_per_worker, "min_run_s": min_run_s,
                            "dashboard_port": dashboard_port, "backend": backend, "address": address,
                            "cpus_per_worker": cpus_per_worker, "emulate_slowdowns": emulate_slowdowns,
-                           "mechanism": knobs})
+                           "mechanism": knobs, "launch_timeout_s": launch_timeout_s, "hang_factor": hang_factor,
+                           "hang_floor_s": hang_floor_s, "hang_first_step_s": hang_first_step_s})
     token_path = os.path.join(cluster_dir, "token")
     if not os.path.exists(token_path):
         from virtualflow.comm import auth
