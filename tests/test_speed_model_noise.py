@@ -171,3 +171,12 @@ def test_a_rebalance_that_makes_steps_slower_is_reverted_and_not_tried_again():
     maps = [m for m, _ in gens]
     assert len(maps) == 2 and maps[1] == [3, 3, 2] and maps[0] != [3, 3, 2], maps
     assert ctl.generation == 2  # no third attempt: the rejected map is not proposed again
+    # ... while the speeds stay as they were; once a worker's speed really changes, the old trial
+    # says nothing about the map any more and it may be proposed again.
+    (key, then), = ctl._rejected.items()
+    assert ctl._still_rejected(key)
+    ctl.speed = type(ctl.speed)()  # measured afresh: worker 1 now 2x, not 4x, a fast worker's time
+    for _ in range(20):
+        for w, t in ((0, T), (1, 2 * T), (2, T)):
+            ctl.speed.observe(w, t)
+    assert not ctl._still_rejected(key) and not ctl._rejected

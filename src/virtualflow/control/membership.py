@@ -187,7 +187,10 @@ class MembershipController:
         # against the old one's; a map that made steps slower is reverted and not tried again
         # for these members (per-VN times measured under CPU contention depend on the map).
         self._trial: dict[str, Any] | None = None
-        self._rejected: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+        self._rejected: dict[tuple[tuple[int, ...], tuple[int, ...]], dict[int, float]] = {}
+        """(members, counts) of a rebalanced map that ran slower -> the per-VN estimates it was
+        rejected under; forgotten once an estimate moves by more than ``REJECT_MOVE`` (the
+        workers' speeds really changed, so the old trial says nothing about the map any more)."""
         self._forced_counts: list[int] | None = None
         self.reduction_s = 0.0
         self.predicted_step_s: float | None = None
@@ -477,7 +480,7 @@ class MembershipController:
             return
         verdict = check_rebalance(counts, self.speed, self.members, self.V,
                                   reduction_s=self.reduction_s, threshold=self.rebalance_threshold)
-        tried = (tuple(self.members), tuple(verdict.best.counts)) in self._rejected
+        tried = self._still_rejected((tuple(self.members), tuple(verdict.best.counts)))
         self._drift = self._drift + 1 if verdict.worse and not tried else 0
         if self._drift >= self.rebalance_patience:
             self._drift = 0
@@ -490,6 +493,22 @@ class MembershipController:
             if before is not None:
                 self._trial = {"generation": self.generation, "members": tuple(self.members), "counts": counts,
                                "step_s": before}
+
+    REJECT_MOVE = 0.25
+    """Relative change of any member's per-VN estimate after which a rejected map may be tried again."""
+
+    def _still_rejected(self, key: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
+        """Whether the map ``key`` was reverted under speeds like today's (see :attr:`_rejected`)."""
+        then = self._rejected.get(key)
+        if then is None:
+            return False
+        now = self.time_per_vn
+        for w in key[0]:
+            a, b = then.get(w), now.get(w)
+            if a is None or b is None or a <= 0 or abs(b - a) > self.REJECT_MOVE * a:
+                del self._rejected[key]
+                return False
+        return True
 
     TRIAL_STEPS = 12
     """Steps of a rebalanced map (warm-up included) before its step time is judged."""
@@ -511,7 +530,7 @@ class MembershipController:
         now, before = self.measured_step_s, trial["step_s"]
         if now <= before * (1 + self.rebalance_threshold):
             return False
-        self._rejected.add((tuple(self.members), tuple(counts)))
+        self._rejected[(tuple(self.members), tuple(counts))] = dict(self.time_per_vn)
         self._forced_counts = list(trial["counts"])
         self._publish(list(self.members), kind="rebalance", hold=False, command=True,
                       detail={"reverted": True, "measured_step_s": now, "measured_before_s": before})
