@@ -9,6 +9,7 @@ and a flood of failing requests.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
@@ -253,8 +254,9 @@ def test_a_head_growing_past_the_limit_is_refused(server):
         assert s.recv(4096).startswith(b"HTTP/1.1 400")
 
 
-def test_ids_that_are_not_row_ids_are_404_without_a_traceback(server):
-    d, port, jid, token = server
+@contextlib.contextmanager
+def uvicorn_errors():
+    """The records uvicorn's error logger emits inside the block (after the rate limit)."""
     records: list[logging.LogRecord] = []
 
     class Keep(logging.Handler):
@@ -264,6 +266,14 @@ def test_ids_that_are_not_row_ids_are_404_without_a_traceback(server):
     handler = Keep()
     logging.getLogger("uvicorn.error").addHandler(handler)
     try:
+        yield records
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(handler)
+
+
+def test_ids_that_are_not_row_ids_are_404_without_a_traceback(server):
+    d, port, jid, token = server
+    with uvicorn_errors() as records:
         for path in ("/jobs/99999999999999999999", "/jobs/" + "9" * 4300, "/jobs/9223372036854775808",
                      f"/jobs/{jid + 1}"):
             status, body = request(port, "GET", path)
@@ -271,28 +281,16 @@ def test_ids_that_are_not_row_ids_are_404_without_a_traceback(server):
         status, _ = request(port, "POST", "/jobs/" + "9" * 30 + "/cancel",
                             headers={"Authorization": f"Bearer {token}"})
         assert status == 404
-    finally:
-        logging.getLogger("uvicorn.error").removeHandler(handler)
     assert records == []
 
 
 def test_a_flood_of_failing_requests_logs_a_few_lines(server):
     d, port, jid, token = server
-    records: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record)
-
-    handler = Keep()
-    logging.getLogger("uvicorn.error").addHandler(handler)
     os.rename(os.path.join(d, "cluster.db"), os.path.join(d, "moved.db"))  # every page now fails
-    try:
+    with uvicorn_errors() as records:
         for _ in range(30):
             status, body = request(port, "GET", "/")
             assert status == 500 and b"Traceback" not in body
-    finally:
-        logging.getLogger("uvicorn.error").removeHandler(handler)
     assert len(records) == LIMITS.error_log_burst
 
 

@@ -26,7 +26,7 @@ from virtualflow.service.core import FALLBACK_POLICY, JobView, Scheduler
 from virtualflow.service.runner import Service, init_cluster
 from virtualflow.service.state import ClusterDB, check_cluster_dir, foreign_run_dir
 
-from test_service_runner import FakeHandle
+from test_service_runner import FakeHandle, fake_service
 
 
 def new_cluster(path: str, policy: str = "las") -> str:
@@ -41,17 +41,6 @@ def add(db: ClusterDB, **kw) -> int:
     return db.add_job(**fields)
 
 
-def fake_service(d: str) -> Service:
-    launched: list = []
-
-    def launch(target, **kw):
-        launched.append((target, kw))
-        return FakeHandle(kw)
-
-    s = Service(d, launch=launch)
-    s.epoch_s = 0.0
-    s.launched = launched
-    return s
 
 
 def foreign(path: str, monkeypatch) -> None:

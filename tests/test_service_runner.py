@@ -58,11 +58,10 @@ class FakeHandle:
         return FakeResult(self.step)
 
 
-@pytest.fixture
-def service(tmp_path):
-    d = str(tmp_path / "c")
-    init_cluster(d, slots={"v100": 2, "k80": 2}, policy="las", round_s=5.0, slowdowns={"k80": 3.0}).close()
-    launched = []
+def fake_service(d: str) -> Service:
+    """A service over cluster directory ``d`` whose launches make :class:`FakeHandle` s (recorded in
+    ``s.launched`` as ``(target, options)``) and whose rounds start at time 0."""
+    launched: list = []
 
     def launch(target, **kw):
         launched.append((target, kw))
@@ -72,6 +71,13 @@ def service(tmp_path):
     s.epoch_s = 0.0
     s.launched = launched
     return s
+
+
+@pytest.fixture
+def service(tmp_path):
+    d = str(tmp_path / "c")
+    init_cluster(d, slots={"v100": 2, "k80": 2}, policy="las", round_s=5.0, slowdowns={"k80": 3.0}).close()
+    return fake_service(d)
 
 
 def add(s: Service, **kw) -> int:
