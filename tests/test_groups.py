@@ -162,3 +162,23 @@ def test_a_receive_from_a_live_peer_that_left_ends_on_the_abort_flag(pair):
         group.recv(buf, 0, tag=7)
     assert RELEASED in _peer_outcome(store)
     assert torch.equal(buf, torch.zeros(4))  # nothing arrived, and nothing will write into it later
+
+
+def test_builds_that_overlap_in_one_process_track_no_sockets():
+    """Ranks of one group run as threads of one process connect to each other inside their builds:
+    the builds must run at once (taking turns deadlocked them until gloo's connect timeout), and
+    the sockets each finds new cannot be told apart, so only a build that ran alone tracks any."""
+    from virtualflow.comm.groups import _Builds
+
+    b = _Builds()
+    alone = b.begin()
+    assert b.end(*alone)  # nothing else ran: its new sockets are its own
+    first = b.begin()
+    second = b.begin()  # starts while the first runs
+    assert not b.end(*second) and not b.end(*first)
+    outer = b.begin()
+    inner = b.begin()
+    assert not b.end(*inner)
+    later = b.begin()  # starts after inner ended, while outer still runs
+    assert not b.end(*outer) and not b.end(*later)
+    assert b.end(*b.begin())  # and alone again afterwards

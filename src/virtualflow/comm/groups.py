@@ -45,6 +45,8 @@ Limits: the connections are known on Linux (``/proc/self/fd``) for gloo groups b
 NCCL, :meth:`Group.abort` is a no-op and the timeouts bound the waits as before. While a group is
 built, sockets opened by other threads of the process would be taken for the group's; the worker
 opens none then except a heartbeat's reconnection to the store, which is excluded by its port.
+Groups built at the same time in one process (ranks run as threads) track nothing: their
+sockets cannot be told apart, so their waits are bounded by the timeouts alone.
 """
 
 from __future__ import annotations
@@ -181,8 +183,33 @@ def _ends_of(fd: int, ino: int) -> tuple[int, int] | None:
             os.close(dup)
 
 
-_BUILD_LOCK = threading.Lock()
-"""Builds of groups in one process take turns, so each one's new sockets are its own."""
+class _Builds:
+    """Which gloo builds of this process overlapped in time. The sockets a build finds new are its
+    own only when no other build ran meanwhile; overlapping builds (ranks of one group run as
+    threads of one process, as some tests do) cannot tell theirs apart, so they track none and
+    fall back to the timeouts. Builds must not take turns instead: the ranks of one group in one
+    process connect to each other inside the build, so turns would deadlock them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running = 0
+        self._started = 0
+
+    def begin(self) -> tuple[int, bool]:
+        with self._lock:
+            self._running += 1
+            self._started += 1
+            return self._started, self._running > 1
+
+    def end(self, started: int, overlapped: bool) -> bool:
+        """Ends the build that :meth:`begin` returned ``(started, overlapped)`` for; True when it
+        ran alone (its new sockets are its own)."""
+        with self._lock:
+            self._running -= 1
+            return not overlapped and self._started == started
+
+
+_BUILDS = _Builds()
 
 
 @dataclass(slots=True)
@@ -445,12 +472,17 @@ def _build(store: dist.Store, prefix_name: str, generation: int, rank: int, size
             opts._timeout = timeout
             pg = dist.ProcessGroupNCCL(prefix, rank, size, opts)
         else:
-            with _BUILD_LOCK:
+            ticket = _BUILDS.begin()
+            alone = False
+            try:
                 before = Connections.snapshot()
                 pg = dist.ProcessGroupGloo(prefix, rank, size, timeout)
+                after = Connections.snapshot()
+            finally:
+                alone = _BUILDS.end(*ticket)
+            if alone:
                 port = getattr(store, "port", None)
-                connections = Connections.opened_between(before, Connections.snapshot(),
-                                                         port if isinstance(port, int) else None)
+                connections = Connections.opened_between(before, after, port if isinstance(port, int) else None)
     except RuntimeError as exc:  # a peer died or vanished while the group was being built
         raise PeerFailure(generation, _first_line(str(exc))) from exc
     return Group(generation, rank, size, pg, connections=connections)
