@@ -40,6 +40,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import secrets
 import stat
 import threading
@@ -170,6 +171,16 @@ def atomic_write(path: str, data: bytes | Callable[[IO[bytes]], None], *, mode: 
     _fsync_dir(folder)
 
 
+_TEMPORARY = re.compile(r"\.(?P<target>.+)\.tmp-(?P<pid>\d{1,10})-[0-9a-f]{8}")
+
+
+def temporary_of(name: str) -> tuple[str, int] | None:
+    """``(target, writer pid)`` when ``name`` is a temporary :func:`atomic_write` makes
+    (``.TARGET.tmp-PID-HEX``), else None: the one place that reads that naming."""
+    found = _TEMPORARY.fullmatch(name)
+    return None if found is None else (found.group("target"), int(found.group("pid")))
+
+
 def remove_temporaries(folder: str, pids: set[int]) -> list[str]:
     """Remove the temporary files :func:`atomic_write` calls of processes ``pids`` left in
     ``folder`` (a writer killed mid-write leaves its ``.NAME.tmp-PID-HEX``; on a full disk that
@@ -181,10 +192,8 @@ def remove_temporaries(folder: str, pids: set[int]) -> list[str]:
     except OSError:
         return removed
     for name in names:
-        stem, sep, tail = name.rpartition(".tmp-")
-        pid, _, token = tail.partition("-")
-        if (name.startswith(".") and sep and pid.isdigit() and int(pid) in pids and len(token) == 8
-                and all(c in "0123456789abcdef" for c in token)):
+        found = temporary_of(name)
+        if found is not None and found[1] in pids:
             try:
                 os.unlink(os.path.join(folder, name))
                 removed.append(name)

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from virtualflow.rundir import atomic_write
+from virtualflow.rundir import atomic_write, temporary_of
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +56,6 @@ CHECKSUM_KEY = "checksum"
 _SCHEME = "virtualflow-state-content-v1"
 STALE_TEMP_S = 600.0
 """A state temporary untouched this long is stale whoever wrote it (a live writer keeps writing)."""
-_TEMP = re.compile(r"\.(?P<target>[^/]+\.pt)\.tmp-(?P<pid>\d{1,10})-[0-9a-f]{8}")
-"""The temporary of a state file as :func:`virtualflow.rundir.atomic_write` names it."""
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -90,9 +88,10 @@ def remove_stale_temps(folder: str) -> list[str]:
     removed = []
     now = time.time()
     for name in names:
-        found = _TEMP.fullmatch(name)
-        if found is None:
-            continue
+        found = temporary_of(name)
+        if found is None or not found[0].endswith(".pt"):
+            continue  # not the temporary of a state file
+        target, pid = found
         full = os.path.join(folder, name)
         try:
             st = os.lstat(full)
@@ -100,14 +99,14 @@ def remove_stale_temps(folder: str) -> list[str]:
             continue
         if not stat.S_ISREG(st.st_mode):
             continue  # not something atomic_write made
-        if _writer_alive(int(found.group("pid"))) and now - st.st_mtime < STALE_TEMP_S:
+        if _writer_alive(pid) and now - st.st_mtime < STALE_TEMP_S:
             continue
         try:
             os.unlink(full)
         except OSError:
             continue
         removed.append(name)
-        logger.info("removed %s, left by an interrupted write of %s", full, found.group("target"))
+        logger.info("removed %s, left by an interrupted write of %s", full, target)
     return removed
 
 
