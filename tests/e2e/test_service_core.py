@@ -27,7 +27,7 @@ from virtualflow.service.core import (PRIOR_STEPS_PER_S, Action, JobView, Schedu
 from virtualflow.service.runner import gavel_table, init_cluster
 from virtualflow.service.state import ClusterDB
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLOTS = {"v100": 2, "k80": 2}
 
 

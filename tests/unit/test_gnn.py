@@ -273,7 +273,7 @@ def test_example_jobs_train(tmp_path):
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "gnn_sbm.py")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "gnn_sbm.py")
     spec = importlib.util.spec_from_file_location("gnn_sbm_example", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -17,7 +17,7 @@ from virtualflow.cli.cluster import format_queue, printable
 from virtualflow.service.runner import init_cluster
 from virtualflow.service.state import ClusterDB
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOBS = os.path.join(HERE, "service_jobs.py")
 
 

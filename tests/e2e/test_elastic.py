@@ -197,7 +197,7 @@ def test_workers_exit_when_the_coordinator_dies_and_resume_continues_exactly(run
     cmd = [sys.executable, "-m", "virtualflow.cli.main", "run", "tests/jobs.py:elastic_job", "--workers", "2",
            "--steps", str(FOREVER), "--deterministic", "--checkpoint-every", "5", "--run-dir", run_dir,
            "--no-progress"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     launcher = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     folder = os.path.join(run_dir, "checkpoints")
     deadline = time.monotonic() + 120

@@ -297,7 +297,7 @@ def test_processes_that_reimport_the_script_need_its_main_guard(tmp_path):
     # multiprocessing's spawn/forkserver children import the main script again (the GNN engine's
     # processes do): unguarded top-level code there is refused before any child starts.
     script = _job_file(tmp_path, GUARDS, "script.py")
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
     out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": src}).stdout.splitlines()
     assert out == ["guarded: started",

@@ -25,7 +25,7 @@ from virtualflow.cluster import (
     policy_names,
 )
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 import cluster_reference as ref  # noqa: E402
 
 REL = 1e-6

@@ -27,7 +27,7 @@ from virtualflow.plan.vnmap import contiguous_assignment
 from virtualflow.runtime.pipeline import schedule_for
 from virtualflow.runtime.pipeline_local import LocalDriver, build_engine
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMPUTE = ("F", "B", "I", "W")
 
 

@@ -39,7 +39,7 @@ from virtualflow.control.autoscale import (
     scaling_efficiency,
 )
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
 sys.path.insert(0, EXAMPLES)
 import emulated_scaling as emu  # noqa: E402
 

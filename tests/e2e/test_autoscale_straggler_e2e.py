@@ -16,7 +16,7 @@ import pytest
 import virtualflow as vf
 from conftest import assert_state_equal
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
 sys.path.insert(0, EXAMPLES)
 import emulated_scaling as emu  # noqa: E402
 

@@ -29,7 +29,7 @@ import jobs
 pytestmark = pytest.mark.slow
 
 FOREVER = 1_000_000
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
 
 
 def free_port() -> int:
@@ -40,7 +40,7 @@ def free_port() -> int:
 
 def start_worker(address: str, token_file: str, log_path: str) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join([SRC, os.path.dirname(os.path.abspath(__file__))]
+    env["PYTHONPATH"] = os.pathsep.join([SRC, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
                                         + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     with open(log_path, "ab") as log:
         return subprocess.Popen([sys.executable, "-m", "virtualflow.cli.main", "worker", "--join", address,

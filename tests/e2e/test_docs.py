@@ -35,7 +35,7 @@ import virtualflow as vf
 from virtualflow.cli.main import build_parser
 from virtualflow.options import LaunchOptions, markdown_table
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
 MARK = re.compile(r"<!--\s*fragment:\s*(.*?)\s*-->", re.S)

@@ -31,7 +31,7 @@ from virtualflow.runtime.checkpoint import (CorruptCheckpointError, UntrustedSta
 
 import jobs
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
 
 
 def synthetic_state(job: vf.Job, step: int) -> dict:

@@ -17,7 +17,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.test_service_replay import COSTS, two_job_cluster
+from test_service_replay import COSTS, two_job_cluster
 from virtualflow.cli import main as cli_main
 from virtualflow.cluster import Cluster, JobSpec, ThroughputTable, get_policy
 from virtualflow.cluster.mechanism import MechanismConfig

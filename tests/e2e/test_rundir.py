@@ -17,7 +17,7 @@ import pytest
 
 from virtualflow.rundir import read_jsonl, read_status, read_summary, run_state, write_json
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
 
 
 def test_read_jsonl_skips_a_partial_last_line(tmp_path):

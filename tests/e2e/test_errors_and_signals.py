@@ -15,7 +15,7 @@ import torch
 
 from virtualflow.runtime.checkpoint import load_state
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOBS = os.path.join(ROOT, "tests", "jobs.py")
 
 BROKEN = '''

@@ -28,7 +28,7 @@ from virtualflow.service.state import ClusterDB
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(HERE, "service_jobs.py") + ":paced"
 RESOURCES = {"v100": 1, "k80": 2}
 

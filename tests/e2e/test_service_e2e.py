@@ -28,7 +28,7 @@ from virtualflow.service.state import ClusterDB
 
 pytestmark = pytest.mark.slow
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(HERE)
 JOBS = os.path.join(HERE, "service_jobs.py")
 

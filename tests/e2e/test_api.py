@@ -12,7 +12,7 @@ from conftest import assert_state_close, assert_state_equal
 import jobs
 from reference import reference_train
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_every_job_form_trains_the_same_model():

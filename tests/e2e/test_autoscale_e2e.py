@@ -20,7 +20,7 @@ import pytest
 import virtualflow as vf
 from conftest import assert_state_equal, flat_optimizer_state
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
 sys.path.insert(0, EXAMPLES)
 import emulated_scaling as emu  # noqa: E402
 

@@ -166,7 +166,7 @@ def test_the_bit_identity_rules_hold_on_mkl_avx2_kernels():
     single-worker block (the same shapes: bit-identical)."""
     script = (
         "import json, sys, torch\n"
-        "sys.path.insert(0, sys.argv[1])\n"
+        "sys.path[:0] = sys.argv[1:]\n"
         "torch.set_num_threads(1)\n"
         "import test_comm_program as cp, test_tensor_parallel as tp\n"
         "from virtualflow.comm.groups import Group\n"
@@ -177,7 +177,8 @@ def test_the_bit_identity_rules_hold_on_mkl_avx2_kernels():
         "    f += tp._compare_mlp(one, dtype, 1, 0.2, exact=True) + tp._compare_attention(one, dtype, 1, 0.2, exact=True)\n"
         "print(json.dumps(f))\n")
     env = {**os.environ, "MKL_ENABLE_INSTRUCTIONS": "AVX2", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-c", script, os.path.dirname(os.path.abspath(__file__))], env=env,
+    out = subprocess.run([sys.executable, "-c", script, os.path.dirname(os.path.abspath(__file__)),
+                          os.path.dirname(os.path.dirname(os.path.abspath(__file__)))], env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     failures = json.loads(out.stdout.strip().splitlines()[-1])

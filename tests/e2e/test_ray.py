@@ -33,7 +33,7 @@ import jobs
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 FOREVER = 1_000_000
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DIGITS = os.path.join(ROOT, "examples", "digits.py")
 SLOT = {"vf_slot": 1}
 

@@ -29,7 +29,7 @@ from virtualflow.service.deadlines import (admit, deadline_cells, eta_s, format_
 from virtualflow.service.runner import Service, init_cluster
 from virtualflow.service.state import ClusterDB
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOBS = os.path.join(HERE, "service_jobs.py")
 NOW = 1_800_000_000.0
 SLOW = {"v100": 1.0, "k80": 2.0}

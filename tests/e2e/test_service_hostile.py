@@ -437,7 +437,7 @@ def test_hostile_rows_and_a_stale_run_directory_leave_the_other_jobs_bit_identic
     import virtualflow as vf
     from conftest import assert_state_equal, flat_optimizer_state
 
-    jobs_file = os.path.join(os.path.dirname(os.path.abspath(__file__)), "service_jobs.py")
+    jobs_file = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "service_jobs.py")
     d = str(tmp_path / "c")
     check_cluster_dir(d, create=True)
     steps = 12
