@@ -179,6 +179,12 @@ def _resolve(mod: Module, node: ast.Import | ast.ImportFrom, known: set[str]) ->
 def _ownership_uses(tree: ast.AST) -> list[tuple[int, str]]:
     """(line, what) for each use of the environment, process start-up or signal handlers."""
     uses: list[tuple[int, str]] = []
+    aliases = {"os": "os", "signal": "signal"}  # local name -> module (`import os as _os` too)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in ("os", "signal") and alias.asname:
+                    aliases[alias.asname] = alias.name
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -200,11 +206,12 @@ def _ownership_uses(tree: ast.AST) -> list[tuple[int, str]]:
                 uses.append((node.lineno, "ProcessPoolExecutor"))
         elif isinstance(node, ast.Attribute):
             if isinstance(node.value, ast.Name):
-                if node.value.id == "os" and node.attr in ENV_ATTRS:
+                module = aliases.get(node.value.id)
+                if module == "os" and node.attr in ENV_ATTRS:
                     uses.append((node.lineno, f"os.{node.attr}"))
-                elif node.value.id == "os" and node.attr in PROCESS_ATTRS:
+                elif module == "os" and node.attr in PROCESS_ATTRS:
                     uses.append((node.lineno, f"os.{node.attr}"))
-                elif node.value.id == "signal" and node.attr == "signal":
+                elif module == "signal" and node.attr == "signal":
                     uses.append((node.lineno, "signal.signal"))
             if node.attr == "add_signal_handler":
                 uses.append((node.lineno, "add_signal_handler"))
@@ -533,7 +540,8 @@ def test_each_rule_catches_its_violation(tmp_path):
                              'from virtualflow.runtime.worker import _helper\n',
         "runtime/worker.py": '"""worker"""\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n'
                              '    from virtualflow.runtime.engine import Engine\n',
-        "gnn/executors.py": '"""gnn"""\nimport multiprocessing as mp\nimport signal\nsignal.signal(15, None)\n',
+        "gnn/executors.py": '"""gnn"""\nimport multiprocessing as mp\nimport signal\nsignal.signal(15, None)\n'
+                            'import os as _os\nDEBUG = _os.getenv("D")\n',
         "control/x.py": '"""ctl"""\nfrom virtualflow import job\n',
         "job.py": '"""Deprecated: moved to :mod:`virtualflow.config.job`; alias."""\nfrom virtualflow.config.job import *\n',
         "config/job.py": '"""job"""\n',
@@ -549,6 +557,7 @@ def test_each_rule_catches_its_violation(tmp_path):
     assert any("runtime/engine.py:3: os.environ" in x for x in owners), owners
     assert any("gnn/executors.py:2: import multiprocessing" in x for x in owners), owners
     assert any("gnn/executors.py:4: signal.signal" in x for x in owners), owners
+    assert any("gnn/executors.py:6: os.getenv" in x for x in owners), owners  # through an alias
     assert any("_helper" in x for x in v["private names imported from another module"]), v
     assert any("virtualflow.config.job instead" in x for x in v["deprecated shims imported inside src"]), v
     unplaced_ = v["modules in no layer"]
