@@ -16,9 +16,9 @@ from virtualflow.control.autoscale_executor import AutoscaleExecutor
 from virtualflow.control.coordinator import Coordinator
 from virtualflow.control.membership import MembershipController
 from virtualflow.plan.vnmap import describe_assignment
-from virtualflow.result import Result
-from virtualflow.spec import WorkerSpec
-from virtualflow.supervisor import RunSetup, Supervisor
+from virtualflow.records.result import Result
+from virtualflow.config.spec import WorkerSpec
+from virtualflow.launch.supervisor import RunSetup, Supervisor
 
 logger = logging.getLogger("virtualflow")
 
