@@ -1,7 +1,7 @@
 """A running job as the user holds it: :class:`JobHandle`.
 
 ``status()``, ``resize()``, ``wait()``, ``stop()``, ``kill()`` and ``set_slowdown()`` (emulation).
-The work is done by the job's :class:`~virtualflow.supervisor.Supervisor` (the monitor loop in a
+The work is done by the job's :class:`~virtualflow.launch.supervisor.Supervisor` (the monitor loop in a
 thread of this process); the handle is its public face.
 """
 

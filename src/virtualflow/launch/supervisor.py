@@ -70,7 +70,7 @@ class RunSetup:
     """The autoscaler's policy object (None without autoscaling)."""
     autoscale_limits: Limits | None = None
     run_lock: RunLock | None = None
-    """The run directory's lock (:class:`virtualflow.rundir.RunLock`), released when the run ends."""
+    """The run directory's lock (:class:`virtualflow.records.rundir.RunLock`), released when the run ends."""
 
 
 class ProgressRate:

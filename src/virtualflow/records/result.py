@@ -52,7 +52,8 @@ class WorkerTraceback(Exception):
         return "raised in the worker:\n\n" + self.text.rstrip("\n")
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+"""The virtualflow package's folder (this module is in its records/ subfolder)."""
 _STDLIB_DIRS = tuple({os.path.abspath(p) + os.sep for key in ("stdlib", "platstdlib")
                       if (p := sysconfig.get_paths().get(key))})
 

@@ -5,7 +5,7 @@ This module *runs the model* (it is runtime code); the partitioner it feeds
 (:mod:`virtualflow.plan.pipeline.partition`), the predictions and the schedule simulator stay pure.
 
 :func:`profile_model` measures, for every layer of a pipelined job's model (the children of its
-``nn.Sequential``, :func:`virtualflow.pipeline.layers_of`), on one virtual node's batch of step 0
+``nn.Sequential``, :func:`virtualflow.plan.pipeline.geometry.layers_of`), on one virtual node's batch of step 0
 (``B / V`` samples, loaded through :class:`~virtualflow.plan.data.DataPlan` and
 :class:`~virtualflow.runtime.engine.BatchLoader` as the engine loads it):
 
