@@ -3,16 +3,21 @@
 A :class:`Job` fixes what the model sees (global batch size B, virtual nodes V, seed, ...);
 :func:`train` maps its V virtual nodes onto however many workers exist and returns a
 :class:`Result` that does not depend on that mapping.
+
+This module is the public surface: the names in ``__all__`` are what users import (together
+with the public subpackages the architecture guide in ``docs/`` names). Everything else is internal and
+may move; old import paths keep working for a while through deprecated aliases.
 """
 
-from virtualflow.api import JobHandle, Result, TrainingError, launch, train
-from virtualflow.options import LaunchOptions
-from virtualflow.job import Job, JobImportError
-from virtualflow.pipeline import Pipeline
+from virtualflow.api import JobHandle, launch, train
+from virtualflow.config.faults import Fault, FaultPlan
+from virtualflow.config.job import Job, JobImportError
+from virtualflow.config.options import LaunchOptions
+from virtualflow.config.pipeline import Pipeline
+from virtualflow.config.spec import WorkerSpec
 from virtualflow.plan.data import vn_seed
+from virtualflow.records.result import Result, TrainingError
 from virtualflow.runtime.engine import LossShapeError, NonFiniteLossError
-from virtualflow.runtime.faults import Fault, FaultPlan
-from virtualflow.spec import WorkerSpec
 
 __all__ = [
     "WorkerSpec",

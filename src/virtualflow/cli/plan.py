@@ -1,7 +1,7 @@
 """``virtualflow plan FILE.py[:FUNCTION] --stages P``: plan a pipelined run without training.
 
 Builds the job, profiles each layer of its model on one virtual node's batch on this machine
-(:mod:`virtualflow.runtime.profile`), and prints the worker grid (``W = P stages x d pipeline
+(:mod:`virtualflow.runtime.profile`; the predictions: :mod:`virtualflow.plan.pipeline.predict`), and prints the worker grid (``W = P stages x d pipeline
 replicas``), the chosen split (layers per stage and their names), the predicted time per stage,
 the simulated step time and bubble (beside the analytic ``(p-1)/(m+p-1)`` for 1F1B), memory per
 worker, and the equal-layer split's prediction for comparison. ``--json`` prints the same as one
@@ -21,7 +21,9 @@ import math
 import os
 from typing import Any
 
-from virtualflow.pipeline import SCHEDULE_NAMES, Grid, Pipeline
+from virtualflow.config.pipeline import Pipeline, merge_knobs
+from virtualflow.plan.pipeline.geometry import Grid
+from virtualflow.plan.pipeline.schedules import SCHEDULE_NAMES
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,46 +53,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
-def parse_split(spec: str | None) -> str | tuple[int, ...] | None:
-    if spec is None:
-        return None
-    spec = spec.strip()
-    if spec in ("auto", "equal"):
-        return spec
-    try:
-        counts = tuple(int(c) for c in spec.split(","))
-    except ValueError:
-        raise ValueError(f"--split {spec!r} must be auto, equal, or comma-separated layer counts such as 3,2,2,1") \
-            from None
-    return counts
-
-
 def pipeline_from_args(base: Pipeline | None, args: argparse.Namespace) -> Pipeline:
-    """The job's pipeline with the flags given applied (a job without one needs ``--stages``)."""
-    changes: dict[str, Any] = {}
-    for knob in ("stages", "schedule", "chunks", "memory_limit_gib"):
-        value = getattr(args, knob)
-        if value is not None:
-            changes[knob] = value
-    split = parse_split(args.split)
-    if split is not None:
-        changes["split"] = split
-    if base is None:
-        if "stages" not in changes:
-            raise ValueError("the job has no Job.pipeline: give --stages P (workers per pipeline replica)")
-        changes.setdefault("split", "auto")
-        return Pipeline(**changes)
-    if "chunks" not in changes and changes.get("schedule", base.schedule) != "interleaved_1f1b":
-        changes["chunks"] = 1
-    if "split" not in changes and not isinstance(base.split, str) and (
-            changes.get("stages", base.stages) * changes.get("chunks", base.chunks) != len(base.split)):
-        changes["split"] = "auto"  # the job's explicit counts no longer fit the pieces asked for
-    return dataclasses.replace(base, **changes)
+    """The job's pipeline with the flags given applied by THE knob merger
+    (:func:`virtualflow.config.pipeline.merge_knobs`); a job without one needs ``--stages``. Where
+    the job gives no split that fits, ``plan`` chooses ``auto`` (its documented default: the verb
+    exists to find a split)."""
+    return merge_knobs(base, stages=args.stages, schedule=args.schedule, chunks=args.chunks, split=args.split,
+                       memory_limit_gib=args.memory_limit_gib, new_split="auto")
 
 
 def _link(args: argparse.Namespace):
-    from virtualflow.runtime.profile import LOOPBACK
     from virtualflow.plan.pipeline.partition import Link
+    from virtualflow.plan.pipeline.predict import LOOPBACK
 
     if args.bandwidth_gbps is None and args.latency_us is None:
         return LOOPBACK
@@ -127,8 +101,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from virtualflow.preflight import build_job
-    from virtualflow.runtime.profile import auto_split, micro_batches, predict, profile_model, split_partition
+    from virtualflow.launch.preflight import build_job
+    from virtualflow.plan.pipeline.predict import auto_split, micro_batches, predict, split_partition
+    from virtualflow.runtime.profile import profile_model
 
     for knob in ("stages", "chunks", "workers", "repeats", "threads"):
         value = getattr(args, knob)

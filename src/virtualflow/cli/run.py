@@ -12,9 +12,9 @@ import time
 import virtualflow as vf
 from virtualflow.backends.ray import RayNotInstalled
 from virtualflow.api import stop_interrupted, wait_restarting
-from virtualflow.options import add_arguments, options_from_args
-from virtualflow.result import TrainingError
-from virtualflow.rundir import DiskFullError
+from virtualflow.config.options import add_arguments, options_from_args
+from virtualflow.records.result import TrainingError
+from virtualflow.records.rundir import DiskFullError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -31,8 +31,9 @@ other rank.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Protocol, Sequence
 
 COMPUTE_KINDS = ("F", "B", "I", "W")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
@@ -356,4 +357,47 @@ SCHEDULES = {
     "2bw": pipedream_2bw,
     "async": pipedream_async,
 }
-"""Generators by schedule name (the ``schedule=`` knob)."""
+"""THE schedule table: generators by schedule name (the ``schedule=`` knob). Every other list of
+schedule names (the ``Pipeline`` check, the CLI's choices, the plots) is derived from it."""
+
+STREAMING = ("2bw", "async")
+"""The no-flush schedules: they stream ``steps`` optimizer steps back to back without a drain."""
+
+SCHEDULE_NAMES = tuple(SCHEDULES)
+"""Schedule names in table order."""
+
+FLUSH_SCHEDULES = tuple(name for name in SCHEDULES if name not in STREAMING)
+"""Schedules that drain the pipeline at the end of every step."""
+
+
+@functools.lru_cache(maxsize=64)
+def build_schedule(name: str, stages: int, m: int, chunks: int = 1, steps: int = 1) -> Schedule:
+    """THE schedule factory: schedule ``name`` for ``stages`` ranks and ``m`` micro-batches
+    (``chunks`` model pieces per rank for ``interleaved_1f1b``; ``steps`` streamed steps for the
+    no-flush schedules, ignored by the flush schedules). Schedules are pure and immutable, so each
+    shape is built once per process, not once per step."""
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule={name!r} is not one of {SCHEDULE_NAMES}")
+    gen = SCHEDULES[name]
+    if name == "interleaved_1f1b":
+        return gen(stages, m, chunks)
+    if name in STREAMING:
+        return gen(stages, m, steps)
+    return gen(stages, m)
+
+
+def schedule_of(pipeline: "PipelineShape", m: int, steps: int | None = None) -> Schedule:
+    """The schedule a pipeline description runs with ``m`` micro-batches: its ``schedule``,
+    ``stages`` and ``chunks``; ``steps`` streamed steps (default ``pipeline.window``, which only
+    the no-flush schedules use)."""
+    return build_schedule(pipeline.schedule, pipeline.stages, m, pipeline.chunks,
+                          pipeline.window if steps is None else steps)
+
+
+class PipelineShape(Protocol):
+    """What the schedule factory reads from a pipeline description (``virtualflow.Pipeline``)."""
+
+    schedule: str
+    stages: int
+    chunks: int
+    window: int

@@ -1,0 +1,393 @@
+"""The hardware-independent description of a training job, and how workers rebuild it.
+
+A :class:`Job` fixes everything the model sees: model, optimizer, loss, data, global batch
+size B, number of virtual nodes V, seed. Nothing in it names a worker or a device. Workers run
+in other processes, so a job reaches them as an importable zero-argument function
+(``"pkg.module:make_job"``, ``"path/to/file.py:make_job"`` or the function object itself), or
+pickled with cloudpickle: a :class:`Job` or a factory that is a lambda, a closure or defined in
+``__main__`` / a notebook.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import importlib.util
+import os
+import pickle
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Mapping
+
+import torch
+
+from virtualflow.config.pipeline import Pipeline
+
+BatchNormMode = Literal["mean", "first"]
+
+
+@dataclass(kw_only=True, slots=True)
+class Job:
+    """What the model sees; identical for any number or kind of workers."""
+
+    model: Callable[[], torch.nn.Module]
+    """Zero-argument factory returning the model. Called after ``torch.manual_seed(seed)``."""
+    optimizer: Callable[[Any], torch.optim.Optimizer]
+    """Factory taking ``model.parameters()`` and returning the optimizer."""
+    dataset: Any
+    """A map-style ``torch.utils.data.Dataset`` or a zero-argument factory returning one."""
+    global_batch_size: int
+    """B: samples per optimizer step, whatever the number of workers."""
+    virtual_nodes: int
+    """V: logical data-parallel replicas per step; each processes B / V samples."""
+    loss: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None
+    """``(model, batch) -> scalar`` mean loss over that batch. May be left out when
+    ``output_loss`` is given: the loss is then ``output_loss(model(model_input(batch)), batch)``."""
+    output_loss: Callable[[Any, Any], torch.Tensor] | None = None
+    """``(outputs, batch) -> scalar`` mean loss from the model's outputs. Required for a pipelined
+    job (the loss is computed on the last stage, which sees only the outputs and the batch)."""
+    model_input: Callable[[Any], Any] | None = None
+    """``batch -> what the model (its first layer) takes``; default ``batch[0]`` (a dict batch:
+    ``batch["input"]``)."""
+    pipeline: Any = None
+    """A :class:`virtualflow.Pipeline` to cut the model into stages; ``None``: no pipeline."""
+    seed: int = 0
+    """Seeds model initialisation, data order and the random streams inside each VN."""
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    """Optional factory taking the optimizer; the scheduler is stepped once per step."""
+    collate_fn: Callable[[list], Any] | None = None
+    """Optional; defaults to ``torch.utils.data.default_collate``."""
+    evaluate: Callable[[torch.nn.Module], Mapping[str, float]] | None = None
+    """Optional ``(model) -> {metric: value}``, run in eval mode without gradients."""
+    eval_every: int | None = None
+    """Run ``evaluate`` every this many steps (and always at the end)."""
+    batchnorm: BatchNormMode = "mean"
+    """Running statistics of BatchNorm layers after a step: ``"mean"`` over the V virtual nodes'
+    updates (once per step), or ``"first"``: those of VN 0 (PyTorch DDP's default behaviour)."""
+    name: str = "job"
+    """Shown in logs and the run summary."""
+
+    def __post_init__(self) -> None:
+        if self.loss is None and self.output_loss is None:
+            raise TypeError("Job needs a loss: give loss=(model, batch) -> scalar, or output_loss=(outputs, batch) -> scalar")
+        if self.pipeline is not None:
+            if not isinstance(self.pipeline, Pipeline):
+                raise TypeError(f"Job.pipeline must be a virtualflow.Pipeline or None, got {type(self.pipeline).__name__}")
+            if self.output_loss is None:
+                raise ValueError(
+                    "a pipelined job needs Job.output_loss=(outputs, batch) -> scalar: the loss is computed on the "
+                    "last stage, which holds only the model's outputs and the batch (Job.loss sees the whole model)"
+                )
+        # An instance where a factory belongs: each worker builds its own model (after
+        # torch.manual_seed(seed)) and its own optimizer over that model's parameters. A module
+        # is callable, so without this check the mistake surfaced as its forward's TypeError.
+        if isinstance(self.model, torch.nn.Module):
+            name = type(self.model).__name__
+            raise TypeError(
+                f"Job.model must be a zero-argument factory that returns the model, got a {name} instance; "
+                f"pass the function that builds it (e.g. model=lambda: {name}(...), or a def): every worker "
+                f"builds its own copy after torch.manual_seed(seed)"
+            )
+        if isinstance(self.optimizer, torch.optim.Optimizer):
+            name = type(self.optimizer).__name__
+            raise TypeError(
+                f"Job.optimizer must be a factory taking the model's parameters, got a {name} instance; pass "
+                f"e.g. optimizer=lambda params: torch.optim.{name}(params, lr=...): every worker builds its own "
+                f"over its own copy of the model"
+            )
+        for field_name in ("model", "optimizer"):
+            if not callable(getattr(self, field_name)):
+                raise TypeError(
+                    f"Job.{field_name} must be callable, got {type(getattr(self, field_name)).__name__}"
+                )
+        for field_name in ("loss", "output_loss", "model_input", "lr_scheduler", "collate_fn", "evaluate"):
+            value = getattr(self, field_name)
+            if value is not None and not callable(value):
+                raise TypeError(f"Job.{field_name} must be callable or None, got {type(value).__name__}")
+        _check_positive_int("global_batch_size", self.global_batch_size)
+        _check_positive_int("virtual_nodes", self.virtual_nodes)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ValueError(f"Job.seed={self.seed!r} must be a non-negative int")
+        if self.global_batch_size % self.virtual_nodes:
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} is not divisible by "
+                f"virtual_nodes={self.virtual_nodes}; choose a multiple of {self.virtual_nodes} "
+                f"(e.g. {self.global_batch_size - self.global_batch_size % self.virtual_nodes or self.virtual_nodes}) "
+                f"or a virtual_nodes that divides {self.global_batch_size}"
+            )
+        if self.eval_every is not None:
+            _check_positive_int("eval_every", self.eval_every)
+        if self.batchnorm not in ("mean", "first"):
+            raise ValueError(f"Job.batchnorm={self.batchnorm!r} must be 'mean' or 'first'")
+        if not (callable(self.dataset) or hasattr(self.dataset, "__getitem__")):
+            raise TypeError(
+                "Job.dataset must be a map-style Dataset (with __getitem__ and __len__) or a "
+                f"zero-argument factory returning one, got {type(self.dataset).__name__}"
+            )
+
+    def compute_loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        """The mean loss of ``batch``: ``loss(model, batch)``, or, without ``loss``,
+        ``output_loss(model(model_input(batch)), batch)``."""
+        if self.loss is not None:
+            return self.loss(model, batch)
+        return self.output_loss(model(self.input_of(batch)), batch)
+
+    def input_of(self, batch: Any) -> Any:
+        """What the model's first layer takes from ``batch`` (``model_input``, default ``batch[0]``)."""
+        if self.model_input is not None:
+            return self.model_input(batch)
+        if isinstance(batch, dict):
+            if "input" not in batch:
+                raise KeyError(f"a dict batch needs an 'input' key or Job.model_input; it has {sorted(batch)}")
+            return batch["input"]
+        return batch[0]
+
+    def build_dataset(self) -> Any:
+        ds = self.dataset
+        if isinstance(ds, type) or (callable(ds) and not hasattr(ds, "__getitem__")):
+            ds = ds()  # a factory (a function, or a Dataset class taking no arguments)
+        if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
+            raise TypeError(
+                f"Job.dataset must give a map-style dataset with __getitem__ and __len__; "
+                f"got {type(ds).__name__} (iterable-style datasets cannot be split into virtual nodes)"
+            )
+        return ds
+
+    def replace(self, **changes: Any) -> "Job":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"Job.{name}={value!r} must be a positive int")
+
+
+_FILE_MODULE = "_virtualflow_job_"
+"""Prefix of the private module names job files are imported under."""
+
+
+class JobImportError(ValueError):
+    """The job cannot be rebuilt in a worker process."""
+
+
+# --------------------------------------------------------------------------------------------
+# Job sources: how a worker process gets the same Job the user gave.
+
+
+@dataclass(frozen=True, slots=True)
+class JobSource:
+    """A recipe a worker process follows to rebuild the job.
+
+    ``kind="spec"``: ``target`` is ``"module:function"`` or ``"/abs/path.py:function"``, imported
+    and called in the worker. ``kind="pickle"``: ``payload`` is a :class:`Job`, or a zero-argument
+    function returning one (``factory=True``), pickled with cloudpickle (as Ray does): lambdas,
+    closures and what is defined in ``__main__`` or a notebook travel by value, functions of
+    importable modules by reference. ``sys_path`` is the launching process's import path.
+    """
+
+    kind: Literal["spec", "pickle"]
+    target: str = ""
+    payload: bytes = b""
+    factory: bool = False
+    sys_path: tuple[str, ...] = ()
+
+    def load(self) -> Job:
+        for p in reversed(self.sys_path):
+            if p not in sys.path:
+                sys.path.insert(0, p)
+        if self.kind == "spec":
+            job = resolve_spec(self.target)()
+        else:
+            obj = pickle.loads(self.payload)  # cloudpickle's output is read by plain pickle
+            job = obj() if self.factory else obj
+        if not isinstance(job, Job):
+            what = self.target or ("the job function" if self.factory else "the pickled job")
+            raise TypeError(f"{what} returned {type(job).__name__}, not virtualflow.Job")
+        return job
+
+
+def source_from(job: Job | Callable[[], Job] | str) -> JobSource:
+    """Make a :class:`JobSource` from what the user passed, checking that workers can use it."""
+    sys_path = tuple(os.path.abspath(p) if p else os.getcwd() for p in sys.path)
+    if isinstance(job, str):
+        resolve_spec(job)  # raises a clear error here, before any worker starts
+        return JobSource("spec", target=_absolute_spec(job), sys_path=sys_path)
+    if isinstance(job, Job):
+        return JobSource("pickle", payload=_dumps(job, "the Job"), sys_path=sys_path)
+    if callable(job):
+        module = getattr(job, "__module__", None)
+        qualname = getattr(job, "__qualname__", "")
+        importable = (module and module != "__main__" and not module.startswith(_FILE_MODULE)
+                      and "<locals>" not in qualname and "<lambda>" not in qualname)
+        if importable:
+            return JobSource("spec", target=f"{module}:{qualname}", sys_path=sys_path)
+        # A lambda, a closure, or a function of __main__ / a notebook / a job file: by value.
+        return JobSource("pickle", payload=_dumps(job, f"the job function {qualname or job!r}"), factory=True,
+                         sys_path=sys_path)
+    raise TypeError(
+        f"job must be a virtualflow.Job, a zero-argument function returning one, or a "
+        f"'module:function' / 'file.py:function' string; got {type(job).__name__}"
+    )
+
+
+def _code_keeping_filename(code: types.CodeType) -> Any:
+    """cloudpickle's reduction of a code object, with the code's real file name kept: cloudpickle
+    writes ``<dynamic-code>`` (for reproducible payloads), so a traceback from a worker would
+    not say which file of the user's the failing line is in, nor show the line."""
+    import cloudpickle
+
+    constructor, args = cloudpickle.cloudpickle._code_reduce(code)
+    return constructor, tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+
+
+def _dumps(obj: Any, what: str) -> bytes:
+    import collections
+    import io
+
+    import cloudpickle
+
+    try:
+        if hasattr(cloudpickle.cloudpickle, "_code_reduce"):  # a private helper: used only where present
+            class Pickler(cloudpickle.Pickler):
+                dispatch_table = collections.ChainMap({types.CodeType: _code_keeping_filename},
+                                                      cloudpickle.Pickler.dispatch_table)
+
+            buf = io.BytesIO()
+            Pickler(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(obj)
+            return buf.getvalue()
+        return cloudpickle.dumps(obj)
+    except Exception as exc:  # an open file, a lock, a live process group...
+        raise JobImportError(
+            f"{what} cannot be sent to worker processes ({type(exc).__name__}: {exc}); build such objects inside "
+            f"the factories (model, dataset, ...) instead of capturing them"
+        ) from exc
+
+
+def resolve_spec(spec: str) -> Callable[[], Job]:
+    """``"pkg.mod:fn"``, ``"file.py:fn"`` or ``"file.py"`` (function ``make_job``) -> the function."""
+    path, _, func = spec.partition(":")
+    func = func or "make_job"
+    try:
+        if path.endswith(".py") or os.sep in path:
+            if not os.path.isfile(path):
+                raise JobImportError(f"job file {path!r} does not exist")
+            module = _import_file(os.path.abspath(path))
+        else:
+            module = importlib.import_module(path)
+    except JobImportError:
+        raise
+    except Exception as exc:
+        raise JobImportError(f"cannot import the job module of {spec!r}: {type(exc).__name__}: {exc}") from exc
+    obj: Any = module
+    for part in func.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise JobImportError(
+                f"{path!r} has no function {func!r}; name it with '{path}:FUNCTION' "
+                f"(the default is make_job)"
+            )
+    if not callable(obj):
+        raise JobImportError(f"{spec!r} is not callable")
+    return obj
+
+
+def _absolute_spec(spec: str) -> str:
+    path, sep, func = spec.partition(":")
+    if path.endswith(".py") or os.sep in path:
+        return f"{os.path.abspath(path)}:{func or 'make_job'}"
+    return f"{path}:{func or 'make_job'}"
+
+
+_IMPORTING: list[str] = []
+"""Job files being imported by :func:`_import_file` in this process, innermost last."""
+
+
+def importing_job_file() -> str | None:
+    """The job file whose import is running now in this process, if any: a training run started
+    from there is the file's own top-level code, run because virtualflow imported the file to
+    read its job function (see :func:`check_not_importing`)."""
+    return _IMPORTING[-1] if _IMPORTING else None
+
+
+def check_not_importing() -> None:
+    """Refuse to start a run from a job file's top-level code while virtualflow imports that file
+    (``virtualflow run FILE.py`` imports it to find the job function; the workers import it
+    again). Without the guard such a file started a nested run at import, whose workers failed
+    on the private module name the file was imported under."""
+    path = importing_job_file()
+    if path is not None:
+        raise JobImportError(
+            f"{path} starts training when it is imported (virtualflow.train/launch runs at its top level), "
+            f"and virtualflow imports the file to read its job function: guard the module's training code "
+            f"with `if __name__ == \"__main__\":`"
+        )
+
+
+def check_main_guard(what: str) -> None:
+    """Refuse to start child processes that import the main script again (multiprocessing's
+    ``spawn`` and ``forkserver`` start methods do) when the call comes from the script's
+    unguarded top-level code: every child would run that code again, and each one fails in
+    multiprocessing's bootstrapping with a long traceback. Decided from the script's source: the
+    top-level statement running now must sit inside ``if __name__ == "__main__":``. Silent when
+    there is no script to read (a notebook, ``python -c``, a REPL) or the call does not come
+    from the script's top level; a guard written another way (any ``if`` on ``__name__``) is
+    accepted. Also refuses a job file's top-level code run by virtualflow's import of it
+    (:func:`check_not_importing`)."""
+    check_not_importing()
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not isinstance(path, str) or not path.endswith(".py") or not os.path.isfile(path):
+        return
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__"):
+        frame = frame.f_back
+    if frame is None or os.path.abspath(frame.f_code.co_filename) != os.path.abspath(path):
+        return
+    line = frame.f_lineno
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return
+    for node in tree.body:
+        if node.lineno <= line <= (node.end_lineno or node.lineno):
+            guarded = isinstance(node, ast.If) and any(isinstance(n, ast.Name) and n.id == "__name__"
+                                                       for n in ast.walk(node.test))
+            if not guarded:
+                raise JobImportError(
+                    f"{path}, line {line}, starts {what} from the script's top level, and every new process "
+                    f"imports the script again (and would start them again): guard the module's training code "
+                    f"with `if __name__ == \"__main__\":`"
+                )
+            return
+
+
+def _import_file(path: str) -> Any:
+    """Import a .py file once per process under a stable private module name."""
+    name = _FILE_MODULE + str(abs(hash(path)))
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise JobImportError(f"cannot load {path!r} as a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    directory = os.path.dirname(path)
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
+    _IMPORTING.append(path)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    finally:
+        _IMPORTING.pop()
+    import cloudpickle
+
+    # Workers cannot import this private module name: what it defines travels by value.
+    cloudpickle.register_pickle_by_value(module)
+    return module

@@ -1,0 +1,490 @@
+"""How a job runs, as one table: :class:`LaunchOptions`.
+
+Every option of :func:`virtualflow.train` / :func:`virtualflow.launch` is a field here, written
+once: its default, its type, its help text and its command-line flag (``virtualflow run``
+builds its arguments from this table with :func:`add_arguments`). The object is validated once,
+in ``__post_init__``, with messages that name the value, the rule and the knob; the handle, the
+membership controller and the workers read their settings from it.
+
+What an option means never depends on the job: checks that need the job (``max_workers`` at
+most ``virtual_nodes``, memory limits against the VN batch) are made when the job is known, in
+:func:`virtualflow.launch`.
+
+This module imports nothing above the config layer (only :mod:`virtualflow.config.spec`, the
+fault-injection plan :mod:`virtualflow.config.faults` and :mod:`virtualflow.config.resources`),
+so every layer can read the options it is given. An autoscaling policy object is recognised by
+its shape (:class:`PolicyLike`: a ``name`` and a ``decide`` method), not by importing the control
+layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+from virtualflow.config.faults import FaultPlan
+from virtualflow.config.resources import parse_resources
+from virtualflow.config.spec import WorkerSpec
+
+
+@runtime_checkable
+class PolicyLike(Protocol):
+    """What an autoscaling policy object passed as ``autoscale=`` must have (the shape of
+    :class:`virtualflow.control.autoscale.Policy`, checked here without importing the control
+    layer): a ``name`` and ``decide(history, limits) -> Decision``."""
+
+    name: str
+
+    def decide(self, history: Sequence[Any], limits: Any) -> Any: ...
+
+
+Policy = PolicyLike
+"""The annotation of ``LaunchOptions.autoscale``'s object form (see :class:`PolicyLike`)."""
+
+BACKENDS = ("local", "ray", "external")
+RAY_ONLY = ("address", "cpus_per_worker", "gpus_per_worker", "resources", "placement_timeout_s")
+
+
+def _opt(default: Any, help: str, group: str, *, flag: str | None = "", metavar: str | None = None,
+         parse: Callable[[str], Any] | None = None, choices: tuple[str, ...] | None = None) -> Any:
+    """A field of the table. ``flag=""``: derived from the name (``heartbeat_timeout_s`` ->
+    ``--heartbeat-timeout``); ``flag=None``: Python only (objects that have no text form)."""
+    return field(default=default, metadata={"help": help, "group": group, "flag": flag, "metavar": metavar,
+                                            "parse": parse, "choices": choices})
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--slowdowns {text!r} must be comma-separated numbers, e.g. 1,1,3,3") from None
+
+
+def parse_profile(text: str) -> str:
+    """``--profile STEPS``: ``N`` (N steps after the first two) or ``A-B`` (steps A to B inclusive)."""
+    profile_window(text)
+    return text
+
+
+def profile_window(text: str) -> tuple[int, int]:
+    """The ``[first, last)`` steps a ``profile`` value names (see :func:`parse_profile`)."""
+    try:
+        if "-" in text:
+            a, b = (int(x) for x in text.split("-", 1))
+            first, last = a, b + 1
+        else:
+            n = int(text)
+            first, last = 2, 2 + n
+    except ValueError:
+        raise ValueError(f"profile={text!r} must be a number of steps (e.g. 3) or a range of steps such as 5-8 "
+                         f"(--profile)") from None
+    if first < 0 or last <= first:
+        raise ValueError(f"profile={text!r} names no step: give a positive number of steps (e.g. 3) or a range "
+                         f"A-B with 0 <= A <= B (--profile)")
+    return first, last
+
+
+def _resources(text: str) -> dict[str, float]:
+    return parse_resources(text)
+
+
+@dataclass(kw_only=True, slots=True)
+class LaunchOptions:
+    """Everything about *how* a job runs (the :class:`virtualflow.Job` says *what* it computes).
+
+    None of these options changes the trained model except ``deterministic`` (bit-identical
+    instead of equal within float tolerance) and the overrides of the job's own fields
+    (``global_batch_size``, ``virtual_nodes``, ``seed``).
+    """
+
+    # -- pipeline ----------------------------------------------------------------------------
+    pipeline_stages: int | None = _opt(None, "cut the model into this many stages (workers per pipeline replica; "
+                                       "--workers must be a multiple); overrides Job.pipeline's stages", "pipeline",
+                                       metavar="P")
+    schedule: str | None = _opt(None, "pipeline schedule (default 1f1b, or Job.pipeline's)", "pipeline",
+                                choices=("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "2bw", "async"))
+    chunks: int | None = _opt(None, "model pieces per worker for interleaved_1f1b (v)", "pipeline", metavar="V")
+    split: str | None = _opt(None, "where to cut: auto (profile + partitioner), equal, or layer counts per piece "
+                             "such as 3,2,2,1", "pipeline", metavar="SPLIT")
+
+    # -- training ----------------------------------------------------------------------------
+    workers: int | None = _opt(None, "number of workers to start (default 1; with --autoscale, --min-workers)",
+                               "training", metavar="N")
+    steps: int | None = _opt(None, "optimizer steps to run (give exactly one of --steps and --epochs)",
+                             "training", metavar="S")
+    epochs: int | None = _opt(None, "epochs to run, len(dataset) // B steps each", "training", metavar="E")
+    global_batch_size: int | None = _opt(None, "override Job.global_batch_size (B)", "training", metavar="B")
+    virtual_nodes: int | None = _opt(None, "override Job.virtual_nodes (V)", "training", metavar="V")
+    seed: int | None = _opt(None, "override Job.seed", "training")
+    deterministic: bool = _opt(False, "bit-identical weights for any worker count (per-VN gradients summed "
+                               "along a fixed tree; one thread per worker unless --threads-per-worker)", "training")
+    reduction: str = _opt("allreduce", "how workers combine gradients: allreduce (each holds the whole optimizer "
+                          "state) or sharded (reduce-scatter, each updates 1/N of the weights and holds 1/N of the "
+                          "Adam/AdamW/SGD state, all-gather); same model either way", "training",
+                          choices=("allreduce", "sharded"))
+    threads_per_worker: int | None = _opt(None, "torch threads per worker (default: cores / workers; 1 if "
+                                          "deterministic; Ray: --cpus-per-worker)", "training", metavar="T")
+    device: str = _opt("cpu", "device the workers train on", "training")
+    collective_timeout_s: float = _opt(120.0, "bound on every collective; a peer silent this long is a failure "
+                                       "(seconds)", "training", metavar="SECONDS")
+    run_dir: str | None = _opt(None, "where metrics.jsonl, events.jsonl, status.json, summary.json and final.pt "
+                               "go (Python default: a temporary folder removed after a successful run; "
+                               "command line default: runs/<file>-<time>)", "training", metavar="DIR")
+    overwrite: bool = _opt(False, "start a new run in a --run-dir that holds an earlier run's states: move "
+                           "everything that run left into RUN_DIR/previous-<time>/ (without it, such a directory is "
+                           "refused)", "training")
+    progress: bool = _opt(False, "progress bar on the console (the command line shows one unless --no-progress)",
+                          "training", flag=None)
+    control_plane: bool = _opt(True, "False (benchmarks only): no heartbeat thread and no per-step control "
+                               "read, so stop, resize and hang detection are off; measures what they cost",
+                               "training", flag=None)
+    # -- observability ----------------------------------------------------------------------
+    loader_workers: int = _opt(0, "threads per worker that load the next virtual nodes' batches while the current "
+                               "ones compute (same data order, same model); 0 loads each batch when it is needed",
+                               "observability and input", metavar="N")
+    breakdown: bool = _opt(True, "measure where each step's time goes per worker (input, forward, backward, "
+                           "reduction, waiting for the slowest, optimizer, control); False only to measure its cost",
+                           "observability and input", flag=None)
+    profile: str | None = _opt(None, "write a torch.profiler trace (Chrome/Perfetto JSON) of these steps on every "
+                               "worker into RUN_DIR/profile/: N steps after the first two, or A-B",
+                               "observability and input", metavar="STEPS", parse=parse_profile)
+    tensorboard: bool = _opt(False, "write TensorBoard event files to RUN_DIR/tensorboard/ (loss, throughput, the "
+                             "time breakdown, workers, resizes); view with tensorboard --logdir RUN_DIR/tensorboard",
+                             "observability and input")
+    # -- elasticity and fault tolerance -----------------------------------------------------
+    min_workers: int = _opt(1, "below this many workers the job holds (checkpointed) and waits; also the "
+                            "autoscaler's lower bound", "elasticity and fault tolerance", metavar="M")
+    min_workers_timeout_s: float = _opt(60.0, "how long to wait for workers below --min-workers before failing "
+                                        "(seconds)", "elasticity and fault tolerance", metavar="SECONDS")
+    replace_failed: bool = _opt(False, "start a replacement worker for every worker lost, as a cluster manager "
+                                "would", "elasticity and fault tolerance")
+    heartbeat_timeout_s: float = _opt(3.0, "a worker silent this long is declared hung, killed and removed "
+                                      "(seconds)", "elasticity and fault tolerance", metavar="SECONDS")
+    checkpoint_every: int | None = _opt(None, "write checkpoints/step-N.pt every N steps (the last two are kept)",
+                                        "elasticity and fault tolerance", metavar="N")
+    resume: str | None = _opt(None, "continue from the newest good state of a run directory, or from a "
+                              "checkpoint file", "elasticity and fault tolerance", metavar="RUN_DIR_OR_FILE")
+    fault_plan: FaultPlan | None = _opt(None, "fault injection for tests (virtualflow.FaultPlan)",
+                                        "elasticity and fault tolerance", flag=None)
+    # -- heterogeneous workers --------------------------------------------------------------
+    worker_specs: list[WorkerSpec] | None = _opt(None, "one virtualflow.WorkerSpec per starting worker "
+                                                 "(memory limit, emulated slowdown, Ray resources)",
+                                                 "heterogeneous workers", flag=None)
+    slowdowns: list[float] | None = _opt(None, "emulate unequal workers: one slowdown factor per starting worker "
+                                         "(1 = full speed), e.g. 1,1,3,3; turns on --balance",
+                                         "heterogeneous workers", metavar="F1,F2,...", parse=_floats)
+    balance: bool | None = _opt(None, "map VNs by measured worker speed and rebalance as speeds drift (default: "
+                                "on with worker specs, slowdowns or uneven VN sizes)", "heterogeneous workers")
+    uneven_vn_sizes: bool = _opt(False, "let VN sizes differ per worker (faster workers get bigger VNs); "
+                                 "implies balance", "heterogeneous workers")
+    # -- autoscaling ------------------------------------------------------------------------
+    autoscale: str | Policy | None = _opt(
+        None, "grow and shrink the job while it trains to find the most resource-efficient worker count: "
+        "efficiency, utility, straggler or fixed, with parameters as NAME:PARAM=VALUE,..., e.g. "
+        "efficiency:threshold=0.2,step_size=2 or utility:value=deadline:30m:100 (Python: also a Policy object)",
+        "autoscaling", metavar="POLICY")
+    max_workers: int | None = _opt(None, "the autoscaler's upper bound (needed with --autoscale)", "autoscaling",
+                                   metavar="N")
+    price_per_worker_hour: float = _opt(1.0, "what a worker costs per hour, for the cost the autoscaler weighs",
+                                        "autoscaling", metavar="PRICE")
+    # -- backend ----------------------------------------------------------------------------
+    backend: str = _opt("local", "local: worker processes on this machine; ray: one Ray actor per worker on "
+                        "any node of a Ray cluster (pip install virtualflow[ray]); external: wait for workers "
+                        "started elsewhere with `virtualflow worker --join ADDR:PORT --token-file FILE`",
+                        "backend", choices=BACKENDS)
+    listen: str | None = _opt(None, "external backend: the address workers join (e.g. 10.0.0.5:29400; 0.0.0.0 "
+                              "for every interface)", "backend", metavar="ADDR:PORT")
+    token_file: str | None = _opt(None, "the job's secret token: joins and control requests must be signed with "
+                                  "it (default: a new random token in RUN_DIR/token, mode 0600)", "backend",
+                                  metavar="FILE")
+    address: str | None = _opt(None, "Ray cluster to use (default: RAY_ADDRESS, else a new local Ray instance)",
+                               "backend", metavar="auto|HOST:PORT")
+    cpus_per_worker: float | None = _opt(None, "Ray CPUs per worker actor, fractions allowed (default 1; also the "
+                                         "thread budget)", "backend", metavar="C")
+    gpus_per_worker: float | None = _opt(None, "Ray GPUs per worker actor (default 0)", "backend", metavar="G")
+    resources: dict[str, float] | None = _opt(None, "custom Ray resources per worker, e.g. accel_a100=1 or "
+                                              "'{\"accel_a100\": 1}'", "backend", metavar="JSON|NAME=AMOUNT,...",
+                                              parse=_resources)
+    placement_timeout_s: float | None = _opt(None, "give up on a worker actor Ray has not placed after this long "
+                                             "(seconds; default 60)", "backend", metavar="SECONDS")
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name), f.type)
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError(f"give exactly one of steps and epochs (got steps={self.steps!r}, epochs={self.epochs!r}); "
+                             f"e.g. steps=100 (--steps 100) or epochs=3 (--epochs 3)")
+        for name in _POSITIVE_INTS:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer; set {_knob(name)}")
+        if self.loader_workers < 0:
+            raise ValueError(f"loader_workers={self.loader_workers!r} must be 0 (no prefetching) or a positive number "
+                             f"of loader threads; set {_knob('loader_workers')}")
+        if self.profile is not None:
+            profile_window(self.profile)
+        if self.seed is not None and self.seed < 0:
+            raise ValueError(f"seed={self.seed!r} must be a non-negative integer; set {_knob('seed')}")
+        for name in ("collective_timeout_s", "min_workers_timeout_s", "heartbeat_timeout_s", "price_per_worker_hour",
+                     "cpus_per_worker", "gpus_per_worker", "placement_timeout_s"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            low_ok = value >= 0 if name == "gpus_per_worker" else value > 0
+            if not math.isfinite(value) or not low_ok:
+                rule = "a finite number >= 0" if name == "gpus_per_worker" else "a finite number > 0"
+                raise ValueError(f"{name}={value!r} must be {rule}; set {_knob(name)}")
+        if self.reduction not in ("allreduce", "sharded"):
+            raise ValueError(f"reduction={self.reduction!r} is not known; choose 'allreduce' (the default) or 'sharded' "
+                             f"(--reduction)")
+        if self.reduction == "sharded" and self.pipeline_stages is not None and self.pipeline_stages > 1:
+            raise ValueError(f"reduction='sharded' shards the data-parallel optimizer of unpipelined jobs; with "
+                             f"pipeline_stages={self.pipeline_stages} each worker already holds only its stage's "
+                             f"optimizer state: drop --reduction sharded or --pipeline-stages")
+        self._check_backend()
+        self._check_workers()
+
+    def _check_backend(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r} is not available; choose 'local' (this machine), 'ray' or "
+                             f"'external' (workers join by address) (--backend)")
+        if self.backend == "external" and self.listen is None:
+            raise ValueError("backend='external' needs listen='ADDR:PORT' (--listen), the address workers join")
+        if self.backend != "external" and self.listen is not None:
+            raise ValueError(f"listen={self.listen!r} only applies to backend='external'; add backend='external' "
+                             f"(--backend external) or drop it")
+        if self.backend != "ray":
+            given = [name for name in RAY_ONLY if getattr(self, name) is not None]
+            if given:
+                raise ValueError(f"{', '.join(n + '=' for n in given)} only apply to backend='ray'; add "
+                                 f"backend='ray' (--backend ray) or drop them")
+            per_worker = [i for i, s in enumerate(self.worker_specs or []) if s.resources]
+            if per_worker:
+                raise ValueError(f"WorkerSpec resources (given for worker{'s' if len(per_worker) > 1 else ''} "
+                                 f"{', '.join(map(str, per_worker))}) only apply to backend='ray'; add "
+                                 f"backend='ray' (--backend ray) or drop them")
+
+    def _check_workers(self) -> None:
+        if self.max_workers is not None and self.autoscale is None:
+            raise ValueError(f"max_workers={self.max_workers!r} bounds the autoscaler; give autoscale= (--autoscale "
+                             f"POLICY) too, or drop max_workers")
+        n = self.start_workers
+        if self.autoscale is not None and self.max_workers is not None and self.min_workers > self.max_workers:
+            raise ValueError(f"min_workers={self.min_workers} is greater than max_workers={self.max_workers}; the "
+                             f"autoscaler's range is empty: lower --min-workers, raise --max-workers")
+        if self.min_workers > n:
+            raise ValueError(f"min_workers={self.min_workers} is greater than the starting workers={n}; the job could "
+                             f"never start: lower min_workers (--min-workers) or start more workers (--workers)")
+        if self.autoscale is not None and self.max_workers is not None and not self.min_workers <= n <= self.max_workers:
+            raise ValueError(f"the starting workers={n} is outside [min_workers={self.min_workers}, "
+                             f"max_workers={self.max_workers}]; start inside the autoscaler's range (--workers)")
+        if self.slowdowns is not None:
+            if self.worker_specs is not None:
+                raise ValueError("give worker_specs or slowdowns, not both (slowdowns is a shorthand)")
+            if len(self.slowdowns) != n:
+                raise ValueError(f"slowdowns has {len(self.slowdowns)} values for workers={n}; give one per worker "
+                                 f"(--slowdowns)")
+            for x in self.slowdowns:
+                WorkerSpec(slowdown=x)  # validates each factor
+        if self.worker_specs is not None and len(self.worker_specs) != n:
+            raise ValueError(f"worker_specs has {len(self.worker_specs)} entries for workers={n}; give one per worker")
+        if self.uneven_vn_sizes and self.balance is False:
+            raise ValueError("uneven_vn_sizes=True needs balance (speed-based mapping); drop balance=False")
+
+    # -- derived values ----------------------------------------------------------------------
+    @property
+    def start_workers(self) -> int:
+        """Workers the job starts with: ``workers``, else ``min_workers`` with an autoscaler, else 1."""
+        if self.workers is not None:
+            return self.workers
+        return self.min_workers if self.autoscale is not None else 1
+
+    @property
+    def specs(self) -> list[WorkerSpec]:
+        """One :class:`WorkerSpec` per starting worker (``slowdowns`` expanded; [] if none given)."""
+        if self.slowdowns is not None:
+            return [WorkerSpec(slowdown=float(x)) for x in self.slowdowns]
+        return list(self.worker_specs or [])
+
+    @property
+    def balanced(self) -> bool:
+        """Whether VNs are mapped by measured speed (``balance``, default on with specs/uneven sizes)."""
+        if self.balance is not None:
+            return self.balance or self.uneven_vn_sizes
+        return bool(self.specs) or self.uneven_vn_sizes
+
+    @property
+    def profile_steps(self) -> tuple[int, int] | None:
+        """``[first, last)`` steps to trace with ``torch.profiler`` (None: no trace)."""
+        return profile_window(self.profile) if self.profile is not None else None
+
+    def replace(self, **changes: Any) -> "LaunchOptions":
+        """A copy with some options changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def make_options(options: LaunchOptions | None, overrides: dict[str, Any]) -> LaunchOptions:
+    """``options`` (or the defaults) with keyword overrides; unknown keywords name the valid ones."""
+    if options is not None and not isinstance(options, LaunchOptions):
+        raise TypeError(f"options must be a virtualflow.LaunchOptions, got {type(options).__name__}")
+    names = {f.name for f in dataclasses.fields(LaunchOptions)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise TypeError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; the options are "
+                        f"the fields of virtualflow.LaunchOptions: {', '.join(sorted(names))}")
+    if options is None:
+        return LaunchOptions(**overrides)
+    return options.replace(**overrides) if overrides else options
+
+
+# -- type checks ------------------------------------------------------------------------------
+_POSITIVE_INTS = ("workers", "steps", "epochs", "global_batch_size", "virtual_nodes", "threads_per_worker",
+                  "min_workers", "checkpoint_every", "max_workers", "pipeline_stages", "chunks")
+_WORDS = {"int": "an integer", "float": "a number", "bool": "True or False", "str": "a string",
+          "list[float]": "a list of numbers", "list[WorkerSpec]": "a list of virtualflow.WorkerSpec",
+          "dict[str, float]": "a dict of name -> number", "FaultPlan": "a virtualflow.FaultPlan",
+          "Policy": "an autoscaling Policy"}
+
+
+def _check_type(name: str, value: Any, annotation: str) -> None:
+    """The field's annotation (a string under ``from __future__ import annotations``) against the
+    value: ints are not bools, floats take ints, lists and dicts hold what they say."""
+    alternatives = [a.strip() for a in annotation.split("|") if a.strip() != "None"]
+    if value is None and "None" in annotation:
+        return
+    if value is not None and any(_matches(value, alt) for alt in alternatives):
+        return
+    if name in _POSITIVE_INTS:
+        raise ValueError(f"{name}={value!r} must be a positive integer; set {_knob(name)}")
+    raise ValueError(f"{name}={value!r} must be {' or '.join(_WORDS[a] for a in alternatives)}; set {_knob(name)}")
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _matches(value: Any, alt: str) -> bool:
+    if alt == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if alt == "float":
+        return _number(value)
+    if alt == "bool":
+        return isinstance(value, bool)
+    if alt == "str":
+        return isinstance(value, str)
+    if alt == "list[float]":
+        return isinstance(value, (list, tuple)) and all(_number(v) for v in value)
+    if alt == "list[WorkerSpec]":
+        return isinstance(value, (list, tuple)) and all(isinstance(v, WorkerSpec) for v in value)
+    if alt == "dict[str, float]":
+        return isinstance(value, dict) and all(isinstance(k, str) and _number(v) for k, v in value.items())
+    if alt == "FaultPlan":
+        return isinstance(value, FaultPlan)
+    if alt == "Policy":
+        return isinstance(value, PolicyLike)
+    raise AssertionError(f"LaunchOptions.{alt}: no check for this annotation")  # a new field needs one
+
+
+# -- the command line -------------------------------------------------------------------------
+def flag_of(name: str) -> str | None:
+    """The command-line flag of an option (None: Python only)."""
+    f = _FIELDS[name]
+    flag = f.metadata["flag"]
+    if flag is None:
+        return None
+    return flag or "--" + name.removesuffix("_s").replace("_", "-")
+
+
+def _knob(name: str) -> str:
+    flag = flag_of(name)
+    return f"{name}= ({flag})" if flag else f"{name}="
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One argument per option with a flag, in argument groups by concern. Every default is None
+    (not given), so that only what the user typed overrides :class:`LaunchOptions`' defaults."""
+    groups: dict[str, Any] = {}
+    for f in dataclasses.fields(LaunchOptions):
+        flag = flag_of(f.name)
+        if flag is None:
+            continue
+        meta = f.metadata
+        group = groups.get(meta["group"]) or groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
+        help_text = meta["help"] + (f" (default {f.default})" if f.default not in (None, False) else "")
+        if f.type == "bool" or f.type == "bool | None":
+            group.add_argument(flag, dest=f.name, action="store_const", const=True, default=None, help=help_text)
+            continue
+        parse = _with_message(meta["parse"]) if meta["parse"] else _scalar_parser(f.type)
+        group.add_argument(flag, dest=f.name, type=parse, default=None, metavar=meta["metavar"],
+                           choices=meta["choices"], help=help_text)
+
+
+def options_from_args(args: argparse.Namespace, **extra: Any) -> LaunchOptions:
+    """The :class:`LaunchOptions` a parsed command line asks for (what was not typed keeps its
+    default); ``extra`` sets options the command decides itself (e.g. the run directory)."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(LaunchOptions)
+             if flag_of(f.name) is not None and getattr(args, f.name, None) is not None}
+    given.update(extra)
+    return LaunchOptions(**given)
+
+
+def _with_message(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """argparse shows an ``ArgumentTypeError``'s own message (a ValueError becomes "invalid value")."""
+    def wrapped(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    wrapped.__name__ = parse.__name__.strip("_")
+    return wrapped
+
+
+def _scalar_parser(annotation: str) -> Callable[[str], Any]:
+    if "int" in annotation.split(" | "):
+        return int
+    if "float" in annotation.split(" | "):
+        return float
+    return str
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(LaunchOptions)}
+
+
+# -- the documentation ------------------------------------------------------------------------
+def markdown_table() -> str:
+    """The options table of docs/training.md, generated from the fields above: one table per
+    group, one row per option (its flag, its default, its help text), in field order. A field
+    added here therefore appears in the guide when it is regenerated
+    (``python scripts/gen_options_table.py``), and ``tests/test_docs.py`` fails until it is."""
+    out: list[str] = []
+    group = None
+    for f in dataclasses.fields(LaunchOptions):
+        meta = f.metadata
+        if meta["group"] != group:
+            group = meta["group"]
+            out += ["", f"**{group}**", "", "| option | flag | default | meaning |", "|---|---|---|---|"]
+        flag = flag_of(f.name)
+        if flag is None:
+            flag_cell = "—"
+        elif f.type in ("bool", "bool | None"):
+            flag_cell = f"`{flag}`"
+        else:
+            value = "|".join(meta["choices"]) if meta["choices"] else (meta["metavar"] or f.name.upper())
+            flag_cell = f"`{flag} {value}`"
+        cells = [f"`{f.name}`", flag_cell, f"`{f.default!r}`", _markdown_text(meta["help"])]
+        # A "|" inside a cell, even in a code span, would end the cell in GitHub's tables.
+        out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(out[1:]) + "\n"
+
+
+def _markdown_text(text: str) -> str:
+    """Help text as Markdown: ``<`` and ``>`` outside code spans escaped (``runs/<file>`` would
+    otherwise be read as an HTML tag and vanish)."""
+    parts = text.split("`")
+    for i in range(0, len(parts), 2):  # even pieces are outside code spans
+        parts[i] = parts[i].replace("<", "&lt;").replace(">", "&gt;")
+    return "`".join(parts)

@@ -1,0 +1,142 @@
+"""Resuming a job: find the newest good state of a run and check that it belongs to the job.
+
+A run directory's states are ``final.pt`` (written when a run ends or is stopped),
+``checkpoint.pt`` (the last good state before a non-finite loss) and ``checkpoints/step-N.pt``;
+the newest by step wins, whatever its kind (on a tie, ``final.pt``). Corrupt or truncated files
+are reported and skipped; a file holding anything but plain data is refused outright (it was
+tampered with: see :mod:`virtualflow.runtime.checkpoint`), as is a state from a different job
+(other B, V, seed or model shapes), with a message naming what differs. Nothing here deletes or
+moves a state file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any
+
+import torch
+
+from virtualflow.config.job import Job
+from virtualflow.records.rundir import STATE_FILES
+from virtualflow.runtime.checkpoint import CorruptCheckpointError, load_state
+
+logger = logging.getLogger("virtualflow")
+
+_NUMBERED = re.compile(r"step-(\d+)\.pt")
+
+
+def find_resume_state(resume: str, job: Job) -> tuple[str, int]:
+    """The newest good state file under ``resume`` (a run directory or a state file) that belongs
+    to ``job``, and its step; corrupt or truncated files are reported and skipped."""
+    if os.path.isdir(resume):
+        candidates = _candidates(resume)
+        if not candidates:
+            raise ValueError(
+                f"resume={resume!r}: no checkpoints in it (final.pt, checkpoint.pt or checkpoints/step-N.pt); a run "
+                f"writes final.pt when it ends or is stopped, and checkpoints with checkpoint_every= "
+                f"(--checkpoint-every N)"
+            )
+    elif os.path.isfile(resume):
+        candidates = [(None, resume)]
+    else:
+        raise ValueError(f"resume={resume!r} is neither a run directory nor a checkpoint file")
+    # Files whose step is not in their name are read first, to place them among the numbered ones.
+    loaded: dict[str, dict[str, Any]] = {}
+    problems: list[str] = []
+    ordered: list[tuple[int, int, str]] = []
+    for step, path in candidates:
+        if step is None:
+            state = _load(path, problems)
+            if state is None:
+                continue
+            loaded[path] = state
+            step = int(state["step"])
+        ordered.append((step, 1 if path in loaded else 0, path))
+    ordered.sort(reverse=True)
+    for _, _, path in ordered:
+        state = loaded.pop(path, None) or _load(path, problems)
+        if state is None:
+            continue
+        _check_same_job(path, state, job)
+        if problems:
+            logger.warning("resuming from %s, the newest good state", path)
+        return path, int(state["step"])
+    raise ValueError(f"resume={resume!r}: no readable checkpoint ({'; '.join(problems)})")
+
+
+def _candidates(run_dir: str) -> list[tuple[int | None, str]]:
+    """(step if the name tells it, path) of every state file of ``run_dir``."""
+    out: list[tuple[int | None, str]] = [(None, os.path.join(run_dir, name)) for name in STATE_FILES
+                                         if os.path.isfile(os.path.join(run_dir, name))]
+    folder = os.path.join(run_dir, "checkpoints")
+    if os.path.isdir(folder):
+        for name in os.listdir(folder):
+            numbered = _NUMBERED.fullmatch(name)
+            if numbered is not None:
+                out.append((int(numbered.group(1)), os.path.join(folder, name)))
+    return out
+
+
+def _load(path: str, problems: list[str]) -> dict[str, Any] | None:
+    """The state in ``path``, or None (reported) if it is corrupt. A file that is not plain data
+    raises :class:`~virtualflow.runtime.checkpoint.UntrustedStateError`: not skipped, refused."""
+    try:
+        return load_state(path)
+    except CorruptCheckpointError as exc:
+        logger.warning("skipping %s: %s", path, exc)
+        problems.append(str(exc))
+        return None
+
+
+def _check_same_job(path: str, state: dict[str, Any], job: Job) -> None:
+    saved = state.get("job")
+    saved = saved if isinstance(saved, dict) else {}
+    for key in ("global_batch_size", "virtual_nodes", "seed"):
+        if saved.get(key) != getattr(job, key):
+            raise ValueError(
+                f"the checkpoint {path} is from a different job: its {key}={saved.get(key)!r}, the job's is "
+                f"{getattr(job, key)!r}. Resume with the same {key} (--{key.replace('_', '-')}), or start a new run"
+            )
+    _check_same_pipeline(path, state, job)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(job.seed)
+        expected = {k: tuple(v.shape) for k, v in job.model().state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state["model"].items()}
+    if expected != got:
+        diff = sorted(set(expected.items()) ^ set(got.items()))[:3]
+        raise ValueError(
+            f"the checkpoint {path} holds a different model than the job's (first differences: {diff}); "
+            f"resume it with the job that wrote it"
+        )
+
+
+def _check_same_pipeline(path: str, state: dict[str, Any], job: Job) -> None:
+    """A pipelined run's state holds one optimizer state per stage: it resumes only with the same
+    stages and split (the schedule may change, except to or from 2BW, whose older weight version
+    a state does not hold)."""
+    saved = state.get("pipeline")
+    saved = saved if isinstance(saved, dict) else None
+    pipeline = job.pipeline
+    if saved is None and pipeline is None:
+        return
+    if saved is None or pipeline is None:
+        what = "a pipelined run" if saved is not None else "a run without a pipeline"
+        raise ValueError(
+            f"the checkpoint {path} was written by {what}; its optimizer state is laid out for that run. Resume it "
+            f"{'with the same --pipeline-stages and --split' if saved is not None else 'without a pipeline'}"
+        )
+    bounds = saved.get("bounds")
+    counts = tuple(int(b) - int(a) for a, b in bounds) if isinstance(bounds, list) else None
+    if saved.get("stages") != pipeline.stages or counts != tuple(pipeline.split):
+        raise ValueError(
+            f"the checkpoint {path} holds {saved.get('stages')} stages with layer counts {counts}; the job has "
+            f"{pipeline.stages} stages with {pipeline.split}. Resume with --pipeline-stages {saved.get('stages')} "
+            f"--split {','.join(map(str, counts or ()))}"
+        )
+    if "2bw" in (saved.get("schedule"), pipeline.schedule):
+        raise ValueError(
+            f"the checkpoint {path} cannot resume a 2bw run (or be resumed by one): a state does not hold 2BW's "
+            f"older weight version; resume with a flush schedule, or start afresh"
+        )

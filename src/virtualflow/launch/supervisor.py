@@ -1,0 +1,588 @@
+"""The supervising loop of a running job, in the launching process.
+
+:class:`Supervisor` wires the parts of a run together — the coordinator (store and records),
+the backend (where workers run), the membership controller (generations) and the autoscaler's
+executor — and runs the monitor loop in a thread: it polls the workers' reports, lets the
+backend serve joins, takes resize requests (from this process, and signed ones from outside),
+ticks the controller and the autoscaler, and ends the job when every member has finished or
+something has failed. It writes ``status.json`` twice a second and ``summary.json`` at the end.
+
+It owns no policy: the controller decides generations, the autoscaler's policy decides sizes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import shutil
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from virtualflow.backends import Attachment, Backend
+from virtualflow.comm import auth, protocol
+from virtualflow.control.autoscale import Limits
+from virtualflow.control.autoscale_executor import AutoscaleExecutor
+from virtualflow.control.coordinator import Coordinator
+from virtualflow.plan.vnmap import pipeline_assignment
+from virtualflow.control.membership import FallbackRestart, JobFailed, MembershipController, check_resize
+from virtualflow.config.job import Job, JobSource
+from virtualflow.config.options import LaunchOptions
+from virtualflow.records.result import Result, TrainingError, WorkerTraceback
+from virtualflow.records.rundir import RunLock, disk_full_error, remove_temporaries, state_files, write_json
+from virtualflow.runtime.checkpoint import load_state
+from virtualflow.runtime import breakdown
+from virtualflow.runtime.worker import WorkerConfig
+
+logger = logging.getLogger("virtualflow")
+
+# Errors that are the consequence of another worker's failure, not a root cause.
+_CONSEQUENTIAL = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timeout")
+
+
+@dataclass(slots=True, kw_only=True)
+class RunSetup:
+    """Everything :func:`virtualflow.launch` decided before starting a run."""
+
+    job: Job
+    source: JobSource
+    overrides: dict[str, Any]
+    options: LaunchOptions
+    backend: Backend
+    total_steps: int
+    steps_per_epoch: int
+    assignment: list[list[int]]
+    run_dir: str | None
+    state_dir: str
+    own_state_dir: bool
+    """A temporary state directory (no ``run_dir``): removed after a successful run."""
+    threads: int
+    resume_path: str | None
+    resume_step: int
+    token: str
+    token_path: str
+    autoscale: Any = None
+    """The autoscaler's policy object (None without autoscaling)."""
+    autoscale_limits: Limits | None = None
+    run_lock: RunLock | None = None
+    """The run directory's lock (:class:`virtualflow.records.rundir.RunLock`), released when the run ends."""
+
+
+class ProgressRate:
+    """The progress bar's pace: seconds per step, samples/s and the time left, from the workers'
+    own step times (``step_time_s`` of each step record), smoothed (an exponential moving
+    average, ``smoothing`` the weight of the newest step).
+
+    Invariant: only *steady* steps count. The first step of every generation is left out (it
+    pays for forming the group, a state transfer, first-touch allocations), and start-up (the
+    workers importing torch and building the job) never is a step: a bar's own clock, started
+    before the workers, turned 13 s of start-up into "13.25s/step" and a 24-minute ETA. Until
+    one steady step is known there is no estimate (None)."""
+
+    def __init__(self, total_steps: int, smoothing: float = 0.2) -> None:
+        self.total_steps = total_steps
+        self.smoothing = smoothing
+        self.step_s: float | None = None
+        self.samples_per_s: float | None = None
+        self.done = 0
+        self._generation: int | None = None
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.done = record["step"] + 1
+        first = record["generation"] != self._generation
+        self._generation = record["generation"]
+        t = record["step_time_s"]
+        if first or not t > 0:
+            return
+        a = self.smoothing
+        rate = record["samples"] / t
+        self.step_s = t if self.step_s is None else a * t + (1 - a) * self.step_s
+        self.samples_per_s = rate if self.samples_per_s is None else a * rate + (1 - a) * self.samples_per_s
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at the steady pace (None before a steady step)."""
+        return None if self.step_s is None else max(0, self.total_steps - self.done) * self.step_s
+
+    def describe(self, record: dict[str, Any]) -> str:
+        """The bar's text after its count and elapsed time: ETA, s/step, loss, samples/s, workers."""
+        from tqdm import tqdm
+
+        if self.step_s is None:
+            pace = "eta ?"
+        else:
+            pace = f"eta {tqdm.format_interval(self.eta_s)}, {self.step_s:.3g} s/step, {self.samples_per_s:.0f} samples/s"
+        return f"{pace}, loss {record['loss']:.4f}, {record['workers']} worker{'s' if record['workers'] > 1 else ''}"
+
+
+class Supervisor:
+    def __init__(self, setup: RunSetup) -> None:
+        self.setup = setup
+        opts = setup.options
+        self.job = setup.job
+        self.t0 = time.time()
+        self.requests: deque[int] = deque()
+        self.taken_requests: list[str] = []
+        self.status_written = 0.0
+        self.replay = auth.ReplayGuard()
+        self.result: Result | None = None
+        self.error: BaseException | None = None
+        self.finished = threading.Event()
+        self.bar = None
+        self.rate = ProgressRate(setup.total_steps)
+        self.stop_reason: str | None = None
+        """Why the job was asked to stop early (``stop()``, Ctrl-C, SIGTERM); None if it was not."""
+        host, port = setup.backend.store_address()
+        # One id per launch (a resumed run gets a new one): every signed message names it, so a
+        # message captured from one run verifies in no other, even one sharing the token file.
+        self.job_id = auth.new_job_id()
+        run_key = auth.run_key(setup.token, self.job_id)
+        self.coordinator = Coordinator(total_steps=setup.total_steps, run_dir=setup.run_dir, host=host, port=port,
+                                       on_step=self._on_step, job_id=self.job_id, key=run_key)
+        self.coordinator.progress.step = setup.resume_step
+        self.tensorboard = None
+        if opts.tensorboard and setup.run_dir is not None:
+            from virtualflow.observe.tensorboard import TensorBoardLog
+
+            self.tensorboard = TensorBoardLog(os.path.join(setup.run_dir, "tensorboard"))
+        specs = opts.specs
+        self.config = WorkerConfig(
+            store_host=self.coordinator.host,
+            store_port=self.coordinator.port,
+            job_source=setup.source,
+            total_steps=setup.total_steps,
+            state_dir=setup.state_dir,
+            overrides=setup.overrides,
+            deterministic=opts.deterministic,
+            reduction=opts.reduction,
+            threads=setup.threads,
+            device=opts.device,
+            collective_timeout_s=opts.collective_timeout_s,
+            checkpoint_every=opts.checkpoint_every,
+            resume_path=setup.resume_path,
+            initial_workers=opts.start_workers,
+            fault_plan=opts.fault_plan,
+            slowdowns={i: s.slowdown for i, s in enumerate(specs) if s.slowdown != 1.0},
+            control_plane=opts.control_plane,
+            loader_workers=opts.loader_workers,
+            breakdown=opts.breakdown,
+            profile_steps=opts.profile_steps,
+            job_id=self.job_id,
+            run_key=run_key,
+        )
+        self.backend = setup.backend
+        self.backend.attach(Attachment(config=self.config, state_dir=setup.state_dir, store=self.coordinator.store,
+                                       token=setup.token, grow=self._grow_for_join, event=self.coordinator.event))
+        extra = {}
+        if self.job.pipeline is not None:
+            stages = self.job.pipeline.stages
+            extra["assign"] = lambda V, n: pipeline_assignment(V, n, stages)
+        self.controller = MembershipController(
+            self.coordinator, self.backend, opts,
+            virtual_nodes=self.job.virtual_nodes, global_batch_size=self.job.global_batch_size, **extra,
+        )
+        if self.job.pipeline is not None:
+            self.controller.stages = self.job.pipeline.stages
+            self.controller.redundancy = self.job.pipeline.redundancy
+        self.controller.last_step = setup.resume_step
+        self.autoscaler: AutoscaleExecutor | None = None
+        if setup.autoscale is not None:
+            assert setup.autoscale_limits is not None
+            self.autoscaler = AutoscaleExecutor(
+                setup.autoscale, self.controller, self.coordinator, limits=setup.autoscale_limits,
+                global_batch_size=self.job.global_batch_size, virtual_nodes=self.job.virtual_nodes,
+                total_steps=setup.total_steps, price_per_worker_hour=float(opts.price_per_worker_hour),
+                start_time=self.t0,
+            )
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        s, job = self.setup, self.job
+        # The first records are written before any worker starts: a run directory that cannot
+        # take them (a full disk) fails here, in one line, with no worker left behind.
+        try:
+            self.coordinator.event(
+                "start", job=job.name, global_batch_size=job.global_batch_size, virtual_nodes=job.virtual_nodes,
+                seed=job.seed, workers=s.options.start_workers, total_steps=s.total_steps,
+                deterministic=s.options.deterministic, reduction=s.options.reduction, backend=self.backend.name,
+                threads_per_worker=s.threads,
+                min_workers=s.options.min_workers, resume_path=s.resume_path, resume_step=s.resume_step,
+                autoscale=self.autoscale_info(),
+            )
+            self.write_status(force=True)
+        except OSError as exc:
+            self._best_effort("closing the records", self.coordinator.close)
+            full = disk_full_error(exc, getattr(exc, "filename", None) or s.state_dir)
+            if full is not None:
+                raise full from exc
+            raise
+        self.controller.start()
+        if s.options.progress:
+            from tqdm.auto import tqdm
+
+            # The bar's own rate and ETA would count start-up as a step: ProgressRate gives both.
+            self.bar = tqdm(total=s.total_steps, initial=s.resume_step, desc=job.name, unit="step", dynamic_ncols=True,
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
+            self.bar.set_postfix_str("starting the workers")
+        self.thread = threading.Thread(target=self._monitor, name="virtualflow-monitor", daemon=True)
+        self.thread.start()
+
+    def _on_step(self, record: dict[str, Any]) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.step(record)
+        if self.bar is not None:
+            self.rate.add(record)
+            self.bar.set_postfix_str(self.rate.describe(record), refresh=False)
+            self.bar.update(1)
+
+    def _monitor(self) -> None:
+        coord, progress, ctl = self.coordinator, self.coordinator.progress, self.controller
+        try:
+            while True:
+                reports = coord.poll()
+                if progress.errors:
+                    time.sleep(0.3)  # let the other workers' reports arrive: pick the root cause
+                    coord.poll()
+                    raise self._worker_failure()
+                self.backend.serve(reports)
+                self._take_requests()
+                try:
+                    ctl.tick(reports)
+                except JobFailed as exc:
+                    err = TrainingError(self._job_failed_message(exc))
+                    err.fallback_restart = isinstance(exc, FallbackRestart)
+                    raise err from None
+                except ValueError as exc:  # e.g. a grow the Ray cluster cannot place
+                    raise TrainingError(f"{exc} ({self._logs_where()})") from None
+                if self.autoscaler is not None:
+                    self.autoscaler.update(reports)
+                if progress.state == "starting" and progress.step > self.setup.resume_step:
+                    progress.state = "running"
+                if progress.done and self._all_exited():
+                    coord.poll()
+                    self.backend.terminate_all()  # newcomers still starting, if any
+                    self.result = self._collect()
+                    progress.state = "stopped" if self.result.stopped else "done"
+                    # The final state is written: a record that no longer fits does not undo that.
+                    self._best_effort("the done event", lambda: coord.event(
+                        "done", steps=self.result.steps, stopped=self.result.stopped, stop_reason=self.stop_reason,
+                        wall_time_s=time.time() - self.t0, generations=ctl.generation + 1,
+                        failures=len(ctl.failures)))
+                    return
+                self.write_status()
+                # The launcher must not take CPU from the workers; it looks closer during changes.
+                time.sleep(0.01 if ctl.busy else 0.05)
+        except BaseException as exc:  # noqa: BLE001 - reported through wait()
+            full = disk_full_error(exc, getattr(exc, "filename", None) or self.setup.state_dir)
+            if full is not None and not isinstance(exc, TrainingError):  # the launcher's own records
+                err = TrainingError(f"the run's records cannot be written: {full}; {self._disk_full_advice()}")
+                err.__cause__, err.disk_full = exc, True
+                exc = err
+            self.error = exc
+            progress.state = "failed"
+            # A failed job's workers have nothing left to write; one blocked in a collective (a
+            # SIGTERM while training is only a preemption notice to it) is killed after 1 s.
+            self._best_effort("stopping the workers", lambda: self.backend.terminate_all(grace_s=1.0))
+            self._best_effort("removing the stopped workers' partial writes", self._remove_partial_writes)
+            self._best_effort("the failed event",
+                              lambda: coord.event("failed", error=str(exc), step=getattr(exc, "step", None)))
+        finally:
+            # Every part of the ending runs, whatever the ones before it raised (a full disk fails
+            # every write): a monitor that died here left a job that never ended, which not even
+            # SIGTERM could stop. Records that cannot be written keep their last complete version.
+            if self.bar is not None:
+                self._best_effort("closing the progress bar", self.bar.close)
+            if self.tensorboard is not None:
+                self._best_effort("closing the TensorBoard log", self.tensorboard.close)
+            self._best_effort("summary.json", self.write_summary)
+            self._best_effort("status.json", lambda: self.write_status(force=True))
+            self._best_effort("closing the records", coord.close)
+            if self.setup.own_state_dir and self.error is None:
+                shutil.rmtree(self.setup.state_dir, ignore_errors=True)
+            if self.setup.run_lock is not None:
+                self._best_effort("releasing the run directory's lock", self.setup.run_lock.release)
+            self.finished.set()
+
+    def _best_effort(self, what: str, fn: Any) -> bool:
+        """Run ``fn``; an exception is logged (a warning; at debug level for one more write that a
+        full disk, already reported, refused), not raised; returns whether ``fn`` succeeded. For
+        the parts of a run's ending, each of which must run whatever the others did."""
+        try:
+            fn()
+            return True
+        except Exception as exc:  # noqa: BLE001 - logged; the ending goes on
+            full = disk_full_error(exc, getattr(exc, "filename", None) or self.setup.state_dir)
+            # After a full disk every record fails alike: the run's error already says so.
+            quiet = full is not None and getattr(self.error, "disk_full", False)
+            logger.log(logging.DEBUG if quiet else logging.WARNING, "%s: %s", what,
+                       full if full is not None else f"{type(exc).__name__}: {exc}")
+            return False
+
+    def _remove_partial_writes(self) -> None:
+        """A worker killed while it wrote a state leaves the temporary file of that write; the
+        job has failed and its workers are stopped, so no write of theirs is in progress: remove
+        what they left (the states they completed stay)."""
+        pids = {pid for w in self.backend.poll() if (pid := self.backend.pid(w)) is not None}
+        for folder in (self.setup.state_dir, os.path.join(self.setup.state_dir, "checkpoints")):
+            removed = remove_temporaries(folder, pids)
+            if removed:
+                logger.debug("removed %s in %s (writes the stopped workers did not finish)", ", ".join(removed), folder)
+
+    def _disk_full_advice(self) -> str:
+        """What to do after a full disk stopped the run: continue from its states, if it wrote any."""
+        folder = self.setup.state_dir
+        if not state_files(folder):
+            return "the run wrote no state yet: free space there (or choose another run directory) and start it again"
+        return (f"the states already written are kept: free space there (or move the run directory), then continue "
+                f"with --resume {self.setup.run_dir if self.setup.run_dir is not None else folder}")
+
+    def _all_exited(self) -> bool:
+        codes = self.backend.poll()
+        return all(codes.get(w) is not None for w in self.controller.members)
+
+    # -- requests ----------------------------------------------------------------------------
+    def request_resize(self, workers: int) -> None:
+        """A resize asked in this process (:meth:`JobHandle.resize`); checked, then queued."""
+        check_resize(workers, self.job.virtual_nodes, self.setup.options.min_workers,
+                     self.job.pipeline.stages if self.job.pipeline is not None else None)
+        self.backend.check_capacity(workers)
+        self.requests.append(workers)
+
+    def _take_requests(self) -> None:
+        """Resize requests from this process and from outside (``virtualflow resize`` pushes to
+        the store's request queue). Those from outside count only when signed with the job's
+        token for this job id, fresh and not seen before, and of the request schema
+        (:func:`virtualflow.comm.protocol.parse_request`; the store has no authentication):
+        others are dropped and logged (``request_rejected``, bounded), never raised."""
+        while self.requests:
+            self.controller.request_resize(self.requests.popleft(), source="api")
+        rejects = self.coordinator.rejects
+        for raw in protocol.pop_raw(self.coordinator.store, protocol.REQUESTS_QUEUE, limit=100):
+            try:
+                req = protocol.parse_request(self.setup.token, self.job_id, raw, self.replay)
+            except ValueError as exc:
+                rejects("request_rejected", exc, raw, auth=False)
+                continue
+            try:
+                workers = req["workers"]
+                self.backend.check_capacity(workers)
+                self.controller.request_resize(workers, source=req["source"][:40])
+                # ``virtualflow resize --wait`` looks for its nonce here: only a status written
+                # after its request was taken tells whether the request has been carried out.
+                self.taken_requests = (self.taken_requests + [req["nonce"]])[-20:]
+                self.write_status(force=True)
+            except ValueError as exc:  # signed, but not possible (beyond virtual_nodes, ...)
+                rejects("request_rejected", exc, raw, auth=True)
+
+    def _grow_for_join(self) -> str | None:
+        """An external worker asked to join and no slot is open: grow the job by one through
+        the ordinary resize path. Returns why not, or None."""
+        ctl, V = self.controller, self.job.virtual_nodes
+        want = max(ctl.target, len(ctl.members)) + 1
+        if want > V:
+            return f"the job already has {want - 1} workers for virtual_nodes={V}; every worker needs at least one virtual node"
+        try:
+            ctl.request_resize(max(want, self.setup.options.min_workers), source="join")
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    # -- failures ----------------------------------------------------------------------------
+    def _logs_where(self) -> str:
+        return f"logs in {os.path.join(self.setup.state_dir, 'logs')}"
+
+    def _job_failed_message(self, exc: JobFailed) -> str:
+        msg = f"{exc} ({self._logs_where()})"
+        if self.controller.failures:
+            wid = self.controller.failures[-1]["worker"]
+            tail = self.backend.log_tail(wid).strip()
+            if tail:
+                msg += f"; worker {wid}'s last output:\n{tail}"
+        return msg
+
+    def _worker_failure(self) -> TrainingError:
+        """The :class:`TrainingError` for the workers' error reports: the root cause's (an error
+        that is not a peer's connection dropping) in one line, with the step and where the logs
+        are; its traceback as ``worker_traceback`` and as the ``__cause__``. What a report holds
+        beyond its schema's fields (``job_traceback``, ``phase``) is used only when it is text."""
+        errors = self.coordinator.progress.errors
+        e = next((e for e in errors if not any(s in e["error"] for s in _CONSEQUENTIAL)), errors[0])
+        disk_full = e["error"].startswith("DiskFullError:")
+        step = e.get("step")
+        phase = e.get("phase") if isinstance(e.get("phase"), str) else None
+        if isinstance(step, int) and step >= 0:
+            where = f"at step {step}; "
+        elif phase:
+            where = f"while {phase[:40]}; "
+        else:
+            where = ""
+        error = " ".join(e["error"].split())
+        if disk_full:  # not a bug in anyone's code: the line says what to do, no traceback
+            error = f"{error.removeprefix('DiskFullError: ')}; {self._disk_full_advice()}"
+        err = TrainingError(f"worker {e['worker']} (pid {e['pid']}) failed: {error} ({where}{self._logs_where()})")
+        err.worker, err.disk_full = e["worker"], disk_full
+        err.step = step if isinstance(step, int) and step >= 0 else None
+        full = e["traceback"] or None
+        short = e.get("job_traceback") if isinstance(e.get("job_traceback"), str) else None
+        err.worker_traceback_full = full
+        err.worker_traceback = None if disk_full else short or full
+        if err.worker_traceback:
+            err.__cause__ = WorkerTraceback(err.worker_traceback)
+        return err
+
+    # -- results and records -----------------------------------------------------------------
+    def _collect(self) -> Result:
+        state = load_state(os.path.join(self.setup.state_dir, "final.pt"))
+        steps = int(state["step"])
+        p = self.coordinator.progress
+        return Result(
+            state_dict=state["model"],
+            optimizer_state_dict=state["optimizer"],
+            lr_scheduler_state_dict=state["lr_scheduler"],
+            history=list(self.coordinator.history),
+            metrics=dict(p.metrics),
+            eval_history=list(self.coordinator.eval_history),
+            run_dir=self.setup.run_dir,
+            steps=steps,
+            stopped=steps < self.setup.total_steps,
+            peak_rss_mib={w: i["peak_rss_mib"] for w, i in p.workers.items() if "peak_rss_mib" in i},
+            optimizer_bytes={w: i["optimizer_bytes"] for w, i in p.workers.items() if "optimizer_bytes" in i},
+            replica_bytes={w: i["replica_bytes"] for w, i in p.workers.items() if "replica_bytes" in i},
+            replica_refresh_s={w: i["replica_refresh_s"] for w, i in p.workers.items() if "replica_refresh_s" in i},
+            redundant_forwards={w: i["redundant_forwards"] for w, i in p.workers.items() if i.get("redundant_forwards")},
+            generations=self.controller.generation + 1,
+            failures=list(self.controller.failures),
+            autoscale=self.autoscaler.summary() if self.autoscaler is not None else None,
+        )
+
+    def status(self) -> dict[str, Any]:
+        p, ctl = self.coordinator.progress, self.controller
+        return {
+            "state": p.state,
+            "stop_reason": self.stop_reason,
+            "step": p.step,
+            "total_steps": p.total_steps,
+            "generation": ctl.generation,
+            "formed_generation": ctl.formed,
+            "balance": ctl.balance,
+            "predicted_step_s": ctl.predicted_step_s,
+            "measured_step_s": ctl.measured_step_s,
+            "target_workers": ctl.target,
+            "workers": ctl.worker_table(),
+            "recent_step_times_s": [round(h["step_time_s"], 6) for h in self.coordinator.history[-10:]],
+            "loss": p.last_loss,
+            "samples_per_s": p.samples_per_s,
+            "metrics": dict(p.metrics),
+            "failures": len(ctl.failures),
+            "redundancy": ({"layout": [list(r) for r in ctl.layout] if ctl.layout is not None else None,
+                            "events": ctl.bamboo_events[-5:]} if ctl.redundancy else None),
+            "run_dir": self.setup.run_dir,
+            "autoscale": self.autoscale_info(),
+            "breakdown": self.breakdown(self.coordinator.history[-20:]),
+        }
+
+    def breakdown(self, history: list[dict[str, Any]]) -> dict[str, Any] | None:
+        """Where the step time went over ``history`` (runtime/breakdown.py), or None."""
+        summary = breakdown.summarize(history, loader_workers=self.setup.options.loader_workers)
+        return summary.as_dict() if summary is not None else None
+
+    def autoscale_info(self) -> dict[str, Any] | None:
+        a = self.autoscaler
+        if a is None:
+            return None
+        last = a.decisions[-1] if a.decisions else None
+        return {"policy": a.policy.name, "min_workers": a.limits.min_workers, "max_workers": a.limits.max_workers,
+                "settled_at": a.settled_at, "decisions": len(a.decisions),
+                "last_decision": last["reason"] if last else None, "disabled": a.disabled}
+
+    def write_status(self, force: bool = False) -> None:
+        """``status.json`` in the run directory: what ``virtualflow status`` prints, and how
+        ``virtualflow resize`` reaches the coordinator (host, port, pid, token file)."""
+        run_dir = self.setup.run_dir
+        if run_dir is None:
+            return
+        now = time.monotonic()
+        if not force and now - self.status_written < 0.5:
+            return
+        self.status_written = now
+        data = self.status()
+        data.update(
+            job=self.job.name,
+            virtual_nodes=self.job.virtual_nodes,
+            pipeline_stages=self.job.pipeline.stages if self.job.pipeline is not None else None,
+            min_workers=self.setup.options.min_workers,
+            coordinator={"host": self.coordinator.host, "port": self.coordinator.port, "pid": os.getpid(),
+                         "token_file": self.setup.token_path},
+            backend=self.backend.name,
+            job_id=self.job_id,
+            taken_requests=list(self.taken_requests),
+            updated=time.time(),
+        )
+        write_json(os.path.join(run_dir, "status.json"), data)
+
+    def write_summary(self) -> None:
+        s, run_dir = self.setup, self.setup.run_dir
+        if run_dir is None:
+            return
+        history, ctl, p = self.coordinator.history, self.controller, self.coordinator.progress
+        times = [h["step_time_s"] for h in history[1:]] or [h["step_time_s"] for h in history]
+        mean_step = sum(times) / len(times) if times else None
+        summary = {
+            "job": self.job.name,
+            "status": p.state,
+            "stop_reason": self.stop_reason,
+            "error": str(self.error) if self.error else None,
+            "global_batch_size": self.job.global_batch_size,
+            "virtual_nodes": self.job.virtual_nodes,
+            "pipeline": _pipeline_summary(self.job.pipeline),
+            "seed": self.job.seed,
+            "workers": s.options.start_workers,
+            "workers_final": len(ctl.members),
+            "assignment": s.assignment,
+            "generations": ctl.generation + 1,
+            "failures": ctl.failures,
+            "final_map": [{"worker": w, "vns": a, "time_per_vn_s": ctl.time_per_vn.get(w)}
+                          for w, a in zip(ctl.members, ctl.assignment)],
+            "vn_sizes": ctl.vn_sizes,
+            "balance": ctl.balance,
+            "autoscale": self.autoscaler.summary() if self.autoscaler is not None else None,
+            "predicted_step_s": ctl.predicted_step_s,
+            "deterministic": s.options.deterministic,
+            "reduction": s.options.reduction,
+            "backend": self.backend.name,
+            "threads_per_worker": s.threads,
+            "steps_total": s.total_steps,
+            "steps_completed": p.step,
+            "resumed_from": s.resume_path,
+            "final_loss": history[-1]["loss"] if history else None,
+            "metrics": p.metrics,
+            "mean_step_time_s": mean_step,
+            "breakdown": self.breakdown(history),
+            "samples_per_s": self.job.global_batch_size / mean_step if mean_step else None,
+            "wall_time_s": time.time() - self.t0,
+            "peak_rss_mib": {str(w): i.get("peak_rss_mib") for w, i in p.workers.items()},
+            "versions": {"python": platform.python_version(), "torch": torch.__version__, "virtualflow": _version()},
+            "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "platform": platform.platform()},
+        }
+        write_json(os.path.join(run_dir, "summary.json"), summary)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("virtualflow")
+    except Exception:  # noqa: BLE001 - not installed (a source tree on sys.path)
+        return "unknown"
+
+
+def _pipeline_summary(pipeline: Any) -> dict[str, Any] | None:
+    if pipeline is None:
+        return None
+    return {"stages": pipeline.stages, "schedule": pipeline.schedule, "chunks": pipeline.chunks,
+            "split": list(pipeline.split) if not isinstance(pipeline.split, str) else pipeline.split}
