@@ -29,13 +29,16 @@ import os
 import signal
 import time
 from multiprocessing.connection import wait as mp_wait
-from typing import Any
+from typing import Any, Sequence
+
+import torch
 
 from virtualflow.gnn.engine import DorylusOptions, GNNResult, run_engine, set_up
 from virtualflow.gnn.executors import Executor, ExecutorStats, SimExecutor
 from virtualflow.gnn.job import GNNJob
-from virtualflow.gnn.servers import ServerPart, serve
-from virtualflow.gnn.workers import WorkerLimits, run_tensor_task, task_bytes, tensor_worker
+from virtualflow.gnn.layers import LayerSpec
+from virtualflow.gnn.servers import GraphServer, ServerPart
+from virtualflow.gnn.workers import WorkerLimits, run_tensor_task, task_bytes
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,69 @@ def train_dorylus(job: GNNJob, opts: DorylusOptions | None = None, **kw) -> GNNR
     setup = set_up(job, opts)
     t0 = time.perf_counter()
     return run_engine(job, opts, setup, make_executor(setup.parts, opts), t0)
+
+
+# ---- the processes' own loops (they run in the children) ---------------------------------------
+
+
+def incoming(conn):
+    """The driver's ``(tag, payload)`` messages on a process's pipe, until it closes the pipe or
+    sends ``None`` (the loop of every graph server and tensor worker process)."""
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        yield msg
+
+
+def tensor_worker(conn, specs: Sequence[LayerSpec], activation: str, limits: WorkerLimits) -> None:
+    """A tensor worker process: ``(tag, task)`` in, ``(tag, result)`` out, nothing kept between tasks."""
+    torch.set_num_threads(1)
+    first = True
+    for tag, task in incoming(conn):
+        if task.get("op") == "ping":
+            conn.send((tag, "pong"))
+            continue
+        wait = limits.latency_s + limits.transfer_s(task_bytes(task))
+        if first:
+            wait += limits.cold_start_s
+            first = False
+        if task.get("crash"):  # fault injection: killed while holding the task
+            time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if limits.hangs(task["id"], task["attempt"]):
+            time.sleep(limits.task_timeout_s * 100)  # never answers; the driver kills us
+        if wait:
+            time.sleep(wait)
+        res = run_tensor_task(specs, activation, task)
+        t = limits.transfer_s(task_bytes(res))
+        if t:
+            time.sleep(t)
+        conn.send((tag, res))
+
+
+def serve(conn, part: ServerPart) -> None:
+    """A graph server process: requests in order from the driver's pipe; replies for tagged ones."""
+    torch.set_num_threads(1)
+    server = GraphServer(part)
+    for tag, req in incoming(conn):
+        try:
+            out = server.handle(req)
+        except Exception as exc:  # reported to the driver, which fails the run with it
+            log.exception("graph server %d: %s failed", part.server, req[0])
+            if tag is None:
+                conn.send((("error", part.server), f"{type(exc).__name__}: {exc}"))
+                continue
+            conn.send((tag, ("error", f"{type(exc).__name__}: {exc}")))
+            continue
+        if tag is not None:
+            conn.send((tag, out))
+
+
+# ---- the driver's side ---------------------------------------------------------------------------
 
 
 class WorkerSlot:
@@ -90,7 +156,7 @@ class ProcessExecutor:
         # forkserver: one server process imports torch and PyG once and forks every graph server and
         # tensor worker from it (a spawned child would import them again: seconds each, here).
         self.ctx = mp.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["virtualflow.gnn.servers", "torch_geometric.nn"])
+        self.ctx.set_forkserver_preload(["virtualflow.backends.gnn", "torch_geometric.nn"])
         self.limits = limits
         self.kill_tasks = set(kill_tasks)
         self.timeout_s = timeout_s
