@@ -10,7 +10,8 @@ import random
 import numpy as np
 import pytest
 
-from virtualflow.cluster import Cluster, JobSpec, PolicyInput, ThroughputTable, gavel_data_dir
+from virtualflow.cli.simulate import gavel_data_from_env as gavel_data_dir  # $VIRTUALFLOW_GAVEL_DATA: the CLI reads it
+from virtualflow.cluster import Cluster, JobSpec, PolicyInput, ThroughputTable
 from virtualflow.cluster.gavel_data import GAVEL_DATA_ENV
 
 

@@ -413,7 +413,7 @@ def test_default_checkpoint_interval_is_young_per_strategy():
 def test_cli_table_outputs_and_json(tmp_path, capsys, monkeypatch):
     from virtualflow.cli.main import main
 
-    monkeypatch.setattr("virtualflow.cluster.spot.find_bench_constants", lambda: None)  # hermetic
+    monkeypatch.setattr("virtualflow.cli.simulate_spot.find_bench_constants", lambda: None)  # hermetic
 
     consts = tmp_path / "c.json"
     consts.write_text(json.dumps({"constants": {"redundancy_overhead": 0.1, "source": "unit test"}}))
@@ -445,7 +445,7 @@ def test_cli_default_constants_are_said_to_be_defaults(capsys, monkeypatch):
     from virtualflow.cli import simulate_spot
     from virtualflow.cli.main import main
 
-    monkeypatch.setattr("virtualflow.cluster.spot.find_bench_constants", lambda: None)
+    monkeypatch.setattr("virtualflow.cli.simulate_spot.find_bench_constants", lambda: None)
     assert simulate_spot.load_constants(None).defaulted == SpotConstants.numeric_fields()
     assert main(["simulate-spot", "--trace", "p2-xlarge-us-east-1e-2020-11-23", "--stages", "2"]) == 0
     assert "all of them defaults, NOT measurements" in capsys.readouterr().out
@@ -454,7 +454,7 @@ def test_cli_default_constants_are_said_to_be_defaults(capsys, monkeypatch):
 def test_cli_bad_input_one_line_exit_2(tmp_path, capsys, monkeypatch):
     from virtualflow.cli.main import main
 
-    monkeypatch.setattr("virtualflow.cluster.spot.find_bench_constants", lambda: None)  # hermetic
+    monkeypatch.setattr("virtualflow.cli.simulate_spot.find_bench_constants", lambda: None)  # hermetic
     bad_c = tmp_path / "bad_c.json"
     bad_c.write_text(json.dumps({"constants": {"restart_s": -45}}))
 

@@ -36,7 +36,6 @@ raises :class:`RayNotInstalled` naming ``pip install virtualflow[ray]``.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -45,6 +44,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
+
+from virtualflow.config.resources import parse_resources  # noqa: F401 - re-exported: its home before config/
 
 if TYPE_CHECKING:  # the worker module imports torch: keep it out of the actor's start-up
     from virtualflow.backends import Attachment
@@ -74,35 +75,6 @@ def import_ray() -> Any:
             f"install it with: {INSTALL_HINT}"
         ) from exc
     return ray
-
-
-def parse_resources(text: str) -> dict[str, float]:
-    """``--resources``: a JSON object (``'{"accel_a100": 1}'``) or ``NAME=AMOUNT,...``."""
-    text = text.strip()
-    if not text:
-        return {}
-    if text.startswith("{"):
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--resources {text!r} is not valid JSON ({exc}); e.g. '{{\"accel_a100\": 1}}'") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"--resources {text!r} must be a JSON object of resource name -> amount")
-        items = list(raw.items())
-    else:
-        items = []
-        for part in text.split(","):
-            name, sep, amount = part.partition("=")
-            if not sep or not name.strip():
-                raise ValueError(f"--resources {text!r}: {part!r} is not NAME=AMOUNT; e.g. accel_a100=1,fast_disk=0.5")
-            items.append((name.strip(), amount.strip()))
-    out: dict[str, float] = {}
-    for name, amount in items:
-        try:
-            out[str(name)] = float(amount)
-        except (TypeError, ValueError):
-            raise ValueError(f"--resources: the amount of {name!r} is {amount!r}, not a number") from None
-    return out
 
 
 @dataclass(kw_only=True, slots=True)

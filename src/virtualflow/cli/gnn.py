@@ -95,7 +95,8 @@ def load_job(spec: str):
 
 
 def main(args: argparse.Namespace) -> int:
-    from virtualflow.gnn import DorylusOptions, PriceModel, WorkerLimits, train_dorylus, train_pyg
+    from virtualflow.backends.gnn import train_dorylus  # builds the executor the options ask for
+    from virtualflow.gnn import DorylusOptions, PriceModel, WorkerLimits, train_pyg
     from virtualflow.gnn.report import add_ratios, format_table, summarize
 
     baselines = parse_baselines(args.baselines)

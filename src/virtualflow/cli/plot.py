@@ -23,6 +23,7 @@ import argparse
 import os
 from typing import TYPE_CHECKING
 
+from virtualflow.cli.figures import new_figure, save_figure
 from virtualflow.rundir import read_jsonl, read_summary
 
 if TYPE_CHECKING:
@@ -80,27 +81,11 @@ def workers_label(steps: list[dict], summary: dict) -> str:
     return text if lo == hi else f"{text} ({lo}\u2013{hi} on the way)"
 
 
-def _figure(width_in: float, height_in: float) -> Figure:
-    """A figure that belongs to no pyplot state and no backend (saving picks the file's format)."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as exc:
-        raise ValueError("plotting needs matplotlib: pip install 'virtualflow[plot]'") from exc
-    return Figure(figsize=(width_in, height_in))
-
-
-def _save(fig: Figure, output: str) -> str:
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    fig.savefig(output, dpi=110)
-    return output
-
-
 def plot_runs(run_dirs: list[str], output: str) -> str:
     runs = [load_run(d) for d in run_dirs]
     metric_names = sorted({k for r in runs for e in r["evals"] for k in e.get("metrics", {})})
     n = 1 + len(metric_names)
-    fig = _figure(6 * n, 4.2)
+    fig = new_figure(6 * n, 4.2)
     axes = fig.subplots(1, n, squeeze=False)
     styles = ["-", "--", ":", "-."]
     for i, run in enumerate(runs):
@@ -118,15 +103,15 @@ def plot_runs(run_dirs: list[str], output: str) -> str:
     for ax in axes[0]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    return _save(fig, output)
+    return save_figure(fig, output)
 
 
 def plot_timeline(run_dirs: list[str], output: str) -> str:
-    return _save(timeline_figure(run_dirs), output)
+    return save_figure(timeline_figure(run_dirs), output)
 
 
 def timeline_figure(run_dirs: list[str]) -> Figure:
-    fig = _figure(8 * len(run_dirs), 6)
+    fig = new_figure(8 * len(run_dirs), 6)
     axes = fig.subplots(2, len(run_dirs), squeeze=False, sharex="col")
     for col, run_dir in enumerate(run_dirs):
         run = load_run(run_dir)
@@ -178,7 +163,7 @@ _COLORS = {"input_s": "tab:orange", "forward_s": "tab:blue", "backward_s": "tab:
 
 
 def plot_breakdown(run_dirs: list[str], output: str) -> str:
-    return _save(breakdown_figure(run_dirs), output)
+    return save_figure(breakdown_figure(run_dirs), output)
 
 
 def breakdown_figure(run_dirs: list[str]) -> Figure:
@@ -196,7 +181,7 @@ def breakdown_figure(run_dirs: list[str]) -> Figure:
                              f"pipelined run, or one whose generations each ran a single step)")
         tables.append((run, rows))
     n_rows = max(len({w for _, _, w, _ in rows}) for _, rows in tables)
-    fig = _figure(8 * len(run_dirs), 2.6 * n_rows + 0.6)
+    fig = new_figure(8 * len(run_dirs), 2.6 * n_rows + 0.6)
     axes = fig.subplots(n_rows, len(run_dirs), squeeze=False, sharex="col", sharey="all")
     for col, (run, rows) in enumerate(tables):
         workers = sorted({w for _, _, w, _ in rows})
@@ -275,11 +260,11 @@ def scaling_table(run_dir: str, warmup_steps: int = 2) -> tuple[list[dict], int 
 
 
 def plot_scaling(run_dirs: list[str], output: str) -> str:
-    return _save(scaling_figure(run_dirs), output)
+    return save_figure(scaling_figure(run_dirs), output)
 
 
 def scaling_figure(run_dirs: list[str]) -> Figure:
-    fig = _figure(7 * len(run_dirs), 4.5)
+    fig = new_figure(7 * len(run_dirs), 4.5)
     axes = fig.subplots(1, len(run_dirs), squeeze=False)
     for col, run_dir in enumerate(run_dirs):
         rows, chosen, source = scaling_table(run_dir)

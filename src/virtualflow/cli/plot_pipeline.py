@@ -362,14 +362,14 @@ def draw(ps: PipelineStep, output: str) -> str:
     """The measured chart and the predicted one side by side, on one shared time axis (ms)."""
     from matplotlib.patches import Patch
 
-    from virtualflow.cli.plot import _figure
+    from virtualflow.cli.figures import new_figure
 
     s = ps.schedule
     measured = [[(e.kind, e.stage, e.mb, e.start - ps.origin, e.end - ps.origin) for e in row] for row in ps.rows]
     predicted = [[(sl.action.kind, sl.action.stage, sl.action.microbatch, float(sl.start), float(sl.end))
                   for sl in row] for row in ps.predicted.timeline]
     span = max(ps.step_time, float(ps.predicted.step_time)) * 1000.0 or 1.0
-    fig = _figure(15, 1.6 + 0.55 * s.p)
+    fig = new_figure(15, 1.6 + 0.55 * s.p)
     fig.set_layout_engine("constrained")
     axes = fig.subplots(1, 2, sharex=True)  # own y tick labels: each panel its bubbles
     panels = (

@@ -134,13 +134,21 @@ def parse_prices(spec: str | None) -> dict[str, float] | None:
     return out
 
 
+def gavel_data_from_env():
+    """Gavel's data folder: ``$VIRTUALFLOW_GAVEL_DATA`` when set, else the copy bundled with
+    virtualflow (:func:`virtualflow.cluster.gavel_data_dir`, which reads no environment)."""
+    from virtualflow.cluster.gavel_data import GAVEL_DATA_ENV, gavel_data_dir
+
+    return gavel_data_dir(os.environ.get(GAVEL_DATA_ENV), knob=f"${GAVEL_DATA_ENV}")
+
+
 def load_table(path: str | None):
     """A throughput table from Gavel's JSON or virtualflow's JSON (default: Gavel's, bundled)."""
-    from virtualflow.cluster import ThroughputTable, gavel_data_dir
+    from virtualflow.cluster import ThroughputTable
 
     if path is None:
         try:
-            path = os.path.join(gavel_data_dir(), "simulation_throughputs.json")
+            path = os.path.join(gavel_data_from_env(), "simulation_throughputs.json")
         except FileNotFoundError as exc:  # a user error: one line, exit status 2 (not a traceback)
             raise ValueError(f"no --throughputs given and {exc}") from None
     if not os.path.isfile(path):
@@ -156,11 +164,12 @@ def trace_path(spec: str) -> str:
     if os.path.isfile(spec):
         return spec
     if os.sep not in spec and "/" not in spec:
-        names = gavel_trace_names()
+        folder = gavel_data_from_env()
+        names = gavel_trace_names(folder)
         if spec in names or f"{spec}.trace" in names:
-            return str(gavel_trace_path(spec))
+            return str(gavel_trace_path(spec, folder))
     raise ValueError(f"--trace {spec!r} does not exist; give a Gavel .trace file, the name of a bundled one "
-                     f"({', '.join(gavel_trace_names())}), or use --generate")
+                     f"({', '.join(gavel_trace_names(gavel_data_from_env()))}), or use --generate")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -9,6 +9,11 @@ Example::
 Prints one table (or ``--json``) and writes ``summary.json``, ``timeline.jsonl`` and ``spot.png``
 to ``-o DIR`` when given. The rules are in ``virtualflow.cluster.spot``'s docstring and
 docs/bamboo.md. Bad input raises ``ValueError`` (the CLI prints one line, exit status 2).
+
+The simulator (:mod:`virtualflow.cluster.spot`) is pure; this module owns the file system around
+it: finding the source tree's measured constants (:func:`find_bench_constants`), writing the
+outputs (:func:`write_outputs`) and drawing the plot (:func:`plot_spot`, a
+``matplotlib.figure.Figure``: no pyplot, no backend change).
 """
 
 from __future__ import annotations
@@ -16,7 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from virtualflow.cluster.spot import SpotResult, SpotTrace
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +77,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def load_constants(path: str | None):
     """``--constants FILE``, else the source tree's bench results, else the defaults."""
-    from virtualflow.cluster.spot import SpotConstants, find_bench_constants
+    from virtualflow.cluster.spot import SpotConstants
 
     if path is not None:
         return SpotConstants.from_json(path)
@@ -109,7 +121,6 @@ def format_table(s: dict) -> str:
 
 def main(args: argparse.Namespace) -> int:
     from virtualflow.cluster.spot import SpotJob, compare, generate_trace, load_trace, parse_generate_spec, summary
-    from virtualflow.cluster.spot import write_outputs
 
     strategies = parse_strategies(args.strategies)
     trace = (load_trace(args.trace, time_unit=args.time_unit) if args.trace
@@ -145,3 +156,89 @@ def main(args: argparse.Namespace) -> int:
         paths = write_outputs(args.out_dir, trace, s, results)
         print(f"wrote {', '.join(sorted(paths.values()))}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+BENCH_CONSTANTS = ("bamboo_constants.json", "bamboo.json")
+"""Files under ``bench/results`` holding the engine's measured constants, most complete first
+(``bench/bamboo_failover.py`` merges ``bench/bamboo.py``'s with its failover measurements)."""
+
+
+def find_bench_constants() -> Path | None:
+    """The first of :data:`BENCH_CONSTANTS` in the source tree this package runs from that has a
+    ``constants`` object; None otherwise (an installed package has no bench/)."""
+    root = Path(__file__).resolve().parents[3]  # src/virtualflow/cli/ -> the checkout
+    if not (root / "pyproject.toml").is_file():
+        return None
+    for name in BENCH_CONSTANTS:
+        path = root / "bench" / "results" / name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise ValueError(f"{path} is not valid JSON; fix it or give --constants FILE") from None
+        if isinstance(data, Mapping) and isinstance(data.get("constants"), Mapping):
+            return path
+    return None
+
+
+def plot_spot(trace: SpotTrace, results: Mapping[str, SpotResult], path: str, title: str | None = None,
+              bins: int = 300) -> str:
+    """Instances, throughput per strategy and cumulative cost per strategy over time (hours), one
+    panel each. Throughput is the samples produced per bin of span / ``bins`` (checkpoint pauses
+    every few minutes would make a raw step plot a solid band); restarts are marked below it.
+    Uses ``matplotlib.figure.Figure`` (no pyplot, no backend change)."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 7.5), layout="tight")
+    ax_n, ax_r, ax_c = fig.subplots(3, 1, sharex=True)
+    t0 = trace.start_s
+    xs = [(t - t0) / 3600.0 for t in trace.times_s] + [trace.span_s / 3600.0]
+    ax_n.step(xs, list(trace.counts) + [trace.counts[-1]], where="post", color="0.3")
+    ax_n.set_ylabel("instances up")
+    ax_n.set_title(title or trace.name)
+    edges = np.linspace(trace.start_s, trace.end_s, bins + 1)
+    width = edges[1] - edges[0]
+    for name, res in results.items():
+        ends = np.array([res.timeline[0].start_s] + [iv.end_s for iv in res.timeline]) if res.timeline else edges[:1]
+        produced = np.concatenate([[0.0], np.cumsum([iv.samples for iv in res.timeline])])
+        spent = np.concatenate([[0.0], np.cumsum([iv.cost_usd for iv in res.timeline])])
+        rate = np.diff(np.interp(edges, ends, produced)) / width
+        mid = (edges[:-1] + edges[1:] - 2 * t0) / 2 / 3600.0
+        (line,) = ax_r.plot(mid, rate, lw=0.9, label=name)
+        ax_c.plot((ends - t0) / 3600.0, spent, label=name, color=line.get_color(),
+                  ls="--" if name == "checkpoint" else "-")
+        marks = [(e.t_s - t0) / 3600.0 for e in res.events if e.kind in ("fallback_restart", "restart")]
+        if marks:
+            ax_r.plot(marks, [0.0] * len(marks), "|", ms=8, color=line.get_color())
+    ax_r.set_ylabel(f"samples/s (mean per {width / 60:.3g} min)")
+    ax_r.set_ylim(bottom=0)
+    ax_r.legend(fontsize=7, loc="lower right", framealpha=0.6, title="| = restart", title_fontsize=7)
+    ax_c.set_ylabel("cumulative cost ($)")
+    ax_c.set_xlabel("hours")
+    ax_c.legend(fontsize=7, loc="upper left", framealpha=0.6)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def write_outputs(out_dir: str, trace: SpotTrace, summary_dict: Mapping[str, Any],
+                  results: Mapping[str, SpotResult]) -> dict[str, str]:
+    """``summary.json``, ``timeline.jsonl`` (one interval or event per line, with its strategy)
+    and ``spot.png`` (if matplotlib is installed) in ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"summary": os.path.join(out_dir, "summary.json"), "timeline": os.path.join(out_dir, "timeline.jsonl")}
+    with open(paths["summary"], "w") as f:
+        json.dump(summary_dict, f, indent=2)
+        f.write("\n")
+    with open(paths["timeline"], "w") as f:
+        for name, res in results.items():
+            for iv in res.timeline:
+                f.write(json.dumps({"type": "interval", "strategy": name, **asdict(iv)}) + "\n")
+            for ev in res.events:
+                f.write(json.dumps({"type": "event", "strategy": name, **asdict(ev)}) + "\n")
+    try:
+        paths["plot"] = plot_spot(trace, results, os.path.join(out_dir, "spot.png"))
+    except ImportError:
+        pass
+    return paths

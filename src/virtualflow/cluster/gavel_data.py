@@ -5,8 +5,10 @@ package under ``virtualflow/cluster/data/gavel/``; ``data/gavel/README.md`` says
 They are found with ``importlib.resources``, so a plain clone (``PYTHONPATH=src``), an editable
 install and a wheel all find them without any set-up.
 
-``$VIRTUALFLOW_GAVEL_DATA`` optionally points at another folder of the same layout
-(``simulation_throughputs.json`` and ``traces/*.trace``), e.g. a newer copy of Gavel's data.
+A caller may give another folder of the same layout (``simulation_throughputs.json`` and
+``traces/*.trace``), e.g. a newer copy of Gavel's data: every function takes it as ``folder``. The
+command line reads it from ``$VIRTUALFLOW_GAVEL_DATA`` (:data:`GAVEL_DATA_ENV`,
+:func:`virtualflow.cli.simulate.gavel_data_from_env`); this module reads no environment.
 
 Invariants: ``gavel_data_dir()`` returns an existing folder or raises ``FileNotFoundError``
 naming what is missing; ``gavel_trace_path`` only returns files of that folder's ``traces/``.
@@ -37,29 +39,29 @@ def _bundled_dir() -> Path:
     return root
 
 
-def gavel_data_dir() -> Path:
+def gavel_data_dir(folder: str | os.PathLike[str] | None = None, *, knob: str = "folder") -> Path:
     """Folder holding Gavel's ``simulation_throughputs.json`` and ``traces/``: the copy bundled
-    with the package, or ``$VIRTUALFLOW_GAVEL_DATA`` when that is set."""
-    env = os.environ.get(GAVEL_DATA_ENV)
-    if env:
-        path = Path(env).expanduser().resolve()
+    with the package, or ``folder`` when one is given (empty or None: the bundled copy). ``knob``
+    names where ``folder`` came from in the error when it does not exist."""
+    if folder:
+        path = Path(folder).expanduser().resolve()
         if not path.is_dir():
-            raise FileNotFoundError(f"Gavel data folder {path} does not exist (${GAVEL_DATA_ENV}={env!r}); point it "
-                                    f"at a folder holding {THROUGHPUTS_FILE} and traces/, or unset it to use "
+            raise FileNotFoundError(f"Gavel data folder {path} does not exist ({knob}={os.fspath(folder)!r}); point "
+                                    f"it at a folder holding {THROUGHPUTS_FILE} and traces/, or unset it to use "
                                     "the copy bundled with virtualflow")
         return path
     return _bundled_dir()
 
 
-def gavel_trace_names() -> tuple[str, ...]:
-    """File names of the traces in ``gavel_data_dir() / "traces"``, sorted."""
-    return tuple(sorted(p.name for p in (gavel_data_dir() / "traces").glob("*.trace")))
+def gavel_trace_names(folder: str | os.PathLike[str] | None = None) -> tuple[str, ...]:
+    """File names of the traces in ``gavel_data_dir(folder) / "traces"``, sorted."""
+    return tuple(sorted(p.name for p in (gavel_data_dir(folder) / "traces").glob("*.trace")))
 
 
-def gavel_trace_path(name: str) -> Path:
+def gavel_trace_path(name: str, folder: str | os.PathLike[str] | None = None) -> Path:
     """Path of the trace called ``name`` (``"small_test"`` or ``"small_test.trace"``)."""
     file = name if name.endswith(".trace") else f"{name}.trace"
-    names = gavel_trace_names()
+    names = gavel_trace_names(folder)
     if file not in names:
         raise ValueError(f"{name!r} is not one of Gavel's traces bundled with virtualflow; they are {list(names)}")
-    return gavel_data_dir() / "traces" / file
+    return gavel_data_dir(folder) / "traces" / file

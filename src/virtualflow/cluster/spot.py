@@ -56,24 +56,21 @@ Rules shared by the spot strategies:
   the constants alone; costs follow the compressed time.
 
 Invariants: the replay is deterministic given (trace, constants, job); the timeline's intervals
-tile [trace start, trace end] for every strategy; samples = produced - lost >= 0.
+tile [trace start, trace end] for every strategy; samples = produced - lost >= 0. Pure: the engine's
+constants come in as a :class:`~virtualflow.cluster.spot_constants.SpotConstants` (its JSON file read
+from a path it is given); finding the source tree's bench results, writing the outputs and the
+plot are the command line's (:mod:`virtualflow.cli.simulate_spot`).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
-
-import numpy as np
 
 __all__ = ["STRATEGIES", "SpotTrace", "SpotConstants", "SpotJob", "SpotResult", "Interval", "SpotEvent",
            "NodeEvent", "load_trace", "parse_trace", "bamboo_trace_names", "bamboo_data_dir", "generate_trace",
-           "parse_generate_spec", "node_events", "young_interval_s", "predict", "compare", "find_bench_constants",
-           "summary", "plot_spot", "write_outputs"]
+           "parse_generate_spec", "node_events", "young_interval_s", "predict", "compare", "summary"]
 
 STRATEGIES = ("bamboo", "checkpoint", "on-demand")
 SPOT_PRICE = 0.91
@@ -84,147 +81,11 @@ _EPS = 1e-9
 
 
 from virtualflow.cluster import bounds
+from virtualflow.cluster.spot_constants import SpotConstants
 from virtualflow.cluster.spot_traces import (  # noqa: F401 - re-exported
-    NodeEvent, SpotTrace, _young, bamboo_data_dir, bamboo_trace_names, generate_trace, load_trace, node_events,
-    parse_generate_spec, parse_trace, young_interval_s,
+    NodeEvent, SpotTrace, bamboo_data_dir, bamboo_trace_names, generate_trace, load_trace, node_events,
+    parse_generate_spec, parse_trace, young_interval_s, young_s,
 )
-
-
-# --------------------------------------------------------------------------------------- constants
-
-
-_CONSTANT_DEFAULTS = {"step_s": 1.0, "samples_per_step": 32.0, "redundancy_overhead": 0.15,
-                      "failover_slowdown": 1.5, "failover_s": 1.0, "reconfigure_s": 10.0, "restart_s": 45.0,
-                      "checkpoint_s": 10.0}
-
-
-@dataclass(kw_only=True, slots=True)
-class SpotConstants:
-    """This engine's time and overhead constants, as ``bench/bamboo.py`` measures them.
-
-    JSON schema (``bench/results/bamboo.json``): a top-level object with a ``"constants"`` object
-    (or that object alone) holding any of the numeric fields below plus an optional ``"source"``
-    string (commit, date, machine). Fields it leaves out (None in Python) take the defaults
-    below, which are *not* measurements (the issue's bounds, Bamboo's published figures, two
-    guesses), and are listed in ``defaulted``; unknown keys are refused. ``SpotConstants()`` is all
-    defaults and says so in ``source``.
-    """
-
-    step_s: float | None = None
-    """Seconds per step of one full-depth pipeline without redundancy (default 1)."""
-    samples_per_step: float | None = None
-    """Samples one pipeline processes per step, its micro-batches (default 32)."""
-    redundancy_overhead: float | None = None
-    """Redundant computation's cost: throughput / (1 + overhead) (default 0.15, the issue's bound)."""
-    failover_slowdown: float | None = None
-    """A pipeline with a node running two stages is this much slower (default 1.5, Bamboo's figure)."""
-    failover_s: float | None = None
-    """Loss -> first completed step after a failover (default 1, the issue's bound)."""
-    reconfigure_s: float | None = None
-    """Pause of an in-place reconfiguration: newcomers in, pipelines re-formed (default 10, a guess)."""
-    restart_s: float | None = None
-    """Restart from a checkpoint: a new node starts and loads it (default 45, Bamboo's figure)."""
-    checkpoint_s: float | None = None
-    """Pause to write one checkpoint (default 10, a guess)."""
-    source: str = ""
-    """Where the numbers come from (default: says they are defaults)."""
-    defaulted: tuple[str, ...] = field(init=False, default=())
-    """Fields left out (None), which took their default: not measured."""
-
-    def __post_init__(self) -> None:
-        missing = tuple(k for k in _CONSTANT_DEFAULTS if getattr(self, k) is None)
-        for k in missing:
-            setattr(self, k, _CONSTANT_DEFAULTS[k])
-        self.defaulted = missing
-        if not self.source:
-            self.source = ("defaults (not measurements): the issue's bounds and Bamboo's published figures"
-                           if len(missing) == len(_CONSTANT_DEFAULTS) else "given")
-        # Bounded by what they mean (virtualflow.cluster.bounds): a step of a microsecond to a
-        # day, pauses of at most a day; smaller steps would make a replay of a long trace count
-        # more steps than it can represent.
-        bounds.number(self.step_s, where="constants", field="step_s", lo=1e-6, hi=bounds.MAX_PAUSE_S,
-                      meaning="seconds per step")
-        bounds.number(self.samples_per_step, where="constants", field="samples_per_step", lo=0, lo_open=True,
-                      hi=1e12, meaning="samples per step")
-        bounds.number(self.redundancy_overhead, where="constants", field="redundancy_overhead", lo=0, hi=100,
-                      meaning="relative extra time of redundant computation")
-        for name in ("failover_s", "reconfigure_s", "restart_s", "checkpoint_s"):
-            bounds.number(getattr(self, name), where="constants", field=name, lo=0, hi=bounds.MAX_PAUSE_S,
-                          meaning="seconds, a day at most")
-        bounds.number(self.failover_slowdown, where="constants", field="failover_slowdown", lo=1, hi=1000,
-                      meaning="a failed-over pipeline's step time / the normal one")
-
-    @classmethod
-    def numeric_fields(cls) -> tuple[str, ...]:
-        return tuple(_CONSTANT_DEFAULTS)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any], *, where: str = "constants") -> "SpotConstants":
-        """From the ``constants`` object (see the class docstring); errors name ``where``."""
-        if not isinstance(data, Mapping):
-            raise ValueError(f"{where}: expected a JSON object of constants, got {type(data).__name__}")
-        known = set(cls.numeric_fields())
-        kw: dict[str, Any] = {}
-        for key, val in data.items():
-            if key == "source":
-                if not isinstance(val, str):
-                    raise ValueError(f"{where}: source={val!r} must be a string")
-                kw["source"] = val
-            elif key in known:
-                if isinstance(val, bool) or not isinstance(val, (int, float)):
-                    raise ValueError(f"{where}: {key}={val!r} must be a number")
-                kw[key] = float(val)
-            else:
-                raise ValueError(f"{where}: unknown constant {key!r}; known: {sorted(known | {'source'})}")
-        kw.setdefault("source", where)
-        try:
-            return cls(**kw)
-        except ValueError as exc:
-            raise ValueError(f"{where}: {exc}") from None
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike) -> "SpotConstants":
-        """From a JSON file: ``{"constants": {...}, ...}`` or the constants object alone."""
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"--constants {os.fspath(path)!r} does not exist; give a JSON file with a "
-                             "'constants' object (bench/bamboo.py writes bench/results/bamboo.json)")
-        data = bounds.load_json(p, what="--constants")
-        if isinstance(data, Mapping) and "constants" in data:
-            data = data["constants"]
-        c = cls.from_dict(data, where=f"--constants {os.fspath(path)}")
-        given = data.get("source") if isinstance(data, Mapping) else None
-        c.source = f"{os.fspath(path)}: {given}" if given else os.fspath(path)
-        return c
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["defaulted"] = list(self.defaulted)
-        return d
-
-
-BENCH_CONSTANTS = ("bamboo_constants.json", "bamboo.json")
-"""Files under ``bench/results`` holding the engine's measured constants, most complete first
-(``bench/bamboo_failover.py`` merges ``bench/bamboo.py``'s with its failover measurements)."""
-
-
-def find_bench_constants() -> Path | None:
-    """The first of :data:`BENCH_CONSTANTS` in the source tree this package runs from that has a
-    ``constants`` object; None otherwise (an installed package has no bench/)."""
-    root = Path(__file__).resolve().parents[3]
-    if not (root / "pyproject.toml").is_file():
-        return None
-    for name in BENCH_CONSTANTS:
-        path = root / "bench" / "results" / name
-        if not path.is_file():
-            continue
-        try:
-            data = json.loads(path.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise ValueError(f"{path} is not valid JSON; fix it or give --constants FILE") from None
-        if isinstance(data, Mapping) and isinstance(data.get("constants"), Mapping):
-            return path
-    return None
 
 
 # --------------------------------------------------------------------------------------------- job
@@ -630,7 +491,7 @@ def predict(trace: SpotTrace, constants: SpotConstants, strategy: str, job: Spot
     every = young_interval_s(trace, constants.checkpoint_s)
     res = _replay(kind, trace, constants, job, every)
     for _ in range(8):
-        nxt = _young(trace.span_s, res.restarts, constants.checkpoint_s)
+        nxt = young_s(trace.span_s, res.restarts, constants.checkpoint_s)
         if abs(nxt - every) <= 0.01 * every:
             break
         every = nxt
@@ -675,64 +536,3 @@ def summary(trace: SpotTrace, constants: SpotConstants, job: SpotJob,
     if "bamboo" in results and "checkpoint" in results and results["checkpoint"].samples_per_usd > 0:
         out["bamboo_vs_checkpoint"] = results["bamboo"].samples_per_usd / results["checkpoint"].samples_per_usd
     return out
-
-
-def plot_spot(trace: SpotTrace, results: Mapping[str, SpotResult], path: str, title: str | None = None,
-              bins: int = 300) -> str:
-    """Instances, throughput per strategy and cumulative cost per strategy over time (hours), one
-    panel each. Throughput is the samples produced per bin of span / ``bins`` (checkpoint pauses
-    every few minutes would make a raw step plot a solid band); restarts are marked below it.
-    Uses ``matplotlib.figure.Figure`` (no pyplot, no backend change)."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(8, 7.5), layout="tight")
-    ax_n, ax_r, ax_c = fig.subplots(3, 1, sharex=True)
-    t0 = trace.start_s
-    xs = [(t - t0) / 3600.0 for t in trace.times_s] + [trace.span_s / 3600.0]
-    ax_n.step(xs, list(trace.counts) + [trace.counts[-1]], where="post", color="0.3")
-    ax_n.set_ylabel("instances up")
-    ax_n.set_title(title or trace.name)
-    edges = np.linspace(trace.start_s, trace.end_s, bins + 1)
-    width = edges[1] - edges[0]
-    for name, res in results.items():
-        ends = np.array([res.timeline[0].start_s] + [iv.end_s for iv in res.timeline]) if res.timeline else edges[:1]
-        produced = np.concatenate([[0.0], np.cumsum([iv.samples for iv in res.timeline])])
-        spent = np.concatenate([[0.0], np.cumsum([iv.cost_usd for iv in res.timeline])])
-        rate = np.diff(np.interp(edges, ends, produced)) / width
-        mid = (edges[:-1] + edges[1:] - 2 * t0) / 2 / 3600.0
-        (line,) = ax_r.plot(mid, rate, lw=0.9, label=name)
-        ax_c.plot((ends - t0) / 3600.0, spent, label=name, color=line.get_color(),
-                  ls="--" if name == "checkpoint" else "-")
-        marks = [(e.t_s - t0) / 3600.0 for e in res.events if e.kind in ("fallback_restart", "restart")]
-        if marks:
-            ax_r.plot(marks, [0.0] * len(marks), "|", ms=8, color=line.get_color())
-    ax_r.set_ylabel(f"samples/s (mean per {width / 60:.3g} min)")
-    ax_r.set_ylim(bottom=0)
-    ax_r.legend(fontsize=7, loc="lower right", framealpha=0.6, title="| = restart", title_fontsize=7)
-    ax_c.set_ylabel("cumulative cost ($)")
-    ax_c.set_xlabel("hours")
-    ax_c.legend(fontsize=7, loc="upper left", framealpha=0.6)
-    fig.savefig(path, dpi=120)
-    return path
-
-
-def write_outputs(out_dir: str, trace: SpotTrace, summary_dict: Mapping[str, Any],
-                  results: Mapping[str, SpotResult]) -> dict[str, str]:
-    """``summary.json``, ``timeline.jsonl`` (one interval or event per line, with its strategy)
-    and ``spot.png`` (if matplotlib is installed) in ``out_dir``."""
-    os.makedirs(out_dir, exist_ok=True)
-    paths = {"summary": os.path.join(out_dir, "summary.json"), "timeline": os.path.join(out_dir, "timeline.jsonl")}
-    with open(paths["summary"], "w") as f:
-        json.dump(summary_dict, f, indent=2)
-        f.write("\n")
-    with open(paths["timeline"], "w") as f:
-        for name, res in results.items():
-            for iv in res.timeline:
-                f.write(json.dumps({"type": "interval", "strategy": name, **asdict(iv)}) + "\n")
-            for ev in res.events:
-                f.write(json.dumps({"type": "event", "strategy": name, **asdict(ev)}) + "\n")
-    try:
-        paths["plot"] = plot_spot(trace, results, os.path.join(out_dir, "spot.png"))
-    except ImportError:
-        pass
-    return paths

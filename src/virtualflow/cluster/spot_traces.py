@@ -289,10 +289,12 @@ def node_events(trace: SpotTrace, seed: int = 0) -> list[NodeEvent]:
 def young_interval_s(trace: SpotTrace, checkpoint_s: float) -> float:
     """Young's checkpoint interval sqrt(2 x checkpoint_s x MTBF), MTBF = span / instances lost
     (the trace's span when it loses none)."""
-    return _young(trace.span_s, trace.instances_lost, checkpoint_s)
+    return young_s(trace.span_s, trace.instances_lost, checkpoint_s)
 
 
-def _young(span_s: float, failures: int, checkpoint_s: float) -> float:
+def young_s(span_s: float, failures: int, checkpoint_s: float) -> float:
+    """Young's checkpoint interval sqrt(2 x checkpoint_s x MTBF), MTBF = span_s / failures (at least
+    ``checkpoint_s``; the whole span when nothing fails or checkpoints are free)."""
     if failures == 0 or checkpoint_s <= 0:
         return span_s
     return max(math.sqrt(2.0 * checkpoint_s * span_s / failures), checkpoint_s)

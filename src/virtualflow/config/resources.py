@@ -1,13 +1,17 @@
-"""The text form of custom resources (``--resources``): ``'{"accel_a100": 1}'`` or ``NAME=AMOUNT,...``.
+"""Custom resource amounts as users write them (``--resources``, ``resources=``): a JSON object or
+``NAME=AMOUNT,...`` parsed into ``{name: float}``.
 
-Configuration parsing only (no backend): :mod:`virtualflow.config.options` reads ``--resources``
-with it, and the Ray backend places actors with the result. Invariant: the result maps names to
-floats; anything else is a ``ValueError`` naming the text and the expected form.
+Pure: no Ray, no environment. Lives in ``config/`` because the options that users write
+(:mod:`virtualflow.options`) parse it; :mod:`virtualflow.backends.ray` re-exports it.
+Invariant: the result maps resource names (``str``) to amounts (``float``); an empty or blank text
+is ``{}``; anything else that does not parse raises ``ValueError`` naming ``--resources``.
 """
 
 from __future__ import annotations
 
 import json
+
+__all__ = ["parse_resources"]
 
 
 def parse_resources(text: str) -> dict[str, float]:
@@ -37,6 +41,3 @@ def parse_resources(text: str) -> dict[str, float]:
         except (TypeError, ValueError):
             raise ValueError(f"--resources: the amount of {name!r} is {amount!r}, not a number") from None
     return out
-
-
-__all__ = ["parse_resources"]

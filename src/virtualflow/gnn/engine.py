@@ -27,6 +27,10 @@ Updates (``update``):
 
 ``pipeline=False`` runs the steps in lockstep (no interval starts step ``s`` before every
 interval has finished step ``s - 1``): the baseline for the share of latency pipelining hides.
+
+The engine receives its executor (:func:`run_engine`); it never chooses or starts one. The
+executors that start processes live in :mod:`virtualflow.backends.gnn`, which also holds the entry
+point ``train_dorylus`` (re-exported by :mod:`virtualflow.gnn`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from virtualflow.gnn.executors import Executor
 from virtualflow.gnn.job import GNNJob, PreparedGraph, prepare
 from virtualflow.gnn.layers import GNNModel, vertex_param_names
 from virtualflow.gnn.partition import Plan, partition
@@ -247,7 +252,7 @@ class Driver:
     """Runs the step lists of every interval under the staleness rule (see the module docstring)."""
 
     def __init__(self, job: GNNJob, opts: DorylusOptions, pg: PreparedGraph, plan: Plan, model: GNNModel,
-                 executor, feed: dict[int, list[tuple[int, Tensor]]]) -> None:
+                 executor: Executor, feed: dict[int, list[tuple[int, Tensor]]]) -> None:
         self.job, self.opts, self.pg, self.plan, self.ex, self.feed = job, opts, pg, plan, executor, feed
         self.ps = ParameterServer(model, job.optimizer)
         self.specs = model.specs
@@ -415,28 +420,44 @@ class Driver:
             self._done(tag, out)
 
 
-def train_dorylus(job: GNNJob, opts: DorylusOptions | None = None, **kw) -> GNNResult:
-    """Train ``job`` on graph servers and tensor workers (``opts`` or keyword options)."""
-    from virtualflow.gnn.executors import ProcessExecutor, SimExecutor
+@dataclass(slots=True)
+class DorylusSetup:
+    """What a run is built from, before any executor exists: the model, the prepared graph, its
+    partition, the graph servers' parts (what an executor is built from) and where each interval's
+    rows go."""
 
-    opts = opts or DorylusOptions(**kw)
+    model: GNNModel
+    graph: PreparedGraph
+    plan: Plan
+    parts: list[ServerPart]
+    feed: dict[int, list[tuple[int, Tensor]]]
+
+
+def set_up(job: GNNJob, opts: DorylusOptions) -> DorylusSetup:
+    """Build ``job``'s model, prepare and partition its graph, and cut the graph servers' parts."""
     model = job.build_model()
     pg = prepare(job, model)
     plan = partition(pg.looped, pg.num_nodes, opts.graph_servers, opts.intervals, opts.order)
     parts, feed = build_parts(plan, pg, model)
-    t0 = time.perf_counter()
-    if opts.mode == "simulated":
-        ex = SimExecutor(parts, opts.tensor_workers, opts.limits, opts.sim_duration)
-    else:
-        ex = ProcessExecutor(parts, opts.tensor_workers, opts.limits, kill_tasks=opts.kill_tasks,
-                             timeout_s=opts.timeout_s, use_ray=opts.worker_backend == "ray",
-                             ray_address=opts.ray_address)
-    startup = time.perf_counter() - t0
-    driver = Driver(job, opts, pg, plan, model, ex, feed)
+    return DorylusSetup(model, pg, plan, parts, feed)
+
+
+def run_engine(job: GNNJob, opts: DorylusOptions, setup: DorylusSetup, executor: Executor,
+               started_at: float) -> GNNResult:
+    """Train ``job`` on ``executor``, which the caller built from ``setup.parts`` starting at
+    ``started_at`` (``time.perf_counter()``; start-up time is counted from it). The executor is
+    closed when the run ends, whether it succeeds or not.
+
+    The engine never chooses or starts an executor: the public entry point
+    (``virtualflow.gnn.train_dorylus``, :mod:`virtualflow.backends.gnn`) builds the one the options
+    ask for."""
+    model, pg, plan, ex = setup.model, setup.graph, setup.plan, executor
+    startup = time.perf_counter() - started_at
+    driver = Driver(job, opts, pg, plan, model, ex, setup.feed)
     try:
         if opts.mode == "process":
             ex.warm_up()  # process start-up (importing torch) is not training time
-            startup = time.perf_counter() - t0
+            startup = time.perf_counter() - started_at
         driver.run()
         wall = ex.now()
     finally:

@@ -4,7 +4,7 @@ GAT's apply-edge), the scatter of rows and gradient contributions into its table
 fetches that feed tensor workers.
 
 The same :class:`GraphServer` object runs in the driver's process (simulated mode) or in a
-process of its own (:func:`serve`); requests are plain tuples and the replies plain tensors, so
+process of its own (``serve`` in :mod:`virtualflow.backends.gnn`); requests are plain tuples and the replies plain tensors, so
 both modes run the same code.
 
 Invariants: a table row is overwritten only by a newer epoch's value of the same vertex (the
@@ -16,7 +16,6 @@ order.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,9 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from virtualflow.gnn.layers import LayerSpec, graph_op
-from virtualflow.gnn.workers import incoming, run_tensor_task
-
-log = logging.getLogger(__name__)
+from virtualflow.gnn.workers import run_tensor_task
 
 
 @dataclass(slots=True)
@@ -150,21 +147,3 @@ class GraphServer:
         if op == "tensor":
             return self.tensor(*args)
         raise ValueError(f"graph server: unknown request {op!r}")
-
-
-def serve(conn, part: ServerPart) -> None:
-    """A graph server process: requests in order from the driver's pipe; replies for tagged ones."""
-    torch.set_num_threads(1)
-    server = GraphServer(part)
-    for tag, req in incoming(conn):
-        try:
-            out = server.handle(req)
-        except Exception as exc:  # reported to the driver, which fails the run with it
-            log.exception("graph server %d: %s failed", part.server, req[0])
-            if tag is None:
-                conn.send((("error", part.server), f"{type(exc).__name__}: {exc}"))
-                continue
-            conn.send((tag, ("error", f"{type(exc).__name__}: {exc}")))
-            continue
-        if tag is not None:
-            conn.send((tag, out))

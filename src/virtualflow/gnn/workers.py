@@ -1,5 +1,7 @@
 """Tensor workers: stateless processes that run one interval's apply-vertex forward, backward,
 or (last layer) forward + loss + backward, from the rows and the weight version they are sent.
+This module holds what a task computes (:func:`run_tensor_task`) and the emulated limits; the
+process loop that runs tasks (``tensor_worker``) is in :mod:`virtualflow.backends.gnn`.
 
 A task is a plain dict; its result depends on nothing but the task, so a task whose worker dies
 or times out is simply run again on a fresh worker (the relaunch gives the same result).
@@ -13,10 +15,7 @@ relaunches). Emulation sleeps, which frees the CPU, as waiting on a network does
 
 from __future__ import annotations
 
-import os
 import random
-import signal
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -107,42 +106,3 @@ def run_tensor_task(specs: Sequence[LayerSpec], activation: str, task: dict) -> 
     res["grad_x"] = grads[len(names)] if l > 0 else None
     res.update(extra)
     return res
-
-
-def incoming(conn):
-    """The driver's ``(tag, payload)`` messages on a process's pipe, until it closes the pipe or
-    sends ``None`` (the loop of every graph server and tensor worker process)."""
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            return
-        if msg is None:
-            return
-        yield msg
-
-
-def tensor_worker(conn, specs: Sequence[LayerSpec], activation: str, limits: WorkerLimits) -> None:
-    """A tensor worker process: ``(tag, task)`` in, ``(tag, result)`` out, nothing kept between tasks."""
-    torch.set_num_threads(1)
-    first = True
-    for tag, task in incoming(conn):
-        if task.get("op") == "ping":
-            conn.send((tag, "pong"))
-            continue
-        wait = limits.latency_s + limits.transfer_s(task_bytes(task))
-        if first:
-            wait += limits.cold_start_s
-            first = False
-        if task.get("crash"):  # fault injection: killed while holding the task
-            time.sleep(0.05)
-            os.kill(os.getpid(), signal.SIGKILL)
-        if limits.hangs(task["id"], task["attempt"]):
-            time.sleep(limits.task_timeout_s * 100)  # never answers; the driver kills us
-        if wait:
-            time.sleep(wait)
-        res = run_tensor_task(specs, activation, task)
-        t = limits.transfer_s(task_bytes(res))
-        if t:
-            time.sleep(t)
-        conn.send((tag, res))

@@ -16,7 +16,8 @@ from typing import Any, Sequence
 
 import torch
 
-from virtualflow.plan.comm.ir import Decl, Info, Layout, Op, Program, Sliced, _check_dim, infer_op
+from virtualflow.plan.comm.ir import Program
+from virtualflow.plan.comm.ops import Decl, Info, Layout, Op, Sliced, check_dim, infer_op
 
 
 class Value:
@@ -82,7 +83,7 @@ class Builder:
     def _declare(self, d: Decl) -> Value:
         if d.name in self.env:
             raise ValueError(f"{self.name}: tensor {d.name} is already defined")
-        _check_dim(d.name, d.layout, len(d.shape))
+        check_dim(d.name, d.layout, len(d.shape))
         self.decls.append(d)
         self.env[d.name] = Info(d.shape, d.layout, d.dtype, d.stage)
         return Value(self, d.name)

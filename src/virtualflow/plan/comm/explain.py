@@ -1,61 +1,20 @@
 """A program, and what rewrites make of it, as text: every tensor's layout, each communicating
-op's bytes and messages per rank, the bytes each rank holds per declared tensor (pure)."""
+op's bytes and messages per rank, the bytes each rank holds per declared tensor (pure).
+
+One program's text (:func:`explain`) lives in :mod:`virtualflow.plan.comm.ledger`, below
+``Program`` (whose ``explain`` method calls it), and is re-exported here; this module adds what
+needs the rewrites (:func:`explain_rewrites`).
+"""
 
 from __future__ import annotations
 
 from typing import Sequence
 
 from virtualflow.plan.comm.ir import LOCAL_KINDS, Program
+from virtualflow.plan.comm.ledger import comm_ledger, explain, memory_ledger, totals
 from virtualflow.plan.comm.rewrites import apply
-from virtualflow.plan.comm.simulate import comm_ledger, memory_ledger, totals
 
-
-def _ranks_label(prog: Program, p: int) -> str:
-    return f"{p} ranks" if prog.stages == 1 else f"{prog.stages} stages x {p} ranks"
-
-
-def _fmt_bytes(n: int) -> str:
-    return f"{n} B" if n < 10 * 1024 else f"{n / 1024:.1f} KiB" if n < 10 * 1024 * 1024 else f"{n / 2**20:.1f} MiB"
-
-
-def explain(prog: Program, ranks: int) -> str:
-    """The program's declarations, ops (with the layout of what each defines and, for
-    communication, bytes sent per rank) and totals on ``ranks`` ranks per stage."""
-    lines = [f"program {prog.name} on {_ranks_label(prog, ranks)}"]
-    mem = memory_ledger(prog, ranks)
-    lines.append("  declared:")
-    for d in prog.decls:
-        kind = "state (shardable)" if d.shardable else "state" if d.state else "input"
-        per = mem[d.name]
-        lines.append(f"    {d.name:<12} {str(d.shape):<12} {str(d.layout):<12} stage {d.stage}  {kind:<17} "
-                     f"{_fmt_bytes(max(per))}/rank")
-    recs = iter(comm_ledger(prog, ranks))
-    lines.append("  ops:")
-    for i, op in enumerate(prog.ops):
-        lay = ", ".join(f"{o}: {prog.info[o].layout}" for o in op.outs) if op.outs else "in place"
-        text = f"    {i:>3} {op.label()}"
-        if op.kind not in LOCAL_KINDS and op.kind != "update":
-            rec = next(recs)
-            text += f"   -> {lay}   sends {_per_rank(rec.bytes_sent)} B in {_per_rank(rec.messages)} msgs"
-        else:
-            text += f"   -> {lay}"
-        if op.kind == "fused":
-            text += "   [" + "; ".join(inner.label() for inner in op.attrs["body"]) + "]"
-        lines.append(text)
-    b, m = totals(comm_ledger(prog, ranks))
-    lines.append(f"  bytes sent per rank: {_per_rank(b) if b else 0}; messages per rank: {_per_rank(m) if m else 0}")
-    states = [d.name for d in prog.decls if d.state]
-    if states:
-        held = [sum(mem[s][r] for s in states) for r in range(ranks)]
-        lines.append(f"  state held per rank: {_per_rank(held)} B")
-    return "\n".join(lines)
-
-
-def _per_rank(xs: Sequence[int]) -> str:
-    xs = list(xs)
-    if xs and all(x == xs[0] for x in xs):
-        return f"{xs[0]} (every rank)"
-    return "[" + ", ".join(map(str, xs)) + "]"
+__all__ = ["explain", "explain_rewrites"]
 
 
 def explain_rewrites(prog: Program, ranks: int, rewrites: Sequence[str], *, chunks: int = 2) -> str:

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from virtualflow.plan.comm.ir import Op
+from virtualflow.plan.comm.ops import Op
 from virtualflow.plan.shards import shard_bounds
 
 DEFAULT_SEGMENT_BYTES = 8 * 1024 * 1024

@@ -1,4 +1,4 @@
-"""A single-process p-rank interpreter of communication programs, and their byte ledger (pure).
+"""A single-process p-rank interpreter of communication programs (pure).
 
 :func:`simulate` runs a :class:`~virtualflow.plan.comm.ir.Program` with one torch tensor per rank
 per name: local ops run once per rank (the same kernels as the executor's), collectives combine
@@ -20,9 +20,10 @@ Every communicating op leaves a :class:`CommRecord`: bytes and messages *sent* b
 * broadcast: the source sends the whole tensor to each of the ``p-1`` others (flat tree);
 * send: each rank of the sending stage sends its piece, one message.
 
-:func:`comm_ledger` computes the same records from shapes alone (no tensors), and
-:func:`memory_ledger` the bytes each rank holds per declared tensor (states sliced by a rewrite
-show ``1/p``).
+:func:`~virtualflow.plan.comm.ledger.comm_ledger` computes the same records from shapes alone (no
+tensors), and :func:`~virtualflow.plan.comm.ledger.memory_ledger` the bytes each rank holds per
+declared tensor (states sliced by a rewrite show ``1/p``); both live in
+:mod:`virtualflow.plan.comm.ledger` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -32,99 +33,12 @@ from typing import Mapping, Sequence
 
 import torch
 
-from virtualflow.plan.comm.ir import LOCAL_KINDS, Decl, Info, Local, Program, Replicated, Sliced, numel, piece_shape
+from virtualflow.plan.comm.ir import LOCAL_KINDS, Decl, Info, Local, Program, Replicated, Sliced
 from virtualflow.plan.comm.kernels import DEFAULT_SEGMENT_BYTES, ring_reduce, ring_traffic, run_local
+from virtualflow.plan.comm.ledger import (  # noqa: F401 - the ledger is re-exported: its home before ledger.py
+    CommRecord, check_ranks, collective_chunks, comm_ledger, comm_record, memory_ledger, numel_except, totals,
+)
 from virtualflow.plan.shards import shard_bounds
-
-
-@dataclass(frozen=True, slots=True)
-class CommRecord:
-    """One communicating op: what each global rank sent."""
-
-    op: str
-    """The op's label (``g = all_reduce(grad)``)."""
-    kind: str
-    stage: int
-    bytes_sent: tuple[int, ...]
-    messages: tuple[int, ...]
-
-
-def totals(records: Sequence[CommRecord]) -> tuple[list[int], list[int]]:
-    """Bytes and messages sent per global rank, summed over ``records``."""
-    if not records:
-        return [], []
-    n = len(records[0].bytes_sent)
-    b, m = [0] * n, [0] * n
-    for rec in records:
-        for i in range(n):
-            b[i] += rec.bytes_sent[i]
-            m[i] += rec.messages[i]
-    return b, m
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _rest(shape: Sequence[int], dim: int) -> int:
-    return numel([s for j, s in enumerate(shape) if j != dim])
-
-
-def collective_chunks(kind: str, shapes: Sequence[Sequence[int]], dims: Sequence[int | None], p: int) -> list[int]:
-    """Elements in each ring chunk of a (bucketed) collective: chunk r holds every member's piece r
-    (rank-major packing), an all-reduce member being cut flat by ``shard_bounds(numel, p)``."""
-    chunks = [0] * p
-    for shape, dim in zip(shapes, dims):
-        if kind == "all_reduce":
-            sizes = [hi - lo for lo, hi in shard_bounds(numel(shape), p)]
-        else:
-            rest = _rest(shape, dim)
-            sizes = [(hi - lo) * rest for lo, hi in shard_bounds(shape[dim], p)]
-        chunks = [a + b for a, b in zip(chunks, sizes)]
-    return chunks
-
-
-def _record(prog: Program, op, p: int, traffic: dict[int, tuple[int, int]], stage: int) -> CommRecord:
-    ranks = prog.stages * p
-    b, m = [0] * ranks, [0] * ranks
-    for r, (nb, nm) in traffic.items():
-        b[stage * p + r] = nb
-        m[stage * p + r] = nm
-    return CommRecord(op.label(), op.kind, stage, tuple(b), tuple(m))
-
-
-def comm_ledger(prog: Program, p: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> list[CommRecord]:
-    """Every communicating op's :class:`CommRecord`, from shapes alone."""
-    _check_p(p)
-    out = []
-    for op in prog.ops:
-        if op.kind in LOCAL_KINDS or op.kind == "update":
-            continue
-        infos = [prog.info[a] for a in op.tensor_args]
-        stage = infos[0].stage
-        size = _itemsize(infos[0].dtype)
-        if op.kind in ("all_reduce", "reduce_scatter", "all_gather"):
-            dims = op.attrs.get("dims", (None,) * len(infos))
-            chunks = collective_chunks(op.kind, [i.shape for i in infos], dims, p)
-            traffic = {r: ring_traffic(op.kind, chunks, size, r, segment_bytes) for r in range(p)}
-        elif op.kind == "broadcast":
-            traffic = {op.attrs["src"]: ((p - 1) * numel(infos[0].shape) * size, p - 1)}
-        else:  # send
-            traffic = {r: (numel(piece_shape(infos[0].shape, infos[0].layout, p, r)) * size, 1) for r in range(p)}
-        out.append(_record(prog, op, p, traffic, stage))
-    return out
-
-
-def memory_ledger(prog: Program, p: int) -> dict[str, list[int]]:
-    """Bytes rank ``r`` of the tensor's stage holds for each declared tensor (index r)."""
-    _check_p(p)
-    return {d.name: [numel(piece_shape(d.shape, d.layout, p, r)) * _itemsize(d.dtype) for r in range(p)]
-            for d in prog.decls}
-
-
-def _check_p(p: int) -> None:
-    if not isinstance(p, int) or p < 1:
-        raise ValueError(f"ranks={p!r} must be a positive int (the ranks of each stage's group)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,7 +113,7 @@ def simulate(prog: Program, p: int, inputs: Mapping[str, object],
              segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> SimResult:
     """Run ``prog`` on ``p`` ranks per stage. ``inputs``: each declared tensor's global value (a
     Local one: a sequence of p values)."""
-    _check_p(p)
+    check_ranks(p)
     check_inputs(prog, inputs)
     vals: dict[str, list[torch.Tensor]] = {d.name: distribute(d, inputs[d.name], p) for d in prog.decls}
     ledger: list[CommRecord] = []
@@ -233,7 +147,7 @@ def simulate(prog: Program, p: int, inputs: Mapping[str, object],
                 vals[name] = outs
                 chunks = [a + b for a, b in zip(chunks, sizes)]
             traffic = {r: ring_traffic(k, chunks, size, r, segment_bytes) for r in range(p)}
-        ledger.append(_record(prog, op, p, traffic, stage))
+        ledger.append(comm_record(prog, op, p, traffic, stage))
     return SimResult(prog, p, vals, ledger)
 
 
@@ -248,7 +162,7 @@ def _collective(kind: str, per_rank: list[torch.Tensor], dim: int | None, p: int
     if kind == "reduce_scatter":
         moved = [v.movedim(dim, 0).contiguous() for v in per_rank]
         rows = shard_bounds(moved[0].shape[0], p)
-        rest = _rest(moved[0].shape, 0)
+        rest = numel_except(moved[0].shape, 0)
         bounds = [(lo * rest, hi * rest) for lo, hi in rows]
         s = ring_reduce([m.reshape(-1) for m in moved], bounds).reshape(moved[0].shape)
         outs = [s[lo:hi].movedim(0, dim).contiguous() for lo, hi in rows]
