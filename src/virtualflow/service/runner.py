@@ -63,10 +63,8 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
-import math
 import os
 import shutil
-import signal
 import sqlite3
 import threading
 import time
@@ -74,13 +72,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from virtualflow.cluster.policies.base import get_policy
-from virtualflow.cluster.throughputs import ThroughputTable
 from virtualflow.service.core import (PRIOR_STEPS_PER_S, Action, JobView, RoundDecision, Scheduler, diff_actions,
                                       mechanism_knobs, mechanism_of, prior_rate, recovery_action, type_slowdowns,
                                       update_estimates)
 from virtualflow.service.deadlines import admit, eta_s, newly_missed
-from virtualflow.service.launcher import ChildJob, is_job_process, job_processes
+from virtualflow.backends.orphans import wait_orphans as _wait_orphans  # noqa: F401 - the old name, for tests
+from virtualflow.backends.placement import (Placement, check_ray_cluster, placement_from_config, placement_of,
+                                            ray_slot_shortage)
+from virtualflow.service.launcher import ChildJob
 from virtualflow.service.state import ClusterDB, JobRow
+from virtualflow.service.tables import gavel_table
 from virtualflow.service.watchdog import HangRule, StepClock
 
 log = logging.getLogger(__name__)
@@ -157,12 +158,6 @@ class Stopping:
     """(Result or None, error or None) once the stop has ended."""
 
 
-def gavel_table() -> ThroughputTable:
-    from virtualflow.cluster.gavel_data import gavel_data_dir
-
-    return ThroughputTable.from_file(os.path.join(gavel_data_dir(), "simulation_throughputs.json"))
-
-
 class ServiceLock:
     """One service per cluster directory: an exclusive ``flock`` on ``service.lock`` held for the
     service's lifetime (released by the kernel when the process dies, SIGKILL included)."""
@@ -211,10 +206,9 @@ class Service:
         self.overrides: dict[str, float] = {str(k): float(v) for k, v in (cfg.get("slowdowns") or {}).items()}
         self.threads = int(cfg.get("threads_per_worker", 1))
         self.min_run_s = float(cfg.get("min_run_s", 0.0))
-        self.backend = str(cfg.get("backend", "local"))
-        self.address: str | None = cfg.get("address")
-        self.cpus_per_worker = float(cfg.get("cpus_per_worker", 1.0))
-        self.emulate = self.backend == "local" or bool(cfg.get("emulate_slowdowns", False))
+        self.placement: Placement = placement_from_config(cfg)
+        """Where the slots are (local or Ray), chosen once here: :mod:`virtualflow.backends.placement`."""
+        self.emulate = self.placement.emulates_slowdowns
         """Whether workers get their type's slowdown (always on the local backend, where types are
         emulated; on Ray only with ``--emulate-slowdowns``: the types are real resources there)."""
         self.poll_s = poll_s
@@ -268,10 +262,7 @@ class Service:
         now = time.time()
         self.db.close_open_rounds(now)
         rows = self.db.jobs(("running",))
-        # The jobs' drivers are local processes on either backend (on Ray they own the actors: Ray
-        # ends those with them); a remote worker's pid in status.json never matches a local process
-        # that carries the job's marker, so it is never signalled.
-        _wait_orphans([row.run_dir for row in rows])
+        self.placement.reap_orphans([row.run_dir for row in rows])
         for row in rows:
             summary = _read_json(os.path.join(row.run_dir, "summary.json"))
             has_state = _has_state(row.run_dir)
@@ -308,8 +299,7 @@ class Service:
                         self.db.set_meta("epoch_s", time.time())
                     self.epoch_s = float(self.db.get_meta("epoch_s"))
                     self._heartbeat(state="recovering")
-                    if self.backend == "ray":
-                        check_ray_cluster(self.address, self.slots, self.cpus_per_worker)
+                    self.placement.check_slots(self.slots)
                     self.recover()
                     break
                 except sqlite3.OperationalError as exc:
@@ -519,11 +509,7 @@ class Service:
             opts["checkpoint_every"] = row.checkpoint_every
         if factor > 1.0 and self.emulate:
             opts["slowdowns"] = [factor] * a.workers
-        if self.backend == "ray":
-            # A slot of type T is one unit of the Ray resource T: every worker of the job (newcomers
-            # of a resize included) asks for one, so Ray places it on a node that has one free.
-            opts.update(backend="ray", address=self.address, cpus_per_worker=self.cpus_per_worker,
-                        resources={a.acc_type: 1.0})
+        opts.update(self.placement.worker_options(a.acc_type))
         launch = self.launch if self.launch is not None else self._driver_for(row)
         handle = launch(row.target, **opts)
         now = time.time()
@@ -948,19 +934,9 @@ def init_cluster(cluster_dir: str, *, slots: dict[str, int], policy: str, round_
     if unknown:
         raise ValueError(f"--slowdowns names type(s) {unknown} that are not in --slots {list(slots)}")
     type_slowdowns(types, gavel_table(), overrides)  # every type's speed is known
-    if backend not in ("local", "ray"):
-        raise ValueError(f"--backend {backend!r} is not a cluster backend; choose local (emulated slots on this "
-                         f"machine) or ray (slots are Ray resources)")
-    if backend == "local" and (address is not None or emulate_slowdowns):
-        raise ValueError("--address and --emulate-slowdowns apply to --backend ray; add --backend ray or drop them")
-    if not (math.isfinite(cpus_per_worker) and cpus_per_worker > 0):
-        raise ValueError(f"--cpus-per-worker {cpus_per_worker:g} must be a positive number of Ray CPUs")
-    if backend == "ray":
-        if not address:
-            raise ValueError("--backend ray needs --address (auto, or HOST:PORT of the Ray head) of a running Ray "
-                             "cluster whose nodes have the slot types as custom resources, e.g. ray start --head "
-                             "--resources '{\"v100\": 2, \"k80\": 2}'")
-        check_ray_cluster(address, slots, cpus_per_worker)
+    placement = placement_of(backend, address=address, cpus_per_worker=cpus_per_worker,
+                             emulate_slowdowns=emulate_slowdowns)
+    placement.check_slots(slots)  # on Ray: connects and checks the resources the slots claim
     db = ClusterDB(cluster_dir, create=True)  # checks the directory (and makes it 0700 if missing)
     if db.recreated_over is not None:
         db.event("database_new", earlier_ids_up_to=db.recreated_over)
@@ -978,44 +954,6 @@ def init_cluster(cluster_dir: str, *, slots: dict[str, int], policy: str, round_
 
         auth.write_token(token_path, auth.new_token())
     return db
-
-
-def ray_slot_shortage(slots: dict[str, int], totals: dict[str, float], cpus_per_worker: float,
-                      where: str = "the Ray cluster") -> str | None:
-    """Why a Ray cluster with resources ``totals`` cannot hold ``slots`` (pure), or None: each
-    slot type T is a custom resource T with at least as many units as T has slots, and the
-    slots busy at once need ``cpus_per_worker`` CPUs each."""
-    custom = sorted(k for k in totals if k not in ("CPU", "GPU", "memory", "object_store_memory")
-                    and not k.startswith(("node:", "accelerator_type:")))
-    for t, n in slots.items():
-        have = float(totals.get(t, 0.0))
-        if have + 1e-9 < n:
-            has = f"has {t}={have:g}" if have > 0 else f"has no resource {t!r}"
-            fix = f"lower --slots {t}={int(have)}" if have >= 1 else f"drop {t} from --slots"
-            return (f"slot type {t!r} claims {n} slot{'s' if n != 1 else ''} (--slots {t}={n}) but {where} {has} "
-                    f"(its custom resources: {', '.join(f'{k}={totals[k]:g}' for k in custom) or 'none'}); {fix} "
-                    f"or add Ray nodes started with --resources '{{\"{t}\": N}}'")
-    need = sum(slots.values()) * cpus_per_worker
-    cpus = float(totals.get("CPU", 0.0))
-    if cpus + 1e-9 < need:
-        return (f"the {sum(slots.values())} slots need {need:g} CPUs when all are busy ({sum(slots.values())} x "
-                f"--cpus-per-worker {cpus_per_worker:g}) but {where} has CPU={cpus:g}; lower --cpus-per-worker "
-                f"or --slots, or add nodes")
-    return None
-
-
-def check_ray_cluster(address: str | None, slots: dict[str, int], cpus_per_worker: float) -> None:
-    """Connect to the Ray cluster (``address``: ``auto``, ``HOST:PORT``, or None for the one this
-    process is connected to / ``RAY_ADDRESS``) and raise ``ValueError`` when it lacks the
-    resources the slots claim (:func:`ray_slot_shortage`)."""
-    from virtualflow.backends.ray import RayOptions, connect, import_ray
-
-    ray = import_ray()
-    connect(RayOptions(address=address))
-    short = ray_slot_shortage(slots, ray.cluster_resources(), cpus_per_worker,
-                              where=f"the Ray cluster at {address}" if address else "the Ray cluster")
-    if short:
-        raise ValueError(short)
 
 
 def _read_json(path: str) -> dict | None:
@@ -1044,49 +982,6 @@ def _final_step(run_dir: str) -> int | None:
         return int(load_state(path)["step"])
     except Exception:  # noqa: BLE001 - unreadable: judged by the other files (resume skips it too)
         return None
-
-
-def _job_pids(run_dir: str) -> dict[int, float | None]:
-    """The processes of the job in ``run_dir`` that a dead service may have left: those its
-    ``status.json`` lists (its driver, which hosts the coordinator, and its workers), each with
-    the time that file was written (a process listed there had started by then), and any other
-    process carrying the job's marker (no time: the marker alone identifies it)."""
-    status = _read_json(os.path.join(run_dir, "status.json")) or {}
-    written = status.get("updated")
-    written = float(written) if isinstance(written, (int, float)) and not isinstance(written, bool) else None
-    listed = [w.get("pid") for w in status.get("workers", []) if isinstance(w, dict)]
-    coordinator = status.get("coordinator")
-    if isinstance(coordinator, dict):
-        listed.append(coordinator.get("pid"))
-    out: dict[int, float | None] = {p: written for p in listed
-                                    if isinstance(p, int) and not isinstance(p, bool) and p > 1 and written is not None}
-    for p in job_processes(run_dir):
-        out.setdefault(p, None)
-    return out
-
-
-def _wait_orphans(run_dirs: list[str], timeout_s: float = 20.0) -> None:
-    """Wait for what is left of the jobs in ``run_dirs`` after the service died: their drivers see
-    the service's pipe close and stop their jobs at the next step boundary with the state
-    written; SIGKILL those still there after ``timeout_s`` (a worker still starting may wait much
-    longer), so two runs never write one run directory. A process is waited for or signalled only
-    while it is verifiably the job's (:func:`virtualflow.service.launcher.is_job_process`: the
-    job's marker in its environment and, for a PID from ``status.json``, a start no later than
-    that file was written): a PID reused by another process is left alone, whatever its name."""
-    candidates = {(d, p): t for d in run_dirs for p, t in _job_pids(d).items()}
-
-    def ours() -> list[tuple[str, int]]:
-        return [(d, p) for (d, p), t in candidates.items() if is_job_process(p, d, not_after_s=t)]
-
-    deadline = time.monotonic() + timeout_s
-    while ours() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for d, p in ours():
-        log.warning("process %d of the job in %s outlived the service that ran it; killing it", p, d)
-        try:
-            os.kill(p, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def _wait_quietly(handle: Any, timeout_s: float) -> None:
