@@ -48,7 +48,8 @@ from typing import Any, Callable
 
 from virtualflow.service.core import slot_names
 from virtualflow.service.deadlines import deadline_cells, format_duration
-from virtualflow.service.state import ClusterDB, JobRow
+from virtualflow.service.rows import JobRow
+from virtualflow.service.state import ClusterDB
 from virtualflow.service.webguard import RateLimitedLog, WebLimits, guarded_protocol
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")

@@ -30,7 +30,8 @@ from virtualflow.service.core import Action, RoundDecision, Scheduler
 from virtualflow.service.failures import (RESOURCE_BACKOFF_S, SERVICE_FREE_BYTES, disk_full, one_line,
                                           short_of_resources)
 from virtualflow.service.launcher import ChildJob
-from virtualflow.service.state import ClusterDB, JobRow
+from virtualflow.service.rows import JobRow
+from virtualflow.service.state import ClusterDB
 from virtualflow.service.watchdog import HangRule, StepClock
 
 log = logging.getLogger("virtualflow.service.runner")  # one logger for every part of the Service

@@ -25,7 +25,8 @@ from virtualflow.service.core import JobView, RoundDecision, Scheduler, diff_act
 from virtualflow.service.deadlines import admit, eta_s, newly_missed
 from virtualflow.service.failures import SERVICE_FREE_BYTES, one_line
 from virtualflow.service.lifecycle import Running, Stopping
-from virtualflow.service.state import ClusterDB, JobRow
+from virtualflow.service.rows import JobRow
+from virtualflow.service.state import ClusterDB
 from virtualflow.service.watchdog import HangRule
 
 log = logging.getLogger("virtualflow.service.runner")  # one logger for every part of the Service

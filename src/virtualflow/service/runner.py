@@ -88,7 +88,8 @@ from virtualflow.service.lifecycle import (JobLifecycle, Running, Stopping, fina
                                            read_json)
 from virtualflow.service.rounds import RoundPlay
 from virtualflow.service.setup import init_cluster  # noqa: F401 - its home before the split
-from virtualflow.service.state import ClusterDB, JobRow
+from virtualflow.service.rows import JobRow
+from virtualflow.service.state import ClusterDB
 from virtualflow.service.tables import gavel_table
 from virtualflow.service.watchdog import HangRule
 
