@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from virtualflow.backends.placement import Placement
 from virtualflow.service.core import Action, RoundDecision, Scheduler
 from virtualflow.service.failures import (RESOURCE_BACKOFF_S, SERVICE_FREE_BYTES, disk_full, one_line,
                                           short_of_resources)
@@ -100,7 +101,7 @@ class JobLifecycle:
     launch_timeout_s: float
     _held: dict[int, tuple[float, int]]
     _no_space: dict[int, float]
-    placement: Any
+    placement: Placement
     slowdowns_of: Callable[[JobRow], dict[str, float]]
     free_bytes: Callable[[str], float]
 
