@@ -15,6 +15,12 @@ Tables (WAL mode, so the CLI, the dashboard and the service read and write at on
 - ``events``: what happened (submit, start, resize, preempt, done, failure, throughput, ...),
   with a JSON payload.
 
+Where things are: :class:`ClusterDB` (every read and write, one transaction each) is here; the
+tables and their migrations are :mod:`virtualflow.service.schema`, a row read defensively is
+:class:`~virtualflow.service.rows.JobRow`, and the cluster directory's files, its privacy check and
+the run directories' identities are :mod:`virtualflow.service.clusterdir` (every name is
+re-exported here).
+
 Invariants:
 
 - **A job's id is never reused**, not even by a database that was emptied, deleted or replaced:
