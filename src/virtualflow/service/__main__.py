@@ -9,7 +9,8 @@ import signal
 import sqlite3
 import sys
 
-from virtualflow.service.runner import SERVICE_FREE_BYTES, Service, disk_full
+from virtualflow.service.failures import SERVICE_FREE_BYTES, disk_full
+from virtualflow.service.runner import Service
 
 
 def raise_descriptor_limit() -> None:

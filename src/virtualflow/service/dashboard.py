@@ -48,7 +48,8 @@ from typing import Any, Callable
 
 from virtualflow.service.core import slot_names
 from virtualflow.service.deadlines import deadline_cells, format_duration
-from virtualflow.service.state import ClusterDB, JobRow
+from virtualflow.service.rows import JobRow
+from virtualflow.service.state import ClusterDB
 from virtualflow.service.webguard import RateLimitedLog, WebLimits, guarded_protocol
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -484,8 +485,8 @@ def make_app(cluster_dir: str, *, limits: WebLimits | None = None, refresh_s: fl
             cfg, rounds = d.config(), d.rounds(limit=50)
         finally:
             d.close()
-        from virtualflow.service.runner import gavel_table
         from virtualflow.service.core import type_slowdowns
+        from virtualflow.service.tables import gavel_table
 
         slow = type_slowdowns(tuple(cfg["slots"]), gavel_table(), cfg.get("slowdowns") or {})
         rr = "".join(f"<tr><td>{r['id']}</td><td>{r['active']}</td><td>{r['placed']}</td>"

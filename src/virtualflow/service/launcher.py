@@ -30,7 +30,7 @@ it starts, carries ``VIRTUALFLOW_SERVICE_JOB=<the job's run directory>`` (:data:
 A restarted service only ever signals a process that carries its job's marker (read from
 ``/proc/PID/environ``) and that started no later than the job's ``status.json`` was written
 (``/proc/PID/stat``): a PID reused by another process fails both checks
-(:func:`is_job_process`).
+(:func:`virtualflow.backends.orphans.is_job_process`, re-exported here).
 """
 
 from __future__ import annotations
@@ -49,13 +49,13 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from virtualflow.backends.orphans import MARKER_ENV, is_job_process, job_processes, start_time_s
+
 log = logging.getLogger(__name__)
 
 __all__ = ["MARKER_ENV", "ChildJob", "ChildResult", "JobProcessError", "describe_exit", "is_job_process",
            "job_processes", "start_time_s", "parse_message"]
 
-MARKER_ENV = "VIRTUALFLOW_SERVICE_JOB"
-"""The environment variable naming the job (its run directory) a process belongs to."""
 
 MAX_LINE = 1 << 20
 """Longest message line read from either side (a longer one is dropped)."""
@@ -348,65 +348,6 @@ class ChildJob:
         phase = "while the job was built and checked" if not self.started else "without reporting a result"
         raise JobProcessError(f"the job's driver process {describe_exit(self.proc.returncode)} {phase} (the job's "
                               f"code called os._exit or crashed the interpreter?); log: {self.log_path}")
-
-
-# -- identity of a job's processes (restart clean-up) ---------------------------------------
-def _boot_time_s(proc: str = "/proc") -> float | None:
-    try:
-        with open(os.path.join(proc, "stat")) as f:
-            for line in f:
-                if line.startswith("btime "):
-                    return float(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def start_time_s(pid: int, proc: str = "/proc") -> float | None:
-    """When process ``pid`` started (seconds since the epoch, to the clock tick), or None."""
-    try:
-        with open(os.path.join(proc, str(pid), "stat")) as f:
-            text = f.read()
-        ticks = int(text.rpartition(")")[2].split()[19])  # field 22: starttime, after the command
-        boot = _boot_time_s(proc)
-    except (OSError, ValueError, IndexError):
-        return None
-    return None if boot is None else boot + ticks / os.sysconf("SC_CLK_TCK")
-
-
-def _has_marker(pid: int, marker: str, proc: str = "/proc") -> bool:
-    try:
-        with open(os.path.join(proc, str(pid), "environ"), "rb") as f:
-            env = f.read().split(b"\0")
-    except OSError:  # gone, or another user's process: never ours to signal
-        return False
-    return f"{MARKER_ENV}={marker}".encode() in env
-
-
-def is_job_process(pid: int, marker: str, *, not_after_s: float | None, proc: str = "/proc") -> bool:
-    """Whether ``pid`` is one of the job's processes: it carries the job's marker and (when
-    ``not_after_s`` is given: when the job's ``status.json`` listed it) it started no later than
-    then (a reused PID belongs to a process started later)."""
-    if pid <= 1 or pid == os.getpid() or not _has_marker(pid, marker, proc):
-        return False
-    if not_after_s is None:
-        return True
-    started = start_time_s(pid, proc)
-    return started is not None and started <= not_after_s + 1.0  # the clock tick and the write's rounding
-
-
-def job_processes(marker: str, proc: str = "/proc") -> list[int]:
-    """Every process of this user that carries the job's marker (a driver or worker that the
-    job's ``status.json`` did not list yet)."""
-    out = []
-    try:
-        names = os.listdir(proc)
-    except OSError:
-        return out
-    for name in names:
-        if name.isdigit() and _has_marker(int(name), marker, proc) and int(name) != os.getpid():
-            out.append(int(name))
-    return sorted(out)
 
 
 # -- the driver (child side) ----------------------------------------------------------------

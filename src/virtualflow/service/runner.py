@@ -9,6 +9,14 @@ process**: each start runs :func:`virtualflow.launch` in a driver process of its
 (:mod:`virtualflow.service.launcher`: it imports, builds and checks the job under a time limit and
 hosts its coordinator); this process sees the job through that driver's JSON lines only.
 
+Where things are: this module holds :class:`Service` (set-up, recovery, the loop, pausing on a
+full disk, shutdown) and :class:`ServiceLock`; a round (decide, record, enact, poll, measure) is
+:mod:`virtualflow.service.rounds`, starting, resizing and stopping jobs and recording how they
+ended is :mod:`virtualflow.service.lifecycle`, ``cluster start``'s validation is
+:mod:`virtualflow.service.setup`, and where workers run (local or Ray) is the placement chosen once
+from the configuration (:mod:`virtualflow.backends.placement`): the service never branches on a
+backend's name.
+
 - ``start``: :func:`virtualflow.launch` (in the job's driver) with the placement's worker count, the type's slowdown
   for every worker (``slowdowns=``, emulated accelerator types), ``checkpoint_every`` and, when
   the job's run directory holds a state, ``resume=`` it;
@@ -61,106 +69,37 @@ because it could not write.
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
-import math
 import os
-import shutil
-import signal
 import sqlite3
-import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from virtualflow.backends.orphans import wait_orphans as _wait_orphans  # noqa: F401 - the old name, for tests
+from virtualflow.backends.placement import (Placement, check_ray_cluster, placement_from_config,  # noqa: F401
+                                            ray_slot_shortage)
 from virtualflow.cluster.policies.base import get_policy
-from virtualflow.cluster.throughputs import ThroughputTable
-from virtualflow.service.core import (PRIOR_STEPS_PER_S, Action, JobView, RoundDecision, Scheduler, diff_actions,
-                                      mechanism_knobs, mechanism_of, prior_rate, recovery_action, type_slowdowns,
-                                      update_estimates)
-from virtualflow.service.deadlines import admit, eta_s, newly_missed
-from virtualflow.service.launcher import ChildJob, is_job_process, job_processes
-from virtualflow.service.state import ClusterDB, JobRow
-from virtualflow.service.watchdog import HangRule, StepClock
+from virtualflow.service.core import (PRIOR_STEPS_PER_S, Action, JobView, Scheduler, mechanism_of, recovery_action,
+                                      type_slowdowns)
+from virtualflow.service.failures import (RESOURCE_BACKOFF_S, SERVICE_FREE_BYTES, disk_full,  # noqa: F401
+                                          short_of_resources)
+from virtualflow.service.failures import free_bytes as _free_bytes
+from virtualflow.service.lifecycle import (JobLifecycle, Running, Stopping, final_step, has_state,  # noqa: F401
+                                           read_json)
+from virtualflow.service.rounds import RoundPlay
+from virtualflow.service.setup import init_cluster  # noqa: F401 - its home before the split
+from virtualflow.service.rows import JobRow
+from virtualflow.service.state import ClusterDB
+from virtualflow.service.tables import gavel_table
+from virtualflow.service.watchdog import HangRule
 
 log = logging.getLogger(__name__)
 
+__all__ = ["Service", "ServiceLock", "init_cluster", "gavel_table", "ray_slot_shortage", "check_ray_cluster",
+           "SERVICE_FREE_BYTES", "RESOURCE_BACKOFF_S", "disk_full", "short_of_resources", "Running", "Stopping",
+           "LOCK_NAME"]
+
 LOCK_NAME = "service.lock"
-
-SERVICE_FREE_BYTES = 64 * 1024 * 1024
-"""Free space the service asks for on its database's file system after "database or disk is full"
-before it goes on (the database grows by its write-ahead log; 64 MiB is ample for many rounds)."""
-
-
-RESOURCE_BACKOFF_S = (15.0, 600.0)
-"""A job whose start failed because the *service* ran short of a process resource (descriptors,
-processes, memory) is placed again after the first figure, doubling at each repeat up to the
-second: the shortage is the machine's, not the job's, so it never fails the job for good."""
-
-
-def short_of_resources(exc: BaseException) -> bool:
-    """Whether ``exc`` says this process (or the machine) ran out of descriptors, processes or
-    memory: EMFILE, ENFILE, EAGAIN (fork), ENOMEM. Transient, and no fault of the job's."""
-    import errno
-
-    return isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM)
-
-
-def disk_full(exc: BaseException) -> bool:
-    """Whether ``exc`` is SQLite's (or the OS's) "out of space"."""
-    import errno
-
-    if isinstance(exc, sqlite3.OperationalError):
-        return "disk is full" in str(exc)  # SQLITE_FULL: "database or disk is full"
-    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
-
-
-@dataclass
-class Running:
-    """A job this service runs now."""
-
-    handle: Any
-    acc_type: str
-    workers: int
-    slots: tuple[str, ...]
-    slowdown: float
-    slowed: set[int] = field(default_factory=set)
-    """Worker ids that have their slowdown."""
-    samples: list[tuple[float, int]] = field(default_factory=list)
-    """(time, step) since the current (type, workers) formed."""
-    last_step: int = -1
-    last_write_s: float = 0.0
-    start_step: int | None = 0
-    """The step it started from (a job still there when preempted is killed: nothing to save);
-    None until its driver has built the job and reported it."""
-    started_s: float = 0.0
-    clock: StepClock | None = None
-    """Its step progress since the launch (the hang watch: :mod:`virtualflow.service.watchdog`)."""
-    start_event: dict[str, Any] | None = None
-    """The ``start`` event's data, recorded (dated ``started_s``) once the job reports its step."""
-
-
-@dataclass
-class Stopping:
-    """A job being stopped (preempted, moved, cancelled, or at shutdown) in a thread of its own:
-    it keeps its slots until its stop has ended, the loop goes on meanwhile."""
-
-    run: Running
-    kind: str
-    """``preempt``, ``restart``, ``cancel``, ``quarantine``, ``shutdown`` (recorded when it ends) or ``call``
-    (a caller of :meth:`Service._stop_all` records it)."""
-    reason: str
-    then: Action | None = None
-    """A restart's start, done once the stop has ended (if the job goes on)."""
-    thread: threading.Thread | None = None
-    outcome: tuple[Any, BaseException | None] | None = None
-    """(Result or None, error or None) once the stop has ended."""
-
-
-def gavel_table() -> ThroughputTable:
-    from virtualflow.cluster.gavel_data import gavel_data_dir
-
-    return ThroughputTable.from_file(os.path.join(gavel_data_dir(), "simulation_throughputs.json"))
 
 
 class ServiceLock:
@@ -197,8 +136,13 @@ class ServiceLock:
         os.close(self.fd)
 
 
-class Service:
-    """The service of one cluster directory (created by ``cluster start``: see :func:`init_cluster`)."""
+class Service(RoundPlay, JobLifecycle):
+    """The service of one cluster directory (created by ``cluster start``: see :func:`init_cluster`).
+
+    Its parts are split by concept over one level of bases that share its state: this class
+    (set-up, recovery, the loop, pausing on a full disk, shutdown), :class:`RoundPlay` (a round:
+    decide, record, enact, poll, measure) and :class:`~virtualflow.service.lifecycle.JobLifecycle`
+    (start, resize, stop, outcomes)."""
 
     def __init__(self, cluster_dir: str, *, poll_s: float = 0.25, launch: Callable[..., Any] | None = None) -> None:
         self.dir = os.path.abspath(cluster_dir)
@@ -211,10 +155,9 @@ class Service:
         self.overrides: dict[str, float] = {str(k): float(v) for k, v in (cfg.get("slowdowns") or {}).items()}
         self.threads = int(cfg.get("threads_per_worker", 1))
         self.min_run_s = float(cfg.get("min_run_s", 0.0))
-        self.backend = str(cfg.get("backend", "local"))
-        self.address: str | None = cfg.get("address")
-        self.cpus_per_worker = float(cfg.get("cpus_per_worker", 1.0))
-        self.emulate = self.backend == "local" or bool(cfg.get("emulate_slowdowns", False))
+        self.placement: Placement = placement_from_config(cfg)
+        """Where the slots are (local or Ray), chosen once here: :mod:`virtualflow.backends.placement`."""
+        self.emulate = self.placement.emulates_slowdowns
         """Whether workers get their type's slowdown (always on the local backend, where types are
         emulated; on Ray only with ``--emulate-slowdowns``: the types are real resources there)."""
         self.poll_s = poll_s
@@ -252,7 +195,6 @@ class Service:
         self._prior = PRIOR_STEPS_PER_S  # the scheduler's rate for unmeasured jobs, as of the last round
         self._deadlines_checked_s = 0.0
 
-    # -- set-up and recovery ---------------------------------------------------------------
     def slowdowns_of(self, row: JobRow) -> dict[str, float]:
         got = self._job_slowdowns.get(row.id)
         if got is None:
@@ -268,15 +210,12 @@ class Service:
         now = time.time()
         self.db.close_open_rounds(now)
         rows = self.db.jobs(("running",))
-        # The jobs' drivers are local processes on either backend (on Ray they own the actors: Ray
-        # ends those with them); a remote worker's pid in status.json never matches a local process
-        # that carries the job's marker, so it is never signalled.
-        _wait_orphans([row.run_dir for row in rows])
+        self.placement.reap_orphans([row.run_dir for row in rows])
         for row in rows:
-            summary = _read_json(os.path.join(row.run_dir, "summary.json"))
-            has_state = _has_state(row.run_dir)
-            what = recovery_action(row.state, summary, has_state, row.steps,
-                                   _final_step(row.run_dir) if has_state else None)
+            summary = read_json(os.path.join(row.run_dir, "summary.json"))
+            stated = has_state(row.run_dir)
+            what = recovery_action(row.state, summary, stated, row.steps,
+                                   final_step(row.run_dir) if stated else None)
             if what == "done":
                 self.db.set_job_state(row.id, "done", event="done", finished_s=now, steps_done=row.steps,
                                       acc_type=None, workers=0, slots=[])
@@ -285,10 +224,9 @@ class Service:
                 self.db.set_job_state(row.id, "queued", event="requeued", acc_type=None, workers=0, slots=[],
                                       info={"reason": f"service restarted ({what})"})
                 log.info("job %d was running when the service stopped: queued to %s", row.id,
-                         "resume from its newest state" if has_state else "start again")
+                         "resume from its newest state" if stated else "start again")
         self.db.settle(now)  # a cancel made while the service was down: cancelled now, not resumed
 
-    # -- the loop ---------------------------------------------------------------------------
     def request_stop(self, *_: Any) -> None:
         self._stop = True
 
@@ -308,8 +246,7 @@ class Service:
                         self.db.set_meta("epoch_s", time.time())
                     self.epoch_s = float(self.db.get_meta("epoch_s"))
                     self._heartbeat(state="recovering")
-                    if self.backend == "ray":
-                        check_ray_cluster(self.address, self.slots, self.cpus_per_worker)
+                    self.placement.check_slots(self.slots)
                     self.recover()
                     break
                 except sqlite3.OperationalError as exc:
@@ -365,476 +302,14 @@ class Service:
     def _active_rows(self) -> list[JobRow]:
         rows = [r for r in self.db.jobs(("queued", "running")) if not r.cancel_requested]
         for r in rows:
-            if r.id in self._no_space and (r.state != "queued"
-                                           or _free_bytes(r.run_dir) >= self._no_space[r.id] + SERVICE_FREE_BYTES):
+            if r.id in self._no_space and (r.state != "queued" or self.free_bytes(r.run_dir)
+                                           >= self._no_space[r.id] + SERVICE_FREE_BYTES):
                 del self._no_space[r.id]
-                log.info("job %d may run again: %.0f MiB free at %s", r.id, _free_bytes(r.run_dir) / 2**20, r.run_dir)
+                log.info("job %d may run again: %.0f MiB free at %s", r.id, self.free_bytes(r.run_dir) / 2**20,
+                         r.run_dir)
         now = time.monotonic()
         return [r for r in rows if r.id not in self._no_space
                 and not (r.state == "queued" and self._held.get(r.id, (0.0, 0))[0] > now)]
-
-    def play_round(self) -> None:
-        """One round: decide, record, enact, run for ``round_s`` while polling, measure."""
-        start = time.time()
-        self._settle_stops()
-        if self.pending:  # starts the last round could not make yet: this round decides again
-            log.info("round: %d start(s) still waiting for the slots of jobs being stopped are decided again",
-                     len(self.pending))
-            self.pending = []
-        rows = {r.id: r for r in self._active_rows()}
-        views = [self._view(r) for r in rows.values()]
-        # A job still starting (or within --min-run-s) keeps its placement; so does one being
-        # stopped: it holds its slots until it has stopped.
-        pinned = {jid for jid, run in self.running.items()
-                  if run.start_step is None or run.last_step <= run.start_step or start - run.started_s < self.min_run_s}
-        pinned |= set(self.stops) & set(rows)
-        decision = self.scheduler.plan(views, start - self.epoch_s, pinned)
-        if decision.fallback is not None:  # the policy failed: the round runs on the fallback's decision
-            self.db.event("policy_fallback", policy=self.policy_name, reason=decision.fallback)
-            log.warning("round: %s", decision.fallback)
-        decision, admitted = self.admit_deadlines(decision, views, rows, pinned, start)
-        placements = []
-        for jid, slots in sorted(decision.slots.items()):
-            p = decision.plan.placements.get(jid)
-            acc_type, workers = slots[0].rpartition("-")[0], len(slots)
-            change = p.change if p is not None and (p.acc_type, p.gpus) == (acc_type, workers) else "pinned"
-            if jid in admitted:
-                change = "deadline"
-            placements.append({"job_id": jid, "acc_type": acc_type, "workers": workers, "slots": list(slots),
-                               "change": change})
-        self.round_id = self.db.add_round(start_s=start, policy=self.policy_name, solved=decision.solved,
-                                          decision_s=decision.decision_s, active=len(views), placements=placements)
-        log.info("round %d: %s", self.round_id, ", ".join(
-            f"job {p['job_id']} on {p['workers']}x{p['acc_type']} ({p['change']})" for p in placements) or "idle")
-        self.enact(decision, rows)
-        end = start + self.round_s
-        while time.time() < end and not self.stopping():
-            self._tick()
-            time.sleep(min(self.poll_s, max(end - time.time(), 0.0)))
-        self._end_round(time.time() - start)
-
-    def admit_deadlines(self, decision: RoundDecision, views: list[JobView], rows: dict[int, JobRow],
-                        pinned: set[int], now: float) -> tuple[RoundDecision, set[int]]:
-        """Earliest-deadline-first admission over the policy's decision (the pure rule:
-        :func:`virtualflow.service.deadlines.admit`); refreshes the deadline jobs' ETAs. Returns the
-        decision to enact and the ids of the jobs admitted ahead of the policy."""
-        self._prior = prior_rate(views)
-        deadlines = {jid: r.deadline_s for jid, r in rows.items() if r.deadline_s is not None}
-        if not deadlines:
-            return decision, set()
-        for v in views:
-            if v.job_id in deadlines:
-                self.db.update_job(v.job_id, eta_s=eta_s(v, self.slots, self._prior))
-        t0 = time.perf_counter()
-        placed = {jid: (slots[0].rpartition("-")[0], len(slots)) for jid, slots in decision.slots.items() if slots}
-        adm = admit(views, placed, deadlines, now_s=now, round_s=self.round_s, slots=self.slots, pinned=pinned,
-                    prior=self._prior)
-        if not adm.swaps:
-            return decision, set()
-        actions, slots = diff_actions(views, adm.placements, self.slots, pinned)
-        for sw in adm.swaps:
-            self.db.event("deadline_priority", sw.job_id, acc_type=sw.acc_type, workers=sw.workers,
-                          slack_s=sw.slack_s, shrunk=[list(x) for x in sw.shrunk], preempted=list(sw.preempted))
-            log.info("job %d would miss its deadline if it waited a round (slack %.0f s): placed on %dx%s ahead of "
-                     "the policy%s%s", sw.job_id, sw.slack_s, sw.workers, sw.acc_type,
-                     "; shrinks " + ", ".join(f"job {j} to {to}" for j, _, to in sw.shrunk) if sw.shrunk else "",
-                     "; preempts " + ", ".join(f"job {j}" for j in sw.preempted) if sw.preempted else "")
-        return (RoundDecision(decision.plan, actions, slots, decision.solved,
-                              decision.decision_s + time.perf_counter() - t0), {sw.job_id for sw in adm.swaps})
-
-    def check_deadlines(self, now: float) -> None:
-        """Record one ``deadline_missed`` event for each unfinished job whose deadline has passed."""
-        rows = [r for r in self.db.jobs(("queued", "running")) if r.deadline_s is not None]
-        for jid in newly_missed(((r.id, r.deadline_s, r.deadline_missed) for r in rows), now):
-            r = next(r for r in rows if r.id == jid)
-            self.db.update_job(jid, deadline_missed=True)
-            self.db.event("deadline_missed", jid, now=now, deadline_s=r.deadline_s, late_s=now - r.deadline_s,
-                          steps_done=r.steps_done, steps=r.steps, state=r.state)
-            log.warning("job %d missed its deadline (%d/%d steps done)", jid, r.steps_done, r.steps)
-
-    def enact(self, decision: RoundDecision, rows: dict[int, JobRow]) -> None:
-        """Stop the preempted and moved jobs (all at once, each in a thread: a stop ends at the
-        job's next step boundary), wait for them up to ``settle_s``, then resize and start in the
-        decision's order. A start whose slots a job still being stopped holds (and a move's start)
-        waits until that stop has ended (:meth:`_tick` makes it); the loop never waits for a stop."""
-        for a in decision.actions:
-            if a.kind in ("preempt", "restart"):
-                if a.job_id in self.running:
-                    self._begin_stop(a.job_id, a.kind, "preempted by the cluster scheduler" if a.kind == "preempt"
-                                     else f"moved to {a.workers}x{a.acc_type} by the cluster scheduler",
-                                     then=a if a.kind == "restart" else None)
-                elif a.job_id not in self.stops:  # it ended meanwhile (the tick records how) or never ran
-                    goes_on = self._stopped(rows[a.job_id], None, None, a.kind)
-                    if a.kind == "restart" and goes_on:
-                        self.pending.append(a)
-        self._settle_stops(wait_s=self.settle_s)
-        for a in decision.actions:
-            if a.kind in ("resize", "start"):
-                self.pending.append(a)  # a grow, like a start, waits for slots a stopping job holds
-        self._run_pending()
-
-    def _run_pending(self) -> None:
-        """Make the waiting starts and resizes whose slots no job being stopped holds any more."""
-        held = {s for st in self.stops.values() for s in st.run.slots}
-        waiting = []
-        for a in self.pending:
-            if a.job_id in self.stops or held & set(a.slots):
-                waiting.append(a)
-                continue
-            row = self.db.job(a.job_id)
-            if a.kind == "resize":
-                if row is not None:
-                    try:
-                        self._resize(row, a)
-                    except (ValueError, TypeError, RuntimeError, OSError) as exc:
-                        self._fail(a.job_id, f"resize failed: {type(exc).__name__}: {' '.join(str(exc).split())}")
-                continue
-            if row is None or row.state != "queued" or row.cancel_requested or a.job_id in self.running:
-                continue  # it ended, was cancelled or started meanwhile
-            try:
-                self._start(row, a, restart=a.kind == "restart")
-            except (ValueError, TypeError, RuntimeError, OSError) as exc:
-                if disk_full(exc):  # the service could not write for it: not the job's fault
-                    self.running.pop(row.id, None)
-                    self._out_of_space(row, _one_line(exc))
-                    continue
-                if short_of_resources(exc):  # nor when the service ran out of descriptors/processes
-                    self.running.pop(row.id, None)
-                    self._hold_back(row, _one_line(exc))
-                    continue
-                # A launch that could not even begin (no run directory, ...): this job fails alone.
-                self._fail(row.id, f"{a.kind} failed: {type(exc).__name__}: {' '.join(str(exc).split())}")
-        self.pending = waiting
-
-    # -- actions ----------------------------------------------------------------------------
-    def _start(self, row: JobRow, a: Action, *, restart: bool) -> None:
-        assert a.acc_type is not None
-        factor = self.slowdowns_of(row)[a.acc_type]
-        self.db.claim_run_dir(row)  # another job's states there are moved aside, never resumed
-        resume = row.run_dir if _has_state(row.run_dir) else None
-        opts: dict[str, Any] = dict(workers=a.workers, steps=row.steps, run_dir=row.run_dir,
-                                    deterministic=row.deterministic, threads_per_worker=self.threads,
-                                    resume=resume, balance=False, progress=False)
-        if row.checkpoint_every:
-            opts["checkpoint_every"] = row.checkpoint_every
-        if factor > 1.0 and self.emulate:
-            opts["slowdowns"] = [factor] * a.workers
-        if self.backend == "ray":
-            # A slot of type T is one unit of the Ray resource T: every worker of the job (newcomers
-            # of a resize included) asks for one, so Ray places it on a node that has one free.
-            opts.update(backend="ray", address=self.address, cpus_per_worker=self.cpus_per_worker,
-                        resources={a.acc_type: 1.0})
-        launch = self.launch if self.launch is not None else self._driver_for(row)
-        handle = launch(row.target, **opts)
-        now = time.time()
-        run = Running(handle=handle, acc_type=a.acc_type, workers=a.workers, slots=a.slots,
-                      slowdown=factor if self.emulate else 1.0, slowed=set(range(a.workers)), start_step=None,
-                      started_s=now, clock=StepClock(now))
-        self.running[row.id] = run
-        fields: dict[str, Any] = dict(acc_type=a.acc_type, workers=a.workers, slots=list(a.slots),
-                                      starts=row.starts + 1)
-        if row.started_s is None:
-            fields["started_s"] = now
-        if restart or resume is not None:
-            fields["restarts"] = row.restarts + 1
-        self.db.set_job_state(row.id, "running", **fields)
-        self._held.pop(row.id, None)  # a back-off for want of resources ends with a start
-        run.start_event = {**{k: v for k, v in fields.items() if isinstance(v, (int, float, str, type(None)))},
-                           "resumed": resume is not None}
-        self._note_start(row.id, run)
-
-    def _driver_for(self, row: JobRow) -> Callable[..., Any]:
-        """The default ``launch``: the job runs under a driver process of its own, marked with the
-        job's run directory (:mod:`virtualflow.service.launcher`)."""
-        def launch(target: str, **options: Any) -> ChildJob:
-            return ChildJob(target, options, marker=row.run_dir, launch_timeout_s=self.launch_timeout_s,
-                            log_path=os.path.join(self.dir, "logs", f"job-{row.id}.log"))
-
-        return launch
-
-    def _note_start(self, jid: int, run: Running) -> None:
-        """Once the job reports the step it starts from, record its ``start`` event (dated when it
-        was launched: replay measures the launch from it) with that step."""
-        if run.start_event is None:
-            return
-        try:
-            step = run.handle.status().get("step")
-        except Exception:  # noqa: BLE001 - between states; next tick
-            return
-        if not isinstance(step, int):
-            return
-        run.start_step = step
-        self.db.event("start", jid, now=run.started_s, **run.start_event, from_step=step)
-        run.start_event = None
-
-    def _begin_stop(self, jid: int, kind: str, reason: str, then: Action | None = None) -> Stopping:
-        """Stop a running job in a thread of its own, with its state written (a job that has not
-        made a step since it started is killed instead: it has nothing to write and would first
-        have to finish starting). The stop may take as long as the job's hang limit
-        (:class:`~virtualflow.service.watchdog.HangRule`); a job that does not stop by then is
-        killed and the stop's error says so. Its outcome is recorded by :meth:`_settle_stops`."""
-        run = self.running.pop(jid)
-        limit = self.hang.limit_s(run.clock.step_times if run.clock is not None else [])
-        st = Stopping(run=run, kind=kind, reason=reason, then=then)
-
-        def stop() -> None:
-            try:
-                step = run.handle.status().get("step")
-                if (run.start_step is None or not isinstance(step, int) or step <= run.start_step) \
-                        and not run.handle.done:
-                    run.handle.kill()
-                    _wait_quietly(run.handle, 30.0)  # its run directory is free again once it is gone
-                    st.outcome = (None, None)
-                    return
-                st.outcome = (run.handle.stop(timeout_s=limit, reason=reason), None)
-            except TimeoutError:
-                st.outcome = (None, TimeoutError(
-                    f"it did not reach a step boundary within {limit:.0f} s of being stopped ({reason}; the limit "
-                    f"follows its step time: hang_factor={self.hang.factor:g}, hang_floor_s={self.hang.floor_s:g}): "
-                    f"hung, killed"))
-            except Exception as exc:  # noqa: BLE001 - judged when recorded
-                st.outcome = (None, exc)
-
-        st.thread = threading.Thread(target=stop, name=f"stop-job-{jid}", daemon=True)
-        self.stops[jid] = st
-        st.thread.start()
-        return st
-
-    def _settle_stops(self, wait_s: float = 0.0) -> None:
-        """Record the stops that have ended (waiting up to ``wait_s`` for the others), then make
-        the starts that were waiting for them."""
-        deadline = time.monotonic() + wait_s
-        for jid, st in list(self.stops.items()):
-            if st.kind == "call":
-                continue
-            assert st.thread is not None
-            st.thread.join(max(0.0, deadline - time.monotonic()))
-            if st.thread.is_alive():
-                continue
-            del self.stops[jid]
-            row = self.db.job(jid)
-            if row is None:
-                continue
-            result, error = st.outcome or (None, None)
-            if error is not None and st.kind in ("preempt", "restart") and (
-                    getattr(st.run.handle, "disk_full", False) or disk_full(error)):
-                self._out_of_space(row, _one_line(error))
-                continue
-            goes_on = self._stopped(row, result, error, st.kind)
-            if st.then is not None and goes_on:
-                self.pending.append(st.then)
-        self._run_pending()
-
-    def _stop_all(self, reasons: dict[int, str]) -> dict[int, tuple[Any, BaseException | None]]:
-        """Stop these jobs at once and wait (each at most its hang limit); the caller records the
-        outcomes. Returns job id -> (Result or None, error or None)."""
-        stops = {jid: self._begin_stop(jid, "call", reason) for jid, reason in reasons.items() if jid in self.running}
-        out = {}
-        for jid, st in stops.items():
-            assert st.thread is not None
-            st.thread.join()
-            self.stops.pop(jid, None)
-            out[jid] = st.outcome or (None, None)
-        return out
-
-    def _stopped(self, row: JobRow, result: Any, error: BaseException | None, kind: str = "preempt") -> bool:
-        """Record a stopped job; True if it is to run on (False: it ended: done, failed or
-        cancelled). At shutdown a stop that failed queues the job (to resume from its newest
-        state): the service stopped it, so its failure is not the job's to carry."""
-        steps = result.steps if result is not None else row.steps_done
-        if kind == "quarantine":
-            self.db.set_job_state(row.id, "queued", event="preempt", acc_type=None, workers=0, slots=[],
-                                  info={"reason": f"quarantined: {row.quarantine}"},
-                                  **({"steps_done": result.steps} if result is not None else {}))
-            self._left(row.id)
-            return False
-        if kind == "cancel":
-            self.db.set_job_state(row.id, "cancelled", event="cancelled", finished_s=time.time(), steps_done=steps,
-                                  acc_type=None, workers=0, slots=[],
-                                  **({"error": _one_line(error)} if error is not None else {}))
-            self._left(row.id)
-            return False
-        if error is not None and kind != "shutdown":
-            self._fail(row.id, _one_line(error))
-            return False
-        if error is None and steps >= row.steps:
-            self._done(row.id, steps, result)
-            return False
-        info: dict[str, Any] = {"killed_before_first_step": result is None and error is None}
-        if error is not None:
-            info["reason"] = f"the service stopped while the job stopped: {_one_line(error)}"
-        self.db.set_job_state(row.id, "queued", event="preempt", steps_done=steps, acc_type=None,
-                              workers=0, slots=[], info=info)
-        return True
-
-    def _resize(self, row: JobRow, a: Action) -> None:
-        run = self.running.get(row.id)
-        if run is None or run.handle.done:
-            return  # it ended meanwhile; the next tick records how
-        run.handle.resize(a.workers)
-        run.workers, run.slots, run.samples = a.workers, a.slots, []
-        if run.clock is not None:
-            run.clock.restart(time.time())  # the step at the switch takes longer
-        self.db.update_job(row.id, workers=a.workers, slots=list(a.slots), resizes=row.resizes + 1)
-        self.db.event("resize", row.id, workers=a.workers, acc_type=a.acc_type)
-
-    # -- polling ----------------------------------------------------------------------------
-    def _tick(self) -> None:
-        now = time.time()
-        self._heartbeat(state="running")
-        self.db.settle(now)  # cancels made while a job was queued or the service down; quarantined rows
-        if now - self._deadlines_checked_s >= 1.0:
-            self._deadlines_checked_s = now
-            self.check_deadlines(now)
-        self._settle_stops()
-        began_stop = False
-        for jid in list(self.running):
-            run = self.running[jid]
-            row = self.db.job(jid)
-            if row is None:
-                continue
-            if run.handle.done:
-                self.running.pop(jid)
-                try:
-                    result = run.handle.wait(0)
-                except Exception as exc:  # noqa: BLE001 - the job crashed: it fails alone
-                    if getattr(run.handle, "disk_full", False):
-                        self._out_of_space(row, _one_line(exc))
-                    else:
-                        self._fail(jid, _one_line(exc))
-                    continue
-                if result.steps >= row.steps:
-                    self._done(jid, result.steps, result)
-                else:  # stopped from outside the service (e.g. a signal): queue it again
-                    self.db.set_job_state(jid, "queued", event="preempt", steps_done=result.steps, acc_type=None,
-                                          workers=0, slots=[], info={"reason": "stopped outside the service"})
-                continue
-            if row.quarantine is not None:  # its row became unusable while it ran: stopped, state kept
-                self._begin_stop(jid, "quarantine", "quarantined")  # recorded once it has stopped
-                began_stop = True
-                continue
-            if row.cancel_requested:
-                self._begin_stop(jid, "cancel", "cancelled")  # recorded cancelled once it has stopped
-                began_stop = True
-                continue
-            self._note_start(jid, run)
-            try:
-                st = run.handle.status()
-            except Exception:  # noqa: BLE001 - between states; next tick
-                continue
-            if run.clock is not None:
-                times = st.get("step_times")
-                run.clock.observe(now, st.get("step") if isinstance(st.get("step"), int) else None,
-                                  times if isinstance(times, list) else None)
-                hung = self.hang.verdict(run.clock, now)
-                if hung is not None:
-                    if _free_bytes(row.run_dir) < SERVICE_FREE_BYTES:  # stuck for want of space: not its fault
-                        self.running.pop(jid)
-                        run.handle.kill()
-                        self._out_of_space(row, f"no progress ({hung}); its processes were killed")
-                    else:
-                        self._fail(jid, f"hung: {hung}; its processes were killed")
-                    continue
-            step = int(st.get("step") or 0)
-            members = [w for w in st.get("workers", []) if w.get("rank") is not None]
-            if run.slowdown > 1.0:
-                for w in members:
-                    wid = w.get("id")
-                    if isinstance(wid, int) and wid not in run.slowed:
-                        run.handle.set_slowdown(wid, run.slowdown)
-                        run.slowed.add(wid)
-            formed = st.get("state") == "running" and len(members) == run.workers
-            if formed and (not run.samples or step != run.samples[-1][1]):
-                run.samples.append((now, step))
-            elif not formed:
-                run.samples = []
-            if step != run.last_step and now - run.last_write_s >= 0.5:
-                loss = st.get("loss")
-                fields = {"steps_done": step, "loss": float(loss) if isinstance(loss, (int, float)) else None}
-                if row.deadline_s is not None:
-                    view = self._view(row)
-                    view.steps_done = step
-                    fields["eta_s"] = eta_s(view, self.slots, self._prior)
-                self.db.update_job(jid, **fields)
-                run.last_step, run.last_write_s = step, now
-        if began_stop:  # a quick stop is recorded at once (within a poll interval: the loop sleeps that anyway)
-            self._settle_stops(wait_s=max(self.poll_s, 0.05))
-
-    def _end_round(self, held_s: float) -> None:
-        for jid, run in self.running.items():
-            row = self.db.job(jid)
-            if row is None:
-                continue
-            received = dict(row.received)
-            received[run.acc_type] = received.get(run.acc_type, 0.0) + held_s
-            fields: dict[str, Any] = {"received": received}
-            s = run.samples
-            if len(s) >= 3 and s[-1][1] - s[0][1] >= 2 and s[-1][0] > s[0][0]:
-                rate = (s[-1][1] - s[0][1]) / (s[-1][0] - s[0][0])
-                fields["estimates"] = update_estimates(row.estimates, run.acc_type, run.workers, rate)
-                self.db.event("throughput", jid, acc_type=run.acc_type, workers=run.workers, steps_per_s=rate)
-                run.samples = s[-1:]
-            self.db.update_job(jid, **fields)
-        self.scheduler.end_round()
-        if self.round_id is not None:
-            self.db.end_round(self.round_id, time.time())
-
-    # -- outcomes ---------------------------------------------------------------------------
-    def _done(self, jid: int, steps: int, result: Any) -> None:
-        loss = result.history[-1].get("loss") if result is not None and result.history else None
-        self.db.set_job_state(jid, "done", event="done", finished_s=time.time(), steps_done=steps,
-                              loss=loss if isinstance(loss, (int, float)) else None, acc_type=None, workers=0, slots=[])
-        log.info("job %d done (%d steps)", jid, steps)
-        self._left(jid)
-
-    def _fail(self, jid: int, error: str) -> None:
-        run = self.running.pop(jid, None)
-        if run is not None and not run.handle.done:
-            try:
-                run.handle.kill()
-            except Exception:  # noqa: BLE001
-                pass
-        self.db.set_job_state(jid, "failed", event="failed", finished_s=time.time(), error=error[:2000],
-                              acc_type=None, workers=0, slots=[])
-        log.warning("job %d failed: %s", jid, error)
-        self._left(jid)
-
-    def _left(self, jid: int) -> None:
-        self.scheduler.finished(jid)
-        if self.round_id is not None:
-            self.db.end_allocation(self.round_id, jid, time.time())
-
-    def _hold_back(self, row: JobRow, error: str) -> None:
-        """The job could not be started because the service itself ran short of descriptors,
-        processes or memory (``short_of_resources``). Not the job's fault and not final: it stays
-        queued and is placed again after a back-off that doubles while the shortage lasts."""
-        _, times = self._held.get(row.id, (0.0, 0))
-        first, most = RESOURCE_BACKOFF_S
-        wait_s = min(most, first * 2 ** times)
-        self._held[row.id] = (time.monotonic() + wait_s, times + 1)
-        line = (f"job {row.id} could not be started: the cluster service ran short of resources ({error}); it stays "
-                f"queued and is placed again in {wait_s:.0f} s (raise the service's limits, e.g. ulimit -n, if this "
-                f"repeats)")
-        if row.state != "queued":
-            self.db.set_job_state(row.id, "queued", event="preempt", acc_type=None, workers=0, slots=[],
-                                  info={"reason": line})
-        else:
-            self.db.event("held", row.id, reason=line)
-        log.error("%s", line)
-        self._left(row.id)
-
-    def _out_of_space(self, row: JobRow, error: str) -> None:
-        """The job ended because its files could not be written (its driver says: out of space).
-        Not the job's fault and not final: it is queued to resume from its newest complete state."""
-        free = _free_bytes(row.run_dir)
-        line = (f"job {row.id} stopped: it cannot write {row.run_dir} ({free / 2**20:.0f} MiB free there): {error}; "
-                f"it is placed again, from its newest complete state, once {SERVICE_FREE_BYTES / 2**20:.0f} MiB more "
-                f"are free there")
-        self.db.set_job_state(row.id, "queued", event="preempt", acc_type=None, workers=0, slots=[],
-                              info={"reason": line})
-        log.error("%s", line)
-        self._no_space[row.id] = free
-        self._left(row.id)
 
     def pause_for_space(self, exc: BaseException) -> None:
         """The service cannot write its database (the file system is full): say so in one line,
@@ -842,7 +317,7 @@ class Service:
         their own processes meanwhile (what they report is recorded afterwards); nothing is
         recorded in between, nothing is marked failed, nothing already written is lost."""
         path = self.db.path
-        free = _free_bytes(self.dir)
+        free = self.free_bytes(self.dir)
         self.paused = (f"cluster service paused: it cannot write {path} ({' '.join(str(exc).split())}); "
                        f"{free / 2**20:.1f} MiB free there, it needs {SERVICE_FREE_BYTES / 2**20:.0f} MiB: free space "
                        f"on that file system and it goes on by itself")
@@ -852,7 +327,7 @@ class Service:
             try:
                 if self.db.get_meta("stop_requested", False):
                     break
-                if _free_bytes(self.dir) < SERVICE_FREE_BYTES:
+                if self.free_bytes(self.dir) < SERVICE_FREE_BYTES:
                     continue
                 self._heartbeat(state="running")  # a write: the proof that it can go on
             except sqlite3.OperationalError as again:
@@ -861,7 +336,7 @@ class Service:
                 continue
             break
         log.warning("cluster service: %s", "stopping while paused" if self.stopping() else
-                    f"resumed ({_free_bytes(self.dir) / 2**20:.0f} MiB free in {self.dir})")
+                    f"resumed ({self.free_bytes(self.dir) / 2**20:.0f} MiB free in {self.dir})")
         self.paused = None
         if self.round_id is not None and not self.stopping():
             self.db.end_round(self.round_id, time.time())  # the round cut short by the pause
@@ -905,210 +380,8 @@ class Service:
                 raise
             log.error("cluster service stopped without recording it: it cannot write %s (%s; %.1f MiB free); "
                       "the next cluster start recovers every job from its run directory", self.db.path,
-                      " ".join(str(exc).split()), _free_bytes(self.dir) / 2**20)
+                      " ".join(str(exc).split()), self.free_bytes(self.dir) / 2**20)
 
-
-def init_cluster(cluster_dir: str, *, slots: dict[str, int], policy: str, round_s: float,
-                 slowdowns: dict[str, float] | None = None, threads_per_worker: int = 1,
-                 min_run_s: float = 0.0, dashboard_port: int | None = None, backend: str = "local",
-                 address: str | None = None, cpus_per_worker: float = 1.0,
-                 emulate_slowdowns: bool = False, mechanism: str = "default", launch_timeout_s: float = 60.0,
-                 hang_factor: float = 10.0, hang_floor_s: float = 120.0,
-                 hang_first_step_s: float = 600.0) -> ClusterDB:
-    """Create (or reconfigure) a cluster directory: the database with the configuration, a
-    private dashboard token. Validates everything first (nothing is written on error); with
-    ``backend="ray"`` that includes connecting to the Ray cluster at ``address`` and checking that
-    it has the resources the slots claim (:func:`check_ray_cluster`).
-
-    The directory is private (:func:`~virtualflow.service.state.check_cluster_dir`): an existing
-    one that is a symbolic link, another user's, or writable by others, or a database or token
-    there that others may read or write, is refused naming the ``chmod`` that fixes it; what is
-    created here is 0700 (directory) and 0600 (database, token). A database made anew in a
-    directory whose earlier jobs it does not know (emptied, deleted) continues their ids above the
-    highest handed out (``db.recreated_over``; a ``database_new`` event)."""
-    if not slots:
-        raise ValueError("--slots is empty; give accelerator types and counts, e.g. --slots v100=2,k80=2")
-    get_policy(policy)  # raises for an unknown policy, naming the choices
-    knobs = mechanism_knobs(mechanism)  # raises for an unknown name, naming the choices
-    if not (round_s > 0 and round_s < 1e6):
-        raise ValueError(f"--round-s {round_s} must be a positive number of seconds")
-    if dashboard_port is not None and not 0 <= dashboard_port <= 65535:
-        raise ValueError(f"--dashboard-port {dashboard_port} must be a TCP port (0: any free port)")
-    if not (min_run_s >= 0 and min_run_s < 1e6):
-        raise ValueError(f"--min-run-s {min_run_s} must be a number of seconds >= 0")
-    for flag, value, low, high in (("--launch-timeout-s", launch_timeout_s, 1.0, 86400.0),
-                                   ("--hang-factor", hang_factor, 1.0, 1000.0),
-                                   ("--hang-floor-s", hang_floor_s, 1.0, 86400.0),
-                                   ("--hang-first-step-s", hang_first_step_s, 1.0, 86400.0)):
-        if not (isinstance(value, (int, float)) and low <= value <= high):
-            raise ValueError(f"{flag} {value!r} must be between {low:g} and {high:g}")
-    types = tuple(slots)
-    overrides = dict(slowdowns or {})
-    unknown = [t for t in overrides if t not in slots]
-    if unknown:
-        raise ValueError(f"--slowdowns names type(s) {unknown} that are not in --slots {list(slots)}")
-    type_slowdowns(types, gavel_table(), overrides)  # every type's speed is known
-    if backend not in ("local", "ray"):
-        raise ValueError(f"--backend {backend!r} is not a cluster backend; choose local (emulated slots on this "
-                         f"machine) or ray (slots are Ray resources)")
-    if backend == "local" and (address is not None or emulate_slowdowns):
-        raise ValueError("--address and --emulate-slowdowns apply to --backend ray; add --backend ray or drop them")
-    if not (math.isfinite(cpus_per_worker) and cpus_per_worker > 0):
-        raise ValueError(f"--cpus-per-worker {cpus_per_worker:g} must be a positive number of Ray CPUs")
-    if backend == "ray":
-        if not address:
-            raise ValueError("--backend ray needs --address (auto, or HOST:PORT of the Ray head) of a running Ray "
-                             "cluster whose nodes have the slot types as custom resources, e.g. ray start --head "
-                             "--resources '{\"v100\": 2, \"k80\": 2}'")
-        check_ray_cluster(address, slots, cpus_per_worker)
-    db = ClusterDB(cluster_dir, create=True)  # checks the directory (and makes it 0700 if missing)
-    if db.recreated_over is not None:
-        db.event("database_new", earlier_ids_up_to=db.recreated_over)
-        log.warning("%s was new, but this directory handed out job ids up to %d before: new ids continue above",
-                    db.path, db.recreated_over)
-    db.set_meta("config", {"slots": slots, "policy": policy, "round_s": round_s, "slowdowns": overrides,
-                           "threads_per_worker": threads_per_worker, "min_run_s": min_run_s,
-                           "dashboard_port": dashboard_port, "backend": backend, "address": address,
-                           "cpus_per_worker": cpus_per_worker, "emulate_slowdowns": emulate_slowdowns,
-                           "mechanism": knobs, "launch_timeout_s": launch_timeout_s, "hang_factor": hang_factor,
-                           "hang_floor_s": hang_floor_s, "hang_first_step_s": hang_first_step_s})
-    token_path = os.path.join(cluster_dir, "token")
-    if not os.path.exists(token_path):
-        from virtualflow.comm import auth
-
-        auth.write_token(token_path, auth.new_token())
-    return db
-
-
-def ray_slot_shortage(slots: dict[str, int], totals: dict[str, float], cpus_per_worker: float,
-                      where: str = "the Ray cluster") -> str | None:
-    """Why a Ray cluster with resources ``totals`` cannot hold ``slots`` (pure), or None: each
-    slot type T is a custom resource T with at least as many units as T has slots, and the
-    slots busy at once need ``cpus_per_worker`` CPUs each."""
-    custom = sorted(k for k in totals if k not in ("CPU", "GPU", "memory", "object_store_memory")
-                    and not k.startswith(("node:", "accelerator_type:")))
-    for t, n in slots.items():
-        have = float(totals.get(t, 0.0))
-        if have + 1e-9 < n:
-            has = f"has {t}={have:g}" if have > 0 else f"has no resource {t!r}"
-            fix = f"lower --slots {t}={int(have)}" if have >= 1 else f"drop {t} from --slots"
-            return (f"slot type {t!r} claims {n} slot{'s' if n != 1 else ''} (--slots {t}={n}) but {where} {has} "
-                    f"(its custom resources: {', '.join(f'{k}={totals[k]:g}' for k in custom) or 'none'}); {fix} "
-                    f"or add Ray nodes started with --resources '{{\"{t}\": N}}'")
-    need = sum(slots.values()) * cpus_per_worker
-    cpus = float(totals.get("CPU", 0.0))
-    if cpus + 1e-9 < need:
-        return (f"the {sum(slots.values())} slots need {need:g} CPUs when all are busy ({sum(slots.values())} x "
-                f"--cpus-per-worker {cpus_per_worker:g}) but {where} has CPU={cpus:g}; lower --cpus-per-worker "
-                f"or --slots, or add nodes")
-    return None
-
-
-def check_ray_cluster(address: str | None, slots: dict[str, int], cpus_per_worker: float) -> None:
-    """Connect to the Ray cluster (``address``: ``auto``, ``HOST:PORT``, or None for the one this
-    process is connected to / ``RAY_ADDRESS``) and raise ``ValueError`` when it lacks the
-    resources the slots claim (:func:`ray_slot_shortage`)."""
-    from virtualflow.backends.ray import RayOptions, connect, import_ray
-
-    ray = import_ray()
-    connect(RayOptions(address=address))
-    short = ray_slot_shortage(slots, ray.cluster_resources(), cpus_per_worker,
-                              where=f"the Ray cluster at {address}" if address else "the Ray cluster")
-    if short:
-        raise ValueError(short)
-
-
-def _read_json(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _has_state(run_dir: str) -> bool:
-    from virtualflow.rundir import state_files
-
-    return bool(run_dir) and os.path.isdir(run_dir) and bool(state_files(run_dir))
-
-
-def _final_step(run_dir: str) -> int | None:
-    """The step of the run directory's ``final.pt`` (None without a readable one)."""
-    from virtualflow.runtime.checkpoint import load_state
-
-    path = os.path.join(run_dir, "final.pt")
-    if not os.path.isfile(path):
-        return None
-    try:
-        return int(load_state(path)["step"])
-    except Exception:  # noqa: BLE001 - unreadable: judged by the other files (resume skips it too)
-        return None
-
-
-def _job_pids(run_dir: str) -> dict[int, float | None]:
-    """The processes of the job in ``run_dir`` that a dead service may have left: those its
-    ``status.json`` lists (its driver, which hosts the coordinator, and its workers), each with
-    the time that file was written (a process listed there had started by then), and any other
-    process carrying the job's marker (no time: the marker alone identifies it)."""
-    status = _read_json(os.path.join(run_dir, "status.json")) or {}
-    written = status.get("updated")
-    written = float(written) if isinstance(written, (int, float)) and not isinstance(written, bool) else None
-    listed = [w.get("pid") for w in status.get("workers", []) if isinstance(w, dict)]
-    coordinator = status.get("coordinator")
-    if isinstance(coordinator, dict):
-        listed.append(coordinator.get("pid"))
-    out: dict[int, float | None] = {p: written for p in listed
-                                    if isinstance(p, int) and not isinstance(p, bool) and p > 1 and written is not None}
-    for p in job_processes(run_dir):
-        out.setdefault(p, None)
-    return out
-
-
-def _wait_orphans(run_dirs: list[str], timeout_s: float = 20.0) -> None:
-    """Wait for what is left of the jobs in ``run_dirs`` after the service died: their drivers see
-    the service's pipe close and stop their jobs at the next step boundary with the state
-    written; SIGKILL those still there after ``timeout_s`` (a worker still starting may wait much
-    longer), so two runs never write one run directory. A process is waited for or signalled only
-    while it is verifiably the job's (:func:`virtualflow.service.launcher.is_job_process`: the
-    job's marker in its environment and, for a PID from ``status.json``, a start no later than
-    that file was written): a PID reused by another process is left alone, whatever its name."""
-    candidates = {(d, p): t for d in run_dirs for p, t in _job_pids(d).items()}
-
-    def ours() -> list[tuple[str, int]]:
-        return [(d, p) for (d, p), t in candidates.items() if is_job_process(p, d, not_after_s=t)]
-
-    deadline = time.monotonic() + timeout_s
-    while ours() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for d, p in ours():
-        log.warning("process %d of the job in %s outlived the service that ran it; killing it", p, d)
-        try:
-            os.kill(p, signal.SIGKILL)
-        except OSError:
-            pass
-
-
-def _wait_quietly(handle: Any, timeout_s: float) -> None:
-    """Wait for a killed job's handle to end, whatever it reports."""
-    try:
-        handle.wait(timeout_s)
-    except Exception:  # noqa: BLE001 - killed: its outcome is known
-        pass
-
-
-def _one_line(error: BaseException | str) -> str:
-    """An error as one line: a job's own failure (``TrainingError``, the driver's report) or a
-    stop's time-out by its message, anything else with its type."""
-    text = str(error) if isinstance(error, (str, RuntimeError, TimeoutError)) else f"{type(error).__name__}: {error}"
-    return " ".join(text.split())
-
-
-def _free_bytes(path: str) -> float:
-    """Free bytes on the file system of ``path`` (or of its nearest existing parent)."""
-    while path and not os.path.exists(path):
-        path = os.path.dirname(path)
-    try:
-        return float(shutil.disk_usage(path or "/").free)
-    except OSError:
-        return float("nan")
+    def free_bytes(self, path: str) -> float:
+        """Free bytes at ``path`` (the service's one probe of free space)."""
+        return _free_bytes(path)

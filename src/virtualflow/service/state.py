@@ -15,6 +15,12 @@ Tables (WAL mode, so the CLI, the dashboard and the service read and write at on
 - ``events``: what happened (submit, start, resize, preempt, done, failure, throughput, ...),
   with a JSON payload.
 
+Where things are: :class:`ClusterDB` (every read and write, one transaction each) is here; the
+tables and their migrations are :mod:`virtualflow.service.schema`, a row read defensively is
+:class:`~virtualflow.service.rows.JobRow`, and the cluster directory's files, its privacy check and
+the run directories' identities are :mod:`virtualflow.service.clusterdir` (every name is
+re-exported here).
+
 Invariants:
 
 - **A job's id is never reused**, not even by a database that was emptied, deleted or replaced:
@@ -44,445 +50,23 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import secrets
 import sqlite3
-import stat
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from virtualflow.rundir import RUN_FILES, atomic_write, make_private_dir, set_aside, state_files, write_json
+from virtualflow.service.clusterdir import (DB_NAME, ID_MARK_NAME, IDENTITY_NAME, JOBS_DIR, TOKEN_NAME,
+                                            check_cluster_dir, foreign_run_dir, read_id_mark, read_identity)
+from virtualflow.service.rows import FINAL_STATES, JOB_STATES, QUARANTINED, JobRow, loads_cell
+from virtualflow.service.schema import SCHEMA, CorruptDatabaseError, connect, corrupt_message, migrate
 
 log = logging.getLogger(__name__)
 
-DB_NAME = "cluster.db"
-TOKEN_NAME = "token"
-ID_MARK_NAME = "last_job_id"
-"""The highest job id this directory has handed out (beside the database, so that an emptied or
-replaced database never hands it out again)."""
-JOBS_DIR = "jobs"
-IDENTITY_NAME = "cluster_job.json"
-"""In a job's run directory: which cluster and job it belongs to (see :meth:`ClusterDB.claim_run_dir`)."""
-QUARANTINED = "quarantined"
-"""The state a row reads as when its defining cells are unusable (never stored)."""
-FINAL_STATES = ("done", "failed", "cancelled")
-JOB_STATES = ("queued", "running") + FINAL_STATES
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS jobs (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    name TEXT NOT NULL,
-    target TEXT NOT NULL,
-    steps INTEGER NOT NULL,
-    elastic INTEGER NOT NULL,
-    min_workers INTEGER NOT NULL,
-    max_workers INTEGER NOT NULL,
-    priority REAL NOT NULL,
-    job_type TEXT,
-    deterministic INTEGER NOT NULL,
-    checkpoint_every INTEGER NOT NULL,
-    submitted_s REAL NOT NULL,
-    state TEXT NOT NULL,
-    steps_done INTEGER NOT NULL DEFAULT 0,
-    acc_type TEXT,
-    workers INTEGER NOT NULL DEFAULT 0,
-    slots TEXT NOT NULL DEFAULT '[]',
-    started_s REAL,
-    finished_s REAL,
-    run_dir TEXT NOT NULL DEFAULT '',
-    error TEXT,
-    cancel_requested INTEGER NOT NULL DEFAULT 0,
-    starts INTEGER NOT NULL DEFAULT 0,
-    restarts INTEGER NOT NULL DEFAULT 0,
-    resizes INTEGER NOT NULL DEFAULT 0,
-    loss REAL,
-    received TEXT NOT NULL DEFAULT '{}',
-    estimates TEXT NOT NULL DEFAULT '{}',
-    deadline_s REAL,
-    deadline_missed INTEGER NOT NULL DEFAULT 0,
-    eta_s REAL
-);
-CREATE TABLE IF NOT EXISTS rounds (
-    id INTEGER PRIMARY KEY,
-    start_s REAL NOT NULL,
-    end_s REAL,
-    policy TEXT NOT NULL,
-    solved INTEGER NOT NULL,
-    decision_s REAL NOT NULL,
-    active INTEGER NOT NULL,
-    placed INTEGER NOT NULL
-);
-CREATE TABLE IF NOT EXISTS allocations (
-    round INTEGER NOT NULL,
-    job_id INTEGER NOT NULL,
-    acc_type TEXT NOT NULL,
-    workers INTEGER NOT NULL,
-    slots TEXT NOT NULL,
-    change TEXT NOT NULL,
-    start_s REAL NOT NULL,
-    end_s REAL,
-    PRIMARY KEY (round, job_id)
-);
-CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    t REAL NOT NULL,
-    job_id INTEGER,
-    kind TEXT NOT NULL,
-    data TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS events_job ON events (job_id);
-"""
-
-_ADDED_COLUMNS = (("deadline_s", "REAL"), ("deadline_missed", "INTEGER NOT NULL DEFAULT 0"), ("eta_s", "REAL"))
-"""Columns of ``jobs`` added after the first release (a database made before gets them on open)."""
-
-
-_WARNED: set[tuple[str, str]] = set()
-"""(cell, value) pairs already logged: the service reads its rows several times a second, and a
-bad cell is worth one line, not a flood."""
-
-
-def _warn_once(where: str, value: Any, msg: str, *args: Any) -> None:
-    key = (where, repr(value)[:200])
-    if key in _WARNED:
-        return
-    if len(_WARNED) < 10000:
-        _WARNED.add(key)
-    log.warning(msg, *args)
-
-
-def _loads(text: Any, default: Any, where: str) -> Any:
-    if text is None:
-        return default
-    try:
-        return json.loads(text)
-    except (TypeError, ValueError):
-        _warn_once(where, text, "malformed JSON in %s: %r (read as %r)", where, str(text)[:200], default)
-        return default
-
-
-# -- the directory is private ---------------------------------------------------------------
-# The rule of run directories (virtualflow.rundir.make_private_dir), worded for a cluster
-# directory: the service runs whatever the database queues, as its own user, and honours the
-# token in the directory; so nobody else may be able to write either.
-_PRIVATE_FILES = (DB_NAME, DB_NAME + "-wal", DB_NAME + "-shm", TOKEN_NAME)
-"""Files nobody else may read either (the jobs' targets and history; the token)."""
-_OWN_FILES = (ID_MARK_NAME, "service.lock", "service.log", "start.lock")
-"""Files nobody else may write (read access does not matter)."""
-_OWN_DIRS = (JOBS_DIR, "logs")
-"""Folders nobody else may write: the jobs' run directories, the jobs' drivers' logs."""
-
-
-def _who(mode: int, bits: tuple[tuple[str, int], ...]) -> str:
-    return " and ".join(w for w, b in bits if mode & b)
-
-
-def check_cluster_dir(cluster_dir: str, *, create: bool = False) -> None:
-    """Refuse a cluster directory another user could write into (``ValueError``, one line naming
-    the path, the rule and the fix: ``chmod``, or another ``--dir``). With ``create``, a missing
-    directory is created with mode 0700 (its parents as usual).
-
-    The directory: a real directory (not a symbolic link) of this user, not writable by group or
-    others. In it, where they exist: the database, its WAL files, the token, the high-water mark,
-    the lock and log files, ``jobs/`` and ``logs/``: regular files (folders) of this user that group and
-    others cannot write; the token also not readable by them (whoever reads it can cancel jobs).
-    A database only readable by others (as ones made before this check were) is made 0600."""
-    path = os.path.normpath(cluster_dir)  # "link/" would make lstat follow the link
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        if not create:
-            raise ValueError(f"{cluster_dir!r} is not a cluster directory (it does not exist); start a cluster there "
-                             f"first: virtualflow cluster start --dir {cluster_dir} --slots v100=2,k80=2") from None
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        try:
-            os.mkdir(path, 0o700)
-            os.chmod(path, 0o700)  # whatever the umask
-        except FileExistsError:
-            pass  # made meanwhile by someone else: judged below
-        st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode):
-        raise ValueError(f"the cluster directory {path} is a symbolic link (to {os.readlink(path)}); whoever controls "
-                         f"its target could queue jobs that run as you or plant the dashboard token: pass the real "
-                         f"directory (--dir)")
-    if not stat.S_ISDIR(st.st_mode):
-        raise ValueError(f"the cluster directory {path} exists and is not a directory; choose another --dir")
-    if st.st_uid != os.geteuid():
-        raise ValueError(f"the cluster directory {path} belongs to another user (uid {st.st_uid}); its owner could "
-                         f"queue jobs that run as you or plant the dashboard token: use a directory of your own (--dir)")
-    wbits = (("group", stat.S_IWGRP), ("others", stat.S_IWOTH))
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ValueError(f"the cluster directory {path} is writable by {_who(st.st_mode, wbits)} (mode "
-                         f"{stat.S_IMODE(st.st_mode):04o}); whoever can write there could queue jobs that run as you "
-                         f"or plant the dashboard token: chmod 700 {path}")
-    rwbits = (("group", stat.S_IRGRP | stat.S_IWGRP), ("others", stat.S_IROTH | stat.S_IWOTH))
-    for name in _PRIVATE_FILES + _OWN_FILES + _OWN_DIRS:
-        f = os.path.join(path, name)
-        try:
-            fs = os.lstat(f)
-        except FileNotFoundError:
-            continue
-        want_dir = name in _OWN_DIRS
-        if stat.S_ISLNK(fs.st_mode) or (stat.S_ISDIR(fs.st_mode) != want_dir) or not (
-                stat.S_ISDIR(fs.st_mode) or stat.S_ISREG(fs.st_mode)):
-            kind = "a symbolic link" if stat.S_ISLNK(fs.st_mode) else \
-                f"not a {'directory' if want_dir else 'regular file'}"
-            raise ValueError(f"{f} is {kind}, which someone else may have put there; remove it (rm {f}) after "
-                             f"checking what it is")
-        rm = f"rm -r {f}" if stat.S_ISDIR(fs.st_mode) else f"rm {f}"
-        if fs.st_uid != os.geteuid():
-            raise ValueError(f"{f} belongs to another user (uid {fs.st_uid}), who may have planted it; remove it "
-                             f"({rm}) after checking what it is")
-        if fs.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            why = ("whoever can write the token can cancel jobs" if name == TOKEN_NAME
-                   else "whoever can write it could change what the service runs")
-            fix = f"chmod {'700' if want_dir else '600'} {f}"
-            if name == TOKEN_NAME:
-                fix += f", or remove it ({rm}; cluster start writes a new one)"
-            raise ValueError(f"{f} is writable by {_who(fs.st_mode, wbits)} (mode {stat.S_IMODE(fs.st_mode):04o}); "
-                             f"{why}: {fix}")
-        if name == TOKEN_NAME and fs.st_mode & (stat.S_IRGRP | stat.S_IROTH):
-            raise ValueError(f"{f} is readable by {_who(fs.st_mode, rwbits)} (mode {stat.S_IMODE(fs.st_mode):04o}); "
-                             f"whoever read it can cancel jobs: remove it (rm {f}; cluster start writes a new one), or "
-                             f"chmod 600 {f} if nobody else could have read it")
-        if name in _PRIVATE_FILES and fs.st_mode & (stat.S_IRGRP | stat.S_IROTH):
-            # Ours and written by nobody else, only readable (as databases made before the
-            # directory was guarded were): tighten it rather than refuse.
-            os.chmod(f, 0o600)
-            log.warning("%s was readable by group or others (mode %04o): now 0600", f, stat.S_IMODE(fs.st_mode))
-
-
-def read_id_mark(cluster_dir: str) -> int:
-    """The highest job id this directory has handed out, from outside the database: the
-    high-water mark file and the run directories under ``jobs/`` (0 when there is none)."""
-    best = 0
-    try:
-        with open(os.path.join(cluster_dir, ID_MARK_NAME), "rb") as f:
-            text = f.read(64).strip()
-        if text.isdigit():
-            best = int(text)
-    except OSError:
-        pass
-    try:
-        names = os.listdir(os.path.join(cluster_dir, JOBS_DIR))
-    except OSError:
-        names = []
-    return max([best] + [int(n) for n in names if n.isdigit() and len(n) < 19])
-
-
-def _corrupt_message(path: str, cluster_dir: str, exc: BaseException) -> str:
-    mark = read_id_mark(cluster_dir)
-    return (f"{path} is not a readable cluster database ({exc}); it may be corrupt or another file: move it aside "
-            f"(mv {path} {path}.bad) and start the cluster again (virtualflow cluster start --dir {cluster_dir} "
-            f"--slots ...); the jobs' run directories stay" + (f" and new job ids continue above {mark}" if mark else ""))
-
-
-class CorruptDatabaseError(ValueError):
-    """The cluster database is not one SQLite can read (not a database, or a malformed image)."""
-
-
-class _Connection(sqlite3.Connection):
-    """A connection whose statements turn SQLite's "file is not a database" and "database disk
-    image is malformed" (plain ``sqlite3.DatabaseError``) into :class:`CorruptDatabaseError`, one
-    line naming the file and the fix, whenever the damage shows. Other errors pass unchanged (a
-    locked or full database is the caller's to handle)."""
-
-    where: tuple[str, str] = ("", "")
-    """(database path, cluster directory), for the message."""
-
-    def execute(self, *args: Any, **kwargs: Any) -> sqlite3.Cursor:  # type: ignore[override]
-        try:
-            return super().execute(*args, **kwargs)
-        except sqlite3.DatabaseError as exc:
-            if type(exc) is not sqlite3.DatabaseError:
-                raise
-            raise CorruptDatabaseError(_corrupt_message(*self.where, exc)) from None
-
-    def executescript(self, script: str) -> sqlite3.Cursor:  # type: ignore[override]
-        try:
-            return super().executescript(script)
-        except sqlite3.DatabaseError as exc:
-            if type(exc) is not sqlite3.DatabaseError:
-                raise
-            raise CorruptDatabaseError(_corrupt_message(*self.where, exc)) from None
-
-
-@dataclass(slots=True)
-class JobRow:
-    """One row of ``jobs`` (see the module docstring)."""
-
-    id: int
-    name: str
-    target: str
-    steps: int
-    elastic: bool
-    min_workers: int
-    max_workers: int
-    priority: float
-    job_type: str | None
-    deterministic: bool
-    checkpoint_every: int
-    submitted_s: float
-    state: str
-    steps_done: int = 0
-    acc_type: str | None = None
-    workers: int = 0
-    slots: list[str] = field(default_factory=list)
-    started_s: float | None = None
-    finished_s: float | None = None
-    run_dir: str = ""
-    error: str | None = None
-    cancel_requested: bool = False
-    starts: int = 0
-    restarts: int = 0
-    resizes: int = 0
-    loss: float | None = None
-    received: dict[str, float] = field(default_factory=dict)
-    """accelerator type -> seconds the job has held workers of that type."""
-    estimates: dict[str, float] = field(default_factory=dict)
-    """``"TYPE/WORKERS"`` -> measured steps/s (the service's estimates for this job)."""
-    deadline_s: float | None = None
-    """When the job should be done (seconds since the epoch; ``submit --deadline``), or None."""
-    deadline_missed: bool = False
-    """Its deadline passed while it was unfinished (one ``deadline_missed`` event was recorded)."""
-    eta_s: float | None = None
-    """The service's latest estimate of the seconds it needs to finish (deadline jobs only)."""
-    quarantine: str | None = None
-    """Why the row is quarantined (its defining cells are unusable: ``state`` then reads as
-    ``quarantined`` and the unusable cells as defaults), or None for a sound row."""
-
-    @property
-    def final(self) -> bool:
-        return self.state in FINAL_STATES
-
-    @classmethod
-    def from_sql(cls, r: sqlite3.Row, run_dir: str | None = None) -> JobRow:
-        """Parse one row defensively. ``run_dir``: the job's run directory as the cluster
-        directory places it (``DIR/jobs/<id>``), used where the stored cell is empty or unusable."""
-        d = dict(r)
-        d.pop("quarantine", None)
-        jid = d["id"]
-        where = f"jobs[{jid}]"
-        bad: list[str] = []  # unusable defining cells: the row is quarantined
-        slots = _loads(d.pop("slots"), [], where + ".slots")
-        received = _loads(d.pop("received"), {}, where + ".received")
-        estimates = _loads(d.pop("estimates"), {}, where + ".estimates")
-
-        def number(key: str, default: Any, *, integer: bool = False, lo: float | None = None,
-                   above: float | None = None, optional: bool = False, defining: bool = False) -> Any:
-            v = d.get(key)
-            if v is None and optional:
-                return None
-            good = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                    and (not integer or float(v).is_integer()) and (lo is None or v >= lo)
-                    and (above is None or v > above))
-            if good:
-                return int(v) if integer else float(v)
-            if defining:
-                bad.append(f"{key}={v!r}")
-            else:
-                _warn_once(f"{where}.{key}", v, "bad value in %s.%s: %r (read as %r)", where, key, v, default)
-            return default
-
-        def flag(key: str, *, defining: bool = False) -> bool:
-            v = d.get(key)
-            if v in (0, 1):
-                return bool(v)
-            if defining:
-                bad.append(f"{key}={v!r}")
-            else:
-                _warn_once(f"{where}.{key}", v, "bad value in %s.%s: %r (read as False)", where, key, v)
-            return False
-
-        def text(key: str, default: str | None, *, optional: bool = False, defining: bool = False) -> str | None:
-            v = d.get(key)
-            if isinstance(v, str) and (v or optional) or (v is None and optional):
-                return v
-            if defining:
-                bad.append(f"{key}={v!r}")
-            return default
-
-        out: dict[str, Any] = dict(id=jid)
-        out["target"] = text("target", "", defining=True)
-        out["steps"] = number("steps", 1, integer=True, lo=1, defining=True)
-        out["elastic"] = flag("elastic", defining=True)
-        out["min_workers"] = number("min_workers", 1, integer=True, lo=1, defining=True)
-        out["max_workers"] = number("max_workers", out["min_workers"], integer=True, lo=out["min_workers"],
-                                    defining=True)
-        out["priority"] = number("priority", 1.0, above=0.0, defining=True)
-        out["job_type"] = text("job_type", None, optional=True, defining=True)
-        out["deterministic"] = flag("deterministic", defining=True)
-        out["checkpoint_every"] = number("checkpoint_every", 1, integer=True, lo=1, defining=True)
-        out["submitted_s"] = number("submitted_s", 0.0, defining=True)
-        out["cancel_requested"] = flag("cancel_requested", defining=True)
-        out["deadline_s"] = number("deadline_s", None, optional=True, defining=True)
-        state = d.get("state")
-        if state not in JOB_STATES:
-            bad.append(f"state={state!r}")
-        out["name"] = text("name", f"job-{jid}") or f"job-{jid}"
-        out["steps_done"] = number("steps_done", 0, integer=True, lo=0)
-        out["acc_type"] = text("acc_type", None, optional=True)
-        out["workers"] = number("workers", 0, integer=True, lo=0)
-        out["started_s"] = number("started_s", None, optional=True)
-        out["finished_s"] = number("finished_s", None, optional=True)
-        err = d.get("error")
-        out["error"] = None if err is None else str(err)
-        for k in ("starts", "restarts", "resizes"):
-            out[k] = number(k, 0, integer=True, lo=0)
-        out["loss"] = number("loss", None, optional=True)
-        out["deadline_missed"] = flag("deadline_missed")
-        out["eta_s"] = number("eta_s", None, optional=True)
-        stored_dir = d.get("run_dir")
-        out["run_dir"] = stored_dir if isinstance(stored_dir, str) and stored_dir else (run_dir or "")
-        if bad:
-            out["state"], out["quarantine"] = QUARANTINED, "unusable cell(s): " + ", ".join(bad)
-        else:
-            out["state"] = state
-        return cls(**out, slots=[str(s) for s in slots] if isinstance(slots, list) else [],
-                   received={str(k): float(v) for k, v in received.items()
-                             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
-                   if isinstance(received, dict) else {},
-                   estimates={str(k): float(v) for k, v in estimates.items()
-                              if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
-                   if isinstance(estimates, dict) else {})
-
-
-def foreign_run_dir(identity: dict[str, Any] | None, mine: dict[str, Any], *, has_state: bool,
-                    started: bool) -> str | None:
-    """Why a run directory's contents belong to another job (pure), or None when the job may use
-    them. ``identity``: the directory's identity record (None: there is none); ``mine``: the
-    job's (cluster id, job id, submission time); ``has_state``: it holds state files;
-    ``started``: the database says this job has been started before.
-
-    An identity decides: the job's own, or another's. Without one (a directory from before
-    identities were recorded), states are the job's only if the job has been started before;
-    states in the directory of a job never started were left by another job with the same id
-    (an emptied database that handed the id out again)."""
-    if identity is not None:
-        keys = ("cluster", "job_id", "submitted_s")
-        if all(identity.get(k) == mine.get(k) for k in keys):
-            return None
-        return (f"the records of another job (identity {', '.join(f'{k}={identity.get(k)!r}' for k in keys)}; "
-                f"this job is {', '.join(f'{k}={mine.get(k)!r}' for k in keys)})")
-    if has_state and not started:
-        return "states no start of this job wrote (no identity, and the job has never started)"
-    return None
-
-
-def _read_identity(path: str) -> dict[str, Any] | None:
-    """A run directory's identity record, or None where there is none; an unreadable one reads
-    as ``{}`` (an identity that matches no job)."""
-    if not os.path.lexists(path):
-        return None
-    try:
-        with open(path, "rb") as f:
-            data = json.loads(f.read(65536))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+__all__ = ["ClusterDB", "JobRow", "CorruptDatabaseError", "check_cluster_dir", "foreign_run_dir", "read_id_mark",
+           "DB_NAME", "TOKEN_NAME", "ID_MARK_NAME", "JOBS_DIR", "IDENTITY_NAME", "QUARANTINED", "FINAL_STATES",
+           "JOB_STATES"]
 
 
 class ClusterDB:
@@ -507,14 +91,12 @@ class ClusterDB:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             os.close(fd)
         try:
-            self.conn = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None, factory=_Connection)
-            self.conn.where = (self.path, cluster_dir)
-            self.conn.row_factory = sqlite3.Row
+            self.conn = connect(self.path, cluster_dir, timeout_s)
             self.conn.execute("PRAGMA journal_mode=WAL")
             self.conn.execute("PRAGMA synchronous=NORMAL")
             tables = {r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             if create:
-                self.conn.executescript(_SCHEMA)
+                self.conn.executescript(SCHEMA)
                 if "jobs" not in tables:
                     mark = read_id_mark(cluster_dir)
                     self.recreated_over = mark or None
@@ -532,18 +114,10 @@ class ClusterDB:
             if isinstance(exc, CorruptDatabaseError) or (isinstance(exc, sqlite3.OperationalError)
                                                          and "locked" in str(exc)):
                 raise
-            raise CorruptDatabaseError(_corrupt_message(self.path, cluster_dir, exc)) from None
+            raise CorruptDatabaseError(corrupt_message(self.path, cluster_dir, exc)) from None
     def _migrate(self) -> None:
         """Add the columns a database made by an older version lacks (nothing else changes)."""
-        have = {r[1] for r in self.conn.execute("PRAGMA table_info(jobs)").fetchall()}
-        if not have:
-            return
-        for name, decl in _ADDED_COLUMNS:
-            if name not in have:
-                try:
-                    self.conn.execute(f"ALTER TABLE jobs ADD COLUMN {name} {decl}")
-                except sqlite3.OperationalError:  # added meanwhile by another process
-                    pass
+        migrate(self.conn)
 
     def close(self) -> None:
         self.conn.close()
@@ -566,7 +140,7 @@ class ClusterDB:
     # -- meta -------------------------------------------------------------------------------
     def get_meta(self, key: str, default: Any = None) -> Any:
         r = self.conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-        return default if r is None else _loads(r[0], default, f"meta[{key}]")
+        return default if r is None else loads_cell(r[0], default, f"meta[{key}]")
 
     def set_meta(self, key: str, value: Any) -> None:
         with self.tx() as c:
@@ -690,7 +264,7 @@ class ClusterDB:
         make_private_dir(run_dir)
         ident_path = os.path.join(run_dir, IDENTITY_NAME)
         mine = {"cluster": self.cluster_id(), "job_id": row.id, "submitted_s": row.submitted_s}
-        identity = _read_identity(ident_path)
+        identity = read_identity(ident_path)
         why = foreign_run_dir(identity, mine, has_state=bool(state_files(run_dir)), started=row.starts > 0)
         moved = None
         if why is not None:
@@ -799,7 +373,7 @@ class ClusterDB:
         out = []
         for r in self.conn.execute(q + " ORDER BY round, job_id", args).fetchall():
             d = dict(r)
-            d["slots"] = _loads(d["slots"], [], "allocations.slots")
+            d["slots"] = loads_cell(d["slots"], [], "allocations.slots")
             out.append(d)
         return out
 
@@ -824,6 +398,6 @@ class ClusterDB:
         out = []
         for r in rows:
             d = dict(r)
-            d["data"] = _loads(d["data"], {}, f"events[{d['id']}]")
+            d["data"] = loads_cell(d["data"], {}, f"events[{d['id']}]")
             out.append(d)
         return out
