@@ -1,7 +1,7 @@
 """Public entry points: :func:`train` (blocking) and :func:`launch` (returns a :class:`JobHandle`).
 
 Everything a user can get wrong is checked in the calling process before any worker starts, by
-:func:`virtualflow.launch.prepare.prepare` (the options are validated when built, see
+:func:`virtualflow.launching.prepare.prepare` (the options are validated when built, see
 :class:`~virtualflow.config.options.LaunchOptions`); then the run's supervisor starts. Training
 that ends in a loss Bamboo's redundancy cannot cover is restarted from the last checkpoint
 (:func:`wait_restarting`).
@@ -16,8 +16,8 @@ from typing import Any
 from virtualflow.config.job import check_not_importing
 from virtualflow.config.options import LaunchOptions, make_options
 from virtualflow.handle import JobHandle
-from virtualflow.launch.prepare import JobLike, prepare
-from virtualflow.launch.prepare import claim_run_dir as _claim_run_dir  # noqa: F401 - the name tests use
+from virtualflow.launching.prepare import JobLike, prepare
+from virtualflow.launching.prepare import claim_run_dir as _claim_run_dir  # noqa: F401 - the name tests use
 from virtualflow.records.result import Result, TrainingError
 
 logger = logging.getLogger("virtualflow")

@@ -1,7 +1,7 @@
 """A running job as the user holds it: :class:`JobHandle`.
 
 ``status()``, ``resize()``, ``wait()``, ``stop()``, ``kill()`` and ``set_slowdown()`` (emulation).
-The work is done by the job's :class:`~virtualflow.launch.supervisor.Supervisor` (the monitor loop in a
+The work is done by the job's :class:`~virtualflow.launching.supervisor.Supervisor` (the monitor loop in a
 thread of this process); the handle is its public face.
 """
 
@@ -18,7 +18,7 @@ from virtualflow.control.membership import MembershipController
 from virtualflow.plan.vnmap import describe_assignment
 from virtualflow.records.result import Result
 from virtualflow.config.spec import WorkerSpec
-from virtualflow.launch.supervisor import RunSetup, Supervisor
+from virtualflow.launching.supervisor import RunSetup, Supervisor
 
 logger = logging.getLogger("virtualflow")
 

@@ -1,6 +1,6 @@
 """Deprecated: split into :mod:`virtualflow.config.pipeline` (the ``Pipeline`` config, the split
 parser and knob merger), :mod:`virtualflow.plan.pipeline.geometry` (how a model is cut, the
-worker grid) and :mod:`virtualflow.launch.pipeline` (launch-time planning); this alias will be
+worker grid) and :mod:`virtualflow.launching.pipeline` (launch-time planning); this alias will be
 removed."""
 
 import warnings as _w
@@ -22,7 +22,7 @@ __all__ = [
 ]
 
 _w.warn("virtualflow.pipeline is deprecated; import virtualflow.config.pipeline (Pipeline), "
-        "virtualflow.plan.pipeline.geometry (cutting) or virtualflow.launch.pipeline (plan_pipeline)",
+        "virtualflow.plan.pipeline.geometry (cutting) or virtualflow.launching.pipeline (plan_pipeline)",
         DeprecationWarning, stacklevel=2)
 
 
@@ -30,7 +30,7 @@ def __getattr__(name: str) -> _Any:
     # Launch-time planning imports the runtime: loaded on first use only, so that the runtime
     # modules still importing this old path do not import the launch layer.
     if name == "plan_pipeline":
-        from virtualflow.launch.pipeline import plan_pipeline
+        from virtualflow.launching.pipeline import plan_pipeline
 
         return plan_pipeline
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

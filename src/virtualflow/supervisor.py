@@ -1,4 +1,4 @@
-"""Deprecated: moved to :mod:`virtualflow.launch.supervisor`; this alias will be removed.
+"""Deprecated: moved to :mod:`virtualflow.launching.supervisor`; this alias will be removed.
 
 The old path is the new module itself (``sys.modules`` holds one object under both names), so
 every name, private ones included, and every ``monkeypatch`` through the old path reach the code
@@ -8,7 +8,7 @@ that runs.
 import sys as _sys
 import warnings as _w
 
-from virtualflow.launch import supervisor as _moved
+from virtualflow.launching import supervisor as _moved
 
-_w.warn("virtualflow.supervisor is deprecated; import virtualflow.launch.supervisor", DeprecationWarning, stacklevel=2)
+_w.warn("virtualflow.supervisor is deprecated; import virtualflow.launching.supervisor", DeprecationWarning, stacklevel=2)
 _sys.modules[__name__] = _moved

@@ -70,7 +70,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "observe": (9, "torch.profiler windows and TensorBoard events"),
     "control": (10, "coordinator, membership controller and its policies, autoscaling"),
     "backends": (11, "where workers run (local | ray | external), worker entry points, executors"),
-    "launch": (12, "the launching process: prepare, preflight, resume, supervisor"),
+    "launching": (12, "the launching process: prepare, preflight, resume, supervisor"),
     "(root)": (13, "the public surface: virtualflow/__init__.py, api.py, handle.py, shims"),
     "service": (14, "the cluster service (its process layer: __main__.py, launcher.py)"),
     "cli": (15, "one module per `virtualflow` verb (top)"),

@@ -101,7 +101,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from virtualflow.launch.preflight import build_job
+    from virtualflow.launching.preflight import build_job
     from virtualflow.plan.pipeline.predict import auto_split, micro_batches, predict, split_partition
     from virtualflow.runtime.profile import profile_model
 

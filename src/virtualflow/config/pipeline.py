@@ -23,7 +23,7 @@ This module holds what the user writes: the :class:`Pipeline` config, THE split 
 job's pipeline with command-line or option knobs applied). The geometry of cutting lives in
 :mod:`virtualflow.plan.pipeline.geometry`, the schedule table in
 :mod:`virtualflow.plan.pipeline.schedules`, and launch-time planning (profiling, ``split="auto"``)
-in :mod:`virtualflow.launch.pipeline`. Imports only ``plan/``.
+in :mod:`virtualflow.launching.pipeline`. Imports only ``plan/``.
 """
 
 from __future__ import annotations

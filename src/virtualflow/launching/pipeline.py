@@ -2,7 +2,7 @@
 resolve ``split="auto"`` and log the predicted time per piece.
 
 Runs in the launching process before any worker starts (called by
-:mod:`virtualflow.launch.prepare`). It builds the job's model and measures it
+:mod:`virtualflow.launching.prepare`). It builds the job's model and measures it
 (:mod:`virtualflow.runtime.profile`), so it lives above the runtime; the config it reads
 (:class:`~virtualflow.config.pipeline.Pipeline`), the geometry, the schedule factory and the
 predictions are below it and import nothing from here.

@@ -6,7 +6,7 @@ virtual node's batch), what needs both the job and the options (worker counts ag
 ``virtual_nodes``, memory limits, the pipeline's grid and split, the capacity of a Ray cluster,
 a resume state), and whether worker processes will be able to rebuild the job. Then it makes the
 run directory private and locked, continues (resume) or sets aside (never deletes) an earlier
-run's files in it, and returns the :class:`~virtualflow.launch.supervisor.RunSetup` the
+run's files in it, and returns the :class:`~virtualflow.launching.supervisor.RunSetup` the
 supervisor runs.
 
 Invariant: nothing is written into a run directory before it is claimed (private, locked), and a
@@ -28,10 +28,10 @@ from virtualflow.config.job import Job, source_from
 from virtualflow.config.options import LaunchOptions
 from virtualflow.config.pipeline import pipeline_of
 from virtualflow.control.autoscale import FixedPolicy, Limits, make_policy
-from virtualflow.launch.pipeline import plan_pipeline
-from virtualflow.launch.preflight import build_dataset, build_job, preflight
-from virtualflow.launch.resume import find_resume_state
-from virtualflow.launch.supervisor import RunSetup
+from virtualflow.launching.pipeline import plan_pipeline
+from virtualflow.launching.preflight import build_dataset, build_job, preflight
+from virtualflow.launching.resume import find_resume_state
+from virtualflow.launching.supervisor import RunSetup
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.hetero import check_memory
 from virtualflow.plan.pipeline.geometry import check_workers
