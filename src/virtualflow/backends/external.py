@@ -48,7 +48,7 @@ from virtualflow.comm import auth, protocol
 from virtualflow.comm.rejects import RejectLog, short
 
 if TYPE_CHECKING:
-    from virtualflow.backends import Attachment
+    from virtualflow.backends.base import Attachment
     from virtualflow.runtime.worker import WorkerConfig
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import cloudpickle
 
 if TYPE_CHECKING:
-    from virtualflow.backends import Attachment
+    from virtualflow.backends.base import Attachment
     from virtualflow.runtime.worker import WorkerConfig
 
 

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from virtualflow.config.resources import parse_resources  # noqa: F401 - re-exported: its home before config/
 
 if TYPE_CHECKING:  # the worker module imports torch: keep it out of the actor's start-up
-    from virtualflow.backends import Attachment
+    from virtualflow.backends.base import Attachment
     from virtualflow.runtime.worker import WorkerConfig
 
 logger = logging.getLogger(__name__)
