@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 if TYPE_CHECKING:
-    from virtualflow.options import LaunchOptions
     from virtualflow.runtime.worker import WorkerConfig
 
 
