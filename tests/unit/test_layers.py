@@ -82,6 +82,12 @@ ROOT_MODULES: dict[str, str] = {
     "virtualflow.api": "train/launch: thin wiring of config, launch and backends",
     "virtualflow.handle": "JobHandle: the user's view of a launched job",
 }
+# Package ``__init__`` modules that are public facades: they sit at the root layer (13) whatever
+# their folder, so they may gather names from the layers below (their own package's modules
+# included); no module of ``src/`` may import them (they are for users).
+FACADES: dict[str, str] = {
+    "virtualflow.gnn": "the Dorylus API users import: the engine (gnn/) and its process executors (backends/gnn.py)",
+}
 SHIM_DOCSTRING = "Deprecated:"  # "Deprecated: moved to :mod:`X`" or "Deprecated: split into ..."
 
 # ---- who may own the environment and processes -----------------------------------------------
@@ -247,6 +253,8 @@ def layer_of(mod: Module) -> tuple[str, int] | None:
     """(layer name, layer number), or None for a module in no layer (an unplaced module)."""
     if mod.shim:
         return "shim", ROOT_LAYER
+    if mod.name in FACADES:
+        return "facade", ROOT_LAYER
     parts = mod.name.split(".")
     if len(parts) == 1 or (len(parts) == 2 and mod.path.name != "__init__.py"):  # virtualflow/x.py
         return ("(root)", ROOT_LAYER) if mod.name in ROOT_MODULES else None
