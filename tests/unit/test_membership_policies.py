@@ -35,7 +35,9 @@ from virtualflow.control.membership.failover import (
     decide_shrink,
     whole_replicas,
 )
+from virtualflow.control.membership.decisions import GiveUp, Grow, Recover, Resume, StartWorkers
 from virtualflow.control.membership.phases import phase_of_change
+from virtualflow.control.membership.sizing import decide_hold, decide_loss, decide_release, decide_resize
 from virtualflow.plan.vnmap import contiguous_assignment
 
 S3 = ((0,), (1,), (2,))
@@ -209,6 +211,62 @@ def test_a_failed_over_job_shrinks_by_whole_replicas_from_the_last():
 def test_without_redundancy_a_pipelined_job_keeps_whole_replicas():
     assert whole_replicas(list(range(6)), {4}, 3) == [0, 1, 2]
     assert whole_replicas(list(range(6)), {0, 4}, 3) == []
+
+
+# -- sizes: losses, holds, notices and resizes without redundancy ------------------------------------
+def loss(members, failed, **kw):
+    args = dict(stages=None, replace_failed=False, target=len(members), min_workers=1, step=7)
+    args.update(kw)
+    return decide_loss(members=members, failed=failed, pids={w: 1000 + w for w in failed}, **args)
+
+
+def test_a_loss_leaves_the_survivors_smaller_or_starts_replacements():
+    # tests/test_membership.py: worker 1 of 3 killed: the job goes on with 2 (target 2).
+    assert loss([0, 1, 2], {1: "was killed by SIGKILL"}) == Recover((0, 2), target=2, replacements=0, hold=False)
+    assert loss([0, 1, 2], {1: "x"}, replace_failed=True) == Recover((0, 2), target=3, replacements=1, hold=False)
+    assert loss([0, 1, 2], {1: "x"}, min_workers=3).hold
+    # A pipelined job keeps its whole replicas: the rest of a broken replica leaves (and is replaced).
+    assert loss([0, 1, 2, 3], {1: "x"}, stages=2, replace_failed=True) == Recover((2, 3), 4, 2, hold=False)
+
+
+def test_a_loss_nobody_survives_gives_up_naming_the_workers_and_the_way_on():
+    d = loss([0, 1], {0: "exited with code 1", 1: "exited with code 1"})
+    assert isinstance(d, GiveUp) and d.message.startswith("worker 0 (pid 1000) exited with code 1; worker 1")
+    assert "no worker is left" in d.message and "--resume RUN_DIR" in d.message
+    d = loss([0, 1, 2, 3], {0: "x", 3: "y"}, stages=2)
+    assert isinstance(d, GiveUp) and "every pipeline replica lost a stage" in d.message
+    assert "a larger multiple of 2" in d.message
+
+
+def hold(**kw):
+    args = dict(members=[0], ready=[], target=1, min_workers=2, held_s=5.0, timeout_s=30.0, replace_failed=False,
+                checkpoint="ck/step-7.pt", step=7)
+    args.update(kw)
+    return decide_hold(**args)
+
+
+def test_a_hold_resumes_with_enough_ready_workers_and_gives_up_after_its_timeout():
+    assert hold(ready=[5, 6], target=3) == Resume((0, 5, 6), (5, 6))
+    assert hold(ready=[5, 6]) == Resume((0, 5), (5,))  # up to max(min_workers, target)
+    d = hold(held_s=31.0)
+    assert isinstance(d, GiveUp) and "below min_workers=2" in d.message and "ck/step-7.pt" in d.message
+    assert hold(replace_failed=True) == StartWorkers(1)
+    assert hold(target=3) == StartWorkers(2)
+    assert isinstance(hold(), NoChange)
+
+
+def test_a_notice_releases_the_noticed_member_or_its_whole_replica():
+    assert decide_release(members=[0, 1, 2], noticed=[1], stages=None, min_workers=1) == Shrink((0, 2), (1,), 2)
+    assert decide_release(members=[0, 1, 2, 3], noticed=[3], stages=2, min_workers=1) == Shrink((0, 1), (2, 3), 2)
+    assert isinstance(decide_release(members=[0, 1], noticed=[1], stages=None, min_workers=2), NoChange)
+    assert isinstance(decide_release(members=[0, 1], noticed=[0, 1], stages=None, min_workers=1), NoChange)
+
+
+def test_a_grow_waits_for_ready_newcomers_and_a_shrink_keeps_the_lowest_ranks():
+    assert decide_resize(members=[0, 1], ready=[], target=3) == Grow((0, 1), (), need=1)
+    assert decide_resize(members=[0, 1], ready=[2, 3], target=3) == Grow((0, 1, 2), (2,), need=1)
+    assert decide_resize(members=[0, 1, 2], ready=[], target=1) == Shrink((0,), (1, 2), 1)
+    assert isinstance(decide_resize(members=[0, 1], ready=[2], target=2), NoChange)
 
 
 # -- the controller's phases -------------------------------------------------------------------------

@@ -5,9 +5,12 @@
 * :mod:`.phases`: its named phases (:class:`Phase`: new, forming, training, changing,
   recovering, holding, finished, failed), every transition logged as ``previous -> next``.
 * :mod:`.decisions`: what a policy decides, as frozen data (:class:`Rebalance`,
-  :class:`Failover`, :class:`FallBack`, :class:`Reconfigure`, :class:`Shrink`, :class:`NoChange`).
+  :class:`Failover`, :class:`FallBack`, :class:`Reconfigure`, :class:`Shrink`, :class:`Grow`,
+  :class:`Recover`, :class:`Resume`, :class:`StartWorkers`, :class:`GiveUp`, :class:`NoChange`).
 * :mod:`.speed`: the speed model of heterogeneous workers (VN maps, rebalances), a policy.
 * :mod:`.failover`: Bamboo's failover of redundant pipeline replicas, a policy.
+* :mod:`.sizing`: losses, holds, notices and resizes without redundancy, a policy.
+* :mod:`.liveness`: which workers are gone (exit codes, heartbeats; fencing).
 * :mod:`.interface`: the launcher it drives, its errors, the resize check.
 
 The policies are pure (no store, no processes, no clock) and tested without processes
@@ -20,12 +23,17 @@ from virtualflow.control.membership.controller import MembershipController
 from virtualflow.control.membership.decisions import (
     FallBack,
     Failover,
+    GiveUp,
+    Grow,
     NoChange,
     Rebalance,
     Reconfigure,
+    Recover,
     ReplicaCovered,
     ReplicaLeft,
+    Resume,
     Shrink,
+    StartWorkers,
 )
 from virtualflow.control.membership.interface import (
     FallbackRestart,
@@ -42,6 +50,8 @@ __all__ = [
     "FallBack",
     "FallbackRestart",
     "Failover",
+    "GiveUp",
+    "Grow",
     "JobFailed",
     "MapPlan",
     "MembershipController",
@@ -49,10 +59,13 @@ __all__ = [
     "Phase",
     "Rebalance",
     "Reconfigure",
+    "Recover",
     "ReplicaCovered",
     "ReplicaLeft",
+    "Resume",
     "Shrink",
     "SpeedPolicy",
+    "StartWorkers",
     "WorkerLauncher",
     "check_resize",
     "describe_exit",

@@ -36,23 +36,14 @@ import time
 from typing import Any, Callable, Sequence
 
 from virtualflow.comm import protocol
-from virtualflow.control.membership.decisions import FallBack, Failover, NoChange, Rebalance
-from virtualflow.control.membership.failover import (
-    decide_failover,
-    decide_planned_failover,
-    decide_reconfigure,
-    decide_shrink,
-    replica_layouts,
-    whole_replicas,
-)
-from virtualflow.control.membership.interface import (
-    FallbackRestart,
-    JobFailed,
-    WorkerLauncher,
-    check_resize,
-    describe_exit,
-)
+from virtualflow.control.membership.decisions import (FallBack, Failover, GiveUp, Grow, NoChange, Rebalance, Resume,
+                                                      Shrink, StartWorkers)
+from virtualflow.control.membership.failover import (decide_failover, decide_planned_failover, decide_reconfigure,
+                                                     decide_shrink, replica_layouts)
+from virtualflow.control.membership.interface import FallbackRestart, JobFailed, WorkerLauncher, check_resize
+from virtualflow.control.membership.liveness import Liveness
 from virtualflow.control.membership.phases import Change, Phase, phase_of_change
+from virtualflow.control.membership.sizing import decide_hold, decide_loss, decide_release, decide_resize
 from virtualflow.control.membership.speed import SpeedPolicy
 from virtualflow.options import LaunchOptions
 from virtualflow.plan.hetero import SpeedModel
@@ -72,9 +63,11 @@ class MembershipController:
     ``redundancy`` for Bamboo's redundant stages, ``last_step`` the step a resumed run starts
     at) and the controller's own tuning. Everything is given here: nothing configures it later.
 
-    Size: about 400 lines, one class on purpose: the rules above act on the same fields
-    (members, assigned pointers, the phase and the change in flight); the decisions that need
-    no such field live in the policies.
+    Size: about 520 lines in one class on purpose: it is the membership's one actor, and every
+    rule above reads and writes the same fields (members, assigned pointers, the phase and the
+    change in flight) and publishes through one path (:meth:`_publish`); what needs none of
+    them is elsewhere: the decisions in the pure policies (:mod:`.speed`, :mod:`.failover`,
+    :mod:`.sizing`), exits and heartbeats in :mod:`.liveness`.
     """
 
     def __init__(
@@ -138,12 +131,9 @@ class MembershipController:
         self.assigned: dict[int, int] = {}  # worker -> last generation it was assigned to (-1: none)
         self.pending: dict[int, float] = {}  # started, not yet joined -> start time
         self.ready: list[int] = []  # joined, not in any generation yet
-        self.leaving: set[int] = set()
-        self.gone: set[int] = set()  # exited or killed, handled
         self.joined: set[int] = set()
-        self._exited_0: set[int] = set()
-        """Workers seen exiting with code 0 one tick ago (see :meth:`tick`)."""
-        self._hb: dict[int, tuple[int, float]] = {}
+        self.liveness = Liveness(launcher, self.store, self.heartbeat_timeout_s)
+        """Exits and heartbeats: which workers are gone (:mod:`.liveness`)."""
         self._change: Change | None = None
         self._failed_newcomers = 0
         self._fault_at: float | None = None  # a member reported the current generation broken
@@ -262,35 +252,7 @@ class MembershipController:
         now = self.clock()
         for r in reports:
             self._on_report(r, now)
-        failed: dict[int, str] = {}
-        for wid, code in self.launcher.poll().items():
-            if code is None or wid in self.gone:
-                continue
-            if code == 0 and not self.finished and wid not in self.leaving and wid not in self._exited_0:
-                # A clean exit seen before the worker's last reports were read (rank 0 posts
-                # "done" and exits at once): judge it at the next tick, after those reports.
-                self._exited_0.add(wid)
-                continue
-            self.gone.add(wid)
-            if wid in self.leaving and code == 0:
-                self.leaving.discard(wid)
-                continue
-            if self.finished and code == 0:
-                continue
-            failed[wid] = describe_exit(code)
-        for wid, (count, t_seen) in list(self._hb.items()):
-            if self.finished:
-                break
-            if wid in self.gone or wid in failed:
-                self._hb.pop(wid, None)
-                continue
-            value = self.store.add(protocol.heartbeat_key(wid), 0)
-            if value != count:
-                self._hb[wid] = (value, now)
-            elif now - t_seen > self.heartbeat_timeout_s:
-                failed[wid] = f"stopped responding (no heartbeat for {now - t_seen:.1f} s); killed"
-                self.launcher.kill_worker(wid)
-                self.gone.add(wid)
+        failed = self.liveness.judge(now, self.finished)
         if failed and not self.finished:
             self._on_failures(failed, now)
         elif not self.finished:
@@ -304,7 +266,7 @@ class MembershipController:
         kind, wid = r.get("type"), r.get("worker")
         if kind == "join":
             self.joined.add(wid)
-            self._hb[wid] = (self.store.add(protocol.heartbeat_key(wid), 0), now)
+            self.liveness.joined(wid, now)
             if wid in self.pending:
                 started = self.pending.pop(wid)
                 if self.assigned.get(wid, -1) < 0 and wid not in self.members:
@@ -378,7 +340,7 @@ class MembershipController:
             self.pending.pop(wid, None)
             if wid in self.ready:
                 self.ready.remove(wid)
-            self._hb.pop(wid, None)
+            self.liveness.forget(wid)
         lost = [w for w in self.members if w in failed]
         newcomers_lost = [w for w in failed if w not in self.members]
         self._failed_newcomers += len(newcomers_lost)
@@ -389,38 +351,19 @@ class MembershipController:
         breaks = lost or any(self.assigned.get(w, -1) == self.generation and self.busy for w in newcomers_lost)
         if not breaks:
             return
-        survivors = [w for w in self.members if w not in failed]
-        if self.stages is not None and self.redundancy and survivors:
+        if self.stages is not None and self.redundancy and any(w not in failed for w in self.members):
             self._fail_over(failed)  # per pipeline replica: fail over, leave whole, or fall back
             return
-        if self.stages is not None and survivors:
-            # A pipelined job goes on with its whole replicas only (members keep their order, so
-            # every survivor keeps its stage); the rest of a broken replica leaves.
-            survivors = whole_replicas(self.members, failed, self.stages)
-            if not survivors:
-                self.coord.abort(self.generation)
-                lost_desc = "; ".join(f"worker {w} {c}" for w, c in failed.items())
-                raise JobFailed(
-                    f"{lost_desc} at step {self.last_step}: every pipeline replica lost a stage, so no whole "
-                    f"pipeline is left to continue; run with more replicas (--workers a larger multiple of "
-                    f"{self.stages}) to survive a failure"
-                )
+        decision = decide_loss(members=self.members, failed=failed, stages=self.stages,
+                               pids={w: self.launcher.pid(w) for w in failed}, replace_failed=self.replace_failed,
+                               target=self.target, min_workers=self.min_workers, step=self.last_step)
         self.coord.abort(self.generation)
-        if not survivors:
-            lost_desc = "; ".join(f"worker {w} (pid {self.launcher.pid(w)}) {c}" for w, c in failed.items())
-            raise JobFailed(
-                f"{lost_desc} at step {self.last_step}, and no worker is left to continue the job; "
-                f"with checkpoint_every= (--checkpoint-every) a later run can resume from the last "
-                f"checkpoint (--resume RUN_DIR)"
-            )
-        if not self.replace_failed:
-            self.target = max(min(self.target, len(survivors)), 1)
-        else:
-            # one replacement per member gone (a pipelined job also loses the rest of a broken replica)
-            for _ in range(len(self.members) - len(survivors)):
-                self._new_worker()
-        hold = len(survivors) < self.min_workers
-        self._publish(survivors, kind="hold" if hold else "failure", hold=hold,
+        if isinstance(decision, GiveUp):
+            raise JobFailed(decision.message)
+        self.target = decision.target
+        for _ in range(decision.replacements):
+            self._new_worker()
+        self._publish(list(decision.members), kind="hold" if decision.hold else "failure", hold=decision.hold,
                       detail={"failed": sorted(failed), "causes": failed})
 
     def _fail_over(self, failed: dict[int, str]) -> None:
@@ -497,14 +440,7 @@ class MembershipController:
                 if isinstance(decision, Rebalance):
                     self._publish(list(self.members), kind="rebalance", hold=False, command=True,
                                   detail=decision.detail, counts=decision.revert_to)
-        elif self.target > size:
-            need = self.target - size
-            self._start_missing(need)
-            if len(self.ready) >= need:
-                add, self.ready = self.ready[:need], self.ready[need:]
-                self._publish(self.members + add, kind="grow", hold=False, command=True,
-                              detail={"from": size, "to": self.target, "added": add})
-        elif self.layout is not None:  # Bamboo, failed over: whole replicas leave from the last one
+        elif self.target < size and self.layout is not None:  # Bamboo, failed over: whole replicas leave
             shrink = decide_shrink(stages=self.stages, members=self.members, layout=self.layout, target=self.target)
             self.target = shrink.target
             if shrink.removed:
@@ -513,30 +449,33 @@ class MembershipController:
                               detail={"from": size, "to": shrink.target, "removed": list(shrink.removed)})
                 self.layout = shrink.layout_after
         else:
-            keep = self.members[: self.target]
-            self._publish(keep, kind="shrink", hold=False, command=True,
-                          detail={"from": size, "to": self.target, "removed": self.members[self.target:]})
+            resize = decide_resize(members=self.members, ready=self.ready, target=self.target)
+            if isinstance(resize, Grow):
+                self._start_missing(resize.need)
+                if resize.added:
+                    self.ready = self.ready[len(resize.added):]
+                    self._publish(list(resize.members), kind="grow", hold=False, command=True,
+                                  detail={"from": size, "to": self.target, "added": list(resize.added)})
+            elif isinstance(resize, Shrink):
+                self._publish(list(resize.members), kind="shrink", hold=False, command=True,
+                              detail={"from": size, "to": self.target, "removed": list(resize.removed)})
 
     def _plan_hold(self, now: float) -> None:
-        """Holding: resume once enough workers are ready, fail after ``min_workers_timeout_s``,
-        and start the workers that are missing meanwhile."""
-        size = len(self.members)
-        if size + len(self.ready) >= self.min_workers:
-            add = self.ready[: max(self.min_workers, self.target) - size]
-            self.ready = self.ready[len(add):]
-            self._publish(self.members + add, kind="resume", hold=False, command=False)
-        elif self.hold_since is not None and now - self.hold_since > self.min_workers_timeout_s:
-            ck = self.hold_checkpoint
+        """Holding: carries out :func:`.sizing.decide_hold` (resume, give up, or start workers)."""
+        decision = decide_hold(members=self.members, ready=self.ready, target=self.target,
+                               min_workers=self.min_workers, timeout_s=self.min_workers_timeout_s,
+                               held_s=now - self.hold_since if self.hold_since is not None else None,
+                               replace_failed=self.replace_failed, checkpoint=self.hold_checkpoint,
+                               step=self.last_step)
+        if isinstance(decision, Resume):
+            self.ready = self.ready[len(decision.added):]
+            self._publish(list(decision.members), kind="resume", hold=False, command=False)
+        elif isinstance(decision, GiveUp):
             for w in self.members:
                 self.coord.point(w, self.assigned[w], protocol.FAIL)
-            raise JobFailed(
-                f"only {size} worker{'s' if size != 1 else ''} left, below min_workers={self.min_workers}, "
-                f"and no replacement arrived within {self.min_workers_timeout_s:g} s; the state at step "
-                f"{self.last_step} is in {ck}. Continue with `virtualflow run ... --resume RUN_DIR`, "
-                f"lower min_workers, or use replace_failed (--replace-failed)"
-            )
-        elif self.replace_failed or self.target > size:
-            self._start_missing(max(self.min_workers, self.target) - size)
+            raise JobFailed(decision.message)
+        elif isinstance(decision, StartWorkers):
+            self._start_missing(decision.count)
 
     def _reconfigure(self) -> bool:
         """Bamboo: ready newcomers take back the stages a failover gave to other workers
@@ -563,19 +502,16 @@ class MembershipController:
         self.noticed = noticed
         if not noticed:
             return False
-        members = list(self.members)
         if self.stages is not None and self.redundancy:
             return self._planned_failover(noticed)
-        if self.stages is not None:
-            keep = whole_replicas(members, set(noticed), self.stages)
-        else:
-            keep = [w for w in members if w not in noticed]
-        if not keep or len(keep) < self.min_workers:
+        release = decide_release(members=self.members, noticed=noticed, stages=self.stages,
+                                 min_workers=self.min_workers)
+        if isinstance(release, NoChange):
             return False  # nothing to hand over to: the notice runs out and the loss is a failure
         target = self.target
         self.noticed = []
-        self.publish(keep, kind="preempted", detail={"noticed": noticed, "removed": [w for w in members
-                                                                                     if w not in keep]})
+        self.publish(list(release.members), kind="preempted", detail={"noticed": noticed,
+                                                                      "removed": list(release.removed)})
         if self.replace_failed:
             self.target = target  # replacements start and the job grows back (_plan)
         return True
@@ -633,10 +569,9 @@ class MembershipController:
             self.coord.point(w, self.assigned.get(w, -1), str(g))
             self.assigned[w] = g
         for w in previous:
-            if w not in members and w not in self.gone:
-                self.leaving.add(w)
+            if w not in members and w not in self.liveness.gone:
+                self.liveness.leave(w)
                 self.coord.point(w, self.assigned[w], f"{protocol.LEAVE} {g}")
-                self._hb.pop(w, None)
         self.members, self.assignment, self.generation = list(members), assignment, g
         self.hold_since = self.clock() if hold and self.hold_since is None else (self.hold_since if hold else None)
         self._change = Change(g, kind, self.clock(), dict(detail or {}))

@@ -112,3 +112,46 @@ class Shrink:
     target: int
     layout: Layout | None = None
     layout_after: Layout | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Recover:
+    """After a loss: ``members`` go on in the next generation (a ``hold`` when they are fewer
+    than ``min_workers``), the job's size becomes ``target``, ``replacements`` workers start."""
+
+    members: tuple[int, ...]
+    target: int
+    replacements: int
+    hold: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    """Holding, enough workers are ready: ``added`` join the members and training resumes."""
+
+    members: tuple[int, ...]
+    added: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StartWorkers:
+    """Start workers so that ``count`` newcomers are on their way (ready, pending or new)."""
+
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class GiveUp:
+    """The membership cannot go on: the job fails with ``message`` (cause, then what helps)."""
+
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Grow:
+    """The job grows by ``need`` workers: newcomers are started until ``need`` are on their way;
+    once ``need`` are ready, ``added`` (empty until then) join ``members``, the new rank order."""
+
+    members: tuple[int, ...]
+    added: tuple[int, ...]
+    need: int
