@@ -63,7 +63,7 @@ class MembershipController:
     ``redundancy`` for Bamboo's redundant stages, ``last_step`` the step a resumed run starts
     at) and the controller's own tuning. Everything is given here: nothing configures it later.
 
-    Size: about 520 lines in one class on purpose: it is the membership's one actor, and every
+    Size: about 540 lines in one class on purpose: it is the membership's one actor, and every
     rule above reads and writes the same fields (members, assigned pointers, the phase and the
     change in flight) and publishes through one path (:meth:`_publish`); what needs none of
     them is elsewhere: the decisions in the pure policies (:mod:`.speed`, :mod:`.failover`,
@@ -241,10 +241,11 @@ class MembershipController:
     # -- the loop body --------------------------------------------------------------------------
     def tick(self, reports: Sequence[dict[str, Any]]) -> None:
         """One loop step: fold ``reports`` in, judge exits and heartbeats, then handle failures
-        or plan. Raises :class:`JobFailed` (phase ``failed``) when the job cannot go on."""
+        or plan. Raises :class:`JobFailed` when the job cannot go on; whatever it raises ends
+        the job (the supervisor fails it), so the phase becomes ``failed`` first."""
         try:
             self._tick(reports)
-        except JobFailed as exc:
+        except Exception as exc:
             self._enter(Phase.FAILED, f"{type(exc).__name__}: {str(exc)[:200]}")
             raise
 

@@ -14,12 +14,13 @@
 * ``training``: the latest generation formed; the job trains (the controller plans resizes and
   rebalances only here).
 * ``changing``: a planned change (grow, shrink, rebalance, reconfigure, preemption, resume, a
-  deciders' publish) is published and has not formed.
+  generation of members the autoscaler chose) is published and has not formed.
 * ``recovering``: a generation after a loss (a failure, a Bamboo failover, a broken generation
   retried) is published and has not formed.
 * ``holding``: fewer workers than ``min_workers``: members form the hold generation,
   checkpoint and wait for enough workers (or the timeout).
-* ``finished`` and ``failed``: terminal; nothing is published after them.
+* ``finished`` (the job's last step is done) and ``failed`` (the controller raised: the job
+  ends): terminal, never left.
 
 Invariants: the phase is one value (:class:`Phase`), changed only by the controller's
 ``_enter``, which logs every transition as ``previous -> next``; a terminal phase is never left.
