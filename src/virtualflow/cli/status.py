@@ -1,4 +1,5 @@
-"""``virtualflow status RUN_DIR``: step, generation, workers and recent step times of a run."""
+"""``virtualflow status RUN_DIR``: step, generation and membership phase, workers and recent step
+times of a run."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from virtualflow.runtime.breakdown import PARTS, Summary
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="show a run's progress and workers",
-                       description="Show the step, generation, workers (id, pid, VNs), recent step times of a "
-                                   "run and where its last steps' time went per worker.")
+                       description="Show the step, generation, membership phase, workers (id, pid, VNs), recent "
+                                   "step times of a run and where its last steps' time went per worker.")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--json", action="store_true", help="print the raw status as JSON")
     p.set_defaults(func=main)
@@ -27,7 +28,10 @@ def format_status(run_dir: str, status: dict, state: str) -> str:
     elif state == "finished":
         head += " (finished)"
     lines.append(head)
-    lines.append(f"step {status.get('step')}/{status.get('total_steps')}, generation {status.get('generation')}, "
+    # The membership controller's phase (control/membership/phases.py); a status written before
+    # the controller had named phases has none.
+    phase = f" membership {status['phase']}," if status.get("phase") else ""
+    lines.append(f"step {status.get('step')}/{status.get('total_steps')}, generation {status.get('generation')},{phase} "
                  f"target {status.get('target_workers')} workers, {status.get('failures', 0)} failure(s) survived")
     times = status.get("recent_step_times_s") or []
     if times:

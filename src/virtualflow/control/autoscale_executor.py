@@ -236,7 +236,7 @@ class AutoscaleExecutor:
                 # Fewer VNs for the straggler is a speed-based map: the controller measures every
                 # worker's time per VN anyway, so it can solve one now (and keeps the map balanced
                 # as speeds drift from here on).
-                self.ctl.balance = True
+                self.ctl.balance_by_speed()
                 self._note("rebalance-on", f"{decision.reason}: VNs are mapped by measured speed from now on "
                                            f"(the job started with balance off)")
             self._decided("rebalance", name, current, current, decision.reason, last, {"worker": decision.worker})

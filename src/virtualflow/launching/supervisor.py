@@ -182,14 +182,12 @@ class Supervisor:
         if self.job.pipeline is not None:
             stages = self.job.pipeline.stages
             extra["assign"] = lambda V, n: pipeline_assignment(V, n, stages)
+            extra.update(stages=stages, redundancy=self.job.pipeline.redundancy)
         self.controller = MembershipController(
             self.coordinator, self.backend, opts,
-            virtual_nodes=self.job.virtual_nodes, global_batch_size=self.job.global_batch_size, **extra,
+            virtual_nodes=self.job.virtual_nodes, global_batch_size=self.job.global_batch_size,
+            last_step=setup.resume_step, **extra,
         )
-        if self.job.pipeline is not None:
-            self.controller.stages = self.job.pipeline.stages
-            self.controller.redundancy = self.job.pipeline.redundancy
-        self.controller.last_step = setup.resume_step
         self.autoscaler: AutoscaleExecutor | None = None
         if setup.autoscale is not None:
             assert setup.autoscale_limits is not None
@@ -469,6 +467,7 @@ class Supervisor:
             "total_steps": p.total_steps,
             "generation": ctl.generation,
             "formed_generation": ctl.formed,
+            "phase": ctl.phase.value,
             "balance": ctl.balance,
             "predicted_step_s": ctl.predicted_step_s,
             "measured_step_s": ctl.measured_step_s,

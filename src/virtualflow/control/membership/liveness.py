@@ -1,0 +1,79 @@
+"""Which workers are gone: exits seen through the launcher, silence seen through heartbeats.
+
+:class:`Liveness` is the membership controller's watch over its workers. Every tick
+(:meth:`Liveness.judge`) it polls the launcher's exit codes and reads each joined worker's
+heartbeat counter in the store; it returns the workers that failed, each with its cause in
+words, and kills a worker silent for longer than ``heartbeat_timeout_s`` (fencing: a worker
+judged dead must not come back and write).
+
+Invariants: a worker is judged once (``gone`` holds every worker whose exit or kill was
+handled); a planned departure (``leaving``, exit code 0) and the clean exits after the job's
+last step are not failures; a clean exit seen before the worker's last reports were read is
+judged one tick later, after those reports.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from virtualflow.comm import protocol
+from virtualflow.control.membership.interface import WorkerLauncher, describe_exit
+
+
+class Liveness:
+    """Exit codes and heartbeats of the controller's workers (see the module docstring)."""
+
+    def __init__(self, launcher: WorkerLauncher, store: Any, heartbeat_timeout_s: float) -> None:
+        self.launcher = launcher
+        self.store = store
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.gone: set[int] = set()  # exited or killed, handled
+        self.leaving: set[int] = set()  # told to leave: a clean exit is expected
+        self._exited_0: set[int] = set()  # seen exiting with code 0 one tick ago
+        self._hb: dict[int, tuple[int, float]] = {}  # joined worker -> (heartbeat count, when it last changed)
+
+    def joined(self, worker: int, now: float) -> None:
+        """``worker`` reported ``join``: its heartbeats are watched from now on."""
+        self._hb[worker] = (self.store.add(protocol.heartbeat_key(worker), 0), now)
+
+    def forget(self, worker: int) -> None:
+        """Stop watching ``worker``'s heartbeats (it failed, or leaves)."""
+        self._hb.pop(worker, None)
+
+    def leave(self, worker: int) -> None:
+        """``worker`` was told to leave: its clean exit is expected, its silence is not a failure."""
+        self.leaving.add(worker)
+        self._hb.pop(worker, None)
+
+    def judge(self, now: float, finished: bool) -> dict[int, str]:
+        """The workers that failed since the last tick, each with its cause (silent ones killed)."""
+        failed: dict[int, str] = {}
+        for wid, code in self.launcher.poll().items():
+            if code is None or wid in self.gone:
+                continue
+            if code == 0 and not finished and wid not in self.leaving and wid not in self._exited_0:
+                # A clean exit seen before the worker's last reports were read (rank 0 posts
+                # "done" and exits at once): judge it at the next tick, after those reports.
+                self._exited_0.add(wid)
+                continue
+            self.gone.add(wid)
+            if wid in self.leaving and code == 0:
+                self.leaving.discard(wid)
+                continue
+            if finished and code == 0:
+                continue
+            failed[wid] = describe_exit(code)
+        for wid, (count, t_seen) in list(self._hb.items()):
+            if finished:
+                break
+            if wid in self.gone or wid in failed:
+                self._hb.pop(wid, None)
+                continue
+            value = self.store.add(protocol.heartbeat_key(wid), 0)
+            if value != count:
+                self._hb[wid] = (value, now)
+            elif now - t_seen > self.heartbeat_timeout_s:
+                failed[wid] = f"stopped responding (no heartbeat for {now - t_seen:.1f} s); killed"
+                self.launcher.kill_worker(wid)
+                self.gone.add(wid)
+        return failed
