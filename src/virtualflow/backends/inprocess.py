@@ -18,10 +18,9 @@ from typing import Any, Sequence
 
 import torch
 
+from virtualflow.runtime.pipeline import local as in_process
 from virtualflow.runtime.pipeline.engine import StageEngine
 from virtualflow.runtime.pipeline.local import LocalDriver, PipelineDeadlock
-from virtualflow.runtime.pipeline.local import build_engine as _build_engine
-from virtualflow.runtime.pipeline.local import train_local as _train_local
 from virtualflow.runtime.pipeline.requests import StepResult
 
 __all__ = ["LocalDriver", "PipelineDeadlock", "build_engine", "eager_every_wait_from_env", "train_local"]
@@ -42,8 +41,8 @@ def build_engine(job: Any, pipeline: Any, bounds: Sequence[tuple[int, int]], sta
     :func:`eager_every_wait_from_env`."""
     if eager_every_wait is None:
         eager_every_wait = eager_every_wait_from_env()
-    return _build_engine(job, pipeline, bounds, stage_rank, dataset=dataset, deterministic=deterministic,
-                         device=device, eager_every_wait=eager_every_wait)
+    return in_process.build_engine(job, pipeline, bounds, stage_rank, dataset=dataset,
+                                   deterministic=deterministic, device=device, eager_every_wait=eager_every_wait)
 
 
 def train_local(job: Any, steps: int, *, replicas: int = 1, deterministic: bool = False,
@@ -53,5 +52,5 @@ def train_local(job: Any, steps: int, *, replicas: int = 1, deterministic: bool 
     :func:`eager_every_wait_from_env`."""
     if eager_every_wait is None:
         eager_every_wait = eager_every_wait_from_env()
-    return _train_local(job, steps, replicas=replicas, deterministic=deterministic, bounds=bounds, device=device,
-                        eager_every_wait=eager_every_wait)
+    return in_process.train_local(job, steps, replicas=replicas, deterministic=deterministic, bounds=bounds,
+                                  device=device, eager_every_wait=eager_every_wait)
