@@ -11,12 +11,14 @@ Invariants:
   interleaves micro-batches).
 - Flat layout as :class:`virtualflow.runtime.engine.BatchNormState`: per tracked layer (in
   ``module.modules()`` order), running mean then running variance.
-- A snapshot is *pending* from :meth:`PieceBatchNorm.snapshot` until :meth:`PieceBatchNorm.settle`
-  (the step applied or skipped): an interrupted step restores it (:meth:`PieceBatchNorm.rewind`).
+- A snapshot is held from :meth:`PieceBatchNorm.snapshot` until :meth:`PieceBatchNorm.settle`
+  (the step applied or skipped); :meth:`PieceBatchNorm.restore` without one changes nothing, so an
+  interrupted step can always be restored.
 
-(The VN engine's :class:`virtualflow.runtime.engine.BatchNormState` holds the same statistics with
-the same flat layout but restores in place; the two could become one class with a ``fresh``
-restore flag.)
+:class:`PieceBatchNorm` has the same methods as the one in ``runtime/batchnorm.py`` (the runtime's
+one BatchNorm state module, beside the VN engine's in-place ``BatchNormState``): once both are
+merged, this class is that one and this module keeps only :func:`statistics_numel` and
+:func:`load_statistics`.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ class PieceBatchNorm:
         return bool(self.layers)
 
     @property
-    def pending(self) -> bool:
-        """A snapshot was taken and the step has not settled yet."""
+    def snapshotted(self) -> bool:
+        """Whether a snapshot is held (taken by :meth:`snapshot`, not yet :meth:`settle`-d)."""
         return bool(self._start)
 
     def snapshot(self) -> None:
@@ -56,13 +58,9 @@ class PieceBatchNorm:
                         m.num_batches_tracked.detach().clone()) for m in self.layers]
 
     def restore(self) -> None:
+        """Back to the snapshot with fresh tensors (nothing changes without one)."""
         for m, (mean, var, count) in zip(self.layers, self._start):
             m.running_mean, m.running_var, m.num_batches_tracked = mean.clone(), var.clone(), count.clone()
-
-    def rewind(self) -> None:
-        """An interrupted step: back to the statistics of its start, if a snapshot is pending."""
-        if self and self._start:
-            self.restore()
 
     def settle(self) -> None:
         """The step is over (applied or skipped): nothing to restore if what follows fails."""

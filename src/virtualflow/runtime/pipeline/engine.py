@@ -179,7 +179,7 @@ class StageEngine:
         """An interrupted step: BatchNorm statistics (the pieces' and the replica's) back to the
         step's start, gradients dropped."""
         for bn in self.bn.values():
-            bn.rewind()
+            bn.restore()  # nothing changes where no snapshot is held
         if self.replica_of_successor is not None:
             self.replica_of_successor.rewind()
         self.optimizer.zero_grad(set_to_none=True)

@@ -144,9 +144,9 @@ def run_actions(host: ActionHost, schedule: Schedule, first_step: int, mbs: dict
                     message = [t.detach() for t in message]
             mbs[a.stage, a.microbatch] = forward(a.stage, a.microbatch, step, vn, message)
             if a.stage + 1 in host.pieces:  # pass to the next piece on this worker
-                done_mb = mbs[a.stage, a.microbatch]
-                local[("F", a.stage, a.microbatch)] = forward_message(done_mb.outputs, done_mb.rng)
-                done_mb = None
+                produced = mbs[a.stage, a.microbatch]
+                local[("F", a.stage, a.microbatch)] = forward_message(produced.outputs, produced.rng)
+                produced = None
         else:  # B, I, W
             if not backed and host.fault_point is not None:
                 backed = True

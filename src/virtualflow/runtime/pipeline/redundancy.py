@@ -240,7 +240,7 @@ class StageReplica:
     def rewind(self) -> None:
         """Undo what eager forwards did to the replica's buffers (an interrupted step)."""
         for bn in self.bn.values():
-            bn.rewind()
+            bn.restore()  # nothing changes where no snapshot is held
 
     def end_step(self, applied: bool) -> None:
         """The step committed (``applied``) or was skipped: its eager forwards go."""
