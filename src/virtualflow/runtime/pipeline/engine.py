@@ -218,8 +218,8 @@ class StageEngine:
 
     def spliced_forward(self, module: nn.Module, x: Any, entry: Eager) -> Any:
         """``module(x)`` with layers ``[reuse.lo, reuse.hi)`` taken from an eager forward."""
-        h = spliced_forward(module, x, entry, self.reuse.lo, self.reuse.hi, self.device)
-        self.reused_forwards += 1
+        h, spliced = spliced_forward(module, x, entry, self.reuse.lo, self.reuse.hi, self.device)
+        self.reused_forwards += spliced
         return h
 
     _spliced_forward = spliced_forward  # the name the unit tests call

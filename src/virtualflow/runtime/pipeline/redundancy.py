@@ -103,10 +103,13 @@ class Splice(torch.autograd.Function):
         return (None, None, None, *in_grads)
 
 
-def spliced_forward(module: nn.Module, x: Any, entry: Eager, lo: int, hi: int, device: torch.device) -> Any:
-    """``module(x)`` with layers ``[lo, hi)`` taken from an eager forward (``entry``)."""
+def spliced_forward(module: nn.Module, x: Any, entry: Eager, lo: int, hi: int,
+                    device: torch.device) -> tuple[Any, bool]:
+    """``module(x)`` with layers ``[lo, hi)`` taken from an eager forward (``entry``); and whether
+    the forward was spliced in (layer ``lo`` is one of ``module``'s)."""
     targets = dict(module.named_parameters())
     h = x
+    spliced = False
     for name, layer in module.named_children():
         i = int(name)
         if i < lo or i >= hi:
@@ -125,7 +128,8 @@ def spliced_forward(module: nn.Module, x: Any, entry: Eager, lo: int, hi: int, d
                 torch.cuda.set_rng_state(entry.rng[1], device)
             else:
                 torch.set_rng_state(entry.rng)
-    return h
+            spliced = True
+    return h, spliced
 
 
 def hand_over(step: int, stage_rank: int, p: int, successor: int, params: list[torch.Tensor],
