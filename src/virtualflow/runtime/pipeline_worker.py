@@ -41,7 +41,7 @@ from virtualflow.pipeline import Grid, Pipeline, check_workers, layers_of, resol
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.vnmap import contiguous_assignment
 from virtualflow.runtime.engine import BatchLoader, StepOutcome
-from virtualflow.runtime.pipeline import AllSum, Expect, Poll, Recv, Send, StageEngine, StageSum, StageTree, StepResult, _Reuse
+from virtualflow.runtime.pipeline import AllSum, Expect, Poll, Recv, Reuse as _Reuse, Send, StageEngine, StageSum, StageTree, StepResult
 from virtualflow.runtime.transfer import broadcast_state
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,

@@ -1,0 +1,279 @@
+"""The stage engine: one worker of a pipeline replica - its pieces, optimizer and steps.
+
+Purpose: :class:`StageEngine` holds the model pieces of one worker (stage-rank ``r`` of a pipeline
+replica: pieces ``r, r + p, ...``), adopts a generation's layout (:meth:`StageEngine.set_layout`)
+and runs steps (:meth:`StageEngine.steps`, a generator of :mod:`.requests` answered by a driver).
+It composes the package's collaborators: micro-batch preparation (:mod:`.microbatch`), the
+executor's walk of the action list (:mod:`.executor`), the flush step (:mod:`.flush`) or the
+streamed window (:mod:`.stream`), the reduction over the replicas (:mod:`.reduction`), and
+Bamboo's replica of the successor's stage (:mod:`.redundancy`).
+
+Invariants:
+
+- The engine never talks to the network: every exchange is a yielded request, so the in-process
+  and the process drivers run the same code (see :mod:`virtualflow.runtime.pipeline`).
+- ``model`` holds this worker's layers under their whole-model names, so its ``state_dict`` is
+  this worker's slice of the whole model's.
+- A step either commits (update applied, BatchNorm statistics loaded, replica refreshed) or
+  leaves every piece of state as it was at the step's start (:meth:`StageEngine.discard_step`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Generator, Sequence
+
+import torch
+from torch import nn
+
+from virtualflow.pipeline import Pipeline
+from virtualflow.plan.data import DataPlan
+from virtualflow.plan.pipeline import Schedule
+from virtualflow.plan.vnmap import TreePlan
+from virtualflow.runtime.pipeline.batchnorm import PieceBatchNorm
+from virtualflow.runtime.pipeline.executor import run_actions
+from virtualflow.runtime.pipeline.flush import FlushStep
+from virtualflow.runtime.pipeline.microbatch import MicroBatchPrep
+from virtualflow.runtime.pipeline.pieces import stage_model
+from virtualflow.runtime.pipeline.reduction import StageReducer, sum_tied
+from virtualflow.runtime.pipeline.redundancy import Eager, Reuse, StageReplica, hand_over, spliced_forward
+from virtualflow.runtime.pipeline.requests import Request, StepResult
+from virtualflow.runtime.pipeline.schedule import schedule_for
+from virtualflow.runtime.pipeline.stream import StreamWindow
+
+
+class StageEngine:
+    """One worker of a pipeline replica: its model pieces, optimizer and schedule execution."""
+
+    def __init__(
+        self,
+        *,
+        pieces: dict[int, nn.Module],
+        n_pieces: int,
+        stage_rank: int,
+        optimizer_factory: Callable[[Any], torch.optim.Optimizer],
+        scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None,
+        pipeline: Pipeline,
+        plan: DataPlan,
+        loader: Callable[[torch.Tensor], Any],
+        model_input: Callable[[Any], Any],
+        output_loss: Callable[[Any, Any], torch.Tensor],
+        seed: int,
+        batchnorm: str,
+        deterministic: bool,
+        device: torch.device,
+        tied: Sequence[tuple[torch.nn.Parameter | None, int, torch.dtype]] = (),
+        successor_pieces: dict[int, nn.Module] | None = None,
+        eager_every_wait: bool = False,
+    ) -> None:
+        self.pipeline = pipeline
+        self.tied = list(tied)
+        """Weights shared with pieces on other workers: per shared weight, this worker's copy (or
+        None), its size and dtype, in the same order on every worker (``pipeline.tied_parameters``).
+        Their gradients are summed over the copies before every update."""
+        if self.tied and (deterministic or not pipeline.flush):
+            raise ValueError("weights shared across pipeline workers need default mode and a flush schedule")
+        self.p = pipeline.stages
+        self.stage_rank = stage_rank
+        self.n_pieces = n_pieces
+        self.pieces, self.model, self.params, self.optimizer, self.scheduler = stage_model(
+            pieces, optimizer_factory, scheduler_factory)
+        self.piece_params = {k: [q for q in m.parameters() if q.requires_grad] for k, m in self.pieces.items()}
+        self.plan = plan
+        self.seed = seed
+        self.batchnorm = batchnorm
+        self.deterministic = deterministic
+        self.device = device
+        self.prep = MicroBatchPrep(plan=plan, loader=loader, model_input=model_input, output_loss=output_loss,
+                                   seed=seed, device=device, n_pieces=n_pieces, pieces=self.pieces)
+        """Inputs and outputs of this worker's pieces per micro-batch."""
+        self.bn = {k: PieceBatchNorm(m) for k, m in self.pieces.items()}
+        self.bn_numel = sum(b.numel for b in self.bn.values())
+        self.grad_numel = sum(q.numel() for q in self.params)
+        self.reducer = StageReducer(grad_numel=self.grad_numel, bn_numel=self.bn_numel, device=device)
+        """How this worker's step is summed over the replicas (by job stage after a failover)."""
+        self.replicas = 1
+        self.replica = 0
+        self.assignment: list[list[int]] = [list(range(plan.virtual_nodes))]
+        self.tree: TreePlan | None = None
+        self.timeline: list[dict[str, Any]] | None = [] if pipeline.record_timeline else None
+        self.phase = "idle"
+        self.slowdown = 1.0
+        self.pending_commit: tuple[int, Callable[[torch.Tensor], StepResult]] | None = None
+        """(step, finish) while the step's stats all-reduce runs (flush schedules): what the step
+        still does once the stats are known (the gradients are reduced by then)."""
+        self.last_commit: tuple[int, torch.Tensor] | None = None
+        """(step, stats) of the last step whose stats all-reduce completed here."""
+        self.prev_version: dict[int, dict[str, torch.Tensor]] | None = None
+        """``2bw``: per piece, the weights after the second-to-last update (the version the next
+        window's first step runs on); ``None`` before the first update."""
+        self.fault_point: Callable[[str], None] | None = None
+        """Fault injection (tests): called with a phase name at the points of
+        :mod:`virtualflow.runtime.faults` a step passes (first send, first backward, the commit's
+        reduction, the update)."""
+        self.replica_of_successor: StageReplica | None = None
+        """``Pipeline.redundancy``: the successor's stage, kept up to date after every step."""
+        if successor_pieces is not None:
+            if self.tied:
+                raise ValueError("Pipeline.redundancy=True does not support weights shared across pipeline workers yet")
+            self.replica_of_successor = StageReplica(successor_pieces, optimizer_factory, scheduler_factory,
+                                                     (stage_rank + 1) % self.p)
+        self.eager = pipeline.eager_forwards and self.replica_of_successor is not None
+        """``Pipeline.redundant_compute="eager"``: run the successor's forwards on the replica in
+        idle slots (:meth:`StageReplica.forward_eagerly`)."""
+        self.reuse: Reuse | None = None
+        """After a failover: the eager forwards of the stage this worker took over, used by the
+        redone step instead of running that stage's forwards again."""
+        self.reused_forwards = 0
+        """Forwards the redone step took from eager forwards (since this engine was built)."""
+        self.eager_every_wait = eager_every_wait
+        """Diagnostic: run eager forwards at every receive whose message is not there yet, bubble
+        or not, from the first step (tests use it to make the failover's reuse certain; it shows
+        what placing them in the bubbles saves). Given by whoever builds the engine (the process
+        entry point reads ``VIRTUALFLOW_EAGER_EVERY_WAIT=1``)."""
+        self.fb_times: tuple[float, float] | None = None
+        """This worker's mean forward and backward seconds per micro-batch in its last step (they
+        place eager forwards in the schedule's bubbles)."""
+        if not pipeline.flush and self.bn_numel:
+            raise ValueError(
+                f"Pipeline.schedule={pipeline.schedule!r} streams steps without a flush, which cannot keep "
+                f"BatchNorm's per-step statistics exact; use a flush schedule (1f1b, gpipe, interleaved_1f1b, "
+                f"zb_h1) for a model with BatchNorm"
+            )
+
+    # ---- membership -----------------------------------------------------------------------
+    def set_layout(self, replica: int, assignment: Sequence[Sequence[int]]) -> None:
+        """Adopt a generation: this worker is in pipeline replica ``replica``; ``assignment[j]`` are
+        the VNs replica ``j`` runs (in micro-batch order)."""
+        self.replica = replica
+        self.replicas = len(assignment)
+        self.assignment = [list(a) for a in assignment]
+        self.tree = TreePlan.build(self.assignment) if self.deterministic else None
+        vns = self.assignment[replica]
+        if not vns:
+            raise ValueError(
+                f"pipeline replica {replica} has no virtual node; every replica needs at least one: use at most "
+                f"{self.plan.virtual_nodes} replicas"
+            )
+        schedule_for(self.pipeline, len(vns), self.pipeline.window)  # validate m for this schedule now
+
+    def set_job_stages(self, stages: Sequence[tuple[int, int, int]] | None) -> None:
+        """Bamboo: this worker runs the job stages ``(stage, first layer, end layer)`` (consecutive,
+        in order) of a failed-over replica while other replicas run them on one worker each. Its
+        reductions over the replicas then go job stage by job stage, each over the workers that
+        run that stage (:attr:`StageSum.stage`), so every element is summed over the same replicas
+        in the same order as in an undisturbed run. ``None``: one reduction (one stage group)."""
+        self.reducer.set_job_stages(self.model, self.pieces, stages)
+
+    @property
+    def job_stages(self) -> list[tuple[int, torch.Tensor, torch.Tensor]] | None:
+        """Per job stage this worker runs, the indices of its gradients and BatchNorm statistics
+        (:meth:`set_job_stages`); ``None``: one stage group."""
+        return self.reducer.job_stages
+
+    def take_over(self, lo: int, hi: int, eager: dict[tuple[int, int], Eager]) -> None:
+        """After a failover: the redone step takes layers ``[lo, hi)`` (a stage this worker now
+        runs) from ``eager`` (the eager forwards of the replica it held) instead of running them."""
+        self.reuse = Reuse(lo, hi, dict(eager))
+
+    def discard_step(self) -> None:
+        """An interrupted step: BatchNorm statistics (the pieces' and the replica's) back to the
+        step's start, gradients dropped."""
+        for bn in self.bn.values():
+            bn.restore()  # nothing changes where no snapshot is held
+        if self.replica_of_successor is not None:
+            self.replica_of_successor.rewind()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def first(self) -> int:
+        return 0
+
+    @property
+    def last(self) -> int:
+        return self.n_pieces - 1
+
+    # ---- one action list --------------------------------------------------------------------
+    def steps(self, first_step: int, n_steps: int, control: int = 0) -> Generator[Request, Any, list[StepResult]]:
+        """Run steps ``first_step .. first_step + n_steps - 1`` (flush schedules: one at a time;
+        no-flush schedules: streamed as one action list). Yields requests; returns one
+        :class:`StepResult` per step."""
+        results = []
+        if self.pipeline.flush:
+            for t in range(first_step, first_step + n_steps):
+                res = yield from self._flush_step(t, control if t == first_step else 0)
+                results.append(res)
+            return results
+        return (yield from self._stream(first_step, n_steps, control))
+
+    def vn_of(self, first_step: int, mb: int, m: int) -> tuple[int, int]:
+        """(step, VN id) of micro-batch ``mb`` of an action list starting at ``first_step``."""
+        return first_step + mb // m, self.assignment[self.replica][mb % m]
+
+    def _run_actions(self, schedule: Schedule, first_step: int, mbs: dict, *, on_backward_done=None,
+                     forward=None, backward=None, eager: bool = False) -> Generator[Request, Any, float]:
+        """Run this worker's actions (:func:`~virtualflow.runtime.pipeline.executor.run_actions`);
+        returns its compute seconds."""
+        return (yield from run_actions(self, schedule, first_step, mbs, on_backward_done=on_backward_done,
+                                       forward=forward, backward=backward, eager=eager))
+
+    def spliced_forward(self, module: nn.Module, x: Any, entry: Eager) -> Any:
+        """``module(x)`` with layers ``[reuse.lo, reuse.hi)`` taken from an eager forward."""
+        h, spliced = spliced_forward(module, x, entry, self.reuse.lo, self.reuse.hi, self.device)
+        self.reused_forwards += spliced
+        return h
+
+    _spliced_forward = spliced_forward  # the name the unit tests call
+
+    # ---- flush schedules ----------------------------------------------------------------------
+    def _flush_step(self, step: int, control: int) -> Generator[Request, Any, StepResult]:
+        """One step: forwards and backwards (the executor), the reduction over the replicas, tied
+        weights, Bamboo's hand-over to the replica, then the stats all-reduce and the commit."""
+        work = FlushStep(self, step)
+        self.model.train()
+        for bn in self.bn.values():
+            if bn:
+                bn.snapshot()
+        if self.eager:
+            self.replica_of_successor.begin_step()
+        if self.reuse is not None and not any(key[0] == step for key in self.reuse.entries):
+            self.reuse = None
+        self.optimizer.zero_grad(set_to_none=True)
+        self.phase = "compute"
+        work.compute_s = yield from self._run_actions(work.schedule, step, work.mbs, forward=work.forward,
+                                                      backward=work.backward, eager=self.eager)
+        self.reuse = None
+        self.phase = "reduction"
+        bn_new, loss_total = yield from work.reduce()
+        if self.tied:
+            yield from sum_tied(self.tied, self.replica, self.device)
+        if self.replica_of_successor is not None:
+            # Bamboo: hand the predecessor what it needs to take this stage's step on its replica
+            # (reduced gradients, BatchNorm statistics, buffers) before the step commits, so a
+            # replica is never behind a committed step.
+            work.replica_update = yield from hand_over(
+                step, self.stage_rank, self.p, self.replica_of_successor.stage_rank, self.params, bn_new,
+                list(self.model.buffers()), self.device)
+        return (yield from work.finish(control, bn_new, loss_total))
+
+    # ---- no-flush schedules (2BW, asynchronous PipeDream) ---------------------------------------
+    def _snapshot(self, k: int) -> dict[str, torch.Tensor]:
+        return {name: t.detach().clone().requires_grad_(t.requires_grad)
+                for name, t in self.pieces[k].named_parameters()}
+
+    def load_prev_version(self, versions: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Adopt another worker's older weight version (2BW state moved to a newcomer)."""
+        out = {}
+        for k, v in versions.items():
+            params = dict(self.pieces[int(k)].named_parameters())
+            out[int(k)] = {n: t.detach().clone().requires_grad_(params[n].requires_grad) for n, t in v.items()}
+        self.prev_version = out
+
+    def _stream(self, first_step: int, n_steps: int, control: int) -> Generator[Request, Any, list[StepResult]]:
+        window = StreamWindow(self, first_step, n_steps, self._snapshot)
+        self.phase = "compute"
+        compute_s = yield from self._run_actions(window.schedule, first_step, window.mbs, forward=window.forward,
+                                                 backward=window.backward, on_backward_done=window.on_backward_done)
+        self.prev_version = window.older_version()
+        results = yield from window.finish(control, compute_s)
+        self.phase = "idle"
+        return results

@@ -1,0 +1,226 @@
+"""One step of a flush schedule (1F1B, GPipe, interleaved 1F1B, zero-bubble) on one worker.
+
+Purpose: what a flush step does around the executor's walk of the action list - each
+micro-batch's forward and backward, then the step's reduction over the replicas, and the commit
+(apply the update, or skip the step) once every worker knows the step's stats.
+:meth:`virtualflow.runtime.pipeline.engine.StageEngine.steps` orders these phases; this module
+holds the per-step state they share (:class:`FlushStep`).
+
+Invariants:
+
+- **BatchNorm**: every micro-batch's forward starts from the step's starting running statistics;
+  the step's new statistics are combined once (mean over the V virtual nodes, or VN 0's) and
+  loaded only when the step commits.
+- **Gradients.** Default mode: backward accumulates into ``.grad`` (micro-batches in schedule
+  order), then each piece's gradients are summed over the pipeline replicas. Deterministic mode:
+  each micro-batch's gradient vector (with BatchNorm statistics and, on the last piece, the
+  weighted loss) is kept apart and summed along the fixed VN-id tree (:mod:`virtualflow.plan.vnmap`),
+  so the result is bit-identical to the unpipelined job's for every p, d, v and schedule.
+- **Commit.** The update is applied once per step after every piece's gradients are summed; a
+  non-finite loss in any VN (learnt by every worker from one small all-reduce of the step's
+  stats) skips the step. While that all-reduce runs, the rest of the step is kept as the engine's
+  ``pending_commit``: a failure can complete the all-reduce on some members only, and the others
+  then finish the step from the stats those hand over.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generator
+
+import torch
+
+from virtualflow.comm.reduce import tree_reduce_local
+from virtualflow.runtime.pipeline.batchnorm import load_statistics
+from virtualflow.runtime.pipeline.microbatch import MicroBatch
+from virtualflow.runtime.pipeline.pieces import apply_update, flat_grads, load_grads
+from virtualflow.runtime.pipeline.requests import AllSum, Request, StepResult
+from virtualflow.runtime.pipeline.schedule import schedule_for
+
+
+class FlushStep:
+    """Step ``step`` of ``engine`` under a flush schedule: the accumulators its micro-batches fill,
+    the forward and backward the executor calls, the reduction and the commit."""
+
+    def __init__(self, engine: Any, step: int) -> None:
+        """``engine``: the :class:`~virtualflow.runtime.pipeline.engine.StageEngine` (not imported
+        here: the engine imports this module)."""
+        e = self.engine = engine
+        self.step = step
+        self.vns = e.assignment[e.replica]
+        self.m = len(self.vns)
+        self.schedule = schedule_for(e.pipeline, self.m)
+        self.V = e.plan.virtual_nodes
+        self.bn_acc = {k: torch.zeros(b.numel, device=e.device) for k, b in e.bn.items()}
+        self.bn_first: dict[int, torch.Tensor] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self.leaves: dict[int, list[torch.Tensor]] = {}  # deterministic mode: VN -> parts per piece
+        self.bn_vn: dict[tuple[int, int], torch.Tensor] = {}  # deterministic mode: (piece, VN) -> statistics
+        self.mbs: dict[tuple[int, int], MicroBatch] = {}
+        self.compute_s = 0.0
+        self.replica_update: list[torch.Tensor] | None = None
+
+    # ---- one (piece, micro-batch) ------------------------------------------------------------
+    def forward(self, k: int, mb: int, step_: int, vn: int, message) -> MicroBatch:
+        e = self.engine
+        ctx = MicroBatch()
+        bn = e.bn[k]
+        if bn:
+            bn.restore()
+        x = e.prep.inputs(k, step_, vn, message, ctx)
+        entry = e.reuse.entries.pop((step_, vn), None) if e.reuse is not None else None
+        out = e.spliced_forward(e.pieces[k], x, entry) if entry is not None else e.pieces[k](x)
+        e.prep.finish_forward(k, step_, vn, out, ctx)
+        if bn.numel:
+            if e.deterministic and e.batchnorm == "mean":
+                self.bn_vn[k, vn] = bn.flat()
+            elif e.batchnorm == "mean":
+                self.bn_acc[k] += bn.flat()
+            elif vn == 0:
+                self.bn_first[k] = bn.flat()
+        if k == e.last:
+            self.losses[vn] = ctx.outputs[0].detach()
+        return ctx
+
+    def backward(self, kind: str, k: int, mb: int, ctx: MicroBatch) -> None:
+        e = self.engine
+        outs, grads = e.prep.grad_pairs(ctx)
+        params = e.piece_params[k]
+        wants_input = [t for t in ctx.inputs if t.is_floating_point()]
+        if e.deterministic and kind in ("B", "W"):
+            for q in params:
+                q.grad = None
+        if kind == "B":
+            if params or wants_input:
+                torch.autograd.backward(outs, grads, inputs=params + wants_input)
+            if wants_input:
+                ctx.in_grads = e.prep.input_grads(ctx, [t.grad for t in wants_input])
+        elif kind == "I":
+            if wants_input:
+                got = torch.autograd.grad(outs, wants_input, grads, retain_graph=True, allow_unused=True)
+                ctx.in_grads = e.prep.input_grads(ctx, got)
+        else:  # W
+            if params:
+                torch.autograd.backward(outs, grads, inputs=params)
+        if e.deterministic and kind in ("B", "W"):
+            vn = self.vns[mb % self.m]
+            parts = flat_grads(params)
+            for q in params:
+                q.grad = None
+            self.leaves.setdefault(vn, []).append((k, parts))
+
+    # ---- the step's reduction ------------------------------------------------------------------
+    def reduce(self) -> Generator[Request, Any, tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """Sum this worker's reduction vector [grads of its params | its BatchNorm statistics |
+        loss] over the replicas; the summed gradients go to ``.grad``. Returns (the new BatchNorm
+        statistics or None, the summed loss on a last-stage worker or None)."""
+        e = self.engine
+        is_last = e.last in e.pieces
+        V = self.V
+        if e.deterministic:
+            with_bn = e.bn_numel and e.batchnorm == "mean"
+
+            def leaf(vn: int) -> torch.Tensor:
+                by_piece = dict(self.leaves.pop(vn))
+                parts = [x for k in e.pieces for x in by_piece[k]]
+                if with_bn:
+                    parts += [self.bn_vn.pop((k, vn)) for k in e.pieces if e.bn[k].numel]
+                if is_last:
+                    parts.append(self.losses[vn].reshape(1))
+                return torch.cat(parts) if parts else torch.zeros(0, device=e.device)
+
+            nodes = tree_reduce_local(e.tree.per_worker[e.replica], leaf)
+            like = next(iter(nodes.values()))
+            total = yield from e.reducer.tree_by_stage(e.tree, nodes, like, bool(with_bn), is_last)
+            offset = load_grads(e.params, total)
+            bn_new = None
+            if with_bn:
+                bn_new = total[offset: offset + e.bn_numel] / V
+                offset += e.bn_numel
+            return bn_new, (total[offset] if is_last else None)
+        # [grads | BatchNorm statistics | loss], summed over the replicas in one vector; with one
+        # replica nothing is summed and the gradients stay where backward put them.
+        multi = e.replicas > 1
+        parts = flat_grads(e.params) if multi else []
+        if e.bn_numel:
+            if e.batchnorm == "mean":
+                parts += [self.bn_acc[k] for k in e.pieces if e.bn[k].numel]
+            else:
+                parts += [self.bn_first.get(k, torch.zeros(e.bn[k].numel, device=e.device))
+                          for k in e.pieces if e.bn[k].numel]
+        if is_last:
+            parts.append(torch.stack([self.losses[v] for v in self.vns]).sum().reshape(1))
+        vec = torch.cat(parts) if parts else torch.zeros(0, device=e.device)
+        offset = 0
+        if multi:
+            vec = yield from e.reducer.sum_by_stage(vec, True, bool(e.bn_numel), is_last)
+            offset = load_grads(e.params, vec)
+        bn_new = None
+        if e.bn_numel:
+            bn_new = vec[offset: offset + e.bn_numel]
+            if e.batchnorm == "mean":
+                bn_new = bn_new / V
+            offset += e.bn_numel
+        return bn_new, (vec[offset] if is_last else None)
+
+    # ---- the commit ------------------------------------------------------------------------------
+    def finish(self, control: int, bn_new: torch.Tensor | None,
+               loss_total: torch.Tensor | None) -> Generator[Request, Any, StepResult]:
+        """One small all-reduce of the step's stats (bad VNs, control, the loss from one last-stage
+        worker), then :meth:`commit`."""
+        e, V = self.engine, self.V
+        is_last = e.last in e.pieces
+        stats = torch.zeros(V + 2, dtype=torch.float64, device=e.device)
+        if is_last:
+            for v in self.vns:
+                stats[v] = float(not torch.isfinite(self.losses[v]).item())
+            if e.replica == 0:
+                stats[V + 1] = float(loss_total)
+        stats[V] = control
+        if e.fault_point is not None:
+            e.fault_point("during_reduction")
+        first_bn = e.deterministic and e.bn_numel and e.batchnorm == "first"
+        if first_bn:
+            vec = torch.cat([self.bn_first.get(k, torch.zeros(e.bn[k].numel, device=e.device)) for k in e.pieces])
+            if e.replicas == 1:
+                bn_new, first_bn = vec, False
+        # (With BatchNorm's "first" statistics over several replicas one more collective follows
+        # the stats: a step interrupted there is not finished from another member's stats.)
+        e.pending_commit = None if first_bn else (self.step, lambda st: self.commit(st, bn_new))
+        stats = yield AllSum(stats)
+        if e.fault_point is not None:
+            e.fault_point("after_reduction")  # (a "lose" fault here: the stats missed this member)
+        e.pending_commit = None
+        e.last_commit = (self.step, stats.clone())
+        if first_bn:
+            bn_new = yield from e.reducer.sum_by_stage(vec, False, True, False)
+        return self.commit(stats, bn_new)
+
+    def commit(self, stats: torch.Tensor, bn_new: torch.Tensor | None) -> StepResult:
+        """The rest of the step once the stats all-reduce is through: skip it (a bad VN) or
+        apply it. Kept as the engine's ``pending_commit`` while that all-reduce runs: a failure
+        can complete it on some members only (they apply the step), and the others then finish
+        the step from the stats those hand over."""
+        e, V = self.engine, self.V
+        bad = [v for v in range(V) if stats[v] > 0]
+        result = StepResult(self.step, float(stats[V + 1]), bad, int(round(float(stats[V]))), self.compute_s)
+        if bad:
+            for bn in e.bn.values():
+                if bn:
+                    bn.restore()
+                    bn.settle()
+            if e.replica_of_successor is not None:
+                e.replica_of_successor.end_step(applied=False)
+            e.optimizer.zero_grad(set_to_none=True)
+            e.phase = "idle"
+            return result
+        e.phase = "apply"
+        if bn_new is not None:
+            load_statistics(e.bn, bn_new)
+        for bn in e.bn.values():
+            bn.settle()  # a failure after this step (at its boundary) must not undo it
+        apply_update(e.optimizer, e.scheduler)
+        if self.replica_update is not None:
+            e.replica_of_successor.apply(self.replica_update)
+            e.replica_of_successor.end_step(applied=True)
+        e.phase = "idle"
+        return result

@@ -1,0 +1,207 @@
+"""A pipelined job's workers in one process: building their engines, and a cooperative driver.
+
+:class:`LocalDriver` runs every worker of a pipelined job in this process, one at a time: a worker
+runs until it asks for a message that has not been sent yet or joins a collective, and a
+collective completes when all its members have joined. It answers the same requests as the
+process driver (:func:`virtualflow.runtime.pipeline_worker.drive`), so what is proven here holds
+there: ``tests/test_pipeline_engine.py`` proves the executor's semantics with it, and
+:func:`train_local` trains a pipelined job without processes (profiling, notebooks).
+
+Invariants: single-threaded, so handing the global random generator from piece to piece is safe;
+a collective completes only when every member has joined it; a state in which no worker can
+move raises :class:`PipelineDeadlock` (naming every worker's pending request) instead of hanging.
+Nothing here reads the environment: the diagnostic ``eager_every_wait`` is an argument
+(:mod:`virtualflow.backends.inprocess` gives it its default from ``VIRTUALFLOW_EAGER_EVERY_WAIT``).
+(Moved from ``runtime/pipeline_local.py``, which re-exports it.)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from virtualflow.pipeline import Pipeline
+from virtualflow.plan.data import DataPlan
+from virtualflow.plan.vnmap import Node, split
+from virtualflow.runtime.pipeline.engine import StageEngine
+from virtualflow.runtime.pipeline.requests import AllSum, Expect, Poll, Recv, Send, StageSum, StageTree, StepResult
+from virtualflow.runtime.pipeline.wire import MsgKey
+
+__all__ = ["LocalDriver", "PipelineDeadlock", "build_engine", "train_local"]
+
+
+# ---- building the engines of a job ------------------------------------------------------------
+def build_engine(job: Any, pipeline: Pipeline, bounds: Sequence[tuple[int, int]], stage_rank: int, *,
+                 dataset: Any, deterministic: bool, device: torch.device,
+                 eager_every_wait: bool = False) -> StageEngine:
+    """Build worker ``stage_rank``'s engine: the whole model from the job's seed (so every worker's
+    pieces start from the same weights as the unpipelined model), then only its pieces kept.
+    ``eager_every_wait``: :attr:`StageEngine.eager_every_wait` (a diagnostic)."""
+    from virtualflow.pipeline import layers_of, piece_module, successor_pieces, tied_for_worker
+    from virtualflow.runtime.engine import BatchLoader
+
+    torch.manual_seed(job.seed)
+    layers = [layer.to(device) for layer in layers_of(job.model())]
+    p = pipeline.stages
+    pieces = {k: piece_module(layers, a, b) for k, (a, b) in enumerate(bounds) if k % p == stage_rank}
+    plan = DataPlan(len(dataset), job.global_batch_size, job.virtual_nodes, job.seed)
+    return StageEngine(
+        pieces=pieces, n_pieces=len(bounds), stage_rank=stage_rank, optimizer_factory=job.optimizer,
+        scheduler_factory=job.lr_scheduler, pipeline=pipeline, plan=plan,
+        loader=BatchLoader(dataset, job.collate_fn), model_input=job.input_of, output_loss=job.output_loss,
+        seed=job.seed, batchnorm=job.batchnorm, deterministic=deterministic, device=device,
+        tied=tied_for_worker(layers, bounds, p, stage_rank),
+        successor_pieces=successor_pieces(pipeline, layers, bounds, stage_rank),
+        eager_every_wait=eager_every_wait,
+    )
+
+
+class PipelineDeadlock(RuntimeError):
+    """No worker of an in-process pipeline can move (a schedule the checker would refuse)."""
+
+
+class LocalDriver:
+    """Runs the workers of a pipelined job in this process, cooperatively (one at a time).
+
+    ``engines[r]`` is worker ``r`` = stage-rank ``r % p`` of replica ``r // p``. A worker runs until
+    it asks for a message that has not been sent yet or joins a collective; a collective completes
+    when every member has joined it. Single-threaded, so the global random generator is safe to
+    hand from piece to piece.
+    """
+
+    def __init__(self, engines: Sequence[StageEngine]) -> None:
+        self.engines = list(engines)
+        self.p = engines[0].p
+        if len(engines) % self.p:
+            raise ValueError(f"{len(engines)} engines is not a multiple of stages={self.p}")
+        self.d = len(engines) // self.p
+
+    def set_layout(self, assignment: Sequence[Sequence[int]]) -> None:
+        if len(assignment) != self.d:
+            raise ValueError(f"assignment has {len(assignment)} replicas, the driver has {self.d}")
+        for r, e in enumerate(self.engines):
+            e.set_layout(r // self.p, assignment)
+
+    def run(self, first_step: int, n_steps: int, control: int = 0) -> list[StepResult]:
+        gens = [e.steps(first_step, n_steps, control) for e in self.engines]
+        pending: list[Any] = [None] * len(gens)
+        answer: list[Any] = [None] * len(gens)
+        done: list[Any] = [None] * len(gens)
+        mailbox: dict[tuple[int, int, MsgKey], list[torch.Tensor]] = {}
+        live = set(range(len(gens)))
+
+        def advance(r: int) -> None:
+            try:
+                pending[r] = gens[r].send(answer[r]) if pending[r] is not None else next(gens[r])
+            except StopIteration as stop:
+                done[r] = stop.value
+                pending[r] = None
+                live.discard(r)
+            answer[r] = None
+
+        for r in range(len(gens)):
+            advance(r)
+        while live:
+            moved = False
+            for r in sorted(live):
+                while r in live:
+                    req = pending[r]
+                    rep, sr = divmod(r, self.p)
+                    if isinstance(req, Expect):
+                        pass  # everything is in this process: nothing to post ahead
+                    elif isinstance(req, Send):
+                        mailbox[rep, req.peer, req.key] = req.tensors
+                    elif isinstance(req, Poll):
+                        answer[r] = (rep, sr, req.key) in mailbox
+                    elif isinstance(req, Recv):
+                        box = (rep, sr, req.key)
+                        if box not in mailbox:
+                            break
+                        answer[r] = mailbox.pop(box)
+                    else:
+                        break  # a collective: completed below when every member has joined
+                    advance(r)
+                    moved = True
+            moved |= self._collectives(pending, answer, live, advance)
+            if not moved and live:
+                waits = "; ".join(f"worker {r}: {pending[r]!r:.120}" for r in sorted(live))
+                raise PipelineDeadlock(f"no worker can move: {waits}")
+        return done[0]
+
+    def _collectives(self, pending, answer, live, advance) -> bool:
+        moved = False
+        everyone = list(range(len(self.engines)))
+        if all(isinstance(pending[r], AllSum) for r in everyone) and set(everyone) <= live:
+            total = pending[0].vector.clone()
+            for r in everyone[1:]:
+                total += pending[r].vector
+            for r in everyone:
+                answer[r] = total.clone()
+                advance(r)
+            return True
+        for sr in range(self.p):
+            members = [rep * self.p + sr for rep in range(self.d)]
+            reqs = [pending[r] for r in members]
+            if not all(r in live for r in members):
+                continue
+            if all(isinstance(q, StageSum) for q in reqs):
+                total = reqs[0].vector.clone()
+                for q in reqs[1:]:
+                    total += q.vector
+                for r in members:
+                    answer[r] = total.clone()
+                    advance(r)
+                moved = True
+            elif all(isinstance(q, StageTree) for q in reqs):
+                known: dict[Node, torch.Tensor] = {}
+                for q in reqs:
+                    known.update(q.nodes)
+                root = _combine(known, (0, reqs[0].plan.virtual_nodes))
+                for r in members:
+                    answer[r] = root.clone()
+                    advance(r)
+                moved = True
+        return moved
+
+
+def _combine(known: dict[Node, torch.Tensor], node: Node) -> torch.Tensor:
+    """The fixed tree's sum (as :func:`virtualflow.comm.reduce.tree_exchange` combines it)."""
+    if node in known:
+        return known[node]
+    left, right = split(node)
+    return _combine(known, left) + _combine(known, right)
+
+
+def train_local(job: Any, steps: int, *, replicas: int = 1, deterministic: bool = False,
+                bounds: Sequence[tuple[int, int]] | None = None,
+                device: torch.device = torch.device("cpu"),
+                eager_every_wait: bool = False) -> tuple[dict[str, torch.Tensor], list[StepResult]]:
+    """Train a pipelined job for ``steps`` steps with all its workers in this process; returns the
+    whole model's final state dict and one result per step. The proof harness of the executor
+    (``tests/test_pipeline_engine.py``) and a way to try a pipeline without processes.
+    ``eager_every_wait``: :attr:`StageEngine.eager_every_wait` (a diagnostic)."""
+    from virtualflow.pipeline import layers_of, resolve_bounds
+    from virtualflow.plan.vnmap import contiguous_assignment
+
+    pipeline = job.pipeline
+    dataset = job.build_dataset()
+    if bounds is None:
+        torch.manual_seed(job.seed)
+        bounds = resolve_bounds(pipeline, len(layers_of(job.model())))
+    engines = [build_engine(job, pipeline, bounds, r % pipeline.stages, dataset=dataset,
+                            deterministic=deterministic, device=device, eager_every_wait=eager_every_wait)
+               for r in range(pipeline.stages * replicas)]
+    driver = LocalDriver(engines)
+    driver.set_layout(contiguous_assignment(job.virtual_nodes, replicas))
+    history: list[StepResult] = []
+    window = 1 if pipeline.flush else pipeline.window
+    t = 0
+    while t < steps:
+        n = min(window, steps - t)
+        history += driver.run(t, n)
+        t += n
+    state: dict[str, torch.Tensor] = {}
+    for e in engines[: pipeline.stages]:
+        state.update({k: v.detach().clone() for k, v in e.model.state_dict().items()})
+    return state, history

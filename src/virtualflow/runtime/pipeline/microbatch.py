@@ -1,0 +1,124 @@
+"""Micro-batch preparation: what a piece's forward takes in and what its backward gives back.
+
+Purpose: turn a micro-batch (step, VN) into a piece's input - the VN's data on the first piece, a
+received forward message on the others - and a forward's output into what the schedule moves on
+(the next piece's message, or the weighted loss on the last piece); pair outputs with their
+gradients for the backward.
+
+Invariants:
+
+- **Micro-batch = virtual node.** The first piece loads the VN's samples (``plan.vn_indices``) and
+  seeds the random streams with ``vn_seed(seed, step, vn)``; the last piece weights the loss by
+  ``n_v / B``, exactly as the VN engine does.
+- **Random streams travel with the micro-batch**: a piece's forward continues the stream from the
+  generator state its message carries and records the state after it (:mod:`.wire`).
+- A received floating-point activation becomes a leaf that requires grad; it is cloned before the
+  piece's forward when the piece starts with an in-place operation (a leaf cannot be modified in
+  place), so its gradient can still be read after the backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from virtualflow.pipeline import tensors_of
+from virtualflow.plan.data import DataPlan, vn_seed
+from virtualflow.runtime.engine import check_loss, seed_random_streams, to_device
+from virtualflow.runtime.pipeline.wire import read_forward_message
+
+
+@dataclass(slots=True)
+class MicroBatch:
+    """What one (piece, micro-batch) holds between its forward and its backward."""
+
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    outputs: tuple[torch.Tensor, ...] = ()
+    rng: torch.Tensor | None = None
+    batch: Any = None
+    n: int = 0
+    version: dict[str, torch.Tensor] | None = None
+    out_grads: list[torch.Tensor | None] | None = None
+    in_grads: list[torch.Tensor] | None = None
+
+
+def starts_in_place(module: nn.Module) -> bool:
+    """Does ``module``'s first child contain an in-place operation (``inplace=True``)?"""
+    return any(getattr(mod, "inplace", False) for mod in next(iter(module.children()), nn.Identity()).modules())
+
+
+class MicroBatchPrep:
+    """Inputs and outputs of one worker's pieces (see the module docstring)."""
+
+    def __init__(self, *, plan: DataPlan, loader: Callable[[torch.Tensor], Any], model_input: Callable[[Any], Any],
+                 output_loss: Callable[[Any, Any], torch.Tensor], seed: int, device: torch.device,
+                 n_pieces: int, pieces: dict[int, nn.Module]) -> None:
+        self.plan = plan
+        self.loader = loader
+        self.model_input = model_input
+        self.output_loss = output_loss
+        self.seed = seed
+        self.device = device
+        self.first, self.last = 0, n_pieces - 1
+        self.clone_input = {k: starts_in_place(m) for k, m in pieces.items()}
+
+    def inputs(self, k: int, step: int, vn: int, message: list[torch.Tensor] | None, ctx: MicroBatch,
+               clone: bool | None = None) -> Any:
+        """Piece ``k``'s input for micro-batch (step, VN): the VN's data (``message`` None, with a
+        fresh random stream) or the received message's activations (its stream continued)."""
+        if message is None:  # the first piece: the VN's data, a fresh random stream
+            indices = self.plan.vn_indices(step, vn)
+            ctx.batch, ctx.n = to_device(self.loader(indices), self.device), len(indices)
+            seed_random_streams(vn_seed(self.seed, step, vn), self.device)
+            return self.model_input(ctx.batch)
+        tensors = read_forward_message(message, self.device)
+        ins = []
+        for t in tensors:
+            t = t.detach()
+            if t.is_floating_point():
+                t.requires_grad_(True)
+            ins.append(t)
+        ctx.inputs = ins
+        clone = self.clone_input[k] if clone is None else clone
+        x = [t.clone() if clone and t.is_floating_point() else t for t in ins]
+        return x[0] if len(x) == 1 else tuple(x)
+
+    def finish_forward(self, k: int, step: int, vn: int, out: Any, ctx: MicroBatch) -> None:
+        """Keep piece ``k``'s output: the weighted loss on the last piece, the activations on the
+        others; and the generator state(s) after the forward."""
+        if k == self.last:
+            if ctx.batch is None:
+                indices = self.plan.vn_indices(step, vn)
+                ctx.batch, ctx.n = to_device(self.loader(indices), self.device), len(indices)
+            loss = self.output_loss(out, ctx.batch)
+            check_loss(loss, f"Job.output_loss at step {step} in virtual node {vn}")
+            ctx.outputs = (loss * (ctx.n / self.plan.global_batch_size),)
+        else:
+            ctx.outputs = tensors_of(out)
+        if k != self.first:
+            ctx.batch = None if k != self.last else ctx.batch
+        ctx.rng = torch.get_rng_state()
+        if self.device.type == "cuda":
+            ctx.rng = (ctx.rng, torch.cuda.get_rng_state(self.device))
+
+    @staticmethod
+    def grad_pairs(ctx: MicroBatch) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """(outputs that need a backward, their gradients)."""
+        if ctx.out_grads is None:  # the last piece: the weighted loss
+            return [ctx.outputs[0]], None
+        outs, grads = [], []
+        floats = [o for o in ctx.outputs if o.is_floating_point()]
+        for o, g in zip(floats, ctx.out_grads):
+            if o.requires_grad:
+                outs.append(o)
+                grads.append(g)
+        return outs, grads
+
+    @staticmethod
+    def input_grads(ctx: MicroBatch, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        """The backward message: one gradient per floating-point input (zeros where none came)."""
+        wanted = [t for t in ctx.inputs if t.is_floating_point()]
+        return [g if g is not None else torch.zeros_like(t) for t, g in zip(wanted, grads)]

@@ -1,0 +1,123 @@
+"""Summing a stage's step over the pipeline replicas: by stage group or job stage, and tied weights.
+
+Purpose: a worker's per-step reduction vector is laid out ``[gradients of its parameters |
+BatchNorm statistics of its pieces | loss]`` (each part present as the step needs). It is summed
+over the replicas of its stage-rank - element-wise (:class:`~.requests.StageSum`, default mode)
+or along the fixed VN-id tree (:class:`~.requests.StageTree`, deterministic mode). A worker that
+runs several job stages after a Bamboo failover sums each job stage's elements over the workers
+that run that stage (:meth:`StageReducer.set_job_stages`). Weights shared by pieces on several
+workers (tied weights) have their copies' gradients summed once more over every worker
+(:func:`sum_tied`).
+
+Invariants: summation is element-wise, so a worker's slice of the sum is bit-identical to the
+same slice of the unpipelined job's sum, and a job stage reduced over its own workers sums every
+element over the same replicas in the same order as an undisturbed run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generator, Sequence
+
+import torch
+from torch import nn
+
+from virtualflow.plan.vnmap import Node, TreePlan
+from virtualflow.runtime.pipeline.batchnorm import statistics_numel
+from virtualflow.runtime.pipeline.requests import AllSum, Request, StageSum, StageTree
+
+
+class StageReducer:
+    """How one worker's reduction vector is summed over the replicas (see the module docstring)."""
+
+    def __init__(self, *, grad_numel: int, bn_numel: int, device: torch.device) -> None:
+        self.grad_numel = grad_numel
+        self.bn_numel = bn_numel
+        self.device = device
+        self.job_stages: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None
+        """Bamboo, several replicas, this worker running several job stages: per job stage, the
+        indices of its gradients and of its BatchNorm statistics in this worker's flat vectors
+        (:meth:`set_job_stages`); each job stage is reduced over its own workers."""
+
+    def set_job_stages(self, model: nn.Module, pieces: dict[int, nn.Module],
+                       stages: Sequence[tuple[int, int, int]] | None) -> None:
+        """This worker runs the job stages ``(stage, first layer, end layer)`` (consecutive, in
+        order); ``model`` holds its layers under their whole-model names. ``None``: one reduction
+        (one stage group)."""
+        if stages is None:
+            self.job_stages = None
+            return
+
+        def stage_of(layer: int) -> int:
+            for s, a, b in stages:
+                if a <= layer < b:
+                    return s
+            raise ValueError(f"layer {layer} of this worker is in none of its job stages {list(stages)}")
+
+        grad_owner = []
+        for name, q in model.named_parameters():
+            if q.requires_grad:
+                grad_owner += [stage_of(int(name.split(".")[0]))] * q.numel()
+        bn_owner = []
+        for module in pieces.values():  # the flat layout of PieceBatchNorm, layer by layer
+            for name, layer in module.named_children():
+                bn_owner += [stage_of(int(name))] * statistics_numel(layer)
+        if len(bn_owner) != self.bn_numel:
+            raise RuntimeError("BatchNorm statistics of a shared module cannot be split by job stage")
+        g, b = torch.tensor(grad_owner, dtype=torch.int64), torch.tensor(bn_owner, dtype=torch.int64)
+        self.job_stages = [(s, torch.nonzero(g == s).reshape(-1), torch.nonzero(b == s).reshape(-1))
+                           for s, _, _ in stages]
+
+    def stage_slices(self, grads: bool, bn: bool, loss: bool) -> list[tuple[int, torch.Tensor]]:
+        """Per job stage, the indices of its elements in a vector laid out [grads | BatchNorm
+        statistics | loss] (each part present as told); the loss goes with the last job stage."""
+        G = self.grad_numel if grads else 0
+        B = self.bn_numel if bn else 0
+        out = []
+        for i, (s, gi, bi) in enumerate(self.job_stages):
+            parts = ([gi] if grads else []) + ([bi + G] if bn else [])
+            if loss and i == len(self.job_stages) - 1:
+                parts.append(torch.tensor([G + B], dtype=torch.int64))
+            idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+            out.append((s, idx.to(self.device)))
+        return out
+
+    def sum_by_stage(self, vec: torch.Tensor, grads: bool, bn: bool, loss: bool) -> Generator[Request, Any, torch.Tensor]:
+        """:class:`StageSum` of ``vec``, job stage by job stage (see :meth:`set_job_stages`)."""
+        if self.job_stages is None:
+            return (yield StageSum(vec))
+        out = torch.empty_like(vec)
+        for s, idx in self.stage_slices(grads, bn, loss):
+            part = yield StageSum(vec.index_select(0, idx), stage=s)
+            out.index_copy_(0, idx, part)
+        return out
+
+    def tree_by_stage(self, tree: TreePlan, nodes: dict[Node, torch.Tensor], like: torch.Tensor, bn: bool,
+                      loss: bool) -> Generator[Request, Any, torch.Tensor]:
+        """:class:`StageTree` of ``nodes``, job stage by job stage (see :meth:`set_job_stages`):
+        the tree's sums are element-wise, so each element's sum is the undisturbed run's."""
+        if self.job_stages is None:
+            return (yield StageTree(tree, nodes, like))
+        out = torch.empty_like(like)
+        for s, idx in self.stage_slices(True, bn, loss):
+            sub = {node: t.index_select(0, idx) for node, t in nodes.items()}
+            part = yield StageTree(tree, sub, like.index_select(0, idx), stage=s)
+            out.index_copy_(0, idx, part)
+        return out
+
+
+def sum_tied(tied: Sequence[tuple[torch.nn.Parameter | None, int, torch.dtype]], replica: int,
+             device: torch.device) -> Generator[Request, Any, None]:
+    """A weight held by several workers: sum its copies' gradients (each replica's copies are
+    already summed over the replicas, so replica 0 alone contributes) and give every copy the
+    total, so all copies take the same update. ``tied``: per shared weight, this worker's copy
+    (or None), its size and dtype, in the same order on every worker."""
+    parts = []
+    for param, numel, dtype in tied:
+        grad = param.grad if param is not None and replica == 0 else None
+        parts.append(grad.reshape(-1) if grad is not None else torch.zeros(numel, dtype=dtype, device=device))
+    total = yield AllSum(torch.cat(parts))
+    offset = 0
+    for param, numel, _ in tied:
+        if param is not None:
+            param.grad = total[offset: offset + numel].view_as(param).clone()
+        offset += numel

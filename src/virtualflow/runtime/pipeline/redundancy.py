@@ -1,0 +1,291 @@
+"""Bamboo's redundancy: a replica of the successor's stage, its eager forwards, and their reuse.
+
+Purpose: with ``Pipeline.redundancy`` every worker holds a copy of its successor's stage
+(:class:`StageReplica`), kept up to date after every step from the successor's reduced gradients
+(:func:`hand_over`), so a failover loses no state. With ``redundant_compute="eager"`` the worker
+also runs the successor's forwards of what it sent on that copy in its idle slots
+(:meth:`StageReplica.forward_eagerly`) and keeps them until the step commits; after a failover the
+redone step splices them in (:class:`Reuse`, :func:`spliced_forward`) instead of running the lost
+stage's layers again.
+
+Invariants:
+
+- The replica's update is the original's own code on the same values (same module structure,
+  optimizer class and hyperparameters, scheduler, gradients, BatchNorm statistics and buffers),
+  so the replica equals the original bit for bit after every step, whatever the optimizer.
+- The hand-over happens before the step commits, so a replica is never behind a committed step;
+  a skipped or interrupted step leaves the replica as it was (:meth:`StageReplica.end_step`,
+  :meth:`StageReplica.rewind`).
+- A spliced forward gives the values of running the layers again (same weights, same inputs,
+  same random stream): loss, gradients, BatchNorm statistics and the random stream after it are
+  bit-identical.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Generator
+
+import torch
+from torch import nn
+
+from virtualflow.pipeline import tensors_of
+from virtualflow.runtime.pipeline.batchnorm import PieceBatchNorm, load_statistics
+from virtualflow.runtime.pipeline.microbatch import MicroBatch, MicroBatchPrep, starts_in_place
+from virtualflow.runtime.pipeline.pieces import apply_update, flat_grads, load_grads, stage_model
+from virtualflow.runtime.pipeline.requests import Expect, Recv, Request, Send
+from virtualflow.runtime.pipeline.wire import replica_key, replica_update
+
+
+@dataclass(slots=True)
+class Eager:
+    """One eager redundant forward: the successor stage's forward of one micro-batch, run on this
+    worker's replica, kept (graph included) until the step commits."""
+
+    inputs: list[torch.Tensor]
+    """The forward's input leaves (the message's tensors; empty for the first stage: its data)."""
+    outputs: tuple[torch.Tensor, ...]
+    single: bool
+    """The stage returned one tensor (not a tuple)."""
+    rng: Any
+    """The random generator state(s) after the forward."""
+    buffers: dict[str, torch.Tensor]
+    """The replica's buffers after the forward (BatchNorm statistics), by whole-model name."""
+    params: dict[str, torch.Tensor]
+    """The replica's parameters the graph uses, by whole-model name."""
+
+
+@dataclass
+class Reuse:
+    """A failed-over worker's eager forwards of the stage it took over (layers ``[lo, hi)`` of the
+    whole model), for the redone step: (step, VN) -> forward."""
+
+    lo: int
+    hi: int
+    entries: dict[tuple[int, int], Eager]
+
+
+class Splice(torch.autograd.Function):
+    """Put an eager forward's outputs in place of running layers ``[lo, hi)`` again: forward gives
+    the kept outputs; backward runs the kept graph, adds its parameter gradients to the layers that
+    run the stage now (``targets``: whole-model name -> parameter) and hands the input gradients to
+    the live graph below. The values are those of running the layers again (same weights, same
+    inputs, same random stream), so the step is unchanged."""
+
+    @staticmethod
+    def forward(ctx, entry: Eager, targets: dict[str, torch.Tensor], anchor: torch.Tensor, *live: torch.Tensor):
+        ctx.entry, ctx.targets = entry, targets
+        outs = tuple(o.detach().clone() for o in entry.outputs)
+        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        entry, targets = ctx.entry, ctx.targets
+        outs, gs = [], []
+        for o, g in zip(entry.outputs, grads):
+            if o.is_floating_point() and o.requires_grad and g is not None:
+                outs.append(o)
+                gs.append(g)
+        ins = [t for t in entry.inputs if t.requires_grad]
+        names = [n for n, q in entry.params.items() if q.requires_grad]
+        wrt = ins + [entry.params[n] for n in names]
+        got = (torch.autograd.grad(outs, wrt, gs, allow_unused=True) if outs and wrt
+               else (None,) * len(wrt))
+        for n, g in zip(names, got[len(ins):]):
+            if g is not None:
+                q = targets[n]
+                q.grad = g if q.grad is None else q.grad + g
+        it = iter(got[:len(ins)])
+        in_grads = [next(it) if t.requires_grad else None for t in entry.inputs]
+        ctx.entry = ctx.targets = None
+        return (None, None, None, *in_grads)
+
+
+def spliced_forward(module: nn.Module, x: Any, entry: Eager, lo: int, hi: int,
+                    device: torch.device) -> tuple[Any, bool]:
+    """``module(x)`` with layers ``[lo, hi)`` taken from an eager forward (``entry``); and whether
+    the forward was spliced in (layer ``lo`` is one of ``module``'s)."""
+    targets = dict(module.named_parameters())
+    h = x
+    spliced = False
+    for name, layer in module.named_children():
+        i = int(name)
+        if i < lo or i >= hi:
+            h = layer(h)
+        elif i == lo:
+            live = tensors_of(h) if entry.inputs else ()
+            anchor = torch.zeros((), device=device, requires_grad=True)
+            outs = Splice.apply(entry, targets, anchor, *live)
+            h = outs[0] if entry.single else tuple(outs)
+            with torch.no_grad():
+                for bname, value in entry.buffers.items():
+                    owner, _, leaf = bname.rpartition(".")
+                    setattr(module.get_submodule(owner) if owner else module, leaf, value.clone())
+            if isinstance(entry.rng, tuple):
+                torch.set_rng_state(entry.rng[0])
+                torch.cuda.set_rng_state(entry.rng[1], device)
+            else:
+                torch.set_rng_state(entry.rng)
+            spliced = True
+    return h, spliced
+
+
+def hand_over(step: int, stage_rank: int, p: int, successor: int, params: list[torch.Tensor],
+              bn_new: torch.Tensor | None, buffers: list[torch.Tensor],
+              device: torch.device) -> Generator[Request, Any, list[torch.Tensor]]:
+    """Send this stage's step ``step`` (reduced gradients in ``.grad``, new BatchNorm statistics,
+    buffers) to the predecessor, which holds this stage's replica, and receive the successor's
+    step for the replica this worker holds; returns the successor's message."""
+    grads = flat_grads(params)
+    message = replica_update(torch.cat(grads) if grads else torch.zeros(0, device=device),
+                             bn_new if bn_new is not None else torch.zeros(0, device=device),
+                             [b.detach() for b in buffers])
+    yield Expect(successor, replica_key(successor, step))
+    yield Send((stage_rank - 1) % p, replica_key(stage_rank, step), message)
+    return (yield Recv(successor, replica_key(successor, step)))
+
+
+class StageReplica:
+    """A copy of another worker's stage (Bamboo's redundant stage): its pieces, optimizer and
+    scheduler, taking the same update as the original from the original's reduced gradients
+    (see the module docstring)."""
+
+    def __init__(self, pieces: dict[int, nn.Module], optimizer_factory: Callable[[Any], torch.optim.Optimizer],
+                 scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None, stage_rank: int) -> None:
+        self.stage_rank = stage_rank
+        self.pieces, self.model, self.params, self.optimizer, self.scheduler = stage_model(
+            pieces, optimizer_factory, scheduler_factory)
+        self.bn = {k: PieceBatchNorm(m) for k, m in self.pieces.items()}
+        self.clone_input = any(starts_in_place(m) for m in self.pieces.values())
+        self.refresh_s = 0.0
+        """Time spent taking the original's steps (the redundant compute), in seconds."""
+        self.eager: dict[tuple[int, int], Eager] = {}
+        """This step's eager forwards, (step, VN) -> forward (``Pipeline.redundant_compute``)."""
+        self.forward_s = 0.0
+        """Time spent in eager redundant forwards, in seconds."""
+        self.forwards = 0
+        """Eager redundant forwards run."""
+        self.skipped = 0
+        """Forwards no idle slot was left for (a failover recomputes them)."""
+        self.last_forward_s: float | None = None
+        self.kept_bytes = 0
+        self.peak_kept_bytes = 0
+        """The most bytes one step's eager forwards held (activations their graphs saved and their
+        outputs; the weights they share with the replica not counted)."""
+
+    def forward_est(self, default: float) -> float:
+        """Seconds the next eager forward should take: the last one's, else ``default``."""
+        return self.last_forward_s if self.last_forward_s is not None else default
+
+    def forward_eagerly(self, step: int, vn: int, message: list[torch.Tensor] | None, prep: MicroBatchPrep,
+                        slowdown: float) -> None:
+        """Bamboo's eager redundant computation: the successor stage's forward of micro-batch
+        (step, VN) on this replica, from the message the holder sent the successor (or the VN's
+        data for the first stage), kept with its graph until the step commits."""
+        (k, module), = self.pieces.items()
+        device = prep.device
+        t0 = time.perf_counter()
+        bn = self.bn[k]
+        if bn:
+            bn.restore()
+        ctx = MicroBatch()
+        x = prep.inputs(k, step, vn, message, ctx, clone=self.clone_input)
+        weights = {q.untyped_storage().data_ptr() for q in module.parameters()}
+        kept: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:  # what the kept graph holds (weights aside)
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in weights:
+                kept[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = module(x)
+        try:
+            outs = tensors_of(out)
+        except TypeError:  # a model output of another kind (the last stage's): not kept
+            outs = None
+        if outs is not None:
+            rng = torch.get_rng_state()
+            if device.type == "cuda":
+                rng = (rng, torch.cuda.get_rng_state(device))
+            self.eager[step, vn] = Eager(
+                inputs=list(ctx.inputs), outputs=outs, single=isinstance(out, torch.Tensor), rng=rng,
+                buffers={n: b.detach().clone() for n, b in module.named_buffers()},
+                params=dict(module.named_parameters()))
+            for t in outs:
+                kept.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            self.kept_bytes += sum(kept.values())
+            self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes)
+        t1 = time.perf_counter()
+        if slowdown > 1.0:
+            time.sleep((slowdown - 1.0) * (t1 - t0))
+        dt = time.perf_counter() - t0
+        self.forward_s += dt
+        self.forwards += 1
+        self.last_forward_s = dt
+
+    def layer_range(self) -> tuple[int, int]:
+        """The whole-model layers ``[lo, hi)`` this replica holds."""
+        names = [int(name) for mod in self.pieces.values() for name, _ in mod.named_children()]
+        return min(names), max(names) + 1
+
+    def begin_step(self) -> None:
+        """A step starts: the forwards of earlier steps go; BatchNorm statistics are restored to
+        this point before each eager forward."""
+        self.eager.clear()
+        self.kept_bytes = 0
+        for bn in self.bn.values():
+            if bn:
+                bn.snapshot()
+
+    def rewind(self) -> None:
+        """Undo what eager forwards did to the replica's buffers (an interrupted step)."""
+        for bn in self.bn.values():
+            bn.restore()  # nothing changes where no snapshot is held
+
+    def end_step(self, applied: bool) -> None:
+        """The step committed (``applied``) or was skipped: its eager forwards go."""
+        if not applied:
+            self.rewind()
+        for bn in self.bn.values():
+            bn.settle()
+        self.eager.clear()
+        self.kept_bytes = 0
+
+    def apply(self, message: list[torch.Tensor]) -> None:
+        """The original's step: ``message`` = [its reduced gradients (flat) | its new BatchNorm
+        statistics (or empty) | its buffers after the step's forwards]."""
+        t0 = time.perf_counter()
+        self._apply(message)
+        self.refresh_s += time.perf_counter() - t0
+
+    def _apply(self, message: list[torch.Tensor]) -> None:
+        grads, bn_new, *buffers = message
+        with torch.no_grad():
+            for b, value in zip(self.model.buffers(), buffers):
+                b.copy_(value)
+        if bn_new.numel():
+            load_statistics(self.bn, bn_new)
+        # views of the message (a buffer of its own), dropped after the step
+        load_grads(self.params, grads, clone=False)
+        apply_update(self.optimizer, self.scheduler)
+
+    def state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "lr_scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("lr_scheduler") is not None:
+            self.scheduler.load_state_dict(state["lr_scheduler"])
+
+    def nbytes(self) -> int:
+        """Bytes the replica holds: parameters, buffers and optimizer state."""
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        tensors += [v for st in getattr(self.optimizer, "state", {}).values() for v in st.values()
+                    if isinstance(v, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)

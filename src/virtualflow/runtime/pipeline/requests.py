@@ -1,0 +1,97 @@
+"""What a :class:`~virtualflow.runtime.pipeline.engine.StageEngine` asks of its driver, and what a
+step returns.
+
+Purpose: the engine never talks to the network itself; its step generator *yields* these
+requests and gets the answer back through ``send()``. Two drivers answer them: the process
+driver (:func:`virtualflow.runtime.pipeline_worker.drive`, torch.distributed over the
+generation's groups) and the in-process one (:class:`virtualflow.runtime.pipeline.local.LocalDriver`).
+
+Invariants: a :class:`Send` never blocks; a :class:`Recv` blocks until its message is there (the
+schedule checker proves no deadlock under exactly these rules); :class:`Expect` and :class:`Poll`
+never block; the collectives (:class:`StageSum`, :class:`StageTree`, :class:`AllSum`) complete
+when every member has joined and give every member the same sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from virtualflow.plan.vnmap import Node, TreePlan
+from virtualflow.runtime.pipeline.wire import MsgKey
+
+
+@dataclass(slots=True)
+class Send:
+    peer: int
+    """Stage-rank of the receiver in the same pipeline replica."""
+    key: MsgKey
+    tensors: list[torch.Tensor]
+
+
+@dataclass(slots=True)
+class Recv:
+    peer: int
+    key: MsgKey
+
+
+@dataclass(slots=True)
+class Expect:
+    """A hint, no answer expected: ``Recv(peer, key)`` will come soon. A process driver posts
+    the receive now, so the message moves as soon as it is sent instead of when it is needed."""
+
+    peer: int
+    key: MsgKey
+
+
+@dataclass(slots=True)
+class Poll:
+    """Has the message ``Recv(peer, key)`` would take arrived? Answer ``True``/``False``, never
+    blocks (eager redundant forwards run while the answer is ``False``)."""
+
+    peer: int
+    key: MsgKey
+
+
+@dataclass(slots=True)
+class StageSum:
+    """Sum ``vector`` over the pipeline replicas of this stage-rank (default mode)."""
+
+    vector: torch.Tensor
+    stage: int | None = None
+    """A job stage (a worker running several after a Bamboo failover): sum over the workers that
+    run that stage in every replica; ``None``: this worker's one stage group."""
+
+
+@dataclass(slots=True)
+class StageTree:
+    """Sum the per-VN tree nodes over the replicas of this stage-rank; the root comes back."""
+
+    plan: TreePlan
+    nodes: dict[Node, torch.Tensor]
+    like: torch.Tensor
+    stage: int | None = None
+    """As :attr:`StageSum.stage`."""
+
+
+@dataclass(slots=True)
+class AllSum:
+    """Sum ``vector`` over every worker of the job."""
+
+    vector: torch.Tensor
+
+
+Request = Send | Recv | Expect | Poll | StageSum | StageTree | AllSum
+
+
+@dataclass(slots=True)
+class StepResult:
+    """One step as a worker saw it: its loss (summed over the VNs), the VNs with a non-finite
+    loss (the step was skipped), the control value and this worker's compute seconds."""
+
+    step: int
+    loss: float
+    bad_vns: list[int]
+    control: int
+    compute_s: float

@@ -1,0 +1,64 @@
+"""The pipeline runtime package and the public ``parallel`` package keep their shape: old import
+paths still work (with a ``DeprecationWarning``), ``parallel/`` imports only ``plan/`` from
+virtualflow, and no module of the pipeline runtime reads the environment."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "virtualflow"
+
+
+def _imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module)
+    return out
+
+
+@pytest.mark.parametrize("old,names", [
+    ("virtualflow.runtime.tensor_parallel", ["MLPBlock", "TensorParallelMLP", "TokenLayout", "dropout_keep",
+                                             "DROPOUT_BLOCK_ROWS", "all_gather_rows"]),
+    ("virtualflow.tracing", ["TracedPiece", "sequential_from", "shared_parameters"]),
+    ("virtualflow.runtime.pipeline_local", ["LocalDriver", "build_engine", "train_local"]),
+])
+def test_old_paths_are_deprecated_aliases(old, names):
+    """Each old path, imported fresh (another interpreter), warns and still gives its names."""
+    code = (f"import warnings\nwarnings.simplefilter('error', DeprecationWarning)\n"
+            f"try:\n    import {old}\nexcept DeprecationWarning as w:\n    print('warned', w)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.startswith("warned"), out.stdout + out.stderr
+    with pytest.warns(DeprecationWarning):
+        sys.modules.pop(old, None)
+        module = importlib.import_module(old)
+    assert all(hasattr(module, n) for n in names)
+
+
+def test_the_pipeline_package_keeps_the_names_others_import():
+    import virtualflow.runtime.pipeline as p
+
+    for name in ("AllSum", "Expect", "MsgKey", "Poll", "Recv", "Send", "StageEngine", "StageSum", "StageTree",
+                 "StepResult", "Reuse", "Eager", "idle_slots", "schedule_for", "_Reuse", "_Eager"):
+        assert hasattr(p, name), name
+
+
+def test_parallel_imports_only_plan():
+    for path in (SRC / "parallel").glob("*.py"):
+        inside = {m for m in _imports(path) if m.startswith("virtualflow")}
+        bad = {m for m in inside if not m.startswith(("virtualflow.plan", "virtualflow.parallel"))}
+        assert not bad, f"{path.name} imports {sorted(bad)}"
+
+
+def test_the_pipeline_runtime_reads_no_environment():
+    for path in (SRC / "runtime" / "pipeline").glob("*.py"):
+        text = path.read_text()
+        assert "os" not in _imports(path) and "os.environ" not in text and "getenv" not in text, path.name
