@@ -1,13 +1,12 @@
 """The schedule a pipeline runs, and where its bubbles are.
 
-Purpose: the one call site through which the runtime gets a
-:class:`~virtualflow.plan.pipeline.Schedule` (:func:`schedule_for`), and the idle slots of a
-schedule where eager redundant forwards go (:func:`idle_slots`).
+Purpose: the runtime's one way to a :class:`~virtualflow.plan.pipeline.Schedule`
+(:func:`schedule_for`, a call of the one schedule factory
+:func:`virtualflow.plan.pipeline.schedules.build_schedule`), and the idle slots of a schedule
+where eager redundant forwards go (:func:`idle_slots`).
 
-Invariants: schedules are pure and immutable, so they are built once per shape (cached), not once
-per step. :func:`build_schedule` is the only place here that turns a schedule name into a
-schedule; it is meant to become a call of the one schedule factory in ``plan/pipeline`` (same
-arguments, same result), and nothing else in the runtime builds schedules.
+Invariants: schedules are pure and immutable, so they are built once per shape (the factory
+caches them), not once per step; nothing in the runtime builds schedules another way.
 """
 
 from __future__ import annotations
@@ -15,30 +14,13 @@ from __future__ import annotations
 import functools
 
 from virtualflow.pipeline import Pipeline
-from virtualflow.plan.pipeline import SCHEDULES, Schedule
+from virtualflow.plan.pipeline import Schedule
+from virtualflow.plan.pipeline.schedules import build_schedule
 
 
 def schedule_for(pipeline: Pipeline, m: int, steps: int = 1) -> Schedule:
     """The schedule of ``pipeline`` for ``m`` micro-batches (and ``steps`` streamed steps)."""
-    return cached_schedule(pipeline.schedule, pipeline.stages, m, pipeline.chunks, steps)
-
-
-@functools.lru_cache(maxsize=64)
-def cached_schedule(name: str, p: int, m: int, v: int, steps: int) -> Schedule:
-    """Schedules are pure and immutable: built once per shape, not once per step."""
-    return build_schedule(name, p, m, v, steps)
-
-
-def build_schedule(name: str, p: int, m: int, v: int, steps: int) -> Schedule:
-    """Schedule ``name`` for ``p`` stages, ``m`` micro-batches, ``v`` chunks per worker
-    (interleaved) and ``steps`` streamed steps (no-flush schedules)."""
-    # Integrator: this is the call site to point at plan/pipeline's one schedule factory.
-    gen = SCHEDULES[name]
-    if name == "interleaved_1f1b":
-        return gen(p, m, v)
-    if name in ("2bw", "async"):
-        return gen(p, m, steps)
-    return gen(p, m)
+    return build_schedule(pipeline.schedule, pipeline.stages, m, pipeline.chunks, steps)
 
 
 @functools.lru_cache(maxsize=64)
@@ -50,6 +32,6 @@ def idle_slots(name: str, p: int, m: int, b_over_f: float) -> tuple[tuple[float,
     These are the schedule's bubbles, where eager redundant forwards go."""
     from virtualflow.plan.pipeline.simulate import simulate
 
-    sim = simulate(cached_schedule(name, p, m, 1, 1), 1.0, b_over_f)
+    sim = simulate(build_schedule(name, p, m, 1, 1), 1.0, b_over_f)
     return tuple(tuple(float(sl.end - sl.start) if sl.action.kind in ("RECV_F", "RECV_B") else 0.0 for sl in rank)
                  + (float(sim.step_time - (rank[-1].end if rank else 0)),) for rank in sim.timeline)
