@@ -72,6 +72,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from bench import harness as H
+from bench.harness import emulated as harness_emulated
+from bench.harness.emulated import EnvSeconds
 
 NAME = "bamboo"
 TARGET_KEYS = ("redundancy_overhead", "redundancy_overhead_lazy", "failover_slowdown", "failover_s")
@@ -87,37 +89,13 @@ NOT_MEASURED = "default, not measured"
 # The workload: sleep-emulated Linear layers with real parameters (imported by the workers).
 
 
-class _EmulatedLinear(torch.autograd.Function):
-    """Identity on the activations that sleeps ``f_s`` forward and ``b_s`` backward and gives the
-    weight and bias the fixed gradients ``gw``, ``gb`` (autograd accumulates them as real ones)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, f_s: float, b_s: float, gw, gb):
-        ctx.b_s, ctx.gw, ctx.gb = b_s, gw, gb
-        time.sleep(f_s)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.b_s)
-        return grad, ctx.gw, ctx.gb, None, None, None, None
-
-
-class EmulatedLinear(nn.Module):
+class EmulatedLinear(harness_emulated.EmulatedLinear):
     """An ``nn.Linear(width, width)``'s parameters; compute replaced by sleeps (``VF_BAMBOO_F_S`` /
-    ``VF_BAMBOO_B_S`` seconds per micro-batch, set by the launcher from its calibration)."""
+    ``VF_BAMBOO_B_S`` seconds per micro-batch, set by the launcher from its calibration); the fixed
+    gradients are made once."""
 
     def __init__(self, width: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(width, width) / width ** 0.5)
-        self.bias = nn.Parameter(torch.zeros(width))
-        # Plain attributes, not buffers: buffers travel in the replica message.
-        self._gw = torch.full((width, width), 1e-4)
-        self._gb = torch.full((width,), 1e-4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _EmulatedLinear.apply(x, self.weight, self.bias, float(os.environ.get("VF_BAMBOO_F_S", "0.002")),
-                                     float(os.environ.get("VF_BAMBOO_B_S", "0.004")), self._gw, self._gb)
+        super().__init__(width, EnvSeconds("VF_BAMBOO_F_S", 0.002), EnvSeconds("VF_BAMBOO_B_S", 0.004))
 
 
 def _width() -> int:

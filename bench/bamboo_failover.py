@@ -72,10 +72,9 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
-from torch import nn
-from torch.utils.data import TensorDataset
 
 from bench import harness as H
+from bench.harness.sleep_stages import adamw, configure_stages, data, model, output_loss
 
 NAME = "bamboo_failover"
 TARGET_KEYS = ("failover_s", "failover_slowdown", "replay_error", "value_vs_on_demand", "value_vs_checkpoint")
@@ -108,59 +107,8 @@ EARLIER_RUNS = (
 
 
 # --------------------------------------------------------------------------------------------
-# The workload (module level: the worker processes import it). Shape from VF_BF_* variables.
-
-
-class _Sleep(torch.autograd.Function):
-    """Identity on the activations; sleeps ``f_s`` forward and ``b_s`` backward and gives the
-    weight and bias fixed gradients of their size (accumulated by autograd like real ones)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, f_s: float, b_s: float):
-        ctx.b_s = b_s
-        ctx.shapes = (weight.shape, bias.shape)
-        time.sleep(f_s)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.b_s)
-        return grad, torch.full(ctx.shapes[0], 1e-4), torch.full(ctx.shapes[1], 1e-4), None, None
-
-
-class SleepStage(nn.Module):
-    """One stage: a real ``width x width`` weight and bias; compute replaced by sleeps."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(width, width) / width ** 0.5)
-        self.bias = nn.Parameter(torch.zeros(width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        env = os.environ
-        return _Sleep.apply(x, self.weight, self.bias, float(env.get("VF_BF_F_S", "0.012")),
-                            float(env.get("VF_BF_B_S", "0.024")))
-
-
-def _width() -> int:
-    return int(os.environ.get("VF_BF_WIDTH", "1024"))
-
-
-def model() -> nn.Sequential:
-    return nn.Sequential(*[SleepStage(_width()) for _ in range(int(os.environ.get("VF_BF_STAGES", "3")))])
-
-
-def data() -> TensorDataset:
-    g = torch.Generator().manual_seed(5)
-    return TensorDataset(torch.randn(512, _width(), generator=g), torch.zeros(512, 1))
-
-
-def output_loss(out: torch.Tensor, batch) -> torch.Tensor:
-    return (out - batch[1]).pow(2).mean()
-
-
-def adamw(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-4)
+# The workload: bench/harness/sleep_stages.py's sleep-emulated stages (shape from VF_BF_*
+# variables); the job around them from VF_BF_M / VF_BF_MB / VF_BF_COMPUTE.
 
 
 def failover_job():
@@ -175,8 +123,8 @@ def failover_job():
 
 
 def configure(args) -> None:
-    os.environ.update(VF_BF_WIDTH=str(args.width), VF_BF_STAGES=str(args.stages), VF_BF_M=str(args.m),
-                      VF_BF_MB=str(args.mb), VF_BF_F_S=str(args.f_ms / 1e3), VF_BF_B_S=str(args.b_ms / 1e3))
+    os.environ.update(configure_stages(width=args.width, stages=args.stages, f_ms=args.f_ms, b_ms=args.b_ms),
+                      VF_BF_M=str(args.m), VF_BF_MB=str(args.mb))
 
 
 def nominal_full_s(args) -> float:

@@ -71,6 +71,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from bench import harness as H
+from bench.harness.emulated import sleep_through
 
 NAME = "pipeline"
 MODULE = "bench.pipeline"
@@ -424,21 +425,6 @@ def summarize_vs(vs: dict, args, targets: H.Targets | None) -> dict:
 # (2) + (3) emulated compute: sleep-paced layers, p = 4.
 
 
-class _Pace(torch.autograd.Function):
-    """Identity whose backward sleeps ``seconds`` (the emulated backward work on its path)."""
-
-    @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        if ctx.seconds > 0:
-            time.sleep(ctx.seconds)
-        return g, None
-
-
 class PacedLayer(nn.Module):
     """Forward sleeps ``f``; backward sleeps ``i`` on the input-gradient path and ``w`` on the
     weight-gradient path; ``x * gain + bias`` saves tensors for backward like a real layer."""
@@ -450,8 +436,7 @@ class PacedLayer(nn.Module):
         self.f, self.i, self.w = f, i, w
 
     def forward(self, x):
-        time.sleep(self.f)
-        return _Pace.apply(x, self.i) * _Pace.apply(self.gain, self.w) + self.bias
+        return sleep_through(x, self.f, self.i) * sleep_through(self.gain, 0.0, self.w) + self.bias
 
 
 def emu_data() -> TensorDataset:
