@@ -509,10 +509,6 @@ def simulate(const_path: str, stages: int) -> dict:
 # Report.
 
 
-def _mib(b: float) -> str:
-    return f"{b / 2 ** 20:.1f} MiB"
-
-
 def _triples_table(ov: dict) -> str:
     rows = []
     for i, t in enumerate(ov["triples"]):
@@ -531,7 +527,7 @@ def _coverage_table(ov: dict) -> str:
                        "seconds in them per step (ms)", "memory kept (peak per step)"],
                       [[w, str(c["forwards"]), str(c["skipped"]), f"{100 * c['covered']:.1f} %" if c["covered"] is not None
                         else "-", f"{c['forwards_per_step']:.2f}", f"{1e3 * c['seconds_per_step']:.1f}",
-                        _mib(c["peak_bytes"])]
+                        H.mib(c["peak_bytes"])]
                        for w, c in ov["coverage"].items()])
 
 
@@ -697,12 +693,12 @@ def markdown(run: H.Run, args, cal: dict, ov: dict, small: dict | None, rep: dic
         H.md_table(["worker (stage)", "replica of stage", "replica bytes (`StageReplica.nbytes()`)",
                     "successor's params + buffers + optimizer state", "message bytes per step",
                     "replica apply (ms)", "own optimizer step (ms)", "cat of the gradients (ms)"],
-                   [[str(r["worker"]), str(r["replica_of"]), f"{r['replica_bytes']:,} ({_mib(r['replica_bytes'])})",
-                     f"{r['expected_bytes']:,}", f"{r['message_bytes']:,} ({_mib(r['message_bytes'])})",
+                   [[str(r["worker"]), str(r["replica_of"]), f"{r['replica_bytes']:,} ({H.mib(r['replica_bytes'])})",
+                     f"{r['expected_bytes']:,}", f"{r['message_bytes']:,} ({H.mib(r['message_bytes'])})",
                      f"{1e3 * r['replica_apply_s']:.1f}", f"{1e3 * r['own_optimizer_step_s']:.1f}",
                      f"{1e3 * r['message_cat_s']:.1f}"] for r in rep["workers"]]), "",
         f"Extra bytes sent per step (all workers): {rep['message_bytes_per_step']:,} "
-        f"({_mib(rep['message_bytes_per_step'])}): one message per worker of its stage's reduced gradients "
+        f"({H.mib(rep['message_bytes_per_step'])}): one message per worker of its stage's reduced gradients "
         f"(+ BatchNorm statistics and buffers; none here). The replica holds parameters + buffers + AdamW state "
         f"(exp_avg, exp_avg_sq, step) = about 3x the successor's parameter bytes. Timed in-process after a step "
         f"(1 thread): `StageReplica.apply` (clone of the gradients + AdamW step) and, for comparison, the stage's "

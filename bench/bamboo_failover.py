@@ -547,7 +547,7 @@ def write_constants(run: H.Run, ks: dict, env: dict) -> dict:
     sources.update({
         "failover_s": f"measured here: SIGKILL of the middle stage -> end of the redone step, eager redundancy "
                       f"(the default), median of {len(ks['runs'])} kills ({job}; it includes one failed-over step, "
-                      f"so it scales with the step; lazy: {_f(ks['lazy'].get('failover_s'))} s)",
+                      f"so it scales with the step; lazy: {H.num(ks['lazy'].get('failover_s'))} s)",
         "failover_slowdown": f"measured here: failed-over step / full-depth step, same run, median of "
                              f"{sum(1 for r in ks['runs'] if not r['replace_failed'])} runs ({job})",
         "reconfigure_s": f"measured here: step-time gap at the reconfigure generation minus a normal step, "
@@ -618,14 +618,6 @@ def simulate_value(path: str) -> dict:
 # Report.
 
 
-def _mib(b: float) -> str:
-    return f"{b / 2 ** 20:.1f} MiB"
-
-
-def _f(x, fmt: str = ".3f") -> str:
-    return "-" if x is None else format(x, fmt)
-
-
 def stuck_md(stuck: list[dict]) -> list[str]:
     if not stuck:
         return []
@@ -658,7 +650,7 @@ def replay_md(a, plan: dict, rp: dict, pred: dict | None) -> list[str]:
            H.md_table(["kill", "trace time (min)", "due (s)", "at (s)", "deferred (s)", "stage", "worker", "at step",
                        "replacement ready (s)"],
                       [[i, f"{k['trace_t_s'] / 60:.1f}", f"{k['due_s']:.1f}", f"{k['at_s']:.1f}",
-                        f"{k['deferred_s']:.2f}", k["stage"], k["worker"], k["step"], _f(k["ready_at_s"], ".1f")]
+                        f"{k['deferred_s']:.2f}", k["stage"], k["worker"], k["step"], H.num(k["ready_at_s"], ".1f")]
                        for i, k in enumerate(rp["kills"])]), "",
            f"Steps: {rp['history_steps']} in `Result.history`, **every step exactly once: "
            f"{H.yes_no(rp['every_step_once'])}** (lost {rp['lost_steps']}, doubled {rp['doubled_steps']}); "
@@ -725,15 +717,15 @@ def markdown(run: H.Run, args, ks: dict, plan: dict, rp: dict, pred: dict, cs: d
            f"**Failover, eager (the default): {ks['failover_s']:.3f} s** (median of {len(ks['runs'])}; target <= "
            f"1 s): detection {1e3 * ks['detect_s']:.0f} ms, group formation and re-layout {1e3 * ks['form_s']:.0f} "
            f"ms, the redone step {1e3 * ks['redone_step_s']:.0f} ms (a failed-over step, begun when the group "
-           f"formed), {ks['eager']['reused']} eager forwards reused in all ({_f(ks['eager'].get('reused_median'), '.0f')} "
-           f"per kill, median). **Lazy: {_f(ks['lazy'].get('failover_s'))} s** (median of {ks['lazy']['runs']}; "
-           f"redone step {_f(1e3 * ks['lazy']['redone_step_s'] if ks['lazy'].get('redone_step_s') is not None else None, '.0f')} ms). "
+           f"formed), {ks['eager']['reused']} eager forwards reused in all ({H.num(ks['eager'].get('reused_median'), '.0f')} "
+           f"per kill, median). **Lazy: {H.num(ks['lazy'].get('failover_s'))} s** (median of {ks['lazy']['runs']}; "
+           f"redone step {H.num(1e3 * ks['lazy']['redone_step_s'] if ks['lazy'].get('redone_step_s') is not None else None, '.0f')} ms). "
            f"Per kill (same point, back to back), eager - lazy: failover "
-           f"{_f(1e3 * ks['eager_minus_lazy_failover_s'] if ks['eager_minus_lazy_failover_s'] is not None else None, '+.0f')} "
+           f"{H.num(1e3 * ks['eager_minus_lazy_failover_s'] if ks['eager_minus_lazy_failover_s'] is not None else None, '+.0f')} "
            f"ms, redone step "
-           f"{_f(1e3 * ks['eager_minus_lazy_redone_step_s'] if ks['eager_minus_lazy_redone_step_s'] is not None else None, '+.0f')} "
+           f"{H.num(1e3 * ks['eager_minus_lazy_redone_step_s'] if ks['eager_minus_lazy_redone_step_s'] is not None else None, '+.0f')} "
            f"ms (medians). " + eager_why(a, ks) + " The predecessor already holds the lost stage (its replica, fresh "
-           f"after every step); the re-layout moved {_mib(H.median([r['transfer_bytes'] or 0 for r in ks['runs']]))} "
+           f"after every step); the re-layout moved {H.mib(H.median([r['transfer_bytes'] or 0 for r in ks['runs']]))} "
            f"(median of the eager kills' `formed.transfer_bytes`: the replicas re-established around the merged "
            f"stages). " + ("**The bound is met only because this job's step is short**" if ks["failover_s"] <= 1.0
                            else f"**The bound is missed by {1e3 * (ks['failover_s'] - 1.0):.0f} ms**")
@@ -769,9 +761,9 @@ def markdown(run: H.Run, args, ks: dict, plan: dict, rp: dict, pred: dict, cs: d
                        "gap (s)", "last failed-over step -> formed (s)", "formed -> first step end (s)",
                        "first reconfigured step_time_s (s)", "normal step after (ms)",
                        "pause (s)", "layout"],
-                      [[i, _f(r["kill_to_ready_s"], ".2f"), _f(r["replacement_startup_s"], ".2f"),
+                      [[i, H.num(r["kill_to_ready_s"], ".2f"), H.num(r["replacement_startup_s"], ".2f"),
                         r["failed_over_steps_during_startup"], f"{r['reconfigure_gap_s']:.2f}",
-                        _f(r["formed_after_last_failed_over_step_s"], ".2f"), _f(r["first_step_after_formed_s"], ".2f"),
+                        H.num(r["formed_after_last_failed_over_step_s"], ".2f"), H.num(r["first_step_after_formed_s"], ".2f"),
                         f"{r['first_reconfigured_step_time_s']:.2f}",
                         f"{1e3 * r['full_step_after_s']:.0f}", f"{r['reconfigure_s']:.2f}", r["reconfigure_layout"]]
                        for i, r in enumerate(ks["runs"]) if r["replace_failed"]]), "",

@@ -585,10 +585,6 @@ def summarize_collectives(c: dict, targets: H.Targets) -> None:
                   all(r["ring_bytes_ok"] for r in c["sizes"].values()))
 
 
-def _ms(x: float) -> str:
-    return f"{1e3 * x:.1f}"
-
-
 def collectives_table(c: dict) -> tuple[list[str], list[list]]:
     header = ["N (M fp32)", "ring RS ms", "gloo reduce_scatter ms", "gloo _reduce_scatter_base ms",
               "gloo all_reduce ms", "RS speed-up", ">= 1.8", "vs all-reduce", "ring AG ms", "gloo allgather ms",
@@ -596,10 +592,10 @@ def collectives_table(c: dict) -> tuple[list[str], list[list]]:
     rows = []
     for r in c["sizes"].values():
         m = r["median_s"]
-        rows.append([f"{r['numel'] / 1e6:.0f}", _ms(m["ring"]), _ms(m["gloo_reduce_scatter"]),
-                     _ms(m["gloo_reduce_scatter_base"]), _ms(m["gloo_all_reduce"]), f"{r['rs_speedup']:.2f}",
+        rows.append([f"{r['numel'] / 1e6:.0f}", H.ms(m["ring"]), H.ms(m["gloo_reduce_scatter"]),
+                     H.ms(m["gloo_reduce_scatter_base"]), H.ms(m["gloo_all_reduce"]), f"{r['rs_speedup']:.2f}",
                      H.yes_no(r["rs_speedup"] >= RS_TARGET), f"{r['rs_speedup_vs_all_reduce']:.2f}",
-                     _ms(m["ring_ag"]), _ms(m["gloo_allgather"]), _ms(m["gloo_allgather_base"]),
+                     H.ms(m["ring_ag"]), H.ms(m["gloo_allgather"]), H.ms(m["gloo_allgather_base"]),
                      f"{r['ag_speedup']:.2f}", f"{r['ring_rs_algbw_gbps']:.2f}"])
     return header, rows
 
@@ -615,7 +611,7 @@ def step_table(s: dict) -> tuple[list[str], list[list]]:
                         ("sharded", "emulation: ring RS + Adam on slice + ring AG")):
         r = em.get("rows", {}).get(mode)
         if r:
-            rows.append([label, _ms(r["step_s"]), f"{em['step_ratio'] if mode == 'sharded' else 1.0:.3f}",
+            rows.append([label, H.ms(r["step_s"]), f"{em['step_ratio'] if mode == 'sharded' else 1.0:.3f}",
                          ", ".join(f"{v:.0f}" for v in r["vmhwm_mib"]), ", ".join(mib(b) for b in r["opt_state_bytes"]),
                          ""])
     vf_rows = s.get("virtualflow", {}).get("rows", {})
@@ -623,7 +619,7 @@ def step_table(s: dict) -> tuple[list[str], list[list]]:
         r = vf_rows.get(red)
         if r:
             ratio = s["virtualflow"]["step_ratio"] if red == "sharded" else 1.0
-            rows.append([f"virtualflow.train reduction={red!r}", _ms(r["step_s"]), f"{ratio:.3f}",
+            rows.append([f"virtualflow.train reduction={red!r}", H.ms(r["step_s"]), f"{ratio:.3f}",
                          ", ".join(f"{v:.0f}" for v in r["peak_rss_mib"]),
                          ", ".join(mib(b) if b else "?" for b in r["optimizer_bytes"]),
                          f"{r['training_vmhwm_rank0_mib']:.0f}"])
@@ -633,7 +629,7 @@ def step_table(s: dict) -> tuple[list[str], list[list]]:
         if "error" in r:
             rows.append([label, "error: " + r["error"][:120], "", "", "", ""])
         elif r:
-            rows.append([label, _ms(r["step_s"]), f"{r['step_s'] / base:.3f}" if base else "",
+            rows.append([label, H.ms(r["step_s"]), f"{r['step_s'] / base:.3f}" if base else "",
                          ", ".join(f"{v:.0f}" for v in r["vmhwm_mib"]), ", ".join(mib(b) for b in r["opt_state_bytes"]),
                          ""])
     return header, rows

@@ -722,10 +722,6 @@ def summarize_emu(emu: dict, targets: H.Targets) -> None:
 # Report.
 
 
-def _ms(x: float | None) -> str:
-    return "" if x is None else f"{1e3 * x:.2f}"
-
-
 def _diag_table(vs: dict) -> str:
     rows = []
     for i, rep in enumerate(vs["reps"]):
@@ -733,13 +729,13 @@ def _diag_table(vs: dict) -> str:
             d = r.get("diag")
             if not d:
                 continue
-            rows.append([str(i), s, _ms(d["vf_step_s"]), _ms(d["torch_step_s"])]
+            rows.append([str(i), s, H.ms(d["vf_step_s"], 2), H.ms(d["torch_step_s"], 2)]
                         + [" / ".join(f"{1e3 * x[k]:.1f}" for x in d["per_rank_s"])
                            for k in ("compute", "recv", "send", "other")]
                         + [" / ".join(f"{x['gloo_sends']:.0f} + {x['gloo_recvs']:.0f}" for x in d["per_rank_s"]),
                            " / ".join(f"{1e3 * x['gloo_send_s']:.1f} + {1e3 * x['gloo_recv_s']:.1f}"
                                       for x in d["per_rank_s"])]
-                        + [f"{_ms(d['message_latency_median_s'])} ({_ms(d['message_latency_p90_s'])})"])
+                        + [f"{H.ms(d['message_latency_median_s'], 2)} ({H.ms(d['message_latency_p90_s'], 2)})"])
     return H.md_table(["rep", "schedule", "virtualflow ms", "torch ms", "compute ms (rank 0 / 1)",
                        "blocked in receives ms", "sends ms", "rest of the step ms", "gloo sends + receives posted",
                        "ms in those calls", "message latency ms (p90)"], rows)
@@ -754,8 +750,8 @@ def _emu_table(rows: dict) -> str:
         out.append([s, f"{100 * r['measured_bubble']:.1f} %", f"{100 * r['simulated_bubble']:.1f} %",
                     f"**{r['error_points']:+.1f}**",
                     f"{100 * r['analytic_bubble']:.1f} %" if "analytic_bubble" in r else "",
-                    f"{100 * r['calibrated_bubble']:.1f} % ({_ms(r['message_latency_median_s'])} ms; p90 "
-                    f"{_ms(r['message_latency_p90_s'])})",
+                    f"{100 * r['calibrated_bubble']:.1f} % ({H.ms(r['message_latency_median_s'], 2)} ms; p90 "
+                    f"{H.ms(r['message_latency_p90_s'], 2)})",
                     f"{1e3 * r['measured_span_s']:.0f} ({1e3 * r['simulated_span_s']:.0f})",
                     f"{r['throughput_samples_s']:.0f}", str(r["peak_stash_measured"]), str(r["stash_bound"])])
     return H.md_table(header, out)
@@ -764,7 +760,7 @@ def _emu_table(rows: dict) -> str:
 def _vs_table(vs_sum: dict) -> str:
     return H.md_table(["schedule", "virtualflow ms", "torch ms", "ratio", "per-rep ratios", "p25 ratio",
                        f"<= {TARGET_RATIO}", "final weights"],
-                      [[s, _ms(o["vf_step_s"]), _ms(o["torch_step_s"]), f"**{o['ratio']:.3f}**",
+                      [[s, H.ms(o["vf_step_s"], 2), H.ms(o["torch_step_s"], 2), f"**{o['ratio']:.3f}**",
                         " ".join(f"{x:.3f}" for x in o["ratios"]), f"{o['p25_ratio']:.3f}", H.yes_no(o["met"]),
                         "bit-identical" if o["bit_identical"] else f"max diff {o['max_abs_weight_diff']:.1e}"]
                        for s, o in vs_sum.items()])

@@ -254,6 +254,21 @@ def text_table(header: Sequence[Any], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join([fmt(cells[0]), fmt(["-" * w for w in widths])] + [fmt(r) for r in cells[1:]])
 
 
+def mib(bytes_: float) -> str:
+    """``bytes_`` in MiB with one decimal and the unit: ``"12.5 MiB"``."""
+    return f"{bytes_ / 2 ** 20:.1f} MiB"
+
+
+def ms(seconds: float | None, digits: int = 1, none: str = "") -> str:
+    """``seconds`` in milliseconds with ``digits`` decimals, no unit; ``none`` for None."""
+    return none if seconds is None else f"{1e3 * seconds:.{digits}f}"
+
+
+def num(x: float | None, fmt: str = ".3f", none: str = "-") -> str:
+    """``x`` formatted with ``fmt``; ``none`` for None (a value not measured)."""
+    return none if x is None else format(x, fmt)
+
+
 def yes_no(ok: bool) -> str:
     return "yes" if ok else "NO"
 
