@@ -357,10 +357,12 @@ def parse_overrides(items: Sequence[str]) -> dict[str, float]:
 
 
 def parser(doc: str, *, reps: int | None = None, reps_help: str = "repetitions",
-           quiet_wait: float | None = None) -> argparse.ArgumentParser:
+           quiet_wait: float | None = None, prog: str | None = None) -> argparse.ArgumentParser:
     """The flags every benchmark has (``--quick``, ``--out``, ``--name``, ``--target``), plus
-    ``--reps`` and ``--quiet-wait`` with the benchmark's defaults when it takes them."""
-    p = argparse.ArgumentParser(description=doc.strip().split("\n")[0],
+    ``--reps`` and ``--quiet-wait`` with the benchmark's defaults when it takes them. ``prog``: the
+    name in the usage line (a benchmark package passes ``python -m bench.NAME``: argparse would
+    say ``__main__.py``)."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.strip().split("\n")[0],
                                 epilog="Run from the repository root: python -m bench.NAME [--quick] ...")
     p.add_argument("--quick", action="store_true", help="a short run (results go to bench/results/quick/)")
     p.add_argument("--out", default=None,
