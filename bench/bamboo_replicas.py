@@ -7,7 +7,7 @@ through ``virtualflow.launch`` on the local backend (one process per worker, 1 t
 stage is one SLEEP-EMULATED layer: a real ``--width`` x ``--width`` weight and bias (so the replica
 refresh, the re-layout and the optimizer are real costs of real sizes) whose forward sleeps
 ``--f-ms`` and backward ``--b-ms`` per micro-batch (12 / 24 ms by default, the stage
-``bench/bamboo_failover.py`` uses, from ``bench/harness/sleep_stages.py``), so that 6 processes overlap on 2 cores as on their own devices.
+``bench.bamboo_failover`` uses, from ``bench/harness/sleep_stages.py``), so that 6 processes overlap on 2 cores as on their own devices.
 
 Two runs, the same kill in each (SIGKILL of replica 1's middle worker, from ``handle.status()``,
 after ``--before-steps`` steps):

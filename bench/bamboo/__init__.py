@@ -11,7 +11,7 @@ the micro-batches it sent on the replica, only in the schedule's bubbles (the ot
 counted), and keeps them until the step commits (``redundant_compute="lazy"``: none). A lost middle worker is
 covered by its predecessor, which runs the lost stage from its replica (failover, the
 interrupted step redone, splicing in the eager forwards it holds). The reconfiguration pause and
-the trace replay are measured by ``bench/bamboo_failover.py``, not here.
+the trace replay are measured by ``bench.bamboo_failover``, not here.
 
 1. **Redundancy overhead.** The same job without redundancy, with lazy redundancy
    (``Pipeline(redundancy=True, redundant_compute="lazy")``: the refresh alone) and with eager

@@ -10,7 +10,7 @@ with ``"lazy"`` too), 1F1B, ``--m`` (8) micro-batches, default (non-deterministi
 is one SLEEP-EMULATED layer: a real ``--width`` x ``--width`` weight and bias (so the replica
 refresh, the re-layout and the optimizer are real costs of real sizes) whose forward sleeps
 ``--f-ms`` and backward ``--b-ms`` per micro-batch (by default 12 / 24 ms: about four
-``nn.Linear(1024, 1024)`` at micro-batch 256 on this machine, the stage that ``bench/bamboo.py``
+``nn.Linear(1024, 1024)`` at micro-batch 256 on this machine, the stage that ``bench.bamboo``
 calibrates), so that 3 processes overlap on 2 cores as on their own devices; the measured
 full-depth step is checked against the schedule's nominal ``(m + p - 1) (f + b)``.
 
@@ -44,7 +44,7 @@ full-depth step is checked against the schedule's nominal ``(m + p - 1) (f + b)`
    from each kill to its replacement's ``ready`` event) with the constants measured in (1)-(3)
    of this run (``step_s`` = the full-depth step with redundancy, so ``redundancy_overhead`` 0;
    no checkpoints: none are taken in the replay), ``produced_between`` over the window.
-5. **Constants and value**: ``bench/results/bamboo_constants.json`` = ``bench/bamboo.py``'s
+5. **Constants and value**: ``bench/results/bamboo_constants.json`` = ``bench.bamboo``'s
    measured constants (``bench/results/bamboo.json`` as committed, else its working copy) with
    ``failover_s``, ``failover_slowdown`` and ``reconfigure_s`` from here, and ``sources`` naming
    each one's origin; then ``virtualflow simulate-spot --trace p2-xlarge-2020-11-20-hours

@@ -18,7 +18,7 @@ from bench.bamboo_failover.workload import CONSTANTS_FILE, OTHER_CONSTANTS, P2_T
 
 
 def other_constants() -> tuple[dict, dict, str]:
-    """bench/bamboo.py's constants: the committed bench/results/bamboo.json if there is one, else
+    """bench.bamboo's constants: the committed bench/results/bamboo.json if there is one, else
     the working copy."""
     committed = subprocess.run(["git", "log", "--format=%h", "-1", "--", OTHER_CONSTANTS], cwd=H.REPO_ROOT,
                                capture_output=True, text=True).stdout.strip()

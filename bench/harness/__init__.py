@@ -1,5 +1,7 @@
 """What every benchmark shares: workloads, the machine-load meter, interleaved pairs, child
-processes, run-directory readers, targets, and the result files.
+processes, run-directory readers, targets, formatting, and the result files. Emulated compute
+(the one sleep-emulated timed layer) is :mod:`bench.harness.emulated`, and the Bamboo benchmarks'
+sleep-emulated stages :mod:`bench.harness.sleep_stages`; import them from there.
 
 Invariants:
 
