@@ -8,7 +8,10 @@ import torch
 
 from bench import harness as H
 from bench import bamboo_failover as package  # its docstring describes the benchmark (--help)
-from bench.bamboo_failover.workload import NAME, TARGET_FAILOVER_S, TARGET_KEYS, TARGET_REPLAY_ERROR, TARGET_SLOWDOWN, TARGET_VS_CHECKPOINT, TARGET_VS_ON_DEMAND, configure, nominal_failed_over_s, nominal_full_s
+from bench.bamboo_failover.workload import (
+    NAME, TARGET_FAILOVER_S, TARGET_KEYS, TARGET_REPLAY_ERROR, TARGET_SLOWDOWN, TARGET_VS_CHECKPOINT,
+    TARGET_VS_ON_DEMAND, configure, nominal_failed_over_s, nominal_full_s,
+)
 from bench.bamboo_failover.kills import measure_kills
 from bench.bamboo_failover.replay import predict_replay, replay_plan, run_replay
 from bench.bamboo_failover.simulate import simulate_value, what_if, write_constants

@@ -5,8 +5,9 @@ tables, and :func:`markdown`.
 from __future__ import annotations
 
 from bench import harness as H
-from bench.coconet.workload import EVAL_EVERY, GLOBAL_BATCH, LR, NAME, RSS_SAVING_TARGET, RS_TARGET, STEP_TARGET, WIDTHS, WORLD, param_count
-from bench.coconet.step import steady
+from bench.coconet.workload import (
+    EVAL_EVERY, GLOBAL_BATCH, LR, NAME, RSS_SAVING_TARGET, RS_TARGET, STEP_TARGET, WIDTHS, WORLD, param_count,
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -21,10 +22,11 @@ def summarize_step(m: dict, warmup: int, targets: H.Targets | None) -> dict:
     ok = all("error" not in r[k] for r in em for k in r)
     rows = {}
     if ok:
-        ratios = [steady(r["sharded"]["step_times"], warmup) / steady(r["allreduce"]["step_times"], warmup) for r in em]
+        ratios = [H.steady_median(r["sharded"]["step_times"], warmup)
+                  / H.steady_median(r["allreduce"]["step_times"], warmup) for r in em]
         for mode in ("allreduce", "sharded"):
             rows[mode] = {
-                "step_s": H.median([steady(r[mode]["step_times"], warmup) for r in em]),
+                "step_s": H.median([H.steady_median(r[mode]["step_times"], warmup) for r in em]),
                 "vmhwm_mib": [H.median([r[mode]["vmhwm_mib"][k] for r in em]) for k in range(WORLD)],
                 "opt_state_bytes": em[0][mode]["opt_state_bytes"],
             }
@@ -43,7 +45,7 @@ def summarize_step(m: dict, warmup: int, targets: H.Targets | None) -> dict:
         if "error" in r:
             s["torch"][mode] = {"error": r["error"]}
         else:
-            s["torch"][mode] = {"step_s": steady(r["step_times"], warmup), "vmhwm_mib": r["vmhwm_mib"],
+            s["torch"][mode] = {"step_s": H.steady_median(r["step_times"], warmup), "vmhwm_mib": r["vmhwm_mib"],
                                 "opt_state_bytes": r["opt_state_bytes"]}
     vf_pairs = m["virtualflow"].get("pairs")
     if vf_pairs:
@@ -51,12 +53,13 @@ def summarize_step(m: dict, warmup: int, targets: H.Targets | None) -> dict:
         if errs:
             s["virtualflow"] = {"error": errs}
         else:
-            vf_ratios = [steady(r["sharded"]["step_times"], warmup) / steady(r["allreduce"]["step_times"], warmup)
+            vf_ratios = [H.steady_median(r["sharded"]["step_times"], warmup)
+                         / H.steady_median(r["allreduce"]["step_times"], warmup)
                          for r in vf_pairs]
             s["virtualflow"] = {
                 "step_ratio": H.median(vf_ratios), "per_pair_ratios": vf_ratios,
                 "pair_other_load_cores": [max(r[k].get("other_load_cores", float("nan")) for k in r) for r in vf_pairs],
-                "rows": {red: {"step_s": H.median([steady(r[red]["step_times"], warmup) for r in vf_pairs]),
+                "rows": {red: {"step_s": H.median([H.steady_median(r[red]["step_times"], warmup) for r in vf_pairs]),
                                "peak_rss_mib": [H.median([r[red]["peak_rss_mib"][k] for r in vf_pairs])
                                                 for k in range(WORLD)],
                                "training_vmhwm_rank0_mib": H.median([r[red]["training_vmhwm_rank0_mib"]

@@ -198,10 +198,6 @@ def measure_vf(reduction: str, steps: int) -> dict:
             "checksum": float(sum(v.double().sum() for v in result.state_dict.values()))}
 
 
-def steady(times: list[float], warmup: int) -> float:
-    return H.median(times[warmup:] or times)
-
-
 def measure_step(args) -> dict:
     """Interleaved (all-reduce, sharded) pairs, order swapped every pair; a pair during which other
     processes used more than ``--max-other-cores`` is repeated (``--retries`` times at most)."""

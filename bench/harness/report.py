@@ -85,9 +85,9 @@ def wait_steps(handle, run_dir: str, n: int, *, generation: int | None = None, t
         time.sleep(0.05)
 
 
-def steady_median(times: Sequence[float]) -> float:
-    """Median step time with the first two steps (warm-up) left out when there are more."""
-    return median(list(times[2:]) or list(times))
+def steady_median(times: Sequence[float], warmup: int = 2) -> float:
+    """Median step time with the first ``warmup`` steps left out when there are more."""
+    return median(list(times[warmup:]) or list(times))
 
 
 def normal_before(old: list[dict], t_request: float) -> float:

@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 from bench import harness as H
-from bench.pipeline.workload import COMPUTE, CPU, EMU_MB, EMU_P, EMU_SCHEDULES, PacedLayer, TARGET_BUBBLE_ERR, TARGET_TPUT_2BW, emu_data, emu_job
+from bench.pipeline.workload import (
+    COMPUTE, CPU, EMU_MB, EMU_P, EMU_SCHEDULES, PacedLayer, TARGET_BUBBLE_ERR, TARGET_TPUT_2BW, emu_data, emu_job,
+)
 from bench.pipeline.children import Driver, start_children
 from bench.pipeline.vs_torch import message_latency
 

@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 from bench import harness as H
-from bench.pipeline.workload import COMPUTE, CPU, SEED, TARGET_RATIO, TARGET_WEIGHT_DIFF, VS_P, VS_SCHEDULES, vs_data, vs_job, vs_model
+from bench.pipeline.workload import (
+    COMPUTE, CPU, SEED, TARGET_RATIO, TARGET_WEIGHT_DIFF, VS_P, VS_SCHEDULES, vs_data, vs_job, vs_model,
+)
 from bench.pipeline.children import Driver, start_children
 
 
