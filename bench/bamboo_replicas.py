@@ -7,7 +7,7 @@ through ``virtualflow.launch`` on the local backend (one process per worker, 1 t
 stage is one SLEEP-EMULATED layer: a real ``--width`` x ``--width`` weight and bias (so the replica
 refresh, the re-layout and the optimizer are real costs of real sizes) whose forward sleeps
 ``--f-ms`` and backward ``--b-ms`` per micro-batch (12 / 24 ms by default, the stage
-``bench/bamboo_failover.py`` uses), so that 6 processes overlap on 2 cores as on their own devices.
+``bench.bamboo_failover`` uses, from ``bench/harness/sleep_stages.py``), so that 6 processes overlap on 2 cores as on their own devices.
 
 Two runs, the same kill in each (SIGKILL of replica 1's middle worker, from ``handle.status()``,
 after ``--before-steps`` steps):
@@ -47,7 +47,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch
 
 from bench import harness as H
-from bench.bamboo_failover import adamw, data, model, output_loss
+from bench.harness.sleep_stages import adamw, configure_stages, data, model, output_loss
 
 NAME = "bamboo_replicas"
 TARGET_KEYS = ("slowdown", "failover_s")
@@ -57,7 +57,7 @@ REPLICAS = 2
 
 
 # --------------------------------------------------------------------------------------------
-# The workload: bench/bamboo_failover.py's sleep-emulated stages (shape from its VF_BF_*
+# The workload: bench/harness/sleep_stages.py's sleep-emulated stages (shape from its VF_BF_*
 # variables); the job around them from VF_BR_* (module level: the worker processes import it).
 
 
@@ -73,9 +73,8 @@ def replicas_job():
 
 
 def configure(args) -> None:
-    os.environ.update(VF_BF_WIDTH=str(args.width), VF_BF_STAGES=str(args.stages), VF_BF_F_S=str(args.f_ms / 1e3),
-                      VF_BF_B_S=str(args.b_ms / 1e3), VF_BR_STAGES=str(args.stages), VF_BR_M=str(args.m),
-                      VF_BR_MB=str(args.mb))
+    os.environ.update(configure_stages(width=args.width, stages=args.stages, f_ms=args.f_ms, b_ms=args.b_ms),
+                      VF_BR_STAGES=str(args.stages), VF_BR_M=str(args.m), VF_BR_MB=str(args.mb))
 
 
 def nominal(args) -> dict:

@@ -186,10 +186,6 @@ def speed_classes(sd: list[float]) -> list[list[float]]:
     return [[s] * sd.count(s) for s in sorted(set(sd))]
 
 
-def fmt(x, nd=3):
-    return "n/a" if x is None else f"{x:.{nd}f}"
-
-
 def set_label(sd: list[float]) -> str:
     return "{" + ",".join(f"{x:g}" for x in sd) + "}"
 
@@ -350,7 +346,7 @@ def markdown(run: H.Run, args, payload: dict) -> str:
         for i, (cp, op) in enumerate(zip(s["controller_predictions"] or [None] * len(s["own_predictions"]),
                                          s["own_predictions"])):
             prow.append([set_label(s["slowdowns"]), i + 1,
-                         fmt(cp and cp["predicted_step_s"] * 1e3, 1), fmt(cp and cp["measured_step_s"] * 1e3, 1),
+                         H.num(cp and cp["predicted_step_s"] * 1e3, ".1f", none="n/a"), H.num(cp and cp["measured_step_s"] * 1e3, ".1f", none="n/a"),
                          f"{100 * cp['error']:+.1f} %" if cp and cp["error"] is not None else "n/a",
                          f"{op['predicted_step_s'] * 1e3:.1f}", f"{op['measured_step_s'] * 1e3:.1f}",
                          f"{100 * op['error']:+.1f} %", op["tpv_at_rebalance_ms"], op["tpv_at_end_ms"]])

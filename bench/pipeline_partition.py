@@ -26,7 +26,6 @@ import logging
 import os
 import sys
 import tempfile
-import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -35,6 +34,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from bench import harness as H
+from bench.harness.emulated import sleep_through
 
 NAME = "pipeline_partition"
 TARGET_KEYS = ("prediction_error", "vs_equal")
@@ -48,29 +48,17 @@ def pace_s() -> float:
     return float(os.environ.get("VF_PIPELINE_PACE_S", "0.002"))
 
 
-class _Sleep(torch.autograd.Function):
-    """Identity whose forward sleeps ``t`` and whose backward sleeps ``2 t`` (emulated compute)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, t: float) -> torch.Tensor:
-        ctx.t = t
-        time.sleep(t)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        time.sleep(2 * ctx.t)
-        return grad, None
-
-
 class SleepLayer(nn.Module):
+    """A real small Linear + tanh, then emulated compute: forward sleeps ``cost x pace``, backward twice that."""
+
     def __init__(self, cost: int) -> None:
         super().__init__()
         self.linear = nn.Linear(FEATURES, FEATURES)
         self.cost = cost
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(torch.tanh(self.linear(x)), self.cost * pace_s())
+        t = self.cost * pace_s()
+        return sleep_through(torch.tanh(self.linear(x)), t, 2 * t)
 
 
 def data() -> TensorDataset:

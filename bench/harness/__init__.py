@@ -1,5 +1,7 @@
 """What every benchmark shares: workloads, the machine-load meter, interleaved pairs, child
-processes, run-directory readers, targets, and the result files.
+processes, run-directory readers, targets, formatting, and the result files. Emulated compute
+(the one sleep-emulated timed layer) is :mod:`bench.harness.emulated`, and the Bamboo benchmarks'
+sleep-emulated stages :mod:`bench.harness.sleep_stages`; import them from there.
 
 Invariants:
 
@@ -41,7 +43,7 @@ from bench.harness.machine import (  # noqa: F401
     tree_cpu_by_pid, tree_cpu_s, vmhwm_mib, wait_for_quiet,
 )
 from bench.harness.report import (  # noqa: F401
-    Check, Run, Targets, banner, cpu_model, describe_source, env_markdown, environment, md_table, median,
+    Check, Run, Targets, banner, cpu_model, describe_source, env_markdown, environment, md_table, median, mib, ms, num,
     normal_before, p25, paired_ratios, parse_overrides, parser, pause_of, quantile, read_jsonl, restart_pause,
     run_events, run_metrics, state_max_abs_diff, steady_median, text_table, vf_source, wait_steps, yes_no,
 )

@@ -85,9 +85,9 @@ def wait_steps(handle, run_dir: str, n: int, *, generation: int | None = None, t
         time.sleep(0.05)
 
 
-def steady_median(times: Sequence[float]) -> float:
-    """Median step time with the first two steps (warm-up) left out when there are more."""
-    return median(list(times[2:]) or list(times))
+def steady_median(times: Sequence[float], warmup: int = 2) -> float:
+    """Median step time with the first ``warmup`` steps left out when there are more."""
+    return median(list(times[warmup:]) or list(times))
 
 
 def normal_before(old: list[dict], t_request: float) -> float:
@@ -254,6 +254,21 @@ def text_table(header: Sequence[Any], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join([fmt(cells[0]), fmt(["-" * w for w in widths])] + [fmt(r) for r in cells[1:]])
 
 
+def mib(bytes_: float) -> str:
+    """``bytes_`` in MiB with one decimal and the unit: ``"12.5 MiB"``."""
+    return f"{bytes_ / 2 ** 20:.1f} MiB"
+
+
+def ms(seconds: float | None, digits: int = 1, none: str = "") -> str:
+    """``seconds`` in milliseconds with ``digits`` decimals, no unit; ``none`` for None."""
+    return none if seconds is None else f"{1e3 * seconds:.{digits}f}"
+
+
+def num(x: float | None, fmt: str = ".3f", none: str = "-") -> str:
+    """``x`` formatted with ``fmt``; ``none`` for None (a value not measured)."""
+    return none if x is None else format(x, fmt)
+
+
 def yes_no(ok: bool) -> str:
     return "yes" if ok else "NO"
 
@@ -342,10 +357,12 @@ def parse_overrides(items: Sequence[str]) -> dict[str, float]:
 
 
 def parser(doc: str, *, reps: int | None = None, reps_help: str = "repetitions",
-           quiet_wait: float | None = None) -> argparse.ArgumentParser:
+           quiet_wait: float | None = None, prog: str | None = None) -> argparse.ArgumentParser:
     """The flags every benchmark has (``--quick``, ``--out``, ``--name``, ``--target``), plus
-    ``--reps`` and ``--quiet-wait`` with the benchmark's defaults when it takes them."""
-    p = argparse.ArgumentParser(description=doc.strip().split("\n")[0],
+    ``--reps`` and ``--quiet-wait`` with the benchmark's defaults when it takes them. ``prog``: the
+    name in the usage line (a benchmark package passes ``python -m bench.NAME``: argparse would
+    say ``__main__.py``)."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.strip().split("\n")[0],
                                 epilog="Run from the repository root: python -m bench.NAME [--quick] ...")
     p.add_argument("--quick", action="store_true", help="a short run (results go to bench/results/quick/)")
     p.add_argument("--out", default=None,

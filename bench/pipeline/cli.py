@@ -1,0 +1,86 @@
+"""The command line: flags (``--quick`` and the benchmark's own), the child entry points, and
+:func:`main`, which runs the parts, checks the targets and writes the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from bench import harness as H
+from bench import pipeline as package  # its docstring describes the benchmark (--help)
+from bench.pipeline.workload import EMU_P, NAME, TARGET_KEYS, VS_HIDDEN, VS_P
+from bench.pipeline.vs_torch import measure_vs, summarize_vs, vs_rank
+from bench.pipeline.bubbles_stash import emu_rank, measure_emu, summarize_emu
+from bench.pipeline.report import markdown
+
+
+# --------------------------------------------------------------------------------------------
+# Entry points.
+
+
+def parse_args(argv):
+    p = H.parser(package.__doc__, prog="python -m bench.pipeline", quiet_wait=20.0)
+    p.add_argument("--m", type=int, default=8, help="(1) micro-batches per step")
+    p.add_argument("--mb", type=int, default=32, help="(1) samples per micro-batch")
+    p.add_argument("--hidden", type=int, default=VS_HIDDEN, help="(1) MLP width")
+    p.add_argument("--vs-steps", type=int, default=60, help="(1) steps per side per schedule")
+    p.add_argument("--vs-warmup", type=int, default=10)
+    p.add_argument("--vs-reps", type=int, default=3, help="(1) repetitions in fresh processes")
+    p.add_argument("--hidden2", type=int, default=2 * VS_HIDDEN,
+                   help="(1) a second MLP width, compared as a diagnostic (0: skip)")
+    p.add_argument("--hidden2-reps", type=int, default=1, help="(1) repetitions at --hidden2")
+    p.add_argument("--diag-steps", type=int, default=20,
+                   help="(1) more steps per schedule with the executor's timeline on (0: skip)")
+    p.add_argument("--emu-m", type=int, default=8, help="(2) micro-batches per step")
+    p.add_argument("--f-ms", type=float, default=10.0, help="(2) emulated forward per stage and micro-batch")
+    p.add_argument("--i-ms", type=float, default=10.0, help="(2) emulated input-gradient backward")
+    p.add_argument("--w-ms", type=float, default=10.0, help="(2) emulated weight-gradient backward")
+    p.add_argument("--emu-steps", type=int, default=8, help="(2) steps per flush schedule (the first: warm-up)")
+    p.add_argument("--window", type=int, default=4, help="(2) 2BW steps per window")
+    p.add_argument("--emu-windows", type=int, default=3, help="(2) 2BW windows (the first: warm-up)")
+    p.add_argument("--child-vs", help=argparse.SUPPRESS)
+    p.add_argument("--child-emu", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick and not (args.child_vs or args.child_emu):
+        args.vs_steps, args.vs_warmup, args.vs_reps, args.diag_steps = 24, 6, 1, 10
+        args.emu_steps, args.emu_windows = 4, 2
+    return args
+
+
+CHILDREN = {"child_vs": vs_rank, "child_emu": emu_rank}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    for flag, fn in CHILDREN.items():
+        if getattr(args, flag):
+            print(json.dumps(fn(json.loads(getattr(args, flag)))))
+            return 0
+    run = H.Run(NAME, args, TARGET_KEYS)
+    torch.set_num_threads(1)
+    print(H.banner(f"pipeline: virtualflow's executor vs torch.distributed.pipelining (p={VS_P}, m={args.m}, "
+                   f"mb={args.mb}); emulated bubbles and stash (p={EMU_P}, m={args.emu_m})"))
+    print("(1) step time against torch.distributed.pipelining, alternating in the same processes", flush=True)
+    vs = measure_vs(args, args.hidden, args.vs_reps, args.diag_steps)
+    vs2 = measure_vs(args, args.hidden2, args.hidden2_reps, 0) if args.hidden2 else None
+    print("(2)+(3) emulated compute: bubbles, stash, weight versions", flush=True)
+    emu = measure_emu(args)
+    vs_sum = summarize_vs(vs, args, run.targets)
+    vs2_sum = summarize_vs(vs2, args, None) if vs2 is not None else None
+    summarize_emu(emu, run.targets)
+    payload = {"benchmark": run.name, "environment": H.environment(),
+               "config": {k: v for k, v in vars(args).items() if not k.startswith("child")},
+               "vs_torch": {"hidden": args.hidden, "summary": vs_sum, "reps": vs["reps"]},
+               "vs_torch_hidden2": (None if vs2 is None else
+                                    {"hidden": vs2["hidden"], "summary": vs2_sum, "reps": vs2["reps"]}),
+               "emulated": emu,
+               "how": {"vs_torch": "virtualflow's executor (build_engine + StageEngine.steps driven by "
+                                   "pipeline_worker.drive with one Links per engine kept across steps, over its own "
+                                   "ProcessGroupGloo), not virtualflow.train",
+                       "bubble": "mean over ranks of 1 - compute/(first compute start .. last compute end of the "
+                                 "step over all ranks), median over post-warm-up steps",
+                       "stash": "live contexts from saved_tensors_hooks tagged by piece forward pre-hooks"}}
+    return run.finish(payload, markdown(run, args, vs, vs_sum, vs2, vs2_sum, emu))
