@@ -125,7 +125,7 @@ def predict_replay(args, rp: dict, kills_summary: dict) -> dict:
                       redundancy_overhead=0.0, failover_s=kills_summary["failover_s"],
                       failover_slowdown=kills_summary["slowdown"], reconfigure_s=max(0.0, kills_summary["reconfigure_s"]),
                       restart_s=5.0, checkpoint_s=0.0, source="bench/bamboo_failover.py (1)-(3), this run")
-    job = SpotJob(stages=p, pipelines=1, checkpoint_every_s=1e9)
+    job = SpotJob(stages=p, pipelines=1, checkpoint_every_s=3e8)
     res = predict(trace, c, "bamboo", job)
     predicted = res.produced_between(0.0, rp["span_s"]) / rp["span_s"]
     # Diagnostic: the same with the replay's own full-depth step (the machine's load during the

@@ -73,7 +73,7 @@ def replay_md(a, plan: dict, rp: dict, pred: dict | None) -> list[str]:
            f"**Measured throughput {rp['measured_samples_per_s']:.1f} samples/s** over the {rp['span_s']:.1f} s "
            f"window (full speed would be {pred['full_speed_samples_per_s']:.1f}). **Predicted "
            f"{pred['predicted_samples_per_s']:.1f} samples/s**: `predict(trace, constants, \"bamboo\", "
-           f"SpotJob(stages={a.stages}, pipelines=1, checkpoint_every_s=1e9))`, `produced_between(0, span)`, on the "
+           f"SpotJob(stages={a.stages}, pipelines=1, checkpoint_every_s=3e8))`, `produced_between(0, span)`, on the "
            f"availability the job had ({a.stages} instances; {a.stages - 1} from each kill to its replacement's "
            f"`ready` event), with this run's constants from (1)-(3): step_s {pred['constants']['step_s']:.4f} "
            f"(with redundancy, so redundancy_overhead 0), failover_s {pred['constants']['failover_s']:.3f}, "
