@@ -44,6 +44,7 @@ from virtualflow.comm.reduce import (BucketReducer, ShardReducer, tree_exchange,
 from virtualflow.comm.ring import Collectives
 from virtualflow.plan.data import DataPlan, vn_seed
 from virtualflow.plan.vnmap import TreePlan
+from virtualflow.runtime.batchnorm import BatchNormState
 from virtualflow.runtime.breakdown import RAW, StepClock, derive, measured_load
 from virtualflow.runtime.prefetch import Prefetcher
 from virtualflow.runtime.sharded import FlatParams, ShardedOptimizer
@@ -173,59 +174,6 @@ class BatchLoader:
         getitems = getattr(self.dataset, "__getitems__", None)
         samples = getitems(idx) if getitems is not None else [self.dataset[i] for i in idx]
         return self.collate(samples)
-
-
-class BatchNormState:
-    """The running statistics of the model's BatchNorm layers, as one flat vector."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.float_bufs: list[torch.Tensor] = []
-        self.int_bufs: list[torch.Tensor] = []
-        for m in model.modules():
-            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
-                for name in ("running_mean", "running_var"):
-                    b = getattr(m, name)
-                    if b is not None:
-                        self.float_bufs.append(b)
-                if m.num_batches_tracked is not None:
-                    self.int_bufs.append(m.num_batches_tracked)
-        self.numel = sum(b.numel() for b in self.float_bufs)
-        self._start: list[torch.Tensor] = []
-        self._start_int: list[torch.Tensor] = []
-
-    def __bool__(self) -> bool:
-        return bool(self.float_bufs or self.int_bufs)
-
-    def snapshot(self) -> None:
-        self._start = [b.detach().clone() for b in self.float_bufs]
-        self._start_int = [b.detach().clone() for b in self.int_bufs]
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for b, s in zip(self.float_bufs, self._start):
-                b.copy_(s)
-            for b, s in zip(self.int_bufs, self._start_int):
-                b.copy_(s)
-
-    def advance_counters(self) -> None:
-        """``num_batches_tracked += 1``, as one training forward does (a worker that ran no VN in
-        a step keeps its counters equal to the others')."""
-        with torch.no_grad():
-            for b in self.int_bufs:
-                b.add_(1)
-
-    def flat(self) -> torch.Tensor:
-        if not self.float_bufs:
-            return torch.zeros(0)
-        return torch.cat([b.detach().reshape(-1) for b in self.float_bufs])
-
-    def load_flat(self, flat: torch.Tensor) -> None:
-        offset = 0
-        with torch.no_grad():
-            for b in self.float_bufs:
-                n = b.numel()
-                b.copy_(flat[offset : offset + n].view_as(b))
-                offset += n
 
 
 class VNEngine:

@@ -647,8 +647,7 @@ class PipelineWorkerEngine:
 
     def _discard_step(self) -> None:
         for bn in self.stage.bn.values():
-            if bn and bn._start:
-                bn.restore()
+            bn.restore()  # back to the step's start; nothing changes once the step settled
         if self.stage.replica_of_successor is not None:
             self.stage.replica_of_successor.rewind()
         self.stage.optimizer.zero_grad(set_to_none=True)

@@ -51,12 +51,10 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import signal
 import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -64,67 +62,18 @@ import torch.distributed as dist
 
 from virtualflow.comm import auth, protocol
 from virtualflow.comm.groups import Group, PeerFailure, make_group
-from virtualflow.job import Job, JobSource
+from virtualflow.job import Job
 from virtualflow.plan.data import DataPlan
 from virtualflow.result import job_traceback
 from virtualflow.rundir import DiskFullError, free_bytes, no_space
 from virtualflow.runtime.channel import Heartbeat, Rejections, Reporter, aborted
 from virtualflow.runtime.checkpoint import load_state, save_state
 from virtualflow.runtime.engine import BatchLoader, NonFiniteLossError, VNEngine
-from virtualflow.runtime.faults import FaultPlan
 from virtualflow.runtime.transfer import Progress, agree_progress, broadcast_state
+from virtualflow.runtime.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass(slots=True, kw_only=True)
-class WorkerConfig:
-    """What every worker process of a run is told, built once by the launching process from the
-    job's :class:`~virtualflow.options.LaunchOptions` and what it resolved (store address,
-    steps, threads, resume state). The options' defaults live there, not here."""
-
-    store_host: str
-    store_port: int
-    job_source: JobSource
-    total_steps: int
-    state_dir: str
-    overrides: dict[str, Any]
-    """Job fields the options override (global_batch_size, virtual_nodes, seed)."""
-    deterministic: bool
-    threads: int
-    device: str
-    collective_timeout_s: float
-    checkpoint_every: int | None
-    resume_path: str | None
-    initial_workers: int
-    """Workers ``0 .. initial_workers-1`` start the job (load ``resume_path`` if given); later
-    ids are newcomers that receive the state from a member."""
-    fault_plan: FaultPlan | None
-    slowdowns: dict[int, float]
-    """Emulated slowness per worker id (see :class:`virtualflow.WorkerSpec`)."""
-    control_plane: bool
-    """False (benchmarks only): no heartbeat thread and no per-step control read, so stop,
-    resize and hang detection do not work; it measures what the control plane costs."""
-    reduction: str = "allreduce"
-    loader_workers: int = 0
-    """Threads that load the next virtual nodes' batches while the current ones compute
-    (:class:`~virtualflow.options.LaunchOptions` ``loader_workers``; 0: load when needed)."""
-    breakdown: bool = True
-    """Measure where each step's time goes (:mod:`virtualflow.runtime.breakdown`)."""
-    profile_steps: tuple[int, int] | None = None
-    """``[first, last)`` steps traced with ``torch.profiler`` into ``state_dir/profile/``."""
-    """How gradients are combined (:class:`~virtualflow.options.LaunchOptions` ``reduction``)."""
-    store_timeout_s: float = 600.0
-    """Bound on waits for the coordinator (a generation to join; a rendezvous)."""
-    heartbeat_interval_s: float = 0.05
-    keep_checkpoints: int = 2
-    job_id: str = ""
-    """This launch's id (:func:`virtualflow.comm.auth.new_job_id`), named by every signed message."""
-    run_key: str = ""
-    """The run key (:func:`virtualflow.comm.auth.run_key`): signs this worker's reports and checks
-    what it reads from the store. Never sent through the store: the external backend blanks it in
-    the configuration a joining worker receives, and the worker derives it from its token file."""
 
 
 def build_job(cfg: WorkerConfig) -> Job:
@@ -254,24 +203,28 @@ def _state_bytes(worker: Worker | None) -> int | None:
 
 
 class PreemptionNotice:
-    """A worker process's SIGTERM handling (installed by the entry point, :meth:`handler`).
+    """A worker process's preemption notice: what a SIGTERM means to the worker, as data.
 
-    A SIGTERM while the worker trains is a *preemption notice* (what a spot instance gets before
-    it is reclaimed): :attr:`given` is set, the worker asks at its next step boundary to be
-    released, the job regroups without it at a step boundary and it leaves cleanly: no failure,
-    no step redone, nothing lost (the sharded reduction hands its optimizer chunk over). A
-    SIGTERM at any other time (waiting for a generation, setting up), or a second one, ends the
-    process at once, as the default action would (the launcher's shutdown sends SIGTERM, then
-    SIGKILL)."""
+    The process's entry point installs the signal handler (:func:`virtualflow.backends.local_worker.
+    preemption_notice`; ``runtime/`` installs none) and asks :meth:`take` what to do. A SIGTERM
+    while the worker trains is a *preemption notice* (what a spot instance gets before it is
+    reclaimed): :attr:`given` is set, the worker asks at its next step boundary to be released,
+    the job regroups without it at a step boundary and it leaves cleanly: no failure, no step
+    redone, nothing lost (the sharded reduction hands its optimizer chunk over). A SIGTERM at any
+    other time (waiting for a generation, setting up), or a second one, ends the process at once,
+    as the default action would (the launcher's shutdown sends SIGTERM, then SIGKILL)."""
 
     def __init__(self) -> None:
         self.given = threading.Event()
         self.training = threading.Event()
 
-    def handler(self, signum: int, frame: Any) -> None:
+    def take(self) -> bool:
+        """A SIGTERM arrived: note it as a notice and return True, or return False when the
+        process must end at once (a second one, or not training)."""
         if self.given.is_set() or not self.training.is_set():
-            os._exit(128 + signal.SIGTERM)
+            return False
         self.given.set()
+        return True
 
 
 class _Aborted(Exception):
@@ -421,7 +374,7 @@ class Worker:
         self.engine.slowdown = float(cfg.slowdowns.get(self.id, 1.0))
         self.profiler = None
         if cfg.profile_steps is not None:
-            from virtualflow.observe.profiler import StepProfiler
+            from virtualflow.runtime.trace_window import StepProfiler
 
             self.profiler = StepProfiler(cfg.profile_steps, os.path.join(cfg.state_dir, "profile"), self.id,
                                          self.device.type)
