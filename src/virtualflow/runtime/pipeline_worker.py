@@ -31,6 +31,7 @@ pipelining's step time at p = 2); posting receives ahead and packing the payload
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Generator
 
 import torch
@@ -41,6 +42,7 @@ from virtualflow.pipeline import Grid, Pipeline, check_workers, layers_of, resol
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.vnmap import contiguous_assignment
 from virtualflow.runtime.engine import BatchLoader, StepOutcome
+from virtualflow.runtime.engines import Boundary, Joining
 from virtualflow.runtime.pipeline import AllSum, Expect, Poll, Recv, Send, StageEngine, StageSum, StageTree, StepResult, _Reuse
 from virtualflow.runtime.transfer import broadcast_state
 
@@ -335,6 +337,8 @@ class PipelineWorkerEngine:
         """Bytes moved between the members in the last re-layout (a failover or a reconfiguration)."""
         self.timeline_dir: str | None = None
         """Where recorded timelines go (``Pipeline.record_timeline``); set by the worker."""
+        self._due: tuple[bool, bool] = (False, False)
+        """A checkpoint / an evaluation fell due inside a no-flush window (done at its end)."""
         self.redundant_totals = [0.0, 0, 0, 0, 0]
         """Eager redundant forwards of the engines this worker dropped at re-layouts: seconds,
         forwards run, forwards skipped (no idle slot), forwards a redone step reused, the most
@@ -582,6 +586,85 @@ class PipelineWorkerEngine:
             self.layout = None  # full depth again: the standard layout from here on
             grid = Grid(p, len(layouts), group.rank)
         self._adopt(group, grid, contiguous_assignment(self.job.virtual_nodes, len(layouts)), job_stages=mine)
+
+    # ---- the worker's Engine protocol (runtime/engines.py) ---------------------------------------
+    def resume_from(self, state: dict[str, Any]) -> None:
+        self.resume_state = state  # loaded into the stage once its place is known
+
+    def prepare_to_join(self) -> None:
+        pass  # a newcomer's stage is built once its place is known
+
+    def check_state_held(self, run_dir: str) -> None:
+        pass  # what a failed member held comes back from its stage's survivors (or a replica)
+
+    def adopt(self, joining: Joining) -> tuple[int, float]:
+        record, group = joining.record, joining.group
+        moved, t_transfer = 0, 0.0
+        self.plan.set_vn_sizes(record.vn_sizes)
+        self.set_membership(group, record.assignment, layout=record.layout, steps=joining.steps,
+                            target=joining.target)
+        if record.layout is not None:
+            moved = self.relayout_bytes  # what the re-layout moved between the members
+        if joining.behind:
+            joining.transferring = True
+            t1 = time.perf_counter()
+            moved += self.transfer(group, joining.steps, joining.target)
+            t_transfer = time.perf_counter() - t1
+            joining.transferring = False
+        return moved, t_transfer
+
+    def before_regroup(self) -> None:
+        pass  # every member keeps its own stage's state
+
+    def whole_state(self, group: Group) -> dict[str, Any] | None:
+        return self.gather_state(group)
+
+    def boundary(self, group: Group, step: int, work: Boundary) -> None:
+        """Checkpoint and evaluation of a pipelined job: every member takes part in the gather."""
+        ck, ev = work.checkpoint_due(step), work.eval_due(step)
+        # A no-flush schedule has computed its whole window already: what falls due inside a
+        # window is done at the window's end, where the state is that of a step boundary.
+        self._due = (self._due[0] or ck, self._due[1] or ev)
+        if self.mid_window:
+            return
+        ck, ev = self._due
+        self._due = (False, False)
+        if not (ck or ev):
+            return
+        t_ck = time.perf_counter()
+        state = work.whole_state(self, group, step)
+        if state is None:
+            return
+        if ck:
+            work.checkpointed(step, work.save_checkpoint(step, state, prune=False), t_ck)
+        if ev:
+            work.evaluate(self.model, step)
+        self.model = None  # the whole model was rebuilt on rank 0 for this; only pieces stay
+
+    def boundary_on_rank0(self, step: int, work: Boundary) -> None:
+        pass  # its checkpoints and evaluations are collectives: :meth:`boundary`
+
+    def hold(self, group: Group, step: int, work: Boundary) -> str | None:
+        state = work.whole_state(self, group, step)  # rank 0 gathers the stages
+        return work.save_checkpoint(step, state, prune=False) if group.rank == 0 else None
+
+    def non_finite_note(self, step: int, path: str) -> str:
+        if not self.pipeline.flush:
+            return (f"the {self.pipeline.schedule} schedule streams steps without a flush, so the updates of its "
+                    f"window were applied; the state after them is in {path}")
+        return f"the step was not applied and the last good state (before step {step}) is in {path}"
+
+    def final_report(self) -> dict[str, Any]:
+        replica = self.stage.replica_of_successor if self.stage is not None else None
+        return {"optimizer_bytes": 0, "replica_bytes": replica.nbytes() if replica else 0,
+                "replica_refresh_s": replica.refresh_s if replica else 0.0,
+                "redundant_forwards": self.redundant_forwards()}
+
+    def state_bytes(self) -> int | None:
+        return None  # spread over the stages: not told
+
+    def close(self) -> None:
+        pass  # no threads of its own
 
     def step(self, step: int, control: int = 0) -> StepOutcome:
         if step in self._results:
