@@ -48,7 +48,7 @@ from virtualflow.runtime.batches import (BatchLoader, LossShapeError, NonFiniteL
 from virtualflow.runtime.batchnorm import BatchNormState
 from virtualflow.runtime.breakdown import RAW, StepClock, derive, measured_load
 from virtualflow.runtime.prefetch import Prefetcher
-from virtualflow.runtime.probe import PROBE_BUDGET, PROBE_CHANGE, PROBE_EVERY, probe_due
+from virtualflow.runtime.probe import PROBE_BUDGET, PROBE_CHANGE, PROBE_EVERY, ProbeCounters, probe_due
 from virtualflow.runtime.sharded import FlatParams, ShardedOptimizer, gather_sharded_state
 
 
@@ -124,10 +124,8 @@ class VNEngine:
         self._last_compute_s = 0.0
         self._vn_s = 0.0  # smoothed compute time of one VN, without emulated sleep
         # A worker with no VN: its probes (see the module docstring).
-        self._probe_s = 0.0  # the last probe's time (emulated slowness included)
-        self._idle_s = 0.0  # smoothed time it waits for the others in a step without a probe
-        self._since_probe = 0
-        self._probe_burst = 0
+        self.probes = ProbeCounters()
+        """A worker with no VN: when it probes (see the module docstring)."""
         self._steps_in_generation = 0
         self._loss_dtype: torch.dtype | None = None
         self.phase = "idle"
@@ -194,9 +192,7 @@ class VNEngine:
         self.vns = list(assignment[group.rank])
         self._vn_ids = torch.tensor(self.vns, dtype=torch.long, device=self.device)
         self._last_compute_s = 0.0
-        self._idle_s = 0.0
-        self._since_probe = 0
-        self._probe_burst = 0
+        self.probes.new_generation()
         self._steps_in_generation = 0
         if self.deterministic:
             self.tree = TreePlan.build(assignment)
@@ -330,14 +326,11 @@ class VNEngine:
     def _probe_due(self) -> bool:
         """Whether this step (of a worker with no VN) runs a probe: :func:`probe_due` on this
         worker's counters."""
-        self._since_probe += 1
-        estimate = self._probe_s if self._probe_s > 0 else self._vn_s * self.slowdown
-        return probe_due(self._since_probe, estimate, self._idle_s, burst=self._probe_burst,
-                         ran_forward=self._loss_dtype is not None)
+        return self.probes.due(self._vn_s * self.slowdown, ran_forward=self._loss_dtype is not None)
 
     def _probe(self, step: int) -> float:
         """Time one VN's forward and backward without contributing it; returns the seconds."""
-        old = self._probe_s if self._probe_s > 0 else self._vn_s * self.slowdown
+        old = self.probes.estimate(self._vn_s * self.slowdown)
         vn = step % self.plan.virtual_nodes
         t0 = time.perf_counter()
         weighted = self._forward(step, vn)
@@ -350,12 +343,7 @@ class VNEngine:
         if self.bn:
             self.bn.restore()
         took = time.perf_counter() - t0
-        if old > 0 and abs(took - old) > PROBE_CHANGE * old:
-            self._probe_burst = PROBE_EVERY
-        elif self._probe_burst > 0:
-            self._probe_burst -= 1
-        self._probe_s = took
-        self._since_probe = 0
+        self.probes.took(took, old)
         return took
 
     def _idle_compute(self, step: int) -> tuple[float, bool]:
@@ -369,8 +357,7 @@ class VNEngine:
         probe may take for free). The generation's first step (warm-up) is left out."""
         if probed or self._steps_in_generation <= 1:
             return
-        waited = time.perf_counter() - t_step
-        self._idle_s = waited if self._idle_s == 0.0 else 0.7 * self._idle_s + 0.3 * waited
+        self.probes.waited(time.perf_counter() - t_step)
 
     def _leaf_like(self) -> torch.Tensor:
         """An (uninitialised) vector of one deterministic-mode leaf's size and dtype: what a

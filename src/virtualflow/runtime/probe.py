@@ -2,7 +2,7 @@
 
 A worker the heterogeneous solver gave no VN still has its speed measured: now and then, before
 joining the step's reduction, it times one VN's forward and backward without contributing it.
-:func:`probe_due` is the pure rule of when; the engine keeps the counters it reads. Invariant:
+:func:`probe_due` is the pure rule of when; :class:`ProbeCounters` keeps what it reads. Invariant:
 the delay probes add, amortised over the steps between them, is at most ``PROBE_BUDGET`` of the
 time the worker waits for the others anyway.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["PROBE_BUDGET", "PROBE_CHANGE", "PROBE_EVERY", "probe_due"]
+__all__ = ["PROBE_BUDGET", "PROBE_CHANGE", "PROBE_EVERY", "ProbeCounters", "probe_due"]
 
 PROBE_EVERY = 4
 """Steps between probes of a worker with no VN while a probe fits in the time it waits anyway."""
@@ -48,3 +48,45 @@ def probe_due(steps_since_probe: int, estimate_s: float, idle_s: float, *, burst
         return True
     excess = max(0.0, estimate_s - idle_s)
     return steps_since_probe >= max(PROBE_EVERY, math.ceil(excess / (PROBE_BUDGET * idle_s)))
+
+
+class ProbeCounters:
+    """The counters :func:`probe_due` reads, kept by the engine of a worker with no VN."""
+
+    def __init__(self) -> None:
+        self.probe_s = 0.0
+        """The last probe's time (emulated slowness included)."""
+        self.idle_s = 0.0
+        """Smoothed time the worker waits for the others in a step without a probe."""
+        self.since_probe = 0
+        self.burst = 0
+
+    def new_generation(self) -> None:
+        """A new generation: its waits are learnt again (the last probe's time is kept)."""
+        self.idle_s = 0.0
+        self.since_probe = 0
+        self.burst = 0
+
+    def estimate(self, vn_s: float) -> float:
+        """The expected probe time: the last probe's, else ``vn_s`` (a VN's measured time)."""
+        return self.probe_s if self.probe_s > 0 else vn_s
+
+    def due(self, vn_s: float, *, ran_forward: bool) -> bool:
+        """Count this step and tell whether it runs a probe (:func:`probe_due`)."""
+        self.since_probe += 1
+        return probe_due(self.since_probe, self.estimate(vn_s), self.idle_s, burst=self.burst,
+                         ran_forward=ran_forward)
+
+    def took(self, seconds: float, expected_s: float) -> None:
+        """A probe took ``seconds`` (``expected_s`` before it): a change of more than
+        ``PROBE_CHANGE`` starts a burst of probes on the next ``PROBE_EVERY`` steps."""
+        if expected_s > 0 and abs(seconds - expected_s) > PROBE_CHANGE * expected_s:
+            self.burst = PROBE_EVERY
+        elif self.burst > 0:
+            self.burst -= 1
+        self.probe_s = seconds
+        self.since_probe = 0
+
+    def waited(self, seconds: float) -> None:
+        """The worker waited ``seconds`` for the others in a step without a probe (smoothed)."""
+        self.idle_s = seconds if self.idle_s == 0.0 else 0.7 * self.idle_s + 0.3 * seconds
