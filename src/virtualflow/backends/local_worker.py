@@ -93,7 +93,12 @@ def preemption_notice():
     if threading.current_thread() is not threading.main_thread():
         return None
     notice = PreemptionNotice()
-    signal.signal(signal.SIGTERM, notice.handler)
+
+    def handler(signum: int, frame: object) -> None:
+        if not notice.take():
+            os._exit(128 + signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, handler)
     return notice
 
 

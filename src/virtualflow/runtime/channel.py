@@ -15,15 +15,13 @@ import hashlib
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
 from virtualflow.comm import protocol
 from virtualflow.comm.rejects import RejectLog
-
-if TYPE_CHECKING:
-    from virtualflow.runtime.worker import WorkerConfig
+from virtualflow.runtime.worker_config import WorkerConfig
 
 logger = logging.getLogger("virtualflow.runtime.worker")
 

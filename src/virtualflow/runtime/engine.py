@@ -22,21 +22,20 @@ otherwise wait for the others, so it costs no step time when it is shorter than 
 it is expected to be longer (a worker far slower than the rest), probes are spaced so that the
 delay they add is at most ``PROBE_BUDGET`` of the step time, amortised.
 
-Size: about 600 lines, one concept (a step over this worker's VNs, in its two reduction modes
-and with its profiling probe); the batch loader and the BatchNorm bookkeeping it needs live here
-because nothing else uses them.
+Size: one concept (a step over this worker's VNs, in its two reduction modes and with its
+profiling probe). What a VN's step consumes and produces is in :mod:`virtualflow.runtime.batches`,
+the BatchNorm bookkeeping in :mod:`virtualflow.runtime.batchnorm`, the probe's rule in
+:mod:`virtualflow.runtime.probe`; the worker-facing half (generations, checkpoints) is
+:class:`virtualflow.runtime.vn_worker.VNWorkerEngine`.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.utils.data import TensorDataset, default_collate
 
 from virtualflow.comm.groups import Group, PeerFailure
 from virtualflow.comm.reduce import (BucketReducer, ShardReducer, tree_exchange, tree_exchange_sharded,
@@ -44,192 +43,32 @@ from virtualflow.comm.reduce import (BucketReducer, ShardReducer, tree_exchange,
 from virtualflow.comm.ring import Collectives
 from virtualflow.plan.data import DataPlan, vn_seed
 from virtualflow.plan.vnmap import TreePlan
+from virtualflow.runtime.batches import (BatchLoader, LossShapeError, NonFiniteLossError, StepOutcome, check_loss,
+                                         seed_random_streams, to_device)
+from virtualflow.runtime.batchnorm import BatchNormState
 from virtualflow.runtime.breakdown import RAW, StepClock, derive, measured_load
 from virtualflow.runtime.prefetch import Prefetcher
-from virtualflow.runtime.sharded import FlatParams, ShardedOptimizer
+from virtualflow.runtime.probe import PROBE_BUDGET, PROBE_CHANGE, PROBE_EVERY, ProbeCounters, probe_due
+from virtualflow.runtime.sharded import FlatParams, ShardedOptimizer, gather_sharded_state
 
 
-_GATHER_TAG = 17
-"""Point-to-point tag of a sharded optimizer state's gather to one member (the ring's own tags
-start at 2**30, so they never meet)."""
-
-PROBE_EVERY = 4
-"""Steps between probes of a worker with no VN while a probe fits in the time it waits anyway."""
-PROBE_BUDGET = 0.02
-"""A probe expected to outlast that wait is spaced so that its delay, amortised over the steps
-between probes, is at most this share of the step time."""
-PROBE_CHANGE = 0.2
-"""A probe that differs from the previous estimate by more than this (relative) is followed by
-probes on the next ``PROBE_EVERY`` steps (when free), so a speed change is seen quickly."""
-
-
-def probe_due(steps_since_probe: int, estimate_s: float, idle_s: float, *, burst: int = 0,
-              ran_forward: bool = True) -> bool:
-    """Whether a worker with no VN runs a probe VN in this step (see the module docstring).
-
-    ``steps_since_probe`` counts the steps since its last probe, this one included;
-    ``estimate_s`` is the expected probe time (the last probe's, else the measured VN time times
-    the slowdown; 0 when unknown); ``idle_s`` the smoothed time it waits for the others in a
-    step without a probe (0 until measured); ``burst`` the free probes still owed after a speed
-    change (``PROBE_CHANGE``); ``ran_forward`` whether it has ever run a forward.
-
-    A worker that never ran a forward, or has no estimate, probes now. Until its wait is
-    measured it does not. A probe that fits in the wait is taken during a burst, else every
-    ``PROBE_EVERY`` steps; a longer one is spaced so that its excess over the wait, amortised
-    over the steps between probes, is at most ``PROBE_BUDGET`` of the wait.
-    """
-    if not ran_forward:
-        return True  # measure (deterministic mode also needs the loss dtype)
-    if estimate_s <= 0:
-        return True
-    if idle_s <= 0:
-        return False  # learn first how long this worker waits for the others
-    if burst > 0 and estimate_s <= idle_s:
-        return True
-    excess = max(0.0, estimate_s - idle_s)
-    return steps_since_probe >= max(PROBE_EVERY, math.ceil(excess / (PROBE_BUDGET * idle_s)))
-
-
-class NonFiniteLossError(RuntimeError):
-    """A virtual node's loss was NaN or infinite; the step was not applied."""
-
-
-class LossShapeError(ValueError):
-    """The job's loss did not return a scalar tensor."""
-
-
-@dataclass(slots=True)
-class StepOutcome:
-    loss: float
-    bad_vns: list[int]
-    control: int
-    compute_s: list[float] | None = None
-    """Each rank's local compute time (loading its VNs' data, their forward and backward, up to
-    the reduction) of the *previous* step, in rank order; 0 on the first step of a generation.
-    A rank with no VN reports the time of its probe VN, or 0 in a step without a probe. The
-    profiler's input, free since it rides in the step's reduction (the current step's time is
-    not known when that reduction starts: the profiler pairs it with the previous step's
-    duration)."""
-    breakdown: list[dict[str, float]] | None = None
-    """Where the *previous* step's time went on each rank (rank order;
-    :func:`virtualflow.runtime.breakdown.derive`), reported by rank 0 only; None on a generation's
-    first step or with the breakdown off. It rides in this step's reduction, like ``compute_s``."""
-
-
-def check_loss(loss: Any, where: str) -> None:
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.is_floating_point():
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise LossShapeError(
-            f"Job.loss must return a scalar floating-point tensor (the mean loss over the batch); "
-            f"{where} it returned {shape}: reduce it with .mean()"
-        )
-
-
-def seed_random_streams(seed: int, device: torch.device) -> None:
-    """Seed the generators a VN's forward draws from: the CPU one and, on a GPU, that device's.
-
-    Not ``torch.manual_seed``: it also seeds every CUDA/MPS/XPU backend lazily and records a
-    Python stack trace for each on a CPU-only process (about 0.1-0.3 ms per call measured here,
-    paid once per virtual node).
-    """
-    torch.default_generator.manual_seed(seed)
-    if device.type == "cuda":
-        torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()].manual_seed(seed)
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    if device.type == "cpu":
-        return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch
-
-
-class BatchLoader:
-    """Loads the samples of one virtual node; only the VN's own samples are read."""
-
-    def __init__(self, dataset: Any, collate_fn: Callable | None) -> None:
-        self.dataset = dataset
-        self.collate = collate_fn or default_collate
-        self._tensors = dataset.tensors if isinstance(dataset, TensorDataset) and collate_fn is None else None
-
-    def vn_batches(self, indices: list[torch.Tensor]) -> list[Any]:
-        """One batch per VN. Tensor datasets gather all of the worker's rows in one indexing
-        operation per tensor and hand each VN a view of its rows (same values, fewer calls)."""
-        if self._tensors is not None and len(indices) > 1 and len({len(i) for i in indices}) == 1:
-            n = len(indices[0])
-            rows = [t[torch.cat(indices)] for t in self._tensors]
-            return [[r[k * n : (k + 1) * n] for r in rows] for k in range(len(indices))]
-        return [self(i) for i in indices]
-
-    def __call__(self, indices: torch.Tensor) -> Any:
-        if self._tensors is not None:  # fast path: one gather per tensor, same values as collate
-            return [t[indices] for t in self._tensors]
-        idx = indices.tolist()
-        getitems = getattr(self.dataset, "__getitems__", None)
-        samples = getitems(idx) if getitems is not None else [self.dataset[i] for i in idx]
-        return self.collate(samples)
-
-
-class BatchNormState:
-    """The running statistics of the model's BatchNorm layers, as one flat vector."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.float_bufs: list[torch.Tensor] = []
-        self.int_bufs: list[torch.Tensor] = []
-        for m in model.modules():
-            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
-                for name in ("running_mean", "running_var"):
-                    b = getattr(m, name)
-                    if b is not None:
-                        self.float_bufs.append(b)
-                if m.num_batches_tracked is not None:
-                    self.int_bufs.append(m.num_batches_tracked)
-        self.numel = sum(b.numel() for b in self.float_bufs)
-        self._start: list[torch.Tensor] = []
-        self._start_int: list[torch.Tensor] = []
-
-    def __bool__(self) -> bool:
-        return bool(self.float_bufs or self.int_bufs)
-
-    def snapshot(self) -> None:
-        self._start = [b.detach().clone() for b in self.float_bufs]
-        self._start_int = [b.detach().clone() for b in self.int_bufs]
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for b, s in zip(self.float_bufs, self._start):
-                b.copy_(s)
-            for b, s in zip(self.int_bufs, self._start_int):
-                b.copy_(s)
-
-    def advance_counters(self) -> None:
-        """``num_batches_tracked += 1``, as one training forward does (a worker that ran no VN in
-        a step keeps its counters equal to the others')."""
-        with torch.no_grad():
-            for b in self.int_bufs:
-                b.add_(1)
-
-    def flat(self) -> torch.Tensor:
-        if not self.float_bufs:
-            return torch.zeros(0)
-        return torch.cat([b.detach().reshape(-1) for b in self.float_bufs])
-
-    def load_flat(self, flat: torch.Tensor) -> None:
-        offset = 0
-        with torch.no_grad():
-            for b in self.float_bufs:
-                n = b.numel()
-                b.copy_(flat[offset : offset + n].view_as(b))
-                offset += n
+__all__ = ["PROBE_BUDGET", "PROBE_CHANGE", "PROBE_EVERY", "BatchLoader", "BatchNormState", "LossShapeError",
+           "NonFiniteLossError", "StepOutcome", "VNEngine", "check_loss", "probe_due", "seed_random_streams",
+           "to_device"]
+"""The step's parts (:mod:`~virtualflow.runtime.batches`), the BatchNorm state
+(:mod:`~virtualflow.runtime.batchnorm`) and the probe rule (:mod:`~virtualflow.runtime.probe`) are
+re-exported: they were imported from here."""
 
 
 class VNEngine:
-    """Runs steps of one job on one worker; the group and the VN list may change between steps."""
+    """Runs steps of one job on one worker; the group and the VN list may change between steps.
+
+    Why one class of about 500 lines: a step's order of operations (BatchNorm snapshot, each VN's
+    forward and backward, the reduction with its stats riding in the last bucket, the update, the
+    probe of a worker with no VN) in both reduction modes reads and writes the same per-step
+    state; split, that order would be spread over several classes' private fields. What needs
+    none of it lives beside it (:mod:`~virtualflow.runtime.batches`, :mod:`~virtualflow.runtime.batchnorm`,
+    :mod:`~virtualflow.runtime.probe`, :mod:`~virtualflow.runtime.sharded`)."""
 
     def __init__(
         self,
@@ -285,10 +124,8 @@ class VNEngine:
         self._last_compute_s = 0.0
         self._vn_s = 0.0  # smoothed compute time of one VN, without emulated sleep
         # A worker with no VN: its probes (see the module docstring).
-        self._probe_s = 0.0  # the last probe's time (emulated slowness included)
-        self._idle_s = 0.0  # smoothed time it waits for the others in a step without a probe
-        self._since_probe = 0
-        self._probe_burst = 0
+        self.probes = ProbeCounters()
+        """A worker with no VN: when it probes (see the module docstring)."""
         self._steps_in_generation = 0
         self._loss_dtype: torch.dtype | None = None
         self.phase = "idle"
@@ -355,9 +192,7 @@ class VNEngine:
         self.vns = list(assignment[group.rank])
         self._vn_ids = torch.tensor(self.vns, dtype=torch.long, device=self.device)
         self._last_compute_s = 0.0
-        self._idle_s = 0.0
-        self._since_probe = 0
-        self._probe_burst = 0
+        self.probes.new_generation()
         self._steps_in_generation = 0
         if self.deterministic:
             self.tree = TreePlan.build(assignment)
@@ -395,31 +230,7 @@ class VNEngine:
         if self.shard is None:
             return self.optimizer.state_dict()
         assert self.comm is not None and self.group is not None
-        comm, group, bounds = self.comm, self.group, self.shard.bounds
-        lo, hi = self.shard.chunk()
-
-        def everywhere(chunk: torch.Tensor) -> torch.Tensor:
-            whole = chunk.new_zeros(self.shard.flat.numel)
-            whole[lo:hi].copy_(chunk)
-            comm.all_gather(whole, bounds)
-            return whole
-
-        def to_root(chunk: torch.Tensor) -> torch.Tensor | None:
-            if group.size == 1:
-                return chunk
-            if group.rank != root:
-                if chunk.numel():
-                    group.send(chunk, root, tag=_GATHER_TAG)
-                return None
-            whole = chunk.new_zeros(self.shard.flat.numel)
-            whole[lo:hi].copy_(chunk)
-            works = [group.irecv(whole[a:b], q, tag=_GATHER_TAG) for q, (a, b) in enumerate(bounds)
-                     if q != root and b > a]
-            for w in works:
-                w.wait()
-            return whole
-
-        return self.shard.gather_state(everywhere if root is None else to_root, group.all_reduce)
+        return gather_sharded_state(self.shard, self.comm, self.group, root)
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         if self.shard is None:
@@ -515,14 +326,11 @@ class VNEngine:
     def _probe_due(self) -> bool:
         """Whether this step (of a worker with no VN) runs a probe: :func:`probe_due` on this
         worker's counters."""
-        self._since_probe += 1
-        estimate = self._probe_s if self._probe_s > 0 else self._vn_s * self.slowdown
-        return probe_due(self._since_probe, estimate, self._idle_s, burst=self._probe_burst,
-                         ran_forward=self._loss_dtype is not None)
+        return self.probes.due(self._vn_s * self.slowdown, ran_forward=self._loss_dtype is not None)
 
     def _probe(self, step: int) -> float:
         """Time one VN's forward and backward without contributing it; returns the seconds."""
-        old = self._probe_s if self._probe_s > 0 else self._vn_s * self.slowdown
+        old = self.probes.estimate(self._vn_s * self.slowdown)
         vn = step % self.plan.virtual_nodes
         t0 = time.perf_counter()
         weighted = self._forward(step, vn)
@@ -535,12 +343,7 @@ class VNEngine:
         if self.bn:
             self.bn.restore()
         took = time.perf_counter() - t0
-        if old > 0 and abs(took - old) > PROBE_CHANGE * old:
-            self._probe_burst = PROBE_EVERY
-        elif self._probe_burst > 0:
-            self._probe_burst -= 1
-        self._probe_s = took
-        self._since_probe = 0
+        self.probes.took(took, old)
         return took
 
     def _idle_compute(self, step: int) -> tuple[float, bool]:
@@ -554,8 +357,7 @@ class VNEngine:
         probe may take for free). The generation's first step (warm-up) is left out."""
         if probed or self._steps_in_generation <= 1:
             return
-        waited = time.perf_counter() - t_step
-        self._idle_s = waited if self._idle_s == 0.0 else 0.7 * self._idle_s + 0.3 * waited
+        self.probes.waited(time.perf_counter() - t_step)
 
     def _leaf_like(self) -> torch.Tensor:
         """An (uninitialised) vector of one deterministic-mode leaf's size and dtype: what a

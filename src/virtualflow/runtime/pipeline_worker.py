@@ -1,5 +1,5 @@
-"""A pipelined job inside a worker process: the process driver of :mod:`runtime.pipeline` and the
-engine the worker's generation loop (:mod:`runtime.worker`) runs for a job with a pipeline.
+"""A pipelined job inside a worker process: the engine the worker's generation loop
+(:mod:`runtime.worker`) runs for a job with a pipeline.
 
 Layout. Generation rank ``r`` is stage-rank ``r % p`` of pipeline replica ``r // p``; a
 generation's size must be a multiple of ``p`` (whole pipelines). Activations and gradients move
@@ -18,277 +18,39 @@ unpipelined model's initial weights) and keeps the layers of its stage-rank for 
 also keeps the whole model to assemble checkpoints, the final state and evaluation, gathered
 from the first replica's stages (:meth:`PipelineWorkerEngine.gather_state`, a collective).
 
-Message format (point to point; see :func:`drive`): a fixed-size int64 header (a flag, the tensor
-count, then per tensor its dtype code, rank and shape) and one packed payload; tags are unique per
-(direction, piece, micro-batch, part), so messages between the same two workers can never be
-confused. Headers come from a peer of the same job but are still parsed defensively: a malformed
-one is a :class:`PeerFailure` (the generation is formed again), never an exception in the job.
-
-Measured (``bench/pipeline.py``): the first protocol, a header then one blocking receive per
-tensor, each posted only when needed, cost 2-3 round trips per hop (1.4-2.0x torch.distributed.
-pipelining's step time at p = 2); posting receives ahead and packing the payload removed them.
+The process driver (:func:`drive`, the wire format) lives in :mod:`virtualflow.runtime.pipeline_wire`;
+this module is the engine: adopting generations (resizes, Bamboo failovers and reconfigurations),
+moving and gathering stage state, and the worker's :class:`~virtualflow.runtime.engines.Engine`
+protocol.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Generator
+import time
+from typing import Any, Callable
 
 import torch
 
-from virtualflow.comm.groups import Arrival, Group, PeerFailure
-from virtualflow.comm.reduce import tree_exchange
+from virtualflow.comm.groups import Group
 from virtualflow.pipeline import Grid, Pipeline, check_workers, layers_of, resolve_bounds
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.vnmap import contiguous_assignment
 from virtualflow.runtime.engine import BatchLoader, StepOutcome
-from virtualflow.runtime.pipeline import AllSum, Expect, Poll, Recv, Reuse as _Reuse, Send, StageEngine, StageSum, StageTree, StepResult
-from virtualflow.runtime.transfer import broadcast_state
-
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool)
-_HEADER = 128
-_ALIGN = 16
-# tag parts of one message: 0 header, 1 payload of the link's reference shapes, 2 payload of new shapes
-_PARTS = 4
-_SAME, _NEW, _CHANGED = 0, 1, 2
-
-
-def _tag(key: tuple[str, int, int], n_pieces: int, part: int) -> int:
-    direction, piece, mb = key
-    if direction == "R":  # a replica update (one per step and link; steps are sequential)
-        return 2 ** 30 + piece * _PARTS + part
-    return (((mb * n_pieces + piece) * 2 + (direction == "B")) * _PARTS + part) % (2 ** 31 - 1)
-
-
-Metas = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
-
-
-def _metas(tensors: list[torch.Tensor]) -> Metas:
-    return tuple((t.dtype, tuple(t.shape)) for t in tensors)
-
-
-def _header(flag: int, metas: Metas) -> torch.Tensor:
-    h = [flag, len(metas)]
-    for dtype, shape in metas:
-        h += [_DTYPES.index(dtype), len(shape), *shape]
-    if len(h) > _HEADER:
-        raise ValueError(f"a pipeline message of {len(metas)} tensors {[m[1] for m in metas]} does not fit the "
-                         f"{_HEADER}-entry header; pass fewer, lower-rank tensors between stages")
-    return torch.tensor(h + [0] * (_HEADER - len(h)), dtype=torch.int64)
-
-
-def _parse(header: torch.Tensor) -> tuple[int, Metas]:
-    h = header.tolist()
-    flag, n = int(h[0]), int(h[1])
-    if flag not in (_SAME, _NEW, _CHANGED) or not 0 <= n <= _HEADER:
-        raise ValueError(f"malformed pipeline message header {h[:16]}")
-    out, i = [], 2
-    for _ in range(n):
-        if i + 2 > _HEADER:
-            raise ValueError(f"malformed pipeline message header {h[:16]}")
-        code, ndim = int(h[i]), int(h[i + 1])
-        if not (0 <= code < len(_DTYPES)) or not (0 <= ndim <= 16) or i + 2 + ndim > _HEADER:
-            raise ValueError(f"malformed pipeline message header {h[:16]}")
-        shape = tuple(int(x) for x in h[i + 2: i + 2 + ndim])
-        if any(d < 0 for d in shape):
-            raise ValueError(f"malformed pipeline message header {h[:16]}")
-        out.append((_DTYPES[code], shape))
-        i += 2 + ndim
-    return flag, tuple(out)
-
-
-def _layout(metas: Metas) -> tuple[list[int], int]:
-    """Byte offset of each tensor in a packed payload (aligned), and the payload's size."""
-    offsets, size = [], 0
-    for dtype, shape in metas:
-        offsets.append(size)
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        size += -(-n // _ALIGN) * _ALIGN
-    return offsets, size
-
-
-def _pack(tensors: list[torch.Tensor], metas: Metas, device: torch.device, flag: int | None = None) -> torch.Tensor:
-    """One buffer: [flag (``_ALIGN`` bytes, when given) | each tensor's bytes, aligned]."""
-    offsets, size = _layout(metas)
-    start = _ALIGN if flag is not None else 0
-    buf = torch.empty(start + size, dtype=torch.uint8, device=device)
-    if flag is not None:
-        buf[:_ALIGN].zero_()
-        buf[:8].view(torch.int64).fill_(flag)
-    for t, off in zip(tensors, offsets):
-        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        buf[start + off: start + off + raw.numel()].copy_(raw)
-    return buf
-
-
-def _unpack(buf: torch.Tensor, metas: Metas, start: int = 0) -> list[torch.Tensor]:
-    offsets, _ = _layout(metas)
-    out = []
-    for (dtype, shape), off in zip(metas, offsets):
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        out.append(buf[start + off: start + off + n].view(dtype).reshape(shape))
-    return out
-
-
-class Links:
-    """Per link (direction, sending piece): the shapes of its last message in the previous drive
-    (step or window). Sender and receiver keep the same table (they see the same messages in the
-    same order), so a receiver can post a message's payload before it arrives, and the sender
-    knows whether that posted buffer fits. Reset with every generation."""
-
-    def __init__(self) -> None:
-        self.ref: dict[tuple[str, int], Metas] = {}
-        self.last: dict[tuple[str, int], Metas] = {}
-
-    def end_of_drive(self) -> None:
-        self.ref.update(self.last)
-        self.last = {}
-
-
-_ABANDONED: list[Any] = []
-"""Sends a failed drive left unfinished, with their buffers: kept alive (gloo's transport may still
-read a buffer) instead of waited on - a send to a live peer that has stopped receiving would block
-until the group's timeout."""
-
-
-def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pieces: int,
-          device: torch.device, links: Links | None = None,
-          stage_groups: dict[int, Group] | None = None) -> list[StepResult]:
-    """Answer a :class:`StageEngine` generator's requests with real communication.
-
-    Receives are posted when the engine announces them (:class:`Expect`), so a message moves as
-    soon as it is sent. On a link whose shapes are known (its reference, see :class:`Links`), a
-    message is ONE buffer on tag part 1: a flag, then every tensor of the message (generator state
-    included) packed; the receiver posted exactly that size. On a new link, or when the shapes
-    change, the sender sends a header (flag and shapes) on part 0 and the packed payload on part
-    2 (after, on a known link, a part-1 buffer flagged ``_CHANGED`` to complete the posted
-    receive). So the common case costs one message per hop, as hand-written pipelines do.
-
-    A :class:`StageSum` / :class:`StageTree` naming a job stage goes over that stage's group in
-    ``stage_groups`` (a worker running several stages after a Bamboo failover), else over
-    ``stage_group``.
-    """
-    links = links if links is not None else Links()
-    pending: list[tuple[Any, list[torch.Tensor]]] = []
-    posted: dict[tuple[str, int, int], tuple[Any, torch.Tensor, Metas | None]] = {}
-    arrivals: dict[tuple[str, int, int], Arrival] = {}
-    answer: Any = None
-
-    def post(peer_rank: int, key: tuple[str, int, int]) -> None:
-        ref = links.ref.get((key[0], key[1]))
-        if ref is None:  # a new link: the header comes first
-            buf = torch.empty(_HEADER, dtype=torch.int64, device=device)
-            work = group.irecv(buf, peer_rank, _tag(key, n_pieces, 0))
-        else:
-            buf = torch.empty(_ALIGN + _layout(ref)[1], dtype=torch.uint8, device=device)
-            work = group.irecv(buf, peer_rank, _tag(key, n_pieces, 1))
-        posted[key] = (work, buf, ref)
-
-    def header_then_payload(src: int, key: tuple[str, int, int], header: torch.Tensor | None) -> list[torch.Tensor]:
-        if header is None:
-            header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-            group.recv(header, src, _tag(key, n_pieces, 0))
-        try:
-            flag, metas = _parse(header.cpu())
-        except ValueError as exc:
-            raise PeerFailure(group.generation, str(exc)) from None
-        payload = torch.empty(_layout(metas)[1], dtype=torch.uint8, device=device)
-        group.recv(payload, src, _tag(key, n_pieces, 2))
-        links.last[(key[0], key[1])] = metas
-        return _unpack(payload, metas)
-
-    failed = False
-    try:
-        req = next(gen)
-        while True:
-            if isinstance(req, Expect):
-                post(grid.rank_of(grid.replica, req.peer), req.key)
-                answer = None
-            elif isinstance(req, Send):
-                dst = grid.rank_of(grid.replica, req.peer)
-                link = (req.key[0], req.key[1])
-                metas = _metas(req.tensors)
-                ref = links.ref.get(link)
-                if ref is not None and metas == ref:
-                    buf = _pack(req.tensors, metas, device, flag=_SAME)
-                    works, keep = [group.isend(buf, dst, _tag(req.key, n_pieces, 1))], [buf]
-                else:
-                    works, keep = [], []
-                    if ref is not None:  # complete the receive posted for the reference's size
-                        filler = torch.zeros(_ALIGN + _layout(ref)[1], dtype=torch.uint8, device=device)
-                        filler[:8].view(torch.int64).fill_(_CHANGED)
-                        works.append(group.isend(filler, dst, _tag(req.key, n_pieces, 1)))
-                        keep.append(filler)
-                    header = _header(_NEW if ref is None else _CHANGED, metas).to(device)
-                    payload = _pack(req.tensors, metas, device)
-                    works.append(group.isend(header, dst, _tag(req.key, n_pieces, 0)))
-                    works.append(group.isend(payload, dst, _tag(req.key, n_pieces, 2)))
-                    keep += [header, payload]
-                links.last[link] = metas
-                pending.append((works, keep))
-                answer = None
-            elif isinstance(req, Poll):
-                if req.key not in posted:
-                    post(grid.rank_of(grid.replica, req.peer), req.key)
-                if req.key not in arrivals:
-                    arrivals[req.key] = Arrival(posted[req.key][0])
-                answer = arrivals[req.key].done.is_set()
-            elif isinstance(req, Recv):
-                src = grid.rank_of(grid.replica, req.peer)
-                if req.key not in posted:
-                    post(src, req.key)
-                work, buf, ref = posted.pop(req.key)
-                arrival = arrivals.pop(req.key, None) or Arrival(work)
-                arrival.wait(group)
-                if ref is None:
-                    answer = header_then_payload(src, req.key, buf)
-                else:
-                    flag = int(buf[:8].view(torch.int64).item())
-                    if flag == _SAME:
-                        links.last[(req.key[0], req.key[1])] = ref
-                        answer = _unpack(buf, ref, start=_ALIGN)
-                    elif flag == _CHANGED:
-                        answer = header_then_payload(src, req.key, None)
-                    else:
-                        raise PeerFailure(group.generation, f"pipeline message with unknown flag {flag}")
-            elif isinstance(req, StageSum):
-                (stage_group if req.stage is None else stage_groups[req.stage]).all_reduce(req.vector)
-                answer = req.vector
-            elif isinstance(req, StageTree):
-                answer = tree_exchange(req.plan, stage_group if req.stage is None else stage_groups[req.stage],
-                                       req.nodes, like=req.like)
-            elif isinstance(req, AllSum):
-                group.all_reduce(req.vector)
-                answer = req.vector
-            else:
-                raise TypeError(f"unknown pipeline request {req!r}")
-            req = gen.send(answer)
-    except StopIteration as stop:
-        results = stop.value
-    except BaseException:
-        failed = True
-        raise
-    finally:
-        if failed:  # the caller closes the group; the peers may not be receiving any more
-            _ABANDONED.extend(pending)
-            del _ABANDONED[:-256]
-        else:
-            for works, _keep in pending:
-                for w in works:
-                    try:
-                        w.wait()
-                    except PeerFailure:
-                        pass
-    if posted:
-        raise RuntimeError(f"pipeline receives announced but never taken: {sorted(posted)[:4]}")
-    links.end_of_drive()
-    return results
-
+from virtualflow.runtime.engines import Boundary, Joining
+from virtualflow.runtime.pipeline import AllSum, Expect, Poll, Recv, Reuse, Send, StageEngine, StageSum, StageTree, StepResult
+from virtualflow.runtime.pipeline_state import (exchange_for_layout, gather_stages, load_merged, load_stage_state, resume_stage,
+                                                 stage_state, stage_states, successor, transfer_stages)
+from virtualflow.runtime.pipeline_wire import Links, drive
 
 class PipelineWorkerEngine:
-    """The worker's engine for a pipelined job (same role as :class:`runtime.engine.VNEngine`)."""
+    """The worker's engine for a pipelined job: the :class:`~virtualflow.runtime.engines.Engine`
+    of a job with a ``Pipeline`` (the VN engine's counterpart, :mod:`virtualflow.runtime.vn_worker`).
 
-    pipelined = True
+    Why one class of about 470 lines: the stage, its groups, the layout and the interrupted
+    step's commit (:meth:`settle_commit`) are one state that a generation's adoption (a resize, a
+    Bamboo failover or reconfiguration), a step and the protocol's state methods all read and
+    change together; the parts that need none of it (the wire driver, moving and gathering stage
+    state) live in :mod:`~virtualflow.runtime.pipeline_wire` and :mod:`~virtualflow.runtime.pipeline_state`."""
 
     def __init__(self, job: Any, dataset: Any, *, deterministic: bool, device: torch.device,
                  subgroup: Callable[[int, str, int, int], Group]) -> None:
@@ -335,6 +97,8 @@ class PipelineWorkerEngine:
         """Bytes moved between the members in the last re-layout (a failover or a reconfiguration)."""
         self.timeline_dir: str | None = None
         """Where recorded timelines go (``Pipeline.record_timeline``); set by the worker."""
+        self._due: tuple[bool, bool] = (False, False)
+        """A checkpoint / an evaluation fell due inside a no-flush window (done at its end)."""
         self.redundant_totals = [0.0, 0, 0, 0, 0]
         """Eager redundant forwards of the engines this worker dropped at re-layouts: seconds,
         forwards run, forwards skipped (no idle slot), forwards a redone step reused, the most
@@ -398,7 +162,7 @@ class PipelineWorkerEngine:
         if self.stage is None:
             self._build_stage(grid.stage_rank)
             if self.resume_state is not None:
-                self._resume(self.resume_state, grid.stage_rank)
+                resume_stage(self.stage, self.model, self.resume_state, grid.stage_rank)
                 self.resume_state = None
             self.model, self.layers = None, None  # keep only this worker's pieces
         elif self.stage.stage_rank != grid.stage_rank:
@@ -447,32 +211,7 @@ class PipelineWorkerEngine:
         own = self.layout[self.group_rank]
         if self.stage.replica_of_successor is None:  # a replica of one worker keeps no replica
             return own, ()
-        return own, self.layout[_successor(self.layout, self.pipeline.stages, self.group_rank)]
-
-    def _stage_states(self, holder: Any, stages: tuple[int, ...]) -> dict[int, dict[str, Any]]:
-        """Per job stage, the state ``holder`` (a StageEngine or StageReplica running ``stages``)
-        keeps: its layers' tensors, its parameters' optimizer state (one parameter group), the
-        scheduler state."""
-        model_state = holder.model.state_dict()
-        opt = holder.optimizer.state_dict()
-        if len(opt["param_groups"]) > 1:
-            raise RuntimeError("a Bamboo failover moves optimizer state stage by stage and supports optimizers "
-                               "with one parameter group; this job's has several")
-        params = [name for name, _ in holder.model.named_parameters()]  # the optimizer's order
-        sched = holder.scheduler.state_dict() if holder.scheduler is not None else None
-        out = {}
-        for s in stages:
-            a, b = self.full_bounds[s]
-            mine = lambda name: a <= int(name.split(".")[0]) < b  # noqa: E731 - layer index of a name
-            idx = [i for i, name in enumerate(params) if mine(name)]
-            group = {k: v for k, v in opt["param_groups"][0].items() if k != "params"} if opt["param_groups"] else {}
-            out[s] = {
-                "model": {k: v.detach().clone() for k, v in model_state.items() if mine(k)},
-                "optimizer": {"state": {j: opt["state"][i] for j, i in enumerate(idx) if i in opt["state"]},
-                              "param_groups": [{**group, "params": list(range(len(idx)))}] if idx else []},
-                "lr_scheduler": sched,
-            }
-        return out
+        return own, self.layout[successor(self.layout, self.pipeline.stages, self.group_rank)]
 
     def _relayout(self, group: Group, layout: list[list[int]], steps: list[int] | None, target: int | None) -> None:
         """Adopt a Bamboo layout (one run of stages per member, pipeline replica after replica;
@@ -503,40 +242,11 @@ class PipelineWorkerEngine:
             self.redundant_totals[4] = max(self.redundant_totals[4], old_replica.peak_kept_bytes)
         if self.stage is not None:
             self.redundant_totals[3] += self.stage.reused_forwards
-        # Who holds what: 2 = runs the stage, 1 = holds its replica.
-        held = torch.zeros(group.size, p, dtype=torch.float64)
-        for s in rep_old:
-            held[group.rank, s] = 1
-        for s in own_old:
-            held[group.rank, s] = 2
-        group.all_reduce(held)
-        n = len(new)
         local: dict[int, dict[str, Any]] = {}
         if self.stage is not None:
-            local.update(self._stage_states(self.stage.replica_of_successor, rep_old) if rep_old else {})
-            local.update(self._stage_states(self.stage, own_old))
-        got: dict[int, dict[str, Any]] = {}
-        self.relayout_bytes = 0
-        for r in range(n):
-            for s in sorted(set(new[r]) | set(new[_successor(new, p, r)])):
-                if held[r, s] > 0:
-                    if r == group.rank:
-                        got[s] = local[s]
-                    continue
-                sources = [q for q in range(n) if held[q, s] == 2] or [q for q in range(n) if held[q, s] == 1]
-                if not sources:
-                    raise RuntimeError(f"no worker holds stage {s} (nor its replica): the pipeline cannot go on; "
-                                       f"resume from a checkpoint")
-                src = sources[0]
-                state, nbytes = broadcast_state(group, src, local[s] if group.rank == src else None, self.device,
-                                                receivers=[r])
-                if group.rank == src:
-                    self.relayout_bytes += nbytes
-                if r == group.rank:
-                    got[s] = state
-        total = torch.tensor([float(self.relayout_bytes)], dtype=torch.float64)
-        group.all_reduce(total)
-        self.relayout_bytes = int(total.item())  # every member: the re-layout's bytes in all
+            local.update(stage_states(self.stage.replica_of_successor, rep_old, self.full_bounds) if rep_old else {})
+            local.update(stage_states(self.stage, own_old, self.full_bounds))
+        got, self.relayout_bytes = exchange_for_layout(group, new, p, own_old, rep_old, local, self.device)
         # Build this worker's pieces from the whole model's layers, loaded with the stages' states.
         grid = Grid(p, len(layouts), group.rank, sizes=tuple(len(rep) for rep in layouts))
         mine_rep = layouts[grid.replica]
@@ -564,15 +274,15 @@ class PipelineWorkerEngine:
             seed=job.seed, batchnorm=job.batchnorm, deterministic=self.deterministic, device=self.device,
             successor_pieces={(pos + 1) % m: piece_module(layers, sa, sb)} if m >= 2 else None,
         )
-        _load_merged(self.stage, [got[s] for s in mine])
-        _load_merged(self.stage.replica_of_successor, [got[s] for s in succ])
+        load_merged(self.stage, [got[s] for s in mine])
+        load_merged(self.stage.replica_of_successor, [got[s] for s in succ])
         if old_replica is not None and old_replica.eager:
             # Eager redundant forwards of the interrupted step, of a stage this worker now runs:
             # the redone step takes them instead of running that stage's forwards again.
             lo = min(int(name) for mod in old_replica.pieces.values() for name, _ in mod.named_children())
             hi = max(int(name) for mod in old_replica.pieces.values() for name, _ in mod.named_children()) + 1
             if a <= lo and hi <= b and self.stage.pipeline.eager_forwards:
-                self.stage.reuse = _Reuse(lo, hi, dict(old_replica.eager))
+                self.stage.reuse = Reuse(lo, hi, dict(old_replica.eager))
             old_replica.eager.clear()
         if len(layouts) > 1 and len(mine) > 1:
             self.stage.set_job_stages([(s, *self.full_bounds[s]) for s in mine])
@@ -582,6 +292,85 @@ class PipelineWorkerEngine:
             self.layout = None  # full depth again: the standard layout from here on
             grid = Grid(p, len(layouts), group.rank)
         self._adopt(group, grid, contiguous_assignment(self.job.virtual_nodes, len(layouts)), job_stages=mine)
+
+    # ---- the worker's Engine protocol (runtime/engines.py) ---------------------------------------
+    def resume_from(self, state: dict[str, Any]) -> None:
+        self.resume_state = state  # loaded into the stage once its place is known
+
+    def prepare_to_join(self) -> None:
+        pass  # a newcomer's stage is built once its place is known
+
+    def check_state_held(self, run_dir: str) -> None:
+        pass  # what a failed member held comes back from its stage's survivors (or a replica)
+
+    def adopt(self, joining: Joining) -> tuple[int, float]:
+        record, group = joining.record, joining.group
+        moved, t_transfer = 0, 0.0
+        self.plan.set_vn_sizes(record.vn_sizes)
+        self.set_membership(group, record.assignment, layout=record.layout, steps=joining.steps,
+                            target=joining.target)
+        if record.layout is not None:
+            moved = self.relayout_bytes  # what the re-layout moved between the members
+        if joining.behind:
+            joining.transferring = True
+            t1 = time.perf_counter()
+            moved += self.transfer(group, joining.steps, joining.target)
+            t_transfer = time.perf_counter() - t1
+            joining.transferring = False
+        return moved, t_transfer
+
+    def before_regroup(self) -> None:
+        pass  # every member keeps its own stage's state
+
+    def whole_state(self, group: Group) -> dict[str, Any] | None:
+        return self.gather_state(group)
+
+    def boundary(self, group: Group, step: int, work: Boundary) -> None:
+        """Checkpoint and evaluation of a pipelined job: every member takes part in the gather."""
+        ck, ev = work.checkpoint_due(step), work.eval_due(step)
+        # A no-flush schedule has computed its whole window already: what falls due inside a
+        # window is done at the window's end, where the state is that of a step boundary.
+        self._due = (self._due[0] or ck, self._due[1] or ev)
+        if self.mid_window:
+            return
+        ck, ev = self._due
+        self._due = (False, False)
+        if not (ck or ev):
+            return
+        t_ck = time.perf_counter()
+        state = work.whole_state(self, group, step)
+        if state is None:
+            return
+        if ck:
+            work.checkpointed(step, work.save_checkpoint(step, state, prune=False), t_ck)
+        if ev:
+            work.evaluate(self.model, step)
+        self.model = None  # the whole model was rebuilt on rank 0 for this; only pieces stay
+
+    def boundary_on_rank0(self, step: int, work: Boundary) -> None:
+        pass  # its checkpoints and evaluations are collectives: :meth:`boundary`
+
+    def hold(self, group: Group, step: int, work: Boundary) -> str | None:
+        state = work.whole_state(self, group, step)  # rank 0 gathers the stages
+        return work.save_checkpoint(step, state, prune=False) if group.rank == 0 else None
+
+    def non_finite_note(self, step: int, path: str) -> str:
+        if not self.pipeline.flush:
+            return (f"the {self.pipeline.schedule} schedule streams steps without a flush, so the updates of its "
+                    f"window were applied; the state after them is in {path}")
+        return f"the step was not applied and the last good state (before step {step}) is in {path}"
+
+    def final_report(self) -> dict[str, Any]:
+        replica = self.stage.replica_of_successor if self.stage is not None else None
+        return {"optimizer_bytes": 0, "replica_bytes": replica.nbytes() if replica else 0,
+                "replica_refresh_s": replica.refresh_s if replica else 0.0,
+                "redundant_forwards": self.redundant_forwards()}
+
+    def state_bytes(self) -> int | None:
+        return None  # spread over the stages: not told
+
+    def close(self) -> None:
+        pass  # no threads of its own
 
     def step(self, step: int, control: int = 0) -> StepOutcome:
         if step in self._results:
@@ -647,8 +436,7 @@ class PipelineWorkerEngine:
 
     def _discard_step(self) -> None:
         for bn in self.stage.bn.values():
-            if bn and bn._start:
-                bn.restore()
+            bn.restore()  # back to the step's start; nothing changes once the step settled
         if self.stage.replica_of_successor is not None:
             self.stage.replica_of_successor.rewind()
         self.stage.optimizer.zero_grad(set_to_none=True)
@@ -690,84 +478,22 @@ class PipelineWorkerEngine:
         self._settled = (group.generation, settled)
         return settled
 
-    # ---- state ---------------------------------------------------------------------------------
+    # ---- state (the moving parts: runtime/pipeline_state.py) ------------------------------------
     def stage_state(self) -> dict[str, Any]:
-        s = self.stage
-        state = {"model": s.model.state_dict(), "optimizer": s.optimizer.state_dict(),
-                 "lr_scheduler": s.scheduler.state_dict() if s.scheduler is not None else None}
-        if s.prev_version is not None:  # 2bw: the older weight version is training state too
-            state["prev_version"] = {k: {n: t.detach() for n, t in v.items()} for k, v in s.prev_version.items()}
-        return state
-
-    def _resume(self, state: dict[str, Any], stage_rank: int) -> None:
-        """Load a gathered state (``gather_state``'s layout): the whole model, then this stage's
-        optimizer and scheduler state."""
-        self.model.load_state_dict(state["model"])  # the stage's layers are the whole model's
-        opt = state["optimizer"]["pipeline_stages"][stage_rank]
-        sched = state["lr_scheduler"]["pipeline_stages"][stage_rank]
-        self.stage.optimizer.load_state_dict(opt)
-        if self.stage.scheduler is not None and sched is not None:
-            self.stage.scheduler.load_state_dict(sched)
-        replica = self.stage.replica_of_successor
-        if replica is not None:  # its weights came with the whole model (the same layer objects)
-            succ = replica.stage_rank
-            replica.optimizer.load_state_dict(state["optimizer"]["pipeline_stages"][succ])
-            if replica.scheduler is not None and state["lr_scheduler"]["pipeline_stages"][succ] is not None:
-                replica.scheduler.load_state_dict(state["lr_scheduler"]["pipeline_stages"][succ])
+        return stage_state(self.stage)
 
     def load_stage_state(self, state: dict[str, Any]) -> None:
-        s = self.stage
-        s.model.load_state_dict(state["model"])
-        s.optimizer.load_state_dict(state["optimizer"])
-        if s.scheduler is not None and state.get("lr_scheduler") is not None:
-            s.scheduler.load_state_dict(state["lr_scheduler"])
-        if state.get("prev_version") is not None:
-            s.load_prev_version(state["prev_version"])
+        load_stage_state(self.stage, state)
 
     def transfer(self, group: Group, steps: list[int], target: int) -> int:
         """Bring every worker to step ``target``: each stage's state goes from a member of that
-        stage that reached it to the members of that stage behind. ``steps[r]`` is rank ``r``'s
-        step. Collective. Raises when no member of some stage reached ``target`` (a stage applied
-        a step another stage lost: the pipeline cannot be made consistent)."""
+        stage that reached it to the members of that stage behind (:func:`transfer_stages`).
+        ``steps[r]`` is rank ``r``'s step. Collective."""
         if self._relaid == group.generation:
             return 0  # the re-layout moved every stage a member needed
         if self._settled is not None and self._settled[0] == group.generation:
             steps = self._settled[1]  # members that finished the interrupted step need nothing
-        p = self.pipeline.stages
-        moved = 0
-        for s in range(p):
-            ranks = [r for r in range(len(steps)) if r % p == s]
-            ahead = [r for r in ranks if steps[r] == target]
-            receivers = [r for r in ranks if steps[r] < target]
-            if not ahead:
-                raise RuntimeError(
-                    f"no worker of stage {s} holds step {target} (stage steps {[steps[r] for r in ranks]}): a "
-                    f"failure struck between the stages' updates of one step; the pipelined job cannot continue "
-                    f"consistently (resume from a checkpoint)"
-                )
-            stage_src = ahead[0]
-            if not receivers:
-                continue
-            mine = self.stage_state() if group.rank == stage_src else None
-            state, n = broadcast_state(group, stage_src, mine, self.device, receivers=receivers)
-            moved += n
-            if group.rank in receivers:
-                self.load_stage_state(state)
-        if self.pipeline.redundancy:
-            # Workers behind also hold a stale replica of their successor's stage: it comes from a
-            # member of that stage that reached the step.
-            for s in range(p):
-                succ = (s + 1) % p
-                receivers = [r for r in range(len(steps)) if r % p == s and steps[r] < target]
-                if not receivers:
-                    continue
-                src = next(r for r in range(len(steps)) if r % p == succ and steps[r] == target)
-                mine = self.stage_state() if group.rank == src else None
-                state, n = broadcast_state(group, src, mine, self.device, receivers=receivers)
-                moved += n
-                if group.rank in receivers:
-                    self.stage.replica_of_successor.load(state)
-        return moved
+        return transfer_stages(self.stage, self.pipeline, group, steps, target, self.device)
 
     def gather_state(self, group: Group) -> dict[str, Any] | None:
         """Collective: rank 0 gets the whole model's state (also loaded into ``self.model``, rebuilt
@@ -775,31 +501,8 @@ class PipelineWorkerEngine:
         optimizer and scheduler state; others get ``None``. After a failover, members running
         several stages send each stage's state apart, so the layout is that of the job's stages."""
         p = self.pipeline.stages
-        if self.layout is not None:
-            from virtualflow.plan.pipeline.failover import split_replicas
-
-            n = len(split_replicas(self.layout, p)[0])  # the first replica's members: ranks 0 .. n-1
-            per_stage: dict[int, dict[str, Any]] = {}
-            for r in range(n):
-                if group.rank not in (0, r):
-                    continue
-                mine = self._stage_states(self.stage, self.layout[r]) if group.rank == r else None
-                got = mine if r == 0 else broadcast_state(group, r, mine, self.device, receivers=[0])[0]
-                if group.rank == 0:
-                    per_stage.update({int(k): v for k, v in got.items()})
-            if group.rank != 0:
-                return None
-            stages = [per_stage[s] for s in range(p)]
-        else:
-            stages = [self.stage_state() if group.rank == 0 else None]
-        for s in range(1, p if self.layout is None else 1):
-            if group.rank not in (0, s):
-                continue
-            state, _ = broadcast_state(group, s, self.stage_state() if group.rank == s else None, self.device,
-                                       receivers=[0])
-            if group.rank == 0:
-                stages.append(state)
-        if group.rank != 0:
+        stages = gather_stages(self.stage, self.pipeline, self.layout, self.full_bounds, group, self.device)
+        if stages is None:
             return None
         whole = {}
         for st in stages:
@@ -814,37 +517,3 @@ class PipelineWorkerEngine:
                 "lr_scheduler": {"pipeline_stages": [st["lr_scheduler"] for st in stages]},
                 "pipeline": {"stages": p, "bounds": [list(b) for b in self.full_bounds],
                              "schedule": self.pipeline.schedule}}
-
-
-def _successor(flat: Any, stages: int, r: int) -> int:
-    """Flat index of the successor of member ``r`` in its own pipeline replica (a flat layout:
-    one run per member, replicas one after another, each starting at the run holding stage 0)."""
-    start = r
-    while flat[start][0] != 0:
-        start -= 1
-    end = r + 1
-    while end < len(flat) and flat[end][0] != 0:
-        end += 1
-    return start + (r - start + 1) % (end - start)
-
-
-def _load_merged(holder: Any, states: list[dict[str, Any]]) -> None:
-    """Load the per-stage states of consecutive job stages into one engine or replica whose
-    parameters are theirs in order (optimizer states concatenated, one parameter group)."""
-    if holder is None:
-        return
-    state: dict[int, Any] = {}
-    group: dict[str, Any] = {}
-    offset = 0
-    for st in states:
-        opt = st["optimizer"]
-        for i, v in opt["state"].items():
-            state[offset + int(i)] = v
-        if opt["param_groups"]:
-            group = {k: v for k, v in opt["param_groups"][0].items() if k != "params"}
-            offset += len(opt["param_groups"][0]["params"])
-    if offset:
-        holder.optimizer.load_state_dict({"state": state, "param_groups": [{**group, "params": list(range(offset))}]})
-    sched = next((st["lr_scheduler"] for st in states if st["lr_scheduler"] is not None), None)
-    if holder.scheduler is not None and sched is not None:
-        holder.scheduler.load_state_dict(sched)

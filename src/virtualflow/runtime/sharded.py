@@ -40,11 +40,15 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 from virtualflow.plan.shards import Bounds, shard_bounds
+
+if TYPE_CHECKING:
+    from virtualflow.comm.groups import Group
+    from virtualflow.comm.ring import Collectives
 
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 ALIGN = 16
@@ -302,6 +306,43 @@ class ShardedOptimizer:
 
 
 _STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+
+
+GATHER_TAG = 17
+"""Point-to-point tag of a sharded optimizer state's gather to one member (the ring's own tags
+start at 2**30, so they never meet)."""
+
+
+def gather_sharded_state(shard: ShardedOptimizer, comm: Collectives, group: Group,
+                         root: int | None = None) -> dict[str, Any] | None:
+    """Collective (every member calls it at the same point): the whole optimizer state from every
+    member's chunk, delivered to every member (``root`` None, an all-gather over ``comm``) or only
+    to rank ``root`` (the others get ``None`` and never hold more than their chunk)."""
+    bounds = shard.bounds
+    lo, hi = shard.chunk()
+
+    def everywhere(chunk: torch.Tensor) -> torch.Tensor:
+        whole = chunk.new_zeros(shard.flat.numel)
+        whole[lo:hi].copy_(chunk)
+        comm.all_gather(whole, bounds)
+        return whole
+
+    def to_root(chunk: torch.Tensor) -> torch.Tensor | None:
+        if group.size == 1:
+            return chunk
+        if group.rank != root:
+            if chunk.numel():
+                group.send(chunk, root, tag=GATHER_TAG)
+            return None
+        whole = chunk.new_zeros(shard.flat.numel)
+        whole[lo:hi].copy_(chunk)
+        works = [group.irecv(whole[a:b], q, tag=GATHER_TAG) for q, (a, b) in enumerate(bounds)
+                 if q != root and b > a]
+        for w in works:
+            w.wait()
+        return whole
+
+    return shard.gather_state(everywhere if root is None else to_root, group.all_reduce)
 
 
 def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:

@@ -41,9 +41,16 @@ advances the worker's control position: commands are followed in order and only 
 verify (the heartbeat thread checks them, so rank 0 puts only a verified position into the step's
 reduction).
 
-Size: about 580 lines, one concept (a worker's life through generations: set-up, forming a
-group, agreeing and transferring state, the step loop, leaving); its side of the control plane
-is in :mod:`virtualflow.runtime.channel`.
+Engines. The worker never asks which engine it runs (VN or pipelined, plain or sharded
+reduction): what differs is behind :class:`virtualflow.runtime.engines.Engine` (adopting a
+generation, a step, abandoning it, the whole state, the step-boundary work, a held generation);
+:func:`build_engine` is the one place that picks the engine from the job.
+
+Size: one concept (a worker's life through generations: set-up, forming a group, agreeing on
+the state, the step loop, leaving). Beside it: its side of the control plane
+(:mod:`virtualflow.runtime.channel`), its configuration (:mod:`virtualflow.runtime.worker_config`),
+checkpoints and evaluations at step boundaries (:mod:`virtualflow.runtime.step_boundary`) and its
+failure report (:mod:`virtualflow.runtime.failure_report`).
 """
 
 from __future__ import annotations
@@ -51,80 +58,36 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import signal
-import sys
 import threading
 import time
-import traceback
-from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from virtualflow.comm import auth, protocol
-from virtualflow.comm.groups import Group, PeerFailure, make_group
-from virtualflow.job import Job, JobSource
+from virtualflow.comm.groups import Group, PeerFailure, make_group, make_subgroup
+from virtualflow.job import Job
 from virtualflow.plan.data import DataPlan
-from virtualflow.result import job_traceback
-from virtualflow.rundir import DiskFullError, free_bytes, no_space
 from virtualflow.runtime.channel import Heartbeat, Rejections, Reporter, aborted
 from virtualflow.runtime.checkpoint import load_state, save_state
-from virtualflow.runtime.engine import BatchLoader, NonFiniteLossError, VNEngine
-from virtualflow.runtime.faults import FaultPlan
-from virtualflow.runtime.transfer import Progress, agree_progress, broadcast_state
+from virtualflow.runtime.engine import NonFiniteLossError
+from virtualflow.runtime.engines import Engine, Joining
+from virtualflow.runtime.failure_report import failing_step, peak_rss_mib, report_failure
+from virtualflow.runtime.step_boundary import WorkerBoundary, checkpoint_path
+from virtualflow.runtime.trace_window import StepProfiler
+from virtualflow.runtime.transfer import Progress, agree_progress
+from virtualflow.runtime.vn_worker import VNWorkerEngine
+from virtualflow.runtime.worker_config import WorkerConfig
+
+__all__ = ["PreemptionNotice", "Worker", "WorkerConfig", "build_engine", "build_job", "checkpoint_path",
+           "failing_step", "report_failure", "run_worker"]
+"""``WorkerConfig`` (its home is :mod:`virtualflow.runtime.worker_config`), ``checkpoint_path``
+(:mod:`virtualflow.runtime.step_boundary`) and the failure report
+(:mod:`virtualflow.runtime.failure_report`) are re-exported: they were imported from here."""
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass(slots=True, kw_only=True)
-class WorkerConfig:
-    """What every worker process of a run is told, built once by the launching process from the
-    job's :class:`~virtualflow.options.LaunchOptions` and what it resolved (store address,
-    steps, threads, resume state). The options' defaults live there, not here."""
-
-    store_host: str
-    store_port: int
-    job_source: JobSource
-    total_steps: int
-    state_dir: str
-    overrides: dict[str, Any]
-    """Job fields the options override (global_batch_size, virtual_nodes, seed)."""
-    deterministic: bool
-    threads: int
-    device: str
-    collective_timeout_s: float
-    checkpoint_every: int | None
-    resume_path: str | None
-    initial_workers: int
-    """Workers ``0 .. initial_workers-1`` start the job (load ``resume_path`` if given); later
-    ids are newcomers that receive the state from a member."""
-    fault_plan: FaultPlan | None
-    slowdowns: dict[int, float]
-    """Emulated slowness per worker id (see :class:`virtualflow.WorkerSpec`)."""
-    control_plane: bool
-    """False (benchmarks only): no heartbeat thread and no per-step control read, so stop,
-    resize and hang detection do not work; it measures what the control plane costs."""
-    reduction: str = "allreduce"
-    loader_workers: int = 0
-    """Threads that load the next virtual nodes' batches while the current ones compute
-    (:class:`~virtualflow.options.LaunchOptions` ``loader_workers``; 0: load when needed)."""
-    breakdown: bool = True
-    """Measure where each step's time goes (:mod:`virtualflow.runtime.breakdown`)."""
-    profile_steps: tuple[int, int] | None = None
-    """``[first, last)`` steps traced with ``torch.profiler`` into ``state_dir/profile/``."""
-    """How gradients are combined (:class:`~virtualflow.options.LaunchOptions` ``reduction``)."""
-    store_timeout_s: float = 600.0
-    """Bound on waits for the coordinator (a generation to join; a rendezvous)."""
-    heartbeat_interval_s: float = 0.05
-    keep_checkpoints: int = 2
-    job_id: str = ""
-    """This launch's id (:func:`virtualflow.comm.auth.new_job_id`), named by every signed message."""
-    run_key: str = ""
-    """The run key (:func:`virtualflow.comm.auth.run_key`): signs this worker's reports and checks
-    what it reads from the store. Never sent through the store: the external backend blanks it in
-    the configuration a joining worker receives, and the worker derives it from its token file."""
 
 
 def build_job(cfg: WorkerConfig) -> Job:
@@ -132,39 +95,26 @@ def build_job(cfg: WorkerConfig) -> Job:
     return job.replace(**cfg.overrides) if cfg.overrides else job
 
 
-def broadcast_module(module: torch.nn.Module, group: Group, src: int = 0) -> None:
-    """Make every worker's parameters and buffers bit-identical to ``src``'s."""
-    if group.size == 1:
-        return
-    tensors = [t for t in list(module.parameters()) + list(module.buffers())]
-    with torch.no_grad():
-        for dtype in sorted({t.dtype for t in tensors}, key=str):
-            same = [t for t in tensors if t.dtype == dtype]
-            flat = torch.cat([t.detach().reshape(-1) for t in same])
-            group.broadcast(flat, src)
-            offset = 0
-            for t in same:
-                n = t.numel()
-                t.copy_(flat[offset : offset + n].view_as(t))
-                offset += n
+def build_engine(cfg: WorkerConfig, worker_id: int, job: Job, dataset: Any, store: dist.Store,
+                 device: torch.device) -> Engine:
+    """The engine of ``job`` on this worker: pipelined when the job has a ``Pipeline``, else the
+    VN engine (with ``cfg.reduction``). The one place that looks at the job's kind."""
+    plan = DataPlan(len(dataset), job.global_batch_size, job.virtual_nodes, job.seed)  # checks the sizes
+    if job.pipeline is not None:
+        from virtualflow.runtime.pipeline_worker import PipelineWorkerEngine
 
+        def subgroup(generation: int, name: str, rank: int, size: int) -> Group:
+            return make_subgroup(store, generation, name, rank, size, cfg.collective_timeout_s, device)
 
-def training_state(job: Job, engine: VNEngine, step: int,
-                   optimizer_state: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A checkpoint's contents. ``optimizer_state``: the whole optimizer state when the caller
-    gathered it (the sharded reduction), else the engine's."""
-    return {
-        "model": {k: v.detach().cpu() for k, v in engine.model.state_dict().items()},
-        "optimizer": optimizer_state if optimizer_state is not None else engine.optimizer_state(),
-        "lr_scheduler": engine.scheduler.state_dict() if engine.scheduler is not None else None,
-        "step": step,
-        "job": {
-            "name": job.name,
-            "global_batch_size": job.global_batch_size,
-            "virtual_nodes": job.virtual_nodes,
-            "seed": job.seed,
-        },
-    }
+        stages = PipelineWorkerEngine(job, dataset, deterministic=cfg.deterministic, device=device,
+                                      subgroup=subgroup)
+        stages.total_steps = cfg.total_steps
+        stages.timeline_dir = os.path.join(cfg.state_dir, "pipeline")
+        engine: Engine = stages
+    else:
+        engine = VNWorkerEngine.build(job, dataset, plan, cfg, device)
+    engine.slowdown = float(cfg.slowdowns.get(worker_id, 1.0))
+    return engine
 
 
 def run_worker(cfg: WorkerConfig, worker_id: int, notice: PreemptionNotice | None = None) -> int:
@@ -193,85 +143,29 @@ def run_worker(cfg: WorkerConfig, worker_id: int, notice: PreemptionNotice | Non
         return 1
 
 
-def failing_step(exc: BaseException, worker: Worker | None) -> int | None:
-    """The step (0-based) a worker failed at: the one the exception names (``exc.step``), else the
-    one the worker was running or about to run; None when it failed while setting up (building
-    the job), before any step was its."""
-    step = getattr(exc, "step", None)
-    if isinstance(step, int) and not isinstance(step, bool):
-        return step
-    if worker is None or worker.phase == "setting up" or worker.progress.step < 0:
-        return None
-    return worker.progress.step
-
-
-def report_failure(reporter: Reporter, worker_id: int, exc: BaseException, worker: Worker | None) -> None:
-    """Tell the coordinator and the worker's own log (stderr) why this worker failed: the
-    exception, the step, and the traceback, in full and from the job's own code on
-    (:func:`virtualflow.result.job_traceback`). Best effort: a report that cannot be sent (the
-    store is gone) leaves the log."""
-    step = failing_step(exc, worker)
-    phase = worker.phase if worker is not None else "setting up"
-    full = "".join(traceback.format_exception(exc))
-    disk = no_space(exc)
-    if disk is not None:  # one line naming the file, the space free there and the space needed
-        path = disk.filename if isinstance(disk.filename, str) else (worker.cfg.state_dir if worker else "?")
-        needed = getattr(disk, "needed_bytes", None) or _state_bytes(worker)
-        free = disk.free_bytes if isinstance(disk, DiskFullError) else free_bytes(path)  # as measured at the failure
-        exc = DiskFullError(path, free, needed, disk.errno)
-    try:
-        short = job_traceback(exc)
-    except Exception:  # noqa: BLE001 - never lose the failure over its formatting
-        short = full
-    where = f"at step {step}" if step is not None else f"while {phase}"
-    try:
-        print(f"virtualflow worker {worker_id} failed {where}: {type(exc).__name__}: {exc}\n{full}",
-              file=sys.stderr, flush=True)
-    except Exception:  # noqa: BLE001 - a closed stderr must not hide the report below
-        pass
-    try:
-        reporter({
-            "type": "error",
-            "error": f"{type(exc).__name__}: {exc}"[:4000],
-            "traceback": full[-16000:],
-            "job_traceback": short[-16000:],
-            "phase": phase,
-            "step": step,
-        })
-    except Exception:  # noqa: BLE001 - the store is gone: the log above is what is left
-        pass
-
-
-def _state_bytes(worker: Worker | None) -> int | None:
-    """About how many bytes a state file of this worker's job takes (its model's tensors and the
-    optimizer state it holds); None when that cannot be told (set-up not done, pipelined)."""
-    try:
-        engine = worker.engine  # type: ignore[union-attr]
-        model = sum(t.numel() * t.element_size() for t in engine.model.state_dict().values())
-        return model + engine.optimizer_state_bytes()
-    except Exception:  # noqa: BLE001 - an estimate for a message only
-        return None
-
-
 class PreemptionNotice:
-    """A worker process's SIGTERM handling (installed by the entry point, :meth:`handler`).
+    """A worker process's preemption notice: what a SIGTERM means to the worker, as data.
 
-    A SIGTERM while the worker trains is a *preemption notice* (what a spot instance gets before
-    it is reclaimed): :attr:`given` is set, the worker asks at its next step boundary to be
-    released, the job regroups without it at a step boundary and it leaves cleanly: no failure,
-    no step redone, nothing lost (the sharded reduction hands its optimizer chunk over). A
-    SIGTERM at any other time (waiting for a generation, setting up), or a second one, ends the
-    process at once, as the default action would (the launcher's shutdown sends SIGTERM, then
-    SIGKILL)."""
+    The process's entry point installs the signal handler (:func:`virtualflow.backends.local_worker.
+    preemption_notice`; ``runtime/`` installs none) and asks :meth:`take` what to do. A SIGTERM
+    while the worker trains is a *preemption notice* (what a spot instance gets before it is
+    reclaimed): :attr:`given` is set, the worker asks at its next step boundary to be released,
+    the job regroups without it at a step boundary and it leaves cleanly: no failure, no step
+    redone, nothing lost (the sharded reduction hands its optimizer chunk over). A SIGTERM at any
+    other time (waiting for a generation, setting up), or a second one, ends the process at once,
+    as the default action would (the launcher's shutdown sends SIGTERM, then SIGKILL)."""
 
     def __init__(self) -> None:
         self.given = threading.Event()
         self.training = threading.Event()
 
-    def handler(self, signum: int, frame: Any) -> None:
+    def take(self) -> bool:
+        """A SIGTERM arrived: note it as a notice and return True, or return False when the
+        process must end at once (a second one, or not training)."""
         if self.given.is_set() or not self.training.is_set():
-            os._exit(128 + signal.SIGTERM)
+            return False
         self.given.set()
+        return True
 
 
 class _Aborted(Exception):
@@ -295,60 +189,6 @@ def _rendezvous(store: dist.Store, cfg: WorkerConfig, generation: int, size: int
         pause = min(pause * 2, 0.02)
 
 
-def _full_state(engine: VNEngine, progress: Progress) -> dict[str, Any]:
-    return {
-        "model": engine.model.state_dict(),
-        "optimizer": engine.optimizer_state(),
-        "lr_scheduler": engine.scheduler.state_dict() if engine.scheduler is not None else None,
-        "step": progress.step,
-        "control": progress.control,
-    }
-
-
-def _load_full_state(engine: VNEngine, state: dict[str, Any]) -> None:
-    engine.model.load_state_dict(state["model"])
-    engine.load_optimizer_state(state["optimizer"])
-    if engine.scheduler is not None and state.get("lr_scheduler") is not None:
-        engine.scheduler.load_state_dict(state["lr_scheduler"])
-
-
-def _materialize_optimizer_state(engine: VNEngine) -> None:
-    """Give a newcomer's optimizer its state tensors now, during set-up, by one step with zero
-    gradients. The values do not matter (the state transfer overwrites model, optimizer and
-    scheduler state); what matters is that the memory is allocated and touched before the
-    worker joins, so the transfer receives into it instead of faulting in hundreds of MB while
-    the survivors wait. Best effort: an optimizer that cannot step this way (e.g. one that needs
-    a closure) just gets its state from the transfer as usual."""
-    params = [p for g in engine.optimizer.param_groups for p in g["params"] if p.requires_grad]
-    try:
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        engine.optimizer.step()
-    except Exception:  # noqa: BLE001 - an optimization only
-        pass
-    finally:
-        engine.optimizer.zero_grad(set_to_none=True)
-
-
-def checkpoint_path(state_dir: str, step: int) -> str:
-    return os.path.join(state_dir, "checkpoints", f"step-{step:08d}.pt")
-
-
-def _save_checkpoint(cfg: WorkerConfig, job: Job, engine: VNEngine, step: int,
-                     state: dict[str, Any] | None = None) -> str:
-    path = checkpoint_path(cfg.state_dir, step)
-    save_state(path, state if state is not None else training_state(job, engine, step))
-    folder = os.path.dirname(path)
-    kept = sorted(f for f in os.listdir(folder) if f.startswith("step-") and f.endswith(".pt"))
-    for old in kept[: max(0, len(kept) - cfg.keep_checkpoints)]:
-        for suffix in ("", ".sha256"):
-            try:
-                os.remove(os.path.join(folder, old + suffix))
-            except OSError:
-                pass
-    return path
-
-
 class Worker:
     """One worker's life: generations one after another until the job ends or it leaves."""
 
@@ -360,11 +200,10 @@ class Worker:
         self.report = reporter
         self.run_key = reporter.run
         self.rejections = Rejections(reporter)
-        self._transferring = False  # inside a state transfer (what a fault report names)
+        self._joining: Joining | None = None  # the generation being adopted (a fault report names its phase)
         self.device = torch.device(cfg.device)
         self.progress = Progress(step=-1, control=0)
         self.last_report: dict[str, Any] | None = None
-        self.last_eval_step = -1
         self.retired: list[Group] = []
         self.phase = "setting up"
         """What the worker is doing, for a failure's report: setting up, forming a generation,
@@ -405,82 +244,29 @@ class Worker:
         t_start = time.perf_counter()
         job = self.job = build_job(cfg)
         dataset = job.build_dataset()
-        plan = DataPlan(len(dataset), job.global_batch_size, job.virtual_nodes, job.seed)
-        if job.pipeline is not None:
-            self.engine = self._pipeline_engine(job, dataset)
-        else:
-            torch.manual_seed(job.seed)
-            model = job.model().to(self.device)
-            optimizer = job.optimizer(model.parameters())
-            scheduler = job.lr_scheduler(optimizer) if job.lr_scheduler is not None else None
-            self.engine = VNEngine(
-                model, optimizer, scheduler, job.compute_loss, plan, BatchLoader(dataset, job.collate_fn),
-                seed=job.seed, batchnorm=job.batchnorm, deterministic=cfg.deterministic, device=self.device,
-                reduction=cfg.reduction, loader_workers=cfg.loader_workers, breakdown=cfg.breakdown,
-            )
-        self.engine.slowdown = float(cfg.slowdowns.get(self.id, 1.0))
+        self.engine: Engine = build_engine(cfg, self.id, job, dataset, self.store, self.device)
+        self.boundary = WorkerBoundary(cfg, job, self.report)
         self.profiler = None
         if cfg.profile_steps is not None:
-            from virtualflow.observe.profiler import StepProfiler
-
             self.profiler = StepProfiler(cfg.profile_steps, os.path.join(cfg.state_dir, "profile"), self.id,
                                          self.device.type)
         self.faults = cfg.fault_plan.for_worker(self.id) if cfg.fault_plan is not None else None
         if self.faults:
             self.engine.install_fault_point(self.faults.point)
-        self.pipelined = job.pipeline is not None
-        self.sharded = not self.pipelined and cfg.reduction == "sharded"
-        self.collective_state = self.pipelined or self.sharded
-        """Whether the whole training state is assembled by a collective (every member takes part)."""
         if cfg.resume_path is not None and self.id < cfg.initial_workers:
             state = load_state(cfg.resume_path)
-            if self.pipelined:
-                self.engine.resume_state = state  # loaded into the stage once its place is known
-            else:
-                _load_full_state(self.engine, state)
+            self.engine.resume_from(state)
             self.progress = Progress(step=int(state["step"]), control=0)
         elif self.id < cfg.initial_workers:
             # Generation 0 starts from the job's initial weights: everyone built the same model
             # from the same seed, and rank 0's copy is broadcast anyway (see _form).
             self.progress = Progress(step=0, control=0)
-        elif not self.collective_state:
-            _materialize_optimizer_state(self.engine)
+        else:
+            self.engine.prepare_to_join()
         self.heartbeat = Heartbeat(cfg, self.id, run=self.run_key, rejections=self.rejections)
         if cfg.control_plane:
             self.heartbeat.start()
         self.report({"type": "join", "setup_s": time.perf_counter() - t_start})
-
-    _due: tuple[bool, bool] = (False, False)
-    """Pipelined job: a checkpoint / an evaluation fell due inside a no-flush window."""
-
-    def _pipeline_engine(self, job: Job, dataset: Any):
-        from virtualflow.comm.groups import make_subgroup
-        from virtualflow.runtime.pipeline_worker import PipelineWorkerEngine
-
-        cfg = self.cfg
-
-        def subgroup(generation: int, name: str, rank: int, size: int) -> Group:
-            return make_subgroup(self.store, generation, name, rank, size, cfg.collective_timeout_s, self.device)
-
-        engine = PipelineWorkerEngine(job, dataset, deterministic=cfg.deterministic, device=self.device,
-                                      subgroup=subgroup)
-        engine.total_steps = cfg.total_steps
-        engine.timeline_dir = os.path.join(cfg.state_dir, "pipeline")
-        return engine
-
-    def _whole_state(self, group: Group, step: int) -> dict[str, Any] | None:
-        """The training state a checkpoint or the final state holds; ``None`` except on rank 0.
-        A collective for a pipelined job (rank 0 gathers the stages), local otherwise."""
-        if not self.pipelined:
-            optimizer = self.engine.gather_optimizer_state(root=0) if self.sharded else None  # a collective
-            return training_state(self.job, self.engine, step, optimizer) if group.rank == 0 else None
-        state = self.engine.gather_state(group)
-        if state is None:
-            return None
-        job = self.job
-        state.update({"step": step, "job": {"name": job.name, "global_batch_size": job.global_batch_size,
-                                            "virtual_nodes": job.virtual_nodes, "seed": job.seed}})
-        return state
 
     # -- the life loop ------------------------------------------------------------------------
     def run(self) -> None:
@@ -501,23 +287,14 @@ class Worker:
             try:
                 group = self._form(record)
             except (PeerFailure, _Aborted) as exc:
-                phase = "state_transfer" if self._transferring else "regroup"
+                phase = "state_transfer" if self._joining is not None and self._joining.transferring else "regroup"
                 self.report({"type": "fault", "generation": gen, "phase": phase, "step": self.progress.step,
                              "error": (str(exc) or "generation aborted")[:2000]})
                 where = self.next_generation(gen)
                 continue
             if record.hold:
-                if self.sharded:
-                    self.engine.before_regroup()  # the next generation cuts the optimizer state again
-                if self.collective_state:  # rank 0 gathers the stages / the optimizer's chunks
-                    state = self._whole_state(group, self.progress.step)
-                    if group.rank == 0:
-                        path = checkpoint_path(self.cfg.state_dir, self.progress.step)
-                        save_state(path, state)
-                        self.report({"type": "held", "generation": gen, "step": self.progress.step,
-                                     "checkpoint": path})
-                elif group.rank == 0:
-                    path = _save_checkpoint(self.cfg, self.job, self.engine, self.progress.step)
+                path = self.engine.hold(group, self.progress.step, self.boundary)
+                if group.rank == 0:
                     self.report({"type": "held", "generation": gen, "step": self.progress.step, "checkpoint": path})
                 self.retired.append(group)
                 where = self.next_generation(gen)
@@ -546,14 +323,9 @@ class Worker:
     def _form(self, record: protocol.GenerationRecord) -> Group:
         """Rendezvous, build the generation's group, agree on the state, transfer it if needed."""
         cfg, gen = self.cfg, record.generation
-        self._transferring = False
-        if self.sharded and self.progress.step >= 0:
-            from virtualflow.runtime.sharded import ShardLost
-
-            try:
-                self.engine.shard.check_held()  # after a failure: ShardLost, naming the way out
-            except ShardLost as exc:
-                raise ShardLost(f"{exc} (this run's directory: {cfg.state_dir})") from None
+        self._joining = None
+        if self.progress.step >= 0:
+            self.engine.check_state_held(cfg.state_dir)  # after a failure: what only this worker held
         t0 = time.perf_counter()
         rank = record.members.index(self.id)
         _rendezvous(self.store, cfg, gen, len(record.members), lambda: self.aborted(gen))
@@ -581,41 +353,12 @@ class Worker:
             raise RuntimeError("no member of the new generation holds the training state")
         src = next(r for r, p in enumerate(everyone) if p.step == target)
         behind = [record.members[r] for r, p in enumerate(everyone) if p.step < target]
-        moved, t_transfer = 0, 0.0
-        if self.pipelined:
-            self.engine.plan.set_vn_sizes(record.vn_sizes)
-            self.engine.set_membership(group, record.assignment, layout=record.layout,
-                                       steps=[p.step for p in everyone], target=target)
-            if record.layout is not None:
-                moved = self.engine.relayout_bytes  # what the re-layout moved between the members
-            if behind:
-                self._transferring = True
-                t1 = time.perf_counter()
-                moved += self.engine.transfer(group, [p.step for p in everyone], target)
-                t_transfer = time.perf_counter() - t1
-                self._transferring = False
-        elif target == 0 and group.size > 1 and not behind:
-            broadcast_module(self.engine.model, group)  # identical start whatever the factory does
-        if behind and not self.pipelined:
-            self._transferring = True
-            t1 = time.perf_counter()
-            mine = _full_state(self.engine, self.progress) if rank == src else None
-            point = (lambda: self.faults.point(target, "state_transfer")) if self.faults else None
-            behind_ranks = [r for r, p in enumerate(everyone) if p.step < target]
-            # A newcomer's own tensors hold nothing of value: receive into them. A survivor one
-            # step behind keeps its state intact until the transfer is through (if the source
-            # dies mid-way, that state may be the best one left).
-            into = _full_state(self.engine, self.progress) if self.progress.step < 0 else None
-            state, moved = broadcast_state(group, src, mine, self.device, on_started=point,
-                                           receivers=behind_ranks, into=into)
-            if rank in behind_ranks:
-                _load_full_state(self.engine, state)
-            t_transfer = time.perf_counter() - t1
-            self._transferring = False
+        point = (lambda: self.faults.point(target, "state_transfer")) if self.faults else None
+        joining = self._joining = Joining(group=group, record=record, progress=self.progress,
+                                          steps=[p.step for p in everyone], target=target, src=src,
+                                          state_point=point)
+        moved, t_transfer = self.engine.adopt(joining)
         self.progress = Progress(step=target, control=max(p.control for p in everyone))
-        if not self.pipelined:
-            self.engine.plan.set_vn_sizes(record.vn_sizes)
-            self.engine.set_membership(group, record.assignment)
         if self.cfg.control_plane:
             self.heartbeat.watch(gen)
             self.engine.generation_broken = self.heartbeat.broken
@@ -676,10 +419,7 @@ class Worker:
                 report["breakdown"] = [{"worker": w, **parts} for w, parts in zip(record.members, outcome.breakdown)]
                 report["breakdown_step"] = step - 2
             self.last_report = report
-            if self.pipelined:
-                self._pipeline_boundary(group, step)
-            elif self.sharded:
-                self._sharded_boundary(group, step)
+            self.engine.boundary(group, step, self.boundary)  # collective work (every member)
             if self.notice is not None and self.notice.given.is_set() and not self._noticed:
                 self._noticed = True  # reported once, at a step boundary (the reporter is not shared)
                 self.report({"type": "notice", "step": step})
@@ -687,16 +427,7 @@ class Worker:
                 self.report.flush()  # what the heartbeat thread refused, if anything
             else:
                 self.report(report)
-                if self.collective_state:
-                    pass  # its checkpoints were collectives: _pipeline_boundary / _sharded_boundary
-                elif cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.total_steps:
-                    t_ck = time.perf_counter()
-                    path = _save_checkpoint(cfg, job, engine, step)
-                    self.report({"type": "checkpoint", "step": step, "path": path,
-                                 "save_s": time.perf_counter() - t_ck})
-                if not self.pipelined and job.evaluate is not None and job.eval_every and step % job.eval_every == 0:
-                    _evaluate(self.report, job, engine, step)
-                    self.last_eval_step = step
+                engine.boundary_on_rank0(step, self.boundary)  # what rank 0 does alone
                 t_prev = time.perf_counter()  # checkpoint and evaluation time is not step time
             if outcome.control > self.progress.control:
                 commands = [self._command(n) for n in range(self.progress.control + 1, outcome.control + 1)]
@@ -708,49 +439,9 @@ class Worker:
                 if "stop" in ops:
                     return "stop"
                 if "regroup" in ops:
-                    if self.sharded:
-                        engine.before_regroup()  # every member gathers the optimizer state
+                    engine.before_regroup()  # what a leaving member holds is gathered now
                     return "regroup"
         return "done"
-
-    def _pipeline_boundary(self, group: Group, step: int) -> None:
-        """Checkpoint and evaluation of a pipelined job: every member takes part in the gather."""
-        cfg, job = self.cfg, self.job
-        ck = bool(cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.total_steps)
-        ev = bool(job.evaluate is not None and job.eval_every and step % job.eval_every == 0)
-        # A no-flush schedule has computed its whole window already: what falls due inside a
-        # window is done at the window's end, where the state is that of a step boundary.
-        self._due = (self._due[0] or ck, self._due[1] or ev)
-        if self.engine.mid_window:
-            return
-        ck, ev = self._due
-        self._due = (False, False)
-        if not (ck or ev):
-            return
-        t_ck = time.perf_counter()
-        state = self._whole_state(group, step)
-        if state is None:
-            return
-        if ck:
-            path = checkpoint_path(cfg.state_dir, step)
-            save_state(path, state)
-            self.report({"type": "checkpoint", "step": step, "path": path, "save_s": time.perf_counter() - t_ck})
-        if ev:
-            _evaluate(self.report, job, self.engine, step)
-            self.last_eval_step = step
-        self.engine.model = None  # the whole model was rebuilt on rank 0 for this; only pieces stay
-
-    def _sharded_boundary(self, group: Group, step: int) -> None:
-        """A checkpoint with the sharded reduction: every member takes part in gathering the
-        optimizer state; rank 0 writes it."""
-        cfg = self.cfg
-        if not (cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.total_steps):
-            return
-        t_ck = time.perf_counter()
-        state = self._whole_state(group, step)
-        if state is not None:
-            path = _save_checkpoint(cfg, self.job, self.engine, step, state)
-            self.report({"type": "checkpoint", "step": step, "path": path, "save_s": time.perf_counter() - t_ck})
 
     def _command(self, n: int) -> dict[str, Any]:
         """Control command ``n``, verified (by the heartbeat thread, or here)."""
@@ -762,13 +453,11 @@ class Worker:
 
     def _non_finite(self, outcome, step: int, group: Group) -> None:
         path = os.path.join(self.cfg.state_dir, "checkpoint.pt")
-        state = self._whole_state(group, step)  # every member learnt of the bad VNs from the same reduction
+        # every member learnt of the bad VNs from the same reduction
+        state = self.boundary.whole_state(self.engine, group, step)
         if group.rank == 0:
             save_state(path, state)
-        streamed = self.pipelined and not self.job.pipeline.flush
-        what = (f"the {self.job.pipeline.schedule} schedule streams steps without a flush, so the updates of its "
-                f"window were applied; the state after them is in {path}" if streamed else
-                f"the step was not applied and the last good state (before step {step}) is in {path}")
+        what = self.engine.non_finite_note(step, path)
         err = NonFiniteLossError(
             f"non-finite loss at step {step} in virtual node"
             f"{'s' if len(outcome.bad_vns) > 1 else ''} {', '.join(map(str, outcome.bad_vns))}; "
@@ -782,19 +471,14 @@ class Worker:
         step, job = self.progress.step, self.job
         if self.profiler is not None:
             self.profiler.close()
-        if not self.pipelined:
-            self.engine.close()  # its loader threads, if any
-        state = self._whole_state(group, step)
+        self.engine.close()  # its loader threads, if any
+        state = self.boundary.whole_state(self.engine, group, step)
         if group.rank == 0:
-            if job.evaluate is not None and self.last_eval_step != step:
-                _evaluate(self.report, job, self.engine, step)
+            if job.evaluate is not None and self.boundary.last_eval_step != step:
+                self.boundary.evaluate(self.engine.model, step)
             save_state(os.path.join(self.cfg.state_dir, "final.pt"), state)
-        optimizer_bytes = 0 if self.pipelined else self.engine.optimizer_state_bytes()
-        replica = self.engine.stage.replica_of_successor if self.pipelined and self.engine.stage is not None else None
-        self.report({"type": "done", "step": step, "rank": group.rank, "peak_rss_mib": _peak_rss_mib(),
-                     "optimizer_bytes": optimizer_bytes, "replica_bytes": replica.nbytes() if replica else 0,
-                     "replica_refresh_s": replica.refresh_s if replica else 0.0,
-                     "redundant_forwards": self.engine.redundant_forwards() if self.pipelined else {}})
+        self.report({"type": "done", "step": step, "rank": group.rank, "peak_rss_mib": peak_rss_mib(),
+                     **self.engine.final_report()})
         self.heartbeat.stop()
         if group.pg is not None:
             try:
@@ -809,8 +493,7 @@ class Worker:
         still reading from this worker's sockets, then exit."""
         self.report({"type": "leave", "step": self.progress.step})
         self.heartbeat.stop()
-        if not self.pipelined:
-            self.engine.close()
+        self.engine.close()
         parts = where.split()
         if len(parts) == 2:
             try:
@@ -821,34 +504,3 @@ class Worker:
             old.close()
 
 
-def _peak_rss_mib() -> float:
-    """This process's own peak resident memory (VmHWM). ``ru_maxrss`` is not used: on Linux it
-    carries the parent's peak across fork+exec, so a worker would report its launcher's."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0  # kB
-    except OSError:
-        pass
-    try:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    except Exception:
-        return float("nan")
-
-
-def _evaluate(report: Reporter, job: Job, engine: VNEngine, step: int) -> None:
-    model = engine.model
-    model.eval()
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        metrics = job.evaluate(model)
-    model.train()
-    report({
-        "type": "eval",
-        "step": step,
-        "metrics": {str(k): float(v) for k, v in dict(metrics).items()},
-        "eval_time_s": time.perf_counter() - t0,
-    })

@@ -1,0 +1,243 @@
+"""A pipelined job's stage state: what moves between members, and how it is cut and merged.
+
+Functions of a :class:`~virtualflow.runtime.pipeline.StageEngine` (and its replica), used by
+:class:`~virtualflow.runtime.pipeline_worker.PipelineWorkerEngine`: a stage's state for a member
+behind (:func:`stage_state`, :func:`transfer_stages`), the per-job-stage state a Bamboo failover
+moves (:func:`stage_states`, :func:`load_merged`), a checkpoint's per-stage states gathered on
+rank 0 (:func:`gather_stages`) and a resume from one (:func:`resume_stage`).
+
+Invariants. Collective functions (``transfer_stages``, ``gather_stages``) are entered by every
+member at the same point with the same arguments (steps known to all). A per-stage state is
+``{"model", "optimizer", "lr_scheduler"}`` (plus ``prev_version`` for 2BW), with the optimizer in
+``state_dict`` form over one parameter group; the checkpoint's layout (``pipeline_stages`` lists)
+is unchanged by this module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from virtualflow.comm.groups import Group
+from virtualflow.pipeline import Pipeline
+from virtualflow.runtime.pipeline import StageEngine
+from virtualflow.runtime.transfer import broadcast_state
+
+__all__ = ["exchange_for_layout", "gather_stages", "load_merged", "load_stage_state", "resume_stage", "stage_state", "stage_states",
+           "successor", "transfer_stages"]
+
+
+def successor(flat: Any, stages: int, r: int) -> int:
+    """Flat index of the successor of member ``r`` in its own pipeline replica (a flat layout:
+    one run per member, replicas one after another, each starting at the run holding stage 0)."""
+    start = r
+    while flat[start][0] != 0:
+        start -= 1
+    end = r + 1
+    while end < len(flat) and flat[end][0] != 0:
+        end += 1
+    return start + (r - start + 1) % (end - start)
+
+
+def load_merged(holder: Any, states: list[dict[str, Any]]) -> None:
+    """Load the per-stage states of consecutive job stages into one engine or replica whose
+    parameters are theirs in order (optimizer states concatenated, one parameter group)."""
+    if holder is None:
+        return
+    state: dict[int, Any] = {}
+    group: dict[str, Any] = {}
+    offset = 0
+    for st in states:
+        opt = st["optimizer"]
+        for i, v in opt["state"].items():
+            state[offset + int(i)] = v
+        if opt["param_groups"]:
+            group = {k: v for k, v in opt["param_groups"][0].items() if k != "params"}
+            offset += len(opt["param_groups"][0]["params"])
+    if offset:
+        holder.optimizer.load_state_dict({"state": state, "param_groups": [{**group, "params": list(range(offset))}]})
+    sched = next((st["lr_scheduler"] for st in states if st["lr_scheduler"] is not None), None)
+    if holder.scheduler is not None and sched is not None:
+        holder.scheduler.load_state_dict(sched)
+
+
+def stage_states(holder: Any, stages: tuple[int, ...], full_bounds: list[tuple[int, int]]) -> dict[int, dict[str, Any]]:
+    """Per job stage, the state ``holder`` (a StageEngine or StageReplica running ``stages``)
+    keeps: its layers' tensors, its parameters' optimizer state (one parameter group), the
+    scheduler state. ``full_bounds``: the layer range of each job stage."""
+    model_state = holder.model.state_dict()
+    opt = holder.optimizer.state_dict()
+    if len(opt["param_groups"]) > 1:
+        raise RuntimeError("a Bamboo failover moves optimizer state stage by stage and supports optimizers "
+                           "with one parameter group; this job's has several")
+    params = [name for name, _ in holder.model.named_parameters()]  # the optimizer's order
+    sched = holder.scheduler.state_dict() if holder.scheduler is not None else None
+    out = {}
+    for s in stages:
+        a, b = full_bounds[s]
+        mine = lambda name: a <= int(name.split(".")[0]) < b  # noqa: E731 - layer index of a name
+        idx = [i for i, name in enumerate(params) if mine(name)]
+        group = {k: v for k, v in opt["param_groups"][0].items() if k != "params"} if opt["param_groups"] else {}
+        out[s] = {
+            "model": {k: v.detach().clone() for k, v in model_state.items() if mine(k)},
+            "optimizer": {"state": {j: opt["state"][i] for j, i in enumerate(idx) if i in opt["state"]},
+                          "param_groups": [{**group, "params": list(range(len(idx)))}] if idx else []},
+            "lr_scheduler": sched,
+        }
+    return out
+
+
+def stage_state(s: StageEngine) -> dict[str, Any]:
+    """What a member behind receives of its stage: pieces, optimizer, scheduler (2BW: older weights)."""
+    state = {"model": s.model.state_dict(), "optimizer": s.optimizer.state_dict(),
+             "lr_scheduler": s.scheduler.state_dict() if s.scheduler is not None else None}
+    if s.prev_version is not None:  # 2bw: the older weight version is training state too
+        state["prev_version"] = {k: {n: t.detach() for n, t in v.items()} for k, v in s.prev_version.items()}
+    return state
+
+
+def resume_stage(stage: StageEngine, model: torch.nn.Module, state: dict[str, Any], stage_rank: int) -> None:
+    """Load a gathered state (``gather_state``'s layout): the whole model, then this stage's
+    optimizer and scheduler state."""
+    model.load_state_dict(state["model"])  # the stage's layers are the whole model's
+    opt = state["optimizer"]["pipeline_stages"][stage_rank]
+    sched = state["lr_scheduler"]["pipeline_stages"][stage_rank]
+    stage.optimizer.load_state_dict(opt)
+    if stage.scheduler is not None and sched is not None:
+        stage.scheduler.load_state_dict(sched)
+    replica = stage.replica_of_successor
+    if replica is not None:  # its weights came with the whole model (the same layer objects)
+        succ = replica.stage_rank
+        replica.optimizer.load_state_dict(state["optimizer"]["pipeline_stages"][succ])
+        if replica.scheduler is not None and state["lr_scheduler"]["pipeline_stages"][succ] is not None:
+            replica.scheduler.load_state_dict(state["lr_scheduler"]["pipeline_stages"][succ])
+
+
+def load_stage_state(s: StageEngine, state: dict[str, Any]) -> None:
+    """Load :func:`stage_state`'s contents into the stage."""
+    s.model.load_state_dict(state["model"])
+    s.optimizer.load_state_dict(state["optimizer"])
+    if s.scheduler is not None and state.get("lr_scheduler") is not None:
+        s.scheduler.load_state_dict(state["lr_scheduler"])
+    if state.get("prev_version") is not None:
+        s.load_prev_version(state["prev_version"])
+
+
+def transfer_stages(stage: StageEngine, pipeline: Pipeline, group: Group, steps: list[int], target: int,
+                    device: torch.device) -> int:
+    """Bring every worker to step ``target``: each stage's state goes from a member of that
+    stage that reached it to the members of that stage behind. ``steps[r]`` is rank ``r``'s
+    step. Collective. Raises when no member of some stage reached ``target`` (a stage applied
+    a step another stage lost: the pipeline cannot be made consistent)."""
+    p = pipeline.stages
+    moved = 0
+    for s in range(p):
+        ranks = [r for r in range(len(steps)) if r % p == s]
+        ahead = [r for r in ranks if steps[r] == target]
+        receivers = [r for r in ranks if steps[r] < target]
+        if not ahead:
+            raise RuntimeError(
+                f"no worker of stage {s} holds step {target} (stage steps {[steps[r] for r in ranks]}): a "
+                f"failure struck between the stages' updates of one step; the pipelined job cannot continue "
+                f"consistently (resume from a checkpoint)"
+            )
+        stage_src = ahead[0]
+        if not receivers:
+            continue
+        mine = stage_state(stage) if group.rank == stage_src else None
+        state, n = broadcast_state(group, stage_src, mine, device, receivers=receivers)
+        moved += n
+        if group.rank in receivers:
+            load_stage_state(stage, state)
+    if pipeline.redundancy:
+        # Workers behind also hold a stale replica of their successor's stage: it comes from a
+        # member of that stage that reached the step.
+        for s in range(p):
+            succ = (s + 1) % p
+            receivers = [r for r in range(len(steps)) if r % p == s and steps[r] < target]
+            if not receivers:
+                continue
+            src = next(r for r in range(len(steps)) if r % p == succ and steps[r] == target)
+            mine = stage_state(stage) if group.rank == src else None
+            state, n = broadcast_state(group, src, mine, device, receivers=receivers)
+            moved += n
+            if group.rank in receivers:
+                stage.replica_of_successor.load(state)
+    return moved
+
+
+def gather_stages(stage: StageEngine, pipeline: Pipeline, layout: Any, full_bounds: list[tuple[int, int]],
+                  group: Group, device: torch.device) -> list[dict[str, Any]] | None:
+    """Collective: rank 0 gets every job stage's state (:func:`stage_state`'s layout, in stage
+    order); others get ``None``. After a failover, members running several stages send each
+    stage's state apart, so the layout is that of the job's stages."""
+    p = pipeline.stages
+    if layout is not None:
+        from virtualflow.plan.pipeline.failover import split_replicas
+
+        n = len(split_replicas(layout, p)[0])  # the first replica's members: ranks 0 .. n-1
+        per_stage: dict[int, dict[str, Any]] = {}
+        for r in range(n):
+            if group.rank not in (0, r):
+                continue
+            mine = stage_states(stage, layout[r], full_bounds) if group.rank == r else None
+            got = mine if r == 0 else broadcast_state(group, r, mine, device, receivers=[0])[0]
+            if group.rank == 0:
+                per_stage.update({int(k): v for k, v in got.items()})
+        if group.rank != 0:
+            return None
+        stages = [per_stage[s] for s in range(p)]
+    else:
+        stages = [stage_state(stage) if group.rank == 0 else None]
+    for s in range(1, p if layout is None else 1):
+        if group.rank not in (0, s):
+            continue
+        state, _ = broadcast_state(group, s, stage_state(stage) if group.rank == s else None, device,
+                                   receivers=[0])
+        if group.rank == 0:
+            stages.append(state)
+    if group.rank != 0:
+        return None
+    return stages
+
+
+def exchange_for_layout(group: Group, new: list[list[int]], p: int, own_old: tuple[int, ...],
+                        rep_old: tuple[int, ...], local: dict[int, dict[str, Any]],
+                        device: torch.device) -> tuple[dict[int, dict[str, Any]], int]:
+    """Collective, for a Bamboo re-layout to the flat layout ``new`` (one run of job stages per
+    member): every member ends up with the per-stage states (:func:`stage_states`) of its own
+    stages and of its successor's, taken from what it holds (``local``: the stages it ran,
+    ``own_old``, and those its replica held, ``rep_old``) or broadcast from a member that runs
+    the stage (else holds its replica). Returns those states and the bytes the re-layout moved
+    between all the members."""
+    # Who holds what: 2 = runs the stage, 1 = holds its replica.
+    held = torch.zeros(group.size, p, dtype=torch.float64)
+    for s in rep_old:
+        held[group.rank, s] = 1
+    for s in own_old:
+        held[group.rank, s] = 2
+    group.all_reduce(held)
+    n = len(new)
+    got: dict[int, dict[str, Any]] = {}
+    moved = 0
+    for r in range(n):
+        for s in sorted(set(new[r]) | set(new[successor(new, p, r)])):
+            if held[r, s] > 0:
+                if r == group.rank:
+                    got[s] = local[s]
+                continue
+            sources = [q for q in range(n) if held[q, s] == 2] or [q for q in range(n) if held[q, s] == 1]
+            if not sources:
+                raise RuntimeError(f"no worker holds stage {s} (nor its replica): the pipeline cannot go on; "
+                                   f"resume from a checkpoint")
+            src = sources[0]
+            state, nbytes = broadcast_state(group, src, local[s] if group.rank == src else None, device,
+                                            receivers=[r])
+            if group.rank == src:
+                moved += nbytes
+            if r == group.rank:
+                got[s] = state
+    total = torch.tensor([float(moved)], dtype=torch.float64)
+    group.all_reduce(total)
+    return got, int(total.item())  # every member: the re-layout's bytes in all

@@ -1,0 +1,104 @@
+"""A worker's step-boundary work: checkpoints and evaluations, on behalf of its engine.
+
+:class:`WorkerBoundary` is the worker's side of :class:`virtualflow.runtime.engines.Boundary`:
+it knows the run's files and the worker's reports; the engine (:meth:`Engine.boundary`,
+:meth:`Engine.boundary_on_rank0`, :meth:`Engine.hold`) decides when its state is assembled and
+by whom. Invariants: checkpoint files are named ``checkpoints/step-<8 digits>.pt`` in the run's
+state directory and their contents are an engine's whole state plus ``step`` and ``job`` (the
+job's name, global batch size, virtual nodes and seed), in that key order; pruning keeps the
+newest ``keep_checkpoints`` files (and their ``.sha256``); an evaluation runs the model in eval
+mode without gradients and puts it back in training mode.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from virtualflow.comm.groups import Group
+from virtualflow.job import Job
+from virtualflow.runtime.channel import Reporter
+from virtualflow.runtime.checkpoint import save_state
+from virtualflow.runtime.worker_config import WorkerConfig
+
+if TYPE_CHECKING:
+    from virtualflow.runtime.engines import Engine
+
+__all__ = ["WorkerBoundary", "checkpoint_path", "evaluate", "job_identity"]
+
+
+def checkpoint_path(state_dir: str, step: int) -> str:
+    return os.path.join(state_dir, "checkpoints", f"step-{step:08d}.pt")
+
+
+def job_identity(job: Job) -> dict[str, Any]:
+    """What a state file records of the job it belongs to."""
+    return {
+        "name": job.name,
+        "global_batch_size": job.global_batch_size,
+        "virtual_nodes": job.virtual_nodes,
+        "seed": job.seed,
+    }
+
+
+def evaluate(report: Reporter, job: Job, model: torch.nn.Module, step: int) -> None:
+    """``job.evaluate(model)`` without gradients, reported as an ``eval`` event."""
+    model.eval()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        metrics = job.evaluate(model)
+    model.train()
+    report({
+        "type": "eval",
+        "step": step,
+        "metrics": {str(k): float(v) for k, v in dict(metrics).items()},
+        "eval_time_s": time.perf_counter() - t0,
+    })
+
+
+class WorkerBoundary:
+    """Checkpoints and evaluations of one worker's run (see the module docstring)."""
+
+    def __init__(self, cfg: WorkerConfig, job: Job, report: Reporter) -> None:
+        self.cfg, self.job, self.report = cfg, job, report
+        self.last_eval_step = -1
+        """The step of the last evaluation (the final state is evaluated unless it was)."""
+
+    def checkpoint_due(self, step: int) -> bool:
+        every = self.cfg.checkpoint_every
+        return bool(every and step % every == 0 and step < self.cfg.total_steps)
+
+    def eval_due(self, step: int) -> bool:
+        job = self.job
+        return bool(job.evaluate is not None and job.eval_every and step % job.eval_every == 0)
+
+    def whole_state(self, engine: Engine, group: Group, step: int) -> dict[str, Any] | None:
+        state = engine.whole_state(group)
+        if state is None:
+            return None
+        state.update({"step": step, "job": job_identity(self.job)})
+        return state
+
+    def save_checkpoint(self, step: int, state: dict[str, Any], *, prune: bool) -> str:
+        path = checkpoint_path(self.cfg.state_dir, step)
+        save_state(path, state)
+        if prune:
+            folder = os.path.dirname(path)
+            kept = sorted(f for f in os.listdir(folder) if f.startswith("step-") and f.endswith(".pt"))
+            for old in kept[: max(0, len(kept) - self.cfg.keep_checkpoints)]:
+                for suffix in ("", ".sha256"):
+                    try:
+                        os.remove(os.path.join(folder, old + suffix))
+                    except OSError:
+                        pass
+        return path
+
+    def checkpointed(self, step: int, path: str, t0: float) -> None:
+        self.report({"type": "checkpoint", "step": step, "path": path, "save_s": time.perf_counter() - t0})
+
+    def evaluate(self, model: torch.nn.Module, step: int) -> None:
+        evaluate(self.report, self.job, model, step)
+        self.last_eval_step = step

@@ -1,0 +1,237 @@
+"""The VN engine as a worker's :class:`~virtualflow.runtime.engines.Engine`.
+
+:class:`VNWorkerEngine` wraps a :class:`~virtualflow.runtime.engine.VNEngine` (which runs steps
+and knows nothing of generations' records, checkpoints or the worker's reports) and gives it the
+worker-facing half: adopting a generation (a broadcast of the whole state to members behind, or
+of the initial weights), the whole state for checkpoints, the step-boundary work and a held
+generation's checkpoint, in both reduction modes.
+
+Invariants. With the plain reduction every member holds the whole state, so checkpoints are
+written by rank 0 alone after its step report; with the sharded reduction the optimizer state is
+spread over the members, so assembling it is a collective every member enters at the same step
+boundary, before rank 0's report. Checkpoints taken during training keep the newest
+``keep_checkpoints`` (both modes); a held generation's checkpoint prunes only with the plain
+reduction (as before this module existed).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from virtualflow.comm.groups import Group
+from virtualflow.plan.data import DataPlan
+from virtualflow.runtime.engine import BatchLoader, StepOutcome, VNEngine
+from virtualflow.runtime.engines import Boundary, Joining
+from virtualflow.runtime.sharded import ShardLost
+from virtualflow.runtime.transfer import Progress, broadcast_state
+
+if TYPE_CHECKING:
+    from virtualflow.job import Job
+    from virtualflow.runtime.worker_config import WorkerConfig
+
+__all__ = ["VNWorkerEngine", "broadcast_module", "full_state", "load_full_state", "materialize_optimizer_state"]
+
+
+def broadcast_module(module: torch.nn.Module, group: Group, src: int = 0) -> None:
+    """Make every worker's parameters and buffers bit-identical to ``src``'s."""
+    if group.size == 1:
+        return
+    tensors = [t for t in list(module.parameters()) + list(module.buffers())]
+    with torch.no_grad():
+        for dtype in sorted({t.dtype for t in tensors}, key=str):
+            same = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.detach().reshape(-1) for t in same])
+            group.broadcast(flat, src)
+            offset = 0
+            for t in same:
+                n = t.numel()
+                t.copy_(flat[offset : offset + n].view_as(t))
+                offset += n
+
+
+def full_state(engine: VNEngine, progress: Progress) -> dict[str, Any]:
+    """What a state transfer moves: model, optimizer and scheduler state, and the progress."""
+    return {
+        "model": engine.model.state_dict(),
+        "optimizer": engine.optimizer_state(),
+        "lr_scheduler": engine.scheduler.state_dict() if engine.scheduler is not None else None,
+        "step": progress.step,
+        "control": progress.control,
+    }
+
+
+def load_full_state(engine: VNEngine, state: dict[str, Any]) -> None:
+    """Load a transferred or checkpointed state (model, optimizer, scheduler) into ``engine``."""
+    engine.model.load_state_dict(state["model"])
+    engine.load_optimizer_state(state["optimizer"])
+    if engine.scheduler is not None and state.get("lr_scheduler") is not None:
+        engine.scheduler.load_state_dict(state["lr_scheduler"])
+
+
+def materialize_optimizer_state(engine: VNEngine) -> None:
+    """Give a newcomer's optimizer its state tensors now, during set-up, by one step with zero
+    gradients. The values do not matter (the state transfer overwrites model, optimizer and
+    scheduler state); what matters is that the memory is allocated and touched before the
+    worker joins, so the transfer receives into it instead of faulting in hundreds of MB while
+    the survivors wait. Best effort: an optimizer that cannot step this way (e.g. one that needs
+    a closure) just gets its state from the transfer as usual."""
+    params = [p for g in engine.optimizer.param_groups for p in g["params"] if p.requires_grad]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        engine.optimizer.step()
+    except Exception:  # noqa: BLE001 - an optimization only
+        pass
+    finally:
+        engine.optimizer.zero_grad(set_to_none=True)
+
+
+class VNWorkerEngine:
+    """A :class:`VNEngine` behind the worker's :class:`~virtualflow.runtime.engines.Engine` protocol."""
+
+    def __init__(self, vn: VNEngine) -> None:
+        self.vn = vn
+
+    @classmethod
+    def build(cls, job: Job, dataset: Any, plan: DataPlan, cfg: WorkerConfig, device: torch.device) -> VNWorkerEngine:
+        """The job's model (from ``torch.manual_seed(job.seed)``), optimizer, scheduler and engine."""
+        torch.manual_seed(job.seed)
+        model = job.model().to(device)
+        optimizer = job.optimizer(model.parameters())
+        scheduler = job.lr_scheduler(optimizer) if job.lr_scheduler is not None else None
+        return cls(VNEngine(
+            model, optimizer, scheduler, job.compute_loss, plan, BatchLoader(dataset, job.collate_fn),
+            seed=job.seed, batchnorm=job.batchnorm, deterministic=cfg.deterministic, device=device,
+            reduction=cfg.reduction, loader_workers=cfg.loader_workers, breakdown=cfg.breakdown,
+        ))
+
+    # -- the engine's attributes, the VN engine's own -------------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.vn.model
+
+    @property
+    def slowdown(self) -> float:
+        return self.vn.slowdown
+
+    @slowdown.setter
+    def slowdown(self, value: float) -> None:
+        self.vn.slowdown = value
+
+    @property
+    def phase(self) -> str:
+        return self.vn.phase
+
+    @property
+    def generation_broken(self) -> Callable[[], bool] | None:
+        return self.vn.generation_broken
+
+    @generation_broken.setter
+    def generation_broken(self, value: Callable[[], bool] | None) -> None:
+        self.vn.generation_broken = value
+
+    def install_fault_point(self, fn: Callable[[int, str], None]) -> None:
+        self.vn.install_fault_point(fn)
+
+    # -- before joining ---------------------------------------------------------------------------
+    def resume_from(self, state: dict[str, Any]) -> None:
+        load_full_state(self.vn, state)
+
+    def prepare_to_join(self) -> None:
+        if not self.vn.sharded:  # a sharded optimizer's chunks are cut when the generation forms
+            materialize_optimizer_state(self.vn)
+
+    def check_state_held(self, run_dir: str) -> None:
+        if self.vn.shard is None:
+            return
+        try:
+            self.vn.shard.check_held()  # after a failure: ShardLost, naming the way out
+        except ShardLost as exc:
+            raise ShardLost(f"{exc} (this run's directory: {run_dir})") from None
+
+    # -- a generation -----------------------------------------------------------------------------
+    def adopt(self, joining: Joining) -> tuple[int, float]:
+        vn, group, record = self.vn, joining.group, joining.record
+        moved, t_transfer = 0, 0.0
+        if joining.target == 0 and group.size > 1 and not joining.behind:
+            broadcast_module(vn.model, group)  # identical start whatever the factory does
+        if joining.behind:
+            joining.transferring = True
+            t1 = time.perf_counter()
+            mine = full_state(vn, joining.progress) if group.rank == joining.src else None
+            # A newcomer's own tensors hold nothing of value: receive into them. A survivor one
+            # step behind keeps its state intact until the transfer is through (if the source
+            # dies mid-way, that state may be the best one left).
+            into = full_state(vn, joining.progress) if joining.progress.step < 0 else None
+            state, moved = broadcast_state(group, joining.src, mine, vn.device, on_started=joining.state_point,
+                                           receivers=joining.behind, into=into)
+            if group.rank in joining.behind:
+                load_full_state(vn, state)
+            t_transfer = time.perf_counter() - t1
+            joining.transferring = False
+        vn.plan.set_vn_sizes(record.vn_sizes)
+        vn.set_membership(group, record.assignment)
+        return moved, t_transfer
+
+    def step(self, step: int, control: int = 0) -> StepOutcome:
+        return self.vn.step(step, control)
+
+    def abandon_step(self) -> None:
+        self.vn.abandon_step()
+
+    def before_regroup(self) -> None:
+        self.vn.before_regroup()  # sharded: every member gathers the optimizer state
+
+    # -- the whole state and the boundary work ----------------------------------------------------
+    def whole_state(self, group: Group) -> dict[str, Any] | None:
+        vn = self.vn
+        optimizer = vn.gather_optimizer_state(root=0) if vn.sharded else None  # a collective
+        if group.rank != 0:
+            return None
+        return {
+            "model": {k: v.detach().cpu() for k, v in vn.model.state_dict().items()},
+            "optimizer": optimizer if optimizer is not None else vn.optimizer_state(),
+            "lr_scheduler": vn.scheduler.state_dict() if vn.scheduler is not None else None,
+        }
+
+    def boundary(self, group: Group, step: int, work: Boundary) -> None:
+        if not self.vn.sharded or not work.checkpoint_due(step):
+            return
+        t_ck = time.perf_counter()  # every member takes part in gathering the optimizer state
+        state = work.whole_state(self, group, step)
+        if state is not None:
+            work.checkpointed(step, work.save_checkpoint(step, state, prune=True), t_ck)
+
+    def boundary_on_rank0(self, step: int, work: Boundary) -> None:
+        if not self.vn.sharded and work.checkpoint_due(step):
+            t_ck = time.perf_counter()
+            state = work.whole_state(self, self.vn.group, step)
+            work.checkpointed(step, work.save_checkpoint(step, state, prune=True), t_ck)
+        if work.eval_due(step):
+            work.evaluate(self.vn.model, step)
+
+    def hold(self, group: Group, step: int, work: Boundary) -> str | None:
+        if self.vn.sharded:
+            self.vn.before_regroup()  # the next generation cuts the optimizer state again
+            state = work.whole_state(self, group, step)  # rank 0 gathers the optimizer's chunks
+            return work.save_checkpoint(step, state, prune=False) if group.rank == 0 else None
+        if group.rank != 0:
+            return None
+        return work.save_checkpoint(step, work.whole_state(self, group, step), prune=True)
+
+    def non_finite_note(self, step: int, path: str) -> str:
+        return f"the step was not applied and the last good state (before step {step}) is in {path}"
+
+    def final_report(self) -> dict[str, Any]:
+        return {"optimizer_bytes": self.vn.optimizer_state_bytes(), "replica_bytes": 0,
+                "replica_refresh_s": 0.0, "redundant_forwards": {}}
+
+    def state_bytes(self) -> int | None:
+        model = sum(t.numel() * t.element_size() for t in self.vn.model.state_dict().values())
+        return model + self.vn.optimizer_state_bytes()
+
+    def close(self) -> None:
+        self.vn.close()  # its loader threads, if any
