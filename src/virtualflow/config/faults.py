@@ -35,7 +35,6 @@ Usage::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 PHASES = ("before_forward", "mid_backward", "send_recv", "during_reduction", "after_reduction", "state_transfer")
 ACTIONS = ("crash", "hang", "error", "lose")
@@ -67,13 +66,6 @@ class FaultPlan:
     def faults_of(self, worker: int) -> list[Fault]:
         """The faults planned for ``worker``."""
         return [f for f in self.faults if f.worker == worker]
-
-    def for_worker(self, worker: int) -> Any:
-        """Deprecated: ``virtualflow.runtime.faults.WorkerFaults.of(plan, worker)``, which the worker
-        runtime should call itself (this method reaches up into the runtime)."""
-        from virtualflow.runtime.faults import WorkerFaults
-
-        return WorkerFaults.of(self, worker)
 
 
 __all__ = ["ACTIONS", "PHASES", "Fault", "FaultPlan"]

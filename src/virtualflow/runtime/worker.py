@@ -73,6 +73,7 @@ from virtualflow.runtime.channel import Heartbeat, Rejections, Reporter, aborted
 from virtualflow.runtime.checkpoint import load_state, save_state
 from virtualflow.runtime.engine import NonFiniteLossError
 from virtualflow.runtime.engines import Engine, Joining
+from virtualflow.runtime.faults import WorkerFaults
 from virtualflow.runtime.failure_report import failing_step, peak_rss_mib, report_failure
 from virtualflow.runtime.step_boundary import WorkerBoundary, checkpoint_path
 from virtualflow.runtime.trace_window import StepProfiler
@@ -250,7 +251,7 @@ class Worker:
         if cfg.profile_steps is not None:
             self.profiler = StepProfiler(cfg.profile_steps, os.path.join(cfg.state_dir, "profile"), self.id,
                                          self.device.type)
-        self.faults = cfg.fault_plan.for_worker(self.id) if cfg.fault_plan is not None else None
+        self.faults = WorkerFaults.of(cfg.fault_plan, self.id) if cfg.fault_plan is not None else None
         if self.faults:
             self.engine.install_fault_point(self.faults.point)
         if cfg.resume_path is not None and self.id < cfg.initial_workers:
