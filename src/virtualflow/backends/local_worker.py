@@ -158,9 +158,10 @@ def main(argv: list[str], parent: int | None = None) -> int:
               f"{config.store_port}) is gone before the worker started; exiting", file=sys.stderr, flush=True)
         return ORPHAN_EXIT_CODE
     ParentWatch(parent, worker_id=worker_id).start()
+    from virtualflow.backends.inprocess import eager_every_wait_from_env
     from virtualflow.runtime.worker import run_worker
 
-    return run_worker(config, worker_id, preemption_notice())
+    return run_worker(config, worker_id, preemption_notice(), eager_every_wait=eager_every_wait_from_env())
 
 
 if __name__ == "__main__":

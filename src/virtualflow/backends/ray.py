@@ -236,13 +236,14 @@ class _WorkerActor:
                 f"the run directory {config.state_dir} is not visible on this node (pid {os.getpid()}); "
                 f"the Ray backend needs it on a filesystem every node shares (give run_dir= / --run-dir there)"
             )
+        from virtualflow.backends.inprocess import eager_every_wait_from_env
         from virtualflow.backends.local_worker import preemption_notice
         from virtualflow.runtime.worker import run_worker
 
         try:
             # A synchronous actor runs its methods on the process's main thread: SIGTERM to the
             # actor's process while it trains is a preemption notice, as for a local worker.
-            return run_worker(config, self.worker_id, preemption_notice())
+            return run_worker(config, self.worker_id, preemption_notice(), eager_every_wait=eager_every_wait_from_env())
         finally:
             sys.stdout.flush()
             sys.stderr.flush()

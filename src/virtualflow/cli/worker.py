@@ -135,10 +135,11 @@ def main(args: argparse.Namespace) -> int:
     print(f"joined {args.join} as worker {worker_id} ({config.threads} thread{'s' if config.threads > 1 else ''})",
           flush=True)
     from virtualflow.backends.local_worker import preemption_notice
+    from virtualflow.backends.inprocess import eager_every_wait_from_env
     from virtualflow.runtime.worker import run_worker
 
     # SIGTERM while training (a spot machine's notice) releases this worker at a step boundary
-    code = run_worker(config, worker_id, preemption_notice())
+    code = run_worker(config, worker_id, preemption_notice(), eager_every_wait=eager_every_wait_from_env())
     sys.stdout.flush()
     sys.stderr.flush()
     # As a local worker: skip interpreter teardown (gloo threads can abort it); all is reported.

@@ -37,7 +37,7 @@ from virtualflow.plan.data import DataPlan
 from virtualflow.plan.vnmap import contiguous_assignment
 from virtualflow.runtime.engine import BatchLoader, StepOutcome
 from virtualflow.runtime.engines import Boundary, Joining
-from virtualflow.runtime.pipeline import AllSum, Expect, Poll, Recv, Reuse, Send, StageEngine, StageSum, StageTree, StepResult
+from virtualflow.runtime.pipeline import AllSum, Expect, Poll, Recv, Send, StageEngine, StageSum, StageTree, StepResult
 from virtualflow.runtime.pipeline_state import (exchange_for_layout, gather_stages, load_merged, load_stage_state, resume_stage,
                                                  stage_state, stage_states, successor, transfer_stages)
 from virtualflow.runtime.pipeline_wire import Links, drive
@@ -53,8 +53,10 @@ class PipelineWorkerEngine:
     state) live in :mod:`~virtualflow.runtime.pipeline_wire` and :mod:`~virtualflow.runtime.pipeline_state`."""
 
     def __init__(self, job: Any, dataset: Any, *, deterministic: bool, device: torch.device,
-                 subgroup: Callable[[int, str, int, int], Group]) -> None:
+                 subgroup: Callable[[int, str, int, int], Group], eager_every_wait: bool = False) -> None:
         self.job = job
+        self.eager_every_wait = eager_every_wait
+        """A diagnostic given by the process's entry point: :attr:`StageEngine.eager_every_wait`."""
         self.pipeline: Pipeline = job.pipeline
         self.dataset = dataset
         self.deterministic = deterministic
@@ -140,6 +142,7 @@ class PipelineWorkerEngine:
             seed=job.seed, batchnorm=job.batchnorm, deterministic=self.deterministic, device=self.device,
             tied=tied_for_worker(self.layers, self.bounds, p, stage_rank),
             successor_pieces=successor_pieces(self.pipeline, self.layers, self.bounds, stage_rank),
+            eager_every_wait=self.eager_every_wait,
         )
 
     def set_membership(self, group: Group, assignment: Any, layout: list[list[int]] | None = None,
@@ -273,6 +276,7 @@ class PipelineWorkerEngine:
             loader=BatchLoader(self.dataset, job.collate_fn), model_input=job.input_of, output_loss=job.output_loss,
             seed=job.seed, batchnorm=job.batchnorm, deterministic=self.deterministic, device=self.device,
             successor_pieces={(pos + 1) % m: piece_module(layers, sa, sb)} if m >= 2 else None,
+            eager_every_wait=self.eager_every_wait,
         )
         load_merged(self.stage, [got[s] for s in mine])
         load_merged(self.stage.replica_of_successor, [got[s] for s in succ])
@@ -282,7 +286,7 @@ class PipelineWorkerEngine:
             lo = min(int(name) for mod in old_replica.pieces.values() for name, _ in mod.named_children())
             hi = max(int(name) for mod in old_replica.pieces.values() for name, _ in mod.named_children()) + 1
             if a <= lo and hi <= b and self.stage.pipeline.eager_forwards:
-                self.stage.reuse = Reuse(lo, hi, dict(old_replica.eager))
+                self.stage.take_over(lo, hi, old_replica.eager)
             old_replica.eager.clear()
         if len(layouts) > 1 and len(mine) > 1:
             self.stage.set_job_stages([(s, *self.full_bounds[s]) for s in mine])
@@ -435,11 +439,7 @@ class PipelineWorkerEngine:
         self.phase = "idle"
 
     def _discard_step(self) -> None:
-        for bn in self.stage.bn.values():
-            bn.restore()  # back to the step's start; nothing changes once the step settled
-        if self.stage.replica_of_successor is not None:
-            self.stage.replica_of_successor.rewind()
-        self.stage.optimizer.zero_grad(set_to_none=True)
+        self.stage.discard_step()  # back to the step's start; nothing changes once the step settled
 
     def settle_commit(self, group: Group, steps: list[int], target: int) -> list[int]:
         """A failure in a step's stats all-reduce can complete it on some members only: they

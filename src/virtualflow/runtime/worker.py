@@ -97,9 +97,11 @@ def build_job(cfg: WorkerConfig) -> Job:
 
 
 def build_engine(cfg: WorkerConfig, worker_id: int, job: Job, dataset: Any, store: dist.Store,
-                 device: torch.device) -> Engine:
+                 device: torch.device, *, eager_every_wait: bool = False) -> Engine:
     """The engine of ``job`` on this worker: pipelined when the job has a ``Pipeline``, else the
-    VN engine (with ``cfg.reduction``). The one place that looks at the job's kind."""
+    VN engine (with ``cfg.reduction``). The one place that looks at the job's kind.
+    ``eager_every_wait``: a pipeline diagnostic (:attr:`StageEngine.eager_every_wait`), read by
+    the process's entry point."""
     plan = DataPlan(len(dataset), job.global_batch_size, job.virtual_nodes, job.seed)  # checks the sizes
     if job.pipeline is not None:
         from virtualflow.runtime.pipeline_worker import PipelineWorkerEngine
@@ -108,7 +110,7 @@ def build_engine(cfg: WorkerConfig, worker_id: int, job: Job, dataset: Any, stor
             return make_subgroup(store, generation, name, rank, size, cfg.collective_timeout_s, device)
 
         stages = PipelineWorkerEngine(job, dataset, deterministic=cfg.deterministic, device=device,
-                                      subgroup=subgroup)
+                                      subgroup=subgroup, eager_every_wait=eager_every_wait)
         stages.total_steps = cfg.total_steps
         stages.timeline_dir = os.path.join(cfg.state_dir, "pipeline")
         engine: Engine = stages
@@ -118,9 +120,12 @@ def build_engine(cfg: WorkerConfig, worker_id: int, job: Job, dataset: Any, stor
     return engine
 
 
-def run_worker(cfg: WorkerConfig, worker_id: int, notice: PreemptionNotice | None = None) -> int:
+def run_worker(cfg: WorkerConfig, worker_id: int, notice: PreemptionNotice | None = None, *,
+               eager_every_wait: bool = False) -> int:
     """Run one worker to completion; returns the process exit code. ``notice``: the process's
-    SIGTERM handling, when its entry point installed one (:class:`PreemptionNotice`)."""
+    SIGTERM handling, when its entry point installed one (:class:`PreemptionNotice`).
+    ``eager_every_wait``: the pipeline diagnostic the entry point read from its environment
+    (:func:`virtualflow.backends.inprocess.eager_every_wait_from_env`)."""
     if not cfg.run_key or not auth.is_job_id(cfg.job_id):
         raise ValueError("WorkerConfig has no run key or job id: a worker signs its reports and checks the "
                          "coordinator's messages with them (the launching process fills them in)")
@@ -136,7 +141,7 @@ def run_worker(cfg: WorkerConfig, worker_id: int, notice: PreemptionNotice | Non
     reporter = Reporter(store, protocol.RunKey(cfg.run_key, cfg.job_id), worker_id)
     worker: Worker | None = None
     try:
-        worker = Worker(cfg, worker_id, store, reporter, notice)
+        worker = Worker(cfg, worker_id, store, reporter, notice, eager_every_wait=eager_every_wait)
         worker.run()
         return 0
     except Exception as exc:
@@ -194,7 +199,7 @@ class Worker:
     """One worker's life: generations one after another until the job ends or it leaves."""
 
     def __init__(self, cfg: WorkerConfig, worker_id: int, store: dist.Store, reporter: Reporter,
-                 notice: PreemptionNotice | None = None) -> None:
+                 notice: PreemptionNotice | None = None, *, eager_every_wait: bool = False) -> None:
         self.cfg, self.id, self.store = cfg, worker_id, store
         self.notice = notice
         self._noticed = False
@@ -245,7 +250,8 @@ class Worker:
         t_start = time.perf_counter()
         job = self.job = build_job(cfg)
         dataset = job.build_dataset()
-        self.engine: Engine = build_engine(cfg, self.id, job, dataset, self.store, self.device)
+        self.engine: Engine = build_engine(cfg, self.id, job, dataset, self.store, self.device,
+                                           eager_every_wait=eager_every_wait)
         self.boundary = WorkerBoundary(cfg, job, self.report)
         self.profiler = None
         if cfg.profile_steps is not None:
