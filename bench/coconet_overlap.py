@@ -242,7 +242,7 @@ def rank_main(cfg: dict) -> dict:
 
     from virtualflow.comm.groups import make_group
     from virtualflow.comm.ring import Collectives
-    from virtualflow.runtime.tensor_parallel import MLPBlock, TensorParallelMLP
+    from virtualflow.parallel.tensor import MLPBlock, TensorParallelMLP
 
     torch.set_num_threads(1)
     rank, world = cfg["rank"], cfg["world"]
@@ -382,7 +382,7 @@ def tolerance_rows() -> list[dict]:
     from virtualflow.comm.groups import Group
     from virtualflow.comm.ring import Collectives
     from virtualflow.plan.comm import apply, example_inputs, overlap_reference, simulate, tp_mlp
-    from virtualflow.runtime.tensor_parallel import MLPBlock, TensorParallelMLP
+    from virtualflow.parallel.tensor import MLPBlock, TensorParallelMLP
 
     torch.set_num_threads(1)
     rows = []

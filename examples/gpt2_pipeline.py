@@ -31,8 +31,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import virtualflow as vf
-from virtualflow.pipeline import Pipeline
-from virtualflow.tracing import sequential_from
+from virtualflow import Pipeline
+from virtualflow.parallel import sequential_from
 
 SEQ_LEN = 64
 """Characters per sample (the model's context length)."""

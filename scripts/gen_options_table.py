@@ -14,7 +14,7 @@ import argparse
 import pathlib
 import sys
 
-from virtualflow.options import markdown_table
+from virtualflow.config.options import markdown_table
 
 GUIDE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "training.md"
 BEGIN = "<!-- BEGIN options table: generated from LaunchOptions by scripts/gen_options_table.py; do not edit -->"

@@ -251,7 +251,7 @@ def _pipelined_net() -> nn.Module:
 
 
 def pipelined_job(schedule: str = "1f1b", stages: int = 2) -> vf.Job:
-    from virtualflow.pipeline import Pipeline
+    from virtualflow.config.pipeline import Pipeline
 
     return vf.Job(
         model=_pipelined_net, optimizer=sgd, dataset=classification_data,
@@ -276,7 +276,7 @@ def pipelined_slow_job() -> vf.Job:
 
 def pipelined_2bw_job() -> vf.Job:
     """A BatchNorm-free pipelined job on PipeDream-2BW (windows of 2 steps), slowed per step."""
-    from virtualflow.pipeline import Pipeline
+    from virtualflow.config.pipeline import Pipeline
 
     return vf.Job(
         model=lambda: nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 32),
@@ -302,7 +302,7 @@ class _MeanOverTokens(nn.Module):
 
 
 def ragged_pipelined_job() -> vf.Job:
-    from virtualflow.pipeline import Pipeline
+    from virtualflow.config.pipeline import Pipeline
 
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 20, (128, 6), generator=g)
@@ -318,7 +318,7 @@ def ragged_pipelined_job() -> vf.Job:
 
 def pipelined_redundant_job() -> vf.Job:
     """A 3-stage pipelined job with Bamboo's redundant stages, slowed per step (resizes mid-run)."""
-    from virtualflow.pipeline import Pipeline
+    from virtualflow.config.pipeline import Pipeline
 
     return vf.Job(
         model=_pipelined_net, optimizer=adam, dataset=classification_data,
@@ -331,6 +331,6 @@ def pipelined_redundant_job() -> vf.Job:
 
 def pipelined_redundant_job_4() -> vf.Job:
     """:func:`pipelined_redundant_job` on 4 stages (GPipe)."""
-    from virtualflow.pipeline import Pipeline
+    from virtualflow.config.pipeline import Pipeline
 
     return pipelined_redundant_job().replace(pipeline=Pipeline(stages=4, schedule="gpipe", redundancy=True))

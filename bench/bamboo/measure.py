@@ -137,9 +137,9 @@ def measure_overhead(args, n_triples: int, label: str = "triple", retry_budget_s
 
 
 def measure_replica(args) -> dict:
-    from virtualflow.pipeline import layers_of, resolve_bounds
+    from virtualflow.plan.pipeline.geometry import layers_of, resolve_bounds
     from virtualflow.plan.vnmap import contiguous_assignment
-    from virtualflow.runtime.pipeline_local import LocalDriver, build_engine
+    from virtualflow.backends.inprocess import LocalDriver, build_engine
 
     configure(args, True)
     job = bamboo_job()

@@ -172,7 +172,7 @@ def measure_step_variant(mode: str, steps: int) -> dict:
 
 
 def vf_has_sharded() -> bool:
-    from virtualflow.options import LaunchOptions
+    from virtualflow.config.options import LaunchOptions
 
     return "reduction" in getattr(LaunchOptions, "__dataclass_fields__", {})
 

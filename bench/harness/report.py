@@ -56,7 +56,7 @@ def state_max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
 
 
 def read_jsonl(path: str) -> list[dict]:
-    from virtualflow.rundir import read_jsonl as read
+    from virtualflow.records.rundir import read_jsonl as read
 
     return read(path)
 

@@ -98,8 +98,8 @@ class _Saved:
 
 def emu_rank(cfg: dict) -> dict:
     """One rank of the emulated pipeline: every schedule in turn, with timelines and stash counts."""
-    from virtualflow.pipeline import bounds_from_counts
-    from virtualflow.runtime.pipeline_local import build_engine
+    from virtualflow.plan.pipeline.geometry import bounds_from_counts
+    from virtualflow.backends.inprocess import build_engine
 
     drv = Driver(cfg, EMU_P)
     rank, m, window = cfg["rank"], cfg["m"], cfg["window"]

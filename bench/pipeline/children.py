@@ -40,7 +40,7 @@ class Driver:
         import torch.distributed as dist
 
         from virtualflow.comm.groups import make_group
-        from virtualflow.pipeline import Grid
+        from virtualflow.plan.pipeline.geometry import Grid
 
         torch.set_num_threads(1)
         self.store = dist.TCPStore("127.0.0.1", cfg["port"], is_master=False, timeout=datetime.timedelta(seconds=120))

@@ -54,7 +54,7 @@ def _torch_side(schedule: str, m: int, rank: int, hidden: int):
     """torch.distributed.pipelining stages, schedule and optimizer of this rank."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-    from virtualflow.pipeline import layers_of, piece_module, resolve_bounds
+    from virtualflow.plan.pipeline.geometry import layers_of, piece_module, resolve_bounds
 
     job = vs_job(schedule, m, 1, hidden)
     torch.manual_seed(SEED)
@@ -74,8 +74,8 @@ def _torch_side(schedule: str, m: int, rank: int, hidden: int):
 
 
 def _vf_engine(schedule: str, m: int, mb: int, hidden: int, rank: int, ds):
-    from virtualflow.pipeline import layers_of, resolve_bounds
-    from virtualflow.runtime.pipeline_local import build_engine
+    from virtualflow.plan.pipeline.geometry import layers_of, resolve_bounds
+    from virtualflow.backends.inprocess import build_engine
 
     job = vs_job(schedule, m, mb, hidden)
     bounds = resolve_bounds(job.pipeline, len(layers_of(vs_model(hidden))))

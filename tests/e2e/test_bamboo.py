@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 import virtualflow as vf
-from virtualflow.pipeline import Pipeline, layers_of, resolve_bounds
+from virtualflow.config.pipeline import Pipeline
+from virtualflow.plan.pipeline.geometry import layers_of, resolve_bounds
 from virtualflow.plan.vnmap import contiguous_assignment
-from virtualflow.runtime.pipeline_local import LocalDriver, build_engine, train_local
+from virtualflow.backends.inprocess import LocalDriver, build_engine, train_local
 import jobs
 
 
@@ -228,7 +229,7 @@ def test_a_redone_step_takes_the_lost_stage_from_eager_forwards_bit_for_bit():
     import copy
     from types import SimpleNamespace
 
-    from virtualflow.pipeline import piece_module
+    from virtualflow.plan.pipeline.geometry import piece_module
     from virtualflow.runtime.pipeline import StageEngine, _Eager, _Reuse
 
     torch.manual_seed(0)
@@ -469,7 +470,7 @@ def test_a_failed_over_pipeline_reconfigures_to_full_depth_when_a_worker_returns
     # Visible in `virtualflow status` and on the timeline plot.
     from virtualflow.cli.main import main
     from virtualflow.cli.status import format_status
-    from virtualflow.rundir import read_status
+    from virtualflow.records.rundir import read_status
 
     status = read_status(run_dir)
     text = format_status(run_dir, status, "finished")

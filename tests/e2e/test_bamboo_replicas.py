@@ -19,13 +19,14 @@ import pytest
 import torch
 
 import virtualflow as vf
-from virtualflow.pipeline import Grid, Pipeline, bounds_from_counts, layers_of, piece_module, resolve_bounds
+from virtualflow.plan.pipeline.geometry import Grid, bounds_from_counts, layers_of, piece_module, resolve_bounds
+from virtualflow.config.pipeline import Pipeline
 from virtualflow.plan.pipeline.failover import (
     Fallback, ReplicasFailover, failover_replicas, flatten, reconfigure_replicas, split_replicas, standard,
 )
 from virtualflow.plan.vnmap import contiguous_assignment, split
 from virtualflow.runtime.pipeline import AllSum, Expect, Poll, Recv, Send, StageEngine, StageSum, StageTree
-from virtualflow.runtime.pipeline_local import build_engine
+from virtualflow.backends.inprocess import build_engine
 from test_bamboo import assert_same, engines_of, job
 from test_membership import joined_and_formed, make, record
 import jobs

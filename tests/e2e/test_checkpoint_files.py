@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from virtualflow.resume import find_resume_state
+from virtualflow.launching.resume import find_resume_state
 from virtualflow.runtime.checkpoint import STALE_TEMP_S, UntrustedStateError, load_state, save_state
 
 import jobs

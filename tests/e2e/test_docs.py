@@ -33,7 +33,7 @@ import pytest
 
 import virtualflow as vf
 from virtualflow.cli.main import build_parser
-from virtualflow.options import LaunchOptions, markdown_table
+from virtualflow.config.options import LaunchOptions, markdown_table
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -208,7 +208,7 @@ def test_options_table_covers_a_new_field():
         "WithExtra", [("new_knob", int, dataclasses.field(default=3, metadata={
             "help": "a knob added later", "group": "training", "flag": "", "metavar": "K", "parse": None,
             "choices": None}))], bases=(LaunchOptions,), kw_only=True)
-    import virtualflow.options as options
+    import virtualflow.config.options as options
 
     saved = options.LaunchOptions, options._FIELDS
     options.LaunchOptions, options._FIELDS = extra, {f.name: f for f in dataclasses.fields(extra)}
@@ -297,7 +297,7 @@ def test_simulate_spot_output_is_what_the_command_prints(tmp_path, monkeypatch):
 
 def test_run_synopsis_lists_every_flag():
     """docs/training.md's ``virtualflow run`` synopsis names every flag ``virtualflow run`` has."""
-    from virtualflow.options import flag_of
+    from virtualflow.config.options import flag_of
 
     synopsis = next(b.code for b in blocks(ROOT / "docs" / "training.md", lang="bash")
                     if b.code.startswith("virtualflow run FILE.py"))

@@ -18,9 +18,9 @@ import torch
 import virtualflow as vf
 from virtualflow import api, rundir
 from virtualflow.control import coordinator
-from virtualflow.job import resolve_spec
-from virtualflow.result import TrainingError
-from virtualflow.rundir import DiskFullError, RunLock, atomic_write, format_bytes, free_bytes
+from virtualflow.config.job import resolve_spec
+from virtualflow.records.result import TrainingError
+from virtualflow.records.rundir import DiskFullError, RunLock, atomic_write, format_bytes, free_bytes
 from virtualflow.runtime.checkpoint import load_state
 from virtualflow.runtime.worker import report_failure
 from conftest import assert_state_close

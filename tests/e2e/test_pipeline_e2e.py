@@ -143,7 +143,7 @@ def test_a_commit_that_reached_only_some_members_is_finished_from_their_stats(ru
 def test_2bw_resize_keeps_the_weight_versions_bit_identical(run_dir):
     """PipeDream-2BW across a grow and a shrink: the newcomers receive the older weight version
     too, resizes land at window ends, and the run equals the undisturbed in-process run."""
-    from virtualflow.runtime.pipeline_local import train_local
+    from virtualflow.backends.inprocess import train_local
 
     result = resized_run(jobs.pipelined_2bw_job, run_dir)
     assert size_changes(result) == [2, 4, 2]
@@ -165,7 +165,7 @@ def _tied_model():
 def test_a_weight_tied_across_workers_trains_like_the_unpipelined_model(run_dir):
     """Default mode: each worker holds a copy of the shared weight; their gradients are summed
     before every update, so the copies stay equal and the model is the unpipelined one."""
-    from virtualflow.runtime.pipeline_local import train_local
+    from virtualflow.backends.inprocess import train_local
 
     job = jobs.pipelined_job().replace(model=_tied_model, evaluate=None)
     ref = vf.train(job.replace(pipeline=None), workers=1, steps=4)
@@ -182,7 +182,7 @@ def test_a_weight_tied_across_workers_trains_like_the_unpipelined_model(run_dir)
 def test_a_weight_tied_across_workers_is_refused_where_it_cannot_be_exact():
     import dataclasses
 
-    from virtualflow.pipeline import plan_pipeline
+    from virtualflow.launching.pipeline import plan_pipeline
 
     job = jobs.pipelined_job().replace(model=_tied_model, evaluate=None)
     with pytest.raises(ValueError, match="parameter 0.weight is also layer 4's weight.*deterministic mode.*untie it"):
@@ -206,7 +206,7 @@ def test_a_weight_tied_across_workers_is_refused_where_it_cannot_be_exact():
 def test_activation_shapes_changing_between_micro_batches_cross_processes_exactly(run_dir):
     """Sequence lengths differ per virtual node: the driver's new-link, same-shape and
     changed-shape messages all occur, and the run equals the in-process one."""
-    from virtualflow.runtime.pipeline_local import train_local
+    from virtualflow.backends.inprocess import train_local
 
     result = vf.train(jobs.ragged_pipelined_job, workers=3, steps=4, deterministic=True, run_dir=run_dir)
     state, history = train_local(jobs.ragged_pipelined_job(), 4, deterministic=True)

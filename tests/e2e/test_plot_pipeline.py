@@ -21,11 +21,12 @@ from torch import nn
 import jobs
 from virtualflow.cli import plot_pipeline as pp
 from virtualflow.cli.main import main as cli_main
-from virtualflow.pipeline import Pipeline, layers_of, resolve_bounds
+from virtualflow.config.pipeline import Pipeline
+from virtualflow.plan.pipeline.geometry import layers_of, resolve_bounds
 from virtualflow.plan.pipeline.simulate import simulate
 from virtualflow.plan.vnmap import contiguous_assignment
 from virtualflow.runtime.pipeline import schedule_for
-from virtualflow.runtime.pipeline_local import LocalDriver, build_engine
+from virtualflow.backends.inprocess import LocalDriver, build_engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMPUTE = ("F", "B", "I", "W")

@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from virtualflow.rundir import read_jsonl, read_status, read_summary, run_state, write_json
+from virtualflow.records.rundir import read_jsonl, read_status, read_summary, run_state, write_json
 
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "src")
 

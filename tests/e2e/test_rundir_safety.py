@@ -24,8 +24,8 @@ import torch
 import virtualflow as vf
 from virtualflow.cli.run import default_run_dir
 from virtualflow.comm import auth
-from virtualflow.resume import find_resume_state
-from virtualflow.rundir import LOCK_FILE, RunLock, atomic_write, make_private_dir, read_jsonl, trim_metrics
+from virtualflow.launching.resume import find_resume_state
+from virtualflow.records.rundir import LOCK_FILE, RunLock, atomic_write, make_private_dir, read_jsonl, trim_metrics
 from virtualflow.runtime.checkpoint import (CorruptCheckpointError, UntrustedStateError, content_digest, load_state,
                                             save_state)
 

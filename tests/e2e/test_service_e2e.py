@@ -23,7 +23,7 @@ import torch
 import virtualflow as vf
 from conftest import assert_state_equal, flat_optimizer_state
 from virtualflow.cli import main as cli_main
-from virtualflow.rundir import pid_alive
+from virtualflow.records.rundir import pid_alive
 from virtualflow.service.state import ClusterDB
 
 pytestmark = pytest.mark.slow

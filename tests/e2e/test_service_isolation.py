@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from conftest import assert_state_close
-from virtualflow.rundir import pid_alive
+from virtualflow.records.rundir import pid_alive
 from virtualflow.service import runner
 from virtualflow.service.core import Action, RoundDecision
 from virtualflow.service.launcher import MARKER_ENV, describe_exit, is_job_process, parse_message

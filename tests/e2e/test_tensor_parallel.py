@@ -39,7 +39,7 @@ from virtualflow.comm.groups import Group, make_group
 from virtualflow.comm.ring import Collectives, ring_traffic
 from gloo_ranks import launch_ranks
 from virtualflow.plan.shards import check_bounds, shard_bounds
-from virtualflow.runtime.tensor_parallel import (
+from virtualflow.parallel import (
     DROPOUT_BLOCK_ROWS, AttentionBlock, MLPBlock, TensorParallelAttention, TensorParallelMLP, TokenLayout,
     all_gather_rows, copy_to_ranks, dropout_keep, reduce_scatter_rows,
 )

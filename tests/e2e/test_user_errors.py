@@ -22,11 +22,11 @@ from torch import nn
 
 import virtualflow as vf
 from virtualflow.backends.local import check_local_device
-from virtualflow.job import JobImportError, importing_job_file, resolve_spec
+from virtualflow.config.job import JobImportError, importing_job_file, resolve_spec
 from virtualflow.plan.data import DataPlan
-from virtualflow.preflight import JobCodeError, _call, build_job, preflight
-from virtualflow.result import TrainingError, WorkerTraceback, job_frame, job_traceback
-from virtualflow.supervisor import ProgressRate
+from virtualflow.launching.preflight import JobCodeError, _call, build_job, preflight
+from virtualflow.records.result import TrainingError, WorkerTraceback, job_frame, job_traceback
+from virtualflow.launching.supervisor import ProgressRate
 
 FAILING_JOB = '''
 import torch

@@ -26,7 +26,7 @@ import time
 import pytest
 
 from virtualflow.backends.local_worker import ORPHAN_EXIT_CODE, ParentWatch, launcher_gone, listens_on
-from virtualflow.rundir import pid_alive
+from virtualflow.records.rundir import pid_alive
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(HERE)

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from virtualflow.cli.main import build_parser
-from virtualflow.options import LaunchOptions, add_arguments, flag_of, make_options, options_from_args
+from virtualflow.config.options import LaunchOptions, add_arguments, flag_of, make_options, options_from_args
 
 
 def test_every_option_has_help_a_group_and_a_type_check():

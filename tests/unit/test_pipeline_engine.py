@@ -25,10 +25,11 @@ import pipeline_models as pm
 from conftest import assert_state_close, assert_state_equal
 from reference import reference_train
 import virtualflow as vf
-from virtualflow.pipeline import Pipeline, check_workers
+from virtualflow.config.pipeline import Pipeline
+from virtualflow.plan.pipeline.geometry import check_workers
 from virtualflow.plan.pipeline import check
 from virtualflow.runtime.pipeline import StageEngine
-from virtualflow.runtime.pipeline_local import train_local
+from virtualflow.backends.inprocess import train_local
 
 # Default mode sums gradients in another order than the unpipelined run (schedule order, then over
 # replicas), so it agrees to rounding only.

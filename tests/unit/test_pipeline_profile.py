@@ -14,8 +14,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from virtualflow.cli.main import main
-from virtualflow.job import Job
-from virtualflow.pipeline import Pipeline
+from virtualflow.config.job import Job
+from virtualflow.config.pipeline import Pipeline
 from virtualflow.plan.pipeline.partition import InfeasiblePartition, LayerProfile, Link
 from virtualflow.runtime.profile import (
     ModelProfile, ProfileError, auto_split, min_peak_split, predict, profile_layers, profile_model, stage_in_flight,

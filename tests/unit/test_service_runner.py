@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from virtualflow.result import TrainingError
+from virtualflow.records.result import TrainingError
 from virtualflow.service.core import Action, RoundDecision
 from virtualflow.service.runner import Service, init_cluster
 

@@ -16,8 +16,9 @@ import torch
 import transformers  # in the test extra (pyproject.toml): these tests must run, not skip
 from torch import nn
 
-from virtualflow.pipeline import Pipeline, layers_of, piece_module, resolve_bounds, tensors_of
-from virtualflow.tracing import TracedPiece, sequential_from, shared_parameters
+from virtualflow.config.pipeline import Pipeline
+from virtualflow.plan.pipeline.geometry import layers_of, piece_module, resolve_bounds, tensors_of
+from virtualflow.parallel.tracing import TracedPiece, sequential_from, shared_parameters
 
 transformers.logging.set_verbosity_error()
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from virtualflow.backends.base import Attachment, Backend
 
 if TYPE_CHECKING:
-    from virtualflow.options import LaunchOptions
+    from virtualflow.config.options import LaunchOptions
 
 __all__ = ["Attachment", "Backend", "make_backend"]
 

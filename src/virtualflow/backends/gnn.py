@@ -150,7 +150,7 @@ class ProcessExecutor:
     def __init__(self, parts: list[ServerPart], tensor_workers: int, limits: WorkerLimits,
                  kill_tasks: tuple[int, ...] = (), timeout_s: float = 600.0, ray_address: str | None = None,
                  use_ray: bool = False) -> None:
-        from virtualflow.job import check_main_guard
+        from virtualflow.config.job import check_main_guard
 
         check_main_guard("graph-server and tensor-worker processes")  # each would import the script again
         # forkserver: one server process imports torch and PyG once and forks every graph server and

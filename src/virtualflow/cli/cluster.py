@@ -364,8 +364,8 @@ def _probe_child(job: str, result: str, output: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     try:
-        from virtualflow.job import source_from
-        from virtualflow.preflight import build_job
+        from virtualflow.config.job import source_from
+        from virtualflow.launching.preflight import build_job
 
         built = build_job(job, job)  # imports the file and calls the function
         found: dict[str, Any] = {"name": str(built.name), "virtual_nodes": int(built.virtual_nodes),

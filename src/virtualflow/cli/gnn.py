@@ -86,7 +86,7 @@ def parse_baselines(spec: str) -> list[str]:
 
 def load_job(spec: str):
     from virtualflow.gnn.job import GNNJob
-    from virtualflow.job import resolve_spec
+    from virtualflow.config.job import resolve_spec
 
     job = resolve_spec(spec)()
     if not isinstance(job, GNNJob):

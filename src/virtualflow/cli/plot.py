@@ -24,7 +24,7 @@ import os
 from typing import TYPE_CHECKING
 
 from virtualflow.cli.figures import new_figure, save_figure
-from virtualflow.rundir import read_jsonl, read_summary
+from virtualflow.records.rundir import read_jsonl, read_summary
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

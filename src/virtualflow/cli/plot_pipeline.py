@@ -34,7 +34,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
-from virtualflow.rundir import read_jsonl, read_summary
+from virtualflow.records.rundir import read_jsonl, read_summary
 
 if TYPE_CHECKING:
     from virtualflow.plan.pipeline import Schedule
@@ -144,7 +144,7 @@ def read_timeline(run_dir: str) -> list[Entry]:
 
 def _summary_pipeline(run_dir: str) -> tuple[int, str, int] | None:
     """(stages, schedule, chunks) from summary.json, or None when it has no valid entry."""
-    from virtualflow.pipeline import Pipeline
+    from virtualflow.config.pipeline import Pipeline
 
     try:
         summary = read_summary(run_dir)
@@ -169,7 +169,7 @@ class _Incomplete(ValueError):
 
 
 def _schedule(p: int, name: str, v: int, m: int, steps: int) -> Schedule:
-    from virtualflow.pipeline import Pipeline
+    from virtualflow.config.pipeline import Pipeline
     from virtualflow.runtime.pipeline import schedule_for
 
     return schedule_for(Pipeline(stages=p, schedule=name, chunks=v), m, steps)
@@ -268,7 +268,7 @@ def mean_times(entries: Sequence[Entry], stages: int, split: bool
 def _infer(p: int, v: int, m: int, steps: int, measured: list[list[tuple[str, int, int]]],
            step: int) -> tuple[str, Schedule]:
     """The schedule whose compute order every stage-rank followed (no valid summary.json)."""
-    from virtualflow.pipeline import SCHEDULE_NAMES
+    from virtualflow.config.pipeline import SCHEDULE_NAMES
 
     matches: list[Schedule] = []
     for name in SCHEDULE_NAMES:

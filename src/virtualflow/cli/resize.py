@@ -14,7 +14,7 @@ import datetime
 import os
 import time
 
-from virtualflow.rundir import read_status, run_state
+from virtualflow.records.rundir import read_status, run_state
 from virtualflow.control.membership import check_resize
 
 

@@ -7,7 +7,7 @@ import argparse
 import json
 import statistics
 
-from virtualflow.rundir import read_status, run_state
+from virtualflow.records.rundir import read_status, run_state
 from virtualflow.runtime.breakdown import PARTS, Summary
 
 

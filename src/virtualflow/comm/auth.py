@@ -201,7 +201,7 @@ def write_token(path: str, token: str) -> None:
     (:func:`virtualflow.rundir.atomic_write`). A symbolic link (or anything but a regular file) at
     ``path`` is refused, never followed: a link planted there would have the token written, and
     its target's mode changed, wherever it points."""
-    from virtualflow.rundir import atomic_write
+    from virtualflow.records.rundir import atomic_write
 
     try:
         st = os.lstat(path)

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from virtualflow.rundir import atomic_write, temporary_of
+from virtualflow.records.rundir import atomic_write, temporary_of
 
 logger = logging.getLogger(__name__)
 

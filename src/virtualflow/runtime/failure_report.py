@@ -14,8 +14,8 @@ import sys
 import traceback
 from typing import Any, Protocol
 
-from virtualflow.result import job_traceback
-from virtualflow.rundir import DiskFullError, free_bytes, no_space
+from virtualflow.records.result import job_traceback
+from virtualflow.records.rundir import DiskFullError, free_bytes, no_space
 from virtualflow.runtime.channel import Reporter
 
 __all__ = ["FailedWorker", "failing_step", "peak_rss_mib", "report_failure", "state_bytes"]

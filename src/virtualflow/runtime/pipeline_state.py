@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from virtualflow.comm.groups import Group
-from virtualflow.pipeline import Pipeline
+from virtualflow.config.pipeline import Pipeline
 from virtualflow.runtime.pipeline import StageEngine
 from virtualflow.runtime.transfer import broadcast_state
 

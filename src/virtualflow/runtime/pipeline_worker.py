@@ -32,7 +32,8 @@ from typing import Any, Callable
 import torch
 
 from virtualflow.comm.groups import Group
-from virtualflow.pipeline import Grid, Pipeline, check_workers, layers_of, resolve_bounds
+from virtualflow.plan.pipeline.geometry import Grid, check_workers, layers_of, resolve_bounds
+from virtualflow.config.pipeline import Pipeline
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.vnmap import contiguous_assignment
 from virtualflow.runtime.engine import BatchLoader, StepOutcome
@@ -130,7 +131,7 @@ class PipelineWorkerEngine:
         self._fault = fn
 
     def _build_stage(self, stage_rank: int) -> None:
-        from virtualflow.pipeline import piece_module, successor_pieces, tied_for_worker
+        from virtualflow.plan.pipeline.geometry import piece_module, successor_pieces, tied_for_worker
 
         p = self.pipeline.stages
         pieces = {k: piece_module(self.layers, a, b) for k, (a, b) in enumerate(self.bounds) if k % p == stage_rank}
@@ -223,7 +224,8 @@ class PipelineWorkerEngine:
         its replica, or (a broadcast) from a member holding them. With several replicas, each
         job stage is reduced over the workers running it, one per replica, in replica order
         (:meth:`StageEngine.set_job_stages`). Collective."""
-        from virtualflow.pipeline import Pipeline, bounds_from_counts, piece_module
+        from virtualflow.config.pipeline import Pipeline
+        from virtualflow.plan.pipeline.geometry import bounds_from_counts, piece_module
         from virtualflow.plan.pipeline.failover import flatten, split_replicas
 
         p = self.pipeline.stages

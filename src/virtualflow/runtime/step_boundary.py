@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from virtualflow.comm.groups import Group
-from virtualflow.job import Job
+from virtualflow.config.job import Job
 from virtualflow.runtime.channel import Reporter
 from virtualflow.runtime.checkpoint import save_state
 from virtualflow.runtime.worker_config import WorkerConfig

@@ -29,7 +29,7 @@ from virtualflow.runtime.sharded import ShardLost
 from virtualflow.runtime.transfer import Progress, broadcast_state
 
 if TYPE_CHECKING:
-    from virtualflow.job import Job
+    from virtualflow.config.job import Job
     from virtualflow.runtime.worker_config import WorkerConfig
 
 __all__ = ["VNWorkerEngine", "broadcast_module", "full_state", "load_full_state", "materialize_optimizer_state"]

@@ -67,7 +67,7 @@ import torch.distributed as dist
 
 from virtualflow.comm import auth, protocol
 from virtualflow.comm.groups import Group, PeerFailure, make_group, make_subgroup
-from virtualflow.job import Job
+from virtualflow.config.job import Job
 from virtualflow.plan.data import DataPlan
 from virtualflow.runtime.channel import Heartbeat, Rejections, Reporter, aborted
 from virtualflow.runtime.checkpoint import load_state, save_state

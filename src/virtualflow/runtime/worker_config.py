@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from virtualflow.job import JobSource
+from virtualflow.config.job import JobSource
 from virtualflow.runtime.faults import FaultPlan
 
 __all__ = ["WorkerConfig"]

@@ -395,7 +395,7 @@ def read_json(path: str) -> dict | None:
 
 def has_state(run_dir: str) -> bool:
     """Whether ``run_dir`` holds a state to resume from."""
-    from virtualflow.rundir import state_files
+    from virtualflow.records.rundir import state_files
 
     return bool(run_dir) and os.path.isdir(run_dir) and bool(state_files(run_dir))
 

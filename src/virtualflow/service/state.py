@@ -56,7 +56,7 @@ import sqlite3
 import time
 from typing import Any
 
-from virtualflow.rundir import RUN_FILES, atomic_write, make_private_dir, set_aside, state_files, write_json
+from virtualflow.records.rundir import RUN_FILES, atomic_write, make_private_dir, set_aside, state_files, write_json
 from virtualflow.service.clusterdir import (DB_NAME, ID_MARK_NAME, IDENTITY_NAME, JOBS_DIR, TOKEN_NAME,
                                             check_cluster_dir, foreign_run_dir, read_id_mark, read_identity)
 from virtualflow.service.rows import FINAL_STATES, JOB_STATES, QUARANTINED, JobRow, loads_cell

@@ -45,7 +45,7 @@ from virtualflow.control.membership.liveness import Liveness
 from virtualflow.control.membership.phases import Change, Phase, phase_of_change
 from virtualflow.control.membership.sizing import decide_hold, decide_loss, decide_release, decide_resize
 from virtualflow.control.membership.speed import SpeedPolicy
-from virtualflow.options import LaunchOptions
+from virtualflow.config.options import LaunchOptions
 from virtualflow.plan.hetero import SpeedModel
 from virtualflow.plan.vnmap import contiguous_assignment
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Generator, Sequence
 import torch
 from torch import nn
 
-from virtualflow.pipeline import Pipeline
+from virtualflow.config.pipeline import Pipeline
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.pipeline import Schedule
 from virtualflow.plan.vnmap import TreePlan

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from virtualflow.pipeline import Pipeline
+from virtualflow.config.pipeline import Pipeline
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.vnmap import Node, split
 from virtualflow.runtime.pipeline.engine import StageEngine
@@ -38,7 +38,7 @@ def build_engine(job: Any, pipeline: Pipeline, bounds: Sequence[tuple[int, int]]
     """Build worker ``stage_rank``'s engine: the whole model from the job's seed (so every worker's
     pieces start from the same weights as the unpipelined model), then only its pieces kept.
     ``eager_every_wait``: :attr:`StageEngine.eager_every_wait` (a diagnostic)."""
-    from virtualflow.pipeline import layers_of, piece_module, successor_pieces, tied_for_worker
+    from virtualflow.plan.pipeline.geometry import layers_of, piece_module, successor_pieces, tied_for_worker
     from virtualflow.runtime.engine import BatchLoader
 
     torch.manual_seed(job.seed)
@@ -181,7 +181,7 @@ def train_local(job: Any, steps: int, *, replicas: int = 1, deterministic: bool 
     whole model's final state dict and one result per step. The proof harness of the executor
     (``tests/test_pipeline_engine.py``) and a way to try a pipeline without processes.
     ``eager_every_wait``: :attr:`StageEngine.eager_every_wait` (a diagnostic)."""
-    from virtualflow.pipeline import layers_of, resolve_bounds
+    from virtualflow.plan.pipeline.geometry import layers_of, resolve_bounds
     from virtualflow.plan.vnmap import contiguous_assignment
 
     pipeline = job.pipeline

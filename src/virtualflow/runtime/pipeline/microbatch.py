@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from virtualflow.pipeline import tensors_of
+from virtualflow.plan.pipeline.geometry import tensors_of
 from virtualflow.plan.data import DataPlan, vn_seed
 from virtualflow.runtime.engine import check_loss, seed_random_streams, to_device
 from virtualflow.runtime.pipeline.wire import read_forward_message

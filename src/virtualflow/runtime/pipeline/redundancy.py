@@ -30,7 +30,7 @@ from typing import Any, Callable, Generator
 import torch
 from torch import nn
 
-from virtualflow.pipeline import tensors_of
+from virtualflow.plan.pipeline.geometry import tensors_of
 from virtualflow.runtime.pipeline.batchnorm import PieceBatchNorm, load_statistics
 from virtualflow.runtime.pipeline.microbatch import MicroBatch, MicroBatchPrep, starts_in_place
 from virtualflow.runtime.pipeline.pieces import apply_update, flat_grads, load_grads, stage_model

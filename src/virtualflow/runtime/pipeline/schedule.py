@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 
-from virtualflow.pipeline import Pipeline
+from virtualflow.config.pipeline import Pipeline
 from virtualflow.plan.pipeline import Schedule
 from virtualflow.plan.pipeline.schedules import build_schedule
 
