@@ -38,7 +38,7 @@ from virtualflow.plan.data import DataPlan
 from virtualflow.plan.vnmap import contiguous_assignment
 from virtualflow.runtime.engine import BatchLoader, StepOutcome
 from virtualflow.runtime.engines import Boundary, Joining
-from virtualflow.runtime.pipeline import AllSum, Expect, Poll, Recv, Send, StageEngine, StageSum, StageTree, StepResult
+from virtualflow.runtime.pipeline import StageEngine
 from virtualflow.runtime.pipeline_state import (exchange_for_layout, gather_stages, load_merged, load_stage_state, resume_stage,
                                                  stage_state, stage_states, successor, transfer_stages)
 from virtualflow.runtime.pipeline_wire import Links, drive

@@ -66,19 +66,18 @@ import torch
 import torch.distributed as dist
 
 from virtualflow.comm import auth, protocol
-from virtualflow.comm.groups import Group, PeerFailure, make_group, make_subgroup
+from virtualflow.comm.groups import Group, PeerFailure, make_group
 from virtualflow.config.job import Job
-from virtualflow.plan.data import DataPlan
 from virtualflow.runtime.channel import Heartbeat, Rejections, Reporter, aborted
 from virtualflow.runtime.checkpoint import load_state, save_state
 from virtualflow.runtime.engine import NonFiniteLossError
 from virtualflow.runtime.engines import Engine, Joining
+from virtualflow.runtime.factory import build_engine
 from virtualflow.runtime.faults import WorkerFaults
 from virtualflow.runtime.failure_report import failing_step, peak_rss_mib, report_failure
 from virtualflow.runtime.step_boundary import WorkerBoundary, checkpoint_path
 from virtualflow.runtime.trace_window import StepProfiler
 from virtualflow.runtime.transfer import Progress, agree_progress
-from virtualflow.runtime.vn_worker import VNWorkerEngine
 from virtualflow.runtime.worker_config import WorkerConfig
 
 __all__ = ["PreemptionNotice", "Worker", "WorkerConfig", "build_engine", "build_job", "checkpoint_path",
@@ -94,30 +93,6 @@ T = TypeVar("T")
 def build_job(cfg: WorkerConfig) -> Job:
     job = cfg.job_source.load()
     return job.replace(**cfg.overrides) if cfg.overrides else job
-
-
-def build_engine(cfg: WorkerConfig, worker_id: int, job: Job, dataset: Any, store: dist.Store,
-                 device: torch.device, *, eager_every_wait: bool = False) -> Engine:
-    """The engine of ``job`` on this worker: pipelined when the job has a ``Pipeline``, else the
-    VN engine (with ``cfg.reduction``). The one place that looks at the job's kind.
-    ``eager_every_wait``: a pipeline diagnostic (:attr:`StageEngine.eager_every_wait`), read by
-    the process's entry point."""
-    plan = DataPlan(len(dataset), job.global_batch_size, job.virtual_nodes, job.seed)  # checks the sizes
-    if job.pipeline is not None:
-        from virtualflow.runtime.pipeline_worker import PipelineWorkerEngine
-
-        def subgroup(generation: int, name: str, rank: int, size: int) -> Group:
-            return make_subgroup(store, generation, name, rank, size, cfg.collective_timeout_s, device)
-
-        stages = PipelineWorkerEngine(job, dataset, deterministic=cfg.deterministic, device=device,
-                                      subgroup=subgroup, eager_every_wait=eager_every_wait)
-        stages.total_steps = cfg.total_steps
-        stages.timeline_dir = os.path.join(cfg.state_dir, "pipeline")
-        engine: Engine = stages
-    else:
-        engine = VNWorkerEngine.build(job, dataset, plan, cfg, device)
-    engine.slowdown = float(cfg.slowdowns.get(worker_id, 1.0))
-    return engine
 
 
 def run_worker(cfg: WorkerConfig, worker_id: int, notice: PreemptionNotice | None = None, *,
@@ -202,6 +177,7 @@ class Worker:
                  notice: PreemptionNotice | None = None, *, eager_every_wait: bool = False) -> None:
         self.cfg, self.id, self.store = cfg, worker_id, store
         self.notice = notice
+        self.eager_every_wait = eager_every_wait
         self._noticed = False
         self.report = reporter
         self.run_key = reporter.run
@@ -251,7 +227,7 @@ class Worker:
         job = self.job = build_job(cfg)
         dataset = job.build_dataset()
         self.engine: Engine = build_engine(cfg, self.id, job, dataset, self.store, self.device,
-                                           eager_every_wait=eager_every_wait)
+                                           eager_every_wait=self.eager_every_wait)
         self.boundary = WorkerBoundary(cfg, job, self.report)
         self.profiler = None
         if cfg.profile_steps is not None:
