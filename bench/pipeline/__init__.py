@@ -7,7 +7,7 @@ Three measurements in one run, from the repository root::
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.pipeline --quick    # under a minute
 
 virtualflow runs as its executor, **not the worker loop**: ``runtime.pipeline_local.build_engine`` (the
-``StageEngine`` of a rank) driven by the public ``runtime.pipeline_worker.drive`` over its own
+``StageEngine`` of a rank) driven by the public ``runtime.pipeline.worker_engine.drive`` over its own
 ``ProcessGroupGloo`` (``virtualflow.comm.groups.make_group``), with one ``Links`` per engine kept
 across steps, as ``PipelineWorkerEngine`` keeps one per generation: from the second step on, every
 receive's payload is posted before the message arrives (the engine announces its receives with

@@ -50,7 +50,7 @@ class Driver:
         self.links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def run(self, engine, first_step: int, n_steps: int = 1) -> list:
-        from virtualflow.runtime.pipeline_worker import Links, drive
+        from virtualflow.runtime.pipeline.links import Links, drive
 
         links = self.links.get(engine)
         if links is None:

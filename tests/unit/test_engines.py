@@ -11,7 +11,7 @@ import torch
 from virtualflow.runtime import worker
 from virtualflow.runtime.batchnorm import BatchNormState, PieceBatchNorm
 from virtualflow.runtime.engines import Engine
-from virtualflow.runtime.pipeline_worker import PipelineWorkerEngine
+from virtualflow.runtime.pipeline.worker_engine import PipelineWorkerEngine
 from virtualflow.runtime.vn_worker import VNWorkerEngine
 
 ATTRIBUTES = {"model", "slowdown", "phase", "generation_broken"}

@@ -5,7 +5,7 @@ holds the training state and runs steps. Two engines implement :class:`Engine`:
 
 - :class:`virtualflow.runtime.vn_worker.VNWorkerEngine`: data parallelism over virtual nodes
   (:class:`virtualflow.runtime.engine.VNEngine`), with the plain or the sharded reduction;
-- :class:`virtualflow.runtime.pipeline_worker.PipelineWorkerEngine`: a pipelined job (a stage of
+- :class:`virtualflow.runtime.pipeline.worker_engine.PipelineWorkerEngine`: a pipelined job (a stage of
   one pipeline replica per worker, Bamboo's redundancy).
 
 The worker never asks which one it holds: everything that differs between them (how a generation

@@ -34,7 +34,7 @@ def build_engine(cfg: WorkerConfig, worker_id: int, job: Job, dataset: Any, stor
     the process's entry point."""
     plan = DataPlan(len(dataset), job.global_batch_size, job.virtual_nodes, job.seed)  # checks the sizes
     if job.pipeline is not None:
-        from virtualflow.runtime.pipeline_worker import PipelineWorkerEngine
+        from virtualflow.runtime.pipeline.worker_engine import PipelineWorkerEngine
 
         def subgroup(generation: int, name: str, rank: int, size: int) -> Group:
             return make_subgroup(store, generation, name, rank, size, cfg.collective_timeout_s, device)

@@ -6,7 +6,7 @@ action list for it, micro-batch ``i`` of step ``t`` being the ``i``-th virtual n
 runs. It never talks to the network itself: :meth:`StageEngine.steps` is a generator that
 *yields* what it needs from outside (:class:`Send`, :class:`Recv`, :class:`StageSum`,
 :class:`StageTree`, :class:`AllSum`) and gets the answer back through ``send()``. Two drivers
-answer those requests: :func:`virtualflow.runtime.pipeline_worker.drive` in a worker process
+answer those requests: :func:`virtualflow.runtime.pipeline.links.drive` in a worker process
 (torch.distributed point to point and collectives over the generation's groups) and
 :class:`virtualflow.runtime.pipeline.local.LocalDriver` (all workers of a job in one process,
 cooperatively, for tests and for trying a pipeline without processes). So one piece of code runs
@@ -30,6 +30,10 @@ reduction      sums over the replicas: by stage group or job stage, and tied wei
 redundancy     Bamboo: the replica of the successor's stage, eager forwards and their reuse
 engine         :class:`StageEngine`, which composes the above
 local          the in-process driver (:class:`LocalDriver`) and :func:`train_local`
+links          the process driver: :func:`drive` over torch.distributed, the links' wire format
+stage_state    moving, gathering and resuming a stage's state between workers (Bamboo re-layouts)
+worker_engine  :class:`PipelineWorkerEngine`: the :class:`~virtualflow.runtime.engines.Engine` of a
+               pipelined job in a worker process
 ============== ===================================================================================
 
 What makes a pipelined step equal to the unpipelined one (``docs/pipeline.md``):

@@ -3,7 +3,7 @@
 :class:`LocalDriver` runs every worker of a pipelined job in this process, one at a time: a worker
 runs until it asks for a message that has not been sent yet or joins a collective, and a
 collective completes when all its members have joined. It answers the same requests as the
-process driver (:func:`virtualflow.runtime.pipeline_worker.drive`), so what is proven here holds
+process driver (:func:`virtualflow.runtime.pipeline.worker_engine.drive`), so what is proven here holds
 there: ``tests/test_pipeline_engine.py`` proves the executor's semantics with it, and
 :func:`train_local` trains a pipelined job without processes (profiling, notebooks).
 

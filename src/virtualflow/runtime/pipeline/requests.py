@@ -3,7 +3,7 @@ step returns.
 
 Purpose: the engine never talks to the network itself; its step generator *yields* these
 requests and gets the answer back through ``send()``. Two drivers answer them: the process
-driver (:func:`virtualflow.runtime.pipeline_worker.drive`, torch.distributed over the
+driver (:func:`virtualflow.runtime.pipeline.worker_engine.drive`, torch.distributed over the
 generation's groups) and the in-process one (:class:`virtualflow.runtime.pipeline.local.LocalDriver`).
 
 Invariants: a :class:`Send` never blocks; a :class:`Recv` blocks until its message is there (the

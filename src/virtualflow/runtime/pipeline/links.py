@@ -25,7 +25,7 @@ import torch
 from virtualflow.comm.groups import Arrival, Group, PeerFailure
 from virtualflow.comm.reduce import tree_exchange
 from virtualflow.plan.pipeline.geometry import Grid
-from virtualflow.runtime.pipeline import AllSum, Expect, Poll, Recv, Send, StageSum, StageTree, StepResult
+from virtualflow.runtime.pipeline.requests import AllSum, Expect, Poll, Recv, Send, StageSum, StageTree, StepResult
 
 __all__ = ["Links", "Metas", "drive"]
 

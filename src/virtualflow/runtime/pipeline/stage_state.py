@@ -1,7 +1,7 @@
 """A pipelined job's stage state: what moves between members, and how it is cut and merged.
 
 Functions of a :class:`~virtualflow.runtime.pipeline.StageEngine` (and its replica), used by
-:class:`~virtualflow.runtime.pipeline_worker.PipelineWorkerEngine`: a stage's state for a member
+:class:`~virtualflow.runtime.pipeline.worker_engine.PipelineWorkerEngine`: a stage's state for a member
 behind (:func:`stage_state`, :func:`transfer_stages`), the per-job-stage state a Bamboo failover
 moves (:func:`stage_states`, :func:`load_merged`), a checkpoint's per-stage states gathered on
 rank 0 (:func:`gather_stages`) and a resume from one (:func:`resume_stage`).
@@ -21,7 +21,7 @@ import torch
 
 from virtualflow.comm.groups import Group
 from virtualflow.config.pipeline import Pipeline
-from virtualflow.runtime.pipeline import StageEngine
+from virtualflow.runtime.pipeline.engine import StageEngine
 from virtualflow.runtime.transfer import broadcast_state
 
 __all__ = ["exchange_for_layout", "gather_stages", "load_merged", "load_stage_state", "resume_stage", "stage_state", "stage_states",
