@@ -61,4 +61,5 @@ def test_parallel_imports_only_plan():
 def test_the_pipeline_runtime_reads_no_environment():
     for path in (SRC / "runtime" / "pipeline").glob("*.py"):
         text = path.read_text()
-        assert "os" not in _imports(path) and "os.environ" not in text and "getenv" not in text, path.name
+        # os.path for files is fine (the worker engine writes its timeline); the environment is not
+        assert "os.environ" not in text and "getenv" not in text, path.name
