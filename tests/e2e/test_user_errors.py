@@ -158,7 +158,7 @@ def test_job_traceback_starts_at_the_jobs_code(tmp_path):
     exc = info.value.__cause__
     full = "".join(traceback.format_exception(exc))
     short = job_traceback(exc)
-    assert "virtualflow/preflight.py" in full and "virtualflow/job.py" in full  # what is left out
+    assert "virtualflow/launching/preflight.py" in full and "virtualflow/config/job.py" in full  # what is left out
     assert short.splitlines() == [
         "Traceback (most recent call last; 2 frames of virtualflow before the job's code left out):",
         f'  File "{path}", line 3, in loss',
