@@ -29,20 +29,19 @@ from virtualflow.comm import auth, protocol
 from virtualflow.control.autoscale import Limits
 from virtualflow.control.autoscale_executor import AutoscaleExecutor
 from virtualflow.control.coordinator import Coordinator
+from virtualflow.launching import outcome
 from virtualflow.plan.vnmap import pipeline_assignment
 from virtualflow.control.membership import FallbackRestart, JobFailed, MembershipController, check_resize
 from virtualflow.config.job import Job, JobSource
 from virtualflow.config.options import LaunchOptions
-from virtualflow.records.result import Result, TrainingError, WorkerTraceback
-from virtualflow.records.rundir import RunLock, disk_full_error, remove_temporaries, state_files, write_json
-from virtualflow.runtime.checkpoint import load_state
+from virtualflow.records.result import Result, TrainingError
+from virtualflow.records.rundir import RunLock, disk_full_error, remove_temporaries, write_json
 from virtualflow.runtime import breakdown
 from virtualflow.runtime.worker import WorkerConfig
 
 logger = logging.getLogger("virtualflow")
 
 # Errors that are the consequence of another worker's failure, not a root cause.
-_CONSEQUENTIAL = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timeout")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -246,17 +245,17 @@ class Supervisor:
                 if progress.errors:
                     time.sleep(0.3)  # let the other workers' reports arrive: pick the root cause
                     coord.poll()
-                    raise self._worker_failure()
+                    raise outcome.worker_failure(self.coordinator.progress.errors, self.setup)
                 self.backend.serve(reports)
                 self._take_requests()
                 try:
                     ctl.tick(reports)
                 except JobFailed as exc:
-                    err = TrainingError(self._job_failed_message(exc))
+                    err = TrainingError(outcome.job_failed_message(exc, self.controller.failures, self.backend, self.setup))
                     err.fallback_restart = isinstance(exc, FallbackRestart)
                     raise err from None
                 except ValueError as exc:  # e.g. a grow the Ray cluster cannot place
-                    raise TrainingError(f"{exc} ({self._logs_where()})") from None
+                    raise TrainingError(f"{exc} ({outcome.logs_where(self.setup)})") from None
                 if self.autoscaler is not None:
                     self.autoscaler.update(reports)
                 if progress.state == "starting" and progress.step > self.setup.resume_step:
@@ -264,7 +263,7 @@ class Supervisor:
                 if progress.done and self._all_exited():
                     coord.poll()
                     self.backend.terminate_all()  # newcomers still starting, if any
-                    self.result = self._collect()
+                    self.result = outcome.collect_result(self.setup, self.coordinator, self.controller, self.autoscaler)
                     progress.state = "stopped" if self.result.stopped else "done"
                     # The final state is written: a record that no longer fits does not undo that.
                     self._best_effort("the done event", lambda: coord.event(
@@ -278,7 +277,7 @@ class Supervisor:
         except BaseException as exc:  # noqa: BLE001 - reported through wait()
             full = disk_full_error(exc, getattr(exc, "filename", None) or self.setup.state_dir)
             if full is not None and not isinstance(exc, TrainingError):  # the launcher's own records
-                err = TrainingError(f"the run's records cannot be written: {full}; {self._disk_full_advice()}")
+                err = TrainingError(f"the run's records cannot be written: {full}; {outcome.disk_full_advice(self.setup)}")
                 err.__cause__, err.disk_full = exc, True
                 exc = err
             self.error = exc
@@ -331,14 +330,6 @@ class Supervisor:
             if removed:
                 logger.debug("removed %s in %s (writes the stopped workers did not finish)", ", ".join(removed), folder)
 
-    def _disk_full_advice(self) -> str:
-        """What to do after a full disk stopped the run: continue from its states, if it wrote any."""
-        folder = self.setup.state_dir
-        if not state_files(folder):
-            return "the run wrote no state yet: free space there (or choose another run directory) and start it again"
-        return (f"the states already written are kept: free space there (or move the run directory), then continue "
-                f"with --resume {self.setup.run_dir if self.setup.run_dir is not None else folder}")
-
     def _all_exited(self) -> bool:
         codes = self.backend.poll()
         return all(codes.get(w) is not None for w in self.controller.members)
@@ -390,74 +381,7 @@ class Supervisor:
             return str(exc)
         return None
 
-    # -- failures ----------------------------------------------------------------------------
-    def _logs_where(self) -> str:
-        return f"logs in {os.path.join(self.setup.state_dir, 'logs')}"
-
-    def _job_failed_message(self, exc: JobFailed) -> str:
-        msg = f"{exc} ({self._logs_where()})"
-        if self.controller.failures:
-            wid = self.controller.failures[-1]["worker"]
-            tail = self.backend.log_tail(wid).strip()
-            if tail:
-                msg += f"; worker {wid}'s last output:\n{tail}"
-        return msg
-
-    def _worker_failure(self) -> TrainingError:
-        """The :class:`TrainingError` for the workers' error reports: the root cause's (an error
-        that is not a peer's connection dropping) in one line, with the step and where the logs
-        are; its traceback as ``worker_traceback`` and as the ``__cause__``. What a report holds
-        beyond its schema's fields (``job_traceback``, ``phase``) is used only when it is text."""
-        errors = self.coordinator.progress.errors
-        e = next((e for e in errors if not any(s in e["error"] for s in _CONSEQUENTIAL)), errors[0])
-        disk_full = e["error"].startswith("DiskFullError:")
-        step = e.get("step")
-        phase = e.get("phase") if isinstance(e.get("phase"), str) else None
-        if isinstance(step, int) and step >= 0:
-            where = f"at step {step}; "
-        elif phase:
-            where = f"while {phase[:40]}; "
-        else:
-            where = ""
-        error = " ".join(e["error"].split())
-        if disk_full:  # not a bug in anyone's code: the line says what to do, no traceback
-            error = f"{error.removeprefix('DiskFullError: ')}; {self._disk_full_advice()}"
-        err = TrainingError(f"worker {e['worker']} (pid {e['pid']}) failed: {error} ({where}{self._logs_where()})")
-        err.worker, err.disk_full = e["worker"], disk_full
-        err.step = step if isinstance(step, int) and step >= 0 else None
-        full = e["traceback"] or None
-        short = e.get("job_traceback") if isinstance(e.get("job_traceback"), str) else None
-        err.worker_traceback_full = full
-        err.worker_traceback = None if disk_full else short or full
-        if err.worker_traceback:
-            err.__cause__ = WorkerTraceback(err.worker_traceback)
-        return err
-
     # -- results and records -----------------------------------------------------------------
-    def _collect(self) -> Result:
-        state = load_state(os.path.join(self.setup.state_dir, "final.pt"))
-        steps = int(state["step"])
-        p = self.coordinator.progress
-        return Result(
-            state_dict=state["model"],
-            optimizer_state_dict=state["optimizer"],
-            lr_scheduler_state_dict=state["lr_scheduler"],
-            history=list(self.coordinator.history),
-            metrics=dict(p.metrics),
-            eval_history=list(self.coordinator.eval_history),
-            run_dir=self.setup.run_dir,
-            steps=steps,
-            stopped=steps < self.setup.total_steps,
-            peak_rss_mib={w: i["peak_rss_mib"] for w, i in p.workers.items() if "peak_rss_mib" in i},
-            optimizer_bytes={w: i["optimizer_bytes"] for w, i in p.workers.items() if "optimizer_bytes" in i},
-            replica_bytes={w: i["replica_bytes"] for w, i in p.workers.items() if "replica_bytes" in i},
-            replica_refresh_s={w: i["replica_refresh_s"] for w, i in p.workers.items() if "replica_refresh_s" in i},
-            redundant_forwards={w: i["redundant_forwards"] for w, i in p.workers.items() if i.get("redundant_forwards")},
-            generations=self.controller.generation + 1,
-            failures=list(self.controller.failures),
-            autoscale=self.autoscaler.summary() if self.autoscaler is not None else None,
-        )
-
     def status(self) -> dict[str, Any]:
         p, ctl = self.coordinator.progress, self.controller
         return {

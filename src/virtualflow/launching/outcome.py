@@ -1,0 +1,110 @@
+"""How a run's end is told to the user: the :class:`Result` of a finished run, the
+:class:`TrainingError` of a failed one.
+
+Purpose: the supervisor (:mod:`virtualflow.launching.supervisor`) decides *that* a run ended;
+this module words *how*: which worker's report is the root cause, where the logs are, what to
+do after a full disk, and what a finished run returns.
+
+Invariants: a worker report is read defensively (fields beyond its schema, ``job_traceback``
+and ``phase``, are used only when they are text); a failure names the worker, its pid, the step
+(or the phase) and where the logs are, in one line; a full disk is not a bug in anyone's code,
+so its message says what to do and carries no traceback.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from virtualflow.control.membership import JobFailed
+from virtualflow.records.result import Result, TrainingError, WorkerTraceback
+from virtualflow.records.rundir import state_files
+from virtualflow.runtime.checkpoint import load_state
+
+__all__ = ["CONSEQUENTIAL", "collect_result", "disk_full_advice", "job_failed_message", "logs_where",
+           "worker_failure"]
+
+CONSEQUENTIAL = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timeout")
+"""Errors that are the consequence of another worker's failure, not a root cause."""
+
+
+def logs_where(setup: Any) -> str:
+    """Where the run's worker logs are, as a message's tail."""
+    return f"logs in {os.path.join(setup.state_dir, 'logs')}"
+
+
+def disk_full_advice(setup: Any) -> str:
+    """What to do after a full disk stopped the run: continue from its states, if it wrote any."""
+    folder = setup.state_dir
+    if not state_files(folder):
+        return "the run wrote no state yet: free space there (or choose another run directory) and start it again"
+    return (f"the states already written are kept: free space there (or move the run directory), then continue "
+            f"with --resume {setup.run_dir if setup.run_dir is not None else folder}")
+
+
+def job_failed_message(exc: JobFailed, failures: list[dict[str, Any]], backend: Any, setup: Any) -> str:
+    """The controller gave up (``exc``): its reason, where the logs are and the last output of
+    the worker that failed last."""
+    msg = f"{exc} ({logs_where(setup)})"
+    if failures:
+        wid = failures[-1]["worker"]
+        tail = backend.log_tail(wid).strip()
+        if tail:
+            msg += f"; worker {wid}'s last output:\n{tail}"
+    return msg
+
+
+def worker_failure(errors: list[dict[str, Any]], setup: Any) -> TrainingError:
+    """The :class:`TrainingError` for the workers' error reports: the root cause's (an error
+    that is not a peer's connection dropping) in one line, with the step and where the logs
+    are; its traceback as ``worker_traceback`` and as the ``__cause__``. What a report holds
+    beyond its schema's fields (``job_traceback``, ``phase``) is used only when it is text."""
+    e = next((e for e in errors if not any(s in e["error"] for s in CONSEQUENTIAL)), errors[0])
+    disk_full = e["error"].startswith("DiskFullError:")
+    step = e.get("step")
+    phase = e.get("phase") if isinstance(e.get("phase"), str) else None
+    if isinstance(step, int) and step >= 0:
+        where = f"at step {step}; "
+    elif phase:
+        where = f"while {phase[:40]}; "
+    else:
+        where = ""
+    error = " ".join(e["error"].split())
+    if disk_full:  # not a bug in anyone's code: the line says what to do, no traceback
+        error = f"{error.removeprefix('DiskFullError: ')}; {disk_full_advice(setup)}"
+    err = TrainingError(f"worker {e['worker']} (pid {e['pid']}) failed: {error} ({where}{logs_where(setup)})")
+    err.worker, err.disk_full = e["worker"], disk_full
+    err.step = step if isinstance(step, int) and step >= 0 else None
+    full = e["traceback"] or None
+    short = e.get("job_traceback") if isinstance(e.get("job_traceback"), str) else None
+    err.worker_traceback_full = full
+    err.worker_traceback = None if disk_full else short or full
+    if err.worker_traceback:
+        err.__cause__ = WorkerTraceback(err.worker_traceback)
+    return err
+
+
+def collect_result(setup: Any, coordinator: Any, controller: Any, autoscaler: Any) -> Result:
+    """The :class:`Result` of a finished run: its final state (``final.pt``) and its records."""
+    state = load_state(os.path.join(setup.state_dir, "final.pt"))
+    steps = int(state["step"])
+    p = coordinator.progress
+    return Result(
+        state_dict=state["model"],
+        optimizer_state_dict=state["optimizer"],
+        lr_scheduler_state_dict=state["lr_scheduler"],
+        history=list(coordinator.history),
+        metrics=dict(p.metrics),
+        eval_history=list(coordinator.eval_history),
+        run_dir=setup.run_dir,
+        steps=steps,
+        stopped=steps < setup.total_steps,
+        peak_rss_mib={w: i["peak_rss_mib"] for w, i in p.workers.items() if "peak_rss_mib" in i},
+        optimizer_bytes={w: i["optimizer_bytes"] for w, i in p.workers.items() if "optimizer_bytes" in i},
+        replica_bytes={w: i["replica_bytes"] for w, i in p.workers.items() if "replica_bytes" in i},
+        replica_refresh_s={w: i["replica_refresh_s"] for w, i in p.workers.items() if "replica_refresh_s" in i},
+        redundant_forwards={w: i["redundant_forwards"] for w, i in p.workers.items() if i.get("redundant_forwards")},
+        generations=controller.generation + 1,
+        failures=list(controller.failures),
+        autoscale=autoscaler.summary() if autoscaler is not None else None,
+    )
