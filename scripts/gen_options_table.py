@@ -2,7 +2,7 @@
 
 The table sits between two HTML comments in the guide (``BEGIN`` / ``END`` below); everything
 between them is replaced by :func:`virtualflow.options.markdown_table`. ``--check`` changes
-nothing and exits 1 when the guide is out of date (``tests/test_docs.py`` makes the same check).
+nothing and exits 1 when the guide is out of date (``tests/e2e/test_docs.py`` makes the same check).
 
     python scripts/gen_options_table.py            # rewrite docs/training.md
     python scripts/gen_options_table.py --check    # exit 1 if it would change

@@ -3,11 +3,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
-# tests/test_service_dashboard.py drives the OS's Chromium (never a downloaded browser): install the
+# tests/e2e/test_service_dashboard.py drives the OS's Chromium (never a downloaded browser): install the
 # Debian package when it is missing and we are root (idempotent; without it that test fails).
 if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
     apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \
-        || echo "warning: could not install chromium; tests/test_service_dashboard.py will fail" >&2
+        || echo "warning: could not install chromium; tests/e2e/test_service_dashboard.py will fail" >&2
 fi
 export OMP_NUM_THREADS=1
 .venv/bin/python -m pytest -q --durations=10 "$@"

@@ -160,7 +160,7 @@ def main(args: argparse.Namespace) -> int:
 
 BENCH_CONSTANTS = ("bamboo_constants.json", "bamboo.json")
 """Files under ``bench/results`` holding the engine's measured constants, most complete first
-(``bench/bamboo_failover.py`` merges ``bench/bamboo.py``'s with its failover measurements)."""
+(``bench/bamboo_failover/`` merges ``bench/bamboo/``'s with its failover measurements)."""
 
 
 def find_bench_constants() -> Path | None:

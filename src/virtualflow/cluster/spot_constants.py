@@ -1,6 +1,6 @@
 """The spot simulator's engine constants (:class:`SpotConstants`): the step time, the redundancy
 overhead and the pauses of failover, reconfiguration, restart and checkpoint, as
-``bench/bamboo.py`` measures them, with documented defaults for any it leaves out.
+``bench/bamboo/`` measures them, with documented defaults for any it leaves out.
 
 Invariants: every field is a number within the bounds of what it means
 (:mod:`virtualflow.cluster.bounds`); ``defaulted`` names exactly the fields that took a default
@@ -27,7 +27,7 @@ _CONSTANT_DEFAULTS = {"step_s": 1.0, "samples_per_step": 32.0, "redundancy_overh
 
 @dataclass(kw_only=True, slots=True)
 class SpotConstants:
-    """This engine's time and overhead constants, as ``bench/bamboo.py`` measures them.
+    """This engine's time and overhead constants, as ``bench/bamboo/`` measures them.
 
     JSON schema (``bench/results/bamboo.json``): a top-level object with a ``"constants"`` object
     (or that object alone) holding any of the numeric fields below plus an optional ``"source"``
@@ -115,7 +115,7 @@ class SpotConstants:
         p = Path(path)
         if not p.is_file():
             raise ValueError(f"--constants {os.fspath(path)!r} does not exist; give a JSON file with a "
-                             "'constants' object (bench/bamboo.py writes bench/results/bamboo.json)")
+                             "'constants' object (bench/bamboo/ writes bench/results/bamboo.json)")
         data = bounds.load_json(p, what="--constants")
         if isinstance(data, Mapping) and "constants" in data:
             data = data["constants"]

@@ -459,7 +459,7 @@ def markdown_table() -> str:
     """The options table of docs/training.md, generated from the fields above: one table per
     group, one row per option (its flag, its default, its help text), in field order. A field
     added here therefore appears in the guide when it is regenerated
-    (``python scripts/gen_options_table.py``), and ``tests/test_docs.py`` fails until it is."""
+    (``python scripts/gen_options_table.py``), and ``tests/e2e/test_docs.py`` fails until it is."""
     out: list[str] = []
     group = None
     for f in dataclasses.fields(LaunchOptions):

@@ -30,7 +30,7 @@ Invariants of the result:
   between. A Python int that crosses a boundary (a traced ``x.size(1)``) travels as a 0-d
   tensor and is turned back into an int on arrival, so every boundary carries only tensors.
 * **Same numbers.** The pieces run the traced ATen operations in the model's order, so outputs
-  and parameter gradients are bit-identical to the model's (tests/test_tracing.py checks this on
+  and parameter gradients are bit-identical to the model's (tests/unit/test_tracing.py checks this on
   GPT-2, in eval mode and in train mode with dropout).
 * **Same weights.** The pieces hold the model's own ``Parameter`` and buffer objects (no copies):
   a weight used by two pieces (GPT-2's tied embedding and output matrices) is one object that

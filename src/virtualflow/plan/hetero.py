@@ -20,7 +20,7 @@ a time to the worker whose finish time *after* taking it, ``(c_i + 1) t_i``, is 
 finish times a worker can reach form the multiset ``{j t_i : j > min_vns}`` (plus the fixed
 ``min_vns t_i``); any assignment of k more VNs has a maximum at least the k-th smallest value of
 that multiset (an exchange argument), and the greedy takes exactly the k smallest, so the final
-maximum is optimal. ``tests/test_hetero.py`` checks it against brute force
+maximum is optimal. ``tests/e2e/test_hetero.py`` checks it against brute force
 (``tests/hetero_reference.py``) on every small case, zero counts included. Ties go to the lower
 rank, so the result is deterministic.
 

@@ -8,7 +8,7 @@ Deep Learning", MLSys 2020). It is split in two, as every policy in virtualflow 
   step: worker count, throughput, step time, cost rate, elapsed time, steps remaining) and
   returns a decision: :class:`Resize`, :class:`Stay`, :class:`Replace` or :class:`Rebalance`.
   It starts nothing, holds no mutable state and reads no clock, so it is tested on synthetic
-  sequences (``tests/test_autoscale.py``);
+  sequences (``tests/unit/test_autoscale.py``);
 * an **executor** (:mod:`virtualflow.control.autoscale_executor`) makes the observations from
   the workers' step reports, asks the policy, and applies its decisions through in-place resize.
 

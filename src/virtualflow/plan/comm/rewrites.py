@@ -373,7 +373,7 @@ def overlap(prog: Program, name: str | None = None, chunks: int = 2, dim: int | 
     Result: the pieces' matmuls need not give the bits of the whole one (BLAS picks kernels by
     shape: MKL's AVX-512 path happens to keep them for the shipped ``tp_mlp`` but not for larger
     sizes, its AVX2 path does not, nor does an AMD EPYC), so the program agrees with the original
-    within float tolerance (``tests/test_comm_program.py``: 1e-6; docs/coconet.md has the measured
+    within float tolerance (``tests/e2e/test_comm_program.py``: 1e-6; docs/coconet.md has the measured
     differences). Cutting columns keeps each element's ring chunk, so the result is bit-identical
     to :func:`overlap_reference` (the original with the matmul computed in the same pieces);
     cutting rows under an all-reduce moves elements between the ring's flat chunks (bit-identical

@@ -12,7 +12,7 @@ Times: ``f_time`` is a stage's forward; ``b_time`` its *whole* backward; ``w_tim
 the whole backward). Each is a scalar or one value per stage. So 1F1B and zero-bubble compare on
 the same work per micro-batch.
 
-Verified formulas (tests/test_pipeline_schedules.py), equal stage times, ``comm_time = 0``:
+Verified formulas (tests/unit/test_pipeline_schedules.py), equal stage times, ``comm_time = 0``:
 
 - 1F1B and GPipe, any ``m`` and ``p``: step time ``(m + p - 1)(f + b)``; every rank's bubble
   ``(p-1)/(m+p-1)``; peak stash ``min(m, p - r)`` for 1F1B, ``m`` for GPipe.

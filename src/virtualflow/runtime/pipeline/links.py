@@ -11,7 +11,7 @@ Headers come from a peer of the same job but are still parsed defensively: a mal
 :class:`PeerFailure` (the generation is formed again), never an exception in the job. On a link
 whose shapes are known (:class:`Links`) a message is one buffer.
 
-Measured (``bench/pipeline.py``): the first protocol, a header then one blocking receive per
+Measured (``bench/pipeline/``): the first protocol, a header then one blocking receive per
 tensor, each posted only when needed, cost 2-3 round trips per hop (1.4-2.0x torch.distributed.
 pipelining's step time at p = 2); posting receives ahead and packing the payload removed them.
 """

@@ -4,7 +4,7 @@
 runs until it asks for a message that has not been sent yet or joins a collective, and a
 collective completes when all its members have joined. It answers the same requests as the
 process driver (:func:`virtualflow.runtime.pipeline.worker_engine.drive`), so what is proven here holds
-there: ``tests/test_pipeline_engine.py`` proves the executor's semantics with it, and
+there: ``tests/unit/test_pipeline_engine.py`` proves the executor's semantics with it, and
 :func:`train_local` trains a pipelined job without processes (profiling, notebooks).
 
 Invariants: single-threaded, so handing the global random generator from piece to piece is safe;
@@ -179,7 +179,7 @@ def train_local(job: Any, steps: int, *, replicas: int = 1, deterministic: bool 
                 eager_every_wait: bool = False) -> tuple[dict[str, torch.Tensor], list[StepResult]]:
     """Train a pipelined job for ``steps`` steps with all its workers in this process; returns the
     whole model's final state dict and one result per step. The proof harness of the executor
-    (``tests/test_pipeline_engine.py``) and a way to try a pipeline without processes.
+    (``tests/unit/test_pipeline_engine.py``) and a way to try a pipeline without processes.
     ``eager_every_wait``: :attr:`StageEngine.eager_every_wait` (a diagnostic)."""
     from virtualflow.plan.pipeline.geometry import layers_of, resolve_bounds
     from virtualflow.plan.vnmap import contiguous_assignment
