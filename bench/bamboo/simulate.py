@@ -54,7 +54,7 @@ def constants_of(args, ov: dict, rs: dict, fo: dict | None, env: dict) -> tuple[
 
 def simulator_source() -> str:
     """The simulator's last commit, and whether the tree measured has uncommitted edits to it."""
-    spot = "src/virtualflow/cluster/spot.py"
+    spot = ("src/virtualflow/cluster/spot.py", "src/virtualflow/cluster/spot_constants.py")
 
     def git(*a: str) -> str:
         try:
@@ -62,8 +62,8 @@ def simulator_source() -> str:
         except Exception:  # noqa: BLE001 - no git, or not a checkout
             return ""
 
-    return (git("log", "-1", "--format=%h", "--", spot) or "never committed") + (
-        " + uncommitted edits" if git("status", "--porcelain", "--", spot) else "")
+    return (git("log", "-1", "--format=%h", "--", *spot) or "never committed") + (
+        " + uncommitted edits" if git("status", "--porcelain", "--", *spot) else "")
 
 
 def simulate(const_path: str, stages: int) -> dict:
