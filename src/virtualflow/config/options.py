@@ -28,6 +28,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 from virtualflow.config.faults import FaultPlan
 from virtualflow.config.resources import parse_resources
 from virtualflow.config.spec import WorkerSpec
+from virtualflow.plan.pipeline.schedules import SCHEDULE_NAMES
 
 
 @runtime_checkable
@@ -105,7 +106,7 @@ class LaunchOptions:
                                        "--workers must be a multiple); overrides Job.pipeline's stages", "pipeline",
                                        metavar="P")
     schedule: str | None = _opt(None, "pipeline schedule (default 1f1b, or Job.pipeline's)", "pipeline",
-                                choices=("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "2bw", "async"))
+                                choices=SCHEDULE_NAMES)
     chunks: int | None = _opt(None, "model pieces per worker for interleaved_1f1b (v)", "pipeline", metavar="V")
     split: str | None = _opt(None, "where to cut: auto (profile + partitioner), equal, or layer counts per piece "
                              "such as 3,2,2,1", "pipeline", metavar="SPLIT")
