@@ -1,7 +1,7 @@
 """Regenerate the launch-options table of docs/training.md from ``virtualflow.LaunchOptions``.
 
 The table sits between two HTML comments in the guide (``BEGIN`` / ``END`` below); everything
-between them is replaced by :func:`virtualflow.options.markdown_table`. ``--check`` changes
+between them is replaced by :func:`virtualflow.config.options.markdown_table`. ``--check`` changes
 nothing and exits 1 when the guide is out of date (``tests/e2e/test_docs.py`` makes the same check).
 
     python scripts/gen_options_table.py            # rewrite docs/training.md
