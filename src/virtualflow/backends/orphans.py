@@ -15,11 +15,12 @@ whatever its name; this process and PID 1 are never candidates. Nothing here sta
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import time
+
+from virtualflow.records.rundir import read_json
 
 log = logging.getLogger(__name__)
 
@@ -87,21 +88,12 @@ def job_processes(marker: str, proc: str = "/proc") -> list[int]:
     return sorted(out)
 
 
-def _read_json(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def job_pids(run_dir: str) -> dict[int, float | None]:
     """The processes of the job in ``run_dir`` that a dead service may have left: those its
     ``status.json`` lists (its driver, which hosts the coordinator, and its workers), each with
     the time that file was written (a process listed there had started by then), and any other
     process carrying the job's marker (no time: the marker alone identifies it)."""
-    status = _read_json(os.path.join(run_dir, "status.json")) or {}
+    status = read_json(os.path.join(run_dir, "status.json")) or {}
     written = status.get("updated")
     written = float(written) if isinstance(written, (int, float)) and not isinstance(written, bool) else None
     listed = [w.get("pid") for w in status.get("workers", []) if isinstance(w, dict)]

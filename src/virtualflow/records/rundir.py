@@ -404,6 +404,17 @@ def trim_metrics(run_dir: str, before_step: int) -> int:
     return dropped
 
 
+def read_json(path: str) -> dict[str, Any] | None:
+    """The JSON object in ``path``, or None (missing, unreadable, or not an object): records another
+    process writes are read defensively."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def read_jsonl(path: str) -> list[dict[str, Any]]:
     """Every record of a JSONL file ([] if it does not exist). A line that is not a JSON object
     (a partial last line after a crash) is skipped."""

@@ -18,7 +18,6 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from virtualflow.backends.placement import Placement
+from virtualflow.records.rundir import read_json
 from virtualflow.service.core import Action, RoundDecision, Scheduler
 from virtualflow.service.failures import (RESOURCE_BACKOFF_S, SERVICE_FREE_BYTES, disk_full, one_line,
                                           short_of_resources)
@@ -381,16 +381,6 @@ class JobLifecycle:
         log.error("%s", line)
         self._no_space[row.id] = free
         self._left(row.id)
-
-
-def read_json(path: str) -> dict | None:
-    """The JSON object in ``path``, or None (missing, unreadable, or not an object)."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def has_state(run_dir: str) -> bool:
