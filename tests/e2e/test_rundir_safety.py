@@ -209,7 +209,7 @@ def test_run_lock_names_another_process_and_a_dead_holder_never_blocks(tmp_path)
     code = ("import importlib.util, sys, time; spec = importlib.util.spec_from_file_location('rundir', sys.argv[2]); "
             "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); m.RunLock.acquire(sys.argv[1]); "
             "print('held', flush=True); time.sleep(60)")
-    holder = subprocess.Popen([sys.executable, "-c", code, d, os.path.join(SRC, "virtualflow", "rundir.py")],
+    holder = subprocess.Popen([sys.executable, "-c", code, d, os.path.join(SRC, "virtualflow", "records", "rundir.py")],
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
