@@ -14,15 +14,17 @@ import ast
 import dataclasses
 import importlib
 import importlib.util
+import math
 import os
 import pickle
 import sys
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 
+from virtualflow.config import loop
 from virtualflow.config.pipeline import Pipeline
 
 BatchNormMode = Literal["mean", "first"]
@@ -35,7 +37,9 @@ class Job:
     model: Callable[[], torch.nn.Module]
     """Zero-argument factory returning the model. Called after ``torch.manual_seed(seed)``."""
     optimizer: Callable[[Any], torch.optim.Optimizer]
-    """Factory taking ``model.parameters()`` and returning the optimizer."""
+    """Factory returning the optimizer. It is given ``model.parameters()``, or the model itself when
+    its first parameter is named ``model`` (to choose parameter groups by name, e.g.
+    ``lambda model: AdamW(groups_of(model), ...)``)."""
     dataset: Any
     """A map-style ``torch.utils.data.Dataset`` or a zero-argument factory returning one."""
     global_batch_size: int
@@ -68,6 +72,37 @@ class Job:
     updates (once per step), or ``"first"``: those of VN 0 (PyTorch DDP's default behaviour)."""
     name: str = "job"
     """Shown in logs and the run summary."""
+    precision: str = "32"
+    """``"32"``, ``"bf16-mixed"`` or ``"16-mixed"``: ``torch.autocast`` around each virtual node's
+    forward and loss (each pipeline stage's piece); weights, gradients and optimizer state stay
+    float32. ``"16-mixed"`` scales the loss, and its decisions are the whole step's: a step with an
+    inf/nan gradient in any virtual node is skipped on every worker (the LR scheduler is not
+    stepped), and the scale evolves the same whatever the worker count (``--precision``)."""
+    loss_scale: Mapping[str, Any] | None = None
+    """``"16-mixed"`` only: ``torch.amp.GradScaler`` settings (``init_scale``, ``growth_factor``,
+    ``backoff_factor``, ``growth_interval``); default GradScaler's."""
+    max_grad_norm: float | None = None
+    """Clip the whole step's gradient to this global L2 norm, after the reduction (as
+    ``torch.nn.utils.clip_grad_norm_`` on the full-batch gradient); the norm is reported per step
+    (``--max-grad-norm``)."""
+    activation_checkpointing: Any = None
+    """Recompute activations in backward (non-reentrant ``torch.utils.checkpoint``): a module
+    class (every instance), module names (qualified, or class names), or ``"every"`` (each block
+    of the model's first ``nn.Sequential``/``nn.ModuleList``); dropout masks are the same on
+    recompute, so the model trained is the same (``--activation-checkpointing``)."""
+    compile: Any = False
+    """``True`` or a dict of ``torch.compile`` keyword arguments: the model (each pipeline piece)
+    is compiled once per worker and reused by every virtual node, step and generation
+    (``--compile``)."""
+    callbacks: Sequence[Any] = ()
+    """Step-boundary hooks (:class:`virtualflow.Callback`): on step end, on evaluation, on resize."""
+    tokens_per_sample: int | None = None
+    """Tokens in one sample (a language model's sequence length): throughput is then reported in
+    tokens per second too."""
+    flops_per_sample: float | None = None
+    """Model FLOPs of one sample's forward and backward (e.g. :func:`virtualflow.transformer_flops`):
+    model FLOPs utilisation is then reported against the peak the device reports or
+    ``--peak-tflops``."""
 
     def __post_init__(self) -> None:
         if self.loss is None and self.output_loss is None:
@@ -121,11 +156,36 @@ class Job:
             _check_positive_int("eval_every", self.eval_every)
         if self.batchnorm not in ("mean", "first"):
             raise ValueError(f"Job.batchnorm={self.batchnorm!r} must be 'mean' or 'first'")
+        self._check_loop()
         if not (callable(self.dataset) or hasattr(self.dataset, "__getitem__")):
             raise TypeError(
                 "Job.dataset must be a map-style Dataset (with __getitem__ and __len__) or a "
                 f"zero-argument factory returning one, got {type(self.dataset).__name__}"
             )
+
+    def _check_loop(self) -> None:
+        loop.check_precision(self.precision)
+        loop.check_loss_scale(self.loss_scale, self.precision)
+        self.max_grad_norm = loop.check_max_grad_norm(self.max_grad_norm)
+        self.activation_checkpointing = loop.check_activation_checkpointing(self.activation_checkpointing)
+        loop.check_compile(self.compile)
+        if isinstance(self.callbacks, (str, bytes)) or not isinstance(self.callbacks, Sequence):
+            raise TypeError(f"Job.callbacks must be a list of callback objects, got {type(self.callbacks).__name__}")
+        for cb in self.callbacks:
+            if not any(callable(getattr(cb, m, None)) for m in loop.CALLBACK_METHODS):
+                raise TypeError(f"Job.callbacks holds {type(cb).__name__}, which has none of the callback methods "
+                                f"{', '.join(loop.CALLBACK_METHODS)}")
+            ranks = getattr(cb, "ranks", "zero")
+            if ranks not in ("zero", "all"):
+                raise ValueError(f"{type(cb).__name__}.ranks={ranks!r} must be 'zero' (rank 0 only) or 'all' "
+                                 f"(every worker)")
+        if self.tokens_per_sample is not None:
+            _check_positive_int("tokens_per_sample", self.tokens_per_sample)
+        if self.flops_per_sample is not None and (
+                isinstance(self.flops_per_sample, bool) or not isinstance(self.flops_per_sample, (int, float))
+                or not self.flops_per_sample > 0 or not math.isfinite(self.flops_per_sample)):
+            raise ValueError(f"Job.flops_per_sample={self.flops_per_sample!r} must be a finite number > 0 (model "
+                             f"FLOPs of one sample's forward and backward) or None")
 
     def compute_loss(self, model: torch.nn.Module, batch: Any) -> torch.Tensor:
         """The mean loss of ``batch``: ``loss(model, batch)``, or, without ``loss``,
@@ -144,6 +204,11 @@ class Job:
             return batch["input"]
         return batch[0]
 
+    def build_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        """``optimizer(model)`` when the factory's first parameter is named ``model`` (or annotated
+        as a module), else ``optimizer(model.parameters())``."""
+        return self.optimizer(model if optimizer_takes_model(self.optimizer) else model.parameters())
+
     def build_dataset(self) -> Any:
         ds = self.dataset
         if isinstance(ds, type) or (callable(ds) and not hasattr(ds, "__getitem__")):
@@ -158,6 +223,24 @@ class Job:
     def replace(self, **changes: Any) -> "Job":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def optimizer_takes_model(factory: Callable[..., Any]) -> bool:
+    """Whether ``Job.optimizer`` wants the model (its first parameter is named ``model`` or
+    annotated ``torch.nn.Module``) rather than ``model.parameters()``."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):  # a builtin or a class without a readable signature
+        return False
+    if not params:
+        return False
+    first = params[0]
+    annotation = first.annotation
+    if isinstance(annotation, str):
+        return first.name == "model" or annotation.split(".")[-1] == "Module"
+    return first.name == "model" or (isinstance(annotation, type) and issubclass(annotation, torch.nn.Module))
 
 
 def _check_positive_int(name: str, value: Any) -> None:

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from virtualflow.config.faults import FaultPlan
+from virtualflow.config.loop import (PRECISIONS, check_activation_checkpointing, check_max_grad_norm,
+                                     check_precision)
 from virtualflow.config.resources import parse_resources
 from virtualflow.config.spec import WorkerSpec
 from virtualflow.plan.pipeline.schedules import SCHEDULE_NAMES
@@ -98,7 +100,8 @@ class LaunchOptions:
 
     None of these options changes the trained model except ``deterministic`` (bit-identical
     instead of equal within float tolerance) and the overrides of the job's own fields
-    (``global_batch_size``, ``virtual_nodes``, ``seed``).
+    (``global_batch_size``, ``virtual_nodes``, ``seed``, and the training loop's ``precision``,
+    ``max_grad_norm``, ``activation_checkpointing``, ``compile``).
     """
 
     # -- pipeline ----------------------------------------------------------------------------
@@ -142,6 +145,21 @@ class LaunchOptions:
     control_plane: bool = _opt(True, "False (benchmarks only): no heartbeat thread and no per-step control "
                                "read, so stop, resize and hang detection are off; measures what they cost",
                                "training", flag=None)
+    # -- the training loop (overrides of the job's own fields) --------------------------------
+    precision: str | None = _opt(None, "override Job.precision: 32, bf16-mixed (autocast to bfloat16) or 16-mixed "
+                                 "(float16 with loss scaling whose skip decisions are the whole step's)",
+                                 "training loop", choices=PRECISIONS)
+    max_grad_norm: float | None = _opt(None, "override Job.max_grad_norm: clip the whole step's gradient to this "
+                                       "global norm (after the reduction)", "training loop", metavar="NORM")
+    activation_checkpointing: str | None = _opt(None, "override Job.activation_checkpointing: every, or module names "
+                                                "(qualified or class names) such as Block or h.0,h.1",
+                                                "training loop", metavar="MODULES")
+    compile: bool | None = _opt(None, "override Job.compile: torch.compile the model (each pipeline piece) once per "
+                                "worker", "training loop")
+    peak_tflops: float | None = _opt(None, "the peak TFLOP/s of one worker's device, for model FLOPs utilisation "
+                                     "(default: what the device reports, if anything; needs Job.flops_per_sample)",
+                                     "training loop", metavar="TFLOPS")
+
     # -- observability ----------------------------------------------------------------------
     loader_workers: int = _opt(0, "threads per worker that load the next virtual nodes' batches while the current "
                                "ones compute (same data order, same model); 0 loads each batch when it is needed",
@@ -238,6 +256,12 @@ class LaunchOptions:
             if not math.isfinite(value) or not low_ok:
                 rule = "a finite number >= 0" if name == "gpus_per_worker" else "a finite number > 0"
                 raise ValueError(f"{name}={value!r} must be {rule}; set {_knob(name)}")
+        if self.precision is not None:
+            check_precision(self.precision, "--precision")
+        check_max_grad_norm(self.max_grad_norm, "--max-grad-norm")
+        check_activation_checkpointing(self.activation_checkpointing, "--activation-checkpointing")
+        if self.peak_tflops is not None and not (math.isfinite(self.peak_tflops) and self.peak_tflops > 0):
+            raise ValueError(f"peak_tflops={self.peak_tflops!r} must be a finite number > 0; set {_knob('peak_tflops')}")
         if self.reduction not in ("allreduce", "sharded"):
             raise ValueError(f"reduction={self.reduction!r} is not known; choose 'allreduce' (the default) or 'sharded' "
                              f"(--reduction)")
@@ -321,6 +345,12 @@ class LaunchOptions:
     def profile_steps(self) -> tuple[int, int] | None:
         """``[first, last)`` steps to trace with ``torch.profiler`` (None: no trace)."""
         return profile_window(self.profile) if self.profile is not None else None
+
+    def job_overrides(self) -> dict[str, Any]:
+        """The job fields these options override (what was given)."""
+        names = ("global_batch_size", "virtual_nodes", "seed", "precision", "max_grad_norm",
+                 "activation_checkpointing", "compile")
+        return {k: v for k in names if (v := getattr(self, k)) is not None}
 
     def replace(self, **changes: Any) -> "LaunchOptions":
         """A copy with some options changed (validated again)."""

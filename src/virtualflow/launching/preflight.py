@@ -121,7 +121,7 @@ def preflight(job: Job, dataset: Any, plan: DataPlan, *, reduction: str = "allre
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameters (requires_grad=True); nothing to train")
-        optimizer = _call("Job.optimizer", job.optimizer, model.parameters())
+        optimizer = _call("Job.optimizer", job.build_optimizer, model)
         if reduction == "sharded":
             from virtualflow.runtime.sharded import check_optimizer
 

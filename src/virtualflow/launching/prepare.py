@@ -60,8 +60,7 @@ def prepare(job: JobLike, opts: LaunchOptions) -> Iterator[RunSetup]:
 
     source = source_from(job)
     job_obj = build_job(job, source.target)
-    overrides_job = {k: v for k in ("global_batch_size", "virtual_nodes", "seed")
-                     if (v := getattr(opts, k)) is not None}
+    overrides_job = opts.job_overrides()
     job_obj = job_obj.replace(**overrides_job)
     pipeline = pipeline_of(job_obj, opts)
     if pipeline is not None:

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import TensorDataset, default_collate
 
 __all__ = ["BatchLoader", "LossShapeError", "NonFiniteLossError", "StepOutcome", "check_loss",
-           "seed_random_streams", "to_device"]
+           "seed_random_streams", "split_loss", "to_device"]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -43,6 +43,33 @@ class StepOutcome:
     """Where the *previous* step's time went on each rank (rank order;
     :func:`virtualflow.runtime.breakdown.derive`), reported by rank 0 only; None on a generation's
     first step or with the breakdown off. It rides in this step's reduction, like ``compute_s``."""
+    metrics: dict[str, float] | None = None
+    """The loss function's extra metrics (``loss`` returned ``(loss, {name: value})``), each the
+    mean over the global batch (VN values weighted by their share of it, as the loss is)."""
+    grad_norm: float | None = None
+    """The whole step's gradient L2 norm before clipping (after unscaling); ``None`` when it was not
+    computed (no ``max_grad_norm``)."""
+    skipped: bool = False
+    """``16-mixed``: the step had an inf/nan gradient and was not applied (on any worker)."""
+    loss_scale: float | None = None
+    """``16-mixed``: the loss scale this step used (the next step's may differ)."""
+
+
+def split_loss(out: Any, where: str) -> tuple[Any, dict[str, Any]]:
+    """``Job.loss``'s result as ``(loss, metrics)``: a bare loss, or ``(loss, {name: value})`` whose
+    values are scalars (numbers or one-element tensors) to be averaged over the global batch."""
+    if isinstance(out, tuple):
+        if len(out) != 2 or not isinstance(out[1], dict):
+            raise LossShapeError(f"Job.loss returned a tuple of {len(out)} items {where}; return the loss, or "
+                                 f"(loss, {{'name': value}}) with the metrics to log")
+        loss, metrics = out
+        for name, value in metrics.items():
+            if not isinstance(name, str) or not (isinstance(value, (int, float)) and not isinstance(value, bool) or
+                                                 isinstance(value, torch.Tensor) and value.numel() == 1):
+                raise LossShapeError(f"Job.loss's metric {name!r} {where} is {type(value).__name__}; metrics must be "
+                                     f"named by strings and be numbers or one-element tensors")
+        return loss, metrics
+    return out, {}
 
 
 def check_loss(loss: Any, where: str) -> None:

@@ -100,7 +100,7 @@ class VNWorkerEngine:
         """The job's model (from ``torch.manual_seed(job.seed)``), optimizer, scheduler and engine."""
         torch.manual_seed(job.seed)
         model = job.model().to(device)
-        optimizer = job.optimizer(model.parameters())
+        optimizer = job.build_optimizer(model)
         scheduler = job.lr_scheduler(optimizer) if job.lr_scheduler is not None else None
         return cls(VNEngine(
             model, optimizer, scheduler, job.compute_loss, plan, BatchLoader(dataset, job.collate_fn),
