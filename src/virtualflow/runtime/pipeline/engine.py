@@ -32,6 +32,7 @@ from virtualflow.plan.vnmap import TreePlan
 from virtualflow.runtime.pipeline.batchnorm import PieceBatchNorm
 from virtualflow.runtime.pipeline.executor import run_actions
 from virtualflow.runtime.pipeline.flush import FlushStep
+from virtualflow.runtime.pipeline.loop import StageLoop, norm_layers
 from virtualflow.runtime.pipeline.microbatch import MicroBatchPrep
 from virtualflow.runtime.pipeline.pieces import stage_model
 from virtualflow.runtime.pipeline.reduction import StageReducer, sum_tied
@@ -50,7 +51,7 @@ class StageEngine:
         pieces: dict[int, nn.Module],
         n_pieces: int,
         stage_rank: int,
-        optimizer_factory: Callable[[Any], torch.optim.Optimizer],
+        build_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
         scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None,
         pipeline: Pipeline,
         plan: DataPlan,
@@ -64,8 +65,19 @@ class StageEngine:
         tied: Sequence[tuple[torch.nn.Parameter | None, int, torch.dtype]] = (),
         successor_pieces: dict[int, nn.Module] | None = None,
         eager_every_wait: bool = False,
+        loop: StageLoop | None = None,
     ) -> None:
+        """``build_optimizer``: ``Job.build_optimizer``, given this worker's stage module
+        (:func:`~virtualflow.runtime.pipeline.pieces.stage_model`). ``loop``: the training loop's
+        knobs (:func:`~virtualflow.runtime.pipeline.loop.stage_loop`; default float32, no
+        clipping)."""
         self.pipeline = pipeline
+        self.loop = loop if loop is not None else StageLoop()
+        """Precision, loss scaler, clipping; checkpointing and compile were applied to the pieces."""
+        if not pipeline.flush and self.loop.checks_grads:
+            raise ValueError(f"Pipeline.schedule={pipeline.schedule!r} has no flush: it cannot take the whole step's "
+                             f"decisions that precision='16-mixed' and max_grad_norm need; use a flush schedule")
+        self.loop.prepare(pieces)
         self.tied = list(tied)
         """Weights shared with pieces on other workers: per shared weight, this worker's copy (or
         None), its size and dtype, in the same order on every worker (``pipeline.tied_parameters``).
@@ -76,7 +88,9 @@ class StageEngine:
         self.stage_rank = stage_rank
         self.n_pieces = n_pieces
         self.pieces, self.model, self.params, self.optimizer, self.scheduler = stage_model(
-            pieces, optimizer_factory, scheduler_factory)
+            pieces, build_optimizer, scheduler_factory)
+        self.norm_layers = norm_layers(self.model, self.loop.norm_excluded)
+        """This worker's parameters per whole-model layer, as the gradient norm counts them."""
         self.piece_params = {k: [q for q in m.parameters() if q.requires_grad] for k, m in self.pieces.items()}
         self.plan = plan
         self.seed = seed
@@ -115,8 +129,8 @@ class StageEngine:
         if successor_pieces is not None:
             if self.tied:
                 raise ValueError("Pipeline.redundancy=True does not support weights shared across pipeline workers yet")
-            self.replica_of_successor = StageReplica(successor_pieces, optimizer_factory, scheduler_factory,
-                                                     (stage_rank + 1) % self.p)
+            self.replica_of_successor = StageReplica(successor_pieces, build_optimizer, scheduler_factory,
+                                                     (stage_rank + 1) % self.p, loop=self.loop)
         self.eager = pipeline.eager_forwards and self.replica_of_successor is not None
         """``Pipeline.redundant_compute="eager"``: run the successor's forwards on the replica in
         idle slots (:meth:`StageReplica.forward_eagerly`)."""
@@ -185,6 +199,12 @@ class StageEngine:
         self.optimizer.zero_grad(set_to_none=True)
 
     @property
+    def stats_numel(self) -> int:
+        """Entries of a flush step's stats vector (:meth:`FlushStep.finish`): the same on every
+        worker of the job."""
+        return FlushStep.stats_numel(self.plan.virtual_nodes, self.loop)
+
+    @property
     def first(self) -> int:
         return 0
 
@@ -246,6 +266,7 @@ class StageEngine:
         bn_new, loss_total = yield from work.reduce()
         if self.tied:
             yield from sum_tied(self.tied, self.replica, self.device)
+        work.check_grads()  # unscale (16-mixed), and this worker's part of the norm and verdict
         if self.replica_of_successor is not None:
             # Bamboo: hand the predecessor what it needs to take this stage's step on its replica
             # (reduced gradients, BatchNorm statistics, buffers) before the step commits, so a

@@ -30,7 +30,9 @@ from typing import Any, Generator
 import torch
 
 from virtualflow.comm.reduce import tree_reduce_local
+from virtualflow.runtime.clipping import clip_
 from virtualflow.runtime.pipeline.batchnorm import load_statistics
+from virtualflow.runtime.pipeline.loop import metric_header, share_metrics
 from virtualflow.runtime.pipeline.microbatch import MicroBatch
 from virtualflow.runtime.pipeline.pieces import apply_update, flat_grads, load_grads
 from virtualflow.runtime.pipeline.requests import AllSum, Request, StepResult
@@ -58,6 +60,9 @@ class FlushStep:
         self.mbs: dict[tuple[int, int], MicroBatch] = {}
         self.compute_s = 0.0
         self.replica_update: list[torch.Tensor] | None = None
+        self.metrics: dict[int, dict[str, float]] = {}  # the last piece: VN -> weighted metrics
+        self.found_inf = 0.0
+        self.norm_sums: torch.Tensor | None = None
 
     # ---- one (piece, micro-batch) ------------------------------------------------------------
     def forward(self, k: int, mb: int, step_: int, vn: int, message) -> MicroBatch:
@@ -68,8 +73,9 @@ class FlushStep:
             bn.restore()
         x = e.prep.inputs(k, step_, vn, message, ctx)
         entry = e.reuse.entries.pop((step_, vn), None) if e.reuse is not None else None
-        out = e.spliced_forward(e.pieces[k], x, entry) if entry is not None else e.pieces[k](x)
-        e.prep.finish_forward(k, step_, vn, out, ctx)
+        with e.loop.autocast(e.device):  # the piece's forward and, on the last piece, the loss
+            out = e.spliced_forward(e.pieces[k], x, entry) if entry is not None else e.pieces[k](x)
+            e.prep.finish_forward(k, step_, vn, out, ctx)
         if bn.numel:
             if e.deterministic and e.batchnorm == "mean":
                 self.bn_vn[k, vn] = bn.flat()
@@ -79,11 +85,15 @@ class FlushStep:
                 self.bn_first[k] = bn.flat()
         if k == e.last:
             self.losses[vn] = ctx.outputs[0].detach()
+            if ctx.metrics:
+                self.metrics[vn] = ctx.metrics
         return ctx
 
     def backward(self, kind: str, k: int, mb: int, ctx: MicroBatch) -> None:
         e = self.engine
         outs, grads = e.prep.grad_pairs(ctx)
+        if grads is None:  # the last piece: its weighted loss, times the loss scale (16-mixed)
+            outs = [e.loop.scale_loss(outs[0])]
         params = e.piece_params[k]
         wants_input = [t for t in ctx.inputs if t.is_floating_point()]
         if e.deterministic and kind in ("B", "W"):
@@ -162,20 +172,49 @@ class FlushStep:
             offset += e.bn_numel
         return bn_new, (vec[offset] if is_last else None)
 
+    def check_grads(self) -> None:
+        """After the reduction (and the tied weights' sum): unscale this worker's gradients
+        (16-mixed), note whether one holds an inf/nan, and its layers' sums of squares (replica 0
+        only: every entry of the summed vector has one contributor)."""
+        e = self.engine
+        if e.loop.checks_grads:
+            self.found_inf, self.norm_sums = e.loop.check_grads(e.norm_layers, e.params, e.replica == 0, e.device)
+
     # ---- the commit ------------------------------------------------------------------------------
+    @staticmethod
+    def stats_numel(V: int, loop: Any) -> int:
+        """The stats vector: ``[bad VN flags (V) | control | loss | workers that found an inf/nan |
+        the norm's per-layer sums (when clipping) | metric names' bytes | metric count]``."""
+        return V + 5 + loop.norm_entries
+
+    def _metric_sums(self) -> dict[str, float] | None:
+        if not self.metrics:
+            return None
+        out: dict[str, float] = {}
+        for v in self.vns:  # in micro-batch order
+            for name, value in self.metrics.get(v, {}).items():
+                out[name] = out.get(name, 0.0) + value
+        return out
+
     def finish(self, control: int, bn_new: torch.Tensor | None,
                loss_total: torch.Tensor | None) -> Generator[Request, Any, StepResult]:
         """One small all-reduce of the step's stats (bad VNs, control, the loss from one last-stage
         worker), then :meth:`commit`."""
         e, V = self.engine, self.V
         is_last = e.last in e.pieces
-        stats = torch.zeros(V + 2, dtype=torch.float64, device=e.device)
+        stats = torch.zeros(self.stats_numel(V, e.loop), dtype=torch.float64, device=e.device)
+        metric_sums = self._metric_sums() if is_last else None
         if is_last:
             for v in self.vns:
                 stats[v] = float(not torch.isfinite(self.losses[v]).item())
             if e.replica == 0:
                 stats[V + 1] = float(loss_total)
+                names, k = metric_header(metric_sums)
+                stats[-2:] = torch.tensor([float(len(names)), float(k)], dtype=torch.float64)
         stats[V] = control
+        stats[V + 2] = self.found_inf
+        if self.norm_sums is not None:
+            stats[V + 3: V + 3 + e.loop.norm_entries] = self.norm_sums
         if e.fault_point is not None:
             e.fault_point("during_reduction")
         first_bn = e.deterministic and e.bn_numel and e.batchnorm == "first"
@@ -191,18 +230,29 @@ class FlushStep:
             e.fault_point("after_reduction")  # (a "lose" fault here: the stats missed this member)
         e.pending_commit = None
         e.last_commit = (self.step, stats.clone())
+        # The loss function's metrics (reporting only: a failure in this all-reduce leaves the
+        # step to the state transfer, as BatchNorm's "first" statistics below).
+        shared = yield from share_metrics([metric_sums or {}] if is_last else None, is_last and e.replica == 0,
+                                          int(stats[-2]), int(stats[-1]), 1, e.device)
         if first_bn:
             bn_new = yield from e.reducer.sum_by_stage(vec, False, True, False)
-        return self.commit(stats, bn_new)
+        return self.commit(stats, bn_new, shared[0] if shared else None)
 
-    def commit(self, stats: torch.Tensor, bn_new: torch.Tensor | None) -> StepResult:
-        """The rest of the step once the stats all-reduce is through: skip it (a bad VN) or
-        apply it. Kept as the engine's ``pending_commit`` while that all-reduce runs: a failure
-        can complete it on some members only (they apply the step), and the others then finish
-        the step from the stats those hand over."""
-        e, V = self.engine, self.V
+    def commit(self, stats: torch.Tensor, bn_new: torch.Tensor | None,
+               metrics: dict[str, float] | None = None) -> StepResult:
+        """The rest of the step once the stats all-reduce is through: skip it (a bad VN, or an
+        inf/nan gradient on any worker with 16-mixed) or clip and apply it. Every decision is
+        read from ``stats``, the same on every worker. Kept as the engine's ``pending_commit``
+        while that all-reduce runs: a failure can complete it on some members only (they apply
+        the step), and the others then finish the step from the stats those hand over."""
+        e, V, loop = self.engine, self.V, self.engine.loop
         bad = [v for v in range(V) if stats[v] > 0]
-        result = StepResult(self.step, float(stats[V + 1]), bad, int(round(float(stats[V]))), self.compute_s)
+        found_inf = loop.scaler is not None and bool(stats[V + 2] > 0)
+        norm = loop.norm_of(stats[V + 3: V + 3 + loop.norm_entries]) if loop.max_grad_norm is not None else None
+        result = StepResult(self.step, float(stats[V + 1]), bad, int(round(float(stats[V]))), self.compute_s,
+                            metrics=metrics, grad_norm=float(norm) if norm is not None else None,
+                            skipped=found_inf and not bad,
+                            loss_scale=loop.scaler.scale if loop.scaler is not None else None)
         if bad:
             for bn in e.bn.values():
                 if bn:
@@ -213,14 +263,24 @@ class FlushStep:
             e.optimizer.zero_grad(set_to_none=True)
             e.phase = "idle"
             return result
+        if loop.scaler is not None:
+            loop.scaler.update(found_inf)  # every worker, the same verdict: the same scale
         e.phase = "apply"
+        # BatchNorm statistics as after any step whose forwards ran (a skipped step's included,
+        # as in a plain loop where GradScaler skips only optimizer.step()).
         if bn_new is not None:
             load_statistics(e.bn, bn_new)
         for bn in e.bn.values():
             bn.settle()  # a failure after this step (at its boundary) must not undo it
-        apply_update(e.optimizer, e.scheduler)
+        if found_inf:  # the optimizer and the LR scheduler do not step
+            e.optimizer.zero_grad(set_to_none=True)
+        else:
+            if norm is not None:
+                clip_([q.grad for q in e.params if q.grad is not None], norm, loop.max_grad_norm)
+            apply_update(e.optimizer, e.scheduler)
         if self.replica_update is not None:
-            e.replica_of_successor.apply(self.replica_update)
+            e.replica_of_successor.apply(self.replica_update, update=not found_inf,
+                                         clip=(norm, loop.max_grad_norm) if norm is not None else None)
             e.replica_of_successor.end_step(applied=True)
         e.phase = "idle"
         return result

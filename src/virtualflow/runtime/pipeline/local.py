@@ -25,6 +25,7 @@ from virtualflow.config.pipeline import Pipeline
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.vnmap import Node, split
 from virtualflow.runtime.pipeline.engine import StageEngine
+from virtualflow.runtime.pipeline.loop import stage_loop
 from virtualflow.runtime.pipeline.requests import AllSum, Expect, Poll, Recv, Send, StageSum, StageTree, StepResult
 from virtualflow.runtime.pipeline.wire import MsgKey
 
@@ -47,13 +48,13 @@ def build_engine(job: Any, pipeline: Pipeline, bounds: Sequence[tuple[int, int]]
     pieces = {k: piece_module(layers, a, b) for k, (a, b) in enumerate(bounds) if k % p == stage_rank}
     plan = DataPlan(len(dataset), job.global_batch_size, job.virtual_nodes, job.seed)
     return StageEngine(
-        pieces=pieces, n_pieces=len(bounds), stage_rank=stage_rank, optimizer_factory=job.optimizer,
+        pieces=pieces, n_pieces=len(bounds), stage_rank=stage_rank, build_optimizer=job.build_optimizer,
         scheduler_factory=job.lr_scheduler, pipeline=pipeline, plan=plan,
         loader=BatchLoader(dataset, job.collate_fn), model_input=job.input_of, output_loss=job.output_loss,
         seed=job.seed, batchnorm=job.batchnorm, deterministic=deterministic, device=device,
         tied=tied_for_worker(layers, bounds, p, stage_rank),
         successor_pieces=successor_pieces(pipeline, layers, bounds, stage_rank),
-        eager_every_wait=eager_every_wait,
+        eager_every_wait=eager_every_wait, loop=stage_loop(job, layers, bounds, p, pipeline.flush),
     )
 
 

@@ -9,7 +9,7 @@ Invariants:
 
 - **Micro-batch = virtual node.** The first piece loads the VN's samples (``plan.vn_indices``) and
   seeds the random streams with ``vn_seed(seed, step, vn)``; the last piece weights the loss by
-  ``n_v / B``, exactly as the VN engine does.
+  ``n_v / B``, exactly as the VN engine does (and the metrics ``output_loss`` may return with it).
 - **Random streams travel with the micro-batch**: a piece's forward continues the stream from the
   generator state its message carries and records the state after it (:mod:`.wire`).
 - A received floating-point activation becomes a leaf that requires grad; it is cloned before the
@@ -27,7 +27,8 @@ from torch import nn
 
 from virtualflow.plan.pipeline.geometry import tensors_of
 from virtualflow.plan.data import DataPlan, vn_seed
-from virtualflow.runtime.engine import check_loss, seed_random_streams, to_device
+from virtualflow.runtime.batches import check_loss, seed_random_streams, split_loss, to_device
+from virtualflow.runtime.pipeline.loop import weighted_metrics
 from virtualflow.runtime.pipeline.wire import read_forward_message
 
 
@@ -43,6 +44,8 @@ class MicroBatch:
     version: dict[str, torch.Tensor] | None = None
     out_grads: list[torch.Tensor | None] | None = None
     in_grads: list[torch.Tensor] | None = None
+    metrics: dict[str, float] | None = None
+    """The last piece: the loss function's metrics times the VN's share of the global batch."""
 
 
 def starts_in_place(module: nn.Module) -> bool:
@@ -93,9 +96,12 @@ class MicroBatchPrep:
             if ctx.batch is None:
                 indices = self.plan.vn_indices(step, vn)
                 ctx.batch, ctx.n = to_device(self.loader(indices), self.device), len(indices)
-            loss = self.output_loss(out, ctx.batch)
-            check_loss(loss, f"Job.output_loss at step {step} in virtual node {vn}")
-            ctx.outputs = (loss * (ctx.n / self.plan.global_batch_size),)
+            where = f"Job.output_loss at step {step} in virtual node {vn}"
+            loss, metrics = split_loss(self.output_loss(out, ctx.batch), where)
+            check_loss(loss, where)
+            weight = ctx.n / self.plan.global_batch_size
+            ctx.outputs = (loss * weight,)
+            ctx.metrics = weighted_metrics(metrics, weight) if metrics else None
         else:
             ctx.outputs = tensors_of(out)
         if k != self.first:

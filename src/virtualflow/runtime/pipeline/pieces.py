@@ -36,18 +36,20 @@ class NoOptimizer:
         pass
 
 
-def stage_model(pieces: dict[int, nn.Module], optimizer_factory: Callable[[Any], torch.optim.Optimizer],
+def stage_model(pieces: dict[int, nn.Module], build_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
                 scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None
                 ) -> tuple[dict[int, nn.Module], nn.Sequential, list[torch.Tensor], Any, Any]:
     """(pieces sorted by index, their layers as one module, its trainable parameters, optimizer,
-    scheduler)."""
+    scheduler). ``build_optimizer`` takes that module (``Job.build_optimizer``: a factory that
+    takes the model gets the stage's module, whose parameter names are the whole model's
+    ``"<layer index>.<name>"`` for this worker's layers only)."""
     pieces = dict(sorted(pieces.items()))
     model = nn.Sequential(OrderedDict(
         (name, layer) for k in pieces for name, layer in pieces[k].named_children()
     ))
     params = [q for q in model.parameters() if q.requires_grad]
     # A worker whose pieces have no parameters (a stage of activations only) has no optimizer.
-    optimizer = optimizer_factory(model.parameters()) if params else NoOptimizer()
+    optimizer = build_optimizer(model) if params else NoOptimizer()
     scheduler = scheduler_factory(optimizer) if scheduler_factory is not None and params else None
     return pieces, model, params, optimizer, scheduler
 

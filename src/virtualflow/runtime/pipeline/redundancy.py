@@ -31,7 +31,9 @@ import torch
 from torch import nn
 
 from virtualflow.plan.pipeline.geometry import tensors_of
+from virtualflow.runtime.clipping import clip_
 from virtualflow.runtime.pipeline.batchnorm import PieceBatchNorm, load_statistics
+from virtualflow.runtime.pipeline.loop import StageLoop
 from virtualflow.runtime.pipeline.microbatch import MicroBatch, MicroBatchPrep, starts_in_place
 from virtualflow.runtime.pipeline.pieces import apply_update, flat_grads, load_grads, stage_model
 from virtualflow.runtime.pipeline.requests import Expect, Recv, Request, Send
@@ -152,11 +154,16 @@ class StageReplica:
     scheduler, taking the same update as the original from the original's reduced gradients
     (see the module docstring)."""
 
-    def __init__(self, pieces: dict[int, nn.Module], optimizer_factory: Callable[[Any], torch.optim.Optimizer],
-                 scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None, stage_rank: int) -> None:
+    def __init__(self, pieces: dict[int, nn.Module], build_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+                 scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None, stage_rank: int,
+                 loop: StageLoop | None = None) -> None:
         self.stage_rank = stage_rank
+        self.loop = loop if loop is not None else StageLoop()
+        """The holder's loop settings: the replica's pieces are prepared and autocast as the
+        original's (its scaler stays the holder's: a replica takes already unscaled gradients)."""
+        self.loop.prepare(pieces)
         self.pieces, self.model, self.params, self.optimizer, self.scheduler = stage_model(
-            pieces, optimizer_factory, scheduler_factory)
+            pieces, build_optimizer, scheduler_factory)
         self.bn = {k: PieceBatchNorm(m) for k, m in self.pieces.items()}
         self.clone_input = any(starts_in_place(m) for m in self.pieces.values())
         self.refresh_s = 0.0
@@ -201,7 +208,7 @@ class StageReplica:
                 kept[ptr] = t.untyped_storage().nbytes()
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), self.loop.autocast(device):
             out = module(x)
         try:
             outs = tensors_of(out)
@@ -255,22 +262,30 @@ class StageReplica:
         self.eager.clear()
         self.kept_bytes = 0
 
-    def apply(self, message: list[torch.Tensor]) -> None:
-        """The original's step: ``message`` = [its reduced gradients (flat) | its new BatchNorm
-        statistics (or empty) | its buffers after the step's forwards]."""
+    def apply(self, message: list[torch.Tensor], *, update: bool = True,
+              clip: tuple[torch.Tensor, float] | None = None) -> None:
+        """The original's step: ``message`` = [its reduced gradients (flat, unscaled) | its new
+        BatchNorm statistics (or empty) | its buffers after the step's forwards]; ``update``
+        False: a skipped step (16-mixed: buffers and statistics only); ``clip``: (the step's
+        norm, ``max_grad_norm``), the original's clipping."""
         t0 = time.perf_counter()
-        self._apply(message)
+        self._apply(message, update, clip)
         self.refresh_s += time.perf_counter() - t0
 
-    def _apply(self, message: list[torch.Tensor]) -> None:
+    def _apply(self, message: list[torch.Tensor], update: bool = True,
+               clip: tuple[torch.Tensor, float] | None = None) -> None:
         grads, bn_new, *buffers = message
         with torch.no_grad():
             for b, value in zip(self.model.buffers(), buffers):
                 b.copy_(value)
         if bn_new.numel():
             load_statistics(self.bn, bn_new)
+        if not update:
+            return
         # views of the message (a buffer of its own), dropped after the step
         load_grads(self.params, grads, clone=False)
+        if clip is not None:
+            clip_([q.grad for q in self.params], *clip)
         apply_update(self.optimizer, self.scheduler)
 
     def state(self) -> dict[str, Any]:

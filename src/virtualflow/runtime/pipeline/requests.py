@@ -88,10 +88,20 @@ Request = Send | Recv | Expect | Poll | StageSum | StageTree | AllSum
 @dataclass(slots=True)
 class StepResult:
     """One step as a worker saw it: its loss (summed over the VNs), the VNs with a non-finite
-    loss (the step was skipped), the control value and this worker's compute seconds."""
+    loss (the step was skipped), the control value and this worker's compute seconds; and the
+    training loop's figures (:class:`virtualflow.runtime.batches.StepOutcome`'s meaning)."""
 
     step: int
     loss: float
     bad_vns: list[int]
     control: int
     compute_s: float
+    metrics: dict[str, float] | None = None
+    """The loss function's metrics, each the mean over the global batch."""
+    grad_norm: float | None = None
+    """The whole model's gradient norm before clipping (after unscaling); ``None`` without
+    ``max_grad_norm``."""
+    skipped: bool = False
+    """``16-mixed``: an inf/nan gradient on some stage; the step was applied nowhere."""
+    loss_scale: float | None = None
+    """``16-mixed``: the scale this step's loss was multiplied by."""

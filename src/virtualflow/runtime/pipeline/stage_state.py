@@ -8,7 +8,8 @@ rank 0 (:func:`gather_stages`) and a resume from one (:func:`resume_stage`).
 
 Invariants. Collective functions (``transfer_stages``, ``gather_stages``) are entered by every
 member at the same point with the same arguments (steps known to all). A per-stage state is
-``{"model", "optimizer", "lr_scheduler"}`` (plus ``prev_version`` for 2BW), with the optimizer in
+``{"model", "optimizer", "lr_scheduler", "grad_scaler"}`` (plus ``prev_version`` for 2BW; the loss
+scaler's state is ``None`` unless ``"16-mixed"``, and the same on every stage), with the optimizer in
 ``state_dict`` form over one parameter group; the checkpoint's layout (``pipeline_stages`` lists)
 is unchanged by this module.
 """
@@ -22,6 +23,7 @@ import torch
 from virtualflow.comm.groups import Group
 from virtualflow.config.pipeline import Pipeline
 from virtualflow.runtime.pipeline.engine import StageEngine
+from virtualflow.runtime.pipeline.redundancy import StageReplica
 from virtualflow.runtime.transfer import broadcast_state
 
 __all__ = ["exchange_for_layout", "gather_stages", "load_merged", "load_stage_state", "resume_stage", "stage_state", "stage_states",
@@ -60,6 +62,23 @@ def load_merged(holder: Any, states: list[dict[str, Any]]) -> None:
     sched = next((st["lr_scheduler"] for st in states if st["lr_scheduler"] is not None), None)
     if holder.scheduler is not None and sched is not None:
         holder.scheduler.load_state_dict(sched)
+    load_scaler(holder, next((st.get("grad_scaler") for st in states if st.get("grad_scaler")), None))
+
+
+def scaler_state(holder: Any) -> dict[str, Any] | None:
+    """The holder's loss scaler state (``torch.amp.GradScaler``'s keys), ``None`` without one (a
+    replica's scaler is its holder's: it is not part of the replica's state)."""
+    loop = getattr(holder, "loop", None)
+    scaler = loop.scaler if loop is not None and not isinstance(holder, StageReplica) else None
+    return scaler.state_dict() if scaler is not None else None
+
+
+def load_scaler(holder: Any, state: dict[str, Any] | None) -> None:
+    """Load a stage's ``"grad_scaler"`` state into the holder's scaler (every worker's scaler is the
+    same, so any stage's will do); nothing when either is missing."""
+    loop = getattr(holder, "loop", None)
+    if state and loop is not None and loop.scaler is not None and not isinstance(holder, StageReplica):
+        loop.scaler.load_state_dict(state)
 
 
 def stage_states(holder: Any, stages: tuple[int, ...], full_bounds: list[tuple[int, int]]) -> dict[int, dict[str, Any]]:
@@ -84,6 +103,7 @@ def stage_states(holder: Any, stages: tuple[int, ...], full_bounds: list[tuple[i
             "optimizer": {"state": {j: opt["state"][i] for j, i in enumerate(idx) if i in opt["state"]},
                           "param_groups": [{**group, "params": list(range(len(idx)))}] if idx else []},
             "lr_scheduler": sched,
+            "grad_scaler": scaler_state(holder),
         }
     return out
 
@@ -91,7 +111,8 @@ def stage_states(holder: Any, stages: tuple[int, ...], full_bounds: list[tuple[i
 def stage_state(s: StageEngine) -> dict[str, Any]:
     """What a member behind receives of its stage: pieces, optimizer, scheduler (2BW: older weights)."""
     state = {"model": s.model.state_dict(), "optimizer": s.optimizer.state_dict(),
-             "lr_scheduler": s.scheduler.state_dict() if s.scheduler is not None else None}
+             "lr_scheduler": s.scheduler.state_dict() if s.scheduler is not None else None,
+             "grad_scaler": scaler_state(s)}
     if s.prev_version is not None:  # 2bw: the older weight version is training state too
         state["prev_version"] = {k: {n: t.detach() for n, t in v.items()} for k, v in s.prev_version.items()}
     return state
@@ -106,6 +127,7 @@ def resume_stage(stage: StageEngine, model: torch.nn.Module, state: dict[str, An
     stage.optimizer.load_state_dict(opt)
     if stage.scheduler is not None and sched is not None:
         stage.scheduler.load_state_dict(sched)
+    load_scaler(stage, state.get("grad_scaler"))
     replica = stage.replica_of_successor
     if replica is not None:  # its weights came with the whole model (the same layer objects)
         succ = replica.stage_rank
@@ -120,6 +142,7 @@ def load_stage_state(s: StageEngine, state: dict[str, Any]) -> None:
     s.optimizer.load_state_dict(state["optimizer"])
     if s.scheduler is not None and state.get("lr_scheduler") is not None:
         s.scheduler.load_state_dict(state["lr_scheduler"])
+    load_scaler(s, state.get("grad_scaler"))
     if state.get("prev_version") is not None:
         s.load_prev_version(state["prev_version"])
 

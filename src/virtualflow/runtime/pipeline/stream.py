@@ -26,6 +26,7 @@ from typing import Any, Callable, Generator
 import torch
 
 from virtualflow.comm.reduce import tree_reduce_local
+from virtualflow.runtime.pipeline.loop import metric_header, share_metrics
 from virtualflow.runtime.pipeline.microbatch import MicroBatch
 from virtualflow.runtime.pipeline.pieces import apply_update
 from virtualflow.runtime.pipeline.requests import AllSum, Request, StageSum, StageTree, StepResult
@@ -63,6 +64,7 @@ class StreamWindow:
         self.mbs: dict[tuple[int, int], MicroBatch] = {}
         self.applied = first_step  # updates applied on this piece so far (one per step)
         self.tree_loss: dict[int, float] = {}
+        self.metrics: dict[int, dict[int, dict[str, float]]] = {}  # the last piece: step -> VN -> weighted metrics
 
     def forward(self, k_: int, mb: int, step: int, vn: int, message) -> MicroBatch:
         e = self.engine
@@ -80,10 +82,13 @@ class StreamWindow:
         else:
             ctx.version = self.versions["current"]
         x = e.prep.inputs(k_, step, vn, message, ctx)
-        out = torch.func.functional_call(self.piece, ctx.version, (x,), strict=False)
-        e.prep.finish_forward(k_, step, vn, out, ctx)
+        with e.loop.autocast(e.device):  # the piece's forward and, on the last piece, the loss
+            out = torch.func.functional_call(self.piece, ctx.version, (x,), strict=False)
+            e.prep.finish_forward(k_, step, vn, out, ctx)
         if k_ == e.last:
             self.losses.setdefault(step, {})[vn] = ctx.outputs[0].detach()
+            if ctx.metrics:
+                self.metrics.setdefault(step, {})[vn] = ctx.metrics
         return ctx
 
     def backward(self, kind: str, k_: int, mb: int, ctx: MicroBatch) -> None:
@@ -161,11 +166,28 @@ class StreamWindow:
                 else:
                     stats[i, V + 1] = float(torch.stack([self.losses[t][v] for v in self.vns]).sum())
         stats[n_steps - 1, V] = control  # commands act at the window's end, where the pipeline is drained
-        stats = yield AllSum(stats.reshape(-1))
-        stats = stats.reshape(n_steps, V + 2)
+        sums = None
+        header = torch.zeros(2, dtype=torch.float64, device=e.device)  # the metric names' bytes, count
+        if self.k == e.last:
+            sums = []
+            for i in range(n_steps):
+                per_vn = self.metrics.get(first_step + i, {})
+                step_sums: dict[str, float] = {}
+                for v in self.vns:
+                    for name, value in per_vn.get(v, {}).items():
+                        step_sums[name] = step_sums.get(name, 0.0) + value
+                sums.append(step_sums)
+            if e.replica == 0:
+                names, k = metric_header(next((x for x in sums if x), None))
+                header[:] = torch.tensor([float(len(names)), float(k)], dtype=torch.float64)
+        total = yield AllSum(torch.cat([stats.reshape(-1), header]))
+        stats = total[:-2].reshape(n_steps, V + 2)
+        shared = yield from share_metrics(sums, self.k == e.last and e.replica == 0, int(total[-2]), int(total[-1]),
+                                          n_steps, e.device)
         results = []
         for i in range(n_steps):
             bad = [v for v in range(V) if stats[i, v] > 0]
             results.append(StepResult(first_step + i, float(stats[i, V + 1]), bad,
-                                      int(round(float(stats[i, V]))), compute_s / n_steps))
+                                      int(round(float(stats[i, V]))), compute_s / n_steps,
+                                      metrics=shared[i] if shared else None))
         return results

@@ -42,6 +42,8 @@ from virtualflow.runtime.pipeline.engine import StageEngine
 from virtualflow.runtime.pipeline.stage_state import (exchange_for_layout, gather_stages, load_merged, load_stage_state, resume_stage,
                                                  stage_state, stage_states, successor, transfer_stages)
 from virtualflow.runtime.pipeline.links import Links, drive
+from virtualflow.runtime.pipeline.flush import FlushStep
+from virtualflow.runtime.pipeline.loop import StageLoop, stage_loop
 
 class PipelineWorkerEngine:
     """The worker's engine for a pipelined job: the :class:`~virtualflow.runtime.engines.Engine`
@@ -137,13 +139,14 @@ class PipelineWorkerEngine:
         pieces = {k: piece_module(self.layers, a, b) for k, (a, b) in enumerate(self.bounds) if k % p == stage_rank}
         job = self.job
         self.stage = StageEngine(
-            pieces=pieces, n_pieces=len(self.bounds), stage_rank=stage_rank, optimizer_factory=job.optimizer,
+            pieces=pieces, n_pieces=len(self.bounds), stage_rank=stage_rank, build_optimizer=job.build_optimizer,
             scheduler_factory=job.lr_scheduler, pipeline=self.pipeline, plan=self.plan,
             loader=BatchLoader(self.dataset, job.collate_fn), model_input=job.input_of, output_loss=job.output_loss,
             seed=job.seed, batchnorm=job.batchnorm, deterministic=self.deterministic, device=self.device,
             tied=tied_for_worker(self.layers, self.bounds, p, stage_rank),
             successor_pieces=successor_pieces(self.pipeline, self.layers, self.bounds, stage_rank),
             eager_every_wait=self.eager_every_wait,
+            loop=stage_loop(job, self.layers, self.bounds, p, self.pipeline.flush),
         )
 
     def set_membership(self, group: Group, assignment: Any, layout: list[list[int]] | None = None,
@@ -274,11 +277,12 @@ class PipelineWorkerEngine:
         job = self.job
         self.stage = StageEngine(
             pieces={pos: piece_module(layers, a, b)}, n_pieces=m, stage_rank=pos,
-            optimizer_factory=job.optimizer, scheduler_factory=job.lr_scheduler, pipeline=pipeline, plan=self.plan,
+            build_optimizer=job.build_optimizer, scheduler_factory=job.lr_scheduler, pipeline=pipeline, plan=self.plan,
             loader=BatchLoader(self.dataset, job.collate_fn), model_input=job.input_of, output_loss=job.output_loss,
             seed=job.seed, batchnorm=job.batchnorm, deterministic=self.deterministic, device=self.device,
             successor_pieces={(pos + 1) % m: piece_module(layers, sa, sb)} if m >= 2 else None,
             eager_every_wait=self.eager_every_wait,
+            loop=stage_loop(job, layers, self.bounds, m, pipeline.flush),
         )
         load_merged(self.stage, [got[s] for s in mine])
         load_merged(self.stage.replica_of_successor, [got[s] for s in succ])
@@ -397,7 +401,8 @@ class PipelineWorkerEngine:
         self.phase = "idle"
         if self.stage.timeline:
             self._write_timeline()
-        out = {r.step: StepOutcome(r.loss, r.bad_vns, r.control, None) for r in results}
+        out = {r.step: StepOutcome(r.loss, r.bad_vns, r.control, None, metrics=r.metrics, grad_norm=r.grad_norm,
+                                   skipped=r.skipped, loss_scale=r.loss_scale) for r in results}
         first = out.pop(step)
         self._results = out
         return first
@@ -469,7 +474,7 @@ class PipelineWorkerEngine:
                 self._discard_step()
             return steps
         stats = self.stage.last_commit[1].clone() if me == sources[0] else \
-            torch.zeros(self.job.virtual_nodes + 2, dtype=torch.float64, device=self.device)
+            torch.zeros(self._stats_numel(), dtype=torch.float64, device=self.device)
         group.broadcast(stats, sources[0])
         if mine:
             pending[1](stats)
@@ -479,6 +484,14 @@ class PipelineWorkerEngine:
         settled = [target if r in waiting else s for r, s in enumerate(steps)]
         self._settled = (group.generation, settled)
         return settled
+
+    def _stats_numel(self) -> int:
+        """A flush step's stats entries (a newcomer has no stage yet: from the job)."""
+        if self.stage is not None:
+            return self.stage.stats_numel
+        n_layers = self.full_bounds[-1][1]
+        return FlushStep.stats_numel(self.job.virtual_nodes, StageLoop(max_grad_norm=self.job.max_grad_norm,
+                                                                       n_layers=n_layers))
 
     # ---- state (the moving parts: runtime/pipeline/stage_state.py) ------------------------------------
     def stage_state(self) -> dict[str, Any]:
@@ -517,5 +530,6 @@ class PipelineWorkerEngine:
         return {"model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
                 "optimizer": {"pipeline_stages": [st["optimizer"] for st in stages]},
                 "lr_scheduler": {"pipeline_stages": [st["lr_scheduler"] for st in stages]},
+                "grad_scaler": stages[0].get("grad_scaler"),  # the same on every stage (16-mixed; else None)
                 "pipeline": {"stages": p, "bounds": [list(b) for b in self.full_bounds],
                              "schedule": self.pipeline.schedule}}

@@ -1,0 +1,232 @@
+"""The training loop's knobs on a pipeline stage: precision, loss scaling, clipping, checkpointing,
+compile, and the loss function's metrics.
+
+Purpose: :class:`StageLoop` is what one worker's :class:`~virtualflow.runtime.pipeline.StageEngine`
+knows of ``Job.precision``, ``loss_scale``, ``max_grad_norm``, ``activation_checkpointing`` and
+``compile``; :func:`stage_loop` builds it from a job and the model's layers. The step's part of
+the work is done by the flush step (:mod:`.flush`) with the helpers here, so the decisions are
+those of the VN engine:
+
+- **Autocast per piece.** Each piece's forward (and, on the last piece, ``Job.output_loss``) runs
+  under :func:`virtualflow.runtime.amp.autocast`; parameters, gradients and optimizer state stay
+  in the model's dtype (activations and their gradients travel in the dtype autocast gave them).
+- **Global loss-scaling decisions.** Every worker holds a :class:`~virtualflow.runtime.amp.LossScaler`;
+  the last piece multiplies its weighted loss by the scale before the backward; after the step's
+  reduction every worker unscales its gradients and counts a non-finite element; that count is
+  summed over **every** worker in the step's stats all-reduce, so a step is skipped on every
+  stage and replica or on none, and each worker's scaler takes the same ``update(found_inf)``.
+- **The whole model's norm, exact.** Each worker sums the squares of its reduced gradient layer
+  by layer (:func:`virtualflow.runtime.clipping.block_sq_sums` over the layer's flat gradient,
+  then the blocks' sum, in a fixed order), into the entry of that layer (its index in the whole
+  model) of a vector of one entry per layer. Only replica 0's workers fill it, and a weight shared
+  by layers on several workers counts at its first layer only, so every entry has exactly one
+  non-zero contributor and the all-reduce is exact; the norm is the square root of the vector's
+  sum, taken in the same order on every worker. A layer's gradient does not depend on how the
+  model is cut or how many replicas ran (deterministic mode), so neither does the norm: it is
+  bit-identical across replica counts, and equal to ``torch.nn.utils.clip_grad_norm_``'s on the
+  full-batch gradient within float rounding.
+- **Metrics**: ``output_loss`` may return ``(loss, {name: value})``; the last piece weights each
+  value by the virtual node's share of the global batch (``n_v / B``) and sums; the sums of the
+  replicas' last pieces meet in one more small all-reduce after the stats (only when the loss
+  returned metrics), which also carries their names from replica 0's last piece (the other workers
+  cannot know them).
+- **Checkpointing and compile per piece**, once per worker
+  (:func:`virtualflow.runtime.model_prep.prepare_model`): ``"every"`` checkpoints each layer of
+  each piece; module names are those of ``named_modules()`` of the layer list (``"3.attn"``: layer
+  3's ``attn``; for an ``nn.Sequential`` model the whole model's own names), and a piece takes the
+  names (or classes) it holds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, ContextManager, Generator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from virtualflow.runtime.amp import LossScaler, autocast
+from virtualflow.runtime.clipping import block_sq_sums
+from virtualflow.runtime.model_prep import prepare_model
+from virtualflow.runtime.pipeline.requests import AllSum, Request
+
+__all__ = ["StageLoop", "checkpoint_spec_for", "share_metrics", "stage_loop", "weighted_metrics"]
+
+
+@dataclass(slots=True)
+class StageLoop:
+    """One worker's training-loop settings (see the module docstring). The defaults train as the
+    pipeline did before these knobs: float32, no scaling, no clipping, nothing prepared."""
+
+    precision: str = "32"
+    scaler: LossScaler | None = None
+    """``"16-mixed"``: this worker's loss scaler (every worker holds one; they evolve identically)."""
+    max_grad_norm: float | None = None
+    n_layers: int = 0
+    """Layers of the whole model: the length of the norm's per-layer vector."""
+    norm_excluded: frozenset[str] = frozenset()
+    """Parameter names (whole-model, ``"<layer>.<name>"``) of copies of a weight shared across
+    workers at a layer after its first: not counted in the norm (the first copy is)."""
+    activation_checkpointing: Any = None
+    compile: bool | Mapping[str, Any] = False
+
+    @property
+    def checks_grads(self) -> bool:
+        """Does the step unscale, check or measure its reduced gradient?"""
+        return self.scaler is not None or self.max_grad_norm is not None
+
+    @property
+    def norm_entries(self) -> int:
+        """Entries of the stats vector the norm takes (one per layer, when clipping)."""
+        return self.n_layers if self.max_grad_norm is not None else 0
+
+    def autocast(self, device: torch.device) -> ContextManager[Any]:
+        return autocast(device, self.precision)
+
+    def prepare(self, pieces: Mapping[int, nn.Module]) -> None:
+        """Activation checkpointing, then compile, on each piece (once per worker)."""
+        for piece in pieces.values():
+            prepare_model(piece, activation_checkpointing=checkpoint_spec_for(piece, self.activation_checkpointing),
+                          compile=self.compile)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale_loss(loss) if self.scaler is not None else loss
+
+    def check_grads(self, layers: Sequence[tuple[int, list[torch.Tensor]]], params: Sequence[torch.Tensor],
+                    contributes: bool, device: torch.device) -> tuple[float, torch.Tensor | None]:
+        """After the step's reduction: unscale ``params``' gradients (16-mixed) and return (1.0 if
+        one of them holds an inf/nan else 0.0, this worker's per-layer sums of squares as a
+        float64 vector of :attr:`n_layers` entries, zeros unless ``contributes``; ``None``
+        without clipping). ``layers``: this worker's ``(layer index, parameters)`` counted in the
+        norm."""
+        grads = [q.grad for q in params if q.grad is not None]
+        found = 0.0
+        if self.scaler is not None:
+            self.scaler.unscale_(grads)
+            if grads:
+                found = float(not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()))
+        if self.max_grad_norm is None:
+            return found, None
+        sums = torch.zeros(self.n_layers, dtype=torch.float64, device=device)
+        if contributes:
+            for index, layer_params in layers:
+                parts = [q.grad.reshape(-1) for q in layer_params if q.grad is not None]
+                if not parts:
+                    continue
+                flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+                sums[index] = block_sq_sums(flat, 0, flat.numel()).sum().double()
+        return found, sums
+
+    @staticmethod
+    def norm_of(sums: torch.Tensor) -> torch.Tensor:
+        """The whole model's gradient norm from every layer's sum of squares (float32, as torch's)."""
+        return sums.sum().sqrt().float()
+
+
+def norm_layers(model: nn.Module, excluded: frozenset[str]) -> list[tuple[int, list[torch.Tensor]]]:
+    """A stage module's trainable parameters grouped by whole-model layer (its children are named
+    by their index in the whole model), each counted once, shared copies in ``excluded`` left out."""
+    out: dict[int, list[torch.Tensor]] = {}
+    for name, q in model.named_parameters():
+        if q.requires_grad and name not in excluded:
+            out.setdefault(int(name.split(".")[0]), []).append(q)
+    return sorted(out.items())
+
+
+def checkpoint_spec_for(piece: nn.Module, spec: Any) -> Any:
+    """The part of ``Job.activation_checkpointing`` that applies to ``piece`` (``None``: nothing in
+    it): ``"every"`` as is, a class if the piece holds an instance, the names it holds."""
+    if spec is None or spec == "every":
+        return spec
+    modules = dict(piece.named_modules())
+    if isinstance(spec, type):
+        return spec if any(isinstance(m, spec) for n, m in modules.items() if n) else None
+    classes = {type(m).__name__ for n, m in modules.items() if n}
+    mine = tuple(name for name in spec if (name in modules and name) or name in classes)
+    return mine or None
+
+
+def check_checkpoint_spec(layers: Sequence[nn.Module], spec: Any) -> None:
+    """Refuse names or a class that no layer of the model holds (a piece only sees its own)."""
+    if spec is None or spec == "every":
+        return
+    whole = nn.Sequential(*layers)
+    modules = dict(whole.named_modules())
+    if isinstance(spec, type):
+        if not any(isinstance(m, spec) for n, m in modules.items() if n):
+            raise ValueError(f"activation_checkpointing={spec.__name__}: the model has no module of that class")
+        return
+    classes = {type(m).__name__ for n, m in modules.items() if n}
+    missing = [name for name in spec if not ((name in modules and name) or name in classes)]
+    if missing:
+        known = [n for n in modules if n][:12]
+        raise ValueError(f"activation_checkpointing names {missing}, which are neither module names nor class names of "
+                         f"the pipelined model's layers (names are '<layer index>.<name in the layer>'); its modules "
+                         f"include {known}")
+
+
+def stage_loop(job: Any, layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]], stages: int,
+               flush: bool = True) -> StageLoop:
+    """A worker's :class:`StageLoop` for ``job`` (a fresh scaler: each worker holds its own).
+    ``layers``/``bounds``/``stages``: the whole model's layers and how they are cut (the norm's
+    layer count, and the shared weights' copies not counted)."""
+    from virtualflow.plan.pipeline.geometry import tied_parameters
+
+    if not flush and (job.precision == "16-mixed" or job.max_grad_norm is not None):
+        knob = "precision='16-mixed'" if job.precision == "16-mixed" else f"max_grad_norm={job.max_grad_norm}"
+        raise ValueError(
+            f"{knob} needs the whole step's gradient before any update, and the {job.pipeline.schedule} schedule "
+            f"updates each stage as soon as its own backward is done (no flush); use a flush schedule (1f1b, "
+            f"gpipe, interleaved_1f1b, zb_h1), or precision='bf16-mixed' without max_grad_norm"
+        )
+    check_checkpoint_spec(layers, job.activation_checkpointing)
+    excluded = frozenset(f"{i}.{name}" for locs in tied_parameters(layers, bounds, stages) for i, name in locs[1:])
+    return StageLoop(precision=job.precision, scaler=LossScaler.of(job.precision, job.loss_scale),
+                     max_grad_norm=job.max_grad_norm, n_layers=len(layers), norm_excluded=excluded,
+                     activation_checkpointing=job.activation_checkpointing, compile=job.compile)
+
+
+# ---- the loss function's metrics ----------------------------------------------------------------
+def weighted_metrics(metrics: Mapping[str, Any], weight: float) -> dict[str, float]:
+    """One virtual node's metrics times its share of the global batch."""
+    return {name: float(v.detach().float().item() if isinstance(v, torch.Tensor) else v) * weight
+            for name, v in metrics.items()}
+
+
+def metric_header(sums: Mapping[str, float] | None) -> tuple[bytes, int]:
+    """(the metric names as UTF-8 JSON, their count) of the source's sums."""
+    if not sums:
+        return b"", 0
+    names = sorted(sums)
+    return json.dumps(names).encode(), len(names)
+
+
+def share_metrics(sums: Sequence[Mapping[str, float]] | None, source: bool, n_bytes: int, k: int, n_steps: int,
+                  device: torch.device) -> Generator[Request, Any, list[dict[str, float]] | None]:
+    """Collective (every worker, after a stats all-reduce that carried ``(n_bytes, k)`` from the
+    source): sum each step's metric sums over the workers that hold some (the replicas' last
+    pieces, ``sums``: one mapping per step of the ``n_steps``, ``None`` elsewhere) and give every worker the names the
+    source (replica 0's last piece) encoded. Returns one ``{name: value}`` per step (``None`` when
+    the names do not decode: they are dropped, not trusted)."""
+    if n_bytes <= 0 or k <= 0:
+        return None
+    vec = torch.zeros(n_bytes + k * n_steps, dtype=torch.float64, device=device)
+    if sums is not None:
+        first = next((x for x in sums if x), None)
+        names = sorted(first) if first else []
+        for i, step_sums in enumerate(sums):
+            for j, name in enumerate(names[:k]):
+                vec[n_bytes + i * k + j] = float(step_sums.get(name, 0.0))
+        if source:
+            encoded, _ = metric_header(first)
+            vec[:n_bytes] = torch.tensor(list(encoded[:n_bytes]), dtype=torch.float64)
+    total = yield AllSum(vec)
+    try:
+        names = json.loads(bytes(int(b) for b in total[:n_bytes].round().tolist()).decode())
+        if not (isinstance(names, list) and len(names) == k and all(isinstance(n, str) for n in names)):
+            raise ValueError("not a list of metric names")
+    except (ValueError, UnicodeDecodeError):
+        return None
+    values = total[n_bytes:].reshape(-1, k)
+    return [{n: float(values[i, j]) for j, n in enumerate(names)} for i in range(values.shape[0])]
