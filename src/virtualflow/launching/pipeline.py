@@ -28,6 +28,7 @@ from virtualflow.plan.pipeline.geometry import (
 from virtualflow.plan.pipeline.predict import predict
 from virtualflow.plan.pipeline.schedules import schedule_of
 from virtualflow.plan.vnmap import contiguous_assignment
+from virtualflow.runtime.pipeline.loop import check_checkpoint_spec, check_schedule
 from virtualflow.runtime.profile import auto_split, profile_model
 
 __all__ = ["plan_pipeline"]
@@ -49,6 +50,11 @@ def plan_pipeline(job: Job, dataset: Any, workers: int, log: Any = None, device:
         torch.manual_seed(job.seed)
         model = job.model()
     layers = layers_of(model)
+    # The training loop's knobs, refused here (before any worker starts) where the schedule or
+    # the model cannot honour them; each worker checks them again when it builds its stage.
+    check_schedule(pipeline, precision=job.precision, max_grad_norm=job.max_grad_norm,
+                   activation_checkpointing=job.activation_checkpointing)
+    check_checkpoint_spec(layers, job.activation_checkpointing)
     if not pipeline.flush and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         raise ValueError(
             f"Pipeline.schedule={pipeline.schedule!r} streams steps without a flush, which cannot keep BatchNorm's "

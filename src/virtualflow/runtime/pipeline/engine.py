@@ -74,9 +74,7 @@ class StageEngine:
         self.pipeline = pipeline
         self.loop = loop if loop is not None else StageLoop()
         """Precision, loss scaler, clipping; checkpointing and compile were applied to the pieces."""
-        if not pipeline.flush and self.loop.checks_grads:
-            raise ValueError(f"Pipeline.schedule={pipeline.schedule!r} has no flush: it cannot take the whole step's "
-                             f"decisions that precision='16-mixed' and max_grad_norm need; use a flush schedule")
+        self.loop.check_schedule(pipeline)
         self.loop.prepare(pieces)
         self.tied = list(tied)
         """Weights shared with pieces on other workers: per shared weight, this worker's copy (or

@@ -54,7 +54,7 @@ def build_engine(job: Any, pipeline: Pipeline, bounds: Sequence[tuple[int, int]]
         seed=job.seed, batchnorm=job.batchnorm, deterministic=deterministic, device=device,
         tied=tied_for_worker(layers, bounds, p, stage_rank),
         successor_pieces=successor_pieces(pipeline, layers, bounds, stage_rank),
-        eager_every_wait=eager_every_wait, loop=stage_loop(job, layers, bounds, p, pipeline.flush),
+        eager_every_wait=eager_every_wait, loop=stage_loop(job, layers, bounds, p),
     )
 
 

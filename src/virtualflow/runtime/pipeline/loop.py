@@ -51,7 +51,8 @@ from virtualflow.runtime.clipping import block_sq_sums
 from virtualflow.runtime.model_prep import prepare_model
 from virtualflow.runtime.pipeline.requests import AllSum, Request
 
-__all__ = ["StageLoop", "checkpoint_spec_for", "share_metrics", "stage_loop", "weighted_metrics"]
+__all__ = ["StageLoop", "check_checkpoint_spec", "check_schedule", "checkpoint_spec_for", "compile_piece", "norm_layers",
+           "share_metrics", "stage_loop", "weighted_metrics"]
 
 
 @dataclass(slots=True)
@@ -81,14 +82,19 @@ class StageLoop:
         """Entries of the stats vector the norm takes (one per layer, when clipping)."""
         return self.n_layers if self.max_grad_norm is not None else 0
 
+    def check_schedule(self, pipeline: Any) -> None:
+        """:func:`check_schedule` with these settings."""
+        check_schedule(pipeline, precision=self.precision, max_grad_norm=self.max_grad_norm,
+                       activation_checkpointing=self.activation_checkpointing)
+
     def autocast(self, device: torch.device) -> ContextManager[Any]:
         return autocast(device, self.precision)
 
     def prepare(self, pieces: Mapping[int, nn.Module]) -> None:
         """Activation checkpointing, then compile, on each piece (once per worker)."""
         for piece in pieces.values():
-            prepare_model(piece, activation_checkpointing=checkpoint_spec_for(piece, self.activation_checkpointing),
-                          compile=self.compile)
+            prepare_model(piece, activation_checkpointing=checkpoint_spec_for(piece, self.activation_checkpointing))
+            compile_piece(piece, self.compile)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale_loss(loss) if self.scaler is not None else loss
@@ -122,6 +128,20 @@ class StageLoop:
     def norm_of(sums: torch.Tensor) -> torch.Tensor:
         """The whole model's gradient norm from every layer's sum of squares (float32, as torch's)."""
         return sums.sum().sqrt().float()
+
+
+def compile_piece(piece: nn.Module, spec: bool | Mapping[str, Any]) -> None:
+    """``torch.compile`` a piece's forward in place (``spec`` True: torch.compile's defaults).
+
+    Not ``piece.compile()``: a piece is an ``nn.Sequential``, torch's own class, whose frames
+    dynamo skips when they are the compiled entry point (``Module.compile`` then compiles nothing,
+    silently); the instance's ``forward`` is traced, layers included. The module, its parameter
+    names and ``state_dict`` keys are unchanged; every micro-batch calls the same compiled forward
+    with a virtual node's fixed shapes, so it is compiled on the first call only."""
+    if spec is False:
+        return
+    kwargs = dict(spec) if isinstance(spec, Mapping) else {}
+    piece.forward = torch.compile(piece.forward, **kwargs)
 
 
 def norm_layers(model: nn.Module, excluded: frozenset[str]) -> list[tuple[int, list[torch.Tensor]]]:
@@ -166,20 +186,35 @@ def check_checkpoint_spec(layers: Sequence[nn.Module], spec: Any) -> None:
                          f"include {known}")
 
 
-def stage_loop(job: Any, layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]], stages: int,
-               flush: bool = True) -> StageLoop:
+def check_schedule(pipeline: Any, *, precision: str, max_grad_norm: float | None,
+                   activation_checkpointing: Any) -> None:
+    """Refuse the knobs a no-flush schedule (``2bw``, ``async``) cannot honour, naming the knob:
+    ``16-mixed`` and ``max_grad_norm`` need the whole step's gradient before any update, which
+    such a schedule applies stage by stage as each finishes; activation checkpointing would
+    recompute a micro-batch with the stage's newest weights, not the stashed version its forward
+    ran on."""
+    if pipeline.flush:
+        return
+    why = None
+    if precision == "16-mixed" or max_grad_norm is not None:
+        knob = "precision='16-mixed'" if precision == "16-mixed" else f"max_grad_norm={max_grad_norm}"
+        why = (f"{knob} needs the whole step's gradient before any update, and the {pipeline.schedule} schedule "
+               f"updates each stage as soon as its own backward is done (no flush)")
+    elif activation_checkpointing is not None:
+        why = (f"activation_checkpointing={activation_checkpointing!r} recomputes a micro-batch's forward in its "
+               f"backward with the stage's current weights, and the {pipeline.schedule} schedule runs forwards on "
+               f"older weight versions")
+    if why is not None:
+        raise ValueError(f"{why}; use a flush schedule (Pipeline.schedule='1f1b', 'gpipe', 'interleaved_1f1b' or "
+                         f"'zb_h1'), or drop the knob (bf16-mixed precision and compile work with every schedule)")
+
+
+def stage_loop(job: Any, layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]], stages: int) -> StageLoop:
     """A worker's :class:`StageLoop` for ``job`` (a fresh scaler: each worker holds its own).
     ``layers``/``bounds``/``stages``: the whole model's layers and how they are cut (the norm's
     layer count, and the shared weights' copies not counted)."""
     from virtualflow.plan.pipeline.geometry import tied_parameters
 
-    if not flush and (job.precision == "16-mixed" or job.max_grad_norm is not None):
-        knob = "precision='16-mixed'" if job.precision == "16-mixed" else f"max_grad_norm={job.max_grad_norm}"
-        raise ValueError(
-            f"{knob} needs the whole step's gradient before any update, and the {job.pipeline.schedule} schedule "
-            f"updates each stage as soon as its own backward is done (no flush); use a flush schedule (1f1b, "
-            f"gpipe, interleaved_1f1b, zb_h1), or precision='bf16-mixed' without max_grad_norm"
-        )
     check_checkpoint_spec(layers, job.activation_checkpointing)
     excluded = frozenset(f"{i}.{name}" for locs in tied_parameters(layers, bounds, stages) for i, name in locs[1:])
     return StageLoop(precision=job.precision, scaler=LossScaler.of(job.precision, job.loss_scale),

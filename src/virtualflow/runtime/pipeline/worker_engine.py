@@ -146,7 +146,7 @@ class PipelineWorkerEngine:
             tied=tied_for_worker(self.layers, self.bounds, p, stage_rank),
             successor_pieces=successor_pieces(self.pipeline, self.layers, self.bounds, stage_rank),
             eager_every_wait=self.eager_every_wait,
-            loop=stage_loop(job, self.layers, self.bounds, p, self.pipeline.flush),
+            loop=stage_loop(job, self.layers, self.bounds, p),
         )
 
     def set_membership(self, group: Group, assignment: Any, layout: list[list[int]] | None = None,
@@ -282,7 +282,7 @@ class PipelineWorkerEngine:
             seed=job.seed, batchnorm=job.batchnorm, deterministic=self.deterministic, device=self.device,
             successor_pieces={(pos + 1) % m: piece_module(layers, sa, sb)} if m >= 2 else None,
             eager_every_wait=self.eager_every_wait,
-            loop=stage_loop(job, layers, self.bounds, m, pipeline.flush),
+            loop=stage_loop(job, layers, self.bounds, m),
         )
         load_merged(self.stage, [got[s] for s in mine])
         load_merged(self.stage.replica_of_successor, [got[s] for s in succ])
