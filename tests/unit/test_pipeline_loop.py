@@ -136,6 +136,27 @@ def test_bf16_clipping_deterministic_is_bit_identical_across_replicas():
     assert [h.grad_norm for h in hist0] == pytest.approx([h["grad_norm"] for h in ref], rel=1e-5)
 
 
+def _tied_mlp() -> nn.Sequential:
+    """Layer 4 reads layer 0's weight: with 2 stages, each worker holds a copy."""
+    first, fourth = nn.Linear(pm.FEATURES, pm.FEATURES), nn.Linear(pm.FEATURES, pm.FEATURES)
+    fourth.weight = first.weight
+    return nn.Sequential(first, nn.Tanh(), nn.Linear(pm.FEATURES, pm.FEATURES), nn.Tanh(), fourth,
+                         nn.Linear(pm.FEATURES, 1))
+
+
+def test_a_weight_shared_across_workers_counts_once_in_the_norm():
+    """(float32: under autocast the plain loop sums the two uses' gradients in bfloat16 through one
+    cached cast, the pipeline in float32 over its copies, so bf16 would compare roundings.)"""
+    job = _job(Pipeline(stages=2), virtual_nodes=4, model=_tied_mlp, max_grad_norm=0.05)
+    ref_state, ref = plain_loop(job, 3)
+    for replicas in (1, 2):
+        state, history = train_local(job, 3, replicas=replicas)
+        assert torch.equal(state["4.weight"], state["0.weight"])
+        assert [h.grad_norm for h in history] == pytest.approx([h["grad_norm"] for h in ref], rel=1e-5)
+        for k in ref_state:
+            torch.testing.assert_close(state[k], ref_state[k], rtol=1e-5, atol=1e-6)
+
+
 # ---- 16-mixed: global skips ------------------------------------------------------------------------
 FP16_OVERFLOW = dict(precision="16-mixed", loss_scale={"init_scale": 2.0 ** 24, "growth_interval": 2},
                      max_grad_norm=1.0)
@@ -166,6 +187,25 @@ def test_fp16_skips_are_global_and_deterministic_across_replicas():
     assert [h.skipped for h in h2] == [h.skipped for h in h1]
     assert [h.loss_scale for h in h2] == [h.loss_scale for h in h1]
     assert_state_equal(s2, s1)
+
+
+def test_bamboo_replicas_take_the_same_skips_and_clipping():
+    """Pipeline.redundancy: each worker's copy of its successor's stage stays bit-identical to
+    the successor through skipped (16-mixed) and clipped steps."""
+    job = _job(Pipeline(stages=3, redundancy=True), virtual_nodes=4, **FP16_OVERFLOW)
+    dataset = job.build_dataset()
+    torch.manual_seed(job.seed)
+    bounds = resolve_bounds(job.pipeline, len(layers_of(job.model())))
+    engines = [build_engine(job, job.pipeline, bounds, r, dataset=dataset, deterministic=False,
+                            device=torch.device("cpu")) for r in range(3)]
+    driver = LocalDriver(engines)
+    driver.set_layout(contiguous_assignment(job.virtual_nodes, 1))
+    history = [driver.run(t, 1)[0] for t in range(12)]
+    assert any(h.skipped for h in history) and not all(h.skipped for h in history)
+    for r, e in enumerate(engines):
+        successor = engines[(r + 1) % 3]
+        assert_state_equal(e.replica_of_successor.model.state_dict(), successor.model.state_dict())
+        assert e.loop.scaler.state_dict() == successor.loop.scaler.state_dict()
 
 
 def test_a_skipped_step_does_not_step_the_optimizer_or_the_scheduler():

@@ -23,6 +23,8 @@ schedule       :func:`schedule_for` (the runtime's one call site for building a 
 microbatch     a micro-batch's inputs (data or received message) and outputs (message or loss)
 batchnorm      a piece's BatchNorm running statistics, kept exact across interleaved micro-batches
 pieces         a worker's pieces as one module, its optimizer and update
+loop           the training loop's knobs on a stage: autocast, loss scaling, clipping by the whole
+               model's norm, checkpointing and compile per piece, the loss function's metrics
 executor       the walk of one worker's action list (sans I/O)
 flush          one step of a flush schedule: forward/backward, reduction, commit
 stream         one window of a no-flush schedule (2BW, asynchronous PipeDream)

@@ -18,7 +18,11 @@ Invariants:
   so the result is bit-identical to the unpipelined job's for every p, d, v and schedule.
 - **Commit.** The update is applied once per step after every piece's gradients are summed; a
   non-finite loss in any VN (learnt by every worker from one small all-reduce of the step's
-  stats) skips the step. While that all-reduce runs, the rest of the step is kept as the engine's
+  stats) skips the step. The same all-reduce carries the training loop's global decisions
+  (:mod:`.loop`): how many workers found an inf/nan in their unscaled gradient (16-mixed: the
+  step is then skipped everywhere, the optimizer and scheduler not stepped, BatchNorm statistics
+  kept as after any forward) and every layer's sum of squares (the whole model's norm, by which
+  each worker clips its gradient before the update). While that all-reduce runs, the rest of the step is kept as the engine's
   ``pending_commit``: a failure can complete the all-reduce on some members only, and the others
   then finish the step from the stats those hand over.
 """
