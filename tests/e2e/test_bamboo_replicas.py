@@ -247,7 +247,7 @@ def merged_engine(j: vf.Job, runs: tuple[tuple[int, ...], ...], pos: int, datase
     pipeline = Pipeline(stages=m, schedule=j.pipeline.schedule, split=counts, redundancy=m >= 2)
     (a, b), (sa, sb) = bounds[pos], bounds[(pos + 1) % m]
     engine = StageEngine(
-        pieces={pos: piece_module(layers, a, b)}, n_pieces=m, stage_rank=pos, optimizer_factory=j.optimizer,
+        pieces={pos: piece_module(layers, a, b)}, n_pieces=m, stage_rank=pos, build_optimizer=j.build_optimizer,
         scheduler_factory=j.lr_scheduler, pipeline=pipeline,
         plan=DataPlan(len(dataset), j.global_batch_size, j.virtual_nodes, j.seed),
         loader=BatchLoader(dataset, j.collate_fn), model_input=j.input_of, output_loss=j.output_loss, seed=j.seed,
