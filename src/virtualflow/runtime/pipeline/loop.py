@@ -29,7 +29,8 @@ those of the VN engine:
   value by the virtual node's share of the global batch (``n_v / B``) and sums; the sums of the
   replicas' last pieces meet in one more small all-reduce after the stats (only when the loss
   returned metrics), which also carries their names from replica 0's last piece (the other workers
-  cannot know them).
+  cannot know them). They are reported, never trained on: equal across replica counts within
+  float rounding (the loss itself follows the VN tree in deterministic mode).
 - **Checkpointing and compile per piece**, once per worker
   (:func:`virtualflow.runtime.model_prep.prepare_model`): ``"every"`` checkpoints each layer of
   each piece; module names are those of ``named_modules()`` of the layer list (``"3.attn"``: layer
