@@ -124,3 +124,18 @@ def make_job_fp16() -> vf.Job:
     # A scale of 2**20 overflows float16 in backward: step 0 is skipped (on every worker) and the
     # scale halves; after growth_interval=3 applied steps it doubles and step 4 overflows again.
     return lm_job(precision="16-mixed", loss_scale={"init_scale": 2.0 ** 20, "growth_interval": 3})
+
+
+PACE_S = 0.004
+
+
+def paced_lm_loss(model: nn.Module, batch) -> torch.Tensor:
+    """``lm_loss`` after a few ms of sleep: steps long enough for a resize to land mid-run."""
+    import time
+
+    time.sleep(PACE_S)
+    return lm_loss(model, batch)
+
+
+def make_paced_job_checkpointed() -> vf.Job:
+    return lm_job(activation_checkpointing=Block, loss=paced_lm_loss)

@@ -198,11 +198,14 @@ class VNWorkerEngine:
         optimizer = vn.gather_optimizer_state(root=0) if vn.sharded else None  # a collective
         if group.rank != 0:
             return None
-        return {
+        state = {
             "model": {k: v.detach().cpu() for k, v in vn.model.state_dict().items()},
             "optimizer": optimizer if optimizer is not None else vn.optimizer_state(),
             "lr_scheduler": vn.scheduler.state_dict() if vn.scheduler is not None else None,
         }
+        if vn.scaler is not None:  # 16-mixed: the loss scale and its growth counter resume too
+            state["grad_scaler"] = vn.scaler.state_dict()
+        return state
 
     def boundary(self, group: Group, step: int, work: Boundary) -> None:
         if not self.vn.sharded or not work.checkpoint_due(step):
