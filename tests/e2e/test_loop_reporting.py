@@ -124,6 +124,15 @@ def test_a_callback_stops_every_worker_after_the_step_it_names(run_dir):
     assert events[-1]["event"] == "done" and events[-1]["stopped"] and events[-1]["stop_reason"] == result.stop_reason
 
 
+def test_callback_state_resumes_from_the_final_state(run_dir):
+    job = jobs.regression_job("sgd", callbacks=[Record()])
+    first = vf.train(job, workers=2, steps=3, run_dir=run_dir)
+    assert [s["step"] for s in first.callbacks_state[0]["state"]["seen"]] == [0, 1, 2]
+    resumed = vf.train(job, workers=1, steps=5, resume=run_dir, run_dir=run_dir)
+    seen = resumed.callbacks_state[0]["state"]["seen"]
+    assert [(s["step"], s["workers"]) for s in seen] == [(0, 2), (1, 2), (2, 2), (3, 1), (4, 1)]
+
+
 class EMA:
     """An exponential moving average of the weights on every worker; each worker also writes its
     newest copy to ``folder`` (one file per process) so the test can read every replica."""
