@@ -12,7 +12,8 @@ the coordinator only through the job's TCPStore (see :mod:`virtualflow.comm.prot
    how far everyone got, and broadcast the full state from the most advanced member to anyone
    behind (newcomers; a survivor that had not applied an interrupted step).
 3. **Train** until the job ends, a ``stop`` or ``regroup`` command arrives (every member sees it
-   at the same step boundary, it rides in the step's all-reduce), or a collective fails
+   at the same step boundary, it rides in the step's all-reduce), a callback asks to stop (agreed
+   at the boundary of the step it named), or a collective fails
    (:class:`PeerFailure`): then the interrupted step is abandoned (BatchNorm statistics and
    gradients restored), a ``fault`` is reported with the phase, and the worker waits for the
    coordinator's next generation, where the step is redone.
@@ -49,8 +50,10 @@ generation, a step, abandoning it, the whole state, the step-boundary work, a he
 Size: one concept (a worker's life through generations: set-up, forming a group, agreeing on
 the state, the step loop, leaving). Beside it: its side of the control plane
 (:mod:`virtualflow.runtime.channel`), its configuration (:mod:`virtualflow.runtime.worker_config`),
-checkpoints and evaluations at step boundaries (:mod:`virtualflow.runtime.step_boundary`) and its
-failure report (:mod:`virtualflow.runtime.failure_report`).
+checkpoints and evaluations at step boundaries (:mod:`virtualflow.runtime.step_boundary`), the
+job's callbacks (:mod:`virtualflow.runtime.callbacks`: run after each step, their early stop agreed
+by every member, their state moved when a generation forms) and its failure report
+(:mod:`virtualflow.runtime.failure_report`).
 """
 
 from __future__ import annotations
