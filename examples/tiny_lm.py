@@ -100,6 +100,9 @@ def make_job() -> vf.Job:
         global_batch_size=32, virtual_nodes=8, seed=0, name="tiny-lm",
         precision="bf16-mixed", max_grad_norm=1.0, activation_checkpointing=Block,
         tokens_per_sample=SEQ,
+        # model FLOPs utilisation is reported against --peak-tflops (or a known GPU's peak)
+        flops_per_sample=vf.transformer_flops(n_params=sum(p.numel() for p in TinyGPT().blocks.parameters())
+                                              + VOCAB * D, n_layers=LAYERS, d_model=D, seq_len=SEQ),
     )
 
 
