@@ -234,3 +234,36 @@ def test_preflight_refuses_compile_that_cannot_work():
     with pytest.raises(ValueError, match=r"cannot trace.*fullgraph.*Job.compile"):
         preflight(job(compile={"backend": "aot_eager", "fullgraph": True}), data, plan)
     preflight(job(compile={"backend": "aot_eager"}), data, plan)  # graph breaks are fine without fullgraph
+
+
+def test_compile_compiles_a_plain_sequential():
+    """torch's own containers are compiled too (nn.Module.compile would build no graph for them)."""
+    from torch._dynamo.utils import counters
+
+    from virtualflow.runtime.model_prep import compile_model
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    compile_model(model, {"backend": "aot_eager"})
+    model(torch.randn(3, 4)).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert list(model.state_dict()) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def test_block_sums_do_not_depend_on_the_cut():
+    """Any cut on block boundaries gives the same block sums bit for bit (what makes the
+    deterministic norm independent of the worker count)."""
+    from virtualflow.runtime.clipping import BLOCK, ROWS_PER_PASS, block_sq_sums, n_blocks
+
+    total = (ROWS_PER_PASS + 3) * BLOCK + 77
+    g = torch.randn(total, generator=torch.Generator().manual_seed(0))
+    whole = block_sq_sums(g, 0, total)
+    assert torch.allclose(whole.sum(), g.pow(2).sum(), rtol=1e-5)
+    for cuts in ([0, BLOCK, total], [0, 5 * BLOCK, (ROWS_PER_PASS + 1) * BLOCK, total], [0, (ROWS_PER_PASS + 3) * BLOCK, total]):
+        acc = torch.zeros(n_blocks(total))
+        for a, b in zip(cuts, cuts[1:]):
+            acc += block_sq_sums(g[a:b], a, total)
+        assert torch.equal(acc, whole), cuts
+    with pytest.raises(ValueError, match="blocks"):
+        block_sq_sums(g[:100], 0, total)
