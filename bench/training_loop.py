@@ -12,8 +12,10 @@ steps alternating between them so that the machine's noise falls on both alike):
   (``torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)`` in the model's forward)
   beside it.
 * ``compile``: ``compile=True`` through virtualflow vs ``torch.compile(model)`` in a plain loop;
-  target: step time ratio <= 1.02. Compile time (first step minus a steady step) and dynamo's
-  counters are reported; no graph may be compiled during the timed steps.
+  target: step time ratio <= 1.02. Compile time (first step minus a steady step, each side from a
+  reset dynamo with inductor's on-disk caches off unless ``--compile-cache``) and dynamo's
+  counters (graphs, frames, recompiles) are reported; no graph may be compiled during the timed
+  steps.
 * ``clipping``: ``max_grad_norm=1.0`` vs none at 25 M parameters (the harness's ``mlp-25m``, Adam),
   with the all-reduce and the sharded reduction; target: overhead <= 2 % of the step. The plain
   loop with ``torch.nn.utils.clip_grad_norm_`` beside it, and the clip alone on the same
@@ -54,6 +56,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -440,16 +443,27 @@ def delta(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
 
 def section_compile(dev: torch.device, args, run: H.Run) -> dict:
     import torch._dynamo
+    import torch._inductor.config
 
     w = WORKLOADS[dev.type]["compile"]
+    if not args.compile_cache:  # a cold compile: inductor's on-disk caches would hide the second one
+        torch._inductor.config.force_disable_caches = True
+        warnings.filterwarnings("ignore", message="dynamo_pgo force disabled")
+    # inductor's one-time start-up (imports, the C++/Triton toolchain's first use) on a throw-away
+    # function, so that it is charged to neither side
     torch._dynamo.reset()
+    t0 = time.perf_counter()
+    torch.compile(lambda x: (x * 2).relu().sum())(torch.randn(8, device=dev))
+    startup_s = time.perf_counter() - t0
     first: dict[str, float] = {}
     counts: dict[str, dict[str, int]] = {}
     sides: dict[str, Any] = {}
-    # each side compiled and warmed on its own, virtualflow first (the second compile may hit
-    # inductor's on-disk caches: its compile time is then lower)
+    # Each side compiled from a reset dynamo and warmed on its own (its graphs, frames and
+    # recompiles are its own); the reset drops the other side's compiled code, which is compiled
+    # again in the untimed round below.
     for name, make in (("vf compiled", lambda: VFSide(w.job(compile=True), dev)),
                        ("plain compiled", lambda: PlainSide(w, dev, compile=True))):
+        torch._dynamo.reset()
         c0 = dynamo_counts()
         side = make()
         t0 = time.perf_counter()
@@ -459,9 +473,11 @@ def section_compile(dev: torch.device, args, run: H.Run) -> dict:
             side.step()
         counts[name] = delta(c0, dynamo_counts())
         sides[name] = side
+        print(f"  {name}: first step {first[name]:.1f} s, dynamo {counts[name]}", flush=True)
     ok = applied(sides["vf compiled"], "compile")
     if not ok:
         print(not_applied_line("compile"))
+    timed_steps(sides, 1, 0)  # both compiled sides run once more: the reset dropped one's code
     sides["vf eager"] = VFSide(w.job(), dev)
     sides["plain eager"] = PlainSide(w, dev)
     c0 = dynamo_counts()
@@ -485,7 +501,7 @@ def section_compile(dev: torch.device, args, run: H.Run) -> dict:
               r["dynamo"]["frames_compiled"], r["dynamo"]["recompiles"]] for r in rows]
     return {"workload": w.describe(), "engine_applied": ok, "rows": rows, "table": (header, table),
             "vf_over_plain_compiled": ratio, "vf_over_plain_eager": paired_ratio(times["vf eager"], times["plain eager"]),
-            "dynamo_during_timed_steps": during, "raw_times": times}
+            "dynamo_during_timed_steps": during, "inductor_startup_s": startup_s, "raw_times": times}
 
 
 def clip_alone_ms(w: Workload, dev: torch.device, reps: int = 5) -> float:
@@ -555,6 +571,8 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--clip-steps", type=int, default=8, help="rounds of the clipping section (25 M params)")
     p.add_argument("--clip-warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
+    p.add_argument("--compile-cache", action="store_true",
+                   help="let inductor use its on-disk caches (default: off, so that compile times are cold)")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.clip_steps, args.clip_warmup = 7, 2, 4, 1
@@ -612,7 +630,8 @@ def main(argv: list[str] | None = None) -> int:
             if name == "compile":
                 extra.append(f"virtualflow/plain step time: compiled {res['vf_over_plain_compiled']:.3f}, "
                              f"eager {res['vf_over_plain_eager']:.3f}; dynamo during timed steps "
-                             f"{res['dynamo_during_timed_steps']}")
+                             f"{res['dynamo_during_timed_steps']}; inductor's one-time start-up "
+                             f"{res['inductor_startup_s']:.1f} s (charged to neither side)")
             if name == "clipping":
                 extra.append(f"clip_grad_norm_ alone on these gradients: {res['clip_alone_ms']:.1f} ms "
                              f"({res['clip_alone_pct_of_plain_step']:.2f}% of the plain step)")
