@@ -132,11 +132,10 @@ class Workload:
         return Stack(self.in_features, self.d, self.layers, H.CLASSES)
 
     def data(self) -> TensorDataset:
-        if self.kind == "mlp-25m":
-            return H.data_25m()
+        in_features = H.RESIZE_MODELS["mlp-25m"][0] if self.kind == "mlp-25m" else self.in_features
         g = torch.Generator().manual_seed(1234)
-        x = torch.randn(self.samples, self.in_features, generator=g)
-        y = (x @ torch.randn(self.in_features, H.CLASSES, generator=g)).argmax(dim=1)
+        x = torch.randn(self.samples, in_features, generator=g)
+        y = (x @ torch.randn(in_features, H.CLASSES, generator=g)).argmax(dim=1)
         return TensorDataset(x, y)
 
     def optimizer(self, params) -> torch.optim.Optimizer:
@@ -177,7 +176,7 @@ WORKLOADS = {
                                   samples=65536),
         "compile": Workload("stack", d=1024, layers=8, batch=8192, virtual_nodes=2, in_features=1024,
                             samples=32768),
-        "clipping": Workload("mlp-25m", batch=4096, virtual_nodes=4),
+        "clipping": Workload("mlp-25m", batch=16384, virtual_nodes=4, samples=65536),
     },
 }
 
@@ -238,8 +237,7 @@ class PlainSide:
         self.opt = w.optimizer(model.parameters())
         self.model = model
         self.call = torch.compile(model) if compile else model
-        X, Y = w.data().tensors
-        self.X, self.Y = X.to(device), Y.to(device)
+        self.X, self.Y = w.data().tensors  # on the host; each micro-batch goes to the device, as virtualflow's
         self.w, self.device, self.max_grad_norm = w, device, max_grad_norm
         self.dtype = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}[precision]
         self.step_no = 0
@@ -249,14 +247,14 @@ class PlainSide:
         steps_per_epoch = len(self.X) // w.batch
         e, i = divmod(self.step_no, steps_per_epoch)
         order = torch.randperm(len(self.X), generator=torch.Generator().manual_seed(H.SEED + e))
-        idx = order[i * w.batch : (i + 1) * w.batch].to(self.device)
+        idx = order[i * w.batch : (i + 1) * w.batch]
         xb, yb = self.X[idx], self.Y[idx]
         self.opt.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
         for v in range(w.virtual_nodes):
+            x, y = xb[v * n : (v + 1) * n].to(self.device), yb[v * n : (v + 1) * n].to(self.device)
             with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
-                out = self.call(xb[v * n : (v + 1) * n])
-                loss = nn.functional.cross_entropy(out, yb[v * n : (v + 1) * n]) / w.virtual_nodes
+                loss = nn.functional.cross_entropy(self.call(x), y) / w.virtual_nodes
             loss.backward()
             total += loss.detach()
         if self.max_grad_norm is not None:
