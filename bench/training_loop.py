@@ -4,8 +4,9 @@ Sections (``--sections``; every one runs virtualflow and the plain loop in the s
 steps alternating between them so that the machine's noise falls on both alike):
 
 * ``precision``: ``precision="bf16-mixed"`` vs ``"32"``, step time and the step's peak memory,
-  through virtualflow and through a plain loop with ``torch.autocast``. No target: bf16 on a CPU
-  without bf16 matrix units is usually *slower*; the table records what this machine does.
+  through virtualflow and through a plain loop with ``torch.autocast``. No target: on a CPU bf16
+  is faster only where it has bf16 instructions (AVX512-BF16, AMX), else usually *slower*; the
+  table records what this machine does.
 * ``checkpointing``: ``activation_checkpointing=Block`` on a 12-block residual MLP (a
   transformer's MLP half: LayerNorm, Linear d->4d, GELU, Linear 4d->d, residual). Targets: the
   step's peak memory divided by >= 2, step time <= 1.4x, both through virtualflow; the plain loop
@@ -387,7 +388,17 @@ def section_precision(dev: torch.device, args, run: H.Run) -> dict:
     vf_vs_plain = {p: paired_ratio(times[f"vf {p}"], times[f"plain {p}"]) for p in ("32", "bf16-mixed")}
     return {"workload": w.describe(), "engine_applied": ok, "rows": rows, "vf_over_plain": vf_vs_plain,
             "table": (header, table), "raw_times": times,
-            "note": "no target (bf16 on a CPU without bf16 matrix units is usually slower)"}
+            "note": ("no target (on a CPU, bf16 is faster only with bf16 instructions: AVX512-BF16 or AMX; "
+                     f"this one {'has' if cpu_has_bf16() else 'lacks'} them)") if dev.type == "cpu" else "no target"}
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def section_checkpointing(dev: torch.device, args, run: H.Run) -> dict:
@@ -606,6 +617,9 @@ def main(argv: list[str] | None = None) -> int:
                    f"({', '.join(args.sections)}; {', '.join(d.type for d in devs) or 'no device'})"))
     if skip:
         print(f"  {skip}")
+    if not devs:
+        print("  nothing measured (no device left to run on); no result files written")
+        return 0
     results: dict[str, dict[str, Any]] = {}
     md = [f"# {run.name}: precision, activation checkpointing, compile and clipping, virtualflow vs plain PyTorch",
           "", H.env_markdown(), "",
