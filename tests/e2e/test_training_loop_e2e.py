@@ -37,13 +37,19 @@ def test_bf16_clip_checkpointing_bit_identical_for_1_2_3_workers_and_sharded(one
         result = vf.train("lm_jobs:make_job_checkpointed", workers=workers, steps=STEPS, deterministic=True,
                           reduction=reduction)
         assert_same_training(result, one_worker)
+    # default mode: the ring sums in another order, the same model within tolerance
+    default = vf.train("lm_jobs:make_job_checkpointed", workers=2, steps=STEPS)
+    assert_state_close(default.state_dict, ref_model.state_dict(), rtol=1e-3, atol=1e-4)
 
 
-def test_fp16_skips_the_same_steps_and_scale_for_1_and_3_workers(tmp_path):
+def test_fp16_skips_the_same_steps_and_scale_for_1_and_3_sharded_workers(tmp_path):
+    """1 worker, and 3 with the sharded reduction (where each worker holds a chunk of the gradient
+    and the verdict comes from the all-reduced block norms)."""
     states = []
-    for workers in (1, 3):
+    for workers, reduction in ((1, "allreduce"), (3, "sharded")):
         run_dir = str(tmp_path / f"w{workers}")
-        result = vf.train("lm_jobs:make_job_fp16", workers=workers, steps=STEPS, deterministic=True, run_dir=run_dir)
+        result = vf.train("lm_jobs:make_job_fp16", workers=workers, steps=STEPS, deterministic=True,
+                          reduction=reduction, run_dir=run_dir)
         states.append((result, final_state(run_dir)))
     (a, fa), (b, fb) = states
     assert_same_training(a, b)

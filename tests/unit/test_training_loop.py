@@ -205,3 +205,32 @@ def test_preflight_refuses_unknown_module_names_and_half_weights_with_fp16():
     half = lm_job(model=lambda: __import__("lm_jobs").TinyLM().half(), precision="16-mixed")
     with pytest.raises(ValueError, match=r"16-mixed.*float32.*parameters are torch.float16.*--precision"):
         preflight(half, ds, plan)
+
+
+def test_preflight_refuses_compile_that_cannot_work():
+    """An unknown backend, and fullgraph=True on a forward with a graph break, are refused with
+    the knob named (dynamo's own reason in the message)."""
+    from virtualflow.launching.preflight import preflight
+
+    data = torch.utils.data.TensorDataset(torch.randn(8, 2), torch.randn(8, 1))
+
+    class Breaks(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 1)
+
+        def forward(self, x):
+            y = self.lin(x)
+            print("a graph break")  # dynamo cannot put print in a graph
+            return y
+
+    def job(**kw):
+        return vf.Job(model=Breaks, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), dataset=data,
+                      global_batch_size=4, virtual_nodes=2, loss=lambda m, b: (m(b[0]) - b[1]).pow(2).mean(), **kw)
+
+    plan = DataPlan(8, 4, 2, 0)
+    with pytest.raises(ValueError, match=r"no such backend.*Job.compile"):
+        preflight(job(compile={"backend": "nonesuch"}), data, plan)
+    with pytest.raises(ValueError, match=r"cannot trace.*fullgraph.*Job.compile"):
+        preflight(job(compile={"backend": "aot_eager", "fullgraph": True}), data, plan)
+    preflight(job(compile={"backend": "aot_eager"}), data, plan)  # graph breaks are fine without fullgraph

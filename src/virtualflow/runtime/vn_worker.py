@@ -232,6 +232,10 @@ class VNWorkerEngine:
             return None
         return work.save_checkpoint(step, work.whole_state(self, group, step), prune=True)
 
+    def learning_rate(self) -> float | None:
+        groups = self.vn.optimizer.param_groups
+        return float(groups[0]["lr"]) if groups and "lr" in groups[0] else None
+
     def non_finite_note(self, step: int, path: str) -> str:
         return f"the step was not applied and the last good state (before step {step}) is in {path}"
 
