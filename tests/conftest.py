@@ -76,3 +76,25 @@ def wait_for_members(handle, members: int, *, formed: bool = False, generation: 
 @pytest.fixture
 def run_dir(tmp_path):
     return str(tmp_path / "run")
+
+
+# --------------------------------------------------------------------------------------------
+# The ``gpu`` marker: tests that need a CUDA device. Without one they are skipped from here, one
+# place, so pytest's summary groups them into a single line ("SKIPPED [N] tests/conftest.py:...")
+# instead of one line per test. scripts/gpu-check.sh runs them on a machine with a GPU.
+
+_NO_CUDA = None
+
+
+def _no_cuda_reason() -> str:
+    global _NO_CUDA
+    if _NO_CUDA is None:
+        _NO_CUDA = "" if torch.cuda.is_available() else (
+            f"gpu tests need CUDA: torch.cuda.is_available() is False (torch {torch.__version__}); "
+            "run scripts/gpu-check.sh on a machine with a GPU")
+    return _NO_CUDA
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu") is not None and _no_cuda_reason():
+        pytest.skip(_no_cuda_reason())

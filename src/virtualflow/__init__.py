@@ -12,14 +12,18 @@ may move; old import paths keep working for a while through deprecated aliases.
 from virtualflow.api import JobHandle, launch, train
 from virtualflow.config.faults import Fault, FaultPlan
 from virtualflow.config.job import Job, JobImportError
+from virtualflow.config.loop import Callback, StepInfo
 from virtualflow.config.options import LaunchOptions
 from virtualflow.config.pipeline import Pipeline
 from virtualflow.config.spec import WorkerSpec
 from virtualflow.plan.data import vn_seed
+from virtualflow.plan.flops import transformer_flops
 from virtualflow.records.result import Result, TrainingError
 from virtualflow.runtime.engine import LossShapeError, NonFiniteLossError
 
 __all__ = [
+    "Callback",
+    "StepInfo",
     "WorkerSpec",
     "Fault",
     "FaultPlan",
@@ -34,6 +38,7 @@ __all__ = [
     "TrainingError",
     "launch",
     "train",
+    "transformer_flops",
     "vn_seed",
 ]
 __version__ = "0.1.0"

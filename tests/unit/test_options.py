@@ -93,6 +93,8 @@ def test_command_line_round_trips_every_flagged_option():
         "pipeline_stages": ("4", 4), "schedule": ("zb_h1", "zb_h1"), "chunks": ("2", 2), "split": ("3,2,2,1", "3,2,2,1"),
         "reduction": ("sharded", "sharded"),
         "loader_workers": ("2", 2), "profile": ("5-8", "5-8"), "tensorboard": (None, True),
+        "precision": ("bf16-mixed", "bf16-mixed"), "max_grad_norm": ("1.5", 1.5),
+        "activation_checkpointing": ("every", "every"), "compile": (None, True), "peak_tflops": ("312", 312.0),
     }
     for name, (text, value) in samples.items():
         flag = flag_of(name)

@@ -1,5 +1,5 @@
-"""``virtualflow status RUN_DIR``: step, generation and membership phase, workers and recent step
-times of a run."""
+"""``virtualflow status RUN_DIR``: step, generation and membership phase, the last step's loss,
+metrics and throughput (tokens/s, MFU), workers and recent step times of a run."""
 
 from __future__ import annotations
 
@@ -33,6 +33,11 @@ def format_status(run_dir: str, status: dict, state: str) -> str:
     phase = f" membership {status['phase']}," if status.get("phase") else ""
     lines.append(f"step {status.get('step')}/{status.get('total_steps')}, generation {status.get('generation')},{phase} "
                  f"target {status.get('target_workers')} workers, {status.get('failures', 0)} failure(s) survived")
+    training = training_line(status)
+    if training:
+        lines.append(training)
+    if status.get("stop_reason"):
+        lines.append(f"stop requested: {status['stop_reason']}")
     times = status.get("recent_step_times_s") or []
     if times:
         lines.append(f"recent step times: median {statistics.median(times) * 1000:.1f} ms, last "
@@ -67,6 +72,35 @@ def format_status(run_dir: str, status: dict, state: str) -> str:
         lines.append(f"{w['id']:>6} {w.get('pid') or '-':>8} {rank:>5} {speed:>7}  {span}")
     lines += breakdown_lines(status.get("breakdown"))
     return "\n".join(lines)
+
+
+def _num(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def training_line(status: dict) -> str:
+    """``last step: loss 2.31, acc 0.52, lr 3e-04, grad norm 1.2, 812 samples/s, 104,000 tokens/s,
+    MFU 31.2%`` (what the status holds of it), or ``""`` before the first step."""
+    loss = _num(status.get("loss"))
+    if loss is None:
+        return ""
+    parts = [f"loss {loss:.4f}"]
+    metrics = status.get("train_metrics")
+    if isinstance(metrics, dict):
+        parts += [f"{str(k)[:40]} {v:.4g}" for k, v in list(metrics.items())[:8] if _num(v) is not None]
+    for key, label, fmt in (("lr", "lr", "{:.3g}"), ("grad_norm", "grad norm", "{:.4g}"),
+                            ("loss_scale", "loss scale", "{:g}"), ("samples_per_s", "", "{:,.0f} samples/s"),
+                            ("tokens_per_s", "", "{:,.0f} tokens/s")):
+        value = _num(status.get(key))
+        if value is not None:
+            parts.append((label + " " if label else "") + fmt.format(value))
+    mfu = _num(status.get("mfu"))
+    if mfu is not None:
+        parts.append(f"MFU {100 * mfu:.1f}%")
+    skipped = status.get("skipped_steps")
+    if isinstance(skipped, int) and skipped > 0:
+        parts.append(f"{skipped} step(s) skipped by loss scaling")
+    return "last step: " + ", ".join(parts)
 
 
 def breakdown_lines(data: object) -> list[str]:

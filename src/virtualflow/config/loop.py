@@ -144,10 +144,12 @@ class Callback(Protocol):
     its ``state_dict``/``load_state_dict`` (optional) travel with checkpoints and state transfers,
     so EMA weights survive resizes, failures and resumes.
 
-    ``on_step_end(info) -> bool | None``: after each applied (or skipped) step; returning True asks
-    the job to stop after this step (early stopping). ``on_eval(step, metrics)``: after each
-    evaluation. ``on_resize(step, old_workers, new_workers)``: when a new generation forms with
-    another worker count.
+    ``on_step_end(info) -> bool | None``: after each applied (or skipped) step; returning ``True``
+    (only ``True``: ``None``/``False`` go on, anything else is refused) asks the job to stop after
+    this step on every worker (early stopping). ``on_eval(step, metrics)``: after each evaluation,
+    on rank 0 only. ``on_resize(step, old_workers, new_workers)``: when a new generation starts
+    training with another worker count. ``state_dict()`` must return plain data (tensors, numbers,
+    strings, lists, dicts): checkpoints are loaded with ``torch.load(weights_only=True)``.
     """
 
     def on_step_end(self, info: StepInfo) -> bool | None: ...

@@ -6,7 +6,8 @@ OS unless ``port`` is given),
 publishes membership as numbered generations, accepts control commands (``stop`` now; resize
 in the elasticity work) and turns the workers' reports into the run's records:
 ``events.jsonl`` (join, generation, step, eval, error, done), ``metrics.jsonl`` (one line per
-step) and the in-memory history returned to the user. It logs once for the whole job.
+step, fields :data:`STEP_FIELDS`) and the in-memory history returned to the user. It logs once
+for the whole job.
 
 Everything it writes that workers act on (generation records, next pointers, commands, abort
 flags) is signed with the run key, and every report it reads is checked
@@ -32,9 +33,24 @@ import torch.distributed as dist
 
 from virtualflow.comm import auth, protocol
 from virtualflow.comm.rejects import RejectLog
+from virtualflow.plan.flops import throughput
 from virtualflow.runtime import breakdown
 
 logger = logging.getLogger(__name__)
+
+STEP_FIELDS = ("step", "loss", "samples", "step_time_s", "workers", "generation", "vns", "metrics", "grad_norm",
+               "skipped", "loss_scale", "lr", "samples_per_s", "tokens_per_s", "mfu")
+"""The fields of every step record (``metrics.jsonl``, ``Result.history``), in this order, always
+present (null where they do not apply); ``breakdown`` and ``breakdown_step`` follow when the step
+breakdown was measured. ``metrics``: the loss function's extra metrics (each the mean over the
+global batch); ``grad_norm``: the whole step's gradient norm before clipping (null without
+``max_grad_norm``); ``skipped``: loss scaling skipped the step; ``loss_scale``: the scale the
+step used (``16-mixed``); ``lr``: the learning rate the step used (the optimizer's first
+parameter group); ``samples_per_s`` = samples / step_time_s; ``tokens_per_s`` (with
+``Job.tokens_per_sample``); ``mfu``: model FLOPs utilisation, a fraction (with
+``Job.flops_per_sample`` and a peak: ``--peak-tflops`` or the device's)."""
+MAX_METRICS = 256
+"""A step report's metrics beyond this many are dropped (a report is untrusted input)."""
 
 
 class JsonlWriter:
@@ -66,8 +82,15 @@ class JobProgress:
     last_loss: float | None = None
     samples_per_s: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    """The last evaluation's metrics."""
     errors: list[dict[str, Any]] = field(default_factory=list)
     done: bool = False
+    last_step: dict[str, Any] | None = None
+    """The last step record (:data:`STEP_FIELDS`)."""
+    skipped_steps: int = 0
+    """Steps loss scaling skipped."""
+    stop_request: str | None = None
+    """Why a callback asked the job to stop early (the workers stop by themselves), or None."""
 
 
 class Coordinator:
@@ -82,6 +105,9 @@ class Coordinator:
         on_step: Callable[[dict[str, Any]], None] | None = None,
         job_id: str | None = None,
         key: str | None = None,
+        tokens_per_sample: int | None = None,
+        flops_per_sample: float | None = None,
+        peak_tflops: float | None = None,
     ) -> None:
         self.store = _listening_store(host, datetime.timedelta(seconds=store_timeout_s), port)
         self.job_id = job_id or auth.new_job_id()
@@ -97,6 +123,11 @@ class Coordinator:
         self.history: list[dict[str, Any]] = []
         self.eval_history: list[dict[str, Any]] = []
         self.on_step = on_step
+        self.tokens_per_sample, self.flops_per_sample = tokens_per_sample, flops_per_sample
+        self.peak_tflops = peak_tflops
+        """One worker's peak TFLOP/s for MFU: the launch option, else what the workers' devices
+        report (in their step reports), else None."""
+        self._peak_given = peak_tflops is not None
         self._control_seq = 0
         self.store.set(protocol.JOB_KEY, self.job_id)
         self.store.set(protocol.CONTROL_SEQ_KEY, "0")
@@ -197,16 +228,28 @@ class Coordinator:
             "workers": r["workers"],
             "generation": r["generation"],
             "vns": r["vns"],
+            **_loop_fields(r),
         }
+        if not self._peak_given and _number(r.get("peak_tflops")) is not None and r["peak_tflops"] > 0:
+            self.peak_tflops = float(r["peak_tflops"])
+        record.update(throughput(r["samples"], r["step_time_s"], r["workers"], tokens_per_sample=self.tokens_per_sample,
+                                 flops_per_sample=self.flops_per_sample, peak_tflops_per_worker=self.peak_tflops))
         parts = breakdown.clean(r.get("breakdown"))  # where the previous step's time went, if measured
         if parts is not None and isinstance(r.get("breakdown_step"), int):
             record.update(breakdown=parts, breakdown_step=r["breakdown_step"])
         self.history.append(record)
         self.progress.step = r["step"] + 1
         self.progress.last_loss = r["loss"]
-        self.progress.samples_per_s = r["samples"] / r["step_time_s"] if r["step_time_s"] > 0 else None
+        self.progress.samples_per_s = record["samples_per_s"]
+        self.progress.last_step = record
+        self.progress.skipped_steps += record["skipped"]
         self.metrics_log.write({"time": r["time"], **record})
         self.event("step", step=r["step"], loss=r["loss"], step_time_s=r["step_time_s"], workers=r["workers"])
+        reason = r.get("stop_reason")
+        if isinstance(reason, str) and self.progress.stop_request is None:
+            self.progress.stop_request = reason[:500]
+            self.event("early_stop", step=r["step"], reason=self.progress.stop_request)
+            logger.info("stopping after step %d: %s", r["step"], self.progress.stop_request)
         if self.on_step is not None:
             self.on_step(record)
 
@@ -245,6 +288,26 @@ def _listening_store(host: str, timeout: datetime.timedelta, port: int = 0) -> d
         logger.warning("this torch's TCPStore does not take a bound socket (%s): the job's store listens on "
                        "all interfaces, not only %s", exc, host)
         return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout)
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a float when it is a number (not a bool), else None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _loop_fields(r: dict[str, Any]) -> dict[str, Any]:
+    """The training loop's fields of a step report (metrics, grad_norm, skipped, loss_scale, lr),
+    read defensively: a value of the wrong type is dropped (None), never raised."""
+    raw = r.get("metrics")
+    metrics: dict[str, float] = {}
+    if isinstance(raw, dict):
+        for k, v in list(raw.items())[:MAX_METRICS]:
+            if isinstance(k, str) and _number(v) is not None:
+                metrics[k[:200]] = float(v)
+    return {"metrics": metrics, "grad_norm": _number(r.get("grad_norm")), "skipped": r.get("skipped") is True,
+            "loss_scale": _number(r.get("loss_scale")), "lr": _number(r.get("lr"))}
 
 
 def _span(vns: Sequence[int]) -> str:

@@ -84,8 +84,11 @@ def worker_failure(errors: list[dict[str, Any]], setup: Any) -> TrainingError:
     return err
 
 
-def collect_result(setup: Any, coordinator: Any, controller: Any, autoscaler: Any) -> Result:
-    """The :class:`Result` of a finished run: its final state (``final.pt``) and its records."""
+def collect_result(setup: Any, coordinator: Any, controller: Any, autoscaler: Any, *, stop_reason: str | None = None,
+                   throughput: dict[str, Any] | None = None) -> Result:
+    """The :class:`Result` of a finished run: its final state (``final.pt``) and its records;
+    ``stop_reason``: why it was asked to stop early (the supervisor's), ``throughput``: its mean
+    throughput (:meth:`virtualflow.launching.supervisor.Supervisor.throughput`)."""
     state = load_state(os.path.join(setup.state_dir, "final.pt"))
     steps = int(state["step"])
     p = coordinator.progress
@@ -99,6 +102,9 @@ def collect_result(setup: Any, coordinator: Any, controller: Any, autoscaler: An
         run_dir=setup.run_dir,
         steps=steps,
         stopped=steps < setup.total_steps,
+        stop_reason=stop_reason if steps < setup.total_steps else None,
+        throughput=throughput,
+        callbacks_state=state.get("callbacks"),
         peak_rss_mib={w: i["peak_rss_mib"] for w, i in p.workers.items() if "peak_rss_mib" in i},
         optimizer_bytes={w: i["optimizer_bytes"] for w, i in p.workers.items() if "optimizer_bytes" in i},
         replica_bytes={w: i["replica_bytes"] for w, i in p.workers.items() if "replica_bytes" in i},

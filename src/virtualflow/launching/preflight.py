@@ -9,6 +9,8 @@ the exception's type and message, and for the loss, what the batch looked like.
 
 from __future__ import annotations
 
+import inspect
+import shutil
 from typing import Any, Callable
 
 import torch
@@ -16,7 +18,10 @@ import torch
 from virtualflow.config.job import Job, JobImportError, resolve_spec
 from virtualflow.plan.data import DataPlan
 from virtualflow.records.result import job_frame
+from virtualflow.runtime.amp import autocast
+from virtualflow.runtime.batches import split_loss
 from virtualflow.runtime.engine import BatchLoader, LossShapeError, check_loss
+from virtualflow.runtime.model_prep import apply_activation_checkpointing
 
 
 class JobCodeError(ValueError):
@@ -126,11 +131,67 @@ def preflight(job: Job, dataset: Any, plan: DataPlan, *, reduction: str = "allre
             from virtualflow.runtime.sharded import check_optimizer
 
             check_optimizer(optimizer, params)
+        check_loop(job, params, optimizer)
+        if job.pipeline is None:
+            apply_activation_checkpointing(model, job.activation_checkpointing)  # names a module that is not there
         indices = plan.vn_indices(0, 0)
         batch = _call("loading virtual node 0's batch (Job.dataset items, then Job.collate_fn)",
                       BatchLoader(dataset, job.collate_fn), indices)
         model.train()
-        with torch.no_grad():
-            loss = _call("Job.loss" if job.loss is not None else "Job.output_loss", job.compute_loss, model, batch,
-                         hint=lambda exc: loss_hint(exc, batch, model, job))
+        with torch.no_grad(), autocast(torch.device("cpu"), job.precision):
+            out = _call("Job.loss" if job.loss is not None else "Job.output_loss", job.compute_loss, model, batch,
+                        hint=lambda exc: loss_hint(exc, batch, model, job))
+        loss, _ = split_loss(out, "on virtual node 0's batch of step 0")
         check_loss(loss, "on virtual node 0's batch of step 0")
+        if job.compile is not False and job.pipeline is None:
+            check_traceable(job, model, batch)
+
+
+def check_loop(job: Job, params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+    """Refuse training-loop knobs that cannot work with this model and optimizer."""
+    if job.precision == "16-mixed":
+        low = sorted({str(p.dtype) for p in params if p.dtype in (torch.float16, torch.bfloat16)})
+        if low:
+            raise ValueError(
+                f"precision='16-mixed' keeps the weights in float32 and runs the forward in float16 under autocast, "
+                f"but the model's trainable parameters are {', '.join(low)} (their gradients cannot be unscaled "
+                f"exactly): build the model in float32 (drop .half()), or train it as it is with precision='32' "
+                f"(Job.precision / --precision)")
+        step = inspect.signature(type(optimizer).step).parameters.get("closure")
+        if step is not None and step.default is inspect.Parameter.empty:
+            raise ValueError(
+                f"precision='16-mixed' skips a step whose gradient overflowed, which needs an optimizer whose step() "
+                f"takes no closure; {type(optimizer).__name__}.step requires one. Use precision='bf16-mixed' (no "
+                f"loss scaling) or another optimizer (Job.optimizer)")
+
+
+def check_traceable(job: Job, model: torch.nn.Module, batch: Any) -> None:
+    """``compile``: a C++ compiler for inductor on the CPU, the backend known, and the model's
+    forward traceable by dynamo (a cheap trace with the ``eager`` backend, here, before any
+    worker starts)."""
+    kwargs = dict(job.compile) if isinstance(job.compile, dict) else {}
+    backend = kwargs.get("backend", "inductor")
+    if isinstance(backend, str):
+        import torch._dynamo
+
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if backend not in known:
+            raise ValueError(f"compile={{'backend': {backend!r}}}: torch.compile knows no such backend; it has "
+                             f"{', '.join(sorted(known))} (Job.compile)")
+        if backend == "inductor" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+            raise ValueError("compile=True uses torch.compile's inductor backend, which builds C++ kernels on the CPU, "
+                             "and no C++ compiler (g++, c++, clang++) is on PATH: install one (e.g. apt install g++), "
+                             "or give compile={'backend': 'aot_eager'} (Job.compile / --compile)")
+    trial = {k: v for k, v in kwargs.items() if k in ("fullgraph", "dynamic")}
+    compiled = torch.compile(model, backend="eager", **trial)
+    try:
+        with torch.no_grad(), autocast(torch.device("cpu"), job.precision):
+            job.compute_loss(compiled, batch)
+    except Exception as exc:  # noqa: BLE001 - dynamo's errors are many classes
+        raise ValueError(f"compile: torch.compile cannot trace the model's forward ({type(exc).__name__}: "
+                         f"{_one_line(exc)}); make the forward traceable, drop fullgraph=True, or train without "
+                         f"compile (Job.compile / --compile)") from exc
+    finally:
+        import torch._dynamo
+
+        torch._dynamo.reset()

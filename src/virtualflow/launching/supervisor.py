@@ -30,6 +30,7 @@ from virtualflow.control.autoscale import Limits
 from virtualflow.control.autoscale_executor import AutoscaleExecutor
 from virtualflow.control.coordinator import Coordinator
 from virtualflow.launching import outcome
+from virtualflow.plan.flops import describe as describe_throughput, run_throughput
 from virtualflow.plan.vnmap import pipeline_assignment
 from virtualflow.control.membership import FallbackRestart, JobFailed, MembershipController, check_resize
 from virtualflow.config.job import Job, JobSource
@@ -83,11 +84,13 @@ class ProgressRate:
     before the workers, turned 13 s of start-up into "13.25s/step" and a 24-minute ETA. Until
     one steady step is known there is no estimate (None)."""
 
-    def __init__(self, total_steps: int, smoothing: float = 0.2) -> None:
+    def __init__(self, total_steps: int, smoothing: float = 0.2, tokens_per_sample: int | None = None) -> None:
         self.total_steps = total_steps
         self.smoothing = smoothing
+        self.tokens_per_sample = tokens_per_sample
         self.step_s: float | None = None
         self.samples_per_s: float | None = None
+        self.mfu: float | None = None
         self.done = 0
         self._generation: int | None = None
 
@@ -102,6 +105,9 @@ class ProgressRate:
         rate = record["samples"] / t
         self.step_s = t if self.step_s is None else a * t + (1 - a) * self.step_s
         self.samples_per_s = rate if self.samples_per_s is None else a * rate + (1 - a) * self.samples_per_s
+        mfu = record.get("mfu")
+        if mfu is not None:
+            self.mfu = mfu if self.mfu is None else a * mfu + (1 - a) * self.mfu
 
     @property
     def eta_s(self) -> float | None:
@@ -109,14 +115,22 @@ class ProgressRate:
         return None if self.step_s is None else max(0, self.total_steps - self.done) * self.step_s
 
     def describe(self, record: dict[str, Any]) -> str:
-        """The bar's text after its count and elapsed time: ETA, s/step, loss, samples/s, workers."""
+        """The bar's text after its count and elapsed time: ETA, s/step, samples/s (tokens/s, MFU
+        when known), loss, the loss function's metrics, workers."""
         from tqdm import tqdm
 
         if self.step_s is None:
             pace = "eta ?"
         else:
             pace = f"eta {tqdm.format_interval(self.eta_s)}, {self.step_s:.3g} s/step, {self.samples_per_s:.0f} samples/s"
-        return f"{pace}, loss {record['loss']:.4f}, {record['workers']} worker{'s' if record['workers'] > 1 else ''}"
+            more = describe_throughput({
+                "tokens_per_s": self.samples_per_s * self.tokens_per_sample if self.tokens_per_sample else None,
+                "mfu": self.mfu})
+            if more:
+                pace += ", " + more
+        metrics = "".join(f", {k} {v:.4g}" for k, v in list((record.get("metrics") or {}).items())[:4])
+        return (f"{pace}, loss {record['loss']:.4f}{metrics}, "
+                f"{record['workers']} worker{'s' if record['workers'] > 1 else ''}")
 
 
 class Supervisor:
@@ -133,16 +147,18 @@ class Supervisor:
         self.error: BaseException | None = None
         self.finished = threading.Event()
         self.bar = None
-        self.rate = ProgressRate(setup.total_steps)
+        self.rate = ProgressRate(setup.total_steps, tokens_per_sample=self.job.tokens_per_sample)
         self.stop_reason: str | None = None
-        """Why the job was asked to stop early (``stop()``, Ctrl-C, SIGTERM); None if it was not."""
+        """Why the job was asked to stop early (``stop()``, Ctrl-C, SIGTERM, a callback); None if it was not."""
         host, port = setup.backend.store_address()
         # One id per launch (a resumed run gets a new one): every signed message names it, so a
         # message captured from one run verifies in no other, even one sharing the token file.
         self.job_id = auth.new_job_id()
         run_key = auth.run_key(setup.token, self.job_id)
         self.coordinator = Coordinator(total_steps=setup.total_steps, run_dir=setup.run_dir, host=host, port=port,
-                                       on_step=self._on_step, job_id=self.job_id, key=run_key)
+                                       on_step=self._on_step, job_id=self.job_id, key=run_key,
+                                       tokens_per_sample=self.job.tokens_per_sample,
+                                       flops_per_sample=self.job.flops_per_sample, peak_tflops=opts.peak_tflops)
         self.coordinator.progress.step = setup.resume_step
         self.tensorboard = None
         if opts.tensorboard and setup.run_dir is not None:
@@ -242,6 +258,10 @@ class Supervisor:
         try:
             while True:
                 reports = coord.poll()
+                if progress.stop_request is not None and self.stop_reason is None:
+                    # A callback asked to stop: the workers agreed on it and stop by themselves.
+                    self.stop_reason = progress.stop_request
+                    progress.state = "stopping"
                 if progress.errors:
                     time.sleep(0.3)  # let the other workers' reports arrive: pick the root cause
                     coord.poll()
@@ -263,7 +283,9 @@ class Supervisor:
                 if progress.done and self._all_exited():
                     coord.poll()
                     self.backend.terminate_all()  # newcomers still starting, if any
-                    self.result = outcome.collect_result(self.setup, self.coordinator, self.controller, self.autoscaler)
+                    self.result = outcome.collect_result(self.setup, self.coordinator, self.controller, self.autoscaler,
+                                                         stop_reason=self.stop_reason,
+                                                         throughput=self.throughput(self.coordinator.history))
                     progress.state = "stopped" if self.result.stopped else "done"
                     # The final state is written: a record that no longer fits does not undo that.
                     self._best_effort("the done event", lambda: coord.event(
@@ -401,6 +423,7 @@ class Supervisor:
             "loss": p.last_loss,
             "samples_per_s": p.samples_per_s,
             "metrics": dict(p.metrics),
+            **self.training_fields(),
             "failures": len(ctl.failures),
             "redundancy": ({"layout": [list(r) for r in ctl.layout] if ctl.layout is not None else None,
                             "events": ctl.bamboo_events[-5:]} if ctl.redundancy else None),
@@ -408,6 +431,28 @@ class Supervisor:
             "autoscale": self.autoscale_info(),
             "breakdown": self.breakdown(self.coordinator.history[-20:]),
         }
+
+    def training_fields(self) -> dict[str, Any]:
+        """``status.json``'s view of the last step (its record's fields,
+        :data:`virtualflow.control.coordinator.STEP_FIELDS`):
+        ``train_metrics`` (the loss function's metrics; ``metrics`` holds the last evaluation's),
+        ``grad_norm``, ``lr``, ``loss_scale``, ``tokens_per_s``, ``mfu``; ``skipped_steps`` over
+        the run and the ``peak_tflops`` MFU is measured against."""
+        p = self.coordinator.progress
+        last = p.last_step or {}
+        return {"train_metrics": dict(last.get("metrics") or {}), "grad_norm": last.get("grad_norm"),
+                "lr": last.get("lr"), "loss_scale": last.get("loss_scale"), "tokens_per_s": last.get("tokens_per_s"),
+                "mfu": last.get("mfu"), "skipped_steps": p.skipped_steps, "peak_tflops": self.coordinator.peak_tflops}
+
+    def throughput(self, history: list[dict[str, Any]]) -> dict[str, Any]:
+        """The run's mean throughput over its steady steps (all but the first): samples/s,
+        tokens/s and MFU (:func:`virtualflow.plan.flops.run_throughput`), and the peak used."""
+        steps = history[1:] or history
+        coord = self.coordinator
+        out = run_throughput([(h["samples"], h["step_time_s"], h["workers"]) for h in steps],
+                             tokens_per_sample=self.job.tokens_per_sample, flops_per_sample=self.job.flops_per_sample,
+                             peak_tflops_per_worker=coord.peak_tflops)
+        return {**out, "peak_tflops": coord.peak_tflops}
 
     def breakdown(self, history: list[dict[str, Any]]) -> dict[str, Any] | None:
         """Where the step time went over ``history`` (runtime/breakdown.py), or None."""
@@ -455,6 +500,7 @@ class Supervisor:
         history, ctl, p = self.coordinator.history, self.controller, self.coordinator.progress
         times = [h["step_time_s"] for h in history[1:]] or [h["step_time_s"] for h in history]
         mean_step = sum(times) / len(times) if times else None
+        rates = self.throughput(history)
         summary = {
             "job": self.job.name,
             "status": p.state,
@@ -483,10 +529,17 @@ class Supervisor:
             "steps_completed": p.step,
             "resumed_from": s.resume_path,
             "final_loss": history[-1]["loss"] if history else None,
+            "final_train_metrics": dict(history[-1]["metrics"]) if history else {},
             "metrics": p.metrics,
             "mean_step_time_s": mean_step,
             "breakdown": self.breakdown(history),
             "samples_per_s": self.job.global_batch_size / mean_step if mean_step else None,
+            "tokens_per_sample": self.job.tokens_per_sample,
+            "tokens_per_s": rates["tokens_per_s"],
+            "flops_per_sample": self.job.flops_per_sample,
+            "peak_tflops_per_worker": rates["peak_tflops"],
+            "mfu": rates["mfu"],
+            "skipped_steps": p.skipped_steps,
             "wall_time_s": time.time() - self.t0,
             "peak_rss_mib": {str(w): i.get("peak_rss_mib") for w, i in p.workers.items()},
             "versions": {"python": platform.python_version(), "torch": torch.__version__, "virtualflow": _version()},

@@ -1,7 +1,10 @@
 """``--tensorboard``: TensorBoard event files written by the launching process from the step records.
 
 Scalars per step (x axis: the step): ``train/loss``, ``train/samples_per_s``, ``train/step_time_s``,
-``cluster/workers`` and ``cluster/generation``; per broken-down step, ``breakdown/<part>`` (mean
+``cluster/workers`` and ``cluster/generation``; when the step record has them, ``train/tokens_per_s``,
+``train/mfu``, ``train/lr``, ``train/grad_norm``, ``train/loss_scale`` and ``train/skipped``
+(1 for a step loss scaling skipped), and ``metrics/<name>`` for each of the loss function's
+metrics; per broken-down step, ``breakdown/<part>`` (mean
 over the workers, seconds) and ``breakdown_worker_<id>/<part>`` (each worker); a resize or a new
 generation is also a text entry under ``events`` ("step 12: 2 -> 4 workers, generation 3").
 Needs the ``tensorboard`` package (``pip install virtualflow[tensorboard]``): asked for without it,
@@ -40,14 +43,21 @@ class TensorBoardLog:
         self._generation: int | None = None
 
     def step(self, record: dict[str, Any]) -> None:
-        """One step record (the coordinator's: step, loss, samples, step_time_s, workers,
-        generation, and breakdown / breakdown_step when measured)."""
+        """One step record (the coordinator's: :data:`virtualflow.control.coordinator.STEP_FIELDS`,
+        and breakdown / breakdown_step when measured)."""
         w, step = self.writer, int(record["step"])
         w.add_scalar("train/loss", float(record["loss"]), step)
         t = float(record["step_time_s"])
         w.add_scalar("train/step_time_s", t, step)
         if t > 0:
             w.add_scalar("train/samples_per_s", record["samples"] / t, step)
+        for key in ("tokens_per_s", "mfu", "lr", "grad_norm", "loss_scale"):
+            if record.get(key) is not None:
+                w.add_scalar(f"train/{key}", float(record[key]), step)
+        if "skipped" in record:
+            w.add_scalar("train/skipped", float(bool(record["skipped"])), step)
+        for name, value in (record.get("metrics") or {}).items():
+            w.add_scalar(f"metrics/{name}", float(value), step)
         workers, gen = int(record["workers"]), int(record["generation"])
         w.add_scalar("cluster/workers", workers, step)
         w.add_scalar("cluster/generation", gen, step)

@@ -108,7 +108,9 @@ class Result:
     lr_scheduler_state_dict: dict[str, Any] | None
     history: list[dict[str, Any]]
     """One record per step: step (0-based), loss, samples, step_time_s, workers, generation,
-    vns (the VN ids each worker ran)."""
+    vns (the VN ids each worker ran), metrics (the loss function's, each the mean over the global
+    batch), grad_norm, skipped, loss_scale, lr, samples_per_s, tokens_per_s, mfu (the fields of
+    ``metrics.jsonl``: :data:`virtualflow.control.coordinator.STEP_FIELDS`)."""
     metrics: dict[str, float]
     """The last evaluation's metrics (empty without ``Job.evaluate``)."""
     eval_history: list[dict[str, Any]] = field(default_factory=list)
@@ -116,7 +118,19 @@ class Result:
     steps: int = 0
     """Steps completed."""
     stopped: bool = False
-    """True when :meth:`JobHandle.stop` ended the job before ``steps``."""
+    """True when the job ended before its steps: :meth:`JobHandle.stop`, Ctrl-C or SIGTERM, or a
+    callback's early stop."""
+    stop_reason: str | None = None
+    """Why it stopped early (``"stop() called"``, ``"EarlyStopping.on_step_end asked to stop after
+    step 41"``, ...); None when it ran all its steps."""
+    throughput: dict[str, float | None] | None = None
+    """Mean throughput over the steady steps (all but the first): ``samples_per_s``,
+    ``tokens_per_s`` (with ``Job.tokens_per_sample``), ``mfu`` (a fraction, with
+    ``Job.flops_per_sample`` and a peak) and the ``peak_tflops`` of one worker it is measured
+    against (None when unknown)."""
+    callbacks_state: list[dict[str, Any] | None] | None = None
+    """The final state of the job's callbacks that have one (``Job.callbacks`` order: ``{"class",
+    "ranks", "state"}`` or None for a callback without state); None when no callback has state."""
     peak_rss_mib: dict[int, float] = field(default_factory=dict)
     """Peak resident memory of each worker process (worker id -> MiB)."""
     optimizer_bytes: dict[int, int] = field(default_factory=dict)

@@ -32,6 +32,7 @@ the BatchNorm bookkeeping in :mod:`virtualflow.runtime.batchnorm`, the probe's r
 from __future__ import annotations
 
 import functools
+import math
 import time
 from typing import Any, Callable, Sequence
 
@@ -43,10 +44,12 @@ from virtualflow.comm.reduce import (BucketReducer, ShardReducer, tree_exchange,
 from virtualflow.comm.ring import Collectives
 from virtualflow.plan.data import DataPlan, vn_seed
 from virtualflow.plan.vnmap import TreePlan
+from virtualflow.runtime.amp import LossScaler, autocast
 from virtualflow.runtime.batches import (BatchLoader, LossShapeError, NonFiniteLossError, StepOutcome, check_loss,
-                                         seed_random_streams, to_device)
+                                         seed_random_streams, split_loss, to_device)
 from virtualflow.runtime.batchnorm import BatchNormState
 from virtualflow.runtime.breakdown import RAW, StepClock, derive, measured_load
+from virtualflow.runtime.clipping import BLOCK, block_sq_sums, clip_, n_blocks, norm_from_blocks, total_norm
 from virtualflow.runtime.prefetch import Prefetcher
 from virtualflow.runtime.probe import PROBE_BUDGET, PROBE_CHANGE, PROBE_EVERY, ProbeCounters, probe_due
 from virtualflow.runtime.sharded import FlatParams, ShardedOptimizer, gather_sharded_state
@@ -58,6 +61,11 @@ __all__ = ["PROBE_BUDGET", "PROBE_CHANGE", "PROBE_EVERY", "BatchLoader", "BatchN
 """The step's parts (:mod:`~virtualflow.runtime.batches`), the BatchNorm state
 (:mod:`~virtualflow.runtime.batchnorm`) and the probe rule (:mod:`~virtualflow.runtime.probe`) are
 re-exported: they were imported from here."""
+
+
+MAX_METRICS = 16
+"""Slots for the loss function's metrics in a step's statistics vector (every worker sends the same
+length, whether or not it ran a virtual node)."""
 
 
 class VNEngine:
@@ -86,6 +94,9 @@ class VNEngine:
         reduction: str = "allreduce",
         loader_workers: int = 0,
         breakdown: bool = True,
+        precision: str = "32",
+        max_grad_norm: float | None = None,
+        loss_scale: dict[str, Any] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -109,12 +120,19 @@ class VNEngine:
         if reduction not in ("allreduce", "sharded"):
             raise ValueError(f"reduction={reduction!r} is not known; choose 'allreduce' or 'sharded' (--reduction)")
         self.sharded = reduction == "sharded"
+        self.precision = precision
+        """``Job.precision``: the forward and loss run under :func:`~virtualflow.runtime.amp.autocast`."""
+        self.max_grad_norm = max_grad_norm
+        self.scaler = LossScaler.of(precision, loss_scale)
+        """``"16-mixed"``'s loss scale (None otherwise); its decisions are the whole step's."""
         self.flat: FlatParams | None = None
         self.shard: ShardedOptimizer | None = None
         self.comm: Collectives | None = None
         if self.sharded:
             self.flat = FlatParams(self.params)  # the model's parameters now live in one flat vector
-            self.shard = ShardedOptimizer(optimizer, self.flat)
+            # A norm over chunks: no clipping block may straddle two workers' chunks.
+            align = BLOCK if self._needs_norm else 16
+            self.shard = ShardedOptimizer(optimizer, self.flat, align=align)
         self.tree: TreePlan | None = None
         self.grad_numel = sum(p.numel() for p in self.params)
         self._first_bn: torch.Tensor | None = None
@@ -131,6 +149,10 @@ class VNEngine:
         self.phase = "idle"
         """Where the current step is (reported when a peer fails): before_forward, backward,
         reduction, apply, idle."""
+        self.metric_names: list[str] = []
+        """The loss function's metric names (sorted), learnt from the first forward run here."""
+        self._metric_sums: dict[str, torch.Tensor] = {}
+        self._det_flat: torch.Tensor | None = None
         self._fault_point: Callable[[int, str], None] | None = None
         self._step_no = -1
         self._in_last_backward = False
@@ -138,6 +160,11 @@ class VNEngine:
         """Asked before each virtual node's forward: True once the coordinator has declared this
         generation broken (the worker's heartbeat thread watches the flag). The step is then
         abandoned at once instead of after computing the VNs left, whose result nobody can use."""
+
+    @property
+    def _needs_norm(self) -> bool:
+        """Whether a step computes the whole gradient's norm (to clip, or for loss scaling's verdict)."""
+        return self.max_grad_norm is not None or self.scaler is not None
 
     def install_fault_point(self, fn: Callable[[int, str], None]) -> None:
         """Call ``fn(step, phase)`` at each fault-injection point (see runtime/faults.py)."""
@@ -168,6 +195,8 @@ class VNEngine:
         if self.bn and self.phase in ("before_forward", "backward", "reduction"):
             self.bn.restore()
         self._zero_grad()
+        self._det_flat = None
+        self._metric_sums = {}
         if self.reducer is not None:
             self.reducer.close()
             self.reducer = None
@@ -282,11 +311,34 @@ class VNEngine:
             self.clock.add("input_s", now() - t0)
         seed_random_streams(vn_seed(self.seed, step, vn), self.device)
         t0 = now()
-        loss = self.loss_fn(self.model, batch)
+        with autocast(self.device, self.precision):
+            out = self.loss_fn(self.model, batch)
         self.clock.add("forward_s", now() - t0)
-        check_loss(loss, f"at step {step} in virtual node {vn}")
+        where = f"at step {step} in virtual node {vn}"
+        loss, metrics = split_loss(out, where)
+        check_loss(loss, where)
         self._loss_dtype = loss.dtype
-        return loss * (n / self.plan.global_batch_size)
+        share = n / self.plan.global_batch_size
+        self._note_metrics(metrics, share, where)
+        return loss * share
+
+    def _note_metrics(self, metrics: dict[str, Any], share: float, where: str) -> None:
+        """Add a VN's metrics, weighted by its share of the global batch, to the step's sums."""
+        names = sorted(metrics)
+        if not self.metric_names and names:
+            if len(names) > MAX_METRICS:
+                raise LossShapeError(f"Job.loss returned {len(names)} metrics {where}; at most {MAX_METRICS} are "
+                                     f"reduced per step")
+            self.metric_names = names
+        elif names != self.metric_names and (names or self._metric_sums):
+            raise LossShapeError(f"Job.loss returned the metrics {names} {where}, but {self.metric_names} before: "
+                                 f"return the same names at every call")
+        for name in names:
+            value = metrics[name]
+            value = value.detach().float().reshape(()) if isinstance(value, torch.Tensor) else torch.tensor(
+                float(value))
+            acc = self._metric_sums.get(name)
+            self._metric_sums[name] = value * share if acc is None else acc + value * share
 
     def _load(self, step: int, vn: int, indices: torch.Tensor) -> Any:
         """VN ``vn``'s batch of ``step``: from the prefetcher when there is one (the time waited
@@ -309,7 +361,7 @@ class VNEngine:
 
     def _backward(self, weighted: torch.Tensor) -> None:
         t0 = time.perf_counter()
-        weighted.backward()
+        (self.scaler.scale_loss(weighted) if self.scaler is not None else weighted).backward()
         self.clock.add("backward_s", time.perf_counter() - t0)
 
     def _sleep(self, seconds: float) -> None:
@@ -334,6 +386,7 @@ class VNEngine:
         vn = step % self.plan.virtual_nodes
         t0 = time.perf_counter()
         weighted = self._forward(step, vn)
+        self._metric_sums = {}  # a probe contributes nothing
         if weighted.requires_grad:
             t_b = time.perf_counter()
             torch.autograd.grad(weighted, self.params, allow_unused=True)
@@ -372,8 +425,13 @@ class VNEngine:
 
     def _pack_stats(self, bad: torch.Tensor, control: int, loss: torch.Tensor | None,
                     bn: torch.Tensor | None) -> torch.Tensor:
-        """[bad flag per VN | control | loss (default mode) | BN statistics (if any)]."""
-        parts = [bad, torch.tensor([float(control)], device=self.device, dtype=bad.dtype)]
+        """[bad flag per VN | control | metric sums (MAX_METRICS slots) | loss (default mode) | BN
+        statistics (if any) | timing]."""
+        metrics = torch.zeros(MAX_METRICS, device=self.device, dtype=bad.dtype)
+        for i, name in enumerate(self.metric_names):
+            if name in self._metric_sums:
+                metrics[i] = self._metric_sums[name].to(self.device, bad.dtype)
+        parts = [bad, torch.tensor([float(control)], device=self.device, dtype=bad.dtype), metrics]
         if loss is not None:
             parts.append(loss.reshape(1).to(bad.dtype))
         if self.bn.numel and (self.batchnorm == "first" or not self.deterministic):
@@ -404,6 +462,7 @@ class VNEngine:
         """
         assert self.group is not None, "set_membership() first"
         self.clock.begin()
+        self._metric_sums = {}
         self._step_no = step
         self._steps_in_generation += 1
         if self.prefetcher is not None:
@@ -489,7 +548,9 @@ class VNEngine:
             self.clock.leave_reduction()
         bad_vns = [int(v) for v in torch.nonzero(stats[:V]).flatten().tolist()]
         control_sum = int(round(stats[V].item()))
-        offset = V + 1
+        metric_values = stats[V + 1 : V + 1 + MAX_METRICS].tolist()
+        metrics = {name: metric_values[i] for i, name in enumerate(self.metric_names)} or None
+        offset = V + 1 + MAX_METRICS
         if not self.deterministic:
             loss = stats[offset]
             offset += 1
@@ -514,21 +575,70 @@ class VNEngine:
             if self.bn:
                 self.bn.restore()
             self._zero_grad()
+            self._det_flat = None
             self.phase = "idle"
-            return StepOutcome(loss_value, bad_vns, control_sum, compute_s, breakdown)
+            return StepOutcome(loss_value, bad_vns, control_sum, compute_s, breakdown, metrics=metrics)
         # The reduced gradient is held: from here on the step is committed on this worker (see
         # runtime/worker.py for the rule that keeps survivors consistent).
         self.phase = "apply"
         self._point("after_reduction")
         t_apply = time.perf_counter()
+        scale = self.scaler.scale if self.scaler is not None else None
+        norm, skipped = self._finish_gradient()
         if bn_new is not None:
             self.bn.load_flat(bn_new)
         if not self.vns:
             self.bn.advance_counters()  # as the forward of a VN would have (the others ran one)
-        self._apply()
+        if skipped:
+            self._zero_grad()  # the optimizer and the LR scheduler do not step
+        else:
+            self._apply()
+        if self.scaler is not None:
+            self.scaler.update(skipped)
         self.clock.add("optimizer_s", time.perf_counter() - t_apply)
         self.phase = "idle"
-        return StepOutcome(loss_value, [], control_sum, compute_s, breakdown)
+        return StepOutcome(loss_value, [], control_sum, compute_s, breakdown, metrics=metrics,
+                           grad_norm=norm, skipped=skipped, loss_scale=scale)
+
+    def _finish_gradient(self) -> tuple[float | None, bool]:
+        """After the reduction: unscale (``16-mixed``), take the whole step's gradient norm when it
+        is needed, decide whether the step is skipped (an inf/nan gradient under loss scaling) and
+        clip. Returns (norm, skipped). The same on every worker: every worker holds the same
+        reduced gradient, or (sharded) the same all-reduced block sums
+        (:mod:`virtualflow.runtime.clipping`)."""
+        if self._det_flat is not None:  # deterministic, not sharded: the tree's flat sum
+            grads = [self._det_flat]
+        elif self.flat is not None:
+            assert self.shard is not None
+            lo, hi = self.shard.chunk()
+            grads = [self.flat.grad[lo:hi]]
+        else:
+            grads = [p.grad for p in self.params if p.grad is not None]
+        norm_value, skipped = None, False
+        if self._needs_norm:
+            if self.scaler is not None:
+                self.scaler.unscale_(grads)
+            if self._det_flat is not None:
+                norm = norm_from_blocks(block_sq_sums(self._det_flat, 0, self.grad_numel))
+            elif self.flat is not None:
+                sums = block_sq_sums(grads[0], lo, self.grad_numel)
+                if self.group is not None and self.group.size > 1:
+                    self.group.all_reduce(sums)  # each block has one owner: the sum is exact
+                norm = norm_from_blocks(sums)
+            else:
+                norm = total_norm(grads)
+            norm_value = float(norm)
+            skipped = self.scaler is not None and not math.isfinite(norm_value)
+            if self.max_grad_norm is not None and not skipped:
+                clip_(grads, norm, self.max_grad_norm)
+        if self._det_flat is not None:
+            offset = 0
+            for p in self.params:
+                n = p.numel()
+                p.grad = self._det_flat[offset : offset + n].view_as(p).clone()
+                offset += n
+            self._det_flat = None
+        return norm_value, skipped
 
     def _reduce_default(self, stats: torch.Tensor, *, arm: bool) -> torch.Tensor:
         """Default mode's reduction after the last backward (``arm``: nothing was armed, as on a
@@ -599,11 +709,8 @@ class VNEngine:
         total = tree_exchange(self.tree, self.group, local, like=like)
         if not self.vns:
             self._note_idle(t_step, probed)
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            p.grad = total[offset : offset + n].view_as(p).clone()
-            offset += n
+        self._det_flat = total[: self.grad_numel]  # into p.grad once the step is decided (_finish_gradient)
+        offset = self.grad_numel
         bn_mean = None
         if with_bn:
             bn_mean = total[offset : offset + self.bn.numel] / self.plan.virtual_nodes

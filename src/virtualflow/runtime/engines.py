@@ -158,6 +158,10 @@ class Engine(Protocol):
     def before_regroup(self) -> None:
         """Collective. A planned regroup follows this step: gather what a leaving member holds."""
 
+    def learning_rate(self) -> float | None:
+        """Local. The learning rate of the optimizer's first parameter group now (the one the next
+        step uses), for the step reports and callbacks; None when this worker holds no optimizer."""
+
     def non_finite_note(self, step: int, path: str) -> str:
         """What became of a step with a non-finite loss and where its state was saved (``path``)."""
 

@@ -12,7 +12,7 @@ Invariants.
   Parameter names and ``state_dict`` keys do not change (the forward is replaced on the
   instance, not wrapped in another module), so checkpoints, state transfers and resumes work
   with any setting.
-* *Compiled once.* ``nn.Module.compile`` compiles in place (``state_dict`` keys unchanged); every
+* *Compiled once.* The model's ``forward`` is compiled in place (``state_dict`` keys unchanged); every
   virtual node of every step then calls the same compiled module with the same input shapes (a
   virtual node's batch size is fixed by the job), so dynamo compiles on the first call and never
   again, whatever the number of virtual nodes, steps or generations.
@@ -105,11 +105,14 @@ def apply_activation_checkpointing(model: torch.nn.Module, spec: Any) -> list[st
 
 
 def compile_model(model: torch.nn.Module, spec: bool | Mapping[str, Any]) -> None:
-    """``model.compile(**kwargs)`` in place (``spec`` True: torch.compile's defaults)."""
+    """``torch.compile`` the model's ``forward`` in place (``spec`` True: torch.compile's
+    defaults). Not ``nn.Module.compile``: on torch's own containers (an ``nn.Sequential``, a
+    pipeline piece) dynamo skips the module's call and compiles nothing; the bound ``forward``
+    is compiled whatever the module's class, and ``state_dict`` keys stay as they are."""
     if spec is False:
         return
     kwargs = dict(spec) if isinstance(spec, Mapping) else {}
-    model.compile(**kwargs)
+    model.forward = torch.compile(model.forward, **kwargs)
 
 
 def prepare_model(model: torch.nn.Module, *, activation_checkpointing: Any = None,

@@ -63,6 +63,14 @@ def check_optimizer(optimizer: torch.optim.Optimizer, params: Sequence[torch.Ten
     """Raise ``ValueError`` unless ``optimizer`` can be sharded over ``params`` (the model's
     trainable parameters) without changing the model."""
     if type(optimizer) not in SUPPORTED:
+        base = next((c for c in SUPPORTED if isinstance(optimizer, c)), None)
+        if base is not None:
+            raise ValueError(
+                f"reduction='sharded' updates each worker's slice of the parameters with a {base.__name__} of the "
+                f"user's hyperparameters, so a subclass's own step() ({type(optimizer).__name__}) never runs: a "
+                f"subclass that clips gradients in step() would clip each slice by its own norm. Use the plain "
+                f"torch.optim.{base.__name__} and Job.max_grad_norm (--max-grad-norm), which clips by the whole "
+                f"step's gradient norm, or reduction='allreduce'")
         raise ValueError(
             f"reduction='sharded' updates each worker's slice of the parameters separately, which gives the "
             f"same model only for optimizers whose update is elementwise: torch.optim.Adam, AdamW and SGD; "
@@ -130,10 +138,13 @@ class FlatParams:
 class ShardedOptimizer:
     """The chunk of the optimizer one worker holds, and the whole state when it must be moved."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, flat: FlatParams) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, flat: FlatParams, align: int = ALIGN) -> None:
         check_optimizer(optimizer, flat.params)
         self.user = optimizer
         self.flat = flat
+        self.align = align
+        """Chunk boundaries fall on multiples of this (a multiple of :data:`ALIGN`; the clipping
+        norm's block size when the norm is taken, so no block straddles two workers)."""
         self.index = {id(p): i for i, p in enumerate(flat.params)}
         self.order = [self.index[id(p)] for g in optimizer.param_groups for p in g["params"]]
         """Parameter index of each position of the user's ``state_dict`` (its state is keyed so)."""
@@ -168,7 +179,7 @@ class ShardedOptimizer:
     def shard(self, rank: int, size: int) -> None:
         """Take chunk ``rank`` of ``size`` out of the whole state held (a new generation)."""
         self.check_held()
-        self.bounds = shard_bounds(self.flat.numel, size, ALIGN)
+        self.bounds = shard_bounds(self.flat.numel, size, self.align)
         self.rank = rank
         lo, hi = self.bounds[rank]
         self.user.load_state_dict(self.full)  # hyperparameters, and the whole state for a moment

@@ -5,9 +5,11 @@ it knows the run's files and the worker's reports; the engine (:meth:`Engine.bou
 :meth:`Engine.boundary_on_rank0`, :meth:`Engine.hold`) decides when its state is assembled and
 by whom. Invariants: checkpoint files are named ``checkpoints/step-<8 digits>.pt`` in the run's
 state directory and their contents are an engine's whole state plus ``step`` and ``job`` (the
-job's name, global batch size, virtual nodes and seed), in that key order; pruning keeps the
-newest ``keep_checkpoints`` files (and their ``.sha256``); an evaluation runs the model in eval
-mode without gradients and puts it back in training mode.
+job's name, global batch size, virtual nodes and seed), in that key order, then ``callbacks``
+(the job's callbacks' state, :meth:`virtualflow.runtime.callbacks.Callbacks.state_dict`) when a
+callback has state; pruning keeps the newest ``keep_checkpoints`` files (and their
+``.sha256``); an evaluation runs the model in eval mode without gradients, puts it back in
+training mode, is reported, then told to the callbacks (``on_eval``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from virtualflow.runtime.checkpoint import save_state
 from virtualflow.runtime.worker_config import WorkerConfig
 
 if TYPE_CHECKING:
+    from virtualflow.runtime.callbacks import Callbacks
     from virtualflow.runtime.engines import Engine
 
 __all__ = ["WorkerBoundary", "checkpoint_path", "evaluate", "job_identity"]
@@ -44,26 +47,24 @@ def job_identity(job: Job) -> dict[str, Any]:
     }
 
 
-def evaluate(report: Reporter, job: Job, model: torch.nn.Module, step: int) -> None:
-    """``job.evaluate(model)`` without gradients, reported as an ``eval`` event."""
+def evaluate(report: Reporter, job: Job, model: torch.nn.Module, step: int) -> dict[str, float]:
+    """``job.evaluate(model)`` without gradients, reported as an ``eval`` event; returns its metrics."""
     model.eval()
     t0 = time.perf_counter()
     with torch.no_grad():
         metrics = job.evaluate(model)
     model.train()
-    report({
-        "type": "eval",
-        "step": step,
-        "metrics": {str(k): float(v) for k, v in dict(metrics).items()},
-        "eval_time_s": time.perf_counter() - t0,
-    })
+    metrics = {str(k): float(v) for k, v in dict(metrics).items()}
+    report({"type": "eval", "step": step, "metrics": metrics, "eval_time_s": time.perf_counter() - t0})
+    return metrics
 
 
 class WorkerBoundary:
     """Checkpoints and evaluations of one worker's run (see the module docstring)."""
 
-    def __init__(self, cfg: WorkerConfig, job: Job, report: Reporter) -> None:
+    def __init__(self, cfg: WorkerConfig, job: Job, report: Reporter, callbacks: Callbacks | None = None) -> None:
         self.cfg, self.job, self.report = cfg, job, report
+        self.callbacks = callbacks
         self.last_eval_step = -1
         """The step of the last evaluation (the final state is evaluated unless it was)."""
 
@@ -80,6 +81,8 @@ class WorkerBoundary:
         if state is None:
             return None
         state.update({"step": step, "job": job_identity(self.job)})
+        if self.callbacks is not None and self.callbacks.has_state():
+            state["callbacks"] = self.callbacks.state_dict()
         return state
 
     def save_checkpoint(self, step: int, state: dict[str, Any], *, prune: bool) -> str:
@@ -100,5 +103,7 @@ class WorkerBoundary:
         self.report({"type": "checkpoint", "step": step, "path": path, "save_s": time.perf_counter() - t0})
 
     def evaluate(self, model: torch.nn.Module, step: int) -> None:
-        evaluate(self.report, self.job, model, step)
+        metrics = evaluate(self.report, self.job, model, step)
         self.last_eval_step = step
+        if self.callbacks is not None:
+            self.callbacks.evaluated(step, metrics)

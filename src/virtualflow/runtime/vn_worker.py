@@ -25,6 +25,7 @@ from virtualflow.comm.groups import Group
 from virtualflow.plan.data import DataPlan
 from virtualflow.runtime.engine import BatchLoader, StepOutcome, VNEngine
 from virtualflow.runtime.engines import Boundary, Joining
+from virtualflow.runtime.model_prep import prepare_model
 from virtualflow.runtime.sharded import ShardLost
 from virtualflow.runtime.transfer import Progress, broadcast_state
 
@@ -58,6 +59,7 @@ def full_state(engine: VNEngine, progress: Progress) -> dict[str, Any]:
         "model": engine.model.state_dict(),
         "optimizer": engine.optimizer_state(),
         "lr_scheduler": engine.scheduler.state_dict() if engine.scheduler is not None else None,
+        "grad_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
         "step": progress.step,
         "control": progress.control,
     }
@@ -69,6 +71,8 @@ def load_full_state(engine: VNEngine, state: dict[str, Any]) -> None:
     engine.load_optimizer_state(state["optimizer"])
     if engine.scheduler is not None and state.get("lr_scheduler") is not None:
         engine.scheduler.load_state_dict(state["lr_scheduler"])
+    if engine.scaler is not None and state.get("grad_scaler") is not None:
+        engine.scaler.load_state_dict(state["grad_scaler"])
 
 
 def materialize_optimizer_state(engine: VNEngine) -> None:
@@ -100,12 +104,15 @@ class VNWorkerEngine:
         """The job's model (from ``torch.manual_seed(job.seed)``), optimizer, scheduler and engine."""
         torch.manual_seed(job.seed)
         model = job.model().to(device)
+        prepare_model(model, activation_checkpointing=job.activation_checkpointing, compile=job.compile)
         optimizer = job.build_optimizer(model)
         scheduler = job.lr_scheduler(optimizer) if job.lr_scheduler is not None else None
         return cls(VNEngine(
             model, optimizer, scheduler, job.compute_loss, plan, BatchLoader(dataset, job.collate_fn),
             seed=job.seed, batchnorm=job.batchnorm, deterministic=cfg.deterministic, device=device,
             reduction=cfg.reduction, loader_workers=cfg.loader_workers, breakdown=cfg.breakdown,
+            precision=job.precision, max_grad_norm=job.max_grad_norm,
+            loss_scale=dict(job.loss_scale) if job.loss_scale is not None else None,
         ))
 
     # -- the engine's attributes, the VN engine's own -------------------------------------------
@@ -191,11 +198,14 @@ class VNWorkerEngine:
         optimizer = vn.gather_optimizer_state(root=0) if vn.sharded else None  # a collective
         if group.rank != 0:
             return None
-        return {
+        state = {
             "model": {k: v.detach().cpu() for k, v in vn.model.state_dict().items()},
             "optimizer": optimizer if optimizer is not None else vn.optimizer_state(),
             "lr_scheduler": vn.scheduler.state_dict() if vn.scheduler is not None else None,
         }
+        if vn.scaler is not None:  # 16-mixed: the loss scale and its growth counter resume too
+            state["grad_scaler"] = vn.scaler.state_dict()
+        return state
 
     def boundary(self, group: Group, step: int, work: Boundary) -> None:
         if not self.vn.sharded or not work.checkpoint_due(step):
@@ -221,6 +231,10 @@ class VNWorkerEngine:
         if group.rank != 0:
             return None
         return work.save_checkpoint(step, work.whole_state(self, group, step), prune=True)
+
+    def learning_rate(self) -> float | None:
+        groups = self.vn.optimizer.param_groups
+        return float(groups[0]["lr"]) if groups and "lr" in groups[0] else None
 
     def non_finite_note(self, step: int, path: str) -> str:
         return f"the step was not applied and the last good state (before step {step}) is in {path}"

@@ -12,7 +12,8 @@ the coordinator only through the job's TCPStore (see :mod:`virtualflow.comm.prot
    how far everyone got, and broadcast the full state from the most advanced member to anyone
    behind (newcomers; a survivor that had not applied an interrupted step).
 3. **Train** until the job ends, a ``stop`` or ``regroup`` command arrives (every member sees it
-   at the same step boundary, it rides in the step's all-reduce), or a collective fails
+   at the same step boundary, it rides in the step's all-reduce), a callback asks to stop (agreed
+   at the boundary of the step it named), or a collective fails
    (:class:`PeerFailure`): then the interrupted step is abandoned (BatchNorm statistics and
    gradients restored), a ``fault`` is reported with the phase, and the worker waits for the
    coordinator's next generation, where the step is redone.
@@ -49,8 +50,10 @@ generation, a step, abandoning it, the whole state, the step-boundary work, a he
 Size: one concept (a worker's life through generations: set-up, forming a group, agreeing on
 the state, the step loop, leaving). Beside it: its side of the control plane
 (:mod:`virtualflow.runtime.channel`), its configuration (:mod:`virtualflow.runtime.worker_config`),
-checkpoints and evaluations at step boundaries (:mod:`virtualflow.runtime.step_boundary`) and its
-failure report (:mod:`virtualflow.runtime.failure_report`).
+checkpoints and evaluations at step boundaries (:mod:`virtualflow.runtime.step_boundary`), the
+job's callbacks (:mod:`virtualflow.runtime.callbacks`: run after each step, their early stop agreed
+by every member, their state moved when a generation forms) and its failure report
+(:mod:`virtualflow.runtime.failure_report`).
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ import torch.distributed as dist
 from virtualflow.comm import auth, protocol
 from virtualflow.comm.groups import Group, PeerFailure, make_group
 from virtualflow.config.job import Job
+from virtualflow.plan.flops import peak_tflops
+from virtualflow.runtime.callbacks import Callbacks, StepInfo
 from virtualflow.runtime.channel import Heartbeat, Rejections, Reporter, aborted
 from virtualflow.runtime.checkpoint import load_state, save_state
 from virtualflow.runtime.engine import NonFiniteLossError
@@ -149,6 +154,17 @@ class PreemptionNotice:
         return True
 
 
+def device_peak_tflops(device: torch.device, precision: str) -> float | None:
+    """The peak TFLOP/s the worker's device is known for (:func:`virtualflow.plan.flops.peak_tflops`),
+    or None (a CPU, an unknown GPU): the step reports carry it for model FLOPs utilisation."""
+    if device.type != "cuda":
+        return None
+    try:
+        return peak_tflops(torch.cuda.get_device_name(device), precision)
+    except Exception:  # noqa: BLE001 - a figure for the records only
+        return None
+
+
 class _Aborted(Exception):
     """The generation was abandoned before it formed (a member failed during the rendezvous)."""
 
@@ -228,7 +244,9 @@ class Worker:
         dataset = job.build_dataset()
         self.engine: Engine = build_engine(cfg, self.id, job, dataset, self.store, self.device,
                                            eager_every_wait=self.eager_every_wait)
-        self.boundary = WorkerBoundary(cfg, job, self.report)
+        self.callbacks = Callbacks(job.callbacks, self.device)
+        self.boundary = WorkerBoundary(cfg, job, self.report, self.callbacks)
+        self.peak_tflops = device_peak_tflops(self.device, job.precision) if job.flops_per_sample else None
         self.profiler = None
         if cfg.profile_steps is not None:
             self.profiler = StepProfiler(cfg.profile_steps, os.path.join(cfg.state_dir, "profile"), self.id,
@@ -240,10 +258,12 @@ class Worker:
             state = load_state(cfg.resume_path)
             self.engine.resume_from(state)
             self.progress = Progress(step=int(state["step"]), control=0)
+            self.callbacks.resume(state.get("callbacks"), self.progress.step)
         elif self.id < cfg.initial_workers:
             # Generation 0 starts from the job's initial weights: everyone built the same model
             # from the same seed, and rank 0's copy is broadcast anyway (see _form).
             self.progress = Progress(step=0, control=0)
+            self.callbacks.zero_seen = 0  # every initial worker's callbacks start alike
         else:
             self.engine.prepare_to_join()
         self.heartbeat = Heartbeat(cfg, self.id, run=self.run_key, rejections=self.rejections)
@@ -341,6 +361,10 @@ class Worker:
                                           steps=[p.step for p in everyone], target=target, src=src,
                                           state_point=point)
         moved, t_transfer = self.engine.adopt(joining)
+        if self.callbacks:  # their state follows the training state (a collective)
+            t1 = time.perf_counter()
+            moved += self.callbacks.adopt(group, src=src, behind=joining.behind, step=target, hold=record.hold)
+            t_transfer += time.perf_counter() - t1
         self.progress = Progress(step=target, control=max(p.control for p in everyone))
         if self.cfg.control_plane:
             self.heartbeat.watch(gen)
@@ -380,6 +404,7 @@ class Worker:
         profiler = self.profiler
         while step < cfg.total_steps:
             control = self.heartbeat.control_seq if rank == 0 else 0
+            lr = engine.learning_rate()  # the rate this step uses (a scheduler moves it after the step)
             if profiler is not None:
                 profiler.before(step)
             outcome = engine.step(step, control)
@@ -389,6 +414,13 @@ class Worker:
                 self._non_finite(outcome, step, group)
             step += 1
             self.progress = Progress(step=step, control=self.progress.control)
+            metrics = {str(k): float(v) for k, v in (outcome.metrics or {}).items()}
+            stop = False
+            if self.callbacks:  # part of the step's time: a callback's work is the job's
+                self.callbacks.step_end(StepInfo(
+                    step=step - 1, loss=outcome.loss, metrics=dict(metrics), grad_norm=outcome.grad_norm,
+                    skipped=outcome.skipped, lr=lr, workers=group.size, rank=rank, model=engine.model))
+                stop = self.callbacks.agree_stop(group) and step < cfg.total_steps  # collective
             now = time.perf_counter()
             step_time, t_prev = now - t_prev, now
             report = {
@@ -397,6 +429,11 @@ class Worker:
                 "vns": record.assignment, "members": record.members, "compute_s": outcome.compute_s,
                 "vn_sizes": record.vn_sizes,
                 "time": time.time(),
+                # the training loop's fields (records/: metrics.jsonl), checked by the coordinator
+                "metrics": metrics, "grad_norm": outcome.grad_norm, "skipped": bool(outcome.skipped),
+                "loss_scale": outcome.loss_scale, "lr": lr, "peak_tflops": self.peak_tflops,
+                "stop_reason": (self.callbacks.stop_reason or f"a callback on another worker asked to stop after "
+                                f"step {step - 1}") if stop else None,
             }
             if outcome.breakdown is not None:  # of the previous step (it rode in this one's reduction)
                 report["breakdown"] = [{"worker": w, **parts} for w, parts in zip(record.members, outcome.breakdown)]
@@ -412,6 +449,8 @@ class Worker:
                 self.report(report)
                 engine.boundary_on_rank0(step, self.boundary)  # what rank 0 does alone
                 t_prev = time.perf_counter()  # checkpoint and evaluation time is not step time
+            if stop:  # every member agreed on it in this boundary's all-reduce
+                return "stop"
             if outcome.control > self.progress.control:
                 commands = [self._command(n) for n in range(self.progress.control + 1, outcome.control + 1)]
                 ops = [c["op"] for c in commands]
@@ -459,6 +498,8 @@ class Worker:
         if group.rank == 0:
             if job.evaluate is not None and self.boundary.last_eval_step != step:
                 self.boundary.evaluate(self.engine.model, step)
+                if "callbacks" in state:  # what on_eval did to them
+                    state["callbacks"] = self.callbacks.state_dict()
             save_state(os.path.join(self.cfg.state_dir, "final.pt"), state)
         self.report({"type": "done", "step": step, "rank": group.rank, "peak_rss_mib": peak_rss_mib(),
                      **self.engine.final_report()})

@@ -364,6 +364,11 @@ class PipelineWorkerEngine:
         state = work.whole_state(self, group, step)  # rank 0 gathers the stages
         return work.save_checkpoint(step, state, prune=False) if group.rank == 0 else None
 
+    def learning_rate(self) -> float | None:
+        optimizer = self.optimizer  # this worker's stage's (every stage's follows the same schedule)
+        groups = optimizer.param_groups if optimizer is not None else None
+        return float(groups[0]["lr"]) if groups and "lr" in groups[0] else None
+
     def non_finite_note(self, step: int, path: str) -> str:
         if not self.pipeline.flush:
             return (f"the {self.pipeline.schedule} schedule streams steps without a flush, so the updates of its "
