@@ -274,6 +274,20 @@ def pipelined_slow_job() -> vf.Job:
     return job.replace(output_loss=lambda out, batch: (time.sleep(0.01), nn.functional.cross_entropy(out, batch[1]))[1])
 
 
+def _ce_with_accuracy(out, batch):
+    time.sleep(0.01)  # slow enough for a test to resize it mid-run
+    loss = nn.functional.cross_entropy(out, batch[1])
+    return loss, {"accuracy": (out.argmax(1) == batch[1]).float().mean()}
+
+
+def pipelined_loop_job() -> vf.Job:
+    """pipelined_job with the training loop's knobs: float16 with a loss scale that overflows at
+    first (and grows every 2 applied steps), clipping, checkpointing, a metric from the loss."""
+    return pipelined_job().replace(
+        output_loss=_ce_with_accuracy, precision="16-mixed", loss_scale={"init_scale": 2.0 ** 20, "growth_interval": 2},
+        max_grad_norm=0.5, activation_checkpointing="every", evaluate=None)
+
+
 def pipelined_2bw_job() -> vf.Job:
     """A BatchNorm-free pipelined job on PipeDream-2BW (windows of 2 steps), slowed per step."""
     from virtualflow.config.pipeline import Pipeline

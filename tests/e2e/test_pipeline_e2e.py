@@ -6,6 +6,8 @@ the process driver, the per-stage groups, the state gathering and the resize pat
   unpipelined deterministic run of the same job on one worker.
 - A run resized 1 -> 2 -> 1 pipeline replicas mid-way ends bit-identical to an undisturbed run.
 - Bad input is refused before any worker starts.
+- The training loop's knobs (16-mixed with skipped steps, clipping, checkpointing, a loss metric)
+  through a resize: bit-identical to the in-process run, with the same skips, scales and norms.
 """
 
 from __future__ import annotations
@@ -245,3 +247,21 @@ def test_a_lost_worker_is_replaced_by_a_whole_pipeline_with_replace_failed(run_d
     result = handle.stop()
     assert size_changes(result) == [4, 2, 4]
     assert_state_equal(result.state_dict, unpipelined(result.steps).state_dict)
+
+
+def test_loop_knobs_survive_a_resize_bit_identically(run_dir):
+    """16-mixed (the loss scale overflows at first), max_grad_norm, activation checkpointing and a
+    metric from output_loss, resized 2 -> 4 -> 2 workers mid-way (the scaler's state moves with a
+    stage's): the same model, skips, scales, norms and metrics as the undisturbed in-process run."""
+    from virtualflow.backends.inprocess import train_local
+
+    result = resized_run(jobs.pipelined_loop_job, run_dir, sizes=(4, 2))
+    assert size_changes(result) == [2, 4, 2]
+    state, history = train_local(jobs.pipelined_loop_job(), result.steps, deterministic=True)
+    assert_state_equal(result.state_dict, state)
+    assert any(h.skipped for h in history) and not all(h.skipped for h in history)
+    for h, r in zip(result.history, history):
+        assert (h["loss"], h["skipped"], h["loss_scale"]) == (r.loss, r.skipped, r.loss_scale)
+        if not r.skipped:  # (a skipped step's norm is inf or nan)
+            assert h["grad_norm"] == r.grad_norm
+        assert h["metrics"] == pytest.approx(r.metrics, rel=1e-12)

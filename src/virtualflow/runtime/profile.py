@@ -59,6 +59,7 @@ from virtualflow.plan.pipeline import predict as _predict
 from virtualflow.plan.pipeline.geometry import layers_of, tensors_of
 from virtualflow.plan.pipeline.partition import LayerProfile, Link, Partition
 from virtualflow.plan.pipeline.predict import DEFAULT_OPTIMIZER_STATE_FACTOR, LOOPBACK, ModelProfile
+from virtualflow.runtime.batches import split_loss
 from virtualflow.runtime.engine import BatchLoader, to_device
 
 log = logging.getLogger(__name__)
@@ -227,6 +228,7 @@ def _profile(job: Job, dev: torch.device, repeats: int, warmup: int, weight_grad
             t1 = time.perf_counter()
             outs = tensors_of(out)
             if k == n - 1:
+                loss, _ = split_loss(loss, "when the pipeline was profiled")  # (loss, {name: value}) too
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise ValueError(f"Job.output_loss must return a scalar tensor, got {_shape(loss)}")
                 targets, grads = ([loss], [None]) if loss.requires_grad else ([], [])

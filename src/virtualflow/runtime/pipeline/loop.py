@@ -52,7 +52,7 @@ from virtualflow.runtime.clipping import block_sq_sums
 from virtualflow.runtime.model_prep import prepare_model
 from virtualflow.runtime.pipeline.requests import AllSum, Request
 
-__all__ = ["StageLoop", "check_checkpoint_spec", "check_schedule", "checkpoint_spec_for", "compile_piece", "norm_layers",
+__all__ = ["StageLoop", "check_checkpoint_spec", "check_schedule", "checkpoint_spec_for", "norm_layers",
            "share_metrics", "stage_loop", "weighted_metrics"]
 
 
@@ -94,8 +94,8 @@ class StageLoop:
     def prepare(self, pieces: Mapping[int, nn.Module]) -> None:
         """Activation checkpointing, then compile, on each piece (once per worker)."""
         for piece in pieces.values():
-            prepare_model(piece, activation_checkpointing=checkpoint_spec_for(piece, self.activation_checkpointing))
-            compile_piece(piece, self.compile)
+            prepare_model(piece, activation_checkpointing=checkpoint_spec_for(piece, self.activation_checkpointing),
+                          compile=self.compile)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale_loss(loss) if self.scaler is not None else loss
@@ -129,20 +129,6 @@ class StageLoop:
     def norm_of(sums: torch.Tensor) -> torch.Tensor:
         """The whole model's gradient norm from every layer's sum of squares (float32, as torch's)."""
         return sums.sum().sqrt().float()
-
-
-def compile_piece(piece: nn.Module, spec: bool | Mapping[str, Any]) -> None:
-    """``torch.compile`` a piece's forward in place (``spec`` True: torch.compile's defaults).
-
-    Not ``piece.compile()``: a piece is an ``nn.Sequential``, torch's own class, whose frames
-    dynamo skips when they are the compiled entry point (``Module.compile`` then compiles nothing,
-    silently); the instance's ``forward`` is traced, layers included. The module, its parameter
-    names and ``state_dict`` keys are unchanged; every micro-batch calls the same compiled forward
-    with a virtual node's fixed shapes, so it is compiled on the first call only."""
-    if spec is False:
-        return
-    kwargs = dict(spec) if isinstance(spec, Mapping) else {}
-    piece.forward = torch.compile(piece.forward, **kwargs)
 
 
 def norm_layers(model: nn.Module, excluded: frozenset[str]) -> list[tuple[int, list[torch.Tensor]]]:
