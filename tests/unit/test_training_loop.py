@@ -267,3 +267,23 @@ def test_block_sums_do_not_depend_on_the_cut():
         assert torch.equal(acc, whole), cuts
     with pytest.raises(ValueError, match="blocks"):
         block_sq_sums(g[:100], 0, total)
+
+
+def test_loss_scaler_follows_grad_scaler_with_any_factors():
+    """Factors that are not powers of two: the scale is GradScaler's at every step (the product in
+    double, kept in float32), and the state dicts have the same keys."""
+    from virtualflow.runtime.amp import LossScaler
+
+    knobs = {"init_scale": 2.0 ** 60, "backoff_factor": 0.9, "growth_factor": 1.7, "growth_interval": 2}
+    ours, theirs = LossScaler(knobs), torch.amp.GradScaler("cpu", **knobs)
+    p = torch.nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([p], lr=0.0)
+    for overflow in [True, True, False, False, False, True, False, False, True, True, False, False]:
+        theirs.scale(torch.ones(1))
+        p.grad = torch.tensor([float("inf") if overflow else 1.0])
+        theirs.unscale_(opt)
+        theirs.step(opt)
+        theirs.update()
+        ours.update(overflow)
+        assert ours.scale == theirs.get_scale()
+    assert set(ours.state_dict()) == set(theirs.state_dict())

@@ -78,12 +78,12 @@ class LossScaler:
     def update(self, found_inf: bool) -> None:
         """After a step: back off when it was skipped, grow after ``growth_interval`` applied steps."""
         if found_inf:
-            self.scale = float(torch.tensor(self.scale, dtype=torch.float32) * self.backoff_factor)
+            self.scale = _as_float32(self.scale * self.backoff_factor)
             self.growth_tracker = 0
             return
         self.growth_tracker += 1
         if self.growth_tracker == self.growth_interval:
-            grown = float(torch.tensor(self.scale, dtype=torch.float32) * self.growth_factor)
+            grown = _as_float32(self.scale * self.growth_factor)
             if grown != float("inf"):
                 self.scale = grown
             self.growth_tracker = 0
@@ -99,3 +99,8 @@ class LossScaler:
         self.backoff_factor = float(state["backoff_factor"])
         self.growth_interval = int(state["growth_interval"])
         self.growth_tracker = int(state["_growth_tracker"])
+
+
+def _as_float32(value: float) -> float:
+    """GradScaler's arithmetic: the product in double, rounded to the float32 the scale is kept in."""
+    return float(torch.tensor(value, dtype=torch.float32))
