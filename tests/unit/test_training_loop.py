@@ -190,6 +190,8 @@ def test_bad_knobs_name_value_rule_and_knob():
         lm_job(compile="yes")
     with pytest.raises(ValueError, match=r"growth_factor.*> 1"):
         lm_job(precision="16-mixed", loss_scale={"growth_factor": 0.5})
+    with pytest.raises(ValueError, match=r"'eager'.*activation_checkpointing.*dropout mask.*aot_eager"):
+        lm_job(compile={"backend": "eager"}, activation_checkpointing="every")
     with pytest.raises(ValueError, match=r"--max-grad-norm"):
         vf.LaunchOptions(steps=1, max_grad_norm=0.0)
 

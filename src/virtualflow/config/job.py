@@ -169,6 +169,12 @@ class Job:
         self.max_grad_norm = loop.check_max_grad_norm(self.max_grad_norm)
         self.activation_checkpointing = loop.check_activation_checkpointing(self.activation_checkpointing)
         loop.check_compile(self.compile)
+        if (self.activation_checkpointing is not None and isinstance(self.compile, Mapping)
+                and self.compile.get("backend") == "eager"):
+            raise ValueError("compile={'backend': 'eager'} with activation_checkpointing: under dynamo's bare eager "
+                             "backend a checkpointed block's recompute draws another dropout mask, so the model would "
+                             "differ from the uncompiled one; use the default backend (inductor) or 'aot_eager' "
+                             "(Job.compile), or drop activation_checkpointing")
         if isinstance(self.callbacks, (str, bytes)) or not isinstance(self.callbacks, Sequence):
             raise TypeError(f"Job.callbacks must be a list of callback objects, got {type(self.callbacks).__name__}")
         for cb in self.callbacks:
