@@ -324,7 +324,9 @@ def applied(side: VFSide, knob: str) -> bool:
     if knob == "activation_checkpointing":
         return any(getattr(m.forward, "__virtualflow_checkpointed__", False) for m in model.modules())
     if knob == "compile":
-        return getattr(model, "_compiled_call_impl", None) is not None or hasattr(model, "_orig_mod")
+        forward = vars(model).get("forward")  # torch.compile of the model's forward, set on the instance
+        return (getattr(model, "_compiled_call_impl", None) is not None or hasattr(model, "_orig_mod")
+                or hasattr(forward, "_torchdynamo_orig_callable"))
     if knob == "max_grad_norm":
         return side.last is not None and getattr(side.last, "grad_norm", None) is not None
     if knob == "precision":

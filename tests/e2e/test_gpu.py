@@ -255,4 +255,6 @@ def test_cuda_peak_memory_is_measured_in_the_worker_and_checkpointing_lowers_it(
     peak_off, peak_on = off.metrics["cuda_peak_mib"], on.metrics["cuda_peak_mib"]
     print(f"worker CUDA peak: checkpointing off {peak_off:.1f} MiB, on {peak_on:.1f} MiB")
     assert 0 < peak_on < 0.6 * peak_off
+    # the run's own record of it (Result.peak_device_mib, from the worker's done report)
+    assert off.peak_device_mib[0] >= peak_off and on.peak_device_mib[0] >= peak_on
     close(on.state_dict, off.state_dict, rtol=1e-4, atol=1e-5)

@@ -150,7 +150,7 @@ REPORTS: dict[str, dict[str, Any]] = {
     "checkpoint": {"step": INT, "path": STR, "save_s": NUM},
     "eval": {"step": INT, "metrics": MAP(NUM), "eval_time_s": NUM},
     "error": {"error": STR, "traceback": STR, "step": OPT(INT)},
-    "done": {"step": INT, "rank": INT, "peak_rss_mib": NUM, "optimizer_bytes": INT, "replica_bytes": INT,
+    "done": {"step": INT, "rank": INT, "peak_rss_mib": NUM, "peak_device_mib": OPT(NUM), "optimizer_bytes": INT, "replica_bytes": INT,
              "replica_refresh_s": NUM, "redundant_forwards": MAP(NUM)},
     "leave": {"step": INT},
     "notice": {"step": INT},

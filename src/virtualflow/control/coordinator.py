@@ -202,6 +202,7 @@ class Coordinator:
                 self.event("error", worker=r["worker"], pid=r["pid"], error=r["error"], step=r.get("step"), traceback=r["traceback"])
             elif kind == "done":
                 self.progress.workers.setdefault(r["worker"], {}).update(peak_rss_mib=r["peak_rss_mib"],
+                                                                          peak_device_mib=r.get("peak_device_mib"),
                                                                           optimizer_bytes=r["optimizer_bytes"],
                                                                           replica_bytes=r["replica_bytes"],
                                                                           replica_refresh_s=r["replica_refresh_s"],

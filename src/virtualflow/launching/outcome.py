@@ -106,6 +106,7 @@ def collect_result(setup: Any, coordinator: Any, controller: Any, autoscaler: An
         throughput=throughput,
         callbacks_state=state.get("callbacks"),
         peak_rss_mib={w: i["peak_rss_mib"] for w, i in p.workers.items() if "peak_rss_mib" in i},
+        peak_device_mib={w: i["peak_device_mib"] for w, i in p.workers.items() if i.get("peak_device_mib") is not None},
         optimizer_bytes={w: i["optimizer_bytes"] for w, i in p.workers.items() if "optimizer_bytes" in i},
         replica_bytes={w: i["replica_bytes"] for w, i in p.workers.items() if "replica_bytes" in i},
         replica_refresh_s={w: i["replica_refresh_s"] for w, i in p.workers.items() if "replica_refresh_s" in i},

@@ -542,6 +542,7 @@ class Supervisor:
             "skipped_steps": p.skipped_steps,
             "wall_time_s": time.time() - self.t0,
             "peak_rss_mib": {str(w): i.get("peak_rss_mib") for w, i in p.workers.items()},
+            "peak_device_mib": {str(w): i.get("peak_device_mib") for w, i in p.workers.items()},
             "versions": {"python": platform.python_version(), "torch": torch.__version__, "virtualflow": _version()},
             "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "platform": platform.platform()},
         }

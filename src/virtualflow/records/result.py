@@ -133,6 +133,9 @@ class Result:
     "ranks", "state"}`` or None for a callback without state); None when no callback has state."""
     peak_rss_mib: dict[int, float] = field(default_factory=dict)
     """Peak resident memory of each worker process (worker id -> MiB)."""
+    peak_device_mib: dict[int, float] = field(default_factory=dict)
+    """Peak memory held by tensors on each worker's GPU (``torch.cuda.max_memory_allocated``,
+    worker id -> MiB); empty on CPUs, whose peak is ``peak_rss_mib``."""
     optimizer_bytes: dict[int, int] = field(default_factory=dict)
     """Bytes of optimizer state each worker held at the end (worker id -> bytes): the whole state
     with the default reduction, its chunk with ``reduction="sharded"`` (0 for pipelined jobs)."""

@@ -14,11 +14,13 @@ import sys
 import traceback
 from typing import Any, Protocol
 
+import torch
+
 from virtualflow.records.result import job_traceback
 from virtualflow.records.rundir import DiskFullError, free_bytes, no_space
 from virtualflow.runtime.channel import Reporter
 
-__all__ = ["FailedWorker", "failing_step", "peak_rss_mib", "report_failure", "state_bytes"]
+__all__ = ["FailedWorker", "failing_step", "peak_device_mib", "peak_rss_mib", "report_failure", "state_bytes"]
 
 
 class FailedWorker(Protocol):
@@ -85,6 +87,17 @@ def state_bytes(worker: FailedWorker | None) -> int | None:
     try:
         return worker.engine.state_bytes()  # type: ignore[union-attr]
     except Exception:  # noqa: BLE001 - an estimate for a message only
+        return None
+
+
+def peak_device_mib(device: torch.device) -> float | None:
+    """The most memory tensors held on this worker's accelerator at once
+    (``torch.cuda.max_memory_allocated``), in MiB; None on a CPU (see :func:`peak_rss_mib`)."""
+    if device.type != "cuda":
+        return None
+    try:
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    except Exception:  # noqa: BLE001 - a figure for the records only
         return None
 
 

@@ -79,7 +79,7 @@ from virtualflow.runtime.engine import NonFiniteLossError
 from virtualflow.runtime.engines import Engine, Joining
 from virtualflow.runtime.factory import build_engine
 from virtualflow.runtime.faults import WorkerFaults
-from virtualflow.runtime.failure_report import failing_step, peak_rss_mib, report_failure
+from virtualflow.runtime.failure_report import failing_step, peak_device_mib, peak_rss_mib, report_failure
 from virtualflow.runtime.step_boundary import WorkerBoundary, checkpoint_path
 from virtualflow.runtime.trace_window import StepProfiler
 from virtualflow.runtime.transfer import Progress, agree_progress
@@ -502,6 +502,7 @@ class Worker:
                     state["callbacks"] = self.callbacks.state_dict()
             save_state(os.path.join(self.cfg.state_dir, "final.pt"), state)
         self.report({"type": "done", "step": step, "rank": group.rank, "peak_rss_mib": peak_rss_mib(),
+                     "peak_device_mib": peak_device_mib(self.device),
                      **self.engine.final_report()})
         self.heartbeat.stop()
         if group.pg is not None:
