@@ -16,6 +16,7 @@ from virtualflow.config.loop import Callback, StepInfo
 from virtualflow.config.options import LaunchOptions
 from virtualflow.config.pipeline import Pipeline
 from virtualflow.config.spec import WorkerSpec
+from virtualflow.config.streaming import StreamingDataset
 from virtualflow.plan.data import vn_seed
 from virtualflow.plan.flops import transformer_flops
 from virtualflow.records.result import Result, TrainingError
@@ -35,6 +36,7 @@ __all__ = [
     "Pipeline",
     "NonFiniteLossError",
     "Result",
+    "StreamingDataset",
     "TrainingError",
     "launch",
     "train",

@@ -26,6 +26,7 @@ import torch
 
 from virtualflow.config import loop
 from virtualflow.config.pipeline import Pipeline
+from virtualflow.config.streaming import StreamingDataset, as_streaming
 
 BatchNormMode = Literal["mean", "first"]
 
@@ -157,10 +158,12 @@ class Job:
         if self.batchnorm not in ("mean", "first"):
             raise ValueError(f"Job.batchnorm={self.batchnorm!r} must be 'mean' or 'first'")
         self._check_loop()
-        if not (callable(self.dataset) or hasattr(self.dataset, "__getitem__")):
+        if not (callable(self.dataset) or isinstance(self.dataset, StreamingDataset) or hasattr(self.dataset, "__getitem__")
+                or hasattr(self.dataset, "__iter__")):
             raise TypeError(
-                "Job.dataset must be a map-style Dataset (with __getitem__ and __len__) or a "
-                f"zero-argument factory returning one, got {type(self.dataset).__name__}"
+                "Job.dataset must be a map-style Dataset (with __getitem__ and __len__), a streaming dataset "
+                "(virtualflow.StreamingDataset, or an IterableDataset with __len__) or a zero-argument factory "
+                f"returning one, got {type(self.dataset).__name__}"
             )
 
     def _check_loop(self) -> None:
@@ -217,12 +220,14 @@ class Job:
 
     def build_dataset(self) -> Any:
         ds = self.dataset
-        if isinstance(ds, type) or (callable(ds) and not hasattr(ds, "__getitem__")):
+        if isinstance(ds, type) or (callable(ds) and not hasattr(ds, "__getitem__") and not hasattr(ds, "__iter__")):
             ds = ds()  # a factory (a function, or a Dataset class taking no arguments)
+        if as_streaming(ds) is not None:  # a stream split by virtualflow.plan.streams (refuses one without a length)
+            return ds
         if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
             raise TypeError(
-                f"Job.dataset must give a map-style dataset with __getitem__ and __len__; "
-                f"got {type(ds).__name__} (iterable-style datasets cannot be split into virtual nodes)"
+                f"Job.dataset must give a map-style dataset with __getitem__ and __len__, or a streaming one "
+                f"(virtualflow.StreamingDataset(shards=..., lengths=...)); got {type(ds).__name__}"
             )
         return ds
 

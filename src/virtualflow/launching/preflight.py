@@ -17,10 +17,12 @@ import torch
 
 from virtualflow.config.job import Job, JobImportError, resolve_spec
 from virtualflow.plan.data import DataPlan
+from virtualflow.plan.streams import StreamPlan
 from virtualflow.records.result import job_frame
 from virtualflow.runtime.amp import autocast
 from virtualflow.runtime.batches import split_loss
-from virtualflow.runtime.engine import BatchLoader, LossShapeError, check_loss
+from virtualflow.runtime.engine import LossShapeError, check_loss
+from virtualflow.runtime.streaming import loader_of
 from virtualflow.runtime.model_prep import apply_activation_checkpointing
 
 
@@ -115,7 +117,7 @@ def loss_hint(exc: Exception, batch: Any, model: torch.nn.Module, job: Job) -> s
     return text
 
 
-def preflight(job: Job, dataset: Any, plan: DataPlan, *, reduction: str = "allreduce") -> None:
+def preflight(job: Job, dataset: Any, plan: DataPlan | StreamPlan, *, reduction: str = "allreduce") -> None:
     """Build the model and optimizer and run the loss on VN 0's batch of step 0, here (and check
     that the optimizer can be sharded, with ``reduction="sharded"``)."""
     with torch.random.fork_rng(devices=[]):
@@ -136,7 +138,7 @@ def preflight(job: Job, dataset: Any, plan: DataPlan, *, reduction: str = "allre
             apply_activation_checkpointing(model, job.activation_checkpointing)  # names a module that is not there
         indices = plan.vn_indices(0, 0)
         batch = _call("loading virtual node 0's batch (Job.dataset items, then Job.collate_fn)",
-                      BatchLoader(dataset, job.collate_fn), indices)
+                      loader_of(dataset, job.collate_fn, plan), indices)
         model.train()
         with torch.no_grad(), autocast(torch.device("cpu"), job.precision):
             out = _call("Job.loss" if job.loss is not None else "Job.output_loss", job.compute_loss, model, batch,

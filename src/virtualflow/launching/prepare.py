@@ -32,10 +32,11 @@ from virtualflow.launching.pipeline import plan_pipeline
 from virtualflow.launching.preflight import build_dataset, build_job, preflight
 from virtualflow.launching.resume import find_resume_state
 from virtualflow.launching.supervisor import RunSetup
-from virtualflow.plan.data import DataPlan
 from virtualflow.plan.hetero import check_memory
+from virtualflow.plan.streams import StreamPlan
 from virtualflow.plan.pipeline.geometry import check_workers
 from virtualflow.plan.vnmap import contiguous_assignment, pipeline_assignment
+from virtualflow.runtime.streaming import data_plan_of
 from virtualflow.records.rundir import (RunLock, disk_full_error, earlier_run, make_private_dir, set_aside,
                                         state_files, trim_metrics)
 
@@ -68,7 +69,11 @@ def prepare(job: JobLike, opts: LaunchOptions) -> Iterator[RunSetup]:
         if opts.max_workers is not None:
             check_workers(pipeline, opts.max_workers)
     dataset = build_dataset(job_obj)
-    plan = DataPlan(len(dataset), job_obj.global_batch_size, job_obj.virtual_nodes, job_obj.seed)
+    plan = data_plan_of(dataset, job_obj.global_batch_size, job_obj.virtual_nodes, job_obj.seed)
+    if isinstance(plan, StreamPlan) and opts.uneven_vn_sizes:
+        raise ValueError("uneven_vn_sizes=True gives faster workers bigger virtual nodes, but a streaming dataset splits "
+                         "each epoch's stream into virtual_nodes equal parts (docs/training.md, \"Streaming datasets\"): "
+                         "drop uneven_vn_sizes (--uneven-vn-sizes); balance=True still maps VNs by speed")
     workers = opts.start_workers
     total_steps = opts.steps if opts.steps is not None else opts.epochs * plan.steps_per_epoch
     if pipeline is None:

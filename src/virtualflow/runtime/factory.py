@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from virtualflow.comm.groups import Group, make_subgroup
 from virtualflow.config.job import Job
-from virtualflow.plan.data import DataPlan
 from virtualflow.runtime.engines import Engine
+from virtualflow.runtime.streaming import data_plan_of
 from virtualflow.runtime.vn_worker import VNWorkerEngine
 from virtualflow.runtime.worker_config import WorkerConfig
 
@@ -32,7 +32,7 @@ def build_engine(cfg: WorkerConfig, worker_id: int, job: Job, dataset: Any, stor
     VN engine (with ``cfg.reduction``). The one place that looks at the job's kind.
     ``eager_every_wait``: a pipeline diagnostic (:attr:`StageEngine.eager_every_wait`), read by
     the process's entry point."""
-    plan = DataPlan(len(dataset), job.global_batch_size, job.virtual_nodes, job.seed)  # checks the sizes
+    plan = data_plan_of(dataset, job.global_batch_size, job.virtual_nodes, job.seed)  # checks the sizes
     if job.pipeline is not None:
         from virtualflow.runtime.pipeline.worker_engine import PipelineWorkerEngine
 

@@ -54,13 +54,14 @@ from torch import nn
 
 from virtualflow.config.job import Job
 from virtualflow.config.pipeline import Pipeline
-from virtualflow.plan.data import DataPlan, vn_seed
+from virtualflow.plan.data import vn_seed
 from virtualflow.plan.pipeline import predict as _predict
 from virtualflow.plan.pipeline.geometry import layers_of, tensors_of
 from virtualflow.plan.pipeline.partition import LayerProfile, Link, Partition
 from virtualflow.plan.pipeline.predict import DEFAULT_OPTIMIZER_STATE_FACTOR, LOOPBACK, ModelProfile
 from virtualflow.runtime.batches import split_loss
-from virtualflow.runtime.engine import BatchLoader, to_device
+from virtualflow.runtime.engine import to_device
+from virtualflow.runtime.streaming import data_plan_of, loader_of
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +180,7 @@ def _profile(job: Job, dev: torch.device, repeats: int, warmup: int, weight_grad
         raise ValueError("profiling a pipelined model needs Job.output_loss=(outputs, batch) -> scalar (the last "
                          "layer's loss); the job gives only Job.loss")
     dataset = _user("Job.dataset", job.build_dataset)
-    plan = DataPlan(len(dataset), job.global_batch_size, job.virtual_nodes, job.seed)
+    plan = data_plan_of(dataset, job.global_batch_size, job.virtual_nodes, job.seed)
     torch.manual_seed(job.seed)
     model = _user("Job.model", job.model)
     if not isinstance(model, nn.Module):
@@ -191,7 +192,7 @@ def _profile(job: Job, dev: torch.device, repeats: int, warmup: int, weight_grad
     model = model.to(dev)
     model.train()
     batch = _user("loading virtual node 0's batch (Job.dataset items, then Job.collate_fn)",
-                  BatchLoader(dataset, job.collate_fn), plan.vn_indices(0, 0))
+                  loader_of(dataset, job.collate_fn, plan), plan.vn_indices(0, 0))
     batch = to_device(batch, dev)
     first_input = _user("Job.model_input" if job.model_input is not None else "Job.input_of (batch[0])",
                         job.input_of, batch)

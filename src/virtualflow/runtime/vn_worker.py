@@ -23,7 +23,8 @@ import torch
 
 from virtualflow.comm.groups import Group
 from virtualflow.plan.data import DataPlan
-from virtualflow.runtime.engine import BatchLoader, StepOutcome, VNEngine
+from virtualflow.runtime.engine import StepOutcome, VNEngine
+from virtualflow.runtime.streaming import loader_of
 from virtualflow.runtime.engines import Boundary, Joining
 from virtualflow.runtime.model_prep import prepare_model
 from virtualflow.runtime.sharded import ShardLost
@@ -108,7 +109,7 @@ class VNWorkerEngine:
         optimizer = job.build_optimizer(model)
         scheduler = job.lr_scheduler(optimizer) if job.lr_scheduler is not None else None
         return cls(VNEngine(
-            model, optimizer, scheduler, job.compute_loss, plan, BatchLoader(dataset, job.collate_fn),
+            model, optimizer, scheduler, job.compute_loss, plan, loader_of(dataset, job.collate_fn, plan),
             seed=job.seed, batchnorm=job.batchnorm, deterministic=cfg.deterministic, device=device,
             reduction=cfg.reduction, loader_workers=cfg.loader_workers, breakdown=cfg.breakdown,
             precision=job.precision, max_grad_norm=job.max_grad_norm,

@@ -22,7 +22,6 @@ from typing import Any, Sequence
 import torch
 
 from virtualflow.config.pipeline import Pipeline
-from virtualflow.plan.data import DataPlan
 from virtualflow.plan.vnmap import Node, split
 from virtualflow.runtime.pipeline.engine import StageEngine
 from virtualflow.runtime.pipeline.loop import stage_loop
@@ -40,17 +39,17 @@ def build_engine(job: Any, pipeline: Pipeline, bounds: Sequence[tuple[int, int]]
     pieces start from the same weights as the unpipelined model), then only its pieces kept.
     ``eager_every_wait``: :attr:`StageEngine.eager_every_wait` (a diagnostic)."""
     from virtualflow.plan.pipeline.geometry import layers_of, piece_module, successor_pieces, tied_for_worker
-    from virtualflow.runtime.engine import BatchLoader
+    from virtualflow.runtime.streaming import data_plan_of, loader_of
 
     torch.manual_seed(job.seed)
     layers = [layer.to(device) for layer in layers_of(job.model())]
     p = pipeline.stages
     pieces = {k: piece_module(layers, a, b) for k, (a, b) in enumerate(bounds) if k % p == stage_rank}
-    plan = DataPlan(len(dataset), job.global_batch_size, job.virtual_nodes, job.seed)
+    plan = data_plan_of(dataset, job.global_batch_size, job.virtual_nodes, job.seed)
     return StageEngine(
         pieces=pieces, n_pieces=len(bounds), stage_rank=stage_rank, build_optimizer=job.build_optimizer,
         scheduler_factory=job.lr_scheduler, pipeline=pipeline, plan=plan,
-        loader=BatchLoader(dataset, job.collate_fn), model_input=job.input_of, output_loss=job.output_loss,
+        loader=loader_of(dataset, job.collate_fn, plan), model_input=job.input_of, output_loss=job.output_loss,
         seed=job.seed, batchnorm=job.batchnorm, deterministic=deterministic, device=device,
         tied=tied_for_worker(layers, bounds, p, stage_rank),
         successor_pieces=successor_pieces(pipeline, layers, bounds, stage_rank),

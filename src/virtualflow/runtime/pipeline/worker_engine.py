@@ -34,9 +34,9 @@ import torch
 from virtualflow.comm.groups import Group
 from virtualflow.plan.pipeline.geometry import Grid, check_workers, layers_of, resolve_bounds
 from virtualflow.config.pipeline import Pipeline
-from virtualflow.plan.data import DataPlan
 from virtualflow.plan.vnmap import contiguous_assignment
-from virtualflow.runtime.engine import BatchLoader, StepOutcome
+from virtualflow.runtime.engine import StepOutcome
+from virtualflow.runtime.streaming import data_plan_of, loader_of
 from virtualflow.runtime.engines import Boundary, Joining
 from virtualflow.runtime.pipeline.engine import StageEngine
 from virtualflow.runtime.pipeline.stage_state import (exchange_for_layout, gather_stages, load_merged, load_stage_state, resume_stage,
@@ -72,7 +72,7 @@ class PipelineWorkerEngine:
         memory); rebuilt on rank 0 when a checkpoint, an evaluation or the final state needs it."""
         self.layers: list[torch.nn.Module] | None = layers_of(self.model)
         self.bounds = resolve_bounds(self.pipeline, len(self.layers))
-        self.plan = DataPlan(len(dataset), job.global_batch_size, job.virtual_nodes, job.seed)
+        self.plan = data_plan_of(dataset, job.global_batch_size, job.virtual_nodes, job.seed)
         self.stage: StageEngine | None = None
         self.group: Group | None = None
         self.stage_group: Group | None = None
@@ -141,7 +141,7 @@ class PipelineWorkerEngine:
         self.stage = StageEngine(
             pieces=pieces, n_pieces=len(self.bounds), stage_rank=stage_rank, build_optimizer=job.build_optimizer,
             scheduler_factory=job.lr_scheduler, pipeline=self.pipeline, plan=self.plan,
-            loader=BatchLoader(self.dataset, job.collate_fn), model_input=job.input_of, output_loss=job.output_loss,
+            loader=loader_of(self.dataset, job.collate_fn, self.plan), model_input=job.input_of, output_loss=job.output_loss,
             seed=job.seed, batchnorm=job.batchnorm, deterministic=self.deterministic, device=self.device,
             tied=tied_for_worker(self.layers, self.bounds, p, stage_rank),
             successor_pieces=successor_pieces(self.pipeline, self.layers, self.bounds, stage_rank),
@@ -278,7 +278,7 @@ class PipelineWorkerEngine:
         self.stage = StageEngine(
             pieces={pos: piece_module(layers, a, b)}, n_pieces=m, stage_rank=pos,
             build_optimizer=job.build_optimizer, scheduler_factory=job.lr_scheduler, pipeline=pipeline, plan=self.plan,
-            loader=BatchLoader(self.dataset, job.collate_fn), model_input=job.input_of, output_loss=job.output_loss,
+            loader=loader_of(self.dataset, job.collate_fn, self.plan), model_input=job.input_of, output_loss=job.output_loss,
             seed=job.seed, batchnorm=job.batchnorm, deterministic=self.deterministic, device=self.device,
             successor_pieces={(pos + 1) % m: piece_module(layers, sa, sb)} if m >= 2 else None,
             eager_every_wait=self.eager_every_wait,
