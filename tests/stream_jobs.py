@@ -80,3 +80,9 @@ def stream_job() -> vf.Job:
 
 def paced_stream_job() -> vf.Job:
     return stream_job().replace(loss=paced_ledger_mse)
+
+
+def pipelined_stream_job() -> vf.Job:
+    """The same stream and model, cut into 2 pipeline stages (the last one's loss reads the batch)."""
+    return stream_job().replace(loss=None, output_loss=lambda out, batch: ((out - batch[1]) ** 2).mean(),
+                                pipeline=vf.Pipeline(stages=2))
