@@ -119,9 +119,10 @@ class StreamPlan:
     virtual_nodes: int
     seed: int = 0
     shuffle_buffer: int = 0
-    _epoch: int = field(default=-1, repr=False)
-    _order: list[int] = field(default_factory=list, repr=False)
-    _starts: list[int] = field(default_factory=list, repr=False)
+    _epochs: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict, repr=False)
+    """Cache: epoch -> (shard order, start of each in the epoch's stream). Two epochs at most
+    (loader threads may read the next epoch's first batches while this one ends); entries are
+    replaced whole, so a thread never sees half of one."""
 
     def __post_init__(self) -> None:
         B, V = self.global_batch_size, self.virtual_nodes
@@ -176,35 +177,38 @@ class StreamPlan:
     # -- the order --------------------------------------------------------------------------
     def shard_order(self, epoch: int) -> list[int]:
         """Epoch ``epoch``'s shard order (a seeded permutation)."""
-        self._load_epoch(epoch)
-        return list(self._order)
+        return list(self._table(epoch)[0])
 
-    def _load_epoch(self, epoch: int) -> None:
-        if epoch == self._epoch:
-            return
-        gen = torch.Generator().manual_seed(stream_seed(self.seed, epoch))
-        order = torch.randperm(len(self.shard_lengths), generator=gen).tolist()
-        starts, pos = [], 0
-        for k in order:
-            starts.append(pos)
-            pos += self.shard_lengths[k]
-        self._order, self._starts, self._epoch = order, starts, epoch
+    def _table(self, epoch: int) -> tuple[list[int], list[int]]:
+        table = self._epochs.get(epoch)
+        if table is None:
+            gen = torch.Generator().manual_seed(stream_seed(self.seed, epoch))
+            order = torch.randperm(len(self.shard_lengths), generator=gen).tolist()
+            starts, pos = [], 0
+            for k in order:
+                starts.append(pos)
+                pos += self.shard_lengths[k]
+            table = (order, starts)
+            for old in [e for e in list(self._epochs) if e < epoch - 1 or e > epoch + 1]:
+                self._epochs.pop(old, None)
+            self._epochs[epoch] = table
+        return table
 
     def locate(self, epoch: int, position: int) -> tuple[int, int, int]:
         """Where position ``position`` of epoch ``epoch``'s stream is: (index in the shard order,
         shard id, offset in that shard). Empty shards are passed over."""
         if not 0 <= position < self.total:
             raise ValueError(f"stream position {position} is outside 0..{self.total - 1}")
-        self._load_epoch(epoch)
-        i = bisect.bisect_right(self._starts, position) - 1
-        while self.shard_lengths[self._order[i]] == 0:  # bisect lands on the last of equal starts
+        order, starts = self._table(epoch)
+        i = bisect.bisect_right(starts, position) - 1
+        while self.shard_lengths[order[i]] == 0:  # bisect lands on the last of equal starts
             i += 1
-        return i, self._order[i], position - self._starts[i]
+        return i, order[i], position - starts[i]
 
     def next_shard(self, epoch: int, index: int) -> tuple[int, int, int]:
         """``locate`` of the first sample after the ``index``-th shard of epoch ``epoch``'s order."""
-        self._load_epoch(epoch)
-        return self.locate(epoch, self._starts[index] + self.shard_lengths[self._order[index]])
+        order, starts = self._table(epoch)
+        return self.locate(epoch, starts[index] + self.shard_lengths[order[index]])
 
     def vn_start(self, vn: int) -> int:
         """Where VN ``vn``'s part starts in each epoch's stream."""

@@ -8,7 +8,11 @@ nothing else. A reader is (re)built only when a VN's batch is asked for at anoth
 first time this worker runs the VN (a start, a resize, a failure, a resume), a new epoch, or a
 step redone further back than the batches it keeps. Rebuilding opens the shard at the VN's
 position (``seek=True``) or skips to it (O(offset in the shard)); with a shuffle buffer it reads
-the VN's part from the epoch's start to refill the buffer (O(position), once per takeover).
+the VN's part from the epoch's start to refill the buffer (O(position), once per takeover). A
+new reader starts one batch before the batch asked for (the prefetcher may ask for a VN's next
+batch before its current one); at an epoch's end a VN has a reader for each of the two epochs.
+Readers left more than two batches behind the ones asked for belong to VNs this worker no
+longer runs, and are closed.
 
 Invariants: which samples a batch holds is the plan's rule (a function of the job and the slot),
 never of which reader, worker or thread read it; the reader of a VN is used by one thread at a
@@ -125,7 +129,9 @@ class StreamLoader:
         self.stream = stream
         self.plan = plan
         self.collate = collate_fn or default_collate
-        self._readers: dict[int, _Reader] = {}
+        self._readers: dict[tuple[int, int], _Reader] = {}
+        """(VN, epoch) -> its open reader: at an epoch's end a VN may have two (the prefetcher
+        asks for the next epoch's first batch before this epoch's last one)."""
         self._kept: dict[int, OrderedDict[tuple[int, int], Any]] = {}
         self._locks: dict[int, threading.Lock] = {}
         self._guard = threading.Lock()
@@ -152,10 +158,12 @@ class StreamLoader:
             kept.move_to_end(key)
             return kept[key]
         self._drop_stale(epoch, position - 2 * count)
-        reader = self._readers.get(vn)
-        if (reader is None or reader.epoch != epoch or reader.next > position
-                or position - reader.next > MAX_AHEAD * count):
-            reader = self._readers[vn] = _Reader(self, epoch, vn, position)
+        reader = self._readers.get((vn, epoch))
+        if reader is None or reader.next > position or position - reader.next > MAX_AHEAD * count:
+            # A new reader starts one batch early: the prefetcher may ask for the next step's
+            # batch of a VN before this step's (reading one batch more beats a second rebuild).
+            start = position - count if reader is None and position >= count else position
+            reader = self._readers[(vn, epoch)] = _Reader(self, epoch, vn, start)
             self.rebuilds += 1
         while reader.next < position:  # the prefetcher asked for a later batch first
             at = reader.next
@@ -171,11 +179,13 @@ class StreamLoader:
             kept.popitem(last=False)
 
     def _drop_stale(self, epoch: int, position: int) -> None:
-        """Close the readers left behind ``(epoch, position)``: every VN this worker runs is read
-        at the same step, so a reader that far behind belongs to a VN now run elsewhere (or to an
-        epoch that is over)."""
+        """Close the readers left behind ``(epoch, position)`` (counted through epochs): every VN
+        this worker runs is read at the same step, so a reader that far behind belongs to a VN now
+        run elsewhere (or to an epoch that is over)."""
+        part = self.plan.part
         with self._guard:
-            for vn, reader in list(self._readers.items()):
-                if (reader.epoch, reader.next) < (epoch, position):
-                    self._readers.pop(vn, None)
-                    self._kept.pop(vn, None)
+            for key, reader in list(self._readers.items()):
+                if reader.epoch * part + reader.next < epoch * part + position:
+                    self._readers.pop(key, None)
+                    if not any(k[0] == key[0] for k in self._readers):
+                        self._kept.pop(key[0], None)
