@@ -4,7 +4,7 @@ a shuffle buffer of 5, V=6, 8 steps per epoch).
 1. 2 workers (loading ahead in 2 threads each) train bit-identical weights to 1 worker
    (deterministic mode), and both match a
    single-process loop that reads the shards by the documented rule (tests/unit/test_streams.py's
-   reference) within float tolerance.
+   reference) within float tolerance; so does the job cut into 2 pipeline stages on 2 workers.
 2. Exactly-once across a failure, a resize and a resume: 3 workers lose one to a SIGKILL, grow
    back to 3, are stopped, and the run is resumed on 1 worker. Every batch any process trained
    on (the ledger the loss writes) is one the rule assigns - so over each epoch every sample id
@@ -36,7 +36,11 @@ def one_worker():
 def test_two_workers_equal_one_and_the_single_process_reference(one_worker):
     two = vf.train("stream_jobs:stream_job", workers=2, steps=STEPS, deterministic=True, loader_workers=2)
     assert_same_training(two, one_worker)
-    assert_state_close(one_worker.state_dict, reference_loop(STEPS).state_dict(), rtol=1e-5, atol=1e-6)
+    ref = reference_loop(STEPS).state_dict()
+    assert_state_close(one_worker.state_dict, ref, rtol=1e-5, atol=1e-6)
+    # a pipeline's first stage reads the stream (its last stage too, for the targets)
+    piped = vf.train("stream_jobs:pipelined_stream_job", workers=2, steps=STEPS, deterministic=True)
+    assert_state_close(piped.state_dict, ref, rtol=1e-5, atol=1e-6)
 
 
 def read_ledger(folder: str) -> set[tuple[int, ...]]:
