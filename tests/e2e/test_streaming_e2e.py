@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 import virtualflow as vf
 from conftest import assert_same_training, assert_state_close, wait_for_step

@@ -13,7 +13,7 @@ samples), or, with ``seek=True``, with the sample offset to start at.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from torch.utils.data import IterableDataset
@@ -50,7 +50,6 @@ class StreamingDataset:
     seek: bool = False
     """``shards[k](start)`` yields shard ``k``'s samples from offset ``start``: a worker that takes
     over a VN mid-epoch opens the shard there instead of skipping ``start`` samples."""
-    _shards: tuple = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.shards, (str, bytes)) or not isinstance(self.shards, Sequence):
