@@ -251,6 +251,9 @@ def test_refusals_name_the_value_and_the_knob():
     with pytest.raises(ValueError, match="shard 0 ended after 3 samples.*says it has 40"):
         for s in range(3):
             loader(short.plan(12, 6, 0).vn_indices(s, 0))
+    no_seek = vf.StreamingDataset(shards=[lambda: iter([])], lengths=[40], seek=True)
+    with pytest.raises(TypeError, match=r"seek=True.*shards\[0\]\(start\).*drop seek=True"):
+        loader_of(no_seek, None, no_seek.plan(12, 6, 0))(no_seek.plan(12, 6, 0).vn_indices(0, 0))
     with pytest.raises(ValueError, match="--uneven-vn-sizes"):
         from virtualflow.launching.prepare import prepare
         with prepare(stream_jobs.stream_job, vf.LaunchOptions(workers=2, steps=2, uneven_vn_sizes=True)):

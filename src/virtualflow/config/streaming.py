@@ -82,7 +82,14 @@ class StreamingDataset:
         """Shard ``shard``'s samples from offset ``start``: by seeking (``seek=True``) or by
         skipping ``start`` samples."""
         if self.seek:
-            return iter(self.shards[shard](start))
+            try:
+                return iter(self.shards[shard](start))
+            except TypeError as exc:
+                if "argument" not in str(exc):
+                    raise
+                raise TypeError(f"StreamingDataset(seek=True) calls shard {shard} as shards[{shard}](start), but it "
+                                f"raised {exc}; make each shard take the sample offset to start at, or drop seek=True"
+                                ) from exc
         it = iter(self.shards[shard]())
         for _ in range(start):
             try:
