@@ -221,13 +221,35 @@ def test_one_iterable_dataset_with_a_length_is_one_shard():
     assert sorted(seen) == list(range(24))  # one shard: the same order every epoch, its last 6 dropped
 
 
+def test_shards_may_be_re_iterable_objects_with_their_lengths():
+    class Shard(IterableDataset):
+        def __init__(self, k):
+            self.k = k
+
+        def __iter__(self):
+            return (stream_jobs.sample(i) for i in range(stream_jobs.first_ids()[self.k],
+                                                          stream_jobs.first_ids()[self.k] + len(self)))
+
+        def __len__(self):
+            return stream_jobs.SHARD_LENGTHS[self.k]
+
+    ds = vf.StreamingDataset(shards=[Shard(k) for k in range(8)], shuffle_buffer=5)
+    assert ds.lengths == tuple(stream_jobs.SHARD_LENGTHS)
+    plan = data_plan_of(ds, 12, 6, 3)
+    loader = loader_of(ds, None, plan)
+    ref = reference_batches(stream_jobs.SHARD_LENGTHS, 12, 6, 3, 5, 10)
+    assert {k: ids_of(loader(plan.vn_indices(*k))) for k in ref} == ref
+
+
 def test_refusals_name_the_value_and_the_knob():
-    with pytest.raises(ValueError, match="lengths"):
-        vf.StreamingDataset(shards=[lambda: iter([])], lengths=None)
+    with pytest.raises(ValueError, match="shard 0 has none.*give lengths="):
+        vf.StreamingDataset(shards=[lambda: iter([])])
+    with pytest.raises(TypeError, match="shard 0 is a generator.*read only once"):
+        vf.StreamingDataset(shards=[(i for i in range(3))], lengths=[3])
     with pytest.raises(ValueError, match="2 shards but 1 lengths"):
         vf.StreamingDataset(shards=[lambda: iter([]), lambda: iter([])], lengths=[3])
-    with pytest.raises(TypeError, match="shard 0 is a list"):
-        vf.StreamingDataset(shards=[[1, 2]], lengths=[2])
+    with pytest.raises(TypeError, match="shard 0 is a int"):
+        vf.StreamingDataset(shards=[5], lengths=[2])
 
     class NoLen(IterableDataset):
         def __iter__(self):

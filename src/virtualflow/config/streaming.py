@@ -36,13 +36,15 @@ class StreamingDataset:
                ...)
     """
 
-    shards: Sequence[Callable[..., Iterable[Any]]]
+    shards: Sequence[Callable[..., Iterable[Any]] | Iterable[Any]]
     """One zero-argument callable per shard, returning an iterable of its samples in order (a
-    generator, an open file reader, an ``IterableDataset``'s ``__iter__``). Samples are what a
-    map-style dataset's items are: tensors or tuples/dicts of them (``Job.collate_fn`` batches them)."""
-    lengths: Sequence[int]
-    """Samples in each shard (required: the split rule and the epoch length depend on them). A shard
-    that yields fewer is an error; samples past its length are never read."""
+    generator function, a file reader), or a re-iterable object (an ``IterableDataset``, a list):
+    each reader calls ``iter()`` on it. Samples are what a map-style dataset's items are: tensors
+    or tuples/dicts of them (``Job.collate_fn`` batches them)."""
+    lengths: Sequence[int] | None = None
+    """Samples in each shard: the split rule and the epoch length depend on them. ``None``: each
+    shard's ``len()`` (every shard must have one). A shard that yields fewer is an error; samples
+    past its length are never read."""
     shuffle_buffer: int = 0
     """Samples each virtual node holds in its shuffle buffer (0: read in shard order). Seeded by
     (seed, epoch, VN). A worker that takes over a VN mid-epoch rebuilds its buffer by reading that
@@ -56,10 +58,19 @@ class StreamingDataset:
             raise TypeError(f"StreamingDataset(shards=...) must be a list of callables (one per shard), got "
                             f"{type(self.shards).__name__}")
         for k, s in enumerate(self.shards):
-            if not callable(s):
-                raise TypeError(f"StreamingDataset shard {k} is a {type(s).__name__}, not a callable: give a "
+            if not callable(s) and (not hasattr(s, "__iter__") or iter(s) is s or isinstance(s, (str, bytes))):
+                raise TypeError(f"StreamingDataset shard {k} is a {type(s).__name__}, neither a callable nor a "
+                                f"re-iterable object (an iterator or generator can be read only once): give a "
                                 f"function that returns an iterable of the shard's samples (e.g. lambda: iter(data))")
-        if self.lengths is None or isinstance(self.lengths, (str, bytes)) or not isinstance(self.lengths, Sequence):
+        if self.lengths is None:
+            missing = [k for k, s in enumerate(self.shards) if not hasattr(s, "__len__")]
+            if missing:
+                raise ValueError(f"StreamingDataset(lengths=None) takes each shard's len(), but shard {missing[0]} "
+                                 f"has none ({len(missing)} such shards): give lengths=[...], the number of samples "
+                                 f"in each shard (the split rule computes every virtual node's position from the "
+                                 f"step, which needs them; count them once, e.g. in your shard index)")
+            self.lengths = [len(s) for s in self.shards]
+        if isinstance(self.lengths, (str, bytes)) or not isinstance(self.lengths, Sequence):
             raise ValueError("StreamingDataset(lengths=...) must list the number of samples in each shard: the split "
                              "rule computes every virtual node's position from the step, which needs them (count them "
                              "once, e.g. in your shard index)")
@@ -68,7 +79,7 @@ class StreamingDataset:
                              f"one length per shard")
         if not isinstance(self.seek, bool):
             raise TypeError(f"StreamingDataset(seek={self.seek!r}) must be True or False")
-        self.shards = tuple(self.shards)
+        self.shards = tuple(s if callable(s) else s.__iter__ for s in self.shards)
         self.lengths = tuple(self.lengths)
 
     def __len__(self) -> int:
