@@ -282,7 +282,7 @@ def test_refusals_name_the_value_and_the_knob():
             pass
 
 
-def test_a_job_with_a_streaming_dataset_passes_the_preflight_and_trains_in_process():
+def test_a_job_with_a_streaming_dataset_passes_the_preflight():
     from virtualflow.launching.preflight import preflight
 
     job = stream_jobs.stream_job()
