@@ -184,6 +184,13 @@ class LaunchOptions:
                                       "(seconds)", "elasticity and fault tolerance", metavar="SECONDS")
     checkpoint_every: int | None = _opt(None, "write checkpoints/step-N.pt every N steps (the last two are kept)",
                                         "elasticity and fault tolerance", metavar="N")
+    checkpoint_format: str = _opt("pt", "how checkpoints are written: pt (rank 0 gathers the whole state into one "
+                                  "file, checkpoints/step-N.pt) or dcp (every worker writes what it holds with "
+                                  "torch.distributed.checkpoint into checkpoints/step-N.dcp/; resumes on any worker "
+                                  "count and either reduction)", "elasticity and fault tolerance", choices=("pt", "dcp"))
+    async_checkpoint: bool = _opt(False, "with --checkpoint-format dcp: training goes on while the checkpoint is "
+                                  "written (it stalls for the copy to host memory only; one save in flight)",
+                                  "elasticity and fault tolerance")
     resume: str | None = _opt(None, "continue from the newest good state of a run directory, or from a "
                               "checkpoint file", "elasticity and fault tolerance", metavar="RUN_DIR_OR_FILE")
     fault_plan: FaultPlan | None = _opt(None, "fault injection for tests (virtualflow.FaultPlan)",
@@ -265,6 +272,12 @@ class LaunchOptions:
         if self.reduction not in ("allreduce", "sharded"):
             raise ValueError(f"reduction={self.reduction!r} is not known; choose 'allreduce' (the default) or 'sharded' "
                              f"(--reduction)")
+        if self.checkpoint_format not in ("pt", "dcp"):
+            raise ValueError(f"checkpoint_format={self.checkpoint_format!r} is not known; choose 'pt' (one file, the "
+                             f"default) or 'dcp' (sharded, every worker writes its part) (--checkpoint-format)")
+        if self.async_checkpoint and self.checkpoint_format != "dcp":
+            raise ValueError("async_checkpoint=True writes sharded checkpoints in the background; it needs "
+                             "checkpoint_format='dcp' (--checkpoint-format dcp), or drop --async-checkpoint")
         if self.reduction == "sharded" and self.pipeline_stages is not None and self.pipeline_stages > 1:
             raise ValueError(f"reduction='sharded' shards the data-parallel optimizer of unpipelined jobs; with "
                              f"pipeline_stages={self.pipeline_stages} each worker already holds only its stage's "

@@ -1,8 +1,10 @@
 """Resuming a job: find the newest good state of a run and check that it belongs to the job.
 
 A run directory's states are ``final.pt`` (written when a run ends or is stopped),
-``checkpoint.pt`` (the last good state before a non-finite loss) and ``checkpoints/step-N.pt``;
-the newest by step wins, whatever its kind (on a tie, ``final.pt``). Corrupt or truncated files
+``checkpoint.pt`` (the last good state before a non-finite loss), ``checkpoints/step-N.pt`` and
+the sharded ``checkpoints/step-N.dcp/`` (complete once so named: an interrupted save is a
+``.partial`` folder, never a candidate; every file is checked against its manifest); the newest
+by step wins, whatever its kind (on a tie, ``final.pt``). Corrupt or truncated files
 are reported and skipped; a file holding anything but plain data is refused outright (it was
 tampered with: see :mod:`virtualflow.runtime.checkpoint`), as is a state from a different job
 (other B, V, seed or model shapes), with a message naming what differs. Nothing here deletes or
@@ -21,24 +23,27 @@ import torch
 from virtualflow.config.job import Job
 from virtualflow.records.rundir import STATE_FILES
 from virtualflow.runtime.checkpoint import CorruptCheckpointError, load_state
+from virtualflow.runtime.dcp import is_dcp, peek_dcp
 
 logger = logging.getLogger("virtualflow")
 
-_NUMBERED = re.compile(r"step-(\d+)\.pt")
+_NUMBERED = re.compile(r"step-(\d+)\.(pt|dcp)")
 
 
-def find_resume_state(resume: str, job: Job) -> tuple[str, int]:
+def find_resume_state(resume: str, job: Job | None) -> tuple[str, int]:
     """The newest good state file under ``resume`` (a run directory or a state file) that belongs
-    to ``job``, and its step; corrupt or truncated files are reported and skipped."""
+    to ``job`` (``None``: any job, as an export reads), and its step; corrupt or truncated files
+    are reported and skipped."""
     if os.path.isdir(resume):
         candidates = _candidates(resume)
         if not candidates:
             raise ValueError(
-                f"resume={resume!r}: no checkpoints in it (final.pt, checkpoint.pt or checkpoints/step-N.pt); a run "
+                f"resume={resume!r}: no checkpoints in it (final.pt, checkpoint.pt, checkpoints/step-N.pt or "
+                f"checkpoints/step-N.dcp); a run "
                 f"writes final.pt when it ends or is stopped, and checkpoints with checkpoint_every= "
                 f"(--checkpoint-every N)"
             )
-    elif os.path.isfile(resume):
+    elif os.path.isfile(resume) or is_dcp(resume):
         candidates = [(None, resume)]
     else:
         raise ValueError(f"resume={resume!r} is neither a run directory nor a checkpoint file")
@@ -59,7 +64,8 @@ def find_resume_state(resume: str, job: Job) -> tuple[str, int]:
         state = loaded.pop(path, None) or _load(path, problems)
         if state is None:
             continue
-        _check_same_job(path, state, job)
+        if job is not None:
+            _check_same_job(path, state, job)
         if problems:
             logger.warning("resuming from %s, the newest good state", path)
         return path, int(state["step"])
@@ -74,7 +80,7 @@ def _candidates(run_dir: str) -> list[tuple[int | None, str]]:
     if os.path.isdir(folder):
         for name in os.listdir(folder):
             numbered = _NUMBERED.fullmatch(name)
-            if numbered is not None:
+            if numbered is not None:  # a sharded checkpoint's folder is complete once named so
                 out.append((int(numbered.group(1)), os.path.join(folder, name)))
     return out
 
@@ -83,7 +89,7 @@ def _load(path: str, problems: list[str]) -> dict[str, Any] | None:
     """The state in ``path``, or None (reported) if it is corrupt. A file that is not plain data
     raises :class:`~virtualflow.runtime.checkpoint.UntrustedStateError`: not skipped, refused."""
     try:
-        return load_state(path)
+        return peek_dcp(path) if is_dcp(path) else load_state(path)
     except CorruptCheckpointError as exc:
         logger.warning("skipping %s: %s", path, exc)
         problems.append(str(exc))

@@ -179,6 +179,8 @@ class Supervisor:
             device=opts.device,
             collective_timeout_s=opts.collective_timeout_s,
             checkpoint_every=opts.checkpoint_every,
+            checkpoint_format=opts.checkpoint_format,
+            async_checkpoint=opts.async_checkpoint,
             resume_path=setup.resume_path,
             initial_workers=opts.start_workers,
             fault_plan=opts.fault_plan,

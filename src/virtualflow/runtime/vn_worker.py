@@ -11,7 +11,9 @@ written by rank 0 alone after its step report; with the sharded reduction the op
 spread over the members, so assembling it is a collective every member enters at the same step
 boundary, before rank 0's report. Checkpoints taken during training keep the newest
 ``keep_checkpoints`` (both modes); a held generation's checkpoint prunes only with the plain
-reduction (as before this module existed).
+reduction (as before this module existed). With ``checkpoint_format="dcp"`` no state is
+assembled for a checkpoint in either mode: every member writes what it holds
+(:meth:`VNWorkerEngine.sharded_parts`) at the same step boundary.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from virtualflow.comm.groups import Group
 from virtualflow.plan.data import DataPlan
 from virtualflow.runtime.engine import BatchLoader, StepOutcome, VNEngine
+from virtualflow.runtime.dcp import Piece, model_pieces, optimizer_pieces, sharded_optimizer_pieces
 from virtualflow.runtime.engines import Boundary, Joining
 from virtualflow.runtime.model_prep import prepare_model
 from virtualflow.runtime.sharded import ShardLost
@@ -207,7 +210,38 @@ class VNWorkerEngine:
             state["grad_scaler"] = vn.scaler.state_dict()
         return state
 
+    def sharded_parts(self, group: Group) -> tuple[list[Piece], dict[str, Any] | None]:
+        """This worker's part of a sharded checkpoint: its share of the model, the optimizer state
+        it holds (sharded reduction: its chunk; all-reduce: an even share), and on rank 0 the rest
+        of the state (optimizer hyperparameters, scheduler, scaler). Local: no collective."""
+        vn = self.vn
+        model = vn.model.state_dict()
+        pieces = model_pieces(model, group.rank, group.size)
+        if vn.shard is not None and vn.shard.full is None:
+            pieces += sharded_optimizer_pieces(vn.shard)
+            rest = {"param_groups": vn.shard.user.state_dict()["param_groups"], "state": {}}
+        else:
+            more, rest = optimizer_pieces(vn.optimizer_state(), group.rank, group.size)
+            pieces += more
+        if group.rank != 0:
+            return pieces, None
+        meta: dict[str, Any] = {
+            "model": {}, "model_keys": list(model), "optimizer": rest,
+            "lr_scheduler": vn.scheduler.state_dict() if vn.scheduler is not None else None,
+        }
+        if vn.scaler is not None:
+            meta["grad_scaler"] = vn.scaler.state_dict()
+        return pieces, meta
+
     def boundary(self, group: Group, step: int, work: Boundary) -> None:
+        if work.dcp:
+            if work.checkpoint_due(step):  # every member writes its part
+                t_ck = time.perf_counter()
+                pieces, meta = self.sharded_parts(group)
+                path = work.save_sharded(group, step, pieces, meta)
+                if group.rank == 0:
+                    work.checkpointed(step, path, t_ck)
+            return
         if not self.vn.sharded or not work.checkpoint_due(step):
             return
         t_ck = time.perf_counter()  # every member takes part in gathering the optimizer state
@@ -216,7 +250,7 @@ class VNWorkerEngine:
             work.checkpointed(step, work.save_checkpoint(step, state, prune=True), t_ck)
 
     def boundary_on_rank0(self, step: int, work: Boundary) -> None:
-        if not self.vn.sharded and work.checkpoint_due(step):
+        if not self.vn.sharded and not work.dcp and work.checkpoint_due(step):
             t_ck = time.perf_counter()
             state = work.whole_state(self, self.vn.group, step)
             work.checkpointed(step, work.save_checkpoint(step, state, prune=True), t_ck)
@@ -224,6 +258,7 @@ class VNWorkerEngine:
             work.evaluate(self.vn.model, step)
 
     def hold(self, group: Group, step: int, work: Boundary) -> str | None:
+        work.drain()  # a held job may be stopped: its sharded save in flight completes first
         if self.vn.sharded:
             self.vn.before_regroup()  # the next generation cuts the optimizer state again
             state = work.whole_state(self, group, step)  # rank 0 gathers the optimizer's chunks

@@ -59,6 +59,11 @@ class WorkerConfig:
     """Bound on waits for the coordinator (a generation to join; a rendezvous)."""
     heartbeat_interval_s: float = 0.05
     keep_checkpoints: int = 2
+    checkpoint_format: str = "pt"
+    """``pt``: one state file per checkpoint (rank 0); ``dcp``: every worker writes its part
+    (:mod:`virtualflow.runtime.dcp`)."""
+    async_checkpoint: bool = False
+    """``dcp`` checkpoints written on a thread while training goes on."""
     job_id: str = ""
     """This launch's id (:func:`virtualflow.comm.auth.new_job_id`), named by every signed message."""
     run_key: str = ""
