@@ -36,7 +36,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PHASES = ("before_forward", "mid_backward", "send_recv", "during_reduction", "after_reduction", "state_transfer")
+PHASES = ("before_forward", "mid_backward", "send_recv", "during_reduction", "after_reduction", "state_transfer",
+          "during_checkpoint")
+"""``during_checkpoint``: a sharded (``dcp``) checkpoint's write, after this worker's tensors are
+written and before its part is marked complete (on the saver's thread when asynchronous)."""
 ACTIONS = ("crash", "hang", "error", "lose")
 
 

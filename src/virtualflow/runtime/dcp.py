@@ -203,11 +203,13 @@ def partial_dir(final: str) -> str:
 
 
 def write_rank(final: str, rank: int, world: int, save_id: str, step: int, pieces: list[Piece],
-               meta: dict[str, Any] | None, keep: int | None = None) -> bool:
+               meta: dict[str, Any] | None, keep: int | None = None,
+               written: Callable[[], None] | None = None) -> bool:
     """Write worker ``rank``'s part of the checkpoint ``final`` (a ``….dcp`` folder) into its
     partial folder; the worker completing the set finalizes it (see the module docstring).
     ``meta``: rank 0's ``meta.pt`` contents. ``keep``: after finalizing, keep this many complete
-    checkpoints in the folder. Returns whether this call finalized the checkpoint."""
+    checkpoints in the folder. ``written``: called once the tensors are on disk, before the part
+    is marked complete (fault injection). Returns whether this call finalized the checkpoint."""
     part = partial_dir(final)
     mine = os.path.join(part, f"rank-{rank:05d}")
     marker = os.path.join(part, f"rank-{rank:05d}.json")
@@ -222,7 +224,7 @@ def write_rank(final: str, rank: int, world: int, save_id: str, step: int, piece
     if live:
         with warnings.catch_warnings():  # "no process group: saving in a single process" is the intent
             warnings.simplefilter("ignore", UserWarning)
-            written = dcp.save({p.fqn: p.tensor for p in live}, planner=_PiecePlanner(live), no_dist=True,
+            saved = dcp.save({p.fqn: p.tensor for p in live}, planner=_PiecePlanner(live), no_dist=True,
                                storage_writer=FileSystemWriter(mine, single_file_per_rank=True, sync_files=True,
                                                                thread_count=1, overwrite=True))
         try:
@@ -230,7 +232,7 @@ def write_rank(final: str, rank: int, world: int, save_id: str, step: int, piece
         except OSError:
             pass
         by_fqn = {p.fqn: p for p in live}
-        for index, info in written.storage_data.items():
+        for index, info in saved.storage_data.items():
             p = by_fqn[index.fqn]
             entries.append({"fqn": p.fqn, "shape": list(p.shape), "dtype": _dtype_name(p.tensor.dtype),
                             "lo": p.lo, "hi": p.lo + p.tensor.numel(),
@@ -238,6 +240,8 @@ def write_rank(final: str, rank: int, world: int, save_id: str, step: int, piece
                             "length": info.length})
     if meta is not None:
         save_state(os.path.join(mine, META), meta)
+    if written is not None:
+        written()
     files = {f"rank-{rank:05d}/{name}": _file_digest(os.path.join(mine, name)) for name in sorted(os.listdir(mine))}
     record = {"format": _RANK_FORMAT, "save_id": save_id, "rank": rank, "world": world, "step": step,
               "entries": sorted(entries, key=lambda e: (e["fqn"], e["lo"])), "files": files}

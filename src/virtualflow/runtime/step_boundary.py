@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -74,6 +74,8 @@ class WorkerBoundary:
         self.dcp = cfg.checkpoint_format == "dcp"
         """Checkpoints are sharded: every member writes its part (:meth:`save_sharded`)."""
         self.saver = DcpSaver(cfg.async_checkpoint) if self.dcp else None
+        self.fault_point: Callable[[int, str], None] | None = None
+        """Fault injection (:mod:`virtualflow.runtime.faults`): ``during_checkpoint``."""
 
     def checkpoint_due(self, step: int) -> bool:
         every = self.cfg.checkpoint_every
@@ -124,7 +126,10 @@ class WorkerBoundary:
         save_id = f"{self.cfg.job_id}/g{group.generation}/s{step}"
         rank, world, keep = group.rank, group.size, self.cfg.keep_checkpoints
         os.makedirs(os.path.dirname(final), exist_ok=True)
-        self.saver.save(lambda staged: write_rank(final, rank, world, save_id, step, staged, meta, keep), pieces)
+        point = self.fault_point
+        written = (lambda: point(step, "during_checkpoint")) if point is not None else None
+        self.saver.save(lambda staged: write_rank(final, rank, world, save_id, step, staged, meta, keep, written),
+                        pieces)
         return final
 
     def drain(self) -> None:

@@ -255,6 +255,7 @@ class Worker:
         self.faults = WorkerFaults.of(cfg.fault_plan, self.id) if cfg.fault_plan is not None else None
         if self.faults:
             self.engine.install_fault_point(self.faults.point)
+            self.boundary.fault_point = self.faults.point
         if cfg.resume_path is not None and self.id < cfg.initial_workers:
             state = load_checkpoint(cfg.resume_path)  # a state file or a sharded checkpoint's folder
             self.engine.resume_from(state)
