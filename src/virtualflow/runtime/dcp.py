@@ -35,7 +35,8 @@ Invariants.
   CorruptCheckpointError` naming the file and the fix, so a resume falls back to the previous
   good checkpoint.
 * **Asynchronous saves stall for the host copy only.** :class:`DcpSaver` copies the worker's
-  pieces to host memory, then writes them on a thread; at most one save is in flight per worker
+  pieces to host memory (into the buffers of its previous save when the layout is unchanged),
+  then writes them on a thread; at most one save is in flight per worker
   (the next save first waits for it). The write uses no process group, so a generation change
   never waits for it; a worker drains it before it exits or holds.
 """
@@ -193,9 +194,30 @@ class _PiecePlanner(DefaultSavePlanner):
         return self.pieces[index.fqn].tensor
 
 
-def stage(pieces: list[Piece]) -> list[Piece]:
-    """The pieces copied to host memory (what an asynchronous save's stall is)."""
-    return [Piece(p.fqn, p.shape, p.lo, p.tensor.detach().to("cpu", copy=True)) for p in pieces if p.tensor.numel()]
+def stage(pieces: list[Piece], buffers: dict[tuple[Any, ...], torch.Tensor] | None = None) -> list[Piece]:
+    """The pieces copied to host memory (what an asynchronous save's stall is). ``buffers``: host
+    tensors of an earlier save, reused where a piece has the same place, size and dtype (no new
+    allocation, no page faults: the copy alone); updated to this save's."""
+    out, used = [], {}
+    on_device = False
+    for p in pieces:
+        t = p.tensor.detach()
+        if not t.numel():
+            continue
+        key = (p.fqn, p.lo, t.numel(), t.dtype)
+        buf = buffers.get(key) if buffers is not None else None
+        if buf is None:
+            buf = torch.empty(t.numel(), dtype=t.dtype, pin_memory=t.device.type == "cuda")
+        on_device |= t.device.type == "cuda"
+        buf.copy_(t, non_blocking=t.device.type == "cuda")
+        used[key] = buf
+        out.append(Piece(p.fqn, p.shape, p.lo, buf))
+    if on_device:
+        torch.cuda.synchronize()
+    if buffers is not None:
+        buffers.clear()
+        buffers.update(used)
+    return out
 
 
 def partial_dir(final: str) -> str:
@@ -518,13 +540,15 @@ class DcpSaver:
         self.asynchronous = asynchronous
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        """Host copies of the last save, reused by the next (one save in flight: it is written)."""
         self.last_write_s = 0.0
         """Seconds the last completed write took (off the training path when asynchronous)."""
 
     def save(self, job: Callable[[list[Piece]], Any], pieces: list[Piece]) -> None:
         """Stage ``pieces`` in host memory, then ``job(staged)`` (the write), now or on a thread."""
-        self.drain()  # one save in flight
-        staged = stage(pieces)
+        self.drain()  # one save in flight: its host copies are free again
+        staged = stage(pieces, self._buffers)
         if not self.asynchronous:
             self._run(job, staged)
             self._raise()
