@@ -178,6 +178,28 @@ def test_a_retry_of_an_interrupted_step_ignores_the_old_attempts_files(tmp_path)
     assert_state_equal(load_dcp_state(final)["model"], model.state_dict())
 
 
+def test_a_retry_with_fewer_workers_drops_the_old_attempts_extra_parts(tmp_path):
+    model, opt = trained()
+    final = str(tmp_path / "step-00000004.dcp")
+    pieces, _ = optimizer_pieces(opt.state_dict(), 2, 3)
+    write_rank(final, 2, 3, "attempt-1", 4, model_pieces(model.state_dict(), 2, 3) + pieces, None)  # then a crash
+    save_allreduce(str(tmp_path), 4, model, opt, 2)
+    assert sorted(os.listdir(final)) == [".metadata", "manifest.json", "rank-00000", "rank-00001"]
+    assert_state_equal(load_dcp_state(final)["model"], model.state_dict())
+
+
+def test_export_through_the_command_line(tmp_path, capsys):
+    from virtualflow.cli.main import main
+
+    model, opt = trained()
+    save_allreduce(str(tmp_path / "run" / "checkpoints"), 6, model, opt, 2)
+    out = str(tmp_path / "model.pt")
+    assert main(["export", str(tmp_path / "run"), "--to", out]) == 0
+    assert "model at step 6" in capsys.readouterr().out
+    assert main(["export", str(tmp_path / "empty"), "--to", out]) == 2
+    assert "neither a run directory nor a checkpoint" in capsys.readouterr().err
+
+
 def test_async_saver_returns_after_the_host_copy_and_keeps_one_save_in_flight():
     saver = DcpSaver(asynchronous=True)
     release, calls = threading.Event(), []

@@ -286,6 +286,17 @@ def _finalize(final: str, world: int, save_id: str, step: int, keep: int | None)
         records.append(rec)
     entries = [e for rec in records for e in rec["entries"]]
     files = {k: v for rec in records for k, v in rec["files"].items()}
+    ours = {f"rank-{r:05d}" for r in range(world)} | {f"rank-{r:05d}.json" for r in range(world)}
+    for name in os.listdir(part):  # an earlier attempt's workers beyond this world, stray files
+        if name not in ours and not name.startswith("."):
+            full = os.path.join(part, name)
+            if os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(full)
+                except OSError:
+                    pass  # another finalizer took it
     _write_dcp_metadata(part, entries)
     files[".metadata"] = _file_digest(os.path.join(part, ".metadata"))
     body = {"format": _FORMAT, "save_id": save_id, "step": step, "world": world,

@@ -201,11 +201,18 @@ class VNWorkerEngine:
         optimizer = vn.gather_optimizer_state(root=0) if vn.sharded else None  # a collective
         if group.rank != 0:
             return None
-        state = {
+        return {
             "model": {k: v.detach().cpu() for k, v in vn.model.state_dict().items()},
             "optimizer": optimizer if optimizer is not None else vn.optimizer_state(),
-            "lr_scheduler": vn.scheduler.state_dict() if vn.scheduler is not None else None,
+            **self.small_state(),
         }
+
+    def small_state(self) -> dict[str, Any]:
+        """The whole state's parts besides the model and the optimizer state (every worker holds
+        them alike): a state file has them beside the two, a sharded checkpoint in rank 0's
+        ``meta.pt``."""
+        vn = self.vn
+        state = {"lr_scheduler": vn.scheduler.state_dict() if vn.scheduler is not None else None}
         if vn.scaler is not None:  # 16-mixed: the loss scale and its growth counter resume too
             state["grad_scaler"] = vn.scaler.state_dict()
         return state
@@ -225,13 +232,7 @@ class VNWorkerEngine:
             pieces += more
         if group.rank != 0:
             return pieces, None
-        meta: dict[str, Any] = {
-            "model": {}, "model_keys": list(model), "optimizer": rest,
-            "lr_scheduler": vn.scheduler.state_dict() if vn.scheduler is not None else None,
-        }
-        if vn.scaler is not None:
-            meta["grad_scaler"] = vn.scaler.state_dict()
-        return pieces, meta
+        return pieces, {"model": {}, "model_keys": list(model), "optimizer": rest, **self.small_state()}
 
     def boundary(self, group: Group, step: int, work: Boundary) -> None:
         if work.dcp:
