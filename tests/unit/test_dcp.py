@@ -307,8 +307,14 @@ def _damage_meta_pickle(final: str, other: str) -> str:
     return "meta.pt does not match the manifest"  # caught by its digest before anything is unpickled
 
 
+def _damage_renamed(final: str, other: str) -> str:
+    shutil.rmtree(final)
+    shutil.copytree(final.replace("step-00000008", "step-00000004"), final)  # an older checkpoint under a new name
+    return "is the checkpoint of step 4, in a folder named for step 8"
+
+
 @pytest.mark.parametrize("damage", [_damage_missing, _damage_truncated, _damage_foreign, _damage_manifest,
-                                    _damage_dcp_metadata, _damage_meta_pickle])
+                                    _damage_dcp_metadata, _damage_meta_pickle, _damage_renamed])
 def test_a_damaged_checkpoint_is_a_one_line_error_naming_the_file_and_the_previous_one_is_used(tmp_path, damage):
     folder = tmp_path / "run" / "checkpoints"
     model, opt = trained()

@@ -377,6 +377,10 @@ def read_manifest(folder: str, *, verify_files: bool = True) -> dict[str, Any]:
     if manifest.get("checksum") != _json_digest(body):
         raise CorruptCheckpointError(f"{path} does not match its checksum (altered or damaged); {_FIX}")
     _check_manifest(path, manifest)
+    named = re.fullmatch(r"step-(\d+)\.dcp", os.path.basename(os.path.normpath(folder)))
+    if named is not None and int(named.group(1)) != manifest["step"]:
+        raise CorruptCheckpointError(f"{path} is the checkpoint of step {manifest['step']}, in a folder named for step "
+                                     f"{int(named.group(1))} (moved or copied over); {_FIX}")
     if verify_files:
         for name, want in manifest["files"].items():
             _verify_file(folder, name, want)
