@@ -5,7 +5,8 @@ Layout of ``checkpoints/step-<8 digits>.dcp/``::
 
     rank-00000/__0_0.distcp   worker 0's tensors (DCP's file format: torch.save'd tensors)
     rank-00000/meta.pt        worker 0 only: step, job identity, optimizer hyperparameters, the LR
-                              scheduler, grad scaler and callbacks (a state file of
+                              scheduler, grad scaler, callbacks, model tensors without
+                              elements (a state file of
                               :mod:`virtualflow.runtime.checkpoint`: plain data, checksum inside)
     rank-00001/__0_0.distcp   worker 1's tensors, ...
     .metadata                 DCP's metadata, for plain ``torch.distributed.checkpoint.load`` users
@@ -506,8 +507,9 @@ def load_dcp_state(folder: str, *, model_only: bool = False) -> dict[str, Any]:
     flat = load_ranges(folder, manifest, wanted)
     keys = meta.get("model_keys") or sorted(f[len("model/"):] for f in wanted if f.startswith("model/"))
     state = {k: v for k, v in meta.items() if k not in ("model", "model_keys", "optimizer")}
+    empty = meta.get("model") or {}  # tensors without elements live in meta.pt
     try:
-        state["model"] = {k: flat[f"model/{k}"].view(shapes[f"model/{k}"]) for k in keys}
+        state["model"] = {k: empty[k] if k in empty else flat[f"model/{k}"].view(shapes[f"model/{k}"]) for k in keys}
     except KeyError as exc:
         raise CorruptCheckpointError(f"{folder}: the model tensor {exc.args[0]} is in no shard; {_FIX}") from None
     if model_only:
@@ -533,7 +535,9 @@ def peek_dcp(folder: str) -> dict[str, Any]:
                                      f"manifest of step {manifest['step']}: files of two checkpoints; {_FIX}")
     shapes = {e["fqn"][len("model/"):]: tuple(e["shape"]) for e in manifest["entries"] if e["fqn"].startswith("model/")}
     keys = meta.get("model_keys") or sorted(shapes)
-    meta["model"] = {k: torch.empty(shapes.get(k, (0,)), device="meta") for k in keys}
+    empty = meta.get("model") or {}
+    meta["model"] = {k: torch.empty(shapes[k] if k in shapes else tuple(empty[k].shape) if k in empty else (0,),
+                                    device="meta") for k in keys}
     return meta
 
 

@@ -232,7 +232,8 @@ class VNWorkerEngine:
             pieces += more
         if group.rank != 0:
             return pieces, None
-        return pieces, {"model": {}, "model_keys": list(model), "optimizer": rest, **self.small_state()}
+        empty = {k: v.detach().cpu() for k, v in model.items() if not v.numel()}  # in no chunk: kept here
+        return pieces, {"model": empty, "model_keys": list(model), "optimizer": rest, **self.small_state()}
 
     def boundary(self, group: Group, step: int, work: Boundary) -> None:
         if work.dcp:
