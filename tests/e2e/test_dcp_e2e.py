@@ -35,3 +35,23 @@ def test_killed_during_an_async_save_then_resumed_on_3_allreduce_workers_is_bit_
     assert result.history[0]["step"] == 4
     ref = vf.train(job, workers=3, steps=12, deterministic=True)
     assert_same_training(result, ref, first_step=4)
+
+
+@pytest.mark.timeout(120)
+def test_a_pipelined_sharded_checkpoint_resumes_on_another_replica_count(tmp_path):
+    """2 stages x 2 replicas write their stages' shares (no gather); resumed as 2 stages x 1
+    replica the run ends as the unpipelined reference; another number of stages is refused,
+    naming the knobs."""
+    from conftest import assert_state_equal
+
+    first = str(tmp_path / "first")
+    vf.train(jobs.pipelined_job, workers=4, steps=4, deterministic=True, run_dir=first, checkpoint_every=2,
+             checkpoint_format="dcp", async_checkpoint=True)
+    os.remove(os.path.join(first, "final.pt"))  # as if it had stopped after step 3
+    assert sorted(os.listdir(os.path.join(first, "checkpoints"))) == ["step-00000002.dcp"]
+    result = vf.train(jobs.pipelined_job, workers=2, steps=7, deterministic=True, resume=first)
+    assert result.history[0]["step"] == 2
+    ref = vf.train(jobs.pipelined_job().replace(pipeline=None), workers=1, steps=7, deterministic=True)
+    assert_state_equal(result.state_dict, ref.state_dict)
+    with pytest.raises(ValueError, match="--pipeline-stages 2 --split 4,4"):
+        vf.train(jobs.pipelined_job, workers=4, steps=8, pipeline_stages=4, resume=first)

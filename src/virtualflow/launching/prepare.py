@@ -84,10 +84,6 @@ def prepare(job: JobLike, opts: LaunchOptions) -> Iterator[RunSetup]:
         raise ValueError(f"reduction='sharded' shards the data-parallel optimizer of unpipelined jobs; this job is "
                          f"pipelined in {pipeline.stages} stages (Job.pipeline / --pipeline-stages), so each worker "
                          f"already holds only its stage's optimizer state: drop --reduction sharded")
-    if pipeline is not None and opts.checkpoint_format == "dcp":
-        raise ValueError(f"checkpoint_format='dcp' writes data-parallel workers' parts; this job is pipelined in "
-                         f"{pipeline.stages} stages (Job.pipeline / --pipeline-stages), whose sharded checkpoints are "
-                         f"not built yet: use --checkpoint-format pt")
     preflight(job_obj, dataset, plan, reduction=opts.reduction)
     if pipeline is not None:
         pipeline = plan_pipeline(job_obj.replace(pipeline=pipeline), dataset, workers, device=opts.device,

@@ -505,23 +505,40 @@ def load_dcp_state(folder: str, *, model_only: bool = False) -> dict[str, Any]:
     shapes = {e["fqn"]: tuple(e["shape"]) for e in manifest["entries"]}
     wanted = {f: (0, math.prod(s)) for f, s in shapes.items() if not model_only or f.startswith("model/")}
     flat = load_ranges(folder, manifest, wanted)
-    keys = meta.get("model_keys") or sorted(f[len("model/"):] for f in wanted if f.startswith("model/"))
-    state = {k: v for k, v in meta.items() if k not in ("model", "model_keys", "optimizer")}
-    empty = meta.get("model") or {}  # tensors without elements live in meta.pt
+    metas = [meta]
+    pipeline = meta.get("pipeline")
+    if isinstance(pipeline, dict):  # one meta.pt per stage, by replica 0's member of it (rank = stage)
+        metas += [load_state(os.path.join(folder, f"rank-{s:05d}", META)) for s in range(1, int(pipeline["stages"]))]
+    keys = [k for m in metas for k in m.get("model_keys", [])]
+    keys = keys or sorted(f[len("model/"):] for f in wanted if f.startswith("model/"))
+    state = {k: v for k, v in meta.items() if k not in ("model", "model_keys", "optimizer", "stage")}
+    empty = {k: v for m in metas for k, v in (m.get("model") or {}).items()}  # tensors without elements
     try:
         state["model"] = {k: empty[k] if k in empty else flat[f"model/{k}"].view(shapes[f"model/{k}"]) for k in keys}
     except KeyError as exc:
         raise CorruptCheckpointError(f"{folder}: the model tensor {exc.args[0]} is in no shard; {_FIX}") from None
     if model_only:
         return state
+    if isinstance(pipeline, dict):  # gather_state's layout: one optimizer and scheduler state per stage
+        state["optimizer"] = {"pipeline_stages": [_optimizer_of(m, flat, shapes, f"optimizer/stage/{s}/state/")
+                                                  for s, m in enumerate(metas)]}
+        state["lr_scheduler"] = {"pipeline_stages": [m.get("lr_scheduler") for m in metas]}
+        return state
+    state["optimizer"] = _optimizer_of(meta, flat, shapes, "optimizer/state/")
+    return state
+
+
+def _optimizer_of(meta: dict[str, Any], flat: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]],
+                  prefix: str) -> dict[str, Any]:
+    """An optimizer ``state_dict``: ``meta``'s hyperparameters and non-tensor entries, and the
+    tensors of the entries named ``<prefix><index>/<key>``."""
     opt = meta.get("optimizer") or {}
     per: dict[int, dict[str, Any]] = {int(p): dict(v) for p, v in (opt.get("state") or {}).items()}
     for fqn, t in flat.items():
-        m = re.fullmatch(r"optimizer/state/(\d+)/(.+)", fqn)
+        m = re.fullmatch(re.escape(prefix) + r"(\d+)/(.+)", fqn)
         if m is not None:
             per.setdefault(int(m.group(1)), {})[m.group(2)] = t.view(shapes[fqn])
-    state["optimizer"] = {"state": dict(sorted(per.items())), "param_groups": opt.get("param_groups", [])}
-    return state
+    return {"state": dict(sorted(per.items())), "param_groups": opt.get("param_groups", [])}
 
 
 def peek_dcp(folder: str) -> dict[str, Any]:
@@ -534,7 +551,7 @@ def peek_dcp(folder: str) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{os.path.join(folder, 'rank-00000', META)} is of step {meta.get('step')}, the "
                                      f"manifest of step {manifest['step']}: files of two checkpoints; {_FIX}")
     shapes = {e["fqn"][len("model/"):]: tuple(e["shape"]) for e in manifest["entries"] if e["fqn"].startswith("model/")}
-    keys = meta.get("model_keys") or sorted(shapes)
+    keys = list(shapes) if meta.get("pipeline") else meta.get("model_keys") or sorted(shapes)
     empty = meta.get("model") or {}
     meta["model"] = {k: torch.empty(shapes[k] if k in shapes else tuple(empty[k].shape) if k in empty else (0,),
                                     device="meta") for k in keys}

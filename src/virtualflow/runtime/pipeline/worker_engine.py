@@ -22,6 +22,11 @@ The process driver (:func:`drive`, the wire format) lives in :mod:`virtualflow.r
 this module is the engine: adopting generations (resizes, Bamboo failovers and reconfigurations),
 moving and gathering stage state, and the worker's :class:`~virtualflow.runtime.engines.Engine`
 protocol.
+
+Checkpoints with ``checkpoint_format="dcp"`` are written without a gather: every member writes
+its share of its stage (:meth:`PipelineWorkerEngine.sharded_parts`), laid out so that the
+checkpoint reads back as ``gather_state``'s (one optimizer state per job stage). After a Bamboo
+failover (replicas of unequal depth) a checkpoint is gathered and written as one file instead.
 """
 
 from __future__ import annotations
@@ -36,11 +41,12 @@ from virtualflow.plan.pipeline.geometry import Grid, check_workers, layers_of, r
 from virtualflow.config.pipeline import Pipeline
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.vnmap import contiguous_assignment
+from virtualflow.runtime.dcp import Piece, model_pieces, optimizer_pieces
 from virtualflow.runtime.engine import BatchLoader, StepOutcome
 from virtualflow.runtime.engines import Boundary, Joining
 from virtualflow.runtime.pipeline.engine import StageEngine
 from virtualflow.runtime.pipeline.stage_state import (exchange_for_layout, gather_stages, load_merged, load_stage_state, resume_stage,
-                                                 stage_state, stage_states, successor, transfer_stages)
+                                                 scaler_state, stage_state, stage_states, successor, transfer_stages)
 from virtualflow.runtime.pipeline.links import Links, drive
 from virtualflow.runtime.pipeline.flush import FlushStep
 from virtualflow.runtime.pipeline.loop import StageLoop, stage_loop
@@ -345,6 +351,13 @@ class PipelineWorkerEngine:
             return
         ck, ev = self._due
         self._due = (False, False)
+        if ck and work.dcp and self.layout is None:  # every member writes its stage's share: no gather
+            t_ck = time.perf_counter()
+            pieces, meta = self.sharded_parts(group)
+            path = work.save_sharded(group, step, pieces, meta)
+            if group.rank == 0:
+                work.checkpointed(step, path, t_ck)
+            ck = False
         if not (ck or ev):
             return
         t_ck = time.perf_counter()
@@ -357,10 +370,39 @@ class PipelineWorkerEngine:
             work.evaluate(self.model, step)
         self.model = None  # the whole model was rebuilt on rank 0 for this; only pieces stay
 
+    def sharded_parts(self, group: Group) -> tuple[list[Piece], dict[str, Any] | None]:
+        """This worker's part of a sharded checkpoint (standard layout): stage-rank ``s`` of
+        replica ``k`` writes its share (1 / replicas) of its stage's layers and optimizer state
+        (entries ``model/<name>``, ``optimizer/stage/<s>/state/<index>/<key>``); replica 0's member
+        of each stage also writes the stage's optimizer hyperparameters and scheduler state
+        (``meta.pt``), rank 0 with the pipeline's stages and bounds. Local: no collective."""
+        p = self.pipeline.stages
+        s, k, replicas = group.rank % p, group.rank // p, group.size // p
+        stage = self.stage
+        model = stage.model.state_dict()
+        pieces = model_pieces(model, k, replicas)
+        more, rest = optimizer_pieces(stage.optimizer.state_dict(), k, replicas)
+        for piece in more:
+            piece.fqn = piece.fqn.replace("optimizer/state/", f"optimizer/stage/{s}/state/", 1)
+        pieces += more
+        if k != 0:
+            return pieces, None
+        meta: dict[str, Any] = {
+            "model": {n: v.detach().cpu() for n, v in model.items() if not v.numel()}, "model_keys": list(model),
+            "optimizer": rest, "stage": s,
+            "lr_scheduler": stage.scheduler.state_dict() if stage.scheduler is not None else None,
+            "grad_scaler": scaler_state(stage),
+        }
+        if s == 0:
+            meta["pipeline"] = {"stages": p, "bounds": [list(b) for b in self.full_bounds],
+                                "schedule": self.pipeline.schedule}
+        return pieces, meta
+
     def boundary_on_rank0(self, step: int, work: Boundary) -> None:
         pass  # its checkpoints and evaluations are collectives: :meth:`boundary`
 
     def hold(self, group: Group, step: int, work: Boundary) -> str | None:
+        work.drain()  # a held job may be stopped: its sharded save in flight completes first
         state = work.whole_state(self, group, step)  # rank 0 gathers the stages
         return work.save_checkpoint(step, state, prune=False) if group.rank == 0 else None
 
