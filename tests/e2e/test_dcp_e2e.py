@@ -9,6 +9,7 @@ bit-identical to an uninterrupted run."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 from conftest import assert_same_training
@@ -38,10 +39,10 @@ def test_killed_during_an_async_save_then_resumed_on_3_allreduce_workers_is_bit_
 
 
 @pytest.mark.timeout(120)
-def test_a_pipelined_sharded_checkpoint_resumes_on_another_replica_count(tmp_path):
+def test_a_pipelined_sharded_checkpoint_resumes_on_another_replica_count_and_stage_count(tmp_path):
     """2 stages x 2 replicas write their stages' shares (no gather); resumed as 2 stages x 1
-    replica the run ends as the unpipelined reference; another number of stages is refused,
-    naming the knobs."""
+    replica, and as 4 stages x 1 (the optimizer state follows its parameters by name), the run
+    ends as the unpipelined reference."""
     from conftest import assert_state_equal
 
     first = str(tmp_path / "first")
@@ -49,9 +50,12 @@ def test_a_pipelined_sharded_checkpoint_resumes_on_another_replica_count(tmp_pat
              checkpoint_format="dcp", async_checkpoint=True)
     os.remove(os.path.join(first, "final.pt"))  # as if it had stopped after step 3
     assert sorted(os.listdir(os.path.join(first, "checkpoints"))) == ["step-00000002.dcp"]
+    second = str(tmp_path / "second")
+    shutil.copytree(first, second)  # each resume continues in its run directory
     result = vf.train(jobs.pipelined_job, workers=2, steps=7, deterministic=True, resume=first)
     assert result.history[0]["step"] == 2
     ref = vf.train(jobs.pipelined_job().replace(pipeline=None), workers=1, steps=7, deterministic=True)
     assert_state_equal(result.state_dict, ref.state_dict)
-    with pytest.raises(ValueError, match="--pipeline-stages 2 --split 4,4"):
-        vf.train(jobs.pipelined_job, workers=4, steps=8, pipeline_stages=4, resume=first)
+    four = vf.train(jobs.pipelined_job, workers=4, steps=7, deterministic=True, pipeline_stages=4, resume=second)
+    assert four.history[0]["step"] == 2
+    assert_state_equal(four.state_dict, ref.state_dict)

@@ -119,9 +119,10 @@ def _check_same_job(path: str, state: dict[str, Any], job: Job) -> None:
 
 
 def _check_same_pipeline(path: str, state: dict[str, Any], job: Job) -> None:
-    """A pipelined run's state holds one optimizer state per stage: it resumes only with the same
-    stages and split (the schedule may change, except to or from 2BW, whose older weight version
-    a state does not hold)."""
+    """A pipelined run's state holds one optimizer state per stage: a state file resumes only with
+    the same stages and split; a sharded checkpoint, which names each stage's parameters, also
+    with others (:func:`virtualflow.runtime.pipeline.worker_engine.restage`). The schedule may
+    change, except to or from 2BW, whose older weight version a state does not hold."""
     saved = state.get("pipeline")
     saved = saved if isinstance(saved, dict) else None
     pipeline = job.pipeline
@@ -135,7 +136,9 @@ def _check_same_pipeline(path: str, state: dict[str, Any], job: Job) -> None:
         )
     bounds = saved.get("bounds")
     counts = tuple(int(b) - int(a) for a, b in bounds) if isinstance(bounds, list) else None
-    if saved.get("stages") != pipeline.stages or counts != tuple(pipeline.split):
+    names = saved.get("stage_params")  # a sharded checkpoint: its optimizer state can be cut again by name
+    restageable = isinstance(names, list) and bool(names) and all(isinstance(n, list) for n in names)
+    if (saved.get("stages") != pipeline.stages or counts != tuple(pipeline.split)) and not restageable:
         raise ValueError(
             f"the checkpoint {path} holds {saved.get('stages')} stages with layer counts {counts}; the job has "
             f"{pipeline.stages} stages with {pipeline.split}. Resume with --pipeline-stages {saved.get('stages')} "

@@ -523,6 +523,7 @@ def load_dcp_state(folder: str, *, model_only: bool = False) -> dict[str, Any]:
         state["optimizer"] = {"pipeline_stages": [_optimizer_of(m, flat, shapes, f"optimizer/stage/{s}/state/")
                                                   for s, m in enumerate(metas)]}
         state["lr_scheduler"] = {"pipeline_stages": [m.get("lr_scheduler") for m in metas]}
+        state["pipeline"] = {**pipeline, "stage_params": [m.get("param_names") for m in metas]}
         return state
     state["optimizer"] = _optimizer_of(meta, flat, shapes, "optimizer/state/")
     return state
@@ -555,6 +556,10 @@ def peek_dcp(folder: str) -> dict[str, Any]:
     empty = meta.get("model") or {}
     meta["model"] = {k: torch.empty(shapes[k] if k in shapes else tuple(empty[k].shape) if k in empty else (0,),
                                     device="meta") for k in keys}
+    if isinstance(meta.get("pipeline"), dict):  # each stage's parameter names (so that it can be cut again)
+        stages = int(meta["pipeline"]["stages"])
+        meta["pipeline"]["stage_params"] = [meta.get("param_names")] + [
+            load_state(os.path.join(folder, f"rank-{s:05d}", META)).get("param_names") for s in range(1, stages)]
     return meta
 
 

@@ -311,6 +311,9 @@ class PipelineWorkerEngine:
 
     # ---- the worker's Engine protocol (runtime/engines.py) ---------------------------------------
     def resume_from(self, state: dict[str, Any]) -> None:
+        saved = state.get("pipeline") or {}
+        if [list(b) for b in saved.get("bounds", [])] != [list(b) for b in self.full_bounds]:
+            state = restage(state, self.full_bounds)  # a sharded checkpoint of another split
         self.resume_state = state  # loaded into the stage once its place is known
 
     def prepare_to_join(self) -> None:
@@ -392,6 +395,7 @@ class PipelineWorkerEngine:
             "optimizer": rest, "stage": s,
             "lr_scheduler": stage.scheduler.state_dict() if stage.scheduler is not None else None,
             "grad_scaler": scaler_state(stage),
+            "param_names": [n for n, _ in stage.model.named_parameters()],  # the optimizer's order
         }
         if s == 0:
             meta["pipeline"] = {"stages": p, "bounds": [list(b) for b in self.full_bounds],
@@ -580,3 +584,41 @@ class PipelineWorkerEngine:
                 "grad_scaler": stages[0].get("grad_scaler"),  # the same on every stage (16-mixed; else None)
                 "pipeline": {"stages": p, "bounds": [list(b) for b in self.full_bounds],
                              "schedule": self.pipeline.schedule}}
+
+
+def restage(state: dict[str, Any], full_bounds: list[tuple[int, int]]) -> dict[str, Any]:
+    """A pipelined state (``gather_state``'s layout) cut again for the stages ``full_bounds``:
+    each parameter's optimizer state follows it by name (a sharded checkpoint records each
+    stage's parameter names, ``pipeline.stage_params``); every stage gets the first stage's
+    hyperparameters and scheduler state (the stages share one schedule). Raises ``ValueError``,
+    naming the knobs, where that cannot be done exactly."""
+    saved = state.get("pipeline") or {}
+    names = saved.get("stage_params")
+    stages = state["optimizer"]["pipeline_stages"]
+    counts = [int(b) - int(a) for a, b in saved.get("bounds", [])]
+    refusal = (f"the checkpoint holds {saved.get('stages')} stages with layer counts {counts}; the job has "
+               f"{len(full_bounds)} stages with {[b - a for a, b in full_bounds]}")
+    if not names or len(names) != len(stages) or any(n is None for n in names):
+        raise ValueError(f"{refusal}, and it does not name each stage's parameters (a single-file state): resume "
+                         f"with --pipeline-stages {saved.get('stages')} --split {','.join(map(str, counts))}")
+    if any(len(opt["param_groups"]) > 1 for opt in stages) or not all(
+            n.split(".")[0].isdigit() for stage_names in names for n in stage_names):
+        raise ValueError(f"{refusal}; moving optimizer state between stages needs one parameter group and layer-"
+                         f"indexed parameter names: resume with --pipeline-stages {saved.get('stages')} --split "
+                         f"{','.join(map(str, counts))}")
+    by_name: dict[str, Any] = {}
+    for opt, stage_names in zip(stages, names):
+        for pos, name in enumerate(stage_names):
+            if pos in opt["state"]:
+                by_name[name] = opt["state"][pos]
+    every = [n for stage_names in names for n in stage_names]
+    group = {k: v for k, v in stages[0]["param_groups"][0].items() if k != "params"} if stages[0]["param_groups"] else {}
+    cut = []
+    for a, b in full_bounds:
+        mine = [n for n in every if a <= int(n.split(".")[0]) < b]
+        cut.append({"state": {j: by_name[n] for j, n in enumerate(mine) if n in by_name},
+                    "param_groups": [{**group, "params": list(range(len(mine)))}] if mine else []})
+    sched = state["lr_scheduler"]["pipeline_stages"][0]
+    bounds = [[int(a), int(b)] for a, b in full_bounds]
+    return {**state, "optimizer": {"pipeline_stages": cut}, "lr_scheduler": {"pipeline_stages": [sched] * len(cut)},
+            "pipeline": {**saved, "stages": len(cut), "bounds": bounds}}
