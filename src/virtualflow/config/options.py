@@ -182,7 +182,8 @@ class LaunchOptions:
                                 "would", "elasticity and fault tolerance")
     heartbeat_timeout_s: float = _opt(3.0, "a worker silent this long is declared hung, killed and removed "
                                       "(seconds)", "elasticity and fault tolerance", metavar="SECONDS")
-    checkpoint_every: int | None = _opt(None, "write checkpoints/step-N.pt every N steps (the last two are kept)",
+    checkpoint_every: int | None = _opt(None, "write checkpoints/step-N.pt (--checkpoint-format dcp: "
+                                        "step-N.dcp/) every N steps (the last two are kept)",
                                         "elasticity and fault tolerance", metavar="N")
     checkpoint_format: str = _opt("pt", "how checkpoints are written: pt (rank 0 gathers the whole state into one "
                                   "file, checkpoints/step-N.pt) or dcp (every worker writes what it holds with "
