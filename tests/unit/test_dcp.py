@@ -224,6 +224,11 @@ def test_async_saver_returns_after_the_host_copy_and_keeps_one_save_in_flight():
     saver.save(failing, pieces)
     with pytest.raises(OSError, match="disk gone"):
         saver.drain()
+    sync = DcpSaver(asynchronous=False)  # the save is done when save() returns
+    sync.save(lambda staged: calls.append(staged[0].tensor.clone()), pieces)
+    assert calls[-1].tolist() == [2.0] * 4
+    with pytest.raises(OSError, match="disk gone"):
+        sync.save(failing, pieces)
 
 
 @pytest.mark.parametrize("source", ["dcp", "pt"])

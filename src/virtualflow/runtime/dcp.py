@@ -589,11 +589,12 @@ class DcpSaver:
     def save(self, job: Callable[[list[Piece]], Any], pieces: list[Piece]) -> None:
         """Stage ``pieces`` in host memory, then ``job(staged)`` (the write), now or on a thread."""
         self.drain()  # one save in flight: its host copies are free again
-        staged = stage(pieces, self._buffers)
-        if not self.asynchronous:
-            self._run(job, staged)
+        if not self.asynchronous:  # training waits: write host tensors as they are, keep no copy
+            on_host = [p for p in pieces if p.tensor.device.type == "cpu" and p.tensor.numel()]
+            self._run(job, on_host + stage([p for p in pieces if p.tensor.device.type != "cpu"]))
             self._raise()
             return
+        staged = stage(pieces, self._buffers)
         self._thread = threading.Thread(target=self._run, args=(job, staged), name="virtualflow-dcp-save")
         self._thread.start()
 
