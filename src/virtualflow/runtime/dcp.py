@@ -475,15 +475,23 @@ class _RangePlanner(DefaultLoadPlanner):
         raise UntrustedStateError("a virtualflow checkpoint holds tensors only; refusing to unpickle an object")
 
 
-def load_ranges(folder: str, manifest: dict[str, Any], ranges: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
+def load_ranges(folder: str, manifest: dict[str, Any], ranges: dict[str, tuple[int, int]], *,
+                verify: bool = False) -> dict[str, torch.Tensor]:
     """Elements ``[lo, hi)`` of each flattened entry named in ``ranges`` (resharding: any range,
-    whatever chunks the writers held), as 1-D CPU tensors."""
+    whatever chunks the writers held), as 1-D CPU tensors. ``verify``: first check the digests of
+    the files these ranges are read from (for a manifest read with ``verify_files=False``: a
+    worker reading its chunk hashes only the files it reads)."""
     kinds = {e["fqn"]: (math.prod(e["shape"]), e["dtype"]) for e in manifest["entries"]}
     out = {}
     for fqn, (lo, hi) in ranges.items():
         if fqn not in kinds or not 0 <= lo <= hi <= kinds[fqn][0]:
             raise ValueError(f"checkpoint {folder} has no elements [{lo}, {hi}) of {fqn!r}")
         out[fqn] = torch.empty(hi - lo, dtype=_DTYPES[kinds[fqn][1]])
+    if verify:
+        touched = {e["file"] for e in manifest["entries"]
+                   if e["fqn"] in ranges and e["lo"] < ranges[e["fqn"]][1] and ranges[e["fqn"]][0] < e["hi"]}
+        for name in sorted(touched):
+            _verify_file(folder, name, manifest["files"][name])
     if any(t.numel() for t in out.values()):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
