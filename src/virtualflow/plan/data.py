@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -30,6 +31,16 @@ from virtualflow.plan.permutation import epoch_indices
 DATA_ORDERS = ("feistel", "randperm")
 """The data orders: ``"feistel"`` (per position, O(B) memory) and ``"randperm"`` (the order
 before it: one ``torch.randperm`` of the dataset per epoch)."""
+
+
+class OrderedJob(Protocol):
+    """What a plan reads of a job (:class:`~virtualflow.config.job.Job` has it)."""
+
+    global_batch_size: int
+    virtual_nodes: int
+    seed: int
+    data_order: str
+
 
 _CACHED_STEPS = 4  # a step in use and the next one prefetched, with room to spare
 
@@ -86,10 +97,9 @@ class DataPlan:
                              f"(Job.data_order)")
 
     @classmethod
-    def of_job(cls, job: object, dataset_size: int) -> DataPlan:
+    def of_job(cls, job: OrderedJob, dataset_size: int) -> DataPlan:
         """The plan of a :class:`~virtualflow.config.job.Job` (its B, V, seed and data order)."""
-        return cls(dataset_size, job.global_batch_size, job.virtual_nodes, job.seed,  # type: ignore[attr-defined]
-                   order=job.data_order)  # type: ignore[attr-defined]
+        return cls(dataset_size, job.global_batch_size, job.virtual_nodes, job.seed, order=job.data_order)
 
     @property
     def steps_per_epoch(self) -> int:
