@@ -45,7 +45,7 @@ latest at ``p`` itself). Since ``a*b - n < a``, a value falls outside with proba
 ``epoch`` are part of the key, so another dataset size or epoch draws another permutation.
 
 The arithmetic in torch: values stay below 2**63 (``x < a*b < 2**63``, ``R < 2**32``, a product
-in ``F`` is below 2**32 * 2**31), so ``int64`` tensors compute it exactly, on any device.
+in ``F`` is below 2**32 * 2**31), so ``int64`` tensors compute it exactly (no overflow, no sign).
 """
 
 from __future__ import annotations
