@@ -411,3 +411,34 @@ def test_a_workers_sharded_parts_hold_what_its_whole_state_holds(tmp_path, reduc
     assert got["optimizer"]["param_groups"] == whole["optimizer"]["param_groups"]
     assert got["lr_scheduler"] == whole["lr_scheduler"]
     engine.close()
+
+
+def _forge_manifest(final: str) -> None:
+    """What a forger with write access does: recompute every digest and the manifest's checksum."""
+    import hashlib
+
+    path = os.path.join(final, "manifest.json")
+    m = json.loads(open(path).read())
+    for name in m["files"]:
+        data = open(os.path.join(final, name), "rb").read()
+        m["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    body = {k: v for k, v in m.items() if k != "checksum"}
+    m["checksum"] = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    open(path, "w").write(json.dumps(m))
+
+
+def test_even_with_forged_digests_nothing_in_the_folder_is_run(tmp_path):
+    """The digests catch damage; code in a file is refused by what reads it: DCP's ``.metadata``
+    is never unpickled, ``meta.pt`` is read with ``weights_only=True``."""
+    marker = "/tmp/virtualflow-test-dcp-pwned"
+    model, opt = trained()
+    final = save_allreduce(str(tmp_path), 4, model, opt, 2)
+    path = os.path.join(final, ".metadata")
+    _plant_pickle(path, 0)
+    _forge_manifest(final)
+    assert_state_equal(load_dcp_state(final)["model"], model.state_dict())  # .metadata is not read
+    torch.save({"model": {}, "step": _Boom()}, os.path.join(final, "rank-00000", "meta.pt"))  # a torch file
+    _forge_manifest(final)
+    with pytest.raises(UntrustedStateError, match="system"):
+        load_dcp_state(final)
+    assert not os.path.exists(marker)
