@@ -437,8 +437,22 @@ def test_even_with_forged_digests_nothing_in_the_folder_is_run(tmp_path):
     _plant_pickle(path, 0)
     _forge_manifest(final)
     assert_state_equal(load_dcp_state(final)["model"], model.state_dict())  # .metadata is not read
+    shutil.copyfile(os.path.join(final, "rank-00000", "meta.pt"), os.path.join(tmp_path, "meta.pt.bak"))
     torch.save({"model": {}, "step": _Boom()}, os.path.join(final, "rank-00000", "meta.pt"))  # a torch file
     _forge_manifest(final)
     with pytest.raises(UntrustedStateError, match="system"):
         load_dcp_state(final)
     assert not os.path.exists(marker)
+    shard = _shard(final, 1)
+    torch.save(_Boom(), shard)  # a tensor shard replaced by code, its entries pointed at it
+    m = json.loads(open(os.path.join(final, "manifest.json")).read())
+    for e in m["entries"]:
+        if e["file"].endswith("rank-00001/__0_0.distcp"):
+            e["offset"], e["length"] = 0, os.path.getsize(shard)
+    open(os.path.join(final, "manifest.json"), "w").write(json.dumps(m))
+    shutil.copyfile(os.path.join(tmp_path, "meta.pt.bak"), os.path.join(final, "rank-00000", "meta.pt"))
+    _forge_manifest(final)
+    with pytest.raises(UntrustedStateError, match="a shard holds a pickled object"):
+        load_dcp_state(final)
+    assert not os.path.exists(marker)
+

@@ -75,7 +75,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from virtualflow.plan.shards import shard_bounds
-from virtualflow.records.rundir import atomic_write
+from virtualflow.records.rundir import atomic_write, disk_full_error
 from virtualflow.runtime.checkpoint import CorruptCheckpointError, UntrustedStateError, load_state, save_state
 
 logger = logging.getLogger(__name__)
@@ -245,11 +245,22 @@ def write_rank(final: str, rank: int, world: int, save_id: str, step: int, piece
     live = [p for p in pieces if p.tensor.numel()]
     entries: list[dict[str, Any]] = []
     if live:
-        with warnings.catch_warnings():  # "no process group: saving in a single process" is the intent
-            warnings.simplefilter("ignore", UserWarning)
-            saved = dcp.save({p.fqn: p.tensor for p in live}, planner=_PiecePlanner(live), no_dist=True,
-                               storage_writer=FileSystemWriter(mine, single_file_per_rank=True, sync_files=True,
-                                                               thread_count=1, overwrite=True))
+        try:
+            with warnings.catch_warnings():  # "no process group: saving in a single process" is the intent
+                warnings.simplefilter("ignore", UserWarning)
+                saved = dcp.save({p.fqn: p.tensor for p in live}, planner=_PiecePlanner(live), no_dist=True,
+                                 storage_writer=FileSystemWriter(mine, single_file_per_rank=True, sync_files=True,
+                                                                 thread_count=1, overwrite=True))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            causes = [exc, *getattr(exc, "failures", {}).values()]
+            full = next((e for e in (disk_full_error(c, mine) for c in causes) if e is not None), None)
+            if full is not None:
+                raise full from None
+            text = str(causes[-1]).strip()
+            why = text.splitlines()[-1][:300] if text else type(causes[-1]).__name__
+            raise RuntimeError(f"writing this worker's part of {final} failed: {why}") from None
         try:
             os.unlink(os.path.join(mine, ".metadata"))  # this worker's alone; the merged one is written below
         except OSError:
@@ -493,10 +504,21 @@ def load_ranges(folder: str, manifest: dict[str, Any], ranges: dict[str, tuple[i
         for name in sorted(touched):
             _verify_file(folder, name, manifest["files"][name])
     if any(t.numel() for t in out.values()):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(out, storage_reader=_ManifestReader(folder, manifest["entries"]),
-                     planner=_RangePlanner(ranges), no_dist=True)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(out, storage_reader=_ManifestReader(folder, manifest["entries"]),
+                         planner=_RangePlanner(ranges), no_dist=True)
+        except (UntrustedStateError, CorruptCheckpointError, KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            text = str(exc)
+            if "Weights only load failed" in text or "WeightsUnpickler" in text:
+                raise UntrustedStateError(f"refusing to read {folder}: a shard holds a pickled object that is not a "
+                                          f"tensor, and loading it could run code; resume from a checkpoint you "
+                                          f"trust") from None
+            first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(exc).__name__)[:200]
+            raise CorruptCheckpointError(f"cannot read the shards of {folder} ({first}); {_FIX}") from None
     return out
 
 
