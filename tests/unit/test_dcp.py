@@ -337,6 +337,13 @@ def test_a_damaged_checkpoint_is_a_one_line_error_naming_the_file_and_the_previo
     assert not os.path.exists("/tmp/virtualflow-test-dcp-pwned")
 
 
+def test_a_file_named_like_a_checkpoint_folder_is_skipped(tmp_path):
+    model, opt = trained()
+    save_allreduce(str(tmp_path / "run" / "checkpoints"), 4, model, opt, 1)
+    open(tmp_path / "run" / "checkpoints" / "step-00000009.dcp", "w").write("not a folder")
+    assert find_resume_state(str(tmp_path / "run"), None)[1] == 4
+
+
 def test_a_symlinked_checkpoint_folder_is_refused(tmp_path):
     model, opt = trained()
     real = save_allreduce(str(tmp_path / "elsewhere"), 4, model, opt, 1)

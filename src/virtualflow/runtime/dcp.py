@@ -371,9 +371,11 @@ def read_manifest(folder: str, *, verify_files: bool = True) -> dict[str, Any]:
     in a listed file, every tensor covered exactly once, and (``verify_files``) every listed file
     present with its recorded size and SHA-256. Anything wrong: a one-line
     :class:`CorruptCheckpointError` naming the file and the fix."""
-    if os.path.islink(folder) or not os.path.isdir(folder):
-        raise UntrustedStateError(f"refusing to read {folder}: not a checkpoint folder (a symbolic link or not a "
-                                  f"directory); pass the folder itself")
+    if os.path.islink(folder):
+        raise UntrustedStateError(f"refusing to read {folder}: it is a symbolic link, and checkpoints are read only "
+                                  f"from the run directory's own folders; copy the folder there, or pass its real path")
+    if not os.path.isdir(folder):
+        raise CorruptCheckpointError(f"{folder} is not a folder (a sharded checkpoint is one); {_FIX}")
     path = os.path.join(folder, MANIFEST)
     if not os.path.lexists(path):
         raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete (its save was interrupted); "
