@@ -63,7 +63,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import _StorageInfo  # what DCP's reader looks files up by (2.4-2.13)
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -237,9 +238,8 @@ def write_rank(final: str, rank: int, world: int, save_id: str, step: int, piece
     mine = os.path.join(part, f"rank-{rank:05d}")
     marker = os.path.join(part, f"rank-{rank:05d}.json")
     os.makedirs(part, exist_ok=True)
-    for stale in (marker,):
-        if os.path.lexists(stale):
-            os.unlink(stale)  # an interrupted earlier attempt at this step
+    if os.path.lexists(marker):
+        os.unlink(marker)  # an interrupted earlier attempt at this step: its part is written anew
     shutil.rmtree(mine, ignore_errors=True)
     os.makedirs(mine)
     live = [p for p in pieces if p.tensor.numel()]
