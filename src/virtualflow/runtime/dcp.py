@@ -412,7 +412,8 @@ def _check_manifest(path: str, m: dict[str, Any]) -> None:
     if not isinstance(files, dict) or not isinstance(entries, list):
         raise bad("files or entries missing")
     for name, want in files.items():
-        if (not isinstance(want, dict) or not isinstance(want.get("bytes"), int) or not isinstance(want.get("sha256"), str)
+        if (not isinstance(want, dict) or not isinstance(want.get("bytes"), int)
+                or not isinstance(want.get("sha256"), str)
                 or not re.fullmatch(r"(rank-\d{5}/)?[\w.\-]+", name) or ".." in name):
             raise bad(f"file entry {name!r}")
     covered: dict[str, list[tuple[int, int]]] = {}

@@ -11,8 +11,9 @@ callback has state; pruning keeps the newest ``keep_checkpoints`` files (and the
 ``.sha256``). With ``checkpoint_format="dcp"`` a checkpoint is the folder
 ``checkpoints/step-<8 digits>.dcp/`` every member writes its part of (:mod:`virtualflow.runtime.
 dcp`), with the same contents (the big tensors in chunks, the rest in rank 0's ``meta.pt``);
-the worker completing it prunes to ``keep_checkpoints``. An evaluation runs the model in eval mode without gradients, puts it back in
-training mode, is reported, then told to the callbacks (``on_eval``).
+the worker completing it prunes to ``keep_checkpoints``. An evaluation runs the model in eval
+mode without gradients, puts it back in training mode, is reported, then told to the callbacks
+(``on_eval``).
 """
 
 from __future__ import annotations

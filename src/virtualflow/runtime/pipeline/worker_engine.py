@@ -612,7 +612,8 @@ def restage(state: dict[str, Any], full_bounds: list[tuple[int, int]]) -> dict[s
             if pos in opt["state"]:
                 by_name[name] = opt["state"][pos]
     every = [n for stage_names in names for n in stage_names]
-    group = {k: v for k, v in stages[0]["param_groups"][0].items() if k != "params"} if stages[0]["param_groups"] else {}
+    first = stages[0]["param_groups"]
+    group = {k: v for k, v in first[0].items() if k != "params"} if first else {}
     cut = []
     for a, b in full_bounds:
         mine = [n for n in every if a <= int(n.split(".")[0]) < b]
