@@ -145,6 +145,9 @@ class Member:
         self.fabric.box(self.rank, dst, tag).put(t.clone())
         return _Done()
 
+    def recv(self, t: torch.Tensor, src: int, tag: int = 0) -> None:
+        self.irecv(t, src, tag).wait()
+
     def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> _Done:
         box = self.fabric.box(src, self.rank, tag)
         return _Done(lambda: t.copy_(box.get(timeout=30)))
@@ -367,3 +370,18 @@ def test_a_chunk_with_no_elements_needs_no_replica_traffic():
     run_threads(4, body)
     assert shards[0].replica.hi == shards[0].replica.lo  # rank 0 holds rank 3's empty chunk
     assert not fabric.boxes.get((3, 0, 18))
+
+
+def test_a_failure_while_a_completed_step_is_rebuilt_stops_with_shard_lost():
+    """Rank 1 completed step 2 from its pending gradients in a rebuild that then failed (its
+    progress still says 1): the next attempt must not take its state for step 1's."""
+    numel = sum(q.numel() for q in net().parameters())
+    gs = grads(2, numel)
+    workers = train("adam_groups", 3, gs[:1])
+    fabric = Fabric(3, generation=3)
+    run_threads(3, lambda r: workers[r].exchange(gs[1], fabric.group(r)))
+    workers[0].apply(None)
+    rebuild(workers, [0, 1])  # rank 2 lost; rank 1 completes step 1 (finished)
+    assert workers[1].shard.finished and workers[1].progress == 1
+    with pytest.raises(ShardLost, match="while the optimizer state was being rebuilt"):
+        rebuild(workers, [0, 1])

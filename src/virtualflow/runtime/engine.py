@@ -51,8 +51,8 @@ from virtualflow.runtime.batchnorm import BatchNormState
 from virtualflow.runtime.breakdown import RAW, StepClock, derive, measured_load
 from virtualflow.runtime.clipping import BLOCK, block_sq_sums, clip_, n_blocks, norm_from_blocks, total_norm
 from virtualflow.runtime.prefetch import Prefetcher
-from virtualflow.runtime.shard_replica import exchange_gradients
 from virtualflow.runtime.probe import PROBE_BUDGET, PROBE_CHANGE, PROBE_EVERY, ProbeCounters, probe_due
+from virtualflow.runtime.shard_replica import exchange_gradients
 from virtualflow.runtime.sharded import FlatParams, ShardedOptimizer, gather_sharded_state
 
 

@@ -157,13 +157,13 @@ def exchange_gradients(shard: ShardedOptimizer, group: Group) -> None:
     if r is None:
         return
     lo, hi = shard.chunk()
-    works = []
-    if r.hi > r.lo:  # an empty chunk sends nothing, which both sides know from the bounds
-        works.append(group.irecv(r.grad, r.rank, tag=REPLICA_TAG))
-    if hi > lo:
-        works.append(group.isend(shard.flat.grad[lo:hi], (group.rank + 1) % group.size, tag=REPLICA_TAG))
-    for w in works:
-        w.wait()
+    # An empty chunk sends nothing, which both sides know from the bounds. The receive gives up
+    # at once when the coordinator declares the generation broken (Group.recv).
+    sent = group.isend(shard.flat.grad[lo:hi], (group.rank + 1) % group.size, tag=REPLICA_TAG) if hi > lo else None
+    if r.hi > r.lo:
+        group.recv(r.grad, r.rank, tag=REPLICA_TAG)
+    if sent is not None:
+        sent.wait()
 
 
 # -- the rebuild -----------------------------------------------------------------------------------
@@ -175,7 +175,7 @@ def rebuild_state(shard: ShardedOptimizer, group: Group, progress: int) -> Rebui
     steps this member has applied."""
     device = shard.flat.flat.device
     rows = torch.zeros(group.size, _FIELDS, dtype=torch.float64, device=device)
-    if not shard.holds_full:
+    if not shard.holds_full or shard.finished:  # finished: an earlier attempt failed after a completed step
         rows[group.rank] = torch.tensor([1.0, shard.generation, shard.rank, shard.size, progress,
                                          float(shard.pending), float(shard.finished)], dtype=torch.float64)
     group.all_reduce(rows.view(-1))

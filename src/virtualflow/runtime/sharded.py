@@ -156,7 +156,8 @@ class ShardedOptimizer:
         """A step's gradients are exchanged for the replica but the step is not applied yet (a
         failure now leaves it to the rebuild to finish or drop, see :mod:`~virtualflow.runtime.shard_replica`)."""
         self.finished = False
-        """A pending step was applied while the state was being rebuilt (reset once it is rebuilt)."""
+        """A pending step was applied while the state was being rebuilt (reset when the next
+        generation cuts the state, or a transfer replaces it)."""
         self.generation = -1
         """The generation whose layout (``rank`` of ``size``) the chunks held are cut by."""
         self.size = 1
@@ -359,7 +360,7 @@ class ShardedOptimizer:
         self.local = None
         self.pieces = {}
         self.replica = None
-        self.pending = self.finished = False
+        self.pending = False  # (finished stays until the next generation is cut: see shard_replica)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this worker holds."""
