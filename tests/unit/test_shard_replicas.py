@@ -293,6 +293,9 @@ def test_the_replica_is_the_predecessors_chunk_bit_for_bit(kind, p):
             assert sorted(mine) == sorted(theirs)
             for key in mine:
                 assert same_bits(mine[key], theirs[key]), (r, i, key)
+        # The replica stepped a copy of the predecessor's parameters (in the gradient buffer, free
+        # outside this worker's chunk) to the values the all-gather brought.
+        assert same_bits(w.flat.grad[rep.lo : rep.hi], workers[(r - 1) % p].flat.flat[rep.lo : rep.hi])
         # The cost: as much optimizer state as the predecessor's chunk holds, and its gradient.
         lo, hi = pred.chunk()
         assert w.shard.replica_bytes() == pred.state_bytes() + (hi - lo) * 4

@@ -308,13 +308,21 @@ class VNEngine:
             self.shard.pending = True
             self.group.all_reduce(torch.zeros(1, device=self.device))  # the commit
             self.phase = "apply"
-        self.shard.step()
+        self.shard.load_replica_params()
+        self.shard.step_own()
+        replica_stepped = False
         try:
             self._point("after_update")  # (a "lose" fault here: this member's all-gather failed)
-            self.comm.all_gather(self.flat.flat, self.shard.bounds)
+            gathered = self.comm.all_gather(self.flat.flat, self.shard.bounds, async_op=True)
+            self.shard.step_replica()  # on its own copy of the parameters: overlaps the all-gather
+            replica_stepped = True
+            gathered.wait()
         except PeerFailure as exc:
             if not self.shard.replicas:
                 raise
+            if not replica_stepped:  # it is part of the applied step
+                self.shard.step_replica()
+            self.shard.store_replica_params()  # the predecessor's new chunk, for the rebuild
             self.deferred_failure = exc  # applied here: the next generation rebuilds the parameters
         if self.scheduler is not None:
             self.shard.scheduler_step(self.scheduler)

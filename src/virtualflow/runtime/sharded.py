@@ -209,16 +209,21 @@ class ShardedOptimizer:
         if self.replicas and size > 1:
             q = (rank - 1) % size
             lo, hi = self.bounds[q]
-            pieces, opt = self._chunk_optimizer(lo, hi)
+            # Its parameters are views of the gradient buffer, free outside this worker's chunk
+            # once the gradient is reduced: the replica steps a copy of the predecessor's
+            # parameters there while the all-gather writes the real ones.
+            pieces, opt = self._chunk_optimizer(lo, hi, base=self.flat.grad)
             self.replica = ChunkReplica(q, lo, hi, pieces, opt, self.flat.grad.new_zeros(hi - lo))
         self.user.state.clear()  # the user's optimizer holds no state: memory ÷ p
         self.full = None
         self.pending = self.finished = False
 
-    def _chunk_optimizer(self, lo: int, hi: int) -> tuple[dict[int, tuple[int, torch.Tensor]],
-                                                          torch.optim.Optimizer | None]:
-        """An optimizer of the user's kind over views of ``flat[lo:hi]`` (one per parameter piece,
-        grouped as the user's groups), its state sliced from the user's (loaded) state."""
+    def _chunk_optimizer(self, lo: int, hi: int, base: torch.Tensor | None = None
+                         ) -> tuple[dict[int, tuple[int, torch.Tensor]], torch.optim.Optimizer | None]:
+        """An optimizer of the user's kind over views of ``base[lo:hi]`` (default: the flat
+        parameters; one view per parameter piece, grouped as the user's groups), its state sliced
+        from the user's (loaded) state."""
+        base = self.flat.flat if base is None else base
         pieces, groups = {}, []
         for g in self.user.param_groups:
             group_pieces = []
@@ -227,7 +232,7 @@ class ShardedOptimizer:
                 o = self.flat.offsets[i]
                 a, b = max(lo, o), min(hi, o + p.numel())
                 if a < b:
-                    view = self.flat.flat[a:b]
+                    view = base[a:b]
                     pieces[i] = (a, view)
                     group_pieces.append(view)
             if group_pieces:
@@ -249,12 +254,37 @@ class ShardedOptimizer:
     # -- the update -----------------------------------------------------------------------------
     def step(self) -> None:
         """Update this worker's chunk from the reduced gradient in ``flat.grad[lo:hi]``, and the
-        replica (if any) from the predecessor's, received into ``replica.grad``."""
+        replica (if any) from the predecessor's, received into ``replica.grad``: the replica's
+        new parameters land in ``flat`` too (what the all-gather would bring)."""
+        self.load_replica_params()
+        self.step_own()
+        self.step_replica()
+        self.store_replica_params()
+
+    def step_own(self) -> None:
+        """Update this worker's chunk (the engine's order: before the all-gather is launched)."""
         self._step_chunk(self.local, self.pieces, lambda a, n: self.flat.grad[a : a + n])
+        self.pending = False
+
+    def load_replica_params(self) -> None:
+        """Copy the predecessor's chunk of the parameters, before the step, to where the replica
+        steps them (``flat.grad`` at the chunk: free once the gradient is reduced)."""
+        r = self.replica
+        if r is not None:
+            self.flat.grad[r.lo : r.hi].copy_(self.flat.flat[r.lo : r.hi])
+
+    def step_replica(self) -> None:
+        """Step the replica with the predecessor's gradient (:meth:`load_replica_params` first;
+        it may run while the all-gather writes the parameters)."""
         r = self.replica
         if r is not None:
             self._step_chunk(r.optimizer, r.pieces, lambda a, n: r.grad[a - r.lo : a - r.lo + n])
-        self.pending = False
+
+    def store_replica_params(self) -> None:
+        """The replica's new parameters into ``flat`` (the all-gather failed, or none runs)."""
+        r = self.replica
+        if r is not None:
+            self.flat.flat[r.lo : r.hi].copy_(self.flat.grad[r.lo : r.hi])
 
     def _step_chunk(self, opt: torch.optim.Optimizer | None, pieces: dict[int, tuple[int, torch.Tensor]],
                     grad: Callable[[int, int], torch.Tensor]) -> None:
