@@ -42,6 +42,19 @@ def test_a_killed_workers_chunk_is_rebuilt_in_place(victim, phase, undisturbed, 
 
 
 @pytest.mark.slow
+def test_the_rebuilt_state_reaches_a_replacement(undisturbed, run_dir):
+    """2 workers, min_workers=2: worker 1 is killed, worker 0 rebuilds the whole state alone (its
+    own chunk and its replica of worker 1's), holds until the replacement has joined, and hands it
+    the state: the run goes on as if nothing had happened."""
+    plan = vf.FaultPlan([vf.Fault(worker=1, step=3, phase="mid_backward")])
+    result = vf.train(jobs.elastic_job, fault_plan=plan, run_dir=run_dir, min_workers=2, replace_failed=True,
+                      **{**OPTIONS, "workers": 2})
+    assert [f["worker"] for f in result.failures] == [1]
+    assert {h["workers"] for h in result.history} == {2} and result.generations == 3  # start, hold, resume
+    assert_same_training(result, undisturbed)
+
+
+@pytest.mark.slow
 def test_two_neighbours_killed_in_one_step_lose_a_chunk_and_say_so(run_dir):
     # Both at the start of step 3: neither can reach it before the other has finished step 2.
     plan = vf.FaultPlan([vf.Fault(worker=0, step=3, phase="before_forward"),
