@@ -11,10 +11,11 @@ A step, once the reduced gradient is final (unscaled, clipped) and the step is k
 1. **exchange**: worker r sends its chunk's reduced gradient to r+1 and receives r-1's into the
    replica's buffer (point-to-point, 1/p of the gradient each way);
 2. **commit**: a one-element all-reduce over the generation;
-3. **apply**: the own chunk and the replica are stepped with the same update; the replica's
-   optimizer runs the owner's kernels on views cut as the owner's, with the same values, so it
-   holds the owner's state bit for bit (the update is elementwise);
-4. the parameters' all-gather, as without replicas.
+3. **apply**: the own chunk is stepped, then the parameters' all-gather is launched, and while it
+   runs the replica is stepped with the predecessor's gradient, on a copy of the predecessor's
+   parameters kept in the gradient buffer (free outside the own chunk once the gradient is
+   reduced): the owner's kernels on views cut as the owner's, with the same values, so the replica
+   holds the owner's state bit for bit (the update is elementwise).
 
 The replica is refreshed with the gradient rather than the new state: the gradient is one vector
 where Adam's state is two, and, sent *before* anything is updated, it lets step 2 decide the step.

@@ -407,9 +407,11 @@ class ShardedOptimizer:
 class ChunkReplica:
     """This worker's copy of its predecessor's chunk of the optimizer state (``shard_replicas=1``).
 
-    Its optimizer is of the user's kind over views of ``flat[lo:hi]`` cut as the owner's are, so
-    stepping it with the owner's reduced gradient gives the owner's state bit for bit (the update
-    is elementwise and runs the same kernels on the same shapes)."""
+    Its optimizer is of the user's kind over views cut as the owner's are, of ``flat.grad[lo:hi]``
+    (free outside this worker's chunk once the gradient is reduced), where a copy of the chunk's
+    parameters is stepped while the all-gather brings the owner's: stepped with the owner's reduced
+    gradient, it holds the owner's state and parameters bit for bit (the update is elementwise and
+    runs the same kernels on the same shapes and values)."""
 
     rank: int
     """The owner's rank in the generation the chunks are cut by."""
