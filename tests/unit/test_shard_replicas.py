@@ -388,3 +388,12 @@ def test_a_failure_while_a_completed_step_is_rebuilt_stops_with_shard_lost():
     assert workers[1].shard.finished and workers[1].progress == 1
     with pytest.raises(ShardLost, match="while the optimizer state was being rebuilt"):
         rebuild(workers, [0, 1])
+
+
+def test_an_empty_chunk_at_the_end_takes_part_in_the_clipping_norm():
+    """More workers than 4096-element blocks (max_grad_norm with the sharded reduction): the last
+    workers' chunks are empty at offset numel, and contribute zeros to the norm's block sums."""
+    from virtualflow.runtime.clipping import block_sq_sums, n_blocks
+
+    sums = block_sq_sums(torch.empty(0), 1027, 1027)
+    assert sums.shape == (n_blocks(1027),) and not sums.any()
