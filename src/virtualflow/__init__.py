@@ -17,6 +17,7 @@ from virtualflow.config.options import LaunchOptions
 from virtualflow.config.pipeline import Pipeline
 from virtualflow.config.spec import WorkerSpec
 from virtualflow.plan.data import vn_seed
+from virtualflow.plan.permutation import epoch_indices
 from virtualflow.plan.flops import transformer_flops
 from virtualflow.records.result import Result, TrainingError
 from virtualflow.runtime.engine import LossShapeError, NonFiniteLossError
@@ -36,6 +37,7 @@ __all__ = [
     "NonFiniteLossError",
     "Result",
     "TrainingError",
+    "epoch_indices",
     "launch",
     "train",
     "transformer_flops",

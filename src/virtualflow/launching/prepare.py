@@ -68,7 +68,7 @@ def prepare(job: JobLike, opts: LaunchOptions) -> Iterator[RunSetup]:
         if opts.max_workers is not None:
             check_workers(pipeline, opts.max_workers)
     dataset = build_dataset(job_obj)
-    plan = DataPlan(len(dataset), job_obj.global_batch_size, job_obj.virtual_nodes, job_obj.seed)
+    plan = DataPlan.of_job(job_obj, len(dataset))
     workers = opts.start_workers
     total_steps = opts.steps if opts.steps is not None else opts.epochs * plan.steps_per_epoch
     if pipeline is None:

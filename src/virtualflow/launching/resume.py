@@ -5,8 +5,9 @@ A run directory's states are ``final.pt`` (written when a run ends or is stopped
 the newest by step wins, whatever its kind (on a tie, ``final.pt``). Corrupt or truncated files
 are reported and skipped; a file holding anything but plain data is refused outright (it was
 tampered with: see :mod:`virtualflow.runtime.checkpoint`), as is a state from a different job
-(other B, V, seed or model shapes), with a message naming what differs. Nothing here deletes or
-moves a state file.
+(other B, V, seed, data order or model shapes), with a message naming what differs; a state
+that records no data order was written before ``Job.data_order`` existed, with ``"randperm"``.
+Nothing here deletes or moves a state file.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ def _check_same_job(path: str, state: dict[str, Any], job: Job) -> None:
                 f"the checkpoint {path} is from a different job: its {key}={saved.get(key)!r}, the job's is "
                 f"{getattr(job, key)!r}. Resume with the same {key} (--{key.replace('_', '-')}), or start a new run"
             )
+    _check_same_data_order(path, saved, job)
     _check_same_pipeline(path, state, job)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(job.seed)
@@ -109,6 +111,16 @@ def _check_same_job(path: str, state: dict[str, Any], job: Job) -> None:
         raise ValueError(
             f"the checkpoint {path} holds a different model than the job's (first differences: {diff}); "
             f"resume it with the job that wrote it"
+        )
+
+
+def _check_same_data_order(path: str, saved: dict[str, Any], job: Job) -> None:
+    """The rest of the run must read the samples in the order its first steps did."""
+    order = saved.get("data_order", "randperm")  # states from before data_order: torch.randperm's order
+    if order != job.data_order:
+        raise ValueError(
+            f"the checkpoint {path} was trained with data_order={order!r}, the job has "
+            f"data_order={job.data_order!r}; resume with Job(data_order={order!r}, ...) to keep its sample order"
         )
 
 

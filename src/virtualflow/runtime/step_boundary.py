@@ -44,6 +44,7 @@ def job_identity(job: Job) -> dict[str, Any]:
         "global_batch_size": job.global_batch_size,
         "virtual_nodes": job.virtual_nodes,
         "seed": job.seed,
+        "data_order": job.data_order,
     }
 
 

@@ -72,7 +72,7 @@ class PipelineWorkerEngine:
         memory); rebuilt on rank 0 when a checkpoint, an evaluation or the final state needs it."""
         self.layers: list[torch.nn.Module] | None = layers_of(self.model)
         self.bounds = resolve_bounds(self.pipeline, len(self.layers))
-        self.plan = DataPlan(len(dataset), job.global_batch_size, job.virtual_nodes, job.seed)
+        self.plan = DataPlan.of_job(job, len(dataset))
         self.stage: StageEngine | None = None
         self.group: Group | None = None
         self.stage_group: Group | None = None
