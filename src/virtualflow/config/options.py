@@ -129,6 +129,9 @@ class LaunchOptions:
                           "state) or sharded (reduce-scatter, each updates 1/N of the weights and holds 1/N of the "
                           "Adam/AdamW/SGD state, all-gather); same model either way", "training",
                           choices=("allreduce", "sharded"))
+    shard_replicas: int = _opt(0, "with --reduction sharded: 1 also keeps each worker's chunk of the optimizer state "
+                               "on the next worker (refreshed every step), so a failed worker's chunk is rebuilt in "
+                               "place instead of stopping the job; 0: one copy", "training", metavar="R")
     threads_per_worker: int | None = _opt(None, "torch threads per worker (default: cores / workers; 1 if "
                                           "deterministic; Ray: --cpus-per-worker)", "training", metavar="T")
     device: str = _opt("cpu", "device the workers train on", "training")
@@ -279,6 +282,13 @@ class LaunchOptions:
         if self.async_checkpoint and self.checkpoint_format != "dcp":
             raise ValueError("async_checkpoint=True writes sharded checkpoints in the background; it needs "
                              "checkpoint_format='dcp' (--checkpoint-format dcp), or drop --async-checkpoint")
+        if self.shard_replicas not in (0, 1):
+            raise ValueError(f"shard_replicas={self.shard_replicas!r} must be 0 (one copy of each chunk of the sharded "
+                             f"optimizer state) or 1 (a replica on the next worker too) (--shard-replicas)")
+        if self.shard_replicas and self.reduction != "sharded":
+            raise ValueError(f"shard_replicas={self.shard_replicas} keeps replicas of the sharded optimizer's chunks; "
+                             f"with reduction={self.reduction!r} every worker holds the whole optimizer state already "
+                             f"and recovers in place: drop --shard-replicas or add --reduction sharded")
         if self.reduction == "sharded" and self.pipeline_stages is not None and self.pipeline_stages > 1:
             raise ValueError(f"reduction='sharded' shards the data-parallel optimizer of unpipelined jobs; with "
                              f"pipeline_stages={self.pipeline_stages} each worker already holds only its stage's "

@@ -175,6 +175,7 @@ class Supervisor:
             overrides=setup.overrides,
             deterministic=opts.deterministic,
             reduction=opts.reduction,
+            shard_replicas=opts.shard_replicas,
             threads=setup.threads,
             device=opts.device,
             collective_timeout_s=opts.collective_timeout_s,

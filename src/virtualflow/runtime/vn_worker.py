@@ -29,6 +29,7 @@ from virtualflow.runtime.engine import BatchLoader, StepOutcome, VNEngine
 from virtualflow.runtime.dcp import Piece, model_pieces, optimizer_pieces, sharded_optimizer_pieces
 from virtualflow.runtime.engines import Boundary, Joining
 from virtualflow.runtime.model_prep import prepare_model
+from virtualflow.runtime.shard_replica import rebuild_state
 from virtualflow.runtime.sharded import ShardLost
 from virtualflow.runtime.transfer import Progress, broadcast_state
 
@@ -101,6 +102,8 @@ class VNWorkerEngine:
 
     def __init__(self, vn: VNEngine) -> None:
         self.vn = vn
+        self.run_dir: str | None = None
+        """Where this run's states go (named by a :class:`ShardLost` after a failure)."""
 
     @classmethod
     def build(cls, job: Job, dataset: Any, plan: DataPlan, cfg: WorkerConfig, device: torch.device) -> VNWorkerEngine:
@@ -116,6 +119,7 @@ class VNWorkerEngine:
             reduction=cfg.reduction, loader_workers=cfg.loader_workers, breakdown=cfg.breakdown,
             precision=job.precision, max_grad_norm=job.max_grad_norm,
             loss_scale=dict(job.loss_scale) if job.loss_scale is not None else None,
+            shard_replicas=cfg.shard_replicas,
         ))
 
     # -- the engine's attributes, the VN engine's own -------------------------------------------
@@ -155,8 +159,9 @@ class VNWorkerEngine:
             materialize_optimizer_state(self.vn)
 
     def check_state_held(self, run_dir: str) -> None:
-        if self.vn.shard is None:
-            return
+        self.run_dir = run_dir
+        if self.vn.shard is None or self.vn.shard.replicas:
+            return  # with replicas the next generation rebuilds the state (adopt), or says why not
         try:
             self.vn.shard.check_held()  # after a failure: ShardLost, naming the way out
         except ShardLost as exc:
@@ -166,6 +171,12 @@ class VNWorkerEngine:
     def adopt(self, joining: Joining) -> tuple[int, float]:
         vn, group, record = self.vn, joining.group, joining.record
         moved, t_transfer = 0, 0.0
+        if vn.shard is not None and vn.shard.replicas:
+            try:  # after a failure: the whole state from the chunks and replicas the survivors hold
+                rebuild_state(vn.shard, group, joining.progress.step)
+            except ShardLost as exc:
+                raise ShardLost(f"{exc} (this run's directory: {self.run_dir})" if self.run_dir else
+                                str(exc)) from None
         if joining.target == 0 and group.size > 1 and not joining.behind:
             broadcast_module(vn.model, group)  # identical start whatever the factory does
         if joining.behind:
@@ -236,6 +247,7 @@ class VNWorkerEngine:
         return pieces, {"model": empty, "model_keys": list(model), "optimizer": rest, **self.small_state()}
 
     def boundary(self, group: Group, step: int, work: Boundary) -> None:
+        self.vn.raise_deferred()  # shard_replicas=1: the step is applied, its all-gather failed
         if work.dcp:
             if work.checkpoint_due(step):  # every member writes its part
                 t_ck = time.perf_counter()
@@ -277,7 +289,7 @@ class VNWorkerEngine:
         return f"the step was not applied and the last good state (before step {step}) is in {path}"
 
     def final_report(self) -> dict[str, Any]:
-        return {"optimizer_bytes": self.vn.optimizer_state_bytes(), "replica_bytes": 0,
+        return {"optimizer_bytes": self.vn.optimizer_state_bytes(), "replica_bytes": self.vn.replica_bytes(),
                 "replica_refresh_s": 0.0, "redundant_forwards": {}}
 
     def state_bytes(self) -> int | None:

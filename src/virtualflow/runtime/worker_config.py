@@ -47,6 +47,9 @@ class WorkerConfig:
     """False (benchmarks only): no heartbeat thread and no per-step control read, so stop,
     resize and hang detection do not work; it measures what the control plane costs."""
     reduction: str = "allreduce"
+    shard_replicas: int = 0
+    """``reduction="sharded"``: 1 keeps each chunk of the optimizer state on the next worker too
+    (:class:`~virtualflow.options.LaunchOptions` ``shard_replicas``)."""
     loader_workers: int = 0
     """Threads that load the next virtual nodes' batches while the current ones compute
     (:class:`~virtualflow.options.LaunchOptions` ``loader_workers``; 0: load when needed)."""
