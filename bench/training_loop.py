@@ -245,10 +245,7 @@ class PlainSide:
 
     def step(self) -> None:
         w, n = self.w, self.w.batch // self.w.virtual_nodes
-        steps_per_epoch = len(self.X) // w.batch
-        e, i = divmod(self.step_no, steps_per_epoch)
-        order = torch.randperm(len(self.X), generator=torch.Generator().manual_seed(H.SEED + e))
-        idx = order[i * w.batch : (i + 1) * w.batch]
+        idx = H.batch_indices(len(self.X), w.batch, self.step_no)  # virtualflow's data order
         xb, yb = self.X[idx], self.Y[idx]
         self.opt.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)

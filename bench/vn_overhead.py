@@ -68,8 +68,6 @@ def hand_loop(cfg: dict) -> dict:
     opt = H.sgd(model.parameters())
     model.train()
     n = B // V
-    steps_per_epoch = len(X) // B
-    epoch, order = -1, None
     times, losses, ends = [], [], []
     setup_mib = H.vmhwm_mib()
     faults_at = {}
@@ -83,10 +81,7 @@ def hand_loop(cfg: dict) -> dict:
             break
         if step == cfg.get("warmup", 0):
             faults_at[step] = H.minor_faults()
-        e, i = divmod(step, steps_per_epoch)
-        if e != epoch:  # same sample order as virtualflow's DataPlan (a DataLoader would shuffle too)
-            epoch, order = e, torch.randperm(len(X), generator=torch.Generator().manual_seed(H.SEED + e))
-        idx = order[i * B : (i + 1) * B]
+        idx = H.batch_indices(len(X), B, step)  # same sample order as virtualflow's DataPlan
         xb, yb = X[idx], Y[idx]
         opt.zero_grad(set_to_none=True)
         loss_sum = torch.zeros(())
@@ -180,14 +175,10 @@ def alternating(cfg: dict) -> dict:
     torch.manual_seed(H.SEED)
     ref = H.mlp()
     opt = H.sgd(ref.parameters())
-    n, steps_per_epoch, orders = B // V, len(X) // B, {}
+    n = B // V
 
     def hand_step(step: int) -> None:
-        e, i = divmod(step, steps_per_epoch)
-        if e not in orders:
-            orders.clear()
-            orders[e] = torch.randperm(len(X), generator=torch.Generator().manual_seed(H.SEED + e))
-        idx = orders[e][i * B : (i + 1) * B]
+        idx = H.batch_indices(len(X), B, step)
         xb, yb = X[idx], Y[idx]
         opt.zero_grad(set_to_none=True)
         loss_sum = torch.zeros(())

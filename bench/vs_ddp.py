@@ -81,15 +81,10 @@ def ddp_stepper(rank: int, world: int, V: int, B: int):
     local_b = B // world  # this rank's share of the global batch
     micro = V // world  # micro-batches per rank
     n = local_b // micro
-    steps_per_epoch = len(X) // B
-    orders: dict[int, torch.Tensor] = {}
 
     def step_fn(step: int) -> float:
-        e, i = divmod(step, steps_per_epoch)
-        if e not in orders:  # same sample order as virtualflow's DataPlan
-            orders.clear()
-            orders[e] = torch.randperm(len(X), generator=torch.Generator().manual_seed(H.SEED + e))
-        idx = orders[e][i * B + rank * local_b : i * B + (rank + 1) * local_b]
+        # same sample order as virtualflow's DataPlan: this rank's share of the global batch
+        idx = H.batch_indices(len(X), B, step, rank * local_b, (rank + 1) * local_b)
         xb, yb = X[idx], Y[idx]
         opt.zero_grad(set_to_none=True)
         loss_sum = torch.zeros(())

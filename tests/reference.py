@@ -1,10 +1,14 @@
 """A plain single-process PyTorch reference of what a virtualflow job computes.
 
 Written from the documented semantics only (data order, VN slices, weighting, per-VN random
-streams, BatchNorm rule), with no virtualflow code besides the public ``vn_seed``.
+streams, BatchNorm rule), with no virtualflow code besides the public ``vn_seed``. The data order
+(:func:`order_index`) is the rule of docs/training.md and ``virtualflow.plan.permutation``'s
+docstring written again here in plain Python integers, one position at a time.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -19,13 +23,54 @@ def bn_buffers(model):
     return out
 
 
+def splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) % 2**64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
+    return x ^ (x >> 31)
+
+
+def order_index(p: int, n: int, seed: int, epoch: int) -> int:
+    """The dataset index at position ``p`` of epoch ``epoch``'s order over ``n`` samples
+    (``data_order="feistel"``): six rounds of a Feistel network over ``[0, a*b)``, ``a =
+    ceil(sqrt(n))``, ``b = ceil(n / a)``, keyed by (seed, epoch, n, round); cycle-walking while
+    the result is ``>= n``."""
+    base = splitmix64(splitmix64(splitmix64(seed % 2**64) ^ epoch) ^ n)
+    keys = [splitmix64(base ^ r) % 2**32 for r in range(6)]
+
+    def mix(r: int, k: int) -> int:
+        y = r ^ k
+        y = ((y ^ (y >> 16)) * 0x7FEB352D) % 2**32
+        y = ((y ^ (y >> 15)) * 0x6C8E9CF5) % 2**32
+        return y ^ (y >> 16)
+
+    a0 = math.isqrt(n - 1) + 1
+    b0 = -(-n // a0)
+
+    def encrypt(x: int) -> int:
+        a, b = a0, b0
+        for k in keys:
+            hi, lo = divmod(x, b)
+            x = lo * a + (hi + mix(lo, k)) % a
+            a, b = b, a
+        return x
+
+    x = encrypt(p)
+    while x >= n:
+        x = encrypt(x)
+    return x
+
+
 def step_batch(job: vf.Job, n: int, step: int) -> torch.Tensor:
-    """Dataset indices of the global batch of ``step``: a fresh permutation per epoch from
-    ``seed + epoch``, cut into consecutive batches of B."""
+    """Dataset indices of the global batch of ``step``: positions ``[i*B, (i+1)*B)`` of its
+    epoch's order, ``epoch, i = divmod(step, n // B)``. The order: :func:`order_index`, or with
+    ``data_order="randperm"`` a fresh ``torch.randperm(n)`` per epoch from ``seed + epoch``."""
     B = job.global_batch_size
     epoch, i = divmod(step, n // B)
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(job.seed + epoch))
-    return order[i * B : (i + 1) * B]
+    if job.data_order == "randperm":
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(job.seed + epoch))
+        return order[i * B : (i + 1) * B]
+    return torch.tensor([order_index(p, n, job.seed, epoch) for p in range(i * B, (i + 1) * B)])
 
 
 def reference_train(job: vf.Job, steps: int):

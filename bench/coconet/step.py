@@ -32,11 +32,8 @@ def _batches(rank: int, steps: int):
     """Rank ``rank``'s half of each global batch (same sample order in every variant)."""
     X, Y = coconet_data().tensors
     local = GLOBAL_BATCH // WORLD
-    per_epoch = len(X) // GLOBAL_BATCH
     for step in range(steps):
-        e, i = divmod(step, per_epoch)
-        order = torch.randperm(len(X), generator=torch.Generator().manual_seed(H.SEED + e))
-        idx = order[i * GLOBAL_BATCH + rank * local: i * GLOBAL_BATCH + (rank + 1) * local]
+        idx = H.batch_indices(len(X), GLOBAL_BATCH, step, rank * local, (rank + 1) * local)
         yield X[idx], Y[idx]
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 from bench.harness.paths import BENCH_DIR, QUICK_RESULTS_DIR, REPO_ROOT, RESULTS_DIR, load_file, repo_path  # noqa: F401
 from bench.harness.workloads import (  # noqa: F401
     CLASSES, DATASET_SIZE, HIDDEN, IN_FEATURES, MLP_DESCRIPTION, RESIZE_BATCH, RESIZE_JOBS, RESIZE_MODELS,
-    RESIZE_SAMPLES, RESIZE_VNS, SEED, adam, bench_data, cross_entropy, data_1m, data_25m, memory_metrics, mlp,
+    RESIZE_SAMPLES, RESIZE_VNS, SEED, adam, batch_indices, bench_data, cross_entropy, data_1m, data_25m, memory_metrics, mlp,
     mlp_job, model_1m, model_25m, param_count, parse_models, resize_job_1m, resize_job_25m, resize_params,
     sgd,
 )

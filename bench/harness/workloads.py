@@ -64,6 +64,19 @@ def param_count() -> int:
     return sum(p.numel() for p in mlp().parameters())
 
 
+def batch_indices(n: int, batch: int, step: int, lo: int = 0, hi: int | None = None, seed: int = SEED) -> torch.Tensor:
+    """Dataset indices of positions ``[lo, hi)`` (default: all) of global ``step``'s batch of
+    ``batch`` samples from ``n``, in virtualflow's data order (``Job.data_order="feistel"``:
+    :func:`virtualflow.epoch_indices`, per step, as the engine computes it): the samples a plain
+    loop must read to train on what a job does. A benchmark compares speed, so it uses
+    virtualflow's public function; the tests check the order against their own reference."""
+    import virtualflow as vf
+
+    hi = batch if hi is None else hi
+    epoch, i = divmod(step, n // batch)
+    return vf.epoch_indices(range(i * batch + lo, i * batch + hi), n, seed, epoch)
+
+
 MLP_DESCRIPTION = f"MLP {IN_FEATURES}-{HIDDEN}-{HIDDEN}-{HIDDEN}-{CLASSES} ReLU"
 
 

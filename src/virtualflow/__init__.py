@@ -18,6 +18,7 @@ from virtualflow.config.pipeline import Pipeline
 from virtualflow.config.spec import WorkerSpec
 from virtualflow.config.streaming import StreamingDataset
 from virtualflow.plan.data import vn_seed
+from virtualflow.plan.permutation import epoch_indices
 from virtualflow.plan.flops import transformer_flops
 from virtualflow.records.result import Result, TrainingError
 from virtualflow.runtime.engine import LossShapeError, NonFiniteLossError
@@ -38,6 +39,7 @@ __all__ = [
     "Result",
     "StreamingDataset",
     "TrainingError",
+    "epoch_indices",
     "launch",
     "train",
     "transformer_flops",

@@ -9,6 +9,7 @@ from virtualflow.comm import protocol
 from virtualflow.control.coordinator import Coordinator
 from virtualflow.control.membership import JobFailed, MembershipController, check_resize
 from virtualflow.runtime.checkpoint import save_state
+from virtualflow.runtime.step_boundary import job_identity
 import jobs
 
 
@@ -198,8 +199,7 @@ def _checkpoint(path, job, step=3):
     torch.manual_seed(job.seed)
     model = job.model()
     save_state(path, {"model": model.state_dict(), "optimizer": {}, "lr_scheduler": None, "step": step,
-                      "job": {"name": job.name, "global_batch_size": job.global_batch_size,
-                              "virtual_nodes": job.virtual_nodes, "seed": job.seed}})
+                      "job": job_identity(job)})
 
 
 def test_resume_refuses_a_checkpoint_of_another_job(tmp_path):

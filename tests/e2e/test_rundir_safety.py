@@ -28,6 +28,7 @@ from virtualflow.launching.resume import find_resume_state
 from virtualflow.records.rundir import LOCK_FILE, RunLock, atomic_write, make_private_dir, read_jsonl, trim_metrics
 from virtualflow.runtime.checkpoint import (CorruptCheckpointError, UntrustedStateError, content_digest, load_state,
                                             save_state)
+from virtualflow.runtime.step_boundary import job_identity
 
 import jobs
 
@@ -39,8 +40,7 @@ def synthetic_state(job: vf.Job, step: int) -> dict:
     torch.manual_seed(job.seed)
     model = job.model()
     return {"model": model.state_dict(), "optimizer": {"state": {}, "param_groups": []}, "lr_scheduler": None,
-            "step": step, "job": {"name": job.name, "global_batch_size": job.global_batch_size,
-                                  "virtual_nodes": job.virtual_nodes, "seed": job.seed}}
+            "step": step, "job": job_identity(job)}
 
 
 def metric_steps(run_dir: str) -> list[int]:

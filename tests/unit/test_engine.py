@@ -45,7 +45,7 @@ def engine_for(job, deterministic=False):
     model = job.model()
     opt = job.optimizer(model.parameters())
     ds = job.build_dataset()
-    plan = DataPlan(len(ds), job.global_batch_size, job.virtual_nodes, job.seed)
+    plan = DataPlan.of_job(job, len(ds))
     eng = VNEngine(model, opt, None, job.loss, plan, BatchLoader(ds, None), seed=job.seed,
                    batchnorm=job.batchnorm, deterministic=deterministic, device=torch.device("cpu"))
     eng.set_membership(Group(0, 0, 1, None), contiguous_assignment(job.virtual_nodes, 1))

@@ -91,7 +91,8 @@ def test_command_line_round_trips_every_flagged_option():
         "checkpoint_every": ("4", 4), "resume": ("runs/y", "runs/y"), "slowdowns": ("1,1,3", [1.0, 1.0, 3.0]),
         "balance": (None, True), "uneven_vn_sizes": (None, True), "price_per_worker_hour": ("2.5", 2.5),
         "pipeline_stages": ("4", 4), "schedule": ("zb_h1", "zb_h1"), "chunks": ("2", 2), "split": ("3,2,2,1", "3,2,2,1"),
-        "reduction": ("sharded", "sharded"),
+        "reduction": ("sharded", "sharded"), "checkpoint_format": ("dcp", "dcp"), "async_checkpoint": (None, True),
+        "shard_replicas": ("1", 1),
         "loader_workers": ("2", 2), "profile": ("5-8", "5-8"), "tensorboard": (None, True),
         "precision": ("bf16-mixed", "bf16-mixed"), "max_grad_norm": ("1.5", 1.5),
         "activation_checkpointing": ("every", "every"), "compile": (None, True), "peak_tflops": ("312", 312.0),
@@ -101,6 +102,10 @@ def test_command_line_round_trips_every_flagged_option():
         argv = ["--steps", "7"] if name != "steps" else []
         if name in ("slowdowns", "min_workers"):
             argv += ["--workers", "3"]
+        if name == "async_checkpoint":
+            argv += ["--checkpoint-format", "dcp"]
+        if name == "shard_replicas":
+            argv += ["--reduction", "sharded"]
         argv += [flag] + ([text] if text is not None else [])
         got = options_from_args(parse(argv))
         assert getattr(got, name) == value, name

@@ -91,7 +91,7 @@ def make(lengths=None, K=5, seek=False, B=12, V=6, seed=3):
     lengths = stream_jobs.SHARD_LENGTHS if lengths is None else lengths
     ds = vf.StreamingDataset(shards=[stream_jobs.shard(k, lengths) for k in range(len(lengths))], lengths=lengths,
                              shuffle_buffer=K, seek=seek)
-    return ds, data_plan_of(ds, B, V, seed)
+    return ds, as_streaming(ds).plan(B, V, seed)
 
 
 def ids_of(batch) -> list[int]:
@@ -144,7 +144,7 @@ def simulate(plan_of, layouts, steps, prefetch=False, fresh_at=()):
             loaders = {}
         assignment = contiguous_assignment(V, workers)
         for w in range(workers):
-            loader = loaders.setdefault(w, loader_of(ds, None, data_plan_of(ds, 12, V, 3)))
+            loader = loaders.setdefault(w, loader_of(ds, None, as_streaming(ds).plan(12, V, 3)))
             if prefetch:
                 asks = [(s + 1, v) for v in assignment[w]] + [(s, v) for v in assignment[w]]
                 threads = [threading.Thread(target=loader, args=(plan.vn_indices(t, v),)) for t, v in asks]
@@ -214,7 +214,7 @@ def test_one_iterable_dataset_with_a_length_is_one_shard():
             return 30
 
     ds = as_streaming(Stream())
-    plan = data_plan_of(Stream(), 8, 4, 0)
+    plan = as_streaming(Stream()).plan(8, 4, 0)
     assert ds.lengths == (30,) and plan.steps_per_epoch == 3 and plan.dropped_per_epoch == 6
     loader = loader_of(Stream(), None, plan)
     seen = [i for s in range(3) for v in range(4) for i in ids_of(loader(plan.vn_indices(s, v)))]
@@ -235,7 +235,7 @@ def test_shards_may_be_re_iterable_objects_with_their_lengths():
 
     ds = vf.StreamingDataset(shards=[Shard(k) for k in range(8)], shuffle_buffer=5)
     assert ds.lengths == tuple(stream_jobs.SHARD_LENGTHS)
-    plan = data_plan_of(ds, 12, 6, 3)
+    plan = as_streaming(ds).plan(12, 6, 3)
     loader = loader_of(ds, None, plan)
     ref = reference_batches(stream_jobs.SHARD_LENGTHS, 12, 6, 3, 5, 10)
     assert {k: ids_of(loader(plan.vn_indices(*k))) for k in ref} == ref
@@ -287,7 +287,7 @@ def test_a_job_with_a_streaming_dataset_passes_the_preflight():
 
     job = stream_jobs.stream_job()
     ds = job.build_dataset()
-    plan = data_plan_of(ds, job.global_batch_size, job.virtual_nodes, job.seed)
+    plan = data_plan_of(ds, job)
     assert isinstance(plan, StreamPlan)
     preflight(job, ds, plan)
 

@@ -21,8 +21,9 @@ from loop_reference import loop_train
 
 def engine(job: vf.Job, *, deterministic: bool = False, reduction: str = "allreduce"):
     ds = job.build_dataset()
-    plan = DataPlan(len(ds), job.global_batch_size, job.virtual_nodes, job.seed)
-    cfg = types.SimpleNamespace(deterministic=deterministic, reduction=reduction, loader_workers=0, breakdown=False)
+    plan = DataPlan.of_job(job, len(ds))
+    cfg = types.SimpleNamespace(deterministic=deterministic, reduction=reduction, shard_replicas=0, loader_workers=0,
+                                breakdown=False)
     eng = VNWorkerEngine.build(job, ds, plan, cfg, torch.device("cpu")).vn
     eng.set_membership(Group(0, 0, 1, None), contiguous_assignment(job.virtual_nodes, 1))
     return eng
@@ -201,7 +202,7 @@ def test_preflight_refuses_unknown_module_names_and_half_weights_with_fp16():
 
     job = lm_job(activation_checkpointing=["h.0", "nope"])
     ds = job.build_dataset()
-    plan = DataPlan(len(ds), job.global_batch_size, job.virtual_nodes, job.seed)
+    plan = DataPlan.of_job(job, len(ds))
     with pytest.raises(ValueError, match=r"\['nope'\].*modules include"):
         preflight(job, ds, plan)
     half = lm_job(model=lambda: __import__("lm_jobs").TinyLM().half(), precision="16-mixed")

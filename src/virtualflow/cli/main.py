@@ -7,7 +7,7 @@ import logging
 import sys
 import traceback
 
-from virtualflow.cli import cluster, explain, gnn, plan, plot, resize, run, simulate, simulate_spot, status, worker
+from virtualflow.cli import cluster, explain, export, gnn, plan, plot, resize, run, simulate, simulate_spot, status, worker
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_parser(sub)
     resize.add_parser(sub)
     plot.add_parser(sub)
+    export.add_parser(sub)
     plan.add_parser(sub)
     explain.add_parser(sub)
     simulate.add_parser(sub)

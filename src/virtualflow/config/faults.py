@@ -17,7 +17,11 @@ send_recv           pipelines: the step's first point-to-point message (an activ
 during_reduction    the gradient all-reduce is launched and peers are inside it (pipelines: the
                     step's commit all-reduce)
 after_reduction     the reduced gradient is held, before the optimizer step is applied
+after_update        ``reduction="sharded"``: the worker's chunk is updated, before the
+                    parameters' all-gather (with ``shard_replicas=1``, after the step's commit)
 state_transfer      a state broadcast to newcomers has begun (fires on source and receivers)
+during_checkpoint   a sharded (``dcp``) checkpoint: this worker's tensors are written, its part
+                    not yet marked complete
 ==================  =========================================================================
 
 Actions: ``crash`` (SIGKILL itself: no report, sockets closed by the kernel), ``hang``
@@ -36,7 +40,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PHASES = ("before_forward", "mid_backward", "send_recv", "during_reduction", "after_reduction", "state_transfer")
+PHASES = ("before_forward", "mid_backward", "send_recv", "during_reduction", "after_reduction", "after_update",
+          "state_transfer", "during_checkpoint")
+"""``during_checkpoint``: a sharded (``dcp``) checkpoint's write, after this worker's tensors are
+written and before its part is marked complete (on the saver's thread when asynchronous)."""
 ACTIONS = ("crash", "hang", "error", "lose")
 
 

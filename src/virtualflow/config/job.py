@@ -27,6 +27,7 @@ import torch
 from virtualflow.config import loop
 from virtualflow.config.pipeline import Pipeline
 from virtualflow.config.streaming import StreamingDataset, as_streaming
+from virtualflow.plan.data import DATA_ORDERS
 
 BatchNormMode = Literal["mean", "first"]
 
@@ -60,6 +61,11 @@ class Job:
     """A :class:`virtualflow.Pipeline` to cut the model into stages; ``None``: no pipeline."""
     seed: int = 0
     """Seeds model initialisation, data order and the random streams inside each VN."""
+    data_order: str = "feistel"
+    """The sample order of each epoch: ``"feistel"``, a seeded permutation computed per position
+    (O(B) memory per step, whatever the dataset's size; :func:`virtualflow.epoch_indices`), or
+    ``"randperm"``: ``torch.randperm(len(dataset))`` seeded ``seed + epoch``, the order before
+    ``"feistel"``, one tensor of the whole epoch in every worker (to resume older checkpoints)."""
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
     """Optional factory taking the optimizer; the scheduler is stepped once per step."""
     collate_fn: Callable[[list], Any] | None = None
@@ -146,6 +152,9 @@ class Job:
         _check_positive_int("virtual_nodes", self.virtual_nodes)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"Job.seed={self.seed!r} must be a non-negative int")
+        if self.data_order not in DATA_ORDERS:
+            raise ValueError(f"Job.data_order={self.data_order!r} must be one of "
+                             f"{', '.join(map(repr, DATA_ORDERS))} (the sample order of each epoch)")
         if self.global_batch_size % self.virtual_nodes:
             raise ValueError(
                 f"global_batch_size={self.global_batch_size} is not divisible by "

@@ -129,6 +129,9 @@ class LaunchOptions:
                           "state) or sharded (reduce-scatter, each updates 1/N of the weights and holds 1/N of the "
                           "Adam/AdamW/SGD state, all-gather); same model either way", "training",
                           choices=("allreduce", "sharded"))
+    shard_replicas: int = _opt(0, "with --reduction sharded: 1 also keeps each worker's chunk of the optimizer state "
+                               "on the next worker (refreshed every step), so a failed worker's chunk is rebuilt in "
+                               "place instead of stopping the job; 0: one copy", "training", metavar="R")
     threads_per_worker: int | None = _opt(None, "torch threads per worker (default: cores / workers; 1 if "
                                           "deterministic; Ray: --cpus-per-worker)", "training", metavar="T")
     device: str = _opt("cpu", "device the workers train on", "training")
@@ -182,8 +185,16 @@ class LaunchOptions:
                                 "would", "elasticity and fault tolerance")
     heartbeat_timeout_s: float = _opt(3.0, "a worker silent this long is declared hung, killed and removed "
                                       "(seconds)", "elasticity and fault tolerance", metavar="SECONDS")
-    checkpoint_every: int | None = _opt(None, "write checkpoints/step-N.pt every N steps (the last two are kept)",
+    checkpoint_every: int | None = _opt(None, "write checkpoints/step-N.pt (--checkpoint-format dcp: "
+                                        "step-N.dcp/) every N steps (the last two are kept)",
                                         "elasticity and fault tolerance", metavar="N")
+    checkpoint_format: str = _opt("pt", "how checkpoints are written: pt (rank 0 gathers the whole state into one "
+                                  "file, checkpoints/step-N.pt) or dcp (every worker writes what it holds with "
+                                  "torch.distributed.checkpoint into checkpoints/step-N.dcp/; resumes on any worker "
+                                  "count and either reduction)", "elasticity and fault tolerance", choices=("pt", "dcp"))
+    async_checkpoint: bool = _opt(False, "with --checkpoint-format dcp: training goes on while the checkpoint is "
+                                  "written (it stalls for the copy to host memory only; one save in flight)",
+                                  "elasticity and fault tolerance")
     resume: str | None = _opt(None, "continue from the newest good state of a run directory, or from a "
                               "checkpoint file", "elasticity and fault tolerance", metavar="RUN_DIR_OR_FILE")
     fault_plan: FaultPlan | None = _opt(None, "fault injection for tests (virtualflow.FaultPlan)",
@@ -265,6 +276,19 @@ class LaunchOptions:
         if self.reduction not in ("allreduce", "sharded"):
             raise ValueError(f"reduction={self.reduction!r} is not known; choose 'allreduce' (the default) or 'sharded' "
                              f"(--reduction)")
+        if self.checkpoint_format not in ("pt", "dcp"):
+            raise ValueError(f"checkpoint_format={self.checkpoint_format!r} is not known; choose 'pt' (one file, the "
+                             f"default) or 'dcp' (sharded, every worker writes its part) (--checkpoint-format)")
+        if self.async_checkpoint and self.checkpoint_format != "dcp":
+            raise ValueError("async_checkpoint=True writes sharded checkpoints in the background; it needs "
+                             "checkpoint_format='dcp' (--checkpoint-format dcp), or drop --async-checkpoint")
+        if self.shard_replicas not in (0, 1):
+            raise ValueError(f"shard_replicas={self.shard_replicas!r} must be 0 (one copy of each chunk of the sharded "
+                             f"optimizer state) or 1 (a replica on the next worker too) (--shard-replicas)")
+        if self.shard_replicas and self.reduction != "sharded":
+            raise ValueError(f"shard_replicas={self.shard_replicas} keeps replicas of the sharded optimizer's chunks; "
+                             f"with reduction={self.reduction!r} every worker holds the whole optimizer state already "
+                             f"and recovers in place: drop --shard-replicas or add --reduction sharded")
         if self.reduction == "sharded" and self.pipeline_stages is not None and self.pipeline_stages > 1:
             raise ValueError(f"reduction='sharded' shards the data-parallel optimizer of unpipelined jobs; with "
                              f"pipeline_stages={self.pipeline_stages} each worker already holds only its stage's "

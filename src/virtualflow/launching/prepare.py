@@ -69,7 +69,7 @@ def prepare(job: JobLike, opts: LaunchOptions) -> Iterator[RunSetup]:
         if opts.max_workers is not None:
             check_workers(pipeline, opts.max_workers)
     dataset = build_dataset(job_obj)
-    plan = data_plan_of(dataset, job_obj.global_batch_size, job_obj.virtual_nodes, job_obj.seed)
+    plan = data_plan_of(dataset, job_obj)
     if isinstance(plan, StreamPlan) and opts.uneven_vn_sizes:
         raise ValueError("uneven_vn_sizes=True gives faster workers bigger virtual nodes, but a streaming dataset splits "
                          "each epoch's stream into virtual_nodes equal parts (docs/training.md, \"Streaming datasets\"): "

@@ -1,12 +1,15 @@
 """Resuming a job: find the newest good state of a run and check that it belongs to the job.
 
 A run directory's states are ``final.pt`` (written when a run ends or is stopped),
-``checkpoint.pt`` (the last good state before a non-finite loss) and ``checkpoints/step-N.pt``;
-the newest by step wins, whatever its kind (on a tie, ``final.pt``). Corrupt or truncated files
+``checkpoint.pt`` (the last good state before a non-finite loss), ``checkpoints/step-N.pt`` and
+the sharded ``checkpoints/step-N.dcp/`` (complete once so named: an interrupted save is a
+``.partial`` folder, never a candidate; every file is checked against its manifest); the newest
+by step wins, whatever its kind (on a tie, ``final.pt``). Corrupt or truncated files
 are reported and skipped; a file holding anything but plain data is refused outright (it was
 tampered with: see :mod:`virtualflow.runtime.checkpoint`), as is a state from a different job
-(other B, V, seed or model shapes), with a message naming what differs. Nothing here deletes or
-moves a state file.
+(other B, V, seed, data order or model shapes), with a message naming what differs; a state
+that records no data order was written before ``Job.data_order`` existed, with ``"randperm"``.
+Nothing here deletes or moves a state file.
 """
 
 from __future__ import annotations
@@ -21,24 +24,27 @@ import torch
 from virtualflow.config.job import Job
 from virtualflow.records.rundir import STATE_FILES
 from virtualflow.runtime.checkpoint import CorruptCheckpointError, load_state
+from virtualflow.runtime.dcp import is_dcp, peek_dcp
 
 logger = logging.getLogger("virtualflow")
 
-_NUMBERED = re.compile(r"step-(\d+)\.pt")
+_NUMBERED = re.compile(r"step-(\d+)\.(pt|dcp)")
 
 
-def find_resume_state(resume: str, job: Job) -> tuple[str, int]:
+def find_resume_state(resume: str, job: Job | None) -> tuple[str, int]:
     """The newest good state file under ``resume`` (a run directory or a state file) that belongs
-    to ``job``, and its step; corrupt or truncated files are reported and skipped."""
+    to ``job`` (``None``: any job, as an export reads), and its step; corrupt or truncated files
+    are reported and skipped."""
     if os.path.isdir(resume):
         candidates = _candidates(resume)
         if not candidates:
             raise ValueError(
-                f"resume={resume!r}: no checkpoints in it (final.pt, checkpoint.pt or checkpoints/step-N.pt); a run "
+                f"resume={resume!r}: no checkpoints in it (final.pt, checkpoint.pt, checkpoints/step-N.pt or "
+                f"checkpoints/step-N.dcp); a run "
                 f"writes final.pt when it ends or is stopped, and checkpoints with checkpoint_every= "
                 f"(--checkpoint-every N)"
             )
-    elif os.path.isfile(resume):
+    elif os.path.isfile(resume) or is_dcp(resume):
         candidates = [(None, resume)]
     else:
         raise ValueError(f"resume={resume!r} is neither a run directory nor a checkpoint file")
@@ -59,7 +65,8 @@ def find_resume_state(resume: str, job: Job) -> tuple[str, int]:
         state = loaded.pop(path, None) or _load(path, problems)
         if state is None:
             continue
-        _check_same_job(path, state, job)
+        if job is not None:
+            _check_same_job(path, state, job)
         if problems:
             logger.warning("resuming from %s, the newest good state", path)
         return path, int(state["step"])
@@ -74,7 +81,7 @@ def _candidates(run_dir: str) -> list[tuple[int | None, str]]:
     if os.path.isdir(folder):
         for name in os.listdir(folder):
             numbered = _NUMBERED.fullmatch(name)
-            if numbered is not None:
+            if numbered is not None:  # a sharded checkpoint's folder is complete once named so
                 out.append((int(numbered.group(1)), os.path.join(folder, name)))
     return out
 
@@ -83,7 +90,7 @@ def _load(path: str, problems: list[str]) -> dict[str, Any] | None:
     """The state in ``path``, or None (reported) if it is corrupt. A file that is not plain data
     raises :class:`~virtualflow.runtime.checkpoint.UntrustedStateError`: not skipped, refused."""
     try:
-        return load_state(path)
+        return peek_dcp(path) if is_dcp(path) else load_state(path)
     except CorruptCheckpointError as exc:
         logger.warning("skipping %s: %s", path, exc)
         problems.append(str(exc))
@@ -99,6 +106,7 @@ def _check_same_job(path: str, state: dict[str, Any], job: Job) -> None:
                 f"the checkpoint {path} is from a different job: its {key}={saved.get(key)!r}, the job's is "
                 f"{getattr(job, key)!r}. Resume with the same {key} (--{key.replace('_', '-')}), or start a new run"
             )
+    _check_same_data_order(path, saved, job)
     _check_same_pipeline(path, state, job)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(job.seed)
@@ -112,10 +120,21 @@ def _check_same_job(path: str, state: dict[str, Any], job: Job) -> None:
         )
 
 
+def _check_same_data_order(path: str, saved: dict[str, Any], job: Job) -> None:
+    """The rest of the run must read the samples in the order its first steps did."""
+    order = saved.get("data_order", "randperm")  # states from before data_order: torch.randperm's order
+    if order != job.data_order:
+        raise ValueError(
+            f"the checkpoint {path} was trained with data_order={order!r}, the job has "
+            f"data_order={job.data_order!r}; resume with Job(data_order={order!r}, ...) to keep its sample order"
+        )
+
+
 def _check_same_pipeline(path: str, state: dict[str, Any], job: Job) -> None:
-    """A pipelined run's state holds one optimizer state per stage: it resumes only with the same
-    stages and split (the schedule may change, except to or from 2BW, whose older weight version
-    a state does not hold)."""
+    """A pipelined run's state holds one optimizer state per stage: a state file resumes only with
+    the same stages and split; a sharded checkpoint, which names each stage's parameters, also
+    with others (:func:`virtualflow.runtime.pipeline.worker_engine.restage`). The schedule may
+    change, except to or from 2BW, whose older weight version a state does not hold."""
     saved = state.get("pipeline")
     saved = saved if isinstance(saved, dict) else None
     pipeline = job.pipeline
@@ -129,7 +148,9 @@ def _check_same_pipeline(path: str, state: dict[str, Any], job: Job) -> None:
         )
     bounds = saved.get("bounds")
     counts = tuple(int(b) - int(a) for a, b in bounds) if isinstance(bounds, list) else None
-    if saved.get("stages") != pipeline.stages or counts != tuple(pipeline.split):
+    names = saved.get("stage_params")  # a sharded checkpoint: its optimizer state can be cut again by name
+    restageable = isinstance(names, list) and bool(names) and all(isinstance(n, list) for n in names)
+    if (saved.get("stages") != pipeline.stages or counts != tuple(pipeline.split)) and not restageable:
         raise ValueError(
             f"the checkpoint {path} holds {saved.get('stages')} stages with layer counts {counts}; the job has "
             f"{pipeline.stages} stages with {pipeline.split}. Resume with --pipeline-stages {saved.get('stages')} "

@@ -3,8 +3,12 @@
 The data-order and randomness rules of docs/training.md ("Semantics") made concrete. Nothing
 here depends on ranks or worker counts:
 
-* for epoch ``e`` the sample order is
-  ``torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed + e))``;
+* for epoch ``e`` the sample at position ``p`` of the epoch's order is
+  :func:`~virtualflow.plan.permutation.epoch_indices` ``(p, len(dataset), seed, e)``: a keyed
+  bijection computed per position, so a step's B indices cost O(B) memory, never O(len(dataset))
+  (``order="feistel"``, the default); ``order="randperm"``, the order before it (kept to resume
+  old checkpoints), is ``torch.randperm(len(dataset),
+  generator=torch.Generator().manual_seed(seed + e))``, one tensor of the whole epoch;
 * each epoch has ``len(dataset) // B`` steps (the incomplete tail is dropped);
 * global step ``s`` uses positions ``[i*B, (i+1)*B)`` of its epoch's order, with
   ``e = s // steps_per_epoch`` and ``i = s % steps_per_epoch``;
@@ -16,9 +20,29 @@ here depends on ranks or worker counts:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+
+from virtualflow.plan.permutation import epoch_indices
+
+DATA_ORDERS = ("feistel", "randperm")
+"""The data orders: ``"feistel"`` (per position, O(B) memory) and ``"randperm"`` (the order
+before it: one ``torch.randperm`` of the dataset per epoch)."""
+
+
+class OrderedJob(Protocol):
+    """What a plan reads of a job (:class:`~virtualflow.config.job.Job` has it)."""
+
+    global_batch_size: int
+    virtual_nodes: int
+    seed: int
+    data_order: str
+
+
+_CACHED_STEPS = 4  # a step in use and the next one prefetched, with room to spare
 
 _MASK64 = (1 << 64) - 1
 
@@ -50,7 +74,10 @@ class DataPlan:
     global_batch_size: int
     virtual_nodes: int
     seed: int = 0
+    order: str = "feistel"
+    """One of :data:`DATA_ORDERS` (``Job.data_order``)."""
     _cache: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _steps: OrderedDict[int, torch.Tensor] = field(default_factory=OrderedDict, repr=False)
     _offsets: list[int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -65,6 +92,14 @@ class DataPlan:
                 f"global_batch_size={self.global_batch_size}; an epoch needs at least one full "
                 f"global batch: lower global_batch_size or use a larger dataset"
             )
+        if self.order not in DATA_ORDERS:
+            raise ValueError(f"data_order={self.order!r} is not one of {', '.join(map(repr, DATA_ORDERS))} "
+                             f"(Job.data_order)")
+
+    @classmethod
+    def of_job(cls, job: OrderedJob, dataset_size: int) -> DataPlan:
+        """The plan of a :class:`~virtualflow.config.job.Job` (its B, V, seed and data order)."""
+        return cls(dataset_size, job.global_batch_size, job.virtual_nodes, job.seed, order=job.data_order)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -75,6 +110,10 @@ class DataPlan:
         return self.global_batch_size // self.virtual_nodes
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
+        """The whole order of ``epoch`` (``order="randperm"`` only: it materialises the epoch)."""
+        if self.order != "randperm":
+            raise ValueError(f"epoch_order materialises a randperm epoch; data_order={self.order!r} is computed "
+                             f"per step (step_indices)")
         order = self._cache.get(epoch)
         if order is None:
             gen = torch.Generator().manual_seed(self.seed + epoch)
@@ -87,7 +126,15 @@ class DataPlan:
         """Dataset indices of the whole global batch of ``step``."""
         epoch, i = divmod(step, self.steps_per_epoch)
         b = self.global_batch_size
-        return self.epoch_order(epoch)[i * b : (i + 1) * b]
+        if self.order == "randperm":
+            return self.epoch_order(epoch)[i * b : (i + 1) * b]
+        indices = self._steps.get(step)
+        if indices is None:
+            indices = epoch_indices(range(i * b, (i + 1) * b), self.dataset_size, self.seed, epoch)
+            self._steps[step] = indices
+            while len(self._steps) > _CACHED_STEPS:
+                self._steps.popitem(last=False)
+        return indices
 
     def set_vn_sizes(self, sizes: list[int] | None) -> None:
         """Uneven VN sizes (heterogeneous mode), or None for ``B / V`` each."""

@@ -141,7 +141,9 @@ class Result:
     with the default reduction, its chunk with ``reduction="sharded"`` (0 for pipelined jobs)."""
     replica_bytes: dict[int, int] = field(default_factory=dict)
     """``Pipeline(redundancy=True)``: bytes of each worker's replica of its successor's stage at
-    the end (parameters, buffers, optimizer state; worker id -> bytes; 0 without redundancy)."""
+    the end (parameters, buffers, optimizer state; worker id -> bytes; 0 without redundancy).
+    ``reduction="sharded", shard_replicas=1``: bytes of each worker's replica of its predecessor's
+    chunk of the optimizer state and the gradient buffer that refreshes it (0 with one worker)."""
     replica_refresh_s: dict[int, float] = field(default_factory=dict)
     """``Pipeline(redundancy=True)``: the redundant compute, seconds each worker spent taking its
     successor's steps on its replica (worker id -> seconds; since the worker's last re-layout)."""

@@ -45,10 +45,11 @@ def block_sq_sums(part: torch.Tensor, lo: int, total: int, out: torch.Tensor | N
     """Sums of squares per block of ``part``, the elements ``[lo, lo + len(part))`` of a flat
     gradient of ``total`` elements, written into a vector of :func:`n_blocks` entries (zeros for
     the blocks ``part`` does not hold). ``lo`` must be a block boundary, and so must ``lo +
-    len(part)`` unless it is ``total``."""
+    len(part)`` unless it is ``total``; an empty ``part`` may be anywhere (a sharded worker whose
+    chunk is empty: more workers than blocks)."""
     n = part.numel()
     hi = lo + n
-    if lo % BLOCK or (hi % BLOCK and hi != total):
+    if n and (lo % BLOCK or (hi % BLOCK and hi != total)):
         raise ValueError(f"gradient range [{lo}, {hi}) of {total} does not fall on {BLOCK}-element blocks")
     if out is None:
         out = torch.zeros(n_blocks(total), dtype=torch.float32, device=part.device)

@@ -52,6 +52,7 @@ from virtualflow.runtime.breakdown import RAW, StepClock, derive, measured_load
 from virtualflow.runtime.clipping import BLOCK, block_sq_sums, clip_, n_blocks, norm_from_blocks, total_norm
 from virtualflow.runtime.prefetch import Prefetcher
 from virtualflow.runtime.probe import PROBE_BUDGET, PROBE_CHANGE, PROBE_EVERY, ProbeCounters, probe_due
+from virtualflow.runtime.shard_replica import exchange_gradients
 from virtualflow.runtime.sharded import FlatParams, ShardedOptimizer, gather_sharded_state
 
 
@@ -97,6 +98,7 @@ class VNEngine:
         precision: str = "32",
         max_grad_norm: float | None = None,
         loss_scale: dict[str, Any] | None = None,
+        shard_replicas: int = 0,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -132,7 +134,14 @@ class VNEngine:
             self.flat = FlatParams(self.params)  # the model's parameters now live in one flat vector
             # A norm over chunks: no clipping block may straddle two workers' chunks.
             align = BLOCK if self._needs_norm else 16
-            self.shard = ShardedOptimizer(optimizer, self.flat, align=align)
+            self.shard = ShardedOptimizer(optimizer, self.flat, align=align, replicas=shard_replicas)
+        elif shard_replicas:
+            raise ValueError(f"shard_replicas={shard_replicas} keeps replicas of the sharded optimizer's chunks; with "
+                             f"reduction={reduction!r} every worker holds the whole state already: drop "
+                             f"--shard-replicas or add --reduction sharded")
+        self.deferred_failure: PeerFailure | None = None
+        """``shard_replicas=1``: the parameters' all-gather failed after this worker applied the step
+        (so the step counts as applied); raised at the step boundary (:meth:`raise_deferred`)."""
         self.tree: TreePlan | None = None
         self.grad_numel = sum(p.numel() for p in self.params)
         self._first_bn: torch.Tensor | None = None
@@ -148,7 +157,7 @@ class VNEngine:
         self._loss_dtype: torch.dtype | None = None
         self.phase = "idle"
         """Where the current step is (reported when a peer fails): before_forward, backward,
-        reduction, apply, idle."""
+        reduction, commit (``shard_replicas=1``: the replica's exchange and the commit), apply, idle."""
         self.metric_names: list[str] = []
         """The loss function's metric names (sorted), learnt from the first forward run here."""
         self._metric_sums: dict[str, torch.Tensor] = {}
@@ -192,9 +201,11 @@ class VNEngine:
         """Forget a step interrupted by a peer failure: BN statistics back to the step's start,
         gradients dropped, the reducer discarded (the generation's group is broken)."""
         self.clock.abandon()
-        if self.bn and self.phase in ("before_forward", "backward", "reduction"):
+        if self.bn and self.phase in ("before_forward", "backward", "reduction", "commit"):
             self.bn.restore()
-        self._zero_grad()
+        if self.shard is None or not self.shard.pending:
+            self._zero_grad()  # pending: the chunk's reduced gradient stays for the rebuild to apply
+        self.deferred_failure = None
         self._det_flat = None
         self._metric_sums = {}
         if self.reducer is not None:
@@ -215,6 +226,7 @@ class VNEngine:
             self.comm.close()
             self.comm = None
         self.group = group
+        self.deferred_failure = None
         self.clock.reset()
         if self.prefetcher is not None:
             self.prefetcher.clear()
@@ -227,7 +239,7 @@ class VNEngine:
             self.tree = TreePlan.build(assignment)
         if self.sharded:
             assert self.shard is not None and self.flat is not None
-            self.shard.shard(group.rank, group.size)  # raises ShardLost after a failure
+            self.shard.shard(group.rank, group.size, group.generation)  # raises ShardLost after a failure
             self.comm = Collectives(group)
             if not self.deterministic and group.size > 1:
                 self.reducer = ShardReducer(self.params, self.flat.offsets, self.flat.grad, self.shard.bounds,
@@ -289,14 +301,43 @@ class VNEngine:
                 self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             return
-        assert self.comm is not None and self.flat is not None
-        self.shard.step()
-        self.comm.all_gather(self.flat.flat, self.shard.bounds)
+        assert self.comm is not None and self.flat is not None and self.group is not None
+        if self.shard.replica is not None:  # the commit rule: runtime/shard_replica.py
+            self.phase = "commit"
+            exchange_gradients(self.shard, self.group)
+            self.shard.pending = True
+            self.group.all_reduce(torch.zeros(1, device=self.device))  # the commit
+            self.phase = "apply"
+        self.shard.load_replica_params()
+        self.shard.step_own()
+        replica_stepped = False
+        try:
+            self._point("after_update")  # (a "lose" fault here: this member's all-gather failed)
+            gathered = self.comm.all_gather(self.flat.flat, self.shard.bounds, async_op=True)
+            self.shard.step_replica()  # on its own copy of the parameters: overlaps the all-gather
+            replica_stepped = True
+            gathered.wait()
+        except PeerFailure as exc:
+            if not self.shard.replicas:
+                raise
+            if not replica_stepped:  # it is part of the applied step
+                self.shard.step_replica()
+            self.shard.store_replica_params()  # the predecessor's new chunk, for the rebuild
+            self.deferred_failure = exc  # applied here: the next generation rebuilds the parameters
         if self.scheduler is not None:
             self.shard.scheduler_step(self.scheduler)
         self.flat.zero_grad()
 
     # ------------------------------------------------------------------------------------
+    def raise_deferred(self) -> None:
+        """Raise the failure of an applied step's all-gather (``shard_replicas=1``), if any."""
+        if self.deferred_failure is not None:
+            raise self.deferred_failure
+
+    def replica_bytes(self) -> int:
+        """Bytes the sharded optimizer's replica costs this worker (``shard_replicas=1``; else 0)."""
+        return self.shard.replica_bytes() if self.shard is not None else 0
+
     def _forward(self, step: int, vn: int, batch: Any = None, n: int = 0) -> torch.Tensor:
         """Forward of one VN from the step's starting BN statistics; returns the weighted loss."""
         if self.bn:
@@ -461,6 +502,7 @@ class VNEngine:
         in one small vector, appended to the last gradient bucket in default mode.
         """
         assert self.group is not None, "set_membership() first"
+        self.raise_deferred()
         self.clock.begin()
         self._metric_sums = {}
         self._step_no = step

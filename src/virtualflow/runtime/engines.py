@@ -87,6 +87,16 @@ class Boundary(Protocol):
     def checkpointed(self, step: int, path: str, t0: float) -> None:
         """Report a checkpoint written (its save time counted from ``t0``)."""
 
+    dcp: bool
+    """``checkpoint_format="dcp"``: every member writes its part of a checkpoint (:meth:`save_sharded`)."""
+
+    def save_sharded(self, group: Group, step: int, pieces: list[Any], meta: dict[str, Any] | None) -> str:
+        """Every member: write its part of the sharded checkpoint of ``step`` (rank 0 with ``meta``,
+        the state without its big tensors); returns the checkpoint's folder."""
+
+    def drain(self) -> None:
+        """Wait for a sharded save in flight."""
+
     def evaluate(self, model: torch.nn.Module, step: int) -> None:
         """Run ``Job.evaluate`` on ``model`` and report it (rank 0)."""
 

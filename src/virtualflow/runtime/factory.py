@@ -32,7 +32,7 @@ def build_engine(cfg: WorkerConfig, worker_id: int, job: Job, dataset: Any, stor
     VN engine (with ``cfg.reduction``). The one place that looks at the job's kind.
     ``eager_every_wait``: a pipeline diagnostic (:attr:`StageEngine.eager_every_wait`), read by
     the process's entry point."""
-    plan = data_plan_of(dataset, job.global_batch_size, job.virtual_nodes, job.seed)  # checks the sizes
+    plan = data_plan_of(dataset, job)  # checks the sizes
     if job.pipeline is not None:
         from virtualflow.runtime.pipeline.worker_engine import PipelineWorkerEngine
 

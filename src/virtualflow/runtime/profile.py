@@ -180,7 +180,7 @@ def _profile(job: Job, dev: torch.device, repeats: int, warmup: int, weight_grad
         raise ValueError("profiling a pipelined model needs Job.output_loss=(outputs, batch) -> scalar (the last "
                          "layer's loss); the job gives only Job.loss")
     dataset = _user("Job.dataset", job.build_dataset)
-    plan = data_plan_of(dataset, job.global_batch_size, job.virtual_nodes, job.seed)
+    plan = data_plan_of(dataset, job)
     torch.manual_seed(job.seed)
     model = _user("Job.model", job.model)
     if not isinstance(model, nn.Module):

@@ -34,12 +34,17 @@ Invariants.
   the new generation's chunks, so a resize loses no optimizer state. A *failure* loses the failed
   worker's chunk of the optimizer state (there is one copy of each chunk): the job stops with
   :class:`ShardLost`, naming the checkpoint to resume from.
+* *With ``shard_replicas=1``* each worker also keeps a replica of its predecessor's chunk (rank
+  r holds chunk r-1 mod p, :class:`ChunkReplica`) and steps it with the predecessor's reduced
+  gradient, so a failure loses no chunk unless two neighbours in ring order fail together; the
+  commit rule and the rebuild are in :mod:`virtualflow.runtime.shard_replica`.
 """
 
 from __future__ import annotations
 
 import inspect
 import warnings
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -138,8 +143,24 @@ class FlatParams:
 class ShardedOptimizer:
     """The chunk of the optimizer one worker holds, and the whole state when it must be moved."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, flat: FlatParams, align: int = ALIGN) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, flat: FlatParams, align: int = ALIGN,
+                 replicas: int = 0) -> None:
         check_optimizer(optimizer, flat.params)
+        if replicas not in (0, 1):
+            raise ValueError(f"shard_replicas={replicas!r} must be 0 (one copy of each chunk of the optimizer state) "
+                             f"or 1 (a replica on the next worker too) (--shard-replicas)")
+        self.replicas = replicas
+        """``shard_replicas``: 1 keeps a :class:`ChunkReplica` of the predecessor's chunk."""
+        self.replica: ChunkReplica | None = None
+        self.pending = False
+        """A step's gradients are exchanged for the replica but the step is not applied yet (a
+        failure now leaves it to the rebuild to finish or drop, see :mod:`~virtualflow.runtime.shard_replica`)."""
+        self.finished = False
+        """A pending step was applied while the state was being rebuilt (reset when the next
+        generation cuts the state, or a transfer replaces it)."""
+        self.generation = -1
+        """The generation whose layout (``rank`` of ``size``) the chunks held are cut by."""
+        self.size = 1
         self.user = optimizer
         self.flat = flat
         self.align = align
@@ -176,14 +197,34 @@ class ShardedOptimizer:
                 "the last checkpoint (--resume RUN_DIR; keep --checkpoint-every small), or train with "
                 "reduction='allreduce', which recovers from failures in place")
 
-    def shard(self, rank: int, size: int) -> None:
-        """Take chunk ``rank`` of ``size`` out of the whole state held (a new generation)."""
+    def shard(self, rank: int, size: int, generation: int = -1) -> None:
+        """Take chunk ``rank`` of ``size`` out of the whole state held (a new generation); with
+        ``replicas``, chunk ``rank - 1`` too, as this worker's replica of its predecessor's."""
         self.check_held()
         self.bounds = shard_bounds(self.flat.numel, size, self.align)
-        self.rank = rank
-        lo, hi = self.bounds[rank]
+        self.rank, self.size, self.generation = rank, size, generation
         self.user.load_state_dict(self.full)  # hyperparameters, and the whole state for a moment
-        self.pieces, groups = {}, []
+        self.pieces, self.local = self._chunk_optimizer(*self.bounds[rank])
+        self.replica = None
+        if self.replicas and size > 1:
+            q = (rank - 1) % size
+            lo, hi = self.bounds[q]
+            # Its parameters are views of the gradient buffer, free outside this worker's chunk
+            # once the gradient is reduced: the replica steps a copy of the predecessor's
+            # parameters there while the all-gather writes the real ones.
+            pieces, opt = self._chunk_optimizer(lo, hi, base=self.flat.grad)
+            self.replica = ChunkReplica(q, lo, hi, pieces, opt, self.flat.grad.new_zeros(hi - lo))
+        self.user.state.clear()  # the user's optimizer holds no state: memory ÷ p
+        self.full = None
+        self.pending = self.finished = False
+
+    def _chunk_optimizer(self, lo: int, hi: int, base: torch.Tensor | None = None
+                         ) -> tuple[dict[int, tuple[int, torch.Tensor]], torch.optim.Optimizer | None]:
+        """An optimizer of the user's kind over views of ``base[lo:hi]`` (default: the flat
+        parameters; one view per parameter piece, grouped as the user's groups), its state sliced
+        from the user's (loaded) state."""
+        base = self.flat.flat if base is None else base
+        pieces, groups = {}, []
         for g in self.user.param_groups:
             group_pieces = []
             for p in g["params"]:
@@ -191,43 +232,76 @@ class ShardedOptimizer:
                 o = self.flat.offsets[i]
                 a, b = max(lo, o), min(hi, o + p.numel())
                 if a < b:
-                    view = self.flat.flat[a:b]
-                    self.pieces[i] = (a, view)
+                    view = base[a:b]
+                    pieces[i] = (a, view)
                     group_pieces.append(view)
             if group_pieces:
                 groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": group_pieces})
-        self.local = _same_kind(self.user, groups) if groups else None
-        if self.local is not None:
+        opt = _same_kind(self.user, groups) if groups else None
+        if opt is not None:
             for p, st in self.user.state.items():
                 i = self.index[id(p)]
-                if i not in self.pieces:
+                if i not in pieces:
                     continue
-                a, view = self.pieces[i]
+                a, view = pieces[i]
                 start = a - self.flat.offsets[i]
-                self.local.state[view] = {
+                opt.state[view] = {
                     k: (v.reshape(-1)[start : start + view.numel()].clone() if _elementwise(v, p) else _copy(v))
                     for k, v in st.items()
                 }
-        self.user.state.clear()  # the user's optimizer holds no state: memory ÷ p
-        self.full = None
+        return pieces, opt
 
     # -- the update -----------------------------------------------------------------------------
     def step(self) -> None:
-        """Update this worker's chunk from the reduced gradient in ``flat.grad[lo:hi]``."""
-        if self.local is None:
+        """Update this worker's chunk from the reduced gradient in ``flat.grad[lo:hi]``, and the
+        replica (if any) from the predecessor's, received into ``replica.grad``: the replica's
+        new parameters land in ``flat`` too (what the all-gather would bring)."""
+        self.load_replica_params()
+        self.step_own()
+        self.step_replica()
+        self.store_replica_params()
+
+    def step_own(self) -> None:
+        """Update this worker's chunk (the engine's order: before the all-gather is launched)."""
+        self._step_chunk(self.local, self.pieces, lambda a, n: self.flat.grad[a : a + n])
+        self.pending = False
+
+    def load_replica_params(self) -> None:
+        """Copy the predecessor's chunk of the parameters, before the step, to where the replica
+        steps them (``flat.grad`` at the chunk: free once the gradient is reduced)."""
+        r = self.replica
+        if r is not None:
+            self.flat.grad[r.lo : r.hi].copy_(self.flat.flat[r.lo : r.hi])
+
+    def step_replica(self) -> None:
+        """Step the replica with the predecessor's gradient (:meth:`load_replica_params` first;
+        it may run while the all-gather writes the parameters)."""
+        r = self.replica
+        if r is not None:
+            self._step_chunk(r.optimizer, r.pieces, lambda a, n: r.grad[a - r.lo : a - r.lo + n])
+
+    def store_replica_params(self) -> None:
+        """The replica's new parameters into ``flat`` (the all-gather failed, or none runs)."""
+        r = self.replica
+        if r is not None:
+            self.flat.flat[r.lo : r.hi].copy_(self.flat.grad[r.lo : r.hi])
+
+    def _step_chunk(self, opt: torch.optim.Optimizer | None, pieces: dict[int, tuple[int, torch.Tensor]],
+                    grad: Callable[[int, int], torch.Tensor]) -> None:
+        if opt is None:
             return
         k = 0
         for g in self.user.param_groups:
-            if not any(self.index[id(p)] in self.pieces for p in g["params"]):
+            if not any(self.index[id(p)] in pieces for p in g["params"]):
                 continue
             for key, value in g.items():  # an LR scheduler edits the user's groups
                 if key != "params":
-                    self.local.param_groups[k][key] = value
+                    opt.param_groups[k][key] = value
             k += 1
-        for a, view in self.pieces.values():
-            view.grad = self.flat.grad[a : a + view.numel()]
-        self.local.step()
-        for _, view in self.pieces.values():
+        for a, view in pieces.values():
+            view.grad = grad(a, view.numel())
+        opt.step()
+        for _, view in pieces.values():
             view.grad = None
 
     @staticmethod
@@ -295,28 +369,68 @@ class ShardedOptimizer:
                 state[i][key] = whole[o : o + p.numel()].view_as(p).clone()
         if not wanted:
             return None
+        return self.assemble(state)
+
+    def assemble(self, state: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        """The user's optimizer's ``state_dict`` from each parameter's state (parameter index ->
+        entries) and the user's hyperparameters."""
         groups = self.user.state_dict()["param_groups"]
-        return {"state": {pos: state[i] for pos, i in enumerate(self.order) if state[i]}, "param_groups": groups}
+        return {"state": {pos: state[i] for pos, i in enumerate(self.order) if state.get(i)}, "param_groups": groups}
 
     def load_state(self, state_dict: dict[str, Any]) -> None:
         """Hold ``state_dict`` (the user's optimizer's format) entirely until the next :meth:`shard`."""
         self.user.load_state_dict(state_dict)  # validates it and casts as torch does
         self.full = self.user.state_dict()
         self.user.state.clear()
+        self.local, self.pieces, self.replica, self.pending, self.finished = None, {}, None, False, False
 
     def keep_full(self, state_dict: dict[str, Any]) -> None:
-        """Hold the whole state just gathered (a planned membership change follows)."""
+        """Hold the whole state just gathered (a planned membership change follows) or rebuilt."""
         self.full = state_dict
         self.local = None
         self.pieces = {}
+        self.replica = None
+        self.pending = False  # (finished stays until the next generation is cut: see shard_replica)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this worker holds."""
-        held = self.local.state.values() if self.local is not None else []
-        return sum(v.numel() * v.element_size() for st in held for v in st.values() if isinstance(v, torch.Tensor))
+        return _state_bytes(self.local)
+
+    def replica_bytes(self) -> int:
+        """Bytes the replica of the predecessor's chunk costs this worker (``shard_replicas=1``):
+        its optimizer state and the buffer its gradient arrives in."""
+        r = self.replica
+        return 0 if r is None else _state_bytes(r.optimizer) + r.grad.numel() * r.grad.element_size()
 
 
-_STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+@dataclass(slots=True)
+class ChunkReplica:
+    """This worker's copy of its predecessor's chunk of the optimizer state (``shard_replicas=1``).
+
+    Its optimizer is of the user's kind over views cut as the owner's are, of ``flat.grad[lo:hi]``
+    (free outside this worker's chunk once the gradient is reduced), where a copy of the chunk's
+    parameters is stepped while the all-gather brings the owner's: stepped with the owner's reduced
+    gradient, it holds the owner's state and parameters bit for bit (the update is elementwise and
+    runs the same kernels on the same shapes and values)."""
+
+    rank: int
+    """The owner's rank in the generation the chunks are cut by."""
+    lo: int
+    hi: int
+    pieces: dict[int, tuple[int, torch.Tensor]]
+    optimizer: torch.optim.Optimizer | None
+    grad: torch.Tensor
+    """The owner's reduced gradient of the step being applied (``hi - lo`` elements)."""
+
+
+def _state_bytes(opt: torch.optim.Optimizer | None) -> int:
+    held = opt.state.values() if opt is not None else []
+    return sum(v.numel() * v.element_size() for st in held for v in st.values() if isinstance(v, torch.Tensor))
+
+
+STATE_KEYS = ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+"""The optimizer state entries the sharded optimizer can move (Adam, AdamW, SGD)."""
+_STATE_KEYS = STATE_KEYS
 
 
 GATHER_TAG = 17

@@ -8,15 +8,19 @@ state directory and their contents are an engine's whole state plus ``step`` and
 job's name, global batch size, virtual nodes and seed), in that key order, then ``callbacks``
 (the job's callbacks' state, :meth:`virtualflow.runtime.callbacks.Callbacks.state_dict`) when a
 callback has state; pruning keeps the newest ``keep_checkpoints`` files (and their
-``.sha256``); an evaluation runs the model in eval mode without gradients, puts it back in
-training mode, is reported, then told to the callbacks (``on_eval``).
+``.sha256``). With ``checkpoint_format="dcp"`` a checkpoint is the folder
+``checkpoints/step-<8 digits>.dcp/`` every member writes its part of (:mod:`virtualflow.runtime.
+dcp`), with the same contents (the big tensors in chunks, the rest in rank 0's ``meta.pt``);
+the worker completing it prunes to ``keep_checkpoints``. An evaluation runs the model in eval
+mode without gradients, puts it back in training mode, is reported, then told to the callbacks
+(``on_eval``).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -24,6 +28,7 @@ from virtualflow.comm.groups import Group
 from virtualflow.config.job import Job
 from virtualflow.runtime.channel import Reporter
 from virtualflow.runtime.checkpoint import save_state
+from virtualflow.runtime.dcp import SUFFIX, DcpSaver, Piece, write_rank
 from virtualflow.runtime.worker_config import WorkerConfig
 
 if TYPE_CHECKING:
@@ -33,8 +38,8 @@ if TYPE_CHECKING:
 __all__ = ["WorkerBoundary", "checkpoint_path", "evaluate", "job_identity"]
 
 
-def checkpoint_path(state_dir: str, step: int) -> str:
-    return os.path.join(state_dir, "checkpoints", f"step-{step:08d}.pt")
+def checkpoint_path(state_dir: str, step: int, suffix: str = ".pt") -> str:
+    return os.path.join(state_dir, "checkpoints", f"step-{step:08d}{suffix}")
 
 
 def job_identity(job: Job) -> dict[str, Any]:
@@ -44,6 +49,7 @@ def job_identity(job: Job) -> dict[str, Any]:
         "global_batch_size": job.global_batch_size,
         "virtual_nodes": job.virtual_nodes,
         "seed": job.seed,
+        "data_order": job.data_order,
     }
 
 
@@ -67,6 +73,11 @@ class WorkerBoundary:
         self.callbacks = callbacks
         self.last_eval_step = -1
         """The step of the last evaluation (the final state is evaluated unless it was)."""
+        self.dcp = cfg.checkpoint_format == "dcp"
+        """Checkpoints are sharded: every member writes its part (:meth:`save_sharded`)."""
+        self.saver = DcpSaver(cfg.async_checkpoint) if self.dcp else None
+        self.fault_point: Callable[[int, str], None] | None = None
+        """Fault injection (:mod:`virtualflow.runtime.faults`): ``during_checkpoint``."""
 
     def checkpoint_due(self, step: int) -> bool:
         every = self.cfg.checkpoint_every
@@ -101,6 +112,32 @@ class WorkerBoundary:
 
     def checkpointed(self, step: int, path: str, t0: float) -> None:
         self.report({"type": "checkpoint", "step": step, "path": path, "save_s": time.perf_counter() - t0})
+
+    def save_sharded(self, group: Group, step: int, pieces: list[Piece], meta: dict[str, Any] | None) -> str:
+        """Every member: write this worker's ``pieces`` (and rank 0's ``meta``, the state without
+        its big tensors) as its part of the sharded checkpoint of ``step``; asynchronously with
+        ``async_checkpoint`` (this returns once the pieces are copied to host memory). The save
+        is named by the launch, generation and step, so that files of an interrupted attempt are
+        never taken for this one's."""
+        assert self.saver is not None
+        final = checkpoint_path(self.cfg.state_dir, step, SUFFIX)
+        if meta is not None:
+            meta.update({"step": step, "job": job_identity(self.job)})
+            if self.callbacks is not None and self.callbacks.has_state():
+                meta["callbacks"] = self.callbacks.state_dict()
+        save_id = f"{self.cfg.job_id}/g{group.generation}/s{step}"
+        rank, world, keep = group.rank, group.size, self.cfg.keep_checkpoints
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        point = self.fault_point
+        written = (lambda: point(step, "during_checkpoint")) if point is not None else None
+        self.saver.save(lambda staged: write_rank(final, rank, world, save_id, step, staged, meta, keep, written),
+                        pieces)
+        return final
+
+    def drain(self) -> None:
+        """Wait for a sharded save in flight (before the worker exits, holds or writes a state file)."""
+        if self.saver is not None:
+            self.saver.drain()
 
     def evaluate(self, model: torch.nn.Module, step: int) -> None:
         metrics = evaluate(self.report, self.job, model, step)

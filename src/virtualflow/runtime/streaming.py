@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import default_collate
 
 from virtualflow.config.streaming import StreamingDataset, as_streaming
-from virtualflow.plan.data import DataPlan
+from virtualflow.plan.data import DataPlan, OrderedJob
 from virtualflow.plan.streams import ShuffleOrder, StreamPlan
 from virtualflow.runtime.batches import BatchLoader
 
@@ -45,12 +45,13 @@ MAX_AHEAD = 4
 what is read); further ahead, the reader is rebuilt there."""
 
 
-def data_plan_of(dataset: Any, global_batch_size: int, virtual_nodes: int, seed: int) -> DataPlan | StreamPlan:
-    """The job's data order: the streaming rule for a streaming dataset, else the map-style one."""
+def data_plan_of(dataset: Any, job: OrderedJob) -> DataPlan | StreamPlan:
+    """The job's data order: the streaming rule for a streaming dataset (``Job.data_order`` is the
+    order of map-style datasets: a stream has its own), else the map-style one."""
     stream = as_streaming(dataset)
     if stream is not None:
-        return stream.plan(global_batch_size, virtual_nodes, seed)
-    return DataPlan(len(dataset), global_batch_size, virtual_nodes, seed)
+        return stream.plan(job.global_batch_size, job.virtual_nodes, job.seed)
+    return DataPlan.of_job(job, len(dataset))
 
 
 def loader_of(dataset: Any, collate_fn: Callable | None, plan: DataPlan | StreamPlan) -> BatchLoader | StreamLoader:

@@ -11,7 +11,9 @@ written by rank 0 alone after its step report; with the sharded reduction the op
 spread over the members, so assembling it is a collective every member enters at the same step
 boundary, before rank 0's report. Checkpoints taken during training keep the newest
 ``keep_checkpoints`` (both modes); a held generation's checkpoint prunes only with the plain
-reduction (as before this module existed).
+reduction (as before this module existed). With ``checkpoint_format="dcp"`` no state is
+assembled for a checkpoint in either mode: every member writes what it holds
+(:meth:`VNWorkerEngine.sharded_parts`) at the same step boundary.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ import torch
 from virtualflow.comm.groups import Group
 from virtualflow.plan.data import DataPlan
 from virtualflow.runtime.engine import StepOutcome, VNEngine
+from virtualflow.runtime.dcp import Piece, model_pieces, optimizer_pieces, sharded_optimizer_pieces
 from virtualflow.runtime.streaming import loader_of
 from virtualflow.runtime.engines import Boundary, Joining
 from virtualflow.runtime.model_prep import prepare_model
+from virtualflow.runtime.shard_replica import rebuild_state
 from virtualflow.runtime.sharded import ShardLost
 from virtualflow.runtime.transfer import Progress, broadcast_state
 
@@ -99,6 +103,8 @@ class VNWorkerEngine:
 
     def __init__(self, vn: VNEngine) -> None:
         self.vn = vn
+        self.run_dir: str | None = None
+        """Where this run's states go (named by a :class:`ShardLost` after a failure)."""
 
     @classmethod
     def build(cls, job: Job, dataset: Any, plan: DataPlan, cfg: WorkerConfig, device: torch.device) -> VNWorkerEngine:
@@ -114,6 +120,7 @@ class VNWorkerEngine:
             reduction=cfg.reduction, loader_workers=cfg.loader_workers, breakdown=cfg.breakdown,
             precision=job.precision, max_grad_norm=job.max_grad_norm,
             loss_scale=dict(job.loss_scale) if job.loss_scale is not None else None,
+            shard_replicas=cfg.shard_replicas,
         ))
 
     # -- the engine's attributes, the VN engine's own -------------------------------------------
@@ -153,8 +160,9 @@ class VNWorkerEngine:
             materialize_optimizer_state(self.vn)
 
     def check_state_held(self, run_dir: str) -> None:
-        if self.vn.shard is None:
-            return
+        self.run_dir = run_dir
+        if self.vn.shard is None or self.vn.shard.replicas:
+            return  # with replicas the next generation rebuilds the state (adopt), or says why not
         try:
             self.vn.shard.check_held()  # after a failure: ShardLost, naming the way out
         except ShardLost as exc:
@@ -164,6 +172,12 @@ class VNWorkerEngine:
     def adopt(self, joining: Joining) -> tuple[int, float]:
         vn, group, record = self.vn, joining.group, joining.record
         moved, t_transfer = 0, 0.0
+        if vn.shard is not None and vn.shard.replicas:
+            try:  # after a failure: the whole state from the chunks and replicas the survivors hold
+                rebuild_state(vn.shard, group, joining.progress.step)
+            except ShardLost as exc:
+                raise ShardLost(f"{exc} (this run's directory: {self.run_dir})" if self.run_dir else
+                                str(exc)) from None
         if joining.target == 0 and group.size > 1 and not joining.behind:
             broadcast_module(vn.model, group)  # identical start whatever the factory does
         if joining.behind:
@@ -199,16 +213,50 @@ class VNWorkerEngine:
         optimizer = vn.gather_optimizer_state(root=0) if vn.sharded else None  # a collective
         if group.rank != 0:
             return None
-        state = {
+        return {
             "model": {k: v.detach().cpu() for k, v in vn.model.state_dict().items()},
             "optimizer": optimizer if optimizer is not None else vn.optimizer_state(),
-            "lr_scheduler": vn.scheduler.state_dict() if vn.scheduler is not None else None,
+            **self.small_state(),
         }
+
+    def small_state(self) -> dict[str, Any]:
+        """The whole state's parts besides the model and the optimizer state (every worker holds
+        them alike): a state file has them beside the two, a sharded checkpoint in rank 0's
+        ``meta.pt``."""
+        vn = self.vn
+        state = {"lr_scheduler": vn.scheduler.state_dict() if vn.scheduler is not None else None}
         if vn.scaler is not None:  # 16-mixed: the loss scale and its growth counter resume too
             state["grad_scaler"] = vn.scaler.state_dict()
         return state
 
+    def sharded_parts(self, group: Group) -> tuple[list[Piece], dict[str, Any] | None]:
+        """This worker's part of a sharded checkpoint: its share of the model, the optimizer state
+        it holds (sharded reduction: its chunk; all-reduce: an even share), and on rank 0 the rest
+        of the state (optimizer hyperparameters, scheduler, scaler). Local: no collective."""
+        vn = self.vn
+        model = vn.model.state_dict()
+        pieces = model_pieces(model, group.rank, group.size)
+        if vn.shard is not None and vn.shard.full is None:
+            pieces += sharded_optimizer_pieces(vn.shard)
+            rest = {"param_groups": vn.shard.user.state_dict()["param_groups"], "state": {}}
+        else:
+            more, rest = optimizer_pieces(vn.optimizer_state(), group.rank, group.size)
+            pieces += more
+        if group.rank != 0:
+            return pieces, None
+        empty = {k: v.detach().cpu() for k, v in model.items() if not v.numel()}  # in no chunk: kept here
+        return pieces, {"model": empty, "model_keys": list(model), "optimizer": rest, **self.small_state()}
+
     def boundary(self, group: Group, step: int, work: Boundary) -> None:
+        self.vn.raise_deferred()  # shard_replicas=1: the step is applied, its all-gather failed
+        if work.dcp:
+            if work.checkpoint_due(step):  # every member writes its part
+                t_ck = time.perf_counter()
+                pieces, meta = self.sharded_parts(group)
+                path = work.save_sharded(group, step, pieces, meta)
+                if group.rank == 0:
+                    work.checkpointed(step, path, t_ck)
+            return
         if not self.vn.sharded or not work.checkpoint_due(step):
             return
         t_ck = time.perf_counter()  # every member takes part in gathering the optimizer state
@@ -217,7 +265,7 @@ class VNWorkerEngine:
             work.checkpointed(step, work.save_checkpoint(step, state, prune=True), t_ck)
 
     def boundary_on_rank0(self, step: int, work: Boundary) -> None:
-        if not self.vn.sharded and work.checkpoint_due(step):
+        if not self.vn.sharded and not work.dcp and work.checkpoint_due(step):
             t_ck = time.perf_counter()
             state = work.whole_state(self, self.vn.group, step)
             work.checkpointed(step, work.save_checkpoint(step, state, prune=True), t_ck)
@@ -225,6 +273,7 @@ class VNWorkerEngine:
             work.evaluate(self.vn.model, step)
 
     def hold(self, group: Group, step: int, work: Boundary) -> str | None:
+        work.drain()  # a held job may be stopped: its sharded save in flight completes first
         if self.vn.sharded:
             self.vn.before_regroup()  # the next generation cuts the optimizer state again
             state = work.whole_state(self, group, step)  # rank 0 gathers the optimizer's chunks
@@ -241,7 +290,7 @@ class VNWorkerEngine:
         return f"the step was not applied and the last good state (before step {step}) is in {path}"
 
     def final_report(self) -> dict[str, Any]:
-        return {"optimizer_bytes": self.vn.optimizer_state_bytes(), "replica_bytes": 0,
+        return {"optimizer_bytes": self.vn.optimizer_state_bytes(), "replica_bytes": self.vn.replica_bytes(),
                 "replica_refresh_s": 0.0, "redundant_forwards": {}}
 
     def state_bytes(self) -> int | None:

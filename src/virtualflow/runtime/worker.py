@@ -74,7 +74,8 @@ from virtualflow.config.job import Job
 from virtualflow.plan.flops import peak_tflops
 from virtualflow.runtime.callbacks import Callbacks, StepInfo
 from virtualflow.runtime.channel import Heartbeat, Rejections, Reporter, aborted
-from virtualflow.runtime.checkpoint import load_state, save_state
+from virtualflow.runtime.checkpoint import save_state
+from virtualflow.runtime.dcp import load_checkpoint
 from virtualflow.runtime.engine import NonFiniteLossError
 from virtualflow.runtime.engines import Engine, Joining
 from virtualflow.runtime.factory import build_engine
@@ -254,8 +255,9 @@ class Worker:
         self.faults = WorkerFaults.of(cfg.fault_plan, self.id) if cfg.fault_plan is not None else None
         if self.faults:
             self.engine.install_fault_point(self.faults.point)
+            self.boundary.fault_point = self.faults.point
         if cfg.resume_path is not None and self.id < cfg.initial_workers:
-            state = load_state(cfg.resume_path)
+            state = load_checkpoint(cfg.resume_path)  # a state file or a sharded checkpoint's folder
             self.engine.resume_from(state)
             self.progress = Progress(step=int(state["step"]), control=0)
             self.callbacks.resume(state.get("callbacks"), self.progress.step)
@@ -494,6 +496,7 @@ class Worker:
         if self.profiler is not None:
             self.profiler.close()
         self.engine.close()  # its loader threads, if any
+        self.boundary.drain()  # a sharded checkpoint in flight completes before the final state
         state = self.boundary.whole_state(self.engine, group, step)
         if group.rank == 0:
             if job.evaluate is not None and self.boundary.last_eval_step != step:
@@ -519,6 +522,7 @@ class Worker:
         self.report({"type": "leave", "step": self.progress.step})
         self.heartbeat.stop()
         self.engine.close()
+        self.boundary.drain()  # its part of a sharded checkpoint in flight is written before it exits
         parts = where.split()
         if len(parts) == 2:
             try:

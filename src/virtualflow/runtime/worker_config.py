@@ -47,6 +47,9 @@ class WorkerConfig:
     """False (benchmarks only): no heartbeat thread and no per-step control read, so stop,
     resize and hang detection do not work; it measures what the control plane costs."""
     reduction: str = "allreduce"
+    shard_replicas: int = 0
+    """``reduction="sharded"``: 1 keeps each chunk of the optimizer state on the next worker too
+    (:class:`~virtualflow.options.LaunchOptions` ``shard_replicas``)."""
     loader_workers: int = 0
     """Threads that load the next virtual nodes' batches while the current ones compute
     (:class:`~virtualflow.options.LaunchOptions` ``loader_workers``; 0: load when needed)."""
@@ -59,6 +62,11 @@ class WorkerConfig:
     """Bound on waits for the coordinator (a generation to join; a rendezvous)."""
     heartbeat_interval_s: float = 0.05
     keep_checkpoints: int = 2
+    checkpoint_format: str = "pt"
+    """``pt``: one state file per checkpoint (rank 0); ``dcp``: every worker writes its part
+    (:mod:`virtualflow.runtime.dcp`)."""
+    async_checkpoint: bool = False
+    """``dcp`` checkpoints written on a thread while training goes on."""
     job_id: str = ""
     """This launch's id (:func:`virtualflow.comm.auth.new_job_id`), named by every signed message."""
     run_key: str = ""

@@ -45,7 +45,7 @@ def build_engine(job: Any, pipeline: Pipeline, bounds: Sequence[tuple[int, int]]
     layers = [layer.to(device) for layer in layers_of(job.model())]
     p = pipeline.stages
     pieces = {k: piece_module(layers, a, b) for k, (a, b) in enumerate(bounds) if k % p == stage_rank}
-    plan = data_plan_of(dataset, job.global_batch_size, job.virtual_nodes, job.seed)
+    plan = data_plan_of(dataset, job)
     return StageEngine(
         pieces=pieces, n_pieces=len(bounds), stage_rank=stage_rank, build_optimizer=job.build_optimizer,
         scheduler_factory=job.lr_scheduler, pipeline=pipeline, plan=plan,

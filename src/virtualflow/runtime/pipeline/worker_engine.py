@@ -22,6 +22,11 @@ The process driver (:func:`drive`, the wire format) lives in :mod:`virtualflow.r
 this module is the engine: adopting generations (resizes, Bamboo failovers and reconfigurations),
 moving and gathering stage state, and the worker's :class:`~virtualflow.runtime.engines.Engine`
 protocol.
+
+Checkpoints with ``checkpoint_format="dcp"`` are written without a gather: every member writes
+its share of its stage (:meth:`PipelineWorkerEngine.sharded_parts`), laid out so that the
+checkpoint reads back as ``gather_state``'s (one optimizer state per job stage). After a Bamboo
+failover (replicas of unequal depth) a checkpoint is gathered and written as one file instead.
 """
 
 from __future__ import annotations
@@ -35,12 +40,13 @@ from virtualflow.comm.groups import Group
 from virtualflow.plan.pipeline.geometry import Grid, check_workers, layers_of, resolve_bounds
 from virtualflow.config.pipeline import Pipeline
 from virtualflow.plan.vnmap import contiguous_assignment
+from virtualflow.runtime.dcp import Piece, model_pieces, optimizer_pieces
 from virtualflow.runtime.engine import StepOutcome
 from virtualflow.runtime.streaming import data_plan_of, loader_of
 from virtualflow.runtime.engines import Boundary, Joining
 from virtualflow.runtime.pipeline.engine import StageEngine
 from virtualflow.runtime.pipeline.stage_state import (exchange_for_layout, gather_stages, load_merged, load_stage_state, resume_stage,
-                                                 stage_state, stage_states, successor, transfer_stages)
+                                                 scaler_state, stage_state, stage_states, successor, transfer_stages)
 from virtualflow.runtime.pipeline.links import Links, drive
 from virtualflow.runtime.pipeline.flush import FlushStep
 from virtualflow.runtime.pipeline.loop import StageLoop, stage_loop
@@ -72,7 +78,7 @@ class PipelineWorkerEngine:
         memory); rebuilt on rank 0 when a checkpoint, an evaluation or the final state needs it."""
         self.layers: list[torch.nn.Module] | None = layers_of(self.model)
         self.bounds = resolve_bounds(self.pipeline, len(self.layers))
-        self.plan = data_plan_of(dataset, job.global_batch_size, job.virtual_nodes, job.seed)
+        self.plan = data_plan_of(dataset, job)
         self.stage: StageEngine | None = None
         self.group: Group | None = None
         self.stage_group: Group | None = None
@@ -305,6 +311,9 @@ class PipelineWorkerEngine:
 
     # ---- the worker's Engine protocol (runtime/engines.py) ---------------------------------------
     def resume_from(self, state: dict[str, Any]) -> None:
+        saved = state.get("pipeline") or {}
+        if [list(b) for b in saved.get("bounds", [])] != [list(b) for b in self.full_bounds]:
+            state = restage(state, self.full_bounds)  # a sharded checkpoint of another split
         self.resume_state = state  # loaded into the stage once its place is known
 
     def prepare_to_join(self) -> None:
@@ -345,6 +354,13 @@ class PipelineWorkerEngine:
             return
         ck, ev = self._due
         self._due = (False, False)
+        if ck and work.dcp and self.layout is None:  # every member writes its stage's share: no gather
+            t_ck = time.perf_counter()
+            pieces, meta = self.sharded_parts(group)
+            path = work.save_sharded(group, step, pieces, meta)
+            if group.rank == 0:
+                work.checkpointed(step, path, t_ck)
+            ck = False
         if not (ck or ev):
             return
         t_ck = time.perf_counter()
@@ -357,10 +373,40 @@ class PipelineWorkerEngine:
             work.evaluate(self.model, step)
         self.model = None  # the whole model was rebuilt on rank 0 for this; only pieces stay
 
+    def sharded_parts(self, group: Group) -> tuple[list[Piece], dict[str, Any] | None]:
+        """This worker's part of a sharded checkpoint (standard layout): stage-rank ``s`` of
+        replica ``k`` writes its share (1 / replicas) of its stage's layers and optimizer state
+        (entries ``model/<name>``, ``optimizer/stage/<s>/state/<index>/<key>``); replica 0's member
+        of each stage also writes the stage's optimizer hyperparameters and scheduler state
+        (``meta.pt``), rank 0 with the pipeline's stages and bounds. Local: no collective."""
+        p = self.pipeline.stages
+        s, k, replicas = group.rank % p, group.rank // p, group.size // p
+        stage = self.stage
+        model = stage.model.state_dict()
+        pieces = model_pieces(model, k, replicas)
+        more, rest = optimizer_pieces(stage.optimizer.state_dict(), k, replicas)
+        for piece in more:
+            piece.fqn = piece.fqn.replace("optimizer/state/", f"optimizer/stage/{s}/state/", 1)
+        pieces += more
+        if k != 0:
+            return pieces, None
+        meta: dict[str, Any] = {
+            "model": {n: v.detach().cpu() for n, v in model.items() if not v.numel()}, "model_keys": list(model),
+            "optimizer": rest, "stage": s,
+            "lr_scheduler": stage.scheduler.state_dict() if stage.scheduler is not None else None,
+            "grad_scaler": scaler_state(stage),
+            "param_names": [n for n, _ in stage.model.named_parameters()],  # the optimizer's order
+        }
+        if s == 0:
+            meta["pipeline"] = {"stages": p, "bounds": [list(b) for b in self.full_bounds],
+                                "schedule": self.pipeline.schedule}
+        return pieces, meta
+
     def boundary_on_rank0(self, step: int, work: Boundary) -> None:
         pass  # its checkpoints and evaluations are collectives: :meth:`boundary`
 
     def hold(self, group: Group, step: int, work: Boundary) -> str | None:
+        work.drain()  # a held job may be stopped: its sharded save in flight completes first
         state = work.whole_state(self, group, step)  # rank 0 gathers the stages
         return work.save_checkpoint(step, state, prune=False) if group.rank == 0 else None
 
@@ -538,3 +584,42 @@ class PipelineWorkerEngine:
                 "grad_scaler": stages[0].get("grad_scaler"),  # the same on every stage (16-mixed; else None)
                 "pipeline": {"stages": p, "bounds": [list(b) for b in self.full_bounds],
                              "schedule": self.pipeline.schedule}}
+
+
+def restage(state: dict[str, Any], full_bounds: list[tuple[int, int]]) -> dict[str, Any]:
+    """A pipelined state (``gather_state``'s layout) cut again for the stages ``full_bounds``:
+    each parameter's optimizer state follows it by name (a sharded checkpoint records each
+    stage's parameter names, ``pipeline.stage_params``); every stage gets the first stage's
+    hyperparameters and scheduler state (the stages share one schedule). Raises ``ValueError``,
+    naming the knobs, where that cannot be done exactly."""
+    saved = state.get("pipeline") or {}
+    names = saved.get("stage_params")
+    stages = state["optimizer"]["pipeline_stages"]
+    counts = [int(b) - int(a) for a, b in saved.get("bounds", [])]
+    refusal = (f"the checkpoint holds {saved.get('stages')} stages with layer counts {counts}; the job has "
+               f"{len(full_bounds)} stages with {[b - a for a, b in full_bounds]}")
+    if not names or len(names) != len(stages) or any(n is None for n in names):
+        raise ValueError(f"{refusal}, and it does not name each stage's parameters (a single-file state): resume "
+                         f"with --pipeline-stages {saved.get('stages')} --split {','.join(map(str, counts))}")
+    if any(len(opt["param_groups"]) > 1 for opt in stages) or not all(
+            n.split(".")[0].isdigit() for stage_names in names for n in stage_names):
+        raise ValueError(f"{refusal}; moving optimizer state between stages needs one parameter group and layer-"
+                         f"indexed parameter names: resume with --pipeline-stages {saved.get('stages')} --split "
+                         f"{','.join(map(str, counts))}")
+    by_name: dict[str, Any] = {}
+    for opt, stage_names in zip(stages, names):
+        for pos, name in enumerate(stage_names):
+            if pos in opt["state"]:
+                by_name[name] = opt["state"][pos]
+    every = [n for stage_names in names for n in stage_names]
+    first = stages[0]["param_groups"]
+    group = {k: v for k, v in first[0].items() if k != "params"} if first else {}
+    cut = []
+    for a, b in full_bounds:
+        mine = [n for n in every if a <= int(n.split(".")[0]) < b]
+        cut.append({"state": {j: by_name[n] for j, n in enumerate(mine) if n in by_name},
+                    "param_groups": [{**group, "params": list(range(len(mine)))}] if mine else []})
+    sched = state["lr_scheduler"]["pipeline_stages"][0]
+    bounds = [[int(a), int(b)] for a, b in full_bounds]
+    return {**state, "optimizer": {"pipeline_stages": cut}, "lr_scheduler": {"pipeline_stages": [sched] * len(cut)},
+            "pipeline": {**saved, "stages": len(cut), "bounds": bounds}}

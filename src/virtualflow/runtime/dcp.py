@@ -1,0 +1,706 @@
+"""Sharded checkpoints (``checkpoint_format="dcp"``): every worker writes what it holds with
+``torch.distributed.checkpoint``; a JSON manifest, written last, makes the folder a checkpoint.
+
+Layout of ``checkpoints/step-<8 digits>.dcp/``::
+
+    rank-00000/__0_0.distcp   worker 0's tensors (DCP's file format: torch.save'd tensors)
+    rank-00000/meta.pt        worker 0 only: step, job identity, optimizer hyperparameters, the LR
+                              scheduler, grad scaler, callbacks, model tensors without
+                              elements (a state file of
+                              :mod:`virtualflow.runtime.checkpoint`: plain data, checksum inside)
+    rank-00001/__0_0.distcp   worker 1's tensors, ...
+    .metadata                 DCP's metadata, for plain ``torch.distributed.checkpoint.load`` users
+    manifest.json             every tensor's chunks and every file's size and SHA-256
+
+Invariants.
+
+* **Every tensor is a flat vector cut into chunks.** Entry ``model/<name>`` is the model tensor
+  flattened, ``optimizer/state/<position>/<key>`` an optimizer state tensor flattened (position:
+  the optimizer ``state_dict``'s parameter numbering). A worker writes the elements ``[lo, hi)``
+  it holds as one DCP chunk at global offset ``lo`` (the model: an even split of all model
+  elements over the workers, so each writes ``1/p`` of it; the sharded optimizer: the chunk the
+  worker owns; the all-reduce optimizer: an even split). Loading asks DCP for any range of any
+  entry, so a checkpoint written by ``p`` workers loads on ``q`` workers, with either reduction.
+* **A checkpoint exists once its manifest does.** Workers write into ``step-N.dcp.partial/``,
+  each ending with ``rank-R.json`` (its chunks and files' digests, written atomically). The worker
+  whose ``rank-R.json`` completes the set merges them into ``manifest.json``, then renames the
+  folder to ``step-N.dcp``. No worker waits for another. A crash at any moment leaves either a
+  ``.partial`` folder (never read, removed by a later save) or a complete checkpoint; the
+  newest complete one is what a resume picks.
+* **Nothing is unpickled from the folder but plain data.** DCP's ``.metadata`` is a pickle: it
+  is written for interoperability and never read here. The reader builds DCP's metadata from
+  ``manifest.json`` (JSON, with a SHA-256 of its own contents), verifies every listed file's
+  size and SHA-256 before anything is read, and DCP reads tensors with
+  ``torch.load(weights_only=True)``; ``meta.pt`` is read by :func:`load_state`. A missing,
+  truncated, altered or foreign file is a :class:`~virtualflow.runtime.checkpoint.
+  CorruptCheckpointError` naming the file and the fix, so a resume falls back to the previous
+  good checkpoint.
+* **Asynchronous saves stall for the host copy only.** :class:`DcpSaver` copies the worker's
+  pieces to host memory (into the buffers of its previous save when the layout is unchanged),
+  then writes them on a thread; at most one save is in flight per worker
+  (the next save first waits for it). The write uses no process group, so a generation change
+  never waits for it; a worker drains it before it exits or holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import pickle
+import re
+import shutil
+import stat
+import threading
+import time
+import warnings
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+# private: what DCP's reader looks files up by (checked on torch 2.13)
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from virtualflow.plan.shards import shard_bounds
+from virtualflow.records.rundir import atomic_write, disk_full_error
+from virtualflow.runtime.checkpoint import CorruptCheckpointError, UntrustedStateError, load_state, save_state
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DcpSaver", "Piece", "is_dcp", "load_checkpoint", "load_dcp_model", "load_dcp_state", "load_ranges",
+           "model_pieces", "optimizer_pieces", "peek_dcp", "read_manifest", "sharded_optimizer_pieces", "write_rank"]
+
+SUFFIX = ".dcp"
+PARTIAL = ".partial"
+MANIFEST = "manifest.json"
+META = "meta.pt"
+_FORMAT = "virtualflow-dcp-v1"
+_RANK_FORMAT = "virtualflow-dcp-rank-v1"
+_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool, torch.complex64, torch.complex128)}
+_FIX = "restore it from a copy, or move the folder away to resume from the previous checkpoint"
+
+
+@dataclasses.dataclass(slots=True)
+class Piece:
+    """Elements ``[lo, lo + tensor.numel())`` of the flattened entry ``fqn`` of global ``shape``."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    lo: int
+    tensor: torch.Tensor
+
+
+def is_dcp(path: str) -> bool:
+    """Whether ``path`` names a sharded checkpoint folder (``….dcp``)."""
+    return path.rstrip(os.sep).endswith(SUFFIX)
+
+
+# -- what a worker holds ------------------------------------------------------------------------
+def _split(entries: list[tuple[str, torch.Tensor]], rank: int, world: int) -> list[Piece]:
+    """Worker ``rank``'s share of ``entries`` (flattened end to end, split evenly by elements)."""
+    total = sum(t.numel() for _, t in entries)
+    lo, hi = shard_bounds(total, world)[rank]
+    out, start = [], 0
+    for fqn, t in entries:
+        n = t.numel()
+        a, b = max(lo, start), min(hi, start + n)
+        if a < b:
+            out.append(Piece(fqn, tuple(t.shape), a - start, t.detach().reshape(-1)[a - start : b - start]))
+        start += n
+    return out
+
+
+def model_pieces(state_dict: Mapping[str, torch.Tensor], rank: int, world: int) -> list[Piece]:
+    """Worker ``rank``'s share of a replicated model's ``state_dict`` (every worker holds it whole)."""
+    return _split([(f"model/{k}", v) for k, v in state_dict.items()], rank, world)
+
+
+def optimizer_pieces(state: Mapping[str, Any], rank: int, world: int) -> tuple[list[Piece], dict[str, Any]]:
+    """Worker ``rank``'s share of a whole optimizer ``state_dict`` (the all-reduce reduction: every
+    worker holds it), and what is not a tensor of it (its hyperparameters and non-tensor entries:
+    rank 0 writes those in ``meta.pt``). Scalars (0-d tensors, Adam's ``step``) go to rank 0."""
+    entries, scalars, rest = [], [], {}
+    for pos, st in state["state"].items():
+        for key, v in st.items():
+            fqn = f"optimizer/state/{int(pos)}/{key}"
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                entries.append((fqn, v))
+            elif isinstance(v, torch.Tensor):
+                scalars.append(Piece(fqn, (), 0, v.detach().reshape(-1)))
+            else:
+                rest.setdefault(int(pos), {})[key] = v
+    pieces = _split(entries, rank, world) + (scalars if rank == 0 else [])
+    return pieces, {"param_groups": state["param_groups"], "state": rest}
+
+
+def sharded_optimizer_pieces(shard: Any) -> list[Piece]:
+    """The chunk of the optimizer state a :class:`~virtualflow.runtime.sharded.ShardedOptimizer`
+    holds, as pieces of the whole state's entries (``step`` from the owner of a parameter's first
+    element, as :meth:`ShardedOptimizer.gather_state` takes it)."""
+    if shard.local is None:
+        return []
+    pos_of = {i: pos for pos, i in enumerate(shard.order)}
+    out = []
+    for i, (a, view) in sorted(shard.pieces.items()):
+        p, o = shard.flat.params[i], shard.flat.offsets[i]
+        for key, v in shard.local.state.get(view, {}).items():
+            fqn = f"optimizer/state/{pos_of[i]}/{key}"
+            if not isinstance(v, torch.Tensor):
+                raise ValueError(f"checkpoint_format='dcp' cannot write the optimizer state {key!r} (a "
+                                 f"{type(v).__name__}) of a sharded {type(shard.user).__name__}")
+            if v.dim() == 0:
+                if a == o:
+                    out.append(Piece(fqn, (), 0, v.detach().reshape(-1)))
+            else:
+                out.append(Piece(fqn, tuple(p.shape), a - o, v.detach().reshape(-1)))
+    return out
+
+
+# -- writing ------------------------------------------------------------------------------------
+class _PiecePlanner(DefaultSavePlanner):
+    """Writes each piece as one DCP chunk at its global offset (no process group needed)."""
+
+    def __init__(self, pieces: list[Piece]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.pieces = {p.fqn: p for p in pieces}
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for p in self.pieces.values():
+            t = p.tensor
+            items.append(WriteItem(
+                index=MetadataIndex(p.fqn, torch.Size([p.lo])), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size([p.lo]), torch.Size([t.numel()])),
+                                            properties=TensorProperties.create_from_tensor(t),
+                                            size=torch.Size([math.prod(p.shape)]))))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return self.pieces[index.fqn].tensor
+
+
+def stage(pieces: list[Piece], buffers: dict[tuple[Any, ...], torch.Tensor] | None = None) -> list[Piece]:
+    """The pieces copied to host memory (what an asynchronous save's stall is). ``buffers``: host
+    tensors of an earlier save, reused where a piece has the same place, size and dtype (no new
+    allocation, no page faults: the copy alone); updated to this save's."""
+    out, used = [], {}
+    on_device = False
+    for p in pieces:
+        t = p.tensor.detach()
+        if not t.numel():
+            continue
+        key = (p.fqn, p.lo, t.numel(), t.dtype)
+        buf = buffers.get(key) if buffers is not None else None
+        if buf is None:
+            buf = torch.empty(t.numel(), dtype=t.dtype, pin_memory=t.device.type == "cuda")
+        on_device |= t.device.type == "cuda"
+        buf.copy_(t, non_blocking=t.device.type == "cuda")
+        used[key] = buf
+        out.append(Piece(p.fqn, p.shape, p.lo, buf))
+    if on_device:
+        torch.cuda.synchronize()
+    if buffers is not None:
+        buffers.clear()
+        buffers.update(used)
+    return out
+
+
+def partial_dir(final: str) -> str:
+    return final + PARTIAL
+
+
+def write_rank(final: str, rank: int, world: int, save_id: str, step: int, pieces: list[Piece],
+               meta: dict[str, Any] | None, keep: int | None = None,
+               written: Callable[[], None] | None = None) -> bool:
+    """Write worker ``rank``'s part of the checkpoint ``final`` (a ``….dcp`` folder) into its
+    partial folder; the worker completing the set finalizes it (see the module docstring).
+    ``meta``: rank 0's ``meta.pt`` contents. ``keep``: after finalizing, keep this many complete
+    checkpoints in the folder. ``written``: called once the tensors are on disk, before the part
+    is marked complete (fault injection). Returns whether this call finalized the checkpoint."""
+    part = partial_dir(final)
+    mine = os.path.join(part, f"rank-{rank:05d}")
+    marker = os.path.join(part, f"rank-{rank:05d}.json")
+    os.makedirs(part, exist_ok=True)
+    if os.path.lexists(marker):
+        os.unlink(marker)  # an interrupted earlier attempt at this step: its part is written anew
+    shutil.rmtree(mine, ignore_errors=True)
+    os.makedirs(mine)
+    live = [p for p in pieces if p.tensor.numel()]
+    entries: list[dict[str, Any]] = []
+    if live:
+        try:
+            with warnings.catch_warnings():  # "no process group: saving in a single process" is the intent
+                warnings.simplefilter("ignore", UserWarning)
+                saved = dcp.save({p.fqn: p.tensor for p in live}, planner=_PiecePlanner(live), no_dist=True,
+                                 storage_writer=FileSystemWriter(mine, single_file_per_rank=True, sync_files=True,
+                                                                 thread_count=1, overwrite=True))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            causes = [exc, *getattr(exc, "failures", {}).values()]
+            full = next((e for e in (disk_full_error(c, mine) for c in causes) if e is not None), None)
+            if full is not None:
+                raise full from None
+            text = str(causes[-1]).strip()
+            why = text.splitlines()[-1][:300] if text else type(causes[-1]).__name__
+            raise RuntimeError(f"writing this worker's part of {final} failed: {why}") from None
+        try:
+            os.unlink(os.path.join(mine, ".metadata"))  # this worker's alone; the merged one is written below
+        except OSError:
+            pass
+        by_fqn = {p.fqn: p for p in live}
+        for index, info in saved.storage_data.items():
+            p = by_fqn[index.fqn]
+            entries.append({"fqn": p.fqn, "shape": list(p.shape), "dtype": _dtype_name(p.tensor.dtype),
+                            "lo": p.lo, "hi": p.lo + p.tensor.numel(),
+                            "file": f"rank-{rank:05d}/{info.relative_path}", "offset": info.offset,
+                            "length": info.length})
+    if meta is not None:
+        save_state(os.path.join(mine, META), meta)
+    if written is not None:
+        written()
+    files = {f"rank-{rank:05d}/{name}": _file_digest(os.path.join(mine, name)) for name in sorted(os.listdir(mine))}
+    record = {"format": _RANK_FORMAT, "save_id": save_id, "rank": rank, "world": world, "step": step,
+              "entries": sorted(entries, key=lambda e: (e["fqn"], e["lo"])), "files": files}
+    atomic_write(marker, lambda f: f.write(json.dumps(record).encode()))
+    return _finalize(final, world, save_id, step, keep)
+
+
+def _finalize(final: str, world: int, save_id: str, step: int, keep: int | None) -> bool:
+    """Merge the workers' records into the manifest and rename, once every worker's is there."""
+    part = partial_dir(final)
+    records = []
+    for r in range(world):
+        try:
+            with open(os.path.join(part, f"rank-{r:05d}.json"), "rb") as f:
+                rec = json.loads(f.read())
+        except (OSError, ValueError):
+            return False  # not there yet (its worker finalizes)
+        if rec.get("save_id") != save_id:
+            return False  # an earlier attempt's; its worker rewrites it
+        records.append(rec)
+    entries = [e for rec in records for e in rec["entries"]]
+    files = {k: v for rec in records for k, v in rec["files"].items()}
+    ours = {f"rank-{r:05d}" for r in range(world)} | {f"rank-{r:05d}.json" for r in range(world)}
+    for name in os.listdir(part):  # an earlier attempt's workers beyond this world, stray files
+        if name not in ours and not name.startswith("."):
+            full = os.path.join(part, name)
+            if os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(full)
+                except OSError:
+                    pass  # another finalizer took it
+    _write_dcp_metadata(part, entries)
+    files[".metadata"] = _file_digest(os.path.join(part, ".metadata"))
+    body = {"format": _FORMAT, "save_id": save_id, "step": step, "world": world,
+            "entries": sorted(entries, key=lambda e: (e["fqn"], e["lo"])), "files": dict(sorted(files.items()))}
+    manifest = {**body, "checksum": _json_digest(body)}
+    atomic_write(os.path.join(part, MANIFEST), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+    try:
+        os.rename(part, final)
+    except OSError as exc:  # another worker finalized the same set a moment earlier
+        logger.debug("finalizing %s: %s", final, exc)
+        return False
+    _fsync_dir(os.path.dirname(final))
+    for r in range(world):
+        try:
+            os.unlink(os.path.join(final, f"rank-{r:05d}.json"))  # merged into the manifest
+        except OSError:
+            pass
+    prune(os.path.dirname(final), step, keep)
+    return True
+
+
+def prune(folder: str, step: int, keep: int | None) -> None:
+    """After the checkpoint of ``step`` completed: remove partial folders of earlier steps (their
+    saves were interrupted) and, with ``keep``, all but the newest ``keep`` complete checkpoints."""
+    complete = []
+    for name in os.listdir(folder):
+        m = re.fullmatch(r"step-(\d+)\.dcp(\.partial)?", name)
+        if m is None:
+            continue
+        if m.group(2) and int(m.group(1)) < step:
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+        elif not m.group(2):
+            complete.append(name)
+    if keep is not None:
+        for name in sorted(complete)[: max(0, len(complete) - keep)]:
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+
+
+def _write_dcp_metadata(folder: str, entries: list[dict[str, Any]]) -> None:
+    """DCP's own ``.metadata`` (a pickle), so that ``torch.distributed.checkpoint.load`` reads the
+    folder. virtualflow never reads it back (it builds the same from the manifest)."""
+    atomic_write(os.path.join(folder, ".metadata"), lambda f: pickle.dump(_metadata_of(entries), f))
+
+
+def _metadata_of(entries: list[dict[str, Any]]) -> Metadata:
+    md: dict[str, TensorStorageMetadata] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    for e in entries:
+        n = math.prod(e["shape"])
+        tmd = md.setdefault(e["fqn"], TensorStorageMetadata(TensorProperties(dtype=_DTYPES[e["dtype"]]),
+                                                            torch.Size([n]), []))
+        tmd.chunks.append(ChunkStorageMetadata(torch.Size([e["lo"]]), torch.Size([e["hi"] - e["lo"]])))
+        storage[MetadataIndex(e["fqn"], torch.Size([e["lo"]]))] = _StorageInfo(e["file"], e["offset"], e["length"])
+    return Metadata(state_dict_metadata=md, storage_data=storage)
+
+
+# -- reading ------------------------------------------------------------------------------------
+def read_manifest(folder: str, *, verify_files: bool = True) -> dict[str, Any]:
+    """The checked manifest of the checkpoint ``folder``: its own checksum, its shape, every chunk
+    in a listed file, every tensor covered exactly once, and (``verify_files``) every listed file
+    present with its recorded size and SHA-256. Anything wrong: a one-line
+    :class:`CorruptCheckpointError` naming the file and the fix."""
+    if os.path.islink(folder):
+        raise UntrustedStateError(f"refusing to read {folder}: it is a symbolic link, and checkpoints are read only "
+                                  f"from the run directory's own folders; copy the folder there, or pass its real path")
+    if not os.path.isdir(folder):
+        raise CorruptCheckpointError(f"{folder} is not a folder (a sharded checkpoint is one); {_FIX}")
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.lexists(path):
+        raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete (its save was interrupted); "
+                                     f"resume from the previous checkpoint")
+    raw = _read_file(path)
+    try:
+        manifest = json.loads(raw)
+    except ValueError:
+        raise CorruptCheckpointError(f"{path} is not valid JSON (truncated or altered); {_FIX}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
+        raise CorruptCheckpointError(f"{path} is not a virtualflow checkpoint manifest ({_FORMAT}); {_FIX}")
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    if manifest.get("checksum") != _json_digest(body):
+        raise CorruptCheckpointError(f"{path} does not match its checksum (altered or damaged); {_FIX}")
+    _check_manifest(path, manifest)
+    named = re.fullmatch(r"step-(\d+)\.dcp", os.path.basename(os.path.normpath(folder)))
+    if named is not None and int(named.group(1)) != manifest["step"]:
+        raise CorruptCheckpointError(f"{path} is the checkpoint of step {manifest['step']}, in a folder named for step "
+                                     f"{int(named.group(1))} (moved or copied over); {_FIX}")
+    if verify_files:
+        for name, want in manifest["files"].items():
+            _verify_file(folder, name, want)
+    return manifest
+
+
+def _check_manifest(path: str, m: dict[str, Any]) -> None:
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{path} does not describe a valid checkpoint ({why}); {_FIX}")
+
+    if not isinstance(m.get("step"), int) or not isinstance(m.get("world"), int) or m["world"] < 1:
+        raise bad("step or world is not a positive integer")
+    files, entries = m.get("files"), m.get("entries")
+    if not isinstance(files, dict) or not isinstance(entries, list):
+        raise bad("files or entries missing")
+    for name, want in files.items():
+        if (not isinstance(want, dict) or not isinstance(want.get("bytes"), int)
+                or not isinstance(want.get("sha256"), str)
+                or not re.fullmatch(r"(rank-\d{5}/)?[\w.\-]+", name) or ".." in name):
+            raise bad(f"file entry {name!r}")
+    covered: dict[str, list[tuple[int, int]]] = {}
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    for e in entries:
+        ok = (isinstance(e, dict) and isinstance(e.get("fqn"), str) and isinstance(e.get("shape"), list)
+              and all(isinstance(s, int) and s >= 0 for s in e["shape"]) and e.get("dtype") in _DTYPES
+              and all(isinstance(e.get(k), int) and e[k] >= 0 for k in ("lo", "hi", "offset", "length"))
+              and e.get("file") in files)
+        if not ok:
+            raise bad(f"entry {str(e)[:80]}")
+        n = math.prod(e["shape"])
+        if not e["lo"] < e["hi"] <= n or e["offset"] + e["length"] > files[e["file"]]["bytes"]:
+            raise bad(f"chunk [{e['lo']}, {e['hi']}) of {e['fqn']} out of bounds")
+        if shapes.setdefault(e["fqn"], (tuple(e["shape"]), e["dtype"])) != (tuple(e["shape"]), e["dtype"]):
+            raise bad(f"{e['fqn']} has chunks of different shapes or dtypes")
+        covered.setdefault(e["fqn"], []).append((e["lo"], e["hi"]))
+    for fqn, spans in covered.items():
+        spans.sort()
+        end = 0
+        for lo, hi in spans:
+            if lo != end:
+                raise bad(f"{fqn} is {'missing elements' if lo > end else 'written twice'} at {min(lo, end)}")
+            end = hi
+        if end != math.prod(shapes[fqn][0]):
+            raise bad(f"{fqn} is missing elements from {end}")
+
+
+def _verify_file(folder: str, name: str, want: dict[str, Any]) -> None:
+    full = os.path.join(folder, name)
+    if not os.path.lexists(full):
+        raise CorruptCheckpointError(f"{full} is missing (the manifest lists it); {_FIX}")
+    got = _file_digest(full)
+    if got["bytes"] < want["bytes"]:
+        raise CorruptCheckpointError(f"{full} is truncated ({got['bytes']} bytes, the manifest records "
+                                     f"{want['bytes']}); {_FIX}")
+    if got != want:
+        raise CorruptCheckpointError(f"{full} does not match the manifest (sha256 {got['sha256'][:12]}…, recorded "
+                                     f"{want['sha256'][:12]}…): it is another checkpoint's or job's file, or was "
+                                     f"altered; {_FIX}")
+
+
+class _ManifestReader(FileSystemReader):
+    """DCP's file reader with its metadata built from the verified manifest (never unpickled)."""
+
+    def __init__(self, folder: str, entries: list[dict[str, Any]]) -> None:
+        super().__init__(folder)
+        self._md = _metadata_of(entries)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self._md
+
+
+class _RangePlanner(DefaultLoadPlanner):
+    """Reads elements ``[lo, hi)`` of each wanted flat entry, from whichever chunks hold them."""
+
+    def __init__(self, ranges: dict[str, tuple[int, int]]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.ranges = ranges
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        items = []
+        for fqn, (lo, hi) in self.ranges.items():
+            if hi > lo:
+                chunk = ChunkStorageMetadata(torch.Size([lo]), torch.Size([hi - lo]))
+                items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [chunk])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn]
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        raise UntrustedStateError("a virtualflow checkpoint holds tensors only; refusing to unpickle an object")
+
+
+def load_ranges(folder: str, manifest: dict[str, Any], ranges: dict[str, tuple[int, int]], *,
+                verify: bool = False) -> dict[str, torch.Tensor]:
+    """Elements ``[lo, hi)`` of each flattened entry named in ``ranges`` (resharding: any range,
+    whatever chunks the writers held), as 1-D CPU tensors. ``verify``: first check the digests of
+    the files these ranges are read from (for a manifest read with ``verify_files=False``: a
+    worker reading its chunk hashes only the files it reads)."""
+    kinds = {e["fqn"]: (math.prod(e["shape"]), e["dtype"]) for e in manifest["entries"]}
+    out = {}
+    for fqn, (lo, hi) in ranges.items():
+        if fqn not in kinds or not 0 <= lo <= hi <= kinds[fqn][0]:
+            raise ValueError(f"checkpoint {folder} has no elements [{lo}, {hi}) of {fqn!r}")
+        out[fqn] = torch.empty(hi - lo, dtype=_DTYPES[kinds[fqn][1]])
+    if verify:
+        touched = {e["file"] for e in manifest["entries"]
+                   if e["fqn"] in ranges and e["lo"] < ranges[e["fqn"]][1] and ranges[e["fqn"]][0] < e["hi"]}
+        for name in sorted(touched):
+            _verify_file(folder, name, manifest["files"][name])
+    if any(t.numel() for t in out.values()):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(out, storage_reader=_ManifestReader(folder, manifest["entries"]),
+                         planner=_RangePlanner(ranges), no_dist=True)
+        except (UntrustedStateError, CorruptCheckpointError, KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            text = str(exc)
+            if "Weights only load failed" in text or "WeightsUnpickler" in text:
+                raise UntrustedStateError(f"refusing to read {folder}: a shard holds a pickled object that is not a "
+                                          f"tensor, and loading it could run code; resume from a checkpoint you "
+                                          f"trust") from None
+            first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(exc).__name__)[:200]
+            raise CorruptCheckpointError(f"cannot read the shards of {folder} ({first}); {_FIX}") from None
+    return out
+
+
+def load_dcp_state(folder: str, *, model_only: bool = False) -> dict[str, Any]:
+    """The whole training state of a sharded checkpoint, in a state file's layout (``model``,
+    ``optimizer``, ``lr_scheduler``, ``grad_scaler``, ``step``, ``job``, ``callbacks``): the chunks
+    of every worker reassembled, whatever their number. ``model_only``: only ``model`` and the
+    identity (what an export needs)."""
+    manifest = read_manifest(folder)
+    meta = load_state(os.path.join(folder, "rank-00000", META))
+    if meta.get("step") != manifest["step"]:
+        raise CorruptCheckpointError(f"{os.path.join(folder, 'rank-00000', META)} is of step {meta.get('step')}, the "
+                                     f"manifest of step {manifest['step']}: files of two checkpoints; {_FIX}")
+    shapes = {e["fqn"]: tuple(e["shape"]) for e in manifest["entries"]}
+    wanted = {f: (0, math.prod(s)) for f, s in shapes.items() if not model_only or f.startswith("model/")}
+    flat = load_ranges(folder, manifest, wanted)
+    metas = [meta]
+    pipeline = meta.get("pipeline")
+    if isinstance(pipeline, dict):  # one meta.pt per stage, by replica 0's member of it (rank = stage)
+        metas += [load_state(os.path.join(folder, f"rank-{s:05d}", META)) for s in range(1, int(pipeline["stages"]))]
+    keys = [k for m in metas for k in m.get("model_keys", [])]
+    keys = keys or sorted(f[len("model/"):] for f in wanted if f.startswith("model/"))
+    state = {k: v for k, v in meta.items() if k not in ("model", "model_keys", "optimizer", "stage")}
+    empty = {k: v for m in metas for k, v in (m.get("model") or {}).items()}  # tensors without elements
+    try:
+        state["model"] = {k: empty[k] if k in empty else flat[f"model/{k}"].view(shapes[f"model/{k}"]) for k in keys}
+    except KeyError as exc:
+        raise CorruptCheckpointError(f"{folder}: the model tensor {exc.args[0]} is in no shard; {_FIX}") from None
+    if model_only:
+        return state
+    if isinstance(pipeline, dict):  # gather_state's layout: one optimizer and scheduler state per stage
+        state["optimizer"] = {"pipeline_stages": [_optimizer_of(m, flat, shapes, f"optimizer/stage/{s}/state/")
+                                                  for s, m in enumerate(metas)]}
+        state["lr_scheduler"] = {"pipeline_stages": [m.get("lr_scheduler") for m in metas]}
+        state["pipeline"] = {**pipeline, "stage_params": [m.get("param_names") for m in metas]}
+        return state
+    state["optimizer"] = _optimizer_of(meta, flat, shapes, "optimizer/state/")
+    return state
+
+
+def _optimizer_of(meta: dict[str, Any], flat: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]],
+                  prefix: str) -> dict[str, Any]:
+    """An optimizer ``state_dict``: ``meta``'s hyperparameters and non-tensor entries, and the
+    tensors of the entries named ``<prefix><index>/<key>``."""
+    opt = meta.get("optimizer") or {}
+    per: dict[int, dict[str, Any]] = {int(p): dict(v) for p, v in (opt.get("state") or {}).items()}
+    for fqn, t in flat.items():
+        m = re.fullmatch(re.escape(prefix) + r"(\d+)/(.+)", fqn)
+        if m is not None:
+            per.setdefault(int(m.group(1)), {})[m.group(2)] = t.view(shapes[fqn])
+    return {"state": dict(sorted(per.items())), "param_groups": opt.get("param_groups", [])}
+
+
+def peek_dcp(folder: str) -> dict[str, Any]:
+    """A sharded checkpoint verified (manifest and every file's digest) and described without
+    reading its tensors: ``meta.pt``'s contents with ``model`` as empty tensors of the saved
+    shapes (on the ``meta`` device), what a resume checks the job against."""
+    manifest = read_manifest(folder)
+    meta = load_state(os.path.join(folder, "rank-00000", META))
+    if meta.get("step") != manifest["step"]:
+        raise CorruptCheckpointError(f"{os.path.join(folder, 'rank-00000', META)} is of step {meta.get('step')}, the "
+                                     f"manifest of step {manifest['step']}: files of two checkpoints; {_FIX}")
+    shapes = {e["fqn"][len("model/"):]: tuple(e["shape"]) for e in manifest["entries"] if e["fqn"].startswith("model/")}
+    keys = list(shapes) if meta.get("pipeline") else meta.get("model_keys") or sorted(shapes)
+    empty = meta.get("model") or {}
+    meta["model"] = {k: torch.empty(shapes[k] if k in shapes else tuple(empty[k].shape) if k in empty else (0,),
+                                    device="meta") for k in keys}
+    if isinstance(meta.get("pipeline"), dict):  # each stage's parameter names (so that it can be cut again)
+        stages = int(meta["pipeline"]["stages"])
+        meta["pipeline"]["stage_params"] = [meta.get("param_names")] + [
+            load_state(os.path.join(folder, f"rank-{s:05d}", META)).get("param_names") for s in range(1, stages)]
+    return meta
+
+
+def load_dcp_model(folder: str) -> dict[str, torch.Tensor]:
+    """The model ``state_dict`` of a sharded checkpoint (consolidated)."""
+    return load_dcp_state(folder, model_only=True)["model"]
+
+
+def load_checkpoint(path: str) -> dict[str, Any]:
+    """A state file or a sharded checkpoint folder, read and verified (the whole state)."""
+    return load_dcp_state(path) if is_dcp(path) else load_state(path)
+
+
+# -- asynchronous saves -------------------------------------------------------------------------
+class DcpSaver:
+    """One worker's sharded saves: synchronous, or asynchronous with at most one in flight."""
+
+    def __init__(self, asynchronous: bool) -> None:
+        self.asynchronous = asynchronous
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        """Host copies of the last save, reused by the next (one save in flight: it is written)."""
+        self.last_write_s = 0.0
+        """Seconds the last completed write took (off the training path when asynchronous)."""
+
+    def save(self, job: Callable[[list[Piece]], Any], pieces: list[Piece]) -> None:
+        """Stage ``pieces`` in host memory, then ``job(staged)`` (the write), now or on a thread."""
+        self.drain()  # one save in flight: its host copies are free again
+        if not self.asynchronous:  # training waits: write host tensors as they are, keep no copy
+            on_host = [p for p in pieces if p.tensor.device.type == "cpu" and p.tensor.numel()]
+            self._run(job, on_host + stage([p for p in pieces if p.tensor.device.type != "cpu"]))
+            self._raise()
+            return
+        staged = stage(pieces, self._buffers)
+        self._thread = threading.Thread(target=self._run, args=(job, staged), name="virtualflow-dcp-save")
+        self._thread.start()
+
+    def _run(self, job: Callable[[list[Piece]], Any], staged: list[Piece]) -> None:
+        t0 = time.perf_counter()
+        try:
+            job(staged)
+        except BaseException as exc:  # noqa: BLE001 - raised on the training thread at the next drain
+            self._error = exc
+        self.last_write_s = time.perf_counter() - t0
+
+    def drain(self) -> None:
+        """Wait for the save in flight, if any; raise what it raised."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"checkpoint_format='dcp' cannot write a {name} tensor; use checkpoint_format='pt'")
+    return name
+
+
+def _read_file(path: str) -> bytes:
+    if os.path.islink(path):
+        raise UntrustedStateError(f"refusing to read {path}: it is a symbolic link; checkpoint files are read only "
+                                  f"as regular files")
+    try:
+        with open(path, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise UntrustedStateError(f"refusing to read {path}: not a regular file")
+            return f.read()
+    except OSError as exc:
+        raise CorruptCheckpointError(f"cannot read {path}: {exc.strerror or exc}; {_FIX}") from None
+
+
+def _file_digest(path: str) -> dict[str, Any]:
+    if os.path.islink(path):
+        raise UntrustedStateError(f"refusing to read {path}: it is a symbolic link; checkpoint files are read only "
+                                  f"as regular files")
+    h, n = hashlib.sha256(), 0
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(1 << 22):
+                h.update(block)
+                n += len(block)
+    except OSError as exc:
+        raise CorruptCheckpointError(f"cannot read {path}: {exc.strerror or exc}; {_FIX}") from None
+    return {"bytes": n, "sha256": h.hexdigest()}
+
+
+def _json_digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _fsync_dir(folder: str) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,465 @@
+"""Sharded checkpoints (``checkpoint_format="dcp"``, :mod:`virtualflow.runtime.dcp`), in-process:
+round trips, resharding of the sharded optimizer's chunks between 1, 2 and 3 simulated workers
+and to and from the all-reduce layout, the asynchronous saver, export, and hostile folders."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from virtualflow.cli.export import export_model
+from virtualflow.launching.resume import find_resume_state
+from virtualflow.plan.shards import shard_bounds
+from virtualflow.runtime.checkpoint import CorruptCheckpointError, UntrustedStateError
+from virtualflow.runtime.dcp import (
+    DcpSaver,
+    load_dcp_state,
+    load_ranges,
+    model_pieces,
+    optimizer_pieces,
+    read_manifest,
+    sharded_optimizer_pieces,
+    write_rank,
+)
+from virtualflow.runtime.sharded import FlatParams, ShardedOptimizer
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 9), nn.BatchNorm1d(9), nn.ReLU(), nn.Linear(9, 3))
+
+
+def trained(steps: int = 2) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, amsgrad=True)
+    torch.manual_seed(1)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(8, 6)).pow(2).mean().backward()
+        opt.step()
+    return model, opt
+
+
+def meta_of(model: nn.Module, rest: dict, step: int) -> dict:
+    return {"model": {}, "model_keys": list(model.state_dict()), "optimizer": rest, "lr_scheduler": None,
+            "step": step, "job": {"name": "t", "global_batch_size": 8, "virtual_nodes": 4, "seed": 0}}
+
+
+def save_allreduce(folder: str, step: int, model: nn.Module, opt: torch.optim.Optimizer, world: int,
+                   ranks: list[int] | None = None) -> str:
+    """The checkpoint of ``step`` as ``world`` all-reduce workers write it (only ``ranks``: a crash)."""
+    final = os.path.join(folder, f"step-{step:08d}.dcp")
+    for r in range(world) if ranks is None else ranks:
+        pieces, rest = optimizer_pieces(opt.state_dict(), r, world)
+        write_rank(final, r, world, f"id/s{step}", step, model_pieces(model.state_dict(), r, world) + pieces,
+                   meta_of(model, rest, step) if r == 0 else None, keep=2)
+    return final
+
+
+def sharded_workers(model: nn.Module, opt: torch.optim.Optimizer, world: int) -> list[ShardedOptimizer]:
+    """``world`` simulated workers of the sharded reduction, each holding its chunk of ``opt``'s state."""
+    out = []
+    for r in range(world):
+        m = copy.deepcopy(model)
+        o = torch.optim.AdamW(m.parameters(), lr=0.01, amsgrad=True)
+        params = [p for p in m.parameters() if p.requires_grad]
+        shard = ShardedOptimizer(o, FlatParams(params))
+        shard.load_state(opt.state_dict())
+        shard.shard(r, world)
+        out.append(shard)
+    return out
+
+
+def assert_state_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k], b[k]), k
+        elif isinstance(a[k], dict):
+            assert_state_equal(a[k], b[k])
+        else:
+            assert a[k] == b[k], k
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_round_trip_whatever_the_number_of_writers(tmp_path, world):
+    model, opt = trained()
+    final = save_allreduce(str(tmp_path), 7, model, opt, world)
+    state = load_dcp_state(final)
+    assert state["step"] == 7
+    assert_state_equal(state["model"], model.state_dict())
+    assert list(state["model"]) == list(model.state_dict())
+    assert_state_equal(state["optimizer"]["state"], opt.state_dict()["state"])
+    assert state["optimizer"]["param_groups"] == opt.state_dict()["param_groups"]
+    names = sorted(os.listdir(final))
+    assert names == [".metadata", "manifest.json"] + [f"rank-{r:05d}" for r in range(world)]
+    # every worker wrote a share of the model, not rank 0 alone
+    manifest = read_manifest(final)
+    writers = {e["file"].split("/")[0] for e in manifest["entries"] if e["fqn"].startswith("model/")}
+    assert len(writers) == world
+
+
+@pytest.mark.parametrize("old,new", [(2, 3), (3, 1), (1, 2), (2, 2)])
+def test_sharded_chunks_reshard_to_another_worker_count_and_to_allreduce(tmp_path, old, new):
+    model, opt = trained()
+    whole = opt.state_dict()
+    final = os.path.join(tmp_path, "step-00000004.dcp")
+    for r, shard in enumerate(sharded_workers(model, opt, old)):
+        rest = {"param_groups": shard.user.state_dict()["param_groups"], "state": {}}
+        write_rank(final, r, old, "s", 4, model_pieces(model.state_dict(), r, old) + sharded_optimizer_pieces(shard),
+                   meta_of(model, rest, 4) if r == 0 else None)
+    # all-reduce: the whole state, reassembled from the chunks
+    state = load_dcp_state(final)
+    assert_state_equal(state["optimizer"]["state"], whole["state"])
+    plain = torch.optim.AdamW(net().parameters(), lr=0.01, amsgrad=True)
+    plain.load_state_dict(state["optimizer"])
+    # sharded on `new` workers: each reads only its chunk's ranges, equal to what sharding the whole gives
+    manifest = read_manifest(final)
+    for r, expect in enumerate(sharded_workers(model, opt, new)):
+        pos_of = {i: pos for pos, i in enumerate(expect.order)}
+        ranges = {}
+        for i, (a, view) in expect.pieces.items():
+            o = expect.flat.offsets[i]
+            for key in expect.local.state[view]:
+                if key != "step":
+                    ranges[f"optimizer/state/{pos_of[i]}/{key}"] = (a - o, a - o + view.numel())
+        got = load_ranges(final, manifest, ranges)
+        for i, (a, view) in expect.pieces.items():
+            for key, v in expect.local.state[view].items():
+                if key != "step":
+                    assert torch.equal(got[f"optimizer/state/{pos_of[i]}/{key}"], v)
+
+
+def test_allreduce_checkpoint_loads_into_the_sharded_optimizer(tmp_path):
+    model, opt = trained()
+    final = save_allreduce(str(tmp_path), 3, model, opt, 2)
+    state = load_dcp_state(final)
+    m = net()
+    o = torch.optim.AdamW(m.parameters(), lr=0.01, amsgrad=True)
+    shard = ShardedOptimizer(o, FlatParams(list(m.parameters())))
+    shard.load_state(state["optimizer"])
+    shard.shard(1, 3)  # cut for worker 1 of 3: it holds its chunk of the saved state
+    ref = sharded_workers(model, opt, 3)[1]
+    for (i, (_, view)), (_, (_, rview)) in zip(sorted(shard.pieces.items()), sorted(ref.pieces.items())):
+        assert_state_equal(shard.local.state[view], ref.local.state[rview])
+
+
+def test_an_interrupted_save_leaves_the_previous_checkpoint_newest(tmp_path):
+    folder = tmp_path / "checkpoints"
+    model, opt = trained()
+    save_allreduce(str(folder), 4, model, opt, 2)
+    save_allreduce(str(folder), 8, model, opt, 2, ranks=[1])  # worker 0 died before writing its part
+    assert sorted(os.listdir(folder)) == ["step-00000004.dcp", "step-00000008.dcp.partial"]
+    path, step = find_resume_state(str(tmp_path), None)
+    assert (path, step) == (str(folder / "step-00000004.dcp"), 4)
+    # a later complete save removes the interrupted one and keeps the newest two
+    save_allreduce(str(folder), 12, model, opt, 2)
+    save_allreduce(str(folder), 16, model, opt, 2)
+    assert sorted(os.listdir(folder)) == ["step-00000012.dcp", "step-00000016.dcp"]
+
+
+def test_a_retry_of_an_interrupted_step_ignores_the_old_attempts_files(tmp_path):
+    model, opt = trained()
+    final = str(tmp_path / "step-00000004.dcp")
+    pieces, rest = optimizer_pieces(opt.state_dict(), 1, 2)
+    write_rank(final, 1, 2, "attempt-1", 4, model_pieces(model.state_dict(), 1, 2) + pieces, None)
+    # a new attempt (another save id): worker 0's part alone does not complete it with the old part
+    pieces0, rest0 = optimizer_pieces(opt.state_dict(), 0, 2)
+    assert not write_rank(final, 0, 2, "attempt-2", 4, model_pieces(model.state_dict(), 0, 2) + pieces0,
+                          meta_of(model, rest0, 4))
+    assert write_rank(final, 1, 2, "attempt-2", 4, model_pieces(model.state_dict(), 1, 2) + pieces, None)
+    assert_state_equal(load_dcp_state(final)["model"], model.state_dict())
+
+
+def test_a_retry_with_fewer_workers_drops_the_old_attempts_extra_parts(tmp_path):
+    model, opt = trained()
+    final = str(tmp_path / "step-00000004.dcp")
+    pieces, _ = optimizer_pieces(opt.state_dict(), 2, 3)
+    write_rank(final, 2, 3, "attempt-1", 4, model_pieces(model.state_dict(), 2, 3) + pieces, None)  # then a crash
+    save_allreduce(str(tmp_path), 4, model, opt, 2)
+    assert sorted(os.listdir(final)) == [".metadata", "manifest.json", "rank-00000", "rank-00001"]
+    assert_state_equal(load_dcp_state(final)["model"], model.state_dict())
+
+
+def test_export_through_the_command_line(tmp_path, capsys):
+    from virtualflow.cli.main import main
+
+    model, opt = trained()
+    save_allreduce(str(tmp_path / "run" / "checkpoints"), 6, model, opt, 2)
+    out = str(tmp_path / "model.pt")
+    assert main(["export", str(tmp_path / "run"), "--to", out]) == 0
+    assert "model at step 6" in capsys.readouterr().out
+    assert main(["export", str(tmp_path / "empty"), "--to", out]) == 2
+    assert "neither a run directory nor a checkpoint" in capsys.readouterr().err
+
+
+def test_async_saver_returns_after_the_host_copy_and_keeps_one_save_in_flight():
+    saver = DcpSaver(asynchronous=True)
+    release, calls = threading.Event(), []
+    t = torch.ones(4)
+    pieces = model_pieces({"w": t}, 0, 1)
+
+    def job(staged):
+        release.wait(5)
+        calls.append(staged[0].tensor.clone())
+
+    saver.save(job, pieces)
+    t.add_(1)  # training goes on: the save holds its own host copy
+    assert calls == []
+    release.set()
+    saver.save(job, pieces)  # waits for the first
+    saver.drain()
+    assert [c.tolist() for c in calls] == [[1.0] * 4, [2.0] * 4]
+
+    def failing(staged):
+        raise OSError("disk gone")
+
+    saver.save(failing, pieces)
+    with pytest.raises(OSError, match="disk gone"):
+        saver.drain()
+    sync = DcpSaver(asynchronous=False)  # the save is done when save() returns
+    sync.save(lambda staged: calls.append(staged[0].tensor.clone()), pieces)
+    assert calls[-1].tolist() == [2.0] * 4
+    with pytest.raises(OSError, match="disk gone"):
+        sync.save(failing, pieces)
+
+
+@pytest.mark.parametrize("source", ["dcp", "pt"])
+@pytest.mark.parametrize("ext", [".pt", ".safetensors"])
+def test_export_writes_a_model_plain_pytorch_loads(tmp_path, source, ext):
+    model, opt = trained()
+    run = tmp_path / "run"
+    if source == "dcp":
+        save_allreduce(str(run / "checkpoints"), 5, model, opt, 3)
+    else:
+        from virtualflow.runtime.checkpoint import save_state
+        save_state(str(run / "final.pt"), {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 5,
+                                            "job": {}})
+    to = str(tmp_path / f"model{ext}")
+    _, step, n = export_model(str(run), to)
+    assert step == 5 and n == len(model.state_dict())
+    if ext == ".pt":
+        sd = torch.load(to, weights_only=True)
+    else:
+        from safetensors.torch import load_file
+        sd = load_file(to)
+    fresh = net()
+    fresh.load_state_dict(sd)
+    assert_state_equal(fresh.state_dict(), model.state_dict())
+    with pytest.raises(ValueError, match=r"\.safetensors or \.pt"):
+        export_model(str(run), str(tmp_path / "model.bin"))
+
+
+# -- hostile folders ----------------------------------------------------------------------------
+def _shard(final: str, rank: int) -> str:
+    return os.path.join(final, f"rank-{rank:05d}", "__0_0.distcp")
+
+
+def _damage_missing(final: str, other: str) -> str:
+    os.remove(_shard(final, 1))
+    return "is missing"
+
+
+def _damage_truncated(final: str, other: str) -> str:
+    path = _shard(final, 1)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    return "is truncated"
+
+
+def _damage_foreign(final: str, other: str) -> str:
+    shutil.copyfile(_shard(other, 1), _shard(final, 1))  # the same worker's shard of another job
+    return "does not match the manifest"
+
+
+def _damage_manifest(final: str, other: str) -> str:
+    path = os.path.join(final, "manifest.json")
+    m = json.loads(open(path).read())
+    m["entries"][0]["hi"] -= 1  # what an editor changed
+    open(path, "w").write(json.dumps(m))
+    return "manifest.json does not match its checksum"
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/virtualflow-test-dcp-pwned",))
+
+
+def _plant_pickle(path: str, pad_to: int) -> None:
+    import pickle
+
+    data = pickle.dumps(_Boom())
+    with open(path, "wb") as f:
+        f.write(data + b"\0" * max(0, pad_to - len(data)))  # same size: only the digest tells
+
+
+def _damage_dcp_metadata(final: str, other: str) -> str:
+    path = os.path.join(final, ".metadata")  # DCP's pickle, which plain dcp.load would unpickle
+    _plant_pickle(path, os.path.getsize(path))
+    return ".metadata does not match the manifest"
+
+
+def _damage_meta_pickle(final: str, other: str) -> str:
+    path = os.path.join(final, "rank-00000", "meta.pt")
+    _plant_pickle(path, os.path.getsize(path))
+    return "meta.pt does not match the manifest"  # caught by its digest before anything is unpickled
+
+
+def _damage_renamed(final: str, other: str) -> str:
+    shutil.rmtree(final)
+    shutil.copytree(final.replace("step-00000008", "step-00000004"), final)  # an older checkpoint under a new name
+    return "is the checkpoint of step 4, in a folder named for step 8"
+
+
+@pytest.mark.parametrize("damage", [_damage_missing, _damage_truncated, _damage_foreign, _damage_manifest,
+                                    _damage_dcp_metadata, _damage_meta_pickle, _damage_renamed])
+def test_a_damaged_checkpoint_is_a_one_line_error_naming_the_file_and_the_previous_one_is_used(tmp_path, damage):
+    folder = tmp_path / "run" / "checkpoints"
+    model, opt = trained()
+    save_allreduce(str(folder), 4, model, opt, 2)
+    final = save_allreduce(str(folder), 8, model, opt, 2)
+    other_model, other_opt = trained(steps=3)
+    other = save_allreduce(str(tmp_path / "other"), 8, other_model, other_opt, 2)
+    expect = damage(final, other)
+    with pytest.raises(CorruptCheckpointError) as err:
+        load_dcp_state(final)
+    msg = str(err.value)
+    assert expect in msg and "\n" not in msg and final in msg and "previous checkpoint" in msg
+    path, step = find_resume_state(str(tmp_path / "run"), None)
+    assert step == 4 and path.endswith("step-00000004.dcp")
+    assert not os.path.exists("/tmp/virtualflow-test-dcp-pwned")
+
+
+def test_a_file_named_like_a_checkpoint_folder_is_skipped(tmp_path):
+    model, opt = trained()
+    save_allreduce(str(tmp_path / "run" / "checkpoints"), 4, model, opt, 1)
+    open(tmp_path / "run" / "checkpoints" / "step-00000009.dcp", "w").write("not a folder")
+    assert find_resume_state(str(tmp_path / "run"), None)[1] == 4
+
+
+def test_a_symlinked_checkpoint_folder_is_refused(tmp_path):
+    model, opt = trained()
+    real = save_allreduce(str(tmp_path / "elsewhere"), 4, model, opt, 1)
+    os.makedirs(tmp_path / "run" / "checkpoints")
+    os.symlink(real, tmp_path / "run" / "checkpoints" / "step-00000009.dcp")
+    with pytest.raises(UntrustedStateError, match="symbolic link"):
+        find_resume_state(str(tmp_path / "run"), None)
+
+
+def test_the_dcp_metadata_lets_plain_torch_load_the_folder(tmp_path):
+    """``.metadata`` is written for plain ``torch.distributed.checkpoint`` users (never read here)."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = trained()
+    final = save_allreduce(str(tmp_path), 2, model, opt, 3)
+    sd = {f"model/{k}": torch.empty(v.numel(), dtype=v.dtype) for k, v in model.state_dict().items()}
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(sd, checkpoint_id=final, no_dist=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(sd[f"model/{k}"], v.reshape(-1))
+
+
+def test_options_refuse_async_without_dcp_and_unknown_formats():
+    import virtualflow as vf
+
+    with pytest.raises(ValueError, match="checkpoint_format='dcp'"):
+        vf.LaunchOptions(steps=1, async_checkpoint=True)
+    with pytest.raises(ValueError, match="checkpoint_format='zip'"):
+        vf.LaunchOptions(steps=1, checkpoint_format="zip")
+    vf.LaunchOptions(steps=1, checkpoint_format="dcp", async_checkpoint=True)
+
+
+def test_shard_bounds_cover_the_flat_model_whatever_the_world():
+    model, _ = trained()
+    total = sum(v.numel() for v in model.state_dict().values())
+    for world in (1, 2, 3, 5):
+        got = sum(p.tensor.numel() for r in range(world) for p in model_pieces(model.state_dict(), r, world))
+        assert got == total == shard_bounds(total, world)[-1][1]
+
+
+@pytest.mark.parametrize("reduction", ["allreduce", "sharded"])
+def test_a_workers_sharded_parts_hold_what_its_whole_state_holds(tmp_path, reduction):
+    """The engine's own path: what a worker writes as its part of a sharded checkpoint reads back
+    as the state file's contents (model, optimizer, LR scheduler), in both reductions."""
+    import jobs
+    from virtualflow.comm.groups import Group
+    from virtualflow.plan.data import DataPlan
+    from virtualflow.runtime.vn_worker import VNWorkerEngine
+    from virtualflow.runtime.worker_config import WorkerConfig
+
+    job = jobs.elastic_job().replace(loss=jobs.cross_entropy)
+    cfg = WorkerConfig(store_host="127.0.0.1", store_port=0, job_source=None, total_steps=100, state_dir=str(tmp_path),
+                       overrides={}, deterministic=True, threads=1, device="cpu", collective_timeout_s=60.0,
+                       checkpoint_every=None, resume_path=None, initial_workers=1, fault_plan=None, slowdowns={},
+                       control_plane=False, reduction=reduction, breakdown=False)
+    ds = job.build_dataset()
+    engine = VNWorkerEngine.build(job, ds, DataPlan(len(ds), job.global_batch_size, job.virtual_nodes, job.seed), cfg,
+                                  torch.device("cpu"))
+    group = Group(0, 0, 1, None)
+    engine.vn.set_membership(group, [list(range(job.virtual_nodes))])
+    for s in range(3):
+        engine.step(s)
+    pieces, meta = engine.sharded_parts(group)
+    meta.update({"step": 3, "job": {}})
+    final = str(tmp_path / "step-00000003.dcp")
+    assert write_rank(final, 0, 1, "x", 3, pieces, meta)
+    got, whole = load_dcp_state(final), engine.whole_state(group)
+    assert_state_equal(got["model"], whole["model"])
+    assert_state_equal(got["optimizer"]["state"], whole["optimizer"]["state"])
+    assert got["optimizer"]["param_groups"] == whole["optimizer"]["param_groups"]
+    assert got["lr_scheduler"] == whole["lr_scheduler"]
+    engine.close()
+
+
+def _forge_manifest(final: str) -> None:
+    """What a forger with write access does: recompute every digest and the manifest's checksum."""
+    import hashlib
+
+    path = os.path.join(final, "manifest.json")
+    m = json.loads(open(path).read())
+    for name in m["files"]:
+        data = open(os.path.join(final, name), "rb").read()
+        m["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    body = {k: v for k, v in m.items() if k != "checksum"}
+    m["checksum"] = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    open(path, "w").write(json.dumps(m))
+
+
+def test_even_with_forged_digests_nothing_in_the_folder_is_run(tmp_path):
+    """The digests catch damage; code in a file is refused by what reads it: DCP's ``.metadata``
+    is never unpickled, ``meta.pt`` is read with ``weights_only=True``."""
+    marker = "/tmp/virtualflow-test-dcp-pwned"
+    model, opt = trained()
+    final = save_allreduce(str(tmp_path), 4, model, opt, 2)
+    path = os.path.join(final, ".metadata")
+    _plant_pickle(path, 0)
+    _forge_manifest(final)
+    assert_state_equal(load_dcp_state(final)["model"], model.state_dict())  # .metadata is not read
+    shutil.copyfile(os.path.join(final, "rank-00000", "meta.pt"), os.path.join(tmp_path, "meta.pt.bak"))
+    torch.save({"model": {}, "step": _Boom()}, os.path.join(final, "rank-00000", "meta.pt"))  # a torch file
+    _forge_manifest(final)
+    with pytest.raises(UntrustedStateError, match="system"):
+        load_dcp_state(final)
+    assert not os.path.exists(marker)
+    shard = _shard(final, 1)
+    torch.save(_Boom(), shard)  # a tensor shard replaced by code, its entries pointed at it
+    m = json.loads(open(os.path.join(final, "manifest.json")).read())
+    for e in m["entries"]:
+        if e["file"].endswith("rank-00001/__0_0.distcp"):
+            e["offset"], e["length"] = 0, os.path.getsize(shard)
+    open(os.path.join(final, "manifest.json"), "w").write(json.dumps(m))
+    shutil.copyfile(os.path.join(tmp_path, "meta.pt.bak"), os.path.join(final, "rank-00000", "meta.pt"))
+    _forge_manifest(final)
+    with pytest.raises(UntrustedStateError, match="a shard holds a pickled object"):
+        load_dcp_state(final)
+    assert not os.path.exists(marker)
+
