@@ -1,8 +1,8 @@
 """Streaming jobs for the tests (worker processes import them): uneven shards of a regression
 stream, each sample carrying its id, read by the rule of virtualflow.plan.streams.
 
-``VF_TEST_LEDGER`` (a folder), when set, makes the loss append the sample ids of every batch it
-sees to ``ledger-<pid>.txt`` there: the exactly-once ledger of tests/e2e/test_streaming_e2e.py.
+The ledger jobs' loss appends the sample ids of every batch it sees to ``ledger-<pid>.txt`` in the
+folder ``VF_TEST_LEDGER``: the exactly-once ledger of tests/e2e/test_streaming_e2e.py.
 """
 
 from __future__ import annotations
@@ -58,13 +58,16 @@ def adam(params):
     return torch.optim.Adam(params, lr=0.01)
 
 
-def ledger_mse(model, batch):
-    x, y, ids = batch
-    folder = os.environ.get("VF_TEST_LEDGER")
-    if folder:
-        with open(os.path.join(folder, f"ledger-{os.getpid()}.txt"), "a") as f:
-            f.write(" ".join(str(i) for i in ids.tolist()) + "\n")
+def mse(model, batch):
+    x, y, _ = batch
     return ((model(x) - y) ** 2).mean()
+
+
+def ledger_mse(model, batch):
+    """``mse``, and the batch's sample ids appended to the ledger (``VF_TEST_LEDGER``)."""
+    with open(os.path.join(os.environ["VF_TEST_LEDGER"], f"ledger-{os.getpid()}.txt"), "a") as f:
+        f.write(" ".join(str(i) for i in batch[2].tolist()) + "\n")
+    return mse(model, batch)
 
 
 def paced_ledger_mse(model, batch):
@@ -74,8 +77,13 @@ def paced_ledger_mse(model, batch):
 
 def stream_job() -> vf.Job:
     """B=12, V=6: 8 steps per epoch (4 samples dropped per epoch), a shuffle buffer of 5."""
-    return vf.Job(name="stream", model=mlp, optimizer=adam, loss=ledger_mse, dataset=stream,
+    return vf.Job(name="stream", model=mlp, optimizer=adam, loss=mse, dataset=stream,
                   global_batch_size=12, virtual_nodes=6, seed=3)
+
+
+def ledger_stream_job() -> vf.Job:
+    """``stream_job`` keeping the ledger: the same training."""
+    return stream_job().replace(loss=ledger_mse)
 
 
 def paced_stream_job() -> vf.Job:

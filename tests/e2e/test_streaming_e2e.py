@@ -33,13 +33,13 @@ def one_worker():
 
 
 def test_two_workers_equal_one_and_the_single_process_reference(one_worker):
-    two = vf.train("stream_jobs:stream_job", workers=2, steps=STEPS, deterministic=True, loader_workers=2)
-    assert_same_training(two, one_worker)
+    two = vf.launch("stream_jobs:stream_job", workers=2, steps=STEPS, deterministic=True, loader_workers=2)
+    # a pipeline's first stage reads the stream (its last stage too, for the targets)
+    piped = vf.launch("stream_jobs:pipelined_stream_job", workers=2, steps=STEPS, deterministic=True)
+    assert_same_training(two.wait(timeout_s=120), one_worker)
     ref = reference_loop(STEPS).state_dict()
     assert_state_close(one_worker.state_dict, ref, rtol=1e-5, atol=1e-6)
-    # a pipeline's first stage reads the stream (its last stage too, for the targets)
-    piped = vf.train("stream_jobs:pipelined_stream_job", workers=2, steps=STEPS, deterministic=True)
-    assert_state_close(piped.state_dict, ref, rtol=1e-5, atol=1e-6)
+    assert_state_close(piped.wait(timeout_s=120).state_dict, ref, rtol=1e-5, atol=1e-6)
 
 
 def read_ledger(folder: str) -> set[tuple[int, ...]]:
@@ -66,11 +66,11 @@ def test_exactly_once_across_a_sigkill_a_resize_and_a_resume_on_another_count(tm
     sizes = [h["workers"] for h in stopped.history]
     assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [3, 2, 3]
     steps = stopped.steps + 6
-    monkeypatch.delenv("VF_TEST_LEDGER")
-    ref_run = vf.train("stream_jobs:stream_job", workers=1, steps=steps, deterministic=True)
-    monkeypatch.setenv("VF_TEST_LEDGER", str(ledger))
-    result = vf.train("stream_jobs:stream_job", workers=1, steps=steps, deterministic=True, resume=run_dir)
-    assert_same_training(result, ref_run, first_step=stopped.steps)
+    # the uninterrupted 1-worker run, beside the resume on 1 worker
+    ref_run = vf.launch("stream_jobs:stream_job", workers=1, steps=steps, deterministic=True)
+    resumed = vf.launch("stream_jobs:ledger_stream_job", workers=1, steps=steps, deterministic=True, resume=run_dir)
+    result = resumed.wait(timeout_s=120)
+    assert_same_training(result, ref_run.wait(timeout_s=120), first_step=stopped.steps)
 
     # Every batch trained on (a redone step repeats its own) is the rule's, and all of them were:
     # over each epoch every sample id appears exactly once but the documented drop of 4.
