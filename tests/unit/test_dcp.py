@@ -463,3 +463,40 @@ def test_even_with_forged_digests_nothing_in_the_folder_is_run(tmp_path):
         load_dcp_state(final)
     assert not os.path.exists(marker)
 
+
+
+def test_workers_that_complete_the_set_at_once_finalize_it_once(tmp_path):
+    """Several workers may see every record at the same moment: one claims the finalization, the
+    others return without touching the folder (two of them once raced to rename it)."""
+    import threading
+
+    from virtualflow.runtime import dcp as dcp_module
+
+    model, _ = trained()
+    final = str(tmp_path / "checkpoints" / "step-00000004.dcp")
+    world = 2
+    for r in range(world):
+        # each part written without finalizing: the set completes only when both records exist
+        pieces = model_pieces(model.state_dict(), r, world)
+        real = dcp_module._finalize
+        dcp_module._finalize = lambda *a, **k: False
+        try:
+            write_rank(final, r, world, "id/s4", 4, pieces, meta_of(model, {}, 4) if r == 0 else None)
+        finally:
+            dcp_module._finalize = real
+    results, errors = [], []
+
+    def finalize() -> None:
+        try:
+            results.append(dcp_module._finalize(final, world, "id/s4", 4, None))
+        except Exception as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=finalize) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and sorted(results) == [False] * 5 + [True]
+    assert os.path.isdir(final) and not os.path.exists(final + ".partial")
+    assert not [n for n in os.listdir(final) if n.startswith(".finalizing")]

@@ -284,6 +284,11 @@ def write_rank(final: str, rank: int, world: int, save_id: str, step: int, piece
     return _finalize(final, world, save_id, step, keep)
 
 
+def _claim_name(save_id: str) -> str:
+    """The file a finalizing worker creates exclusively (the save id holds slashes)."""
+    return ".finalizing-" + hashlib.sha256(save_id.encode()).hexdigest()[:16]
+
+
 def _finalize(final: str, world: int, save_id: str, step: int, keep: int | None) -> bool:
     """Merge the workers' records into the manifest and rename, once every worker's is there."""
     part = partial_dir(final)
@@ -297,6 +302,14 @@ def _finalize(final: str, world: int, save_id: str, step: int, keep: int | None)
         if rec.get("save_id") != save_id:
             return False  # an earlier attempt's; its worker rewrites it
         records.append(rec)
+    # Every record is there, and more than one worker may see that at once: one of them claims the
+    # finalization (an exclusive create), so no two write the manifest or rename the folder.
+    try:
+        os.close(os.open(os.path.join(part, _claim_name(save_id)), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return False  # another worker finalizes this set
+    except OSError:
+        return False  # the folder was renamed meanwhile: finalized by another worker
     entries = [e for rec in records for e in rec["entries"]]
     files = {k: v for rec in records for k, v in rec["files"].items()}
     ours = {f"rank-{r:05d}" for r in range(world)} | {f"rank-{r:05d}.json" for r in range(world)}
@@ -322,9 +335,9 @@ def _finalize(final: str, world: int, save_id: str, step: int, keep: int | None)
         logger.debug("finalizing %s: %s", final, exc)
         return False
     _fsync_dir(os.path.dirname(final))
-    for r in range(world):
+    for name in [f"rank-{r:05d}.json" for r in range(world)] + [_claim_name(save_id)]:
         try:
-            os.unlink(os.path.join(final, f"rank-{r:05d}.json"))  # merged into the manifest
+            os.unlink(os.path.join(final, name))  # merged into the manifest; the claim
         except OSError:
             pass
     prune(os.path.dirname(final), step, keep)
