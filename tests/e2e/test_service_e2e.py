@@ -119,7 +119,14 @@ def test_trace_survives_sigkill_and_every_job_matches_its_standalone_run(tmp_pat
     events = db.events()
     assert sorted(e["job_id"] for e in events if e["kind"] == "done") == [1, 2, 3]  # once each
     requeued = {e["job_id"] for e in events if e["kind"] == "requeued"}
-    assert requeued == {jid for jid, (state, _) in killed_at.items() if state == "running"}
+    # A job's workers may finish its last steps on their own after the service died (members only
+    # need the coordinator at a step boundary's control read): the restarted service then records
+    # it done, the first thing it says of that job, instead of requeueing it.
+    after = [e for e in events if e["t"] > restarted_at]
+    finished_alone = {jid for jid in killed_at
+                      if next((e["kind"] for e in after if e["job_id"] == jid), None) == "done"}
+    running = {jid for jid, (state, _) in killed_at.items() if state == "running"}
+    assert requeued == running - finished_alone and requeued, (requeued, running, finished_alone)
     assert any(e["kind"] == "start" and e["data"].get("resumed") for e in events)  # resumed from a state
     changes = [e["kind"] for e in events if e["kind"] in ("resize", "preempt")]
     assert changes, "no job was resized or preempted: the trace does not test the service"
