@@ -349,3 +349,70 @@ def pipelined_redundant_job_4() -> vf.Job:
     from virtualflow.config.pipeline import Pipeline
 
     return pipelined_redundant_job().replace(pipeline=Pipeline(stages=4, schedule="gpipe", redundancy=True))
+
+
+# ---- deterministic mode at scale (tests/e2e/test_deterministic_scale.py) -----------------------
+class MLPAndLM(nn.Module):
+    """Two nets side by side in one model: the BatchNorm + dropout MLP of :func:`bn_dropout_net`
+    and :class:`lm_jobs.TinyLM` (causal attention with dropout, LayerNorm, a tied output matrix).
+    Their losses add, so one run checks both (a worker process costs about a second to start
+    here: the runs, not the models, are what a test of many worker counts pays for)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from lm_jobs import TinyLM
+
+        self.mlp = bn_dropout_net()
+        self.lm = TinyLM()
+
+
+def mlp_and_lm_data(n: int = 96) -> TensorDataset:
+    from lm_jobs import lm_data
+
+    x, y = classification_data(n, seed=4).tensors
+    idx, targets = lm_data(n, seed=9).tensors
+    return TensorDataset(x, y, idx, targets)
+
+
+def mlp_and_lm_loss(model: MLPAndLM, batch) -> torch.Tensor:
+    from lm_jobs import lm_loss
+
+    x, y, idx, targets = batch
+    return cross_entropy(model.mlp, (x, y)) + lm_loss(model.lm, (idx, targets))
+
+
+class StepPace:
+    """Rank 0 sleeps after every step, so a step lasts at least ``seconds`` whatever the worker
+    count (the others wait in the next exchange): a job resized several times then runs a few
+    dozen steps while newcomers start, not hundreds, and its reference stays short. Sleeping
+    frees the CPU for the newcomers. It changes nothing the model sees."""
+
+    ranks = "zero"
+
+    def __init__(self, seconds: float = 0.15) -> None:
+        self.seconds = seconds
+
+    def on_step_end(self, info) -> None:
+        time.sleep(self.seconds)
+
+
+def long_warmup_cosine(optimizer: torch.optim.Optimizer):
+    """Warmup then a cosine that stays far from 0 for the steps a test runs (a rate of 0 would
+    stop the weights changing, and a later difference could not show)."""
+    from lm_jobs import warmup_cosine
+
+    return warmup_cosine(optimizer, warmup=2, total=1000)
+
+
+def mlp_and_lm_job(virtual_nodes: int = 16, paced: bool = False) -> vf.Job:
+    """Deterministic mode's hardest everyday case: BatchNorm statistics and the loss ride the
+    exchange, dropout draws per VN, AdamW with groups, clipping by the whole step's norm, warmup
+    then cosine. B = 48 is a multiple of V = 16 and V = 12 (3 or 4 samples per VN). ``paced``:
+    with :class:`StepPace` (for runs resized while they train)."""
+    from lm_jobs import adamw_groups
+
+    return vf.Job(
+        name=f"mlp-and-lm-v{virtual_nodes}", model=MLPAndLM, optimizer=adamw_groups,
+        loss=mlp_and_lm_loss, dataset=mlp_and_lm_data, global_batch_size=48, virtual_nodes=virtual_nodes,
+        lr_scheduler=long_warmup_cosine, max_grad_norm=1.0, seed=6, callbacks=[StepPace()] if paced else (),
+    )

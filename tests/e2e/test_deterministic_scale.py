@@ -1,0 +1,94 @@
+"""Deterministic mode at scale: 1, 2, 3, 5, 7 and 8 workers, uneven VN maps, V = 16 and V = 12,
+a SIGKILL in the middle of the exchange and a resize 2 -> 5 -> 3, all bit-identical to the
+1-worker run.
+
+The contract (docs/training.md, "Deterministic mode"): final weights, optimizer and LR-scheduler
+state do not depend on the number of workers, on how the VNs are mapped onto them, nor on the
+membership changes a run went through. The job (``jobs.mlp_and_lm_job``) trains a BatchNorm +
+dropout MLP and a small transformer side by side (AdamW with groups, clipping by the step's
+norm), so each run checks both: BatchNorm statistics and the loss ride the exchange, dropout
+draws per VN, the clipping norm is summed across workers.
+
+Worker processes are what these tests pay for (about 2.5 CPU-seconds each to start here), so one
+run goes through every size: it starts on 8 workers, one of them is SIGKILLed inside step 1's
+exchange, the 7 survivors redo the step, and the run shrinks 7 -> 5 -> 3 -> 2 (shrinking starts
+nothing); the V = 16 run is then resized 2 -> 5 -> 3. Each size trains at least two steps. The V = 16 and V = 12 runs
+go side by side, so one's start-ups fill the other's idle time. V = 12 on 8, 7 and 5 workers and
+V = 16 on 7, 5 and 3 give blocks of unequal sizes whose edges cut the reduction tree at
+different depths. The runs are paced (rank 0 sleeps after each step) so that they take a few
+dozen steps while newcomers start; the 1-worker references run the same job unpaced for the
+same number of steps.
+"""
+
+from __future__ import annotations
+
+import time
+
+import virtualflow as vf
+from conftest import assert_same_training, wait_for_members, wait_for_step
+import jobs
+
+FOREVER = 1_000_000
+VIRTUAL_NODES = (16, 12)
+START, VICTIM = 8, 3
+"""Every run starts on 8 workers; worker 3 SIGKILLs itself inside step 1's exchange."""
+RESIZES = {16: (5, 3, 2, 5, 3), 12: (5, 3, 2)}
+"""Then, from the 7 survivors: shrink to 5, 3, 2; the V = 16 run also grows 2 -> 5 and shrinks
+to 3 (a grow starts workers: once is enough)."""
+
+
+def vn_counts(v: int, workers: int) -> list[int]:
+    """VNs per rank of the default map: contiguous blocks, sizes differing by at most 1."""
+    base, extra = divmod(v, workers)
+    return [base + (1 if r < extra else 0) for r in range(workers)]
+
+
+def sizes_in_order(history: list[dict]) -> list[int]:
+    sizes = [h["workers"] for h in history]
+    return [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n]
+
+
+def wait_for_failure(handle, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not handle.controller.failures:
+        assert time.monotonic() < deadline and not handle.done, "the planned SIGKILL did not happen"
+        time.sleep(0.02)
+
+
+def test_every_size_a_sigkill_and_resizes_train_what_one_worker_trains(tmp_path):
+    plan = vf.FaultPlan([vf.Fault(worker=VICTIM, step=1, phase="during_reduction")])
+    handles = {}
+    try:
+        for v in VIRTUAL_NODES:
+            handles[v] = vf.launch(jobs.mlp_and_lm_job(v, paced=True), workers=START, steps=FOREVER,
+                                   deterministic=True, fault_plan=plan, run_dir=str(tmp_path / f"v{v}"))
+        for h in handles.values():
+            wait_for_failure(h)
+            wait_for_step(h, 3)
+        for i in range(max(map(len, RESIZES.values()))):  # the runs resize together
+            now = {v: RESIZES[v][i] for v in handles if i < len(RESIZES[v])}
+            for v, n in now.items():
+                handles[v].resize(n)
+            for v, n in now.items():
+                wait_for_members(handles[v], n, formed=True, timeout_s=120)
+            for v in now:  # each trains at least two steps at its new size
+                wait_for_step(handles[v], handles[v].status()["step"] + 2)
+    except BaseException:
+        for h in handles.values():
+            h.kill()
+        raise
+    results = {v: h.stop() for v, h in handles.items()}
+    # The references side by side too: 1 worker each, the same steps, unpaced.
+    refs = {v: vf.launch(jobs.mlp_and_lm_job(v), workers=1, steps=results[v].steps, deterministic=True)
+            for v in VIRTUAL_NODES}
+    refs = {v: h.wait() for v, h in refs.items()}
+
+    for v, result in results.items():
+        assert [f["worker"] for f in result.failures] == [VICTIM] and "SIGKILL" in result.failures[0]["cause"]
+        assert sizes_in_order(result.history) == [START, START - 1, *RESIZES[v]], v
+        for h in result.history:  # every step ran every VN once, in the default map's blocks
+            assert [len(vns) for vns in h["vns"]] == vn_counts(v, h["workers"])
+            assert [u for vns in h["vns"] for u in vns] == list(range(v))
+        assert_same_training(result, refs[v])
+        # and the reference trained: the comparison is not between two runs that did nothing
+        assert refs[v].history[-1]["loss"] < refs[v].history[0]["loss"]
