@@ -27,8 +27,6 @@ worker counts, not a scaling result. From the repository root::
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
 import json
 import logging
 import os
@@ -56,74 +54,7 @@ def make_job():
 
 
 # --------------------------------------------------------------------------------------------
-# (b) DDP, one child process per rank: ``-m bench.vs_ddp --child-ddp JSON``.
-
-
-def _init_rank(cfg: dict):
-    import torch.distributed as dist
-
-    torch.set_num_threads(cfg["threads"])
-    store = dist.TCPStore("127.0.0.1", cfg["port"], is_master=False, timeout=datetime.timedelta(seconds=120))
-    dist.init_process_group("gloo", store=dist.PrefixStore("ddp", store), rank=cfg["rank"],
-                            world_size=cfg["world"], timeout=datetime.timedelta(seconds=120))
-    return store
-
-
-def ddp_stepper(rank: int, world: int, V: int, B: int):
-    """A DDP replica and its step function (the loop a PyTorch user writes)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    X, Y = H.bench_data().tensors
-    torch.manual_seed(H.SEED)
-    model = DDP(H.mlp())
-    opt = H.sgd(model.parameters())
-    model.train()
-    local_b = B // world  # this rank's share of the global batch
-    micro = V // world  # micro-batches per rank
-    n = local_b // micro
-
-    def step_fn(step: int) -> float:
-        # same sample order as virtualflow's DataPlan: this rank's share of the global batch
-        idx = H.batch_indices(len(X), B, step, rank * local_b, (rank + 1) * local_b)
-        xb, yb = X[idx], Y[idx]
-        opt.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros(())
-        for k in range(micro):
-            ctx = model.no_sync() if k < micro - 1 else contextlib.nullcontext()
-            with ctx:
-                loss = H.cross_entropy(model, (xb[k * n : (k + 1) * n], yb[k * n : (k + 1) * n])) * (1.0 / micro)
-                loss.backward()
-            loss_sum += loss.detach()
-        opt.step()
-        return float(loss_sum)  # this rank's loss, logged (not reduced)
-
-    return model, step_fn
-
-
-def ddp_rank(cfg: dict) -> dict:
-    import torch.distributed as dist
-
-    rank, steps = cfg["rank"], cfg["steps"]
-    _init_rank(cfg)
-    model, step_fn = ddp_stepper(rank, cfg["world"], cfg["V"], cfg["B"])
-    times, losses = [], []
-    faults_at = {}
-    t_prev = time.perf_counter()
-    for step in range(steps):
-        if step == cfg["warmup"]:
-            faults_at[step] = H.minor_faults()
-        losses.append(step_fn(step))
-        now = time.perf_counter()
-        times.append(now - t_prev)
-        t_prev = now
-    faults_at[steps] = H.minor_faults()
-    (s0, f0), (s1, f1) = sorted(faults_at.items())
-    if rank == 0 and cfg.get("save"):
-        torch.save(model.module.state_dict(), cfg["save"])
-    dist.barrier()
-    dist.destroy_process_group()
-    return {"rank": rank, "step_times": times, "losses": losses, "vmhwm_mib": H.vmhwm_mib(),
-            "ru_maxrss_mib": H.ru_maxrss_mib(), "faults_per_step": (f1 - f0) / max(1, s1 - s0)}
+# (b) DDP, one child process per rank (``-m bench.vs_ddp --child-ddp JSON``): bench/harness/ddp.py.
 
 
 def alternating_rank(cfg: dict) -> dict:
@@ -137,8 +68,8 @@ def alternating_rank(cfg: dict) -> dict:
     from virtualflow.runtime.engine import BatchLoader, VNEngine
 
     rank, world, V, B, steps = cfg["rank"], cfg["world"], cfg["V"], cfg["B"], cfg["steps"]
-    store = _init_rank(cfg)
-    ddp_model, ddp_step = ddp_stepper(rank, world, V, B)
+    store = H.init_rank(cfg)
+    ddp_model, ddp_step = H.ddp_stepper(rank, world, V, B)
     ds = H.bench_data()
     torch.manual_seed(H.SEED)
     model = H.mlp()
@@ -164,18 +95,7 @@ def alternating_rank(cfg: dict) -> dict:
 
 
 def run_ddp(V: int, B: int, steps: int, save: str | None, warmup: int, mode: str = "--child-ddp") -> list[dict]:
-    import torch.distributed as dist
-
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=120))
-    procs = []
-    for rank in range(WORKERS):
-        cfg = {"rank": rank, "world": WORKERS, "port": store.port, "V": V, "B": B, "steps": steps,
-               "threads": 1, "save": save, "warmup": warmup}
-        procs.append(H.spawn_child(MODULE, [mode, json.dumps(cfg)], 1))
-    out = H.collect_children(procs, "DDP rank")
-    del store
-    return sorted(out, key=lambda r: r["rank"])
+    return H.run_ddp(MODULE, WORKERS, V, B, steps, save, warmup, flag=mode)
 
 
 # --------------------------------------------------------------------------------------------
@@ -392,7 +312,7 @@ def run_config(args, malloc_env: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child_ddp:
-        print(json.dumps(ddp_rank(json.loads(args.child_ddp))))
+        print(json.dumps(H.ddp_rank(json.loads(args.child_ddp))))
         return 0
     if args.child_alternating:
         print(json.dumps(alternating_rank(json.loads(args.child_alternating))))

@@ -1,5 +1,6 @@
 """What every benchmark shares: workloads, the machine-load meter, interleaved pairs, child
-processes, run-directory readers, targets, formatting, and the result files. Emulated compute
+processes, PyTorch DDP as users run it (:mod:`bench.harness.ddp`), run-directory readers,
+targets, formatting, and the result files. Emulated compute
 (the one sleep-emulated timed layer) is :mod:`bench.harness.emulated`, and the Bamboo benchmarks'
 sleep-emulated stages :mod:`bench.harness.sleep_stages`; import them from there.
 
@@ -42,6 +43,7 @@ from bench.harness.machine import (  # noqa: F401
     last_json_line, machine_busy_s, minor_faults, pair_order, ru_maxrss_mib, run_child, run_pair, spawn_child,
     tree_cpu_by_pid, tree_cpu_s, vmhwm_mib, wait_for_quiet,
 )
+from bench.harness.ddp import ddp_rank, ddp_stepper, init_rank, run_ddp  # noqa: F401
 from bench.harness.report import (  # noqa: F401
     Check, Run, Targets, banner, cpu_model, describe_source, env_markdown, environment, md_table, median, mib, ms, num,
     normal_before, p25, paired_ratios, parse_overrides, parser, pause_of, quantile, read_jsonl, restart_pause,
