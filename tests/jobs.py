@@ -389,7 +389,7 @@ class StepPace:
 
     ranks = "zero"
 
-    def __init__(self, seconds: float = 0.15) -> None:
+    def __init__(self, seconds: float = 0.25) -> None:
         self.seconds = seconds
 
     def on_step_end(self, info) -> None:

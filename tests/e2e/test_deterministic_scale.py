@@ -12,7 +12,8 @@ draws per VN, the clipping norm is summed across workers.
 Worker processes are what these tests pay for (about 2.5 CPU-seconds each to start here), so one
 run goes through every size: it starts on 8 workers, one of them is SIGKILLed inside step 1's
 exchange, the 7 survivors redo the step, and the run shrinks 7 -> 5 -> 3 -> 2 (shrinking starts
-nothing); the V = 16 run is then resized 2 -> 5 -> 3. Each size trains at least two steps. The V = 16 and V = 12 runs
+nothing); the V = 12 run is then resized 2 -> 5 -> 3. Each size trains at least two steps. The
+V = 12 run uses the default exchange (``owners``), the V = 16 run the ``slots`` exchange. The V = 16 and V = 12 runs
 go side by side, so one's start-ups fill the other's idle time. V = 12 on 8, 7 and 5 workers and
 V = 16 on 7, 5 and 3 give blocks of unequal sizes whose edges cut the reduction tree at
 different depths. The runs are paced (rank 0 sleeps after each step) so that they take a few
@@ -22,19 +23,27 @@ same number of steps.
 
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import virtualflow as vf
-from conftest import assert_same_training, wait_for_members, wait_for_step
+from virtualflow.records.rundir import read_jsonl
+from conftest import assert_same_training, wait_for_step
 import jobs
 
 FOREVER = 1_000_000
 VIRTUAL_NODES = (16, 12)
 START, VICTIM = 8, 3
 """Every run starts on 8 workers; worker 3 SIGKILLs itself inside step 1's exchange."""
-RESIZES = {16: (5, 3, 2, 5, 3), 12: (5, 3, 2)}
-"""Then, from the 7 survivors: shrink to 5, 3, 2; the V = 16 run also grows 2 -> 5 and shrinks
+RESIZES = {16: (5, 3, 2), 12: (5, 3, 2, 5, 3)}
+"""Then, from the 7 survivors: shrink to 5, 3, 2; the V = 12 run also grows 2 -> 5 and shrinks
 to 3 (a grow starts workers: once is enough)."""
+EXCHANGE = {16: "slots", 12: "auto"}
+"""``deterministic_exchange`` of each run: the V = 12 run (the most uneven maps, the grow) the
+default (``owners``), the V = 16 run today's first algorithm, forced: both must give the bits of
+one worker (which exchanges nothing)."""
+ALGORITHM = {"slots": "slots", "auto": "owners"}
 
 
 def vn_counts(v: int, workers: int) -> list[int]:
@@ -55,40 +64,43 @@ def wait_for_failure(handle, timeout_s: float = 120.0) -> None:
         time.sleep(0.02)
 
 
-def test_every_size_a_sigkill_and_resizes_train_what_one_worker_trains(tmp_path):
+def run_and_reference(v: int, run_dir: str, handles: dict) -> tuple[vf.Result, vf.Result]:
+    """The V = ``v`` run through its sizes, stopped as soon as it has been through them; then its
+    1-worker reference for the same number of steps."""
     plan = vf.FaultPlan([vf.Fault(worker=VICTIM, step=1, phase="during_reduction")])
-    handles = {}
-    try:
-        for v in VIRTUAL_NODES:
-            handles[v] = vf.launch(jobs.mlp_and_lm_job(v, paced=True), workers=START, steps=FOREVER,
-                                   deterministic=True, fault_plan=plan, run_dir=str(tmp_path / f"v{v}"))
-        for h in handles.values():
-            wait_for_failure(h)
-            wait_for_step(h, 3)
-        for i in range(max(map(len, RESIZES.values()))):  # the runs resize together
-            now = {v: RESIZES[v][i] for v in handles if i < len(RESIZES[v])}
-            for v, n in now.items():
-                handles[v].resize(n)
-            for v, n in now.items():
-                wait_for_members(handles[v], n, formed=True, timeout_s=120)
-            for v in now:  # each trains at least two steps at its new size
-                wait_for_step(handles[v], handles[v].status()["step"] + 2)
-    except BaseException:
-        for h in handles.values():
-            h.kill()
-        raise
-    results = {v: h.stop() for v, h in handles.items()}
-    # The references side by side too: 1 worker each, the same steps, unpaced.
-    refs = {v: vf.launch(jobs.mlp_and_lm_job(v), workers=1, steps=results[v].steps, deterministic=True)
-            for v in VIRTUAL_NODES}
-    refs = {v: h.wait() for v, h in refs.items()}
+    handle = handles[v] = vf.launch(jobs.mlp_and_lm_job(v, paced=True), workers=START, steps=FOREVER,
+                                    deterministic=True, deterministic_exchange=EXCHANGE[v], fault_plan=plan,
+                                    run_dir=run_dir)
+    wait_for_failure(handle)
+    wait_for_step(handle, 3)
+    for n in RESIZES[v]:
+        handle.resize(n, wait=True, timeout_s=120)
+        wait_for_step(handle, handle.status()["step"] + 2)  # at least two steps at n
+    result = handle.stop()
+    return result, vf.train(jobs.mlp_and_lm_job(v), workers=1, steps=result.steps, deterministic=True)
 
-    for v, result in results.items():
+
+def test_every_size_a_sigkill_and_resizes_train_what_one_worker_trains(tmp_path):
+    # The two runs side by side (threads only drive them: each job's workers are processes).
+    handles: dict[int, vf.JobHandle] = {}
+    with ThreadPoolExecutor(len(VIRTUAL_NODES)) as pool:
+        futures = {v: pool.submit(run_and_reference, v, str(tmp_path / f"v{v}"), handles) for v in VIRTUAL_NODES}
+        try:
+            runs = {v: f.result(timeout=300) for v, f in futures.items()}
+        except BaseException:
+            for h in list(handles.values()):
+                h.kill()
+            raise
+
+    for v, (result, reference) in runs.items():
         assert [f["worker"] for f in result.failures] == [VICTIM] and "SIGKILL" in result.failures[0]["cause"]
         assert sizes_in_order(result.history) == [START, START - 1, *RESIZES[v]], v
         for h in result.history:  # every step ran every VN once, in the default map's blocks
             assert [len(vns) for vns in h["vns"]] == vn_counts(v, h["workers"])
             assert [u for vns in h["vns"] for u in vns] == list(range(v))
-        assert_same_training(result, refs[v])
+        chosen = {e["algorithm"] for e in read_jsonl(os.path.join(result.run_dir, "events.jsonl"))
+                  if e["event"] == "exchange"}
+        assert chosen == {ALGORITHM[EXCHANGE[v]]}, (v, chosen)
+        assert_same_training(result, reference)
         # and the reference trained: the comparison is not between two runs that did nothing
-        assert refs[v].history[-1]["loss"] < refs[v].history[0]["loss"]
+        assert reference.history[-1]["loss"] < reference.history[0]["loss"]
