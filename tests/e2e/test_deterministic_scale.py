@@ -10,15 +10,16 @@ norm), so each run checks both: BatchNorm statistics and the loss ride the excha
 draws per VN, the clipping norm is summed across workers.
 
 Worker processes are what these tests pay for (about 2.5 CPU-seconds each to start here), so one
-run goes through every size: it starts on 8 workers, one of them is SIGKILLed inside step 1's
+run goes through every size: it starts on 8 workers, one of them SIGKILLs itself inside step 1's
 exchange, the 7 survivors redo the step, and the run shrinks 7 -> 5 -> 3 -> 2 (shrinking starts
-nothing); the V = 12 run is then resized 2 -> 5 -> 3. Each size trains at least two steps. The
-V = 12 run uses the default exchange (``owners``), the V = 16 run the ``slots`` exchange. The V = 16 and V = 12 runs
-go side by side, so one's start-ups fill the other's idle time. V = 12 on 8, 7 and 5 workers and
-V = 16 on 7, 5 and 3 give blocks of unequal sizes whose edges cut the reduction tree at
-different depths. The runs are paced (rank 0 sleeps after each step) so that they take a few
-dozen steps while newcomers start; the 1-worker references run the same job unpaced for the
-same number of steps.
+nothing); the V = 12 run then grows 2 -> 5 and shrinks to 3. Each size trains at least two
+steps, and a run stops as soon as it has been through its sizes. V = 12 on 8, 7 and 5 workers
+and V = 16 on 7, 5 and 3 give blocks of unequal sizes whose edges cut the reduction tree at
+different depths. The V = 12 run uses the default exchange (``owners``), the V = 16 run the
+``slots`` exchange, forced. The two runs go side by side (one's start-ups fill the other's idle
+time), and they are paced (rank 0 sleeps after each step) so that they take a few dozen steps
+while newcomers start; each 1-worker reference runs the same job unpaced for the same number of
+steps, as soon as its run has stopped.
 """
 
 from __future__ import annotations
