@@ -43,6 +43,8 @@ def _tag(key: tuple[str, int, int], n_pieces: int, part: int) -> int:
     direction, piece, mb = key
     if direction == "R":  # a replica update (one per step and link; steps are sequential)
         return 2 ** 30 + piece * _PARTS + part
+    if direction == "T":  # a tied weight's message (one per step and link): ``piece`` is the link
+        return 2 ** 30 + 2 ** 29 + piece * _PARTS + part
     return (((mb * n_pieces + piece) * 2 + (direction == "B")) * _PARTS + part) % (2 ** 31 - 1)
 
 
