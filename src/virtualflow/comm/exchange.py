@@ -1,0 +1,222 @@
+"""The ``owners`` deterministic exchange over point-to-point messages.
+
+The schedule (who sends which unit of which partial to whom, and the traffic it costs) is pure
+and lives in :mod:`virtualflow.plan.exchange`; this module runs it on a :class:`Group`:
+
+1. :meth:`OwnerExchange.begin` posts every receive of the step: this worker's chunk of each
+   partial sum other workers hold, and the other owners' chunks of the root in the gathered
+   ranges. Receives are posted before any send, so a message never waits for its receive.
+2. :meth:`OwnerExchange.send` sends a partial's units to their owners as soon as the partial (or
+   one piece of it: a gradient bucket the last backward just finished) is final. Sends are
+   asynchronous: they overlap with the VNs still to run.
+3. :meth:`OwnerExchange.finish` waits for this worker's chunk of every partial, combines it along
+   the fixed tree (the same additions, element for element, as :func:`tree_exchange` on the whole
+   vector, so the root is bit-identical), sends its chunk of the root to every other worker and
+   waits for theirs.
+
+Every worker must call ``begin``, ``send`` for each of its partials (every unit exactly once) and
+``finish`` in every step; the order of the sends does not matter to the receivers (each message
+has its own tag). A worker with no VN holds no partial: it still owns a chunk, combines it and
+sends it on. Tags: ``TAG_BASE`` plus the step's parity (two consecutive steps never share a tag)
+plus the message's index; they do not meet the other tags used on the worker's group (state
+transfer 1.., gathers 17-18, the ring 2**30..).
+
+Waiting: with an ``abort_check`` on the group (a worker), the step's receives are waited for on a
+daemon thread (:class:`~virtualflow.comm.groups.Arrival`) while the caller watches the
+coordinator's abort flag, as every point-to-point wait of a worker does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from virtualflow.comm.groups import Arrival, Group
+from virtualflow.plan.exchange import OwnerSchedule, gather_parts
+from virtualflow.plan.vnmap import Node, split
+
+TAG_BASE = 1 << 29
+_PARITY = 1 << 27
+_GATHER = 1 << 26
+
+
+class _All:
+    """Several works waited for in order, as one (what :class:`Arrival` waits for)."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works: Sequence[Any]) -> None:
+        self.works = list(works)
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
+
+
+class OwnerExchange:
+    """One worker's side of the ``owners`` exchange for one generation (reused every step)."""
+
+    def __init__(self, schedule: OwnerSchedule, group: Group, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu",
+                 pieces_units: Sequence[Sequence[int]] | None = None) -> None:
+        """``pieces_units``: per piece of the vector, the indices of its units in
+        ``schedule.units`` (what :meth:`send` with ``piece=`` sends)."""
+        if len(schedule.plan.per_worker) != group.size:
+            raise ValueError(f"owner exchange: the schedule has {len(schedule.plan.per_worker)} workers, the group "
+                             f"{group.size}")
+        self.schedule = schedule
+        self.group = group
+        rank = group.rank
+        self.rank = rank
+        self.mine = tuple(schedule.plan.per_worker[rank])
+        self.slot_of = schedule.slot_index()
+        self.holder = schedule.owner_of()
+        self.lo, self.hi = schedule.bounds[rank]
+        self.foreign = [n for n in schedule.plan.slots if n not in set(self.mine)]
+        self._row = {n: i for i, n in enumerate(self.foreign)}
+        self.to_me = [(j, u) for j, u in enumerate(schedule.units) if u.owner == rank]
+        self.out = [j for j, u in enumerate(schedule.units) if u.owner != rank]
+        self.parts = gather_parts(schedule.bounds, schedule.gather)
+        self.pieces_units = [list(p) for p in pieces_units] if pieces_units is not None else None
+        n = self.hi - self.lo
+        # Persistent buffers (fresh ones each step would be faulted in again, page by page).
+        self.inbox = torch.empty((len(self.foreign), n), dtype=dtype, device=device)
+        self.root = torch.empty(schedule.numel, dtype=dtype, device=device)
+        self._step = 0
+        self._recvs: list[Any] = []
+        self._gathers: list[Any] = []
+        self._sends: list[Any] = []
+        self._sent: set[tuple[Node, int]] = set()
+        self._open = False
+
+    # -- tags -----------------------------------------------------------------------------------
+
+    def _tag(self, node: Node, unit: int) -> int:
+        k = self.slot_of[node] * len(self.schedule.units) + unit
+        return TAG_BASE + (self._step % 2) * _PARITY + k % _GATHER
+
+    def _gather_tag(self, index: int) -> int:
+        return TAG_BASE + (self._step % 2) * _PARITY + _GATHER + index % _GATHER
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Post every receive of this step (call before this worker's first send)."""
+        if self._open:
+            raise RuntimeError("owner exchange: begin() twice without finish()")
+        self._open = True
+        self._step += 1
+        self._sends, self._sent = [], set()
+        g = self.group
+        self._recvs = []
+        for node in self.foreign:
+            src, row = self.holder[node], self.inbox[self._row[node]]
+            for j, u in self.to_me:
+                self._recvs.append(g.irecv(row[u.lo - self.lo:u.hi - self.lo], src, self._tag(node, j)))
+        self._gathers = []
+        for o, parts in enumerate(self.parts):
+            if o == self.rank:
+                continue
+            for i, (a, b) in enumerate(parts):
+                self._gathers.append(g.irecv(self.root[a:b], o, self._gather_tag(i)))
+
+    def send(self, node: Node, vec: torch.Tensor, piece: int | None = None) -> None:
+        """Send the units of partial ``node`` (``vec``: the whole vector; only the units' ranges
+        are read, and must stay unchanged until :meth:`finish`) to their owners: all of them, or
+        those of ``piece``."""
+        if not self._open:
+            raise RuntimeError("owner exchange: send() before begin()")
+        if piece is None:
+            todo = self.out
+        else:
+            if self.pieces_units is None:
+                raise ValueError("owner exchange: send(piece=) needs the pieces given to the constructor")
+            todo = [j for j in self.pieces_units[piece] if self.schedule.units[j].owner != self.rank]
+        g = self.group
+        for j in todo:
+            if (node, j) in self._sent:
+                raise RuntimeError(f"owner exchange: unit {j} of partial {node} sent twice in one step")
+            self._sent.add((node, j))
+            u = self.schedule.units[j]
+            self._sends.append(g.isend(vec[u.lo:u.hi], u.owner, self._tag(node, j)))
+
+    def finish(self, local: dict[Node, torch.Tensor]) -> torch.Tensor:
+        """Combine this worker's chunk, send it on, and return the root: a vector (a persistent
+        buffer, valid until the next step) whose own chunk and gathered ranges hold the root sum.
+        ``local``: this worker's partials (whole vectors), each sent completely."""
+        if not self._open:
+            raise RuntimeError("owner exchange: finish() before begin()")
+        if set(local) != set(self.mine):
+            raise ValueError(f"owner exchange: partials {sorted(local)} given, this worker holds {list(self.mine)}")
+        for node in self.mine:
+            missing = [j for j in self.out if (node, j) not in self._sent]
+            if missing:  # not sent piece by piece (yet): send what is left now
+                self._send_units(node, local[node], missing)
+        g = self.group
+        try:
+            if g.on_launch is not None:
+                g.on_launch()  # fault injection: every message of this worker is out, peers are inside
+            self._wait(self._recvs, "deterministic exchange (partial sums)")
+            lo, hi = self.lo, self.hi
+            if hi > lo:
+                known: dict[Node, torch.Tensor] = {n: local[n][lo:hi] for n in self.mine}
+                for n in self.foreign:
+                    known[n] = self.inbox[self._row[n]]
+                self.root[lo:hi].copy_(_combine((0, self.schedule.plan.virtual_nodes), known))
+            for o in range(g.size):
+                if o == self.rank:
+                    continue
+                for i, (a, b) in enumerate(self.parts[self.rank]):
+                    self._sends.append(g.isend(self.root[a:b], o, self._gather_tag(i)))
+            self._wait(self._gathers + self._sends, "deterministic exchange (root)")
+        finally:
+            self._open = False
+        return self.root
+
+    def _send_units(self, node: Node, vec: torch.Tensor, todo: Sequence[int]) -> None:
+        for j in todo:
+            self._sent.add((node, j))
+            u = self.schedule.units[j]
+            self._sends.append(self.group.isend(vec[u.lo:u.hi], u.owner, self._tag(node, j)))
+
+    def _wait(self, works: list[Any], what: str) -> None:
+        if not works:
+            return
+        if self.group.abort_check is None:
+            for w in works:
+                w.wait()
+        else:
+            Arrival(_All(works)).wait(self.group, what)
+
+    def abandon(self) -> None:
+        """Forget a step that failed (the group is broken; nothing more is sent or waited)."""
+        self._open = False
+        self._recvs, self._gathers, self._sends = [], [], []
+
+
+def _combine(node: Node, known: dict[Node, torch.Tensor]) -> torch.Tensor:
+    """The fixed tree's sum of ``node`` from the slots in ``known`` (as :func:`tree_exchange`)."""
+    if node in known:
+        return known[node]
+    left, right = split(node)
+    return _combine(left, known) + _combine(right, known)
+
+
+def owner_exchange(schedule: OwnerSchedule, group: Group, local: dict[Node, torch.Tensor],
+                   like: torch.Tensor | None = None) -> torch.Tensor:
+    """One whole ``owners`` exchange (no overlap): every worker gets the root sum in its own chunk
+    and the gathered ranges, bit-identical to :func:`~virtualflow.comm.reduce.tree_exchange`.
+    ``like`` gives the dtype and device to a worker with no partial."""
+    plan = schedule.plan
+    if group.size == 1:
+        return local[(0, plan.virtual_nodes)]
+    some = next(iter(local.values())) if local else like
+    if some is None:
+        raise ValueError("owner_exchange: a worker without virtual nodes must pass like= (one node's shape)")
+    ex = OwnerExchange(schedule, group, dtype=some.dtype, device=some.device)
+    ex.begin()
+    for node, vec in local.items():
+        ex.send(node, vec)
+    return ex.finish(local).clone()

@@ -1,0 +1,215 @@
+"""The deterministic exchange: who sends which part of which partial sum to whom. Pure code.
+
+In deterministic mode every worker reduces the per-VN vectors of its own VN block along the fixed
+tree (:mod:`virtualflow.plan.vnmap`) into a few *partial sums*: the maximal tree nodes inside its
+block, ``O(log V)`` of them. The partials of all workers (the tree's *slots*) are then combined
+into the root sum in the fixed tree order, so the result does not depend on the worker count.
+Two ways to bring the slots together are implemented:
+
+``owners`` (the default)
+    The vector (``numel`` elements: gradients, then the few numbers that ride with them) is cut
+    into one contiguous chunk per worker (``bounds``; worker ``r`` *owns* chunk ``r``). Each worker
+    sends chunk ``o`` of each of its partials to owner ``o`` only (nothing is sent that is zero);
+    owner ``o`` combines its chunk of every slot in the fixed tree order and sends its chunk of the
+    root to every other worker (``gather``: the ranges everybody needs whole; the sharded
+    reduction needs only the tail, each owner keeps and updates its own chunk). Per worker ``r``
+    with ``k_r`` partials, chunk sizes ``n_o`` and ``S`` slots in all::
+
+        sent     = k_r * (numel - n_r) + (W - 1) * g_r
+        received = (S - k_r) * n_r     + (G - g_r)
+
+    (``g_o``: the part of chunk ``o`` inside ``gather``, ``G = sum g_o``.) With even chunks and
+    everything gathered that is ``(k_r + 1)(W - 1)/W * numel`` sent: it does not grow with ``W``
+    at a fixed number of VNs per worker. Memory: the partials (``k_r`` vectors) and the slices of
+    the other workers' partials for the own chunk (``(S - k_r) * n_r`` elements, about ``S / W``
+    vectors), besides the root.
+
+``slots`` (the first algorithm)
+    One buffer of ``S x numel`` in which each slot has a single non-zero writer, all-reduced:
+    per worker ``2 (W - 1)/W * S * numel`` on a ring, ``O(W)`` times the gradient.
+
+A *unit* is one message of the ``owners`` exchange: the part of one *piece* of the vector (a
+gradient bucket, in the order the last backward completes them, or the tail) inside one owner's
+chunk. Every partial is sent as the same units, so a receiver knows every message it will get.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from virtualflow.plan.shards import check_bounds, shard_bounds
+from virtualflow.plan.vnmap import Node, TreePlan
+
+EXCHANGES = ("auto", "owners", "slots")
+
+SMALL_BYTES = 64 * 1024
+"""Below this many bytes in the whole slot buffer, ``auto`` picks ``slots``: one gloo all-reduce
+of a few KB takes less time than the ``owners`` exchange's several point-to-point messages per
+worker (each message costs a fixed latency, see ``bench/deterministic.py``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """One message of the exchange: elements ``[lo, hi)`` of a partial, for ``owner``."""
+
+    owner: int
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True, slots=True)
+class Traffic:
+    """Bytes and messages one worker sends and receives in one exchange."""
+
+    bytes_sent: int
+    bytes_received: int
+    messages_sent: int
+    messages_received: int
+
+
+def units(bounds: Sequence[tuple[int, int]], pieces: Sequence[tuple[int, int]] | None = None) -> list[Unit]:
+    """The messages every partial is cut into: each piece (in launch order) split by the owners'
+    chunks, empty parts dropped. ``pieces`` must cover ``[0, numel)`` exactly once (any order);
+    None: the whole vector as one piece."""
+    numel = bounds[-1][1] if bounds else 0
+    if pieces is None:
+        pieces = [(0, numel)]
+    covered = sorted(pieces)
+    at = 0
+    for lo, hi in covered:
+        if lo != at or hi < lo:
+            raise ValueError(f"exchange pieces {list(pieces)} do not cover [0, {numel}) exactly once")
+        at = hi
+    if at != numel:
+        raise ValueError(f"exchange pieces {list(pieces)} do not cover [0, {numel}) exactly once")
+    out = []
+    for lo, hi in pieces:
+        for o, (a, b) in enumerate(bounds):
+            a2, b2 = max(a, lo), min(b, hi)
+            if a2 < b2:
+                out.append(Unit(o, a2, b2))
+    return out
+
+
+def gather_parts(bounds: Sequence[tuple[int, int]], gather: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Per owner, the parts of its chunk inside the ``gather`` ranges (what it sends to everyone)."""
+    out = []
+    for a, b in bounds:
+        parts = []
+        for lo, hi in gather:
+            a2, b2 = max(a, lo), min(b, hi)
+            if a2 < b2:
+                parts.append((a2, b2))
+        out.append(parts)
+    return out
+
+
+@dataclass(frozen=True)
+class OwnerSchedule:
+    """Every message of one ``owners`` exchange, for one VN map and vector layout."""
+
+    plan: TreePlan
+    bounds: tuple[tuple[int, int], ...]
+    units: tuple[Unit, ...]
+    gather: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def build(cls, plan: TreePlan, numel: int, *, bounds: Sequence[tuple[int, int]] | None = None,
+              pieces: Sequence[tuple[int, int]] | None = None,
+              gather: Sequence[tuple[int, int]] | None = None) -> "OwnerSchedule":
+        workers = len(plan.per_worker)
+        b = list(bounds) if bounds is not None else shard_bounds(numel, workers)
+        if len(b) != workers:
+            raise ValueError(f"owner exchange: {len(b)} chunks for {workers} workers; pass one (lo, hi) per worker")
+        check_bounds(b, numel)
+        g = [(0, numel)] if gather is None else [(lo, hi) for lo, hi in gather if hi > lo]
+        for lo, hi in g:
+            if not 0 <= lo < hi <= numel:
+                raise ValueError(f"owner exchange: gather range [{lo}, {hi}) is outside the vector [0, {numel})")
+        return cls(plan, tuple(b), tuple(units(b, pieces)), tuple(g))
+
+    @property
+    def workers(self) -> int:
+        return len(self.plan.per_worker)
+
+    @property
+    def numel(self) -> int:
+        return self.bounds[-1][1]
+
+    def slot_index(self) -> dict[Node, int]:
+        return {node: i for i, node in enumerate(self.plan.slots)}
+
+    def owner_of(self) -> dict[Node, int]:
+        """The worker that computes each slot."""
+        return {node: w for w, nodes in enumerate(self.plan.per_worker) for node in nodes}
+
+    def traffic(self, rank: int, itemsize: int) -> Traffic:
+        """What worker ``rank`` sends and receives, counted message by message."""
+        mine = self.plan.per_worker[rank]
+        n_slots = len(self.plan.slots)
+        foreign = n_slots - len(mine)
+        to_others = [u for u in self.units if u.owner != rank]
+        to_me = [u for u in self.units if u.owner == rank]
+        parts = gather_parts(self.bounds, self.gather)
+        w = self.workers
+        sent = len(mine) * sum(u.hi - u.lo for u in to_others) + (w - 1) * sum(b - a for a, b in parts[rank])
+        received = foreign * sum(u.hi - u.lo for u in to_me) + sum(
+            b - a for o in range(w) if o != rank for a, b in parts[o])
+        msent = len(mine) * len(to_others) + (w - 1) * len(parts[rank])
+        mrecv = foreign * len(to_me) + sum(len(parts[o]) for o in range(w) if o != rank)
+        return Traffic(sent * itemsize, received * itemsize, msent, mrecv)
+
+
+def owners_traffic_closed_form(plan: TreePlan, numel: int, rank: int, itemsize: int,
+                               bounds: Sequence[tuple[int, int]] | None = None,
+                               gather: Sequence[tuple[int, int]] | None = None) -> tuple[int, int]:
+    """(bytes sent, bytes received) of worker ``rank`` in the ``owners`` exchange, from the
+    closed form in the module docstring (independent of how the vector is cut into units)."""
+    w = len(plan.per_worker)
+    b = list(bounds) if bounds is not None else shard_bounds(numel, w)
+    g = gather_parts(b, [(0, numel)] if gather is None else gather)
+    n = [hi - lo for lo, hi in b]
+    gs = [sum(hi - lo for lo, hi in parts) for parts in g]
+    k = len(plan.per_worker[rank])
+    s = len(plan.slots)
+    sent = k * (numel - n[rank]) + (w - 1) * gs[rank]
+    received = (s - k) * n[rank] + (sum(gs) - gs[rank])
+    return sent * itemsize, received * itemsize
+
+
+def ring_allreduce_bytes(numel: int, workers: int, rank: int, itemsize: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``numel`` elements over even chunks
+    (reduce-scatter then all-gather: every chunk but one, twice)."""
+    if workers < 2:
+        return 0
+    b = shard_bounds(numel, workers)
+    n = [hi - lo for lo, hi in b]
+    return (2 * numel - n[rank] - n[(rank + 1) % workers]) * itemsize
+
+
+def slots_traffic(plan: TreePlan, numel: int, rank: int, itemsize: int) -> int:
+    """Bytes one rank sends in the ``slots`` exchange: a ring all-reduce of ``S x numel``."""
+    return ring_allreduce_bytes(len(plan.slots) * numel, len(plan.per_worker), rank, itemsize)
+
+
+def choose_exchange(plan: TreePlan, numel: int, itemsize: int, asked: str = "auto") -> tuple[str, str]:
+    """The exchange to run for this VN map and vector (``asked``: the ``deterministic_exchange``
+    knob) and the reason, for the run's events."""
+    if asked not in EXCHANGES:
+        raise ValueError(f"deterministic_exchange={asked!r} is not one of {', '.join(EXCHANGES)} "
+                         f"(--deterministic-exchange)")
+    w = len(plan.per_worker)
+    slot_bytes = len(plan.slots) * numel * itemsize
+    if w < 2:
+        return "owners", "one worker: nothing is exchanged"
+    worst_new = max(owners_traffic_closed_form(plan, numel, r, itemsize)[0] for r in range(w))
+    worst_old = max(slots_traffic(plan, numel, r, itemsize) for r in range(w))
+    figures = (f"{w} workers, {len(plan.slots)} partial sums of {numel * itemsize / 2**20:.2f} MiB: "
+               f"owners sends at most {worst_new / 2**20:.2f} MiB per worker, slots {worst_old / 2**20:.2f} MiB")
+    if asked != "auto":
+        return asked, f"asked for (--deterministic-exchange {asked}); {figures}"
+    if slot_bytes <= SMALL_BYTES:
+        return "slots", (f"the whole slot buffer is {slot_bytes} bytes (<= {SMALL_BYTES}): one all-reduce costs less "
+                         f"than the owners exchange's messages; {figures}")
+    return "owners", f"fewer bytes: {figures}"
