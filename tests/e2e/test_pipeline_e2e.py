@@ -183,13 +183,33 @@ def test_a_weight_tied_across_workers_trains_like_the_unpipelined_model(run_dir)
         torch.testing.assert_close(result.state_dict[k], ref.state_dict[k], rtol=1e-5, atol=1e-6)
 
 
+def _tied_wide_model():
+    from torch import nn
+
+    first, last = nn.Linear(10, 10), nn.Linear(10, 10)
+    last.weight = first.weight
+    return nn.Sequential(first, nn.Tanh(), nn.Linear(10, 96), nn.Tanh(), nn.Linear(96, 96), nn.Tanh(),
+                         nn.Linear(96, 10), nn.Tanh(), last)
+
+
 def test_a_weight_tied_across_workers_deterministic_bit_identical(run_dir):
     """Deterministic mode, 2 stages x 2 replicas in processes: the last stage sends its copy's
     per-VN gradients to the first (gloo point to point), which sums each VN's two uses before the
-    tree and sends the total back: bit-identical to the unpipelined deterministic run."""
+    tree and sends the total back: bit-identical to the unpipelined deterministic run. The stages'
+    vectors differ in size so that the automatic choice runs the ``owners`` exchange over the
+    replicas on one stage and ``slots`` on the other (checked below from the same rule)."""
     import pipeline_models
+    from virtualflow.plan.exchange import choose_exchange
+    from virtualflow.plan.pipeline.geometry import layers_of, resolve_bounds
+    from virtualflow.plan.vnmap import TreePlan, contiguous_assignment
 
-    job = jobs.pipelined_job().replace(model=_tied_model, evaluate=None)
+    job = jobs.pipelined_job().replace(model=_tied_wide_model, evaluate=None)
+    layers = layers_of(job.model())
+    numel = [sum(q.numel() for i in range(a, b) for q in layers[i].parameters()) for a, b in
+             resolve_bounds(job.pipeline, len(layers))]
+    numel[1] += 1 - 100  # the loss; the last stage's copy of the tied weight is not in its vector
+    plan = TreePlan.build(contiguous_assignment(job.virtual_nodes, 2))
+    assert sorted(choose_exchange(plan, n, 4)[0] for n in numel) == ["owners", "slots"]
     ref_state, ref_losses = pipeline_models.unpipelined(job, 4, True)  # the VN engine in this process
     result = vf.train(job, workers=4, steps=4, deterministic=True, run_dir=run_dir)
     assert_state_equal(result.state_dict, ref_state)

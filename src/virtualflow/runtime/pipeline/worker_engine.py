@@ -47,7 +47,7 @@ from virtualflow.runtime.engines import Boundary, Joining
 from virtualflow.runtime.pipeline.engine import StageEngine
 from virtualflow.runtime.pipeline.stage_state import (exchange_for_layout, gather_stages, load_merged, load_stage_state, resume_stage,
                                                  scaler_state, stage_state, stage_states, successor, transfer_stages)
-from virtualflow.runtime.pipeline.links import Links, drive
+from virtualflow.runtime.pipeline.links import Links, StageExchanges, drive
 from virtualflow.runtime.pipeline.flush import FlushStep
 from virtualflow.runtime.pipeline.loop import StageLoop, stage_loop
 
@@ -62,8 +62,14 @@ class PipelineWorkerEngine:
     state) live in :mod:`~virtualflow.runtime.pipeline.links` and :mod:`~virtualflow.runtime.pipeline.stage_state`."""
 
     def __init__(self, job: Any, dataset: Any, *, deterministic: bool, device: torch.device,
-                 subgroup: Callable[[int, str, int, int], Group], eager_every_wait: bool = False) -> None:
+                 subgroup: Callable[[int, str, int, int], Group], eager_every_wait: bool = False,
+                 deterministic_exchange: str = "auto") -> None:
+        """``deterministic_exchange``: the ``LaunchOptions`` knob of that name (how deterministic
+        mode's per-stage reduction over the replicas runs: :class:`~.links.StageExchanges`)."""
         self.job = job
+        self.deterministic_exchange = deterministic_exchange
+        self.exchanges = StageExchanges(deterministic_exchange)  # (checks the knob's value now)
+        """This generation's per-stage exchanges: which one each stage group runs, and why."""
         self.eager_every_wait = eager_every_wait
         """A diagnostic given by the process's entry point: :attr:`StageEngine.eager_every_wait`."""
         self.pipeline: Pipeline = job.pipeline
@@ -202,6 +208,7 @@ class PipelineWorkerEngine:
         self.stage.fault_point = None
         self.group, self.grid = group, grid
         self.links = Links()  # a new generation: new peers, no shared history
+        self.exchanges = StageExchanges(self.deterministic_exchange)
         self._results = {}
 
     def _close_stage_groups(self) -> None:
@@ -448,7 +455,7 @@ class PipelineWorkerEngine:
         self.phase = "compute"
         results = drive(self.stage.steps(step, n, control), group=self.group, stage_group=self.stage_group,
                         grid=self.grid, n_pieces=len(self.bounds), device=self.device, links=self.links,
-                        stage_groups=self.stage_groups)
+                        stage_groups=self.stage_groups, exchanges=self.exchanges)
         self.phase = "idle"
         if self.stage.timeline:
             self._write_timeline()
