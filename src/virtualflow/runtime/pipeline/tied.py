@@ -52,6 +52,9 @@ class ExactTies:
                  tied: Sequence[TiedCopy], stage_rank: int, p: int) -> None:
         self.stage_rank = stage_rank
         self.p = p
+        # A frozen shared weight has no gradient to sum (its copies stay equal on their own); the
+        # workers holding it both see it frozen (every worker builds the same model).
+        tied = [t for t in tied if t.param is None or t.param.requires_grad]
         for t in tied:
             if len(t.workers) > EXACT_USES:
                 raise ValueError(
