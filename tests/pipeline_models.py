@@ -166,7 +166,8 @@ def unpipelined(job: vf.Job, steps: int, deterministic: bool) -> tuple[dict[str,
     sched = job.lr_scheduler(opt) if job.lr_scheduler else None
     eng = VNEngine(model, opt, sched, job.compute_loss,
                    DataPlan(len(ds), job.global_batch_size, job.virtual_nodes, job.seed), BatchLoader(ds, None),
-                   seed=job.seed, batchnorm=job.batchnorm, deterministic=deterministic, device=torch.device("cpu"))
+                   seed=job.seed, batchnorm=job.batchnorm, deterministic=deterministic, device=torch.device("cpu"),
+                   precision=job.precision, max_grad_norm=job.max_grad_norm, loss_scale=job.loss_scale)
     eng.set_membership(Group(0, 0, 1, None), [list(range(job.virtual_nodes))])
     losses = [eng.step(s).loss for s in range(steps)]
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses

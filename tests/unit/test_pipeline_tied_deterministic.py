@@ -6,6 +6,10 @@
   deterministic run, and both copies of the shared weight stay equal.
 - Both uses on one worker's two pieces (interleaved): bit-identical too (this was silently wrong:
   the worker's tree vector held the weight's gradient twice).
+- Under bf16 autocast: bit-identical too, whether both uses read autocast's cast of the weight
+  (two nn.Linear: their sum is rounded to bfloat16 as autograd's) or one (the GPT's head; its
+  embedding stays float32). With clipping, float32 and bf16: the same bits for every cut and
+  replica count (the weight counted once in the norm).
 - The comparison can tell: summing the two uses' gradients after the tree (each copy's tree, then
   one addition) instead of per virtual node before it gives other bits (a plain PyTorch check on
   the same model's gradients).
@@ -69,6 +73,50 @@ def test_both_uses_on_one_workers_two_pieces_bit_identical(d):
     pipe = Pipeline(stages=2, schedule="interleaved_1f1b", chunks=2, split=(1, 2, 2, 1))  # layers 0 and 3: worker 0
     job = pm.mlp_job(pipe, virtual_nodes=4 * d, model=_tied_near, optimizer="adam")
     _check(job, steps=3, replicas=d)
+
+
+def _tied_linears() -> nn.Sequential:
+    """Layer 4 reads layer 0's weight; both are nn.Linear, which autocast casts (an nn.Embedding it
+    leaves in float32)."""
+    first, fourth = nn.Linear(pm.FEATURES, pm.FEATURES), nn.Linear(pm.FEATURES, pm.FEATURES)
+    fourth.weight = first.weight
+    return nn.Sequential(first, nn.Tanh(), nn.Linear(pm.FEATURES, pm.FEATURES), nn.Tanh(), fourth,
+                         nn.Linear(pm.FEATURES, 1))
+
+
+@pytest.mark.parametrize("model,pipe,d", [
+    (_tied_linears, Pipeline(stages=2), 2),                                     # both uses cast, two workers
+    (_tied_linears, Pipeline(stages=2, schedule="interleaved_1f1b", chunks=2, split=(2, 1, 2, 1)), 1),  # one worker
+    (_tied_linears, Pipeline(stages=3, schedule="zb_h1"), 1),
+    ("gpt", Pipeline(stages=3), 2),                                             # one use cast (the head)
+])
+def test_bf16_autocast_bit_identical_to_unpipelined(model, pipe, d):
+    """Under autocast the unpipelined job adds two cast uses' gradients in bfloat16 (one cached
+    cast of the weight); the pipeline rounds its per-VN float32 sum to bfloat16 and back, which is
+    that addition."""
+    if model == "gpt":
+        job = pm.transformer_job(pipe, virtual_nodes=4, model=pm.tied_gpt)
+    else:
+        job = pm.mlp_job(pipe, virtual_nodes=4, model=model, optimizer="adam")
+    _check(job.replace(precision="bf16-mixed"), steps=3, replicas=d)
+
+
+@pytest.mark.parametrize("precision", ["32", "bf16-mixed"])
+def test_clipping_with_a_tied_weight_is_the_same_whatever_the_cut(precision):
+    """max_grad_norm: the whole model's norm (the shared weight counted once) and the clipped
+    update are bit-identical for 1, 2 and 3 stages and 1 or 2 replicas (the pipeline's norm is
+    summed per layer, as for any pipelined job: docs/pipeline.md)."""
+    runs = []
+    for pipe, d in [(Pipeline(stages=1), 1), (Pipeline(stages=2), 2), (Pipeline(stages=3, schedule="zb_h1"), 1),
+                    (Pipeline(stages=2, schedule="interleaved_1f1b", chunks=2, split=(2, 1, 2, 1)), 1)]:
+        job = pm.mlp_job(pipe, virtual_nodes=4, model=_tied_linears, optimizer="adam")
+        state, history = train_local(job.replace(precision=precision, max_grad_norm=0.05), 3, replicas=d,
+                                     deterministic=True)
+        runs.append((state, [(h.loss, h.grad_norm) for h in history]))
+    assert all(n > 0.05 for _, history in runs for _, n in history)  # the clip acted
+    for state, history in runs[1:]:
+        assert_state_equal(state, runs[0][0])
+        assert history == runs[0][1]
 
 
 def test_the_sum_per_virtual_node_matters():

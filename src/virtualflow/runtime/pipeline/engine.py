@@ -25,6 +25,7 @@ from typing import Any, Callable, Generator, Sequence
 import torch
 from torch import nn
 
+from virtualflow.config.loop import autocast_dtype
 from virtualflow.config.pipeline import Pipeline
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.pipeline.geometry import TiedCopy
@@ -100,7 +101,7 @@ class StageEngine:
         its per-VN gradients summed before the tree, as autograd sums them in the unpipelined job."""
         if deterministic and ExactTies.needed(self.params, self.piece_params, self.tied):
             self.ties = ExactTies(params=self.params, piece_params=self.piece_params, tied=self.tied,
-                                  stage_rank=stage_rank, p=pipeline.stages)
+                                  stage_rank=stage_rank, p=pipeline.stages, low=autocast_dtype(self.loop.precision))
         self.tree_params = self.ties.tree_params if self.ties is not None else self.params
         """Deterministic mode: the parameters whose gradients this worker's tree vector holds."""
         self.plan = plan

@@ -22,6 +22,14 @@ Invariants:
   exact (:data:`~virtualflow.plan.pipeline.geometry.EXACT_USES`): three or more locations are
   refused at launch, and a location whose layer reads the weight twice is refused on the first
   forward (:meth:`ExactTies.check_uses`).
+- Under autocast (``Job.precision`` ``"bf16-mixed"`` / ``"16-mixed"``) the unpipelined job casts
+  the weight once per forward and both uses read that one low-precision copy (autocast's cache),
+  so their gradients are added in the low precision and cast up once. Where both pieces' uses go
+  through such a cast (two ``nn.Linear``, say; not an ``nn.Embedding``, which autocast leaves in
+  float32) the per-VN sum is rounded to the low precision and back, which is that addition bit
+  for bit (each use's float32 gradient holds a low-precision value exactly, and a low-precision
+  addition is a float32 addition rounded once). The first forward of each piece tells whether its
+  use is such a cast; the holder sends its answer with its gradients.
 - A worker's tree vector holds the gradients of :attr:`ExactTies.tree_params`: every trainable
   parameter it holds except the copies it does not own, in ``params`` order.
 - Messages (:func:`~virtualflow.runtime.pipeline.wire.tied_key`) go between the workers of one
@@ -49,9 +57,11 @@ class ExactTies:
     module docstring). Built once per worker from its pieces and the job's shared weights."""
 
     def __init__(self, *, params: Sequence[torch.Tensor], piece_params: dict[int, list[torch.Tensor]],
-                 tied: Sequence[TiedCopy], stage_rank: int, p: int) -> None:
+                 tied: Sequence[TiedCopy], stage_rank: int, p: int, low: torch.dtype | None = None) -> None:
+        """``low``: autocast's dtype (``None``: no autocast)."""
         self.stage_rank = stage_rank
         self.p = p
+        self.low = low
         # A frozen shared weight has no gradient to sum (its copies stay equal on their own); the
         # workers holding it both see it frozen (every worker builds the same model).
         tied = [t for t in tied if t.param is None or t.param.requires_grad]
@@ -81,8 +91,9 @@ class ExactTies:
         self.shared = {id(q) for q in params if len(where[id(q)]) > 1} | {id(t.param) for t in tied
                                                                             if t.param is not None}
         """Parameters read by more than one piece (here or elsewhere): their uses are checked."""
-        # Per owner: this worker's copies whose per-VN gradients go there (tied order).
-        self.parts_out: dict[int, list[tuple[int, int, int]]] = {}
+        # Per owner: this worker's copies whose per-VN gradients go there (tied order): (piece,
+        # index in that piece's parameters, the copy).
+        self.parts_out: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
         # Per holder: the weights this worker owns that it holds a copy of, with their offsets in
         # one VN's block of that holder's parts message; and the per-VN block's size.
         self.parts_in: dict[int, tuple[list[tuple[torch.Tensor, int]], int]] = {}
@@ -90,7 +101,7 @@ class ExactTies:
             owner, others = t.workers[0], [w for w in t.workers[1:] if w != t.workers[0]]
             if t.param is not None and stage_rank in others:
                 k, j = where[id(t.param)][0]
-                self.parts_out.setdefault(owner, []).append((k, j, t.numel))
+                self.parts_out.setdefault(owner, []).append((k, j, t.param))
             if stage_rank == owner:
                 for w in others:
                     got, size = self.parts_in.get(w, ([], 0))
@@ -101,6 +112,10 @@ class ExactTies:
                           for owner in self.parts_out}
         """Per owner: this worker's copies whose total comes from it (tied order)."""
         self.checked: set[int] = set()
+        self.cast: dict[tuple[int, int], bool] = {}
+        """Per (piece, id(param)) of a shared weight: its use there reads autocast's cast of it."""
+        self.remote_cast: dict[int, bool] = {}
+        """Per id(param) this worker owns: the holder's use reads autocast's cast (its last message)."""
 
     @staticmethod
     def needed(params: Sequence[torch.Tensor], piece_params: dict[int, list[torch.Tensor]],
@@ -113,15 +128,16 @@ class ExactTies:
     def check_uses(self, k: int, params: Sequence[torch.Tensor], roots: Sequence[Any]) -> None:
         """Once per piece: each shared weight of piece ``k`` must be read once by its forward (the
         graph from ``roots``, the piece's outputs); a layer that reads it twice makes three uses in
-        all, whose order in autograd cannot be matched."""
+        all, whose order in autograd cannot be matched. Notes whether that use reads autocast's
+        cast of the weight."""
         if k in self.checked:
             return
         self.checked.add(k)
         mine = {id(q): q for q in params if id(q) in self.shared}
         if not mine:
             return
-        counts = uses_in_graph([r for r in roots if isinstance(r, torch.Tensor)], list(mine.values()))
-        for q, n in zip(mine.values(), counts):
+        found = uses_in_graph([r for r in roots if isinstance(r, torch.Tensor)], list(mine.values()))
+        for q, (n, cast) in zip(mine.values(), found):
             if n > 1:
                 raise ValueError(
                     f"piece {k} reads a shared weight of shape {tuple(q.shape)} {n} times in its forward: with its "
@@ -129,6 +145,7 @@ class ExactTies:
                     f"{EXACT_USES} (the order of autograd's additions is not fixed); untie it, cut the model so all "
                     f"its uses are in one piece (Pipeline.split), or train with deterministic=False"
                 )
+            self.cast[k, id(q)] = cast and self.low is not None
 
     # ---- the step's reduction ---------------------------------------------------------------------
     def send_parts(self, leaves: dict[int, list[tuple[int, list[torch.Tensor]]]], vns: Sequence[int],
@@ -139,6 +156,10 @@ class ExactTies:
             for vn in vns:
                 by_piece = dict(leaves[vn])
                 chunks += [by_piece[k][j] for k, j, _ in entries]
+            like = chunks[0]
+            # then, per copy, whether its use read autocast's cast (1) or the weight (0)
+            chunks.append(torch.tensor([float(self.cast.get((k, id(q)), False)) for k, _, q in entries],
+                                       dtype=like.dtype, device=like.device))
             yield Send(owner, tied_key(self.stage_rank, owner, PARTS, self.p, step), [torch.cat(chunks)])
 
     def receive_parts(self, vns: Sequence[int], step: int) -> Generator[Request, Any, dict[int, dict[int, torch.Tensor]]]:
@@ -147,12 +168,15 @@ class ExactTies:
         out: dict[int, dict[int, torch.Tensor]] = {vn: {} for vn in vns}
         for holder, (got, size) in self.parts_in.items():
             (flat,) = yield Recv(holder, tied_key(holder, self.stage_rank, PARTS, self.p, step))
-            if flat.numel() != size * len(vns):
+            if flat.numel() != size * len(vns) + len(got):
                 raise RuntimeError(f"tied-weight gradients from pipeline worker {holder}: {flat.numel()} elements, "
-                                   f"expected {size} per micro-batch x {len(vns)}")
+                                   f"expected {size} per micro-batch x {len(vns)} + {len(got)} flags")
             for i, vn in enumerate(vns):
                 for q, off in got:
                     out[vn][id(q)] = flat[i * size + off: i * size + off + q.numel()]
+            flags = flat[size * len(vns):].tolist()
+            for (q, _), flag in zip(got, flags):
+                self.remote_cast[id(q)] = flag == 1.0
         return out
 
     def leaf_grads(self, by_piece: dict[int, list[torch.Tensor]],
@@ -162,10 +186,14 @@ class ExactTies:
         out = []
         for q, uses in zip(self.tree_params, self.contributions):
             g = by_piece[uses[0][0]][uses[0][1]]
+            casts = [self.cast.get((k, id(q)), False) for k, _ in uses]
             for k, j in uses[1:]:
                 g = g + by_piece[k][j]
             if remote is not None and id(q) in remote:
                 g = g + remote[id(q)]
+                casts.append(self.remote_cast.get(id(q), False))
+            if len(casts) == EXACT_USES and all(casts):  # autocast's one addition, in its precision
+                g = g.to(self.low).to(g.dtype)
             out.append(g)
         return out
 
@@ -183,11 +211,14 @@ class ExactTies:
                 offset += q.numel()
 
 
-def uses_in_graph(roots: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> list[int]:
-    """How many edges of the autograd graph behind ``roots`` lead to each of ``params``
-    (each edge is one use whose gradient autograd adds into the parameter's)."""
+def uses_in_graph(roots: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> list[tuple[int, bool]]:
+    """Per parameter of ``params``: how many uses of it the autograd graph behind ``roots`` holds
+    (each a gradient autograd adds into the parameter's), and whether its uses all read one cast
+    of it (a ``ToCopyBackward0`` node: autocast's cached cast, whose incoming edges are then the
+    uses)."""
     want = {id(q): i for i, q in enumerate(params)}
-    counts = [0] * len(params)
+    parents: list[list[Any]] = [[] for _ in params]  # per parameter, the nodes with an edge to it
+    indegree: dict[int, int] = {}
     stack = [r.grad_fn for r in roots if r.grad_fn is not None]
     seen: dict[int, Any] = {}  # id -> node, kept alive so that no id is reused during the walk
     while stack:
@@ -202,7 +233,14 @@ def uses_in_graph(roots: Sequence[torch.Tensor], params: Sequence[torch.Tensor])
             if var is not None:
                 i = want.get(id(var))
                 if i is not None:
-                    counts[i] += 1
-            elif id(nxt) not in seen:
+                    parents[i].append(fn)
+                continue
+            indegree[id(nxt)] = indegree.get(id(nxt), 0) + 1
+            if id(nxt) not in seen:
                 stack.append(nxt)
-    return counts
+    out = []
+    for nodes in parents:
+        casts = [fn for fn in nodes if fn.name() == "ToCopyBackward0"]
+        uses = sum(indegree.get(id(fn), 1) for fn in casts) + len(nodes) - len(casts)
+        out.append((uses, bool(nodes) and len(casts) == len(nodes)))
+    return out
