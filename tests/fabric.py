@@ -1,5 +1,5 @@
-"""An in-process point-to-point fabric: W ranks as threads, messages through queues, every byte
-counted (tests of exchanges that use ``Group.isend`` / ``Group.irecv`` only).
+"""An in-process fabric: W ranks as threads, messages through queues, every byte counted (tests of
+exchanges that use ``Group.isend`` / ``Group.irecv``, and of engines that also all-reduce).
 
 ``Fabric(W).groups[r]`` stands in for rank ``r``'s :class:`virtualflow.comm.groups.Group`; a send
 copies the tensor into the receiver's queue for ``(src, tag)`` and adds to both ranks' counters.
@@ -74,6 +74,13 @@ class FakeGroup:
         assert src != self.rank and 0 <= src < self.size
         return _Recv(self.fabric, self.rank, src, tag, tensor)
 
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
+        """Sum over the ranks, added in rank order (not counted as point-to-point traffic)."""
+        if self.on_launch is not None:
+            self.on_launch()
+        self.fabric.all_reduce(self.rank, tensor)
+        return _Sent() if async_op else None
+
 
 class Fabric:
     def __init__(self, size: int) -> None:
@@ -82,6 +89,17 @@ class Fabric:
         self._boxes: dict[tuple[int, int, int], queue.Queue] = defaultdict(queue.Queue)
         self._lock = threading.Lock()
         self.groups = [FakeGroup(self, r, size) for r in range(size)]
+        self._barrier = threading.Barrier(size, timeout=WAIT_S)
+        self._deposit: list[torch.Tensor | None] = [None] * size
+
+    def all_reduce(self, rank: int, tensor: torch.Tensor) -> None:
+        self._deposit[rank] = tensor.detach().clone()
+        self._barrier.wait()
+        total = self._deposit[0].clone()
+        for t in self._deposit[1:]:
+            total += t
+        self._barrier.wait()  # everyone has read every deposit
+        tensor.copy_(total)
 
     def box(self, dst: int, src: int, tag: int) -> queue.Queue:
         with self._lock:

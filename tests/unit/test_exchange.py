@@ -146,8 +146,8 @@ def test_choose_exchange_reasons_and_bad_knob():
     plan = TreePlan.build(contiguous_assignment(8, 4))
     name, why = choose_exchange(plan, 1_000_000, 4)
     assert name == "owners" and "MiB" in why
-    name, why = choose_exchange(plan, 100, 4)
-    assert name == "slots" and "bytes" in why
-    assert choose_exchange(plan, 100, 4, "owners")[0] == "owners"
+    assert choose_exchange(plan, 100, 4)[0] == "owners"
+    name, why = choose_exchange(plan, 100, 4, "slots")
+    assert name == "slots" and "--deterministic-exchange slots" in why
     with pytest.raises(ValueError, match="--deterministic-exchange"):
         choose_exchange(plan, 100, 4, "ring")

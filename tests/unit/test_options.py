@@ -93,6 +93,7 @@ def test_command_line_round_trips_every_flagged_option():
         "pipeline_stages": ("4", 4), "schedule": ("zb_h1", "zb_h1"), "chunks": ("2", 2), "split": ("3,2,2,1", "3,2,2,1"),
         "reduction": ("sharded", "sharded"), "checkpoint_format": ("dcp", "dcp"), "async_checkpoint": (None, True),
         "shard_replicas": ("1", 1),
+        "deterministic_exchange": ("slots", "slots"),
         "loader_workers": ("2", 2), "profile": ("5-8", "5-8"), "tensorboard": (None, True),
         "precision": ("bf16-mixed", "bf16-mixed"), "max_grad_norm": ("1.5", 1.5),
         "activation_checkpointing": ("every", "every"), "compile": (None, True), "peak_tflops": ("312", 312.0),

@@ -141,7 +141,7 @@ REPORTS: dict[str, dict[str, Any]] = {
     "join": {"setup_s": NUM},
     "formed": {"generation": INT, "members": LIST(INT), "step": INT, "hold": BOOL, "group_s": NUM,
                "transfer_s": NUM, "bytes": INT, "source": OPT(INT), "receivers": LIST(INT), "form_s": NUM,
-               "time": NUM},
+               "time": NUM, "exchange": OPT(STR), "exchange_reason": OPT(STR)},
     "fault": {"generation": INT, "phase": STR, "step": INT, "error": STR},
     "held": {"generation": INT, "step": INT, "checkpoint": STR},
     "step": {"step": INT, "loss": NUM, "samples": INT, "step_time_s": NUM, "workers": INT, "generation": INT,

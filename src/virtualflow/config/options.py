@@ -129,6 +129,12 @@ class LaunchOptions:
                           "state) or sharded (reduce-scatter, each updates 1/N of the weights and holds 1/N of the "
                           "Adam/AdamW/SGD state, all-gather); same model either way", "training",
                           choices=("allreduce", "sharded"))
+    deterministic_exchange: str = _opt("auto", "how deterministic mode brings the workers' partial sums together: "
+                                       "owners (each worker sends each chunk of its partial sums only to that "
+                                       "chunk's owner; bytes per worker do not grow with the worker count), slots "
+                                       "(one all-reduce of a slot per partial sum; fewer messages, O(workers) "
+                                       "bytes), or auto (owners, slots when the slot buffer is tiny); "
+                                       "bit-identical either way", "training", choices=("auto", "owners", "slots"))
     shard_replicas: int = _opt(0, "with --reduction sharded: 1 also keeps each worker's chunk of the optimizer state "
                                "on the next worker (refreshed every step), so a failed worker's chunk is rebuilt in "
                                "place instead of stopping the job; 0: one copy", "training", metavar="R")
@@ -282,6 +288,9 @@ class LaunchOptions:
         if self.async_checkpoint and self.checkpoint_format != "dcp":
             raise ValueError("async_checkpoint=True writes sharded checkpoints in the background; it needs "
                              "checkpoint_format='dcp' (--checkpoint-format dcp), or drop --async-checkpoint")
+        if self.deterministic_exchange not in ("auto", "owners", "slots"):
+            raise ValueError(f"deterministic_exchange={self.deterministic_exchange!r} is not known; choose 'auto' (the "
+                             f"default), 'owners' or 'slots' (--deterministic-exchange)")
         if self.shard_replicas not in (0, 1):
             raise ValueError(f"shard_replicas={self.shard_replicas!r} must be 0 (one copy of each chunk of the sharded "
                              f"optimizer state) or 1 (a replica on the next worker too) (--shard-replicas)")

@@ -176,6 +176,7 @@ class Supervisor:
             deterministic=opts.deterministic,
             reduction=opts.reduction,
             shard_replicas=opts.shard_replicas,
+            deterministic_exchange=opts.deterministic_exchange,
             threads=setup.threads,
             device=opts.device,
             collective_timeout_s=opts.collective_timeout_s,

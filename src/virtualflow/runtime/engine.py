@@ -38,12 +38,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from virtualflow.comm.exchange import OwnerExchange
 from virtualflow.comm.groups import Group, PeerFailure
-from virtualflow.comm.reduce import (BucketReducer, ShardReducer, tree_exchange, tree_exchange_sharded,
-                                     tree_reduce_local)
+from virtualflow.comm.reduce import (BucketReducer, ShardReducer, plan_buckets, tree_exchange,
+                                     tree_exchange_sharded, tree_reduce_local)
 from virtualflow.comm.ring import Collectives
 from virtualflow.plan.data import DataPlan, vn_seed
-from virtualflow.plan.vnmap import TreePlan
+from virtualflow.plan.exchange import OwnerSchedule, choose_exchange
+from virtualflow.plan.vnmap import Node, TreePlan, split
 from virtualflow.runtime.amp import LossScaler, autocast
 from virtualflow.runtime.batches import (BatchLoader, LossShapeError, NonFiniteLossError, StepOutcome, check_loss,
                                          seed_random_streams, split_loss, to_device)
@@ -99,6 +101,7 @@ class VNEngine:
         max_grad_norm: float | None = None,
         loss_scale: dict[str, Any] | None = None,
         shard_replicas: int = 0,
+        deterministic_exchange: str = "auto",
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -162,6 +165,18 @@ class VNEngine:
         """The loss function's metric names (sorted), learnt from the first forward run here."""
         self._metric_sums: dict[str, torch.Tensor] = {}
         self._det_flat: torch.Tensor | None = None
+        choose_exchange(TreePlan.build([[0]]), 1, 4, deterministic_exchange)  # the knob's check
+        self.deterministic_exchange = deterministic_exchange
+        """``LaunchOptions.deterministic_exchange``: auto, owners or slots (:mod:`virtualflow.plan.exchange`)."""
+        self.exchange_choice: tuple[str, str] | None = None
+        """Deterministic mode with several workers: (the exchange this generation runs, why)."""
+        self._exchange: OwnerExchange | None = None
+        self._det_pieces: list[tuple[int, int]] = []
+        self._det_piece_params: list[list[int]] = []
+        self._det_piece_of: dict[int, int] = {}
+        self._det_hooks: list[Any] = []
+        self._det_stream: dict[str, Any] | None = None
+        self._last_partial: torch.Tensor | None = None
         self._fault_point: Callable[[int, str], None] | None = None
         self._step_no = -1
         self._in_last_backward = False
@@ -207,7 +222,9 @@ class VNEngine:
             self._zero_grad()  # pending: the chunk's reduced gradient stays for the rebuild to apply
         self.deferred_failure = None
         self._det_flat = None
+        self._det_stream = None
         self._metric_sums = {}
+        self._drop_exchange()
         if self.reducer is not None:
             self.reducer.close()
             self.reducer = None
@@ -235,6 +252,7 @@ class VNEngine:
         self._last_compute_s = 0.0
         self.probes.new_generation()
         self._steps_in_generation = 0
+        self._drop_exchange()
         if self.deterministic:
             self.tree = TreePlan.build(assignment)
         if self.sharded:
@@ -246,6 +264,95 @@ class VNEngine:
                                             self.comm)
         elif not self.deterministic and group.size > 1:
             self.reducer = BucketReducer(self.params, group)
+        if self.deterministic:
+            self._plan_exchange()
+
+    # -- deterministic mode's exchange ------------------------------------------------------------
+    def _tail_numel(self) -> int:
+        """Elements after the gradients in a deterministic leaf: BatchNorm statistics (mean
+        mode), then the weighted loss."""
+        return (self.bn.numel if self.bn.numel and self.batchnorm == "mean" else 0) + 1
+
+    def _plan_exchange(self) -> None:
+        """Choose this generation's exchange (:func:`~virtualflow.plan.exchange.choose_exchange`)
+        and, for ``owners``, cut the leaf vector into the pieces the last backward sends as it
+        finishes them: the gradient buckets in launch order (as the default mode's), then the tail."""
+        assert self.tree is not None and self.group is not None
+        self.exchange_choice = None
+        if self.group.size == 1:
+            return
+        numel = self.grad_numel + self._tail_numel()
+        like = self._leaf_like()
+        self.exchange_choice = choose_exchange(self.tree, numel, like.element_size(), self.deterministic_exchange)
+        if self.exchange_choice[0] != "owners":
+            return
+        offsets, at = [], 0
+        for p in self.params:
+            offsets.append(at)
+            at += p.numel()
+        self._det_pieces, self._det_piece_params, self._det_piece_of = [], [], {}
+        for b, idx in enumerate(plan_buckets(self.params)):
+            lo = min(offsets[i] for i in idx)
+            hi = max(offsets[i] + self.params[i].numel() for i in idx)
+            self._det_pieces.append((lo, hi))
+            self._det_piece_params.append(sorted(idx))
+            for i in idx:
+                self._det_piece_of[id(self.params[i])] = b
+        self._det_pieces.append((self.grad_numel, numel))  # the tail: BatchNorm statistics and loss
+        if self.shard is not None:  # each owner keeps its chunk of the gradients; the tail goes to all
+            bounds = [tuple(b) for b in self.shard.bounds]
+            bounds[-1] = (bounds[-1][0], numel)
+            gather = [(self.grad_numel, numel)]
+        else:
+            bounds, gather = None, None
+        schedule = OwnerSchedule.build(self.tree, numel, bounds=bounds, pieces=self._det_pieces, gather=gather)
+        pieces_units = [[j for j, u in enumerate(schedule.units) if lo <= u.lo and u.hi <= hi]
+                        for lo, hi in self._det_pieces]
+        self._exchange = OwnerExchange(schedule, self.group, dtype=like.dtype, device=self.device,
+                                       pieces_units=pieces_units)
+        if self.vns:
+            self._det_hooks = [p.register_post_accumulate_grad_hook(self._det_on_grad) for p in self.params]
+
+    def _drop_exchange(self) -> None:
+        if self._exchange is not None:
+            self._exchange.abandon()
+        self._exchange = None
+        self._det_stream = None
+        for h in self._det_hooks:
+            h.remove()
+        self._det_hooks = []
+
+    def _det_on_grad(self, p: torch.Tensor) -> None:
+        """The last VN's backward finished ``p``'s gradient: send each piece that is complete, in
+        piece order (the same order on every worker)."""
+        st = self._det_stream
+        if st is None:
+            return
+        b = self._det_piece_of[id(p)]
+        st["pending"][b] -= 1
+        while st["next"] < len(self._det_piece_params) and st["pending"][st["next"]] == 0:
+            self._det_send_piece(st["next"])
+            st["next"] += 1
+
+    def _det_send_piece(self, b: int) -> None:
+        """Piece ``b`` of the last partial: the last VN's gradient of that piece, added into the
+        partial along the tree's right spine (innermost first: ``S_1 + (S_2 + (... + leaf))``,
+        element for element the additions :func:`tree_reduce_local` makes), then sent."""
+        st = self._det_stream
+        assert st is not None and self._exchange is not None
+        lo, hi = self._det_pieces[b]
+        out = st["out"][lo:hi]
+        if b < len(self._det_piece_params):
+            parts = []
+            for i in self._det_piece_params[b]:
+                p = self.params[i]
+                parts.append(p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()))
+            torch.cat(parts, out=out)
+        else:
+            out.copy_(st["tail"])
+        for left in reversed(st["spine"]):
+            torch.add(left[lo:hi], out, out=out)
+        self._exchange.send(st["node"], st["out"], piece=b)
 
     def _zero_grad(self) -> None:
         if self.flat is not None:
@@ -704,7 +811,9 @@ class VNEngine:
 
         last_vn = self.vns[-1] if self.vns else None
 
-        def leaf(vn: int) -> torch.Tensor:
+        def run_vn(vn: int) -> torch.Tensor:
+            """Forward and backward of one VN; returns its tail [BN stats (mean mode) | weighted
+            loss]; the VN's gradient is in ``p.grad``."""
             self._check_broken()
             t_vn = time.perf_counter()
             self._zero_grad()
@@ -717,19 +826,31 @@ class VNEngine:
             self._emulate(t_vn)
             weighted = weighted.detach()
             bad[vn] = (~torch.isfinite(weighted)).to(bad.dtype)
+            tail = []
+            if with_bn:
+                tail.append(self.bn.flat())
+            elif self.bn.numel and vn == 0:
+                self._first_bn = self.bn.flat()
+            tail.append(weighted.reshape(1))
+            return torch.cat(tail) if len(tail) > 1 else tail[0]
+
+        def leaf(vn: int) -> torch.Tensor:
+            tail = run_vn(vn)
             parts = [
                 p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in self.params
             ]
-            if with_bn:
-                parts.append(self.bn.flat())
-            elif self.bn.numel and vn == 0:
-                self._first_bn = self.bn.flat()
-            parts.append(weighted.reshape(1))
+            parts.append(tail)
             return torch.cat(parts)
 
         t_step = time.perf_counter()
         probed = False
-        if self.vns:
+        ex = self._exchange
+        if ex is not None:
+            ex.begin()  # every receive of the step is posted before the first send
+        if self.vns and ex is not None:
+            local = self._partials_streamed(leaf, run_vn)
+            self._det_compute_s = time.perf_counter() - t_step
+        elif self.vns:
             local = tree_reduce_local(self.tree.per_worker[self.group.rank], leaf)
             self._det_compute_s = time.perf_counter() - t_step
         else:  # no VN here: maybe a probe; no node of the tree to contribute
@@ -737,6 +858,18 @@ class VNEngine:
             self._det_compute_s, probed = self._idle_compute(step)
         self.phase = "reduction"
         self.clock.enter_reduction()  # left in step(), after the statistics' all-reduce
+        if ex is not None:
+            root = ex.finish(local)
+            if not self.vns:
+                self._note_idle(t_step, probed)
+            numel = self.grad_numel
+            if self.shard is not None:
+                lo, hi = self.shard.chunk()
+                self.flat.grad[lo:hi].copy_(root[lo:hi])
+            else:
+                self._det_flat = root[:numel]  # into p.grad once the step is decided (_finish_gradient)
+            bn_mean = root[numel : numel + self.bn.numel] / self.plan.virtual_nodes if with_bn else None
+            return root[-1], bn_mean
         like = None if local else self._leaf_like()
         if self.shard is not None:
             assert self.flat is not None and self.comm is not None
@@ -758,3 +891,42 @@ class VNEngine:
             bn_mean = total[offset : offset + self.bn.numel] / self.plan.virtual_nodes
             offset += self.bn.numel
         return total[offset], bn_mean
+
+    def _partials_streamed(self, leaf: Callable[[int], torch.Tensor],
+                           run_vn: Callable[[int], torch.Tensor]) -> dict[Node, torch.Tensor]:
+        """This worker's partial sums (the ``owners`` exchange), each sent as soon as it is final:
+        every partial but the last when its last VN is done (it travels while later VNs compute);
+        the last one piece by piece during the last VN's backward, as the backward finishes each
+        gradient bucket (:meth:`_det_on_grad`). The VNs run in the order, and the partials hold
+        the bits, of :func:`tree_reduce_local`."""
+        assert self.tree is not None and self.group is not None and self._exchange is not None
+        ex = self._exchange
+        nodes = self.tree.per_worker[self.group.rank]
+        local: dict[Node, torch.Tensor] = {}
+        for node in nodes[:-1]:
+            local[node] = tree_reduce_local([node], leaf)[node]
+            ex.send(node, local[node])
+        last = nodes[-1]
+        spine: list[torch.Tensor] = []  # sums of the left children along the last node's right spine
+        node = last
+        while node[1] - node[0] > 1:
+            left, right = split(node)
+            spine.append(tree_reduce_local([left], leaf)[left])
+            node = right
+        numel = self.grad_numel + self._tail_numel()
+        out = self._last_partial
+        if out is None or out.numel() != numel or out.dtype != ex.root.dtype:
+            out = self._last_partial = torch.empty(numel, dtype=ex.root.dtype, device=self.device)
+        n_buckets = len(self._det_piece_params)
+        st = self._det_stream = {"node": last, "out": out, "spine": spine, "tail": None,
+                                 "pending": [len(b) for b in self._det_piece_params], "next": 0}
+        try:
+            st["tail"] = run_vn(node[0])
+            while st["next"] < n_buckets:  # buckets of parameters without a gradient: zeros
+                self._det_send_piece(st["next"])
+                st["next"] += 1
+            self._det_send_piece(n_buckets)  # the tail
+        finally:
+            self._det_stream = None
+        local[last] = out
+        return local

@@ -120,7 +120,7 @@ class VNWorkerEngine:
             reduction=cfg.reduction, loader_workers=cfg.loader_workers, breakdown=cfg.breakdown,
             precision=job.precision, max_grad_norm=job.max_grad_norm,
             loss_scale=dict(job.loss_scale) if job.loss_scale is not None else None,
-            shard_replicas=cfg.shard_replicas,
+            shard_replicas=cfg.shard_replicas, deterministic_exchange=cfg.deterministic_exchange,
         ))
 
     # -- the engine's attributes, the VN engine's own -------------------------------------------
@@ -139,6 +139,11 @@ class VNWorkerEngine:
     @property
     def phase(self) -> str:
         return self.vn.phase
+
+    @property
+    def exchange_choice(self) -> tuple[str, str] | None:
+        """Deterministic mode: this generation's exchange and why (None otherwise)."""
+        return self.vn.exchange_choice
 
     @property
     def generation_broken(self) -> Callable[[], bool] | None:

@@ -378,6 +378,7 @@ class Worker:
                 "hold": record.hold, "group_s": t_group, "transfer_s": t_transfer, "bytes": moved,
                 "source": record.members[src] if behind else None, "receivers": behind,
                 "form_s": time.perf_counter() - t0, "time": time.time(),
+                **exchange_fields(self.engine),
             })
         if rank == src and self.last_report is not None:
             # The most advanced member re-sends its last step record before anyone trains on:
@@ -533,3 +534,12 @@ class Worker:
             old.close()
 
 
+
+
+def exchange_fields(engine: Any) -> dict[str, Any]:
+    """Deterministic mode's exchange for this generation, for the ``formed`` report (and the run's
+    events): ``{"exchange": name, "exchange_reason": why}``, both None without one."""
+    choice = getattr(engine, "exchange_choice", None)
+    if not choice:
+        return {"exchange": None, "exchange_reason": None}
+    return {"exchange": str(choice[0]), "exchange_reason": str(choice[1])[:1000]}

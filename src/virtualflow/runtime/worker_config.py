@@ -48,6 +48,8 @@ class WorkerConfig:
     resize and hang detection do not work; it measures what the control plane costs."""
     reduction: str = "allreduce"
     shard_replicas: int = 0
+    deterministic_exchange: str = "auto"
+    """Deterministic mode's exchange (:class:`~virtualflow.options.LaunchOptions` ``deterministic_exchange``)."""
     """``reduction="sharded"``: 1 keeps each chunk of the optimizer state on the next worker too
     (:class:`~virtualflow.options.LaunchOptions` ``shard_replicas``)."""
     loader_workers: int = 0

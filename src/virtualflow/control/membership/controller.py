@@ -280,6 +280,8 @@ class MembershipController:
             if g == self.generation and self.stages is not None:
                 self._formed_layout = (list(self.members), self.layout)
             self.last_step = max(self.last_step, r["step"])
+            if r.get("exchange") is not None:
+                self.coord.event("exchange", generation=g, algorithm=r["exchange"], reason=r.get("exchange_reason"))
             change = self._change
             if change is not None and change.generation == g:
                 self.coord.event(
