@@ -14,6 +14,7 @@ the process driver, the per-stage groups, the state gathering and the resize pat
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -44,14 +45,23 @@ def size_changes(result: vf.Result) -> list[int]:
     return [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n]
 
 
+def _events(run_dir: str, kind: str) -> list[dict]:
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        return [e for e in map(json.loads, f) if e["event"] == kind]
+
+
 def unpipelined(steps: int) -> vf.Result:
     return vf.train(jobs.pipelined_job().replace(pipeline=None), workers=1, steps=steps, deterministic=True)
 
 
 def test_two_stages_two_replicas_bit_identical_to_unpipelined(run_dir):
-    result = vf.train(jobs.pipelined_job, workers=4, steps=5, deterministic=True, run_dir=run_dir)
+    # the stages' reductions over the replicas with the first algorithm (the default, "owners",
+    # runs in the other deterministic tests here)
+    result = vf.train(jobs.pipelined_job, workers=4, steps=5, deterministic=True, run_dir=run_dir,
+                      deterministic_exchange="slots")
     ref = unpipelined(5)
     assert_state_equal(result.state_dict, ref.state_dict)
+    assert [e["algorithm"] for e in _events(run_dir, "exchange")] == ["slots"]
     assert [h["loss"] for h in result.history] == [h["loss"] for h in ref.history]
     assert result.history[-1]["workers"] == 4
     # evaluation runs on the whole model, gathered from the stages (every 2 steps and at the end)
@@ -183,37 +193,20 @@ def test_a_weight_tied_across_workers_trains_like_the_unpipelined_model(run_dir)
         torch.testing.assert_close(result.state_dict[k], ref.state_dict[k], rtol=1e-5, atol=1e-6)
 
 
-def _tied_wide_model():
-    from torch import nn
-
-    first, last = nn.Linear(10, 10), nn.Linear(10, 10)
-    last.weight = first.weight
-    return nn.Sequential(first, nn.Tanh(), nn.Linear(10, 96), nn.Tanh(), nn.Linear(96, 96), nn.Tanh(),
-                         nn.Linear(96, 10), nn.Tanh(), last)
-
-
 def test_a_weight_tied_across_workers_deterministic_bit_identical(run_dir):
     """Deterministic mode, 2 stages x 2 replicas in processes: the last stage sends its copy's
     per-VN gradients to the first (gloo point to point), which sums each VN's two uses before the
     tree and sends the total back: bit-identical to the unpipelined deterministic run. The stages'
-    vectors differ in size so that the automatic choice runs the ``owners`` exchange over the
-    replicas on one stage and ``slots`` on the other (checked below from the same rule)."""
+    reductions over the replicas run the ``owners`` exchange (the automatic choice)."""
     import pipeline_models
-    from virtualflow.plan.exchange import choose_exchange
-    from virtualflow.plan.pipeline.geometry import layers_of, resolve_bounds
-    from virtualflow.plan.vnmap import TreePlan, contiguous_assignment
 
-    job = jobs.pipelined_job().replace(model=_tied_wide_model, evaluate=None)
-    layers = layers_of(job.model())
-    numel = [sum(q.numel() for i in range(a, b) for q in layers[i].parameters()) for a, b in
-             resolve_bounds(job.pipeline, len(layers))]
-    numel[1] += 1 - 100  # the loss; the last stage's copy of the tied weight is not in its vector
-    plan = TreePlan.build(contiguous_assignment(job.virtual_nodes, 2))
-    assert sorted(choose_exchange(plan, n, 4)[0] for n in numel) == ["owners", "slots"]
+    job = jobs.pipelined_job().replace(model=_tied_model, evaluate=None)
     ref_state, ref_losses = pipeline_models.unpipelined(job, 4, True)  # the VN engine in this process
     result = vf.train(job, workers=4, steps=4, deterministic=True, run_dir=run_dir)
     assert_state_equal(result.state_dict, ref_state)
     assert [h["loss"] for h in result.history] == ref_losses
+    chosen = _events(run_dir, "exchange")  # rank 0 reports its stage's choice
+    assert chosen and all(e["algorithm"] == "owners" and e["reason"].startswith("stage 0: ") for e in chosen)
 
 
 def test_a_weight_tied_across_workers_is_refused_where_it_cannot_be_exact():

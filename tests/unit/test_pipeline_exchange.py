@@ -5,9 +5,8 @@
 - ``owners`` over an in-process fabric (threads, point to point): every replica gets the fixed
   tree's root bit for bit (a plain tree sum of the leaves), step after step with the same
   exchange object (its buffers and alternating tags), for uneven VN blocks.
-- The choice: ``auto`` picks ``slots`` for a small stage vector and ``owners`` for a large one,
-  a forced knob is obeyed, the reason is kept per stage group, and a bad value is refused naming
-  the knob.
+- The choice: ``auto`` is :func:`choose_exchange`'s for the stage's vector, a forced knob is
+  obeyed, the reason is kept per stage group, and a bad value is refused naming the knob.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import torch
 import pipeline_models as pm
 from fabric import Fabric, run_ranks
 from virtualflow.comm.reduce import tree_reduce_local
+from virtualflow.plan.exchange import choose_exchange
 from virtualflow.plan.vnmap import TreePlan, contiguous_assignment
 from virtualflow.runtime.pipeline.links import StageExchanges
 from virtualflow.runtime.pipeline.requests import StageTree
@@ -56,14 +56,14 @@ def test_the_automatic_choice_and_the_knob():
     plan = TreePlan.build(contiguous_assignment(8, 2))
     small, large = torch.zeros(100), torch.zeros(100_000)
     auto = StageExchanges()
-    assert auto.choose(None, plan, small) == "slots"
-    assert "bytes" in auto.choices[None][1]
+    assert auto.choose(None, plan, small) == choose_exchange(plan, 100, 4)[0]
+    assert auto.choices[None] == choose_exchange(plan, 100, 4)
     assert auto.choose(3, plan, large) == "owners"  # a job stage of a failed-over replica
     assert set(auto.choices) == {None, 3}
-    assert StageExchanges("owners").choose(None, plan, small) == "owners"
     forced = StageExchanges("slots")
     assert forced.choose(None, plan, large) == "slots"
     assert "asked for" in forced.choices[None][1]
+    assert StageExchanges("owners").choose(None, plan, small) == "owners"
     with pytest.raises(ValueError, match="deterministic_exchange='ring' is not one of auto, owners, slots"
                                          ".*--deterministic-exchange"):
         StageExchanges("ring")

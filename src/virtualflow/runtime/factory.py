@@ -40,7 +40,8 @@ def build_engine(cfg: WorkerConfig, worker_id: int, job: Job, dataset: Any, stor
             return make_subgroup(store, generation, name, rank, size, cfg.collective_timeout_s, device)
 
         stages = PipelineWorkerEngine(job, dataset, deterministic=cfg.deterministic, device=device,
-                                      subgroup=subgroup, eager_every_wait=eager_every_wait)
+                                      subgroup=subgroup, eager_every_wait=eager_every_wait,
+                                      deterministic_exchange=cfg.deterministic_exchange)
         stages.total_steps = cfg.total_steps
         stages.timeline_dir = os.path.join(cfg.state_dir, "pipeline")
         engine: Engine = stages

@@ -210,6 +210,19 @@ class StageEngine:
             self.replica_of_successor.rewind()
         self.optimizer.zero_grad(set_to_none=True)
 
+    def tree_vector(self) -> tuple[int, torch.dtype]:
+        """Deterministic mode: the size and dtype of this worker's per-VN vector, the one its
+        reduction over the replicas sums along the tree ``[gradients of tree_params | BatchNorm
+        statistics ("mean") | loss (last piece)]``."""
+        is_last = self.last in self.pieces
+        with_bn = bool(self.bn_numel) and self.batchnorm == "mean"
+        numel = sum(q.numel() for q in self.tree_params) + (self.bn_numel if with_bn else 0) + int(is_last)
+        dtypes = [q.dtype for q in self.tree_params] + ([torch.float32] if with_bn or is_last else [])
+        dtype = dtypes[0] if dtypes else torch.float32
+        for d in dtypes[1:]:
+            dtype = torch.promote_types(dtype, d)
+        return numel, dtype
+
     @property
     def stats_numel(self) -> int:
         """Entries of a flush step's stats vector (:meth:`FlushStep.finish`): the same on every

@@ -133,6 +133,27 @@ class PipelineWorkerEngine:
         return {"seconds": s, "forwards": n, "skipped": skipped, "reused": reused, "peak_bytes": peak}
 
     @property
+    def exchange_choice(self) -> tuple[str, str] | None:
+        """Deterministic mode: the exchange this worker's stage group runs over the replicas in
+        this generation, and why (:class:`~.links.StageExchanges`; each stage chooses for its own
+        vector, so rank 0 reports its stage's). ``None`` otherwise."""
+        stage = self.stage
+        if not self.deterministic or stage is None or stage.tree is None or self.grid is None:
+            return None
+        numel, dtype = stage.tree_vector()
+        like = torch.empty(numel, dtype=dtype, device="meta")
+        if stage.job_stages is None:
+            name = self.exchanges.choose(None, stage.tree, like)
+            return name, f"stage {self.grid.stage_rank}: {self.exchanges.choices[None][1]}"
+        names, reasons = [], []  # Bamboo: one reduction per job stage this worker runs
+        is_last = stage.last in stage.pieces
+        with_bn = bool(stage.bn_numel) and stage.batchnorm == "mean"
+        for s, idx in stage.reducer.stage_slices(True, with_bn, is_last):
+            names.append(self.exchanges.choose(s, stage.tree, like[: idx.numel()]))
+            reasons.append(f"job stage {s}: {self.exchanges.choices[s][1]}")
+        return "/".join(dict.fromkeys(names)), "; ".join(reasons)
+
+    @property
     def optimizer(self):
         return self.stage.optimizer if self.stage is not None else None
 
