@@ -116,19 +116,7 @@ def run_worker(cfg: WorkerConfig, worker_id: int, notice: PreemptionNotice | Non
     torch.set_num_threads(cfg.threads)
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
-    try:
-        store = dist.TCPStore(
-            cfg.store_host,
-            cfg.store_port,
-            is_master=False,
-            timeout=datetime.timedelta(seconds=cfg.store_timeout_s),
-        )
-    except (RuntimeError, OSError) as exc:  # torch's DistNetworkError / DistStoreError are RuntimeErrors
-        raise ConnectionError(
-            f"worker {worker_id} ({socket.gethostname()}) cannot reach the job's store at {cfg.store_host}:"
-            f"{cfg.store_port}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}; the coordinator "
-            f"listens there (listen= / --listen; on Ray, by default the driver's node address): that address must "
-            f"be reachable from every worker's machine") from exc
+    store = _connect_store(cfg, worker_id)
     reporter = Reporter(store, protocol.RunKey(cfg.run_key, cfg.job_id), worker_id)
     worker: Worker | None = None
     try:
@@ -142,6 +130,40 @@ def run_worker(cfg: WorkerConfig, worker_id: int, notice: PreemptionNotice | Non
     except Exception as exc:
         report_failure(reporter, worker_id, exc, worker)
         return 1
+
+
+STORE_REACH_TIMEOUT_S = 60.0
+"""How long a starting worker tries to open a connection to the job's store before it gives up
+naming the address (the store listens before any worker starts: no connection in this long
+means the address is not reachable from this machine)."""
+
+
+def _connect_store(cfg: WorkerConfig, worker_id: int) -> dist.TCPStore:
+    """The job's store; a store this machine cannot reach is a ``ConnectionError`` naming the
+    address and the knob within :data:`STORE_REACH_TIMEOUT_S` (the store's own connect would
+    retry for ``store_timeout_s``, 10 minutes by default)."""
+    where = f"{cfg.store_host}:{cfg.store_port}"
+
+    def unreachable(why: str) -> ConnectionError:
+        return ConnectionError(
+            f"worker {worker_id} ({socket.gethostname()}) cannot reach the job's store at {where}: {why}; the "
+            f"coordinator listens there (listen= / --listen; on Ray, by default the driver's node address): that "
+            f"address must be reachable from every worker's machine")
+
+    deadline = time.monotonic() + min(cfg.store_timeout_s, STORE_REACH_TIMEOUT_S)
+    while True:
+        try:
+            socket.create_connection((cfg.store_host, cfg.store_port), timeout=5.0).close()
+            break
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise unreachable(exc.strerror or str(exc) or type(exc).__name__) from None
+            time.sleep(0.2)
+    try:
+        return dist.TCPStore(cfg.store_host, cfg.store_port, is_master=False,
+                             timeout=datetime.timedelta(seconds=cfg.store_timeout_s))
+    except (RuntimeError, OSError) as exc:  # torch's DistNetworkError / DistStoreError are RuntimeErrors
+        raise unreachable(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)) from exc
 
 
 class PreemptionNotice:
