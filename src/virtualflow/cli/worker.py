@@ -119,9 +119,8 @@ def _refusal(raw: bytes) -> str | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from virtualflow.comm import auth
-
     from virtualflow.backends.external import parse_address
+    from virtualflow.comm import auth
     from virtualflow.comm.net import resolve_interface
 
     if args.interface is not None:  # before joining: a worker that cannot start takes no place

@@ -52,7 +52,6 @@ sockets cannot be told apart, so their waits are bounded by the timeouts alone.
 from __future__ import annotations
 
 import datetime
-import ipaddress
 import os
 import socket
 import stat
@@ -62,6 +61,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+
+from virtualflow.config.network import is_ip
 
 WAIT_SLICE_S = 0.05
 """A collective wait's slice: how often a waiting member reads the abort flag."""
@@ -469,17 +470,9 @@ def gloo_options(timeout: datetime.timedelta, bind: Sequence[str]) -> Any:
     """gloo's options with one device per address (or interface name) in ``bind``."""
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=a) if _is_address(a)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=a) if is_ip(a)
                      else dist.ProcessGroupGloo.create_device(interface=a) for a in bind]
     return opts
-
-
-def _is_address(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
 
 
 def _build(store: dist.Store, prefix_name: str, generation: int, rank: int, size: int, timeout_s: float,

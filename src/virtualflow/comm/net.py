@@ -31,6 +31,7 @@ from virtualflow.config.network import check_interface_spec, is_ip
 __all__ = ["check_interface_spec", "interface_address", "interfaces", "is_local_address", "resolve_interface",
            "route_source"]
 
+
 def interfaces() -> list[str]:
     """This machine's network interface names."""
     try:
