@@ -8,9 +8,11 @@ in another host with the job's token, and a Ray cluster of three hosts (head in 
 --address`` in two) whose job's workers land on different hosts. Every test skips with one line
 where network namespaces cannot be built (no root, no iproute2).
 
-Nothing here sets gloo's interface: the hosts' name resolves to 127.0.0.1 on this machine (as on
-many), so the workers' default (``interface="auto"``: the address that reaches the store) is
-what makes these runs cross the hosts' links; gloo's own default would advertise loopback.
+The machine's host name resolves to 127.0.0.1 here (as on many), so gloo's own choice of
+address would advertise loopback to the other hosts and fail; what makes these runs cross the
+hosts' links is the workers' ``interface`` setting: its default ``auto`` (the address that
+reaches the store) on Ray, and on the external workers the three other ways to give it (a
+machine's ``GLOO_SOCKET_IFNAME``, ``virtualflow worker --interface``).
 """
 
 from __future__ import annotations
@@ -257,11 +259,17 @@ def test_external_workers_join_from_other_hosts(hosts, tmp_path, reference):
     coord = h0.run([*VF, "run", JOB, "--backend", "external", "--listen", addr, "--workers", "2",
                     "--steps", str(STEPS), "--deterministic", "--run-dir", run_dir, "--token-file", token,
                     "--no-progress"], env=ENV, stdout=_log(tmp_path, "coordinator"), stderr=subprocess.STDOUT)
-    workers = [h.run([*VF, "worker", "--join", addr, "--token-file", token, "--join-timeout", "60"], env=ENV,
-                     stdout=_log(tmp_path, h.name), stderr=subprocess.STDOUT) for h in (h1, h2)]
+    # gloo's address three ways: the job's auto (h0's coordinator), a machine's GLOO_SOCKET_IFNAME
+    # (h1), `virtualflow worker --interface ADDR` (h2)
+    join = [*VF, "worker", "--join", addr, "--token-file", token, "--join-timeout", "60"]
+    workers = [h1.run(join, env={**ENV, "GLOO_SOCKET_IFNAME": "eth0"}, stdout=_log(tmp_path, "h1"),
+                      stderr=subprocess.STDOUT),
+               h2.run([*join, "--interface", h2.ip], env=ENV, stdout=_log(tmp_path, "h2"), stderr=subprocess.STDOUT)]
     logs = ("coordinator", "h1", "h2")
     assert coord.wait(timeout=120) == 0, _tail(tmp_path, *logs)
     assert [w.wait(timeout=30) for w in workers] == [0, 0], _tail(tmp_path, *logs)
+    assert f"collectives bind {h1.ip} (GLOO_SOCKET_IFNAME eth0)" in (tmp_path / "h1.log").read_text()
+    assert f"collectives bind {h2.ip} (virtualflow worker --interface {h2.ip})" in (tmp_path / "h2.log").read_text()
     _assert_matches(run_dir, reference)
     joined = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert sorted(e["worker"] for e in joined if e["event"] == "joined") == [0, 1]
