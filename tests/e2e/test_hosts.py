@@ -11,7 +11,7 @@ where network namespaces cannot be built (no root, no iproute2).
 The machine's host name resolves to 127.0.0.1 here (as on many), so gloo's own choice of
 address would advertise loopback to the other hosts and fail; what makes these runs cross the
 hosts' links is the workers' ``interface`` setting: its default ``auto`` (the address that
-reaches the store) on Ray, and on the external workers the three other ways to give it (a
+reaches the store) on Ray, and on the external workers the two other ways to give it (a
 machine's ``GLOO_SOCKET_IFNAME``, ``virtualflow worker --interface``).
 """
 
