@@ -135,6 +135,9 @@ class Coordinator:
         self.reports = protocol.ReportReader(self.run)
         self.rejects = RejectLog(self.event, logger)
         """Every refused message of the job is logged through this (bounded)."""
+        self.fenced: dict[int, int] = {}
+        """Worker id -> the last generation it was assigned to, for workers fenced out (silent for
+        the heartbeat timeout): their reports are refused from then on (:meth:`fence`)."""
 
     # -- events ---------------------------------------------------------------------------
     def event(self, kind: str, **fields: Any) -> None:
@@ -171,6 +174,13 @@ class Coordinator:
         ``leave <g>`` or ``fail`` (``vf/member/<worker>/next/<after>``, signed)."""
         self.store.set(protocol.next_key(worker, after), protocol.seal_next(self.run, worker, after, to))
 
+    def fence(self, worker: int, generation: int, cause: str = "") -> None:
+        """Refuse every later report of ``worker`` (it was fenced out after ``generation``): a
+        worker cut off by a partition still holds a valid run key, and when the partition heals
+        its reports (a fault of its old generation, a step, an error) must not count."""
+        self.fenced[worker] = generation
+        self.event("fenced", worker=worker, generation=generation, cause=cause)
+
     def abort(self, generation: int) -> None:
         """Declare generation ``generation`` broken (its members stop waiting on each other)."""
         self.store.set(protocol.abort_key(generation), protocol.seal_abort(self.run, generation))
@@ -182,9 +192,17 @@ class Coordinator:
         reports = []
         for raw in protocol.pop_raw(self.store, protocol.REPORTS_QUEUE):
             try:
-                reports.append(self.reports.parse(raw))
+                r = self.reports.parse(raw)
             except ValueError as exc:
                 self.rejects("report_rejected", exc, raw)
+                continue
+            if r["worker"] in self.fenced:
+                g = self.fenced[r["worker"]]
+                self.rejects("report_rejected", f"worker {r['worker']} was fenced out after generation {g}: its "
+                             f"{r['type']} report is refused", raw, worker=r["worker"], type=r["type"],
+                             generation=r.get("generation"), fenced_after=g)
+                continue
+            reports.append(r)
         for r in reports:
             kind = r.get("type")
             if kind == "step":

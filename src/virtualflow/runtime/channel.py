@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import torch.distributed as dist
@@ -108,8 +109,10 @@ class Heartbeat:
     every member still acts on a command at the same boundary (a command waits at most one
     interval longer) and none acts on a forged one. Without ``run`` (a benchmark of the
     heartbeat alone) it reads the same keys but follows nothing. If the coordinator itself is gone
-    (the store stops answering), the worker exits: an orphan must not keep training
-    (``virtualflow run --resume`` continues the job from its last checkpoint). It also watches
+    or cut off (the store has not answered for ``coordinator_timeout_s``), the worker exits with
+    code 3: an orphan must not keep training (``virtualflow run --resume`` continues the job from
+    its last checkpoint). A shorter outage is survived; whether the worker still counts is the
+    coordinator's decision (its ``heartbeat_timeout_s``). It also watches
     the current generation's abort flag, so a step that can no longer complete is abandoned
     before its next virtual node rather than at its reduction (:meth:`broken`).
     """
@@ -146,13 +149,18 @@ class Heartbeat:
         return self._broken.is_set()
 
     def _run(self) -> None:
-        misses = 0
+        limit_s = self.cfg.coordinator_timeout_s
+        # Each store call may take this long before it counts as a miss; the worker gives up once
+        # nothing has succeeded for ``coordinator_timeout_s`` (a partition that heals sooner is
+        # survived: the coordinator decides, by its own heartbeat timeout, whether it still counts).
+        op_timeout = datetime.timedelta(seconds=max(0.2, min(5.0, limit_s / 3)))
+        last_ok = time.monotonic()
         store = None
         while not self._stop.is_set():
             try:
                 if store is None:
                     store = dist.TCPStore(self.cfg.store_host, self.cfg.store_port, is_master=False,
-                                          timeout=datetime.timedelta(seconds=5))
+                                          timeout=op_timeout)
                 store.add(self.key, 1)
                 seq = protocol.parse_seq(store.get(protocol.CONTROL_SEQ_KEY))
                 with self._lock:
@@ -167,12 +175,15 @@ class Heartbeat:
                         with self._lock:
                             if g == self._generation:
                                 self._broken.set()
-                misses = 0
+                last_ok = time.monotonic()
             except Exception as exc:  # noqa: BLE001
-                misses += 1
                 store = None
-                if misses >= 3:
-                    print(f"virtualflow worker: the coordinator is unreachable ({exc}); exiting", flush=True)
+                silent_s = time.monotonic() - last_ok
+                if silent_s >= limit_s:
+                    print(f"virtualflow worker: the coordinator at {self.cfg.store_host}:{self.cfg.store_port} has "
+                          f"been unreachable for {silent_s:.1f} s (coordinator_timeout_s={limit_s:g}; last error: "
+                          f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}); exiting",
+                          flush=True)
                     os._exit(3)
             self._stop.wait(self.cfg.heartbeat_interval_s)
 
