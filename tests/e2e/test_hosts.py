@@ -1,0 +1,202 @@
+"""Hosts on one machine (tests/hosts.py), and virtualflow across them.
+
+The harness first: hosts reach each other and nothing else, rate limits and partitions act on
+the link, a host dies whole, and nothing (namespace, veth, bridge, process) is left behind however
+the test that built the hosts ends. Then multi-node runs across the hosts. Every test skips with
+one line where network namespaces cannot be built (no root, no iproute2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import hosts as H
+from hosts import hosts, make_hosts  # noqa: F401 - fixtures
+
+TESTS = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+SERVER = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], 5000)); s.listen(); print("ready", flush=True)
+c, _ = s.accept(); t = time.perf_counter(); n = 0
+while True:
+    b = c.recv(1 << 16)
+    if not b: break
+    n += len(b)
+print(n, time.perf_counter() - t, flush=True)
+"""
+CLIENT = """
+import socket, sys
+s = socket.create_connection((sys.argv[1], 5000), timeout=float(sys.argv[3]))
+s.sendall(b"x" * int(sys.argv[2])); s.close()
+"""
+
+
+def _serve(host: H.Host) -> subprocess.Popen:
+    p = host.run([PY, "-c", SERVER, host.ip], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def _send(src: H.Host, dst: H.Host, nbytes: int, timeout_s: float = 10.0) -> None:
+    src.check_output([PY, "-c", CLIENT, dst.ip, str(nbytes), str(timeout_s)])
+
+
+def _received(srv: subprocess.Popen) -> tuple[int, float]:
+    """What the server got: bytes, and seconds from the connection to its end."""
+    n, took = srv.stdout.readline().split()
+    srv.wait(timeout=10)
+    return int(n), float(took)
+
+
+def test_hosts_reach_each_other_and_nothing_else(hosts):
+    h0, h1, h2 = hosts
+    assert len({h.ip for h in hosts}) == 3 and all(h.ip.startswith("10.") for h in hosts)
+    # one interface with one address and one route: the hosts' /24, no default route
+    for h in hosts:
+        addrs = json.loads(h.check_output(["ip", "-j", "-4", "addr"]))
+        assert {(a["ifname"], i["local"]) for a in addrs for i in a["addr_info"]} == {("lo", "127.0.0.1"), ("eth0", h.ip)}
+        routes = json.loads(h.check_output(["ip", "-j", "route"]))
+        assert [r["dst"] for r in routes] == [hosts.subnet + ".0/24"]
+    # a TCP stream h0 -> h1, counted on both interfaces (payload plus headers)
+    tx0, rx0 = hosts.bytes("h0")
+    tx1, rx1 = hosts.bytes("h1")
+    srv = _serve(h1)
+    _send(h0, h1, 1_000_000)
+    assert _received(srv)[0] == 1_000_000
+    sent, got = hosts.bytes("h0")[0] - tx0, hosts.bytes("h1")[1] - rx1
+    assert 1_000_000 < sent < 1_100_000 and 1_000_000 < got < 1_100_000
+    assert hosts.bytes("h2")[1] < 10_000  # h2 saw at most ARP broadcasts
+    # the machine's own addresses are not reachable from a host
+    outside = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+    other = next(line.split()[3].split("/")[0] for line in outside.splitlines() if " lo " not in line)
+    with pytest.raises(RuntimeError, match="unreachable"):
+        h2.check_output([PY, "-c", f"import socket; socket.create_connection(('{other}', 22), timeout=2)"])
+
+
+def test_rate_limit_and_partition(make_hosts):
+    hosts = make_hosts(2, rate_mbit={"h1": 8})
+    h0, h1 = hosts
+    # 1 MB into a host limited to 8 Mbit/s (1 MB/s) takes about a second, whatever the load
+    srv = _serve(h1)
+    _send(h0, h1, 1_000_000)
+    n, took = _received(srv)
+    assert n == 1_000_000 and took > 0.8, f"1 MB crossed an 8 Mbit/s link in {took:.2f} s"
+    h1.clear_rate()
+    # partition: h1's port down, a connection to it times out; healed, it goes through
+    srv = _serve(h1)
+    h1.link_down()
+    with pytest.raises(RuntimeError, match="timed out|unreachable"):
+        _send(h0, h1, 10, timeout_s=1.0)
+    assert srv.poll() is None  # h1 itself keeps running
+    h1.link_up()
+    _send(h0, h1, 1000)
+    assert _received(srv)[0] == 1000
+
+
+def test_kill_all_takes_daemons_too(hosts):
+    h1 = hosts["h1"]
+    direct = h1.run(["sleep", "300"])
+    # a daemon: its own session, parent gone, not a child of this process
+    h1.check_output(["sh", "-c", "setsid sleep 301 </dev/null >/dev/null 2>&1 &"])
+    other = hosts["h2"].run(["sleep", "302"])
+    deadline = time.monotonic() + 5
+    while len(h1.pids()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(h1.pids()) == 2
+    killed = h1.kill_all()
+    assert direct.pid in killed and len(killed) == 2
+    assert direct.returncode == -signal.SIGKILL and h1.pids() == []
+    assert other.poll() is None  # another host is untouched
+
+
+# -- nothing left behind ----------------------------------------------------------------------
+
+BODY = """
+import os, signal, subprocess, sys, time
+sys.path.insert(0, {tests!r})
+import hosts as H
+hs = H.Hosts(2)
+hs["h0"].run(["sleep", "300"])
+hs["h1"].check_output(["sh", "-c", "setsid sleep 301 </dev/null >/dev/null 2>&1 &"])
+while len(hs["h1"].pids()) < 1: time.sleep(0.01)
+pids = [p for h in hs for p in h.pids()]
+print(hs.prefix, " ".join(f"{{p}}:{{H._start_time(p)}}" for p in pids), flush=True)
+how = {how!r}
+if how == "exception":
+    raise RuntimeError("the test body fails")
+elif how == "exit":
+    sys.exit(3)
+time.sleep(60)  # killed by the test
+"""
+
+PYTEST_BODY = """
+from hosts import hosts  # noqa: F401
+import hosts as H, time
+
+def test_fails(hosts):
+    hosts["h0"].run(["sleep", "300"])
+    hosts["h2"].check_output(["sh", "-c", "setsid sleep 301 </dev/null >/dev/null 2>&1 &"])
+    while len(hosts["h2"].pids()) < 1: time.sleep(0.01)
+    pids = [p for h in hosts for p in h.pids()]
+    print("MARK", hosts.prefix, " ".join(f"{p}:{H._start_time(p)}" for p in pids), flush=True)
+    assert False, "the test body fails"
+"""
+
+
+def _assert_nothing_left(prefix: str, pids: list[tuple[int, int]]) -> None:
+    left = H.leftovers(prefix)
+    assert left == {"namespaces": [], "links": [], "state_files": []}, left
+    alive = [p for p, start in pids if H.alive(p, start)]
+    assert alive == [], f"processes {alive} survived"
+
+
+def _parse(line: str) -> tuple[str, list[tuple[int, int]]]:
+    prefix, *pids = line.split()
+    return prefix, [(int(a), int(b)) for a, b in (p.split(":") for p in pids)]
+
+
+@pytest.mark.parametrize("how", ["exception", "exit", "SIGINT", "SIGTERM", "SIGKILL"])
+def test_nothing_left_behind(how, tmp_path):
+    H.skip_unless_available()
+    p = subprocess.Popen([PY, "-c", BODY.format(tests=str(TESTS), how=how)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    prefix, pids = _parse(p.stdout.readline())
+    assert prefix.startswith("vf") and len(pids) == 2
+    assert H.leftovers(prefix)["namespaces"], "the hosts were built"
+    if how.startswith("SIG"):
+        p.send_signal(getattr(signal, how))
+    p.wait(timeout=30)
+    if how == "SIGKILL":  # nothing ran in the process: its watchdog tears down
+        deadline = time.monotonic() + 10
+        while H.leftovers(prefix)["namespaces"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+    else:
+        assert p.returncode != 0
+    _assert_nothing_left(prefix, pids)
+
+
+def test_nothing_left_behind_a_failing_pytest_test(tmp_path):
+    H.skip_unless_available()
+    (tmp_path / "test_body.py").write_text(PYTEST_BODY)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([PY, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                        "-c", os.devnull, str(tmp_path / "test_body.py")],
+                       capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
+    assert r.returncode == 1 and "the test body fails" in r.stdout, r.stdout + r.stderr
+    mark = next(line for line in r.stdout.splitlines() if "MARK" in line)
+    prefix, pids = _parse(mark.split("MARK", 1)[1])
+    assert len(pids) == 2
+    _assert_nothing_left(prefix, pids)
