@@ -258,6 +258,10 @@ class Coordinator:
             record.update(breakdown=parts, breakdown_step=r["breakdown_step"])
         self.history.append(record)
         self.progress.step = r["step"] + 1
+        # What the records reach: a worker that prunes checkpoints keeps the newest one within it,
+        # so a resume never has to start past the records (workers cut off from this coordinator
+        # train on and checkpoint steps nobody records: launching/resume.py skips those).
+        self.store.set(protocol.RECORDED_KEY, str(self.progress.step))
         self.progress.last_loss = r["loss"]
         self.progress.samples_per_s = record["samples_per_s"]
         self.progress.last_step = record
