@@ -127,7 +127,7 @@ class WorkerBoundary:
         """Steps the coordinator has recorded (``vf/recorded``), or None when it says nothing.
         On a coordinator cut off by a partition this read blocks, and the worker with it, until
         the heartbeat's watchdog ends the process: no checkpoint is pruned meanwhile."""
-            store = getattr(self.report, "store", None)
+        store = getattr(self.report, "store", None)
         if store is None or not store.check([protocol.RECORDED_KEY]):
             return None
         return protocol.parse_seq(store.get(protocol.RECORDED_KEY))
