@@ -63,7 +63,8 @@ class Run:
             env=self.env, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.workers: dict[int, subprocess.Popen] = {}  # pid -> process
         self.where: dict[int, str] = {}  # pid -> host name
-        wait(lambda: (self.run_dir / "status.json").exists(), "the coordinator listening", self.coordinator, 60)
+        started = len(events(self.run_dir, "start"))  # a resumed run appends to the same events.jsonl
+        wait(lambda: len(events(self.run_dir, "start")) > started, "the coordinator listening", self.coordinator, 60)
 
     def join(self, host: str, *, timeout_s: float = 60.0) -> subprocess.Popen:
         log = open(self.tmp / f"{host}-{len(self.workers)}.log", "wb")
@@ -252,7 +253,8 @@ def test_the_coordinators_host_cut_off_workers_exit_in_bounded_time_and_resume_i
         hosts["h0"].link_down()  # the coordinator's host: the workers still reach each other
         codes = [p.wait(timeout=timeout_s + 20) for p in procs]
         exited_s = time.monotonic() - t_cut
-        run.coordinator.wait(timeout=30)  # it lost every worker: the job fails
+        hosts["h0"].link_up()
+        run.coordinator.wait(timeout=30)  # it lost every worker: the job failed
     finally:
         if run.coordinator.poll() is None:
             run.coordinator.kill()
@@ -263,7 +265,6 @@ def test_the_coordinators_host_cut_off_workers_exit_in_bounded_time_and_resume_i
     assert exited_s < timeout_s + 6.0  # the bound, plus a store call's timeout and start-up slack
     assert "has been unreachable for" in run.output()
     # Healed, the job continues from its last good state, in place, to a fixed number of steps.
-    hosts["h0"].link_up()
     steps = max(recorded_steps(run.run_dir)) + 6
     resumed = Run(hosts, tmp_path, steps=steps, run_dir=run.run_dir,
                   extra=("--workers", "2", "--resume", str(run.run_dir)))
