@@ -150,12 +150,12 @@ def assert_exact(run_dir: Path, *, first_step: int = 0) -> dict:
 
 # ---------------------------------------------------------------------------------------------
 def test_a_whole_host_dies_and_the_job_goes_on_exactly(make_hosts, tmp_path):
-    hosts = make_hosts(4)
-    run = Run(hosts, tmp_path, extra=("--workers", "3"))
+    hosts = make_hosts(3)
+    run = Run(hosts, tmp_path, extra=("--workers", "2"))
     try:
-        for h in ("h1", "h2", "h3"):
+        for h in ("h1", "h2"):
             run.join(h)
-        run.wait_steps(4, "4 steps on 3 hosts")
+        run.wait_steps(4, "4 steps on 2 hosts")
         victim = run.worker_on("h2")
         killed = hosts["h2"].kill_all()  # every process of the host at once: no goodbye
         assert killed
@@ -163,7 +163,7 @@ def test_a_whole_host_dies_and_the_job_goes_on_exactly(make_hosts, tmp_path):
                          for g in events(run.run_dir, "generation")[1:]), "a generation without the dead host",
              run.coordinator)
         n = len(run.steps())
-        run.wait_steps(n + 3, "3 more steps on the 2 hosts left")
+        run.wait_steps(n + 3, "3 more steps on the host left")
         assert run.stop() == 128 + signal.SIGTERM, run.output()
     finally:
         if run.coordinator.poll() is None:
@@ -174,20 +174,20 @@ def test_a_whole_host_dies_and_the_job_goes_on_exactly(make_hosts, tmp_path):
 
 
 def test_a_partitioned_host_is_fenced_and_its_writes_are_refused_when_it_heals(make_hosts, tmp_path):
-    hosts = make_hosts(4)
+    hosts = make_hosts(3)
     # The partition (a few seconds) is far shorter than --coordinator-timeout: the cut-off worker
     # stays alive, so it certainly comes back and tries.
-    run = Run(hosts, tmp_path, extra=("--workers", "3", "--coordinator-timeout", "60"))
+    run = Run(hosts, tmp_path, extra=("--workers", "2", "--coordinator-timeout", "60"))
     try:
-        procs = {h: run.join(h) for h in ("h1", "h2", "h3")}
-        run.wait_steps(4, "4 steps on 3 hosts")
+        procs = {h: run.join(h) for h in ("h1", "h2")}
+        run.wait_steps(4, "4 steps on 2 hosts")
         stale = run.worker_on("h2")
         t_cut = time.monotonic()
         hosts["h2"].link_down()  # mid-step: steps run back to back
         wait(lambda: events(run.run_dir, "fenced"), "h2's worker fenced", run.coordinator, 30)
         fenced_s = time.monotonic() - t_cut
         gens = events(run.run_dir, "generation")
-        assert stale not in gens[-1]["members"] and len(gens[-1]["members"]) == 2
+        assert stale not in gens[-1]["members"] and len(gens[-1]["members"]) == 1
         n = len(run.steps())
         run.wait_steps(n + 3, "3 steps without h2")  # the job goes on while h2 is cut off
         assert procs["h2"].poll() is None  # still alive behind the partition
@@ -216,12 +216,12 @@ def test_a_partitioned_host_is_fenced_and_its_writes_are_refused_when_it_heals(m
 
 
 def test_a_slow_link_shows_as_communication_and_the_autoscaler_names_it(make_hosts, tmp_path):
-    hosts = make_hosts(4, rate_mbit={"h1": 1000, "h2": 1000, "h3": 20})
+    hosts = make_hosts(3, rate_mbit={"h1": 1000, "h2": 20})  # h2's link: a fiftieth of h1's
     run = Run(hosts, tmp_path, job="tests/host_jobs.py:link_job",
-              extra=("--workers", "3", "--min-workers", "2", "--max-workers", "3",
+              extra=("--workers", "2", "--min-workers", "1", "--max-workers", "2",
                      "--autoscale", "efficiency:min_steps=4,warmup_steps=1,replan_change=0"))
     try:
-        for h in ("h1", "h2", "h3"):
+        for h in ("h1", "h2"):
             run.join(h)
         wait(lambda: events(run.run_dir, "autoscale_settled"), "the autoscaler settling", run.coordinator, 120)
         assert run.stop() == 128 + signal.SIGTERM, run.output()
@@ -229,7 +229,7 @@ def test_a_slow_link_shows_as_communication_and_the_autoscaler_names_it(make_hos
         if run.coordinator.poll() is None:
             run.coordinator.kill()
     with open(run.run_dir / "metrics.jsonl") as f:
-        rows = [r for r in map(json.loads, f) if r.get("breakdown") and r["workers"] == 3]
+        rows = [r for r in map(json.loads, f) if r.get("breakdown") and r["workers"] == 2]
     assert rows
     # Every worker waits for the slow link in the reduction: communication is most of the step.
     for r in rows[1:]:
