@@ -2,14 +2,24 @@
 
 The harness first: hosts reach each other and nothing else, rate limits and partitions act on
 the link, a host dies whole, and nothing (namespace, veth, bridge, process) is left behind however
-the test that built the hosts ends. Then multi-node runs across the hosts. Every test skips with
-one line where network namespaces cannot be built (no root, no iproute2).
+the test that built the hosts ends. Then multi-node runs across the hosts, each against a
+1-worker deterministic run on this machine, bit for bit: external workers joining a coordinator
+in another host with the job's token, and a Ray cluster of three hosts (head in one, ``ray start
+--address`` in two) whose job's workers land on different hosts. Every test skips with one line
+where network namespaces cannot be built (no root, no iproute2).
+
+The machine's host name resolves to 127.0.0.1 here (as on many), so gloo's own choice of
+address would advertise loopback to the other hosts and fail; what makes these runs cross the
+hosts' links is the workers' ``interface`` setting: its default ``auto`` (the address that
+reaches the store) on Ray, and on the external workers the two other ways to give it (a
+machine's ``GLOO_SOCKET_IFNAME``, ``virtualflow worker --interface``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +33,13 @@ import hosts as H
 from hosts import hosts, make_hosts  # noqa: F401 - fixtures
 
 TESTS = Path(__file__).resolve().parent.parent
+ROOT = TESTS.parent
 PY = sys.executable
+VF = [PY, "-m", "virtualflow.cli.main"]
+ENV = {"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(TESTS)]), "OMP_NUM_THREADS": "1",
+       "PYTHONUNBUFFERED": "1"}
+JOB = f"{TESTS / 'jobs.py'}:make_job"
+STEPS = 6
 
 SERVER = """
 import socket, sys, time
@@ -200,3 +216,107 @@ def test_nothing_left_behind_a_failing_pytest_test(tmp_path):
     prefix, pids = _parse(mark.split("MARK", 1)[1])
     assert len(pids) == 2
     _assert_nothing_left(prefix, pids)
+
+
+# -- virtualflow across hosts ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The job's deterministic run on one local worker (this machine, loopback)."""
+    H.skip_unless_available()
+    import virtualflow as vf
+
+    return vf.train(JOB, workers=1, steps=STEPS, deterministic=True, progress=False)
+
+
+def _assert_matches(run_dir: Path, reference) -> None:
+    from conftest import assert_state_equal, flat_optimizer_state
+    from virtualflow.runtime.checkpoint import load_state
+
+    state = load_state(str(run_dir / "final.pt"))
+    assert state["step"] == STEPS
+    assert_state_equal(state["model"], reference.state_dict)
+    assert_state_equal(flat_optimizer_state(state["optimizer"]), flat_optimizer_state(reference.optimizer_state_dict))
+
+
+def _log(tmp_path: Path, name: str):
+    return open(tmp_path / f"{name}.log", "wb")
+
+
+def _tail(tmp_path: Path, *names: str) -> str:
+    return "\n".join(f"--- {n}:\n" + (tmp_path / f"{n}.log").read_text(errors="replace")[-3000:] for n in names)
+
+
+@pytest.mark.slow
+def test_external_workers_join_from_other_hosts(hosts, tmp_path, reference):
+    h0, h1, h2 = hosts
+    token = tmp_path / "token"
+    token.write_text(os.urandom(32).hex())
+    token.chmod(0o600)
+    run_dir, addr = tmp_path / "run", f"{h0.ip}:29400"
+    before = {h.name: hosts.bytes(h) for h in hosts}
+    coord = h0.run([*VF, "run", JOB, "--backend", "external", "--listen", addr, "--workers", "2",
+                    "--steps", str(STEPS), "--deterministic", "--run-dir", run_dir, "--token-file", token,
+                    "--no-progress"], env=ENV, stdout=_log(tmp_path, "coordinator"), stderr=subprocess.STDOUT)
+    # gloo's address three ways: the job's auto (h0's coordinator), a machine's GLOO_SOCKET_IFNAME
+    # (h1), `virtualflow worker --interface ADDR` (h2)
+    join = [*VF, "worker", "--join", addr, "--token-file", token, "--join-timeout", "60"]
+    workers = [h1.run(join, env={**ENV, "GLOO_SOCKET_IFNAME": "eth0"}, stdout=_log(tmp_path, "h1"),
+                      stderr=subprocess.STDOUT),
+               h2.run([*join, "--interface", h2.ip], env=ENV, stdout=_log(tmp_path, "h2"), stderr=subprocess.STDOUT)]
+    logs = ("coordinator", "h1", "h2")
+    assert coord.wait(timeout=120) == 0, _tail(tmp_path, *logs)
+    assert [w.wait(timeout=30) for w in workers] == [0, 0], _tail(tmp_path, *logs)
+    assert f"collectives bind {h1.ip} (GLOO_SOCKET_IFNAME eth0)" in (tmp_path / "h1.log").read_text()
+    assert f"collectives bind {h2.ip} (virtualflow worker --interface {h2.ip})" in (tmp_path / "h2.log").read_text()
+    _assert_matches(run_dir, reference)
+    joined = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert sorted(e["worker"] for e in joined if e["event"] == "joined") == [0, 1]
+    # worker-to-worker traffic (gloo) crossed the links: what h1 and h2 sent beyond what reached
+    # h0 (the store's traffic) is at least one model's worth (385 float32 values) per step
+    sent = {h.name: hosts.bytes(h)[0] - before[h.name][0] for h in (h1, h2)}
+    to_h0 = hosts.bytes(h0)[1] - before["h0"][1]
+    assert sent["h1"] + sent["h2"] - to_h0 > STEPS * 385 * 4, (sent, to_h0)
+
+
+RAY_DRIVER = """
+import json, sys
+import virtualflow as vf
+job, steps, address, run_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+handle = vf.launch(job, workers=2, steps=steps, deterministic=True, backend="ray", address=address,
+                   run_dir=run_dir, progress=False,
+                   worker_specs=[vf.WorkerSpec(resources={"h1": 1}), vf.WorkerSpec(resources={"h2": 1})])
+handle.wait(timeout_s=240)
+print(json.dumps({"store": handle.coordinator.host,
+                  "nodes": {w: handle.backend.workers[w].node_ip for w in sorted(handle.backend.workers)}}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_ray_cluster_across_hosts(hosts, tmp_path, reference):
+    """`ray start --head` in h0, `ray start --address` in h1 and h2; the driver in h0 places one
+    worker on each of h1 and h2 and trains exactly as one local worker does."""
+    pytest.importorskip("ray")
+    ray_bin = Path(PY).with_name("ray")
+    h0, h1, h2 = hosts
+    (tmp_path / "ray-token").write_text(os.urandom(32).hex())
+    temp = Path(f"/tmp/{hosts.prefix}ray")  # short: Ray's unix sockets live under it
+    env = {**ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(tmp_path / "ray-token"),
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    common = ["--disable-usage-stats", "--object-store-memory", str(100 << 20)]
+    try:
+        h0.check_output([ray_bin, "start", "--head", "--node-ip-address", h0.ip, "--port", "6379", "--num-cpus", "0",
+                         "--include-dashboard=false", "--temp-dir", temp, *common], env=env, timeout_s=120)
+        for h in (h1, h2):  # one after the other: nodes sharing a temp dir pick their socket names racily
+            h.check_output([ray_bin, "start", "--address", f"{h0.ip}:6379", "--node-ip-address", h.ip, "--num-cpus",
+                            "1", "--resources", json.dumps({h.name: 1}), *common], env=env, timeout_s=120)
+        out = h0.check_output([PY, "-c", RAY_DRIVER, JOB, str(STEPS), f"{h0.ip}:6379", tmp_path / "run"], env=env,
+                              timeout_s=300)
+    finally:
+        hosts.close()  # Ray's daemons live in the hosts: gone before their directory is
+        shutil.rmtree(temp, ignore_errors=True)
+    placed = json.loads(out.strip().splitlines()[-1])
+    assert placed == {"store": h0.ip, "nodes": {"0": h1.ip, "1": h2.ip}}
+    _assert_matches(tmp_path / "run", reference)

@@ -97,6 +97,7 @@ def test_command_line_round_trips_every_flagged_option():
         "loader_workers": ("2", 2), "profile": ("5-8", "5-8"), "tensorboard": (None, True),
         "precision": ("bf16-mixed", "bf16-mixed"), "max_grad_norm": ("1.5", 1.5),
         "activation_checkpointing": ("every", "every"), "compile": (None, True), "peak_tflops": ("312", 312.0),
+        "interface": ("eth0", "eth0"),
     }
     for name, (text, value) in samples.items():
         flag = flag_of(name)

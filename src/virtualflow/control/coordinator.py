@@ -21,6 +21,7 @@ It starts no processes and reads no environment: backends do that.
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import logging
 import os
@@ -288,7 +289,11 @@ def _listening_store(host: str, timeout: datetime.timedelta, port: int = 0) -> d
     Given a bare port, TCPStore's server listens on every interface whatever host it is told;
     handing it a socket already bound to ``host`` (``master_listen_fd``) keeps a local job off the
     network. Should this torch refuse the socket, it falls back to TCPStore's own listener."""
-    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise ValueError(f"the job's store cannot listen on {host}:{port}: {host!r} does not resolve "
+                         f"({exc.strerror}); give an address of this machine (listen= / --listen)") from None
     sock = socket.socket(family, kind, proto)
     try:
         if port:  # a fixed port (external workers join it): rebindable right after a previous job
@@ -296,8 +301,15 @@ def _listening_store(host: str, timeout: datetime.timedelta, port: int = 0) -> d
         sock.bind(addr[:2] if family == socket.AF_INET else addr)
         sock.listen(512)
         port = sock.getsockname()[1]
-    except OSError:
+    except OSError as exc:
         sock.close()
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise ValueError(f"the job's store cannot listen on {host}:{port}: {host} is not an address of this "
+                             f"machine ({socket.gethostname()}); listen= (--listen) must name one of its addresses, "
+                             f"or 0.0.0.0 for every interface") from None
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(f"the job's store cannot listen on {host}:{port}: the port is in use (another job, "
+                             f"or one that has just ended); choose another port in listen= (--listen)") from None
         raise
     fd = sock.detach()  # the store owns (and closes) the descriptor from here on
     try:

@@ -193,6 +193,7 @@ class Supervisor:
             profile_steps=opts.profile_steps,
             job_id=self.job_id,
             run_key=run_key,
+            interface=opts.interface,
         )
         self.backend = setup.backend
         self.backend.attach(Attachment(config=self.config, state_dir=setup.state_dir, store=self.coordinator.store,
