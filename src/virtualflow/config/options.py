@@ -193,6 +193,9 @@ class LaunchOptions:
                                 "would", "elasticity and fault tolerance")
     heartbeat_timeout_s: float = _opt(3.0, "a worker silent this long is declared hung, killed and removed "
                                       "(seconds)", "elasticity and fault tolerance", metavar="SECONDS")
+    coordinator_timeout_s: float = _opt(15.0, "a worker that cannot reach the coordinator's store for this long "
+                                        "exits (code 3): the coordinator is gone or cut off; continue with --resume "
+                                        "(seconds)", "elasticity and fault tolerance", metavar="SECONDS")
     checkpoint_every: int | None = _opt(None, "write checkpoints/step-N.pt (--checkpoint-format dcp: "
                                         "step-N.dcp/) every N steps (the last two are kept)",
                                         "elasticity and fault tolerance", metavar="N")
@@ -272,7 +275,8 @@ class LaunchOptions:
             profile_window(self.profile)
         if self.seed is not None and self.seed < 0:
             raise ValueError(f"seed={self.seed!r} must be a non-negative integer; set {_knob('seed')}")
-        for name in ("collective_timeout_s", "min_workers_timeout_s", "heartbeat_timeout_s", "price_per_worker_hour",
+        for name in ("collective_timeout_s", "min_workers_timeout_s", "heartbeat_timeout_s", "coordinator_timeout_s",
+                     "price_per_worker_hour",
                      "cpus_per_worker", "gpus_per_worker", "placement_timeout_s"):
             value = getattr(self, name)
             if value is None:

@@ -136,6 +136,9 @@ class Coordinator:
         self.reports = protocol.ReportReader(self.run)
         self.rejects = RejectLog(self.event, logger)
         """Every refused message of the job is logged through this (bounded)."""
+        self.fenced: dict[int, int] = {}
+        """Worker id -> the last generation it was assigned to, for workers fenced out (silent for
+        the heartbeat timeout): their reports are refused from then on (:meth:`fence`)."""
 
     # -- events ---------------------------------------------------------------------------
     def event(self, kind: str, **fields: Any) -> None:
@@ -172,6 +175,13 @@ class Coordinator:
         ``leave <g>`` or ``fail`` (``vf/member/<worker>/next/<after>``, signed)."""
         self.store.set(protocol.next_key(worker, after), protocol.seal_next(self.run, worker, after, to))
 
+    def fence(self, worker: int, generation: int, cause: str = "") -> None:
+        """Refuse every later report of ``worker`` (it was fenced out after ``generation``): a
+        worker cut off by a partition still holds a valid run key, and when the partition heals
+        its reports (a fault of its old generation, a step, an error) must not count."""
+        self.fenced[worker] = generation
+        self.event("fenced", worker=worker, generation=generation, cause=cause)
+
     def abort(self, generation: int) -> None:
         """Declare generation ``generation`` broken (its members stop waiting on each other)."""
         self.store.set(protocol.abort_key(generation), protocol.seal_abort(self.run, generation))
@@ -183,9 +193,17 @@ class Coordinator:
         reports = []
         for raw in protocol.pop_raw(self.store, protocol.REPORTS_QUEUE):
             try:
-                reports.append(self.reports.parse(raw))
+                r = self.reports.parse(raw)
             except ValueError as exc:
                 self.rejects("report_rejected", exc, raw)
+                continue
+            if r["worker"] in self.fenced:
+                g = self.fenced[r["worker"]]
+                self.rejects("report_rejected", f"worker {r['worker']} was fenced out after generation {g}: its "
+                             f"{r['type']} report is refused", raw, worker=r["worker"], type=r["type"],
+                             generation=r.get("generation"), fenced_after=g)
+                continue
+            reports.append(r)
         for r in reports:
             kind = r.get("type")
             if kind == "step":
@@ -241,6 +259,10 @@ class Coordinator:
             record.update(breakdown=parts, breakdown_step=r["breakdown_step"])
         self.history.append(record)
         self.progress.step = r["step"] + 1
+        # What the records reach: a worker that prunes checkpoints keeps the newest one within it,
+        # so a resume never has to start past the records (workers cut off from this coordinator
+        # train on and checkpoint steps nobody records: launching/resume.py skips those).
+        self.store.set(protocol.RECORDED_KEY, str(self.progress.step))
         self.progress.last_loss = r["loss"]
         self.progress.samples_per_s = record["samples_per_s"]
         self.progress.last_step = record

@@ -180,6 +180,7 @@ class Supervisor:
             threads=setup.threads,
             device=opts.device,
             collective_timeout_s=opts.collective_timeout_s,
+            coordinator_timeout_s=opts.coordinator_timeout_s,
             checkpoint_every=opts.checkpoint_every,
             checkpoint_format=opts.checkpoint_format,
             async_checkpoint=opts.async_checkpoint,

@@ -314,13 +314,19 @@ class Worker:
         self.setup()
         self.phase = "forming a generation"  # waiting for the first generation counts as forming it
         where = self.next_generation(-1)
+        after = -1
         while True:
             if where == protocol.FAIL:
+                # Fenced out (the coordinator stopped hearing from this worker: a partition that
+                # has healed since) or the job gave up: nothing of this worker counts any more.
+                print(f"virtualflow worker: worker {self.id} is no longer part of the job after generation {after} "
+                      f"(fenced out, or the job gave up); exiting", flush=True)
+                self.heartbeat.stop()
                 return
             if where.startswith(protocol.LEAVE):
                 self.leave(where)
                 return
-            gen = int(where)
+            gen = after = int(where)
             record = self.read_signed(protocol.generation_key(gen),
                                       lambda raw: protocol.parse_generation(self.run_key, raw, gen),
                                       f"generation {gen}")

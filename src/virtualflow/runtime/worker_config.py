@@ -63,6 +63,9 @@ class WorkerConfig:
     store_timeout_s: float = 600.0
     """Bound on waits for the coordinator (a generation to join; a rendezvous)."""
     heartbeat_interval_s: float = 0.05
+    coordinator_timeout_s: float = 15.0
+    """A worker whose heartbeat thread cannot reach the store for this long exits (code 3)
+    (:class:`~virtualflow.options.LaunchOptions` ``coordinator_timeout_s``)."""
     keep_checkpoints: int = 2
     checkpoint_format: str = "pt"
     """``pt``: one state file per checkpoint (rank 0); ``dcp``: every worker writes its part
