@@ -66,6 +66,45 @@ def transformer() -> nn.Sequential:
     return nn.Sequential(nn.Embedding(VOCAB, WIDTH), enc(), enc(), enc(), nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB))
 
 
+class _TokensAndPositions(nn.Module):
+    """GPT's input layer: token embedding (``tok.weight``, tied to the head) + learned positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, WIDTH)
+        self.pos = nn.Parameter(torch.randn(SEQ, WIDTH) * 0.02)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.tok(x) + self.pos[: x.shape[1]])
+
+
+class _CausalBlock(nn.Module):
+    """A pre-LayerNorm GPT block: causal self-attention and an MLP, dropout on both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.attn = nn.MultiheadAttention(WIDTH, 2, dropout=0.1, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH), nn.Dropout(0.1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        mask = torch.triu(torch.ones(n, n, dtype=torch.bool, device=x.device), 1)
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+def tied_gpt() -> nn.Sequential:
+    """6 layers, GPT-like: tokens + positions, 3 causal blocks, LayerNorm, a head whose weight IS
+    the token embedding's (layer 0's ``tok.weight`` = layer 5's ``weight``)."""
+    first = _TokensAndPositions()
+    head = nn.Linear(WIDTH, VOCAB, bias=False)
+    head.weight = first.tok.weight
+    return nn.Sequential(first, _CausalBlock(), _CausalBlock(), _CausalBlock(), nn.LayerNorm(WIDTH), head)
+
+
 # ---- jobs ---------------------------------------------------------------------------------------
 def _mse(out, batch):
     return nn.functional.mse_loss(out, batch[1])
@@ -108,9 +147,9 @@ def mlp_job(pipeline, *, virtual_nodes: int, bn: bool = False, batchnorm: str = 
     )
 
 
-def transformer_job(pipeline, *, virtual_nodes: int, seed: int = 0) -> vf.Job:
+def transformer_job(pipeline, *, virtual_nodes: int, seed: int = 0, model=None) -> vf.Job:
     return vf.Job(
-        model=transformer, optimizer=_adamw, output_loss=_token_ce, lr_scheduler=_warmup,
+        model=model or transformer, optimizer=_adamw, output_loss=_token_ce, lr_scheduler=_warmup,
         dataset=token_data, global_batch_size=2 * virtual_nodes, virtual_nodes=virtual_nodes, seed=seed,
         pipeline=pipeline,
     )
@@ -127,7 +166,8 @@ def unpipelined(job: vf.Job, steps: int, deterministic: bool) -> tuple[dict[str,
     sched = job.lr_scheduler(opt) if job.lr_scheduler else None
     eng = VNEngine(model, opt, sched, job.compute_loss,
                    DataPlan(len(ds), job.global_batch_size, job.virtual_nodes, job.seed), BatchLoader(ds, None),
-                   seed=job.seed, batchnorm=job.batchnorm, deterministic=deterministic, device=torch.device("cpu"))
+                   seed=job.seed, batchnorm=job.batchnorm, deterministic=deterministic, device=torch.device("cpu"),
+                   precision=job.precision, max_grad_norm=job.max_grad_norm, loss_scale=job.loss_scale)
     eng.set_membership(Group(0, 0, 1, None), [list(range(job.virtual_nodes))])
     losses = [eng.step(s).loss for s in range(steps)]
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses

@@ -68,7 +68,7 @@ class JobHandle:
         if s.resume_path:
             msg += f"; resuming from {s.resume_path} (step {s.resume_step})"
         logger.info(msg)
-        if s.options.listen is not None:
+        if s.options.backend == "external":
             host, port = self.coordinator.host, self.coordinator.port
             logger.info("waiting for %d worker%s to join %s:%d; on each machine run: virtualflow worker --join "
                         "%s:%d --token-file FILE (the job's token is in %s; copy it there, mode 0600)",

@@ -215,9 +215,16 @@ def test_workers_exit_when_the_coordinator_dies_and_resume_continues_exactly(run
     from virtualflow.cli.main import main
 
     assert main(["status", run_dir]) == 0  # says the coordinator is gone
-    newest = max(int(f[5:13]) for f in os.listdir(folder) if f.endswith(".pt"))
+    # The newest state the run's records reach (a checkpoint written after the last step the
+    # coordinator recorded is skipped: launching/resume.py), so every step is recorded once.
+    from virtualflow.launching.resume import find_resume_state
+
+    newest = find_resume_state(run_dir, jobs.elastic_job())[1]
+    assert newest >= 5 and newest % 5 == 0
     result = vf.train(jobs.elastic_job, workers=3, steps=newest + 6, deterministic=True, resume=run_dir)
     assert_same_training(result, reference(newest + 6), first_step=newest)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == list(range(newest + 6))
 
 
 def _alive(pid: int) -> bool:

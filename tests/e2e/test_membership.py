@@ -144,6 +144,37 @@ def test_silent_worker_is_killed_after_the_heartbeat_timeout():
     assert record(coord, 1).members == [0]
 
 
+def test_a_fenced_worker_that_comes_back_finds_fail_and_its_signed_reports_are_refused():
+    """A worker fenced for silence may be alive behind a partition, holding a valid run key: once
+    it is back, its reports (here a fault of its old generation, a step of it) must not count."""
+    ctl, coord, launcher, clock = make(3, heartbeat_timeout_s=1.0)
+    joined_and_formed(ctl, [0, 1, 2], 0)
+    for t in (0.5, 1.0, 1.6):
+        clock.t = t
+        for w in (0, 1):
+            coord.store.add(protocol.heartbeat_key(w), 1)
+        ctl.tick(coord.poll())
+    assert launcher.killed == [2] and record(coord, 1).members == [0, 1]
+    assert nxt(coord, 2, 0) == protocol.FAIL  # where the stale worker looks next: signed "fail"
+    events = []
+    coord.event = lambda kind, **f: events.append((kind, f))
+    coord.rejects.record = coord.event
+    stale = protocol.RunKey(coord.run.key, coord.job_id)  # it still holds the run key
+    step = {"type": "step", "step": 0, "loss": 1.0, "samples": 48, "step_time_s": 0.1, "workers": 3, "generation": 0,
+            "vns": [[0, 1, 2], [3, 4, 5], [6, 7]], "members": [0, 1, 2], "compute_s": None, "vn_sizes": None,
+            "time": 0.0}
+    fault = {"type": "fault", "generation": 0, "phase": "during_reduction", "step": 0, "error": "peer gone"}
+    for seq, body in enumerate([fault, step], start=1):
+        protocol.push_report(coord.store, stale, {**body, "worker": 2, "pid": 1002, "seq": seq})
+    protocol.push_report(coord.store, stale, {"type": "leave", "step": 0, "worker": 0, "pid": 1000, "seq": 1})
+    got = coord.poll()
+    assert [(r["type"], r["worker"]) for r in got] == [("leave", 0)]  # a member's report still counts
+    refused = [f for kind, f in events if kind == "report_rejected"]
+    assert [(f["worker"], f["type"]) for f in refused] == [(2, "fault"), (2, "step")]
+    assert all("fenced out after generation 0" in f["reason"] for f in refused)
+    assert coord.history == [] and not coord.store.check([protocol.abort_key(1)])
+
+
 def test_below_min_workers_holds_then_fails_after_the_timeout():
     ctl, coord, launcher, clock = make(2, min_workers=2, min_workers_timeout_s=5.0)
     joined_and_formed(ctl, [0, 1], 0)

@@ -6,12 +6,15 @@ the process driver, the per-stage groups, the state gathering and the resize pat
   unpipelined deterministic run of the same job on one worker.
 - A run resized 1 -> 2 -> 1 pipeline replicas mid-way ends bit-identical to an undisturbed run.
 - Bad input is refused before any worker starts.
+- A weight tied across workers: default mode within float tolerance, deterministic mode
+  bit-identical (the copies' per-VN gradients meet before the tree).
 - The training loop's knobs (16-mixed with skipped steps, clipping, checkpointing, a loss metric)
   through a resize: bit-identical to the in-process run, with the same skips, scales and norms.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -42,14 +45,23 @@ def size_changes(result: vf.Result) -> list[int]:
     return [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n]
 
 
+def _events(run_dir: str, kind: str) -> list[dict]:
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        return [e for e in map(json.loads, f) if e["event"] == kind]
+
+
 def unpipelined(steps: int) -> vf.Result:
     return vf.train(jobs.pipelined_job().replace(pipeline=None), workers=1, steps=steps, deterministic=True)
 
 
 def test_two_stages_two_replicas_bit_identical_to_unpipelined(run_dir):
-    result = vf.train(jobs.pipelined_job, workers=4, steps=5, deterministic=True, run_dir=run_dir)
+    # the stages' reductions over the replicas with the first algorithm (the default, "owners",
+    # runs in the other deterministic tests here)
+    result = vf.train(jobs.pipelined_job, workers=4, steps=5, deterministic=True, run_dir=run_dir,
+                      deterministic_exchange="slots")
     ref = unpipelined(5)
     assert_state_equal(result.state_dict, ref.state_dict)
+    assert [e["algorithm"] for e in _events(run_dir, "exchange")] == ["slots"]
     assert [h["loss"] for h in result.history] == [h["loss"] for h in ref.history]
     assert result.history[-1]["workers"] == 4
     # evaluation runs on the whole model, gathered from the stages (every 2 steps and at the end)
@@ -181,14 +193,41 @@ def test_a_weight_tied_across_workers_trains_like_the_unpipelined_model(run_dir)
         torch.testing.assert_close(result.state_dict[k], ref.state_dict[k], rtol=1e-5, atol=1e-6)
 
 
+def test_a_weight_tied_across_workers_deterministic_bit_identical(run_dir):
+    """Deterministic mode, 2 stages x 2 replicas in processes: the last stage sends its copy's
+    per-VN gradients to the first (gloo point to point), which sums each VN's two uses before the
+    tree and sends the total back: bit-identical to the unpipelined deterministic run. The stages'
+    reductions over the replicas run the ``owners`` exchange (the automatic choice)."""
+    import pipeline_models
+
+    job = jobs.pipelined_job().replace(model=_tied_model, evaluate=None)
+    ref_state, ref_losses = pipeline_models.unpipelined(job, 4, True)  # the VN engine in this process
+    result = vf.train(job, workers=4, steps=4, deterministic=True, run_dir=run_dir)
+    assert_state_equal(result.state_dict, ref_state)
+    assert [h["loss"] for h in result.history] == ref_losses
+    chosen = _events(run_dir, "exchange")  # rank 0 reports its stage's choice
+    assert chosen and all(e["algorithm"] == "owners" and e["reason"].startswith("stage 0: ") for e in chosen)
+
+
 def test_a_weight_tied_across_workers_is_refused_where_it_cannot_be_exact():
     import dataclasses
 
     from virtualflow.launching.pipeline import plan_pipeline
 
     job = jobs.pipelined_job().replace(model=_tied_model, evaluate=None)
-    with pytest.raises(ValueError, match="parameter 0.weight is also layer 4's weight.*deterministic mode.*untie it"):
-        plan_pipeline(job, job.build_dataset(), 2, deterministic=True)
+    plan_pipeline(job, job.build_dataset(), 2, deterministic=True)  # two uses: exact (test above)
+
+    def three_uses():
+        from torch import nn
+
+        first, mid, last = nn.Linear(10, 10), nn.Linear(10, 10), nn.Linear(10, 10)
+        mid.weight = last.weight = first.weight
+        return nn.Sequential(first, nn.Tanh(), mid, nn.Tanh(), last)
+
+    three = job.replace(model=three_uses)
+    with pytest.raises(ValueError, match=r"read by 3 layers in different pipeline pieces \(0.weight, 2.weight, "
+                                         r"4.weight\).*deterministic=False"):
+        plan_pipeline(three, three.build_dataset(), 2, deterministic=True)
     no_flush = job.replace(pipeline=dataclasses.replace(job.pipeline, schedule="async"))
     with pytest.raises(ValueError, match="the async schedule"):
         plan_pipeline(no_flush, no_flush.build_dataset(), 2)

@@ -154,6 +154,29 @@ def test_find_resume_state_takes_the_newest_by_step_whatever_its_kind(tmp_path):
     assert listed == ["checkpoint.pt", "checkpoints", "final.pt", "step-00000004.pt", "step-00000008.pt"]
 
 
+def test_find_resume_state_skips_states_past_the_runs_records(tmp_path):
+    """Workers cut off from their coordinator train on and checkpoint steps nobody records: a
+    resume from such a state would leave those steps out of metrics.jsonl for good."""
+    job, run_dir = jobs.regression_job(), str(tmp_path)
+    for step in (4, 8):
+        save_state(os.path.join(run_dir, "checkpoints", f"step-{step:08d}.pt"), synthetic_state(job, step))
+    save_state(os.path.join(run_dir, "final.pt"), synthetic_state(job, 12))
+
+    def records(n: int) -> None:
+        with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+            f.writelines(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(n))
+
+    assert find_resume_state(run_dir, job)[1] == 12  # no records: the newest
+    records(12)
+    assert find_resume_state(run_dir, job)[1] == 12
+    records(9)  # steps 0..8 recorded: step-8 (8 steps done) is the newest they reach
+    assert find_resume_state(run_dir, job) == (os.path.join(run_dir, "checkpoints", "step-00000008.pt"), 8)
+    records(7)
+    assert find_resume_state(run_dir, job)[1] == 4
+    records(2)  # no state the records reach: the newest good one
+    assert find_resume_state(run_dir, job)[1] == 12
+
+
 def test_resume_continues_from_final_pt_and_keeps_every_step_once(run_dir):
     job = jobs.regression_job()
     vf.train(job, workers=1, steps=6, checkpoint_every=4, run_dir=run_dir, deterministic=True)

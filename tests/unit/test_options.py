@@ -19,7 +19,7 @@ def test_every_option_has_help_a_group_and_a_type_check():
     LaunchOptions(steps=1)
 
 
-@pytest.mark.parametrize("name", ["heartbeat_timeout_s", "min_workers_timeout_s", "collective_timeout_s",
+@pytest.mark.parametrize("name", ["heartbeat_timeout_s", "coordinator_timeout_s", "min_workers_timeout_s", "collective_timeout_s",
                                   "price_per_worker_hour"])
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, 0.0])
 def test_non_finite_or_non_positive_numbers_are_refused_naming_the_option(name, bad):
@@ -88,6 +88,7 @@ def test_command_line_round_trips_every_flagged_option():
         "collective_timeout_s": ("30", 30.0), "run_dir": ("runs/x", "runs/x"), "overwrite": (None, True),
         "min_workers": ("2", 2),
         "min_workers_timeout_s": ("5", 5.0), "replace_failed": (None, True), "heartbeat_timeout_s": ("1.5", 1.5),
+        "coordinator_timeout_s": ("20", 20.0),
         "checkpoint_every": ("4", 4), "resume": ("runs/y", "runs/y"), "slowdowns": ("1,1,3", [1.0, 1.0, 3.0]),
         "balance": (None, True), "uneven_vn_sizes": (None, True), "price_per_worker_hour": ("2.5", 2.5),
         "pipeline_stages": ("4", 4), "schedule": ("zb_h1", "zb_h1"), "chunks": ("2", 2), "split": ("3,2,2,1", "3,2,2,1"),
@@ -97,6 +98,7 @@ def test_command_line_round_trips_every_flagged_option():
         "loader_workers": ("2", 2), "profile": ("5-8", "5-8"), "tensorboard": (None, True),
         "precision": ("bf16-mixed", "bf16-mixed"), "max_grad_norm": ("1.5", 1.5),
         "activation_checkpointing": ("every", "every"), "compile": (None, True), "peak_tflops": ("312", 312.0),
+        "interface": ("eth0", "eth0"),
     }
     for name, (text, value) in samples.items():
         flag = flag_of(name)

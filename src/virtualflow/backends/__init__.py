@@ -28,10 +28,13 @@ def make_backend(options: LaunchOptions) -> Backend:
     if options.backend == "ray":
         from virtualflow.backends.ray import RayBackend, RayOptions
 
+        from virtualflow.config.network import parse_listen
+
         given = {k: getattr(options, k) for k in ("address", "cpus_per_worker", "gpus_per_worker", "resources",
                                                   "placement_timeout_s") if getattr(options, k) is not None}
         per_worker = {i: dict(s.resources) for i, s in enumerate(options.specs) if s.resources}
-        return RayBackend(RayOptions(**given, per_worker=per_worker))
+        listen = parse_listen(options.listen, "--listen", port_optional=True) if options.listen else None
+        return RayBackend(RayOptions(**given, per_worker=per_worker, listen=listen))
     if options.backend == "external":
         from virtualflow.backends.external import ExternalBackend, parse_address
 

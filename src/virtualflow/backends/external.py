@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import cloudpickle
 
 from virtualflow.comm import auth, protocol
+from virtualflow.config.network import parse_listen
 from virtualflow.comm.rejects import RejectLog, short
 
 if TYPE_CHECKING:
@@ -69,11 +70,7 @@ def join_reply_key(nonce: str) -> str:
 
 def parse_address(text: str, what: str = "--listen") -> tuple[str, int]:
     """``"HOST:PORT"`` (``"[v6]:PORT"`` for IPv6) -> (host, port)."""
-    host, sep, port = str(text).rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{what} {text!r} is not ADDR:PORT (e.g. 10.0.0.5:29400, or 0.0.0.0:29400 for every interface)")
-    return host, int(port)
+    return parse_listen(text, what)
 
 
 def encode_config(config: "WorkerConfig") -> str:

@@ -22,12 +22,13 @@ and it is portable to every POSIX system.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import signal
 import sys
 import threading
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 ORPHAN_EXIT_CODE = 3
 """What an orphaned worker exits with (as a worker whose heartbeat lost the coordinator)."""
@@ -147,6 +148,17 @@ def launcher_gone(parent: int, store_port: int, proc: str = "/proc") -> bool:
     return parent == 1 if held is None else not held
 
 
+def interface_from_environment(config: Any, environ: Mapping[str, str] = os.environ) -> Any:
+    """``config`` (a :class:`WorkerConfig`) with gloo's interface taken from this process's
+    environment (``GLOO_SOCKET_IFNAME``, as torch reads it) when the job left it ``auto``: a
+    machine's own setting applies to the workers that run there. Every backend's worker entry
+    calls this before :func:`~virtualflow.runtime.worker.run_worker`."""
+    chosen = environ.get("GLOO_SOCKET_IFNAME", "").strip()
+    if config.interface == "auto" and chosen:
+        return dataclasses.replace(config, interface=chosen, interface_knob="GLOO_SOCKET_IFNAME")
+    return config
+
+
 def main(argv: list[str], parent: int | None = None) -> int:
     worker_id = int(argv[1])
     parent = os.getppid() if parent is None else parent
@@ -161,7 +173,8 @@ def main(argv: list[str], parent: int | None = None) -> int:
     from virtualflow.backends.inprocess import eager_every_wait_from_env
     from virtualflow.runtime.worker import run_worker
 
-    return run_worker(config, worker_id, preemption_notice(), eager_every_wait=eager_every_wait_from_env())
+    return run_worker(interface_from_environment(config), worker_id, preemption_notice(),
+                      eager_every_wait=eager_every_wait_from_env())
 
 
 if __name__ == "__main__":

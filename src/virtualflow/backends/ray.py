@@ -36,6 +36,7 @@ raises :class:`RayNotInstalled` naming ``pip install virtualflow[ray]``.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import os
@@ -96,6 +97,9 @@ class RayOptions:
     placement_timeout_s: float = 60.0
     """An actor that Ray has not placed and started after this long is given up (the resources
     short are named); a starting worker then fails the job."""
+    listen: tuple[str, int] | None = None
+    """Where the coordinator's store listens and the workers reach it (``--listen ADDR[:PORT]``;
+    port 0: any free one). None: Ray's address for the driver's node."""
 
     def __post_init__(self) -> None:
         if self.address is not None and (not isinstance(self.address, str) or not self.address.strip()):
@@ -145,6 +149,27 @@ def connect(options: RayOptions) -> str:
     elif options.address is not None:
         logger.debug("already connected to a Ray cluster; address=%r is not used", options.address)
     return ray.util.get_node_ip_address()
+
+
+def unreachable_store(host: str, node_addresses: Sequence[str], *, given: bool) -> str | None:
+    """Why Ray nodes at ``node_addresses`` could not reach a store listening on ``host`` (None
+    when they can, as far as addresses tell): a loopback address serves only its own machine."""
+    loopback = _is_loopback(host)
+    remote = sorted({a for a in node_addresses if a and not _is_loopback(a)})
+    if not loopback or not remote:
+        return None
+    where = f"listen={host!r} (--listen)" if given else f"{host}, Ray's address for this node,"
+    return (f"the coordinator's store would listen on {where} which the Ray node{'s' if len(remote) > 1 else ''} at "
+            f"{', '.join(remote[:8])} cannot reach (a loopback address serves only this machine); give an address "
+            f"of this machine they reach: --listen ADDR (listen='ADDR'), or start this node with `ray start "
+            f"--node-ip-address ADDR`")
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
 
 
 def _fits(node_resources: dict[str, float], demand: dict[str, float]) -> int:
@@ -237,13 +262,15 @@ class _WorkerActor:
                 f"the Ray backend needs it on a filesystem every node shares (give run_dir= / --run-dir there)"
             )
         from virtualflow.backends.inprocess import eager_every_wait_from_env
-        from virtualflow.backends.local_worker import preemption_notice
+        from virtualflow.backends.local_worker import interface_from_environment, preemption_notice
         from virtualflow.runtime.worker import run_worker
 
         try:
             # A synchronous actor runs its methods on the process's main thread: SIGTERM to the
             # actor's process while it trains is a preemption notice, as for a local worker.
-            return run_worker(config, self.worker_id, preemption_notice(), eager_every_wait=eager_every_wait_from_env())
+            # GLOO_SOCKET_IFNAME: the node's own (its `ray start` environment), not the driver's.
+            return run_worker(interface_from_environment(config), self.worker_id, preemption_notice(),
+                              eager_every_wait=eager_every_wait_from_env())
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -295,7 +322,13 @@ class RayBackend:
         self.state_dir = ""
 
     def store_address(self) -> tuple[str, int]:
-        return connect(self.options), 0  # the node's address, which the other nodes reach
+        node_ip = connect(self.options)  # the node's address, which the other nodes reach
+        host, port = self.options.listen or (node_ip, 0)
+        nodes = [n.get("NodeManagerAddress", "") for n in self._ray.nodes() if n.get("Alive")]
+        why = unreachable_store(host, nodes, given=self.options.listen is not None)
+        if why is not None:
+            raise ValueError(why)
+        return host, port
 
     def default_threads(self, workers: int) -> int:
         return self.options.default_threads()

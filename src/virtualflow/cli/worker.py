@@ -34,6 +34,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, metavar="T",
                    help="torch threads for this worker (default: the job's --threads-per-worker, which the "
                    "coordinator derived from its own machine unless given)")
+    p.add_argument("--interface", metavar="auto|IFACE|ADDR",
+                   help="what this worker's collectives (gloo) bind to and tell their peers: auto (the address "
+                   "that reaches the coordinator), an interface name such as eth0, or an address of this machine "
+                   "(default: the job's --interface; with the job's auto, GLOO_SOCKET_IFNAME when set here)")
     p.set_defaults(func=main)
 
 
@@ -115,8 +119,12 @@ def _refusal(raw: bytes) -> str | None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from virtualflow.backends.external import parse_address
     from virtualflow.comm import auth
+    from virtualflow.comm.net import resolve_interface
 
+    if args.interface is not None:  # before joining: a worker that cannot start takes no place
+        resolve_interface(args.interface, *parse_address(args.join, "--join"), knob="virtualflow worker --interface")
     token = auth.read_token(args.token_file, private=True)
     try:
         worker_id, config = join(args.join, token, args.join_timeout)
@@ -128,6 +136,12 @@ def main(args: argparse.Namespace) -> int:
               f"external workers need it on a filesystem they share with the coordinator (same path)",
               file=sys.stderr)
         return 1
+    from virtualflow.backends.local_worker import interface_from_environment
+
+    if args.interface is not None:
+        config = dataclasses.replace(config, interface=args.interface, interface_knob="virtualflow worker --interface")
+    else:
+        config = interface_from_environment(config)
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads {args.threads} must be at least 1")

@@ -57,10 +57,12 @@ import socket
 import stat
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+
+from virtualflow.config.network import is_ip
 
 WAIT_SLICE_S = 0.05
 """A collective wait's slice: how often a waiting member reads the abort flag."""
@@ -446,21 +448,35 @@ class _Done:
 
 
 def make_subgroup(store: dist.Store, generation: int, name: str, rank: int, size: int, timeout_s: float,
-                  device: torch.device) -> Group:
+                  device: torch.device, *, bind: Sequence[str] | None = None) -> Group:
     """A group of some members of generation ``generation`` (e.g. the replicas of one pipeline
     stage), on its own fresh prefix ``gen/<g>/<name>``."""
-    return _build(store, f"gen/{generation}/{name}", generation, rank, size, timeout_s, device)
+    return _build(store, f"gen/{generation}/{name}", generation, rank, size, timeout_s, device, bind)
 
 
 def make_group(
-    store: dist.Store, generation: int, rank: int, size: int, timeout_s: float, device: torch.device
+    store: dist.Store, generation: int, rank: int, size: int, timeout_s: float, device: torch.device, *,
+    bind: Sequence[str] | None = None,
 ) -> Group:
-    """Build generation ``generation``'s group (gloo on CPU, NCCL on CUDA)."""
-    return _build(store, f"gen/{generation}", generation, rank, size, timeout_s, device)
+    """Build generation ``generation``'s group (gloo on CPU, NCCL on CUDA).
+
+    ``bind``: the addresses (or, off Linux, interface names) of this machine gloo listens on and
+    tells its peers (:func:`virtualflow.comm.net.resolve_interface`); None: gloo's own choice
+    (``GLOO_SOCKET_IFNAME``, else the address the host name resolves to)."""
+    return _build(store, f"gen/{generation}", generation, rank, size, timeout_s, device, bind)
+
+
+def gloo_options(timeout: datetime.timedelta, bind: Sequence[str]) -> Any:
+    """gloo's options with one device per address (or interface name) in ``bind``."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=a) if is_ip(a)
+                     else dist.ProcessGroupGloo.create_device(interface=a) for a in bind]
+    return opts
 
 
 def _build(store: dist.Store, prefix_name: str, generation: int, rank: int, size: int, timeout_s: float,
-           device: torch.device) -> Group:
+           device: torch.device, bind: Sequence[str] | None = None) -> Group:
     if size == 1:
         return Group(generation, 0, 1, None)
     prefix = dist.PrefixStore(prefix_name, store)
@@ -476,7 +492,8 @@ def _build(store: dist.Store, prefix_name: str, generation: int, rank: int, size
             alone = False
             try:
                 before = Connections.snapshot()
-                pg = dist.ProcessGroupGloo(prefix, rank, size, timeout)
+                pg = (dist.ProcessGroupGloo(prefix, rank, size, gloo_options(timeout, bind)) if bind
+                      else dist.ProcessGroupGloo(prefix, rank, size, timeout))
                 after = Connections.snapshot()
             finally:
                 alone = _BUILDS.end(*ticket)

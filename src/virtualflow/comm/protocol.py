@@ -15,6 +15,9 @@ Control plane only; tensors travel over process groups. Keys:
 * ``vf/gen/<g>/abort``         signed flag: generation ``g`` is broken (a member died or hung)
 * ``vf/gen/<g>/formed``        set by rank 0 once generation ``g``'s group and state are ready
 * ``vf/hb/<w>``                worker ``w``'s heartbeat counter (incremented by a thread)
+* ``vf/recorded``              steps the coordinator has recorded so far (a plain counter): rank 0
+                               keeps the newest checkpoint these reach when it prunes (a forged
+                               value can only make it keep one file more, or one fewer)
 * queue ``vf/reports``         signed messages from workers (join, formed, step, fault, leave,
                                held, checkpoint, eval, error, done, rejected)
 * queue ``vf/requests``        signed requests from outside the job (``virtualflow resize``)
@@ -54,6 +57,7 @@ from virtualflow.comm import auth
 JOB_KEY = "vf/job"
 GENERATION_KEY = "vf/generation"
 CONTROL_SEQ_KEY = "vf/control/seq"
+RECORDED_KEY = "vf/recorded"
 REPORTS_QUEUE = "vf/reports"
 REQUESTS_QUEUE = "vf/requests"
 LEAVE = "leave"

@@ -11,7 +11,8 @@ most ``virtual_nodes``, memory limits against the VN batch) are made when the jo
 :func:`virtualflow.launch`.
 
 This module imports nothing above the config layer (only :mod:`virtualflow.config.spec`, the
-fault-injection plan :mod:`virtualflow.config.faults` and :mod:`virtualflow.config.resources`),
+fault-injection plan :mod:`virtualflow.config.faults`, :mod:`virtualflow.config.resources` and the
+network knobs' syntax :mod:`virtualflow.config.network`),
 so every layer can read the options it is given. An autoscaling policy object is recognised by
 its shape (:class:`PolicyLike`: a ``name`` and a ``decide`` method), not by importing the control
 layer.
@@ -28,6 +29,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 from virtualflow.config.faults import FaultPlan
 from virtualflow.config.loop import (PRECISIONS, check_activation_checkpointing, check_max_grad_norm,
                                      check_precision)
+from virtualflow.config.network import check_interface_spec, parse_listen
 from virtualflow.config.resources import parse_resources
 from virtualflow.config.spec import WorkerSpec
 from virtualflow.plan.pipeline.schedules import SCHEDULE_NAMES
@@ -191,6 +193,9 @@ class LaunchOptions:
                                 "would", "elasticity and fault tolerance")
     heartbeat_timeout_s: float = _opt(3.0, "a worker silent this long is declared hung, killed and removed "
                                       "(seconds)", "elasticity and fault tolerance", metavar="SECONDS")
+    coordinator_timeout_s: float = _opt(15.0, "a worker that cannot reach the coordinator's store for this long "
+                                        "exits (code 3): the coordinator is gone or cut off; continue with --resume "
+                                        "(seconds)", "elasticity and fault tolerance", metavar="SECONDS")
     checkpoint_every: int | None = _opt(None, "write checkpoints/step-N.pt (--checkpoint-format dcp: "
                                         "step-N.dcp/) every N steps (the last two are kept)",
                                         "elasticity and fault tolerance", metavar="N")
@@ -231,8 +236,14 @@ class LaunchOptions:
                         "any node of a Ray cluster (pip install virtualflow[ray]); external: wait for workers "
                         "started elsewhere with `virtualflow worker --join ADDR:PORT --token-file FILE`",
                         "backend", choices=BACKENDS)
-    listen: str | None = _opt(None, "external backend: the address workers join (e.g. 10.0.0.5:29400; 0.0.0.0 "
-                              "for every interface)", "backend", metavar="ADDR:PORT")
+    listen: str | None = _opt(None, "where the coordinator's store listens. external backend (required): the "
+                              "address workers join, e.g. 10.0.0.5:29400 (0.0.0.0:PORT: every interface); ray "
+                              "backend: an address of this machine that every Ray node reaches, port optional "
+                              "(default: Ray's address for this node)", "backend", metavar="ADDR[:PORT]")
+    interface: str = _opt("auto", "what the workers' collectives (gloo) bind to and tell their peers: auto (on "
+                          "each worker, the address that reaches the coordinator's store; GLOO_SOCKET_IFNAME when "
+                          "set in the worker's environment), an interface name such as eth0 (several: eth0,eth1), "
+                          "or an address", "backend", metavar="auto|IFACE|ADDR")
     token_file: str | None = _opt(None, "the job's secret token: joins and control requests must be signed with "
                                   "it (default: a new random token in RUN_DIR/token, mode 0600)", "backend",
                                   metavar="FILE")
@@ -264,7 +275,8 @@ class LaunchOptions:
             profile_window(self.profile)
         if self.seed is not None and self.seed < 0:
             raise ValueError(f"seed={self.seed!r} must be a non-negative integer; set {_knob('seed')}")
-        for name in ("collective_timeout_s", "min_workers_timeout_s", "heartbeat_timeout_s", "price_per_worker_hour",
+        for name in ("collective_timeout_s", "min_workers_timeout_s", "heartbeat_timeout_s", "coordinator_timeout_s",
+                     "price_per_worker_hour",
                      "cpus_per_worker", "gpus_per_worker", "placement_timeout_s"):
             value = getattr(self, name)
             if value is None:
@@ -311,9 +323,17 @@ class LaunchOptions:
                              f"'external' (workers join by address) (--backend)")
         if self.backend == "external" and self.listen is None:
             raise ValueError("backend='external' needs listen='ADDR:PORT' (--listen), the address workers join")
-        if self.backend != "external" and self.listen is not None:
-            raise ValueError(f"listen={self.listen!r} only applies to backend='external'; add backend='external' "
-                             f"(--backend external) or drop it")
+        if self.backend == "local" and self.listen is not None:
+            raise ValueError(f"listen={self.listen!r} only applies to backend='external' or 'ray' (a local job's store "
+                             f"listens on 127.0.0.1); add --backend external or ray, or drop it")
+        if self.listen is not None:
+            host, _ = parse_listen(self.listen, "listen= (--listen)", port_optional=self.backend == "ray")
+            if self.backend == "ray" and host in ("0.0.0.0", "::"):
+                raise ValueError(f"listen={self.listen!r}: on Ray the workers are told the store's address, so it "
+                                 f"must be one they reach, not every interface; give this machine's address on the "
+                                 f"network its Ray nodes share (--listen ADDR[:PORT]), or drop it (Ray's address "
+                                 f"for this node)")
+        check_interface_spec(self.interface, "interface= (--interface)")
         if self.backend != "ray":
             given = [name for name in RAY_ONLY if getattr(self, name) is not None]
             if given:

@@ -21,6 +21,7 @@ It starts no processes and reads no environment: backends do that.
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import logging
 import os
@@ -135,6 +136,9 @@ class Coordinator:
         self.reports = protocol.ReportReader(self.run)
         self.rejects = RejectLog(self.event, logger)
         """Every refused message of the job is logged through this (bounded)."""
+        self.fenced: dict[int, int] = {}
+        """Worker id -> the last generation it was assigned to, for workers fenced out (silent for
+        the heartbeat timeout): their reports are refused from then on (:meth:`fence`)."""
 
     # -- events ---------------------------------------------------------------------------
     def event(self, kind: str, **fields: Any) -> None:
@@ -171,6 +175,13 @@ class Coordinator:
         ``leave <g>`` or ``fail`` (``vf/member/<worker>/next/<after>``, signed)."""
         self.store.set(protocol.next_key(worker, after), protocol.seal_next(self.run, worker, after, to))
 
+    def fence(self, worker: int, generation: int, cause: str = "") -> None:
+        """Refuse every later report of ``worker`` (it was fenced out after ``generation``): a
+        worker cut off by a partition still holds a valid run key, and when the partition heals
+        its reports (a fault of its old generation, a step, an error) must not count."""
+        self.fenced[worker] = generation
+        self.event("fenced", worker=worker, generation=generation, cause=cause)
+
     def abort(self, generation: int) -> None:
         """Declare generation ``generation`` broken (its members stop waiting on each other)."""
         self.store.set(protocol.abort_key(generation), protocol.seal_abort(self.run, generation))
@@ -182,9 +193,17 @@ class Coordinator:
         reports = []
         for raw in protocol.pop_raw(self.store, protocol.REPORTS_QUEUE):
             try:
-                reports.append(self.reports.parse(raw))
+                r = self.reports.parse(raw)
             except ValueError as exc:
                 self.rejects("report_rejected", exc, raw)
+                continue
+            if r["worker"] in self.fenced:
+                g = self.fenced[r["worker"]]
+                self.rejects("report_rejected", f"worker {r['worker']} was fenced out after generation {g}: its "
+                             f"{r['type']} report is refused", raw, worker=r["worker"], type=r["type"],
+                             generation=r.get("generation"), fenced_after=g)
+                continue
+            reports.append(r)
         for r in reports:
             kind = r.get("type")
             if kind == "step":
@@ -240,6 +259,10 @@ class Coordinator:
             record.update(breakdown=parts, breakdown_step=r["breakdown_step"])
         self.history.append(record)
         self.progress.step = r["step"] + 1
+        # What the records reach: a worker that prunes checkpoints keeps the newest one within it,
+        # so a resume never has to start past the records (workers cut off from this coordinator
+        # train on and checkpoint steps nobody records: launching/resume.py skips those).
+        self.store.set(protocol.RECORDED_KEY, str(self.progress.step))
         self.progress.last_loss = r["loss"]
         self.progress.samples_per_s = record["samples_per_s"]
         self.progress.last_step = record
@@ -266,7 +289,11 @@ def _listening_store(host: str, timeout: datetime.timedelta, port: int = 0) -> d
     Given a bare port, TCPStore's server listens on every interface whatever host it is told;
     handing it a socket already bound to ``host`` (``master_listen_fd``) keeps a local job off the
     network. Should this torch refuse the socket, it falls back to TCPStore's own listener."""
-    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise ValueError(f"the job's store cannot listen on {host}:{port}: {host!r} does not resolve "
+                         f"({exc.strerror}); give an address of this machine (listen= / --listen)") from None
     sock = socket.socket(family, kind, proto)
     try:
         if port:  # a fixed port (external workers join it): rebindable right after a previous job
@@ -274,8 +301,15 @@ def _listening_store(host: str, timeout: datetime.timedelta, port: int = 0) -> d
         sock.bind(addr[:2] if family == socket.AF_INET else addr)
         sock.listen(512)
         port = sock.getsockname()[1]
-    except OSError:
+    except OSError as exc:
         sock.close()
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise ValueError(f"the job's store cannot listen on {host}:{port}: {host} is not an address of this "
+                             f"machine ({socket.gethostname()}); listen= (--listen) must name one of its addresses, "
+                             f"or 0.0.0.0 for every interface") from None
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(f"the job's store cannot listen on {host}:{port}: the port is in use (another job, "
+                             f"or one that has just ended); choose another port in listen= (--listen)") from None
         raise
     fd = sock.detach()  # the store owns (and closes) the descriptor from here on
     try:

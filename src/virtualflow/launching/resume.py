@@ -4,7 +4,10 @@ A run directory's states are ``final.pt`` (written when a run ends or is stopped
 ``checkpoint.pt`` (the last good state before a non-finite loss), ``checkpoints/step-N.pt`` and
 the sharded ``checkpoints/step-N.dcp/`` (complete once so named: an interrupted save is a
 ``.partial`` folder, never a candidate; every file is checked against its manifest); the newest
-by step wins, whatever its kind (on a tie, ``final.pt``). Corrupt or truncated files
+by step wins, whatever its kind (on a tie, ``final.pt``), among those the run's records reach: a
+state past the last step ``metrics.jsonl`` records was written by workers that trained on while
+the coordinator was cut off (their steps never recorded), so an earlier one is used and those
+steps are redone, exactly, and recorded once. Corrupt or truncated files
 are reported and skipped; a file holding anything but plain data is refused outright (it was
 tampered with: see :mod:`virtualflow.runtime.checkpoint`), as is a state from a different job
 (other B, V, seed, data order or model shapes), with a message naming what differs; a state
@@ -14,6 +17,7 @@ Nothing here deletes or moves a state file.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -61,7 +65,15 @@ def find_resume_state(resume: str, job: Job | None) -> tuple[str, int]:
             step = int(state["step"])
         ordered.append((step, 1 if path in loaded else 0, path))
     ordered.sort(reverse=True)
-    for _, _, path in ordered:
+    recorded = recorded_steps(resume) if os.path.isdir(resume) else None
+    if recorded is not None and ordered and all(step > recorded for step, _, _ in ordered):
+        recorded = None  # no state the records reach: the newest good one, as without records
+    for step, _, path in ordered:
+        if recorded is not None and step > recorded:
+            logger.warning("skipping %s: it is at step %d but the run recorded only %d steps (the workers trained on "
+                           "while the coordinator was cut off, and nobody recorded those steps); resuming from an "
+                           "earlier state redoes them exactly", path, step, recorded)
+            continue
         state = loaded.pop(path, None) or _load(path, problems)
         if state is None:
             continue
@@ -71,6 +83,28 @@ def find_resume_state(resume: str, job: Job | None) -> tuple[str, int]:
             logger.warning("resuming from %s, the newest good state", path)
         return path, int(state["step"])
     raise ValueError(f"resume={resume!r}: no readable checkpoint ({'; '.join(problems)})")
+
+
+def recorded_steps(run_dir: str, tail_bytes: int = 1 << 16) -> int | None:
+    """How many steps ``run_dir``'s ``metrics.jsonl`` records (its last record's step + 1; the
+    file is append-only in step order), or None without a readable record. Only its tail is read."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - tail_bytes))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue  # a line cut by the tail, or half-written
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+            return step + 1
+    return None
 
 
 def _candidates(run_dir: str) -> list[tuple[int | None, str]]:

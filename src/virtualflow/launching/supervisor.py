@@ -180,6 +180,7 @@ class Supervisor:
             threads=setup.threads,
             device=opts.device,
             collective_timeout_s=opts.collective_timeout_s,
+            coordinator_timeout_s=opts.coordinator_timeout_s,
             checkpoint_every=opts.checkpoint_every,
             checkpoint_format=opts.checkpoint_format,
             async_checkpoint=opts.async_checkpoint,
@@ -193,6 +194,7 @@ class Supervisor:
             profile_steps=opts.profile_steps,
             job_id=self.job_id,
             run_key=run_key,
+            interface=opts.interface,
         )
         self.backend = setup.backend
         self.backend.attach(Attachment(config=self.config, state_dir=setup.state_dir, store=self.coordinator.store,

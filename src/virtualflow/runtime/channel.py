@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import torch.distributed as dist
@@ -108,8 +109,10 @@ class Heartbeat:
     every member still acts on a command at the same boundary (a command waits at most one
     interval longer) and none acts on a forged one. Without ``run`` (a benchmark of the
     heartbeat alone) it reads the same keys but follows nothing. If the coordinator itself is gone
-    (the store stops answering), the worker exits: an orphan must not keep training
-    (``virtualflow run --resume`` continues the job from its last checkpoint). It also watches
+    or cut off (the store has not answered for ``coordinator_timeout_s``), the worker exits with
+    code 3: an orphan must not keep training (``virtualflow run --resume`` continues the job from
+    its last checkpoint). A shorter outage is survived; whether the worker still counts is the
+    coordinator's decision (its ``heartbeat_timeout_s``). It also watches
     the current generation's abort flag, so a step that can no longer complete is abandoned
     before its next virtual node rather than at its reduction (:meth:`broken`).
     """
@@ -127,9 +130,14 @@ class Heartbeat:
         self._generation: int | None = None
         self._broken = threading.Event()
         self._thread = threading.Thread(target=self._run, name="virtualflow-heartbeat", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="virtualflow-coordinator-watch", daemon=True)
+        self._last_ok = time.monotonic()
+        self._last_error = ""
 
     def start(self) -> None:
+        self._last_ok = time.monotonic()
         self._thread.start()
+        self._watchdog.start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -146,13 +154,18 @@ class Heartbeat:
         return self._broken.is_set()
 
     def _run(self) -> None:
-        misses = 0
+        # A coordinator that is gone refuses at once: three failed calls in a row end the worker.
+        # A store call on a connection whose peer is cut off (a partition: no reset, no answer)
+        # can block for good whatever the client's timeout, so this thread also notes when it
+        # last got through, and the watchdog (:meth:`_watch`) judges that silence.
+        op_timeout = datetime.timedelta(seconds=max(0.2, min(5.0, self.cfg.coordinator_timeout_s / 3)))
         store = None
+        misses = 0
         while not self._stop.is_set():
             try:
                 if store is None:
                     store = dist.TCPStore(self.cfg.store_host, self.cfg.store_port, is_master=False,
-                                          timeout=datetime.timedelta(seconds=5))
+                                          timeout=op_timeout)
                 store.add(self.key, 1)
                 seq = protocol.parse_seq(store.get(protocol.CONTROL_SEQ_KEY))
                 with self._lock:
@@ -167,14 +180,29 @@ class Heartbeat:
                         with self._lock:
                             if g == self._generation:
                                 self._broken.set()
+                self._last_ok = time.monotonic()
                 misses = 0
-            except Exception as exc:  # noqa: BLE001
-                misses += 1
+            except Exception as exc:  # noqa: BLE001 - reconnect on the next beat
                 store = None
-                if misses >= 3:
-                    print(f"virtualflow worker: the coordinator is unreachable ({exc}); exiting", flush=True)
+                misses += 1
+                self._last_error = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+                if misses >= 3:  # refused three times in a row (each call failed, none hung): gone
+                    print(f"virtualflow worker: the coordinator at {self.cfg.store_host}:{self.cfg.store_port} is "
+                          f"unreachable ({self._last_error}); exiting", flush=True)
                     os._exit(3)
             self._stop.wait(self.cfg.heartbeat_interval_s)
+
+    def _watch(self) -> None:
+        """Exit the process (code 3) once the store has not answered for ``coordinator_timeout_s``:
+        the coordinator is gone or cut off. A shorter outage is survived."""
+        limit_s = self.cfg.coordinator_timeout_s
+        while not self._stop.wait(min(0.25, limit_s / 10)):
+            silent_s = time.monotonic() - self._last_ok
+            if silent_s >= limit_s:
+                why = f"; last error: {self._last_error}" if self._last_error else " (no answer)"
+                print(f"virtualflow worker: the coordinator at {self.cfg.store_host}:{self.cfg.store_port} has been "
+                      f"unreachable for {silent_s:.1f} s (coordinator_timeout_s={limit_s:g}){why}; exiting", flush=True)
+                os._exit(3)
 
     def follow(self, store: dist.Store, seq: int) -> None:
         """Verify the commands after :attr:`control_seq`, in order, up to ``seq`` (at most 16 a

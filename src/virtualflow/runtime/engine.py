@@ -52,6 +52,7 @@ from virtualflow.runtime.batches import (BatchLoader, LossShapeError, NonFiniteL
 from virtualflow.runtime.batchnorm import BatchNormState
 from virtualflow.runtime.breakdown import RAW, StepClock, derive, measured_load
 from virtualflow.runtime.clipping import BLOCK, block_sq_sums, clip_, n_blocks, norm_from_blocks, total_norm
+from virtualflow.runtime.partials import Partials, direct_possible
 from virtualflow.runtime.prefetch import Prefetcher
 from virtualflow.runtime.probe import PROBE_BUDGET, PROBE_CHANGE, PROBE_EVERY, ProbeCounters, probe_due
 from virtualflow.runtime.shard_replica import exchange_gradients
@@ -171,12 +172,11 @@ class VNEngine:
         self.exchange_choice: tuple[str, str] | None = None
         """Deterministic mode with several workers: (the exchange this generation runs, why)."""
         self._exchange: OwnerExchange | None = None
-        self._det_pieces: list[tuple[int, int]] = []
-        self._det_piece_params: list[list[int]] = []
-        self._det_piece_of: dict[int, int] = {}
-        self._det_hooks: list[Any] = []
-        self._det_stream: dict[str, Any] | None = None
-        self._last_partial: torch.Tensor | None = None
+        self._partials: Partials | None = None
+        """Deterministic mode: the partial sums' reused buffers and leaf arithmetic (None when the
+        parameters' dtypes differ: fresh vectors per leaf then, :func:`tree_reduce_local`)."""
+        if deterministic and direct_possible(self.params):
+            self._partials = Partials(self.params, self._tail_numel())
         self._fault_point: Callable[[int, str], None] | None = None
         self._step_no = -1
         self._in_last_backward = False
@@ -222,7 +222,6 @@ class VNEngine:
             self._zero_grad()  # pending: the chunk's reduced gradient stays for the rebuild to apply
         self.deferred_failure = None
         self._det_flat = None
-        self._det_stream = None
         self._metric_sums = {}
         self._drop_exchange()
         if self.reducer is not None:
@@ -290,69 +289,30 @@ class VNEngine:
         for p in self.params:
             offsets.append(at)
             at += p.numel()
-        self._det_pieces, self._det_piece_params, self._det_piece_of = [], [], {}
-        for b, idx in enumerate(plan_buckets(self.params)):
+        pieces, piece_params = [], []
+        for idx in plan_buckets(self.params):
             lo = min(offsets[i] for i in idx)
             hi = max(offsets[i] + self.params[i].numel() for i in idx)
-            self._det_pieces.append((lo, hi))
-            self._det_piece_params.append(sorted(idx))
-            for i in idx:
-                self._det_piece_of[id(self.params[i])] = b
-        self._det_pieces.append((self.grad_numel, numel))  # the tail: BatchNorm statistics and loss
+            pieces.append((lo, hi))
+            piece_params.append(sorted(idx))
+        if self._partials is not None:
+            self._partials.set_pieces(pieces, piece_params)
+        pieces.append((self.grad_numel, numel))  # the tail: BatchNorm statistics and loss
         if self.shard is not None:  # each owner keeps its chunk of the gradients; the tail goes to all
             bounds = [tuple(b) for b in self.shard.bounds]
             bounds[-1] = (bounds[-1][0], numel)
             gather = [(self.grad_numel, numel)]
         else:
             bounds, gather = None, None
-        schedule = OwnerSchedule.build(self.tree, numel, bounds=bounds, pieces=self._det_pieces, gather=gather)
-        pieces_units = [[j for j, u in enumerate(schedule.units) if lo <= u.lo and u.hi <= hi]
-                        for lo, hi in self._det_pieces]
+        schedule = OwnerSchedule.build(self.tree, numel, bounds=bounds, pieces=pieces, gather=gather)
+        pieces_units = [[j for j, u in enumerate(schedule.units) if lo <= u.lo and u.hi <= hi] for lo, hi in pieces]
         self._exchange = OwnerExchange(schedule, self.group, dtype=like.dtype, device=self.device,
                                        pieces_units=pieces_units)
-        if self.vns:
-            self._det_hooks = [p.register_post_accumulate_grad_hook(self._det_on_grad) for p in self.params]
 
     def _drop_exchange(self) -> None:
         if self._exchange is not None:
             self._exchange.abandon()
         self._exchange = None
-        self._det_stream = None
-        for h in self._det_hooks:
-            h.remove()
-        self._det_hooks = []
-
-    def _det_on_grad(self, p: torch.Tensor) -> None:
-        """The last VN's backward finished ``p``'s gradient: send each piece that is complete, in
-        piece order (the same order on every worker)."""
-        st = self._det_stream
-        if st is None:
-            return
-        b = self._det_piece_of[id(p)]
-        st["pending"][b] -= 1
-        while st["next"] < len(self._det_piece_params) and st["pending"][st["next"]] == 0:
-            self._det_send_piece(st["next"])
-            st["next"] += 1
-
-    def _det_send_piece(self, b: int) -> None:
-        """Piece ``b`` of the last partial: the last VN's gradient of that piece, added into the
-        partial along the tree's right spine (innermost first: ``S_1 + (S_2 + (... + leaf))``,
-        element for element the additions :func:`tree_reduce_local` makes), then sent."""
-        st = self._det_stream
-        assert st is not None and self._exchange is not None
-        lo, hi = self._det_pieces[b]
-        out = st["out"][lo:hi]
-        if b < len(self._det_piece_params):
-            parts = []
-            for i in self._det_piece_params[b]:
-                p = self.params[i]
-                parts.append(p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()))
-            torch.cat(parts, out=out)
-        else:
-            out.copy_(st["tail"])
-        for left in reversed(st["spine"]):
-            torch.add(left[lo:hi], out, out=out)
-        self._exchange.send(st["node"], st["out"], piece=b)
 
     def _zero_grad(self) -> None:
         if self.flat is not None:
@@ -564,6 +524,8 @@ class VNEngine:
         """An (uninitialised) vector of one deterministic-mode leaf's size and dtype: what a
         worker with no VN hands to the tree exchange."""
         with_bn = self.bn.numel and self.batchnorm == "mean"
+        if self._partials is not None:  # the buffers' dtype: the parameters'
+            return torch.empty(self._partials.numel, dtype=self._partials.dtype, device=self.device)
         dtypes = [p.dtype for p in self.params] + [self._loss_dtype or self.params[0].dtype]
         numel = self.grad_numel + 1
         if with_bn:
@@ -813,10 +775,9 @@ class VNEngine:
 
         def run_vn(vn: int) -> torch.Tensor:
             """Forward and backward of one VN; returns its tail [BN stats (mean mode) | weighted
-            loss]; the VN's gradient is in ``p.grad``."""
+            loss]; the VN's gradient is in (or was accumulated into) ``p.grad``."""
             self._check_broken()
             t_vn = time.perf_counter()
-            self._zero_grad()
             weighted = self._forward(step, vn)
             if vn == last_vn:
                 self.phase = "backward"
@@ -834,7 +795,8 @@ class VNEngine:
             tail.append(weighted.reshape(1))
             return torch.cat(tail) if len(tail) > 1 else tail[0]
 
-        def leaf(vn: int) -> torch.Tensor:
+        def leaf(vn: int) -> torch.Tensor:  # a fresh vector per leaf (parameters of several dtypes)
+            self._zero_grad()
             tail = run_vn(vn)
             parts = [
                 p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in self.params
@@ -845,17 +807,41 @@ class VNEngine:
         t_step = time.perf_counter()
         probed = False
         ex = self._exchange
+        held: list[torch.Tensor] = []
         if ex is not None:
             ex.begin()  # every receive of the step is posted before the first send
-        if self.vns and ex is not None:
-            local = self._partials_streamed(leaf, run_vn)
-            self._det_compute_s = time.perf_counter() - t_step
-        elif self.vns:
-            local = tree_reduce_local(self.tree.per_worker[self.group.rank], leaf)
+        if self.vns:
+            nodes = self.tree.per_worker[self.group.rank]
+            parts = self._partials
+            if parts is not None and ex is not None:
+                local = parts.streamed(nodes, run_vn, ex.send)
+            elif parts is not None:
+                local = parts.partials(nodes, run_vn)
+            else:
+                local = tree_reduce_local(nodes, leaf)
+                if ex is not None:
+                    for node, vec in local.items():
+                        ex.send(node, vec)
+            if parts is not None:
+                held = list(local.values())
+                if self.flat is not None:
+                    self.flat.attach_grads()  # the sharded optimizer's gradients are views of its vector
             self._det_compute_s = time.perf_counter() - t_step
         else:  # no VN here: maybe a probe; no node of the tree to contribute
             local = {}
             self._det_compute_s, probed = self._idle_compute(step)
+        try:
+            return self._det_exchange(local, t_step, probed, with_bn)
+        finally:
+            if self._partials is not None:
+                self._partials.give_back(held)  # reused next step (what is read from them is used before)
+
+    def _det_exchange(self, local: dict[Node, torch.Tensor], t_step: float, probed: bool,
+                      with_bn: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Bring the partial sums together; returns (loss, BatchNorm mean) and leaves the summed
+        gradient in ``_det_flat`` (or, sharded, this worker's chunk in the flat gradient)."""
+        assert self.tree is not None and self.group is not None
+        ex = self._exchange
         self.phase = "reduction"
         self.clock.enter_reduction()  # left in step(), after the statistics' all-reduce
         if ex is not None:
@@ -891,42 +877,3 @@ class VNEngine:
             bn_mean = total[offset : offset + self.bn.numel] / self.plan.virtual_nodes
             offset += self.bn.numel
         return total[offset], bn_mean
-
-    def _partials_streamed(self, leaf: Callable[[int], torch.Tensor],
-                           run_vn: Callable[[int], torch.Tensor]) -> dict[Node, torch.Tensor]:
-        """This worker's partial sums (the ``owners`` exchange), each sent as soon as it is final:
-        every partial but the last when its last VN is done (it travels while later VNs compute);
-        the last one piece by piece during the last VN's backward, as the backward finishes each
-        gradient bucket (:meth:`_det_on_grad`). The VNs run in the order, and the partials hold
-        the bits, of :func:`tree_reduce_local`."""
-        assert self.tree is not None and self.group is not None and self._exchange is not None
-        ex = self._exchange
-        nodes = self.tree.per_worker[self.group.rank]
-        local: dict[Node, torch.Tensor] = {}
-        for node in nodes[:-1]:
-            local[node] = tree_reduce_local([node], leaf)[node]
-            ex.send(node, local[node])
-        last = nodes[-1]
-        spine: list[torch.Tensor] = []  # sums of the left children along the last node's right spine
-        node = last
-        while node[1] - node[0] > 1:
-            left, right = split(node)
-            spine.append(tree_reduce_local([left], leaf)[left])
-            node = right
-        numel = self.grad_numel + self._tail_numel()
-        out = self._last_partial
-        if out is None or out.numel() != numel or out.dtype != ex.root.dtype:
-            out = self._last_partial = torch.empty(numel, dtype=ex.root.dtype, device=self.device)
-        n_buckets = len(self._det_piece_params)
-        st = self._det_stream = {"node": last, "out": out, "spine": spine, "tail": None,
-                                 "pending": [len(b) for b in self._det_piece_params], "next": 0}
-        try:
-            st["tail"] = run_vn(node[0])
-            while st["next"] < n_buckets:  # buckets of parameters without a gradient: zeros
-                self._det_send_piece(st["next"])
-                st["next"] += 1
-            self._det_send_piece(n_buckets)  # the tail
-        finally:
-            self._det_stream = None
-        local[last] = out
-        return local

@@ -37,10 +37,12 @@ def build_engine(cfg: WorkerConfig, worker_id: int, job: Job, dataset: Any, stor
         from virtualflow.runtime.pipeline.worker_engine import PipelineWorkerEngine
 
         def subgroup(generation: int, name: str, rank: int, size: int) -> Group:
-            return make_subgroup(store, generation, name, rank, size, cfg.collective_timeout_s, device)
+            return make_subgroup(store, generation, name, rank, size, cfg.collective_timeout_s, device,
+                                 bind=cfg.gloo_bind())
 
         stages = PipelineWorkerEngine(job, dataset, deterministic=cfg.deterministic, device=device,
-                                      subgroup=subgroup, eager_every_wait=eager_every_wait)
+                                      subgroup=subgroup, eager_every_wait=eager_every_wait,
+                                      deterministic_exchange=cfg.deterministic_exchange)
         stages.total_steps = cfg.total_steps
         stages.timeline_dir = os.path.join(cfg.state_dir, "pipeline")
         engine: Engine = stages

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from virtualflow.comm import protocol
 from virtualflow.comm.groups import Group
 from virtualflow.config.job import Job
 from virtualflow.runtime.channel import Reporter
@@ -65,6 +66,12 @@ def evaluate(report: Reporter, job: Job, model: torch.nn.Module, step: int) -> d
     return metrics
 
 
+def _step_of(name: str) -> int | None:
+    """The step in a checkpoint's file name (``step-00000008.pt``), or None."""
+    digits = name[5:].partition(".")[0]
+    return int(digits) if name.startswith("step-") and digits.isdigit() else None
+
+
 class WorkerBoundary:
     """Checkpoints and evaluations of one worker's run (see the module docstring)."""
 
@@ -102,13 +109,28 @@ class WorkerBoundary:
         if prune:
             folder = os.path.dirname(path)
             kept = sorted(f for f in os.listdir(folder) if f.startswith("step-") and f.endswith(".pt"))
-            for old in kept[: max(0, len(kept) - self.cfg.keep_checkpoints)]:
+            old_ones = kept[: max(0, len(kept) - self.cfg.keep_checkpoints)]
+            recorded = self.recorded_steps()
+            if recorded is not None:  # never remove the newest checkpoint the run's records reach
+                within = [f for f in kept if _step_of(f) is not None and _step_of(f) <= recorded]
+                if within and within[-1] in old_ones:
+                    old_ones.remove(within[-1])
+            for old in old_ones:
                 for suffix in ("", ".sha256"):
                     try:
                         os.remove(os.path.join(folder, old + suffix))
                     except OSError:
                         pass
         return path
+
+    def recorded_steps(self) -> int | None:
+        """Steps the coordinator has recorded (``vf/recorded``), or None when it says nothing.
+        On a coordinator cut off by a partition this read blocks, and the worker with it, until
+        the heartbeat's watchdog ends the process: no checkpoint is pruned meanwhile."""
+        store = getattr(self.report, "store", None)
+        if store is None or not store.check([protocol.RECORDED_KEY]):
+            return None
+        return protocol.parse_seq(store.get(protocol.RECORDED_KEY))
 
     def checkpointed(self, step: int, path: str, t0: float) -> None:
         self.report({"type": "checkpoint", "step": step, "path": path, "save_s": time.perf_counter() - t0})

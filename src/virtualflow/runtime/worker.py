@@ -58,9 +58,11 @@ by every member, their state moved when a generation forms) and its failure repo
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
+import socket
 import threading
 import time
 from typing import Any, Callable, TypeVar
@@ -70,6 +72,7 @@ import torch.distributed as dist
 
 from virtualflow.comm import auth, protocol
 from virtualflow.comm.groups import Group, PeerFailure, make_group
+from virtualflow.comm.net import resolve_interface
 from virtualflow.config.job import Job
 from virtualflow.plan.flops import peak_tflops
 from virtualflow.runtime.callbacks import Callbacks, StepInfo
@@ -113,21 +116,54 @@ def run_worker(cfg: WorkerConfig, worker_id: int, notice: PreemptionNotice | Non
     torch.set_num_threads(cfg.threads)
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
-    store = dist.TCPStore(
-        cfg.store_host,
-        cfg.store_port,
-        is_master=False,
-        timeout=datetime.timedelta(seconds=cfg.store_timeout_s),
-    )
+    store = _connect_store(cfg, worker_id)
     reporter = Reporter(store, protocol.RunKey(cfg.run_key, cfg.job_id), worker_id)
     worker: Worker | None = None
     try:
+        bind = resolve_interface(cfg.interface, cfg.store_host, cfg.store_port, knob=cfg.interface_knob)
+        logger.info("worker %d: collectives bind %s (%s %s)", worker_id, ", ".join(bind), cfg.interface_knob,
+                    cfg.interface)
+        cfg = dataclasses.replace(cfg, interface=",".join(bind))
         worker = Worker(cfg, worker_id, store, reporter, notice, eager_every_wait=eager_every_wait)
         worker.run()
         return 0
     except Exception as exc:
         report_failure(reporter, worker_id, exc, worker)
         return 1
+
+
+STORE_REACH_TIMEOUT_S = 60.0
+"""How long a starting worker tries to open a connection to the job's store before it gives up
+naming the address (the store listens before any worker starts: no connection in this long
+means the address is not reachable from this machine)."""
+
+
+def _connect_store(cfg: WorkerConfig, worker_id: int) -> dist.TCPStore:
+    """The job's store; a store this machine cannot reach is a ``ConnectionError`` naming the
+    address and the knob within :data:`STORE_REACH_TIMEOUT_S` (the store's own connect would
+    retry for ``store_timeout_s``, 10 minutes by default)."""
+    where = f"{cfg.store_host}:{cfg.store_port}"
+
+    def unreachable(why: str) -> ConnectionError:
+        return ConnectionError(
+            f"worker {worker_id} ({socket.gethostname()}) cannot reach the job's store at {where}: {why}; the "
+            f"coordinator listens there (listen= / --listen; on Ray, by default the driver's node address): that "
+            f"address must be reachable from every worker's machine")
+
+    deadline = time.monotonic() + min(cfg.store_timeout_s, STORE_REACH_TIMEOUT_S)
+    while True:
+        try:
+            socket.create_connection((cfg.store_host, cfg.store_port), timeout=5.0).close()
+            break
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise unreachable(exc.strerror or str(exc) or type(exc).__name__) from None
+            time.sleep(0.2)
+    try:
+        return dist.TCPStore(cfg.store_host, cfg.store_port, is_master=False,
+                             timeout=datetime.timedelta(seconds=cfg.store_timeout_s))
+    except (RuntimeError, OSError) as exc:  # torch's DistNetworkError / DistStoreError are RuntimeErrors
+        raise unreachable(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)) from exc
 
 
 class PreemptionNotice:
@@ -278,13 +314,19 @@ class Worker:
         self.setup()
         self.phase = "forming a generation"  # waiting for the first generation counts as forming it
         where = self.next_generation(-1)
+        after = -1
         while True:
             if where == protocol.FAIL:
+                # Fenced out (the coordinator stopped hearing from this worker: a partition that
+                # has healed since) or the job gave up: nothing of this worker counts any more.
+                print(f"virtualflow worker: worker {self.id} is no longer part of the job after generation {after} "
+                      f"(fenced out, or the job gave up); exiting", flush=True)
+                self.heartbeat.stop()
                 return
             if where.startswith(protocol.LEAVE):
                 self.leave(where)
                 return
-            gen = int(where)
+            gen = after = int(where)
             record = self.read_signed(protocol.generation_key(gen),
                                       lambda raw: protocol.parse_generation(self.run_key, raw, gen),
                                       f"generation {gen}")
@@ -334,7 +376,8 @@ class Worker:
         t0 = time.perf_counter()
         rank = record.members.index(self.id)
         _rendezvous(self.store, cfg, gen, len(record.members), lambda: self.aborted(gen))
-        group = make_group(self.store, gen, rank, len(record.members), cfg.collective_timeout_s, self.device)
+        group = make_group(self.store, gen, rank, len(record.members), cfg.collective_timeout_s, self.device,
+                           bind=cfg.gloo_bind())
         group.abort_check = lambda: self.aborted(gen)
         t_group = time.perf_counter() - t0
         for old in self.retired:  # every member has left the old groups: release them

@@ -63,6 +63,9 @@ class WorkerConfig:
     store_timeout_s: float = 600.0
     """Bound on waits for the coordinator (a generation to join; a rendezvous)."""
     heartbeat_interval_s: float = 0.05
+    coordinator_timeout_s: float = 15.0
+    """A worker whose heartbeat thread cannot reach the store for this long exits (code 3)
+    (:class:`~virtualflow.options.LaunchOptions` ``coordinator_timeout_s``)."""
     keep_checkpoints: int = 2
     checkpoint_format: str = "pt"
     """``pt``: one state file per checkpoint (rank 0); ``dcp``: every worker writes its part
@@ -71,7 +74,21 @@ class WorkerConfig:
     """``dcp`` checkpoints written on a thread while training goes on."""
     job_id: str = ""
     """This launch's id (:func:`virtualflow.comm.auth.new_job_id`), named by every signed message."""
+    interface: str = "auto"
+    """What the worker's collectives (gloo) bind to and tell their peers: ``auto`` (the address
+    that reaches the store), interface names or addresses
+    (:class:`~virtualflow.options.LaunchOptions` ``interface``). Each worker resolves it on its
+    own machine when it starts (:func:`virtualflow.comm.net.resolve_interface`); from then on it
+    holds the addresses."""
+    interface_knob: str = "--interface"
+    """Where ``interface`` came from, for messages (a worker's entry point sets
+    ``GLOO_SOCKET_IFNAME`` when its environment chose it)."""
     run_key: str = ""
     """The run key (:func:`virtualflow.comm.auth.run_key`): signs this worker's reports and checks
     what it reads from the store. Never sent through the store: the external backend blanks it in
     the configuration a joining worker receives, and the worker derives it from its token file."""
+
+    def gloo_bind(self) -> list[str] | None:
+        """The addresses gloo binds to, once :attr:`interface` is resolved (None while it is
+        ``auto``: gloo's own choice)."""
+        return None if self.interface == "auto" else self.interface.split(",")

@@ -10,7 +10,9 @@ Rules it enforces (its phases: :mod:`.phases`; its policies: :mod:`.speed`, :mod
 * **Failures.** A worker that exits unexpectedly, or whose heartbeat is silent for
   ``heartbeat_timeout_s`` (it is then killed: fencing), is removed; generation ``g`` is marked
   aborted and the survivors get ``g+1`` (phase ``recovering``), where they redo the
-  interrupted step.
+  interrupted step. A fenced worker may still be alive (cut off by a partition, on a machine
+  the launcher cannot kill on): the coordinator refuses its reports from then on and its next
+  pointer says ``fail``, so when it comes back it writes nothing that counts and exits.
 * **Pipelines.** A pipelined job keeps whole replicas: a replica that lost a worker leaves whole.
   With Bamboo's redundancy each hit replica fails over instead (:mod:`.failover`); only a
   replica that cannot cover its loss leaves, and the job falls back to a restart when none is
@@ -344,6 +346,12 @@ class MembershipController:
             if wid in self.ready:
                 self.ready.remove(wid)
             self.liveness.forget(wid)
+            if wid in self.liveness.fenced:
+                # Silent, not seen dead: it may be cut off and come back (a healed partition).
+                # Whatever it sends from now on is refused, and where it looks for its next
+                # generation it finds a signed "fail": it exits instead of waiting.
+                self.coord.fence(wid, self.assigned.get(wid, -1), cause)
+                self.coord.point(wid, self.assigned.get(wid, -1), protocol.FAIL)
         lost = [w for w in self.members if w in failed]
         newcomers_lost = [w for w in failed if w not in self.members]
         self._failed_newcomers += len(newcomers_lost)

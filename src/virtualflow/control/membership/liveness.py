@@ -28,6 +28,9 @@ class Liveness:
         self.store = store
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.gone: set[int] = set()  # exited or killed, handled
+        self.fenced: set[int] = set()
+        """Workers killed for silence: possibly still alive somewhere (a partition, a machine the
+        launcher cannot reach), so whatever they send later must be refused."""
         self.leaving: set[int] = set()  # told to leave: a clean exit is expected
         self._exited_0: set[int] = set()  # seen exiting with code 0 one tick ago
         self._hb: dict[int, tuple[int, float]] = {}  # joined worker -> (heartbeat count, when it last changed)
@@ -76,4 +79,5 @@ class Liveness:
                 failed[wid] = f"stopped responding (no heartbeat for {now - t_seen:.1f} s); killed"
                 self.launcher.kill_worker(wid)
                 self.gone.add(wid)
+                self.fenced.add(wid)
         return failed

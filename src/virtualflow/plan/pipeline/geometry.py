@@ -189,51 +189,109 @@ def tensors_of(value: object) -> tuple[torch.Tensor, ...]:
     )
 
 
-def tied_parameters(layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]],
-                    stages: int) -> list[list[tuple[int, str]]]:
-    """Parameters shared by layers on different workers (a tied embedding and output matrix,
-    say): for each, its ``(layer index, name in that layer)`` locations, in model order."""
-    def worker_of(layer: int) -> int:
-        return next(k for k, (a, b) in enumerate(bounds) if a <= layer < b) % stages
+def _piece_of(bounds: Sequence[tuple[int, int]], layer: int) -> int:
+    return next(k for k, (a, b) in enumerate(bounds) if a <= layer < b)
 
+
+def _locations(layers: Sequence[nn.Module]) -> list[list[tuple[int, str]]]:
+    """Per parameter object, its ``(layer index, name in that layer)`` locations, in model order."""
     where: dict[int, list[tuple[int, str]]] = {}
     for i, layer in enumerate(layers):
         for name, param in layer.named_parameters():
             where.setdefault(id(param), []).append((i, name))
-    return [locs for locs in where.values() if len({worker_of(i) for i, _ in locs}) > 1]
+    return list(where.values())
+
+
+def tied_parameters(layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]],
+                    stages: int) -> list[list[tuple[int, str]]]:
+    """Parameters shared by layers on different workers (a tied embedding and output matrix,
+    say): for each, its ``(layer index, name in that layer)`` locations, in model order."""
+    return [locs for locs in _locations(layers)
+            if len({_piece_of(bounds, i) % stages for i, _ in locs}) > 1]
+
+
+def shared_across_pieces(layers: Sequence[nn.Module],
+                         bounds: Sequence[tuple[int, int]]) -> list[list[tuple[int, str]]]:
+    """Parameters read by layers of different pieces (on one worker or several): for each, its
+    locations in model order. Deterministic mode sums their per-piece gradients per virtual node
+    before the tree (see :func:`check_shared_parameters`)."""
+    return [locs for locs in _locations(layers) if len({_piece_of(bounds, i) for i, _ in locs}) > 1]
+
+
+EXACT_USES = 2
+"""Locations of one shared weight deterministic mode keeps bit-identical: the unpipelined job adds
+the per-VN gradients of its uses inside autograd, and one addition ``a + b == b + a`` is exact in
+either order; with three or more the order of autograd's additions is not fixed."""
 
 
 def check_shared_parameters(layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]],
                             pipeline: Any, deterministic: bool = False) -> list[list[tuple[int, str]]]:
     """A weight shared by layers on different workers is held by each of them as a copy; the
-    runtime sums the copies' gradients before every update (default mode, flush schedules), so
-    they stay equal. Deterministic mode and the no-flush schedules refuse it: the exact per-VN
-    order of that sum, and a version per copy, are not implemented."""
+    runtime sums the copies' gradients before every update (flush schedules), so they stay equal.
+    Deterministic mode forms, per virtual node, the sum of the two uses' gradients before the
+    fixed tree, as autograd does in the unpipelined job: exact for a weight read by two layers
+    (in different pieces, on one worker or two). Refused: a weight read by three or more layers of
+    different pieces in deterministic mode (no fixed order of autograd's additions to match), a
+    weight shared across workers with a no-flush schedule (one version per copy is not
+    implemented) or with ``Pipeline.redundancy``."""
     groups = tied_parameters(layers, bounds, pipeline.stages)
-    if groups and (deterministic or not pipeline.flush):
+    if groups and not pipeline.flush:
         (j, first), (i, name) = groups[0][0], groups[0][1]
-        why = "deterministic mode" if deterministic else f"the {pipeline.schedule} schedule"
         raise ValueError(
-            f"parameter {j}.{first} is also layer {i}'s {name}, on another pipeline worker: {why} cannot keep the "
-            f"copies of a shared weight exact; untie it (e.g. GPT2Config(tie_word_embeddings=False)), cut the "
-            f"model so both layers are on one worker (Pipeline.split), or train in default mode with a flush "
-            f"schedule"
+            f"parameter {j}.{first} is also layer {i}'s {name}, on another pipeline worker: the "
+            f"{pipeline.schedule} schedule cannot keep the copies of a shared weight exact; untie it (e.g. "
+            f"GPT2Config(tie_word_embeddings=False)), cut the model so both layers are on one worker "
+            f"(Pipeline.split), or use a flush schedule (Pipeline.schedule='1f1b', 'gpipe', 'interleaved_1f1b' "
+            f"or 'zb_h1')"
         )
+    if groups and getattr(pipeline, "redundancy", False):
+        (j, first), (i, name) = groups[0][0], groups[0][1]
+        raise ValueError(
+            f"parameter {j}.{first} is also layer {i}'s {name}, on another pipeline worker: "
+            f"Pipeline.redundancy=True does not support weights shared across pipeline workers yet; untie it, "
+            f"cut the model so both layers are on one worker (Pipeline.split), or set redundancy=False"
+        )
+    if deterministic:
+        for locs in shared_across_pieces(layers, bounds):
+            if len(locs) > EXACT_USES:
+                names = ", ".join(f"{i}.{name}" for i, name in locs)
+                raise ValueError(
+                    f"one weight is read by {len(locs)} layers in different pipeline pieces ({names}): "
+                    f"deterministic mode keeps a shared weight bit-identical to the unpipelined job only when "
+                    f"it is read by {EXACT_USES} layers (the order in which autograd adds three or more "
+                    f"gradients is not fixed); untie it, cut the model so all these layers are in one piece "
+                    f"(Pipeline.split), or train with deterministic=False (without --deterministic)"
+                )
     return groups
 
 
+@dataclass(slots=True)
+class TiedCopy:
+    """One weight shared across workers, as one worker sees it (the same list, in the same order,
+    on every worker: :func:`tied_for_worker`)."""
+
+    param: Any
+    """This worker's copy, or ``None`` if none of its pieces holds it."""
+    numel: int
+    dtype: torch.dtype
+    workers: tuple[int, ...]
+    """The stage-rank holding each location, in model order; ``workers[0]`` owns the weight in
+    deterministic mode (it sums the copies' per-VN gradients and hands the total on)."""
+
+
 def tied_for_worker(layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]], stages: int,
-                    stage_rank: int) -> list[tuple[Any, int, torch.dtype]]:
-    """For each weight shared across workers (same order everywhere): this worker's copy, or
-    None if its pieces do not hold it; its size; its dtype."""
+                    stage_rank: int) -> list[TiedCopy]:
+    """For each weight shared across workers (same order everywhere): this worker's copy (or
+    None), its size and dtype, and the workers holding its locations."""
     out = []
     for locs in tied_parameters(layers, bounds, stages):
         i0, n0 = locs[0]
         param0 = layers[i0].get_parameter(n0)
+        workers = tuple(_piece_of(bounds, i) % stages for i, _ in locs)
         mine = None
-        for i, name in locs:
-            if next(k for k, (a, b) in enumerate(bounds) if a <= i < b) % stages == stage_rank:
+        for (i, name), w in zip(locs, workers):
+            if w == stage_rank:
                 mine = layers[i].get_parameter(name)
                 break
-        out.append((mine, param0.numel(), param0.dtype))
+        out.append(TiedCopy(mine, param0.numel(), param0.dtype, workers))
     return out

@@ -28,11 +28,13 @@ loop           the training loop's knobs on a stage: autocast, loss scaling, cli
 executor       the walk of one worker's action list (sans I/O)
 flush          one step of a flush schedule: forward/backward, reduction, commit
 stream         one window of a no-flush schedule (2BW, asynchronous PipeDream)
-reduction      sums over the replicas: by stage group or job stage, and tied weights
+reduction      sums over the replicas: by stage group or job stage, and tied weights (default mode)
+tied           deterministic mode: a weight read by two pieces, its uses summed per VN before the tree
 redundancy     Bamboo: the replica of the successor's stage, eager forwards and their reuse
 engine         :class:`StageEngine`, which composes the above
 local          the in-process driver (:class:`LocalDriver`) and :func:`train_local`
-links          the process driver: :func:`drive` over torch.distributed, the links' wire format
+links          the process driver: :func:`drive` over torch.distributed, the links' wire format, the
+               deterministic exchange each stage group runs (:class:`~.links.StageExchanges`)
 stage_state    moving, gathering and resuming a stage's state between workers (Bamboo re-layouts)
 worker_engine  :class:`PipelineWorkerEngine`: the :class:`~virtualflow.runtime.engines.Engine` of a
                pipelined job in a worker process

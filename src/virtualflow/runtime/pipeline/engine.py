@@ -25,8 +25,10 @@ from typing import Any, Callable, Generator, Sequence
 import torch
 from torch import nn
 
+from virtualflow.config.loop import autocast_dtype
 from virtualflow.config.pipeline import Pipeline
 from virtualflow.plan.data import DataPlan
+from virtualflow.plan.pipeline.geometry import TiedCopy
 from virtualflow.plan.pipeline import Schedule
 from virtualflow.plan.vnmap import TreePlan
 from virtualflow.runtime.pipeline.batchnorm import PieceBatchNorm
@@ -40,6 +42,7 @@ from virtualflow.runtime.pipeline.redundancy import Eager, Reuse, StageReplica, 
 from virtualflow.runtime.pipeline.requests import Request, StepResult
 from virtualflow.runtime.pipeline.schedule import schedule_for
 from virtualflow.runtime.pipeline.stream import StreamWindow
+from virtualflow.runtime.pipeline.tied import ExactTies
 
 
 class StageEngine:
@@ -62,7 +65,7 @@ class StageEngine:
         batchnorm: str,
         deterministic: bool,
         device: torch.device,
-        tied: Sequence[tuple[torch.nn.Parameter | None, int, torch.dtype]] = (),
+        tied: Sequence[TiedCopy] = (),
         successor_pieces: dict[int, nn.Module] | None = None,
         eager_every_wait: bool = False,
         loop: StageLoop | None = None,
@@ -78,10 +81,13 @@ class StageEngine:
         self.loop.prepare(pieces)
         self.tied = list(tied)
         """Weights shared with pieces on other workers: per shared weight, this worker's copy (or
-        None), its size and dtype, in the same order on every worker (``pipeline.tied_parameters``).
-        Their gradients are summed over the copies before every update."""
-        if self.tied and (deterministic or not pipeline.flush):
-            raise ValueError("weights shared across pipeline workers need default mode and a flush schedule")
+        None), its size and dtype and the workers holding it, in the same order on every worker
+        (``geometry.tied_for_worker``). Their gradients are summed over the copies before every
+        update (default mode: :func:`~.reduction.sum_tied`; deterministic mode: :attr:`ties`)."""
+        if self.tied and not pipeline.flush:
+            raise ValueError(
+                f"weights shared across pipeline workers need a flush schedule, not Pipeline.schedule="
+                f"{pipeline.schedule!r}; use '1f1b', 'gpipe', 'interleaved_1f1b' or 'zb_h1'")
         self.p = pipeline.stages
         self.stage_rank = stage_rank
         self.n_pieces = n_pieces
@@ -90,6 +96,14 @@ class StageEngine:
         self.norm_layers = norm_layers(self.model, self.loop.norm_excluded)
         """This worker's parameters per whole-model layer, as the gradient norm counts them."""
         self.piece_params = {k: [q for q in m.parameters() if q.requires_grad] for k, m in self.pieces.items()}
+        self.ties: ExactTies | None = None
+        """Deterministic mode, a weight read by two pieces (here, or here and on another worker):
+        its per-VN gradients summed before the tree, as autograd sums them in the unpipelined job."""
+        if deterministic and ExactTies.needed(self.params, self.piece_params, self.tied):
+            self.ties = ExactTies(params=self.params, piece_params=self.piece_params, tied=self.tied,
+                                  stage_rank=stage_rank, p=pipeline.stages, low=autocast_dtype(self.loop.precision))
+        self.tree_params = self.ties.tree_params if self.ties is not None else self.params
+        """Deterministic mode: the parameters whose gradients this worker's tree vector holds."""
         self.plan = plan
         self.seed = seed
         self.batchnorm = batchnorm
@@ -196,6 +210,19 @@ class StageEngine:
             self.replica_of_successor.rewind()
         self.optimizer.zero_grad(set_to_none=True)
 
+    def tree_vector(self) -> tuple[int, torch.dtype]:
+        """Deterministic mode: the size and dtype of this worker's per-VN vector, the one its
+        reduction over the replicas sums along the tree ``[gradients of tree_params | BatchNorm
+        statistics ("mean") | loss (last piece)]``."""
+        is_last = self.last in self.pieces
+        with_bn = bool(self.bn_numel) and self.batchnorm == "mean"
+        numel = sum(q.numel() for q in self.tree_params) + (self.bn_numel if with_bn else 0) + int(is_last)
+        dtypes = [q.dtype for q in self.tree_params] + ([torch.float32] if with_bn or is_last else [])
+        dtype = dtypes[0] if dtypes else torch.float32
+        for d in dtypes[1:]:
+            dtype = torch.promote_types(dtype, d)
+        return numel, dtype
+
     @property
     def stats_numel(self) -> int:
         """Entries of a flush step's stats vector (:meth:`FlushStep.finish`): the same on every
@@ -262,7 +289,7 @@ class StageEngine:
         self.reuse = None
         self.phase = "reduction"
         bn_new, loss_total = yield from work.reduce()
-        if self.tied:
+        if self.tied and not self.deterministic:  # (deterministic mode: summed in work.reduce())
             yield from sum_tied(self.tied, self.replica, self.device)
         work.check_grads()  # unscale (16-mixed), and this worker's part of the norm and verdict
         if self.replica_of_successor is not None:

@@ -87,6 +87,8 @@ class FlushStep:
                 self.bn_acc[k] += bn.flat()
             elif vn == 0:
                 self.bn_first[k] = bn.flat()
+        if e.ties is not None:  # the first forward of each piece: a shared weight read once
+            e.ties.check_uses(k, e.piece_params[k], ctx.outputs)
         if k == e.last:
             self.losses[vn] = ctx.outputs[0].detach()
             if ctx.metrics:
@@ -132,10 +134,17 @@ class FlushStep:
         V = self.V
         if e.deterministic:
             with_bn = e.bn_numel and e.batchnorm == "mean"
+            remote: dict[int, dict[int, torch.Tensor]] = {}
+            if e.ties is not None:  # weights read by two pieces: the other use's per-VN gradients
+                yield from e.ties.send_parts(self.leaves, self.vns, self.step)
+                remote = yield from e.ties.receive_parts(self.vns, self.step)
 
             def leaf(vn: int) -> torch.Tensor:
                 by_piece = dict(self.leaves.pop(vn))
-                parts = [x for k in e.pieces for x in by_piece[k]]
+                if e.ties is not None:
+                    parts = e.ties.leaf_grads(by_piece, remote.pop(vn, None))
+                else:
+                    parts = [x for k in e.pieces for x in by_piece[k]]
                 if with_bn:
                     parts += [self.bn_vn.pop((k, vn)) for k in e.pieces if e.bn[k].numel]
                 if is_last:
@@ -145,7 +154,9 @@ class FlushStep:
             nodes = tree_reduce_local(e.tree.per_worker[e.replica], leaf)
             like = next(iter(nodes.values()))
             total = yield from e.reducer.tree_by_stage(e.tree, nodes, like, bool(with_bn), is_last)
-            offset = load_grads(e.params, total)
+            offset = load_grads(e.tree_params, total)
+            if e.ties is not None:  # the owners' totals to the other copies
+                yield from e.ties.share_totals(self.step)
             bn_new = None
             if with_bn:
                 bn_new = total[offset: offset + e.bn_numel] / V

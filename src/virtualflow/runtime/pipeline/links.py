@@ -11,6 +11,11 @@ Headers come from a peer of the same job but are still parsed defensively: a mal
 :class:`PeerFailure` (the generation is formed again), never an exception in the job. On a link
 whose shapes are known (:class:`Links`) a message is one buffer.
 
+Deterministic mode's per-stage reduction over the replicas (:class:`StageTree`, and each job
+stage's after a Bamboo failover) runs the exchange :func:`~virtualflow.plan.exchange.choose_exchange`
+picks for the stage's vector (or the one the ``deterministic_exchange`` knob names):
+:class:`StageExchanges`. Both give every replica the same root, bit for bit.
+
 Measured (``bench/pipeline/``): the first protocol, a header then one blocking receive per
 tensor, each posted only when needed, cost 2-3 round trips per hop (1.4-2.0x torch.distributed.
 pipelining's step time at p = 2); posting receives ahead and packing the payload removed them.
@@ -18,16 +23,22 @@ pipelining's step time at p = 2); posting receives ahead and packing the payload
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Generator
 
 import torch
 
+from virtualflow.comm.exchange import OwnerExchange
 from virtualflow.comm.groups import Arrival, Group, PeerFailure
 from virtualflow.comm.reduce import tree_exchange
+from virtualflow.plan.exchange import EXCHANGES, OwnerSchedule, choose_exchange
 from virtualflow.plan.pipeline.geometry import Grid
+from virtualflow.plan.vnmap import TreePlan
 from virtualflow.runtime.pipeline.requests import AllSum, Expect, Poll, Recv, Send, StageSum, StageTree, StepResult
 
-__all__ = ["Links", "Metas", "drive"]
+__all__ = ["Links", "Metas", "StageExchanges", "drive"]
+
+log = logging.getLogger(__name__)
 
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -43,6 +54,8 @@ def _tag(key: tuple[str, int, int], n_pieces: int, part: int) -> int:
     direction, piece, mb = key
     if direction == "R":  # a replica update (one per step and link; steps are sequential)
         return 2 ** 30 + piece * _PARTS + part
+    if direction == "T":  # a tied weight's message (one per step and link): ``piece`` is the link
+        return 2 ** 30 + 2 ** 29 + piece * _PARTS + part
     return (((mb * n_pieces + piece) * 2 + (direction == "B")) * _PARTS + part) % (2 ** 31 - 1)
 
 
@@ -131,6 +144,57 @@ class Links:
         self.last = {}
 
 
+class StageExchanges:
+    """Per generation: which deterministic exchange each stage group's tree reduction runs, and
+    the ``owners`` exchanges kept from step to step (their buffers and alternating tags).
+
+    ``asked``: the ``deterministic_exchange`` knob (``"auto"``: :func:`choose_exchange` decides per
+    vector; ``"owners"`` / ``"slots"``: always that one). :attr:`choices` holds, per job stage
+    (``None``: the worker's one stage group), the exchange and the reason; a new choice is logged.
+    Reset with every generation (new groups)."""
+
+    def __init__(self, asked: str = "auto") -> None:
+        if asked not in EXCHANGES:
+            raise ValueError(f"deterministic_exchange={asked!r} is not one of {', '.join(EXCHANGES)} "
+                             f"(--deterministic-exchange)")
+        self.asked = asked
+        self.choices: dict[int | None, tuple[str, str]] = {}
+        self._chosen: dict[tuple[Any, ...], tuple[str, str]] = {}
+        self._owners: dict[tuple[Any, ...], OwnerExchange] = {}
+
+    def choose(self, stage: int | None, plan: TreePlan, like: torch.Tensor) -> str:
+        """The exchange for stage group ``stage``'s vector shaped like ``like`` (remembered)."""
+        key = (stage, plan, like.numel(), like.dtype)
+        if key not in self._chosen:
+            self._chosen[key] = choose_exchange(plan, like.numel(), like.element_size(), self.asked)
+        name, reason = self._chosen[key]
+        if self.choices.get(stage) != (name, reason):
+            where = "this worker's stage group" if stage is None else f"job stage {stage}"
+            log.info("pipeline deterministic exchange over the replicas (%s): %s (%s)", where, name, reason)
+            self.choices[stage] = (name, reason)
+        return name
+
+    def run(self, req: StageTree, group: Group) -> torch.Tensor:
+        """The root of ``req``'s tree over ``group`` (every member gets the same bits)."""
+        like = req.like
+        if group.size == 1 or self.choose(req.stage, req.plan, like) == "slots":
+            return tree_exchange(req.plan, group, req.nodes, like=like)
+        key = (req.stage, req.plan, like.numel(), like.dtype)
+        ex = self._owners.get(key)
+        if ex is None:
+            ex = self._owners[key] = OwnerExchange(OwnerSchedule.build(req.plan, like.numel()), group,
+                                                   dtype=like.dtype, device=like.device)
+        ex.begin()
+        for node, vec in req.nodes.items():
+            ex.send(node, vec)
+        return ex.finish(req.nodes).clone()  # the exchange's root buffer is reused next step
+
+    def abandon(self) -> None:
+        """A drive failed: forget the steps its exchanges had open."""
+        for ex in self._owners.values():
+            ex.abandon()
+
+
 _ABANDONED: list[Any] = []
 """Sends a failed drive left unfinished, with their buffers: kept alive (gloo's transport may still
 read a buffer) instead of waited on - a send to a live peer that has stopped receiving would block
@@ -139,7 +203,8 @@ until the group's timeout."""
 
 def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pieces: int,
           device: torch.device, links: Links | None = None,
-          stage_groups: dict[int, Group] | None = None) -> list[StepResult]:
+          stage_groups: dict[int, Group] | None = None,
+          exchanges: StageExchanges | None = None) -> list[StepResult]:
     """Answer a :class:`StageEngine` generator's requests with real communication.
 
     Receives are posted when the engine announces them (:class:`Expect`), so a message moves as
@@ -152,9 +217,11 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
 
     A :class:`StageSum` / :class:`StageTree` naming a job stage goes over that stage's group in
     ``stage_groups`` (a worker running several stages after a Bamboo failover), else over
-    ``stage_group``.
+    ``stage_group``; a :class:`StageTree` runs the exchange ``exchanges`` picks (default: a fresh
+    :class:`StageExchanges` with ``"auto"``).
     """
     links = links if links is not None else Links()
+    exchanges = exchanges if exchanges is not None else StageExchanges()
     pending: list[tuple[Any, list[torch.Tensor]]] = []
     posted: dict[tuple[str, int, int], tuple[Any, torch.Tensor, Metas | None]] = {}
     arrivals: dict[tuple[str, int, int], Arrival] = {}
@@ -241,8 +308,7 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
                 (stage_group if req.stage is None else stage_groups[req.stage]).all_reduce(req.vector)
                 answer = req.vector
             elif isinstance(req, StageTree):
-                answer = tree_exchange(req.plan, stage_group if req.stage is None else stage_groups[req.stage],
-                                       req.nodes, like=req.like)
+                answer = exchanges.run(req, stage_group if req.stage is None else stage_groups[req.stage])
             elif isinstance(req, AllSum):
                 group.all_reduce(req.vector)
                 answer = req.vector
@@ -253,6 +319,7 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
         results = stop.value
     except BaseException:
         failed = True
+        exchanges.abandon()
         raise
     finally:
         if failed:  # the caller closes the group; the peers may not be receiving any more

@@ -6,8 +6,9 @@ over the replicas of its stage-rank - element-wise (:class:`~.requests.StageSum`
 or along the fixed VN-id tree (:class:`~.requests.StageTree`, deterministic mode). A worker that
 runs several job stages after a Bamboo failover sums each job stage's elements over the workers
 that run that stage (:meth:`StageReducer.set_job_stages`). Weights shared by pieces on several
-workers (tied weights) have their copies' gradients summed once more over every worker
-(:func:`sum_tied`).
+workers (tied weights) have their copies' gradients summed once more over every worker in
+default mode (:func:`sum_tied`); deterministic mode sums them per virtual node before the tree
+(:mod:`.tied`).
 
 Invariants: summation is element-wise, so a worker's slice of the sum is bit-identical to the
 same slice of the unpipelined job's sum, and a job stage reduced over its own workers sums every
@@ -21,6 +22,7 @@ from typing import Any, Generator, Sequence
 import torch
 from torch import nn
 
+from virtualflow.plan.pipeline.geometry import TiedCopy
 from virtualflow.plan.vnmap import Node, TreePlan
 from virtualflow.runtime.pipeline.batchnorm import statistics_numel
 from virtualflow.runtime.pipeline.requests import AllSum, Request, StageSum, StageTree
@@ -105,19 +107,19 @@ class StageReducer:
         return out
 
 
-def sum_tied(tied: Sequence[tuple[torch.nn.Parameter | None, int, torch.dtype]], replica: int,
-             device: torch.device) -> Generator[Request, Any, None]:
-    """A weight held by several workers: sum its copies' gradients (each replica's copies are
-    already summed over the replicas, so replica 0 alone contributes) and give every copy the
-    total, so all copies take the same update. ``tied``: per shared weight, this worker's copy
-    (or None), its size and dtype, in the same order on every worker."""
+def sum_tied(tied: Sequence[TiedCopy], replica: int, device: torch.device) -> Generator[Request, Any, None]:
+    """Default mode: a weight held by several workers: sum its copies' gradients (each replica's
+    copies are already summed over the replicas, so replica 0 alone contributes) and give every
+    copy the total, so all copies take the same update. ``tied``: per shared weight, this worker's
+    copy (or None), its size and dtype, in the same order on every worker. (Deterministic mode:
+    :mod:`.tied`.)"""
     parts = []
-    for param, numel, dtype in tied:
-        grad = param.grad if param is not None and replica == 0 else None
-        parts.append(grad.reshape(-1) if grad is not None else torch.zeros(numel, dtype=dtype, device=device))
+    for t in tied:
+        grad = t.param.grad if t.param is not None and replica == 0 else None
+        parts.append(grad.reshape(-1) if grad is not None else torch.zeros(t.numel, dtype=t.dtype, device=device))
     total = yield AllSum(torch.cat(parts))
     offset = 0
-    for param, numel, _ in tied:
-        if param is not None:
-            param.grad = total[offset: offset + numel].view_as(param).clone()
-        offset += numel
+    for t in tied:
+        if t.param is not None:
+            t.param.grad = total[offset: offset + t.numel].view_as(t.param).clone()
+        offset += t.numel

@@ -14,6 +14,9 @@ Invariants:
   the random stream travels with the micro-batch, so the next piece continues it
   (:func:`forward_message`, :func:`read_forward_message`).
 - A backward message is the list of input gradients, one per floating-point input.
+- ``"T"`` (deterministic mode, a weight shared by two workers): per-VN gradients of a copy sent to
+  the weight's owner, or the summed gradient sent back (:func:`tied_key`; the second field is
+  then the link, the third the step; :mod:`.tied`).
 - A replica update is ``[reduced gradients (flat) | new BatchNorm statistics (flat, maybe empty) |
   buffers after the step's forwards...]`` (:func:`replica_update`).
 """
@@ -24,7 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
-MsgKey = tuple[str, int, int]  # ("F" | "B" | "R", from piece, micro-batch id within the action list)
+MsgKey = tuple[str, int, int]  # ("F" | "B" | "R" | "T", from piece, micro-batch id within the action list)
 
 
 def recv_key(a: Any) -> MsgKey:
@@ -54,6 +57,13 @@ def read_forward_message(message: Sequence[torch.Tensor], device: torch.device) 
 def replica_key(stage_rank: int, step: int) -> MsgKey:
     """The key of stage-rank ``stage_rank``'s step ``step`` handed to its replica's holder."""
     return ("R", stage_rank, step)
+
+
+def tied_key(sender: int, receiver: int, phase: int, stages: int, step: int) -> MsgKey:
+    """The key of a tied weight's message from stage-rank ``sender`` to ``receiver`` (``phase`` 0:
+    per-VN gradients, 1: the total) in step ``step``: one link per (sender, receiver, phase), so
+    the drivers' per-link shape tables never mix two messages."""
+    return ("T", (sender * stages + receiver) * 2 + phase, step)
 
 
 def replica_update(grads: torch.Tensor, bn_new: torch.Tensor, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -47,7 +47,7 @@ from virtualflow.runtime.engines import Boundary, Joining
 from virtualflow.runtime.pipeline.engine import StageEngine
 from virtualflow.runtime.pipeline.stage_state import (exchange_for_layout, gather_stages, load_merged, load_stage_state, resume_stage,
                                                  scaler_state, stage_state, stage_states, successor, transfer_stages)
-from virtualflow.runtime.pipeline.links import Links, drive
+from virtualflow.runtime.pipeline.links import Links, StageExchanges, drive
 from virtualflow.runtime.pipeline.flush import FlushStep
 from virtualflow.runtime.pipeline.loop import StageLoop, stage_loop
 
@@ -62,8 +62,14 @@ class PipelineWorkerEngine:
     state) live in :mod:`~virtualflow.runtime.pipeline.links` and :mod:`~virtualflow.runtime.pipeline.stage_state`."""
 
     def __init__(self, job: Any, dataset: Any, *, deterministic: bool, device: torch.device,
-                 subgroup: Callable[[int, str, int, int], Group], eager_every_wait: bool = False) -> None:
+                 subgroup: Callable[[int, str, int, int], Group], eager_every_wait: bool = False,
+                 deterministic_exchange: str = "auto") -> None:
+        """``deterministic_exchange``: the ``LaunchOptions`` knob of that name (how deterministic
+        mode's per-stage reduction over the replicas runs: :class:`~.links.StageExchanges`)."""
         self.job = job
+        self.deterministic_exchange = deterministic_exchange
+        self.exchanges = StageExchanges(deterministic_exchange)  # (checks the knob's value now)
+        """This generation's per-stage exchanges: which one each stage group runs, and why."""
         self.eager_every_wait = eager_every_wait
         """A diagnostic given by the process's entry point: :attr:`StageEngine.eager_every_wait`."""
         self.pipeline: Pipeline = job.pipeline
@@ -125,6 +131,27 @@ class PipelineWorkerEngine:
         if self.stage is not None:
             reused += self.stage.reused_forwards
         return {"seconds": s, "forwards": n, "skipped": skipped, "reused": reused, "peak_bytes": peak}
+
+    @property
+    def exchange_choice(self) -> tuple[str, str] | None:
+        """Deterministic mode: the exchange this worker's stage group runs over the replicas in
+        this generation, and why (:class:`~.links.StageExchanges`; each stage chooses for its own
+        vector, so rank 0 reports its stage's). ``None`` otherwise."""
+        stage = self.stage
+        if not self.deterministic or stage is None or stage.tree is None or self.grid is None:
+            return None
+        numel, dtype = stage.tree_vector()
+        like = torch.empty(numel, dtype=dtype, device="meta")
+        if stage.job_stages is None:
+            name = self.exchanges.choose(None, stage.tree, like)
+            return name, f"stage {self.grid.stage_rank}: {self.exchanges.choices[None][1]}"
+        names, reasons = [], []  # Bamboo: one reduction per job stage this worker runs
+        is_last = stage.last in stage.pieces
+        with_bn = bool(stage.bn_numel) and stage.batchnorm == "mean"
+        for s, idx in stage.reducer.stage_slices(True, with_bn, is_last):
+            names.append(self.exchanges.choose(s, stage.tree, like[: idx.numel()]))
+            reasons.append(f"job stage {s}: {self.exchanges.choices[s][1]}")
+        return "/".join(dict.fromkeys(names)), "; ".join(reasons)
 
     @property
     def optimizer(self):
@@ -202,6 +229,7 @@ class PipelineWorkerEngine:
         self.stage.fault_point = None
         self.group, self.grid = group, grid
         self.links = Links()  # a new generation: new peers, no shared history
+        self.exchanges = StageExchanges(self.deterministic_exchange)
         self._results = {}
 
     def _close_stage_groups(self) -> None:
@@ -448,7 +476,7 @@ class PipelineWorkerEngine:
         self.phase = "compute"
         results = drive(self.stage.steps(step, n, control), group=self.group, stage_group=self.stage_group,
                         grid=self.grid, n_pieces=len(self.bounds), device=self.device, links=self.links,
-                        stage_groups=self.stage_groups)
+                        stage_groups=self.stage_groups, exchanges=self.exchanges)
         self.phase = "idle"
         if self.stage.timeline:
             self._write_timeline()
