@@ -61,20 +61,6 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-# private: what DCP's reader looks files up by (checked on torch 2.13)
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from virtualflow.plan.shards import shard_bounds
 from virtualflow.records.rundir import atomic_write, disk_full_error
@@ -174,27 +160,12 @@ def sharded_optimizer_pieces(shard: Any) -> list[Piece]:
 
 
 # -- writing ------------------------------------------------------------------------------------
-class _PiecePlanner(DefaultSavePlanner):
-    """Writes each piece as one DCP chunk at its global offset (no process group needed)."""
+def _dcp() -> Any:
+    """:mod:`virtualflow.runtime.dcp_torch`, imported when a sharded checkpoint is first written or
+    read (``torch.distributed.checkpoint`` costs every process that imports it ~0.7 CPU-s)."""
+    from virtualflow.runtime import dcp_torch
 
-    def __init__(self, pieces: list[Piece]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.pieces = {p.fqn: p for p in pieces}
-
-    def create_local_plan(self) -> SavePlan:
-        items = []
-        for p in self.pieces.values():
-            t = p.tensor
-            items.append(WriteItem(
-                index=MetadataIndex(p.fqn, torch.Size([p.lo])), type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size([p.lo]), torch.Size([t.numel()])),
-                                            properties=TensorProperties.create_from_tensor(t),
-                                            size=torch.Size([math.prod(p.shape)]))))
-        self.plan = SavePlan(items)
-        return self.plan
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        return self.pieces[index.fqn].tensor
+    return dcp_torch
 
 
 def stage(pieces: list[Piece], buffers: dict[tuple[Any, ...], torch.Tensor] | None = None) -> list[Piece]:
@@ -249,8 +220,9 @@ def write_rank(final: str, rank: int, world: int, save_id: str, step: int, piece
         try:
             with warnings.catch_warnings():  # "no process group: saving in a single process" is the intent
                 warnings.simplefilter("ignore", UserWarning)
-                saved = dcp.save({p.fqn: p.tensor for p in live}, planner=_PiecePlanner(live), no_dist=True,
-                                 storage_writer=FileSystemWriter(mine, single_file_per_rank=True, sync_files=True,
+                T = _dcp()
+                saved = T.dcp.save({p.fqn: p.tensor for p in live}, planner=T.PiecePlanner(live), no_dist=True,
+                                 storage_writer=T.FileSystemWriter(mine, single_file_per_rank=True, sync_files=True,
                                                                  thread_count=1, overwrite=True))
         except (KeyboardInterrupt, SystemExit):
             raise
@@ -364,19 +336,7 @@ def prune(folder: str, step: int, keep: int | None) -> None:
 def _write_dcp_metadata(folder: str, entries: list[dict[str, Any]]) -> None:
     """DCP's own ``.metadata`` (a pickle), so that ``torch.distributed.checkpoint.load`` reads the
     folder. virtualflow never reads it back (it builds the same from the manifest)."""
-    atomic_write(os.path.join(folder, ".metadata"), lambda f: pickle.dump(_metadata_of(entries), f))
-
-
-def _metadata_of(entries: list[dict[str, Any]]) -> Metadata:
-    md: dict[str, TensorStorageMetadata] = {}
-    storage: dict[MetadataIndex, _StorageInfo] = {}
-    for e in entries:
-        n = math.prod(e["shape"])
-        tmd = md.setdefault(e["fqn"], TensorStorageMetadata(TensorProperties(dtype=_DTYPES[e["dtype"]]),
-                                                            torch.Size([n]), []))
-        tmd.chunks.append(ChunkStorageMetadata(torch.Size([e["lo"]]), torch.Size([e["hi"] - e["lo"]])))
-        storage[MetadataIndex(e["fqn"], torch.Size([e["lo"]]))] = _StorageInfo(e["file"], e["offset"], e["length"])
-    return Metadata(state_dict_metadata=md, storage_data=storage)
+    atomic_write(os.path.join(folder, ".metadata"), lambda f: pickle.dump(_dcp().metadata_of(entries, _DTYPES), f))
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -469,40 +429,6 @@ def _verify_file(folder: str, name: str, want: dict[str, Any]) -> None:
                                      f"altered; {_FIX}")
 
 
-class _ManifestReader(FileSystemReader):
-    """DCP's file reader with its metadata built from the verified manifest (never unpickled)."""
-
-    def __init__(self, folder: str, entries: list[dict[str, Any]]) -> None:
-        super().__init__(folder)
-        self._md = _metadata_of(entries)
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return self._md
-
-
-class _RangePlanner(DefaultLoadPlanner):
-    """Reads elements ``[lo, hi)`` of each wanted flat entry, from whichever chunks hold them."""
-
-    def __init__(self, ranges: dict[str, tuple[int, int]]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.ranges = ranges
-
-    def create_local_plan(self) -> LoadPlan:
-        assert self.metadata is not None
-        items = []
-        for fqn, (lo, hi) in self.ranges.items():
-            if hi > lo:
-                chunk = ChunkStorageMetadata(torch.Size([lo]), torch.Size([hi - lo]))
-                items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [chunk])
-        return LoadPlan(items)
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self.state_dict[index.fqn]
-
-    def load_bytes(self, read_item: Any, value: Any) -> None:
-        raise UntrustedStateError("a virtualflow checkpoint holds tensors only; refusing to unpickle an object")
-
-
 def load_ranges(folder: str, manifest: dict[str, Any], ranges: dict[str, tuple[int, int]], *,
                 verify: bool = False) -> dict[str, torch.Tensor]:
     """Elements ``[lo, hi)`` of each flattened entry named in ``ranges`` (resharding: any range,
@@ -524,8 +450,9 @@ def load_ranges(folder: str, manifest: dict[str, Any], ranges: dict[str, tuple[i
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.load(out, storage_reader=_ManifestReader(folder, manifest["entries"]),
-                         planner=_RangePlanner(ranges), no_dist=True)
+                T = _dcp()
+                T.dcp.load(out, storage_reader=T.ManifestReader(folder, manifest["entries"], _DTYPES),
+                           planner=T.RangePlanner(ranges), no_dist=True)
         except (UntrustedStateError, CorruptCheckpointError, KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
