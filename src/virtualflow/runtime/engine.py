@@ -746,7 +746,9 @@ class VNEngine:
             offset = 0
             for p in self.params:
                 n = p.numel()
-                p.grad = self._det_flat[offset : offset + n].view_as(p).clone()
+                # a view: the vector is not written again before the optimizer has stepped and
+                # dropped the gradients (the next step's exchange, or a pooled buffer's reuse)
+                p.grad = self._det_flat[offset : offset + n].view_as(p)
                 offset += n
             self._det_flat = None
         return norm_value, skipped

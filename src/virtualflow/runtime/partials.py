@@ -1,33 +1,35 @@
-"""Deterministic mode's partial sums, computed into reused flat buffers.
+"""Deterministic mode's partial sums, built without copying each VN's gradient.
 
 A *leaf* is one VN's vector ``[gradients (parameter order) | BatchNorm statistics | weighted
 loss]``; a tree node is the sum of its two children (:mod:`virtualflow.plan.vnmap`). The
 straightforward way (one fresh vector per leaf: the VN's gradients concatenated, then added into
-the left sibling) costs a fresh allocation and a copy of the whole gradient per VN. Here:
+the left sibling) costs an allocation and a copy of the whole gradient per VN. Here a node's sum
+is held, while it is built, as one tensor per parameter (a :class:`Sum`):
 
-* every vector lives in a buffer of a small pool, allocated once and reused every step (a fresh
-  vector of hundreds of MB is faulted in page by page each time);
+* the first VN of a sum keeps the gradients autograd produced for it (they are owned from then
+  on: no copy), zeros for a parameter without one: exactly the leaf;
 * a node whose right child is a single VN lets that VN's backward **accumulate into the left
-  sum's buffer**: the parameters' ``.grad`` are views of the buffer and autograd adds each
-  gradient in place (``grad += g``), which is, element for element, the tree's
-  ``left + leaf`` (one IEEE addition; addition is commutative). A parameter the VN leaves
-  without a gradient gets ``+ 0.0``, as a leaf of zeros would (it turns ``-0.0`` into ``0.0``);
-* any other leaf (the first of a buffer) keeps the gradients autograd produced and copies them in,
-  zeros for parameters without one: exactly the leaf vector.
+  sum**: the parameters' ``.grad`` are the left sum's tensors and autograd adds each gradient in
+  place (``grad += g``), which is, element for element, the tree's ``left + leaf`` (one IEEE
+  addition; addition is commutative). A parameter the VN leaves without a gradient gets
+  ``+ 0.0``, as a leaf of zeros would (it turns ``-0.0`` into ``0.0``);
+* any other node adds its right sum into its left one, tensor by tensor;
+* a finished partial sum is copied once into a flat buffer of a pool (reused every step: a fresh
+  vector of hundreds of MB is faulted in page by page), which the exchange sends from.
 
 So each node holds the same bits as :func:`virtualflow.comm.reduce.tree_reduce_local` gives it,
-while a worker pays, beyond the default mode's accumulation, a copy per left-most leaf and an
-addition per node with a non-leaf right child.
+while a worker pays, beyond the default mode's accumulation, one copy per partial sum and an
+addition per node whose right child is not a single VN.
 
 The ``owners`` exchange wants the last partial sum piece by piece during the last backward
-(:meth:`Partials.streamed`): its last VN accumulates into the innermost left sibling on the
+(:meth:`Partials.streamed`): its last VN accumulates into the innermost left sum on the
 partial's right spine (or, with no spine, is copied in bucket by bucket), and as soon as a
-gradient bucket is complete its slice is added up the spine (``S_1 + (S_2 + (... + leaf))``,
-innermost first, written in place into the spine's buffers) and handed to ``send(piece)``.
+gradient bucket is complete its tensors are added up the spine (``S_1 + (S_2 + (... + leaf))``,
+innermost first, in place into the spine's tensors), copied into the flat result and handed to
+``send(piece)``.
 
-Used only when every trainable parameter has one dtype and dense strided storage (the buffers
-are of that dtype; the statistics and the loss are stored in it too); the engine falls back to
-fresh vectors otherwise.
+Used only when every trainable parameter has one dtype and dense strided storage (the statistics
+and the loss are stored in that dtype too); the engine falls back to fresh vectors otherwise.
 """
 
 from __future__ import annotations
@@ -51,8 +53,19 @@ def direct_possible(params: Sequence[torch.Tensor]) -> bool:
     return all(p.dtype == p0.dtype and p.device == p0.device and p.layout == torch.strided for p in params)
 
 
+class Sum:
+    """A tree node's sum while it is built: one tensor per parameter, and the tail."""
+
+    __slots__ = ("grads", "tail")
+
+    def __init__(self, grads: list[torch.Tensor], tail: torch.Tensor) -> None:
+        self.grads = grads
+        self.tail = tail
+
+
 class Partials:
-    """Flat buffers and the leaf arithmetic of one worker (reused across steps and generations)."""
+    """The leaf arithmetic of one worker and the pool of flat buffers its partial sums end in
+    (reused across steps and generations)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], tail_numel: int) -> None:
         self.params = list(params)
@@ -91,6 +104,10 @@ class Partials:
             p.grad = None
 
     # -- leaves -----------------------------------------------------------------------------------
+    # A node's sum while it is built is a ``Sum``: one tensor per parameter (the gradients autograd
+    # produced for its first VN, owned from then on, so no copy is made) and the tail; it becomes
+    # one flat vector only when it is complete (:meth:`flatten`).
+
     def _on_grad(self, p: torch.Tensor) -> None:
         self._touched.add(id(p))
         st = self._stream
@@ -102,65 +119,60 @@ class Partials:
             self._piece_done(st["next"])
             st["next"] += 1
 
-    def fresh(self, buf: torch.Tensor, run_vn: RunVN, vn: int) -> None:
-        """``buf`` = the VN's leaf vector, exactly."""
+    def fresh(self, run_vn: RunVN, vn: int) -> "Sum":
+        """The VN's leaf, exactly: its gradients (zeros for a parameter without one) and tail."""
         self.detach_grads()
         tail = run_vn(vn)
-        for p, (o, n) in zip(self.params, self.slices):
-            if p.grad is None:
-                buf[o:o + n].zero_()
-            else:
-                buf[o:o + n].copy_(p.grad.reshape(-1))
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         self.detach_grads()
-        buf[self.grad_numel:].copy_(tail)
+        return Sum(grads, tail.to(self.dtype).clone())
 
-    def _point_grads(self, buf: torch.Tensor) -> None:
-        for p, (o, n) in zip(self.params, self.slices):
-            p.grad = buf[o:o + n].view_as(p)
+    def _point_grads(self, acc: "Sum") -> None:
+        for p, g in zip(self.params, acc.grads):
+            p.grad = g
         self._touched.clear()
 
-    def _untouched_plus_zero(self, buf: torch.Tensor, only: Sequence[int] | None = None) -> None:
+    def _untouched_plus_zero(self, acc: "Sum", only: Sequence[int] | None = None) -> None:
         """``+ 0.0`` where the VN gave no gradient (what adding a leaf of zeros does)."""
         for i in (range(len(self.params)) if only is None else only):
-            p = self.params[i]
-            if id(p) not in self._touched:
-                o, n = self.slices[i]
-                buf[o:o + n].add_(0.0)
+            if id(self.params[i]) not in self._touched:
+                acc.grads[i].add_(0.0)
 
-    def accumulate(self, buf: torch.Tensor, run_vn: RunVN, vn: int) -> None:
-        """``buf`` = ``buf + leaf(vn)``, the addition done by autograd's in-place accumulation."""
-        self._point_grads(buf)
+    def accumulate(self, acc: "Sum", run_vn: RunVN, vn: int) -> None:
+        """``acc`` = ``acc + leaf(vn)``, the addition done by autograd's in-place accumulation."""
+        self._point_grads(acc)
         tail = run_vn(vn)
-        self._untouched_plus_zero(buf)
+        self._untouched_plus_zero(acc)
         self.detach_grads()
-        buf[self.grad_numel:].add_(tail)
+        acc.tail.add_(tail)
 
-    def compute_into(self, node: Node, buf: torch.Tensor, run_vn: RunVN) -> None:
-        """``buf`` = the tree's sum of ``node`` (the bits of ``tree_reduce_local``)."""
+    def sum(self, node: Node, run_vn: RunVN) -> "Sum":
+        """The tree's sum of ``node`` (the bits of ``tree_reduce_local``)."""
         lo, hi = node
         if hi - lo == 1:
-            self.fresh(buf, run_vn, lo)
-            return
+            return self.fresh(run_vn, lo)
         left, right = split(node)
-        self.compute_into(left, buf, run_vn)
+        acc = self.sum(left, run_vn)
         if right[1] - right[0] == 1:
-            self.accumulate(buf, run_vn, right[0])
-            return
-        tmp = self.take()
-        try:
-            self.compute_into(right, tmp, run_vn)
-            buf.add_(tmp)
-        finally:
-            self.give_back([tmp])
+            self.accumulate(acc, run_vn, right[0])
+        else:
+            other = self.sum(right, run_vn)
+            for a, b in zip(acc.grads, other.grads):
+                a.add_(b)
+            acc.tail.add_(other.tail)
+        return acc
+
+    def flatten(self, acc: "Sum") -> torch.Tensor:
+        """``acc`` as one vector (a buffer of the pool)."""
+        buf = self.take()
+        for g, (o, n) in zip(acc.grads, self.slices):
+            buf[o:o + n].copy_(g.reshape(-1))
+        buf[self.grad_numel:].copy_(acc.tail)
+        return buf
 
     def partials(self, nodes: Sequence[Node], run_vn: RunVN) -> dict[Node, torch.Tensor]:
         """Each node's sum, in a buffer of the pool (give them back after the exchange)."""
-        out: dict[Node, torch.Tensor] = {}
-        for node in nodes:
-            buf = self.take()
-            self.compute_into(node, buf, run_vn)
-            out[node] = buf
-        return out
+        return {node: self.flatten(self.sum(node, run_vn)) for node in nodes}
 
     # -- the last partial, piece by piece ---------------------------------------------------------
     def set_pieces(self, pieces: Sequence[tuple[int, int]], piece_params: Sequence[Sequence[int]]) -> None:
@@ -176,23 +188,18 @@ class Partials:
         whole one, ``send(node, vec, piece)`` for a piece of the last."""
         out: dict[Node, torch.Tensor] = {}
         for node in nodes[:-1]:
-            buf = self.take()
-            self.compute_into(node, buf, run_vn)
-            out[node] = buf
-            send(node, buf, None)
+            out[node] = self.flatten(self.sum(node, run_vn))
+            send(node, out[node], None)
         last = nodes[-1]
-        spine: list[torch.Tensor] = []  # sums of the left children along the last node's right spine
+        spine: list[Sum] = []  # sums of the left children along the last node's right spine
         node = last
         while node[1] - node[0] > 1:
             left, node = split(node)
-            buf = self.take()
-            self.compute_into(left, buf, run_vn)
-            spine.append(buf)
+            spine.append(self.sum(left, run_vn))
+        result = self.take()
         if spine:  # the last VN accumulates into the innermost left sibling
-            result = spine[0]
             self._point_grads(spine[-1])
         else:  # the last node is the VN itself: copied in piece by piece
-            result = self.take()
             self.detach_grads()
         n_buckets = len(self.piece_params)
         st = self._stream = {"node": last, "result": result, "spine": spine, "tail": None, "send": send,
@@ -207,39 +214,45 @@ class Partials:
         finally:
             self._stream = None
             self.detach_grads()
-        self.give_back(spine[1:])
         out[last] = result
         return out
 
     def _piece_done(self, b: int, st: dict[str, Any] | None = None) -> None:
+        """Piece ``b`` of the last partial is final: add it up the spine (``S_1 + (S_2 + (... +
+        leaf))``, innermost first; ``S_d`` already holds ``S_d + leaf``), into the result, and send."""
         st = st if st is not None else self._stream
         assert st is not None
-        lo, hi = self.pieces[b]
-        spine = st["spine"]
+        spine: list[Sum] = st["spine"]
+        out = st["result"]
         tail = b == len(self.piece_params)
+        if tail:
+            parts = [(None, self.grad_numel, self.numel - self.grad_numel)]
+        else:
+            parts = [(i, *self.slices[i]) for i in self.piece_params[b]]
         if spine:
             acc = spine[-1]
             if tail:
-                acc[lo:hi].add_(st["tail"])
+                acc.tail.add_(st["tail"])
             else:
                 self._untouched_plus_zero(acc, self.piece_params[b])
-            t = acc[lo:hi]
-            for left in reversed(spine[:-1]):  # S_j + t, innermost first, in place into S_j
-                torch.add(left[lo:hi], t, out=left[lo:hi])
-                t = left[lo:hi]
+            for i, o, n in parts:
+                t = acc.tail if i is None else acc.grads[i]
+                for left in reversed(spine[:-1]):  # S_j + t, in place into S_j (same shapes)
+                    s_j = left.tail if i is None else left.grads[i]
+                    s_j.add_(t)
+                    t = s_j
+                out[o:o + n].copy_(t.reshape(-1))
         else:
-            out = st["result"]
-            if tail:
-                out[lo:hi].copy_(st["tail"])
-            else:
-                for i in self.piece_params[b]:
-                    p = self.params[i]
-                    o, n = self.slices[i]
-                    if p.grad is None:
+            for i, o, n in parts:
+                if i is None:
+                    out[o:o + n].copy_(st["tail"])
+                else:
+                    g = self.params[i].grad
+                    if g is None:
                         out[o:o + n].zero_()
                     else:
-                        out[o:o + n].copy_(p.grad.reshape(-1))
-        st["send"](st["node"], st["result"], b)
+                        out[o:o + n].copy_(g.reshape(-1))
+        st["send"](st["node"], out, b)
 
     def close(self) -> None:
         for h in self._hooks:
