@@ -11,9 +11,13 @@ h0's address, ``GLOO_SOCKET_IFNAME=eth0``) and runs, on command, one of:
 * ``allreduce``      the default reduction: ``Group.all_reduce`` of a flat gradient (gloo's ring);
 * ``sharded``        the sharded reduction's ring reduce-scatter + all-gather
                      (``virtualflow.comm.ring.Collectives``, with its byte ledger);
-* ``deterministic``  the deterministic exchange (``virtualflow.comm.reduce.tree_exchange``: every
-                     worker's tree nodes in their slots of one all-reduced buffer), V=8 VNs;
-* ``hop``            pipeline hops: an activation sent h0 -> h1 -> ... (point to point).
+* ``deterministic``  deterministic mode's default exchange (``owners``,
+                     ``virtualflow.comm.exchange``: each worker sends each chunk of its partial sums
+                     to that chunk's owner only; owners send their chunk of the root to everyone),
+                     V=8 VNs;
+* ``hop``            pipeline hops: activations sent h0 -> h1 -> ... (point to point; each host
+                     forwards an activation with an asynchronous send and receives the next one
+                     meanwhile, as the pipeline engine does).
 
 Bytes. The interface counters (the host's bridge port) count Ethernet frames: per frame 14 bytes
 of Ethernet, 20 of IPv4 and 32 of TCP (20 + a 12-byte timestamp option) ahead of the payload
@@ -75,7 +79,8 @@ def rank_main(rank: int, world: int, store_host: str) -> None:
     import torch.distributed as dist
 
     from virtualflow.comm.groups import make_group
-    from virtualflow.comm.reduce import tree_exchange
+    from virtualflow.comm.exchange import owner_exchange
+    from virtualflow.plan.exchange import OwnerSchedule
     from virtualflow.comm.ring import Collectives, Ledger
     from virtualflow.plan.shards import shard_bounds
     from virtualflow.plan.vnmap import TreePlan, contiguous_assignment
@@ -96,15 +101,23 @@ def rank_main(rank: int, world: int, store_host: str) -> None:
             coll.reduce_scatter(x, bounds)
             coll.all_gather(x, bounds)
         elif op == "deterministic":
-            tree_exchange(plan, group, {node: torch.ones(n) for node in plan.per_worker[rank]})
-        elif op == "hop":
-            x = torch.ones(n)
+            owner_exchange(OwnerSchedule.build(plan, n), group, {node: torch.ones(n) for node in plan.per_worker[rank]},
+                           like=torch.ones(1))
+        else:
+            raise ValueError(op)
+
+    def hops(n: int, reps: int) -> None:
+        """``reps`` activations down the chain: receive one, forward it asynchronously, receive the
+        next while it goes out (the links stream, as a pipeline's micro-batches do)."""
+        bufs = [torch.ones(n) for _ in range(reps)]
+        pending = []
+        for x in bufs:
             if rank > 0:
                 group.recv(x, rank - 1)
             if rank < world - 1:
-                group.send(x, rank + 1)
-        else:
-            raise ValueError(op)
+                pending.append(group.isend(x, rank + 1))
+        for w in pending:
+            w.wait()
 
     for line in sys.stdin:
         verb, op, n, reps = line.split()
@@ -113,8 +126,11 @@ def rank_main(rank: int, world: int, store_host: str) -> None:
             break
         ledger.clear()
         t0 = time.perf_counter()
-        for _ in range(reps):
-            once(op, n)
+        if op == "hop":
+            hops(n, reps)
+        else:
+            for _ in range(reps):
+                once(op, n)
         dt = time.perf_counter() - t0
         print(json.dumps({"seconds": dt, "ledger_sent": ledger.totals().get("bytes_sent", 0.0)}), flush=True)
     coll.close()
@@ -138,9 +154,11 @@ def predicted_payload(op: str, n: int, world: int) -> tuple[list[int], str]:
         prog = apply(dp_adam(shapes=((n,),)), ["split", "reorder"])
         return totals(comm_ledger(prog, world))[0], "explain dp_adam --rewrites split,reorder"
     if op == "deterministic":
-        slots = len(TreePlan.build(contiguous_assignment(V, world)).slots)
-        return (totals(comm_ledger(dp_adam(shapes=((slots * n,),)), world))[0],
-                f"explain all_reduce of the {slots} slots x {n}")
+        from virtualflow.plan.exchange import owners_traffic_closed_form
+
+        plan = TreePlan.build(contiguous_assignment(V, world))
+        return ([owners_traffic_closed_form(plan, n, r, 4)[0] for r in range(world)],
+                "plan.exchange's closed form of the owners exchange")
     return [4 * n if r < world - 1 else 0 for r in range(world)], "the activation's bytes per hop"
 
 
@@ -150,16 +168,28 @@ def wire_need(sent: float, received: float) -> float:
     return sent * (1 + HEADER / MSS) + received * HEADER / (2 * MSS)
 
 
-def predicted_time(op: str, sent: list[int], rate_mbit: float, reps: int) -> float:
-    """Seconds the op's bytes need on the links (without its fixed cost). Collectives are
-    symmetric (each rank receives as much as it sends, from its ring neighbour or its peers); the
-    busiest host direction bounds them. Hops run one after another, and the timed repetitions
-    stream through the chain as a pipeline's micro-batches do: (reps + hops - 1) / reps hops per op."""
+def predicted_received(op: str, n: int, world: int, sent: list[int]) -> list[int]:
+    """Bytes each rank receives in one op: as many as it sends for the ring collectives; the owners
+    exchange's closed form (a worker holding more partial sums sends more than it receives)."""
+    if op == "deterministic":
+        from virtualflow.plan.exchange import owners_traffic_closed_form
+        from virtualflow.plan.vnmap import TreePlan, contiguous_assignment
+
+        plan = TreePlan.build(contiguous_assignment(V, world))
+        return [owners_traffic_closed_form(plan, n, r, 4)[1] for r in range(world)]
+    return list(sent)
+
+
+def predicted_time(op: str, sent: list[int], received: list[int], rate_mbit: float, reps: int) -> float:
+    """Seconds the op's bytes need on the links (without its fixed cost): the busiest direction of
+    any host's link bounds a collective (a host's link carries what it sends one way and what it
+    receives the other, each with the other direction's ACKs). The hops' timed repetitions stream
+    through the chain as a pipeline's micro-batches do: (reps + hops - 1) / reps hops per op."""
     rate = rate_mbit * 1e6 / 8
     if op == "hop":
         hops = sum(1 for x in sent if x)
         return wire_need(max(sent), max(sent)) / rate * (reps + hops - 1) / reps
-    return max(wire_need(s, s) for s in sent) / rate
+    return max(max(wire_need(s, r), wire_need(r, s)) for s, r in zip(sent, received)) / rate
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,7 +245,7 @@ def measure(ranks: Ranks, op: str, n: int, reps: int, world: int, rate: float) -
     wire = [tb / reps for tb, _, _, _ in d]
     sent, source = predicted_payload(op, n, world)
     seconds = max(o["seconds"] for o in out) / reps
-    t_pred = fixed_s + predicted_time(op, sent, rate, reps)
+    t_pred = fixed_s + predicted_time(op, sent, predicted_received(op, n, world, sent), rate, reps)
     bytes_ok = all(abs(m - p) <= BYTES_REL * p + BYTES_ABS for m, p in zip(payload, sent))
     row = {"rate_mbit": rate, "hosts": world, "op": op, "numel": n, "predicted_sent": sent, "source": source,
            "measured_payload": payload, "measured_wire": wire,
