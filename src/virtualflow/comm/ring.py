@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 from virtualflow.comm.groups import WAIT_SLICE_S, Group, PeerFailure
+from virtualflow.plan.exchange import Traffic
 from virtualflow.plan.shards import check_bounds, shard_bounds
 
 log = logging.getLogger(__name__)
@@ -153,14 +154,6 @@ def rs_schedule(rank: int, size: int) -> list[tuple[int, int]]:
 def ag_schedule(rank: int, size: int) -> list[tuple[int, int]]:
     """All-gather: (chunk sent to the right, chunk received from the left) per step."""
     return [((rank - k) % size, (rank - k - 1) % size) for k in range(size - 1)]
-
-
-@dataclass(frozen=True, slots=True)
-class Traffic:
-    bytes_sent: int
-    bytes_received: int
-    messages_sent: int
-    messages_received: int
 
 
 def _segments(n: int, seg: int) -> int:

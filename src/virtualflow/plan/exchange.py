@@ -57,7 +57,8 @@ class Unit:
 
 @dataclass(frozen=True, slots=True)
 class Traffic:
-    """Bytes and messages one worker sends and receives in one exchange."""
+    """Bytes and messages one worker sends and receives in one exchange or collective (also
+    :func:`virtualflow.comm.ring.ring_traffic`'s)."""
 
     bytes_sent: int
     bytes_received: int
