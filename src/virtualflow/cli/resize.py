@@ -47,7 +47,7 @@ def request_resize(run_dir: str, workers: int, token_file: str | None = None) ->
     if state == "orphaned":
         raise ValueError(f"the run in {run_dir!r} has no live coordinator (pid {status['coordinator']['pid']} is gone); "
                          f"continue it with `virtualflow run JOB --resume {run_dir}`")
-    stages = status.get("pipeline_stages")
+    stages = status.get("replica_workers", status.get("pipeline_stages"))  # whole replicas: stages x tensor
     check_resize(workers, int(status["virtual_nodes"]), int(status.get("min_workers", 1)),
                  int(stages) if isinstance(stages, int) and not isinstance(stages, bool) and stages > 0 else None)
     job_id = status.get("job_id")

@@ -113,6 +113,9 @@ class LaunchOptions:
     schedule: str | None = _opt(None, "pipeline schedule (default 1f1b, or Job.pipeline's)", "pipeline",
                                 choices=SCHEDULE_NAMES)
     chunks: int | None = _opt(None, "model pieces per worker for interleaved_1f1b (v)", "pipeline", metavar="V")
+    tensor_parallel: int | None = _opt(None, "tensor-parallel width T of every pipeline stage (workers per stage; "
+                                       "--workers must be a multiple of stages x T); overrides Job.pipeline's tensor",
+                                       "pipeline", metavar="T")
     split: str | None = _opt(None, "where to cut: auto (profile + partitioner), equal, or layer counts per piece "
                              "such as 3,2,2,1", "pipeline", metavar="SPLIT")
 
@@ -426,7 +429,7 @@ def make_options(options: LaunchOptions | None, overrides: dict[str, Any]) -> La
 
 # -- type checks ------------------------------------------------------------------------------
 _POSITIVE_INTS = ("workers", "steps", "epochs", "global_batch_size", "virtual_nodes", "threads_per_worker",
-                  "min_workers", "checkpoint_every", "max_workers", "pipeline_stages", "chunks")
+                  "min_workers", "checkpoint_every", "max_workers", "pipeline_stages", "chunks", "tensor_parallel")
 _WORDS = {"int": "an integer", "float": "a number", "bool": "True or False", "str": "a string",
           "list[float]": "a list of numbers", "list[WorkerSpec]": "a list of virtualflow.WorkerSpec",
           "dict[str, float]": "a dict of name -> number", "FaultPlan": "a virtualflow.FaultPlan",

@@ -84,8 +84,20 @@ class Pipeline:
     redone step. Eager forwards apply to ``1f1b`` and ``gpipe`` with ``chunks=1`` (the schedules a
     failover re-lays); elsewhere the mode is lazy."""
 
+    tensor: int = 1
+    """T: tensor-parallel width of every stage. Each stage is a group of ``tensor`` workers running
+    the stage's transformer blocks Megatron-style (column- then row-parallel; blocks recognised by
+    :func:`virtualflow.parallel.tensor_parallel_layer`), so a pipeline replica has
+    ``stages * tensor`` workers and a run of ``W`` workers has ``D = W / (stages * tensor)``
+    replicas (see docs/parallel3d.md)."""
+    tensor_chunks: int = 1
+    """Tensor-parallel overlap chunks per block (CoCoNeT: each block's token rows cut into this
+    many chunks whose collectives overlap the next chunk's compute); ``tensor > 1`` only."""
+
     def __post_init__(self) -> None:
         _positive("stages", self.stages)
+        _positive("tensor", self.tensor)
+        _positive("tensor_chunks", self.tensor_chunks)
         _positive("chunks", self.chunks)
         _positive("window", self.window)
         if self.schedule not in SCHEDULE_NAMES:
@@ -101,11 +113,23 @@ class Pipeline:
                 f"Pipeline.redundancy=True keeps a replica of each worker's successor stage, refreshed at every "
                 f"step's flush: it needs stages >= 2 (got {self.stages}) and a flush schedule "
                 f"{FLUSH_SCHEDULES} (got {self.schedule!r})")
+        if self.tensor > 1 and self.redundancy:
+            raise ValueError(
+                f"Pipeline.redundancy=True (Bamboo) with tensor={self.tensor}: a failover re-lays whole stages onto "
+                f"single workers, which a tensor-parallel stage cannot be; use tensor=1 or redundancy=False")
+        if self.tensor_chunks > 1 and self.tensor == 1:
+            raise ValueError(f"Pipeline.tensor_chunks={self.tensor_chunks} overlaps tensor-parallel collectives; it "
+                             f"needs tensor > 1 (got tensor=1): drop tensor_chunks or set tensor")
         if self.redundant_compute not in ("eager", "lazy"):
             raise ValueError(f"Pipeline.redundant_compute={self.redundant_compute!r} must be 'eager' (redundant "
                              f"forwards in idle slots, the default) or 'lazy' (recompute on a failover)")
         if self.memory_limit_gib is not None and not (self.memory_limit_gib > 0):
             raise ValueError(f"Pipeline.memory_limit_gib={self.memory_limit_gib!r} must be positive or None")
+
+    @property
+    def replica_workers(self) -> int:
+        """Workers per pipeline replica: ``stages * tensor`` (the unit a run grows and shrinks by)."""
+        return self.stages * self.tensor
 
     @property
     def pieces(self) -> int:
@@ -142,7 +166,8 @@ def parse_split(text: str) -> SplitSpec:
 
 def merge_knobs(base: Pipeline | None, *, stages: int | None = None, schedule: str | None = None,
                 chunks: int | None = None, split: SplitSpec | str | None = None,
-                memory_limit_gib: float | None = None, new_split: SplitSpec = DEFAULT_SPLIT) -> Pipeline:
+                memory_limit_gib: float | None = None, new_split: SplitSpec = DEFAULT_SPLIT,
+                tensor: int | None = None) -> Pipeline:
     """THE knob merger: ``base`` (a job's ``Job.pipeline``, or ``None``) with the knobs given
     (``None``: not given) applied, validated as a new :class:`Pipeline`.
 
@@ -152,7 +177,7 @@ def merge_knobs(base: Pipeline | None, *, stages: int | None = None, schedule: s
     other than ``interleaved_1f1b`` given without ``chunks`` runs one chunk per worker.
     Without ``base``, ``stages`` is required."""
     changes: dict[str, Any] = {k: v for k, v in (("stages", stages), ("schedule", schedule), ("chunks", chunks),
-                                                  ("memory_limit_gib", memory_limit_gib)) if v is not None}
+                                                  ("memory_limit_gib", memory_limit_gib), ("tensor", tensor)) if v is not None}
     if split is not None:
         changes["split"] = parse_split(split) if isinstance(split, str) else split
     if base is None:
@@ -172,15 +197,19 @@ def merge_knobs(base: Pipeline | None, *, stages: int | None = None, schedule: s
 def pipeline_of(job: Any, options: Any) -> Pipeline | None:
     """The job's pipeline with the launch options' pipeline knobs (``pipeline_stages``,
     ``schedule``, ``chunks``, ``split``) applied by :func:`merge_knobs`; ``None``: no pipeline."""
-    knobs = {"schedule": options.schedule, "chunks": options.chunks, "split": options.split}
+    knobs = {"schedule": options.schedule, "chunks": options.chunks, "split": options.split,
+             "tensor": options.tensor_parallel}
     given = {k: v for k, v in knobs.items() if v is not None}
-    if options.pipeline_stages is None and job.pipeline is None:
+    stages = options.pipeline_stages
+    if stages is None and job.pipeline is None and options.tensor_parallel is not None:
+        stages = 1  # tensor parallelism alone: one stage of T workers
+    if stages is None and job.pipeline is None:
         if given:
             flags = ", ".join(f"--{k}" for k in given)
             raise ValueError(f"{flags} apply to pipelined jobs only; add --pipeline-stages P (pipeline_stages=P) or "
                              f"give the job a Job.pipeline")
         return None
-    pipeline = merge_knobs(job.pipeline, stages=options.pipeline_stages, **given)
+    pipeline = merge_knobs(job.pipeline, stages=stages, **given)
     if job.output_loss is None:
         raise ValueError(
             "a pipelined job needs Job.output_loss=(outputs, batch) -> scalar: the loss is computed on the last "

@@ -82,9 +82,9 @@ def prepare(job: JobLike, opts: LaunchOptions) -> Iterator[RunSetup]:
     else:
         # Speed-based VN maps (balance, uneven sizes, slowdowns) do not apply to pipelines: the
         # VNs are split evenly over replicas.
-        assignment = pipeline_assignment(job_obj.virtual_nodes, workers, pipeline.stages)
+        assignment = pipeline_assignment(job_obj.virtual_nodes, workers, pipeline.replica_workers)
         if limits is not None:
-            pipeline_assignment(job_obj.virtual_nodes, limits.max_workers, pipeline.stages)
+            pipeline_assignment(job_obj.virtual_nodes, limits.max_workers, pipeline.replica_workers)
     if pipeline is not None and opts.reduction == "sharded":
         raise ValueError(f"reduction='sharded' shards the data-parallel optimizer of unpipelined jobs; this job is "
                          f"pipelined in {pipeline.stages} stages (Job.pipeline / --pipeline-stages), so each worker "

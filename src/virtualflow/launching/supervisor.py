@@ -201,7 +201,7 @@ class Supervisor:
                                        token=setup.token, grow=self._grow_for_join, event=self.coordinator.event))
         extra = {}
         if self.job.pipeline is not None:
-            stages = self.job.pipeline.stages
+            stages = self.job.pipeline.replica_workers  # the controller's unit: whole replicas (P x T)
             extra["assign"] = lambda V, n: pipeline_assignment(V, n, stages)
             extra.update(stages=stages, redundancy=self.job.pipeline.redundancy)
         self.controller = MembershipController(
@@ -366,7 +366,7 @@ class Supervisor:
     def request_resize(self, workers: int) -> None:
         """A resize asked in this process (:meth:`JobHandle.resize`); checked, then queued."""
         check_resize(workers, self.job.virtual_nodes, self.setup.options.min_workers,
-                     self.job.pipeline.stages if self.job.pipeline is not None else None)
+                     self.job.pipeline.replica_workers if self.job.pipeline is not None else None)
         self.backend.check_capacity(workers)
         self.requests.append(workers)
 
@@ -489,6 +489,7 @@ class Supervisor:
             job=self.job.name,
             virtual_nodes=self.job.virtual_nodes,
             pipeline_stages=self.job.pipeline.stages if self.job.pipeline is not None else None,
+            replica_workers=self.job.pipeline.replica_workers if self.job.pipeline is not None else None,
             min_workers=self.setup.options.min_workers,
             coordinator={"host": self.coordinator.host, "port": self.coordinator.port, "pid": os.getpid(),
                          "token_file": self.setup.token_path},
@@ -567,5 +568,5 @@ def _version() -> str:
 def _pipeline_summary(pipeline: Any) -> dict[str, Any] | None:
     if pipeline is None:
         return None
-    return {"stages": pipeline.stages, "schedule": pipeline.schedule, "chunks": pipeline.chunks,
+    return {"stages": pipeline.stages, "tensor": pipeline.tensor, "schedule": pipeline.schedule, "chunks": pipeline.chunks,
             "split": list(pipeline.split) if not isinstance(pipeline.split, str) else pipeline.split}

@@ -35,14 +35,16 @@ class FallbackRestart(JobFailed):
 
 def check_resize(workers: Any, virtual_nodes: int, min_workers: int, stages: int | None = None) -> None:
     """Validate a resize target: names the value, the rule and the knob. ``stages``: the job is
-    pipelined with that many stages, and resizes in whole pipeline replicas."""
+    pipelined with that many workers per replica (stages x tensor), and resizes in whole pipeline
+    replicas."""
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise ValueError(f"resize to workers={workers!r}: the job needs at least 1 worker")
     if stages is not None:
         if workers % stages:
             lo = max(stages, (workers // stages) * stages)
             raise ValueError(
-                f"resize to workers={workers} is not a multiple of the pipeline's {stages} stages; a pipelined "
+                f"resize to workers={workers} is not a multiple of the pipeline's {stages} stages (workers per "
+                f"replica: stages x tensor); a pipelined "
                 f"job grows and shrinks in whole pipeline replicas: resize to {lo} or {lo + stages}"
             )
         if workers // stages > virtual_nodes:

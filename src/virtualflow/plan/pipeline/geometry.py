@@ -157,15 +157,21 @@ class Grid:
 
 
 def check_workers(pipeline: Any, workers: int) -> int:
-    """Pipeline replicas for ``workers``; a clear error when it is not a multiple of the stages."""
-    if workers % pipeline.stages:
-        lo = (workers // pipeline.stages) * pipeline.stages
-        hint = f"{lo} or {lo + pipeline.stages}" if lo else str(pipeline.stages)
+    """Pipeline replicas (D) for ``workers``; a clear error when it is not a multiple of the
+    workers per replica (``stages * tensor``)."""
+    tensor = getattr(pipeline, "tensor", 1)
+    unit = pipeline.stages * tensor
+    if workers % unit:
+        lo = (workers // unit) * unit
+        hint = f"{lo} or {lo + unit}" if lo else str(unit)
+        what = (f"Pipeline.stages={pipeline.stages}" if tensor == 1 else
+                f"Pipeline.stages x tensor = {pipeline.stages} x {tensor} = {unit}")
+        shape = "stages x replicas" if tensor == 1 else "replicas x stages x tensor"
         raise ValueError(
-            f"workers={workers} is not a multiple of Pipeline.stages={pipeline.stages}; a pipelined job runs "
-            f"whole pipelines (workers = stages x replicas): use workers={hint}"
+            f"workers={workers} is not a multiple of {what}; a pipelined job runs "
+            f"whole pipelines (workers = {shape}): use workers={hint}"
         )
-    return workers // pipeline.stages
+    return workers // unit
 
 
 def describe_split(layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]], stages: int) -> str:

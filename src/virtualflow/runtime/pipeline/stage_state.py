@@ -113,6 +113,9 @@ def stage_state(s: StageEngine) -> dict[str, Any]:
     state = {"model": s.model.state_dict(), "optimizer": s.optimizer.state_dict(),
              "lr_scheduler": s.scheduler.state_dict() if s.scheduler is not None else None,
              "grad_scaler": scaler_state(s)}
+    if s.pipeline.tensor > 1:  # the optimizer's parameter names: the planes' states are merged by name
+        by_id = {id(q): n for n, q in s.model.named_parameters()}
+        state["param_names"] = [by_id[id(q)] for g in getattr(s.optimizer, "param_groups", []) for q in g["params"]]
     if s.prev_version is not None:  # 2bw: the older weight version is training state too
         state["prev_version"] = {k: {n: t.detach() for n, t in v.items()} for k, v in s.prev_version.items()}
     return state

@@ -32,6 +32,7 @@ failover (replicas of unequal depth) a checkpoint is gathered and written as one
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Any, Callable
 
 import torch
@@ -50,6 +51,8 @@ from virtualflow.runtime.pipeline.stage_state import (exchange_for_layout, gathe
 from virtualflow.runtime.pipeline.links import Links, StageExchanges, drive
 from virtualflow.runtime.pipeline.flush import FlushStep
 from virtualflow.runtime.pipeline.loop import StageLoop, stage_loop
+from virtualflow.runtime.pipeline.tensor_grid import (TensorPlanes, convert_layers, merge_stage_states, rebind_comm,
+                                                      shard_stage_state, whole_splits)
 
 class PipelineWorkerEngine:
     """The worker's engine for a pipelined job: the :class:`~virtualflow.runtime.engines.Engine`
@@ -92,6 +95,9 @@ class PipelineWorkerEngine:
         """Per job stage this worker runs, the group of the workers running it in every replica
         (``stage_group`` is the first; more than one after a Bamboo failover)."""
         self.grid: Grid | None = None
+        self.planes: TensorPlanes | None = None
+        """``Pipeline.tensor > 1``: this generation's plane and tensor-parallel groups
+        (:mod:`~virtualflow.runtime.pipeline.tensor_grid`); ``self.group`` is then the plane's group."""
         self.phase = "idle"
         self.slowdown = 1.0
         self.generation_broken = None
@@ -169,14 +175,19 @@ class PipelineWorkerEngine:
         from virtualflow.plan.pipeline.geometry import piece_module, successor_pieces, tied_for_worker
 
         p = self.pipeline.stages
-        pieces = {k: piece_module(self.layers, a, b) for k, (a, b) in enumerate(self.bounds) if k % p == stage_rank}
+        layers = self.layers
+        if self.planes is not None:  # tensor parallel: this worker's shard of each of its layers
+            for k, (a, b) in enumerate(self.bounds):
+                if k % p == stage_rank:
+                    layers = convert_layers(layers, a, b, self.planes.comm, self.pipeline.tensor_chunks)
+        pieces = {k: piece_module(layers, a, b) for k, (a, b) in enumerate(self.bounds) if k % p == stage_rank}
         job = self.job
         self.stage = StageEngine(
             pieces=pieces, n_pieces=len(self.bounds), stage_rank=stage_rank, build_optimizer=job.build_optimizer,
             scheduler_factory=job.lr_scheduler, pipeline=self.pipeline, plan=self.plan,
             loader=loader_of(self.dataset, job.collate_fn, self.plan), model_input=job.input_of, output_loss=job.output_loss,
             seed=job.seed, batchnorm=job.batchnorm, deterministic=self.deterministic, device=self.device,
-            tied=tied_for_worker(self.layers, self.bounds, p, stage_rank),
+            tied=tied_for_worker(layers, self.bounds, p, stage_rank),
             successor_pieces=successor_pieces(self.pipeline, self.layers, self.bounds, stage_rank),
             eager_every_wait=self.eager_every_wait,
             loop=stage_loop(job, self.layers, self.bounds, p),
@@ -198,12 +209,19 @@ class PipelineWorkerEngine:
         if self.layout is not None:
             raise RuntimeError("a failed-over pipeline changes its membership only through a layout")
         d = check_workers(self.pipeline, group.size)
+        self._close_planes()
+        if self.pipeline.tensor > 1:
+            self.planes = TensorPlanes(group, self.pipeline.tensor, self.subgroup)
+            group = self.planes.plane  # the pipeline engine runs on this worker's plane
         grid = Grid(self.pipeline.stages, d, group.rank)
         if self.stage is None:
-            self._build_stage(grid.stage_rank)
-            if self.resume_state is not None:
-                resume_stage(self.stage, self.model, self.resume_state, grid.stage_rank)
-                self.resume_state = None
+            if self.planes is not None and self.resume_state is not None:
+                self._resume_tensor_stage(grid.stage_rank)
+            else:
+                self._build_stage(grid.stage_rank)
+                if self.resume_state is not None:
+                    resume_stage(self.stage, self.model, self.resume_state, grid.stage_rank)
+            self.resume_state = None
             self.model, self.layers = None, None  # keep only this worker's pieces
         elif self.stage.stage_rank != grid.stage_rank:
             raise RuntimeError(
@@ -218,9 +236,12 @@ class PipelineWorkerEngine:
         default its stage-rank's), its place in its replica, the replicas' VNs."""
         self._close_stage_groups()
         names = job_stages if job_stages is not None else (grid.stage_rank,)
+        plane = f".t{self.planes.t}" if self.planes is not None else ""  # one stage group per plane
         # In increasing stage order on every worker, so building them cannot deadlock.
-        self.stage_groups = {s: self.subgroup(group.generation, f"stage{s}", grid.replica, grid.replicas)
+        self.stage_groups = {s: self.subgroup(group.generation, f"stage{s}{plane}", grid.replica, grid.replicas)
                              for s in sorted(names)}
+        if self.planes is not None:
+            rebind_comm(self.stage.model, self.planes.comm)
         for g in self.stage_groups.values():  # broken with its generation: its waits end on the abort flag too
             g.abort_check = group.abort_check
         self.stage_group = self.stage_groups[min(names)]
@@ -231,6 +252,46 @@ class PipelineWorkerEngine:
         self.links = Links()  # a new generation: new peers, no shared history
         self.exchanges = StageExchanges(self.deterministic_exchange)
         self._results = {}
+
+    def _close_planes(self) -> None:
+        if self.planes is not None:
+            self.planes.close()
+            self.planes = None
+
+    def _resume_tensor_stage(self, stage_rank: int) -> None:
+        """Build a tensor-parallel stage from a gathered (single-worker layout) state: the whole
+        model's weights first (the shards are cut from them), then this shard of the stage's
+        optimizer state."""
+        state = self.resume_state
+        self.model.load_state_dict(state["model"])
+        names = self._unconverted_names(stage_rank)
+        splits = whole_splits(self.layers, self.pipeline.tensor)
+        self._build_stage(stage_rank)
+        full = {"model": {n: state["model"][n] for n in names},
+                "optimizer": state["optimizer"]["pipeline_stages"][stage_rank]}
+        mine = shard_stage_state(full, names, splits, self.planes.t, self.pipeline.tensor)
+        self.stage.optimizer.load_state_dict(reorder_optimizer(mine["optimizer"], names,
+                                                               optimizer_names(self.stage.optimizer, self.stage.model)))
+        sched = state["lr_scheduler"]["pipeline_stages"][stage_rank]
+        if self.stage.scheduler is not None and sched is not None:
+            self.stage.scheduler.load_state_dict(sched)
+        from virtualflow.runtime.pipeline.stage_state import load_scaler
+
+        load_scaler(self.stage, state.get("grad_scaler"))
+
+    def _unconverted_names(self, stage_rank: int, layers: list[torch.nn.Module] | None = None) -> list[str]:
+        """The optimizer's parameter order of stage ``stage_rank`` without tensor parallelism (the
+        order of a checkpoint's per-stage optimizer state): the job's optimizer built on the
+        unconverted stage module."""
+        from virtualflow.plan.pipeline.geometry import piece_module
+
+        layers = layers if layers is not None else self.layers
+        p = self.pipeline.stages
+        module = torch.nn.Sequential(*[piece_module(layers, a, b) for k, (a, b) in enumerate(self.bounds)
+                                       if k % p == stage_rank])
+        flat = torch.nn.Sequential(OrderedDict(
+            (name, layer) for piece in module.children() for name, layer in piece.named_children()))
+        return optimizer_names(self.job.build_optimizer(flat), flat)
 
     def _close_stage_groups(self) -> None:
         for g in self.stage_groups.values():
@@ -459,7 +520,7 @@ class PipelineWorkerEngine:
         return None  # spread over the stages: not told
 
     def close(self) -> None:
-        pass  # no threads of its own
+        pass  # the tensor-parallel groups stay: the final state is gathered after this (a daemon thread)
 
     def step(self, step: int, control: int = 0) -> StepOutcome:
         if step in self._results:
@@ -501,13 +562,44 @@ class PipelineWorkerEngine:
             self.stage.timeline.clear()
             return
         os.makedirs(self.timeline_dir, mode=0o700, exist_ok=True)
-        path = os.path.join(self.timeline_dir, f"timeline-{self.group.rank}.jsonl")
+        rank = self.planes.generation_group.rank if self.planes is not None else self.group.rank
+        path = os.path.join(self.timeline_dir, f"timeline-{rank}.jsonl")
         g = self.grid
         with open(path, "a") as f:
             for e in self.stage.timeline:
-                f.write(json.dumps({**e, "rank": self.group.rank, "replica": g.replica, "stage_rank": g.stage_rank,
+                f.write(json.dumps({**e, "rank": rank, "replica": g.replica, "stage_rank": g.stage_rank,
                                     "generation": self.group.generation}) + "\n")
         self.stage.timeline.clear()
+
+    def _gather_tensor_stages(self) -> list[dict[str, Any]] | None:
+        """Collective over the generation: each plane's stages gathered on its plane rank 0
+        (generation ranks ``0 .. T-1``, one tensor-parallel group), then sent to rank 0, which
+        merges the shards into the single-worker layout."""
+        from virtualflow.runtime.transfer import broadcast_state
+
+        planes = self.planes
+        mine = gather_stages(self.stage, self.pipeline, None, self.full_bounds, planes.plane, self.device)
+        if planes.plane_rank != 0:
+            return None
+        per_plane = [mine]
+        for t in range(1, planes.tensor):
+            got, _ = broadcast_state(planes.tp, t, mine if planes.t == t else None, self.device, receivers=[0])
+            if planes.t == 0:
+                per_plane.append(got)
+        if planes.t != 0:
+            return None
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(self.job.seed)
+            self.model = self.job.model().to(self.device)
+        layers = layers_of(self.model)
+        splits = whole_splits(layers, planes.tensor)
+        out = []
+        for s in range(self.pipeline.stages):
+            merged = merge_stage_states([plane[s] for plane in per_plane], splits)
+            target = self._unconverted_names(s, layers)
+            merged["optimizer"] = reorder_optimizer(merged["optimizer"], merged["param_names"], target)
+            out.append(merged)
+        return out
 
     def abandon_step(self) -> None:
         if self.stage is not None and not self.pipeline.flush:
@@ -520,6 +612,7 @@ class PipelineWorkerEngine:
         if self.stage is not None and self._pending is None:
             self._discard_step()
         self._close_stage_groups()
+        self._close_planes()
         self.group = None
         self._results = {}
         self.phase = "idle"
@@ -587,6 +680,9 @@ class PipelineWorkerEngine:
             return 0  # the re-layout moved every stage a member needed
         if self._settled is not None and self._settled[0] == group.generation:
             steps = self._settled[1]  # members that finished the interrupted step need nothing
+        if self.planes is not None:  # each plane brings its own members up to date
+            return transfer_stages(self.stage, self.pipeline, self.planes.plane, self.planes.plane_steps(steps),
+                                   target, self.device)
         return transfer_stages(self.stage, self.pipeline, group, steps, target, self.device)
 
     def gather_state(self, group: Group) -> dict[str, Any] | None:
@@ -595,7 +691,10 @@ class PipelineWorkerEngine:
         optimizer and scheduler state; others get ``None``. After a failover, members running
         several stages send each stage's state apart, so the layout is that of the job's stages."""
         p = self.pipeline.stages
-        stages = gather_stages(self.stage, self.pipeline, self.layout, self.full_bounds, group, self.device)
+        if self.planes is not None:
+            stages = self._gather_tensor_stages()
+        else:
+            stages = gather_stages(self.stage, self.pipeline, self.layout, self.full_bounds, group, self.device)
         if stages is None:
             return None
         whole = {}
@@ -612,6 +711,28 @@ class PipelineWorkerEngine:
                 "grad_scaler": stages[0].get("grad_scaler"),  # the same on every stage (16-mixed; else None)
                 "pipeline": {"stages": p, "bounds": [list(b) for b in self.full_bounds],
                              "schedule": self.pipeline.schedule}}
+
+
+def optimizer_names(optimizer: Any, module: torch.nn.Module) -> list[str]:
+    """The names (in ``module``) of the optimizer's parameters in its ``state_dict`` index order
+    (parameter group after parameter group)."""
+    by_id = {id(q): n for n, q in module.named_parameters()}
+    groups = getattr(optimizer, "param_groups", [])
+    return [by_id[id(q)] for g in groups for q in g["params"]]
+
+
+def reorder_optimizer(opt: dict[str, Any], source: list[str], target: list[str]) -> dict[str, Any]:
+    """An optimizer ``state_dict`` indexed by parameter names ``source`` re-indexed for ``target``
+    (the same names in another order: the optimizer of a converted module and of the original)."""
+    if source == target:
+        return opt
+    if sorted(source) != sorted(target):
+        raise RuntimeError(f"optimizer parameters differ between the tensor-parallel stage and the model: "
+                           f"{sorted(set(source) ^ set(target))[:4]}")
+    index = {n: j for j, n in enumerate(target)}
+    state = {index[source[int(i)]]: v for i, v in opt["state"].items()}
+    groups = [{**g, "params": [index[source[int(i)]] for i in g["params"]]} for g in opt["param_groups"]]
+    return {**opt, "state": state, "param_groups": groups}
 
 
 def restage(state: dict[str, Any], full_bounds: list[tuple[int, int]]) -> dict[str, Any]:
