@@ -31,11 +31,49 @@ from virtualflow.plan.vnmap import contiguous_assignment
 from virtualflow.runtime.pipeline.loop import check_checkpoint_spec, check_schedule
 from virtualflow.runtime.profile import auto_split, profile_model
 
-__all__ = ["plan_pipeline"]
+__all__ = ["check_tensor_parallel", "plan_pipeline"]
+
+
+def check_tensor_parallel(job: Job, pipeline: Pipeline, layers: list[nn.Module], *,
+                          checkpoint_format: str = "pt") -> None:
+    """Refuse, before any worker starts, what tensor-parallel stages (``Pipeline.tensor > 1``)
+    cannot honour, each with the knob to change; check that some layer has a block to split and
+    that every block splits ``tensor`` ways (heads and widths divisible)."""
+    t = pipeline.tensor
+    if t == 1:
+        return
+    refusals = [
+        (job.max_grad_norm is not None, f"max_grad_norm={job.max_grad_norm}",
+         "the norm of the whole gradient would need the tensor shards' norms summed across the stage's group "
+         "(not implemented yet): drop max_grad_norm (--max-grad-norm) or use tensor=1"),
+        (job.precision == "16-mixed", 'precision="16-mixed"',
+         "the loss scaler's inf/nan check would see one tensor shard per worker and could skip a step on some "
+         "workers only: use precision=\"bf16-mixed\" or \"32\" (--precision), or tensor=1"),
+        (bool(job.compile), "compile=True",
+         "the tensor-parallel blocks' collectives run inside custom autograd functions that torch.compile does "
+         "not capture: drop compile (--compile) or use tensor=1"),
+        (checkpoint_format == "dcp", 'checkpoint_format="dcp"',
+         "the sharded checkpoint's entries are named by parameter, and a tensor-parallel stage holds shards of "
+         "them: use checkpoint_format=\"pt\" (--checkpoint-format pt; rank 0 merges the shards) or tensor=1"),
+    ]
+    for bad, what, why in refusals:
+        if bad:
+            raise ValueError(f"{what} with Pipeline.tensor={t} (--tensor-parallel): {why}")
+    from virtualflow.parallel.convert import tensor_parallel_candidates, tensor_splits
+
+    if not any(tensor_parallel_candidates(layers)):
+        raise ValueError(
+            f"Pipeline.tensor={t} (--tensor-parallel) splits transformer blocks over {t} workers, but no layer of "
+            f"this model has a block virtualflow knows how to split (virtualflow.parallel.tensor_parallel_layer: "
+            f"nanoGPT's and Hugging Face GPT-2's blocks, virtualflow's MLPBlock/AttentionBlock, or a class given "
+            f"to register_tensor_parallel): use tensor=1 or register the block")
+    for layer in layers:
+        tensor_splits(layer, t)  # raises naming the block when its heads or widths do not divide
 
 
 def plan_pipeline(job: Job, dataset: Any, workers: int, log: Any = None, device: str = "cpu",
-                  deterministic: bool = False, cpu_count: int | None = None) -> Pipeline:
+                  deterministic: bool = False, cpu_count: int | None = None,
+                  checkpoint_format: str = "pt") -> Pipeline:
     """Check a pipelined job against its model and worker count, resolve ``split="auto"`` with the
     profiler (on ``device``, the workers' kind of device), and return the pipeline with explicit
     layer counts (what every worker uses). ``cpu_count`` (default ``os.cpu_count()``) sets the
@@ -50,6 +88,7 @@ def plan_pipeline(job: Job, dataset: Any, workers: int, log: Any = None, device:
         torch.manual_seed(job.seed)
         model = job.model()
     layers = layers_of(model)
+    check_tensor_parallel(job, pipeline, layers, checkpoint_format=checkpoint_format)
     # The training loop's knobs, refused here (before any worker starts) where the schedule or
     # the model cannot honour them; each worker checks them again when it builds its stage.
     check_schedule(pipeline, precision=job.precision, max_grad_norm=job.max_grad_norm,
@@ -76,8 +115,11 @@ def plan_pipeline(job: Job, dataset: Any, workers: int, log: Any = None, device:
     check_shared_parameters(layers, bounds, pipeline, deterministic)
     pipeline = dataclasses.replace(pipeline, split=tuple(b - a for a, b in bounds))
     grid = Grid(pipeline.stages, replicas, 0)
+    shape = grid.describe() if pipeline.tensor == 1 else (
+        f"{workers} workers = {replicas} replica{'s' if replicas != 1 else ''} x {pipeline.stages} stages x "
+        f"{pipeline.tensor} tensor-parallel workers per stage")
     log.info("pipeline: %s, schedule %s, %d micro-batches (virtual nodes) per replica; split:\n%s",
-             grid.describe(), pipeline.schedule, sizes[-1], describe_split(layers, bounds, pipeline.stages))
+             shape, pipeline.schedule, sizes[-1], describe_split(layers, bounds, pipeline.stages))
     try:
         pred = predict(job, pipeline, pipeline.split, profile, workers=workers)
         stage_ms = ", ".join(f"{1e3 * t:.2f}" for t in pred["piece_time_s"])

@@ -92,7 +92,7 @@ def prepare(job: JobLike, opts: LaunchOptions) -> Iterator[RunSetup]:
     preflight(job_obj, dataset, plan, reduction=opts.reduction)
     if pipeline is not None:
         pipeline = plan_pipeline(job_obj.replace(pipeline=pipeline), dataset, workers, device=opts.device,
-                                 deterministic=opts.deterministic)
+                                 deterministic=opts.deterministic, checkpoint_format=opts.checkpoint_format)
         overrides_job["pipeline"] = pipeline
         job_obj = job_obj.replace(pipeline=pipeline)
     backend.check_capacity(workers)

@@ -185,6 +185,10 @@ def train_local(job: Any, steps: int, *, replicas: int = 1, deterministic: bool 
     from virtualflow.plan.vnmap import contiguous_assignment
 
     pipeline = job.pipeline
+    if pipeline.tensor > 1:
+        raise ValueError(f"Pipeline.tensor={pipeline.tensor}: tensor-parallel stages talk inside their forward and "
+                         f"backward, which this one-thread driver cannot interleave; run the job with workers "
+                         f"(virtualflow.train(job, workers=...)) or with tensor=1")
     dataset = job.build_dataset()
     if bounds is None:
         torch.manual_seed(job.seed)

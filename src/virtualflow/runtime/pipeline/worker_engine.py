@@ -530,6 +530,13 @@ class PipelineWorkerEngine:
             end = self.total_steps if self.total_steps is not None else step + self.pipeline.window
             n = max(1, min(self.pipeline.window, end - step))
         self.stage.slowdown = self.slowdown
+        if self.planes is not None and self.planes.plane_rank == 0:
+            # Only generation rank 0 reads the control position; the planes' statistics
+            # all-reduces are apart, so the first tensor-parallel group hands it to every plane's
+            # rank 0 first (every plane must stop for a command at the same step).
+            c = torch.tensor([float(control)], dtype=torch.float64)
+            self.planes.tp.all_reduce(c)
+            control = int(c.item())
         fault = self._fault
         if fault is not None:
             fault(step, "before_forward")

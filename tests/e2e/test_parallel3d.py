@@ -1,0 +1,117 @@
+"""3-D parallelism (D replicas x P stages x T tensor-parallel workers) end to end, in worker
+processes, on a GPT of nanoGPT's shape (tests/gpt_grid_jobs.py, float64) cut by
+``virtualflow.parallel.sequential_gpt``.
+
+What "the same model" means on a grid (docs/parallel3d.md):
+
+- ``T = 1`` layouts are bit-identical to the single-worker run in deterministic mode (the
+  pipeline's promise: every micro-batch is a VN, the reduction over replicas is the VN tree).
+- Tensor parallelism splits each block's matmuls over T workers (a row-parallel layer's sum over
+  its input features is cut into T partial sums added by a reduce-scatter), so ``T > 1`` layouts
+  agree with the single-worker run within float tolerance (measured here in float64: about 1e-16
+  after 3 steps) and are **bit-identical to each other for the same T and tensor_chunks**, whatever
+  D and P: every worker runs the same shapes (a micro-batch is a VN), the tensor-parallel sums run
+  in the ring's fixed order for T, and the reduction over replicas is the fixed VN tree.
+
+Few and short (each launch is a few worker processes on this 2-core machine): one run per layout
+of the issue's list, one resize 1 -> 2 -> 1 replicas, one SIGKILL of a tensor-parallel member.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+import virtualflow as vf
+from conftest import assert_state_equal, wait_for_step
+import gpt_grid_jobs as g
+
+FOREVER = 1_000_000
+STEPS = 3
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def _grid(stages: int, tensor: int):
+    return lambda: g.grid_job(stages=stages, tensor=tensor)
+
+
+@pytest.fixture(scope="module")
+def single():
+    """The single-worker, unpipelined run: the reference of every layout."""
+    return vf.train(g.single_job, workers=1, steps=STEPS, deterministic=True)
+
+
+@pytest.fixture(scope="module")
+def t2_runs():
+    """The T = 2 layouts of the issue, each once (module scope: shared by the tests below)."""
+    return {(d, p, 2): vf.train(_grid(p, 2), workers=d * p * 2, steps=STEPS, deterministic=True)
+            for d, p in [(1, 2), (2, 1), (2, 2)]}
+
+
+def test_data_and_pipeline_without_tensor_parallelism_is_bit_identical(single):
+    result = vf.train(_grid(2, 1), workers=4, steps=STEPS, deterministic=True)  # (D, P, T) = (2, 2, 1)
+    assert_state_equal(result.state_dict, single.state_dict)
+    assert [h["loss"] for h in result.history] == [h["loss"] for h in single.history]
+
+
+def test_tensor_parallel_layouts_of_one_width_are_bit_identical_to_each_other(single, t2_runs):
+    runs = list(t2_runs.values())
+    for other in runs[1:]:
+        assert_state_equal(other.state_dict, runs[0].state_dict)
+        assert [h["loss"] for h in other.history] == [h["loss"] for h in runs[0].history]
+    for layout, result in t2_runs.items():
+        assert result.history[-1]["workers"] == layout[0] * layout[1] * layout[2]
+        # the single-worker model, within float64 tolerance (the row-parallel sums' order differs)
+        assert _max_diff(result.state_dict, single.state_dict) < 1e-12, layout
+        assert [h["loss"] for h in result.history] == pytest.approx([h["loss"] for h in single.history],
+                                                                    rel=1e-12, abs=0)
+
+
+def test_four_way_tensor_parallelism_is_the_single_worker_model_within_tolerance(single):
+    result = vf.train(_grid(1, 4), workers=4, steps=STEPS, deterministic=True)  # (1, 1, 4)
+    assert _max_diff(result.state_dict, single.state_dict) < 1e-12
+    # every parameter was trained: the merged shards moved from the initial weights
+    init = g.gpt_model().state_dict()
+    moved = [k for k in init if not torch.equal(init[k], result.state_dict[k])]
+    assert len(moved) == len(init)
+
+
+def test_resize_data_parallel_replicas_of_a_tensor_parallel_stage(run_dir):
+    """(D, 1, 2): grow 1 -> 2 replicas and back mid-run (whole 2-worker replicas join and leave)."""
+    handle = vf.launch(lambda: g.grid_job(tensor=2, slow=True), workers=2, steps=FOREVER, deterministic=True,
+                       run_dir=run_dir)
+    for n in (4, 2):
+        wait_for_step(handle, handle.status()["step"] + 2)
+        handle.resize(n, wait=True, timeout_s=120)
+    wait_for_step(handle, handle.status()["step"] + 2)
+    result = handle.stop()
+    sizes = [h["workers"] for h in result.history]
+    assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [2, 4, 2]
+    ref = vf.train(_grid(1, 2), workers=2, steps=result.steps, deterministic=True)
+    assert_state_equal(result.state_dict, ref.state_dict)
+    assert [h["step"] for h in result.history] == list(range(result.steps))
+
+
+def test_a_killed_tensor_parallel_member_leaves_the_other_replica_bit_identical(run_dir):
+    """(2, 1, 2): SIGKILL of rank 3 (tensor rank 1 of replica 1's stage): replica 1's other member
+    leaves, replica 0 redoes the interrupted step and goes on; the model is the undisturbed one."""
+    handle = vf.launch(lambda: g.grid_job(tensor=2, slow=True), workers=4, steps=FOREVER, deterministic=True,
+                       run_dir=run_dir)
+    wait_for_step(handle, 2)
+    victim = next(w for w in handle.status()["workers"] if w["rank"] == 3)
+    os.kill(victim["pid"], signal.SIGKILL)
+    wait_for_step(handle, handle.status()["step"] + 2)
+    result = handle.stop()
+    sizes = [h["workers"] for h in result.history]
+    assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [4, 2]
+    assert [f["worker"] for f in result.failures] == [victim["id"]]
+    ref = vf.train(_grid(1, 2), workers=2, steps=result.steps, deterministic=True)
+    assert_state_equal(result.state_dict, ref.state_dict)
+    assert [h["step"] for h in result.history] == list(range(result.steps))
