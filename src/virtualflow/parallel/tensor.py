@@ -284,7 +284,7 @@ def block_fingerprint(block: nn.Module) -> list[int]:
     return [int.from_bytes(d[i:i + 2], "little") for i in (0, 2, 4)]
 
 
-def verify_same_block(block: nn.Module, comm: Comm, what: str) -> None:
+def verify_same_block(block: nn.Module, comm: Comm, what: str, call: str = "from_module") -> None:
     """Raise ``ValueError`` on every rank unless every rank of ``comm.group`` holds the same
     ``block`` (by :func:`block_fingerprint`).
 
@@ -300,7 +300,7 @@ def verify_same_block(block: nn.Module, comm: Comm, what: str) -> None:
     n = f.numel()
     if t > 1 and not torch.equal(buf[n:] * t, buf[:n] * buf[:n]):
         raise ValueError(
-            f"the {what} passed to from_module differs between the {t} ranks (weights, dropout_p or seed): each "
+            f"the {what} passed to {call} differs between the {t} ranks (weights, dropout_p or seed): each "
             f"rank would hold a shard of another block and the output would be wrong; build it with the same "
             f"arguments and seed=... on every rank (the seed fixes the weights) and load the same state, or pass "
             f"verify=False to skip this check")
