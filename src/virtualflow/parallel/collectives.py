@@ -92,8 +92,8 @@ def split_range(n: int, parts: int, rank: int, what: str, knob: str) -> tuple[in
 
 
 class ColumnParallelLinear(torch.autograd.Function):
-    """``x @ w_r^T + b_r`` on a replicated ``x``. Backward: the input gradient is the all-reduced
-    sum of the ranks' partials (overlapped with the weight-gradient matmul)."""
+    """``x @ w_r^T + b_r`` on a replicated ``x`` (``F.linear``). Backward: the input gradient is
+    the all-reduced sum of the ranks' partials (overlapped with the weight-gradient matmul)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, comm: Comm) -> torch.Tensor:
@@ -108,7 +108,12 @@ class ColumnParallelLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gx = g @ weight
             handle = ctx.comm.all_reduce(gx.view(-1), async_op=True)
-        gw = g.t() @ x if ctx.needs_input_grad[1] else None
+        gw = None
+        if ctx.needs_input_grad[1]:
+            # The matmul autograd runs for F.linear's addmm: a weight stored [in, out] (a Conv1D's,
+            # passed transposed) gets x^T g, one stored [out, in] gets g^T x (bit for bit).
+            stored_transposed = not weight.is_contiguous() and weight.t().is_contiguous()
+            gw = (x.t() @ g).t() if stored_transposed else g.t() @ x
         gb = g.sum(0) if ctx.needs_input_grad[2] else None
         if handle is not None:
             handle.wait()

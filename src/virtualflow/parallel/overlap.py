@@ -23,9 +23,11 @@ from virtualflow.parallel.collectives import Comm, TokenLayout
 from virtualflow.parallel.seeds import dropout_keep, keep_scale
 
 
-def epilogue(z: torch.Tensor, bias: torch.Tensor, scale: torch.Tensor | None, resid: torch.Tensor) -> torch.Tensor:
-    """``(z + bias) * keep_scale + resid``: the pointwise work between the collectives."""
-    v = z + bias
+def epilogue(z: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None,
+             resid: torch.Tensor) -> torch.Tensor:
+    """``(z + bias) * keep_scale + resid``: the pointwise work between the collectives (``bias``
+    None: already in ``z``, or the projection has none)."""
+    v = z if bias is None else z + bias
     if scale is not None:
         v = v * scale
     return v + resid
@@ -38,20 +40,27 @@ class EpilogueConfig:
     dropout_p: float
     seed: int | None
     """None: no dropout (eval mode or p = 0)."""
+    gelu: str = "none"
+    """``F.gelu``'s ``approximate`` for the fused fc1 + gelu: ``"none"`` (exact) or ``"tanh"``."""
 
 
 class RowParallelEpilogue(torch.autograd.Function):
     """Per overlap chunk: [fc1 + gelu, when ``w1`` is given] -> ``a @ w2_r^T`` (partial sum) ->
     async reduce-scatter -> ``(+ b2, dropout, + resid)`` on the owned rows -> async all-gather.
 
-    Inputs: ``inp`` [T, i] (the MLP's replicated x, or attention's local context [T, h_r]),
-    ``w1`` [f_r, h] and ``b1`` [f_r] or None, ``w2`` [h, f_r], ``b2`` [h] (replicated), ``resid``
-    [T, h] (replicated). Output [T, h] replicated."""
+    Inputs: ``inp`` [T, i] (the MLP's replicated (normalised) x, or a local activation [T, i_r]
+    such as attention's context), ``w1`` [f_r, h] and ``b1`` [f_r] or None, ``w2`` [h, f_r],
+    ``b2`` [h] (replicated) or None, ``resid`` [T, h] (replicated). Output [T, h] replicated.
+
+    On one rank the bias is folded into the matmul (``addmm``, what ``F.linear`` runs), so one
+    rank with one chunk runs the single worker's kernels, bit for bit; on ``t > 1`` ranks it is
+    added once, after the reduce-scatter."""
 
     @staticmethod
     def forward(ctx, inp, w1, b1, w2, b2, resid, cfg: EpilogueConfig):
         comm, layout = cfg.comm, cfg.layout
         rank = comm.group.rank
+        fold = b2 is not None and comm.group.size == 1
         tokens, width = resid.shape
         z = resid.new_empty(tokens, width)
         y = resid.new_empty(tokens, width)
@@ -71,18 +80,24 @@ class RowParallelEpilogue(torch.autograd.Function):
                 keep = dropout_keep(cfg.seed, lo, hi, width, cfg.dropout_p).to(resid.device)
                 keeps.append(keep)
                 scale = keep_scale(keep, cfg.dropout_p, resid.dtype)
-            y[lo:hi] = epilogue(z[lo:hi], b2, scale, resid[lo:hi])
+            y[lo:hi] = epilogue(z[lo:hi], None if fold else b2, scale, resid[lo:hi])
             c0, c1 = layout.chunks[c]
             gathers.append(comm.all_gather(y[c0:c1].view(-1), layout.element_bounds(c, width), async_op=True))
 
         for c, (c0, c1) in enumerate(layout.chunks):
             if w1 is not None:
-                torch.addmm(b1, inp[c0:c1], w1.t(), out=hpre[c0:c1])
-                a[c0:c1] = F.gelu(hpre[c0:c1])
+                if b1 is not None:
+                    torch.addmm(b1, inp[c0:c1], w1.t(), out=hpre[c0:c1])
+                else:
+                    torch.mm(inp[c0:c1], w1.t(), out=hpre[c0:c1])
+                a[c0:c1] = F.gelu(hpre[c0:c1], approximate=cfg.gelu)
                 src = a[c0:c1]
             else:
                 src = inp[c0:c1]
-            torch.mm(src, w2.t(), out=z[c0:c1])
+            if fold:
+                torch.addmm(b2, src, w2.t(), out=z[c0:c1])
+            else:
+                torch.mm(src, w2.t(), out=z[c0:c1])
             pending.append((c, comm.reduce_scatter(z[c0:c1].view(-1), layout.element_bounds(c, width),
                                                    async_op=True)))
             if len(pending) > 1:
@@ -131,7 +146,7 @@ class RowParallelEpilogue(torch.autograd.Function):
                 if g_inp is not None:
                     torch.mm(gzc, w2, out=g_inp[c0:c1])
                 continue
-            gh = torch.ops.aten.gelu_backward(gzc @ w2, hpre[c0:c1])
+            gh = torch.ops.aten.gelu_backward(gzc @ w2, hpre[c0:c1], approximate=cfg.gelu)
             if g_w1 is not None:
                 g_w1.addmm_(gh.t(), inp[c0:c1])
             if g_b1 is not None:

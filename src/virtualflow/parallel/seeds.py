@@ -11,6 +11,20 @@ Invariants:
   from a CPU generator seeded with ``splitmix64((seed mod 2**32) << 32 | b) mod 2**32``
   (:func:`dropout_keep`), so a token's mask depends on neither the number of ranks nor the number
   of overlap chunks.
+- **Attention-probability dropout**: the keep-mask of the ``[q, k]`` probabilities of sample
+  ``b`` and *global* head ``g`` is ``torch.rand(q, k) >= p`` from a CPU generator seeded with
+  ``splitmix64(splitmix64(seed ^ ATTENTION_TAG) ^ (b << 24 | g)) mod 2**32``
+  (:func:`attention_keep`): a rank holding heads ``[g0, g1)`` draws only theirs, so the mask of
+  ``(b, g)`` depends neither on the number of ranks nor on which rank holds ``g``.
+- **Where a forward's seed comes from** (:class:`DropoutSeeds`): an explicit ``dropout_seed``;
+  else, rule ``"module"``, the module's ``seed`` plus the training forwards it ran before; or,
+  rule ``"generator"``, one draw from torch's default CPU generator per training forward with
+  dropout (:func:`generator_seed`). The generator rule is the pipeline's: the default generator's
+  state travels with the micro-batch (docs/pipeline.md), every tensor-parallel rank of a stage
+  holds the same state, and ``torch.utils.checkpoint`` restores it for the recompute, so the
+  seed is the same on every rank, in the recompute, and whatever D, P or the number of forwards
+  the module ran before. One forward's sub-layers derive their own streams with
+  :func:`sub_seed`.
 - **Weights** are drawn whole from ``seed`` (:func:`init_linears`) with ``nn.Linear``'s own
   distribution, from a stream unrelated to the dropout blocks'; the global generator is never
   touched.
@@ -29,6 +43,9 @@ DROPOUT_BLOCK_ROWS = 64
 _MASK32 = (1 << 32) - 1
 _MASK64 = (1 << 64) - 1
 _INIT_TAG = 0x5EED_0F_11  # mixed into the weight generator's seed (the dropout blocks mix in block indices)
+ATTENTION_TAG = 0xA77E_4710
+"""Mixed into the seed of the attention-probability masks (:func:`attention_keep`)."""
+SEED_RULES = ("module", "generator")
 
 
 def dropout_keep(seed: int, lo: int, hi: int, width: int, p: float,
@@ -51,6 +68,34 @@ def dropout_keep(seed: int, lo: int, hi: int, width: int, p: float,
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
+def attention_keep(seed: int, batch: int, first_head: int, heads: int, q_len: int, k_len: int,
+                   p: float) -> torch.Tensor:
+    """The keep-mask (bool ``[batch, heads, q_len, k_len]``, on the CPU) of the attention
+    probabilities of global heads ``[first_head, first_head + heads)`` under ``seed``."""
+    if batch >= 1 << 40 or first_head + heads > 1 << 24:
+        raise ValueError(f"attention_keep: batch={batch} or heads up to {first_head + heads} exceed the rule's "
+                         f"2**40 samples and 2**24 heads")
+    out = torch.empty(batch, heads, q_len, k_len, dtype=torch.bool)
+    gen = torch.Generator()
+    base = splitmix64((seed & _MASK64) ^ ATTENTION_TAG)
+    for b in range(batch):
+        for j in range(heads):
+            gen.manual_seed(splitmix64(base ^ ((b << 24) | (first_head + j))) & _MASK32)
+            out[b, j] = torch.rand(q_len, k_len, generator=gen) >= p
+    return out
+
+
+def sub_seed(seed: int, stream: int) -> int:
+    """Seed of stream ``stream`` of one forward (a block's residual dropouts and attention
+    masks): ``splitmix64(seed ^ splitmix64(stream))``, 64 bits."""
+    return splitmix64((seed & _MASK64) ^ splitmix64(stream))
+
+
+def generator_seed() -> int:
+    """One draw from torch's default CPU generator: a 62-bit seed (the ``"generator"`` rule)."""
+    return int(torch.randint(0, 1 << 62, (), dtype=torch.int64).item())
+
+
 def splitmix64(x: int) -> int:
     """A bijective 64-bit mixer (Steele, Lea, Flood 2014), so nearby (seed, block) pairs seed
     unrelated-looking streams."""
@@ -67,15 +112,21 @@ def keep_scale(keep: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor
 
 
 class DropoutSeeds:
-    """The dropout seed of each training forward: explicit, or ``seed`` + forwards so far."""
+    """The dropout seed of each training forward: explicit, or (rule ``"module"``) ``seed`` +
+    forwards so far, or (rule ``"generator"``) one draw from torch's default generator."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, rule: str = "module") -> None:
+        if rule not in SEED_RULES:
+            raise ValueError(f"dropout_seeds={rule!r} is not a seed rule; use one of {SEED_RULES}")
         self.seed = seed
+        self.rule = rule
         self.calls = 0
 
     def next(self, explicit: int | None) -> int:
         if explicit is not None:
             return explicit
+        if self.rule == "generator":
+            return generator_seed()
         s = self.seed + self.calls
         self.calls += 1
         return s
@@ -106,7 +157,7 @@ def init_linears(seed: int, *linears: nn.Linear) -> None:
                 lin.bias.copy_(torch.empty(lin.bias.shape, dtype=torch.float32).uniform_(-bound, bound, generator=gen))
 
 
-def skip_init_linear(in_features: int, out_features: int) -> nn.Linear:
+def skip_init_linear(in_features: int, out_features: int, bias: bool = True) -> nn.Linear:
     """An ``nn.Linear`` whose constructor draws nothing from the global generator (its values are
     set by :func:`init_linears`)."""
-    return torch.nn.utils.skip_init(nn.Linear, in_features, out_features)
+    return torch.nn.utils.skip_init(nn.Linear, in_features, out_features, bias=bias)

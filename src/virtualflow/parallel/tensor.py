@@ -95,18 +95,72 @@ of heads (no rank without weights).
 
 from __future__ import annotations
 
+import copy
 import hashlib
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from virtualflow.parallel.collectives import ColumnParallelLinear, Comm, TokenLayout, split_range
-from virtualflow.parallel.overlap import EpilogueConfig, RowParallelEpilogue, epilogue
+from virtualflow.parallel.collectives import Comm, split_range
+from virtualflow.parallel.overlap import epilogue
 from virtualflow.parallel.seeds import (
-    DropoutSeeds, check_dropout_p, dropout_keep, init_linears, keep_scale, skip_init_linear,
+    SEED_RULES, DropoutSeeds, check_dropout_p, dropout_keep, init_linears, keep_scale, skip_init_linear, sub_seed,
 )
+from virtualflow.parallel.sublayers import GELU_KINDS, Heads, Projection, attend, attention_sublayer, mlp_sublayer
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockConfig:
+    """Options of :class:`MLPBlock` and :class:`AttentionBlock` (and so of their tensor-parallel
+    forms, which ``from_module`` builds with the block's config)."""
+
+    layer_norm: bool = False
+    """Pre-LayerNorm: ``y = x + sublayer(LN(x))``. LN (``ln``) runs on every rank on the
+    replicated input, with replicated parameters."""
+    ln_eps: float = 1e-5
+    ln_bias: bool = True
+    """LN with a bias (nanoGPT's ``bias=False`` has none)."""
+    bias: bool = True
+    """Biases of the linear layers."""
+    gelu: str = "exact"
+    """MLP activation: ``"exact"`` (``nn.GELU()``) or ``"tanh"`` (GPT-2's approximation)."""
+    attn_dropout_p: float = 0.0
+    """Attention: dropout on the attention probabilities (training only)."""
+    dropout_seeds: str = "module"
+    """Where a forward's dropout seed comes from when no ``dropout_seed`` is passed: ``"module"``
+    (``seed`` + forwards so far) or ``"generator"`` (one draw from torch's default generator per
+    training forward with dropout; the pipeline's rule, see :mod:`virtualflow.parallel.seeds`)."""
+
+    def __post_init__(self) -> None:
+        if self.gelu not in ("exact", "tanh"):
+            raise ValueError(f"BlockConfig: gelu={self.gelu!r} is not a GELU variant; use 'exact' or 'tanh'")
+        if not self.ln_eps > 0:
+            raise ValueError(f"BlockConfig: ln_eps={self.ln_eps} must be positive")
+        check_dropout_p(self.attn_dropout_p)
+        if self.dropout_seeds not in SEED_RULES:
+            raise ValueError(f"BlockConfig: dropout_seeds={self.dropout_seeds!r} is not a seed rule; use one of "
+                             f"{SEED_RULES}")
+
+
+DEFAULT_CONFIG = BlockConfig()
+
+# Streams of one forward's seed (seeds.sub_seed): sub-layer i's residual dropout and attention masks.
+RESID_STREAM, ATTN_STREAM = 0, 1
+
+
+def stream_seed(seed: int | None, sublayer: int, stream: int) -> int | None:
+    """The seed of sub-layer ``sublayer``'s ``stream`` (residual dropout or attention masks) of a
+    forward whose seed is ``seed`` (None: no dropout)."""
+    return None if seed is None else sub_seed(seed, 2 * sublayer + stream)
+
+
+def _layer_norm(hidden: int, config: BlockConfig) -> nn.LayerNorm | None:
+    if not config.layer_norm:
+        return None
+    return nn.LayerNorm(hidden, eps=config.ln_eps, bias=config.ln_bias)
 
 
 # --------------------------------------------------------------------------------------------
@@ -114,79 +168,92 @@ from virtualflow.parallel.seeds import (
 
 
 class MLPBlock(nn.Module):
-    """``y = x + dropout(fc2(gelu(fc1(x))))`` on ``[..., hidden]`` (one worker).
+    """``y = x + dropout(fc2(gelu(fc1(LN(x)))))`` on ``[..., hidden]`` (one worker; LN only with
+    ``config.layer_norm``).
 
     ``seed`` fixes the weights (drawn whole from it, :func:`init_linears`) and the dropout
     masks, and nothing else does: every rank that builds ``MLPBlock(..., seed=s)`` holds the same
     block, whatever its global random state, so :meth:`TensorParallelMLP.from_module` cuts the
     same block on every rank. Stacked blocks need different seeds."""
 
-    def __init__(self, hidden: int, ffn_hidden: int, dropout_p: float = 0.0, *, seed: int = 0) -> None:
+    def __init__(self, hidden: int, ffn_hidden: int, dropout_p: float = 0.0, *, seed: int = 0,
+                 config: BlockConfig = DEFAULT_CONFIG) -> None:
         super().__init__()
         check_dropout_p(dropout_p)
-        self.fc1 = skip_init_linear(hidden, ffn_hidden)
-        self.fc2 = skip_init_linear(ffn_hidden, hidden)
+        self.ln = _layer_norm(hidden, config)
+        self.fc1 = skip_init_linear(hidden, ffn_hidden, bias=config.bias)
+        self.fc2 = skip_init_linear(ffn_hidden, hidden, bias=config.bias)
         init_linears(seed, self.fc1, self.fc2)
         self.dropout_p = dropout_p
-        self.seeds = DropoutSeeds(seed)
+        self.config = config
+        self.seeds = DropoutSeeds(seed, config.dropout_seeds)
 
     def forward(self, x: torch.Tensor, *, dropout_seed: int | None = None) -> torch.Tensor:
         h = self.fc2.out_features
         x2 = x.reshape(-1, h)
-        a = F.gelu(F.linear(x2, self.fc1.weight, self.fc1.bias))
-        z = a @ self.fc2.weight.t()
-        scale = _full_scale(self, x2, dropout_seed)
-        return epilogue(z, self.fc2.bias, scale, x2).reshape(x.shape)
+        a2 = x2 if self.ln is None else self.ln(x).reshape(-1, h)
+        a = F.gelu(F.linear(a2, self.fc1.weight, self.fc1.bias), approximate=GELU_KINDS[self.config.gelu])
+        zb = F.linear(a, self.fc2.weight, self.fc2.bias)
+        seed = _forward_seed(self, dropout_seed)
+        return epilogue(zb, None, _full_scale(stream_seed(seed, 0, RESID_STREAM), self.dropout_p, x2),
+                        x2).reshape(x.shape)
 
 
 class AttentionBlock(nn.Module):
-    """``y = x + dropout(out(attention(qkv(x))))`` on ``[batch, seq, hidden]`` (one worker); qkv's
-    rows are ``[q; k; v]``, each ``heads`` blocks of ``hidden / heads`` rows. ``seed`` fixes the
-    weights and the dropout masks, as in :class:`MLPBlock`."""
+    """``y = x + dropout(out(attention(qkv(LN(x)))))`` on ``[batch, seq, hidden]`` (one worker);
+    qkv's rows are ``[q; k; v]``, each ``heads`` blocks of ``hidden / heads`` rows;
+    ``config.attn_dropout_p`` drops attention probabilities. ``seed`` fixes the weights and the
+    dropout masks, as in :class:`MLPBlock`."""
 
     def __init__(self, hidden: int, heads: int, dropout_p: float = 0.0, *, causal: bool = True,
-                 seed: int = 0) -> None:
+                 seed: int = 0, config: BlockConfig = DEFAULT_CONFIG) -> None:
         super().__init__()
         check_dropout_p(dropout_p)
         if heads < 1 or hidden % heads:
             raise ValueError(f"AttentionBlock: hidden={hidden} must be a multiple of heads={heads}")
-        self.qkv = skip_init_linear(hidden, 3 * hidden)
-        self.out = skip_init_linear(hidden, hidden)
+        self.ln = _layer_norm(hidden, config)
+        self.qkv = skip_init_linear(hidden, 3 * hidden, bias=config.bias)
+        self.out = skip_init_linear(hidden, hidden, bias=config.bias)
         init_linears(seed, self.qkv, self.out)  # the same block on every rank (see MLPBlock)
         self.heads = heads
         self.causal = causal
         self.dropout_p = dropout_p
-        self.seeds = DropoutSeeds(seed)
+        self.config = config
+        self.seeds = DropoutSeeds(seed, config.dropout_seeds)
 
     def forward(self, x: torch.Tensor, *, dropout_seed: int | None = None) -> torch.Tensor:
         hidden = self.out.out_features
         x2 = _flat_tokens(x, hidden)
-        qkv = F.linear(x2, self.qkv.weight, self.qkv.bias)
-        ctx = _attend(qkv, x.shape[0], x.shape[1], self.heads, hidden // self.heads, self.causal)
-        z = ctx @ self.out.weight.t()
-        scale = _full_scale(self, x2, dropout_seed)
-        return epilogue(z, self.out.bias, scale, x2).reshape(x.shape)
+        a2 = x2 if self.ln is None else self.ln(x).reshape(-1, hidden)
+        qkv = F.linear(a2, self.qkv.weight, self.qkv.bias)
+        seed = _forward_seed(self, dropout_seed)
+        heads = Heads(0, self.heads, hidden // self.heads, self.causal, None, self.config.attn_dropout_p)
+        ctx = attend(qkv, x.shape[0], x.shape[1], heads, stream_seed(seed, 0, ATTN_STREAM))
+        zb = F.linear(ctx, self.out.weight, self.out.bias)
+        return epilogue(zb, None, _full_scale(stream_seed(seed, 0, RESID_STREAM), self.dropout_p, x2),
+                        x2).reshape(x.shape)
 
 
-def _full_scale(block: Any, x2: torch.Tensor, dropout_seed: int | None) -> torch.Tensor | None:
-    if not (block.training and block.dropout_p > 0):
+def _forward_seed(block: Any, dropout_seed: int | None) -> int | None:
+    """This forward's seed, or None when it drops nothing (eval mode, every p = 0)."""
+    p_attn = getattr(block.config, "attn_dropout_p", 0.0) if isinstance(block, (AttentionBlock,
+                                                                                TensorParallelAttention)) else 0.0
+    if not (block.training and (block.dropout_p > 0 or p_attn > 0)):
         return None
-    seed = block.seeds.next(dropout_seed)
-    keep = dropout_keep(seed, 0, x2.shape[0], x2.shape[1], block.dropout_p).to(x2.device)
-    return keep_scale(keep, block.dropout_p, x2.dtype)
+    return block.seeds.next(dropout_seed)
+
+
+def _full_scale(seed: int | None, p: float, x2: torch.Tensor) -> torch.Tensor | None:
+    if seed is None or p == 0:
+        return None
+    keep = dropout_keep(seed, 0, x2.shape[0], x2.shape[1], p).to(x2.device)
+    return keep_scale(keep, p, x2.dtype)
 
 
 def _flat_tokens(x: torch.Tensor, hidden: int) -> torch.Tensor:
     if x.dim() != 3 or x.shape[-1] != hidden:
         raise ValueError(f"attention input must be [batch, seq, hidden={hidden}], got {tuple(x.shape)}")
     return x.reshape(-1, hidden)
-
-
-def _attend(qkv: torch.Tensor, batch: int, seq: int, heads: int, head_dim: int, causal: bool) -> torch.Tensor:
-    """``[T, 3 * heads * head_dim]`` (q, k, v blocks) -> attention context ``[T, heads * head_dim]``."""
-    q, k, v = qkv.view(batch, seq, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-    ctx = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return ctx.transpose(1, 2).reshape(batch * seq, heads * head_dim)
 
 
 # --------------------------------------------------------------------------------------------
@@ -196,25 +263,28 @@ def _attend(qkv: torch.Tensor, batch: int, seq: int, heads: int, head_dim: int, 
 class _Linear(nn.Module):
     """A weight and a bias (so that parameter names match ``nn.Linear``'s: ``fc1.weight``...)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight)
-        self.bias = nn.Parameter(bias)
+        self.bias = nn.Parameter(bias) if bias is not None else None
 
 
 def block_fingerprint(block: nn.Module) -> list[int]:
-    """Three 16-bit numbers hashed from ``block``'s parameters (names, shapes, dtypes, bytes),
-    its dropout p and its seed: equal blocks give equal numbers."""
+    """Three 16-bit numbers hashed from ``block``'s parameters and persistent buffers (names,
+    shapes, dtypes, bytes) and, where it has them, its dropout p, seed and config: equal blocks
+    give equal numbers."""
     h = hashlib.blake2b(digest_size=6)
-    h.update(repr((type(block).__name__, block.dropout_p, block.seeds.seed)).encode())
-    for name, p in block.named_parameters():
-        h.update(repr((name, tuple(p.shape), str(p.dtype))).encode())
-        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    seeds = getattr(block, "seeds", None)
+    h.update(repr((type(block).__name__, getattr(block, "dropout_p", None), getattr(seeds, "seed", None),
+                   getattr(block, "config", None))).encode())
+    for name, t in block.state_dict(keep_vars=True).items():
+        h.update(repr((name, tuple(t.shape), str(t.dtype))).encode())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     d = h.digest()
     return [int.from_bytes(d[i:i + 2], "little") for i in (0, 2, 4)]
 
 
-def verify_same_block(block: nn.Module, comm: Comm, what: str) -> None:
+def verify_same_block(block: nn.Module, comm: Comm, what: str, call: str = "from_module") -> None:
     """Raise ``ValueError`` on every rank unless every rank of ``comm.group`` holds the same
     ``block`` (by :func:`block_fingerprint`).
 
@@ -222,51 +292,69 @@ def verify_same_block(block: nn.Module, comm: Comm, what: str) -> None:
     exactly when ``t * sum(f^2) == sum(f)^2`` (Cauchy-Schwarz), and with 16-bit numbers every
     sum is an integer below 2**53, exact in float64. Every rank computes the same verdict."""
     t = comm.group.size
-    device = next(block.parameters()).device  # the collectives' device (NCCL takes CUDA tensors only)
+    first = next(iter(block.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")  # NCCL takes CUDA tensors only
     f = torch.tensor(block_fingerprint(block), dtype=torch.float64, device=device)
     buf = torch.cat([f, f * f])
     comm.all_reduce(buf)
     n = f.numel()
     if t > 1 and not torch.equal(buf[n:] * t, buf[:n] * buf[:n]):
         raise ValueError(
-            f"the {what} passed to from_module differs between the {t} ranks (weights, dropout_p or seed): each "
+            f"the {what} passed to {call} differs between the {t} ranks (weights, dropout_p or seed): each "
             f"rank would hold a shard of another block and the output would be wrong; build it with the same "
             f"arguments and seed=... on every rank (the seed fixes the weights) and load the same state, or pass "
             f"verify=False to skip this check")
 
 
-def _check_chunks(chunks: int) -> None:
+def check_chunks(chunks: int) -> None:
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks={chunks!r} must be an int >= 1 (1 = no overlap; k = k overlap chunks)")
 
 
+def _replicated(full: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in full.items() if k.startswith(prefix)}
+
+
+def _optional(full: Mapping[str, torch.Tensor], key: str, cut) -> dict[str, torch.Tensor]:
+    return {key: cut(full[key])} if key in full else {}
+
+
 class TensorParallelMLP(nn.Module):
     """The MLP block over the ranks of ``comm.group``: rank ``r`` holds fc1's rows and fc2's
-    columns of its slice of the MLP width, and fc2's bias (replicated)."""
+    columns of its slice of the MLP width, fc2's bias and the LayerNorm (replicated)."""
 
     def __init__(self, fc1: _Linear, fc2: _Linear, comm: Comm, *, dropout_p: float = 0.0, chunks: int = 1,
-                 seed: int = 0) -> None:
+                 seed: int = 0, config: BlockConfig = DEFAULT_CONFIG, ln: nn.Module | None = None) -> None:
         super().__init__()
         check_dropout_p(dropout_p)
-        _check_chunks(chunks)
+        check_chunks(chunks)
+        if (ln is None) == config.layer_norm:
+            raise ValueError(f"TensorParallelMLP: config.layer_norm={config.layer_norm} but ln is "
+                             f"{'missing' if ln is None else 'given'}; pass the block's LayerNorm exactly when "
+                             f"layer_norm=True")
+        self.ln = ln
         self.fc1, self.fc2 = fc1, fc2
         self.comm = comm
         self.dropout_p = dropout_p
         self.chunks = chunks
-        self.seeds = DropoutSeeds(seed)
+        self.config = config
+        self.seeds = DropoutSeeds(seed, config.dropout_seeds)
 
     @staticmethod
     def shard_state(full: Mapping[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
         """Rank ``rank``'s slices of an :class:`MLPBlock`'s ``fc1.weight``, ``fc1.bias``,
-        ``fc2.weight``, ``fc2.bias`` (parameters or their gradients), as views."""
+        ``fc2.weight``, ``fc2.bias`` and ``ln.*`` (parameters or their gradients; the biases and
+        the LayerNorm where the block has them), as views."""
         f = full["fc1.weight"].shape[0]
         lo, hi = split_range(f, size, rank, "the MLP width (ffn_hidden)", "use fewer ranks or a wider MLP")
-        return {"fc1.weight": full["fc1.weight"][lo:hi], "fc1.bias": full["fc1.bias"][lo:hi],
-                "fc2.weight": full["fc2.weight"][:, lo:hi], "fc2.bias": full["fc2.bias"]}
+        out = {"fc1.weight": full["fc1.weight"][lo:hi], "fc2.weight": full["fc2.weight"][:, lo:hi]}
+        out |= _optional(full, "fc1.bias", lambda v: v[lo:hi]) | _optional(full, "fc2.bias", lambda v: v)
+        return out | _replicated(full, "ln.")
 
     @classmethod
     def from_module(cls, mlp: MLPBlock, comm: Comm, *, chunks: int = 1, verify: bool = True) -> "TensorParallelMLP":
-        """This rank's shard of ``mlp`` (copies of its weights' slices; same dropout p and seed).
+        """This rank's shard of ``mlp`` (copies of its weights' slices; same dropout p, seed and
+        config).
 
         ``verify``: first check that every rank passed the same block (:func:`verify_same_block`,
         one small all-reduce, so every rank must call this together); a rank holding another block
@@ -276,45 +364,52 @@ class TensorParallelMLP(nn.Module):
         with torch.no_grad():
             s = cls.shard_state(dict(mlp.named_parameters()), comm.group.rank, comm.group.size)
             s = {k: v.detach().clone() for k, v in s.items()}
-        return cls(_Linear(s["fc1.weight"], s["fc1.bias"]), _Linear(s["fc2.weight"], s["fc2.bias"]), comm,
-                   dropout_p=mlp.dropout_p, chunks=chunks, seed=mlp.seeds.seed)
+        return cls(_Linear(s["fc1.weight"], s.get("fc1.bias")), _Linear(s["fc2.weight"], s.get("fc2.bias")), comm,
+                   dropout_p=mlp.dropout_p, chunks=chunks, seed=mlp.seeds.seed, config=mlp.config,
+                   ln=copy.deepcopy(mlp.ln))
 
     def forward(self, x: torch.Tensor, *, dropout_seed: int | None = None) -> torch.Tensor:
         width = self.fc2.weight.shape[0]
         if x.shape[-1] != width:
             raise ValueError(f"TensorParallelMLP: input's last dimension {x.shape[-1]} != hidden={width}")
-        x2 = x.reshape(-1, width)
-        cfg = self._config(x2.shape[0], dropout_seed)
-        y = RowParallelEpilogue.apply(x2, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, x2, cfg)
-        return y.reshape(x.shape)
-
-    def _config(self, tokens: int, dropout_seed: int | None) -> EpilogueConfig:
-        seed = self.seeds.next(dropout_seed) if self.training and self.dropout_p > 0 else None
-        return EpilogueConfig(self.comm, TokenLayout.build(tokens, self.comm.group.size, self.chunks),
-                               self.dropout_p, seed)
+        seed = _forward_seed(self, dropout_seed)
+        return mlp_sublayer(x, self.ln, Projection(self.fc1.weight, self.fc1.bias),
+                            Projection(self.fc2.weight, self.fc2.bias), GELU_KINDS[self.config.gelu], self.comm,
+                            chunks=self.chunks, resid_p=self.dropout_p,
+                            resid_seed=stream_seed(seed if self.dropout_p > 0 else None, 0, RESID_STREAM))
 
 
 class TensorParallelAttention(nn.Module):
     """The attention block over the ranks of ``comm.group``: rank ``r`` holds the q, k, v rows of
-    its heads and the out-projection's columns of its heads, and the out bias (replicated)."""
+    its heads and the out-projection's columns of its heads, the out bias and the LayerNorm
+    (replicated)."""
 
     def __init__(self, qkv: _Linear, out: _Linear, comm: Comm, *, heads: int, dropout_p: float = 0.0,
-                 causal: bool = True, chunks: int = 1, seed: int = 0) -> None:
+                 causal: bool = True, chunks: int = 1, seed: int = 0, config: BlockConfig = DEFAULT_CONFIG,
+                 ln: nn.Module | None = None) -> None:
         super().__init__()
         check_dropout_p(dropout_p)
-        _check_chunks(chunks)
+        check_chunks(chunks)
         hidden = out.weight.shape[0]
         if heads < 1 or hidden % heads:
             raise ValueError(f"TensorParallelAttention: hidden={hidden} must be a multiple of heads={heads}")
+        if (ln is None) == config.layer_norm:
+            raise ValueError(f"TensorParallelAttention: config.layer_norm={config.layer_norm} but ln is "
+                             f"{'missing' if ln is None else 'given'}; pass the block's LayerNorm exactly when "
+                             f"layer_norm=True")
+        self.ln = ln
         self.qkv, self.out = qkv, out
         self.comm = comm
         self.heads = heads
         self.head_dim = hidden // heads
         self.local_heads = out.weight.shape[1] // self.head_dim
+        self.first_head = split_range(heads, comm.group.size, comm.group.rank, "heads",
+                                      "use fewer ranks or more heads")[0]
         self.dropout_p = dropout_p
         self.causal = causal
         self.chunks = chunks
-        self.seeds = DropoutSeeds(seed)
+        self.config = config
+        self.seeds = DropoutSeeds(seed, config.dropout_seeds)
 
     @staticmethod
     def shard_state(full: Mapping[str, torch.Tensor], rank: int, size: int, heads: int) -> dict[str, torch.Tensor]:
@@ -323,9 +418,11 @@ class TensorParallelAttention(nn.Module):
         d = hidden // heads
         lo, hi = split_range(heads, size, rank, "heads", "use fewer ranks or more heads")
         rows = [slice(j * hidden + lo * d, j * hidden + hi * d) for j in range(3)]
-        return {"qkv.weight": torch.cat([full["qkv.weight"][s] for s in rows]),
-                "qkv.bias": torch.cat([full["qkv.bias"][s] for s in rows]),
-                "out.weight": full["out.weight"][:, lo * d:hi * d], "out.bias": full["out.bias"]}
+        out = {"qkv.weight": torch.cat([full["qkv.weight"][s] for s in rows]),
+               "out.weight": full["out.weight"][:, lo * d:hi * d]}
+        out |= _optional(full, "qkv.bias", lambda v: torch.cat([v[s] for s in rows]))
+        out |= _optional(full, "out.bias", lambda v: v)
+        return out | _replicated(full, "ln.")
 
     @classmethod
     def from_module(cls, block: AttentionBlock, comm: Comm, *, chunks: int = 1,
@@ -336,17 +433,16 @@ class TensorParallelAttention(nn.Module):
         with torch.no_grad():
             s = cls.shard_state(dict(block.named_parameters()), comm.group.rank, comm.group.size, block.heads)
             s = {k: v.detach().clone() for k, v in s.items()}
-        return cls(_Linear(s["qkv.weight"], s["qkv.bias"]), _Linear(s["out.weight"], s["out.bias"]), comm,
+        return cls(_Linear(s["qkv.weight"], s.get("qkv.bias")), _Linear(s["out.weight"], s.get("out.bias")), comm,
                    heads=block.heads, dropout_p=block.dropout_p, causal=block.causal, chunks=chunks,
-                   seed=block.seeds.seed)
+                   seed=block.seeds.seed, config=block.config, ln=copy.deepcopy(block.ln))
 
     def forward(self, x: torch.Tensor, *, dropout_seed: int | None = None) -> torch.Tensor:
-        hidden = self.out.weight.shape[0]
-        x2 = _flat_tokens(x, hidden)
-        qkv = ColumnParallelLinear.apply(x2, self.qkv.weight, self.qkv.bias, self.comm)
-        ctx = _attend(qkv, x.shape[0], x.shape[1], self.local_heads, self.head_dim, self.causal)
-        seed = self.seeds.next(dropout_seed) if self.training and self.dropout_p > 0 else None
-        cfg = EpilogueConfig(self.comm, TokenLayout.build(x2.shape[0], self.comm.group.size, self.chunks),
-                              self.dropout_p, seed)
-        y = RowParallelEpilogue.apply(ctx, None, None, self.out.weight, self.out.bias, x2, cfg)
-        return y.reshape(x.shape)
+        _flat_tokens(x, self.out.weight.shape[0])
+        seed = _forward_seed(self, dropout_seed)
+        heads = Heads(self.first_head, self.local_heads, self.head_dim, self.causal, None, self.config.attn_dropout_p)
+        return attention_sublayer(
+            x, self.ln, Projection(self.qkv.weight, self.qkv.bias), Projection(self.out.weight, self.out.bias),
+            heads, self.comm, chunks=self.chunks, resid_p=self.dropout_p,
+            resid_seed=stream_seed(seed if self.dropout_p > 0 else None, 0, RESID_STREAM),
+            attn_seed=stream_seed(seed if heads.attn_p > 0 else None, 0, ATTN_STREAM))
