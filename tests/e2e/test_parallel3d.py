@@ -85,8 +85,8 @@ def test_four_way_tensor_parallelism_is_the_single_worker_model_within_tolerance
 
 def test_resize_data_parallel_replicas_of_a_tensor_parallel_stage(run_dir):
     """(D, 1, 2): grow 1 -> 2 replicas and back mid-run (whole 2-worker replicas join and leave)."""
-    handle = vf.launch(lambda: g.grid_job(tensor=2, slow=True), workers=2, steps=FOREVER, deterministic=True,
-                       run_dir=run_dir)
+    handle = vf.launch(lambda: g.grid_job(tensor=2, slow=True, dropout=0.1), workers=2, steps=FOREVER,
+                       deterministic=True, run_dir=run_dir)
     for n in (4, 2):
         wait_for_step(handle, handle.status()["step"] + 2)
         handle.resize(n, wait=True, timeout_s=120)
@@ -94,7 +94,7 @@ def test_resize_data_parallel_replicas_of_a_tensor_parallel_stage(run_dir):
     result = handle.stop()
     sizes = [h["workers"] for h in result.history]
     assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [2, 4, 2]
-    ref = vf.train(_grid(1, 2), workers=2, steps=result.steps, deterministic=True)
+    ref = vf.train(lambda: g.grid_job(tensor=2, dropout=0.1), workers=2, steps=result.steps, deterministic=True)
     assert_state_equal(result.state_dict, ref.state_dict)
     assert [h["step"] for h in result.history] == list(range(result.steps))
 
@@ -102,8 +102,8 @@ def test_resize_data_parallel_replicas_of_a_tensor_parallel_stage(run_dir):
 def test_a_killed_tensor_parallel_member_leaves_the_other_replica_bit_identical(run_dir):
     """(2, 1, 2): SIGKILL of rank 3 (tensor rank 1 of replica 1's stage): replica 1's other member
     leaves, replica 0 redoes the interrupted step and goes on; the model is the undisturbed one."""
-    handle = vf.launch(lambda: g.grid_job(tensor=2, slow=True), workers=4, steps=FOREVER, deterministic=True,
-                       run_dir=run_dir)
+    handle = vf.launch(lambda: g.grid_job(tensor=2, slow=True, dropout=0.1), workers=4, steps=FOREVER,
+                       deterministic=True, run_dir=run_dir)
     wait_for_step(handle, 2)
     victim = next(w for w in handle.status()["workers"] if w["rank"] == 3)
     os.kill(victim["pid"], signal.SIGKILL)
@@ -112,6 +112,18 @@ def test_a_killed_tensor_parallel_member_leaves_the_other_replica_bit_identical(
     sizes = [h["workers"] for h in result.history]
     assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [4, 2]
     assert [f["worker"] for f in result.failures] == [victim["id"]]
-    ref = vf.train(_grid(1, 2), workers=2, steps=result.steps, deterministic=True)
+    ref = vf.train(lambda: g.grid_job(tensor=2, dropout=0.1), workers=2, steps=result.steps, deterministic=True)
     assert_state_equal(result.state_dict, ref.state_dict)
     assert [h["step"] for h in result.history] == list(range(result.steps))
+
+
+def test_dropout_masks_do_not_depend_on_the_tensor_parallel_width():
+    """With dropout, a tensor-parallel block draws its masks by virtualflow's rule (seeded from the
+    micro-batch's random stream, per token block and global head), not from torch's dropout: the
+    masks are the same for every T, so T = 2 and T = 4 agree within float tolerance. (The resize
+    and SIGKILL tests above run with dropout: bit-identical across D.)"""
+    runs = [vf.train(lambda t=t: g.grid_job(tensor=t, dropout=0.1), workers=t, steps=STEPS, deterministic=True)
+            for t in (2, 4)]
+    assert _max_diff(runs[0].state_dict, runs[1].state_dict) < 1e-12
+    no_dropout = vf.train(_grid(1, 2), workers=2, steps=STEPS, deterministic=True)
+    assert _max_diff(runs[0].state_dict, no_dropout.state_dict) > 1e-6  # the masks did act
