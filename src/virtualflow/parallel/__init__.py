@@ -36,6 +36,7 @@ from virtualflow.parallel.tensor import (
     AttentionBlock, BlockConfig, MLPBlock, TensorParallelAttention, TensorParallelMLP, block_fingerprint,
     verify_same_block,
 )
+from virtualflow.parallel.gpt import GPTBlock, GPTEmbeddings, GPTHead, sequential_gpt
 from virtualflow.parallel.tracing import TracedPiece, sequential_from, shared_parameters
 
 __all__ = [
@@ -45,5 +46,5 @@ __all__ = [
     "EpilogueConfig", "Handle", "MLPBlock", "Rank", "RowParallelEpilogue", "TensorParallelAttention",
     "TensorParallelMLP", "TokenLayout", "TracedPiece", "all_gather_rows", "block_fingerprint", "check_dropout_p",
     "copy_to_ranks", "dropout_keep", "epilogue", "init_linears", "keep_scale", "reduce_scatter_rows",
-    "sequential_from", "shared_parameters", "skip_init_linear", "split_range", "splitmix64", "verify_same_block",
+    "sequential_from", "sequential_gpt", "GPTBlock", "GPTEmbeddings", "GPTHead", "shared_parameters", "skip_init_linear", "split_range", "splitmix64", "verify_same_block",
 ]
