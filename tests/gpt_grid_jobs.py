@@ -118,8 +118,9 @@ def tokens(n: int = 64, seed: int = 5) -> TensorDataset:
     return TensorDataset(data[:, :-1], data[:, 1:])
 
 
-def gpt_model(dropout: float = 0.0) -> nn.Module:
-    return sequential_gpt(GPT(dropout=dropout).double())
+def gpt_model(dropout: float = 0.0, float32: bool = False) -> nn.Module:
+    model = GPT(dropout=dropout)
+    return sequential_gpt(model if float32 else model.double())
 
 
 def _lm_loss(logits, batch):
@@ -145,11 +146,11 @@ def _adamw_groups(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def grid_job(stages: int = 1, tensor: int = 1, schedule: str = "1f1b", dropout: float = 0.0,
-             adam: bool = False, slow: bool = False, **pipeline) -> vf.Job:
+             adam: bool = False, slow: bool = False, float32: bool = False, **pipeline) -> vf.Job:
     """The GPT job on a ``stages x tensor`` pipeline (``stages=1, tensor=1``: still a pipeline job of
     one stage; :func:`single_job` is the plain reference)."""
     return vf.Job(
-        model=lambda: gpt_model(dropout), optimizer=_adamw_groups if adam else _sgd, dataset=tokens,
+        model=lambda: gpt_model(dropout, float32), optimizer=_adamw_groups if adam else _sgd, dataset=tokens,
         output_loss=_slow_lm_loss if slow else _lm_loss,
         global_batch_size=16, virtual_nodes=4, seed=3,
         pipeline=vf.Pipeline(stages=stages, tensor=tensor, schedule=schedule, **pipeline),

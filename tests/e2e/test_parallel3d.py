@@ -127,3 +127,15 @@ def test_dropout_masks_do_not_depend_on_the_tensor_parallel_width():
     assert _max_diff(runs[0].state_dict, runs[1].state_dict) < 1e-12
     no_dropout = vf.train(_grid(1, 2), workers=2, steps=STEPS, deterministic=True)
     assert _max_diff(runs[0].state_dict, no_dropout.state_dict) > 1e-6  # the masks did act
+
+
+def test_clipping_sums_the_shards_norms_over_the_tensor_parallel_group():
+    """max_grad_norm on a (1, 2, 2) grid: the whole gradient's norm is the single-worker one (each
+    layer's shards summed over the stage's group, its replicated parameters once), so clipping
+    acts the same as on (1, 2, 1)."""
+    kw = dict(max_grad_norm=0.05)
+    a = vf.train(lambda: g.grid_job(stages=2).replace(**kw), workers=2, steps=STEPS, deterministic=True)
+    b = vf.train(lambda: g.grid_job(stages=2, tensor=2).replace(**kw), workers=4, steps=STEPS, deterministic=True)
+    norms = [h["grad_norm"] for h in b.history]
+    assert norms == pytest.approx([h["grad_norm"] for h in a.history], rel=1e-6) and min(norms) > 0.05
+    assert _max_diff(a.state_dict, b.state_dict) < 1e-12

@@ -43,12 +43,9 @@ def check_tensor_parallel(job: Job, pipeline: Pipeline, layers: list[nn.Module],
     if t == 1:
         return
     refusals = [
-        (job.max_grad_norm is not None, f"max_grad_norm={job.max_grad_norm}",
-         "the norm of the whole gradient would need the tensor shards' norms summed across the stage's group "
-         "(not implemented yet): drop max_grad_norm (--max-grad-norm) or use tensor=1"),
-        (job.precision == "16-mixed", 'precision="16-mixed"',
-         "the loss scaler's inf/nan check would see one tensor shard per worker and could skip a step on some "
-         "workers only: use precision=\"bf16-mixed\" or \"32\" (--precision), or tensor=1"),
+        (job.precision != "32", f"precision={job.precision!r}",
+         "the fused tensor-parallel blocks compute in the parameters' dtype and do not follow torch.autocast "
+         "yet: use precision=\"32\" (--precision 32) or tensor=1"),
         (bool(job.compile), "compile=True",
          "the tensor-parallel blocks' collectives run inside custom autograd functions that torch.compile does "
          "not capture: drop compile (--compile) or use tensor=1"),

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, ContextManager, Generator, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Generator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -72,6 +72,12 @@ class StageLoop:
     workers at a layer after its first: not counted in the norm (the first copy is)."""
     activation_checkpointing: Any = None
     compile: bool | Mapping[str, Any] = False
+    tensor_sum: Callable[[torch.Tensor], None] | None = None
+    """Tensor-parallel stages: sums a float64 vector in place over the stage's tensor-parallel
+    group (set by the worker engine for each generation; ``None`` without tensor parallelism)."""
+    tensor_sharded: frozenset[int] = frozenset()
+    """Tensor-parallel stages: ``id()`` of this worker's parameters that hold a shard (the others
+    are replicated, the same on every worker of the group)."""
 
     @property
     def checks_grads(self) -> bool:
@@ -113,22 +119,42 @@ class StageLoop:
             self.scaler.unscale_(grads)
             if grads:
                 found = float(not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()))
+            if self.tensor_sum is not None:  # an inf in any shard skips the step on every worker
+                flag = torch.tensor([found], dtype=torch.float64, device=device)
+                self.tensor_sum(flag)
+                found = float(flag.item() > 0)
         if self.max_grad_norm is None:
             return found, None
         sums = torch.zeros(self.n_layers, dtype=torch.float64, device=device)
+        if self.tensor_sum is not None:
+            # A layer's sum of squares: its shards' parts summed over the group, its replicated
+            # parameters' part once (the same on every worker of the group).
+            sharded = torch.zeros_like(sums)
+            if contributes:
+                for index, layer_params in layers:
+                    sharded[index], sums[index] = (
+                        _sq_sum([q for q in layer_params if id(q) in self.tensor_sharded]),
+                        _sq_sum([q for q in layer_params if id(q) not in self.tensor_sharded]))
+            self.tensor_sum(sharded)
+            return found, sums + sharded
         if contributes:
             for index, layer_params in layers:
-                parts = [q.grad.reshape(-1) for q in layer_params if q.grad is not None]
-                if not parts:
-                    continue
-                flat = torch.cat(parts) if len(parts) > 1 else parts[0]
-                sums[index] = block_sq_sums(flat, 0, flat.numel()).sum().double()
+                sums[index] = _sq_sum(layer_params)
         return found, sums
 
     @staticmethod
     def norm_of(sums: torch.Tensor) -> torch.Tensor:
         """The whole model's gradient norm from every layer's sum of squares (float32, as torch's)."""
         return sums.sum().sqrt().float()
+
+
+def _sq_sum(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The sum of squares of the parameters' gradients (float64, 0 without any)."""
+    parts = [q.grad.reshape(-1) for q in params if q.grad is not None]
+    if not parts:
+        return torch.zeros((), dtype=torch.float64)
+    flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return block_sq_sums(flat, 0, flat.numel()).sum().double()
 
 
 def norm_layers(model: nn.Module, excluded: frozenset[str]) -> list[tuple[int, list[torch.Tensor]]]:

@@ -95,6 +95,8 @@ class PipelineWorkerEngine:
         """Per job stage this worker runs, the group of the workers running it in every replica
         (``stage_group`` is the first; more than one after a Bamboo failover)."""
         self.grid: Grid | None = None
+        self._sharded_names: frozenset[str] = frozenset()
+        """Tensor-parallel stages: whole-model names of the parameters that hold a shard."""
         self.planes: TensorPlanes | None = None
         """``Pipeline.tensor > 1``: this generation's plane and tensor-parallel groups
         (:mod:`~virtualflow.runtime.pipeline.tensor_grid`); ``self.group`` is then the plane's group."""
@@ -177,6 +179,8 @@ class PipelineWorkerEngine:
         p = self.pipeline.stages
         layers = self.layers
         if self.planes is not None:  # tensor parallel: this worker's shard of each of its layers
+            self._sharded_names = frozenset(n for n, split in whole_splits(layers, self.pipeline.tensor).items()
+                                            if not split.replicated)
             for k, (a, b) in enumerate(self.bounds):
                 if k % p == stage_rank:
                     layers = convert_layers(layers, a, b, self.planes.comm, self.pipeline.tensor_chunks)
@@ -242,6 +246,7 @@ class PipelineWorkerEngine:
                              for s in sorted(names)}
         if self.planes is not None:
             rebind_comm(self.stage.model, self.planes.comm)
+            self._bind_tensor_loop()
         for g in self.stage_groups.values():  # broken with its generation: its waits end on the abort flag too
             g.abort_check = group.abort_check
         self.stage_group = self.stage_groups[min(names)]
@@ -252,6 +257,15 @@ class PipelineWorkerEngine:
         self.links = Links()  # a new generation: new peers, no shared history
         self.exchanges = StageExchanges(self.deterministic_exchange)
         self._results = {}
+
+    def _bind_tensor_loop(self) -> None:
+        """The training loop's view of this generation's tensor-parallel group: the loss scaler's
+        inf check and the clipping norm sum the shards' parts over it."""
+        tp = self.planes.tp
+        loop = self.stage.loop
+        loop.tensor_sum = lambda v: tp.all_reduce(v)
+        loop.tensor_sharded = frozenset(id(q) for n, q in self.stage.model.named_parameters()
+                                        if n in self._sharded_names)
 
     def _close_planes(self) -> None:
         if self.planes is not None:
