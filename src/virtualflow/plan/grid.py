@@ -56,11 +56,12 @@ otherwise the partitioner's (:func:`~virtualflow.plan.pipeline.partition.partiti
 above, under the memory limit) and the equal split. One candidate per layout: its best split.
 
 Ranking (:func:`rank_key`): candidates that fit the memory limit first; then the predicted step
-time, equal to the picosecond being a tie; ties go to fewer bytes per worker per step, then less
-memory per worker, then more data parallelism (larger ``D``), smaller ``T``, smaller ``P``, the
-preferred schedule (``interleaved_1f1b`` first for ``P > 2`` as in Megatron, else ``1f1b``; then
-``1f1b``/``interleaved_1f1b``, ``zb_h1``, ``gpipe``), fewer chunks, fewer micro-batches per VN, and
-the lexicographically smallest layer counts. The best is the first when it fits.
+time, equal to the picosecond being a tie; ties go to fewer bytes per worker per step, then fewer
+micro-batches per VN (the model charges nothing for smaller micro-batches; real kernels do), less
+memory per worker, more data parallelism (larger ``D``), smaller ``T``, smaller ``P``, the preferred
+schedule (``interleaved_1f1b`` first for ``P > 2`` as in Megatron, else ``1f1b``; then
+``1f1b``/``interleaved_1f1b``, ``zb_h1``, ``gpipe``), fewer chunks, and the lexicographically
+smallest layer counts. The best is the first when it fits.
 """
 
 from __future__ import annotations
@@ -256,8 +257,8 @@ def schedule_preference(stages: int, schedule: str) -> int:
 
 def rank_key(c: GridCandidate) -> tuple:
     """THE ranking (see the module docstring): fits first, then time, then the tie rules."""
-    return (not c.fits, round(c.step_time_s / TIME_RESOLUTION_S), c.comm_bytes, c.memory_bytes, -c.data, c.tensor,
-            c.stages, schedule_preference(c.stages, c.schedule), c.chunks, c.microbatches_per_vn, c.counts)
+    return (not c.fits, round(c.step_time_s / TIME_RESOLUTION_S), c.comm_bytes, c.microbatches_per_vn,
+            c.memory_bytes, -c.data, c.tensor, c.stages, schedule_preference(c.stages, c.schedule), c.chunks, c.counts)
 
 
 # ---- the cost model ---------------------------------------------------------------------------
@@ -618,9 +619,9 @@ def explain(plan: GridPlan) -> str:
     lines += [a for a in alts if a]
     ties = [c for c in plan.candidates[1:] if c.fits and rank_key(c)[1] == rank_key(best)[1]]
     if ties:
-        lines.append(f"tied on time with {len(ties)} other layout(s); ties go to less communication, less memory, "
-                     f"larger D, smaller T, smaller P, the preferred schedule, fewer chunks, fewer micro-batches "
-                     f"per VN, then the smallest leading layer counts.")
+        lines.append(f"tied on time with {len(ties)} other layout(s); ties go to less communication, fewer micro-batches "
+                     f"per VN, less memory, larger D, smaller T, smaller P, the preferred schedule, fewer chunks, "
+                     f"then the smallest leading layer counts.")
     return "\n".join(lines)
 
 
