@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-import textwrap
 
 import pytest
 
@@ -285,28 +284,37 @@ def test_nothing_fits_gives_no_best_and_the_smallest_need():
 # ---- the command line -----------------------------------------------------------------------------
 
 
-def _write_job(tmp_path) -> str:
-    path = tmp_path / "gridjob.py"
-    path.write_text(textwrap.dedent("""
-        import torch
-        import torch.nn.functional as F
-        from torch import nn
-        from torch.utils.data import TensorDataset
-        from virtualflow.config.job import Job
-
-        def make_job():
-            return Job(model=lambda: nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
-                                                   nn.Linear(32, 2)),
-                       optimizer=lambda ps: torch.optim.Adam(ps, lr=0.1),
-                       output_loss=lambda out, b: F.mse_loss(out, b[1]),
-                       dataset=TensorDataset(torch.randn(64, 8), torch.randn(64, 2)),
-                       global_batch_size=32, virtual_nodes=8, name="grid-tiny")
-    """))
-    return str(path)
+VOCAB, SEQ, HIDDEN, HEADS = 64, 32, 64, 4
+JOB = __file__ + ":make_grid_job"
+"""A job spec for ``virtualflow plan`` (docs/parallel3d.md runs it too)."""
 
 
-def test_plan_grid_cli_prints_the_table_and_the_explanation(tmp_path, capsys, monkeypatch):
-    job = _write_job(tmp_path)
+def make_grid_job():
+    """A tiny pipelined transformer: embedding, 2 x (attention block, MLP block), head. Layers 1-4 are
+    Megatron blocks (``virtualflow.parallel``'s single-worker ``AttentionBlock``/``MLPBlock``)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from virtualflow.config.job import Job
+    from virtualflow.parallel import AttentionBlock, MLPBlock
+
+    def model():
+        return nn.Sequential(nn.Embedding(VOCAB, HIDDEN), AttentionBlock(HIDDEN, HEADS, seed=1),
+                             MLPBlock(HIDDEN, 4 * HIDDEN, seed=2), AttentionBlock(HIDDEN, HEADS, seed=3),
+                             MLPBlock(HIDDEN, 4 * HIDDEN, seed=4), nn.Linear(HIDDEN, VOCAB))
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (64, SEQ + 1), generator=g)
+    return Job(model=model, optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3),
+               output_loss=lambda out, b: F.cross_entropy(out.reshape(-1, VOCAB), b[1].reshape(-1)),
+               dataset=TensorDataset(tokens[:, :-1], tokens[:, 1:]), global_batch_size=32, virtual_nodes=8,
+               name="grid-tiny")
+
+
+def test_plan_grid_cli_prints_the_table_and_the_explanation(capsys, monkeypatch):
+    job = JOB
     monkeypatch.setitem(sys.modules, "virtualflow.parallel.convert", None)  # as if H2's module were absent
     assert main(["plan", job, "--workers", "4", "--repeats", "1", "--threads", "1"]) == 0  # no --stages: grid
     out = capsys.readouterr().out
@@ -316,23 +324,24 @@ def test_plan_grid_cli_prints_the_table_and_the_explanation(tmp_path, capsys, mo
     assert "\nbest: D=" in out
 
     assert main(["plan", job, "--workers", "4", "--grid", "--repeats", "1", "--threads", "1", "--json",
-                 "--tensor-parallel-layers", "0,2,4", "--heads", "2", "--top", "3",
+                 "--tensor-parallel-layers", "1,2,3,4", "--top", "3",
                  "--tp-bandwidth-gbps", "50", "--microbatches-per-vn", "1,2"]) == 0
     data = json.loads(capsys.readouterr().out)
     grid = data["grid"]
-    assert grid["tensor_parallel_layers"] == [0, 2, 4] and grid["heads"] == 2 and len(grid["candidates"]) == 3
+    assert grid["tensor_parallel_layers"] == [1, 2, 3, 4] and len(grid["candidates"]) == 3
+    assert grid["heads"] == HEADS and data["heads_source"].startswith("from the attention modules")
     assert grid["tp_link"]["bandwidth_bytes_per_s"] == 50e9
     assert grid["best"] == grid["candidates"][0] and grid["best"]["fits"]
-    assert {c["tensor"] for c in grid["candidates"]} <= {1, 2} and grid["explain"].startswith("best: D=")
+    assert grid["explain"].startswith("best: D=")
 
 
 @pytest.mark.parametrize("args,message", [
     (["--workers", "4", "--grid", "--stages", "2"], "--stages 2 fixes P while --grid chooses it"),
     (["--grid"], "--grid needs --workers W"),
-    (["--workers", "4", "--tensor-parallel-layers", "9"], "names layer 9 but the model has 5 layers"),
+    (["--workers", "4", "--tensor-parallel-layers", "9"], "names layer 9 but the model has 6 layers"),
     (["--workers", "4", "--memory-limit-gib", "-1"], "--memory-limit-gib -1.0 must be positive"),
 ])
-def test_plan_grid_cli_errors_are_one_line(tmp_path, capsys, args, message):
-    assert main(["plan", _write_job(tmp_path), "--repeats", "1", *args]) == 2
+def test_plan_grid_cli_errors_are_one_line(capsys, args, message):
+    assert main(["plan", JOB, "--repeats", "1", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("virtualflow plan: error: ") and message in err[0], err
