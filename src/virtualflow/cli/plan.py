@@ -258,7 +258,7 @@ def tensor_parallel_layers(spec: str, layers: list) -> tuple[list[bool], str]:
     if bad:
         raise ValueError(f"--tensor-parallel-layers {spec!r} names layer {bad[0]} but the model has {n} layers "
                          f"(0..{n - 1}); give indices below {n}, auto, linear or none")
-    return [i in picks for i in range(n)], f"layers {spec} (--tensor-parallel-layers)"
+    return [i in picks for i in range(n)], "given by --tensor-parallel-layers"
 
 
 def detect_heads(layers: list, flags: list[bool]) -> tuple[int, str]:

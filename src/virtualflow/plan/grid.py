@@ -560,12 +560,15 @@ def _first(plan: GridPlan, pred) -> GridCandidate | None:
     return next((c for c in plan.candidates if pred(c)), None)
 
 
-def _versus(label: str, other: GridCandidate | None, best: GridCandidate, limit: float | None) -> str | None:
-    if other is None or other is best:
+def _versus(plan: GridPlan, label: str, other: GridCandidate | None, limit: float | None) -> str | None:
+    best = plan.best
+    if other is None or other is best or best is None:
         return None
     if not other.fits:
-        return (f"{label} {other.describe()}: {_ms(other.step_time_s)} ms but {_mib(other.memory_bytes)} MiB per worker "
-                f"does not fit the limit of {_mib(limit or 0)} MiB")
+        least = min(c.memory_bytes for c in plan.candidates
+                    if (c.data, c.stages, c.tensor) == (other.data, other.stages, other.tensor))
+        return (f"{label} {other.describe()}: {_ms(other.step_time_s)} ms but does not fit: {other.layout} needs at "
+                f"least {_mib(least)} MiB per worker, over the limit of {_mib(limit or 0)} MiB")
     slower = other.step_time_s / best.step_time_s - 1 if best.step_time_s > 0 else math.inf
     return f"{label} {other.describe()}: {_ms(other.step_time_s)} ms, {slower:+.1%}"
 
@@ -607,16 +610,20 @@ def explain(plan: GridPlan) -> str:
     if best.data > 1:
         lines.append(f"D={best.data} all-reduces {_mib(best.data_bytes / (2 * (best.data - 1) / best.data))} MiB of "
                      f"gradients per worker after the flush ({_ms(best.allreduce_s)} ms).")
-    alts = [
-        _versus("vs pure data parallel", _first(plan, lambda c: c.stages == 1 and c.tensor == 1), best, limit),
-        _versus("vs the best without tensor parallelism",
-                _first(plan, lambda c: c.tensor == 1 and c.stages > 1), best, limit) if best.tensor > 1 else None,
-        _versus("vs the best without a pipeline", _first(plan, lambda c: c.stages == 1 and c.tensor > 1), best,
-                limit) if best.stages > 1 else None,
-        _versus("runner-up", _first(plan, lambda c: (c.data, c.stages, c.tensor)
-                                     != (best.data, best.stages, best.tensor)), best, limit),
+    others = [
+        ("vs pure data parallel", _first(plan, lambda c: c.stages == 1 and c.tensor == 1)),
+        ("vs the best without tensor parallelism",
+         _first(plan, lambda c: c.tensor == 1 and c.stages > 1) if best.tensor > 1 else None),
+        ("vs the best without a pipeline",
+         _first(plan, lambda c: c.stages == 1 and c.tensor > 1) if best.stages > 1 else None),
+        ("runner-up", _first(plan, lambda c: (c.data, c.stages, c.tensor) != (best.data, best.stages, best.tensor))),
     ]
-    lines += [a for a in alts if a]
+    shown: list[GridCandidate] = []
+    for label, other in others:
+        text = None if any(other is c for c in shown) else _versus(plan, label, other, limit)
+        if text:
+            lines.append(text)
+            shown.append(other)
     ties = [c for c in plan.candidates[1:] if c.fits and rank_key(c)[1] == rank_key(best)[1]]
     if ties:
         lines.append(f"tied on time with {len(ties)} other layout(s); ties go to less communication, fewer micro-batches "
