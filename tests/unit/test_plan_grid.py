@@ -251,7 +251,8 @@ def test_ties_follow_the_documented_rule():
 @pytest.mark.parametrize("knobs,message", [
     (dict(workers=0), "GridProblem.workers=0 must be a positive integer (W = D x P x T workers); set --workers"),
     (dict(memory_limit_bytes=-1.0), "memory_limit_bytes=-1.0 must be a finite number > 0"),
-    (dict(heads=0), "GridProblem.heads=0 must be a positive integer (attention heads; T must divide them); set --heads"),
+    (dict(heads=0),
+     "GridProblem.heads=0 must be a positive integer (attention heads; T must divide them); set --heads"),
     (dict(heads=-2), "heads=-2"),
     (dict(virtual_nodes=0), "virtual_nodes=0"),
     (dict(tensor_parallel=[True]), "tensor_parallel has 1 entries for 2 layers"),

@@ -323,20 +323,19 @@ def _plan_grid(args: argparse.Namespace, job: Any) -> int:
     chunks = (2,) if args.chunks is None else ((args.chunks,) if args.chunks > 1 else ())
     link = _link(args)
     tp_link = _tp_link(args, link)
+    threads = args.threads
+    if threads is None and str(args.device).startswith("cpu"):
+        threads = max(1, (os.cpu_count() or 1) // args.workers)
+    profile = profile_model(job, repeats=args.repeats, device=args.device, threads=threads,
+                            weight_grad="zb_h1" in schedules)  # first: it reports errors in the job's own code
     with torch.random.fork_rng():
         torch.manual_seed(job.seed)
-        model = job.model()
-    layers = layers_of(model)
+        layers = layers_of(job.model())  # the profile keeps sizes, not modules: look at the blocks here
     flags, tp_source = tensor_parallel_layers(args.tensor_parallel_layers, layers)
     if args.heads is not None:
         heads, heads_source = args.heads, "--heads"
     else:
         heads, heads_source = detect_heads(layers, flags)
-    threads = args.threads
-    if threads is None and str(args.device).startswith("cpu"):
-        threads = max(1, (os.cpu_count() or 1) // args.workers)
-    profile = profile_model(job, repeats=args.repeats, device=args.device, threads=threads,
-                            weight_grad="zb_h1" in schedules)
     problem = GridProblem(
         layers=profile.layers, tensor_parallel=flags, heads=heads, workers=args.workers,
         virtual_nodes=job.virtual_nodes,

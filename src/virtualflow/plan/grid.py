@@ -239,8 +239,8 @@ class GridCandidate:
     def describe(self) -> str:
         sched = "no pipeline" if self.stages == 1 else self.schedule + (
             f" ({self.chunks} chunks)" if self.chunks > 1 else "")
-        return (f"{self.layout} ({sched}, {self.microbatches_per_vn} micro-batch{'es' if self.microbatches_per_vn > 1 else ''}"
-                f" per VN, m={self.micro_batches}, split {','.join(map(str, self.counts))})")
+        per_vn = f"{self.microbatches_per_vn} micro-batch{'es' if self.microbatches_per_vn > 1 else ''} per VN"
+        return f"{self.layout} ({sched}, {per_vn}, m={self.micro_batches}, split {','.join(map(str, self.counts))})"
 
     def as_json(self) -> dict[str, Any]:
         out = {name: getattr(self, name) for name in self.__slots__}
@@ -477,7 +477,8 @@ def best_of_layout(problem: GridProblem, layout: _Layout) -> GridCandidate:
         cand, _ = evaluate(problem, layout, counts, costs, schedule, how)
         if best is None or rank_key(cand) < rank_key(best):
             best = cand
-    assert best is not None
+    if best is None:  # every layout has at least its equal split
+        raise RuntimeError(f"grid: layout {layout} produced no split; this is a bug in the planner")
     return best
 
 
@@ -597,8 +598,8 @@ def explain(plan: GridPlan) -> str:
         coll = sum(split_.tp_comm_s[i] for i in tp_idx)
         lines.append(f"T={t} divides the compute of the {len(tp_idx)} tensor-parallel blocks by {t} ({_ms(before)} -> "
                      f"{_ms(after)} ms per micro-batch over the model) but adds 4 collectives per block "
-                     f"(reduce-scatter, all-gather forward; all-gather, all-reduce backward: {5 * (t - 1)} ring steps per "
-                     f"block, {_ms(coll)} ms per micro-batch in all).")
+                     f"(reduce-scatter, all-gather forward; all-gather, all-reduce backward: {5 * (t - 1)} ring "
+                     f"steps per block, {_ms(coll)} ms per micro-batch in all).")
     elif tp_idx:
         lines.append(f"T=1: splitting the {len(tp_idx)} tensor-parallel blocks would not pay here "
                      f"(collectives or fewer replicas cost more than the compute they divide).")
@@ -626,9 +627,9 @@ def explain(plan: GridPlan) -> str:
             shown.append(other)
     ties = [c for c in plan.candidates[1:] if c.fits and rank_key(c)[1] == rank_key(best)[1]]
     if ties:
-        lines.append(f"tied on time with {len(ties)} other layout(s); ties go to less communication, fewer micro-batches "
-                     f"per VN, less memory, larger D, smaller T, smaller P, the preferred schedule, fewer chunks, "
-                     f"then the smallest leading layer counts.")
+        lines.append(f"tied on time with {len(ties)} other layout(s); ties go to less communication, fewer "
+                     f"micro-batches per VN, less memory, larger D, smaller T, smaller P, the preferred schedule, "
+                     f"fewer chunks, then the smallest leading layer counts.")
     return "\n".join(lines)
 
 
