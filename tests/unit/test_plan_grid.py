@@ -70,10 +70,11 @@ def _brute(pr: GridProblem):
 def _cost(pr, tp_link, D, P, T, v, k, m, counts, schedule):
     per = []  # per layer: (f, b, w, act, params, stash)
     for i, lay in enumerate(pr.layers):
-        tp = pr.tensor_parallel[i] and T > 1
+        pairs = int(pr.tensor_parallel[i])
+        tp = pairs > 0 and T > 1
         div = T if tp else 1
         a = lay.activation_bytes / k
-        ring = (a / T / tp_link.bandwidth_bytes_per_s + tp_link.latency_s) if tp else 0.0
+        ring = pairs * (a / T / tp_link.bandwidth_bytes_per_s + tp_link.latency_s) if tp else 0.0
         wg = 0.5 * lay.backward_s if pr.weight_grad_s is None else pr.weight_grad_s[i]
         per.append((lay.forward_s / k / div + 2 * (T - 1) * ring, lay.backward_s / k / div + 3 * (T - 1) * ring,
                     wg / k / div, a, lay.param_bytes / div, lay.stash_bytes / k / div))
@@ -123,15 +124,19 @@ SCENARIOS = {
     "memory-bound": dict(link=Link(bandwidth_bytes_per_s=5e9, latency_s=2e-5), tp_link=FAST,
                          memory_limit_bytes=60 * MiB),
     "slow tp link, V=2": dict(link=FAST, tp_link=Link(bandwidth_bytes_per_s=1e9, latency_s=5e-4), virtual_nodes=2),
+    "two pairs per block, zb measured": dict(link=Link(bandwidth_bytes_per_s=5e9, latency_s=2e-5),
+                                             tp_link=Link(bandwidth_bytes_per_s=2e10, latency_s=1e-4),
+                                             tensor_parallel=[0, 2, 2, 2, 0],
+                                             weight_grad_s=[1e-3, 2e-3, 3e-3, 4e-3, 1e-3],
+                                             memory_limit_bytes=60 * MiB),
 }
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_the_choice_is_the_brute_force_optimum(name):
     layers = _model()
-    knobs = {"virtual_nodes": 4, **SCENARIOS[name]}
-    pr = GridProblem(layers=layers, tensor_parallel=[False, True, True, True, False], heads=4, workers=4,
-                     microbatches_per_vn=(1, 2), **knobs)
+    knobs = {"virtual_nodes": 4, "tensor_parallel": [False, True, True, True, False], **SCENARIOS[name]}
+    pr = GridProblem(layers=layers, heads=4, workers=4, microbatches_per_vn=(1, 2), **knobs)
     plan = choose_grid(pr)
     every = _brute(pr)
     fitting = {key: t for key, (fits, t) in every.items() if fits}
@@ -217,7 +222,7 @@ def test_high_tp_latency_penalises_t():
     assert low.tp_bytes == pytest.approx(2 * 5 * 0.5 * MiB)  # m=1: 5 (T-1)/T A per block, 2 blocks
     high = choose(5e-3)
     assert (high.stages, high.tensor) == (2, 1)
-    assert "4 collectives per block" in choose_grid(GridProblem(
+    assert "adds 4 collectives to each of their 2 column/row-parallel pairs" in choose_grid(GridProblem(
         layers=layers, tensor_parallel=[True, True], heads=2, workers=2, virtual_nodes=1,
         microbatches_per_vn=(1,), link=FAST, tp_link=FAST)).explain
 
@@ -257,6 +262,7 @@ def test_ties_follow_the_documented_rule():
     (dict(heads=-2), "heads=-2"),
     (dict(virtual_nodes=0), "virtual_nodes=0"),
     (dict(tensor_parallel=[True]), "tensor_parallel has 1 entries for 2 layers"),
+    (dict(tensor_parallel=[0, -1]), "tensor_parallel[1]=-1 must be an integer >= 0"),
     (dict(schedules=("2bw",)), "schedules has '2bw'"),
     (dict(microbatches_per_vn=(0,)), "microbatches_per_vn=0 must be a positive integer"),
     (dict(optimizer_state_factor=0.5), "optimizer_state_factor=0.5 must be a finite number >= 1"),
@@ -337,6 +343,31 @@ def test_plan_grid_cli_prints_the_table_and_the_explanation(capsys, monkeypatch)
     assert grid["tp_link"]["bandwidth_bytes_per_s"] == 50e9
     assert grid["best"] == grid["candidates"][0] and grid["best"]["fits"]
     assert grid["explain"].startswith("best: D=")
+
+
+def test_pairs_and_units_come_from_the_converters_splits(monkeypatch):
+    import types
+    from dataclasses import dataclass
+
+    from virtualflow.cli.plan import tensor_parallel_pairs
+
+    @dataclass
+    class Cut:  # the shape of virtualflow.parallel.convert.Split that the CLI reads
+        dim: int | None
+        units: int = 1
+
+    def tensor_splits(layer, size):
+        if layer == "plain":
+            raise ValueError("not a block")
+        return {"attn.qkv.weight": Cut(0, 4), "attn.out.weight": Cut(1, 4), "attn.out.bias": Cut(None),
+                "mlp.fc1.weight": Cut(0, 6), "mlp.fc2.weight": Cut(1, 6), "ln.weight": Cut(None)}
+
+    fake = types.SimpleNamespace(tensor_splits=tensor_splits)
+    monkeypatch.setitem(sys.modules, "virtualflow.parallel.convert", fake)
+    pairs, units = tensor_parallel_pairs(["emb", "block", "plain", "head"], [False, True, True, False])
+    assert pairs == [0, 2, 1, 0] and units == 2  # a transformer layer: attention + MLP; gcd(4 heads, 6 features)
+    monkeypatch.setitem(sys.modules, "virtualflow.parallel.convert", None)
+    assert tensor_parallel_pairs(["a", "b"], [True, False]) == ([1, 0], None)
 
 
 @pytest.mark.parametrize("args,message", [

@@ -261,6 +261,31 @@ def tensor_parallel_layers(spec: str, layers: list) -> tuple[list[bool], str]:
     return [i in picks for i in range(n)], "given by --tensor-parallel-layers"
 
 
+def tensor_parallel_pairs(layers: list, flags: list[bool]) -> tuple[list[int], int | None]:
+    """Per layer, its column/row-parallel pairs (0 for a replicated layer), and the gcd of the
+    units its shards are cut in (heads, MLP features; ``None`` when unknown), from
+    ``virtualflow.parallel.convert.tensor_splits``: a pair is a row-parallel weight (cut along its
+    input dimension). Without that function, or for a layer it does not recognise, a flagged
+    layer counts as one pair."""
+    pairs = [1 if tp else 0 for tp in flags]
+    try:
+        from virtualflow.parallel.convert import tensor_splits
+    except ImportError:
+        return pairs, None
+    units: list[int] = []
+    for i, (layer, tp) in enumerate(zip(layers, flags)):
+        if not tp:
+            continue
+        try:
+            splits = tensor_splits(layer, 1)
+        except (ValueError, TypeError):  # not a block the converter knows (e.g. --tensor-parallel-layers linear)
+            continue
+        rows = sum(1 for key, sp in splits.items() if key.endswith("weight") and sp.dim == 1)
+        pairs[i] = max(rows, 1)
+        units += [sp.units for sp in splits.values() if sp.dim is not None]
+    return pairs, (math.gcd(*units) if units else None)
+
+
 def detect_heads(layers: list, flags: list[bool]) -> tuple[int, str]:
     """Attention heads of the tensor-parallel layers (their gcd): ``heads``/``num_heads`` of the
     attention modules, else the gcd of the first ``nn.Linear``'s output width of each (the
@@ -332,12 +357,15 @@ def _plan_grid(args: argparse.Namespace, job: Any) -> int:
         torch.manual_seed(job.seed)
         layers = layers_of(job.model())  # the profile keeps sizes, not modules: look at the blocks here
     flags, tp_source = tensor_parallel_layers(args.tensor_parallel_layers, layers)
+    pairs, units = tensor_parallel_pairs(layers, flags)
     if args.heads is not None:
         heads, heads_source = args.heads, "--heads"
+    elif units is not None:
+        heads, heads_source = units, "the gcd of the units (heads, MLP features) virtualflow.parallel.convert cuts"
     else:
         heads, heads_source = detect_heads(layers, flags)
     problem = GridProblem(
-        layers=profile.layers, tensor_parallel=flags, heads=heads, workers=args.workers,
+        layers=profile.layers, tensor_parallel=pairs, heads=heads, workers=args.workers,
         virtual_nodes=job.virtual_nodes,
         memory_limit_bytes=None if args.memory_limit_gib is None else args.memory_limit_gib * 2**30,
         optimizer_state_factor=profile.optimizer_state_factor, link=link, tp_link=tp_link,
@@ -362,7 +390,8 @@ def _plan_grid(args: argparse.Namespace, job: Any) -> int:
         f"{job.virtual_nodes} virtual nodes x {profile.micro_batch_size}; profiled on {profile.device} in "
         f"{profile.elapsed_s:.2f} s (median of {profile.repeats})",
         f"grid search: W={args.workers} workers = D x P x T; {len(plan.candidates)} layouts (each with its best split)",
-        f"tensor-parallel layers: {', '.join(map(str, tp_layers)) if tp_layers else 'none'} ({tp_source})",
+        f"tensor-parallel layers: {', '.join(map(str, tp_layers)) if tp_layers else 'none'} ({tp_source}); "
+        f"{sum(pairs)} column/row-parallel pairs",
         f"heads: {heads} ({heads_source}); T must divide them",
         f"links: between stages and replicas {_describe_link(link)}; inside a tensor-parallel group "
         f"{_describe_link(tp_link)}; optimizer-state factor {profile.optimizer_state_factor:.2f}; reduction "

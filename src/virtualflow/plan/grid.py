@@ -4,7 +4,8 @@ processes: the same inputs give the same ranking.
 
 Inputs (:class:`GridProblem`): per-layer costs at ``T = 1`` on one virtual node's batch
 (:class:`~virtualflow.plan.pipeline.partition.LayerProfile`: forward and backward seconds,
-parameter bytes, output activation bytes, stashed bytes), which layers are tensor-parallel blocks,
+parameter bytes, output activation bytes, stashed bytes), which layers are tensor-parallel blocks
+(and how many Megatron column-then-row-parallel pairs each holds: an attention or MLP sub-layer is one),
 the attention heads, the workers, the job's virtual nodes (VNs), a per-worker memory limit, the
 optimizer-state factor and two links: ``tp_link`` inside a tensor-parallel group and ``link``
 between stages and between replicas.
@@ -13,17 +14,18 @@ Cost model, per candidate (``D``, ``P``, ``T``, schedule, chunks ``v``, micro-ba
 split). Every replica runs ``ceil(V / D)`` VNs, each cut into ``k`` micro-batches: ``m = k *
 ceil(V / D)`` micro-batches per step; a micro-batch costs ``1 / k`` of a VN (compute and bytes
 scale linearly). For layer ``i``, with ``A_i`` its output activation bytes per micro-batch and
-``d_i = T`` for a tensor-parallel block (``1`` for a replicated layer):
+``d_i = T`` for a tensor-parallel block (``1`` for a replicated layer) and ``c_i`` its pairs:
 
-- forward ``f_i = forward_s / (k d_i) + [block] 2 (T-1) (A_i / (T B_tp) + alpha_tp)``: compute
-  divided by ``T``, then a reduce-scatter and an all-gather along tokens, each a ring of ``T-1``
-  steps that send ``A_i / T`` bytes;
-- backward ``b_i = backward_s / (k d_i) + [block] 3 (T-1) (A_i / (T B_tp) + alpha_tp)``: an
+- forward ``f_i = forward_s / (k d_i) + c_i 2 (T-1) (A_i / (T B_tp) + alpha_tp)``: compute
+  divided by ``T``, then per pair a reduce-scatter and an all-gather along tokens, each a ring of
+  ``T-1`` steps that send ``A_i / T`` bytes;
+- backward ``b_i = backward_s / (k d_i) + c_i 3 (T-1) (A_i / (T B_tp) + alpha_tp)``: per pair an
   all-gather and an all-reduce (``2 (T-1)`` ring steps) of the input gradient; the zero-bubble
   schedule's weight part ``w_i`` is ``weight_grad_s / (k d_i)`` (half the backward when not
   measured), the collectives belong to the input-gradient part;
 - memory: parameters ``param_bytes / d_i``, stash ``stash_bytes / (k d_i)`` (the activations of a
-  block are sharded along tokens or heads).
+  block are sharded along tokens or heads; its norms and row-parallel biases, which stay whole,
+  are counted as sharded too).
 
 A piece of layers ``[a, b)`` (a pipeline stage's model chunk) takes ``F = sum f + hop`` and ``B =
 sum b + hop``, ``hop = A_{b-1} / B_link + alpha_link`` for every piece but the last (its output
@@ -38,7 +40,7 @@ the simulated schedule's idle share, averaged over stage ranks; **memory per wor
 over stage ranks of ``factor * sum G`` (``factor`` = ``optimizer_state_factor``; with
 ``reduction="sharded"`` the optimizer's part beyond weights and gradients is divided by ``D``) plus
 the peak of the stash the schedule holds (walked over the rank's actions); **bytes per step per
-worker** (sent, the most over stage ranks): tensor-parallel ``m * 5 (T-1)/T * A_i`` per block,
+worker** (sent, the most over stage ranks): tensor-parallel ``m * 5 (T-1)/T * A_i`` per pair,
 pipeline hops ``m * A`` per boundary the worker sends across, data ``2 (D-1)/D * G_r``.
 
 Not modelled: overlap of communication with compute (collectives, hops and the all-reduce all
@@ -99,9 +101,11 @@ class GridProblem:
 
     layers: tuple[LayerProfile, ...]
     """Per layer, costs per VN micro-batch at ``T = 1`` (from the profiler)."""
-    tensor_parallel: tuple[bool, ...]
-    """Per layer: True for a tensor-parallel block (Megatron column then row parallel: compute,
-    weights and stash divide by ``T``); False for a replicated layer."""
+    tensor_parallel: tuple[int, ...]
+    """Per layer: how many Megatron column-then-row-parallel pairs it holds (an attention or an MLP
+    sub-layer is one; a transformer layer with both is two), 0 for a replicated layer. A layer
+    with pairs divides its compute, weights and stash by ``T``; each pair adds 4 collectives per
+    micro-batch. ``True``/``False`` read as 1/0."""
     heads: int
     """Attention heads (or the column-parallel width unit): ``T`` must divide it."""
     workers: int
@@ -134,7 +138,8 @@ class GridProblem:
     def __post_init__(self) -> None:
         owner = "GridProblem"
         object.__setattr__(self, "layers", tuple(self.layers))
-        object.__setattr__(self, "tensor_parallel", tuple(bool(x) for x in self.tensor_parallel))
+        object.__setattr__(self, "tensor_parallel", tuple(int(x) if isinstance(x, bool) else x
+                                                          for x in self.tensor_parallel))
         for name in ("microbatches_per_vn", "schedules", "chunks"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.weight_grad_s is not None:
@@ -147,6 +152,10 @@ class GridProblem:
         if len(self.tensor_parallel) != len(self.layers):
             raise ValueError(f"{owner}.tensor_parallel has {len(self.tensor_parallel)} entries for "
                              f"{len(self.layers)} layers; give one per layer (--tensor-parallel-layers)")
+        for i, pairs in enumerate(self.tensor_parallel):
+            if not isinstance(pairs, int) or pairs < 0:
+                raise ValueError(f"{owner}.tensor_parallel[{i}]={pairs!r} must be an integer >= 0 (column/row-parallel "
+                                 f"pairs in layer {i}; 0: replicated); fix --tensor-parallel-layers")
         _positive_int(owner, "workers", self.workers, "W = D x P x T workers", "--workers")
         _positive_int(owner, "heads", self.heads, "attention heads; T must divide them", "--heads")
         _positive_int(owner, "virtual_nodes", self.virtual_nodes, "the job's virtual nodes per step",
@@ -288,19 +297,20 @@ def layer_costs(problem: GridProblem, tensor: int, k: int) -> LayerCosts:
     f, b, w, act, params, stash, tpb, tps = [], [], [], [], [], [], [], []
     link = problem.tensor_link
     for i, layer in enumerate(problem.layers):
-        tp = problem.tensor_parallel[i] and tensor > 1
+        pairs = problem.tensor_parallel[i]
+        tp = pairs > 0 and tensor > 1
         d = tensor if tp else 1
         a = layer.activation_bytes / k
         step = ring_step_s(a / tensor, link) if tp else 0.0
         wg = problem.weight_grad_s[i] if problem.weight_grad_s is not None else 0.5 * layer.backward_s
-        f.append(layer.forward_s / (k * d) + 2 * (tensor - 1) * step)
-        b.append(layer.backward_s / (k * d) + 3 * (tensor - 1) * step)
+        f.append(layer.forward_s / (k * d) + pairs * 2 * (tensor - 1) * step)
+        b.append(layer.backward_s / (k * d) + pairs * 3 * (tensor - 1) * step)
         w.append(wg / (k * d))
         act.append(a)
         params.append(layer.param_bytes / d)
         stash.append(layer.stash_bytes / (k * d))
-        tpb.append(5 * (tensor - 1) / tensor * a if tp else 0.0)
-        tps.append(5 * (tensor - 1) * step)
+        tpb.append(pairs * 5 * (tensor - 1) / tensor * a if tp else 0.0)
+        tps.append(pairs * 5 * (tensor - 1) * step)
     return LayerCosts(*(tuple(x) for x in (f, b, w, act, params, stash, tpb, tps)))
 
 
@@ -500,6 +510,7 @@ class GridPlan:
         return {"workers": self.problem.workers, "heads": self.problem.heads,
                 "virtual_nodes": self.problem.virtual_nodes, "memory_limit_bytes": lim,
                 "tensor_parallel_layers": [i for i, x in enumerate(self.problem.tensor_parallel) if x],
+                "tensor_parallel_pairs": list(self.problem.tensor_parallel),
                 "link": _link_json(self.problem.link), "tp_link": _link_json(self.problem.tensor_link),
                 "reduction": self.problem.reduction, "layouts_considered": len(self.candidates),
                 "best": None if self.best is None else self.best.as_json(),
@@ -589,6 +600,7 @@ def explain(plan: GridPlan) -> str:
              + ("" if limit is None else f" (limit {_mib(limit)} MiB)") + "."]
     k = best.microbatches_per_vn
     tp_idx = [i for i, x in enumerate(problem.tensor_parallel) if x]
+    pairs = sum(problem.tensor_parallel)
     if best.tensor > 1:
         t = best.tensor
         whole = layer_costs(problem, 1, k)
@@ -597,9 +609,10 @@ def explain(plan: GridPlan) -> str:
         after = sum(problem.layers[i].forward_s + problem.layers[i].backward_s for i in tp_idx) / (k * t)
         coll = sum(split_.tp_comm_s[i] for i in tp_idx)
         lines.append(f"T={t} divides the compute of the {len(tp_idx)} tensor-parallel blocks by {t} ({_ms(before)} -> "
-                     f"{_ms(after)} ms per micro-batch over the model) but adds 4 collectives per block "
+                     f"{_ms(after)} ms per micro-batch over the model) but adds 4 collectives to each of their {pairs} "
+                     f"column/row-parallel pairs "
                      f"(reduce-scatter, all-gather forward; all-gather, all-reduce backward: {5 * (t - 1)} ring "
-                     f"steps per block, {_ms(coll)} ms per micro-batch in all).")
+                     f"steps per pair, {_ms(coll)} ms per micro-batch in all).")
     elif tp_idx:
         lines.append(f"T=1: splitting the {len(tp_idx)} tensor-parallel blocks would not pay here "
                      f"(collectives or fewer replicas cost more than the compute they divide).")
