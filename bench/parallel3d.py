@@ -67,7 +67,7 @@ SCENARIOS = (
 )
 
 
-def emulated_layers(sc: Scenario) -> tuple[list[LayerProfile], list[bool]]:
+def emulated_layers(sc: Scenario) -> tuple[list[LayerProfile], list[int]]:
     """Per-layer costs of one VN micro-batch at T = 1 (see the module docstring)."""
     b, s, h = sc.vn_batch, sc.seq, sc.hidden
     act = b * s * h * BYTES
@@ -81,7 +81,7 @@ def emulated_layers(sc: Scenario) -> tuple[list[LayerProfile], list[bool]]:
     head_f = 2 * b * s * h * sc.vocab / sc.flops_per_s
     head = LayerProfile(forward_s=head_f, backward_s=2 * head_f, activation_bytes=b * s * sc.vocab * BYTES,
                         param_bytes=sc.vocab * h * BYTES, stash_bytes=act + b * s * sc.vocab * BYTES, name="head")
-    return [emb, *blocks, head], [False] + [True] * sc.layers + [False]
+    return [emb, *blocks, head], [0] + [2] * sc.layers + [0]  # a block: attention + MLP, two column/row pairs
 
 
 def problem_of(sc: Scenario, quick: bool) -> GridProblem:
