@@ -140,8 +140,8 @@ class GridProblem:
         object.__setattr__(self, "layers", tuple(self.layers))
         object.__setattr__(self, "tensor_parallel", tuple(int(x) if isinstance(x, bool) else x
                                                           for x in self.tensor_parallel))
-        for name in ("microbatches_per_vn", "schedules", "chunks"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
+        for name in ("microbatches_per_vn", "schedules", "chunks"):  # each value once, in the order given
+            object.__setattr__(self, name, tuple(dict.fromkeys(getattr(self, name))))
         if self.weight_grad_s is not None:
             object.__setattr__(self, "weight_grad_s", tuple(self.weight_grad_s))
         if not self.layers:
