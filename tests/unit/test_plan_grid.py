@@ -335,7 +335,7 @@ def test_plan_grid_cli_prints_the_table_and_the_explanation(capsys, monkeypatch)
 
     assert main(["plan", job, "--workers", "4", "--grid", "--repeats", "1", "--threads", "1", "--json",
                  "--tensor-parallel-layers", "1,2,3,4", "--top", "3",
-                 "--tp-bandwidth-gbps", "50", "--microbatches-per-vn", "1,2"]) == 0
+                 "--tp-bandwidth-gbps", "50", "--microbatches-per-vn", "1,2", "--schedule", "1f1b"]) == 0
     data = json.loads(capsys.readouterr().out)
     grid = data["grid"]
     assert grid["tensor_parallel_layers"] == [1, 2, 3, 4] and len(grid["candidates"]) == 3
@@ -343,6 +343,7 @@ def test_plan_grid_cli_prints_the_table_and_the_explanation(capsys, monkeypatch)
     assert grid["tp_link"]["bandwidth_bytes_per_s"] == 50e9
     assert grid["best"] == grid["candidates"][0] and grid["best"]["fits"]
     assert grid["explain"].startswith("best: D=")
+    assert {c["schedule"] for c in grid["candidates"]} <= {"1f1b"}  # --schedule restricts the search
 
 
 def test_pairs_and_units_come_from_the_converters_splits(monkeypatch):
