@@ -10,6 +10,14 @@ JSON object.
 Flags override the job's ``Job.pipeline`` (a job without one needs ``--stages``); ``--split``
 defaults to the job's split, or ``auto`` for a job without a pipeline. Bad input raises
 ``ValueError`` (the CLI prints one line, exit status 2).
+
+``--grid`` (or ``--workers W`` without ``--stages`` for a job without a pipeline) chooses the 3-D
+grid instead: ``W = D replicas x P stages x T tensor-parallel workers``, the schedule, the chunks,
+the micro-batches per VN and the split, by :func:`virtualflow.plan.grid.choose_grid` on the same
+profile, and prints the top candidates and why the best wins (exit status 1 when none fits the
+memory limit). Tensor-parallel layers come from
+``virtualflow.parallel.convert.tensor_parallel_candidates`` (``--tensor-parallel-layers auto``),
+every layer holding an ``nn.Linear`` (``linear``), none, or given indices.
 """
 
 from __future__ import annotations
@@ -50,6 +58,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int,
                    help="torch threads while profiling on CPU (default: cores / workers, as the local backend)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    g = p.add_argument_group("grid planning (--grid: choose D x P x T for --workers)")
+    g.add_argument("--grid", action="store_true",
+                   help="choose the data x pipeline x tensor grid for --workers (the default when --workers is given "
+                        "without --stages and the job has no pipeline)")
+    g.add_argument("--heads", type=int, help="attention heads: T must divide them (default: read from the model's "
+                   "attention modules, else the column-parallel width of its tensor-parallel layers)")
+    g.add_argument("--tensor-parallel-layers", default="auto",
+                   help="which layers are tensor-parallel blocks: auto (virtualflow.parallel.convert), linear (every "
+                        "layer holding an nn.Linear), none, or layer indices such as 1,2,3 (default auto)")
+    g.add_argument("--tp-bandwidth-gbps", type=float, help="link inside a tensor-parallel group, GB/s "
+                   "(default: --bandwidth-gbps)")
+    g.add_argument("--tp-latency-us", type=float, help="its latency per message, microseconds (default: --latency-us)")
+    g.add_argument("--microbatches-per-vn", default="1,2,4",
+                   help="micro-batches a virtual node may be cut into, tried in turn (default 1,2,4)")
+    g.add_argument("--reduction", choices=("allreduce", "sharded"), default="allreduce",
+                   help="data-parallel gradient reduction: ring all-reduce, or sharded (reduce-scatter + all-gather, "
+                        "optimizer state divided across replicas)")
+    g.add_argument("--top", type=int, default=5, help="candidates printed (default 5)")
     p.set_defaults(func=main)
 
 
@@ -112,6 +138,8 @@ def _plan(args: argparse.Namespace) -> int:
     if args.memory_limit_gib is not None and not args.memory_limit_gib > 0:
         raise ValueError(f"--memory-limit-gib {args.memory_limit_gib} must be positive")
     job = build_job(args.job, args.job)
+    if getattr(args, "grid", False) or (args.workers is not None and args.stages is None and job.pipeline is None):
+        return _plan_grid(args, job)
     pipeline = pipeline_from_args(job.pipeline, args)
     if job.output_loss is None:
         raise ValueError("a pipelined job needs Job.output_loss=(outputs, batch) -> scalar; the job gives only Job.loss")
@@ -187,3 +215,189 @@ def _summary(label: str, pipeline: Pipeline, pred: dict) -> str:
         text += f" (analytic {formula} = {pred['analytic_bubble']:.1%} with equal stage times)"
     return text
 
+
+
+# ---- grid planning (--grid) ------------------------------------------------------------------------
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        values = ()
+    if not values or any(v < 0 for v in values):
+        raise ValueError(f"{flag} {text!r} must be comma-separated non-negative integers such as 1,2,4")
+    return values
+
+
+def tensor_parallel_layers(spec: str, layers: list) -> tuple[list[bool], str]:
+    """Which layers are tensor-parallel blocks under ``--tensor-parallel-layers spec``, and where
+    that came from (a line for the output)."""
+    from torch import nn
+
+    n = len(layers)
+    if spec == "none":
+        return [False] * n, "none (--tensor-parallel-layers none)"
+    if spec == "linear":
+        flags = [any(isinstance(m, nn.Linear) for m in layer.modules()) for layer in layers]
+        return flags, "every layer holding an nn.Linear (--tensor-parallel-layers linear)"
+    if spec == "auto":
+        try:
+            from virtualflow.parallel.convert import tensor_parallel_candidates
+        except ImportError:
+            return [False] * n, ("none: virtualflow.parallel.convert.tensor_parallel_candidates is not available, so "
+                                 "no layer is counted as tensor-parallel (T=1 only; --tensor-parallel-layers linear or "
+                                 "indices to say which)")
+        flags = [bool(x) for x in tensor_parallel_candidates(layers)]
+        if len(flags) != n:
+            raise ValueError(f"tensor_parallel_candidates gave {len(flags)} flags for {n} layers; it must give one "
+                             f"per layer (or use --tensor-parallel-layers linear or indices)")
+        return flags, "virtualflow.parallel.convert.tensor_parallel_candidates (--tensor-parallel-layers auto)"
+    picks = _ints(spec, "--tensor-parallel-layers")
+    bad = [i for i in picks if i >= n]
+    if bad:
+        raise ValueError(f"--tensor-parallel-layers {spec!r} names layer {bad[0]} but the model has {n} layers "
+                         f"(0..{n - 1}); give indices below {n}, auto, linear or none")
+    return [i in picks for i in range(n)], "given by --tensor-parallel-layers"
+
+
+def tensor_parallel_pairs(layers: list, flags: list[bool]) -> tuple[list[int], int | None]:
+    """Per layer, its column/row-parallel pairs (0 for a replicated layer), and the gcd of the
+    units its shards are cut in (heads, MLP features; ``None`` when unknown), from
+    ``virtualflow.parallel.convert.tensor_splits``: a pair is a row-parallel weight (cut along its
+    input dimension). Without that function, or for a layer it does not recognise, a flagged
+    layer counts as one pair."""
+    pairs = [1 if tp else 0 for tp in flags]
+    try:
+        from virtualflow.parallel.convert import tensor_splits
+    except ImportError:
+        return pairs, None
+    units: list[int] = []
+    for i, (layer, tp) in enumerate(zip(layers, flags)):
+        if not tp:
+            continue
+        try:
+            splits = tensor_splits(layer, 1)
+        except (ValueError, TypeError):  # not a block the converter knows (e.g. --tensor-parallel-layers linear)
+            continue
+        rows = sum(1 for key, sp in splits.items() if key.endswith("weight") and sp.dim == 1)
+        pairs[i] = max(rows, 1)
+        units += [sp.units for sp in splits.values() if sp.dim is not None]
+    return pairs, (math.gcd(*units) if units else None)
+
+
+def detect_heads(layers: list, flags: list[bool]) -> tuple[int, str]:
+    """Attention heads of the tensor-parallel layers (their gcd): ``heads``/``num_heads`` of the
+    attention modules, else the gcd of the first ``nn.Linear``'s output width of each (the
+    column-parallel split unit); 1 when no layer is tensor-parallel."""
+    from torch import nn
+
+    heads = [int(getattr(m, attr)) for layer, tp in zip(layers, flags) if tp for m in layer.modules()
+             for attr in ("heads", "num_heads") if isinstance(getattr(m, attr, None), int)]
+    if heads:
+        return math.gcd(*heads), "from the attention modules of the tensor-parallel layers"
+    widths = [next((m.out_features for m in layer.modules() if isinstance(m, nn.Linear)), 0)
+              for layer, tp in zip(layers, flags) if tp]
+    widths = [w for w in widths if w > 0]
+    if widths:
+        return math.gcd(*widths), "no attention heads found: the column-parallel width of the tensor-parallel layers"
+    return 1, "no tensor-parallel layer"
+
+
+def _tp_link(args: argparse.Namespace, link):
+    from virtualflow.plan.pipeline.partition import Link
+
+    if args.tp_bandwidth_gbps is None and args.tp_latency_us is None:
+        return link
+    bw = link.bandwidth_bytes_per_s if args.tp_bandwidth_gbps is None else args.tp_bandwidth_gbps * 1e9
+    lat = link.latency_s if args.tp_latency_us is None else args.tp_latency_us * 1e-6
+    if not (bw > 0):
+        raise ValueError(f"--tp-bandwidth-gbps {args.tp_bandwidth_gbps} must be positive")
+    if not (lat >= 0):
+        raise ValueError(f"--tp-latency-us {args.tp_latency_us} must be >= 0")
+    return Link(bandwidth_bytes_per_s=bw, latency_s=lat)
+
+
+def _describe_link(link) -> str:
+    return f"{link.bandwidth_bytes_per_s / 1e9:g} GB/s + {link.latency_s * 1e6:g} us"
+
+
+def _plan_grid(args: argparse.Namespace, job: Any) -> int:
+    """``virtualflow plan --grid``: profile the layers, then :func:`virtualflow.plan.grid.choose_grid`."""
+    import torch
+
+    from virtualflow.plan.grid import GRID_SCHEDULES, GridProblem, choose_grid
+    from virtualflow.plan.pipeline.geometry import layers_of
+    from virtualflow.runtime.profile import profile_model
+
+    if args.stages is not None:
+        raise ValueError(f"--stages {args.stages} fixes P while --grid chooses it; give one of them")
+    if args.split is not None:
+        raise ValueError(f"--split {args.split!r} applies to a fixed pipeline; --grid searches the splits (drop it)")
+    if args.workers is None:
+        raise ValueError("--grid needs --workers W: the workers the grid D x P x T must fill")
+    if args.top < 1:
+        raise ValueError(f"--top {args.top} must be a positive integer")
+    if args.heads is not None and args.heads < 1:
+        raise ValueError(f"--heads {args.heads} must be a positive integer (T must divide it)")
+    if job.output_loss is None:
+        raise ValueError("grid planning profiles the model layer by layer and needs Job.output_loss=(outputs, "
+                         "batch) -> scalar; the job gives only Job.loss")
+    ks = _ints(args.microbatches_per_vn, "--microbatches-per-vn")
+    schedules = (args.schedule,) if args.schedule is not None else GRID_SCHEDULES
+    chunks = (2,) if args.chunks is None else ((args.chunks,) if args.chunks > 1 else ())
+    link = _link(args)
+    tp_link = _tp_link(args, link)
+    threads = args.threads
+    if threads is None and str(args.device).startswith("cpu"):
+        threads = max(1, (os.cpu_count() or 1) // args.workers)
+    profile = profile_model(job, repeats=args.repeats, device=args.device, threads=threads,
+                            weight_grad="zb_h1" in schedules)  # first: it reports errors in the job's own code
+    with torch.random.fork_rng():
+        torch.manual_seed(job.seed)
+        layers = layers_of(job.model())  # the profile keeps sizes, not modules: look at the blocks here
+    flags, tp_source = tensor_parallel_layers(args.tensor_parallel_layers, layers)
+    pairs, units = tensor_parallel_pairs(layers, flags)
+    if args.heads is not None:
+        heads, heads_source = args.heads, "--heads"
+    elif units is not None:
+        heads, heads_source = units, "the gcd of the units (heads, MLP features) virtualflow.parallel.convert cuts"
+    else:
+        heads, heads_source = detect_heads(layers, flags)
+    problem = GridProblem(
+        layers=profile.layers, tensor_parallel=pairs, heads=heads, workers=args.workers,
+        virtual_nodes=job.virtual_nodes,
+        memory_limit_bytes=None if args.memory_limit_gib is None else args.memory_limit_gib * 2**30,
+        optimizer_state_factor=profile.optimizer_state_factor, link=link, tp_link=tp_link,
+        weight_grad_s=profile.weight_grad_s, vn_batch=profile.micro_batch_size, microbatches_per_vn=ks,
+        schedules=schedules, chunks=chunks, reduction=args.reduction,
+    )
+    plan = choose_grid(problem)
+    tp_layers = [i for i, x in enumerate(flags) if x]
+    if args.json:
+        print(json.dumps({
+            "job": args.job, "name": job.name,
+            "profile": {"device": profile.device, "repeats": profile.repeats, "elapsed_s": profile.elapsed_s,
+                        "micro_batch_size": profile.micro_batch_size,
+                        "optimizer_state_factor": profile.optimizer_state_factor,
+                        "layers": [dataclasses.asdict(layer) for layer in profile.layers]},
+            "tensor_parallel_source": tp_source, "heads_source": heads_source,
+            "grid": plan.as_json(top=args.top),
+        }, indent=2))
+        return 0 if plan.best is not None else 1
+    lines = [
+        f"job {job.name!r} ({args.job}): {len(profile.layers)} layers; global batch {job.global_batch_size} = "
+        f"{job.virtual_nodes} virtual nodes x {profile.micro_batch_size}; profiled on {profile.device} in "
+        f"{profile.elapsed_s:.2f} s (median of {profile.repeats})",
+        f"grid search: W={args.workers} workers = D x P x T; {len(plan.candidates)} layouts (each with its best split)",
+        f"tensor-parallel layers: {', '.join(map(str, tp_layers)) if tp_layers else 'none'} ({tp_source}); "
+        f"{sum(pairs)} column/row-parallel pairs",
+        f"heads: {heads} ({heads_source}); T must divide them",
+        f"links: between stages and replicas {_describe_link(link)}; inside a tensor-parallel group "
+        f"{_describe_link(tp_link)}; optimizer-state factor {profile.optimizer_state_factor:.2f}; reduction "
+        f"{args.reduction}",
+        plan.table(args.top),
+        plan.explain,
+    ]
+    print("\n".join(lines))
+    return 0 if plan.best is not None else 1
