@@ -323,11 +323,9 @@ def make_grid_job():
 
 def test_plan_grid_cli_prints_the_table_and_the_explanation(capsys, monkeypatch):
     job = JOB
-    monkeypatch.setitem(sys.modules, "virtualflow.parallel.convert", None)  # as if H2's module were absent
     assert main(["plan", job, "--workers", "4", "--repeats", "1", "--threads", "1"]) == 0  # no --stages: grid
     out = capsys.readouterr().out
-    assert "tensor-parallel layers: none (none: virtualflow.parallel.convert.tensor_parallel_candidates is not " \
-           "available" in out
+    assert "tensor-parallel layers: 1, 2, 3, 4" in out
     header = r"#\s+D\s+P\s+T\s+schedule\s+chunks\s+mb/VN\s+m\s+split\s+step ms\s+bubble %\s+MiB/worker\s+TP MiB\s+" \
              r"hop MiB\s+data MiB\s+fits"
     assert re.search(header, out), out  # column widths follow the rows
@@ -339,7 +337,7 @@ def test_plan_grid_cli_prints_the_table_and_the_explanation(capsys, monkeypatch)
     data = json.loads(capsys.readouterr().out)
     grid = data["grid"]
     assert grid["tensor_parallel_layers"] == [1, 2, 3, 4] and len(grid["candidates"]) == 3
-    assert grid["heads"] == HEADS and data["heads_source"].startswith("from the attention modules")
+    assert grid["heads"] == HEADS and data["heads_source"].startswith("the gcd of the units")
     assert grid["tp_link"]["bandwidth_bytes_per_s"] == 50e9
     assert grid["best"] == grid["candidates"][0] and grid["best"]["fits"]
     assert grid["explain"].startswith("best: D=")

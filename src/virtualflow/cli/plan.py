@@ -70,8 +70,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--tp-bandwidth-gbps", type=float, help="link inside a tensor-parallel group, GB/s "
                    "(default: --bandwidth-gbps)")
     g.add_argument("--tp-latency-us", type=float, help="its latency per message, microseconds (default: --latency-us)")
-    g.add_argument("--microbatches-per-vn", default="1,2,4",
-                   help="micro-batches a virtual node may be cut into, tried in turn (default 1,2,4)")
+    g.add_argument("--microbatches-per-vn", default="1",
+                   help="micro-batches a virtual node may be cut into, tried in turn (default 1: the pipeline engine "
+                        "runs one micro-batch per VN; larger values are a what-if, e.g. 1,2,4)")
     g.add_argument("--reduction", choices=("allreduce", "sharded"), default="allreduce",
                    help="data-parallel gradient reduction: ring all-reduce, or sharded (reduce-scatter + all-gather, "
                         "optimizer state divided across replicas)")

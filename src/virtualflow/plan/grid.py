@@ -124,8 +124,9 @@ class GridProblem:
     """Per layer: the weight-gradient part of ``backward_s`` (zero-bubble); ``None``: half."""
     vn_batch: int | None = None
     """Samples per VN; when given, micro-batches per VN must divide it."""
-    microbatches_per_vn: tuple[int, ...] = (1, 2, 4)
-    """``k`` values tried: a VN cut into ``k`` micro-batches."""
+    microbatches_per_vn: tuple[int, ...] = (1,)
+    """``k`` values tried: a VN cut into ``k`` micro-batches. The pipeline engine runs one
+    micro-batch per VN (``k = 1``, the default); larger values are what-ifs of the cost model."""
     schedules: tuple[str, ...] = GRID_SCHEDULES
     """Schedules tried for ``P > 1``."""
     chunks: tuple[int, ...] = (2,)
