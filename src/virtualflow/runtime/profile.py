@@ -286,7 +286,7 @@ def _optimizer_state_factor(job: Job, model: nn.Module) -> float:
     pbytes = sum(_nbytes(p) for p in trainable)
     if not pbytes:
         return 1.0
-    optimizer = _user("Job.optimizer", job.optimizer, model.parameters())
+    optimizer = _user("Job.optimizer", job.build_optimizer, model)  # a factory of parameters or of the model
     for p in trainable:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
