@@ -26,7 +26,6 @@ the generator rule across real processes is checked in tests/e2e/test_tensor_par
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import pytest
@@ -385,15 +384,10 @@ def test_the_seed_is_one_draw_from_the_default_generator_and_checkpoint_recomput
     y_seed, gx_seed, grads_seed = run_layer(layer, x, g, dropout_seed=seed)
     assert torch.equal(y, y_seed) and torch.equal(gx, gx_seed)
 
-    def checkpointed(v):
-        return torch.utils.checkpoint.checkpoint(layer, v, use_reentrant=False)
-
-    wrapper = nn.Module()
-    wrapper.forward = checkpointed  # run_layer calls layer(x)
     torch.manual_seed(7)
     layer.zero_grad(set_to_none=True)
     xc = x.clone().requires_grad_()
-    yc = checkpointed(xc)
+    yc = torch.utils.checkpoint.checkpoint(layer, xc, use_reentrant=False)
     (yc * g).sum().backward()
     assert torch.equal(yc.detach(), y) and torch.equal(xc.grad, gx)  # the recompute drew the same seed
     for n, p in layer.named_parameters():
@@ -466,7 +460,7 @@ def test_hugging_face_gpt2_block():
 def test_hugging_face_gpt2_block_float32_and_dropout(capsys):
     block = _gpt2_block(torch.float32)
     x, g = inputs(torch.float32)
-    worst = max(compare_tp(block, t, x, g, F32) for t in (2, 4))
+    worst = max(compare_tp(block, t, x, g, F32, chunks=c) for t in (2, 4) for c in (1, 2))
     with capsys.disabled():
         print(f"\nHF GPT2Block, float32, t = 2 and 4: max |diff| {worst:.3g}")
     block = _gpt2_block(torch.float64, dropout=0.2)
