@@ -251,7 +251,7 @@ def compare_tp(layer, t, x, g, tol, chunks=1, **kwargs) -> float:
 def test_converted_nanogpt_block_equals_the_block_float64(t):
     layers = nanogpt_layers()
     x, g = inputs(torch.float64)
-    for layer in (layers[1], layers[2]):
+    for layer in (layers[1], layers[2], nanogpt_layers(bias=False)[1]):
         for chunks in (1, 3):
             compare_tp(layer, t, x, g, F64, chunks=chunks)
 
@@ -319,6 +319,7 @@ def test_state_dict_names_are_the_original_names_and_values_the_shards():
                 parts = [splits[key].shard(full, r, t) for r in range(t)]
                 assert torch.equal(splits[key].merge(parts), full), key
             convs = on_ranks(t, lambda comm: tensor_parallel_layer(layer, comm))
+            assert tensor_splits(convs[0], t) == splits  # a converted layer gives the same splits
             for rank, conv in enumerate(convs):
                 assert [n for n, _ in conv.named_parameters()] == [n for n, _ in layer.named_parameters()]
                 conv_state = conv.state_dict()
@@ -523,6 +524,10 @@ def test_bad_layers_are_refused_with_the_value_the_rule_and_the_knob():
     with pytest.raises(ValueError, match="size=0"):
         tensor_splits(block, 0)
     conv = tensor_parallel_layer(block, one_rank())
+    with pytest.raises(ValueError, match="already a tensor-parallel nanoGPT Block"):
+        tensor_parallel_layer(nn.Sequential(conv), one_rank())
+    with pytest.raises(ValueError, match="size=2 but the layer holds a nanoGPT Block converted for tensor=1"):
+        tensor_splits(conv, 2)
     with pytest.raises(ValueError, match="nanoGPT Block: called with argument 1"):
         conv(torch.zeros(1, 2, 12), torch.ones(1))
 

@@ -301,8 +301,9 @@ def _is_recognised(module: nn.Module) -> bool:
 
 
 def _find_blocks(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
-    """Recognised blocks, outermost first (nothing inside a recognised block is searched)."""
-    if _is_recognised(module):
+    """Recognised blocks and already converted ones, outermost first (nothing inside one is
+    searched)."""
+    if isinstance(module, TensorParallelBlock) or _is_recognised(module):
         return [(prefix, module)]
     found: list[tuple[str, nn.Module]] = []
     for name, child in module.named_children():
@@ -340,7 +341,19 @@ def _refuse_inlined(layer: nn.Module, what: str) -> None:
 # Splits of a block's tensors.
 
 
-def _check_divides(plan: BlockPlan, block: nn.Module, size: int) -> None:
+def _plan_and_width(block: nn.Module, size: int) -> tuple[BlockPlan, int]:
+    """The block's plan and the factor from its MLP widths to the whole ones (a converted block
+    holds 1/t of them; then ``size`` must be its t)."""
+    if not isinstance(block, TensorParallelBlock):
+        return _plan_of(block), 1
+    t = block.comm.group.size
+    if size != t:
+        raise ValueError(f"tensor_splits: size={size} but the layer holds a {block.plan.name} converted for "
+                         f"tensor={t}; pass size={t} (or the unconverted layer)")
+    return block.plan, t
+
+
+def _check_divides(plan: BlockPlan, block: nn.Module, size: int, width_factor: int = 1) -> None:
     for sub in plan.sublayers:
         if isinstance(sub, AttentionPlan):
             hidden = _weight_of(block, sub.out).shape[0 if sub.out.layout == "linear" else 1]
@@ -350,7 +363,7 @@ def _check_divides(plan: BlockPlan, block: nn.Module, size: int) -> None:
                 raise ValueError(f"{plan.name}: heads={sub.heads} is not divisible by tensor={size} (every rank "
                                  f"holds heads/tensor whole heads); choose tensor among the divisors of {sub.heads}")
         else:
-            width = _out_features(block, sub.fc)
+            width = _out_features(block, sub.fc) * width_factor
             if width % size:
                 raise ValueError(f"{plan.name}: the MLP width {width} ({sub.fc.path}) is not divisible by "
                                  f"tensor={size}; choose tensor among the divisors of {width}")
@@ -367,9 +380,10 @@ def _out_features(block: nn.Module, proj: Proj) -> int:
     return _weight_of(block, proj).shape[0 if proj.layout == "linear" else 1]
 
 
-def _block_splits(block: nn.Module, plan: BlockPlan, size: int) -> dict[str, Split]:
-    """Split of every sharded tensor of ``block`` (names relative to it); the rest is replicated."""
-    _check_divides(plan, block, size)
+def _block_splits(block: nn.Module, plan: BlockPlan, size: int, width_factor: int = 1) -> dict[str, Split]:
+    """Split of every sharded tensor of ``block`` (names relative to it); the rest is replicated.
+    ``width_factor``: t for a converted block (its MLP widths are 1/t of the whole)."""
+    _check_divides(plan, block, size, width_factor)
     out: dict[str, Split] = {}
 
     def column(proj: Proj, blocks: int, units: int) -> None:  # cut the output features
@@ -385,7 +399,7 @@ def _block_splits(block: nn.Module, plan: BlockPlan, size: int) -> dict[str, Spl
             column(sub.qkv, 3, sub.heads)
             row(sub.out, sub.heads)
         else:
-            width = _out_features(block, sub.fc)
+            width = _out_features(block, sub.fc) * width_factor
             column(sub.fc, 1, width)
             row(sub.proj, width)
     return out
@@ -395,14 +409,15 @@ def tensor_splits(layer: nn.Module, size: int) -> dict[str, Split]:
     """For every ``state_dict`` key of the *unconverted* ``layer``: how it is cut over ``size``
     ranks (the :class:`Split` replicated for what stays whole). ``Split.shard`` gives the value
     :func:`tensor_parallel_layer` puts under that key on rank ``r``; ``Split.merge`` of the ranks'
-    values gives the whole tensor back, bit for bit."""
+    values gives the whole tensor back, bit for bit. A layer already converted for ``size`` ranks
+    gives the same splits (its state's keys are the original's)."""
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"tensor_splits: size={size!r} must be an int >= 1 (the tensor-parallel degree)")
     _refuse_inlined(layer, "tensor_splits")
     splits = {key: REPLICATED for key in layer.state_dict()}
     for path, block in _find_blocks(layer):
-        plan = _plan_of(block)
-        for name, split in _block_splits(block, plan, size).items():
+        plan, factor = _plan_and_width(block, size)
+        for name, split in _block_splits(block, plan, size, factor).items():
             key = f"{path}.{name}" if path else name
             if key in splits:  # a weight held twice (tied) is listed once in state_dict; keep its key
                 splits[key] = split
@@ -495,10 +510,15 @@ def tensor_parallel_layer(layer: nn.Module, comm: Comm, *, chunks: int = 1, veri
     the blocks' row-parallel epilogues (1 = no overlap)."""
     check_chunks(chunks)
     _refuse_inlined(layer, "tensor_parallel_layer")
-    if not _find_blocks(layer):
+    blocks = _find_blocks(layer)
+    if not blocks:
         return layer
     size, rank = comm.group.size, comm.group.rank
-    for _, block in _find_blocks(layer):  # refuse before any collective
+    for path, block in blocks:  # refuse before any collective
+        if isinstance(block, TensorParallelBlock):
+            raise ValueError(f"tensor_parallel_layer: {path or 'the layer'} is already a tensor-parallel "
+                             f"{block.plan.name} (converted for tensor={block.comm.group.size}); convert the "
+                             f"unconverted layer, once")
         _check_divides(_plan_of(block), block, size)
     if verify:
         verify_same_block(layer, comm, f"layer ({type(layer).__name__})", "tensor_parallel_layer")
