@@ -471,6 +471,37 @@ def test_hugging_face_gpt2_block_float32_and_dropout(capsys):
         assert_close(y, y1, False, F64, "dropout output")
 
 
+def test_gpt2_layers_are_the_model_and_convert():
+    """gpt2_layers: the untraced chain computes model(ids).logits bit for bit (eval, and train
+    with dropout after the same manual_seed: the same modules draw in the same order); converted
+    for 2 ranks it equals the chain (float64)."""
+    transformers = pytest.importorskip("transformers")
+    from virtualflow.parallel import gpt2_layers
+    config = transformers.GPT2Config(vocab_size=20, n_positions=8, n_embd=16, n_layer=2, n_head=4,
+                                     tie_word_embeddings=False, use_cache=False, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).double()
+    layers = gpt2_layers(model)
+    ids = torch.randint(0, 20, (3, 8), generator=torch.Generator().manual_seed(1))
+    for training in (False, True):
+        model.train(training)
+        torch.manual_seed(4)
+        want = model(ids).logits
+        torch.manual_seed(4)
+        assert torch.equal(layers(ids), want)
+    assert tensor_parallel_candidates(list(layers)) == [False, True, True, False]
+    model.eval()
+    want = model(ids).logits.detach()
+    outs = on_ranks(2, lambda comm: nn.Sequential(*[tensor_parallel_layer(l, comm) for l in layers])(ids).detach())
+    for got in outs:
+        assert_close(got, want, False, F64, "converted GPT-2 logits")
+    config._attn_implementation = "eager"
+    with pytest.raises(ValueError, match="attn_implementation='eager'.*'sdpa'"):
+        gpt2_layers(model)
+    with pytest.raises(ValueError, match="not a GPT-2 language model"):
+        gpt2_layers(nn.Linear(2, 2))
+
+
 def test_a_traced_piece_is_refused_with_its_blocks_named():
     """sequential_from inlines the blocks into one ATen graph (Hugging Face's GPT-2 as nanoGPT's):
     the converter cannot replace them, says so and names them."""

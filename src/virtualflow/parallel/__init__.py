@@ -8,7 +8,8 @@
 - :mod:`virtualflow.parallel.convert`: :func:`tensor_parallel_layer` turns a pipeline layer into
   its tensor-parallel form (virtualflow's, nanoGPT's and Hugging Face GPT-2's blocks, and classes
   registered with :func:`register_tensor_parallel`), keeping every parameter name;
-  :func:`tensor_splits` says how each state entry is cut and merged.
+  :func:`tensor_splits` says how each state entry is cut and merged; :mod:`.layers`
+  (:func:`gpt2_layers`) gives a Hugging Face GPT-2 as untraced layers it can convert.
 - :mod:`virtualflow.parallel.tracing`: :func:`sequential_from` cuts a model that is not an
   ``nn.Sequential`` into pipeline pieces.
 
@@ -27,6 +28,7 @@ from virtualflow.parallel.collectives import (
     Bounds, ColumnParallelLinear, Comm, Handle, Rank, TokenLayout, all_gather_rows, copy_to_ranks,
     reduce_scatter_rows, split_range,
 )
+from virtualflow.parallel.layers import GPT2Embeddings, GPT2Head, gpt2_layers
 from virtualflow.parallel.overlap import EpilogueConfig, RowParallelEpilogue, epilogue
 from virtualflow.parallel.seeds import (
     DROPOUT_BLOCK_ROWS, DropoutSeeds, attention_keep, check_dropout_p, dropout_keep, generator_seed, init_linears,
@@ -40,7 +42,7 @@ from virtualflow.parallel.tracing import TracedPiece, sequential_from, shared_pa
 
 __all__ = [
     "AttentionBlock", "AttentionPlan", "BlockConfig", "BlockPlan", "MLPPlan", "Proj", "Split", "TensorParallelBlock",
-    "attention_keep", "generator_seed", "register_tensor_parallel", "sub_seed", "tensor_parallel_candidates",
+    "GPT2Embeddings", "GPT2Head", "attention_keep", "generator_seed", "gpt2_layers", "register_tensor_parallel", "sub_seed", "tensor_parallel_candidates",
     "tensor_parallel_layer", "tensor_splits", "Bounds", "ColumnParallelLinear", "Comm", "DROPOUT_BLOCK_ROWS", "DropoutSeeds",
     "EpilogueConfig", "Handle", "MLPBlock", "Rank", "RowParallelEpilogue", "TensorParallelAttention",
     "TensorParallelMLP", "TokenLayout", "TracedPiece", "all_gather_rows", "block_fingerprint", "check_dropout_p",

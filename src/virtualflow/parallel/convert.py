@@ -19,7 +19,8 @@ Recognised (:func:`register_tensor_parallel` adds rules for other classes):
 - Hugging Face's ``GPT2Block`` (``Conv1D`` projections, ``sdpa`` or ``eager`` attention, no
   cross-attention), called as ``block(x)`` (an ``nn.Sequential`` of blocks). Inside a piece of
   :func:`~virtualflow.parallel.tracing.sequential_from` the blocks are inlined into one ATen
-  graph and cannot be replaced: the converter refuses such a piece and names the blocks.
+  graph and cannot be replaced: the converter refuses such a piece and names the blocks;
+  :func:`virtualflow.parallel.layers.gpt2_layers` gives a GPT-2 as untraced layers instead.
 
 Invariants:
 
@@ -333,8 +334,9 @@ def _refuse_inlined(layer: nn.Module, what: str) -> None:
         raise ValueError(
             f"{what}: the layer is a piece traced by sequential_from, whose blocks {shown} are inlined into one ATen "
             f"graph: they cannot be replaced by their tensor-parallel form (unsupported: converting traced pieces); "
-            f"build the stage's layers as an nn.Sequential of the untraced modules (e.g. the embedding, the blocks "
-            f"model.transformer.h[i] called as block(x), the final norm and head), or run this stage with tensor=1")
+            f"build the stage's layers as an nn.Sequential of the untraced modules (virtualflow.parallel.gpt2_layers"
+            f"(model) does it for a Hugging Face GPT-2; otherwise the embedding, the blocks called as block(x), the "
+            f"final norm and head), or run this stage with tensor=1")
 
 
 # --------------------------------------------------------------------------------------------
