@@ -456,6 +456,10 @@ def test_hugging_face_gpt2_block():
     assert tensor_splits(block, 2)["attn.c_attn.weight"] == Split(1, 3, 4)  # Conv1D: [in, out]
     with pytest.raises(ValueError, match="only block\\(x\\) is supported"):
         conv(x, None, torch.zeros(1))
+    block.crossattention = nn.Linear(2, 2)  # as GPT2Config(add_cross_attention=True) adds
+    assert tensor_parallel_candidates([block]) == [False]
+    with pytest.raises(ValueError, match="add_cross_attention=True is not supported"):
+        tensor_parallel_layer(block, one_rank())
 
 
 def test_hugging_face_gpt2_block_float32_and_dropout(capsys):

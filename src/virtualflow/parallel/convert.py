@@ -427,9 +427,24 @@ def tensor_splits(layer: nn.Module, size: int) -> dict[str, Split]:
 
 
 def tensor_parallel_candidates(layers: Sequence[nn.Module]) -> list[bool]:
-    """For each layer: whether it holds a block the converter can split (a traced piece with
-    inlined blocks is not one: :func:`tensor_parallel_layer` refuses it)."""
-    return [bool(_find_blocks(layer)) and not _inlined_blocks(layer) for layer in layers]
+    """For each layer: whether it holds a block the converter can split. Not one: a traced piece
+    with inlined blocks, or a recognised block in a variant its rule refuses (cross-attention...);
+    :func:`tensor_parallel_layer` raises for both. Whether heads and widths divide by a given t is
+    checked by :func:`tensor_splits` (``ValueError`` naming the value)."""
+    return [_convertible(layer) for layer in layers]
+
+
+def _convertible(layer: nn.Module) -> bool:
+    blocks = _find_blocks(layer)
+    if not blocks or _inlined_blocks(layer):
+        return False
+    try:
+        for _, block in blocks:
+            if not isinstance(block, TensorParallelBlock):
+                _plan_of(block)
+    except ValueError:
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------------------------
