@@ -420,9 +420,7 @@ def tensor_splits(layer: nn.Module, size: int) -> dict[str, Split]:
     for path, block in _find_blocks(layer):
         plan, factor = _plan_and_width(block, size)
         for name, split in _block_splits(block, plan, size, factor).items():
-            key = f"{path}.{name}" if path else name
-            if key in splits:  # a weight held twice (tied) is listed once in state_dict; keep its key
-                splits[key] = split
+            splits[f"{path}.{name}" if path else name] = split
     return splits
 
 
