@@ -22,7 +22,9 @@ kernels by ``tests/test_comm_program.py``). Each
 rank's ledger must equal the ring formulas (``comm.ring.ring_traffic``) of the collectives the
 block issues: forward k reduce-scatters + k all-gathers, backward k all-gathers + the input
 gradient's all-reduce(s). The unfused differentiable collectives (``reduce_scatter_rows``,
-``all_gather_rows``, ``copy_to_ranks``) are checked against sums in the same launches.
+``all_gather_rows``, ``copy_to_ranks``) are checked against sums in the same launches. So is
+``parallel.convert`` where threads cannot check it: a converted nanoGPT block drawing its dropout
+seeds from each process's default generator (tests/unit/test_tp_convert.py has the rest).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from gloo_ranks import launch_ranks
 from virtualflow.plan.shards import check_bounds, shard_bounds
 from virtualflow.parallel import (
     DROPOUT_BLOCK_ROWS, AttentionBlock, MLPBlock, TensorParallelAttention, TensorParallelMLP, TokenLayout,
-    all_gather_rows, copy_to_ranks, dropout_keep, reduce_scatter_rows,
+    all_gather_rows, copy_to_ranks, dropout_keep, reduce_scatter_rows, tensor_parallel_layer,
 )
 
 JOIN_S = 90.0
@@ -326,8 +328,39 @@ def _guide_snippet(comm: Collectives) -> list[str]:
     return failures
 
 
+def _converted_nanogpt(comm: Collectives) -> list[str]:
+    """parallel/convert in processes: a nanoGPT block (dropout 0.2 on the residuals and the
+    attention probabilities) converted for t ranks, with seeds from the default generator (as a
+    pipeline stage runs it: every rank's generator in the same state), equals the block
+    converted for one rank, plainly and under torch.utils.checkpoint's recompute."""
+    from test_tp_convert import nanogpt_layers  # the user's nanoGPT classes
+
+    failures: list[str] = []
+    rank = comm.group.rank
+    torch.manual_seed(100 + rank)  # the generators differ until the stage sets them
+    layer = nanogpt_layers(n_head=6, n_embd=12, dropout=0.2)[1]  # weights from a fixed seed
+    one = tensor_parallel_layer(layer, Collectives(Group(0, 0, 1, None)))
+    tp = tensor_parallel_layer(layer, comm, chunks=2)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 7, 12, generator=gen, dtype=torch.float64)
+    g = torch.randn(2, 7, 12, generator=gen, dtype=torch.float64)
+    results = []
+    for module, checkpointed in ((one, False), (tp, False), (tp, True)):
+        torch.manual_seed(42)  # the micro-batch's stream, the same on every rank
+        xi = x.clone().requires_grad_()
+        y = torch.utils.checkpoint.checkpoint(module, xi, use_reentrant=False) if checkpointed else module(xi)
+        (y * g).sum().backward()
+        results.append((y.detach(), xi.grad))
+    _check(failures, "converted nanoGPT block output", results[1][0], results[0][0], False, F64)
+    _check(failures, "converted nanoGPT block input grad", results[1][1], results[0][1], False, F64)
+    _check(failures, "converted nanoGPT block checkpointed output", results[2][0], results[1][0], True, F64)
+    _check(failures, "converted nanoGPT block checkpointed input grad", results[2][1], results[1][1], True, F64)
+    return failures
+
+
 def _all_cases(comm: Collectives) -> list[str]:
     failures: list[str] = _guide_snippet(comm)
+    failures += _converted_nanogpt(comm)
     failures += _compare_pieces(comm)
     for chunks in (1, 2, 3):
         failures += _compare_mlp(comm, torch.float64, chunks, 0.1, tokens=(3, 4))

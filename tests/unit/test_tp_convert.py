@@ -26,7 +26,6 @@ the generator rule across real processes is checked in tests/e2e/test_tensor_par
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import pytest
@@ -252,7 +251,7 @@ def compare_tp(layer, t, x, g, tol, chunks=1, **kwargs) -> float:
 def test_converted_nanogpt_block_equals_the_block_float64(t):
     layers = nanogpt_layers()
     x, g = inputs(torch.float64)
-    for layer in (layers[1], layers[2]):
+    for layer in (layers[1], layers[2], nanogpt_layers(bias=False)[1]):
         for chunks in (1, 3):
             compare_tp(layer, t, x, g, F64, chunks=chunks)
 
@@ -320,6 +319,7 @@ def test_state_dict_names_are_the_original_names_and_values_the_shards():
                 parts = [splits[key].shard(full, r, t) for r in range(t)]
                 assert torch.equal(splits[key].merge(parts), full), key
             convs = on_ranks(t, lambda comm: tensor_parallel_layer(layer, comm))
+            assert tensor_splits(convs[0], t) == splits  # a converted layer gives the same splits
             for rank, conv in enumerate(convs):
                 assert [n for n, _ in conv.named_parameters()] == [n for n, _ in layer.named_parameters()]
                 conv_state = conv.state_dict()
@@ -385,15 +385,10 @@ def test_the_seed_is_one_draw_from_the_default_generator_and_checkpoint_recomput
     y_seed, gx_seed, grads_seed = run_layer(layer, x, g, dropout_seed=seed)
     assert torch.equal(y, y_seed) and torch.equal(gx, gx_seed)
 
-    def checkpointed(v):
-        return torch.utils.checkpoint.checkpoint(layer, v, use_reentrant=False)
-
-    wrapper = nn.Module()
-    wrapper.forward = checkpointed  # run_layer calls layer(x)
     torch.manual_seed(7)
     layer.zero_grad(set_to_none=True)
     xc = x.clone().requires_grad_()
-    yc = checkpointed(xc)
+    yc = torch.utils.checkpoint.checkpoint(layer, xc, use_reentrant=False)
     (yc * g).sum().backward()
     assert torch.equal(yc.detach(), y) and torch.equal(xc.grad, gx)  # the recompute drew the same seed
     for n, p in layer.named_parameters():
@@ -461,12 +456,16 @@ def test_hugging_face_gpt2_block():
     assert tensor_splits(block, 2)["attn.c_attn.weight"] == Split(1, 3, 4)  # Conv1D: [in, out]
     with pytest.raises(ValueError, match="only block\\(x\\) is supported"):
         conv(x, None, torch.zeros(1))
+    block.crossattention = nn.Linear(2, 2)  # as GPT2Config(add_cross_attention=True) adds
+    assert tensor_parallel_candidates([block]) == [False]
+    with pytest.raises(ValueError, match="add_cross_attention=True is not supported"):
+        tensor_parallel_layer(block, one_rank())
 
 
 def test_hugging_face_gpt2_block_float32_and_dropout(capsys):
     block = _gpt2_block(torch.float32)
     x, g = inputs(torch.float32)
-    worst = max(compare_tp(block, t, x, g, F32) for t in (2, 4))
+    worst = max(compare_tp(block, t, x, g, F32, chunks=c) for t in (2, 4) for c in (1, 2))
     with capsys.disabled():
         print(f"\nHF GPT2Block, float32, t = 2 and 4: max |diff| {worst:.3g}")
     block = _gpt2_block(torch.float64, dropout=0.2)
@@ -474,6 +473,37 @@ def test_hugging_face_gpt2_block_float32_and_dropout(capsys):
     y1, _, _ = run_layer(tensor_parallel_layer(block, one_rank()), x, g, dropout_seed=99)
     for y, _, _ in on_ranks(2, lambda comm: run_layer(tensor_parallel_layer(block, comm), x, g, dropout_seed=99)):
         assert_close(y, y1, False, F64, "dropout output")
+
+
+def test_sequential_gpt_of_gpt2_is_the_model_and_converts():
+    """sequential_gpt on GPT-2: the untraced chain computes model(ids).logits bit for bit (eval, and train
+    with dropout after the same manual_seed: the same modules draw in the same order); converted
+    for 2 ranks it equals the chain (float64)."""
+    transformers = pytest.importorskip("transformers")
+    from virtualflow.parallel import sequential_gpt
+    config = transformers.GPT2Config(vocab_size=20, n_positions=8, n_embd=16, n_layer=2, n_head=4,
+                                     tie_word_embeddings=False, use_cache=False, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).double()
+    layers = sequential_gpt(model)
+    ids = torch.randint(0, 20, (3, 8), generator=torch.Generator().manual_seed(1))
+    for training in (False, True):
+        model.train(training)
+        torch.manual_seed(4)
+        want = model(ids).logits
+        torch.manual_seed(4)
+        assert torch.equal(layers(ids), want)
+    assert tensor_parallel_candidates(list(layers)) == [False, True, True, False]
+    model.eval()
+    want = model(ids).logits.detach()
+    outs = on_ranks(2, lambda comm: nn.Sequential(*[tensor_parallel_layer(l, comm) for l in layers])(ids).detach())
+    for got in outs:
+        assert_close(got, want, False, F64, "converted GPT-2 logits")
+    config._attn_implementation = "eager"
+    with pytest.raises(ValueError, match="attn_implementation='eager'.*'sdpa'"):
+        sequential_gpt(model)
+    with pytest.raises(TypeError, match="not of nanoGPT's or Hugging Face GPT-2's shape"):
+        sequential_gpt(nn.Linear(2, 2))
 
 
 def test_a_traced_piece_is_refused_with_its_blocks_named():
@@ -529,6 +559,10 @@ def test_bad_layers_are_refused_with_the_value_the_rule_and_the_knob():
     with pytest.raises(ValueError, match="size=0"):
         tensor_splits(block, 0)
     conv = tensor_parallel_layer(block, one_rank())
+    with pytest.raises(ValueError, match="already a tensor-parallel nanoGPT Block"):
+        tensor_parallel_layer(nn.Sequential(conv), one_rank())
+    with pytest.raises(ValueError, match="size=2 but the layer holds a nanoGPT Block converted for tensor=1"):
+        tensor_splits(conv, 2)
     with pytest.raises(ValueError, match="nanoGPT Block: called with argument 1"):
         conv(torch.zeros(1, 2, 12), torch.ones(1))
 

@@ -8,7 +8,8 @@
 - :mod:`virtualflow.parallel.convert`: :func:`tensor_parallel_layer` turns a pipeline layer into
   its tensor-parallel form (virtualflow's, nanoGPT's and Hugging Face GPT-2's blocks, and classes
   registered with :func:`register_tensor_parallel`), keeping every parameter name;
-  :func:`tensor_splits` says how each state entry is cut and merged.
+  :func:`tensor_splits` says how each state entry is cut and merged; :mod:`.layers`
+  (:func:`sequential_gpt`) gives nanoGPT's and Hugging Face GPT-2's models as untraced layers it can convert.
 - :mod:`virtualflow.parallel.tracing`: :func:`sequential_from` cuts a model that is not an
   ``nn.Sequential`` into pipeline pieces.
 

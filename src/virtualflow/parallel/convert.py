@@ -19,7 +19,8 @@ Recognised (:func:`register_tensor_parallel` adds rules for other classes):
 - Hugging Face's ``GPT2Block`` (``Conv1D`` projections, ``sdpa`` or ``eager`` attention, no
   cross-attention), called as ``block(x)`` (an ``nn.Sequential`` of blocks). Inside a piece of
   :func:`~virtualflow.parallel.tracing.sequential_from` the blocks are inlined into one ATen
-  graph and cannot be replaced: the converter refuses such a piece and names the blocks.
+  graph and cannot be replaced: the converter refuses such a piece and names the blocks;
+  :func:`virtualflow.parallel.gpt.sequential_gpt` gives nanoGPT's or GPT-2's model as untraced layers instead.
 
 Invariants:
 
@@ -301,8 +302,9 @@ def _is_recognised(module: nn.Module) -> bool:
 
 
 def _find_blocks(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
-    """Recognised blocks, outermost first (nothing inside a recognised block is searched)."""
-    if _is_recognised(module):
+    """Recognised blocks and already converted ones, outermost first (nothing inside one is
+    searched)."""
+    if isinstance(module, TensorParallelBlock) or _is_recognised(module):
         return [(prefix, module)]
     found: list[tuple[str, nn.Module]] = []
     for name, child in module.named_children():
@@ -332,15 +334,28 @@ def _refuse_inlined(layer: nn.Module, what: str) -> None:
         raise ValueError(
             f"{what}: the layer is a piece traced by sequential_from, whose blocks {shown} are inlined into one ATen "
             f"graph: they cannot be replaced by their tensor-parallel form (unsupported: converting traced pieces); "
-            f"build the stage's layers as an nn.Sequential of the untraced modules (e.g. the embedding, the blocks "
-            f"model.transformer.h[i] called as block(x), the final norm and head), or run this stage with tensor=1")
+            f"build the stage's layers as an nn.Sequential of the untraced modules (virtualflow.parallel.sequential_gpt"
+            f"(model) does it for a Hugging Face GPT-2; otherwise the embedding, the blocks called as block(x), the "
+            f"final norm and head), or run this stage with tensor=1")
 
 
 # --------------------------------------------------------------------------------------------
 # Splits of a block's tensors.
 
 
-def _check_divides(plan: BlockPlan, block: nn.Module, size: int) -> None:
+def _plan_and_width(block: nn.Module, size: int) -> tuple[BlockPlan, int]:
+    """The block's plan and the factor from its MLP widths to the whole ones (a converted block
+    holds 1/t of them; then ``size`` must be its t)."""
+    if not isinstance(block, TensorParallelBlock):
+        return _plan_of(block), 1
+    t = block.comm.group.size
+    if size != t:
+        raise ValueError(f"tensor_splits: size={size} but the layer holds a {block.plan.name} converted for "
+                         f"tensor={t}; pass size={t} (or the unconverted layer)")
+    return block.plan, t
+
+
+def _check_divides(plan: BlockPlan, block: nn.Module, size: int, width_factor: int = 1) -> None:
     for sub in plan.sublayers:
         if isinstance(sub, AttentionPlan):
             hidden = _weight_of(block, sub.out).shape[0 if sub.out.layout == "linear" else 1]
@@ -350,7 +365,7 @@ def _check_divides(plan: BlockPlan, block: nn.Module, size: int) -> None:
                 raise ValueError(f"{plan.name}: heads={sub.heads} is not divisible by tensor={size} (every rank "
                                  f"holds heads/tensor whole heads); choose tensor among the divisors of {sub.heads}")
         else:
-            width = _out_features(block, sub.fc)
+            width = _out_features(block, sub.fc) * width_factor
             if width % size:
                 raise ValueError(f"{plan.name}: the MLP width {width} ({sub.fc.path}) is not divisible by "
                                  f"tensor={size}; choose tensor among the divisors of {width}")
@@ -367,9 +382,10 @@ def _out_features(block: nn.Module, proj: Proj) -> int:
     return _weight_of(block, proj).shape[0 if proj.layout == "linear" else 1]
 
 
-def _block_splits(block: nn.Module, plan: BlockPlan, size: int) -> dict[str, Split]:
-    """Split of every sharded tensor of ``block`` (names relative to it); the rest is replicated."""
-    _check_divides(plan, block, size)
+def _block_splits(block: nn.Module, plan: BlockPlan, size: int, width_factor: int = 1) -> dict[str, Split]:
+    """Split of every sharded tensor of ``block`` (names relative to it); the rest is replicated.
+    ``width_factor``: t for a converted block (its MLP widths are 1/t of the whole)."""
+    _check_divides(plan, block, size, width_factor)
     out: dict[str, Split] = {}
 
     def column(proj: Proj, blocks: int, units: int) -> None:  # cut the output features
@@ -385,7 +401,7 @@ def _block_splits(block: nn.Module, plan: BlockPlan, size: int) -> dict[str, Spl
             column(sub.qkv, 3, sub.heads)
             row(sub.out, sub.heads)
         else:
-            width = _out_features(block, sub.fc)
+            width = _out_features(block, sub.fc) * width_factor
             column(sub.fc, 1, width)
             row(sub.proj, width)
     return out
@@ -395,24 +411,38 @@ def tensor_splits(layer: nn.Module, size: int) -> dict[str, Split]:
     """For every ``state_dict`` key of the *unconverted* ``layer``: how it is cut over ``size``
     ranks (the :class:`Split` replicated for what stays whole). ``Split.shard`` gives the value
     :func:`tensor_parallel_layer` puts under that key on rank ``r``; ``Split.merge`` of the ranks'
-    values gives the whole tensor back, bit for bit."""
+    values gives the whole tensor back, bit for bit. A layer already converted for ``size`` ranks
+    gives the same splits (its state's keys are the original's)."""
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"tensor_splits: size={size!r} must be an int >= 1 (the tensor-parallel degree)")
     _refuse_inlined(layer, "tensor_splits")
     splits = {key: REPLICATED for key in layer.state_dict()}
     for path, block in _find_blocks(layer):
-        plan = _plan_of(block)
-        for name, split in _block_splits(block, plan, size).items():
-            key = f"{path}.{name}" if path else name
-            if key in splits:  # a weight held twice (tied) is listed once in state_dict; keep its key
-                splits[key] = split
+        plan, factor = _plan_and_width(block, size)
+        for name, split in _block_splits(block, plan, size, factor).items():
+            splits[f"{path}.{name}" if path else name] = split
     return splits
 
 
 def tensor_parallel_candidates(layers: Sequence[nn.Module]) -> list[bool]:
-    """For each layer: whether it holds a block the converter can split (a traced piece with
-    inlined blocks is not one: :func:`tensor_parallel_layer` refuses it)."""
-    return [bool(_find_blocks(layer)) and not _inlined_blocks(layer) for layer in layers]
+    """For each layer: whether it holds a block the converter can split. Not one: a traced piece
+    with inlined blocks, or a recognised block in a variant its rule refuses (cross-attention...);
+    :func:`tensor_parallel_layer` raises for both. Whether heads and widths divide by a given t is
+    checked by :func:`tensor_splits` (``ValueError`` naming the value)."""
+    return [_convertible(layer) for layer in layers]
+
+
+def _convertible(layer: nn.Module) -> bool:
+    blocks = _find_blocks(layer)
+    if not blocks or _inlined_blocks(layer):
+        return False
+    try:
+        for _, block in blocks:
+            if not isinstance(block, TensorParallelBlock):
+                _plan_of(block)
+    except ValueError:
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------------------------
@@ -495,10 +525,15 @@ def tensor_parallel_layer(layer: nn.Module, comm: Comm, *, chunks: int = 1, veri
     the blocks' row-parallel epilogues (1 = no overlap)."""
     check_chunks(chunks)
     _refuse_inlined(layer, "tensor_parallel_layer")
-    if not _find_blocks(layer):
+    blocks = _find_blocks(layer)
+    if not blocks:
         return layer
     size, rank = comm.group.size, comm.group.rank
-    for _, block in _find_blocks(layer):  # refuse before any collective
+    for path, block in blocks:  # refuse before any collective
+        if isinstance(block, TensorParallelBlock):
+            raise ValueError(f"tensor_parallel_layer: {path or 'the layer'} is already a tensor-parallel "
+                             f"{block.plan.name} (converted for tensor={block.comm.group.size}); convert the "
+                             f"unconverted layer, once")
         _check_divides(_plan_of(block), block, size)
     if verify:
         verify_same_block(layer, comm, f"layer ({type(layer).__name__})", "tensor_parallel_layer")

@@ -12,7 +12,8 @@ embedding), ``.wpe`` (position embedding), ``.drop``, ``.h`` (the blocks, each c
 hidden states alone), ``.ln_f`` and ``model.lm_head``. The chain computes
 ``lm_head(ln_f(blocks(drop(wte(idx) + wpe(positions)))))``: the logits of every position, as the
 models compute them in training (nanoGPT's ``model(idx, targets)``, Hugging Face's
-``model(idx).logits`` without an attention mask or past key values).
+``model(idx).logits`` without an attention mask or past key values; Hugging Face's attention must be
+``sdpa``, its default, which is causal without a mask).
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ def sequential_gpt(model: nn.Module) -> nn.Sequential:
             f"sequential_gpt: {type(model).__name__} is not of nanoGPT's or Hugging Face GPT-2's shape: it has no "
             f"{', '.join(missing)}; cut other models with virtualflow.parallel.sequential_from(model, example, "
             f"split_points) or write the model as an nn.Sequential")
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl is not None and impl != "sdpa":
+        raise ValueError(f"sequential_gpt: attn_implementation={impl!r}; the blocks are called on the hidden states "
+                         f"alone (no mask), which is causal only with 'sdpa': load the model with "
+                         f"attn_implementation='sdpa'")
     layers: list[tuple[str, nn.Module]] = [("0", GPTEmbeddings(tr.wte, tr.wpe, getattr(tr, "drop", None)))]
     for i, block in enumerate(tr.h):
         layers.append((str(i + 1), GPTBlock(block)))

@@ -5,7 +5,12 @@ rank holding ``1/t`` of the block's weights, computing the single-worker block (
 :class:`AttentionBlock`, in this file) up to the order of floating-point sums (see "What
 'exactly' means here" below). The blocks are built from :mod:`.collectives` (the :class:`Comm`
 protocol, :class:`TokenLayout`, the unfused differentiable collectives), :mod:`.overlap` (the
-fused, chunked row-parallel epilogue) and :mod:`.seeds` (the dropout rule and the weights' draw).
+fused, chunked row-parallel epilogue), :mod:`.sublayers` (the two sub-layers as functions, shared
+with :mod:`.convert`) and :mod:`.seeds` (the dropout rules and the weights' draw). A
+:class:`BlockConfig` adds a pre-LayerNorm (``y = x + sublayer(LN(x))``, LN replicated: run by
+every rank on the replicated input; its gradients are bit-identical on every rank because the
+column-parallel projection's input gradient is all-reduced), dropout on the attention
+probabilities, the tanh GELU, layers without biases and the generator seed rule.
 (Moved from ``runtime/tensor_parallel.py``, which re-exports :mod:`virtualflow.parallel`.)
 
 Layouts (``T`` = tokens = batch * sequence, ``h`` = hidden width, ``f`` = MLP width, rank ``r``)::
@@ -60,9 +65,13 @@ the ``[T, h]`` output is cut into blocks of :data:`DROPOUT_BLOCK_ROWS` token row
 ``splitmix64((seed mod 2**32) << 32 | b) mod 2**32`` (:func:`dropout_keep`; torch's CPU
 generator keeps only the low 32 bits of a seed, so seed and block are mixed first). A rank draws
 only the blocks that meet its rows (its share plus at most two partial blocks per chunk), so the
-mask of a token depends on neither ``t`` nor ``k``. ``seed`` is the forward's ``dropout_seed`` or,
-when not given, the module's ``seed`` plus the number of training forwards it ran before (every
-rank runs the same number). The single-worker blocks draw the whole mask by the same rule.
+mask of a token depends on neither ``t`` nor ``k``. The attention probabilities' mask is drawn per
+(sample, global head) (:func:`virtualflow.parallel.seeds.attention_keep`). A forward's seed is its
+``dropout_seed`` or, when not given, by ``config.dropout_seeds``: the module's ``seed`` plus the
+number of training forwards it ran before (``"module"``, every rank runs the same number), or one
+draw from torch's default generator (``"generator"``, the pipeline's rule); each sub-layer's
+residual and attention masks use streams derived from it (:func:`stream_seed`). The
+single-worker blocks draw the whole masks by the same rules.
 
 **Bytes per rank** (ring collectives, ``e`` bytes per element, even chunks): forward:
 reduce-scatter ``(t-1)/t T h e`` + all-gather ``(t-1)/t T h e``; backward: all-gather
@@ -85,8 +94,9 @@ float tolerance, not bit for bit (the tests hold float64 to ``1e-12`` and float3
 ``atol=1e-5, rtol=1e-4``; docs/coconet.md has the measured differences). Bit-identical on every CPU are the
 results whose two sides run the same kernels on the same shapes: the overlapped and the serial
 schedule of the same ``k`` (the same matmuls, waited for at other times), one rank with
-``chunks=1`` against the single-worker block, and the out-projection's bias gradient (summed
-locally from the all-gathered ``[T, h]`` gradient, as the single worker sums it).
+``chunks=1`` against the single-worker block (on one rank the out-projection's bias is folded into
+``addmm``, as ``F.linear`` does), and the out-projection's bias gradient (summed locally from the
+all-gathered ``[T, h]`` gradient, as the single worker sums it).
 
 Invariants: every rank calls the same blocks in the same order with the same shapes (the
 collectives run in issue order, see ``comm/ring.py``); ``t`` <= the MLP width and <= the number
