@@ -139,3 +139,19 @@ def test_clipping_sums_the_shards_norms_over_the_tensor_parallel_group():
     norms = [h["grad_norm"] for h in b.history]
     assert norms == pytest.approx([h["grad_norm"] for h in a.history], rel=1e-6) and min(norms) > 0.05
     assert _max_diff(a.state_dict, b.state_dict) < 1e-12
+
+
+def test_a_checkpoint_holds_the_whole_model_and_resumes_on_any_grid(tmp_path):
+    """A (1, 1, 2) run's checkpoint (Adam: moments sharded like their parameters) holds the merged,
+    single-worker layout: resumed on the same grid it continues bit for bit; resumed without tensor
+    parallelism it continues within float tolerance."""
+    job = lambda: g.grid_job(tensor=2, adam=True)  # noqa: E731
+    straight = vf.train(job, workers=2, steps=4, deterministic=True)
+    vf.train(job, workers=2, steps=2, deterministic=True, run_dir=str(tmp_path / "a"), checkpoint_every=1)
+    again = vf.train(job, workers=2, steps=4, deterministic=True, resume=str(tmp_path / "a"),
+                     run_dir=str(tmp_path / "b"))
+    assert_state_equal(again.state_dict, straight.state_dict)
+    plain = vf.train(lambda: g.grid_job(adam=True), workers=1, steps=4, deterministic=True,
+                     resume=str(tmp_path / "a"), run_dir=str(tmp_path / "c"))
+    assert _max_diff(plain.state_dict, straight.state_dict) < 1e-12
+    assert len(straight.optimizer_state_dict["pipeline_stages"]) == 1
