@@ -5,7 +5,8 @@ replica: pieces ``r, r + p, ...``), adopts a generation's layout (:meth:`StageEn
 and runs steps (:meth:`StageEngine.steps`, a generator of :mod:`.requests` answered by a driver).
 It composes the package's collaborators: micro-batch preparation (:mod:`.microbatch`), the
 executor's walk of the action list (:mod:`.executor`), the flush step (:mod:`.flush`) or the
-streamed window (:mod:`.stream`), the reduction over the replicas (:mod:`.reduction`), and
+streamed window (:mod:`.stream`), the reduction over the replicas (:mod:`.reduction`), the
+sharded optimizer over the replicas (:mod:`.stage_shard`, ``reduction="sharded"``), and
 Bamboo's replica of the successor's stage (:mod:`.redundancy`).
 
 Invariants:
@@ -41,6 +42,7 @@ from virtualflow.runtime.pipeline.reduction import StageReducer, sum_tied
 from virtualflow.runtime.pipeline.redundancy import Eager, Reuse, StageReplica, hand_over, spliced_forward
 from virtualflow.runtime.pipeline.requests import Request, StepResult
 from virtualflow.runtime.pipeline.schedule import schedule_for
+from virtualflow.runtime.pipeline.stage_shard import StageShard, check_stage_sharding
 from virtualflow.runtime.pipeline.stream import StreamWindow
 from virtualflow.runtime.pipeline.tied import ExactTies
 
@@ -69,11 +71,15 @@ class StageEngine:
         successor_pieces: dict[int, nn.Module] | None = None,
         eager_every_wait: bool = False,
         loop: StageLoop | None = None,
+        reduction: str = "allreduce",
     ) -> None:
         """``build_optimizer``: ``Job.build_optimizer``, given this worker's stage module
         (:func:`~virtualflow.runtime.pipeline.pieces.stage_model`). ``loop``: the training loop's
         knobs (:func:`~virtualflow.runtime.pipeline.loop.stage_loop`; default float32, no
-        clipping)."""
+        clipping). ``reduction``: ``"allreduce"`` (every replica holds the stage's whole optimizer
+        state) or ``"sharded"`` (each holds its chunk, :mod:`.stage_shard`)."""
+        if reduction not in ("allreduce", "sharded"):
+            raise ValueError(f"reduction={reduction!r} is not known; choose 'allreduce' or 'sharded' (--reduction)")
         self.pipeline = pipeline
         self.loop = loop if loop is not None else StageLoop()
         """Precision, loss scaler, clipping; checkpointing and compile were applied to the pieces."""
@@ -102,6 +108,14 @@ class StageEngine:
         if deterministic and ExactTies.needed(self.params, self.piece_params, self.tied):
             self.ties = ExactTies(params=self.params, piece_params=self.piece_params, tied=self.tied,
                                   stage_rank=stage_rank, p=pipeline.stages, low=autocast_dtype(self.loop.precision))
+        self.shard: StageShard | None = None
+        """``reduction="sharded"``: this copy's chunk of the stage's optimizer (``self.optimizer``
+        is then its :class:`~.stage_shard.StageOptimizer`); ``None`` otherwise."""
+        if reduction == "sharded":
+            check_stage_sharding(pipeline, tied=bool(self.tied) or self.ties is not None)
+            if self.params:
+                self.shard = StageShard(self.params, self.optimizer)
+                self.optimizer = self.shard.optimizer
         self.tree_params = self.ties.tree_params if self.ties is not None else self.params
         """Deterministic mode: the parameters whose gradients this worker's tree vector holds."""
         self.plan = plan
@@ -282,7 +296,11 @@ class StageEngine:
             self.replica_of_successor.begin_step()
         if self.reuse is not None and not any(key[0] == step for key in self.reuse.entries):
             self.reuse = None
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.shard is not None:
+            self.shard.cut(self.replica, self.replicas)  # (re-)cut by this generation's layout
+            self.shard.start_step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         self.phase = "compute"
         work.compute_s = yield from self._run_actions(work.schedule, step, work.mbs, forward=work.forward,
                                                       backward=work.backward, eager=self.eager)
