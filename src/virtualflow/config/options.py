@@ -310,10 +310,10 @@ class LaunchOptions:
             raise ValueError(f"shard_replicas={self.shard_replicas} keeps replicas of the sharded optimizer's chunks; "
                              f"with reduction={self.reduction!r} every worker holds the whole optimizer state already "
                              f"and recovers in place: drop --shard-replicas or add --reduction sharded")
-        if self.reduction == "sharded" and self.pipeline_stages is not None and self.pipeline_stages > 1:
-            raise ValueError(f"reduction='sharded' shards the data-parallel optimizer of unpipelined jobs; with "
-                             f"pipeline_stages={self.pipeline_stages} each worker already holds only its stage's "
-                             f"optimizer state: drop --reduction sharded or --pipeline-stages")
+        if self.shard_replicas and self.pipeline_stages is not None and self.pipeline_stages > 1:
+            raise ValueError(f"shard_replicas={self.shard_replicas} keeps replicas of the sharded optimizer's chunks, "
+                             f"which pipelined jobs (pipeline_stages={self.pipeline_stages}) do not support; drop "
+                             f"--shard-replicas")
         self._check_backend()
         self._check_workers()
 

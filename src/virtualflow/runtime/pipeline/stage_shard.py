@@ -43,7 +43,7 @@ import torch
 
 from virtualflow.runtime.sharded import FlatParams, ShardedOptimizer, gather_sharded_state
 
-__all__ = ["StageOptimizer", "StageShard", "check_stage_sharding", "gather_stage_optimizer"]
+__all__ = ["StageOptimizer", "StageShard", "check_stage_sharding", "gather_stage_optimizer", "optimizer_bytes"]
 
 
 def check_stage_sharding(pipeline: Any, *, tied: bool, shard_replicas: int = 0) -> None:
@@ -73,6 +73,8 @@ class StageShard:
         self.flat = FlatParams(params)  # the stage's parameters now live in one flat vector
         self.opt = ShardedOptimizer(optimizer, self.flat)
         self.optimizer = StageOptimizer(self)
+        self.held_bytes = 0
+        """Optimizer state bytes this copy held after its last update (:meth:`state_bytes`)."""
         """What the stage holds as its optimizer (the state code reads and loads it)."""
 
     @property
@@ -143,15 +145,14 @@ class StageShard:
         """Update this copy's chunk from the reduced gradient in the flat vector, then the LR
         scheduler; the other chunks' parameters arrive with the all-gather."""
         self.opt.step_own()
+        self.held_bytes = self.opt.state_bytes()
         if scheduler is not None:
             self.opt.scheduler_step(scheduler)
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this copy holds now (its chunk's, or the whole while held)."""
-        if self.opt.full is not None:
-            return sum(v.numel() * v.element_size() for st in self.opt.full["state"].values() for v in st.values()
-                       if isinstance(v, torch.Tensor))
-        return self.opt.state_bytes()
+        """Bytes of optimizer state this copy held after its last update (its chunk's; a gather
+        for a checkpoint holds the whole state for a moment, which this does not count)."""
+        return self.held_bytes
 
 
 class StageOptimizer:
@@ -208,3 +209,14 @@ def gather_stage_optimizer(shard: StageShard | None, group: Any, root: int | Non
             comm.close()
     if state is not None:
         shard.opt.keep_full(state)
+
+
+def optimizer_bytes(stage: Any) -> int:
+    """Bytes of optimizer state a stage engine holds now (its chunk's with the sharded reduction)."""
+    if stage is None:
+        return 0
+    if stage.shard is not None:
+        return stage.shard.state_bytes()
+    held = getattr(stage.optimizer, "state", {})
+    return sum(v.numel() * v.element_size() for st in held.values() for v in st.values()
+               if isinstance(v, torch.Tensor))
