@@ -75,6 +75,9 @@ class StageShard:
         self.optimizer = StageOptimizer(self)
         self.held_bytes = 0
         """Optimizer state bytes this copy held after its last update (:meth:`state_bytes`)."""
+        self.chunk_held = False
+        """This copy's chunk (``opt.rank`` of ``opt.size``) is the current state (it stepped, or
+        was cut from the whole state since the last load); a gather keeps it."""
         """What the stage holds as its optimizer (the state code reads and loads it)."""
 
     @property
@@ -85,12 +88,19 @@ class StageShard:
     def chunk(self) -> tuple[int, int]:
         return self.opt.chunk()
 
+    def holds_chunk_of(self, replica: int, replicas: int) -> bool:
+        """Whether this copy's chunk is chunk ``replica`` of ``replicas`` (and current)."""
+        return self.chunk_held and (self.opt.rank, self.opt.size) == (replica, replicas)
+
     def cut(self, replica: int, replicas: int) -> None:
-        """Before a step: hold chunk ``replica`` of ``replicas`` (cut from the whole state when it
-        is held; a chunk of another layout with no whole state: :class:`ShardLost`)."""
-        if self.opt.full is None and (self.opt.rank, self.opt.size) == (replica, replicas):
+        """Before a step: hold chunk ``replica`` of ``replicas``, cut from the whole state held (a
+        load, a regroup's gather); a chunk of this layout is kept (a gathered whole copy is
+        dropped); a chunk of another layout with no whole state: :class:`ShardLost`."""
+        if self.holds_chunk_of(replica, replicas):
+            self.opt.full = None  # the chunk is current: the whole copy a gather left goes
             return
         self.opt.shard(replica, replicas)
+        self.chunk_held = True
 
     def start_step(self) -> None:
         """Gradients into the flat gradient vector, zeroed (backward accumulates there)."""
@@ -179,6 +189,7 @@ class StageOptimizer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._shard.opt.load_state(state)  # cut into chunks by the next step's layout
+        self._shard.chunk_held = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._shard.opt.user.zero_grad(set_to_none=set_to_none)
@@ -187,28 +198,32 @@ class StageOptimizer:
         raise RuntimeError("reduction='sharded': a stage's update is StageShard.apply (its chunk), not step()")
 
 
-def gather_stage_optimizer(shard: StageShard | None, group: Any, root: int | None = None) -> None:
+def gather_stage_optimizer(stage: Any, group: Any, root: int | None = None) -> None:
     """Collective over the stage group (every replica of the stage calls it at the same point):
-    the whole optimizer state held again on every replica (``root`` None) or on replica ``root``
-    only; the next step cuts it into chunks again. Nothing to do where it is held already."""
-    if shard is None or shard.opt.full is not None or shard.opt.bounds is None:
+    the whole optimizer state of ``stage`` (a :class:`~.engine.StageEngine`) held again on every
+    replica (``root`` None) or on replica ``root`` only, beside the chunks (the next step drops it).
+
+    Symmetric by construction: the replicas take part exactly when their chunks are current for
+    the stage's layout, which is true on all of them or on none (a generation's first step has not
+    cut them yet: the whole state is then held everywhere already, from a load or the regroup's
+    gather)."""
+    shard = stage.shard if stage is not None else None
+    if shard is None or not shard.holds_chunk_of(stage.replica, stage.replicas):
         return
     from virtualflow.comm.ring import Collectives
 
-    if group is None or group.size == 1:
-        comm = None
-    else:
-        comm = Collectives(group)
+    opt = shard.opt
+    comm = Collectives(group) if group is not None and group.size > 1 else None
+    held, opt.full = opt.full, None  # (gather_state reads the chunks only while no whole state is held)
     try:
         if comm is None:
-            state = shard.opt.gather_state(lambda chunk: chunk, lambda t: None)
+            state = opt.gather_state(lambda chunk: chunk, lambda t: None)
         else:
-            state = gather_sharded_state(shard.opt, comm, group, root)
+            state = gather_sharded_state(opt, comm, group, root)
     finally:
         if comm is not None:
             comm.close()
-    if state is not None:
-        shard.opt.keep_full(state)
+    opt.full = state if state is not None else held
 
 
 def optimizer_bytes(stage: Any) -> int:

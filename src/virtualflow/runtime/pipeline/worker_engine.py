@@ -382,7 +382,7 @@ class PipelineWorkerEngine:
         # Every member keeps its own stage's state; a sharded stage optimizer is gathered whole on
         # every replica now, while the old stage group works (the next generation cuts it again).
         if self.stage is not None and self.stage.shard is not None:
-            gather_stage_optimizer(self.stage.shard, self.stage_group)
+            gather_stage_optimizer(self.stage, self.stage_group)
 
     def whole_state(self, group: Group) -> dict[str, Any] | None:
         return self.gather_state(group)
@@ -400,7 +400,7 @@ class PipelineWorkerEngine:
         if ck and work.dcp and self.layout is None:  # every member writes its stage's share: no gather
             t_ck = time.perf_counter()
             if self.stage.shard is not None:  # (but a sharded stage optimizer's, over the stage group)
-                gather_stage_optimizer(self.stage.shard, self.stage_group)
+                gather_stage_optimizer(self.stage, self.stage_group)
             pieces, meta = self.sharded_parts(group)
             path = work.save_sharded(group, step, pieces, meta)
             if group.rank == 0:
@@ -613,7 +613,7 @@ class PipelineWorkerEngine:
         several stages send each stage's state apart, so the layout is that of the job's stages."""
         p = self.pipeline.stages
         if self.stage is not None and self.stage.shard is not None:  # replica 0 sends each stage's state
-            gather_stage_optimizer(self.stage.shard, self.stage_group, root=0)
+            gather_stage_optimizer(self.stage, self.stage_group, root=0)
         stages = gather_stages(self.stage, self.pipeline, self.layout, self.full_bounds, group, self.device)
         if stages is None:
             return None
