@@ -44,6 +44,7 @@ from virtualflow.runtime.pipeline.requests import Request, StepResult
 from virtualflow.runtime.pipeline.schedule import schedule_for
 from virtualflow.runtime.pipeline.stage_shard import StageShard, check_stage_sharding
 from virtualflow.runtime.pipeline.stream import StreamWindow
+from virtualflow.runtime.pipeline.timing import StageTiming
 from virtualflow.runtime.pipeline.tied import ExactTies
 
 
@@ -72,12 +73,14 @@ class StageEngine:
         eager_every_wait: bool = False,
         loop: StageLoop | None = None,
         reduction: str = "allreduce",
+        breakdown: bool = True,
     ) -> None:
         """``build_optimizer``: ``Job.build_optimizer``, given this worker's stage module
         (:func:`~virtualflow.runtime.pipeline.pieces.stage_model`). ``loop``: the training loop's
         knobs (:func:`~virtualflow.runtime.pipeline.loop.stage_loop`; default float32, no
         clipping). ``reduction``: ``"allreduce"`` (every replica holds the stage's whole optimizer
-        state) or ``"sharded"`` (each holds its chunk, :mod:`.stage_shard`)."""
+        state) or ``"sharded"`` (each holds its chunk, :mod:`.stage_shard`). ``breakdown``: measure where each
+        step's time goes (:mod:`.timing`)."""
         if reduction not in ("allreduce", "sharded"):
             raise ValueError(f"reduction={reduction!r} is not known; choose 'allreduce' or 'sharded' (--reduction)")
         self.pipeline = pipeline
@@ -136,6 +139,9 @@ class StageEngine:
         self.assignment: list[list[int]] = [list(range(plan.virtual_nodes))]
         self.tree: TreePlan | None = None
         self.timeline: list[dict[str, Any]] | None = [] if pipeline.record_timeline else None
+        self.timing = StageTiming(breakdown)
+        """The step breakdown of this stage (flush schedules): its clock and its slot in the
+        step's statistics all-reduce (set with the generation: :meth:`set_breakdown_slot`)."""
         self.phase = "idle"
         self.slowdown = 1.0
         self.pending_commit: tuple[int, Callable[[torch.Tensor], StepResult]] | None = None
@@ -195,6 +201,12 @@ class StageEngine:
                 f"{self.plan.virtual_nodes} replicas"
             )
         schedule_for(self.pipeline, len(vns), self.pipeline.window)  # validate m for this schedule now
+        self.timing.new_generation(None, self.stage_rank)
+
+    def set_breakdown_slot(self, rank: int, size: int) -> None:
+        """This worker is rank ``rank`` of the generation's ``size`` workers: its slot for the step
+        breakdown (after :meth:`set_layout`, on every worker of the generation or on none)."""
+        self.timing.slot = (rank, size)
 
     def set_job_stages(self, stages: Sequence[tuple[int, int, int]] | None) -> None:
         """Bamboo: this worker runs the job stages ``(stage, first layer, end layer)`` (consecutive,
@@ -259,7 +271,7 @@ class StageEngine:
         results = []
         if self.pipeline.flush:
             for t in range(first_step, first_step + n_steps):
-                res = yield from self._flush_step(t, control if t == first_step else 0)
+                res = yield from self.timing.timed(self._flush_step(t, control if t == first_step else 0))
                 results.append(res)
             return results
         return (yield from self._stream(first_step, n_steps, control))
@@ -287,6 +299,7 @@ class StageEngine:
     def _flush_step(self, step: int, control: int) -> Generator[Request, Any, StepResult]:
         """One step: forwards and backwards (the executor), the reduction over the replicas, tied
         weights, Bamboo's hand-over to the replica, then the stats all-reduce and the commit."""
+        self.timing.begin()
         work = FlushStep(self, step)
         self.model.train()
         for bn in self.bn.values():

@@ -29,6 +29,7 @@ Invariants:
 
 from __future__ import annotations
 
+import time
 from typing import Any, Generator
 
 import torch
@@ -230,7 +231,10 @@ class FlushStep:
         worker), then :meth:`commit`."""
         e, V = self.engine, self.V
         is_last = e.last in e.pieces
-        stats = torch.zeros(self.stats_numel(V, e.loop), dtype=torch.float64, device=e.device)
+        base = self.stats_numel(V, e.loop)
+        # [the step's stats | the previous step's breakdown, a slot per worker (.timing)]
+        stats = torch.zeros(base + e.timing.block_numel, dtype=torch.float64, device=e.device)
+        e.timing.pack(stats[base:])
         metric_sums = self._metric_sums() if is_last else None
         if is_last:
             for v in self.vns:
@@ -238,7 +242,7 @@ class FlushStep:
             if e.replica == 0:
                 stats[V + 1] = float(loss_total)
                 names, k = metric_header(metric_sums)
-                stats[-2:] = torch.tensor([float(len(names)), float(k)], dtype=torch.float64)
+                stats[base - 2: base] = torch.tensor([float(len(names)), float(k)], dtype=torch.float64)
         stats[V] = control
         stats[V + 2] = self.found_inf
         if self.norm_sums is not None:
@@ -261,10 +265,11 @@ class FlushStep:
         # The loss function's metrics (reporting only: a failure in this all-reduce leaves the
         # step to the state transfer, as BatchNorm's "first" statistics below).
         shared = yield from share_metrics([metric_sums or {}] if is_last else None, is_last and e.replica == 0,
-                                          int(stats[-2]), int(stats[-1]), 1, e.device)
+                                          int(stats[base - 2]), int(stats[base - 1]), 1, e.device)
         if first_bn:
             bn_new = yield from e.reducer.sum_by_stage(vec, False, True, False)
         result = self.commit(stats, bn_new, shared[0] if shared else None)
+        result.breakdown = e.timing.derive(stats[base:])
         if self.applied and e.shard is not None and e.replicas > 1:
             # reduction="sharded": every replica updated its chunk; all of them, everywhere
             yield StageGather(e.shard.flat.flat, e.shard.bounds)
@@ -298,6 +303,7 @@ class FlushStep:
         if loop.scaler is not None:
             loop.scaler.update(found_inf)  # every worker, the same verdict: the same scale
         e.phase = "apply"
+        t_apply = time.perf_counter()
         # BatchNorm statistics as after any step whose forwards ran (a skipped step's included,
         # as in a plain loop where GradScaler skips only optimizer.step()).
         if bn_new is not None:
@@ -319,5 +325,6 @@ class FlushStep:
             e.replica_of_successor.apply(self.replica_update, update=not found_inf,
                                          clip=(norm, loop.max_grad_norm) if norm is not None else None)
             e.replica_of_successor.end_step(applied=True)
+        e.timing.clock.add("optimizer_s", time.perf_counter() - t_apply)
         e.phase = "idle"
         return result

@@ -83,6 +83,7 @@ class LocalDriver:
             raise ValueError(f"assignment has {len(assignment)} replicas, the driver has {self.d}")
         for r, e in enumerate(self.engines):
             e.set_layout(r // self.p, assignment)
+            e.set_breakdown_slot(r, len(self.engines))
 
     def run(self, first_step: int, n_steps: int, control: int = 0) -> list[StepResult]:
         gens = [e.steps(first_step, n_steps, control) for e in self.engines]

@@ -125,3 +125,7 @@ class StepResult:
     """``16-mixed``: an inf/nan gradient on some stage; the step was applied nowhere."""
     loss_scale: float | None = None
     """``16-mixed``: the scale this step's loss was multiplied by."""
+    breakdown: list[dict[str, float]] | None = None
+    """Rank 0: where every worker's time went in the *previous* step (rank order;
+    :mod:`virtualflow.runtime.breakdown`, per stage: :mod:`.timing`); ``None`` elsewhere, on a
+    generation's first step, with the breakdown off or a no-flush schedule."""

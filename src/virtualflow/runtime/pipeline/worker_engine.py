@@ -65,13 +65,16 @@ class PipelineWorkerEngine:
 
     def __init__(self, job: Any, dataset: Any, *, deterministic: bool, device: torch.device,
                  subgroup: Callable[[int, str, int, int], Group], eager_every_wait: bool = False,
-                 deterministic_exchange: str = "auto", reduction: str = "allreduce") -> None:
+                 deterministic_exchange: str = "auto", reduction: str = "allreduce",
+                 breakdown: bool = True) -> None:
         """``deterministic_exchange``: the ``LaunchOptions`` knob of that name (how deterministic
         mode's per-stage reduction over the replicas runs: :class:`~.links.StageExchanges`).
         ``reduction``: ``"sharded"`` shards each stage's optimizer state over its replicas
         (:mod:`~virtualflow.runtime.pipeline.stage_shard`)."""
         self.job = job
         self.reduction = reduction
+        self.breakdown = breakdown
+        """Measure where each step's time goes, per stage (:mod:`~virtualflow.runtime.pipeline.timing`)."""
         self.deterministic_exchange = deterministic_exchange
         self.exchanges = StageExchanges(deterministic_exchange)  # (checks the knob's value now)
         """This generation's per-stage exchanges: which one each stage group runs, and why."""
@@ -185,6 +188,7 @@ class PipelineWorkerEngine:
             successor_pieces=successor_pieces(self.pipeline, self.layers, self.bounds, stage_rank),
             eager_every_wait=self.eager_every_wait,
             loop=stage_loop(job, self.layers, self.bounds, p), reduction=self.reduction,
+            breakdown=self.breakdown,
         )
 
     def set_membership(self, group: Group, assignment: Any, layout: list[list[int]] | None = None,
@@ -230,6 +234,7 @@ class PipelineWorkerEngine:
             g.abort_check = group.abort_check
         self.stage_group = self.stage_groups[min(names)]
         self.stage.set_layout(grid.replica, assignment)
+        self.stage.set_breakdown_slot(group.rank, group.size)
         self.stage.slowdown = self.slowdown
         self.stage.fault_point = None
         self.group, self.grid = group, grid
@@ -497,8 +502,8 @@ class PipelineWorkerEngine:
         self.phase = "idle"
         if self.stage.timeline:
             self._write_timeline()
-        out = {r.step: StepOutcome(r.loss, r.bad_vns, r.control, None, metrics=r.metrics, grad_norm=r.grad_norm,
-                                   skipped=r.skipped, loss_scale=r.loss_scale) for r in results}
+        out = {r.step: StepOutcome(r.loss, r.bad_vns, r.control, None, r.breakdown, metrics=r.metrics,
+                                   grad_norm=r.grad_norm, skipped=r.skipped, loss_scale=r.loss_scale) for r in results}
         first = out.pop(step)
         self._results = out
         return first
@@ -569,7 +574,7 @@ class PipelineWorkerEngine:
             if pending is not None:
                 self._discard_step()
             return steps
-        stats = self.stage.last_commit[1].clone() if me == sources[0] else \
+        stats = self.stage.last_commit[1][: self._stats_numel()].clone() if me == sources[0] else \
             torch.zeros(self._stats_numel(), dtype=torch.float64, device=self.device)
         group.broadcast(stats, sources[0])
         if mine:
