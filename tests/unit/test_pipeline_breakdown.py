@@ -56,6 +56,7 @@ def test_each_request_is_timed_into_its_part():
         i = 0
         try:
             while True:
+                assert req is script[i][0]  # passed on unchanged
                 clock.t += script[i][1]
                 i += 1
                 req = gen.send(None)

@@ -6,7 +6,8 @@ in-process (``test_pipeline_sharded.py``).
 2 stages x 2 replicas, deterministic (BatchNorm, dropout, SGD with momentum, an LR schedule):
 bit-identical to the unpipelined deterministic run on one worker, the final state's optimizer
 state equal to the unpipelined one's, each worker holding about half of its stage's optimizer
-state, and rank 0 reporting every stage's step breakdown; resumed from its final state (cut into chunks again, over 2 replicas) it continues exactly.
+state, and rank 0 reporting every stage's step breakdown; resumed from its final state (cut into
+chunks again, over 2 replicas) it continues exactly.
 """
 
 from __future__ import annotations

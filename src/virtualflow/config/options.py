@@ -129,7 +129,8 @@ class LaunchOptions:
                                "along a fixed tree; one thread per worker unless --threads-per-worker)", "training")
     reduction: str = _opt("allreduce", "how workers combine gradients: allreduce (each holds the whole optimizer "
                           "state) or sharded (reduce-scatter, each updates 1/N of the weights and holds 1/N of the "
-                          "Adam/AdamW/SGD state, all-gather); same model either way", "training",
+                          "Adam/AdamW/SGD state, all-gather; pipelined jobs: each stage over its replicas); same "
+                          "model either way", "training",
                           choices=("allreduce", "sharded"))
     deterministic_exchange: str = _opt("auto", "how deterministic mode brings the workers' partial sums together: "
                                        "owners (each worker sends each chunk of its partial sums only to that "

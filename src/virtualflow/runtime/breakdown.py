@@ -261,7 +261,8 @@ def derive(raw: Sequence[Sequence[float]], groups: Sequence[int] | None = None) 
         control = min(max(0.0, r["loop_s"]), rest)
         out.append({
             "input_s": r["input_s"], "forward_s": forward, "backward_s": backward,
-            "p2p_s": r["p2p_s"], "bubble_s": r["bubble_s"], "reduction_s": r["blocked_s"] - straggler, "straggler_s": straggler,
+            "p2p_s": r["p2p_s"], "bubble_s": r["bubble_s"],
+            "reduction_s": r["blocked_s"] - straggler, "straggler_s": straggler,
             "optimizer_s": r["optimizer_s"], "overhead_s": rest - control, "control_s": control,
             "step_s": r["period_s"],
             "read_calls": int(round(r["read_calls"])), "read_bytes": int(round(r["read_bytes"])),

@@ -34,8 +34,8 @@ from virtualflow.comm.reduce import tree_exchange
 from virtualflow.plan.exchange import EXCHANGES, OwnerSchedule, choose_exchange
 from virtualflow.plan.pipeline.geometry import Grid
 from virtualflow.plan.vnmap import TreePlan
-from virtualflow.runtime.pipeline.requests import (AllSum, Expect, Poll, Recv, Send, StageGather, StageScatter, StageSum,
-                                                   StageTree, StepResult)
+from virtualflow.runtime.pipeline.requests import (AllSum, Expect, Poll, Recv, Send, StageGather, StageScatter,
+                                                   StageSum, StageTree, StepResult)
 
 __all__ = ["Links", "Metas", "StageExchanges", "drive"]
 

@@ -25,8 +25,8 @@ from virtualflow.config.pipeline import Pipeline
 from virtualflow.plan.vnmap import Node, split
 from virtualflow.runtime.pipeline.engine import StageEngine
 from virtualflow.runtime.pipeline.loop import stage_loop
-from virtualflow.runtime.pipeline.requests import (AllSum, Expect, Poll, Recv, Send, StageGather, StageScatter, StageSum,
-                                                   StageTree, StepResult)
+from virtualflow.runtime.pipeline.requests import (AllSum, Expect, Poll, Recv, Send, StageGather, StageScatter,
+                                                   StageSum, StageTree, StepResult)
 from virtualflow.runtime.pipeline.wire import MsgKey
 
 __all__ = ["LocalDriver", "PipelineDeadlock", "build_engine", "train_local"]

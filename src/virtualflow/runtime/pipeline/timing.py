@@ -21,14 +21,13 @@ a generation (``slot`` is set for all of them or for none).
 
 from __future__ import annotations
 
-import time
 from typing import Any, Generator
 
 import torch
 
 from virtualflow.runtime.breakdown import RAW, StepClock, derive
-from virtualflow.runtime.pipeline.requests import (AllSum, Expect, Poll, Recv, Send, StageGather, StageScatter, StageSum,
-                                                   StageTree)
+from virtualflow.runtime.pipeline.requests import (AllSum, Expect, Poll, Recv, Send, StageGather, StageScatter,
+                                                   StageSum, StageTree)
 
 __all__ = ["KINDS", "StageTiming"]
 
