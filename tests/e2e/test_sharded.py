@@ -208,8 +208,9 @@ def test_unsupported_optimizers_and_layouts_are_refused_with_the_knob():
     mixed = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3).double())
     with pytest.raises(ValueError, match=r"one dtype and device.*float32.*float64"):
         check_optimizer(torch.optim.Adam(mixed.parameters()), list(mixed.parameters()))
-    with pytest.raises(ValueError, match=r"--pipeline-stages"):
-        vf.LaunchOptions(steps=1, reduction="sharded", pipeline_stages=2)
+    vf.LaunchOptions(steps=1, reduction="sharded", pipeline_stages=2)  # each stage sharded over its replicas
+    with pytest.raises(ValueError, match=r"shard_replicas=1 .*pipeline_stages=2.*--shard-replicas"):
+        vf.LaunchOptions(steps=1, reduction="sharded", shard_replicas=1, pipeline_stages=2)
     with pytest.raises(ValueError, match=r"reduction='tree' is not known.*--reduction"):
         vf.LaunchOptions(steps=1, reduction="tree")
 

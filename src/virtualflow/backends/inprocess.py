@@ -47,10 +47,12 @@ def build_engine(job: Any, pipeline: Any, bounds: Sequence[tuple[int, int]], sta
 
 def train_local(job: Any, steps: int, *, replicas: int = 1, deterministic: bool = False,
                 bounds: Sequence[tuple[int, int]] | None = None, device: torch.device = torch.device("cpu"),
-                eager_every_wait: bool | None = None) -> tuple[dict[str, torch.Tensor], list[StepResult]]:
+                eager_every_wait: bool | None = None, reduction: str = "allreduce",
+                engines_out: list[Any] | None = None) -> tuple[dict[str, torch.Tensor], list[StepResult]]:
     """:func:`virtualflow.runtime.pipeline.local.train_local`, ``eager_every_wait`` defaulting to
     :func:`eager_every_wait_from_env`."""
     if eager_every_wait is None:
         eager_every_wait = eager_every_wait_from_env()
     return in_process.train_local(job, steps, replicas=replicas, deterministic=deterministic, bounds=bounds,
-                                  device=device, eager_every_wait=eager_every_wait)
+                                  device=device, eager_every_wait=eager_every_wait, reduction=reduction,
+                                  engines_out=engines_out)

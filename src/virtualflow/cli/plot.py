@@ -158,7 +158,8 @@ def timeline_figure(run_dirs: list[str]) -> Figure:
     return fig
 
 
-_COLORS = {"input_s": "tab:orange", "forward_s": "tab:blue", "backward_s": "tab:cyan", "reduction_s": "tab:green",
+_COLORS = {"input_s": "tab:orange", "forward_s": "tab:blue", "backward_s": "tab:cyan", "p2p_s": "tab:pink",
+           "bubble_s": "tab:brown", "reduction_s": "tab:green",
            "straggler_s": "tab:red", "optimizer_s": "tab:purple", "overhead_s": "tab:olive", "control_s": "tab:gray"}
 
 

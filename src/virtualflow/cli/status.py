@@ -114,6 +114,8 @@ def breakdown_lines(data: object) -> list[str]:
                           advice=data.get("advice"))  # type: ignore[union-attr]
         for m in [*summary.per_worker.values(), summary.share]:
             m.setdefault("overhead_s", 0.0)  # a status written before the engine's overhead was apart
+            m.setdefault("p2p_s", 0.0)  # ... or before pipeline stages were broken down
+            m.setdefault("bubble_s", 0.0)
         for m in summary.per_worker.values():
             [float(m[k]) for k in PARTS + ("step_s",)]
         lines = format_table(summary)

@@ -132,7 +132,8 @@ class LaunchOptions:
                                "along a fixed tree; one thread per worker unless --threads-per-worker)", "training")
     reduction: str = _opt("allreduce", "how workers combine gradients: allreduce (each holds the whole optimizer "
                           "state) or sharded (reduce-scatter, each updates 1/N of the weights and holds 1/N of the "
-                          "Adam/AdamW/SGD state, all-gather); same model either way", "training",
+                          "Adam/AdamW/SGD state, all-gather; pipelined jobs: each stage over its replicas); same "
+                          "model either way", "training",
                           choices=("allreduce", "sharded"))
     deterministic_exchange: str = _opt("auto", "how deterministic mode brings the workers' partial sums together: "
                                        "owners (each worker sends each chunk of its partial sums only to that "
@@ -313,10 +314,10 @@ class LaunchOptions:
             raise ValueError(f"shard_replicas={self.shard_replicas} keeps replicas of the sharded optimizer's chunks; "
                              f"with reduction={self.reduction!r} every worker holds the whole optimizer state already "
                              f"and recovers in place: drop --shard-replicas or add --reduction sharded")
-        if self.reduction == "sharded" and self.pipeline_stages is not None and self.pipeline_stages > 1:
-            raise ValueError(f"reduction='sharded' shards the data-parallel optimizer of unpipelined jobs; with "
-                             f"pipeline_stages={self.pipeline_stages} each worker already holds only its stage's "
-                             f"optimizer state: drop --reduction sharded or --pipeline-stages")
+        if self.shard_replicas and self.pipeline_stages is not None and self.pipeline_stages > 1:
+            raise ValueError(f"shard_replicas={self.shard_replicas} keeps replicas of the sharded optimizer's chunks, "
+                             f"which pipelined jobs (pipeline_stages={self.pipeline_stages}) do not support; drop "
+                             f"--shard-replicas")
         self._check_backend()
         self._check_workers()
 

@@ -34,7 +34,8 @@ from virtualflow.launching.resume import find_resume_state
 from virtualflow.launching.supervisor import RunSetup
 from virtualflow.plan.hetero import check_memory
 from virtualflow.plan.streams import StreamPlan
-from virtualflow.plan.pipeline.geometry import check_workers
+from virtualflow.plan.pipeline.geometry import check_workers, layers_of, resolve_bounds, shared_across_pieces
+from virtualflow.runtime.pipeline.stage_shard import check_stage_sharding
 from virtualflow.plan.vnmap import contiguous_assignment, pipeline_assignment
 from virtualflow.runtime.streaming import data_plan_of
 from virtualflow.records.rundir import (RunLock, disk_full_error, earlier_run, make_private_dir, set_aside,
@@ -86,13 +87,15 @@ def prepare(job: JobLike, opts: LaunchOptions) -> Iterator[RunSetup]:
         if limits is not None:
             pipeline_assignment(job_obj.virtual_nodes, limits.max_workers, pipeline.replica_workers)
     if pipeline is not None and opts.reduction == "sharded":
-        raise ValueError(f"reduction='sharded' shards the data-parallel optimizer of unpipelined jobs; this job is "
-                         f"pipelined in {pipeline.stages} stages (Job.pipeline / --pipeline-stages), so each worker "
-                         f"already holds only its stage's optimizer state: drop --reduction sharded")
+        # Each stage's optimizer state is sharded over its pipeline replicas
+        # (runtime/pipeline/stage_shard.py); what that does not cover is refused here.
+        check_stage_sharding(pipeline, tied=False, shard_replicas=opts.shard_replicas)
     preflight(job_obj, dataset, plan, reduction=opts.reduction)
     if pipeline is not None:
         pipeline = plan_pipeline(job_obj.replace(pipeline=pipeline), dataset, workers, device=opts.device,
                                  deterministic=opts.deterministic, checkpoint_format=opts.checkpoint_format)
+        if opts.reduction == "sharded":
+            check_stage_sharding(pipeline, tied=bool(shared_across_pieces(*_layers_and_bounds(job_obj, pipeline))))
         overrides_job["pipeline"] = pipeline
         job_obj = job_obj.replace(pipeline=pipeline)
     backend.check_capacity(workers)
@@ -240,3 +243,13 @@ def continues(run_dir: str, resume_path: str) -> bool:
     """Whether ``resume_path`` is one of ``run_dir``'s own state files (the run there goes on)."""
     folder = os.path.realpath(os.path.dirname(os.path.abspath(resume_path)))
     return folder in (os.path.realpath(run_dir), os.path.realpath(os.path.join(run_dir, "checkpoints")))
+
+
+def _layers_and_bounds(job: Job, pipeline: Any) -> tuple[list[Any], list[tuple[int, int]]]:
+    """The model's layers (built from the seed, as the workers build it) and ``pipeline``'s cut."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(job.seed)
+        layers = layers_of(job.model())
+    return layers, resolve_bounds(pipeline, len(layers))

@@ -138,7 +138,8 @@ class Result:
     worker id -> MiB); empty on CPUs, whose peak is ``peak_rss_mib``."""
     optimizer_bytes: dict[int, int] = field(default_factory=dict)
     """Bytes of optimizer state each worker held at the end (worker id -> bytes): the whole state
-    with the default reduction, its chunk with ``reduction="sharded"`` (0 for pipelined jobs)."""
+    with the default reduction, its chunk with ``reduction="sharded"``; pipelined jobs: its stage's,
+    or with ``reduction="sharded"`` its chunk of its stage's after its last update)."""
     replica_bytes: dict[int, int] = field(default_factory=dict)
     """``Pipeline(redundancy=True)``: bytes of each worker's replica of its successor's stage at
     the end (parameters, buffers, optimizer state; worker id -> bytes; 0 without redundancy).

@@ -13,6 +13,8 @@ one clock, ``time.perf_counter``). :class:`StepClock` cuts it into intervals as 
 * ``control_s``  the control plane: from the end of the update to the next step's start, the
   worker's step loop around the engine (the step report, control commands, checkpoint and
   evaluation decisions);
+* ``p2p_s`` and ``bubble_s`` (pipelined jobs, per stage; 0 for the VN engine): see *Pipeline
+  stages* below;
 * the rest of the period is ``overhead_s``: the engine's own bookkeeping inside the step
   (zeroing gradients, the per-VN loop, packing and unpacking the statistics that ride in the
   reduction, BatchNorm bookkeeping, the probe of a worker with no VN).
@@ -44,6 +46,28 @@ in that group). Cost: two ``perf_counter`` reads per interval and, for file-back
 reads of ``/proc/thread-self/io`` per batch loaded (the I/O profile), measured in
 ``bench/input_pipeline.py``.
 
+Pipeline stages. A pipelined job's worker runs one stage of one pipeline replica, and its step
+is the schedule's walk of that stage's actions (:mod:`virtualflow.runtime.pipeline.timing` times
+it). Its parts mean, per stage:
+
+* ``forward_s`` / ``backward_s``: the stage's own forwards (the first stage's include loading its
+  micro-batches' data, so its ``input_s`` is 0; the last stage's include the loss) and backwards
+  (B, or I and W for zero-bubble schedules);
+* ``p2p_s``: sending activations and gradients to the neighbour stages and posting receives
+  (packing and handing messages to the transport; sends never block);
+* ``bubble_s``: idle, waiting for a neighbour's activation or gradient (the schedule's bubble,
+  and any transfer time the schedule did not hide) and for the other stages at the step's
+  statistics all-reduce (the pipeline's drain: a last stage waits there for the first stage's
+  last backward);
+* ``reduction_s`` / ``straggler_s``: the stage's reduction over its pipeline replicas (its stage
+  group ``gen/<g>/stage<s>``), split as above, but against the last replica *of the same stage* to
+  arrive (:func:`derive`'s ``groups``);
+* ``optimizer_s``: the stage's update (with ``reduction="sharded"`` its chunk's, and the
+  parameters' all-gather over the stage group).
+
+They ride in the next step's statistics all-reduce, as the VN engine's do. No-flush schedules
+(``2bw``, ``async``) stream a window of steps as one action list: no per-step breakdown.
+
 Pure except :class:`StepClock` and :func:`thread_io` (clocks and the OS counters): no processes.
 """
 
@@ -57,11 +81,16 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 RAW = ("input_s", "forward_s", "backward_s", "emulated_s", "blocked_s", "optimizer_s", "period_s", "arrive_s",
-       "read_calls", "read_bytes", "loaded_s", "loop_s")
+       "read_calls", "read_bytes", "loaded_s", "loop_s", "p2p_s", "bubble_s")
 """What each worker measures per step, in this order (the vector that rides in the reduction)."""
 
-PARTS = ("input_s", "forward_s", "backward_s", "reduction_s", "straggler_s", "optimizer_s", "overhead_s", "control_s")
-"""The parts a step period is cut into (they add up to ``step_s``)."""
+PARTS = ("input_s", "forward_s", "backward_s", "p2p_s", "bubble_s", "reduction_s", "straggler_s", "optimizer_s",
+         "overhead_s", "control_s")
+"""The parts a step period is cut into (they add up to ``step_s``). ``p2p_s`` and ``bubble_s`` are
+a pipeline stage's (0 for the VN engine)."""
+
+PIPELINE_PARTS = ("p2p_s", "bubble_s")
+"""The parts only a pipelined job's workers measure (records without them read them as 0)."""
 
 IO_FIELDS = ("read_calls", "read_bytes", "loaded_s")
 """The I/O profile per worker and step: read system calls and bytes read while loading the
@@ -202,28 +231,37 @@ class StepClock:
 
 
 # -- rank 0: combining the workers' vectors ------------------------------------------------------
-def derive(raw: Sequence[Sequence[float]]) -> list[dict[str, float]] | None:
+def derive(raw: Sequence[Sequence[float]], groups: Sequence[int] | None = None) -> list[dict[str, float]] | None:
     """Per worker (rank order) the :data:`PARTS`, ``step_s`` and the :data:`IO_FIELDS` of one step
     from every worker's :data:`RAW` vector; None when a worker has no finished step (a
-    generation's first step, or the breakdown off)."""
+    generation's first step, or the breakdown off). ``groups[r]``: the reduction group of rank
+    ``r`` (a pipeline's stage); a worker's straggler wait is against the last member of its own
+    group to arrive (default: one group)."""
     if not raw or any(len(v) != len(RAW) for v in raw):
         return None
     rows = [dict(zip(RAW, (float(x) for x in v))) for v in raw]
     if any(r["period_s"] <= 0 or not all(math.isfinite(x) for x in r.values()) for r in rows):
         return None
-    last = max(r["arrive_s"] for r in rows)
+    groups = list(groups) if groups is not None else [0] * len(rows)
+    if len(groups) != len(rows):
+        return None
+    last_of: dict[int, float] = {}
+    for g, r in zip(groups, rows):
+        last_of[g] = max(last_of.get(g, r["arrive_s"]), r["arrive_s"])
     out = []
-    for r in rows:
+    for g, r in zip(groups, rows):
+        last = last_of[g]
         compute = r["forward_s"] + r["backward_s"]
         fwd_share = r["forward_s"] / compute if compute > 0 else 0.5
         forward = r["forward_s"] + r["emulated_s"] * fwd_share
         backward = r["backward_s"] + r["emulated_s"] * (1 - fwd_share)
         straggler = min(max(0.0, last - r["arrive_s"]), r["blocked_s"])
-        measured = r["input_s"] + forward + backward + r["blocked_s"] + r["optimizer_s"]
+        measured = r["input_s"] + forward + backward + r["p2p_s"] + r["bubble_s"] + r["blocked_s"] + r["optimizer_s"]
         rest = max(0.0, r["period_s"] - measured)
         control = min(max(0.0, r["loop_s"]), rest)
         out.append({
             "input_s": r["input_s"], "forward_s": forward, "backward_s": backward,
+            "p2p_s": r["p2p_s"], "bubble_s": r["bubble_s"],
             "reduction_s": r["blocked_s"] - straggler, "straggler_s": straggler,
             "optimizer_s": r["optimizer_s"], "overhead_s": rest - control, "control_s": control,
             "step_s": r["period_s"],
@@ -249,8 +287,9 @@ def clean(value: Any, max_workers: int = 4096) -> list[dict[str, float]] | None:
             return None
         rec: dict[str, float] = {"worker": wid}
         for k in keys:
-            # Records written before overhead_s was measured apart counted it in control_s.
-            x = row.get(k, 0.0 if k == "overhead_s" else None)
+            # Records written before overhead_s was measured apart counted it in control_s; records
+            # written before pipeline stages were broken down have no p2p_s / bubble_s (0 then).
+            x = row.get(k, 0.0 if k == "overhead_s" or k in PIPELINE_PARTS else None)
             if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
                 return None
             rec[k] = x
@@ -326,13 +365,21 @@ def advice(share: dict[str, float], *, loader_workers: int, stalled_s: float = 0
             f"cheaper (faster storage, smaller or cached files).")
 
 
+def shown_parts(summary: Summary) -> tuple[str, ...]:
+    """The parts a table shows: the pipeline stages' only where some worker measured them."""
+    pipelined = any(m.get(k, 0.0) > 0 for m in summary.per_worker.values() for k in PIPELINE_PARTS)
+    return PARTS if pipelined else tuple(k for k in PARTS if k not in PIPELINE_PARTS)
+
+
 def format_table(summary: Summary) -> list[str]:
-    """Lines for ``virtualflow status``: one row per worker, milliseconds per step."""
-    head = f"{'worker':>6} " + " ".join(f"{k.removesuffix('_s'):>9}" for k in PARTS) + f" {'step':>9}"
+    """Lines for ``virtualflow status``: one row per worker, milliseconds per step (a pipelined
+    run's rows are stages: see the module docstring for what each part means there)."""
+    parts = shown_parts(summary)
+    head = f"{'worker':>6} " + " ".join(f"{k.removesuffix('_s'):>9}" for k in parts) + f" {'step':>9}"
     lines = [f"where the step time goes (mean ms per step over {summary.steps} step(s)):", head]
     for wid, m in summary.per_worker.items():
-        lines.append(f"{wid:>6} " + " ".join(f"{1000 * m[k]:>9.1f}" for k in PARTS) + f" {1000 * m['step_s']:>9.1f}")
-    lines.append(f"{'share':>6} " + " ".join(f"{100 * summary.share[k]:>8.1f}%" for k in PARTS))
+        lines.append(f"{wid:>6} " + " ".join(f"{1000 * m[k]:>9.1f}" for k in parts) + f" {1000 * m['step_s']:>9.1f}")
+    lines.append(f"{'share':>6} " + " ".join(f"{100 * summary.share[k]:>8.1f}%" for k in parts))
     reads = [(w, v) for w, v in summary.io.items() if v["read_calls"] > 0]
     if reads:
         lines.append("dataset reads per step: " + ", ".join(

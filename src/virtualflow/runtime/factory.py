@@ -42,7 +42,8 @@ def build_engine(cfg: WorkerConfig, worker_id: int, job: Job, dataset: Any, stor
 
         stages = PipelineWorkerEngine(job, dataset, deterministic=cfg.deterministic, device=device,
                                       subgroup=subgroup, eager_every_wait=eager_every_wait,
-                                      deterministic_exchange=cfg.deterministic_exchange)
+                                      deterministic_exchange=cfg.deterministic_exchange, reduction=cfg.reduction,
+                                      breakdown=cfg.breakdown)
         stages.total_steps = cfg.total_steps
         stages.timeline_dir = os.path.join(cfg.state_dir, "pipeline")
         engine: Engine = stages

@@ -172,8 +172,8 @@ class SizeMeasurement:
         return self.workers / self.throughput
 
 
-BOUND_PARTS = {"compute": ("forward_s", "backward_s"), "communication": ("reduction_s",),
-               "waiting": ("straggler_s",), "input": ("input_s",),
+BOUND_PARTS = {"compute": ("forward_s", "backward_s"), "communication": ("reduction_s", "p2p_s"),
+               "waiting": ("straggler_s", "bubble_s"), "input": ("input_s",),
                "control": ("optimizer_s", "overhead_s", "control_s")}
 """How the breakdown's parts group into what a step can be bound by."""
 

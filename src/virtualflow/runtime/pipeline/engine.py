@@ -5,7 +5,8 @@ replica: pieces ``r, r + p, ...``), adopts a generation's layout (:meth:`StageEn
 and runs steps (:meth:`StageEngine.steps`, a generator of :mod:`.requests` answered by a driver).
 It composes the package's collaborators: micro-batch preparation (:mod:`.microbatch`), the
 executor's walk of the action list (:mod:`.executor`), the flush step (:mod:`.flush`) or the
-streamed window (:mod:`.stream`), the reduction over the replicas (:mod:`.reduction`), and
+streamed window (:mod:`.stream`), the reduction over the replicas (:mod:`.reduction`), the
+sharded optimizer over the replicas (:mod:`.stage_shard`, ``reduction="sharded"``), and
 Bamboo's replica of the successor's stage (:mod:`.redundancy`).
 
 Invariants:
@@ -41,7 +42,9 @@ from virtualflow.runtime.pipeline.reduction import StageReducer, sum_tied
 from virtualflow.runtime.pipeline.redundancy import Eager, Reuse, StageReplica, hand_over, spliced_forward
 from virtualflow.runtime.pipeline.requests import Request, StepResult
 from virtualflow.runtime.pipeline.schedule import schedule_for
+from virtualflow.runtime.pipeline.stage_shard import StageShard, check_stage_sharding
 from virtualflow.runtime.pipeline.stream import StreamWindow
+from virtualflow.runtime.pipeline.timing import StageTiming
 from virtualflow.runtime.pipeline.tied import ExactTies
 
 
@@ -69,11 +72,17 @@ class StageEngine:
         successor_pieces: dict[int, nn.Module] | None = None,
         eager_every_wait: bool = False,
         loop: StageLoop | None = None,
+        reduction: str = "allreduce",
+        breakdown: bool = True,
     ) -> None:
         """``build_optimizer``: ``Job.build_optimizer``, given this worker's stage module
         (:func:`~virtualflow.runtime.pipeline.pieces.stage_model`). ``loop``: the training loop's
         knobs (:func:`~virtualflow.runtime.pipeline.loop.stage_loop`; default float32, no
-        clipping)."""
+        clipping). ``reduction``: ``"allreduce"`` (every replica holds the stage's whole optimizer
+        state) or ``"sharded"`` (each holds its chunk, :mod:`.stage_shard`). ``breakdown``: measure where each
+        step's time goes (:mod:`.timing`)."""
+        if reduction not in ("allreduce", "sharded"):
+            raise ValueError(f"reduction={reduction!r} is not known; choose 'allreduce' or 'sharded' (--reduction)")
         self.pipeline = pipeline
         self.loop = loop if loop is not None else StageLoop()
         """Precision, loss scaler, clipping; checkpointing and compile were applied to the pieces."""
@@ -102,6 +111,14 @@ class StageEngine:
         if deterministic and ExactTies.needed(self.params, self.piece_params, self.tied):
             self.ties = ExactTies(params=self.params, piece_params=self.piece_params, tied=self.tied,
                                   stage_rank=stage_rank, p=pipeline.stages, low=autocast_dtype(self.loop.precision))
+        self.shard: StageShard | None = None
+        """``reduction="sharded"``: this copy's chunk of the stage's optimizer (``self.optimizer``
+        is then its :class:`~.stage_shard.StageOptimizer`); ``None`` otherwise."""
+        if reduction == "sharded":
+            check_stage_sharding(pipeline, tied=bool(self.tied) or self.ties is not None)
+            if self.params:
+                self.shard = StageShard(self.params, self.optimizer)
+                self.optimizer = self.shard.optimizer
         self.tree_params = self.ties.tree_params if self.ties is not None else self.params
         """Deterministic mode: the parameters whose gradients this worker's tree vector holds."""
         self.plan = plan
@@ -122,6 +139,9 @@ class StageEngine:
         self.assignment: list[list[int]] = [list(range(plan.virtual_nodes))]
         self.tree: TreePlan | None = None
         self.timeline: list[dict[str, Any]] | None = [] if pipeline.record_timeline else None
+        self.timing = StageTiming(breakdown)
+        """The step breakdown of this stage (flush schedules): its clock and its slot in the
+        step's statistics all-reduce (set with the generation: :meth:`set_breakdown_slot`)."""
         self.phase = "idle"
         self.slowdown = 1.0
         self.pending_commit: tuple[int, Callable[[torch.Tensor], StepResult]] | None = None
@@ -181,6 +201,12 @@ class StageEngine:
                 f"{self.plan.virtual_nodes} replicas"
             )
         schedule_for(self.pipeline, len(vns), self.pipeline.window)  # validate m for this schedule now
+        self.timing.new_generation(None, self.stage_rank)
+
+    def set_breakdown_slot(self, rank: int, size: int) -> None:
+        """This worker is rank ``rank`` of the generation's ``size`` workers: its slot for the step
+        breakdown (after :meth:`set_layout`, on every worker of the generation or on none)."""
+        self.timing.slot = (rank, size)
 
     def set_job_stages(self, stages: Sequence[tuple[int, int, int]] | None) -> None:
         """Bamboo: this worker runs the job stages ``(stage, first layer, end layer)`` (consecutive,
@@ -245,7 +271,7 @@ class StageEngine:
         results = []
         if self.pipeline.flush:
             for t in range(first_step, first_step + n_steps):
-                res = yield from self._flush_step(t, control if t == first_step else 0)
+                res = yield from self.timing.timed(self._flush_step(t, control if t == first_step else 0))
                 results.append(res)
             return results
         return (yield from self._stream(first_step, n_steps, control))
@@ -273,6 +299,7 @@ class StageEngine:
     def _flush_step(self, step: int, control: int) -> Generator[Request, Any, StepResult]:
         """One step: forwards and backwards (the executor), the reduction over the replicas, tied
         weights, Bamboo's hand-over to the replica, then the stats all-reduce and the commit."""
+        self.timing.begin()
         work = FlushStep(self, step)
         self.model.train()
         for bn in self.bn.values():
@@ -282,7 +309,11 @@ class StageEngine:
             self.replica_of_successor.begin_step()
         if self.reuse is not None and not any(key[0] == step for key in self.reuse.entries):
             self.reuse = None
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.shard is not None:
+            self.shard.cut(self.replica, self.replicas)  # (re-)cut by this generation's layout
+            self.shard.start_step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         self.phase = "compute"
         work.compute_s = yield from self._run_actions(work.schedule, step, work.mbs, forward=work.forward,
                                                       backward=work.backward, eager=self.eager)

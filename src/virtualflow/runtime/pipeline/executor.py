@@ -102,6 +102,7 @@ def run_actions(host: ActionHost, schedule: Schedule, first_step: int, mbs: dict
     receives = [k for k, a in enumerate(actions) if a.kind in ("RECV_F", "RECV_B")]
     announced = 0  # receives[:announced] have been announced
     sent = backed = False
+    timing = getattr(host, "timing", None)  # the step breakdown (.timing), if kept
     for index, a in enumerate(actions):
         done = bisect.bisect_left(receives, index)  # receives before this action have run
         while announced < min(len(receives), done + LOOKAHEAD):
@@ -117,6 +118,7 @@ def run_actions(host: ActionHost, schedule: Schedule, first_step: int, mbs: dict
                     and not (yield Poll(a.peer, key)):
                 replica.forward_eagerly(*todo.popleft(), host.prep, host.slowdown)
         t0 = time.perf_counter()
+        loaded = host.prep.load_s
         if a.kind == "RECV_F":
             tensors = yield Recv(a.peer, ("F", a.stage - 1, a.microbatch))
             local[("F", a.stage - 1, a.microbatch)] = tensors
@@ -169,9 +171,12 @@ def run_actions(host: ActionHost, schedule: Schedule, first_step: int, mbs: dict
         t1 = time.perf_counter()
         if a.kind in ("F", "B", "I", "W"):
             busy += t1 - t0
+            took = t1 - t0
             if host.slowdown > 1.0:
                 time.sleep((host.slowdown - 1.0) * (t1 - t0))
                 t1 = time.perf_counter()
+            if timing is not None:
+                timing.compute(a.kind, took, host.prep.load_s - loaded, t1 - t0 - took)
             if a.kind == "F":
                 f_sum, f_n = f_sum + t1 - t0, f_n + 1
             elif a.kind == "B":

@@ -29,6 +29,7 @@ Invariants:
 
 from __future__ import annotations
 
+import time
 from typing import Any, Generator
 
 import torch
@@ -39,7 +40,7 @@ from virtualflow.runtime.pipeline.batchnorm import load_statistics
 from virtualflow.runtime.pipeline.loop import metric_header, share_metrics
 from virtualflow.runtime.pipeline.microbatch import MicroBatch
 from virtualflow.runtime.pipeline.pieces import apply_update, flat_grads, load_grads
-from virtualflow.runtime.pipeline.requests import AllSum, Request, StepResult
+from virtualflow.runtime.pipeline.requests import AllSum, Request, StageGather, StageScatter, StepResult
 from virtualflow.runtime.pipeline.schedule import schedule_for
 
 
@@ -67,6 +68,7 @@ class FlushStep:
         self.metrics: dict[int, dict[str, float]] = {}  # the last piece: VN -> weighted metrics
         self.found_inf = 0.0
         self.norm_sums: torch.Tensor | None = None
+        self.applied = False  # reduction="sharded": this replica updated its chunk (an all-gather follows)
 
     # ---- one (piece, micro-batch) ------------------------------------------------------------
     def forward(self, k: int, mb: int, step_: int, vn: int, message) -> MicroBatch:
@@ -155,6 +157,8 @@ class FlushStep:
             like = next(iter(nodes.values()))
             total = yield from e.reducer.tree_by_stage(e.tree, nodes, like, bool(with_bn), is_last)
             offset = load_grads(e.tree_params, total)
+            if e.shard is not None:  # the chunk's update reads the flat gradient
+                e.shard.grads_to_flat()
             if e.ties is not None:  # the owners' totals to the other copies
                 yield from e.ties.share_totals(self.step)
             bn_new = None
@@ -165,7 +169,12 @@ class FlushStep:
         # [grads | BatchNorm statistics | loss], summed over the replicas in one vector; with one
         # replica nothing is summed and the gradients stay where backward put them.
         multi = e.replicas > 1
-        parts = flat_grads(e.params) if multi else []
+        scattered = multi and e.shard is not None
+        if e.shard is not None:  # reduction="sharded": the chunk's update reads the flat gradient
+            e.shard.grads_to_flat()
+        if scattered:  # this replica receives its chunk's sum only
+            yield StageScatter(e.shard.flat.grad, e.shard.bounds)
+        parts = flat_grads(e.params) if multi and not scattered else []
         if e.bn_numel:
             if e.batchnorm == "mean":
                 parts += [self.bn_acc[k] for k in e.pieces if e.bn[k].numel]
@@ -176,9 +185,11 @@ class FlushStep:
             parts.append(torch.stack([self.losses[v] for v in self.vns]).sum().reshape(1))
         vec = torch.cat(parts) if parts else torch.zeros(0, device=e.device)
         offset = 0
-        if multi:
+        if multi and not scattered:
             vec = yield from e.reducer.sum_by_stage(vec, True, bool(e.bn_numel), is_last)
             offset = load_grads(e.params, vec)
+        elif scattered and vec.numel():  # the tail [BatchNorm statistics | loss], whole
+            vec = yield from e.reducer.sum_by_stage(vec, False, bool(e.bn_numel), is_last)
         bn_new = None
         if e.bn_numel:
             bn_new = vec[offset: offset + e.bn_numel]
@@ -192,7 +203,10 @@ class FlushStep:
         (16-mixed), note whether one holds an inf/nan, and its layers' sums of squares (replica 0
         only: every entry of the summed vector has one contributor)."""
         e = self.engine
-        if e.loop.checks_grads:
+        if e.loop.checks_grads and e.shard is not None and e.replicas > 1 and not e.deterministic:
+            # reduce-scattered: each replica checks (and adds to the norm) its chunk
+            self.found_inf, self.norm_sums = e.shard.check_chunk(e.loop, e.norm_layers, e.device)
+        elif e.loop.checks_grads:
             self.found_inf, self.norm_sums = e.loop.check_grads(e.norm_layers, e.params, e.replica == 0, e.device)
 
     # ---- the commit ------------------------------------------------------------------------------
@@ -217,7 +231,10 @@ class FlushStep:
         worker), then :meth:`commit`."""
         e, V = self.engine, self.V
         is_last = e.last in e.pieces
-        stats = torch.zeros(self.stats_numel(V, e.loop), dtype=torch.float64, device=e.device)
+        base = self.stats_numel(V, e.loop)
+        # [the step's stats | the previous step's breakdown, a slot per worker (.timing)]
+        stats = torch.zeros(base + e.timing.block_numel, dtype=torch.float64, device=e.device)
+        e.timing.pack(stats[base:])
         metric_sums = self._metric_sums() if is_last else None
         if is_last:
             for v in self.vns:
@@ -225,7 +242,7 @@ class FlushStep:
             if e.replica == 0:
                 stats[V + 1] = float(loss_total)
                 names, k = metric_header(metric_sums)
-                stats[-2:] = torch.tensor([float(len(names)), float(k)], dtype=torch.float64)
+                stats[base - 2: base] = torch.tensor([float(len(names)), float(k)], dtype=torch.float64)
         stats[V] = control
         stats[V + 2] = self.found_inf
         if self.norm_sums is not None:
@@ -248,10 +265,15 @@ class FlushStep:
         # The loss function's metrics (reporting only: a failure in this all-reduce leaves the
         # step to the state transfer, as BatchNorm's "first" statistics below).
         shared = yield from share_metrics([metric_sums or {}] if is_last else None, is_last and e.replica == 0,
-                                          int(stats[-2]), int(stats[-1]), 1, e.device)
+                                          int(stats[base - 2]), int(stats[base - 1]), 1, e.device)
         if first_bn:
             bn_new = yield from e.reducer.sum_by_stage(vec, False, True, False)
-        return self.commit(stats, bn_new, shared[0] if shared else None)
+        result = self.commit(stats, bn_new, shared[0] if shared else None)
+        result.breakdown = e.timing.derive(stats[base:])
+        if self.applied and e.shard is not None and e.replicas > 1:
+            # reduction="sharded": every replica updated its chunk; all of them, everywhere
+            yield StageGather(e.shard.flat.flat, e.shard.bounds)
+        return result
 
     def commit(self, stats: torch.Tensor, bn_new: torch.Tensor | None,
                metrics: dict[str, float] | None = None) -> StepResult:
@@ -281,6 +303,7 @@ class FlushStep:
         if loop.scaler is not None:
             loop.scaler.update(found_inf)  # every worker, the same verdict: the same scale
         e.phase = "apply"
+        t_apply = time.perf_counter()
         # BatchNorm statistics as after any step whose forwards ran (a skipped step's included,
         # as in a plain loop where GradScaler skips only optimizer.step()).
         if bn_new is not None:
@@ -289,6 +312,11 @@ class FlushStep:
             bn.settle()  # a failure after this step (at its boundary) must not undo it
         if found_inf:  # the optimizer and the LR scheduler do not step
             e.optimizer.zero_grad(set_to_none=True)
+        elif e.shard is not None:  # reduction="sharded": this replica's chunk
+            if norm is not None:
+                e.shard.clip_chunk(norm, loop.max_grad_norm)
+            e.shard.apply(e.scheduler)
+            self.applied = True
         else:
             if norm is not None:
                 clip_([q.grad for q in e.params if q.grad is not None], norm, loop.max_grad_norm)
@@ -297,5 +325,6 @@ class FlushStep:
             e.replica_of_successor.apply(self.replica_update, update=not found_inf,
                                          clip=(norm, loop.max_grad_norm) if norm is not None else None)
             e.replica_of_successor.end_step(applied=True)
+        e.timing.clock.add("optimizer_s", time.perf_counter() - t_apply)
         e.phase = "idle"
         return result

@@ -34,7 +34,8 @@ from virtualflow.comm.reduce import tree_exchange
 from virtualflow.plan.exchange import EXCHANGES, OwnerSchedule, choose_exchange
 from virtualflow.plan.pipeline.geometry import Grid
 from virtualflow.plan.vnmap import TreePlan
-from virtualflow.runtime.pipeline.requests import AllSum, Expect, Poll, Recv, Send, StageSum, StageTree, StepResult
+from virtualflow.runtime.pipeline.requests import (AllSum, Expect, Poll, Recv, Send, StageGather, StageScatter,
+                                                   StageSum, StageTree, StepResult)
 
 __all__ = ["Links", "Metas", "StageExchanges", "drive"]
 
@@ -226,6 +227,7 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
     posted: dict[tuple[str, int, int], tuple[Any, torch.Tensor, Metas | None]] = {}
     arrivals: dict[tuple[str, int, int], Arrival] = {}
     answer: Any = None
+    stage_comm: Any = None  # the stage group's ring (reduction="sharded"), made on first use
 
     def post(peer_rank: int, key: tuple[str, int, int]) -> None:
         ref = links.ref.get((key[0], key[1]))
@@ -309,6 +311,13 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
                 answer = req.vector
             elif isinstance(req, StageTree):
                 answer = exchanges.run(req, stage_group if req.stage is None else stage_groups[req.stage])
+            elif isinstance(req, (StageScatter, StageGather)):  # reduction="sharded" (.stage_shard)
+                if stage_comm is None:
+                    from virtualflow.comm.ring import Collectives
+                    stage_comm = Collectives(stage_group)
+                op = stage_comm.reduce_scatter if isinstance(req, StageScatter) else stage_comm.all_gather
+                op(req.vector, req.bounds)
+                answer = req.vector
             elif isinstance(req, AllSum):
                 group.all_reduce(req.vector)
                 answer = req.vector
@@ -322,6 +331,8 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
         exchanges.abandon()
         raise
     finally:
+        if stage_comm is not None:
+            stage_comm.close(timeout_s=1.0 if failed else None)
         if failed:  # the caller closes the group; the peers may not be receiving any more
             _ABANDONED.extend(pending)
             del _ABANDONED[:-256]

@@ -25,7 +25,8 @@ from virtualflow.config.pipeline import Pipeline
 from virtualflow.plan.vnmap import Node, split
 from virtualflow.runtime.pipeline.engine import StageEngine
 from virtualflow.runtime.pipeline.loop import stage_loop
-from virtualflow.runtime.pipeline.requests import AllSum, Expect, Poll, Recv, Send, StageSum, StageTree, StepResult
+from virtualflow.runtime.pipeline.requests import (AllSum, Expect, Poll, Recv, Send, StageGather, StageScatter,
+                                                   StageSum, StageTree, StepResult)
 from virtualflow.runtime.pipeline.wire import MsgKey
 
 __all__ = ["LocalDriver", "PipelineDeadlock", "build_engine", "train_local"]
@@ -34,7 +35,7 @@ __all__ = ["LocalDriver", "PipelineDeadlock", "build_engine", "train_local"]
 # ---- building the engines of a job ------------------------------------------------------------
 def build_engine(job: Any, pipeline: Pipeline, bounds: Sequence[tuple[int, int]], stage_rank: int, *,
                  dataset: Any, deterministic: bool, device: torch.device,
-                 eager_every_wait: bool = False) -> StageEngine:
+                 eager_every_wait: bool = False, reduction: str = "allreduce") -> StageEngine:
     """Build worker ``stage_rank``'s engine: the whole model from the job's seed (so every worker's
     pieces start from the same weights as the unpipelined model), then only its pieces kept.
     ``eager_every_wait``: :attr:`StageEngine.eager_every_wait` (a diagnostic)."""
@@ -53,7 +54,7 @@ def build_engine(job: Any, pipeline: Pipeline, bounds: Sequence[tuple[int, int]]
         seed=job.seed, batchnorm=job.batchnorm, deterministic=deterministic, device=device,
         tied=tied_for_worker(layers, bounds, p, stage_rank),
         successor_pieces=successor_pieces(pipeline, layers, bounds, stage_rank),
-        eager_every_wait=eager_every_wait, loop=stage_loop(job, layers, bounds, p),
+        eager_every_wait=eager_every_wait, loop=stage_loop(job, layers, bounds, p), reduction=reduction,
     )
 
 
@@ -82,6 +83,7 @@ class LocalDriver:
             raise ValueError(f"assignment has {len(assignment)} replicas, the driver has {self.d}")
         for r, e in enumerate(self.engines):
             e.set_layout(r // self.p, assignment)
+            e.set_breakdown_slot(r, len(self.engines))
 
     def run(self, first_step: int, n_steps: int, control: int = 0) -> list[StepResult]:
         gens = [e.steps(first_step, n_steps, control) for e in self.engines]
@@ -153,6 +155,26 @@ class LocalDriver:
                     answer[r] = total.clone()
                     advance(r)
                 moved = True
+            elif all(isinstance(q, StageScatter) for q in reqs):
+                total = reqs[0].vector.clone()
+                for q in reqs[1:]:
+                    total += q.vector
+                for j, (r, q) in enumerate(zip(members, reqs)):
+                    lo, hi = q.bounds[j]
+                    q.vector[lo:hi] = total[lo:hi]  # in place, as the ring leaves it
+                    answer[r] = q.vector
+                    advance(r)
+                moved = True
+            elif all(isinstance(q, StageGather) for q in reqs):
+                for j, q in enumerate(reqs):
+                    lo, hi = q.bounds[j]
+                    for other in reqs:
+                        if other is not q:
+                            other.vector[lo:hi] = q.vector[lo:hi]
+                for r, q in zip(members, reqs):
+                    answer[r] = q.vector
+                    advance(r)
+                moved = True
             elif all(isinstance(q, StageTree) for q in reqs):
                 known: dict[Node, torch.Tensor] = {}
                 for q in reqs:
@@ -176,11 +198,14 @@ def _combine(known: dict[Node, torch.Tensor], node: Node) -> torch.Tensor:
 def train_local(job: Any, steps: int, *, replicas: int = 1, deterministic: bool = False,
                 bounds: Sequence[tuple[int, int]] | None = None,
                 device: torch.device = torch.device("cpu"),
-                eager_every_wait: bool = False) -> tuple[dict[str, torch.Tensor], list[StepResult]]:
+                eager_every_wait: bool = False, reduction: str = "allreduce",
+                engines_out: list[StageEngine] | None = None) -> tuple[dict[str, torch.Tensor], list[StepResult]]:
     """Train a pipelined job for ``steps`` steps with all its workers in this process; returns the
     whole model's final state dict and one result per step. The proof harness of the executor
     (``tests/unit/test_pipeline_engine.py``) and a way to try a pipeline without processes.
-    ``eager_every_wait``: :attr:`StageEngine.eager_every_wait` (a diagnostic)."""
+    ``eager_every_wait``: :attr:`StageEngine.eager_every_wait` (a diagnostic). ``reduction``:
+    :class:`StageEngine`'s. ``engines_out``: a list the workers' engines are appended to (in rank
+    order), for a caller that inspects them after training."""
     from virtualflow.plan.pipeline.geometry import layers_of, resolve_bounds
     from virtualflow.plan.vnmap import contiguous_assignment
 
@@ -194,8 +219,11 @@ def train_local(job: Any, steps: int, *, replicas: int = 1, deterministic: bool 
         torch.manual_seed(job.seed)
         bounds = resolve_bounds(pipeline, len(layers_of(job.model())))
     engines = [build_engine(job, pipeline, bounds, r % pipeline.stages, dataset=dataset,
-                            deterministic=deterministic, device=device, eager_every_wait=eager_every_wait)
+                            deterministic=deterministic, device=device, eager_every_wait=eager_every_wait,
+                            reduction=reduction)
                for r in range(pipeline.stages * replicas)]
+    if engines_out is not None:
+        engines_out.extend(engines)
     driver = LocalDriver(engines)
     driver.set_layout(contiguous_assignment(job.virtual_nodes, replicas))
     history: list[StepResult] = []

@@ -19,6 +19,8 @@ Invariants:
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -67,6 +69,14 @@ class MicroBatchPrep:
         self.device = device
         self.first, self.last = 0, n_pieces - 1
         self.clone_input = {k: starts_in_place(m) for k, m in pieces.items()}
+        self.load_s = 0.0
+        """Seconds spent loading micro-batches' data so far (the step breakdown's ``input_s``)."""
+
+    def _load(self, indices: Any) -> Any:
+        t0 = time.perf_counter()
+        batch = to_device(self.loader(indices), self.device)
+        self.load_s += time.perf_counter() - t0
+        return batch
 
     def inputs(self, k: int, step: int, vn: int, message: list[torch.Tensor] | None, ctx: MicroBatch,
                clone: bool | None = None) -> Any:
@@ -74,7 +84,7 @@ class MicroBatchPrep:
         fresh random stream) or the received message's activations (its stream continued)."""
         if message is None:  # the first piece: the VN's data, a fresh random stream
             indices = self.plan.vn_indices(step, vn)
-            ctx.batch, ctx.n = to_device(self.loader(indices), self.device), len(indices)
+            ctx.batch, ctx.n = self._load(indices), len(indices)
             seed_random_streams(vn_seed(self.seed, step, vn), self.device)
             return self.model_input(ctx.batch)
         tensors = read_forward_message(message, self.device)
@@ -95,7 +105,7 @@ class MicroBatchPrep:
         if k == self.last:
             if ctx.batch is None:
                 indices = self.plan.vn_indices(step, vn)
-                ctx.batch, ctx.n = to_device(self.loader(indices), self.device), len(indices)
+                ctx.batch, ctx.n = self._load(indices), len(indices)
             where = f"Job.output_loss at step {step} in virtual node {vn}"
             loss, metrics = split_loss(self.output_loss(out, ctx.batch), where)
             check_loss(loss, where)

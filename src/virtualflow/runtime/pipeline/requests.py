@@ -9,7 +9,8 @@ generation's groups) and the in-process one (:class:`virtualflow.runtime.pipelin
 Invariants: a :class:`Send` never blocks; a :class:`Recv` blocks until its message is there (the
 schedule checker proves no deadlock under exactly these rules); :class:`Expect` and :class:`Poll`
 never block; the collectives (:class:`StageSum`, :class:`StageTree`, :class:`AllSum`) complete
-when every member has joined and give every member the same sum.
+when every member has joined and give every member the same sum (:class:`StageScatter`: each
+member its chunk of it; :class:`StageGather`: every member every chunk).
 """
 
 from __future__ import annotations
@@ -76,13 +77,32 @@ class StageTree:
 
 
 @dataclass(slots=True)
+class StageScatter:
+    """Reduce-scatter ``vector`` over the pipeline replicas of this stage-rank, in place:
+    afterwards ``vector[lo_j:hi_j]`` (``bounds[j]``, ``j`` this worker's replica) holds the sum
+    over the replicas; the rest is scratch (``reduction="sharded"``, :mod:`.stage_shard`)."""
+
+    vector: torch.Tensor
+    bounds: list[tuple[int, int]]
+
+
+@dataclass(slots=True)
+class StageGather:
+    """All-gather ``vector`` over the pipeline replicas of this stage-rank, in place: each
+    replica's ``vector[lo_j:hi_j]`` goes to every replica (``reduction="sharded"``)."""
+
+    vector: torch.Tensor
+    bounds: list[tuple[int, int]]
+
+
+@dataclass(slots=True)
 class AllSum:
     """Sum ``vector`` over every worker of the job."""
 
     vector: torch.Tensor
 
 
-Request = Send | Recv | Expect | Poll | StageSum | StageTree | AllSum
+Request = Send | Recv | Expect | Poll | StageSum | StageTree | StageScatter | StageGather | AllSum
 
 
 @dataclass(slots=True)
@@ -105,3 +125,7 @@ class StepResult:
     """``16-mixed``: an inf/nan gradient on some stage; the step was applied nowhere."""
     loss_scale: float | None = None
     """``16-mixed``: the scale this step's loss was multiplied by."""
+    breakdown: list[dict[str, float]] | None = None
+    """Rank 0: where every worker's time went in the *previous* step (rank order;
+    :mod:`virtualflow.runtime.breakdown`, per stage: :mod:`.timing`); ``None`` elsewhere, on a
+    generation's first step, with the breakdown off or a no-flush schedule."""

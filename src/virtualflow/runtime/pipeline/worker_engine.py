@@ -53,6 +53,8 @@ from virtualflow.runtime.pipeline.flush import FlushStep
 from virtualflow.runtime.pipeline.loop import StageLoop, stage_loop
 from virtualflow.runtime.pipeline.tensor_grid import (TensorPlanes, convert_layers, merge_stage_states, rebind_comm,
                                                       shard_stage_state, whole_splits)
+from virtualflow.runtime.pipeline.stage_shard import gather_stage_optimizer, optimizer_bytes
+from virtualflow.runtime.sharded import ShardLost
 
 class PipelineWorkerEngine:
     """The worker's engine for a pipelined job: the :class:`~virtualflow.runtime.engines.Engine`
@@ -66,10 +68,16 @@ class PipelineWorkerEngine:
 
     def __init__(self, job: Any, dataset: Any, *, deterministic: bool, device: torch.device,
                  subgroup: Callable[[int, str, int, int], Group], eager_every_wait: bool = False,
-                 deterministic_exchange: str = "auto") -> None:
+                 deterministic_exchange: str = "auto", reduction: str = "allreduce",
+                 breakdown: bool = True) -> None:
         """``deterministic_exchange``: the ``LaunchOptions`` knob of that name (how deterministic
-        mode's per-stage reduction over the replicas runs: :class:`~.links.StageExchanges`)."""
+        mode's per-stage reduction over the replicas runs: :class:`~.links.StageExchanges`).
+        ``reduction``: ``"sharded"`` shards each stage's optimizer state over its replicas
+        (:mod:`~virtualflow.runtime.pipeline.stage_shard`)."""
         self.job = job
+        self.reduction = reduction
+        self.breakdown = breakdown
+        """Measure where each step's time goes, per stage (:mod:`~virtualflow.runtime.pipeline.timing`)."""
         self.deterministic_exchange = deterministic_exchange
         self.exchanges = StageExchanges(deterministic_exchange)  # (checks the knob's value now)
         """This generation's per-stage exchanges: which one each stage group runs, and why."""
@@ -194,7 +202,8 @@ class PipelineWorkerEngine:
             tied=tied_for_worker(layers, self.bounds, p, stage_rank),
             successor_pieces=successor_pieces(self.pipeline, self.layers, self.bounds, stage_rank),
             eager_every_wait=self.eager_every_wait,
-            loop=stage_loop(job, self.layers, self.bounds, p),
+            loop=stage_loop(job, self.layers, self.bounds, p), reduction=self.reduction,
+            breakdown=self.breakdown,
         )
 
     def set_membership(self, group: Group, assignment: Any, layout: list[list[int]] | None = None,
@@ -251,6 +260,7 @@ class PipelineWorkerEngine:
             g.abort_check = group.abort_check
         self.stage_group = self.stage_groups[min(names)]
         self.stage.set_layout(grid.replica, assignment)
+        self.stage.set_breakdown_slot(group.rank, group.size)
         self.stage.slowdown = self.slowdown
         self.stage.fault_point = None
         self.group, self.grid = group, grid
@@ -423,7 +433,14 @@ class PipelineWorkerEngine:
         pass  # a newcomer's stage is built once its place is known
 
     def check_state_held(self, run_dir: str) -> None:
-        pass  # what a failed member held comes back from its stage's survivors (or a replica)
+        # What a failed member held comes back from its stage's survivors (or a replica), except
+        # a chunk of a sharded stage optimizer (one copy each): ShardLost, naming the way out.
+        shard = self.stage.shard if self.stage is not None else None
+        if shard is not None and shard.opt.full is None and shard.opt.size > 1:
+            try:
+                shard.opt.check_held()
+            except ShardLost as exc:
+                raise ShardLost(f"{exc} (this run's directory: {run_dir})") from None
 
     def adopt(self, joining: Joining) -> tuple[int, float]:
         record, group = joining.record, joining.group
@@ -442,7 +459,10 @@ class PipelineWorkerEngine:
         return moved, t_transfer
 
     def before_regroup(self) -> None:
-        pass  # every member keeps its own stage's state
+        # Every member keeps its own stage's state; a sharded stage optimizer is gathered whole on
+        # every replica now, while the old stage group works (the next generation cuts it again).
+        if self.stage is not None and self.stage.shard is not None:
+            gather_stage_optimizer(self.stage, self.stage_group)
 
     def whole_state(self, group: Group) -> dict[str, Any] | None:
         return self.gather_state(group)
@@ -459,6 +479,8 @@ class PipelineWorkerEngine:
         self._due = (False, False)
         if ck and work.dcp and self.layout is None:  # every member writes its stage's share: no gather
             t_ck = time.perf_counter()
+            if self.stage.shard is not None:  # (but a sharded stage optimizer's, over the stage group)
+                gather_stage_optimizer(self.stage, self.stage_group)
             pieces, meta = self.sharded_parts(group)
             path = work.save_sharded(group, step, pieces, meta)
             if group.rank == 0:
@@ -526,7 +548,7 @@ class PipelineWorkerEngine:
 
     def final_report(self) -> dict[str, Any]:
         replica = self.stage.replica_of_successor if self.stage is not None else None
-        return {"optimizer_bytes": 0, "replica_bytes": replica.nbytes() if replica else 0,
+        return {"optimizer_bytes": optimizer_bytes(self.stage), "replica_bytes": replica.nbytes() if replica else 0,
                 "replica_refresh_s": replica.refresh_s if replica else 0.0,
                 "redundant_forwards": self.redundant_forwards()}
 
@@ -562,8 +584,8 @@ class PipelineWorkerEngine:
         self.phase = "idle"
         if self.stage.timeline:
             self._write_timeline()
-        out = {r.step: StepOutcome(r.loss, r.bad_vns, r.control, None, metrics=r.metrics, grad_norm=r.grad_norm,
-                                   skipped=r.skipped, loss_scale=r.loss_scale) for r in results}
+        out = {r.step: StepOutcome(r.loss, r.bad_vns, r.control, None, r.breakdown, metrics=r.metrics,
+                                   grad_norm=r.grad_norm, skipped=r.skipped, loss_scale=r.loss_scale) for r in results}
         first = out.pop(step)
         self._results = out
         return first
@@ -666,7 +688,7 @@ class PipelineWorkerEngine:
             if pending is not None:
                 self._discard_step()
             return steps
-        stats = self.stage.last_commit[1].clone() if me == sources[0] else \
+        stats = self.stage.last_commit[1][: self._stats_numel()].clone() if me == sources[0] else \
             torch.zeros(self._stats_numel(), dtype=torch.float64, device=self.device)
         group.broadcast(stats, sources[0])
         if mine:
@@ -712,6 +734,8 @@ class PipelineWorkerEngine:
         optimizer and scheduler state; others get ``None``. After a failover, members running
         several stages send each stage's state apart, so the layout is that of the job's stages."""
         p = self.pipeline.stages
+        if self.stage is not None and self.stage.shard is not None:  # replica 0 sends each stage's state
+            gather_stage_optimizer(self.stage, self.stage_group, root=0)
         if self.planes is not None:
             stages = self._gather_tensor_stages()
         else:

@@ -1,0 +1,237 @@
+"""The sharded optimizer of a pipeline stage (``reduction="sharded"`` with a pipeline).
+
+Purpose: with *D* pipeline replicas each stage's parameters are held *D* times (one copy per
+replica); with ``reduction="sharded"`` each copy keeps only its chunk of the stage's optimizer
+state (ZeRO-1/2 over the stage group ``gen/<g>/stage<s>``), as the VN engine's sharded optimizer
+(:mod:`virtualflow.runtime.sharded`) does over the whole job:
+
+1. the stage's gradient is **reduce-scattered** over the stage's replicas (default mode,
+   :class:`~.requests.StageScatter`): replica *j* receives the sum for its chunk ``[lo_j, hi_j)``
+   of the stage's flat parameter vector; deterministic mode sums the per-VN vectors along the
+   fixed VN-id tree as without sharding (:class:`~.requests.StageTree`) and each replica keeps its
+   chunk of the root;
+2. each replica **updates its chunk** with an optimizer of the user's class and hyperparameters
+   (:class:`~virtualflow.runtime.sharded.ShardedOptimizer`), holding that chunk's state only;
+3. the stage's parameters are **all-gathered** over the replicas
+   (:class:`~.requests.StageGather`) before the next step's forwards.
+
+Invariants.
+
+* *Same model.* The optimizers allowed (Adam, AdamW, SGD) are elementwise and give the same bits
+  on a slice as on the whole tensor (:mod:`virtualflow.runtime.sharded`), so a deterministic
+  pipelined job with the sharded reduction is bit-identical to the same job without it, hence to
+  the unpipelined deterministic job; default mode is equal within float tolerance.
+* *The stage's optimizer looks whole to the state code.* :class:`StageOptimizer` stands in for the
+  user's optimizer on the stage: its ``state_dict()`` is the whole state while the whole state is
+  held (at the start, after a load, after :func:`gather_stage_optimizer`), and raises otherwise,
+  so nothing can read a chunk as if it were the stage's state. Every path that reads or moves a
+  stage's state (checkpoints, the final state, a resize's transfer, a sharded checkpoint's parts)
+  first gathers it over the stage group; the next step cuts it into chunks again
+  (:meth:`StageShard.cut`), by the layout of that step's generation.
+* *With one replica* the chunk is the whole stage: the update is the plain one, nothing is
+  scattered or gathered.
+* *A failure* loses the failed replica's chunks (one copy of each): the survivors raise
+  :class:`~virtualflow.runtime.sharded.ShardLost` before the next generation forms, naming the
+  checkpoint to resume from (as the VN engine's sharded reduction does).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from virtualflow.runtime.sharded import FlatParams, ShardedOptimizer, gather_sharded_state
+
+__all__ = ["StageOptimizer", "StageShard", "check_stage_sharding", "gather_stage_optimizer", "optimizer_bytes"]
+
+
+def check_stage_sharding(pipeline: Any, *, tied: bool, shard_replicas: int = 0) -> None:
+    """Raise ``ValueError`` (naming the knob) for the pipelines the sharded reduction does not
+    support: no-flush schedules, Bamboo's redundancy, weights shared by several pieces, and
+    replicas of the chunks."""
+    if not pipeline.flush:
+        raise ValueError(f"reduction='sharded' with Pipeline.schedule={pipeline.schedule!r}: a no-flush schedule "
+                         f"keeps weight versions per stage that a sharded update does not; use a flush schedule "
+                         f"(1f1b, gpipe, interleaved_1f1b, zb_h1) or reduction='allreduce' (--reduction)")
+    if pipeline.redundancy:
+        raise ValueError("reduction='sharded' with Pipeline.redundancy=True: Bamboo's replica of the successor's "
+                         "stage steps the whole stage; set redundancy=False or use reduction='allreduce' (--reduction)")
+    if tied:
+        raise ValueError("reduction='sharded' with a weight shared by two pipeline pieces (tied weights): their "
+                         "gradients are summed across pieces, which the sharded update does not do; untie the "
+                         "weight, or use reduction='allreduce' (--reduction)")
+    if shard_replicas:
+        raise ValueError(f"shard_replicas={shard_replicas} keeps replicas of the sharded optimizer's chunks, which "
+                         f"pipelined jobs do not support; drop --shard-replicas")
+
+
+class StageShard:
+    """One stage copy's chunk of the stage's optimizer (see the module docstring)."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
+        self.flat = FlatParams(params)  # the stage's parameters now live in one flat vector
+        self.opt = ShardedOptimizer(optimizer, self.flat)
+        self.optimizer = StageOptimizer(self)
+        self.held_bytes = 0
+        """Optimizer state bytes this copy held after its last update (:meth:`state_bytes`)."""
+        self.chunk_held = False
+        """This copy's chunk (``opt.rank`` of ``opt.size``) is the current state (it stepped, or
+        was cut from the whole state since the last load); a gather keeps it."""
+        """What the stage holds as its optimizer (the state code reads and loads it)."""
+
+    @property
+    def bounds(self) -> list[tuple[int, int]]:
+        assert self.opt.bounds is not None, "cut() first"
+        return [tuple(b) for b in self.opt.bounds]
+
+    def chunk(self) -> tuple[int, int]:
+        return self.opt.chunk()
+
+    def holds_chunk_of(self, replica: int, replicas: int) -> bool:
+        """Whether this copy's chunk is chunk ``replica`` of ``replicas`` (and current)."""
+        return self.chunk_held and (self.opt.rank, self.opt.size) == (replica, replicas)
+
+    def cut(self, replica: int, replicas: int) -> None:
+        """Before a step: hold chunk ``replica`` of ``replicas``, cut from the whole state held (a
+        load, a regroup's gather); a chunk of this layout is kept (a gathered whole copy is
+        dropped); a chunk of another layout with no whole state: :class:`ShardLost`."""
+        if self.holds_chunk_of(replica, replicas):
+            self.opt.full = None  # the chunk is current: the whole copy a gather left goes
+            return
+        self.opt.shard(replica, replicas)
+        self.chunk_held = True
+
+    def start_step(self) -> None:
+        """Gradients into the flat gradient vector, zeroed (backward accumulates there)."""
+        self.flat.zero_grad()
+
+    def grads_to_flat(self) -> None:
+        """Deterministic mode: after the reduction the parameters' ``.grad`` hold the whole summed
+        gradient; copy it into the flat vector and make ``.grad`` views of it again (so unscaling
+        and clipping act on what the chunk's update reads)."""
+        for q, o in zip(self.flat.params, self.flat.offsets):
+            g = q.grad
+            dst = self.flat.grad[o: o + q.numel()]
+            if g is None:
+                dst.zero_()
+            elif g.data_ptr() != dst.data_ptr():
+                dst.copy_(g.reshape(-1))
+        self.flat.attach_grads()
+
+    def chunk_grads(self) -> torch.Tensor:
+        lo, hi = self.chunk()
+        return self.flat.grad[lo:hi]
+
+    def check_chunk(self, loop: Any, layers: Sequence[tuple[int, list[torch.Tensor]]],
+                    device: torch.device) -> tuple[float, torch.Tensor | None]:
+        """Default mode after a reduce-scatter: :meth:`StageLoop.check_grads` on this copy's chunk
+        only (the rest of the flat gradient is scratch). Every replica contributes its chunk's
+        part of each layer's sum of squares (the stats all-reduce adds them)."""
+        chunk = self.chunk_grads()
+        found = 0.0
+        if loop.scaler is not None:
+            loop.scaler.unscale_([chunk])
+            found = float(not bool(torch.isfinite(chunk).all()))
+        if loop.max_grad_norm is None:
+            return found, None
+        lo, hi = self.chunk()
+        where = {id(q): o for q, o in zip(self.flat.params, self.flat.offsets)}
+        sums = torch.zeros(loop.n_layers, dtype=torch.float64, device=device)
+        for index, layer_params in layers:
+            for q in layer_params:
+                o = where[id(q)]
+                a, b = max(lo, o), min(hi, o + q.numel())
+                if a < b:
+                    sums[index] += self.flat.grad[a:b].double().square().sum()
+        return found, sums
+
+    def clip_chunk(self, norm: torch.Tensor, max_norm: float) -> None:
+        from virtualflow.runtime.clipping import clip_
+
+        clip_([self.chunk_grads()], norm, max_norm)
+
+    def apply(self, scheduler: Any) -> None:
+        """Update this copy's chunk from the reduced gradient in the flat vector, then the LR
+        scheduler; the other chunks' parameters arrive with the all-gather."""
+        self.opt.step_own()
+        self.held_bytes = self.opt.state_bytes()
+        if scheduler is not None:
+            self.opt.scheduler_step(scheduler)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this copy held after its last update (its chunk's; a gather
+        for a checkpoint holds the whole state for a moment, which this does not count)."""
+        return self.held_bytes
+
+
+class StageOptimizer:
+    """The stage's optimizer as the rest of the pipeline sees it: the user's hyperparameters
+    (``param_groups``, which the LR scheduler edits) and the whole state when it is held."""
+
+    def __init__(self, shard: StageShard) -> None:
+        self._shard = shard
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._shard.opt.user.param_groups
+
+    @property
+    def state(self) -> dict[Any, Any]:
+        return self._shard.opt.user.state  # empty: the chunks' state is in the chunk optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        full = self._shard.opt.full
+        if full is None:
+            raise RuntimeError("reduction='sharded': this stage's optimizer state is spread over its pipeline "
+                               "replicas; gather_stage_optimizer() (a collective over the stage group) first")
+        return full
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._shard.opt.load_state(state)  # cut into chunks by the next step's layout
+        self._shard.chunk_held = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._shard.opt.user.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        raise RuntimeError("reduction='sharded': a stage's update is StageShard.apply (its chunk), not step()")
+
+
+def gather_stage_optimizer(stage: Any, group: Any, root: int | None = None) -> None:
+    """Collective over the stage group (every replica of the stage calls it at the same point):
+    the whole optimizer state of ``stage`` (a :class:`~.engine.StageEngine`) held again on every
+    replica (``root`` None) or on replica ``root`` only, beside the chunks (the next step drops it).
+
+    Symmetric by construction: the replicas take part exactly when their chunks are current for
+    the stage's layout, which is true on all of them or on none (a generation's first step has not
+    cut them yet: the whole state is then held everywhere already, from a load or the regroup's
+    gather)."""
+    shard = stage.shard if stage is not None else None
+    if shard is None or not shard.holds_chunk_of(stage.replica, stage.replicas):
+        return
+    from virtualflow.comm.ring import Collectives
+
+    opt = shard.opt
+    comm = Collectives(group) if group is not None and group.size > 1 else None
+    held, opt.full = opt.full, None  # (gather_state reads the chunks only while no whole state is held)
+    try:
+        if comm is None:
+            state = opt.gather_state(lambda chunk: chunk, lambda t: None)
+        else:
+            state = gather_sharded_state(opt, comm, group, root)
+    finally:
+        if comm is not None:
+            comm.close()
+    opt.full = state if state is not None else held
+
+
+def optimizer_bytes(stage: Any) -> int:
+    """Bytes of optimizer state a stage engine holds now (its chunk's with the sharded reduction)."""
+    if stage is None:
+        return 0
+    if stage.shard is not None:
+        return stage.shard.state_bytes()
+    held = getattr(stage.optimizer, "state", {})
+    return sum(v.numel() * v.element_size() for st in held.values() for v in st.values()
+               if isinstance(v, torch.Tensor))
