@@ -241,3 +241,39 @@ def test_unequal_shares_train_the_single_worker_model(schedule):
             assert [h.loss for h in history] == ref_losses
         else:
             assert_state_close(state, ref_state)
+
+
+def test_a_failed_over_replica_with_its_smaller_share_trains_the_undisturbed_model():
+    """Bamboo, 2 replicas x 3 stages: replica 1 failed over (its first worker runs job stages 0
+    and 1) and, weighted by stages run, gets 3 of 8 micro-batches: deterministic mode is bit for
+    bit the undisturbed job's with equal shares (the in-process harness of
+    ``tests/e2e/test_bamboo_replicas.py``: each job stage reduced over its workers in replica order)."""
+    import torch
+
+    from test_bamboo import assert_same, engines_of, job
+    from test_bamboo_replicas import LayoutDriver, merged_engine
+
+    j = job(3)
+    short = ((0, 1), (2,))
+    members = [0, 1, 2, 3, 5]
+    plan = policy(j.virtual_nodes).plan_pipeline_map(members, [1, 1, 1, 2, 1], [3, 2], balance=True)
+    blocks = replica_blocks(plan.assignment, [3, 2], j.virtual_nodes)
+    assert [len(b) for b in blocks] == [5, 3]  # (5 + 2) vs 1 + 3 * 2 stage times (4/4: 6 vs 9)
+    dataset = j.build_dataset()
+    bounds = resolve_bounds(j.pipeline, len(layers_of(j.model())))
+    ref, ref_driver = engines_of(j, 2, True)  # undisturbed, equal shares
+    workers = [(build_engine(j, j.pipeline, bounds, r, dataset=dataset, deterministic=True,
+                             device=torch.device("cpu")), 0, r, (r,)) for r in range(3)]
+    workers += [(merged_engine(j, short, pos, dataset, True), 1, pos, short[pos]) for pos in range(2)]
+    for e, rep, *_ in workers:
+        e.set_layout(rep, blocks)
+    driver = LayoutDriver(workers, j.virtual_nodes)
+    for t in range(3):
+        ref_driver.run(t, 1)
+        driver.run(t)
+    want = {}
+    for e in ref[:3]:
+        want.update(e.model.state_dict())
+    for e, rep, pos, _ in workers:
+        for k, v in e.model.state_dict().items():
+            assert_same(v, want[k], f"replica {rep} worker {pos} {k}")
