@@ -81,8 +81,8 @@ def prepare(job: JobLike, opts: LaunchOptions) -> Iterator[RunSetup]:
         assignment = contiguous_assignment(job_obj.virtual_nodes, workers)  # checks workers <= V
         check_against_job(opts, job_obj, limits)
     else:
-        # Speed-based VN maps (balance, uneven sizes, slowdowns) do not apply to pipelines: the
-        # VNs are split evenly over replicas.
+        # Equal shares to start; with balance the controller weighs the replicas by speed.
+        check_pipeline_balance(pipeline, opts)
         assignment = pipeline_assignment(job_obj.virtual_nodes, workers, pipeline.replica_workers)
         if limits is not None:
             pipeline_assignment(job_obj.virtual_nodes, limits.max_workers, pipeline.replica_workers)
@@ -171,6 +171,30 @@ def check_against_job(opts: LaunchOptions, job: Job, limits: Limits | None) -> N
                          f"least one virtual node; lower --max-workers or raise --virtual-nodes")
     if opts.specs:
         check_memory(job.global_batch_size // V, [s.memory_limit for s in opts.specs])
+
+
+def check_pipeline_balance(pipeline: Any, opts: LaunchOptions) -> None:
+    """What speed-weighted micro-batch shares cannot do for a pipelined job, refused in one line
+    naming the knob (docs/pipeline.md, "Replicas of unequal speed")."""
+    if opts.uneven_vn_sizes:
+        raise ValueError("uneven_vn_sizes=True (--uneven-vn-sizes) gives faster workers bigger VNs, but every worker of "
+                         "a pipeline replica runs the same micro-batches; drop it: balance=True still weighs the "
+                         "replicas' micro-batch shares by speed")
+    if not opts.balanced:
+        return
+    if pipeline.tensor > 1:
+        raise ValueError(f"balance (--balance, worker specs or slowdowns) weighs pipeline replicas by a time model of "
+                         f"one worker per stage, but Pipeline.tensor={pipeline.tensor} runs each stage on "
+                         f"{pipeline.tensor} workers; use LaunchOptions.balance=False or tensor=1 (--tensor-parallel 1)")
+    if not pipeline.flush:
+        raise ValueError(f"balance (--balance, worker specs or slowdowns) weighs pipeline replicas' micro-batch shares "
+                         f"at step boundaries, but Pipeline.schedule={pipeline.schedule!r} streams a window of steps "
+                         f"without one; use a flush schedule (1f1b, gpipe, zb_h1) or LaunchOptions.balance=False")
+    if pipeline.schedule == "interleaved_1f1b" and pipeline.chunks > 1:
+        raise ValueError(f"balance (--balance, worker specs or slowdowns) gives replicas unequal micro-batch counts, "
+                         f"but interleaved_1f1b with chunks={pipeline.chunks} needs each replica's count to be a "
+                         f"multiple of stages={pipeline.stages}; use chunks=1 (--chunks 1), the 1f1b schedule, or "
+                         f"LaunchOptions.balance=False")
 
 
 def claim_run_dir(run_dir: str | None) -> tuple[RunLock | None, bool]:

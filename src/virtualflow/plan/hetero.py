@@ -27,6 +27,9 @@ rank, so the result is deterministic.
 Assignments are contiguous VN blocks in rank order (``blocks``; a worker with no VN gets an
 empty block), as for equal workers: the deterministic reduction tree depends on V only, so any
 assignment trains bit-identical weights.
+
+A pipelined job maps its VNs over pipeline replicas, not workers, and a replica's time is not
+proportional to its share (the schedule's bubble): :mod:`virtualflow.plan.replica_shares`.
 """
 
 from __future__ import annotations

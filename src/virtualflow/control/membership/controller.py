@@ -147,7 +147,7 @@ class MembershipController:
             virtual_nodes=virtual_nodes, global_batch_size=global_batch_size, uneven=options.uneven_vn_sizes,
             memory_limits={i: s.memory_limit for i, s in enumerate(options.specs)}, assign=assign,
             threshold=rebalance_threshold, patience=rebalance_patience, min_observations=min_observations,
-            window=speed_window)
+            window=speed_window, slowdowns={i: s.slowdown for i, s in enumerate(options.specs)})
 
     # -- the phase ------------------------------------------------------------------------------
     def _enter(self, phase: Phase, why: str) -> None:
@@ -559,15 +559,16 @@ class MembershipController:
 
     def _publish(self, members: list[int], *, kind: str, hold: bool, command: bool = False,
                  detail: dict[str, Any] | None = None, counts: Sequence[int] | None = None) -> None:
-        """Publish generation ``g+1`` of ``members`` (VN map: ``counts`` per member when given,
-        a failed-over layout's equal shares per replica, or the speed policy's map), point every
+        """Publish generation ``g+1`` of ``members`` (VN map: ``counts`` per member when given, else
+        the speed policy's: per pipeline replica for a pipelined job), point every
         member at it, send the leavers away, and enter the change's phase."""
         g = self.generation + 1
-        if self.layout is not None:  # Bamboo: some members run several stages (equal VN shares per replica)
+        if self.stages is not None:  # pipelined: VN shares per replica (after a failover, by stages run)
             layouts = replica_layouts(self.layout, len(members), self.stages)
-            blocks = contiguous_assignment(self.V, len(layouts))
-            assignment = [list(blocks[j]) for j, rep in enumerate(layouts) for _ in rep]
-            self.predicted_step_s, self.vn_sizes = None, None
+            plan = self.speed_policy.plan_pipeline_map(
+                members, [len(run) for rep in layouts for run in rep], [len(rep) for rep in layouts],
+                balance=self.balance, counts=counts)
+            assignment, self.predicted_step_s, self.vn_sizes = plan.assignment, plan.predicted_step_s, None
         else:
             self.predicted_step_s, self.vn_sizes = None, None
             plan = self.speed_policy.plan_map(members, balance=self.balance, counts=counts)

@@ -16,6 +16,15 @@ report (reduction = duration - slowest compute); a generation's first step (warm
 measured; each rank's compute is taken from the step's breakdown (input + forward + backward)
 when the report carries one (:func:`timed_compute`).
 
+A pipelined job (:meth:`SpeedPolicy.plan_pipeline_map`) maps VNs over its pipeline *replicas*:
+every worker of a replica runs the replica's block as its micro-batches, and the shares come from
+:func:`virtualflow.plan.replica_shares.solve_shares` on each replica's flush-schedule time model
+(its slowest worker paces it, its fill and drain are paid whatever its share). A worker's seconds
+per micro-batch *per job stage it runs* is its measured time when every member has one, else
+its stated ``WorkerSpec.slowdown`` (the stages of a balanced split taken as equal): so a replica
+on slower workers, or one failed over under Bamboo's redundancy (a worker running two stages),
+gets fewer micro-batches.
+
 Pure: no store, no processes, no clock; it keeps measurements (state) but publishes nothing.
 The controller calls :meth:`SpeedPolicy.new_generation` on every generation it publishes and
 carries a decision out by publishing it.
@@ -28,6 +37,8 @@ from typing import Any, Callable, Sequence
 
 from virtualflow.control.membership.decisions import NoChange, Rebalance
 from virtualflow.plan.hetero import SpeedModel, blocks, check_memory, check_rebalance, solve_uneven
+from virtualflow.plan.replica_shares import ReplicaTime, per_worker, predict_step_s, replica_time, solve_shares
+from virtualflow.plan.vnmap import contiguous_assignment
 from virtualflow.runtime import breakdown
 
 
@@ -45,7 +56,9 @@ class SpeedPolicy:
     """Measures workers' speeds and decides VN maps and rebalances (see the module docstring).
 
     ``assign`` is the map used without speeds (a pipelined job's whole replicas, or contiguous
-    blocks); ``memory_limits`` maps a worker id to its memory limit (None: unlimited)."""
+    blocks); ``memory_limits`` maps a worker id to its memory limit (None: unlimited);
+    ``slowdowns`` a worker id to its stated ``WorkerSpec.slowdown`` (missing: 1), the speed a
+    pipelined job's replicas are weighted by until every member is measured."""
 
     REJECT_MOVE = 0.25
     """Relative change of any member's per-VN estimate after which a rejected map may be tried again."""
@@ -56,7 +69,7 @@ class SpeedPolicy:
     def __init__(self, *, virtual_nodes: int, global_batch_size: int | None, uneven: bool,
                  memory_limits: dict[int, int | None], assign: Callable[[int, int], list[list[int]]],
                  threshold: float = 0.10, patience: int = 3, min_observations: int = 3,
-                 window: int = 15) -> None:
+                 window: int = 15, slowdowns: dict[int, float] | None = None) -> None:
         self.V = virtual_nodes
         self.B = global_batch_size
         self.vn_batch = global_batch_size // virtual_nodes if global_batch_size is not None else None
@@ -67,6 +80,12 @@ class SpeedPolicy:
         self.patience = patience
         self.min_observations = min_observations
         self.speed = SpeedModel(window)
+        self.slowdowns = dict(slowdowns or {})
+        self.stage_runs: dict[int, int] = {}
+        """A pipelined job: the job stages each member of the current generation runs (two for the
+        worker that took a lost stage over); a measurement is per micro-batch and job stage."""
+        self.replica_sizes: list[int] | None = None
+        """A pipelined job: workers per replica in the current generation (None: not pipelined)."""
         self.reduction_s = 0.0
         self.cost: dict[int, dict[tuple[int, int], float]] = {}  # worker -> (VNs, samples) -> compute s
         self.rejected: dict[tuple[tuple[int, ...], tuple[int, ...]], dict[int, float]] = {}
@@ -132,7 +151,7 @@ class SpeedPolicy:
             if not vns[rank]:  # no VN: a probe, one VN's forward and backward
                 count = 1
             else:
-                count = len(vns[rank])
+                count = len(vns[rank]) * self.stage_runs.get(w, 1)  # (a pipeline worker: per job stage)
                 if self.uneven:
                     samples = sum(sizes[v] for v in vns[rank]) if sizes else count * (self.vn_batch or 1)
                     costs = self.cost.setdefault(w, {})
@@ -196,6 +215,74 @@ class SpeedPolicy:
         plan = self.speed.plan(self.V, members, reduction_s=self.reduction_s)
         return MapPlan(plan.blocks(), plan.predicted_step_s)
 
+    def stage_seconds(self, members: Sequence[int]) -> tuple[list[float], str]:
+        """Each member's seconds per micro-batch and job stage, and where they come from:
+        ``"measured"`` when every member has a measurement, else ``"stated"`` (its slowdown, in
+        units of one full-speed stage)."""
+        measured = self.time_per_vn
+        if members and all(w in measured for w in members):
+            return [measured[w] for w in members], "measured"
+        return [max(1.0, float(self.slowdowns.get(w, 1.0))) for w in members], "stated"
+
+    def plan_pipeline_map(self, members: Sequence[int], runs: Sequence[int], sizes: Sequence[int], *,
+                          balance: bool, counts: Sequence[int] | None = None) -> MapPlan:
+        """The VN map of a pipelined generation: ``runs[i]`` job stages on member ``i``, replicas of
+        ``sizes`` workers in rank order. Every worker of a replica runs the replica's block.
+        ``counts`` (per member, a revert) is kept when consistent; without ``balance`` the
+        replicas get equal contiguous blocks; with it, the shares minimising the predicted step
+        (:func:`~virtualflow.plan.replica_shares.solve_shares` on 1F1B's time model, GPipe's
+        too; the controller refuses schedules it does not fit at launch)."""
+        if len(runs) != len(members) or sum(sizes) != len(members):
+            raise ValueError(f"{len(members)} members, {len(runs)} stage runs and replicas of {list(sizes)} workers")
+        self.stage_runs = {w: int(n) for w, n in zip(members, runs)}
+        self.replica_sizes = list(sizes)
+        firsts = [sum(sizes[:j]) for j in range(len(sizes))]
+        if counts is not None and len(counts) == len(members):
+            shares = [int(counts[r]) for r in firsts]
+            if sum(shares) == self.V and min(shares) >= 1:
+                return MapPlan(per_worker(blocks(shares), sizes))
+        if not sizes:
+            return MapPlan([])
+        if not balance:
+            return MapPlan(per_worker(contiguous_assignment(self.V, len(sizes)), sizes))
+        plan = solve_shares(self.V, self.replica_times(members, runs, sizes), reduction_s=0.0)
+        stated = self.stage_seconds(members)[1] == "stated"
+        return MapPlan(per_worker(plan.blocks(), sizes), None if stated else plan.predicted_step_s)
+
+    def replica_times(self, members: Sequence[int], runs: Sequence[int], sizes: Sequence[int]) -> list[ReplicaTime]:
+        """Each replica's time model (:func:`~virtualflow.plan.replica_shares.replica_time`) from
+        its workers' seconds per micro-batch: per job stage times the stages each runs."""
+        per_stage, _ = self.stage_seconds(members)
+        worker_s = [t * n for t, n in zip(per_stage, runs)]
+        out, start = [], 0
+        for n in sizes:
+            out.append(replica_time(worker_s[start:start + n]))
+            start += n
+        return out
+
+    def _check_pipeline(self, members: Sequence[int], assignment: Sequence[Sequence[int]]) -> Rebalance | NoChange:
+        """A pipelined job: re-solve the replicas' shares with the measured speeds; a
+        :class:`Rebalance` when the current shares are predicted slower than the best by more
+        than the threshold plus the noise margin for ``patience`` measured steps."""
+        sizes = self.replica_sizes or []
+        runs = [self.stage_runs.get(w, 1) for w in members]
+        if sum(sizes) != len(members) or self.stage_seconds(members)[1] != "measured":
+            return NoChange("not every member is measured")
+        firsts = [sum(sizes[:j]) for j in range(len(sizes))]
+        current = [len(assignment[r]) for r in firsts]
+        times = self.replica_times(members, runs, sizes)
+        best = solve_shares(self.V, times)
+        now = predict_step_s(current, times)
+        required = self.threshold + self.speed.margin(members)
+        worse = best.counts != current and now > best.predicted_step_s * (1 + required)
+        self._drift = self._drift + 1 if worse else 0
+        if self._drift < self.patience:
+            return NoChange("the current shares are good enough")
+        self._drift = 0
+        return Rebalance(detail={"replica_shares": best.counts, "predicted_before_s": now,
+                                 "required_gain": required},
+                         counts_before=tuple(len(a) for a in assignment))
+
     def check(self, generation: int, members: Sequence[int], assignment: Sequence[Sequence[int]],
               vn_sizes: list[int] | None) -> Rebalance | NoChange:
         """Re-solve with the current speeds (once per new measurement, not per tick): a
@@ -208,6 +295,8 @@ class SpeedPolicy:
         self._measured = False
         if any(self.obs.get(w, 0) < self.min_observations for w, a in zip(members, assignment) if a):
             return NoChange("too few measurements")
+        if self.replica_sizes is not None:
+            return self._check_pipeline(members, assignment)
         if self.uneven:
             return self._check_uneven(members, assignment, vn_sizes)
         counts = [len(a) for a in assignment]

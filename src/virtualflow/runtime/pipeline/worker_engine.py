@@ -40,7 +40,7 @@ import torch
 from virtualflow.comm.groups import Group
 from virtualflow.plan.pipeline.geometry import Grid, check_workers, layers_of, resolve_bounds
 from virtualflow.config.pipeline import Pipeline
-from virtualflow.plan.vnmap import contiguous_assignment
+from virtualflow.plan.replica_shares import replica_blocks
 from virtualflow.runtime.dcp import Piece, model_pieces, optimizer_pieces
 from virtualflow.runtime.engine import StepOutcome
 from virtualflow.runtime.streaming import data_plan_of, loader_of
@@ -217,7 +217,7 @@ class PipelineWorkerEngine:
         if steps is not None and target is not None:
             steps = self.settle_commit(group, steps, target)
         if layout is not None:  # Bamboo: a failover or a reconfiguration (one pipeline replica)
-            self._relayout(group, layout, steps, target)
+            self._relayout(group, layout, steps, target, assignment)
             return
         if self.layout is not None:
             raise RuntimeError("a failed-over pipeline changes its membership only through a layout")
@@ -241,7 +241,8 @@ class PipelineWorkerEngine:
                 f"worker moved from stage-rank {self.stage.stage_rank} to {grid.stage_rank}; a pipelined job "
                 f"resizes in whole pipeline replicas and its survivors keep their stage"
             )
-        self._adopt(group, grid, contiguous_assignment(self.job.virtual_nodes, d))
+        # The replicas' VN blocks from the generation's map (shares weighted by speed, or equal).
+        self._adopt(group, grid, replica_blocks(assignment, [self.pipeline.replica_workers] * d, self.job.virtual_nodes))
 
     def _adopt(self, group: Group, grid: Grid, assignment: list[list[int]],
                job_stages: tuple[int, ...] | None = None) -> None:
@@ -339,7 +340,8 @@ class PipelineWorkerEngine:
             return own, ()
         return own, self.layout[successor(self.layout, self.pipeline.stages, self.group_rank)]
 
-    def _relayout(self, group: Group, layout: list[list[int]], steps: list[int] | None, target: int | None) -> None:
+    def _relayout(self, group: Group, layout: list[list[int]], steps: list[int] | None, target: int | None,
+                  assignment: Any = None) -> None:
         """Adopt a Bamboo layout (one run of stages per member, pipeline replica after replica;
         a replica starts at the run holding stage 0): every member ends up with the state of its
         own stages and a replica of its successor's in its replica, taken from its own pieces,
@@ -420,7 +422,8 @@ class PipelineWorkerEngine:
         if all(len(run) == 1 for run in new):
             self.layout = None  # full depth again: the standard layout from here on
             grid = Grid(p, len(layouts), group.rank)
-        self._adopt(group, grid, contiguous_assignment(self.job.virtual_nodes, len(layouts)), job_stages=mine)
+        self._adopt(group, grid, replica_blocks(assignment, [len(rep) for rep in layouts], self.job.virtual_nodes),
+                    job_stages=mine)
 
     # ---- the worker's Engine protocol (runtime/engines.py) ---------------------------------------
     def resume_from(self, state: dict[str, Any]) -> None:
