@@ -14,7 +14,9 @@ What "the same model" means on a grid (docs/parallel3d.md):
   in the ring's fixed order for T, and the reduction over replicas is the fixed VN tree.
 
 Few and short (each launch is a few worker processes on this 2-core machine): one run per layout
-of the issue's list, one resize 1 -> 2 -> 1 replicas, one SIGKILL of a tensor-parallel member.
+of the issue's list (with interleaved 1F1B, the sharded reduction and zero-bubble among them), one
+resize 1 -> 2 -> 1 replicas, one SIGKILL of a tensor-parallel member, dropout, clipping (GPipe), a
+no-flush schedule (2BW), a resume from a tensor-parallel checkpoint.
 """
 
 from __future__ import annotations
@@ -38,8 +40,15 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
-def _grid(stages: int, tensor: int):
-    return lambda: g.grid_job(stages=stages, tensor=tensor)
+def _grid(stages: int, tensor: int, schedule: str = "1f1b", **pipeline):
+    return lambda: g.grid_job(stages=stages, tensor=tensor, schedule=schedule, **pipeline)
+
+
+T2_LAYOUTS = {  # (D, P): the pipeline knobs; every flush schedule trains the same model
+    (1, 2): dict(schedule="interleaved_1f1b", chunks=2),
+    (2, 1): dict(),  # with reduction="sharded"
+    (2, 2): dict(schedule="zb_h1"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +59,12 @@ def single():
 
 @pytest.fixture(scope="module")
 def t2_runs():
-    """The T = 2 layouts of the issue, each once (module scope: shared by the tests below)."""
-    return {(d, p, 2): vf.train(_grid(p, 2), workers=d * p * 2, steps=STEPS, deterministic=True)
-            for d, p in [(1, 2), (2, 1), (2, 2)]}
+    """The T = 2 layouts of the issue, each once (module scope: shared by the tests below); (2, 1, 2)
+    with the sharded reduction: each (stage, tensor shard)'s optimizer state sharded over the D
+    replicas."""
+    return {(d, p, 2): vf.train(_grid(p, 2, **knobs), workers=d * p * 2, steps=STEPS, deterministic=True,
+                                reduction="sharded" if (d, p) == (2, 1) else "allreduce")
+            for (d, p), knobs in T2_LAYOUTS.items()}
 
 
 def test_data_and_pipeline_without_tensor_parallelism_is_bit_identical(single):
@@ -66,6 +78,11 @@ def test_tensor_parallel_layouts_of_one_width_are_bit_identical_to_each_other(si
     for other in runs[1:]:
         assert_state_equal(other.state_dict, runs[0].state_dict)
         assert [h["loss"] for h in other.history] == [h["loss"] for h in runs[0].history]
+    sharded = t2_runs[(2, 1, 2)]
+    # SGD momentum: one buffer per parameter; sharded over D = 2, each worker holds about half of its
+    # tensor shard's (the (1, 2, 2) run's workers hold a stage each: the two stages' sum is a whole shard)
+    whole_shard = sum(t2_runs[(1, 2, 2)].optimizer_bytes.values())
+    assert max(sharded.optimizer_bytes.values()) < 0.6 * whole_shard
     for layout, result in t2_runs.items():
         assert result.history[-1]["workers"] == layout[0] * layout[1] * layout[2]
         # the single-worker model, within float64 tolerance (the row-parallel sums' order differs)
@@ -130,12 +147,14 @@ def test_dropout_masks_do_not_depend_on_the_tensor_parallel_width():
 
 
 def test_clipping_sums_the_shards_norms_over_the_tensor_parallel_group():
-    """max_grad_norm on a (1, 2, 2) grid: the whole gradient's norm is the single-worker one (each
+    """max_grad_norm on a (1, 2, 2) grid (GPipe): the whole gradient's norm is the single-worker one (each
     layer's shards summed over the stage's group, its replicated parameters once), so clipping
     acts the same as on (1, 2, 1)."""
     kw = dict(max_grad_norm=0.05)
-    a = vf.train(lambda: g.grid_job(stages=2).replace(**kw), workers=2, steps=STEPS, deterministic=True)
-    b = vf.train(lambda: g.grid_job(stages=2, tensor=2).replace(**kw), workers=4, steps=STEPS, deterministic=True)
+    a = vf.train(lambda: g.grid_job(stages=2, schedule="gpipe").replace(**kw), workers=2, steps=STEPS,
+                 deterministic=True)
+    b = vf.train(lambda: g.grid_job(stages=2, tensor=2, schedule="gpipe").replace(**kw), workers=4, steps=STEPS,
+                 deterministic=True)
     norms = [h["grad_norm"] for h in b.history]
     assert norms == pytest.approx([h["grad_norm"] for h in a.history], rel=1e-6) and min(norms) > 0.05
     assert _max_diff(a.state_dict, b.state_dict) < 1e-12
@@ -155,3 +174,12 @@ def test_a_checkpoint_holds_the_whole_model_and_resumes_on_any_grid(tmp_path):
                      resume=str(tmp_path / "a"), run_dir=str(tmp_path / "c"))
     assert _max_diff(plain.state_dict, straight.state_dict) < 1e-12
     assert len(straight.optimizer_state_dict["pipeline_stages"]) == 1
+
+
+def test_a_no_flush_schedule_runs_on_the_grid():
+    """PipeDream-2BW (windows of 2 steps, updates from the previous weight version) on (1, 2, 2):
+    the same law as on (1, 2, 1), within float tolerance."""
+    a = vf.train(_grid(2, 1, "2bw", window=2), workers=2, steps=4, deterministic=True)
+    b = vf.train(_grid(2, 2, "2bw", window=2), workers=4, steps=4, deterministic=True)
+    assert _max_diff(a.state_dict, b.state_dict) < 1e-12
+    assert [h["loss"] for h in b.history] == pytest.approx([h["loss"] for h in a.history], rel=1e-12, abs=0)
