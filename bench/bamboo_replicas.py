@@ -25,8 +25,8 @@ after the kill / its full-depth step (key ``slowdown``, <= 1.5x, Bamboo's consta
 Nominal (1F1B, equal stages): failed over ``(2 m_r + p - 2) / (m_r + p - 1)``, replica dropped
 ``(2 m_r + p - 1) / (m_r + p - 1)`` with ``m_r`` = m / 2 micro-batches per replica: with equal
 shares the synchronous step waits for the failed-over replica, so keeping it buys little over
-dropping it (the plain run also pays no redundancy overhead); shares weighted by the replicas'
-speeds would, and are not built.
+dropping it (the plain run also pays no redundancy overhead). This run keeps equal shares (no
+``--balance``); shares weighted by the replicas' speeds are measured by ``bench.weighted_replicas``.
 
 From the repository root::
 
@@ -170,8 +170,8 @@ def markdown(run, args, runs: dict, nom: dict, env: dict) -> str:
         f"{b['after_step_s'] / q['after_step_s']:.3f} (with equal micro-batch shares the synchronous step waits "
         f"for the failed-over replica; dropping the replica doubles the other replica's micro-batches; the plain "
         f"run pays no redundancy overhead: its full-depth step is {b['full_step_s'] / q['full_step_s']:.3f}x "
-        f"shorter). Shares weighted by the replicas' speeds would let the 5 remaining workers do better; they are "
-        f"not built.",
+        f"shorter). This run keeps equal shares; with --balance the failed-over replica gets a smaller share "
+        f"(bench.weighted_replicas).",
         f"Failover events: {b['failover_events']}.",
         "",
         H.env_markdown(env),
