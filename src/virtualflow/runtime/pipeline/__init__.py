@@ -6,8 +6,9 @@ action list for it, micro-batch ``i`` of step ``t`` being the ``i``-th virtual n
 runs. It never talks to the network itself: :meth:`StageEngine.steps` is a generator that
 *yields* what it needs from outside (:class:`Send`, :class:`Recv`, :class:`StageSum`,
 :class:`StageTree`, :class:`StageScatter`, :class:`StageGather`, :class:`AllSum`) and gets the
-answer back through ``send()``. Two drivers answer those requests: :func:`virtualflow.runtime.pipeline.links.drive` in a worker process
-(torch.distributed point to point and collectives over the generation's groups) and
+answer back through ``send()``. Two drivers answer those requests:
+:func:`virtualflow.runtime.pipeline.links.drive` in a worker process (torch.distributed point to
+point and collectives over the generation's groups) and
 :class:`virtualflow.runtime.pipeline.local.LocalDriver` (all workers of a job in one process,
 cooperatively, for tests and for trying a pipeline without processes). So one piece of code runs
 the schedule in both, and the in-process proofs hold for the multi-process runs.
