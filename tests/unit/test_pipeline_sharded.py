@@ -202,3 +202,42 @@ def test_unsupported_combinations_are_refused_with_the_knob():
         optimizer=lambda ps: torch.optim.RMSprop(ps))
     with pytest.raises(ValueError, match=r"Adam, AdamW and SGD.*--reduction allreduce"):
         train_local(rms, 1, replicas=2, reduction="sharded")
+
+
+FP16_OVERFLOW = dict(precision="16-mixed", loss_scale={"init_scale": 2.0 ** 24, "growth_interval": 2},
+                     max_grad_norm=1.0)
+
+
+def test_fp16_skips_and_clipping_are_the_unsharded_ones():
+    # float16 overflows at first (skipped steps, the scale backs off), then trains with clipping:
+    # default mode checks each replica's chunk (its inf/nan, its part of the norm), deterministic
+    # mode the whole root; both take the same skips, scales and norms as without sharding.
+    job = pm.mlp_job(Pipeline(stages=2, schedule="1f1b"), virtual_nodes=4, optimizer="adamw",
+                     scheduler=True).replace(**FP16_OVERFLOW)
+    for deterministic in (False, True):
+        state, history, _ = _train(job, 8, 2, deterministic)
+        ref_state, ref, _ = _train(job, 8, 2, deterministic, reduction="allreduce")
+        assert any(h.skipped for h in ref) and not all(h.skipped for h in ref)
+        assert [h.skipped for h in history] == [h.skipped for h in ref]
+        assert [h.loss_scale for h in history] == [h.loss_scale for h in ref]
+        if deterministic:
+            assert_state_equal(state, ref_state)
+            assert str([h.grad_norm for h in history]) == str([h.grad_norm for h in ref])  # (nan == nan)
+        else:
+            assert_state_close(state, ref_state, **TOL)
+            applied = [i for i, h in enumerate(ref) if not h.skipped]  # (a skipped step's norm is inf/nan)
+            assert [history[i].grad_norm for i in applied] == pytest.approx([ref[i].grad_norm for i in applied],
+                                                                              rel=1e-5)
+
+
+def test_a_lost_chunk_cannot_be_cut_again():
+    # After a failure the survivors hold chunks of the old layout only: the next layout cannot be
+    # cut from them (the worker raises ShardLost naming the run directory to resume from).
+    from virtualflow.runtime.sharded import ShardLost
+
+    job = pm.mlp_job(Pipeline(stages=2, schedule="1f1b"), virtual_nodes=4, optimizer="adam")
+    _, _, engines = _train(job, 1, 2, deterministic=False)
+    survivor = engines[0].shard
+    survivor.cut(0, 2)  # the same layout: kept
+    with pytest.raises(ShardLost, match=r"--resume RUN_DIR"):
+        survivor.cut(0, 1)

@@ -155,7 +155,9 @@ class FlushStep:
 
             nodes = tree_reduce_local(e.tree.per_worker[e.replica], leaf)
             like = next(iter(nodes.values()))
-            total = yield from e.reducer.tree_by_stage(e.tree, nodes, like, bool(with_bn), is_last)
+            # reduction="sharded": the root's chunk is enough, unless the whole gradient's norm is taken
+            chunks = e.shard.bounds if e.shard is not None and e.replicas > 1 and not e.loop.checks_grads else None
+            total = yield from e.reducer.tree_by_stage(e.tree, nodes, like, bool(with_bn), is_last, chunks)
             offset = load_grads(e.tree_params, total)
             if e.shard is not None:  # the chunk's update reads the flat gradient
                 e.shard.grads_to_flat()

@@ -180,11 +180,12 @@ class StageExchanges:
         like = req.like
         if group.size == 1 or self.choose(req.stage, req.plan, like) == "slots":
             return tree_exchange(req.plan, group, req.nodes, like=like)
-        key = (req.stage, req.plan, like.numel(), like.dtype)
+        key = (req.stage, req.plan, like.numel(), like.dtype, req.bounds, req.gather)
         ex = self._owners.get(key)
-        if ex is None:
-            ex = self._owners[key] = OwnerExchange(OwnerSchedule.build(req.plan, like.numel()), group,
-                                                   dtype=like.dtype, device=like.device)
+        if ex is None:  # (req.bounds, reduction="sharded": each owner keeps its chunk, the gather goes to all)
+            schedule = OwnerSchedule.build(req.plan, like.numel(), bounds=req.bounds,
+                                           gather=list(req.gather) if req.bounds is not None else None)
+            ex = self._owners[key] = OwnerExchange(schedule, group, dtype=like.dtype, device=like.device)
         ex.begin()
         for node, vec in req.nodes.items():
             ex.send(node, vec)

@@ -10,6 +10,9 @@ workers (tied weights) have their copies' gradients summed once more over every 
 default mode (:func:`sum_tied`); deterministic mode sums them per virtual node before the tree
 (:mod:`.tied`).
 
+With ``reduction="sharded"`` (deterministic mode) a replica asks for its chunk of the gradients
+and the tail only (:meth:`StageReducer.tree_by_stage`'s ``chunks``; :mod:`.stage_shard`).
+
 Invariants: summation is element-wise, so a worker's slice of the sum is bit-identical to the
 same slice of the unpipelined job's sum, and a job stage reduced over its own workers sums every
 element over the same replicas in the same order as an undisturbed run.
@@ -94,9 +97,17 @@ class StageReducer:
         return out
 
     def tree_by_stage(self, tree: TreePlan, nodes: dict[Node, torch.Tensor], like: torch.Tensor, bn: bool,
-                      loss: bool) -> Generator[Request, Any, torch.Tensor]:
+                      loss: bool, chunks: Sequence[tuple[int, int]] | None = None
+                      ) -> Generator[Request, Any, torch.Tensor]:
         """:class:`StageTree` of ``nodes``, job stage by job stage (see :meth:`set_job_stages`):
-        the tree's sums are element-wise, so each element's sum is the undisturbed run's."""
+        the tree's sums are element-wise, so each element's sum is the undisturbed run's.
+        ``chunks`` (``reduction="sharded"``, one stage group): the replicas' chunks of the
+        gradients; each needs only its own and the tail [BatchNorm statistics | loss] of the root."""
+        if self.job_stages is None and chunks is not None:
+            numel, grads = like.numel(), chunks[-1][1]
+            bounds = tuple((a, b) for a, b in chunks[:-1]) + ((chunks[-1][0], numel),)
+            tail = ((grads, numel),) if numel > grads else ()
+            return (yield StageTree(tree, nodes, like, bounds=bounds, gather=tail))
         if self.job_stages is None:
             return (yield StageTree(tree, nodes, like))
         out = torch.empty_like(like)

@@ -74,6 +74,11 @@ class StageTree:
     like: torch.Tensor
     stage: int | None = None
     """As :attr:`StageSum.stage`."""
+    bounds: tuple[tuple[int, int], ...] | None = None
+    """``reduction="sharded"``: each replica needs only its chunk ``bounds[j]`` of the root and
+    the ``gather`` ranges (a driver may give more: the owners exchange stops there, the others
+    deliver the whole root); ``None``: the whole root."""
+    gather: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(slots=True)

@@ -403,7 +403,7 @@ class PipelineWorkerEngine:
             seed=job.seed, batchnorm=job.batchnorm, deterministic=self.deterministic, device=self.device,
             successor_pieces={(pos + 1) % m: piece_module(layers, sa, sb)} if m >= 2 else None,
             eager_every_wait=self.eager_every_wait,
-            loop=stage_loop(job, layers, self.bounds, m),
+            loop=stage_loop(job, layers, self.bounds, m), breakdown=self.breakdown,
         )
         load_merged(self.stage, [got[s] for s in mine])
         load_merged(self.stage.replica_of_successor, [got[s] for s in succ])
