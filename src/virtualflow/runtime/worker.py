@@ -482,7 +482,8 @@ class Worker:
                                 f"step {step - 1}") if stop else None,
             }
             if outcome.breakdown is not None:  # of the previous step (it rode in this one's reduction)
-                report["breakdown"] = [{"worker": w, **parts} for w, parts in zip(record.members, outcome.breakdown)]
+                report["breakdown"] = [{"worker": w, **parts} for w, parts in zip(record.members, outcome.breakdown)
+                                       if parts is not None]  # (tensor-parallel stages: tensor rank 0's rows)
                 report["breakdown_step"] = step - 2
             self.last_report = report
             self.engine.boundary(group, step, self.boundary)  # collective work (every member)

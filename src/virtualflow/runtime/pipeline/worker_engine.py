@@ -587,11 +587,24 @@ class PipelineWorkerEngine:
         self.phase = "idle"
         if self.stage.timeline:
             self._write_timeline()
-        out = {r.step: StepOutcome(r.loss, r.bad_vns, r.control, None, r.breakdown, metrics=r.metrics,
-                                   grad_norm=r.grad_norm, skipped=r.skipped, loss_scale=r.loss_scale) for r in results}
+        out = {r.step: StepOutcome(r.loss, r.bad_vns, r.control, None, self._generation_rows(r.breakdown),
+                                   metrics=r.metrics, grad_norm=r.grad_norm, skipped=r.skipped,
+                                   loss_scale=r.loss_scale) for r in results}
         first = out.pop(step)
         self._results = out
         return first
+
+    def _generation_rows(self, rows: list[dict[str, float]] | None) -> list[dict[str, float] | None] | None:
+        """The step breakdown's rows in generation-rank order. With tensor-parallel stages the rows
+        are those of plane 0 (tensor rank 0 of every stage, generation ranks ``0, T, 2T, ...``; the
+        stage's other workers run the same schedule on the same shapes): ``None`` for the others."""
+        if rows is None or self.planes is None:
+            return rows
+        t = self.planes.tensor
+        out: list[dict[str, float] | None] = [None] * (len(rows) * t)
+        for i, row in enumerate(rows):
+            out[i * t] = row
+        return out
 
     @property
     def mid_window(self) -> bool:
