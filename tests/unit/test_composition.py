@@ -1,0 +1,151 @@
+"""Pairs of capabilities from docs/composition.md that no other test exercises together.
+
+- The VN engine with the knobs of several rows at once, in this process (one engine per thread,
+  real gloo groups over an in-process TCP store, as tests/e2e/test_hetero.py does): uneven VN maps
+  that change between generations (what ``balance`` publishes, and what a survivor of a resize
+  adopts), loader threads (``loader_workers``), the step breakdown, ``bf16-mixed`` and clipping,
+  with either reduction - bit-identical in deterministic mode to one worker without any of the
+  helpers, every breakdown adding up to its step.
+- The refusals at launch (``virtualflow.launching.composition``): each is one line naming the
+  value, the rule and the knob, raised before any worker starts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import virtualflow as vf
+from virtualflow.comm.groups import Group, make_group
+from virtualflow.plan.data import DataPlan
+from virtualflow.runtime import breakdown
+from virtualflow.runtime.vn_worker import VNWorkerEngine
+from conftest import assert_state_equal
+import gpt_grid_jobs as g
+import jobs
+
+CPU = torch.device("cpu")
+
+
+def loop_job() -> vf.Job:
+    """A dropout-free MLP (the threads share the process's generator) with bf16 autocast and a
+    clip that acts (the norms are above it)."""
+    return jobs.regression_job(precision="bf16-mixed", max_grad_norm=0.05)
+
+
+def engine(job: vf.Job, *, reduction: str, loader_workers: int, breakdown_on: bool):
+    ds = job.build_dataset()
+    cfg = types.SimpleNamespace(deterministic=True, reduction=reduction, shard_replicas=0,
+                                deterministic_exchange="auto", loader_workers=loader_workers, breakdown=breakdown_on)
+    return VNWorkerEngine.build(job, ds, DataPlan.of_job(job, len(ds)), cfg, CPU).vn
+
+
+def train_in_threads(job: vf.Job, segments: list[tuple[list[list[int]], int]], **knobs):
+    """One engine per rank, each in a thread; ``segments`` are generations ``(VN map, steps)`` over
+    the same ranks. Returns each rank's final weights and rank 0's step outcomes."""
+    n = len(segments[0][0])
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    engines = [engine(job, **knobs) for _ in range(n)]  # built one after another: the generator is shared
+    states: list = [None] * n
+    outcomes: list = []
+    errors: list = []
+
+    def body(rank: int) -> None:
+        groups = []
+        try:
+            eng, step = engines[rank], 0
+            client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=60))
+            for gen, (assignment, steps) in enumerate(segments):
+                if gen:
+                    eng.before_regroup()  # what a worker does between generations (sharded: gathers the state)
+                group = make_group(client, gen, rank, n, 60.0, CPU) if n > 1 else Group(gen, 0, 1, None)
+                groups.append(group)
+                eng.set_membership(group, assignment)
+                for _ in range(steps):
+                    out = eng.step(step)
+                    if rank == 0:
+                        outcomes.append(out)
+                    step += 1
+            eng.close()
+            states[rank] = {k: v.detach().clone() for k, v in eng.model.state_dict().items()}
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+        finally:
+            for group in groups:
+                group.close()
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert all(s is not None for s in states), "a worker thread did not finish in 120 s"
+    return states, outcomes
+
+
+MAPS = [([[0, 1, 2, 3], [4, 5, 6, 7]], 2), ([[0, 1, 2, 3, 4, 5], [6, 7]], 2), ([[0], [1, 2, 3, 4, 5, 6, 7]], 2)]
+"""Three generations of two workers: even, then the maps a speed-based rebalance publishes."""
+
+
+@pytest.mark.parametrize("reduction", ["allreduce", "sharded"])
+def test_rebalanced_maps_with_loaders_breakdown_bf16_and_clipping_are_one_workers_model(reduction):
+    job = loop_job()
+    steps = sum(s for _, s in MAPS)
+    (ref,), ref_out = train_in_threads(job, [([list(range(8))], steps)], reduction="allreduce", loader_workers=0,
+                                       breakdown_on=False)
+    states, outs = train_in_threads(job, MAPS, reduction=reduction, loader_workers=2, breakdown_on=True)
+    for state in states:
+        assert_state_equal(state, ref)
+    assert [o.loss for o in outs] == [o.loss for o in ref_out]
+    assert [o.grad_norm for o in outs] == [o.grad_norm for o in ref_out]
+    assert min(o.grad_norm for o in outs) > job.max_grad_norm, "the clip never acted"
+    # The breakdown: every step but a generation's first reports both workers, parts adding up.
+    reported = [o.breakdown for o in outs if o.breakdown is not None]
+    assert len(reported) == steps - len(MAPS)
+    for parts in reported:
+        assert len(parts) == 2
+        for p in parts:
+            assert sum(p[k] for k in breakdown.PARTS) == pytest.approx(p["step_s"], rel=1e-5, abs=1e-6)
+
+
+# -- refused at launch ----------------------------------------------------------------------------
+def _tensor_job() -> vf.Job:
+    return g.grid_job(stages=1, tensor=2)
+
+
+@pytest.mark.parametrize("job,options,message", [
+    (jobs.pipelined_job, dict(workers=2, loader_workers=2),
+     r"^loader_workers=2 \(--loader-workers\) with a pipelined job .*drop --loader-workers$"),
+    (jobs.pipelined_redundant_job, dict(workers=3, loader_workers=1),
+     r"^loader_workers=1 \(--loader-workers\) with a pipelined job"),
+    (_tensor_job, dict(workers=2, loader_workers=2), r"^loader_workers=2 \(--loader-workers\) with a pipelined job"),
+    (jobs.pipelined_job, dict(workers=2, autoscale="efficiency", max_workers=4),
+     r"^autoscale='efficiency' \(--autoscale\) with a pipelined job \(2 workers per replica\).*drop --autoscale"),
+    (_tensor_job, dict(workers=2, autoscale="efficiency", max_workers=4),
+     r"^autoscale='efficiency' \(--autoscale\) with a pipelined job \(2 workers per replica\)"),
+    (_tensor_job, dict(workers=2, reduction="sharded"),
+     r"^reduction='sharded' \(--reduction\) with Pipeline.tensor=2 \(--tensor-parallel\).*"
+     r"use reduction='allreduce' or tensor=1$"),
+    (_tensor_job, dict(workers=2, slowdowns=[1, 2]),
+     r"^balance \(--balance, worker specs or slowdowns\) with Pipeline.tensor=2.*balance=False"),
+    (_tensor_job, dict(workers=2, balance=True), r"^balance \(--balance, worker specs or slowdowns\) with"),
+], ids=["pipeline-loaders", "bamboo-loaders", "tensor-loaders", "pipeline-autoscale", "tensor-autoscale",
+        "tensor-sharded", "tensor-slowdowns", "tensor-balance"])
+def test_what_a_pipeline_cannot_combine_is_refused_at_launch_in_one_line(job, options, message):
+    with pytest.raises(ValueError, match=message) as info:
+        vf.train(job, steps=1, **options)
+    assert "\n" not in str(info.value)
+
+
+def test_emulated_slowdowns_without_balance_still_run_tensor_parallel_launch_checks():
+    """``balance=False`` keeps slowdowns as emulation only: the balance refusal does not fire (the
+    launch goes on to the next check, here the dcp checkpoint refusal)."""
+    with pytest.raises(ValueError, match=r'checkpoint_format="dcp" with Pipeline.tensor=2'):
+        vf.train(_tensor_job, workers=2, steps=1, slowdowns=[1, 2], balance=False, checkpoint_format="dcp")
