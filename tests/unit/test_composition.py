@@ -149,3 +149,24 @@ def test_emulated_slowdowns_without_balance_still_run_tensor_parallel_launch_che
     launch goes on to the next check, here the dcp checkpoint refusal)."""
     with pytest.raises(ValueError, match=r'checkpoint_format="dcp" with Pipeline.tensor=2'):
         vf.train(_tensor_job, workers=2, steps=1, slowdowns=[1, 2], balance=False, checkpoint_format="dcp")
+
+
+def test_a_failure_with_balance_on_maps_the_survivors_by_their_measured_speed():
+    """balance + a failure, in the membership controller (a fake launcher, a real store; no
+    process): worker 2 is 3x slower, so the map is rebalanced; when worker 0 dies, the failure
+    generation maps all 8 VNs over the two survivors by the speeds measured so far (the slow one
+    gets fewer), and the survivors adopt it as the engines above adopt any uneven map."""
+    from test_membership import _feed, joined_and_formed, make, record
+
+    ctl, coord, launcher, _ = make(3, balance=True, min_observations=2, rebalance_patience=2)
+    joined_and_formed(ctl, [0, 1, 2], 0)
+    at = _feed(ctl, 0, 0, 20, 0.32, [0.1, 0.1, 0.3])
+    assert at is not None and ctl.generation == 1 and record(coord, 1).reason == "rebalance"
+    ctl.tick([{"type": "formed", "generation": 1, "members": [0, 1, 2], "step": at + 1, "group_s": 0,
+               "transfer_s": 0, "bytes": 0, "source": None, "receivers": []}])
+    launcher.codes[0] = -9
+    ctl.tick([])
+    rec = record(coord, 2)
+    assert rec.reason == "failure" and rec.members == [1, 2]
+    assert sorted(v for a in rec.assignment for v in a) == list(range(8))
+    assert len(rec.assignment[0]) > len(rec.assignment[1]) > 0  # by speed: the fast survivor gets more
