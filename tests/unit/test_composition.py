@@ -21,13 +21,19 @@ import torch
 import torch.distributed as dist
 
 import virtualflow as vf
+from virtualflow.backends.inprocess import build_engine, train_local
 from virtualflow.comm.groups import Group, make_group
+from virtualflow.config.pipeline import Pipeline
+from virtualflow.plan.pipeline.geometry import layers_of, resolve_bounds
 from virtualflow.plan.data import DataPlan
 from virtualflow.runtime import breakdown
+from virtualflow.runtime.pipeline.local import LocalDriver
+from virtualflow.runtime.pipeline.requests import StepResult
 from virtualflow.runtime.vn_worker import VNWorkerEngine
 from conftest import assert_state_equal
 import gpt_grid_jobs as g
 import jobs
+import pipeline_models as pm
 
 CPU = torch.device("cpu")
 
@@ -113,6 +119,56 @@ def test_rebalanced_maps_with_loaders_breakdown_bf16_and_clipping_are_one_worker
         assert len(parts) == 2
         for p in parts:
             assert sum(p[k] for k in breakdown.PARTS) == pytest.approx(p["step_s"], rel=1e-5, abs=1e-6)
+
+
+# -- pipelines -------------------------------------------------------------------------------------
+def test_a_weight_tied_across_stages_with_unequal_replica_shares_is_the_unpipelined_model():
+    """A tied embedding and head (stages 0 and 1) on 2 replicas running 5 and 1 of 6 micro-batches
+    (the unequal blocks speed-weighted shares give, tests/unit/test_pipeline_weighted.py): each
+    micro-batch's two uses meet before the VN tree whatever its replica, so deterministic mode is
+    bit-identical to the unpipelined run."""
+    job = pm.transformer_job(Pipeline(stages=2), virtual_nodes=6, model=pm.tied_gpt)
+    dataset = job.build_dataset()
+    torch.manual_seed(job.seed)
+    bounds = resolve_bounds(job.pipeline, len(layers_of(job.model())))
+    engines = [build_engine(job, job.pipeline, bounds, r % 2, dataset=dataset, deterministic=True, device=CPU,
+                            eager_every_wait=False) for r in range(4)]
+    driver = LocalDriver(engines)
+    driver.set_layout([[0, 1, 2, 3, 4], [5]])
+    steps = 3
+    history = [h for t in range(steps) for h in driver.run(t, 1)]
+    state = {k: v.detach().clone() for e in engines[:2] for k, v in e.model.state_dict().items()}
+    ref_state, ref_losses = pm.unpipelined(job, steps, True)
+    assert_state_equal(state, ref_state)
+    assert [h.loss for h in history] == ref_losses
+
+
+needs_stage_breakdown = pytest.mark.skipif(
+    "breakdown" not in StepResult.__dataclass_fields__,
+    reason="the pipeline's step breakdown per stage (branch h3) is not in this tree yet")
+
+
+def _breakdown_adds_up(history: list, workers: int) -> None:
+    assert history[0].breakdown is None  # a generation's first step has no previous one
+    for h in history[1:]:
+        assert h.breakdown is not None and len(h.breakdown) == workers
+        for row in h.breakdown:
+            assert sum(row[k] for k in breakdown.PARTS) == pytest.approx(row["step_s"], rel=1e-6, abs=1e-9)
+            assert row["forward_s"] > 0 and row["backward_s"] > 0
+
+
+@needs_stage_breakdown
+def test_the_breakdown_of_a_pipeline_with_a_weight_tied_across_stages_adds_up():
+    job = pm.transformer_job(Pipeline(stages=2), virtual_nodes=4, model=pm.tied_gpt)
+    _, history = train_local(job, 3, replicas=2, deterministic=True)
+    _breakdown_adds_up(history, 4)
+
+
+@needs_stage_breakdown
+def test_the_breakdown_of_a_redundant_pipeline_adds_up():
+    job = pm.mlp_job(Pipeline(stages=3, redundancy=True), virtual_nodes=4)
+    _, history = train_local(job, 3, deterministic=True)
+    _breakdown_adds_up(history, 3)
 
 
 # -- refused at launch ----------------------------------------------------------------------------
