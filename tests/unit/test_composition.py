@@ -121,6 +121,64 @@ def test_rebalanced_maps_with_loaders_breakdown_bf16_and_clipping_are_one_worker
             assert sum(p[k] for k in breakdown.PARTS) == pytest.approx(p["step_s"], rel=1e-5, abs=1e-6)
 
 
+def test_a_peer_lost_mid_step_with_loaders_breakdown_bf16_and_clipping_is_one_workers_model():
+    """A failure, engine side: worker 1 of 2 drops out before step 2 (its group closes, as a killed
+    process's does); worker 0's step fails, it abandons it (its loader threads' batches dropped),
+    adopts a generation alone and redoes the step - bit-identical to one worker without loaders,
+    the breakdown of every later step adding up."""
+    job = loop_job()
+    steps, lost_at = 5, 2
+    (ref,), ref_out = train_in_threads(job, [([list(range(8))], steps)], reduction="allreduce", loader_workers=0,
+                                       breakdown_on=False)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    engines = [engine(job, reduction="allreduce", loader_workers=2, breakdown_on=True) for _ in range(2)]
+    groups: list = [None, None]
+    outs: list = []
+    errors: list = []
+    ready = threading.Barrier(2)
+
+    def body(rank: int) -> None:
+        try:
+            client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=60))
+            groups[rank] = make_group(client, 0, rank, 2, 3.0, CPU)  # the lost peer surfaces within 3 s
+            engines[rank].set_membership(groups[rank], [[0, 1, 2, 3], [4, 5, 6, 7]])
+            for s in range(lost_at):
+                out = engines[rank].step(s)
+                if rank == 0:
+                    outs.append(out)
+            ready.wait(timeout=60)
+            if rank == 1:
+                groups[1].close()  # lost: its connections close
+                return
+            eng = engines[0]
+            with pytest.raises(Exception):
+                eng.step(lost_at)
+            eng.abandon_step()
+            groups[0].close()
+            eng.set_membership(Group(1, 0, 1, None), [list(range(8))])
+            outs.extend(eng.step(s) for s in range(lost_at, steps))
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    engines[0].close()
+    engines[1].close()
+    state = {k: v.detach().clone() for k, v in engines[0].model.state_dict().items()}
+    assert_state_equal(state, ref)
+    assert [o.loss for o in outs] == [o.loss for o in ref_out]
+    assert [o.grad_norm for o in outs] == [o.grad_norm for o in ref_out]
+    assert outs[lost_at].breakdown is None  # the new generation's first step
+    for o in outs[lost_at + 1:]:
+        (p,) = o.breakdown
+        assert sum(p[k] for k in breakdown.PARTS) == pytest.approx(p["step_s"], rel=1e-5, abs=1e-6)
+
+
 # -- pipelines -------------------------------------------------------------------------------------
 def test_a_weight_tied_across_stages_with_unequal_replica_shares_is_the_unpipelined_model():
     """A tied embedding and head (stages 0 and 1) on 2 replicas running 5 and 1 of 6 micro-batches
