@@ -28,6 +28,7 @@ from virtualflow.config.job import Job, source_from
 from virtualflow.config.options import LaunchOptions
 from virtualflow.config.pipeline import pipeline_of
 from virtualflow.control.autoscale import FixedPolicy, Limits, make_policy
+from virtualflow.launching.composition import check_pipeline_options
 from virtualflow.launching.pipeline import plan_pipeline
 from virtualflow.launching.preflight import build_dataset, build_job, preflight
 from virtualflow.launching.resume import find_resume_state
@@ -69,6 +70,7 @@ def prepare(job: JobLike, opts: LaunchOptions) -> Iterator[RunSetup]:
         check_workers(pipeline, opts.start_workers)
         if opts.max_workers is not None:
             check_workers(pipeline, opts.max_workers)
+        check_pipeline_options(pipeline, opts, policy)  # docs/composition.md: what a pipeline refuses
     dataset = build_dataset(job_obj)
     plan = data_plan_of(dataset, job_obj)
     if isinstance(plan, StreamPlan) and opts.uneven_vn_sizes:
