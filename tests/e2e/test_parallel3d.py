@@ -21,6 +21,7 @@ no-flush schedule (2BW), a resume from a tensor-parallel checkpoint.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -28,6 +29,7 @@ import pytest
 import torch
 
 import virtualflow as vf
+from virtualflow.runtime.breakdown import PARTS
 from conftest import assert_state_equal, wait_for_step
 import gpt_grid_jobs as g
 
@@ -146,7 +148,7 @@ def test_dropout_masks_do_not_depend_on_the_tensor_parallel_width():
     assert _max_diff(runs[0].state_dict, no_dropout.state_dict) > 1e-6  # the masks did act
 
 
-def test_clipping_sums_the_shards_norms_over_the_tensor_parallel_group():
+def test_clipping_sums_the_shards_norms_over_the_tensor_parallel_group(run_dir):
     """max_grad_norm on a (1, 2, 2) grid (GPipe): the whole gradient's norm is the single-worker one (each
     layer's shards summed over the stage's group, its replicated parameters once), so clipping
     acts the same as on (1, 2, 1)."""
@@ -154,10 +156,19 @@ def test_clipping_sums_the_shards_norms_over_the_tensor_parallel_group():
     a = vf.train(lambda: g.grid_job(stages=2, schedule="gpipe").replace(**kw), workers=2, steps=STEPS,
                  deterministic=True)
     b = vf.train(lambda: g.grid_job(stages=2, tensor=2, schedule="gpipe").replace(**kw), workers=4, steps=STEPS,
-                 deterministic=True)
+                 deterministic=True, run_dir=run_dir)
     norms = [h["grad_norm"] for h in b.history]
     assert norms == pytest.approx([h["grad_norm"] for h in a.history], rel=1e-6) and min(norms) > 0.05
     assert _max_diff(a.state_dict, b.state_dict) < 1e-12
+    # the step breakdown of a grid: one row per stage, from its tensor rank 0 (generation ranks 0 and 2),
+    # each adding up to its step
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        members = next(e["members"] for e in map(json.loads, f) if e["event"] == "generation")
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [r for e in map(json.loads, f) if e.get("breakdown") for r in e["breakdown"]]
+    assert rows and {r["worker"] for r in rows} == {members[0], members[2]}
+    for r in rows:
+        assert r["forward_s"] > 0 and sum(r[k] for k in PARTS) == pytest.approx(r["step_s"], rel=1e-6, abs=1e-9)
 
 
 def test_a_checkpoint_holds_the_whole_model_and_resumes_on_any_grid(tmp_path):

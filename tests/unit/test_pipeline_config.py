@@ -76,7 +76,7 @@ def test_merge_knobs_defaults():
 
 def test_launch_and_plan_use_the_one_merger():
     class Opts:
-        pipeline_stages, schedule, chunks, split = 4, None, None, None
+        pipeline_stages, schedule, chunks, split, tensor_parallel = 4, None, None, None, None
 
     class JobLike:
         pipeline, output_loss = Pipeline(stages=2, split=(3, 5)), staticmethod(lambda out, batch: out)

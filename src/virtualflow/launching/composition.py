@@ -35,11 +35,3 @@ def check_pipeline_options(pipeline: Any, opts: LaunchOptions, policy: Any = Non
                          f"replica): the autoscaler's policies add, remove and replace single workers, but a "
                          f"pipeline grows and shrinks in whole replicas; drop --autoscale and resize in whole "
                          f"replicas (virtualflow resize, JobHandle.resize)")
-    if pipeline.tensor > 1 and opts.reduction == "sharded":
-        raise ValueError(f"reduction='sharded' (--reduction) with Pipeline.tensor={pipeline.tensor} "
-                         f"(--tensor-parallel): the sharded stage optimizer is not cut from tensor-parallel shards; "
-                         f"use reduction='allreduce' or tensor=1")
-    if pipeline.tensor > 1 and opts.balanced:
-        raise ValueError(f"balance (--balance, worker specs or slowdowns) with Pipeline.tensor={pipeline.tensor} "
-                         f"(--tensor-parallel): speed-weighted shares are not measured over tensor-parallel stages; "
-                         f"use LaunchOptions.balance=False (emulated slowdowns still apply) or tensor=1")
