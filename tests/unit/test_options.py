@@ -91,7 +91,7 @@ def test_command_line_round_trips_every_flagged_option():
         "coordinator_timeout_s": ("20", 20.0),
         "checkpoint_every": ("4", 4), "resume": ("runs/y", "runs/y"), "slowdowns": ("1,1,3", [1.0, 1.0, 3.0]),
         "balance": (None, True), "uneven_vn_sizes": (None, True), "price_per_worker_hour": ("2.5", 2.5),
-        "pipeline_stages": ("4", 4), "schedule": ("zb_h1", "zb_h1"), "chunks": ("2", 2), "split": ("3,2,2,1", "3,2,2,1"),
+        "pipeline_stages": ("4", 4), "tensor_parallel": ("2", 2), "schedule": ("zb_h1", "zb_h1"), "chunks": ("2", 2), "split": ("3,2,2,1", "3,2,2,1"),
         "reduction": ("sharded", "sharded"), "checkpoint_format": ("dcp", "dcp"), "async_checkpoint": (None, True),
         "shard_replicas": ("1", 1),
         "deterministic_exchange": ("slots", "slots"),
