@@ -46,6 +46,7 @@ markdown record the other load. From the repository root::
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 
 from bench import harness as H
@@ -122,17 +123,20 @@ MEMORY_LIMIT_BYTES = 256 * 2**10
 P = 2 fit."""
 SGD_STATE_FACTOR = 2.0  # weights and gradients (SGD without momentum)
 STASH_ACTIVATIONS = 4  # stashed bytes per layer, in output activations (a planner input; not measured)
-MIN_BANDWIDTH = 0.05e9  # a floor on the fitted bandwidth (noise can make the slope flat or negative)
 
 
-def measured_link(reps: int) -> tuple[Link, dict]:
-    """The loopback link, measured (a gloo ping-pong between two fresh processes)."""
-    from bench.harness.loopback import measure_loopback
+def measured_link(reps: int, ping_pong: bool) -> tuple[Link, dict]:
+    """The loopback link as the ring collectives of the 4 workers see it: the steps of a gloo ring
+    of 4 fresh local processes (:func:`bench.harness.loopback.measure_ring`); with ``ping_pong``
+    also a 2-process ping-pong, for the record (on a loaded machine it differs, see there)."""
+    from bench.harness.loopback import measure_loopback, measure_ring
 
-    got = measure_loopback(reps=reps)
-    bw = got["bandwidth_bytes_per_s"]
-    bw = bw if bw > MIN_BANDWIDTH else MIN_BANDWIDTH
-    return Link(bandwidth_bytes_per_s=bw, latency_s=got["alpha_s"]), got
+    ring = measure_ring(MEASURED_WORKERS, reps=reps)
+    raw = {"ring": {**ring, "step_s": {str(k): v for k, v in ring["step_s"].items()}}}
+    if ping_pong:
+        pp = measure_loopback(reps=reps)
+        raw["ping_pong"] = {**pp, "one_way_s": {str(k): v for k, v in pp["one_way_s"].items()}}
+    return Link(bandwidth_bytes_per_s=ring["bandwidth_bytes_per_s"], latency_s=ring["alpha_s"]), raw
 
 
 def measured_problem(link: Link, scale: float = 1.0) -> GridProblem:
@@ -166,12 +170,14 @@ def measure(layout: GridCandidate, steps: int, warm: int, scale: float = 1.0) ->
     def job():
         return G.grid_job(layout.tensor, layout.stages, layout.schedule, layout.chunks, layout.counts, scale)
 
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, H.LoadMeter() as load:
         result = vf.train(job, workers=MEASURED_WORKERS, steps=steps, deterministic=False,
-                          run_dir=os.path.join(tmp, "run"), threads_per_worker=1)
+                          run_dir=os.path.join(tmp, "run"), threads_per_worker=1,
+                          heartbeat_timeout_s=60.0)  # a loaded 2-core machine can starve a worker for seconds
     times = [h["step_time_s"] for h in result.history]
     return {"step_s": H.median(times[warm:]), "step_times_s": times, "warm": warm,
-            "other_load_cores": load.other_cores}
+            "other_load_cores": load.other_cores, "wall_s": time.perf_counter() - t0}
 
 
 def measured_part(args, t: H.Targets) -> dict:
@@ -187,19 +193,24 @@ def measured_part(args, t: H.Targets) -> dict:
     print("  COMPUTE IS SLEEP-EMULATED; a tensor-parallel sub-layer sleeps cost / T; the real parts are tiny "
           f"(hidden {G.HIDDEN}, {G.HEADS} heads, {G.SEQ} tokens, {G.VN_BATCH} samples per VN, "
           f"{G.VIRTUAL_NODES} VNs per step)", flush=True)
-    link, link_raw = measured_link(10 if args.quick else 20)
-    print("  link (gloo ping-pong, one way): "
-          + ", ".join(f"{n >> 10} KiB {v * 1e3:.3f} ms" for n, v in link_raw["one_way_s"].items())
+    t0 = time.perf_counter()
+    link, link_raw = measured_link(20 if args.quick else 40, ping_pong=not args.quick)
+    print(f"  link (gloo ring of {MEASURED_WORKERS} processes, one step): "
+          + ", ".join(f"{int(n) >> 10} KiB {v * 1e3:.3f} ms" for n, v in link_raw["ring"]["step_s"].items())
           + f" -> alpha {link.latency_s * 1e3:.3f} ms, bandwidth {link.bandwidth_bytes_per_s / 1e9:.3f} GB/s "
-          "(both the tensor-parallel and the stage/replica link)", flush=True)
+          f"(both the tensor-parallel and the stage/replica link; measured in {time.perf_counter() - t0:.0f} s)", flush=True)
+    if "ping_pong" in link_raw:
+        pp = link_raw["ping_pong"]
+        print("  for the record, a 2-process ping-pong (one way): "
+              + ", ".join(f"{int(n) >> 10} KiB {v * 1e3:.3f} ms" for n, v in pp["one_way_s"].items())
+              + f" -> alpha {pp['alpha_s'] * 1e3:.3f} ms (not used)", flush=True)
     plan = choose_grid(measured_problem(link, args.scale))
     print(plan.table(8))
     print(plan.explain, flush=True)
     chosen = plan.best
     t.holds("measured part: the planner chose a grid that fits the memory limit", chosen is not None)
     out: dict = {"link": {"alpha_s": link.latency_s, "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s,
-                          "ping_pong_one_way_s": {str(k): v for k, v in link_raw["one_way_s"].items()},
-                          "method": link_raw["method"]},
+                          **link_raw},
                  "config": {"table": [r.__dict__ for r in G.TABLE], "scale": args.scale,
                             "backward_factor": G.BACKWARD_FACTOR, "workers": MEASURED_WORKERS,
                             "virtual_nodes": G.VIRTUAL_NODES, "vn_batch": G.VN_BATCH, "hidden": G.HIDDEN,
@@ -216,6 +227,11 @@ def measured_part(args, t: H.Targets) -> dict:
         runs.append((label + (" (= chosen)" if same else ""), cand))
     fitting_measured = []
     for label, cand in runs:
+        if args.quick and not cand.fits:
+            print(f"  {label}: {cand.describe()} does not fit the limit: not run with --quick", flush=True)
+            out["rows"].append([label, cand.describe(), f"{cand.step_time_s * 1e3:.1f}", "not run", "", "NO",
+                                "no target (does not fit)", ""])
+            continue
         print(f"  running {label}: {cand.describe()} ...", flush=True)
         got = measure(cand, steps, warm, args.scale)
         ratio = got["step_s"] / cand.step_time_s
@@ -230,7 +246,7 @@ def measured_part(args, t: H.Targets) -> dict:
             met = None
         print(f"    predicted {cand.step_time_s * 1e3:.1f} ms, measured {got['step_s'] * 1e3:.1f} ms "
               f"(ratio {ratio:.3f}; steps {', '.join(f'{x * 1e3:.0f}' for x in got['step_times_s'])} ms; "
-              f"other load {got['other_load_cores']:.2f} cores)", flush=True)
+              f"other load {got['other_load_cores']:.2f} cores; {got['wall_s']:.0f} s)", flush=True)
         out["layouts"].append(row)
         out["rows"].append([label, cand.describe(), f"{cand.step_time_s * 1e3:.1f}", f"{got['step_s'] * 1e3:.1f}",
                             f"{ratio:.3f}", H.yes_no(cand.fits),
@@ -241,6 +257,8 @@ def measured_part(args, t: H.Targets) -> dict:
         rel = measured_chosen / min(fitting_measured)
         out["chosen_over_best_pure_measured"] = rel
         t.at_most("chosen_vs_pure_measured", "chosen grid / best fitting pure layout, MEASURED step time", rel, 1.05)
+    if args.quick:
+        return out
     # What the framework itself costs: the chosen layout with every sleep 0 (tiny real parts,
     # collectives, hops, reduction, optimizer, control), against the cost model's communication.
     zero_plan = choose_grid(measured_problem(link, 0.0))
