@@ -11,15 +11,19 @@ sleeps its cost / T, since the bench knows T for the layout it builds) and runs 
 (hidden 32): with ``Pipeline(tensor=T)`` the converter splits the sub-layers and their
 collectives really run. The same table (plus the real parameter bytes) is the planner's
 :class:`~virtualflow.plan.grid.GridProblem`. The link is the real loopback between local worker
-processes: a gloo ping-pong between two fresh processes (:mod:`bench.harness.loopback`) gives
-its alpha and bandwidth, which the planner gets as both the tensor-parallel link and the
-stage/replica link. A memory limit per worker (a planner constraint on the tiny model's bytes:
+processes: the steps of a gloo ring of 4 fresh processes (:mod:`bench.harness.loopback`: every
+rank receives from its left neighbour and sends to its right one, the unit of the ring
+collectives, with as many processes as the runs have) give its alpha and bandwidth, which the
+planner gets as both the tensor-parallel link and the stage/replica link. (A 2-process ping-pong
+is printed for the record, not used: on a loaded machine its receiver sleeps and is woken for
+every message, and it misses the wait for the slowest of a ring's transfers.) A memory limit per worker (a planner constraint on the tiny model's bytes:
 weights + gradients of SGD, factor 2, plus stashed activations; memory is not measured) rules out
 pure data parallelism, so the planner must mix. Each layout (the chosen one, and the best pure
 data-parallel (4,1,1), pipeline (1,4,1) and tensor (1,1,4) layouts) trains with
 ``vf.train(job, workers=4, deterministic=False)`` with the schedule, chunks and split the planner
 chose for it; its step time is the median of rank 0's ``step_time_s`` after the warm-up steps. A
-zero-sleep run of the chosen layout measures what the framework itself costs per step.
+zero-sleep run of the chosen layout (not with ``--quick``) shows what the framework costs when
+nothing sleeps (then the workers contend for the 2 cores: see ``ZERO_SLEEP_NOTE``).
 
 Targets: per layout run, ``|measured / predicted - 1| <= 0.10`` (key ``prediction_error``; pure
 data parallelism, which does not fit the limit, is measured for reference with no target), and
@@ -39,8 +43,12 @@ This is a shared 2-core machine: other processes' load slows the loopback's mess
 process waits for a core), so the measured link and the step times move with it; the JSON and the
 markdown record the other load. From the repository root::
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m bench.parallel3d           # ~3 min
-    OMP_NUM_THREADS=1 .venv/bin/python -m bench.parallel3d --quick   # ~1.5 min
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.parallel3d           # ~3.5 min under load
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.parallel3d --quick   # ~2 min (3 under heavy load)
+
+``--quick`` runs 6 steps per layout (12 in a full run) and leaves out the layouts that do not fit
+and the zero-sleep run; ``--scale`` multiplies every emulated time; ``--predicted-only`` runs
+nothing.
 """
 
 from __future__ import annotations
@@ -207,6 +215,7 @@ def measured_part(args, t: H.Targets) -> dict:
     plan = choose_grid(measured_problem(link, args.scale))
     print(plan.table(8))
     print(plan.explain, flush=True)
+    plan_text = plan.table(8) + "\n" + plan.explain
     chosen = plan.best
     t.holds("measured part: the planner chose a grid that fits the memory limit", chosen is not None)
     out: dict = {"link": {"alpha_s": link.latency_s, "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s,
@@ -216,7 +225,7 @@ def measured_part(args, t: H.Targets) -> dict:
                             "virtual_nodes": G.VIRTUAL_NODES, "vn_batch": G.VN_BATCH, "hidden": G.HIDDEN,
                             "heads": G.HEADS, "seq": G.SEQ, "memory_limit_bytes": MEMORY_LIMIT_BYTES,
                             "optimizer_state_factor": SGD_STATE_FACTOR, "steps": steps, "warm": warm},
-                 "layouts": [], "rows": []}
+                 "layouts": [], "rows": [], "plan_table": plan_text}
     if chosen is None:
         return out
     runs: list[tuple[str, GridCandidate]] = [("chosen", chosen)]
@@ -328,6 +337,9 @@ def predicted_part(args, t: H.Targets) -> tuple[list, list]:
     return rows, results
 
 
+ZERO_SLEEP_NOTE = ("With every sleep 0 the 4 workers no longer sleep: they and their collectives' threads compete "
+                   "for the 2 cores, so this measures CPU contention rather than the framework's share of an emulated "
+                   "step; that share is the measured - predicted gap of the emulated runs above.")
 MEASURED_HEADER = ["layout", "grid", "predicted step ms", "measured step ms", "measured / predicted", "fits",
                    "within 10 %", "other load (cores)"]
 PREDICTED_HEADER = ["scenario", "layout", "grid", "predicted step ms", "bubble %", "GiB/worker", "fits"]
@@ -349,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         z = measured.get("zero_sleep")
         if z:
             print(f"zero sleeps (the chosen layout, framework only): predicted {z['predicted_step_s'] * 1e3:.1f} ms, "
-                  f"measured {z['step_s'] * 1e3:.1f} ms per step")
+                  f"measured {z['step_s'] * 1e3:.1f} ms per step\n  ({ZERO_SLEEP_NOTE})")
     print("\npredicted part (nothing runs):")
     print(H.text_table(PREDICTED_HEADER, rows))
     env = H.environment()
@@ -365,15 +377,23 @@ def main(argv: list[str] | None = None) -> int:
                                                   + (" (tensor-parallel)" if r["tensor_parallel"] else "")
                                                   for r in cfg["table"])
                + f"; {cfg['virtual_nodes']} VNs x {cfg['vn_batch']} samples; memory limit "
-               f"{cfg['memory_limit_bytes'] / 2**10:.0f} KiB per worker (planner constraint). Link: gloo ping-pong "
-               f"between two local processes, alpha {ln['alpha_s'] * 1e3:.3f} ms, bandwidth "
-               f"{ln['bandwidth_bytes_per_s'] / 1e9:.3f} GB/s, given to the planner as both links. Median of rank 0's "
-               f"step times after {cfg['warm']} of {cfg['steps']} steps. Shared 2-core machine: timings are noisy.\n\n"
+               f"{cfg['memory_limit_bytes'] / 2**10:.0f} KiB per worker (planner constraint). Link: steps of a gloo ring "
+               f"of {MEASURED_WORKERS} local processes, alpha {ln['alpha_s'] * 1e3:.3f} ms, bandwidth "
+               f"{ln['bandwidth_bytes_per_s'] / 1e9:.3f} GB/s, given to the planner as both links"
+               + ("" if "ping_pong" not in ln else
+                  f" (a 2-process ping-pong, for the record: alpha {ln['ping_pong']['alpha_s'] * 1e3:.3f} ms)")
+               + f". Median of rank 0's step times after {cfg['warm']} of {cfg['steps']} steps. Shared 2-core machine "
+               "under other load: timings are noisy.\n\n"
                + H.md_table(MEASURED_HEADER, measured["rows"]) + "\n")
+        if "chosen_over_best_pure_measured" in measured:
+            md += (f"\nChosen / best fitting pure layout, measured: "
+                   f"{measured['chosen_over_best_pure_measured']:.3f}.\n")
+        md += "\nThe planner's ranking on the measured link:\n\n```text\n" + measured["plan_table"] + "\n```\n"
         z = measured.get("zero_sleep")
         if z:
             md += (f"\nZero sleeps (the chosen layout, framework only): predicted {z['predicted_step_s'] * 1e3:.1f} ms "
-                   f"(communication), measured {z['step_s'] * 1e3:.1f} ms per step.\n")
+                   f"(communication), measured {z['step_s'] * 1e3:.1f} ms per step (steps "
+                   + ", ".join(f"{x * 1e3:.0f}" for x in z["step_times_s"]) + " ms). " + ZERO_SLEEP_NOTE + "\n")
     md += ("\n## Predicted only: GPU-scale GPT layers (FLOP costs at 100 TFLOP/s, bf16)\n\n"
            + H.md_table(PREDICTED_HEADER, rows) + "\n")
     return run.finish(payload, md)
