@@ -142,7 +142,7 @@ def measured_link(reps: int, ping_pong: bool) -> tuple[Link, dict]:
     ring = measure_ring(MEASURED_WORKERS, reps=reps)
     raw = {"ring": {**ring, "step_s": {str(k): v for k, v in ring["step_s"].items()}}}
     if ping_pong:
-        pp = measure_loopback(reps=reps)
+        pp = measure_loopback(reps=min(reps, 40))
         raw["ping_pong"] = {**pp, "one_way_s": {str(k): v for k, v in pp["one_way_s"].items()}}
     return Link(bandwidth_bytes_per_s=ring["bandwidth_bytes_per_s"], latency_s=ring["alpha_s"]), raw
 
@@ -202,7 +202,7 @@ def measured_part(args, t: H.Targets) -> dict:
           f"(hidden {G.HIDDEN}, {G.HEADS} heads, {G.SEQ} tokens, {G.VN_BATCH} samples per VN, "
           f"{G.VIRTUAL_NODES} VNs per step)", flush=True)
     t0 = time.perf_counter()
-    link, link_raw = measured_link(20 if args.quick else 40, ping_pong=not args.quick)
+    link, link_raw = measured_link(50 if args.quick else 100, ping_pong=not args.quick)
     print(f"  link (gloo ring of {MEASURED_WORKERS} processes, one step): "
           + ", ".join(f"{int(n) >> 10} KiB {v * 1e3:.3f} ms" for n, v in link_raw["ring"]["step_s"].items())
           + f" -> alpha {link.latency_s * 1e3:.3f} ms, bandwidth {link.bandwidth_bytes_per_s / 1e9:.3f} GB/s "
@@ -338,8 +338,9 @@ def predicted_part(args, t: H.Targets) -> tuple[list, list]:
 
 
 ZERO_SLEEP_NOTE = ("With every sleep 0 the 4 workers no longer sleep: they and their collectives' threads compete "
-                   "for the 2 cores, so this measures CPU contention rather than the framework's share of an emulated "
-                   "step; that share is the measured - predicted gap of the emulated runs above.")
+                   "for the 2 cores (with the machine's other load), so this run can measure CPU contention rather "
+                   "than the framework's share of an emulated step; that share is the measured - predicted gap of "
+                   "the emulated runs above.")
 MEASURED_HEADER = ["layout", "grid", "predicted step ms", "measured step ms", "measured / predicted", "fits",
                    "within 10 %", "other load (cores)"]
 PREDICTED_HEADER = ["scenario", "layout", "grid", "predicted step ms", "bubble %", "GiB/worker", "fits"]

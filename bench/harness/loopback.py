@@ -7,7 +7,9 @@ form a gloo group over 127.0.0.1.
 * :func:`measure_loopback`: rank 0 sends a float32 tensor of each size and rank 1 sends it back;
   the one-way time of a size is half the median round trip.
 * :func:`measure_ring`: every rank posts a receive from its left neighbour, sends to its right one
-  and waits (one step of a ring collective); per size the slowest rank's median step.
+  and waits (one step of a ring collective); per size the slowest rank's median step. (The mean
+  was tried: a loaded machine's tail of slow steps made it over-predict the collectives of the
+  runs that followed, by up to 30 %.)
 
 :func:`fit_link` fits ``alpha + bytes / bandwidth`` to either (least squares): the planner's
 :class:`~virtualflow.plan.pipeline.partition.Link`. On a loaded machine the two differ: a
@@ -125,7 +127,7 @@ def measure_ring(world: int = 4, sizes: Sequence[int] = RING_SIZES_BYTES, reps: 
     """One step of a ring of ``world`` fresh processes (every rank sends a message of each size to
     its right neighbour and receives one from its left): per size the slowest rank's median step
     (a ring step waits for the slowest of its transfers), and ``alpha + bytes / bandwidth`` fitted
-    to them (the bandwidth floored at ``MIN_BANDWIDTH``: noise can make the slope flat)."""
+    to them (:func:`fit_link`)."""
     from bench.harness.machine import collect_children, spawn_child
 
     port = _free_port()
