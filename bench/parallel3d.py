@@ -58,7 +58,7 @@ import time
 from dataclasses import dataclass
 
 from bench import harness as H
-from virtualflow.plan.grid import GridCandidate, GridPlan, GridProblem, choose_grid
+from virtualflow.plan.grid import GridCandidate, GridPlan, GridProblem, choose_grid, predict_layout
 from virtualflow.plan.pipeline.partition import LayerProfile, Link
 
 NAME = "parallel3d"
@@ -270,9 +270,7 @@ def measured_part(args, t: H.Targets) -> dict:
         return out
     # What the framework itself costs: the chosen layout with every sleep 0 (tiny real parts,
     # collectives, hops, reduction, optimizer, control), against the cost model's communication.
-    zero_plan = choose_grid(measured_problem(link, 0.0))
-    zero_pred = next(c for c in zero_plan.candidates if (c.data, c.stages, c.tensor, c.schedule, c.chunks, c.counts)
-                     == (chosen.data, chosen.stages, chosen.tensor, chosen.schedule, chosen.chunks, chosen.counts))
+    zero_pred = predict_layout(measured_problem(link, 0.0), chosen)
     print("  running the chosen layout with zero sleeps (the framework's own cost per step) ...", flush=True)
     zero = measure(chosen, steps, warm, 0.0)
     out["zero_sleep"] = {"predicted_step_s": zero_pred.step_time_s, **zero}
