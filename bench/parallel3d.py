@@ -16,9 +16,10 @@ rank receives from its left neighbour and sends to its right one, the unit of th
 collectives, with as many processes as the runs have) give its alpha and bandwidth, which the
 planner gets as both the tensor-parallel link and the stage/replica link. (A 2-process ping-pong
 is printed for the record, not used: on a loaded machine its receiver sleeps and is woken for
-every message, and it misses the wait for the slowest of a ring's transfers.) A memory limit per worker (a planner constraint on the tiny model's bytes:
-weights + gradients of SGD, factor 2, plus stashed activations; memory is not measured) rules out
-pure data parallelism, so the planner must mix. Each layout (the chosen one, and the best pure
+every message, and it misses the wait for the slowest of a ring's transfers.) A memory limit per
+worker (a planner constraint on the tiny model's bytes: weights + gradients of SGD, factor 2,
+plus stashed activations; memory is not measured) rules out pure data parallelism, so the planner
+must mix. Each layout (the chosen one, and the best pure
 data-parallel (4,1,1), pipeline (1,4,1) and tensor (1,1,4) layouts) trains with
 ``vf.train(job, workers=4, deterministic=False)`` with the schedule, chunks and split the planner
 chose for it; its step time is the median of rank 0's ``step_time_s`` after the warm-up steps. A
@@ -28,7 +29,10 @@ nothing sleeps (then the workers contend for the 2 cores: see ``ZERO_SLEEP_NOTE`
 Targets: per layout run, ``|measured / predicted - 1| <= 0.10`` (key ``prediction_error``; pure
 data parallelism, which does not fit the limit, is measured for reference with no target), and
 the chosen grid measured no slower than the best fitting pure layout measured, within 5 % of noise
-(key ``chosen_vs_pure_measured``, ratio <= 1.05).
+(key ``chosen_vs_pure_measured``, ratio <= 1.05). Known miss: pure tensor parallelism over 4
+workers runs 240 ring steps per step (about 45 % of its step time), and a ring step of 4 processes
+on 2 cores costs 1.4-5 ms with the other load, so its prediction is within 10 % only when the load
+holds still between the link's measurement and its run (2 of 7 runs; docs/parallel3d.md).
 
 **Predicted part** (nothing runs): GPT-style layers at GPU scale (hidden ``h``, sequence ``s``,
 ``b`` samples per VN), costed by FLOPs at a device rate (a block's forward ``24 b s h^2 + 4 b s^2
@@ -206,7 +210,8 @@ def measured_part(args, t: H.Targets) -> dict:
     print(f"  link (gloo ring of {MEASURED_WORKERS} processes, one step): "
           + ", ".join(f"{int(n) >> 10} KiB {v * 1e3:.3f} ms" for n, v in link_raw["ring"]["step_s"].items())
           + f" -> alpha {link.latency_s * 1e3:.3f} ms, bandwidth {link.bandwidth_bytes_per_s / 1e9:.3f} GB/s "
-          f"(both the tensor-parallel and the stage/replica link; measured in {time.perf_counter() - t0:.0f} s)", flush=True)
+          f"(both the tensor-parallel and the stage/replica link; measured in {time.perf_counter() - t0:.0f} s)",
+          flush=True)
     if "ping_pong" in link_raw:
         pp = link_raw["ping_pong"]
         print("  for the record, a 2-process ping-pong (one way): "
@@ -376,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
                                                   + (" (tensor-parallel)" if r["tensor_parallel"] else "")
                                                   for r in cfg["table"])
                + f"; {cfg['virtual_nodes']} VNs x {cfg['vn_batch']} samples; memory limit "
-               f"{cfg['memory_limit_bytes'] / 2**10:.0f} KiB per worker (planner constraint). Link: steps of a gloo ring "
+               f"{cfg['memory_limit_bytes'] / 2**10:.0f} KiB per worker (planner constraint). "
+               f"Link: steps of a gloo ring "
                f"of {MEASURED_WORKERS} local processes, alpha {ln['alpha_s'] * 1e3:.3f} ms, bandwidth "
                f"{ln['bandwidth_bytes_per_s'] / 1e9:.3f} GB/s, given to the planner as both links"
                + ("" if "ping_pong" not in ln else

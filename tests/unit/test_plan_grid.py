@@ -187,7 +187,8 @@ def test_predict_layout_re_costs_an_exact_layout_on_another_problem():
         key = (c.data, c.stages, c.tensor, c.schedule, c.chunks, c.microbatches_per_vn, c.counts)
         assert (again.fits, again.step_time_s) == (every[key][0], pytest.approx(every[key][1], rel=1e-12))
     with pytest.raises(ValueError, match="re-plan on this problem"):
-        predict_layout(GridProblem(layers=_model()[:3], **{**knobs, "tensor_parallel": [0, 1, 1]}), choose_grid(pr).best)
+        three = GridProblem(layers=_model()[:3], **{**knobs, "tensor_parallel": [0, 1, 1]})
+        predict_layout(three, choose_grid(pr).best)
 
 # ---- hand-computed cases ----------------------------------------------------------------------------
 
