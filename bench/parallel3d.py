@@ -32,7 +32,7 @@ the chosen grid measured no slower than the best fitting pure layout measured, w
 (key ``chosen_vs_pure_measured``, ratio <= 1.05). Known miss: pure tensor parallelism over 4
 workers runs 240 ring steps per step (about 45 % of its step time), and a ring step of 4 processes
 on 2 cores costs 1.4-5 ms with the other load, so its prediction is within 10 % only when the load
-holds still between the link's measurement and its run (2 of 7 runs; docs/parallel3d.md).
+holds still between the link's measurement and its run (2 of 8 runs; docs/parallel3d.md).
 
 **Predicted part** (nothing runs): GPT-style layers at GPU scale (hidden ``h``, sequence ``s``,
 ``b`` samples per VN), costed by FLOPs at a device rate (a block's forward ``24 b s h^2 + 4 b s^2
