@@ -1,38 +1,73 @@
-"""3-D parallelism (issue 31), planner side: the grid ``virtualflow plan --grid`` chooses against
-the best pure data-parallel, pure pipeline and pure tensor-parallel layouts of the same workers.
+"""3-D parallelism (issue 31): the grid ``virtualflow plan --grid`` chooses against the best pure
+data-parallel, pure pipeline and pure tensor-parallel layouts of the same workers, PREDICTED and
+MEASURED.
 
-Per-layer costs are EMULATED (nothing runs): GPT-style transformer layers of hidden size ``h``,
-sequence ``s`` and ``b`` samples per VN, costed by FLOPs at a device rate (a block's forward
-``24 b s h^2 + 4 b s^2 h`` FLOPs, its backward twice that; weights ``12 h^2`` parameters; the output
-activation ``b s h`` values; the stash ``16`` activations per block), plus an embedding and a
-head. Every time below is the planner's PREDICTION (:mod:`virtualflow.plan.grid`), in three
-scenarios: a small model on one node, a large model that does not fit one worker, and the large
-model with tensor-parallel groups on a slow link (PCIe, no NVLink).
+**Measured part** (emulated compute, a measured link). The model is the chain of
+:mod:`bench.harness.sleep_grid`: an embedding and a head (replicated) around two transformer
+layers of nanoGPT's shape, each cut into its attention and its MLP sub-layer (one
+column/row-parallel pair each). Every layer sleeps its emulated time from ONE cost table
+(``sleep_grid.TABLE``: ms per layer per micro-batch, backward 2x; a tensor-parallel sub-layer
+sleeps its cost / T, since the bench knows T for the layout it builds) and runs a tiny real part
+(hidden 32): with ``Pipeline(tensor=T)`` the converter splits the sub-layers and their
+collectives really run. The same table (plus the real parameter bytes) is the planner's
+:class:`~virtualflow.plan.grid.GridProblem`. The link is the real loopback between local worker
+processes: the steps of a gloo ring of 4 fresh processes (:mod:`bench.harness.loopback`: every
+rank receives from its left neighbour and sends to its right one, the unit of the ring
+collectives, with as many processes as the runs have) give its alpha and bandwidth, which the
+planner gets as both the tensor-parallel link and the stage/replica link. (A 2-process ping-pong
+is printed for the record, not used: on a loaded machine its receiver sleeps and is woken for
+every message, and it misses the wait for the slowest of a ring's transfers.) A memory limit per
+worker (a planner constraint on the tiny model's bytes: weights + gradients of SGD, factor 2,
+plus stashed activations; memory is not measured) rules out pure data parallelism, so the planner
+must mix. Each layout (the chosen one, and the best pure
+data-parallel (4,1,1), pipeline (1,4,1) and tensor (1,1,4) layouts) trains with
+``vf.train(job, workers=4, deterministic=False)`` with the schedule, chunks and split the planner
+chose for it; its step time is the median of rank 0's ``step_time_s`` after the warm-up steps. A
+zero-sleep run of the chosen layout (not with ``--quick``) shows what the framework costs when
+nothing sleeps (then the workers contend for the 2 cores: see ``ZERO_SLEEP_NOTE``).
 
-Targets (each scenario): the chosen grid fits the memory limit (``chosen_fits``), and its predicted
-step time is no worse than the best pure layout that fits (key ``chosen_vs_pure``, ratio <= 1.00:
-the planner's search contains every pure layout, so this checks the search and the ranking).
+Targets: per layout run, ``|measured / predicted - 1| <= 0.10`` (key ``prediction_error``; pure
+data parallelism, which does not fit the limit, is measured for reference with no target), and
+the chosen grid measured no slower than the best fitting pure layout measured, within 5 % of noise
+(key ``chosen_vs_pure_measured``, ratio <= 1.05). Known miss: pure tensor parallelism over 4
+workers runs 240 ring steps per step (about 45 % of its step time), a ring step of 4 processes on
+2 cores costs 1.4-5 ms with the other load, and the bare gloo ring measured for the link misses
+part of the engine's ring step (its collectives thread and queue), so that prediction is within
+10 % only in some runs (2 of 8 runs; docs/parallel3d.md).
 
-Measured step times: :func:`measure` is the hook for the engine's runs (``Pipeline(stages=P,
-tensor=T)`` on ``D`` replicas). It returns ``None`` until the lead fills it in, and the
-predicted-vs-measured comparison is then printed as "not measured": no number is made up. From
-the repository root::
+**Predicted part** (nothing runs): GPT-style layers at GPU scale (hidden ``h``, sequence ``s``,
+``b`` samples per VN), costed by FLOPs at a device rate (a block's forward ``24 b s h^2 + 4 b s^2
+h`` FLOPs, its backward twice that; weights ``12 h^2`` parameters; the output activation ``b s h``
+values; the stash ``16`` activations per block), plus an embedding and a head, in three scenarios:
+a small model on one node, a large model that does not fit one worker, and the large model with
+tensor-parallel groups on a slow link (PCIe, no NVLink). Targets: the chosen grid fits the memory
+limit, and its predicted step time is no worse than the best pure layout that fits (key
+``chosen_vs_pure``, ratio <= 1.00: checks the search and the ranking).
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m bench.parallel3d           # ~10 s
-    OMP_NUM_THREADS=1 .venv/bin/python -m bench.parallel3d --quick   # ~3 s
+This is a shared 2-core machine: other processes' load slows the loopback's messages (a woken
+process waits for a core), so the measured link and the step times move with it; the JSON and the
+markdown record the other load. From the repository root::
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.parallel3d           # ~3.5 min under load
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.parallel3d --quick   # ~2 min (3 under heavy load)
+
+``--quick`` runs 6 steps per layout (12 in a full run) and leaves out the layouts that do not fit
+and the zero-sleep run; ``--scale`` multiplies every emulated time; ``--predicted-only`` runs
+nothing.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 
 from bench import harness as H
-from virtualflow.plan.grid import GridCandidate, GridPlan, GridProblem, choose_grid
+from virtualflow.plan.grid import GridCandidate, GridPlan, GridProblem, choose_grid, predict_layout
 from virtualflow.plan.pipeline.partition import LayerProfile, Link
 
 NAME = "parallel3d"
-TARGET_KEYS = ("chosen_vs_pure",)
+TARGET_KEYS = ("prediction_error", "chosen_vs_pure_measured", "chosen_vs_pure")
 BYTES = 2  # bf16 weights and activations
 
 
@@ -93,16 +128,161 @@ def problem_of(sc: Scenario, quick: bool) -> GridProblem:
                        link=sc.link, tp_link=sc.tp_link, microbatches_per_vn=(1,) if quick else (1, 2))
 
 
-# ---- LEAD: the measured side ---------------------------------------------------------------------
+# ---- the measured part ----------------------------------------------------------------------------
+
+MEASURED_WORKERS = 4
+MEMORY_LIMIT_BYTES = 256 * 2**10
+"""Per worker, on the tiny model's bytes: rules out pure data parallelism (0.30 MiB), lets T = 2 or
+P = 2 fit."""
+SGD_STATE_FACTOR = 2.0  # weights and gradients (SGD without momentum)
+STASH_ACTIVATIONS = 4  # stashed bytes per layer, in output activations (a planner input; not measured)
 
 
-def measure(layout: GridCandidate) -> float | None:
-    """Measured seconds per step of ``layout`` (``D`` replicas of ``Pipeline(stages=P, tensor=T)``
-    with its schedule, chunks and split) on emulated layers, or ``None`` when not measured.
+def measured_link(reps: int, ping_pong: bool) -> tuple[Link, dict]:
+    """The loopback link as the ring collectives of the 4 workers see it: the steps of a gloo ring
+    of 4 fresh local processes (:func:`bench.harness.loopback.measure_ring`); with ``ping_pong``
+    also a 2-process ping-pong, for the record (on a loaded machine it differs, see there)."""
+    from bench.harness.loopback import measure_loopback, measure_ring
 
-    HOOK, NOT A MEASUREMENT: returns ``None`` until the grid engine exists; the lead fills in the
-    run (sleep-emulated layers as in ``bench.pipeline_partition``). Never return a made-up number."""
-    return None
+    ring = measure_ring(MEASURED_WORKERS, reps=reps)
+    raw = {"ring": {**ring, "step_s": {str(k): v for k, v in ring["step_s"].items()}}}
+    if ping_pong:
+        pp = measure_loopback(reps=min(reps, 40))
+        raw["ping_pong"] = {**pp, "one_way_s": {str(k): v for k, v in pp["one_way_s"].items()}}
+    return Link(bandwidth_bytes_per_s=ring["bandwidth_bytes_per_s"], latency_s=ring["alpha_s"]), raw
+
+
+def measured_problem(link: Link, scale: float = 1.0) -> GridProblem:
+    """The planner's input for the sleep-emulated chain: :data:`sleep_grid.TABLE` (x ``scale``),
+    the real parameter bytes, ``link`` inside tensor-parallel groups and between stages and
+    replicas. The emulated layers do all of their backward in the input-gradient part (one sleep),
+    so the zero-bubble weight part is 0."""
+    from bench.harness import sleep_grid as G
+
+    act = G.VN_BATCH * G.SEQ * G.HIDDEN * G.FLOAT_BYTES
+    params = G.real_param_bytes()
+    layers = [LayerProfile(forward_s=scale * row.forward_ms / 1e3,
+                           backward_s=scale * G.BACKWARD_FACTOR * row.forward_ms / 1e3,
+                           activation_bytes=act, param_bytes=params[i], stash_bytes=STASH_ACTIVATIONS * act,
+                           name=row.name) for i, row in enumerate(G.TABLE)]
+    return GridProblem(layers=layers, tensor_parallel=[int(row.tensor_parallel) for row in G.TABLE], heads=G.HEADS,
+                       workers=MEASURED_WORKERS, virtual_nodes=G.VIRTUAL_NODES, vn_batch=G.VN_BATCH,
+                       memory_limit_bytes=MEMORY_LIMIT_BYTES, optimizer_state_factor=SGD_STATE_FACTOR, link=link,
+                       tp_link=link, weight_grad_s=[0.0] * len(layers))
+
+
+def measure(layout: GridCandidate, steps: int, warm: int, scale: float = 1.0) -> dict:
+    """Train ``layout`` (``D`` replicas of ``Pipeline(stages=P, tensor=T)`` with its schedule,
+    chunks and split) on the sleep-emulated chain; the median step time after ``warm`` steps."""
+    import os
+    import tempfile
+
+    import virtualflow as vf
+    from bench.harness import sleep_grid as G
+
+    def job():
+        return G.grid_job(layout.tensor, layout.stages, layout.schedule, layout.chunks, layout.counts, scale)
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp, H.LoadMeter() as load:
+        result = vf.train(job, workers=MEASURED_WORKERS, steps=steps, deterministic=False,
+                          run_dir=os.path.join(tmp, "run"), threads_per_worker=1,
+                          heartbeat_timeout_s=60.0)  # a loaded 2-core machine can starve a worker for seconds
+    times = [h["step_time_s"] for h in result.history]
+    return {"step_s": H.median(times[warm:]), "step_times_s": times, "warm": warm,
+            "other_load_cores": load.other_cores, "wall_s": time.perf_counter() - t0}
+
+
+def measured_part(args, t: H.Targets) -> dict:
+    import logging
+
+    from bench.harness import sleep_grid as G
+
+    logging.getLogger("virtualflow").setLevel(logging.ERROR)
+    steps, warm = (6, 2) if args.quick else (12, 2)
+    print(H.banner("measured: sleep-emulated GPT-style chain on 4 worker processes, the loopback link measured"))
+    print(f"  cost table (ms per micro-batch, forward; backward x{G.BACKWARD_FACTOR:g}; x{args.scale:g}): "
+          + ", ".join(f"{r.name} {r.forward_ms:g}{' (TP)' if r.tensor_parallel else ''}" for r in G.TABLE))
+    print("  COMPUTE IS SLEEP-EMULATED; a tensor-parallel sub-layer sleeps cost / T; the real parts are tiny "
+          f"(hidden {G.HIDDEN}, {G.HEADS} heads, {G.SEQ} tokens, {G.VN_BATCH} samples per VN, "
+          f"{G.VIRTUAL_NODES} VNs per step)", flush=True)
+    t0 = time.perf_counter()
+    link, link_raw = measured_link(50 if args.quick else 100, ping_pong=not args.quick)
+    print(f"  link (gloo ring of {MEASURED_WORKERS} processes, one step): "
+          + ", ".join(f"{int(n) >> 10} KiB {v * 1e3:.3f} ms" for n, v in link_raw["ring"]["step_s"].items())
+          + f" -> alpha {link.latency_s * 1e3:.3f} ms, bandwidth {link.bandwidth_bytes_per_s / 1e9:.3f} GB/s "
+          f"(both the tensor-parallel and the stage/replica link; measured in {time.perf_counter() - t0:.0f} s)",
+          flush=True)
+    if "ping_pong" in link_raw:
+        pp = link_raw["ping_pong"]
+        print("  for the record, a 2-process ping-pong (one way): "
+              + ", ".join(f"{int(n) >> 10} KiB {v * 1e3:.3f} ms" for n, v in pp["one_way_s"].items())
+              + f" -> alpha {pp['alpha_s'] * 1e3:.3f} ms (not used)", flush=True)
+    plan = choose_grid(measured_problem(link, args.scale))
+    print(plan.table(8))
+    print(plan.explain, flush=True)
+    plan_text = plan.table(8) + "\n" + plan.explain
+    chosen = plan.best
+    t.holds("measured part: the planner chose a grid that fits the memory limit", chosen is not None)
+    out: dict = {"link": {"alpha_s": link.latency_s, "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s,
+                          **link_raw},
+                 "config": {"table": [r.__dict__ for r in G.TABLE], "scale": args.scale,
+                            "backward_factor": G.BACKWARD_FACTOR, "workers": MEASURED_WORKERS,
+                            "virtual_nodes": G.VIRTUAL_NODES, "vn_batch": G.VN_BATCH, "hidden": G.HIDDEN,
+                            "heads": G.HEADS, "seq": G.SEQ, "memory_limit_bytes": MEMORY_LIMIT_BYTES,
+                            "optimizer_state_factor": SGD_STATE_FACTOR, "steps": steps, "warm": warm},
+                 "layouts": [], "rows": [], "plan_table": plan_text}
+    if chosen is None:
+        return out
+    runs: list[tuple[str, GridCandidate]] = [("chosen", chosen)]
+    for label, cand in pure_layouts(plan).items():
+        if cand is None:
+            continue
+        same = (cand.data, cand.stages, cand.tensor) == (chosen.data, chosen.stages, chosen.tensor)
+        runs.append((label + (" (= chosen)" if same else ""), cand))
+    fitting_measured = []
+    for label, cand in runs:
+        if args.quick and not cand.fits:
+            print(f"  {label}: {cand.describe()} does not fit the limit: not run with --quick", flush=True)
+            out["rows"].append([label, cand.describe(), f"{cand.step_time_s * 1e3:.1f}", "not run", "", "NO",
+                                "no target (does not fit)", ""])
+            continue
+        print(f"  running {label}: {cand.describe()} ...", flush=True)
+        got = measure(cand, steps, warm, args.scale)
+        ratio = got["step_s"] / cand.step_time_s
+        row = {"label": label, "layout": cand.as_json(), "predicted_step_s": cand.step_time_s, **got,
+               "ratio": ratio}
+        if cand.fits:
+            met = t.at_most("prediction_error", f"{label} {cand.layout}: |measured / predicted step time - 1|",
+                            abs(ratio - 1), 0.10)
+            if label != "chosen":
+                fitting_measured.append(got["step_s"])
+        else:
+            met = None
+        print(f"    predicted {cand.step_time_s * 1e3:.1f} ms, measured {got['step_s'] * 1e3:.1f} ms "
+              f"(ratio {ratio:.3f}; steps {', '.join(f'{x * 1e3:.0f}' for x in got['step_times_s'])} ms; "
+              f"other load {got['other_load_cores']:.2f} cores; {got['wall_s']:.0f} s)", flush=True)
+        out["layouts"].append(row)
+        out["rows"].append([label, cand.describe(), f"{cand.step_time_s * 1e3:.1f}", f"{got['step_s'] * 1e3:.1f}",
+                            f"{ratio:.3f}", H.yes_no(cand.fits),
+                            "no target (does not fit)" if met is None else ("met" if met else "NO"),
+                            f"{got['other_load_cores']:.2f}"])
+    measured_chosen = out["layouts"][0]["step_s"]
+    if fitting_measured:
+        rel = measured_chosen / min(fitting_measured)
+        out["chosen_over_best_pure_measured"] = rel
+        t.at_most("chosen_vs_pure_measured", "chosen grid / best fitting pure layout, MEASURED step time", rel, 1.05)
+    if args.quick:
+        return out
+    # What the framework itself costs: the chosen layout with every sleep 0 (tiny real parts,
+    # collectives, hops, reduction, optimizer, control), against the cost model's communication.
+    zero_pred = predict_layout(measured_problem(link, 0.0), chosen)
+    print("  running the chosen layout with zero sleeps (the framework's own cost per step) ...", flush=True)
+    zero = measure(chosen, steps, warm, 0.0)
+    out["zero_sleep"] = {"predicted_step_s": zero_pred.step_time_s, **zero}
+    print(f"    zero sleeps: predicted {zero_pred.step_time_s * 1e3:.1f} ms (communication only), measured "
+          f"{zero['step_s'] * 1e3:.1f} ms per step", flush=True)
+    return out
 
 
 # ---- the comparison -------------------------------------------------------------------------------
@@ -122,11 +302,8 @@ def pure_layouts(plan: GridPlan) -> dict[str, GridCandidate | None]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = H.parser(__doc__).parse_args(argv)
-    run = H.Run(NAME, args, TARGET_KEYS)
-    print(H.banner("virtualflow 3-D grid planner: chosen grid vs pure layouts (PREDICTED times, emulated layer costs)"))
-    t = run.targets
+def predicted_part(args, t: H.Targets) -> tuple[list, list]:
+    print(H.banner("predicted only: GPU-scale GPT layers, emulated FLOP costs (nothing runs)"))
     rows, results, worst_ratio = [], [], 0.0
     for sc in SCENARIOS:
         plan = choose_grid(problem_of(sc, args.quick))
@@ -146,16 +323,13 @@ def main(argv: list[str] | None = None) -> int:
             results.append(entry)
             continue
         for label, cand in [("chosen", chosen), *pures.items()]:
-            measured = None if cand is None else measure(cand)
             if cand is None:
-                rows.append([sc.name, label, "not allowed", "", "", "", "", "not measured"])
+                rows.append([sc.name, label, "not allowed", "", "", "", ""])
                 continue
             rows.append([sc.name, label, cand.describe(), H.ms(cand.step_time_s, 2), f"{cand.bubble * 100:.1f}",
-                         f"{cand.memory_bytes / 2**30:.1f}", H.yes_no(cand.fits),
-                         "not measured" if measured is None else H.ms(measured, 2)])
+                         f"{cand.memory_bytes / 2**30:.1f}", H.yes_no(cand.fits)])
             if label != "chosen":
-                entry["pure"][label] = cand.as_json() | {"measured_step_s": measured}
-        entry["chosen"]["measured_step_s"] = measure(chosen)
+                entry["pure"][label] = cand.as_json()
         fitting = [c for c in pures.values() if c is not None and c.fits]
         if fitting:
             ratio = chosen.step_time_s / min(c.step_time_s for c in fitting)
@@ -164,16 +338,70 @@ def main(argv: list[str] | None = None) -> int:
         results.append(entry)
     t.at_most("chosen_vs_pure", "chosen / best fitting pure layout, predicted step time (worst scenario)",
               worst_ratio, 1.00)
-    header = ["scenario", "layout", "grid", "predicted step ms", "bubble %", "GiB/worker", "fits", "measured step ms"]
-    print("\n" + H.text_table(header, rows))
-    print("\npredicted vs measured: not measured (measure() returns None until the grid engine exists)")
-    payload = {"benchmark": run.name, "environment": H.environment(), "quick": args.quick,
-               "scenarios": results, "predicted_vs_measured": "not measured",
-               "note": "every time is the planner's prediction on emulated per-layer costs; nothing was run"}
-    md = ("# 3-D grid planner: chosen grid vs pure layouts\n\n" + H.env_markdown(payload["environment"])
-          + f"\n\nCommand: `{run.command(NAME)}`. PREDICTED step times from `virtualflow.plan.grid` on emulated "
-          "GPT-style layer costs (100 TFLOP/s, bf16); nothing is measured yet (`measure()` returns None).\n\n"
-          + H.md_table(header, rows) + "\n\nPredicted vs measured: not measured.\n")
+    return rows, results
+
+
+ZERO_SLEEP_NOTE = ("With every sleep 0 the 4 workers no longer sleep: they and their collectives' threads compete "
+                   "for the 2 cores (with the machine's other load), so this run can measure CPU contention rather "
+                   "than the framework's share of an emulated step; that share is the measured - predicted gap of "
+                   "the emulated runs above.")
+MEASURED_HEADER = ["layout", "grid", "predicted step ms", "measured step ms", "measured / predicted", "fits",
+                   "within 10 %", "other load (cores)"]
+PREDICTED_HEADER = ["scenario", "layout", "grid", "predicted step ms", "bubble %", "GiB/worker", "fits"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = H.parser(__doc__)
+    p.add_argument("--scale", type=float, default=1.0, help="multiplies every emulated time of the measured part")
+    p.add_argument("--predicted-only", action="store_true", help="skip the measured part (nothing runs)")
+    args = p.parse_args(argv)
+    run = H.Run(NAME, args, TARGET_KEYS)
+    print(H.banner("virtualflow 3-D grid planner: chosen grid vs pure layouts, predicted and measured"))
+    t = run.targets
+    measured = None if args.predicted_only else measured_part(args, t)
+    rows, results = predicted_part(args, t)
+    if measured is not None:
+        print("\nmeasured part (4 workers, sleep-emulated compute, measured loopback link):")
+        print(H.text_table(MEASURED_HEADER, measured["rows"]))
+        z = measured.get("zero_sleep")
+        if z:
+            print(f"zero sleeps (the chosen layout, framework only): predicted {z['predicted_step_s'] * 1e3:.1f} ms, "
+                  f"measured {z['step_s'] * 1e3:.1f} ms per step\n  ({ZERO_SLEEP_NOTE})")
+    print("\npredicted part (nothing runs):")
+    print(H.text_table(PREDICTED_HEADER, rows))
+    env = H.environment()
+    payload = {"benchmark": run.name, "environment": env, "quick": args.quick, "measured": measured,
+               "scenarios": results}
+    md = "# 3-D grid: chosen grid vs pure layouts, predicted and measured\n\n" + H.env_markdown(env) + "\n\n"
+    md += f"Command: `{run.command(NAME)}`.\n\n"
+    if measured is not None:
+        ln, cfg = measured["link"], measured["config"]
+        md += ("## Measured: sleep-emulated chain on 4 worker processes\n\n"
+               f"Cost table (ms of forward per micro-batch, backward x{cfg['backward_factor']:g}, scale "
+               f"{cfg['scale']:g}): " + ", ".join(f"{r['name']} {r['forward_ms']:g}"
+                                                  + (" (tensor-parallel)" if r["tensor_parallel"] else "")
+                                                  for r in cfg["table"])
+               + f"; {cfg['virtual_nodes']} VNs x {cfg['vn_batch']} samples; memory limit "
+               f"{cfg['memory_limit_bytes'] / 2**10:.0f} KiB per worker (planner constraint). "
+               f"Link: steps of a gloo ring "
+               f"of {MEASURED_WORKERS} local processes, alpha {ln['alpha_s'] * 1e3:.3f} ms, bandwidth "
+               f"{ln['bandwidth_bytes_per_s'] / 1e9:.3f} GB/s, given to the planner as both links"
+               + ("" if "ping_pong" not in ln else
+                  f" (a 2-process ping-pong, for the record: alpha {ln['ping_pong']['alpha_s'] * 1e3:.3f} ms)")
+               + f". Median of rank 0's step times after {cfg['warm']} of {cfg['steps']} steps. Shared 2-core machine "
+               "under other load: timings are noisy.\n\n"
+               + H.md_table(MEASURED_HEADER, measured["rows"]) + "\n")
+        if "chosen_over_best_pure_measured" in measured:
+            md += (f"\nChosen / best fitting pure layout, measured: "
+                   f"{measured['chosen_over_best_pure_measured']:.3f}.\n")
+        md += "\nThe planner's ranking on the measured link:\n\n```text\n" + measured["plan_table"] + "\n```\n"
+        z = measured.get("zero_sleep")
+        if z:
+            md += (f"\nZero sleeps (the chosen layout, framework only): predicted {z['predicted_step_s'] * 1e3:.1f} ms "
+                   f"(communication), measured {z['step_s'] * 1e3:.1f} ms per step (steps "
+                   + ", ".join(f"{x * 1e3:.0f}" for x in z["step_times_s"]) + " ms). " + ZERO_SLEEP_NOTE + "\n")
+    md += ("\n## Predicted only: GPU-scale GPT layers (FLOP costs at 100 TFLOP/s, bf16)\n\n"
+           + H.md_table(PREDICTED_HEADER, rows) + "\n")
     return run.finish(payload, md)
 
 

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from virtualflow.cli.main import main
-from virtualflow.plan.grid import GridCandidate, GridProblem, choose_grid, rank_key
+from virtualflow.plan.grid import GridCandidate, GridProblem, choose_grid, predict_layout, rank_key
 from virtualflow.plan.pipeline.partition import LayerProfile, Link
 from virtualflow.plan.pipeline.schedules import build_schedule
 from virtualflow.plan.pipeline.simulate import simulate
@@ -167,6 +167,28 @@ def test_without_a_search_the_partitioner_and_equal_split_are_used_and_never_bea
     assert {c.split for c in searched.candidates} == {"searched"}
     assert quick.best.step_time_s >= searched.best.step_time_s * (1 - 1e-12)
 
+
+
+def test_predict_layout_re_costs_an_exact_layout_on_another_problem():
+    """A layout chosen on one problem, predicted on another (other layer times, another link): the
+    brute-force cost of that exact layout and split; on the same problem, the candidate itself."""
+    knobs = {"virtual_nodes": 4, "tensor_parallel": [False, True, True, True, False], "heads": 4, "workers": 4,
+             "microbatches_per_vn": (1, 2)}
+    pr = GridProblem(layers=_model(), **knobs)
+    slow = Link(bandwidth_bytes_per_s=1e8, latency_s=3e-3)
+    other = GridProblem(layers=[LayerProfile(forward_s=0.5 * x.forward_s, backward_s=0.5 * x.backward_s,
+                                             activation_bytes=x.activation_bytes, param_bytes=x.param_bytes,
+                                             stash_bytes=x.stash_bytes) for x in _model()],
+                        link=slow, tp_link=slow, **knobs)
+    every = _brute(other)
+    for c in choose_grid(pr).candidates:
+        assert predict_layout(pr, c) == c
+        again = predict_layout(other, c)
+        key = (c.data, c.stages, c.tensor, c.schedule, c.chunks, c.microbatches_per_vn, c.counts)
+        assert (again.fits, again.step_time_s) == (every[key][0], pytest.approx(every[key][1], rel=1e-12))
+    with pytest.raises(ValueError, match="re-plan on this problem"):
+        three = GridProblem(layers=_model()[:3], **{**knobs, "tensor_parallel": [0, 1, 1]})
+        predict_layout(three, choose_grid(pr).best)
 
 # ---- hand-computed cases ----------------------------------------------------------------------------
 

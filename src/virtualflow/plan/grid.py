@@ -493,6 +493,24 @@ def best_of_layout(problem: GridProblem, layout: _Layout) -> GridCandidate:
     return best
 
 
+def predict_layout(problem: GridProblem, candidate: GridCandidate) -> GridCandidate:
+    """``candidate``'s exact layout (``D``, ``P``, ``T``, schedule, chunks, micro-batches per VN and
+    split) predicted on ``problem``'s costs: e.g. a layout chosen on one problem, re-costed on
+    another (the same model with other layer times or another link). ``problem`` must have as many
+    layers and workers as the candidate's layout."""
+    n_layers = len(problem.layers)
+    if sum(candidate.counts) != n_layers or candidate.data * candidate.stages * candidate.tensor != problem.workers:
+        raise ValueError(f"predict_layout: {candidate.layout} with split {candidate.counts} does not fit a problem of "
+                         f"{n_layers} layers and workers={problem.workers}; re-plan on this problem instead")
+    k = candidate.microbatches_per_vn
+    layout = _Layout(candidate.data, candidate.stages, candidate.tensor, candidate.schedule, candidate.chunks, k,
+                     k * -(-problem.virtual_nodes // candidate.data))
+    costs = layer_costs(problem, layout.tensor, k)
+    schedule = build_schedule(layout.schedule, layout.stages, layout.m, layout.chunks)
+    cand, _ = evaluate(problem, layout, candidate.counts, costs, schedule, candidate.split)
+    return cand
+
+
 @dataclass(frozen=True, slots=True)
 class GridPlan:
     """The planner's answer: every layout's best candidate, ranked; the best that fits; why."""
@@ -650,5 +668,5 @@ def explain(plan: GridPlan) -> str:
 __all__ = [
     "GRID_SCHEDULES", "GridCandidate", "GridPlan", "GridProblem", "LayerCosts", "REDUCTIONS", "all_splits",
     "bounds_of_counts", "candidates_table", "choose_grid", "equal_counts", "evaluate", "explain", "layer_costs",
-    "layouts", "rank_key", "schedule_preference", "split_count",
+    "layouts", "predict_layout", "rank_key", "schedule_preference", "split_count",
 ]
