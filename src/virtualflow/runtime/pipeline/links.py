@@ -56,13 +56,20 @@ _FLAGS = {f: torch.tensor([f, 0], dtype=torch.int64) for f in (_SAME, _NEW, _CHA
 """A payload's first ``_ALIGN`` bytes per flag (the flag, then zeros)."""
 
 
-def _tag(key: tuple[str, int, int], n_pieces: int, part: int) -> int:
+def _tag(key: tuple[str, int, int], n_pieces: int, part: int, src: int, dst: int) -> int:
+    """The gloo tag of part ``part`` of message ``key`` from rank ``src`` to rank ``dst``. Its
+    parity is the direction between the two ranks (``src > dst``): a group built with two gloo
+    devices (:func:`hop_bind`) picks its context, so its TCP connection and I/O thread, by the
+    tag's parity, and the two directions of a link then never share a connection (see
+    :func:`hop_bind`); with one device the parity changes nothing."""
     direction, piece, mb = key
     if direction == "R":  # a replica update (one per step and link; steps are sequential)
-        return 2 ** 30 + piece * _PARTS + part
-    if direction == "T":  # a tied weight's message (one per step and link): ``piece`` is the link
-        return 2 ** 30 + 2 ** 29 + piece * _PARTS + part
-    return (((mb * n_pieces + piece) * 2 + (direction == "B")) * _PARTS + part) % (2 ** 31 - 1)
+        base = 2 ** 29 + (piece * _PARTS + part) % 2 ** 27
+    elif direction == "T":  # a tied weight's message (one per step and link): ``piece`` is the link
+        base = 2 ** 29 + 2 ** 27 + (piece * _PARTS + part) % 2 ** 27
+    else:
+        base = (((mb * n_pieces + piece) * 2 + (direction == "B")) * _PARTS + part) % 2 ** 29
+    return 2 * base + (src > dst)
 
 
 Metas = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
@@ -306,8 +313,9 @@ read a buffer) instead of waited on - a send to a live peer that has stopped rec
 until the group's timeout."""
 
 
-_SUM_TAG = 2 ** 31 - 1
-"""The tag of :func:`_sum_over`'s messages (no pipeline message key maps to it, see :func:`_tag`)."""
+_SUM_TAG = 2 ** 31 - 4
+"""The tag of :func:`_sum_over`'s messages, plus the direction (no message key maps to it, see
+:func:`_tag`)."""
 _DIRECT_SUM_MEMBERS = 8
 _DIRECT_SUM_NUMEL = 1 << 12
 
@@ -333,8 +341,9 @@ def _sum_over(group: Group, vector: torch.Tensor) -> None:
     recvs: list[Any] = []
     sends: list[Any] = []
     try:
-        recvs = [group.irecv(parts[r], r, _SUM_TAG) for r in range(size) if r != group.rank]
-        sends = [group.isend(mine, r, _SUM_TAG) for r in range(size) if r != group.rank]
+        me = group.rank
+        recvs = [group.irecv(parts[r], r, _SUM_TAG + (r > me)) for r in range(size) if r != me]
+        sends = [group.isend(mine, r, _SUM_TAG + (me > r)) for r in range(size) if r != me]
         for work in recvs:
             _wait_receive(group, work)
         for work in sends:
@@ -377,22 +386,22 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
         ref = links.ref.get((key[0], key[1]))
         if ref is None:  # a new link: the header comes first
             buf = torch.empty(_HEADER, dtype=torch.int64, device=device)
-            work = group.irecv(buf, peer_rank, _tag(key, n_pieces, 0))
+            work = group.irecv(buf, peer_rank, _tag(key, n_pieces, 0, peer_rank, group.rank))
         else:
             buf = torch.empty(_ALIGN + _layout(ref)[2], dtype=torch.uint8, device=device)
-            work = group.irecv(buf, peer_rank, _tag(key, n_pieces, 1))
+            work = group.irecv(buf, peer_rank, _tag(key, n_pieces, 1, peer_rank, group.rank))
         posted[key] = (work, buf, ref)
 
     def header_then_payload(src: int, key: tuple[str, int, int], header: torch.Tensor | None) -> list[torch.Tensor]:
         if header is None:
             header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-            group.recv(header, src, _tag(key, n_pieces, 0))
+            group.recv(header, src, _tag(key, n_pieces, 0, src, group.rank))
         try:
             flag, metas = _parse(header.cpu())
         except ValueError as exc:
             raise PeerFailure(group.generation, str(exc)) from None
         payload = torch.empty(_layout(metas)[2], dtype=torch.uint8, device=device)
-        group.recv(payload, src, _tag(key, n_pieces, 2))
+        group.recv(payload, src, _tag(key, n_pieces, 2, src, group.rank))
         links.last[(key[0], key[1])] = metas
         return _unpack(payload, metas)
 
@@ -410,18 +419,18 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
                 ref = links.ref.get(link)
                 if ref is not None and metas == ref:
                     buf = _pack(req.tensors, metas, device, flag=_SAME)
-                    works, keep = [group.isend(buf, dst, _tag(req.key, n_pieces, 1))], [buf]
+                    works, keep = [group.isend(buf, dst, _tag(req.key, n_pieces, 1, group.rank, dst))], [buf]
                 else:
                     works, keep = [], []
                     if ref is not None:  # complete the receive posted for the reference's size
                         filler = torch.zeros(_ALIGN + _layout(ref)[2], dtype=torch.uint8, device=device)
                         filler[:8].view(torch.int64).fill_(_CHANGED)
-                        works.append(group.isend(filler, dst, _tag(req.key, n_pieces, 1)))
+                        works.append(group.isend(filler, dst, _tag(req.key, n_pieces, 1, group.rank, dst)))
                         keep.append(filler)
                     header = _header(_NEW if ref is None else _CHANGED, metas).to(device)
                     payload = _pack(req.tensors, metas, device)
-                    works.append(group.isend(header, dst, _tag(req.key, n_pieces, 0)))
-                    works.append(group.isend(payload, dst, _tag(req.key, n_pieces, 2)))
+                    works.append(group.isend(header, dst, _tag(req.key, n_pieces, 0, group.rank, dst)))
+                    works.append(group.isend(payload, dst, _tag(req.key, n_pieces, 2, group.rank, dst)))
                     keep += [header, payload]
                 links.last[link] = metas
                 pending.append((works, keep))
