@@ -19,6 +19,19 @@ picks for the stage's vector (or the one the ``deterministic_exchange`` knob nam
 Measured (``bench/pipeline/``): the first protocol, a header then one blocking receive per
 tensor, each posted only when needed, cost 2-3 round trips per hop (1.4-2.0x torch.distributed.
 pipelining's step time at p = 2); posting receives ahead and packing the payload removed them.
+What a hop still cost beyond a hand-written pipeline's, and what the driver does about it:
+
+- A thread per receive (:class:`Arrival`): its start and two more context switches per hop.
+  Receives are now waited for on the driver's own thread; one watcher thread per process reads
+  the abort flag meanwhile (:func:`_wait_receive`).
+- The step's stats all-reduce: gloo hands it to its worker thread and runs several rounds (2-3 ms
+  at the step's end on 2 loaded cores). Small sums are one round of point-to-point messages
+  (:func:`_sum_over`).
+- Both directions of a link share one TCP connection of the group, with one lock and one gloo I/O
+  thread per pair: when both ranks send at once (1F1B and interleaved do, every micro-batch) the
+  calls stall each other for milliseconds (the I/O thread spins on the lock the sending thread
+  holds). A group built with two gloo devices per address (``--interface ADDR,ADDR``) has two
+  connections per pair, and a tag's parity (:func:`_tag`) puts each direction on its own.
 """
 
 from __future__ import annotations
@@ -59,9 +72,10 @@ _FLAGS = {f: torch.tensor([f, 0], dtype=torch.int64) for f in (_SAME, _NEW, _CHA
 def _tag(key: tuple[str, int, int], n_pieces: int, part: int, src: int, dst: int) -> int:
     """The gloo tag of part ``part`` of message ``key`` from rank ``src`` to rank ``dst``. Its
     parity is the direction between the two ranks (``src > dst``): a group built with two gloo
-    devices (:func:`hop_bind`) picks its context, so its TCP connection and I/O thread, by the
-    tag's parity, and the two directions of a link then never share a connection (see
-    :func:`hop_bind`); with one device the parity changes nothing."""
+    devices (``bind=[addr, addr]``, the launch option ``--interface ADDR,ADDR``) picks the context,
+    so the TCP connection and I/O thread, of a point-to-point operation by its tag modulo two, so
+    the two directions of a link never share a connection; with one device the parity changes
+    nothing."""
     direction, piece, mb = key
     if direction == "R":  # a replica update (one per step and link; steps are sequential)
         base = 2 ** 29 + (piece * _PARTS + part) % 2 ** 27
