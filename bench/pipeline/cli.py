@@ -34,6 +34,10 @@ def parse_args(argv):
     p.add_argument("--hidden2-reps", type=int, default=1, help="(1) repetitions at --hidden2")
     p.add_argument("--diag-steps", type=int, default=20,
                    help="(1) more steps per schedule with the executor's timeline on (0: skip)")
+    p.add_argument("--two-devices", action=argparse.BooleanOptionalAction, default=True,
+                   help="(1) diagnostic: also run the executor over a group with two gloo devices (one connection "
+                        "per direction), alternating with the other two")
+    p.add_argument("--skip-emulated", action="store_true", help="run (1) only: no emulated bubbles or stash")
     p.add_argument("--emu-m", type=int, default=8, help="(2) micro-batches per step")
     p.add_argument("--f-ms", type=float, default=10.0, help="(2) emulated forward per stage and micro-batch")
     p.add_argument("--i-ms", type=float, default=10.0, help="(2) emulated input-gradient backward")
@@ -66,11 +70,14 @@ def main(argv=None) -> int:
     print("(1) step time against torch.distributed.pipelining, alternating in the same processes", flush=True)
     vs = measure_vs(args, args.hidden, args.vs_reps, args.diag_steps)
     vs2 = measure_vs(args, args.hidden2, args.hidden2_reps, 0) if args.hidden2 else None
-    print("(2)+(3) emulated compute: bubbles, stash, weight versions", flush=True)
-    emu = measure_emu(args)
+    emu = None
+    if not args.skip_emulated:
+        print("(2)+(3) emulated compute: bubbles, stash, weight versions", flush=True)
+        emu = measure_emu(args)
     vs_sum = summarize_vs(vs, args, run.targets)
     vs2_sum = summarize_vs(vs2, args, None) if vs2 is not None else None
-    summarize_emu(emu, run.targets)
+    if emu is not None:
+        summarize_emu(emu, run.targets)
     payload = {"benchmark": run.name, "environment": H.environment(),
                "config": {k: v for k, v in vars(args).items() if not k.startswith("child")},
                "vs_torch": {"hidden": args.hidden, "summary": vs_sum, "reps": vs["reps"]},

@@ -47,15 +47,18 @@ def _emu_table(rows: dict) -> str:
 
 
 def _vs_table(vs_sum: dict) -> str:
+    two = all("ratio2" in o for o in vs_sum.values())
     return H.md_table(["schedule", "virtualflow ms", "torch ms", "ratio", "per-rep ratios", "p25 ratio",
-                       f"<= {TARGET_RATIO}", "final weights"],
+                       f"<= {TARGET_RATIO}", "final weights"]
+                      + (["diagnostic: over two gloo devices, ratio (per rep)"] if two else []),
                       [[s, H.ms(o["vf_step_s"], 2), H.ms(o["torch_step_s"], 2), f"**{o['ratio']:.3f}**",
                         " ".join(f"{x:.3f}" for x in o["ratios"]), f"{o['p25_ratio']:.3f}", H.yes_no(o["met"]),
                         "bit-identical" if o["bit_identical"] else f"max diff {o['max_abs_weight_diff']:.1e}"]
+                       + ([f"{o['ratio2']:.3f} ({' '.join(f'{x:.3f}' for x in o['ratios2'])})"] if two else [])
                        for s, o in vs_sum.items()])
 
 
-def markdown(run: H.Run, args, vs: dict, vs_sum: dict, vs2: dict | None, vs2_sum: dict | None, emu: dict) -> str:
+def markdown(run: H.Run, args, vs: dict, vs_sum: dict, vs2: dict | None, vs2_sum: dict | None, emu: dict | None) -> str:
     lines = [f"# {run.name}: pipeline executor vs torch.distributed.pipelining; bubbles; stash", "",
              H.env_markdown(), ""]
     loads = [r["other_load_cores"] for r in vs["reps"]]
@@ -72,6 +75,13 @@ def markdown(run: H.Run, args, vs: dict, vs_sum: dict, vs2: dict | None, vs2_sum
         f"(other load {', '.join(f'{x:.2f}' for x in loads)} cores); step time = the slower rank's; ratio = median "
         f"over repetitions of (median step ratio).", "",
         _vs_table(vs_sum), ""]
+    if args.two_devices:
+        lines += [
+            "Diagnostic column: a third side in the same alternation, the same executor and driver over a "
+            "group built with two gloo devices on the same address (`make_group(..., bind=[addr, addr])`): two "
+            "TCP connections per pair of ranks, each with its own I/O thread, and the driver's tags (their parity "
+            "is the direction) put each direction of a link on its own connection. Workers build their "
+            "generation group with one device, so the ratio column is what a training job gets.", ""]
     if vs2 is not None:
         lines += [
             f"The same comparison at hidden = {vs2['hidden']} (about {(vs2['hidden'] / args.hidden) ** 2:.0f}x the "
@@ -94,6 +104,8 @@ def markdown(run: H.Run, args, vs: dict, vs_sum: dict, vs2: dict | None, vs2_sum
             f"receive per message. Message latency = receive end - send end for a message whose receiver was "
             f"already waiting.", "",
             _diag_table(vs), ""]
+    if emu is None:
+        return "\n".join(lines + [f"Reproduce: `{run.command(NAME, ' --skip-emulated')}`"])
     e = emu["config"]
     rows = emu["schedules"]
     v2 = rows["2bw"]

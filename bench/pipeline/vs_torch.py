@@ -111,10 +111,18 @@ def vs_rank(cfg: dict) -> dict:
             return float(torch.stack(losses).sum() / m) if losses else float("nan")
 
         sides = {"vf": lambda t: drv.run(engine, t)[0].loss, "torch": torch_step}
+        engine2 = None
+        if drv.group2 is not None:  # diagnostic: the same executor over a group with two gloo devices
+            engine2 = _vf_engine(schedule, m, mb, hidden, rank, ds)
+            sides["vf2"] = lambda t: drv.run(engine2, t, two_devices=True)[0].loss
+        names = list(sides)
 
         def alternate(first: int, n: int, times: dict, losses: dict, stamps: list | None = None) -> None:
             for t in range(first, first + n):
-                for which in H.pair_order(t, "vf", "torch"):
+                k = t % len(names)  # every side goes first in turn
+                for which in names[k:] + names[:k]:
+                    if which not in times:
+                        continue
                     dist.barrier()
                     t0, w0 = time.perf_counter(), time.time()
                     losses[which].append(sides[which](t))
@@ -122,8 +130,8 @@ def vs_rank(cfg: dict) -> dict:
                     if which == "vf" and stamps is not None:
                         stamps.append((w0, time.time(), drv.group.pg.take()))
 
-        times: dict[str, list[float]] = {"vf": [], "torch": []}
-        losses: dict[str, list[float]] = {"vf": [], "torch": []}
+        times: dict[str, list[float]] = {k: [] for k in names}
+        losses: dict[str, list[float]] = {k: [] for k in names}
         alternate(0, cfg["steps"], times, losses)
         theirs = {k: v for st in stages for k, v in st.submod.state_dict().items()}
         mine = engine.model.state_dict()
@@ -132,6 +140,9 @@ def vs_rank(cfg: dict) -> dict:
             "max_abs_weight_diff": H.state_max_abs_diff(theirs, mine),
             "bit_identical": all(torch.equal(mine[k], theirs[k]) for k in theirs),
         }
+        if engine2 is not None:
+            mine2 = engine2.model.state_dict()
+            row["bit_identical"] = row["bit_identical"] and all(torch.equal(mine2[k], theirs[k]) for k in theirs)
         if cfg["diag_steps"]:
             engine.timeline, pg = [], drv.group.pg
             drv.group.pg = _TimedPg(pg)
@@ -201,7 +212,7 @@ def measure_vs(args, hidden: int, n_reps: int, diag_steps: int) -> dict:
         k = rep % len(VS_SCHEDULES)
         order = list(VS_SCHEDULES[k:] + VS_SCHEDULES[:k])
         cfg = {"schedules": order, "m": args.m, "mb": args.mb, "hidden": hidden, "steps": args.vs_steps,
-               "diag_steps": diag_steps}
+               "diag_steps": diag_steps, "two_devices": args.two_devices}
         H.wait_for_quiet(args.quiet_wait)
         with H.LoadMeter() as meter:
             ranks = start_children("--child-vs", VS_P, cfg)
@@ -220,9 +231,17 @@ def measure_vs(args, hidden: int, n_reps: int, diag_steps: int) -> dict:
                 "last_loss_vf": per[-1]["losses"]["vf"][-1], "last_loss_torch": per[-1]["losses"]["torch"][-1],
                 "raw_vf_step_s": vf_t, "raw_torch_step_s": th_t,
             }
+            if "vf2" in per[0]["times"]:
+                vf2_t = [max(xs) for xs in zip(*(p["times"]["vf2"] for p in per))]
+                r["vf2_step_s"] = H.median(vf2_t[w:])
+                r["ratio2"] = r["vf2_step_s"] / th_med
+                r["raw_vf2_step_s"] = vf2_t
             line = (f"  hidden={hidden} rep {rep} {s:17s} virtualflow {1e3 * vf_med:7.2f} ms, torch {1e3 * th_med:7.2f} ms, ratio "
                     f"{r['ratio']:.3f} (p25 {r['p25_ratio']:.3f}); max |weight diff| {r['max_abs_weight_diff']:.1e}"
                     f"{' (bit-identical)' if r['bit_identical'] else ''}")
+            if "ratio2" in r:
+                line += (f"\n      diagnostic, over a group with two gloo devices (a connection per direction): "
+                         f"{1e3 * r['vf2_step_s']:.2f} ms, ratio {r['ratio2']:.3f}")
             if "diag" in per[0]:
                 d = r["diag"] = _breakdown([p["diag"] for p in per], max(1, diag_steps // 5))
                 line += "\n      timeline on: vf {:.2f} ms, torch {:.2f} ms; per rank ms compute/recv/send/other " \
@@ -257,6 +276,9 @@ def summarize_vs(vs: dict, args, targets: H.Targets | None) -> dict:
                   "torch_step_s": H.median([r["torch_step_s"] for r in rows]),
                   "max_abs_weight_diff": max(r["max_abs_weight_diff"] for r in rows),
                   "bit_identical": all(r["bit_identical"] for r in rows)}
+        if all("ratio2" in r for r in rows):
+            out[s]["ratio2"] = H.median([r["ratio2"] for r in rows])
+            out[s]["ratios2"] = [r["ratio2"] for r in rows]
     if targets is not None:
         targets.at_most("weight_diff", "same computation: max |final weight difference| virtualflow vs torch",
                         max(o["max_abs_weight_diff"] for o in out.values()), TARGET_WEIGHT_DIFF)

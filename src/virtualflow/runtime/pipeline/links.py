@@ -19,17 +19,34 @@ picks for the stage's vector (or the one the ``deterministic_exchange`` knob nam
 Measured (``bench/pipeline/``): the first protocol, a header then one blocking receive per
 tensor, each posted only when needed, cost 2-3 round trips per hop (1.4-2.0x torch.distributed.
 pipelining's step time at p = 2); posting receives ahead and packing the payload removed them.
+What a hop still cost beyond a hand-written pipeline's, and what the driver does about it:
+
+- A thread per receive (:class:`Arrival`): its start and two more context switches per hop.
+  Receives are now waited for on the driver's own thread; one watcher thread per process reads
+  the abort flag meanwhile (:func:`_wait_receive`).
+- The step's stats all-reduce: gloo hands it to its worker thread and runs several rounds (2-3 ms
+  at the step's end on 2 loaded cores). Small sums are one round of point-to-point messages
+  (:func:`_sum_over`).
+- Both directions of a link share one TCP connection of the group, with one lock and one gloo I/O
+  thread per pair: when both ranks send at once (1F1B and interleaved do, every micro-batch) the
+  calls stall each other for milliseconds (the I/O thread spins on the lock the sending thread
+  holds). A group built with two gloo devices per address (``--interface ADDR,ADDR``) has two
+  connections per pair, and a tag's parity (:func:`_tag`) puts each direction on its own.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
+import threading
+import time
 from typing import Any, Generator
 
 import torch
 
 from virtualflow.comm.exchange import OwnerExchange
-from virtualflow.comm.groups import Arrival, Group, PeerFailure
+from virtualflow.comm.groups import ARRIVAL_POLL_S, Arrival, Group, PeerFailure
 from virtualflow.comm.reduce import tree_exchange
 from virtualflow.plan.exchange import EXCHANGES, OwnerSchedule, choose_exchange
 from virtualflow.plan.pipeline.geometry import Grid
@@ -49,15 +66,25 @@ _ALIGN = 16
 # tag parts of one message: 0 header, 1 payload of the link's reference shapes, 2 payload of new shapes
 _PARTS = 4
 _SAME, _NEW, _CHANGED = 0, 1, 2
+_FLAGS = {f: torch.tensor([f, 0], dtype=torch.int64) for f in (_SAME, _NEW, _CHANGED)}
+"""A payload's first ``_ALIGN`` bytes per flag (the flag, then zeros)."""
 
 
-def _tag(key: tuple[str, int, int], n_pieces: int, part: int) -> int:
+def _tag(key: tuple[str, int, int], n_pieces: int, part: int, src: int, dst: int) -> int:
+    """The gloo tag of part ``part`` of message ``key`` from rank ``src`` to rank ``dst``. Its
+    parity is the direction between the two ranks (``src > dst``): a group built with two gloo
+    devices (``bind=[addr, addr]``, the launch option ``--interface ADDR,ADDR``) picks the context,
+    so the TCP connection and I/O thread, of a point-to-point operation by its tag modulo two, so
+    the two directions of a link never share a connection; with one device the parity changes
+    nothing."""
     direction, piece, mb = key
     if direction == "R":  # a replica update (one per step and link; steps are sequential)
-        return 2 ** 30 + piece * _PARTS + part
-    if direction == "T":  # a tied weight's message (one per step and link): ``piece`` is the link
-        return 2 ** 30 + 2 ** 29 + piece * _PARTS + part
-    return (((mb * n_pieces + piece) * 2 + (direction == "B")) * _PARTS + part) % (2 ** 31 - 1)
+        base = 2 ** 29 + (piece * _PARTS + part) % 2 ** 27
+    elif direction == "T":  # a tied weight's message (one per step and link): ``piece`` is the link
+        base = 2 ** 29 + 2 ** 27 + (piece * _PARTS + part) % 2 ** 27
+    else:
+        base = (((mb * n_pieces + piece) * 2 + (direction == "B")) * _PARTS + part) % 2 ** 29
+    return 2 * base + (src > dst)
 
 
 Metas = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
@@ -97,37 +124,35 @@ def _parse(header: torch.Tensor) -> tuple[int, Metas]:
     return flag, tuple(out)
 
 
-def _layout(metas: Metas) -> tuple[list[int], int]:
-    """Byte offset of each tensor in a packed payload (aligned), and the payload's size."""
-    offsets, size = [], 0
+@functools.lru_cache(maxsize=256)
+def _layout(metas: Metas) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """Byte offset and byte size of each tensor in a packed payload (aligned), and the payload's
+    size. Cached: a link sends the same shapes message after message."""
+    offsets, sizes, size = [], [], 0
     for dtype, shape in metas:
         offsets.append(size)
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        n = math.prod(shape) * dtype.itemsize
+        sizes.append(n)
         size += -(-n // _ALIGN) * _ALIGN
-    return offsets, size
+    return tuple(offsets), tuple(sizes), size
 
 
 def _pack(tensors: list[torch.Tensor], metas: Metas, device: torch.device, flag: int | None = None) -> torch.Tensor:
     """One buffer: [flag (``_ALIGN`` bytes, when given) | each tensor's bytes, aligned]."""
-    offsets, size = _layout(metas)
+    offsets, sizes, size = _layout(metas)
     start = _ALIGN if flag is not None else 0
     buf = torch.empty(start + size, dtype=torch.uint8, device=device)
     if flag is not None:
-        buf[:_ALIGN].zero_()
-        buf[:8].view(torch.int64).fill_(flag)
-    for t, off in zip(tensors, offsets):
-        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        buf[start + off: start + off + raw.numel()].copy_(raw)
+        buf[:_ALIGN].view(torch.int64).copy_(_FLAGS[flag])
+    for t, off, n in zip(tensors, offsets, sizes):
+        buf[start + off: start + off + n].copy_(t.detach().reshape(-1).view(torch.uint8))
     return buf
 
 
 def _unpack(buf: torch.Tensor, metas: Metas, start: int = 0) -> list[torch.Tensor]:
-    offsets, _ = _layout(metas)
-    out = []
-    for (dtype, shape), off in zip(metas, offsets):
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        out.append(buf[start + off: start + off + n].view(dtype).reshape(shape))
-    return out
+    offsets, sizes, _ = _layout(metas)
+    return [buf[start + off: start + off + n].view(dtype).view(shape)
+            for (dtype, shape), off, n in zip(metas, offsets, sizes)]
 
 
 class Links:
@@ -197,10 +222,154 @@ class StageExchanges:
             ex.abandon()
 
 
+class _Watcher:
+    """Reads the abort flag of every group a driver thread is blocked on in a receive, so that the
+    receive can be waited for on the driver's own thread instead of a thread per message.
+
+    One daemon thread per process, started at the first watched wait; a thread blocked in a
+    receive registers (:meth:`blocked`) and, every ``ARRIVAL_POLL_S``, its group's ``abort_check``
+    is read (once the wait is ``_FIRST_CHECK_S`` old, as :class:`Arrival` reads it). A True read
+    aborts the group (its connections shut down), which ends the blocked wait at once with an
+    error; the waiter then raises the coordinator's verdict. Used only where an abort does end a
+    wait (a group whose connections are known); elsewhere :class:`Arrival` owns the wait. The
+    thread parks after ``_IDLE_S`` without a registration, so an idle process is not woken."""
+
+    _FIRST_CHECK_S = 0.05
+    _IDLE_S = 30.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waits: dict[int, tuple[Group, float]] = {}
+        self._aborted: set[int] = set()
+        self._next = 0
+        self._last_seen = 0.0
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def blocked(self, group: Group) -> int:
+        """The calling thread is about to block in a receive on ``group``: a token for :meth:`done`."""
+        now = time.monotonic()
+        with self._lock:
+            self._next += 1
+            token = self._next
+            self._waits[token] = (group, now)
+            self._last_seen = now
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, daemon=True, name="vf-recv-watch")
+                self._thread.start()
+            elif not self._wake.is_set():
+                self._wake.set()  # parked: resume reading flags
+        return token
+
+    def done(self, token: int) -> bool:
+        """The wait of ``token`` is over; True when this watcher aborted its group meanwhile."""
+        with self._lock:
+            self._waits.pop(token, None)
+            if token in self._aborted:
+                self._aborted.discard(token)
+                return True
+        return False
+
+    def _run(self) -> None:
+        self._wake.set()
+        while True:
+            if not self._wake.wait(self._IDLE_S):
+                continue
+            time.sleep(ARRIVAL_POLL_S)
+            now = time.monotonic()
+            with self._lock:
+                due = [(token, group) for token, (group, since) in self._waits.items()
+                       if now - since >= self._FIRST_CHECK_S]
+                if not self._waits and now - self._last_seen > self._IDLE_S:
+                    self._wake.clear()  # park until the next registration
+            for token, group in due:
+                check = group.abort_check
+                try:
+                    broken = check is not None and check()  # True aborts the group
+                except Exception:  # an unreadable flag: the group's timeout stays the bound
+                    broken = False
+                if broken:
+                    with self._lock:
+                        if token in self._waits:
+                            self._aborted.add(token)
+
+
+_WATCHER = _Watcher()
+
+
+def _wait_receive(group: Group, work: Any) -> None:
+    """Wait for a posted receive. Without an ``abort_check`` (nothing to watch) and where an abort
+    ends a blocked wait (the group knows its connections) the driver's thread waits itself, as a
+    hand-written pipeline does: a thread per message costs its start and two more context
+    switches per hop (measured in ``bench/pipeline``). Elsewhere (ranks run as threads of one
+    process: no connections known) an :class:`Arrival` owns the wait and the caller watches the
+    flag."""
+    if group.abort_check is None:
+        work.wait()
+        return
+    if not len(group.connections):
+        Arrival(work).wait(group)
+        return
+    token = _WATCHER.blocked(group)
+    try:
+        work.wait()
+    except PeerFailure:
+        if _WATCHER.done(token):
+            raise PeerFailure(group.generation, "the coordinator declared the generation broken (a member failed) "
+                                                "during a receive") from None
+        raise
+    if _WATCHER.done(token):  # completed just as the group was aborted: the group is broken all the same
+        raise PeerFailure(group.generation, "the coordinator declared the generation broken (a member failed) "
+                                            "during a receive")
+
+
 _ABANDONED: list[Any] = []
 """Sends a failed drive left unfinished, with their buffers: kept alive (gloo's transport may still
 read a buffer) instead of waited on - a send to a live peer that has stopped receiving would block
 until the group's timeout."""
+
+
+_SUM_TAG = 2 ** 31 - 4
+"""The tag of :func:`_sum_over`'s messages, plus the direction (no message key maps to it, see
+:func:`_tag`)."""
+_DIRECT_SUM_MEMBERS = 8
+_DIRECT_SUM_NUMEL = 1 << 12
+
+
+def _sum_over(group: Group, vector: torch.Tensor) -> None:
+    """Sum ``vector`` over ``group`` in place (an :class:`AllSum`: the step's stats, metric sums).
+
+    A small vector over a few members (CPU): one round of point-to-point messages on this thread:
+    every member posts its receives, sends its vector to every other member, and adds the
+    vectors in rank order, so every member gets the same bits. gloo's all-reduce hands the work
+    to its worker thread and runs several rounds, which cost the step's end 2-3 ms on this
+    2-core machine under load (``bench/pipeline``). Receives are waited for as the pipeline's
+    (:func:`_wait_receive`); a member's sends complete once its receives did (every peer posted
+    its receive before sending). Larger vectors or groups: the all-reduce."""
+    size = group.size
+    if size == 1 or group.pg is None:
+        return
+    if size > _DIRECT_SUM_MEMBERS or vector.numel() > _DIRECT_SUM_NUMEL or vector.device.type != "cpu":
+        group.all_reduce(vector)
+        return
+    mine = vector.clone()
+    parts: list[torch.Tensor] = [mine if r == group.rank else torch.empty_like(vector) for r in range(size)]
+    recvs: list[Any] = []
+    sends: list[Any] = []
+    try:
+        me = group.rank
+        recvs = [group.irecv(parts[r], r, _SUM_TAG + (r > me)) for r in range(size) if r != me]
+        sends = [group.isend(mine, r, _SUM_TAG + (me > r)) for r in range(size) if r != me]
+        for work in recvs:
+            _wait_receive(group, work)
+        for work in sends:
+            work.wait()
+    except BaseException:
+        _ABANDONED.append((recvs + sends, parts))  # kept alive: gloo may still touch the buffers
+        raise
+    vector.copy_(parts[0])
+    for part in parts[1:]:
+        vector.add_(part)
 
 
 def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pieces: int,
@@ -234,22 +403,22 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
         ref = links.ref.get((key[0], key[1]))
         if ref is None:  # a new link: the header comes first
             buf = torch.empty(_HEADER, dtype=torch.int64, device=device)
-            work = group.irecv(buf, peer_rank, _tag(key, n_pieces, 0))
+            work = group.irecv(buf, peer_rank, _tag(key, n_pieces, 0, peer_rank, group.rank))
         else:
-            buf = torch.empty(_ALIGN + _layout(ref)[1], dtype=torch.uint8, device=device)
-            work = group.irecv(buf, peer_rank, _tag(key, n_pieces, 1))
+            buf = torch.empty(_ALIGN + _layout(ref)[2], dtype=torch.uint8, device=device)
+            work = group.irecv(buf, peer_rank, _tag(key, n_pieces, 1, peer_rank, group.rank))
         posted[key] = (work, buf, ref)
 
     def header_then_payload(src: int, key: tuple[str, int, int], header: torch.Tensor | None) -> list[torch.Tensor]:
         if header is None:
             header = torch.empty(_HEADER, dtype=torch.int64, device=device)
-            group.recv(header, src, _tag(key, n_pieces, 0))
+            group.recv(header, src, _tag(key, n_pieces, 0, src, group.rank))
         try:
             flag, metas = _parse(header.cpu())
         except ValueError as exc:
             raise PeerFailure(group.generation, str(exc)) from None
-        payload = torch.empty(_layout(metas)[1], dtype=torch.uint8, device=device)
-        group.recv(payload, src, _tag(key, n_pieces, 2))
+        payload = torch.empty(_layout(metas)[2], dtype=torch.uint8, device=device)
+        group.recv(payload, src, _tag(key, n_pieces, 2, src, group.rank))
         links.last[(key[0], key[1])] = metas
         return _unpack(payload, metas)
 
@@ -267,18 +436,18 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
                 ref = links.ref.get(link)
                 if ref is not None and metas == ref:
                     buf = _pack(req.tensors, metas, device, flag=_SAME)
-                    works, keep = [group.isend(buf, dst, _tag(req.key, n_pieces, 1))], [buf]
+                    works, keep = [group.isend(buf, dst, _tag(req.key, n_pieces, 1, group.rank, dst))], [buf]
                 else:
                     works, keep = [], []
                     if ref is not None:  # complete the receive posted for the reference's size
-                        filler = torch.zeros(_ALIGN + _layout(ref)[1], dtype=torch.uint8, device=device)
+                        filler = torch.zeros(_ALIGN + _layout(ref)[2], dtype=torch.uint8, device=device)
                         filler[:8].view(torch.int64).fill_(_CHANGED)
-                        works.append(group.isend(filler, dst, _tag(req.key, n_pieces, 1)))
+                        works.append(group.isend(filler, dst, _tag(req.key, n_pieces, 1, group.rank, dst)))
                         keep.append(filler)
                     header = _header(_NEW if ref is None else _CHANGED, metas).to(device)
                     payload = _pack(req.tensors, metas, device)
-                    works.append(group.isend(header, dst, _tag(req.key, n_pieces, 0)))
-                    works.append(group.isend(payload, dst, _tag(req.key, n_pieces, 2)))
+                    works.append(group.isend(header, dst, _tag(req.key, n_pieces, 0, group.rank, dst)))
+                    works.append(group.isend(payload, dst, _tag(req.key, n_pieces, 2, group.rank, dst)))
                     keep += [header, payload]
                 links.last[link] = metas
                 pending.append((works, keep))
@@ -294,8 +463,11 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
                 if req.key not in posted:
                     post(src, req.key)
                 work, buf, ref = posted.pop(req.key)
-                arrival = arrivals.pop(req.key, None) or Arrival(work)
-                arrival.wait(group)
+                arrival = arrivals.pop(req.key, None)
+                if arrival is not None:  # polled before (eager forwards): its thread owns the wait
+                    arrival.wait(group)
+                else:
+                    _wait_receive(group, work)
                 if ref is None:
                     answer = header_then_payload(src, req.key, buf)
                 else:
@@ -320,7 +492,7 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
                 op(req.vector, req.bounds)
                 answer = req.vector
             elif isinstance(req, AllSum):
-                group.all_reduce(req.vector)
+                _sum_over(group, req.vector)
                 answer = req.vector
             else:
                 raise TypeError(f"unknown pipeline request {req!r}")
