@@ -44,22 +44,23 @@ class Driver:
 
         torch.set_num_threads(1)
         self.store = dist.TCPStore("127.0.0.1", cfg["port"], is_master=False, timeout=datetime.timedelta(seconds=120))
-        self.group = make_group(self.store, 0, cfg["rank"], cfg["world"], 120.0, CPU)
+        # As a pipelined job's group: two gloo devices, a connection per direction (make_group's duplex).
+        self.group = make_group(self.store, 0, cfg["rank"], cfg["world"], 120.0, CPU, bind=["127.0.0.1"], duplex=True)
         # As a worker's group: an abort flag to read while a receive waits (never raised here), so
         # receives are waited for the way a training job waits for them (links._wait_receive).
         self.group.abort_check = lambda: False
         self.trivial = make_group(self.store, 1, 0, 1, 120.0, CPU)
         self.group2 = None
         if cfg.get("two_devices"):
-            # Diagnostic: the same group with two gloo devices (two TCP connections per pair of
-            # ranks, two I/O threads); the driver's tags put each direction on its own connection.
-            self.group2 = make_group(self.store, 2, cfg["rank"], cfg["world"], 120.0, CPU, bind=["127.0.0.1"] * 2)
+            # Diagnostic: the same group with one gloo device (one TCP connection per pair of ranks,
+            # both directions of a link on it: what pipelined jobs used before duplex groups).
+            self.group2 = make_group(self.store, 2, cfg["rank"], cfg["world"], 120.0, CPU, bind=["127.0.0.1"])
             self.group2.abort_check = lambda: False
         self.grid = Grid(p, 1, cfg["rank"])
         self.links: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def run(self, engine, first_step: int, n_steps: int = 1, two_devices: bool = False) -> list:
-        """``two_devices``: over the diagnostic group with two gloo devices."""
+        """``two_devices``: over the diagnostic group (one gloo device; the name is the option's)."""
         from virtualflow.runtime.pipeline.links import Links, drive
 
         links = self.links.get(engine)

@@ -35,8 +35,8 @@ def parse_args(argv):
     p.add_argument("--diag-steps", type=int, default=20,
                    help="(1) more steps per schedule with the executor's timeline on (0: skip)")
     p.add_argument("--two-devices", action=argparse.BooleanOptionalAction, default=True,
-                   help="(1) diagnostic: also run the executor over a group with two gloo devices (one connection "
-                        "per direction), alternating with the other two")
+                   help="(1) diagnostic: also run the executor over a group with one gloo device (both directions "
+                        "on one connection, as before duplex groups), alternating with the other two")
     p.add_argument("--skip-emulated", action="store_true", help="run (1) only: no emulated bubbles or stash")
     p.add_argument("--emu-m", type=int, default=8, help="(2) micro-batches per step")
     p.add_argument("--f-ms", type=float, default=10.0, help="(2) emulated forward per stage and micro-batch")

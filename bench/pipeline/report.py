@@ -50,7 +50,7 @@ def _vs_table(vs_sum: dict) -> str:
     two = all("ratio2" in o for o in vs_sum.values())
     return H.md_table(["schedule", "virtualflow ms", "torch ms", "ratio", "per-rep ratios", "p25 ratio",
                        f"<= {TARGET_RATIO}", "final weights"]
-                      + (["diagnostic: over two gloo devices, ratio (per rep)"] if two else []),
+                      + (["diagnostic: over one gloo device, ratio (per rep)"] if two else []),
                       [[s, H.ms(o["vf_step_s"], 2), H.ms(o["torch_step_s"], 2), f"**{o['ratio']:.3f}**",
                         " ".join(f"{x:.3f}" for x in o["ratios"]), f"{o['p25_ratio']:.3f}", H.yes_no(o["met"]),
                         "bit-identical" if o["bit_identical"] else f"max diff {o['max_abs_weight_diff']:.1e}"]
@@ -78,10 +78,10 @@ def markdown(run: H.Run, args, vs: dict, vs_sum: dict, vs2: dict | None, vs2_sum
     if args.two_devices:
         lines += [
             "Diagnostic column: a third side in the same alternation, the same executor and driver over a "
-            "group built with two gloo devices on the same address (`make_group(..., bind=[addr, addr])`): two "
-            "TCP connections per pair of ranks, each with its own I/O thread, and the driver's tags (their parity "
-            "is the direction) put each direction of a link on its own connection. Workers build their "
-            "generation group with one device, so the ratio column is what a training job gets.", ""]
+            "group built with one gloo device (one TCP connection per pair of ranks, both directions of a link on "
+            "it), as pipelined jobs built it before their groups became duplex (`make_group(..., duplex=True)`: "
+            "two devices, the driver's tags put each direction on its own connection). The ratio column is the "
+            "duplex group, what a training job gets.", ""]
     if vs2 is not None:
         lines += [
             f"The same comparison at hidden = {vs2['hidden']} (about {(vs2['hidden'] / args.hidden) ** 2:.0f}x the "

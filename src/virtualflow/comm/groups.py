@@ -448,35 +448,43 @@ class _Done:
 
 
 def make_subgroup(store: dist.Store, generation: int, name: str, rank: int, size: int, timeout_s: float,
-                  device: torch.device, *, bind: Sequence[str] | None = None) -> Group:
+                  device: torch.device, *, bind: Sequence[str] | None = None, duplex: bool = False) -> Group:
     """A group of some members of generation ``generation`` (e.g. the replicas of one pipeline
-    stage), on its own fresh prefix ``gen/<g>/<name>``."""
-    return _build(store, f"gen/{generation}/{name}", generation, rank, size, timeout_s, device, bind)
+    stage), on its own fresh prefix ``gen/<g>/<name>``. ``duplex``: see :func:`make_group`."""
+    return _build(store, f"gen/{generation}/{name}", generation, rank, size, timeout_s, device, bind, duplex)
 
 
 def make_group(
     store: dist.Store, generation: int, rank: int, size: int, timeout_s: float, device: torch.device, *,
-    bind: Sequence[str] | None = None,
+    bind: Sequence[str] | None = None, duplex: bool = False,
 ) -> Group:
     """Build generation ``generation``'s group (gloo on CPU, NCCL on CUDA).
 
     ``bind``: the addresses (or, off Linux, interface names) of this machine gloo listens on and
     tells its peers (:func:`virtualflow.comm.net.resolve_interface`); None: gloo's own choice
-    (``GLOO_SOCKET_IFNAME``, else the address the host name resolves to)."""
-    return _build(store, f"gen/{generation}", generation, rank, size, timeout_s, device, bind)
+    (``GLOO_SOCKET_IFNAME``, else the address the host name resolves to). ``duplex`` (gloo): two
+    devices per address, so that gloo opens two connections between each pair of members and a
+    message whose tag is odd travels on the second (a pipeline's driver puts each direction of a
+    link on its own connection: sends both ways at once on one connection stall each other)."""
+    return _build(store, f"gen/{generation}", generation, rank, size, timeout_s, device, bind, duplex)
 
 
-def gloo_options(timeout: datetime.timedelta, bind: Sequence[str]) -> Any:
-    """gloo's options with one device per address (or interface name) in ``bind``."""
+def gloo_options(timeout: datetime.timedelta, bind: Sequence[str] | None, duplex: bool = False) -> Any:
+    """gloo's options with one device per address (or interface name) in ``bind`` (None: gloo's
+    default device), each twice with ``duplex``."""
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
+    copies = 2 if duplex else 1
+    if not bind:
+        opts._devices = [dist.ProcessGroupGloo.create_default_device() for _ in range(copies)]
+        return opts
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=a) if is_ip(a)
-                     else dist.ProcessGroupGloo.create_device(interface=a) for a in bind]
+                     else dist.ProcessGroupGloo.create_device(interface=a) for a in bind for _ in range(copies)]
     return opts
 
 
 def _build(store: dist.Store, prefix_name: str, generation: int, rank: int, size: int, timeout_s: float,
-           device: torch.device, bind: Sequence[str] | None = None) -> Group:
+           device: torch.device, bind: Sequence[str] | None = None, duplex: bool = False) -> Group:
     if size == 1:
         return Group(generation, 0, 1, None)
     prefix = dist.PrefixStore(prefix_name, store)
@@ -492,7 +500,7 @@ def _build(store: dist.Store, prefix_name: str, generation: int, rank: int, size
             alone = False
             try:
                 before = Connections.snapshot()
-                pg = (dist.ProcessGroupGloo(prefix, rank, size, gloo_options(timeout, bind)) if bind
+                pg = (dist.ProcessGroupGloo(prefix, rank, size, gloo_options(timeout, bind, duplex)) if bind or duplex
                       else dist.ProcessGroupGloo(prefix, rank, size, timeout))
                 after = Connections.snapshot()
             finally:

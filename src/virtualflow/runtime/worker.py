@@ -376,8 +376,11 @@ class Worker:
         t0 = time.perf_counter()
         rank = record.members.index(self.id)
         _rendezvous(self.store, cfg, gen, len(record.members), lambda: self.aborted(gen))
+        # A pipeline's hops travel on the generation's group (without tensor parallelism): a
+        # connection per direction (see make_group's duplex).
+        duplex = self.job.pipeline is not None and self.job.pipeline.tensor == 1
         group = make_group(self.store, gen, rank, len(record.members), cfg.collective_timeout_s, self.device,
-                           bind=cfg.gloo_bind())
+                           bind=cfg.gloo_bind(), duplex=duplex)
         group.abort_check = lambda: self.aborted(gen)
         t_group = time.perf_counter() - t0
         for old in self.retired:  # every member has left the old groups: release them
