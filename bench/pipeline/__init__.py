@@ -27,10 +27,11 @@ rank's. Per schedule and repetition (fresh processes): median over post-warm-up 
 virtualflow / torch, the median of the repetitions' ratios. Target <= 1.00 per schedule (keys
 ``ratio_gpipe``, ``ratio_1f1b``, ``ratio_interleaved_1f1b``).
 
-Diagnostic third side (``--two-devices``, on by default): the same executor over a group built with
-two gloo devices on the same address (two TCP connections per pair of ranks; the driver's tag
-parity puts each direction of a link on its own), alternating with the other two; a worker gets
-that with ``--interface ADDR,ADDR``. ``--skip-emulated`` runs part (1) alone.
+The virtualflow side runs over a duplex group, as a pipelined job's workers build it: two gloo
+devices on the same address (two TCP connections per pair of ranks; the driver's tag parity puts
+each direction of a link on its own). Diagnostic third side (``--two-devices``, on by default; the
+name is historical): the same executor over a group with one gloo device (both directions on one
+connection), alternating with the other two. ``--skip-emulated`` runs part (1) alone.
 
 A second model size (``--hidden2``, 1024 by default: about 4x the compute per message, 1 repetition)
 is compared the same way as a diagnostic, not a target. Diagnostic, in the same processes after

@@ -112,7 +112,7 @@ def vs_rank(cfg: dict) -> dict:
 
         sides = {"vf": lambda t: drv.run(engine, t)[0].loss, "torch": torch_step}
         engine2 = None
-        if drv.group2 is not None:  # diagnostic: the same executor over a group with two gloo devices
+        if drv.group2 is not None:  # diagnostic: the same executor over a group with one gloo device
             engine2 = _vf_engine(schedule, m, mb, hidden, rank, ds)
             sides["vf2"] = lambda t: drv.run(engine2, t, two_devices=True)[0].loss
         names = list(sides)
@@ -240,7 +240,7 @@ def measure_vs(args, hidden: int, n_reps: int, diag_steps: int) -> dict:
                     f"{r['ratio']:.3f} (p25 {r['p25_ratio']:.3f}); max |weight diff| {r['max_abs_weight_diff']:.1e}"
                     f"{' (bit-identical)' if r['bit_identical'] else ''}")
             if "ratio2" in r:
-                line += (f"\n      diagnostic, over a group with two gloo devices (a connection per direction): "
+                line += (f"\n      diagnostic, over a group with one gloo device (both directions on one connection): "
                          f"{1e3 * r['vf2_step_s']:.2f} ms, ratio {r['ratio2']:.3f}")
             if "diag" in per[0]:
                 d = r["diag"] = _breakdown([p["diag"] for p in per], max(1, diag_steps // 5))
