@@ -138,21 +138,27 @@ SGD_STATE_FACTOR = 2.0  # weights and gradients (SGD without momentum)
 STASH_ACTIVATIONS = 4  # stashed bytes per layer, in output activations (a planner input; not measured)
 
 
-def measured_link(reps: int, ping_pong: bool) -> tuple[Link, dict]:
-    """The loopback link as the ring collectives of the 4 workers see it: the steps of a gloo ring
-    of 4 fresh local processes (:func:`bench.harness.loopback.measure_ring`); with ``ping_pong``
-    also a 2-process ping-pong, for the record (on a loaded machine it differs, see there)."""
-    from bench.harness.loopback import measure_loopback, measure_ring
+def measured_link(reps: int, ping_pong: bool) -> tuple[Link, Link, dict]:
+    """The loopback links of the 4 workers: between stages and replicas, the steps of a gloo ring
+    of 4 fresh local processes (:func:`bench.harness.loopback.measure_ring`); inside a
+    tensor-parallel group, the ring steps of virtualflow's own ring collectives, which the blocks
+    issue (:func:`bench.harness.loopback.measure_collectives`: their thread and queue cost a
+    fixed amount per message on top of gloo's). With ``ping_pong`` also a 2-process ping-pong,
+    for the record (on a loaded machine it differs, see there)."""
+    from bench.harness.loopback import measure_collectives, measure_loopback, measure_ring
 
     ring = measure_ring(MEASURED_WORKERS, reps=reps)
-    raw = {"ring": {**ring, "step_s": {str(k): v for k, v in ring["step_s"].items()}}}
+    coll = measure_collectives(MEASURED_WORKERS, reps=reps)
+    raw = {"ring": {**ring, "step_s": {str(k): v for k, v in ring["step_s"].items()}},
+           "collectives": {**coll, "step_s": {str(k): v for k, v in coll["step_s"].items()}}}
     if ping_pong:
         pp = measure_loopback(reps=min(reps, 40))
         raw["ping_pong"] = {**pp, "one_way_s": {str(k): v for k, v in pp["one_way_s"].items()}}
-    return Link(bandwidth_bytes_per_s=ring["bandwidth_bytes_per_s"], latency_s=ring["alpha_s"]), raw
+    return (Link(bandwidth_bytes_per_s=ring["bandwidth_bytes_per_s"], latency_s=ring["alpha_s"]),
+            Link(bandwidth_bytes_per_s=coll["bandwidth_bytes_per_s"], latency_s=coll["alpha_s"]), raw)
 
 
-def measured_problem(link: Link, scale: float = 1.0) -> GridProblem:
+def measured_problem(link: Link, tp_link: Link, scale: float = 1.0) -> GridProblem:
     """The planner's input for the sleep-emulated chain: :data:`sleep_grid.TABLE` (x ``scale``),
     the real parameter bytes, ``link`` inside tensor-parallel groups and between stages and
     replicas. The emulated layers do all of their backward in the input-gradient part (one sleep),
@@ -168,7 +174,7 @@ def measured_problem(link: Link, scale: float = 1.0) -> GridProblem:
     return GridProblem(layers=layers, tensor_parallel=[int(row.tensor_parallel) for row in G.TABLE], heads=G.HEADS,
                        workers=MEASURED_WORKERS, virtual_nodes=G.VIRTUAL_NODES, vn_batch=G.VN_BATCH,
                        memory_limit_bytes=MEMORY_LIMIT_BYTES, optimizer_state_factor=SGD_STATE_FACTOR, link=link,
-                       tp_link=link, weight_grad_s=[0.0] * len(layers))
+                       tp_link=tp_link, weight_grad_s=[0.0] * len(layers))
 
 
 def measure(layout: GridCandidate, steps: int, warm: int, scale: float = 1.0) -> dict:
@@ -207,18 +213,21 @@ def measured_part(args, t: H.Targets) -> dict:
           f"(hidden {G.HIDDEN}, {G.HEADS} heads, {G.SEQ} tokens, {G.VN_BATCH} samples per VN, "
           f"{G.VIRTUAL_NODES} VNs per step)", flush=True)
     t0 = time.perf_counter()
-    link, link_raw = measured_link(50 if args.quick else 100, ping_pong=not args.quick)
-    print(f"  link (gloo ring of {MEASURED_WORKERS} processes, one step): "
+    link, tp_link, link_raw = measured_link(50 if args.quick else 100, ping_pong=not args.quick)
+    print(f"  link between stages and replicas (gloo ring of {MEASURED_WORKERS} processes, one step): "
           + ", ".join(f"{int(n) >> 10} KiB {v * 1e3:.3f} ms" for n, v in link_raw["ring"]["step_s"].items())
-          + f" -> alpha {link.latency_s * 1e3:.3f} ms, bandwidth {link.bandwidth_bytes_per_s / 1e9:.3f} GB/s "
-          f"(both the tensor-parallel and the stage/replica link; measured in {time.perf_counter() - t0:.0f} s)",
+          + f" -> alpha {link.latency_s * 1e3:.3f} ms, bandwidth {link.bandwidth_bytes_per_s / 1e9:.3f} GB/s",
           flush=True)
+    print(f"  link inside tensor-parallel groups (virtualflow's ring collectives, per step): "
+          + ", ".join(f"{int(n) >> 10} KiB {v * 1e3:.3f} ms" for n, v in link_raw["collectives"]["step_s"].items())
+          + f" -> alpha {tp_link.latency_s * 1e3:.3f} ms, bandwidth {tp_link.bandwidth_bytes_per_s / 1e9:.3f} GB/s "
+          f"(measured in {time.perf_counter() - t0:.0f} s)", flush=True)
     if "ping_pong" in link_raw:
         pp = link_raw["ping_pong"]
         print("  for the record, a 2-process ping-pong (one way): "
               + ", ".join(f"{int(n) >> 10} KiB {v * 1e3:.3f} ms" for n, v in pp["one_way_s"].items())
               + f" -> alpha {pp['alpha_s'] * 1e3:.3f} ms (not used)", flush=True)
-    plan = choose_grid(measured_problem(link, args.scale))
+    plan = choose_grid(measured_problem(link, tp_link, args.scale))
     print(plan.table(8))
     print(plan.explain, flush=True)
     plan_text = plan.table(8) + "\n" + plan.explain
@@ -276,7 +285,7 @@ def measured_part(args, t: H.Targets) -> dict:
         return out
     # What the framework itself costs: the chosen layout with every sleep 0 (tiny real parts,
     # collectives, hops, reduction, optimizer, control), against the cost model's communication.
-    zero_pred = predict_layout(measured_problem(link, 0.0), chosen)
+    zero_pred = predict_layout(measured_problem(link, tp_link, 0.0), chosen)
     print("  running the chosen layout with zero sleeps (the framework's own cost per step) ...", flush=True)
     zero = measure(chosen, steps, warm, 0.0)
     out["zero_sleep"] = {"predicted_step_s": zero_pred.step_time_s, **zero}

@@ -63,7 +63,33 @@ def _ring(rank: int, world: int, reps: int, nbytes: int) -> float:
     return statistics.median(times)
 
 
-def _child(rank: int, port: int, reps: int, sizes: Sequence[int], world: int = 2, ring: bool = False) -> dict:
+def _collectives_step(store, rank: int, world: int, reps: int, nbytes: int) -> float:
+    """Median seconds per ring step of virtualflow's own ring collectives
+    (:class:`virtualflow.comm.ring.Collectives`, what a tensor-parallel block issues): an
+    all-gather of ``world`` chunks of ``nbytes`` each, divided by its ``world - 1`` steps."""
+    import torch
+
+    from virtualflow.comm.groups import make_group
+    from virtualflow.comm.ring import Collectives
+
+    group = make_group(store, 7 + nbytes % 1000, rank, world, 60.0, torch.device("cpu"))
+    comm = Collectives(group)
+    n = nbytes // 4
+    flat = torch.zeros(world * n)
+    bounds = [(r * n, (r + 1) * n) for r in range(world)]
+    times = []
+    for i in range(reps + 3):
+        t0 = time.perf_counter()
+        comm.all_gather(flat, bounds)
+        if i >= 3:
+            times.append((time.perf_counter() - t0) / (world - 1))
+    comm.close()
+    group.close()
+    return statistics.median(times)
+
+
+def _child(rank: int, port: int, reps: int, sizes: Sequence[int], world: int = 2, ring: bool = False,
+           collectives: bool = False) -> dict:
     import datetime
 
     import torch
@@ -71,6 +97,8 @@ def _child(rank: int, port: int, reps: int, sizes: Sequence[int], world: int = 2
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
+    if collectives:
+        return {"rank": rank, "ring_step_s": {str(n): _collectives_step(store, rank, world, reps, n) for n in sizes}}
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     if ring:
         steps = {str(n): _ring(rank, world, reps, n) for n in sizes}
@@ -142,6 +170,27 @@ def measure_ring(world: int = 4, sizes: Sequence[int] = RING_SIZES_BYTES, reps: 
                       "wait), the slowest rank's median per size; alpha + bytes / bandwidth fitted"}
 
 
+def measure_collectives(world: int = 4, sizes: Sequence[int] = RING_SIZES_BYTES, reps: int = 30,
+                        timeout_s: float = 120.0) -> dict:
+    """Ring steps of virtualflow's own ring collectives among ``world`` fresh processes (an
+    all-gather divided by its steps: what a tensor-parallel block pays per message, its
+    background thread and queue included), the slowest rank's median per size, and the fitted
+    ``alpha + bytes / bandwidth``."""
+    from bench.harness.machine import collect_children, spawn_child
+
+    port = _free_port()
+    args = ["--port", str(port), "--reps", str(reps), "--sizes", ",".join(map(str, sizes)), "--world", str(world),
+            "--collectives"]
+    procs = [spawn_child("bench.harness.loopback", ["--rank", str(r), *args], threads=1) for r in range(world)]
+    ranks = collect_children(procs, "the ring collectives", timeout_s)
+    step = {n: max(r["ring_step_s"][str(n)] for r in ranks) for n in sizes}
+    alpha, bw = fit_link(step)
+    return {"world": world, "step_s": step, "alpha_s": alpha, "bandwidth_bytes_per_s": bw, "reps": reps,
+            "method": f"all-gathers of virtualflow.comm.ring.Collectives among {world} local processes, per ring "
+                      "step (the collective's time / (world - 1)), the slowest rank's median per size; alpha + "
+                      "bytes / bandwidth fitted"}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description="one side of the loopback ping-pong (started by measure_loopback)")
     p.add_argument("--rank", type=int, required=True)
@@ -150,8 +199,10 @@ def main() -> None:
     p.add_argument("--sizes", default=",".join(map(str, SIZES_BYTES)))
     p.add_argument("--world", type=int, default=2, help="processes (the ping-pong: 2)")
     p.add_argument("--ring", action="store_true", help="time ring steps of the first size instead of the ping-pong")
+    p.add_argument("--collectives", action="store_true", help="time virtualflow's ring collectives' steps")
     a = p.parse_args()
-    print(json.dumps(_child(a.rank, a.port, a.reps, [int(x) for x in a.sizes.split(",")], a.world, a.ring)), flush=True)
+    print(json.dumps(_child(a.rank, a.port, a.reps, [int(x) for x in a.sizes.split(",")], a.world, a.ring,
+                            a.collectives)), flush=True)
 
 
 if __name__ == "__main__":
