@@ -26,6 +26,8 @@ the generator rule across real processes is checked in tests/e2e/test_tensor_par
 
 from __future__ import annotations
 
+import copy
+import threading
 from dataclasses import dataclass
 
 import pytest
@@ -36,6 +38,7 @@ from torch import nn
 from fabric import Fabric, run_ranks
 from virtualflow.comm.groups import Group
 from virtualflow.comm.ring import Collectives
+from virtualflow.parallel import convert as convert_module
 from virtualflow.parallel import (
     AttentionBlock, BlockConfig, BlockPlan, MLPBlock, MLPPlan, Proj, Split, TensorParallelBlock, generator_seed,
     register_tensor_parallel, tensor_parallel_candidates, tensor_parallel_layer, tensor_splits,
@@ -187,6 +190,19 @@ def one_rank() -> Collectives:
     return Collectives(Group(0, 0, 1, None))
 
 
+class _OneCopyAtATime:
+    """``copy`` for the converter while ranks run as threads of this process: every rank deep-copies
+    the same layer, and deep copies of one module from several threads at once are not safe (a
+    worker process copies its own); one at a time (no collective runs inside a copy)."""
+
+    lock = threading.Lock()
+
+    @staticmethod
+    def deepcopy(x, memo=None):
+        with _OneCopyAtATime.lock:
+            return copy.deepcopy(x, memo)
+
+
 def on_ranks(t: int, body):
     """``body(comm)`` on t threads, each with its Collectives over the in-process fabric."""
     def run(rank, group):
@@ -195,7 +211,12 @@ def on_ranks(t: int, body):
             return body(comm)
         finally:
             comm.close()
-    return run_ranks(Fabric(t), run)
+    saved = convert_module.copy
+    convert_module.copy = _OneCopyAtATime
+    try:
+        return run_ranks(Fabric(t), run)
+    finally:
+        convert_module.copy = saved
 
 
 def run_layer(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, **kwargs):
