@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import datetime
 import errno
-import json
 import logging
 import os
 import socket
@@ -35,6 +34,7 @@ import torch.distributed as dist
 from virtualflow.comm import auth, protocol
 from virtualflow.comm.rejects import RejectLog
 from virtualflow.plan.flops import throughput
+from virtualflow.records.rundir import json_text
 from virtualflow.runtime import breakdown
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class JsonlWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         if self._f is not None:
-            self._f.write(json.dumps(record) + "\n")
+            self._f.write(json_text(record) + "\n")  # standard JSON: a NaN loss as "nan"
 
     def close(self) -> None:
         if self._f is not None:
