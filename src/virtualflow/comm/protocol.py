@@ -142,7 +142,7 @@ REPORT_FIELDS = {"type": STR, "worker": INT, "pid": INT, "seq": INT}
 ... per worker: a report is accepted only above the last one accepted from that worker)."""
 
 REPORTS: dict[str, dict[str, Any]] = {
-    "join": {"setup_s": NUM},
+    "join": {"setup_s": NUM, "dataset": OPT(MAP(STR))},
     "formed": {"generation": INT, "members": LIST(INT), "step": INT, "hold": BOOL, "group_s": NUM,
                "transfer_s": NUM, "bytes": INT, "source": OPT(INT), "receivers": LIST(INT), "form_s": NUM,
                "time": NUM, "exchange": OPT(STR), "exchange_reason": OPT(STR)},
@@ -161,7 +161,9 @@ REPORTS: dict[str, dict[str, Any]] = {
     "rejected": {"channel": STR, "reason": STR, "message": STR, "bytes": INT},
 }
 """Fields of each report type beyond :data:`REPORT_FIELDS` (``rejected``: a worker refused a
-message it read from the store and says so, for ``events.jsonl``)."""
+message it read from the store and says so, for ``events.jsonl``; ``join.dataset``: the
+fingerprint of the dataset the worker built, :mod:`virtualflow.runtime.dataset_check`, None when
+it could not be taken)."""
 
 REQUEST = {"op": STR, "workers": INT, "source": STR, "nonce": STR}
 """``virtualflow resize``: ``op`` is ``resize``."""
