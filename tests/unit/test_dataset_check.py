@@ -127,10 +127,12 @@ def test_the_coordinator_fails_the_job_on_a_worker_or_newcomer_whose_dataset_dif
 def test_the_failure_reads_as_one_line_naming_the_worker():
     from types import SimpleNamespace
 
+    from virtualflow.backends.external import ExternalBackend
     from virtualflow.launching.outcome import worker_failure
 
     err = worker_failure([{"worker": 1, "pid": 42, "error": "DatasetMismatch: worker 1's dataset differs from "
                            f"worker 0's (sample 0: a vs b): {CAUSE}", "traceback": "", "step": None,
-                           "phase": "joining"}], SimpleNamespace(state_dir="/tmp/x", run_dir=None))
+                           "phase": "joining"}],
+                         SimpleNamespace(state_dir="/tmp/x", run_dir=None, backend=ExternalBackend(("127.0.0.1", 0))))
     assert str(err).startswith("worker 1 (pid 42) failed: DatasetMismatch: worker 1's dataset differs")
     assert "seed your shuffle" in str(err) and "while joining" in str(err)
