@@ -55,8 +55,10 @@ def job_failed_message(exc: JobFailed, failures: list[dict[str, Any]], backend: 
         if isinstance(wid, int) and re.search(rf"\bworker {wid}\b", msg) is None:
             earlier.setdefault(wid, f"worker {wid} (pid {backend.pid(wid)}) {' '.join(str(f.get('cause')).split())} "
                                     f"in generation {f.get('generation')}")
-    if earlier:
-        msg += f"; lost before that: {'; '.join(earlier.values())}"
+    if earlier:  # the most recent ones (a long elastic run may have replaced many)
+        named = list(earlier.values())
+        more = f"; and {len(named) - 5} more (the failure events in events.jsonl)" if len(named) > 5 else ""
+        msg += f"; lost before that: {'; '.join(named[-5:])}{more}"
     msg += f" ({logs_where(setup)})"
     lost = list(dict.fromkeys(f["worker"] for f in failures if isinstance(f.get("worker"), int)))
     for wid in lost[-3:]:
