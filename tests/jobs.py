@@ -23,6 +23,21 @@ def regression_data(n: int = 256, seed: int = 7) -> TensorDataset:
     return TensorDataset(x, y)
 
 
+def pid_shuffled_data() -> TensorDataset:
+    """regression_data shuffled with a seed of the process's id: a dataset that differs between
+    worker processes (the mistake the join's dataset check refuses)."""
+    import os
+
+    data = regression_data()
+    perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(os.getpid()))
+    return TensorDataset(*(t[perm] for t in data.tensors))
+
+
+def long_metric_names_mse(model, batch):  # metric names too long for a step report
+    loss = mse(model, batch)
+    return loss, {f"{'m' * 30_000}{i}": loss.detach() for i in range(10)}
+
+
 def classification_data(n: int = 192, seed: int = 3) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, FEATURES, generator=g)

@@ -340,3 +340,21 @@ def test_progress_pace_comes_from_steady_steps():
     step(3, 5.0, generation=1)  # a resize: the new generation's first step is left out again
     assert rate.step_s == pytest.approx(0.3) and rate.eta_s == pytest.approx(6 * 0.3)
     assert rate.describe({"loss": 0.5, "workers": 3}) == "eta 00:01, 0.3 s/step, 120 samples/s, loss 0.5000, 3 workers"
+
+
+# -- records that would be lost, datasets that differ (issue 40, items 7 and 12) ---------------
+def test_a_dataset_that_differs_between_worker_processes_fails_the_job_naming_the_cause():
+    import jobs
+
+    job = jobs.regression_job().replace(dataset=jobs.pid_shuffled_data)
+    with pytest.raises(vf.TrainingError, match=r"failed: DatasetMismatch: worker \d's dataset differs from worker "
+                                               r"\d's \(sample 0: .*seed your shuffle"):
+        vf.train(job, workers=2, steps=3)
+
+
+def test_metric_names_too_long_for_a_step_report_are_refused_before_training():
+    import jobs
+
+    job = jobs.regression_job().replace(loss=jobs.long_metric_names_mse)
+    with pytest.raises(vf.LossShapeError, match=r"metric name of 30001 characters.*at most 200"):
+        vf.train(job, workers=1, steps=3)

@@ -60,8 +60,10 @@ class Backend(Protocol):
 
     def start_worker(self, worker_id: int) -> Any: ...
 
-    def kill_worker(self, worker_id: int) -> None:
-        """Stop one worker at once (fencing: works on a hung one)."""
+    def kill_worker(self, worker_id: int) -> str:
+        """Stop one worker at once (fencing: works on a hung one); returns what was done, in
+        words, for failure messages (``killed``; a backend that cannot stop its workers says
+        how it fenced the worker out instead)."""
         ...
 
     def poll(self) -> dict[int, int | None]:
@@ -72,6 +74,10 @@ class Backend(Protocol):
 
     def log_tail(self, worker_id: int, lines: int = 15) -> str:
         """The last lines of a worker's output ("" when unknown), for failure messages."""
+        ...
+
+    def logs_where(self) -> str:
+        """Where the workers' output is, as a failure message's tail (``logs in RUN_DIR/logs``)."""
         ...
 
     def serve(self, reports: Sequence[dict[str, Any]]) -> None:

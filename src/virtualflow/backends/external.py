@@ -83,6 +83,10 @@ def decode_config(text: str) -> "WorkerConfig":
     return pickle.loads(base64.b64decode(text))
 
 
+FENCED = "fenced out (this coordinator cannot stop a process on another machine: stop it there)"
+"""What :meth:`ExternalBackend.kill_worker` does, in words."""
+
+
 @dataclass(slots=True)
 class ExternalWorker:
     """One slot of the job: the id the controller asked for and who filled it."""
@@ -139,6 +143,9 @@ class ExternalBackend:
         self.config_text = encode_config(self.config)
         """What a welcome carries: the workers' configuration with no key in it."""
 
+    def logs_where(self) -> str:
+        return "each external worker's output is on the console of the machine it runs on"
+
     def log_tail(self, worker_id: int, lines: int = 15) -> str:
         w = self.workers.get(worker_id)
         return w.log_tail(lines) if w is not None else ""
@@ -151,15 +158,19 @@ class ExternalBackend:
         self._assign()
         return w
 
-    def kill_worker(self, worker_id: int) -> None:
+    def kill_worker(self, worker_id: int) -> str:
+        """Fence one worker out: its process runs on another machine, which this one cannot stop
+        (the controller refuses its reports and points it to ``fail``)."""
+        what = FENCED
         w = self.workers.get(worker_id)
         if w is None or w.code is not None:
-            return
+            return what
         w.code = -int(signal.SIGKILL)
         if worker_id in self._open:
             self._open.remove(worker_id)
         logger.warning("worker %d (%s, pid %s) is fenced out of the job; this coordinator cannot kill it, stop it "
                        "on its machine", worker_id, w.host, w.pid_)
+        return what
 
     def pid(self, worker_id: int) -> int | None:
         w = self.workers.get(worker_id)

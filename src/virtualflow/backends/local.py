@@ -115,6 +115,9 @@ class LocalBackend:
     def serve(self, reports: Sequence[dict[str, Any]]) -> None:
         return None
 
+    def logs_where(self) -> str:
+        return f"logs in {os.path.join(self.state_dir, 'logs')}"
+
     def log_tail(self, worker_id: int, lines: int = 15) -> str:
         wp = self.workers.get(worker_id)
         return wp.log_tail(lines) if wp is not None else ""
@@ -154,7 +157,7 @@ class LocalBackend:
         self.workers[worker_id] = wp
         return wp
 
-    def kill_worker(self, worker_id: int) -> None:
+    def kill_worker(self, worker_id: int) -> str:
         """SIGKILL one worker (fencing a hung one works even if it is stopped)."""
         wp = self.workers.get(worker_id)
         if wp is not None and wp.proc.poll() is None:
@@ -163,6 +166,7 @@ class LocalBackend:
                 wp.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+        return "killed"
 
     def pid(self, worker_id: int) -> int | None:
         wp = self.workers.get(worker_id)

@@ -349,6 +349,9 @@ class RayBackend:
     def serve(self, reports: Sequence[dict[str, Any]]) -> None:
         return None
 
+    def logs_where(self) -> str:
+        return f"logs in {os.path.join(self.state_dir, 'logs')}"
+
     def log_tail(self, worker_id: int, lines: int = 15) -> str:
         w = self.workers.get(worker_id)
         return w.log_tail(lines) if w is not None else ""
@@ -386,11 +389,12 @@ class RayBackend:
         self.workers[worker_id] = w
         return w
 
-    def kill_worker(self, worker_id: int) -> None:
+    def kill_worker(self, worker_id: int) -> str:
         """Kill one worker's actor (fencing a hung one works: Ray kills the process)."""
         w = self.workers.get(worker_id)
         if w is not None and w.code is None:
             self._ray.kill(w.actor, no_restart=True)
+        return "killed"
 
     def pid(self, worker_id: int) -> int | None:
         w = self.workers.get(worker_id)

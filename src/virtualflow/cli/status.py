@@ -4,10 +4,9 @@ metrics and throughput (tokens/s, MFU), workers and recent step times of a run."
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
-from virtualflow.records.rundir import read_status, run_state
+from virtualflow.records.rundir import json_text, read_status, run_state
 from virtualflow.runtime.breakdown import PARTS, Summary
 
 
@@ -128,7 +127,7 @@ def main(args: argparse.Namespace) -> int:
     status = read_status(args.run_dir)
     state = run_state(args.run_dir, status)
     if args.json:
-        print(json.dumps({**status, "run_state": state}, indent=2))
+        print(json_text({**status, "run_state": state}, indent=2))  # standard JSON (NaN as "nan")
     else:
         print(format_status(args.run_dir, status, state))
     return 0

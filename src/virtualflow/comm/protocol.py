@@ -142,7 +142,7 @@ REPORT_FIELDS = {"type": STR, "worker": INT, "pid": INT, "seq": INT}
 ... per worker: a report is accepted only above the last one accepted from that worker)."""
 
 REPORTS: dict[str, dict[str, Any]] = {
-    "join": {"setup_s": NUM},
+    "join": {"setup_s": NUM, "dataset": OPT(MAP(STR))},
     "formed": {"generation": INT, "members": LIST(INT), "step": INT, "hold": BOOL, "group_s": NUM,
                "transfer_s": NUM, "bytes": INT, "source": OPT(INT), "receivers": LIST(INT), "form_s": NUM,
                "time": NUM, "exchange": OPT(STR), "exchange_reason": OPT(STR)},
@@ -161,7 +161,9 @@ REPORTS: dict[str, dict[str, Any]] = {
     "rejected": {"channel": STR, "reason": STR, "message": STR, "bytes": INT},
 }
 """Fields of each report type beyond :data:`REPORT_FIELDS` (``rejected``: a worker refused a
-message it read from the store and says so, for ``events.jsonl``)."""
+message it read from the store and says so, for ``events.jsonl``; ``join.dataset``: the
+fingerprint of the dataset the worker built, :mod:`virtualflow.runtime.dataset_check`, None when
+it could not be taken)."""
 
 REQUEST = {"op": STR, "workers": INT, "source": STR, "nonce": STR}
 """``virtualflow resize``: ``op`` is ``resize``."""
@@ -334,8 +336,35 @@ def parse_seq(raw: Any) -> int | None:
 
 
 # -- reports ---------------------------------------------------------------------------------
+class ReportTooLarge(ValueError):
+    """A report this process made is over :data:`MAX_REPORT_BYTES`: the coordinator would refuse
+    it unread (``report_rejected``) and the step's record would be lost, so the sender fails
+    instead, naming the limit and the largest field."""
+
+
+_FIELD_HINTS = {
+    "metrics": "return fewer or shorter metric names from Job.loss",
+    "error": "shorten the exception's message",
+    "traceback": "shorten the exception's message",
+}
+
+
 def seal_report(run: RunKey, message: dict[str, Any]) -> str:
-    return run.seal("report", message)
+    """The signed text of ``message``; :class:`ReportTooLarge` if it would not fit the report
+    channel (checked here, where it is made: a report over the limit is never sent)."""
+    sealed = run.seal("report", message)
+    size = len(sealed.encode())
+    if size > MAX_REPORT_BYTES:
+        sizes = {k: len(json.dumps(v, default=str)) for k, v in message.items()}
+        field = max(sizes, key=sizes.__getitem__)
+        step = message.get("step")
+        at = f" at step {step}" if isinstance(step, int) else ""
+        hint = _FIELD_HINTS.get(field, "a report that large is a bug: please report it")
+        raise ReportTooLarge(
+            f"the {str(message.get('type'))[:40]} report of worker {message.get('worker')}{at} is {size} bytes, over "
+            f"the limit of {MAX_REPORT_BYTES} bytes ({MAX_REPORT_BYTES // 1024} KiB) per report; its largest field "
+            f"is {field!r} ({sizes[field]} bytes): {hint}")
+    return sealed
 
 
 def push_report(store: dist.Store, run: RunKey, message: dict[str, Any]) -> None:

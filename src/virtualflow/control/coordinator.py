@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import datetime
 import errno
-import json
 import logging
 import os
 import socket
@@ -35,7 +34,8 @@ import torch.distributed as dist
 from virtualflow.comm import auth, protocol
 from virtualflow.comm.rejects import RejectLog
 from virtualflow.plan.flops import throughput
-from virtualflow.runtime import breakdown
+from virtualflow.records.rundir import json_text
+from virtualflow.runtime import breakdown, dataset_check
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class JsonlWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         if self._f is not None:
-            self._f.write(json.dumps(record) + "\n")
+            self._f.write(json_text(record) + "\n")  # standard JSON: a NaN loss as "nan"
 
     def close(self) -> None:
         if self._f is not None:
@@ -139,6 +139,9 @@ class Coordinator:
         self.fenced: dict[int, int] = {}
         """Worker id -> the last generation it was assigned to, for workers fenced out (silent for
         the heartbeat timeout): their reports are refused from then on (:meth:`fence`)."""
+        self.dataset_reference: tuple[int, dict[str, str]] | None = None
+        """The first worker's id and its dataset's fingerprint: every later join is compared
+        with it (:meth:`_check_dataset`)."""
 
     # -- events ---------------------------------------------------------------------------
     def event(self, kind: str, **fields: Any) -> None:
@@ -211,6 +214,7 @@ class Coordinator:
             elif kind == "join":
                 self.progress.workers[r["worker"]] = {"pid": r["pid"], "setup_s": r["setup_s"]}
                 self.event("join", worker=r["worker"], pid=r["pid"], setup_s=r["setup_s"])
+                self._check_dataset(r)
             elif kind == "eval":
                 self.progress.metrics = r["metrics"]
                 self.eval_history.append({"step": r["step"], **r["metrics"]})
@@ -236,6 +240,26 @@ class Coordinator:
         if self.progress.state == "starting" and self.history:
             self.progress.state = "running"
         return reports
+
+    def _check_dataset(self, r: dict[str, Any]) -> None:
+        """Compare a joining worker's dataset fingerprint with the first worker's: a difference
+        fails the job (an error of that worker, as if it had reported one), since the same sample
+        index would name different samples in different processes."""
+        fp = r.get("dataset")
+        if fp is None:
+            return  # that worker could not read its samples (it logged why): nothing to compare
+        if self.dataset_reference is None:
+            self.dataset_reference = (r["worker"], fp)
+            return
+        ref_worker, ref = self.dataset_reference
+        problem = dataset_check.compare(ref, ref_worker, fp, r["worker"])
+        if problem is None:
+            return
+        self.event("dataset_mismatch", worker=r["worker"], reference_worker=ref_worker, fingerprint=fp,
+                   reference=ref)
+        self.progress.errors.append({"type": "error", "worker": r["worker"], "pid": r["pid"], "seq": r["seq"],
+                                     "error": f"DatasetMismatch: {problem}", "traceback": "", "step": None,
+                                     "phase": "joining"})
 
     def _on_step(self, r: dict[str, Any]) -> None:
         if r["step"] < self.progress.step:

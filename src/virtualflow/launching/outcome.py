@@ -14,6 +14,7 @@ so its message says what to do and carries no traceback.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from virtualflow.control.membership import JobFailed
@@ -29,8 +30,9 @@ CONSEQUENTIAL = ("Connection closed by peer", "Connection reset", "Broken pipe",
 
 
 def logs_where(setup: Any) -> str:
-    """Where the run's worker logs are, as a message's tail."""
-    return f"logs in {os.path.join(setup.state_dir, 'logs')}"
+    """Where the run's worker logs are, as a message's tail (the backend knows: ``RUN_DIR/logs``
+    for local and Ray workers, each machine's console for external ones)."""
+    return setup.backend.logs_where()
 
 
 def disk_full_advice(setup: Any) -> str:
@@ -43,11 +45,23 @@ def disk_full_advice(setup: Any) -> str:
 
 
 def job_failed_message(exc: JobFailed, failures: list[dict[str, Any]], backend: Any, setup: Any) -> str:
-    """The controller gave up (``exc``): its reason, where the logs are and the last output of
-    the worker that failed last."""
-    msg = f"{exc} ({logs_where(setup)})"
-    if failures:
-        wid = failures[-1]["worker"]
+    """The controller gave up (``exc``): its reason, every worker lost on the way that the reason
+    does not name (workers lost at earlier ticks: the reason names only the last ones), where the
+    logs are and the last output of each lost worker (the last three)."""
+    msg = str(exc)
+    earlier: dict[int, str] = {}
+    for f in failures:
+        wid = f.get("worker")
+        if isinstance(wid, int) and re.search(rf"\bworker {wid}\b", msg) is None:
+            earlier.setdefault(wid, f"worker {wid} (pid {backend.pid(wid)}) {' '.join(str(f.get('cause')).split())} "
+                                    f"in generation {f.get('generation')}")
+    if earlier:  # the most recent ones (a long elastic run may have replaced many)
+        named = list(earlier.values())
+        more = f"; and {len(named) - 5} more (the failure events in events.jsonl)" if len(named) > 5 else ""
+        msg += f"; lost before that: {'; '.join(named[-5:])}{more}"
+    msg += f" ({logs_where(setup)})"
+    lost = list(dict.fromkeys(f["worker"] for f in failures if isinstance(f.get("worker"), int)))
+    for wid in lost[-3:]:
         tail = backend.log_tail(wid).strip()
         if tail:
             msg += f"; worker {wid}'s last output:\n{tail}"

@@ -4,6 +4,8 @@ Writers: :func:`atomic_write` (the one way a record, a state file or the token i
 temporary file in the same directory, fsynced, renamed over the target, the directory fsynced;
 the temporary file is removed if anything fails, so a reader sees the old file or the new one,
 never a mix, and a crash leaves no half-written file under the real name) and :func:`write_json`.
+Every JSON record is standard JSON: a non-finite number (a NaN loss) is written as the string
+``"nan"``, ``"inf"`` or ``"-inf"`` (:func:`json_text`), and the readers turn it back into a float.
 Readers: :func:`read_jsonl` (tolerates a partial last line, as a crash mid-write leaves),
 :func:`read_status` and :func:`read_summary` (a truncated or half-written file is a
 ``ValueError`` that names the file and says to retry, never a JSON traceback), :func:`run_state`.
@@ -215,9 +217,52 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
+# -- JSON text ----------------------------------------------------------------------------------
+# Python's json writes NaN and infinities as the bare tokens NaN/Infinity, which are not JSON:
+# jq, JavaScript and strict parsers refuse the whole file. Every record here writes them as the
+# strings "nan", "inf" and "-inf" instead (what float() reads back), and the readers below turn
+# those strings back into floats, so a Python reader sees the same numbers as before.
+NONFINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+"""How a non-finite number is written in the run directory's JSON (the string) and read back."""
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (in dicts, lists and tuples, at any depth) replaced
+    by its string in :data:`NONFINITE`; everything else as it is."""
+    if isinstance(value, float):
+        if value != value:
+            return "nan"
+        if value in (float("inf"), float("-inf")):
+            return "inf" if value > 0 else "-inf"
+        return value
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def json_text(data: Any, indent: int | None = None) -> str:
+    """``data`` as standard JSON (non-finite numbers as strings: :func:`json_safe`)."""
+    return json.dumps(json_safe(data), indent=indent, allow_nan=False)
+
+
+def restore_numbers(value: Any) -> Any:
+    """The inverse of :func:`json_safe` for what a reader loaded: the strings ``"nan"``,
+    ``"inf"`` and ``"-inf"`` (values, at any depth; never keys) become floats again."""
+    if isinstance(value, str):
+        return NONFINITE.get(value, value)
+    if isinstance(value, dict):
+        return {k: restore_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [restore_numbers(v) for v in value]
+    return value
+
+
 def write_json(path: str, data: Any) -> None:
-    """Write ``data`` as JSON to ``path`` atomically (readers see the old or the new file)."""
-    atomic_write(path, json.dumps(data, indent=2).encode())
+    """Write ``data`` as JSON to ``path`` atomically (readers see the old or the new file);
+    non-finite numbers as strings (:func:`json_safe`)."""
+    atomic_write(path, json_text(data, indent=2).encode())
 
 
 # -- guarding the directory -------------------------------------------------------------------
@@ -412,7 +457,7 @@ def read_json(path: str) -> dict[str, Any] | None:
             data = json.load(f)
     except (OSError, ValueError):
         return None
-    return data if isinstance(data, dict) else None
+    return restore_numbers(data) if isinstance(data, dict) else None
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
@@ -431,7 +476,7 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
             except ValueError:
                 continue
             if isinstance(record, dict):
-                out.append(record)
+                out.append(restore_numbers(record))
     return out
 
 
@@ -454,7 +499,7 @@ def _read_record(path: str, what: str) -> dict[str, Any]:
         ) from None
     if not isinstance(record, dict):
         raise ValueError(f"{path} holds a JSON {type(record).__name__}, not a run's {what} (a JSON object)")
-    return record
+    return restore_numbers(record)
 
 
 def read_status(run_dir: str) -> dict[str, Any]:

@@ -55,9 +55,16 @@ class StepOutcome:
     """``16-mixed``: the loss scale this step used (the next step's may differ)."""
 
 
+MAX_METRIC_NAME = 200
+"""Longest metric name ``Job.loss`` may return: every step report carries the names, and a
+report must fit the store's report channel (``protocol.MAX_REPORT_BYTES``); refusing a long name
+at the first call beats a report the coordinator would have to drop."""
+
+
 def split_loss(out: Any, where: str) -> tuple[Any, dict[str, Any]]:
     """``Job.loss``'s result as ``(loss, metrics)``: a bare loss, or ``(loss, {name: value})`` whose
-    values are scalars (numbers or one-element tensors) to be averaged over the global batch."""
+    values are scalars (numbers or one-element tensors) to be averaged over the global batch, and
+    whose names are at most :data:`MAX_METRIC_NAME` characters."""
     if isinstance(out, tuple):
         if len(out) != 2 or not isinstance(out[1], dict):
             raise LossShapeError(f"Job.loss returned a tuple of {len(out)} items {where}; return the loss, or "
@@ -68,6 +75,10 @@ def split_loss(out: Any, where: str) -> tuple[Any, dict[str, Any]]:
                                                  isinstance(value, torch.Tensor) and value.numel() == 1):
                 raise LossShapeError(f"Job.loss's metric {name!r} {where} is {type(value).__name__}; metrics must be "
                                      f"named by strings and be numbers or one-element tensors")
+            if len(name) > MAX_METRIC_NAME:
+                raise LossShapeError(f"Job.loss returned a metric name of {len(name)} characters {where} "
+                                     f"({name[:40]!r}...); at most {MAX_METRIC_NAME} characters are allowed (every "
+                                     f"step report carries the names): shorten it")
         return loss, metrics
     return out, {}
 

@@ -77,6 +77,7 @@ from virtualflow.config.job import Job
 from virtualflow.plan.flops import peak_tflops
 from virtualflow.runtime.callbacks import Callbacks, StepInfo
 from virtualflow.runtime.channel import Heartbeat, Rejections, Reporter, aborted
+from virtualflow.runtime import dataset_check
 from virtualflow.runtime.checkpoint import save_state
 from virtualflow.runtime.dcp import load_checkpoint
 from virtualflow.runtime.engine import NonFiniteLossError
@@ -307,7 +308,18 @@ class Worker:
         self.heartbeat = Heartbeat(cfg, self.id, run=self.run_key, rejections=self.rejections)
         if cfg.control_plane:
             self.heartbeat.start()
-        self.report({"type": "join", "setup_s": time.perf_counter() - t_start})
+        self.report({"type": "join", "setup_s": time.perf_counter() - t_start, "dataset": self._fingerprint(dataset)})
+
+    def _fingerprint(self, dataset: Any) -> dict[str, str] | None:
+        """The dataset's fingerprint for the coordinator's check that every worker process built
+        the same one (None, logged, when a sample cannot be read here: training reads it again
+        and fails there with the job's own traceback if it is broken)."""
+        try:
+            return dataset_check.fingerprint(dataset)
+        except Exception as exc:  # noqa: BLE001 - the check must not be what fails a job
+            logger.warning("worker %d: cannot fingerprint its dataset (%s: %s); it is not compared with the "
+                           "other workers'", self.id, type(exc).__name__, exc)
+            return None
 
     # -- the life loop ------------------------------------------------------------------------
     def run(self) -> None:

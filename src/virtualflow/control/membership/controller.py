@@ -119,6 +119,8 @@ class MembershipController:
         self.last_step = last_step
         self.hold_since: float | None = None  # when the job entered ``holding``
         self.hold_checkpoint: str | None = None  # where the members of a hold generation checkpointed
+        self.checkpointed = last_step > 0
+        """The run has a state to continue from: it resumed from one, or a checkpoint was written."""
         self.noticed: list[int] = []
         """Members that reported a preemption notice and have not been released yet."""
         self.layout: tuple[tuple[int, ...], ...] | None = None
@@ -314,12 +316,19 @@ class MembershipController:
         elif kind == "held":
             self.coord.event("held", generation=r["generation"], step=r["step"], checkpoint=r["checkpoint"])
             self.hold_checkpoint = r["checkpoint"]
+            self.checkpointed = True
+        elif kind == "checkpoint":
+            self.checkpointed = True
         elif kind == "step":
             self.last_step = max(self.last_step, r["step"] + 1)
             if r.get("generation") == self.generation:
                 self._retries = 0
                 self._measure(r)
         elif kind == "done":
+            # Every member reports done with the step count it finished at; another member's
+            # done can be read before rank 0's last step report, so the step comes from here.
+            if isinstance(r.get("step"), int):
+                self.last_step = max(self.last_step, r["step"])
             self._enter(Phase.FINISHED, "the job's last step is done")
 
     def _measure(self, r: dict[str, Any]) -> None:
@@ -367,7 +376,8 @@ class MembershipController:
             return
         decision = decide_loss(members=self.members, failed=failed, stages=self.stages,
                                pids={w: self.launcher.pid(w) for w in failed}, replace_failed=self.replace_failed,
-                               target=self.target, min_workers=self.min_workers, step=self.last_step)
+                               target=self.target, min_workers=self.min_workers, step=self.last_step,
+                               checkpointed=self.checkpointed)
         self.coord.abort(self.generation)
         if isinstance(decision, GiveUp):
             raise JobFailed(decision.message)

@@ -76,8 +76,8 @@ class Liveness:
             if value != count:
                 self._hb[wid] = (value, now)
             elif now - t_seen > self.heartbeat_timeout_s:
-                failed[wid] = f"stopped responding (no heartbeat for {now - t_seen:.1f} s); killed"
-                self.launcher.kill_worker(wid)
+                done = self.launcher.kill_worker(wid) or "killed"  # external workers: fenced out, not killed
+                failed[wid] = f"stopped responding (no heartbeat for {now - t_seen:.1f} s); {done}"
                 self.gone.add(wid)
                 self.fenced.add(wid)
         return failed

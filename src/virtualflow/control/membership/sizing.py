@@ -34,10 +34,12 @@ from virtualflow.control.membership.failover import whole_replicas
 
 def decide_loss(*, members: Sequence[int], failed: dict[int, str], pids: dict[int, int | None],
                 stages: int | None, replace_failed: bool, target: int, min_workers: int,
-                step: int) -> Recover | GiveUp:
+                step: int, checkpointed: bool = False) -> Recover | GiveUp:
     """Members in ``failed`` (worker -> cause) are gone from a job without redundancy (see the
     module docstring). ``pids`` name the lost workers' processes in the message; ``step`` is
-    the step the job had reached."""
+    the step the job had reached; ``checkpointed``: the run has a state to continue from (a
+    checkpoint written, or the state it resumed from), which the message then points to
+    instead of the ``checkpoint_every`` knob."""
     survivors = [w for w in members if w not in failed]
     if stages is not None and survivors:
         # A pipelined job goes on with its whole replicas only (members keep their order, so
@@ -53,9 +55,10 @@ def decide_loss(*, members: Sequence[int], failed: dict[int, str], pids: dict[in
     if not survivors:
         lost_desc = "; ".join(f"worker {w} (pid {pids.get(w)}) {c}" for w, c in failed.items())
         return GiveUp(
-            f"{lost_desc} at step {step}, and no worker is left to continue the job; "
-            f"with checkpoint_every= (--checkpoint-every) a later run can resume from the last "
-            f"checkpoint (--resume RUN_DIR)"
+            f"{lost_desc} at step {step}, and no worker is left to continue the job; " + (
+                "continue it from its last checkpoint with `virtualflow run ... --resume RUN_DIR`" if checkpointed
+                else "with checkpoint_every= (--checkpoint-every) a later run can resume from the last "
+                     "checkpoint (--resume RUN_DIR)")
         )
     # Without replace_failed the job goes on smaller; with it, one replacement per member gone
     # (a pipelined job also loses the rest of a broken replica).
