@@ -202,20 +202,21 @@ class FlushStep:
 
     def check_grads(self) -> None:
         """After the reduction (and the tied weights' sum): unscale this worker's gradients
-        (16-mixed), note whether one holds an inf/nan, and its layers' sums of squares (replica 0
-        only: every entry of the summed vector has one contributor)."""
+        (16-mixed), note whether one holds an inf/nan, and its parameters' block sums for the norm
+        (replica 0 only, or each replica's chunk: every entry of the summed vector has one
+        contributor)."""
         e = self.engine
         if e.loop.checks_grads and e.shard is not None and e.replicas > 1 and not e.deterministic:
             # reduce-scattered: each replica checks (and adds to the norm) its chunk
-            self.found_inf, self.norm_sums = e.shard.check_chunk(e.loop, e.norm_layers, e.device)
+            self.found_inf, self.norm_sums = e.shard.check_chunk(e.loop, e.norm_params, e.device)
         elif e.loop.checks_grads:
-            self.found_inf, self.norm_sums = e.loop.check_grads(e.norm_layers, e.params, e.replica == 0, e.device)
+            self.found_inf, self.norm_sums = e.loop.check_grads(e.norm_params, e.params, e.replica == 0, e.device)
 
     # ---- the commit ------------------------------------------------------------------------------
     @staticmethod
     def stats_numel(V: int, loop: Any) -> int:
         """The stats vector: ``[bad VN flags (V) | control | loss | workers that found an inf/nan |
-        the norm's per-layer sums (when clipping) | metric names' bytes | metric count]``."""
+        the norm's block sums (when clipping) | metric names' bytes | metric count]``."""
         return V + 5 + loop.norm_entries
 
     def _metric_sums(self) -> dict[str, float] | None:
