@@ -21,8 +21,9 @@ Invariants:
   stats) skips the step. The same all-reduce carries the training loop's global decisions
   (:mod:`.loop`): how many workers found an inf/nan in their unscaled gradient (16-mixed: the
   step is then skipped everywhere, the optimizer and scheduler not stepped, BatchNorm statistics
-  kept as after any forward) and every layer's sum of squares (the whole model's norm, by which
-  each worker clips its gradient before the update). While that all-reduce runs, the rest of the step is kept as the engine's
+  kept as after any forward) and the block sums of the whole model's gradient norm
+  (:class:`virtualflow.runtime.clipping.NormBlocks`, by which each worker clips its gradient
+  before the update). While that all-reduce runs, the rest of the step is kept as the engine's
   ``pending_commit``: a failure can complete the all-reduce on some members only, and the others
   then finish the step from the stats those hand over.
 """
