@@ -98,16 +98,25 @@ CASES = [
     (_untied, Pipeline(stages=2), 1),
     (_untied, Pipeline(stages=2, schedule="zb_h1"), 2),
     (pm.tied_gpt, Pipeline(stages=2), 1),
+    ("nanogpt", Pipeline(stages=2), 1),  # the issue's case: nanoGPT via sequential_gpt, float32, SGD
 ]
 
 
-@pytest.mark.parametrize("model,pipe,d", CASES, ids=[f"{m.__name__}-{p.schedule}-d{d}" for m, p, d in CASES])
+def _case_job(model, pipe) -> vf.Job:
+    if model == "nanogpt":
+        import gpt_grid_jobs as g
+
+        return g.grid_job(stages=pipe.stages, float32=True).replace(max_grad_norm=0.01)
+    if model is pm.tied_gpt:
+        return pm.transformer_job(pipe, virtual_nodes=4, model=model).replace(max_grad_norm=0.01)
+    return _job(model, pipe)
+
+
+@pytest.mark.parametrize("model,pipe,d", CASES,
+                         ids=[f"{getattr(m, '__name__', m)}-{p.schedule}-d{d}" for m, p, d in CASES])
 def test_a_pipelined_clipped_run_is_the_unpipelined_run_bit_for_bit(model, pipe, d):
     steps = 4
-    if model is pm.tied_gpt:
-        job = pm.transformer_job(pipe, virtual_nodes=4, model=model).replace(max_grad_norm=0.01)
-    else:
-        job = _job(model, pipe)
+    job = _case_job(model, pipe)
     ref_state, ref_history = _unpipelined(job, steps)
     assert all(n > job.max_grad_norm for _, n in ref_history)  # the clip acted on every step
     state, history = train_local(job, steps, replicas=d, deterministic=True)
@@ -147,6 +156,22 @@ def test_a_float64_models_norm_is_clip_grad_norm_s_in_float64(pipelined):
     ref = _torch_norm_of_first_step(job)
     assert norm > job.max_grad_norm
     assert abs(norm - ref) <= 1e-13 * ref, (norm, ref)
+
+
+def test_chunks_start_on_blocks_for_any_worker_count():
+    """The sharded reduction's chunks (:func:`shard_bounds` with the norm's cuts) cover the flat
+    gradient and each starts on a block of some parameter, for any number of workers."""
+    from virtualflow.plan.shards import check_bounds, shard_bounds
+    from virtualflow.runtime.clipping import NormBlocks
+
+    numels = [3, 5000, 4096, 70000, 1, 9000]
+    cuts = NormBlocks(numels, torch.float32).cuts()
+    starts = {o + k for o, n in zip([sum(numels[:i]) for i in range(len(numels))], numels)
+              for k in range(0, n, BLOCK)} | {sum(numels)}
+    for parts in range(1, 30):
+        bounds = shard_bounds(sum(numels), parts, 16, cuts)
+        check_bounds(bounds, sum(numels))
+        assert all(lo in starts for lo, _ in bounds), (parts, bounds)
 
 
 def test_the_rule_matches_a_plain_formulation_and_has_the_gradients_dtype():
