@@ -196,3 +196,39 @@ def test_the_rule_matches_a_plain_formulation_and_has_the_gradients_dtype():
         assert norm.dtype == dtype
         torch_norm = torch.linalg.vector_norm(torch.cat(grads))
         assert torch.allclose(norm, torch_norm, rtol=4 * torch.finfo(dtype).eps * 10, atol=0)
+
+
+def test_the_norm_of_a_long_block_vector_does_not_depend_on_the_thread_count():
+    """More than 16384 blocks (a model of over 64M elements): the final sum is taken in pieces
+    each summed by one thread, so 1, 2 and 3 threads give the same bits - where torch's plain sum
+    of the same vector does not (so the comparison can tell)."""
+    from virtualflow.runtime.clipping import NormBlocks
+
+    blocks = NormBlocks([BLOCK] * 70000, torch.float32)
+    sums = torch.rand(blocks.size, generator=torch.Generator().manual_seed(0))
+    before = torch.get_num_threads()
+    norms, plain = [], []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            norms.append(blocks.norm(sums))
+            plain.append(sums.sum().item())
+    finally:
+        torch.set_num_threads(before)
+    assert len(set(plain)) > 1
+    assert all(torch.equal(n, norms[0]) for n in norms)
+    # and each block's sum is one thread's row too: the same for any thread count and cut
+    g = torch.randn(200 * BLOCK + 77, generator=torch.Generator().manual_seed(1))
+    one = NormBlocks([g.numel()], torch.float32)
+    filled = []
+    try:
+        for threads, cut in ((1, 0), (3, 0), (3, 130)):
+            torch.set_num_threads(threads)
+            out = one.zeros(torch.device("cpu"))
+            one.fill(out, 0, g[: cut * BLOCK], 0)
+            one.fill(out, 0, g[cut * BLOCK:], cut)
+            filled.append(out)
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(f, filled[0]) for f in filled)
+    assert torch.allclose(norms[0], sums.double().sum().sqrt().float(), rtol=1e-6)

@@ -47,6 +47,10 @@ BLOCK = 4096
 """Elements per block of a parameter's flat gradient."""
 ROWS_PER_PASS = 64
 """Blocks squared and summed per pass (a 1 MiB scratch buffer in float32)."""
+SUM_PIECE = 16384
+"""Block sums added per piece of the norm's final sum: below ATen's parallel grain (32768), so a
+piece is summed by one thread (a longer vector's sum is split over the threads, which would make
+its bits depend on the thread count; a row of the blocks' reduction is one thread's already)."""
 
 
 def n_blocks(numel: int) -> int:
@@ -153,8 +157,12 @@ class NormBlocks:
 
     def norm(self, sums: torch.Tensor) -> torch.Tensor:
         """The L2 norm from the whole block-sum vector (every entry in place): the sum of a fresh
-        copy in the norm's dtype, so every worker sums the same vector the same way."""
-        return sums.to(self.dtype, copy=True).sum().sqrt()
+        copy in the norm's dtype, in pieces of :data:`SUM_PIECE` entries, so every worker sums the
+        same vector the same way whatever its thread count."""
+        v = sums.to(self.dtype, copy=True)
+        if v.numel() > SUM_PIECE:  # (a model of more than 64M elements)
+            v = torch.stack([piece.sum() for piece in v.split(SUM_PIECE)])
+        return v.sum().sqrt()
 
 
 def total_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:
