@@ -7,11 +7,13 @@
 - A float64 model's norm is float64: the clip factor is ``clip_grad_norm_``'s on the same float64
   gradient within float64 rounding (not float32's), on one worker and pipelined.
 - The rule itself (:class:`virtualflow.runtime.clipping.NormBlocks`), checked against a plain
-  formulation: per-parameter blocks of 4096 elements, each block's sum of squares, summed.
+  formulation: per-parameter blocks of 4096 elements, each block's sum of squares, summed; the
+  sharded reduction's chunks start on blocks for any worker count; the bits do not depend on the
+  thread count.
 
 Process-free: the pipeline runs in-process (``backends.inprocess.train_local``); the sharded
-reduction's norm against one worker's: tests/unit/test_composition.py. The tensor-parallel case (P=2,T=2 against P=1,T=2)
-needs processes: tests/e2e/test_parallel3d.py.
+reduction's norm against one worker's: tests/unit/test_composition.py. The tensor-parallel case
+(P=2,T=2 against P=1,T=2) needs processes: tests/e2e/test_parallel3d.py.
 """
 
 from __future__ import annotations
