@@ -79,7 +79,7 @@ def test_default_mode_sharded_matches_the_unpipelined_job_and_the_plain_referenc
     assert [h.loss for h in history] == pytest.approx(ref_losses, rel=1e-6)
     model, _, plain_losses = reference_train(job, 4)
     assert_state_close(state, {k: v.detach() for k, v in model.state_dict().items()}, **TOL)
-    # with clipping: each replica adds its chunk's part of every layer's sum of squares
+    # with clipping: each replica writes its chunk's blocks of the norm (a chunk starts on a block)
     clipped = job.replace(max_grad_norm=0.05)
     state, history, _ = _train(clipped, 3, 2, deterministic=False)
     ref_state, _ = pm.unpipelined(clipped, 3, deterministic=False)

@@ -104,8 +104,8 @@ def test_bf16_autocast_bit_identical_to_unpipelined(model, pipe, d):
 @pytest.mark.parametrize("precision", ["32", "bf16-mixed"])
 def test_clipping_with_a_tied_weight_is_the_same_whatever_the_cut(precision):
     """max_grad_norm: the whole model's norm (the shared weight counted once) and the clipped
-    update are bit-identical for 1, 2 and 3 stages and 1 or 2 replicas (the pipeline's norm is
-    summed per layer, as for any pipelined job: docs/pipeline.md)."""
+    update are bit-identical for 1, 2 and 3 stages and 1 or 2 replicas (the norm's rule is
+    every layout's: docs/training.md; against the unpipelined run: test_grad_norm_layouts.py)."""
     runs = []
     for pipe, d in [(Pipeline(stages=1), 1), (Pipeline(stages=2), 2), (Pipeline(stages=3, schedule="zb_h1"), 1),
                     (Pipeline(stages=2, schedule="interleaved_1f1b", chunks=2, split=(2, 1, 2, 1)), 1)]:

@@ -391,9 +391,28 @@ def test_a_failure_while_a_completed_step_is_rebuilt_stops_with_shard_lost():
 
 
 def test_an_empty_chunk_at_the_end_takes_part_in_the_clipping_norm():
-    """More workers than 4096-element blocks (max_grad_norm with the sharded reduction): the last
-    workers' chunks are empty at offset numel, and contribute zeros to the norm's block sums."""
-    from virtualflow.runtime.clipping import block_sq_sums, n_blocks
+    """More workers than 4096-element blocks (max_grad_norm with the sharded reduction): chunks
+    start on the norm's blocks (each parameter's own), the last workers' chunks are empty at
+    offset numel, and the chunks' block sums together are the whole gradient's bit for bit."""
+    from virtualflow.plan.shards import shard_bounds
+    from virtualflow.runtime.clipping import BLOCK, NormBlocks
 
-    sums = block_sq_sums(torch.empty(0), 1027, 1027)
-    assert sums.shape == (n_blocks(1027),) and not sums.any()
+    numels = [1027, 5000]
+    blocks = NormBlocks(numels, torch.float32)
+    bounds = shard_bounds(sum(numels), 4, 16, blocks.cuts())
+    assert bounds == [(0, 5123), (5123, 6027), (6027, 6027), (6027, 6027)]
+    g = torch.randn(sum(numels), generator=torch.Generator().manual_seed(3))
+    offsets = [0, 1027]
+
+    def sums_of(lo, hi):
+        out = blocks.zeros(torch.device("cpu"))
+        for i, (o, n) in enumerate(zip(offsets, numels)):
+            a, b = max(lo, o), min(hi, o + n)
+            if a < b:
+                blocks.fill(out, i, g[a:b], first=(a - o) // BLOCK)
+        return out
+
+    total = torch.zeros(blocks.size)
+    for lo, hi in bounds:
+        total += sums_of(lo, hi)
+    assert torch.equal(total, sums_of(0, sum(numels)))

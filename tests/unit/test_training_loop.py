@@ -255,21 +255,26 @@ def test_compile_compiles_a_plain_sequential():
 
 
 def test_block_sums_do_not_depend_on_the_cut():
-    """Any cut on block boundaries gives the same block sums bit for bit (what makes the
-    deterministic norm independent of the worker count)."""
-    from virtualflow.runtime.clipping import BLOCK, ROWS_PER_PASS, block_sq_sums, n_blocks
+    """Any cut of a parameter on its block boundaries gives the same block sums bit for bit (what
+    makes the norm independent of the worker count and the chunks); a cut inside a block is refused."""
+    from virtualflow.runtime.clipping import BLOCK, ROWS_PER_PASS, NormBlocks
 
     total = (ROWS_PER_PASS + 3) * BLOCK + 77
     g = torch.randn(total, generator=torch.Generator().manual_seed(0))
-    whole = block_sq_sums(g, 0, total)
+    blocks = NormBlocks([total], torch.float32)
+    whole = blocks.zeros(torch.device("cpu"))
+    blocks.fill(whole, 0, g)
     assert torch.allclose(whole.sum(), g.pow(2).sum(), rtol=1e-5)
-    for cuts in ([0, BLOCK, total], [0, 5 * BLOCK, (ROWS_PER_PASS + 1) * BLOCK, total], [0, (ROWS_PER_PASS + 3) * BLOCK, total]):
-        acc = torch.zeros(n_blocks(total))
+    for cuts in ([0, BLOCK, total], [0, 5 * BLOCK, (ROWS_PER_PASS + 1) * BLOCK, total],
+                 [0, (ROWS_PER_PASS + 3) * BLOCK, total]):
+        acc = blocks.zeros(torch.device("cpu"))
         for a, b in zip(cuts, cuts[1:]):
-            acc += block_sq_sums(g[a:b], a, total)
+            part = blocks.zeros(torch.device("cpu"))
+            blocks.fill(part, 0, g[a:b], first=a // BLOCK)
+            acc += part
         assert torch.equal(acc, whole), cuts
     with pytest.raises(ValueError, match="blocks"):
-        block_sq_sums(g[:100], 0, total)
+        blocks.fill(whole, 0, g[:100])
 
 
 def test_loss_scaler_follows_grad_scaler_with_any_factors():

@@ -4,7 +4,10 @@ A sharded reduction (reduce-scatter, then an update of the local slice, then all
 flat vector of ``numel`` elements into ``p`` contiguous chunks in rank order: rank ``r`` owns
 ``[lo_r, hi_r)``. Chunks differ in size by at most ``align`` elements and their boundaries fall on
 multiples of ``align`` (except the end), so a chunk starts on a vector-width boundary when
-``align`` is one; a chunk may be empty when ``numel < p * align``.
+``align`` is one; a chunk may be empty when ``numel < p * align``. Given ``cuts`` (the only
+places a chunk may start: the clipping norm's blocks, which no chunk may split), each boundary
+moves forward to the first cut at or after it, so chunks then differ by up to the largest gap
+between cuts more.
 
 The same function cuts a *range* of the vector (a gradient bucket) into the parts that fall into
 each rank's chunk (:func:`intersect`), so the bucket's reduce-scatter delivers to each rank
@@ -13,14 +16,16 @@ exactly the elements it owns.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Sequence
 
 Bounds = list[tuple[int, int]]
 
 
-def shard_bounds(numel: int, parts: int, align: int = 1) -> Bounds:
+def shard_bounds(numel: int, parts: int, align: int = 1, cuts: Sequence[int] | None = None) -> Bounds:
     """``parts`` contiguous chunks covering ``[0, numel)``, in rank order, as even as ``align``
-    allows (boundaries on multiples of ``align``)."""
+    allows (boundaries on multiples of ``align``; with ``cuts``, a sorted list of offsets that
+    ends at ``numel``, each moved forward onto the first cut at or after it)."""
     if parts < 1:
         raise ValueError(f"shard_bounds: parts={parts} must be at least 1 (the number of ranks)")
     if numel < 0:
@@ -33,6 +38,10 @@ def shard_bounds(numel: int, parts: int, align: int = 1) -> Bounds:
     lo = 0
     for r in range(parts):
         hi = min(numel, lo + (base + (1 if r < extra else 0)) * align)
+        if cuts is not None and hi < numel:
+            k = bisect_left(cuts, hi)
+            hi = min(numel, cuts[k]) if k < len(cuts) else numel
+        hi = max(hi, lo)
         out.append((lo, hi))
         lo = hi
     return out

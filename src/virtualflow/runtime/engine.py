@@ -51,7 +51,7 @@ from virtualflow.runtime.batches import (BatchLoader, LossShapeError, NonFiniteL
                                          seed_random_streams, split_loss, to_device)
 from virtualflow.runtime.batchnorm import BatchNormState
 from virtualflow.runtime.breakdown import RAW, StepClock, derive, measured_load
-from virtualflow.runtime.clipping import BLOCK, block_sq_sums, clip_, n_blocks, norm_from_blocks, total_norm
+from virtualflow.runtime.clipping import BLOCK, NormBlocks, clip_, total_norm
 from virtualflow.runtime.partials import Partials, direct_possible
 from virtualflow.runtime.prefetch import Prefetcher
 from virtualflow.runtime.probe import PROBE_BUDGET, PROBE_CHANGE, PROBE_EVERY, ProbeCounters, probe_due
@@ -134,11 +134,13 @@ class VNEngine:
         self.flat: FlatParams | None = None
         self.shard: ShardedOptimizer | None = None
         self.comm: Collectives | None = None
+        self.norm_blocks = NormBlocks.of(self.params) if self._needs_norm else None
+        """The gradient norm's blocks (:mod:`virtualflow.runtime.clipping`; None when no norm is taken)."""
         if self.sharded:
             self.flat = FlatParams(self.params)  # the model's parameters now live in one flat vector
             # A norm over chunks: no clipping block may straddle two workers' chunks.
-            align = BLOCK if self._needs_norm else 16
-            self.shard = ShardedOptimizer(optimizer, self.flat, align=align, replicas=shard_replicas)
+            cuts = self.norm_blocks.cuts() if self.norm_blocks is not None else None
+            self.shard = ShardedOptimizer(optimizer, self.flat, replicas=shard_replicas, cuts=cuts)
         elif shard_replicas:
             raise ValueError(f"shard_replicas={shard_replicas} keeps replicas of the sharded optimizer's chunks; with "
                              f"reduction={reduction!r} every worker holds the whole state already: drop "
@@ -730,12 +732,9 @@ class VNEngine:
             if self.scaler is not None:
                 self.scaler.unscale_(grads)
             if self._det_flat is not None:
-                norm = norm_from_blocks(block_sq_sums(self._det_flat, 0, self.grad_numel))
+                norm = self._block_norm(0, self.grad_numel)
             elif self.flat is not None:
-                sums = block_sq_sums(grads[0], lo, self.grad_numel)
-                if self.group is not None and self.group.size > 1:
-                    self.group.all_reduce(sums)  # each block has one owner: the sum is exact
-                norm = norm_from_blocks(sums)
+                norm = self._block_norm(lo, hi)
             else:
                 norm = total_norm(grads)
             norm_value = float(norm)
@@ -752,6 +751,25 @@ class VNEngine:
                 offset += n
             self._det_flat = None
         return norm_value, skipped
+
+    def _block_norm(self, lo: int, hi: int) -> torch.Tensor:
+        """The norm of :class:`~virtualflow.runtime.clipping.NormBlocks` from the elements
+        ``[lo, hi)`` of the flat gradient held here (the whole of it, ``_det_flat``, or this
+        worker's chunk, whose ends fall on blocks: the other chunks' blocks arrive in an
+        all-reduce where each block has one owner, so the sum is exact)."""
+        blocks = self.norm_blocks
+        assert blocks is not None
+        flat = self._det_flat if self._det_flat is not None else self.flat.grad
+        sums = blocks.zeros(flat.device)
+        offset = 0
+        for i, p in enumerate(self.params):
+            a, b = max(lo, offset), min(hi, offset + p.numel())
+            if a < b:
+                blocks.fill(sums, i, flat[a:b], first=(a - offset) // BLOCK)
+            offset += p.numel()
+        if self._det_flat is None and self.group is not None and self.group.size > 1:
+            self.group.all_reduce(sums)
+        return blocks.norm(sums)
 
     def _reduce_default(self, stats: torch.Tensor, *, arm: bool) -> torch.Tensor:
         """Default mode's reduction after the last backward (``arm``: nothing was armed, as on a

@@ -53,7 +53,6 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from virtualflow.plan.shards import shard_bounds
 from virtualflow.runtime.sharded import STATE_KEYS, ShardedOptimizer, ShardLost
 
 if TYPE_CHECKING:
@@ -195,7 +194,7 @@ def rebuild_state(shard: ShardedOptimizer, group: Group, progress: int) -> Rebui
     K = len(STATE_KEYS)
     owned = torch.zeros(K + 1, n, dtype=torch.float64, device=device)  # flags per key, then step values
     whole: dict[str, torch.Tensor] = {}
-    for k, (lo, hi) in enumerate(shard_bounds(flat.numel, plan.size, shard.align)):
+    for k, (lo, hi) in enumerate(shard.bounds_for(plan.size)):
         src = plan.sources[k]
         pieces, opt = _held_chunk(shard, k) if src == group.rank else ({}, None)
         state = opt.state if opt is not None else {}

@@ -144,7 +144,7 @@ class ShardedOptimizer:
     """The chunk of the optimizer one worker holds, and the whole state when it must be moved."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, flat: FlatParams, align: int = ALIGN,
-                 replicas: int = 0) -> None:
+                 replicas: int = 0, cuts: Sequence[int] | None = None) -> None:
         check_optimizer(optimizer, flat.params)
         if replicas not in (0, 1):
             raise ValueError(f"shard_replicas={replicas!r} must be 0 (one copy of each chunk of the optimizer state) "
@@ -164,8 +164,11 @@ class ShardedOptimizer:
         self.user = optimizer
         self.flat = flat
         self.align = align
-        """Chunk boundaries fall on multiples of this (a multiple of :data:`ALIGN`; the clipping
-        norm's block size when the norm is taken, so no block straddles two workers)."""
+        """Chunk boundaries fall on multiples of this (:data:`ALIGN`), then on :attr:`cuts`."""
+        self.cuts = list(cuts) if cuts is not None else None
+        """Where a chunk may start (``None``: anywhere): the clipping norm's blocks when the norm is
+        taken (:meth:`virtualflow.runtime.clipping.NormBlocks.cuts`), so no block straddles two
+        workers."""
         self.index = {id(p): i for i, p in enumerate(flat.params)}
         self.order = [self.index[id(p)] for g in optimizer.param_groups for p in g["params"]]
         """Parameter index of each position of the user's ``state_dict`` (its state is keyed so)."""
@@ -187,6 +190,10 @@ class ShardedOptimizer:
         return self.bounds[self.rank]
 
     # -- layout ---------------------------------------------------------------------------------
+    def bounds_for(self, size: int) -> Bounds:
+        """The chunks of ``size`` workers (:func:`~virtualflow.plan.shards.shard_bounds`)."""
+        return shard_bounds(self.flat.numel, size, self.align, self.cuts)
+
     def check_held(self) -> None:
         """Raise :class:`ShardLost` unless the whole state is held (it is after a planned
         regroup's gather, a load or at the start; it is not after a failure)."""
@@ -201,7 +208,7 @@ class ShardedOptimizer:
         """Take chunk ``rank`` of ``size`` out of the whole state held (a new generation); with
         ``replicas``, chunk ``rank - 1`` too, as this worker's replica of its predecessor's."""
         self.check_held()
-        self.bounds = shard_bounds(self.flat.numel, size, self.align)
+        self.bounds = self.bounds_for(size)
         self.rank, self.size, self.generation = rank, size, generation
         self.user.load_state_dict(self.full)  # hyperparameters, and the whole state for a moment
         self.pieces, self.local = self._chunk_optimizer(*self.bounds[rank])

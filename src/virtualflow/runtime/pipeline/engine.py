@@ -35,7 +35,7 @@ from virtualflow.plan.vnmap import TreePlan
 from virtualflow.runtime.pipeline.batchnorm import PieceBatchNorm
 from virtualflow.runtime.pipeline.executor import run_actions
 from virtualflow.runtime.pipeline.flush import FlushStep
-from virtualflow.runtime.pipeline.loop import StageLoop, norm_layers
+from virtualflow.runtime.pipeline.loop import StageLoop
 from virtualflow.runtime.pipeline.microbatch import MicroBatchPrep
 from virtualflow.runtime.pipeline.pieces import stage_model
 from virtualflow.runtime.pipeline.reduction import StageReducer, sum_tied
@@ -102,8 +102,8 @@ class StageEngine:
         self.n_pieces = n_pieces
         self.pieces, self.model, self.params, self.optimizer, self.scheduler = stage_model(
             pieces, build_optimizer, scheduler_factory)
-        self.norm_layers = norm_layers(self.model, self.loop.norm_excluded)
-        """This worker's parameters per whole-model layer, as the gradient norm counts them."""
+        self.norm_params = self.loop.norm_params(self.model)
+        """This worker's parameters the gradient norm counts, with their whole-model index."""
         self.piece_params = {k: [q for q in m.parameters() if q.requires_grad] for k, m in self.pieces.items()}
         self.ties: ExactTies | None = None
         """Deterministic mode, a weight read by two pieces (here, or here and on another worker):
@@ -117,7 +117,7 @@ class StageEngine:
         if reduction == "sharded":
             check_stage_sharding(pipeline, tied=bool(self.tied) or self.ties is not None)
             if self.params:
-                self.shard = StageShard(self.params, self.optimizer)
+                self.shard = StageShard(self.params, self.optimizer, norm_blocks=self.loop.max_grad_norm is not None)
                 self.optimizer = self.shard.optimizer
         self.tree_params = self.ties.tree_params if self.ties is not None else self.params
         """Deterministic mode: the parameters whose gradients this worker's tree vector holds."""

@@ -21,8 +21,9 @@ Invariants:
   stats) skips the step. The same all-reduce carries the training loop's global decisions
   (:mod:`.loop`): how many workers found an inf/nan in their unscaled gradient (16-mixed: the
   step is then skipped everywhere, the optimizer and scheduler not stepped, BatchNorm statistics
-  kept as after any forward) and every layer's sum of squares (the whole model's norm, by which
-  each worker clips its gradient before the update). While that all-reduce runs, the rest of the step is kept as the engine's
+  kept as after any forward) and the block sums of the whole model's gradient norm
+  (:class:`virtualflow.runtime.clipping.NormBlocks`, by which each worker clips its gradient
+  before the update). While that all-reduce runs, the rest of the step is kept as the engine's
   ``pending_commit``: a failure can complete the all-reduce on some members only, and the others
   then finish the step from the stats those hand over.
 """
@@ -202,20 +203,21 @@ class FlushStep:
 
     def check_grads(self) -> None:
         """After the reduction (and the tied weights' sum): unscale this worker's gradients
-        (16-mixed), note whether one holds an inf/nan, and its layers' sums of squares (replica 0
-        only: every entry of the summed vector has one contributor)."""
+        (16-mixed), note whether one holds an inf/nan, and its parameters' block sums for the norm
+        (replica 0 only, or each replica's chunk: every entry of the summed vector has one
+        contributor)."""
         e = self.engine
         if e.loop.checks_grads and e.shard is not None and e.replicas > 1 and not e.deterministic:
             # reduce-scattered: each replica checks (and adds to the norm) its chunk
-            self.found_inf, self.norm_sums = e.shard.check_chunk(e.loop, e.norm_layers, e.device)
+            self.found_inf, self.norm_sums = e.shard.check_chunk(e.loop, e.norm_params, e.device)
         elif e.loop.checks_grads:
-            self.found_inf, self.norm_sums = e.loop.check_grads(e.norm_layers, e.params, e.replica == 0, e.device)
+            self.found_inf, self.norm_sums = e.loop.check_grads(e.norm_params, e.params, e.replica == 0, e.device)
 
     # ---- the commit ------------------------------------------------------------------------------
     @staticmethod
     def stats_numel(V: int, loop: Any) -> int:
         """The stats vector: ``[bad VN flags (V) | control | loss | workers that found an inf/nan |
-        the norm's per-layer sums (when clipping) | metric names' bytes | metric count]``."""
+        the norm's block sums (when clipping) | metric names' bytes | metric count]``."""
         return V + 5 + loop.norm_entries
 
     def _metric_sums(self) -> dict[str, float] | None:

@@ -15,16 +15,17 @@ those of the VN engine:
   reduction every worker unscales its gradients and counts a non-finite element; that count is
   summed over **every** worker in the step's stats all-reduce, so a step is skipped on every
   stage and replica or on none, and each worker's scaler takes the same ``update(found_inf)``.
-- **The whole model's norm, exact.** Each worker sums the squares of its reduced gradient layer
-  by layer (:func:`virtualflow.runtime.clipping.block_sq_sums` over the layer's flat gradient,
-  then the blocks' sum, in a fixed order), into the entry of that layer (its index in the whole
-  model) of a vector of one entry per layer. Only replica 0's workers fill it, and a weight shared
-  by layers on several workers counts at its first layer only, so every entry has exactly one
-  non-zero contributor and the all-reduce is exact; the norm is the square root of the vector's
-  sum, taken in the same order on every worker. A layer's gradient does not depend on how the
-  model is cut or how many replicas ran (deterministic mode), so neither does the norm: it is
-  bit-identical across replica counts, and equal to ``torch.nn.utils.clip_grad_norm_``'s on the
-  full-batch gradient within float rounding.
+- **The whole model's norm, one rule.** The norm is :class:`virtualflow.runtime.clipping.NormBlocks`'s,
+  the VN engine's: every worker writes the block sums of the parameters it counts into their
+  entries (their place in the whole model's parameter order) of a vector in the step's stats.
+  Only replica 0's workers fill it (every replica's chunk, with the sharded reduction in default
+  mode), and a weight shared by layers on several workers counts at its first layer only, so
+  every entry has exactly one non-zero contributor and the all-reduce is exact (float64 holds
+  the gradients' dtype exactly); the norm is the vector's sum in the gradients' dtype, taken the
+  same way on every worker. A parameter's gradient does not depend on how the model is cut or how
+  many replicas ran (deterministic mode), so neither does the norm: the pipelined run's norm, and
+  its clipped update, are the unpipelined run's bit for bit. Tensor-parallel stages: a sharded
+  parameter's shards fill one slot each, summed over the tensor group (exact too).
 - **Metrics**: ``output_loss`` may return ``(loss, {name: value})``; the last piece weights each
   value by the virtual node's share of the global batch (``n_v / B``) and sums; the sums of the
   replicas' last pieces meet in one more small all-reduce after the stats (only when the loss
@@ -48,11 +49,11 @@ import torch
 from torch import nn
 
 from virtualflow.runtime.amp import LossScaler, autocast
-from virtualflow.runtime.clipping import block_sq_sums
+from virtualflow.runtime.clipping import NormBlocks, norm_dtype
 from virtualflow.runtime.model_prep import prepare_model
 from virtualflow.runtime.pipeline.requests import AllSum, Request
 
-__all__ = ["StageLoop", "check_checkpoint_spec", "check_schedule", "checkpoint_spec_for", "norm_layers",
+__all__ = ["StageLoop", "check_checkpoint_spec", "check_schedule", "checkpoint_spec_for", "model_norm_blocks",
            "share_metrics", "stage_loop", "weighted_metrics"]
 
 
@@ -65,8 +66,11 @@ class StageLoop:
     scaler: LossScaler | None = None
     """``"16-mixed"``: this worker's loss scaler (every worker holds one; they evolve identically)."""
     max_grad_norm: float | None = None
-    n_layers: int = 0
-    """Layers of the whole model: the length of the norm's per-layer vector."""
+    blocks: NormBlocks | None = None
+    """The whole model's norm blocks (when clipping): the norm's entries of the stats vector."""
+    norm_names: Mapping[str, int] | None = None
+    """Whole-model parameter name (``"<layer>.<name>"``, a shared weight at its first layer) ->
+    its index in the model's parameter order (the blocks' order)."""
     norm_excluded: frozenset[str] = frozenset()
     """Parameter names (whole-model, ``"<layer>.<name>"``) of copies of a weight shared across
     workers at a layer after its first: not counted in the norm (the first copy is)."""
@@ -78,6 +82,8 @@ class StageLoop:
     tensor_sharded: frozenset[int] = frozenset()
     """Tensor-parallel stages: ``id()`` of this worker's parameters that hold a shard (the others
     are replicated, the same on every worker of the group)."""
+    tensor_rank: int = 0
+    """Tensor-parallel stages: this worker's rank in its tensor group (the norm slot its shards fill)."""
 
     @property
     def checks_grads(self) -> bool:
@@ -86,8 +92,8 @@ class StageLoop:
 
     @property
     def norm_entries(self) -> int:
-        """Entries of the stats vector the norm takes (one per layer, when clipping)."""
-        return self.n_layers if self.max_grad_norm is not None else 0
+        """Entries of the stats vector the norm takes (the blocks', when clipping)."""
+        return self.blocks.size if self.max_grad_norm is not None and self.blocks is not None else 0
 
     def check_schedule(self, pipeline: Any) -> None:
         """:func:`check_schedule` with these settings."""
@@ -106,13 +112,26 @@ class StageLoop:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale_loss(loss) if self.scaler is not None else loss
 
-    def check_grads(self, layers: Sequence[tuple[int, list[torch.Tensor]]], params: Sequence[torch.Tensor],
+    def norm_params(self, model: nn.Module) -> list[tuple[int, torch.Tensor]]:
+        """A stage module's trainable parameters the norm counts, as (index in the whole model's
+        parameter order, parameter): each once, shared copies in :attr:`norm_excluded` left out."""
+        if self.max_grad_norm is None or self.norm_names is None:
+            return []
+        out = []
+        for name, q in model.named_parameters():
+            if q.requires_grad and name not in self.norm_excluded:
+                if name not in self.norm_names:
+                    raise RuntimeError(f"the stage's parameter {name!r} is not a parameter of the whole model's "
+                                       f"layers; the gradient norm cannot place it")
+                out.append((self.norm_names[name], q))
+        return out
+
+    def check_grads(self, norm_params: Sequence[tuple[int, torch.Tensor]], params: Sequence[torch.Tensor],
                     contributes: bool, device: torch.device) -> tuple[float, torch.Tensor | None]:
         """After the step's reduction: unscale ``params``' gradients (16-mixed) and return (1.0 if
-        one of them holds an inf/nan else 0.0, this worker's per-layer sums of squares as a
-        float64 vector of :attr:`n_layers` entries, zeros unless ``contributes``; ``None``
-        without clipping). ``layers``: this worker's ``(layer index, parameters)`` counted in the
-        norm."""
+        one of them holds an inf/nan else 0.0, this worker's block sums as a float64 vector of
+        :attr:`norm_entries`, zeros unless ``contributes``; ``None`` without clipping).
+        ``norm_params``: :meth:`norm_params` of this worker's stage."""
         grads = [q.grad for q in params if q.grad is not None]
         found = 0.0
         if self.scaler is not None:
@@ -125,46 +144,49 @@ class StageLoop:
                 found = float(flag.item() > 0)
         if self.max_grad_norm is None:
             return found, None
-        sums = torch.zeros(self.n_layers, dtype=torch.float64, device=device)
+        assert self.blocks is not None
+        sums = self.blocks.zeros(device, torch.float64)
         if self.tensor_sum is not None:
-            # A layer's sum of squares: its shards' parts summed over the group, its replicated
-            # parameters' part once (the same on every worker of the group).
+            # A sharded parameter's shards fill one slot each, summed over the group; a replicated
+            # parameter (the same on every worker of the group) fills its one slot here.
             sharded = torch.zeros_like(sums)
             if contributes:
-                for index, layer_params in layers:
-                    sharded[index], sums[index] = (
-                        _sq_sum([q for q in layer_params if id(q) in self.tensor_sharded]),
-                        _sq_sum([q for q in layer_params if id(q) not in self.tensor_sharded]))
+                for index, q in norm_params:
+                    if q.grad is not None:
+                        if id(q) in self.tensor_sharded:
+                            self.blocks.fill(sharded, index, q.grad, slot=self.tensor_rank)
+                        else:
+                            self.blocks.fill(sums, index, q.grad)
             self.tensor_sum(sharded)
             return found, sums + sharded
         if contributes:
-            for index, layer_params in layers:
-                sums[index] = _sq_sum(layer_params)
+            for index, q in norm_params:
+                if q.grad is not None:
+                    self.blocks.fill(sums, index, q.grad)
         return found, sums
 
-    @staticmethod
-    def norm_of(sums: torch.Tensor) -> torch.Tensor:
-        """The whole model's gradient norm from every layer's sum of squares (float32, as torch's)."""
-        return sums.sum().sqrt().float()
+    def norm_of(self, sums: torch.Tensor) -> torch.Tensor:
+        """The whole model's gradient norm from every block's sum of squares (the blocks' dtype)."""
+        assert self.blocks is not None
+        return self.blocks.norm(sums)
 
 
-def _sq_sum(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The sum of squares of the parameters' gradients (float64, 0 without any)."""
-    parts = [q.grad.reshape(-1) for q in params if q.grad is not None]
-    if not parts:
-        return torch.zeros((), dtype=torch.float64)
-    flat = torch.cat(parts) if len(parts) > 1 else parts[0]
-    return block_sq_sums(flat, 0, flat.numel()).sum().double()
+def model_norm_blocks(layers: Sequence[nn.Module], tensor: int = 1) -> tuple[NormBlocks, dict[str, int]]:
+    """The whole model's :class:`NormBlocks` and each trainable parameter's index in it, by
+    whole-model name (``nn.Sequential(*layers)``'s: a weight shared by layers once, at its first
+    layer, as ``model.parameters()`` gives it to the unpipelined run). ``tensor`` > 1: the
+    parameters tensor parallelism shards get ``tensor`` slots of ``numel / tensor`` elements."""
+    whole = nn.Sequential(*layers)
+    named = [(n, q) for n, q in whole.named_parameters() if q.requires_grad]
+    sharded: frozenset[str] = frozenset()
+    if tensor > 1:
+        from virtualflow.runtime.pipeline.tensor_grid import whole_splits
 
-
-def norm_layers(model: nn.Module, excluded: frozenset[str]) -> list[tuple[int, list[torch.Tensor]]]:
-    """A stage module's trainable parameters grouped by whole-model layer (its children are named
-    by their index in the whole model), each counted once, shared copies in ``excluded`` left out."""
-    out: dict[int, list[torch.Tensor]] = {}
-    for name, q in model.named_parameters():
-        if q.requires_grad and name not in excluded:
-            out.setdefault(int(name.split(".")[0]), []).append(q)
-    return sorted(out.items())
+        sharded = frozenset(n for n, split in whole_splits(layers, tensor).items() if not split.replicated)
+    numels = [q.numel() // tensor if n in sharded else q.numel() for n, q in named]
+    slots = [tensor if n in sharded else 1 for n, _ in named]
+    blocks = NormBlocks(numels, norm_dtype(q.dtype for _, q in named), slots)
+    return blocks, {n: i for i, (n, _) in enumerate(named)}
 
 
 def checkpoint_spec_for(piece: nn.Module, spec: Any) -> Any:
@@ -225,13 +247,15 @@ def check_schedule(pipeline: Any, *, precision: str, max_grad_norm: float | None
 def stage_loop(job: Any, layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]], stages: int) -> StageLoop:
     """A worker's :class:`StageLoop` for ``job`` (a fresh scaler: each worker holds its own).
     ``layers``/``bounds``/``stages``: the whole model's layers and how they are cut (the norm's
-    layer count, and the shared weights' copies not counted)."""
+    blocks, and the shared weights' copies not counted)."""
     from virtualflow.plan.pipeline.geometry import tied_parameters
 
     check_checkpoint_spec(layers, job.activation_checkpointing)
     excluded = frozenset(f"{i}.{name}" for locs in tied_parameters(layers, bounds, stages) for i, name in locs[1:])
+    blocks, names = (model_norm_blocks(layers, job.pipeline.tensor)
+                     if job.max_grad_norm is not None else (None, None))
     return StageLoop(precision=job.precision, scaler=LossScaler.of(job.precision, job.loss_scale),
-                     max_grad_norm=job.max_grad_norm, n_layers=len(layers), norm_excluded=excluded,
+                     max_grad_norm=job.max_grad_norm, blocks=blocks, norm_names=names, norm_excluded=excluded,
                      activation_checkpointing=job.activation_checkpointing, compile=job.compile)
 
 

@@ -41,6 +41,7 @@ from typing import Any, Sequence
 
 import torch
 
+from virtualflow.runtime.clipping import BLOCK, block_cuts
 from virtualflow.runtime.sharded import FlatParams, ShardedOptimizer, gather_sharded_state
 
 __all__ = ["StageOptimizer", "StageShard", "check_stage_sharding", "gather_stage_optimizer", "optimizer_bytes"]
@@ -69,9 +70,13 @@ def check_stage_sharding(pipeline: Any, *, tied: bool, shard_replicas: int = 0) 
 class StageShard:
     """One stage copy's chunk of the stage's optimizer (see the module docstring)."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+                 norm_blocks: bool = False) -> None:
         self.flat = FlatParams(params)  # the stage's parameters now live in one flat vector
-        self.opt = ShardedOptimizer(optimizer, self.flat)
+        # With a gradient norm, chunks start on its blocks (each parameter's own), so every block
+        # has one holder.
+        cuts = block_cuts([q.numel() for q in self.flat.params]) if norm_blocks else None
+        self.opt = ShardedOptimizer(optimizer, self.flat, cuts=cuts)
         self.optimizer = StageOptimizer(self)
         self.held_bytes = 0
         """Optimizer state bytes this copy held after its last update (:meth:`state_bytes`)."""
@@ -123,11 +128,11 @@ class StageShard:
         lo, hi = self.chunk()
         return self.flat.grad[lo:hi]
 
-    def check_chunk(self, loop: Any, layers: Sequence[tuple[int, list[torch.Tensor]]],
+    def check_chunk(self, loop: Any, norm_params: Sequence[tuple[int, torch.Tensor]],
                     device: torch.device) -> tuple[float, torch.Tensor | None]:
         """Default mode after a reduce-scatter: :meth:`StageLoop.check_grads` on this copy's chunk
-        only (the rest of the flat gradient is scratch). Every replica contributes its chunk's
-        part of each layer's sum of squares (the stats all-reduce adds them)."""
+        only (the rest of the flat gradient is scratch). Every replica writes its chunk's blocks
+        of the norm (a chunk starts on a block: :meth:`cut`), the stats all-reduce gathers them."""
         chunk = self.chunk_grads()
         found = 0.0
         if loop.scaler is not None:
@@ -137,13 +142,12 @@ class StageShard:
             return found, None
         lo, hi = self.chunk()
         where = {id(q): o for q, o in zip(self.flat.params, self.flat.offsets)}
-        sums = torch.zeros(loop.n_layers, dtype=torch.float64, device=device)
-        for index, layer_params in layers:
-            for q in layer_params:
-                o = where[id(q)]
-                a, b = max(lo, o), min(hi, o + q.numel())
-                if a < b:
-                    sums[index] += self.flat.grad[a:b].double().square().sum()
+        sums = loop.blocks.zeros(device, torch.float64)
+        for index, q in norm_params:
+            o = where[id(q)]
+            a, b = max(lo, o), min(hi, o + q.numel())
+            if a < b:
+                loop.blocks.fill(sums, index, self.flat.grad[a:b], first=(a - o) // BLOCK)
         return found, sums
 
     def clip_chunk(self, norm: torch.Tensor, max_norm: float) -> None:

@@ -50,7 +50,7 @@ from virtualflow.runtime.pipeline.stage_state import (exchange_for_layout, gathe
                                                  scaler_state, stage_state, stage_states, successor, transfer_stages)
 from virtualflow.runtime.pipeline.links import Links, StageExchanges, drive
 from virtualflow.runtime.pipeline.flush import FlushStep
-from virtualflow.runtime.pipeline.loop import StageLoop, stage_loop
+from virtualflow.runtime.pipeline.loop import StageLoop, model_norm_blocks, stage_loop
 from virtualflow.runtime.pipeline.tensor_grid import (TensorPlanes, convert_layers, merge_stage_states, rebind_comm,
                                                       shard_stage_state, whole_splits)
 from virtualflow.runtime.pipeline.stage_shard import gather_stage_optimizer, optimizer_bytes
@@ -95,6 +95,9 @@ class PipelineWorkerEngine:
         memory); rebuilt on rank 0 when a checkpoint, an evaluation or the final state needs it."""
         self.layers: list[torch.nn.Module] | None = layers_of(self.model)
         self.bounds = resolve_bounds(self.pipeline, len(self.layers))
+        self.norm_blocks = model_norm_blocks(self.layers, self.pipeline.tensor)[0] if job.max_grad_norm is not None \
+            else None
+        """The gradient norm's blocks (the stats' size before this worker has a stage)."""
         self.plan = data_plan_of(dataset, job)
         self.stage: StageEngine | None = None
         self.group: Group | None = None
@@ -277,6 +280,7 @@ class PipelineWorkerEngine:
         loop.tensor_sum = lambda v: tp.all_reduce(v)
         loop.tensor_sharded = frozenset(id(q) for n, q in self.stage.model.named_parameters()
                                         if n in self._sharded_names)
+        loop.tensor_rank = self.planes.t
 
     def _close_planes(self) -> None:
         if self.planes is not None:
@@ -720,9 +724,8 @@ class PipelineWorkerEngine:
         """A flush step's stats entries (a newcomer has no stage yet: from the job)."""
         if self.stage is not None:
             return self.stage.stats_numel
-        n_layers = self.full_bounds[-1][1]
         return FlushStep.stats_numel(self.job.virtual_nodes, StageLoop(max_grad_norm=self.job.max_grad_norm,
-                                                                       n_layers=n_layers))
+                                                                       blocks=self.norm_blocks))
 
     # ---- state (the moving parts: runtime/pipeline/stage_state.py) ------------------------------------
     def stage_state(self) -> dict[str, Any]:
