@@ -12,9 +12,12 @@ PYTHON=${PYTHON:-python3}
 EXTRAS=${1:-}
 export TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 STAMP=(.venv/bin/python scripts/setup_stamp.py)
+# One line on stderr when set-up ends (bench/first_hour.py times set-up by it).
 if [ -x .venv/bin/python ] && "${STAMP[@]}" check "$EXTRAS" 2>/dev/null; then
+    echo "setup.sh: .venv is up to date${EXTRAS:+ (extras: $EXTRAS)}" >&2
     exit 0
 fi
+START=$SECONDS
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
@@ -22,3 +25,4 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" "$TORCH_SPEC"
 "${PIP[@]}" -e ".${EXTRAS:+[$EXTRAS]}"
 "${STAMP[@]}" record "$EXTRAS"
+echo "setup.sh: installed${EXTRAS:+ with extras $EXTRAS} in $((SECONDS - START)) s" >&2
