@@ -61,10 +61,19 @@ def clone(dest: str) -> str:
     return rev
 
 
-def _first_metrics_line(path: str) -> bool:
+def _inode(path: str) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
+
+
+def _first_metrics_line(path: str, old_inode: int | None) -> bool:
+    """Whether this run's ``metrics.jsonl`` has a line: the previous run's file (moved away by
+    ``--overwrite`` once the job starts, so still alive under another name) does not count."""
     try:
         with open(path, "rb") as f:
-            return b"\n" in f.read(65536)
+            return os.fstat(f.fileno()).st_ino != old_inode and b"\n" in f.read(65536)
     except OSError:
         return False
 
@@ -72,6 +81,7 @@ def _first_metrics_line(path: str) -> bool:
 def run_train(repo: str, extra: list[str], timeout_s: float) -> dict:
     """One ``bash scripts/train.sh`` in ``repo``, timed; its output lines are kept."""
     metrics = os.path.join(repo, RUN_DIR, "metrics.jsonl")
+    old_inode = _inode(metrics)
     lines: list[tuple[float, str]] = []
     marks: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -90,10 +100,8 @@ def run_train(repo: str, extra: list[str], timeout_s: float) -> dict:
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
         deadline = t0 + timeout_s
-        # --overwrite moves the previous run's files away when the job starts; a metrics line seen
-        # before set-up ended belongs to the previous run.
         while proc.poll() is None and time.perf_counter() < deadline:
-            if "first_step_s" not in marks and "setup_s" in marks and _first_metrics_line(metrics):
+            if "first_step_s" not in marks and _first_metrics_line(metrics, old_inode):
                 marks["first_step_s"] = time.perf_counter() - t0
             time.sleep(0.1)
         if proc.poll() is None:
