@@ -148,3 +148,11 @@ def test_failed_install_writes_no_stamp(repo):
     rc, pip = _setup(repo, "plot")  # so the next run installs again
     assert rc == 0 and len(pip) == 2
     assert _setup(repo, "plot") == (0, [])
+
+
+def test_setup_without_extras_installs_the_library_alone(repo):
+    rc, pip = _setup(repo, "")
+    assert rc == 0 and pip[-1].endswith("-e .")
+    assert _setup(repo, "") == (0, [])
+    rc, pip = _setup(repo, "plot")  # the library alone does not cover an extra
+    assert rc == 0 and pip[-1].endswith("-e .[plot]")
