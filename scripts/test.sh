@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Set up, then run the whole test suite. "No tests collected" (pytest exit code 5) is a failure.
+# Set up with the test extras (and the main job's, so train.sh after it installs nothing), then
+# run the whole test suite. "No tests collected" (pytest exit code 5) is a failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh || exit 1
+bash scripts/setup.sh test,plot,examples,bench,digits || exit 1
 # tests/e2e/test_service_dashboard.py drives the OS's Chromium (never a downloaded browser): install the
 # Debian package when it is missing and we are root (idempotent; without it that test fails).
 if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then

@@ -60,7 +60,7 @@ def wait_for_step(handle, step: int, timeout_s: float = 120.0) -> None:
 
 
 def wait_for_members(handle, members: int, *, formed: bool = False, generation: int = 0,
-                     timeout_s: float = 60.0) -> None:
+                     timeout_s: float = 180.0) -> None:
     """Wait until a launched job's generation (at least ``generation``) has ``members`` ranked
     workers, and, with ``formed``, has formed too (fails if the job ends first)."""
     deadline = time.monotonic() + timeout_s

@@ -6,6 +6,10 @@ Starting from 1 worker, the ``efficiency`` policy must settle at 6 within a boun
 trials, through in-place resizes only, and the trained weights must be bit-identical
 (deterministic mode) to a static run of the same number of steps: autoscaling never changes
 B, V or what the model computes.
+
+Time: the efficiency search starts a new worker process for each of 7 sizes; it took 185 s with
+two CPU-burning processes beside it on a loaded 2-core machine (load average 15), so the bounds
+are liveness bounds (600 s) well above that, not speed checks.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import emulated_scaling as emu  # noqa: E402
 pytestmark = pytest.mark.slow
 
 FOREVER = 1_000_000
+LIVENESS_S = 600.0
+"""How long a search may take before the test calls it stuck (3x the slowest run seen under load)."""
 
 
 def events(run_dir: str, kind: str) -> list[dict]:
@@ -34,6 +40,7 @@ def events(run_dir: str, kind: str) -> list[dict]:
         return [e for e in map(json.loads, f) if e["event"] == kind]
 
 
+@pytest.mark.timeout(900)
 def test_efficiency_settles_at_the_known_optimum_with_static_weights(run_dir, tmp_path):
     print(emu.DESCRIPTION)
     max_workers = 8
@@ -54,7 +61,8 @@ def test_efficiency_settles_at_the_known_optimum_with_static_weights(run_dir, tm
                 settled_step = st["step"]
             if settled_step is not None and st["step"] >= settled_step + 3:
                 break
-            assert time.monotonic() - t0 < 240, f"not settled after 240 s: {st['autoscale']}, step {st['step']}"
+            assert time.monotonic() - t0 < LIVENESS_S, \
+                f"not settled after {LIVENESS_S:g} s: {st['autoscale']}, step {st['step']}"
             time.sleep(0.05)
         result = handle.stop()
     except BaseException:
@@ -91,14 +99,15 @@ def test_efficiency_settles_at_the_known_optimum_with_static_weights(run_dir, tm
 
     # Bit-identical to a static run of the same number of steps (the sleep-free job computes
     # the same model; deterministic mode makes it independent of the worker count).
-    ref = vf.train(emu.reference_job(), workers=2, steps=result.steps, deterministic=True)
+    # One worker suffices: deterministic mode is independent of the worker count (one process fewer).
+    ref = vf.train(emu.reference_job(), workers=1, steps=result.steps, deterministic=True)
     assert_state_equal(result.state_dict, ref.state_dict)
     assert_state_equal(flat_optimizer_state(result.optimizer_state_dict), flat_optimizer_state(ref.optimizer_state_dict))
     print(f"emulated autoscaling: settled at {a['settled_at']} after {a['resizes']} resizes, "
           f"{result.steps} steps, {wall:.1f} s")
-    assert wall < 240
 
 
+@pytest.mark.timeout(900)
 def test_straggler_is_replaced_in_place_with_static_weights(run_dir):
     """``straggler``: worker 1 becomes 3x slower; a replacement joins (grow to 4), then worker 1
     leaves (a shrink that removes that very worker); the job trains on with 3 workers and the
@@ -108,7 +117,7 @@ def test_straggler_is_replaced_in_place_with_static_weights(run_dir):
                        autoscale="straggler", min_workers=1, max_workers=4)
     try:
         while handle.status()["step"] < 4:
-            assert not handle.done and time.monotonic() - t0 < 120
+            assert not handle.done and time.monotonic() - t0 < LIVENESS_S
             time.sleep(0.05)
         handle.set_slowdown(1, 3.0)
         done_step = None
@@ -120,7 +129,8 @@ def test_straggler_is_replaced_in_place_with_static_weights(run_dir):
                 done_step = st["step"]
             if done_step is not None and st["step"] >= done_step + 8:
                 break
-            assert time.monotonic() - t0 < 180, f"straggler not replaced after 180 s: {st['autoscale']}, {members}"
+            assert time.monotonic() - t0 < LIVENESS_S, \
+                f"straggler not replaced after {LIVENESS_S:g} s: {st['autoscale']}, {members}"
             time.sleep(0.05)
         result = handle.stop()
     except BaseException:
@@ -134,5 +144,5 @@ def test_straggler_is_replaced_in_place_with_static_weights(run_dir):
     assert gens[-1]["reason"] == "shrink"
     sizes = [h["workers"] for h in result.history]
     assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [3, 4, 3]
-    ref = vf.train(emu.reference_job(), workers=2, steps=result.steps, deterministic=True)
+    ref = vf.train(emu.reference_job(), workers=1, steps=result.steps, deterministic=True)
     assert_state_equal(result.state_dict, ref.state_dict)

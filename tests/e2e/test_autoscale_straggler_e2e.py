@@ -28,6 +28,12 @@ def events(run_dir: str, kind: str) -> list[dict]:
         return [e for e in map(json.loads, f) if e["event"] == kind]
 
 
+LIVENESS_S = 600.0
+"""When the test calls the job stuck: a liveness bound, many times the 36 s seen under load (two
+CPU-burning processes beside it on a loaded 2-core machine), not a speed check."""
+
+
+@pytest.mark.timeout(900)
 def test_straggler_gets_fewer_vns_in_a_live_job_with_static_weights(run_dir):
     t0 = time.monotonic()
     # balance is off: the policy's decision turns speed-based mapping on.
@@ -35,7 +41,7 @@ def test_straggler_gets_fewer_vns_in_a_live_job_with_static_weights(run_dir):
                        autoscale="straggler:max_replacements=0,window=4", min_workers=1, max_workers=3)
     try:
         while handle.status()["step"] < 4:
-            assert not handle.done and time.monotonic() - t0 < 120
+            assert not handle.done and time.monotonic() - t0 < LIVENESS_S
             time.sleep(0.05)
         handle.set_slowdown(1, 3.0)
         done_step = None
@@ -48,7 +54,7 @@ def test_straggler_gets_fewer_vns_in_a_live_job_with_static_weights(run_dir):
                 done_step = st["step"]
             if done_step is not None and st["step"] >= done_step + 4:
                 break
-            assert time.monotonic() - t0 < 180, f"no rebalance after 180 s: {st['autoscale']}, {vns}"
+            assert time.monotonic() - t0 < LIVENESS_S, f"no rebalance after {LIVENESS_S:g} s: {st['autoscale']}, {vns}"
             time.sleep(0.05)
         result = handle.stop()
     except BaseException:
@@ -61,5 +67,5 @@ def test_straggler_gets_fewer_vns_in_a_live_job_with_static_weights(run_dir):
     gens = events(run_dir, "generation")
     assert any(g["reason"] == "rebalance" for g in gens) and gens[-1]["members"] == [0, 1, 2]
     assert len(gens[-1]["assignment"][1]) < len(gens[-1]["assignment"][0])
-    ref = vf.train(emu.reference_job(), workers=2, steps=result.steps, deterministic=True)
+    ref = vf.train(emu.reference_job(), workers=1, steps=result.steps, deterministic=True)
     assert_state_equal(result.state_dict, ref.state_dict)

@@ -6,15 +6,20 @@ sleeps per sample), emulated compute (a module that sleeps in forward and in bac
 emulated communication (a group whose all-reduce sleeps); the combination of workers (waiting
 for the slowest) is proven on made-up vectors and once end to end in tests/test_observability.py.
 
-Tolerance: each measured part is at least the latency injected into it and at most that plus
-``SLACK`` (the real compute and Python around it on a loaded 2-core machine); the parts add up to
-the step period to float32 rounding, and the period matches the wall time between the test's
-own calls of ``step`` within 5 %.
+Fake clock: the latencies are not slept. Every thread has its own virtual clock, which only its
+own emulated latencies advance; the engine, its breakdown and its prefetcher read it (their
+``time`` module is replaced for the test). So each measured part equals the latency injected into
+it (real compute and Python cost nothing on this clock), the parts add up to the step period, and
+the period matches the test's own clock between calls of ``step`` -- on any machine, at any load.
+A loader thread's reads advance its own clock, not the training thread's: with prefetching the
+training thread waits for nothing it did not read itself.
 """
 
 from __future__ import annotations
 
+import threading
 import time
+import types
 
 import pytest
 import torch
@@ -25,14 +30,44 @@ import virtualflow as vf
 from virtualflow.comm.groups import Group
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.vnmap import contiguous_assignment
-from virtualflow.runtime import breakdown
+from virtualflow.runtime import breakdown, engine as engine_module, prefetch
 from virtualflow.runtime.engine import BatchLoader, VNEngine
 
 INPUT_S = 0.002  # per sample
 FORWARD_S = 0.004  # per VN
 BACKWARD_S = 0.006  # per VN
 COMM_S = 0.015  # per step (the statistics' all-reduce)
-SLACK = 0.012
+
+
+class FakeClock:
+    """Per-thread virtual time: ``sleep`` advances the calling thread's clock at once, and
+    ``perf_counter``/``monotonic``/``time`` read it; every other ``time`` attribute is the real one."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def _now(self) -> float:
+        return getattr(self._local, "t", 1000.0)
+
+    def sleep(self, seconds: float) -> None:
+        self._local.t = self._now() + seconds
+
+    def module(self) -> types.SimpleNamespace:
+        ns = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
+        ns.perf_counter = ns.monotonic = ns.time = self._now
+        ns.sleep = self.sleep
+        return ns
+
+
+CLOCK = FakeClock()
+
+
+@pytest.fixture(autouse=True)
+def fake_clock(monkeypatch):
+    fake = CLOCK.module()
+    for mod in (engine_module, breakdown, prefetch):
+        monkeypatch.setattr(mod, "time", fake)
+    return CLOCK
 
 
 class SlowSamples(Dataset):
@@ -48,19 +83,19 @@ class SlowSamples(Dataset):
         return len(self.x)
 
     def __getitem__(self, i: int):
-        time.sleep(self.latency_s)
+        CLOCK.sleep(self.latency_s)
         return self.x[i], self.y[i]
 
 
 class _Sleep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        time.sleep(FORWARD_S)
+        CLOCK.sleep(FORWARD_S)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        time.sleep(BACKWARD_S)
+        CLOCK.sleep(BACKWARD_S)
         return g
 
 
@@ -79,7 +114,7 @@ class SlowGroup(Group):
     """A one-member group whose all-reduce takes COMM_S (emulated communication)."""
 
     def all_reduce(self, tensor, async_op=False):
-        time.sleep(COMM_S)
+        CLOCK.sleep(COMM_S)
         return super().all_reduce(tensor, async_op)
 
 
@@ -104,10 +139,10 @@ def engine(*, deterministic: bool, loader_workers: int = 0, group: Group | None 
 def run_steps(eng: VNEngine, steps: int) -> tuple[list[dict], list[float]]:
     """(rank 0's breakdown of each step but the last, the test's own wall time of each step)."""
     parts, walls = [], []
-    t = time.perf_counter()
+    t = CLOCK._now()
     for s in range(steps):
         out = eng.step(s)
-        now = time.perf_counter()
+        now = CLOCK._now()
         if s > 0:
             walls.append(now - t)  # step s-1 ran from its call to this one's (t .. now minus step s)
             assert out.breakdown is not None and len(out.breakdown) == 1
@@ -123,37 +158,46 @@ def assert_adds_up(p: dict) -> None:
     assert total == pytest.approx(p["step_s"], rel=1e-5, abs=1e-6)
 
 
+def near(x: float) -> object:
+    """Equal on the fake clock, up to float rounding (a report is float32)."""
+    return pytest.approx(x, rel=1e-5, abs=1e-6)
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_each_part_is_recognised_and_they_add_up(deterministic):
     V, B = 2, 8
     eng = engine(deterministic=deterministic, group=SlowGroup(0, 0, 1, None), V=V, B=B)
-    parts, _ = run_steps(eng, 5)
+    parts, walls = run_steps(eng, 5)
     comm = COMM_S if deterministic else 0.0  # default mode: one member, no reduction at all
-    for p in parts:
+    assert len(parts) == 4
+    for p, wall in zip(parts, walls):
         assert_adds_up(p)
-        assert B * INPUT_S <= p["input_s"] <= B * INPUT_S + SLACK
-        assert V * FORWARD_S <= p["forward_s"] <= V * FORWARD_S + SLACK
-        assert V * BACKWARD_S <= p["backward_s"] <= V * BACKWARD_S + SLACK
-        assert comm <= p["reduction_s"] <= comm + SLACK
+        assert p["input_s"] == near(B * INPUT_S)
+        assert p["forward_s"] == near(V * FORWARD_S)
+        assert p["backward_s"] == near(V * BACKWARD_S)
+        assert p["reduction_s"] == near(comm)
         assert p["straggler_s"] == 0.0  # alone: nobody to wait for
-        assert p["optimizer_s"] < SLACK and p["control_s"] < SLACK
+        assert p["optimizer_s"] == near(0.0) and p["control_s"] == near(0.0) and p["overhead_s"] == near(0.0)
+        assert p["step_s"] == near(wall) == near(B * INPUT_S + V * (FORWARD_S + BACKWARD_S) + comm)
         assert p["read_calls"] == 0  # sleeping reads nothing
-        assert p["loaded_s"] == pytest.approx(p["input_s"], rel=0.05, abs=1e-3)
+        assert p["loaded_s"] == near(p["input_s"])
 
 
 def test_step_period_matches_the_callers_clock():
     eng = engine(deterministic=True, group=SlowGroup(0, 0, 1, None))
     steps = 6
-    t0 = time.perf_counter()
+    t0 = CLOCK._now()
     parts = []
     for s in range(steps):
         out = eng.step(s)
         if out.breakdown is not None:
             parts.append(out.breakdown[0])
-    wall = time.perf_counter() - t0
+        CLOCK.sleep(0.001 * s)  # the caller's loop, a different length each time
+    wall = CLOCK._now() - t0
     # Steps 0..steps-2 are broken down; their periods cover the wall time up to the last step's start.
     last_step_s = eng.clock.now() - eng.clock._start  # noqa: SLF001 - the running step's own time
-    assert sum(p["step_s"] for p in parts) == pytest.approx(wall - last_step_s, rel=0.05)
+    assert len(parts) == steps - 1
+    assert sum(p["step_s"] for p in parts) == pytest.approx(wall - last_step_s, rel=1e-5)
 
 
 def test_the_loop_between_steps_is_control_and_the_engines_bookkeeping_is_overhead():
@@ -167,11 +211,12 @@ def test_the_loop_between_steps_is_control_and_the_engines_bookkeeping_is_overhe
         out = eng.step(s)
         if out.breakdown is not None:
             parts.append(out.breakdown[0])
-        time.sleep(LOOP_S)  # the caller's loop
+        CLOCK.sleep(LOOP_S)  # the caller's loop
+    assert len(parts) == 4
     for p in parts:
         assert_adds_up(p)
-        assert LOOP_S <= p["control_s"] <= LOOP_S + SLACK
-        assert p["overhead_s"] < SLACK
+        assert p["control_s"] == near(LOOP_S)
+        assert p["overhead_s"] == near(0.0)
     # derive(): the loop time is control, capped by what the timed parts leave; the rest is overhead.
     (p,) = breakdown.derive([raw(forward_s=0.01, optimizer_s=0.001, period_s=0.02, arrive_s=0.011, loop_s=0.004)])
     assert p["control_s"] == pytest.approx(0.004) and p["overhead_s"] == pytest.approx(0.005)
@@ -187,10 +232,14 @@ def test_prefetching_moves_input_off_the_critical_path():
     V, B = 4, 16
     eng = engine(deterministic=False, loader_workers=4, V=V, B=B)
     parts, _ = run_steps(eng, 5)
+    assert len(parts) == 4
     for p in parts[1:]:  # step 0's batches were not prefetched
         assert_adds_up(p)
-        assert p["loaded_s"] >= B * INPUT_S  # the loaders still read every sample ...
-        assert p["input_s"] < 0.5 * B * INPUT_S  # ... but the compute hardly waits for them
+        assert p["loaded_s"] == near(B * INPUT_S)  # the loaders still read every sample (on their clocks) ...
+        assert p["input_s"] == near(0.0)  # ... and the training thread read none of them
+    # without loader threads the training thread reads them itself
+    parts, _ = run_steps(engine(deterministic=False, loader_workers=0, V=V, B=B), 3)
+    assert [p["input_s"] for p in parts] == [near(B * INPUT_S)] * 2
 
 
 def test_io_profile_counts_the_dataset_reads(tmp_path):
