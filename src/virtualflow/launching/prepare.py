@@ -32,6 +32,7 @@ from virtualflow.launching.composition import check_pipeline_options
 from virtualflow.launching.pipeline import plan_pipeline
 from virtualflow.launching.preflight import build_dataset, build_job, preflight
 from virtualflow.launching.resume import find_resume_state
+from virtualflow.runtime.dcp import is_dcp
 from virtualflow.launching.supervisor import RunSetup
 from virtualflow.plan.hetero import check_memory
 from virtualflow.plan.streams import StreamPlan
@@ -108,7 +109,7 @@ def prepare(job: JobLike, opts: LaunchOptions) -> Iterator[RunSetup]:
     # private and locked before anything in it is read or written (see virtualflow.records.rundir).
     token = auth.read_token(opts.token_file, private=True) if opts.token_file is not None else None
     run_dir = opts.run_dir
-    if run_dir is None and opts.resume is not None and os.path.isdir(opts.resume):
+    if run_dir is None and opts.resume is not None and os.path.isdir(opts.resume) and not is_dcp(opts.resume):
         run_dir = opts.resume
     lock, created = claim_run_dir(run_dir)
     try:
@@ -267,7 +268,7 @@ def prepare_run_dir(run_dir: str | None, opts: LaunchOptions, resume_path: str |
 
 def continues(run_dir: str, resume_path: str) -> bool:
     """Whether ``resume_path`` is one of ``run_dir``'s own state files (the run there goes on)."""
-    folder = os.path.realpath(os.path.dirname(os.path.abspath(resume_path)))
+    folder = os.path.realpath(os.path.dirname(os.path.normpath(os.path.abspath(resume_path))))
     return folder in (os.path.realpath(run_dir), os.path.realpath(os.path.join(run_dir, "checkpoints")))
 
 
