@@ -568,6 +568,41 @@ def test_what_an_interrupted_prune_left_is_removed_and_never_read(tmp_path):
     assert os.listdir(folder) == []
 
 
+def test_a_start_that_continues_the_run_removes_what_an_interrupted_prune_left(tmp_path):
+    import virtualflow as vf
+    from virtualflow.launching.prepare import prepare_run_dir
+
+    run = tmp_path / "run"
+    model, opt = trained()
+    final = save_allreduce(str(run / "checkpoints"), 4, model, opt, 1)
+    save_allreduce(str(run / "checkpoints"), 8, model, opt, 1)
+    os.rename(final, final + ".discarded-0123abcd")
+    path, step = find_resume_state(str(run), None)
+    prepare_run_dir(str(run), vf.LaunchOptions(steps=20), path, step)
+    assert sorted(os.listdir(run / "checkpoints")) == ["step-00000008.dcp"]
+
+
+def test_the_single_file_prune_keeps_the_newest_and_removes_orphaned_sidecars(tmp_path):
+    from virtualflow.runtime.checkpoint import prune_state_files
+
+    for step in (2, 4, 6, 8):
+        (tmp_path / f"step-{step:08d}.pt").write_bytes(b"x")
+        (tmp_path / f"step-{step:08d}.pt.sha256").write_text("legacy")
+    (tmp_path / "step-00000001.pt.sha256").write_text("its state file went, a crash before the sidecar")
+    (tmp_path / "step-00000009.dcp").mkdir()  # another format: not this prune's
+    removed = prune_state_files(str(tmp_path), 2)
+    assert sorted(removed) == ["step-00000001.pt.sha256", "step-00000002.pt", "step-00000002.pt.sha256",
+                               "step-00000004.pt", "step-00000004.pt.sha256"]
+    assert sorted(os.listdir(tmp_path)) == ["step-00000006.pt", "step-00000006.pt.sha256", "step-00000008.pt",
+                                            "step-00000008.pt.sha256", "step-00000009.dcp"]
+    # the newest state the run's records reach is never removed (here: steps up to 7)
+    (tmp_path / "step-00000010.pt").write_bytes(b"x")
+    (tmp_path / "step-00000012.pt").write_bytes(b"x")
+    prune_state_files(str(tmp_path), 2, recorded=7)
+    assert sorted(n for n in os.listdir(tmp_path) if n.endswith(".pt")) == [
+        "step-00000006.pt", "step-00000010.pt", "step-00000012.pt"]
+
+
 # -- --resume RUN/checkpoints/step-N.dcp (item 11) ----------------------------------------------
 def test_resume_from_a_named_sharded_checkpoint_folder(tmp_path):
     folder = tmp_path / "run" / "checkpoints"

@@ -32,7 +32,7 @@ from virtualflow.launching.composition import check_pipeline_options
 from virtualflow.launching.pipeline import plan_pipeline
 from virtualflow.launching.preflight import build_dataset, build_job, preflight
 from virtualflow.launching.resume import find_resume_state
-from virtualflow.runtime.dcp import is_dcp
+from virtualflow.runtime.dcp import is_dcp, remove_discarded
 from virtualflow.launching.supervisor import RunSetup
 from virtualflow.plan.hetero import check_memory
 from virtualflow.plan.streams import StreamPlan
@@ -245,6 +245,7 @@ def prepare_run_dir(run_dir: str | None, opts: LaunchOptions, resume_path: str |
         for name in ("summary.json", "status.json"):  # rewritten by this run
             if os.path.exists(os.path.join(run_dir, name)):
                 os.remove(os.path.join(run_dir, name))
+        remove_discarded(os.path.join(run_dir, "checkpoints"))  # what a prune cut short by a crash left
         dropped = trim_metrics(run_dir, resume_step)
         if dropped:
             logger.info("%s: dropped %d metric record(s) of steps from %d on, which the resumed run redoes",
