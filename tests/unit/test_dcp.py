@@ -725,3 +725,99 @@ def test_symlinked_rank_and_checkpoints_folders_are_refused(tmp_path, link):
     with pytest.raises(UntrustedStateError, match="symbolic link") as err:
         find_resume_state(str(run), None)
     assert where in str(err.value)
+
+
+# -- export of a model with tied weights (item 10) ------------------------------------------------
+class Tied(nn.Module):
+    """A language model's shape: the output matrix is the embedding's (one tensor, two names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte = nn.Embedding(11, 6)
+        self.mid = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mid(self.wte(idx))))
+
+
+def _trained_tied() -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = Tied()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.arange(8)).pow(2).mean().backward()
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("source", ["pt", "dcp"])
+def test_export_of_a_model_with_tied_weights_to_safetensors(tmp_path, source):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, load_model
+
+    from virtualflow.runtime.checkpoint import save_state, shared_names
+
+    model, opt = _trained_tied()
+    assert shared_names(model.state_dict()) == {"head.weight": "wte.weight"}
+    run = tmp_path / "run"
+    if source == "pt":
+        save_state(str(run / "final.pt"), {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 3,
+                                            "job": {}})
+    else:
+        pieces, rest = optimizer_pieces(opt.state_dict(), 0, 1)
+        meta = {**meta_of(model, rest, 3), "model_aliases": shared_names(model.state_dict())}
+        write_rank(str(run / "checkpoints" / "step-00000003.dcp"), 0, 1, "id", 3,
+                   model_pieces(model.state_dict(), 0, 1) + pieces, meta)
+        loaded = load_dcp_state(str(run / "checkpoints" / "step-00000003.dcp"))["model"]
+        assert loaded["head.weight"] is loaded["wte.weight"]  # tied again, as the model ties them
+    to = str(tmp_path / "model.safetensors")
+    _, step, n = export_model(str(run), to)
+    assert step == 3 and n == len(model.state_dict())
+    # the tensor is stored once, the alias recorded in the metadata
+    stored = load_file(to)
+    assert sorted(stored) == ["mid.bias", "mid.weight", "wte.weight"]
+    with safe_open(to, framework="pt") as f:
+        assert json.loads(f.metadata()["aliases"]) == {"head.weight": "wte.weight"}
+    # loaded back with safetensors' own load_model: the model's tie holds the trained matrix
+    fresh = Tied()
+    with torch.no_grad():
+        fresh.wte.weight.zero_()
+    assert load_model(fresh, to) == (set(), [])
+    assert fresh.head.weight is fresh.wte.weight
+    assert_state_equal(fresh.state_dict(), model.state_dict())
+    # or restored from the metadata into a plain state_dict
+    with safe_open(to, framework="pt") as f:
+        aliases = json.loads(f.metadata()["aliases"])
+    sd = {**stored, **{alias: stored[name] for alias, name in aliases.items()}}
+    other = Tied()
+    other.load_state_dict(sd)
+    x = torch.arange(11)
+    assert torch.equal(other(x), model(x))
+
+
+def test_export_of_the_tiny_lm_example_to_safetensors(tmp_path):
+    """``examples/tiny_lm.py`` ties its output matrix to the embedding (the export failed on it)."""
+    import importlib.util
+
+    from safetensors.torch import load_model
+
+    from virtualflow.runtime.checkpoint import save_state
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tiny_lm.py")
+    spec = importlib.util.spec_from_file_location("tiny_lm_for_export", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    torch.manual_seed(3)
+    model = mod.TinyGPT()
+    save_state(str(tmp_path / "run" / "final.pt"), {"model": model.state_dict(), "optimizer": {}, "step": 1,
+                                                     "job": {}})
+    to = str(tmp_path / "tiny.safetensors")
+    export_model(str(tmp_path / "run"), to)
+    torch.manual_seed(4)
+    fresh = mod.TinyGPT()
+    load_model(fresh, to)
+    assert fresh.head.weight is fresh.wte.weight
+    assert_state_equal(fresh.state_dict(), model.state_dict())

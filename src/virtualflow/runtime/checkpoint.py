@@ -307,3 +307,21 @@ def prune_state_files(folder: str, keep: int, recorded: int | None = None) -> li
             continue
         removed.append(name)
     return removed
+
+
+def shared_names(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """``{alias: kept}`` for the tensors of ``tensors`` (a ``state_dict``) that are the same tensor
+    under another name (tied weights: the same storage, offset, shape, strides and dtype), each
+    mapped to the first of its names; empty tensors are never aliases. What a writer records so
+    that a reader can tie them again, as :func:`safetensors.torch.save_model` records it."""
+    first: dict[tuple[Any, ...], str] = {}
+    out: dict[str, str] = {}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or not t.numel() or t.layout != torch.strided or t.device.type == "meta":
+            continue
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if key in first:
+            out[name] = first[key]
+        else:
+            first[key] = name
+    return out

@@ -549,12 +549,19 @@ def load_dcp_state(folder: str, *, model_only: bool = False) -> dict[str, Any]:
         metas += [load_state(os.path.join(folder, f"rank-{s:05d}", META)) for s in range(1, int(pipeline["stages"]))]
     keys = [k for m in metas for k in m.get("model_keys", [])]
     keys = keys or sorted(f[len("model/"):] for f in wanted if f.startswith("model/"))
-    state = {k: v for k, v in meta.items() if k not in ("model", "model_keys", "optimizer", "stage")}
+    state = {k: v for k, v in meta.items() if k not in ("model", "model_keys", "model_aliases", "optimizer", "stage")}
     empty = {k: v for m in metas for k, v in (m.get("model") or {}).items()}  # tensors without elements
     try:
         state["model"] = {k: empty[k] if k in empty else flat[f"model/{k}"].view(shapes[f"model/{k}"]) for k in keys}
     except KeyError as exc:
         raise CorruptCheckpointError(f"{folder}: the model tensor {exc.args[0]} is in no shard; {_FIX}") from None
+    for m in metas:  # tied weights (written once per name) are one tensor again, as in the model
+        aliases = m.get("model_aliases")
+        for alias, kept in (aliases.items() if isinstance(aliases, dict) else ()):
+            if alias in state["model"] and kept in state["model"] and (
+                    state["model"][alias].shape == state["model"][kept].shape
+                    and state["model"][alias].dtype == state["model"][kept].dtype):
+                state["model"][alias] = state["model"][kept]
     if model_only:
         return state
     if isinstance(pipeline, dict):  # gather_state's layout: one optimizer and scheduler state per stage
