@@ -51,8 +51,11 @@ FINAL_STATES = ("done", "failed", "stopped")
 
 STATE_FILES = ("final.pt", "checkpoint.pt")
 """State files at the top of a run directory (besides ``checkpoints/step-N.pt``)."""
+IDENTITY_FILE = "job_identity.json"
+"""Which job's run the directory holds (:mod:`virtualflow.launching.identity`)."""
 RUN_FILES = ("final.pt", "final.pt.sha256", "checkpoint.pt", "checkpoint.pt.sha256", "checkpoints",
-             "metrics.jsonl", "events.jsonl", "status.json", "summary.json", "token", "logs", "tensorboard", "profile")
+             "metrics.jsonl", "events.jsonl", "status.json", "summary.json", "token", "logs", "tensorboard", "profile",
+             IDENTITY_FILE)
 """Everything a run writes in its directory (besides its lock); what :func:`set_aside` moves."""
 LOCK_FILE = "coordinator.lock"
 
