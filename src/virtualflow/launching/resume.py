@@ -3,7 +3,9 @@
 A run directory's states are ``final.pt`` (written when a run ends or is stopped),
 ``checkpoint.pt`` (the last good state before a non-finite loss), ``checkpoints/step-N.pt`` and
 the sharded ``checkpoints/step-N.dcp/`` (complete once so named: an interrupted save is a
-``.partial`` folder, never a candidate; every file is checked against its manifest); the newest
+``.partial`` folder, and a pruned one being deleted a ``.discarded-<hex>`` folder, never a
+candidate; every file is checked against its manifest); a symbolic link named ``checkpoints`` is
+refused. ``resume`` may also name one state file or ``step-N.dcp`` folder. The newest
 by step wins, whatever its kind (on a tie, ``final.pt``), among those the run's records reach: a
 state past the last step ``metrics.jsonl`` records was written by workers that trained on while
 the coordinator was cut off (their steps never recorded), so an earlier one is used and those

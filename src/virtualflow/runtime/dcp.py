@@ -26,7 +26,9 @@ Invariants.
   whose ``rank-R.json`` completes the set merges them into ``manifest.json``, then renames the
   folder to ``step-N.dcp``. No worker waits for another. A crash at any moment leaves either a
   ``.partial`` folder (never read, removed by a later save) or a complete checkpoint; the
-  newest complete one is what a resume picks.
+  newest complete one is what a resume picks. Deleting holds to it too: a pruned checkpoint is
+  renamed ``step-N.dcp.discarded-<hex>`` before it is deleted (:func:`prune`), so no crash leaves
+  a ``step-N.dcp`` with files missing, and the newest ``keep`` complete ones stay whole.
 * **Nothing is unpickled from the folder but plain data.** DCP's ``.metadata`` is a pickle: it
   is written for interoperability and never read here. The reader builds DCP's metadata from
   ``manifest.json`` (JSON, with a SHA-256 of its own contents), verifies every listed file's
@@ -34,7 +36,10 @@ Invariants.
   ``torch.load(weights_only=True)``; ``meta.pt`` is read by :func:`load_state`. A missing,
   truncated, altered or foreign file is a :class:`~virtualflow.runtime.checkpoint.
   CorruptCheckpointError` naming the file and the fix, so a resume falls back to the previous
-  good checkpoint.
+  good checkpoint. Every file is opened below the folder without following a link and without
+  blocking (:func:`_open_member`) and must be a regular file: a link (a ``rank-N/`` folder
+  included) or a FIFO is an :class:`~virtualflow.runtime.checkpoint.UntrustedStateError`. A
+  file's size is checked before it is hashed.
 * **Asynchronous saves stall for the host copy only.** :class:`DcpSaver` copies the worker's
   pieces to host memory (into the buffers of its previous save when the layout is unchanged),
   then writes them on a thread; at most one save is in flight per worker

@@ -8,7 +8,7 @@ state directory and their contents are an engine's whole state plus ``step`` and
 job's name, global batch size, virtual nodes and seed), in that key order, then ``callbacks``
 (the job's callbacks' state, :meth:`virtualflow.runtime.callbacks.Callbacks.state_dict`) when a
 callback has state; pruning keeps the newest ``keep_checkpoints`` files (and their
-``.sha256``). With ``checkpoint_format="dcp"`` a checkpoint is the folder
+``.sha256``; :func:`virtualflow.runtime.checkpoint.prune_state_files`). With ``checkpoint_format="dcp"`` a checkpoint is the folder
 ``checkpoints/step-<8 digits>.dcp/`` every member writes its part of (:mod:`virtualflow.runtime.
 dcp`), with the same contents (the big tensors in chunks, the rest in rank 0's ``meta.pt``);
 the worker completing it prunes to ``keep_checkpoints``. An evaluation runs the model in eval
