@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import textwrap
 
 import pytest
@@ -137,3 +138,27 @@ def test_a_job_is_named_the_same_however_it_is_passed(tmp_path):
     assert job_label(fn, source_from(fn)) == "tiny:make_job"
     assert job_label(fn(), source_from(fn())) is None
     assert job_label("pkg.tiny:make_job", vf.config.job.JobSource("spec", target="pkg.tiny:make_job")) == "tiny:make_job"
+
+
+def test_resuming_a_named_sharded_checkpoint_never_takes_its_folder_for_the_run_directory(tmp_path):
+    """``--resume RUN/checkpoints/step-N.dcp`` (issue 40, item 11): the folder is the state to resume,
+    not a run directory to write into (as with a state file, a new run directory is used)."""
+    from virtualflow.runtime.dcp import model_pieces, optimizer_pieces, write_rank
+
+    job = job_file(tmp_path, "first", "first-job")
+    built = vf.config.job.resolve_spec(job)()
+    torch.manual_seed(built.seed)
+    model = built.model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    final = str(tmp_path / "run" / "checkpoints" / "step-00000004.dcp")
+    pieces, rest = optimizer_pieces(opt.state_dict(), 0, 1)
+    write_rank(final, 0, 1, "id", 4, model_pieces(model.state_dict(), 0, 1) + pieces,
+               {"model": {}, "model_keys": list(model.state_dict()), "optimizer": rest, "lr_scheduler": None,
+                "step": 4, "job": {"name": "first-job", "global_batch_size": 16, "virtual_nodes": 4, "seed": 0,
+                                   "data_order": built.data_order}})
+    before = sorted(os.listdir(final))
+    with prepare(job, vf.LaunchOptions(resume=final, steps=8)) as setup:
+        assert setup.resume_path == final and setup.resume_step == 4
+        assert setup.run_dir is None and setup.state_dir != final
+        shutil.rmtree(setup.state_dir)  # the temporary state directory (the run would remove it)
+    assert sorted(os.listdir(final)) == before
