@@ -663,6 +663,19 @@ def test_a_fifo_in_a_checkpoint_is_refused_without_blocking(tmp_path, which):
         assert "not a regular file" in str(out["error"]) and target in str(out["error"])
 
 
+def test_a_shard_swapped_for_a_fifo_after_the_check_does_not_block_the_read(tmp_path):
+    """DCP reads the shards itself, after the digests were checked: it opens them as the checks do."""
+    model, opt = trained()
+    final = save_allreduce(str(tmp_path), 4, model, opt, 1)
+    manifest = read_manifest(final)
+    shard = _shard(final, 0)
+    os.unlink(shard)
+    os.mkfifo(shard)
+    out = _bounded(lambda: load_ranges(final, manifest, {"model/0.weight": (0, 54)}), unblock=shard)
+    assert isinstance(out.get("error"), (UntrustedStateError, CorruptCheckpointError)), out
+    assert "not a regular file" in str(out["error"]) or os.path.basename(shard) in str(out["error"])
+
+
 def test_a_deeply_nested_manifest_is_a_one_line_error_naming_the_file(tmp_path):
     folder = tmp_path / "run" / "checkpoints"
     model, opt = trained()

@@ -237,7 +237,7 @@ def write_rank(final: str, rank: int, world: int, save_id: str, step: int, piece
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-            causes = [exc, *getattr(exc, "failures", {}).values()]
+            causes = _causes(exc)
             full = next((e for e in (disk_full_error(c, mine) for c in causes) if e is not None), None)
             if full is not None:
                 raise full from None
@@ -520,11 +520,14 @@ def load_ranges(folder: str, manifest: dict[str, Any], ranges: dict[str, tuple[i
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 T = _dcp()
-                T.dcp.load(out, storage_reader=T.ManifestReader(folder, manifest["entries"], _DTYPES),
+                T.dcp.load(out, storage_reader=T.ManifestReader(folder, manifest["entries"], _DTYPES, _open_member),
                            planner=T.RangePlanner(ranges), no_dist=True)
         except (UntrustedStateError, CorruptCheckpointError, KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            ours = next((c for c in _causes(exc) if isinstance(c, (UntrustedStateError, CorruptCheckpointError))), None)
+            if ours is not None:  # a shard refused as it was opened (_open_member)
+                raise ours from None
             text = str(exc)
             if "Weights only load failed" in text or "WeightsUnpickler" in text:
                 raise UntrustedStateError(f"refusing to read {folder}: a shard holds a pickled object that is not a "
@@ -670,6 +673,17 @@ class DcpSaver:
 
 
 # -- helpers ------------------------------------------------------------------------------------
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and, for DCP's ``CheckpointException``, what each rank raised (its ``failures``
+    map a rank to an ``(exception, traceback)`` pair)."""
+    out = [exc]
+    for failure in getattr(exc, "failures", {}).values():
+        cause = failure[0] if isinstance(failure, tuple) and failure else failure
+        if isinstance(cause, BaseException):
+            out.append(cause)
+    return out
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
     if name not in _DTYPES:
