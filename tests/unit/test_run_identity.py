@@ -124,8 +124,12 @@ def test_what_the_identity_holds_and_what_may_change(tmp_path):
             check_identity(run, {**base, key: value})
     check_identity(run, {**base, "job": None})  # a Job object has no function name: not compared
     # a record that cannot be read is dropped (logged) and written again by the next launch
-    with open(os.path.join(run, IDENTITY_FILE), "w") as f:
-        f.write("{not json")
+    for junk in ("{not json", "[" * 200_000 + "]" * 200_000, json.dumps({**base, "format": "other"})):
+        with open(os.path.join(run, IDENTITY_FILE), "w") as f:
+            f.write(junk)
+        check_identity(run, {**base, "seed": 5})
+    os.unlink(os.path.join(run, IDENTITY_FILE))
+    os.mkfifo(os.path.join(run, IDENTITY_FILE))  # not a file: dropped without opening it (no hang)
     check_identity(run, {**base, "seed": 5})
 
 

@@ -413,7 +413,7 @@ def read_json(path: str) -> dict[str, Any] | None:
     try:
         with open(path) as f:
             data = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested too deeply to be a record
         return None
     return data if isinstance(data, dict) else None
 
