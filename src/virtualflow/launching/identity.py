@@ -50,7 +50,8 @@ def job_label(job: Job | Callable[[], Job] | str, source: JobSource) -> str | No
     None for a ``Job`` object or a function with no stable name (a lambda, a closure)."""
     if source.kind == "spec":
         path, _, func = source.target.rpartition(":")
-        stem = os.path.splitext(os.path.basename(path))[0] if path.endswith(".py") else path.rsplit(".", 1)[-1]
+        is_file = path.endswith(".py") or os.sep in path
+        stem = os.path.splitext(os.path.basename(path))[0] if is_file else path.rsplit(".", 1)[-1]
         return f"{stem}:{func}"
     if isinstance(job, Job) or not callable(job):
         return None

@@ -33,11 +33,11 @@ from virtualflow.launching.identity import check_identity, job_label, record_ide
 from virtualflow.launching.pipeline import plan_pipeline
 from virtualflow.launching.preflight import build_dataset, build_job, preflight
 from virtualflow.launching.resume import find_resume_state
-from virtualflow.runtime.dcp import is_dcp, remove_discarded
 from virtualflow.launching.supervisor import RunSetup
 from virtualflow.plan.hetero import check_memory
 from virtualflow.plan.streams import StreamPlan
 from virtualflow.plan.pipeline.geometry import check_workers, layers_of, resolve_bounds, shared_across_pieces
+from virtualflow.runtime.dcp import is_dcp, remove_discarded
 from virtualflow.runtime.pipeline.stage_shard import check_stage_sharding
 from virtualflow.plan.vnmap import contiguous_assignment, pipeline_assignment
 from virtualflow.runtime.streaming import data_plan_of
