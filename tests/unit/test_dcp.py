@@ -500,3 +500,337 @@ def test_workers_that_complete_the_set_at_once_finalize_it_once(tmp_path):
     assert not errors and sorted(results) == [False] * 5 + [True]
     assert os.path.isdir(final) and not os.path.exists(final + ".partial")
     assert not [n for n in os.listdir(final) if n.startswith(".finalizing")]
+
+
+# -- pruning: complete or absent after any crash (issue 40, item 3) -------------------------------
+class _Killed(Exception):
+    """Stands for a SIGKILL in the middle of a deletion."""
+
+
+def _rmtree_killed_halfway(monkeypatch):
+    """``shutil.rmtree`` in the checkpoint module deletes half of the files of the first complete
+    checkpoint it is asked to delete, then the process "dies"."""
+    import virtualflow.runtime.dcp as dcp_mod
+
+    real = shutil.rmtree
+    calls = []
+
+    def killed(path, ignore_errors=False, onerror=None, **kw):
+        import re
+
+        if calls or not re.fullmatch(r"step-\d+\.dcp(\..*)?", os.path.basename(path)) or path.endswith(".partial"):
+            return real(path, ignore_errors=ignore_errors)  # not a complete checkpoint's deletion
+        calls.append(path)
+        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
+        for f in files[: len(files) // 2 + 1]:
+            os.unlink(f)
+        raise _Killed(path)
+
+    monkeypatch.setattr(dcp_mod.shutil, "rmtree", killed)
+    return calls
+
+
+def test_a_crash_in_the_middle_of_a_prune_leaves_the_newest_two_complete(tmp_path, monkeypatch):
+    folder = tmp_path / "run" / "checkpoints"
+    model, opt = trained()
+    for step in (4, 8):
+        save_allreduce(str(folder), step, model, opt, 2)
+    calls = _rmtree_killed_halfway(monkeypatch)
+    with pytest.raises(_Killed):
+        save_allreduce(str(folder), 12, model, opt, 2)  # the third completes, the prune of step 4 is cut short
+    assert calls  # the deletion did start
+    complete = sorted(n for n in os.listdir(folder) if n.endswith(".dcp"))
+    assert complete == ["step-00000008.dcp", "step-00000012.dcp"]
+    for name in complete:  # whatever is named as a checkpoint is whole
+        read_manifest(str(folder / name))
+    leftover = [n for n in os.listdir(folder) if n not in complete]
+    assert len(leftover) == 1 and leftover[0].startswith("step-00000004.dcp.")
+    # the leftover is never a resume candidate, nor an error: the newest good one is used
+    path, step = find_resume_state(str(tmp_path / "run"), None)
+    assert step == 12 and path == str(folder / "step-00000012.dcp")
+    # the next prune removes it, and keeps the newest two
+    monkeypatch.undo()
+    save_allreduce(str(folder), 16, model, opt, 2)
+    assert sorted(os.listdir(folder)) == ["step-00000012.dcp", "step-00000016.dcp"]
+
+
+def test_what_an_interrupted_prune_left_is_removed_and_never_read(tmp_path):
+    from virtualflow.runtime.dcp import remove_discarded
+
+    folder = tmp_path / "checkpoints"
+    model, opt = trained()
+    save_allreduce(str(folder), 4, model, opt, 1)
+    os.rename(folder / "step-00000004.dcp", folder / "step-00000004.dcp.discarded-0123abcd")
+    (folder / "step-00000004.dcp.discarded-0123abcd" / "manifest.json").unlink()
+    with pytest.raises(ValueError, match="no checkpoints in it"):
+        find_resume_state(str(tmp_path), None)
+    assert remove_discarded(str(folder)) == ["step-00000004.dcp.discarded-0123abcd"]
+    assert os.listdir(folder) == []
+
+
+def test_a_start_that_continues_the_run_removes_what_an_interrupted_prune_left(tmp_path):
+    import virtualflow as vf
+    from virtualflow.launching.prepare import prepare_run_dir
+
+    run = tmp_path / "run"
+    model, opt = trained()
+    final = save_allreduce(str(run / "checkpoints"), 4, model, opt, 1)
+    save_allreduce(str(run / "checkpoints"), 8, model, opt, 1)
+    os.rename(final, final + ".discarded-0123abcd")
+    path, step = find_resume_state(str(run), None)
+    prepare_run_dir(str(run), vf.LaunchOptions(steps=20), path, step)
+    assert sorted(os.listdir(run / "checkpoints")) == ["step-00000008.dcp"]
+
+
+def test_the_single_file_prune_keeps_the_newest_and_removes_orphaned_sidecars(tmp_path):
+    from virtualflow.runtime.checkpoint import prune_state_files
+
+    for step in (2, 4, 6, 8):
+        (tmp_path / f"step-{step:08d}.pt").write_bytes(b"x")
+        (tmp_path / f"step-{step:08d}.pt.sha256").write_text("legacy")
+    (tmp_path / "step-00000001.pt.sha256").write_text("its state file went, a crash before the sidecar")
+    (tmp_path / "step-00000009.dcp").mkdir()  # another format: not this prune's
+    removed = prune_state_files(str(tmp_path), 2)
+    assert sorted(removed) == ["step-00000001.pt.sha256", "step-00000002.pt", "step-00000002.pt.sha256",
+                               "step-00000004.pt", "step-00000004.pt.sha256"]
+    assert sorted(os.listdir(tmp_path)) == ["step-00000006.pt", "step-00000006.pt.sha256", "step-00000008.pt",
+                                            "step-00000008.pt.sha256", "step-00000009.dcp"]
+    # the newest state the run's records reach is never removed (here: steps up to 7)
+    (tmp_path / "step-00000010.pt").write_bytes(b"x")
+    (tmp_path / "step-00000012.pt").write_bytes(b"x")
+    prune_state_files(str(tmp_path), 2, recorded=7)
+    assert sorted(n for n in os.listdir(tmp_path) if n.endswith(".pt")) == [
+        "step-00000006.pt", "step-00000010.pt", "step-00000012.pt"]
+
+
+# -- --resume RUN/checkpoints/step-N.dcp (item 11) ----------------------------------------------
+def test_resume_from_a_named_sharded_checkpoint_folder(tmp_path):
+    folder = tmp_path / "run" / "checkpoints"
+    model, opt = trained()
+    save_allreduce(str(folder), 4, model, opt, 2)
+    save_allreduce(str(folder), 8, model, opt, 2)
+    for given in (str(folder / "step-00000004.dcp"), str(folder / "step-00000004.dcp") + os.sep):
+        path, step = find_resume_state(given, None)
+        assert step == 4 and os.path.normpath(path) == str(folder / "step-00000004.dcp")
+
+
+def test_a_named_sharded_checkpoint_continues_its_run_directory_only_when_asked(tmp_path):
+    from virtualflow.launching.prepare import continues
+
+    run = tmp_path / "run"
+    model, opt = trained()
+    final = save_allreduce(str(run / "checkpoints"), 4, model, opt, 1)
+    assert continues(str(run), final) and continues(str(run), final + os.sep)
+    assert not continues(str(tmp_path / "other"), final)
+
+
+# -- hostile folders: nothing blocks, nothing escapes as a traceback (item 8) --------------------
+def _bounded(fn, timeout_s: float = 60.0, unblock: str | None = None):
+    """``fn()`` on a thread; if it is still running after ``timeout_s`` (blocked on a FIFO), the
+    FIFO ``unblock`` is opened for writing (which frees it) and the test fails."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        if unblock is not None:
+            fd = os.open(unblock, os.O_RDWR | os.O_NONBLOCK)  # a writer: the blocked open returns
+            t.join(10)
+            os.close(fd)
+        pytest.fail(f"blocked for {timeout_s} s (opened a FIFO)")
+    return out
+
+
+@pytest.mark.parametrize("which", ["manifest.json", "rank-00000/__0_0.distcp", "rank-00000/meta.pt"])
+def test_a_fifo_in_a_checkpoint_is_refused_without_blocking(tmp_path, which):
+    folder = tmp_path / "run" / "checkpoints"
+    model, opt = trained()
+    final = save_allreduce(str(folder), 4, model, opt, 1)
+    target = os.path.join(final, which)
+    os.unlink(target)
+    os.mkfifo(target)
+    for fn in (lambda: find_resume_state(str(tmp_path / "run"), None),
+               lambda: export_model(str(tmp_path / "run"), str(tmp_path / "model.pt"))):
+        out = _bounded(fn, unblock=target)
+        assert isinstance(out.get("error"), UntrustedStateError), out
+        assert "not a regular file" in str(out["error"]) and target in str(out["error"])
+
+
+def test_a_shard_swapped_for_a_fifo_after_the_check_does_not_block_the_read(tmp_path):
+    """DCP reads the shards itself, after the digests were checked: it opens them as the checks do."""
+    model, opt = trained()
+    final = save_allreduce(str(tmp_path), 4, model, opt, 1)
+    manifest = read_manifest(final)
+    shard = _shard(final, 0)
+    os.unlink(shard)
+    os.mkfifo(shard)
+    out = _bounded(lambda: load_ranges(final, manifest, {"model/0.weight": (0, 54)}), unblock=shard)
+    assert isinstance(out.get("error"), (UntrustedStateError, CorruptCheckpointError)), out
+    assert "not a regular file" in str(out["error"]) or os.path.basename(shard) in str(out["error"])
+
+
+def test_a_deeply_nested_manifest_is_a_one_line_error_naming_the_file(tmp_path):
+    folder = tmp_path / "run" / "checkpoints"
+    model, opt = trained()
+    save_allreduce(str(folder), 4, model, opt, 1)
+    final = save_allreduce(str(folder), 8, model, opt, 1)
+    with open(os.path.join(final, "manifest.json"), "w") as f:
+        f.write("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(CorruptCheckpointError, match="nested too deeply") as err:
+        read_manifest(final)
+    assert os.path.join(final, "manifest.json") in str(err.value)
+    assert find_resume_state(str(tmp_path / "run"), None)[1] == 4  # reported, the previous one used
+
+
+def test_a_shard_of_another_size_is_refused_before_it_is_hashed(tmp_path, monkeypatch):
+    import hashlib as real_hashlib
+
+    import virtualflow.runtime.dcp as dcp_mod
+
+    model, opt = trained()
+    final = save_allreduce(str(tmp_path), 4, model, opt, 1)
+    shard = _shard(final, 0)
+    os.truncate(shard, 4 << 30)  # 4 GiB, sparse: hashing it is what must not happen
+    hashed = []
+
+    class Counting:
+        @staticmethod
+        def sha256(*a):
+            h = real_hashlib.sha256(*a)
+
+            class Wrapped:
+                def update(self, block):
+                    hashed.append(len(block))
+                    if sum(hashed) > 64 << 20:
+                        raise AssertionError("hashed a file whose size already differs from the manifest's")
+                    h.update(block)
+
+                def hexdigest(self):
+                    return h.hexdigest()
+            return Wrapped()
+
+    monkeypatch.setattr(dcp_mod, "hashlib", Counting)
+    with pytest.raises(CorruptCheckpointError, match=f"{4 << 30} bytes, the manifest records"):
+        read_manifest(final)
+
+
+@pytest.mark.parametrize("link", ["rank", "checkpoints"])
+def test_symlinked_rank_and_checkpoints_folders_are_refused(tmp_path, link):
+    model, opt = trained()
+    real = save_allreduce(str(tmp_path / "elsewhere" / "checkpoints"), 4, model, opt, 1)
+    run = tmp_path / "run"
+    if link == "checkpoints":
+        os.makedirs(run)
+        os.symlink(os.path.dirname(real), run / "checkpoints")
+        where = str(run / "checkpoints")
+    else:
+        final = save_allreduce(str(run / "checkpoints"), 4, model, opt, 1)
+        shutil.rmtree(os.path.join(final, "rank-00000"))
+        os.symlink(os.path.join(real, "rank-00000"), os.path.join(final, "rank-00000"))
+        where = os.path.join(final, "rank-00000")
+    with pytest.raises(UntrustedStateError, match="symbolic link") as err:
+        find_resume_state(str(run), None)
+    assert where in str(err.value)
+
+
+# -- export of a model with tied weights (item 10) ------------------------------------------------
+class Tied(nn.Module):
+    """A language model's shape: the output matrix is the embedding's (one tensor, two names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte = nn.Embedding(11, 6)
+        self.mid = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mid(self.wte(idx))))
+
+
+def _trained_tied() -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = Tied()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.arange(8)).pow(2).mean().backward()
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("source", ["pt", "dcp"])
+def test_export_of_a_model_with_tied_weights_to_safetensors(tmp_path, source):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, load_model
+
+    from virtualflow.runtime.checkpoint import save_state, shared_names
+
+    model, opt = _trained_tied()
+    assert shared_names(model.state_dict()) == {"head.weight": "wte.weight"}
+    run = tmp_path / "run"
+    if source == "pt":
+        save_state(str(run / "final.pt"), {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 3,
+                                            "job": {}})
+    else:
+        pieces, rest = optimizer_pieces(opt.state_dict(), 0, 1)
+        meta = {**meta_of(model, rest, 3), "model_aliases": shared_names(model.state_dict())}
+        write_rank(str(run / "checkpoints" / "step-00000003.dcp"), 0, 1, "id", 3,
+                   model_pieces(model.state_dict(), 0, 1) + pieces, meta)
+        loaded = load_dcp_state(str(run / "checkpoints" / "step-00000003.dcp"))["model"]
+        assert loaded["head.weight"] is loaded["wte.weight"]  # tied again, as the model ties them
+    to = str(tmp_path / "model.safetensors")
+    _, step, n = export_model(str(run), to)
+    assert step == 3 and n == len(model.state_dict())
+    # the tensor is stored once, the alias recorded in the metadata
+    stored = load_file(to)
+    assert sorted(stored) == ["mid.bias", "mid.weight", "wte.weight"]
+    with safe_open(to, framework="pt") as f:
+        assert json.loads(f.metadata()["aliases"]) == {"head.weight": "wte.weight"}
+    # loaded back with safetensors' own load_model: the model's tie holds the trained matrix
+    fresh = Tied()
+    with torch.no_grad():
+        fresh.wte.weight.zero_()
+    assert load_model(fresh, to) == (set(), [])
+    assert fresh.head.weight is fresh.wte.weight
+    assert_state_equal(fresh.state_dict(), model.state_dict())
+    # or restored from the metadata into a plain state_dict
+    with safe_open(to, framework="pt") as f:
+        aliases = json.loads(f.metadata()["aliases"])
+    sd = {**stored, **{alias: stored[name] for alias, name in aliases.items()}}
+    other = Tied()
+    other.load_state_dict(sd)
+    x = torch.arange(11)
+    assert torch.equal(other(x), model(x))
+
+
+def test_export_of_the_tiny_lm_example_to_safetensors(tmp_path):
+    """``examples/tiny_lm.py`` ties its output matrix to the embedding (the export failed on it)."""
+    import importlib.util
+
+    from safetensors.torch import load_model
+
+    from virtualflow.runtime.checkpoint import save_state
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tiny_lm.py")
+    spec = importlib.util.spec_from_file_location("tiny_lm_for_export", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    torch.manual_seed(3)
+    model = mod.TinyGPT()
+    save_state(str(tmp_path / "run" / "final.pt"), {"model": model.state_dict(), "optimizer": {}, "step": 1,
+                                                     "job": {}})
+    to = str(tmp_path / "tiny.safetensors")
+    export_model(str(tmp_path / "run"), to)
+    torch.manual_seed(4)
+    fresh = mod.TinyGPT()
+    load_model(fresh, to)
+    assert fresh.head.weight is fresh.wte.weight
+    assert_state_equal(fresh.state_dict(), model.state_dict())

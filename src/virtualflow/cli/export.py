@@ -7,18 +7,28 @@ folder, the newest good one; damaged ones are reported and skipped). A sharded c
 chunks are reassembled whatever the number of workers that wrote them. ``.safetensors`` needs the
 ``safetensors`` package (``pip install virtualflow[export]``); ``.pt`` is a plain ``state_dict``
 (``torch.load(path, weights_only=True)``).
+
+Tied weights (one tensor under two names, as a language model's embedding and output matrix):
+a ``.pt`` file keeps them one tensor (``torch.save`` does). safetensors stores no shared tensors,
+so a ``.safetensors`` file holds each such tensor once, under its first name, and records the
+other names in its metadata, as :func:`safetensors.torch.save_model` does (``"aliases"``: a JSON
+object ``{alias: kept name}``). Load it into the model with
+``safetensors.torch.load_model(model, path)`` (it ties the names the model ties), or restore the
+names of a plain ``load_file``'s dict from the metadata (docs/elasticity.md shows both).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from typing import Any
 
 import torch
 
 from virtualflow.launching.resume import find_resume_state
 from virtualflow.records.rundir import atomic_write
-from virtualflow.runtime.checkpoint import load_state
+from virtualflow.runtime.checkpoint import load_state, shared_names
 from virtualflow.runtime.dcp import is_dcp, load_dcp_model
 
 FORMATS = (".safetensors", ".pt")
@@ -49,11 +59,29 @@ def export_model(source: str, to: str) -> tuple[str, int, int]:
     model = load_dcp_model(path) if is_dcp(path) else load_state(path)["model"]
     model = {k: v.detach().cpu().contiguous() for k, v in model.items()}
     if ext == ".safetensors":
-        data = st_save(model, metadata={"source": os.path.abspath(path), "step": str(step)})
-        atomic_write(to, data)
+        kept, aliases = untied(model)
+        metadata = {"source": os.path.abspath(path), "step": str(step)}
+        if aliases:
+            metadata["aliases"] = json.dumps(aliases, sort_keys=True)
+        atomic_write(to, st_save(kept, metadata=metadata))
     else:
         atomic_write(to, lambda f: torch.save(model, f))
     return path, step, len(model)
+
+
+def untied(model: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``model`` with each tied tensor under one name (its first), and ``{alias: kept name}`` of
+    the names dropped; any other tensors that still share memory (views of one storage) are
+    copied apart: a safetensors file holds no shared tensors."""
+    aliases = shared_names(model)
+    kept = {k: v for k, v in model.items() if k not in aliases}
+    users: dict[tuple[Any, ...], int] = {}
+    for v in kept.values():
+        if v.numel():
+            key = (v.device, v.untyped_storage().data_ptr())
+            users[key] = users.get(key, 0) + 1
+    return {k: v.clone() if v.numel() and users[(v.device, v.untyped_storage().data_ptr())] > 1 else v
+            for k, v in kept.items()}, aliases
 
 
 def main(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from virtualflow.config.options import add_arguments, options_from_args
 from virtualflow.plan.flops import describe as describe_throughput
 from virtualflow.records.result import TrainingError
 from virtualflow.records.rundir import DiskFullError
+from virtualflow.runtime.dcp import is_dcp
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -67,7 +68,9 @@ def throughput_line(rates: dict | None) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    run_dir = args.run_dir or (args.resume if args.resume and os.path.isdir(args.resume) else default_run_dir(args.job))
+    # --resume RUN_DIR continues that run there; a state file or a step-N.dcp folder starts a new run directory.
+    continuing = args.resume and os.path.isdir(args.resume) and not is_dcp(args.resume)
+    run_dir = args.run_dir or (args.resume if continuing else default_run_dir(args.job))
     options = options_from_args(args, run_dir=run_dir, progress=not args.no_progress)
     code = 0
     try:

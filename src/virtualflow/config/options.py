@@ -210,8 +210,9 @@ class LaunchOptions:
     async_checkpoint: bool = _opt(False, "with --checkpoint-format dcp: training goes on while the checkpoint is "
                                   "written (it stalls for the copy to host memory only; one save in flight)",
                                   "elasticity and fault tolerance")
-    resume: str | None = _opt(None, "continue from the newest good state of a run directory, or from a "
-                              "checkpoint file", "elasticity and fault tolerance", metavar="RUN_DIR_OR_FILE")
+    resume: str | None = _opt(None, "continue from the newest good state of a run directory (the same job's: "
+                              "the run directory records which), or from a checkpoint file or step-N.dcp folder",
+                              "elasticity and fault tolerance", metavar="RUN_DIR_OR_FILE")
     fault_plan: FaultPlan | None = _opt(None, "fault injection for tests (virtualflow.FaultPlan)",
                                         "elasticity and fault tolerance", flag=None)
     # -- heterogeneous workers --------------------------------------------------------------

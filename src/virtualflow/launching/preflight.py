@@ -117,14 +117,19 @@ def loss_hint(exc: Exception, batch: Any, model: torch.nn.Module, job: Job) -> s
     return text
 
 
-def preflight(job: Job, dataset: Any, plan: DataPlan | StreamPlan, *, reduction: str = "allreduce") -> None:
+def preflight(job: Job, dataset: Any, plan: DataPlan | StreamPlan, *,
+              reduction: str = "allreduce") -> list[tuple[str, tuple[int, ...], str]]:
     """Build the model and optimizer and run the loss on VN 0's batch of step 0, here (and check
-    that the optimizer can be sharded, with ``reduction="sharded"``)."""
+    that the optimizer can be sharded, with ``reduction="sharded"``). Returns the model's
+    ``state_dict`` signature: every entry's name, shape and dtype, in order (the run's identity,
+    :mod:`virtualflow.launching.identity`)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(job.seed)
         model = _call("Job.model", job.model)
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"Job.model must return a torch.nn.Module, got {type(model).__name__}")
+        signature = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                     for name, t in model.state_dict().items()]
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("the model has no trainable parameters (requires_grad=True); nothing to train")
@@ -147,6 +152,7 @@ def preflight(job: Job, dataset: Any, plan: DataPlan | StreamPlan, *, reduction:
         check_loss(loss, "on virtual node 0's batch of step 0")
         if job.compile is not False and job.pipeline is None:
             check_traceable(job, model, batch)
+    return signature
 
 
 def check_loop(job: Job, params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:

@@ -29,6 +29,7 @@ from virtualflow.config.options import LaunchOptions
 from virtualflow.config.pipeline import pipeline_of
 from virtualflow.control.autoscale import FixedPolicy, Limits, make_policy
 from virtualflow.launching.composition import check_pipeline_options
+from virtualflow.launching.identity import check_identity, job_label, record_identity, run_identity
 from virtualflow.launching.pipeline import plan_pipeline
 from virtualflow.launching.preflight import build_dataset, build_job, preflight
 from virtualflow.launching.resume import find_resume_state
@@ -36,6 +37,7 @@ from virtualflow.launching.supervisor import RunSetup
 from virtualflow.plan.hetero import check_memory
 from virtualflow.plan.streams import StreamPlan
 from virtualflow.plan.pipeline.geometry import check_workers, layers_of, resolve_bounds, shared_across_pieces
+from virtualflow.runtime.dcp import is_dcp, remove_discarded
 from virtualflow.runtime.pipeline.stage_shard import check_stage_sharding
 from virtualflow.plan.vnmap import contiguous_assignment, pipeline_assignment
 from virtualflow.runtime.streaming import data_plan_of
@@ -92,7 +94,7 @@ def prepare(job: JobLike, opts: LaunchOptions) -> Iterator[RunSetup]:
         # Each stage's optimizer state is sharded over its pipeline replicas
         # (runtime/pipeline/stage_shard.py); what that does not cover is refused here.
         check_stage_sharding(pipeline, tied=False, shard_replicas=opts.shard_replicas)
-    preflight(job_obj, dataset, plan, reduction=opts.reduction)
+    signature = preflight(job_obj, dataset, plan, reduction=opts.reduction)
     if pipeline is not None:
         pipeline = plan_pipeline(job_obj.replace(pipeline=pipeline), dataset, workers, device=opts.device,
                                  deterministic=opts.deterministic, checkpoint_format=opts.checkpoint_format)
@@ -108,7 +110,7 @@ def prepare(job: JobLike, opts: LaunchOptions) -> Iterator[RunSetup]:
     # private and locked before anything in it is read or written (see virtualflow.records.rundir).
     token = auth.read_token(opts.token_file, private=True) if opts.token_file is not None else None
     run_dir = opts.run_dir
-    if run_dir is None and opts.resume is not None and os.path.isdir(opts.resume):
+    if run_dir is None and opts.resume is not None and os.path.isdir(opts.resume) and not is_dcp(opts.resume):
         run_dir = opts.resume
     lock, created = claim_run_dir(run_dir)
     try:
@@ -120,7 +122,8 @@ def prepare(job: JobLike, opts: LaunchOptions) -> Iterator[RunSetup]:
                     f"the checkpoint {resume_path} is at step {resume_step}, which already reaches "
                     f"steps={total_steps}; ask for more steps (--steps/--epochs) to continue training"
                 )
-        state_dir = prepare_run_dir(run_dir, opts, resume_path, resume_step)
+        identity = run_identity(job_obj, job_label(job, source), signature)
+        state_dir = prepare_run_dir(run_dir, opts, resume_path, resume_step, identity)
         if run_dir is None and opts.checkpoint_every:
             logger.warning("checkpoint_every=%d without run_dir: the checkpoints go to the temporary folder %s, which "
                            "is removed when the run succeeds (kept if it fails); give run_dir= (--run-dir) to keep "
@@ -224,7 +227,8 @@ def claim_run_dir(run_dir: str | None) -> tuple[RunLock | None, bool]:
         raise
 
 
-def prepare_run_dir(run_dir: str | None, opts: LaunchOptions, resume_path: str | None, resume_step: int) -> str:
+def prepare_run_dir(run_dir: str | None, opts: LaunchOptions, resume_path: str | None, resume_step: int,
+                    identity: dict[str, Any] | None = None) -> str:
     """Make the (locked) run directory ready for this run; without one, a temporary state
     directory. Nothing is deleted that the run could need, and two runs never share one:
 
@@ -233,7 +237,11 @@ def prepare_run_dir(run_dir: str | None, opts: LaunchOptions, resume_path: str |
       about to be redone are dropped (no step twice in ``metrics.jsonl``), its events kept;
     * a new run where an earlier one left states: refused unless ``overwrite``; with it, and
       always for an earlier run's records alone, all it left is moved into
-      ``previous-<time>/`` (so checkpoint retention and resume never mix two runs)."""
+      ``previous-<time>/`` (so checkpoint retention and resume never mix two runs).
+
+    ``identity`` (:func:`virtualflow.launching.identity.run_identity`): the job's, recorded in the
+    run directory; a launch that continues a run of another job is refused before anything there
+    changes."""
     if run_dir is None:
         return tempfile.mkdtemp(prefix="virtualflow-")
     if resume_path is not None and continues(run_dir, resume_path):
@@ -241,9 +249,13 @@ def prepare_run_dir(run_dir: str | None, opts: LaunchOptions, resume_path: str |
             raise ValueError(f"overwrite=True (--overwrite) would set aside the states of {run_dir} that resume= "
                              f"continues from ({resume_path}); drop --overwrite to continue that run, or resume "
                              f"into another --run-dir")
+        if identity is not None:
+            check_identity(run_dir, identity)  # before anything of the run there changes
+            record_identity(run_dir, identity)  # a run directory from before identities adopts this one
         for name in ("summary.json", "status.json"):  # rewritten by this run
             if os.path.exists(os.path.join(run_dir, name)):
                 os.remove(os.path.join(run_dir, name))
+        remove_discarded(os.path.join(run_dir, "checkpoints"))  # what a prune cut short by a crash left
         dropped = trim_metrics(run_dir, resume_step)
         if dropped:
             logger.info("%s: dropped %d metric record(s) of steps from %d on, which the resumed run redoes",
@@ -251,6 +263,8 @@ def prepare_run_dir(run_dir: str | None, opts: LaunchOptions, resume_path: str |
         return run_dir
     leftovers = earlier_run(run_dir)
     if not leftovers:
+        if identity is not None:
+            record_identity(run_dir, identity)
         return run_dir
     states = state_files(run_dir)
     if states and not opts.overwrite:
@@ -262,12 +276,14 @@ def prepare_run_dir(run_dir: str | None, opts: LaunchOptions, resume_path: str |
         )
     dest = set_aside(run_dir, leftovers)
     logger.info("moved what an earlier run left in %s (%s) to %s", run_dir, ", ".join(leftovers), dest)
+    if identity is not None:
+        record_identity(run_dir, identity)
     return run_dir
 
 
 def continues(run_dir: str, resume_path: str) -> bool:
     """Whether ``resume_path`` is one of ``run_dir``'s own state files (the run there goes on)."""
-    folder = os.path.realpath(os.path.dirname(os.path.abspath(resume_path)))
+    folder = os.path.realpath(os.path.dirname(os.path.normpath(os.path.abspath(resume_path))))
     return folder in (os.path.realpath(run_dir), os.path.realpath(os.path.join(run_dir, "checkpoints")))
 
 

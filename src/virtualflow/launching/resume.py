@@ -3,7 +3,9 @@
 A run directory's states are ``final.pt`` (written when a run ends or is stopped),
 ``checkpoint.pt`` (the last good state before a non-finite loss), ``checkpoints/step-N.pt`` and
 the sharded ``checkpoints/step-N.dcp/`` (complete once so named: an interrupted save is a
-``.partial`` folder, never a candidate; every file is checked against its manifest); the newest
+``.partial`` folder, and a pruned one being deleted a ``.discarded-<hex>`` folder, never a
+candidate; every file is checked against its manifest); a symbolic link named ``checkpoints`` is
+refused. ``resume`` may also name one state file or ``step-N.dcp`` folder. The newest
 by step wins, whatever its kind (on a tie, ``final.pt``), among those the run's records reach: a
 state past the last step ``metrics.jsonl`` records was written by workers that trained on while
 the coordinator was cut off (their steps never recorded), so an earlier one is used and those
@@ -27,7 +29,7 @@ import torch
 
 from virtualflow.config.job import Job
 from virtualflow.records.rundir import STATE_FILES
-from virtualflow.runtime.checkpoint import CorruptCheckpointError, load_state
+from virtualflow.runtime.checkpoint import CorruptCheckpointError, UntrustedStateError, load_state
 from virtualflow.runtime.dcp import is_dcp, peek_dcp
 
 logger = logging.getLogger("virtualflow")
@@ -39,7 +41,9 @@ def find_resume_state(resume: str, job: Job | None) -> tuple[str, int]:
     """The newest good state file under ``resume`` (a run directory or a state file) that belongs
     to ``job`` (``None``: any job, as an export reads), and its step; corrupt or truncated files
     are reported and skipped."""
-    if os.path.isdir(resume):
+    if is_dcp(resume):  # a sharded checkpoint is a folder too: named, it is the state to resume
+        candidates = [(None, resume)]
+    elif os.path.isdir(resume):
         candidates = _candidates(resume)
         if not candidates:
             raise ValueError(
@@ -48,7 +52,7 @@ def find_resume_state(resume: str, job: Job | None) -> tuple[str, int]:
                 f"writes final.pt when it ends or is stopped, and checkpoints with checkpoint_every= "
                 f"(--checkpoint-every N)"
             )
-    elif os.path.isfile(resume) or is_dcp(resume):
+    elif os.path.isfile(resume):
         candidates = [(None, resume)]
     else:
         raise ValueError(f"resume={resume!r} is neither a run directory nor a checkpoint file")
@@ -65,7 +69,7 @@ def find_resume_state(resume: str, job: Job | None) -> tuple[str, int]:
             step = int(state["step"])
         ordered.append((step, 1 if path in loaded else 0, path))
     ordered.sort(reverse=True)
-    recorded = recorded_steps(resume) if os.path.isdir(resume) else None
+    recorded = recorded_steps(resume) if os.path.isdir(resume) and not is_dcp(resume) else None
     if recorded is not None and ordered and all(step > recorded for step, _, _ in ordered):
         recorded = None  # no state the records reach: the newest good one, as without records
     for step, _, path in ordered:
@@ -112,9 +116,14 @@ def _candidates(run_dir: str) -> list[tuple[int | None, str]]:
     out: list[tuple[int | None, str]] = [(None, os.path.join(run_dir, name)) for name in STATE_FILES
                                          if os.path.isfile(os.path.join(run_dir, name))]
     folder = os.path.join(run_dir, "checkpoints")
+    if os.path.islink(folder):
+        raise UntrustedStateError(
+            f"refusing to read {folder}: it is a symbolic link (to {os.readlink(folder)!r}), and a run's checkpoints "
+            f"are read only from its own folder (a link planted in a run directory must not redirect a resume); "
+            f"move the checkpoints into a real folder there, or pass one checkpoint's real path to --resume")
     if os.path.isdir(folder):
         for name in os.listdir(folder):
-            numbered = _NUMBERED.fullmatch(name)
+            numbered = _NUMBERED.fullmatch(name)  # never step-N.dcp.partial or .discarded-<hex>: no checkpoint
             if numbered is not None:  # a sharded checkpoint's folder is complete once named so
                 out.append((int(numbered.group(1)), os.path.join(folder, name)))
     return out

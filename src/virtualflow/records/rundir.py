@@ -53,8 +53,11 @@ FINAL_STATES = ("done", "failed", "stopped")
 
 STATE_FILES = ("final.pt", "checkpoint.pt")
 """State files at the top of a run directory (besides ``checkpoints/step-N.pt``)."""
+IDENTITY_FILE = "job_identity.json"
+"""Which job's run the directory holds (:mod:`virtualflow.launching.identity`)."""
 RUN_FILES = ("final.pt", "final.pt.sha256", "checkpoint.pt", "checkpoint.pt.sha256", "checkpoints",
-             "metrics.jsonl", "events.jsonl", "status.json", "summary.json", "token", "logs", "tensorboard", "profile")
+             "metrics.jsonl", "events.jsonl", "status.json", "summary.json", "token", "logs", "tensorboard", "profile",
+             IDENTITY_FILE)
 """Everything a run writes in its directory (besides its lock); what :func:`set_aside` moves."""
 LOCK_FILE = "coordinator.lock"
 
@@ -455,7 +458,7 @@ def read_json(path: str) -> dict[str, Any] | None:
     try:
         with open(path) as f:
             data = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested too deeply to be a record
         return None
     return restore_numbers(data) if isinstance(data, dict) else None
 

@@ -278,3 +278,50 @@ def _feed(h: Any, obj: Any) -> None:
     else:  # torch.dtype, torch.device, ...: what a weights-only load may return besides the above
         h.update(f"o{type(obj).__module__}.{type(obj).__qualname__}:{obj};".encode())
 
+
+_NUMBERED = re.compile(r"step-(\d+)\.pt")
+
+
+def prune_state_files(folder: str, keep: int, recorded: int | None = None) -> list[str]:
+    """Keep the newest ``keep`` state files ``step-N.pt`` of ``folder`` (and never the newest one
+    of a step below ``recorded``, the steps the run's records reach: see docs/elasticity.md, "The
+    coordinator cut off"); remove the others with their legacy ``.sha256`` sidecars, and sidecars
+    whose state file is gone (a prune cut short between the two removals). Each removal is one
+    ``unlink``: a crash leaves every file whole, and the newest ``keep`` there. Returns the
+    names removed."""
+    names = os.listdir(folder)
+    kept = sorted(n for n in names if _NUMBERED.fullmatch(n))
+    old_ones = kept[: max(0, len(kept) - keep)]
+    if recorded is not None:  # never remove the newest checkpoint the run's records reach
+        within = [n for n in kept if int(_NUMBERED.fullmatch(n).group(1)) <= recorded]  # type: ignore[union-attr]
+        if within and within[-1] in old_ones:
+            old_ones.remove(within[-1])
+    doomed = [n + suffix for n in old_ones for suffix in ("", ".sha256")]
+    doomed += [n for n in names if n.endswith(".sha256") and _NUMBERED.fullmatch(n[: -len(".sha256")])
+               and n[: -len(".sha256")] not in kept]
+    removed = []
+    for name in doomed:  # the state file before its sidecar: a sidecar alone is no state
+        try:
+            os.remove(os.path.join(folder, name))
+        except OSError:
+            continue
+        removed.append(name)
+    return removed
+
+
+def shared_names(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """``{alias: kept}`` for the tensors of ``tensors`` (a ``state_dict``) that are the same tensor
+    under another name (tied weights: the same storage, offset, shape, strides and dtype), each
+    mapped to the first of its names; empty tensors are never aliases. What a writer records so
+    that a reader can tie them again, as :func:`safetensors.torch.save_model` records it."""
+    first: dict[tuple[Any, ...], str] = {}
+    out: dict[str, str] = {}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or not t.numel() or t.layout != torch.strided or t.device.type == "meta":
+            continue
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if key in first:
+            out[name] = first[key]
+        else:
+            first[key] = name
+    return out

@@ -26,7 +26,9 @@ Invariants.
   whose ``rank-R.json`` completes the set merges them into ``manifest.json``, then renames the
   folder to ``step-N.dcp``. No worker waits for another. A crash at any moment leaves either a
   ``.partial`` folder (never read, removed by a later save) or a complete checkpoint; the
-  newest complete one is what a resume picks.
+  newest complete one is what a resume picks. Deleting holds to it too: a pruned checkpoint is
+  renamed ``step-N.dcp.discarded-<hex>`` before it is deleted (:func:`prune`), so no crash leaves
+  a ``step-N.dcp`` with files missing, and the newest ``keep`` complete ones stay whole.
 * **Nothing is unpickled from the folder but plain data.** DCP's ``.metadata`` is a pickle: it
   is written for interoperability and never read here. The reader builds DCP's metadata from
   ``manifest.json`` (JSON, with a SHA-256 of its own contents), verifies every listed file's
@@ -34,7 +36,10 @@ Invariants.
   ``torch.load(weights_only=True)``; ``meta.pt`` is read by :func:`load_state`. A missing,
   truncated, altered or foreign file is a :class:`~virtualflow.runtime.checkpoint.
   CorruptCheckpointError` naming the file and the fix, so a resume falls back to the previous
-  good checkpoint.
+  good checkpoint. Every file is opened below the folder without following a link and without
+  blocking (:func:`_open_member`) and must be a regular file: a link (a ``rank-N/`` folder
+  included) or a FIFO is an :class:`~virtualflow.runtime.checkpoint.UntrustedStateError`. A
+  file's size is checked before it is hashed.
 * **Asynchronous saves stall for the host copy only.** :class:`DcpSaver` copies the worker's
   pieces to host memory (into the buffers of its previous save when the layout is unchanged),
   then writes them on a thread; at most one save is in flight per worker
@@ -45,6 +50,7 @@ Invariants.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -52,6 +58,7 @@ import math
 import os
 import pickle
 import re
+import secrets
 import shutil
 import stat
 import threading
@@ -73,6 +80,9 @@ __all__ = ["DcpSaver", "Piece", "is_dcp", "load_checkpoint", "load_dcp_model", "
 
 SUFFIX = ".dcp"
 PARTIAL = ".partial"
+DISCARDED = ".discarded-"
+"""A complete checkpoint being deleted is first renamed ``step-N.dcp.discarded-<8 hex>``."""
+_FOLDER = re.compile(r"step-(\d+)\.dcp(\.partial)?(\.discarded-[0-9a-f]{8})?")
 MANIFEST = "manifest.json"
 META = "meta.pt"
 _FORMAT = "virtualflow-dcp-v1"
@@ -227,7 +237,7 @@ def write_rank(final: str, rank: int, world: int, save_id: str, step: int, piece
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-            causes = [exc, *getattr(exc, "failures", {}).values()]
+            causes = _causes(exc)
             full = next((e for e in (disk_full_error(c, mine) for c in causes) if e is not None), None)
             if full is not None:
                 raise full from None
@@ -267,10 +277,11 @@ def _finalize(final: str, world: int, save_id: str, step: int, keep: int | None)
     records = []
     for r in range(world):
         try:
-            with open(os.path.join(part, f"rank-{r:05d}.json"), "rb") as f:
-                rec = json.loads(f.read())
-        except (OSError, ValueError):
-            return False  # not there yet (its worker finalizes)
+            rec = json.loads(_read_file(part, f"rank-{r:05d}.json"))
+        except (OSError, ValueError, RecursionError, CorruptCheckpointError, UntrustedStateError):
+            return False  # not there yet (its worker finalizes), or not a record a worker wrote
+        if not isinstance(rec, dict):
+            return False
         if rec.get("save_id") != save_id:
             return False  # an earlier attempt's; its worker rewrites it
         records.append(rec)
@@ -318,19 +329,64 @@ def _finalize(final: str, world: int, save_id: str, step: int, keep: int | None)
 
 def prune(folder: str, step: int, keep: int | None) -> None:
     """After the checkpoint of ``step`` completed: remove partial folders of earlier steps (their
-    saves were interrupted) and, with ``keep``, all but the newest ``keep`` complete checkpoints."""
+    saves were interrupted), what an interrupted prune left (:data:`DISCARDED` folders) and, with
+    ``keep``, all but the newest ``keep`` complete checkpoints.
+
+    A complete checkpoint is first renamed out of the set of checkpoints (``step-N.dcp`` ->
+    ``step-N.dcp.discarded-<hex>``, one atomic rename), then deleted: a crash in the middle of
+    the deletion leaves a folder no reader takes for a checkpoint (removed by the next prune or
+    the next start, :func:`remove_discarded`), never a ``step-N.dcp`` with files missing. So after
+    any crash the newest ``keep`` complete checkpoints are there, whole."""
+    remove_discarded(folder)
     complete = []
     for name in os.listdir(folder):
-        m = re.fullmatch(r"step-(\d+)\.dcp(\.partial)?", name)
-        if m is None:
+        m = _FOLDER.fullmatch(name)
+        if m is None or m.group(3):
             continue
         if m.group(2) and int(m.group(1)) < step:
-            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)  # never read: no rename needed
         elif not m.group(2):
             complete.append(name)
     if keep is not None:
         for name in sorted(complete)[: max(0, len(complete) - keep)]:
-            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+            discard(os.path.join(folder, name))
+
+
+def discard(path: str) -> None:
+    """Delete the complete checkpoint folder ``path``: renamed first (it stops being a checkpoint at
+    once, whole), then removed. Another worker's prune taking it first is no error."""
+    doomed = f"{path}{DISCARDED}{secrets.token_hex(4)}"
+    try:
+        os.rename(path, doomed)
+    except OSError as exc:
+        logger.debug("discarding %s: %s", path, exc)
+        return
+    _fsync_dir(os.path.dirname(path))
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def remove_discarded(folder: str) -> list[str]:
+    """Remove what a prune interrupted by a crash left in ``folder`` (``step-N.dcp.discarded-<hex>``
+    folders, already no checkpoint); returns their names."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        m = _FOLDER.fullmatch(name)
+        if m is not None and m.group(3):
+            full = os.path.join(folder, name)
+            if os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(full)
+                except OSError:
+                    continue
+            removed.append(name)
+            logger.info("removed %s, a checkpoint whose deletion was interrupted", full)
+    return removed
 
 
 def _write_dcp_metadata(folder: str, entries: list[dict[str, Any]]) -> None:
@@ -354,15 +410,19 @@ def read_manifest(folder: str, *, verify_files: bool = True) -> dict[str, Any]:
     if not os.path.lexists(path):
         raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete (its save was interrupted); "
                                      f"resume from the previous checkpoint")
-    raw = _read_file(path)
+    raw = _read_file(folder, MANIFEST)
     try:
         manifest = json.loads(raw)
+        if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
+            raise CorruptCheckpointError(f"{path} is not a virtualflow checkpoint manifest ({_FORMAT}); {_FIX}")
+        body = {k: v for k, v in manifest.items() if k != "checksum"}
+        checksum = _json_digest(body)
+    except RecursionError:  # a manifest virtualflow writes is 4 levels deep
+        raise CorruptCheckpointError(f"{path} is nested too deeply to be a checkpoint manifest (altered); "
+                                     f"{_FIX}") from None
     except ValueError:
         raise CorruptCheckpointError(f"{path} is not valid JSON (truncated or altered); {_FIX}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
-        raise CorruptCheckpointError(f"{path} is not a virtualflow checkpoint manifest ({_FORMAT}); {_FIX}")
-    body = {k: v for k, v in manifest.items() if k != "checksum"}
-    if manifest.get("checksum") != _json_digest(body):
+    if manifest.get("checksum") != checksum:
         raise CorruptCheckpointError(f"{path} does not match its checksum (altered or damaged); {_FIX}")
     _check_manifest(path, manifest)
     named = re.fullmatch(r"step-(\d+)\.dcp", os.path.basename(os.path.normpath(folder)))
@@ -416,13 +476,22 @@ def _check_manifest(path: str, m: dict[str, Any]) -> None:
 
 
 def _verify_file(folder: str, name: str, want: dict[str, Any]) -> None:
+    """The file ``name`` of ``folder`` is a regular file (reached through no link) of the size and
+    SHA-256 the manifest records; the size is compared first, so a file of another size costs a
+    ``stat``, not a read of the whole file."""
     full = os.path.join(folder, name)
-    if not os.path.lexists(full):
-        raise CorruptCheckpointError(f"{full} is missing (the manifest lists it); {_FIX}")
-    got = _file_digest(full)
-    if got["bytes"] < want["bytes"]:
-        raise CorruptCheckpointError(f"{full} is truncated ({got['bytes']} bytes, the manifest records "
-                                     f"{want['bytes']}); {_FIX}")
+    fd = _open_member(folder, name)
+    try:
+        size = os.fstat(fd).st_size
+    except OSError as exc:
+        os.close(fd)
+        raise CorruptCheckpointError(f"cannot read {full}: {exc.strerror or exc}; {_FIX}") from None
+    if size != want["bytes"]:
+        os.close(fd)
+        what = "truncated" if size < want["bytes"] else "longer than its checkpoint wrote it"
+        raise CorruptCheckpointError(f"{full} is {what} ({size} bytes, the manifest records {want['bytes']}); "
+                                     f"{_FIX}")
+    got = _digest_of(fd, full)
     if got != want:
         raise CorruptCheckpointError(f"{full} does not match the manifest (sha256 {got['sha256'][:12]}…, recorded "
                                      f"{want['sha256'][:12]}…): it is another checkpoint's or job's file, or was "
@@ -451,11 +520,14 @@ def load_ranges(folder: str, manifest: dict[str, Any], ranges: dict[str, tuple[i
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 T = _dcp()
-                T.dcp.load(out, storage_reader=T.ManifestReader(folder, manifest["entries"], _DTYPES),
+                T.dcp.load(out, storage_reader=T.ManifestReader(folder, manifest["entries"], _DTYPES, _open_member),
                            planner=T.RangePlanner(ranges), no_dist=True)
         except (UntrustedStateError, CorruptCheckpointError, KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            ours = next((c for c in _causes(exc) if isinstance(c, (UntrustedStateError, CorruptCheckpointError))), None)
+            if ours is not None:  # a shard refused as it was opened (_open_member)
+                raise ours from None
             text = str(exc)
             if "Weights only load failed" in text or "WeightsUnpickler" in text:
                 raise UntrustedStateError(f"refusing to read {folder}: a shard holds a pickled object that is not a "
@@ -485,12 +557,19 @@ def load_dcp_state(folder: str, *, model_only: bool = False) -> dict[str, Any]:
         metas += [load_state(os.path.join(folder, f"rank-{s:05d}", META)) for s in range(1, int(pipeline["stages"]))]
     keys = [k for m in metas for k in m.get("model_keys", [])]
     keys = keys or sorted(f[len("model/"):] for f in wanted if f.startswith("model/"))
-    state = {k: v for k, v in meta.items() if k not in ("model", "model_keys", "optimizer", "stage")}
+    state = {k: v for k, v in meta.items() if k not in ("model", "model_keys", "model_aliases", "optimizer", "stage")}
     empty = {k: v for m in metas for k, v in (m.get("model") or {}).items()}  # tensors without elements
     try:
         state["model"] = {k: empty[k] if k in empty else flat[f"model/{k}"].view(shapes[f"model/{k}"]) for k in keys}
     except KeyError as exc:
         raise CorruptCheckpointError(f"{folder}: the model tensor {exc.args[0]} is in no shard; {_FIX}") from None
+    for m in metas:  # tied weights (written once per name) are one tensor again, as in the model
+        aliases = m.get("model_aliases")
+        for alias, kept in (aliases.items() if isinstance(aliases, dict) else ()):
+            if alias in state["model"] and kept in state["model"] and (
+                    state["model"][alias].shape == state["model"][kept].shape
+                    and state["model"][alias].dtype == state["model"][kept].dtype):
+                state["model"][alias] = state["model"][kept]
     if model_only:
         return state
     if isinstance(pipeline, dict):  # gather_state's layout: one optimizer and scheduler state per stage
@@ -594,6 +673,17 @@ class DcpSaver:
 
 
 # -- helpers ------------------------------------------------------------------------------------
+def _causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and, for DCP's ``CheckpointException``, what each rank raised (its ``failures``
+    map a rank to an ``(exception, traceback)`` pair)."""
+    out = [exc]
+    for failure in getattr(exc, "failures", {}).values():
+        cause = failure[0] if isinstance(failure, tuple) and failure else failure
+        if isinstance(cause, BaseException):
+            out.append(cause)
+    return out
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
     if name not in _DTYPES:
@@ -601,26 +691,86 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def _read_file(path: str) -> bytes:
-    if os.path.islink(path):
-        raise UntrustedStateError(f"refusing to read {path}: it is a symbolic link; checkpoint files are read only "
-                                  f"as regular files")
+def _refused_link(path: str) -> UntrustedStateError:
+    return UntrustedStateError(f"refusing to read {path}: it is a symbolic link; a checkpoint's files and folders are "
+                               f"read only as regular files and folders of the checkpoint itself")
+
+
+def _open_member(folder: str, name: str) -> int:
+    """A read-only descriptor of the regular file ``name`` (``rank-00000/__0_0.distcp``,
+    ``manifest.json``) of the checkpoint ``folder``. Every component below ``folder`` is opened
+    with ``O_NOFOLLOW`` relative to its parent (a symbolic link anywhere, a ``rank-N/`` folder
+    included, is refused, with no race between a check and the open), the file with
+    ``O_NONBLOCK`` (a FIFO must not block the open) and checked to be a regular file before
+    anything is read."""
+    nofollow, nonblock = getattr(os, "O_NOFOLLOW", 0), getattr(os, "O_NONBLOCK", 0)
+    cloexec, directory = getattr(os, "O_CLOEXEC", 0), getattr(os, "O_DIRECTORY", 0)
+    *dirs, leaf = name.split("/")
+    where = folder
     try:
-        with open(path, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise UntrustedStateError(f"refusing to read {path}: not a regular file")
+        dfd = os.open(folder, os.O_RDONLY | directory | cloexec)
+    except OSError as exc:
+        raise CorruptCheckpointError(f"cannot read {folder}: {exc.strerror or exc}; {_FIX}") from None
+    try:
+        for part in dirs:
+            where = os.path.join(where, part)
+            try:
+                fd = os.open(part, os.O_RDONLY | directory | nofollow | cloexec, dir_fd=dfd)
+            except OSError as exc:
+                raise _open_error(where, exc) from None
+            os.close(dfd)
+            dfd = fd
+        where = os.path.join(where, leaf)
+        try:
+            fd = os.open(leaf, os.O_RDONLY | nofollow | nonblock | cloexec, dir_fd=dfd)
+        except OSError as exc:
+            raise _open_error(where, exc) from None
+    finally:
+        os.close(dfd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UntrustedStateError(f"refusing to read {where}: it is not a regular file (a FIFO, device or "
+                                      f"folder where the checkpoint has a file); {_FIX}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_error(path: str, exc: OSError) -> Exception:
+    """What failing to open a component ``path`` of a checkpoint means."""
+    if os.path.islink(path) or exc.errno == errno.ELOOP:
+        return _refused_link(path)
+    if exc.errno == errno.ENOENT:
+        return CorruptCheckpointError(f"{path} is missing (the manifest lists it); {_FIX}")
+    if exc.errno == errno.ENOTDIR:
+        return CorruptCheckpointError(f"{path} is not a folder (a checkpoint's rank-N is one); {_FIX}")
+    return CorruptCheckpointError(f"cannot read {path}: {exc.strerror or exc}; {_FIX}")
+
+
+def _read_file(folder: str, name: str) -> bytes:
+    """The bytes of the regular file ``name`` of the checkpoint ``folder`` (see :func:`_open_member`)."""
+    fd = _open_member(folder, name)
+    try:
+        with os.fdopen(fd, "rb") as f:
             return f.read()
     except OSError as exc:
-        raise CorruptCheckpointError(f"cannot read {path}: {exc.strerror or exc}; {_FIX}") from None
+        raise CorruptCheckpointError(f"cannot read {os.path.join(folder, name)}: {exc.strerror or exc}; "
+                                     f"{_FIX}") from None
 
 
 def _file_digest(path: str) -> dict[str, Any]:
-    if os.path.islink(path):
-        raise UntrustedStateError(f"refusing to read {path}: it is a symbolic link; checkpoint files are read only "
-                                  f"as regular files")
+    """Size and SHA-256 of a file this worker just wrote (a checkpoint being made)."""
+    folder, name = os.path.split(path)
+    fd = _open_member(folder, name)
+    return _digest_of(fd, path)
+
+
+def _digest_of(fd: int, path: str) -> dict[str, Any]:
+    """Size and SHA-256 of the open file ``fd`` (closed here)."""
     h, n = hashlib.sha256(), 0
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(fd, "rb") as f:
             while block := f.read(1 << 22):
                 h.update(block)
                 n += len(block)

@@ -7,13 +7,16 @@ that writes or reads a sharded checkpoint pays for it (:func:`virtualflow.runtim
 
 from __future__ import annotations
 
+import io
 import math
-from typing import Any
+import os
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp  # noqa: F401 - save/load, used by runtime/dcp.py
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 # private: what DCP's reader looks files up by (checked on torch 2.13)
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -63,12 +66,34 @@ def metadata_of(entries: list[dict[str, Any]], dtypes: dict[str, torch.dtype]) -
     return Metadata(state_dict_metadata=md, storage_data=storage)
 
 
+class _MemberFileSystem(FileSystem):
+    """DCP's file access, with every shard opened by ``opener(folder, relative name)``
+    (:func:`virtualflow.runtime.dcp._open_member`: no link followed, a FIFO refused without
+    blocking), so that a file swapped after the digests were checked cannot hang or redirect
+    the read."""
+
+    def __init__(self, folder: str, opener: Callable[[str, str], int]) -> None:
+        super().__init__()
+        self._folder, self._opener = folder, opener
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if mode != "rb":
+            raise ValueError(f"a checkpoint being read is not written ({path}, mode {mode!r})")
+        name = os.path.relpath(os.fspath(path), self._folder).replace(os.sep, "/")
+        with os.fdopen(self._opener(self._folder, name), "rb") as stream:
+            yield stream
+
+
 class ManifestReader(FileSystemReader):
     """DCP's file reader with its metadata built from the verified manifest (never unpickled)."""
 
-    def __init__(self, folder: str, entries: list[dict[str, Any]], dtypes: dict[str, torch.dtype]) -> None:
+    def __init__(self, folder: str, entries: list[dict[str, Any]], dtypes: dict[str, torch.dtype],
+                 opener: Callable[[str, str], int] | None = None) -> None:
         super().__init__(folder)
         self._md = metadata_of(entries, dtypes)
+        if opener is not None:
+            self.fs = _MemberFileSystem(os.fspath(self.path), opener)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         return self._md

@@ -8,7 +8,7 @@ state directory and their contents are an engine's whole state plus ``step`` and
 job's name, global batch size, virtual nodes and seed), in that key order, then ``callbacks``
 (the job's callbacks' state, :meth:`virtualflow.runtime.callbacks.Callbacks.state_dict`) when a
 callback has state; pruning keeps the newest ``keep_checkpoints`` files (and their
-``.sha256``). With ``checkpoint_format="dcp"`` a checkpoint is the folder
+``.sha256``; :func:`virtualflow.runtime.checkpoint.prune_state_files`). With ``checkpoint_format="dcp"`` a checkpoint is the folder
 ``checkpoints/step-<8 digits>.dcp/`` every member writes its part of (:mod:`virtualflow.runtime.
 dcp`), with the same contents (the big tensors in chunks, the rest in rank 0's ``meta.pt``);
 the worker completing it prunes to ``keep_checkpoints``. An evaluation runs the model in eval
@@ -28,7 +28,7 @@ from virtualflow.comm import protocol
 from virtualflow.comm.groups import Group
 from virtualflow.config.job import Job
 from virtualflow.runtime.channel import Reporter
-from virtualflow.runtime.checkpoint import save_state
+from virtualflow.runtime.checkpoint import prune_state_files, save_state
 from virtualflow.runtime.dcp import SUFFIX, DcpSaver, Piece, write_rank
 from virtualflow.runtime.worker_config import WorkerConfig
 
@@ -66,12 +66,6 @@ def evaluate(report: Reporter, job: Job, model: torch.nn.Module, step: int) -> d
     return metrics
 
 
-def _step_of(name: str) -> int | None:
-    """The step in a checkpoint's file name (``step-00000008.pt``), or None."""
-    digits = name[5:].partition(".")[0]
-    return int(digits) if name.startswith("step-") and digits.isdigit() else None
-
-
 class WorkerBoundary:
     """Checkpoints and evaluations of one worker's run (see the module docstring)."""
 
@@ -107,20 +101,7 @@ class WorkerBoundary:
         path = checkpoint_path(self.cfg.state_dir, step)
         save_state(path, state)
         if prune:
-            folder = os.path.dirname(path)
-            kept = sorted(f for f in os.listdir(folder) if f.startswith("step-") and f.endswith(".pt"))
-            old_ones = kept[: max(0, len(kept) - self.cfg.keep_checkpoints)]
-            recorded = self.recorded_steps()
-            if recorded is not None:  # never remove the newest checkpoint the run's records reach
-                within = [f for f in kept if _step_of(f) is not None and _step_of(f) <= recorded]
-                if within and within[-1] in old_ones:
-                    old_ones.remove(within[-1])
-            for old in old_ones:
-                for suffix in ("", ".sha256"):
-                    try:
-                        os.remove(os.path.join(folder, old + suffix))
-                    except OSError:
-                        pass
+            prune_state_files(os.path.dirname(path), self.cfg.keep_checkpoints, self.recorded_steps())
         return path
 
     def recorded_steps(self) -> int | None:

@@ -26,6 +26,7 @@ import torch
 from virtualflow.comm.groups import Group
 from virtualflow.plan.data import DataPlan
 from virtualflow.runtime.engine import StepOutcome, VNEngine
+from virtualflow.runtime.checkpoint import shared_names
 from virtualflow.runtime.dcp import Piece, model_pieces, optimizer_pieces, sharded_optimizer_pieces
 from virtualflow.runtime.streaming import loader_of
 from virtualflow.runtime.engines import Boundary, Joining
@@ -250,7 +251,8 @@ class VNWorkerEngine:
         if group.rank != 0:
             return pieces, None
         empty = {k: v.detach().cpu() for k, v in model.items() if not v.numel()}  # in no chunk: kept here
-        return pieces, {"model": empty, "model_keys": list(model), "optimizer": rest, **self.small_state()}
+        return pieces, {"model": empty, "model_keys": list(model), "model_aliases": shared_names(model),
+                        "optimizer": rest, **self.small_state()}
 
     def boundary(self, group: Group, step: int, work: Boundary) -> None:
         self.vn.raise_deferred()  # shard_replicas=1: the step is applied, its all-gather failed

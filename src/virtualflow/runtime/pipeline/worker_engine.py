@@ -41,6 +41,7 @@ from virtualflow.comm.groups import Group
 from virtualflow.plan.pipeline.geometry import Grid, check_workers, layers_of, resolve_bounds
 from virtualflow.config.pipeline import Pipeline
 from virtualflow.plan.replica_shares import replica_blocks
+from virtualflow.runtime.checkpoint import shared_names
 from virtualflow.runtime.dcp import Piece, model_pieces, optimizer_pieces
 from virtualflow.runtime.engine import StepOutcome
 from virtualflow.runtime.streaming import data_plan_of, loader_of
@@ -524,7 +525,7 @@ class PipelineWorkerEngine:
             return pieces, None
         meta: dict[str, Any] = {
             "model": {n: v.detach().cpu() for n, v in model.items() if not v.numel()}, "model_keys": list(model),
-            "optimizer": rest, "stage": s,
+            "model_aliases": shared_names(model), "optimizer": rest, "stage": s,
             "lr_scheduler": stage.scheduler.state_dict() if stage.scheduler is not None else None,
             "grad_scaler": scaler_state(stage),
             "param_names": [n for n, _ in stage.model.named_parameters()],  # the optimizer's order
