@@ -53,13 +53,14 @@ def meta_of(model: nn.Module, rest: dict, step: int) -> dict:
 
 
 def save_allreduce(folder: str, step: int, model: nn.Module, opt: torch.optim.Optimizer, world: int,
-                   ranks: list[int] | None = None) -> str:
-    """The checkpoint of ``step`` as ``world`` all-reduce workers write it (only ``ranks``: a crash)."""
+                   ranks: list[int] | None = None, recorded=None) -> str:
+    """The checkpoint of ``step`` as ``world`` all-reduce workers write it (only ``ranks``: a crash;
+    ``recorded``: the run's records' reach, as the worker asks the coordinator's store)."""
     final = os.path.join(folder, f"step-{step:08d}.dcp")
     for r in range(world) if ranks is None else ranks:
         pieces, rest = optimizer_pieces(opt.state_dict(), r, world)
         write_rank(final, r, world, f"id/s{step}", step, model_pieces(model.state_dict(), r, world) + pieces,
-                   meta_of(model, rest, step) if r == 0 else None, keep=2)
+                   meta_of(model, rest, step) if r == 0 else None, keep=2, recorded=recorded)
     return final
 
 
@@ -552,6 +553,23 @@ def test_a_crash_in_the_middle_of_a_prune_leaves_the_newest_two_complete(tmp_pat
     monkeypatch.undo()
     save_allreduce(str(folder), 16, model, opt, 2)
     assert sorted(os.listdir(folder)) == ["step-00000012.dcp", "step-00000016.dcp"]
+
+
+def test_the_newest_sharded_checkpoint_the_records_reach_is_never_pruned(tmp_path):
+    """Workers cut off from the coordinator may train on, and checkpoint, steps nobody recorded:
+    the newest checkpoint the records reach stays (docs/elasticity.md, "The coordinator cut off"),
+    as with single-file checkpoints, and is the one a resume starts from."""
+    folder = tmp_path / "run" / "checkpoints"
+    model, opt = trained()
+    for step in (4, 8, 12, 16):
+        save_allreduce(str(folder), step, model, opt, 2, recorded=lambda: 5)
+    assert sorted(os.listdir(folder)) == ["step-00000004.dcp", "step-00000012.dcp", "step-00000016.dcp"]
+    asked = []
+    save_allreduce(str(folder), 20, model, opt, 2, recorded=lambda: asked.append(1) or 13)  # the records moved on
+    assert sorted(os.listdir(folder)) == ["step-00000012.dcp", "step-00000016.dcp", "step-00000020.dcp"]
+    assert asked  # asked at the prune, not before the save
+    save_allreduce(str(folder), 24, model, opt, 2, recorded=lambda: None)  # the store says nothing: the newest two
+    assert sorted(os.listdir(folder)) == ["step-00000020.dcp", "step-00000024.dcp"]
 
 
 def test_what_an_interrupted_prune_left_is_removed_and_never_read(tmp_path):

@@ -210,12 +210,14 @@ def partial_dir(final: str) -> str:
 
 def write_rank(final: str, rank: int, world: int, save_id: str, step: int, pieces: list[Piece],
                meta: dict[str, Any] | None, keep: int | None = None,
-               written: Callable[[], None] | None = None) -> bool:
+               written: Callable[[], None] | None = None,
+               recorded: Callable[[], int | None] | None = None) -> bool:
     """Write worker ``rank``'s part of the checkpoint ``final`` (a ``….dcp`` folder) into its
     partial folder; the worker completing the set finalizes it (see the module docstring).
     ``meta``: rank 0's ``meta.pt`` contents. ``keep``: after finalizing, keep this many complete
     checkpoints in the folder. ``written``: called once the tensors are on disk, before the part
-    is marked complete (fault injection). Returns whether this call finalized the checkpoint."""
+    is marked complete (fault injection). ``recorded``: the steps the run's records reach, asked
+    when pruning (:func:`prune`). Returns whether this call finalized the checkpoint."""
     part = partial_dir(final)
     mine = os.path.join(part, f"rank-{rank:05d}")
     marker = os.path.join(part, f"rank-{rank:05d}.json")
@@ -263,7 +265,7 @@ def write_rank(final: str, rank: int, world: int, save_id: str, step: int, piece
     record = {"format": _RANK_FORMAT, "save_id": save_id, "rank": rank, "world": world, "step": step,
               "entries": sorted(entries, key=lambda e: (e["fqn"], e["lo"])), "files": files}
     atomic_write(marker, lambda f: f.write(json.dumps(record).encode()))
-    return _finalize(final, world, save_id, step, keep)
+    return _finalize(final, world, save_id, step, keep, recorded)
 
 
 def _claim_name(save_id: str) -> str:
@@ -271,7 +273,8 @@ def _claim_name(save_id: str) -> str:
     return ".finalizing-" + hashlib.sha256(save_id.encode()).hexdigest()[:16]
 
 
-def _finalize(final: str, world: int, save_id: str, step: int, keep: int | None) -> bool:
+def _finalize(final: str, world: int, save_id: str, step: int, keep: int | None,
+              recorded: Callable[[], int | None] | None = None) -> bool:
     """Merge the workers' records into the manifest and rename, once every worker's is there."""
     part = partial_dir(final)
     records = []
@@ -323,11 +326,11 @@ def _finalize(final: str, world: int, save_id: str, step: int, keep: int | None)
             os.unlink(os.path.join(final, name))  # merged into the manifest; the claim
         except OSError:
             pass
-    prune(os.path.dirname(final), step, keep)
+    prune(os.path.dirname(final), step, keep, recorded)
     return True
 
 
-def prune(folder: str, step: int, keep: int | None) -> None:
+def prune(folder: str, step: int, keep: int | None, recorded: Callable[[], int | None] | None = None) -> None:
     """After the checkpoint of ``step`` completed: remove partial folders of earlier steps (their
     saves were interrupted), what an interrupted prune left (:data:`DISCARDED` folders) and, with
     ``keep``, all but the newest ``keep`` complete checkpoints.
@@ -336,7 +339,12 @@ def prune(folder: str, step: int, keep: int | None) -> None:
     ``step-N.dcp.discarded-<hex>``, one atomic rename), then deleted: a crash in the middle of
     the deletion leaves a folder no reader takes for a checkpoint (removed by the next prune or
     the next start, :func:`remove_discarded`), never a ``step-N.dcp`` with files missing. So after
-    any crash the newest ``keep`` complete checkpoints are there, whole."""
+    any crash the newest ``keep`` complete checkpoints are there, whole.
+
+    ``recorded`` (asked only when something would be removed) gives the steps the run's records
+    reach, or None: the newest checkpoint at or below that step is never removed, as
+    :func:`~virtualflow.runtime.checkpoint.prune_state_files` does for single files (see
+    docs/elasticity.md, "The coordinator cut off")."""
     remove_discarded(folder)
     complete = []
     for name in os.listdir(folder):
@@ -347,9 +355,17 @@ def prune(folder: str, step: int, keep: int | None) -> None:
             shutil.rmtree(os.path.join(folder, name), ignore_errors=True)  # never read: no rename needed
         elif not m.group(2):
             complete.append(name)
-    if keep is not None:
-        for name in sorted(complete)[: max(0, len(complete) - keep)]:
-            discard(os.path.join(folder, name))
+    if keep is None:
+        return
+    complete.sort(key=lambda n: int(_FOLDER.fullmatch(n).group(1)))  # type: ignore[union-attr]
+    old_ones = complete[: max(0, len(complete) - keep)]
+    reach = recorded() if old_ones and recorded is not None else None
+    if reach is not None:  # never remove the newest checkpoint the run's records reach
+        within = [n for n in complete if int(_FOLDER.fullmatch(n).group(1)) <= reach]  # type: ignore[union-attr]
+        if within and within[-1] in old_ones:
+            old_ones.remove(within[-1])
+    for name in old_ones:
+        discard(os.path.join(folder, name))
 
 
 def discard(path: str) -> None:

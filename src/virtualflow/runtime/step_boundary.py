@@ -133,8 +133,9 @@ class WorkerBoundary:
         os.makedirs(os.path.dirname(final), exist_ok=True)
         point = self.fault_point
         written = (lambda: point(step, "during_checkpoint")) if point is not None else None
-        self.saver.save(lambda staged: write_rank(final, rank, world, save_id, step, staged, meta, keep, written),
-                        pieces)
+        recorded = self.recorded_steps
+        self.saver.save(lambda staged: write_rank(final, rank, world, save_id, step, staged, meta, keep, written,
+                                                  recorded), pieces)
         return final
 
     def drain(self) -> None:
