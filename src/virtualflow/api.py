@@ -74,7 +74,8 @@ def wait_restarting(handle: JobHandle, job: JobLike) -> tuple[Result, JobHandle]
         except TrainingError as exc:
             state_dir = handle.state_dir
             checkpoints = os.path.join(state_dir, "checkpoints")
-            has_checkpoint = os.path.isdir(checkpoints) and any(f.endswith(".pt") for f in os.listdir(checkpoints))
+            has_checkpoint = os.path.isdir(checkpoints) and any(  # a state file or a complete sharded one
+                f.endswith(".pt") or f.endswith(".dcp") for f in os.listdir(checkpoints))
             if not exc.fallback_restart or restarts >= MAX_FALLBACK_RESTARTS or not has_checkpoint:
                 raise
             restarts += 1
