@@ -9,9 +9,6 @@ import signal
 import sys
 import time
 
-import virtualflow as vf
-from virtualflow.backends.ray import RayNotInstalled
-from virtualflow.api import stop_interrupted, wait_restarting
 from virtualflow.config.options import add_arguments, options_from_args
 from virtualflow.plan.flops import describe as describe_throughput
 from virtualflow.records.result import TrainingError
@@ -67,6 +64,11 @@ def throughput_line(rates: dict | None) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    # Here, not at the top: `virtualflow run --help` (and every other verb) answers without torch.
+    import virtualflow as vf
+    from virtualflow.api import stop_interrupted, wait_restarting
+    from virtualflow.backends.ray import RayNotInstalled
+
     run_dir = args.run_dir or (args.resume if args.resume and os.path.isdir(args.resume) else default_run_dir(args.job))
     options = options_from_args(args, run_dir=run_dir, progress=not args.no_progress)
     code = 0

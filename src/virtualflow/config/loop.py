@@ -15,9 +15,10 @@ this project trained before these knobs existed.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
 
-import torch
+if TYPE_CHECKING:  # torch loads where it is used: the CLI's parsers read this module without it
+    import torch
 
 __all__ = ["CALLBACK_METHODS", "PRECISIONS", "SCALER_KNOBS", "Callback", "StepInfo", "autocast_dtype", "check_activation_checkpointing",
            "check_compile", "check_loss_scale", "check_max_grad_norm", "check_precision", "scaler_settings"]
@@ -41,6 +42,8 @@ def check_precision(value: Any, knob: str = "Job.precision (--precision)") -> st
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
     """The dtype ``torch.autocast`` runs the forward in, or ``None`` for ``"32"``."""
+    import torch
+
     return {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}[check_precision(precision)]
 
 
@@ -89,6 +92,8 @@ def check_activation_checkpointing(value: Any, knob: str = "Job.activation_check
     if value is None or value == "every":
         return value
     if isinstance(value, type):
+        import torch
+
         if not issubclass(value, torch.nn.Module):
             raise TypeError(f"activation_checkpointing={value.__name__} is a class but not a torch.nn.Module; give a "
                             f"module class, module names or 'every' ({knob})")
