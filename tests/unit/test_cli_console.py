@@ -140,3 +140,26 @@ def test_plot_without_lr_or_grad_norm_draws_the_loss_only(tmp_path):
     fig = runs_figure([run_dir])
     assert [ax.get_title() for ax in fig.axes] == ["training loss"]
     assert fig.axes[0].get_yscale() == "linear"  # a negative loss cannot be drawn on a log scale
+
+
+def test_the_start_up_split_names_the_workers_of_each_stage():
+    """A 3-D job's start-up named "piece 1 (worker 1)" for a stage run by workers 2-3."""
+    from torch import nn
+
+    from virtualflow.plan.pipeline.geometry import describe_split, stage_workers
+
+    layers = [nn.Linear(2, 2) for _ in range(4)]
+    bounds = [(0, 2), (2, 4)]
+    # 2 stages x 2 tensor-parallel workers, 1 replica: rank = stage * 2 + t
+    text = describe_split(layers, bounds, stages=2, replicas=1, tensor=2)
+    assert text.splitlines()[0].startswith("  piece 0 (stage 0: workers 0\u20131): layers 0-1")
+    assert text.splitlines()[1].startswith("  piece 1 (stage 1: workers 2\u20133): layers 2-3")
+    # 2 replicas of the same: stage 1 is workers 2-3 and 6-7
+    assert stage_workers(1, stages=2, replicas=2, tensor=2) == "workers 2\u20133, 6\u20137"
+    # a plain pipeline of 2 stages x 3 replicas: stage 1 is workers 1, 3 and 5
+    assert stage_workers(1, stages=2, replicas=3) == "workers 1, 3, 5"
+    # a single pipeline: the line it always had
+    assert describe_split(layers, bounds, stages=2).splitlines()[1].startswith("  piece 1 (worker 1): layers 2-3")
+    # interleaved chunks: piece 3 of 4 runs on stage 1
+    four = [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert describe_split(layers, four, stages=2).splitlines()[3].startswith("  piece 3 (stage 1: worker 1)")

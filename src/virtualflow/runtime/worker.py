@@ -452,7 +452,11 @@ class Worker:
         gen, rank = record.generation, group.rank
         profiler = self.profiler
         while step < cfg.total_steps:
-            control = self.heartbeat.control_seq if rank == 0 else 0
+            # Rank 0's control position, read by the engine when it packs the step's statistics (not
+            # now): a command given while the step computes (Ctrl-C's stop) lands at this step's
+            # boundary, not the next one's.
+            heartbeat = self.heartbeat
+            control = (lambda: heartbeat.control_seq) if rank == 0 else 0
             lr = engine.learning_rate()  # the rate this step uses (a scheduler moves it after the step)
             if profiler is not None:
                 profiler.before(step)

@@ -320,7 +320,7 @@ class MembershipController:
                 self._retries = 0
                 self._measure(r)
         elif kind == "done":
-            self._enter(Phase.FINISHED, "the job's last step is done")
+            self._enter(Phase.FINISHED, finished_why(r.get("step"), self.coord.progress.stop_request))
 
     def _measure(self, r: dict[str, Any]) -> None:
         """A step report of the current generation into the speed policy; once 12 steps of a
@@ -608,3 +608,11 @@ class MembershipController:
             if w not in self.members:
                 rows.append({"id": w, "pid": self.launcher.pid(w), "rank": None, "vns": [], "state": "starting"})
         return rows
+
+
+def finished_why(steps: Any, stop_request: str | None) -> str:
+    """Why the job finished, for the log line and the ``membership_phase`` event: its last step
+    is done, or it was stopped (Ctrl-C, SIGTERM, ``stop()``, a callback) after ``steps`` steps."""
+    if stop_request is None:
+        return "the job's last step is done"
+    return f"stopped after {steps} steps: {stop_request}"

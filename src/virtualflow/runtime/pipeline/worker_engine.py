@@ -561,9 +561,11 @@ class PipelineWorkerEngine:
     def close(self) -> None:
         pass  # the tensor-parallel groups stay: the final state is gathered after this (a daemon thread)
 
-    def step(self, step: int, control: int = 0) -> StepOutcome:
+    def step(self, step: int, control: int | Callable[[], int] = 0) -> StepOutcome:
         if step in self._results:
             return self._results.pop(step)
+        if callable(control):  # read before the schedule: its statistics travel in the stages' messages
+            control = int(control())
         n = 1
         if not self.pipeline.flush:
             end = self.total_steps if self.total_steps is not None else step + self.pipeline.window
