@@ -163,3 +163,34 @@ def test_the_start_up_split_names_the_workers_of_each_stage():
     # interleaved chunks: piece 3 of 4 runs on stage 1
     four = [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert describe_split(layers, four, stages=2).splitlines()[3].startswith("  piece 3 (stage 1: worker 1)")
+
+
+def test_log_lines_go_above_the_progress_bar_not_onto_it():
+    """A log line during a run was written after the bar's text on the same line."""
+    import io
+    import logging
+
+    from tqdm.auto import tqdm
+
+    from virtualflow.cli.main import ConsoleHandler
+
+    stream = io.StringIO()
+    log = logging.getLogger("virtualflow.test_console")
+    log.propagate = False
+    handler = ConsoleHandler(stream)
+    log.addHandler(handler)
+    try:
+        bar = tqdm(total=10, desc="job", file=stream, mininterval=0, ascii=True, ncols=60)
+        bar.update(3)
+        log.warning("hello from the run")
+        bar.update(1)
+        bar.close()
+    finally:
+        log.removeHandler(handler)
+    text = stream.getvalue()
+    import re
+
+    match = re.search(r"\r( *)\r(\d\d:\d\d:\d\d WARNING virtualflow.test_console: hello from the run\n)", text)
+    # the bar is cleared (a return, blanks over it, a return) and the line starts at column 0
+    assert match and len(match.group(1)) > 0, repr(text)
+    assert "3/10" in text[:match.start()] and "4/10" in text[match.end():]  # the bar is drawn again under it

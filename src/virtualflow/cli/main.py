@@ -109,12 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(_verb(argv) if _module_of(_verb(argv) or "") else "")
     args = parse(parser, argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-    )
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[ConsoleHandler(sys.stderr)])
     try:
         return args.func(args)
     except (ValueError, TypeError) as exc:
@@ -132,6 +127,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"virtualflow {args.command}: failed: {type(exc).__name__}: {_one_line(exc)} (--verbose shows the "
               f"traceback)", file=sys.stderr)
         return 1
+
+
+class ConsoleHandler(logging.StreamHandler):
+    """The console's log lines, written through the progress bar: a line goes above a live bar
+    (``tqdm.write`` clears it, writes, redraws it) instead of being glued onto its end. tqdm is
+    imported at the first line logged, so a verb that logs nothing does not load it."""
+
+    def __init__(self, stream) -> None:
+        super().__init__(stream)
+        self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm.auto import tqdm  # the class the run's progress bar is made of (launching/supervisor.py)
+        except ImportError:  # no tqdm, no bar: a plain line
+            super().emit(record)
+            return
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+            self.flush()
+        except Exception:  # noqa: BLE001 - logging must not raise (the logging module's own rule)
+            self.handleError(record)
 
 
 def _one_line(exc: BaseException) -> str:
