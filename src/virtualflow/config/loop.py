@@ -28,7 +28,7 @@ PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 ``torch.autocast`` with bfloat16, weights, gradients and optimizer state in float32;
 ``"16-mixed"``: the same with float16 and loss scaling (decisions taken over the whole step)."""
 
-CALLBACK_METHODS = ("on_step_end", "on_eval", "on_resize")
+CALLBACK_METHODS = ("on_step_end", "on_eval", "on_resize", "on_train_end")
 
 SCALER_KNOBS = {"init_scale": 2.0 ** 16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
 """``Job.loss_scale``'s keys and defaults: those of ``torch.amp.GradScaler``."""
@@ -153,7 +153,9 @@ class Callback(Protocol):
     (only ``True``: ``None``/``False`` go on, anything else is refused) asks the job to stop after
     this step on every worker (early stopping). ``on_eval(step, metrics)``: after each evaluation,
     on rank 0 only. ``on_resize(step, old_workers, new_workers)``: when a new generation starts
-    training with another worker count. ``state_dict()`` must return plain data (tensors, numbers,
+    training with another worker count. ``on_train_end(step)``: once, when the job ends (its
+    last step, or a stop) and the final state is written, where the callback runs (a tracker
+    closes its run there). ``state_dict()`` must return plain data (tensors, numbers,
     strings, lists, dicts): checkpoints are loaded with ``torch.load(weights_only=True)``.
     """
 

@@ -556,6 +556,8 @@ class Worker:
                 if "callbacks" in state:  # what on_eval did to them
                     state["callbacks"] = self.callbacks.state_dict()
             save_state(os.path.join(self.cfg.state_dir, "final.pt"), state)
+        if self.callbacks:  # before "done": a tracker closing its run (wandb.finish) is not cut short
+            self.callbacks.finished(step, group.rank)
         self.report({"type": "done", "step": step, "rank": group.rank, "peak_rss_mib": peak_rss_mib(),
                      "peak_device_mib": peak_device_mib(self.device),
                      **self.engine.final_report()})
