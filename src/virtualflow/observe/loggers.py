@@ -18,8 +18,9 @@ Invariants:
   failure, and ``virtualflow run --resume``, log into the same run. Steps a resumed job redoes
   are logged again (MLflow keeps both values of a step; wandb ignores a step below its last).
 - **The run is closed** by ``on_train_end`` (MLflow: status ``FINISHED``; wandb:
-  ``wandb.finish()``, which writes an offline run's last records); a worker that fails leaves
-  it open, and the run it continues in is the same.
+  ``finish()``, then ``wandb.teardown()``, which waits until wandb's service has written the
+  run's last records); a worker that fails leaves it open, and the run it continues in is the
+  same.
 """
 
 from __future__ import annotations
@@ -155,6 +156,12 @@ class WandbLogger:
         if self._run is not None:
             self._run.finish()
             self._run = None
+            # finish() returns before wandb's service has written the run's last records (an
+            # offline run's file was seen short right after it); teardown waits for the service
+            # to end, and the worker exits right after this anyway.
+            import wandb
+
+            wandb.teardown()
 
     def state_dict(self) -> dict[str, Any]:
         return {"run_id": self.run_id}
