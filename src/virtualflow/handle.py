@@ -135,6 +135,8 @@ class JobHandle:
         if not self._sup.finished.is_set() and self._sup.stop_reason is None:
             self._sup.stop_reason = reason
             self.coordinator.progress.state = "stopping"
+            if self.coordinator.progress.stop_request is None:  # what the log says when it ends
+                self.coordinator.progress.stop_request = reason
             self.coordinator.command("stop")
         try:
             return self.wait(timeout_s)

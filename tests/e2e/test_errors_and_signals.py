@@ -119,3 +119,53 @@ def test_worker_join_with_nothing_listening_is_one_line(tmp_path):
     token.chmod(0o644)  # a token others can read is refused, naming the fix
     p = cli("worker", "--join", "127.0.0.1:1", "--token-file", str(token), "--join-timeout", "1")
     assert p.returncode == 2 and f"chmod 600 {token}" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+SLOW = '''
+import time, torch, virtualflow as vf
+from torch import nn
+
+def loss(model, batch):
+    time.sleep(2.5)  # a step long enough that Ctrl-C falls inside its computation
+    return nn.functional.mse_loss(model(batch[0]), batch[1])
+
+def make_job():
+    x = torch.linspace(-1, 1, 64).reshape(16, 4)
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+    return vf.Job(model=lambda: nn.Linear(4, 1), optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss=loss,
+                  dataset=data, global_batch_size=4, virtual_nodes=2)
+'''
+
+
+def test_ctrl_c_during_a_step_stops_at_that_steps_boundary(tmp_path):
+    """The docs promise the next step boundary: Ctrl-C while step k computes keeps step k and
+    nothing after it (the stop landed one step later: the control position was read when the
+    step started), and the log says the job was stopped, not that its last step is done."""
+    job = tmp_path / "slow.py"
+    job.write_text(SLOW)
+    run_dir = str(tmp_path / "run")
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    proc = subprocess.Popen([sys.executable, "-m", "virtualflow.cli.main", "run", str(job), "--workers", "2",
+                             "--steps", "50", "--run-dir", run_dir, "--no-progress"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        seen = 0
+        while seen < 2:  # steps 0 and 1 recorded: step 2 is computing (2.5 s in its loss)
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
+            try:
+                with open(metrics) as fh:
+                    seen = sum(1 for line in fh if line.endswith("\n"))
+            except OSError:
+                pass
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    steps = [json.loads(line)["step"] for line in open(metrics)]
+    assert steps == list(range(seen + 1)), (seen, steps)  # the step in flight, and no other
+    assert f"stopped after {seen + 1} steps: interrupted (Ctrl-C)" in err, err[-3000:]
+    assert "the job's last step is done" not in err

@@ -218,3 +218,38 @@ def test_an_error_in_a_callback_fails_the_run_at_the_callbacks_frame():
     assert "in on_step_end" in tb and 'raise RuntimeError("my callback broke")' in tb
     assert "raised by Job.callbacks[0] (Broken).on_step_end at step 2" in tb
     assert "virtualflow/runtime" not in tb  # from the job's own code on
+
+
+def test_mlflow_and_wandb_loggers_log_a_real_run_once_and_resume_into_the_same_run(tmp_path, monkeypatch, run_dir):
+    """The loggers as a user adds them: two workers train, rank 0 alone logs every step to one
+    MLflow run and one wandb offline run (the values of metrics.jsonl); a resumed job continues
+    in the same MLflow run (its id travels in final.pt)."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    import loggers_read
+    from virtualflow.observe.loggers import MLflowLogger, WandbLogger
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # inherited by the workers
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    uri = (tmp_path / "mlruns").as_uri()
+    job = jobs.regression_job("sgd", callbacks=[MLflowLogger(tracking_uri=uri, experiment="e2e"),
+                                                WandbLogger(project="e2e")])
+    first = vf.train(job, workers=2, steps=3, run_dir=run_dir)
+    runs = loggers_read.mlflow_histories(uri)
+    assert len(runs) == 1  # rank 0 only
+    (run_id, run), = runs.items()
+    assert run["status"] == "FINISHED"
+    assert run["metrics"]["train/loss"] == [(h["step"], pytest.approx(h["loss"])) for h in first.history]
+    assert run["metrics"]["cluster/workers"] == [(h["step"], 2.0) for h in first.history]
+    (rows,) = loggers_read.wandb_offline_rows(str(tmp_path)).values()
+    assert [(r["_step"], r["train/loss"]) for r in rows if "train/loss" in r] == \
+        [(h["step"], pytest.approx(h["loss"])) for h in first.history]
+    assert first.callbacks_state[0]["state"] == {"run_id": run_id}
+    resumed = vf.train(job, workers=1, steps=5, resume=run_dir, run_dir=run_dir)
+    runs = loggers_read.mlflow_histories(uri)
+    assert list(runs) == [run_id]
+    assert [h["step"] for h in resumed.history] == [3, 4]
+    assert runs[run_id]["metrics"]["train/loss"] == [(h["step"], pytest.approx(h["loss"]))
+                                                     for h in first.history + resumed.history]

@@ -1,7 +1,8 @@
 """``virtualflow plot RUN_DIR [RUN_DIR ...] -o loss.png``: training curves of one or more runs.
 
-Loss per step (and, when the job evaluates, each evaluation metric) of every run on one
-figure, so that runs on 1, 2 and 4 workers can be seen to train the same model.
+Loss per step, the learning rate and the gradient norm (when recorded), each metric the loss
+function returns and each evaluation metric, a panel each, of every run on one figure, so that
+runs on 1, 2 and 4 workers can be seen to train the same model.
 ``--timeline`` instead draws, per run, the number of workers over steps and the step time,
 with resizes, failures and new generations marked. ``--scaling`` draws, per run, the throughput
 and the cost per sample at every worker count the run went through (from the autoscaler's
@@ -32,7 +33,8 @@ if TYPE_CHECKING:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plot", help="plot loss and evaluation curves of runs",
-                       description="Plot loss (and evaluation metric) curves of one or several runs.")
+                       description="Plot the curves of one or several runs: loss, learning rate, gradient norm, "
+                                   "the loss function's metrics and evaluation metrics, a panel each.")
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     p.add_argument("-o", "--output", default=None,
                    help="image file to write (default loss.png, timeline.png, scaling.png or pipeline.png)")
@@ -82,28 +84,71 @@ def workers_label(steps: list[dict], summary: dict) -> str:
 
 
 def plot_runs(run_dirs: list[str], output: str) -> str:
+    return save_figure(runs_figure(run_dirs), output)
+
+
+def _number(value: object) -> float | None:
+    """A finite-or-not float from a record's field, ``None`` for anything else (bools, text, null)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def curve_panels(runs: list[dict]) -> list[tuple[str, str, str]]:
+    """The panels the default plot draws, as ``(kind, name, title)``, in order: the loss; the
+    learning rate and the gradient norm when some step recorded them; each of the loss function's
+    own metrics (``metrics`` of metrics.jsonl's records); each evaluation metric (events.jsonl)."""
+    steps = [s for r in runs for s in r["steps"]]
+    panels = [("loss", "loss", "training loss")]
+    if any(_number(s.get("lr")) is not None for s in steps):
+        panels.append(("field", "lr", "learning rate"))
+    if any(_number(s.get("grad_norm")) is not None for s in steps):
+        panels.append(("field", "grad_norm", "gradient norm (before clipping)"))
+    train = sorted({k for s in steps if isinstance(s.get("metrics"), dict) for k, v in s["metrics"].items()
+                    if _number(v) is not None})
+    panels += [("train", k, f"training: {k}") for k in train]
+    evals = sorted({k for r in runs for e in r["evals"] if isinstance(e.get("metrics"), dict) for k in e["metrics"]})
+    panels += [("eval", k, f"evaluation: {k}") for k in evals]
+    return panels
+
+
+def _points(run: dict, kind: str, name: str) -> list[tuple[int, float]]:
+    if kind == "eval":
+        rows = [(e.get("step"), (e.get("metrics") or {}).get(name)) for e in run["evals"]]
+    elif kind == "train":
+        rows = [(s.get("step"), (s.get("metrics") or {}).get(name) if isinstance(s.get("metrics"), dict) else None)
+                for s in run["steps"]]
+    else:
+        rows = [(s.get("step"), s.get(name)) for s in run["steps"]]
+    return [(step, float(v)) for step, v in rows if isinstance(step, int) and _number(v) is not None]
+
+
+def runs_figure(run_dirs: list[str], columns: int = 3) -> Figure:
+    """Every run's curves, one panel per quantity (:func:`curve_panels`), up to ``columns`` panels a
+    row; each run keeps its line style in every panel, so a run is followed across them."""
     runs = [load_run(d) for d in run_dirs]
-    metric_names = sorted({k for r in runs for e in r["evals"] for k in e.get("metrics", {})})
-    n = 1 + len(metric_names)
-    fig = new_figure(6 * n, 4.2)
-    axes = fig.subplots(1, n, squeeze=False)
+    panels = curve_panels(runs)
+    cols = min(columns, len(panels))
+    rows = -(-len(panels) // cols)
+    fig = new_figure(6 * cols, 4.2 * rows)
+    axes = fig.subplots(rows, cols, squeeze=False)
     styles = ["-", "--", ":", "-."]
-    for i, run in enumerate(runs):
-        ax = axes[0][0]
-        ax.plot([s["step"] for s in run["steps"]], [s["loss"] for s in run["steps"]],
-                linestyle=styles[i % len(styles)], linewidth=1.4, label=run["label"])
-        for j, name in enumerate(metric_names, start=1):
-            pts = [(e["step"], e["metrics"][name]) for e in run["evals"] if name in e.get("metrics", {})]
+    for p, (kind, name, title) in enumerate(panels):
+        ax = axes[p // cols][p % cols]
+        for i, run in enumerate(runs):
+            pts = _points(run, kind, name)
             if pts:
-                axes[0][j].plot(*zip(*pts), marker="o", linestyle=styles[i % len(styles)], label=run["label"])
-    axes[0][0].set(title="training loss", xlabel="step", ylabel="loss")
-    axes[0][0].set_yscale("log")
-    for j, name in enumerate(metric_names, start=1):
-        axes[0][j].set(title=f"evaluation: {name}", xlabel="step", ylabel=name)
-    for ax in axes[0]:
+                ax.plot(*zip(*pts), linestyle=styles[i % len(styles)], linewidth=1.4,
+                        marker="o" if kind == "eval" else None, label=run["label"])
+        ax.set(title=title, xlabel="step", ylabel=name)
+        if kind == "loss" and all(v > 0 for r in runs for _, v in _points(r, kind, name)):
+            ax.set_yscale("log")  # a loss that can be negative (a log-likelihood's) stays linear
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    return save_figure(fig, output)
+        if ax.lines:
+            ax.legend(fontsize=8)
+    for p in range(len(panels), rows * cols):
+        axes[p // cols][p % cols].axis("off")
+    return fig
 
 
 def plot_timeline(run_dirs: list[str], output: str) -> str:

@@ -9,14 +9,10 @@ import signal
 import sys
 import time
 
-import virtualflow as vf
-from virtualflow.backends.ray import RayNotInstalled
-from virtualflow.api import stop_interrupted, wait_restarting
 from virtualflow.config.options import add_arguments, options_from_args
 from virtualflow.plan.flops import describe as describe_throughput
 from virtualflow.records.result import TrainingError
 from virtualflow.records.rundir import DiskFullError
-from virtualflow.runtime.dcp import is_dcp
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -68,6 +64,12 @@ def throughput_line(rates: dict | None) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    # Here, not at the top: `virtualflow run --help` (and every other verb) answers without torch.
+    import virtualflow as vf
+    from virtualflow.api import stop_interrupted, wait_restarting
+    from virtualflow.backends.ray import RayNotInstalled
+    from virtualflow.runtime.dcp import is_dcp
+
     # --resume RUN_DIR continues that run there; a state file or a step-N.dcp folder starts a new run directory.
     continuing = args.resume and os.path.isdir(args.resume) and not is_dcp(args.resume)
     run_dir = args.run_dir or (args.resume if continuing else default_run_dir(args.job))

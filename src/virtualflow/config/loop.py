@@ -15,9 +15,10 @@ this project trained before these knobs existed.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
 
-import torch
+if TYPE_CHECKING:  # torch loads where it is used: the CLI's parsers read this module without it
+    import torch
 
 __all__ = ["CALLBACK_METHODS", "PRECISIONS", "SCALER_KNOBS", "Callback", "StepInfo", "autocast_dtype", "check_activation_checkpointing",
            "check_compile", "check_loss_scale", "check_max_grad_norm", "check_precision", "scaler_settings"]
@@ -27,7 +28,7 @@ PRECISIONS = ("32", "bf16-mixed", "16-mixed")
 ``torch.autocast`` with bfloat16, weights, gradients and optimizer state in float32;
 ``"16-mixed"``: the same with float16 and loss scaling (decisions taken over the whole step)."""
 
-CALLBACK_METHODS = ("on_step_end", "on_eval", "on_resize")
+CALLBACK_METHODS = ("on_step_end", "on_eval", "on_resize", "on_train_end")
 
 SCALER_KNOBS = {"init_scale": 2.0 ** 16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
 """``Job.loss_scale``'s keys and defaults: those of ``torch.amp.GradScaler``."""
@@ -41,6 +42,8 @@ def check_precision(value: Any, knob: str = "Job.precision (--precision)") -> st
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
     """The dtype ``torch.autocast`` runs the forward in, or ``None`` for ``"32"``."""
+    import torch
+
     return {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}[check_precision(precision)]
 
 
@@ -89,6 +92,8 @@ def check_activation_checkpointing(value: Any, knob: str = "Job.activation_check
     if value is None or value == "every":
         return value
     if isinstance(value, type):
+        import torch
+
         if not issubclass(value, torch.nn.Module):
             raise TypeError(f"activation_checkpointing={value.__name__} is a class but not a torch.nn.Module; give a "
                             f"module class, module names or 'every' ({knob})")
@@ -148,7 +153,9 @@ class Callback(Protocol):
     (only ``True``: ``None``/``False`` go on, anything else is refused) asks the job to stop after
     this step on every worker (early stopping). ``on_eval(step, metrics)``: after each evaluation,
     on rank 0 only. ``on_resize(step, old_workers, new_workers)``: when a new generation starts
-    training with another worker count. ``state_dict()`` must return plain data (tensors, numbers,
+    training with another worker count. ``on_train_end(step)``: once, when the job ends (its
+    last step, or a stop) and the final state is written, where the callback runs (a tracker
+    closes its run there). ``state_dict()`` must return plain data (tensors, numbers,
     strings, lists, dicts): checkpoints are loaded with ``torch.load(weights_only=True)``.
     """
 

@@ -116,7 +116,8 @@ def plan_pipeline(job: Job, dataset: Any, workers: int, log: Any = None, device:
         f"{workers} workers = {replicas} replica{'s' if replicas != 1 else ''} x {pipeline.stages} stages x "
         f"{pipeline.tensor} tensor-parallel workers per stage")
     log.info("pipeline: %s, schedule %s, %d micro-batches (virtual nodes) per replica; split:\n%s",
-             shape, pipeline.schedule, sizes[-1], describe_split(layers, bounds, pipeline.stages))
+             shape, pipeline.schedule, sizes[-1], describe_split(layers, bounds, pipeline.stages, replicas=replicas,
+                                                                tensor=pipeline.tensor))
     try:
         pred = predict(job, pipeline, pipeline.split, profile, workers=workers)
         stage_ms = ", ".join(f"{1e3 * t:.2f}" for t in pred["piece_time_s"])

@@ -9,9 +9,10 @@ import os
 import sysconfig
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
+if TYPE_CHECKING:  # annotations only: reading a run's records (the CLI) needs no torch
+    import torch
 
 
 class TrainingError(RuntimeError):

@@ -13,6 +13,8 @@ Invariants:
   A request is kept: should that all-reduce fail (a peer died), the worker asks again at the
   next boundary it reaches.
 - **on_eval** runs where the evaluation ran: on rank 0, for every callback.
+- **on_train_end** runs once when the job ends (done or stopped), after the final state is
+  written, where the callback runs; a worker that leaves or fails does not call it.
 - **on_resize** runs when a generation starts training with another number of members than the
   last one this job trained in (a held generation does not count): on every member for
   ``ranks="all"``, on rank 0 for ``ranks="zero"``.
@@ -148,6 +150,14 @@ class Callbacks:
         """``on_eval(step, metrics)`` of every callback (where the evaluation ran: rank 0)."""
         for i in range(len(self.callbacks)):
             self._call(i, "on_eval", step, step, dict(metrics))
+
+    def finished(self, step: int, rank: int) -> None:
+        """``on_train_end(step)`` of the callbacks that run on ``rank``: the job is over (done or
+        stopped) with ``step`` steps, the final state written. Not called on a worker that
+        leaves a resize or fails: the job goes on elsewhere."""
+        for i in range(len(self.callbacks)):
+            if self._here(i, rank):
+                self._call(i, "on_train_end", step, step)
 
     def resized(self, step: int, old: int, new: int, rank: int) -> None:
         for i in range(len(self.callbacks)):

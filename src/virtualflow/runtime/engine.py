@@ -535,10 +535,13 @@ class VNEngine:
             numel += self.bn.numel
         return torch.empty(numel, dtype=functools.reduce(torch.promote_types, dtypes), device=self.device)
 
-    def _pack_stats(self, bad: torch.Tensor, control: int, loss: torch.Tensor | None,
+    def _pack_stats(self, bad: torch.Tensor, control: int | Callable[[], int], loss: torch.Tensor | None,
                     bn: torch.Tensor | None) -> torch.Tensor:
         """[bad flag per VN | control | metric sums (MAX_METRICS slots) | loss (default mode) | BN
-        statistics (if any) | timing]."""
+        statistics (if any) | timing]. A callable ``control`` is read here, as late as the step
+        allows: a command (a stop) given while this step computed is acted on at its boundary."""
+        if callable(control):
+            control = int(control())
         metrics = torch.zeros(MAX_METRICS, device=self.device, dtype=bad.dtype)
         for i, name in enumerate(self.metric_names):
             if name in self._metric_sums:
@@ -565,8 +568,9 @@ class VNEngine:
         if self.slowdown > 1.0:
             self._sleep((self.slowdown - 1.0) * dt)
 
-    def step(self, step: int, control: int = 0) -> StepOutcome:
-        """Run one step. ``control`` is summed across workers and handed back (see worker).
+    def step(self, step: int, control: int | Callable[[], int] = 0) -> StepOutcome:
+        """Run one step. ``control`` (a number, or a callable read when the statistics are packed)
+        is summed across workers and handed back (see worker).
 
         Besides the gradients, workers must agree on a few numbers (which VNs had a
         non-finite loss, the control sequence, the loss, the BatchNorm statistics): they travel

@@ -140,10 +140,12 @@ class Engine(Protocol):
         members behind to ``joining.target`` (by a state transfer). Returns the bytes moved and
         the seconds the transfer took. After it every member holds the same training state."""
 
-    def step(self, step: int, control: int = 0) -> StepOutcome:
+    def step(self, step: int, control: int | Callable[[], int] = 0) -> StepOutcome:
         """Collective. Run step ``step`` (0-based) and apply it unless a VN's loss was not finite
-        (``bad_vns``); ``control`` (rank 0: its control position) rides in the reduction and
-        comes back as the maximum over the members. Raises :class:`PeerFailure`."""
+        (``bad_vns``); ``control`` (rank 0: its control position, or a callable giving it, read
+        as late as the engine can: a command given during the step then lands at its boundary)
+        rides in the reduction and comes back as the maximum over the members. Raises
+        :class:`PeerFailure`."""
 
     def abandon_step(self) -> None:
         """Local. Forget the step a peer failure interrupted (see the module's invariants); the

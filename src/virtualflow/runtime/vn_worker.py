@@ -204,7 +204,7 @@ class VNWorkerEngine:
         vn.set_membership(group, record.assignment)
         return moved, t_transfer
 
-    def step(self, step: int, control: int = 0) -> StepOutcome:
+    def step(self, step: int, control: int | Callable[[], int] = 0) -> StepOutcome:
         return self.vn.step(step, control)
 
     def abandon_step(self) -> None:

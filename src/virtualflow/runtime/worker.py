@@ -464,7 +464,11 @@ class Worker:
         gen, rank = record.generation, group.rank
         profiler = self.profiler
         while step < cfg.total_steps:
-            control = self.heartbeat.control_seq if rank == 0 else 0
+            # Rank 0's control position, read by the engine when it packs the step's statistics (not
+            # now): a command given while the step computes (Ctrl-C's stop) lands at this step's
+            # boundary, not the next one's.
+            heartbeat = self.heartbeat
+            control = (lambda: heartbeat.control_seq) if rank == 0 else 0
             lr = engine.learning_rate()  # the rate this step uses (a scheduler moves it after the step)
             if profiler is not None:
                 profiler.before(step)
@@ -564,6 +568,8 @@ class Worker:
                 if "callbacks" in state:  # what on_eval did to them
                     state["callbacks"] = self.callbacks.state_dict()
             save_state(os.path.join(self.cfg.state_dir, "final.pt"), state)
+        if self.callbacks:  # before "done": a tracker closing its run (wandb.finish) is not cut short
+            self.callbacks.finished(step, group.rank)
         self.report({"type": "done", "step": step, "rank": group.rank, "peak_rss_mib": peak_rss_mib(),
                      "peak_device_mib": peak_device_mib(self.device),
                      **self.engine.final_report()})

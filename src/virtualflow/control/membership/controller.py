@@ -329,7 +329,7 @@ class MembershipController:
             # done can be read before rank 0's last step report, so the step comes from here.
             if isinstance(r.get("step"), int):
                 self.last_step = max(self.last_step, r["step"])
-            self._enter(Phase.FINISHED, "the job's last step is done")
+            self._enter(Phase.FINISHED, finished_why(r.get("step"), self.coord.progress.stop_request))
 
     def _measure(self, r: dict[str, Any]) -> None:
         """A step report of the current generation into the speed policy; once 12 steps of a
@@ -618,3 +618,11 @@ class MembershipController:
             if w not in self.members:
                 rows.append({"id": w, "pid": self.launcher.pid(w), "rank": None, "vns": [], "state": "starting"})
         return rows
+
+
+def finished_why(steps: Any, stop_request: str | None) -> str:
+    """Why the job finished, for the log line and the ``membership_phase`` event: its last step
+    is done, or it was stopped (Ctrl-C, SIGTERM, ``stop()``, a callback) after ``steps`` steps."""
+    if stop_request is None:
+        return "the job's last step is done"
+    return f"stopped after {steps} steps: {stop_request}"

@@ -174,12 +174,31 @@ def check_workers(pipeline: Any, workers: int) -> int:
     return workers // unit
 
 
-def describe_split(layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]], stages: int) -> str:
+def stage_workers(stage: int, stages: int, replicas: int = 1, tensor: int = 1, most: int = 4) -> str:
+    """The workers (generation ranks) that run pipeline stage ``stage``: ``worker 1``, ``workers
+    2-3`` (a stage of ``tensor`` = 2 workers), ``workers 1, 3`` (one per replica), at most
+    ``most`` groups then ``...``. Ranks are laid out replica by replica, stage by stage, and a
+    stage's ``tensor`` workers side by side: rank = (replica * stages + stage) * tensor + t."""
+    groups = []
+    for replica in range(replicas):
+        first = (replica * stages + stage) * tensor
+        groups.append(str(first) if tensor == 1 else f"{first}\u2013{first + tensor - 1}")
+    shown = ", ".join(groups[:most]) + (", ..." if len(groups) > most else "")
+    return f"worker {shown}" if replicas == 1 and tensor == 1 else f"workers {shown}"
+
+
+def describe_split(layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]], stages: int, replicas: int = 1,
+                   tensor: int = 1) -> str:
+    """One line per piece: its stage's workers (:func:`stage_workers`), layers and parameters.
+    Piece ``k`` runs on stage ``k % stages`` (several pieces a stage with interleaved chunks)."""
     lines = []
     for k, (a, b) in enumerate(bounds):
         names = ", ".join(type(layers[i]).__name__ for i in range(a, min(b, a + 3))) + (", ..." if b - a > 3 else "")
         params = sum(p.numel() for i in range(a, b) for p in layers[i].parameters())
-        lines.append(f"  piece {k} (worker {k % stages}): layers {a}-{b - 1} [{names}], {params:,} parameters")
+        where = stage_workers(k % stages, stages, replicas, tensor)
+        if stages != len(bounds) or replicas != 1 or tensor != 1:
+            where = f"stage {k % stages}: {where}"
+        lines.append(f"  piece {k} ({where}): layers {a}-{b - 1} [{names}], {params:,} parameters")
     return "\n".join(lines)
 
 

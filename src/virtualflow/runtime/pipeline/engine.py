@@ -264,7 +264,8 @@ class StageEngine:
         return self.n_pieces - 1
 
     # ---- one action list --------------------------------------------------------------------
-    def steps(self, first_step: int, n_steps: int, control: int = 0) -> Generator[Request, Any, list[StepResult]]:
+    def steps(self, first_step: int, n_steps: int,
+              control: int | Callable[[], int] = 0) -> Generator[Request, Any, list[StepResult]]:
         """Run steps ``first_step .. first_step + n_steps - 1`` (flush schedules: one at a time;
         no-flush schedules: streamed as one action list). Yields requests; returns one
         :class:`StepResult` per step."""
@@ -296,7 +297,7 @@ class StageEngine:
     _spliced_forward = spliced_forward  # the name the unit tests call
 
     # ---- flush schedules ----------------------------------------------------------------------
-    def _flush_step(self, step: int, control: int) -> Generator[Request, Any, StepResult]:
+    def _flush_step(self, step: int, control: int | Callable[[], int]) -> Generator[Request, Any, StepResult]:
         """One step: forwards and backwards (the executor), the reduction over the replicas, tied
         weights, Bamboo's hand-over to the replica, then the stats all-reduce and the commit."""
         self.timing.begin()
@@ -345,7 +346,8 @@ class StageEngine:
             out[int(k)] = {n: t.detach().clone().requires_grad_(params[n].requires_grad) for n, t in v.items()}
         self.prev_version = out
 
-    def _stream(self, first_step: int, n_steps: int, control: int) -> Generator[Request, Any, list[StepResult]]:
+    def _stream(self, first_step: int, n_steps: int,
+                control: int | Callable[[], int]) -> Generator[Request, Any, list[StepResult]]:
         window = StreamWindow(self, first_step, n_steps, self._snapshot)
         self.phase = "compute"
         compute_s = yield from self._run_actions(window.schedule, first_step, window.mbs, forward=window.forward,

@@ -31,7 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import time
-from typing import Any, Generator
+from typing import Any, Callable, Generator
 
 import torch
 
@@ -229,7 +229,7 @@ class FlushStep:
                 out[name] = out.get(name, 0.0) + value
         return out
 
-    def finish(self, control: int, bn_new: torch.Tensor | None,
+    def finish(self, control: int | Callable[[], int], bn_new: torch.Tensor | None,
                loss_total: torch.Tensor | None) -> Generator[Request, Any, StepResult]:
         """One small all-reduce of the step's stats (bad VNs, control, the loss from one last-stage
         worker), then :meth:`commit`."""
@@ -247,7 +247,8 @@ class FlushStep:
                 stats[V + 1] = float(loss_total)
                 names, k = metric_header(metric_sums)
                 stats[base - 2: base] = torch.tensor([float(len(names)), float(k)], dtype=torch.float64)
-        stats[V] = control
+        # read last: a command given while the step computed acts at its end
+        stats[V] = control() if callable(control) else control
         stats[V + 2] = self.found_inf
         if self.norm_sums is not None:
             stats[V + 3: V + 3 + e.loop.norm_entries] = self.norm_sums

@@ -152,7 +152,7 @@ class StreamWindow:
         """What the next window's first step runs on (``2bw``), for the engine's ``prev_version``."""
         return {self.k: self.versions["older"]} if self.rule == "delay1" else None
 
-    def finish(self, control: int, compute_s: float) -> Generator[Request, Any, list[StepResult]]:
+    def finish(self, control: int | Callable[[], int], compute_s: float) -> Generator[Request, Any, list[StepResult]]:
         """Window end: losses and bad VNs of every step, from the last piece, in one all-reduce."""
         e, V, n_steps, first_step = self.engine, self.V, self.n_steps, self.first_step
         stats = torch.zeros(n_steps, V + 2, dtype=torch.float64, device=e.device)
@@ -165,7 +165,8 @@ class StreamWindow:
                     stats[i, V + 1] = self.tree_loss[t] if e.replica == 0 else 0.0
                 else:
                     stats[i, V + 1] = float(torch.stack([self.losses[t][v] for v in self.vns]).sum())
-        stats[n_steps - 1, V] = control  # commands act at the window's end, where the pipeline is drained
+        # read last (a command given during the window acts at its end, where the pipeline is drained)
+        stats[n_steps - 1, V] = control() if callable(control) else control
         sums = None
         header = torch.zeros(2, dtype=torch.float64, device=e.device)  # the metric names' bytes, count
         if self.k == e.last:

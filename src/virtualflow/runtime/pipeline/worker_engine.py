@@ -566,7 +566,7 @@ class PipelineWorkerEngine:
     def close(self) -> None:
         pass  # the tensor-parallel groups stay: the final state is gathered after this (a daemon thread)
 
-    def step(self, step: int, control: int = 0) -> StepOutcome:
+    def step(self, step: int, control: int | Callable[[], int] = 0) -> StepOutcome:
         if step in self._results:
             return self._results.pop(step)
         n = 1
@@ -574,6 +574,8 @@ class PipelineWorkerEngine:
             end = self.total_steps if self.total_steps is not None else step + self.pipeline.window
             n = max(1, min(self.pipeline.window, end - step))
         self.stage.slowdown = self.slowdown
+        if self.planes is not None and callable(control):
+            control = int(control())  # the planes agree on it now, before the schedule
         if self.planes is not None and self.planes.plane_rank == 0:
             # Only generation rank 0 reads the control position; the planes' statistics
             # all-reduces are apart, so the first tensor-parallel group hands it to every plane's
