@@ -70,6 +70,9 @@ class FakeGroup:
         c.messages_sent += 1
         return _Sent()
 
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self.isend(tensor, dst, tag).wait()
+
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> _Recv:
         assert src != self.rank and 0 <= src < self.size
         return _Recv(self.fabric, self.rank, src, tag, tensor)
