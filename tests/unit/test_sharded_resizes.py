@@ -4,14 +4,14 @@ on and whatever VN map each generation gets, the run is bit-identical to one wor
 ``tests/e2e/test_sharded.py`` runs the same job (BatchNorm, dropout, Adam, an LR schedule,
 checkpoints every 4 steps) as worker processes, 2 -> 3 -> 2 with an uneven map; there the steps
 the resizes land on and the maps come from timing (when the newcomer is up, the measured
-speeds). Here every worker is a :class:`~virtualflow.runtime.engine.VNEngine` on a thread of the
-in-process fabric and the schedule is chosen: resizes before, on and after a checkpoint step, the
-newcomer first or last, maps with a worker that runs no VN (rank 0 too), and the worker that
-leaves being rank 0. Between generations the members do what a worker does: gather the
-optimizer state (:meth:`VNEngine.before_regroup`, a collective of the old generation), move the
-whole state to the newcomer (:func:`~virtualflow.runtime.vn_worker.full_state`, cloned as a
-transfer copies it), cut it again (:meth:`VNEngine.set_membership`); at checkpoint steps rank 0
-gathers the optimizer state (a collective, as ``boundary`` does).
+speeds). Here every worker is a :class:`~virtualflow.runtime.vn_worker.VNWorkerEngine` on a thread
+of the in-process fabric and the schedule is chosen: resizes before, on and after a checkpoint
+step, the newcomer first or last, maps with a worker that runs no VN (rank 0 too), and the worker
+that leaves being rank 0. Each member goes through a generation as
+:class:`~virtualflow.runtime.worker.Worker` does: agree on the progress, adopt the generation (the
+whole state sent to a newcomer by :func:`~virtualflow.runtime.transfer.broadcast_state`, the
+optimizer state cut into chunks), train, gather rank 0's state at checkpoint steps, and gather the
+optimizer state before a regroup (a collective of the old generation).
 
 Dropout draws from the process's one random generator, which threads share: each VN's forward
 runs under a lock and is seeded inside it with the seed the engine chose for that VN (the
@@ -20,22 +20,22 @@ engine's own seeding is recorded per thread), so every worker sees the stream th
 
 from __future__ import annotations
 
-import copy
 import threading
 
 import pytest
 import torch
-from torch import nn
 
 import jobs
 from conftest import assert_state_equal, flat_optimizer_state
 from fabric import Fabric, run_ranks
 from virtualflow.comm.groups import Group
+from virtualflow.comm.protocol import GenerationRecord
 from virtualflow.plan.data import DataPlan
 from virtualflow.runtime import batches, engine as engine_mod
 from virtualflow.runtime.engine import BatchLoader, VNEngine
-from virtualflow.runtime.transfer import Progress
-from virtualflow.runtime.vn_worker import full_state, load_full_state
+from virtualflow.runtime.engines import Joining
+from virtualflow.runtime.transfer import Progress, agree_progress
+from virtualflow.runtime.vn_worker import VNWorkerEngine
 
 CHECKPOINT_EVERY = 4
 
@@ -83,53 +83,63 @@ def reference(steps: int) -> VNEngine:
     return e
 
 
-def run_sharded(generations: list[tuple[list[int], list[list[int]], int]]) -> tuple[VNEngine, dict, list]:
-    """``generations``: (member worker ids, VN map, steps) each. Returns rank 0's engine of the
-    last generation, its gathered optimizer state and the (step, members, map) each step ran with."""
-    engines: dict[int, VNEngine] = {}
+def run_sharded(generations: list[tuple[list[int], list[list[int]], int]]) -> dict:
+    """``generations``: (member worker ids, VN map, steps) each, the first one's members starting
+    the job. Each member does what :class:`~virtualflow.runtime.worker.Worker` does with its
+    engine: agree on the progress, adopt the generation (the state transfer to a newcomer, the
+    chunks cut), train, gather rank 0's state at checkpoint steps, gather the optimizer state
+    before the next regroup. Returns the final state rank 0 writes (model, optimizer, scheduler)."""
+    workers: dict[int, VNWorkerEngine] = {}
+    progress: dict[int, Progress] = {}
+    final: dict = {}
     step = 0
-    ran: list[tuple[int, list[int], list[list[int]]]] = []
-    final_opt: dict = {}
     for g, (members, assignment, steps) in enumerate(generations):
         last = g == len(generations) - 1
-        new = [w for w in members if w not in engines]
-        if new:  # a newcomer receives the whole state from the most advanced member (all are equal)
-            src = engines[next(w for w in members if w in engines)] if engines else None
-            for w in new:
-                engines[w] = build("sharded")
-                if src is not None:
-                    load_full_state(engines[w], copy.deepcopy(full_state(src, Progress(step, 0))))
+        for w in members:
+            if w not in workers:
+                workers[w] = VNWorkerEngine(build("sharded"))
+                progress[w] = Progress(step=0 if g == 0 else -1, control=0)
+                if g:
+                    workers[w].prepare_to_join()
         fabric = Fabric(len(members))
+        record = GenerationRecord(generation=g, members=list(members), assignment=assignment, start_step=step)
         first = step
 
         def body(rank: int, group) -> dict | None:
             group.generation = g
-            e = engines[members[rank]]
-            e.set_membership(group, assignment)
+            w = workers[members[rank]]
+            everyone = agree_progress(group, progress[members[rank]], torch.device("cpu"))
+            target = max(p.step for p in everyone)
+            src = next(r for r, p in enumerate(everyone) if p.step == target)
+            w.adopt(Joining(group=group, record=record, progress=progress[members[rank]],
+                            steps=[p.step for p in everyone], target=target, src=src))
+            assert target == first
             for s in range(first, first + steps):
-                e.step(s)
-                if (s + 1) % CHECKPOINT_EVERY == 0:  # a checkpoint: rank 0 gathers the optimizer state
-                    e.gather_optimizer_state(root=0)
+                w.step(s)
+                if (s + 1) % CHECKPOINT_EVERY == 0:  # a checkpoint: rank 0 gathers the whole state
+                    w.whole_state(group)
             if last:
-                return e.gather_optimizer_state(root=0)
-            e.before_regroup()  # the next generation cuts the state again
+                return w.whole_state(group)  # the final state (rank 0's)
+            w.before_regroup()  # the next generation cuts the optimizer state again
             return None
 
         out = run_ranks(fabric, body)
         assert fabric.undelivered() == 0
-        ran += [(s, members, assignment) for s in range(first, first + steps)]
+        assert all(o is None for o in out[1:])
         step += steps
-        for w in list(engines):  # a worker that left takes nothing with it (it gathered first)
-            if w not in members:
-                del engines[w]
-        final_opt = out[0]
-    return engines[generations[-1][0][0]], final_opt, ran
+        for w in list(workers):
+            if w in members:
+                progress[w] = Progress(step=step, control=0)
+            else:  # left (it gathered its chunk first)
+                del workers[w]
+        final = out[0]
+    return final
 
 
-def check_same(sharded: VNEngine, opt_state: dict, ref: VNEngine) -> None:
-    assert_state_equal(sharded.model.state_dict(), ref.model.state_dict())
-    assert_state_equal(flat_optimizer_state(opt_state), flat_optimizer_state(ref.optimizer.state_dict()))
-    assert sharded.scheduler.state_dict() == ref.scheduler.state_dict()
+def check_same(final: dict, ref: VNEngine) -> None:
+    assert_state_equal(final["model"], ref.model.state_dict())
+    assert_state_equal(flat_optimizer_state(final["optimizer"]), flat_optimizer_state(ref.optimizer.state_dict()))
+    assert final["lr_scheduler"] == ref.scheduler.state_dict()
 
 
 EVEN2 = [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -149,6 +159,5 @@ EVEN2 = [[0, 1, 2, 3], [4, 5, 6, 7]]
 def test_sharded_run_through_resizes_is_bit_identical_to_one_worker(first, middle, map3, map2, members3, members2):
     last = 3
     generations = [([0, 1], EVEN2, first), (members3, map3, middle), (members2, map2, last)]
-    sharded, opt_state, _ = run_sharded(generations)
-    ref = reference(first + middle + last)
-    check_same(sharded, opt_state, ref)
+    final = run_sharded(generations)
+    check_same(final, reference(first + middle + last))
