@@ -20,7 +20,7 @@ from torch import nn
 
 import virtualflow as vf
 from virtualflow.runtime.sharded import FlatParams, ShardedOptimizer, ShardLost, check_optimizer
-from conftest import assert_same_training, assert_state_close, wait_for_step
+from conftest import assert_same_training, assert_state_close, flat_optimizer_state, wait_for_step
 import jobs
 
 
@@ -251,6 +251,14 @@ def generations_run(result) -> list[str]:
     return lines
 
 
+def differing(a: dict, b: dict) -> list[str]:
+    """Keys whose tensors differ in any bit (or are missing on one side)."""
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1).view(torch.uint8) if t.is_floating_point() else t.reshape(-1)
+    return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or a[k].shape != b[k].shape
+                  or a[k].dtype != b[k].dtype or not torch.equal(raw(a[k]), raw(b[k])))
+
+
 SEEN_ABOVE = ("checkpoint", "formed", "generation", "membership_phase", "exchange", "step")
 
 
@@ -267,6 +275,8 @@ def divergence(result, ref, events: list[dict]) -> str:
     if first is not None:
         out += [f"  step {s}: {mine.get(s)!r} here, {theirs[s]!r} in the reference"
                 for s in range(max(0, first - 2), first + 3) if s in theirs]
+    out.append(f"  final model tensors that differ: {differing(result.state_dict, ref.state_dict)}; optimizer "
+               f"state: {differing(flat_optimizer_state(result.optimizer_state_dict), flat_optimizer_state(ref.optimizer_state_dict))}")
     out += ["this run:"] + generations_run(result)
     out += [f"  generation {e['generation']} formed at step {e['step']}: members {e['members']} ({e.get('change')}), "
             f"state sent from {e.get('source')} to {e.get('receivers')}" for e in events if e["event"] == "formed"]
