@@ -70,9 +70,19 @@ class FakeGroup:
         c.messages_sent += 1
         return _Sent()
 
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self.isend(tensor, dst, tag).wait()
+
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> _Recv:
         assert src != self.rank and 0 <= src < self.size
         return _Recv(self.fabric, self.rank, src, tag, tensor)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> None:
+        self.irecv(tensor, src, tag).wait()
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """``src``'s tensor into every rank's (not counted as point-to-point traffic)."""
+        self.fabric.broadcast(self.rank, tensor, src)
 
     def all_reduce(self, tensor: torch.Tensor, async_op: bool = False):
         """Sum over the ranks, added in rank order (not counted as point-to-point traffic)."""
@@ -100,6 +110,14 @@ class Fabric:
             total += t
         self._barrier.wait()  # everyone has read every deposit
         tensor.copy_(total)
+
+    def broadcast(self, rank: int, tensor: torch.Tensor, src: int) -> None:
+        if rank == src:
+            self._deposit[rank] = tensor.detach().clone()
+        self._barrier.wait()
+        value = self._deposit[src]
+        self._barrier.wait()  # everyone has read it
+        tensor.copy_(value)
 
     def box(self, dst: int, src: int, tag: int) -> queue.Queue:
         with self._lock:
