@@ -8,6 +8,7 @@ in ``tests/unit/test_hang_policies.py``.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -59,3 +60,30 @@ def test_a_process_forked_by_the_job_ends_with_its_worker(tmp_path):
     finally:
         if pid is not None and _alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+class BlockAt:
+    """Blocks for ever in ``on_step_end`` of step ``step`` (a callback waiting on something that
+    never comes), while the worker's heartbeat thread goes on beating."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, info):
+        if info.step == self.step:
+            while True:
+                time.sleep(1)
+
+
+def test_a_worker_blocked_in_a_callback_fails_the_job_with_a_clear_message(tmp_path):
+    job = jobs.regression_job("sgd", callbacks=[BlockAt(2)])
+    t0 = time.monotonic()
+    with pytest.raises(vf.TrainingError) as err:
+        vf.train(job, workers=1, steps=50, run_dir=str(tmp_path / "run"), step_timeout_s=3.0)
+    message = str(err.value)
+    assert "no step for" in message and "step_timeout_s=3" in message and "wedged" in message, message
+    assert time.monotonic() - t0 < 120  # 3 s without a step + 10 s to answer the abort, on a loaded box
+    events = [json.loads(line) for line in open(tmp_path / "run" / "events.jsonl")]
+    stalled = [e for e in events if e["event"] == "stalled"]
+    assert len(stalled) == 1 and stalled[0]["step"] == 2  # steps 0 and 1 done, step 2 blocked
+    assert [e["worker"] for e in events if e["event"] == "failure"] == [0]

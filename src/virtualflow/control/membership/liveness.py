@@ -48,6 +48,14 @@ class Liveness:
         self.leaving.add(worker)
         self._hb.pop(worker, None)
 
+    def wedged(self, worker: int) -> None:
+        """``worker`` is judged wedged (alive but making no progress: :mod:`.watchdog`): killed where
+        the launcher can, and treated as a silent one (fenced: it may come back and write)."""
+        self.launcher.kill_worker(worker)
+        self.gone.add(worker)
+        self.fenced.add(worker)
+        self._hb.pop(worker, None)
+
     def judge(self, now: float, finished: bool) -> dict[int, str]:
         """The workers that failed since the last tick, each with its cause (silent ones killed)."""
         failed: dict[int, str] = {}
