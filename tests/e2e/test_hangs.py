@@ -87,3 +87,32 @@ def test_a_worker_blocked_in_a_callback_fails_the_job_with_a_clear_message(tmp_p
     stalled = [e for e in events if e["event"] == "stalled"]
     assert len(stalled) == 1 and stalled[0]["step"] == 2  # steps 0 and 1 done, step 2 blocked
     assert [e["worker"] for e in events if e["event"] == "failure"] == [0]
+
+
+def test_an_external_worker_welcomed_that_never_joins_does_not_stall_the_job(tmp_path):
+    """A joiner takes a place (it is welcomed) and then says nothing, as a worker that died right
+    after its welcome: the job starts without it once its welcome runs out (30 s) and the
+    worker that did join trains the job to its end (before: ``forming`` for ever)."""
+    from test_external import free_port, reap, start_worker
+    from virtualflow.cli.worker import join
+
+    run_dir, token_file = str(tmp_path / "run"), str(tmp_path / "secret")
+    with open(token_file, "w") as f:
+        f.write("0123456789abcdef" * 4)
+    os.chmod(token_file, 0o600)
+    address = f"127.0.0.1:{free_port()}"
+    handle = vf.launch(jobs.regression_job(), workers=2, steps=4, run_dir=run_dir, backend="external",
+                       listen=address, token_file=token_file, heartbeat_timeout_s=2.0)
+    procs = []
+    try:
+        silent_id, _ = join(address, open(token_file).read().strip(), timeout_s=60)  # welcomed, then silent
+        procs.append(start_worker(address, token_file, str(tmp_path / "w.log")))
+        result = handle.wait(timeout_s=150)
+    finally:
+        if not handle.done:
+            handle.kill()
+        codes = reap(procs)
+    assert codes == [0], open(tmp_path / "w.log").read()[-2000:]
+    assert result.steps == 4 and {h["workers"] for h in result.history} == {1}
+    assert [f["worker"] for f in result.failures] == [silent_id]
+    assert "never started beating (no heartbeat within 30 s of its welcome" in result.failures[0]["cause"]

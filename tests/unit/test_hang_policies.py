@@ -105,3 +105,25 @@ def test_a_generation_that_cannot_form_is_bounded():
     assert "--step-timeout" in stuck.message
     off = decide_unformed(joined=[0, 1], heard={}, since=0.0, now=1e9, **{**kw, "timeout_s": 0.0})
     assert isinstance(off, NoChange)
+
+
+def test_a_welcomed_worker_that_never_beats_or_stops_beating_before_its_join_is_judged():
+    from virtualflow.backends.external import WelcomeWatch
+
+    watch = WelcomeWatch(first_beat_s=30.0, silence_s=3.0)
+    watch.welcomed(0, 0.0)  # dies right after its welcome: never beats
+    watch.welcomed(1, 0.0)  # beats during its set-up, then freezes
+    watch.welcomed(2, 0.0)  # beats, then joins: no longer judged here
+    counts = {0: 0, 1: 0, 2: 0}
+    for t in range(1, 11):
+        counts[1] += 1
+        counts[2] += 1
+        assert watch.judge(counts, float(t)) == {}
+    watch.joined(2)
+    assert watch.judge(counts, 13.0) == {}  # worker 1's last beat was at 10: 3 s is not more than 3 s
+    silent = watch.judge(counts, 13.5)
+    assert list(silent) == [1] and "went silent during its set-up (no heartbeat for 3.5 s" in silent[1]
+    assert watch.judge(counts, 30.0) == {}  # worker 0: 30 s is not more than 30 s
+    silent = watch.judge(counts, 30.5)
+    assert list(silent) == [0] and "never started beating (no heartbeat within 30 s of its welcome" in silent[0]
+    assert watch.watched == [] and watch.judge(counts, 1e6) == {}  # each judged once
