@@ -116,3 +116,21 @@ def test_an_external_worker_welcomed_that_never_joins_does_not_stall_the_job(tmp
     assert result.steps == 4 and {h["workers"] for h in result.history} == {1}
     assert [f["worker"] for f in result.failures] == [silent_id]
     assert "never started beating (no heartbeat within 30 s of its welcome" in result.failures[0]["cause"]
+
+
+def test_a_stop_while_the_first_generation_forms_ends_the_job_at_once(tmp_path):
+    """``virtualflow run --backend external`` stopped (SIGTERM, Ctrl-C: :func:`virtualflow.api.stop_interrupted`
+    calls ``handle.stop``) before any worker came: no step boundary will come to stop at, so the
+    job ends at once instead of after ``stop``'s own timeout (no worker process is started here)."""
+    from test_external import free_port
+
+    handle = vf.launch(jobs.regression_job(), workers=2, steps=4, run_dir=str(tmp_path / "run"), backend="external",
+                       listen=f"127.0.0.1:{free_port()}")
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(vf.TrainingError, match=r"stopped \(SIGTERM\) before the first generation formed"):
+            handle.stop(timeout_s=60, reason="SIGTERM")
+    finally:
+        if not handle.done:
+            handle.kill()
+    assert time.monotonic() - t0 < 30 and handle.done

@@ -3,9 +3,8 @@
 The worker is started by a backend with a :class:`WorkerConfig` and its worker id. It talks to
 the coordinator only through the job's TCPStore (see :mod:`virtualflow.comm.protocol`):
 
-1. **Set-up before joining.** Rebuild the job and its dataset, build the model with
-   ``torch.manual_seed(seed)``, the optimizer and the engine, start the heartbeat thread, report
-   ``join``. Survivors never wait for a newcomer's start-up: the coordinator adds a newcomer to a
+1. **Set-up before joining.** Start the heartbeat thread, rebuild the job and its dataset, build
+   the model with ``torch.manual_seed(seed)``, the optimizer and the engine, report ``join``. Survivors never wait for a newcomer's start-up: the coordinator adds a newcomer to a
    generation only after this report.
 2. **Form a generation.** Follow ``vf/member/<id>/next/<g>`` to the generation to join, meet the
    other members at its rendezvous, build its group from ``PrefixStore("gen/<g>")``, agree on
@@ -277,6 +276,13 @@ class Worker:
     def setup(self) -> None:
         cfg = self.cfg
         t_start = time.perf_counter()
+        # Beat from the start, before the (possibly long) set-up: a worker that dies or freezes
+        # between its welcome and its join is then seen silent by a backend that cannot see its
+        # exit (external workers), instead of holding its place for ever. The controller watches
+        # a worker's heartbeats only from its join on.
+        self.heartbeat = Heartbeat(cfg, self.id, run=self.run_key, rejections=self.rejections)
+        if cfg.control_plane:
+            self.heartbeat.start()
         job = self.job = build_job(cfg)
         dataset = job.build_dataset()
         self.engine: Engine = build_engine(cfg, self.id, job, dataset, self.store, self.device,
@@ -304,9 +310,6 @@ class Worker:
             self.callbacks.zero_seen = 0  # every initial worker's callbacks start alike
         else:
             self.engine.prepare_to_join()
-        self.heartbeat = Heartbeat(cfg, self.id, run=self.run_key, rejections=self.rejections)
-        if cfg.control_plane:
-            self.heartbeat.start()
         self.report({"type": "join", "setup_s": time.perf_counter() - t_start})
 
     # -- the life loop ------------------------------------------------------------------------
