@@ -387,3 +387,19 @@ def test_a_generation_that_never_forms_fails_the_job_instead_of_recovering_for_e
     with pytest.raises(JobFailed, match=r"worker 0 .*did not take part in forming generation 1 \(failure\) for 5.1 s"):
         _beat_and_tick(ctl, coord, clock, 6.1)
     assert launcher.killed == [0] and ctl.phase.value == "failed"
+
+
+def test_the_automatic_step_limit_never_falls_below_the_collective_timeout():
+    """Rank 0 evaluating or checkpointing alone for up to collective_timeout_s is what its peers
+    accept; the watchdog's automatic floor follows it (and control_plane=False turns it off)."""
+    ctl, coord, launcher, clock = make(1, collective_timeout_s=400.0)
+    joined_and_formed(ctl, [0], 0)
+    for s in range(5):
+        _beat_and_tick(ctl, coord, clock, 0.01 * (s + 1), [_step(0, s, [0])])
+    assert ctl.watchdog.limit_s() == 400.0
+    _beat_and_tick(ctl, coord, clock, 399.0)
+    assert not coord.store.check([protocol.abort_key(0)])
+    _beat_and_tick(ctl, coord, clock, 401.0)
+    assert coord.store.check([protocol.abort_key(0)])
+    quiet, *_ = make(1, control_plane=False)
+    assert not quiet.watchdog.enabled

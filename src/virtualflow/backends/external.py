@@ -163,8 +163,8 @@ class ExternalBackend:
                  silence_s: float = 3.0, first_beat_s: float | None = None) -> None:
         self.listen = listen
         self.clock = clock
-        self.welcome = WelcomeWatch(first_beat_s=first_beat_s if first_beat_s is not None else max(30.0, 10 * silence_s),
-                                    silence_s=silence_s)
+        first = first_beat_s if first_beat_s is not None else max(30.0, 10 * silence_s)
+        self.welcome = WelcomeWatch(first_beat_s=first, silence_s=silence_s)
         """Welcomed workers that have not joined (see the module docstring)."""
         self.workers: dict[int, ExternalWorker] = {}
         self._open: list[int] = []

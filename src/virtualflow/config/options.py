@@ -224,8 +224,8 @@ class LaunchOptions:
                                         "(seconds)", "elasticity and fault tolerance", metavar="SECONDS")
     step_timeout_s: float | None = _opt(None, "a run that makes no step for this long is hung in its own code (a "
                                         "callback, the data, a deadlock): the workers that do not answer are killed "
-                                        "and removed as failed. auto (default): max(120 s, 10 x the median step "
-                                        "time), 300 s for a generation's first step and its formation; off: never "
+                                        "and removed as failed. auto (default): max(120 s, --collective-timeout, "
+                                        "10 x the median step time), 300 s for a generation's first step and its formation; off: never "
                                         "(seconds)", "elasticity and fault tolerance", metavar="auto|off|SECONDS",
                                         parse=parse_step_timeout)
     checkpoint_every: int | None = _opt(None, "write checkpoints/step-N.pt (--checkpoint-format dcp: "

@@ -53,7 +53,8 @@ from virtualflow.control.membership.liveness import Liveness
 from virtualflow.control.membership.phases import RECOVERY_KINDS, Change, Phase, phase_of_change
 from virtualflow.control.membership.sizing import decide_hold, decide_loss, decide_release, decide_resize
 from virtualflow.control.membership.speed import SpeedPolicy
-from virtualflow.control.membership.watchdog import Stalled, StepWatchdog, Wedged, decide_unformed, decide_wedged
+from virtualflow.control.membership.watchdog import (AUTO_FLOOR_S, Stalled, StepWatchdog, Wedged, decide_unformed,
+                                                     decide_wedged)
 from virtualflow.config.options import LaunchOptions
 from virtualflow.plan.hetero import SpeedModel
 from virtualflow.plan.vnmap import contiguous_assignment
@@ -144,7 +145,10 @@ class MembershipController:
         self.liveness = Liveness(launcher, self.store, self.heartbeat_timeout_s)
         """Exits and heartbeats: which workers are gone (:mod:`.liveness`)."""
         # Without the control plane nobody can be told to abort: no watchdog either.
-        self.watchdog = StepWatchdog(options.step_timeout_s if options.control_plane else 0.0)
+        # Its automatic floor follows collective_timeout_s: a gap between steps that long (rank 0
+        # evaluating or checkpointing alone) is what the job's peers already accept.
+        self.watchdog = StepWatchdog(options.step_timeout_s if options.control_plane else 0.0,
+                                     floor_s=max(AUTO_FLOOR_S, options.collective_timeout_s))
         """Step progress: a run hung in the job's own code (:mod:`.watchdog`)."""
         self.wedge_grace_s = max(10.0, 2 * options.heartbeat_timeout_s)
         """After a stall's abort, how long a member has to answer before it is judged wedged."""

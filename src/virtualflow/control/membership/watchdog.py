@@ -141,7 +141,8 @@ class StepWatchdog:
         median = (f"; median gap between steps {statistics.median(self.gaps):.3g} s"
                   if self.gaps and self.timeout_s is None else "")
         return Stalled(waited, limit, self.first,
-                       f"no step for {waited:.1f} s, where {what} may take {limit:.3g} s{median} ({_knob(self.timeout_s)})")
+                       f"no step for {waited:.1f} s, where {what} may take {limit:.3g} s{median} "
+                       f"({_knob(self.timeout_s)})")
 
 
 def decide_wedged(*, members: Sequence[int], heard: Mapping[int, float], since: float, now: float,
