@@ -73,11 +73,11 @@ class MembershipController:
     ``redundancy`` for Bamboo's redundant stages, ``last_step`` the step a resumed run starts
     at) and the controller's own tuning. Everything is given here: nothing configures it later.
 
-    Size: about 540 lines in one class on purpose: it is the membership's one actor, and every
+    Size: about 620 lines in one class on purpose: it is the membership's one actor, and every
     rule above reads and writes the same fields (members, assigned pointers, the phase and the
     change in flight) and publishes through one path (:meth:`_publish`); what needs none of
     them is elsewhere: the decisions in the pure policies (:mod:`.speed`, :mod:`.failover`,
-    :mod:`.sizing`), exits and heartbeats in :mod:`.liveness`.
+    :mod:`.sizing`, :mod:`.watchdog`), exits and heartbeats in :mod:`.liveness`.
     """
 
     def __init__(
