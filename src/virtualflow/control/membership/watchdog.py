@@ -138,8 +138,10 @@ class StepWatchdog:
         if waited <= limit:
             return None
         what = "the generation's first step" if self.first else "a step"
-        median = (f"; median gap between steps {statistics.median(self.gaps):.3g} s"
-                  if self.gaps and self.timeout_s is None else "")
+        median = ""
+        if self.gaps and self.timeout_s is None:  # reports come in batches: a gap can read 0
+            m = statistics.median(self.gaps)
+            median = f"; median gap between steps {m:.3g} s" if m >= 0.001 else "; median gap between steps < 1 ms"
         return Stalled(waited, limit, self.first,
                        f"no step for {waited:.1f} s, where {what} may take {limit:.3g} s{median} "
                        f"({_knob(self.timeout_s)})")
