@@ -79,15 +79,20 @@ def test_after_the_abort_the_members_that_did_not_answer_are_wedged():
     w.restart(0.0)
     stalled = w.check(3.0)
     heard = {0: 1.0, 1: 3.5}  # worker 1 reported a fault after the abort at 3.0; worker 0 said nothing
-    assert decide_wedged(members=[0, 1], heard=heard, since=3.0, now=12.0, grace_s=10.0, stalled=stalled) is None
-    verdict = decide_wedged(members=[0, 1], heard=heard, since=3.0, now=13.0, grace_s=10.0, stalled=stalled)
+    assert decide_wedged(members=[0, 1], heard=heard, faulted=(), since=3.0, now=12.0, grace_s=10.0, stalled=stalled) is None
+    verdict = decide_wedged(members=[0, 1], heard=heard, faulted=(), since=3.0, now=13.0, grace_s=10.0, stalled=stalled)
     assert isinstance(verdict, Wedged) and verdict.workers == (0,)
     assert "did not answer the generation's abort within 10 s" in verdict.causes[0]
     assert "step_timeout_s=2" in verdict.causes[0]
-    everyone = decide_wedged(members=[0, 1], heard={0: 4.0, 1: 3.5}, since=3.0, now=13.0, grace_s=10.0,
+    everyone = decide_wedged(members=[0, 1], heard={0: 4.0, 1: 3.5}, faulted=(), since=3.0, now=13.0, grace_s=10.0,
                              stalled=stalled)
     assert isinstance(everyone, NoChange)  # all alive: the generation is only retried
-    alone = decide_wedged(members=[0], heard={}, since=3.0, now=13.0, grace_s=10.0, stalled=stalled)
+    # Worker 1's own collective timed out just before the abort: its fault report came at 2.9, it
+    # then waits for its next generation and says nothing more. It is alive, not wedged.
+    early = decide_wedged(members=[0, 1], heard={0: 1.0, 1: 2.9}, faulted={1}, since=3.0, now=13.0, grace_s=10.0,
+                          stalled=stalled)
+    assert isinstance(early, Wedged) and early.workers == (0,)
+    alone = decide_wedged(members=[0], heard={}, faulted=(), since=3.0, now=13.0, grace_s=10.0, stalled=stalled)
     assert isinstance(alone, Wedged) and alone.workers == (0,)
 
 

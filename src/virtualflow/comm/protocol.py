@@ -158,6 +158,7 @@ REPORTS: dict[str, dict[str, Any]] = {
              "replica_refresh_s": NUM, "redundant_forwards": MAP(NUM)},
     "leave": {"step": INT},
     "notice": {"step": INT},
+    "arrived": {"generation": INT},
     "rejected": {"channel": STR, "reason": STR, "message": STR, "bytes": INT},
 }
 """Fields of each report type beyond :data:`REPORT_FIELDS` (``rejected``: a worker refused a

@@ -378,6 +378,9 @@ class Worker:
             self.engine.check_state_held(cfg.state_dir)  # after a failure: what only this worker held
         t0 = time.perf_counter()
         rank = record.members.index(self.id)
+        # Tell the coordinator this worker is here and alive (its step watchdog judges members
+        # that say nothing while a generation forms as wedged in their own code).
+        self.report({"type": "arrived", "generation": gen})
         _rendezvous(self.store, cfg, gen, len(record.members), lambda: self.aborted(gen))
         # A pipeline's hops travel on the generation's group (without tensor parallelism): a
         # connection per direction (see make_group's duplex).

@@ -156,6 +156,7 @@ class MembershipController:
         self._stall: tuple[float, Stalled] | None = None  # the generation was aborted for a stall then
         self._form_since: float | None = None  # the formation of the published generation is timed from here
         self._training: list[int] = []  # members of the last generation that formed (the one that trains)
+        self._faulted: set[int] = set()  # members that reported that generation broken
         self._change: Change | None = None
         self._failed_newcomers = 0
         self._fault_at: float | None = None  # a member reported the current generation broken
@@ -290,7 +291,8 @@ class MembershipController:
         judged wedged (already killed and fenced), to be handled as failures."""
         if self._stall is not None:
             since, stalled = self._stall
-            verdict = decide_wedged(members=self._training, heard=self.heard, since=since, now=now,
+            verdict = decide_wedged(members=self._training, heard=self.heard, faulted=self._faulted, since=since,
+                                    now=now,
                                     grace_s=self.wedge_grace_s, stalled=stalled)
             if verdict is None:
                 return {}
@@ -371,13 +373,15 @@ class MembershipController:
                 self._change = None
             if g == self.generation:
                 self.watchdog.restart(now)  # the next step is the generation's first
-                self._training = list(r["members"])
+                self._training, self._faulted = list(r["members"]), set()
             if g == self.generation and self.phase in _UNFORMED:  # a hold generation formed: still holding
                 self._enter(Phase.TRAINING, f"generation {g} formed")
         elif kind == "fault":
             # A member saw the generation break: tell the others at once, so that none of them
             # waits out a collective timeout on a peer that has already given up.
             self.coord.abort(r["generation"])
+            if r["generation"] == self.formed:
+                self._faulted.add(wid)
             if r["generation"] == self.generation and self._fault_at is None:
                 self._fault_at = now
             self.coord.event("fault", worker=wid, generation=r["generation"], phase=r["phase"],

@@ -34,7 +34,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 from virtualflow.control.membership.decisions import GiveUp, NoChange
 
@@ -147,15 +147,17 @@ class StepWatchdog:
                        f"({_knob(self.timeout_s)})")
 
 
-def decide_wedged(*, members: Sequence[int], heard: Mapping[int, float], since: float, now: float,
-                  grace_s: float, stalled: Stalled) -> Wedged | NoChange | None:
+def decide_wedged(*, members: Sequence[int], heard: Mapping[int, float], faulted: Collection[int], since: float,
+                  now: float, grace_s: float, stalled: Stalled) -> Wedged | NoChange | None:
     """After a stall the generation was aborted at ``since``; ``heard`` is when each worker last
-    sent a report. A member that reported since the abort is alive and reacted (it was waiting
-    on a peer); after ``grace_s`` the ones that did not are wedged. Returns None while the grace
-    runs, :class:`NoChange` when every member reacted (the generation is simply retried)."""
+    sent a report, ``faulted`` the members that reported the stalled generation broken (at any
+    time: a peer's collective may have timed out just before the abort). Those and the members
+    that reported since the abort are alive and reacted (they were waiting on a peer); after
+    ``grace_s`` the others are wedged. Returns None while the grace runs, :class:`NoChange` when
+    every member reacted (the generation is simply retried)."""
     if now - since < grace_s:
         return None
-    silent = tuple(w for w in members if heard.get(w, -math.inf) < since)
+    silent = tuple(w for w in members if heard.get(w, -math.inf) < since and w not in faulted)
     if not silent:
         return NoChange("every member answered the abort")
     cause = (f"made no progress ({stalled.why}) and did not answer the generation's abort within "
