@@ -404,3 +404,17 @@ def test_the_automatic_step_limit_never_falls_below_the_collective_timeout():
     assert coord.store.check([protocol.abort_key(0)])
     quiet, *_ = make(1, control_plane=False)
     assert not quiet.watchdog.enabled
+
+
+def test_a_member_that_arrived_at_an_unformed_generation_is_not_taken_for_wedged():
+    """Generation 1 (after worker 2 died) does not form: worker 1 arrived at its rendezvous and
+    waits there (it said so), worker 0 never came. Only worker 0 is wedged."""
+    ctl, coord, launcher, clock = make(3, step_timeout_s=5.0)
+    joined_and_formed(ctl, [0, 1, 2], 0)
+    launcher.codes[2] = -9
+    _beat_and_tick(ctl, coord, clock, 1.0)
+    assert record(coord, 1).members == [0, 1] and ctl.phase.value == "recovering"
+    _beat_and_tick(ctl, coord, clock, 1.5, [{"type": "arrived", "worker": 1, "generation": 1}])
+    _beat_and_tick(ctl, coord, clock, 6.5)
+    assert launcher.killed == [0] and record(coord, 2).members == [1]
+    assert "did not take part in forming generation 1 (failure)" in ctl.failures[-1]["cause"]
