@@ -325,3 +325,96 @@ def test_drift_patience_counts_measured_steps_not_ticks():
     assert ctl.generation == 0
     ctl.tick([step_report(0, 5, 0.11, [0.04, 0.1], [0, 1], vns)])
     assert ctl.generation == 1 and [len(a) for a in record(coord, 1).assignment] == [6, 2]
+
+
+def _beat_and_tick(ctl, coord, clock, t, reports=()):
+    """Every started worker's heartbeat thread beats (they are alive, whatever their main thread
+    does), then the controller ticks at ``t``."""
+    clock.t = t
+    for w in range(ctl.next_id):
+        coord.store.add(protocol.heartbeat_key(w), 1)
+    ctl.tick(list(reports))
+
+
+def _step(g, s, members):
+    return {"type": "step", "worker": members[0], "step": s, "loss": 1.0, "samples": 32, "step_time_s": 0.01,
+            "workers": len(members), "generation": g, "vns": [], "members": members, "compute_s": None,
+            "vn_sizes": None, "time": 0.0}
+
+
+def test_a_member_wedged_in_its_own_code_is_killed_and_the_others_go_on():
+    """Worker 0 blocks in a callback while its heartbeat beats; worker 1 waits in the collective.
+    The watchdog aborts the generation, worker 1 answers (a fault report), worker 0 does not: it
+    is killed and fenced, and worker 1 goes on alone (issue: before, nothing noticed)."""
+    ctl, coord, launcher, clock = make(2, step_timeout_s=2.0)
+    joined_and_formed(ctl, [0, 1], 0)
+    for s in range(3):
+        _beat_and_tick(ctl, coord, clock, 0.1 * (s + 1), [_step(0, s, [0, 1])])
+    _beat_and_tick(ctl, coord, clock, 2.0)
+    assert not coord.store.check([protocol.abort_key(0)])  # within the limit
+    # Worker 1's own collective timed out first: its fault comes just before the watchdog's abort.
+    fault = {"type": "fault", "worker": 1, "generation": 0, "phase": "during_reduction", "step": 3, "error": "timeout"}
+    _beat_and_tick(ctl, coord, clock, 2.25, [fault])
+    _beat_and_tick(ctl, coord, clock, 2.5)
+    assert coord.store.check([protocol.abort_key(0)]) and ctl.generation == 0
+    _beat_and_tick(ctl, coord, clock, 12.0)  # the grace (10 s) has not run out
+    assert launcher.killed == [] and ctl.generation == 0
+    _beat_and_tick(ctl, coord, clock, 12.6)
+    assert launcher.killed == [0] and record(coord, 1).members == [1]
+    assert ctl.failures[0]["worker"] == 0 and "did not answer the generation's abort" in ctl.failures[0]["cause"]
+    assert nxt(coord, 0, 0) == protocol.FAIL and nxt(coord, 1, 0) == "1"
+
+
+def test_a_lone_wedged_worker_fails_the_job():
+    ctl, coord, launcher, clock = make(1, step_timeout_s=2.0)
+    joined_and_formed(ctl, [0], 0)
+    _beat_and_tick(ctl, coord, clock, 0.5, [_step(0, 0, [0])])
+    _beat_and_tick(ctl, coord, clock, 3.0)
+    with pytest.raises(JobFailed, match=r"worker 0 .*made no progress \(no step for 2.5 s.*no worker is left"):
+        _beat_and_tick(ctl, coord, clock, 14.0)
+    assert launcher.killed == [0] and ctl.phase.value == "failed"
+
+
+def test_a_generation_that_never_forms_fails_the_job_instead_of_recovering_for_ever():
+    """After a loss, the survivor (alive: it beats) never takes part in forming the next
+    generation (wedged in its own code): after the allowance it is judged wedged, and with no one
+    left the job fails with a message (before: ``recovering`` for ever)."""
+    ctl, coord, launcher, clock = make(2, step_timeout_s=5.0)
+    joined_and_formed(ctl, [0, 1], 0)
+    launcher.codes[1] = -9  # worker 1 dies; generation 1 = [0] is published
+    _beat_and_tick(ctl, coord, clock, 1.0)
+    assert ctl.generation == 1 and ctl.phase.value == "recovering"
+    _beat_and_tick(ctl, coord, clock, 5.9)
+    with pytest.raises(JobFailed, match=r"worker 0 .*did not take part in forming generation 1 \(failure\) for 5.1 s"):
+        _beat_and_tick(ctl, coord, clock, 6.1)
+    assert launcher.killed == [0] and ctl.phase.value == "failed"
+
+
+def test_the_automatic_step_limit_never_falls_below_the_collective_timeout():
+    """Rank 0 evaluating or checkpointing alone for up to collective_timeout_s is what its peers
+    accept; the watchdog's automatic floor follows it (and control_plane=False turns it off)."""
+    ctl, coord, launcher, clock = make(1, collective_timeout_s=400.0)
+    joined_and_formed(ctl, [0], 0)
+    for s in range(5):
+        _beat_and_tick(ctl, coord, clock, 0.01 * (s + 1), [_step(0, s, [0])])
+    assert ctl.watchdog.limit_s() == 400.0
+    _beat_and_tick(ctl, coord, clock, 399.0)
+    assert not coord.store.check([protocol.abort_key(0)])
+    _beat_and_tick(ctl, coord, clock, 401.0)
+    assert coord.store.check([protocol.abort_key(0)])
+    quiet, *_ = make(1, control_plane=False)
+    assert not quiet.watchdog.enabled
+
+
+def test_a_member_that_arrived_at_an_unformed_generation_is_not_taken_for_wedged():
+    """Generation 1 (after worker 2 died) does not form: worker 1 arrived at its rendezvous and
+    waits there (it said so), worker 0 never came. Only worker 0 is wedged."""
+    ctl, coord, launcher, clock = make(3, step_timeout_s=5.0)
+    joined_and_formed(ctl, [0, 1, 2], 0)
+    launcher.codes[2] = -9
+    _beat_and_tick(ctl, coord, clock, 1.0)
+    assert record(coord, 1).members == [0, 1] and ctl.phase.value == "recovering"
+    _beat_and_tick(ctl, coord, clock, 1.5, [{"type": "arrived", "worker": 1, "generation": 1}])
+    _beat_and_tick(ctl, coord, clock, 6.5)
+    assert launcher.killed == [0] and record(coord, 2).members == [1]
+    assert "did not take part in forming generation 1 (failure)" in ctl.failures[-1]["cause"]

@@ -8,6 +8,8 @@ import math
 
 import pytest
 
+import virtualflow as vf
+
 from virtualflow.cli.main import build_parser
 from virtualflow.config.options import LaunchOptions, add_arguments, flag_of, make_options, options_from_args
 
@@ -88,7 +90,7 @@ def test_command_line_round_trips_every_flagged_option():
         "collective_timeout_s": ("30", 30.0), "run_dir": ("runs/x", "runs/x"), "overwrite": (None, True),
         "min_workers": ("2", 2),
         "min_workers_timeout_s": ("5", 5.0), "replace_failed": (None, True), "heartbeat_timeout_s": ("1.5", 1.5),
-        "coordinator_timeout_s": ("20", 20.0),
+        "coordinator_timeout_s": ("20", 20.0), "step_timeout_s": ("600", 600.0),
         "checkpoint_every": ("4", 4), "resume": ("runs/y", "runs/y"), "slowdowns": ("1,1,3", [1.0, 1.0, 3.0]),
         "balance": (None, True), "uneven_vn_sizes": (None, True), "price_per_worker_hour": ("2.5", 2.5),
         "pipeline_stages": ("4", 4), "tensor_parallel": ("2", 2), "schedule": ("zb_h1", "zb_h1"), "chunks": ("2", 2), "split": ("3,2,2,1", "3,2,2,1"),
@@ -136,3 +138,21 @@ def test_run_parser_has_no_option_the_table_lacks():
     args = build_parser().parse_args(["run", "job.py", "--steps", "1"])
     own = set(vars(args)) - {f.name for f in dataclasses.fields(LaunchOptions)}
     assert own == {"command", "verbose", "func", "job", "no_progress"}
+
+
+def test_step_timeout_is_auto_off_or_seconds():
+    """``--step-timeout``: auto (None, the default), off (0) or seconds; anything else is refused
+    naming the knob."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for text, value in (("auto", None), ("off", 0.0), ("OFF", 0.0), ("90", 90.0), ("0", 0.0)):
+        assert options_from_args(parser.parse_args(["--steps", "3", "--step-timeout", text])).step_timeout_s == value
+    assert vf.LaunchOptions(steps=3).step_timeout_s is None
+    for bad in (-5.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"step_timeout_s=.* must be None \(automatic\), 0 \(off\) or a finite "
+                                             r"number of seconds > 0; set step_timeout_s= \(--step-timeout"):
+            vf.LaunchOptions(steps=3, step_timeout_s=bad)
+    with pytest.raises(ValueError, match="step_timeout_s='off' must be a number"):
+        vf.LaunchOptions(steps=3, step_timeout_s="off")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--steps", "3", "--step-timeout", "soon"])

@@ -38,7 +38,7 @@ def make_backend(options: LaunchOptions) -> Backend:
     if options.backend == "external":
         from virtualflow.backends.external import ExternalBackend, parse_address
 
-        return ExternalBackend(parse_address(options.listen))
+        return ExternalBackend(parse_address(options.listen), silence_s=options.heartbeat_timeout_s)
     from virtualflow.backends.local import LocalBackend
 
     return LocalBackend()

@@ -11,6 +11,12 @@ backends, so joins, leaves and failures go through the ordinary generations:
 * A join request that finds no open slot asks the controller to grow by one (the ordinary
   resize path; refused when the job already has one worker per virtual node), and takes the
   slot that grow opens.
+* A welcomed worker beats from the start of its set-up. One that dies or freezes after its
+  welcome but before it reports ``join`` (the controller watches heartbeats from ``join`` on)
+  is judged here (:class:`WelcomeWatch`): no first beat within ``first_beat_s`` of the welcome,
+  or silent for ``silence_s`` after beating, and it reads as killed, with that cause; the
+  controller handles it as a failed worker (fenced), so the generation waiting for it is
+  re-formed without it and joiners queued behind it are asked for again.
 * A worker that exits or stops beating is found by the controller's heartbeat check; then
   ``kill_worker`` marks it killed here (it is fenced out of later generations by the
   controller; this process cannot kill a process on another machine). A worker that reports
@@ -87,6 +93,48 @@ FENCED = "fenced out (this coordinator cannot stop a process on another machine:
 """What :meth:`ExternalBackend.kill_worker` does, in words."""
 
 
+class WelcomeWatch:
+    """Welcomed workers that have not reported ``join`` yet, judged by their heartbeats (pure:
+    the times and heartbeat counts are passed in).
+
+    Invariants: a worker is judged once (it leaves the watch when judged or joined); a worker
+    that has never beaten is silent after ``first_beat_s``, one that has after ``silence_s``
+    without a new beat."""
+
+    def __init__(self, *, first_beat_s: float, silence_s: float) -> None:
+        self.first_beat_s, self.silence_s = first_beat_s, silence_s
+        self._watched: dict[int, tuple[float, int | None]] = {}  # worker -> (last change, last count)
+
+    def welcomed(self, worker: int, now: float) -> None:
+        self._watched[worker] = (now, None)
+
+    def joined(self, worker: int) -> None:
+        self._watched.pop(worker, None)
+
+    @property
+    def watched(self) -> list[int]:
+        return list(self._watched)
+
+    def judge(self, counts: dict[int, int], now: float) -> dict[int, str]:
+        """``counts``: each watched worker's heartbeat counter now. Returns the silent ones with
+        their causes (and stops watching them)."""
+        silent: dict[int, str] = {}
+        for w, (since, last) in list(self._watched.items()):
+            count = counts.get(w, 0)
+            if count != (last if last is not None else 0):
+                self._watched[w] = (now, count)
+                continue
+            if last is None and now - since > self.first_beat_s:
+                silent[w] = (f"was welcomed but never started beating (no heartbeat within {self.first_beat_s:g} s "
+                             f"of its welcome; it died or froze before its set-up); fenced out")
+            elif last is not None and now - since > self.silence_s:
+                silent[w] = (f"was welcomed, then went silent during its set-up (no heartbeat for {now - since:.1f} s, "
+                             f"before it joined); fenced out")
+        for w in silent:
+            del self._watched[w]
+        return silent
+
+
 @dataclass(slots=True)
 class ExternalWorker:
     """One slot of the job: the id the controller asked for and who filled it."""
@@ -96,6 +144,8 @@ class ExternalWorker:
     host: str | None = None
     pid_: int | None = None
     code: int | None = None
+    cause: str | None = None
+    """Why it reads as killed when this backend judged it (silent after its welcome)."""
 
     @property
     def pid(self) -> int | None:
@@ -113,9 +163,13 @@ class ExternalBackend:
     name = "external"
     kind_of_worker = "external workers"
 
-    def __init__(self, listen: tuple[str, int], *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, listen: tuple[str, int], *, clock: Callable[[], float] = time.monotonic,
+                 silence_s: float = 3.0, first_beat_s: float | None = None) -> None:
         self.listen = listen
         self.clock = clock
+        first = first_beat_s if first_beat_s is not None else max(30.0, 10 * silence_s)
+        self.welcome = WelcomeWatch(first_beat_s=first, silence_s=silence_s)
+        """Welcomed workers that have not joined (see the module docstring)."""
         self.workers: dict[int, ExternalWorker] = {}
         self._open: list[int] = []
         self._waiting: deque[dict[str, Any]] = deque()
@@ -176,6 +230,11 @@ class ExternalBackend:
         w = self.workers.get(worker_id)
         return w.pid_ if w is not None else None
 
+    def exit_cause(self, worker_id: int) -> str | None:
+        """Why a worker this backend judged reads as killed (None: not judged here)."""
+        w = self.workers.get(worker_id)
+        return w.cause if w is not None else None
+
     def poll(self) -> dict[int, int | None]:
         return {wid: w.code for wid, w in self.workers.items()}
 
@@ -194,11 +253,14 @@ class ExternalBackend:
     def serve(self, reports: Sequence[dict[str, Any]]) -> None:
         """Called by the job's monitor every tick: note workers that finished, answer joins."""
         for r in reports:
+            if r.get("type") == "join":
+                self.welcome.joined(r.get("worker"))
             if r.get("type") in ("done", "leave"):
                 w = self.workers.get(r.get("worker"))
                 if w is not None and w.code is None:
                     w.code = 0
         now = self.clock()
+        self._judge_welcomed(now)
         while self.refusals and self.refusals[0][0] <= now:
             key = self.refusals.popleft()[1]
             try:
@@ -208,6 +270,21 @@ class ExternalBackend:
         for raw in protocol.pop_raw(self.store, JOINS_QUEUE, limit=100):
             self._on_join_request(raw)
         self._assign()
+
+    def _judge_welcomed(self, now: float) -> None:
+        watched = [w for w in self.welcome.watched if self.workers[w].code is None]
+        if not watched:
+            return
+        counts = {w: self.store.add(protocol.heartbeat_key(w), 0) for w in watched}
+        for wid, cause in self.welcome.judge(counts, now).items():
+            w = self.workers[wid]
+            w.code, w.cause = -int(signal.SIGKILL), cause
+            logger.warning("worker %d (%s, pid %s) %s", wid, w.host, w.pid_, cause)
+            self.event("welcome_expired", worker=wid, host=w.host, pid=w.pid_, cause=cause)
+            # The controller re-forms without it and, without replace_failed, shrinks its target:
+            # a grow asked for a joiner queued meanwhile may be gone with it, so ask again.
+            for req in self._waiting:
+                req["asked"] = False
 
     def _on_join_request(self, raw: bytes) -> None:
         try:
@@ -234,6 +311,7 @@ class ExternalBackend:
             reply = auth.sign(self.token, {"op": "welcome", "worker": wid, "request": req["nonce"],
                                            "config": self.config_text}, job=self.job_id, kind="welcome")
             self.store.set(join_reply_key(req["nonce"]), reply)
+            self.welcome.welcomed(wid, self.clock())
             self.event("joined", worker=wid, host=w.host, pid=w.pid_)
             logger.info("worker %d joined from %s (pid %s)", wid, w.host, w.pid_)
         for req in list(self._waiting):

@@ -6,6 +6,14 @@ forked from the caller, so they start from a clean interpreter whatever the call
 run directory is unpickled) and runs in a session of its own, so a terminal's Ctrl-C reaches
 only the launching process, which stops the job cleanly. Each gets ``OMP_NUM_THREADS``/``torch.set_num_threads`` equal to
 its thread budget and writes its output to ``<state_dir>/logs/worker-<id>.log``.
+
+A worker's session is also its process group (its id is the worker's pid), and every process the
+job's code starts without leaving it (``subprocess.Popen``, ``os.fork``, a daemon that does not
+call ``setsid``) belongs to it. The group ends with the worker: once the worker is seen exiting
+(:meth:`LocalBackend.poll`), killed (:meth:`LocalBackend.kill_worker`) or terminated at the job's
+end, whatever is left of its group is sent SIGKILL, so nothing the job forked outlives it. (A
+process that leaves the group on purpose, with ``setsid``, is beyond this; a cgroup would be
+needed to follow it.)
 """
 
 from __future__ import annotations
@@ -31,9 +39,25 @@ class WorkerProcess:
     proc: subprocess.Popen
     log_path: str
 
+    ended: bool = False
+    """Its process group was sent SIGKILL after the worker exited (done once)."""
+
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def end_group(self) -> None:
+        """SIGKILL whatever is left of the worker's process group (what its job forked), once,
+        after the worker itself has exited. The group id is the worker's pid (it leads its own
+        session); while any member is left, the kernel never reuses that id for another process,
+        and it is killed here as soon as the exit is seen, so no stranger's group is hit."""
+        if self.ended:
+            return
+        self.ended = True
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # nothing left in the group
 
     def log_tail(self, lines: int = 15) -> str:
         return log_tail(self.log_path, lines)
@@ -166,6 +190,8 @@ class LocalBackend:
                 wp.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+        if wp is not None and wp.proc.poll() is not None:
+            wp.end_group()
         return "killed"
 
     def pid(self, worker_id: int) -> int | None:
@@ -173,8 +199,14 @@ class LocalBackend:
         return wp.pid if wp is not None else None
 
     def poll(self) -> dict[int, int | None]:
-        """Exit code of every worker, None while it runs."""
-        return {wid: wp.proc.poll() for wid, wp in self.workers.items()}
+        """Exit code of every worker, None while it runs; a worker seen exited has what is left
+        of its process group killed (see the module docstring)."""
+        codes = {}
+        for wid, wp in self.workers.items():
+            codes[wid] = code = wp.proc.poll()
+            if code is not None:
+                wp.end_group()
+        return codes
 
     def terminate_all(self, grace_s: float = 3.0) -> None:
         alive = [wp for wp in self.workers.values() if wp.proc.poll() is None]
@@ -191,3 +223,6 @@ class LocalBackend:
             except subprocess.TimeoutExpired:
                 wp.proc.kill()
                 wp.proc.wait()
+        for wp in self.workers.values():
+            if wp.proc.poll() is not None:
+                wp.end_group()

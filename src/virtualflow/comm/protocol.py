@@ -18,8 +18,8 @@ Control plane only; tensors travel over process groups. Keys:
 * ``vf/recorded``              steps the coordinator has recorded so far (a plain counter): rank 0
                                keeps the newest checkpoint these reach when it prunes (a forged
                                value can only make it keep one file more, or one fewer)
-* queue ``vf/reports``         signed messages from workers (join, formed, step, fault, leave,
-                               held, checkpoint, eval, error, done, rejected)
+* queue ``vf/reports``         signed messages from workers (join, arrived, formed, step, fault,
+                               leave, held, checkpoint, eval, error, done, notice, rejected)
 * queue ``vf/requests``        signed requests from outside the job (``virtualflow resize``)
 
 Process groups of generation ``g`` live under ``PrefixStore(f"gen/{g}", store)``, a namespace
@@ -158,6 +158,7 @@ REPORTS: dict[str, dict[str, Any]] = {
              "replica_refresh_s": NUM, "redundant_forwards": MAP(NUM)},
     "leave": {"step": INT},
     "notice": {"step": INT},
+    "arrived": {"generation": INT},
     "rejected": {"channel": STR, "reason": STR, "message": STR, "bytes": INT},
 }
 """Fields of each report type beyond :data:`REPORT_FIELDS` (``rejected``: a worker refused a

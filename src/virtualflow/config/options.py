@@ -92,6 +92,28 @@ def profile_window(text: str) -> tuple[int, int]:
     return first, last
 
 
+def parse_step_timeout(text: str) -> float | None:
+    """``--step-timeout``: ``auto`` (None), ``off`` (0) or a number of seconds."""
+    word = text.strip().lower()
+    if word == "auto":
+        return None
+    if word == "off":
+        return 0.0
+    try:
+        value = float(word)
+    except ValueError:
+        raise ValueError(f"--step-timeout {text!r} must be auto, off or a number of seconds, e.g. 600") from None
+    check_step_timeout(value)
+    return value
+
+
+def check_step_timeout(value: float | None) -> None:
+    """``step_timeout_s``: None (automatic), 0 (off) or a finite number of seconds > 0."""
+    if value is not None and not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"step_timeout_s={value!r} must be None (automatic), 0 (off) or a finite number of "
+                         f"seconds > 0; set step_timeout_s= (--step-timeout auto|off|SECONDS)")
+
+
 def _resources(text: str) -> dict[str, float]:
     return parse_resources(text)
 
@@ -200,6 +222,12 @@ class LaunchOptions:
     coordinator_timeout_s: float = _opt(15.0, "a worker that cannot reach the coordinator's store for this long "
                                         "exits (code 3): the coordinator is gone or cut off; continue with --resume "
                                         "(seconds)", "elasticity and fault tolerance", metavar="SECONDS")
+    step_timeout_s: float | None = _opt(None, "a run that makes no step for this long is hung in its own code (a "
+                                        "callback, the data, a deadlock): the workers that do not answer are killed "
+                                        "and removed as failed. auto (default): max(120 s, --collective-timeout, "
+                                        "10 x the median step time), 300 s for a generation's first step and its formation; off: never "
+                                        "(seconds)", "elasticity and fault tolerance", metavar="auto|off|SECONDS",
+                                        parse=parse_step_timeout)
     checkpoint_every: int | None = _opt(None, "write checkpoints/step-N.pt (--checkpoint-format dcp: "
                                         "step-N.dcp/) every N steps (the last two are kept)",
                                         "elasticity and fault tolerance", metavar="N")
@@ -290,6 +318,7 @@ class LaunchOptions:
             if not math.isfinite(value) or not low_ok:
                 rule = "a finite number >= 0" if name == "gpus_per_worker" else "a finite number > 0"
                 raise ValueError(f"{name}={value!r} must be {rule}; set {_knob(name)}")
+        check_step_timeout(self.step_timeout_s)
         if self.precision is not None:
             check_precision(self.precision, "--precision")
         check_max_grad_norm(self.max_grad_norm, "--max-grad-norm")

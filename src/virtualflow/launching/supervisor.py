@@ -32,7 +32,7 @@ from virtualflow.control.coordinator import Coordinator
 from virtualflow.launching import outcome
 from virtualflow.plan.flops import describe as describe_throughput, run_throughput
 from virtualflow.plan.vnmap import pipeline_assignment
-from virtualflow.control.membership import FallbackRestart, JobFailed, MembershipController, check_resize
+from virtualflow.control.membership import FallbackRestart, JobFailed, MembershipController, Phase, check_resize
 from virtualflow.config.job import Job, JobSource
 from virtualflow.config.options import LaunchOptions
 from virtualflow.records.result import Result, TrainingError
@@ -274,6 +274,11 @@ class Supervisor:
                     raise outcome.worker_failure(self.coordinator.progress.errors, self.setup)
                 self.backend.serve(reports)
                 self._take_requests()
+                if self.stop_reason is not None and ctl.phase in (Phase.NEW, Phase.FORMING):
+                    # No generation has formed, so no step boundary will come to stop at (the
+                    # workers may never come: external ones): end now; nothing was trained.
+                    raise TrainingError(f"stopped ({self.stop_reason}) before the first generation formed: no step "
+                                        f"was trained in this launch, so there is no new state to save")
                 try:
                     ctl.tick(reports)
                 except JobFailed as exc:

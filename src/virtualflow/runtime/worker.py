@@ -3,9 +3,8 @@
 The worker is started by a backend with a :class:`WorkerConfig` and its worker id. It talks to
 the coordinator only through the job's TCPStore (see :mod:`virtualflow.comm.protocol`):
 
-1. **Set-up before joining.** Rebuild the job and its dataset, build the model with
-   ``torch.manual_seed(seed)``, the optimizer and the engine, start the heartbeat thread, report
-   ``join``. Survivors never wait for a newcomer's start-up: the coordinator adds a newcomer to a
+1. **Set-up before joining.** Start the heartbeat thread, rebuild the job and its dataset, build
+   the model with ``torch.manual_seed(seed)``, the optimizer and the engine, report ``join``. Survivors never wait for a newcomer's start-up: the coordinator adds a newcomer to a
    generation only after this report.
 2. **Form a generation.** Follow ``vf/member/<id>/next/<g>`` to the generation to join, meet the
    other members at its rendezvous, build its group from ``PrefixStore("gen/<g>")``, agree on
@@ -278,6 +277,13 @@ class Worker:
     def setup(self) -> None:
         cfg = self.cfg
         t_start = time.perf_counter()
+        # Beat from the start, before the (possibly long) set-up: a worker that dies or freezes
+        # between its welcome and its join is then seen silent by a backend that cannot see its
+        # exit (external workers), instead of holding its place for ever. The controller watches
+        # a worker's heartbeats only from its join on.
+        self.heartbeat = Heartbeat(cfg, self.id, run=self.run_key, rejections=self.rejections)
+        if cfg.control_plane:
+            self.heartbeat.start()
         job = self.job = build_job(cfg)
         dataset = job.build_dataset()
         self.engine: Engine = build_engine(cfg, self.id, job, dataset, self.store, self.device,
@@ -305,9 +311,6 @@ class Worker:
             self.callbacks.zero_seen = 0  # every initial worker's callbacks start alike
         else:
             self.engine.prepare_to_join()
-        self.heartbeat = Heartbeat(cfg, self.id, run=self.run_key, rejections=self.rejections)
-        if cfg.control_plane:
-            self.heartbeat.start()
         self.report({"type": "join", "setup_s": time.perf_counter() - t_start, "dataset": self._fingerprint(dataset)})
 
     def _fingerprint(self, dataset: Any) -> dict[str, str] | None:
@@ -387,6 +390,9 @@ class Worker:
             self.engine.check_state_held(cfg.state_dir)  # after a failure: what only this worker held
         t0 = time.perf_counter()
         rank = record.members.index(self.id)
+        # Tell the coordinator this worker is here and alive (its step watchdog judges members
+        # that say nothing while a generation forms as wedged in their own code).
+        self.report({"type": "arrived", "generation": gen})
         _rendezvous(self.store, cfg, gen, len(record.members), lambda: self.aborted(gen))
         # A pipeline's hops travel on the generation's group (without tensor parallelism): a
         # connection per direction (see make_group's duplex).

@@ -11,6 +11,8 @@
 * :mod:`.failover`: Bamboo's failover of redundant pipeline replicas, a policy.
 * :mod:`.sizing`: losses, holds, notices and resizes without redundancy, a policy.
 * :mod:`.liveness`: which workers are gone (exit codes, heartbeats; fencing).
+* :mod:`.watchdog`: step progress and the formation bound: a run hung in the job's own code,
+  its wedged workers (a policy).
 * :mod:`.interface`: the launcher it drives, its errors, the resize check.
 
 The policies are pure (no store, no processes, no clock) and tested without processes

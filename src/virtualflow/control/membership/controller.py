@@ -13,6 +13,12 @@ Rules it enforces (its phases: :mod:`.phases`; its policies: :mod:`.speed`, :mod
   interrupted step. A fenced worker may still be alive (cut off by a partition, on a machine
   the launcher cannot kill on): the coordinator refuses its reports from then on and its next
   pointer says ``fail``, so when it comes back it writes nothing that counts and exits.
+* **Hangs in the job's own code.** A worker blocked in a callback or its data keeps beating; the
+  step watchdog (:mod:`.watchdog`) notices that no step came within the run's limit
+  (``step_timeout_s``), aborts the generation, and judges the members that did not answer the
+  abort within a grace *wedged*: they are killed and fenced like silent ones and removed as
+  failed. A published generation that does not form within the first-step allowance fails the
+  same way (its silent members wedged, else the job), never an endless ``recovering``.
 * **Pipelines.** A pipelined job keeps whole replicas: a replica that lost a worker leaves whole.
   With Bamboo's redundancy each hit replica fails over instead (:mod:`.failover`); only a
   replica that cannot cover its loss leaves, and the job falls back to a restart when none is
@@ -44,9 +50,11 @@ from virtualflow.control.membership.failover import (decide_failover, decide_pla
                                                      decide_shrink, replica_layouts)
 from virtualflow.control.membership.interface import FallbackRestart, JobFailed, WorkerLauncher, check_resize
 from virtualflow.control.membership.liveness import Liveness
-from virtualflow.control.membership.phases import Change, Phase, phase_of_change
+from virtualflow.control.membership.phases import RECOVERY_KINDS, Change, Phase, phase_of_change
 from virtualflow.control.membership.sizing import decide_hold, decide_loss, decide_release, decide_resize
 from virtualflow.control.membership.speed import SpeedPolicy
+from virtualflow.control.membership.watchdog import (AUTO_FLOOR_S, Stalled, StepWatchdog, Wedged, decide_unformed,
+                                                     decide_wedged)
 from virtualflow.config.options import LaunchOptions
 from virtualflow.plan.hetero import SpeedModel
 from virtualflow.plan.vnmap import contiguous_assignment
@@ -65,11 +73,11 @@ class MembershipController:
     ``redundancy`` for Bamboo's redundant stages, ``last_step`` the step a resumed run starts
     at) and the controller's own tuning. Everything is given here: nothing configures it later.
 
-    Size: about 540 lines in one class on purpose: it is the membership's one actor, and every
+    Size: about 620 lines in one class on purpose: it is the membership's one actor, and every
     rule above reads and writes the same fields (members, assigned pointers, the phase and the
     change in flight) and publishes through one path (:meth:`_publish`); what needs none of
     them is elsewhere: the decisions in the pure policies (:mod:`.speed`, :mod:`.failover`,
-    :mod:`.sizing`), exits and heartbeats in :mod:`.liveness`.
+    :mod:`.sizing`, :mod:`.watchdog`), exits and heartbeats in :mod:`.liveness`.
     """
 
     def __init__(
@@ -138,6 +146,19 @@ class MembershipController:
         self.joined: set[int] = set()
         self.liveness = Liveness(launcher, self.store, self.heartbeat_timeout_s)
         """Exits and heartbeats: which workers are gone (:mod:`.liveness`)."""
+        # Without the control plane nobody can be told to abort: no watchdog either.
+        # Its automatic floor follows collective_timeout_s: a gap between steps that long (rank 0
+        # evaluating or checkpointing alone) is what the job's peers already accept.
+        self.watchdog = StepWatchdog(options.step_timeout_s if options.control_plane else 0.0,
+                                     floor_s=max(AUTO_FLOOR_S, options.collective_timeout_s))
+        """Step progress: a run hung in the job's own code (:mod:`.watchdog`)."""
+        self.wedge_grace_s = max(10.0, 2 * options.heartbeat_timeout_s)
+        """After a stall's abort, how long a member has to answer before it is judged wedged."""
+        self.heard: dict[int, float] = {}  # worker -> when its last report came (controller clock)
+        self._stall: tuple[float, Stalled] | None = None  # the generation was aborted for a stall then
+        self._form_since: float | None = None  # the formation of the published generation is timed from here
+        self._training: list[int] = []  # members of the last generation that formed (the one that trains)
+        self._faulted: set[int] = set()  # members that reported that generation broken
         self._change: Change | None = None
         self._failed_newcomers = 0
         self._fault_at: float | None = None  # a member reported the current generation broken
@@ -258,17 +279,75 @@ class MembershipController:
         for r in reports:
             self._on_report(r, now)
         failed = self.liveness.judge(now, self.finished)
+        if not failed and not self.finished:
+            failed = self._watch(now)
         if failed and not self.finished:
             self._on_failures(failed, now)
         elif not self.finished:
             self._retry_broken(now)
             self._plan(now)
 
+    # -- hangs in the job's own code --------------------------------------------------------------
+    def _watch(self, now: float) -> dict[int, str]:
+        """The step watchdog and the formation bound (:mod:`.watchdog`); returns the members
+        judged wedged (already killed and fenced), to be handled as failures."""
+        if self._stall is not None:
+            since, stalled = self._stall
+            verdict = decide_wedged(members=self._training, heard=self.heard, faulted=self._faulted, since=since,
+                                    now=now,
+                                    grace_s=self.wedge_grace_s, stalled=stalled)
+            if verdict is None:
+                return {}
+            self._stall = None
+            if isinstance(verdict, Wedged):
+                return self._wedged(verdict)
+            self.watchdog.restart(now)  # every member answered: the broken generation is retried
+            return {}
+        if self.phase in (Phase.TRAINING, Phase.CHANGING):  # changing: the formed generation trains on
+            stalled = self.watchdog.check(now)
+            if stalled is not None:
+                logger.warning("generation %d stalled at step %d: %s; aborting it", self.formed, self.last_step,
+                               stalled.why)
+                self.coord.event("stalled", generation=self.formed, step=self.last_step,
+                                 waited_s=round(stalled.waited_s, 3), limit_s=stalled.limit_s, why=stalled.why)
+                self.coord.abort(self.formed)
+                self._stall = (now, stalled)
+                return {}
+        if self.busy:
+            if self._form_since is None:
+                return {}
+            joined = [w for w in self.members if w in self.joined]
+            if len(joined) < len(self.members):
+                self._form_since = now  # timed from the last member's join
+                return {}
+            change = self._change
+            decision = decide_unformed(generation=self.generation, kind=change.kind if change else "?",
+                                       members=self.members, joined=joined, heard=self.heard,
+                                       since=self._form_since, now=now, limit_s=self.watchdog.first_limit_s(),
+                                       timeout_s=self.watchdog.timeout_s)
+            if isinstance(decision, GiveUp):
+                for w in self.members:
+                    self.coord.point(w, self.assigned[w], protocol.FAIL)
+                raise JobFailed(decision.message)
+            if isinstance(decision, Wedged):
+                self._form_since = now
+                return self._wedged(decision)
+        return {}
+
+    def _wedged(self, verdict: Wedged) -> dict[int, str]:
+        """Kill and fence the wedged members (a dead worker's treatment): their causes."""
+        for w in verdict.workers:
+            self.liveness.wedged(w)
+            logger.warning("worker %d %s", w, verdict.causes[w])
+        return dict(verdict.causes)
+
     def _on_report(self, r: dict[str, Any], now: float) -> None:
         """One worker report. Reports reach the controller checked (signature, sequence and the
         schema of their type in :mod:`virtualflow.comm.protocol`): :meth:`Coordinator.poll`
         drops and logs the rest, so the fields used here are present and of their type."""
         kind, wid = r.get("type"), r.get("worker")
+        if isinstance(wid, int):
+            self.heard[wid] = now
         if kind == "join":
             self.joined.add(wid)
             self.liveness.joined(wid, now)
@@ -294,12 +373,17 @@ class MembershipController:
                     transfer_bytes=r["bytes"], source=r["source"], receivers=r["receivers"], **change.detail,
                 )
                 self._change = None
+            if g == self.generation:
+                self.watchdog.restart(now)  # the next step is the generation's first
+                self._training, self._faulted = list(r["members"]), set()
             if g == self.generation and self.phase in _UNFORMED:  # a hold generation formed: still holding
                 self._enter(Phase.TRAINING, f"generation {g} formed")
         elif kind == "fault":
             # A member saw the generation break: tell the others at once, so that none of them
             # waits out a collective timeout on a peer that has already given up.
             self.coord.abort(r["generation"])
+            if r["generation"] == self.formed:
+                self._faulted.add(wid)
             if r["generation"] == self.generation and self._fault_at is None:
                 self._fault_at = now
             self.coord.event("fault", worker=wid, generation=r["generation"], phase=r["phase"],
@@ -320,6 +404,10 @@ class MembershipController:
         elif kind == "checkpoint":
             self.checkpointed = True
         elif kind == "step":
+            if r["step"] + 1 > self.last_step:
+                self.watchdog.step(now)
+                if self._form_since is not None:  # the old generation still trains (a planned change)
+                    self._form_since = now
             self.last_step = max(self.last_step, r["step"] + 1)
             if r.get("generation") == self.generation:
                 self._retries = 0
@@ -433,7 +521,7 @@ class MembershipController:
         """A member reported the current generation broken but no worker was found dead or
         silent (e.g. a collective timed out): after a heartbeat timeout's grace, form the next
         generation with everyone alive. Bounded: repeated breaks without progress fail the job."""
-        if self._fault_at is None or now - self._fault_at < self.heartbeat_timeout_s:
+        if self._fault_at is None or now - self._fault_at < self.heartbeat_timeout_s or self._stall is not None:
             return
         self._fault_at = None
         self._retries += 1
@@ -599,7 +687,11 @@ class MembershipController:
         self._change = Change(g, kind, self.clock(), dict(detail or {}))
         if self.predicted_step_s is not None:
             self._change.detail["predicted_step_s"] = self.predicted_step_s
+        if hold or kind in RECOVERY_KINDS or kind == "start" or self.phase not in (Phase.TRAINING, Phase.CHANGING):
+            self.watchdog.idle()  # nothing trains until it forms (a planned change trains on meanwhile)
         self._fault_at = None
+        self._stall = None
+        self._form_since = self.clock()
         self.speed_policy.new_generation(g)
         self._enter(phase_of_change(kind, hold=hold), f"{kind} generation {g} of {len(members)} published")
         if command:

@@ -48,6 +48,18 @@ class Liveness:
         self.leaving.add(worker)
         self._hb.pop(worker, None)
 
+    def _exit_cause(self, worker: int) -> str | None:
+        exit_cause = getattr(self.launcher, "exit_cause", None)
+        return exit_cause(worker) if callable(exit_cause) else None
+
+    def wedged(self, worker: int) -> None:
+        """``worker`` is judged wedged (alive but making no progress: :mod:`.watchdog`): killed where
+        the launcher can, and treated as a silent one (fenced: it may come back and write)."""
+        self.launcher.kill_worker(worker)
+        self.gone.add(worker)
+        self.fenced.add(worker)
+        self._hb.pop(worker, None)
+
     def judge(self, now: float, finished: bool) -> dict[int, str]:
         """The workers that failed since the last tick, each with its cause (silent ones killed)."""
         failed: dict[int, str] = {}
@@ -65,7 +77,12 @@ class Liveness:
                 continue
             if finished and code == 0:
                 continue
-            failed[wid] = describe_exit(code)
+            # A backend that judged the worker itself (an external worker silent after its
+            # welcome) says why; such a worker may be alive somewhere: fenced like a silent one.
+            cause = self._exit_cause(wid)
+            if cause is not None:
+                self.fenced.add(wid)
+            failed[wid] = cause or describe_exit(code)
         for wid, (count, t_seen) in list(self._hb.items()):
             if finished:
                 break

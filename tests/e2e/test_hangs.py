@@ -1,0 +1,136 @@
+"""Hangs nobody else detects: a job whose own code blocks, an external worker welcomed that never
+joins, a process the job forked that would outlive it.
+
+Each test starts few, short processes and bounds its wait generously (a loaded 2-core box); the
+decisions themselves (the step watchdog, the welcome deadline) are unit-tested with a fake clock
+in ``tests/unit/test_hang_policies.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import virtualflow as vf
+import jobs
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie counts as gone: it no longer runs)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class ForkDaemon:
+    """At the first step's end, starts a sleeping child in the worker's own process group (as a
+    job that launches a helper and forgets it) and writes its pid to ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_step_end(self, info):
+        if info.step == 0:
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                     start_new_session=False)
+            with open(self.path, "w") as f:
+                f.write(str(child.pid))
+
+
+def test_a_process_forked_by_the_job_ends_with_its_worker(tmp_path):
+    path = str(tmp_path / "daemon.pid")
+    pid = None
+    try:
+        job = jobs.regression_job("sgd", callbacks=[ForkDaemon(path)])
+        result = vf.train(job, workers=1, steps=3, run_dir=str(tmp_path / "run"))
+        assert result.steps == 3
+        pid = int(open(path).read())
+        deadline = time.monotonic() + 30
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(pid), f"the daemon the job forked (pid {pid}) outlived the job"
+    finally:
+        if pid is not None and _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+class BlockAt:
+    """Blocks for ever in ``on_step_end`` of step ``step`` (a callback waiting on something that
+    never comes), while the worker's heartbeat thread goes on beating."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, info):
+        if info.step == self.step:
+            while True:
+                time.sleep(1)
+
+
+def test_a_worker_blocked_in_a_callback_fails_the_job_with_a_clear_message(tmp_path):
+    job = jobs.regression_job("sgd", callbacks=[BlockAt(2)])
+    t0 = time.monotonic()
+    with pytest.raises(vf.TrainingError) as err:
+        vf.train(job, workers=1, steps=50, run_dir=str(tmp_path / "run"), step_timeout_s=3.0)
+    message = str(err.value)
+    assert "no step for" in message and "step_timeout_s=3" in message and "wedged" in message, message
+    assert time.monotonic() - t0 < 120  # 3 s without a step + 10 s to answer the abort, on a loaded box
+    events = [json.loads(line) for line in open(tmp_path / "run" / "events.jsonl")]
+    stalled = [e for e in events if e["event"] == "stalled"]
+    assert len(stalled) == 1 and stalled[0]["step"] == 2  # steps 0 and 1 done, step 2 blocked
+    assert [e["worker"] for e in events if e["event"] == "failure"] == [0]
+
+
+def test_an_external_worker_welcomed_that_never_joins_does_not_stall_the_job(tmp_path):
+    """A joiner takes a place (it is welcomed) and then says nothing, as a worker that died right
+    after its welcome: the job starts without it once its welcome runs out (30 s) and the
+    worker that did join trains the job to its end (before: ``forming`` for ever)."""
+    from test_external import free_port, reap, start_worker
+    from virtualflow.cli.worker import join
+
+    run_dir, token_file = str(tmp_path / "run"), str(tmp_path / "secret")
+    with open(token_file, "w") as f:
+        f.write("0123456789abcdef" * 4)
+    os.chmod(token_file, 0o600)
+    address = f"127.0.0.1:{free_port()}"
+    handle = vf.launch(jobs.regression_job(), workers=2, steps=4, run_dir=run_dir, backend="external",
+                       listen=address, token_file=token_file, heartbeat_timeout_s=2.0)
+    procs = []
+    try:
+        silent_id, _ = join(address, open(token_file).read().strip(), timeout_s=60)  # welcomed, then silent
+        procs.append(start_worker(address, token_file, str(tmp_path / "w.log")))
+        result = handle.wait(timeout_s=150)
+    finally:
+        if not handle.done:
+            handle.kill()
+        codes = reap(procs)
+    assert codes == [0], open(tmp_path / "w.log").read()[-2000:]
+    assert result.steps == 4 and {h["workers"] for h in result.history} == {1}
+    assert [f["worker"] for f in result.failures] == [silent_id]
+    assert "never started beating (no heartbeat within 30 s of its welcome" in result.failures[0]["cause"]
+
+
+def test_a_stop_while_the_first_generation_forms_ends_the_job_at_once(tmp_path):
+    """``virtualflow run --backend external`` stopped (SIGTERM, Ctrl-C: :func:`virtualflow.api.stop_interrupted`
+    calls ``handle.stop``) before any worker came: no step boundary will come to stop at, so the
+    job ends at once instead of after ``stop``'s own timeout (no worker process is started here)."""
+    from test_external import free_port
+
+    handle = vf.launch(jobs.regression_job(), workers=2, steps=4, run_dir=str(tmp_path / "run"), backend="external",
+                       listen=f"127.0.0.1:{free_port()}")
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(vf.TrainingError, match=r"stopped \(SIGTERM\) before the first generation formed"):
+            handle.stop(timeout_s=60, reason="SIGTERM")
+    finally:
+        if not handle.done:
+            handle.kill()
+    assert time.monotonic() - t0 < 30 and handle.done
