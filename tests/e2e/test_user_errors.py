@@ -123,7 +123,8 @@ def test_cli_prints_the_worker_traceback_under_the_summary(monkeypatch, capsys):
     def failing_launch(job, options):
         raise err
 
-    monkeypatch.setattr(cli_run.vf, "launch", failing_launch)
+    import virtualflow as vf
+    monkeypatch.setattr(vf, "launch", failing_launch)  # the verb imports virtualflow when it runs
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers()
     cli_run.add_parser(sub)
