@@ -32,24 +32,32 @@ def _alive(pid: int) -> bool:
 
 class ForkDaemon:
     """At the first step's end, starts a sleeping child in the worker's own process group (as a
-    job that launches a helper and forgets it) and writes its pid to ``path``."""
+    job that launches a helper and forgets it) and writes its pid to ``path``. ``detached``: a
+    real daemon instead, in a session of its own and orphaned at once (``setsid`` from a shell
+    that exits), so neither the worker's process group nor its children list holds it."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, path: str, detached: bool = False) -> None:
+        self.path, self.detached = path, detached
 
     def on_step_end(self, info):
         if info.step == 0:
-            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
-                                     start_new_session=False)
+            if self.detached:
+                out = subprocess.run(["sh", "-c", "setsid sleep 600 >/dev/null 2>&1 </dev/null & echo $!"],
+                                     capture_output=True, text=True, check=True)
+                pid = int(out.stdout.strip())
+            else:
+                pid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                       start_new_session=False).pid
             with open(self.path, "w") as f:
-                f.write(str(child.pid))
+                f.write(str(pid))
 
 
-def test_a_process_forked_by_the_job_ends_with_its_worker(tmp_path):
+@pytest.mark.parametrize("detached", [False, True], ids=["child", "setsid-daemon"])
+def test_a_process_forked_by_the_job_ends_with_its_worker(tmp_path, detached):
     path = str(tmp_path / "daemon.pid")
     pid = None
     try:
-        job = jobs.regression_job("sgd", callbacks=[ForkDaemon(path)])
+        job = jobs.regression_job("sgd", callbacks=[ForkDaemon(path, detached)])
         result = vf.train(job, workers=1, steps=3, run_dir=str(tmp_path / "run"))
         assert result.steps == 3
         pid = int(open(path).read())

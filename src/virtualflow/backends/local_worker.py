@@ -30,6 +30,8 @@ import sys
 import threading
 from typing import Any, Callable, Mapping
 
+from virtualflow.backends.descendants import end_descendants, keep_descendants
+
 ORPHAN_EXIT_CODE = 3
 """What an orphaned worker exits with (as a worker whose heartbeat lost the coordinator)."""
 
@@ -170,6 +172,7 @@ def main(argv: list[str], parent: int | None = None) -> int:
               f"{config.store_port}) is gone before the worker started; exiting", file=sys.stderr, flush=True)
         return ORPHAN_EXIT_CODE
     ParentWatch(parent, worker_id=worker_id).start()
+    keep_descendants()  # what the job starts stays in this tree, even if it leaves the process group
     from virtualflow.backends.inprocess import eager_every_wait_from_env
     from virtualflow.runtime.worker import run_worker
 
@@ -178,7 +181,10 @@ def main(argv: list[str], parent: int | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv, os.getppid())
+    try:
+        code = main(sys.argv, os.getppid())
+    finally:
+        end_descendants()  # nothing the job started outlives its worker
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: gloo's background threads can abort the process while C++

@@ -152,8 +152,14 @@ def main(args: argparse.Namespace) -> int:
     from virtualflow.backends.inprocess import eager_every_wait_from_env
     from virtualflow.runtime.worker import run_worker
 
+    from virtualflow.backends.descendants import end_descendants, keep_descendants
+
+    keep_descendants()  # what the job starts stays in this tree, and ends with this worker
     # SIGTERM while training (a spot machine's notice) releases this worker at a step boundary
-    code = run_worker(config, worker_id, preemption_notice(), eager_every_wait=eager_every_wait_from_env())
+    try:
+        code = run_worker(config, worker_id, preemption_notice(), eager_every_wait=eager_every_wait_from_env())
+    finally:
+        end_descendants()
     sys.stdout.flush()
     sys.stderr.flush()
     # As a local worker: skip interpreter teardown (gloo threads can abort it); all is reported.
