@@ -68,7 +68,10 @@ def test_exactly_once_across_a_sigkill_a_resize_and_a_resume_on_another_count(tm
     steps = stopped.steps + 6
     # the uninterrupted 1-worker run, beside the resume on 1 worker
     ref_run = vf.launch("stream_jobs:stream_job", workers=1, steps=steps, deterministic=True)
-    resumed = vf.launch("stream_jobs:ledger_stream_job", workers=1, steps=steps, deterministic=True, resume=run_dir)
+    # Another job function (the same training, without the pacing): it starts from that run's state
+    # in a run directory of its own (the stopped run's directory records the paced job's identity).
+    resumed = vf.launch("stream_jobs:ledger_stream_job", workers=1, steps=steps, deterministic=True, resume=run_dir,
+                        run_dir=str(tmp_path / "resumed"))
     result = resumed.wait(timeout_s=120)
     assert_same_training(result, ref_run.wait(timeout_s=120), first_step=stopped.steps)
 

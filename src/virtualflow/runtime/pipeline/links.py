@@ -314,13 +314,22 @@ def _wait_receive(group: Group, work: Any) -> None:
     try:
         work.wait()
     except PeerFailure:
-        if _WATCHER.done(token):
+        # The flag may be set but not yet seen by the watcher while a peer that did see it has
+        # left (its connection closed): the abort, not the closed connection, is the cause.
+        if _WATCHER.done(token) or _flag_set(group):
             raise PeerFailure(group.generation, "the coordinator declared the generation broken (a member failed) "
                                                 "during a receive") from None
         raise
     if _WATCHER.done(token):  # completed just as the group was aborted: the group is broken all the same
         raise PeerFailure(group.generation, "the coordinator declared the generation broken (a member failed) "
                                             "during a receive")
+
+
+def _flag_set(group: Group) -> bool:
+    try:
+        return bool(group.abort_check())
+    except Exception:  # noqa: BLE001 - a store that cannot answer says nothing about the flag
+        return False
 
 
 _ABANDONED: list[Any] = []
