@@ -446,10 +446,15 @@ def test_job_code_runs_only_in_job_processes_and_each_bad_job_fails_alone(tmp_pa
         ids[n] = db.add_job(name=n, target=f"{jobs_py}:{n}", steps=40, elastic=False, min_workers=1, max_workers=1,
                             priority=1.0, job_type=None, deterministic=True, checkpoint_every=10)
     decide(s, *(Action("start", ids[n], "v100", 1, (f"v100-{i}",)) for i, n in enumerate(names)))
-    # A driver that does not read its commands (still starting) never blocks the service: once its
-    # pipe is full a command is refused at once.
-    sent = [s.running[ids["sleeps"]].handle._send({"op": "slowdown", "worker": 0, "factor": 2.0})
-            for _ in range(5000)]
+    # A driver that does not read its commands never blocks the service: once its pipe is full a
+    # command is refused at once. (Stopped here, so that it cannot read whatever the machine's load:
+    # a driver still starting may or may not have its reader running yet.)
+    handle = s.running[ids["sleeps"]].handle
+    os.kill(handle.proc.pid, signal.SIGSTOP)
+    try:
+        sent = [handle._send({"op": "slowdown", "worker": 0, "factor": 2.0}) for _ in range(5000)]
+    finally:
+        os.kill(handle.proc.pid, signal.SIGCONT)
     assert sent[0] and not sent[-1]
     hang_pids: list[int] = []
     deadline = time.monotonic() + 150
