@@ -60,6 +60,7 @@ def test_slots_the_ray_cluster_lacks_are_refused(ray_cluster, tmp_path, capsys):
     assert "has no resource 'p100'" in ray_slot_shortage({"p100": 1}, {"CPU": 4.0, "k80": 2.0}, 1.0)
 
 
+@pytest.mark.timeout(600)
 def test_a_job_runs_on_its_types_ray_resource_and_matches_its_standalone_run(ray_cluster, tmp_path):
     reference = vf.launch(JOB, workers=1, steps=20, deterministic=True)  # local processes, meanwhile
     d = str(tmp_path / "c")
@@ -80,11 +81,11 @@ def test_a_job_runs_on_its_types_ray_resource_and_matches_its_standalone_run(ray
     thread.start()
     db = ClusterDB(d)
     free_k80, free_v100, asked, ray_actors = [], [], [], []
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 240  # a liveness bound: under load (two busy processes beside it) 90 s were not enough
     try:
         while db.job(1).state != "done":
             assert not errors and db.job(1).state in ("queued", "running"), (errors, db.job(1).error)
-            assert time.monotonic() < deadline, "the job did not finish in 90 s"
+            assert time.monotonic() < deadline, "the job did not finish in 240 s"
             run_ = services[0].running.get(1) if services else None
             if run_ is not None:
                 backend = run_.handle.backend
