@@ -48,6 +48,15 @@ def assert_same_training(result, ref, *, first_step: int | None = 0, scheduler: 
     assert [h["step"] for h in result.history] == list(range(start, result.steps))
 
 
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie counts as gone: it no longer runs)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def wait_for_step(handle, step: int, timeout_s: float = 120.0) -> None:
     """Wait until a launched job has recorded ``step`` steps (fails if it ends first)."""
     deadline = time.monotonic() + timeout_s

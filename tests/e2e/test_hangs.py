@@ -19,15 +19,9 @@ import pytest
 
 import virtualflow as vf
 import jobs
+from conftest import process_alive as _alive
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie counts as gone: it no longer runs)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 class ForkDaemon:

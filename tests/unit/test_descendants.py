@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+from conftest import process_alive as _alive
 from virtualflow.backends.descendants import descendants
 
 HARNESS = r"""
@@ -29,12 +30,6 @@ print(" ".join(map(str, sorted(killed))), flush=True)
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _run(mode: str) -> tuple[int, int, list[int], list[int], bool, bool]:

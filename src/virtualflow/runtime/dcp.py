@@ -301,14 +301,7 @@ def _finalize(final: str, world: int, save_id: str, step: int, keep: int | None,
     ours = {f"rank-{r:05d}" for r in range(world)} | {f"rank-{r:05d}.json" for r in range(world)}
     for name in os.listdir(part):  # an earlier attempt's workers beyond this world, stray files
         if name not in ours and not name.startswith("."):
-            full = os.path.join(part, name)
-            if os.path.isdir(full) and not os.path.islink(full):
-                shutil.rmtree(full, ignore_errors=True)
-            else:
-                try:
-                    os.unlink(full)
-                except OSError:
-                    pass  # another finalizer took it
+            _remove(os.path.join(part, name))  # another finalizer taking it first is no error
     _write_dcp_metadata(part, entries)
     files[".metadata"] = _file_digest(os.path.join(part, ".metadata"))
     body = {"format": _FORMAT, "save_id": save_id, "step": step, "world": world,
@@ -368,6 +361,19 @@ def prune(folder: str, step: int, keep: int | None, recorded: Callable[[], int |
         discard(os.path.join(folder, name))
 
 
+def _remove(path: str) -> bool:
+    """Remove ``path``: a folder (never followed through a link) with what it holds, anything else
+    unlinked. Returns False when it could not be unlinked (gone already, or refused)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+        return True
+    try:
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
+
+
 def discard(path: str) -> None:
     """Delete the complete checkpoint folder ``path``: renamed first (it stops being a checkpoint at
     once, whole), then removed. Another worker's prune taking it first is no error."""
@@ -393,15 +399,9 @@ def remove_discarded(folder: str) -> list[str]:
         m = _FOLDER.fullmatch(name)
         if m is not None and m.group(3):
             full = os.path.join(folder, name)
-            if os.path.isdir(full) and not os.path.islink(full):
-                shutil.rmtree(full, ignore_errors=True)
-            else:
-                try:
-                    os.unlink(full)
-                except OSError:
-                    continue
-            removed.append(name)
-            logger.info("removed %s, a checkpoint whose deletion was interrupted", full)
+            if _remove(full):
+                removed.append(name)
+                logger.info("removed %s, a checkpoint whose deletion was interrupted", full)
     return removed
 
 
