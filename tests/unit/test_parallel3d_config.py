@@ -11,7 +11,7 @@ from torch import nn
 import virtualflow as vf
 from virtualflow.plan.pipeline.geometry import check_workers
 from virtualflow.runtime.pipeline.tensor_grid import merge_stage_states, shard_stage_state
-from virtualflow.runtime.pipeline.worker_engine import optimizer_names, reorder_optimizer
+from virtualflow.runtime.pipeline.stage_state import optimizer_names, reorder_optimizer
 
 import gpt_grid_jobs as g
 

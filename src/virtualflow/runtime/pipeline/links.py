@@ -54,7 +54,7 @@ from virtualflow.plan.vnmap import TreePlan
 from virtualflow.runtime.pipeline.requests import (AllSum, Expect, Poll, Recv, Send, StageGather, StageScatter,
                                                    StageSum, StageTree, StepResult)
 
-__all__ = ["Links", "Metas", "StageExchanges", "drive"]
+__all__ = ["Links", "Metas", "StageExchanges", "drive", "exchange_choice"]
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +220,26 @@ class StageExchanges:
         """A drive failed: forget the steps its exchanges had open."""
         for ex in self._owners.values():
             ex.abandon()
+
+
+def exchange_choice(exchanges: StageExchanges, stage: Any, stage_rank: int) -> tuple[str, str] | None:
+    """The exchange ``stage`` (a :class:`~.engine.StageEngine` of stage-rank ``stage_rank``) runs
+    over the replicas in this generation, and why (each stage chooses for its own vector; after a
+    Bamboo failover one per job stage it runs). ``None`` without a stage or its tree."""
+    if stage is None or stage.tree is None:
+        return None
+    numel, dtype = stage.tree_vector()
+    like = torch.empty(numel, dtype=dtype, device="meta")
+    if stage.job_stages is None:
+        name = exchanges.choose(None, stage.tree, like)
+        return name, f"stage {stage_rank}: {exchanges.choices[None][1]}"
+    names, reasons = [], []  # Bamboo: one reduction per job stage this worker runs
+    is_last = stage.last in stage.pieces
+    with_bn = bool(stage.bn_numel) and stage.batchnorm == "mean"
+    for s, idx in stage.reducer.stage_slices(True, with_bn, is_last):
+        names.append(exchanges.choose(s, stage.tree, like[: idx.numel()]))
+        reasons.append(f"job stage {s}: {exchanges.choices[s][1]}")
+    return "/".join(dict.fromkeys(names)), "; ".join(reasons)
 
 
 class _Watcher:

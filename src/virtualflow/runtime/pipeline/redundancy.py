@@ -24,7 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Generator
 
 import torch
@@ -304,3 +304,38 @@ class StageReplica:
         tensors += [v for st in getattr(self.optimizer, "state", {}).values() for v in st.values()
                     if isinstance(v, torch.Tensor)]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(slots=True)
+class RedundantTotals:
+    """A worker's eager redundant forwards over the whole run (``Result.redundant_forwards``):
+    those of the engines it dropped at re-layouts (:meth:`add`), plus its current engine's."""
+
+    seconds: float = 0.0
+    forwards: int = 0
+    skipped: int = 0
+    """Forwards skipped (no idle slot)."""
+    reused: int = 0
+    """Forwards a redone step reused."""
+    peak_bytes: int = 0
+    """The most bytes one step's forwards kept."""
+
+    def add(self, stage: Any) -> StageReplica | None:
+        """Count the forwards of ``stage`` (a :class:`~.engine.StageEngine`, or ``None``); returns
+        its replica of the successor's stage (``None`` without one)."""
+        replica = stage.replica_of_successor if stage is not None else None
+        if replica is not None:
+            self.seconds += replica.forward_s
+            self.forwards += replica.forwards
+            self.skipped += replica.skipped
+            self.peak_bytes = max(self.peak_bytes, replica.peak_kept_bytes)
+        if stage is not None:
+            self.reused += stage.reused_forwards
+        return replica
+
+    def report(self, stage: Any) -> dict[str, float]:
+        """The totals with the current engine ``stage``'s forwards counted too."""
+        now = replace(self)
+        now.add(stage)
+        return {"seconds": now.seconds, "forwards": now.forwards, "skipped": now.skipped, "reused": now.reused,
+                "peak_bytes": now.peak_bytes}

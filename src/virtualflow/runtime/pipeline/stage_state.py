@@ -4,7 +4,9 @@ Functions of a :class:`~virtualflow.runtime.pipeline.StageEngine` (and its repli
 :class:`~virtualflow.runtime.pipeline.worker_engine.PipelineWorkerEngine`: a stage's state for a member
 behind (:func:`stage_state`, :func:`transfer_stages`), the per-job-stage state a Bamboo failover
 moves (:func:`stage_states`, :func:`load_merged`), a checkpoint's per-stage states gathered on
-rank 0 (:func:`gather_stages`) and a resume from one (:func:`resume_stage`).
+rank 0 (:func:`gather_stages`) and a resume from one (:func:`resume_stage`, after
+:func:`restage` for a checkpoint of other stages), and a member's share of a sharded checkpoint
+(:func:`sharded_parts`).
 
 Invariants. Collective functions (``transfer_stages``, ``gather_stages``) are entered by every
 member at the same point with the same arguments (steps known to all). A per-stage state is
@@ -22,12 +24,15 @@ import torch
 
 from virtualflow.comm.groups import Group
 from virtualflow.config.pipeline import Pipeline
+from virtualflow.runtime.checkpoint import shared_names
+from virtualflow.runtime.dcp import Piece, model_pieces, optimizer_pieces
 from virtualflow.runtime.pipeline.engine import StageEngine
 from virtualflow.runtime.pipeline.redundancy import StageReplica
 from virtualflow.runtime.transfer import broadcast_state
 
-__all__ = ["exchange_for_layout", "gather_stages", "load_merged", "load_stage_state", "resume_stage", "stage_state", "stage_states",
-           "successor", "transfer_stages"]
+__all__ = ["exchange_for_layout", "gather_stages", "load_merged", "load_stage_state", "optimizer_names", "reorder_optimizer",
+           "restage", "resume_stage", "sharded_parts", "stage_state", "stage_states", "successor", "transfer_stages",
+           "whole_state"]
 
 
 def successor(flat: Any, stages: int, r: int) -> int:
@@ -228,6 +233,22 @@ def gather_stages(stage: StageEngine, pipeline: Pipeline, layout: Any, full_boun
     return stages
 
 
+def whole_state(stages: list[dict[str, Any]], model: torch.nn.Module, pipeline: Pipeline,
+                full_bounds: list[tuple[int, int]]) -> dict[str, Any]:
+    """The whole training state (a checkpoint's layout) from every job stage's state (in the
+    single-worker layout, stage order), the whole model's loaded into ``model``."""
+    whole = {}
+    for st in stages:
+        whole.update(st["model"])
+    model.load_state_dict(whole)
+    return {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+            "optimizer": {"pipeline_stages": [st["optimizer"] for st in stages]},
+            "lr_scheduler": {"pipeline_stages": [st["lr_scheduler"] for st in stages]},
+            "grad_scaler": stages[0].get("grad_scaler"),  # the same on every stage (16-mixed; else None)
+            "pipeline": {"stages": pipeline.stages, "bounds": [list(b) for b in full_bounds],
+                         "schedule": pipeline.schedule}}
+
+
 def exchange_for_layout(group: Group, new: list[list[int]], p: int, own_old: tuple[int, ...],
                         rep_old: tuple[int, ...], local: dict[int, dict[str, Any]],
                         device: torch.device) -> tuple[dict[int, dict[str, Any]], int]:
@@ -267,3 +288,92 @@ def exchange_for_layout(group: Group, new: list[list[int]], p: int, own_old: tup
     total = torch.tensor([float(moved)], dtype=torch.float64)
     group.all_reduce(total)
     return got, int(total.item())  # every member: the re-layout's bytes in all
+
+def sharded_parts(stage: StageEngine, pipeline: Pipeline, full_bounds: list[tuple[int, int]], rank: int,
+                  size: int) -> tuple[list[Piece], dict[str, Any] | None]:
+    """Generation rank ``rank``'s part of a sharded checkpoint (standard layout, ``size`` members):
+    stage-rank ``s`` of replica ``k`` writes its share (1 / replicas) of its stage's layers and
+    optimizer state (entries ``model/<name>``, ``optimizer/stage/<s>/state/<index>/<key>``);
+    replica 0's member of each stage also writes the stage's optimizer hyperparameters and
+    scheduler state (``meta.pt``), rank 0 with the pipeline's stages and bounds. Local."""
+    p = pipeline.stages
+    s, k, replicas = rank % p, rank // p, size // p
+    model = stage.model.state_dict()
+    pieces = model_pieces(model, k, replicas)
+    more, rest = optimizer_pieces(stage.optimizer.state_dict(), k, replicas)
+    for piece in more:
+        piece.fqn = piece.fqn.replace("optimizer/state/", f"optimizer/stage/{s}/state/", 1)
+    pieces += more
+    if k != 0:
+        return pieces, None
+    meta: dict[str, Any] = {
+        "model": {n: v.detach().cpu() for n, v in model.items() if not v.numel()}, "model_keys": list(model),
+        "model_aliases": shared_names(model), "optimizer": rest, "stage": s,
+        "lr_scheduler": stage.scheduler.state_dict() if stage.scheduler is not None else None,
+        "grad_scaler": scaler_state(stage),
+        "param_names": [n for n, _ in stage.model.named_parameters()],  # the optimizer's order
+    }
+    if s == 0:
+        meta["pipeline"] = {"stages": p, "bounds": [list(b) for b in full_bounds], "schedule": pipeline.schedule}
+    return pieces, meta
+
+
+def optimizer_names(optimizer: Any, module: torch.nn.Module) -> list[str]:
+    """The names (in ``module``) of the optimizer's parameters in its ``state_dict`` index order
+    (parameter group after parameter group)."""
+    by_id = {id(q): n for n, q in module.named_parameters()}
+    groups = getattr(optimizer, "param_groups", [])
+    return [by_id[id(q)] for g in groups for q in g["params"]]
+
+
+def reorder_optimizer(opt: dict[str, Any], source: list[str], target: list[str]) -> dict[str, Any]:
+    """An optimizer ``state_dict`` indexed by parameter names ``source`` re-indexed for ``target``
+    (the same names in another order: the optimizer of a converted module and of the original)."""
+    if source == target:
+        return opt
+    if sorted(source) != sorted(target):
+        raise RuntimeError(f"optimizer parameters differ between the tensor-parallel stage and the model: "
+                           f"{sorted(set(source) ^ set(target))[:4]}")
+    index = {n: j for j, n in enumerate(target)}
+    state = {index[source[int(i)]]: v for i, v in opt["state"].items()}
+    groups = [{**g, "params": [index[source[int(i)]] for i in g["params"]]} for g in opt["param_groups"]]
+    return {**opt, "state": state, "param_groups": groups}
+
+
+def restage(state: dict[str, Any], full_bounds: list[tuple[int, int]]) -> dict[str, Any]:
+    """A pipelined state (``gather_state``'s layout) cut again for the stages ``full_bounds``:
+    each parameter's optimizer state follows it by name (a sharded checkpoint records each
+    stage's parameter names, ``pipeline.stage_params``); every stage gets the first stage's
+    hyperparameters and scheduler state (the stages share one schedule). Raises ``ValueError``,
+    naming the knobs, where that cannot be done exactly."""
+    saved = state.get("pipeline") or {}
+    names = saved.get("stage_params")
+    stages = state["optimizer"]["pipeline_stages"]
+    counts = [int(b) - int(a) for a, b in saved.get("bounds", [])]
+    refusal = (f"the checkpoint holds {saved.get('stages')} stages with layer counts {counts}; the job has "
+               f"{len(full_bounds)} stages with {[b - a for a, b in full_bounds]}")
+    if not names or len(names) != len(stages) or any(n is None for n in names):
+        raise ValueError(f"{refusal}, and it does not name each stage's parameters (a single-file state): resume "
+                         f"with --pipeline-stages {saved.get('stages')} --split {','.join(map(str, counts))}")
+    if any(len(opt["param_groups"]) > 1 for opt in stages) or not all(
+            n.split(".")[0].isdigit() for stage_names in names for n in stage_names):
+        raise ValueError(f"{refusal}; moving optimizer state between stages needs one parameter group and layer-"
+                         f"indexed parameter names: resume with --pipeline-stages {saved.get('stages')} --split "
+                         f"{','.join(map(str, counts))}")
+    by_name: dict[str, Any] = {}
+    for opt, stage_names in zip(stages, names):
+        for pos, name in enumerate(stage_names):
+            if pos in opt["state"]:
+                by_name[name] = opt["state"][pos]
+    every = [n for stage_names in names for n in stage_names]
+    first = stages[0]["param_groups"]
+    group = {k: v for k, v in first[0].items() if k != "params"} if first else {}
+    cut = []
+    for a, b in full_bounds:
+        mine = [n for n in every if a <= int(n.split(".")[0]) < b]
+        cut.append({"state": {j: by_name[n] for j, n in enumerate(mine) if n in by_name},
+                    "param_groups": [{**group, "params": list(range(len(mine)))}] if mine else []})
+    sched = state["lr_scheduler"]["pipeline_stages"][0]
+    bounds = [[int(a), int(b)] for a, b in full_bounds]
+    return {**state, "optimizer": {"pipeline_stages": cut}, "lr_scheduler": {"pipeline_stages": [sched] * len(cut)},
+            "pipeline": {**saved, "stages": len(cut), "bounds": bounds}}

@@ -29,7 +29,7 @@ from virtualflow.runtime.breakdown import RAW, StepClock, derive
 from virtualflow.runtime.pipeline.requests import (AllSum, Expect, Poll, Recv, Send, StageGather, StageScatter,
                                                    StageSum, StageTree)
 
-__all__ = ["KINDS", "StageTiming"]
+__all__ = ["KINDS", "StageTiming", "write_timeline"]
 
 KINDS: dict[type, str] = {
     Send: "p2p_s", Expect: "p2p_s", Poll: "p2p_s",
@@ -123,3 +123,23 @@ class StageTiming:
         if bool((rows[:, 0] <= 0).any()):
             return None
         return derive(rows[:, 1:].tolist(), groups=[int(s) for s in rows[:, 0].tolist()])
+
+
+def write_timeline(timeline: list[dict[str, Any]], timeline_dir: str | None, rank: int, replica: int, stage_rank: int,
+                   generation: int) -> None:
+    """Append a worker's recorded actions (``timeline``, emptied) to ``timeline-<rank>.jsonl`` in
+    ``timeline_dir`` (``pipeline/`` of the run's state directory; ``virtualflow plot RUN_DIR
+    --pipeline`` draws them); ``rank``: the worker's generation rank. ``None``: nothing is kept."""
+    import json
+    import os
+
+    if timeline_dir is None:
+        timeline.clear()
+        return
+    os.makedirs(timeline_dir, mode=0o700, exist_ok=True)
+    path = os.path.join(timeline_dir, f"timeline-{rank}.jsonl")
+    with open(path, "a") as f:
+        for e in timeline:
+            f.write(json.dumps({**e, "rank": rank, "replica": replica, "stage_rank": stage_rank,
+                                "generation": generation}) + "\n")
+    timeline.clear()
