@@ -36,10 +36,10 @@ def build_engine(cfg: WorkerConfig, worker_id: int, job: Job, dataset: Any, stor
     if job.pipeline is not None:
         from virtualflow.runtime.pipeline.worker_engine import PipelineWorkerEngine
 
-        def subgroup(generation: int, name: str, rank: int, size: int) -> Group:
-            # a tensor-parallel grid's hops travel on its planes: a connection per direction
+        def subgroup(generation: int, name: str, rank: int, size: int, *, duplex: bool = False) -> Group:
+            # ``duplex``: a connection per direction, for groups that carry pipeline hops
             return make_subgroup(store, generation, name, rank, size, cfg.collective_timeout_s, device,
-                                 bind=cfg.gloo_bind(), duplex=name.startswith("plane"))
+                                 bind=cfg.gloo_bind(), duplex=duplex)
 
         stages = PipelineWorkerEngine(job, dataset, deterministic=cfg.deterministic, device=device,
                                       subgroup=subgroup, eager_every_wait=eager_every_wait,
