@@ -258,24 +258,36 @@ def broadcast_state(
     if not is_src and group.rank not in receivers:
         return None, 0
     if is_src:
-        header, tensors = encode_header(state)
-        metas = [_Meta(t.dtype, tuple(t.shape)) for t in tensors]
-        size = torch.tensor([len(header)], dtype=torch.int64, device=device)
-        hbuf = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
-        for r in receivers:
-            group.send(size, r, tag=1)
-            group.send(hbuf, r, tag=2)
-        if on_started is not None:
-            on_started()
-        direct, packed = _layout(metas)
-        outgoing = [tensors[i].to(device).contiguous() for i in direct]
-        outgoing += [torch.cat([tensors[i].reshape(-1).to(device) for i in idx]) for _, idx in packed]
-        moved = 0
-        for r in receivers:
-            for k, t in enumerate(outgoing):
-                group.send(t, r, tag=3 + k)
-                moved += t.numel() * t.element_size()
-        return state, moved + len(header) * len(receivers)
+        return state, _send_state(group, state, device, receivers, on_started)
+    return _receive_state(group, src, device, on_started, into)
+
+
+def _send_state(group: Group, state: Any, device: torch.device, receivers: Sequence[int],
+                on_started: Callable[[], None] | None) -> int:
+    """The source's side of :func:`broadcast_state`; returns the bytes it sent."""
+    header, tensors = encode_header(state)
+    metas = [_Meta(t.dtype, tuple(t.shape)) for t in tensors]
+    size = torch.tensor([len(header)], dtype=torch.int64, device=device)
+    hbuf = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
+    for r in receivers:
+        group.send(size, r, tag=1)
+        group.send(hbuf, r, tag=2)
+    if on_started is not None:
+        on_started()
+    direct, packed = _layout(metas)
+    outgoing = [tensors[i].to(device).contiguous() for i in direct]
+    outgoing += [torch.cat([tensors[i].reshape(-1).to(device) for i in idx]) for _, idx in packed]
+    moved = 0
+    for r in receivers:
+        for k, t in enumerate(outgoing):
+            group.send(t, r, tag=3 + k)
+            moved += t.numel() * t.element_size()
+    return moved + len(header) * len(receivers)
+
+
+def _receive_state(group: Group, src: int, device: torch.device, on_started: Callable[[], None] | None,
+                   into: Any | None) -> tuple[Any, int]:
+    """A receiver's side of :func:`broadcast_state`: (the state, the bytes received)."""
     size = torch.zeros(1, dtype=torch.int64, device=device)
     group.recv(size, src, tag=1)
     if not 0 < int(size.item()) <= MAX_HEADER_BYTES:

@@ -73,27 +73,10 @@ def run_actions(host: ActionHost, schedule: Schedule, first_step: int, mbs: dict
     micro-batch's context, ``backward(kind, k, mb, ctx)`` runs a B, I or W action,
     ``on_backward_done(k, mb, ctx)`` (a generator) follows a micro-batch's last backward."""
     m = schedule.m
-    local: dict[MsgKey, list[torch.Tensor]] = {}
-    grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}
+    walk = _Walk(host, first_step, m, mbs, forward, backward, on_backward_done)
     busy = 0.0
-    replica = host.replica_of_successor if eager else None
-    todo: deque[tuple[int, int, list[torch.Tensor] | None]] = deque()  # eager forwards not run yet
-    idle: Sequence[float] = ()
-    f_s = 0.0
-    if replica is not None and host.eager_every_wait:
-        idle = [float("inf")] * (len(schedule.actions[host.stage_rank]) + 1)
-    elif replica is not None and host.fb_times is not None:
-        # Eager forwards go where the schedule has this worker wait (its bubbles), as long as
-        # the predicted wait holds one more: they never delay a message that is due.
-        f_s, b_s = host.fb_times
-        units = idle_slots(host.pipeline.schedule, host.p, m, round(4 * b_s / f_s) / 4 if f_s > 0 else 2.0)
-        idle = [u * f_s for u in units[host.stage_rank]]
-    elif replica is not None:
-        replica.skipped += m  # the first step: no measured times to find the bubbles with yet
-        replica = None
-    if replica is not None and host.first in replica.pieces:
-        # The replica of the first stage: its inputs are the micro-batches' data, known now.
-        todo.extend((*host.vn_of(first_step, mb, m), None) for mb in range(m))
+    replica, todo, idle, f_s = _eager_plan(host, schedule, first_step, eager)
+    walk.replica, walk.todo = replica, todo
     f_sum = b_sum = 0.0
     f_n = b_n = 0
     t_origin = time.perf_counter()
@@ -101,7 +84,6 @@ def run_actions(host: ActionHost, schedule: Schedule, first_step: int, mbs: dict
     actions = schedule.actions[host.stage_rank]
     receives = [k for k, a in enumerate(actions) if a.kind in ("RECV_F", "RECV_B")]
     announced = 0  # receives[:announced] have been announced
-    sent = backed = False
     timing = getattr(host, "timing", None)  # the step breakdown (.timing), if kept
     for index, a in enumerate(actions):
         done = bisect.bisect_left(receives, index)  # receives before this action have run
@@ -119,55 +101,7 @@ def run_actions(host: ActionHost, schedule: Schedule, first_step: int, mbs: dict
                 replica.forward_eagerly(*todo.popleft(), host.prep, host.slowdown)
         t0 = time.perf_counter()
         loaded = host.prep.load_s
-        if a.kind == "RECV_F":
-            tensors = yield Recv(a.peer, ("F", a.stage - 1, a.microbatch))
-            local[("F", a.stage - 1, a.microbatch)] = tensors
-        elif a.kind == "RECV_B":
-            tensors = yield Recv(a.peer, ("B", a.stage + 1, a.microbatch))
-            local[("B", a.stage + 1, a.microbatch)] = tensors
-        elif a.kind == "SEND_F":
-            ctx = mbs[a.stage, a.microbatch]
-            if not sent and host.fault_point is not None:
-                sent = True
-                host.fault_point("send_recv")
-            message = forward_message(ctx.outputs, ctx.rng)
-            yield Send(a.peer, ("F", a.stage, a.microbatch), message)
-            if replica is not None and a.stage + 1 in replica.pieces:
-                todo.append((*host.vn_of(first_step, a.microbatch, m), message))
-        elif a.kind == "SEND_B":
-            yield Send(a.peer, ("B", a.stage, a.microbatch), grads_out.pop((a.stage, a.microbatch)))
-        elif a.kind == "F":
-            step, vn = host.vn_of(first_step, a.microbatch, m)
-            if a.stage == host.first:
-                message = None
-            else:
-                message = local.pop(("F", a.stage - 1, a.microbatch))
-                if host.pieces.get(a.stage - 1) is not None:  # the previous piece is local
-                    message = [t.detach() for t in message]
-            mbs[a.stage, a.microbatch] = forward(a.stage, a.microbatch, step, vn, message)
-            if a.stage + 1 in host.pieces:  # pass to the next piece on this worker
-                produced = mbs[a.stage, a.microbatch]
-                local[("F", a.stage, a.microbatch)] = forward_message(produced.outputs, produced.rng)
-                produced = None
-        else:  # B, I, W
-            if not backed and host.fault_point is not None:
-                backed = True
-                host.fault_point("mid_backward")
-            ctx = mbs[a.stage, a.microbatch]
-            if a.kind in ("B", "I") and a.stage != host.last:
-                ctx.out_grads = local.pop(("B", a.stage + 1, a.microbatch))
-            backward(a.kind, a.stage, a.microbatch, ctx)
-            if a.kind in ("B", "I") and a.stage != host.first:
-                if a.stage - 1 in host.pieces:
-                    local[("B", a.stage, a.microbatch)] = ctx.in_grads
-                else:
-                    grads_out[a.stage, a.microbatch] = ctx.in_grads
-                ctx.in_grads = None
-            if a.kind in ("B", "W"):
-                del mbs[a.stage, a.microbatch]
-                if on_backward_done is not None:
-                    yield from on_backward_done(a.stage, a.microbatch, ctx)
-            ctx = None  # a finished micro-batch's graph (and its weight version) may go now
+        yield from walk.act(a)
         t1 = time.perf_counter()
         if a.kind in ("F", "B", "I", "W"):
             busy += t1 - t0
@@ -196,3 +130,106 @@ def run_actions(host: ActionHost, schedule: Schedule, first_step: int, mbs: dict
     if f_n and b_n:
         host.fb_times = (f_sum / f_n, b_sum / b_n)
     return busy
+
+
+def _eager_plan(host: ActionHost, schedule: Schedule, first_step: int,
+                eager: bool) -> tuple[Any, deque[tuple[int, int, list[torch.Tensor] | None]], Sequence[float], float]:
+    """Eager redundant forwards of one walk: (the replica that runs them, ``None`` for none; the
+    forwards known now; per action, the predicted wait before it, the last entry after the last
+    action; the forward's mean seconds)."""
+    m = schedule.m
+    replica = host.replica_of_successor if eager else None
+    todo: deque[tuple[int, int, list[torch.Tensor] | None]] = deque()  # eager forwards not run yet
+    idle: Sequence[float] = ()
+    f_s = 0.0
+    if replica is not None and host.eager_every_wait:
+        idle = [float("inf")] * (len(schedule.actions[host.stage_rank]) + 1)
+    elif replica is not None and host.fb_times is not None:
+        # Eager forwards go where the schedule has this worker wait (its bubbles), as long as
+        # the predicted wait holds one more: they never delay a message that is due.
+        f_s, b_s = host.fb_times
+        units = idle_slots(host.pipeline.schedule, host.p, m, round(4 * b_s / f_s) / 4 if f_s > 0 else 2.0)
+        idle = [u * f_s for u in units[host.stage_rank]]
+    elif replica is not None:
+        replica.skipped += m  # the first step: no measured times to find the bubbles with yet
+        replica = None
+    if replica is not None and host.first in replica.pieces:
+        # The replica of the first stage: its inputs are the micro-batches' data, known now.
+        todo.extend((*host.vn_of(first_step, mb, m), None) for mb in range(m))
+    return replica, todo, idle, f_s
+
+
+class _Walk:
+    """What one walk's actions share: the messages between this worker's pieces, the input
+    gradients to send, the caller's forward and backward, the eager forwards to queue."""
+
+    def __init__(self, host: ActionHost, first_step: int, m: int, mbs: dict, forward: Any, backward: Any,
+                 on_backward_done: Any) -> None:
+        self.host, self.first_step, self.m, self.mbs = host, first_step, m, mbs
+        self.forward, self.backward, self.on_backward_done = forward, backward, on_backward_done
+        self.local: dict[MsgKey, list[torch.Tensor]] = {}
+        self.grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.replica: Any = None
+        self.todo: deque[tuple[int, int, list[torch.Tensor] | None]] = deque()
+        self.sent = self.backed = False
+        """The first send / backward passed its fault-injection point."""
+
+    def act(self, a: Any) -> Generator[Request, Any, None]:
+        """Run action ``a`` (a receive, a send, a forward or a backward)."""
+        host, local, mbs = self.host, self.local, self.mbs
+        if a.kind == "RECV_F":
+            tensors = yield Recv(a.peer, ("F", a.stage - 1, a.microbatch))
+            local[("F", a.stage - 1, a.microbatch)] = tensors
+        elif a.kind == "RECV_B":
+            tensors = yield Recv(a.peer, ("B", a.stage + 1, a.microbatch))
+            local[("B", a.stage + 1, a.microbatch)] = tensors
+        elif a.kind == "SEND_F":
+            ctx = mbs[a.stage, a.microbatch]
+            if not self.sent and host.fault_point is not None:
+                self.sent = True
+                host.fault_point("send_recv")
+            message = forward_message(ctx.outputs, ctx.rng)
+            yield Send(a.peer, ("F", a.stage, a.microbatch), message)
+            if self.replica is not None and a.stage + 1 in self.replica.pieces:
+                self.todo.append((*host.vn_of(self.first_step, a.microbatch, self.m), message))
+        elif a.kind == "SEND_B":
+            yield Send(a.peer, ("B", a.stage, a.microbatch), self.grads_out.pop((a.stage, a.microbatch)))
+        elif a.kind == "F":
+            self._forward(a)
+        else:  # B, I, W
+            yield from self._backward(a)
+
+    def _forward(self, a: Any) -> None:
+        host, local, mbs = self.host, self.local, self.mbs
+        step, vn = host.vn_of(self.first_step, a.microbatch, self.m)
+        if a.stage == host.first:
+            message = None
+        else:
+            message = local.pop(("F", a.stage - 1, a.microbatch))
+            if host.pieces.get(a.stage - 1) is not None:  # the previous piece is local
+                message = [t.detach() for t in message]
+        mbs[a.stage, a.microbatch] = self.forward(a.stage, a.microbatch, step, vn, message)
+        if a.stage + 1 in host.pieces:  # pass to the next piece on this worker
+            produced = mbs[a.stage, a.microbatch]
+            local[("F", a.stage, a.microbatch)] = forward_message(produced.outputs, produced.rng)
+
+    def _backward(self, a: Any) -> Generator[Request, Any, None]:
+        host, local, mbs = self.host, self.local, self.mbs
+        if not self.backed and host.fault_point is not None:
+            self.backed = True
+            host.fault_point("mid_backward")
+        ctx = mbs[a.stage, a.microbatch]
+        if a.kind in ("B", "I") and a.stage != host.last:
+            ctx.out_grads = local.pop(("B", a.stage + 1, a.microbatch))
+        self.backward(a.kind, a.stage, a.microbatch, ctx)
+        if a.kind in ("B", "I") and a.stage != host.first:
+            if a.stage - 1 in host.pieces:
+                local[("B", a.stage, a.microbatch)] = ctx.in_grads
+            else:
+                self.grads_out[a.stage, a.microbatch] = ctx.in_grads
+            ctx.in_grads = None
+        if a.kind in ("B", "W"):
+            del mbs[a.stage, a.microbatch]
+            if self.on_backward_done is not None:
+                yield from self.on_backward_done(a.stage, a.microbatch, ctx)
+        # (a finished micro-batch's graph and weight version go with this frame: the walk keeps no ctx)

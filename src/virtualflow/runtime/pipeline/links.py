@@ -422,23 +422,69 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
     """
     links = links if links is not None else Links()
     exchanges = exchanges if exchanges is not None else StageExchanges()
-    pending: list[tuple[Any, list[torch.Tensor]]] = []
-    posted: dict[tuple[str, int, int], tuple[Any, torch.Tensor, Metas | None]] = {}
-    arrivals: dict[tuple[str, int, int], Arrival] = {}
-    answer: Any = None
-    stage_comm: Any = None  # the stage group's ring (reduction="sharded"), made on first use
+    wire = _Wire(group, grid, n_pieces, device, links)
+    stages = _StageAnswers(group, stage_group, stage_groups, exchanges)
+    failed = False
+    try:
+        req = next(gen)
+        while True:
+            answer = wire.answer(req) if isinstance(req, (Expect, Send, Poll, Recv)) else stages.answer(req)
+            req = gen.send(answer)
+    except StopIteration as stop:
+        results = stop.value
+    except BaseException:
+        failed = True
+        exchanges.abandon()
+        raise
+    finally:
+        stages.close(failed)
+        wire.finish(failed)
+    if wire.posted:
+        raise RuntimeError(f"pipeline receives announced but never taken: {sorted(wire.posted)[:4]}")
+    links.end_of_drive()
+    return results
 
-    def post(peer_rank: int, key: tuple[str, int, int]) -> None:
-        ref = links.ref.get((key[0], key[1]))
+
+class _Wire:
+    """One :func:`drive`'s point-to-point messages over the generation's group: receives posted
+    ahead (:class:`Expect`), sends in flight until the drive ends."""
+
+    def __init__(self, group: Group, grid: Grid, n_pieces: int, device: torch.device, links: Links) -> None:
+        self.group, self.grid, self.n_pieces, self.device, self.links = group, grid, n_pieces, device, links
+        self.pending: list[tuple[Any, list[torch.Tensor]]] = []
+        self.posted: dict[tuple[str, int, int], tuple[Any, torch.Tensor, Metas | None]] = {}
+        self.arrivals: dict[tuple[str, int, int], Arrival] = {}
+
+    def answer(self, req: Any) -> Any:
+        """The engine's answer to a point-to-point request."""
+        if isinstance(req, Expect):
+            self.post(self.grid.rank_of(self.grid.replica, req.peer), req.key)
+            return None
+        if isinstance(req, Send):
+            self.send(req)
+            return None
+        if isinstance(req, Poll):
+            if req.key not in self.posted:
+                self.post(self.grid.rank_of(self.grid.replica, req.peer), req.key)
+            if req.key not in self.arrivals:
+                self.arrivals[req.key] = Arrival(self.posted[req.key][0])
+            return self.arrivals[req.key].done.is_set()
+        return self.recv(req)
+
+    def post(self, peer_rank: int, key: tuple[str, int, int]) -> None:
+        group, device = self.group, self.device
+        ref = self.links.ref.get((key[0], key[1]))
         if ref is None:  # a new link: the header comes first
             buf = torch.empty(_HEADER, dtype=torch.int64, device=device)
-            work = group.irecv(buf, peer_rank, _tag(key, n_pieces, 0, peer_rank, group.rank))
+            work = group.irecv(buf, peer_rank, _tag(key, self.n_pieces, 0, peer_rank, group.rank))
         else:
             buf = torch.empty(_ALIGN + _layout(ref)[2], dtype=torch.uint8, device=device)
-            work = group.irecv(buf, peer_rank, _tag(key, n_pieces, 1, peer_rank, group.rank))
-        posted[key] = (work, buf, ref)
+            work = group.irecv(buf, peer_rank, _tag(key, self.n_pieces, 1, peer_rank, group.rank))
+        self.posted[key] = (work, buf, ref)
 
-    def header_then_payload(src: int, key: tuple[str, int, int], header: torch.Tensor | None) -> list[torch.Tensor]:
+    def header_then_payload(self, src: int, key: tuple[str, int, int],
+                            header: torch.Tensor | None) -> list[torch.Tensor]:
+        group, device, n_pieces = self.group, self.device, self.n_pieces
         if header is None:
             header = torch.empty(_HEADER, dtype=torch.int64, device=device)
             group.recv(header, src, _tag(key, n_pieces, 0, src, group.rank))
@@ -448,104 +494,97 @@ def drive(gen: Generator, *, group: Group, stage_group: Group, grid: Grid, n_pie
             raise PeerFailure(group.generation, str(exc)) from None
         payload = torch.empty(_layout(metas)[2], dtype=torch.uint8, device=device)
         group.recv(payload, src, _tag(key, n_pieces, 2, src, group.rank))
-        links.last[(key[0], key[1])] = metas
+        self.links.last[(key[0], key[1])] = metas
         return _unpack(payload, metas)
 
-    failed = False
-    try:
-        req = next(gen)
-        while True:
-            if isinstance(req, Expect):
-                post(grid.rank_of(grid.replica, req.peer), req.key)
-                answer = None
-            elif isinstance(req, Send):
-                dst = grid.rank_of(grid.replica, req.peer)
-                link = (req.key[0], req.key[1])
-                metas = _metas(req.tensors)
-                ref = links.ref.get(link)
-                if ref is not None and metas == ref:
-                    buf = _pack(req.tensors, metas, device, flag=_SAME)
-                    works, keep = [group.isend(buf, dst, _tag(req.key, n_pieces, 1, group.rank, dst))], [buf]
-                else:
-                    works, keep = [], []
-                    if ref is not None:  # complete the receive posted for the reference's size
-                        filler = torch.zeros(_ALIGN + _layout(ref)[2], dtype=torch.uint8, device=device)
-                        filler[:8].view(torch.int64).fill_(_CHANGED)
-                        works.append(group.isend(filler, dst, _tag(req.key, n_pieces, 1, group.rank, dst)))
-                        keep.append(filler)
-                    header = _header(_NEW if ref is None else _CHANGED, metas).to(device)
-                    payload = _pack(req.tensors, metas, device)
-                    works.append(group.isend(header, dst, _tag(req.key, n_pieces, 0, group.rank, dst)))
-                    works.append(group.isend(payload, dst, _tag(req.key, n_pieces, 2, group.rank, dst)))
-                    keep += [header, payload]
-                links.last[link] = metas
-                pending.append((works, keep))
-                answer = None
-            elif isinstance(req, Poll):
-                if req.key not in posted:
-                    post(grid.rank_of(grid.replica, req.peer), req.key)
-                if req.key not in arrivals:
-                    arrivals[req.key] = Arrival(posted[req.key][0])
-                answer = arrivals[req.key].done.is_set()
-            elif isinstance(req, Recv):
-                src = grid.rank_of(grid.replica, req.peer)
-                if req.key not in posted:
-                    post(src, req.key)
-                work, buf, ref = posted.pop(req.key)
-                arrival = arrivals.pop(req.key, None)
-                if arrival is not None:  # polled before (eager forwards): its thread owns the wait
-                    arrival.wait(group)
-                else:
-                    _wait_receive(group, work)
-                if ref is None:
-                    answer = header_then_payload(src, req.key, buf)
-                else:
-                    flag = int(buf[:8].view(torch.int64).item())
-                    if flag == _SAME:
-                        links.last[(req.key[0], req.key[1])] = ref
-                        answer = _unpack(buf, ref, start=_ALIGN)
-                    elif flag == _CHANGED:
-                        answer = header_then_payload(src, req.key, None)
-                    else:
-                        raise PeerFailure(group.generation, f"pipeline message with unknown flag {flag}")
-            elif isinstance(req, StageSum):
-                (stage_group if req.stage is None else stage_groups[req.stage]).all_reduce(req.vector)
-                answer = req.vector
-            elif isinstance(req, StageTree):
-                answer = exchanges.run(req, stage_group if req.stage is None else stage_groups[req.stage])
-            elif isinstance(req, (StageScatter, StageGather)):  # reduction="sharded" (.stage_shard)
-                if stage_comm is None:
-                    from virtualflow.comm.ring import Collectives
-                    stage_comm = Collectives(stage_group)
-                op = stage_comm.reduce_scatter if isinstance(req, StageScatter) else stage_comm.all_gather
-                op(req.vector, req.bounds)
-                answer = req.vector
-            elif isinstance(req, AllSum):
-                _sum_over(group, req.vector)
-                answer = req.vector
-            else:
-                raise TypeError(f"unknown pipeline request {req!r}")
-            req = gen.send(answer)
-    except StopIteration as stop:
-        results = stop.value
-    except BaseException:
-        failed = True
-        exchanges.abandon()
-        raise
-    finally:
-        if stage_comm is not None:
-            stage_comm.close(timeout_s=1.0 if failed else None)
-        if failed:  # the caller closes the group; the peers may not be receiving any more
-            _ABANDONED.extend(pending)
-            del _ABANDONED[:-256]
+    def send(self, req: Send) -> None:
+        group, device, n_pieces, links = self.group, self.device, self.n_pieces, self.links
+        dst = self.grid.rank_of(self.grid.replica, req.peer)
+        link = (req.key[0], req.key[1])
+        metas = _metas(req.tensors)
+        ref = links.ref.get(link)
+        if ref is not None and metas == ref:
+            buf = _pack(req.tensors, metas, device, flag=_SAME)
+            works, keep = [group.isend(buf, dst, _tag(req.key, n_pieces, 1, group.rank, dst))], [buf]
         else:
-            for works, _keep in pending:
-                for w in works:
-                    try:
-                        w.wait()
-                    except PeerFailure:
-                        pass
-    if posted:
-        raise RuntimeError(f"pipeline receives announced but never taken: {sorted(posted)[:4]}")
-    links.end_of_drive()
-    return results
+            works, keep = [], []
+            if ref is not None:  # complete the receive posted for the reference's size
+                filler = torch.zeros(_ALIGN + _layout(ref)[2], dtype=torch.uint8, device=device)
+                filler[:8].view(torch.int64).fill_(_CHANGED)
+                works.append(group.isend(filler, dst, _tag(req.key, n_pieces, 1, group.rank, dst)))
+                keep.append(filler)
+            header = _header(_NEW if ref is None else _CHANGED, metas).to(device)
+            payload = _pack(req.tensors, metas, device)
+            works.append(group.isend(header, dst, _tag(req.key, n_pieces, 0, group.rank, dst)))
+            works.append(group.isend(payload, dst, _tag(req.key, n_pieces, 2, group.rank, dst)))
+            keep += [header, payload]
+        links.last[link] = metas
+        self.pending.append((works, keep))
+
+    def recv(self, req: Recv) -> list[torch.Tensor]:
+        group = self.group
+        src = self.grid.rank_of(self.grid.replica, req.peer)
+        if req.key not in self.posted:
+            self.post(src, req.key)
+        work, buf, ref = self.posted.pop(req.key)
+        arrival = self.arrivals.pop(req.key, None)
+        if arrival is not None:  # polled before (eager forwards): its thread owns the wait
+            arrival.wait(group)
+        else:
+            _wait_receive(group, work)
+        if ref is None:
+            return self.header_then_payload(src, req.key, buf)
+        flag = int(buf[:8].view(torch.int64).item())
+        if flag == _SAME:
+            self.links.last[(req.key[0], req.key[1])] = ref
+            return _unpack(buf, ref, start=_ALIGN)
+        if flag == _CHANGED:
+            return self.header_then_payload(src, req.key, None)
+        raise PeerFailure(group.generation, f"pipeline message with unknown flag {flag}")
+
+    def finish(self, failed: bool) -> None:
+        """The drive's end: wait for its sends; after a failure leave them (the caller closes the
+        group; the peers may not be receiving any more)."""
+        if failed:
+            _ABANDONED.extend(self.pending)
+            del _ABANDONED[:-256]
+            return
+        for works, _keep in self.pending:
+            for w in works:
+                try:
+                    w.wait()
+                except PeerFailure:
+                    pass
+
+
+class _StageAnswers:
+    """One :func:`drive`'s answers to the step's collectives: the stage groups' reductions and
+    the generation's stats all-reduce."""
+
+    def __init__(self, group: Group, stage_group: Group, stage_groups: dict[int, Group] | None,
+                 exchanges: StageExchanges) -> None:
+        self.group, self.stage_group, self.stage_groups, self.exchanges = group, stage_group, stage_groups, exchanges
+        self.stage_comm: Any = None
+        """The stage group's ring (reduction="sharded"), made on first use."""
+
+    def answer(self, req: Any) -> Any:
+        if isinstance(req, StageSum):
+            (self.stage_group if req.stage is None else self.stage_groups[req.stage]).all_reduce(req.vector)
+            return req.vector
+        if isinstance(req, StageTree):
+            return self.exchanges.run(req, self.stage_group if req.stage is None else self.stage_groups[req.stage])
+        if isinstance(req, (StageScatter, StageGather)):  # reduction="sharded" (.stage_shard)
+            if self.stage_comm is None:
+                from virtualflow.comm.ring import Collectives
+                self.stage_comm = Collectives(self.stage_group)
+            op = self.stage_comm.reduce_scatter if isinstance(req, StageScatter) else self.stage_comm.all_gather
+            op(req.vector, req.bounds)
+            return req.vector
+        if isinstance(req, AllSum):
+            _sum_over(self.group, req.vector)
+            return req.vector
+        raise TypeError(f"unknown pipeline request {req!r}")
+
+    def close(self, failed: bool) -> None:
+        if self.stage_comm is not None:
+            self.stage_comm.close(timeout_s=1.0 if failed else None)
