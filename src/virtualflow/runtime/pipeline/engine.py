@@ -52,27 +52,13 @@ class StageEngine:
     """One worker of a pipeline replica: its model pieces, optimizer and schedule execution."""
 
     def __init__(
-        self,
-        *,
-        pieces: dict[int, nn.Module],
-        n_pieces: int,
-        stage_rank: int,
+        self, *, pieces: dict[int, nn.Module], n_pieces: int, stage_rank: int,
         build_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
-        scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None,
-        pipeline: Pipeline,
-        plan: DataPlan,
-        loader: Callable[[torch.Tensor], Any],
-        model_input: Callable[[Any], Any],
-        output_loss: Callable[[Any, Any], torch.Tensor],
-        seed: int,
-        batchnorm: str,
-        deterministic: bool,
-        device: torch.device,
-        tied: Sequence[TiedCopy] = (),
-        successor_pieces: dict[int, nn.Module] | None = None,
-        eager_every_wait: bool = False,
-        loop: StageLoop | None = None,
-        reduction: str = "allreduce",
+        scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None, pipeline: Pipeline, plan: DataPlan,
+        loader: Callable[[torch.Tensor], Any], model_input: Callable[[Any], Any],
+        output_loss: Callable[[Any, Any], torch.Tensor], seed: int, batchnorm: str, deterministic: bool,
+        device: torch.device, tied: Sequence[TiedCopy] = (), successor_pieces: dict[int, nn.Module] | None = None,
+        eager_every_wait: bool = False, loop: StageLoop | None = None, reduction: str = "allreduce",
         breakdown: bool = True,
     ) -> None:
         """``build_optimizer``: ``Job.build_optimizer``, given this worker's stage module
@@ -81,8 +67,7 @@ class StageEngine:
         clipping). ``reduction``: ``"allreduce"`` (every replica holds the stage's whole optimizer
         state) or ``"sharded"`` (each holds its chunk, :mod:`.stage_shard`). ``breakdown``: measure where each
         step's time goes (:mod:`.timing`)."""
-        if reduction not in ("allreduce", "sharded"):
-            raise ValueError(f"reduction={reduction!r} is not known; choose 'allreduce' or 'sharded' (--reduction)")
+        check_reduction(reduction)
         self.pipeline = pipeline
         self.loop = loop if loop is not None else StageLoop()
         """Precision, loss scaler, clipping; checkpointing and compile were applied to the pieces."""
@@ -93,10 +78,7 @@ class StageEngine:
         None), its size and dtype and the workers holding it, in the same order on every worker
         (``geometry.tied_for_worker``). Their gradients are summed over the copies before every
         update (default mode: :func:`~.reduction.sum_tied`; deterministic mode: :attr:`ties`)."""
-        if self.tied and not pipeline.flush:
-            raise ValueError(
-                f"weights shared across pipeline workers need a flush schedule, not Pipeline.schedule="
-                f"{pipeline.schedule!r}; use '1f1b', 'gpipe', 'interleaved_1f1b' or 'zb_h1'")
+        check_tied(self.tied, pipeline)
         self.p = pipeline.stages
         self.stage_rank = stage_rank
         self.n_pieces = n_pieces
@@ -134,14 +116,24 @@ class StageEngine:
         self.grad_numel = sum(q.numel() for q in self.params)
         self.reducer = StageReducer(grad_numel=self.grad_numel, bn_numel=self.bn_numel, device=device)
         """How this worker's step is summed over the replicas (by job stage after a failover)."""
+        self._init_membership(pipeline, breakdown)
+        self._init_step_state()
+        self._init_redundancy(successor_pieces, build_optimizer, scheduler_factory, eager_every_wait)
+        check_streamed_batchnorm(pipeline, self.bn_numel)
+
+    def _init_membership(self, pipeline: Pipeline, breakdown: bool) -> None:
+        """The generation's layout as :meth:`set_layout` will set it (one replica until then)."""
         self.replicas = 1
         self.replica = 0
-        self.assignment: list[list[int]] = [list(range(plan.virtual_nodes))]
+        self.assignment: list[list[int]] = [list(range(self.plan.virtual_nodes))]
         self.tree: TreePlan | None = None
         self.timeline: list[dict[str, Any]] | None = [] if pipeline.record_timeline else None
         self.timing = StageTiming(breakdown)
         """The step breakdown of this stage (flush schedules): its clock and its slot in the
         step's statistics all-reduce (set with the generation: :meth:`set_breakdown_slot`)."""
+
+    def _init_step_state(self) -> None:
+        """Where a step is, and what a step interrupted or committed leaves behind."""
         self.phase = "idle"
         self.slowdown = 1.0
         self.pending_commit: tuple[int, Callable[[torch.Tensor], StepResult]] | None = None
@@ -156,14 +148,18 @@ class StageEngine:
         """Fault injection (tests): called with a phase name at the points of
         :mod:`virtualflow.runtime.faults` a step passes (first send, first backward, the commit's
         reduction, the update)."""
+
+    def _init_redundancy(self, successor_pieces: dict[int, nn.Module] | None, build_optimizer: Callable[..., Any],
+                         scheduler_factory: Callable[..., Any] | None, eager_every_wait: bool) -> None:
+        """Bamboo's replica of the successor's stage and its eager forwards."""
         self.replica_of_successor: StageReplica | None = None
         """``Pipeline.redundancy``: the successor's stage, kept up to date after every step."""
         if successor_pieces is not None:
             if self.tied:
                 raise ValueError("Pipeline.redundancy=True does not support weights shared across pipeline workers yet")
             self.replica_of_successor = StageReplica(successor_pieces, build_optimizer, scheduler_factory,
-                                                     (stage_rank + 1) % self.p, loop=self.loop)
-        self.eager = pipeline.eager_forwards and self.replica_of_successor is not None
+                                                     (self.stage_rank + 1) % self.p, loop=self.loop)
+        self.eager = self.pipeline.eager_forwards and self.replica_of_successor is not None
         """``Pipeline.redundant_compute="eager"``: run the successor's forwards on the replica in
         idle slots (:meth:`StageReplica.forward_eagerly`)."""
         self.reuse: Reuse | None = None
@@ -179,12 +175,6 @@ class StageEngine:
         self.fb_times: tuple[float, float] | None = None
         """This worker's mean forward and backward seconds per micro-batch in its last step (they
         place eager forwards in the schedule's bubbles)."""
-        if not pipeline.flush and self.bn_numel:
-            raise ValueError(
-                f"Pipeline.schedule={pipeline.schedule!r} streams steps without a flush, which cannot keep "
-                f"BatchNorm's per-step statistics exact; use a flush schedule (1f1b, gpipe, interleaved_1f1b, "
-                f"zb_h1) for a model with BatchNorm"
-            )
 
     # ---- membership -----------------------------------------------------------------------
     def set_layout(self, replica: int, assignment: Sequence[Sequence[int]]) -> None:
@@ -356,3 +346,27 @@ class StageEngine:
         results = yield from window.finish(control, compute_s)
         self.phase = "idle"
         return results
+
+
+def check_reduction(reduction: str) -> None:
+    """``reduction`` is one a stage knows."""
+    if reduction not in ("allreduce", "sharded"):
+        raise ValueError(f"reduction={reduction!r} is not known; choose 'allreduce' or 'sharded' (--reduction)")
+
+
+def check_tied(tied: Sequence[TiedCopy], pipeline: Pipeline) -> None:
+    """Weights shared across workers are summed before every update: a flush schedule only."""
+    if tied and not pipeline.flush:
+        raise ValueError(
+            f"weights shared across pipeline workers need a flush schedule, not Pipeline.schedule="
+            f"{pipeline.schedule!r}; use '1f1b', 'gpipe', 'interleaved_1f1b' or 'zb_h1'")
+
+
+def check_streamed_batchnorm(pipeline: Pipeline, bn_numel: int) -> None:
+    """BatchNorm's per-step statistics are exact with a flush schedule only."""
+    if not pipeline.flush and bn_numel:
+        raise ValueError(
+            f"Pipeline.schedule={pipeline.schedule!r} streams steps without a flush, which cannot keep "
+            f"BatchNorm's per-step statistics exact; use a flush schedule (1f1b, gpipe, interleaved_1f1b, "
+            f"zb_h1) for a model with BatchNorm"
+        )

@@ -31,7 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Generator
+from typing import Any, Callable, Generator, Protocol
 
 import torch
 
@@ -45,13 +45,54 @@ from virtualflow.runtime.pipeline.requests import AllSum, Request, StageGather, 
 from virtualflow.runtime.pipeline.schedule import schedule_for
 
 
+class FlushStage(Protocol):
+    """What a flush step reads of (and, the commit's fields, writes to) its stage: a
+    :class:`~virtualflow.runtime.pipeline.engine.StageEngine` (a protocol, not the class: the
+    engine imports this module)."""
+
+    pipeline: Any
+    plan: Any
+    loop: Any
+    device: torch.device
+    deterministic: bool
+    batchnorm: str
+    pieces: dict[int, torch.nn.Module]
+    params: list[torch.Tensor]
+    piece_params: dict[int, list[torch.Tensor]]
+    tree_params: list[torch.Tensor]
+    norm_params: list[tuple[int, torch.Tensor]]
+    optimizer: Any
+    scheduler: Any
+    shard: Any
+    ties: Any
+    tree: Any
+    reducer: Any
+    prep: Any
+    timing: Any
+    bn: dict[int, Any]
+    bn_numel: int
+    replica: int
+    replicas: int
+    assignment: list[list[int]]
+    replica_of_successor: Any
+    reuse: Any
+    phase: str
+    fault_point: Callable[[str], None] | None
+    pending_commit: tuple[int, Callable[[torch.Tensor], StepResult]] | None
+    last_commit: tuple[int, torch.Tensor] | None
+
+    @property
+    def last(self) -> int: ...
+
+    def spliced_forward(self, module: torch.nn.Module, x: Any, entry: Any) -> Any: ...
+
+
 class FlushStep:
     """Step ``step`` of ``engine`` under a flush schedule: the accumulators its micro-batches fill,
     the forward and backward the executor calls, the reduction and the commit."""
 
-    def __init__(self, engine: Any, step: int) -> None:
-        """``engine``: the :class:`~virtualflow.runtime.pipeline.engine.StageEngine` (not imported
-        here: the engine imports this module)."""
+    def __init__(self, engine: FlushStage, step: int) -> None:
+        """``engine``: the stage whose step this is (a :class:`FlushStage`)."""
         e = self.engine = engine
         self.step = step
         self.vns = e.assignment[e.replica]
