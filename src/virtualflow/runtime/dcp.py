@@ -37,7 +37,7 @@ Invariants.
   truncated, altered or foreign file is a :class:`~virtualflow.runtime.checkpoint.
   CorruptCheckpointError` naming the file and the fix, so a resume falls back to the previous
   good checkpoint. Every file is opened below the folder without following a link and without
-  blocking (:func:`_open_member`) and must be a regular file: a link (a ``rank-N/`` folder
+  blocking (``dcp_read._open_member``) and must be a regular file: a link (a ``rank-N/`` folder
   included) or a FIFO is an :class:`~virtualflow.runtime.checkpoint.UntrustedStateError`. A
   file's size is checked before it is hashed.
 * **Asynchronous saves stall for the host copy only.** :class:`DcpSaver` copies the worker's
@@ -50,17 +50,14 @@ Invariants.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import hashlib
 import json
 import logging
-import math
 import os
 import pickle
 import re
 import secrets
 import shutil
-import stat
 import threading
 import time
 import warnings
@@ -71,26 +68,24 @@ import torch
 
 from virtualflow.plan.shards import shard_bounds
 from virtualflow.records.rundir import atomic_write, disk_full_error
-from virtualflow.runtime.checkpoint import CorruptCheckpointError, UntrustedStateError, load_state, save_state
+from virtualflow.runtime.checkpoint import CorruptCheckpointError, UntrustedStateError, save_state
+from virtualflow.runtime.dcp_read import (DTYPES, FORMAT, MANIFEST, META, SUFFIX, causes, file_digest, fsync_dir,
+                                          is_dcp, json_digest, load_checkpoint, load_dcp_model, load_dcp_state,
+                                          load_ranges, peek_dcp, read_file, read_manifest, torch_dcp)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DcpSaver", "Piece", "is_dcp", "load_checkpoint", "load_dcp_model", "load_dcp_state", "load_ranges",
-           "model_pieces", "optimizer_pieces", "peek_dcp", "read_manifest", "sharded_optimizer_pieces", "write_rank"]
+__all__ = ["MANIFEST", "META", "SUFFIX", "DcpSaver", "Piece", "is_dcp", "load_checkpoint", "load_dcp_model",
+           "load_dcp_state", "load_ranges", "model_pieces", "optimizer_pieces", "peek_dcp", "read_manifest",
+           "sharded_optimizer_pieces", "write_rank"]
+"""The reading names (``is_dcp``, ``load_*``, ``peek_dcp``, ``read_manifest``) live in
+:mod:`virtualflow.runtime.dcp_read` and are re-exported here: one import path for the format."""
 
-SUFFIX = ".dcp"
 PARTIAL = ".partial"
 DISCARDED = ".discarded-"
 """A complete checkpoint being deleted is first renamed ``step-N.dcp.discarded-<8 hex>``."""
 _FOLDER = re.compile(r"step-(\d+)\.dcp(\.partial)?(\.discarded-[0-9a-f]{8})?")
-MANIFEST = "manifest.json"
-META = "meta.pt"
-_FORMAT = "virtualflow-dcp-v1"
 _RANK_FORMAT = "virtualflow-dcp-rank-v1"
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool, torch.complex64, torch.complex128)}
-_FIX = "restore it from a copy, or move the folder away to resume from the previous checkpoint"
 
 
 @dataclasses.dataclass(slots=True)
@@ -101,11 +96,6 @@ class Piece:
     shape: tuple[int, ...]
     lo: int
     tensor: torch.Tensor
-
-
-def is_dcp(path: str) -> bool:
-    """Whether ``path`` names a sharded checkpoint folder (``….dcp``)."""
-    return path.rstrip(os.sep).endswith(SUFFIX)
 
 
 # -- what a worker holds ------------------------------------------------------------------------
@@ -169,15 +159,6 @@ def sharded_optimizer_pieces(shard: Any) -> list[Piece]:
     return out
 
 
-# -- writing ------------------------------------------------------------------------------------
-def _dcp() -> Any:
-    """:mod:`virtualflow.runtime.dcp_torch`, imported when a sharded checkpoint is first written or
-    read (``torch.distributed.checkpoint`` costs every process that imports it ~0.7 CPU-s)."""
-    from virtualflow.runtime import dcp_torch
-
-    return dcp_torch
-
-
 def stage(pieces: list[Piece], buffers: dict[tuple[Any, ...], torch.Tensor] | None = None) -> list[Piece]:
     """The pieces copied to host memory (what an asynchronous save's stall is). ``buffers``: host
     tensors of an earlier save, reused where a piece has the same place, size and dtype (no new
@@ -232,14 +213,14 @@ def write_rank(final: str, rank: int, world: int, save_id: str, step: int, piece
         try:
             with warnings.catch_warnings():  # "no process group: saving in a single process" is the intent
                 warnings.simplefilter("ignore", UserWarning)
-                T = _dcp()
+                T = torch_dcp()
                 saved = T.dcp.save({p.fqn: p.tensor for p in live}, planner=T.PiecePlanner(live), no_dist=True,
                                  storage_writer=T.FileSystemWriter(mine, single_file_per_rank=True, sync_files=True,
                                                                  thread_count=1, overwrite=True))
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-            causes = _causes(exc)
+            causes = causes(exc)
             full = next((e for e in (disk_full_error(c, mine) for c in causes) if e is not None), None)
             if full is not None:
                 raise full from None
@@ -261,7 +242,7 @@ def write_rank(final: str, rank: int, world: int, save_id: str, step: int, piece
         save_state(os.path.join(mine, META), meta)
     if written is not None:
         written()
-    files = {f"rank-{rank:05d}/{name}": _file_digest(os.path.join(mine, name)) for name in sorted(os.listdir(mine))}
+    files = {f"rank-{rank:05d}/{name}": file_digest(os.path.join(mine, name)) for name in sorted(os.listdir(mine))}
     record = {"format": _RANK_FORMAT, "save_id": save_id, "rank": rank, "world": world, "step": step,
               "entries": sorted(entries, key=lambda e: (e["fqn"], e["lo"])), "files": files}
     atomic_write(marker, lambda f: f.write(json.dumps(record).encode()))
@@ -280,7 +261,7 @@ def _finalize(final: str, world: int, save_id: str, step: int, keep: int | None,
     records = []
     for r in range(world):
         try:
-            rec = json.loads(_read_file(part, f"rank-{r:05d}.json"))
+            rec = json.loads(read_file(part, f"rank-{r:05d}.json"))
         except (OSError, ValueError, RecursionError, CorruptCheckpointError, UntrustedStateError):
             return False  # not there yet (its worker finalizes), or not a record a worker wrote
         if not isinstance(rec, dict):
@@ -303,17 +284,17 @@ def _finalize(final: str, world: int, save_id: str, step: int, keep: int | None,
         if name not in ours and not name.startswith("."):
             _remove(os.path.join(part, name))  # another finalizer taking it first is no error
     _write_dcp_metadata(part, entries)
-    files[".metadata"] = _file_digest(os.path.join(part, ".metadata"))
-    body = {"format": _FORMAT, "save_id": save_id, "step": step, "world": world,
+    files[".metadata"] = file_digest(os.path.join(part, ".metadata"))
+    body = {"format": FORMAT, "save_id": save_id, "step": step, "world": world,
             "entries": sorted(entries, key=lambda e: (e["fqn"], e["lo"])), "files": dict(sorted(files.items()))}
-    manifest = {**body, "checksum": _json_digest(body)}
+    manifest = {**body, "checksum": json_digest(body)}
     atomic_write(os.path.join(part, MANIFEST), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
     try:
         os.rename(part, final)
     except OSError as exc:  # another worker finalized the same set a moment earlier
         logger.debug("finalizing %s: %s", final, exc)
         return False
-    _fsync_dir(os.path.dirname(final))
+    fsync_dir(os.path.dirname(final))
     for name in [f"rank-{r:05d}.json" for r in range(world)] + [_claim_name(save_id)]:
         try:
             os.unlink(os.path.join(final, name))  # merged into the manifest; the claim
@@ -383,7 +364,7 @@ def discard(path: str) -> None:
     except OSError as exc:
         logger.debug("discarding %s: %s", path, exc)
         return
-    _fsync_dir(os.path.dirname(path))
+    fsync_dir(os.path.dirname(path))
     shutil.rmtree(doomed, ignore_errors=True)
 
 
@@ -408,238 +389,7 @@ def remove_discarded(folder: str) -> list[str]:
 def _write_dcp_metadata(folder: str, entries: list[dict[str, Any]]) -> None:
     """DCP's own ``.metadata`` (a pickle), so that ``torch.distributed.checkpoint.load`` reads the
     folder. virtualflow never reads it back (it builds the same from the manifest)."""
-    atomic_write(os.path.join(folder, ".metadata"), lambda f: pickle.dump(_dcp().metadata_of(entries, _DTYPES), f))
-
-
-# -- reading ------------------------------------------------------------------------------------
-def read_manifest(folder: str, *, verify_files: bool = True) -> dict[str, Any]:
-    """The checked manifest of the checkpoint ``folder``: its own checksum, its shape, every chunk
-    in a listed file, every tensor covered exactly once, and (``verify_files``) every listed file
-    present with its recorded size and SHA-256. Anything wrong: a one-line
-    :class:`CorruptCheckpointError` naming the file and the fix."""
-    if os.path.islink(folder):
-        raise UntrustedStateError(f"refusing to read {folder}: it is a symbolic link, and checkpoints are read only "
-                                  f"from the run directory's own folders; copy the folder there, or pass its real path")
-    if not os.path.isdir(folder):
-        raise CorruptCheckpointError(f"{folder} is not a folder (a sharded checkpoint is one); {_FIX}")
-    path = os.path.join(folder, MANIFEST)
-    if not os.path.lexists(path):
-        raise CorruptCheckpointError(f"{path} is missing: the checkpoint is incomplete (its save was interrupted); "
-                                     f"resume from the previous checkpoint")
-    raw = _read_file(folder, MANIFEST)
-    try:
-        manifest = json.loads(raw)
-        if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
-            raise CorruptCheckpointError(f"{path} is not a virtualflow checkpoint manifest ({_FORMAT}); {_FIX}")
-        body = {k: v for k, v in manifest.items() if k != "checksum"}
-        checksum = _json_digest(body)
-    except RecursionError:  # a manifest virtualflow writes is 4 levels deep
-        raise CorruptCheckpointError(f"{path} is nested too deeply to be a checkpoint manifest (altered); "
-                                     f"{_FIX}") from None
-    except ValueError:
-        raise CorruptCheckpointError(f"{path} is not valid JSON (truncated or altered); {_FIX}") from None
-    if manifest.get("checksum") != checksum:
-        raise CorruptCheckpointError(f"{path} does not match its checksum (altered or damaged); {_FIX}")
-    _check_manifest(path, manifest)
-    named = re.fullmatch(r"step-(\d+)\.dcp", os.path.basename(os.path.normpath(folder)))
-    if named is not None and int(named.group(1)) != manifest["step"]:
-        raise CorruptCheckpointError(f"{path} is the checkpoint of step {manifest['step']}, in a folder named for step "
-                                     f"{int(named.group(1))} (moved or copied over); {_FIX}")
-    if verify_files:
-        for name, want in manifest["files"].items():
-            _verify_file(folder, name, want)
-    return manifest
-
-
-def _check_manifest(path: str, m: dict[str, Any]) -> None:
-    def bad(why: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{path} does not describe a valid checkpoint ({why}); {_FIX}")
-
-    if not isinstance(m.get("step"), int) or not isinstance(m.get("world"), int) or m["world"] < 1:
-        raise bad("step or world is not a positive integer")
-    files, entries = m.get("files"), m.get("entries")
-    if not isinstance(files, dict) or not isinstance(entries, list):
-        raise bad("files or entries missing")
-    for name, want in files.items():
-        if (not isinstance(want, dict) or not isinstance(want.get("bytes"), int)
-                or not isinstance(want.get("sha256"), str)
-                or not re.fullmatch(r"(rank-\d{5}/)?[\w.\-]+", name) or ".." in name):
-            raise bad(f"file entry {name!r}")
-    covered: dict[str, list[tuple[int, int]]] = {}
-    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
-    for e in entries:
-        ok = (isinstance(e, dict) and isinstance(e.get("fqn"), str) and isinstance(e.get("shape"), list)
-              and all(isinstance(s, int) and s >= 0 for s in e["shape"]) and e.get("dtype") in _DTYPES
-              and all(isinstance(e.get(k), int) and e[k] >= 0 for k in ("lo", "hi", "offset", "length"))
-              and e.get("file") in files)
-        if not ok:
-            raise bad(f"entry {str(e)[:80]}")
-        n = math.prod(e["shape"])
-        if not e["lo"] < e["hi"] <= n or e["offset"] + e["length"] > files[e["file"]]["bytes"]:
-            raise bad(f"chunk [{e['lo']}, {e['hi']}) of {e['fqn']} out of bounds")
-        if shapes.setdefault(e["fqn"], (tuple(e["shape"]), e["dtype"])) != (tuple(e["shape"]), e["dtype"]):
-            raise bad(f"{e['fqn']} has chunks of different shapes or dtypes")
-        covered.setdefault(e["fqn"], []).append((e["lo"], e["hi"]))
-    for fqn, spans in covered.items():
-        spans.sort()
-        end = 0
-        for lo, hi in spans:
-            if lo != end:
-                raise bad(f"{fqn} is {'missing elements' if lo > end else 'written twice'} at {min(lo, end)}")
-            end = hi
-        if end != math.prod(shapes[fqn][0]):
-            raise bad(f"{fqn} is missing elements from {end}")
-
-
-def _verify_file(folder: str, name: str, want: dict[str, Any]) -> None:
-    """The file ``name`` of ``folder`` is a regular file (reached through no link) of the size and
-    SHA-256 the manifest records; the size is compared first, so a file of another size costs a
-    ``stat``, not a read of the whole file."""
-    full = os.path.join(folder, name)
-    fd = _open_member(folder, name)
-    try:
-        size = os.fstat(fd).st_size
-    except OSError as exc:
-        os.close(fd)
-        raise CorruptCheckpointError(f"cannot read {full}: {exc.strerror or exc}; {_FIX}") from None
-    if size != want["bytes"]:
-        os.close(fd)
-        what = "truncated" if size < want["bytes"] else "longer than its checkpoint wrote it"
-        raise CorruptCheckpointError(f"{full} is {what} ({size} bytes, the manifest records {want['bytes']}); "
-                                     f"{_FIX}")
-    got = _digest_of(fd, full)
-    if got != want:
-        raise CorruptCheckpointError(f"{full} does not match the manifest (sha256 {got['sha256'][:12]}…, recorded "
-                                     f"{want['sha256'][:12]}…): it is another checkpoint's or job's file, or was "
-                                     f"altered; {_FIX}")
-
-
-def load_ranges(folder: str, manifest: dict[str, Any], ranges: dict[str, tuple[int, int]], *,
-                verify: bool = False) -> dict[str, torch.Tensor]:
-    """Elements ``[lo, hi)`` of each flattened entry named in ``ranges`` (resharding: any range,
-    whatever chunks the writers held), as 1-D CPU tensors. ``verify``: first check the digests of
-    the files these ranges are read from (for a manifest read with ``verify_files=False``: a
-    worker reading its chunk hashes only the files it reads)."""
-    kinds = {e["fqn"]: (math.prod(e["shape"]), e["dtype"]) for e in manifest["entries"]}
-    out = {}
-    for fqn, (lo, hi) in ranges.items():
-        if fqn not in kinds or not 0 <= lo <= hi <= kinds[fqn][0]:
-            raise ValueError(f"checkpoint {folder} has no elements [{lo}, {hi}) of {fqn!r}")
-        out[fqn] = torch.empty(hi - lo, dtype=_DTYPES[kinds[fqn][1]])
-    if verify:
-        touched = {e["file"] for e in manifest["entries"]
-                   if e["fqn"] in ranges and e["lo"] < ranges[e["fqn"]][1] and ranges[e["fqn"]][0] < e["hi"]}
-        for name in sorted(touched):
-            _verify_file(folder, name, manifest["files"][name])
-    if any(t.numel() for t in out.values()):
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                T = _dcp()
-                T.dcp.load(out, storage_reader=T.ManifestReader(folder, manifest["entries"], _DTYPES, _open_member),
-                           planner=T.RangePlanner(ranges), no_dist=True)
-        except (UntrustedStateError, CorruptCheckpointError, KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-            ours = next((c for c in _causes(exc) if isinstance(c, (UntrustedStateError, CorruptCheckpointError))), None)
-            if ours is not None:  # a shard refused as it was opened (_open_member)
-                raise ours from None
-            text = str(exc)
-            if "Weights only load failed" in text or "WeightsUnpickler" in text:
-                raise UntrustedStateError(f"refusing to read {folder}: a shard holds a pickled object that is not a "
-                                          f"tensor, and loading it could run code; resume from a checkpoint you "
-                                          f"trust") from None
-            first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(exc).__name__)[:200]
-            raise CorruptCheckpointError(f"cannot read the shards of {folder} ({first}); {_FIX}") from None
-    return out
-
-
-def load_dcp_state(folder: str, *, model_only: bool = False) -> dict[str, Any]:
-    """The whole training state of a sharded checkpoint, in a state file's layout (``model``,
-    ``optimizer``, ``lr_scheduler``, ``grad_scaler``, ``step``, ``job``, ``callbacks``): the chunks
-    of every worker reassembled, whatever their number. ``model_only``: only ``model`` and the
-    identity (what an export needs)."""
-    manifest = read_manifest(folder)
-    meta = load_state(os.path.join(folder, "rank-00000", META))
-    if meta.get("step") != manifest["step"]:
-        raise CorruptCheckpointError(f"{os.path.join(folder, 'rank-00000', META)} is of step {meta.get('step')}, the "
-                                     f"manifest of step {manifest['step']}: files of two checkpoints; {_FIX}")
-    shapes = {e["fqn"]: tuple(e["shape"]) for e in manifest["entries"]}
-    wanted = {f: (0, math.prod(s)) for f, s in shapes.items() if not model_only or f.startswith("model/")}
-    flat = load_ranges(folder, manifest, wanted)
-    metas = [meta]
-    pipeline = meta.get("pipeline")
-    if isinstance(pipeline, dict):  # one meta.pt per stage, by replica 0's member of it (rank = stage)
-        metas += [load_state(os.path.join(folder, f"rank-{s:05d}", META)) for s in range(1, int(pipeline["stages"]))]
-    keys = [k for m in metas for k in m.get("model_keys", [])]
-    keys = keys or sorted(f[len("model/"):] for f in wanted if f.startswith("model/"))
-    state = {k: v for k, v in meta.items() if k not in ("model", "model_keys", "model_aliases", "optimizer", "stage")}
-    empty = {k: v for m in metas for k, v in (m.get("model") or {}).items()}  # tensors without elements
-    try:
-        state["model"] = {k: empty[k] if k in empty else flat[f"model/{k}"].view(shapes[f"model/{k}"]) for k in keys}
-    except KeyError as exc:
-        raise CorruptCheckpointError(f"{folder}: the model tensor {exc.args[0]} is in no shard; {_FIX}") from None
-    for m in metas:  # tied weights (written once per name) are one tensor again, as in the model
-        aliases = m.get("model_aliases")
-        for alias, kept in (aliases.items() if isinstance(aliases, dict) else ()):
-            if alias in state["model"] and kept in state["model"] and (
-                    state["model"][alias].shape == state["model"][kept].shape
-                    and state["model"][alias].dtype == state["model"][kept].dtype):
-                state["model"][alias] = state["model"][kept]
-    if model_only:
-        return state
-    if isinstance(pipeline, dict):  # gather_state's layout: one optimizer and scheduler state per stage
-        state["optimizer"] = {"pipeline_stages": [_optimizer_of(m, flat, shapes, f"optimizer/stage/{s}/state/")
-                                                  for s, m in enumerate(metas)]}
-        state["lr_scheduler"] = {"pipeline_stages": [m.get("lr_scheduler") for m in metas]}
-        state["pipeline"] = {**pipeline, "stage_params": [m.get("param_names") for m in metas]}
-        return state
-    state["optimizer"] = _optimizer_of(meta, flat, shapes, "optimizer/state/")
-    return state
-
-
-def _optimizer_of(meta: dict[str, Any], flat: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]],
-                  prefix: str) -> dict[str, Any]:
-    """An optimizer ``state_dict``: ``meta``'s hyperparameters and non-tensor entries, and the
-    tensors of the entries named ``<prefix><index>/<key>``."""
-    opt = meta.get("optimizer") or {}
-    per: dict[int, dict[str, Any]] = {int(p): dict(v) for p, v in (opt.get("state") or {}).items()}
-    for fqn, t in flat.items():
-        m = re.fullmatch(re.escape(prefix) + r"(\d+)/(.+)", fqn)
-        if m is not None:
-            per.setdefault(int(m.group(1)), {})[m.group(2)] = t.view(shapes[fqn])
-    return {"state": dict(sorted(per.items())), "param_groups": opt.get("param_groups", [])}
-
-
-def peek_dcp(folder: str) -> dict[str, Any]:
-    """A sharded checkpoint verified (manifest and every file's digest) and described without
-    reading its tensors: ``meta.pt``'s contents with ``model`` as empty tensors of the saved
-    shapes (on the ``meta`` device), what a resume checks the job against."""
-    manifest = read_manifest(folder)
-    meta = load_state(os.path.join(folder, "rank-00000", META))
-    if meta.get("step") != manifest["step"]:
-        raise CorruptCheckpointError(f"{os.path.join(folder, 'rank-00000', META)} is of step {meta.get('step')}, the "
-                                     f"manifest of step {manifest['step']}: files of two checkpoints; {_FIX}")
-    shapes = {e["fqn"][len("model/"):]: tuple(e["shape"]) for e in manifest["entries"] if e["fqn"].startswith("model/")}
-    keys = list(shapes) if meta.get("pipeline") else meta.get("model_keys") or sorted(shapes)
-    empty = meta.get("model") or {}
-    meta["model"] = {k: torch.empty(shapes[k] if k in shapes else tuple(empty[k].shape) if k in empty else (0,),
-                                    device="meta") for k in keys}
-    if isinstance(meta.get("pipeline"), dict):  # each stage's parameter names (so that it can be cut again)
-        stages = int(meta["pipeline"]["stages"])
-        meta["pipeline"]["stage_params"] = [meta.get("param_names")] + [
-            load_state(os.path.join(folder, f"rank-{s:05d}", META)).get("param_names") for s in range(1, stages)]
-    return meta
-
-
-def load_dcp_model(folder: str) -> dict[str, torch.Tensor]:
-    """The model ``state_dict`` of a sharded checkpoint (consolidated)."""
-    return load_dcp_state(folder, model_only=True)["model"]
-
-
-def load_checkpoint(path: str) -> dict[str, Any]:
-    """A state file or a sharded checkpoint folder, read and verified (the whole state)."""
-    return load_dcp_state(path) if is_dcp(path) else load_state(path)
+    atomic_write(os.path.join(folder, ".metadata"), lambda f: pickle.dump(torch_dcp().metadata_of(entries, DTYPES), f))
 
 
 # -- asynchronous saves -------------------------------------------------------------------------
@@ -688,125 +438,10 @@ class DcpSaver:
             raise err
 
 
-# -- helpers ------------------------------------------------------------------------------------
-def _causes(exc: BaseException) -> list[BaseException]:
-    """``exc`` and, for DCP's ``CheckpointException``, what each rank raised (its ``failures``
-    map a rank to an ``(exception, traceback)`` pair)."""
-    out = [exc]
-    for failure in getattr(exc, "failures", {}).values():
-        cause = failure[0] if isinstance(failure, tuple) and failure else failure
-        if isinstance(cause, BaseException):
-            out.append(cause)
-    return out
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
+    if name not in DTYPES:
         raise ValueError(f"checkpoint_format='dcp' cannot write a {name} tensor; use checkpoint_format='pt'")
     return name
 
 
-def _refused_link(path: str) -> UntrustedStateError:
-    return UntrustedStateError(f"refusing to read {path}: it is a symbolic link; a checkpoint's files and folders are "
-                               f"read only as regular files and folders of the checkpoint itself")
-
-
-def _open_member(folder: str, name: str) -> int:
-    """A read-only descriptor of the regular file ``name`` (``rank-00000/__0_0.distcp``,
-    ``manifest.json``) of the checkpoint ``folder``. Every component below ``folder`` is opened
-    with ``O_NOFOLLOW`` relative to its parent (a symbolic link anywhere, a ``rank-N/`` folder
-    included, is refused, with no race between a check and the open), the file with
-    ``O_NONBLOCK`` (a FIFO must not block the open) and checked to be a regular file before
-    anything is read."""
-    nofollow, nonblock = getattr(os, "O_NOFOLLOW", 0), getattr(os, "O_NONBLOCK", 0)
-    cloexec, directory = getattr(os, "O_CLOEXEC", 0), getattr(os, "O_DIRECTORY", 0)
-    *dirs, leaf = name.split("/")
-    where = folder
-    try:
-        dfd = os.open(folder, os.O_RDONLY | directory | cloexec)
-    except OSError as exc:
-        raise CorruptCheckpointError(f"cannot read {folder}: {exc.strerror or exc}; {_FIX}") from None
-    try:
-        for part in dirs:
-            where = os.path.join(where, part)
-            try:
-                fd = os.open(part, os.O_RDONLY | directory | nofollow | cloexec, dir_fd=dfd)
-            except OSError as exc:
-                raise _open_error(where, exc) from None
-            os.close(dfd)
-            dfd = fd
-        where = os.path.join(where, leaf)
-        try:
-            fd = os.open(leaf, os.O_RDONLY | nofollow | nonblock | cloexec, dir_fd=dfd)
-        except OSError as exc:
-            raise _open_error(where, exc) from None
-    finally:
-        os.close(dfd)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UntrustedStateError(f"refusing to read {where}: it is not a regular file (a FIFO, device or "
-                                      f"folder where the checkpoint has a file); {_FIX}")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _open_error(path: str, exc: OSError) -> Exception:
-    """What failing to open a component ``path`` of a checkpoint means."""
-    if os.path.islink(path) or exc.errno == errno.ELOOP:
-        return _refused_link(path)
-    if exc.errno == errno.ENOENT:
-        return CorruptCheckpointError(f"{path} is missing (the manifest lists it); {_FIX}")
-    if exc.errno == errno.ENOTDIR:
-        return CorruptCheckpointError(f"{path} is not a folder (a checkpoint's rank-N is one); {_FIX}")
-    return CorruptCheckpointError(f"cannot read {path}: {exc.strerror or exc}; {_FIX}")
-
-
-def _read_file(folder: str, name: str) -> bytes:
-    """The bytes of the regular file ``name`` of the checkpoint ``folder`` (see :func:`_open_member`)."""
-    fd = _open_member(folder, name)
-    try:
-        with os.fdopen(fd, "rb") as f:
-            return f.read()
-    except OSError as exc:
-        raise CorruptCheckpointError(f"cannot read {os.path.join(folder, name)}: {exc.strerror or exc}; "
-                                     f"{_FIX}") from None
-
-
-def _file_digest(path: str) -> dict[str, Any]:
-    """Size and SHA-256 of a file this worker just wrote (a checkpoint being made)."""
-    folder, name = os.path.split(path)
-    fd = _open_member(folder, name)
-    return _digest_of(fd, path)
-
-
-def _digest_of(fd: int, path: str) -> dict[str, Any]:
-    """Size and SHA-256 of the open file ``fd`` (closed here)."""
-    h, n = hashlib.sha256(), 0
-    try:
-        with os.fdopen(fd, "rb") as f:
-            while block := f.read(1 << 22):
-                h.update(block)
-                n += len(block)
-    except OSError as exc:
-        raise CorruptCheckpointError(f"cannot read {path}: {exc.strerror or exc}; {_FIX}") from None
-    return {"bytes": n, "sha256": h.hexdigest()}
-
-
-def _json_digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-
-
-def _fsync_dir(folder: str) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -2,7 +2,7 @@
 
 Kept apart so that importing the runtime (every worker process does) does not import
 ``torch.distributed.checkpoint`` (about 0.7 CPU-seconds per process, measured): only a worker
-that writes or reads a sharded checkpoint pays for it (:func:`virtualflow.runtime.dcp._dcp`).
+that writes or reads a sharded checkpoint pays for it (:func:`virtualflow.runtime.dcp_read.torch_dcp`).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def metadata_of(entries: list[dict[str, Any]], dtypes: dict[str, torch.dtype]) -
 
 class _MemberFileSystem(FileSystem):
     """DCP's file access, with every shard opened by ``opener(folder, relative name)``
-    (:func:`virtualflow.runtime.dcp._open_member`: no link followed, a FIFO refused without
+    (``virtualflow.runtime.dcp_read._open_member``: no link followed, a FIFO refused without
     blocking), so that a file swapped after the digests were checked cannot hang or redirect
     the read."""
 
