@@ -39,7 +39,14 @@ engine         :class:`StageEngine`, which composes the above
 local          the in-process driver (:class:`LocalDriver`) and :func:`train_local`
 links          the process driver: :func:`drive` over torch.distributed, the links' wire format, the
                deterministic exchange each stage group runs (:class:`~.links.StageExchanges`)
-stage_state    moving, gathering and resuming a stage's state between workers (Bamboo re-layouts)
+stage_state    moving, gathering and resuming a stage's state between workers (Bamboo re-layouts),
+               a checkpoint's per-stage states put together (or cut again for other stages)
+tensor_grid    tensor parallelism's D x P x T grid: the planes, the layers' conversion, the shards'
+               merge and cut
+tensor_stage   :class:`~.tensor_stage.TensorStage`: a stage's tensor parallelism as one object (its
+               groups, shards, the loop's hooks, the state merge; a trivial one without it)
+layout         building a worker's stage engine: the job's layout or a Bamboo re-layout
+settle         a step interrupted in its stats all-reduce, finished or discarded by the next generation
 worker_engine  :class:`PipelineWorkerEngine`: the :class:`~virtualflow.runtime.engines.Engine` of a
                pipelined job in a worker process
 ============== ===================================================================================

@@ -24,8 +24,9 @@ from virtualflow.comm.groups import Group
 __all__ = ["InterruptedCommit", "settle_commit"]
 
 
-def settle_commit(group: Group, steps: list[int], target: int, pending: tuple[int, Callable[[torch.Tensor], Any]] | None,
-                  stage: Any, stats_numel: Callable[[], int], device: torch.device) -> list[int] | None:
+def settle_commit(group: Group, steps: list[int], target: int,
+                  pending: tuple[int, Callable[[torch.Tensor], Any]] | None, stage: Any, stats_numel: Callable[[], int],
+                  device: torch.device) -> list[int] | None:
     """Finish ``pending`` (this member's step interrupted in its stats all-reduce: ``(step,
     finish)``) from the stats of a member that completed it, or discard it. ``stage``: this
     member's :class:`~.engine.StageEngine` (``None``: a newcomer); ``stats_numel()``: the stats

@@ -30,9 +30,9 @@ from virtualflow.runtime.pipeline.engine import StageEngine
 from virtualflow.runtime.pipeline.redundancy import StageReplica
 from virtualflow.runtime.transfer import broadcast_state
 
-__all__ = ["exchange_for_layout", "gather_stages", "load_merged", "load_stage_state", "optimizer_names", "reorder_optimizer",
-           "restage", "resume_stage", "sharded_parts", "stage_state", "stage_states", "successor", "transfer_stages",
-           "whole_state"]
+__all__ = ["exchange_for_layout", "gather_stages", "load_merged", "load_stage_state", "optimizer_names",
+           "reorder_optimizer", "restage", "resume_stage", "sharded_parts", "stage_state", "stage_states", "successor",
+           "transfer_stages", "whole_state"]
 
 
 def successor(flat: Any, stages: int, r: int) -> int:

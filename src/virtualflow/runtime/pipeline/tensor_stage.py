@@ -273,5 +273,6 @@ def gather_on_root(group: Group, mine: Any, device: torch.device) -> list[Any] |
 
 def stage_module(pieces: dict[int, nn.Module]) -> nn.Sequential:
     """The stage's layers under their whole-model names, as :func:`~.pieces.stage_model` joins them."""
-    return nn.Sequential(OrderedDict((name, layer) for k in sorted(pieces) for name, layer in pieces[k].named_children()))
+    return nn.Sequential(OrderedDict((name, layer) for k in sorted(pieces)
+                                     for name, layer in pieces[k].named_children()))
 

@@ -19,9 +19,11 @@ also keeps the whole model to assemble checkpoints, the final state and evaluati
 from the first replica's stages (:meth:`PipelineWorkerEngine.gather_state`, a collective).
 
 The process driver (:func:`drive`, the wire format) lives in :mod:`virtualflow.runtime.pipeline.links`;
-this module is the engine: adopting generations (resizes, Bamboo failovers and reconfigurations),
-moving and gathering stage state, and the worker's :class:`~virtualflow.runtime.engines.Engine`
-protocol.
+this module is the engine: adopting generations (resizes, Bamboo failovers and reconfigurations)
+and the worker's :class:`~virtualflow.runtime.engines.Engine` protocol. Tensor parallelism is one
+object chosen at construction (:mod:`~virtualflow.runtime.pipeline.tensor_stage`); building a
+stage is :mod:`~virtualflow.runtime.pipeline.layout`'s, moving and gathering stage state
+:mod:`~virtualflow.runtime.pipeline.stage_state`'s.
 
 Checkpoints with ``checkpoint_format="dcp"`` are written without a gather: every member writes
 its share of its stage (:meth:`PipelineWorkerEngine.sharded_parts`), laid out so that the
@@ -145,8 +147,9 @@ class PipelineWorkerEngine:
     def exchange_choice(self) -> tuple[str, str] | None:
         """Deterministic mode: the exchange this worker's stage group runs over the replicas in
         this generation, and why (:func:`~.links.exchange_choice`). ``None`` otherwise."""
-        if not self.deterministic or self.grid is None:
+        if self.grid is None:
             return None
+        # (``None`` outside deterministic mode too: only then does a stage have a tree)
         return exchange_choice(self.exchanges, self.stage, self.grid.stage_rank)
 
     @property
