@@ -1,4 +1,4 @@
-"""The pipeline driver's receive waits (runtime/pipeline/links.py, ``_wait_receive``).
+"""The pipeline driver's receive waits (runtime/pipeline/receive_wait.py, ``wait_receive``).
 
 A receive of a group with an abort flag and known connections (a worker's group) is waited for on
 the driver's own thread, with one watcher thread per process reading the flag, instead of a
@@ -17,7 +17,7 @@ import torch
 
 from test_groups import LEFT_TIMEOUT_S, RELEASED, _peer_outcome, pair  # noqa: F401  (pair: a fixture)
 from virtualflow.comm.groups import PeerFailure
-from virtualflow.runtime.pipeline.links import _wait_receive
+from virtualflow.runtime.pipeline.receive_wait import wait_receive as _wait_receive
 
 
 def _arrival_threads() -> int:

@@ -23,7 +23,7 @@ What a hop still cost beyond a hand-written pipeline's, and what the driver does
 
 - A thread per receive (:class:`Arrival`): its start and two more context switches per hop.
   Receives are now waited for on the driver's own thread; one watcher thread per process reads
-  the abort flag meanwhile (:func:`_wait_receive`).
+  the abort flag meanwhile (:func:`~.receive_wait.wait_receive`).
 - The step's stats all-reduce: gloo hands it to its worker thread and runs several rounds (2-3 ms
   at the step's end on 2 loaded cores). Small sums are one round of point-to-point messages
   (:func:`_sum_over`).
@@ -39,18 +39,17 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import threading
-import time
 from typing import Any, Generator
 
 import torch
 
 from virtualflow.comm.exchange import OwnerExchange
-from virtualflow.comm.groups import ARRIVAL_POLL_S, Arrival, Group, PeerFailure
+from virtualflow.comm.groups import Arrival, Group, PeerFailure
 from virtualflow.comm.reduce import tree_exchange
 from virtualflow.plan.exchange import EXCHANGES, OwnerSchedule, choose_exchange
 from virtualflow.plan.pipeline.geometry import Grid
 from virtualflow.plan.vnmap import TreePlan
+from virtualflow.runtime.pipeline.receive_wait import wait_receive
 from virtualflow.runtime.pipeline.requests import (AllSum, Expect, Poll, Recv, Send, StageGather, StageScatter,
                                                    StageSum, StageTree, StepResult)
 
@@ -242,116 +241,6 @@ def exchange_choice(exchanges: StageExchanges, stage: Any, stage_rank: int) -> t
     return "/".join(dict.fromkeys(names)), "; ".join(reasons)
 
 
-class _Watcher:
-    """Reads the abort flag of every group a driver thread is blocked on in a receive, so that the
-    receive can be waited for on the driver's own thread instead of a thread per message.
-
-    One daemon thread per process, started at the first watched wait; a thread blocked in a
-    receive registers (:meth:`blocked`) and, every ``ARRIVAL_POLL_S``, its group's ``abort_check``
-    is read (once the wait is ``_FIRST_CHECK_S`` old, as :class:`Arrival` reads it). A True read
-    aborts the group (its connections shut down), which ends the blocked wait at once with an
-    error; the waiter then raises the coordinator's verdict. Used only where an abort does end a
-    wait (a group whose connections are known); elsewhere :class:`Arrival` owns the wait. The
-    thread parks after ``_IDLE_S`` without a registration, so an idle process is not woken."""
-
-    _FIRST_CHECK_S = 0.05
-    _IDLE_S = 30.0
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._waits: dict[int, tuple[Group, float]] = {}
-        self._aborted: set[int] = set()
-        self._next = 0
-        self._last_seen = 0.0
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def blocked(self, group: Group) -> int:
-        """The calling thread is about to block in a receive on ``group``: a token for :meth:`done`."""
-        now = time.monotonic()
-        with self._lock:
-            self._next += 1
-            token = self._next
-            self._waits[token] = (group, now)
-            self._last_seen = now
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, daemon=True, name="vf-recv-watch")
-                self._thread.start()
-            elif not self._wake.is_set():
-                self._wake.set()  # parked: resume reading flags
-        return token
-
-    def done(self, token: int) -> bool:
-        """The wait of ``token`` is over; True when this watcher aborted its group meanwhile."""
-        with self._lock:
-            self._waits.pop(token, None)
-            if token in self._aborted:
-                self._aborted.discard(token)
-                return True
-        return False
-
-    def _run(self) -> None:
-        self._wake.set()
-        while True:
-            if not self._wake.wait(self._IDLE_S):
-                continue
-            time.sleep(ARRIVAL_POLL_S)
-            now = time.monotonic()
-            with self._lock:
-                due = [(token, group) for token, (group, since) in self._waits.items()
-                       if now - since >= self._FIRST_CHECK_S]
-                if not self._waits and now - self._last_seen > self._IDLE_S:
-                    self._wake.clear()  # park until the next registration
-            for token, group in due:
-                check = group.abort_check
-                try:
-                    broken = check is not None and check()  # True aborts the group
-                except Exception:  # an unreadable flag: the group's timeout stays the bound
-                    broken = False
-                if broken:
-                    with self._lock:
-                        if token in self._waits:
-                            self._aborted.add(token)
-
-
-_WATCHER = _Watcher()
-
-
-def _wait_receive(group: Group, work: Any) -> None:
-    """Wait for a posted receive. Without an ``abort_check`` (nothing to watch) and where an abort
-    ends a blocked wait (the group knows its connections) the driver's thread waits itself, as a
-    hand-written pipeline does: a thread per message costs its start and two more context
-    switches per hop (measured in ``bench/pipeline``). Elsewhere (ranks run as threads of one
-    process: no connections known) an :class:`Arrival` owns the wait and the caller watches the
-    flag."""
-    if group.abort_check is None:
-        work.wait()
-        return
-    if not len(group.connections):
-        Arrival(work).wait(group)
-        return
-    token = _WATCHER.blocked(group)
-    try:
-        work.wait()
-    except PeerFailure:
-        # The flag may be set but not yet seen by the watcher while a peer that did see it has
-        # left (its connection closed): the abort, not the closed connection, is the cause.
-        if _WATCHER.done(token) or _flag_set(group):
-            raise PeerFailure(group.generation, "the coordinator declared the generation broken (a member failed) "
-                                                "during a receive") from None
-        raise
-    if _WATCHER.done(token):  # completed just as the group was aborted: the group is broken all the same
-        raise PeerFailure(group.generation, "the coordinator declared the generation broken (a member failed) "
-                                            "during a receive")
-
-
-def _flag_set(group: Group) -> bool:
-    try:
-        return bool(group.abort_check())
-    except Exception:  # noqa: BLE001 - a store that cannot answer says nothing about the flag
-        return False
-
-
 _ABANDONED: list[Any] = []
 """Sends a failed drive left unfinished, with their buffers: kept alive (gloo's transport may still
 read a buffer) instead of waited on - a send to a live peer that has stopped receiving would block
@@ -373,7 +262,7 @@ def _sum_over(group: Group, vector: torch.Tensor) -> None:
     vectors in rank order, so every member gets the same bits. gloo's all-reduce hands the work
     to its worker thread and runs several rounds, which cost the step's end 2-3 ms on this
     2-core machine under load (``bench/pipeline``). Receives are waited for as the pipeline's
-    (:func:`_wait_receive`); a member's sends complete once its receives did (every peer posted
+    (:func:`~.receive_wait.wait_receive`); a member's sends complete once its receives did (every peer posted
     its receive before sending). Larger vectors or groups: the all-reduce."""
     size = group.size
     if size == 1 or group.pg is None:
@@ -390,7 +279,7 @@ def _sum_over(group: Group, vector: torch.Tensor) -> None:
         recvs = [group.irecv(parts[r], r, _SUM_TAG + (r > me)) for r in range(size) if r != me]
         sends = [group.isend(mine, r, _SUM_TAG + (me > r)) for r in range(size) if r != me]
         for work in recvs:
-            _wait_receive(group, work)
+            wait_receive(group, work)
         for work in sends:
             work.wait()
     except BaseException:
@@ -531,7 +420,7 @@ class _Wire:
         if arrival is not None:  # polled before (eager forwards): its thread owns the wait
             arrival.wait(group)
         else:
-            _wait_receive(group, work)
+            wait_receive(group, work)
         if ref is None:
             return self.header_then_payload(src, req.key, buf)
         flag = int(buf[:8].view(torch.int64).item())
