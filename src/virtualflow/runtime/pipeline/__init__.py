@@ -39,6 +39,7 @@ engine         :class:`StageEngine`, which composes the above
 local          the in-process driver (:class:`LocalDriver`) and :func:`train_local`
 links          the process driver: :func:`drive` over torch.distributed, the links' wire format, the
                deterministic exchange each stage group runs (:class:`~.links.StageExchanges`)
+receive_wait   the process driver's receive waits, abortable by the generation's flag
 stage_state    moving, gathering and resuming a stage's state between workers (Bamboo re-layouts),
                a checkpoint's per-stage states put together (or cut again for other stages)
 tensor_grid    tensor parallelism's D x P x T grid: the planes, the layers' conversion, the shards'
