@@ -18,7 +18,7 @@ is unchanged by this module.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -118,9 +118,6 @@ def stage_state(s: StageEngine) -> dict[str, Any]:
     state = {"model": s.model.state_dict(), "optimizer": s.optimizer.state_dict(),
              "lr_scheduler": s.scheduler.state_dict() if s.scheduler is not None else None,
              "grad_scaler": scaler_state(s)}
-    if s.pipeline.tensor > 1:  # the optimizer's parameter names: the planes' states are merged by name
-        by_id = {id(q): n for n, q in s.model.named_parameters()}
-        state["param_names"] = [by_id[id(q)] for g in getattr(s.optimizer, "param_groups", []) for q in g["params"]]
     if s.prev_version is not None:  # 2bw: the older weight version is training state too
         state["prev_version"] = {k: {n: t.detach() for n, t in v.items()} for k, v in s.prev_version.items()}
     return state
@@ -156,10 +153,10 @@ def load_stage_state(s: StageEngine, state: dict[str, Any]) -> None:
 
 
 def transfer_stages(stage: StageEngine, pipeline: Pipeline, group: Group, steps: list[int], target: int,
-                    device: torch.device) -> int:
-    """Bring every worker to step ``target``: each stage's state goes from a member of that
-    stage that reached it to the members of that stage behind. ``steps[r]`` is rank ``r``'s
-    step. Collective. Raises when no member of some stage reached ``target`` (a stage applied
+                    device: torch.device, *, state_of: Callable[[StageEngine], dict[str, Any]] = stage_state) -> int:
+    """Bring every worker to step ``target``: each stage's state (``state_of(stage)``) goes from a
+    member of that stage that reached it to the members of that stage behind. ``steps[r]`` is rank
+    ``r``'s step. Collective. Raises when no member of some stage reached ``target`` (a stage applied
     a step another stage lost: the pipeline cannot be made consistent)."""
     p = pipeline.stages
     moved = 0
@@ -176,7 +173,7 @@ def transfer_stages(stage: StageEngine, pipeline: Pipeline, group: Group, steps:
         stage_src = ahead[0]
         if not receivers:
             continue
-        mine = stage_state(stage) if group.rank == stage_src else None
+        mine = state_of(stage) if group.rank == stage_src else None
         state, n = broadcast_state(group, stage_src, mine, device, receivers=receivers)
         moved += n
         if group.rank in receivers:
@@ -190,7 +187,7 @@ def transfer_stages(stage: StageEngine, pipeline: Pipeline, group: Group, steps:
             if not receivers:
                 continue
             src = next(r for r in range(len(steps)) if r % p == succ and steps[r] == target)
-            mine = stage_state(stage) if group.rank == src else None
+            mine = state_of(stage) if group.rank == src else None
             state, n = broadcast_state(group, src, mine, device, receivers=receivers)
             moved += n
             if group.rank in receivers:
@@ -199,9 +196,10 @@ def transfer_stages(stage: StageEngine, pipeline: Pipeline, group: Group, steps:
 
 
 def gather_stages(stage: StageEngine, pipeline: Pipeline, layout: Any, full_bounds: list[tuple[int, int]],
-                  group: Group, device: torch.device) -> list[dict[str, Any]] | None:
-    """Collective: rank 0 gets every job stage's state (:func:`stage_state`'s layout, in stage
-    order); others get ``None``. After a failover, members running several stages send each
+                  group: Group, device: torch.device, *,
+                  state_of: Callable[[StageEngine], dict[str, Any]] = stage_state) -> list[dict[str, Any]] | None:
+    """Collective: rank 0 gets every job stage's state (``state_of``'s layout, :func:`stage_state`
+    by default, in stage order); others get ``None``. After a failover, members running several stages send each
     stage's state apart, so the layout is that of the job's stages."""
     p = pipeline.stages
     if layout is not None:
@@ -220,11 +218,11 @@ def gather_stages(stage: StageEngine, pipeline: Pipeline, layout: Any, full_boun
             return None
         stages = [per_stage[s] for s in range(p)]
     else:
-        stages = [stage_state(stage) if group.rank == 0 else None]
+        stages = [state_of(stage) if group.rank == 0 else None]
     for s in range(1, p if layout is None else 1):
         if group.rank not in (0, s):
             continue
-        state, _ = broadcast_state(group, s, stage_state(stage) if group.rank == s else None, device,
+        state, _ = broadcast_state(group, s, state_of(stage) if group.rank == s else None, device,
                                    receivers=[0])
         if group.rank == 0:
             stages.append(state)

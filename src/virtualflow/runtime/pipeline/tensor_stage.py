@@ -36,7 +36,7 @@ from virtualflow.plan.pipeline.geometry import layers_of, piece_module
 from virtualflow.runtime.pipeline.engine import StageEngine
 from virtualflow.runtime.pipeline.loop import StageLoop
 from virtualflow.runtime.pipeline.stage_state import (gather_stages, load_scaler, optimizer_names, reorder_optimizer,
-                                                      resume_stage, transfer_stages)
+                                                      resume_stage, stage_state, transfer_stages)
 from virtualflow.runtime.pipeline.tensor_grid import (TensorPlanes, convert_layers, merge_stage_states, rebind_comm,
                                                       shard_stage_state, whole_splits)
 from virtualflow.runtime.transfer import broadcast_state
@@ -182,7 +182,7 @@ class TensorParallelStage(TensorStage):
     def transfer(self, stage: StageEngine, group: Group, steps: list[int], target: int) -> int:
         """Each plane brings its own members up to date."""
         return transfer_stages(stage, self.pipeline, self.planes.plane, self.planes.plane_steps(steps), target,
-                               self.device)
+                               self.device, state_of=named_stage_state)
 
     def generation_rows(self, rows: list[dict[str, float]] | None) -> list[dict[str, float] | None] | None:
         """The rows of plane 0 (tensor rank 0 of every stage, generation ranks ``0, T, 2T, ...``; the
@@ -236,7 +236,8 @@ class TensorParallelStage(TensorStage):
         tensor-parallel group), then sent to rank 0, which merges the shards into the
         single-worker layout (``whole_model()``: the unconverted model, for the splits)."""
         planes = self.planes
-        mine = gather_stages(stage, self.pipeline, None, self.bounds, planes.plane, self.device)
+        mine = gather_stages(stage, self.pipeline, None, self.bounds, planes.plane, self.device,
+                             state_of=named_stage_state)
         if planes.plane_rank != 0:
             return None
         per_plane = gather_on_root(planes.tp, mine, self.device)
@@ -276,3 +277,8 @@ def stage_module(pieces: dict[int, nn.Module]) -> nn.Sequential:
     return nn.Sequential(OrderedDict((name, layer) for k in sorted(pieces)
                                      for name, layer in pieces[k].named_children()))
 
+
+def named_stage_state(stage: StageEngine) -> dict[str, Any]:
+    """:func:`~.stage_state.stage_state` with the optimizer's parameter names (``param_names``):
+    the planes' states are merged by name (:func:`~.tensor_grid.merge_stage_states`)."""
+    return {**stage_state(stage), "param_names": optimizer_names(stage.optimizer, stage.model)}
