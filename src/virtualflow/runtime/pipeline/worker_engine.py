@@ -295,8 +295,7 @@ class PipelineWorkerEngine:
     def before_regroup(self) -> None:
         # Every member keeps its own stage's state; a sharded stage optimizer is gathered whole on
         # every replica now, while the old stage group works (the next generation cuts it again).
-        if self.stage is not None and self.stage.shard is not None:
-            gather_stage_optimizer(self.stage, self.stage_group)
+        gather_stage_optimizer(self.stage, self.stage_group)  # (nothing to do for a whole one)
 
     def whole_state(self, group: Group) -> dict[str, Any] | None:
         return self.gather_state(group)
@@ -313,8 +312,7 @@ class PipelineWorkerEngine:
         self._due = (False, False)
         if ck and work.dcp and self.layout is None:  # every member writes its stage's share: no gather
             t_ck = time.perf_counter()
-            if self.stage.shard is not None:  # (but a sharded stage optimizer's, over the stage group)
-                gather_stage_optimizer(self.stage, self.stage_group)
+            gather_stage_optimizer(self.stage, self.stage_group)  # a sharded stage optimizer's: gathered first
             pieces, meta = self.sharded_parts(group)
             path = work.save_sharded(group, step, pieces, meta)
             if group.rank == 0:
@@ -439,8 +437,7 @@ class PipelineWorkerEngine:
         from the job if needed) and every stage's
         optimizer and scheduler state; others get ``None``. After a failover, members running
         several stages send each stage's state apart, so the layout is that of the job's stages."""
-        if self.stage is not None and self.stage.shard is not None:  # replica 0 sends each stage's state
-            gather_stage_optimizer(self.stage, self.stage_group, root=0)
+        gather_stage_optimizer(self.stage, self.stage_group, root=0)  # a sharded stage's, on replica 0
         stages = self.tensor.gather(self.stage, group, self.layout, self._whole_model)
         if stages is None:
             return None
