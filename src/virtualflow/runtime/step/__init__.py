@@ -1,0 +1,10 @@
+"""The parts of one optimizer step that every layout uses (the VN engine and the pipeline's stages).
+
+- :mod:`.reduction`: how a step's gradients and the small vectors that ride with them are summed
+  over the workers (all-reduce in buckets, sharded reduce-scatter, the deterministic tree over
+  slots or owners), chosen once per generation, and where the summed gradient ends up.
+- :mod:`.exchange`: the deterministic exchange's choice (``owners`` / ``slots``) and the
+  ``owners`` exchange built for one vector layout.
+- :mod:`.stats`: the VN engine's per-step statistics vector (its typed layout, packing and
+  reading) and the loss function's metric sums.
+"""
