@@ -31,7 +31,6 @@ the BatchNorm bookkeeping in :mod:`virtualflow.runtime.batchnorm`, the probe's r
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from typing import Any, Callable, Sequence
@@ -48,13 +47,12 @@ from virtualflow.runtime.batches import (BatchLoader, LossShapeError, NonFiniteL
 from virtualflow.runtime.batchnorm import BatchNormState
 from virtualflow.runtime.breakdown import RAW, StepClock, derive, measured_load
 from virtualflow.runtime.clipping import BLOCK, NormBlocks, clip_, total_norm
-from virtualflow.runtime.partials import Partials, direct_possible
 from virtualflow.runtime.prefetch import Prefetcher
 from virtualflow.runtime.probe import PROBE_BUDGET, PROBE_CHANGE, PROBE_EVERY, IdleProbe, probe_due
 from virtualflow.runtime.shard_replica import exchange_gradients
 from virtualflow.runtime.sharded import FlatParams, ShardedOptimizer, gather_sharded_state
 from virtualflow.runtime.step.exchange import ExchangeChoice
-from virtualflow.runtime.step.reduction import Reduction, Tail, TreeReduction, default_reduction, tree_reduction
+from virtualflow.runtime.step.reduction import Reduction, TreeLeaves, TreeReduction, default_reduction
 from virtualflow.runtime.step.stats import MAX_METRICS, MetricSums, StatsLayout
 
 
@@ -117,13 +115,17 @@ class VNEngine:
         """Loads the next VNs' batches while the current ones compute (``loader_workers`` > 0)."""
         self.group: Group | None = None
         self.vns: list[int] = []
-        self.reduction: Reduction | TreeReduction | None = None
-        """This generation's gradient reduction (:mod:`virtualflow.runtime.step.reduction`)."""
-        self.stats: StatsLayout | None = None
-        """This generation's statistics vector (:mod:`virtualflow.runtime.step.stats`)."""
+        self.reduction: Reduction | TreeReduction | None = None  # this generation's (runtime/step/reduction.py)
+        self.stats: StatsLayout | None = None  # this generation's statistics vector (runtime/step/stats.py)
+        self.exchange = ExchangeChoice(deterministic_exchange)  # (checks the knob's value now)
+        """``LaunchOptions.deterministic_exchange``: auto, owners or slots (:mod:`virtualflow.plan.exchange`)."""
+        self.exchange_choice: tuple[str, str] | None = None
+        """Deterministic mode with several workers: (the exchange this generation runs, why)."""
         # The mode's step body and reduction, chosen once (deterministic: the fixed VN-id tree).
-        self._sum, self._reduction_for = ((self._sum_tree, self._tree_for) if deterministic
-                                          else (self._sum_buckets, self._buckets_for))
+        self._sum, self._reduction_for, self.leaves = self._sum_buckets, self._buckets_for, None
+        if deterministic:
+            self._sum, self._reduction_for = self._sum_tree, self._tree_for
+            self.leaves = TreeLeaves(self.params, self.bn.float_bufs, batchnorm == "mean", plan.virtual_nodes, device)
         if reduction not in ("allreduce", "sharded"):
             raise ValueError(f"reduction={reduction!r} is not known; choose 'allreduce' or 'sharded' (--reduction)")
         self.sharded = reduction == "sharded"
@@ -165,17 +167,6 @@ class VNEngine:
         self.metrics = MetricSums()
         """The step's metric sums (names learnt from the first forward run here)."""
         self._det_flat: torch.Tensor | None = None
-        self.exchange = ExchangeChoice(deterministic_exchange)  # (checks the knob's value now)
-        """``LaunchOptions.deterministic_exchange``: auto, owners or slots (:mod:`virtualflow.plan.exchange`)."""
-        self.exchange_choice: tuple[str, str] | None = None
-        """Deterministic mode with several workers: (the exchange this generation runs, why)."""
-        self.tail = Tail(self.bn.numel if batchnorm == "mean" else 0, True, plan.virtual_nodes)
-        """Deterministic mode: a leaf's tail after its gradients, [BatchNorm statistics (mean mode) | loss]."""
-        self._partials: Partials | None = None
-        """Deterministic mode: the partial sums' reused buffers and leaf arithmetic (None when the
-        parameters' dtypes differ: fresh vectors per leaf then)."""
-        if deterministic and direct_possible(self.params):
-            self._partials = Partials(self.params, self.tail.numel)
         self._fault_point: Callable[[int, str], None] | None = None
         self._step_no = -1
         self._in_last_backward = False
@@ -266,9 +257,8 @@ class VNEngine:
         first = self.bn.numel if self.batchnorm == "first" else 0
         self.stats = StatsLayout(self.plan.virtual_nodes, group.size, group.rank, loss=False, bn_numel=first,
                                  bn_mean=False)
-        tree, self.exchange_choice = tree_reduction(TreePlan.build(assignment), group, self.params,
-                                                    self._leaf_like(), self.exchange, self._partials, self.shard,
-                                                    self.comm)
+        tree, self.exchange_choice = self.leaves.reduction(TreePlan.build(assignment), group, self._loss_dtype,
+                                                           self.exchange, self.shard, self.comm)
         return tree
 
     def _zero_grad(self) -> None:
@@ -441,17 +431,6 @@ class VNEngine:
         if self.bn:
             self.bn.restore()
         return time.perf_counter() - t0
-
-    def _leaf_like(self) -> torch.Tensor:
-        """An (uninitialised) vector of one deterministic-mode leaf's size and dtype: what a
-        worker with no VN hands to the tree exchange."""
-        if self._partials is not None:  # the buffers' dtype: the parameters'
-            return torch.empty(self._partials.numel, dtype=self._partials.dtype, device=self.device)
-        dtypes = [p.dtype for p in self.params] + [self._loss_dtype or self.params[0].dtype]
-        if self.tail.bn_numel:
-            dtypes += [b.dtype for b in self.bn.float_bufs]
-        return torch.empty(self.grad_numel + self.tail.numel, dtype=functools.reduce(torch.promote_types, dtypes),
-                           device=self.device)
 
     def _pack_stats(self, bad: torch.Tensor, control: int | Callable[[], int], loss: torch.Tensor | None,
                     bn: torch.Tensor | None) -> torch.Tensor:
@@ -685,7 +664,7 @@ class VNEngine:
         tree = self.reduction
         assert isinstance(tree, TreeReduction)
         self._first_bn = None
-        with_bn = self.tail.bn_numel
+        with_bn = self.leaves.tail.bn_numel
         last_vn = self.vns[-1] if self.vns else None
 
         def run_vn(vn: int) -> torch.Tensor:
@@ -729,7 +708,8 @@ class VNEngine:
             self._det_compute_s, probed = self._idle_compute(step)
         self.phase = "reduction"
         self.clock.enter_reduction()  # left in step(), after the statistics' all-reduce
-        self._det_flat, tail = tree.finish(local, self._leaf_like)  # (into p.grad once the step is decided)
+        # the whole flat sum goes into p.grad once the step is decided (_finish_gradient)
+        self._det_flat, tail = tree.finish(local, lambda: self.leaves.like(self._loss_dtype))
         if not self.vns:
             self.idle.note_idle(t_step, probed)
-        return self.tail.read(tail)
+        return self.leaves.tail.read(tail)

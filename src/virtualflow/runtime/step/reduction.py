@@ -32,13 +32,15 @@ from __future__ import annotations
 
 from typing import Callable, Protocol, Sequence
 
+import functools
+
 import torch
 
 from virtualflow.comm.exchange import OwnerExchange
 from virtualflow.comm.groups import Group
 from virtualflow.comm.reduce import BucketReducer, ShardReducer, tree_exchange, tree_exchange_sharded, tree_reduce_local
 from virtualflow.plan.vnmap import Node, TreePlan
-from virtualflow.runtime.partials import Partials, RunVN
+from virtualflow.runtime.partials import Partials, RunVN, direct_possible
 from virtualflow.runtime.step.exchange import ExchangeChoice, bucket_pieces, owner_exchange, sharded_bounds
 
 Point = Callable[[str], None]
@@ -337,3 +339,35 @@ def tree_reduction(plan: TreePlan, group: Group, params: Sequence[torch.nn.Param
     ex = owner_exchange(plan, group, numel, dtype=like.dtype, device=like.device, bounds=bounds, gather=gather,
                         pieces=pieces)
     return TreeReduction(plan, group.rank, Owners(ex, grad_numel), where, partials), picked
+
+
+class TreeLeaves:
+    """Deterministic mode on one worker, for the engine's life: a VN's leaf vector ``[gradients |
+    tail]`` (the tail: :class:`Tail`, BatchNorm statistics in ``mean`` mode, then the weighted
+    loss), the partial sums' reused buffers and leaf arithmetic
+    (:class:`~virtualflow.runtime.partials.Partials`; None when the parameters' dtypes differ:
+    a fresh vector per leaf then), and each generation's :class:`TreeReduction`."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], bn_bufs: Sequence[torch.Tensor], mean_bn: bool,
+                 virtual_nodes: int, device: torch.device) -> None:
+        self.params = list(params)
+        self.grad_numel = sum(p.numel() for p in self.params)
+        bn_numel = sum(b.numel() for b in bn_bufs) if mean_bn else 0
+        self.tail = Tail(bn_numel, True, virtual_nodes)
+        self.bn_dtypes = [b.dtype for b in bn_bufs] if mean_bn else []
+        self.device = device
+        self.partials = Partials(self.params, self.tail.numel) if direct_possible(self.params) else None
+
+    def like(self, loss_dtype: torch.dtype | None) -> torch.Tensor:
+        """An (uninitialised) vector of one leaf's size and dtype (what a worker with no VN hands
+        to the tree exchange); ``loss_dtype``: the loss's, once a forward ran here."""
+        if self.partials is not None:  # the buffers' dtype: the parameters'
+            return torch.empty(self.partials.numel, dtype=self.partials.dtype, device=self.device)
+        dtypes = [p.dtype for p in self.params] + [loss_dtype or self.params[0].dtype] + self.bn_dtypes
+        return torch.empty(self.grad_numel + self.tail.numel, dtype=functools.reduce(torch.promote_types, dtypes),
+                           device=self.device)
+
+    def reduction(self, plan: TreePlan, group: Group, loss_dtype: torch.dtype | None, choice: ExchangeChoice,
+                  shard=None, comm=None) -> tuple[TreeReduction, tuple[str, str] | None]:
+        """This generation's reduction and exchange choice (:func:`tree_reduction`)."""
+        return tree_reduction(plan, group, self.params, self.like(loss_dtype), choice, self.partials, shard, comm)
