@@ -39,13 +39,13 @@ import torch
 
 from virtualflow.comm.groups import Group, PeerFailure
 from virtualflow.comm.ring import Collectives
-from virtualflow.plan.data import DataPlan, vn_seed
+from virtualflow.plan.data import DataPlan
 from virtualflow.plan.vnmap import TreePlan
-from virtualflow.runtime.amp import LossScaler, autocast
+from virtualflow.runtime.amp import LossScaler
 from virtualflow.runtime.batches import (BatchLoader, LossShapeError, NonFiniteLossError, StepOutcome, check_loss,
-                                         seed_random_streams, split_loss, to_device)
+                                         seed_random_streams, to_device)
 from virtualflow.runtime.batchnorm import BatchNormState
-from virtualflow.runtime.breakdown import RAW, StepClock, derive, measured_load
+from virtualflow.runtime.breakdown import StepClock, derive
 from virtualflow.runtime.clipping import BLOCK, NormBlocks, clip_, total_norm
 from virtualflow.runtime.prefetch import Prefetcher
 from virtualflow.runtime.probe import PROBE_BUDGET, PROBE_CHANGE, PROBE_EVERY, IdleProbe, probe_due
@@ -53,7 +53,8 @@ from virtualflow.runtime.shard_replica import exchange_gradients
 from virtualflow.runtime.sharded import FlatParams, ShardedOptimizer, gather_sharded_state
 from virtualflow.runtime.step.exchange import ExchangeChoice
 from virtualflow.runtime.step.reduction import Reduction, TreeLeaves, TreeReduction, default_reduction
-from virtualflow.runtime.step.stats import MAX_METRICS, MetricSums, StatsLayout
+from virtualflow.runtime.step.compute import VNCompute
+from virtualflow.runtime.step.stats import MAX_METRICS, StatsLayout
 
 
 __all__ = ["MAX_METRICS", "PROBE_BUDGET", "PROBE_CHANGE", "PROBE_EVERY", "BatchLoader", "BatchNormState",
@@ -153,19 +154,16 @@ class VNEngine:
         (so the step counts as applied); raised at the step boundary (:meth:`raise_deferred`)."""
         self.grad_numel = sum(p.numel() for p in self.params)
         self._first_bn: torch.Tensor | None = None
-        self.slowdown = 1.0
-        """Emulated slowness (tests, benchmarks): each VN's compute is followed by a sleep of
-        ``(slowdown - 1)`` times its measured duration."""
+        self.compute = VNCompute(model, loss_fn, plan, loader, seed=seed, device=device, precision=precision,
+                                 scaler=self.scaler, bn=self.bn, clock=self.clock, prefetcher=self.prefetcher)
+        """One VN's batch, forward and backward (:mod:`virtualflow.runtime.step.compute`)."""
+        self.metrics = self.compute.metrics  # the step's metric sums
         self._last_compute_s = 0.0
-        self._vn_s = 0.0  # smoothed compute time of one VN, without emulated sleep
         self.idle = IdleProbe()
         """A worker with no VN: when it probes (see the module docstring)."""
-        self._loss_dtype: torch.dtype | None = None
         self.phase = "idle"
         """Where the current step is (reported when a peer fails): before_forward, backward,
         reduction, commit (``shard_replicas=1``: the replica's exchange and the commit), apply, idle."""
-        self.metrics = MetricSums()
-        """The step's metric sums (names learnt from the first forward run here)."""
         self._det_flat: torch.Tensor | None = None
         self._fault_point: Callable[[int, str], None] | None = None
         self._step_no = -1
@@ -257,7 +255,7 @@ class VNEngine:
         first = self.bn.numel if self.batchnorm == "first" else 0
         self.stats = StatsLayout(self.plan.virtual_nodes, group.size, group.rank, loss=False, bn_numel=first,
                                  bn_mean=False)
-        tree, self.exchange_choice = self.leaves.reduction(TreePlan.build(assignment), group, self._loss_dtype,
+        tree, self.exchange_choice = self.leaves.reduction(TreePlan.build(assignment), group, self.compute.loss_dtype,
                                                            self.exchange, self.shard, self.comm)
         return tree
 
@@ -352,59 +350,14 @@ class VNEngine:
         """Bytes the sharded optimizer's replica costs this worker (``shard_replicas=1``; else 0)."""
         return self.shard.replica_bytes() if self.shard is not None else 0
 
-    def _forward(self, step: int, vn: int, batch: Any = None, n: int = 0) -> torch.Tensor:
-        """Forward of one VN from the step's starting BN statistics; returns the weighted loss."""
-        if self.bn:
-            self.bn.restore()
-        now = time.perf_counter
-        if batch is None:
-            indices = self.plan.vn_indices(step, vn)
-            batch, n = self._load(step, vn, indices), len(indices)
-        if self.device.type != "cpu":
-            t0 = now()
-            batch = to_device(batch, self.device)
-            self.clock.add("input_s", now() - t0)
-        seed_random_streams(vn_seed(self.seed, step, vn), self.device)
-        t0 = now()
-        with autocast(self.device, self.precision):
-            out = self.loss_fn(self.model, batch)
-        self.clock.add("forward_s", now() - t0)
-        where = f"at step {step} in virtual node {vn}"
-        loss, metrics = split_loss(out, where)
-        check_loss(loss, where)
-        self._loss_dtype = loss.dtype
-        share = n / self.plan.global_batch_size
-        self.metrics.note(metrics, share, where)
-        return loss * share
+    @property
+    def slowdown(self) -> float:
+        """Emulated slowness (tests, benchmarks): :attr:`VNCompute.slowdown <virtualflow.runtime.step.compute.VNCompute.slowdown>`."""
+        return self.compute.slowdown
 
-    def _load(self, step: int, vn: int, indices: torch.Tensor) -> Any:
-        """VN ``vn``'s batch of ``step``: from the prefetcher when there is one (the time waited
-        for it is the input time), else loaded now."""
-        if self.prefetcher is not None:
-            batch, waited, stats = self.prefetcher.take(step, vn, indices)
-            self.clock.add("input_s", waited)
-        else:
-            batch, stats = measured_load(self.loader, indices, io=self.clock.enabled)
-            self.clock.add("input_s", stats.seconds)
-        self.clock.add_load(stats)
-        return batch
-
-    def _prefetch(self, step: int) -> None:
-        """Start loading this step's VNs (what is not under way yet) and the next step's."""
-        assert self.prefetcher is not None
-        for s in (step, step + 1):
-            for vn in self.vns:
-                self.prefetcher.schedule(s, vn, self.plan.vn_indices(s, vn))
-
-    def _backward(self, weighted: torch.Tensor) -> None:
-        t0 = time.perf_counter()
-        (self.scaler.scale_loss(weighted) if self.scaler is not None else weighted).backward()
-        self.clock.add("backward_s", time.perf_counter() - t0)
-
-    def _sleep(self, seconds: float) -> None:
-        """Emulated slowness (counted as compute, split between forward and backward)."""
-        time.sleep(seconds)
-        self.clock.add("emulated_s", seconds)
+    @slowdown.setter
+    def slowdown(self, value: float) -> None:
+        self.compute.slowdown = value
 
     def close(self) -> None:
         """Stop the loader threads (the worker is leaving)."""
@@ -414,23 +367,8 @@ class VNEngine:
     # -- a worker with no VN -------------------------------------------------------------------
     def _idle_compute(self, step: int) -> tuple[float, bool]:
         """A worker with no VN, before it joins the reduction: (compute time to report, probed)."""
-        return self.idle.compute(self._vn_s * self.slowdown, self._loss_dtype is not None, lambda: self._probe(step))
-
-    def _probe(self, step: int) -> float:
-        """Time one VN's forward and backward without contributing it; returns the seconds."""
-        vn = step % self.plan.virtual_nodes
-        t0 = time.perf_counter()
-        weighted = self._forward(step, vn)
-        self.metrics.reset()  # a probe contributes nothing
-        if weighted.requires_grad:
-            t_b = time.perf_counter()
-            torch.autograd.grad(weighted, self.params, allow_unused=True)
-            self.clock.add("backward_s", time.perf_counter() - t_b)
-        self._emulate(t0)
-        del weighted
-        if self.bn:
-            self.bn.restore()
-        return time.perf_counter() - t0
+        c = self.compute
+        return self.idle.compute(c.vn_s * c.slowdown, c.loss_dtype is not None, lambda: c.probe(step))
 
     def _pack_stats(self, bad: torch.Tensor, control: int | Callable[[], int], loss: torch.Tensor | None,
                     bn: torch.Tensor | None) -> torch.Tensor:
@@ -441,13 +379,6 @@ class VNEngine:
             control = int(control())
         return self.stats.pack(bad, control, self.metrics.vector(self.device, bad.dtype), loss, bn,
                                self._last_compute_s, self.clock.previous())
-
-    def _emulate(self, t0: float) -> None:
-        """Sleep ``(slowdown - 1)`` times the VN's compute that started at ``t0``."""
-        dt = time.perf_counter() - t0
-        self._vn_s = dt if self._vn_s == 0.0 else 0.8 * self._vn_s + 0.2 * dt
-        if self.slowdown > 1.0:
-            self._sleep((self.slowdown - 1.0) * dt)
 
     def step(self, step: int, control: int | Callable[[], int] = 0) -> StepOutcome:
         """Run one step. ``control`` (a number, or a callable read when the statistics are packed)
@@ -563,7 +494,7 @@ class VNEngine:
         self._step_no = step
         self.idle.new_step()
         if self.prefetcher is not None:
-            self._prefetch(step)
+            self.compute.prefetch(step, self.vns)
         self.model.train()
         if self.bn:
             self.bn.snapshot()
@@ -601,20 +532,15 @@ class VNEngine:
         packed, and the reduction armed with them, before the last backward. Returns them."""
         bn_acc = torch.zeros(self.bn.numel, device=self.device) if self.batchnorm == "mean" else None
         last = len(self.vns) - 1
-        indices = [self.plan.vn_indices(step, vn) for vn in self.vns]
-        if self.prefetcher is not None:
-            batches = [None] * len(indices)  # each taken from the prefetcher when its turn comes
-        else:
-            batches, load = measured_load(self.loader.vn_batches, indices, io=self.clock.enabled)
-            self.clock.add("input_s", load.seconds)
-            self.clock.add_load(load)
+        c = self.compute
+        indices, batches = c.batches(step, self.vns)  # (with a prefetcher, each taken when its turn comes)
         losses = []
         for i, vn in enumerate(self.vns):
             self._check_broken()
             if batches[i] is None:
-                batches[i] = self._load(step, vn, indices[i])
+                batches[i] = c.load(step, vn, indices[i])
             t_vn = time.perf_counter()
-            weighted = self._forward(step, vn, batches[i], len(indices[i]))
+            weighted = c.forward(step, vn, batches[i], len(indices[i]))
             batches[i] = None  # drop the VN's inputs with its activations
             losses.append(weighted.detach())
             if self.bn.numel:
@@ -630,13 +556,10 @@ class VNEngine:
                 self.reduction.arm(stats)
                 self.phase = "backward"
                 self._in_last_backward = True
-                if self.slowdown > 1.0:
-                    # The last VN's backward launches the reduction: sleep before it, for
-                    # the forward just run and a backward estimated from earlier VNs.
-                    self._sleep((self.slowdown - 1.0) * max(self._vn_s, time.perf_counter() - t_vn))
-            self._backward(weighted)
+                c.sleep_before_last_backward(t_vn)
+            c.backward(weighted)
             if i != last:
-                self._emulate(t_vn)
+                c.emulate(t_vn)
         self._in_last_backward = False
         return stats
 
@@ -672,13 +595,13 @@ class VNEngine:
             loss]; the VN's gradient is in (or was accumulated into) ``p.grad``."""
             self._check_broken()
             t_vn = time.perf_counter()
-            weighted = self._forward(step, vn)
+            weighted = self.compute.forward(step, vn)
             if vn == last_vn:
                 self.phase = "backward"
                 self._in_last_backward = True
-            self._backward(weighted)
+            self.compute.backward(weighted)
             self._in_last_backward = False
-            self._emulate(t_vn)
+            self.compute.emulate(t_vn)
             weighted = weighted.detach()
             bad[vn] = (~torch.isfinite(weighted)).to(bad.dtype)
             tail = []
@@ -709,7 +632,7 @@ class VNEngine:
         self.phase = "reduction"
         self.clock.enter_reduction()  # left in step(), after the statistics' all-reduce
         # the whole flat sum goes into p.grad once the step is decided (_finish_gradient)
-        self._det_flat, tail = tree.finish(local, lambda: self.leaves.like(self._loss_dtype))
+        self._det_flat, tail = tree.finish(local, lambda: self.leaves.like(self.compute.loss_dtype))
         if not self.vns:
             self.idle.note_idle(t_step, probed)
         return self.leaves.tail.read(tail)
