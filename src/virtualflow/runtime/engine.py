@@ -22,9 +22,13 @@ otherwise wait for the others, so it costs no step time when it is shorter than 
 it is expected to be longer (a worker far slower than the rest), probes are spaced so that the
 delay they add is at most ``PROBE_BUDGET`` of the step time, amortised.
 
-Size: one concept (a step over this worker's VNs, in its two reduction modes and with its
-profiling probe). What a VN's step consumes and produces is in :mod:`virtualflow.runtime.batches`,
-the BatchNorm bookkeeping in :mod:`virtualflow.runtime.batchnorm`, the probe's rule in
+Size: one concept (the order of a step over this worker's VNs, in its two modes). The parts every
+layout shares are objects of :mod:`virtualflow.runtime.step`: a VN's forward and backward
+(:mod:`~virtualflow.runtime.step.compute`), the gradient reduction chosen once per generation
+(:mod:`~virtualflow.runtime.step.reduction`, the deterministic exchange's choice in
+:mod:`~virtualflow.runtime.step.exchange`), the statistics vector (:mod:`~virtualflow.runtime.step.stats`).
+What a VN's step consumes and produces is in :mod:`virtualflow.runtime.batches`, the BatchNorm
+bookkeeping in :mod:`virtualflow.runtime.batchnorm`, the probe's rule in
 :mod:`virtualflow.runtime.probe`; the worker-facing half (generations, checkpoints) is
 :class:`virtualflow.runtime.vn_worker.VNWorkerEngine`.
 """
@@ -69,11 +73,12 @@ imported from here."""
 class VNEngine:
     """Runs steps of one job on one worker; the group and the VN list may change between steps.
 
-    Why one class of about 500 lines: a step's order of operations (BatchNorm snapshot, each VN's
-    forward and backward, the reduction with its stats riding in the last bucket, the update, the
-    probe of a worker with no VN) in both reduction modes reads and writes the same per-step
-    state; split, that order would be spread over several classes' private fields. What needs
-    none of it lives beside it (:mod:`~virtualflow.runtime.batches`, :mod:`~virtualflow.runtime.batchnorm`,
+    It keeps a step's order of operations (BatchNorm snapshot, each VN's forward and backward in
+    turn or along the tree, the reduction armed before the last backward, the update, the probe
+    of a worker with no VN) and the generation's membership; the mode is chosen once, at
+    construction (its step body and its reduction's factory), and the reduction once per
+    generation. What needs none of the per-step state lives beside it (:mod:`virtualflow.runtime.step`,
+    :mod:`~virtualflow.runtime.batches`, :mod:`~virtualflow.runtime.batchnorm`,
     :mod:`~virtualflow.runtime.probe`, :mod:`~virtualflow.runtime.sharded`)."""
 
     def __init__(
@@ -101,10 +106,7 @@ class VNEngine:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self.loss_fn = loss_fn
         self.plan = plan
-        self.loader = loader
-        self.seed = seed
         self.batchnorm = batchnorm
         self.deterministic = deterministic
         self.device = device
@@ -157,7 +159,6 @@ class VNEngine:
         self.compute = VNCompute(model, loss_fn, plan, loader, seed=seed, device=device, precision=precision,
                                  scaler=self.scaler, bn=self.bn, clock=self.clock, prefetcher=self.prefetcher)
         """One VN's batch, forward and backward (:mod:`virtualflow.runtime.step.compute`)."""
-        self.metrics = self.compute.metrics  # the step's metric sums
         self._last_compute_s = 0.0
         self.idle = IdleProbe()
         """A worker with no VN: when it probes (see the module docstring)."""
@@ -210,7 +211,7 @@ class VNEngine:
             self._zero_grad()  # pending: the chunk's reduced gradient stays for the rebuild to apply
         self.deferred_failure = None
         self._det_flat = None
-        self.metrics.reset()
+        self.compute.metrics.reset()
         if self.reduction is not None:
             self.reduction.close()  # (an exchange's open step is forgotten)
             self.reduction = None
@@ -377,7 +378,7 @@ class VNEngine:
         while this step computed is acted on at its boundary."""
         if callable(control):
             control = int(control())
-        return self.stats.pack(bad, control, self.metrics.vector(self.device, bad.dtype), loss, bn,
+        return self.stats.pack(bad, control, self.compute.metrics.vector(self.device, bad.dtype), loss, bn,
                                self._last_compute_s, self.clock.previous())
 
     def step(self, step: int, control: int | Callable[[], int] = 0) -> StepOutcome:
@@ -395,7 +396,7 @@ class VNEngine:
         bad = torch.zeros(self.plan.virtual_nodes, device=self.device)
         got = self.stats.read(*self._sum(step, bad, control))  # the mode's body (_sum_buckets, _sum_tree)
         bad_vns, control_sum, compute_s, bn_new = got.bad_vns, got.control, got.compute_s, got.bn
-        metrics = self.metrics.named(got.metric_values)
+        metrics = self.compute.metrics.named(got.metric_values)
         breakdown = None
         if self.clock.enabled and self.group.rank == 0:  # rank 0 reports it
             breakdown = derive(got.breakdown_raw.tolist())
@@ -490,7 +491,7 @@ class VNEngine:
     def _begin(self, step: int) -> None:
         """The start of every step: the clock, the metric sums, the prefetch, BatchNorm's snapshot."""
         self.clock.begin()
-        self.metrics.reset()
+        self.compute.metrics.reset()
         self._step_no = step
         self.idle.new_step()
         if self.prefetcher is not None:

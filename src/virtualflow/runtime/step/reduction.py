@@ -39,8 +39,10 @@ import torch
 from virtualflow.comm.exchange import OwnerExchange
 from virtualflow.comm.groups import Group
 from virtualflow.comm.reduce import BucketReducer, ShardReducer, tree_exchange, tree_exchange_sharded, tree_reduce_local
+from virtualflow.comm.ring import Collectives
 from virtualflow.plan.vnmap import Node, TreePlan
 from virtualflow.runtime.partials import Partials, RunVN, direct_possible
+from virtualflow.runtime.sharded import ShardedOptimizer
 from virtualflow.runtime.step.exchange import ExchangeChoice, bucket_pieces, owner_exchange, sharded_bounds
 
 Point = Callable[[str], None]
@@ -115,7 +117,7 @@ class ShardSum:
     the stats, which everyone needs whole, all-reduced."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], offsets: Sequence[int], grad: torch.Tensor,
-                 bounds: Sequence[tuple[int, int]], comm, group: Group) -> None:
+                 bounds: Sequence[tuple[int, int]], comm: Collectives, group: Group) -> None:
         self.reducer = ShardReducer(params, offsets, grad, bounds, comm)
         self.group = group
 
@@ -145,7 +147,8 @@ class Alone:
         pass
 
 
-def default_reduction(params: Sequence[torch.nn.Parameter], group: Group, shard=None, comm=None) -> Reduction:
+def default_reduction(params: Sequence[torch.nn.Parameter], group: Group, shard: ShardedOptimizer | None = None,
+                      comm: Collectives | None = None) -> Reduction:
     """Default mode's reduction for ``group``: :class:`ShardSum` with a sharded optimizer (its
     :class:`~virtualflow.runtime.sharded.ShardedOptimizer` ``shard`` and ring ``comm``),
     :class:`BucketSum` without, :class:`Alone` for one worker."""
@@ -178,7 +181,7 @@ class Chunk:
     """``reduction="sharded"``: this worker's chunk of the summed gradient is copied into the
     sharded optimizer's flat gradient; nothing is handed back."""
 
-    def __init__(self, shard) -> None:
+    def __init__(self, shard: ShardedOptimizer) -> None:
         self.shard = shard
 
     def of(self, root: torch.Tensor) -> torch.Tensor:
@@ -226,7 +229,8 @@ class ShardedSlots(Slots):
     element-major, reduce-scattered (each worker receives its chunk of every slot), the tail
     all-reduced (:func:`~virtualflow.comm.reduce.tree_exchange_sharded`)."""
 
-    def __init__(self, plan: TreePlan, group: Group, grad_numel: int, shard, comm) -> None:
+    def __init__(self, plan: TreePlan, group: Group, grad_numel: int, shard: ShardedOptimizer,
+                 comm: Collectives | None) -> None:
         super().__init__(plan, group, grad_numel)
         self.shard, self.comm = shard, comm
 
@@ -316,8 +320,8 @@ class TreeReduction:
 
 
 def tree_reduction(plan: TreePlan, group: Group, params: Sequence[torch.nn.Parameter], like: torch.Tensor,
-                   choice: ExchangeChoice, partials: Partials | None, shard=None,
-                   comm=None) -> tuple[TreeReduction, tuple[str, str] | None]:
+                   choice: ExchangeChoice, partials: Partials | None, shard: ShardedOptimizer | None = None,
+                   comm: Collectives | None = None) -> tuple[TreeReduction, tuple[str, str] | None]:
     """Deterministic mode's reduction for ``group`` and (the exchange chosen, why), None with one
     worker. ``like``: one leaf vector's shape and dtype (:meth:`ExchangeChoice.choose`); ``shard``
     and ``comm``: the sharded optimizer and its ring (``reduction="sharded"``). For ``owners`` the
@@ -368,6 +372,7 @@ class TreeLeaves:
                            device=self.device)
 
     def reduction(self, plan: TreePlan, group: Group, loss_dtype: torch.dtype | None, choice: ExchangeChoice,
-                  shard=None, comm=None) -> tuple[TreeReduction, tuple[str, str] | None]:
+                  shard: ShardedOptimizer | None = None,
+                  comm: Collectives | None = None) -> tuple[TreeReduction, tuple[str, str] | None]:
         """This generation's reduction and exchange choice (:func:`tree_reduction`)."""
         return tree_reduction(plan, group, self.params, self.like(loss_dtype), choice, self.partials, shard, comm)
