@@ -178,17 +178,28 @@ class FlushStep:
 
     def _reduce_sum(self, is_last: bool) -> Generator[Request, Any, tuple[torch.Tensor, int]]:
         """Default mode: [grads | BatchNorm statistics | loss], summed over the replicas in one
-        vector (sharded: the gradients reduce-scattered, the tail summed alone); with one replica
-        nothing is summed and the gradients stay where backward put them. Returns (the vector,
-        where its tail starts)."""
+        vector (sharded: the gradients reduce-scattered into this replica's chunk, the tail summed
+        alone); with one replica nothing is summed and the gradients stay where backward put them.
+        Returns (the vector, where its tail starts)."""
         e = self.engine
-        multi = e.replicas > 1
-        scattered = multi and e.shard is not None
         if e.shard is not None:  # reduction="sharded": the chunk's update reads the flat gradient
             e.shard.grads_to_flat()
-        if scattered:  # this replica receives its chunk's sum only
-            yield StageScatter(e.shard.flat.grad, e.shard.bounds)
-        parts = flat_grads(e.params) if multi and not scattered else []
+            if e.replicas > 1:  # this replica receives its chunk's sum only
+                yield StageScatter(e.shard.flat.grad, e.shard.bounds)
+                vec = self._cat(self._tail_parts(is_last))
+                if vec.numel():  # the tail [BatchNorm statistics | loss], whole
+                    vec = yield from e.reducer.sum_by_stage(vec, False, bool(e.bn_numel), is_last)
+                return vec, 0
+        if e.replicas == 1:
+            return self._cat(self._tail_parts(is_last)), 0
+        vec = self._cat(flat_grads(e.params) + self._tail_parts(is_last))
+        vec = yield from e.reducer.sum_by_stage(vec, True, bool(e.bn_numel), is_last)
+        return vec, load_grads(e.params, vec)
+
+    def _tail_parts(self, is_last: bool) -> list[torch.Tensor]:
+        """This worker's [BatchNorm statistics of its pieces | the loss of its VNs (last stage)]."""
+        e = self.engine
+        parts = []
         if e.bn_numel:
             if e.batchnorm == "mean":
                 parts += [self.bn_acc[k] for k in e.pieces if e.bn[k].numel]
@@ -197,14 +208,10 @@ class FlushStep:
                           for k in e.pieces if e.bn[k].numel]
         if is_last:
             parts.append(torch.stack([self.losses[v] for v in self.vns]).sum().reshape(1))
-        vec = torch.cat(parts) if parts else torch.zeros(0, device=e.device)
-        offset = 0
-        if multi and not scattered:
-            vec = yield from e.reducer.sum_by_stage(vec, True, bool(e.bn_numel), is_last)
-            offset = load_grads(e.params, vec)
-        elif scattered and vec.numel():  # the tail [BatchNorm statistics | loss], whole
-            vec = yield from e.reducer.sum_by_stage(vec, False, bool(e.bn_numel), is_last)
-        return vec, offset
+        return parts
+
+    def _cat(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts) if parts else torch.zeros(0, device=self.engine.device)
 
     def check_grads(self) -> None:
         """After the reduction (and the tied weights' sum): unscale this worker's gradients
