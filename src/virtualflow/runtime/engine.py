@@ -55,9 +55,9 @@ from virtualflow.runtime.prefetch import Prefetcher
 from virtualflow.runtime.probe import PROBE_BUDGET, PROBE_CHANGE, PROBE_EVERY, IdleProbe, probe_due
 from virtualflow.runtime.shard_replica import exchange_gradients
 from virtualflow.runtime.sharded import FlatParams, ShardedOptimizer, gather_sharded_state
+from virtualflow.runtime.step.compute import VNCompute
 from virtualflow.runtime.step.exchange import ExchangeChoice
 from virtualflow.runtime.step.reduction import Reduction, TreeLeaves, TreeReduction, default_reduction
-from virtualflow.runtime.step.compute import VNCompute
 from virtualflow.runtime.step.stats import MAX_METRICS, StatsLayout
 
 
@@ -125,7 +125,8 @@ class VNEngine:
         self.exchange_choice: tuple[str, str] | None = None
         """Deterministic mode with several workers: (the exchange this generation runs, why)."""
         # The mode's step body and reduction, chosen once (deterministic: the fixed VN-id tree).
-        self._sum, self._reduction_for, self.leaves = self._sum_buckets, self._buckets_for, None
+        self._sum, self._reduction_for = self._sum_buckets, self._buckets_for
+        self.leaves: TreeLeaves | None = None  # deterministic mode's leaf layout and partial sums
         if deterministic:
             self._sum, self._reduction_for = self._sum_tree, self._tree_for
             self.leaves = TreeLeaves(self.params, self.bn.float_bufs, batchnorm == "mean", plan.virtual_nodes, device)
