@@ -1,7 +1,7 @@
 """The gradient reduction of one step, as objects chosen once per generation.
 
 Purpose: a step's gradients, and the few numbers every worker must agree on, are summed over the
-workers in one of four ways; which one is fixed by the job's mode (default or deterministic), the
+workers in one of the ways below; which one is fixed by the job's mode (default or deterministic), the
 optimizer's layout (whole, or ``reduction="sharded"``) and the group's size, so it is chosen once
 when a generation forms (:func:`default_reduction`, :func:`tree_reduction`) and a step asks the
 chosen object instead of asking the layout again:
@@ -30,9 +30,8 @@ the bits of :func:`~virtualflow.comm.reduce.tree_reduce_local` over all VNs for 
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
-
 import functools
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -275,7 +274,6 @@ class TreeReduction:
 
     def __init__(self, plan: TreePlan, rank: int, exchange: Slots | ShardedSlots | Owners, where: Whole | Chunk,
                  partials: Partials | None) -> None:
-        self.plan = plan
         self.nodes = plan.per_worker[rank]
         self.exchange = exchange
         self.where = where
