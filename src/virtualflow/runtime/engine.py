@@ -246,14 +246,16 @@ class VNEngine:
 
     # -- the reduction, chosen once per generation (runtime/step/reduction.py) ---------------------
     def _buckets_for(self, group: Group, assignment: Sequence[Sequence[int]]) -> Reduction:
-        """Default mode: the loss and the BatchNorm statistics ride in the stats vector."""
+        """Default mode's statistics layout (the loss and the BatchNorm statistics ride in it) and
+        reduction for this generation."""
         self.stats = StatsLayout(self.plan.virtual_nodes, group.size, group.rank, loss=True, bn_numel=self.bn.numel,
                                  bn_mean=self.batchnorm == "mean")
         return default_reduction(self.params, group, self.shard, self.comm)
 
     def _tree_for(self, group: Group, assignment: Sequence[Sequence[int]]) -> TreeReduction:
-        """Deterministic mode: the loss and BatchNorm's mean statistics are summed in the tree (its
-        tail); BatchNorm's ``first`` statistics (VN 0's) ride in the stats vector."""
+        """Deterministic mode's statistics layout and reduction for this generation: the loss and
+        BatchNorm's mean statistics are summed in the tree (its tail); BatchNorm's ``first``
+        statistics (VN 0's) ride in the statistics vector."""
         first = self.bn.numel if self.batchnorm == "first" else 0
         self.stats = StatsLayout(self.plan.virtual_nodes, group.size, group.rank, loss=False, bn_numel=first,
                                  bn_mean=False)
