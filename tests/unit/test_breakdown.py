@@ -30,7 +30,8 @@ import virtualflow as vf
 from virtualflow.comm.groups import Group
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.vnmap import contiguous_assignment
-from virtualflow.runtime import breakdown, engine as engine_module, prefetch
+from virtualflow.runtime import breakdown, engine as engine_module, prefetch, probe
+from virtualflow.runtime.step import compute
 from virtualflow.runtime.engine import BatchLoader, VNEngine
 
 INPUT_S = 0.002  # per sample
@@ -65,7 +66,7 @@ CLOCK = FakeClock()
 @pytest.fixture(autouse=True)
 def fake_clock(monkeypatch):
     fake = CLOCK.module()
-    for mod in (engine_module, breakdown, prefetch):
+    for mod in (engine_module, compute, probe, breakdown, prefetch):
         monkeypatch.setattr(mod, "time", fake)
     return CLOCK
 

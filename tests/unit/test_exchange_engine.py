@@ -126,7 +126,7 @@ def test_owners_sends_earlier_partials_during_compute_and_the_last_one_during_ba
         group.isend = watched
         e.set_membership(group, assignment)
         e.step(0)
-        return len(e._partials.pieces)
+        return len(e.leaves.partials.pieces)
 
     pieces = run_ranks(fabric, body)
     assert pieces[0] == 3  # two buckets and the tail

@@ -31,7 +31,8 @@ from fabric import Fabric, run_ranks
 from virtualflow.comm.groups import Group
 from virtualflow.comm.protocol import GenerationRecord
 from virtualflow.plan.data import DataPlan
-from virtualflow.runtime import batches, engine as engine_mod
+from virtualflow.runtime import batches
+from virtualflow.runtime.step import compute as compute_mod
 from virtualflow.runtime.engine import BatchLoader, VNEngine
 from virtualflow.runtime.engines import Joining
 from virtualflow.runtime.transfer import Progress, agree_progress
@@ -56,7 +57,7 @@ def serialized_cross_entropy(model, batch):
 
 @pytest.fixture(autouse=True)
 def per_thread_seeds(monkeypatch):
-    monkeypatch.setattr(engine_mod, "seed_random_streams", _record_seed)
+    monkeypatch.setattr(compute_mod, "seed_random_streams", _record_seed)
 
 
 def the_job():

@@ -22,64 +22,63 @@ otherwise wait for the others, so it costs no step time when it is shorter than 
 it is expected to be longer (a worker far slower than the rest), probes are spaced so that the
 delay they add is at most ``PROBE_BUDGET`` of the step time, amortised.
 
-Size: one concept (a step over this worker's VNs, in its two reduction modes and with its
-profiling probe). What a VN's step consumes and produces is in :mod:`virtualflow.runtime.batches`,
-the BatchNorm bookkeeping in :mod:`virtualflow.runtime.batchnorm`, the probe's rule in
+Size: one concept (the order of a step over this worker's VNs, in its two modes). The parts every
+layout shares are objects of :mod:`virtualflow.runtime.step`: a VN's forward and backward
+(:mod:`~virtualflow.runtime.step.compute`), the gradient reduction chosen once per generation
+(:mod:`~virtualflow.runtime.step.reduction`, the deterministic exchange's choice in
+:mod:`~virtualflow.runtime.step.exchange`), the statistics vector (:mod:`~virtualflow.runtime.step.stats`).
+What a VN's step consumes and produces is in :mod:`virtualflow.runtime.batches`, the BatchNorm
+bookkeeping in :mod:`virtualflow.runtime.batchnorm`, the probe's rule in
 :mod:`virtualflow.runtime.probe`; the worker-facing half (generations, checkpoints) is
 :class:`virtualflow.runtime.vn_worker.VNWorkerEngine`.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from typing import Any, Callable, Sequence
 
 import torch
 
-from virtualflow.comm.exchange import OwnerExchange
 from virtualflow.comm.groups import Group, PeerFailure
-from virtualflow.comm.reduce import (BucketReducer, ShardReducer, plan_buckets, tree_exchange,
-                                     tree_exchange_sharded, tree_reduce_local)
 from virtualflow.comm.ring import Collectives
-from virtualflow.plan.data import DataPlan, vn_seed
-from virtualflow.plan.exchange import OwnerSchedule, choose_exchange
-from virtualflow.plan.vnmap import Node, TreePlan, split
-from virtualflow.runtime.amp import LossScaler, autocast
+from virtualflow.plan.data import DataPlan
+from virtualflow.plan.vnmap import TreePlan
+from virtualflow.runtime.amp import LossScaler
 from virtualflow.runtime.batches import (BatchLoader, LossShapeError, NonFiniteLossError, StepOutcome, check_loss,
-                                         seed_random_streams, split_loss, to_device)
+                                         seed_random_streams, to_device)
 from virtualflow.runtime.batchnorm import BatchNormState
-from virtualflow.runtime.breakdown import RAW, StepClock, derive, measured_load
+from virtualflow.runtime.breakdown import StepClock, derive
 from virtualflow.runtime.clipping import BLOCK, NormBlocks, clip_, total_norm
-from virtualflow.runtime.partials import Partials, direct_possible
 from virtualflow.runtime.prefetch import Prefetcher
-from virtualflow.runtime.probe import PROBE_BUDGET, PROBE_CHANGE, PROBE_EVERY, ProbeCounters, probe_due
+from virtualflow.runtime.probe import PROBE_BUDGET, PROBE_CHANGE, PROBE_EVERY, IdleProbe, probe_due
 from virtualflow.runtime.shard_replica import exchange_gradients
 from virtualflow.runtime.sharded import FlatParams, ShardedOptimizer, gather_sharded_state
+from virtualflow.runtime.step.compute import VNCompute
+from virtualflow.runtime.step.exchange import ExchangeChoice
+from virtualflow.runtime.step.reduction import Reduction, TreeLeaves, TreeReduction, default_reduction
+from virtualflow.runtime.step.stats import MAX_METRICS, StatsLayout
 
 
-__all__ = ["PROBE_BUDGET", "PROBE_CHANGE", "PROBE_EVERY", "BatchLoader", "BatchNormState", "LossShapeError",
-           "NonFiniteLossError", "StepOutcome", "VNEngine", "check_loss", "probe_due", "seed_random_streams",
-           "to_device"]
+__all__ = ["MAX_METRICS", "PROBE_BUDGET", "PROBE_CHANGE", "PROBE_EVERY", "BatchLoader", "BatchNormState",
+           "LossShapeError", "NonFiniteLossError", "StepOutcome", "VNEngine", "check_loss", "probe_due",
+           "seed_random_streams", "to_device"]
 """The step's parts (:mod:`~virtualflow.runtime.batches`), the BatchNorm state
-(:mod:`~virtualflow.runtime.batchnorm`) and the probe rule (:mod:`~virtualflow.runtime.probe`) are
-re-exported: they were imported from here."""
-
-
-MAX_METRICS = 16
-"""Slots for the loss function's metrics in a step's statistics vector (every worker sends the same
-length, whether or not it ran a virtual node)."""
+(:mod:`~virtualflow.runtime.batchnorm`), the probe rule (:mod:`~virtualflow.runtime.probe`) and the
+statistics vector's metric slots (:mod:`~virtualflow.runtime.step.stats`) are re-exported: they were
+imported from here."""
 
 
 class VNEngine:
     """Runs steps of one job on one worker; the group and the VN list may change between steps.
 
-    Why one class of about 500 lines: a step's order of operations (BatchNorm snapshot, each VN's
-    forward and backward, the reduction with its stats riding in the last bucket, the update, the
-    probe of a worker with no VN) in both reduction modes reads and writes the same per-step
-    state; split, that order would be spread over several classes' private fields. What needs
-    none of it lives beside it (:mod:`~virtualflow.runtime.batches`, :mod:`~virtualflow.runtime.batchnorm`,
+    It keeps a step's order of operations (BatchNorm snapshot, each VN's forward and backward in
+    turn or along the tree, the reduction armed before the last backward, the update, the probe
+    of a worker with no VN) and the generation's membership; the mode is chosen once, at
+    construction (its step body and its reduction's factory), and the reduction once per
+    generation. What needs none of the per-step state lives beside it (:mod:`virtualflow.runtime.step`,
+    :mod:`~virtualflow.runtime.batches`, :mod:`~virtualflow.runtime.batchnorm`,
     :mod:`~virtualflow.runtime.probe`, :mod:`~virtualflow.runtime.sharded`)."""
 
     def __init__(
@@ -107,10 +106,7 @@ class VNEngine:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self.loss_fn = loss_fn
         self.plan = plan
-        self.loader = loader
-        self.seed = seed
         self.batchnorm = batchnorm
         self.deterministic = deterministic
         self.device = device
@@ -122,7 +118,18 @@ class VNEngine:
         """Loads the next VNs' batches while the current ones compute (``loader_workers`` > 0)."""
         self.group: Group | None = None
         self.vns: list[int] = []
-        self.reducer: BucketReducer | ShardReducer | None = None
+        self.reduction: Reduction | TreeReduction | None = None  # this generation's (runtime/step/reduction.py)
+        self.stats: StatsLayout | None = None  # this generation's statistics vector (runtime/step/stats.py)
+        self.exchange = ExchangeChoice(deterministic_exchange)  # (checks the knob's value now)
+        """``LaunchOptions.deterministic_exchange``: auto, owners or slots (:mod:`virtualflow.plan.exchange`)."""
+        self.exchange_choice: tuple[str, str] | None = None
+        """Deterministic mode with several workers: (the exchange this generation runs, why)."""
+        # The mode's step body and reduction, chosen once (deterministic: the fixed VN-id tree).
+        self._sum, self._reduction_for = self._sum_buckets, self._buckets_for
+        self.leaves: TreeLeaves | None = None  # deterministic mode's leaf layout and partial sums
+        if deterministic:
+            self._sum, self._reduction_for = self._sum_tree, self._tree_for
+            self.leaves = TreeLeaves(self.params, self.bn.float_bufs, batchnorm == "mean", plan.virtual_nodes, device)
         if reduction not in ("allreduce", "sharded"):
             raise ValueError(f"reduction={reduction!r} is not known; choose 'allreduce' or 'sharded' (--reduction)")
         self.sharded = reduction == "sharded"
@@ -148,37 +155,18 @@ class VNEngine:
         self.deferred_failure: PeerFailure | None = None
         """``shard_replicas=1``: the parameters' all-gather failed after this worker applied the step
         (so the step counts as applied); raised at the step boundary (:meth:`raise_deferred`)."""
-        self.tree: TreePlan | None = None
         self.grad_numel = sum(p.numel() for p in self.params)
         self._first_bn: torch.Tensor | None = None
-        self.slowdown = 1.0
-        """Emulated slowness (tests, benchmarks): each VN's compute is followed by a sleep of
-        ``(slowdown - 1)`` times its measured duration."""
+        self.compute = VNCompute(model, loss_fn, plan, loader, seed=seed, device=device, precision=precision,
+                                 scaler=self.scaler, bn=self.bn, clock=self.clock, prefetcher=self.prefetcher)
+        """One VN's batch, forward and backward (:mod:`virtualflow.runtime.step.compute`)."""
         self._last_compute_s = 0.0
-        self._vn_s = 0.0  # smoothed compute time of one VN, without emulated sleep
-        # A worker with no VN: its probes (see the module docstring).
-        self.probes = ProbeCounters()
+        self.idle = IdleProbe()
         """A worker with no VN: when it probes (see the module docstring)."""
-        self._steps_in_generation = 0
-        self._loss_dtype: torch.dtype | None = None
         self.phase = "idle"
         """Where the current step is (reported when a peer fails): before_forward, backward,
         reduction, commit (``shard_replicas=1``: the replica's exchange and the commit), apply, idle."""
-        self.metric_names: list[str] = []
-        """The loss function's metric names (sorted), learnt from the first forward run here."""
-        self._metric_sums: dict[str, torch.Tensor] = {}
         self._det_flat: torch.Tensor | None = None
-        choose_exchange(TreePlan.build([[0]]), 1, 4, deterministic_exchange)  # the knob's check
-        self.deterministic_exchange = deterministic_exchange
-        """``LaunchOptions.deterministic_exchange``: auto, owners or slots (:mod:`virtualflow.plan.exchange`)."""
-        self.exchange_choice: tuple[str, str] | None = None
-        """Deterministic mode with several workers: (the exchange this generation runs, why)."""
-        self._exchange: OwnerExchange | None = None
-        self._partials: Partials | None = None
-        """Deterministic mode: the partial sums' reused buffers and leaf arithmetic (None when the
-        parameters' dtypes differ: fresh vectors per leaf then, :func:`tree_reduce_local`)."""
-        if deterministic and direct_possible(self.params):
-            self._partials = Partials(self.params, self._tail_numel())
         self._fault_point: Callable[[int, str], None] | None = None
         self._step_no = -1
         self._in_last_backward = False
@@ -224,11 +212,10 @@ class VNEngine:
             self._zero_grad()  # pending: the chunk's reduced gradient stays for the rebuild to apply
         self.deferred_failure = None
         self._det_flat = None
-        self._metric_sums = {}
-        self._drop_exchange()
-        if self.reducer is not None:
-            self.reducer.close()
-            self.reducer = None
+        self.compute.metrics.reset()
+        if self.reduction is not None:
+            self.reduction.close()  # (an exchange's open step is forgotten)
+            self.reduction = None
         if self.comm is not None:
             self.comm.close(timeout_s=1.0)  # its thread may wait on a silent peer: do not wait for it
             self.comm = None
@@ -237,9 +224,9 @@ class VNEngine:
 
     def set_membership(self, group: Group, assignment: Sequence[Sequence[int]]) -> None:
         """Adopt a generation: this worker runs ``assignment[group.rank]``."""
-        if self.reducer is not None:
-            self.reducer.close()
-            self.reducer = None
+        if self.reduction is not None:
+            self.reduction.close()
+            self.reduction = None
         if self.comm is not None:
             self.comm.close()
             self.comm = None
@@ -251,70 +238,30 @@ class VNEngine:
         self.vns = list(assignment[group.rank])
         self._vn_ids = torch.tensor(self.vns, dtype=torch.long, device=self.device)
         self._last_compute_s = 0.0
-        self.probes.new_generation()
-        self._steps_in_generation = 0
-        self._drop_exchange()
-        if self.deterministic:
-            self.tree = TreePlan.build(assignment)
-        if self.sharded:
-            assert self.shard is not None and self.flat is not None
+        self.idle.new_generation()
+        if self.shard is not None:
             self.shard.shard(group.rank, group.size, group.generation)  # raises ShardLost after a failure
             self.comm = Collectives(group)
-            if not self.deterministic and group.size > 1:
-                self.reducer = ShardReducer(self.params, self.flat.offsets, self.flat.grad, self.shard.bounds,
-                                            self.comm)
-        elif not self.deterministic and group.size > 1:
-            self.reducer = BucketReducer(self.params, group)
-        if self.deterministic:
-            self._plan_exchange()
+        self.reduction = self._reduction_for(group, assignment)
 
-    # -- deterministic mode's exchange ------------------------------------------------------------
-    def _tail_numel(self) -> int:
-        """Elements after the gradients in a deterministic leaf: BatchNorm statistics (mean
-        mode), then the weighted loss."""
-        return (self.bn.numel if self.bn.numel and self.batchnorm == "mean" else 0) + 1
+    # -- the reduction, chosen once per generation (runtime/step/reduction.py) ---------------------
+    def _buckets_for(self, group: Group, assignment: Sequence[Sequence[int]]) -> Reduction:
+        """Default mode's statistics layout (the loss and the BatchNorm statistics ride in it) and
+        reduction for this generation."""
+        self.stats = StatsLayout(self.plan.virtual_nodes, group.size, group.rank, loss=True, bn_numel=self.bn.numel,
+                                 bn_mean=self.batchnorm == "mean")
+        return default_reduction(self.params, group, self.shard, self.comm)
 
-    def _plan_exchange(self) -> None:
-        """Choose this generation's exchange (:func:`~virtualflow.plan.exchange.choose_exchange`)
-        and, for ``owners``, cut the leaf vector into the pieces the last backward sends as it
-        finishes them: the gradient buckets in launch order (as the default mode's), then the tail."""
-        assert self.tree is not None and self.group is not None
-        self.exchange_choice = None
-        if self.group.size == 1:
-            return
-        numel = self.grad_numel + self._tail_numel()
-        like = self._leaf_like()
-        self.exchange_choice = choose_exchange(self.tree, numel, like.element_size(), self.deterministic_exchange)
-        if self.exchange_choice[0] != "owners":
-            return
-        offsets, at = [], 0
-        for p in self.params:
-            offsets.append(at)
-            at += p.numel()
-        pieces, piece_params = [], []
-        for idx in plan_buckets(self.params):
-            lo = min(offsets[i] for i in idx)
-            hi = max(offsets[i] + self.params[i].numel() for i in idx)
-            pieces.append((lo, hi))
-            piece_params.append(sorted(idx))
-        if self._partials is not None:
-            self._partials.set_pieces(pieces, piece_params)
-        pieces.append((self.grad_numel, numel))  # the tail: BatchNorm statistics and loss
-        if self.shard is not None:  # each owner keeps its chunk of the gradients; the tail goes to all
-            bounds = [tuple(b) for b in self.shard.bounds]
-            bounds[-1] = (bounds[-1][0], numel)
-            gather = [(self.grad_numel, numel)]
-        else:
-            bounds, gather = None, None
-        schedule = OwnerSchedule.build(self.tree, numel, bounds=bounds, pieces=pieces, gather=gather)
-        pieces_units = [[j for j, u in enumerate(schedule.units) if lo <= u.lo and u.hi <= hi] for lo, hi in pieces]
-        self._exchange = OwnerExchange(schedule, self.group, dtype=like.dtype, device=self.device,
-                                       pieces_units=pieces_units)
-
-    def _drop_exchange(self) -> None:
-        if self._exchange is not None:
-            self._exchange.abandon()
-        self._exchange = None
+    def _tree_for(self, group: Group, assignment: Sequence[Sequence[int]]) -> TreeReduction:
+        """Deterministic mode's statistics layout and reduction for this generation: the loss and
+        BatchNorm's mean statistics are summed in the tree (its tail); BatchNorm's ``first``
+        statistics (VN 0's) ride in the statistics vector."""
+        first = self.bn.numel if self.batchnorm == "first" else 0
+        self.stats = StatsLayout(self.plan.virtual_nodes, group.size, group.rank, loss=False, bn_numel=first,
+                                 bn_mean=False)
+        tree, self.exchange_choice = self.leaves.reduction(TreePlan.build(assignment), group, self.compute.loss_dtype,
+                                                           self.exchange, self.shard, self.comm)
+        return tree
 
     def _zero_grad(self) -> None:
         if self.flat is not None:
@@ -407,77 +354,14 @@ class VNEngine:
         """Bytes the sharded optimizer's replica costs this worker (``shard_replicas=1``; else 0)."""
         return self.shard.replica_bytes() if self.shard is not None else 0
 
-    def _forward(self, step: int, vn: int, batch: Any = None, n: int = 0) -> torch.Tensor:
-        """Forward of one VN from the step's starting BN statistics; returns the weighted loss."""
-        if self.bn:
-            self.bn.restore()
-        now = time.perf_counter
-        if batch is None:
-            indices = self.plan.vn_indices(step, vn)
-            batch, n = self._load(step, vn, indices), len(indices)
-        if self.device.type != "cpu":
-            t0 = now()
-            batch = to_device(batch, self.device)
-            self.clock.add("input_s", now() - t0)
-        seed_random_streams(vn_seed(self.seed, step, vn), self.device)
-        t0 = now()
-        with autocast(self.device, self.precision):
-            out = self.loss_fn(self.model, batch)
-        self.clock.add("forward_s", now() - t0)
-        where = f"at step {step} in virtual node {vn}"
-        loss, metrics = split_loss(out, where)
-        check_loss(loss, where)
-        self._loss_dtype = loss.dtype
-        share = n / self.plan.global_batch_size
-        self._note_metrics(metrics, share, where)
-        return loss * share
+    @property
+    def slowdown(self) -> float:
+        """Emulated slowness (tests, benchmarks): :attr:`VNCompute.slowdown <virtualflow.runtime.step.compute.VNCompute.slowdown>`."""
+        return self.compute.slowdown
 
-    def _note_metrics(self, metrics: dict[str, Any], share: float, where: str) -> None:
-        """Add a VN's metrics, weighted by its share of the global batch, to the step's sums."""
-        names = sorted(metrics)
-        if not self.metric_names and names:
-            if len(names) > MAX_METRICS:
-                raise LossShapeError(f"Job.loss returned {len(names)} metrics {where}; at most {MAX_METRICS} are "
-                                     f"reduced per step")
-            self.metric_names = names
-        elif names != self.metric_names and (names or self._metric_sums):
-            raise LossShapeError(f"Job.loss returned the metrics {names} {where}, but {self.metric_names} before: "
-                                 f"return the same names at every call")
-        for name in names:
-            value = metrics[name]
-            value = value.detach().float().reshape(()) if isinstance(value, torch.Tensor) else torch.tensor(
-                float(value))
-            acc = self._metric_sums.get(name)
-            self._metric_sums[name] = value * share if acc is None else acc + value * share
-
-    def _load(self, step: int, vn: int, indices: torch.Tensor) -> Any:
-        """VN ``vn``'s batch of ``step``: from the prefetcher when there is one (the time waited
-        for it is the input time), else loaded now."""
-        if self.prefetcher is not None:
-            batch, waited, stats = self.prefetcher.take(step, vn, indices)
-            self.clock.add("input_s", waited)
-        else:
-            batch, stats = measured_load(self.loader, indices, io=self.clock.enabled)
-            self.clock.add("input_s", stats.seconds)
-        self.clock.add_load(stats)
-        return batch
-
-    def _prefetch(self, step: int) -> None:
-        """Start loading this step's VNs (what is not under way yet) and the next step's."""
-        assert self.prefetcher is not None
-        for s in (step, step + 1):
-            for vn in self.vns:
-                self.prefetcher.schedule(s, vn, self.plan.vn_indices(s, vn))
-
-    def _backward(self, weighted: torch.Tensor) -> None:
-        t0 = time.perf_counter()
-        (self.scaler.scale_loss(weighted) if self.scaler is not None else weighted).backward()
-        self.clock.add("backward_s", time.perf_counter() - t0)
-
-    def _sleep(self, seconds: float) -> None:
-        """Emulated slowness (counted as compute, split between forward and backward)."""
-        time.sleep(seconds)
-        self.clock.add("emulated_s", seconds)
+    @slowdown.setter
+    def slowdown(self, value: float) -> None:
+        self.compute.slowdown = value
 
     def close(self) -> None:
         """Stop the loader threads (the worker is leaving)."""
@@ -485,88 +369,20 @@ class VNEngine:
             self.prefetcher.close()
 
     # -- a worker with no VN -------------------------------------------------------------------
-    def _probe_due(self) -> bool:
-        """Whether this step (of a worker with no VN) runs a probe: :func:`probe_due` on this
-        worker's counters."""
-        return self.probes.due(self._vn_s * self.slowdown, ran_forward=self._loss_dtype is not None)
-
-    def _probe(self, step: int) -> float:
-        """Time one VN's forward and backward without contributing it; returns the seconds."""
-        old = self.probes.estimate(self._vn_s * self.slowdown)
-        vn = step % self.plan.virtual_nodes
-        t0 = time.perf_counter()
-        weighted = self._forward(step, vn)
-        self._metric_sums = {}  # a probe contributes nothing
-        if weighted.requires_grad:
-            t_b = time.perf_counter()
-            torch.autograd.grad(weighted, self.params, allow_unused=True)
-            self.clock.add("backward_s", time.perf_counter() - t_b)
-        self._emulate(t0)
-        del weighted
-        if self.bn:
-            self.bn.restore()
-        took = time.perf_counter() - t0
-        self.probes.took(took, old)
-        return took
-
     def _idle_compute(self, step: int) -> tuple[float, bool]:
         """A worker with no VN, before it joins the reduction: (compute time to report, probed)."""
-        if self._probe_due():
-            return self._probe(step), True
-        return 0.0, False
-
-    def _note_idle(self, t_step: float, probed: bool) -> None:
-        """After the reduction: how long a worker with no VN waited for the others (the time a
-        probe may take for free). The generation's first step (warm-up) is left out."""
-        if probed or self._steps_in_generation <= 1:
-            return
-        self.probes.waited(time.perf_counter() - t_step)
-
-    def _leaf_like(self) -> torch.Tensor:
-        """An (uninitialised) vector of one deterministic-mode leaf's size and dtype: what a
-        worker with no VN hands to the tree exchange."""
-        with_bn = self.bn.numel and self.batchnorm == "mean"
-        if self._partials is not None:  # the buffers' dtype: the parameters'
-            return torch.empty(self._partials.numel, dtype=self._partials.dtype, device=self.device)
-        dtypes = [p.dtype for p in self.params] + [self._loss_dtype or self.params[0].dtype]
-        numel = self.grad_numel + 1
-        if with_bn:
-            dtypes += [b.dtype for b in self.bn.float_bufs]
-            numel += self.bn.numel
-        return torch.empty(numel, dtype=functools.reduce(torch.promote_types, dtypes), device=self.device)
+        c = self.compute
+        return self.idle.compute(c.vn_s * c.slowdown, c.loss_dtype is not None, lambda: c.probe(step))
 
     def _pack_stats(self, bad: torch.Tensor, control: int | Callable[[], int], loss: torch.Tensor | None,
                     bn: torch.Tensor | None) -> torch.Tensor:
-        """[bad flag per VN | control | metric sums (MAX_METRICS slots) | loss (default mode) | BN
-        statistics (if any) | timing]. A callable ``control`` is read here, as late as the step
-        allows: a command (a stop) given while this step computed is acted on at its boundary."""
+        """This worker's statistics vector (:class:`~virtualflow.runtime.step.stats.StatsLayout`). A
+        callable ``control`` is read here, as late as the step allows: a command (a stop) given
+        while this step computed is acted on at its boundary."""
         if callable(control):
             control = int(control())
-        metrics = torch.zeros(MAX_METRICS, device=self.device, dtype=bad.dtype)
-        for i, name in enumerate(self.metric_names):
-            if name in self._metric_sums:
-                metrics[i] = self._metric_sums[name].to(self.device, bad.dtype)
-        parts = [bad, torch.tensor([float(control)], device=self.device, dtype=bad.dtype), metrics]
-        if loss is not None:
-            parts.append(loss.reshape(1).to(bad.dtype))
-        if self.bn.numel and (self.batchnorm == "first" or not self.deterministic):
-            parts.append(bn.to(bad.dtype) if bn is not None else torch.zeros(self.bn.numel, device=self.device, dtype=bad.dtype))
-        size, K = self.group.size, len(RAW)
-        timing = torch.zeros(size * (1 + K), device=self.device, dtype=bad.dtype)
-        timing[self.group.rank] = self._last_compute_s
-        prev = self.clock.previous()
-        if prev is not None:
-            start = size + self.group.rank * K
-            timing[start : start + K] = torch.tensor(prev, dtype=bad.dtype)
-        parts.append(timing)
-        return torch.cat(parts)
-
-    def _emulate(self, t0: float) -> None:
-        """Sleep ``(slowdown - 1)`` times the VN's compute that started at ``t0``."""
-        dt = time.perf_counter() - t0
-        self._vn_s = dt if self._vn_s == 0.0 else 0.8 * self._vn_s + 0.2 * dt
-        if self.slowdown > 1.0:
-            self._sleep((self.slowdown - 1.0) * dt)
+        return self.stats.pack(bad, control, self.compute.metrics.vector(self.device, bad.dtype), loss, bn,
+                               self._last_compute_s, self.clock.previous())
 
     def step(self, step: int, control: int | Callable[[], int] = 0) -> StepOutcome:
         """Run one step. ``control`` (a number, or a callable read when the statistics are packed)
@@ -574,120 +390,20 @@ class VNEngine:
 
         Besides the gradients, workers must agree on a few numbers (which VNs had a
         non-finite loss, the control sequence, the loss, the BatchNorm statistics): they travel
-        in one small vector, appended to the last gradient bucket in default mode.
+        in one small vector (:mod:`virtualflow.runtime.step.stats`), appended to the last gradient
+        bucket in default mode.
         """
         assert self.group is not None, "set_membership() first"
         self.raise_deferred()
-        self.clock.begin()
-        self._metric_sums = {}
-        self._step_no = step
-        self._steps_in_generation += 1
-        if self.prefetcher is not None:
-            self._prefetch(step)
-        self.model.train()
-        if self.bn:
-            self.bn.snapshot()
-        self.phase = "before_forward"
-        self._point("before_forward")
-        V = self.plan.virtual_nodes
-        bad = torch.zeros(V, device=self.device)
-        if self.deterministic:
-            if self._fault_point is not None:
-                self.group.on_launch = lambda: self._point("during_reduction")
-            loss, bn_mean = self._step_deterministic(step, bad)
-            stats = self._pack_stats(bad, control, None, self._first_bn)
-            self.group.all_reduce(stats)
-            self.clock.leave_reduction()  # entered in _step_deterministic
-            self.group.on_launch = None
-            self._last_compute_s = self._det_compute_s
-        elif not self.vns:
-            # No VN here: maybe a probe, then zeros into every bucket (finish() launches them all).
-            self._zero_grad()
-            t_step = time.perf_counter()
-            compute_s, probed = self._idle_compute(step)
-            bn_acc = torch.zeros(self.bn.numel, device=self.device) if self.batchnorm == "mean" else None
-            stats = self._pack_stats(bad, control, torch.zeros((), device=self.device), bn_acc)
-            self.phase = "reduction"
-            self.clock.enter_reduction()
-            if self.reducer is not None:
-                stats = self._reduce_default(stats, arm=True)
-            self.clock.leave_reduction()
-            self._last_compute_s = compute_s
-            self._note_idle(t_step, probed)
-        else:
-            self._zero_grad()
-            t_step = time.perf_counter()  # the VNs' data loading counts as their compute
-            bn_acc = torch.zeros(self.bn.numel, device=self.device) if self.batchnorm == "mean" else None
-            last = len(self.vns) - 1
-            indices = [self.plan.vn_indices(step, vn) for vn in self.vns]
-            if self.prefetcher is not None:
-                batches = [None] * len(indices)  # each taken from the prefetcher when its turn comes
-            else:
-                batches, load = measured_load(self.loader.vn_batches, indices, io=self.clock.enabled)
-                self.clock.add("input_s", load.seconds)
-                self.clock.add_load(load)
-            losses = []
-            for i, vn in enumerate(self.vns):
-                self._check_broken()
-                if batches[i] is None:
-                    batches[i] = self._load(step, vn, indices[i])
-                t_vn = time.perf_counter()
-                weighted = self._forward(step, vn, batches[i], len(indices[i]))
-                batches[i] = None  # drop the VN's inputs with its activations
-                losses.append(weighted.detach())
-                if self.bn.numel:
-                    if self.batchnorm == "mean":
-                        bn_acc += self.bn.flat()
-                    elif vn == 0:
-                        bn_acc = self.bn.flat()
-                if i == last:
-                    ws = torch.stack(losses)
-                    loss = ws.sum()
-                    bad[self._vn_ids] = (~torch.isfinite(ws)).to(bad.dtype)
-                    stats = self._pack_stats(bad, control, loss, bn_acc)
-                    if self.reducer is not None:
-                        self.reducer.arm(**({} if self.sharded else {"extra": stats}))
-                    self.phase = "backward"
-                    self._in_last_backward = True
-                    if self.slowdown > 1.0:
-                        # The last VN's backward launches the reduction: sleep before it, for
-                        # the forward just run and a backward estimated from earlier VNs.
-                        self._sleep((self.slowdown - 1.0) * max(self._vn_s, time.perf_counter() - t_vn))
-                self._backward(weighted)
-                if i != last:
-                    self._emulate(t_vn)
-            self._in_last_backward = False
-            self._last_compute_s = time.perf_counter() - t_step
-            self.phase = "reduction"
-            self.clock.enter_reduction()
-            if self.reducer is not None:
-                stats = self._reduce_default(stats, arm=False)
-            self.clock.leave_reduction()
-        bad_vns = [int(v) for v in torch.nonzero(stats[:V]).flatten().tolist()]
-        control_sum = int(round(stats[V].item()))
-        metric_values = stats[V + 1 : V + 1 + MAX_METRICS].tolist()
-        metrics = {name: metric_values[i] for i, name in enumerate(self.metric_names)} or None
-        offset = V + 1 + MAX_METRICS
-        if not self.deterministic:
-            loss = stats[offset]
-            offset += 1
-        bn_new = None
-        if self.bn.numel:
-            if self.deterministic and self.batchnorm == "mean":
-                bn_new = bn_mean
-            else:
-                bn_new = stats[offset : offset + self.bn.numel]
-                if self.batchnorm == "mean":
-                    bn_new = bn_new / V
-            if not (self.deterministic and self.batchnorm == "mean"):
-                offset += self.bn.numel
-        size = self.group.size
-        compute_s = stats[offset : offset + size].tolist()
-        offset += size
+        self._begin(step)
+        bad = torch.zeros(self.plan.virtual_nodes, device=self.device)
+        got = self.stats.read(*self._sum(step, bad, control))  # the mode's body (_sum_buckets, _sum_tree)
+        bad_vns, control_sum, compute_s, bn_new = got.bad_vns, got.control, got.compute_s, got.bn
+        metrics = self.compute.metrics.named(got.metric_values)
         breakdown = None
         if self.clock.enabled and self.group.rank == 0:  # rank 0 reports it
-            breakdown = derive(stats[offset : offset + size * len(RAW)].view(size, len(RAW)).tolist())
-        loss_value = float(loss)
+            breakdown = derive(got.breakdown_raw.tolist())
+        loss_value = float(got.loss)
         if bad_vns:
             if self.bn:
                 self.bn.restore()
@@ -775,26 +491,107 @@ class VNEngine:
             self.group.all_reduce(sums)
         return blocks.norm(sums)
 
-    def _reduce_default(self, stats: torch.Tensor, *, arm: bool) -> torch.Tensor:
-        """Default mode's reduction after the last backward (``arm``: nothing was armed, as on a
-        worker with no VN); returns the reduced ``stats``."""
-        assert self.reducer is not None and self.group is not None
-        if isinstance(self.reducer, BucketReducer):
-            if arm:
-                self.reducer.arm(extra=stats)
-            self._point("during_reduction")
-            return self.reducer.finish()
-        self._point("during_reduction")
-        self.reducer.finish()  # gradients: reduce-scattered into this worker's chunk
-        self.group.all_reduce(stats)  # the few numbers everyone needs whole
+    def _begin(self, step: int) -> None:
+        """The start of every step: the clock, the metric sums, the prefetch, BatchNorm's snapshot."""
+        self.clock.begin()
+        self.compute.metrics.reset()
+        self._step_no = step
+        self.idle.new_step()
+        if self.prefetcher is not None:
+            self.compute.prefetch(step, self.vns)
+        self.model.train()
+        if self.bn:
+            self.bn.snapshot()
+        self.phase = "before_forward"
+        self._point("before_forward")
+
+    # -- default mode: VNs in order, the last backward overlapped with the reduction ---------------
+    def _sum_buckets(self, step: int, bad: torch.Tensor, control: int | Callable[[], int]
+                     ) -> tuple[torch.Tensor, None, None]:
+        """This worker's VNs (or, with none, maybe a probe and zeros), then the reduction; returns
+        the summed statistics vector (the loss and BatchNorm statistics are in it)."""
+        assert self.reduction is not None
+        self._zero_grad()
+        t_step = time.perf_counter()  # the VNs' data loading counts as their compute
+        if self.vns:
+            stats = self._run_vns(step, bad, control)  # armed the reduction before the last backward
+            compute_s, probed = time.perf_counter() - t_step, False
+        else:  # no VN here: maybe a probe, then zeros into every bucket (finish() launches them all)
+            compute_s, probed = self._idle_compute(step)
+            bn_acc = torch.zeros(self.bn.numel, device=self.device) if self.batchnorm == "mean" else None
+            stats = self._pack_stats(bad, control, torch.zeros((), device=self.device), bn_acc)
+        self.phase = "reduction"
+        self.clock.enter_reduction()
+        if not self.vns:
+            self.reduction.arm(stats)
+        stats = self.reduction.finish(stats, self._point)
+        self.clock.leave_reduction()
+        self._last_compute_s = compute_s
+        if not self.vns:
+            self.idle.note_idle(t_step, probed)
+        return stats, None, None
+
+    def _run_vns(self, step: int, bad: torch.Tensor, control: int | Callable[[], int]) -> torch.Tensor:
+        """Forward and backward of each VN here, accumulating into ``.grad``; the statistics are
+        packed, and the reduction armed with them, before the last backward. Returns them."""
+        bn_acc = torch.zeros(self.bn.numel, device=self.device) if self.batchnorm == "mean" else None
+        last = len(self.vns) - 1
+        c = self.compute
+        indices, batches = c.batches(step, self.vns)  # (with a prefetcher, each taken when its turn comes)
+        losses = []
+        for i, vn in enumerate(self.vns):
+            self._check_broken()
+            if batches[i] is None:
+                batches[i] = c.load(step, vn, indices[i])
+            t_vn = time.perf_counter()
+            weighted = c.forward(step, vn, batches[i], len(indices[i]))
+            batches[i] = None  # drop the VN's inputs with its activations
+            losses.append(weighted.detach())
+            if self.bn.numel:
+                if self.batchnorm == "mean":
+                    bn_acc += self.bn.flat()
+                elif vn == 0:
+                    bn_acc = self.bn.flat()
+            if i == last:
+                ws = torch.stack(losses)
+                loss = ws.sum()
+                bad[self._vn_ids] = (~torch.isfinite(ws)).to(bad.dtype)
+                stats = self._pack_stats(bad, control, loss, bn_acc)
+                self.reduction.arm(stats)
+                self.phase = "backward"
+                self._in_last_backward = True
+                c.sleep_before_last_backward(t_vn)
+            c.backward(weighted)
+            if i != last:
+                c.emulate(t_vn)
+        self._in_last_backward = False
         return stats
 
-    def _step_deterministic(self, step: int, bad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-VN vectors [grads | BN stats | weighted loss] summed along the fixed tree."""
-        assert self.tree is not None and self.group is not None
-        self._first_bn = None
-        with_bn = self.bn.numel and self.batchnorm == "mean"
+    # -- deterministic mode: per-VN vectors summed along the fixed tree -----------------------------
+    def _sum_tree(self, step: int, bad: torch.Tensor, control: int | Callable[[], int]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The tree's sums, then the statistics' all-reduce: (the summed statistics, the loss,
+        BatchNorm's mean statistics or None)."""
+        assert self.group is not None
+        if self._fault_point is not None:
+            self.group.on_launch = lambda: self._point("during_reduction")
+        bn_mean, loss = self._step_deterministic(step, bad)
+        stats = self._pack_stats(bad, control, None, self._first_bn)
+        self.group.all_reduce(stats)
+        self.clock.leave_reduction()  # entered in _step_deterministic
+        self.group.on_launch = None
+        self._last_compute_s = self._det_compute_s
+        return stats, loss, bn_mean
 
+    def _step_deterministic(self, step: int, bad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Per-VN vectors [grads | BN stats | weighted loss] summed along the fixed tree and
+        brought together by this generation's :class:`~virtualflow.runtime.step.reduction.TreeReduction`;
+        returns the root's (BatchNorm mean, loss) and leaves the summed gradient in ``_det_flat``
+        (or, sharded, this worker's chunk in the flat gradient)."""
+        tree = self.reduction
+        assert isinstance(tree, TreeReduction)
+        self._first_bn = None
+        with_bn = self.leaves.tail.bn_numel
         last_vn = self.vns[-1] if self.vns else None
 
         def run_vn(vn: int) -> torch.Tensor:
@@ -802,13 +599,13 @@ class VNEngine:
             loss]; the VN's gradient is in (or was accumulated into) ``p.grad``."""
             self._check_broken()
             t_vn = time.perf_counter()
-            weighted = self._forward(step, vn)
+            weighted = self.compute.forward(step, vn)
             if vn == last_vn:
                 self.phase = "backward"
                 self._in_last_backward = True
-            self._backward(weighted)
+            self.compute.backward(weighted)
             self._in_last_backward = False
-            self._emulate(t_vn)
+            self.compute.emulate(t_vn)
             weighted = weighted.detach()
             bad[vn] = (~torch.isfinite(weighted)).to(bad.dtype)
             tail = []
@@ -829,75 +626,17 @@ class VNEngine:
             return torch.cat(parts)
 
         t_step = time.perf_counter()
-        probed = False
-        ex = self._exchange
-        held: list[torch.Tensor] = []
-        if ex is not None:
-            ex.begin()  # every receive of the step is posted before the first send
+        tree.begin()  # every receive of the step is posted before the first send
         if self.vns:
-            nodes = self.tree.per_worker[self.group.rank]
-            parts = self._partials
-            if parts is not None and ex is not None:
-                local = parts.streamed(nodes, run_vn, ex.send)
-            elif parts is not None:
-                local = parts.partials(nodes, run_vn)
-            else:
-                local = tree_reduce_local(nodes, leaf)
-                if ex is not None:
-                    for node, vec in local.items():
-                        ex.send(node, vec)
-            if parts is not None:
-                held = list(local.values())
-                if self.flat is not None:
-                    self.flat.attach_grads()  # the sharded optimizer's gradients are views of its vector
+            local, probed = tree.local(run_vn, leaf), False
             self._det_compute_s = time.perf_counter() - t_step
         else:  # no VN here: maybe a probe; no node of the tree to contribute
             local = {}
             self._det_compute_s, probed = self._idle_compute(step)
-        try:
-            return self._det_exchange(local, t_step, probed, with_bn)
-        finally:
-            if self._partials is not None:
-                self._partials.give_back(held)  # reused next step (what is read from them is used before)
-
-    def _det_exchange(self, local: dict[Node, torch.Tensor], t_step: float, probed: bool,
-                      with_bn: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Bring the partial sums together; returns (loss, BatchNorm mean) and leaves the summed
-        gradient in ``_det_flat`` (or, sharded, this worker's chunk in the flat gradient)."""
-        assert self.tree is not None and self.group is not None
-        ex = self._exchange
         self.phase = "reduction"
         self.clock.enter_reduction()  # left in step(), after the statistics' all-reduce
-        if ex is not None:
-            root = ex.finish(local)
-            if not self.vns:
-                self._note_idle(t_step, probed)
-            numel = self.grad_numel
-            if self.shard is not None:
-                lo, hi = self.shard.chunk()
-                self.flat.grad[lo:hi].copy_(root[lo:hi])
-            else:
-                self._det_flat = root[:numel]  # into p.grad once the step is decided (_finish_gradient)
-            bn_mean = root[numel : numel + self.bn.numel] / self.plan.virtual_nodes if with_bn else None
-            return root[-1], bn_mean
-        like = None if local else self._leaf_like()
-        if self.shard is not None:
-            assert self.flat is not None and self.comm is not None
-            chunk, rest = tree_exchange_sharded(self.tree, self.group, local, like, self.comm, self.shard.bounds,
-                                                self.grad_numel)
-            if not self.vns:
-                self._note_idle(t_step, probed)
-            lo, hi = self.shard.chunk()
-            self.flat.grad[lo:hi].copy_(chunk)
-            bn_mean = rest[: self.bn.numel] / self.plan.virtual_nodes if with_bn else None
-            return rest[-1], bn_mean
-        total = tree_exchange(self.tree, self.group, local, like=like)
+        # the whole flat sum goes into p.grad once the step is decided (_finish_gradient)
+        self._det_flat, tail = tree.finish(local, lambda: self.leaves.like(self.compute.loss_dtype))
         if not self.vns:
-            self._note_idle(t_step, probed)
-        self._det_flat = total[: self.grad_numel]  # into p.grad once the step is decided (_finish_gradient)
-        offset = self.grad_numel
-        bn_mean = None
-        if with_bn:
-            bn_mean = total[offset : offset + self.bn.numel] / self.plan.virtual_nodes
-            offset += self.bn.numel
-        return total[offset], bn_mean
+            self.idle.note_idle(t_step, probed)
+        return self.leaves.tail.read(tail)

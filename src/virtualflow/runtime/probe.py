@@ -2,7 +2,9 @@
 
 A worker the heterogeneous solver gave no VN still has its speed measured: now and then, before
 joining the step's reduction, it times one VN's forward and backward without contributing it.
-:func:`probe_due` is the pure rule of when; :class:`ProbeCounters` keeps what it reads. Invariant:
+:func:`probe_due` is the pure rule of when; :class:`ProbeCounters` keeps what it reads;
+:class:`IdleProbe` is the engine's side (when to run the probe the engine times, what to learn
+from it and from the waits between probes). Invariant:
 the delay probes add, amortised over the steps between them, is at most ``PROBE_BUDGET`` of the
 time the worker waits for the others anyway.
 """
@@ -10,8 +12,10 @@ time the worker waits for the others anyway.
 from __future__ import annotations
 
 import math
+import time
+from typing import Callable
 
-__all__ = ["PROBE_BUDGET", "PROBE_CHANGE", "PROBE_EVERY", "ProbeCounters", "probe_due"]
+__all__ = ["PROBE_BUDGET", "PROBE_CHANGE", "PROBE_EVERY", "IdleProbe", "ProbeCounters", "probe_due"]
 
 PROBE_EVERY = 4
 """Steps between probes of a worker with no VN while a probe fits in the time it waits anyway."""
@@ -90,3 +94,36 @@ class ProbeCounters:
     def waited(self, seconds: float) -> None:
         """The worker waited ``seconds`` for the others in a step without a probe (smoothed)."""
         self.idle_s = seconds if self.idle_s == 0.0 else 0.7 * self.idle_s + 0.3 * seconds
+
+
+class IdleProbe:
+    """A worker with no VN, step by step: whether it probes before joining the reduction, what the
+    probe teaches the counters, and how long it then waited for the others (the time a probe may
+    take for free). The generation's first step (warm-up) teaches no wait."""
+
+    def __init__(self) -> None:
+        self.counters = ProbeCounters()
+        self.steps_in_generation = 0
+
+    def new_generation(self) -> None:
+        self.counters.new_generation()
+        self.steps_in_generation = 0
+
+    def new_step(self) -> None:
+        self.steps_in_generation += 1
+
+    def compute(self, vn_s: float, ran_forward: bool, probe: Callable[[], float]) -> tuple[float, bool]:
+        """Before the reduction: (the compute seconds to report, probed). ``vn_s``: a VN's
+        expected time here; ``probe()`` times one VN's forward and backward (run when due)."""
+        if not self.counters.due(vn_s, ran_forward=ran_forward):
+            return 0.0, False
+        old = self.counters.estimate(vn_s)
+        took = probe()
+        self.counters.took(took, old)
+        return took, True
+
+    def note_idle(self, t_step: float, probed: bool) -> None:
+        """After the reduction of a step that began at ``t_step``: the wait, unless it probed."""
+        if probed or self.steps_in_generation <= 1:
+            return
+        self.counters.waited(time.perf_counter() - t_step)

@@ -43,6 +43,7 @@ from virtualflow.runtime.pipeline.microbatch import MicroBatch
 from virtualflow.runtime.pipeline.pieces import apply_update, flat_grads, load_grads
 from virtualflow.runtime.pipeline.requests import AllSum, Request, StageGather, StageScatter, StepResult
 from virtualflow.runtime.pipeline.schedule import schedule_for
+from virtualflow.runtime.step.reduction import Tail
 
 
 class FlushStage(Protocol):
@@ -172,53 +173,74 @@ class FlushStep:
     def reduce(self) -> Generator[Request, Any, tuple[torch.Tensor | None, torch.Tensor | None]]:
         """Sum this worker's reduction vector [grads of its params | its BatchNorm statistics |
         loss] over the replicas; the summed gradients go to ``.grad``. Returns (the new BatchNorm
-        statistics or None, the summed loss on a last-stage worker or None)."""
+        statistics or None, the summed loss on a last-stage worker or None), read from the
+        vector's tail (:class:`~virtualflow.runtime.step.reduction.Tail`, as the VN engine reads its own)."""
         e = self.engine
         is_last = e.last in e.pieces
-        V = self.V
         if e.deterministic:
-            with_bn = e.bn_numel and e.batchnorm == "mean"
-            remote: dict[int, dict[int, torch.Tensor]] = {}
-            if e.ties is not None:  # weights read by two pieces: the other use's per-VN gradients
-                yield from e.ties.send_parts(self.leaves, self.vns, self.step)
-                remote = yield from e.ties.receive_parts(self.vns, self.step)
-
-            def leaf(vn: int) -> torch.Tensor:
-                by_piece = dict(self.leaves.pop(vn))
-                if e.ties is not None:
-                    parts = e.ties.leaf_grads(by_piece, remote.pop(vn, None))
-                else:
-                    parts = [x for k in e.pieces for x in by_piece[k]]
-                if with_bn:
-                    parts += [self.bn_vn.pop((k, vn)) for k in e.pieces if e.bn[k].numel]
-                if is_last:
-                    parts.append(self.losses[vn].reshape(1))
-                return torch.cat(parts) if parts else torch.zeros(0, device=e.device)
-
-            nodes = tree_reduce_local(e.tree.per_worker[e.replica], leaf)
-            like = next(iter(nodes.values()))
-            # reduction="sharded": the root's chunk is enough, unless the whole gradient's norm is taken
-            chunks = e.shard.bounds if e.shard is not None and e.replicas > 1 and not e.loop.checks_grads else None
-            total = yield from e.reducer.tree_by_stage(e.tree, nodes, like, bool(with_bn), is_last, chunks)
-            offset = load_grads(e.tree_params, total)
-            if e.shard is not None:  # the chunk's update reads the flat gradient
-                e.shard.grads_to_flat()
+            with_bn = bool(e.bn_numel and e.batchnorm == "mean")
+            total, offset = yield from self._reduce_tree(with_bn, is_last)
             if e.ties is not None:  # the owners' totals to the other copies
                 yield from e.ties.share_totals(self.step)
-            bn_new = None
+            return Tail(e.bn_numel if with_bn else 0, is_last, self.V).read(total, offset)
+        vec, offset = yield from self._reduce_sum(is_last)
+        return Tail(e.bn_numel, is_last, self.V if e.batchnorm == "mean" else None).read(vec, offset)
+
+    def _reduce_tree(self, with_bn: bool, is_last: bool) -> Generator[Request, Any, tuple[torch.Tensor, int]]:
+        """Deterministic mode: each VN's vector summed along the fixed VN-id tree over the
+        replicas; returns (the root sum, where its tail starts)."""
+        e = self.engine
+        remote: dict[int, dict[int, torch.Tensor]] = {}
+        if e.ties is not None:  # weights read by two pieces: the other use's per-VN gradients
+            yield from e.ties.send_parts(self.leaves, self.vns, self.step)
+            remote = yield from e.ties.receive_parts(self.vns, self.step)
+
+        def leaf(vn: int) -> torch.Tensor:
+            by_piece = dict(self.leaves.pop(vn))
+            if e.ties is not None:
+                parts = e.ties.leaf_grads(by_piece, remote.pop(vn, None))
+            else:
+                parts = [x for k in e.pieces for x in by_piece[k]]
             if with_bn:
-                bn_new = total[offset: offset + e.bn_numel] / V
-                offset += e.bn_numel
-            return bn_new, (total[offset] if is_last else None)
-        # [grads | BatchNorm statistics | loss], summed over the replicas in one vector; with one
-        # replica nothing is summed and the gradients stay where backward put them.
-        multi = e.replicas > 1
-        scattered = multi and e.shard is not None
+                parts += [self.bn_vn.pop((k, vn)) for k in e.pieces if e.bn[k].numel]
+            if is_last:
+                parts.append(self.losses[vn].reshape(1))
+            return torch.cat(parts) if parts else torch.zeros(0, device=e.device)
+
+        nodes = tree_reduce_local(e.tree.per_worker[e.replica], leaf)
+        like = next(iter(nodes.values()))
+        # reduction="sharded": the root's chunk is enough, unless the whole gradient's norm is taken
+        chunks = e.shard.bounds if e.shard is not None and e.replicas > 1 and not e.loop.checks_grads else None
+        total = yield from e.reducer.tree_by_stage(e.tree, nodes, like, with_bn, is_last, chunks)
+        offset = load_grads(e.tree_params, total)
+        if e.shard is not None:  # the chunk's update reads the flat gradient
+            e.shard.grads_to_flat()
+        return total, offset
+
+    def _reduce_sum(self, is_last: bool) -> Generator[Request, Any, tuple[torch.Tensor, int]]:
+        """Default mode: [grads | BatchNorm statistics | loss], summed over the replicas in one
+        vector (sharded: the gradients reduce-scattered into this replica's chunk, the tail summed
+        alone); with one replica nothing is summed and the gradients stay where backward put them.
+        Returns (the vector, where its tail starts)."""
+        e = self.engine
         if e.shard is not None:  # reduction="sharded": the chunk's update reads the flat gradient
             e.shard.grads_to_flat()
-        if scattered:  # this replica receives its chunk's sum only
-            yield StageScatter(e.shard.flat.grad, e.shard.bounds)
-        parts = flat_grads(e.params) if multi and not scattered else []
+            if e.replicas > 1:  # this replica receives its chunk's sum only
+                yield StageScatter(e.shard.flat.grad, e.shard.bounds)
+                vec = self._cat(self._tail_parts(is_last))
+                if vec.numel():  # the tail [BatchNorm statistics | loss], whole
+                    vec = yield from e.reducer.sum_by_stage(vec, False, bool(e.bn_numel), is_last)
+                return vec, 0
+        if e.replicas == 1:
+            return self._cat(self._tail_parts(is_last)), 0
+        vec = self._cat(flat_grads(e.params) + self._tail_parts(is_last))
+        vec = yield from e.reducer.sum_by_stage(vec, True, bool(e.bn_numel), is_last)
+        return vec, load_grads(e.params, vec)
+
+    def _tail_parts(self, is_last: bool) -> list[torch.Tensor]:
+        """This worker's [BatchNorm statistics of its pieces | the loss of its VNs (last stage)]."""
+        e = self.engine
+        parts = []
         if e.bn_numel:
             if e.batchnorm == "mean":
                 parts += [self.bn_acc[k] for k in e.pieces if e.bn[k].numel]
@@ -227,20 +249,10 @@ class FlushStep:
                           for k in e.pieces if e.bn[k].numel]
         if is_last:
             parts.append(torch.stack([self.losses[v] for v in self.vns]).sum().reshape(1))
-        vec = torch.cat(parts) if parts else torch.zeros(0, device=e.device)
-        offset = 0
-        if multi and not scattered:
-            vec = yield from e.reducer.sum_by_stage(vec, True, bool(e.bn_numel), is_last)
-            offset = load_grads(e.params, vec)
-        elif scattered and vec.numel():  # the tail [BatchNorm statistics | loss], whole
-            vec = yield from e.reducer.sum_by_stage(vec, False, bool(e.bn_numel), is_last)
-        bn_new = None
-        if e.bn_numel:
-            bn_new = vec[offset: offset + e.bn_numel]
-            if e.batchnorm == "mean":
-                bn_new = bn_new / V
-            offset += e.bn_numel
-        return bn_new, (vec[offset] if is_last else None)
+        return parts
+
+    def _cat(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts) if parts else torch.zeros(0, device=self.engine.device)
 
     def check_grads(self) -> None:
         """After the reduction (and the tied weights' sum): unscale this worker's gradients

@@ -12,9 +12,9 @@ Headers come from a peer of the same job but are still parsed defensively: a mal
 whose shapes are known (:class:`Links`) a message is one buffer.
 
 Deterministic mode's per-stage reduction over the replicas (:class:`StageTree`, and each job
-stage's after a Bamboo failover) runs the exchange :func:`~virtualflow.plan.exchange.choose_exchange`
-picks for the stage's vector (or the one the ``deterministic_exchange`` knob names):
-:class:`StageExchanges`. Both give every replica the same root, bit for bit.
+stage's after a Bamboo failover) runs the exchange :class:`~virtualflow.runtime.step.exchange.ExchangeChoice`
+picks for the stage's vector (or the one the ``deterministic_exchange`` knob names), the VN
+engine's choice: :class:`StageExchanges`. Both give every replica the same root, bit for bit.
 
 Measured (``bench/pipeline/``): the first protocol, a header then one blocking receive per
 tensor, each posted only when needed, cost 2-3 round trips per hop (1.4-2.0x torch.distributed.
@@ -46,12 +46,12 @@ import torch
 from virtualflow.comm.exchange import OwnerExchange
 from virtualflow.comm.groups import Arrival, Group, PeerFailure
 from virtualflow.comm.reduce import tree_exchange
-from virtualflow.plan.exchange import EXCHANGES, OwnerSchedule, choose_exchange
 from virtualflow.plan.pipeline.geometry import Grid
 from virtualflow.plan.vnmap import TreePlan
 from virtualflow.runtime.pipeline.receive_wait import wait_receive
 from virtualflow.runtime.pipeline.requests import (AllSum, Expect, Poll, Recv, Send, StageGather, StageScatter,
                                                    StageSum, StageTree, StepResult)
+from virtualflow.runtime.step.exchange import ExchangeChoice, owner_exchange
 
 __all__ = ["Links", "Metas", "StageExchanges", "drive", "exchange_choice"]
 
@@ -173,16 +173,13 @@ class StageExchanges:
     """Per generation: which deterministic exchange each stage group's tree reduction runs, and
     the ``owners`` exchanges kept from step to step (their buffers and alternating tags).
 
-    ``asked``: the ``deterministic_exchange`` knob (``"auto"``: :func:`choose_exchange` decides per
-    vector; ``"owners"`` / ``"slots"``: always that one). :attr:`choices` holds, per job stage
+    ``asked``: the ``deterministic_exchange`` knob (``"auto"``: :class:`ExchangeChoice` decides per
+    vector, as for the VN engine; ``"owners"`` / ``"slots"``: always that one). :attr:`choices` holds, per job stage
     (``None``: the worker's one stage group), the exchange and the reason; a new choice is logged.
     Reset with every generation (new groups)."""
 
     def __init__(self, asked: str = "auto") -> None:
-        if asked not in EXCHANGES:
-            raise ValueError(f"deterministic_exchange={asked!r} is not one of {', '.join(EXCHANGES)} "
-                             f"(--deterministic-exchange)")
-        self.asked = asked
+        self.choice = ExchangeChoice(asked)  # (checks the knob's value now)
         self.choices: dict[int | None, tuple[str, str]] = {}
         self._chosen: dict[tuple[Any, ...], tuple[str, str]] = {}
         self._owners: dict[tuple[Any, ...], OwnerExchange] = {}
@@ -191,7 +188,7 @@ class StageExchanges:
         """The exchange for stage group ``stage``'s vector shaped like ``like`` (remembered)."""
         key = (stage, plan, like.numel(), like.dtype)
         if key not in self._chosen:
-            self._chosen[key] = choose_exchange(plan, like.numel(), like.element_size(), self.asked)
+            self._chosen[key] = self.choice.choose(plan, like)
         name, reason = self._chosen[key]
         if self.choices.get(stage) != (name, reason):
             where = "this worker's stage group" if stage is None else f"job stage {stage}"
@@ -207,9 +204,9 @@ class StageExchanges:
         key = (req.stage, req.plan, like.numel(), like.dtype, req.bounds, req.gather)
         ex = self._owners.get(key)
         if ex is None:  # (req.bounds, reduction="sharded": each owner keeps its chunk, the gather goes to all)
-            schedule = OwnerSchedule.build(req.plan, like.numel(), bounds=req.bounds,
-                                           gather=list(req.gather) if req.bounds is not None else None)
-            ex = self._owners[key] = OwnerExchange(schedule, group, dtype=like.dtype, device=like.device)
+            ex = self._owners[key] = owner_exchange(req.plan, group, like.numel(), dtype=like.dtype, device=like.device,
+                                                    bounds=req.bounds,
+                                                    gather=list(req.gather) if req.bounds is not None else None)
         ex.begin()
         for node, vec in req.nodes.items():
             ex.send(node, vec)

@@ -29,6 +29,7 @@ from virtualflow.plan.pipeline.geometry import TiedCopy
 from virtualflow.plan.vnmap import Node, TreePlan
 from virtualflow.runtime.pipeline.batchnorm import statistics_numel
 from virtualflow.runtime.pipeline.requests import AllSum, Request, StageSum, StageTree
+from virtualflow.runtime.step.exchange import sharded_bounds
 
 
 class StageReducer:
@@ -104,9 +105,7 @@ class StageReducer:
         ``chunks`` (``reduction="sharded"``, one stage group): the replicas' chunks of the
         gradients; each needs only its own and the tail [BatchNorm statistics | loss] of the root."""
         if self.job_stages is None and chunks is not None:
-            numel, grads = like.numel(), chunks[-1][1]
-            bounds = tuple((a, b) for a, b in chunks[:-1]) + ((chunks[-1][0], numel),)
-            tail = ((grads, numel),) if numel > grads else ()
+            bounds, tail = sharded_bounds(chunks, like.numel())
             return (yield StageTree(tree, nodes, like, bounds=bounds, gather=tail))
         if self.job_stages is None:
             return (yield StageTree(tree, nodes, like))

@@ -1,0 +1,150 @@
+"""One virtual node's compute on a worker: its batch, forward, loss, backward and emulated slowness.
+
+Purpose: what every VN of a step does, whatever the reduction (:mod:`.reduction`) and in whatever
+order the VN engine runs them (in turn in default mode, along the fixed tree in deterministic
+mode): load the VN's samples (from the prefetcher when there is one), restore BatchNorm's running
+statistics to the step's start, seed the random streams with ``vn_seed(seed, step, vn)``, run the
+loss under the job's precision, weight it by the VN's share ``n_v / B`` and add its metrics to the
+step's sums (:class:`~virtualflow.runtime.step.stats.MetricSums`); backward of the weighted loss
+(scaled by ``16-mixed``'s loss scale). A worker with no VN times a *probe* VN with the same forward
+(nothing accumulated, see :mod:`virtualflow.runtime.probe`).
+
+Invariants: a VN's random streams and BatchNorm statistics depend only on (seed, step, VN), never
+on the worker or on the VNs before it; every interval is added to the step's clock
+(:class:`~virtualflow.runtime.breakdown.StepClock`) under the name the breakdown reports.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from virtualflow.plan.data import DataPlan, vn_seed
+from virtualflow.runtime.amp import LossScaler, autocast
+from virtualflow.runtime.batches import BatchLoader, check_loss, seed_random_streams, split_loss, to_device
+from virtualflow.runtime.batchnorm import BatchNormState
+from virtualflow.runtime.breakdown import StepClock, measured_load
+from virtualflow.runtime.prefetch import Prefetcher
+from virtualflow.runtime.step.stats import MetricSums
+
+
+def _as_is(weighted: torch.Tensor) -> torch.Tensor:
+    return weighted
+
+
+class VNCompute:
+    """Forward and backward of one VN of a step on this worker (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable, plan: DataPlan, loader: BatchLoader, *,
+                 seed: int, device: torch.device, precision: str, scaler: LossScaler | None, bn: BatchNormState,
+                 clock: StepClock, prefetcher: Prefetcher | None) -> None:
+        self.model, self.loss_fn, self.plan, self.loader = model, loss_fn, plan, loader
+        self.seed, self.device, self.precision = seed, device, precision
+        self.scale_loss = scaler.scale_loss if scaler is not None else _as_is
+        """The loss backward runs on (``16-mixed``: times the loss scale)."""
+        self.bn, self.clock, self.prefetcher = bn, clock, prefetcher
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.metrics = MetricSums()
+        self.slowdown = 1.0
+        """Emulated slowness (tests, benchmarks): each VN's compute is followed by a sleep of
+        ``(slowdown - 1)`` times its measured duration."""
+        self.vn_s = 0.0
+        """Smoothed compute time of one VN, without emulated sleep."""
+        self.loss_dtype: torch.dtype | None = None
+        """The loss's dtype, once a forward ran here."""
+
+    def batches(self, step: int, vns: Sequence[int]) -> tuple[list[torch.Tensor], list[Any]]:
+        """(the samples' indices, the batches) of ``vns`` in ``step``: loaded now, or None each
+        when a prefetcher hands them over in turn (:meth:`load`)."""
+        indices = [self.plan.vn_indices(step, vn) for vn in vns]
+        if self.prefetcher is not None:
+            return indices, [None] * len(indices)
+        batches, load = measured_load(self.loader.vn_batches, indices, io=self.clock.enabled)
+        self.clock.add("input_s", load.seconds)
+        self.clock.add_load(load)
+        return indices, batches
+
+    def load(self, step: int, vn: int, indices: torch.Tensor) -> Any:
+        """VN ``vn``'s batch of ``step``: from the prefetcher when there is one (the time waited
+        for it is the input time), else loaded now."""
+        if self.prefetcher is not None:
+            batch, waited, stats = self.prefetcher.take(step, vn, indices)
+            self.clock.add("input_s", waited)
+        else:
+            batch, stats = measured_load(self.loader, indices, io=self.clock.enabled)
+            self.clock.add("input_s", stats.seconds)
+        self.clock.add_load(stats)
+        return batch
+
+    def prefetch(self, step: int, vns: Sequence[int]) -> None:
+        """Start loading this step's VNs (what is not under way yet) and the next step's."""
+        assert self.prefetcher is not None
+        for s in (step, step + 1):
+            for vn in vns:
+                self.prefetcher.schedule(s, vn, self.plan.vn_indices(s, vn))
+
+    def forward(self, step: int, vn: int, batch: Any = None, n: int = 0) -> torch.Tensor:
+        """Forward of one VN from the step's starting BN statistics; returns the weighted loss."""
+        if self.bn:
+            self.bn.restore()
+        now = time.perf_counter
+        if batch is None:
+            indices = self.plan.vn_indices(step, vn)
+            batch, n = self.load(step, vn, indices), len(indices)
+        if self.device.type != "cpu":
+            t0 = now()
+            batch = to_device(batch, self.device)
+            self.clock.add("input_s", now() - t0)
+        seed_random_streams(vn_seed(self.seed, step, vn), self.device)
+        t0 = now()
+        with autocast(self.device, self.precision):
+            out = self.loss_fn(self.model, batch)
+        self.clock.add("forward_s", now() - t0)
+        where = f"at step {step} in virtual node {vn}"
+        loss, metrics = split_loss(out, where)
+        check_loss(loss, where)
+        self.loss_dtype = loss.dtype
+        share = n / self.plan.global_batch_size
+        self.metrics.note(metrics, share, where)
+        return loss * share
+
+    def backward(self, weighted: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        self.scale_loss(weighted).backward()
+        self.clock.add("backward_s", time.perf_counter() - t0)
+
+    def sleep(self, seconds: float) -> None:
+        """Emulated slowness (counted as compute, split between forward and backward)."""
+        time.sleep(seconds)
+        self.clock.add("emulated_s", seconds)
+
+    def emulate(self, t0: float) -> None:
+        """Sleep ``(slowdown - 1)`` times the VN's compute that started at ``t0``."""
+        dt = time.perf_counter() - t0
+        self.vn_s = dt if self.vn_s == 0.0 else 0.8 * self.vn_s + 0.2 * dt
+        if self.slowdown > 1.0:
+            self.sleep((self.slowdown - 1.0) * dt)
+
+    def sleep_before_last_backward(self, t_vn: float) -> None:
+        """The last VN's backward launches the reduction: sleep before it, for the forward just
+        run (since ``t_vn``) and a backward estimated from earlier VNs."""
+        if self.slowdown > 1.0:
+            self.sleep((self.slowdown - 1.0) * max(self.vn_s, time.perf_counter() - t_vn))
+
+    def probe(self, step: int) -> float:
+        """Time one VN's forward and backward without contributing it; returns the seconds."""
+        vn = step % self.plan.virtual_nodes
+        t0 = time.perf_counter()
+        weighted = self.forward(step, vn)
+        self.metrics.reset()  # a probe contributes nothing
+        if weighted.requires_grad:
+            t_b = time.perf_counter()
+            torch.autograd.grad(weighted, self.params, allow_unused=True)
+            self.clock.add("backward_s", time.perf_counter() - t_b)
+        self.emulate(t0)
+        del weighted
+        if self.bn:
+            self.bn.restore()
+        return time.perf_counter() - t0

@@ -1,0 +1,148 @@
+"""The VN engine's per-step statistics vector: its typed layout, how it is packed and read.
+
+Purpose: besides the gradients, the workers of a step must agree on a few numbers - which VNs had
+a non-finite loss, the control sequence, the loss function's metrics, the loss and the BatchNorm
+statistics (where they do not travel with the gradients) and each worker's timing. They travel in
+one small vector, summed over the workers (riding in the last gradient bucket in default mode):
+
+    [bad flag per VN (V) | control | metric sums (MAX_METRICS) | loss? | BatchNorm statistics? |
+     compute seconds per worker | previous step's breakdown per worker (len(RAW) each)]
+
+:class:`StatsLayout` is that layout for one generation (the loss and statistics slots are present
+as the reduction decides: deterministic mode carries the loss, and BatchNorm's ``mean``
+statistics, in the tree's tail instead); :class:`MetricSums` holds a step's metric sums.
+
+Invariants: every worker of a generation packs the same length (a worker with no VN sends
+zeros); every slot but the per-worker ones has the same meaning on every worker, and a worker
+writes only its own per-worker slots, so the sum is each worker's value there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from virtualflow.runtime.batches import LossShapeError
+from virtualflow.runtime.breakdown import RAW
+
+MAX_METRICS = 16
+"""Slots for the loss function's metrics in a step's statistics vector (every worker sends the same
+length, whether or not it ran a virtual node)."""
+
+
+class MetricSums:
+    """The loss function's metrics of one step, each weighted by its VN's share of the global batch
+    and summed in VN order; their names are learnt from the first forward run here."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        """The loss function's metric names (sorted), learnt from the first forward run here."""
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def reset(self) -> None:
+        """A new step (or a probe's forward, which contributes nothing)."""
+        self.sums = {}
+
+    def note(self, metrics: dict[str, Any], share: float, where: str) -> None:
+        """Add a VN's metrics, weighted by its share of the global batch, to the step's sums."""
+        names = sorted(metrics)
+        if not self.names and names:
+            if len(names) > MAX_METRICS:
+                raise LossShapeError(f"Job.loss returned {len(names)} metrics {where}; at most {MAX_METRICS} are "
+                                     f"reduced per step")
+            self.names = names
+        elif names != self.names and (names or self.sums):
+            raise LossShapeError(f"Job.loss returned the metrics {names} {where}, but {self.names} before: "
+                                 f"return the same names at every call")
+        for name in names:
+            value = metrics[name]
+            value = value.detach().float().reshape(()) if isinstance(value, torch.Tensor) else torch.tensor(
+                float(value))
+            acc = self.sums.get(name)
+            self.sums[name] = value * share if acc is None else acc + value * share
+
+    def vector(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The sums in their ``MAX_METRICS`` slots (zeros where this worker has none)."""
+        out = torch.zeros(MAX_METRICS, device=device, dtype=dtype)
+        for i, name in enumerate(self.names):
+            if name in self.sums:
+                out[i] = self.sums[name].to(device, dtype)
+        return out
+
+    def named(self, values: Sequence[float]) -> dict[str, float] | None:
+        """The summed slots by name (None without metrics)."""
+        return {name: values[i] for i, name in enumerate(self.names)} or None
+
+
+@dataclass(frozen=True)
+class StatsRead:
+    """One step's summed statistics vector, read."""
+
+    bad_vns: list[int]
+    control: int
+    metric_values: list[float]
+    loss: torch.Tensor | None
+    bn: torch.Tensor | None
+    compute_s: list[float]
+    breakdown_raw: torch.Tensor
+    """The previous step's raw intervals, ``(workers, len(RAW))``."""
+
+
+@dataclass(frozen=True)
+class StatsLayout:
+    """The statistics vector of one generation (see the module docstring)."""
+
+    virtual_nodes: int
+    size: int
+    """Workers in the generation."""
+    rank: int
+    loss: bool
+    """Whether the loss travels here (default mode; deterministic mode sums it in the tree)."""
+    bn_numel: int
+    """BatchNorm statistics travelling here (0: none, or they travel in the tree's tail)."""
+    bn_mean: bool
+    """The statistics here are summed over the VNs and read as their mean (BatchNorm ``mean``)."""
+
+    def pack(self, bad: torch.Tensor, control: int, metrics: torch.Tensor, loss: torch.Tensor | None,
+             bn: torch.Tensor | None, compute_s: float, previous: Sequence[float] | None) -> torch.Tensor:
+        """This worker's vector, in ``bad``'s dtype and device (``bn`` None: zeros; ``previous``:
+        this worker's previous step's intervals, or None)."""
+        dtype, device = bad.dtype, bad.device
+        parts = [bad, torch.tensor([float(control)], device=device, dtype=dtype), metrics]
+        if self.loss:
+            parts.append(loss.reshape(1).to(dtype))
+        if self.bn_numel:
+            parts.append(bn.to(dtype) if bn is not None else torch.zeros(self.bn_numel, device=device, dtype=dtype))
+        size, K = self.size, len(RAW)
+        timing = torch.zeros(size * (1 + K), device=device, dtype=dtype)
+        timing[self.rank] = compute_s
+        if previous is not None:
+            start = size + self.rank * K
+            timing[start : start + K] = torch.tensor(previous, dtype=dtype)
+        parts.append(timing)
+        return torch.cat(parts)
+
+    def read(self, stats: torch.Tensor, loss: torch.Tensor | None = None,
+             bn: torch.Tensor | None = None) -> StatsRead:
+        """The summed ``stats``; ``loss`` and ``bn`` (deterministic mode: from the tree's tail) are
+        kept where this layout has no slot for them."""
+        V = self.virtual_nodes
+        bad_vns = [int(v) for v in torch.nonzero(stats[:V]).flatten().tolist()]
+        control = int(round(stats[V].item()))
+        metric_values = stats[V + 1 : V + 1 + MAX_METRICS].tolist()
+        offset = V + 1 + MAX_METRICS
+        if self.loss:
+            loss = stats[offset]
+            offset += 1
+        if self.bn_numel:
+            bn = stats[offset : offset + self.bn_numel]
+            if self.bn_mean:
+                bn = bn / V
+            offset += self.bn_numel
+        size = self.size
+        compute_s = stats[offset : offset + size].tolist()
+        offset += size
+        raw = stats[offset : offset + size * len(RAW)].view(size, len(RAW))
+        return StatsRead(bad_vns, control, metric_values, loss, bn, compute_s, raw)
