@@ -35,10 +35,11 @@ from virtualflow.plan.vnmap import pipeline_assignment
 from virtualflow.control.membership import FallbackRestart, JobFailed, MembershipController, Phase, check_resize
 from virtualflow.config.job import Job, JobSource
 from virtualflow.config.options import LaunchOptions
+from virtualflow.config.worker_options import WorkerOptions
 from virtualflow.records.result import Result, TrainingError
 from virtualflow.records.rundir import RunLock, disk_full_error, remove_temporaries, write_json
 from virtualflow.runtime import breakdown
-from virtualflow.runtime.worker import WorkerConfig
+from virtualflow.runtime.worker_config import WorkerConfig
 
 logger = logging.getLogger("virtualflow")
 
@@ -165,37 +166,7 @@ class Supervisor:
             from virtualflow.observe.tensorboard import TensorBoardLog
 
             self.tensorboard = TensorBoardLog(os.path.join(setup.run_dir, "tensorboard"))
-        specs = opts.specs
-        self.config = WorkerConfig(
-            store_host=self.coordinator.host,
-            store_port=self.coordinator.port,
-            job_source=setup.source,
-            total_steps=setup.total_steps,
-            state_dir=setup.state_dir,
-            overrides=setup.overrides,
-            deterministic=opts.deterministic,
-            reduction=opts.reduction,
-            shard_replicas=opts.shard_replicas,
-            deterministic_exchange=opts.deterministic_exchange,
-            threads=setup.threads,
-            device=opts.device,
-            collective_timeout_s=opts.collective_timeout_s,
-            coordinator_timeout_s=opts.coordinator_timeout_s,
-            checkpoint_every=opts.checkpoint_every,
-            checkpoint_format=opts.checkpoint_format,
-            async_checkpoint=opts.async_checkpoint,
-            resume_path=setup.resume_path,
-            initial_workers=opts.start_workers,
-            fault_plan=opts.fault_plan,
-            slowdowns={i: s.slowdown for i, s in enumerate(specs) if s.slowdown != 1.0},
-            control_plane=opts.control_plane,
-            loader_workers=opts.loader_workers,
-            breakdown=opts.breakdown,
-            profile_steps=opts.profile_steps,
-            job_id=self.job_id,
-            run_key=run_key,
-            interface=opts.interface,
-        )
+        self.config = worker_config(setup, self.coordinator.host, self.coordinator.port, self.job_id, run_key)
         self.backend = setup.backend
         self.backend.attach(Attachment(config=self.config, state_dir=setup.state_dir, store=self.coordinator.store,
                                        token=setup.token, grow=self._grow_for_join, event=self.coordinator.event))
@@ -559,6 +530,20 @@ class Supervisor:
             "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "platform": platform.platform()},
         }
         write_json(os.path.join(run_dir, "summary.json"), summary)
+
+
+def worker_config(setup: RunSetup, store_host: str, store_port: int, job_id: str, run_key: str) -> WorkerConfig:
+    """What every worker of the run is told: the options' worker knobs whole
+    (:meth:`WorkerOptions.of`) and what this launch resolved (the store, the steps, the threads,
+    the resume state, the slowdowns of the starting workers, the run's id and key)."""
+    opts = setup.options
+    return WorkerConfig(
+        options=WorkerOptions.of(opts), store_host=store_host, store_port=store_port, job_source=setup.source,
+        total_steps=setup.total_steps, state_dir=setup.state_dir, overrides=setup.overrides, threads=setup.threads,
+        resume_path=setup.resume_path, initial_workers=opts.start_workers,
+        slowdowns={i: s.slowdown for i, s in enumerate(opts.specs) if s.slowdown != 1.0},
+        job_id=job_id, run_key=run_key, interface=opts.interface,
+    )
 
 
 def _version() -> str:

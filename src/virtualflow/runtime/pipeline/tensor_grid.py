@@ -44,14 +44,15 @@ class TensorPlanes:
     every member of the generation builds its plane, then its tensor-parallel group, in that order,
     so building cannot deadlock)."""
 
-    def __init__(self, group: Group, tensor: int, subgroup: Callable[[int, str, int, int], Group]) -> None:
+    def __init__(self, group: Group, tensor: int, subgroup: Callable[..., Group]) -> None:
         if group.size % tensor:
             raise RuntimeError(f"a generation of {group.size} workers is not a multiple of tensor={tensor}")
         self.tensor = tensor
         self.t = group.rank % tensor
         self.plane_rank = group.rank // tensor
         self.generation_group = group
-        self.plane = subgroup(group.generation, f"plane{self.t}", self.plane_rank, group.size // tensor)
+        self.plane = subgroup(group.generation, f"plane{self.t}", self.plane_rank, group.size // tensor,
+                              duplex=True)  # it carries the pipeline's hops
         self.tp = subgroup(group.generation, f"tp{self.plane_rank}", self.t, tensor)
         for g in (self.plane, self.tp):
             g.abort_check = group.abort_check

@@ -40,6 +40,7 @@ import torch
 from virtualflow.comm.groups import Group
 from virtualflow.plan.pipeline.geometry import Grid, check_workers, layers_of, resolve_bounds
 from virtualflow.config.pipeline import Pipeline
+from virtualflow.config.worker_options import WorkerOptions
 from virtualflow.plan.replica_shares import replica_blocks
 from virtualflow.runtime.checkpoint import shared_names
 from virtualflow.runtime.dcp import Piece, model_pieces, optimizer_pieces
@@ -67,26 +68,25 @@ class PipelineWorkerEngine:
     change together; the parts that need none of it (the wire driver, moving and gathering stage
     state) live in :mod:`~virtualflow.runtime.pipeline.links` and :mod:`~virtualflow.runtime.pipeline.stage_state`."""
 
-    def __init__(self, job: Any, dataset: Any, *, deterministic: bool, device: torch.device,
-                 subgroup: Callable[[int, str, int, int], Group], eager_every_wait: bool = False,
-                 deterministic_exchange: str = "auto", reduction: str = "allreduce",
-                 breakdown: bool = True) -> None:
-        """``deterministic_exchange``: the ``LaunchOptions`` knob of that name (how deterministic
-        mode's per-stage reduction over the replicas runs: :class:`~.links.StageExchanges`).
-        ``reduction``: ``"sharded"`` shards each stage's optimizer state over its replicas
-        (:mod:`~virtualflow.runtime.pipeline.stage_shard`)."""
+    def __init__(self, job: Any, dataset: Any, options: WorkerOptions, *, device: torch.device,
+                 subgroup: Callable[..., Group], eager_every_wait: bool = False) -> None:
+        """``options``: the job's worker knobs, whole. Its ``deterministic_exchange``: how
+        deterministic mode's per-stage reduction over the replicas runs (:class:`~.links.StageExchanges`);
+        ``reduction="sharded"`` shards each stage's optimizer state over its replicas
+        (:mod:`~virtualflow.runtime.pipeline.stage_shard`). ``subgroup(generation, name, rank, size,
+        duplex=...)``: a group of the generation's workers."""
         self.job = job
-        self.reduction = reduction
-        self.breakdown = breakdown
+        self.reduction = options.reduction
+        self.breakdown = options.breakdown
         """Measure where each step's time goes, per stage (:mod:`~virtualflow.runtime.pipeline.timing`)."""
-        self.deterministic_exchange = deterministic_exchange
-        self.exchanges = StageExchanges(deterministic_exchange)  # (checks the knob's value now)
+        self.deterministic_exchange = options.deterministic_exchange
+        self.exchanges = StageExchanges(self.deterministic_exchange)  # (checks the knob's value now)
         """This generation's per-stage exchanges: which one each stage group runs, and why."""
         self.eager_every_wait = eager_every_wait
         """A diagnostic given by the process's entry point: :attr:`StageEngine.eager_every_wait`."""
         self.pipeline: Pipeline = job.pipeline
         self.dataset = dataset
-        self.deterministic = deterministic
+        self.deterministic = options.deterministic
         self.device = device
         self.subgroup = subgroup
         torch.manual_seed(job.seed)
