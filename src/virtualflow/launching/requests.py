@@ -39,6 +39,11 @@ class ResizeRequests:
         """The nonces of the last 20 requests from outside taken (``virtualflow resize --wait``)."""
         self.replay = auth.ReplayGuard()
 
+    def __len__(self) -> int:
+        """The resizes asked in this process not yet handed to the controller (what
+        :meth:`JobHandle.resize` with ``wait=True`` waits out, with ``not supervisor.requests``)."""
+        return len(self.queued)
+
     def ask(self, workers: int) -> None:
         """A resize asked in this process (:meth:`JobHandle.resize`); checked, then queued."""
         job = self.job

@@ -44,7 +44,10 @@ reduction).
 Engines. The worker never asks which engine it runs (VN or pipelined, plain or sharded
 reduction): what differs is behind :class:`virtualflow.runtime.engines.Engine` (adopting a
 generation, a step, abandoning it, the whole state, the step-boundary work, a held generation);
-:func:`build_engine` is the one place that picks the engine from the job.
+:func:`build_engine` is the one place that picks the engine from the job. Nor does it read the
+job's layout: whether a generation's group carries pipeline hops both ways is the engine's
+:attr:`~virtualflow.runtime.engines.Engine.generation_hops_duplex`, and the knobs are read
+from ``cfg.options`` (:class:`~virtualflow.config.worker_options.WorkerOptions`).
 
 Size: one concept (a worker's life through generations: set-up, forming a group, agreeing on
 the state, the step loop, leaving). Beside it: its side of the control plane
