@@ -60,6 +60,8 @@ def _doc(fields: list[tuple[str, Any, Any]]) -> str:
 
 
 def _derive() -> type:
+    """The frozen, slotted dataclass of the worker knobs, with :meth:`of` and ``profile_steps``;
+    its ``__module__`` names this module, where pickle finds it."""
     fields = _fields()
     namespace = {"__module__": __name__, "__doc__": _doc(fields), "of": classmethod(_of),
                  "profile_steps": property(_profile_steps)}
