@@ -136,7 +136,7 @@ def store_child(cfg: dict) -> dict:
     # virtualflow's own heartbeat, back to back (interval 0), watching generation 0's abort flag.
     # It reads only the store address, its interval and the coordinator timeout from the worker's configuration.
     hb_cfg = SimpleNamespace(store_host="127.0.0.1", store_port=cfg["port"], heartbeat_interval_s=0.0,
-                             coordinator_timeout_s=15.0)
+                             options=SimpleNamespace(coordinator_timeout_s=15.0))
     hb = Heartbeat(hb_cfg, worker_id=cfg["hb_worker"])
     hb.watch(0)
     t0 = time.perf_counter()

@@ -198,13 +198,14 @@ class VFSide:
         from virtualflow.comm.groups import Group
         from virtualflow.plan.data import DataPlan
         from virtualflow.runtime.vn_worker import VNWorkerEngine
+        from virtualflow.config.worker_options import WorkerOptions
         from virtualflow.runtime.worker_config import WorkerConfig
 
         cfg = WorkerConfig(store_host="127.0.0.1", store_port=0, job_source=None, total_steps=1 << 30,
-                           state_dir="/nonexistent", overrides={}, deterministic=False, threads=1,
-                           device=str(device), collective_timeout_s=60.0, checkpoint_every=None, resume_path=None,
-                           initial_workers=1, fault_plan=None, slowdowns={}, control_plane=False,
-                           reduction=reduction, breakdown=False)
+                           state_dir="/nonexistent", overrides={}, threads=1, resume_path=None,
+                           initial_workers=1, slowdowns={},
+                           options=WorkerOptions(deterministic=False, device=str(device), collective_timeout_s=60.0,
+                                                 control_plane=False, reduction=reduction, breakdown=False))
         self.job, self.device = job, device
         ds = job.build_dataset()
         plan = DataPlan(len(ds), job.global_batch_size, job.virtual_nodes, job.seed)

@@ -28,6 +28,7 @@ from virtualflow.comm.groups import Group
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.vnmap import contiguous_assignment
 from virtualflow.runtime.vn_worker import VNWorkerEngine
+from virtualflow.config.worker_options import WorkerOptions
 from virtualflow.runtime.worker_config import WorkerConfig
 
 from reference import step_batch
@@ -122,10 +123,10 @@ def engine_on(j: vf.Job, device: torch.device, group: Group, assignment, *, redu
               deterministic: bool = False) -> VNWorkerEngine:
     """virtualflow's VN engine for ``j`` in this process, built as a worker builds it."""
     cfg = WorkerConfig(store_host="127.0.0.1", store_port=0, job_source=None, total_steps=1 << 20,
-                       state_dir="/nonexistent", overrides={}, deterministic=deterministic, threads=1,
-                       device=str(device), collective_timeout_s=60.0, checkpoint_every=None, resume_path=None,
-                       initial_workers=group.size, fault_plan=None, slowdowns={}, control_plane=False,
-                       reduction=reduction, breakdown=False)
+                       state_dir="/nonexistent", overrides={}, threads=1, resume_path=None,
+                       initial_workers=group.size, slowdowns={},
+                       options=WorkerOptions(deterministic=deterministic, device=str(device), collective_timeout_s=60.0,
+                                             control_plane=False, reduction=reduction, breakdown=False))
     ds = j.build_dataset()
     eng = VNWorkerEngine.build(j, ds, DataPlan(len(ds), j.global_batch_size, j.virtual_nodes, j.seed), cfg, device)
     eng.vn.set_membership(group, assignment)

@@ -41,6 +41,7 @@ from virtualflow.comm import auth, protocol
 from virtualflow.comm.rejects import RejectLog
 from virtualflow.runtime import transfer
 from virtualflow.runtime.channel import Heartbeat, Reporter
+from virtualflow.config.worker_options import WorkerOptions
 from virtualflow.runtime.worker import Worker, WorkerConfig
 import jobs
 
@@ -214,9 +215,9 @@ def test_rejection_logging_is_bounded_per_kind_and_counts_what_it_drops():
 
 def worker_config(**kw) -> WorkerConfig:
     fields = dict(store_host="127.0.0.1", store_port=0, job_source=None, total_steps=1, state_dir="/nonexistent",
-                  overrides={}, deterministic=True, threads=1, device="cpu", collective_timeout_s=10.0,
-                  checkpoint_every=None, resume_path=None, initial_workers=1, fault_plan=None, slowdowns={},
-                  control_plane=True, store_timeout_s=10.0, job_id=JOB, run_key=KEY)
+                  overrides={}, threads=1, resume_path=None, initial_workers=1, slowdowns={},
+                  options=WorkerOptions(deterministic=True, device="cpu", collective_timeout_s=10.0),
+                  store_timeout_s=10.0, job_id=JOB, run_key=KEY)
     return WorkerConfig(**{**fields, **kw})
 
 

@@ -26,6 +26,7 @@ import virtualflow as vf
 from virtualflow.backends.inprocess import build_engine, train_local
 from virtualflow.comm.groups import Group, make_group
 from virtualflow.config.pipeline import Pipeline
+from virtualflow.config.worker_options import WorkerOptions
 from virtualflow.plan.pipeline.geometry import layers_of, resolve_bounds
 from virtualflow.plan.data import DataPlan
 from virtualflow.runtime import breakdown
@@ -48,8 +49,9 @@ def loop_job() -> vf.Job:
 
 def engine(job: vf.Job, *, reduction: str, loader_workers: int, breakdown_on: bool):
     ds = job.build_dataset()
-    cfg = types.SimpleNamespace(deterministic=True, reduction=reduction, shard_replicas=0,
-                                deterministic_exchange="auto", loader_workers=loader_workers, breakdown=breakdown_on)
+    cfg = types.SimpleNamespace(options=WorkerOptions(deterministic=True, reduction=reduction, shard_replicas=0,
+                                                      deterministic_exchange="auto", loader_workers=loader_workers,
+                                                      breakdown=breakdown_on))
     return VNWorkerEngine.build(job, ds, DataPlan.of_job(job, len(ds)), cfg, CPU).vn
 
 

@@ -395,13 +395,14 @@ def test_a_workers_sharded_parts_hold_what_its_whole_state_holds(tmp_path, reduc
     from virtualflow.comm.groups import Group
     from virtualflow.plan.data import DataPlan
     from virtualflow.runtime.vn_worker import VNWorkerEngine
+    from virtualflow.config.worker_options import WorkerOptions
     from virtualflow.runtime.worker_config import WorkerConfig
 
     job = jobs.elastic_job().replace(loss=jobs.cross_entropy)
     cfg = WorkerConfig(store_host="127.0.0.1", store_port=0, job_source=None, total_steps=100, state_dir=str(tmp_path),
-                       overrides={}, deterministic=True, threads=1, device="cpu", collective_timeout_s=60.0,
-                       checkpoint_every=None, resume_path=None, initial_workers=1, fault_plan=None, slowdowns={},
-                       control_plane=False, reduction=reduction, breakdown=False)
+                       overrides={}, threads=1, resume_path=None, initial_workers=1, slowdowns={},
+                       options=WorkerOptions(deterministic=True, device="cpu", collective_timeout_s=60.0,
+                                             control_plane=False, reduction=reduction, breakdown=False))
     ds = job.build_dataset()
     engine = VNWorkerEngine.build(job, ds, DataPlan(len(ds), job.global_batch_size, job.virtual_nodes, job.seed), cfg,
                                   torch.device("cpu"))

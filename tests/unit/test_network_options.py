@@ -19,6 +19,7 @@ from virtualflow.config.job import JobSource
 from virtualflow.config.network import parse_listen
 from virtualflow.config.options import LaunchOptions
 from virtualflow.runtime.worker import run_worker
+from virtualflow.config.worker_options import WorkerOptions
 from virtualflow.runtime.worker_config import WorkerConfig
 
 
@@ -86,9 +87,9 @@ def test_a_store_on_loopback_is_refused_when_ray_nodes_are_elsewhere():
 
 def _config(**kw) -> WorkerConfig:
     base = dict(store_host="127.0.0.1", store_port=1, job_source=JobSource(kind="spec", target="jobs:make_job"), total_steps=1,
-                state_dir="/nonexistent", overrides={}, deterministic=True, threads=1, device="cpu",
-                collective_timeout_s=5.0, checkpoint_every=None, resume_path=None, initial_workers=1,
-                fault_plan=None, slowdowns={}, control_plane=True, job_id="0123456789abcdef", run_key="k" * 64)
+                state_dir="/nonexistent", overrides={}, threads=1, resume_path=None, initial_workers=1,
+                options=WorkerOptions(deterministic=True, device="cpu", collective_timeout_s=5.0),
+                slowdowns={}, job_id="0123456789abcdef", run_key="k" * 64)
     return WorkerConfig(**{**base, **kw})
 
 

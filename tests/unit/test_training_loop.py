@@ -12,6 +12,7 @@ import torch
 
 import virtualflow as vf
 from virtualflow.comm.groups import Group
+from virtualflow.config.worker_options import WorkerOptions
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.vnmap import contiguous_assignment
 from virtualflow.runtime.vn_worker import VNWorkerEngine
@@ -22,8 +23,8 @@ from loop_reference import loop_train
 def engine(job: vf.Job, *, deterministic: bool = False, reduction: str = "allreduce"):
     ds = job.build_dataset()
     plan = DataPlan.of_job(job, len(ds))
-    cfg = types.SimpleNamespace(deterministic=deterministic, reduction=reduction, shard_replicas=0,
-                                deterministic_exchange="auto", loader_workers=0, breakdown=False)
+    cfg = types.SimpleNamespace(options=WorkerOptions(deterministic=deterministic, reduction=reduction, shard_replicas=0,
+                                                      deterministic_exchange="auto", loader_workers=0, breakdown=False))
     eng = VNWorkerEngine.build(job, ds, plan, cfg, torch.device("cpu")).vn
     eng.set_membership(Group(0, 0, 1, None), contiguous_assignment(job.virtual_nodes, 1))
     return eng

@@ -4,15 +4,17 @@ Every option of :func:`virtualflow.train` / :func:`virtualflow.launch` is a fiel
 once: its default, its type, its help text and its command-line flag (``virtualflow run``
 builds its arguments from this table with :func:`add_arguments`). The object is validated once,
 in ``__post_init__``, with messages that name the value, the rule and the knob; the handle, the
-membership controller and the workers read their settings from it.
+membership controller and the workers read their settings from it. The fields marked
+``worker=True`` are the worker knobs: every worker process receives them whole, as one
+:class:`~virtualflow.config.worker_options.WorkerOptions` derived from this table.
 
 What an option means never depends on the job: checks that need the job (``max_workers`` at
 most ``virtual_nodes``, memory limits against the VN batch) are made when the job is known, in
 :func:`virtualflow.launch`.
 
 This module imports nothing above the config layer (only :mod:`virtualflow.config.spec`, the
-fault-injection plan :mod:`virtualflow.config.faults`, :mod:`virtualflow.config.resources` and the
-network knobs' syntax :mod:`virtualflow.config.network`),
+fault-injection plan :mod:`virtualflow.config.faults`, the flags' text forms
+:mod:`virtualflow.config.option_text` and the network knobs' syntax :mod:`virtualflow.config.network`),
 so every layer can read the options it is given. An autoscaling policy object is recognised by
 its shape (:class:`PolicyLike`: a ``name`` and a ``decide`` method), not by importing the control
 layer.
@@ -30,7 +32,8 @@ from virtualflow.config.faults import FaultPlan
 from virtualflow.config.loop import (PRECISIONS, check_activation_checkpointing, check_max_grad_norm,
                                      check_precision)
 from virtualflow.config.network import check_interface_spec, parse_listen
-from virtualflow.config.resources import parse_resources
+from virtualflow.config.option_text import (check_step_timeout, floats, parse_profile, parse_step_timeout,
+                                           profile_window, resources)
 from virtualflow.config.spec import WorkerSpec
 from virtualflow.plan.pipeline.schedules import SCHEDULE_NAMES
 
@@ -54,68 +57,14 @@ RAY_ONLY = ("address", "cpus_per_worker", "gpus_per_worker", "resources", "place
 
 
 def _opt(default: Any, help: str, group: str, *, flag: str | None = "", metavar: str | None = None,
-         parse: Callable[[str], Any] | None = None, choices: tuple[str, ...] | None = None) -> Any:
+         parse: Callable[[str], Any] | None = None, choices: tuple[str, ...] | None = None,
+         worker: bool = False) -> Any:
     """A field of the table. ``flag=""``: derived from the name (``heartbeat_timeout_s`` ->
-    ``--heartbeat-timeout``); ``flag=None``: Python only (objects that have no text form)."""
+    ``--heartbeat-timeout``); ``flag=None``: Python only (objects that have no text form).
+    ``worker=True``: a worker knob, sent to every worker process as a field of
+    :class:`~virtualflow.config.worker_options.WorkerOptions` (its value, as given)."""
     return field(default=default, metadata={"help": help, "group": group, "flag": flag, "metavar": metavar,
-                                            "parse": parse, "choices": choices})
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--slowdowns {text!r} must be comma-separated numbers, e.g. 1,1,3,3") from None
-
-
-def parse_profile(text: str) -> str:
-    """``--profile STEPS``: ``N`` (N steps after the first two) or ``A-B`` (steps A to B inclusive)."""
-    profile_window(text)
-    return text
-
-
-def profile_window(text: str) -> tuple[int, int]:
-    """The ``[first, last)`` steps a ``profile`` value names (see :func:`parse_profile`)."""
-    try:
-        if "-" in text:
-            a, b = (int(x) for x in text.split("-", 1))
-            first, last = a, b + 1
-        else:
-            n = int(text)
-            first, last = 2, 2 + n
-    except ValueError:
-        raise ValueError(f"profile={text!r} must be a number of steps (e.g. 3) or a range of steps such as 5-8 "
-                         f"(--profile)") from None
-    if first < 0 or last <= first:
-        raise ValueError(f"profile={text!r} names no step: give a positive number of steps (e.g. 3) or a range "
-                         f"A-B with 0 <= A <= B (--profile)")
-    return first, last
-
-
-def parse_step_timeout(text: str) -> float | None:
-    """``--step-timeout``: ``auto`` (None), ``off`` (0) or a number of seconds."""
-    word = text.strip().lower()
-    if word == "auto":
-        return None
-    if word == "off":
-        return 0.0
-    try:
-        value = float(word)
-    except ValueError:
-        raise ValueError(f"--step-timeout {text!r} must be auto, off or a number of seconds, e.g. 600") from None
-    check_step_timeout(value)
-    return value
-
-
-def check_step_timeout(value: float | None) -> None:
-    """``step_timeout_s``: None (automatic), 0 (off) or a finite number of seconds > 0."""
-    if value is not None and not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"step_timeout_s={value!r} must be None (automatic), 0 (off) or a finite number of "
-                         f"seconds > 0; set step_timeout_s= (--step-timeout auto|off|SECONDS)")
-
-
-def _resources(text: str) -> dict[str, float]:
-    return parse_resources(text)
+                                            "parse": parse, "choices": choices, "worker": worker})
 
 
 @dataclass(kw_only=True, slots=True)
@@ -151,26 +100,28 @@ class LaunchOptions:
     virtual_nodes: int | None = _opt(None, "override Job.virtual_nodes (V)", "training", metavar="V")
     seed: int | None = _opt(None, "override Job.seed", "training")
     deterministic: bool = _opt(False, "bit-identical weights for any worker count (per-VN gradients summed "
-                               "along a fixed tree; one thread per worker unless --threads-per-worker)", "training")
+                               "along a fixed tree; one thread per worker unless --threads-per-worker)", "training",
+                               worker=True)
     reduction: str = _opt("allreduce", "how workers combine gradients: allreduce (each holds the whole optimizer "
                           "state) or sharded (reduce-scatter, each updates 1/N of the weights and holds 1/N of the "
                           "Adam/AdamW/SGD state, all-gather; pipelined jobs: each stage over its replicas); same "
                           "model either way", "training",
-                          choices=("allreduce", "sharded"))
+                          choices=("allreduce", "sharded"), worker=True)
     deterministic_exchange: str = _opt("auto", "how deterministic mode brings the workers' partial sums together: "
                                        "owners (each worker sends each chunk of its partial sums only to that "
                                        "chunk's owner; bytes per worker do not grow with the worker count), slots "
                                        "(one all-reduce of a slot per partial sum; fewer messages, O(workers) "
                                        "bytes), or auto (owners, slots when the slot buffer is tiny); "
-                                       "bit-identical either way", "training", choices=("auto", "owners", "slots"))
+                                       "bit-identical either way", "training", choices=("auto", "owners", "slots"),
+                                       worker=True)
     shard_replicas: int = _opt(0, "with --reduction sharded: 1 also keeps each worker's chunk of the optimizer state "
                                "on the next worker (refreshed every step), so a failed worker's chunk is rebuilt in "
-                               "place instead of stopping the job; 0: one copy", "training", metavar="R")
+                               "place instead of stopping the job; 0: one copy", "training", metavar="R", worker=True)
     threads_per_worker: int | None = _opt(None, "torch threads per worker (default: cores / workers; 1 if "
                                           "deterministic; Ray: --cpus-per-worker)", "training", metavar="T")
-    device: str = _opt("cpu", "device the workers train on", "training")
+    device: str = _opt("cpu", "device the workers train on", "training", worker=True)
     collective_timeout_s: float = _opt(120.0, "bound on every collective; a peer silent this long is a failure "
-                                       "(seconds)", "training", metavar="SECONDS")
+                                       "(seconds)", "training", metavar="SECONDS", worker=True)
     run_dir: str | None = _opt(None, "where metrics.jsonl, events.jsonl, status.json, summary.json and final.pt "
                                "go (Python default: a temporary folder removed after a successful run; "
                                "command line default: runs/<file>-<time>)", "training", metavar="DIR")
@@ -181,7 +132,7 @@ class LaunchOptions:
                           "training", flag=None)
     control_plane: bool = _opt(True, "False (benchmarks only): no heartbeat thread and no per-step control "
                                "read, so stop, resize and hang detection are off; measures what they cost",
-                               "training", flag=None)
+                               "training", flag=None, worker=True)
     # -- the training loop (overrides of the job's own fields) --------------------------------
     precision: str | None = _opt(None, "override Job.precision: 32, bf16-mixed (autocast to bfloat16) or 16-mixed "
                                  "(float16 with loss scaling whose skip decisions are the whole step's)",
@@ -200,13 +151,13 @@ class LaunchOptions:
     # -- observability ----------------------------------------------------------------------
     loader_workers: int = _opt(0, "threads per worker that load the next virtual nodes' batches while the current "
                                "ones compute (same data order, same model); 0 loads each batch when it is needed",
-                               "observability and input", metavar="N")
+                               "observability and input", metavar="N", worker=True)
     breakdown: bool = _opt(True, "measure where each step's time goes per worker (input, forward, backward, "
                            "reduction, waiting for the slowest, optimizer, control); False only to measure its cost",
-                           "observability and input", flag=None)
+                           "observability and input", flag=None, worker=True)
     profile: str | None = _opt(None, "write a torch.profiler trace (Chrome/Perfetto JSON) of these steps on every "
                                "worker into RUN_DIR/profile/: N steps after the first two, or A-B",
-                               "observability and input", metavar="STEPS", parse=parse_profile)
+                               "observability and input", metavar="STEPS", parse=parse_profile, worker=True)
     tensorboard: bool = _opt(False, "write TensorBoard event files to RUN_DIR/tensorboard/ (loss, throughput, the "
                              "time breakdown, workers, resizes); view with tensorboard --logdir RUN_DIR/tensorboard",
                              "observability and input")
@@ -221,7 +172,7 @@ class LaunchOptions:
                                       "(seconds)", "elasticity and fault tolerance", metavar="SECONDS")
     coordinator_timeout_s: float = _opt(15.0, "a worker that cannot reach the coordinator's store for this long "
                                         "exits (code 3): the coordinator is gone or cut off; continue with --resume "
-                                        "(seconds)", "elasticity and fault tolerance", metavar="SECONDS")
+                                        "(seconds)", "elasticity and fault tolerance", metavar="SECONDS", worker=True)
     step_timeout_s: float | None = _opt(None, "a run that makes no step for this long is hung in its own code (a "
                                         "callback, the data, a deadlock): the workers that do not answer are killed "
                                         "and removed as failed. auto (default): max(120 s, --collective-timeout, "
@@ -230,26 +181,27 @@ class LaunchOptions:
                                         parse=parse_step_timeout)
     checkpoint_every: int | None = _opt(None, "write checkpoints/step-N.pt (--checkpoint-format dcp: "
                                         "step-N.dcp/) every N steps (the last two are kept)",
-                                        "elasticity and fault tolerance", metavar="N")
+                                        "elasticity and fault tolerance", metavar="N", worker=True)
     checkpoint_format: str = _opt("pt", "how checkpoints are written: pt (rank 0 gathers the whole state into one "
                                   "file, checkpoints/step-N.pt) or dcp (every worker writes what it holds with "
                                   "torch.distributed.checkpoint into checkpoints/step-N.dcp/; resumes on any worker "
-                                  "count and either reduction)", "elasticity and fault tolerance", choices=("pt", "dcp"))
+                                  "count and either reduction)", "elasticity and fault tolerance",
+                                  choices=("pt", "dcp"), worker=True)
     async_checkpoint: bool = _opt(False, "with --checkpoint-format dcp: training goes on while the checkpoint is "
                                   "written (it stalls for the copy to host memory only; one save in flight)",
-                                  "elasticity and fault tolerance")
+                                  "elasticity and fault tolerance", worker=True)
     resume: str | None = _opt(None, "continue from the newest good state of a run directory (the same job's: "
                               "the run directory records which), or from a checkpoint file or step-N.dcp folder",
                               "elasticity and fault tolerance", metavar="RUN_DIR_OR_FILE")
     fault_plan: FaultPlan | None = _opt(None, "fault injection for tests (virtualflow.FaultPlan)",
-                                        "elasticity and fault tolerance", flag=None)
+                                        "elasticity and fault tolerance", flag=None, worker=True)
     # -- heterogeneous workers --------------------------------------------------------------
     worker_specs: list[WorkerSpec] | None = _opt(None, "one virtualflow.WorkerSpec per starting worker "
                                                  "(memory limit, emulated slowdown, Ray resources)",
                                                  "heterogeneous workers", flag=None)
     slowdowns: list[float] | None = _opt(None, "emulate unequal workers: one slowdown factor per starting worker "
                                          "(1 = full speed), e.g. 1,1,3,3; turns on --balance",
-                                         "heterogeneous workers", metavar="F1,F2,...", parse=_floats)
+                                         "heterogeneous workers", metavar="F1,F2,...", parse=floats)
     balance: bool | None = _opt(None, "map VNs by measured worker speed and rebalance as speeds drift (default: "
                                 "on with worker specs, slowdowns or uneven VN sizes)", "heterogeneous workers")
     uneven_vn_sizes: bool = _opt(False, "let VN sizes differ per worker (faster workers get bigger VNs); "
@@ -287,7 +239,7 @@ class LaunchOptions:
     gpus_per_worker: float | None = _opt(None, "Ray GPUs per worker actor (default 0)", "backend", metavar="G")
     resources: dict[str, float] | None = _opt(None, "custom Ray resources per worker, e.g. accel_a100=1 or "
                                               "'{\"accel_a100\": 1}'", "backend", metavar="JSON|NAME=AMOUNT,...",
-                                              parse=_resources)
+                                              parse=resources)
     placement_timeout_s: float | None = _opt(None, "give up on a worker actor Ray has not placed after this long "
                                              "(seconds; default 60)", "backend", metavar="SECONDS")
 

@@ -18,27 +18,28 @@ import platform
 import shutil
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from virtualflow.backends import Attachment, Backend
-from virtualflow.comm import auth, protocol
+from virtualflow.comm import auth
 from virtualflow.control.autoscale import Limits
 from virtualflow.control.autoscale_executor import AutoscaleExecutor
 from virtualflow.control.coordinator import Coordinator
 from virtualflow.launching import outcome
+from virtualflow.launching.requests import ResizeRequests
 from virtualflow.plan.flops import describe as describe_throughput, run_throughput
 from virtualflow.plan.vnmap import pipeline_assignment
-from virtualflow.control.membership import FallbackRestart, JobFailed, MembershipController, Phase, check_resize
+from virtualflow.control.membership import FallbackRestart, JobFailed, MembershipController, Phase
 from virtualflow.config.job import Job, JobSource
 from virtualflow.config.options import LaunchOptions
+from virtualflow.config.worker_options import WorkerOptions
 from virtualflow.records.result import Result, TrainingError
 from virtualflow.records.rundir import RunLock, disk_full_error, remove_temporaries, write_json
 from virtualflow.runtime import breakdown
-from virtualflow.runtime.worker import WorkerConfig
+from virtualflow.runtime.worker_config import WorkerConfig
 
 logger = logging.getLogger("virtualflow")
 
@@ -134,15 +135,23 @@ class ProgressRate:
 
 
 class Supervisor:
+    """One running job, seen from the launching process: built from the :class:`RunSetup`, it
+    starts the coordinator, attaches the backend with the workers' configuration
+    (:func:`worker_config`), and owns the membership controller, the autoscaler's executor and
+    the resize requests (:class:`~virtualflow.launching.requests.ResizeRequests`).
+    :meth:`start` runs the monitor loop in a thread until the job ends; :attr:`result` or
+    :attr:`error` then says how, and :attr:`finished` is set once every record is written.
+
+    Invariant: it decides nothing itself (the controller decides generations, the autoscaler's
+    policy sizes, :mod:`~virtualflow.launching.outcome` how an ending is worded); every part of
+    the ending runs whatever the others raised (:meth:`_best_effort`)."""
+
     def __init__(self, setup: RunSetup) -> None:
         self.setup = setup
         opts = setup.options
         self.job = setup.job
         self.t0 = time.time()
-        self.requests: deque[int] = deque()
-        self.taken_requests: list[str] = []
         self.status_written = 0.0
-        self.replay = auth.ReplayGuard()
         self.result: Result | None = None
         self.error: BaseException | None = None
         self.finished = threading.Event()
@@ -165,40 +174,11 @@ class Supervisor:
             from virtualflow.observe.tensorboard import TensorBoardLog
 
             self.tensorboard = TensorBoardLog(os.path.join(setup.run_dir, "tensorboard"))
-        specs = opts.specs
-        self.config = WorkerConfig(
-            store_host=self.coordinator.host,
-            store_port=self.coordinator.port,
-            job_source=setup.source,
-            total_steps=setup.total_steps,
-            state_dir=setup.state_dir,
-            overrides=setup.overrides,
-            deterministic=opts.deterministic,
-            reduction=opts.reduction,
-            shard_replicas=opts.shard_replicas,
-            deterministic_exchange=opts.deterministic_exchange,
-            threads=setup.threads,
-            device=opts.device,
-            collective_timeout_s=opts.collective_timeout_s,
-            coordinator_timeout_s=opts.coordinator_timeout_s,
-            checkpoint_every=opts.checkpoint_every,
-            checkpoint_format=opts.checkpoint_format,
-            async_checkpoint=opts.async_checkpoint,
-            resume_path=setup.resume_path,
-            initial_workers=opts.start_workers,
-            fault_plan=opts.fault_plan,
-            slowdowns={i: s.slowdown for i, s in enumerate(specs) if s.slowdown != 1.0},
-            control_plane=opts.control_plane,
-            loader_workers=opts.loader_workers,
-            breakdown=opts.breakdown,
-            profile_steps=opts.profile_steps,
-            job_id=self.job_id,
-            run_key=run_key,
-            interface=opts.interface,
-        )
+        self.config = worker_config(setup, self.coordinator.host, self.coordinator.port, self.job_id, run_key)
         self.backend = setup.backend
         self.backend.attach(Attachment(config=self.config, state_dir=setup.state_dir, store=self.coordinator.store,
-                                       token=setup.token, grow=self._grow_for_join, event=self.coordinator.event))
+                                       token=setup.token, grow=lambda: self.requests.grow_for_join(),
+                                       event=self.coordinator.event))
         extra = {}
         if self.job.pipeline is not None:
             stages = self.job.pipeline.replica_workers  # the controller's unit: whole replicas (P x T)
@@ -209,6 +189,9 @@ class Supervisor:
             virtual_nodes=self.job.virtual_nodes, global_batch_size=self.job.global_batch_size,
             last_step=setup.resume_step, **extra,
         )
+        # (made before the monitor loop serves the first join: ``grow`` above is called from it)
+        self.requests = ResizeRequests(self.job, opts.min_workers, setup.token, self.job_id, self.coordinator,
+                                       self.backend, self.controller, on_taken=lambda: self.write_status(force=True))
         self.autoscaler: AutoscaleExecutor | None = None
         if setup.autoscale is not None:
             assert setup.autoscale_limits is not None
@@ -273,7 +256,7 @@ class Supervisor:
                     coord.poll()
                     raise outcome.worker_failure(self.coordinator.progress.errors, self.setup)
                 self.backend.serve(reports)
-                self._take_requests()
+                self.requests.take()
                 if self.stop_reason is not None and ctl.phase in (Phase.NEW, Phase.FORMING):
                     # No generation has formed, so no step boundary will come to stop at (the
                     # workers may never come: external ones): end now; nothing was trained.
@@ -370,49 +353,7 @@ class Supervisor:
     # -- requests ----------------------------------------------------------------------------
     def request_resize(self, workers: int) -> None:
         """A resize asked in this process (:meth:`JobHandle.resize`); checked, then queued."""
-        check_resize(workers, self.job.virtual_nodes, self.setup.options.min_workers,
-                     self.job.pipeline.replica_workers if self.job.pipeline is not None else None)
-        self.backend.check_capacity(workers)
-        self.requests.append(workers)
-
-    def _take_requests(self) -> None:
-        """Resize requests from this process and from outside (``virtualflow resize`` pushes to
-        the store's request queue). Those from outside count only when signed with the job's
-        token for this job id, fresh and not seen before, and of the request schema
-        (:func:`virtualflow.comm.protocol.parse_request`; the store has no authentication):
-        others are dropped and logged (``request_rejected``, bounded), never raised."""
-        while self.requests:
-            self.controller.request_resize(self.requests.popleft(), source="api")
-        rejects = self.coordinator.rejects
-        for raw in protocol.pop_raw(self.coordinator.store, protocol.REQUESTS_QUEUE, limit=100):
-            try:
-                req = protocol.parse_request(self.setup.token, self.job_id, raw, self.replay)
-            except ValueError as exc:
-                rejects("request_rejected", exc, raw, auth=False)
-                continue
-            try:
-                workers = req["workers"]
-                self.backend.check_capacity(workers)
-                self.controller.request_resize(workers, source=req["source"][:40])
-                # ``virtualflow resize --wait`` looks for its nonce here: only a status written
-                # after its request was taken tells whether the request has been carried out.
-                self.taken_requests = (self.taken_requests + [req["nonce"]])[-20:]
-                self.write_status(force=True)
-            except ValueError as exc:  # signed, but not possible (beyond virtual_nodes, ...)
-                rejects("request_rejected", exc, raw, auth=True)
-
-    def _grow_for_join(self) -> str | None:
-        """An external worker asked to join and no slot is open: grow the job by one through
-        the ordinary resize path. Returns why not, or None."""
-        ctl, V = self.controller, self.job.virtual_nodes
-        want = max(ctl.target, len(ctl.members)) + 1
-        if want > V:
-            return f"the job already has {want - 1} workers for virtual_nodes={V}; every worker needs at least one virtual node"
-        try:
-            ctl.request_resize(max(want, self.setup.options.min_workers), source="join")
-        except ValueError as exc:
-            return str(exc)
-        return None
+        self.requests.ask(workers)
 
     # -- results and records -----------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -500,7 +441,7 @@ class Supervisor:
                          "token_file": self.setup.token_path},
             backend=self.backend.name,
             job_id=self.job_id,
-            taken_requests=list(self.taken_requests),
+            taken_requests=list(self.requests.taken),
             updated=time.time(),
         )
         write_json(os.path.join(run_dir, "status.json"), data)
@@ -559,6 +500,20 @@ class Supervisor:
             "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "platform": platform.platform()},
         }
         write_json(os.path.join(run_dir, "summary.json"), summary)
+
+
+def worker_config(setup: RunSetup, store_host: str, store_port: int, job_id: str, run_key: str) -> WorkerConfig:
+    """What every worker of the run is told: the options' worker knobs whole
+    (:meth:`WorkerOptions.of`) and what this launch resolved (the store, the steps, the threads,
+    the resume state, the slowdowns of the starting workers, the run's id and key)."""
+    opts = setup.options
+    return WorkerConfig(
+        options=WorkerOptions.of(opts), store_host=store_host, store_port=store_port, job_source=setup.source,
+        total_steps=setup.total_steps, state_dir=setup.state_dir, overrides=setup.overrides, threads=setup.threads,
+        resume_path=setup.resume_path, initial_workers=opts.start_workers,
+        slowdowns={i: s.slowdown for i, s in enumerate(opts.specs) if s.slowdown != 1.0},
+        job_id=job_id, run_key=run_key, interface=opts.interface,
+    )
 
 
 def _version() -> str:

@@ -3,8 +3,9 @@
 :class:`Reporter` signs and numbers this worker's reports; :class:`Rejections` notes (bounded)
 what the worker refused from the store; :class:`Heartbeat` is the thread that beats, follows
 the verified control sequence and watches the current generation's abort flag, off the step's
-critical path; :func:`aborted` reads a verified abort flag. Protocol and signatures are in
-:mod:`virtualflow.comm.protocol`.
+critical path; :func:`aborted` reads a verified abort flag; :func:`connect_store` opens the
+worker's connection to the job's store, naming the address when it cannot. Protocol and
+signatures are in :mod:`virtualflow.comm.protocol`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import datetime
 import hashlib
 import logging
 import os
+import socket
 import threading
 import time
 from typing import Any
@@ -158,7 +160,7 @@ class Heartbeat:
         # A store call on a connection whose peer is cut off (a partition: no reset, no answer)
         # can block for good whatever the client's timeout, so this thread also notes when it
         # last got through, and the watchdog (:meth:`_watch`) judges that silence.
-        op_timeout = datetime.timedelta(seconds=max(0.2, min(5.0, self.cfg.coordinator_timeout_s / 3)))
+        op_timeout = datetime.timedelta(seconds=max(0.2, min(5.0, self.cfg.options.coordinator_timeout_s / 3)))
         store = None
         misses = 0
         while not self._stop.is_set():
@@ -195,7 +197,7 @@ class Heartbeat:
     def _watch(self) -> None:
         """Exit the process (code 3) once the store has not answered for ``coordinator_timeout_s``:
         the coordinator is gone or cut off. A shorter outage is survived."""
-        limit_s = self.cfg.coordinator_timeout_s
+        limit_s = self.cfg.options.coordinator_timeout_s
         while not self._stop.wait(min(0.25, limit_s / 10)):
             silent_s = time.monotonic() - self._last_ok
             if silent_s >= limit_s:
@@ -223,3 +225,37 @@ class Heartbeat:
             self.commands[n] = command
             self.commands.pop(n - 64, None)
             self.control_seq = n
+
+
+STORE_REACH_TIMEOUT_S = 60.0
+"""How long a starting worker tries to open a connection to the job's store before it gives up
+naming the address (the store listens before any worker starts: no connection in this long
+means the address is not reachable from this machine)."""
+
+
+def connect_store(cfg: WorkerConfig, worker_id: int) -> dist.TCPStore:
+    """The job's store; a store this machine cannot reach is a ``ConnectionError`` naming the
+    address and the knob within :data:`STORE_REACH_TIMEOUT_S` (the store's own connect would
+    retry for ``store_timeout_s``, 10 minutes by default)."""
+    where = f"{cfg.store_host}:{cfg.store_port}"
+
+    def unreachable(why: str) -> ConnectionError:
+        return ConnectionError(
+            f"worker {worker_id} ({socket.gethostname()}) cannot reach the job's store at {where}: {why}; the "
+            f"coordinator listens there (listen= / --listen; on Ray, by default the driver's node address): that "
+            f"address must be reachable from every worker's machine")
+
+    deadline = time.monotonic() + min(cfg.store_timeout_s, STORE_REACH_TIMEOUT_S)
+    while True:
+        try:
+            socket.create_connection((cfg.store_host, cfg.store_port), timeout=5.0).close()
+            break
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise unreachable(exc.strerror or str(exc) or type(exc).__name__) from None
+            time.sleep(0.2)
+    try:
+        return dist.TCPStore(cfg.store_host, cfg.store_port, is_master=False,
+                             timeout=datetime.timedelta(seconds=cfg.store_timeout_s))
+    except (RuntimeError, OSError) as exc:  # torch's DistNetworkError / DistStoreError are RuntimeErrors
+        raise unreachable(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)) from exc

@@ -11,7 +11,7 @@ holds the training state and runs steps. Two engines implement :class:`Engine`:
 The worker never asks which one it holds: everything that differs between them (how a generation
 is adopted and the state moved to members behind, whether the whole state is assembled by a
 collective, what falls due at a step boundary, what a held generation writes) is a method here.
-:func:`virtualflow.runtime.worker.build_engine` is the one place that chooses the engine, from
+:func:`virtualflow.runtime.factory.build_engine` is the one place that chooses the engine, from
 the job.
 
 Invariants every engine keeps (the worker's commit rule rests on them, see its docstring):
@@ -104,7 +104,7 @@ class Boundary(Protocol):
 class Engine(Protocol):
     """What a worker's generation loop asks of the engine that trains its job.
 
-    Life: built before the worker joins (:func:`virtualflow.runtime.worker.build_engine`); then, per generation,
+    Life: built before the worker joins (:func:`virtualflow.runtime.factory.build_engine`); then, per generation,
     :meth:`adopt`, :meth:`step` after :meth:`step` with the boundary work between them
     (:meth:`boundary` on every member, :meth:`boundary_on_rank0` after rank 0's step report), and
     one of: a failure (:meth:`abandon_step`), a planned regroup (:meth:`before_regroup`), a held
@@ -121,6 +121,12 @@ class Engine(Protocol):
     """Where the current step is, reported when a peer fails (``idle`` between steps)."""
     generation_broken: Callable[[], bool] | None
     """Asked during a step: True once the coordinator declared the generation broken."""
+    generation_hops_duplex: bool
+    """Whether the generation's own group carries point-to-point hops both ways (a pipeline
+    without tensor parallelism): the worker then builds it with a connection per direction
+    (:func:`virtualflow.comm.groups.make_group`'s ``duplex``). Set by
+    :func:`virtualflow.runtime.factory.build_engine`, which knows the job's layout; the worker
+    only passes it on."""
 
     def install_fault_point(self, fn: Callable[[int, str], None]) -> None:
         """Call ``fn(step, phase)`` at each fault-injection point (:mod:`runtime.faults`)."""

@@ -54,7 +54,7 @@ from torch import nn
 
 from virtualflow.config.job import Job
 from virtualflow.config.pipeline import Pipeline
-from virtualflow.plan.data import vn_seed
+from virtualflow.plan.data import DataPlan, vn_seed
 from virtualflow.plan.pipeline import predict as _predict
 from virtualflow.plan.pipeline.geometry import layers_of, tensors_of
 from virtualflow.plan.pipeline.partition import LayerProfile, Link, Partition
@@ -175,7 +175,10 @@ def _boundary(value: Any) -> tuple[Any, list[torch.Tensor]]:
     return type(value)(fed), leaves
 
 
-def _profile(job: Job, dev: torch.device, repeats: int, warmup: int, weight_grad: bool):
+def _prepare(job: Job, dev: torch.device) -> tuple[DataPlan, nn.Module, list[nn.Module], list[str], Any, Any]:
+    """What a profile runs on, checked: ``(plan, model, layers, names, batch, first_input)``, the
+    model built after ``torch.manual_seed(job.seed)`` as the workers build it, the batch virtual
+    node 0's of step 0 on ``dev``."""
     if job.output_loss is None:
         raise ValueError("profiling a pipelined model needs Job.output_loss=(outputs, batch) -> scalar (the last "
                          "layer's loss); the job gives only Job.loss")
@@ -196,6 +199,11 @@ def _profile(job: Job, dev: torch.device, repeats: int, warmup: int, weight_grad
     batch = to_device(batch, dev)
     first_input = _user("Job.model_input" if job.model_input is not None else "Job.input_of (batch[0])",
                         job.input_of, batch)
+    return plan, model, layers, names, batch, first_input
+
+
+def _profile(job: Job, dev: torch.device, repeats: int, warmup: int, weight_grad: bool):
+    plan, model, layers, names, batch, first_input = _prepare(job, dev)
     resident = {k[0] for t in (*model.parameters(), *model.buffers()) if (k := _storage_key(t)) is not None}
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     torch.manual_seed(vn_seed(job.seed, 0, 0))  # dropout & co. draw as VN 0 of step 0 would

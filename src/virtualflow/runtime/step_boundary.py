@@ -74,14 +74,14 @@ class WorkerBoundary:
         self.callbacks = callbacks
         self.last_eval_step = -1
         """The step of the last evaluation (the final state is evaluated unless it was)."""
-        self.dcp = cfg.checkpoint_format == "dcp"
+        self.dcp = cfg.options.checkpoint_format == "dcp"
         """Checkpoints are sharded: every member writes its part (:meth:`save_sharded`)."""
-        self.saver = DcpSaver(cfg.async_checkpoint) if self.dcp else None
+        self.saver = DcpSaver(cfg.options.async_checkpoint) if self.dcp else None
         self.fault_point: Callable[[int, str], None] | None = None
         """Fault injection (:mod:`virtualflow.runtime.faults`): ``during_checkpoint``."""
 
     def checkpoint_due(self, step: int) -> bool:
-        every = self.cfg.checkpoint_every
+        every = self.cfg.options.checkpoint_every
         return bool(every and step % every == 0 and step < self.cfg.total_steps)
 
     def eval_due(self, step: int) -> bool:

@@ -109,7 +109,9 @@ class VNWorkerEngine:
 
     @classmethod
     def build(cls, job: Job, dataset: Any, plan: DataPlan, cfg: WorkerConfig, device: torch.device) -> VNWorkerEngine:
-        """The job's model (from ``torch.manual_seed(job.seed)``), optimizer, scheduler and engine."""
+        """The job's model (from ``torch.manual_seed(job.seed)``), optimizer, scheduler and engine,
+        with the job's worker knobs (``cfg.options``)."""
+        opts = cfg.options
         torch.manual_seed(job.seed)
         model = job.model().to(device)
         prepare_model(model, activation_checkpointing=job.activation_checkpointing, compile=job.compile)
@@ -117,11 +119,11 @@ class VNWorkerEngine:
         scheduler = job.lr_scheduler(optimizer) if job.lr_scheduler is not None else None
         return cls(VNEngine(
             model, optimizer, scheduler, job.compute_loss, plan, loader_of(dataset, job.collate_fn, plan),
-            seed=job.seed, batchnorm=job.batchnorm, deterministic=cfg.deterministic, device=device,
-            reduction=cfg.reduction, loader_workers=cfg.loader_workers, breakdown=cfg.breakdown,
+            seed=job.seed, batchnorm=job.batchnorm, deterministic=opts.deterministic, device=device,
+            reduction=opts.reduction, loader_workers=opts.loader_workers, breakdown=opts.breakdown,
             precision=job.precision, max_grad_norm=job.max_grad_norm,
             loss_scale=dict(job.loss_scale) if job.loss_scale is not None else None,
-            shard_replicas=cfg.shard_replicas, deterministic_exchange=cfg.deterministic_exchange,
+            shard_replicas=opts.shard_replicas, deterministic_exchange=opts.deterministic_exchange,
         ))
 
     # -- the engine's attributes, the VN engine's own -------------------------------------------

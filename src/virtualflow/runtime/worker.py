@@ -44,7 +44,10 @@ reduction).
 Engines. The worker never asks which engine it runs (VN or pipelined, plain or sharded
 reduction): what differs is behind :class:`virtualflow.runtime.engines.Engine` (adopting a
 generation, a step, abandoning it, the whole state, the step-boundary work, a held generation);
-:func:`build_engine` is the one place that picks the engine from the job.
+:func:`build_engine` is the one place that picks the engine from the job. Nor does it read the
+job's layout: whether a generation's group carries pipeline hops both ways is the engine's
+:attr:`~virtualflow.runtime.engines.Engine.generation_hops_duplex`, and the knobs are read
+from ``cfg.options`` (:class:`~virtualflow.config.worker_options.WorkerOptions`).
 
 Size: one concept (a worker's life through generations: set-up, forming a group, agreeing on
 the state, the step loop, leaving). Beside it: its side of the control plane
@@ -61,7 +64,6 @@ import dataclasses
 import datetime
 import logging
 import os
-import socket
 import threading
 import time
 from typing import Any, Callable, TypeVar
@@ -75,7 +77,7 @@ from virtualflow.comm.net import resolve_interface
 from virtualflow.config.job import Job
 from virtualflow.plan.flops import peak_tflops
 from virtualflow.runtime.callbacks import Callbacks, StepInfo
-from virtualflow.runtime.channel import Heartbeat, Rejections, Reporter, aborted
+from virtualflow.runtime.channel import Heartbeat, Rejections, Reporter, aborted, connect_store
 from virtualflow.runtime import dataset_check
 from virtualflow.runtime.checkpoint import save_state
 from virtualflow.runtime.dcp import load_checkpoint
@@ -114,9 +116,9 @@ def run_worker(cfg: WorkerConfig, worker_id: int, notice: PreemptionNotice | Non
         raise ValueError("WorkerConfig has no run key or job id: a worker signs its reports and checks the "
                          "coordinator's messages with them (the launching process fills them in)")
     torch.set_num_threads(cfg.threads)
-    if cfg.deterministic:
+    if cfg.options.deterministic:
         torch.use_deterministic_algorithms(True)
-    store = _connect_store(cfg, worker_id)
+    store = connect_store(cfg, worker_id)
     reporter = Reporter(store, protocol.RunKey(cfg.run_key, cfg.job_id), worker_id)
     worker: Worker | None = None
     try:
@@ -130,40 +132,6 @@ def run_worker(cfg: WorkerConfig, worker_id: int, notice: PreemptionNotice | Non
     except Exception as exc:
         report_failure(reporter, worker_id, exc, worker)
         return 1
-
-
-STORE_REACH_TIMEOUT_S = 60.0
-"""How long a starting worker tries to open a connection to the job's store before it gives up
-naming the address (the store listens before any worker starts: no connection in this long
-means the address is not reachable from this machine)."""
-
-
-def _connect_store(cfg: WorkerConfig, worker_id: int) -> dist.TCPStore:
-    """The job's store; a store this machine cannot reach is a ``ConnectionError`` naming the
-    address and the knob within :data:`STORE_REACH_TIMEOUT_S` (the store's own connect would
-    retry for ``store_timeout_s``, 10 minutes by default)."""
-    where = f"{cfg.store_host}:{cfg.store_port}"
-
-    def unreachable(why: str) -> ConnectionError:
-        return ConnectionError(
-            f"worker {worker_id} ({socket.gethostname()}) cannot reach the job's store at {where}: {why}; the "
-            f"coordinator listens there (listen= / --listen; on Ray, by default the driver's node address): that "
-            f"address must be reachable from every worker's machine")
-
-    deadline = time.monotonic() + min(cfg.store_timeout_s, STORE_REACH_TIMEOUT_S)
-    while True:
-        try:
-            socket.create_connection((cfg.store_host, cfg.store_port), timeout=5.0).close()
-            break
-        except OSError as exc:
-            if time.monotonic() >= deadline:
-                raise unreachable(exc.strerror or str(exc) or type(exc).__name__) from None
-            time.sleep(0.2)
-    try:
-        return dist.TCPStore(cfg.store_host, cfg.store_port, is_master=False,
-                             timeout=datetime.timedelta(seconds=cfg.store_timeout_s))
-    except (RuntimeError, OSError) as exc:  # torch's DistNetworkError / DistStoreError are RuntimeErrors
-        raise unreachable(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)) from exc
 
 
 class PreemptionNotice:
@@ -236,7 +204,7 @@ class Worker:
         self.run_key = reporter.run
         self.rejections = Rejections(reporter)
         self._joining: Joining | None = None  # the generation being adopted (a fault report names its phase)
-        self.device = torch.device(cfg.device)
+        self.device = torch.device(cfg.options.device)
         self.progress = Progress(step=-1, control=0)
         self.last_report: dict[str, Any] | None = None
         self.retired: list[Group] = []
@@ -282,7 +250,7 @@ class Worker:
         # exit (external workers), instead of holding its place for ever. The controller watches
         # a worker's heartbeats only from its join on.
         self.heartbeat = Heartbeat(cfg, self.id, run=self.run_key, rejections=self.rejections)
-        if cfg.control_plane:
+        if cfg.options.control_plane:
             self.heartbeat.start()
         job = self.job = build_job(cfg)
         dataset = job.build_dataset()
@@ -292,10 +260,11 @@ class Worker:
         self.boundary = WorkerBoundary(cfg, job, self.report, self.callbacks)
         self.peak_tflops = device_peak_tflops(self.device, job.precision) if job.flops_per_sample else None
         self.profiler = None
-        if cfg.profile_steps is not None:
-            self.profiler = StepProfiler(cfg.profile_steps, os.path.join(cfg.state_dir, "profile"), self.id,
+        if cfg.options.profile_steps is not None:
+            self.profiler = StepProfiler(cfg.options.profile_steps, os.path.join(cfg.state_dir, "profile"), self.id,
                                          self.device.type)
-        self.faults = WorkerFaults.of(cfg.fault_plan, self.id) if cfg.fault_plan is not None else None
+        plan = cfg.options.fault_plan
+        self.faults = WorkerFaults.of(plan, self.id) if plan is not None else None
         if self.faults:
             self.engine.install_fault_point(self.faults.point)
             self.boundary.fault_point = self.faults.point
@@ -394,11 +363,8 @@ class Worker:
         # that say nothing while a generation forms as wedged in their own code).
         self.report({"type": "arrived", "generation": gen})
         _rendezvous(self.store, cfg, gen, len(record.members), lambda: self.aborted(gen))
-        # A pipeline's hops travel on the generation's group (without tensor parallelism): a
-        # connection per direction (see make_group's duplex).
-        duplex = self.job.pipeline is not None and self.job.pipeline.tensor == 1
-        group = make_group(self.store, gen, rank, len(record.members), cfg.collective_timeout_s, self.device,
-                           bind=cfg.gloo_bind(), duplex=duplex)
+        group = make_group(self.store, gen, rank, len(record.members), cfg.options.collective_timeout_s, self.device,
+                           bind=cfg.gloo_bind(), duplex=self.engine.generation_hops_duplex)
         group.abort_check = lambda: self.aborted(gen)
         t_group = time.perf_counter() - t0
         for old in self.retired:  # every member has left the old groups: release them
@@ -432,7 +398,7 @@ class Worker:
             moved += self.callbacks.adopt(group, src=src, behind=joining.behind, step=target, hold=record.hold)
             t_transfer += time.perf_counter() - t1
         self.progress = Progress(step=target, control=max(p.control for p in everyone))
-        if self.cfg.control_plane:
+        if self.cfg.options.control_plane:
             self.heartbeat.watch(gen)
             self.engine.generation_broken = self.heartbeat.broken
         if rank == 0:
@@ -603,8 +569,6 @@ class Worker:
                 pass
         for old in self.retired:
             old.close()
-
-
 
 
 def exchange_fields(engine: Any) -> dict[str, Any]:

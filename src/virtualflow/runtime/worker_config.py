@@ -4,7 +4,14 @@ Its own module so that the worker's control-plane side (:mod:`virtualflow.runtim
 the worker's life (:mod:`virtualflow.runtime.worker`) both read it without importing each other.
 It is pickled to a worker process (local backend: on stdin) and sent through a Ray actor call:
 the class keeps its name and fields. Invariant: plain values only (no process groups, no
-tensors); the options' defaults live in :class:`~virtualflow.options.LaunchOptions`.
+tensors).
+
+Two kinds of fields: the worker knobs of the job's
+:class:`~virtualflow.config.options.LaunchOptions`, passed whole and as given in :attr:`options`
+(a :class:`~virtualflow.config.worker_options.WorkerOptions`; their defaults live in
+``LaunchOptions``), and what the launching process resolved for this run (the store's address,
+the steps, the threads, the resume state, the run's id and key) or a worker resolves on its own
+machine (:attr:`interface`).
 """
 
 from __future__ import annotations
@@ -13,17 +20,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from virtualflow.config.job import JobSource
-from virtualflow.runtime.faults import FaultPlan
+from virtualflow.config.worker_options import WorkerOptions
 
 __all__ = ["WorkerConfig"]
 
 
 @dataclass(slots=True, kw_only=True)
 class WorkerConfig:
-    """What every worker process of a run is told, built once by the launching process from the
-    job's :class:`~virtualflow.options.LaunchOptions` and what it resolved (store address,
-    steps, threads, resume state). The options' defaults live there, not here."""
+    """What every worker process of a run is told, built once by the launching process
+    (:func:`virtualflow.launching.supervisor.worker_config`) from the job's
+    :class:`~virtualflow.config.options.LaunchOptions` and what it resolved."""
 
+    options: WorkerOptions
+    """The job's worker knobs, as given (``cfg.options.reduction``, ``cfg.options.deterministic``, ...)."""
     store_host: str
     store_port: int
     job_source: JobSource
@@ -31,55 +40,29 @@ class WorkerConfig:
     state_dir: str
     overrides: dict[str, Any]
     """Job fields the options override (global_batch_size, virtual_nodes, seed)."""
-    deterministic: bool
     threads: int
-    device: str
-    collective_timeout_s: float
-    checkpoint_every: int | None
+    """Torch threads per worker: ``threads_per_worker``, else 1 in deterministic mode, else the backend's
+    share of the cores."""
     resume_path: str | None
     initial_workers: int
     """Workers ``0 .. initial_workers-1`` start the job (load ``resume_path`` if given); later
     ids are newcomers that receive the state from a member."""
-    fault_plan: FaultPlan | None
     slowdowns: dict[int, float]
     """Emulated slowness per worker id (see :class:`virtualflow.WorkerSpec`)."""
-    control_plane: bool
-    """False (benchmarks only): no heartbeat thread and no per-step control read, so stop,
-    resize and hang detection do not work; it measures what the control plane costs."""
-    reduction: str = "allreduce"
-    shard_replicas: int = 0
-    deterministic_exchange: str = "auto"
-    """Deterministic mode's exchange (:class:`~virtualflow.options.LaunchOptions` ``deterministic_exchange``)."""
-    """``reduction="sharded"``: 1 keeps each chunk of the optimizer state on the next worker too
-    (:class:`~virtualflow.options.LaunchOptions` ``shard_replicas``)."""
-    loader_workers: int = 0
-    """Threads that load the next virtual nodes' batches while the current ones compute
-    (:class:`~virtualflow.options.LaunchOptions` ``loader_workers``; 0: load when needed)."""
-    breakdown: bool = True
-    """Measure where each step's time goes (:mod:`virtualflow.runtime.breakdown`)."""
-    profile_steps: tuple[int, int] | None = None
-    """``[first, last)`` steps traced with ``torch.profiler`` into ``state_dir/profile/``."""
-    """How gradients are combined (:class:`~virtualflow.options.LaunchOptions` ``reduction``)."""
     store_timeout_s: float = 600.0
     """Bound on waits for the coordinator (a generation to join; a rendezvous)."""
     heartbeat_interval_s: float = 0.05
-    coordinator_timeout_s: float = 15.0
-    """A worker whose heartbeat thread cannot reach the store for this long exits (code 3)
-    (:class:`~virtualflow.options.LaunchOptions` ``coordinator_timeout_s``)."""
+    """Seconds between two heartbeats of a worker's heartbeat thread."""
     keep_checkpoints: int = 2
-    checkpoint_format: str = "pt"
-    """``pt``: one state file per checkpoint (rank 0); ``dcp``: every worker writes its part
-    (:mod:`virtualflow.runtime.dcp`)."""
-    async_checkpoint: bool = False
-    """``dcp`` checkpoints written on a thread while training goes on."""
+    """Checkpoints written during training that are kept (the newest)."""
     job_id: str = ""
     """This launch's id (:func:`virtualflow.comm.auth.new_job_id`), named by every signed message."""
     interface: str = "auto"
     """What the worker's collectives (gloo) bind to and tell their peers: ``auto`` (the address
     that reaches the store), interface names or addresses
-    (:class:`~virtualflow.options.LaunchOptions` ``interface``). Each worker resolves it on its
+    (:class:`~virtualflow.config.options.LaunchOptions` ``interface``). Each worker resolves it on its
     own machine when it starts (:func:`virtualflow.comm.net.resolve_interface`); from then on it
-    holds the addresses."""
+    holds the addresses (so it is a field here, not one of the :attr:`options` given as they are)."""
     interface_knob: str = "--interface"
     """Where ``interface`` came from, for messages (a worker's entry point sets
     ``GLOO_SOCKET_IFNAME`` when its environment chose it)."""

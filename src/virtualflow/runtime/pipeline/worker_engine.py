@@ -41,6 +41,7 @@ import torch
 from virtualflow.comm.groups import Group
 from virtualflow.plan.pipeline.geometry import Grid, check_workers, layers_of, resolve_bounds
 from virtualflow.config.pipeline import Pipeline
+from virtualflow.config.worker_options import WorkerOptions
 from virtualflow.plan.replica_shares import replica_blocks
 from virtualflow.runtime.dcp import Piece
 from virtualflow.runtime.engine import StepOutcome
@@ -70,23 +71,20 @@ class PipelineWorkerEngine:
     to :mod:`.stage_state`, the interrupted step to :class:`InterruptedCommit`, the wire to
     :func:`~.links.drive`."""
 
-    def __init__(self, job: Any, dataset: Any, *, deterministic: bool, device: torch.device,
-                 subgroup: Callable[..., Group], eager_every_wait: bool = False,
-                 deterministic_exchange: str = "auto", reduction: str = "allreduce",
-                 breakdown: bool = True) -> None:
-        """``subgroup(generation, name, rank, size, duplex=False)``: a named group of a generation
-        (``duplex``: a connection per direction). ``deterministic_exchange``: the ``LaunchOptions``
-        knob of that name (how deterministic mode's per-stage reduction over the replicas runs:
-        :class:`~.links.StageExchanges`). ``breakdown``, ``eager_every_wait``: :class:`StageEngine`'s.
-        ``reduction``: ``"sharded"`` shards each stage's optimizer state over its replicas
-        (:mod:`~virtualflow.runtime.pipeline.stage_shard`)."""
+    def __init__(self, job: Any, dataset: Any, options: WorkerOptions, *, device: torch.device,
+                 subgroup: Callable[..., Group], eager_every_wait: bool = False) -> None:
+        """``options``: the job's worker knobs, whole. Its ``deterministic_exchange``: how
+        deterministic mode's per-stage reduction over the replicas runs (:class:`~.links.StageExchanges`);
+        ``reduction="sharded"`` shards each stage's optimizer state over its replicas
+        (:mod:`~virtualflow.runtime.pipeline.stage_shard`). ``subgroup(generation, name, rank, size,
+        duplex=...)``: a group of the generation's workers."""
         self.job = job
-        self.reduction = reduction
-        self.deterministic_exchange = deterministic_exchange
-        self.exchanges = StageExchanges(deterministic_exchange)  # (checks the knob's value now)
+        self.reduction = options.reduction
+        self.deterministic_exchange = options.deterministic_exchange
+        self.exchanges = StageExchanges(self.deterministic_exchange)  # (checks the knob's value now)
         """This generation's per-stage exchanges: which one each stage group runs, and why."""
         self.pipeline: Pipeline = job.pipeline
-        self.deterministic = deterministic
+        self.deterministic = options.deterministic
         self.device = device
         self.subgroup = subgroup
         torch.manual_seed(job.seed)
@@ -111,7 +109,7 @@ class PipelineWorkerEngine:
                                                 build_optimizer=job.build_optimizer)
         """The stages' tensor parallelism (:mod:`~virtualflow.runtime.pipeline.tensor_stage`): its
         groups, shards and state merge; ``self.group`` is the group it gives the pipeline (a plane)."""
-        self.builder = StageBuilder(job, dataset, self.plan, deterministic, device, eager_every_wait, breakdown)
+        self.builder = StageBuilder(job, dataset, self.plan, self.deterministic, device, eager_every_wait, options.breakdown)
         """Builds this worker's stage engine (:mod:`~virtualflow.runtime.pipeline.layout`)."""
         self.phase = "idle"
         self.slowdown = 1.0
