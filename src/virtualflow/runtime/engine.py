@@ -125,7 +125,6 @@ class VNEngine:
         self.sharded = reduction == "sharded"
         self.precision = precision
         """``Job.precision``: the forward and loss run under :func:`~virtualflow.runtime.amp.autocast`."""
-        self.max_grad_norm = max_grad_norm
         self.finish = StepFinish.of(self.params, precision, loss_scale, max_grad_norm)
         """Unscale, the inf/nan verdict, the whole step's norm, clip (:mod:`virtualflow.runtime.step.finish`)."""
         self.update: WholeUpdate | ShardedUpdate = make_update(reduction, optimizer, self.params,

@@ -91,6 +91,9 @@ class WholeStage(WholeUpdate):
         """Nothing to gather after the update: every copy stepped the whole stage."""
         yield from ()
 
+    def gather_whole(self, replica: int, replicas: int, group: Any, root: int | None = None) -> None:
+        pass  # the whole state is held here
+
 
 class StageShard:
     """One stage copy's chunk of the stage's optimizer (see the module docstring): the VN engine's
@@ -189,17 +192,40 @@ class StageShard:
         for a checkpoint holds the whole state for a moment, which this does not count)."""
         return self.held_bytes
 
+    def gather_whole(self, replica: int, replicas: int, group: Any, root: int | None = None) -> None:
+        """:func:`gather_stage_optimizer` for this copy, chunk ``replica`` of ``replicas``.
+
+        Symmetric by construction: the replicas take part exactly when their chunks are current for
+        the stage's layout, which is true on all of them or on none (a generation's first step has
+        not cut them yet: the whole state is then held everywhere already, from a load or the
+        regroup's gather)."""
+        if not self.holds_chunk_of(replica, replicas):
+            return
+        from virtualflow.comm.ring import Collectives
+
+        opt = self.opt
+        comm = Collectives(group) if group is not None and group.size > 1 else None
+        held, opt.full = opt.full, None  # (gather_state reads the chunks only while no whole state is held)
+        try:
+            if comm is None:
+                state = opt.gather_state(lambda chunk: chunk, lambda t: None)
+            else:
+                state = gather_sharded_state(opt, comm, group, root)
+        finally:
+            if comm is not None:
+                comm.close()
+        opt.full = state if state is not None else held
+
 
 def stage_update(reduction: str, params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer, *,
                  pipeline: Any, tied: bool, norm_blocks: bool) -> WholeStage | StageShard:
     """A stage copy's optimizer update for ``reduction`` (checked against ``pipeline`` and its
     ``tied`` weights: :func:`check_stage_sharding`); ``norm_blocks``: the whole step's norm is
     taken (chunks start on its blocks). A stage with no trainable parameters has nothing to shard."""
-    if reduction == "sharded":
-        check_stage_sharding(pipeline, tied=tied)
-    if reduction == "sharded" and params:
-        return StageShard(params, optimizer, norm_blocks=norm_blocks)
-    return WholeStage(optimizer, params)
+    if reduction != "sharded":
+        return WholeStage(optimizer, params)
+    check_stage_sharding(pipeline, tied=tied)
+    return StageShard(params, optimizer, norm_blocks=norm_blocks) if params else WholeStage(optimizer, params)
 
 
 class StageOptimizer:
@@ -238,29 +264,10 @@ class StageOptimizer:
 def gather_stage_optimizer(stage: Any, group: Any, root: int | None = None) -> None:
     """Collective over the stage group (every replica of the stage calls it at the same point):
     the whole optimizer state of ``stage`` (a :class:`~.engine.StageEngine`) held again on every
-    replica (``root`` None) or on replica ``root`` only, beside the chunks (the next step drops it).
-
-    Symmetric by construction: the replicas take part exactly when their chunks are current for
-    the stage's layout, which is true on all of them or on none (a generation's first step has not
-    cut them yet: the whole state is then held everywhere already, from a load or the regroup's
-    gather)."""
-    shard = stage.shard if stage is not None else None
-    if shard is None or not shard.holds_chunk_of(stage.replica, stage.replicas):
-        return
-    from virtualflow.comm.ring import Collectives
-
-    opt = shard.opt
-    comm = Collectives(group) if group is not None and group.size > 1 else None
-    held, opt.full = opt.full, None  # (gather_state reads the chunks only while no whole state is held)
-    try:
-        if comm is None:
-            state = opt.gather_state(lambda chunk: chunk, lambda t: None)
-        else:
-            state = gather_sharded_state(opt, comm, group, root)
-    finally:
-        if comm is not None:
-            comm.close()
-    opt.full = state if state is not None else held
+    replica (``root`` None) or on replica ``root`` only, beside the chunks (the next step drops it);
+    nothing to do for a stage holding its whole optimizer (:meth:`WholeStage.gather_whole`)."""
+    if stage is not None:
+        stage.update.gather_whole(stage.replica, stage.replicas, group, root)
 
 
 def optimizer_bytes(stage: Any) -> int:
