@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from virtualflow.runtime.amp import LossScaler, NoLossScale, loss_scaling
+from virtualflow.runtime.amp import LossScaler, NoLossScale
 from virtualflow.runtime.clipping import BLOCK, NormBlocks
 from virtualflow.runtime.step.finish import (ChunkGrads, FlatSum, Part, StepFinish, TensorSlots, WholeGrads,
                                              range_parts)
@@ -84,20 +84,22 @@ def test_loss_scaling_skips_an_inf_gradient_and_clips_nothing():
 
 
 def test_no_loss_scale_never_skips_and_saves_nothing():
-    scaling = loss_scaling("bf16-mixed", None)
-    assert isinstance(scaling, NoLossScale) and scaling.scale is None
+    finish = StepFinish.of(_params(3), "bf16-mixed", None, max_grad_norm=None)
+    scaling = finish.scaling
+    assert isinstance(scaling, NoLossScale) and scaling.scale is None and finish.scaler is None
+    assert finish.blocks is None  # no norm is taken: nothing to clip, nothing to decide
     assert not scaling.skips(float("nan")) and not scaling.skips_flagged(3.0)
     assert scaling.checkpoint_entries() == {} and scaling.state_dict() is None
     loss = torch.tensor(2.0)
     assert scaling.scale_loss(loss) is loss
-    assert isinstance(loss_scaling("16-mixed", None), LossScaler)
+    assert isinstance(StepFinish.of(_params(3), "16-mixed", None, None).scaling, LossScaler)
 
 
 def test_a_stage_local_part_with_tensor_slots_fills_each_shard_in_its_slot():
     q_shard, q_rep = torch.nn.Parameter(torch.zeros(BLOCK)), torch.nn.Parameter(torch.zeros(3))
     q_shard.grad, q_rep.grad = torch.full((BLOCK,), 2.0), torch.full((3,), 1.0)
     blocks = NormBlocks([BLOCK, 3], torch.float32, slots=[2, 1])
-    finish = StepFinish(NoLossScale(), 1.0, blocks)
+    finish = StepFinish(None, 1.0, blocks)
     summed: list[torch.Tensor] = []
     slots = TensorSlots(lambda v: summed.append(v.clone()), frozenset({id(q_shard)}), rank=1,
                         device=torch.device("cpu"))

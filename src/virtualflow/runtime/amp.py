@@ -30,7 +30,7 @@ import torch
 
 from virtualflow.config.loop import autocast_dtype, scaler_settings
 
-__all__ = ["LossScaler", "NoLossScale", "autocast", "loss_scaling"]
+__all__ = ["LossScaler", "NoLossScale", "autocast"]
 
 
 def autocast(device: torch.device, precision: str) -> ContextManager[Any]:
@@ -160,12 +160,6 @@ class NoLossScale:
 
     def update(self, found_inf: bool) -> None:
         pass
-
-
-def loss_scaling(precision: str, loss_scale: dict[str, Any] | None) -> LossScaler | NoLossScale:
-    """The loss scaling ``precision`` needs: a :class:`LossScaler` for ``"16-mixed"``, else
-    :class:`NoLossScale`."""
-    return LossScaler.of(precision, loss_scale) or NoLossScale()
 
 
 def _as_float32(value: float) -> float:

@@ -48,7 +48,7 @@ from typing import Any, Callable, ContextManager, Generator, Mapping, Sequence
 import torch
 from torch import nn
 
-from virtualflow.runtime.amp import LossScaler, NoLossScale, autocast
+from virtualflow.runtime.amp import LossScaler, autocast
 from virtualflow.runtime.clipping import NormBlocks, norm_dtype
 from virtualflow.runtime.model_prep import prepare_model
 from virtualflow.runtime.pipeline.requests import AllSum, Request
@@ -90,7 +90,7 @@ class StageLoop:
     taken to clip only (a stage learns an inf/nan from the flags in the stats)."""
 
     def __post_init__(self) -> None:
-        self.finish = StepFinish(self.scaler or NoLossScale(), self.max_grad_norm,
+        self.finish = StepFinish(self.scaler, self.max_grad_norm,
                                  self.blocks if self.max_grad_norm is not None else None)
 
     @property

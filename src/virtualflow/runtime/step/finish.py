@@ -2,7 +2,7 @@
 
 Purpose: what happens to a step's reduced gradient before the optimizer sees it, written once for
 every layout. :class:`StepFinish` holds ``Job.precision``'s loss scaling
-(:func:`virtualflow.runtime.amp.loss_scaling`), ``Job.max_grad_norm`` and the whole model's
+(:mod:`virtualflow.runtime.amp`), ``Job.max_grad_norm`` and the whole model's
 :class:`~virtualflow.runtime.clipping.NormBlocks`; a layout says only *what gradient it holds*:
 
 * the VN engine hands it a :class:`HeldGradient`, chosen by its optimizer update
@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 
-from virtualflow.runtime.amp import LossScaler, NoLossScale, loss_scaling
+from virtualflow.runtime.amp import LossScaler, NoLossScale
 from virtualflow.runtime.clipping import BLOCK, NormBlocks, clip_, total_norm
 
 __all__ = ["ChunkGrads", "FlatSum", "HeldGradient", "ONE_SLOT", "OneSlot", "Part", "StepFinish", "TensorSlots",
@@ -183,9 +183,11 @@ class StepFinish:
     """A step's finish for one worker (see the module docstring). ``blocks`` is ``None`` when no
     norm is taken (no clipping, and in a pipeline no clipping whatever the precision)."""
 
-    def __init__(self, scaling: LossScaler | NoLossScale, max_grad_norm: float | None,
-                 blocks: NormBlocks | None) -> None:
-        self.scaling = scaling
+    def __init__(self, scaler: LossScaler | None, max_grad_norm: float | None, blocks: NormBlocks | None) -> None:
+        self.scaler = scaler
+        """``"16-mixed"``'s loss scaler (``None`` otherwise)."""
+        self.scaling: LossScaler | NoLossScale = scaler or NoLossScale()
+        """The loss scaling every step asks (:class:`~virtualflow.runtime.amp.NoLossScale` without a scaler)."""
         self.max_grad_norm = max_grad_norm
         self.blocks = blocks
 
@@ -194,14 +196,9 @@ class StepFinish:
            max_grad_norm: float | None) -> StepFinish:
         """The VN engine's: a worker holding the whole model's ``params``; the norm is taken to
         clip, and for loss scaling's verdict."""
-        scaling = loss_scaling(precision, loss_scale)
-        takes_norm = max_grad_norm is not None or isinstance(scaling, LossScaler)
-        return cls(scaling, max_grad_norm, NormBlocks.of(params) if takes_norm else None)
-
-    @property
-    def scaler(self) -> LossScaler | None:
-        """``"16-mixed"``'s loss scaler (``None`` otherwise)."""
-        return self.scaling if isinstance(self.scaling, LossScaler) else None
+        scaler = LossScaler.of(precision, loss_scale)
+        takes_norm = max_grad_norm is not None or scaler is not None
+        return cls(scaler, max_grad_norm, NormBlocks.of(params) if takes_norm else None)
 
     @property
     def loss_scale(self) -> float | None:
