@@ -23,13 +23,14 @@ Invariants.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Iterable
+import math
+from typing import Any, Callable, ContextManager, Iterable
 
 import torch
 
 from virtualflow.config.loop import autocast_dtype, scaler_settings
 
-__all__ = ["LossScaler", "autocast"]
+__all__ = ["LossScaler", "NoLossScale", "autocast"]
 
 
 def autocast(device: torch.device, precision: str) -> ContextManager[Any]:
@@ -75,6 +76,30 @@ class LossScaler:
             inv = self.inv_scale(tensors[0].device)
             torch._foreach_mul_(tensors, inv) if len(tensors) > 1 else tensors[0].mul_(inv)
 
+    def found_inf(self, grads: list[torch.Tensor], any_of: Callable[[float], float]) -> float:
+        """Unscale ``grads`` in place; 1.0 if one of them holds an inf/nan (after ``any_of``, which
+        joins the flags of the holders of one tensor-parallel group) else 0.0."""
+        self.unscale_(grads)
+        found = float(not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())) if grads else 0.0
+        return any_of(found)
+
+    def skips(self, norm: float) -> bool:
+        """Whether a step whose whole gradient has norm ``norm`` is skipped (inf/nan)."""
+        return not math.isfinite(norm)
+
+    def skips_flagged(self, flags: float | torch.Tensor) -> bool:
+        """Whether a step is skipped when ``flags`` holders found an inf/nan."""
+        return bool(flags > 0)
+
+    def checkpoint_entries(self) -> dict[str, Any]:
+        """The scaler's entry of a checkpoint's small state."""
+        return {"grad_scaler": self.state_dict()}
+
+    def load_entries(self, state: dict[str, Any]) -> None:
+        """Load the scaler's entry of a whole state (``"grad_scaler"``), if it has one."""
+        if state.get("grad_scaler") is not None:
+            self.load_state_dict(state["grad_scaler"])
+
     def update(self, found_inf: bool) -> None:
         """After a step: back off when it was skipped, grow after ``growth_interval`` applied steps."""
         if found_inf:
@@ -99,6 +124,42 @@ class LossScaler:
         self.backoff_factor = float(state["backoff_factor"])
         self.growth_interval = int(state["growth_interval"])
         self.growth_tracker = int(state["_growth_tracker"])
+
+
+class NoLossScale:
+    """No loss scaling (every precision but ``"16-mixed"``): the loss and gradients are left as
+    they are, no step is skipped for an inf/nan gradient, and nothing is saved. It answers
+    :class:`LossScaler`'s questions so that a step asks no precision question."""
+
+    scale = None
+    """No scale (what a step's outcome reports as its ``loss_scale``)."""
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def unscale_(self, tensors: Iterable[torch.Tensor]) -> None:
+        pass
+
+    def found_inf(self, grads: list[torch.Tensor], any_of: Callable[[float], float]) -> float:
+        return 0.0
+
+    def skips(self, norm: float) -> bool:
+        return False
+
+    def skips_flagged(self, flags: float | torch.Tensor) -> bool:
+        return False
+
+    def checkpoint_entries(self) -> dict[str, Any]:
+        return {}
+
+    def load_entries(self, state: dict[str, Any]) -> None:
+        pass
+
+    def state_dict(self) -> None:
+        return None
+
+    def update(self, found_inf: bool) -> None:
+        pass
 
 
 def _as_float32(value: float) -> float:

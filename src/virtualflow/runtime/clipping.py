@@ -4,7 +4,8 @@ Purpose: ``Job.max_grad_norm`` clips the gradient of the **whole step** (after t
 never per virtual node, per worker or per stage), as ``torch.nn.utils.clip_grad_norm_`` does on
 the single-process full-batch gradient; ``"16-mixed"`` needs the same norm's verdict (finite or
 not) when each worker holds only part of the gradient. :class:`NormBlocks` is the one rule, used
-by the VN engine (one worker, or chunks of the sharded reduction) and by every pipeline stage.
+by the step finish (:mod:`virtualflow.runtime.step.finish`) of the VN engine (one worker, or
+chunks of the sharded reduction) and of every pipeline stage.
 
 Invariants.
 

@@ -35,7 +35,6 @@ bookkeeping in :mod:`virtualflow.runtime.batchnorm`, the probe's rule in
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Callable, Sequence
 
@@ -50,15 +49,15 @@ from virtualflow.runtime.batches import (BatchLoader, LossShapeError, NonFiniteL
                                          seed_random_streams, to_device)
 from virtualflow.runtime.batchnorm import BatchNormState
 from virtualflow.runtime.breakdown import StepClock, derive
-from virtualflow.runtime.clipping import BLOCK, NormBlocks, clip_, total_norm
 from virtualflow.runtime.prefetch import Prefetcher
 from virtualflow.runtime.probe import PROBE_BUDGET, PROBE_CHANGE, PROBE_EVERY, IdleProbe, probe_due
-from virtualflow.runtime.shard_replica import exchange_gradients
-from virtualflow.runtime.sharded import FlatParams, ShardedOptimizer, gather_sharded_state
+from virtualflow.runtime.sharded import FlatParams, ShardedOptimizer
 from virtualflow.runtime.step.compute import VNCompute
 from virtualflow.runtime.step.exchange import ExchangeChoice
+from virtualflow.runtime.step.finish import StepFinish
 from virtualflow.runtime.step.reduction import Reduction, TreeLeaves, TreeReduction, default_reduction
 from virtualflow.runtime.step.stats import MAX_METRICS, StatsLayout
+from virtualflow.runtime.step.update import ShardedUpdate, WholeUpdate, make_update
 
 
 __all__ = ["MAX_METRICS", "PROBE_BUDGET", "PROBE_CHANGE", "PROBE_EVERY", "BatchLoader", "BatchNormState",
@@ -130,31 +129,18 @@ class VNEngine:
         if deterministic:
             self._sum, self._reduction_for = self._sum_tree, self._tree_for
             self.leaves = TreeLeaves(self.params, self.bn.float_bufs, batchnorm == "mean", plan.virtual_nodes, device)
-        if reduction not in ("allreduce", "sharded"):
-            raise ValueError(f"reduction={reduction!r} is not known; choose 'allreduce' or 'sharded' (--reduction)")
         self.sharded = reduction == "sharded"
         self.precision = precision
         """``Job.precision``: the forward and loss run under :func:`~virtualflow.runtime.amp.autocast`."""
-        self.max_grad_norm = max_grad_norm
-        self.scaler = LossScaler.of(precision, loss_scale)
-        """``"16-mixed"``'s loss scale (None otherwise); its decisions are the whole step's."""
-        self.flat: FlatParams | None = None
-        self.shard: ShardedOptimizer | None = None
+        self.finish = StepFinish.of(self.params, precision, loss_scale, max_grad_norm)
+        """Unscale, the inf/nan verdict, the whole step's norm, clip (:mod:`virtualflow.runtime.step.finish`)."""
+        self.update: WholeUpdate | ShardedUpdate = make_update(reduction, optimizer, self.params,
+                                                               shard_replicas=shard_replicas, cuts=self.finish.cuts())
+        """The optimizer update, whole or sharded (:mod:`virtualflow.runtime.step.update`)."""
+        self.flat: FlatParams | None = self.update.flat
+        """Sharded: the parameters' flat vector (the reduction writes the chunk's gradient there)."""
+        self.shard: ShardedOptimizer | None = self.update.shard
         self.comm: Collectives | None = None
-        self.norm_blocks = NormBlocks.of(self.params) if self._needs_norm else None
-        """The gradient norm's blocks (:mod:`virtualflow.runtime.clipping`; None when no norm is taken)."""
-        if self.sharded:
-            self.flat = FlatParams(self.params)  # the model's parameters now live in one flat vector
-            # A norm over chunks: no clipping block may straddle two workers' chunks.
-            cuts = self.norm_blocks.cuts() if self.norm_blocks is not None else None
-            self.shard = ShardedOptimizer(optimizer, self.flat, replicas=shard_replicas, cuts=cuts)
-        elif shard_replicas:
-            raise ValueError(f"shard_replicas={shard_replicas} keeps replicas of the sharded optimizer's chunks; with "
-                             f"reduction={reduction!r} every worker holds the whole state already: drop "
-                             f"--shard-replicas or add --reduction sharded")
-        self.deferred_failure: PeerFailure | None = None
-        """``shard_replicas=1``: the parameters' all-gather failed after this worker applied the step
-        (so the step counts as applied); raised at the step boundary (:meth:`raise_deferred`)."""
         self.grad_numel = sum(p.numel() for p in self.params)
         self._first_bn: torch.Tensor | None = None
         self.compute = VNCompute(model, loss_fn, plan, loader, seed=seed, device=device, precision=precision,
@@ -176,9 +162,19 @@ class VNEngine:
         abandoned at once instead of after computing the VNs left, whose result nobody can use."""
 
     @property
-    def _needs_norm(self) -> bool:
-        """Whether a step computes the whole gradient's norm (to clip, or for loss scaling's verdict)."""
-        return self.max_grad_norm is not None or self.scaler is not None
+    def scaler(self) -> LossScaler | None:
+        """``"16-mixed"``'s loss scale (None otherwise); its decisions are the whole step's."""
+        return self.finish.scaler
+
+    @property
+    def deferred_failure(self) -> PeerFailure | None:
+        """``shard_replicas=1``: the parameters' all-gather failed after this worker applied the step
+        (so the step counts as applied); raised at the step boundary (:meth:`raise_deferred`)."""
+        return self.update.deferred_failure
+
+    @deferred_failure.setter
+    def deferred_failure(self, value: PeerFailure | None) -> None:
+        self.update.deferred_failure = value
 
     def install_fault_point(self, fn: Callable[[int, str], None]) -> None:
         """Call ``fn(step, phase)`` at each fault-injection point (see runtime/faults.py)."""
@@ -208,8 +204,8 @@ class VNEngine:
         self.clock.abandon()
         if self.bn and self.phase in ("before_forward", "backward", "reduction", "commit"):
             self.bn.restore()
-        if self.shard is None or not self.shard.pending:
-            self._zero_grad()  # pending: the chunk's reduced gradient stays for the rebuild to apply
+        if not self.update.keeps_gradient:
+            self._zero_grad()  # sharded, pending: the chunk's reduced gradient stays for the rebuild to apply
         self.deferred_failure = None
         self._det_flat = None
         self.compute.metrics.reset()
@@ -264,95 +260,48 @@ class VNEngine:
         return tree
 
     def _zero_grad(self) -> None:
-        if self.flat is not None:
-            self.flat.zero_grad()  # gradients stay views of the flat vector
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
+        self.update.zero_grad()
 
     # -- the whole optimizer state (checkpoints, transfers) -------------------------------------
     def optimizer_state(self) -> dict[str, Any]:
         """The optimizer's whole state (``state_dict`` format). Sharded: only while it is held
         whole (:meth:`gather_optimizer_state` collects it, a collective)."""
-        if self.shard is None:
-            return self.optimizer.state_dict()
-        if self.shard.full is None:
-            raise RuntimeError("the sharded optimizer state is spread over the workers: gather_optimizer_state() "
-                               "(a collective) first")
-        return self.shard.full
+        return self.update.state()
 
     def gather_optimizer_state(self, root: int | None = None) -> dict[str, Any] | None:
         """The whole optimizer state: with the sharded reduction a collective (every member calls
         it at the same point) that delivers it to every member, or only to rank ``root`` (the
         others get ``None`` and never hold more than their chunk); a local read otherwise."""
-        if self.shard is None:
-            return self.optimizer.state_dict()
-        assert self.comm is not None and self.group is not None
-        return gather_sharded_state(self.shard, self.comm, self.group, root)
+        return self.update.gather_state(self.comm, self.group, root)
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        if self.shard is None:
-            self.optimizer.load_state_dict(state)
-        else:
-            self.shard.load_state(state)  # cut into chunks when the next generation forms
+        self.update.load_state(state)
 
     def before_regroup(self) -> None:
         """A planned membership change follows this step: with the sharded reduction, every member
         gathers the whole optimizer state now, while the old generation's group still works, so the
         next generation can cut it again (a leaving member's chunk is not lost)."""
-        if self.shard is not None and self.shard.full is None:
-            self.shard.keep_full(self.gather_optimizer_state())
+        self.update.before_regroup(self.comm, self.group)
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state this worker holds now."""
-        if self.shard is not None:
-            return self.shard.state_bytes()
-        return sum(v.numel() * v.element_size() for st in self.optimizer.state.values() for v in st.values()
-                   if isinstance(v, torch.Tensor))
+        return self.update.state_bytes()
 
     def _apply(self) -> None:
         """The update, with the reduced gradient in place."""
-        if self.shard is None:
-            self.optimizer.step()
-            if self.scheduler is not None:
-                self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            return
-        assert self.comm is not None and self.flat is not None and self.group is not None
-        if self.shard.replica is not None:  # the commit rule: runtime/shard_replica.py
-            self.phase = "commit"
-            exchange_gradients(self.shard, self.group)
-            self.shard.pending = True
-            self.group.all_reduce(torch.zeros(1, device=self.device))  # the commit
-            self.phase = "apply"
-        self.shard.load_replica_params()
-        self.shard.step_own()
-        replica_stepped = False
-        try:
-            self._point("after_update")  # (a "lose" fault here: this member's all-gather failed)
-            gathered = self.comm.all_gather(self.flat.flat, self.shard.bounds, async_op=True)
-            self.shard.step_replica()  # on its own copy of the parameters: overlaps the all-gather
-            replica_stepped = True
-            gathered.wait()
-        except PeerFailure as exc:
-            if not self.shard.replicas:
-                raise
-            if not replica_stepped:  # it is part of the applied step
-                self.shard.step_replica()
-            self.shard.store_replica_params()  # the predecessor's new chunk, for the rebuild
-            self.deferred_failure = exc  # applied here: the next generation rebuilds the parameters
-        if self.scheduler is not None:
-            self.shard.scheduler_step(self.scheduler)
-        self.flat.zero_grad()
+        self.update.apply(self.scheduler, self.group, self.comm, self._point, self._set_phase)
+
+    def _set_phase(self, phase: str) -> None:
+        self.phase = phase
 
     # ------------------------------------------------------------------------------------
     def raise_deferred(self) -> None:
         """Raise the failure of an applied step's all-gather (``shard_replicas=1``), if any."""
-        if self.deferred_failure is not None:
-            raise self.deferred_failure
+        self.update.raise_deferred()
 
     def replica_bytes(self) -> int:
         """Bytes the sharded optimizer's replica costs this worker (``shard_replicas=1``; else 0)."""
-        return self.shard.replica_bytes() if self.shard is not None else 0
+        return self.update.replica_bytes()
 
     @property
     def slowdown(self) -> float:
@@ -416,7 +365,7 @@ class VNEngine:
         self.phase = "apply"
         self._point("after_reduction")
         t_apply = time.perf_counter()
-        scale = self.scaler.scale if self.scaler is not None else None
+        scale = self.finish.loss_scale
         norm, skipped = self._finish_gradient()
         if bn_new is not None:
             self.bn.load_flat(bn_new)
@@ -426,8 +375,7 @@ class VNEngine:
             self._zero_grad()  # the optimizer and the LR scheduler do not step
         else:
             self._apply()
-        if self.scaler is not None:
-            self.scaler.update(skipped)
+        self.finish.update(skipped)
         self.clock.add("optimizer_s", time.perf_counter() - t_apply)
         self.phase = "idle"
         return StepOutcome(loss_value, [], control_sum, compute_s, breakdown, metrics=metrics,
@@ -436,60 +384,12 @@ class VNEngine:
     def _finish_gradient(self) -> tuple[float | None, bool]:
         """After the reduction: unscale (``16-mixed``), take the whole step's gradient norm when it
         is needed, decide whether the step is skipped (an inf/nan gradient under loss scaling) and
-        clip. Returns (norm, skipped). The same on every worker: every worker holds the same
-        reduced gradient, or (sharded) the same all-reduced block sums
+        clip (:meth:`StepFinish.finish`). Returns (norm, skipped). The same on every worker: every
+        worker holds the same reduced gradient, or (sharded) the same all-reduced block sums
         (:mod:`virtualflow.runtime.clipping`)."""
-        if self._det_flat is not None:  # deterministic, not sharded: the tree's flat sum
-            grads = [self._det_flat]
-        elif self.flat is not None:
-            assert self.shard is not None
-            lo, hi = self.shard.chunk()
-            grads = [self.flat.grad[lo:hi]]
-        else:
-            grads = [p.grad for p in self.params if p.grad is not None]
-        norm_value, skipped = None, False
-        if self._needs_norm:
-            if self.scaler is not None:
-                self.scaler.unscale_(grads)
-            if self._det_flat is not None:
-                norm = self._block_norm(0, self.grad_numel)
-            elif self.flat is not None:
-                norm = self._block_norm(lo, hi)
-            else:
-                norm = total_norm(grads)
-            norm_value = float(norm)
-            skipped = self.scaler is not None and not math.isfinite(norm_value)
-            if self.max_grad_norm is not None and not skipped:
-                clip_(grads, norm, self.max_grad_norm)
-        if self._det_flat is not None:
-            offset = 0
-            for p in self.params:
-                n = p.numel()
-                # a view: the vector is not written again before the optimizer has stepped and
-                # dropped the gradients (the next step's exchange, or a pooled buffer's reuse)
-                p.grad = self._det_flat[offset : offset + n].view_as(p)
-                offset += n
-            self._det_flat = None
-        return norm_value, skipped
-
-    def _block_norm(self, lo: int, hi: int) -> torch.Tensor:
-        """The norm of :class:`~virtualflow.runtime.clipping.NormBlocks` from the elements
-        ``[lo, hi)`` of the flat gradient held here (the whole of it, ``_det_flat``, or this
-        worker's chunk, whose ends fall on blocks: the other chunks' blocks arrive in an
-        all-reduce where each block has one owner, so the sum is exact)."""
-        blocks = self.norm_blocks
-        assert blocks is not None
-        flat = self._det_flat if self._det_flat is not None else self.flat.grad
-        sums = blocks.zeros(flat.device)
-        offset = 0
-        for i, p in enumerate(self.params):
-            a, b = max(lo, offset), min(hi, offset + p.numel())
-            if a < b:
-                blocks.fill(sums, i, flat[a:b], first=(a - offset) // BLOCK)
-            offset += p.numel()
-        if self._det_flat is None and self.group is not None and self.group.size > 1:
-            self.group.all_reduce(sums)
-        return blocks.norm(sums)
+        held = self.update.held(self._det_flat, self.group)  # the deterministic tree's sum, if it left one
+        self._det_flat = None
+        return self.finish.finish(held)
 
     def _begin(self, step: int) -> None:
         """The start of every step: the clock, the metric sums, the prefetch, BatchNorm's snapshot."""

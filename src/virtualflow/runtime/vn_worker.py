@@ -27,12 +27,11 @@ from virtualflow.comm.groups import Group
 from virtualflow.plan.data import DataPlan
 from virtualflow.runtime.engine import StepOutcome, VNEngine
 from virtualflow.runtime.checkpoint import shared_names
-from virtualflow.runtime.dcp import Piece, model_pieces, optimizer_pieces, sharded_optimizer_pieces
+from virtualflow.runtime.dcp import Piece, model_pieces
 from virtualflow.runtime.streaming import loader_of
 from virtualflow.runtime.engines import Boundary, Joining
 from virtualflow.runtime.model_prep import prepare_model
-from virtualflow.runtime.shard_replica import rebuild_state
-from virtualflow.runtime.sharded import ShardLost
+from virtualflow.runtime.step.update import materialize_state
 from virtualflow.runtime.transfer import Progress, broadcast_state
 
 if TYPE_CHECKING:
@@ -65,7 +64,7 @@ def full_state(engine: VNEngine, progress: Progress) -> dict[str, Any]:
         "model": engine.model.state_dict(),
         "optimizer": engine.optimizer_state(),
         "lr_scheduler": engine.scheduler.state_dict() if engine.scheduler is not None else None,
-        "grad_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
+        "grad_scaler": engine.finish.scaling.state_dict(),
         "step": progress.step,
         "control": progress.control,
     }
@@ -77,26 +76,12 @@ def load_full_state(engine: VNEngine, state: dict[str, Any]) -> None:
     engine.load_optimizer_state(state["optimizer"])
     if engine.scheduler is not None and state.get("lr_scheduler") is not None:
         engine.scheduler.load_state_dict(state["lr_scheduler"])
-    if engine.scaler is not None and state.get("grad_scaler") is not None:
-        engine.scaler.load_state_dict(state["grad_scaler"])
+    engine.finish.scaling.load_entries(state)
 
 
 def materialize_optimizer_state(engine: VNEngine) -> None:
-    """Give a newcomer's optimizer its state tensors now, during set-up, by one step with zero
-    gradients. The values do not matter (the state transfer overwrites model, optimizer and
-    scheduler state); what matters is that the memory is allocated and touched before the
-    worker joins, so the transfer receives into it instead of faulting in hundreds of MB while
-    the survivors wait. Best effort: an optimizer that cannot step this way (e.g. one that needs
-    a closure) just gets its state from the transfer as usual."""
-    params = [p for g in engine.optimizer.param_groups for p in g["params"] if p.requires_grad]
-    try:
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        engine.optimizer.step()
-    except Exception:  # noqa: BLE001 - an optimization only
-        pass
-    finally:
-        engine.optimizer.zero_grad(set_to_none=True)
+    """:func:`~virtualflow.runtime.step.update.materialize_state` of ``engine``'s optimizer."""
+    materialize_state(engine.optimizer)
 
 
 class VNWorkerEngine:
@@ -106,6 +91,9 @@ class VNWorkerEngine:
         self.vn = vn
         self.run_dir: str | None = None
         """Where this run's states go (named by a :class:`ShardLost` after a failure)."""
+        self.checkpoints: RankZeroCheckpoints | CollectiveCheckpoints = (
+            CollectiveCheckpoints(self) if vn.sharded else RankZeroCheckpoints(self))
+        """Who writes a ``.pt`` checkpoint, and when (the optimizer state is whole on every worker, or spread)."""
 
     @classmethod
     def build(cls, job: Job, dataset: Any, plan: DataPlan, cfg: WorkerConfig, device: torch.device) -> VNWorkerEngine:
@@ -164,28 +152,18 @@ class VNWorkerEngine:
         load_full_state(self.vn, state)
 
     def prepare_to_join(self) -> None:
-        if not self.vn.sharded:  # a sharded optimizer's chunks are cut when the generation forms
-            materialize_optimizer_state(self.vn)
+        self.vn.update.prepare_to_join()  # (a sharded optimizer's chunks are cut when the generation forms)
 
     def check_state_held(self, run_dir: str) -> None:
         self.run_dir = run_dir
-        if self.vn.shard is None or self.vn.shard.replicas:
-            return  # with replicas the next generation rebuilds the state (adopt), or says why not
-        try:
-            self.vn.shard.check_held()  # after a failure: ShardLost, naming the way out
-        except ShardLost as exc:
-            raise ShardLost(f"{exc} (this run's directory: {run_dir})") from None
+        self.vn.update.check_held(run_dir)  # sharded, after a failure: ShardLost, naming the way out
 
     # -- a generation -----------------------------------------------------------------------------
     def adopt(self, joining: Joining) -> tuple[int, float]:
         vn, group, record = self.vn, joining.group, joining.record
         moved, t_transfer = 0, 0.0
-        if vn.shard is not None and vn.shard.replicas:
-            try:  # after a failure: the whole state from the chunks and replicas the survivors hold
-                rebuild_state(vn.shard, group, joining.progress.step)
-            except ShardLost as exc:
-                raise ShardLost(f"{exc} (this run's directory: {self.run_dir})" if self.run_dir else
-                                str(exc)) from None
+        # shard_replicas=1, after a failure: the whole state from the chunks and replicas the survivors hold
+        vn.update.rebuild(group, joining.progress.step, self.run_dir)
         if joining.target == 0 and group.size > 1 and not joining.behind:
             broadcast_module(vn.model, group)  # identical start whatever the factory does
         if joining.behind:
@@ -218,12 +196,12 @@ class VNWorkerEngine:
     # -- the whole state and the boundary work ----------------------------------------------------
     def whole_state(self, group: Group) -> dict[str, Any] | None:
         vn = self.vn
-        optimizer = vn.gather_optimizer_state(root=0) if vn.sharded else None  # a collective
+        optimizer = vn.gather_optimizer_state(root=0)  # sharded: a collective
         if group.rank != 0:
             return None
         return {
             "model": {k: v.detach().cpu() for k, v in vn.model.state_dict().items()},
-            "optimizer": optimizer if optimizer is not None else vn.optimizer_state(),
+            "optimizer": optimizer,
             **self.small_state(),
         }
 
@@ -232,10 +210,9 @@ class VNWorkerEngine:
         them alike): a state file has them beside the two, a sharded checkpoint in rank 0's
         ``meta.pt``."""
         vn = self.vn
-        state = {"lr_scheduler": vn.scheduler.state_dict() if vn.scheduler is not None else None}
-        if vn.scaler is not None:  # 16-mixed: the loss scale and its growth counter resume too
-            state["grad_scaler"] = vn.scaler.state_dict()
-        return state
+        # 16-mixed: the loss scale and its growth counter resume too
+        return {"lr_scheduler": vn.scheduler.state_dict() if vn.scheduler is not None else None,
+                **vn.finish.scaling.checkpoint_entries()}
 
     def sharded_parts(self, group: Group) -> tuple[list[Piece], dict[str, Any] | None]:
         """This worker's part of a sharded checkpoint: its share of the model, the optimizer state
@@ -244,12 +221,8 @@ class VNWorkerEngine:
         vn = self.vn
         model = vn.model.state_dict()
         pieces = model_pieces(model, group.rank, group.size)
-        if vn.shard is not None and vn.shard.full is None:
-            pieces += sharded_optimizer_pieces(vn.shard)
-            rest = {"param_groups": vn.shard.user.state_dict()["param_groups"], "state": {}}
-        else:
-            more, rest = optimizer_pieces(vn.optimizer_state(), group.rank, group.size)
-            pieces += more
+        more, rest = vn.update.checkpoint_pieces(group.rank, group.size)
+        pieces += more
         if group.rank != 0:
             return pieces, None
         empty = {k: v.detach().cpu() for k, v in model.items() if not v.numel()}  # in no chunk: kept here
@@ -266,30 +239,17 @@ class VNWorkerEngine:
                 if group.rank == 0:
                     work.checkpointed(step, path, t_ck)
             return
-        if not self.vn.sharded or not work.checkpoint_due(step):
-            return
-        t_ck = time.perf_counter()  # every member takes part in gathering the optimizer state
-        state = work.whole_state(self, group, step)
-        if state is not None:
-            work.checkpointed(step, work.save_checkpoint(step, state, prune=True), t_ck)
+        self.checkpoints.at_boundary(group, step, work)
 
     def boundary_on_rank0(self, step: int, work: Boundary) -> None:
-        if not self.vn.sharded and not work.dcp and work.checkpoint_due(step):
-            t_ck = time.perf_counter()
-            state = work.whole_state(self, self.vn.group, step)
-            work.checkpointed(step, work.save_checkpoint(step, state, prune=True), t_ck)
+        if not work.dcp:
+            self.checkpoints.on_rank0(step, work)
         if work.eval_due(step):
             work.evaluate(self.vn.model, step)
 
     def hold(self, group: Group, step: int, work: Boundary) -> str | None:
         work.drain()  # a held job may be stopped: its sharded save in flight completes first
-        if self.vn.sharded:
-            self.vn.before_regroup()  # the next generation cuts the optimizer state again
-            state = work.whole_state(self, group, step)  # rank 0 gathers the optimizer's chunks
-            return work.save_checkpoint(step, state, prune=False) if group.rank == 0 else None
-        if group.rank != 0:
-            return None
-        return work.save_checkpoint(step, work.whole_state(self, group, step), prune=True)
+        return self.checkpoints.hold(group, step, work)
 
     def learning_rate(self) -> float | None:
         groups = self.vn.optimizer.param_groups
@@ -308,3 +268,50 @@ class VNWorkerEngine:
 
     def close(self) -> None:
         self.vn.close()  # its loader threads, if any
+
+
+class RankZeroCheckpoints:
+    """The plain reduction: every member holds the whole state, so rank 0 writes a ``.pt``
+    checkpoint alone, after its step report; a held generation's checkpoint prunes."""
+
+    def __init__(self, engine: VNWorkerEngine) -> None:
+        self.engine = engine
+
+    def at_boundary(self, group: Group, step: int, work: Boundary) -> None:
+        pass  # rank 0's, after its report (on_rank0)
+
+    def on_rank0(self, step: int, work: Boundary) -> None:
+        if work.checkpoint_due(step):
+            t_ck = time.perf_counter()
+            state = work.whole_state(self.engine, self.engine.vn.group, step)
+            work.checkpointed(step, work.save_checkpoint(step, state, prune=True), t_ck)
+
+    def hold(self, group: Group, step: int, work: Boundary) -> str | None:
+        if group.rank != 0:
+            return None
+        return work.save_checkpoint(step, work.whole_state(self.engine, group, step), prune=True)
+
+
+class CollectiveCheckpoints:
+    """The sharded reduction: the optimizer state is spread over the members, so assembling it for
+    a ``.pt`` checkpoint is a collective every member enters at the same step boundary, before
+    rank 0's report; a held generation's checkpoint does not prune."""
+
+    def __init__(self, engine: VNWorkerEngine) -> None:
+        self.engine = engine
+
+    def at_boundary(self, group: Group, step: int, work: Boundary) -> None:
+        if not work.checkpoint_due(step):
+            return
+        t_ck = time.perf_counter()  # every member takes part in gathering the optimizer state
+        state = work.whole_state(self.engine, group, step)
+        if state is not None:
+            work.checkpointed(step, work.save_checkpoint(step, state, prune=True), t_ck)
+
+    def on_rank0(self, step: int, work: Boundary) -> None:
+        pass  # written at the boundary, by every member together
+
+    def hold(self, group: Group, step: int, work: Boundary) -> str | None:
+        self.engine.vn.before_regroup()  # the next generation cuts the optimizer state again
+        state = work.whole_state(self.engine, group, step)  # rank 0 gathers the optimizer's chunks
+        return work.save_checkpoint(step, state, prune=False) if group.rank == 0 else None

@@ -42,7 +42,7 @@ from virtualflow.runtime.pipeline.reduction import StageReducer, sum_tied
 from virtualflow.runtime.pipeline.redundancy import Eager, Reuse, StageReplica, hand_over, spliced_forward
 from virtualflow.runtime.pipeline.requests import Request, StepResult
 from virtualflow.runtime.pipeline.schedule import schedule_for
-from virtualflow.runtime.pipeline.stage_shard import StageShard, check_stage_sharding
+from virtualflow.runtime.pipeline.stage_shard import StageShard, stage_update
 from virtualflow.runtime.pipeline.stream import StreamWindow
 from virtualflow.runtime.pipeline.timing import StageTiming
 from virtualflow.runtime.pipeline.tied import ExactTies
@@ -93,14 +93,14 @@ class StageEngine:
         if deterministic and ExactTies.needed(self.params, self.piece_params, self.tied):
             self.ties = ExactTies(params=self.params, piece_params=self.piece_params, tied=self.tied,
                                   stage_rank=stage_rank, p=pipeline.stages, low=autocast_dtype(self.loop.precision))
-        self.shard: StageShard | None = None
+        self.update = stage_update(reduction, self.params, self.optimizer, pipeline=pipeline,
+                                   tied=bool(self.tied) or self.ties is not None,
+                                   norm_blocks=self.loop.max_grad_norm is not None)
+        """The stage's optimizer update, whole or sharded (:func:`~.stage_shard.stage_update`)."""
+        self.shard: StageShard | None = self.update.shard
         """``reduction="sharded"``: this copy's chunk of the stage's optimizer (``self.optimizer``
         is then its :class:`~.stage_shard.StageOptimizer`); ``None`` otherwise."""
-        if reduction == "sharded":
-            check_stage_sharding(pipeline, tied=bool(self.tied) or self.ties is not None)
-            if self.params:
-                self.shard = StageShard(self.params, self.optimizer, norm_blocks=self.loop.max_grad_norm is not None)
-                self.optimizer = self.shard.optimizer
+        self.optimizer = self.update.optimizer
         self.tree_params = self.ties.tree_params if self.ties is not None else self.params
         """Deterministic mode: the parameters whose gradients this worker's tree vector holds."""
         self.plan = plan

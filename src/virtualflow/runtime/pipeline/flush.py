@@ -36,12 +36,11 @@ from typing import Any, Callable, Generator, Protocol
 import torch
 
 from virtualflow.comm.reduce import tree_reduce_local
-from virtualflow.runtime.clipping import clip_
 from virtualflow.runtime.pipeline.batchnorm import load_statistics
 from virtualflow.runtime.pipeline.loop import metric_header, share_metrics
 from virtualflow.runtime.pipeline.microbatch import MicroBatch
-from virtualflow.runtime.pipeline.pieces import apply_update, flat_grads, load_grads
-from virtualflow.runtime.pipeline.requests import AllSum, Request, StageGather, StageScatter, StepResult
+from virtualflow.runtime.pipeline.pieces import flat_grads, load_grads
+from virtualflow.runtime.pipeline.requests import AllSum, Request, StageScatter, StepResult
 from virtualflow.runtime.pipeline.schedule import schedule_for
 from virtualflow.runtime.step.reduction import Tail
 
@@ -111,7 +110,7 @@ class FlushStep:
         self.metrics: dict[int, dict[str, float]] = {}  # the last piece: VN -> weighted metrics
         self.found_inf = 0.0
         self.norm_sums: torch.Tensor | None = None
-        self.applied = False  # reduction="sharded": this replica updated its chunk (an all-gather follows)
+        self.applied = False  # the update was applied (reduction="sharded": an all-gather of the chunks follows)
 
     # ---- one (piece, micro-batch) ------------------------------------------------------------
     def forward(self, k: int, mb: int, step_: int, vn: int, message) -> MicroBatch:
@@ -260,11 +259,10 @@ class FlushStep:
         (replica 0 only, or each replica's chunk: every entry of the summed vector has one
         contributor)."""
         e = self.engine
-        if e.loop.checks_grads and e.shard is not None and e.replicas > 1 and not e.deterministic:
-            # reduce-scattered: each replica checks (and adds to the norm) its chunk
-            self.found_inf, self.norm_sums = e.shard.check_chunk(e.loop, e.norm_params, e.device)
-        elif e.loop.checks_grads:
-            self.found_inf, self.norm_sums = e.loop.check_grads(e.norm_params, e.params, e.replica == 0, e.device)
+        if e.loop.checks_grads:
+            # (reduction="sharded": each replica checks, and adds to the norm, its chunk)
+            grads, parts = e.update.stage_parts(e.norm_params, e.replica == 0)
+            self.found_inf, self.norm_sums = e.loop.finish.local(grads, parts, e.device, e.loop.slots(e.device))
 
     # ---- the commit ------------------------------------------------------------------------------
     @staticmethod
@@ -328,9 +326,8 @@ class FlushStep:
             bn_new = yield from e.reducer.sum_by_stage(vec, False, True, False)
         result = self.commit(stats, bn_new, shared[0] if shared else None)
         result.breakdown = e.timing.derive(stats[base:])
-        if self.applied and e.shard is not None and e.replicas > 1:
-            # reduction="sharded": every replica updated its chunk; all of them, everywhere
-            yield StageGather(e.shard.flat.flat, e.shard.bounds)
+        if self.applied:  # reduction="sharded": every replica updated its chunk; all of them, everywhere
+            yield from e.update.gather(e.replicas)
         return result
 
     def commit(self, stats: torch.Tensor, bn_new: torch.Tensor | None,
@@ -341,13 +338,12 @@ class FlushStep:
         while that all-reduce runs: a failure can complete it on some members only (they apply
         the step), and the others then finish the step from the stats those hand over."""
         e, V, loop = self.engine, self.V, self.engine.loop
+        finish = loop.finish
         bad = [v for v in range(V) if stats[v] > 0]
-        found_inf = loop.scaler is not None and bool(stats[V + 2] > 0)
-        norm = loop.norm_of(stats[V + 3: V + 3 + loop.norm_entries]) if loop.max_grad_norm is not None else None
+        norm, found_inf = finish.verdict(stats[V + 2], stats[V + 3: V + 3 + loop.norm_entries])
         result = StepResult(self.step, float(stats[V + 1]), bad, int(round(float(stats[V]))), self.compute_s,
                             metrics=metrics, grad_norm=float(norm) if norm is not None else None,
-                            skipped=found_inf and not bad,
-                            loss_scale=loop.scaler.scale if loop.scaler is not None else None)
+                            skipped=found_inf and not bad, loss_scale=finish.loss_scale)
         if bad:
             for bn in e.bn.values():
                 if bn:
@@ -358,8 +354,7 @@ class FlushStep:
             e.optimizer.zero_grad(set_to_none=True)
             e.phase = "idle"
             return result
-        if loop.scaler is not None:
-            loop.scaler.update(found_inf)  # every worker, the same verdict: the same scale
+        finish.update(found_inf)  # every worker, the same verdict: the same scale
         e.phase = "apply"
         t_apply = time.perf_counter()
         # BatchNorm statistics as after any step whose forwards ran (a skipped step's included,
@@ -370,15 +365,10 @@ class FlushStep:
             bn.settle()  # a failure after this step (at its boundary) must not undo it
         if found_inf:  # the optimizer and the LR scheduler do not step
             e.optimizer.zero_grad(set_to_none=True)
-        elif e.shard is not None:  # reduction="sharded": this replica's chunk
-            if norm is not None:
-                e.shard.clip_chunk(norm, loop.max_grad_norm)
-            e.shard.apply(e.scheduler)
+        else:  # (reduction="sharded": this replica's chunk)
+            finish.clip_(e.update.stage_grads(), norm)
+            e.update.apply(e.scheduler)
             self.applied = True
-        else:
-            if norm is not None:
-                clip_([q.grad for q in e.params if q.grad is not None], norm, loop.max_grad_norm)
-            apply_update(e.optimizer, e.scheduler)
         if self.replica_update is not None:
             e.replica_of_successor.apply(self.replica_update, update=not found_inf,
                                          clip=(norm, loop.max_grad_norm) if norm is not None else None)

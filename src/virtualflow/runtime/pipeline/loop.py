@@ -42,7 +42,7 @@ those of the VN engine:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Generator, Mapping, Sequence
 
 import torch
@@ -52,6 +52,7 @@ from virtualflow.runtime.amp import LossScaler, autocast
 from virtualflow.runtime.clipping import NormBlocks, norm_dtype
 from virtualflow.runtime.model_prep import prepare_model
 from virtualflow.runtime.pipeline.requests import AllSum, Request
+from virtualflow.runtime.step.finish import ONE_SLOT, OneSlot, StepFinish, TensorSlots
 
 __all__ = ["StageLoop", "check_checkpoint_spec", "check_schedule", "checkpoint_spec_for", "model_norm_blocks",
            "share_metrics", "stage_loop", "weighted_metrics"]
@@ -84,6 +85,13 @@ class StageLoop:
     are replicated, the same on every worker of the group)."""
     tensor_rank: int = 0
     """Tensor-parallel stages: this worker's rank in its tensor group (the norm slot its shards fill)."""
+    finish: StepFinish = field(init=False)
+    """The step finish of these settings (:mod:`virtualflow.runtime.step.finish`): the norm is
+    taken to clip only (a stage learns an inf/nan from the flags in the stats)."""
+
+    def __post_init__(self) -> None:
+        self.finish = StepFinish(self.scaler, self.max_grad_norm,
+                                 self.blocks if self.max_grad_norm is not None else None)
 
     @property
     def checks_grads(self) -> bool:
@@ -110,7 +118,7 @@ class StageLoop:
                           compile=self.compile)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale_loss(loss) if self.scaler is not None else loss
+        return self.finish.scale_loss(loss)
 
     def norm_params(self, model: nn.Module) -> list[tuple[int, torch.Tensor]]:
         """A stage module's trainable parameters the norm counts, as (index in the whole model's
@@ -126,49 +134,12 @@ class StageLoop:
                 out.append((self.norm_names[name], q))
         return out
 
-    def check_grads(self, norm_params: Sequence[tuple[int, torch.Tensor]], params: Sequence[torch.Tensor],
-                    contributes: bool, device: torch.device) -> tuple[float, torch.Tensor | None]:
-        """After the step's reduction: unscale ``params``' gradients (16-mixed) and return (1.0 if
-        one of them holds an inf/nan else 0.0, this worker's block sums as a float64 vector of
-        :attr:`norm_entries`, zeros unless ``contributes``; ``None`` without clipping).
-        ``norm_params``: :meth:`norm_params` of this worker's stage."""
-        grads = [q.grad for q in params if q.grad is not None]
-        found = 0.0
-        if self.scaler is not None:
-            self.scaler.unscale_(grads)
-            if grads:
-                found = float(not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()))
-            if self.tensor_sum is not None:  # an inf in any shard skips the step on every worker
-                flag = torch.tensor([found], dtype=torch.float64, device=device)
-                self.tensor_sum(flag)
-                found = float(flag.item() > 0)
-        if self.max_grad_norm is None:
-            return found, None
-        assert self.blocks is not None
-        sums = self.blocks.zeros(device, torch.float64)
-        if self.tensor_sum is not None:
-            # A sharded parameter's shards fill one slot each, summed over the group; a replicated
-            # parameter (the same on every worker of the group) fills its one slot here.
-            sharded = torch.zeros_like(sums)
-            if contributes:
-                for index, q in norm_params:
-                    if q.grad is not None:
-                        if id(q) in self.tensor_sharded:
-                            self.blocks.fill(sharded, index, q.grad, slot=self.tensor_rank)
-                        else:
-                            self.blocks.fill(sums, index, q.grad)
-            self.tensor_sum(sharded)
-            return found, sums + sharded
-        if contributes:
-            for index, q in norm_params:
-                if q.grad is not None:
-                    self.blocks.fill(sums, index, q.grad)
-        return found, sums
-
-    def norm_of(self, sums: torch.Tensor) -> torch.Tensor:
-        """The whole model's gradient norm from every block's sum of squares (the blocks' dtype)."""
-        assert self.blocks is not None
-        return self.blocks.norm(sums)
+    def slots(self, device: torch.device) -> OneSlot | TensorSlots:
+        """How this worker's gradients fill the norm's slots and join their inf/nan flags: over
+        its tensor-parallel group when it has one (:attr:`tensor_sum`), else alone."""
+        if self.tensor_sum is None:
+            return ONE_SLOT
+        return TensorSlots(self.tensor_sum, self.tensor_sharded, self.tensor_rank, device)
 
 
 def model_norm_blocks(layers: Sequence[nn.Module], tensor: int = 1) -> tuple[NormBlocks, dict[str, int]]:

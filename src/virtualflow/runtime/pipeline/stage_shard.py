@@ -37,14 +37,18 @@ Invariants.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Generator, Sequence
 
 import torch
 
-from virtualflow.runtime.clipping import BLOCK, block_cuts
-from virtualflow.runtime.sharded import FlatParams, ShardedOptimizer, gather_sharded_state
+from virtualflow.runtime.clipping import block_cuts
+from virtualflow.runtime.pipeline.requests import Request, StageGather
+from virtualflow.runtime.sharded import gather_sharded_state
+from virtualflow.runtime.step.finish import Part
+from virtualflow.runtime.step.update import ShardedUpdate, WholeUpdate
 
-__all__ = ["StageOptimizer", "StageShard", "check_stage_sharding", "gather_stage_optimizer", "optimizer_bytes"]
+__all__ = ["StageOptimizer", "StageShard", "WholeStage", "check_stage_sharding", "gather_stage_optimizer",
+           "optimizer_bytes", "stage_update"]
 
 
 def check_stage_sharding(pipeline: Any, *, tied: bool, shard_replicas: int = 0) -> None:
@@ -67,23 +71,55 @@ def check_stage_sharding(pipeline: Any, *, tied: bool, shard_replicas: int = 0) 
                          f"pipelined jobs do not support; drop --shard-replicas")
 
 
+class WholeStage(WholeUpdate):
+    """A stage copy holding its stage's whole optimizer (``reduction="allreduce"``): the update
+    the VN engine's :class:`~virtualflow.runtime.step.update.WholeUpdate` takes, on the stage's
+    parameters."""
+
+    def stage_grads(self) -> list[torch.Tensor]:
+        """The gradients the step finish unscales and clips."""
+        return [q.grad for q in self.params if q.grad is not None]
+
+    def stage_parts(self, norm_params: Sequence[tuple[int, torch.Tensor]],
+                    contributes: bool) -> tuple[list[torch.Tensor], list[Part]]:
+        """(:meth:`stage_grads`, the norm's parts: every one of ``norm_params`` when this copy
+        ``contributes`` - replica 0, every replica holding the same sum - none otherwise)."""
+        parts = [Part(i, q, q.grad) for i, q in norm_params if q.grad is not None] if contributes else []
+        return self.stage_grads(), parts
+
+    def gather(self, replicas: int) -> Generator[Request, Any, None]:
+        """Nothing to gather after the update: every copy stepped the whole stage."""
+        yield from ()
+
+    def gather_whole(self, replica: int, replicas: int, group: Any, root: int | None = None) -> None:
+        pass  # the whole state is held here
+
+
 class StageShard:
-    """One stage copy's chunk of the stage's optimizer (see the module docstring)."""
+    """One stage copy's chunk of the stage's optimizer (see the module docstring): the VN engine's
+    sharded update (:class:`~virtualflow.runtime.step.update.ShardedUpdate`) over the stage's
+    parameters and its replicas."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
                  norm_blocks: bool = False) -> None:
-        self.flat = FlatParams(params)  # the stage's parameters now live in one flat vector
         # With a gradient norm, chunks start on its blocks (each parameter's own), so every block
         # has one holder.
-        cuts = block_cuts([q.numel() for q in self.flat.params]) if norm_blocks else None
-        self.opt = ShardedOptimizer(optimizer, self.flat, cuts=cuts)
+        cuts = block_cuts([q.numel() for q in params]) if norm_blocks else None
+        self.core = ShardedUpdate(optimizer, params, cuts=cuts)
+        self.flat = self.core.flat  # the stage's parameters now live in one flat vector
+        self.opt = self.core.opt
         self.optimizer = StageOptimizer(self)
+        """What the stage holds as its optimizer (the state code reads and loads it)."""
         self.held_bytes = 0
         """Optimizer state bytes this copy held after its last update (:meth:`state_bytes`)."""
         self.chunk_held = False
         """This copy's chunk (``opt.rank`` of ``opt.size``) is the current state (it stepped, or
         was cut from the whole state since the last load); a gather keeps it."""
-        """What the stage holds as its optimizer (the state code reads and loads it)."""
+
+    @property
+    def shard(self) -> StageShard:
+        """The stage's sharded optimizer (the name the stage engine reads)."""
+        return self
 
     @property
     def bounds(self) -> list[tuple[int, int]]:
@@ -109,7 +145,7 @@ class StageShard:
 
     def start_step(self) -> None:
         """Gradients into the flat gradient vector, zeroed (backward accumulates there)."""
-        self.flat.zero_grad()
+        self.core.zero_grad()
 
     def grads_to_flat(self) -> None:
         """Deterministic mode: after the reduction the parameters' ``.grad`` hold the whole summed
@@ -125,48 +161,71 @@ class StageShard:
         self.flat.attach_grads()
 
     def chunk_grads(self) -> torch.Tensor:
-        lo, hi = self.chunk()
-        return self.flat.grad[lo:hi]
+        return self.core.chunk_grads()
 
-    def check_chunk(self, loop: Any, norm_params: Sequence[tuple[int, torch.Tensor]],
-                    device: torch.device) -> tuple[float, torch.Tensor | None]:
-        """Default mode after a reduce-scatter: :meth:`StageLoop.check_grads` on this copy's chunk
-        only (the rest of the flat gradient is scratch). Every replica writes its chunk's blocks
-        of the norm (a chunk starts on a block: :meth:`cut`), the stats all-reduce gathers them."""
-        chunk = self.chunk_grads()
-        found = 0.0
-        if loop.scaler is not None:
-            loop.scaler.unscale_([chunk])
-            found = float(not bool(torch.isfinite(chunk).all()))
-        if loop.max_grad_norm is None:
-            return found, None
-        lo, hi = self.chunk()
+    def stage_grads(self) -> list[torch.Tensor]:
+        """This copy's chunk of the reduced gradient: what the step finish unscales and clips
+        (the rest of the flat gradient is scratch: its parameters arrive with the all-gather)."""
+        return [self.chunk_grads()]
+
+    def stage_parts(self, norm_params: Sequence[tuple[int, torch.Tensor]],
+                    contributes: bool) -> tuple[list[torch.Tensor], list[Part]]:
+        """(:meth:`stage_grads`, the norm's parts in this copy's chunk). Every copy contributes
+        its chunk's blocks (a chunk starts on a block: :meth:`cut`), whatever ``contributes``
+        says; the stats all-reduce gathers them, each block from one holder."""
         where = {id(q): o for q, o in zip(self.flat.params, self.flat.offsets)}
-        sums = loop.blocks.zeros(device, torch.float64)
-        for index, q in norm_params:
-            o = where[id(q)]
-            a, b = max(lo, o), min(hi, o + q.numel())
-            if a < b:
-                loop.blocks.fill(sums, index, self.flat.grad[a:b], first=(a - o) // BLOCK)
-        return found, sums
-
-    def clip_chunk(self, norm: torch.Tensor, max_norm: float) -> None:
-        from virtualflow.runtime.clipping import clip_
-
-        clip_([self.chunk_grads()], norm, max_norm)
+        return self.stage_grads(), self.core.chunk_parts([(i, q, where[id(q)]) for i, q in norm_params])
 
     def apply(self, scheduler: Any) -> None:
         """Update this copy's chunk from the reduced gradient in the flat vector, then the LR
-        scheduler; the other chunks' parameters arrive with the all-gather."""
-        self.opt.step_own()
+        scheduler; the other chunks' parameters arrive with the all-gather (:meth:`gather`)."""
+        self.core.step_own(scheduler)
         self.held_bytes = self.opt.state_bytes()
-        if scheduler is not None:
-            self.opt.scheduler_step(scheduler)
+
+    def gather(self, replicas: int) -> Generator[Request, Any, None]:
+        """After the update: every replica's chunk of the parameters, everywhere."""
+        if replicas > 1:
+            yield StageGather(self.flat.flat, self.bounds)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this copy held after its last update (its chunk's; a gather
         for a checkpoint holds the whole state for a moment, which this does not count)."""
         return self.held_bytes
+
+    def gather_whole(self, replica: int, replicas: int, group: Any, root: int | None = None) -> None:
+        """:func:`gather_stage_optimizer` for this copy, chunk ``replica`` of ``replicas``.
+
+        Symmetric by construction: the replicas take part exactly when their chunks are current for
+        the stage's layout, which is true on all of them or on none (a generation's first step has
+        not cut them yet: the whole state is then held everywhere already, from a load or the
+        regroup's gather)."""
+        if not self.holds_chunk_of(replica, replicas):
+            return
+        from virtualflow.comm.ring import Collectives
+
+        opt = self.opt
+        comm = Collectives(group) if group is not None and group.size > 1 else None
+        held, opt.full = opt.full, None  # (gather_state reads the chunks only while no whole state is held)
+        try:
+            if comm is None:
+                state = opt.gather_state(lambda chunk: chunk, lambda t: None)
+            else:
+                state = gather_sharded_state(opt, comm, group, root)
+        finally:
+            if comm is not None:
+                comm.close()
+        opt.full = state if state is not None else held
+
+
+def stage_update(reduction: str, params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer, *,
+                 pipeline: Any, tied: bool, norm_blocks: bool) -> WholeStage | StageShard:
+    """A stage copy's optimizer update for ``reduction`` (checked against ``pipeline`` and its
+    ``tied`` weights: :func:`check_stage_sharding`); ``norm_blocks``: the whole step's norm is
+    taken (chunks start on its blocks). A stage with no trainable parameters has nothing to shard."""
+    if reduction != "sharded":
+        return WholeStage(optimizer, params)
+    check_stage_sharding(pipeline, tied=tied)
+    return StageShard(params, optimizer, norm_blocks=norm_blocks) if params else WholeStage(optimizer, params)
 
 
 class StageOptimizer:
@@ -205,37 +264,12 @@ class StageOptimizer:
 def gather_stage_optimizer(stage: Any, group: Any, root: int | None = None) -> None:
     """Collective over the stage group (every replica of the stage calls it at the same point):
     the whole optimizer state of ``stage`` (a :class:`~.engine.StageEngine`) held again on every
-    replica (``root`` None) or on replica ``root`` only, beside the chunks (the next step drops it).
-
-    Symmetric by construction: the replicas take part exactly when their chunks are current for
-    the stage's layout, which is true on all of them or on none (a generation's first step has not
-    cut them yet: the whole state is then held everywhere already, from a load or the regroup's
-    gather)."""
-    shard = stage.shard if stage is not None else None
-    if shard is None or not shard.holds_chunk_of(stage.replica, stage.replicas):
-        return
-    from virtualflow.comm.ring import Collectives
-
-    opt = shard.opt
-    comm = Collectives(group) if group is not None and group.size > 1 else None
-    held, opt.full = opt.full, None  # (gather_state reads the chunks only while no whole state is held)
-    try:
-        if comm is None:
-            state = opt.gather_state(lambda chunk: chunk, lambda t: None)
-        else:
-            state = gather_sharded_state(opt, comm, group, root)
-    finally:
-        if comm is not None:
-            comm.close()
-    opt.full = state if state is not None else held
+    replica (``root`` None) or on replica ``root`` only, beside the chunks (the next step drops it);
+    nothing to do for a stage holding its whole optimizer (:meth:`WholeStage.gather_whole`)."""
+    if stage is not None:
+        stage.update.gather_whole(stage.replica, stage.replicas, group, root)
 
 
 def optimizer_bytes(stage: Any) -> int:
     """Bytes of optimizer state a stage engine holds now (its chunk's with the sharded reduction)."""
-    if stage is None:
-        return 0
-    if stage.shard is not None:
-        return stage.shard.state_bytes()
-    held = getattr(stage.optimizer, "state", {})
-    return sum(v.numel() * v.element_size() for st in held.values() for v in st.values()
-               if isinstance(v, torch.Tensor))
+    return stage.update.state_bytes() if stage is not None else 0
