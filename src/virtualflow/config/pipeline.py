@@ -3,7 +3,7 @@
 A job opts into pipeline parallelism with ``Job(..., pipeline=Pipeline(stages=4))``. The model is
 then a chain of *layers*: the children of the ``nn.Sequential`` that ``Job.model`` returns (a
 model that is not a ``Sequential`` is first turned into one by a tracer, see
-:func:`virtualflow.tracing.sequential_from`). Layer ``k`` takes the output of layer ``k-1`` (one
+:func:`virtualflow.parallel.tracing.sequential_from`). Layer ``k`` takes the output of layer ``k-1`` (one
 tensor, or a tuple of tensors) and the first layer takes ``Job.model_input(batch)``; the last
 layer's output goes to ``Job.output_loss(outputs, batch)``. So the same job without its pipeline
 computes ``output_loss(model(model_input(batch)), batch)``, and a pipelined run trains the same

@@ -67,7 +67,7 @@ _UNFORMED = (Phase.FORMING, Phase.CHANGING, Phase.RECOVERING)
 class MembershipController:
     """Turns reports, exits, heartbeats and requests into generations (see the module docstring).
 
-    Its settings come from the job's :class:`~virtualflow.options.LaunchOptions` (starting
+    Its settings come from the job's :class:`~virtualflow.config.options.LaunchOptions` (starting
     workers, ``min_workers``, timeouts, ``replace_failed``, speed-based mapping and worker
     specs); the keyword arguments are the job's shape (``stages`` for a pipelined job,
     ``redundancy`` for Bamboo's redundant stages, ``last_step`` the step a resumed run starts

@@ -92,7 +92,7 @@ def layers_of(model: nn.Module) -> list[nn.Module]:
         raise TypeError(
             f"a pipelined job's model must be an nn.Sequential (its children are the layers cut into "
             f"stages); got {type(model).__name__}. Wrap a model of another kind with "
-            f"virtualflow.tracing.sequential_from(model, example_input, split_points=[...])"
+            f"virtualflow.parallel.tracing.sequential_from(model, example_input, split_points=[...])"
         )
     return list(model.children())
 
