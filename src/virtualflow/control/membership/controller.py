@@ -145,14 +145,12 @@ class MembershipController:
         self.pending: dict[int, float] = {}  # started, not yet joined -> start time
         self.ready: list[int] = []  # joined, not in any generation yet
         self.joined: set[int] = set()
-        self.liveness = Liveness(launcher, self.store, self.heartbeat_timeout_s)
-        """Exits and heartbeats: which workers are gone (:mod:`.liveness`)."""
-        # Without the control plane nobody can be told to abort: no watchdog either.
-        # Its automatic floor follows collective_timeout_s: a gap between steps that long (rank 0
-        # evaluating or checkpointing alone) is what the job's peers already accept.
+        self.liveness = Liveness(launcher, self.store, self.heartbeat_timeout_s)  # exits, heartbeats: who is gone
         self.watchdog = StepWatchdog(options.step_timeout_s if options.control_plane else 0.0,
                                      floor_s=max(AUTO_FLOOR_S, options.collective_timeout_s))
-        """Step progress: a run hung in the job's own code (:mod:`.watchdog`)."""
+        """Step progress: a run hung in the job's own code (:mod:`.watchdog`). Off without the control
+        plane (nobody can be told to abort); its automatic floor follows ``collective_timeout_s``: a
+        gap between steps that long (rank 0 evaluating or checkpointing alone) the peers accept."""
         self.hangs = HangGuard(self, options.heartbeat_timeout_s)
         """Stalled steps, unformed generations, wedged members (:mod:`.hangs`)."""
         self.losses = LossHandler(self, max_newcomer_failures)
