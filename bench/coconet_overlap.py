@@ -1,5 +1,5 @@
 """CoCoNeT overlap: how much of its communication the tensor-parallel MLP layer hides behind its
-own compute when its matmuls are chunked along tokens (``runtime.tensor_parallel``).
+own compute when its matmuls are chunked along tokens (``parallel.tensor``).
 
 From the repository root::
 

@@ -1,7 +1,7 @@
 """A tiny GPT-2 trained as a character-level language model, cut into a 4-stage pipeline.
 
 The model is Hugging Face's ``GPT2LMHeadModel`` (random initialisation, nothing downloaded),
-which is not an ``nn.Sequential``: :func:`virtualflow.tracing.sequential_from` traces it and cuts
+which is not an ``nn.Sequential``: :func:`virtualflow.parallel.tracing.sequential_from` traces it and cuts
 it before blocks 1, 2 and 3 into four chained pieces, one per pipeline stage (1F1B schedule).
 The text is the dataset descriptions that ship with scikit-learn
 (``sklearn/datasets/descr/*.rst``, about 80 kB), read in sorted file order and tokenised one
@@ -17,7 +17,7 @@ without a pipeline on 1 worker, and plots both loss curves on one figure.
 The embedding and output matrices are untied (``tie_word_embeddings=False``) so that the run is
 exact in deterministic mode too: tied, they are one weight read by the first and the last stage;
 each stage then holds a copy and virtualflow sums the copies' gradients before every update
-(default mode only; see ``virtualflow.tracing.shared_parameters`` and docs/pipeline.md).
+(default mode only; see ``virtualflow.parallel.tracing.shared_parameters`` and docs/pipeline.md).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Three measurements in one run, from the repository root::
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.pipeline            # about 2 minutes
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.pipeline --quick    # under a minute
 
-virtualflow runs as its executor, **not the worker loop**: ``runtime.pipeline_local.build_engine`` (the
+virtualflow runs as its executor, **not the worker loop**: ``backends.inprocess.build_engine`` (the
 ``StageEngine`` of a rank) driven by the public ``runtime.pipeline.worker_engine.drive`` over its own
 ``ProcessGroupGloo`` (``virtualflow.comm.groups.make_group``), with one ``Links`` per engine kept
 across steps, as ``PipelineWorkerEngine`` keeps one per generation: from the second step on, every

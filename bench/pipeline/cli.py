@@ -85,7 +85,7 @@ def main(argv=None) -> int:
                                     {"hidden": vs2["hidden"], "summary": vs2_sum, "reps": vs2["reps"]}),
                "emulated": emu,
                "how": {"vs_torch": "virtualflow's executor (build_engine + StageEngine.steps driven by "
-                                   "pipeline_worker.drive with one Links per engine kept across steps, over its own "
+                                   "links.drive with one Links per engine kept across steps, over its own "
                                    "ProcessGroupGloo), not virtualflow.train",
                        "bubble": "mean over ranks of 1 - compute/(first compute start .. last compute end of the "
                                  "step over all ranks), median over post-warm-up steps",

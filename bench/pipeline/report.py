@@ -68,7 +68,7 @@ def markdown(run: H.Run, args, vs: dict, vs_sum: dict, vs2: dict | None, vs2_sum
         f"({sum(q.numel() for q in vs_model(args.hidden).parameters()) / 1e6:.2f} M params), SGD + momentum; "
         f"p = {VS_P} processes x 1 thread (gloo, one TCPStore on a free port), m = {args.m} micro-batches of "
         f"{args.mb}; interleaved: 2 pieces per rank. virtualflow = `build_engine` + `StageEngine.steps` driven by "
-        f"`pipeline_worker.drive(..., links=Links())` (one `Links` per engine, kept across steps; its executor, not "
+        f"`links.drive(..., links=Links())` (one `Links` per engine, kept across steps; its executor, not "
         f"the worker loop of `virtualflow.train`); torch = `PipelineStage` + `ScheduleGPipe` / `Schedule1F1B` / "
         f"`ScheduleInterleaved1F1B`, then `optimizer.step()`. Alternating step by step in the same 2 processes, "
         f"{args.vs_steps} steps each ({args.vs_warmup} warm-up), {args.vs_reps} repetitions in fresh processes "

@@ -1,7 +1,7 @@
 """Bamboo's redundant stages (``Pipeline(redundancy=True)``): every worker keeps a replica of its
 successor's stage, equal to the successor's real state after every step.
 
-In-process (:class:`virtualflow.runtime.pipeline_local.LocalDriver`: the same requests as the
+In-process (:class:`virtualflow.runtime.pipeline.local.LocalDriver`: the same requests as the
 process driver), the standard is bit-equality of the replica with the original: parameters,
 buffers (BatchNorm statistics and counters), optimizer state and LR schedule.
 """

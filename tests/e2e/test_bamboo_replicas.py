@@ -154,7 +154,7 @@ def test_a_notice_in_one_replica_is_a_planned_failover_there():
 
 class LayoutDriver:
     """All workers of a job whose replicas have different layouts, in this process, cooperatively
-    (as :class:`virtualflow.runtime.pipeline_local.LocalDriver`, which knows full-depth replicas
+    (as :class:`virtualflow.runtime.pipeline.local.LocalDriver`, which knows full-depth replicas
     only): point to point within a replica, each stage collective over the workers of that job
     stage, one per replica, in replica order."""
 

@@ -1,7 +1,7 @@
 """State files on disk: a symbolic link is never followed, and a write interrupted by a kill leaves
 nothing behind once the next state is written.
 
-The interrupted write is real: a child process starts :func:`virtualflow.rundir.atomic_write` of
+The interrupted write is real: a child process starts :func:`virtualflow.records.rundir.atomic_write` of
 a state file and SIGKILLs itself half-way, as a worker killed while checkpointing does.
 """
 
@@ -53,7 +53,7 @@ def test_a_state_file_that_is_a_symbolic_link_is_refused_in_one_line(tmp_path):
 
 _KILLED_WRITER = """
 import os, signal, sys
-from virtualflow.rundir import atomic_write
+from virtualflow.records.rundir import atomic_write
 
 def write(f):
     f.write(b"half a state " * 1000)

@@ -23,7 +23,7 @@ FOREVER = 1_000_000
 
 def _tied_gpt() -> nn.Module:
     """nanoGPT's GPT with its token embedding tied to the head (layers 0 and 5 of the cut)."""
-    return sequential_gpt(g.GPT(dropout=0.0, tied=True).double())
+    return sequential_gpt(g.grid_gpt(dropout=0.0, tied=True).double())
 
 
 def tied_grid_job(tensor: int = 1) -> vf.Job:

@@ -7,7 +7,7 @@
   signature of vf.X`` makes the block a signature that is compared with the code instead.
   Pages whose blocks start worker processes run in one subprocess with a bounded timeout; the
   others run in this process.
-* The launch-options table of docs/training.md is the one :func:`virtualflow.options.markdown_table`
+* The launch-options table of docs/training.md is the one :func:`virtualflow.config.options.markdown_table`
   generates from :class:`virtualflow.LaunchOptions` (so a new option cannot be left out).
 * Every ``--flag`` of a ``virtualflow ...`` command written in a page (in a shell block or an
   inline code span) is a flag of that command's parser.

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import virtualflow as vf
-from virtualflow import api, rundir
+from virtualflow import api
+from virtualflow.records import rundir
 from virtualflow.control import coordinator
 from virtualflow.config.job import resolve_spec
 from virtualflow.records.result import TrainingError
@@ -91,7 +92,7 @@ def test_full_disk_at_launch_reports_enospc_not_the_clean_up(tmp_path, monkeypat
 
 
 def test_a_run_directory_that_cannot_take_the_first_records_starts_no_worker(run_dir, monkeypatch):
-    from virtualflow import supervisor
+    from virtualflow.launching import supervisor
     from virtualflow.backends.local import LocalBackend
 
     started = []

@@ -1,4 +1,4 @@
-"""The run directory's records (virtualflow.rundir) and the plots drawn from them.
+"""The run directory's records (virtualflow.records.rundir) and the plots drawn from them.
 
 Records are read while a job may still be writing them: a partial last JSONL line and a
 status.json caught mid-rewrite must give what is complete, or one clear error, never a decoder

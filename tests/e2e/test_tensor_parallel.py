@@ -333,7 +333,7 @@ def _converted_nanogpt(comm: Collectives) -> list[str]:
     attention probabilities) converted for t ranks, with seeds from the default generator (as a
     pipeline stage runs it: every rank's generator in the same state), equals the block
     converted for one rank, plainly and under torch.utils.checkpoint's recompute."""
-    from test_tp_convert import nanogpt_layers  # the user's nanoGPT classes
+    from nanogpt import nanogpt_layers  # the user's nanoGPT classes
 
     failures: list[str] = []
     rank = comm.group.rank

@@ -279,7 +279,7 @@ def test_job_file_that_trains_at_import_is_told_to_guard_it(tmp_path):
 
 
 GUARDS = """
-from virtualflow.job import JobImportError, check_main_guard
+from virtualflow.config.job import JobImportError, check_main_guard
 
 def start():
     check_main_guard("worker processes")

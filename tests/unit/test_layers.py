@@ -67,7 +67,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "gnn": (6, "the Dorylus engine (pure parts and an engine that is given its executor)"),
     "comm": (7, "process groups, the store protocol, reductions, the ring, authentication"),
     "runtime": (8, "the worker: Engine protocol, VN and pipeline engines, checkpoints, transfer"),
-    "observe": (9, "torch.profiler windows and TensorBoard events"),
+    "observe": (9, "experiment trackers (MLflow, W&B callbacks) and TensorBoard events"),
     "control": (10, "coordinator, membership controller and its policies, autoscaling"),
     "backends": (11, "where workers run (local | ray | external), worker entry points, executors"),
     "launching": (12, "the launching process: prepare, preflight, resume, supervisor"),

@@ -1,16 +1,11 @@
-"""The pipeline runtime package and the public ``parallel`` package keep their shape: old import
-paths still work (with a ``DeprecationWarning``), ``parallel/`` imports only ``plan/`` from
-virtualflow, and no module of the pipeline runtime reads the environment."""
+"""The pipeline runtime package and the public ``parallel`` package keep their shape: the pipeline
+package keeps the names others import, ``parallel/`` imports only ``plan/`` from virtualflow, and no
+module of the pipeline runtime reads the environment."""
 
 from __future__ import annotations
 
 import ast
-import importlib
-import subprocess
-import sys
 from pathlib import Path
-
-import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "virtualflow"
 
@@ -23,24 +18,6 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             out.add(node.module)
     return out
-
-
-@pytest.mark.parametrize("old,names", [
-    ("virtualflow.runtime.tensor_parallel", ["MLPBlock", "TensorParallelMLP", "TokenLayout", "dropout_keep",
-                                             "DROPOUT_BLOCK_ROWS", "all_gather_rows"]),
-    ("virtualflow.tracing", ["TracedPiece", "sequential_from", "shared_parameters"]),
-    ("virtualflow.runtime.pipeline_local", ["LocalDriver", "build_engine", "train_local"]),
-])
-def test_old_paths_are_deprecated_aliases(old, names):
-    """Each old path, imported fresh (another interpreter), warns and still gives its names."""
-    code = (f"import warnings\nwarnings.simplefilter('error', DeprecationWarning)\n"
-            f"try:\n    import {old}\nexcept DeprecationWarning as w:\n    print('warned', w)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.stdout.startswith("warned"), out.stdout + out.stderr
-    with pytest.warns(DeprecationWarning):
-        sys.modules.pop(old, None)
-        module = importlib.import_module(old)
-    assert all(hasattr(module, n) for n in names)
 
 
 def test_the_pipeline_package_keeps_the_names_others_import():

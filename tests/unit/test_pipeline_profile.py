@@ -130,7 +130,7 @@ def _write_job(tmp_path) -> str:
         import torch.nn.functional as F
         from torch import nn
         from torch.utils.data import TensorDataset
-        from virtualflow.job import Job
+        from virtualflow.config.job import Job
 
         def make_job():
             return Job(model=lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),

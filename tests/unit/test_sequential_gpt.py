@@ -15,7 +15,7 @@ import gpt_grid_jobs as g
 
 def test_nanogpt_is_cut_into_embeddings_blocks_and_head_with_its_own_logits():
     torch.manual_seed(0)
-    model = g.GPT(dropout=0.0, tied=True).double().eval()
+    model = g.grid_gpt(dropout=0.0, tied=True).double().eval()
     chain = sequential_gpt(model)
     assert len(chain) == g.LAYERS + 2
     assert tensor_parallel_candidates(list(chain)) == [False] + [True] * g.LAYERS + [False]

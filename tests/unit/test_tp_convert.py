@@ -2,7 +2,8 @@
 
 In-process: t ranks are threads over ``tests/fabric.py`` running the real ring collectives
 (``comm.ring.Collectives`` over a ``FakeGroup``). The model is nanoGPT's (its ``LayerNorm``,
-``CausalSelfAttention``, ``MLP`` and ``Block`` classes below, as a user has them in ``model.py``)
+``CausalSelfAttention``, ``MLP`` and ``Block`` classes, as a user has them in ``model.py``: the
+tests' one copy, ``tests/nanogpt.py``)
 cut into pipeline layers: embeddings, blocks, the final norm and head. Checked:
 
 - t = 2 and 4: output, input gradient and every parameter's gradient (the ranks' shards merged
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import threading
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fabric import Fabric, run_ranks
+from nanogpt import nanogpt_layers
 from virtualflow.comm.groups import Group
 from virtualflow.comm.ring import Collectives
 from virtualflow.parallel import convert as convert_module
@@ -46,140 +47,6 @@ from virtualflow.parallel import (
 
 F64 = dict(atol=1e-12, rtol=1e-12)
 F32 = dict(atol=1e-5, rtol=1e-4)
-
-
-# --------------------------------------------------------------------------------------------
-# nanoGPT's model.py (karpathy/nanoGPT), as a user has it.
-
-
-@dataclass
-class GPTConfig:
-    block_size: int = 16
-    vocab_size: int = 23
-    n_layer: int = 2
-    n_head: int = 4
-    n_embd: int = 16
-    dropout: float = 0.0
-    bias: bool = True
-
-
-class LayerNorm(nn.Module):
-    """LayerNorm but with an optional bias. PyTorch doesn't support simply bias=False"""
-
-    def __init__(self, ndim, bias):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(ndim))
-        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
-
-    def forward(self, input):
-        return F.layer_norm(input, self.weight.shape, self.weight, self.bias, 1e-5)
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        assert config.n_embd % config.n_head == 0
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.attn_dropout = nn.Dropout(config.dropout)
-        self.resid_dropout = nn.Dropout(config.dropout)
-        self.n_head = config.n_head
-        self.n_embd = config.n_embd
-        self.dropout = config.dropout
-        self.flash = hasattr(torch.nn.functional, "scaled_dot_product_attention")
-
-    def forward(self, x):
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        y = self.resid_dropout(self.c_proj(y))
-        return y
-
-
-class MLP(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU()
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x):
-        x = self.c_fc(x)
-        x = self.gelu(x)
-        x = self.c_proj(x)
-        x = self.dropout(x)
-        return x
-
-
-class Block(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config)
-        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        x = x + self.mlp(self.ln_2(x))
-        return x
-
-
-class Embed(nn.Module):
-    """nanoGPT's embeddings as the first pipeline layer (replicated under tensor parallelism)."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
-        self.drop = nn.Dropout(config.dropout)
-
-    def forward(self, idx):
-        pos = torch.arange(0, idx.shape[1], dtype=torch.long, device=idx.device)
-        return self.drop(self.wte(idx) + self.wpe(pos))
-
-
-class Head(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.ln_f = LayerNorm(config.n_embd, bias=config.bias)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-
-    def forward(self, x):
-        return self.lm_head(self.ln_f(x))
-
-
-class TwoBlocks(nn.Module):
-    """A layer whose blocks are submodules (a ModuleList), as nanoGPT's ``transformer.h``."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.h = nn.ModuleList([Block(config) for _ in range(2)])
-        self.scale = nn.Parameter(torch.ones(config.n_embd))
-
-    def forward(self, x):
-        for block in self.h:
-            x = block(x)
-        return x * self.scale
-
-
-def nanogpt_layers(dtype=torch.float64, **overrides) -> nn.Sequential:
-    """nanoGPT cut into pipeline layers, every weight drawn from a fixed seed (LayerNorms too, so
-    that their gradients are not trivially those of ones and zeros)."""
-    config = GPTConfig(**overrides)
-    torch.manual_seed(0)
-    model = nn.Sequential(Embed(config), Block(config), TwoBlocks(config), Head(config)).to(dtype)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "ln" in name:
-                p.add_(0.3 * torch.randn_like(p))
-    return model
 
 
 # --------------------------------------------------------------------------------------------

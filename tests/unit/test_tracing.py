@@ -1,4 +1,4 @@
-"""``virtualflow.tracing.sequential_from``: a model that is not an ``nn.Sequential`` (GPT-2 from
+"""``virtualflow.parallel.tracing.sequential_from``: a model that is not an ``nn.Sequential`` (GPT-2 from
 Hugging Face transformers, a small model with a skip connection and BatchNorm) cut into chained
 pieces that compute bit-identical outputs and gradients, in eval mode and in train mode with
 dropout; and the errors for bad split points, outputs and inputs.
@@ -106,7 +106,7 @@ def test_gpt2_train_mode_dropout_reproduced_from_seed(traced):
 
 def test_gpt2_other_shapes_and_pipeline_stages(traced):
     """Dynamic shapes: another batch size and sequence length; and the pieces cut into stages as
-    the pipeline runtime cuts them (virtualflow.pipeline) compute the same thing."""
+    the pipeline runtime cuts them (virtualflow.runtime.pipeline) compute the same thing."""
     model, reference, seq = traced
     seq.eval(), reference.eval()
     ids = tokens(batch=3, length=11, seed=1)

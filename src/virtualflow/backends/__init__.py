@@ -1,6 +1,6 @@
 """Backends: where worker processes run. One typed protocol, one place that chooses.
 
-A backend is built from the job's :class:`~virtualflow.options.LaunchOptions` by
+A backend is built from the job's :class:`~virtualflow.config.options.LaunchOptions` by
 :func:`make_backend` (the only place that looks at ``options.backend``), asked where the
 coordinator's store must listen (:meth:`Backend.store_address`), then attached to the running
 coordinator (:meth:`Backend.attach`) and driven by the membership controller and the job handle

@@ -14,7 +14,7 @@ draws one step's measured pipeline schedule beside the simulator's prediction
 
 Figures are drawn with matplotlib's object API (``matplotlib.figure.Figure``), never pyplot:
 plotting from a user's process (a notebook, a training script) leaves its backend and its open
-figures alone. The run directory is read through :mod:`virtualflow.rundir` only, so a run that
+figures alone. The run directory is read through :mod:`virtualflow.records.rundir` only, so a run that
 is still writing (a partial last JSONL line) can be plotted.
 """
 

@@ -198,7 +198,7 @@ def new_token() -> str:
 def write_token(path: str, token: str) -> None:
     """Write ``token`` to ``path``, readable by its owner only (mode 0600), atomically: a new file
     created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` is renamed into place
-    (:func:`virtualflow.rundir.atomic_write`). A symbolic link (or anything but a regular file) at
+    (:func:`virtualflow.records.rundir.atomic_write`). A symbolic link (or anything but a regular file) at
     ``path`` is refused, never followed: a link planted there would have the token written, and
     its target's mode changed, wherever it points."""
     from virtualflow.records.rundir import atomic_write

@@ -3,7 +3,7 @@
 A job opts into pipeline parallelism with ``Job(..., pipeline=Pipeline(stages=4))``. The model is
 then a chain of *layers*: the children of the ``nn.Sequential`` that ``Job.model`` returns (a
 model that is not a ``Sequential`` is first turned into one by a tracer, see
-:func:`virtualflow.tracing.sequential_from`). Layer ``k`` takes the output of layer ``k-1`` (one
+:func:`virtualflow.parallel.tracing.sequential_from`). Layer ``k`` takes the output of layer ``k-1`` (one
 tensor, or a tuple of tensors) and the first layer takes ``Job.model_input(batch)``; the last
 layer's output goes to ``Job.output_loss(outputs, batch)``. So the same job without its pipeline
 computes ``output_loss(model(model_input(batch)), batch)``, and a pipelined run trains the same
@@ -32,6 +32,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from virtualflow.config.composition import check
 from virtualflow.plan.pipeline.geometry import SplitSpec, check_split
 from virtualflow.plan.pipeline.schedules import FLUSH_SCHEDULES, SCHEDULE_NAMES
 
@@ -102,24 +103,11 @@ class Pipeline:
         _positive("window", self.window)
         if self.schedule not in SCHEDULE_NAMES:
             raise ValueError(f"Pipeline.schedule={self.schedule!r} is not one of {SCHEDULE_NAMES}")
-        if self.chunks > 1 and self.schedule != "interleaved_1f1b":
-            raise ValueError(
-                f"Pipeline.chunks={self.chunks} needs schedule='interleaved_1f1b' (got {self.schedule!r}); "
-                f"use chunks=1 or the interleaved schedule"
-            )
+        check("chunks+schedule", chunks=self.chunks, schedule=self.schedule)
         object.__setattr__(self, "split", check_split(self.split, self.stages, self.chunks))
-        if self.redundancy and (self.stages < 2 or self.schedule not in FLUSH_SCHEDULES):
-            raise ValueError(
-                f"Pipeline.redundancy=True keeps a replica of each worker's successor stage, refreshed at every "
-                f"step's flush: it needs stages >= 2 (got {self.stages}) and a flush schedule "
-                f"{FLUSH_SCHEDULES} (got {self.schedule!r})")
-        if self.tensor > 1 and self.redundancy:
-            raise ValueError(
-                f"Pipeline.redundancy=True (Bamboo) with tensor={self.tensor}: a failover re-lays whole stages onto "
-                f"single workers, which a tensor-parallel stage cannot be; use tensor=1 or redundancy=False")
-        if self.tensor_chunks > 1 and self.tensor == 1:
-            raise ValueError(f"Pipeline.tensor_chunks={self.tensor_chunks} overlaps tensor-parallel collectives; it "
-                             f"needs tensor > 1 (got tensor=1): drop tensor_chunks or set tensor")
+        check("redundancy+flush", "tensor+redundancy", "tensor_chunks+tensor", redundancy=self.redundancy,
+              stages=self.stages, flush=self.flush, schedule=self.schedule, flush_schedules=FLUSH_SCHEDULES,
+              tensor=self.tensor, tensor_chunks=self.tensor_chunks)
         if self.redundant_compute not in ("eager", "lazy"):
             raise ValueError(f"Pipeline.redundant_compute={self.redundant_compute!r} must be 'eager' (redundant "
                              f"forwards in idle slots, the default) or 'lazy' (recompute on a failover)")

@@ -2,7 +2,7 @@
 ``NAME=AMOUNT,...`` parsed into ``{name: float}``.
 
 Pure: no Ray, no environment. Lives in ``config/`` because the options that users write
-(:mod:`virtualflow.options`) parse it; :mod:`virtualflow.backends.ray` re-exports it.
+(:mod:`virtualflow.config.options`) parse it; :mod:`virtualflow.backends.ray` re-exports it.
 Invariant: the result maps resource names (``str``) to amounts (``float``); an empty or blank text
 is ``{}``; anything else that does not parse raises ``ValueError`` naming ``--resources``.
 """

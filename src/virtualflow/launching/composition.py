@@ -1,21 +1,29 @@
-"""Which launch options a pipelined job cannot combine with, refused before any worker starts.
+"""The refusals of pairs of capabilities applied at launch, before any worker starts.
 
-Purpose: the pairs of capabilities that docs/composition.md lists as "refused at launch" and that
-no single component owns (the pipeline's own refusals live with it: ``Pipeline``'s fields,
-:mod:`virtualflow.launching.pipeline`). Each refusal is one ``ValueError`` line that names the
-value, the rule and the knob to change.
+Purpose: the launch's half of THE table of refused combinations
+(:data:`virtualflow.config.composition.REFUSALS`, from which docs/composition.md's pairs are
+generated): the functions here gather the facts a launch knows (the resolved ``Pipeline``, the
+options, the model's layers) and name the rows that apply to them. The rows themselves, their
+conditions and their one-line messages (the value, the rule and the knob to change) live in the
+table only; the ``Pipeline`` applies the rows about its own fields, and the worker's engines those
+that need the built stage.
 
-Invariant: nothing here builds the model or starts anything; :func:`check_pipeline_options`
-reads only the resolved ``Pipeline`` and the options, so it runs before the profile.
+Invariant: nothing here starts anything; :func:`check_pipeline_options` and
+:func:`check_pipeline_balance` read only the resolved ``Pipeline`` and the options, so they run
+before the profile.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
+from torch import nn
+
+from virtualflow.config.composition import check
 from virtualflow.config.options import LaunchOptions
+from virtualflow.plan.pipeline.geometry import EXACT_USES, shared_across_pieces, tied_parameters
 
-__all__ = ["check_pipeline_options"]
+__all__ = ["check_pipeline_balance", "check_pipeline_options", "check_shared_parameters", "check_streaming"]
 
 
 def check_pipeline_options(pipeline: Any, opts: LaunchOptions, policy: Any = None) -> None:
@@ -24,14 +32,43 @@ def check_pipeline_options(pipeline: Any, opts: LaunchOptions, policy: Any = Non
     policy (None without ``autoscale``)."""
     if pipeline is None:
         return
-    per_replica = pipeline.stages * pipeline.tensor
-    if opts.loader_workers:
-        raise ValueError(f"loader_workers={opts.loader_workers} (--loader-workers) with a pipelined job "
-                         f"(Job.pipeline, --pipeline-stages or --tensor-parallel): a pipeline's first stage loads "
-                         f"each micro-batch when its forward runs and has no loader threads; drop --loader-workers")
-    if opts.autoscale is not None:
-        name = getattr(policy, "name", opts.autoscale)
-        raise ValueError(f"autoscale={name!r} (--autoscale) with a pipelined job ({per_replica} workers per "
-                         f"replica): the autoscaler's policies add, remove and replace single workers, but a "
-                         f"pipeline grows and shrinks in whole replicas; drop --autoscale and resize in whole "
-                         f"replicas (virtualflow resize, JobHandle.resize)")
+    name = getattr(policy, "name", opts.autoscale) if opts.autoscale is not None else None
+    check("pipeline+loader_workers", "pipeline+autoscale", pipelined=True, loader_workers=opts.loader_workers,
+          autoscale=name, per_replica=pipeline.stages * pipeline.tensor)
+
+
+def check_pipeline_balance(pipeline: Any, opts: LaunchOptions) -> None:
+    """What speed-weighted micro-batch shares cannot do for a pipelined job (docs/pipeline.md,
+    "Replicas of unequal speed")."""
+    check("pipeline+uneven_vn_sizes", "tensor+balance", "balance+no_flush", "balance+interleaved_chunks",
+          uneven_vn_sizes=opts.uneven_vn_sizes, balanced=opts.balanced, tensor=pipeline.tensor,
+          flush=pipeline.flush, schedule=pipeline.schedule, chunks=pipeline.chunks, stages=pipeline.stages)
+
+
+def check_streaming(streaming: bool, opts: LaunchOptions) -> None:
+    """What a streaming dataset (``streaming``: the job's data plan streams) cannot combine with."""
+    check("uneven_vn_sizes+streaming", streaming=streaming, uneven_vn_sizes=opts.uneven_vn_sizes)
+
+
+def check_shared_parameters(layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]],
+                            pipeline: Any, deterministic: bool = False) -> list[list[tuple[int, str]]]:
+    """A weight shared by layers on different workers is held by each of them as a copy; the
+    runtime sums the copies' gradients before every update (flush schedules), so they stay equal.
+    Deterministic mode forms, per virtual node, the sum of the two uses' gradients before the
+    fixed tree, as autograd does in the unpipelined job: exact for a weight read by two layers
+    (in different pieces, on one worker or two). Refused: a weight read by three or more layers of
+    different pieces in deterministic mode (no fixed order of autograd's additions to match), a
+    weight shared across workers with a no-flush schedule (one version per copy is not
+    implemented) or with ``Pipeline.redundancy``. Returns the weights shared across workers, each
+    as its locations in model order (:func:`~virtualflow.plan.pipeline.geometry.tied_parameters`)."""
+    groups = tied_parameters(layers, bounds, pipeline.stages)
+    if groups:
+        (j, first), (i, name) = groups[0][0], groups[0][1]
+        check("tied_across_workers+no_flush", "tied_across_workers+redundancy", tied=True, flush=pipeline.flush,
+              schedule=pipeline.schedule, redundancy=getattr(pipeline, "redundancy", False),
+              j=j, first=first, i=i, name=name)
+    if deterministic:
+        for locs in shared_across_pieces(layers, bounds):
+            check("deterministic+tied_uses", deterministic=True, uses=len(locs), exact_uses=EXACT_USES,
+                  names=", ".join(f"{i}.{name}" for i, name in locs))
+    return groups

@@ -20,15 +20,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from virtualflow.config.composition import check
 from virtualflow.config.job import Job
 from virtualflow.config.pipeline import Pipeline
-from virtualflow.plan.pipeline.geometry import (
-    Grid, check_shared_parameters, check_workers, describe_split, layers_of, resolve_bounds,
-)
+from virtualflow.launching.composition import check_shared_parameters
+from virtualflow.plan.pipeline.geometry import Grid, check_workers, describe_split, layers_of, resolve_bounds
 from virtualflow.plan.pipeline.predict import predict
 from virtualflow.plan.pipeline.schedules import schedule_of
 from virtualflow.plan.vnmap import contiguous_assignment
-from virtualflow.runtime.pipeline.loop import check_checkpoint_spec, check_schedule
+from virtualflow.runtime.pipeline.loop import check_checkpoint_spec
 from virtualflow.runtime.profile import auto_split, profile_model
 
 __all__ = ["check_tensor_parallel", "plan_pipeline"]
@@ -37,25 +37,14 @@ __all__ = ["check_tensor_parallel", "plan_pipeline"]
 def check_tensor_parallel(job: Job, pipeline: Pipeline, layers: list[nn.Module], *,
                           checkpoint_format: str = "pt") -> None:
     """Refuse, before any worker starts, what tensor-parallel stages (``Pipeline.tensor > 1``)
-    cannot honour, each with the knob to change; check that some layer has a block to split and
-    that every block splits ``tensor`` ways (heads and widths divisible)."""
+    cannot honour (the table's ``tensor+...`` rows, :mod:`virtualflow.config.composition`); check
+    that some layer has a block to split and that every block splits ``tensor`` ways (heads and
+    widths divisible)."""
     t = pipeline.tensor
     if t == 1:
         return
-    refusals = [
-        (job.precision != "32", f"precision={job.precision!r}",
-         "the fused tensor-parallel blocks compute in the parameters' dtype and do not follow torch.autocast "
-         "yet: use precision=\"32\" (--precision 32) or tensor=1"),
-        (bool(job.compile), "compile=True",
-         "the tensor-parallel blocks' collectives run inside custom autograd functions that torch.compile does "
-         "not capture: drop compile (--compile) or use tensor=1"),
-        (checkpoint_format == "dcp", 'checkpoint_format="dcp"',
-         "the sharded checkpoint's entries are named by parameter, and a tensor-parallel stage holds shards of "
-         "them: use checkpoint_format=\"pt\" (--checkpoint-format pt; rank 0 merges the shards) or tensor=1"),
-    ]
-    for bad, what, why in refusals:
-        if bad:
-            raise ValueError(f"{what} with Pipeline.tensor={t} (--tensor-parallel): {why}")
+    check("tensor+precision", "tensor+compile", "tensor+dcp", tensor=t, precision=job.precision, compile=job.compile,
+          checkpoint_format=checkpoint_format)
     from virtualflow.parallel.convert import tensor_parallel_candidates, tensor_splits
 
     if not any(tensor_parallel_candidates(layers)):
@@ -88,14 +77,11 @@ def plan_pipeline(job: Job, dataset: Any, workers: int, log: Any = None, device:
     check_tensor_parallel(job, pipeline, layers, checkpoint_format=checkpoint_format)
     # The training loop's knobs, refused here (before any worker starts) where the schedule or
     # the model cannot honour them; each worker checks them again when it builds its stage.
-    check_schedule(pipeline, precision=job.precision, max_grad_norm=job.max_grad_norm,
-                   activation_checkpointing=job.activation_checkpointing)
+    check("no_flush+loop", flush=pipeline.flush, schedule=pipeline.schedule, precision=job.precision,
+          max_grad_norm=job.max_grad_norm, activation_checkpointing=job.activation_checkpointing)
     check_checkpoint_spec(layers, job.activation_checkpointing)
-    if not pipeline.flush and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-        raise ValueError(
-            f"Pipeline.schedule={pipeline.schedule!r} streams steps without a flush, which cannot keep BatchNorm's "
-            f"per-step statistics exact; use a flush schedule (1f1b, gpipe, interleaved_1f1b, zb_h1)"
-        )
+    check("no_flush+batchnorm", flush=pipeline.flush, schedule=pipeline.schedule,
+          batchnorm=any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()))
     sizes = sorted({len(b) for b in contiguous_assignment(job.virtual_nodes, replicas)})
     for m in sizes:
         schedule_of(pipeline, m)  # raises with the schedule's own rule and knob

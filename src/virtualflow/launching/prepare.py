@@ -24,11 +24,12 @@ from typing import Any, Callable, Iterator
 
 from virtualflow.backends import make_backend
 from virtualflow.comm import auth
+from virtualflow.config.composition import check_stage_sharding
 from virtualflow.config.job import Job, source_from
 from virtualflow.config.options import LaunchOptions
 from virtualflow.config.pipeline import pipeline_of
 from virtualflow.control.autoscale import FixedPolicy, Limits, make_policy
-from virtualflow.launching.composition import check_pipeline_options
+from virtualflow.launching.composition import check_pipeline_balance, check_pipeline_options, check_streaming
 from virtualflow.launching.identity import check_identity, job_label, record_identity, run_identity
 from virtualflow.launching.pipeline import plan_pipeline
 from virtualflow.launching.preflight import build_dataset, build_job, preflight
@@ -38,7 +39,6 @@ from virtualflow.plan.hetero import check_memory
 from virtualflow.plan.streams import StreamPlan
 from virtualflow.plan.pipeline.geometry import check_workers, layers_of, resolve_bounds, shared_across_pieces
 from virtualflow.runtime.dcp import is_dcp, remove_discarded
-from virtualflow.runtime.pipeline.stage_shard import check_stage_sharding
 from virtualflow.plan.vnmap import contiguous_assignment, pipeline_assignment
 from virtualflow.runtime.streaming import data_plan_of
 from virtualflow.records.rundir import (RunLock, disk_full_error, earlier_run, make_private_dir, set_aside,
@@ -75,10 +75,7 @@ def prepare(job: JobLike, opts: LaunchOptions) -> Iterator[RunSetup]:
         check_pipeline_options(pipeline, opts, policy)  # docs/composition.md: what a pipeline refuses
     dataset = build_dataset(job_obj)
     plan = data_plan_of(dataset, job_obj)
-    if isinstance(plan, StreamPlan) and opts.uneven_vn_sizes:
-        raise ValueError("uneven_vn_sizes=True gives faster workers bigger virtual nodes, but a streaming dataset splits "
-                         "each epoch's stream into virtual_nodes equal parts (docs/training.md, \"Streaming datasets\"): "
-                         "drop uneven_vn_sizes (--uneven-vn-sizes); balance=True still maps VNs by speed")
+    check_streaming(isinstance(plan, StreamPlan), opts)
     workers = opts.start_workers
     total_steps = opts.steps if opts.steps is not None else opts.epochs * plan.steps_per_epoch
     if pipeline is None:
@@ -176,30 +173,6 @@ def check_against_job(opts: LaunchOptions, job: Job, limits: Limits | None) -> N
                          f"least one virtual node; lower --max-workers or raise --virtual-nodes")
     if opts.specs:
         check_memory(job.global_batch_size // V, [s.memory_limit for s in opts.specs])
-
-
-def check_pipeline_balance(pipeline: Any, opts: LaunchOptions) -> None:
-    """What speed-weighted micro-batch shares cannot do for a pipelined job, refused in one line
-    naming the knob (docs/pipeline.md, "Replicas of unequal speed")."""
-    if opts.uneven_vn_sizes:
-        raise ValueError("uneven_vn_sizes=True (--uneven-vn-sizes) gives faster workers bigger VNs, but every worker of "
-                         "a pipeline replica runs the same micro-batches; drop it: balance=True still weighs the "
-                         "replicas' micro-batch shares by speed")
-    if not opts.balanced:
-        return
-    if pipeline.tensor > 1:
-        raise ValueError(f"balance (--balance, worker specs or slowdowns) weighs pipeline replicas by a time model of "
-                         f"one worker per stage, but Pipeline.tensor={pipeline.tensor} runs each stage on "
-                         f"{pipeline.tensor} workers; use LaunchOptions.balance=False or tensor=1 (--tensor-parallel 1)")
-    if not pipeline.flush:
-        raise ValueError(f"balance (--balance, worker specs or slowdowns) weighs pipeline replicas' micro-batch shares "
-                         f"at step boundaries, but Pipeline.schedule={pipeline.schedule!r} streams a window of steps "
-                         f"without one; use a flush schedule (1f1b, gpipe, zb_h1) or LaunchOptions.balance=False")
-    if pipeline.schedule == "interleaved_1f1b" and pipeline.chunks > 1:
-        raise ValueError(f"balance (--balance, worker specs or slowdowns) gives replicas unequal micro-batch counts, "
-                         f"but interleaved_1f1b with chunks={pipeline.chunks} needs each replica's count to be a "
-                         f"multiple of stages={pipeline.stages}; use chunks=1 (--chunks 1), the 1f1b schedule, or "
-                         f"LaunchOptions.balance=False")
 
 
 def claim_run_dir(run_dir: str | None) -> tuple[RunLock | None, bool]:

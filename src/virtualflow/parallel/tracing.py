@@ -2,7 +2,7 @@
 
 A pipelined job's model must be an ``nn.Sequential`` whose children (the *layers*) are chained:
 each takes the previous one's output as its one argument (a tensor or a tuple of tensors), see
-:mod:`virtualflow.pipeline`. Most real models are not written that way: a Hugging Face
+:mod:`virtualflow.config.pipeline`. Most real models are not written that way: a Hugging Face
 ``GPT2LMHeadModel`` takes keyword arguments, builds an attention mask in its first lines that
 every block reads, and returns a ``ModelOutput``. :func:`sequential_from` cuts such a model at
 named submodules::

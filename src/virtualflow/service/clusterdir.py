@@ -40,7 +40,7 @@ IDENTITY_NAME = "cluster_job.json"
 """In a job's run directory: which cluster and job it belongs to (see :meth:`ClusterDB.claim_run_dir`)."""
 
 # -- the directory is private ---------------------------------------------------------------
-# The rule of run directories (virtualflow.rundir.make_private_dir), worded for a cluster
+# The rule of run directories (virtualflow.records.rundir.make_private_dir), worded for a cluster
 # directory: the service runs whatever the database queues, as its own user, and honours the
 # token in the directory; so nobody else may be able to write either.
 _PRIVATE_FILES = (DB_NAME, DB_NAME + "-wal", DB_NAME + "-shm", TOKEN_NAME)

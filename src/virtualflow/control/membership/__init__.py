@@ -2,6 +2,9 @@
 
 * :mod:`.controller`: :class:`MembershipController`, the state machine that publishes
   generations and alone acts (starts workers, writes records, tells members to regroup).
+* :mod:`.hangs`, :mod:`.losses`, :mod:`.changes`: the controller's collaborators carrying out
+  the policies' decisions (stalls and unformed generations; lost workers and broken generations;
+  planned resizes, holds, notices and reconfigurations) on its fields, publishing through it.
 * :mod:`.phases`: its named phases (:class:`Phase`: new, forming, training, changing,
   recovering, holding, finished, failed), every transition logged as ``previous -> next``.
 * :mod:`.decisions`: what a policy decides, as frozen data (:class:`Rebalance`,

@@ -92,7 +92,7 @@ def layers_of(model: nn.Module) -> list[nn.Module]:
         raise TypeError(
             f"a pipelined job's model must be an nn.Sequential (its children are the layers cut into "
             f"stages); got {type(model).__name__}. Wrap a model of another kind with "
-            f"virtualflow.tracing.sequential_from(model, example_input, split_points=[...])"
+            f"virtualflow.parallel.tracing.sequential_from(model, example_input, split_points=[...])"
         )
     return list(model.children())
 
@@ -239,7 +239,7 @@ def shared_across_pieces(layers: Sequence[nn.Module],
                          bounds: Sequence[tuple[int, int]]) -> list[list[tuple[int, str]]]:
     """Parameters read by layers of different pieces (on one worker or several): for each, its
     locations in model order. Deterministic mode sums their per-piece gradients per virtual node
-    before the tree (see :func:`check_shared_parameters`)."""
+    before the tree (see :func:`virtualflow.launching.composition.check_shared_parameters`)."""
     return [locs for locs in _locations(layers) if len({_piece_of(bounds, i) for i, _ in locs}) > 1]
 
 
@@ -247,47 +247,6 @@ EXACT_USES = 2
 """Locations of one shared weight deterministic mode keeps bit-identical: the unpipelined job adds
 the per-VN gradients of its uses inside autograd, and one addition ``a + b == b + a`` is exact in
 either order; with three or more the order of autograd's additions is not fixed."""
-
-
-def check_shared_parameters(layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]],
-                            pipeline: Any, deterministic: bool = False) -> list[list[tuple[int, str]]]:
-    """A weight shared by layers on different workers is held by each of them as a copy; the
-    runtime sums the copies' gradients before every update (flush schedules), so they stay equal.
-    Deterministic mode forms, per virtual node, the sum of the two uses' gradients before the
-    fixed tree, as autograd does in the unpipelined job: exact for a weight read by two layers
-    (in different pieces, on one worker or two). Refused: a weight read by three or more layers of
-    different pieces in deterministic mode (no fixed order of autograd's additions to match), a
-    weight shared across workers with a no-flush schedule (one version per copy is not
-    implemented) or with ``Pipeline.redundancy``."""
-    groups = tied_parameters(layers, bounds, pipeline.stages)
-    if groups and not pipeline.flush:
-        (j, first), (i, name) = groups[0][0], groups[0][1]
-        raise ValueError(
-            f"parameter {j}.{first} is also layer {i}'s {name}, on another pipeline worker: the "
-            f"{pipeline.schedule} schedule cannot keep the copies of a shared weight exact; untie it (e.g. "
-            f"GPT2Config(tie_word_embeddings=False)), cut the model so both layers are on one worker "
-            f"(Pipeline.split), or use a flush schedule (Pipeline.schedule='1f1b', 'gpipe', 'interleaved_1f1b' "
-            f"or 'zb_h1')"
-        )
-    if groups and getattr(pipeline, "redundancy", False):
-        (j, first), (i, name) = groups[0][0], groups[0][1]
-        raise ValueError(
-            f"parameter {j}.{first} is also layer {i}'s {name}, on another pipeline worker: "
-            f"Pipeline.redundancy=True does not support weights shared across pipeline workers yet; untie it, "
-            f"cut the model so both layers are on one worker (Pipeline.split), or set redundancy=False"
-        )
-    if deterministic:
-        for locs in shared_across_pieces(layers, bounds):
-            if len(locs) > EXACT_USES:
-                names = ", ".join(f"{i}.{name}" for i, name in locs)
-                raise ValueError(
-                    f"one weight is read by {len(locs)} layers in different pipeline pieces ({names}): "
-                    f"deterministic mode keeps a shared weight bit-identical to the unpipelined job only when "
-                    f"it is read by {EXACT_USES} layers (the order in which autograd adds three or more "
-                    f"gradients is not fixed); untie it, cut the model so all these layers are in one piece "
-                    f"(Pipeline.split), or train with deterministic=False (without --deterministic)"
-                )
-    return groups
 
 
 @dataclass(slots=True)

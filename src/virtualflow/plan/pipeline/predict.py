@@ -75,7 +75,7 @@ def pipeline_for(job: Any, pipeline: Any | None) -> Any:
     if pipeline is None:
         raise ValueError("the job has no pipeline: give Job(pipeline=Pipeline(stages=...)) or pass pipeline=...")
     if not all(hasattr(pipeline, knob) for knob in ("stages", "schedule", "chunks", "split", "window")):
-        raise TypeError(f"pipeline must be a virtualflow.pipeline.Pipeline, got {type(pipeline).__name__}")
+        raise TypeError(f"pipeline must be a virtualflow.config.pipeline.Pipeline, got {type(pipeline).__name__}")
     return pipeline
 
 
