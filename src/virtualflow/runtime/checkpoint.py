@@ -13,7 +13,7 @@ Invariants:
   *inside* the file: ``checksum.sha256`` is a SHA-256 of the state's contents (every tensor's
   dtype, shape and bytes, every other value, in order; :func:`content_digest`), computed before
   the write and checked after the load. One file is written by one atomic rename
-  (:func:`virtualflow.rundir.atomic_write`), so there is no moment at which a state and a
+  (:func:`virtualflow.records.rundir.atomic_write`), so there is no moment at which a state and a
   separate checksum disagree (with a ``.sha256`` sidecar there was: a crash between the two
   renames left a good file that read as corrupt). A truncated file fails to load; a flipped
   bit fails the checksum. Files written before this format (a ``.sha256`` sidecar over the

@@ -3,7 +3,7 @@
 :func:`report_failure` is called once, with the exception that ends the worker process: it
 prints the exception, the step and the phase with the full traceback to stderr, and sends an
 ``error`` report with the traceback cut to the job's own code
-(:func:`virtualflow.result.job_traceback`). A full disk becomes one line naming the file, the
+(:func:`virtualflow.records.result.job_traceback`). A full disk becomes one line naming the file, the
 space free there and the space the state needs. Best effort throughout: a failure is never lost
 over its formatting or over a store that is gone.
 """
@@ -47,7 +47,7 @@ def failing_step(exc: BaseException, worker: FailedWorker | None) -> int | None:
 def report_failure(reporter: Reporter, worker_id: int, exc: BaseException, worker: FailedWorker | None) -> None:
     """Tell the coordinator and the worker's own log (stderr) why this worker failed: the
     exception, the step, and the traceback, in full and from the job's own code on
-    (:func:`virtualflow.result.job_traceback`). Best effort: a report that cannot be sent (the
+    (:func:`virtualflow.records.result.job_traceback`). Best effort: a report that cannot be sent (the
     store is gone) leaves the log."""
     step = failing_step(exc, worker)
     phase = worker.phase if worker is not None else "setting up"

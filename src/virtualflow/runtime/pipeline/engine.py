@@ -300,11 +300,7 @@ class StageEngine:
             self.replica_of_successor.begin_step()
         if self.reuse is not None and not any(key[0] == step for key in self.reuse.entries):
             self.reuse = None
-        if self.shard is not None:
-            self.shard.cut(self.replica, self.replicas)  # (re-)cut by this generation's layout
-            self.shard.start_step()
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
+        self.update.begin_step(self.replica, self.replicas)  # (sharded: the chunks cut by this layout)
         self.phase = "compute"
         work.compute_s = yield from self._run_actions(work.schedule, step, work.mbs, forward=work.forward,
                                                       backward=work.backward, eager=self.eager)

@@ -31,7 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Generator, Protocol
+from typing import Any, Callable, Generator, Protocol, Sequence
 
 import torch
 
@@ -64,6 +64,7 @@ class FlushStage(Protocol):
     optimizer: Any
     scheduler: Any
     shard: Any
+    update: Any
     ties: Any
     tree: Any
     reducer: Any
@@ -87,6 +88,38 @@ class FlushStage(Protocol):
     def spliced_forward(self, module: torch.nn.Module, x: Any, entry: Any) -> Any: ...
 
 
+class Accumulated:
+    """Default mode: every micro-batch's backward accumulates into the parameters' ``.grad``."""
+
+    def before(self, params: Sequence[torch.Tensor]) -> None:
+        pass
+
+    def after(self, params: Sequence[torch.Tensor], vn: int, k: int) -> None:
+        pass
+
+
+ACCUMULATED = Accumulated()
+
+
+class PerVN:
+    """Deterministic mode: each micro-batch's parameter gradients are taken out of ``.grad`` after
+    its backward (B or W) and kept per VN (``leaves``: VN -> (piece, parts)), to be summed along
+    the fixed VN-id tree."""
+
+    def __init__(self, leaves: dict[int, list[Any]]) -> None:
+        self.leaves = leaves
+
+    def before(self, params: Sequence[torch.Tensor]) -> None:
+        for q in params:
+            q.grad = None
+
+    def after(self, params: Sequence[torch.Tensor], vn: int, k: int) -> None:
+        parts = flat_grads(params)
+        for q in params:
+            q.grad = None
+        self.leaves.setdefault(vn, []).append((k, parts))
+
+
 class FlushStep:
     """Step ``step`` of ``engine`` under a flush schedule: the accumulators its micro-batches fill,
     the forward and backward the executor calls, the reduction and the commit."""
@@ -103,6 +136,9 @@ class FlushStep:
         self.bn_first: dict[int, torch.Tensor] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.leaves: dict[int, list[torch.Tensor]] = {}  # deterministic mode: VN -> parts per piece
+        self.grads: Accumulated | PerVN = PerVN(self.leaves) if e.deterministic else ACCUMULATED
+        """Where a backward's parameter gradients go: accumulated in ``.grad`` (default mode), or
+        kept apart per VN for the tree (deterministic mode)."""
         self.bn_vn: dict[tuple[int, int], torch.Tensor] = {}  # deterministic mode: (piece, VN) -> statistics
         self.mbs: dict[tuple[int, int], MicroBatch] = {}
         self.compute_s = 0.0
@@ -146,9 +182,8 @@ class FlushStep:
             outs = [e.loop.scale_loss(outs[0])]
         params = e.piece_params[k]
         wants_input = [t for t in ctx.inputs if t.is_floating_point()]
-        if e.deterministic and kind in ("B", "W"):
-            for q in params:
-                q.grad = None
+        if kind in ("B", "W"):
+            self.grads.before(params)
         if kind == "B":
             if params or wants_input:
                 torch.autograd.backward(outs, grads, inputs=params + wants_input)
@@ -161,12 +196,8 @@ class FlushStep:
         else:  # W
             if params:
                 torch.autograd.backward(outs, grads, inputs=params)
-        if e.deterministic and kind in ("B", "W"):
-            vn = self.vns[mb % self.m]
-            parts = flat_grads(params)
-            for q in params:
-                q.grad = None
-            self.leaves.setdefault(vn, []).append((k, parts))
+        if kind in ("B", "W"):
+            self.grads.after(params, self.vns[mb % self.m], k)
 
     # ---- the step's reduction ------------------------------------------------------------------
     def reduce(self) -> Generator[Request, Any, tuple[torch.Tensor | None, torch.Tensor | None]]:
@@ -212,8 +243,7 @@ class FlushStep:
         chunks = e.shard.bounds if e.shard is not None and e.replicas > 1 and not e.loop.checks_grads else None
         total = yield from e.reducer.tree_by_stage(e.tree, nodes, like, with_bn, is_last, chunks)
         offset = load_grads(e.tree_params, total)
-        if e.shard is not None:  # the chunk's update reads the flat gradient
-            e.shard.grads_to_flat()
+        e.update.grads_to_flat()  # (sharded: the chunk's update reads the flat gradient)
         return total, offset
 
     def _reduce_sum(self, is_last: bool) -> Generator[Request, Any, tuple[torch.Tensor, int]]:

@@ -77,14 +77,11 @@ class StageLoop:
     workers at a layer after its first: not counted in the norm (the first copy is)."""
     activation_checkpointing: Any = None
     compile: bool | Mapping[str, Any] = False
-    tensor_sum: Callable[[torch.Tensor], None] | None = None
-    """Tensor-parallel stages: sums a float64 vector in place over the stage's tensor-parallel
-    group (set by the worker engine for each generation; ``None`` without tensor parallelism)."""
-    tensor_sharded: frozenset[int] = frozenset()
-    """Tensor-parallel stages: ``id()`` of this worker's parameters that hold a shard (the others
-    are replicated, the same on every worker of the group)."""
-    tensor_rank: int = 0
-    """Tensor-parallel stages: this worker's rank in its tensor group (the norm slot its shards fill)."""
+    slots_of: Callable[[torch.device], OneSlot | TensorSlots] = lambda device: ONE_SLOT
+    """How this worker's gradients fill the norm's slots and join their inf/nan flags: alone
+    (:data:`~virtualflow.runtime.step.finish.ONE_SLOT`), or over its tensor-parallel group
+    (:class:`~virtualflow.runtime.step.finish.TensorSlots`, set once when a tensor-parallel stage
+    is built: :meth:`TensorParallelStage.hook_loop <virtualflow.runtime.pipeline.tensor_stage.TensorParallelStage.hook_loop>`)."""
     finish: StepFinish = field(init=False)
     """The step finish of these settings (:mod:`virtualflow.runtime.step.finish`): the norm is
     taken to clip only (a stage learns an inf/nan from the flags in the stats)."""
@@ -135,11 +132,9 @@ class StageLoop:
         return out
 
     def slots(self, device: torch.device) -> OneSlot | TensorSlots:
-        """How this worker's gradients fill the norm's slots and join their inf/nan flags: over
-        its tensor-parallel group when it has one (:attr:`tensor_sum`), else alone."""
-        if self.tensor_sum is None:
-            return ONE_SLOT
-        return TensorSlots(self.tensor_sum, self.tensor_sharded, self.tensor_rank, device)
+        """How this worker's gradients fill the norm's slots and join their inf/nan flags
+        (:attr:`slots_of`)."""
+        return self.slots_of(device)
 
 
 def model_norm_blocks(layers: Sequence[nn.Module], tensor: int = 1) -> tuple[NormBlocks, dict[str, int]]:

@@ -87,6 +87,13 @@ class WholeStage(WholeUpdate):
         parts = [Part(i, q, q.grad) for i, q in norm_params if q.grad is not None] if contributes else []
         return self.stage_grads(), parts
 
+    def begin_step(self, replica: int, replicas: int) -> None:
+        """A step starts: the gradients are dropped (backward accumulates into fresh ones)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def grads_to_flat(self) -> None:
+        """Nothing to move: the update reads each parameter's own gradient."""
+
     def gather(self, replicas: int) -> Generator[Request, Any, None]:
         """Nothing to gather after the update: every copy stepped the whole stage."""
         yield from ()
@@ -142,6 +149,11 @@ class StageShard:
             return
         self.opt.shard(replica, replicas)
         self.chunk_held = True
+
+    def begin_step(self, replica: int, replicas: int) -> None:
+        """A step starts: the chunks (re-)cut by this generation's layout, the flat gradient zeroed."""
+        self.cut(replica, replicas)
+        self.start_step()
 
     def start_step(self) -> None:
         """Gradients into the flat gradient vector, zeroed (backward accumulates there)."""

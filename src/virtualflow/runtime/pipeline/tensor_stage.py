@@ -34,6 +34,7 @@ from virtualflow.comm.groups import Group
 from virtualflow.config.pipeline import Pipeline
 from virtualflow.plan.pipeline.geometry import layers_of, piece_module
 from virtualflow.runtime.pipeline.engine import StageEngine
+from virtualflow.runtime.step.finish import TensorSlots
 from virtualflow.runtime.pipeline.loop import StageLoop
 from virtualflow.runtime.pipeline.stage_state import (gather_stages, load_scaler, optimizer_names, reorder_optimizer,
                                                       resume_stage, stage_state, transfer_stages)
@@ -152,12 +153,12 @@ class TensorParallelStage(TensorStage):
 
     def hook_loop(self, loop: StageLoop, pieces: dict[int, nn.Module]) -> StageLoop:
         """The loss scaler's inf check and the clipping norm sum the shards' parts over the tensor
-        group: ``tensor_sum`` runs over the current generation's, ``tensor_sharded`` names (by
-        ``id``) the stage's parameters that hold a shard, ``tensor_rank`` is the norm slot they fill."""
-        loop.tensor_sum = self.sum
-        loop.tensor_sharded = frozenset(id(q) for n, q in stage_module(pieces).named_parameters()
-                                        if n in self.sharded_names)
-        loop.tensor_rank = self.rank
+        group (:class:`~virtualflow.runtime.step.finish.TensorSlots`): :meth:`sum` runs over the
+        current generation's group; the stage's parameters that hold a shard (by ``id``) fill the
+        slot of this worker's tensor rank, the replicated ones their one slot."""
+        sharded = frozenset(id(q) for n, q in stage_module(pieces).named_parameters() if n in self.sharded_names)
+        rank = self.rank
+        loop.slots_of = lambda device: TensorSlots(self.sum, sharded, rank, device)
         return loop
 
     def sum(self, vector: torch.Tensor) -> None:
