@@ -184,7 +184,7 @@ REFUSALS: tuple[Refusal, ...] = (
          says=_no_flush_loop_says,
          example=dict(flush=False, schedule="2bw", precision="16-mixed", max_grad_norm=None,
                       activation_checkpointing=None),
-         site="runtime.pipeline.loop.check_schedule (also at launch, through it)"),
+         site="runtime.pipeline.loop.check_schedule (and at launch: launching.pipeline)"),
     # ---- the Pipeline's own fields (virtualflow.config.pipeline.Pipeline) ----------------------
     _row("chunks+schedule", "interleaved chunks", "schedule",
          when=lambda chunks, schedule, **_: chunks > 1 and schedule != "interleaved_1f1b",
@@ -275,7 +275,7 @@ REFUSALS: tuple[Refusal, ...] = (
              f"shard_replicas={shard_replicas} keeps replicas of the sharded optimizer's chunks; with "
              f"reduction={reduction!r} every worker holds the whole state already: drop "
              f"--shard-replicas or add --reduction sharded"),
-         example=dict(shard_replicas=1, reduction="allreduce"), site="runtime.engine.VNEngine"),
+         example=dict(shard_replicas=1, reduction="allreduce"), site="runtime.step.update.make_update"),
     # ---- where a worker builds its stage (runtime.pipeline.engine.StageEngine) ------------------
     _row("tied+no_flush", "tied weights", "no-flush schedule",
          when=lambda tied, flush, **_: bool(tied) and not flush,

@@ -26,6 +26,7 @@ from typing import Any, Callable, Generator, Sequence
 import torch
 from torch import nn
 
+from virtualflow.config.composition import check
 from virtualflow.config.loop import autocast_dtype
 from virtualflow.config.pipeline import Pipeline
 from virtualflow.plan.data import DataPlan
@@ -155,8 +156,7 @@ class StageEngine:
         self.replica_of_successor: StageReplica | None = None
         """``Pipeline.redundancy``: the successor's stage, kept up to date after every step."""
         if successor_pieces is not None:
-            if self.tied:
-                raise ValueError("Pipeline.redundancy=True does not support weights shared across pipeline workers yet")
+            check("redundancy+tied", redundancy=True, tied=bool(self.tied))
             self.replica_of_successor = StageReplica(successor_pieces, build_optimizer, scheduler_factory,
                                                      (self.stage_rank + 1) % self.p, loop=self.loop)
         self.eager = self.pipeline.eager_forwards and self.replica_of_successor is not None
@@ -352,17 +352,9 @@ def check_reduction(reduction: str) -> None:
 
 def check_tied(tied: Sequence[TiedCopy], pipeline: Pipeline) -> None:
     """Weights shared across workers are summed before every update: a flush schedule only."""
-    if tied and not pipeline.flush:
-        raise ValueError(
-            f"weights shared across pipeline workers need a flush schedule, not Pipeline.schedule="
-            f"{pipeline.schedule!r}; use '1f1b', 'gpipe', 'interleaved_1f1b' or 'zb_h1'")
+    check("tied+no_flush", tied=bool(tied), flush=pipeline.flush, schedule=pipeline.schedule)
 
 
 def check_streamed_batchnorm(pipeline: Pipeline, bn_numel: int) -> None:
     """BatchNorm's per-step statistics are exact with a flush schedule only."""
-    if not pipeline.flush and bn_numel:
-        raise ValueError(
-            f"Pipeline.schedule={pipeline.schedule!r} streams steps without a flush, which cannot keep "
-            f"BatchNorm's per-step statistics exact; use a flush schedule (1f1b, gpipe, interleaved_1f1b, "
-            f"zb_h1) for a model with BatchNorm"
-        )
+    check("no_flush+batchnorm_stage", flush=pipeline.flush, batchnorm=bool(bn_numel), schedule=pipeline.schedule)

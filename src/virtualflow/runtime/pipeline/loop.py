@@ -48,6 +48,7 @@ from typing import Any, Callable, ContextManager, Generator, Mapping, Sequence
 import torch
 from torch import nn
 
+from virtualflow.config.composition import check
 from virtualflow.runtime.amp import LossScaler, autocast
 from virtualflow.runtime.clipping import NormBlocks, norm_dtype
 from virtualflow.runtime.model_prep import prepare_model
@@ -189,25 +190,13 @@ def check_checkpoint_spec(layers: Sequence[nn.Module], spec: Any) -> None:
 
 def check_schedule(pipeline: Any, *, precision: str, max_grad_norm: float | None,
                    activation_checkpointing: Any) -> None:
-    """Refuse the knobs a no-flush schedule (``2bw``, ``async``) cannot honour, naming the knob:
-    ``16-mixed`` and ``max_grad_norm`` need the whole step's gradient before any update, which
-    such a schedule applies stage by stage as each finishes; activation checkpointing would
-    recompute a micro-batch with the stage's newest weights, not the stashed version its forward
-    ran on."""
-    if pipeline.flush:
-        return
-    why = None
-    if precision == "16-mixed" or max_grad_norm is not None:
-        knob = "precision='16-mixed'" if precision == "16-mixed" else f"max_grad_norm={max_grad_norm}"
-        why = (f"{knob} needs the whole step's gradient before any update, and the {pipeline.schedule} schedule "
-               f"updates each stage as soon as its own backward is done (no flush)")
-    elif activation_checkpointing is not None:
-        why = (f"activation_checkpointing={activation_checkpointing!r} recomputes a micro-batch's forward in its "
-               f"backward with the stage's current weights, and the {pipeline.schedule} schedule runs forwards on "
-               f"older weight versions")
-    if why is not None:
-        raise ValueError(f"{why}; use a flush schedule (Pipeline.schedule='1f1b', 'gpipe', 'interleaved_1f1b' or "
-                         f"'zb_h1'), or drop the knob (bf16-mixed precision and compile work with every schedule)")
+    """Refuse the knobs a no-flush schedule (``2bw``, ``async``) cannot honour (the table's row
+    ``no_flush+loop``, :mod:`virtualflow.config.composition`): ``16-mixed`` and ``max_grad_norm``
+    need the whole step's gradient before any update, which such a schedule applies stage by stage
+    as each finishes; activation checkpointing would recompute a micro-batch with the stage's
+    newest weights, not the stashed version its forward ran on."""
+    check("no_flush+loop", flush=pipeline.flush, schedule=pipeline.schedule, precision=precision,
+          max_grad_norm=max_grad_norm, activation_checkpointing=activation_checkpointing)
 
 
 def stage_loop(job: Any, layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]], stages: int) -> StageLoop:

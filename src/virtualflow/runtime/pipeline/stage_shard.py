@@ -41,6 +41,7 @@ from typing import Any, Generator, Sequence
 
 import torch
 
+from virtualflow.config.composition import check_stage_sharding
 from virtualflow.runtime.clipping import block_cuts
 from virtualflow.runtime.pipeline.requests import Request, StageGather
 from virtualflow.runtime.sharded import gather_sharded_state
@@ -50,25 +51,6 @@ from virtualflow.runtime.step.update import ShardedUpdate, WholeUpdate
 __all__ = ["StageOptimizer", "StageShard", "WholeStage", "check_stage_sharding", "gather_stage_optimizer",
            "optimizer_bytes", "stage_update"]
 
-
-def check_stage_sharding(pipeline: Any, *, tied: bool, shard_replicas: int = 0) -> None:
-    """Raise ``ValueError`` (naming the knob) for the pipelines the sharded reduction does not
-    support: no-flush schedules, Bamboo's redundancy, weights shared by several pieces, and
-    replicas of the chunks."""
-    if not pipeline.flush:
-        raise ValueError(f"reduction='sharded' with Pipeline.schedule={pipeline.schedule!r}: a no-flush schedule "
-                         f"keeps weight versions per stage that a sharded update does not; use a flush schedule "
-                         f"(1f1b, gpipe, interleaved_1f1b, zb_h1) or reduction='allreduce' (--reduction)")
-    if pipeline.redundancy:
-        raise ValueError("reduction='sharded' with Pipeline.redundancy=True: Bamboo's replica of the successor's "
-                         "stage steps the whole stage; set redundancy=False or use reduction='allreduce' (--reduction)")
-    if tied:
-        raise ValueError("reduction='sharded' with a weight shared by two pipeline pieces (tied weights): their "
-                         "gradients are summed across pieces, which the sharded update does not do; untie the "
-                         "weight, or use reduction='allreduce' (--reduction)")
-    if shard_replicas:
-        raise ValueError(f"shard_replicas={shard_replicas} keeps replicas of the sharded optimizer's chunks, which "
-                         f"pipelined jobs do not support; drop --shard-replicas")
 
 
 class WholeStage(WholeUpdate):

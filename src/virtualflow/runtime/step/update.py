@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from virtualflow.config.composition import check
+
 from virtualflow.comm.groups import PeerFailure
 from virtualflow.runtime.dcp import Piece, optimizer_pieces, sharded_optimizer_pieces
 from virtualflow.runtime.shard_replica import exchange_gradients, rebuild_state
@@ -302,8 +304,5 @@ def make_update(reduction: str, optimizer: torch.optim.Optimizer, params: Sequen
         return ShardedUpdate(optimizer, params, replicas=shard_replicas, cuts=cuts)
     if reduction != "allreduce":
         raise ValueError(f"reduction={reduction!r} is not known; choose 'allreduce' or 'sharded' (--reduction)")
-    if shard_replicas:
-        raise ValueError(f"shard_replicas={shard_replicas} keeps replicas of the sharded optimizer's chunks; with "
-                         f"reduction={reduction!r} every worker holds the whole state already: drop "
-                         f"--shard-replicas or add --reduction sharded")
+    check("shard_replicas+allreduce", shard_replicas=shard_replicas, reduction=reduction)
     return WholeUpdate(optimizer, params)
