@@ -43,7 +43,6 @@ import torch
 from virtualflow.comm.groups import Group, PeerFailure
 from virtualflow.comm.ring import Collectives
 from virtualflow.plan.data import DataPlan
-from virtualflow.plan.vnmap import TreePlan
 from virtualflow.runtime.amp import LossScaler
 from virtualflow.runtime.batches import (BatchLoader, LossShapeError, NonFiniteLossError, StepOutcome, check_loss,
                                          seed_random_streams, to_device)
@@ -57,6 +56,7 @@ from virtualflow.runtime.step.exchange import ExchangeChoice
 from virtualflow.runtime.step.finish import StepFinish
 from virtualflow.runtime.step.reduction import Reduction, TreeLeaves, TreeReduction, default_reduction
 from virtualflow.runtime.step.stats import MAX_METRICS, StatsLayout
+from virtualflow.runtime.step.tree_body import TreeBody
 from virtualflow.runtime.step.update import ShardedUpdate, WholeUpdate, make_update
 
 
@@ -125,10 +125,11 @@ class VNEngine:
         """Deterministic mode with several workers: (the exchange this generation runs, why)."""
         # The mode's step body and reduction, chosen once (deterministic: the fixed VN-id tree).
         self._sum, self._reduction_for = self._sum_buckets, self._buckets_for
-        self.leaves: TreeLeaves | None = None  # deterministic mode's leaf layout and partial sums
+        self.tree_body: TreeBody | None = None  # deterministic mode's step body (runtime/step/tree_body.py)
         if deterministic:
-            self._sum, self._reduction_for = self._sum_tree, self._tree_for
-            self.leaves = TreeLeaves(self.params, self.bn.float_bufs, batchnorm == "mean", plan.virtual_nodes, device)
+            self.tree_body = TreeBody(self)
+            self._sum, self._reduction_for = self._sum_tree, self.tree_body.reduction_for
+        self.leaves: TreeLeaves | None = self.tree_body.leaves if self.tree_body is not None else None
         self.sharded = reduction == "sharded"
         self.precision = precision
         """``Job.precision``: the forward and loss run under :func:`~virtualflow.runtime.amp.autocast`."""
@@ -142,7 +143,6 @@ class VNEngine:
         self.shard: ShardedOptimizer | None = self.update.shard
         self.comm: Collectives | None = None
         self.grad_numel = sum(p.numel() for p in self.params)
-        self._first_bn: torch.Tensor | None = None
         self.compute = VNCompute(model, loss_fn, plan, loader, seed=seed, device=device, precision=precision,
                                  scaler=self.scaler, bn=self.bn, clock=self.clock, prefetcher=self.prefetcher)
         """One VN's batch, forward and backward (:mod:`virtualflow.runtime.step.compute`)."""
@@ -166,16 +166,6 @@ class VNEngine:
         """``"16-mixed"``'s loss scale (None otherwise); its decisions are the whole step's."""
         return self.finish.scaler
 
-    @property
-    def deferred_failure(self) -> PeerFailure | None:
-        """``shard_replicas=1``: the parameters' all-gather failed after this worker applied the step
-        (so the step counts as applied); raised at the step boundary (:meth:`raise_deferred`)."""
-        return self.update.deferred_failure
-
-    @deferred_failure.setter
-    def deferred_failure(self, value: PeerFailure | None) -> None:
-        self.update.deferred_failure = value
-
     def install_fault_point(self, fn: Callable[[int, str], None]) -> None:
         """Call ``fn(step, phase)`` at each fault-injection point (see runtime/faults.py)."""
         self._fault_point = fn
@@ -188,13 +178,18 @@ class VNEngine:
         # params[0] receives its gradient late in backward, after most buckets have launched.
         self.params[0].register_post_accumulate_grad_hook(mid_backward)
 
-    def _check_broken(self) -> None:
+    def check_broken(self) -> None:
         if self.generation_broken is not None and self.generation_broken():
             generation = self.group.generation if self.group is not None else -1
             raise PeerFailure(generation, "the coordinator declared the generation broken (a member failed); "
                                           "the step is abandoned before its next virtual node")
 
-    def _point(self, phase: str) -> None:
+    @property
+    def fault_points(self) -> bool:
+        """Whether fault injection is installed (:meth:`install_fault_point`)."""
+        return self._fault_point is not None
+
+    def point(self, phase: str) -> None:
         if self._fault_point is not None:
             self._fault_point(self._step_no, phase)
 
@@ -206,7 +201,7 @@ class VNEngine:
             self.bn.restore()
         if not self.update.keeps_gradient:
             self._zero_grad()  # sharded, pending: the chunk's reduced gradient stays for the rebuild to apply
-        self.deferred_failure = None
+        self.update.deferred_failure = None
         self._det_flat = None
         self.compute.metrics.reset()
         if self.reduction is not None:
@@ -227,7 +222,7 @@ class VNEngine:
             self.comm.close()
             self.comm = None
         self.group = group
-        self.deferred_failure = None
+        self.update.deferred_failure = None
         self.clock.reset()
         if self.prefetcher is not None:
             self.prefetcher.clear()
@@ -248,60 +243,22 @@ class VNEngine:
                                  bn_mean=self.batchnorm == "mean")
         return default_reduction(self.params, group, self.shard, self.comm)
 
-    def _tree_for(self, group: Group, assignment: Sequence[Sequence[int]]) -> TreeReduction:
-        """Deterministic mode's statistics layout and reduction for this generation: the loss and
-        BatchNorm's mean statistics are summed in the tree (its tail); BatchNorm's ``first``
-        statistics (VN 0's) ride in the statistics vector."""
-        first = self.bn.numel if self.batchnorm == "first" else 0
-        self.stats = StatsLayout(self.plan.virtual_nodes, group.size, group.rank, loss=False, bn_numel=first,
-                                 bn_mean=False)
-        tree, self.exchange_choice = self.leaves.reduction(TreePlan.build(assignment), group, self.compute.loss_dtype,
-                                                           self.exchange, self.shard, self.comm)
-        return tree
-
     def _zero_grad(self) -> None:
         self.update.zero_grad()
 
-    # -- the whole optimizer state (checkpoints, transfers) -------------------------------------
-    def optimizer_state(self) -> dict[str, Any]:
-        """The optimizer's whole state (``state_dict`` format). Sharded: only while it is held
-        whole (:meth:`gather_optimizer_state` collects it, a collective)."""
-        return self.update.state()
-
-    def gather_optimizer_state(self, root: int | None = None) -> dict[str, Any] | None:
-        """The whole optimizer state: with the sharded reduction a collective (every member calls
-        it at the same point) that delivers it to every member, or only to rank ``root`` (the
-        others get ``None`` and never hold more than their chunk); a local read otherwise."""
-        return self.update.gather_state(self.comm, self.group, root)
-
-    def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        self.update.load_state(state)
-
+    # -- the optimizer's state is read, gathered, loaded and sized through ``update`` -------------
     def before_regroup(self) -> None:
         """A planned membership change follows this step: with the sharded reduction, every member
         gathers the whole optimizer state now, while the old generation's group still works, so the
         next generation can cut it again (a leaving member's chunk is not lost)."""
         self.update.before_regroup(self.comm, self.group)
 
-    def optimizer_state_bytes(self) -> int:
-        """Bytes of optimizer state this worker holds now."""
-        return self.update.state_bytes()
-
     def _apply(self) -> None:
         """The update, with the reduced gradient in place."""
-        self.update.apply(self.scheduler, self.group, self.comm, self._point, self._set_phase)
+        self.update.apply(self.scheduler, self.group, self.comm, self.point, self._set_phase)
 
     def _set_phase(self, phase: str) -> None:
         self.phase = phase
-
-    # ------------------------------------------------------------------------------------
-    def raise_deferred(self) -> None:
-        """Raise the failure of an applied step's all-gather (``shard_replicas=1``), if any."""
-        self.update.raise_deferred()
-
-    def replica_bytes(self) -> int:
-        """Bytes the sharded optimizer's replica costs this worker (``shard_replicas=1``; else 0)."""
-        return self.update.replica_bytes()
 
     @property
     def slowdown(self) -> float:
@@ -318,12 +275,12 @@ class VNEngine:
             self.prefetcher.close()
 
     # -- a worker with no VN -------------------------------------------------------------------
-    def _idle_compute(self, step: int) -> tuple[float, bool]:
+    def idle_compute(self, step: int) -> tuple[float, bool]:
         """A worker with no VN, before it joins the reduction: (compute time to report, probed)."""
         c = self.compute
         return self.idle.compute(c.vn_s * c.slowdown, c.loss_dtype is not None, lambda: c.probe(step))
 
-    def _pack_stats(self, bad: torch.Tensor, control: int | Callable[[], int], loss: torch.Tensor | None,
+    def pack_stats(self, bad: torch.Tensor, control: int | Callable[[], int], loss: torch.Tensor | None,
                     bn: torch.Tensor | None) -> torch.Tensor:
         """This worker's statistics vector (:class:`~virtualflow.runtime.step.stats.StatsLayout`). A
         callable ``control`` is read here, as late as the step allows: a command (a stop) given
@@ -343,7 +300,7 @@ class VNEngine:
         bucket in default mode.
         """
         assert self.group is not None, "set_membership() first"
-        self.raise_deferred()
+        self.update.raise_deferred()  # shard_replicas=1: the last step's all-gather failed after it applied
         self._begin(step)
         bad = torch.zeros(self.plan.virtual_nodes, device=self.device)
         got = self.stats.read(*self._sum(step, bad, control))  # the mode's body (_sum_buckets, _sum_tree)
@@ -363,7 +320,7 @@ class VNEngine:
         # The reduced gradient is held: from here on the step is committed on this worker (see
         # runtime/worker.py for the rule that keeps survivors consistent).
         self.phase = "apply"
-        self._point("after_reduction")
+        self.point("after_reduction")
         t_apply = time.perf_counter()
         scale = self.finish.loss_scale
         norm, skipped = self._finish_gradient()
@@ -403,7 +360,7 @@ class VNEngine:
         if self.bn:
             self.bn.snapshot()
         self.phase = "before_forward"
-        self._point("before_forward")
+        self.point("before_forward")
 
     # -- default mode: VNs in order, the last backward overlapped with the reduction ---------------
     def _sum_buckets(self, step: int, bad: torch.Tensor, control: int | Callable[[], int]
@@ -417,14 +374,14 @@ class VNEngine:
             stats = self._run_vns(step, bad, control)  # armed the reduction before the last backward
             compute_s, probed = time.perf_counter() - t_step, False
         else:  # no VN here: maybe a probe, then zeros into every bucket (finish() launches them all)
-            compute_s, probed = self._idle_compute(step)
+            compute_s, probed = self.idle_compute(step)
             bn_acc = torch.zeros(self.bn.numel, device=self.device) if self.batchnorm == "mean" else None
-            stats = self._pack_stats(bad, control, torch.zeros((), device=self.device), bn_acc)
+            stats = self.pack_stats(bad, control, torch.zeros((), device=self.device), bn_acc)
         self.phase = "reduction"
         self.clock.enter_reduction()
         if not self.vns:
             self.reduction.arm(stats)
-        stats = self.reduction.finish(stats, self._point)
+        stats = self.reduction.finish(stats, self.point)
         self.clock.leave_reduction()
         self._last_compute_s = compute_s
         if not self.vns:
@@ -440,7 +397,7 @@ class VNEngine:
         indices, batches = c.batches(step, self.vns)  # (with a prefetcher, each taken when its turn comes)
         losses = []
         for i, vn in enumerate(self.vns):
-            self._check_broken()
+            self.check_broken()
             if batches[i] is None:
                 batches[i] = c.load(step, vn, indices[i])
             t_vn = time.perf_counter()
@@ -456,7 +413,7 @@ class VNEngine:
                 ws = torch.stack(losses)
                 loss = ws.sum()
                 bad[self._vn_ids] = (~torch.isfinite(ws)).to(bad.dtype)
-                stats = self._pack_stats(bad, control, loss, bn_acc)
+                stats = self.pack_stats(bad, control, loss, bn_acc)
                 self.reduction.arm(stats)
                 self.phase = "backward"
                 self._in_last_backward = True
@@ -470,73 +427,8 @@ class VNEngine:
     # -- deterministic mode: per-VN vectors summed along the fixed tree -----------------------------
     def _sum_tree(self, step: int, bad: torch.Tensor, control: int | Callable[[], int]
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The tree's sums, then the statistics' all-reduce: (the summed statistics, the loss,
-        BatchNorm's mean statistics or None)."""
-        assert self.group is not None
-        if self._fault_point is not None:
-            self.group.on_launch = lambda: self._point("during_reduction")
-        bn_mean, loss = self._step_deterministic(step, bad)
-        stats = self._pack_stats(bad, control, None, self._first_bn)
-        self.group.all_reduce(stats)
-        self.clock.leave_reduction()  # entered in _step_deterministic
-        self.group.on_launch = None
-        self._last_compute_s = self._det_compute_s
+        """Deterministic mode's body (:class:`~virtualflow.runtime.step.tree_body.TreeBody`): (the
+        summed statistics, the loss, BatchNorm's mean statistics or None); the whole flat sum, when
+        there is one, is held until the step is decided (:meth:`_finish_gradient`)."""
+        stats, loss, bn_mean, self._det_flat, self._last_compute_s = self.tree_body.sum(step, bad, control)
         return stats, loss, bn_mean
-
-    def _step_deterministic(self, step: int, bad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Per-VN vectors [grads | BN stats | weighted loss] summed along the fixed tree and
-        brought together by this generation's :class:`~virtualflow.runtime.step.reduction.TreeReduction`;
-        returns the root's (BatchNorm mean, loss) and leaves the summed gradient in ``_det_flat``
-        (or, sharded, this worker's chunk in the flat gradient)."""
-        tree = self.reduction
-        assert isinstance(tree, TreeReduction)
-        self._first_bn = None
-        with_bn = self.leaves.tail.bn_numel
-        last_vn = self.vns[-1] if self.vns else None
-
-        def run_vn(vn: int) -> torch.Tensor:
-            """Forward and backward of one VN; returns its tail [BN stats (mean mode) | weighted
-            loss]; the VN's gradient is in (or was accumulated into) ``p.grad``."""
-            self._check_broken()
-            t_vn = time.perf_counter()
-            weighted = self.compute.forward(step, vn)
-            if vn == last_vn:
-                self.phase = "backward"
-                self._in_last_backward = True
-            self.compute.backward(weighted)
-            self._in_last_backward = False
-            self.compute.emulate(t_vn)
-            weighted = weighted.detach()
-            bad[vn] = (~torch.isfinite(weighted)).to(bad.dtype)
-            tail = []
-            if with_bn:
-                tail.append(self.bn.flat())
-            elif self.bn.numel and vn == 0:
-                self._first_bn = self.bn.flat()
-            tail.append(weighted.reshape(1))
-            return torch.cat(tail) if len(tail) > 1 else tail[0]
-
-        def leaf(vn: int) -> torch.Tensor:  # a fresh vector per leaf (parameters of several dtypes)
-            self._zero_grad()
-            tail = run_vn(vn)
-            parts = [
-                p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in self.params
-            ]
-            parts.append(tail)
-            return torch.cat(parts)
-
-        t_step = time.perf_counter()
-        tree.begin()  # every receive of the step is posted before the first send
-        if self.vns:
-            local, probed = tree.local(run_vn, leaf), False
-            self._det_compute_s = time.perf_counter() - t_step
-        else:  # no VN here: maybe a probe; no node of the tree to contribute
-            local = {}
-            self._det_compute_s, probed = self._idle_compute(step)
-        self.phase = "reduction"
-        self.clock.enter_reduction()  # left in step(), after the statistics' all-reduce
-        # the whole flat sum goes into p.grad once the step is decided (_finish_gradient)
-        self._det_flat, tail = tree.finish(local, lambda: self.leaves.like(self.compute.loss_dtype))
-        if not self.vns:
-            self.idle.note_idle(t_step, probed)
-        return self.leaves.tail.read(tail)

@@ -62,7 +62,7 @@ def full_state(engine: VNEngine, progress: Progress) -> dict[str, Any]:
     """What a state transfer moves: model, optimizer and scheduler state, and the progress."""
     return {
         "model": engine.model.state_dict(),
-        "optimizer": engine.optimizer_state(),
+        "optimizer": engine.update.state(),
         "lr_scheduler": engine.scheduler.state_dict() if engine.scheduler is not None else None,
         "grad_scaler": engine.finish.scaling.state_dict(),
         "step": progress.step,
@@ -73,7 +73,7 @@ def full_state(engine: VNEngine, progress: Progress) -> dict[str, Any]:
 def load_full_state(engine: VNEngine, state: dict[str, Any]) -> None:
     """Load a transferred or checkpointed state (model, optimizer, scheduler) into ``engine``."""
     engine.model.load_state_dict(state["model"])
-    engine.load_optimizer_state(state["optimizer"])
+    engine.update.load_state(state["optimizer"])
     if engine.scheduler is not None and state.get("lr_scheduler") is not None:
         engine.scheduler.load_state_dict(state["lr_scheduler"])
     engine.finish.scaling.load_entries(state)
@@ -196,7 +196,7 @@ class VNWorkerEngine:
     # -- the whole state and the boundary work ----------------------------------------------------
     def whole_state(self, group: Group) -> dict[str, Any] | None:
         vn = self.vn
-        optimizer = vn.gather_optimizer_state(root=0)  # sharded: a collective
+        optimizer = vn.update.gather_state(vn.comm, vn.group, 0)  # sharded: a collective
         if group.rank != 0:
             return None
         return {
@@ -230,7 +230,7 @@ class VNWorkerEngine:
                         "optimizer": rest, **self.small_state()}
 
     def boundary(self, group: Group, step: int, work: Boundary) -> None:
-        self.vn.raise_deferred()  # shard_replicas=1: the step is applied, its all-gather failed
+        self.vn.update.raise_deferred()  # shard_replicas=1: the step is applied, its all-gather failed
         if work.dcp:
             if work.checkpoint_due(step):  # every member writes its part
                 t_ck = time.perf_counter()
@@ -259,12 +259,12 @@ class VNWorkerEngine:
         return f"the step was not applied and the last good state (before step {step}) is in {path}"
 
     def final_report(self) -> dict[str, Any]:
-        return {"optimizer_bytes": self.vn.optimizer_state_bytes(), "replica_bytes": self.vn.replica_bytes(),
+        return {"optimizer_bytes": self.vn.update.state_bytes(), "replica_bytes": self.vn.update.replica_bytes(),
                 "replica_refresh_s": 0.0, "redundant_forwards": {}}
 
     def state_bytes(self) -> int | None:
         model = sum(t.numel() * t.element_size() for t in self.vn.model.state_dict().values())
-        return model + self.vn.optimizer_state_bytes()
+        return model + self.vn.update.state_bytes()
 
     def close(self) -> None:
         self.vn.close()  # its loader threads, if any
