@@ -12,7 +12,6 @@ a collective completes only when every member has joined it; a state in which no
 move raises :class:`PipelineDeadlock` (naming every worker's pending request) instead of hanging.
 Nothing here reads the environment: the diagnostic ``eager_every_wait`` is an argument
 (:mod:`virtualflow.backends.inprocess` gives it its default from ``VIRTUALFLOW_EAGER_EVERY_WAIT``).
-(Moved from ``runtime/pipeline_local.py``, which re-exports it.)
 """
 
 from __future__ import annotations
