@@ -153,8 +153,11 @@ class FlatSum:
         for p in self.params:
             n = p.numel()
             # a view: the vector is not written again before the optimizer has stepped and
-            # dropped the gradients (the next step's exchange, or a pooled buffer's reuse)
-            p.grad = self.flat[offset : offset + n].view_as(p)
+            # dropped the gradients (the next step's exchange, or a pooled buffer's reuse); a
+            # parameter of a narrower dtype than the vector's (parameters of several dtypes: the
+            # tree sums in the widest) gets its sum rounded to its own dtype, as autograd's would be
+            grad = self.flat[offset : offset + n].view_as(p)
+            p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
             offset += n
 
 
