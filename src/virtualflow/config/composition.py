@@ -102,13 +102,6 @@ def _no_flush_loop_says(schedule: str, precision: str, max_grad_norm: Any, activ
 
 REFUSALS: tuple[Refusal, ...] = (
     # ---- at launch, from the options (virtualflow.launching.composition) ------------------------
-    _row("pipeline+loader_workers", "pipeline", "overlapped input",
-         when=lambda pipelined, loader_workers, **_: pipelined and bool(loader_workers),
-         says=lambda loader_workers, **_: (
-             f"loader_workers={loader_workers} (--loader-workers) with a pipelined job (Job.pipeline, "
-             f"--pipeline-stages or --tensor-parallel): a pipeline's first stage loads each micro-batch when its "
-             f"forward runs and has no loader threads; drop --loader-workers"),
-         example=dict(pipelined=True, loader_workers=2), site="launching.composition.check_pipeline_options"),
     _row("pipeline+autoscale", "pipeline", "autoscaler",
          when=lambda pipelined, autoscale, **_: pipelined and autoscale is not None,
          says=_autoscale_says, example=dict(pipelined=True, autoscale="efficiency", per_replica=2),

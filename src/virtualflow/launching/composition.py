@@ -33,7 +33,7 @@ def check_pipeline_options(pipeline: Any, opts: LaunchOptions, policy: Any = Non
     if pipeline is None:
         return
     name = getattr(policy, "name", opts.autoscale) if opts.autoscale is not None else None
-    check("pipeline+loader_workers", "pipeline+autoscale", pipelined=True, loader_workers=opts.loader_workers,
+    check("pipeline+autoscale", pipelined=True,
           autoscale=name, per_replica=pipeline.stages * pipeline.tensor)
 
 

@@ -46,6 +46,8 @@ class StageBuilder:
     device: torch.device
     eager_every_wait: bool
     breakdown: bool
+    loader_workers: int = 0
+    """Threads per engine that load the next micro-batches ahead (``--loader-workers``)."""
 
     def engine(self, pipeline: Pipeline, pieces: dict[int, nn.Module], n_pieces: int, stage_rank: int,
                loop: StageLoop, **more: Any) -> StageEngine:
@@ -56,7 +58,8 @@ class StageBuilder:
             scheduler_factory=job.lr_scheduler, pipeline=pipeline, plan=self.plan,
             loader=loader_of(self.dataset, job.collate_fn, self.plan), model_input=job.input_of,
             output_loss=job.output_loss, seed=job.seed, batchnorm=job.batchnorm, deterministic=self.deterministic,
-            device=self.device, eager_every_wait=self.eager_every_wait, loop=loop, breakdown=self.breakdown, **more)
+            device=self.device, eager_every_wait=self.eager_every_wait, loop=loop, breakdown=self.breakdown,
+            loader_workers=self.loader_workers, **more)
 
     def stage(self, pipeline: Pipeline, layers: list[nn.Module], bounds: list[tuple[int, int]], stage_rank: int,
               tensor: TensorStage, reduction: str) -> StageEngine:

@@ -109,7 +109,8 @@ class PipelineWorkerEngine:
                                                 build_optimizer=job.build_optimizer)
         """The stages' tensor parallelism (:mod:`~virtualflow.runtime.pipeline.tensor_stage`): its
         groups, shards and state merge; ``self.group`` is the group it gives the pipeline (a plane)."""
-        self.builder = StageBuilder(job, dataset, self.plan, self.deterministic, device, eager_every_wait, options.breakdown)
+        self.builder = StageBuilder(job, dataset, self.plan, self.deterministic, device, eager_every_wait, options.breakdown,
+                                    options.loader_workers)
         """Builds this worker's stage engine (:mod:`~virtualflow.runtime.pipeline.layout`)."""
         self.phase = "idle"
         self.slowdown = 1.0
@@ -244,6 +245,8 @@ class PipelineWorkerEngine:
         runs, pos = layouts[grid.replica], grid.stage_rank
         self.layout = new
         self.group_rank = group.rank
+        if self.stage is not None:
+            self.stage.close()  # its loader threads (the re-laid engine has its own)
         self.stage, self.bounds = self.builder.relaid(self.pipeline, self.full_bounds, runs, pos, got, old_replica,
                                                       by_job_stage=len(layouts) > 1)
         self.model, self.layers = None, None
@@ -361,7 +364,9 @@ class PipelineWorkerEngine:
         return None  # spread over the stages: not told
 
     def close(self) -> None:
-        pass  # the tensor-parallel groups stay: the final state is gathered after this (a daemon thread)
+        # The tensor-parallel groups stay: the final state is gathered after this (a daemon thread).
+        if self.stage is not None:
+            self.stage.close()  # its loader threads, if any
 
     def step(self, step: int, control: int | Callable[[], int] = 0) -> StepOutcome:
         if step in self._results:
