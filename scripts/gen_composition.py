@@ -135,7 +135,7 @@ CELLS: dict[tuple[str, str], Cell] = {
     ('failure recovery', 'clipping'): works('`tests/e2e/test_training_loop_e2e.py::test_sigkill_and_resize_mid_run_stay_bit_identical`'),
     ('Bamboo', 'tied weights'): refused('tied_across_workers+redundancy', '`tests/unit/test_pipeline_tied_deterministic.py::test_no_flush_schedules_and_redundancy_still_refuse_a_weight_shared_across_workers`'),
     ('Bamboo', 'breakdown'): works('`tests/unit/test_composition.py::test_the_breakdown_of_a_redundant_pipeline_adds_up`'),
-    ('Bamboo', 'overlapped input'): works('`tests/unit/test_pipeline_loaders.py::test_bamboo_eager_forwards_and_tied_weights_with_loaders`'),
+    ('Bamboo', 'overlapped input'): works('`tests/unit/test_pipeline_loaders.py::test_bamboo_eager_forwards_and_tied_weights_with_loaders`, `tests/unit/test_pipeline_loaders.py::test_a_failed_over_replica_reads_its_lost_stages_micro_batches_with_loaders`'),
     ('Bamboo', 'mixed precision'): works('`tests/unit/test_pipeline_loop.py::test_bamboo_replicas_take_the_same_skips_and_clipping` (16-mixed with skipped steps)'),
     ('Bamboo', 'clipping'): works('`tests/unit/test_pipeline_loop.py::test_bamboo_replicas_take_the_same_skips_and_clipping`'),
     ('tied weights', 'breakdown'): works('`tests/unit/test_composition.py::test_the_breakdown_of_a_pipeline_with_a_weight_tied_across_stages_adds_up`'),

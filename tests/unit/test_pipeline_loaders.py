@@ -11,7 +11,9 @@ single-worker run of the same job (``pipeline_models.unpipelined``, the VN engin
 - A layout change mid-run (an uneven, weight-shaped map, then a resize to one replica): the
   batches loaded for the old map are dropped, the model is still the unpipelined one.
 - Bamboo's eager redundant forwards (the last stage's replica of the first stage reads the
-  micro-batches too) and a weight tied across stages: bit-identical.
+  micro-batches too) and a weight tied across stages: bit-identical. A failed-over replica (one
+  worker running two job stages, beside a full-depth replica): the worker that took the first or
+  the last stage over reads its micro-batches ahead; the model is the undisturbed one.
 - The step breakdown (on a per-thread fake clock, as tests/unit/test_breakdown.py): with loader
   threads the first and last stages wait for no input (``input_s`` 0) while the loaders still
   read every sample (``loaded_s``); without them the stages read it themselves.
@@ -29,9 +31,14 @@ import pipeline_models as pm
 import virtualflow as vf
 from conftest import assert_state_equal
 from test_breakdown import CLOCK, INPUT_S, SlowSamples, _Sleep
+from test_bamboo import assert_same, engines_of, job as bamboo_job
+from test_bamboo_replicas import LayoutDriver
 from virtualflow.backends.inprocess import LocalDriver, build_engine, train_local
 from virtualflow.config.pipeline import Pipeline
-from virtualflow.plan.pipeline.geometry import layers_of, resolve_bounds
+from virtualflow.plan.pipeline.geometry import bounds_from_counts, layers_of, piece_module, resolve_bounds
+from virtualflow.plan.vnmap import contiguous_assignment
+from virtualflow.runtime.pipeline import StageEngine
+from virtualflow.runtime.streaming import data_plan_of, loader_of
 from virtualflow.runtime import breakdown, prefetch
 from virtualflow.runtime.pipeline import executor, microbatch
 
@@ -138,6 +145,63 @@ def test_bamboo_eager_forwards_and_tied_weights_with_loaders():
     ref_state, ref_losses = pm.unpipelined(tied, 3, True)
     assert_state_equal(state, ref_state)
     assert [h.loss for h in history] == ref_losses
+
+
+def _failed_over_engine(j: vf.Job, runs: tuple[tuple[int, ...], ...], pos: int, dataset) -> StageEngine:
+    """Worker ``pos`` of a Bamboo replica laid out as ``runs`` (as a re-layout builds it), with
+    two loader threads."""
+    torch.manual_seed(j.seed)
+    layers = layers_of(j.model())
+    full = resolve_bounds(j.pipeline, len(layers))
+    counts = [full[run[-1]][1] - full[run[0]][0] for run in runs]
+    bounds = bounds_from_counts(counts)
+    m = len(runs)
+    (a, b), (sa, sb) = bounds[pos], bounds[(pos + 1) % m]
+    engine = StageEngine(
+        pieces={pos: piece_module(layers, a, b)}, n_pieces=m, stage_rank=pos, build_optimizer=j.build_optimizer,
+        scheduler_factory=j.lr_scheduler, pipeline=Pipeline(stages=m, split=counts, redundancy=True),
+        plan=data_plan_of(dataset, j), loader=loader_of(dataset, j.collate_fn, data_plan_of(dataset, j)),
+        model_input=j.input_of, output_loss=j.output_loss, seed=j.seed, batchnorm=j.batchnorm, deterministic=True,
+        device=torch.device("cpu"), successor_pieces={(pos + 1) % m: piece_module(layers, sa, sb)},
+        loader_workers=2)
+    if len(runs[pos]) > 1:
+        engine.set_job_stages([(s, *full[s]) for s in runs[pos]])
+    return engine
+
+
+@pytest.mark.parametrize("short", [((0, 1), (2,)), ((0,), (1, 2))])
+def test_a_failed_over_replica_reads_its_lost_stages_micro_batches_with_loaders(short):
+    """Bamboo after a failover: replica 1 runs on two workers, one of them two job stages (the
+    first stage's inputs or the last stage's targets now read by the worker that took the stage
+    over), beside replica 0 at full depth, every worker with loader threads: the model of four
+    steps is the undisturbed job's without loaders, bit for bit (as
+    tests/e2e/test_bamboo_replicas.py proves it without loaders)."""
+    j = bamboo_job(3)
+    dataset = j.build_dataset()
+    assignment = contiguous_assignment(j.virtual_nodes, 2)
+    ref, ref_driver = engines_of(j, 2, True)
+    bounds = resolve_bounds(j.pipeline, len(layers_of(j.model())))
+    full = [build_engine(j, j.pipeline, bounds, r, dataset=dataset, deterministic=True, device=torch.device("cpu"),
+                         loader_workers=2) for r in range(3)]
+    workers = [(e, 0, r, (r,)) for r, e in enumerate(full)]
+    workers += [(_failed_over_engine(j, short, pos, dataset), 1, pos, short[pos]) for pos in range(2)]
+    try:
+        for e, rep, *_ in workers:
+            e.set_layout(rep, assignment)
+        driver = LayoutDriver(workers, j.virtual_nodes)
+        for t in range(4):
+            ref_driver.run(t, 1)
+            driver.run(t)
+        for e, rep, pos, stages in workers:  # the readers (first and last job stage) loaded step 4 ahead
+            reads = 0 in stages or 2 in stages
+            assert (e.prep.source.prefetcher.pending > 0) == reads, (rep, pos)
+        want = {k: v for e in ref[:3] for k, v in e.model.state_dict().items()}
+        for e, rep, pos, _ in workers:
+            for k, v in e.model.state_dict().items():
+                assert_same(v, want[k], f"replica {rep} worker {pos} {k}")
+    finally:
+        for e, *_ in workers:
+            e.close()
 
 
 @pytest.fixture
