@@ -29,12 +29,11 @@ __all__ = ["check_pipeline_balance", "check_pipeline_options", "check_shared_par
 def check_pipeline_options(pipeline: Any, opts: LaunchOptions, policy: Any = None) -> None:
     """Refuse the launch options a pipelined job (``pipeline``, a resolved
     :class:`~virtualflow.config.pipeline.Pipeline`) cannot honour; ``policy`` is the autoscaler's
-    policy (None without ``autoscale``)."""
+    policy (None without ``autoscale``), which a pipelined job takes: it resizes in whole replicas
+    (docs/autoscaling.md)."""
     if pipeline is None:
         return
-    name = getattr(policy, "name", opts.autoscale) if opts.autoscale is not None else None
-    check("pipeline+loader_workers", "pipeline+autoscale", pipelined=True, loader_workers=opts.loader_workers,
-          autoscale=name, per_replica=pipeline.stages * pipeline.tensor)
+    check("pipeline+loader_workers", pipelined=True, loader_workers=opts.loader_workers)
 
 
 def check_pipeline_balance(pipeline: Any, opts: LaunchOptions) -> None:
