@@ -28,6 +28,7 @@ def test_the_bounds_are_rounded_inwards_to_whole_replicas():
     assert (limits.lowest, limits.highest) == (2, 6)
     assert limits.sizes() == (2, 4, 6)
     assert [limits.clamp(n) for n in (1, 2, 3, 5, 7, 9)] == [2, 2, 2, 4, 6, 6]
+    assert [limits.toward(n, 4) for n in (1, 3, 4, 5, 7, 9)] == [2, 2, 4, 6, 6, 6]
     assert Limits(1, 7).sizes() == tuple(range(1, 8))  # unpipelined: every count, as before
     with pytest.raises(ValueError, match=r"^min_workers=3 and max_workers=3 hold no whole pipeline replica of 2 "
                                          r"workers.*--max-workers of at least 4"):
@@ -208,25 +209,24 @@ class Asks:
 
 
 def test_the_executor_never_leaves_a_partial_replica():
+    """A policy's count in workers is rounded to whole replicas away from the current size (one more
+    worker grows by a replica), within the bounds rounded inwards."""
     ctl, events = FakeController([0, 1]), Events()
-    ex = executor(Asks(5), ctl, events, Limits(1, 8), Pipeline(stages=2))
-    ex.update([report(0, ctl, 0, 1.0)])
-    assert ctl.requests == [4]  # 5 rounded down to whole replicas
-    assert any("asked for 5 workers; applying 4 (whole replicas of 2" in f["message"]
-               for k, f in events.records if k == "autoscale_note")
-    ctl.form()
-    ex.policy = Asks(100)
-    ex.update([report(1, ctl, 1, 1.0)])
-    assert ctl.requests == [4, 8]  # max_workers, whole replicas
-    ctl.form()
-    ex.policy = Asks(1)
-    ex.update([report(2, ctl, 2, 1.0)])
-    assert ctl.requests == [4, 8, 2]  # min_workers=1 rounded up to one replica
-    ex.limits = Limits(1, 7, unit=2)
-    ctl.form()
-    ex.policy = Asks(7)
-    ex.update([report(3, ctl, 3, 1.0)])
-    assert ctl.requests == [4, 8, 2, 6]  # max_workers=7 rounded down
+    ex = executor(Asks(3), ctl, events, Limits(1, 7), Pipeline(stages=2))
+    assert (ex.limits.lowest, ex.limits.highest) == (2, 6)
+    applied = []
+    for step, asked in enumerate([3, 100, 3, 1, 5]):
+        ex.policy = Asks(asked)
+        ex.update([report(step, ctl, step, 1.0)])
+        ctl.form()
+        applied.append(len(ctl.members))
+    # 2 -> 3 asked: 4; 4 -> 100: 6 (max_workers=7 rounded down); 6 -> 3: 2; 2 -> 1: stays at 2
+    # (min_workers=1 rounded up to one replica); 2 -> 5: 6.
+    assert applied == [4, 6, 2, 2, 6]
+    assert ctl.requests == [4, 6, 2, 6]
+    assert all(n % 2 == 0 for n in ctl.requests)
+    notes = [f["message"] for k, f in events.records if k == "autoscale_note"]
+    assert any("asked for 3 workers; applying 4 (whole replicas of 2" in n for n in notes), notes
 
 
 def test_the_executor_grows_a_pipelined_job_replica_by_replica_to_the_modelled_optimum():
@@ -260,3 +260,37 @@ def test_the_executor_replaces_a_straggler_s_whole_replica():
     ex.update([])
     assert ctl.published == [("shrink", [0, 1, 4, 5])]
     assert ex.decisions[0]["worker"] == 2 and ex.decisions[0]["to"] == 6
+
+
+# -- at launch ----------------------------------------------------------------------------------------
+def _tensor_job():
+    import gpt_grid_jobs as g
+
+    return g.grid_job(stages=1, tensor=2)
+
+
+def _pipelined_job():
+    import jobs
+
+    return jobs.pipelined_job()
+
+
+@pytest.mark.parametrize("make_job", [_pipelined_job, _tensor_job], ids=["pipeline-autoscale", "tensor-autoscale"])
+def test_a_pipelined_or_tensor_parallel_launch_takes_the_autoscaler_in_whole_replicas(make_job, tmp_path):
+    """Once refused at launch (the ``pipeline+autoscale`` row): the launch's checks pass, and the
+    executor built from its setup, as the supervisor builds it, decides in whole replicas of 2."""
+    from virtualflow.config.options import make_options
+    from virtualflow.launching.prepare import prepare
+
+    opts = make_options(None, dict(workers=2, steps=1, autoscale="efficiency:min_steps=3,warmup_steps=0",
+                                   max_workers=4, run_dir=str(tmp_path / "run")))
+    with prepare(make_job, opts) as setup:
+        ctl = FakeController([0, 1])
+        ex = AutoscaleExecutor(setup.autoscale, ctl, Events(), limits=setup.autoscale_limits,
+                               global_batch_size=setup.job.global_batch_size, virtual_nodes=setup.job.virtual_nodes,
+                               total_steps=10, start_time=0.0, clock=lambda: 0.0, pipeline=setup.job.pipeline)
+        setup.run_lock.release()
+    assert ex.limits.unit == 2 and ex.limits.sizes() == (2, 4)
+    for step in range(3):
+        ex.update([report(step, ctl, 0, 1.0, vns=setup.job.virtual_nodes)])
+    assert ctl.requests == [4]

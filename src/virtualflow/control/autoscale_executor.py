@@ -21,7 +21,7 @@ handled the same batch of worker reports, and does four things:
 A pipelined job (``pipeline`` given) is autoscaled in whole replicas of stages x tensor workers
 (:func:`virtualflow.control.autoscale.pipeline.pipeline_limits`: the policy sees bounds in whole
 replicas and the replica time model); a decision that would leave a partial replica is rounded
-down to whole ones before it is applied, and a replacement replaces the straggler's whole
+to whole ones, away from the current size, before it is applied, and a replacement replaces the straggler's whole
 replica: a fresh replica joins, then the straggler's leaves.
 
 Autoscaling never changes B, V or anything the model sees: it only changes how many workers
@@ -222,7 +222,7 @@ class AutoscaleExecutor:
                                  reason=decision.reason, sizes=self._sizes_table())
             return
         if isinstance(decision, Resize):
-            target = self.limits.clamp(int(decision.workers))
+            target = self.limits.toward(int(decision.workers), current)
             if target != decision.workers:
                 self._note(f"resize-{decision.workers}", f"{name} asked for {decision.workers} workers; applying "
                            f"{target} (whole replicas of {self.limits.unit} in [{self.limits.min_workers}, "

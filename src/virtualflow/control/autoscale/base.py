@@ -112,6 +112,12 @@ class Limits:
         """``n`` brought into ``[lowest, highest]`` and down to whole replicas (never a partial one)."""
         return max(self.lowest, min(self.highest, n - n % self.unit))
 
+    def toward(self, n: int, current: int) -> int:
+        """A count asked as ``n`` from ``current`` in whole replicas: rounded away from ``current``
+        (asking for one worker more grows by a replica, one fewer shrinks by one), then clamped."""
+        rounded = -(-n // self.unit) * self.unit if n > current else n - n % self.unit
+        return self.clamp(rounded)
+
     def sizes(self) -> tuple[int, ...]:
         """The counts a search visits, ascending: every multiple of ``unit`` in ``[lowest,
         highest]``; with a ``step_model``, without those predicted no faster than a smaller count
