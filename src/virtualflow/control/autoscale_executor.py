@@ -7,7 +7,8 @@ handled the same batch of worker reports, and does four things:
    throughput B / step time, each worker's own throughput (its samples over its compute time,
    which ride in the step's reduction), cost rate, elapsed time, steps remaining;
 2. asks the policy for a decision, but only while no change is in flight (no resize pending,
-   no generation forming, no hold): a decision is always made on the job as it is;
+   no generation forming, no hold) and the last report is of a step run by the current members:
+   a decision is always made on the job as it is;
 3. applies it: :class:`Resize` through ``controller.request_resize`` (the same path as
    ``JobHandle.resize``: newcomers build the job before joining, the others keep training);
    :class:`Replace` as a grow by one followed, once the replacement has joined, by a shrink
@@ -201,6 +202,8 @@ class AutoscaleExecutor:
         ctl = self.ctl
         if ctl.busy or ctl.hold or ctl.target != len(ctl.members) or ctl.finished:
             return  # a change is in flight: decide on the job as it will be
+        if history[-1].workers != len(ctl.members):
+            return  # the last report is of a step run before the change: wait for one of the job as it is
         try:
             decision = self.policy.decide(history, self.limits)
         except Exception as exc:  # a user's policy: keep training, stop autoscaling
