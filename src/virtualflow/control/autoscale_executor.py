@@ -11,7 +11,7 @@ handled the same batch of worker reports, and does four things:
    a decision is always made on the job as it is;
 3. applies it: :class:`Resize` through ``controller.request_resize`` (the same path as
    ``JobHandle.resize``: newcomers build the job before joining, the others keep training);
-   :class:`Replace` as a grow by one followed, once the replacement has joined, by a shrink
+   :class:`Replace` as a grow by one worker (a replica) followed, once it has joined, by a shrink
    that removes the straggler; :class:`Rebalance` as an immediate re-solve of the VN map by
    measured speed (turning speed-based mapping on when the job started without it);
 4. records: ``autoscale_decision`` events (from, to, why, the throughput table),
