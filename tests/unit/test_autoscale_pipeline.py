@@ -275,22 +275,36 @@ def _pipelined_job():
     return jobs.pipelined_job()
 
 
-@pytest.mark.parametrize("make_job", [_pipelined_job, _tensor_job], ids=["pipeline-autoscale", "tensor-autoscale"])
-def test_a_pipelined_or_tensor_parallel_launch_takes_the_autoscaler_in_whole_replicas(make_job, tmp_path):
-    """Once refused at launch (the ``pipeline+autoscale`` row): the launch's checks pass, and the
-    executor built from its setup, as the supervisor builds it, decides in whole replicas of 2."""
+def _redundant_job():
+    import jobs
+
+    return jobs.pipelined_redundant_job()
+
+
+def _tied_job():
+    import pipeline_models as pm
+
+    return pm.transformer_job(Pipeline(stages=2), virtual_nodes=4, model=pm.tied_gpt)
+
+
+@pytest.mark.parametrize("make_job,unit", [(_pipelined_job, 2), (_tensor_job, 2), (_redundant_job, 3), (_tied_job, 2)],
+                         ids=["pipeline-autoscale", "tensor-autoscale", "bamboo-autoscale", "tied-autoscale"])
+def test_a_pipelined_or_tensor_parallel_launch_takes_the_autoscaler_in_whole_replicas(make_job, unit, tmp_path):
+    """Once refused at launch (the ``pipeline+autoscale`` row): the launch's checks pass (Bamboo's
+    redundant stages and a weight tied across stages included), and the executor built from its
+    setup, as the supervisor builds it, grows the job by one whole replica."""
     from virtualflow.config.options import make_options
     from virtualflow.launching.prepare import prepare
 
-    opts = make_options(None, dict(workers=2, steps=1, autoscale="efficiency:min_steps=3,warmup_steps=0",
-                                   max_workers=4, run_dir=str(tmp_path / "run")))
+    opts = make_options(None, dict(workers=unit, steps=1, autoscale="efficiency:min_steps=3,warmup_steps=0",
+                                   max_workers=2 * unit, run_dir=str(tmp_path / "run")))
     with prepare(make_job, opts) as setup:
-        ctl = FakeController([0, 1])
+        ctl = FakeController(list(range(unit)))
         ex = AutoscaleExecutor(setup.autoscale, ctl, Events(), limits=setup.autoscale_limits,
                                global_batch_size=setup.job.global_batch_size, virtual_nodes=setup.job.virtual_nodes,
                                total_steps=10, start_time=0.0, clock=lambda: 0.0, pipeline=setup.job.pipeline)
         setup.run_lock.release()
-    assert ex.limits.unit == 2 and ex.limits.sizes() == (2, 4)
+    assert ex.limits.unit == unit and ex.limits.sizes() == (unit, 2 * unit)
     for step in range(3):
         ex.update([report(step, ctl, 0, 1.0, vns=setup.job.virtual_nodes)])
-    assert ctl.requests == [4]
+    assert ctl.requests == [2 * unit]
