@@ -18,6 +18,7 @@ reads the replica time model.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -50,6 +51,7 @@ def pipeline_step_model(pipeline: Any, virtual_nodes: int) -> StepModel:
     replicas of ``pipeline`` (a resolved :class:`~virtualflow.config.pipeline.Pipeline`)."""
     unit = pipeline.stages * pipeline.tensor
 
+    @functools.lru_cache(maxsize=None)  # a policy reads it at every step: solve each size once
     def step(workers: int) -> float:
         return replica_step(workers // unit, virtual_nodes=virtual_nodes, stages=pipeline.stages,
                             tensor=pipeline.tensor, schedule=pipeline.schedule, chunks=pipeline.chunks,
