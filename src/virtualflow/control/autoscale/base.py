@@ -497,7 +497,9 @@ def search(current: int, start: int, measured: Mapping[int, SizeMeasurement], li
         while True:
             lower = limits.below(k, step_size)
             if lower == k:
-                return "settle", k, f"{k} is min_workers" + (f" ({last.text})" if last else ""), last
+                floor = f"{k} is min_workers" + (f"={limits.min_workers} in whole replicas" if k != limits.min_workers
+                                                  else "")
+                return "settle", k, floor + (f" ({last.text})" if last else ""), last
             if lower not in measured:
                 if last is None:
                     why = f"{_top(k, limits)}: exploring downward"

@@ -37,10 +37,12 @@ def _epoch(policy: Any, history: Sequence[Observation], limits: Limits):
                  change=policy.replan_change, window=policy.replan_window, limit=policy.max_replans,
                  settled=settled)
 
+
 def _prejudge(policy: Any, limits: Limits) -> Prejudge | None:
     """The policy's prediction of an untried addition under ``limits``' time model (None without one)."""
     make = getattr(policy, "prejudge", None)
     return None if make is None or limits.step_model is None else make(limits)
+
 
 # --------------------------------------------------------------------------------------------
 # Built-in policies.
