@@ -136,14 +136,26 @@ def test_a_size_outside_whole_replicas_is_brought_back():
     assert isinstance(d, Resize) and d.workers == 4 and "whole replicas of 2 workers" in d.reason
 
 
+def _speeds(speeds: dict[int, float]) -> list[Observation]:
+    return [Observation(step=s, workers=len(speeds), throughput=B, step_time_s=1.0, cost_rate_per_h=4.0, elapsed_s=s,
+                        steps_remaining=100, worker_ids=tuple(speeds), per_worker_throughput=speeds,
+                        vn_counts=dict.fromkeys(speeds, 4)) for s in range(10)]
+
+
 def test_a_pipelined_straggler_is_replaced_with_room_for_a_whole_replica_only():
-    speeds = {0: 10.0, 1: 10.0, 2: 3.0, 3: 10.0}
-    history = [Observation(step=s, workers=4, throughput=B, step_time_s=1.0, cost_rate_per_h=4.0, elapsed_s=s,
-                           steps_remaining=100, worker_ids=(0, 1, 2, 3), per_worker_throughput=speeds,
-                           vn_counts=dict.fromkeys(speeds, 4)) for s in range(10)]
+    history = _speeds({0: 10.0, 1: 10.0, 2: 3.0, 3: 10.0})  # replicas [0 1] [2 3]: worker 2 is slow
     policy = StragglerPolicy()
-    assert isinstance(policy.decide(history, Limits(1, 6, unit=2)), Replace)
+    d = policy.decide(history, Limits(1, 6, unit=2))
+    assert isinstance(d, Replace) and d.worker == 2 and "of its stage's workers" in d.reason
     assert not isinstance(policy.decide(history, Limits(1, 5, unit=2)), Replace)  # 5 holds no third replica
+
+
+def test_a_heavier_stage_is_not_a_straggler():
+    """Stage 1 does 2.5x the work of stage 0 in both replicas: compared stage by stage nobody is
+    slow (compared with every worker, as an unpipelined job's would be, stage 1 would be)."""
+    history = _speeds({0: 10.0, 1: 4.0, 2: 10.0, 3: 4.0})
+    assert isinstance(StragglerPolicy().decide(history, Limits(1, 6, unit=2)), Stay)
+    assert isinstance(StragglerPolicy().decide(history, Limits(1, 6)), Replace)
 
 
 # -- the executor ---------------------------------------------------------------------------------

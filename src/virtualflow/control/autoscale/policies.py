@@ -305,7 +305,9 @@ class StragglerPolicy:
     :class:`Replace` (a replacement joins first, then the straggler leaves; the worker count is
     unchanged). Otherwise it is :class:`Rebalance` (fewer VNs for it, with heterogeneous mapping
     on) when the straggler still has at least the median VN share, else :class:`Stay`. The
-    worker count never changes; replacements are bounded by ``max_replacements``.
+    worker count never changes; replacements are bounded by ``max_replacements``. In a pipelined
+    job (``Limits.unit`` > 1) a worker is compared with the workers of its own stage in the other
+    replicas, and the replacement is a whole replica.
     """
 
     fraction: float = 0.8
@@ -339,12 +341,18 @@ class StragglerPolicy:
                 smoothed[w] = statistics.median(values)
         if len(smoothed) < 2:
             return Stay("measuring per-worker throughput")
-        med = statistics.median(smoothed.values())
-        slow = min(smoothed, key=lambda w: smoothed[w])
+        # A pipelined job's workers run different stages: each is compared with the workers of
+        # its own stage (the same place in every replica), whose work is the same.
+        unit = limits.unit
+        peers = {w: [p for p in ids[ids.index(w) % unit::unit] if p in smoothed] for w in smoothed}
+        medians = {w: statistics.median(smoothed[p] for p in peers[w]) for w in smoothed}
+        slow = min(smoothed, key=lambda w: smoothed[w] / medians[w])
+        med = medians[slow]
         if smoothed[slow] >= self.fraction * med:
-            return Stay(f"no straggler (slowest worker {slow} at {smoothed[slow] / med:.2f} x the median)")
+            return Stay(f"no straggler (slowest worker {slow} at {smoothed[slow] / med:.2f} x the median"
+                        + (" of its stage's workers)" if unit > 1 else ")"))
         why = (f"worker {slow} at {smoothed[slow]:.4g} samples/s is below {self.fraction:.2f} x the median "
-               f"{med:.4g} samples/s")
+               f"{med:.4g} samples/s" + (" of its stage's workers" if unit > 1 else ""))
         seen = {w for o in history for w in (o.worker_ids or tuple(o.per_worker_throughput))}
         replaced = -(-len(seen - set(ids)) // limits.unit)  # a pipelined job replaces whole replicas
         if replaced < self.max_replacements and last.workers + limits.unit <= limits.highest:
