@@ -76,12 +76,6 @@ def _row(key: str, a: str, b: str, when: Callable[..., bool], says: Callable[...
     return Refusal(key, a, b, when, says, dict(example), site)
 
 
-def _autoscale_says(autoscale: str, per_replica: int, **_: Any) -> str:
-    return (f"autoscale={autoscale!r} (--autoscale) with a pipelined job ({per_replica} workers per replica): the "
-            f"autoscaler's policies add, remove and replace single workers, but a pipeline grows and shrinks in whole "
-            f"replicas; drop --autoscale and resize in whole replicas (virtualflow resize, JobHandle.resize)")
-
-
 def _tensor_says(what: str, why: str) -> Callable[..., str]:
     return lambda tensor, **_: f"{what} with Pipeline.tensor={tensor} (--tensor-parallel): {why}"
 
@@ -102,10 +96,6 @@ def _no_flush_loop_says(schedule: str, precision: str, max_grad_norm: Any, activ
 
 REFUSALS: tuple[Refusal, ...] = (
     # ---- at launch, from the options (virtualflow.launching.composition) ------------------------
-    _row("pipeline+autoscale", "pipeline", "autoscaler",
-         when=lambda pipelined, autoscale, **_: pipelined and autoscale is not None,
-         says=_autoscale_says, example=dict(pipelined=True, autoscale="efficiency", per_replica=2),
-         site="launching.composition.check_pipeline_options"),
     _row("pipeline+uneven_vn_sizes", "pipeline", "uneven VN sizes",
          when=lambda uneven_vn_sizes, **_: bool(uneven_vn_sizes),
          says=lambda **_: (

@@ -199,7 +199,7 @@ class Supervisor:
                 setup.autoscale, self.controller, self.coordinator, limits=setup.autoscale_limits,
                 global_batch_size=self.job.global_batch_size, virtual_nodes=self.job.virtual_nodes,
                 total_steps=setup.total_steps, price_per_worker_hour=float(opts.price_per_worker_hour),
-                start_time=self.t0,
+                start_time=self.t0, pipeline=self.job.pipeline,
             )
 
     # -- lifecycle ---------------------------------------------------------------------------
