@@ -69,13 +69,13 @@ import torch
 from virtualflow.plan.shards import shard_bounds
 from virtualflow.records.rundir import atomic_write, disk_full_error
 from virtualflow.runtime.checkpoint import CorruptCheckpointError, UntrustedStateError, save_state
-from virtualflow.runtime.dcp_read import (DTYPES, FORMAT, MANIFEST, META, SUFFIX, causes, file_digest, fsync_dir,
+from virtualflow.runtime.dcp_read import (CUT, DTYPES, FORMAT, MANIFEST, META, SUFFIX, causes, file_digest, fsync_dir,
                                           is_dcp, json_digest, load_checkpoint, load_dcp_model, load_dcp_state,
                                           load_ranges, peek_dcp, read_file, read_manifest, torch_dcp)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MANIFEST", "META", "SUFFIX", "DcpSaver", "Piece", "is_dcp", "load_checkpoint", "load_dcp_model",
+__all__ = ["CUT", "MANIFEST", "META", "SUFFIX", "DcpSaver", "Piece", "grid_pieces", "is_dcp", "load_checkpoint", "load_dcp_model",
            "load_dcp_state", "load_ranges", "model_pieces", "optimizer_pieces", "peek_dcp", "read_manifest",
            "sharded_optimizer_pieces", "write_rank"]
 """The reading names (``is_dcp``, ``load_*``, ``peek_dcp``, ``read_manifest``) live in
@@ -116,6 +116,16 @@ def _split(entries: list[tuple[str, torch.Tensor]], rank: int, world: int) -> li
 def model_pieces(state_dict: Mapping[str, torch.Tensor], rank: int, world: int) -> list[Piece]:
     """Worker ``rank``'s share of a replicated model's ``state_dict`` (every worker holds it whole)."""
     return _split([(f"model/{k}", v) for k, v in state_dict.items()], rank, world)
+
+
+def grid_pieces(whole: list[tuple[str, torch.Tensor]], cut: list[tuple[str, torch.Tensor]], t: int, tensor: int,
+                replica: int, replicas: int) -> list[Piece]:
+    """Tensor rank ``t`` of replica ``replica``'s share of one tensor-parallel stage's entries:
+    ``whole`` (every tensor rank holds them alike) split evenly over the stage's ``replicas x
+    tensor`` workers, ``cut`` (this tensor rank's shards) written as entries ``<fqn>@tp<t>``
+    (:data:`CUT`) split evenly over the ``replicas`` workers of tensor rank ``t``."""
+    return (_split(whole, replica * tensor + t, replicas * tensor)
+            + _split([(f"{fqn}{CUT}{t}", v) for fqn, v in cut], replica, replicas))
 
 
 def optimizer_pieces(state: Mapping[str, Any], rank: int, world: int) -> tuple[list[Piece], dict[str, Any]]:
