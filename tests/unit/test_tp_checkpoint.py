@@ -138,7 +138,8 @@ def whole_pipelined(model, opt, stages: int) -> dict:
     return state
 
 
-GRIDS = [((1, 2, 2), (2, 2, 1)), ((2, 1, 2), (1, 3, 2)), ((1, 2, 2), (1, 1, 4)), ((2, 2, 1), (1, 2, 2))]
+GRIDS = [((1, 2, 2), (2, 2, 1)), ((2, 1, 2), (1, 3, 2)), ((1, 2, 2), (1, 1, 4)), ((2, 2, 1), (1, 2, 2)),
+         ((2, 2, 2), (1, 2, 2))]
 
 
 @pytest.mark.parametrize("written,resumed", GRIDS, ids=["".join(map(str, a)) + "-" + "".join(map(str, b)) for a, b in GRIDS])

@@ -21,6 +21,25 @@ Invariants.
   elements over the workers, so each writes ``1/p`` of it; the sharded optimizer: the chunk the
   worker owns; the all-reduce optimizer: an even split). Loading asks DCP for any range of any
   entry, so a checkpoint written by ``p`` workers loads on ``q`` workers, with either reduction.
+* **A pipeline's stages are entries of their own optimizer.** A pipelined job writes
+  ``optimizer/stage/<s>/state/<index>/<key>`` (``index``: the stage optimizer's numbering);
+  replica 0's member of stage ``s`` writes its ``meta.pt`` with the stage's parameter names in
+  that order (``param_names``), so the optimizer state can be cut again for other stages by name
+  (:mod:`virtualflow.runtime.regrid`); rank 0's records the grid, ``pipeline = {stages, bounds,
+  schedule, tensor, replicas}``.
+* **A tensor shard is written as it is held, never gathered.** With ``Pipeline(tensor=T)`` a
+  stage's tensor rank ``t`` holds a shard of each split tensor (:class:`~virtualflow.parallel.
+  convert.Split`: a ``[q; k; v]`` shard is three boxes of the whole tensor, not one range of its
+  flat vector). It writes it as the entry ``<fqn>@tp<t>`` (:data:`CUT`) of the shard's shape,
+  split evenly over the ``D`` replicas; ``<fqn>`` names the tensor of the single-worker layout
+  (``model/<name>``, or an optimizer tensor of the parameter's shape, numbered in the
+  *unconverted* stage's order, as a gathered ``.pt`` is). What every tensor rank holds alike (a
+  replicated tensor, Adam's ``step``) is the plain entry, split over the stage's ``D T``
+  workers. Stage ``s``'s ``meta.pt`` is generation rank ``s T``'s (replica 0, tensor rank 0);
+  rank 0's adds ``pipeline.splits``: per cut parameter name, ``[dim, blocks, units]``. The reader
+  (:func:`~virtualflow.runtime.dcp_read.load_dcp_state`) merges the ``T`` shards of each entry
+  with that split (``Split.merge``, bit for bit), so every reader sees the single-worker layout
+  whatever ``T`` wrote it, and cuts it for its own ``T`` (or none).
 * **A checkpoint exists once its manifest does.** Workers write into ``step-N.dcp.partial/``,
   each ending with ``rank-R.json`` (its chunks and files' digests, written atomically). The worker
   whose ``rank-R.json`` completes the set merges them into ``manifest.json``, then renames the

@@ -204,7 +204,8 @@ def load_ranges(folder: str, manifest: dict[str, Any], ranges: dict[str, tuple[i
 def load_dcp_state(folder: str, *, model_only: bool = False) -> dict[str, Any]:
     """The whole training state of a sharded checkpoint, in a state file's layout (``model``,
     ``optimizer``, ``lr_scheduler``, ``grad_scaler``, ``step``, ``job``, ``callbacks``): the chunks
-    of every worker reassembled, whatever their number. ``model_only``: only ``model`` and the
+    of every worker reassembled, whatever their number, and a tensor-parallel job's shards merged
+    into the whole tensors (the single-worker layout, whatever ``T`` wrote it). ``model_only``: only ``model`` and the
     identity (what an export needs)."""
     manifest = read_manifest(folder)
     meta = load_state(os.path.join(folder, "rank-00000", META))
