@@ -37,17 +37,17 @@ def _adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2)
 
 
-def job(stages: int = 1, tensor: int = 1, **change) -> vf.Job:
+def job(stages: int = 1, tensor: int = 1, optimizer=_adamw) -> vf.Job:
     """The 3-D tests' GPT with AdamW over one parameter group (moments and a step per parameter)."""
-    return g.grid_job(stages=stages, tensor=tensor).replace(optimizer=_adamw, **change)
+    return g.grid_job(stages=stages, tensor=tensor).replace(optimizer=optimizer)
 
 
-def trained_reference() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def trained_reference(optimizer=_adamw) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The single-worker model and optimizer after two steps (every state tensor is filled)."""
-    j = job()
+    j = job(optimizer=optimizer)
     torch.manual_seed(j.seed)
     model = j.model()
-    opt = _adamw(model.parameters())
+    opt = j.build_optimizer(model)
     x, y = g.tokens(8)[:]
     for _ in range(2):
         F.cross_entropy(model(x).reshape(-1, g.VOCAB), y.reshape(-1)).backward()
@@ -67,10 +67,10 @@ class _Comm:
         buf.mul_(self.group.size)
 
 
-def build_grid(stages: int, tensor: int, state: dict) -> dict[tuple[int, int], tuple]:
+def build_grid(stages: int, tensor: int, state: dict, optimizer=_adamw) -> dict[tuple[int, int], tuple]:
     """Per (stage, tensor rank): the worker's tensor stage object and its stage, built and resumed
     from ``state`` (any grid's, re-cut by ``resume_from`` as a worker does)."""
-    j = job(stages, tensor)
+    j = job(stages, tensor, optimizer)
     pipeline = j.pipeline
     out = {}
     for s in range(stages):
@@ -136,6 +136,28 @@ def whole_pipelined(model, opt, stages: int) -> dict:
     state = restage(state, optimizer_names(opt, model), bounds, stages)
     del state["pipeline"]["stage_params"]
     return state
+
+
+def test_an_optimizer_of_several_groups_resumes_on_another_data_and_tensor_width(tmp_path):
+    """nanoGPT's AdamW groups (weight decay on matrices only) cannot move between stages, but
+    resume on another D and T: a (2, 1, 2) checkpoint (its one stage's state as gathered) written
+    sharded and resumed on (1, 1, 4), bit for bit, each parameter's state in its group."""
+    from gpt_grid_jobs import _adamw_groups
+
+    ref_model, ref_opt = trained_reference(_adamw_groups)
+    bounds = [[0, len(layers_of(ref_model))]]
+    state = {"model": ref_model.state_dict(), "optimizer": {"pipeline_stages": [ref_opt.state_dict()]},
+             "lr_scheduler": {"pipeline_stages": [None]}, "step": 5,
+             "pipeline": {"stages": 1, "bounds": bounds, "schedule": "1f1b"}}
+    grid = build_grid(1, 2, state, _adamw_groups)
+    folder = str(tmp_path / "step-00000005.dcp")
+    write_grid(folder, grid, 2, 1, 2)
+    again = build_grid(1, 4, load_dcp_state(folder), _adamw_groups)
+    assert_is_reference(*single_worker_layout(again, 1, 4), ref_model, ref_opt)
+    for t in range(4):
+        groups = again[0, t][1].optimizer.param_groups
+        assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+        assert all(q.dim() >= 2 for q in groups[0]["params"]) and all(q.dim() < 2 for q in groups[1]["params"])
 
 
 GRIDS = [((1, 2, 2), (2, 2, 1)), ((2, 1, 2), (1, 3, 2)), ((1, 2, 2), (1, 1, 4)), ((2, 2, 1), (1, 2, 2)),
