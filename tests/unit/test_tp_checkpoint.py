@@ -239,6 +239,14 @@ def test_an_unpipelined_checkpoint_resumes_on_a_tensor_parallel_grid(tmp_path, w
     assert_is_reference(*single_worker_layout(grid, 2, 2), ref_model, ref_opt)
 
 
+def test_an_unpipelined_pt_state_resumes_on_a_tensor_parallel_grid():
+    """A single worker's ``.pt`` state (one optimizer over the whole model) on (1, 3, 2)."""
+    ref_model, ref_opt = trained_reference()
+    state = {"model": ref_model.state_dict(), "optimizer": ref_opt.state_dict(), "lr_scheduler": None, "step": 5}
+    grid = build_grid(3, 2, state)
+    assert_is_reference(*single_worker_layout(grid, 3, 2), ref_model, ref_opt)
+
+
 def test_a_pt_state_of_one_grid_resumes_on_another_by_name():
     """A ``.pt`` state (gathered: no recorded stage names) of 2 stages resumes on 3 stages with
     tensor=2, the names of each saved stage derived from its bounds."""
