@@ -198,3 +198,19 @@ def test_a_no_flush_schedule_runs_on_the_grid():
     b = vf.train(_grid(2, 2, "2bw", window=2), workers=4, steps=4, deterministic=True)
     assert _max_diff(a.state_dict, b.state_dict) < 1e-12
     assert [h["loss"] for h in b.history] == pytest.approx([h["loss"] for h in a.history], rel=1e-12, abs=0)
+
+
+def test_a_sharded_tensor_parallel_checkpoint_resumes_on_one_worker_and_on_another_grid(tmp_path):
+    """A (1, 2, 2) run writes sharded checkpoints in the background (each tensor rank its shards,
+    no gather). Its step-2 checkpoint resumed on (2, 1, 2) (other D and P, re-cut by name; the same
+    T) continues bit for bit as the run that never stopped; resumed on one unpipelined worker
+    (T = 1), within float tolerance (the row-parallel sums are no longer cut in T pieces)."""
+    straight = vf.train(_grid(2, 2), workers=4, steps=3, deterministic=True, run_dir=str(tmp_path / "a"),
+                        checkpoint_every=2, checkpoint_format="dcp", async_checkpoint=True)
+    ck = str(tmp_path / "a" / "checkpoints" / "step-00000002.dcp")
+    grid = vf.train(_grid(1, 2), workers=4, steps=3, deterministic=True, resume=ck, run_dir=str(tmp_path / "b"))
+    assert grid.history[0]["step"] == 2
+    assert_state_equal(grid.state_dict, straight.state_dict)
+    plain = vf.train(g.single_job, workers=1, steps=3, deterministic=True, resume=ck, run_dir=str(tmp_path / "c"))
+    assert plain.history[0]["step"] == 2
+    assert _max_diff(plain.state_dict, straight.state_dict) < 1e-12

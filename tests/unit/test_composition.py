@@ -251,9 +251,9 @@ def test_what_a_pipeline_cannot_combine_is_refused_at_launch_in_one_line(job, op
 
 def test_emulated_slowdowns_without_balance_still_run_tensor_parallel_launch_checks():
     """``balance=False`` keeps slowdowns as emulation only: the balance refusal does not fire (the
-    launch goes on to the next check, here the dcp checkpoint refusal)."""
-    with pytest.raises(ValueError, match=r'checkpoint_format="dcp" with Pipeline.tensor=2'):
-        vf.train(_tensor_job, workers=2, steps=1, slowdowns=[1, 2], balance=False, checkpoint_format="dcp")
+    launch goes on to the next check, here that every block splits ``tensor`` ways)."""
+    with pytest.raises(ValueError, match=r"heads=4 is not divisible by tensor=3"):
+        vf.train(lambda: g.grid_job(stages=1, tensor=3), workers=3, steps=1, slowdowns=[1, 2, 3], balance=False)
 
 
 def test_a_failure_with_balance_on_maps_the_survivors_by_their_measured_speed():

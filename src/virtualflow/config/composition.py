@@ -148,13 +148,6 @@ REFUSALS: tuple[Refusal, ...] = (
              "the tensor-parallel blocks' collectives run inside custom autograd functions that torch.compile does "
              "not capture: drop compile (--compile) or use tensor=1"),
          example=dict(tensor=2, compile=True), site="launching.pipeline.check_tensor_parallel"),
-    _row("tensor+dcp", "tensor parallel", "dcp checkpoints",
-         when=lambda tensor, checkpoint_format, **_: tensor > 1 and checkpoint_format == "dcp",
-         says=_tensor_says(
-             'checkpoint_format="dcp"',
-             "the sharded checkpoint's entries are named by parameter, and a tensor-parallel stage holds shards of "
-             "them: use checkpoint_format=\"pt\" (--checkpoint-format pt; rank 0 merges the shards) or tensor=1"),
-         example=dict(tensor=2, checkpoint_format="dcp"), site="launching.pipeline.check_tensor_parallel"),
     _row("no_flush+batchnorm", "no-flush schedule", "BatchNorm",
          when=lambda flush, batchnorm, **_: not flush and batchnorm,
          says=lambda schedule, **_: (

@@ -93,7 +93,7 @@ def prepare(job: JobLike, opts: LaunchOptions) -> Iterator[RunSetup]:
     signature = preflight(job_obj, dataset, plan, reduction=opts.reduction)
     if pipeline is not None:
         pipeline = plan_pipeline(job_obj.replace(pipeline=pipeline), dataset, workers, device=opts.device,
-                                 deterministic=opts.deterministic, checkpoint_format=opts.checkpoint_format)
+                                 deterministic=opts.deterministic)
         if opts.reduction == "sharded":
             check_stage_sharding(pipeline, tied=bool(shared_across_pieces(*_layers_and_bounds(job_obj, pipeline))))
         overrides_job["pipeline"] = pipeline

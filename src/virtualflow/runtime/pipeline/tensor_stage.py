@@ -16,7 +16,10 @@ What the object owns:
   check uses, the sharded parameters and the tensor rank, given to the loop when the stage is
   built (the sum runs over the current generation's group);
 - the state merge: a checkpoint's stages gathered into the single-worker layout
-  (:meth:`TensorStage.gather`) and a stage resumed from such a state (:meth:`TensorStage.build`).
+  (:meth:`TensorStage.gather`), a worker's part of a sharded checkpoint written without a gather
+  (:meth:`TensorStage.sharded_parts`: its shards, named so that a reader merges them into that
+  layout) and a stage resumed from a state in that layout (:meth:`TensorStage.build`: cut for this
+  worker's tensor rank, whatever tensor degree wrote it).
 
 Invariant: a worker's tensor rank is fixed once its stage is built (generations add or remove
 whole replicas of ``P T`` consecutive ranks, so ``rank % T`` stays).
@@ -36,8 +39,10 @@ from virtualflow.plan.pipeline.geometry import layers_of, piece_module
 from virtualflow.runtime.pipeline.engine import StageEngine
 from virtualflow.runtime.step.finish import TensorSlots
 from virtualflow.runtime.pipeline.loop import StageLoop
-from virtualflow.runtime.pipeline.stage_state import (gather_stages, load_scaler, optimizer_names, reorder_optimizer,
-                                                      resume_stage, stage_state, transfer_stages)
+from virtualflow.runtime.dcp import Piece
+from virtualflow.runtime.pipeline.stage_state import (gather_stages, grid_parts, load_scaler, optimizer_names,
+                                                      reorder_optimizer, resume_stage, sharded_parts, stage_state,
+                                                      transfer_stages)
 from virtualflow.runtime.pipeline.tensor_grid import (TensorPlanes, convert_layers, merge_stage_states, rebind_comm,
                                                       shard_stage_state, whole_splits)
 from virtualflow.runtime.transfer import broadcast_state
@@ -110,6 +115,10 @@ class TensorStage:
         single-worker layout (:func:`~.stage_state.gather_stages`); others get ``None``."""
         return gather_stages(stage, self.pipeline, layout, self.bounds, group, self.device)
 
+    def sharded_parts(self, stage: StageEngine, rank: int, size: int) -> tuple[list[Piece], dict[str, Any] | None]:
+        """Generation rank ``rank``'s part of a sharded checkpoint (:func:`~.stage_state.sharded_parts`). Local."""
+        return sharded_parts(stage, self.pipeline, self.bounds, rank, size)
+
 
 class TensorParallelStage(TensorStage):
     """A stage of ``T > 1`` workers (:mod:`.tensor_grid`): the pipeline engine runs on this
@@ -127,6 +136,10 @@ class TensorParallelStage(TensorStage):
         """This worker's tensor rank (fixed once its stage is built: the shards it holds)."""
         self.sharded_names: frozenset[str] = frozenset()
         """Whole-model names of the stage's parameters that hold a shard (set by :meth:`convert`)."""
+        self.splits: dict[str, Any] = {}
+        """How every whole-model state key is cut over the ``T`` ranks (set by :meth:`convert`)."""
+        self.names: list[str] = []
+        """The unconverted stage's optimizer order (set by :meth:`convert`): a checkpoint's."""
 
     def join(self, group: Group) -> Group:
         self.leave()
@@ -144,8 +157,9 @@ class TensorParallelStage(TensorStage):
 
     def convert(self, layers: list[nn.Module], stage_rank: int) -> list[nn.Module]:
         p = self.pipeline.stages
-        self.sharded_names = frozenset(n for n, split in whole_splits(layers, self.tensor).items()
-                                       if not split.replicated)
+        self.splits = whole_splits(layers, self.tensor)
+        self.sharded_names = frozenset(n for n, split in self.splits.items() if not split.replicated)
+        self.names = self.unconverted_names(stage_rank, layers)
         for k, (a, b) in enumerate(self.bounds):
             if k % p == stage_rank:
                 layers = convert_layers(layers, a, b, self.planes.comm, self.pipeline.tensor_chunks)
@@ -253,6 +267,10 @@ class TensorParallelStage(TensorStage):
             merged["optimizer"] = reorder_optimizer(merged["optimizer"], merged["param_names"], target)
             out.append(merged)
         return out
+
+    def sharded_parts(self, stage: StageEngine, rank: int, size: int) -> tuple[list[Piece], dict[str, Any] | None]:
+        """This worker's shards, written as they are (:func:`~.stage_state.grid_parts`). Local."""
+        return grid_parts(stage, self.pipeline, self.bounds, rank, size, self.splits, self.names)
 
 
 def tensor_stage(pipeline: Pipeline, bounds: list[tuple[int, int]], device: torch.device, *, subgroup: Subgroup,
