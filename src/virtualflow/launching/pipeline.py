@@ -43,8 +43,7 @@ def check_tensor_parallel(job: Job, pipeline: Pipeline, layers: list[nn.Module],
     t = pipeline.tensor
     if t == 1:
         return
-    check("tensor+precision", "tensor+compile", "tensor+dcp", tensor=t, precision=job.precision, compile=job.compile,
-          checkpoint_format=checkpoint_format)
+    check("tensor+dcp", tensor=t, checkpoint_format=checkpoint_format)
     from virtualflow.parallel.convert import tensor_parallel_candidates, tensor_splits
 
     if not any(tensor_parallel_candidates(layers)):
