@@ -215,3 +215,32 @@ def test_a_compiled_tensor_parallel_stage_compiles_once_and_trains_the_eager_sta
         assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
     initial = dict(layers[2].named_parameters())  # the head (replicated)
     assert not torch.equal(compiled[0]["2.lm_head.weight"], initial["lm_head.weight"])  # it trained
+
+
+def measure_tolerances(steps: int = 3) -> dict[str, tuple[float, float]]:
+    """For each precision: the max absolute and relative difference of the weights after ``steps``
+    deterministic steps of tests/gpt_grid_jobs.py's GPT (float32) on (D, P, T) = (1, 1, 2) against
+    the unpipelined single worker (worker processes). What composition.TOLERANCES records."""
+    import gpt_grid_jobs as g
+    import virtualflow as vf
+
+    def job(tensor: int, precision: str):
+        j = g.grid_job(tensor=tensor, float32=True).replace(precision=precision)
+        return lambda: j if tensor > 1 else j.replace(pipeline=None)
+
+    out = {}
+    for precision in ("32", "bf16-mixed", "16-mixed"):
+        ref = vf.train(job(1, precision), workers=1, steps=steps, deterministic=True).state_dict
+        got = vf.train(job(2, precision), workers=2, steps=steps, deterministic=True).state_dict
+        diff = {k: (got[k].double() - ref[k].double()).abs() for k in ref}
+        out[precision] = (max(d.max().item() for d in diff.values()),
+                          max((d / ref[k].double().abs().clamp_min(1e-6)).max().item() for k, d in diff.items()))
+    return out
+
+
+if __name__ == "__main__":
+    from virtualflow.config.composition import TOLERANCES
+
+    for precision, (abs_diff, rel_diff) in measure_tolerances().items():
+        print(f"T=2 vs T=1, {precision}: max |diff| {abs_diff:.3g}, max relative {rel_diff:.3g}; "
+              f"TOLERANCES (atol, rtol) = {TOLERANCES[('tensor parallel', precision)]}")
