@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]  # for `python <this file>`
 
 from nanogpt import nanogpt_layers  # noqa: E402
-from test_tp_convert import _OneCopyAtATime, inputs, on_ranks, one_rank  # noqa: E402
+from test_tp_convert import _gpt2_block, _OneCopyAtATime, inputs, on_ranks, one_rank  # noqa: E402
 from virtualflow.comm.ring import Collectives  # noqa: E402
 from virtualflow.parallel import tensor_parallel_layer, tensor_splits  # noqa: E402
 from virtualflow.runtime.amp import LossScaler  # noqa: E402
@@ -78,6 +78,25 @@ def test_bf16_and_16_mixed_blocks_are_the_block_under_autocast(precision, bias):
             got = splits[name].merge([grads[name] for _, _, grads in outs])
             assert got.dtype == want.dtype == torch.float32
             torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=0, msg=name)
+
+
+def test_hugging_face_gpt2_block_under_bf16_autocast():
+    """Conv1D projections (weights stored [in, out], passed transposed): the same kernels as the
+    block's own under autocast with one rank; t = 2 within a fraction of bf16's own error."""
+    block = _gpt2_block(torch.float32)
+    x, g = inputs(torch.float32)
+    y_ref, gx_ref, grads_ref = run_autocast(block, x, g, torch.bfloat16)
+    cast_error = (run_autocast(block, x, g, None)[0] - y_ref).abs().max().item()
+    y, gx, grads = run_autocast(tensor_parallel_layer(block, one_rank()), x, g, torch.bfloat16)
+    assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref)
+    assert all(torch.equal(grads[n], grads_ref[n]) for n in grads_ref)
+    outs = on_ranks(2, lambda comm: run_autocast(tensor_parallel_layer(block, comm), x, g, torch.bfloat16))
+    splits = tensor_splits(block, 2)
+    for y, _, _ in outs:
+        assert (y - y_ref).abs().max().item() <= 0.5 * cast_error
+    for name, want in grads_ref.items():
+        got = splits[name].merge([grads[name] for _, _, grads in outs])
+        torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=0, msg=name)
 
 
 class _Matmuls(TorchDispatchMode):
