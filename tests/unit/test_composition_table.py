@@ -41,10 +41,10 @@ def test_each_rows_example_is_refused_with_its_one_line_message(row):
 
 
 def test_check_raises_the_first_row_that_holds_in_the_order_named():
-    facts = dict(tensor=2, precision="bf16-mixed", compile=True)
-    with pytest.raises(ValueError, match=r"^compile=True"):
-        check("tensor+compile", "tensor+precision", **facts)
-    check("tensor+precision", "tensor+compile", **{**facts, "tensor": 1})  # nothing refused
+    facts = dict(flush=False, schedule="2bw", redundancy=True, tied=False)
+    with pytest.raises(ValueError, match=r"^reduction='sharded' with Pipeline.redundancy=True"):
+        check("sharded+redundancy", "sharded+no_flush", **facts)
+    check("sharded+no_flush", "sharded+redundancy", **{**facts, "flush": True, "redundancy": False})  # nothing refused
     with pytest.raises(KeyError, match="no refusal 'nope'"):
         refusal("nope")
 

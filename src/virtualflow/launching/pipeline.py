@@ -34,15 +34,13 @@ from virtualflow.runtime.profile import auto_split, profile_model
 __all__ = ["check_tensor_parallel", "plan_pipeline"]
 
 
-def check_tensor_parallel(job: Job, pipeline: Pipeline, layers: list[nn.Module]) -> None:
-    """Refuse, before any worker starts, what tensor-parallel stages (``Pipeline.tensor > 1``)
-    cannot honour (the table's ``tensor+...`` rows, :mod:`virtualflow.config.composition`); check
-    that some layer has a block to split and that every block splits ``tensor`` ways (heads and
-    widths divisible)."""
+def check_tensor_parallel(pipeline: Pipeline, layers: list[nn.Module]) -> None:
+    """Check, before any worker starts, that tensor-parallel stages (``Pipeline.tensor > 1``) have
+    something to split: some layer has a block virtualflow can convert, and every block splits
+    ``tensor`` ways (heads and widths divisible)."""
     t = pipeline.tensor
     if t == 1:
         return
-    check("tensor+precision", "tensor+compile", tensor=t, precision=job.precision, compile=job.compile)
     from virtualflow.parallel.convert import tensor_parallel_candidates, tensor_splits
 
     if not any(tensor_parallel_candidates(layers)):
@@ -71,7 +69,7 @@ def plan_pipeline(job: Job, dataset: Any, workers: int, log: Any = None, device:
         torch.manual_seed(job.seed)
         model = job.model()
     layers = layers_of(model)
-    check_tensor_parallel(job, pipeline, layers)
+    check_tensor_parallel(pipeline, layers)
     # The training loop's knobs, refused here (before any worker starts) where the schedule or
     # the model cannot honour them; each worker checks them again when it builds its stage.
     check("no_flush+loop", flush=pipeline.flush, schedule=pipeline.schedule, precision=job.precision,
