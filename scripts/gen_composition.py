@@ -76,7 +76,7 @@ CELLS: dict[tuple[str, str], Cell] = {
     ('tensor parallel', 'autoscaler'): refused('pipeline+autoscale', '`tests/unit/test_composition.py::test_what_a_pipeline_cannot_combine_is_refused_at_launch_in_one_line[tensor-autoscale]`'),
     ('tensor parallel', 'resize'): works('`tests/e2e/test_parallel3d.py::test_resize_data_parallel_replicas_of_a_tensor_parallel_stage`'),
     ('tensor parallel', 'failure recovery'): works('`tests/e2e/test_parallel3d.py::test_a_killed_tensor_parallel_member_leaves_the_other_replica_bit_identical`'),
-    ('tensor parallel', 'Bamboo'): refused('tensor+redundancy', '`tests/unit/test_parallel3d_config.py::test_the_tensor_knob_is_checked_with_its_rule`'),
+    ('tensor parallel', 'Bamboo'): works('`tests/e2e/test_bamboo.py::test_a_tensor_parallel_stage_fails_over_to_its_predecessors_tensor_group`'),
     ('tensor parallel', 'tied weights'): works('`tests/e2e/test_composition_processes.py::test_a_tied_embedding_and_head_on_tensor_parallel_stages_is_the_tensor_1_model`'),
     ('tensor parallel', 'breakdown'): works('`tests/e2e/test_parallel3d.py::test_clipping_sums_the_shards_norms_over_the_tensor_parallel_group` (one row per stage, from its tensor rank 0; each adds up to its step)'),
     ('tensor parallel', 'overlapped input'): refused('pipeline+loader_workers', '`tests/unit/test_composition.py::test_what_a_pipeline_cannot_combine_is_refused_at_launch_in_one_line[tensor-loaders]`'),

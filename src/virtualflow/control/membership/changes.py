@@ -143,7 +143,8 @@ class ChangePlanner:
         then (a fallback naming the checkpoint)."""
         ctl = self.ctl
         d = decide_planned_failover(stages=ctl.stages, members=ctl.members, layout=ctl.layout, noticed=noticed,
-                                    replace_failed=ctl.replace_failed, min_workers=ctl.min_workers)
+                                    replace_failed=ctl.replace_failed, min_workers=ctl.min_workers,
+                                    tensor=ctl.tensor)
         if isinstance(d, FallBack):
             if not self.notice_uncovered:
                 self.notice_uncovered = True

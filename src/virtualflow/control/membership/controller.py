@@ -47,7 +47,7 @@ from typing import Any, Callable, Sequence
 
 from virtualflow.comm import protocol
 from virtualflow.control.membership.changes import ChangePlanner
-from virtualflow.control.membership.failover import replica_layouts
+from virtualflow.control.membership.failover import member_runs
 from virtualflow.control.membership.hangs import HangGuard
 from virtualflow.control.membership.interface import WorkerLauncher, check_resize
 from virtualflow.control.membership.liveness import Liveness
@@ -93,6 +93,7 @@ class MembershipController:
         global_batch_size: int | None = None,
         stages: int | None = None,
         redundancy: bool = False,
+        tensor: int = 1,
         last_step: int = 0,
         max_newcomer_failures: int = 5,
         assign: Callable[[int, int], list[list[int]]] = contiguous_assignment,
@@ -114,6 +115,9 @@ class MembershipController:
         self.stages = stages
         """Set for a pipelined job: resizes go in whole replicas of this many stages."""
         self.redundancy = redundancy
+        self.tensor = tensor
+        """``Pipeline.tensor``: a stage is a group of this many consecutive members (a failover
+        judges and lays out tensor groups, :mod:`.failover`)."""
         """A pipelined job with Bamboo's redundant stages: a replica that loses a worker fails
         over (:mod:`.failover`) instead of ending."""
         self.balance = options.balanced
@@ -388,10 +392,8 @@ class MembershipController:
         member at it, send the leavers away, and enter the change's phase."""
         g = self.generation + 1
         if self.stages is not None:  # pipelined: VN shares per replica (after a failover, by stages run)
-            layouts = replica_layouts(self.layout, len(members), self.stages)
-            plan = self.speed_policy.plan_pipeline_map(
-                members, [len(run) for rep in layouts for run in rep], [len(rep) for rep in layouts],
-                balance=self.balance, counts=counts)
+            runs, sizes = member_runs(self.layout, len(members), self.stages, self.tensor)
+            plan = self.speed_policy.plan_pipeline_map(members, runs, sizes, balance=self.balance, counts=counts)
             assignment, self.predicted_step_s, self.vn_sizes = plan.assignment, plan.predicted_step_s, None
         else:
             self.predicted_step_s, self.vn_sizes = None, None

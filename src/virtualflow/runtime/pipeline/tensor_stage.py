@@ -70,8 +70,17 @@ class TensorStage:
         return f"stage{stage}"
 
     def convert(self, layers: list[nn.Module], stage_rank: int) -> list[nn.Module]:
-        """The layers this worker's pieces of stage-rank ``stage_rank`` are cut from."""
+        """The layers this worker's pieces of stage-rank ``stage_rank`` (and, with Bamboo's
+        redundancy, its replica of the successor's stage) are cut from."""
         return layers
+
+    def convert_range(self, layers: list[nn.Module], lo: int, hi: int) -> list[nn.Module]:
+        """``layers`` with ``[lo, hi)`` in the form this worker runs them (a Bamboo re-layout)."""
+        return layers
+
+    def plane_layout(self, layout: list[list[int]]) -> list[list[int]]:
+        """A Bamboo layout (one run per generation member) as the pipeline engine's group sees it."""
+        return layout
 
     def hook_loop(self, loop: StageLoop, pieces: dict[int, nn.Module]) -> StageLoop:
         """The training loop of a stage built from ``pieces``, with this object's hooks."""
@@ -146,10 +155,20 @@ class TensorParallelStage(TensorStage):
         p = self.pipeline.stages
         self.sharded_names = frozenset(n for n, split in whole_splits(layers, self.tensor).items()
                                        if not split.replicated)
+        # Bamboo: the replica of the successor's stage is this tensor rank's shard of it, cut by
+        # the same splits as the successor's own (docs/bamboo.md, "With tensor parallelism").
+        held = {stage_rank, (stage_rank + 1) % p} if self.pipeline.redundancy else {stage_rank}
         for k, (a, b) in enumerate(self.bounds):
-            if k % p == stage_rank:
-                layers = convert_layers(layers, a, b, self.planes.comm, self.pipeline.tensor_chunks)
+            if k % p in held:
+                layers = self.convert_range(layers, a, b)
         return layers
+
+    def convert_range(self, layers: list[nn.Module], lo: int, hi: int) -> list[nn.Module]:
+        return convert_layers(layers, lo, hi, self.planes.comm, self.pipeline.tensor_chunks)
+
+    def plane_layout(self, layout: list[list[int]]) -> list[list[int]]:
+        """This plane's members' runs (every member of a tensor group runs its group's run)."""
+        return layout[self.rank::self.tensor]
 
     def hook_loop(self, loop: StageLoop, pieces: dict[int, nn.Module]) -> StageLoop:
         """The loss scaler's inf check and the clipping norm sum the shards' parts over the tensor
@@ -167,6 +186,9 @@ class TensorParallelStage(TensorStage):
 
     def bind(self, stage: StageEngine) -> None:
         rebind_comm(stage.model, self.planes.comm)
+        replica = stage.replica_of_successor  # Bamboo: its shards run in this stage's tensor group
+        if replica is not None:
+            rebind_comm(replica.model, self.planes.comm)
 
     def agree_control(self, control: int | Callable[[], int]) -> int:
         """Every plane must stop for a command at the same step, but only generation rank 0 reads
@@ -237,7 +259,7 @@ class TensorParallelStage(TensorStage):
         tensor-parallel group), then sent to rank 0, which merges the shards into the
         single-worker layout (``whole_model()``: the unconverted model, for the splits)."""
         planes = self.planes
-        mine = gather_stages(stage, self.pipeline, None, self.bounds, planes.plane, self.device,
+        mine = gather_stages(stage, self.pipeline, layout, self.bounds, planes.plane, self.device,
                              state_of=named_stage_state)
         if planes.plane_rank != 0:
             return None
