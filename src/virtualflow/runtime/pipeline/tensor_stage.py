@@ -155,11 +155,11 @@ class TensorParallelStage(TensorStage):
         p = self.pipeline.stages
         self.sharded_names = frozenset(n for n, split in whole_splits(layers, self.tensor).items()
                                        if not split.replicated)
-        # Bamboo: the replica of the successor's stage is this tensor rank's shard of it, cut by
-        # the same splits as the successor's own (docs/bamboo.md, "With tensor parallelism").
-        held = {stage_rank, (stage_rank + 1) % p} if self.pipeline.redundancy else {stage_rank}
+        # The successor's stage too: Bamboo's replica of it is this tensor rank's shard of it, cut
+        # by the same splits as the successor's own (docs/bamboo.md, "With tensor parallelism");
+        # without redundancy no piece keeps those layers.
         for k, (a, b) in enumerate(self.bounds):
-            if k % p in held:
+            if k % p in (stage_rank, (stage_rank + 1) % p):
                 layers = self.convert_range(layers, a, b)
         return layers
 
