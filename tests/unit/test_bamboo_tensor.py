@@ -15,7 +15,9 @@ import torch
 
 import virtualflow as vf
 from virtualflow.control.membership.decisions import FallBack
-from virtualflow.control.membership.failover import decide_failover, decide_planned_failover, member_runs
+from virtualflow.control.membership.decisions import NoChange
+from virtualflow.control.membership.failover import (decide_failover, decide_planned_failover, decide_reconfigure,
+                                                     member_runs)
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.pipeline.geometry import layers_of, resolve_bounds
 from virtualflow.runtime.pipeline.layout import StageBuilder
@@ -141,3 +143,18 @@ def test_a_notice_to_one_member_hands_its_whole_tensor_group_over():
     too_few = decide_planned_failover(stages=4, members=[10, 11, 12, 13], layout=None, noticed=[13],
                                       replace_failed=False, min_workers=3, tensor=2)
     assert isinstance(too_few, FallBack)
+
+
+def test_newcomers_reform_a_failed_over_pipeline_as_whole_tensor_groups():
+    """After stage 1's group (workers 2, 3) was lost, newcomers 7, 8 take stage 1 back as one tensor
+    group (tensor ranks in the order they got ready); one ready newcomer is not a group yet."""
+    lost = decide_failover(stages=4, members=[0, 1, 2, 3], layout=None, formed=None, dead={3},
+                           replace_failed=True, tensor=2)
+    assert lost.replacements == 2 and lost.target == 4
+    waiting = decide_reconfigure(stages=4, members=list(lost.members), layout=lost.layout_after, ready=[7], tensor=2)
+    assert isinstance(waiting, NoChange)
+    d = decide_reconfigure(stages=4, members=list(lost.members), layout=lost.layout_after, ready=[7, 8, 9], tensor=2)
+    plain = decide_reconfigure(stages=2, members=[0], layout=((0, 1),), ready=[7])
+    assert d.members == (0, 1, 7, 8) and d.added == (7, 8) and plain.members == (0, 7)
+    assert [list(r) for r in d.layout] == [list(r) for r in plain.layout for _ in range(2)] == [[0], [0], [1], [1]]
+    assert d.layout_after is None

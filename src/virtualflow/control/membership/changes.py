@@ -99,7 +99,8 @@ class ChangePlanner:
         """Bamboo: ready newcomers take back the stages a failover gave to other workers
         (:func:`.failover.decide_reconfigure`). Returns whether a generation was published."""
         ctl = self.ctl
-        d = decide_reconfigure(stages=ctl.stages, members=ctl.members, layout=ctl.layout, ready=ctl.ready)
+        d = decide_reconfigure(stages=ctl.stages, members=ctl.members, layout=ctl.layout, ready=ctl.ready,
+                               tensor=ctl.tensor)
         if isinstance(d, NoChange):
             return False
         ctl.ready = ctl.ready[len(d.added):]

@@ -196,9 +196,24 @@ def decide_planned_failover(*, stages: int, members: Sequence[int], layout: Layo
 
 
 def decide_reconfigure(*, stages: int, members: Sequence[int], layout: Layout | None,
-                       ready: Sequence[int]) -> Reconfigure | NoChange:
+                       ready: Sequence[int], tensor: int = 1) -> Reconfigure | NoChange:
     """Ready newcomers take back the stages a failover gave to other workers (full depth again,
-    at a step boundary), replica by replica; the first ready workers are placed first."""
+    at a step boundary), replica by replica; the first ready workers are placed first.
+    ``tensor`` > 1: newcomers come in as tensor groups of ``tensor`` (in the order they got ready)."""
+    if tensor > 1:
+        groups = _tensor_groups(members, tensor)
+        fresh = _tensor_groups(list(ready)[:len(ready) // tensor * tensor], tensor)
+        d = decide_reconfigure(stages=stages // tensor, members=list(groups), layout=_narrow(layout, tensor),
+                               ready=list(fresh))
+        if isinstance(d, NoChange):
+            return d
+        every = {**groups, **fresh}
+
+        def wide(ws: Sequence[int]) -> tuple[int, ...]:
+            return tuple(w for g in ws for w in every[g])
+
+        return Reconfigure(wide(d.members), wide(d.added), _widen_layout(d.layout, tensor),
+                           _widen_layout(d.layout_after, tensor))
     if layout is None or not ready:
         return NoChange("full depth" if layout is None else "no newcomer ready")
     plan = reconfigure_replicas(replica_layouts(layout, len(members), stages), len(ready))

@@ -86,9 +86,7 @@ class StageBuilder:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.job.seed)
             base = [layer.to(self.device) for layer in layers_of(self.job.model())]
-        layers = base
-        for s in sorted(set(mine) | set(succ)):
-            layers = tensor.convert_range(layers, *full_bounds[s])
+        layers = tensor.convert_stages(base, set(mine) | set(succ))
         whole = torch.nn.Sequential(*layers)
         whole.load_state_dict({k: v for s in set(mine) | set(succ) for k, v in got[s]["model"].items()},
                               strict=False)

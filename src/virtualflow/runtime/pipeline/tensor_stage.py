@@ -74,8 +74,9 @@ class TensorStage:
         redundancy, its replica of the successor's stage) are cut from."""
         return layers
 
-    def convert_range(self, layers: list[nn.Module], lo: int, hi: int) -> list[nn.Module]:
-        """``layers`` with ``[lo, hi)`` in the form this worker runs them (a Bamboo re-layout)."""
+    def convert_stages(self, layers: list[nn.Module], stage_ranks: set[int]) -> list[nn.Module]:
+        """The whole model's (unconverted) ``layers`` with the pieces of ``stage_ranks`` in the form
+        this worker runs them (a Bamboo re-layout: the job stages it runs and keeps a replica of)."""
         return layers
 
     def plane_layout(self, layout: list[list[int]]) -> list[list[int]]:
@@ -152,19 +153,19 @@ class TensorParallelStage(TensorStage):
         return f"stage{stage}.t{self.rank}"  # one stage group per plane
 
     def convert(self, layers: list[nn.Module], stage_rank: int) -> list[nn.Module]:
-        p = self.pipeline.stages
-        self.sharded_names = frozenset(n for n, split in whole_splits(layers, self.tensor).items()
-                                       if not split.replicated)
         # The successor's stage too: Bamboo's replica of it is this tensor rank's shard of it, cut
         # by the same splits as the successor's own (docs/bamboo.md, "With tensor parallelism");
         # without redundancy no piece keeps those layers.
-        for k, (a, b) in enumerate(self.bounds):
-            if k % p in (stage_rank, (stage_rank + 1) % p):
-                layers = self.convert_range(layers, a, b)
-        return layers
+        return self.convert_stages(layers, {stage_rank, (stage_rank + 1) % self.pipeline.stages})
 
-    def convert_range(self, layers: list[nn.Module], lo: int, hi: int) -> list[nn.Module]:
-        return convert_layers(layers, lo, hi, self.planes.comm, self.pipeline.tensor_chunks)
+    def convert_stages(self, layers: list[nn.Module], stage_ranks: set[int]) -> list[nn.Module]:
+        p = self.pipeline.stages
+        self.sharded_names = frozenset(n for n, split in whole_splits(layers, self.tensor).items()
+                                       if not split.replicated)
+        for k, (a, b) in enumerate(self.bounds):
+            if k % p in stage_ranks:
+                layers = convert_layers(layers, a, b, self.planes.comm, self.pipeline.tensor_chunks)
+        return layers
 
     def plane_layout(self, layout: list[list[int]]) -> list[list[int]]:
         """This plane's members' runs (every member of a tensor group runs its group's run)."""
