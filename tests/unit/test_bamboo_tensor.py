@@ -17,7 +17,7 @@ import virtualflow as vf
 from virtualflow.control.membership.decisions import FallBack
 from virtualflow.control.membership.decisions import NoChange
 from virtualflow.control.membership.failover import (decide_failover, decide_planned_failover, decide_reconfigure,
-                                                     member_runs)
+                                                     decide_shrink, member_runs)
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.pipeline.geometry import layers_of, resolve_bounds
 from virtualflow.runtime.pipeline.layout import StageBuilder
@@ -158,3 +158,15 @@ def test_newcomers_reform_a_failed_over_pipeline_as_whole_tensor_groups():
     assert d.members == (0, 1, 7, 8) and d.added == (7, 8) and plain.members == (0, 7)
     assert [list(r) for r in d.layout] == [list(r) for r in plain.layout for _ in range(2)] == [[0], [0], [1], [1]]
     assert d.layout_after is None
+
+
+def test_a_failed_over_grid_shrinks_by_whole_replicas_of_tensor_groups():
+    """Two replicas of a (2, 3, 2) grid, replica 0 failed over (its stage 1's group lost): a shrink
+    to 6 workers drops the last replica, 6 workers, as the plain rule drops it."""
+    lost = decide_failover(stages=6, members=list(range(12)), layout=None, formed=None, dead={3},
+                           replace_failed=False, tensor=2)
+    d = decide_shrink(stages=6, members=list(lost.members), layout=lost.layout_after, target=6, tensor=2)
+    plain = decide_shrink(stages=3, members=[0, 2, 3, 4, 5], layout=((0, 1), (2,), (0,), (1,), (2,)), target=3)
+    assert plain.members == (0, 2) and plain.removed == (3, 4, 5)
+    assert d.members == (0, 1, 4, 5) and d.removed == (6, 7, 8, 9, 10, 11) and d.target == 4
+    assert [list(r) for r in d.layout] == [[0, 1], [0, 1], [2], [2]]

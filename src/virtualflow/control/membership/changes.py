@@ -53,7 +53,8 @@ class ChangePlanner:
                     ctl.publish_next(list(ctl.members), kind="rebalance", hold=False, command=True,
                                      detail=decision.detail, counts=decision.revert_to)
         elif ctl.target < size and ctl.layout is not None:  # Bamboo, failed over: whole replicas leave
-            shrink = decide_shrink(stages=ctl.stages, members=ctl.members, layout=ctl.layout, target=ctl.target)
+            shrink = decide_shrink(stages=ctl.stages, members=ctl.members, layout=ctl.layout, target=ctl.target,
+                                   tensor=ctl.tensor)
             ctl.target = shrink.target
             if shrink.removed:
                 ctl.layout = shrink.layout

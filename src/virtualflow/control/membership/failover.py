@@ -223,14 +223,14 @@ def decide_reconfigure(*, stages: int, members: Sequence[int], layout: Layout | 
     return Reconfigure(order, added, plan.layout, None if is_standard(plan.layout) else plan.layout)
 
 
-def decide_shrink(*, stages: int, members: Sequence[int], layout: Layout, target: int) -> Shrink:
+def decide_shrink(*, stages: int, members: Sequence[int], layout: Layout, target: int, tensor: int = 1) -> Shrink:
     """A failed-over job shrinks to ``target``: whole replicas leave from the last one (at least
     one stays). The new target is the size reached (a shrink with no ``removed`` when none can
-    leave)."""
-    layouts = replica_layouts(layout, len(members), stages)
-    while len(layouts) > 1 and sum(len(rep) for rep in layouts) > target:
+    leave). ``tensor`` > 1: replicas of tensor groups (see the module docstring)."""
+    layouts = replica_layouts(_narrow(layout, tensor), len(members) // tensor, stages // tensor)
+    while len(layouts) > 1 and sum(len(rep) for rep in layouts) * tensor > target:
         layouts = layouts[:-1]
-    n = sum(len(rep) for rep in layouts)
-    flat = flatten(layouts)
+    n = sum(len(rep) for rep in layouts) * tensor
+    flat = _widen_layout(flatten(layouts), tensor)
     return Shrink(tuple(members[:n]), tuple(members[n:]), n, layout=flat,
                   layout_after=None if all(len(run) == 1 for run in flat) else flat)
