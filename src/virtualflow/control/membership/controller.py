@@ -70,8 +70,8 @@ class MembershipController:
     Its settings come from the job's :class:`~virtualflow.config.options.LaunchOptions` (starting
     workers, ``min_workers``, timeouts, ``replace_failed``, speed-based mapping and worker
     specs); the keyword arguments are the job's shape (``stages`` for a pipelined job,
-    ``redundancy`` for Bamboo's redundant stages, ``last_step`` the step a resumed run starts
-    at) and the controller's own tuning. Everything is given here: nothing configures it later.
+    ``redundancy`` for Bamboo's redundant stages, ``tensor`` for its tensor-parallel width,
+    ``last_step`` the step a resumed run starts at) and the controller's own tuning. Everything is given here: nothing configures it later.
 
     It is the membership's one actor: it holds the fields every rule reads and writes (members,
     assigned pointers, the phase and the change in flight), folds in the reports and publishes
@@ -115,11 +115,11 @@ class MembershipController:
         self.stages = stages
         """Set for a pipelined job: resizes go in whole replicas of this many stages."""
         self.redundancy = redundancy
+        """A pipelined job with Bamboo's redundant stages: a replica that loses a worker fails
+        over (:mod:`.failover`) instead of ending."""
         self.tensor = tensor
         """``Pipeline.tensor``: a stage is a group of this many consecutive members (a failover
         judges and lays out tensor groups, :mod:`.failover`)."""
-        """A pipelined job with Bamboo's redundant stages: a replica that loses a worker fails
-        over (:mod:`.failover`) instead of ending."""
         self.balance = options.balanced
         """VNs are mapped by measured speed (:mod:`.speed`); see :meth:`balance_by_speed`."""
         self.clock = clock
