@@ -76,7 +76,7 @@ CELLS: dict[tuple[str, str], Cell] = {
     ('tensor parallel', 'autoscaler'): works('`tests/unit/test_autoscale_pipeline.py::test_a_pipelined_or_tensor_parallel_launch_takes_the_autoscaler_in_whole_replicas[tensor-autoscale]` (whole replicas of stages x tensor workers), `tests/unit/test_autoscale_pipeline.py::test_a_tensor_parallel_job_moves_in_replicas_of_stages_x_tensor`'),
     ('tensor parallel', 'resize'): works('`tests/e2e/test_parallel3d.py::test_resize_data_parallel_replicas_of_a_tensor_parallel_stage`'),
     ('tensor parallel', 'failure recovery'): works('`tests/e2e/test_parallel3d.py::test_a_killed_tensor_parallel_member_leaves_the_other_replica_bit_identical`'),
-    ('tensor parallel', 'Bamboo'): refused('tensor+redundancy', '`tests/unit/test_parallel3d_config.py::test_the_tensor_knob_is_checked_with_its_rule`'),
+    ('tensor parallel', 'Bamboo'): works('`tests/e2e/test_bamboo.py::test_a_tensor_parallel_stage_fails_over_to_its_predecessors_tensor_group`'),
     ('tensor parallel', 'tied weights'): works('`tests/e2e/test_composition_processes.py::test_a_tied_embedding_and_head_on_tensor_parallel_stages_is_the_tensor_1_model`'),
     ('tensor parallel', 'breakdown'): works('`tests/e2e/test_parallel3d.py::test_clipping_sums_the_shards_norms_over_the_tensor_parallel_group` (one row per stage, from its tensor rank 0; each adds up to its step)'),
     ('tensor parallel', 'overlapped input'): works('`tests/e2e/test_pipeline_loaders_processes.py::test_tensor_parallel_stages_with_loader_threads_train_the_same_model`'),

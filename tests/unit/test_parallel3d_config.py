@@ -19,8 +19,6 @@ import gpt_grid_jobs as g
 def test_the_tensor_knob_is_checked_with_its_rule():
     with pytest.raises(ValueError, match=r"Pipeline.tensor=0 must be a positive int"):
         vf.Pipeline(stages=2, tensor=0)
-    with pytest.raises(ValueError, match=r"redundancy=True \(Bamboo\) with tensor=2.*use tensor=1 or redundancy=False"):
-        vf.Pipeline(stages=2, tensor=2, redundancy=True)
     with pytest.raises(ValueError, match=r"tensor_chunks=2 .* needs tensor > 1"):
         vf.Pipeline(stages=2, tensor_chunks=2)
     assert vf.Pipeline(stages=3, tensor=2).replica_workers == 6

@@ -3,8 +3,8 @@
 Purpose: every refusal of a combination is one row of :data:`REFUSALS`: the two capabilities, the
 condition over the facts the checking site knows (keyword arguments: plain values such as
 ``tensor=2``, ``schedule="2bw"``), and the one-line message, which names the value, the rule and
-the knob to change. A site refuses by naming its rows: ``check("tensor+redundancy", tensor=...,
-redundancy=...)`` raises the first row's ``ValueError`` whose condition holds, in the order
+the knob to change. A site refuses by naming its rows: ``check("redundancy+flush", redundancy=...,
+stages=...)`` raises the first row's ``ValueError`` whose condition holds, in the order
 named. The launch applies the rows that need the options (:mod:`virtualflow.launching.composition`),
 the :class:`~virtualflow.config.pipeline.Pipeline` those about its own fields, and the worker's
 engines those that need the built model (their ``site``). docs/composition.md's pairs are
@@ -163,12 +163,6 @@ REFUSALS: tuple[Refusal, ...] = (
          example=dict(redundancy=True, stages=2, flush=False, schedule="2bw",
                       flush_schedules=("1f1b", "gpipe", "interleaved_1f1b", "zb_h1")),
          site="config.pipeline.Pipeline"),
-    _row("tensor+redundancy", "tensor parallel", "Bamboo",
-         when=lambda tensor, redundancy, **_: tensor > 1 and bool(redundancy),
-         says=lambda tensor, **_: (
-             f"Pipeline.redundancy=True (Bamboo) with tensor={tensor}: a failover re-lays whole stages onto "
-             f"single workers, which a tensor-parallel stage cannot be; use tensor=1 or redundancy=False"),
-         example=dict(tensor=2, redundancy=True), site="config.pipeline.Pipeline"),
     _row("tensor_chunks+tensor", "tensor chunks", "tensor parallel",
          when=lambda tensor_chunks, tensor, **_: tensor_chunks > 1 and tensor == 1,
          says=lambda tensor_chunks, **_: (

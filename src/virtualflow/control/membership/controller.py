@@ -47,7 +47,7 @@ from typing import Any, Callable, Sequence
 
 from virtualflow.comm import protocol
 from virtualflow.control.membership.changes import ChangePlanner
-from virtualflow.control.membership.failover import replica_layouts
+from virtualflow.control.membership.failover import member_runs
 from virtualflow.control.membership.hangs import HangGuard
 from virtualflow.control.membership.interface import WorkerLauncher, check_resize
 from virtualflow.control.membership.liveness import Liveness
@@ -70,8 +70,8 @@ class MembershipController:
     Its settings come from the job's :class:`~virtualflow.config.options.LaunchOptions` (starting
     workers, ``min_workers``, timeouts, ``replace_failed``, speed-based mapping and worker
     specs); the keyword arguments are the job's shape (``stages`` for a pipelined job,
-    ``redundancy`` for Bamboo's redundant stages, ``last_step`` the step a resumed run starts
-    at) and the controller's own tuning. Everything is given here: nothing configures it later.
+    ``redundancy`` for Bamboo's redundant stages, ``tensor`` for its tensor-parallel width,
+    ``last_step`` the step a resumed run starts at) and the controller's own tuning. Everything is given here: nothing configures it later.
 
     It is the membership's one actor: it holds the fields every rule reads and writes (members,
     assigned pointers, the phase and the change in flight), folds in the reports and publishes
@@ -93,6 +93,7 @@ class MembershipController:
         global_batch_size: int | None = None,
         stages: int | None = None,
         redundancy: bool = False,
+        tensor: int = 1,
         last_step: int = 0,
         max_newcomer_failures: int = 5,
         assign: Callable[[int, int], list[list[int]]] = contiguous_assignment,
@@ -116,6 +117,9 @@ class MembershipController:
         self.redundancy = redundancy
         """A pipelined job with Bamboo's redundant stages: a replica that loses a worker fails
         over (:mod:`.failover`) instead of ending."""
+        self.tensor = tensor
+        """``Pipeline.tensor``: a stage is a group of this many consecutive members (a failover
+        judges and lays out tensor groups, :mod:`.failover`)."""
         self.balance = options.balanced
         """VNs are mapped by measured speed (:mod:`.speed`); see :meth:`balance_by_speed`."""
         self.clock = clock
@@ -388,10 +392,8 @@ class MembershipController:
         member at it, send the leavers away, and enter the change's phase."""
         g = self.generation + 1
         if self.stages is not None:  # pipelined: VN shares per replica (after a failover, by stages run)
-            layouts = replica_layouts(self.layout, len(members), self.stages)
-            plan = self.speed_policy.plan_pipeline_map(
-                members, [len(run) for rep in layouts for run in rep], [len(rep) for rep in layouts],
-                balance=self.balance, counts=counts)
+            runs, sizes = member_runs(self.layout, len(members), self.stages, self.tensor)
+            plan = self.speed_policy.plan_pipeline_map(members, runs, sizes, balance=self.balance, counts=counts)
             assignment, self.predicted_step_s, self.vn_sizes = plan.assignment, plan.predicted_step_s, None
         else:
             self.predicted_step_s, self.vn_sizes = None, None

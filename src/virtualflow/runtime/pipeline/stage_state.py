@@ -110,6 +110,7 @@ def stage_states(holder: Any, stages: tuple[int, ...], full_bounds: list[tuple[i
                           "param_groups": [{**group, "params": list(range(len(idx)))}] if idx else []},
             "lr_scheduler": sched,
             "grad_scaler": scaler_state(holder),
+            "param_names": [params[i] for i in idx],  # (a tensor-parallel stage's shards merge by name)
         }
     return out
 

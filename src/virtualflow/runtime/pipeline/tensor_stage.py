@@ -75,8 +75,18 @@ class TensorStage:
         return f"stage{stage}"
 
     def convert(self, layers: list[nn.Module], stage_rank: int) -> list[nn.Module]:
-        """The layers this worker's pieces of stage-rank ``stage_rank`` are cut from."""
+        """The layers this worker's pieces of stage-rank ``stage_rank`` (and, with Bamboo's
+        redundancy, its replica of the successor's stage) are cut from."""
         return layers
+
+    def convert_stages(self, layers: list[nn.Module], stage_ranks: set[int]) -> list[nn.Module]:
+        """The whole model's (unconverted) ``layers`` with the pieces of ``stage_ranks`` in the form
+        this worker runs them (a Bamboo re-layout: the job stages it runs and keeps a replica of)."""
+        return layers
+
+    def plane_layout(self, layout: list[list[int]]) -> list[list[int]]:
+        """A Bamboo layout (one run per generation member) as the pipeline engine's group sees it."""
+        return layout
 
     def hook_loop(self, loop: StageLoop, pieces: dict[int, nn.Module]) -> StageLoop:
         """The training loop of a stage built from ``pieces``, with this object's hooks."""
@@ -156,14 +166,24 @@ class TensorParallelStage(TensorStage):
         return f"stage{stage}.t{self.rank}"  # one stage group per plane
 
     def convert(self, layers: list[nn.Module], stage_rank: int) -> list[nn.Module]:
+        # The successor's stage too: Bamboo's replica of it is this tensor rank's shard of it, cut
+        # by the same splits as the successor's own (docs/bamboo.md, "With tensor parallelism");
+        # without redundancy no piece keeps those layers.
+        return self.convert_stages(layers, {stage_rank, (stage_rank + 1) % self.pipeline.stages})
+
+    def convert_stages(self, layers: list[nn.Module], stage_ranks: set[int]) -> list[nn.Module]:
         p = self.pipeline.stages
         self.splits = whole_splits(layers, self.tensor)
         self.sharded_names = frozenset(n for n, split in self.splits.items() if not split.replicated)
         self.names = self.unconverted_names(stage_rank, layers)
         for k, (a, b) in enumerate(self.bounds):
-            if k % p == stage_rank:
+            if k % p in stage_ranks:
                 layers = convert_layers(layers, a, b, self.planes.comm, self.pipeline.tensor_chunks)
         return layers
+
+    def plane_layout(self, layout: list[list[int]]) -> list[list[int]]:
+        """This plane's members' runs (every member of a tensor group runs its group's run)."""
+        return layout[self.rank::self.tensor]
 
     def hook_loop(self, loop: StageLoop, pieces: dict[int, nn.Module]) -> StageLoop:
         """The loss scaler's inf check and the clipping norm sum the shards' parts over the tensor
@@ -181,6 +201,9 @@ class TensorParallelStage(TensorStage):
 
     def bind(self, stage: StageEngine) -> None:
         rebind_comm(stage.model, self.planes.comm)
+        replica = stage.replica_of_successor  # Bamboo: its shards run in this stage's tensor group
+        if replica is not None:
+            rebind_comm(replica.model, self.planes.comm)
 
     def agree_control(self, control: int | Callable[[], int]) -> int:
         """Every plane must stop for a command at the same step, but only generation rank 0 reads
@@ -251,7 +274,7 @@ class TensorParallelStage(TensorStage):
         tensor-parallel group), then sent to rank 0, which merges the shards into the
         single-worker layout (``whole_model()``: the unconverted model, for the splits)."""
         planes = self.planes
-        mine = gather_stages(stage, self.pipeline, None, self.bounds, planes.plane, self.device,
+        mine = gather_stages(stage, self.pipeline, layout, self.bounds, planes.plane, self.device,
                              state_of=named_stage_state)
         if planes.plane_rank != 0:
             return None

@@ -240,6 +240,8 @@ class PipelineWorkerEngine:
         job stage is reduced over the workers running it, one per replica, in replica order
         (:meth:`StageEngine.set_job_stages`). Collective."""
         p = self.pipeline.stages
+        group = self.tensor.join(group)  # tensor parallel: each plane re-lays its pipeline (one run per group)
+        layout = self.tensor.plane_layout(layout)
         layouts, new = check_relayout(layout, self.pipeline, group.size, steps, target)
         own_old, rep_old = stages_held(self.stage, self.layout, p, self.group_rank)
         old_replica = self.redundant_totals.add(self.stage)  # the engine this re-layout drops
@@ -253,7 +255,7 @@ class PipelineWorkerEngine:
         if self.stage is not None:
             self.stage.close()  # its loader threads (the re-laid engine has its own)
         self.stage, self.bounds = self.builder.relaid(self.pipeline, self.full_bounds, runs, pos, got, old_replica,
-                                                      by_job_stage=len(layouts) > 1)
+                                                      by_job_stage=len(layouts) > 1, tensor=self.tensor)
         self.model, self.layers = None, None
         self._relaid = group.generation
         if all(len(run) == 1 for run in new):
