@@ -169,13 +169,13 @@ class TensorParallelStage(TensorStage):
         # The successor's stage too: Bamboo's replica of it is this tensor rank's shard of it, cut
         # by the same splits as the successor's own (docs/bamboo.md, "With tensor parallelism");
         # without redundancy no piece keeps those layers.
+        self.names = self.unconverted_names(stage_rank, layers)
         return self.convert_stages(layers, {stage_rank, (stage_rank + 1) % self.pipeline.stages})
 
     def convert_stages(self, layers: list[nn.Module], stage_ranks: set[int]) -> list[nn.Module]:
         p = self.pipeline.stages
         self.splits = whole_splits(layers, self.tensor)
         self.sharded_names = frozenset(n for n, split in self.splits.items() if not split.replicated)
-        self.names = self.unconverted_names(stage_rank, layers)
         for k, (a, b) in enumerate(self.bounds):
             if k % p in stage_ranks:
                 layers = convert_layers(layers, a, b, self.planes.comm, self.pipeline.tensor_chunks)
