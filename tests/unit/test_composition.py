@@ -248,11 +248,7 @@ def _tensor_job() -> vf.Job:
      r"^autoscale='efficiency' \(--autoscale\) with a pipelined job \(2 workers per replica\).*drop --autoscale"),
     (_tensor_job, dict(workers=2, autoscale="efficiency", max_workers=4),
      r"^autoscale='efficiency' \(--autoscale\) with a pipelined job \(2 workers per replica\)"),
-    (_tensor_job, dict(workers=2, slowdowns=[1, 2]),
-     r"^balance \(--balance, worker specs or slowdowns\) weighs pipeline replicas.*Pipeline.tensor=2.*balance=False"),
-    (_tensor_job, dict(workers=2, balance=True), r"^balance \(--balance, worker specs or slowdowns\) weighs"),
-], ids=["pipeline-loaders", "bamboo-loaders", "tensor-loaders", "pipeline-autoscale", "tensor-autoscale",
-        "tensor-slowdowns", "tensor-balance"])
+], ids=["pipeline-loaders", "bamboo-loaders", "tensor-loaders", "pipeline-autoscale", "tensor-autoscale"])
 def test_what_a_pipeline_cannot_combine_is_refused_at_launch_in_one_line(job, options, message):
     with pytest.raises(ValueError, match=message) as info:
         vf.train(job, steps=1, **options)

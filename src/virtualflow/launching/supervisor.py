@@ -183,7 +183,7 @@ class Supervisor:
         if self.job.pipeline is not None:
             stages = self.job.pipeline.replica_workers  # the controller's unit: whole replicas (P x T)
             extra["assign"] = lambda V, n: pipeline_assignment(V, n, stages)
-            extra.update(stages=stages, redundancy=self.job.pipeline.redundancy)
+            extra.update(stages=stages, tensor=self.job.pipeline.tensor, redundancy=self.job.pipeline.redundancy)
         self.controller = MembershipController(
             self.coordinator, self.backend, opts,
             virtual_nodes=self.job.virtual_nodes, global_batch_size=self.job.global_batch_size,
