@@ -28,6 +28,11 @@ scale linearly). For layer ``i``, with ``A_i`` its output activation bytes per m
   all-gather and an all-reduce (``2 (T-1)`` ring steps) of the input gradient; the zero-bubble
   schedule's weight part ``w_i`` is ``weight_grad_s / (k d_i)`` (half the backward when not
   measured), the collectives belong to the input-gradient part;
+- the fixed CPU cost ``o_i`` of running the layer (``GridProblem.overhead_s``, forward and
+  backward, measured by the profiler): added to ``f_i`` and ``b_i`` undivided, times
+  ``max(1, D T / cores)`` when the workers share ``GridProblem.cores`` CPU cores (the ``D T``
+  workers of a stage run the layer at the same moment: the tensor group in lock step, the
+  replicas on the same schedule);
 - memory: parameters ``param_bytes / d_i``, stash ``stash_bytes / (k d_i)`` (the activations of a
   block are sharded along tokens or heads; its norms and row-parallel biases, which stay whole,
   are counted as sharded too).
@@ -50,7 +55,8 @@ pipeline hops ``m * A`` per boundary the worker sends across, data ``2 (D-1)/D *
 
 Not modelled: overlap of communication with compute (collectives, hops and the all-reduce all
 block), contention between links that share a NIC, the optimizer step, data loading, fixed
-per-kernel costs (a micro-batch of ``1/k`` of a VN is taken to cost ``1/k`` of its time), memory
+per-kernel costs beyond ``overhead_s`` (a micro-batch of ``1/k`` of a VN is taken to cost ``1/k``
+of its time), memory
 fragmentation and the activations of the collectives' buffers.
 
 Candidates: every ``(D, P, T)`` with ``D P T = W``, ``D <= V``, ``P <= layers``, ``T`` dividing
