@@ -232,6 +232,27 @@ def test_measured_stage_breakdowns_set_the_shares_and_a_drift_rebalances(tensor)
     assert shares(again.assignment, sizes) == [10, 2] and again.predicted_step_s == pytest.approx(0.11)
 
 
+def test_the_breakdowns_of_a_real_pipeline_measure_every_stage():
+    """The rows the stage engines really report (the in-process driver, 2 replicas x 2 stages), as
+    a worker puts them in its step report: every stage measured, in seconds per micro-batch."""
+    from virtualflow.backends.inprocess import train_local
+
+    job = pm.mlp_job(Pipeline(stages=2), virtual_nodes=8)
+    _, history = train_local(job, 5, replicas=2, deterministic=True)
+    p = policy(8, min_observations=1)
+    members = [7, 8, 9, 10]
+    vns = p.plan_pipeline_map(members, [1] * 4, [2, 2], balance=True).assignment
+    p.new_generation(0)
+    assert p.stage_seconds(members)[1] == "stated"
+    for k, h in enumerate(history):
+        rows = None if h.breakdown is None else [{"worker": w, **row} for w, row in zip(members, h.breakdown)]
+        assert p.observe({"type": "step", "step": k, "step_time_s": 0.1, "compute_s": None, "members": members,
+                          "vns": vns, "vn_sizes": None, "breakdown": rows})
+    seconds, source = p.stage_seconds(members)
+    assert source == "measured" and all(x > 0 for x in seconds)
+    assert p.obs == {w: 3 for w in members}  # steps 1-3 (step 0 is warm-up; step 4's breakdown rides in no report)
+
+
 def test_the_controller_publishes_a_rebalance_measured_from_the_stage_breakdowns():
     """The membership controller (a fake launcher, no process) of a (2, 1, 2) grid with balance:
     equal shares at first (nothing stated), then the measured breakdowns (replica 1 3x slower)
