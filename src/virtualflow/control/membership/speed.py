@@ -237,10 +237,15 @@ class SpeedPolicy:
         plan = self.speed.plan(self.V, members, reduction_s=self.reduction_s)
         return MapPlan(plan.blocks(), plan.predicted_step_s)
 
+    @property
+    def group(self) -> int:
+        """Consecutive members measured as one: a pipelined job's ``tensor`` (a stage's group), else 1."""
+        return self.tensor if self.replica_sizes is not None else 1
+
     def measured_members(self, members: Sequence[int]) -> list[int]:
         """The members whose measurements speak for their stage: every member, or with
         ``tensor=T > 1`` tensor rank 0 of each stage (ranks ``0, T, 2T, ...``: the breakdown's rows)."""
-        return list(members[::self.tensor]) if self.replica_sizes is not None else list(members)
+        return list(members[::self.group])
 
     def stage_seconds(self, members: Sequence[int]) -> tuple[list[float], str]:
         """Each member's seconds per micro-batch and job stage, and where they come from:
@@ -250,7 +255,7 @@ class SpeedPolicy:
         measured = self.time_per_vn
         leaders = self.measured_members(members)
         if members and all(w in measured for w in leaders):
-            return [measured[members[r - r % self.tensor]] for r in range(len(members))], "measured"
+            return [measured[members[r - r % self.group]] for r in range(len(members))], "measured"
         return [max(1.0, float(self.slowdowns.get(w, 1.0))) for w in members], "stated"
 
     def plan_pipeline_map(self, members: Sequence[int], runs: Sequence[int], sizes: Sequence[int], *,
