@@ -41,11 +41,11 @@ nothing sleeps (then the workers contend for the 2 cores: see ``ZERO_SLEEP_NOTE`
 Targets: per layout run, ``|measured / predicted - 1| <= 0.10`` (key ``prediction_error``; pure
 data parallelism, which does not fit the limit, is measured for reference with no target), and
 the chosen grid measured no slower than the best fitting pure layout measured, within 5 % of noise
-(key ``chosen_vs_pure_measured``, ratio <= 1.05). Known miss: pure tensor parallelism over 4
-workers runs 240 ring steps per step (about 45 % of its step time), a ring step of 4 processes on
-2 cores costs 1.4-5 ms with the other load, and the bare gloo ring measured for the link misses
-part of the engine's ring step (its collectives thread and queue), so that prediction is within
-10 % only in some runs (2 of 8 runs; docs/parallel3d.md).
+(key ``chosen_vs_pure_measured``, ratio <= 1.05). Pure tensor parallelism over 4 workers runs 240
+ring steps per step (about 45 % of its step time) and a ring step of 4 processes on 2 cores costs
+1.4-5 ms with the other load, so its prediction moves with the load (docs/parallel3d.md has the
+runs; with the CPU overhead term and the collectives' measured link every layout was within 10 %
+in a ``--quick`` run under 0.6-1.3 cores of other load).
 
 **Predicted part** (nothing runs): GPT-style layers at GPU scale (hidden ``h``, sequence ``s``,
 ``b`` samples per VN), costed by FLOPs at a device rate (a block's forward ``24 b s h^2 + 4 b s^2

@@ -57,3 +57,12 @@ def test_bad_overheads_and_core_counts_are_refused_naming_the_field():
         problem(overhead_s=[(0.0, 0.0), (-1.0, 0.0), (0.0, 0.0), (0.0, 0.0)])
     with pytest.raises(ValueError, match=r"cores=0 must be a finite number > 0"):
         problem(cores=0)
+
+
+def test_the_explanation_states_the_overhead_and_its_contention():
+    plan = choose_grid(problem(overhead_s=OVERHEAD, cores=2))
+    best = plan.best
+    busy = max(1.0, best.data * best.tensor / 2)
+    assert (f"The layers' CPU overhead (19.000 ms per micro-batch, not divided by T) is taken {busy:g}x: "
+            f"{best.data * best.tensor} workers run each layer at once on 2 shared cores.") in plan.explain
+    assert "CPU overhead" not in choose_grid(problem()).explain

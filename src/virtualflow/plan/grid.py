@@ -83,8 +83,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from virtualflow.plan.grid_model import (LayerCosts, all_splits, best_of_layout, bounds_of_counts, equal_counts,
-                                         evaluate, layer_costs, layouts, predict_layout, split_count)
+from virtualflow.plan.grid_model import (LayerCosts, all_splits, best_of_layout, bounds_of_counts, contention,
+                                         equal_counts, evaluate, layer_costs, layouts, predict_layout, split_count)
 from virtualflow.plan.grid_problem import (GRID_SCHEDULES, REDUCTIONS, GridCandidate, GridProblem, rank_key,
                                            schedule_preference)
 from virtualflow.plan.pipeline.partition import Link
@@ -201,17 +201,22 @@ def explain(plan: GridPlan) -> str:
     pairs = sum(problem.tensor_parallel)
     if best.tensor > 1:
         t = best.tensor
-        whole = layer_costs(problem, 1, k)
         split_ = layer_costs(problem, t, k)
-        before = sum(whole.f[i] + whole.b[i] for i in tp_idx)
-        after = sum(problem.layers[i].forward_s + problem.layers[i].backward_s for i in tp_idx) / (k * t)
+        before = sum(problem.layers[i].forward_s + problem.layers[i].backward_s for i in tp_idx) / k
+        after = before / t
         coll = sum(split_.tp_comm_s[i] for i in tp_idx)
         lines.append(f"T={t} divides the compute of the {len(tp_idx)} tensor-parallel blocks by {t} ({_ms(before)} -> "
                      f"{_ms(after)} ms per micro-batch over the model) but adds 4 collectives to each of their {pairs} "
                      f"column/row-parallel pairs "
                      f"(reduce-scatter, all-gather forward; all-gather, all-reduce backward: {5 * (t - 1)} ring "
                      f"steps per pair, {_ms(coll)} ms per micro-batch in all).")
-    elif tp_idx:
+    if problem.overhead_s is not None:
+        fixed = sum(f + b for f, b in problem.overhead_s)
+        busy = contention(problem, best.data, best.tensor)
+        lines.append(f"The layers' CPU overhead ({_ms(fixed)} ms per micro-batch, not divided by T) is taken "
+                     f"{busy:g}x: {best.data * best.tensor} workers run each layer at once"
+                     + ("" if problem.cores is None else f" on {problem.cores:g} shared cores") + ".")
+    if best.tensor == 1 and tp_idx:
         lines.append(f"T=1: splitting the {len(tp_idx)} tensor-parallel blocks would not pay here "
                      f"(collectives or fewer replicas cost more than the compute they divide).")
     if best.stages > 1:
@@ -246,6 +251,6 @@ def explain(plan: GridPlan) -> str:
 
 __all__ = [
     "GRID_SCHEDULES", "GridCandidate", "GridPlan", "GridProblem", "LayerCosts", "REDUCTIONS", "all_splits",
-    "bounds_of_counts", "candidates_table", "choose_grid", "equal_counts", "evaluate", "explain", "layer_costs",
+    "bounds_of_counts", "candidates_table", "choose_grid", "contention", "equal_counts", "evaluate", "explain", "layer_costs",
     "layouts", "predict_layout", "rank_key", "schedule_preference", "split_count",
 ]
