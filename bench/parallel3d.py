@@ -311,6 +311,7 @@ def measured_part(args, t: H.Targets) -> dict:
         got = measure(cand, steps, warm, args.scale, args.precision)
         without = predict_layout(bare, cand).step_time_s
         if "refused" in got:
+            print(f"    refused at launch: {got['refused']}", flush=True)
             t.holds(f"{label} {cand.layout} runs with --precision {args.precision}", False, got["refused"])
             out["rows"].append([label, cand.describe(), f"{cand.step_time_s * 1e3:.1f}", f"{without * 1e3:.1f}",
                                 "refused at launch", "", H.yes_no(cand.fits), "NO", ""])
