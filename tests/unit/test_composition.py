@@ -238,17 +238,6 @@ def _tensor_job() -> vf.Job:
     return g.grid_job(stages=1, tensor=2)
 
 
-@pytest.mark.parametrize("job,options,message", [
-    (_tensor_job, dict(workers=2, slowdowns=[1, 2]),
-     r"^balance \(--balance, worker specs or slowdowns\) weighs pipeline replicas.*Pipeline.tensor=2.*balance=False"),
-    (_tensor_job, dict(workers=2, balance=True), r"^balance \(--balance, worker specs or slowdowns\) weighs"),
-], ids=["tensor-slowdowns", "tensor-balance"])
-def test_what_a_pipeline_cannot_combine_is_refused_at_launch_in_one_line(job, options, message):
-    with pytest.raises(ValueError, match=message) as info:
-        vf.train(job, steps=1, **options)
-    assert "\n" not in str(info.value)
-
-
 def test_emulated_slowdowns_without_balance_still_run_tensor_parallel_launch_checks():
     """``balance=False`` keeps slowdowns as emulation only: the balance refusal does not fire (the
     launch goes on to the next check, here that every block splits ``tensor`` ways)."""

@@ -103,13 +103,6 @@ REFUSALS: tuple[Refusal, ...] = (
              "a pipeline replica runs the same micro-batches; drop it: balance=True still weighs the "
              "replicas' micro-batch shares by speed"),
          example=dict(uneven_vn_sizes=True), site="launching.composition.check_pipeline_balance"),
-    _row("tensor+balance", "tensor parallel", "heterogeneous speeds",
-         when=lambda balanced, tensor, **_: balanced and tensor > 1,
-         says=lambda tensor, **_: (
-             f"balance (--balance, worker specs or slowdowns) weighs pipeline replicas by a time model of "
-             f"one worker per stage, but Pipeline.tensor={tensor} runs each stage on "
-             f"{tensor} workers; use LaunchOptions.balance=False or tensor=1 (--tensor-parallel 1)"),
-         example=dict(balanced=True, tensor=2), site="launching.composition.check_pipeline_balance"),
     _row("balance+no_flush", "heterogeneous speeds", "no-flush schedule",
          when=lambda balanced, flush, **_: balanced and not flush,
          says=lambda schedule, **_: (

@@ -27,9 +27,10 @@ __all__ = ["check_pipeline_balance", "check_shared_parameters", "check_streaming
 
 def check_pipeline_balance(pipeline: Any, opts: LaunchOptions) -> None:
     """What speed-weighted micro-batch shares cannot do for a pipelined job (docs/pipeline.md,
-    "Replicas of unequal speed")."""
-    check("pipeline+uneven_vn_sizes", "tensor+balance", "balance+no_flush", "balance+interleaved_chunks",
-          uneven_vn_sizes=opts.uneven_vn_sizes, balanced=opts.balanced, tensor=pipeline.tensor,
+    "Replicas of unequal speed"). A tensor-parallel grid is weighed like any pipeline: its
+    replicas' time model takes each stage's ``T`` workers as one group (docs/heterogeneity.md)."""
+    check("pipeline+uneven_vn_sizes", "balance+no_flush", "balance+interleaved_chunks",
+          uneven_vn_sizes=opts.uneven_vn_sizes, balanced=opts.balanced,
           flush=pipeline.flush, schedule=pipeline.schedule, chunks=pipeline.chunks, stages=pipeline.stages)
 
 

@@ -69,9 +69,9 @@ class MembershipController:
 
     Its settings come from the job's :class:`~virtualflow.config.options.LaunchOptions` (starting
     workers, ``min_workers``, timeouts, ``replace_failed``, speed-based mapping and worker
-    specs); the keyword arguments are the job's shape (``stages`` for a pipelined job,
-    ``redundancy`` for Bamboo's redundant stages, ``tensor`` for its tensor-parallel width,
-    ``last_step`` the step a resumed run starts at) and the controller's own tuning. Everything is given here: nothing configures it later.
+    specs); the keyword arguments are the job's shape (``stages`` for a pipelined job: workers
+    per replica, ``tensor`` of them per stage; ``redundancy`` for Bamboo's redundant stages, ``last_step`` the step a resumed run starts
+    at) and the controller's own tuning. Everything is given here: nothing configures it later.
 
     It is the membership's one actor: it holds the fields every rule reads and writes (members,
     assigned pointers, the phase and the change in flight), folds in the reports and publishes
@@ -92,8 +92,8 @@ class MembershipController:
         virtual_nodes: int,
         global_batch_size: int | None = None,
         stages: int | None = None,
-        redundancy: bool = False,
         tensor: int = 1,
+        redundancy: bool = False,
         last_step: int = 0,
         max_newcomer_failures: int = 5,
         assign: Callable[[int, int], list[list[int]]] = contiguous_assignment,
@@ -166,7 +166,7 @@ class MembershipController:
         self.predicted_step_s: float | None = None
         self.vn_sizes: list[int] | None = None
         self.speed_policy = _speed_policy(options, virtual_nodes, global_batch_size, assign, rebalance_threshold,
-                                          rebalance_patience, min_observations, speed_window)
+                                          rebalance_patience, min_observations, speed_window, tensor)
 
     # -- the phase ------------------------------------------------------------------------------
     def _enter(self, phase: Phase, why: str) -> None:
@@ -442,13 +442,14 @@ class MembershipController:
 
 def _speed_policy(options: LaunchOptions, virtual_nodes: int, global_batch_size: int | None,
                   assign: Callable[[int, int], list[list[int]]], threshold: float, patience: int,
-                  min_observations: int, window: int) -> SpeedPolicy:
-    """The controller's speed policy (:mod:`.speed`), from the options' worker specs."""
+                  min_observations: int, window: int, tensor: int = 1) -> SpeedPolicy:
+    """The controller's speed policy (:mod:`.speed`), from the options' worker specs; ``tensor``:
+    a pipelined job's workers per stage (its replicas' time model groups them)."""
     return SpeedPolicy(
         virtual_nodes=virtual_nodes, global_batch_size=global_batch_size, uneven=options.uneven_vn_sizes,
         memory_limits={i: s.memory_limit for i, s in enumerate(options.specs)}, assign=assign,
         threshold=threshold, patience=patience, min_observations=min_observations,
-        window=window, slowdowns={i: s.slowdown for i, s in enumerate(options.specs)})
+        window=window, slowdowns={i: s.slowdown for i, s in enumerate(options.specs)}, tensor=tensor)
 
 
 def finished_why(steps: Any, stop_request: str | None) -> str:
