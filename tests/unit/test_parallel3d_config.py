@@ -53,11 +53,6 @@ def test_models_without_blocks_are_refused():
         vf.train(plain, workers=2, steps=1)
 
 
-def test_speed_weighted_replicas_are_refused_with_tensor_parallel_stages():
-    with pytest.raises(ValueError, match=r"Pipeline.tensor=2 runs each stage on 2 workers.*balance=False"):
-        vf.train(g.grid_job(stages=1, tensor=2), workers=4, steps=1, balance=True)
-
-
 def test_the_command_line_knob_alone_makes_one_tensor_parallel_stage():
     from virtualflow.config.pipeline import pipeline_of
 
