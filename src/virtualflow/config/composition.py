@@ -173,14 +173,6 @@ REFUSALS: tuple[Refusal, ...] = (
              f"or 'zb_h1')"),
          example=dict(tied=True, flush=False, schedule="2bw", j=0, first="weight", i=3, name="weight"),
          site="launching.composition.check_shared_parameters"),
-    _row("tied_across_workers+redundancy", "Bamboo", "tied weights",
-         when=lambda tied, redundancy, **_: bool(tied) and bool(redundancy),
-         says=lambda j, first, i, name, **_: (
-             f"parameter {j}.{first} is also layer {i}'s {name}, on another pipeline worker: "
-             f"Pipeline.redundancy=True does not support weights shared across pipeline workers yet; untie it, "
-             f"cut the model so both layers are on one worker (Pipeline.split), or set redundancy=False"),
-         example=dict(tied=True, redundancy=True, j=0, first="weight", i=3, name="weight"),
-         site="launching.composition.check_shared_parameters"),
     _row("deterministic+tied_uses", "deterministic", "tied weights",
          when=lambda deterministic, uses, exact_uses, **_: deterministic and uses > exact_uses,
          says=lambda uses, names, exact_uses, **_: (
@@ -232,10 +224,6 @@ REFUSALS: tuple[Refusal, ...] = (
              f"weights shared across pipeline workers need a flush schedule, not Pipeline.schedule="
              f"{schedule!r}; use '1f1b', 'gpipe', 'interleaved_1f1b' or 'zb_h1'"),
          example=dict(tied=True, flush=False, schedule="2bw"), site="runtime.pipeline.engine.StageEngine"),
-    _row("redundancy+tied", "Bamboo", "tied weights",
-         when=lambda redundancy, tied, **_: bool(redundancy) and bool(tied),
-         says=lambda **_: "Pipeline.redundancy=True does not support weights shared across pipeline workers yet",
-         example=dict(redundancy=True, tied=True), site="runtime.pipeline.engine.StageEngine"),
     _row("no_flush+batchnorm_stage", "no-flush schedule", "BatchNorm",
          when=lambda flush, batchnorm, **_: not flush and batchnorm,
          says=lambda schedule, **_: (

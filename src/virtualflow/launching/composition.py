@@ -48,13 +48,13 @@ def check_shared_parameters(layers: Sequence[nn.Module], bounds: Sequence[tuple[
     (in different pieces, on one worker or two). Refused: a weight read by three or more layers of
     different pieces in deterministic mode (no fixed order of autograd's additions to match), a
     weight shared across workers with a no-flush schedule (one version per copy is not
-    implemented) or with ``Pipeline.redundancy``. Returns the weights shared across workers, each
+    implemented). With ``Pipeline.redundancy`` a replica holds its own copy, refreshed with its
+    source, and a failover re-plans the copies' sum for the new layout. Returns the weights shared across workers, each
     as its locations in model order (:func:`~virtualflow.plan.pipeline.geometry.tied_parameters`)."""
     groups = tied_parameters(layers, bounds, pipeline.stages)
     if groups:
         (j, first), (i, name) = groups[0][0], groups[0][1]
-        check("tied_across_workers+no_flush", "tied_across_workers+redundancy", tied=True, flush=pipeline.flush,
-              schedule=pipeline.schedule, redundancy=getattr(pipeline, "redundancy", False),
+        check("tied_across_workers+no_flush", tied=True, flush=pipeline.flush, schedule=pipeline.schedule,
               j=j, first=first, i=i, name=name)
     if deterministic:
         for locs in shared_across_pieces(layers, bounds):

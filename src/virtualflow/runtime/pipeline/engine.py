@@ -160,10 +160,10 @@ class StageEngine:
         """Bamboo's replica of the successor's stage and its eager forwards."""
         self.replica_of_successor: StageReplica | None = None
         """``Pipeline.redundancy``: the successor's stage, kept up to date after every step."""
-        if successor_pieces is not None:
-            check("redundancy+tied", redundancy=True, tied=bool(self.tied))
+        if successor_pieces is not None:  # (a weight tied with this worker's pieces: the replica's own copy)
             self.replica_of_successor = StageReplica(successor_pieces, build_optimizer, scheduler_factory,
-                                                     (self.stage_rank + 1) % self.p, loop=self.loop)
+                                                     (self.stage_rank + 1) % self.p, loop=self.loop,
+                                                     holder_params=list(self.model.parameters()))
         self.eager = self.pipeline.eager_forwards and self.replica_of_successor is not None
         """``Pipeline.redundant_compute="eager"``: run the successor's forwards on the replica in
         idle slots (:meth:`StageReplica.forward_eagerly`)."""

@@ -102,6 +102,7 @@ class StageBuilder:
         sa, sb = bounds[(pos + 1) % m]
         pieces = {pos: piece_module(layers, a, b)}
         stage = self.engine(relaid, pieces, m, pos, tensor.hook_loop(stage_loop(self.job, base, bounds, m), pieces),
+                            tied=tied_for_worker(layers, bounds, m, pos),  # re-planned for the new layout
                             successor_pieces={(pos + 1) % m: piece_module(layers, sa, sb)} if m >= 2 else None)
         load_merged(stage, [got[s] for s in mine])
         load_merged(stage.replica_of_successor, [got[s] for s in succ])

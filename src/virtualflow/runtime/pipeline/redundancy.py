@@ -19,13 +19,18 @@ Invariants:
 - A spliced forward gives the values of running the layers again (same weights, same inputs,
   same random stream): loss, gradients, BatchNorm statistics and the random stream after it are
   bit-identical.
+- A weight tied across workers (a GPT's embedding and head) that the holder's own pieces read
+  too is a copy of its own in the replica (:func:`untie_from_holder`): the replica's copy takes
+  the successor's update (its reduced gradient, the copies' sum), the holder's copy its own, so
+  each equals its source after every refresh, and eager forwards read the successor's current
+  weight.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Generator
+from typing import Any, Callable, Generator, Sequence
 
 import torch
 from torch import nn
@@ -108,8 +113,9 @@ class Splice(torch.autograd.Function):
 def spliced_forward(module: nn.Module, x: Any, entry: Eager, lo: int, hi: int,
                     device: torch.device) -> tuple[Any, bool]:
     """``module(x)`` with layers ``[lo, hi)`` taken from an eager forward (``entry``); and whether
-    the forward was spliced in (layer ``lo`` is one of ``module``'s)."""
-    targets = dict(module.named_parameters())
+    the forward was spliced in (layer ``lo`` is one of ``module``'s). A tied weight ``module``
+    holds under two names (both its uses on this worker after a failover) is a target under each."""
+    targets = dict(module.named_parameters(remove_duplicate=False))
     h = x
     spliced = False
     for name, layer in module.named_children():
@@ -149,6 +155,24 @@ def hand_over(step: int, stage_rank: int, p: int, successor: int, params: list[t
     return (yield Recv(successor, replica_key(successor, step)))
 
 
+def untie_from_holder(pieces: dict[int, nn.Module], holder_params: Sequence[torch.Tensor]) -> int:
+    """Give the replica's ``pieces`` their own copy of each parameter they share with the holder's
+    pieces (a weight tied across workers: both are cut from one whole model, so the successor's
+    use of the weight is the holder's parameter object, and the holder would step it twice per
+    step: its own update and the replica's). Uses inside the replica keep sharing their one copy.
+    Returns the number of parameters copied."""
+    held = {id(q) for q in holder_params}
+    copies: dict[int, nn.Parameter] = {}
+    for module in pieces.values():
+        for sub in module.modules():
+            for name, q in list(sub._parameters.items()):
+                if q is not None and id(q) in held:
+                    if id(q) not in copies:
+                        copies[id(q)] = nn.Parameter(q.detach().clone(), requires_grad=q.requires_grad)
+                    sub._parameters[name] = copies[id(q)]
+    return len(copies)
+
+
 class StageReplica:
     """A copy of another worker's stage (Bamboo's redundant stage): its pieces, optimizer and
     scheduler, taking the same update as the original from the original's reduced gradients
@@ -156,8 +180,11 @@ class StageReplica:
 
     def __init__(self, pieces: dict[int, nn.Module], build_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
                  scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None, stage_rank: int,
-                 loop: StageLoop | None = None) -> None:
+                 loop: StageLoop | None = None, holder_params: Sequence[torch.Tensor] = ()) -> None:
+        """``holder_params``: the holder's own parameters; a weight tied across workers that the
+        successor's pieces share with them becomes the replica's own copy (:func:`untie_from_holder`)."""
         self.stage_rank = stage_rank
+        untie_from_holder(pieces, holder_params)
         self.loop = loop if loop is not None else StageLoop()
         """The holder's loop settings: the replica's pieces are prepared and autocast as the
         original's (its scaler stays the holder's: a replica takes already unscaled gradients)."""

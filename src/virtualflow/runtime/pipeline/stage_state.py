@@ -53,6 +53,7 @@ def load_merged(holder: Any, states: list[dict[str, Any]]) -> None:
     parameters are theirs in order (optimizer states concatenated, one parameter group)."""
     if holder is None:
         return
+    states = without_tied_repeats(holder, states)
     state: dict[int, Any] = {}
     group: dict[str, Any] = {}
     offset = 0
@@ -69,6 +70,28 @@ def load_merged(holder: Any, states: list[dict[str, Any]]) -> None:
     if holder.scheduler is not None and sched is not None:
         holder.scheduler.load_state_dict(sched)
     load_scaler(holder, next((st.get("grad_scaler") for st in states if st.get("grad_scaler")), None))
+
+
+def without_tied_repeats(holder: Any, states: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Bamboo with a weight tied across workers: where ``holder`` now runs both its uses (one
+    parameter under two names), the second job stage's state holds that weight's optimizer state
+    again (equal: both copies took the same updates); drop the repeat so the states' parameters
+    are the holder's, in order. ``states`` as they are where nothing is tied in ``holder``."""
+    model = holder.model
+    alias = {name: id(q) for name, q in model.named_parameters(remove_duplicate=False)}
+    if len(alias) == len(dict(model.named_parameters())):
+        return states
+    seen: set[int] = set()
+    out = []
+    for st in states:
+        names, opt = st["param_names"], st["optimizer"]
+        keep = [j for j, name in enumerate(names) if alias[name] not in seen]
+        seen.update(alias[name] for name in names)
+        group = opt["param_groups"][0] if opt["param_groups"] else {}
+        out.append({**st, "param_names": [names[j] for j in keep], "optimizer": {
+            "state": {new: opt["state"][j] for new, j in enumerate(keep) if j in opt["state"]},
+            "param_groups": [{**group, "params": list(range(len(keep)))}] if keep else []}})
+    return out
 
 
 def scaler_state(holder: Any) -> dict[str, Any] | None:
