@@ -22,11 +22,13 @@ from torch import nn
 
 import pipeline_models as pm
 from conftest import assert_state_equal
+from test_bamboo_replicas import LayoutDriver
 from virtualflow.backends.inprocess import LocalDriver, build_engine, train_local
 from virtualflow.config.pipeline import Pipeline
 from virtualflow.plan.data import DataPlan
-from virtualflow.plan.pipeline.failover import failover
+from virtualflow.plan.pipeline.failover import failover_replicas
 from virtualflow.plan.pipeline.geometry import layers_of, resolve_bounds
+from virtualflow.plan.vnmap import contiguous_assignment
 from virtualflow.runtime.pipeline.layout import StageBuilder, held_states
 from virtualflow.runtime.pipeline.tensor_stage import TensorStage
 
@@ -54,14 +56,15 @@ def near_job():
                       optimizer="adam")
 
 
-def _engines(job, deterministic: bool):
+def _engines(job, deterministic: bool, replicas: int = 1):
     torch.manual_seed(job.seed)
     bounds = resolve_bounds(job.pipeline, len(layers_of(job.model())))
     dataset = job.build_dataset()
-    engines = [build_engine(job, job.pipeline, bounds, r, dataset=dataset, deterministic=deterministic,
-                            device=CPU, eager_every_wait=True) for r in range(job.pipeline.stages)]
+    p = job.pipeline.stages
+    engines = [build_engine(job, job.pipeline, bounds, r % p, dataset=dataset, deterministic=deterministic,
+                            device=CPU, eager_every_wait=True) for r in range(p * replicas)]
     driver = LocalDriver(engines)
-    driver.set_layout([list(range(job.virtual_nodes))])
+    driver.set_layout(contiguous_assignment(job.virtual_nodes, replicas))
     return engines, driver, bounds, dataset
 
 
@@ -95,11 +98,12 @@ def test_a_replica_holds_its_own_copy_of_the_tied_weight_equal_to_its_source(p, 
             torch.testing.assert_close(state[k], ref[k])
 
 
-def _fail_over(job, lost: int, at: int):
-    """Train ``job`` (deterministic, eager forwards at every wait), lose worker ``lost`` at its
-    first backward of step ``at``, re-lay the survivors as a failover does and train on to
-    ``STEPS``; returns the final whole model, the re-laid engines and the layout."""
-    engines, driver, bounds, dataset = _engines(job, True)
+def _fail_over(job, lost: int, at: int, replicas: int = 1, deterministic: bool = True):
+    """Train ``job`` (eager forwards at every wait), lose worker ``lost`` at its first backward of
+    step ``at``, re-lay the survivors as a failover does (each replica re-laid by its own
+    survivors) and train on to ``STEPS``; returns the final whole model, the re-laid engines
+    with their replica and position, and the hit replica's layout."""
+    engines, driver, bounds, dataset = _engines(job, deterministic, replicas)
     p = job.pipeline.stages
     for t in range(at):
         driver.run(t, 1)
@@ -111,29 +115,36 @@ def _fail_over(job, lost: int, at: int):
     engines[lost].fault_point = die
     with pytest.raises(Lost):
         driver.run(at, 1)
-    decision = failover([[r] for r in range(p)], [lost])
-    runs = [list(run) for run in decision.layout]
-    survivors = [engines[r] for r in decision.survivors]
-    got: dict[int, dict] = {}
-    for r in decision.survivors:  # the stages each survivor runs win over replicas of them
-        e = engines[r]
-        e.discard_step()
-        for s, st in held_states(e, (r,), ((r + 1) % p,), bounds).items():
-            if s not in got or s == r:
-                got[s] = st
-    builder = StageBuilder(job, dataset, DataPlan.of_job(job, len(dataset)), True, CPU, True, False)
-    m = len(runs)
-    # (each worker gets its own copy of the states, as over the wire: the optimizer's load keeps tensors)
-    relaid = [builder.relaid(job.pipeline, bounds, runs, pos, copy.deepcopy(got), survivors[pos].replica_of_successor,
-                             by_job_stage=False, tensor=TensorStage(job.pipeline, bounds, CPU))[0]
-              for pos in range(m)]
-    driver = LocalDriver(relaid)
-    driver.set_layout([list(range(job.virtual_nodes))])
+    decision = failover_replicas([tuple((s,) for s in range(p))] * replicas, [lost])
+    builder = StageBuilder(job, dataset, DataPlan.of_job(job, len(dataset)), deterministic, CPU, True, False)
+    workers, flat = [], iter(decision.survivors)
+    for j, runs in enumerate(decision.layouts):
+        survivors = [next(flat) for _ in runs]
+        got: dict[int, dict] = {}
+        for r in survivors:  # the stages each survivor runs win over replicas of them
+            e = engines[r]
+            e.discard_step()
+            for s, st in held_states(e, (r % p,), ((r + 1) % p,), bounds).items():
+                if s not in got or s == r % p:
+                    got[s] = st
+        for pos, r in enumerate(survivors):
+            # (each worker gets its own copy of the states, as over the wire: the optimizer's load keeps tensors)
+            e, _ = builder.relaid(job.pipeline, bounds, [list(run) for run in runs], pos, copy.deepcopy(got),
+                                  engines[r].replica_of_successor, by_job_stage=replicas > 1,
+                                  tensor=TensorStage(job.pipeline, bounds, CPU))
+            workers.append((e, j, pos, tuple(runs[pos])))
+    assignment = contiguous_assignment(job.virtual_nodes, replicas)
+    for e, j, *_ in workers:
+        e.set_layout(j, assignment)
+    run = LayoutDriver(workers, job.virtual_nodes).run if replicas > 1 else LocalDriver([w[0] for w in workers]).run
     for t in range(at, STEPS):
-        driver.run(t, 1)
-    if m >= 2:
-        _assert_replicas_fresh(relaid)
-    return _whole(relaid), relaid, runs
+        run(t) if replicas > 1 else run(t, 1)
+    for j in range(replicas):
+        mine = [e for e, rep, *_ in workers if rep == j]
+        if len(mine) >= 2:
+            _assert_replicas_fresh(mine)
+    hit = next(runs for runs in decision.layouts if len(runs) < p)
+    return _whole(e for e, rep, *_ in workers if rep == 0), workers, [list(run) for run in hit]
 
 
 CASES = [  # (job, lost worker, the layout after the failover, the tied weight's two names)
@@ -159,4 +170,21 @@ def test_a_tied_gpt_fails_over_mid_step_to_the_undisturbed_and_unpipelined_model
     torch.manual_seed(job.seed)
     assert not torch.equal(state[tied[0]], job.model().state_dict()[tied[0]])  # it trained
     if name == "near":  # the redone step took the lost stage (the second use) from eager forwards
-        assert relaid[0].reused_forwards > 0
+        assert relaid[0][0].reused_forwards > 0
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("name,lost", [("gpt3", 5), ("gpt3", 4), ("gpt3", 1), ("near", 4), ("near", 1)])
+def test_a_failed_over_replica_beside_a_full_one_with_a_tied_weight(name, lost, deterministic):
+    """Two replicas, one fails over: each job stage (the tied weight's uses with it) is reduced
+    over the workers that run it; the model is the undisturbed two-replica job's."""
+    job = JOBS[name]()
+    job = job.replace(virtual_nodes=8, global_batch_size=2 * job.global_batch_size)
+    state, workers, _ = _fail_over(job, lost, at=2, replicas=2, deterministic=deterministic)
+    undisturbed, _ = train_local(job, STEPS, replicas=2, deterministic=deterministic)
+    for e, rep, pos, _ in workers:
+        for k, v in e.model.state_dict().items():
+            if deterministic:
+                assert_state_equal({k: v}, {k: undisturbed[k]})
+            else:
+                torch.testing.assert_close(v, undisturbed[k])

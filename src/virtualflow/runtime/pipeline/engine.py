@@ -210,7 +210,7 @@ class StageEngine:
         reductions over the replicas then go job stage by job stage, each over the workers that
         run that stage (:attr:`StageSum.stage`), so every element is summed over the same replicas
         in the same order as in an undisturbed run. ``None``: one reduction (one stage group)."""
-        self.reducer.set_job_stages(self.model, self.pieces, stages)
+        self.reducer.set_job_stages(self.model, self.pieces, stages, self.tree_params)
 
     @property
     def job_stages(self) -> list[tuple[int, torch.Tensor, torch.Tensor]] | None:

@@ -45,10 +45,13 @@ class StageReducer:
         (:meth:`set_job_stages`); each job stage is reduced over its own workers."""
 
     def set_job_stages(self, model: nn.Module, pieces: dict[int, nn.Module],
-                       stages: Sequence[tuple[int, int, int]] | None) -> None:
+                       stages: Sequence[tuple[int, int, int]] | None,
+                       params: Sequence[torch.Tensor] | None = None) -> None:
         """This worker runs the job stages ``(stage, first layer, end layer)`` (consecutive, in
         order); ``model`` holds its layers under their whole-model names. ``None``: one reduction
-        (one stage group)."""
+        (one stage group). ``params``: the parameters whose gradients the vector holds, in
+        ``model`` order (deterministic mode leaves out the copies of a tied weight this worker
+        does not own); default: every trainable one."""
         if stages is None:
             self.job_stages = None
             return
@@ -59,10 +62,12 @@ class StageReducer:
                     return s
             raise ValueError(f"layer {layer} of this worker is in none of its job stages {list(stages)}")
 
+        held = {id(q) for q in (params if params is not None else model.parameters()) if q.requires_grad}
         grad_owner = []
         for name, q in model.named_parameters():
-            if q.requires_grad:
+            if id(q) in held:
                 grad_owner += [stage_of(int(name.split(".")[0]))] * q.numel()
+        self.grad_numel = len(grad_owner)
         bn_owner = []
         for module in pieces.values():  # the flat layout of PieceBatchNorm, layer by layer
             for name, layer in module.named_children():
