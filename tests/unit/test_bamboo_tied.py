@@ -4,7 +4,7 @@
   holder's parameter object, which the holder updates itself), equal to its source after every
   step; the trained model is the unpipelined single-worker model bit for bit (deterministic mode).
 - A worker is lost mid-step (its first backward); the survivors re-lay the pipeline as a Bamboo
-  failover does (:class:`~virtualflow.runtime.pipeline.layout.StageBuilder.relaid` from the
+  failover does (deterministic and default mode; one replica, and one of two replicas) (:class:`~virtualflow.runtime.pipeline.layout.StageBuilder.relaid` from the
   states they hold, the stage taken over from the replica), redo the step and train on: the
   model is the undisturbed run's and the unpipelined run's, bit for bit - whether the two uses of
   the tied weight end up on two workers (the exchange re-planned between the new holders), in one
@@ -157,15 +157,27 @@ CASES = [  # (job, lost worker, the layout after the failover, the tied weight's
 JOBS = {"gpt3": lambda: gpt_job(3), "gpt2": lambda: gpt_job(2), "near": near_job}
 
 
+def _assert_model(got: dict, want: dict, deterministic: bool) -> None:
+    """Bit for bit in deterministic mode; default mode sums in another order (float tolerance)."""
+    if deterministic:
+        assert_state_equal(got, want)
+    else:
+        assert got.keys() == want.keys()
+        for k in got:
+            torch.testing.assert_close(got[k], want[k], msg=k)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("name,lost,layout,tied", CASES, ids=[f"{c[0]}-lost{c[1]}" for c in CASES])
-def test_a_tied_gpt_fails_over_mid_step_to_the_undisturbed_and_unpipelined_model(name, lost, layout, tied):
+def test_a_tied_gpt_fails_over_mid_step_to_the_undisturbed_and_unpipelined_model(name, lost, layout, tied,
+                                                                                 deterministic):
     job = JOBS[name]()
-    state, relaid, runs = _fail_over(job, lost, at=2)
+    state, relaid, runs = _fail_over(job, lost, at=2, deterministic=deterministic)
     assert runs == layout
-    undisturbed, _ = train_local(job, STEPS, deterministic=True)
-    ref, _ = pm.unpipelined(job, STEPS, True)
-    assert_state_equal(state, undisturbed)
-    assert_state_equal(state, ref)
+    undisturbed, _ = train_local(job, STEPS, deterministic=deterministic)
+    ref, _ = pm.unpipelined(job, STEPS, deterministic)
+    _assert_model(state, undisturbed, deterministic)
+    _assert_model(state, ref, deterministic)
     assert torch.equal(state[tied[0]], state[tied[1]])
     torch.manual_seed(job.seed)
     assert not torch.equal(state[tied[0]], job.model().state_dict()[tied[0]])  # it trained
@@ -174,10 +186,13 @@ def test_a_tied_gpt_fails_over_mid_step_to_the_undisturbed_and_unpipelined_model
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
-@pytest.mark.parametrize("name,lost", [("gpt3", 5), ("gpt3", 4), ("gpt3", 1), ("near", 4), ("near", 1)])
+@pytest.mark.parametrize("name,lost", [("gpt3", 5), ("gpt3", 4), ("gpt3", 1), ("near", 4), ("near", 1),
+                                       ("gpt2", 3), ("gpt2", 0)])
 def test_a_failed_over_replica_beside_a_full_one_with_a_tied_weight(name, lost, deterministic):
     """Two replicas, one fails over: each job stage (the tied weight's uses with it) is reduced
-    over the workers that run it; the model is the undisturbed two-replica job's."""
+    over the workers that run it - where the failed-over replica runs both uses on one worker, in
+    default mode each use keeps a twin copy so that its gradient goes with its own job stage -
+    and the model is the undisturbed two-replica job's (deterministic mode: bit for bit)."""
     job = JOBS[name]()
     job = job.replace(virtual_nodes=8, global_batch_size=2 * job.global_batch_size)
     state, workers, _ = _fail_over(job, lost, at=2, replicas=2, deterministic=deterministic)

@@ -39,8 +39,9 @@ from virtualflow.runtime.pipeline.flush import FlushStep
 from virtualflow.runtime.pipeline.loop import StageLoop
 from virtualflow.runtime.pipeline.microbatch import MicroBatchPrep
 from virtualflow.runtime.pipeline.pieces import stage_model
-from virtualflow.runtime.pipeline.reduction import StageReducer, sum_tied
-from virtualflow.runtime.pipeline.redundancy import Eager, Reuse, StageReplica, hand_over, spliced_forward
+from virtualflow.runtime.pipeline.reduction import StageReducer
+from virtualflow.runtime.pipeline.redundancy import (Eager, Reuse, StageReplica, hand_over, spliced_forward,
+                                                     sum_tied_twins)
 from virtualflow.runtime.pipeline.requests import Request, StepResult
 from virtualflow.runtime.pipeline.schedule import schedule_for
 from virtualflow.runtime.pipeline.stage_shard import StageShard, stage_update
@@ -61,7 +62,7 @@ class StageEngine:
         output_loss: Callable[[Any, Any], torch.Tensor], seed: int, batchnorm: str, deterministic: bool,
         device: torch.device, tied: Sequence[TiedCopy] = (), successor_pieces: dict[int, nn.Module] | None = None,
         eager_every_wait: bool = False, loop: StageLoop | None = None, reduction: str = "allreduce",
-        breakdown: bool = True, loader_workers: int = 0,
+        breakdown: bool = True, loader_workers: int = 0, tied_twins: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     ) -> None:
         """``build_optimizer``: ``Job.build_optimizer``, given this worker's stage module
         (:func:`~virtualflow.runtime.pipeline.pieces.stage_model`). ``loop``: the training loop's
@@ -82,6 +83,9 @@ class StageEngine:
         (``geometry.tied_for_worker``). Their gradients are summed over the copies before every
         update (default mode: :func:`~.reduction.sum_tied`; deterministic mode: :attr:`ties`)."""
         check_tied(self.tied, pipeline)
+        self.tied_twins = list(tied_twins)
+        """Bamboo, default mode, after a failover: (copy, twin) per second use of a tied weight on
+        this worker (:func:`~.redundancy.relaid_ties`), added before the copies' sum."""
         self.p = pipeline.stages
         self.stage_rank = stage_rank
         self.n_pieces = n_pieces
@@ -318,7 +322,7 @@ class StageEngine:
         self.phase = "reduction"
         bn_new, loss_total = yield from work.reduce()
         if self.tied and not self.deterministic:  # (deterministic mode: summed in work.reduce())
-            yield from sum_tied(self.tied, self.replica, self.device)
+            yield from sum_tied_twins(self.tied, self.tied_twins, self.replica, self.device)
         work.check_grads()  # unscale (16-mixed), and this worker's part of the norm and verdict
         if self.replica_of_successor is not None:
             # Bamboo: hand the predecessor what it needs to take this stage's step on its replica

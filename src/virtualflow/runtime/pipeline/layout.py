@@ -27,7 +27,7 @@ from virtualflow.plan.pipeline.geometry import (bounds_from_counts, layers_of, p
                                                 tied_for_worker)
 from virtualflow.runtime.pipeline.engine import StageEngine
 from virtualflow.runtime.pipeline.loop import StageLoop, stage_loop
-from virtualflow.runtime.pipeline.redundancy import StageReplica
+from virtualflow.runtime.pipeline.redundancy import StageReplica, relaid_ties
 from virtualflow.runtime.pipeline.stage_state import load_merged, stage_states, successor
 from virtualflow.runtime.pipeline.tensor_stage import TensorStage
 from virtualflow.runtime.streaming import loader_of
@@ -100,9 +100,10 @@ class StageBuilder:
         bounds = bounds_from_counts(counts)
         a, b = bounds[pos]
         sa, sb = bounds[(pos + 1) % m]
+        tied, twins = relaid_ties(layers, full_bounds, pipeline.stages, runs, pos, self.deterministic)
         pieces = {pos: piece_module(layers, a, b)}
         stage = self.engine(relaid, pieces, m, pos, tensor.hook_loop(stage_loop(self.job, base, bounds, m), pieces),
-                            tied=tied_for_worker(layers, bounds, m, pos),  # re-planned for the new layout
+                            tied=tied, tied_twins=twins,  # the tied weights re-planned for the new layout
                             successor_pieces={(pos + 1) % m: piece_module(layers, sa, sb)} if m >= 2 else None)
         load_merged(stage, [got[s] for s in mine])
         load_merged(stage.replica_of_successor, [got[s] for s in succ])

@@ -35,12 +35,13 @@ from typing import Any, Callable, Generator, Sequence
 import torch
 from torch import nn
 
-from virtualflow.plan.pipeline.geometry import tensors_of
+from virtualflow.plan.pipeline.geometry import TiedCopy, tensors_of, tied_for_worker, tied_parameters
 from virtualflow.runtime.clipping import clip_
 from virtualflow.runtime.pipeline.batchnorm import PieceBatchNorm, load_statistics
 from virtualflow.runtime.pipeline.loop import StageLoop
 from virtualflow.runtime.pipeline.microbatch import MicroBatch, MicroBatchPrep, starts_in_place
 from virtualflow.runtime.pipeline.pieces import apply_update, flat_grads, load_grads, stage_model
+from virtualflow.runtime.pipeline.reduction import sum_tied
 from virtualflow.runtime.pipeline.requests import Expect, Recv, Request, Send
 from virtualflow.runtime.pipeline.wire import replica_key, replica_update
 
@@ -171,6 +172,62 @@ def untie_from_holder(pieces: dict[int, nn.Module], holder_params: Sequence[torc
                         copies[id(q)] = nn.Parameter(q.detach().clone(), requires_grad=q.requires_grad)
                     sub._parameters[name] = copies[id(q)]
     return len(copies)
+
+
+def relaid_ties(layers: list[nn.Module], full_bounds: list[tuple[int, int]], p: int, runs: list[list[int]],
+                pos: int, deterministic: bool) -> tuple[list[TiedCopy], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A Bamboo re-layout's weights tied across pieces, re-planned for the new layout: member
+    ``pos`` of a replica whose members run the job stages ``runs``; ``layers``: its whole model,
+    loaded. Returns (its tied copies, its twins).
+
+    Deterministic mode: the weights tied across the new layout's workers
+    (:func:`~virtualflow.plan.pipeline.geometry.tied_for_worker`; :mod:`.tied` sums them per
+    virtual node); where this worker now runs both uses they share one parameter, and autograd
+    adds their gradients per virtual node, as in the unpipelined job. No twins.
+
+    Default mode: every weight tied across the job's stages, so that the list (the vector of
+    :func:`~.reduction.sum_tied`) is the same on every worker of every replica, failed over or
+    not. Where this worker (or its replica of the successor) runs two uses, the later one gets a
+    copy of its own, a *twin*: each use's gradient is then reduced with its own job stage over the
+    replicas, exactly as the full-depth replicas reduce theirs, and the twins' gradients are added
+    before the copies' sum (:func:`sum_tied_twins`)."""
+    m = len(runs)
+    bounds = [(full_bounds[run[0]][0], full_bounds[run[-1]][1]) for run in runs]
+    if deterministic:
+        return tied_for_worker(layers, bounds, m, pos), []
+    job_tied = tied_parameters(layers, full_bounds, p)
+    twins = []
+    for k in sorted({pos, (pos + 1) % m}):  # this worker's run, its replica's
+        a, b = bounds[k]
+        for locs in job_tied:
+            here = [(i, name) for i, name in locs if a <= i < b]
+            first = layers[here[0][0]].get_parameter(here[0][1]) if here else None
+            for i, name in here[1:]:
+                twin = nn.Parameter(first.detach().clone(), requires_grad=first.requires_grad)
+                owner, _, leaf = name.rpartition(".")
+                setattr(layers[i].get_submodule(owner) if owner else layers[i], leaf, twin)
+                twins += [(first, twin)] if k == pos else []
+    a, b = bounds[pos]
+    out = []
+    for locs in job_tied:
+        first = layers[locs[0][0]].get_parameter(locs[0][1])
+        mine = next((layers[i].get_parameter(name) for i, name in locs if a <= i < b), None)
+        workers = tuple(next(k for k, (x, y) in enumerate(bounds) if x <= i < y) for i, _ in locs)
+        out.append(TiedCopy(mine, first.numel(), first.dtype, workers))
+    return out, twins
+
+
+def sum_tied_twins(tied: list[TiedCopy], twins: list[tuple[torch.Tensor, torch.Tensor]], replica: int,
+                   device: torch.device) -> Generator[Request, Any, None]:
+    """Default mode: :func:`~.reduction.sum_tied`, with each twin's gradient (a second use of a
+    tied weight on this worker, :func:`relaid_ties`) added to its first copy's before the sum and
+    the total given to both after it."""
+    for first, twin in twins:
+        if twin.grad is not None:
+            first.grad = twin.grad if first.grad is None else first.grad + twin.grad
+    yield from sum_tied(tied, replica, device)
+    for first, twin in twins:
+        twin.grad = first.grad.clone()
 
 
 class StageReplica:
