@@ -4,12 +4,15 @@
   holder's parameter object, which the holder updates itself), equal to its source after every
   step; the trained model is the unpipelined single-worker model bit for bit (deterministic mode).
 - A worker is lost mid-step (its first backward); the survivors re-lay the pipeline as a Bamboo
-  failover does (deterministic and default mode; one replica, and one of two replicas) (:class:`~virtualflow.runtime.pipeline.layout.StageBuilder.relaid` from the
-  states they hold, the stage taken over from the replica), redo the step and train on: the
-  model is the undisturbed run's and the unpipelined run's, bit for bit - whether the two uses of
-  the tied weight end up on two workers (the exchange re-planned between the new holders), in one
-  piece of one worker (2 stages -> 1 worker; and 3 stages with the tie between stages 0 and 1,
-  where the redone step also splices in the eager forwards of the replica's copy).
+  failover does (``StageBuilder.relaid`` from the states they hold, the stage taken over from
+  the replica), redo the step and train on: the model is the undisturbed run's and the
+  unpipelined run's (deterministic mode: bit for bit; default mode: within float tolerance) -
+  whether the two uses of the tied weight end up on two workers (the exchange re-planned between
+  the new holders) or on one worker (2 stages -> 1 worker; and 3 stages with the tie between
+  stages 0 and 1, where the redone step also splices in the eager forwards of the replica's copy).
+- Two replicas, one failed over beside one at full depth: each job stage is reduced over the
+  workers that run it, the tied weight's uses with their job stages; the model is the undisturbed
+  two-replica job's.
 """
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ from virtualflow.runtime.pipeline.loop import StageLoop
 from virtualflow.runtime.pipeline.microbatch import MicroBatchPrep
 from virtualflow.runtime.pipeline.pieces import stage_model
 from virtualflow.runtime.pipeline.reduction import StageReducer
-from virtualflow.runtime.pipeline.redundancy import (Eager, Reuse, StageReplica, hand_over, spliced_forward,
-                                                     sum_tied_twins)
+from virtualflow.runtime.pipeline.redundancy import (Eager, Reuse, StageReplica, TiedSum, hand_over,
+                                                     spliced_forward)
 from virtualflow.runtime.pipeline.requests import Request, StepResult
 from virtualflow.runtime.pipeline.schedule import schedule_for
 from virtualflow.runtime.pipeline.stage_shard import StageShard, stage_update
@@ -83,9 +83,6 @@ class StageEngine:
         (``geometry.tied_for_worker``). Their gradients are summed over the copies before every
         update (default mode: :func:`~.reduction.sum_tied`; deterministic mode: :attr:`ties`)."""
         check_tied(self.tied, pipeline)
-        self.tied_twins = list(tied_twins)
-        """Bamboo, default mode, after a failover: (copy, twin) per second use of a tied weight on
-        this worker (:func:`~.redundancy.relaid_ties`), added before the copies' sum."""
         self.p = pipeline.stages
         self.stage_rank = stage_rank
         self.n_pieces = n_pieces
@@ -97,7 +94,11 @@ class StageEngine:
         self.ties: ExactTies | None = None
         """Deterministic mode, a weight read by two pieces (here, or here and on another worker):
         its per-VN gradients summed before the tree, as autograd sums them in the unpipelined job."""
+        self.tied_sum = TiedSum(self.tied, tied_twins)
+        """Default mode: the copies' gradients summed after the reduction (Bamboo after a
+        failover: with the twins of :func:`~.redundancy.relaid_ties`); nothing without ties."""
         if deterministic and ExactTies.needed(self.params, self.piece_params, self.tied):
+            self.tied_sum = TiedSum((), ())  # (summed per VN in the reduction instead)
             self.ties = ExactTies(params=self.params, piece_params=self.piece_params, tied=self.tied,
                                   stage_rank=stage_rank, p=pipeline.stages, low=autocast_dtype(self.loop.precision))
         self.update = stage_update(reduction, self.params, self.optimizer, pipeline=pipeline,
@@ -321,8 +322,7 @@ class StageEngine:
         self.reuse = None
         self.phase = "reduction"
         bn_new, loss_total = yield from work.reduce()
-        if self.tied and not self.deterministic:  # (deterministic mode: summed in work.reduce())
-            yield from sum_tied_twins(self.tied, self.tied_twins, self.replica, self.device)
+        yield from self.tied_sum.run(self.replica, self.device)  # (deterministic mode: in work.reduce())
         work.check_grads()  # unscale (16-mixed), and this worker's part of the norm and verdict
         if self.replica_of_successor is not None:
             # Bamboo: hand the predecessor what it needs to take this stage's step on its replica

@@ -190,7 +190,7 @@ def relaid_ties(layers: list[nn.Module], full_bounds: list[tuple[int, int]], p: 
     not. Where this worker (or its replica of the successor) runs two uses, the later one gets a
     copy of its own, a *twin*: each use's gradient is then reduced with its own job stage over the
     replicas, exactly as the full-depth replicas reduce theirs, and the twins' gradients are added
-    before the copies' sum (:func:`sum_tied_twins`)."""
+    before the copies' sum (:class:`TiedSum`)."""
     m = len(runs)
     bounds = [(full_bounds[run[0]][0], full_bounds[run[-1]][1]) for run in runs]
     if deterministic:
@@ -217,17 +217,25 @@ def relaid_ties(layers: list[nn.Module], full_bounds: list[tuple[int, int]], p: 
     return out, twins
 
 
-def sum_tied_twins(tied: list[TiedCopy], twins: list[tuple[torch.Tensor, torch.Tensor]], replica: int,
-                   device: torch.device) -> Generator[Request, Any, None]:
-    """Default mode: :func:`~.reduction.sum_tied`, with each twin's gradient (a second use of a
-    tied weight on this worker, :func:`relaid_ties`) added to its first copy's before the sum and
-    the total given to both after it."""
-    for first, twin in twins:
-        if twin.grad is not None:
-            first.grad = twin.grad if first.grad is None else first.grad + twin.grad
-    yield from sum_tied(tied, replica, device)
-    for first, twin in twins:
-        twin.grad = first.grad.clone()
+class TiedSum:
+    """Default mode: the copies of the weights tied across workers summed after the reduction
+    (:func:`~.reduction.sum_tied`), each twin's gradient (a second use of a tied weight on this
+    worker after a Bamboo failover, :func:`relaid_ties`) added to its first copy's before the sum
+    and the total given to both after it. Without tied weights: nothing (no collective)."""
+
+    def __init__(self, tied: Sequence[TiedCopy], twins: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.tied = list(tied)
+        self.twins = list(twins)
+
+    def run(self, replica: int, device: torch.device) -> Generator[Request, Any, None]:
+        if not self.tied:
+            return
+        for first, twin in self.twins:
+            if twin.grad is not None:
+                first.grad = twin.grad if first.grad is None else first.grad + twin.grad
+        yield from sum_tied(self.tied, replica, device)
+        for first, twin in self.twins:
+            twin.grad = first.grad.clone()
 
 
 class StageReplica:
