@@ -133,7 +133,7 @@ CELLS: dict[tuple[str, str], Cell] = {
     ('failure recovery', 'overlapped input'): works('engine side: `tests/unit/test_composition.py::test_a_peer_lost_mid_step_with_loaders_breakdown_bf16_and_clipping_is_one_workers_model`'),
     ('failure recovery', 'mixed precision'): works('`tests/e2e/test_training_loop_e2e.py::test_sigkill_and_resize_mid_run_stay_bit_identical`'),
     ('failure recovery', 'clipping'): works('`tests/e2e/test_training_loop_e2e.py::test_sigkill_and_resize_mid_run_stay_bit_identical`'),
-    ('Bamboo', 'tied weights'): works('`tests/unit/test_bamboo_tied.py::test_a_tied_gpt_fails_over_mid_step_to_the_undisturbed_and_unpipelined_model`'),
+    ('Bamboo', 'tied weights'): works('`tests/unit/test_bamboo_tied.py::test_a_tied_gpt_fails_over_mid_step_to_the_undisturbed_and_unpipelined_model` (in processes, a SIGKILL: `tests/e2e/test_bamboo.py::test_a_tied_gpt_fails_over_a_sigkill_to_the_unpipelined_model`)'),
     ('Bamboo', 'breakdown'): works('`tests/unit/test_composition.py::test_the_breakdown_of_a_redundant_pipeline_adds_up`'),
     ('Bamboo', 'overlapped input'): works('`tests/unit/test_pipeline_loaders.py::test_bamboo_eager_forwards_and_tied_weights_with_loaders`, `tests/unit/test_pipeline_loaders.py::test_a_failed_over_replica_reads_its_lost_stages_micro_batches_with_loaders`'),
     ('Bamboo', 'mixed precision'): works('`tests/unit/test_pipeline_loop.py::test_bamboo_replicas_take_the_same_skips_and_clipping` (16-mixed with skipped steps)'),

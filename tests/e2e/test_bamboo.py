@@ -628,3 +628,37 @@ def test_a_tensor_parallel_stage_fails_over_to_its_predecessors_tensor_group(run
     plain, _, _ = reference_train(g.single_job(), steps)  # plain PyTorch, one process, no pipeline
     for k, v in plain.state_dict().items():
         torch.testing.assert_close(result.state_dict[k], v, rtol=0, atol=1e-12)
+
+
+def tied_redundant_job() -> vf.Job:
+    """The tied GPT of tests/pipeline_models.py (token embedding = head weight) on 3 stages with
+    redundancy: the embedding on worker 0, the head on worker 2."""
+    import pipeline_models as pm
+
+    return pm.transformer_job(Pipeline(stages=3, redundancy=True), virtual_nodes=4, model=pm.tied_gpt)
+
+
+@pytest.mark.slow
+def test_a_tied_gpt_fails_over_a_sigkill_to_the_unpipelined_model(run_dir, monkeypatch):
+    """A weight tied across workers with redundancy, in processes: the head's worker SIGKILLs
+    itself mid-backward of step 2; the middle worker takes the head's stage over from its replica
+    (its own copy of the tied weight), the tied sum runs between the new holders (workers 0 and
+    1), and the model is the unpipelined deterministic run's, bit for bit (the in-process proofs
+    of every layout: tests/unit/test_bamboo_tied.py)."""
+    import json
+    import os
+
+    import pipeline_models as pm
+    from conftest import assert_state_equal
+
+    monkeypatch.setenv("VIRTUALFLOW_EAGER_EVERY_WAIT", "1")
+    plan = vf.FaultPlan([vf.Fault(worker=2, step=2, phase="mid_backward")])
+    result = vf.train(tied_redundant_job, workers=3, steps=5, deterministic=True, fault_plan=plan, run_dir=run_dir)
+    assert [f["worker"] for f in result.failures] == [2]
+    assert [h["step"] for h in result.history] == list(range(5))
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        failover = [e for e in map(json.loads, f) if e["event"] == "failover"]
+    assert len(failover) == 1 and failover[0]["layout"] == [[0], [1, 2]]
+    ref_state, ref_losses = pm.unpipelined(tied_redundant_job(), 5, True)
+    assert_state_equal(result.state_dict, ref_state)
+    assert [h["loss"] for h in result.history] == ref_losses
