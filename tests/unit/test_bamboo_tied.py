@@ -101,7 +101,7 @@ def test_a_replica_holds_its_own_copy_of_the_tied_weight_equal_to_its_source(p, 
             torch.testing.assert_close(state[k], ref[k])
 
 
-def _fail_over(job, lost: int, at: int, replicas: int = 1, deterministic: bool = True):
+def _fail_over(job, lost: int, at: int, replicas: int = 1, deterministic: bool = True, back_at: int | None = None):
     """Train ``job`` (eager forwards at every wait), lose worker ``lost`` at its first backward of
     step ``at``, re-lay the survivors as a failover does (each replica re-laid by its own
     survivors) and train on to ``STEPS``; returns the final whole model, the re-laid engines
@@ -140,14 +140,35 @@ def _fail_over(job, lost: int, at: int, replicas: int = 1, deterministic: bool =
     for e, j, *_ in workers:
         e.set_layout(j, assignment)
     run = LayoutDriver(workers, job.virtual_nodes).run if replicas > 1 else LocalDriver([w[0] for w in workers]).run
-    for t in range(at, STEPS):
+    for t in range(at, STEPS if back_at is None else back_at):
         run(t) if replicas > 1 else run(t, 1)
+    if back_at is not None:  # a newcomer: the pipeline reconfigures to full depth (one replica)
+        workers = _back_to_full_depth(job, [w[0] for w in workers], [w[3] for w in workers], bounds, builder)
+        run = LocalDriver([w[0] for w in workers]).run
+        for e, j, *_ in workers:
+            e.set_layout(j, assignment)
+        for t in range(back_at, STEPS):
+            run(t, 1)
     for j in range(replicas):
         mine = [e for e, rep, *_ in workers if rep == j]
         if len(mine) >= 2:
             _assert_replicas_fresh(mine)
     hit = next(runs for runs in decision.layouts if len(runs) < p)
     return _whole(e for e, rep, *_ in workers if rep == 0), workers, [list(run) for run in hit]
+
+
+def _back_to_full_depth(job, engines, runs, bounds, builder):
+    """The states the failed-over workers hold (their stages, their replicas'), each job stage
+    re-laid on a worker of its own (a reconfiguration with a newcomer)."""
+    m, p = len(engines), job.pipeline.stages
+    got: dict[int, dict] = {}
+    for pos, e in enumerate(engines):
+        for s, st in held_states(e, tuple(runs[pos]), tuple(runs[(pos + 1) % m]) if m >= 2 else (), bounds).items():
+            if s not in got or s in runs[pos]:
+                got[s] = st
+    full = [[s] for s in range(p)]
+    return [(builder.relaid(job.pipeline, bounds, full, pos, copy.deepcopy(got), None, by_job_stage=False,
+                            tensor=TensorStage(job.pipeline, bounds, CPU))[0], 0, pos, (pos,)) for pos in range(p)]
 
 
 CASES = [  # (job, lost worker, the layout after the failover, the tied weight's two names)
@@ -206,3 +227,15 @@ def test_a_failed_over_replica_beside_a_full_one_with_a_tied_weight(name, lost, 
                 assert_state_equal({k: v}, {k: undisturbed[k]})
             else:
                 torch.testing.assert_close(v, undisturbed[k])
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("name,lost", [("gpt2", 1), ("near", 1), ("gpt3", 2)])
+def test_a_failed_over_pipeline_with_a_tied_weight_reconfigures_to_full_depth(name, lost, deterministic):
+    """After the failover (step 1) a newcomer arrives (step 3): each job stage goes back to a
+    worker of its own, with the tied weight's copy and its optimizer state from whoever ran or held
+    the stage - also where one worker ran both uses - and the model is the unpipelined run's."""
+    job = JOBS[name]()
+    state, _, _ = _fail_over(job, lost, at=1, deterministic=deterministic, back_at=3)
+    ref, _ = pm.unpipelined(job, STEPS, deterministic)
+    _assert_model(state, ref, deterministic)

@@ -119,23 +119,35 @@ def stage_states(holder: Any, stages: tuple[int, ...], full_bounds: list[tuple[i
     if len(opt["param_groups"]) > 1:
         raise RuntimeError("a Bamboo failover moves optimizer state stage by stage and supports optimizers "
                            "with one parameter group; this job's has several")
-    params = [name for name, _ in holder.model.named_parameters()]  # the optimizer's order
+    order = {id(q): i for i, (_, q) in enumerate(holder.model.named_parameters())}  # the optimizer's order
+    # every name of a parameter (a tied weight whose two uses this holder runs has two, one per job stage)
+    params = [(name, order[id(q)]) for name, q in holder.model.named_parameters(remove_duplicate=False)]
     sched = holder.scheduler.state_dict() if holder.scheduler is not None else None
     out = {}
+    taken: set[int] = set()  # a tied weight in two job stages: the second gets a copy of its state (loaded
+    # into two optimizers on one worker, its stage's and its replica's, one tensor would take two updates)
     for s in stages:
         a, b = full_bounds[s]
         mine = lambda name: a <= int(name.split(".")[0]) < b  # noqa: E731 - layer index of a name
-        idx = [i for i, name in enumerate(params) if mine(name)]
+        idx = [i for name, i in params if mine(name)]
         group = {k: v for k, v in opt["param_groups"][0].items() if k != "params"} if opt["param_groups"] else {}
+        state = {j: _state_copy(opt["state"][i]) if i in taken else opt["state"][i]
+                 for j, i in enumerate(idx) if i in opt["state"]}
+        taken.update(idx)
         out[s] = {
             "model": {k: v.detach().clone() for k, v in model_state.items() if mine(k)},
-            "optimizer": {"state": {j: opt["state"][i] for j, i in enumerate(idx) if i in opt["state"]},
+            "optimizer": {"state": state,
                           "param_groups": [{**group, "params": list(range(len(idx)))}] if idx else []},
             "lr_scheduler": sched,
             "grad_scaler": scaler_state(holder),
-            "param_names": [params[i] for i in idx],  # (a tensor-parallel stage's shards merge by name)
+            "param_names": [name for name, _ in params if mine(name)],  # (tensor-parallel shards merge by name)
         }
     return out
+
+
+def _state_copy(entry: dict[str, Any]) -> dict[str, Any]:
+    """A copy of an optimizer state entry (its tensors cloned)."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
 
 
 def stage_state(s: StageEngine) -> dict[str, Any]:
