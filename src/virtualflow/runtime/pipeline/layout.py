@@ -100,9 +100,12 @@ class StageBuilder:
         bounds = bounds_from_counts(counts)
         a, b = bounds[pos]
         sa, sb = bounds[(pos + 1) % m]
-        tied, twins = relaid_ties(layers, full_bounds, pipeline.stages, runs, pos, self.deterministic)
         pieces = {pos: piece_module(layers, a, b)}
-        stage = self.engine(relaid, pieces, m, pos, tensor.hook_loop(stage_loop(self.job, base, bounds, m), pieces),
+        # (the norm leaves out the copies of weights tied across the job's stages: twins included;
+        # read before relaid_ties gives the twins their own parameters)
+        loop = tensor.hook_loop(stage_loop(self.job, base, full_bounds, pipeline.stages), pieces)
+        tied, twins = relaid_ties(layers, full_bounds, pipeline.stages, runs, pos, self.deterministic)
+        stage = self.engine(relaid, pieces, m, pos, loop,
                             tied=tied, tied_twins=twins,  # the tied weights re-planned for the new layout
                             successor_pieces={(pos + 1) % m: piece_module(layers, sa, sb)} if m >= 2 else None)
         load_merged(stage, [got[s] for s in mine])
