@@ -255,3 +255,17 @@ def test_clipping_counts_the_tied_weight_once_after_a_failover(name, lost, repli
     undisturbed, _ = train_local(job, STEPS, replicas=replicas, deterministic=deterministic)
     for e, *_ in workers:
         _assert_model(e.model.state_dict(), {k: undisturbed[k] for k in e.model.state_dict()}, deterministic)
+
+
+@pytest.mark.parametrize("name,lost", [("gpt3", 2), ("gpt2", 1), ("near", 1)])
+def test_under_bf16_autocast_a_failover_with_a_tied_weight_is_the_unpipelined_model(name, lost):
+    """``precision="bf16-mixed"``, deterministic: where both uses read autocast's one cast of the
+    weight (two ``nn.Linear``) the unpipelined job adds their gradients in bfloat16 inside one
+    graph; the redone step then runs the lost stage's forwards again rather than splicing in eager
+    forwards of its own graph, and the model is the unpipelined run's bit for bit."""
+    job = JOBS[name]().replace(precision="bf16-mixed")
+    state, relaid, _ = _fail_over(job, lost, at=2)
+    ref, _ = pm.unpipelined(job, STEPS, True)
+    assert_state_equal(state, ref)
+    if name == "near":
+        assert sum(e.reused_forwards for e, *_ in relaid) == 0

@@ -41,7 +41,7 @@ from virtualflow.runtime.pipeline.microbatch import MicroBatchPrep
 from virtualflow.runtime.pipeline.pieces import stage_model
 from virtualflow.runtime.pipeline.reduction import StageReducer
 from virtualflow.runtime.pipeline.redundancy import (Eager, Reuse, StageReplica, TiedSum, hand_over,
-                                                     spliced_forward)
+                                                     reuse_of, spliced_forward)
 from virtualflow.runtime.pipeline.requests import Request, StepResult
 from virtualflow.runtime.pipeline.schedule import schedule_for
 from virtualflow.runtime.pipeline.stage_shard import StageShard, stage_update
@@ -225,8 +225,10 @@ class StageEngine:
 
     def take_over(self, lo: int, hi: int, eager: dict[tuple[int, int], Eager]) -> None:
         """After a failover: the redone step takes layers ``[lo, hi)`` (a stage this worker now
-        runs) from ``eager`` (the eager forwards of the replica it held) instead of running them."""
-        self.reuse = Reuse(lo, hi, dict(eager))
+        runs) from ``eager`` (the eager forwards of the replica it held) instead of running them
+        - unless that would change a tied weight's sum (:func:`~.redundancy.reuse_of`)."""
+        tied = {id(t.param) for t in self.tied if t.param is not None}
+        self.reuse = reuse_of(self.model, lo, hi, eager, tied, autocast_dtype(self.loop.precision))
 
     def close(self) -> None:
         """Stop this engine's loader threads (if any); it takes no step after this."""

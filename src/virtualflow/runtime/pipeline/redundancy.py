@@ -141,6 +141,23 @@ def spliced_forward(module: nn.Module, x: Any, entry: Eager, lo: int, hi: int,
     return h, spliced
 
 
+def reuse_of(module: nn.Module, lo: int, hi: int, eager: dict[tuple[int, int], Eager], tied: set[int],
+             low: torch.dtype | None) -> Reuse | None:
+    """The redone step's reuse of ``eager`` (forwards of layers ``[lo, hi)`` of ``module``), or
+    ``None`` where splicing them in would change a tied weight's gradient sum. Under autocast
+    (``low``: its dtype) the unpipelined job adds the two uses' gradients of a weight inside one
+    graph, through autocast's one cast of it, in the low precision; a spliced forward ran on its own graph, so its use's gradient would
+    be added in float32 (and the stage's first forward, which tells :mod:`.tied` whether its use
+    reads the cast, would not show it). So no splice where ``[lo, hi)`` reads a weight that the rest
+    of ``module`` reads too or that is tied across workers (``tied``: ids of this worker's copies);
+    the redone step runs those forwards again. Without autocast the sum is one float32 addition,
+    exact in either order: always reused."""
+    inside, outside = set(), set(tied)
+    for name, layer in module.named_children():
+        (inside if lo <= int(name) < hi else outside).update(id(q) for q in layer.parameters())
+    return Reuse(lo, hi, dict(eager)) if low is None or not inside & outside else None
+
+
 def hand_over(step: int, stage_rank: int, p: int, successor: int, params: list[torch.Tensor],
               bn_new: torch.Tensor | None, buffers: list[torch.Tensor],
               device: torch.device) -> Generator[Request, Any, list[torch.Tensor]]:
