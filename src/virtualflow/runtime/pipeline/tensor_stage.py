@@ -170,8 +170,7 @@ class TensorParallelStage(TensorStage):
         # shard of it, cut by the same splits as the successor's own (docs/bamboo.md, "With tensor
         # parallelism"); without it no piece keeps those layers, so they are not converted.
         self.names = self.unconverted_names(stage_rank, layers)
-        successor = {(stage_rank + 1) % self.pipeline.stages} if self.pipeline.redundancy else set()
-        return self.convert_stages(layers, {stage_rank} | successor)
+        return self.convert_stages(layers, self.pipeline.held_stages(stage_rank))
 
     def convert_stages(self, layers: list[nn.Module], stage_ranks: set[int]) -> list[nn.Module]:
         p = self.pipeline.stages
