@@ -1,0 +1,319 @@
+"""Every worker of a job as a thread of this process: the real worker engines over real gloo groups.
+
+Purpose: try any layout in one process - a D x P x T grid with tensor-parallel stages, an
+unpipelined job over several workers - and live through generations there: a resize (another
+member list between two generations, what the membership controller publishes), uneven VN maps
+(what ``balance`` publishes), and a member lost in the middle of a step (the survivors abandon
+the step and regroup without its replica, as after a crash). :func:`train_threads` runs each
+worker's engine (:class:`~virtualflow.runtime.pipeline.worker_engine.PipelineWorkerEngine` for
+a pipelined job, :class:`~virtualflow.runtime.vn_worker.VNWorkerEngine` otherwise) in a thread
+through the same protocol calls the worker process makes (:mod:`virtualflow.runtime.worker`):
+form the generation's group on a fresh store prefix, agree on the progress, adopt (state moved to
+members behind), step; on a :class:`~virtualflow.comm.groups.PeerFailure` abort the group,
+abandon the step and go on to the next generation, where the step is redone.
+
+Unlike :class:`~virtualflow.runtime.pipeline.local.LocalDriver` (one thread, no groups), the
+workers here talk over real gloo groups on an in-process ``TCPStore``, so tensor-parallel stages,
+whose collectives run inside their forward and backward, work as in worker processes.
+
+Invariants: every engine is built before any thread starts, one after another (each seeds the
+process's random generator with the job's seed: the threads share it); a job whose forward draws
+random numbers (dropout) must therefore not be trained here when the draws matter. A generation's
+members keep their order (a resize keeps the survivors' stage-ranks); a lost member takes its
+whole pipeline replica out of the next generation, which the caller lists. Every thread closes
+every group it built before it ends, and an exception in one thread closes its groups, so the
+others fail at once instead of at the groups' timeout; the first error that is not such a
+consequence is raised.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import threading
+import types
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from virtualflow.comm.groups import Group, PeerFailure, make_group, make_subgroup
+from virtualflow.comm.protocol import GenerationRecord
+from virtualflow.config.worker_options import WorkerOptions
+from virtualflow.plan.vnmap import contiguous_assignment, pipeline_assignment
+from virtualflow.runtime.engine import StepOutcome
+from virtualflow.runtime.engines import Joining
+from virtualflow.runtime.streaming import data_plan_of
+from virtualflow.runtime.transfer import Progress, agree_progress
+
+__all__ = ["Generation", "ThreadedRun", "WorkerLost", "train_threads"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Generation:
+    """One membership generation of a threaded run."""
+
+    members: tuple[int, ...]
+    """Worker ids by rank (a pipelined job: whole replicas of ``P T`` workers). A worker not in
+    the first generation joins later as a newcomer and receives the state."""
+    steps: int
+    """Steps trained in this generation."""
+    assignment: Sequence[Sequence[int]] | None = None
+    """The VN map, one list per member (a pipelined job: every member of a replica holds its
+    replica's block); None: the equal contiguous map."""
+    lost: int | None = None
+    """A member lost in the middle of the step after ``steps``: it dies at its first fault point of
+    that step, the others abandon the step; the next generation (without its replica) redoes it."""
+
+    def __post_init__(self) -> None:
+        if self.lost is not None and self.lost not in self.members:
+            raise ValueError(f"Generation.lost={self.lost} is not one of the members {list(self.members)}")
+
+
+@dataclass(slots=True)
+class ThreadedRun:
+    """What :func:`train_threads` returns."""
+
+    state: dict[str, Any]
+    """The whole training state at the end (``model``, ``optimizer``, ...), as a worker's final
+    state file has it (the engine's ``whole_state`` on the last generation's rank 0)."""
+    outcomes: list[StepOutcome]
+    """Rank 0's outcome of every step, in step order (a redone step: its redo)."""
+    engines: list[Any] = field(default_factory=list)
+    """The workers' engines, by worker id."""
+
+
+class WorkerLost(RuntimeError):
+    """Raised inside the lost member's step (:attr:`Generation.lost`): its thread leaves."""
+
+
+def build_engines(job: Any, workers: int, options: WorkerOptions, store_port: int, device: torch.device,
+                  timeout_s: float, *, total_steps: int) -> list[Any]:
+    """One engine per worker, built one after another (each seeds the shared random generator),
+    as :func:`virtualflow.runtime.factory.build_engine` picks it: the pipelined engine when the job
+    has a ``Pipeline``, else the VN engine. A pipelined engine's subgroups are built on its own
+    client of the in-process store."""
+    dataset = job.build_dataset()
+    plan = data_plan_of(dataset, job)
+    engines = []
+    for _ in range(workers):
+        if job.pipeline is not None:
+            from virtualflow.runtime.pipeline.worker_engine import PipelineWorkerEngine
+
+            client = _client(store_port, timeout_s)
+
+            def subgroup(generation: int, name: str, rank: int, size: int, *, duplex: bool = False,
+                         client: dist.Store = client) -> Group:
+                return make_subgroup(client, generation, name, rank, size, timeout_s, device, duplex=duplex)
+
+            engine = PipelineWorkerEngine(job, dataset, options, device=device, subgroup=subgroup)
+            engine.generation_hops_duplex = job.pipeline.tensor == 1  # as the factory sets it
+            engine.total_steps = total_steps  # (where a no-flush schedule's last window ends)
+        else:
+            from virtualflow.runtime.vn_worker import VNWorkerEngine
+
+            # (VNWorkerEngine.build reads only the configuration's worker options)
+            engine = VNWorkerEngine.build(job, dataset, plan, types.SimpleNamespace(options=options), device)
+            engine.generation_hops_duplex = False
+        engine.slowdown = 1.0
+        engines.append(engine)
+    return engines
+
+
+def _client(port: int, timeout_s: float) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def default_assignment(job: Any, members: int) -> list[list[int]]:
+    """The equal contiguous map of ``members`` workers (a pipelined job: per replica, every member
+    of a replica holding its block)."""
+    if job.pipeline is not None:
+        return pipeline_assignment(job.virtual_nodes, members, job.pipeline.replica_workers)
+    return contiguous_assignment(job.virtual_nodes, members)
+
+
+class _Run:
+    """The shared side of a threaded run: the generations, the results, the errors."""
+
+    def __init__(self, job: Any, generations: Sequence[Generation], engines: list[Any], port: int,
+                 device: torch.device, timeout_s: float) -> None:
+        self.job, self.generations, self.engines = job, list(generations), engines
+        self.port, self.device, self.timeout_s = port, device, timeout_s
+        self.formed = [threading.Event() for _ in self.generations]
+        self.outcomes: dict[int, StepOutcome] = {}
+        self.state: dict[str, Any] | None = None
+        self.errors: list[tuple[int, BaseException]] = []
+        self.lock = threading.Lock()
+
+    def record(self, step: int, outcome: StepOutcome) -> None:
+        with self.lock:
+            self.outcomes[step] = outcome
+
+    def worker(self, wid: int) -> None:
+        """Worker ``wid``'s life through the generations (the thread's body)."""
+        first = next(g for g, gen in enumerate(self.generations) if wid in gen.members)
+        progress = Progress(step=0 if first == 0 else -1, control=0)
+        if first:
+            self.engines[wid].prepare_to_join()
+        client = _client(self.port, self.timeout_s)
+        groups: list[Group] = []
+        try:
+            for g, gen in enumerate(self.generations):
+                if wid not in gen.members:
+                    if g > first:  # it left: its old groups stay until the next generation has formed
+                        self.formed[g].wait(self.timeout_s)
+                        return
+                    continue
+                progress, alive = self._generation(wid, g, gen, client, progress, groups)
+                if not alive:
+                    self._vanish(wid, groups)
+                    return
+            self._finish(self.engines[wid], groups[-1])
+        except BaseException as exc:  # noqa: BLE001 - collected, the first one raised by train_threads
+            with self.lock:
+                self.errors.append((wid, exc))
+        finally:
+            if self.engines[wid] is not None:
+                _release(self.engines[wid], groups)
+
+    def _vanish(self, wid: int, groups: list[Group]) -> None:
+        """The lost worker goes as a killed process does: with everything it held. Its groups'
+        connections close only when the last reference to them goes (work objects of operations
+        it posted hold some; see :mod:`virtualflow.comm.groups`), so its engine is dropped and
+        collected: the survivors' waits on it fail at once instead of at the timeout."""
+        _release(self.engines[wid], groups)
+        self.engines[wid] = None
+        groups.clear()
+        gc.collect()
+
+    def _generation(self, wid: int, g: int, gen: Generation, client: dist.Store, progress: Progress,
+                    groups: list[Group]) -> tuple[Progress, bool]:
+        """Worker ``wid``: form generation ``g``, adopt it and train its steps; returns the
+        progress and whether the worker is still alive. As the worker's ``_form`` and ``_train``
+        (without the reports)."""
+        engine = self.engines[wid]
+        rank = gen.members.index(wid)
+        n = len(gen.members)
+        if g and progress.step >= 0:
+            engine.check_state_held("(a threaded run has no run directory)")  # after a failure
+        group = make_group(client, g, rank, n, self.timeout_s, self.device, duplex=engine.generation_hops_duplex)
+        groups.append(group)
+        everyone = agree_progress(group, progress, self.device)
+        target = max(p.step for p in everyone)
+        src = next(r for r, p in enumerate(everyone) if p.step == target)
+        assignment = [list(a) for a in (gen.assignment or default_assignment(self.job, n))]
+        record = GenerationRecord(generation=g, members=list(gen.members), assignment=assignment, start_step=target)
+        engine.adopt(Joining(group=group, record=record, progress=progress, steps=[p.step for p in everyone],
+                             target=target, src=src))
+        if rank == 0:
+            self.formed[g].set()
+        step = target
+        for _ in range(gen.steps):
+            outcome = engine.step(step)
+            if rank == 0:
+                self.record(step, outcome)
+            step += 1
+        progress = Progress(step=step, control=0)
+        if gen.lost is not None:
+            return self._lose(wid, gen, group, step, progress)
+        if g + 1 < len(self.generations):
+            engine.before_regroup()  # a planned regroup: what a leaving member holds is gathered now
+        return progress, True
+
+    def _lose(self, wid: int, gen: Generation, group: Group, step: int,
+              progress: Progress) -> tuple[Progress, bool]:
+        """Step ``step`` with member ``gen.lost`` dying inside it: the lost member leaves, the
+        survivors abandon the step (as the worker does on a :class:`PeerFailure`)."""
+        engine, lost = self.engines[wid], wid == gen.lost
+
+        def die(at: int, phase: str) -> None:
+            if at == step:
+                raise WorkerLost(f"worker {gen.lost} lost at step {step} ({phase})")
+
+        if lost:
+            engine.install_fault_point(die)
+        try:
+            for _ in range(2):  # a step the lost member finished (it died after it) is applied by all
+                outcome = engine.step(step)
+                if group.rank == 0:
+                    self.record(step, outcome)
+                step += 1
+                progress = Progress(step=step, control=0)
+            raise RuntimeError(f"worker {gen.lost} was to be lost at step {step - 2}, but the step went on")
+        except (PeerFailure, WorkerLost):
+            group.abort()
+            engine.abandon_step()
+            group.close()
+            return progress, not lost
+
+    def _finish(self, engine: Any, group: Group) -> None:
+        """The end (as the worker's ``_finish``): the whole state on rank 0, then a last all-reduce
+        so that nobody leaves before it is taken."""
+        engine.close()
+        state = engine.whole_state(group)
+        if group.rank == 0:
+            self.state = _copied(state)  # the engine's own tensors may change when its groups are released
+        group.all_reduce(torch.zeros(1, device=self.device))
+
+
+def _copied(obj: Any) -> Any:
+    """``obj`` with every tensor cloned."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _copied(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_copied(v) for v in obj)
+    return obj
+
+
+def _release(engine: Any, groups: list[Group]) -> None:
+    """Close every group of this worker: the engine's subgroups (what it drops on a broken
+    generation: :meth:`abandon_step`, which also ends any step state) and the generations'."""
+    try:
+        engine.abandon_step()
+    except Exception:  # noqa: BLE001 - releasing only
+        pass
+    for group in groups:
+        group.close()
+
+
+def train_threads(job: Any, generations: Sequence[Generation], *, options: WorkerOptions | None = None,
+                  device: torch.device = torch.device("cpu"), timeout_s: float = 60.0) -> ThreadedRun:
+    """Train ``job`` with every worker as a thread of this process, generation after generation
+    (see the module's docstring). ``options``: the worker knobs (reduction, deterministic mode,
+    loader threads, breakdown; default :class:`WorkerOptions`'s). ``timeout_s``: the groups' and the
+    threads' bound. Returns the whole final state, rank 0's step outcomes and the engines."""
+    if not generations:
+        raise ValueError("train_threads needs at least one Generation")
+    if generations[-1].lost is not None:
+        raise ValueError(f"the last Generation loses worker {generations[-1].lost}: a generation that loses a "
+                         f"member must be followed by the one its survivors form")
+    options = options if options is not None else WorkerOptions()
+    workers = max(w for gen in generations for w in gen.members) + 1
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    engines = build_engines(job, workers, options, store.port, device, timeout_s,
+                            total_steps=sum(gen.steps for gen in generations))
+    run = _Run(job, generations, engines, store.port, device, timeout_s)
+    threads = [threading.Thread(target=run.worker, args=(w,), daemon=True, name=f"vf-worker-{w}")
+               for w in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s * (len(generations) + 1))
+    first = _first_error(run.errors)
+    if first is not None:
+        raise first
+    if any(t.is_alive() for t in threads) or run.state is None:
+        raise RuntimeError(f"a worker thread did not finish within {timeout_s:g} s per generation")
+    return ThreadedRun(run.state, [run.outcomes[s] for s in sorted(run.outcomes)], engines)
+
+
+def _first_error(errors: list[tuple[int, BaseException]]) -> BaseException | None:
+    """The error that started it: one that is not a peer's failure seen by the others."""
+    for _, exc in errors:
+        if not isinstance(exc, PeerFailure):
+            return exc
+    return errors[0][1] if errors else None
