@@ -28,24 +28,26 @@ consequence is raised.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import gc
 import threading
-import types
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from virtualflow.comm.groups import Group, PeerFailure, make_group, make_subgroup
+from virtualflow.comm.groups import Group, PeerFailure, make_group
 from virtualflow.comm.protocol import GenerationRecord
+from virtualflow.config.job import JobSource
 from virtualflow.config.worker_options import WorkerOptions
-from virtualflow.plan.vnmap import contiguous_assignment, pipeline_assignment
+from virtualflow.plan.vnmap import pipeline_assignment
 from virtualflow.runtime.engine import StepOutcome
 from virtualflow.runtime.engines import Joining
-from virtualflow.runtime.streaming import data_plan_of
+from virtualflow.runtime.factory import build_engine
 from virtualflow.runtime.transfer import Progress, agree_progress
+from virtualflow.runtime.worker_config import WorkerConfig
 
 __all__ = ["Generation", "ThreadedRun", "WorkerLost", "train_threads"]
 
@@ -88,37 +90,19 @@ class WorkerLost(RuntimeError):
     """Raised inside the lost member's step (:attr:`Generation.lost`): its thread leaves."""
 
 
-def build_engines(job: Any, workers: int, options: WorkerOptions, store_port: int, device: torch.device,
-                  timeout_s: float, *, total_steps: int) -> list[Any]:
-    """One engine per worker, built one after another (each seeds the shared random generator),
-    as :func:`virtualflow.runtime.factory.build_engine` picks it: the pipelined engine when the job
-    has a ``Pipeline``, else the VN engine. A pipelined engine's subgroups are built on its own
-    client of the in-process store."""
+def build_engines(job: Any, workers: int, options: WorkerOptions, store_port: int, device: torch.device, *,
+                  total_steps: int, eager_every_wait: bool = False) -> list[Any]:
+    """One engine per worker, built one after another (each seeds the shared random generator) by
+    the worker's own :func:`virtualflow.runtime.factory.build_engine` (the one place that picks the
+    engine from the job), each on its own client of the in-process store (a pipelined engine builds
+    its subgroups there)."""
     dataset = job.build_dataset()
-    plan = data_plan_of(dataset, job)
-    engines = []
-    for _ in range(workers):
-        if job.pipeline is not None:
-            from virtualflow.runtime.pipeline.worker_engine import PipelineWorkerEngine
-
-            client = _client(store_port, timeout_s)
-
-            def subgroup(generation: int, name: str, rank: int, size: int, *, duplex: bool = False,
-                         client: dist.Store = client) -> Group:
-                return make_subgroup(client, generation, name, rank, size, timeout_s, device, duplex=duplex)
-
-            engine = PipelineWorkerEngine(job, dataset, options, device=device, subgroup=subgroup)
-            engine.generation_hops_duplex = job.pipeline.tensor == 1  # as the factory sets it
-            engine.total_steps = total_steps  # (where a no-flush schedule's last window ends)
-        else:
-            from virtualflow.runtime.vn_worker import VNWorkerEngine
-
-            # (VNWorkerEngine.build reads only the configuration's worker options)
-            engine = VNWorkerEngine.build(job, dataset, plan, types.SimpleNamespace(options=options), device)
-            engine.generation_hops_duplex = False
-        engine.slowdown = 1.0
-        engines.append(engine)
-    return engines
+    cfg = WorkerConfig(options=options, store_host="127.0.0.1", store_port=store_port,
+                       job_source=JobSource("pickle"),  # (never read: the job is handed over built)
+                       total_steps=total_steps, state_dir="", overrides={}, threads=torch.get_num_threads(),
+                       resume_path=None, initial_workers=workers, slowdowns={})
+    return [build_engine(cfg, w, job, dataset, _client(store_port, options.collective_timeout_s), device,
+                         eager_every_wait=eager_every_wait) for w in range(workers)]
 
 
 def _client(port: int, timeout_s: float) -> dist.TCPStore:
@@ -126,11 +110,9 @@ def _client(port: int, timeout_s: float) -> dist.TCPStore:
 
 
 def default_assignment(job: Any, members: int) -> list[list[int]]:
-    """The equal contiguous map of ``members`` workers (a pipelined job: per replica, every member
-    of a replica holding its block)."""
-    if job.pipeline is not None:
-        return pipeline_assignment(job.virtual_nodes, members, job.pipeline.replica_workers)
-    return contiguous_assignment(job.virtual_nodes, members)
+    """The equal contiguous map of ``members`` workers, per replica (every member of a pipeline
+    replica holds its block; a job without a pipeline has replicas of one worker)."""
+    return pipeline_assignment(job.virtual_nodes, members, getattr(job.pipeline, "replica_workers", 1))
 
 
 class _Run:
@@ -280,22 +262,24 @@ def _release(engine: Any, groups: list[Group]) -> None:
 
 
 def train_threads(job: Any, generations: Sequence[Generation], *, options: WorkerOptions | None = None,
-                  device: torch.device = torch.device("cpu"), timeout_s: float = 60.0) -> ThreadedRun:
+                  device: torch.device = torch.device("cpu"), timeout_s: float = 60.0,
+                  eager_every_wait: bool = False) -> ThreadedRun:
     """Train ``job`` with every worker as a thread of this process, generation after generation
     (see the module's docstring). ``options``: the worker knobs (reduction, deterministic mode,
     loader threads, breakdown; default :class:`WorkerOptions`'s). ``timeout_s``: the groups' and the
-    threads' bound. Returns the whole final state, rank 0's step outcomes and the engines."""
+    threads' bound. ``eager_every_wait``: a pipeline diagnostic (:attr:`StageEngine.eager_every_wait`).
+    Returns the whole final state, rank 0's step outcomes and the engines (a lost worker's: None)."""
     if not generations:
         raise ValueError("train_threads needs at least one Generation")
     if generations[-1].lost is not None:
         raise ValueError(f"the last Generation loses worker {generations[-1].lost}: a generation that loses a "
                          f"member must be followed by the one its survivors form")
-    options = options if options is not None else WorkerOptions()
+    options = dataclasses.replace(options if options is not None else WorkerOptions(), collective_timeout_s=timeout_s)
     workers = max(w for gen in generations for w in gen.members) + 1
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
-    engines = build_engines(job, workers, options, store.port, device, timeout_s,
-                            total_steps=sum(gen.steps for gen in generations))
+    engines = build_engines(job, workers, options, store.port, device,
+                            total_steps=sum(gen.steps for gen in generations), eager_every_wait=eager_every_wait)
     run = _Run(job, generations, engines, store.port, device, timeout_s)
     threads = [threading.Thread(target=run.worker, args=(w,), daemon=True, name=f"vf-worker-{w}")
                for w in range(workers)]
