@@ -32,6 +32,7 @@ import dataclasses
 import datetime
 import gc
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -86,6 +87,10 @@ class ThreadedRun:
     """The workers' engines, by worker id."""
 
 
+class _Stopped(Exception):
+    """A worker gives up waiting because another one failed (that one's error is raised)."""
+
+
 class WorkerLost(RuntimeError):
     """Raised inside the lost member's step (:attr:`Generation.lost`): its thread leaves."""
 
@@ -123,6 +128,12 @@ class _Run:
         self.job, self.generations, self.engines = job, list(generations), engines
         self.port, self.device, self.timeout_s = port, device, timeout_s
         self.formed = [threading.Event() for _ in self.generations]
+        """Set by generation ``g``'s rank 0 once it has adopted it (a leaver's old groups close then)."""
+        self.published = [threading.Event() for _ in self.generations]
+        """Set once a member of generation ``g - 1`` is through it (the coordinator publishing ``g``)."""
+        self.published[0].set()
+        self.failed = threading.Event()
+        """Set when a worker fails: the others stop waiting for what will not come."""
         self.outcomes: dict[int, StepOutcome] = {}
         self.state: dict[str, Any] | None = None
         self.errors: list[tuple[int, BaseException]] = []
@@ -144,20 +155,34 @@ class _Run:
             for g, gen in enumerate(self.generations):
                 if wid not in gen.members:
                     if g > first:  # it left: its old groups stay until the next generation has formed
-                        self.formed[g].wait(self.timeout_s)
+                        self._wait(self.formed[g])
                         return
                     continue
+                self._wait(self.published[g])  # a newcomer starts once the generation before it is over
                 progress, alive = self._generation(wid, g, gen, client, progress, groups)
+                if g + 1 < len(self.generations):
+                    self.published[g + 1].set()
                 if not alive:
                     self._vanish(wid, groups)
                     return
             self._finish(self.engines[wid], groups[-1])
+        except _Stopped:
+            pass  # another worker failed: nothing to add
         except BaseException as exc:  # noqa: BLE001 - collected, the first one raised by train_threads
             with self.lock:
                 self.errors.append((wid, exc))
+            self.failed.set()
         finally:
             if self.engines[wid] is not None:
                 _release(self.engines[wid], groups)
+
+    def _wait(self, event: threading.Event) -> None:
+        """Wait for ``event`` (what the coordinator publishes: a generation, its forming); give up
+        (:class:`_Stopped`) when another worker has failed, or after the timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        while not event.wait(0.02):
+            if self.failed.is_set() or time.monotonic() > deadline:
+                raise _Stopped()
 
     def _vanish(self, wid: int, groups: list[Group]) -> None:
         """The lost worker goes as a killed process does: with everything it held. Its groups'
@@ -177,10 +202,12 @@ class _Run:
         engine = self.engines[wid]
         rank = gen.members.index(wid)
         n = len(gen.members)
-        if g and progress.step >= 0:
-            engine.check_state_held("(a threaded run has no run directory)")  # after a failure
         group = make_group(client, g, rank, n, self.timeout_s, self.device, duplex=engine.generation_hops_duplex)
         groups.append(group)
+        if g and progress.step >= 0:  # after a failure: what only a lost member held (ShardLost)
+            # (a worker checks before its rendezvous; here after it, so that the others' waits on
+            # this member end when its group closes instead of at the store's timeout)
+            engine.check_state_held("(a threaded run has no run directory)")
         everyone = agree_progress(group, progress, self.device)
         target = max(p.step for p in everyone)
         src = next(r for r, p in enumerate(everyone) if p.step == target)
