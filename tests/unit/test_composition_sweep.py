@@ -24,8 +24,8 @@ every failure) and ``VIRTUALFLOW_SWEEP_DRAWS`` (default 40), plus :data:`HEAVIES
 What is not exercised in-process: the autoscaler's policy itself (its decisions are tested in
 tests/unit/test_autoscale*.py); here its decision is applied as what the executor makes of it, a
 generation of another size in whole replicas. A failure drops the lost worker's whole replica, as
-the membership controller does without Bamboo; Bamboo's failover onto a shorter replica is
-tests/e2e/test_bamboo.py's. A sharded optimizer state with no replica of the lost chunk stops the
+the membership controller does without Bamboo; with Bamboo the hit replica fails over, one worker
+shorter, as the controller decides (its decision is computed here). A sharded optimizer state with no replica of the lost chunk stops the
 run naming the way out (:class:`~virtualflow.runtime.sharded.ShardLost`), as docs/composition.md
 says; an unpipelined sharded run keeps replicas (``shard_replicas=1``) and recovers.
 """
@@ -48,6 +48,7 @@ import torch.nn.functional as F
 import virtualflow as vf
 from virtualflow.config import composition as table
 from virtualflow.config.worker_options import WorkerOptions
+from virtualflow.control.membership.failover import decide_failover
 from virtualflow.launching.prepare import prepare
 from virtualflow.parallel.gpt import sequential_gpt
 from virtualflow.plan.pipeline.geometry import layers_of, resolve_bounds, tied_parameters
@@ -181,7 +182,9 @@ def knobs_of(caps: frozenset[str], rng: random.Random) -> Knobs:
     k = Knobs()
     for name in sorted(caps):
         CAPABILITIES[name].on_knobs(k, rng)
-    if "lost" in k.changes:
+    if "lost" in k.changes and k.redundancy:  # Bamboo fails over: the last change (no resize of a shorter replica)
+        k.changes.append(k.changes.pop(k.changes.index("lost")))
+    elif "lost" in k.changes:
         k.replicas = 2
         # an unpipelined sharded run keeps a replica of every chunk (a pipeline's stages cannot)
         k.shard_replicas = int(k.reduction == "sharded" and not k.pipelined)
@@ -231,20 +234,27 @@ def tolerance(precision: str) -> tuple[float, float]:
 
 # ---- the generations of a draw ------------------------------------------------------------------
 def generations(k: Knobs) -> list[Generation]:
-    """The draw's generations: ``k.replicas`` replicas, then each change (a loss: the last replica
-    leaves after the member it holds last dies inside a step; a resize: one replica more or less,
-    newcomers on fresh worker ids); the 3 steps spread over them, every change after a step."""
+    """The draw's generations: ``k.replicas`` replicas, then each change (a loss: the member held
+    last dies inside a step, and the next generation is what the membership controller decides:
+    without its replica, or with Bamboo that replica failed over, one worker shorter; a resize: one
+    replica more or less, newcomers on fresh worker ids); the 3 steps spread over them, every change
+    after a step."""
     r = k.replica_workers
     replicas = [list(range(j * r, (j + 1) * r)) for j in range(k.replicas)]
     fresh = k.replicas * r
     steps = [1] * len(k.changes) + [STEPS - len(k.changes)] if len(k.changes) < STEPS else [1, 1] + [0] * (
         len(k.changes) - 2) + [1]
-    out = []
+    out, layout = [], None
     for n, change in enumerate(k.changes + [None]):
-        members = tuple(w for rep in replicas for w in rep)
+        members = tuple(w for rep in replicas for w in rep) if layout is None else members
         lost = members[-1] if change == "lost" else None
-        out.append(Generation(members=members, steps=steps[n], assignment=_map(k, len(replicas)), lost=lost))
-        if change == "lost" or (change == "resize" and len(replicas) == 2):
+        out.append(Generation(members=members, steps=steps[n], lost=lost, layout=layout,
+                              assignment=_map(k, len(replicas)) if layout is None else None))
+        if change == "lost" and k.redundancy:
+            decision = decide_failover(stages=k.stages, members=members, layout=None, formed=None, dead={lost},
+                                       replace_failed=False)
+            members, layout = decision.members, decision.layout
+        elif change == "lost" or (change == "resize" and len(replicas) == 2):
             replicas = replicas[:1]
         elif change == "resize":
             replicas.append(list(range(fresh, fresh + r)))

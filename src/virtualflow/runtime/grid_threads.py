@@ -43,7 +43,8 @@ from virtualflow.comm.groups import Group, PeerFailure, make_group
 from virtualflow.comm.protocol import GenerationRecord
 from virtualflow.config.job import JobSource
 from virtualflow.config.worker_options import WorkerOptions
-from virtualflow.plan.vnmap import pipeline_assignment
+from virtualflow.plan.pipeline.failover import split_replicas
+from virtualflow.plan.vnmap import contiguous_assignment, pipeline_assignment
 from virtualflow.runtime.engine import StepOutcome
 from virtualflow.runtime.engines import Joining
 from virtualflow.runtime.factory import build_engine
@@ -68,6 +69,10 @@ class Generation:
     lost: int | None = None
     """A member lost in the middle of the step after ``steps``: it dies at its first fault point of
     that step, the others abandon the step; the next generation (without its replica) redoes it."""
+    layout: Sequence[Sequence[int]] | None = None
+    """A pipeline with Bamboo's redundancy after a failover: the job stages each member runs (what
+    the membership controller publishes, :func:`virtualflow.control.membership.failover.decide_failover`);
+    None: member ``r`` runs stage ``r mod P``."""
 
     def __post_init__(self) -> None:
         if self.lost is not None and self.lost not in self.members:
@@ -114,10 +119,15 @@ def _client(port: int, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def default_assignment(job: Any, members: int) -> list[list[int]]:
+def default_assignment(job: Any, members: int, layout: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
     """The equal contiguous map of ``members`` workers, per replica (every member of a pipeline
-    replica holds its block; a job without a pipeline has replicas of one worker)."""
-    return pipeline_assignment(job.virtual_nodes, members, getattr(job.pipeline, "replica_workers", 1))
+    replica holds its block; a job without a pipeline has replicas of one worker; after a Bamboo
+    failover, ``layout``'s replicas, of unequal depth)."""
+    if layout is None:
+        return pipeline_assignment(job.virtual_nodes, members, getattr(job.pipeline, "replica_workers", 1))
+    replicas = split_replicas(layout, job.pipeline.stages)
+    blocks = contiguous_assignment(job.virtual_nodes, len(replicas))
+    return [list(blocks[j]) for j, rep in enumerate(replicas) for _ in rep]
 
 
 class _Run:
@@ -211,8 +221,10 @@ class _Run:
         everyone = agree_progress(group, progress, self.device)
         target = max(p.step for p in everyone)
         src = next(r for r, p in enumerate(everyone) if p.step == target)
-        assignment = [list(a) for a in (gen.assignment or default_assignment(self.job, n))]
-        record = GenerationRecord(generation=g, members=list(gen.members), assignment=assignment, start_step=target)
+        assignment = [list(a) for a in (gen.assignment or default_assignment(self.job, n, gen.layout))]
+        layout = [list(run) for run in gen.layout] if gen.layout is not None else None
+        record = GenerationRecord(generation=g, members=list(gen.members), assignment=assignment, start_step=target,
+                                  layout=layout)
         engine.adopt(Joining(group=group, record=record, progress=progress, steps=[p.step for p in everyone],
                              target=target, src=src))
         if rank == 0:
