@@ -62,13 +62,16 @@ class Generation:
     """Worker ids by rank (a pipelined job: whole replicas of ``P T`` workers). A worker not in
     the first generation joins later as a newcomer and receives the state."""
     steps: int
-    """Steps trained in this generation."""
+    """Steps trained in this generation: it trains up to step ``sum`` of the generations' steps so
+    far (so a step its members completed in the generation before, after a loss, counts here)."""
     assignment: Sequence[Sequence[int]] | None = None
     """The VN map, one list per member (a pipelined job: every member of a replica holds its
     replica's block); None: the equal contiguous map."""
     lost: int | None = None
     """A member lost in the middle of the step after ``steps``: it dies at its first fault point of
-    that step, the others abandon the step; the next generation (without its replica) redoes it."""
+    that step past the start of its forward (a pipeline stage: its first send; the VN engine: its
+    reduction), the others abandon the step; the next generation (without its replica) redoes it
+    (a step the others could complete without it is applied, as the commit rule allows)."""
     layout: Sequence[Sequence[int]] | None = None
     """A pipeline with Bamboo's redundancy after a failover: the job stages each member runs (what
     the membership controller publishes, :func:`virtualflow.control.membership.failover.decide_failover`);
@@ -137,6 +140,8 @@ class _Run:
                  device: torch.device, timeout_s: float) -> None:
         self.job, self.generations, self.engines = job, list(generations), engines
         self.port, self.device, self.timeout_s = port, device, timeout_s
+        self.ends = [sum(gen.steps for gen in self.generations[:g + 1]) for g in range(len(self.generations))]
+        """The step each generation trains up to."""
         self.formed = [threading.Event() for _ in self.generations]
         """Set by generation ``g``'s rank 0 once it has adopted it (a leaver's old groups close then)."""
         self.published = [threading.Event() for _ in self.generations]
@@ -230,7 +235,7 @@ class _Run:
         if rank == 0:
             self.formed[g].set()
         step = target
-        for _ in range(gen.steps):
+        while step < self.ends[g]:
             outcome = engine.step(step)
             if rank == 0:
                 self.record(step, outcome)
@@ -249,7 +254,7 @@ class _Run:
         engine, lost = self.engines[wid], wid == gen.lost
 
         def die(at: int, phase: str) -> None:
-            if at == step:
+            if at == step and phase != "before_forward":  # inside the step: its peers are in it too
                 raise WorkerLost(f"worker {gen.lost} lost at step {step} ({phase})")
 
         if lost:
