@@ -318,6 +318,7 @@ def train_threads(job: Any, generations: Sequence[Generation], *, options: Worke
     if generations[-1].lost is not None:
         raise ValueError(f"the last Generation loses worker {generations[-1].lost}: a generation that loses a "
                          f"member must be followed by the one its survivors form")
+    _check_members(generations)
     options = dataclasses.replace(options if options is not None else WorkerOptions(), collective_timeout_s=timeout_s)
     workers = max(w for gen in generations for w in gen.members) + 1
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -337,6 +338,21 @@ def train_threads(job: Any, generations: Sequence[Generation], *, options: Worke
     if any(t.is_alive() for t in threads) or run.state is None:
         raise RuntimeError(f"a worker thread did not finish within {timeout_s:g} s per generation")
     return ThreadedRun(run.state, [run.outcomes[s] for s in sorted(run.outcomes)], engines)
+
+
+def _check_members(generations: Sequence[Generation]) -> None:
+    """A worker that left (or was lost) does not come back: a returning one would be a newcomer,
+    which takes a fresh id."""
+    gone: set[int] = set()
+    for g, gen in enumerate(generations):
+        back = sorted(gone & set(gen.members))
+        if back:
+            raise ValueError(f"Generation {g} lists workers {back}, which left an earlier generation; a worker that "
+                             f"joins again is a newcomer: give it a fresh id")
+        if g + 1 < len(generations):
+            gone |= set(gen.members) - set(generations[g + 1].members)
+        if gen.lost is not None:
+            gone.add(gen.lost)
 
 
 def _first_error(errors: list[tuple[int, BaseException]]) -> BaseException | None:
