@@ -251,8 +251,9 @@ def generations(k: Knobs) -> list[Generation]:
         out.append(Generation(members=members, steps=steps[n], lost=lost, layout=layout,
                               assignment=_map(k, len(replicas)) if layout is None else None))
         if change == "lost" and k.redundancy:
-            decision = decide_failover(stages=k.stages, members=members, layout=None, formed=None, dead={lost},
-                                       replace_failed=False)
+            tensor = {"tensor": k.tensor} if k.tensor > 1 else {}  # (judged by tensor groups)
+            decision = decide_failover(stages=k.replica_workers, members=members, layout=None, formed=None,
+                                       dead={lost}, replace_failed=False, **tensor)
             members, layout = decision.members, decision.layout
         elif change == "lost" or (change == "resize" and len(replicas) == 2):
             replicas = replicas[:1]

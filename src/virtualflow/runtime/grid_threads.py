@@ -128,9 +128,10 @@ def default_assignment(job: Any, members: int, layout: Sequence[Sequence[int]] |
     failover, ``layout``'s replicas, of unequal depth)."""
     if layout is None:
         return pipeline_assignment(job.virtual_nodes, members, getattr(job.pipeline, "replica_workers", 1))
-    replicas = split_replicas(layout, job.pipeline.stages)
+    t = job.pipeline.tensor  # (a tensor group's members share their run: the layout of groups is every T-th)
+    replicas = split_replicas(tuple(tuple(run) for run in layout[::t]), job.pipeline.stages)
     blocks = contiguous_assignment(job.virtual_nodes, len(replicas))
-    return [list(blocks[j]) for j, rep in enumerate(replicas) for _ in rep]
+    return [list(blocks[j]) for j, rep in enumerate(replicas) for _ in range(len(rep) * t)]
 
 
 class _Run:
