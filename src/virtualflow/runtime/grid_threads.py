@@ -16,9 +16,11 @@ Unlike :class:`~virtualflow.runtime.pipeline.local.LocalDriver` (one thread, no 
 workers here talk over real gloo groups on an in-process ``TCPStore``, so tensor-parallel stages,
 whose collectives run inside their forward and backward, work as in worker processes.
 
-Invariants: every engine is built before any thread starts, one after another (each seeds the
-process's random generator with the job's seed: the threads share it); a job whose forward draws
-random numbers (dropout) must therefore not be trained here when the draws matter. A generation's
+Invariants: every engine is built before any thread starts, one after another, and a model built
+later inside a generation (a Bamboo re-layout) is seeded and built under a lock
+(:func:`seeded_in_turn`): the threads share the process's random generator. A forward that draws
+random numbers (dropout outside the tensor-parallel blocks) draws them from that shared generator,
+so its masks are not those of a run in processes. A generation's
 members keep their order (a resize keeps the survivors' stage-ranks); a lost member takes its
 whole pipeline replica out of the next generation, which the caller lists. Every thread closes
 every group it built before it ends, and an exception in one thread closes its groups, so the
@@ -109,6 +111,7 @@ def build_engines(job: Any, workers: int, options: WorkerOptions, store_port: in
     the worker's own :func:`virtualflow.runtime.factory.build_engine` (the one place that picks the
     engine from the job), each on its own client of the in-process store (a pipelined engine builds
     its subgroups there)."""
+    job = seeded_in_turn(job)
     dataset = job.build_dataset()
     cfg = WorkerConfig(options=options, store_host="127.0.0.1", store_port=store_port,
                        job_source=JobSource("pickle"),  # (never read: the job is handed over built)
@@ -116,6 +119,26 @@ def build_engines(job: Any, workers: int, options: WorkerOptions, store_port: in
                        resume_path=None, initial_workers=workers, slowdowns={})
     return [build_engine(cfg, w, job, dataset, _client(store_port, options.collective_timeout_s), device,
                          eager_every_wait=eager_every_wait) for w in range(workers)]
+
+
+_MODEL_LOCK = threading.Lock()
+"""Held while a thread builds the job's model (:func:`seeded_in_turn`)."""
+
+
+def seeded_in_turn(job: Any) -> Any:
+    """``job`` whose model factory seeds and builds under a process-wide lock. Every engine builds
+    the model from ``torch.manual_seed(job.seed)`` (``Job.model``'s contract), sometimes inside a
+    generation (a Bamboo re-layout); the threads share the process's random generator, so without
+    the lock two threads seeding and building at once would draw each other's numbers and hold
+    different weights."""
+    build = job.model
+
+    def model() -> torch.nn.Module:
+        with _MODEL_LOCK:
+            torch.manual_seed(job.seed)
+            return build()
+
+    return job.replace(model=model)
 
 
 def _client(port: int, timeout_s: float) -> dist.TCPStore:
