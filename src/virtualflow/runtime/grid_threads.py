@@ -17,7 +17,7 @@ workers here talk over real gloo groups on an in-process ``TCPStore``, so tensor
 whose collectives run inside their forward and backward, work as in worker processes.
 
 Invariants: every engine is built before any thread starts, one after another, and a model built
-later inside a generation (a Bamboo re-layout) is seeded and built under a lock
+later inside a generation (a Bamboo re-layout) is a copy of the first one built from the seed
 (:func:`seeded_in_turn`): the threads share the process's random generator. A forward that draws
 random numbers (dropout outside the tensor-parallel blocks) draws them from that shared generator,
 so its masks are not those of a run in processes. A generation's
@@ -30,6 +30,7 @@ consequence is raised.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import gc
@@ -121,22 +122,26 @@ def build_engines(job: Any, workers: int, options: WorkerOptions, store_port: in
                          eager_every_wait=eager_every_wait) for w in range(workers)]
 
 
-_MODEL_LOCK = threading.Lock()
-"""Held while a thread builds the job's model (:func:`seeded_in_turn`)."""
-
-
 def seeded_in_turn(job: Any) -> Any:
-    """``job`` whose model factory seeds and builds under a process-wide lock. Every engine builds
-    the model from ``torch.manual_seed(job.seed)`` (``Job.model``'s contract), sometimes inside a
-    generation (a Bamboo re-layout); the threads share the process's random generator, so without
-    the lock two threads seeding and building at once would draw each other's numbers and hold
-    different weights."""
-    build = job.model
+    """``job`` whose model factory hands out copies of one model built from ``torch.manual_seed(
+    job.seed)`` (``Job.model``'s contract: the factory is called right after that seed, so every
+    call builds these weights), leaving the random generator where that build leaves it. Every
+    engine builds the model, sometimes inside a generation in every thread at once (a Bamboo
+    re-layout); the threads share the process's generator, and one thread seeding or restoring it
+    (``fork_rng``) while another draws a model's initial weights would give that one other weights."""
+    build, lock = job.model, threading.Lock()
+    made: list[tuple[torch.nn.Module, torch.Tensor]] = []
 
     def model() -> torch.nn.Module:
-        with _MODEL_LOCK:
-            torch.manual_seed(job.seed)
-            return build()
+        with lock:
+            if not made:
+                torch.manual_seed(job.seed)
+                first = build()
+                made.append((copy.deepcopy(first), torch.get_rng_state()))
+                return first
+            pristine, after = made[0]
+            torch.set_rng_state(after)
+            return copy.deepcopy(pristine)
 
     return job.replace(model=model)
 
