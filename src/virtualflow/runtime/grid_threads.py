@@ -3,8 +3,8 @@
 Purpose: try any layout in one process - a D x P x T grid with tensor-parallel stages, an
 unpipelined job over several workers - and live through generations there: a resize (another
 member list between two generations, what the membership controller publishes), uneven VN maps
-(what ``balance`` publishes), and a member lost in the middle of a step (the survivors abandon
-the step and regroup without its replica, as after a crash). :func:`train_threads` runs each
+(what ``balance`` publishes), a member lost in the middle of a step (the survivors abandon the
+step and regroup without its replica, as after a crash) and Bamboo's failover layouts. :func:`train_threads` runs each
 worker's engine (:class:`~virtualflow.runtime.pipeline.worker_engine.PipelineWorkerEngine` for
 a pipelined job, :class:`~virtualflow.runtime.vn_worker.VNWorkerEngine` otherwise) in a thread
 through the same protocol calls the worker process makes (:mod:`virtualflow.runtime.worker`):
@@ -16,13 +16,18 @@ Unlike :class:`~virtualflow.runtime.pipeline.local.LocalDriver` (one thread, no 
 workers here talk over real gloo groups on an in-process ``TCPStore``, so tensor-parallel stages,
 whose collectives run inside their forward and backward, work as in worker processes.
 
+Limits: gloo groups of a pipelined generation broken by a loss are not all released (measured:
+their connections to the store stay open after the run, a few dozen descriptors per loss); no checkpoints,
+evaluations or callbacks (the worker's step-boundary work), no control plane.
+
 Invariants: every engine is built before any thread starts, one after another, and a model built
 later inside a generation (a Bamboo re-layout) is a copy of the first one built from the seed
 (:func:`seeded_in_turn`): the threads share the process's random generator. A forward that draws
 random numbers (dropout outside the tensor-parallel blocks) draws them from that shared generator,
-so its masks are not those of a run in processes. A generation's
-members keep their order (a resize keeps the survivors' stage-ranks); a lost member takes its
-whole pipeline replica out of the next generation, which the caller lists. Every thread closes
+so its masks are not those of a run in processes. A generation's members keep their order (a
+resize keeps the survivors' stage-ranks); a lost member takes its whole pipeline replica out of
+the next generation (or, with Bamboo, what the controller's failover decides), which the caller
+lists; a worker that left never comes back under its id. Every thread closes
 every group it built before it ends, and an exception in one thread closes its groups, so the
 others fail at once instead of at the groups' timeout; the first error that is not such a
 consequence is raised.
