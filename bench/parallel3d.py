@@ -22,18 +22,30 @@ plus stashed activations; memory is not measured) rules out pure data parallelis
 must mix. Each layout (the chosen one, and the best pure
 data-parallel (4,1,1), pipeline (1,4,1) and tensor (1,1,4) layouts) trains with
 ``vf.train(job, workers=4, deterministic=False)`` with the schedule, chunks and split the planner
-chose for it; its step time is the median of rank 0's ``step_time_s`` after the warm-up steps. A
+chose for it, at ``--precision`` (``32``, or ``bf16-mixed``: the real parts under autocast; a
+layout the launch refuses at that precision is reported as refused, a miss); its step time is the
+median of rank 0's ``step_time_s`` after the warm-up steps.
+
+The per-layer CPU overhead. The sleeps are the emulated compute, but every layer also runs its
+real part, its autograd and the framework's Python, a fixed CPU cost per layer and micro-batch
+that a tensor-parallel group does not divide. The profiler measures it
+(:func:`virtualflow.runtime.profile.profile_model` on the chain with every sleep 0, one torch
+thread as a worker has, under the run's autocast) and the planner gets it per layer
+(``GridProblem.overhead_s``) with the machine's cores (``GridProblem.cores``): the ``D T`` workers
+of a stage run a layer at the same moment (a tensor group in lock step), so on 2 cores the 4
+workers of (1,1,4) or (2,1,2) each take twice that CPU time. The table prints the prediction
+without the term too. A
 zero-sleep run of the chosen layout (not with ``--quick``) shows what the framework costs when
 nothing sleeps (then the workers contend for the 2 cores: see ``ZERO_SLEEP_NOTE``).
 
 Targets: per layout run, ``|measured / predicted - 1| <= 0.10`` (key ``prediction_error``; pure
 data parallelism, which does not fit the limit, is measured for reference with no target), and
 the chosen grid measured no slower than the best fitting pure layout measured, within 5 % of noise
-(key ``chosen_vs_pure_measured``, ratio <= 1.05). Known miss: pure tensor parallelism over 4
-workers runs 240 ring steps per step (about 45 % of its step time), a ring step of 4 processes on
-2 cores costs 1.4-5 ms with the other load, and the bare gloo ring measured for the link misses
-part of the engine's ring step (its collectives thread and queue), so that prediction is within
-10 % only in some runs (2 of 8 runs; docs/parallel3d.md).
+(key ``chosen_vs_pure_measured``, ratio <= 1.05). Pure tensor parallelism over 4 workers runs 240
+ring steps per step (about 45 % of its step time) and a ring step of 4 processes on 2 cores costs
+1.4-5 ms with the other load, so its prediction moves with the load (docs/parallel3d.md has the
+runs; with the CPU overhead term and the collectives' measured link every layout was within 10 %
+in a ``--quick`` run under 0.6-1.3 cores of other load).
 
 **Predicted part** (nothing runs): GPT-style layers at GPU scale (hidden ``h``, sequence ``s``,
 ``b`` samples per VN), costed by FLOPs at a device rate (a block's forward ``24 b s h^2 + 4 b s^2
@@ -53,7 +65,7 @@ markdown record the other load. From the repository root::
 
 ``--quick`` runs 6 steps per layout (12 in a full run) and leaves out the layouts that do not fit
 and the zero-sleep run; ``--scale`` multiplies every emulated time; ``--predicted-only`` runs
-nothing.
+nothing; ``--precision bf16-mixed`` runs the layouts under bf16 autocast.
 """
 
 from __future__ import annotations
@@ -158,11 +170,38 @@ def measured_link(reps: int, ping_pong: bool) -> tuple[Link, Link, dict]:
             Link(bandwidth_bytes_per_s=coll["bandwidth_bytes_per_s"], latency_s=coll["alpha_s"]), raw)
 
 
-def measured_problem(link: Link, tp_link: Link, scale: float = 1.0) -> GridProblem:
+def measured_overhead(precision: str, repeats: int) -> list[tuple[float, float]]:
+    """Per layer of the chain, its (forward, backward) CPU seconds per micro-batch when nothing
+    sleeps: the profiler (:func:`virtualflow.runtime.profile.profile_model`) on the chain at scale 0,
+    with one torch thread (a worker's budget) and the run's autocast."""
+    import contextlib
+
+    import torch
+
+    from bench.harness import sleep_grid as G
+    from virtualflow.runtime.profile import profile_model
+
+    job = G.grid_job(1, 1, "1f1b", 1, (len(G.TABLE),), 0.0, precision)
+    cast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext())
+    with cast:
+        profile = profile_model(job, repeats=repeats, warmup=3, threads=1)
+    return [(layer.forward_s, layer.backward_s) for layer in profile.layers]
+
+
+def machine_cores() -> int:
+    """The CPU cores this process (and the workers it starts) may run on."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def measured_problem(link: Link, tp_link: Link, scale: float = 1.0,
+                     overhead: list[tuple[float, float]] | None = None, cores: float | None = None) -> GridProblem:
     """The planner's input for the sleep-emulated chain: :data:`sleep_grid.TABLE` (x ``scale``),
     the real parameter bytes, ``link`` inside tensor-parallel groups and between stages and
-    replicas. The emulated layers do all of their backward in the input-gradient part (one sleep),
-    so the zero-bubble weight part is 0."""
+    replicas, the per-layer CPU ``overhead`` on ``cores`` shared cores (None: not modelled). The
+    emulated layers do all of their backward in the input-gradient part (one sleep), so the
+    zero-bubble weight part is 0."""
     from bench.harness import sleep_grid as G
 
     act = G.VN_BATCH * G.SEQ * G.HIDDEN * G.FLOAT_BYTES
@@ -174,12 +213,13 @@ def measured_problem(link: Link, tp_link: Link, scale: float = 1.0) -> GridProbl
     return GridProblem(layers=layers, tensor_parallel=[int(row.tensor_parallel) for row in G.TABLE], heads=G.HEADS,
                        workers=MEASURED_WORKERS, virtual_nodes=G.VIRTUAL_NODES, vn_batch=G.VN_BATCH,
                        memory_limit_bytes=MEMORY_LIMIT_BYTES, optimizer_state_factor=SGD_STATE_FACTOR, link=link,
-                       tp_link=tp_link, weight_grad_s=[0.0] * len(layers))
+                       tp_link=tp_link, weight_grad_s=[0.0] * len(layers), overhead_s=overhead, cores=cores)
 
 
-def measure(layout: GridCandidate, steps: int, warm: int, scale: float = 1.0) -> dict:
+def measure(layout: GridCandidate, steps: int, warm: int, scale: float = 1.0, precision: str = "32") -> dict:
     """Train ``layout`` (``D`` replicas of ``Pipeline(stages=P, tensor=T)`` with its schedule,
-    chunks and split) on the sleep-emulated chain; the median step time after ``warm`` steps."""
+    chunks and split) on the sleep-emulated chain at ``precision``; the median step time after
+    ``warm`` steps, or ``{"refused": message}`` when the launch refuses the combination."""
     import os
     import tempfile
 
@@ -187,13 +227,17 @@ def measure(layout: GridCandidate, steps: int, warm: int, scale: float = 1.0) ->
     from bench.harness import sleep_grid as G
 
     def job():
-        return G.grid_job(layout.tensor, layout.stages, layout.schedule, layout.chunks, layout.counts, scale)
+        return G.grid_job(layout.tensor, layout.stages, layout.schedule, layout.chunks, layout.counts, scale,
+                          precision)
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp, H.LoadMeter() as load:
-        result = vf.train(job, workers=MEASURED_WORKERS, steps=steps, deterministic=False,
-                          run_dir=os.path.join(tmp, "run"), threads_per_worker=1,
-                          heartbeat_timeout_s=60.0)  # a loaded 2-core machine can starve a worker for seconds
+        try:
+            result = vf.train(job, workers=MEASURED_WORKERS, steps=steps, deterministic=False,
+                              run_dir=os.path.join(tmp, "run"), threads_per_worker=1,
+                              heartbeat_timeout_s=60.0)  # a loaded 2-core machine can starve a worker for seconds
+        except ValueError as exc:  # refused at launch (one line naming the knob), before any worker starts
+            return {"refused": str(exc)}
     times = [h["step_time_s"] for h in result.history]
     return {"step_s": H.median(times[warm:]), "step_times_s": times, "warm": warm,
             "other_load_cores": load.other_cores, "wall_s": time.perf_counter() - t0}
@@ -227,7 +271,13 @@ def measured_part(args, t: H.Targets) -> dict:
         print("  for the record, a 2-process ping-pong (one way): "
               + ", ".join(f"{int(n) >> 10} KiB {v * 1e3:.3f} ms" for n, v in pp["one_way_s"].items())
               + f" -> alpha {pp['alpha_s'] * 1e3:.3f} ms (not used)", flush=True)
-    plan = choose_grid(measured_problem(link, tp_link, args.scale))
+    overhead = measured_overhead(args.precision, 10 if args.quick else 30)
+    cores = machine_cores()
+    print(f"  per-layer CPU overhead (the profiler, nothing sleeping, precision {args.precision}; forward/backward "
+          "ms per micro-batch): " + ", ".join(f"{r.name} {f * 1e3:.2f}/{b * 1e3:.2f}" for r, (f, b) in zip(G.TABLE, overhead))
+          + f"; {cores} cores shared", flush=True)
+    bare = measured_problem(link, tp_link, args.scale)  # the same problem without the overhead term, for the record
+    plan = choose_grid(measured_problem(link, tp_link, args.scale, overhead, cores))
     print(plan.table(8))
     print(plan.explain, flush=True)
     plan_text = plan.table(8) + "\n" + plan.explain
@@ -239,7 +289,8 @@ def measured_part(args, t: H.Targets) -> dict:
                             "backward_factor": G.BACKWARD_FACTOR, "workers": MEASURED_WORKERS,
                             "virtual_nodes": G.VIRTUAL_NODES, "vn_batch": G.VN_BATCH, "hidden": G.HIDDEN,
                             "heads": G.HEADS, "seq": G.SEQ, "memory_limit_bytes": MEMORY_LIMIT_BYTES,
-                            "optimizer_state_factor": SGD_STATE_FACTOR, "steps": steps, "warm": warm},
+                            "optimizer_state_factor": SGD_STATE_FACTOR, "steps": steps, "warm": warm,
+                            "precision": args.precision, "overhead_s": overhead, "cores": cores},
                  "layouts": [], "rows": [], "plan_table": plan_text}
     if chosen is None:
         return out
@@ -253,14 +304,23 @@ def measured_part(args, t: H.Targets) -> dict:
     for label, cand in runs:
         if args.quick and not cand.fits:
             print(f"  {label}: {cand.describe()} does not fit the limit: not run with --quick", flush=True)
-            out["rows"].append([label, cand.describe(), f"{cand.step_time_s * 1e3:.1f}", "not run", "", "NO",
+            out["rows"].append([label, cand.describe(), f"{cand.step_time_s * 1e3:.1f}", "", "not run", "", "NO",
                                 "no target (does not fit)", ""])
             continue
         print(f"  running {label}: {cand.describe()} ...", flush=True)
-        got = measure(cand, steps, warm, args.scale)
+        got = measure(cand, steps, warm, args.scale, args.precision)
+        without = predict_layout(bare, cand).step_time_s
+        if "refused" in got:
+            print(f"    refused at launch: {got['refused']}", flush=True)
+            t.holds(f"{label} {cand.layout} runs with --precision {args.precision}", False, got["refused"])
+            out["rows"].append([label, cand.describe(), f"{cand.step_time_s * 1e3:.1f}", f"{without * 1e3:.1f}",
+                                "refused at launch", "", H.yes_no(cand.fits), "NO", ""])
+            out["layouts"].append({"label": label, "layout": cand.as_json(), "predicted_step_s": cand.step_time_s,
+                                   **got})
+            continue
         ratio = got["step_s"] / cand.step_time_s
-        row = {"label": label, "layout": cand.as_json(), "predicted_step_s": cand.step_time_s, **got,
-               "ratio": ratio}
+        row = {"label": label, "layout": cand.as_json(), "predicted_step_s": cand.step_time_s,
+               "predicted_without_overhead_s": without, **got, "ratio": ratio}
         if cand.fits:
             met = t.at_most("prediction_error", f"{label} {cand.layout}: |measured / predicted step time - 1|",
                             abs(ratio - 1), 0.10)
@@ -268,16 +328,17 @@ def measured_part(args, t: H.Targets) -> dict:
                 fitting_measured.append(got["step_s"])
         else:
             met = None
-        print(f"    predicted {cand.step_time_s * 1e3:.1f} ms, measured {got['step_s'] * 1e3:.1f} ms "
+        print(f"    predicted {cand.step_time_s * 1e3:.1f} ms ({without * 1e3:.1f} without the CPU overhead), measured "
+              f"{got['step_s'] * 1e3:.1f} ms "
               f"(ratio {ratio:.3f}; steps {', '.join(f'{x * 1e3:.0f}' for x in got['step_times_s'])} ms; "
               f"other load {got['other_load_cores']:.2f} cores; {got['wall_s']:.0f} s)", flush=True)
         out["layouts"].append(row)
-        out["rows"].append([label, cand.describe(), f"{cand.step_time_s * 1e3:.1f}", f"{got['step_s'] * 1e3:.1f}",
-                            f"{ratio:.3f}", H.yes_no(cand.fits),
+        out["rows"].append([label, cand.describe(), f"{cand.step_time_s * 1e3:.1f}", f"{without * 1e3:.1f}",
+                            f"{got['step_s'] * 1e3:.1f}", f"{ratio:.3f}", H.yes_no(cand.fits),
                             "no target (does not fit)" if met is None else ("met" if met else "NO"),
                             f"{got['other_load_cores']:.2f}"])
-    measured_chosen = out["layouts"][0]["step_s"]
-    if fitting_measured:
+    measured_chosen = out["layouts"][0].get("step_s")
+    if fitting_measured and measured_chosen is not None:
         rel = measured_chosen / min(fitting_measured)
         out["chosen_over_best_pure_measured"] = rel
         t.at_most("chosen_vs_pure_measured", "chosen grid / best fitting pure layout, MEASURED step time", rel, 1.05)
@@ -285,11 +346,13 @@ def measured_part(args, t: H.Targets) -> dict:
         return out
     # What the framework itself costs: the chosen layout with every sleep 0 (tiny real parts,
     # collectives, hops, reduction, optimizer, control), against the cost model's communication.
-    zero_pred = predict_layout(measured_problem(link, tp_link, 0.0), chosen)
+    zero_pred = predict_layout(measured_problem(link, tp_link, 0.0, overhead, cores), chosen)
     print("  running the chosen layout with zero sleeps (the framework's own cost per step) ...", flush=True)
-    zero = measure(chosen, steps, warm, 0.0)
+    zero = measure(chosen, steps, warm, 0.0, args.precision)
+    if "refused" in zero:
+        return out
     out["zero_sleep"] = {"predicted_step_s": zero_pred.step_time_s, **zero}
-    print(f"    zero sleeps: predicted {zero_pred.step_time_s * 1e3:.1f} ms (communication only), measured "
+    print(f"    zero sleeps: predicted {zero_pred.step_time_s * 1e3:.1f} ms (communication and CPU overhead), measured "
           f"{zero['step_s'] * 1e3:.1f} ms per step", flush=True)
     return out
 
@@ -354,8 +417,8 @@ ZERO_SLEEP_NOTE = ("With every sleep 0 the 4 workers no longer sleep: they and t
                    "for the 2 cores (with the machine's other load), so this run can measure CPU contention rather "
                    "than the framework's share of an emulated step; that share is the measured - predicted gap of "
                    "the emulated runs above.")
-MEASURED_HEADER = ["layout", "grid", "predicted step ms", "measured step ms", "measured / predicted", "fits",
-                   "within 10 %", "other load (cores)"]
+MEASURED_HEADER = ["layout", "grid", "predicted step ms", "without CPU overhead", "measured step ms",
+                   "measured / predicted", "fits", "within 10 %", "other load (cores)"]
 PREDICTED_HEADER = ["scenario", "layout", "grid", "predicted step ms", "bubble %", "GiB/worker", "fits"]
 
 
@@ -363,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     p = H.parser(__doc__)
     p.add_argument("--scale", type=float, default=1.0, help="multiplies every emulated time of the measured part")
     p.add_argument("--predicted-only", action="store_true", help="skip the measured part (nothing runs)")
+    p.add_argument("--precision", choices=("32", "bf16-mixed"), default="32",
+                   help="the measured layouts' Job.precision (bf16-mixed: the real parts under bf16 autocast)")
     args = p.parse_args(argv)
     run = H.Run(NAME, args, TARGET_KEYS)
     print(H.banner("virtualflow 3-D grid planner: chosen grid vs pure layouts, predicted and measured"))
@@ -385,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     md += f"Command: `{run.command(NAME)}`.\n\n"
     if measured is not None:
         ln, cfg = measured["link"], measured["config"]
-        md += ("## Measured: sleep-emulated chain on 4 worker processes\n\n"
+        md += (f"## Measured: sleep-emulated chain on 4 worker processes, precision {cfg['precision']}\n\n"
                f"Cost table (ms of forward per micro-batch, backward x{cfg['backward_factor']:g}, scale "
                f"{cfg['scale']:g}): " + ", ".join(f"{r['name']} {r['forward_ms']:g}"
                                                   + (" (tensor-parallel)" if r["tensor_parallel"] else "")
@@ -397,6 +462,9 @@ def main(argv: list[str] | None = None) -> int:
                f"{ln['bandwidth_bytes_per_s'] / 1e9:.3f} GB/s, given to the planner as both links"
                + ("" if "ping_pong" not in ln else
                   f" (a 2-process ping-pong, for the record: alpha {ln['ping_pong']['alpha_s'] * 1e3:.3f} ms)")
+               + ". Per-layer CPU overhead measured by the profiler (forward/backward ms per micro-batch): "
+               + ", ".join(f"{r['name']} {f * 1e3:.2f}/{b * 1e3:.2f}" for r, (f, b) in zip(cfg["table"], cfg["overhead_s"]))
+               + f", on {cfg['cores']} shared cores"
                + f". Median of rank 0's step times after {cfg['warm']} of {cfg['steps']} steps. Shared 2-core machine "
                "under other load: timings are noisy.\n\n"
                + H.md_table(MEASURED_HEADER, measured["rows"]) + "\n")
@@ -407,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         z = measured.get("zero_sleep")
         if z:
             md += (f"\nZero sleeps (the chosen layout, framework only): predicted {z['predicted_step_s'] * 1e3:.1f} ms "
-                   f"(communication), measured {z['step_s'] * 1e3:.1f} ms per step (steps "
+                   f"(communication and CPU overhead), measured {z['step_s'] * 1e3:.1f} ms per step (steps "
                    + ", ".join(f"{x * 1e3:.0f}" for x in z["step_times_s"]) + " ms). " + ZERO_SLEEP_NOTE + "\n")
     md += ("\n## Predicted only: GPU-scale GPT layers (FLOP costs at 100 TFLOP/s, bf16)\n\n"
            + H.md_table(PREDICTED_HEADER, rows) + "\n")

@@ -119,12 +119,14 @@ def real_param_bytes() -> list[int]:
     return [sum(p.numel() for p in layer.parameters()) * FLOAT_BYTES for layer in model()]
 
 
-def grid_job(tensor: int, stages: int, schedule: str, chunks: int, split: tuple[int, ...], scale: float = 1.0):
-    """The job of one layout: ``Pipeline(stages, tensor, schedule, chunks, split)``; its replicas
-    come from the number of workers it is run on."""
+def grid_job(tensor: int, stages: int, schedule: str, chunks: int, split: tuple[int, ...], scale: float = 1.0,
+             precision: str = "32"):
+    """The job of one layout: ``Pipeline(stages, tensor, schedule, chunks, split)`` at ``precision``
+    (``Job.precision``: the real parts' autocast); its replicas come from the number of workers it
+    is run on."""
     import virtualflow as vf
 
     return vf.Job(model=lambda: model(tensor, scale), optimizer=sgd, dataset=data, output_loss=output_loss,
-                  global_batch_size=VN_BATCH * VIRTUAL_NODES, virtual_nodes=VIRTUAL_NODES, seed=0,
+                  global_batch_size=VN_BATCH * VIRTUAL_NODES, virtual_nodes=VIRTUAL_NODES, seed=0, precision=precision,
                   pipeline=vf.Pipeline(stages=stages, tensor=tensor, schedule=schedule, chunks=chunks,
                                        split=tuple(split)))

@@ -593,3 +593,38 @@ def test_a_loss_redundancy_cannot_cover_restarts_from_the_last_checkpoint(run_di
     with pytest.raises(vf.TrainingError, match=r"redundancy cannot cover the loss.*--resume"):
         vf.train(jobs.pipelined_redundant_job, workers=3, steps=8, deterministic=True, fault_plan=plan,
                  run_dir=os.path.join(run_dir, "no-checkpoint"))
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_stage_fails_over_to_its_predecessors_tensor_group(run_dir):
+    """(D, P, T) = (1, 2, 2) with redundancy: each tensor rank t of stage 0 holds shard t of stage
+    1's replica, refreshed from stage 1's tensor rank t. Stage 1's tensor rank 1 (worker 3) is
+    SIGKILLed mid-backward of step 2: its tensor group leaves (worker 2 too), stage 0's group runs
+    both stages with the replica's shards over its own tensor group, the interrupted step is
+    redone, and the trained model is the undisturbed grid's bit for bit (and plain PyTorch's on one
+    worker within the tensor split's float tolerance: float64, the row-parallel sums cut in 2)."""
+    import json
+    import os
+
+    from conftest import assert_state_equal
+    from reference import reference_train
+    import gpt_grid_jobs as g
+
+    steps = 4
+    plan = vf.FaultPlan([vf.Fault(worker=3, step=2, phase="mid_backward")])
+    result = vf.train(lambda: g.grid_job(stages=2, tensor=2, redundancy=True), workers=4, steps=steps,
+                      deterministic=True, fault_plan=plan, run_dir=run_dir)
+    assert [f["worker"] for f in result.failures] == [3]
+    sizes = [h["workers"] for h in result.history]
+    assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [4, 2]
+    assert [h["step"] for h in result.history] == list(range(steps))
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        failover = [e for e in map(json.loads, f) if e["event"] == "failover"]
+    assert len(failover) == 1 and failover[0]["layout"] == [[0, 1]]
+    assert failover[0]["taken_over"] == {"2": 0, "3": 1}
+    ref = vf.train(lambda: g.grid_job(stages=2, tensor=2), workers=4, steps=steps, deterministic=True)
+    assert_state_equal(result.state_dict, ref.state_dict)
+    assert [h["loss"] for h in result.history] == [h["loss"] for h in ref.history]
+    plain, _, _ = reference_train(g.single_job(), steps)  # plain PyTorch, one process, no pipeline
+    for k, v in plain.state_dict().items():
+        torch.testing.assert_close(result.state_dict[k], v, rtol=0, atol=1e-12)

@@ -238,32 +238,11 @@ def _tensor_job() -> vf.Job:
     return g.grid_job(stages=1, tensor=2)
 
 
-@pytest.mark.parametrize("job,options,message", [
-    (jobs.pipelined_job, dict(workers=2, loader_workers=2),
-     r"^loader_workers=2 \(--loader-workers\) with a pipelined job .*drop --loader-workers$"),
-    (jobs.pipelined_redundant_job, dict(workers=3, loader_workers=1),
-     r"^loader_workers=1 \(--loader-workers\) with a pipelined job"),
-    (_tensor_job, dict(workers=2, loader_workers=2), r"^loader_workers=2 \(--loader-workers\) with a pipelined job"),
-    (jobs.pipelined_job, dict(workers=2, autoscale="efficiency", max_workers=4),
-     r"^autoscale='efficiency' \(--autoscale\) with a pipelined job \(2 workers per replica\).*drop --autoscale"),
-    (_tensor_job, dict(workers=2, autoscale="efficiency", max_workers=4),
-     r"^autoscale='efficiency' \(--autoscale\) with a pipelined job \(2 workers per replica\)"),
-    (_tensor_job, dict(workers=2, slowdowns=[1, 2]),
-     r"^balance \(--balance, worker specs or slowdowns\) weighs pipeline replicas.*Pipeline.tensor=2.*balance=False"),
-    (_tensor_job, dict(workers=2, balance=True), r"^balance \(--balance, worker specs or slowdowns\) weighs"),
-], ids=["pipeline-loaders", "bamboo-loaders", "tensor-loaders", "pipeline-autoscale", "tensor-autoscale",
-        "tensor-slowdowns", "tensor-balance"])
-def test_what_a_pipeline_cannot_combine_is_refused_at_launch_in_one_line(job, options, message):
-    with pytest.raises(ValueError, match=message) as info:
-        vf.train(job, steps=1, **options)
-    assert "\n" not in str(info.value)
-
-
 def test_emulated_slowdowns_without_balance_still_run_tensor_parallel_launch_checks():
     """``balance=False`` keeps slowdowns as emulation only: the balance refusal does not fire (the
-    launch goes on to the next check, here the dcp checkpoint refusal)."""
-    with pytest.raises(ValueError, match=r'checkpoint_format="dcp" with Pipeline.tensor=2'):
-        vf.train(_tensor_job, workers=2, steps=1, slowdowns=[1, 2], balance=False, checkpoint_format="dcp")
+    launch goes on to the next check, here that every block splits ``tensor`` ways)."""
+    with pytest.raises(ValueError, match=r"heads=4 is not divisible by tensor=3"):
+        vf.train(lambda: g.grid_job(stages=1, tensor=3), workers=3, steps=1, slowdowns=[1, 2, 3], balance=False)
 
 
 def test_a_failure_with_balance_on_maps_the_survivors_by_their_measured_speed():

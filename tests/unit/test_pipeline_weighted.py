@@ -24,8 +24,9 @@ from virtualflow.plan.pipeline import build_schedule, simulate
 from virtualflow.plan.pipeline.geometry import layers_of, resolve_bounds
 from virtualflow.plan.pipeline.schedules import SCHEDULE_NAMES
 from virtualflow.plan.replica_shares import (ReplicaTime, microbatch_rule, per_worker, predict_step_s, replica_blocks,
-                                             replica_time, solve_shares)
+                                             replica_time, solve_shares, stage_seconds)
 from virtualflow.plan.vnmap import contiguous_assignment
+from virtualflow.runtime import breakdown
 from virtualflow.runtime.pipeline.local import LocalDriver
 
 from test_membership_policies import FakeLauncher, formed
@@ -110,6 +111,23 @@ def test_a_generations_map_gives_each_replicas_block_and_falls_back_to_equal_blo
         assert replica_blocks(bad, [3, 2], 8) == contiguous_assignment(8, 2)
 
 
+def test_a_tensor_parallel_stage_is_paced_by_its_slowest_member_plus_its_collectives():
+    # P = 2 stages of T = 2 workers, rank order: stage 0's two members, then stage 1's.
+    assert stage_seconds([1.0, 2.0, 1.0, 1.0], tensor=2) == [2.0, 1.0]
+    assert replica_time([1.0, 2.0, 1.0, 1.0], tensor=2) == ReplicaTime(1.0, 2.0)
+    assert replica_time([1.0, 2.0, 1.0, 1.0], tensor=2, collective_s=0.5) == ReplicaTime(1.5, 2.5)
+    # T = 1: every worker is a stage (the one-worker-per-stage model; the collectives do not apply)
+    assert replica_time([1.0, 2.0, 1.0, 1.0]) == replica_time([1.0, 2.0, 1.0, 1.0], collective_s=0.5) \
+        == ReplicaTime(3.0, 2.0)
+    # the grouped model is the simulator's on the stage times (GPipe: exact for any stage times)
+    for f, m in itertools.product(([1, 1, 2, 1], [3, 1, 1, 1], [1, 2, 2, 1]), range(1, 6)):
+        stages = stage_seconds(f, tensor=2)
+        sim = simulate(build_schedule("gpipe", len(stages), m), stages, [2 * x for x in stages])
+        assert float(sim.step_time) == replica_time([3 * x for x in f], tensor=2).time(m), (f, m)
+    with pytest.raises(ValueError, match=r"tensor=3 must be a positive integer dividing the replica's 4 workers"):
+        replica_time([1.0] * 4, tensor=3)
+
+
 # -- the speed policy and the controller -----------------------------------------------------------
 def policy(V: int, **kw) -> SpeedPolicy:
     return SpeedPolicy(virtual_nodes=V, global_batch_size=None, uneven=False, memory_limits={},
@@ -156,6 +174,116 @@ def test_measured_pipeline_workers_set_the_shares_and_a_drift_rebalances():
     assert p.stage_seconds(members)[1] == "measured"
     again = p.plan_pipeline_map(members, [1] * 4, [2, 2], balance=True)
     assert shares(again.assignment, [2, 2]) == [10, 2] and again.predicted_step_s == pytest.approx(0.11)
+
+
+def test_stated_slowdowns_weigh_the_replicas_of_a_tensor_parallel_grid_by_each_stages_slowest_member():
+    # (D, P, T) = (2, 2, 2), replica 1's four workers at slowdown 2. Per stage group: replica 0 takes
+    # 1 + m stage times, replica 1 2 + 2 m; 11/5 gives 12 (12/4: 13). The one-worker-per-stage model
+    # would read 4 stages per replica (bubble 3 and 6) and give 12/4.
+    members = list(range(8))
+    slow = {w: 2.0 for w in range(4, 8)}
+    plan = policy(16, slowdowns=slow, tensor=2).plan_pipeline_map(members, [1] * 8, [4, 4], balance=True)
+    assert shares(plan.assignment, [4, 4]) == [11, 5]
+    assert plan.assignment[:4] == [list(range(11))] * 4 and plan.assignment[4:] == [list(range(11, 16))] * 4
+    assert solve_shares(16, [replica_time([1.0] * 4), replica_time([2.0] * 4)]).counts == [12, 4]
+    # A stage is paced by its slowest member: one slow member weighs as much as a slow group.
+    for stated in ({4: 2.0}, {5: 2.0}, {4: 2.0, 5: 2.0}):
+        one = policy(12, slowdowns=stated, tensor=2).plan_pipeline_map(members, [1] * 8, [4, 4], balance=True)
+        assert shares(one.assignment, [4, 4]) == [8, 4]  # 1 + m vs 1 + 2 m: 9 and 9 (equal 6/6: 13)
+    with pytest.raises(ValueError, match=r"tensor=0 must be a positive integer \(Pipeline.tensor"):
+        policy(12, tensor=0)
+
+
+def stage_row(worker: int, compute_s: float) -> dict:
+    """A stage's row of the step breakdown: ``compute_s`` of forwards and backwards (1 : 2)."""
+    row = {k: 0.0 for k in breakdown.PARTS + ("step_s",) + breakdown.IO_FIELDS}
+    row.update(worker=worker, forward_s=compute_s / 3, backward_s=2 * compute_s / 3, step_s=1.0)
+    return row
+
+
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_measured_stage_breakdowns_set_the_shares_and_a_drift_rebalances(tensor):
+    """A pipelined job's step reports carry no ``compute_s``: each stage's compute comes from the
+    breakdown (of the step before), one row per stage (tensor rank 0 of a tensor-parallel one).
+    2 replicas x 2 stages (x T): replica 1's stages take 3x as long per micro-batch."""
+    p = policy(12, patience=2, tensor=tensor)
+    n = 4 * tensor
+    members = [10 + w for w in range(n)]  # worker ids are not ranks
+    sizes = [2 * tensor] * 2
+    plan = p.plan_pipeline_map(members, [1] * n, sizes, balance=True)
+    vns = plan.assignment
+    assert shares(vns, sizes) == [6, 6]
+    p.new_generation(0)
+    decision, measured = None, []
+    for k in range(8):
+        rows = None if k == 0 else [stage_row(w, (0.06 if r < n // 2 else 0.18)) for r, w in enumerate(members)
+                                   if r % tensor == 0]
+        measured.append(p.observe({"type": "step", "step": k, "step_time_s": 1.2, "compute_s": None,
+                                   "members": members, "vns": vns, "vn_sizes": None, "breakdown": rows}))
+        decision = p.check(0, members, vns, None)
+        if isinstance(decision, Rebalance):
+            break
+    assert all(measured)  # every report is folded in (the first one, warm-up, is not measured)
+    # 0.01 and 0.03 s per micro-batch and stage: 10/2 gives 0.11 s (6/6: 0.21 s, 9/3: 0.12 s)
+    assert isinstance(decision, Rebalance) and decision.detail["replica_shares"] == [10, 2]
+    assert p.stage_seconds(members) == ([pytest.approx(0.01)] * (n // 2) + [pytest.approx(0.03)] * (n // 2),
+                                        "measured")
+    again = p.plan_pipeline_map(members, [1] * n, sizes, balance=True)
+    assert shares(again.assignment, sizes) == [10, 2] and again.predicted_step_s == pytest.approx(0.11)
+
+
+def test_the_breakdowns_of_a_real_pipeline_measure_every_stage():
+    """The rows the stage engines really report (the in-process driver, 2 replicas x 2 stages), as
+    a worker puts them in its step report: every stage measured, in seconds per micro-batch."""
+    from virtualflow.backends.inprocess import train_local
+
+    job = pm.mlp_job(Pipeline(stages=2), virtual_nodes=8)
+    _, history = train_local(job, 5, replicas=2, deterministic=True)
+    p = policy(8, min_observations=1)
+    members = [7, 8, 9, 10]
+    vns = p.plan_pipeline_map(members, [1] * 4, [2, 2], balance=True).assignment
+    p.new_generation(0)
+    assert p.stage_seconds(members)[1] == "stated"
+    for k, h in enumerate(history):
+        rows = None if h.breakdown is None else [{"worker": w, **row} for w, row in zip(members, h.breakdown)]
+        assert p.observe({"type": "step", "step": k, "step_time_s": 0.1, "compute_s": None, "members": members,
+                          "vns": vns, "vn_sizes": None, "breakdown": rows})
+    seconds, source = p.stage_seconds(members)
+    assert source == "measured" and all(x > 0 for x in seconds)
+    assert p.obs == {w: 3 for w in members}  # steps 1-3 (step 0 is warm-up; step 4's breakdown rides in no report)
+
+
+def test_the_controller_publishes_a_rebalance_measured_from_the_stage_breakdowns():
+    """The membership controller (a fake launcher, no process) of a (2, 1, 2) grid with balance:
+    equal shares at first (nothing stated), then the measured breakdowns (replica 1 3x slower)
+    make the speed policy decide a rebalance at a step boundary, which the controller publishes
+    as a new generation whose map gives every member of a replica its block."""
+    coord = Coordinator(total_steps=100, run_dir=None)
+    events = []
+    coord.event = lambda kind, **f: events.append((kind, f))  # type: ignore[method-assign]
+    ctl = MembershipController(coord, FakeLauncher(), vf.LaunchOptions(workers=4, steps=100, balance=True),
+                               virtual_nodes=8, clock=lambda: 0.0, stages=2, tensor=2, rebalance_patience=2)
+    ctl.start()
+    ctl.tick([{"type": "join", "worker": w, "setup_s": 0.0} for w in range(4)] + [formed(0, list(range(4)))])
+    assert ctl.generation == 0 and shares(ctl.assignment, [2, 2]) == [4, 4]
+    for k in range(10):
+        rows = None if k == 0 else [stage_row(0, 0.04), stage_row(2, 0.12)]
+        ctl.tick([{"type": "step", "worker": 0, "step": k, "generation": 0, "step_time_s": 0.5, "compute_s": None,
+                   "members": list(range(4)), "vns": ctl.assignment, "vn_sizes": None, "breakdown": rows}])
+        if ctl.generation > 0:
+            break
+    assert ctl.generation == 1 and ctl.change_in_flight.kind == "rebalance"
+    # 0.01 vs 0.03 s per micro-batch (P = 1: no bubble): 6/2 gives 0.06 s (4/4: 0.12 s)
+    assert ctl.assignment == [list(range(6))] * 2 + [[6, 7]] * 2
+    assert ctl.predicted_step_s == pytest.approx(0.06)
+
+
+def test_balance_on_a_tensor_parallel_grid_passes_the_launch_checks():
+    from virtualflow.launching.composition import check_pipeline_balance
+
+    for opts in (vf.LaunchOptions(workers=4, steps=1, balance=True),
+                 vf.LaunchOptions(workers=4, steps=1, slowdowns=[1, 1, 2, 2])):
+        check_pipeline_balance(Pipeline(stages=1, tensor=2), opts)  # no refusal
 
 
 def pipelined_controller(**options):

@@ -41,23 +41,25 @@ def eager_every_wait_from_env() -> bool:
 
 def build_engine(job: Any, pipeline: Any, bounds: Sequence[tuple[int, int]], stage_rank: int, *,
                  dataset: Any, deterministic: bool, device: torch.device,
-                 eager_every_wait: bool | None = None) -> StageEngine:
+                 eager_every_wait: bool | None = None, loader_workers: int = 0) -> StageEngine:
     """:func:`virtualflow.runtime.pipeline.local.build_engine`, ``eager_every_wait`` defaulting to
     :func:`eager_every_wait_from_env`."""
     if eager_every_wait is None:
         eager_every_wait = eager_every_wait_from_env()
     return in_process.build_engine(job, pipeline, bounds, stage_rank, dataset=dataset,
-                                   deterministic=deterministic, device=device, eager_every_wait=eager_every_wait)
+                                   deterministic=deterministic, device=device, eager_every_wait=eager_every_wait,
+                                   loader_workers=loader_workers)
 
 
 def train_local(job: Any, steps: int, *, replicas: int = 1, deterministic: bool = False,
                 bounds: Sequence[tuple[int, int]] | None = None, device: torch.device = torch.device("cpu"),
                 eager_every_wait: bool | None = None, reduction: str = "allreduce",
-                engines_out: list[Any] | None = None) -> tuple[dict[str, torch.Tensor], list[StepResult]]:
+                engines_out: list[Any] | None = None,
+                loader_workers: int = 0) -> tuple[dict[str, torch.Tensor], list[StepResult]]:
     """:func:`virtualflow.runtime.pipeline.local.train_local`, ``eager_every_wait`` defaulting to
     :func:`eager_every_wait_from_env`."""
     if eager_every_wait is None:
         eager_every_wait = eager_every_wait_from_env()
     return in_process.train_local(job, steps, replicas=replicas, deterministic=deterministic, bounds=bounds,
                                   device=device, eager_every_wait=eager_every_wait, reduction=reduction,
-                                  engines_out=engines_out)
+                                  engines_out=engines_out, loader_workers=loader_workers)

@@ -184,8 +184,9 @@ class LaunchOptions:
                                         "elasticity and fault tolerance", metavar="N", worker=True)
     checkpoint_format: str = _opt("pt", "how checkpoints are written: pt (rank 0 gathers the whole state into one "
                                   "file, checkpoints/step-N.pt) or dcp (every worker writes what it holds with "
-                                  "torch.distributed.checkpoint into checkpoints/step-N.dcp/; resumes on any worker "
-                                  "count and either reduction)", "elasticity and fault tolerance",
+                                  "torch.distributed.checkpoint into checkpoints/step-N.dcp/, a tensor-parallel "
+                                  "stage its shards). Either resumes on any grid: another worker count, reduction, "
+                                  "stages, split or tensor degree, or no pipeline)", "elasticity and fault tolerance",
                                   choices=("pt", "dcp"), worker=True)
     async_checkpoint: bool = _opt(False, "with --checkpoint-format dcp: training goes on while the checkpoint is "
                                   "written (it stalls for the copy to host memory only; one save in flight)",

@@ -83,7 +83,8 @@ class Pipeline:
     redone step takes the lost stage's forwards from them instead of recomputing them;
     ``"lazy"`` - no redundant forward: a failover recomputes the lost stage's forwards in the
     redone step. Eager forwards apply to ``1f1b`` and ``gpipe`` with ``chunks=1`` (the schedules a
-    failover re-lays); elsewhere the mode is lazy."""
+    failover re-lays) and ``tensor=1``; elsewhere the mode is lazy (a tensor-parallel forward is a
+    collective of its stage's group, and each worker picks its idle slots by its own timing)."""
 
     tensor: int = 1
     """T: tensor-parallel width of every stage. Each stage is a group of ``tensor`` workers running
@@ -105,7 +106,7 @@ class Pipeline:
             raise ValueError(f"Pipeline.schedule={self.schedule!r} is not one of {SCHEDULE_NAMES}")
         check("chunks+schedule", chunks=self.chunks, schedule=self.schedule)
         object.__setattr__(self, "split", check_split(self.split, self.stages, self.chunks))
-        check("redundancy+flush", "tensor+redundancy", "tensor_chunks+tensor", redundancy=self.redundancy,
+        check("redundancy+flush", "tensor_chunks+tensor", redundancy=self.redundancy,
               stages=self.stages, flush=self.flush, schedule=self.schedule, flush_schedules=FLUSH_SCHEDULES,
               tensor=self.tensor, tensor_chunks=self.tensor_chunks)
         if self.redundant_compute not in ("eager", "lazy"):
@@ -132,7 +133,7 @@ class Pipeline:
     def eager_forwards(self) -> bool:
         """Whether workers run their successor's forwards on their replicas (``redundant_compute``)."""
         return (bool(self.redundancy) and self.redundant_compute == "eager" and self.chunks == 1
-                and self.schedule in ("1f1b", "gpipe"))
+                and self.schedule in ("1f1b", "gpipe") and self.tensor == 1)
 
 
 def _positive(name: str, value: object) -> None:

@@ -7,16 +7,23 @@ handled the same batch of worker reports, and does four things:
    throughput B / step time, each worker's own throughput (its samples over its compute time,
    which ride in the step's reduction), cost rate, elapsed time, steps remaining;
 2. asks the policy for a decision, but only while no change is in flight (no resize pending,
-   no generation forming, no hold): a decision is always made on the job as it is;
+   no generation forming, no hold) and the last report is of a step run by the current members:
+   a decision is always made on the job as it is;
 3. applies it: :class:`Resize` through ``controller.request_resize`` (the same path as
    ``JobHandle.resize``: newcomers build the job before joining, the others keep training);
-   :class:`Replace` as a grow by one followed, once the replacement has joined, by a shrink
+   :class:`Replace` as a grow by one worker (a replica) followed, once it has joined, by a shrink
    that removes the straggler; :class:`Rebalance` as an immediate re-solve of the VN map by
    measured speed (turning speed-based mapping on when the job started without it);
 4. records: ``autoscale_decision`` events (from, to, why, the throughput table),
    ``autoscale_size`` events (the frozen measurement of each worker count tried),
    ``autoscale_settled``, and the console line that says why (``3 -> 4: scaling efficiency
    0.93 > 0.10 (2 -> 3)``).
+
+A pipelined job (``pipeline`` given) is autoscaled in whole replicas of stages x tensor workers
+(:func:`virtualflow.control.autoscale.pipeline.pipeline_limits`: the policy sees bounds in whole
+replicas and the replica time model); a decision that would leave a partial replica is rounded
+to whole ones, away from the current size, before it is applied, and a replacement replaces the straggler's whole
+replica: a fresh replica joins, then the straggler's leaves.
 
 Autoscaling never changes B, V or anything the model sees: it only changes how many workers
 run the V virtual nodes, through the same generations a manual resize uses, so the trained
@@ -45,6 +52,7 @@ from virtualflow.control.autoscale import (
     Resize,
     Stay,
     measure_sizes,
+    pipeline_limits,
 )
 
 logger = logging.getLogger("virtualflow")
@@ -95,11 +103,14 @@ class AutoscaleExecutor:
         history_head: int = 256,
         history_tail: int = 256,
         clock: Callable[[], float] = time.time,
+        pipeline: Any = None,
     ) -> None:
         self.policy = policy
         self.ctl = controller
         self.coord = coordinator
-        self.limits = limits
+        self.limits = pipeline_limits(limits, pipeline, virtual_nodes)
+        """The policy's bounds: for a pipelined job (``pipeline``, a resolved
+        :class:`~virtualflow.config.pipeline.Pipeline`) in whole replicas, with its time model."""
         self.B, self.V = global_batch_size, virtual_nodes
         self.total_steps = total_steps
         self.price = price_per_worker_hour
@@ -191,6 +202,8 @@ class AutoscaleExecutor:
         ctl = self.ctl
         if ctl.busy or ctl.hold or ctl.target != len(ctl.members) or ctl.finished:
             return  # a change is in flight: decide on the job as it will be
+        if history[-1].workers != len(ctl.members):
+            return  # the last report is of a step run before the change: wait for one of the job as it is
         try:
             decision = self.policy.decide(history, self.limits)
         except Exception as exc:  # a user's policy: keep training, stop autoscaling
@@ -212,7 +225,11 @@ class AutoscaleExecutor:
                                  reason=decision.reason, sizes=self._sizes_table())
             return
         if isinstance(decision, Resize):
-            target = self.limits.clamp(int(decision.workers))
+            target = self.limits.toward(int(decision.workers), current)
+            if target != decision.workers:
+                self._note(f"resize-{decision.workers}", f"{name} asked for {decision.workers} workers; applying "
+                           f"{target} (whole replicas of {self.limits.unit} in [{self.limits.min_workers}, "
+                           f"{self.limits.max_workers}])")
             if target == current:
                 return
             replan = decision.detail.get("replan") if isinstance(decision.detail, dict) else None
@@ -224,13 +241,14 @@ class AutoscaleExecutor:
             self._decided("resize", name, current, target, decision.reason, last, dict(decision.detail))
             self.ctl.request_resize(target, source="autoscale")
         elif isinstance(decision, Replace):
-            w = decision.worker
-            if w not in self.ctl.members or current + 1 > self.limits.max_workers:
-                self._note(f"replace-{w}", f"cannot replace worker {w} (not a member, or no room under max_workers)")
+            w, unit = decision.worker, self.limits.unit
+            if w not in self.ctl.members or current + unit > self.limits.highest or getattr(self.ctl, "layout", None):
+                self._note(f"replace-{w}", f"cannot replace worker {w} (not a member, no room for {unit} more "
+                                           f"under max_workers, or a failed-over pipeline layout runs)")
                 return
-            self._decided("replace", name, current, current + 1, decision.reason, last, {"worker": w})
+            self._decided("replace", name, current, current + unit, decision.reason, last, {"worker": w})
             self._replacing = (w, current)
-            self.ctl.request_resize(current + 1, source="autoscale")
+            self.ctl.request_resize(current + unit, source="autoscale")
         elif isinstance(decision, Rebalance):
             if not self.ctl.balance:
                 # Fewer VNs for the straggler is a speed-based map: the controller measures every
@@ -260,7 +278,9 @@ class AutoscaleExecutor:
 
     # -- replacement ---------------------------------------------------------------------------
     def _finish_replacement(self) -> None:
-        """Second half of a Replace: once the grow has formed, the straggler leaves."""
+        """Second half of a Replace: once the grow has formed, the straggler leaves (in a
+        pipelined job with the whole replica it belongs to: ranks are laid out replica by replica,
+        so the replicas after it keep their stages)."""
         assert self._replacing is not None
         w, before = self._replacing
         ctl = self.ctl
@@ -269,12 +289,15 @@ class AutoscaleExecutor:
         if w not in ctl.members:  # lost meanwhile (failure): nothing left to do
             self._replacing = None
             return
-        if len(ctl.members) != before + 1:
+        unit = self.limits.unit
+        if len(ctl.members) != before + unit:
             self._replacing = None  # something else changed the membership: give up quietly
             return
-        keep = [m for m in ctl.members if m != w]
+        first = ctl.members.index(w) // unit * unit
+        removed = list(ctl.members[first:first + unit])
+        keep = [m for m in ctl.members if m not in removed]
         ctl.target = len(keep)
-        self._republish("shrink", keep, {"from": len(ctl.members), "to": len(keep), "removed": [w],
+        self._republish("shrink", keep, {"from": len(ctl.members), "to": len(keep), "removed": removed,
                                          "reason": "straggler replaced"})
         self._replacing = None
 

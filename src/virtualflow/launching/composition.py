@@ -8,9 +8,8 @@ conditions and their one-line messages (the value, the rule and the knob to chan
 table only; the ``Pipeline`` applies the rows about its own fields, and the worker's engines those
 that need the built stage.
 
-Invariant: nothing here starts anything; :func:`check_pipeline_options` and
-:func:`check_pipeline_balance` read only the resolved ``Pipeline`` and the options, so they run
-before the profile.
+Invariant: nothing here starts anything; :func:`check_pipeline_balance` reads only the resolved
+``Pipeline`` and the options, so it runs before the profile.
 """
 
 from __future__ import annotations
@@ -23,25 +22,15 @@ from virtualflow.config.composition import check
 from virtualflow.config.options import LaunchOptions
 from virtualflow.plan.pipeline.geometry import EXACT_USES, shared_across_pieces, tied_parameters
 
-__all__ = ["check_pipeline_balance", "check_pipeline_options", "check_shared_parameters", "check_streaming"]
-
-
-def check_pipeline_options(pipeline: Any, opts: LaunchOptions, policy: Any = None) -> None:
-    """Refuse the launch options a pipelined job (``pipeline``, a resolved
-    :class:`~virtualflow.config.pipeline.Pipeline`) cannot honour; ``policy`` is the autoscaler's
-    policy (None without ``autoscale``)."""
-    if pipeline is None:
-        return
-    name = getattr(policy, "name", opts.autoscale) if opts.autoscale is not None else None
-    check("pipeline+loader_workers", "pipeline+autoscale", pipelined=True, loader_workers=opts.loader_workers,
-          autoscale=name, per_replica=pipeline.stages * pipeline.tensor)
+__all__ = ["check_pipeline_balance", "check_shared_parameters", "check_streaming"]
 
 
 def check_pipeline_balance(pipeline: Any, opts: LaunchOptions) -> None:
     """What speed-weighted micro-batch shares cannot do for a pipelined job (docs/pipeline.md,
-    "Replicas of unequal speed")."""
-    check("pipeline+uneven_vn_sizes", "tensor+balance", "balance+no_flush", "balance+interleaved_chunks",
-          uneven_vn_sizes=opts.uneven_vn_sizes, balanced=opts.balanced, tensor=pipeline.tensor,
+    "Replicas of unequal speed"). A tensor-parallel grid is weighed like any pipeline: its
+    replicas' time model takes each stage's ``T`` workers as one group (docs/heterogeneity.md)."""
+    check("pipeline+uneven_vn_sizes", "balance+no_flush", "balance+interleaved_chunks",
+          uneven_vn_sizes=opts.uneven_vn_sizes, balanced=opts.balanced,
           flush=pipeline.flush, schedule=pipeline.schedule, chunks=pipeline.chunks, stages=pipeline.stages)
 
 

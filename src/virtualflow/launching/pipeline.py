@@ -34,17 +34,13 @@ from virtualflow.runtime.profile import auto_split, profile_model
 __all__ = ["check_tensor_parallel", "plan_pipeline"]
 
 
-def check_tensor_parallel(job: Job, pipeline: Pipeline, layers: list[nn.Module], *,
-                          checkpoint_format: str = "pt") -> None:
-    """Refuse, before any worker starts, what tensor-parallel stages (``Pipeline.tensor > 1``)
-    cannot honour (the table's ``tensor+...`` rows, :mod:`virtualflow.config.composition`); check
-    that some layer has a block to split and that every block splits ``tensor`` ways (heads and
-    widths divisible)."""
+def check_tensor_parallel(pipeline: Pipeline, layers: list[nn.Module]) -> None:
+    """Check, before any worker starts, that tensor-parallel stages (``Pipeline.tensor > 1``) have
+    something to split: some layer has a block virtualflow can convert, and every block splits
+    ``tensor`` ways (heads and widths divisible)."""
     t = pipeline.tensor
     if t == 1:
         return
-    check("tensor+precision", "tensor+compile", "tensor+dcp", tensor=t, precision=job.precision, compile=job.compile,
-          checkpoint_format=checkpoint_format)
     from virtualflow.parallel.convert import tensor_parallel_candidates, tensor_splits
 
     if not any(tensor_parallel_candidates(layers)):
@@ -58,8 +54,7 @@ def check_tensor_parallel(job: Job, pipeline: Pipeline, layers: list[nn.Module],
 
 
 def plan_pipeline(job: Job, dataset: Any, workers: int, log: Any = None, device: str = "cpu",
-                  deterministic: bool = False, cpu_count: int | None = None,
-                  checkpoint_format: str = "pt") -> Pipeline:
+                  deterministic: bool = False, cpu_count: int | None = None) -> Pipeline:
     """Check a pipelined job against its model and worker count, resolve ``split="auto"`` with the
     profiler (on ``device``, the workers' kind of device), and return the pipeline with explicit
     layer counts (what every worker uses). ``cpu_count`` (default ``os.cpu_count()``) sets the
@@ -74,7 +69,7 @@ def plan_pipeline(job: Job, dataset: Any, workers: int, log: Any = None, device:
         torch.manual_seed(job.seed)
         model = job.model()
     layers = layers_of(model)
-    check_tensor_parallel(job, pipeline, layers, checkpoint_format=checkpoint_format)
+    check_tensor_parallel(pipeline, layers)
     # The training loop's knobs, refused here (before any worker starts) where the schedule or
     # the model cannot honour them; each worker checks them again when it builds its stage.
     check("no_flush+loop", flush=pipeline.flush, schedule=pipeline.schedule, precision=job.precision,

@@ -29,7 +29,7 @@ from virtualflow.config.job import Job, source_from
 from virtualflow.config.options import LaunchOptions
 from virtualflow.config.pipeline import pipeline_of
 from virtualflow.control.autoscale import FixedPolicy, Limits, make_policy
-from virtualflow.launching.composition import check_pipeline_balance, check_pipeline_options, check_streaming
+from virtualflow.launching.composition import check_pipeline_balance, check_streaming
 from virtualflow.launching.identity import check_identity, job_label, record_identity, run_identity
 from virtualflow.launching.pipeline import plan_pipeline
 from virtualflow.launching.preflight import build_dataset, build_job, preflight
@@ -72,7 +72,6 @@ def prepare(job: JobLike, opts: LaunchOptions) -> Iterator[RunSetup]:
         check_workers(pipeline, opts.start_workers)
         if opts.max_workers is not None:
             check_workers(pipeline, opts.max_workers)
-        check_pipeline_options(pipeline, opts, policy)  # docs/composition.md: what a pipeline refuses
     dataset = build_dataset(job_obj)
     plan = data_plan_of(dataset, job_obj)
     check_streaming(isinstance(plan, StreamPlan), opts)
@@ -94,7 +93,7 @@ def prepare(job: JobLike, opts: LaunchOptions) -> Iterator[RunSetup]:
     signature = preflight(job_obj, dataset, plan, reduction=opts.reduction)
     if pipeline is not None:
         pipeline = plan_pipeline(job_obj.replace(pipeline=pipeline), dataset, workers, device=opts.device,
-                                 deterministic=opts.deterministic, checkpoint_format=opts.checkpoint_format)
+                                 deterministic=opts.deterministic)
         if opts.reduction == "sharded":
             check_stage_sharding(pipeline, tied=bool(shared_across_pieces(*_layers_and_bounds(job_obj, pipeline))))
         overrides_job["pipeline"] = pipeline

@@ -12,7 +12,9 @@ the coordinator was cut off (their steps never recorded), so an earlier one is u
 steps are redone, exactly, and recorded once. Corrupt or truncated files
 are reported and skipped; a file holding anything but plain data is refused outright (it was
 tampered with: see :mod:`virtualflow.runtime.checkpoint`), as is a state from a different job
-(other B, V, seed, data order or model shapes), with a message naming what differs; a state
+(other B, V, seed, data order or model shapes), with a message naming what differs; a state of
+another grid (data-, pipeline- or tensor-parallel) resumes, re-cut on load
+(:mod:`virtualflow.runtime.regrid`); a state
 that records no data order was written before ``Job.data_order`` existed, with ``"randperm"``.
 Nothing here deletes or moves a state file.
 """
@@ -31,6 +33,7 @@ from virtualflow.config.job import Job
 from virtualflow.records.rundir import STATE_FILES
 from virtualflow.runtime.checkpoint import CorruptCheckpointError, UntrustedStateError, load_state
 from virtualflow.runtime.dcp import is_dcp, peek_dcp
+from virtualflow.runtime.regrid import regrid_refusal
 
 logger = logging.getLogger("virtualflow")
 
@@ -174,32 +177,24 @@ def _check_same_data_order(path: str, saved: dict[str, Any], job: Job) -> None:
 
 
 def _check_same_pipeline(path: str, state: dict[str, Any], job: Job) -> None:
-    """A pipelined run's state holds one optimizer state per stage: a state file resumes only with
-    the same stages and split; a sharded checkpoint, which names each stage's parameters, also
-    with others (:func:`virtualflow.runtime.pipeline.worker_engine.restage`). The schedule may
-    change, except to or from 2BW, whose older weight version a state does not hold."""
+    """A state resumes on any grid: other data- or tensor-parallel widths need nothing (a state
+    holds the single-worker layout of the model), and other stages, another split, or a pipeline
+    where there was none (and back) re-cut its optimizer state by parameter name
+    (:mod:`virtualflow.runtime.regrid`), except for an optimizer of several parameter groups. The
+    schedule may change, except to or from 2BW, whose older weight version a state does not hold."""
     saved = state.get("pipeline")
     saved = saved if isinstance(saved, dict) else None
     pipeline = job.pipeline
     if saved is None and pipeline is None:
         return
-    if saved is None or pipeline is None:
-        what = "a pipelined run" if saved is not None else "a run without a pipeline"
-        raise ValueError(
-            f"the checkpoint {path} was written by {what}; its optimizer state is laid out for that run. Resume it "
-            f"{'with the same --pipeline-stages and --split' if saved is not None else 'without a pipeline'}"
-        )
-    bounds = saved.get("bounds")
+    bounds = (saved or {}).get("bounds")
     counts = tuple(int(b) - int(a) for a, b in bounds) if isinstance(bounds, list) else None
-    names = saved.get("stage_params")  # a sharded checkpoint: its optimizer state can be cut again by name
-    restageable = isinstance(names, list) and bool(names) and all(isinstance(n, list) for n in names)
-    if (saved.get("stages") != pipeline.stages or counts != tuple(pipeline.split)) and not restageable:
-        raise ValueError(
-            f"the checkpoint {path} holds {saved.get('stages')} stages with layer counts {counts}; the job has "
-            f"{pipeline.stages} stages with {pipeline.split}. Resume with --pipeline-stages {saved.get('stages')} "
-            f"--split {','.join(map(str, counts or ()))}"
-        )
-    if "2bw" in (saved.get("schedule"), pipeline.schedule):
+    same = saved is not None and pipeline is not None and (saved.get("stages"), counts) == (pipeline.stages,
+                                                                                          tuple(pipeline.split))
+    refusal = None if same else regrid_refusal(state)
+    if refusal is not None:
+        raise ValueError(f"the checkpoint {path} cannot resume on this grid: {refusal}")
+    if "2bw" in ((saved or {}).get("schedule"), pipeline.schedule if pipeline is not None else None):
         raise ValueError(
             f"the checkpoint {path} cannot resume a 2bw run (or be resumed by one): a state does not hold 2BW's "
             f"older weight version; resume with a flush schedule, or start afresh"

@@ -183,7 +183,7 @@ class Supervisor:
         if self.job.pipeline is not None:
             stages = self.job.pipeline.replica_workers  # the controller's unit: whole replicas (P x T)
             extra["assign"] = lambda V, n: pipeline_assignment(V, n, stages)
-            extra.update(stages=stages, redundancy=self.job.pipeline.redundancy)
+            extra.update(stages=stages, redundancy=self.job.pipeline.redundancy, tensor=self.job.pipeline.tensor)
         self.controller = MembershipController(
             self.coordinator, self.backend, opts,
             virtual_nodes=self.job.virtual_nodes, global_batch_size=self.job.global_batch_size,
@@ -199,7 +199,7 @@ class Supervisor:
                 setup.autoscale, self.controller, self.coordinator, limits=setup.autoscale_limits,
                 global_batch_size=self.job.global_batch_size, virtual_nodes=self.job.virtual_nodes,
                 total_steps=setup.total_steps, price_per_worker_hour=float(opts.price_per_worker_hour),
-                start_time=self.t0,
+                start_time=self.t0, pipeline=self.job.pipeline,
             )
 
     # -- lifecycle ---------------------------------------------------------------------------

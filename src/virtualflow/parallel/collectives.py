@@ -91,32 +91,97 @@ def split_range(n: int, parts: int, rank: int, what: str, knob: str) -> tuple[in
     return shard_bounds(n, parts)[rank]
 
 
+@dataclass(frozen=True, slots=True)
+class Precision:
+    """The dtypes a tensor-parallel autograd Function computes in: fixed by the autocast state of
+    its forward, and used again by its backward (what ``torch.amp.custom_fwd`` / ``custom_bwd``
+    do for one device type; this records the state of the input's device, CPU or CUDA).
+
+    ``compute``: the autocast dtype (bfloat16, float16) when autocast is on for the device, else
+    None (every op in the tensors' own dtypes, bit for bit as without autocast). The matmuls run
+    where the unconverted block's ``F.linear`` runs them under autocast: inputs and weights cast
+    to ``compute``. Inside the Functions autocast is off (:meth:`off`) and every cast is explicit,
+    so that a float32 sum is not cast down again.
+
+    **Row-parallel sums** (the partial sums of the t ranks, in the forward's reduce-scatter and in
+    the column-parallel input gradient's all-reduce) travel and are added in :meth:`sum_dtype`:
+    float32 for a bfloat16/float16 compute dtype. Each rank's partial is the matmul of the
+    low-precision operands with float32 accumulation (their products are exact in float32), the t
+    partials are added in float32 and the sum is rounded to the compute dtype once: what the
+    unconverted matmul does with its float32 accumulator, up to the order of the additions. Summing
+    in bfloat16 would round t times (t partials, each already rounded, then every addition),
+    about ``t`` times the single-worker error; float32 costs twice the bytes of those two
+    collectives (the all-gathers of replicated rows travel in their own dtype, exactly)."""
+
+    device_type: str
+    compute: torch.dtype | None
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "Precision":
+        """The autocast state of ``t``'s device now."""
+        device_type = t.device.type
+        on = torch.is_autocast_enabled(device_type)
+        return cls(device_type, torch.get_autocast_dtype(device_type) if on else None)
+
+    def off(self):
+        """A region with autocast off on the device (the Functions cast explicitly)."""
+        return torch.autocast(self.device_type, enabled=False)
+
+    def cast(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """``t`` as autocast casts a matmul operand: floating tensors (not float64) to ``compute``."""
+        if t is None or self.compute is None or not t.is_floating_point() or t.dtype == torch.float64:
+            return t
+        return t.to(self.compute)
+
+    def sum_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype partial sums of a ``dtype`` matmul travel and are added in (see above)."""
+        return torch.promote_types(dtype, torch.float32) if self.compute is not None else dtype
+
+
+def partial_mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` as a partial sum in ``dtype`` (the operands upcast: bfloat16/float16 products are
+    exact in float32, so this is the low-precision matmul with a float32 accumulator, unrounded)."""
+    return torch.mm(a.to(dtype), b.to(dtype))
+
+
 class ColumnParallelLinear(torch.autograd.Function):
-    """``x @ w_r^T + b_r`` on a replicated ``x`` (``F.linear``). Backward: the input gradient is
-    the all-reduced sum of the ranks' partials (overlapped with the weight-gradient matmul)."""
+    """``x @ w_r^T + b_r`` on a replicated ``x`` (``F.linear``; under autocast in its dtype, as
+    ``F.linear`` runs). Backward: the input gradient is the all-reduced sum of the ranks' partials
+    (in :meth:`Precision.sum_dtype`, rounded once; overlapped with the weight-gradient matmul)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, comm: Comm) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.comm = comm
-        return F.linear(x, weight, bias)
+        prec = Precision.of(x)
+        with prec.off():
+            xc, wc, bc = prec.cast(x), prec.cast(weight), prec.cast(bias)
+            ctx.save_for_backward(xc, wc)
+            ctx.comm, ctx.prec, ctx.dtypes = comm, prec, (x.dtype, weight.dtype)
+            return F.linear(xc, wc, bc)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
+        with ctx.prec.off():
+            return ColumnParallelLinear._backward(ctx, g)
+
+    @staticmethod
+    def _backward(ctx, g: torch.Tensor):
         x, weight = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        g = g.to(x.dtype)
         gx = handle = None
         if ctx.needs_input_grad[0]:
-            gx = g @ weight
+            gx = partial_mm(g, weight, ctx.prec.sum_dtype(g.dtype) if ctx.comm.group.size > 1 else g.dtype)
             handle = ctx.comm.all_reduce(gx.view(-1), async_op=True)
         gw = None
         if ctx.needs_input_grad[1]:
             # The matmul autograd runs for F.linear's addmm: a weight stored [in, out] (a Conv1D's,
             # passed transposed) gets x^T g, one stored [out, in] gets g^T x (bit for bit).
             stored_transposed = not weight.is_contiguous() and weight.t().is_contiguous()
-            gw = (x.t() @ g).t() if stored_transposed else g.t() @ x
-        gb = g.sum(0) if ctx.needs_input_grad[2] else None
+            gw = ((x.t() @ g).t() if stored_transposed else g.t() @ x).to(w_dtype)
+        gb = g.sum(0).to(w_dtype) if ctx.needs_input_grad[2] else None
         if handle is not None:
             handle.wait()
+            gx = gx.to(x.dtype).to(x_dtype)  # rounded once to the compute dtype, as autocast's cast passes it
         return gx, gw, gb, None
 
 
@@ -125,29 +190,29 @@ class _CopyToRanks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
-        ctx.comm = comm
+        ctx.comm, ctx.prec = comm, Precision.of(x)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        g = g.contiguous().clone()
-        ctx.comm.all_reduce(g.view(-1))
-        return g, None
+        total = g.to(ctx.prec.sum_dtype(g.dtype)).contiguous().clone()
+        ctx.comm.all_reduce(total.view(-1))
+        return total.to(g.dtype), None
 
 
 class _ReduceScatterRows(torch.autograd.Function):
-    """[T, h] partial sums -> this rank's rows of the sum; backward: all-gather (every rank's
-    partial gets the gradient of the whole sum)."""
+    """[T, h] partial sums -> this rank's rows of the sum (added in :meth:`Precision.sum_dtype`,
+    rounded once); backward: all-gather (every rank's partial gets the gradient of the whole sum)."""
 
     @staticmethod
     def forward(ctx, z: torch.Tensor, comm: Comm) -> torch.Tensor:
         tokens, width = z.shape
         rows = shard_bounds(tokens, comm.group.size)
-        buf = z.contiguous().clone()
+        buf = z.to(Precision.of(z).sum_dtype(z.dtype)).contiguous().clone()
         comm.reduce_scatter(buf.view(-1), [(lo * width, hi * width) for lo, hi in rows])
         ctx.comm, ctx.rows = comm, rows
         lo, hi = rows[comm.group.rank]
-        return buf[lo:hi].clone()
+        return buf[lo:hi].to(z.dtype, copy=True)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):

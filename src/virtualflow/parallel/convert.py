@@ -44,6 +44,11 @@ Invariants:
   Hugging Face ``sdpa``; ``eager`` attention is computed by ``F.scaled_dot_product_attention``,
   within float tolerance). With t > 1 the partial sums add in another order: within float
   tolerance (docs/coconet.md has the measured differences).
+- **Autocast and compile.** Under ``torch.autocast`` the blocks compute in the autocast dtype as
+  the original does (one rank: bit for bit; t ranks add the row-parallel partial sums in float32
+  and round once: :class:`~virtualflow.parallel.collectives.Precision`); under ``torch.compile``
+  the communicating calls are opaque to dynamo and the rest of the block compiles
+  (:mod:`.sublayers`), with no guard on the communicator.
 """
 
 from __future__ import annotations

@@ -100,10 +100,10 @@ def attention_sublayer(x: torch.Tensor, norm: Norm | None, qkv: Projection, out:
         raise ValueError(f"attention input must be [batch, seq, hidden], got {tuple(x.shape)}")
     batch, seq, hidden = x.shape
     x2, a2 = _normed(x, norm, hidden)
-    local = ColumnParallelLinear.apply(a2, qkv.weight, qkv.bias, comm)
+    local = column_parallel(a2, qkv.weight, qkv.bias, comm)
     ctx = attend(local, batch, seq, heads, attn_seed)
-    cfg = EpilogueConfig(comm, TokenLayout.build(x2.shape[0], comm.group.size, chunks), resid_p, resid_seed)
-    return RowParallelEpilogue.apply(ctx, None, None, out.weight, out.bias, x2, cfg).reshape(x.shape)
+    return row_parallel(ctx, None, None, out.weight, out.bias, x2, comm, chunks, resid_p, resid_seed,
+                        "none").reshape(x.shape)
 
 
 def mlp_sublayer(x: torch.Tensor, norm: Norm | None, fc: Projection, proj: Projection,
@@ -115,12 +115,33 @@ def mlp_sublayer(x: torch.Tensor, norm: Norm | None, fc: Projection, proj: Proje
     Hugging Face's ``NewGELUActivation``, run by autograd between the two projections)."""
     hidden = x.shape[-1]
     x2, a2 = _normed(x, norm, hidden)
-    layout = TokenLayout.build(x2.shape[0], comm.group.size, chunks)
     if isinstance(act, str):
-        cfg = EpilogueConfig(comm, layout, resid_p, resid_seed, gelu=act)
-        y = RowParallelEpilogue.apply(a2, fc.weight, fc.bias, proj.weight, proj.bias, x2, cfg)
+        y = row_parallel(a2, fc.weight, fc.bias, proj.weight, proj.bias, x2, comm, chunks, resid_p, resid_seed, act)
     else:
-        h = act(ColumnParallelLinear.apply(a2, fc.weight, fc.bias, comm))
-        cfg = EpilogueConfig(comm, layout, resid_p, resid_seed)
-        y = RowParallelEpilogue.apply(h, None, None, proj.weight, proj.bias, x2, cfg)
+        h = act(column_parallel(a2, fc.weight, fc.bias, comm))
+        y = row_parallel(h, None, None, proj.weight, proj.bias, x2, comm, chunks, resid_p, resid_seed, "none")
     return y.reshape(x.shape)
+
+
+# The two calls that communicate, opaque to torch.compile: dynamo runs each as one eager call
+# (a graph break before and after it) and compiles the rest of the block (norms, attention,
+# activations, residuals). The communicator is read only inside them, so dynamo neither traces
+# the ring collectives nor guards on the communicator object: a new generation's communicator
+# (virtualflow.runtime.pipeline.tensor_grid.rebind_comm) recompiles nothing.
+
+
+@torch.compiler.disable
+def column_parallel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, comm: Comm) -> torch.Tensor:
+    """:class:`ColumnParallelLinear` (this rank's output features of a replicated input)."""
+    return ColumnParallelLinear.apply(x, weight, bias, comm)
+
+
+@torch.compiler.disable
+def row_parallel(inp: torch.Tensor, w1: torch.Tensor | None, b1: torch.Tensor | None, w2: torch.Tensor,
+                 b2: torch.Tensor | None, resid: torch.Tensor, comm: Comm, chunks: int, resid_p: float,
+                 resid_seed: int | None, gelu: str) -> torch.Tensor:
+    """:class:`RowParallelEpilogue` over ``chunks`` overlap chunks of the token rows (with fc1 +
+    ``gelu`` fused in when ``w1`` is given)."""
+    cfg = EpilogueConfig(comm, TokenLayout.build(resid.shape[0], comm.group.size, chunks), resid_p, resid_seed,
+                         gelu=gelu)
+    return RowParallelEpilogue.apply(inp, w1, b1, w2, b2, resid, cfg)

@@ -77,7 +77,10 @@ single-worker blocks draw the whole masks by the same rules.
 reduce-scatter ``(t-1)/t T h e`` + all-gather ``(t-1)/t T h e``; backward: all-gather
 ``(t-1)/t T h e`` + all-reduce ``2 (t-1)/t T h e`` of the input gradient (only when the input needs
 one; MLP: one per chunk, attention: one for the qkv projection). Chunking changes only the number
-of collectives (``k`` times as many), not the bytes. Saved for backward per rank: the input, fc1's
+of collectives (``k`` times as many), not the bytes. Under mixed precision the forward's
+reduce-scatter and the backward's all-reduce carry float32 partial sums (``e = 4``), the
+all-gathers the activations' own dtype (see :class:`~virtualflow.parallel.collectives.Precision`).
+Saved for backward per rank: the input, fc1's
 pre-activation and activation ``[T, f/t]`` (MLP), and the keep-mask of the owned rows (bool,
 ``[T/t, h]``).
 

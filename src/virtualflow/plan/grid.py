@@ -28,6 +28,11 @@ scale linearly). For layer ``i``, with ``A_i`` its output activation bytes per m
   all-gather and an all-reduce (``2 (T-1)`` ring steps) of the input gradient; the zero-bubble
   schedule's weight part ``w_i`` is ``weight_grad_s / (k d_i)`` (half the backward when not
   measured), the collectives belong to the input-gradient part;
+- the fixed CPU cost ``o_i`` of running the layer (``GridProblem.overhead_s``, forward and
+  backward, measured by the profiler): added to ``f_i`` and ``b_i`` undivided, times
+  ``max(1, D T / cores)`` when the workers share ``GridProblem.cores`` CPU cores (the ``D T``
+  workers of a stage run the layer at the same moment: the tensor group in lock step, the
+  replicas on the same schedule);
 - memory: parameters ``param_bytes / d_i``, stash ``stash_bytes / (k d_i)`` (the activations of a
   block are sharded along tokens or heads; its norms and row-parallel biases, which stay whole,
   are counted as sharded too).
@@ -50,7 +55,8 @@ pipeline hops ``m * A`` per boundary the worker sends across, data ``2 (D-1)/D *
 
 Not modelled: overlap of communication with compute (collectives, hops and the all-reduce all
 block), contention between links that share a NIC, the optimizer step, data loading, fixed
-per-kernel costs (a micro-batch of ``1/k`` of a VN is taken to cost ``1/k`` of its time), memory
+per-kernel costs beyond ``overhead_s`` (a micro-batch of ``1/k`` of a VN is taken to cost ``1/k``
+of its time), memory
 fragmentation and the activations of the collectives' buffers.
 
 Candidates: every ``(D, P, T)`` with ``D P T = W``, ``D <= V``, ``P <= layers``, ``T`` dividing
@@ -77,8 +83,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from virtualflow.plan.grid_model import (LayerCosts, all_splits, best_of_layout, bounds_of_counts, equal_counts,
-                                         evaluate, layer_costs, layouts, predict_layout, split_count)
+from virtualflow.plan.grid_model import (LayerCosts, all_splits, best_of_layout, bounds_of_counts, contention,
+                                         equal_counts, evaluate, layer_costs, layouts, predict_layout, split_count)
 from virtualflow.plan.grid_problem import (GRID_SCHEDULES, REDUCTIONS, GridCandidate, GridProblem, rank_key,
                                            schedule_preference)
 from virtualflow.plan.pipeline.partition import Link
@@ -195,17 +201,22 @@ def explain(plan: GridPlan) -> str:
     pairs = sum(problem.tensor_parallel)
     if best.tensor > 1:
         t = best.tensor
-        whole = layer_costs(problem, 1, k)
         split_ = layer_costs(problem, t, k)
-        before = sum(whole.f[i] + whole.b[i] for i in tp_idx)
-        after = sum(problem.layers[i].forward_s + problem.layers[i].backward_s for i in tp_idx) / (k * t)
+        before = sum(problem.layers[i].forward_s + problem.layers[i].backward_s for i in tp_idx) / k
+        after = before / t
         coll = sum(split_.tp_comm_s[i] for i in tp_idx)
         lines.append(f"T={t} divides the compute of the {len(tp_idx)} tensor-parallel blocks by {t} ({_ms(before)} -> "
                      f"{_ms(after)} ms per micro-batch over the model) but adds 4 collectives to each of their {pairs} "
                      f"column/row-parallel pairs "
                      f"(reduce-scatter, all-gather forward; all-gather, all-reduce backward: {5 * (t - 1)} ring "
                      f"steps per pair, {_ms(coll)} ms per micro-batch in all).")
-    elif tp_idx:
+    if problem.overhead_s is not None:
+        fixed = sum(f + b for f, b in problem.overhead_s)
+        busy = contention(problem, best.data, best.tensor)
+        lines.append(f"The layers' CPU overhead ({_ms(fixed)} ms per micro-batch, not divided by T) is taken "
+                     f"{busy:g}x: {best.data * best.tensor} workers run each layer at once"
+                     + ("" if problem.cores is None else f" on {problem.cores:g} shared cores") + ".")
+    if best.tensor == 1 and tp_idx:
         lines.append(f"T=1: splitting the {len(tp_idx)} tensor-parallel blocks would not pay here "
                      f"(collectives or fewer replicas cost more than the compute they divide).")
     if best.stages > 1:
@@ -240,6 +251,6 @@ def explain(plan: GridPlan) -> str:
 
 __all__ = [
     "GRID_SCHEDULES", "GridCandidate", "GridPlan", "GridProblem", "LayerCosts", "REDUCTIONS", "all_splits",
-    "bounds_of_counts", "candidates_table", "choose_grid", "equal_counts", "evaluate", "explain", "layer_costs",
+    "bounds_of_counts", "candidates_table", "choose_grid", "contention", "equal_counts", "evaluate", "explain", "layer_costs",
     "layouts", "predict_layout", "rank_key", "schedule_preference", "split_count",
 ]

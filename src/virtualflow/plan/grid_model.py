@@ -37,9 +37,17 @@ def ring_step_s(nbytes: float, link: Link) -> float:
     return nbytes / link.bandwidth_bytes_per_s + link.latency_s
 
 
-def layer_costs(problem: GridProblem, tensor: int, k: int) -> LayerCosts:
+def contention(problem: GridProblem, data: int, tensor: int) -> float:
+    """How many times its CPU overhead a layer takes when its ``data x tensor`` workers run it at
+    once on ``problem.cores`` shared cores (1 without a core count)."""
+    return 1.0 if problem.cores is None else max(1.0, data * tensor / problem.cores)
+
+
+def layer_costs(problem: GridProblem, tensor: int, k: int, data: int = 1) -> LayerCosts:
     f, b, w, act, params, stash, tpb, tps = [], [], [], [], [], [], [], []
     link = problem.tensor_link
+    busy = contention(problem, data, tensor)
+    overhead = problem.overhead_s or ((0.0, 0.0),) * len(problem.layers)
     for i, layer in enumerate(problem.layers):
         pairs = problem.tensor_parallel[i]
         tp = pairs > 0 and tensor > 1
@@ -47,8 +55,8 @@ def layer_costs(problem: GridProblem, tensor: int, k: int) -> LayerCosts:
         a = layer.activation_bytes / k
         step = ring_step_s(a / tensor, link) if tp else 0.0
         wg = problem.weight_grad_s[i] if problem.weight_grad_s is not None else 0.5 * layer.backward_s
-        f.append(layer.forward_s / (k * d) + pairs * 2 * (tensor - 1) * step)
-        b.append(layer.backward_s / (k * d) + pairs * 3 * (tensor - 1) * step)
+        f.append(layer.forward_s / (k * d) + pairs * 2 * (tensor - 1) * step + busy * overhead[i][0])
+        b.append(layer.backward_s / (k * d) + pairs * 3 * (tensor - 1) * step + busy * overhead[i][1])
         w.append(wg / (k * d))
         act.append(a)
         params.append(layer.param_bytes / d)
@@ -210,7 +218,7 @@ def best_of_layout(problem: GridProblem, layout: _Layout) -> GridCandidate:
     """The layout's best split under :func:`rank_key` (splits that cannot beat it are skipped by
     their lower bound, never by a guess)."""
     n_layers, pieces = len(problem.layers), layout.stages * layout.chunks
-    costs = layer_costs(problem, layout.tensor, layout.k)
+    costs = layer_costs(problem, layout.tensor, layout.k, layout.data)
     schedule = build_schedule(layout.schedule, layout.stages, layout.m, layout.chunks)
     if split_count(n_layers, pieces) <= problem.max_splits:
         splits = [(c, "searched") for c in all_splits(n_layers, pieces)]
@@ -248,11 +256,11 @@ def predict_layout(problem: GridProblem, candidate: GridCandidate) -> GridCandid
     k = candidate.microbatches_per_vn
     layout = _Layout(candidate.data, candidate.stages, candidate.tensor, candidate.schedule, candidate.chunks, k,
                      k * -(-problem.virtual_nodes // candidate.data))
-    costs = layer_costs(problem, layout.tensor, k)
+    costs = layer_costs(problem, layout.tensor, k, layout.data)
     schedule = build_schedule(layout.schedule, layout.stages, layout.m, layout.chunks)
     cand, _ = evaluate(problem, layout, candidate.counts, costs, schedule, candidate.split)
     return cand
 
 
-__all__ = ["LayerCosts", "all_splits", "best_of_layout", "bounds_of_counts", "equal_counts", "evaluate", "layer_costs",
+__all__ = ["LayerCosts", "all_splits", "best_of_layout", "bounds_of_counts", "contention", "equal_counts", "evaluate", "layer_costs",
            "layouts", "predict_layout", "ring_step_s", "split_count"]

@@ -69,6 +69,15 @@ class GridProblem:
     """Search every split when a layout has at most this many; else the partitioner's and the equal one."""
     reduction: str = "allreduce"
     """``allreduce`` (ring) or ``sharded`` (reduce-scatter + all-gather, optimizer state divided by D)."""
+    overhead_s: tuple[tuple[float, float], ...] | None = None
+    """Per layer: the (forward, backward) seconds per micro-batch that neither a tensor-parallel
+    group nor a smaller micro-batch divides, the fixed CPU cost of running the layer (Python,
+    autograd, small kernels' launches), as the profiler measures it on the model with nothing
+    else to do (:func:`virtualflow.runtime.profile.profile_model`); ``None``: 0."""
+    cores: float | None = None
+    """CPU cores the workers share (``None``: every worker has its own device: no contention). The
+    ``D T`` workers that run a layer at the same moment (a stage's tensor-parallel group in lock step,
+    the replicas on the same schedule) take ``max(1, D T / cores)`` times its :attr:`overhead_s`."""
 
     def __post_init__(self) -> None:
         owner = "GridProblem"
@@ -79,6 +88,8 @@ class GridProblem:
             object.__setattr__(self, name, tuple(dict.fromkeys(getattr(self, name))))
         if self.weight_grad_s is not None:
             object.__setattr__(self, "weight_grad_s", tuple(self.weight_grad_s))
+        if self.overhead_s is not None:
+            object.__setattr__(self, "overhead_s", tuple((float(f), float(b)) for f, b in self.overhead_s))
         if not self.layers:
             raise ValueError(f"{owner}.layers is empty; the model needs at least one layer (profile the job's model)")
         for i, layer in enumerate(self.layers):
@@ -116,6 +127,18 @@ class GridProblem:
                 if not (0 <= w <= layer.backward_s):
                     raise ValueError(f"{owner}.weight_grad_s[{i}]={w!r} must be within 0..backward_s="
                                      f"{layer.backward_s} (the weight part of the backward); re-profile")
+        if self.overhead_s is not None:
+            if len(self.overhead_s) != len(self.layers):
+                raise ValueError(f"{owner}.overhead_s has {len(self.overhead_s)} entries for {len(self.layers)} "
+                                 f"layers; give one (forward, backward) pair per layer or None")
+            for i, pair in enumerate(self.overhead_s):
+                if not all(math.isfinite(x) and x >= 0 for x in pair):
+                    raise ValueError(f"{owner}.overhead_s[{i}]={pair!r} must be finite seconds >= 0; re-profile")
+        cores = self.cores
+        if cores is not None and (isinstance(cores, bool) or not isinstance(cores, (int, float)) or not cores > 0
+                                  or math.isinf(cores)):
+            raise ValueError(f"{owner}.cores={cores!r} must be a finite number > 0 (CPU cores the workers share) "
+                             f"or None (a device each)")
         if self.vn_batch is not None:
             _positive_int(owner, "vn_batch", self.vn_batch, "samples per virtual node", "Job.global_batch_size")
         if not self.microbatches_per_vn:

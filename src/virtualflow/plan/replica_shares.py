@@ -22,6 +22,16 @@ fill part of the bubble). So a replica's time is *not* proportional to its share
 that divided ``V`` in proportion to speed would ignore the bubble, which every replica pays
 whatever its share.
 
+Tensor-parallel stages (``Pipeline(tensor=T)``, a ``D x P x T`` grid): a replica is ``P T``
+workers, the ``T`` members of a stage's tensor-parallel group consecutive in rank order
+(:mod:`virtualflow.runtime.pipeline.tensor_grid`). The group runs the stage in lock step (every
+block's collectives wait for all ``T``), so the *stage's* seconds per micro-batch are its slowest
+member's plus the collectives' cost, ``s_stage = max_{k in group} s_k + collective_s``, and the
+model above runs on the ``P`` stage times. ``collective_s`` is what the members' ``s_k`` leave
+out: a planner that costs compute alone (the grid planner's ring formulas) passes the collectives
+here; a measurement that already waited in them (tensor rank 0's forwards and backwards, the step
+breakdown's row of the stage) passes 0.
+
 The solver (:func:`solve_shares`, exact): integers ``m_j >= minimum_j``, each a multiple of
 ``multiple`` (the schedule's rule, :func:`microbatch_rule`), ``sum m_j = V``, minimising
 ``max_j T_j(m_j)``. Water-filling in units of ``multiple``: start every replica at its minimum
@@ -49,7 +59,7 @@ from typing import Sequence
 from virtualflow.plan.vnmap import contiguous_assignment
 
 __all__ = ["ReplicaTime", "SharePlan", "microbatch_rule", "per_worker", "predict_step_s", "replica_blocks",
-           "replica_time", "solve_shares"]
+           "replica_time", "solve_shares", "stage_seconds"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +75,13 @@ class ReplicaTime:
         return self.fixed_s + m * self.per_mb_s
 
 
-def replica_time(worker_s: Sequence[float], chunks: int = 1) -> ReplicaTime:
+def replica_time(worker_s: Sequence[float], chunks: int = 1, *, tensor: int = 1,
+                 collective_s: float = 0.0) -> ReplicaTime:
     """The flush-schedule time model of a replica whose workers take ``worker_s`` seconds per
-    micro-batch each (see the module docstring); ``chunks``: interleaved 1F1B's ``v``."""
+    micro-batch each, in rank order (see the module docstring); ``chunks``: interleaved 1F1B's
+    ``v``; ``tensor``: workers per stage (each run of ``tensor`` consecutive entries is one stage's
+    tensor-parallel group, paced by its slowest member), ``collective_s``: the group's collectives
+    per micro-batch, added to each stage (:func:`stage_seconds`)."""
     if not worker_s:
         raise ValueError("a pipeline replica needs at least one worker")
     for k, s in enumerate(worker_s):
@@ -75,8 +89,22 @@ def replica_time(worker_s: Sequence[float], chunks: int = 1) -> ReplicaTime:
             raise ValueError(f"worker_s[{k}]={s!r} must be a positive number of seconds per micro-batch")
     if chunks < 1:
         raise ValueError(f"chunks={chunks} must be at least 1")
-    slowest = max(worker_s)
-    return ReplicaTime((sum(worker_s) - slowest) / chunks, slowest)
+    stage_s = stage_seconds(worker_s, tensor, collective_s)
+    slowest = max(stage_s)
+    return ReplicaTime((sum(stage_s) - slowest) / chunks, slowest)
+
+
+def stage_seconds(worker_s: Sequence[float], tensor: int = 1, collective_s: float = 0.0) -> list[float]:
+    """Each stage's seconds per micro-batch from its workers' (``worker_s`` in rank order, the
+    ``tensor`` members of a stage consecutive): the slowest member's plus ``collective_s`` (the
+    tensor-parallel collectives, which every member waits in; 0 for ``tensor=1``)."""
+    if not isinstance(tensor, int) or isinstance(tensor, bool) or tensor < 1 or len(worker_s) % tensor:
+        raise ValueError(f"tensor={tensor!r} must be a positive integer dividing the replica's {len(worker_s)} "
+                         f"workers (Pipeline.tensor: workers per stage)")
+    if not (math.isfinite(collective_s) and collective_s >= 0):
+        raise ValueError(f"collective_s={collective_s!r} must be a finite number of seconds >= 0")
+    extra = collective_s if tensor > 1 else 0.0
+    return [max(worker_s[i:i + tensor]) + extra for i in range(0, len(worker_s), tensor)]
 
 
 def microbatch_rule(schedule: str, stages: int, chunks: int = 1) -> tuple[int, int]:

@@ -21,6 +21,25 @@ Invariants.
   elements over the workers, so each writes ``1/p`` of it; the sharded optimizer: the chunk the
   worker owns; the all-reduce optimizer: an even split). Loading asks DCP for any range of any
   entry, so a checkpoint written by ``p`` workers loads on ``q`` workers, with either reduction.
+* **A pipeline's stages are entries of their own optimizer.** A pipelined job writes
+  ``optimizer/stage/<s>/state/<index>/<key>`` (``index``: the stage optimizer's numbering);
+  replica 0's member of stage ``s`` writes its ``meta.pt`` with the stage's parameter names in
+  that order (``param_names``), so the optimizer state can be cut again for other stages by name
+  (:mod:`virtualflow.runtime.regrid`); rank 0's records the grid, ``pipeline = {stages, bounds,
+  schedule, tensor, replicas}``.
+* **A tensor shard is written as it is held, never gathered.** With ``Pipeline(tensor=T)`` a
+  stage's tensor rank ``t`` holds a shard of each split tensor (:class:`~virtualflow.parallel.
+  convert.Split`: a ``[q; k; v]`` shard is three boxes of the whole tensor, not one range of its
+  flat vector). It writes it as the entry ``<fqn>@tp<t>`` (:data:`CUT`) of the shard's shape,
+  split evenly over the ``D`` replicas; ``<fqn>`` names the tensor of the single-worker layout
+  (``model/<name>``, or an optimizer tensor of the parameter's shape, numbered in the
+  *unconverted* stage's order, as a gathered ``.pt`` is). What every tensor rank holds alike (a
+  replicated tensor, Adam's ``step``) is the plain entry, split over the stage's ``D T``
+  workers. Stage ``s``'s ``meta.pt`` is generation rank ``s T``'s (replica 0, tensor rank 0);
+  rank 0's adds ``pipeline.splits``: per cut parameter name, ``[dim, blocks, units]``. The reader
+  (:func:`~virtualflow.runtime.dcp_read.load_dcp_state`) merges the ``T`` shards of each entry
+  with that split (``Split.merge``, bit for bit), so every reader sees the single-worker layout
+  whatever ``T`` wrote it, and cuts it for its own ``T`` (or none).
 * **A checkpoint exists once its manifest does.** Workers write into ``step-N.dcp.partial/``,
   each ending with ``rank-R.json`` (its chunks and files' digests, written atomically). The worker
   whose ``rank-R.json`` completes the set merges them into ``manifest.json``, then renames the
@@ -69,13 +88,13 @@ import torch
 from virtualflow.plan.shards import shard_bounds
 from virtualflow.records.rundir import atomic_write, disk_full_error
 from virtualflow.runtime.checkpoint import CorruptCheckpointError, UntrustedStateError, save_state
-from virtualflow.runtime.dcp_read import (DTYPES, FORMAT, MANIFEST, META, SUFFIX, causes, file_digest, fsync_dir,
+from virtualflow.runtime.dcp_read import (CUT, DTYPES, FORMAT, MANIFEST, META, SUFFIX, causes, file_digest, fsync_dir,
                                           is_dcp, json_digest, load_checkpoint, load_dcp_model, load_dcp_state,
                                           load_ranges, peek_dcp, read_file, read_manifest, torch_dcp)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MANIFEST", "META", "SUFFIX", "DcpSaver", "Piece", "is_dcp", "load_checkpoint", "load_dcp_model",
+__all__ = ["CUT", "MANIFEST", "META", "SUFFIX", "DcpSaver", "Piece", "grid_pieces", "is_dcp", "load_checkpoint", "load_dcp_model",
            "load_dcp_state", "load_ranges", "model_pieces", "optimizer_pieces", "peek_dcp", "read_manifest",
            "sharded_optimizer_pieces", "write_rank"]
 """The reading names (``is_dcp``, ``load_*``, ``peek_dcp``, ``read_manifest``) live in
@@ -116,6 +135,16 @@ def _split(entries: list[tuple[str, torch.Tensor]], rank: int, world: int) -> li
 def model_pieces(state_dict: Mapping[str, torch.Tensor], rank: int, world: int) -> list[Piece]:
     """Worker ``rank``'s share of a replicated model's ``state_dict`` (every worker holds it whole)."""
     return _split([(f"model/{k}", v) for k, v in state_dict.items()], rank, world)
+
+
+def grid_pieces(whole: list[tuple[str, torch.Tensor]], cut: list[tuple[str, torch.Tensor]], t: int, tensor: int,
+                replica: int, replicas: int) -> list[Piece]:
+    """Tensor rank ``t`` of replica ``replica``'s share of one tensor-parallel stage's entries:
+    ``whole`` (every tensor rank holds them alike) split evenly over the stage's ``replicas x
+    tensor`` workers, ``cut`` (this tensor rank's shards) written as entries ``<fqn>@tp<t>``
+    (:data:`CUT`) split evenly over the ``replicas`` workers of tensor rank ``t``."""
+    return (_split(whole, replica * tensor + t, replicas * tensor)
+            + _split([(f"{fqn}{CUT}{t}", v) for fqn, v in cut], replica, replicas))
 
 
 def optimizer_pieces(state: Mapping[str, Any], rank: int, world: int) -> tuple[list[Piece], dict[str, Any]]:

@@ -28,7 +28,7 @@ import torch
 
 from virtualflow.runtime.checkpoint import CorruptCheckpointError, UntrustedStateError, load_state
 
-__all__ = ["DTYPES", "FIX", "FORMAT", "MANIFEST", "META", "SUFFIX", "causes", "file_digest", "fsync_dir", "is_dcp",
+__all__ = ["CUT", "DTYPES", "FIX", "FORMAT", "MANIFEST", "META", "SUFFIX", "causes", "file_digest", "fsync_dir", "is_dcp",
            "json_digest", "load_checkpoint", "load_dcp_model", "load_dcp_state", "load_ranges", "peek_dcp",
            "read_file", "read_manifest", "torch_dcp"]
 
@@ -39,6 +39,8 @@ FORMAT = "virtualflow-dcp-v1"
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool, torch.complex64, torch.complex128)}
+CUT = "@tp"
+"""``<fqn>@tp<t>``: tensor rank ``t``'s shard of entry ``<fqn>`` (a tensor-parallel job's checkpoint)."""
 FIX = "restore it from a copy, or move the folder away to resume from the previous checkpoint"
 """The way out a corrupt checkpoint's error names."""
 
@@ -202,7 +204,8 @@ def load_ranges(folder: str, manifest: dict[str, Any], ranges: dict[str, tuple[i
 def load_dcp_state(folder: str, *, model_only: bool = False) -> dict[str, Any]:
     """The whole training state of a sharded checkpoint, in a state file's layout (``model``,
     ``optimizer``, ``lr_scheduler``, ``grad_scaler``, ``step``, ``job``, ``callbacks``): the chunks
-    of every worker reassembled, whatever their number. ``model_only``: only ``model`` and the
+    of every worker reassembled, whatever their number, and a tensor-parallel job's shards merged
+    into the whole tensors (the single-worker layout, whatever ``T`` wrote it). ``model_only``: only ``model`` and the
     identity (what an export needs)."""
     manifest = read_manifest(folder)
     meta = load_state(os.path.join(folder, "rank-00000", META))
@@ -214,8 +217,9 @@ def load_dcp_state(folder: str, *, model_only: bool = False) -> dict[str, Any]:
     flat = load_ranges(folder, manifest, wanted)
     metas = [meta]
     pipeline = meta.get("pipeline")
-    if isinstance(pipeline, dict):  # one meta.pt per stage, by replica 0's member of it (rank = stage)
-        metas += [load_state(os.path.join(folder, f"rank-{s:05d}", META)) for s in range(1, int(pipeline["stages"]))]
+    if isinstance(pipeline, dict):  # one meta.pt per stage, by replica 0's member of it (its tensor rank 0)
+        metas += _stage_metas(folder, pipeline)
+        _merge_cuts(folder, flat, shapes, pipeline, metas)
     keys = [k for m in metas for k in m.get("model_keys", [])]
     keys = keys or sorted(f[len("model/"):] for f in wanted if f.startswith("model/"))
     state = {k: v for k, v in meta.items() if k not in ("model", "model_keys", "model_aliases", "optimizer", "stage")}
@@ -266,15 +270,70 @@ def peek_dcp(folder: str) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{os.path.join(folder, 'rank-00000', META)} is of step {meta.get('step')}, the "
                                      f"manifest of step {manifest['step']}: files of two checkpoints; {FIX}")
     shapes = {e["fqn"][len("model/"):]: tuple(e["shape"]) for e in manifest["entries"] if e["fqn"].startswith("model/")}
+    shapes = _whole_shapes(folder, shapes, meta.get("pipeline"))  # a tensor-parallel job's shards counted whole
     keys = list(shapes) if meta.get("pipeline") else meta.get("model_keys") or sorted(shapes)
     empty = meta.get("model") or {}
     meta["model"] = {k: torch.empty(shapes[k] if k in shapes else tuple(empty[k].shape) if k in empty else (0,),
                                     device="meta") for k in keys}
     if isinstance(meta.get("pipeline"), dict):  # each stage's parameter names (so that it can be cut again)
-        stages = int(meta["pipeline"]["stages"])
-        meta["pipeline"]["stage_params"] = [meta.get("param_names")] + [
-            load_state(os.path.join(folder, f"rank-{s:05d}", META)).get("param_names") for s in range(1, stages)]
+        meta["pipeline"]["stage_params"] = [m.get("param_names") for m in [meta] + _stage_metas(folder, meta["pipeline"])]
     return meta
+
+
+def _stage_metas(folder: str, saved: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ``meta.pt`` of stages ``1 .. P-1``: written by generation rank ``s T`` (replica 0's
+    tensor rank 0 of stage ``s``; ``T = 1`` without tensor parallelism)."""
+    width = int(saved.get("tensor", 1))
+    return [load_state(os.path.join(folder, f"rank-{s * width:05d}", META)) for s in range(1, int(saved["stages"]))]
+
+
+def _split_of(folder: str, saved: dict[str, Any], name: str) -> Any:
+    """The recorded :class:`~virtualflow.parallel.convert.Split` that cut parameter ``name``."""
+    from virtualflow.parallel.convert import Split
+
+    spec = (saved.get("splits") or {}).get(name)
+    if not (isinstance(spec, list) and len(spec) == 3 and all(isinstance(x, int) for x in spec)):
+        raise CorruptCheckpointError(f"{folder}: {name} is written in tensor shards, but the checkpoint records no "
+                                     f"split for it; {FIX}")
+    return Split(dim=spec[0], blocks=spec[1], units=spec[2])
+
+
+def _whole_shapes(folder: str, shapes: dict[str, tuple[int, ...]], saved: Any) -> dict[str, tuple[int, ...]]:
+    """Model entry shapes by name (``shapes``: of the manifest's entries), the shard entries
+    ``<name>@tp<t>`` counted once, as the whole tensor (its cut dimension ``T`` times the shard's);
+    ``saved``: the checkpoint's ``pipeline`` record (``None`` for an unpipelined job: no shards)."""
+    saved = saved if isinstance(saved, dict) else {}
+    width = int(saved.get("tensor", 1))
+    out: dict[str, tuple[int, ...]] = {}
+    for fqn, shape in shapes.items():
+        name, mark, _ = fqn.partition(CUT)
+        if not mark:
+            out[name] = shape
+            continue
+        dim = _split_of(folder, saved, name).dim
+        out[name] = tuple(n * width if i == dim else n for i, n in enumerate(shape))
+    return out
+
+
+def _merge_cuts(folder: str, flat: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]],
+                saved: dict[str, Any], metas: list[dict[str, Any]]) -> None:
+    """Replace the shard entries (``<fqn>@tp<t>``, ``t < T``) by the whole entry ``<fqn>`` (in
+    place, in ``flat`` and ``shapes``): the shards merged by the split of their parameter
+    (``Split.merge``, the inverse of the cut, bit for bit). An optimizer entry's parameter is its
+    stage's ``param_names[index]``."""
+    width = int(saved.get("tensor", 1))
+    bases = sorted({fqn.partition(CUT)[0] for fqn in flat if CUT in fqn})
+    for base in bases:
+        parts = [f"{base}{CUT}{t}" for t in range(width)]
+        if any(p not in flat for p in parts):
+            raise CorruptCheckpointError(f"{folder}: {base} lacks some of its {width} tensor shards; {FIX}")
+        m = re.fullmatch(r"optimizer/stage/(\d+)/state/(\d+)/.+", base)
+        try:
+            name = base[len("model/"):] if m is None else metas[int(m.group(1))]["param_names"][int(m.group(2))]
+        except (IndexError, KeyError, TypeError):
+            raise CorruptCheckpointError(f"{folder}: {base} names no parameter of its stage; {FIX}") from None
+        whole = _split_of(folder, saved, name).merge([flat.pop(p).view(shapes.pop(p)) for p in parts])
+        flat[base], shapes[base] = whole.reshape(-1), tuple(whole.shape)
 
 
 def load_dcp_model(folder: str) -> dict[str, torch.Tensor]:

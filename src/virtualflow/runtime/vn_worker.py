@@ -31,6 +31,7 @@ from virtualflow.runtime.dcp import Piece, model_pieces
 from virtualflow.runtime.streaming import loader_of
 from virtualflow.runtime.engines import Boundary, Joining
 from virtualflow.runtime.model_prep import prepare_model
+from virtualflow.runtime.regrid import optimizer_names, unstage
 from virtualflow.runtime.step.update import materialize_state
 from virtualflow.runtime.transfer import Progress, broadcast_state
 
@@ -149,7 +150,8 @@ class VNWorkerEngine:
 
     # -- before joining ---------------------------------------------------------------------------
     def resume_from(self, state: dict[str, Any]) -> None:
-        load_full_state(self.vn, state)
+        # a pipelined run's state (any stages, split or tensor degree): its optimizer as one, by name
+        load_full_state(self.vn, unstage(state, optimizer_names(self.vn.optimizer, self.vn.model)))
 
     def prepare_to_join(self) -> None:
         self.vn.update.prepare_to_join()  # (a sharded optimizer's chunks are cut when the generation forms)

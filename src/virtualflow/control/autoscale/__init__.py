@@ -24,6 +24,10 @@ Invariants every built-in policy keeps:
 3. **Medians, not means.** One noisy step (a page fault storm, another process's burst) moves a
    median of ``min_steps >= 3`` samples by at most one rank: a single outlier cannot decide.
 4. **Bounds.** A decision never leaves ``[Limits.min_workers, Limits.max_workers]``.
+5. **Whole replicas.** A pipelined job's sizes are multiples of its replica's stages x tensor
+   workers (``Limits.unit``; the bounds rounded inwards): no decision leaves a partial replica.
+   Its sizes are searched with the replica time model (:mod:`.pipeline`): a size predicted no
+   faster than a smaller one is never tried.
 
 Policies never touch B, V or anything the model sees: they only choose how many workers run.
 """
@@ -32,8 +36,9 @@ from __future__ import annotations
 
 from virtualflow.control.autoscale.base import (
     Decision, Limits, Observation, Policy, Rebalance, Replace, Resize, SizeMeasurement, Stay, measure_sizes,
-    scaling_efficiency,
+    predicted_efficiency, scaling_efficiency,
 )
+from virtualflow.control.autoscale.pipeline import pipeline_limits, pipeline_step_model, replica_step
 from virtualflow.control.autoscale.policies import (
     POLICIES, DeadlineUtility, EfficiencyPolicy, FixedPolicy, LinearUtility, StragglerPolicy, UtilityPolicy,
     make_policy, parse_utility,
@@ -43,5 +48,5 @@ __all__ = [
     "Observation", "Limits", "Resize", "Stay", "Replace", "Rebalance", "Decision", "Policy",
     "SizeMeasurement", "measure_sizes", "EfficiencyPolicy", "UtilityPolicy", "StragglerPolicy",
     "FixedPolicy", "LinearUtility", "DeadlineUtility", "parse_utility", "POLICIES", "make_policy",
-    "scaling_efficiency",
+    "scaling_efficiency", "predicted_efficiency", "pipeline_limits", "pipeline_step_model", "replica_step",
 ]

@@ -60,12 +60,25 @@ class Observation:
         return self.throughput / self.workers
 
 
+StepModel = Callable[[int], float]
+"""A predicted step time (in any unit: only ratios are read) for a worker count: the pipeline time
+model of :mod:`virtualflow.control.autoscale.pipeline`."""
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """The range of worker counts a policy may choose from."""
+    """The worker counts a policy may choose from: the multiples of ``unit`` in
+    ``[min_workers, max_workers]`` (the bounds rounded inwards to whole replicas), and, with a
+    ``step_model``, only those the model says can be faster than every smaller one (:meth:`sizes`)."""
 
     min_workers: int
     max_workers: int
+    unit: int = 1
+    """Workers per replica: every count is a multiple of it (a pipelined job: stages x tensor,
+    which grows and shrinks in whole replicas; 1 otherwise)."""
+    step_model: StepModel | None = None
+    """The predicted step time per worker count (a pipelined job's replica time model), or None:
+    sizes are judged by measurement only."""
 
     def __post_init__(self) -> None:
         for name in ("min_workers", "max_workers"):
@@ -77,9 +90,60 @@ class Limits:
                 f"min_workers={self.min_workers} is greater than max_workers={self.max_workers}; the autoscaler "
                 f"needs min_workers <= max_workers (--min-workers, --max-workers)"
             )
+        if not isinstance(self.unit, int) or isinstance(self.unit, bool) or self.unit < 1:
+            raise ValueError(f"Limits.unit={self.unit!r} (workers per replica) must be a positive integer")
+        if self.lowest > self.highest:
+            raise ValueError(
+                f"min_workers={self.min_workers} and max_workers={self.max_workers} hold no whole pipeline replica "
+                f"of {self.unit} workers (stages x tensor); the autoscaler adds and removes whole replicas: choose "
+                f"--max-workers of at least {self.lowest} (--min-workers, --max-workers)")
+
+    @property
+    def lowest(self) -> int:
+        """The smallest count a policy may choose: ``min_workers`` rounded up to whole replicas."""
+        return -(-self.min_workers // self.unit) * self.unit
+
+    @property
+    def highest(self) -> int:
+        """The largest count a policy may choose: ``max_workers`` rounded down to whole replicas."""
+        return self.max_workers // self.unit * self.unit
 
     def clamp(self, n: int) -> int:
-        return max(self.min_workers, min(self.max_workers, n))
+        """``n`` brought into ``[lowest, highest]`` and down to whole replicas (never a partial one)."""
+        return max(self.lowest, min(self.highest, n - n % self.unit))
+
+    def toward(self, n: int, current: int) -> int:
+        """A count asked as ``n`` from ``current`` in whole replicas: rounded away from ``current``
+        (asking for one worker more grows by a replica, one fewer shrinks by one), then clamped."""
+        rounded = -(-n // self.unit) * self.unit if n > current else n - n % self.unit
+        return self.clamp(rounded)
+
+    def sizes(self) -> tuple[int, ...]:
+        """The counts a search visits, ascending: every multiple of ``unit`` in ``[lowest,
+        highest]``; with a ``step_model``, without those predicted no faster than a smaller count
+        (with V = 4 micro-batches, 3 pipeline replicas run 2, 1 and 1: the slowest runs 2, as with
+        2 replicas, so the third replica cannot shorten the step and is never tried)."""
+        out: list[int] = []
+        best = math.inf
+        for n in range(self.lowest, self.highest + 1, self.unit):
+            if self.step_model is None:
+                out.append(n)
+                continue
+            t = self.step_model(n)
+            if t < best * (1 - 1e-9) or not out:
+                out.append(n)
+                best = min(best, t)
+        return tuple(out)
+
+    def above(self, k: int, steps: int) -> int:
+        """The ``steps``-th size of :meth:`sizes` above ``k`` (the largest when fewer; ``k`` when none)."""
+        up = [s for s in self.sizes() if s > k]
+        return up[min(steps, len(up)) - 1] if up else k
+
+    def below(self, k: int, steps: int) -> int:
+        """The ``steps``-th size of :meth:`sizes` below ``k`` (the smallest when fewer; ``k`` when none)."""
+        down = [s for s in self.sizes() if s < k]
+        return down[-min(steps, len(down))] if down else k
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,8 +421,22 @@ def outside_search(history: Sequence[Observation], limits: Limits) -> Decision |
     current = history[-1].workers
     if current != limits.clamp(current):
         n = limits.clamp(current)
-        return Resize(n, f"{current} -> {n}: outside [{limits.min_workers}, {limits.max_workers}]")
+        whole = f" in whole replicas of {limits.unit} workers" if limits.unit > 1 else ""
+        return Resize(n, f"{current} -> {n}: outside [{limits.min_workers}, {limits.max_workers}]{whole}")
     return None
+
+
+def predicted_efficiency(limits: Limits, k: int, n: int) -> float | None:
+    """The scaling efficiency of ``k -> n`` workers that ``limits.step_model`` predicts (throughput
+    is B / step time, so only the ratio of the two predicted steps counts), or None without a
+    model. The model leaves out the reduction between replicas, which grows with them: the
+    measured efficiency is at most this."""
+    if limits.step_model is None:
+        return None
+    t_k, t_n = limits.step_model(k), limits.step_model(n)
+    if not math.isfinite(t_n):
+        return -math.inf
+    return (t_k / t_n - 1.0) * k / (n - k)
 
 
 def scaling_efficiency(prev: SizeMeasurement, new: SizeMeasurement) -> float:
@@ -385,17 +463,31 @@ class Verdict:
     text: str
 
 
+Prejudge = Callable[[int, int], "Verdict | None"]
+"""A policy's prediction of an addition from ``k`` to ``n`` workers before ``n`` is measured (the
+pipeline time model's), or None when it has none: a failing one counts as a failed addition."""
+
+
+def _top(k: int, limits: Limits) -> str:
+    if k == limits.highest:
+        return f"{k} is max_workers"
+    return f"{k} is the largest size the time model says can be faster (max_workers={limits.max_workers})"
+
+
 def search(current: int, start: int, measured: Mapping[int, SizeMeasurement], limits: Limits, step_size: int,
-            judge: Callable[[SizeMeasurement, SizeMeasurement], Verdict]) -> tuple[str, int, str, Verdict | None]:
-    """Walk from ``start``: add ``step_size`` workers while the last addition passed ``judge``;
-    settle at the last size that passed. If the very first addition fails (or none is possible),
-    explore downward: remove ``step_size`` at a time while the size above did not pay for itself.
+           judge: Callable[[SizeMeasurement, SizeMeasurement], Verdict],
+           prejudge: Prejudge | None = None) -> tuple[str, int, str, Verdict | None]:
+    """Walk from ``start``: add ``step_size`` sizes of :meth:`Limits.sizes` (workers; whole
+    replicas for a pipelined job) while the last addition passed ``judge``; settle at the last
+    size that passed. If the very first addition fails (or none is possible), explore downward:
+    remove ``step_size`` sizes at a time while the size above did not pay for itself. A size not
+    measured yet is tried only when ``prejudge`` (the time model's prediction) does not already
+    fail it.
 
     Returns ``("try", n, why, verdict)`` (n still needs measuring) or ``("settle", n, why,
     verdict)``. Every size is judged on its frozen measurement, so the walk for a given set of
     measurements is always the same (invariant 2).
     """
-    lo, hi = limits.min_workers, limits.max_workers
     k0 = limits.clamp(start)
     if k0 not in measured:
         return "try", k0, f"measuring {k0} workers", None
@@ -403,12 +495,14 @@ def search(current: int, start: int, measured: Mapping[int, SizeMeasurement], li
     def down(k: int, why_first: Verdict | None) -> tuple[str, int, str, Verdict | None]:
         last = why_first
         while True:
-            lower = max(k - step_size, lo)
+            lower = limits.below(k, step_size)
             if lower == k:
-                return "settle", k, f"{k} is min_workers" + (f" ({last.text})" if last else ""), last
+                floor = f"{k} is min_workers" + (f"={limits.min_workers} in whole replicas" if k != limits.min_workers
+                                                  else "")
+                return "settle", k, floor + (f" ({last.text})" if last else ""), last
             if lower not in measured:
                 if last is None:
-                    why = f"{k} is max_workers: exploring downward"
+                    why = f"{_top(k, limits)}: exploring downward"
                 elif last is why_first:
                     why = f"the first addition failed ({last.text}): exploring downward"
                 else:
@@ -420,20 +514,24 @@ def search(current: int, start: int, measured: Mapping[int, SizeMeasurement], li
             last = v
             k = lower
 
+    room_below = limits.below(k0, step_size) != k0
     k, last = k0, None
     while True:
-        nxt = min(k + step_size, hi)
+        nxt = limits.above(k, step_size)
         if nxt == k:
-            if last is None and k0 > lo:  # started at max_workers: nothing to add
+            if last is None and room_below:  # started at the top: nothing to add
                 return down(k0, None)
-            return "settle", k, f"{k} is max_workers" + (f" ({last.text})" if last else ""), last
-        if nxt not in measured:
-            return "try", nxt, last.text if last else "exploring upward", last
-        v = judge(measured[k], measured[nxt])
+            return "settle", k, _top(k, limits) + (f" ({last.text})" if last else ""), last
+        if nxt in measured:
+            v = judge(measured[k], measured[nxt])
+        else:
+            v = prejudge(k, nxt) if prejudge is not None else None
+            if v is None or v.passed:
+                return "try", nxt, last.text if last else "exploring upward", last
         if v.passed:
             k, last = nxt, v
             continue
-        if last is None and k0 > lo:
+        if last is None and room_below:
             return down(k0, v)
         return "settle", k, f"{v.text}: settling at {k}, the last size that passed", v
 

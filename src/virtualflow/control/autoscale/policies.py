@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from virtualflow.control.autoscale.base import (
-    Decision, Limits, Observation, Policy, Rebalance, Replace, SizeMeasurement, Stay, Verdict,
-    decision_from_search, epoch, measure_sizes, outside_search, scaling_efficiency, search, segments,
+    Decision, Limits, Observation, Policy, Prejudge, Rebalance, Replace, SizeMeasurement, Stay, Verdict,
+    decision_from_search, epoch, measure_sizes, outside_search, predicted_efficiency, scaling_efficiency, search,
+    segments,
 )
 
 
@@ -28,12 +29,20 @@ def _check_replan(policy: Any) -> None:
 def _epoch(policy: Any, history: Sequence[Observation], limits: Limits):
     """The history since the last re-plan (conditions changed after the search settled)."""
     def settled(sub: Sequence[Observation], measured: Any) -> int | None:
-        kind, n, _, _ = search(sub[-1].workers, sub[0].workers, measured, limits, policy.step_size, policy.judge)
+        kind, n, _, _ = search(sub[-1].workers, sub[0].workers, measured, limits, policy.step_size, policy.judge,
+                               _prejudge(policy, limits))
         return n if kind == "settle" else None
 
     return epoch(history, min_steps=policy.min_steps, warmup_steps=policy.warmup_steps,
                  change=policy.replan_change, window=policy.replan_window, limit=policy.max_replans,
                  settled=settled)
+
+
+def _prejudge(policy: Any, limits: Limits) -> Prejudge | None:
+    """The policy's prediction of an untried addition under ``limits``' time model (None without one)."""
+    make = getattr(policy, "prejudge", None)
+    return None if make is None or limits.step_model is None else make(limits)
+
 
 # --------------------------------------------------------------------------------------------
 # Built-in policies.
@@ -56,12 +65,17 @@ class EfficiencyPolicy:
     explore downward: remove ``step_size`` workers at a time while the size above did not pay
     for itself (s of that addition <= threshold), and settle at the first size that did, or at
     ``min_workers``. Once settled it stays (at most one resize per size in range, plus one).
+
+    A pipelined job (``Limits.unit`` = stages x tensor workers per replica) is searched in whole
+    replicas, over the sizes its time model says can be faster (:meth:`Limits.sizes`); an
+    addition whose *predicted* efficiency (the replica time model, which leaves out the reduction
+    and so over-estimates) already fails the threshold is not tried: it counts as failed.
     """
 
     threshold: float = 0.1
     """Smallest scaling efficiency an addition must show, in (0, 1]."""
     step_size: int = 1
-    """Workers added or removed per trial."""
+    """Sizes added or removed per trial: workers, or whole replicas for a pipelined job."""
     min_steps: int = 10
     """Measured steps per size before judging it (>= 1; >= 3 to outvote one noisy step). 10: on a
     shared machine a 5-step median was seen to misjudge a size by 20 % (a burst of other load)."""
@@ -92,6 +106,16 @@ class EfficiencyPolicy:
         return Verdict(prev.workers, new.workers, s > self.threshold, s,
                         f"scaling efficiency {s:.2f} {op} {self.threshold:.2f} ({prev.workers} -> {new.workers})")
 
+    def prejudge(self, limits: Limits) -> Prejudge:
+        """The time model's verdict on an addition not measured yet (see the class docstring)."""
+        def verdict(k: int, n: int) -> Verdict | None:
+            s = predicted_efficiency(limits, k, n)
+            if s is None or s > self.threshold:
+                return None
+            return Verdict(k, n, False, s, f"the pipeline time model predicts scaling efficiency {s:.2f} <= "
+                                           f"{self.threshold:.2f} ({k} -> {n} workers)")
+        return verdict
+
     def decide(self, history: Sequence[Observation], limits: Limits) -> Decision:
         early = outside_search(history, limits)
         if early is not None:
@@ -102,7 +126,8 @@ class EfficiencyPolicy:
             return decision_from_search(self.name, current, {}, self.min_steps,
                                         ("try", current, "", None), {}, replan)
         measured, counts = measure_sizes(recent, min_steps=self.min_steps, warmup_steps=self.warmup_steps)
-        result = search(current, recent[0].workers, measured, limits, self.step_size, self.judge)
+        result = search(current, recent[0].workers, measured, limits, self.step_size, self.judge,
+                        _prejudge(self, limits))
         return decision_from_search(self.name, current, counts, self.min_steps, result, measured, replan)
 
 
@@ -254,7 +279,7 @@ class UtilityPolicy:
         if kind == "settle":
             # The best measured size by J, in the context of the last measurement (frozen once
             # the search has ended: no new size is measured after it).
-            in_range = [m for m in measured.values() if limits.min_workers <= m.workers <= limits.max_workers]
+            in_range = [m for m in measured.values() if m.workers in limits.sizes()]
             ctx = max(in_range, key=lambda m: m.at_step)
             best = max(in_range, key=lambda m: (self.objective(m, ctx.elapsed_s, ctx.steps_remaining), -m.workers))
             if best.workers != n:
@@ -280,7 +305,9 @@ class StragglerPolicy:
     :class:`Replace` (a replacement joins first, then the straggler leaves; the worker count is
     unchanged). Otherwise it is :class:`Rebalance` (fewer VNs for it, with heterogeneous mapping
     on) when the straggler still has at least the median VN share, else :class:`Stay`. The
-    worker count never changes; replacements are bounded by ``max_replacements``.
+    worker count never changes; replacements are bounded by ``max_replacements``. In a pipelined
+    job (``Limits.unit`` > 1) a worker is compared with the workers of its own stage in the other
+    replicas, and the replacement is a whole replica.
     """
 
     fraction: float = 0.8
@@ -314,15 +341,21 @@ class StragglerPolicy:
                 smoothed[w] = statistics.median(values)
         if len(smoothed) < 2:
             return Stay("measuring per-worker throughput")
-        med = statistics.median(smoothed.values())
-        slow = min(smoothed, key=lambda w: smoothed[w])
+        # A pipelined job's workers run different stages: each is compared with the workers of
+        # its own stage (the same place in every replica), whose work is the same.
+        unit = limits.unit
+        peers = {w: [p for p in ids[ids.index(w) % unit::unit] if p in smoothed] for w in smoothed}
+        medians = {w: statistics.median(smoothed[p] for p in peers[w]) for w in smoothed}
+        slow = min(smoothed, key=lambda w: smoothed[w] / medians[w])
+        med = medians[slow]
         if smoothed[slow] >= self.fraction * med:
-            return Stay(f"no straggler (slowest worker {slow} at {smoothed[slow] / med:.2f} x the median)")
+            return Stay(f"no straggler (slowest worker {slow} at {smoothed[slow] / med:.2f} x the median"
+                        + (" of its stage's workers)" if unit > 1 else ")"))
         why = (f"worker {slow} at {smoothed[slow]:.4g} samples/s is below {self.fraction:.2f} x the median "
-               f"{med:.4g} samples/s")
+               f"{med:.4g} samples/s" + (" of its stage's workers" if unit > 1 else ""))
         seen = {w for o in history for w in (o.worker_ids or tuple(o.per_worker_throughput))}
-        replaced = len(seen - set(ids))
-        if replaced < self.max_replacements and last.workers + 1 <= limits.max_workers:
+        replaced = -(-len(seen - set(ids)) // limits.unit)  # a pipelined job replaces whole replicas
+        if replaced < self.max_replacements and last.workers + limits.unit <= limits.highest:
             return Replace(slow, f"{why}: replacing it ({replaced + 1}/{self.max_replacements})")
         counts = dict(last.vn_counts)
         if counts and counts.get(slow, 0) >= statistics.median(counts.values()):

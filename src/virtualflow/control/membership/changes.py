@@ -53,7 +53,8 @@ class ChangePlanner:
                     ctl.publish_next(list(ctl.members), kind="rebalance", hold=False, command=True,
                                      detail=decision.detail, counts=decision.revert_to)
         elif ctl.target < size and ctl.layout is not None:  # Bamboo, failed over: whole replicas leave
-            shrink = decide_shrink(stages=ctl.stages, members=ctl.members, layout=ctl.layout, target=ctl.target)
+            shrink = decide_shrink(stages=ctl.stages, members=ctl.members, layout=ctl.layout, target=ctl.target,
+                                   tensor=ctl.tensor)
             ctl.target = shrink.target
             if shrink.removed:
                 ctl.layout = shrink.layout
@@ -99,7 +100,8 @@ class ChangePlanner:
         """Bamboo: ready newcomers take back the stages a failover gave to other workers
         (:func:`.failover.decide_reconfigure`). Returns whether a generation was published."""
         ctl = self.ctl
-        d = decide_reconfigure(stages=ctl.stages, members=ctl.members, layout=ctl.layout, ready=ctl.ready)
+        d = decide_reconfigure(stages=ctl.stages, members=ctl.members, layout=ctl.layout, ready=ctl.ready,
+                               tensor=ctl.tensor)
         if isinstance(d, NoChange):
             return False
         ctl.ready = ctl.ready[len(d.added):]
@@ -143,7 +145,8 @@ class ChangePlanner:
         then (a fallback naming the checkpoint)."""
         ctl = self.ctl
         d = decide_planned_failover(stages=ctl.stages, members=ctl.members, layout=ctl.layout, noticed=noticed,
-                                    replace_failed=ctl.replace_failed, min_workers=ctl.min_workers)
+                                    replace_failed=ctl.replace_failed, min_workers=ctl.min_workers,
+                                    tensor=ctl.tensor)
         if isinstance(d, FallBack):
             if not self.notice_uncovered:
                 self.notice_uncovered = True

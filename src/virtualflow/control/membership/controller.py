@@ -47,7 +47,7 @@ from typing import Any, Callable, Sequence
 
 from virtualflow.comm import protocol
 from virtualflow.control.membership.changes import ChangePlanner
-from virtualflow.control.membership.failover import replica_layouts
+from virtualflow.control.membership.failover import member_runs
 from virtualflow.control.membership.hangs import HangGuard
 from virtualflow.control.membership.interface import WorkerLauncher, check_resize
 from virtualflow.control.membership.liveness import Liveness
@@ -69,8 +69,8 @@ class MembershipController:
 
     Its settings come from the job's :class:`~virtualflow.config.options.LaunchOptions` (starting
     workers, ``min_workers``, timeouts, ``replace_failed``, speed-based mapping and worker
-    specs); the keyword arguments are the job's shape (``stages`` for a pipelined job,
-    ``redundancy`` for Bamboo's redundant stages, ``last_step`` the step a resumed run starts
+    specs); the keyword arguments are the job's shape (``stages`` for a pipelined job: workers
+    per replica, ``tensor`` of them per stage; ``redundancy`` for Bamboo's redundant stages, ``last_step`` the step a resumed run starts
     at) and the controller's own tuning. Everything is given here: nothing configures it later.
 
     It is the membership's one actor: it holds the fields every rule reads and writes (members,
@@ -92,6 +92,7 @@ class MembershipController:
         virtual_nodes: int,
         global_batch_size: int | None = None,
         stages: int | None = None,
+        tensor: int = 1,
         redundancy: bool = False,
         last_step: int = 0,
         max_newcomer_failures: int = 5,
@@ -116,6 +117,9 @@ class MembershipController:
         self.redundancy = redundancy
         """A pipelined job with Bamboo's redundant stages: a replica that loses a worker fails
         over (:mod:`.failover`) instead of ending."""
+        self.tensor = tensor
+        """``Pipeline.tensor``: a stage is a group of this many consecutive members (a failover
+        judges and lays out tensor groups, :mod:`.failover`)."""
         self.balance = options.balanced
         """VNs are mapped by measured speed (:mod:`.speed`); see :meth:`balance_by_speed`."""
         self.clock = clock
@@ -162,7 +166,7 @@ class MembershipController:
         self.predicted_step_s: float | None = None
         self.vn_sizes: list[int] | None = None
         self.speed_policy = _speed_policy(options, virtual_nodes, global_batch_size, assign, rebalance_threshold,
-                                          rebalance_patience, min_observations, speed_window)
+                                          rebalance_patience, min_observations, speed_window, tensor)
 
     # -- the phase ------------------------------------------------------------------------------
     def _enter(self, phase: Phase, why: str) -> None:
@@ -388,10 +392,8 @@ class MembershipController:
         member at it, send the leavers away, and enter the change's phase."""
         g = self.generation + 1
         if self.stages is not None:  # pipelined: VN shares per replica (after a failover, by stages run)
-            layouts = replica_layouts(self.layout, len(members), self.stages)
-            plan = self.speed_policy.plan_pipeline_map(
-                members, [len(run) for rep in layouts for run in rep], [len(rep) for rep in layouts],
-                balance=self.balance, counts=counts)
+            runs, sizes = member_runs(self.layout, len(members), self.stages, self.tensor)
+            plan = self.speed_policy.plan_pipeline_map(members, runs, sizes, balance=self.balance, counts=counts)
             assignment, self.predicted_step_s, self.vn_sizes = plan.assignment, plan.predicted_step_s, None
         else:
             self.predicted_step_s, self.vn_sizes = None, None
@@ -440,13 +442,14 @@ class MembershipController:
 
 def _speed_policy(options: LaunchOptions, virtual_nodes: int, global_batch_size: int | None,
                   assign: Callable[[int, int], list[list[int]]], threshold: float, patience: int,
-                  min_observations: int, window: int) -> SpeedPolicy:
-    """The controller's speed policy (:mod:`.speed`), from the options' worker specs."""
+                  min_observations: int, window: int, tensor: int = 1) -> SpeedPolicy:
+    """The controller's speed policy (:mod:`.speed`), from the options' worker specs; ``tensor``:
+    a pipelined job's workers per stage (its replicas' time model groups them)."""
     return SpeedPolicy(
         virtual_nodes=virtual_nodes, global_batch_size=global_batch_size, uneven=options.uneven_vn_sizes,
         memory_limits={i: s.memory_limit for i, s in enumerate(options.specs)}, assign=assign,
         threshold=threshold, patience=patience, min_observations=min_observations,
-        window=window, slowdowns={i: s.slowdown for i, s in enumerate(options.specs)})
+        window=window, slowdowns={i: s.slowdown for i, s in enumerate(options.specs)}, tensor=tensor)
 
 
 def finished_why(steps: Any, stop_request: str | None) -> str:

@@ -99,7 +99,7 @@ class LossHandler:
         ctl = self.ctl
         decision = decide_failover(stages=ctl.stages, members=ctl.members, layout=ctl.layout,
                                    formed=ctl.formed_layout, replace_failed=ctl.replace_failed,
-                                   dead={f["worker"] for f in ctl.failures} | set(failed))
+                                   dead={f["worker"] for f in ctl.failures} | set(failed), tensor=ctl.tensor)
         ctl.coord.abort(ctl.generation)
         if isinstance(decision, FallBack):
             lost_desc = "; ".join(f"worker {w} {c}" for w, c in failed.items())

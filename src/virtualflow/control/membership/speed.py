@@ -25,6 +25,22 @@ its stated ``WorkerSpec.slowdown`` (the stages of a balanced split taken as equa
 on slower workers, or one failed over under Bamboo's redundancy (a worker running two stages),
 gets fewer micro-batches.
 
+Tensor-parallel stages (``tensor=T > 1``, a ``D x P x T`` grid): a replica's ``P T`` workers form
+its ``P`` stages, the ``T`` members of each consecutive in rank order; a stage's seconds per
+micro-batch on its group are its slowest member's (the group computes in lock step), so the stated
+speeds weigh a replica by each stage's largest slowdown (:func:`~virtualflow.plan.replica_shares.replica_time`
+with ``tensor=T``). Measured, a stage's time is its tensor rank 0's: the step breakdown carries one
+row per stage (the group's other members run the same schedule on the same shapes), whose
+forwards and backwards waited in the group's collectives for the slowest member, so the row is
+the group's time, collectives included; the group's other members take it.
+
+Measured speeds of a pipelined job come from the step breakdown (:func:`pipeline_compute`): each
+stage worker's forwards and backwards of the step (its data loading and emulated slowness
+included) over the micro-batches it ran, the same pairing as the VN engine's ``compute_s`` (the
+breakdown of step ``k-1`` rides in step ``k``'s report; a generation's first step is warm-up). Once
+every stage is measured :meth:`SpeedPolicy.check` re-solves the shares at each measured step
+boundary and returns a :class:`~.decisions.Rebalance` when they pay; the controller publishes it.
+
 Pure: no store, no processes, no clock; it keeps measurements (state) but publishes nothing.
 The controller calls :meth:`SpeedPolicy.new_generation` on every generation it publishes and
 carries a decision out by publishing it.
@@ -58,7 +74,8 @@ class SpeedPolicy:
     ``assign`` is the map used without speeds (a pipelined job's whole replicas, or contiguous
     blocks); ``memory_limits`` maps a worker id to its memory limit (None: unlimited);
     ``slowdowns`` a worker id to its stated ``WorkerSpec.slowdown`` (missing: 1), the speed a
-    pipelined job's replicas are weighted by until every member is measured."""
+    pipelined job's replicas are weighted by until every member is measured; ``tensor`` the
+    workers per pipeline stage (``Pipeline.tensor``; 1 without tensor parallelism)."""
 
     REJECT_MOVE = 0.25
     """Relative change of any member's per-VN estimate after which a rejected map may be tried again."""
@@ -69,7 +86,10 @@ class SpeedPolicy:
     def __init__(self, *, virtual_nodes: int, global_batch_size: int | None, uneven: bool,
                  memory_limits: dict[int, int | None], assign: Callable[[int, int], list[list[int]]],
                  threshold: float = 0.10, patience: int = 3, min_observations: int = 3,
-                 window: int = 15, slowdowns: dict[int, float] | None = None) -> None:
+                 window: int = 15, slowdowns: dict[int, float] | None = None, tensor: int = 1) -> None:
+        if not isinstance(tensor, int) or isinstance(tensor, bool) or tensor < 1:
+            raise ValueError(f"tensor={tensor!r} must be a positive integer (Pipeline.tensor: workers per stage)")
+        self.tensor = tensor
         self.V = virtual_nodes
         self.B = global_batch_size
         self.vn_batch = global_batch_size // virtual_nodes if global_batch_size is not None else None
@@ -132,6 +152,8 @@ class SpeedPolicy:
         a rank with no VN reports a probe VN's time, or 0. Returns whether the report carried
         compute times (its step time then counts in :attr:`step_times`)."""
         compute, members, vns = r.get("compute_s"), r.get("members"), r.get("vns")
+        if compute is None and self.replica_sizes is not None and members:
+            compute = pipeline_compute(members, r.get("breakdown"))
         if not compute or not members or len(compute) != len(members):
             return False
         compute = timed_compute(compute, members, vns, r.get("breakdown"))
@@ -215,13 +237,25 @@ class SpeedPolicy:
         plan = self.speed.plan(self.V, members, reduction_s=self.reduction_s)
         return MapPlan(plan.blocks(), plan.predicted_step_s)
 
+    @property
+    def group(self) -> int:
+        """Consecutive members measured as one: a pipelined job's ``tensor`` (a stage's group), else 1."""
+        return self.tensor if self.replica_sizes is not None else 1
+
+    def measured_members(self, members: Sequence[int]) -> list[int]:
+        """The members whose measurements speak for their stage: every member, or with
+        ``tensor=T > 1`` tensor rank 0 of each stage (ranks ``0, T, 2T, ...``: the breakdown's rows)."""
+        return list(members[::self.group])
+
     def stage_seconds(self, members: Sequence[int]) -> tuple[list[float], str]:
         """Each member's seconds per micro-batch and job stage, and where they come from:
-        ``"measured"`` when every member has a measurement, else ``"stated"`` (its slowdown, in
-        units of one full-speed stage)."""
+        ``"measured"`` when every stage's measured member (:meth:`measured_members`) has a
+        measurement (a tensor-parallel stage's other members take its time), else ``"stated"``
+        (its slowdown, in units of one full-speed stage)."""
         measured = self.time_per_vn
-        if members and all(w in measured for w in members):
-            return [measured[w] for w in members], "measured"
+        leaders = self.measured_members(members)
+        if members and all(w in measured for w in leaders):
+            return [measured[members[r - r % self.group]] for r in range(len(members))], "measured"
         return [max(1.0, float(self.slowdowns.get(w, 1.0))) for w in members], "stated"
 
     def plan_pipeline_map(self, members: Sequence[int], runs: Sequence[int], sizes: Sequence[int], *,
@@ -251,12 +285,13 @@ class SpeedPolicy:
 
     def replica_times(self, members: Sequence[int], runs: Sequence[int], sizes: Sequence[int]) -> list[ReplicaTime]:
         """Each replica's time model (:func:`~virtualflow.plan.replica_shares.replica_time`) from
-        its workers' seconds per micro-batch: per job stage times the stages each runs."""
+        its workers' seconds per micro-batch: per job stage times the stages each runs; with
+        ``tensor=T`` every ``T`` consecutive workers are one stage's group, paced by the slowest."""
         per_stage, _ = self.stage_seconds(members)
         worker_s = [t * n for t, n in zip(per_stage, runs)]
         out, start = [], 0
         for n in sizes:
-            out.append(replica_time(worker_s[start:start + n]))
+            out.append(replica_time(worker_s[start:start + n], tensor=self.tensor))
             start += n
         return out
 
@@ -273,7 +308,7 @@ class SpeedPolicy:
         times = self.replica_times(members, runs, sizes)
         best = solve_shares(self.V, times)
         now = predict_step_s(current, times)
-        required = self.threshold + self.speed.margin(members)
+        required = self.threshold + self.speed.margin(self.measured_members(members))
         worse = best.counts != current and now > best.predicted_step_s * (1 + required)
         self._drift = self._drift + 1 if worse else 0
         if self._drift < self.patience:
@@ -293,7 +328,8 @@ class SpeedPolicy:
         if not self._measured:
             return NoChange("no new measurement")
         self._measured = False
-        if any(self.obs.get(w, 0) < self.min_observations for w, a in zip(members, assignment) if a):
+        counted = set(self.measured_members(members))
+        if any(self.obs.get(w, 0) < self.min_observations for w, a in zip(members, assignment) if a and w in counted):
             return NoChange("too few measurements")
         if self.replica_sizes is not None:
             return self._check_pipeline(members, assignment)
@@ -368,6 +404,18 @@ class SpeedPolicy:
         self.rejected[(tuple(members), tuple(counts))] = dict(self.time_per_vn)
         return Rebalance(detail={"reverted": True, "measured_step_s": now, "measured_before_s": before},
                          revert_to=tuple(trial["counts"]), counts_before=tuple(counts))
+
+
+def pipeline_compute(members: Sequence[int], parts: Any) -> list[float]:
+    """A pipelined job's step report: each rank's compute of the step its breakdown describes,
+    ``input_s + forward_s + backward_s`` of its stage's row (its micro-batches' forwards and
+    backwards, emulated slowness included), 0 for a rank with no row (a tensor-parallel stage's
+    members other than tensor rank 0) and for every rank when the report has no breakdown (a
+    generation's first step: the next report's breakdown, of this warm-up step, is then skipped)."""
+    rows = breakdown.clean(parts)
+    by_worker = {int(p["worker"]): p for p in rows} if rows is not None else {}
+    return [by_worker[w]["input_s"] + by_worker[w]["forward_s"] + by_worker[w]["backward_s"] if w in by_worker
+            else 0.0 for w in members]
 
 
 def timed_compute(compute: list[float], members: list[int], vns: list[list[int]], parts: Any) -> list[float]:

@@ -46,6 +46,7 @@ from virtualflow.runtime.pipeline.schedule import schedule_for
 from virtualflow.runtime.pipeline.stage_shard import StageShard, stage_update
 from virtualflow.runtime.pipeline.stream import StreamWindow
 from virtualflow.runtime.pipeline.timing import StageTiming
+from virtualflow.runtime.prefetch import batch_source
 from virtualflow.runtime.pipeline.tied import ExactTies
 
 
@@ -60,14 +61,15 @@ class StageEngine:
         output_loss: Callable[[Any, Any], torch.Tensor], seed: int, batchnorm: str, deterministic: bool,
         device: torch.device, tied: Sequence[TiedCopy] = (), successor_pieces: dict[int, nn.Module] | None = None,
         eager_every_wait: bool = False, loop: StageLoop | None = None, reduction: str = "allreduce",
-        breakdown: bool = True,
+        breakdown: bool = True, loader_workers: int = 0,
     ) -> None:
         """``build_optimizer``: ``Job.build_optimizer``, given this worker's stage module
         (:func:`~virtualflow.runtime.pipeline.pieces.stage_model`). ``loop``: the training loop's
         knobs (:func:`~virtualflow.runtime.pipeline.loop.stage_loop`; default float32, no
         clipping). ``reduction``: ``"allreduce"`` (every replica holds the stage's whole optimizer
         state) or ``"sharded"`` (each holds its chunk, :mod:`.stage_shard`). ``breakdown``: measure where each
-        step's time goes (:mod:`.timing`)."""
+        step's time goes (:mod:`.timing`). ``loader_workers``: threads that load the next micro-batches
+        while the current ones compute (:func:`~virtualflow.runtime.prefetch.batch_source`; 0: none)."""
         check_reduction(reduction)
         self.pipeline = pipeline
         self.loop = loop if loop is not None else StageLoop()
@@ -109,15 +111,18 @@ class StageEngine:
         self.batchnorm = batchnorm
         self.deterministic = deterministic
         self.device = device
-        self.prep = MicroBatchPrep(plan=plan, loader=loader, model_input=model_input, output_loss=output_loss,
-                                   seed=seed, device=device, n_pieces=n_pieces, pieces=self.pieces)
-        """Inputs and outputs of this worker's pieces per micro-batch."""
         self.bn = {k: PieceBatchNorm(m) for k, m in self.pieces.items()}
         self.bn_numel = sum(b.numel for b in self.bn.values())
         self.grad_numel = sum(q.numel() for q in self.params)
         self.reducer = StageReducer(grad_numel=self.grad_numel, bn_numel=self.bn_numel, device=device)
         """How this worker's step is summed over the replicas (by job stage after a failover)."""
         self._init_membership(pipeline, breakdown)
+        self.prep = MicroBatchPrep(
+            plan=plan, source=batch_source(loader, loader_workers, plan.vn_indices, io=breakdown),
+            model_input=model_input, output_loss=output_loss, seed=seed, device=device, n_pieces=n_pieces,
+            pieces=self.pieces, clock=self.timing.clock)
+        """Inputs and outputs of this worker's pieces per micro-batch (their data loaded when the
+        forward asks, or ahead by ``loader_workers`` threads)."""
         self._init_step_state()
         self._init_redundancy(successor_pieces, build_optimizer, scheduler_factory, eager_every_wait)
         check_streamed_batchnorm(pipeline, self.bn_numel)
@@ -191,6 +196,7 @@ class StageEngine:
                 f"{self.plan.virtual_nodes} replicas"
             )
         schedule_for(self.pipeline, len(vns), self.pipeline.window)  # validate m for this schedule now
+        self.prep.set_vns(vns)  # (loader threads: what was loaded for the old map is dropped)
         self.timing.new_generation(None, self.stage_rank)
 
     def set_breakdown_slot(self, rank: int, size: int) -> None:
@@ -216,6 +222,10 @@ class StageEngine:
         """After a failover: the redone step takes layers ``[lo, hi)`` (a stage this worker now
         runs) from ``eager`` (the eager forwards of the replica it held) instead of running them."""
         self.reuse = Reuse(lo, hi, dict(eager))
+
+    def close(self) -> None:
+        """Stop this engine's loader threads (if any); it takes no step after this."""
+        self.prep.close()
 
     def discard_step(self) -> None:
         """An interrupted step: BatchNorm statistics (the pieces' and the replica's) back to the

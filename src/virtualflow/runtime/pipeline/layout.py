@@ -46,6 +46,8 @@ class StageBuilder:
     device: torch.device
     eager_every_wait: bool
     breakdown: bool
+    loader_workers: int = 0
+    """Threads per engine that load the next micro-batches ahead (``--loader-workers``)."""
 
     def engine(self, pipeline: Pipeline, pieces: dict[int, nn.Module], n_pieces: int, stage_rank: int,
                loop: StageLoop, **more: Any) -> StageEngine:
@@ -56,7 +58,8 @@ class StageBuilder:
             scheduler_factory=job.lr_scheduler, pipeline=pipeline, plan=self.plan,
             loader=loader_of(self.dataset, job.collate_fn, self.plan), model_input=job.input_of,
             output_loss=job.output_loss, seed=job.seed, batchnorm=job.batchnorm, deterministic=self.deterministic,
-            device=self.device, eager_every_wait=self.eager_every_wait, loop=loop, breakdown=self.breakdown, **more)
+            device=self.device, eager_every_wait=self.eager_every_wait, loop=loop, breakdown=self.breakdown,
+            loader_workers=self.loader_workers, **more)
 
     def stage(self, pipeline: Pipeline, layers: list[nn.Module], bounds: list[tuple[int, int]], stage_rank: int,
               tensor: TensorStage, reduction: str) -> StageEngine:
@@ -68,32 +71,37 @@ class StageBuilder:
         loop = tensor.hook_loop(stage_loop(self.job, layers, bounds, p), pieces)
         return self.engine(pipeline, pieces, len(bounds), stage_rank, loop,
                            tied=tied_for_worker(mine, bounds, p, stage_rank),
-                           successor_pieces=successor_pieces(pipeline, layers, bounds, stage_rank),
+                           successor_pieces=successor_pieces(pipeline, mine, bounds, stage_rank),
                            reduction=reduction)
 
     def relaid(self, pipeline: Pipeline, full_bounds: list[tuple[int, int]], runs: list[list[int]], pos: int,
                got: dict[int, dict[str, Any]], old_replica: StageReplica | None,
-               by_job_stage: bool) -> tuple[StageEngine, list[tuple[int, int]]]:
+               by_job_stage: bool, tensor: TensorStage) -> tuple[StageEngine, list[tuple[int, int]]]:
         """Member ``pos`` of a re-laid replica whose members run the job stages ``runs``: its
         engine, loaded with those stages' states (``got``, per job stage: its own and its
         successor's), and the replica's layer bounds. ``old_replica``: the replica this worker
         held (its eager forwards of a stage it now runs are reused by the redone step).
-        ``by_job_stage``: reduce job stage by job stage (the replicas differ in depth)."""
+        ``by_job_stage``: reduce job stage by job stage (the replicas differ in depth).
+        ``tensor``: the stages' tensor parallelism (with ``T > 1`` this worker runs, and keeps
+        the replica of, its tensor rank's shards of the stages, in its tensor group)."""
         m = len(runs)
         mine, succ = runs[pos], runs[(pos + 1) % m]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.job.seed)
-            layers = [layer.to(self.device) for layer in layers_of(self.job.model())]
+            base = [layer.to(self.device) for layer in layers_of(self.job.model())]
+        layers = tensor.convert_stages(base, set(mine) | set(succ))
         whole = torch.nn.Sequential(*layers)
         whole.load_state_dict({k: v for s in set(mine) | set(succ) for k, v in got[s]["model"].items()},
                               strict=False)
         counts = [full_bounds[run[-1]][1] - full_bounds[run[0]][0] for run in runs]
         relaid = Pipeline(stages=m, schedule=pipeline.schedule, split=counts, redundancy=m >= 2,
-                          redundant_compute=pipeline.redundant_compute)
+                          redundant_compute=pipeline.redundant_compute, tensor=pipeline.tensor,
+                          tensor_chunks=pipeline.tensor_chunks)
         bounds = bounds_from_counts(counts)
         a, b = bounds[pos]
         sa, sb = bounds[(pos + 1) % m]
-        stage = self.engine(relaid, {pos: piece_module(layers, a, b)}, m, pos, stage_loop(self.job, layers, bounds, m),
+        pieces = {pos: piece_module(layers, a, b)}
+        stage = self.engine(relaid, pieces, m, pos, tensor.hook_loop(stage_loop(self.job, base, bounds, m), pieces),
                             successor_pieces={(pos + 1) % m: piece_module(layers, sa, sb)} if m >= 2 else None)
         load_merged(stage, [got[s] for s in mine])
         load_merged(stage.replica_of_successor, [got[s] for s in succ])

@@ -34,10 +34,11 @@ __all__ = ["LocalDriver", "PipelineDeadlock", "build_engine", "train_local"]
 # ---- building the engines of a job ------------------------------------------------------------
 def build_engine(job: Any, pipeline: Pipeline, bounds: Sequence[tuple[int, int]], stage_rank: int, *,
                  dataset: Any, deterministic: bool, device: torch.device,
-                 eager_every_wait: bool = False, reduction: str = "allreduce") -> StageEngine:
+                 eager_every_wait: bool = False, reduction: str = "allreduce", loader_workers: int = 0) -> StageEngine:
     """Build worker ``stage_rank``'s engine: the whole model from the job's seed (so every worker's
     pieces start from the same weights as the unpipelined model), then only its pieces kept.
-    ``eager_every_wait``: :attr:`StageEngine.eager_every_wait` (a diagnostic)."""
+    ``eager_every_wait``: :attr:`StageEngine.eager_every_wait` (a diagnostic). ``loader_workers``:
+    threads that load the next micro-batches ahead (the first and last stages')."""
     from virtualflow.plan.pipeline.geometry import layers_of, piece_module, successor_pieces, tied_for_worker
     from virtualflow.runtime.streaming import data_plan_of, loader_of
 
@@ -54,6 +55,7 @@ def build_engine(job: Any, pipeline: Pipeline, bounds: Sequence[tuple[int, int]]
         tied=tied_for_worker(layers, bounds, p, stage_rank),
         successor_pieces=successor_pieces(pipeline, layers, bounds, stage_rank),
         eager_every_wait=eager_every_wait, loop=stage_loop(job, layers, bounds, p), reduction=reduction,
+        loader_workers=loader_workers,
     )
 
 
@@ -198,7 +200,8 @@ def train_local(job: Any, steps: int, *, replicas: int = 1, deterministic: bool 
                 bounds: Sequence[tuple[int, int]] | None = None,
                 device: torch.device = torch.device("cpu"),
                 eager_every_wait: bool = False, reduction: str = "allreduce",
-                engines_out: list[StageEngine] | None = None) -> tuple[dict[str, torch.Tensor], list[StepResult]]:
+                engines_out: list[StageEngine] | None = None,
+                loader_workers: int = 0) -> tuple[dict[str, torch.Tensor], list[StepResult]]:
     """Train a pipelined job for ``steps`` steps with all its workers in this process; returns the
     whole model's final state dict and one result per step. The proof harness of the executor
     (``tests/unit/test_pipeline_engine.py``) and a way to try a pipeline without processes. With
@@ -207,7 +210,8 @@ def train_local(job: Any, steps: int, *, replicas: int = 1, deterministic: bool 
     train_threads`; ``engines_out`` then gets the workers' :class:`PipelineWorkerEngine`).
     ``eager_every_wait``: :attr:`StageEngine.eager_every_wait` (a diagnostic). ``reduction``:
     :class:`StageEngine`'s. ``engines_out``: a list the workers' engines are appended to (in rank
-    order), for a caller that inspects them after training."""
+    order), for a caller that inspects them after training. ``loader_workers``: each engine's
+    loader threads (``--loader-workers``); they are stopped when training ends."""
     from virtualflow.plan.pipeline.geometry import layers_of, resolve_bounds
     from virtualflow.plan.vnmap import contiguous_assignment
 
@@ -222,7 +226,7 @@ def train_local(job: Any, steps: int, *, replicas: int = 1, deterministic: bool 
         bounds = resolve_bounds(pipeline, len(layers_of(job.model())))
     engines = [build_engine(job, pipeline, bounds, r % pipeline.stages, dataset=dataset,
                             deterministic=deterministic, device=device, eager_every_wait=eager_every_wait,
-                            reduction=reduction)
+                            reduction=reduction, loader_workers=loader_workers)
                for r in range(pipeline.stages * replicas)]
     if engines_out is not None:
         engines_out.extend(engines)
@@ -231,10 +235,14 @@ def train_local(job: Any, steps: int, *, replicas: int = 1, deterministic: bool 
     history: list[StepResult] = []
     window = 1 if pipeline.flush else pipeline.window
     t = 0
-    while t < steps:
-        n = min(window, steps - t)
-        history += driver.run(t, n)
-        t += n
+    try:
+        while t < steps:
+            n = min(window, steps - t)
+            history += driver.run(t, n)
+            t += n
+    finally:
+        for e in engines:
+            e.close()
     state: dict[str, torch.Tensor] = {}
     for e in engines[: pipeline.stages]:
         state.update({k: v.detach().clone() for k, v in e.model.state_dict().items()})

@@ -12,6 +12,11 @@ Invariants:
   ``n_v / B``, exactly as the VN engine does (and the metrics ``output_loss`` may return with it).
 - **Random streams travel with the micro-batch**: a piece's forward continues the stream from the
   generator state its message carries and records the state after it (:mod:`.wire`).
+- **Same samples, loaded ahead or not.** A stage's batches come from the batch source chosen at
+  construction (:func:`virtualflow.runtime.prefetch.batch_source`): loaded when the forward asks,
+  or by loader threads ahead of it (``loader_workers``); a batch is the one of (step, VN) and its
+  indices either way, so the model is the same. The time the forward waited for it is the step
+  breakdown's ``input_s``; what loading cost (the loaders' time and reads) its I/O profile.
 - A received floating-point activation becomes a leaf that requires grad; it is cloned before the
   piece's forward when the piece starts with an in-place operation (a leaf cannot be modified in
   place), so its gradient can still be read after the backward.
@@ -30,8 +35,10 @@ from torch import nn
 from virtualflow.plan.pipeline.geometry import tensors_of
 from virtualflow.plan.data import DataPlan, vn_seed
 from virtualflow.runtime.batches import check_loss, seed_random_streams, split_loss, to_device
+from virtualflow.runtime.breakdown import StepClock
 from virtualflow.runtime.pipeline.loop import weighted_metrics
 from virtualflow.runtime.pipeline.wire import read_forward_message
+from virtualflow.runtime.prefetch import LoadNow, StepAhead
 
 
 @dataclass(slots=True)
@@ -58,24 +65,38 @@ def starts_in_place(module: nn.Module) -> bool:
 class MicroBatchPrep:
     """Inputs and outputs of one worker's pieces (see the module docstring)."""
 
-    def __init__(self, *, plan: DataPlan, loader: Callable[[torch.Tensor], Any], model_input: Callable[[Any], Any],
+    def __init__(self, *, plan: DataPlan, source: LoadNow | StepAhead, model_input: Callable[[Any], Any],
                  output_loss: Callable[[Any, Any], torch.Tensor], seed: int, device: torch.device,
-                 n_pieces: int, pieces: dict[int, nn.Module]) -> None:
+                 n_pieces: int, pieces: dict[int, nn.Module], clock: StepClock) -> None:
+        """``source``: where the micro-batches' data comes from (loaded now or ahead, chosen once);
+        ``clock``: the stage's step clock (the loads' cost goes to its I/O profile)."""
         self.plan = plan
-        self.loader = loader
+        self.source = source
         self.model_input = model_input
         self.output_loss = output_loss
         self.seed = seed
         self.device = device
+        self.clock = clock
         self.first, self.last = 0, n_pieces - 1
         self.clone_input = {k: starts_in_place(m) for k, m in pieces.items()}
         self.load_s = 0.0
-        """Seconds spent loading micro-batches' data so far (the step breakdown's ``input_s``)."""
+        """Seconds the forwards spent getting micro-batches' data so far (waiting for a loader, or
+        loading; and the copy to the device): the step breakdown's ``input_s``."""
 
-    def _load(self, indices: Any) -> Any:
+    def set_vns(self, vns: Sequence[int]) -> None:
+        """This worker's replica runs ``vns`` (a new generation): what the source loads ahead."""
+        self.source.set_vns(vns)
+
+    def close(self) -> None:
+        """Stop the loader threads (if any)."""
+        self.source.close()
+
+    def _load(self, step: int, vn: int, indices: torch.Tensor) -> Any:
         t0 = time.perf_counter()
-        batch = to_device(self.loader(indices), self.device)
+        batch, _, stats = self.source.take(step, vn, indices)
+        batch = to_device(batch, self.device)
         self.load_s += time.perf_counter() - t0
+        self.clock.add_load(stats)
         return batch
 
     def inputs(self, k: int, step: int, vn: int, message: list[torch.Tensor] | None, ctx: MicroBatch,
@@ -84,7 +105,7 @@ class MicroBatchPrep:
         fresh random stream) or the received message's activations (its stream continued)."""
         if message is None:  # the first piece: the VN's data, a fresh random stream
             indices = self.plan.vn_indices(step, vn)
-            ctx.batch, ctx.n = self._load(indices), len(indices)
+            ctx.batch, ctx.n = self._load(step, vn, indices), len(indices)
             seed_random_streams(vn_seed(self.seed, step, vn), self.device)
             return self.model_input(ctx.batch)
         tensors = read_forward_message(message, self.device)
@@ -105,7 +126,7 @@ class MicroBatchPrep:
         if k == self.last:
             if ctx.batch is None:
                 indices = self.plan.vn_indices(step, vn)
-                ctx.batch, ctx.n = self._load(indices), len(indices)
+                ctx.batch, ctx.n = self._load(step, vn, indices), len(indices)
             where = f"Job.output_loss at step {step} in virtual node {vn}"
             loss, metrics = split_loss(self.output_loss(out, ctx.batch), where)
             check_loss(loss, where)

@@ -5,8 +5,8 @@ Functions of a :class:`~virtualflow.runtime.pipeline.StageEngine` (and its repli
 behind (:func:`stage_state`, :func:`transfer_stages`), the per-job-stage state a Bamboo failover
 moves (:func:`stage_states`, :func:`load_merged`), a checkpoint's per-stage states gathered on
 rank 0 (:func:`gather_stages`) and a resume from one (:func:`resume_stage`, after
-:func:`restage` for a checkpoint of other stages), and a member's share of a sharded checkpoint
-(:func:`sharded_parts`).
+:func:`virtualflow.runtime.regrid.restage` for a checkpoint of another grid), and a member's share
+of a sharded checkpoint (:func:`sharded_parts`; with tensor parallelism :func:`grid_parts`).
 
 Invariants. Collective functions (``transfer_stages``, ``gather_stages``) are entered by every
 member at the same point with the same arguments (steps known to all). A per-stage state is
@@ -25,13 +25,14 @@ import torch
 from virtualflow.comm.groups import Group
 from virtualflow.config.pipeline import Pipeline
 from virtualflow.runtime.checkpoint import shared_names
-from virtualflow.runtime.dcp import Piece, model_pieces, optimizer_pieces
+from virtualflow.runtime.dcp import Piece, grid_pieces, model_pieces, optimizer_pieces
 from virtualflow.runtime.pipeline.engine import StageEngine
 from virtualflow.runtime.pipeline.redundancy import StageReplica
+from virtualflow.runtime.regrid import optimizer_names
 from virtualflow.runtime.transfer import broadcast_state
 
-__all__ = ["exchange_for_layout", "gather_stages", "load_merged", "load_stage_state", "optimizer_names",
-           "reorder_optimizer", "restage", "resume_stage", "sharded_parts", "stage_state", "stage_states", "successor",
+__all__ = ["exchange_for_layout", "gather_stages", "grid_parts", "load_merged", "load_stage_state", "optimizer_names",
+           "reorder_optimizer", "resume_stage", "sharded_parts", "stage_state", "stage_states", "successor",
            "transfer_stages", "whole_state"]
 
 
@@ -109,6 +110,7 @@ def stage_states(holder: Any, stages: tuple[int, ...], full_bounds: list[tuple[i
                           "param_groups": [{**group, "params": list(range(len(idx)))}] if idx else []},
             "lr_scheduler": sched,
             "grad_scaler": scaler_state(holder),
+            "param_names": [params[i] for i in idx],  # (a tensor-parallel stage's shards merge by name)
         }
     return out
 
@@ -304,24 +306,67 @@ def sharded_parts(stage: StageEngine, pipeline: Pipeline, full_bounds: list[tupl
     pieces += more
     if k != 0:
         return pieces, None
-    meta: dict[str, Any] = {
-        "model": {n: v.detach().cpu() for n, v in model.items() if not v.numel()}, "model_keys": list(model),
-        "model_aliases": shared_names(model), "optimizer": rest, "stage": s,
-        "lr_scheduler": stage.scheduler.state_dict() if stage.scheduler is not None else None,
-        "grad_scaler": scaler_state(stage),
-        "param_names": [n for n, _ in stage.model.named_parameters()],  # the optimizer's order
-    }
-    if s == 0:
-        meta["pipeline"] = {"stages": p, "bounds": [list(b) for b in full_bounds], "schedule": pipeline.schedule}
+    meta = _stage_meta(stage, model, rest, s, [n for n, _ in stage.model.named_parameters()])
+    if s == 0:  # the grid that wrote it (a reader needs only the stages and bounds)
+        meta["pipeline"] = {"stages": p, "bounds": [list(b) for b in full_bounds], "schedule": pipeline.schedule,
+                            "tensor": 1, "replicas": replicas}
     return pieces, meta
 
 
-def optimizer_names(optimizer: Any, module: torch.nn.Module) -> list[str]:
-    """The names (in ``module``) of the optimizer's parameters in its ``state_dict`` index order
-    (parameter group after parameter group)."""
-    by_id = {id(q): n for n, q in module.named_parameters()}
-    groups = getattr(optimizer, "param_groups", [])
-    return [by_id[id(q)] for g in groups for q in g["params"]]
+def grid_parts(stage: StageEngine, pipeline: Pipeline, full_bounds: list[tuple[int, int]], rank: int, size: int,
+               splits: dict[str, Any], names: list[str]) -> tuple[list[Piece], dict[str, Any] | None]:
+    """Generation rank ``rank``'s part of a sharded checkpoint of a tensor-parallel job (the
+    D x P x T grid of :mod:`.tensor_grid`: tensor rank ``t = rank % T`` of stage ``s`` of replica
+    ``k``), written without a gather. A tensor the stage holds whole (a replicated one, Adam's
+    ``step``) is written once: an even share of it by each of the stage's ``D T`` workers, as
+    entry ``<fqn>``. A tensor the worker holds a shard of (its parameter's :class:`~virtualflow.
+    parallel.convert.Split` in ``splits`` is not replicated: the parameter and its optimizer
+    tensors of its shape) is entry ``<fqn>@tp<t>`` of the shard's shape, an even share by each of
+    the ``D`` workers of tensor rank ``t``. The optimizer state is indexed in the unconverted
+    stage's order (``names``), as a gathered checkpoint's is. Replica 0's tensor rank 0 of each
+    stage writes the stage's ``meta.pt``; rank 0's also records the grid and every cut tensor's
+    split (``pipeline.tensor``, ``replicas``, ``splits``). Local."""
+    tensor, p = pipeline.tensor, pipeline.stages
+    t, s, k = rank % tensor, (rank // tensor) % p, rank // (tensor * p)
+    model = stage.model.state_dict()
+    opt = reorder_optimizer(stage.optimizer.state_dict(), optimizer_names(stage.optimizer, stage.model), names)
+    cut_names = {n for n in model if not splits[n].replicated}
+    whole: list[tuple[str, torch.Tensor]] = []
+    cut: list[tuple[str, torch.Tensor]] = []
+    for n, v in model.items():
+        (cut if n in cut_names else whole).append((f"model/{n}", v))
+    rest: dict[int, dict[str, Any]] = {}
+    for pos, entry in opt["state"].items():
+        name = names[int(pos)]
+        for key, v in entry.items():
+            if not isinstance(v, torch.Tensor):
+                rest.setdefault(int(pos), {})[key] = v
+                continue
+            holds_cut = name in cut_names and v.shape == model[name].shape
+            (cut if holds_cut else whole).append((f"optimizer/stage/{s}/state/{int(pos)}/{key}", v))
+    pieces = grid_pieces(whole, cut, t, tensor, k, size // (tensor * p))
+    if k or t:
+        return pieces, None
+    meta = _stage_meta(stage, model, {"param_groups": opt["param_groups"], "state": rest}, s, names)
+    if s == 0:
+        meta["pipeline"] = {"stages": p, "bounds": [list(b) for b in full_bounds], "schedule": pipeline.schedule,
+                            "tensor": tensor, "replicas": size // (tensor * p),
+                            "splits": {n: [sp.dim, sp.blocks, sp.units] for n, sp in sorted(splits.items())
+                                       if not sp.replicated}}
+    return pieces, meta
+
+
+def _stage_meta(stage: StageEngine, model: dict[str, torch.Tensor], rest: dict[str, Any], s: int,
+                names: list[str]) -> dict[str, Any]:
+    """A stage's ``meta.pt`` contents: its tensors without elements, its model keys and tied
+    names, the optimizer's hyperparameters and non-tensor entries (``rest``), the scheduler and
+    loss scaler states, the optimizer's parameter names in index order (``names``)."""
+    return {
+        "model": {n: v.detach().cpu() for n, v in model.items() if not v.numel()}, "model_keys": list(model),
+        "model_aliases": shared_names(model), "optimizer": rest, "stage": s,
+        "lr_scheduler": stage.scheduler.state_dict() if stage.scheduler is not None else None,
+        "grad_scaler": scaler_state(stage), "param_names": names,
+    }
 
 
 def reorder_optimizer(opt: dict[str, Any], source: list[str], target: list[str]) -> dict[str, Any]:
@@ -336,42 +381,3 @@ def reorder_optimizer(opt: dict[str, Any], source: list[str], target: list[str])
     state = {index[source[int(i)]]: v for i, v in opt["state"].items()}
     groups = [{**g, "params": [index[source[int(i)]] for i in g["params"]]} for g in opt["param_groups"]]
     return {**opt, "state": state, "param_groups": groups}
-
-
-def restage(state: dict[str, Any], full_bounds: list[tuple[int, int]]) -> dict[str, Any]:
-    """A pipelined state (``gather_state``'s layout) cut again for the stages ``full_bounds``:
-    each parameter's optimizer state follows it by name (a sharded checkpoint records each
-    stage's parameter names, ``pipeline.stage_params``); every stage gets the first stage's
-    hyperparameters and scheduler state (the stages share one schedule). Raises ``ValueError``,
-    naming the knobs, where that cannot be done exactly."""
-    saved = state.get("pipeline") or {}
-    names = saved.get("stage_params")
-    stages = state["optimizer"]["pipeline_stages"]
-    counts = [int(b) - int(a) for a, b in saved.get("bounds", [])]
-    refusal = (f"the checkpoint holds {saved.get('stages')} stages with layer counts {counts}; the job has "
-               f"{len(full_bounds)} stages with {[b - a for a, b in full_bounds]}")
-    if not names or len(names) != len(stages) or any(n is None for n in names):
-        raise ValueError(f"{refusal}, and it does not name each stage's parameters (a single-file state): resume "
-                         f"with --pipeline-stages {saved.get('stages')} --split {','.join(map(str, counts))}")
-    if any(len(opt["param_groups"]) > 1 for opt in stages) or not all(
-            n.split(".")[0].isdigit() for stage_names in names for n in stage_names):
-        raise ValueError(f"{refusal}; moving optimizer state between stages needs one parameter group and layer-"
-                         f"indexed parameter names: resume with --pipeline-stages {saved.get('stages')} --split "
-                         f"{','.join(map(str, counts))}")
-    by_name: dict[str, Any] = {}
-    for opt, stage_names in zip(stages, names):
-        for pos, name in enumerate(stage_names):
-            if pos in opt["state"]:
-                by_name[name] = opt["state"][pos]
-    every = [n for stage_names in names for n in stage_names]
-    first = stages[0]["param_groups"]
-    group = {k: v for k, v in first[0].items() if k != "params"} if first else {}
-    cut = []
-    for a, b in full_bounds:
-        mine = [n for n in every if a <= int(n.split(".")[0]) < b]
-        cut.append({"state": {j: by_name[n] for j, n in enumerate(mine) if n in by_name},
-                    "param_groups": [{**group, "params": list(range(len(mine)))}] if mine else []})
-    sched = state["lr_scheduler"]["pipeline_stages"][0]
-    bounds = [[int(a), int(b)] for a, b in full_bounds]
-    return {**state, "optimizer": {"pipeline_stages": cut}, "lr_scheduler": {"pipeline_stages": [sched] * len(cut)},
-            "pipeline": {**saved, "stages": len(cut), "bounds": bounds}}

@@ -85,7 +85,9 @@ def convert_layers(layers: list[nn.Module], lo: int, hi: int, comm: Any, chunks:
 
 
 def rebind_comm(module: nn.Module, comm: Any) -> None:
-    """Point every tensor-parallel block in ``module`` at ``comm`` (a new generation's group)."""
+    """Point every tensor-parallel block in ``module`` at ``comm`` (a new generation's group).
+    A compiled stage recompiles nothing: the blocks read their communicator only inside the calls
+    dynamo leaves opaque (:mod:`virtualflow.parallel.sublayers`), so no guard names it."""
     for m in module.modules():
         if m is not module and hasattr(m, "comm") and hasattr(m.comm, "all_reduce"):
             m.comm = comm

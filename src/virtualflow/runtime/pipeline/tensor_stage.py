@@ -16,7 +16,10 @@ What the object owns:
   check uses, the sharded parameters and the tensor rank, given to the loop when the stage is
   built (the sum runs over the current generation's group);
 - the state merge: a checkpoint's stages gathered into the single-worker layout
-  (:meth:`TensorStage.gather`) and a stage resumed from such a state (:meth:`TensorStage.build`).
+  (:meth:`TensorStage.gather`), a worker's part of a sharded checkpoint written without a gather
+  (:meth:`TensorStage.sharded_parts`: its shards, named so that a reader merges them into that
+  layout) and a stage resumed from a state in that layout (:meth:`TensorStage.build`: cut for this
+  worker's tensor rank, whatever tensor degree wrote it).
 
 Invariant: a worker's tensor rank is fixed once its stage is built (generations add or remove
 whole replicas of ``P T`` consecutive ranks, so ``rank % T`` stays).
@@ -36,8 +39,10 @@ from virtualflow.plan.pipeline.geometry import layers_of, piece_module
 from virtualflow.runtime.pipeline.engine import StageEngine
 from virtualflow.runtime.step.finish import TensorSlots
 from virtualflow.runtime.pipeline.loop import StageLoop
-from virtualflow.runtime.pipeline.stage_state import (gather_stages, load_scaler, optimizer_names, reorder_optimizer,
-                                                      resume_stage, stage_state, transfer_stages)
+from virtualflow.runtime.dcp import Piece
+from virtualflow.runtime.pipeline.stage_state import (gather_stages, grid_parts, load_scaler, optimizer_names,
+                                                      reorder_optimizer, resume_stage, sharded_parts, stage_state,
+                                                      transfer_stages)
 from virtualflow.runtime.pipeline.tensor_grid import (TensorPlanes, convert_layers, merge_stage_states, rebind_comm,
                                                       shard_stage_state, whole_splits)
 from virtualflow.runtime.transfer import broadcast_state
@@ -70,8 +75,18 @@ class TensorStage:
         return f"stage{stage}"
 
     def convert(self, layers: list[nn.Module], stage_rank: int) -> list[nn.Module]:
-        """The layers this worker's pieces of stage-rank ``stage_rank`` are cut from."""
+        """The layers this worker's pieces of stage-rank ``stage_rank`` (and, with Bamboo's
+        redundancy, its replica of the successor's stage) are cut from."""
         return layers
+
+    def convert_stages(self, layers: list[nn.Module], stage_ranks: set[int]) -> list[nn.Module]:
+        """The whole model's (unconverted) ``layers`` with the pieces of ``stage_ranks`` in the form
+        this worker runs them (a Bamboo re-layout: the job stages it runs and keeps a replica of)."""
+        return layers
+
+    def plane_layout(self, layout: list[list[int]]) -> list[list[int]]:
+        """A Bamboo layout (one run per generation member) as the pipeline engine's group sees it."""
+        return layout
 
     def hook_loop(self, loop: StageLoop, pieces: dict[int, nn.Module]) -> StageLoop:
         """The training loop of a stage built from ``pieces``, with this object's hooks."""
@@ -110,6 +125,10 @@ class TensorStage:
         single-worker layout (:func:`~.stage_state.gather_stages`); others get ``None``."""
         return gather_stages(stage, self.pipeline, layout, self.bounds, group, self.device)
 
+    def sharded_parts(self, stage: StageEngine, rank: int, size: int) -> tuple[list[Piece], dict[str, Any] | None]:
+        """Generation rank ``rank``'s part of a sharded checkpoint (:func:`~.stage_state.sharded_parts`). Local."""
+        return sharded_parts(stage, self.pipeline, self.bounds, rank, size)
+
 
 class TensorParallelStage(TensorStage):
     """A stage of ``T > 1`` workers (:mod:`.tensor_grid`): the pipeline engine runs on this
@@ -127,6 +146,10 @@ class TensorParallelStage(TensorStage):
         """This worker's tensor rank (fixed once its stage is built: the shards it holds)."""
         self.sharded_names: frozenset[str] = frozenset()
         """Whole-model names of the stage's parameters that hold a shard (set by :meth:`convert`)."""
+        self.splits: dict[str, Any] = {}
+        """How every whole-model state key is cut over the ``T`` ranks (set by :meth:`convert`)."""
+        self.names: list[str] = []
+        """The unconverted stage's optimizer order (set by :meth:`convert`): a checkpoint's."""
 
     def join(self, group: Group) -> Group:
         self.leave()
@@ -143,13 +166,24 @@ class TensorParallelStage(TensorStage):
         return f"stage{stage}.t{self.rank}"  # one stage group per plane
 
     def convert(self, layers: list[nn.Module], stage_rank: int) -> list[nn.Module]:
+        # The successor's stage too: Bamboo's replica of it is this tensor rank's shard of it, cut
+        # by the same splits as the successor's own (docs/bamboo.md, "With tensor parallelism");
+        # without redundancy no piece keeps those layers.
+        self.names = self.unconverted_names(stage_rank, layers)
+        return self.convert_stages(layers, {stage_rank, (stage_rank + 1) % self.pipeline.stages})
+
+    def convert_stages(self, layers: list[nn.Module], stage_ranks: set[int]) -> list[nn.Module]:
         p = self.pipeline.stages
-        self.sharded_names = frozenset(n for n, split in whole_splits(layers, self.tensor).items()
-                                       if not split.replicated)
+        self.splits = whole_splits(layers, self.tensor)
+        self.sharded_names = frozenset(n for n, split in self.splits.items() if not split.replicated)
         for k, (a, b) in enumerate(self.bounds):
-            if k % p == stage_rank:
+            if k % p in stage_ranks:
                 layers = convert_layers(layers, a, b, self.planes.comm, self.pipeline.tensor_chunks)
         return layers
+
+    def plane_layout(self, layout: list[list[int]]) -> list[list[int]]:
+        """This plane's members' runs (every member of a tensor group runs its group's run)."""
+        return layout[self.rank::self.tensor]
 
     def hook_loop(self, loop: StageLoop, pieces: dict[int, nn.Module]) -> StageLoop:
         """The loss scaler's inf check and the clipping norm sum the shards' parts over the tensor
@@ -167,6 +201,9 @@ class TensorParallelStage(TensorStage):
 
     def bind(self, stage: StageEngine) -> None:
         rebind_comm(stage.model, self.planes.comm)
+        replica = stage.replica_of_successor  # Bamboo: its shards run in this stage's tensor group
+        if replica is not None:
+            rebind_comm(replica.model, self.planes.comm)
 
     def agree_control(self, control: int | Callable[[], int]) -> int:
         """Every plane must stop for a command at the same step, but only generation rank 0 reads
@@ -237,7 +274,7 @@ class TensorParallelStage(TensorStage):
         tensor-parallel group), then sent to rank 0, which merges the shards into the
         single-worker layout (``whole_model()``: the unconverted model, for the splits)."""
         planes = self.planes
-        mine = gather_stages(stage, self.pipeline, None, self.bounds, planes.plane, self.device,
+        mine = gather_stages(stage, self.pipeline, layout, self.bounds, planes.plane, self.device,
                              state_of=named_stage_state)
         if planes.plane_rank != 0:
             return None
@@ -253,6 +290,10 @@ class TensorParallelStage(TensorStage):
             merged["optimizer"] = reorder_optimizer(merged["optimizer"], merged["param_names"], target)
             out.append(merged)
         return out
+
+    def sharded_parts(self, stage: StageEngine, rank: int, size: int) -> tuple[list[Piece], dict[str, Any] | None]:
+        """This worker's shards, written as they are (:func:`~.stage_state.grid_parts`). Local."""
+        return grid_parts(stage, self.pipeline, self.bounds, rank, size, self.splits, self.names)
 
 
 def tensor_stage(pipeline: Pipeline, bounds: list[tuple[int, int]], device: torch.device, *, subgroup: Subgroup,

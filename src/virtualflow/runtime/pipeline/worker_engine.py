@@ -26,9 +26,13 @@ stage is :mod:`~virtualflow.runtime.pipeline.layout`'s, moving and gathering sta
 :mod:`~virtualflow.runtime.pipeline.stage_state`'s.
 
 Checkpoints with ``checkpoint_format="dcp"`` are written without a gather: every member writes
-its share of its stage (:meth:`PipelineWorkerEngine.sharded_parts`), laid out so that the
-checkpoint reads back as ``gather_state``'s (one optimizer state per job stage). After a Bamboo
-failover (replicas of unequal depth) a checkpoint is gathered and written as one file instead.
+its share of its stage (:meth:`PipelineWorkerEngine.sharded_parts`; with tensor parallelism its
+shards), laid out so that the checkpoint reads back as ``gather_state``'s (one optimizer state per
+job stage, the single-worker layout of every tensor). After a Bamboo failover (replicas of unequal
+depth) a checkpoint is gathered and written as one file instead. A checkpoint of any grid resumes
+(:meth:`PipelineWorkerEngine.resume_from`): a state of other stages, another split or no pipeline
+is cut again by parameter name (:func:`virtualflow.runtime.regrid.restage`), and each worker takes
+its tensor rank's shards of the whole tensors.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from virtualflow.runtime.streaming import data_plan_of
 from virtualflow.runtime.engines import Boundary, Joining
 from virtualflow.runtime.pipeline.engine import StageEngine
 from virtualflow.runtime.pipeline.layout import StageBuilder, check_relayout, held_states, stages_held
-from virtualflow.runtime.pipeline.stage_state import exchange_for_layout, restage, sharded_parts, whole_state
+from virtualflow.runtime.pipeline.stage_state import exchange_for_layout, whole_state
 from virtualflow.runtime.pipeline.links import Links, StageExchanges, drive, exchange_choice
 from virtualflow.runtime.pipeline.flush import FlushStep
 from virtualflow.runtime.pipeline.loop import StageLoop, model_norm_blocks
@@ -58,6 +62,7 @@ from virtualflow.runtime.pipeline.timing import write_timeline
 from virtualflow.runtime.pipeline.redundancy import RedundantTotals
 from virtualflow.runtime.pipeline.settle import InterruptedCommit
 from virtualflow.runtime.pipeline.stage_shard import gather_stage_optimizer, optimizer_bytes
+from virtualflow.runtime.regrid import optimizer_names, restage
 from virtualflow.runtime.sharded import ShardLost
 
 class PipelineWorkerEngine:
@@ -109,7 +114,8 @@ class PipelineWorkerEngine:
                                                 build_optimizer=job.build_optimizer)
         """The stages' tensor parallelism (:mod:`~virtualflow.runtime.pipeline.tensor_stage`): its
         groups, shards and state merge; ``self.group`` is the group it gives the pipeline (a plane)."""
-        self.builder = StageBuilder(job, dataset, self.plan, self.deterministic, device, eager_every_wait, options.breakdown)
+        self.builder = StageBuilder(job, dataset, self.plan, self.deterministic, device, eager_every_wait, options.breakdown,
+                                    options.loader_workers)
         """Builds this worker's stage engine (:mod:`~virtualflow.runtime.pipeline.layout`)."""
         self.phase = "idle"
         self.slowdown = 1.0
@@ -234,6 +240,8 @@ class PipelineWorkerEngine:
         job stage is reduced over the workers running it, one per replica, in replica order
         (:meth:`StageEngine.set_job_stages`). Collective."""
         p = self.pipeline.stages
+        group = self.tensor.join(group)  # tensor parallel: each plane re-lays its pipeline (one run per group)
+        layout = self.tensor.plane_layout(layout)
         layouts, new = check_relayout(layout, self.pipeline, group.size, steps, target)
         own_old, rep_old = stages_held(self.stage, self.layout, p, self.group_rank)
         old_replica = self.redundant_totals.add(self.stage)  # the engine this re-layout drops
@@ -244,8 +252,10 @@ class PipelineWorkerEngine:
         runs, pos = layouts[grid.replica], grid.stage_rank
         self.layout = new
         self.group_rank = group.rank
+        if self.stage is not None:
+            self.stage.close()  # its loader threads (the re-laid engine has its own)
         self.stage, self.bounds = self.builder.relaid(self.pipeline, self.full_bounds, runs, pos, got, old_replica,
-                                                      by_job_stage=len(layouts) > 1)
+                                                      by_job_stage=len(layouts) > 1, tensor=self.tensor)
         self.model, self.layers = None, None
         self._relaid = group.generation
         if all(len(run) == 1 for run in new):
@@ -258,7 +268,9 @@ class PipelineWorkerEngine:
     def resume_from(self, state: dict[str, Any]) -> None:
         saved = state.get("pipeline") or {}
         if [list(b) for b in saved.get("bounds", [])] != [list(b) for b in self.full_bounds]:
-            state = restage(state, self.full_bounds)  # a sharded checkpoint of another split
+            # a checkpoint of other stages, another split or no pipeline: cut again by name
+            whole_names = optimizer_names(self.job.build_optimizer(self.model), self.model)
+            state = restage(state, whole_names, self.full_bounds, self.pipeline.stages)
         self.resume_state = state  # loaded into the stage once its place is known
 
     def prepare_to_join(self) -> None:
@@ -329,8 +341,8 @@ class PipelineWorkerEngine:
         self.model = None  # the whole model was rebuilt on rank 0 for this; only pieces stay
 
     def sharded_parts(self, group: Group) -> tuple[list[Piece], dict[str, Any] | None]:
-        """This worker's part of a sharded checkpoint (:func:`~.stage_state.sharded_parts`). Local."""
-        return sharded_parts(self.stage, self.pipeline, self.full_bounds, group.rank, group.size)
+        """This worker's part of a sharded checkpoint (:meth:`TensorStage.sharded_parts`). Local."""
+        return self.tensor.sharded_parts(self.stage, group.rank, group.size)
 
     def boundary_on_rank0(self, step: int, work: Boundary) -> None:
         pass  # its checkpoints and evaluations are collectives: :meth:`boundary`
@@ -361,7 +373,9 @@ class PipelineWorkerEngine:
         return None  # spread over the stages: not told
 
     def close(self) -> None:
-        pass  # the tensor-parallel groups stay: the final state is gathered after this (a daemon thread)
+        # The tensor-parallel groups stay: the final state is gathered after this (a daemon thread).
+        if self.stage is not None:
+            self.stage.close()  # its loader threads, if any
 
     def step(self, step: int, control: int | Callable[[], int] = 0) -> StepOutcome:
         if step in self._results:
