@@ -32,7 +32,6 @@ says; an unpipelined sharded run keeps replicas (``shard_replicas=1``) and recov
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import inspect
 import os
@@ -192,7 +191,7 @@ def knobs_of(caps: frozenset[str], rng: random.Random) -> Knobs:
 
 
 # ---- the facts the table's conditions read ------------------------------------------------------
-def facts(k: Knobs, job: vf.Job) -> dict[str, Any]:
+def facts(k: Knobs) -> dict[str, Any]:
     """Every fact a refusal row's condition or message reads, for this draw."""
     out: dict[str, Any] = dict(
         pipelined=k.pipelined, loader_workers=k.loader_workers, autoscale=k.autoscale, per_replica=k.replica_workers,
@@ -204,9 +203,8 @@ def facts(k: Knobs, job: vf.Job) -> dict[str, Any]:
         j=0, first="", i=0, name="",
     )
     if k.pipelined:
-        torch.manual_seed(job.seed)
-        layers = layers_of(job.model())
-        groups = tied_parameters(layers, resolve_bounds(job.pipeline, len(layers)), job.pipeline.stages)
+        layers = layers_of(_model(k.tied))
+        groups = tied_parameters(layers, resolve_bounds(vf.Pipeline(stages=k.stages), len(layers)), k.stages)
         if groups:
             (j, first), (i, name) = groups[0][0], groups[0][1]
             out.update(tied=True, j=j, first=first, i=i, name=name, uses=len(groups[0]))
@@ -301,21 +299,14 @@ def run_draw(caps: frozenset[str], rng: random.Random, run_dir: str, label: str)
     """Train one draw and check it; returns what happened (``works``, ``refused: <row>`` or
     ``stops: ShardLost``)."""
     k = knobs_of(caps, rng)
-    job = job_of_or_refusal = None
-    try:
-        job = job_of(k)
-    except ValueError as exc:  # the Pipeline's own rows refuse at construction
-        job_of_or_refusal = exc
-    f = facts(k, job if job is not None else job_of(dataclasses.replace(k, redundancy=False)))
+    f = facts(k)
     missing = {p for r in table.REFUSALS for p in inspect.signature(r.when).parameters if p != "_"} - set(f)
     assert not missing, f"{label}: refusal rows read facts the sweep does not give: {sorted(missing)}; add them to facts()"
     rows = expected_refusals(k, f)
     said = {r.says(**f): r.key for r in rows}
     where = f"{label}: {sorted(caps)} -> {k}"
     try:
-        if job_of_or_refusal is not None:
-            raise job_of_or_refusal
-        job = launch(k, job, run_dir)
+        job = launch(k, job_of(k), run_dir)  # (the Pipeline's own rows refuse when it is made)
         run = train_threads(job, generations(k), options=WorkerOptions(
             deterministic=True, reduction=k.reduction, shard_replicas=k.shard_replicas,
             loader_workers=k.loader_workers, breakdown=k.breakdown), timeout_s=30.0)
