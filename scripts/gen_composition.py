@@ -178,7 +178,12 @@ def pairs_block() -> str:
     counts = {s: sum(CELLS[p].status == s for p in pairs) for s in ("works", "refused at launch", "unknown")}
     lines = ["## Counts", "",
              f"{len(pairs)} pairs: **{counts['works']} works**, **{counts['refused at launch']} refused at launch**, "
-             f"**{counts['unknown']} unknown**.", "", "## The table", "",
+             f"**{counts['unknown']} unknown**.", "",
+             "Beyond pairs: `tests/unit/test_composition_sweep.py` draws random combinations of 3-5 of these "
+             "capabilities (seeded, 40 a run, plus a fixed list of the heaviest), trains each 3 steps in one process "
+             "(every worker a thread, `virtualflow.backends.inprocess.train_threads`) and checks it against the "
+             "single-worker run, or that it is refused with this table's message; a capability added to the table "
+             "enters it by one row of the sweep's mapping.", "", "## The table", "",
              "| A | B | status | test, or the refusal |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {CELLS[(a, b)].status} | {cell_text((a, b), CELLS[(a, b)])} |" for a, b in pairs]
     lines += ["", "## Every refused combination", "",
