@@ -27,8 +27,9 @@ EMB, HEAD = "0.tok.weight", "5.weight"
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def _job(p: int = 2, schedule: str = "1f1b", V: int = 4, **extra) -> object:
-    job = pm.transformer_job(Pipeline(stages=p, schedule=schedule), virtual_nodes=V, model=pm.tied_gpt)
+def _job(p: int = 2, schedule: str = "1f1b", V: int = 4, chunks: int = 1, **extra) -> object:
+    job = pm.transformer_job(Pipeline(stages=p, schedule=schedule, chunks=chunks), virtual_nodes=V,
+                             model=pm.tied_gpt)
     return job.replace(**extra) if extra else job
 
 
@@ -45,11 +46,12 @@ DETERMINISTIC = [
     (2, "1f1b", 2, 4, dict(max_grad_norm=0.05)),
     (2, "1f1b", 2, 4, dict(precision="bf16-mixed", max_grad_norm=0.05)),
     (3, "zb_h1", 2, 7, {}),  # m = 4, 3: uneven replicas; weight gradients in W actions
+    (3, "interleaved_1f1b", 2, 6, dict(chunks=2)),  # 6 pieces of one layer: head on worker 2
 ]
 
 
 @pytest.mark.parametrize("p,schedule,d,V,extra", DETERMINISTIC,
-                         ids=["p2-d2", "p2-d2-clip", "p2-d2-bf16-clip", "p3-d2-zb"])
+                         ids=["p2-d2", "p2-d2-clip", "p2-d2-bf16-clip", "p3-d2-zb", "p3-v2-d2-interleaved"])
 def test_deterministic_sharded_tied_gpt_is_bit_identical_to_the_unpipelined_job(p, schedule, d, V, extra):
     job = _job(p, schedule, V, **extra)
     state, history, engines = _run(job, 3, d, deterministic=True)
@@ -73,13 +75,14 @@ def test_deterministic_sharded_tied_gpt_is_bit_identical_to_the_unpipelined_job(
 
 
 def test_default_mode_sharded_tied_gpt_matches_the_unpipelined_job():
-    for extra in ({}, dict(max_grad_norm=0.05)):
+    # (3 stages: the middle worker holds no copy and adds zeros to the sum)
+    for extra in ({}, dict(max_grad_norm=0.05), dict(p=3, schedule="gpipe", V=6)):
         job = _job(**extra)
         state, history, engines = _run(job, 3, 2, deterministic=False)
         ref_state, ref_losses = pm.unpipelined(job, 3, deterministic=False)
         assert_state_close(state, ref_state, **TOL)
         assert [h.loss for h in history] == pytest.approx(ref_losses, rel=1e-5)
-        if extra:  # the norm counts the tied weight once, as the allreduce path does
+        if "max_grad_norm" in extra:  # the norm counts the tied weight once, as the allreduce path does
             _, plain, _ = _run(job, 3, 2, deterministic=False, reduction="allreduce")
             assert [h.grad_norm for h in history] == pytest.approx([h.grad_norm for h in plain], rel=1e-5)
             assert all(h.grad_norm > 0.05 for h in history)
