@@ -7,7 +7,8 @@ pipeline replicas (``virtualflow.runtime.pipeline.stage_shard``), run in-process
   is equal within float tolerance.
 - Each replica holds about 1 / D of its stage's optimizer state; the chunks gathered are the whole
   state of the same job without sharding, bit for bit, and a job resumed from them (with D = 2
-  sharded, or one plain replica) ends bit-identical to an uninterrupted one.
+  sharded, or one plain replica) ends bit-identical to an uninterrupted one (an MLP, and a GPT
+  whose embedding and head share a weight across the two stages).
 - D = 1 is the plain path (bit-identical to ``reduction="allreduce"``).
 - What is not supported is refused with the knob; a weight tied across stages is sharded like
   any other (``test_pipeline_sharded_tied.py``).
@@ -140,9 +141,14 @@ class _StageSlice:
         self.module.load_state_dict({k: state[k] for k in self.module.state_dict()})
 
 
-def test_optimizer_state_is_sharded_gathers_whole_and_resumes():
+@pytest.mark.parametrize("model", ["mlp", "tied_gpt"])  # tied_gpt: both stages hold the shared weight's state
+def test_optimizer_state_is_sharded_gathers_whole_and_resumes(model):
     p, d, V = 2, 2, 6
-    job = pm.mlp_job(Pipeline(stages=p, schedule="1f1b"), virtual_nodes=V, bn=True, optimizer="adam", scheduler=True)
+    if model == "mlp":
+        job = pm.mlp_job(Pipeline(stages=p, schedule="1f1b"), virtual_nodes=V, bn=True, optimizer="adam",
+                         scheduler=True)
+    else:
+        job = pm.transformer_job(Pipeline(stages=p, schedule="1f1b"), virtual_nodes=V, model=pm.tied_gpt)
     state, _, engines = _train(job, 2, d, deterministic=True)
     _, _, plain = _train(job, 2, d, deterministic=True, reduction="allreduce")
     gathered = []

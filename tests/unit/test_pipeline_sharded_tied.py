@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import pipeline_models as pm
 from conftest import assert_state_close, assert_state_equal
@@ -72,6 +73,26 @@ def test_deterministic_sharded_tied_gpt_is_bit_identical_to_the_unpipelined_job(
                for e in engines)  # each replica updates its chunk only
     torch.manual_seed(job.seed)
     assert not torch.equal(state[EMB], job.model().state_dict()[EMB])  # and the weight trained
+
+
+def _tied_linears() -> nn.Sequential:
+    """Layer 4 reads layer 0's weight; both are nn.Linear, so under autocast both uses read its
+    one bfloat16 cast and autograd adds their gradients in bfloat16."""
+    first, fourth = nn.Linear(pm.FEATURES, pm.FEATURES), nn.Linear(pm.FEATURES, pm.FEATURES)
+    fourth.weight = first.weight
+    return nn.Sequential(first, nn.Tanh(), nn.Linear(pm.FEATURES, pm.FEATURES), nn.Tanh(), fourth,
+                         nn.Linear(pm.FEATURES, 1))
+
+
+def test_deterministic_sharded_with_both_uses_cast_under_bf16():
+    # both workers must know both uses' autocast flags to round their per-VN sums alike
+    job = pm.mlp_job(Pipeline(stages=2), virtual_nodes=4, model=_tied_linears, optimizer="adam")
+    job = job.replace(precision="bf16-mixed", max_grad_norm=0.05)
+    state, history, _ = _run(job, 3, 2, deterministic=True)
+    ref_state, ref_losses = pm.unpipelined(job, 3, deterministic=True)
+    assert_state_equal(state, ref_state)
+    assert [h.loss for h in history] == ref_losses
+    assert torch.equal(state["0.weight"], state["4.weight"])
 
 
 def test_default_mode_sharded_tied_gpt_matches_the_unpipelined_job():
