@@ -52,8 +52,8 @@ def test_check_raises_the_first_row_that_holds_in_the_order_named():
 def test_the_table_refuses_what_the_pipeline_and_the_sharded_stage_refused():
     assert Pipeline(stages=2, tensor=2, redundancy=True).redundancy  # built (tests/e2e/test_bamboo.py)
     with pytest.raises(ValueError, match=r"^reduction='sharded' with Pipeline.schedule='2bw'"):
-        check_stage_sharding(Pipeline(stages=2, schedule="2bw"), tied=False)
-    check_stage_sharding(Pipeline(stages=2), tied=False)
+        check_stage_sharding(Pipeline(stages=2, schedule="2bw"))
+    check_stage_sharding(Pipeline(stages=2))
 
 
 def test_the_page_is_generated_from_the_table():

@@ -205,13 +205,6 @@ REFUSALS: tuple[Refusal, ...] = (
              "reduction='sharded' with Pipeline.redundancy=True: Bamboo's replica of the successor's "
              "stage steps the whole stage; set redundancy=False or use reduction='allreduce' (--reduction)"),
          example=dict(redundancy=True), site="config.composition.check_stage_sharding"),
-    _row("sharded+tied", "sharded reduction", "tied weights",
-         when=lambda tied, **_: bool(tied),
-         says=lambda **_: (
-             "reduction='sharded' with a weight shared by two pipeline pieces (tied weights): their "
-             "gradients are summed across pieces, which the sharded update does not do; untie the "
-             "weight, or use reduction='allreduce' (--reduction)"),
-         example=dict(tied=True), site="config.composition.check_stage_sharding"),
     _row("shard_replicas+pipeline", "shard replicas", "pipeline",
          when=lambda shard_replicas, **_: bool(shard_replicas),
          says=lambda shard_replicas, **_: (
@@ -285,11 +278,10 @@ def check(*keys: str, **facts: Any) -> None:
             raise ValueError(row.says(**facts))
 
 
-def check_stage_sharding(pipeline: Any, *, tied: bool, shard_replicas: int = 0) -> None:
+def check_stage_sharding(pipeline: Any, *, shard_replicas: int = 0) -> None:
     """The rows of the sharded reduction with a pipeline (``pipeline``: a
-    :class:`~virtualflow.config.pipeline.Pipeline`): no-flush schedules, Bamboo's redundancy, a
-    weight shared by several pieces (``tied``), replicas of the chunks; checked at launch and
-    where a worker builds its stage."""
-    check("sharded+no_flush", "sharded+redundancy", "sharded+tied", "shard_replicas+pipeline",
-          flush=pipeline.flush, schedule=pipeline.schedule, redundancy=pipeline.redundancy, tied=tied,
+    :class:`~virtualflow.config.pipeline.Pipeline`): no-flush schedules, Bamboo's redundancy,
+    replicas of the chunks; checked at launch and where a worker builds its stage."""
+    check("sharded+no_flush", "sharded+redundancy", "shard_replicas+pipeline",
+          flush=pipeline.flush, schedule=pipeline.schedule, redundancy=pipeline.redundancy,
           shard_replicas=shard_replicas)

@@ -39,7 +39,7 @@ from virtualflow.runtime.pipeline.flush import FlushStep
 from virtualflow.runtime.pipeline.loop import StageLoop
 from virtualflow.runtime.pipeline.microbatch import MicroBatchPrep
 from virtualflow.runtime.pipeline.pieces import stage_model
-from virtualflow.runtime.pipeline.reduction import StageReducer, sum_tied
+from virtualflow.runtime.pipeline.reduction import StageReducer
 from virtualflow.runtime.pipeline.redundancy import Eager, Reuse, StageReplica, hand_over, spliced_forward
 from virtualflow.runtime.pipeline.requests import Request, StepResult
 from virtualflow.runtime.pipeline.schedule import schedule_for
@@ -47,7 +47,7 @@ from virtualflow.runtime.pipeline.stage_shard import StageShard, stage_update
 from virtualflow.runtime.pipeline.stream import StreamWindow
 from virtualflow.runtime.pipeline.timing import StageTiming
 from virtualflow.runtime.prefetch import batch_source
-from virtualflow.runtime.pipeline.tied import ExactTies
+from virtualflow.runtime.pipeline.tied import EXACT_TIES, TIED_SUMS, ExactTies, NoTiedSum
 
 
 class StageEngine:
@@ -80,7 +80,7 @@ class StageEngine:
         """Weights shared with pieces on other workers: per shared weight, this worker's copy (or
         None), its size and dtype and the workers holding it, in the same order on every worker
         (``geometry.tied_for_worker``). Their gradients are summed over the copies before every
-        update (default mode: :func:`~.reduction.sum_tied`; deterministic mode: :attr:`ties`)."""
+        update (default mode: :attr:`tied_sum`; deterministic mode: :attr:`ties`)."""
         check_tied(self.tied, pipeline)
         self.p = pipeline.stages
         self.stage_rank = stage_rank
@@ -94,10 +94,13 @@ class StageEngine:
         """Deterministic mode, a weight read by two pieces (here, or here and on another worker):
         its per-VN gradients summed before the tree, as autograd sums them in the unpipelined job."""
         if deterministic and ExactTies.needed(self.params, self.piece_params, self.tied):
-            self.ties = ExactTies(params=self.params, piece_params=self.piece_params, tied=self.tied,
-                                  stage_rank=stage_rank, p=pipeline.stages, low=autocast_dtype(self.loop.precision))
+            self.ties = EXACT_TIES[reduction](params=self.params, piece_params=self.piece_params, tied=self.tied,
+                                              stage_rank=stage_rank, p=pipeline.stages,
+                                              low=autocast_dtype(self.loop.precision))
+        self.tied_sum = NoTiedSum() if deterministic or not self.tied else TIED_SUMS[reduction](self.tied, device)
+        """Default mode: how the copies of a weight shared with other workers are summed, before
+        the replicas' reduction or after it (:mod:`.tied`)."""
         self.update = stage_update(reduction, self.params, self.optimizer, pipeline=pipeline,
-                                   tied=bool(self.tied) or self.ties is not None,
                                    norm_blocks=self.loop.max_grad_norm is not None)
         """The stage's optimizer update, whole or sharded (:func:`~.stage_shard.stage_update`)."""
         self.shard: StageShard | None = self.update.shard
@@ -316,9 +319,9 @@ class StageEngine:
                                                       backward=work.backward, eager=self.eager)
         self.reuse = None
         self.phase = "reduction"
+        yield from self.tied_sum.before(self.replica)  # (deterministic mode: summed in work.reduce())
         bn_new, loss_total = yield from work.reduce()
-        if self.tied and not self.deterministic:  # (deterministic mode: summed in work.reduce())
-            yield from sum_tied(self.tied, self.replica, self.device)
+        yield from self.tied_sum.after(self.replica)
         work.check_grads()  # unscale (16-mixed), and this worker's part of the norm and verdict
         if self.replica_of_successor is not None:
             # Bamboo: hand the predecessor what it needs to take this stage's step on its replica

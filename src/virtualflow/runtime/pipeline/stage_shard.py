@@ -212,13 +212,15 @@ class StageShard:
 
 
 def stage_update(reduction: str, params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer, *,
-                 pipeline: Any, tied: bool, norm_blocks: bool) -> WholeStage | StageShard:
-    """A stage copy's optimizer update for ``reduction`` (checked against ``pipeline`` and its
-    ``tied`` weights: :func:`check_stage_sharding`); ``norm_blocks``: the whole step's norm is
-    taken (chunks start on its blocks). A stage with no trainable parameters has nothing to shard."""
+                 pipeline: Any, norm_blocks: bool) -> WholeStage | StageShard:
+    """A stage copy's optimizer update for ``reduction`` (checked against ``pipeline``:
+    :func:`check_stage_sharding`); ``norm_blocks``: the whole step's norm is taken (chunks start on
+    its blocks). A stage with no trainable parameters has nothing to shard. A weight shared with
+    another stage is a parameter like any other here: its copies' gradients are summed before the
+    chunks are cut from them (:class:`~.tied.SumBeforeScatter`, :class:`~.tied.PairedTies`)."""
     if reduction != "sharded":
         return WholeStage(optimizer, params)
-    check_stage_sharding(pipeline, tied=tied)
+    check_stage_sharding(pipeline)
     return StageShard(params, optimizer, norm_blocks=norm_blocks) if params else WholeStage(optimizer, params)
 
 
