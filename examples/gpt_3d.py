@@ -1,4 +1,4 @@
-"""A GPT of nanoGPT's shape trained on a D x P x T grid: data, pipeline and tensor parallelism.
+r"""A GPT of nanoGPT's shape trained on a D x P x T grid: data, pipeline and tensor parallelism.
 
 The model is written as nanoGPT writes it (``GPT`` with ``transformer.{wte, wpe, drop, h, ln_f}``
 and a tied ``lm_head``; ``Block`` with ``ln_1``, ``attn.c_attn`` / ``attn.c_proj``, ``ln_2``,
