@@ -199,12 +199,6 @@ REFUSALS: tuple[Refusal, ...] = (
              f"keeps weight versions per stage that a sharded update does not; use a flush schedule "
              f"{_FLUSH} or reduction='allreduce' (--reduction)"),
          example=dict(flush=False, schedule="2bw"), site="config.composition.check_stage_sharding"),
-    _row("sharded+redundancy", "sharded reduction", "Bamboo",
-         when=lambda redundancy, **_: bool(redundancy),
-         says=lambda **_: (
-             "reduction='sharded' with Pipeline.redundancy=True: Bamboo's replica of the successor's "
-             "stage steps the whole stage; set redundancy=False or use reduction='allreduce' (--reduction)"),
-         example=dict(redundancy=True), site="config.composition.check_stage_sharding"),
     _row("sharded+tied", "sharded reduction", "tied weights",
          when=lambda tied, **_: bool(tied),
          says=lambda **_: (
@@ -287,9 +281,9 @@ def check(*keys: str, **facts: Any) -> None:
 
 def check_stage_sharding(pipeline: Any, *, tied: bool, shard_replicas: int = 0) -> None:
     """The rows of the sharded reduction with a pipeline (``pipeline``: a
-    :class:`~virtualflow.config.pipeline.Pipeline`): no-flush schedules, Bamboo's redundancy, a
+    :class:`~virtualflow.config.pipeline.Pipeline`): no-flush schedules, a
     weight shared by several pieces (``tied``), replicas of the chunks; checked at launch and
     where a worker builds its stage."""
-    check("sharded+no_flush", "sharded+redundancy", "sharded+tied", "shard_replicas+pipeline",
+    check("sharded+no_flush", "sharded+tied", "shard_replicas+pipeline",
           flush=pipeline.flush, schedule=pipeline.schedule, redundancy=pipeline.redundancy, tied=tied,
           shard_replicas=shard_replicas)
