@@ -186,8 +186,6 @@ def test_optimizer_state_is_sharded_gathers_whole_and_resumes():
 def test_unsupported_combinations_are_refused_with_the_knob():
     with pytest.raises(ValueError, match=r"schedule='2bw'.*flush schedule.*--reduction"):
         check_stage_sharding(Pipeline(stages=2, schedule="2bw"), tied=False)
-    with pytest.raises(ValueError, match=r"redundancy=True.*redundancy=False"):
-        check_stage_sharding(Pipeline(stages=2, schedule="1f1b", redundancy=True), tied=False)
     with pytest.raises(ValueError, match=r"tied weights.*untie.*--reduction"):
         check_stage_sharding(Pipeline(stages=2, schedule="1f1b"), tied=True)
     with pytest.raises(ValueError, match=r"shard_replicas=1.*--shard-replicas"):

@@ -62,6 +62,7 @@ from virtualflow.runtime.pipeline.timing import write_timeline
 from virtualflow.runtime.pipeline.redundancy import RedundantTotals
 from virtualflow.runtime.pipeline.settle import InterruptedCommit
 from virtualflow.runtime.pipeline.stage_shard import gather_stage_optimizer, optimizer_bytes
+from virtualflow.runtime.pipeline.shard_failover import make_stages_whole
 from virtualflow.runtime.regrid import optimizer_names, restage
 from virtualflow.runtime.sharded import ShardLost
 
@@ -243,10 +244,14 @@ class PipelineWorkerEngine:
         group = self.tensor.join(group)  # tensor parallel: each plane re-lays its pipeline (one run per group)
         layout = self.tensor.plane_layout(layout)
         layouts, new = check_relayout(layout, self.pipeline, group.size, steps, target)
+        # reduction="sharded": each stage's whole optimizer state from its chunks (a lost one's from
+        # the replica its predecessor kept), as the re-layout moves whole stage states.
+        chunk_bytes = make_stages_whole(self.stage, group, p, self.device)
         own_old, rep_old = stages_held(self.stage, self.layout, p, self.group_rank)
         old_replica = self.redundant_totals.add(self.stage)  # the engine this re-layout drops
         local = held_states(self.stage, own_old, rep_old, self.full_bounds)
         got, self.relayout_bytes = exchange_for_layout(group, new, p, own_old, rep_old, local, self.device)
+        self.relayout_bytes += chunk_bytes
         # Build this worker's pieces from the whole model's layers, loaded with the stages' states.
         grid = Grid(p, len(layouts), group.rank, sizes=tuple(len(rep) for rep in layouts))
         runs, pos = layouts[grid.replica], grid.stage_rank
@@ -279,7 +284,8 @@ class PipelineWorkerEngine:
     def check_state_held(self, run_dir: str) -> None:
         # What a failed member held comes back from its stage's survivors (or a replica), except
         # a chunk of a sharded stage optimizer (one copy each): ShardLost, naming the way out.
-        shard = self.stage.shard if self.stage is not None else None
+        # (With Bamboo's redundancy the predecessor's replica holds the chunk too: a failover rebuilds it.)
+        shard = self.stage.shard if self.stage is not None and self.stage.replica_of_successor is None else None
         if shard is not None and shard.opt.full is None and shard.opt.size > 1:
             try:
                 shard.opt.check_held()
