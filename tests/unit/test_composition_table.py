@@ -41,10 +41,10 @@ def test_each_rows_example_is_refused_with_its_one_line_message(row):
 
 
 def test_check_raises_the_first_row_that_holds_in_the_order_named():
-    facts = dict(flush=False, schedule="2bw", redundancy=True, tied=False)
-    with pytest.raises(ValueError, match=r"^reduction='sharded' with Pipeline.redundancy=True"):
-        check("sharded+redundancy", "sharded+no_flush", **facts)
-    check("sharded+no_flush", "sharded+redundancy", **{**facts, "flush": True, "redundancy": False})  # nothing refused
+    facts = dict(flush=False, schedule="2bw", tied=True)
+    with pytest.raises(ValueError, match=r"^reduction='sharded' with a weight shared"):
+        check("sharded+tied", "sharded+no_flush", **facts)
+    check("sharded+no_flush", "sharded+tied", **{**facts, "flush": True, "tied": False})  # nothing refused
     with pytest.raises(KeyError, match="no refusal 'nope'"):
         refusal("nope")
 

@@ -209,8 +209,10 @@ REFUSALS: tuple[Refusal, ...] = (
     _row("shard_replicas+pipeline", "shard replicas", "pipeline",
          when=lambda shard_replicas, **_: bool(shard_replicas),
          says=lambda shard_replicas, **_: (
-             f"shard_replicas={shard_replicas} keeps replicas of the sharded optimizer's chunks, which "
-             f"pipelined jobs do not support; drop --shard-replicas"),
+             f"shard_replicas={shard_replicas} keeps a replica of each sharded optimizer chunk on the next "
+             f"worker of one data-parallel ring, which a pipeline does not have; a pipelined job keeps a replica "
+             f"of each stage's chunk on the predecessor stage with Pipeline(redundancy=True) (Bamboo); "
+             f"drop --shard-replicas"),
          example=dict(shard_replicas=1), site="config.composition.check_stage_sharding"),
     _row("shard_replicas+allreduce", "shard replicas", "all-reduce",
          when=lambda shard_replicas, reduction, **_: bool(shard_replicas) and reduction != "sharded",

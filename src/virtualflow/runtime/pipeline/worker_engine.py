@@ -244,9 +244,7 @@ class PipelineWorkerEngine:
         group = self.tensor.join(group)  # tensor parallel: each plane re-lays its pipeline (one run per group)
         layout = self.tensor.plane_layout(layout)
         layouts, new = check_relayout(layout, self.pipeline, group.size, steps, target)
-        # reduction="sharded": each stage's whole optimizer state from its chunks (a lost one's from
-        # the replica its predecessor kept), as the re-layout moves whole stage states.
-        chunk_bytes = make_stages_whole(self.stage, group, p, self.device)
+        chunk_bytes = make_stages_whole(self.stage, group, p, self.device)  # (sharded stages: whole again)
         own_old, rep_old = stages_held(self.stage, self.layout, p, self.group_rank)
         old_replica = self.redundant_totals.add(self.stage)  # the engine this re-layout drops
         local = held_states(self.stage, own_old, rep_old, self.full_bounds)
@@ -282,9 +280,8 @@ class PipelineWorkerEngine:
         pass  # a newcomer's stage is built once its place is known
 
     def check_state_held(self, run_dir: str) -> None:
-        # What a failed member held comes back from its stage's survivors (or a replica), except
-        # a chunk of a sharded stage optimizer (one copy each): ShardLost, naming the way out.
-        # (With Bamboo's redundancy the predecessor's replica holds the chunk too: a failover rebuilds it.)
+        # What a failed member held comes back from its stage's survivors (or a replica), except a chunk
+        # of a sharded stage optimizer without Bamboo's replica (one copy): ShardLost, naming the way out.
         shard = self.stage.shard if self.stage is not None and self.stage.replica_of_successor is None else None
         if shard is not None and shard.opt.full is None and shard.opt.size > 1:
             try:
