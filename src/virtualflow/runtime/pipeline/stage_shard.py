@@ -299,8 +299,10 @@ def gather_stage_optimizer(stage: Any, group: Any, root: int | None = None) -> N
     nothing to do for a stage holding its whole optimizer (:meth:`WholeStage.gather_whole`)."""
     if stage is not None:
         stage.update.gather_whole(stage.replica, stage.replicas, group, root)
-        replica = stage.replica_of_successor  # Bamboo: the successor's chunks are held by this stage group
-        if replica is not None:
+        # Bamboo: this stage group holds the successor's chunks too; a regroup moves them (a
+        # checkpoint or the final state, gathered to ``root``, does not read a replica).
+        replica = stage.replica_of_successor
+        if replica is not None and root is None:
             replica.update.gather_whole(stage.replica, stage.replicas, group, root)
 
 
