@@ -4,7 +4,8 @@
 - Every worker's replica of its successor's stage holds that successor's chunk of the optimizer
   state, bit for bit (the same bounds, the same Adam state), and the whole stage's weights (its
   holders' all-gather), and about half the optimizer state a whole replica would hold.
-- The job trains the unpipelined single-worker model, bit for bit.
+- The job trains the unpipelined single-worker model, bit for bit; default mode and clipping
+  keep every replica equal to its successor's chunk too.
 - A failover mid-run: replica 0's second worker is lost after step 2; its chunk of stage 1's state
   is rebuilt from its predecessor's replica (:mod:`virtualflow.runtime.pipeline.shard_failover`),
   the failed-over replica runs both stages on one worker beside the full-depth one (the re-laid
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 import pipeline_models as pm
@@ -33,11 +35,11 @@ from virtualflow.runtime.streaming import data_plan_of
 P, D, STEPS = 2, 2, 4
 
 
-def sharded_engines(j, reduction="sharded"):
+def sharded_engines(j, reduction="sharded", deterministic=True):
     torch.manual_seed(j.seed)
     bounds = resolve_bounds(j.pipeline, len(layers_of(j.model())))
     dataset = j.build_dataset()
-    engines = [build_engine(j, j.pipeline, bounds, r % P, dataset=dataset, deterministic=True,
+    engines = [build_engine(j, j.pipeline, bounds, r % P, dataset=dataset, deterministic=deterministic,
                             device=torch.device("cpu"), reduction=reduction) for r in range(P * D)]
     driver = LocalDriver(engines)
     driver.set_layout(contiguous_assignment(j.virtual_nodes, D))
@@ -74,6 +76,21 @@ def test_each_replica_mirrors_its_successors_chunk_and_the_job_trains_the_unpipe
         assert_same(replica.model.state_dict(), successor.model.state_dict(), "replica weights")
         whole = plain_engines[engines.index(e)].replica_of_successor
         assert replica.update.state_bytes() < 0.6 * whole.update.state_bytes()  # (Adam: 2 of 2 chunks' floats)
+
+
+@pytest.mark.parametrize("deterministic,clip", [(False, None), (False, 0.05), (True, 0.05)])
+def test_replicas_mirror_the_chunk_in_default_mode_and_with_clipping(deterministic, clip):
+    # Default mode reduce-scatters the chunks; clipping cuts them on the norm's blocks and scales
+    # each chunk by the whole step's norm: the replica takes the same steps.
+    j = job(P).replace(max_grad_norm=clip)
+    engines, driver = sharded_engines(j, deterministic=deterministic)
+    norms = [driver.run(t, 1)[0].grad_norm for t in range(3)]
+    assert clip is None or all(n > clip for n in norms)  # it clipped
+    for e in engines:
+        replica = e.replica_of_successor
+        successor = engines[e.replica * P + replica.stage_rank]
+        assert_same(chunk_state(replica.update), chunk_state(successor.update), "the successor's chunk")
+        assert_same(replica.model.state_dict(), successor.model.state_dict(), "replica weights")
 
 
 def test_a_failover_rebuilds_the_lost_chunk_from_the_predecessors_replica_bit_for_bit():

@@ -2,7 +2,11 @@
 
 Purpose: with ``Pipeline.redundancy`` every worker holds a copy of its successor's stage
 (:class:`StageReplica`), kept up to date after every step from the successor's reduced gradients
-(:func:`hand_over`), so a failover loses no state. With ``redundant_compute="eager"`` the worker
+(:func:`hand_over`), so a failover loses no state. With ``reduction="sharded"`` the replica
+mirrors the successor's chunk of the stage's optimizer state (it steps that chunk with the
+successor's reduced gradient chunk) and its holders all-gather the rest of the weights
+(:meth:`StageReplica.gather`); a failover rebuilds the lost chunk from it
+(:mod:`~virtualflow.runtime.pipeline.shard_failover`). With ``redundant_compute="eager"`` the worker
 also runs the successor's forwards of what it sent on that copy in its idle slots
 (:meth:`StageReplica.forward_eagerly`) and keeps them until the step commits; after a failover the
 redone step splices them in (:class:`Reuse`, :func:`spliced_forward`) instead of running the lost
