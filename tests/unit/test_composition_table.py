@@ -41,10 +41,12 @@ def test_each_rows_example_is_refused_with_its_one_line_message(row):
 
 
 def test_check_raises_the_first_row_that_holds_in_the_order_named():
-    facts = dict(flush=False, schedule="2bw", redundancy=True, tied=False)
-    with pytest.raises(ValueError, match=r"^reduction='sharded' with Pipeline.redundancy=True"):
-        check("sharded+redundancy", "sharded+no_flush", **facts)
-    check("sharded+no_flush", "sharded+redundancy", **{**facts, "flush": True, "redundancy": False})  # nothing refused
+    facts = dict(flush=False, schedule="2bw", shard_replicas=1)
+    with pytest.raises(ValueError, match=r"^shard_replicas=1 keeps replicas"):
+        check("shard_replicas+pipeline", "sharded+no_flush", **facts)
+    with pytest.raises(ValueError, match=r"^reduction='sharded' with Pipeline.schedule='2bw'"):
+        check("sharded+no_flush", "shard_replicas+pipeline", **facts)
+    check("sharded+no_flush", "shard_replicas+pipeline", **{**facts, "flush": True, "shard_replicas": 0})  # nothing refused
     with pytest.raises(KeyError, match="no refusal 'nope'"):
         refusal("nope")
 

@@ -193,8 +193,6 @@ def test_optimizer_state_is_sharded_gathers_whole_and_resumes(model):
 def test_unsupported_combinations_are_refused_with_the_knob():
     with pytest.raises(ValueError, match=r"schedule='2bw'.*flush schedule.*--reduction"):
         check_stage_sharding(Pipeline(stages=2, schedule="2bw"))
-    with pytest.raises(ValueError, match=r"redundancy=True.*redundancy=False"):
-        check_stage_sharding(Pipeline(stages=2, schedule="1f1b", redundancy=True))
     with pytest.raises(ValueError, match=r"shard_replicas=1.*--shard-replicas"):
         check_stage_sharding(Pipeline(stages=2, schedule="1f1b"), shard_replicas=1)
     with pytest.raises(ValueError, match=r"shard_replicas=1 .*pipeline_stages=2.*--shard-replicas"):

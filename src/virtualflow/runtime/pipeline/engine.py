@@ -166,7 +166,8 @@ class StageEngine:
         if successor_pieces is not None:
             check("redundancy+tied", redundancy=True, tied=bool(self.tied))
             self.replica_of_successor = StageReplica(successor_pieces, build_optimizer, scheduler_factory,
-                                                     (self.stage_rank + 1) % self.p, loop=self.loop)
+                                                     (self.stage_rank + 1) % self.p, loop=self.loop,
+                                                     make_update=self.update.like)
         self.eager = self.pipeline.eager_forwards and self.replica_of_successor is not None
         """``Pipeline.redundant_compute="eager"``: run the successor's forwards on the replica in
         idle slots (:meth:`StageReplica.forward_eagerly`)."""
@@ -314,6 +315,8 @@ class StageEngine:
         if self.reuse is not None and not any(key[0] == step for key in self.reuse.entries):
             self.reuse = None
         self.update.begin_step(self.replica, self.replicas)  # (sharded: the chunks cut by this layout)
+        if self.replica_of_successor is not None:
+            self.replica_of_successor.begin_update(self.replica, self.replicas)
         self.phase = "compute"
         work.compute_s = yield from self._run_actions(work.schedule, step, work.mbs, forward=work.forward,
                                                       backward=work.backward, eager=self.eager)
@@ -328,7 +331,7 @@ class StageEngine:
             # (reduced gradients, BatchNorm statistics, buffers) before the step commits, so a
             # replica is never behind a committed step.
             work.replica_update = yield from hand_over(
-                step, self.stage_rank, self.p, self.replica_of_successor.stage_rank, self.params, bn_new,
+                step, self.stage_rank, self.p, self.replica_of_successor.stage_rank, self.update.handed_grads(), bn_new,
                 list(self.model.buffers()), self.device)
         return (yield from work.finish(control, bn_new, loss_total))
 

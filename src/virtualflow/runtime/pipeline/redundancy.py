@@ -2,7 +2,11 @@
 
 Purpose: with ``Pipeline.redundancy`` every worker holds a copy of its successor's stage
 (:class:`StageReplica`), kept up to date after every step from the successor's reduced gradients
-(:func:`hand_over`), so a failover loses no state. With ``redundant_compute="eager"`` the worker
+(:func:`hand_over`), so a failover loses no state. With ``reduction="sharded"`` the replica
+mirrors the successor's chunk of the stage's optimizer state (it steps that chunk with the
+successor's reduced gradient chunk) and its holders all-gather the rest of the weights
+(:meth:`StageReplica.gather`); a failover rebuilds the lost chunk from it
+(:mod:`~virtualflow.runtime.pipeline.shard_failover`). With ``redundant_compute="eager"`` the worker
 also runs the successor's forwards of what it sent on that copy in its idle slots
 (:meth:`StageReplica.forward_eagerly`) and keeps them until the step commits; after a failover the
 redone step splices them in (:class:`Reuse`, :func:`spliced_forward`) instead of running the lost
@@ -35,8 +39,9 @@ from virtualflow.runtime.clipping import clip_
 from virtualflow.runtime.pipeline.batchnorm import PieceBatchNorm, load_statistics
 from virtualflow.runtime.pipeline.loop import StageLoop
 from virtualflow.runtime.pipeline.microbatch import MicroBatch, MicroBatchPrep, starts_in_place
-from virtualflow.runtime.pipeline.pieces import apply_update, flat_grads, load_grads, stage_model
+from virtualflow.runtime.pipeline.pieces import stage_model
 from virtualflow.runtime.pipeline.requests import Expect, Recv, Request, Send
+from virtualflow.runtime.pipeline.stage_shard import WholeStage
 from virtualflow.runtime.pipeline.wire import replica_key, replica_update
 
 
@@ -134,14 +139,14 @@ def spliced_forward(module: nn.Module, x: Any, entry: Eager, lo: int, hi: int,
     return h, spliced
 
 
-def hand_over(step: int, stage_rank: int, p: int, successor: int, params: list[torch.Tensor],
+def hand_over(step: int, stage_rank: int, p: int, successor: int, grads: torch.Tensor,
               bn_new: torch.Tensor | None, buffers: list[torch.Tensor],
               device: torch.device) -> Generator[Request, Any, list[torch.Tensor]]:
-    """Send this stage's step ``step`` (reduced gradients in ``.grad``, new BatchNorm statistics,
-    buffers) to the predecessor, which holds this stage's replica, and receive the successor's
-    step for the replica this worker holds; returns the successor's message."""
-    grads = flat_grads(params)
-    message = replica_update(torch.cat(grads) if grads else torch.zeros(0, device=device),
+    """Send this stage's step ``step`` (its reduced gradients, flat: the stage's update's
+    ``handed_grads()``, the whole stage's or, sharded, this copy's chunk; new BatchNorm
+    statistics, buffers) to the predecessor, which holds this stage's replica, and receive the
+    successor's step for the replica this worker holds; returns the successor's message."""
+    message = replica_update(grads.to(device),
                              bn_new if bn_new is not None else torch.zeros(0, device=device),
                              [b.detach() for b in buffers])
     yield Expect(successor, replica_key(successor, step))
@@ -156,14 +161,23 @@ class StageReplica:
 
     def __init__(self, pieces: dict[int, nn.Module], build_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
                  scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None, stage_rank: int,
-                 loop: StageLoop | None = None) -> None:
+                 loop: StageLoop | None = None, make_update: Callable[..., Any] | None = None) -> None:
         self.stage_rank = stage_rank
         self.loop = loop if loop is not None else StageLoop()
         """The holder's loop settings: the replica's pieces are prepared and autocast as the
         original's (its scaler stays the holder's: a replica takes already unscaled gradients)."""
         self.loop.prepare(pieces)
-        self.pieces, self.model, self.params, self.optimizer, self.scheduler = stage_model(
+        self.pieces, self.model, self.params, optimizer, self.scheduler = stage_model(
             pieces, build_optimizer, scheduler_factory)
+        make_update = make_update if make_update is not None else _whole_update
+        self.update = make_update(self.params, optimizer)
+        """The replica's update, of the original's kind (``make_update(params, optimizer)``, the
+        stage engine's rule): the whole stage's (:class:`~.stage_shard.WholeStage`) or, with
+        ``reduction="sharded"``, the original's chunk (:class:`~.stage_shard.StageShard`, cut by
+        the holder's pipeline replica, which is the original's): it mirrors that chunk's optimizer
+        state, and the stage's other chunks of the weights arrive with an all-gather over the
+        holders (the predecessor stage's group: :meth:`gather`)."""
+        self.optimizer = self.update.optimizer
         self.bn = {k: PieceBatchNorm(m) for k, m in self.pieces.items()}
         self.clone_input = any(starts_in_place(m) for m in self.pieces.values())
         self.refresh_s = 0.0
@@ -283,10 +297,22 @@ class StageReplica:
         if not update:
             return
         # views of the message (a buffer of its own), dropped after the step
-        load_grads(self.params, grads, clone=False)
+        self.update.load_handed(grads)
         if clip is not None:
-            clip_([q.grad for q in self.params], *clip)
-        apply_update(self.optimizer, self.scheduler)
+            clip_(self.update.stage_grads(), *clip)
+        self.update.apply(self.scheduler)
+
+    def begin_update(self, replica: int, replicas: int) -> None:
+        """A step starts on the holder, pipeline replica ``replica`` of ``replicas`` (the
+        original's): a sharded replica is cut as the original's chunk."""
+        self.update.begin_step(replica, replicas)
+
+    def gather(self, replicas: int) -> Generator[Request, Any, None]:
+        """After an applied step (collective over the holder's stage group, right after the
+        stage's own gather): a sharded replica's chunks of the weights, everywhere; nothing for a
+        whole one. The holders of one stage's replicas are the ``replicas`` copies of the
+        predecessor stage, one per pipeline replica, so they hold every chunk between them."""
+        yield from self.update.gather(replicas)
 
     def state(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -301,9 +327,12 @@ class StageReplica:
     def nbytes(self) -> int:
         """Bytes the replica holds: parameters, buffers and optimizer state."""
         tensors = list(self.model.parameters()) + list(self.model.buffers())
-        tensors += [v for st in getattr(self.optimizer, "state", {}).values() for v in st.values()
-                    if isinstance(v, torch.Tensor)]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in tensors) + self.update.state_bytes()
+
+
+def _whole_update(params: list[torch.Tensor], optimizer: Any) -> WholeStage:
+    """A replica's update without sharding: the whole stage's."""
+    return WholeStage(optimizer, params)
 
 
 @dataclass(slots=True)
