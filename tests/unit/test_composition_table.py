@@ -42,7 +42,7 @@ def test_each_rows_example_is_refused_with_its_one_line_message(row):
 
 def test_check_raises_the_first_row_that_holds_in_the_order_named():
     facts = dict(flush=False, schedule="2bw", shard_replicas=1)
-    with pytest.raises(ValueError, match=r"^shard_replicas=1 keeps replicas"):
+    with pytest.raises(ValueError, match=r"^shard_replicas=1 keeps a replica"):
         check("shard_replicas+pipeline", "sharded+no_flush", **facts)
     with pytest.raises(ValueError, match=r"^reduction='sharded' with Pipeline.schedule='2bw'"):
         check("sharded+no_flush", "shard_replicas+pipeline", **facts)
