@@ -1,4 +1,4 @@
-"""A GPT of nanoGPT's shape trained on a D x P x T grid: data, pipeline and tensor parallelism.
+r"""A GPT of nanoGPT's shape trained on a D x P x T grid: data, pipeline and tensor parallelism.
 
 The model is written as nanoGPT writes it (``GPT`` with ``transformer.{wte, wpe, drop, h, ln_f}``
 and a tied ``lm_head``; ``Block`` with ``ln_1``, ``attn.c_attn`` / ``attn.c_proj``, ``ln_2``,
@@ -9,7 +9,19 @@ synthetic (a fixed random bigram table), so nothing is downloaded. Run it with
 
     virtualflow run examples/gpt_3d.py --workers 8 --pipeline-stages 2 --tensor-parallel 2 --steps 20
 
-(8 workers = 2 replicas x 2 stages x 2 tensor-parallel workers), or from Python:
+(8 workers = 2 replicas x 2 stages x 2 tensor-parallel workers), with bf16 autocast, compiled
+pieces and sharded checkpoints written in the background, then resumed on another grid and on one
+worker (each checkpoint holds the single-worker layout; docs/parallel3d.md, "Checkpoints")
+
+    virtualflow run examples/gpt_3d.py --workers 8 --pipeline-stages 2 --tensor-parallel 2 --steps 20 \
+        --precision bf16-mixed --compile --checkpoint-format dcp --async-checkpoint --checkpoint-every 10 \
+        --run-dir runs/gpt3d
+    virtualflow run examples/gpt_3d.py --workers 8 --pipeline-stages 2 --tensor-parallel 1 --steps 40 \
+        --precision bf16-mixed --compile --resume runs/gpt3d/checkpoints/step-00000010.dcp --run-dir runs/gpt3d-421
+    virtualflow run examples/gpt_3d.py --workers 1 --pipeline-stages 1 --tensor-parallel 1 --steps 40 \
+        --precision bf16-mixed --resume runs/gpt3d --run-dir runs/gpt3d-1
+
+or from Python:
 ``vf.train("examples/gpt_3d.py:make_job", workers=4, steps=20)`` (the job's own grid: 2 stages x
 2 tensor-parallel workers, one replica).
 """

@@ -87,8 +87,8 @@ CELLS: dict[tuple[str, str], Cell] = {
     ('sharded reduction', 'autoscaler'): works('`tests/unit/test_autoscale_composition.py::test_autoscaler_grows_with_sharding_loaders_bf16_clipping_and_a_lost_peer_are_one_workers_model[sharded]`, in processes: `tests/e2e/test_autoscale_composition_e2e.py::test_the_autoscaler_regrows_a_sharded_bf16_clipped_job_with_loaders_after_a_kill`'),
     ('sharded reduction', 'resize'): works('`tests/e2e/test_sharded.py::test_sharded_deterministic_run_with_resizes_and_an_uneven_map_is_bit_identical`'),
     ('sharded reduction', 'failure recovery'): works('with `--shard-replicas 1`: `tests/e2e/test_shard_replicas_e2e.py::test_a_killed_workers_chunk_is_rebuilt_in_place`; without it the job stops naming the way out (`--resume`): `tests/e2e/test_sharded.py::test_a_failure_with_sharded_state_stops_with_the_way_out_and_resume_continues_exactly`'),
-    ('sharded reduction', 'Bamboo'): refused('sharded+redundancy', '`tests/unit/test_pipeline_sharded.py::test_unsupported_combinations_are_refused_with_the_knob`'),
-    ('sharded reduction', 'tied weights'): refused('sharded+tied', '`tests/unit/test_pipeline_sharded.py::test_unsupported_combinations_are_refused_with_the_knob`'),
+    ('sharded reduction', 'Bamboo'): works('`tests/unit/test_pipeline_sharded_bamboo.py::test_a_failover_rebuilds_the_lost_chunk_from_the_predecessors_replica_bit_for_bit`, `tests/e2e/test_bamboo.py::test_a_sharded_stage_fails_over_with_its_chunk_from_the_predecessors_replica`'),
+    ('sharded reduction', 'tied weights'): works('`tests/unit/test_pipeline_sharded_tied.py::test_deterministic_sharded_tied_gpt_is_bit_identical_to_the_unpipelined_job`, `tests/unit/test_pipeline_sharded_tied.py::test_default_mode_sharded_tied_gpt_matches_the_unpipelined_job`'),
     ('sharded reduction', 'breakdown'): works('`tests/unit/test_composition.py::test_rebalanced_maps_with_loaders_breakdown_bf16_and_clipping_are_one_workers_model[sharded]`; pipelined: `tests/unit/test_pipeline_breakdown.py::test_train_local_reports_every_stage_on_rank_0`'),
     ('sharded reduction', 'overlapped input'): works('`tests/unit/test_composition.py::test_rebalanced_maps_with_loaders_breakdown_bf16_and_clipping_are_one_workers_model[sharded]`'),
     ('sharded reduction', 'mixed precision'): works('`tests/e2e/test_training_loop_e2e.py::test_fp16_skips_the_same_steps_and_scale_for_1_and_3_sharded_workers`'),
@@ -178,7 +178,12 @@ def pairs_block() -> str:
     counts = {s: sum(CELLS[p].status == s for p in pairs) for s in ("works", "refused at launch", "unknown")}
     lines = ["## Counts", "",
              f"{len(pairs)} pairs: **{counts['works']} works**, **{counts['refused at launch']} refused at launch**, "
-             f"**{counts['unknown']} unknown**.", "", "## The table", "",
+             f"**{counts['unknown']} unknown**.", "",
+             "Beyond pairs: `tests/unit/test_composition_sweep.py` draws random combinations of 3-5 of these "
+             "capabilities (seeded, 40 a run, plus a fixed list of the heaviest), trains each 3 steps in one process "
+             "(every worker a thread, `virtualflow.backends.inprocess.train_threads`) and checks it against the "
+             "single-worker run, or that it is refused with this table's message; a capability added to the table "
+             "enters it by one row of the sweep's mapping.", "", "## The table", "",
              "| A | B | status | test, or the refusal |", "|---|---|---|---|"]
     lines += [f"| {a} | {b} | {CELLS[(a, b)].status} | {cell_text((a, b), CELLS[(a, b)])} |" for a, b in pairs]
     lines += ["", "## Every refused combination", "",

@@ -630,6 +630,33 @@ def test_a_tensor_parallel_stage_fails_over_to_its_predecessors_tensor_group(run
         torch.testing.assert_close(result.state_dict[k], v, rtol=0, atol=1e-12)
 
 
+@pytest.mark.slow
+def test_a_sharded_stage_fails_over_with_its_chunk_from_the_predecessors_replica(run_dir, monkeypatch):
+    """2 stages x 2 pipeline replicas, ``reduction="sharded"`` (each stage's Adam state in two
+    chunks), deterministic: replica 0's second worker SIGKILLs itself in its first backward of
+    step 3. Its chunk of stage 1's optimizer state lives on only in its predecessor's replica
+    (which stepped it with the lost worker's own reduced gradient chunk at every flush); the
+    failover rebuilds stage 1 from it and the other replica's chunk, no step is lost or doubled,
+    and the model is the unpipelined single-worker run's, bit for bit."""
+    import json
+    import os
+
+    from conftest import assert_state_equal
+
+    monkeypatch.setenv("VIRTUALFLOW_EAGER_EVERY_WAIT", "1")
+    job = jobs.pipelined_redundant_job().replace(pipeline=Pipeline(stages=2, schedule="1f1b", redundancy=True))
+    plan = vf.FaultPlan([vf.Fault(worker=1, step=3, phase="mid_backward")])
+    result = vf.train(job, workers=4, steps=6, deterministic=True, reduction="sharded", fault_plan=plan,
+                      run_dir=run_dir)
+    assert [f["worker"] for f in result.failures] == [1]
+    assert [h["step"] for h in result.history] == list(range(6))
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        failover = [e for e in map(json.loads, f) if e["event"] == "failover"]
+    assert [(e["replica"], e["layout"], e["taken_over"]) for e in failover] == [(0, [[0, 1]], {"1": 0})]
+    ref = vf.train(job.replace(pipeline=None), workers=1, steps=6, deterministic=True)
+    assert_state_equal(result.state_dict, ref.state_dict)
+
+
 def tied_redundant_job() -> vf.Job:
     """The tied GPT of tests/pipeline_models.py (token embedding = head weight) on 3 stages with
     redundancy: the embedding on worker 0, the head on worker 2."""

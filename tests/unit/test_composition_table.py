@@ -41,10 +41,12 @@ def test_each_rows_example_is_refused_with_its_one_line_message(row):
 
 
 def test_check_raises_the_first_row_that_holds_in_the_order_named():
-    facts = dict(flush=False, schedule="2bw", redundancy=True, tied=False)
-    with pytest.raises(ValueError, match=r"^reduction='sharded' with Pipeline.redundancy=True"):
-        check("sharded+redundancy", "sharded+no_flush", **facts)
-    check("sharded+no_flush", "sharded+redundancy", **{**facts, "flush": True, "redundancy": False})  # nothing refused
+    facts = dict(flush=False, schedule="2bw", shard_replicas=1)
+    with pytest.raises(ValueError, match=r"^shard_replicas=1 keeps a replica"):
+        check("shard_replicas+pipeline", "sharded+no_flush", **facts)
+    with pytest.raises(ValueError, match=r"^reduction='sharded' with Pipeline.schedule='2bw'"):
+        check("sharded+no_flush", "shard_replicas+pipeline", **facts)
+    check("sharded+no_flush", "shard_replicas+pipeline", **{**facts, "flush": True, "shard_replicas": 0})  # nothing refused
     with pytest.raises(KeyError, match="no refusal 'nope'"):
         refusal("nope")
 
@@ -52,8 +54,8 @@ def test_check_raises_the_first_row_that_holds_in_the_order_named():
 def test_the_table_refuses_what_the_pipeline_and_the_sharded_stage_refused():
     assert Pipeline(stages=2, tensor=2, redundancy=True).redundancy  # built (tests/e2e/test_bamboo.py)
     with pytest.raises(ValueError, match=r"^reduction='sharded' with Pipeline.schedule='2bw'"):
-        check_stage_sharding(Pipeline(stages=2, schedule="2bw"), tied=False)
-    check_stage_sharding(Pipeline(stages=2), tied=False)
+        check_stage_sharding(Pipeline(stages=2, schedule="2bw"))
+    check_stage_sharding(Pipeline(stages=2))
 
 
 def test_the_page_is_generated_from_the_table():

@@ -62,11 +62,21 @@ def test_the_command_line_knob_alone_makes_one_tensor_parallel_stage():
     assert (p.stages, p.tensor) == (2, 2)
 
 
-def test_the_in_process_driver_refuses_tensor_parallel_stages():
+def test_the_in_process_driver_trains_tensor_parallel_stages_as_the_single_worker_model():
+    """train_local with T = 2 (a thread per worker; it was refused): the (2, 2, 2) grid in float64
+    is the unpipelined single-worker run within float rounding (the row-parallel sums are cut in
+    two), its losses too, and every worker's engine is handed back."""
     from virtualflow.backends.inprocess import train_local
+    import pipeline_models as pm
 
-    with pytest.raises(ValueError, match=r"Pipeline.tensor=2: .*run the job with workers"):
-        train_local(g.grid_job(stages=1, tensor=2), steps=1)
+    job = g.grid_job(stages=2, tensor=2)
+    engines: list = []
+    state, history = train_local(job, 2, replicas=2, deterministic=True, engines_out=engines)
+    ref, ref_losses = pm.unpipelined(job, 2, True)
+    assert len(engines) == 8 and state.keys() == ref.keys()
+    for k in ref:
+        torch.testing.assert_close(state[k], ref[k], rtol=0, atol=1e-12)
+    assert [h.loss for h in history] == pytest.approx(ref_losses, rel=1e-12)
 
 
 class _Rows:

@@ -7,9 +7,11 @@ pipeline replicas (``virtualflow.runtime.pipeline.stage_shard``), run in-process
   is equal within float tolerance.
 - Each replica holds about 1 / D of its stage's optimizer state; the chunks gathered are the whole
   state of the same job without sharding, bit for bit, and a job resumed from them (with D = 2
-  sharded, or one plain replica) ends bit-identical to an uninterrupted one.
+  sharded, or one plain replica) ends bit-identical to an uninterrupted one (an MLP, and a GPT
+  whose embedding and head share a weight across the two stages).
 - D = 1 is the plain path (bit-identical to ``reduction="allreduce"``).
-- What is not supported is refused with the knob.
+- What is not supported is refused with the knob; a weight tied across stages is sharded like
+  any other (``test_pipeline_sharded_tied.py``).
 """
 
 from __future__ import annotations
@@ -139,9 +141,14 @@ class _StageSlice:
         self.module.load_state_dict({k: state[k] for k in self.module.state_dict()})
 
 
-def test_optimizer_state_is_sharded_gathers_whole_and_resumes():
+@pytest.mark.parametrize("model", ["mlp", "tied_gpt"])  # tied_gpt: both stages hold the shared weight's state
+def test_optimizer_state_is_sharded_gathers_whole_and_resumes(model):
     p, d, V = 2, 2, 6
-    job = pm.mlp_job(Pipeline(stages=p, schedule="1f1b"), virtual_nodes=V, bn=True, optimizer="adam", scheduler=True)
+    if model == "mlp":
+        job = pm.mlp_job(Pipeline(stages=p, schedule="1f1b"), virtual_nodes=V, bn=True, optimizer="adam",
+                         scheduler=True)
+    else:
+        job = pm.transformer_job(Pipeline(stages=p, schedule="1f1b"), virtual_nodes=V, model=pm.tied_gpt)
     state, _, engines = _train(job, 2, d, deterministic=True)
     _, _, plain = _train(job, 2, d, deterministic=True, reduction="allreduce")
     gathered = []
@@ -185,19 +192,16 @@ def test_optimizer_state_is_sharded_gathers_whole_and_resumes():
 
 def test_unsupported_combinations_are_refused_with_the_knob():
     with pytest.raises(ValueError, match=r"schedule='2bw'.*flush schedule.*--reduction"):
-        check_stage_sharding(Pipeline(stages=2, schedule="2bw"), tied=False)
-    with pytest.raises(ValueError, match=r"redundancy=True.*redundancy=False"):
-        check_stage_sharding(Pipeline(stages=2, schedule="1f1b", redundancy=True), tied=False)
-    with pytest.raises(ValueError, match=r"tied weights.*untie.*--reduction"):
-        check_stage_sharding(Pipeline(stages=2, schedule="1f1b"), tied=True)
+        check_stage_sharding(Pipeline(stages=2, schedule="2bw"))
     with pytest.raises(ValueError, match=r"shard_replicas=1.*--shard-replicas"):
-        check_stage_sharding(Pipeline(stages=2, schedule="1f1b"), tied=False, shard_replicas=1)
+        check_stage_sharding(Pipeline(stages=2, schedule="1f1b"), shard_replicas=1)
     with pytest.raises(ValueError, match=r"shard_replicas=1 .*pipeline_stages=2.*--shard-replicas"):
         vf.LaunchOptions(steps=1, reduction="sharded", shard_replicas=1, pipeline_stages=2)
     vf.LaunchOptions(steps=1, reduction="sharded", pipeline_stages=2)  # the combination itself is allowed
+    # a weight tied across stages is sharded like any other (tests/unit/test_pipeline_sharded_tied.py)
     tied = pm.transformer_job(Pipeline(stages=2, schedule="1f1b"), virtual_nodes=4, model=pm.tied_gpt)
-    with pytest.raises(ValueError, match=r"tied weights"):
-        train_local(tied, 1, replicas=2, reduction="sharded")
+    state, _ = train_local(tied, 1, replicas=2, reduction="sharded", deterministic=True)
+    assert_state_equal(state, pm.unpipelined(tied, 1, deterministic=True)[0])
     rms = pm.mlp_job(Pipeline(stages=2, schedule="1f1b"), virtual_nodes=4).replace(
         optimizer=lambda ps: torch.optim.RMSprop(ps))
     with pytest.raises(ValueError, match=r"Adam, AdamW and SGD.*--reduction allreduce"):

@@ -174,7 +174,10 @@ def test_the_whole_model_layer_by_layer_with_replicated_embeddings_and_head():
     assert tensor_parallel_candidates(list(layers)) == [False, True, True, False]
 
     def body(comm):
-        converted = nn.Sequential(*[tensor_parallel_layer(layer, comm) for layer in layers])
+        # Each rank its own copy: a layer with nothing to split is returned as it is, and two
+        # threads' backwards must not accumulate into one .grad (a worker process has its own).
+        mine = [_OneCopyAtATime.deepcopy(layer) for layer in layers]
+        converted = nn.Sequential(*[tensor_parallel_layer(layer, comm) for layer in mine])
         converted.zero_grad()
         loss = converted(idx).logsumexp(-1).mean()
         loss.backward()

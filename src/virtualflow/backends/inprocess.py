@@ -1,10 +1,13 @@
-"""The in-process backend of a pipelined job: every worker's engine in this process, driven
-cooperatively (:class:`virtualflow.runtime.pipeline.local.LocalDriver`).
+"""The in-process backend: every worker's engine in this process.
 
 Purpose: the entry points that build a pipelined job's engines in this process
-(:func:`build_engine`) and train it without processes (:func:`train_local`) - the proof harness
-of the executor, profiling, notebooks - with the process-level diagnostics read here, where the
-environment may be read, and handed to the runtime as arguments.
+(:func:`build_engine`) and train it without processes (:func:`train_local`: driven cooperatively
+by :class:`virtualflow.runtime.pipeline.local.LocalDriver`, or a thread per worker with
+tensor-parallel stages) - the proof harness of the executor, profiling, notebooks - and any job on
+any grid with a thread per worker, through generations (:func:`train_threads`,
+:class:`Generation`: resizes, uneven VN maps, a member lost mid-step; the real worker engines over
+real gloo groups, :mod:`virtualflow.runtime.grid_threads`), with the process-level diagnostics
+read here, where the environment may be read, and handed to the runtime as arguments.
 
 Invariants: the only reader of ``VIRTUALFLOW_EAGER_EVERY_WAIT`` (:func:`eager_every_wait_from_env`;
 the worker process entry point should use it too); everything else is
@@ -18,12 +21,14 @@ from typing import Any, Sequence
 
 import torch
 
+from virtualflow.runtime.grid_threads import Generation, ThreadedRun, train_threads
 from virtualflow.runtime.pipeline import local as in_process
 from virtualflow.runtime.pipeline.engine import StageEngine
 from virtualflow.runtime.pipeline.local import LocalDriver, PipelineDeadlock
 from virtualflow.runtime.pipeline.requests import StepResult
 
-__all__ = ["LocalDriver", "PipelineDeadlock", "build_engine", "eager_every_wait_from_env", "train_local"]
+__all__ = ["Generation", "LocalDriver", "PipelineDeadlock", "ThreadedRun", "build_engine", "eager_every_wait_from_env",
+           "train_local", "train_threads"]
 
 EAGER_EVERY_WAIT_ENV = "VIRTUALFLOW_EAGER_EVERY_WAIT"
 

@@ -191,24 +191,13 @@ REFUSALS: tuple[Refusal, ...] = (
              f"keeps weight versions per stage that a sharded update does not; use a flush schedule "
              f"{_FLUSH} or reduction='allreduce' (--reduction)"),
          example=dict(flush=False, schedule="2bw"), site="config.composition.check_stage_sharding"),
-    _row("sharded+redundancy", "sharded reduction", "Bamboo",
-         when=lambda redundancy, **_: bool(redundancy),
-         says=lambda **_: (
-             "reduction='sharded' with Pipeline.redundancy=True: Bamboo's replica of the successor's "
-             "stage steps the whole stage; set redundancy=False or use reduction='allreduce' (--reduction)"),
-         example=dict(redundancy=True), site="config.composition.check_stage_sharding"),
-    _row("sharded+tied", "sharded reduction", "tied weights",
-         when=lambda tied, **_: bool(tied),
-         says=lambda **_: (
-             "reduction='sharded' with a weight shared by two pipeline pieces (tied weights): their "
-             "gradients are summed across pieces, which the sharded update does not do; untie the "
-             "weight, or use reduction='allreduce' (--reduction)"),
-         example=dict(tied=True), site="config.composition.check_stage_sharding"),
     _row("shard_replicas+pipeline", "shard replicas", "pipeline",
          when=lambda shard_replicas, **_: bool(shard_replicas),
          says=lambda shard_replicas, **_: (
-             f"shard_replicas={shard_replicas} keeps replicas of the sharded optimizer's chunks, which "
-             f"pipelined jobs do not support; drop --shard-replicas"),
+             f"shard_replicas={shard_replicas} keeps a replica of each sharded optimizer chunk on the next "
+             f"worker of one data-parallel ring, which a pipeline does not have; a pipelined job keeps a replica "
+             f"of each stage's chunk on the predecessor stage with Pipeline(redundancy=True) (Bamboo); "
+             f"drop --shard-replicas"),
          example=dict(shard_replicas=1), site="config.composition.check_stage_sharding"),
     _row("shard_replicas+allreduce", "shard replicas", "all-reduce",
          when=lambda shard_replicas, reduction, **_: bool(shard_replicas) and reduction != "sharded",
@@ -273,11 +262,9 @@ def check(*keys: str, **facts: Any) -> None:
             raise ValueError(row.says(**facts))
 
 
-def check_stage_sharding(pipeline: Any, *, tied: bool, shard_replicas: int = 0) -> None:
+def check_stage_sharding(pipeline: Any, *, shard_replicas: int = 0) -> None:
     """The rows of the sharded reduction with a pipeline (``pipeline``: a
-    :class:`~virtualflow.config.pipeline.Pipeline`): no-flush schedules, Bamboo's redundancy, a
-    weight shared by several pieces (``tied``), replicas of the chunks; checked at launch and
-    where a worker builds its stage."""
-    check("sharded+no_flush", "sharded+redundancy", "sharded+tied", "shard_replicas+pipeline",
-          flush=pipeline.flush, schedule=pipeline.schedule, redundancy=pipeline.redundancy, tied=tied,
+    :class:`~virtualflow.config.pipeline.Pipeline`): no-flush schedules, replicas of the chunks;
+    checked at launch and where a worker builds its stage."""
+    check("sharded+no_flush", "shard_replicas+pipeline", flush=pipeline.flush, schedule=pipeline.schedule,
           shard_replicas=shard_replicas)

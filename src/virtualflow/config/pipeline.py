@@ -135,6 +135,11 @@ class Pipeline:
         return (bool(self.redundancy) and self.redundant_compute == "eager" and self.chunks == 1
                 and self.schedule in ("1f1b", "gpipe") and self.tensor == 1)
 
+    def held_stages(self, stage: int) -> set[int]:
+        """The stages a worker of stage ``stage`` holds the layers of: its own and, with Bamboo's
+        redundancy, its successor's (the replica it keeps)."""
+        return {stage, (stage + 1) % self.stages} if self.redundancy else {stage}
+
 
 def _positive(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -37,7 +37,7 @@ from virtualflow.launching.resume import find_resume_state
 from virtualflow.launching.supervisor import RunSetup
 from virtualflow.plan.hetero import check_memory
 from virtualflow.plan.streams import StreamPlan
-from virtualflow.plan.pipeline.geometry import check_workers, layers_of, resolve_bounds, shared_across_pieces
+from virtualflow.plan.pipeline.geometry import check_workers
 from virtualflow.runtime.dcp import is_dcp, remove_discarded
 from virtualflow.plan.vnmap import contiguous_assignment, pipeline_assignment
 from virtualflow.runtime.streaming import data_plan_of
@@ -89,13 +89,13 @@ def prepare(job: JobLike, opts: LaunchOptions) -> Iterator[RunSetup]:
     if pipeline is not None and opts.reduction == "sharded":
         # Each stage's optimizer state is sharded over its pipeline replicas
         # (runtime/pipeline/stage_shard.py); what that does not cover is refused here.
-        check_stage_sharding(pipeline, tied=False, shard_replicas=opts.shard_replicas)
+        check_stage_sharding(pipeline, shard_replicas=opts.shard_replicas)
     signature = preflight(job_obj, dataset, plan, reduction=opts.reduction)
     if pipeline is not None:
         pipeline = plan_pipeline(job_obj.replace(pipeline=pipeline), dataset, workers, device=opts.device,
                                  deterministic=opts.deterministic)
         if opts.reduction == "sharded":
-            check_stage_sharding(pipeline, tied=bool(shared_across_pieces(*_layers_and_bounds(job_obj, pipeline))))
+            check_stage_sharding(pipeline)
         overrides_job["pipeline"] = pipeline
         job_obj = job_obj.replace(pipeline=pipeline)
     backend.check_capacity(workers)
@@ -257,13 +257,3 @@ def continues(run_dir: str, resume_path: str) -> bool:
     """Whether ``resume_path`` is one of ``run_dir``'s own state files (the run there goes on)."""
     folder = os.path.realpath(os.path.dirname(os.path.normpath(os.path.abspath(resume_path))))
     return folder in (os.path.realpath(run_dir), os.path.realpath(os.path.join(run_dir, "checkpoints")))
-
-
-def _layers_and_bounds(job: Job, pipeline: Any) -> tuple[list[Any], list[tuple[int, int]]]:
-    """The model's layers (built from the seed, as the workers build it) and ``pipeline``'s cut."""
-    import torch
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(job.seed)
-        layers = layers_of(job.model())
-    return layers, resolve_bounds(pipeline, len(layers))

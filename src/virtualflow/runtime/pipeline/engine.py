@@ -40,7 +40,7 @@ from virtualflow.runtime.pipeline.loop import StageLoop
 from virtualflow.runtime.pipeline.microbatch import MicroBatchPrep
 from virtualflow.runtime.pipeline.pieces import stage_model
 from virtualflow.runtime.pipeline.reduction import StageReducer
-from virtualflow.runtime.pipeline.redundancy import (Eager, Reuse, StageReplica, TiedSum, hand_over,
+from virtualflow.runtime.pipeline.redundancy import (Eager, Reuse, StageReplica, TwinSum, hand_over,
                                                      reuse_of, spliced_forward)
 from virtualflow.runtime.pipeline.requests import Request, StepResult
 from virtualflow.runtime.pipeline.schedule import schedule_for
@@ -48,7 +48,7 @@ from virtualflow.runtime.pipeline.stage_shard import StageShard, stage_update
 from virtualflow.runtime.pipeline.stream import StreamWindow
 from virtualflow.runtime.pipeline.timing import StageTiming
 from virtualflow.runtime.prefetch import batch_source
-from virtualflow.runtime.pipeline.tied import ExactTies
+from virtualflow.runtime.pipeline.tied import EXACT_TIES, TIED_SUMS, ExactTies, NoTiedSum
 
 
 class StageEngine:
@@ -70,7 +70,9 @@ class StageEngine:
         clipping). ``reduction``: ``"allreduce"`` (every replica holds the stage's whole optimizer
         state) or ``"sharded"`` (each holds its chunk, :mod:`.stage_shard`). ``breakdown``: measure where each
         step's time goes (:mod:`.timing`). ``loader_workers``: threads that load the next micro-batches
-        while the current ones compute (:func:`~virtualflow.runtime.prefetch.batch_source`; 0: none)."""
+        while the current ones compute (:func:`~virtualflow.runtime.prefetch.batch_source`; 0: none).
+        ``tied_twins``: Bamboo after a failover, default mode: (copy, twin) per second use of a tied
+        weight on this worker (:data:`~.redundancy.RELAID_TIES`)."""
         check_reduction(reduction)
         self.pipeline = pipeline
         self.loop = loop if loop is not None else StageLoop()
@@ -81,7 +83,7 @@ class StageEngine:
         """Weights shared with pieces on other workers: per shared weight, this worker's copy (or
         None), its size and dtype and the workers holding it, in the same order on every worker
         (``geometry.tied_for_worker``). Their gradients are summed over the copies before every
-        update (default mode: :func:`~.reduction.sum_tied`; deterministic mode: :attr:`ties`)."""
+        update (default mode: :attr:`tied_sum`; deterministic mode: :attr:`ties`)."""
         check_tied(self.tied, pipeline)
         self.p = pipeline.stages
         self.stage_rank = stage_rank
@@ -94,15 +96,15 @@ class StageEngine:
         self.ties: ExactTies | None = None
         """Deterministic mode, a weight read by two pieces (here, or here and on another worker):
         its per-VN gradients summed before the tree, as autograd sums them in the unpipelined job."""
-        self.tied_sum = TiedSum(self.tied, tied_twins)
-        """Default mode: the copies' gradients summed after the reduction (Bamboo after a
-        failover: with the twins of :func:`~.redundancy.relaid_ties`); nothing without ties."""
         if deterministic and ExactTies.needed(self.params, self.piece_params, self.tied):
-            self.tied_sum = TiedSum((), ())  # (summed per VN in the reduction instead)
-            self.ties = ExactTies(params=self.params, piece_params=self.piece_params, tied=self.tied,
-                                  stage_rank=stage_rank, p=pipeline.stages, low=autocast_dtype(self.loop.precision))
+            self.ties = EXACT_TIES[reduction](params=self.params, piece_params=self.piece_params, tied=self.tied,
+                                              stage_rank=stage_rank, p=pipeline.stages,
+                                              low=autocast_dtype(self.loop.precision))
+        self.tied_sum = NoTiedSum() if deterministic or not self.tied else TIED_SUMS[reduction](self.tied, device)
+        """Default mode: how the copies of a weight shared with other workers are summed, before
+        the replicas' reduction or after it (:mod:`.tied`)."""
+        self.tied_sum = TwinSum(self.tied_sum, tied_twins)  # (Bamboo after a failover: RELAID_TIES)
         self.update = stage_update(reduction, self.params, self.optimizer, pipeline=pipeline,
-                                   tied=bool(self.tied) or self.ties is not None,
                                    norm_blocks=self.loop.max_grad_norm is not None)
         """The stage's optimizer update, whole or sharded (:func:`~.stage_shard.stage_update`)."""
         self.shard: StageShard | None = self.update.shard
@@ -168,6 +170,7 @@ class StageEngine:
         if successor_pieces is not None:  # (a weight tied with this worker's pieces: the replica's own copy)
             self.replica_of_successor = StageReplica(successor_pieces, build_optimizer, scheduler_factory,
                                                      (self.stage_rank + 1) % self.p, loop=self.loop,
+                                                     make_update=self.update.like,
                                                      holder_params=list(self.model.parameters()))
         self.eager = self.pipeline.eager_forwards and self.replica_of_successor is not None
         """``Pipeline.redundant_compute="eager"``: run the successor's forwards on the replica in
@@ -318,20 +321,23 @@ class StageEngine:
         if self.reuse is not None and not any(key[0] == step for key in self.reuse.entries):
             self.reuse = None
         self.update.begin_step(self.replica, self.replicas)  # (sharded: the chunks cut by this layout)
+        if self.replica_of_successor is not None:
+            self.replica_of_successor.begin_update(self.replica, self.replicas)
         self.phase = "compute"
         work.compute_s = yield from self._run_actions(work.schedule, step, work.mbs, forward=work.forward,
                                                       backward=work.backward, eager=self.eager)
         self.reuse = None
         self.phase = "reduction"
+        yield from self.tied_sum.before(self.replica)  # (deterministic mode: summed in work.reduce())
         bn_new, loss_total = yield from work.reduce()
-        yield from self.tied_sum.run(self.replica, self.device)  # (deterministic mode: in work.reduce())
+        yield from self.tied_sum.after(self.replica)
         work.check_grads()  # unscale (16-mixed), and this worker's part of the norm and verdict
         if self.replica_of_successor is not None:
             # Bamboo: hand the predecessor what it needs to take this stage's step on its replica
             # (reduced gradients, BatchNorm statistics, buffers) before the step commits, so a
             # replica is never behind a committed step.
             work.replica_update = yield from hand_over(
-                step, self.stage_rank, self.p, self.replica_of_successor.stage_rank, self.params, bn_new,
+                step, self.stage_rank, self.p, self.replica_of_successor.stage_rank, self.update.handed_grads(), bn_new,
                 list(self.model.buffers()), self.device)
         return (yield from work.finish(control, bn_new, loss_total))
 

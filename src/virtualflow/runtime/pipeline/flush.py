@@ -358,6 +358,8 @@ class FlushStep:
         result.breakdown = e.timing.derive(stats[base:])
         if self.applied:  # reduction="sharded": every replica updated its chunk; all of them, everywhere
             yield from e.update.gather(e.replicas)
+            if e.replica_of_successor is not None:  # (Bamboo: so did the replicas of the successor's chunks)
+                yield from e.replica_of_successor.gather(e.replicas)
         return result
 
     def commit(self, stats: torch.Tensor, bn_new: torch.Tensor | None,

@@ -27,7 +27,7 @@ from virtualflow.plan.pipeline.geometry import (bounds_from_counts, layers_of, p
                                                 tied_for_worker)
 from virtualflow.runtime.pipeline.engine import StageEngine
 from virtualflow.runtime.pipeline.loop import StageLoop, stage_loop
-from virtualflow.runtime.pipeline.redundancy import StageReplica, relaid_ties
+from virtualflow.runtime.pipeline.redundancy import RELAID_TIES, StageReplica
 from virtualflow.runtime.pipeline.stage_state import load_merged, stage_states, successor
 from virtualflow.runtime.pipeline.tensor_stage import TensorStage
 from virtualflow.runtime.streaming import loader_of
@@ -102,9 +102,9 @@ class StageBuilder:
         sa, sb = bounds[(pos + 1) % m]
         pieces = {pos: piece_module(layers, a, b)}
         # (the norm leaves out the copies of weights tied across the job's stages: twins included;
-        # read before relaid_ties gives the twins their own parameters)
+        # read before the twins get their own parameters)
         loop = tensor.hook_loop(stage_loop(self.job, base, full_bounds, pipeline.stages), pieces)
-        tied, twins = relaid_ties(layers, full_bounds, pipeline.stages, runs, pos, self.deterministic)
+        tied, twins = RELAID_TIES[self.deterministic](layers, full_bounds, pipeline.stages, runs, pos)
         stage = self.engine(relaid, pieces, m, pos, loop,
                             tied=tied, tied_twins=twins,  # the tied weights re-planned for the new layout
                             successor_pieces={(pos + 1) % m: piece_module(layers, sa, sb)} if m >= 2 else None)

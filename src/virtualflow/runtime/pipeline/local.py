@@ -204,7 +204,10 @@ def train_local(job: Any, steps: int, *, replicas: int = 1, deterministic: bool 
                 loader_workers: int = 0) -> tuple[dict[str, torch.Tensor], list[StepResult]]:
     """Train a pipelined job for ``steps`` steps with all its workers in this process; returns the
     whole model's final state dict and one result per step. The proof harness of the executor
-    (``tests/unit/test_pipeline_engine.py``) and a way to try a pipeline without processes.
+    (``tests/unit/test_pipeline_engine.py``) and a way to try a pipeline without processes. With
+    tensor-parallel stages (``Pipeline.tensor > 1``), whose workers talk inside their forward and
+    backward, every worker runs in a thread of its own (:func:`virtualflow.runtime.grid_threads.
+    train_threads`; ``engines_out`` then gets the workers' :class:`PipelineWorkerEngine`).
     ``eager_every_wait``: :attr:`StageEngine.eager_every_wait` (a diagnostic). ``reduction``:
     :class:`StageEngine`'s. ``engines_out``: a list the workers' engines are appended to (in rank
     order), for a caller that inspects them after training. ``loader_workers``: each engine's
@@ -213,10 +216,10 @@ def train_local(job: Any, steps: int, *, replicas: int = 1, deterministic: bool 
     from virtualflow.plan.vnmap import contiguous_assignment
 
     pipeline = job.pipeline
-    if pipeline.tensor > 1:
-        raise ValueError(f"Pipeline.tensor={pipeline.tensor}: tensor-parallel stages talk inside their forward and "
-                         f"backward, which this one-thread driver cannot interleave; run the job with workers "
-                         f"(virtualflow.train(job, workers=...)) or with tensor=1")
+    if pipeline.tensor > 1:  # its stages talk inside their forward and backward: a thread per worker
+        return _train_threads(job, steps, replicas=replicas, deterministic=deterministic, bounds=bounds,
+                              device=device, eager_every_wait=eager_every_wait, reduction=reduction,
+                              engines_out=engines_out)
     dataset = job.build_dataset()
     if bounds is None:
         torch.manual_seed(job.seed)
@@ -244,3 +247,26 @@ def train_local(job: Any, steps: int, *, replicas: int = 1, deterministic: bool 
     for e in engines[: pipeline.stages]:
         state.update({k: v.detach().clone() for k, v in e.model.state_dict().items()})
     return state, history
+
+
+def _train_threads(job: Any, steps: int, *, replicas: int, deterministic: bool,
+                   bounds: Sequence[tuple[int, int]] | None, device: torch.device, eager_every_wait: bool,
+                   reduction: str, engines_out: list[Any] | None) -> tuple[dict[str, torch.Tensor], list[StepResult]]:
+    """:func:`train_local` of a job with tensor-parallel stages: a thread per worker."""
+    from virtualflow.config.worker_options import WorkerOptions
+    from virtualflow.runtime.grid_threads import Generation, train_threads
+
+    if bounds is not None:
+        raise ValueError(f"bounds={list(bounds)} with Pipeline.tensor={job.pipeline.tensor}: tensor-parallel stages "
+                         f"are cut by the job's own split; give it as Pipeline.split")
+    workers = tuple(range(replicas * job.pipeline.replica_workers))
+    run = train_threads(job, [Generation(members=workers, steps=steps)], device=device,
+                        options=WorkerOptions(deterministic=deterministic, reduction=reduction),
+                        eager_every_wait=eager_every_wait)
+    if engines_out is not None:
+        engines_out.extend(run.engines)
+    history = [StepResult(step=t, loss=o.loss, bad_vns=list(o.bad_vns), control=o.control, compute_s=0.0,
+                          metrics=o.metrics, grad_norm=o.grad_norm, skipped=o.skipped, loss_scale=o.loss_scale,
+                          breakdown=o.breakdown)
+               for t, o in enumerate(run.outcomes)]
+    return dict(run.state["model"]), history

@@ -2,7 +2,11 @@
 
 Purpose: with ``Pipeline.redundancy`` every worker holds a copy of its successor's stage
 (:class:`StageReplica`), kept up to date after every step from the successor's reduced gradients
-(:func:`hand_over`), so a failover loses no state. With ``redundant_compute="eager"`` the worker
+(:func:`hand_over`), so a failover loses no state. With ``reduction="sharded"`` the replica
+mirrors the successor's chunk of the stage's optimizer state (it steps that chunk with the
+successor's reduced gradient chunk) and its holders all-gather the rest of the weights
+(:meth:`StageReplica.gather`); a failover rebuilds the lost chunk from it
+(:mod:`~virtualflow.runtime.pipeline.shard_failover`). With ``redundant_compute="eager"`` the worker
 also runs the successor's forwards of what it sent on that copy in its idle slots
 (:meth:`StageReplica.forward_eagerly`) and keeps them until the step commits; after a failover the
 redone step splices them in (:class:`Reuse`, :func:`spliced_forward`) instead of running the lost
@@ -40,9 +44,9 @@ from virtualflow.runtime.clipping import clip_
 from virtualflow.runtime.pipeline.batchnorm import PieceBatchNorm, load_statistics
 from virtualflow.runtime.pipeline.loop import StageLoop
 from virtualflow.runtime.pipeline.microbatch import MicroBatch, MicroBatchPrep, starts_in_place
-from virtualflow.runtime.pipeline.pieces import apply_update, flat_grads, load_grads, stage_model
-from virtualflow.runtime.pipeline.reduction import sum_tied
+from virtualflow.runtime.pipeline.pieces import stage_model
 from virtualflow.runtime.pipeline.requests import Expect, Recv, Request, Send
+from virtualflow.runtime.pipeline.stage_shard import WholeStage
 from virtualflow.runtime.pipeline.wire import replica_key, replica_update
 
 
@@ -158,14 +162,14 @@ def reuse_of(module: nn.Module, lo: int, hi: int, eager: dict[tuple[int, int], E
     return Reuse(lo, hi, dict(eager)) if low is None or not inside & outside else None
 
 
-def hand_over(step: int, stage_rank: int, p: int, successor: int, params: list[torch.Tensor],
+def hand_over(step: int, stage_rank: int, p: int, successor: int, grads: torch.Tensor,
               bn_new: torch.Tensor | None, buffers: list[torch.Tensor],
               device: torch.device) -> Generator[Request, Any, list[torch.Tensor]]:
-    """Send this stage's step ``step`` (reduced gradients in ``.grad``, new BatchNorm statistics,
-    buffers) to the predecessor, which holds this stage's replica, and receive the successor's
-    step for the replica this worker holds; returns the successor's message."""
-    grads = flat_grads(params)
-    message = replica_update(torch.cat(grads) if grads else torch.zeros(0, device=device),
+    """Send this stage's step ``step`` (its reduced gradients, flat: the stage's update's
+    ``handed_grads()``, the whole stage's or, sharded, this copy's chunk; new BatchNorm
+    statistics, buffers) to the predecessor, which holds this stage's replica, and receive the
+    successor's step for the replica this worker holds; returns the successor's message."""
+    message = replica_update(grads.to(device),
                              bn_new if bn_new is not None else torch.zeros(0, device=device),
                              [b.detach() for b in buffers])
     yield Expect(successor, replica_key(successor, step))
@@ -191,27 +195,30 @@ def untie_from_holder(pieces: dict[int, nn.Module], holder_params: Sequence[torc
     return len(copies)
 
 
-def relaid_ties(layers: list[nn.Module], full_bounds: list[tuple[int, int]], p: int, runs: list[list[int]],
-                pos: int, deterministic: bool) -> tuple[list[TiedCopy], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """A Bamboo re-layout's weights tied across pieces, re-planned for the new layout: member
-    ``pos`` of a replica whose members run the job stages ``runs``; ``layers``: its whole model,
-    loaded. Returns (its tied copies, its twins).
+def _run_bounds(full_bounds: list[tuple[int, int]], runs: list[list[int]]) -> list[tuple[int, int]]:
+    """The layer range of each member of a re-laid replica (its run of job stages)."""
+    return [(full_bounds[run[0]][0], full_bounds[run[-1]][1]) for run in runs]
 
-    Deterministic mode: the weights tied across the new layout's workers
+
+def shared_ties(layers: list[nn.Module], full_bounds: list[tuple[int, int]], p: int, runs: list[list[int]],
+                pos: int) -> tuple[list[TiedCopy], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Deterministic mode's :data:`RELAID_TIES`: the weights tied across the new layout's workers
     (:func:`~virtualflow.plan.pipeline.geometry.tied_for_worker`; :mod:`.tied` sums them per
     virtual node); where this worker now runs both uses they share one parameter, and autograd
-    adds their gradients per virtual node, as in the unpipelined job. No twins.
+    adds their gradients per virtual node, as in the unpipelined job. No twins."""
+    return tied_for_worker(layers, _run_bounds(full_bounds, runs), len(runs), pos), []
 
-    Default mode: every weight tied across the job's stages, so that the list (the vector of
-    :func:`~.reduction.sum_tied`) is the same on every worker of every replica, failed over or
-    not. Where this worker (or its replica of the successor) runs two uses, the later one gets a
-    copy of its own, a *twin*: each use's gradient is then reduced with its own job stage over the
-    replicas, exactly as the full-depth replicas reduce theirs, and the twins' gradients are added
-    before the copies' sum (:class:`TiedSum`)."""
+
+def twin_ties(layers: list[nn.Module], full_bounds: list[tuple[int, int]], p: int, runs: list[list[int]],
+              pos: int) -> tuple[list[TiedCopy], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Default mode's :data:`RELAID_TIES`: every weight tied across the job's stages, so that the
+    list (the vector of the copies' sum, :data:`~.tied.TIED_SUMS`) is the same on every worker of
+    every replica, failed over or not. Where this worker (or its replica of the successor) runs two
+    uses, the later one gets a copy of its own, a *twin*: each use's gradient is then reduced with
+    its own job stage over the replicas, exactly as the full-depth replicas reduce theirs, and the
+    twins' gradients are added before the copies' sum (:class:`TwinSum`)."""
     m = len(runs)
-    bounds = [(full_bounds[run[0]][0], full_bounds[run[-1]][1]) for run in runs]
-    if deterministic:
-        return tied_for_worker(layers, bounds, m, pos), []
+    bounds = _run_bounds(full_bounds, runs)
     job_tied = tied_parameters(layers, full_bounds, p)
     twins = []
     for k in sorted({pos, (pos + 1) % m}):  # this worker's run, its replica's
@@ -234,25 +241,34 @@ def relaid_ties(layers: list[nn.Module], full_bounds: list[tuple[int, int]], p: 
     return out, twins
 
 
-class TiedSum:
-    """Default mode: the copies of the weights tied across workers summed after the reduction
-    (:func:`~.reduction.sum_tied`), each twin's gradient (a second use of a tied weight on this
-    worker after a Bamboo failover, :func:`relaid_ties`) added to its first copy's before the sum
-    and the total given to both after it. Without tied weights: nothing (no collective)."""
+RELAID_TIES = {True: shared_ties, False: twin_ties}
+"""A Bamboo re-layout's weights tied across pieces, re-planned for the new layout, per
+deterministic mode: ``RELAID_TIES[deterministic](layers, full_bounds, p, runs, pos)`` for member
+``pos`` of a replica whose members run the job stages ``runs`` (``layers``: its whole model,
+loaded) gives (its tied copies, its twins)."""
 
-    def __init__(self, tied: Sequence[TiedCopy], twins: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.tied = list(tied)
+
+class TwinSum:
+    """Default mode: the engine's sum of the copies of the weights tied across workers
+    (:data:`~.tied.TIED_SUMS`), with each twin (a second use of a tied weight on this worker after
+    a Bamboo failover, :data:`RELAID_TIES`) taken in: after the replicas' reduction, its gradient
+    (its own job stage's sum) is added to its first copy's before the copies' sum, and the total is
+    given to both after it. Without twins: the engine's sum as it is."""
+
+    def __init__(self, inner: Any, twins: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.inner = inner
         self.twins = list(twins)
 
-    def run(self, replica: int, device: torch.device) -> Generator[Request, Any, None]:
-        if not self.tied:
-            return
+    def before(self, replica: int) -> Generator[Request, Any, None]:
+        yield from self.inner.before(replica)
+
+    def after(self, replica: int) -> Generator[Request, Any, None]:
         for first, twin in self.twins:
             if twin.grad is not None:
                 first.grad = twin.grad if first.grad is None else first.grad + twin.grad
-        yield from sum_tied(self.tied, replica, device)
+        yield from self.inner.after(replica)
         for first, twin in self.twins:
-            twin.grad = first.grad.clone()
+            twin.grad = None if first.grad is None else first.grad.clone()
 
 
 class StageReplica:
@@ -262,7 +278,8 @@ class StageReplica:
 
     def __init__(self, pieces: dict[int, nn.Module], build_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
                  scheduler_factory: Callable[[torch.optim.Optimizer], Any] | None, stage_rank: int,
-                 loop: StageLoop | None = None, holder_params: Sequence[torch.Tensor] = ()) -> None:
+                 loop: StageLoop | None = None, make_update: Callable[..., Any] | None = None,
+                 holder_params: Sequence[torch.Tensor] = ()) -> None:
         """``holder_params``: the holder's own parameters; a weight tied across workers that the
         successor's pieces share with them becomes the replica's own copy (:func:`untie_from_holder`)."""
         self.stage_rank = stage_rank
@@ -271,8 +288,17 @@ class StageReplica:
         """The holder's loop settings: the replica's pieces are prepared and autocast as the
         original's (its scaler stays the holder's: a replica takes already unscaled gradients)."""
         self.loop.prepare(pieces)
-        self.pieces, self.model, self.params, self.optimizer, self.scheduler = stage_model(
+        self.pieces, self.model, self.params, optimizer, self.scheduler = stage_model(
             pieces, build_optimizer, scheduler_factory)
+        make_update = make_update if make_update is not None else _whole_update
+        self.update = make_update(self.params, optimizer)
+        """The replica's update, of the original's kind (``make_update(params, optimizer)``, the
+        stage engine's rule): the whole stage's (:class:`~.stage_shard.WholeStage`) or, with
+        ``reduction="sharded"``, the original's chunk (:class:`~.stage_shard.StageShard`, cut by
+        the holder's pipeline replica, which is the original's): it mirrors that chunk's optimizer
+        state, and the stage's other chunks of the weights arrive with an all-gather over the
+        holders (the predecessor stage's group: :meth:`gather`)."""
+        self.optimizer = self.update.optimizer
         self.bn = {k: PieceBatchNorm(m) for k, m in self.pieces.items()}
         self.clone_input = any(starts_in_place(m) for m in self.pieces.values())
         self.refresh_s = 0.0
@@ -392,10 +418,22 @@ class StageReplica:
         if not update:
             return
         # views of the message (a buffer of its own), dropped after the step
-        load_grads(self.params, grads, clone=False)
+        self.update.load_handed(grads)
         if clip is not None:
-            clip_([q.grad for q in self.params], *clip)
-        apply_update(self.optimizer, self.scheduler)
+            clip_(self.update.stage_grads(), *clip)
+        self.update.apply(self.scheduler)
+
+    def begin_update(self, replica: int, replicas: int) -> None:
+        """A step starts on the holder, pipeline replica ``replica`` of ``replicas`` (the
+        original's): a sharded replica is cut as the original's chunk."""
+        self.update.begin_step(replica, replicas)
+
+    def gather(self, replicas: int) -> Generator[Request, Any, None]:
+        """After an applied step (collective over the holder's stage group, right after the
+        stage's own gather): a sharded replica's chunks of the weights, everywhere; nothing for a
+        whole one. The holders of one stage's replicas are the ``replicas`` copies of the
+        predecessor stage, one per pipeline replica, so they hold every chunk between them."""
+        yield from self.update.gather(replicas)
 
     def state(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -410,9 +448,12 @@ class StageReplica:
     def nbytes(self) -> int:
         """Bytes the replica holds: parameters, buffers and optimizer state."""
         tensors = list(self.model.parameters()) + list(self.model.buffers())
-        tensors += [v for st in getattr(self.optimizer, "state", {}).values() for v in st.values()
-                    if isinstance(v, torch.Tensor)]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in tensors) + self.update.state_bytes()
+
+
+def _whole_update(params: list[torch.Tensor], optimizer: Any) -> WholeStage:
+    """A replica's update without sharding: the whole stage's."""
+    return WholeStage(optimizer, params)
 
 
 @dataclass(slots=True)

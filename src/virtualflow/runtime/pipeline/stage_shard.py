@@ -43,6 +43,7 @@ import torch
 
 from virtualflow.config.composition import check_stage_sharding
 from virtualflow.runtime.clipping import block_cuts
+from virtualflow.runtime.pipeline.pieces import flat_grads, load_grads
 from virtualflow.runtime.pipeline.requests import Request, StageGather
 from virtualflow.runtime.sharded import gather_sharded_state
 from virtualflow.runtime.step.finish import Part
@@ -83,6 +84,21 @@ class WholeStage(WholeUpdate):
     def gather_whole(self, replica: int, replicas: int, group: Any, root: int | None = None) -> None:
         pass  # the whole state is held here
 
+    # ---- Bamboo: what the replica of this stage (on the predecessor) takes ----------------------
+    def like(self, params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer) -> WholeStage:
+        """The update of the same kind for Bamboo's replica of the successor's stage (its
+        ``params`` and ``optimizer``): the whole stage's."""
+        return WholeStage(optimizer, params)
+
+    def handed_grads(self) -> torch.Tensor:
+        """The reduced gradients Bamboo's replica of this stage steps with: all of them, flat."""
+        grads = flat_grads(self.params)
+        return torch.cat(grads) if grads else torch.zeros(0)
+
+    def load_handed(self, grads: torch.Tensor) -> None:
+        """On the replica: :meth:`handed_grads` of the original into ``.grad`` (views of it)."""
+        load_grads(self.params, grads, clone=False)
+
 
 class StageShard:
     """One stage copy's chunk of the stage's optimizer (see the module docstring): the VN engine's
@@ -94,6 +110,7 @@ class StageShard:
         # With a gradient norm, chunks start on its blocks (each parameter's own), so every block
         # has one holder.
         cuts = block_cuts([q.numel() for q in params]) if norm_blocks else None
+        self.norm_blocks = norm_blocks
         self.core = ShardedUpdate(optimizer, params, cuts=cuts)
         self.flat = self.core.flat  # the stage's parameters now live in one flat vector
         self.opt = self.core.opt
@@ -181,6 +198,26 @@ class StageShard:
         if replicas > 1:
             yield StageGather(self.flat.flat, self.bounds)
 
+    # ---- Bamboo: the replica of a sharded stage mirrors the original's chunk ---------------------
+    def like(self, params: Sequence[torch.nn.Parameter],
+             optimizer: torch.optim.Optimizer) -> StageShard | WholeStage:
+        """The update of the same kind for Bamboo's replica of the successor's stage (its
+        ``params`` and ``optimizer``): a chunk cut as the successor's (the same blocks; nothing
+        to shard in a stage with no trainable parameters)."""
+        return StageShard(params, optimizer, norm_blocks=self.norm_blocks) if params else WholeStage(optimizer, params)
+
+    def handed_grads(self) -> torch.Tensor:
+        """The reduced gradients Bamboo's replica of this stage steps with: this copy's chunk only
+        (the replica mirrors the chunk; the other chunks arrive with its holders' all-gather). A
+        copy: the original clips its chunk in place afterwards."""
+        return self.chunk_grads().clone()
+
+    def load_handed(self, grads: torch.Tensor) -> None:
+        """On the replica (cut like the original: :meth:`begin_step`): the original's reduced
+        chunk (:meth:`handed_grads`) into the flat gradient, where :meth:`apply` reads it."""
+        self.start_step()
+        self.chunk_grads().copy_(grads)
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state this copy held after its last update (its chunk's; a gather
         for a checkpoint holds the whole state for a moment, which this does not count)."""
@@ -212,13 +249,15 @@ class StageShard:
 
 
 def stage_update(reduction: str, params: Sequence[torch.nn.Parameter], optimizer: torch.optim.Optimizer, *,
-                 pipeline: Any, tied: bool, norm_blocks: bool) -> WholeStage | StageShard:
-    """A stage copy's optimizer update for ``reduction`` (checked against ``pipeline`` and its
-    ``tied`` weights: :func:`check_stage_sharding`); ``norm_blocks``: the whole step's norm is
-    taken (chunks start on its blocks). A stage with no trainable parameters has nothing to shard."""
+                 pipeline: Any, norm_blocks: bool) -> WholeStage | StageShard:
+    """A stage copy's optimizer update for ``reduction`` (checked against ``pipeline``:
+    :func:`check_stage_sharding`); ``norm_blocks``: the whole step's norm is taken (chunks start on
+    its blocks). A stage with no trainable parameters has nothing to shard. A weight shared with
+    another stage is a parameter like any other here: its copies' gradients are summed before the
+    chunks are cut from them (:class:`~.tied.SumBeforeScatter`, :class:`~.tied.PairedTies`)."""
     if reduction != "sharded":
         return WholeStage(optimizer, params)
-    check_stage_sharding(pipeline, tied=tied)
+    check_stage_sharding(pipeline)
     return StageShard(params, optimizer, norm_blocks=norm_blocks) if params else WholeStage(optimizer, params)
 
 
@@ -262,6 +301,11 @@ def gather_stage_optimizer(stage: Any, group: Any, root: int | None = None) -> N
     nothing to do for a stage holding its whole optimizer (:meth:`WholeStage.gather_whole`)."""
     if stage is not None:
         stage.update.gather_whole(stage.replica, stage.replicas, group, root)
+        # Bamboo: this stage group holds the successor's chunks too; a regroup moves them (a
+        # checkpoint or the final state, gathered to ``root``, does not read a replica).
+        replica = stage.replica_of_successor
+        if replica is not None and root is None:
+            replica.update.gather_whole(stage.replica, stage.replicas, group, root)
 
 
 def optimizer_bytes(stage: Any) -> int:

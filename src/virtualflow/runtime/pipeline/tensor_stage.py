@@ -166,11 +166,11 @@ class TensorParallelStage(TensorStage):
         return f"stage{stage}.t{self.rank}"  # one stage group per plane
 
     def convert(self, layers: list[nn.Module], stage_rank: int) -> list[nn.Module]:
-        # The successor's stage too: Bamboo's replica of it is this tensor rank's shard of it, cut
-        # by the same splits as the successor's own (docs/bamboo.md, "With tensor parallelism");
-        # without redundancy no piece keeps those layers.
+        # With redundancy, the successor's stage too: Bamboo's replica of it is this tensor rank's
+        # shard of it, cut by the same splits as the successor's own (docs/bamboo.md, "With tensor
+        # parallelism"); without it no piece keeps those layers, so they are not converted.
         self.names = self.unconverted_names(stage_rank, layers)
-        return self.convert_stages(layers, {stage_rank, (stage_rank + 1) % self.pipeline.stages})
+        return self.convert_stages(layers, self.pipeline.held_stages(stage_rank))
 
     def convert_stages(self, layers: list[nn.Module], stage_ranks: set[int]) -> list[nn.Module]:
         p = self.pipeline.stages

@@ -36,6 +36,14 @@ Invariants:
   pipeline replica: per step, at most one "parts" message per (holder, owner) and one "total"
   message per (owner, holder). Sends never block; the owner receives the parts after its own
   last backward, the holder receives the total after its own tree exchange, so no cycle exists.
+
+With ``reduction="sharded"`` (each stage replica keeps its chunk of the stage's flat parameter
+vector, :mod:`.stage_shard`) the copies' gradients are summed BEFORE the chunks are cut, so a
+shared weight is a parameter like any other to the sharded update: deterministic mode forms the
+per-VN sum on both workers (:class:`PairedTies`), default mode sums the copies over all workers
+before the reduce-scatter (:class:`SumBeforeScatter`; with ``"allreduce"``,
+:class:`SumAfterReduction` sums them after the replicas' reduction, as before). Both copies then
+hold the same bits in every chunk and take the same elementwise update.
 """
 
 from __future__ import annotations
@@ -45,7 +53,8 @@ from typing import Any, Generator, Sequence
 import torch
 
 from virtualflow.plan.pipeline.geometry import EXACT_USES, TiedCopy
-from virtualflow.runtime.pipeline.requests import Recv, Request, Send
+from virtualflow.runtime.pipeline.reduction import sum_tied
+from virtualflow.runtime.pipeline.requests import AllSum, Recv, Request, Send
 from virtualflow.runtime.pipeline.wire import tied_key
 
 PARTS, TOTAL = 0, 1
@@ -244,3 +253,110 @@ def uses_in_graph(roots: Sequence[torch.Tensor], params: Sequence[torch.Tensor])
         uses = sum(indegree.get(id(fn), 1) for fn in casts) + len(nodes) - len(casts)
         out.append((uses, bool(nodes) and len(casts) == len(nodes)))
     return out
+
+
+# ---- reduction="sharded": both copies in their workers' tree vectors ------------------------------
+class PairedTies(ExactTies):
+    """Deterministic mode with ``reduction="sharded"``: the per-VN sums of a weight held by two
+    workers are formed on BOTH of them (each sends its per-VN gradients to the other), and each
+    copy stays in its worker's tree vector.
+
+    Why not the owner-and-total exchange of :class:`ExactTies`: each replica of a stage keeps only
+    its chunk of the stage's flat parameter vector, whose bounds are those of ALL the stage's
+    parameters; a tree vector without the holder's copy would not line up with them, and a total
+    sent back after the tree would be a whole gradient where the holder keeps a chunk. Here the two
+    workers add the same two per-VN gradients (``a + b == b + a`` bit for bit, with the same
+    low-precision rounding under autocast: both know both uses' flags), so their leaves are equal,
+    the fixed VN-id tree sums them in the same order on both stage groups, and each replica's chunk
+    of either copy is the unpipelined job's gradient of that slice. Both copies' chunks take the
+    same elementwise update from equal optimizer state, so the copies stay equal; nothing is sent
+    after the tree. Messages: one "parts" message per step each way between the two workers of a
+    pipeline replica; sends never block, each side receives after its own last backward."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        uses = _piece_uses(kwargs["piece_params"])
+        self.tree_params = list(kwargs["params"])
+        self.contributions = [uses[id(q)] for q in self.tree_params]
+        # Each direction's list: the copies the receiver owns, then those the sender owns (each in
+        # tied order); both ends build it the same way. (A worker can own one weight and hold another.)
+        owned = {w: [q for q, _ in got] for w, (got, _) in self.parts_in.items()}
+        held = {w: [q for _, _, q in entries] for w, entries in self.parts_out.items()}
+        for w in owned.keys() | held.keys():
+            self.parts_out[w] = [(*uses[id(q)][0], q) for q in held.get(w, []) + owned.get(w, [])]
+            copies = owned.get(w, []) + held.get(w, [])
+            offsets = [sum(c.numel() for c in copies[:i]) for i in range(len(copies))]
+            self.parts_in[w] = (list(zip(copies, offsets)), sum(c.numel() for c in copies))
+        self.totals_in = {}
+
+    def share_totals(self, step: int) -> Generator[Request, Any, None]:
+        """Nothing after the tree: each copy's own tree gave it the total (see the class)."""
+        yield from ()
+
+
+def _piece_uses(piece_params: dict[int, list[torch.Tensor]]) -> dict[int, list[tuple[int, int]]]:
+    """Per id(parameter): the (piece, index in that piece's parameters) of each local use."""
+    where: dict[int, list[tuple[int, int]]] = {}
+    for k in sorted(piece_params):
+        for j, q in enumerate(piece_params[k]):
+            where.setdefault(id(q), []).append((k, j))
+    return where
+
+
+EXACT_TIES: dict[str, type[ExactTies]] = {"allreduce": ExactTies, "sharded": PairedTies}
+"""Deterministic mode's tied-weight exchange per ``reduction``."""
+
+
+# ---- default mode: the copies' gradients summed over every worker ---------------------------------
+class SumAfterReduction:
+    """Default mode, ``reduction="allreduce"``: after the replicas' reduction each copy holds its
+    use's summed gradient; :func:`~.reduction.sum_tied` adds the copies (replica 0's) and gives
+    every copy the total."""
+
+    def __init__(self, tied: Sequence[TiedCopy], device: torch.device) -> None:
+        self.tied = list(tied)
+        self.device = device
+
+    def before(self, replica: int) -> Generator[Request, Any, None]:
+        yield from ()
+
+    def after(self, replica: int) -> Generator[Request, Any, None]:
+        yield from sum_tied(self.tied, replica, self.device)
+
+
+class SumBeforeScatter(SumAfterReduction):
+    """Default mode, ``reduction="sharded"``: before the reduce-scatter, every worker's local
+    gradients of the shared weights are summed over all workers (every copy, every replica); replica
+    0's copies take that total and the other replicas' copies zeros, so the reduce-scatter's sum
+    ``total + 0 + ... + 0`` is the total, exactly, in whichever chunk and ring order each stage
+    has it. Every copy's chunk thus holds the same bits and takes the same elementwise update (a
+    pairwise sum per replica, then the scatter, would add the replicas in each stage's own ring
+    order: the copies would drift apart)."""
+
+    def before(self, replica: int) -> Generator[Request, Any, None]:
+        parts = [t.param.grad.reshape(-1) if t.param is not None and t.param.grad is not None
+                 else torch.zeros(t.numel, dtype=t.dtype, device=self.device) for t in self.tied]
+        total = yield AllSum(torch.cat(parts))
+        offset = 0
+        for t in self.tied:
+            if t.param is not None:
+                mine = total[offset: offset + t.numel] if replica == 0 else torch.zeros_like(total[:t.numel])
+                t.param.grad = mine.view_as(t.param).clone()
+            offset += t.numel
+
+    def after(self, replica: int) -> Generator[Request, Any, None]:
+        yield from ()
+
+
+class NoTiedSum:
+    """No weight shared with another worker, or deterministic mode (:class:`ExactTies` sums them)."""
+
+    def before(self, replica: int) -> Generator[Request, Any, None]:
+        yield from ()
+
+    def after(self, replica: int) -> Generator[Request, Any, None]:
+        yield from ()
+
+
+TIED_SUMS: dict[str, type[SumAfterReduction]] = {"allreduce": SumAfterReduction, "sharded": SumBeforeScatter}
+"""Default mode's sum of a shared weight's copies per ``reduction``."""

@@ -62,6 +62,7 @@ from virtualflow.runtime.pipeline.timing import write_timeline
 from virtualflow.runtime.pipeline.redundancy import RedundantTotals
 from virtualflow.runtime.pipeline.settle import InterruptedCommit
 from virtualflow.runtime.pipeline.stage_shard import gather_stage_optimizer, optimizer_bytes
+from virtualflow.runtime.pipeline.shard_failover import make_stages_whole
 from virtualflow.runtime.regrid import optimizer_names, restage
 from virtualflow.runtime.sharded import ShardLost
 
@@ -243,10 +244,12 @@ class PipelineWorkerEngine:
         group = self.tensor.join(group)  # tensor parallel: each plane re-lays its pipeline (one run per group)
         layout = self.tensor.plane_layout(layout)
         layouts, new = check_relayout(layout, self.pipeline, group.size, steps, target)
+        chunk_bytes = make_stages_whole(self.stage, group, p, self.device)  # (sharded stages: whole again)
         own_old, rep_old = stages_held(self.stage, self.layout, p, self.group_rank)
         old_replica = self.redundant_totals.add(self.stage)  # the engine this re-layout drops
         local = held_states(self.stage, own_old, rep_old, self.full_bounds)
         got, self.relayout_bytes = exchange_for_layout(group, new, p, own_old, rep_old, local, self.device)
+        self.relayout_bytes += chunk_bytes
         # Build this worker's pieces from the whole model's layers, loaded with the stages' states.
         grid = Grid(p, len(layouts), group.rank, sizes=tuple(len(rep) for rep in layouts))
         runs, pos = layouts[grid.replica], grid.stage_rank
@@ -277,9 +280,9 @@ class PipelineWorkerEngine:
         pass  # a newcomer's stage is built once its place is known
 
     def check_state_held(self, run_dir: str) -> None:
-        # What a failed member held comes back from its stage's survivors (or a replica), except
-        # a chunk of a sharded stage optimizer (one copy each): ShardLost, naming the way out.
-        shard = self.stage.shard if self.stage is not None else None
+        # What a failed member held comes back from its stage's survivors (or a replica), except a chunk
+        # of a sharded stage optimizer without Bamboo's replica (one copy): ShardLost, naming the way out.
+        shard = self.stage.shard if self.stage is not None and self.stage.replica_of_successor is None else None
         if shard is not None and shard.opt.full is None and shard.opt.size > 1:
             try:
                 shard.opt.check_held()
