@@ -80,6 +80,19 @@ def test_crash_in_any_phase_of_a_step_leaves_survivors_identical(phase, run_dir,
     assert failure["worker"] == 1 and failure["role"] == "member"
 
 
+def test_a_step_applied_before_a_callbacks_collective_broke_is_recorded_once(run_dir):
+    """A peer killed after the step's reduction: the survivor applied the step, then its callbacks' stop
+    agreement (a collective) broke. The step's record is kept from the moment the step is applied
+    and re-sent when the next generation forms: every step is in the history exactly once (it
+    was silently missing when the record was built only after the agreement)."""
+    plan = vf.FaultPlan([vf.Fault(worker=1, step=3, phase="after_reduction")])
+    job = lambda: jobs.regression_job(callbacks=[jobs.StepPace(0.0)])  # noqa: E731 - a callback: the agreement runs
+    result = vf.train(job, workers=2, steps=6, deterministic=True, fault_plan=plan, run_dir=run_dir)
+    assert [f["worker"] for f in result.failures] == [1]
+    ref = vf.train(job, workers=1, steps=6, deterministic=True)
+    assert_same_training(result, ref)
+
+
 @pytest.mark.parametrize("victim", ["source", "newcomer"])
 def test_crash_during_state_transfer_to_a_newcomer(victim, run_dir):
     # Worker 0 is the source of the transfer to newcomer 2 when growing 2 -> 3.

@@ -431,9 +431,29 @@ class Worker:
             if self.notice is not None:
                 self.notice.training.clear()
 
+    def _step_report(self, step: int, outcome: Any, record: protocol.GenerationRecord, size: int,
+                     lr: float | None) -> dict[str, Any]:
+        """Step ``step``'s record for the coordinator (its time and a callback's stop are filled in
+        at the step's end)."""
+        report = {
+            "type": "step", "step": step, "loss": outcome.loss, "samples": self.job.global_batch_size,
+            "step_time_s": 0.0, "workers": size, "generation": record.generation,
+            "vns": record.assignment, "members": record.members, "compute_s": outcome.compute_s,
+            "vn_sizes": record.vn_sizes,
+            "time": time.time(),
+            # the training loop's fields (records/: metrics.jsonl), checked by the coordinator
+            "metrics": {str(k): float(v) for k, v in (outcome.metrics or {}).items()},
+            "grad_norm": outcome.grad_norm, "skipped": bool(outcome.skipped),
+            "loss_scale": outcome.loss_scale, "lr": lr, "peak_tflops": self.peak_tflops, "stop_reason": None,
+        }
+        if outcome.breakdown is not None:  # of the previous step (it rode in this one's reduction)
+            report["breakdown"] = [{"worker": w, **parts} for w, parts in zip(record.members, outcome.breakdown)
+                                   if parts is not None]  # (tensor-parallel stages: tensor rank 0's rows)
+            report["breakdown_step"] = step - 1
+        return report
+
     def _train(self, record: protocol.GenerationRecord, group: Group, step: int, t_prev: float) -> str:
-        cfg, job, engine = self.cfg, self.job, self.engine
-        gen, rank = record.generation, group.rank
+        cfg, engine, rank = self.cfg, self.engine, group.rank
         profiler = self.profiler
         while step < cfg.total_steps:
             # Rank 0's control position, read by the engine when it packs the step's statistics (not
@@ -451,32 +471,21 @@ class Worker:
                 self._non_finite(outcome, step, group)
             step += 1
             self.progress = Progress(step=step, control=self.progress.control)
-            metrics = {str(k): float(v) for k, v in (outcome.metrics or {}).items()}
+            # The step is applied: its record exists from now on, before any collective below can
+            # break the generation (a callback's stop agreement, the boundary's work); the member
+            # that forms the next generation re-sends it, so a step is never applied unrecorded.
+            report = self.last_report = self._step_report(step - 1, outcome, record, group.size, lr)
             stop = False
             if self.callbacks:  # part of the step's time: a callback's work is the job's
                 self.callbacks.step_end(StepInfo(
-                    step=step - 1, loss=outcome.loss, metrics=dict(metrics), grad_norm=outcome.grad_norm,
+                    step=step - 1, loss=outcome.loss, metrics=dict(report["metrics"]), grad_norm=outcome.grad_norm,
                     skipped=outcome.skipped, lr=lr, workers=group.size, rank=rank, model=engine.model))
                 stop = self.callbacks.agree_stop(group) and step < cfg.total_steps  # collective
             now = time.perf_counter()
-            step_time, t_prev = now - t_prev, now
-            report = {
-                "type": "step", "step": step - 1, "loss": outcome.loss, "samples": job.global_batch_size,
-                "step_time_s": step_time, "workers": group.size, "generation": gen,
-                "vns": record.assignment, "members": record.members, "compute_s": outcome.compute_s,
-                "vn_sizes": record.vn_sizes,
-                "time": time.time(),
-                # the training loop's fields (records/: metrics.jsonl), checked by the coordinator
-                "metrics": metrics, "grad_norm": outcome.grad_norm, "skipped": bool(outcome.skipped),
-                "loss_scale": outcome.loss_scale, "lr": lr, "peak_tflops": self.peak_tflops,
-                "stop_reason": (self.callbacks.stop_reason or f"a callback on another worker asked to stop after "
-                                f"step {step - 1}") if stop else None,
-            }
-            if outcome.breakdown is not None:  # of the previous step (it rode in this one's reduction)
-                report["breakdown"] = [{"worker": w, **parts} for w, parts in zip(record.members, outcome.breakdown)
-                                       if parts is not None]  # (tensor-parallel stages: tensor rank 0's rows)
-                report["breakdown_step"] = step - 2
-            self.last_report = report
+            report["step_time_s"], t_prev = now - t_prev, now
+            if stop:
+                report["stop_reason"] = (self.callbacks.stop_reason
+                                         or f"a callback on another worker asked to stop after step {step - 1}")
             self.engine.boundary(group, step, self.boundary)  # collective work (every member)
             if self.notice is not None and self.notice.given.is_set() and not self._noticed:
                 self._noticed = True  # reported once, at a step boundary (the reporter is not shared)
