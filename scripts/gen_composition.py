@@ -79,7 +79,7 @@ CELLS: dict[tuple[str, str], Cell] = {
     ('tensor parallel', 'Bamboo'): works('`tests/e2e/test_bamboo.py::test_a_tensor_parallel_stage_fails_over_to_its_predecessors_tensor_group`'),
     ('tensor parallel', 'tied weights'): works('`tests/e2e/test_composition_processes.py::test_a_tied_embedding_and_head_on_tensor_parallel_stages_is_the_tensor_1_model`'),
     ('tensor parallel', 'breakdown'): works('`tests/e2e/test_parallel3d.py::test_clipping_sums_the_shards_norms_over_the_tensor_parallel_group` (one row per stage, from its tensor rank 0; each adds up to its step)'),
-    ('tensor parallel', 'overlapped input'): works('`tests/e2e/test_pipeline_loaders_processes.py::test_tensor_parallel_stages_with_loader_threads_train_the_same_model`'),
+    ('tensor parallel', 'overlapped input'): works('`tests/unit/test_pipeline_loaders.py::test_tensor_parallel_stages_with_loader_threads_train_the_same_model` (every worker a thread on real gloo groups)'),
     ('tensor parallel', 'mixed precision'): works('`tests/unit/test_tp_precision.py::test_bf16_and_16_mixed_blocks_are_the_block_under_autocast` (one rank bit for bit, t ranks within composition.TOLERANCES) and `tests/e2e/test_parallel3d.py::test_bf16_with_compile_is_bit_identical_across_layouts_of_one_width`'),
     ('tensor parallel', 'clipping'): works('`tests/e2e/test_parallel3d.py::test_clipping_sums_the_shards_norms_over_the_tensor_parallel_group`'),
     ('sharded reduction', 'deterministic'): works('`tests/unit/test_training_loop.py::test_deterministic_sharded_equals_deterministic_allreduce_with_clipping`'),

@@ -238,3 +238,22 @@ def test_loaders_move_the_stages_input_off_the_critical_path(fake_clock, loader_
             assert row["loaded_s"] == pytest.approx(B * INPUT_S if reads else 0.0)  # every sample is read
             waited = B * INPUT_S if reads and not loader_workers else 0.0
             assert row["input_s"] == pytest.approx(waited, abs=1e-9)  # ... by the stage itself, or not
+
+
+def test_tensor_parallel_stages_with_loader_threads_train_the_same_model():
+    """A (1, 2, 2) grid of GPT stages (float64) with two loader threads per worker, every worker a
+    thread on real gloo groups (:func:`virtualflow.runtime.grid_threads.train_threads`), against the
+    (1, 1, 2) layout without loaders: bit for bit (layouts of one T are bit-identical whatever P, and
+    the loaders change when a micro-batch is read, never which samples it holds)."""
+    import gpt_grid_jobs as g
+    from virtualflow.config.worker_options import WorkerOptions
+    from virtualflow.runtime.grid_threads import Generation, train_threads
+
+    def run(stages: int, loaders: int):
+        job = g.grid_job(stages=stages, tensor=2)
+        options = WorkerOptions(deterministic=True, loader_workers=loaders)
+        return train_threads(job, [Generation(members=tuple(range(2 * stages)), steps=3)], options=options)
+
+    loaded, plain = run(2, 2), run(1, 0)
+    assert_state_equal(loaded.state["model"], plain.state["model"])
+    assert [o.loss for o in loaded.outcomes] == [o.loss for o in plain.outcomes]
