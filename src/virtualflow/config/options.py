@@ -56,6 +56,14 @@ BACKENDS = ("local", "ray", "external")
 RAY_ONLY = ("address", "cpus_per_worker", "gpus_per_worker", "resources", "placement_timeout_s")
 
 
+def _names(text: str) -> tuple[str, ...]:
+    """``a,b,c`` -> ``("a", "b", "c")`` (module or class names)."""
+    out = tuple(t.strip() for t in text.split(",") if t.strip())
+    if not out:
+        raise ValueError(f"{text!r} names no module; give module or class names separated by commas")
+    return out
+
+
 def _opt(default: Any, help: str, group: str, *, flag: str | None = "", metavar: str | None = None,
          parse: Callable[[str], Any] | None = None, choices: tuple[str, ...] | None = None,
          worker: bool = False) -> Any:
@@ -105,8 +113,29 @@ class LaunchOptions:
     reduction: str = _opt("allreduce", "how workers combine gradients: allreduce (each holds the whole optimizer "
                           "state) or sharded (reduce-scatter, each updates 1/N of the weights and holds 1/N of the "
                           "Adam/AdamW/SGD state, all-gather; pipelined jobs: each stage over its replicas); same "
-                          "model either way", "training",
-                          choices=("allreduce", "sharded"), worker=True)
+                          "model either way; fsdp: the parameters, gradients and optimizer state all sharded "
+                          "(ZeRO-3 / FSDP2: each unit gathered for its use and freed after)", "training",
+                          choices=("allreduce", "sharded", "fsdp"), worker=True)
+    shard_units: tuple[str, ...] | None = _opt(None, "with --reduction fsdp: the sharding units, as module names or "
+                                               "class names (default: the blocks of the model's first "
+                                               "nn.ModuleList/nn.Sequential; every parameter outside them forms "
+                                               "the root unit)", "training", metavar="NAME,...", parse=_names,
+                                               worker=True)
+    keep_gathered: bool = _opt(False, "with --reduction fsdp: keep a unit's gathered parameters from its forward to "
+                               "its backward (FSDP2's reshard_after_forward=False: less traffic, more memory); "
+                               "default: free them after the forward and gather again for the backward",
+                               "training", worker=True)
+    offload: str | None = _opt(None, "with --reduction fsdp: cpu keeps each worker's parameter shards, gradients "
+                               "and optimizer state in host memory, copies each unit to the device for its use "
+                               "and steps the optimizer on the host (FSDP2's CPUOffloadPolicy)", "training",
+                               choices=("cpu",), worker=True)
+    param_dtype: str | None = _opt(None, "with --reduction fsdp: the dtype units are gathered in (FSDP2's "
+                                   "MixedPrecisionPolicy.param_dtype: bf16, fp16 or fp32); default: the master "
+                                   "shards' dtype, with --precision autocasting as without sharding",
+                                   "training", choices=("bf16", "fp16", "fp32"), worker=True)
+    reduce_dtype: str = _opt("fp32", "with --reduction fsdp: the dtype gradients are reduced in (default fp32; bf16 "
+                             "halves the bytes in default mode; deterministic mode always reduces in fp32)",
+                             "training", choices=("fp32", "bf16"), worker=True)
     deterministic_exchange: str = _opt("auto", "how deterministic mode brings the workers' partial sums together: "
                                        "owners (each worker sends each chunk of its partial sums only to that "
                                        "chunk's owner; bytes per worker do not grow with the worker count), slots "
@@ -278,9 +307,10 @@ class LaunchOptions:
         check_activation_checkpointing(self.activation_checkpointing, "--activation-checkpointing")
         if self.peak_tflops is not None and not (math.isfinite(self.peak_tflops) and self.peak_tflops > 0):
             raise ValueError(f"peak_tflops={self.peak_tflops!r} must be a finite number > 0; set {_knob('peak_tflops')}")
-        if self.reduction not in ("allreduce", "sharded"):
-            raise ValueError(f"reduction={self.reduction!r} is not known; choose 'allreduce' (the default) or 'sharded' "
-                             f"(--reduction)")
+        if self.reduction not in ("allreduce", "sharded", "fsdp"):
+            raise ValueError(f"reduction={self.reduction!r} is not known; choose 'allreduce' (the default), 'sharded' "
+                             f"(optimizer state sharded) or 'fsdp' (parameters too) (--reduction)")
+        self._check_fsdp_knobs()
         if self.checkpoint_format not in ("pt", "dcp"):
             raise ValueError(f"checkpoint_format={self.checkpoint_format!r} is not known; choose 'pt' (one file, the "
                              f"default) or 'dcp' (sharded, every worker writes its part) (--checkpoint-format)")
@@ -303,6 +333,19 @@ class LaunchOptions:
                              f"--shard-replicas")
         self._check_backend()
         self._check_workers()
+
+    def _check_fsdp_knobs(self) -> None:
+        """The knobs of ``reduction="fsdp"`` mean nothing without it: refused rather than ignored."""
+        if self.reduction == "fsdp":
+            return
+        given = [(n, v) for n, v, d in (("shard_units", self.shard_units, None), ("keep_gathered", self.keep_gathered,
+                 False), ("offload", self.offload, None), ("param_dtype", self.param_dtype, None),
+                 ("reduce_dtype", self.reduce_dtype, "fp32")) if v != d]
+        if given:
+            name, value = given[0]
+            raise ValueError(f"{name}={value!r} shapes how sharded parameters are gathered and reduced; it needs "
+                             f"reduction='fsdp' (--reduction fsdp), and reduction={self.reduction!r}: add "
+                             f"--reduction fsdp or drop {_knob(name)}")
 
     def _check_backend(self) -> None:
         if self.backend not in BACKENDS:
@@ -416,7 +459,8 @@ _POSITIVE_INTS = ("workers", "steps", "epochs", "global_batch_size", "virtual_no
                   "min_workers", "checkpoint_every", "max_workers", "pipeline_stages", "chunks", "tensor_parallel")
 _WORDS = {"int": "an integer", "float": "a number", "bool": "True or False", "str": "a string",
           "list[float]": "a list of numbers", "list[WorkerSpec]": "a list of virtualflow.WorkerSpec",
-          "dict[str, float]": "a dict of name -> number", "FaultPlan": "a virtualflow.FaultPlan",
+          "dict[str, float]": "a dict of name -> number",
+          "tuple[str, ...]": "a list of module or class names", "FaultPlan": "a virtualflow.FaultPlan",
           "Policy": "an autoscaling Policy"}
 
 
@@ -446,6 +490,8 @@ def _matches(value: Any, alt: str) -> bool:
         return isinstance(value, bool)
     if alt == "str":
         return isinstance(value, str)
+    if alt == "tuple[str, ...]":
+        return isinstance(value, (list, tuple)) and all(isinstance(v, str) and v for v in value)
     if alt == "list[float]":
         return isinstance(value, (list, tuple)) and all(_number(v) for v in value)
     if alt == "list[WorkerSpec]":
