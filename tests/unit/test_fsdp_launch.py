@@ -167,3 +167,12 @@ def test_a_bad_unit_is_refused_by_train_before_any_worker_starts():
     with pytest.raises(ValueError, match=r"^reduction='fsdp' updates each worker's slice"):
         vf.train(jobs.regression_job().replace(optimizer=lambda p: torch.optim.Adagrad(p)), workers=2, steps=1,
                  reduction="fsdp")
+
+
+def test_offload_is_checked_against_this_hosts_memory_by_train(monkeypatch):
+    from virtualflow.launching import fsdp
+
+    monkeypatch.setattr(fsdp, "available_host_bytes", lambda path="/proc/meminfo": 1000)  # a tiny host
+    with pytest.raises(ValueError, match=r"^offload='cpu' keeps each worker's parameter shards.*: 2 worker\(s\) on "
+                                         r"this host x"):
+        vf.train(jobs.regression_job(), workers=2, steps=1, reduction="fsdp", offload="cpu")
