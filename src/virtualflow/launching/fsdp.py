@@ -82,8 +82,9 @@ class FsdpLaunch:
         if opts.reduction != "fsdp":
             return None
         local = opts.backend == "local"
+        memory = available_host_bytes() if opts.offload == "cpu" and local else None
         return cls(shard_units=opts.shard_units, workers=opts.start_workers, max_workers=max_workers,
-                   offload=opts.offload, local=local, available_bytes=available_host_bytes() if opts.offload == "cpu" and local else None)
+                   offload=opts.offload, local=local, available_bytes=memory)
 
     def check(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
               params: Sequence[torch.Tensor]) -> list[Unit]:
