@@ -228,4 +228,8 @@ def _push(fold: InOrderFold, stack: list[torch.Tensor], leaf: torch.Tensor) -> N
 
 def reduction_of(deterministic: bool, units: Sequence[UnitShard], reduce_dtype: str) -> Any:
     """The mode's reduction (chosen once, when the engine is built)."""
-    return (TreeSum if deterministic else ScatterSum)(units, reduce_dtype)
+    return MODES[deterministic](units, reduce_dtype)
+
+
+MODES: dict[bool, type[ScatterSum] | type[TreeSum]] = {False: ScatterSum, True: TreeSum}
+"""Deterministic mode -> its reduction."""
