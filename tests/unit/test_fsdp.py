@@ -210,3 +210,13 @@ def test_units_default_to_the_blocks_and_refuse_shared_weights():
     with pytest.raises(ValueError, match="fewer than workers"):
         check_units(units, 10 ** 6)
     assert covering_nodes(8, 0, 8) == [(0, 8)]
+
+
+def test_a_sequential_with_parameterless_layers_shards_its_layers():
+    """The default units of an ``nn.Sequential`` are its layers; an activation holds no parameter
+    and is no unit."""
+    import jobs
+    job = jobs.regression_job(optimizer="adam", max_grad_norm=0.05)
+    assert_same_run(train(job, 1, reduction="allreduce"), train(job, 3))
+    model = job.model()
+    assert [u.name for u in unit_params(model, resolve_units(model, None))] == ["0", "2"]
