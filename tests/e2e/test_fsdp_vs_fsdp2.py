@@ -44,7 +44,7 @@ import torch
 
 import virtualflow as vf
 
-STEPS = 2 + 1
+STEPS = 3
 WORLD = 2
 MAX_NORM = 0.05
 TOL = 1e-7
