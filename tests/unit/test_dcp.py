@@ -932,10 +932,7 @@ def test_export_of_a_sharded_parameter_run_writes_the_whole_model(tmp_path, fsdp
     assert_state_equal(model.state_dict(), whole)  # every weight, as rank 0 gathered it
 
 
-@pytest.mark.parametrize("source", [pytest.param("pt", marks=pytest.mark.xfail(
-    strict=True, reason="runtime/fsdp/worker_state.py ShardedModelState.model_state clones a tied weight once per "
-                        "name: an fsdp run's final.pt holds lm_head.weight and transformer.wte.weight as two tensors")),
-    "dcp"])
+@pytest.mark.parametrize("source", ["pt", "dcp"])
 def test_export_of_a_sharded_parameter_run_keeps_the_tied_matrix_once(tmp_path, fsdp_run, source):
     """As an unsharded run's export: safetensors' own ``load_model`` ties the names the model ties."""
     from safetensors import safe_open
