@@ -220,3 +220,15 @@ def test_a_sequential_with_parameterless_layers_shards_its_layers():
     assert_same_run(train(job, 1, reduction="allreduce"), train(job, 3))
     model = job.model()
     assert [u.name for u in unit_params(model, resolve_units(model, None))] == ["0", "2"]
+
+
+def test_an_out_of_memory_failure_names_the_knobs_that_fit_the_model():
+    from types import SimpleNamespace
+
+    from virtualflow.runtime.failure_report import memory_hint
+    oom = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 2359296 bytes")
+    plain = SimpleNamespace(cfg=SimpleNamespace(options=SimpleNamespace(reduction="allreduce")))
+    sharded = SimpleNamespace(cfg=SimpleNamespace(options=SimpleNamespace(reduction="fsdp")))
+    assert "reduction='fsdp' (--reduction fsdp)" in memory_hint(oom, plain)
+    assert "--workers" in memory_hint(oom, sharded) and "--offload cpu" in memory_hint(MemoryError(), sharded)
+    assert memory_hint(ValueError("a bad batch"), plain) == ""

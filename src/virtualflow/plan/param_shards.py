@@ -30,13 +30,14 @@ from virtualflow.plan.vnmap import Node, split
 __all__ = ["BLOCK_ELEMS", "InOrderFold", "Move", "interleaved_assignment", "moves", "unit_bounds", "unit_cuts"]
 
 BLOCK_ELEMS = 4096
-"""The clipping norm's block (:data:`virtualflow.runtime.clipping.BLOCK`; repeated here because
-this layer imports nothing above it, and checked equal by a test)."""
+"""Elements per block of the clipping norm (:data:`virtualflow.runtime.clipping.BLOCK` is this
+one): shards and sharded chunks start on these blocks."""
 
 
 def unit_cuts(numels: Sequence[int], block: int = BLOCK_ELEMS) -> list[int]:
-    """Where a shard of a unit whose parameters have ``numels`` elements may start: every
-    parameter's start and every ``block`` elements into it, then the unit's end."""
+    """Where a shard of a unit whose parameters have ``numels`` elements may start (the norm's
+    block starts, :func:`virtualflow.runtime.clipping.block_cuts`): every parameter's start and
+    every ``block`` elements into it, then the unit's end."""
     out: list[int] = []
     at = 0
     for n in numels:

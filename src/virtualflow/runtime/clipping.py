@@ -42,10 +42,12 @@ from typing import Iterable, Sequence
 
 import torch
 
+from virtualflow.plan.param_shards import BLOCK_ELEMS, unit_cuts
+
 __all__ = ["BLOCK", "NormBlocks", "block_cuts", "clip_", "clip_coef", "n_blocks", "norm_dtype", "total_norm"]
 
-BLOCK = 4096
-"""Elements per block of a parameter's flat gradient."""
+BLOCK = BLOCK_ELEMS
+"""Elements per block of a parameter's flat gradient (4096)."""
 ROWS_PER_PASS = 64
 """Blocks squared and summed per pass (a 1 MiB scratch buffer in float32)."""
 SUM_PIECE = 16384
@@ -71,13 +73,7 @@ def block_cuts(numels: Sequence[int]) -> list[int]:
     """Offsets, in the flat vector of parameters of ``numels`` concatenated in order, where a
     block starts (every parameter's start, then every :data:`BLOCK` elements into it), and the
     vector's end: the places a chunk of that vector may begin without cutting a block."""
-    out: list[int] = []
-    at = 0
-    for n in numels:
-        out.extend(range(at, at + n, BLOCK))
-        at += n
-    out.append(at)
-    return out
+    return unit_cuts(numels, BLOCK)
 
 
 def _block_sums(flat: torch.Tensor) -> torch.Tensor:

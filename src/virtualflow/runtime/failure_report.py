@@ -20,7 +20,7 @@ from virtualflow.records.result import job_traceback
 from virtualflow.records.rundir import DiskFullError, free_bytes, no_space
 from virtualflow.runtime.channel import Reporter
 
-__all__ = ["FailedWorker", "failing_step", "peak_device_mib", "peak_rss_mib", "report_failure", "state_bytes"]
+__all__ = ["FailedWorker", "failing_step", "memory_hint", "peak_device_mib", "peak_rss_mib", "report_failure", "state_bytes"]
 
 
 class FailedWorker(Protocol):
@@ -63,15 +63,16 @@ def report_failure(reporter: Reporter, worker_id: int, exc: BaseException, worke
     except Exception:  # noqa: BLE001 - never lose the failure over its formatting
         short = full
     where = f"at step {step}" if step is not None else f"while {phase}"
+    said = f"{type(exc).__name__}: {exc}{memory_hint(exc, worker)}"
     try:
-        print(f"virtualflow worker {worker_id} failed {where}: {type(exc).__name__}: {exc}\n{full}",
+        print(f"virtualflow worker {worker_id} failed {where}: {said}\n{full}",
               file=sys.stderr, flush=True)
     except Exception:  # noqa: BLE001 - a closed stderr must not hide the report below
         pass
     try:
         reporter({
             "type": "error",
-            "error": f"{type(exc).__name__}: {exc}"[:4000],
+            "error": said[-4000:],
             "traceback": full[-16000:],
             "job_traceback": short[-16000:],
             "phase": phase,
@@ -79,6 +80,25 @@ def report_failure(reporter: Reporter, worker_id: int, exc: BaseException, worke
         })
     except Exception:  # noqa: BLE001 - the store is gone: the log above is what is left
         pass
+
+
+OUT_OF_MEMORY = ("can't allocate memory", "out of memory", "cannot allocate memory")
+
+
+def memory_hint(exc: BaseException, worker: FailedWorker | None) -> str:
+    """For an out-of-memory failure, the knobs that make the job fit (empty otherwise)."""
+    text = str(exc).lower()
+    if not (isinstance(exc, MemoryError) or isinstance(exc, torch.OutOfMemoryError)
+            or any(k in text for k in OUT_OF_MEMORY)):
+        return ""
+    reduction = getattr(getattr(getattr(worker, "cfg", None), "options", None), "reduction", None)
+    if reduction == "fsdp":
+        return (" -- this worker ran out of memory with its parameters already sharded: add workers (--workers), "
+                "offload the shards to the host (offload='cpu', --offload cpu), or lower the activations "
+                "(activation_checkpointing, --activation-checkpointing every)")
+    return (" -- this worker ran out of memory: reduction='fsdp' (--reduction fsdp) divides the parameters, their "
+            "gradients and the optimizer state by the workers (reduction='sharded': the optimizer state only); "
+            "activation_checkpointing (--activation-checkpointing every) lowers the activations")
 
 
 def state_bytes(worker: FailedWorker | None) -> int | None:

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["apply_activation_checkpointing", "blocks_of", "compile_model", "prepare_model"]
+__all__ = ["apply_activation_checkpointing", "blocks_of", "compile_model", "prepare_model", "select_named"]
 
 
 def blocks_of(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -58,8 +58,15 @@ def _selected(model: torch.nn.Module, spec: Any) -> list[tuple[str, torch.nn.Mod
         if not found:
             raise ValueError(f"activation_checkpointing={spec.__name__}: the model has no module of that class")
         return found
+    return select_named(model, spec, "activation_checkpointing=", "")
+
+
+def select_named(model: torch.nn.Module, names: Any, knob: str, flag: str) -> list[tuple[str, torch.nn.Module]]:
+    """The modules ``names`` picks: each entry a module name, or a class name (every module of
+    that class); an entry that is neither raises ``ValueError`` naming ``knob`` (and ``flag``)."""
+    modules = dict(model.named_modules())
     found, missing = [], []
-    for name in spec:
+    for name in names:
         if name in modules and name:
             found.append((name, modules[name]))
             continue
@@ -70,8 +77,9 @@ def _selected(model: torch.nn.Module, spec: Any) -> list[tuple[str, torch.nn.Mod
             missing.append(name)
     if missing:
         known = [n for n in modules if n][:12]
-        raise ValueError(f"activation_checkpointing names {missing}, which are neither module names nor class names of "
-                         f"the model; its modules include {known}")
+        where = f" ({flag})" if flag else ""
+        raise ValueError(f"{knob}{list(names)!r}: {missing} are neither module names nor class names of "
+                         f"{type(model).__name__} (its modules include {known}); fix {knob}{where}")
     return found
 
 

@@ -36,6 +36,7 @@ Invariants.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 from typing import Any, Callable, Sequence
 
@@ -92,17 +93,18 @@ class UnitShard:
         for p, o, n in zip(self.params, self.offsets, self.numels):
             p.data = self.full[o : o + n].view(p.shape)
 
-    def cut(self, rank: int, size: int, whole: torch.Tensor | None) -> None:
-        """This worker's shard of ``size``: taken from ``whole`` (the unit's values, flat) or left
-        empty to be filled by a resize's moves."""
+    def cut(self, rank: int, size: int, whole: Sequence[torch.Tensor] | None) -> None:
+        """This worker's shard of ``size``: copied out of ``whole`` (each parameter's values,
+        flat) or left empty, to be filled by a resize's moves."""
         self.bounds = unit_bounds(self.numels, size)
         self.lo, self.hi = self.bounds[rank]
-        if whole is not None:
-            self.shard = whole[self.lo : self.hi].to(self.host, self.dtype, copy=True)
-
-    def whole_from_params(self) -> torch.Tensor:
-        """The unit's values from its parameters while they hold real tensors (before sharding)."""
-        return torch.cat([p.detach().reshape(-1).to(self.dtype) for p in self.params])
+        if whole is None:
+            return
+        self.shard = torch.empty(self.hi - self.lo, dtype=self.dtype, device=self.host)
+        for v, o, n in zip(whole, self.offsets, self.numels):
+            a, b = max(self.lo, o), min(self.hi, o + n)
+            if a < b:
+                self.shard[a - self.lo : b - self.lo].copy_(v[a - o : b - o])
 
     def free(self) -> None:
         if self.state is State.PENDING and self.handle is not None:
@@ -156,26 +158,29 @@ class ParamStore:
         self._done: set[int] = set()
         self._next_reduce = 0
         self._counts: dict[int, int] = {}
-        self.whole: list[torch.Tensor] | None = [u.whole_from_params() for u in self.units]
-        """Every unit's whole values while they are held (before the first layout is cut, after a
-        load); None while this worker holds its shards only."""
+        self.whole: list[list[torch.Tensor]] | None = [[p.detach().reshape(-1) for p in u.params]
+                                                       for u in self.units]
+        """Per unit, each parameter's whole values (flat) while they are held: the model as built
+        (its own tensors, no copy) before the first layout is cut, a loaded state; None while
+        this worker holds its shards only."""
         for u in self.units:
             u.point_params()
             u.free()
         self._install_hooks()
 
     # -- layout ---------------------------------------------------------------------------------
-    def hold_whole(self, values: Sequence[torch.Tensor]) -> None:
-        """Hold every unit's whole values (flat, in the unit's parameter order) until the next
-        :meth:`cut`: the model as built, a loaded checkpoint, a transferred state."""
-        self.whole = [v.reshape(-1).to(u.host, u.dtype) for u, v in zip(self.units, values)]
+    def hold_whole(self, values: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Hold every unit's whole values (per unit, each parameter's, any shape) until the next
+        :meth:`cut`: a loaded checkpoint, a transferred state."""
+        self.whole = [[v.reshape(-1).to(u.host, u.dtype) for v in vs] for u, vs in zip(self.units, values)]
 
     def cut(self, rank: int, size: int) -> None:
         """Take this worker's shards of ``size`` workers out of the whole values held."""
         assert self.whole is not None, "hold_whole() first"
         for u, whole in zip(self.units, self.whole):
             u.cut(rank, size, whole)
-        self.whole = None
+        self.whole = None  # (the model's own tensors as built go now)
+        release_freed_memory()
 
     def recut(self, rank: int, size: int) -> None:
         """A new layout whose shards a resize fills (:mod:`~virtualflow.runtime.fsdp.reshard`)."""
@@ -222,20 +227,29 @@ class ParamStore:
 
     def gather_to(self, group: Group | None, root: int = 0) -> list[torch.Tensor] | None:
         """Every unit's whole master values on ``root`` (collective; None elsewhere), where the
-        model is then whole too (its gather buffers filled, until the next step frees them): a
-        checkpoint, the final state, an evaluation."""
+        model is then whole too, until its next step frees it: a checkpoint, the final state, an
+        evaluation. Received into the gather buffers when they are in the master dtype (then the
+        values returned are those buffers: valid until the next step)."""
         if self.whole is not None:
-            return self.whole
+            return [torch.cat(vs) if len(vs) > 1 else vs[0] for vs in self.whole]
         assert group is not None
-        out = [to_root(group, root, u.shard, u) for u in self.units]
+        out = []
+        for u in self.units:
+            into = None
+            if group.rank == root and u.full.dtype == u.dtype and u.full.device == u.host:
+                if u.state is State.FREE:
+                    u.full.untyped_storage().resize_(u.nbytes)
+                into = u.full
+            out.append(to_root(group, root, u.shard, u, into))
         if group.rank != root:
             return None
         for u, whole in zip(self.units, out):
             assert whole is not None
-            if u.state is State.FREE:
-                u.full.untyped_storage().resize_(u.nbytes)
-            with torch.no_grad():
-                u.full.copy_(whole)
+            if whole is not u.full:
+                if u.state is State.FREE:
+                    u.full.untyped_storage().resize_(u.nbytes)
+                with torch.no_grad():
+                    u.full.copy_(whole)
             u.state = State.READY
         return out  # type: ignore[return-value]
 
@@ -344,22 +358,32 @@ class ParamStore:
                 due.free()
 
 
-def to_root(group: Group, root: int, chunk: torch.Tensor, u: UnitShard) -> torch.Tensor | None:
-    """Unit ``u``'s whole vector from every rank's shard-shaped ``chunk``, on ``root`` only
-    (collective: every rank sends its chunk there; the others get None)."""
-    if group.size == 1:
-        return chunk
+def to_root(group: Group, root: int, chunk: torch.Tensor, u: UnitShard,
+            into: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Unit ``u``'s whole vector from every rank's shard-shaped ``chunk``, on ``root`` only (into
+    ``into`` when given; collective: every rank sends its chunk there; the others get None)."""
     if group.rank != root:
         if chunk.numel():
             group.send(chunk.contiguous(), root, tag=GATHER_TAG)
         return None
-    whole = chunk.new_zeros(u.numel)
+    whole = into if into is not None else chunk.new_zeros(u.numel)
     works = []
     for q, (a, b) in enumerate(u.bounds):
         if q == root:
-            whole[a:b].copy_(chunk)
+            with torch.no_grad():
+                whole[a:b].copy_(chunk)
         elif b > a:
             works.append(group.irecv(whole[a:b], q, tag=GATHER_TAG))
     for w in works:
         w.wait()
     return whole
+
+
+def release_freed_memory() -> None:
+    """Give the memory freed by the whole model as built back to the operating system (glibc's
+    ``malloc_trim``; the worker's allocator settings keep large frees otherwise): a sharded
+    worker's resident memory is then its shards'. Nothing elsewhere."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

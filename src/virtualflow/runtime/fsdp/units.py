@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from virtualflow.runtime.model_prep import blocks_of
+from virtualflow.runtime.model_prep import blocks_of, select_named
 
 __all__ = ["ROOT", "Unit", "check_units", "resolve_units", "unit_params"]
 
@@ -56,23 +56,7 @@ def resolve_units(model: torch.nn.Module, spec: Sequence[str] | None) -> list[tu
                              f"(shard_units=['layer1', ...], --shard-units) or give a class name")
         return found
     modules = dict(model.named_modules())
-    found: dict[str, torch.nn.Module] = {}
-    missing = []
-    for name in spec:
-        if name and name in modules:
-            found[name] = modules[name]
-            continue
-        by_class = [(n, m) for n, m in modules.items() if type(m).__name__ == name and n]
-        if by_class:
-            found.update(by_class)
-        else:
-            missing.append(name)
-    if missing:
-        known = [n for n in modules if n][:12]
-        classes = sorted({type(m).__name__ for n, m in modules.items() if n})[:12]
-        raise ValueError(f"shard_units={list(spec)!r}: {missing} are neither module names nor class names of "
-                         f"{type(model).__name__} (its modules include {known}; classes {classes}); fix "
-                         f"shard_units= (--shard-units)")
+    found = dict(select_named(model, spec, "shard_units=", "--shard-units"))
     order = {n: i for i, n in enumerate(modules)}
     names = sorted(found, key=order.__getitem__)
     for n in names:

@@ -305,10 +305,7 @@ class FsdpUpdate:
     def load_model(self, model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Hold a whole model state: the parameters' values per unit, the buffers loaded now."""
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-        values = []
-        for u in self.store.units:
-            values.append(torch.cat([state[names[id(p)]].reshape(-1) for p in u.params]))
-        self.store.hold_whole(values)
+        self.store.hold_whole([[state[names[id(p)]] for p in u.params] for u in self.store.units])
         with torch.no_grad():
             for name, buf in model.named_buffers():
                 if name in state:

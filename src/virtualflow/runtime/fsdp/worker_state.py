@@ -51,7 +51,7 @@ class ShardedModelState:
         store = self.update.store
         assert store.whole is not None
         with torch.no_grad():
-            for v in store.whole:
+            for v in (v for vs in store.whole for v in vs):
                 group.broadcast(v, 0)
             for b in self.vn.model.buffers():
                 if b.numel():
