@@ -1,0 +1,176 @@
+"""The non-timing logic of ``bench.sharded_params``: the memory bound, the limit between the two
+peaks, the reading of an out-of-memory report, the targets' verdicts on given figures, and what
+the measured state weighs (against sums written out by hand from plain PyTorch). No processes."""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from bench import harness as H
+from bench import sharded_params as S
+from bench.harness import gpt
+from bench.harness.fsdp2 import rank_slices
+
+TINY = gpt.GPTConfig(vocab=32, seq=8, d=16, heads=2, layers=3)
+MIB = 2 ** 20
+
+
+def test_memory_bound_is_1_over_w_of_the_state_plus_the_two_largest_units_plus_ten_percent():
+    units = [10, 40, 30, 20]
+    assert S.two_largest(units) == 70
+    assert S.memory_bound(1000, units, 4) == pytest.approx(1.1 * (250 + 70))
+    assert S.memory_bound(1000, units, 2, slack=0.0) == pytest.approx(500 + 70)
+    assert S.two_largest([7]) == 7
+
+
+def test_the_limit_lies_halfway_between_the_peaks_or_nowhere():
+    assert S.pick_limit(1000.0, 2000.0) == 1500.0
+    assert S.pick_limit(1000.0, 1050.0) is None  # closer than the 64 MiB margin
+    assert S.pick_limit(2000.0, 1000.0) is None  # sharding did not lower the peak
+
+
+def test_an_out_of_memory_report_is_recognised_and_the_knob_must_be_named():
+    torch_oom = ("RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                 "memory: you tried to allocate 2621440000 bytes. Error code 12 (Cannot allocate memory)")
+    assert S.is_oom(torch_oom) and S.is_oom("MemoryError") and not S.is_oom("ValueError: bad shape")
+    assert not S.is_oom(None)
+    assert not S.names_knob(torch_oom)
+    assert not S.names_knob("reduction='allreduce' holds every parameter; see docs/fsdp.md")
+    assert S.names_knob("worker 0 ran out of memory ... shard the parameters: --reduction fsdp")
+    assert S.names_knob('... use reduction="fsdp" (--reduction fsdp)')
+
+
+def test_rank_slices_cut_the_batch_as_virtualflows_contiguous_vns():
+    assert rank_slices(16, 4, 2, 1) == (8, 2, 4)  # rank 1: positions 8..15 in 2 micro-batches of 4
+    assert rank_slices(8, 4, 4, 3) == (6, 1, 2)
+    with pytest.raises(ValueError, match="multiple"):
+        rank_slices(8, 4, 3, 0)
+
+
+def _figures(**w4) -> dict:
+    mib = lambda x: x * MIB  # noqa: E731
+    per_w = {
+        2: {"fsdp2_step_s": [2.0], "vf_step_s": [1.0], "det_step_s": [1.1], "fsdp2_vmhwm_mib": [900.0, 910.0],
+            "vf_vmhwm_mib": [700.0, 705.0], "det_bit_identical": True},
+        4: {"fsdp2_step_s": [2.0, 2.2], "vf_step_s": [2.0, 2.2], "det_step_s": [2.2, 2.4],
+            "fsdp2_vmhwm_mib": [800.0] * 4, "vf_vmhwm_mib": [650.0] * 4, "det_bit_identical": True},
+    }
+    per_w[4].update(w4)
+    return {"unsharded_state_bytes": mib(320), "unit_bytes": [mib(7)] * 10 + [mib(12)],
+            "vf_unsharded_vmhwm_mib": 900.0, "per_w": per_w,
+            "limit": {"limit_mib": 1300.0, "unsharded_error": "TrainingError: worker 0: out of memory; use "
+                      "--reduction fsdp", "sharded_error": None, "sharded_bit_identical": True}}
+
+
+def _verdicts(fig: dict) -> tuple[H.Targets, dict[str, list[bool]]]:
+    t = H.Targets()
+    S.check_targets(t, fig)
+    by_key: dict[str, list[bool]] = {}
+    for c in t.checks:
+        by_key.setdefault(c.key or c.label, []).append(c.met)
+    return t, by_key
+
+
+def test_targets_met_on_figures_within_every_bound():
+    t, v = _verdicts(_figures())
+    assert t.all_met, t.lines()
+    assert v["mem_formula"] == [True, True] and v["time_ratio"] == [True, True] and v["det_ratio"] == [True, True]
+    # W=4: state left = (650 - 900) MiB + 320 MiB = 70 MiB against 1.1 (80 + 19) MiB
+    formula = [c for c in t.checks if c.key == "mem_formula"][1]
+    assert formula.value == pytest.approx(70 / (1.1 * 99))
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"vf_step_s": [2.2, 2.4]}, "time_ratio"),  # 1.1x FSDP2 in both repetitions
+    ({"det_step_s": [2.4, 2.6]}, "det_ratio"),  # 1.2x the default mode
+    ({"fsdp2_vmhwm_mib": [600.0, 640.0, 600.0, 600.0]}, "mem_vs_fsdp2"),  # 650 MiB above FSDP2's largest 640
+    ({"vf_vmhwm_mib": [720.0] * 4}, "mem_formula"),  # 140 MiB left > 1.1 x 99 MiB
+])
+def test_each_missed_target_is_a_no(change, key):
+    t, v = _verdicts(_figures(**change))
+    assert not t.all_met
+    assert v[key] == [True, False]
+    assert all(all(m) for k, m in v.items() if k != key)
+
+
+def test_the_ratio_is_the_median_of_each_repetitions_own_ratio():
+    # repetition ratios 1.0, 1.0, 1.5: median 1.0 (one disturbed repetition does not decide)
+    t, v = _verdicts(_figures(fsdp2_step_s=[2.0, 2.0, 2.0], vf_step_s=[2.0, 2.0, 3.0], det_step_s=[2.0, 2.0, 3.0]))
+    assert v["time_ratio"] == [True, True]
+    assert [c for c in t.checks if c.key == "time_ratio"][1].value == pytest.approx(1.0)
+
+
+def test_the_no_fit_checks():
+    fig = _figures()
+    fig["limit"].update(unsharded_error="RuntimeError: DefaultCPUAllocator: can't allocate memory",
+                        sharded_error="TrainingError: worker 2 exited", sharded_bit_identical=False)
+    t, v = _verdicts(fig)
+    labels = {c.label: c.met for c in t.checks if c.label.startswith("no fit")}
+    assert [m for lab, m in labels.items() if "fails with" in lab] == [True]
+    assert [m for lab, m in labels.items() if "names the knob" in lab] == [False]
+    assert [m for lab, m in labels.items() if "completes" in lab] == [False]
+    fig["limit"]["limit_mib"] = None  # no limit separates the peaks: that alone is reported, as a miss
+    t, _ = _verdicts(fig)
+    assert [c.met for c in t.checks if c.label.startswith("no fit")] == [False]
+
+
+def test_state_bytes_count_parameters_gradients_and_adamw_state_once():
+    model = gpt.GPT(TINY)
+    n = sum(p.numel() for p in set(model.parameters()))  # the tied head counted once
+    assert n == sum(p.numel() for p in model.parameters())  # parameters() yields a tied one once
+    opt = gpt.adamw(model)
+    x, y = gpt.token_data(TINY, n=4).tensors
+    gpt.lm_loss(model, (x, y)).backward()
+    opt.step()
+    held = gpt.state_bytes(model, opt)
+    steps = sum(1 for _ in model.parameters())  # AdamW keeps one scalar step per parameter
+    assert held == {"params": 4 * n, "grads": 4 * n, "optimizer": 8 * n + 4 * steps}
+    assert gpt.state_bytes(model, None)["optimizer"] == 0
+
+
+def test_live_tensor_bytes_see_a_new_storage_once_whatever_its_views():
+    before = gpt.live_tensor_bytes()
+    big = torch.empty(3 * MIB, dtype=torch.uint8)
+    views = [big[:10], big.view(torch.float32)]  # noqa: F841 - held: views share the storage
+    grown = gpt.live_tensor_bytes() - before
+    assert 3 * MIB <= grown < 3 * MIB + MIB // 4  # this test's own small tensors aside
+    del big, views
+
+
+def test_unit_bytes_are_the_blocks_then_the_root_and_cover_the_model():
+    model = gpt.GPT(TINY)
+    units = gpt.unit_param_bytes(model)
+    assert len(units) == TINY.layers + 1
+    d = TINY.d
+    block = 4 * (2 * 2 * d + 3 * d * d + 3 * d + d * d + d + 4 * d * d + 4 * d + 4 * d * d + d)
+    assert units[:-1] == [block] * TINY.layers
+    assert units[-1] == 4 * (TINY.vocab * d + TINY.seq * d + 2 * d)  # wte (= head), wpe, ln_f
+    assert sum(units) == 4 * sum(p.numel() for p in model.parameters())
+
+
+def test_the_probe_writes_each_workers_figures_at_its_step(tmp_path, monkeypatch):
+    monkeypatch.setenv(S.PROBE_DIR, str(tmp_path))
+    monkeypatch.setenv(S.PROBE_STEP, "4")
+    probe, held = S.MemoryProbe(), torch.ones(1000)  # noqa: F841 - a tensor the probe must see
+    probe.on_step_end(SimpleNamespace(step=3, rank=1, workers=2))
+    assert os.listdir(tmp_path) == []
+    probe.on_step_end(SimpleNamespace(step=4, rank=1, workers=2))
+    rec = json.loads((tmp_path / "rank1.json").read_text())
+    assert rec["rank"] == 1 and rec["workers"] == 2 and rec["vmhwm_mib"] > 0 and rec["vmpeak_mib"] >= rec["vmhwm_mib"]
+    assert rec["live_tensor_bytes"] >= 4000 and probe.ranks == "all"
+
+
+def test_the_model_factory_leaves_the_launcher_unlimited(monkeypatch):
+    import resource
+
+    monkeypatch.setenv(S.LIMIT_ENV, "1")  # 1 MiB: would break this process if applied
+    monkeypatch.setenv(S.LAUNCHER_ENV, str(os.getpid()))
+    before = resource.getrlimit(resource.RLIMIT_AS)
+    monkeypatch.setattr(gpt, "build", lambda size: gpt.GPT(TINY))  # the 21 M model is too big for a unit test
+    assert isinstance(S.limited_model("gpt-21m"), gpt.GPT)
+    assert resource.getrlimit(resource.RLIMIT_AS) == before
