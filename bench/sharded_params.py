@@ -35,7 +35,8 @@ Targets (issue 43):
 * deterministic runs at W = 2 and 4 bit-identical to the unsharded deterministic run;
 * **a model that does not fit**: a per-worker address-space limit (``RLIMIT_AS``, set in each
   worker before the model is built) halfway between the sharded W = 4 workers' peak address space
-  and the unsharded worker's, both measured in this run: the unsharded run must fail with an
+  during training and the unsharded worker's, both measured in this run (so a final export that
+  gathers more than training holds shows here as a failure at the end): the unsharded run must fail with an
   out-of-memory error that names ``reduction="fsdp"`` (``--reduction fsdp``), and the sharded
   deterministic run on 4 workers must complete under the same limit, bit-identical to the
   unsharded deterministic run made without it. The plain loop and FSDP2 (W = 4) run under the
@@ -79,6 +80,12 @@ LIMIT_WORKERS = 4
 OOM_WORDS = ("out of memory", "can't allocate", "cannot allocate", "memoryerror", "std::bad_alloc")
 KNOB_FORMS = ("--reduction fsdp", "reduction='fsdp'", 'reduction="fsdp"', "reduction=fsdp")
 
+ARENA_MAX = "2"
+"""glibc malloc arenas per process in every run of this benchmark (both sides): each further arena
+reserves 64 MiB of address space, so with the default (8 per core) a process's address space, what
+``RLIMIT_AS`` bounds, follows its thread count more than its memory (measured: a 2-worker run's
+VmPeak 600 MiB above the 1-worker run's for the same model; with 1-2 arenas they agree within 50 MiB)."""
+
 PROBE_DIR = "VF_BENCH_PROBE_DIR"
 PROBE_STEP = "VF_BENCH_PROBE_STEP"
 LIMIT_ENV = "VF_BENCH_AS_LIMIT_MIB"
@@ -91,19 +98,41 @@ LAUNCHER_ENV = "VF_BENCH_LAUNCHER_PID"
 
 class MemoryProbe:
     """A ``ranks="all"`` callback: at step ``$VF_BENCH_PROBE_STEP`` each worker writes its VmHWM,
-    VmPeak and live tensor bytes to ``$VF_BENCH_PROBE_DIR/rank<r>.json`` (nothing when unset)."""
+    VmPeak and live tensor bytes to ``$VF_BENCH_PROBE_DIR/rank<r>-step.json`` (the training peak),
+    and when the job ends, after the final state is written, its VmHWM and VmPeak again to
+    ``rank<r>-end.json`` (the peak with the final export); nothing when the variables are unset."""
 
     ranks = "all"
 
+    def __init__(self) -> None:
+        self.rank: int | None = None
+
+    def _write(self, what: str, record: dict) -> None:
+        with open(os.path.join(os.environ[PROBE_DIR], f"rank{self.rank}-{what}.json"), "w") as f:
+            json.dump({"rank": self.rank, **record}, f)
+
     def on_step_end(self, info) -> None:
-        where, step = os.environ.get(PROBE_DIR), os.environ.get(PROBE_STEP)
-        if not where or step is None or info.step != int(step):
+        step = os.environ.get(PROBE_STEP)
+        if not os.environ.get(PROBE_DIR) or step is None or info.step != int(step):
             return None
-        record = {"rank": info.rank, "workers": info.workers, "vmhwm_mib": H.vmhwm_mib(), "vmpeak_mib": vmpeak_mib(),
-                  "live_tensor_bytes": gpt.live_tensor_bytes()}
-        with open(os.path.join(where, f"rank{info.rank}.json"), "w") as f:
-            json.dump(record, f)
+        self.rank = info.rank
+        self._write("step", {"workers": info.workers, "vmhwm_mib": H.vmhwm_mib(), "vmpeak_mib": vmpeak_mib(),
+                             "live_tensor_bytes": gpt.live_tensor_bytes()})
         return None
+
+    def on_train_end(self, step: int) -> None:
+        if os.environ.get(PROBE_DIR) and self.rank is not None:
+            self._write("end", {"end_vmhwm_mib": H.vmhwm_mib(), "end_vmpeak_mib": vmpeak_mib()})
+
+
+def read_probes(probe_dir: str, workers: int) -> list[dict | None]:
+    """Each worker's probe records merged (None for a worker that wrote none)."""
+    probes: dict[int, dict] = {}
+    for name in sorted(os.listdir(probe_dir)):
+        with open(os.path.join(probe_dir, name)) as f:
+            rec = json.load(f)
+        probes.setdefault(rec["rank"], {}).update(rec)
+    return [probes.get(r) for r in range(workers)]
 
 
 def limited_model(size: str) -> torch.nn.Module:
@@ -152,7 +181,7 @@ def memory_bound(unsharded: int, unit_bytes: list[int], workers: int, slack: flo
 def pick_limit(sharded_peak_mib: float, unsharded_peak_mib: float, min_gap_mib: float = 64.0) -> float | None:
     """The per-worker address-space limit: halfway between the sharded workers' peak and the
     unsharded worker's; None when they are closer than ``min_gap_mib`` (no limit separates them)."""
-    if unsharded_peak_mib - sharded_peak_mib < min_gap_mib:
+    if not unsharded_peak_mib - sharded_peak_mib >= min_gap_mib:  # NaN (a peak not measured) included
         return None
     return (sharded_peak_mib + unsharded_peak_mib) / 2.0
 
@@ -199,8 +228,8 @@ def check_targets(t: H.Targets, fig: dict) -> list[list]:
                      f"{left / 2 ** 20:.0f} / {bound / 2 ** 20:.0f} {H.yes_no(mem)}", H.yes_no(bit)])
     lim = fig.get("limit")
     if lim is not None:
-        t.holds(f"no fit: a per-worker limit separates the sharded and unsharded peaks ({H.num(lim['limit_mib'], '.0f')} "
-                f"MiB)", lim["limit_mib"] is not None)
+        t.holds(f"no fit: a per-worker limit separates the sharded and unsharded peaks "
+                f"({H.num(lim['limit_mib'], '.0f')} MiB)", lim["limit_mib"] is not None)
         if lim["limit_mib"] is not None:
             t.holds("no fit: unsharded training under the limit fails with an out-of-memory error",
                     is_oom(lim["unsharded_error"]))
@@ -266,16 +295,11 @@ def run_vf(args, workers: int, *, reduction: str, deterministic: bool, limit_mib
     finally:
         for k in env:
             os.environ.pop(k, None)
-    probes = {}
-    for name in os.listdir(probe_dir):
-        with open(os.path.join(probe_dir, name)) as f:
-            rec = json.load(f)
-        probes[rec["rank"]] = rec
     times = [h["step_time_s"] for h in result.history]
     return {"median_step_s": H.median(times[args.warmup:]), "step_times": times,
             "losses": [h["loss"] for h in result.history], "failures": [f["cause"] for f in result.failures],
             "error": f"workers lost: {result.failures}" if result.failures else None,
-            "probes": [probes.get(r) for r in range(workers)],
+            "probes": read_probes(probe_dir, workers),
             "optimizer_bytes": dict(result.optimizer_bytes), "peak_rss_mib": dict(result.peak_rss_mib),
             "other_load_cores": meter.other_cores, "state_dict": result.state_dict}
 
@@ -286,7 +310,7 @@ def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def probe_mib(run: dict, key: str) -> list[float]:
     """Each worker's probed figure (NaN for a worker that wrote none)."""
-    return [p[key] if p else float("nan") for p in run["probes"]]
+    return [p.get(key, float("nan")) if p else float("nan") for p in run["probes"]]
 
 
 def measure_w(args, workers: int, tmp: str, reference: dict[str, torch.Tensor]) -> dict:
@@ -317,6 +341,8 @@ def measure_w(args, workers: int, tmp: str, reference: dict[str, torch.Tensor]) 
         "vf_vmhwm_mib": [H.median([probe_mib(r, "vmhwm_mib")[k] for r in runs["vf"]]) for k in range(workers)],
         "det_vmhwm_mib": [H.median([probe_mib(r, "vmhwm_mib")[k] for r in runs["det"]]) for k in range(workers)],
         "det_vmpeak_mib": probe_mib(last["det"], "vmpeak_mib"),
+        "det_end_vmpeak_mib": probe_mib(last["det"], "end_vmpeak_mib"),
+        "vf_end_vmhwm_mib": probe_mib(last["vf"], "end_vmhwm_mib"),
         "fsdp2_state_bytes": [r["state_bytes"] for r in last["fsdp2"]["ranks"]],
         "vf_live_tensor_bytes": probe_mib(last["vf"], "live_tensor_bytes"),
         "vf_optimizer_bytes": last["vf"]["optimizer_bytes"],
@@ -326,16 +352,21 @@ def measure_w(args, workers: int, tmp: str, reference: dict[str, torch.Tensor]) 
     }
 
 
-def measure_limit(args, sharded_peak: float, unsharded_peak: float, reference: dict[str, torch.Tensor]) -> dict:
-    """The model that does not fit: the runs under a per-worker address-space limit."""
+def measure_limit(args, sharded_peak: float, unsharded_peak: float, export_peak: float,
+                  reference: dict[str, torch.Tensor]) -> dict:
+    """The model that does not fit: the runs under a per-worker address-space limit between the
+    training peaks (``export_peak``: the sharded workers' largest at the job's end, for the record)."""
     limit = pick_limit(sharded_peak, unsharded_peak)
     out = {"limit_mib": limit, "sharded_peak_mib": sharded_peak, "unsharded_peak_mib": unsharded_peak,
+           "sharded_export_peak_mib": export_peak,
            "unsharded_error": None, "sharded_error": "not run", "sharded_bit_identical": False}
     if limit is None:
-        print(f"  no limit separates the sharded peak {sharded_peak:.0f} MiB from the unsharded {unsharded_peak:.0f} MiB")
+        print(f"  no limit separates the sharded peak {sharded_peak:.0f} MiB from the unsharded "
+              f"{unsharded_peak:.0f} MiB")
         return out
-    print(f"  limit RLIMIT_AS = {limit:.0f} MiB per worker (sharded peak {sharded_peak:.0f}, unsharded "
-          f"{unsharded_peak:.0f})", flush=True)
+    print(f"  limit RLIMIT_AS = {limit:.0f} MiB per worker (address space in training: sharded W={LIMIT_WORKERS} "
+          f"{sharded_peak:.0f} MiB, unsharded {unsharded_peak:.0f} MiB; sharded at the job's end, after the final "
+          f"export: {export_peak:.0f} MiB)", flush=True)
     unsharded = run_vf(args, 1, reduction="allreduce", deterministic=True, limit_mib=limit)
     out["unsharded_error"] = unsharded.get("error") or "completed (no error)"
     sharded = run_vf(args, LIMIT_WORKERS, reduction=args.reduction, deterministic=True, limit_mib=limit)
@@ -371,9 +402,11 @@ def markdown(run: H.Run, args, fig: dict, rows: list[list]) -> str:
         f"{fig['vf_unsharded_vmhwm_mib']:.0f} MiB.", "",
         H.md_table(HEADER, rows), ""]
     if lim is not None:
-        lines += [f"Model that does not fit: per-worker RLIMIT_AS {H.num(lim['limit_mib'], '.0f')} MiB (sharded "
-                  f"W={LIMIT_WORKERS} peak address space {lim['sharded_peak_mib']:.0f} MiB, unsharded "
-                  f"{lim['unsharded_peak_mib']:.0f} MiB).", "",
+        lines += [f"Model that does not fit: per-worker RLIMIT_AS {H.num(lim['limit_mib'], '.0f')} MiB, halfway "
+                  f"between the peak address spaces in training (sharded W={LIMIT_WORKERS}: "
+                  f"{lim['sharded_peak_mib']:.0f} MiB, unsharded: {lim['unsharded_peak_mib']:.0f} MiB; the sharded "
+                  f"workers' largest at the job's end, after the final export: "
+                  f"{lim['sharded_export_peak_mib']:.0f} MiB).", "",
                   f"- unsharded virtualflow: `{(lim['unsharded_error'] or '').splitlines()[0][:300]}`",
                   f"- sharded virtualflow on {LIMIT_WORKERS} workers: {lim['sharded_error'] or 'completed'}; "
                   f"bit-identical to the unsharded deterministic run: {lim['sharded_bit_identical']}",
@@ -415,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(fsdp2_rank(json.loads(args.child_fsdp2))))
         return 0
     H.apply_malloc_mode("stable")
+    os.environ.setdefault("MALLOC_ARENA_MAX", ARENA_MAX)
     run = H.Run(NAME, args, TARGET_KEYS)
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING)
@@ -422,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     params, unit_bytes = sum(p.numel() for p in set(model.parameters())), gpt.unit_param_bytes(model)
     del model
     print(H.banner(f"reduction={args.reduction!r} vs FSDP2 (fully_shard per block, gloo): {args.size} "
-                   f"({params / 1e6:.1f} M params), B={args.batch} in V={args.vns}, W = 1, {', '.join(map(str, WORKERS))}"))
+                   f"({params / 1e6:.1f} M params), B={args.batch} in V={args.vns}, "
+                   f"W = 1, {', '.join(map(str, WORKERS))}"))
     tmp = tempfile.mkdtemp(prefix="sharded_params-")
 
     plain = run_torch(args, 1, sharded=False)["ranks"][0]
@@ -436,8 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     per_w = {w: measure_w(args, w, tmp, reference) for w in WORKERS}
     limit = None
     if not args.no_limit:
-        limit = measure_limit(args, max(per_w[LIMIT_WORKERS]["det_vmpeak_mib"]), probe_mib(ref, "vmpeak_mib")[0],
-                              reference)
+        det = per_w[LIMIT_WORKERS]
+        limit = measure_limit(args, max(det["det_vmpeak_mib"]), probe_mib(ref, "vmpeak_mib")[0],
+                              max(det["det_end_vmpeak_mib"]), reference)
 
     fig = {"params": params, "unit_bytes": unit_bytes, "unsharded_state_bytes": U,
            "plain_state_bytes": plain["state_bytes"], "plain_vmhwm_mib": plain["vmhwm_mib"],
@@ -450,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     config = {"size": args.size, "params": params, "model": gpt.SIZES[args.size].describe(), "steps": args.steps,
               "warmup": args.warmup, "reps": args.reps, "virtual_nodes": args.vns, "global_batch": args.batch,
               "reduction": args.reduction, "quick": args.quick, "threads_per_process": 1, "slack": SLACK,
+              "malloc_env": {k: os.environ.get(k) for k in (*H.MALLOC_STABLE, "MALLOC_ARENA_MAX")},
               "memory": "VmHWM / VmPeak / live tensor bytes at the end of the last step, before any final gather "
                         "(virtualflow: MemoryProbe, a ranks='all' callback); FSDP2: also parameters, gradients and "
                         "optimizer state by name (local shards)",

@@ -103,13 +103,13 @@ def _train(cfg: dict) -> dict:
             loss.backward()
             total += float(loss)
         opt.step()
-        if step == steps - 1:  # the state held at the end of a step (gradients still there)
-            held = {**state_bytes(model, opt), "live_tensors": live_tensor_bytes()}
-        opt.zero_grad(set_to_none=True)
-        losses.append(total)
         now = time.perf_counter()
         times.append(now - t_prev)
         t_prev = now
+        losses.append(total)
+        if step == steps - 1:  # the state held at the end of a step (gradients still there), after its time
+            held = {**state_bytes(model, opt), "live_tensors": live_tensor_bytes()}
+        opt.zero_grad(set_to_none=True)
     out = {"rank": rank, "step_times": times, "losses": losses, "state_bytes": held,
            "vmhwm_mib": vmhwm_mib(), "vmpeak_mib": vmpeak_mib()}
     full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}

@@ -32,6 +32,7 @@ def test_the_limit_lies_halfway_between_the_peaks_or_nowhere():
     assert S.pick_limit(1000.0, 2000.0) == 1500.0
     assert S.pick_limit(1000.0, 1050.0) is None  # closer than the 64 MiB margin
     assert S.pick_limit(2000.0, 1000.0) is None  # sharding did not lower the peak
+    assert S.pick_limit(float("nan"), 2000.0) is None  # a peak not measured
 
 
 def test_an_out_of_memory_report_is_recognised_and_the_knob_must_be_named():
@@ -153,16 +154,24 @@ def test_unit_bytes_are_the_blocks_then_the_root_and_cover_the_model():
     assert sum(units) == 4 * sum(p.numel() for p in model.parameters())
 
 
-def test_the_probe_writes_each_workers_figures_at_its_step(tmp_path, monkeypatch):
+def test_the_probe_writes_each_workers_figures_at_its_step_and_at_the_end(tmp_path, monkeypatch):
     monkeypatch.setenv(S.PROBE_DIR, str(tmp_path))
     monkeypatch.setenv(S.PROBE_STEP, "4")
-    probe, held = S.MemoryProbe(), torch.ones(1000)  # noqa: F841 - a tensor the probe must see
+    probe, held = S.MemoryProbe(), torch.ones(1000)  # a tensor the probe must see
     probe.on_step_end(SimpleNamespace(step=3, rank=1, workers=2))
     assert os.listdir(tmp_path) == []
     probe.on_step_end(SimpleNamespace(step=4, rank=1, workers=2))
-    rec = json.loads((tmp_path / "rank1.json").read_text())
+    probe.on_train_end(4)
+    assert sorted(os.listdir(tmp_path)) == ["rank1-end.json", "rank1-step.json"]
+    probes = S.read_probes(str(tmp_path), 3)
+    assert probes[0] is None and probes[2] is None
+    rec = probes[1]
     assert rec["rank"] == 1 and rec["workers"] == 2 and rec["vmhwm_mib"] > 0 and rec["vmpeak_mib"] >= rec["vmhwm_mib"]
-    assert rec["live_tensor_bytes"] >= 4000 and probe.ranks == "all"
+    assert rec["end_vmpeak_mib"] >= rec["vmpeak_mib"] and rec["end_vmhwm_mib"] >= rec["vmhwm_mib"]
+    assert rec["live_tensor_bytes"] >= held.nbytes and probe.ranks == "all"
+    run = {"probes": probes}
+    assert S.probe_mib(run, "vmhwm_mib")[1] == rec["vmhwm_mib"]
+    assert S.probe_mib(run, "vmhwm_mib")[0] != S.probe_mib(run, "vmhwm_mib")[0]  # no figures: NaN
 
 
 def test_the_model_factory_leaves_the_launcher_unlimited(monkeypatch):
@@ -174,3 +183,59 @@ def test_the_model_factory_leaves_the_launcher_unlimited(monkeypatch):
     monkeypatch.setattr(gpt, "build", lambda size: gpt.GPT(TINY))  # the 21 M model is too big for a unit test
     assert isinstance(S.limited_model("gpt-21m"), gpt.GPT)
     assert resource.getrlimit(resource.RLIMIT_AS) == before
+
+
+class FakeRuns:
+    """Stands in for the processes: the figures each run would report (``slow``: virtualflow's
+    default mode 1.2x FSDP2's step time)."""
+
+    def __init__(self, slow: bool = False) -> None:
+        self.slow = slow
+        self.state = {k: v.clone() for k, v in gpt.GPT(TINY).state_dict().items()}
+        self.calls: list[tuple] = []
+
+    def torch(self, args, workers, *, sharded, save=None, limit_mib=None):
+        self.calls.append(("torch", workers, sharded, limit_mib))
+        if save:
+            torch.save(self.state, save)
+        state = {"params": 320 * MIB // 4 // workers, "grads": 320 * MIB // 4 // workers,
+                 "optimizer": 320 * MIB // 2 // workers, "live_tensors": 320 * MIB // workers}
+        ranks = [{"rank": r, "step_times": [1.0] * args.steps, "state_bytes": state, "vmhwm_mib": 800.0,
+                  "vmpeak_mib": 1500.0} for r in range(workers)]
+        return {"ranks": ranks, "other_load_cores": 0.0, "error": None, "median_step_s": 1.0}
+
+    def vf(self, args, workers, *, reduction, deterministic, limit_mib=None):
+        self.calls.append(("vf", workers, reduction, deterministic, limit_mib))
+        if limit_mib is not None and reduction == "allreduce":
+            return {"error": "TrainingError: worker 0 failed: RuntimeError: DefaultCPUAllocator: can't allocate "
+                             "memory (shard the parameters: --reduction fsdp)"}
+        unsharded = reduction == "allreduce"
+        peak = 1800.0 if unsharded else 1400.0
+        rss = 900.0 if unsharded else 900.0 - 320 + 320 / workers  # what sharding leaves: U / W
+        probes = [{"rank": r, "workers": workers, "vmhwm_mib": rss, "vmpeak_mib": peak,
+                   "live_tensor_bytes": 320 * MIB // workers} for r in range(workers)]
+        step = 1.2 if self.slow and not deterministic else 1.0
+        return {"median_step_s": step, "step_times": [step] * args.steps, "probes": probes, "error": None,
+                "optimizer_bytes": {r: 1 for r in range(workers)}, "other_load_cores": 0.0,
+                "state_dict": {k: v.clone() for k, v in self.state.items()}}
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_a_run_checks_every_target_and_writes_its_results(tmp_path, monkeypatch, slow):
+    fake = FakeRuns(slow)
+    monkeypatch.setattr(S, "run_torch", fake.torch)
+    monkeypatch.setattr(S, "run_vf", fake.vf)
+    monkeypatch.setattr(gpt, "build", lambda size: gpt.GPT(TINY))
+    for key in (*H.MALLOC_STABLE, "MALLOC_ARENA_MAX"):  # main sets them for its children: restored after
+        monkeypatch.setenv(key, os.environ.get(key, "1"))
+    code = S.main(["--quick", "--quiet-wait", "0", "--out", str(tmp_path)])
+    out = json.loads((tmp_path / "sharded_params.json").read_text())
+    assert code == (1 if slow else 0) and out["all_targets_met"] is not slow
+    missed = {c["key"] for c in out["target_checks"] if not c["met"]}
+    assert missed == ({"time_ratio"} if slow else set())
+    assert len(out["target_checks"]) == 2 * 5 + 5  # five per W, five for the model that does not fit
+    # the limit lies between the sharded W=4 peak (1400) and the unsharded one (1800), in every limited run
+    limits = {c[-1] for c in fake.calls if c[-1] is not None}
+    assert limits == {1600.0}
+    assert ("vf", 1, "allreduce", True, 1600.0) in fake.calls and ("vf", 4, "fsdp", True, 1600.0) in fake.calls
+    assert "Target checks" in (tmp_path / "sharded_params.md").read_text()
