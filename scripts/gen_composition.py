@@ -148,6 +148,20 @@ CELLS: dict[tuple[str, str], Cell] = {
     ('overlapped input', 'mixed precision'): works('`tests/unit/test_composition.py::test_rebalanced_maps_with_loaders_breakdown_bf16_and_clipping_are_one_workers_model`'),
     ('overlapped input', 'clipping'): works('`tests/unit/test_composition.py::test_rebalanced_maps_with_loaders_breakdown_bf16_and_clipping_are_one_workers_model`'),
     ('mixed precision', 'clipping'): works('`tests/unit/test_training_loop.py::test_bf16_clipping_adamw_groups_match_the_plain_loop`'),
+    ('pipeline', 'sharded parameters'): refused('fsdp+pipeline', '`tests/unit/test_fsdp_launch.py::test_launch_refuses_sharded_parameters_with_a_pipeline_layout`'),
+    ('tensor parallel', 'sharded parameters'): refused('fsdp+tensor', '`tests/unit/test_fsdp_launch.py::test_launch_refuses_sharded_parameters_with_a_pipeline_layout`'),
+    ('sharded reduction', 'sharded parameters'): works('one value of `--reduction`: `fsdp` shards the optimizer state as `sharded` does, and the parameters and gradients too: `tests/unit/test_fsdp.py`'),
+    ('deterministic', 'sharded parameters'): works('bit-identical to the unsharded deterministic run on any worker count: `tests/unit/test_fsdp.py`'),
+    ('heterogeneous speeds', 'sharded parameters'): works('`tests/unit/test_fsdp.py`'),
+    ('autoscaler', 'sharded parameters'): works('`tests/unit/test_fsdp.py`; `max_workers` larger than a unit is refused at launch: `tests/unit/test_fsdp_launch.py::test_more_workers_than_a_unit_has_elements_is_refused_for_max_workers_too`'),
+    ('resize', 'sharded parameters'): works('re-sharded in place at a step boundary: `tests/unit/test_fsdp.py`'),
+    ('failure recovery', 'sharded parameters'): works('a lost worker\'s shard is restored from the last checkpoint (no parameter-shard replicas yet): `tests/unit/test_fsdp.py`', corners=('fsdp+shard_replicas',)),
+    ('Bamboo', 'sharded parameters'): refused('fsdp+bamboo', '`tests/unit/test_fsdp_launch.py::test_launch_refuses_sharded_parameters_with_a_pipeline_layout`'),
+    ('tied weights', 'sharded parameters'): refused('fsdp+pipeline', '`tests/unit/test_fsdp_launch.py::test_launch_refuses_sharded_parameters_with_a_pipeline_layout`', note=' (a weight tied across stages needs a pipeline)'),
+    ('breakdown', 'sharded parameters'): works('`tests/unit/test_fsdp.py`'),
+    ('overlapped input', 'sharded parameters'): works('`tests/unit/test_fsdp.py`'),
+    ('mixed precision', 'sharded parameters'): works('`param_dtype`, `reduce_dtype` as FSDP2\'s MixedPrecisionPolicy: `tests/unit/test_fsdp.py`'),
+    ('clipping', 'sharded parameters'): works('the global norm over the shards, the unsharded rule\'s bits: `tests/unit/test_fsdp.py`'),
 }
 """Every pair of :data:`~virtualflow.config.composition.CAPABILITIES` (in that order), with its evidence."""
 

@@ -169,6 +169,7 @@ CAPABILITIES: dict[str, Capability] = {
     "overlapped input": Capability(_set(loader_workers=2), lambda k: k.loader_workers > 0),
     "mixed precision": Capability(_precision, lambda k: k.precision != "32"),
     "clipping": Capability(_set(max_grad_norm=0.05), lambda k: k.max_grad_norm is not None),
+    "sharded parameters": Capability(_set(reduction="fsdp", replicas=2), lambda k: k.reduction == "fsdp"),
 }
 
 

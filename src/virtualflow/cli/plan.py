@@ -73,9 +73,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--microbatches-per-vn", default="1",
                    help="micro-batches a virtual node may be cut into, tried in turn (default 1: the pipeline engine "
                         "runs one micro-batch per VN; larger values are a what-if, e.g. 1,2,4)")
-    g.add_argument("--reduction", choices=("allreduce", "sharded"), default="allreduce",
-                   help="data-parallel gradient reduction: ring all-reduce, or sharded (reduce-scatter + all-gather, "
-                        "optimizer state divided across replicas)")
+    g.add_argument("--reduction", choices=("allreduce", "sharded", "fsdp"), default="allreduce",
+                   help="data-parallel gradient reduction: ring all-reduce, sharded (reduce-scatter + all-gather, "
+                        "optimizer state divided across replicas) or fsdp (parameters, gradients and optimizer state "
+                        "divided, each unit gathered for its use; no pipeline or tensor parallelism)")
+    g.add_argument("--shard-units", help="with --reduction fsdp: the sharding units, comma-separated module or class "
+                   "names (default: the blocks of the model's first nn.ModuleList/nn.Sequential)")
     g.add_argument("--top", type=int, default=5, help="candidates printed (default 5)")
     p.set_defaults(func=main)
 
@@ -356,7 +359,9 @@ def _plan_grid(args: argparse.Namespace, job: Any) -> int:
                             weight_grad="zb_h1" in schedules)  # first: it reports errors in the job's own code
     with torch.random.fork_rng():
         torch.manual_seed(job.seed)
-        layers = layers_of(job.model())  # the profile keeps sizes, not modules: look at the blocks here
+        model = job.model()
+        layers = layers_of(model)  # the profile keeps sizes, not modules: look at the blocks here
+    sharding = fsdp_units(model, args)
     flags, tp_source = tensor_parallel_layers(args.tensor_parallel_layers, layers)
     pairs, units = tensor_parallel_pairs(layers, flags)
     if args.heads is not None:
@@ -372,8 +377,10 @@ def _plan_grid(args: argparse.Namespace, job: Any) -> int:
         optimizer_state_factor=profile.optimizer_state_factor, link=link, tp_link=tp_link,
         weight_grad_s=profile.weight_grad_s, vn_batch=profile.micro_batch_size, microbatches_per_vn=ks,
         schedules=schedules, chunks=chunks, reduction=args.reduction,
+        unit_bytes=None if sharding is None else sharding[0], root_bytes=0.0 if sharding is None else sharding[1],
     )
     plan = choose_grid(problem)
+    terms = memory_terms(problem, plan.best)
     tp_layers = [i for i, x in enumerate(flags) if x]
     if args.json:
         print(json.dumps({
@@ -383,7 +390,7 @@ def _plan_grid(args: argparse.Namespace, job: Any) -> int:
                         "optimizer_state_factor": profile.optimizer_state_factor,
                         "layers": [dataclasses.asdict(layer) for layer in profile.layers]},
             "tensor_parallel_source": tp_source, "heads_source": heads_source,
-            "grid": plan.as_json(top=args.top),
+            "grid": plan.as_json(top=args.top), "memory_terms": None if terms is None else terms.terms(),
         }, indent=2))
         return 0 if plan.best is not None else 1
     lines = [
@@ -400,5 +407,35 @@ def _plan_grid(args: argparse.Namespace, job: Any) -> int:
         plan.table(args.top),
         plan.explain,
     ]
+    if terms is not None:
+        lines.append(f"memory per worker of the best, {terms.describe()}; units: {len(sharding[0])} + the root "
+                     f"({_mib(max(sharding[0], default=0))} the largest, {_mib(sharding[1])} the root)")
     print("\n".join(lines))
     return 0 if plan.best is not None else 1
+
+
+def fsdp_units(model: Any, args: argparse.Namespace) -> tuple[list[float], float] | None:
+    """With ``--reduction fsdp``: the parameter bytes of each sharding unit and of the root unit,
+    resolved as the workers resolve them (:mod:`virtualflow.runtime.fsdp.units`); else ``None``."""
+    if args.reduction != "fsdp":
+        if getattr(args, "shard_units", None) is not None:
+            raise ValueError(f"--shard-units {args.shard_units!r} names reduction='fsdp''s units; add --reduction fsdp")
+        return None
+    from virtualflow.runtime.fsdp.units import ROOT, resolve_units, unit_params
+
+    spec = None if args.shard_units is None else [n.strip() for n in args.shard_units.split(",") if n.strip()]
+    units = unit_params(model, resolve_units(model, spec))
+    size = [float(sum(p.numel() * p.element_size() for p in u.params)) for u in units]
+    return ([b for u, b in zip(units, size) if u.name != ROOT],
+            sum(b for u, b in zip(units, size) if u.name == ROOT))
+
+
+def memory_terms(problem: Any, best: Any) -> Any:
+    """The best candidate's memory per worker, term by term, with ``--reduction fsdp``
+    (:func:`virtualflow.plan.grid.fsdp_bytes`; its activations are the rest of the candidate's
+    peak); ``None`` otherwise or without a best."""
+    from virtualflow.plan.grid import fsdp_bytes
+
+    if problem.reduction != "fsdp" or best is None:
+        return None
+    return fsdp_bytes(problem, best.data, activations=best.memory_bytes - fsdp_bytes(problem, best.data).total)

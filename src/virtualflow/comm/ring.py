@@ -181,8 +181,13 @@ def _segment_elems(segment_bytes: int, itemsize: int) -> int:
     return max(1, segment_bytes // itemsize)
 
 
-def _tag(seq: int, step: int, segment: int) -> int:
-    return _TAG_BASE + ((seq % _TAG_OPS) * _TAG_STEPS + step % _TAG_STEPS) * _TAG_SEGMENTS + segment % _TAG_SEGMENTS
+_TAG_SPAN = _TAG_OPS * _TAG_STEPS * _TAG_SEGMENTS
+"""Tags one :class:`Collectives` uses above its base (a second one on the same group starts its
+base this far up: ``lane=1``)."""
+
+
+def _tag(seq: int, step: int, segment: int, lane: int = 0) -> int:
+    return _TAG_BASE + lane * _TAG_SPAN + ((seq % _TAG_OPS) * _TAG_STEPS + step % _TAG_STEPS) * _TAG_SEGMENTS + segment % _TAG_SEGMENTS
 
 
 # --------------------------------------------------------------------------------------------
@@ -302,7 +307,7 @@ class Collectives:
     """
 
     def __init__(self, group: Group, ledger: Ledger | None = None, *, link: Callable[[int], None] | None = None,
-                 segment_bytes: int = DEFAULT_SEGMENT_BYTES, native: bool | None = None) -> None:
+                 segment_bytes: int = DEFAULT_SEGMENT_BYTES, native: bool | None = None, lane: int = 0) -> None:
         if segment_bytes < 1:
             raise ValueError(f"Collectives: segment_bytes={segment_bytes} must be positive")
         self.group = group
@@ -310,6 +315,9 @@ class Collectives:
         self.link = link
         self.segment_bytes = segment_bytes
         self.native = native
+        self.lane = lane
+        """Two Collectives of one group run side by side (each in its own order) on different
+        lanes: their messages' tags never meet (``reduction="fsdp"``: gathers and reductions)."""
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -453,7 +461,7 @@ class Collectives:
             nbytes = piece.numel() * piece.element_size()
             if self.link is not None:
                 self.link(nbytes)
-            works.append(self.group.isend(piece, dst, _tag(seq, step, j)))
+            works.append(self.group.isend(piece, dst, _tag(seq, step, j, self.lane)))
             entry.bytes_sent += nbytes
             entry.messages += 1
         return works
@@ -470,7 +478,7 @@ class Collectives:
             recvs = []
             for j, a in enumerate(range(rlo, rhi, seg)):
                 b = min(rhi, a + seg)
-                recvs.append((a, b, g.irecv(scratch[a - rlo:b - rlo], left, _tag(seq, step0 + k, j))))
+                recvs.append((a, b, g.irecv(scratch[a - rlo:b - rlo], left, _tag(seq, step0 + k, j, self.lane))))
             sends = self._send_chunk(flat, *bounds[cs], right, seq, step0 + k, entry)
             for a, b, w in recvs:
                 w.wait()
@@ -486,7 +494,7 @@ class Collectives:
         seg = _segment_elems(self.segment_bytes, flat.element_size())
         for k, (cs, cr) in enumerate(ag_schedule(g.rank, g.size)):
             rlo, rhi = bounds[cr]
-            recvs = [g.irecv(flat[a:min(rhi, a + seg)], left, _tag(seq, step0 + k, j))
+            recvs = [g.irecv(flat[a:min(rhi, a + seg)], left, _tag(seq, step0 + k, j, self.lane))
                      for j, a in enumerate(range(rlo, rhi, seg))]
             sends = self._send_chunk(flat, *bounds[cs], right, seq, step0 + k, entry)
             for w in recvs:

@@ -41,6 +41,8 @@ CAPABILITIES: tuple[tuple[str, str], ...] = (
     ("mixed precision", "`precision=\"bf16-mixed\"` or `\"16-mixed\"`, `--precision` "
                         "([training.md](training.md#the-training-loop))"),
     ("clipping", "`max_grad_norm`, `--max-grad-norm` ([training.md](training.md#the-training-loop))"),
+    ("sharded parameters", "`reduction=\"fsdp\"`, `--reduction fsdp` "
+                           "([training.md](training.md#sharded-parameters-reductionfsdp), [memory.md](memory.md))"),
 )
 """The capabilities docs/composition.md crosses pairwise: (name, the knob)."""
 
@@ -206,6 +208,37 @@ REFUSALS: tuple[Refusal, ...] = (
              f"reduction={reduction!r} every worker holds the whole state already: drop "
              f"--shard-replicas or add --reduction sharded"),
          example=dict(shard_replicas=1, reduction="allreduce"), site="runtime.step.update.make_update"),
+    # ---- sharded parameters (at launch: launching.composition.check_fsdp_layout, the options) ----
+    _row("fsdp+bamboo", "Bamboo", "sharded parameters",
+         when=lambda reduction, redundancy, **_: reduction == "fsdp" and bool(redundancy),
+         says=lambda **_: (
+             "reduction='fsdp' with Pipeline(redundancy=True): Bamboo keeps each stage's successor whole on its "
+             "predecessor, and sharded parameters are not cut inside a pipeline's stages yet; use "
+             "reduction='sharded' (each stage's optimizer state sharded, failed over by Bamboo) or drop the "
+             "pipeline (--reduction, Job.pipeline)"),
+         example=dict(reduction="fsdp", redundancy=True), site="launching.composition.check_fsdp_layout"),
+    _row("fsdp+tensor", "tensor parallel", "sharded parameters",
+         when=lambda reduction, tensor, **_: reduction == "fsdp" and tensor > 1,
+         says=lambda tensor, **_: (
+             f"reduction='fsdp' with Pipeline.tensor={tensor} (--tensor-parallel): sharded parameters are not cut "
+             f"over the replicas of a tensor-parallel stage yet (HSDP); drop --tensor-parallel (fsdp alone divides "
+             f"every unit by the workers) or use reduction='sharded'"),
+         example=dict(reduction="fsdp", tensor=2), site="launching.composition.check_fsdp_layout"),
+    _row("fsdp+pipeline", "pipeline", "sharded parameters",
+         when=lambda reduction, stages, **_: reduction == "fsdp" and stages > 1,
+         says=lambda stages, **_: (
+             f"reduction='fsdp' with Pipeline.stages={stages} (--pipeline-stages): sharded parameters are gathered "
+             f"unit by unit by the virtual-node engine, which a pipeline stage does not run yet; drop the pipeline "
+             f"(fsdp alone divides the model's memory by the workers) or use reduction='sharded' (each stage's "
+             f"optimizer state sharded over its replicas)"),
+         example=dict(reduction="fsdp", stages=2), site="launching.composition.check_fsdp_layout"),
+    _row("fsdp+shard_replicas", "sharded parameters", "shard replicas",
+         when=lambda reduction, shard_replicas, **_: reduction == "fsdp" and bool(shard_replicas),
+         says=lambda shard_replicas, **_: (
+             f"shard_replicas={shard_replicas} with reduction='fsdp': parameter shards have no replica yet, so a "
+             f"failed worker's shard is restored from the last checkpoint (--checkpoint-every, --resume); drop "
+             f"--shard-replicas (it keeps replicas of the optimizer chunks of reduction='sharded')"),
+         example=dict(reduction="fsdp", shard_replicas=1), site="config.options.LaunchOptions"),
     # ---- where a worker builds its stage (runtime.pipeline.engine.StageEngine) ------------------
     _row("tied+no_flush", "tied weights", "no-flush schedule",
          when=lambda tied, flush, **_: bool(tied) and not flush,
@@ -268,3 +301,4 @@ def check_stage_sharding(pipeline: Any, *, shard_replicas: int = 0) -> None:
     checked at launch and where a worker builds its stage."""
     check("sharded+no_flush", "shard_replicas+pipeline", flush=pipeline.flush, schedule=pipeline.schedule,
           shard_replicas=shard_replicas)
+

@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
+from virtualflow.config.composition import check
 from virtualflow.config.faults import FaultPlan
 from virtualflow.config.loop import (PRECISIONS, check_activation_checkpointing, check_max_grad_norm,
                                      check_precision)
@@ -323,6 +324,7 @@ class LaunchOptions:
         if self.shard_replicas not in (0, 1):
             raise ValueError(f"shard_replicas={self.shard_replicas!r} must be 0 (one copy of each chunk of the sharded "
                              f"optimizer state) or 1 (a replica on the next worker too) (--shard-replicas)")
+        check("fsdp+shard_replicas", reduction=self.reduction, shard_replicas=self.shard_replicas)
         if self.shard_replicas and self.reduction != "sharded":
             raise ValueError(f"shard_replicas={self.shard_replicas} keeps replicas of the sharded optimizer's chunks; "
                              f"with reduction={self.reduction!r} every worker holds the whole optimizer state already "

@@ -22,7 +22,7 @@ from virtualflow.config.composition import check
 from virtualflow.config.options import LaunchOptions
 from virtualflow.plan.pipeline.geometry import EXACT_USES, shared_across_pieces, tied_parameters
 
-__all__ = ["check_pipeline_balance", "check_shared_parameters", "check_streaming"]
+__all__ = ["check_fsdp_layout", "check_pipeline_balance", "check_shared_parameters", "check_streaming"]
 
 
 def check_pipeline_balance(pipeline: Any, opts: LaunchOptions) -> None:
@@ -32,6 +32,15 @@ def check_pipeline_balance(pipeline: Any, opts: LaunchOptions) -> None:
     check("pipeline+uneven_vn_sizes", "balance+no_flush", "balance+interleaved_chunks",
           uneven_vn_sizes=opts.uneven_vn_sizes, balanced=opts.balanced,
           flush=pipeline.flush, schedule=pipeline.schedule, chunks=pipeline.chunks, stages=pipeline.stages)
+
+
+def check_fsdp_layout(pipeline: Any, opts: LaunchOptions) -> None:
+    """What sharded parameters (``reduction="fsdp"``) cannot combine with yet: a pipeline
+    (``pipeline``: the resolved ``Pipeline``, or ``None``) with Bamboo, tensor parallelism or
+    several stages; the most particular row first."""
+    if pipeline is not None:
+        check("fsdp+bamboo", "fsdp+tensor", "fsdp+pipeline", reduction=opts.reduction,
+              redundancy=pipeline.redundancy, tensor=pipeline.tensor, stages=pipeline.stages)
 
 
 def check_streaming(streaming: bool, opts: LaunchOptions) -> None:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from virtualflow.config.job import Job, JobImportError, resolve_spec
+from virtualflow.launching.fsdp import FsdpLaunch
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.streams import StreamPlan
 from virtualflow.records.result import job_frame
@@ -117,10 +118,11 @@ def loss_hint(exc: Exception, batch: Any, model: torch.nn.Module, job: Job) -> s
     return text
 
 
-def preflight(job: Job, dataset: Any, plan: DataPlan | StreamPlan, *,
-              reduction: str = "allreduce") -> list[tuple[str, tuple[int, ...], str]]:
+def preflight(job: Job, dataset: Any, plan: DataPlan | StreamPlan, *, reduction: str = "allreduce",
+              fsdp: FsdpLaunch | None = None) -> list[tuple[str, tuple[int, ...], str]]:
     """Build the model and optimizer and run the loss on VN 0's batch of step 0, here (and check
-    that the optimizer can be sharded, with ``reduction="sharded"``). Returns the model's
+    that the optimizer can be sharded, with ``reduction="sharded"``; with ``fsdp``, the checks of
+    ``reduction="fsdp"``: its units, their sizes, the optimizer, host memory). Returns the model's
     ``state_dict`` signature: every entry's name, shape and dtype, in order (the run's identity,
     :mod:`virtualflow.launching.identity`)."""
     with torch.random.fork_rng(devices=[]):
@@ -138,6 +140,8 @@ def preflight(job: Job, dataset: Any, plan: DataPlan | StreamPlan, *,
             from virtualflow.runtime.sharded import check_optimizer
 
             check_optimizer(optimizer, params)
+        if fsdp is not None:
+            fsdp.check(model, optimizer, params)
         check_loop(job, params, optimizer)
         if job.pipeline is None:
             apply_activation_checkpointing(model, job.activation_checkpointing)  # names a module that is not there

@@ -29,7 +29,8 @@ from virtualflow.config.job import Job, source_from
 from virtualflow.config.options import LaunchOptions
 from virtualflow.config.pipeline import pipeline_of
 from virtualflow.control.autoscale import FixedPolicy, Limits, make_policy
-from virtualflow.launching.composition import check_pipeline_balance, check_streaming
+from virtualflow.launching.composition import check_fsdp_layout, check_pipeline_balance, check_streaming
+from virtualflow.launching.fsdp import FsdpLaunch
 from virtualflow.launching.identity import check_identity, job_label, record_identity, run_identity
 from virtualflow.launching.pipeline import plan_pipeline
 from virtualflow.launching.preflight import build_dataset, build_job, preflight
@@ -68,6 +69,7 @@ def prepare(job: JobLike, opts: LaunchOptions) -> Iterator[RunSetup]:
     overrides_job = opts.job_overrides()
     job_obj = job_obj.replace(**overrides_job)
     pipeline = pipeline_of(job_obj, opts)
+    check_fsdp_layout(pipeline, opts)
     if pipeline is not None:
         check_workers(pipeline, opts.start_workers)
         if opts.max_workers is not None:
@@ -90,7 +92,8 @@ def prepare(job: JobLike, opts: LaunchOptions) -> Iterator[RunSetup]:
         # Each stage's optimizer state is sharded over its pipeline replicas
         # (runtime/pipeline/stage_shard.py); what that does not cover is refused here.
         check_stage_sharding(pipeline, shard_replicas=opts.shard_replicas)
-    signature = preflight(job_obj, dataset, plan, reduction=opts.reduction)
+    fsdp = FsdpLaunch.of(opts, limits.max_workers if limits is not None else None)
+    signature = preflight(job_obj, dataset, plan, reduction=opts.reduction, fsdp=fsdp)
     if pipeline is not None:
         pipeline = plan_pipeline(job_obj.replace(pipeline=pipeline), dataset, workers, device=opts.device,
                                  deterministic=opts.deterministic)

@@ -52,6 +52,12 @@ over stage ranks of ``factor * sum G`` (``factor`` = ``optimizer_state_factor``;
 the peak of the stash the schedule holds (walked over the rank's actions); **bytes per step per
 worker** (sent, the most over stage ranks): tensor-parallel ``m * 5 (T-1)/T * A_i`` per pair,
 pipeline hops ``m * A`` per boundary the worker sends across, data ``2 (D-1)/D * G_r``.
+``reduction="fsdp"`` (sharded parameters; only ``P = T = 1``, the layouts it composes with): memory
+is :func:`fsdp_bytes` (:func:`virtualflow.plan.memory.worker_bytes`: weights, gradients and
+optimizer state divided by ``D``, plus the root unit and the two largest units gathered with their
+gradients; the units ``GridProblem.unit_bytes``, else the layers) plus the stash; the data
+exchange is an all-gather of every unit in the forward and again in the backward and a
+reduce-scatter of its gradient: ``3 (D-1)/D * G`` bytes, 1.5 times the all-reduce's time.
 
 Not modelled: overlap of communication with compute (collectives, hops and the all-reduce all
 block), contention between links that share a NIC, the optimizer step, data loading, fixed
@@ -84,7 +90,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from virtualflow.plan.grid_model import (LayerCosts, all_splits, best_of_layout, bounds_of_counts, contention,
-                                         equal_counts, evaluate, layer_costs, layouts, predict_layout, split_count)
+                                         equal_counts, evaluate, fsdp_bytes, layer_costs, layouts, predict_layout,
+                                         split_count)
 from virtualflow.plan.grid_problem import (GRID_SCHEDULES, REDUCTIONS, GridCandidate, GridProblem, rank_key,
                                            schedule_preference)
 from virtualflow.plan.pipeline.partition import Link
@@ -128,6 +135,7 @@ def choose_grid(problem: GridProblem) -> GridPlan:
             f"{problem.virtual_nodes}, P <= {len(problem.layers)} layers and T dividing heads={problem.heads}"
             + ("" if problem.vn_batch is None else f" with micro-batches per VN {problem.microbatches_per_vn} "
                f"dividing the VN batch of {problem.vn_batch}")
+            + (" (reduction='fsdp': D = workers, P = T = 1)" if problem.reduction == "fsdp" else "")
             + "; use fewer --workers or more virtual nodes (Job.virtual_nodes)")
     ranked = sorted((best_of_layout(problem, lay) for lay in found), key=rank_key)
     best = ranked[0] if ranked[0].fits else None
@@ -216,7 +224,10 @@ def explain(plan: GridPlan) -> str:
         lines.append(f"The layers' CPU overhead ({_ms(fixed)} ms per micro-batch, not divided by T) is taken "
                      f"{busy:g}x: {best.data * best.tensor} workers run each layer at once"
                      + ("" if problem.cores is None else f" on {problem.cores:g} shared cores") + ".")
-    if best.tensor == 1 and tp_idx:
+    if problem.reduction == "fsdp":
+        lines.append("P=1 T=1: reduction='fsdp' shards every unit over all the workers, without a pipeline or "
+                     "tensor parallelism (refused at launch with it).")
+    elif best.tensor == 1 and tp_idx:
         lines.append(f"T=1: splitting the {len(tp_idx)} tensor-parallel blocks would not pay here "
                      f"(collectives or fewer replicas cost more than the compute they divide).")
     if best.stages > 1:
@@ -224,7 +235,11 @@ def explain(plan: GridPlan) -> str:
                      + (f", {best.chunks} chunks" if best.chunks > 1 else "")
                      + f", m={best.micro_batches}) and sends {_mib(best.hop_bytes)} MiB of activations and "
                      f"gradients per worker per step between stages.")
-    if best.data > 1:
+    if best.data > 1 and problem.reduction == "fsdp":
+        lines.append(f"D={best.data} all-gathers the {_mib(best.data_bytes / (3 * (best.data - 1) / best.data))} "
+                     f"MiB of parameters unit by unit for the forward and again for the backward, and "
+                     f"reduce-scatters each unit's gradients ({_ms(best.allreduce_s)} ms).")
+    elif best.data > 1:
         lines.append(f"D={best.data} all-reduces {_mib(best.data_bytes / (2 * (best.data - 1) / best.data))} MiB of "
                      f"gradients per worker after the flush ({_ms(best.allreduce_s)} ms).")
     others = [
@@ -251,6 +266,6 @@ def explain(plan: GridPlan) -> str:
 
 __all__ = [
     "GRID_SCHEDULES", "GridCandidate", "GridPlan", "GridProblem", "LayerCosts", "REDUCTIONS", "all_splits",
-    "bounds_of_counts", "candidates_table", "choose_grid", "contention", "equal_counts", "evaluate", "explain", "layer_costs",
-    "layouts", "predict_layout", "rank_key", "schedule_preference", "split_count",
+    "bounds_of_counts", "candidates_table", "choose_grid", "contention", "equal_counts", "evaluate", "explain",
+    "fsdp_bytes", "layer_costs", "layouts", "predict_layout", "rank_key", "schedule_preference", "split_count",
 ]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from virtualflow.plan.grid_problem import NO_PIPELINE, TIME_RESOLUTION_S, GridCandidate, GridProblem, rank_key
+from virtualflow.plan.memory import WorkerBytes, worker_bytes
 from virtualflow.plan.pipeline.partition import InfeasiblePartition, LayerProfile, Link, partition
 from virtualflow.plan.pipeline.predict import stage_in_flight
 from virtualflow.plan.pipeline.schedules import Schedule, build_schedule
@@ -66,6 +67,17 @@ def layer_costs(problem: GridProblem, tensor: int, k: int, data: int = 1) -> Lay
     return LayerCosts(*(tuple(x) for x in (f, b, w, act, params, stash, tpb, tps)))
 
 
+def fsdp_bytes(problem: GridProblem, data: int, activations: float = 0.0) -> WorkerBytes:
+    """A worker's bytes under ``reduction="fsdp"`` with ``data`` workers: every unit's parameters
+    (``problem.unit_bytes``, else each layer's) cut in ``data`` with their gradients and optimizer
+    state (``optimizer_state_factor - 2`` bytes per parameter byte), plus the units gathered
+    (:func:`virtualflow.plan.memory.worker_bytes`, counted in bytes: every kind of element is the
+    parameters' size here, as ``optimizer_state_factor`` assumes)."""
+    units = problem.unit_bytes if problem.unit_bytes is not None else [x.param_bytes for x in problem.layers]
+    return worker_bytes("fsdp", [round(b) for b in units], problem.optimizer_state_factor - 2.0, data,
+                        root_numel=round(problem.root_bytes), param_bytes=1, reduce_bytes=1, activations=activations)
+
+
 def bounds_of_counts(counts: Sequence[int]) -> tuple[tuple[int, int], ...]:
     out, start = [], 0
     for c in counts:
@@ -116,13 +128,17 @@ def evaluate(problem: GridProblem, layout: _Layout, counts: Sequence[int], costs
                 peak = max(peak, now)
             elif act.kind == last:
                 now -= stash[act.stage]
-        memory.append(fac * grad + peak)
-        allreduce.append(link.allreduce_s(grad, d))
+        if problem.reduction == "fsdp":  # P = T = 1: the one rank holds every unit
+            memory.append(fsdp_bytes(problem, d).total + peak)
+            allreduce.append(1.5 * link.allreduce_s(grad, d))  # gathers (forward, backward) + reduce-scatter
+        else:
+            memory.append(fac * grad + peak)
+            allreduce.append(link.allreduce_s(grad, d))
         busy.append(m * sum(F[s] + B[s] for s in mine))
         tp_bytes.append(m * sum(sum(costs.tp_bytes[bounds[s][0]:bounds[s][1]]) for s in mine))
         hop_bytes.append(m * sum((costs.act[bounds[s][1] - 1] if s < n - 1 else 0.0)
                                  + (costs.act[bounds[s][0] - 1] if s > 0 else 0.0) for s in mine))
-        data_bytes.append(2 * (d - 1) / d * grad)
+        data_bytes.append((3 if problem.reduction == "fsdp" else 2) * (d - 1) / d * grad)
     bound = max(busy[r] + allreduce[r] for r in range(p))
     if simulate_step:
         sim = simulate(schedule, F, B, W if split_bw else None)
@@ -150,12 +166,13 @@ def layouts(problem: GridProblem) -> list[_Layout]:
     """Every layout the planner considers (see the module docstring), in a fixed order."""
     n_layers, w, v_nodes = len(problem.layers), problem.workers, problem.virtual_nodes
     any_tp = any(problem.tensor_parallel)
+    flat = problem.reduction == "fsdp"  # refused with a pipeline or tensor parallelism (config/composition.py)
     out = []
     for t in range(1, w + 1):
-        if w % t or problem.heads % t or (t > 1 and not any_tp):
+        if w % t or problem.heads % t or (t > 1 and (flat or not any_tp)):
             continue
         for p in range(1, w // t + 1):
-            if (w // t) % p or p > n_layers:
+            if (w // t) % p or p > n_layers or (flat and p > 1):
                 continue
             d = w // (t * p)
             if d > v_nodes:
@@ -262,5 +279,6 @@ def predict_layout(problem: GridProblem, candidate: GridCandidate) -> GridCandid
     return cand
 
 
-__all__ = ["LayerCosts", "all_splits", "best_of_layout", "bounds_of_counts", "contention", "equal_counts", "evaluate", "layer_costs",
+__all__ = ["LayerCosts", "all_splits", "best_of_layout", "bounds_of_counts", "contention", "equal_counts", "evaluate",
+           "fsdp_bytes", "layer_costs",
            "layouts", "predict_layout", "ring_step_s", "split_count"]

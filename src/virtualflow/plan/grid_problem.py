@@ -15,7 +15,7 @@ from virtualflow.plan.pipeline.predict import DEFAULT_OPTIMIZER_STATE_FACTOR, LO
 GRID_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 """The flush schedules the grid planner searches (the no-flush ones keep extra weight versions and
 are not planned here)."""
-REDUCTIONS = ("allreduce", "sharded")
+REDUCTIONS = ("allreduce", "sharded", "fsdp")
 TIME_RESOLUTION_S = 1e-12
 """Predicted step times equal to this resolution are ties (broken by :func:`rank_key`)."""
 NO_PIPELINE = "1f1b"
@@ -68,7 +68,15 @@ class GridProblem:
     max_splits: int = 64
     """Search every split when a layout has at most this many; else the partitioner's and the equal one."""
     reduction: str = "allreduce"
-    """``allreduce`` (ring) or ``sharded`` (reduce-scatter + all-gather, optimizer state divided by D)."""
+    """``allreduce`` (ring), ``sharded`` (reduce-scatter + all-gather, optimizer state divided by D)
+    or ``fsdp`` (parameters, gradients and optimizer state divided by D, units gathered for their
+    use: :func:`virtualflow.plan.memory.worker_bytes`; no pipeline, no tensor parallelism)."""
+    unit_bytes: tuple[float, ...] | None = None
+    """``fsdp``: the parameter bytes of each sharding unit, the root unit's apart (``None``: each
+    layer is a unit)."""
+    root_bytes: float = 0.0
+    """``fsdp``: the root unit's parameter bytes (every parameter outside the units; gathered for
+    the whole forward and backward)."""
     overhead_s: tuple[tuple[float, float], ...] | None = None
     """Per layer: the (forward, backward) seconds per micro-batch that neither a tensor-parallel
     group nor a smaller micro-batch divides, the fixed CPU cost of running the layer (Python,
@@ -159,6 +167,14 @@ class GridProblem:
                       "max_splits")
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"{owner}.reduction={self.reduction!r} must be one of {REDUCTIONS}; set reduction")
+        if self.unit_bytes is not None:
+            object.__setattr__(self, "unit_bytes", tuple(self.unit_bytes))
+        if (self.unit_bytes is not None or self.root_bytes) and self.reduction != "fsdp":
+            raise ValueError(f"{owner}.unit_bytes/root_bytes describe reduction='fsdp''s units; reduction="
+                             f"{self.reduction!r} has none: drop them or set reduction='fsdp' (--reduction fsdp)")
+        if not all(math.isfinite(b) and b >= 0 for b in (*(self.unit_bytes or ()), self.root_bytes)):
+            raise ValueError(f"{owner}.unit_bytes={self.unit_bytes!r}, root_bytes={self.root_bytes!r} must be finite "
+                             f"byte counts >= 0 (the units' parameter bytes)")
 
     @property
     def tensor_link(self) -> Link:

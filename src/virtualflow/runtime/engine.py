@@ -48,6 +48,9 @@ from virtualflow.runtime.batches import (BatchLoader, LossShapeError, NonFiniteL
                                          seed_random_streams, to_device)
 from virtualflow.runtime.batchnorm import BatchNormState
 from virtualflow.runtime.breakdown import StepClock, derive
+from virtualflow.runtime.fsdp import FsdpKnobs
+from virtualflow.runtime.fsdp.body import FsdpBody
+from virtualflow.runtime.fsdp.update import FsdpUpdate
 from virtualflow.runtime.prefetch import Prefetcher
 from virtualflow.runtime.probe import PROBE_BUDGET, PROBE_CHANGE, PROBE_EVERY, IdleProbe, probe_due
 from virtualflow.runtime.sharded import FlatParams, ShardedOptimizer
@@ -101,6 +104,7 @@ class VNEngine:
         loss_scale: dict[str, Any] | None = None,
         shard_replicas: int = 0,
         deterministic_exchange: str = "auto",
+        fsdp: FsdpKnobs | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -130,13 +134,16 @@ class VNEngine:
             self.tree_body = TreeBody(self)
             self._sum, self._reduction_for = self._sum_tree, self.tree_body.reduction_for
         self.leaves: TreeLeaves | None = self.tree_body.leaves if self.tree_body is not None else None
-        self.sharded = reduction == "sharded"
+        self.sharded = reduction in ("sharded", "fsdp")
+        """The state is spread over the workers (checkpoints gather it collectively)."""
         self.precision = precision
         """``Job.precision``: the forward and loss run under :func:`~virtualflow.runtime.amp.autocast`."""
         self.finish = StepFinish.of(self.params, precision, loss_scale, max_grad_norm)
         """Unscale, the inf/nan verdict, the whole step's norm, clip (:mod:`virtualflow.runtime.step.finish`)."""
-        self.update: WholeUpdate | ShardedUpdate = make_update(reduction, optimizer, self.params,
-                                                               shard_replicas=shard_replicas, cuts=self.finish.cuts())
+        self.update: WholeUpdate | ShardedUpdate | FsdpUpdate = (
+            fsdp.update(model, optimizer, self.params, deterministic=deterministic, device=device)
+            if reduction == "fsdp" else
+            make_update(reduction, optimizer, self.params, shard_replicas=shard_replicas, cuts=self.finish.cuts()))
         """The optimizer update, whole or sharded (:mod:`virtualflow.runtime.step.update`)."""
         self.flat: FlatParams | None = self.update.flat
         """Sharded: the parameters' flat vector (the reduction writes the chunk's gradient there)."""
@@ -147,6 +154,9 @@ class VNEngine:
                                  scaler=self.scaler, bn=self.bn, clock=self.clock, prefetcher=self.prefetcher)
         """One VN's batch, forward and backward (:mod:`virtualflow.runtime.step.compute`)."""
         self._last_compute_s = 0.0
+        if isinstance(self.update, FsdpUpdate):  # sharded parameters: their own step body, both modes
+            body = FsdpBody(self, self.update, deterministic)
+            self._sum, self._reduction_for = body.sum, body.reduction_for
         self.idle = IdleProbe()
         """A worker with no VN: when it probes (see the module docstring)."""
         self.phase = "idle"

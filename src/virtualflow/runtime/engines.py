@@ -65,6 +65,17 @@ class Joining:
         self.behind = [r for r, s in enumerate(self.steps) if s < self.target]
 
 
+@dataclass(frozen=True)
+class Successor:
+    """The next generation of a planned change, as the old generation's members see it (what a
+    resize of sharded parameters moves the shards by)."""
+
+    previous: tuple[str, ...]
+    """The old generation's members, by rank."""
+    members: tuple[str, ...]
+    """The new generation's members, by rank."""
+
+
 class Boundary(Protocol):
     """What the worker does for an engine at step boundaries: it owns the files and the reports."""
 
@@ -173,8 +184,10 @@ class Engine(Protocol):
         """Collective. A held generation (no training until the coordinator resumes): write a
         checkpoint; returns its path on rank 0, ``None`` elsewhere."""
 
-    def before_regroup(self) -> None:
-        """Collective. A planned regroup follows this step: gather what a leaving member holds."""
+    def before_regroup(self, successor: Successor | None = None) -> None:
+        """Collective. A planned regroup follows this step: gather what a leaving member holds
+        (``successor``: the next generation's members, when known; sharded parameters move their
+        shards by it)."""
 
     def learning_rate(self) -> float | None:
         """Local. The learning rate of the optimizer's first parameter group now (the one the next

@@ -54,7 +54,7 @@ from virtualflow.config.worker_options import WorkerOptions
 from virtualflow.plan.pipeline.failover import split_replicas
 from virtualflow.plan.vnmap import contiguous_assignment, pipeline_assignment
 from virtualflow.runtime.engine import StepOutcome
-from virtualflow.runtime.engines import Joining
+from virtualflow.runtime.engines import Joining, Successor
 from virtualflow.runtime.factory import build_engine
 from virtualflow.runtime.transfer import Progress, agree_progress
 from virtualflow.runtime.worker_config import WorkerConfig
@@ -277,8 +277,9 @@ class _Run:
         progress = Progress(step=step, control=0)
         if gen.lost is not None:
             return self._lose(wid, gen, group, step, progress)
-        if g + 1 < len(self.generations):
-            engine.before_regroup()  # a planned regroup: what a leaving member holds is gathered now
+        if g + 1 < len(self.generations):  # a planned regroup: what a leaving member holds is gathered (moved) now
+            nxt = self.generations[g + 1].members
+            engine.before_regroup(Successor(tuple(map(str, gen.members)), tuple(map(str, nxt))))
         return progress, True
 
     def _lose(self, wid: int, gen: Generation, group: Group, step: int,

@@ -29,7 +29,10 @@ from virtualflow.runtime.engine import StepOutcome, VNEngine
 from virtualflow.runtime.checkpoint import shared_names
 from virtualflow.runtime.dcp import Piece, model_pieces
 from virtualflow.runtime.streaming import loader_of
-from virtualflow.runtime.engines import Boundary, Joining
+from virtualflow.runtime.engines import Boundary, Joining, Successor
+from virtualflow.runtime.fsdp import FsdpKnobs
+from virtualflow.runtime.fsdp.update import FsdpUpdate
+from virtualflow.runtime.fsdp.worker_state import ShardedModelState
 from virtualflow.runtime.model_prep import prepare_model
 from virtualflow.runtime.regrid import optimizer_names, unstage
 from virtualflow.runtime.step.update import materialize_state
@@ -94,6 +97,10 @@ class VNWorkerEngine:
         """Where this run's states go (named by a :class:`ShardLost` after a failure)."""
         self.checkpoints: RankZeroCheckpoints | CollectiveCheckpoints = (
             CollectiveCheckpoints(self) if vn.sharded else RankZeroCheckpoints(self))
+        self.models: WholeModelState | ShardedModelState = (
+            ShardedModelState(vn) if isinstance(vn.update, FsdpUpdate) else WholeModelState(vn))
+        """How the model's state is read, written, moved and written to checkpoints (whole on every
+        worker, or sharded parameters: :mod:`virtualflow.runtime.fsdp.worker_state`)."""
         """Who writes a ``.pt`` checkpoint, and when (the optimizer state is whole on every worker, or spread)."""
 
     @classmethod
@@ -113,6 +120,7 @@ class VNWorkerEngine:
             precision=job.precision, max_grad_norm=job.max_grad_norm,
             loss_scale=dict(job.loss_scale) if job.loss_scale is not None else None,
             shard_replicas=opts.shard_replicas, deterministic_exchange=opts.deterministic_exchange,
+            fsdp=FsdpKnobs.of(opts) if opts.reduction == "fsdp" else None,
         ))
 
     # -- the engine's attributes, the VN engine's own -------------------------------------------
@@ -151,7 +159,7 @@ class VNWorkerEngine:
     # -- before joining ---------------------------------------------------------------------------
     def resume_from(self, state: dict[str, Any]) -> None:
         # a pipelined run's state (any stages, split or tensor degree): its optimizer as one, by name
-        load_full_state(self.vn, unstage(state, optimizer_names(self.vn.optimizer, self.vn.model)))
+        self.models.load(unstage(state, optimizer_names(self.vn.optimizer, self.vn.model)))
 
     def prepare_to_join(self) -> None:
         self.vn.update.prepare_to_join()  # (a sharded optimizer's chunks are cut when the generation forms)
@@ -167,19 +175,11 @@ class VNWorkerEngine:
         # shard_replicas=1, after a failure: the whole state from the chunks and replicas the survivors hold
         vn.update.rebuild(group, joining.progress.step, self.run_dir)
         if joining.target == 0 and group.size > 1 and not joining.behind:
-            broadcast_module(vn.model, group)  # identical start whatever the factory does
+            self.models.identical_start(group)  # identical start whatever the factory does
         if joining.behind:
             joining.transferring = True
             t1 = time.perf_counter()
-            mine = full_state(vn, joining.progress) if group.rank == joining.src else None
-            # A newcomer's own tensors hold nothing of value: receive into them. A survivor one
-            # step behind keeps its state intact until the transfer is through (if the source
-            # dies mid-way, that state may be the best one left).
-            into = full_state(vn, joining.progress) if joining.progress.step < 0 else None
-            state, moved = broadcast_state(group, joining.src, mine, vn.device, on_started=joining.state_point,
-                                           receivers=joining.behind, into=into)
-            if group.rank in joining.behind:
-                load_full_state(vn, state)
+            moved = self.models.transfer(group, joining.src, joining.behind, joining.progress, joining.state_point)
             t_transfer = time.perf_counter() - t1
             joining.transferring = False
         vn.plan.set_vn_sizes(record.vn_sizes)
@@ -192,20 +192,18 @@ class VNWorkerEngine:
     def abandon_step(self) -> None:
         self.vn.abandon_step()
 
-    def before_regroup(self) -> None:
-        self.vn.before_regroup()  # sharded: every member gathers the optimizer state
+    def before_regroup(self, successor: Successor | None = None) -> None:
+        # sharded optimizer state: every member gathers it; sharded parameters: the shards move
+        self.models.before_regroup(self.vn.group, successor)
 
     # -- the whole state and the boundary work ----------------------------------------------------
     def whole_state(self, group: Group) -> dict[str, Any] | None:
         vn = self.vn
         optimizer = vn.update.gather_state(vn.comm, vn.group, 0)  # sharded: a collective
+        model = self.models.model_state(group)  # sharded parameters: a collective
         if group.rank != 0:
             return None
-        return {
-            "model": {k: v.detach().cpu() for k, v in vn.model.state_dict().items()},
-            "optimizer": optimizer,
-            **self.small_state(),
-        }
+        return {"model": model, "optimizer": optimizer, **self.small_state()}
 
     def small_state(self) -> dict[str, Any]:
         """The whole state's parts besides the model and the optimizer state (every worker holds
@@ -220,19 +218,13 @@ class VNWorkerEngine:
         """This worker's part of a sharded checkpoint: its share of the model, the optimizer state
         it holds (sharded reduction: its chunk; all-reduce: an even share), and on rank 0 the rest
         of the state (optimizer hyperparameters, scheduler, scaler). Local: no collective."""
-        vn = self.vn
-        model = vn.model.state_dict()
-        pieces = model_pieces(model, group.rank, group.size)
-        more, rest = vn.update.checkpoint_pieces(group.rank, group.size)
-        pieces += more
-        if group.rank != 0:
-            return pieces, None
-        empty = {k: v.detach().cpu() for k, v in model.items() if not v.numel()}  # in no chunk: kept here
-        return pieces, {"model": empty, "model_keys": list(model), "model_aliases": shared_names(model),
-                        "optimizer": rest, **self.small_state()}
+        pieces, meta = self.models.pieces(group.rank, group.size)
+        return pieces, (None if meta is None else {**meta, **self.small_state()})
 
     def boundary(self, group: Group, step: int, work: Boundary) -> None:
         self.vn.update.raise_deferred()  # shard_replicas=1: the step is applied, its all-gather failed
+        if work.eval_due(step):
+            self.models.before_eval(group)  # sharded parameters: the model whole on rank 0
         if work.dcp:
             if work.checkpoint_due(step):  # every member writes its part
                 t_ck = time.perf_counter()
@@ -265,11 +257,64 @@ class VNWorkerEngine:
                 "replica_refresh_s": 0.0, "redundant_forwards": {}}
 
     def state_bytes(self) -> int | None:
-        model = sum(t.numel() * t.element_size() for t in self.vn.model.state_dict().values())
-        return model + self.vn.update.state_bytes()
+        return self.models.model_bytes() + self.vn.update.state_bytes()
 
     def close(self) -> None:
         self.vn.close()  # its loader threads, if any
+
+
+class WholeModelState:
+    """Every worker holds the whole model (the plain and the sharded-optimizer reductions)."""
+
+    def __init__(self, vn: VNEngine) -> None:
+        self.vn = vn
+
+    def identical_start(self, group: Group) -> None:
+        broadcast_module(self.vn.model, group)
+
+    def model_state(self, group: Group | None) -> dict[str, torch.Tensor] | None:
+        if group is not None and group.rank != 0:
+            return None
+        return {k: v.detach().cpu() for k, v in self.vn.model.state_dict().items()}
+
+    def load(self, state: dict[str, Any]) -> None:
+        load_full_state(self.vn, state)
+
+    def transfer(self, group: Group, src: int, behind: list[int], progress: Progress,
+                 on_started: Callable[[], None] | None = None) -> int:
+        """The whole state from ``src`` to the members ``behind``; returns the bytes received."""
+        vn = self.vn
+        mine = full_state(vn, progress) if group.rank == src else None
+        # A newcomer's own tensors hold nothing of value: receive into them. A survivor one
+        # step behind keeps its state intact until the transfer is through (if the source
+        # dies mid-way, that state may be the best one left).
+        into = full_state(vn, progress) if progress.step < 0 else None
+        state, moved = broadcast_state(group, src, mine, vn.device, on_started=on_started, receivers=behind,
+                                       into=into)
+        if group.rank in behind:
+            load_full_state(vn, state)
+        return moved
+
+    def before_regroup(self, group: Group | None, successor: Any = None) -> None:
+        self.vn.before_regroup()  # sharded optimizer state: every member gathers it
+
+    def before_eval(self, group: Group) -> None:
+        pass
+
+    def pieces(self, rank: int, size: int) -> tuple[list[Piece], dict[str, Any] | None]:
+        vn = self.vn
+        model = vn.model.state_dict()
+        pieces = model_pieces(model, rank, size)
+        more, rest = vn.update.checkpoint_pieces(rank, size)
+        pieces += more
+        if rank != 0:
+            return pieces, None
+        empty = {k: v.detach().cpu() for k, v in model.items() if not v.numel()}  # in no chunk: kept here
+        return pieces, {"model": empty, "model_keys": list(model), "model_aliases": shared_names(model),
+                        "optimizer": rest}
+
+    def model_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.vn.model.state_dict().values())
 
 
 class RankZeroCheckpoints:
@@ -314,6 +359,6 @@ class CollectiveCheckpoints:
         pass  # written at the boundary, by every member together
 
     def hold(self, group: Group, step: int, work: Boundary) -> str | None:
-        self.engine.vn.before_regroup()  # the next generation cuts the optimizer state again
+        self.engine.before_regroup()  # the next generation cuts the optimizer state again
         state = work.whole_state(self.engine, group, step)  # rank 0 gathers the optimizer's chunks
         return work.save_checkpoint(step, state, prune=False) if group.rank == 0 else None

@@ -82,7 +82,7 @@ from virtualflow.runtime import dataset_check
 from virtualflow.runtime.checkpoint import save_state
 from virtualflow.runtime.dcp import load_checkpoint
 from virtualflow.runtime.engine import NonFiniteLossError
-from virtualflow.runtime.engines import Engine, Joining
+from virtualflow.runtime.engines import Engine, Joining, Successor
 from virtualflow.runtime.factory import build_engine
 from virtualflow.runtime.faults import WorkerFaults
 from virtualflow.runtime.failure_report import failing_step, peak_device_mib, peak_rss_mib, report_failure
@@ -508,9 +508,18 @@ class Worker:
                 if "stop" in ops:
                     return "stop"
                 if "regroup" in ops:
-                    engine.before_regroup()  # what a leaving member holds is gathered now
+                    # what a leaving member holds is gathered (or, sharded parameters: moved) now
+                    engine.before_regroup(self._successor(record, [c for c in commands if c["op"] == "regroup"][-1]))
                     return "regroup"
         return "done"
+
+    def _successor(self, record: protocol.GenerationRecord, command: dict[str, Any]) -> Successor:
+        """The generation a regroup command announces (published before the command), as this
+        generation's members see it: the member lists a resize of sharded state moves by."""
+        gen = int(command["generation"])
+        nxt = self.read_signed(protocol.generation_key(gen), lambda raw: protocol.parse_generation(self.run_key, raw, gen),
+                               f"generation {gen}")
+        return Successor(tuple(record.members), tuple(nxt.members))
 
     def _command(self, n: int) -> dict[str, Any]:
         """Control command ``n``, verified (by the heartbeat thread, or here)."""

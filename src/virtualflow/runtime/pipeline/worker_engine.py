@@ -305,7 +305,7 @@ class PipelineWorkerEngine:
             joining.transferring = False
         return moved, t_transfer
 
-    def before_regroup(self) -> None:
+    def before_regroup(self, successor: Any = None) -> None:
         # Every member keeps its own stage's state; a sharded stage optimizer is gathered whole on
         # every replica now, while the old stage group works (the next generation cuts it again).
         gather_stage_optimizer(self.stage, self.stage_group)  # (nothing to do for a whole one)
