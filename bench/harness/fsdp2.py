@@ -20,11 +20,8 @@ rank ``r`` reads positions ``[r B/W, (r+1) B/W)`` of each step's batch, as virtu
 Measured per rank: its step times (end of step to end of step), its peak resident memory
 (VmHWM) and peak address space (VmPeak) at the end of the last step, before the final weights
 are gathered, and the bytes of parameters, gradients and optimizer state it holds then (local
-shards: :func:`bench.harness.gpt.state_bytes`).
-
-``as_limit_mib``: the rank first sets ``RLIMIT_AS`` (:func:`apply_as_limit`), so a run that needs
-more address space fails with the allocator's out-of-memory error; the rank then reports the
-error instead of raising (``{"error": ...}``).
+shards: :func:`bench.harness.gpt.state_bytes`). :func:`apply_as_limit` and :func:`vmpeak_mib` are
+the address-space limit and its measure that the benchmark applies to virtualflow's workers.
 """
 
 from __future__ import annotations
@@ -33,7 +30,6 @@ import datetime
 import json
 import resource
 import time
-import traceback
 
 import torch
 
@@ -119,20 +115,12 @@ def _train(cfg: dict) -> dict:
 
 
 def fsdp2_rank(cfg: dict) -> dict:
-    """One rank's whole run (the body of ``--child-fsdp2``); with ``as_limit_mib``, an error
-    (out of memory) is returned as ``{"rank", "error"}`` rather than raised."""
-    apply_as_limit(cfg.get("as_limit_mib"))
+    """One rank's whole run (the body of ``--child-fsdp2``)."""
     torch.set_num_threads(cfg.get("threads", 1))
     distributed = cfg["world"] > 1 or cfg["sharded"]
-    try:
-        if distributed:
-            _init(cfg)
-        out = _train(cfg)
-    except Exception as exc:  # noqa: BLE001 - an out-of-memory under the limit is a result here
-        if not cfg.get("as_limit_mib"):
-            raise
-        return {"rank": cfg["rank"], "error": f"{type(exc).__name__}: {exc}"[:600],
-                "traceback_tail": traceback.format_exc()[-1500:]}
+    if distributed:
+        _init(cfg)
+    out = _train(cfg)
     if distributed:
         import torch.distributed as dist
 
@@ -142,7 +130,7 @@ def fsdp2_rank(cfg: dict) -> dict:
 
 
 def run_fsdp2(module: str, workers: int, *, size: str, V: int, B: int, steps: int, sharded: bool = True,
-              save: str | None = None, as_limit_mib: float | None = None, timeout_s: float = 900.0) -> list[dict]:
+              save: str | None = None, timeout_s: float = 900.0) -> list[dict]:
     """Run ``workers`` ranks as ``python -m MODULE --child-fsdp2 JSON`` (``MODULE`` calls
     :func:`fsdp2_rank`); their results by rank. ``sharded=False`` with 1 worker: the plain loop."""
     import torch.distributed as dist
@@ -152,7 +140,7 @@ def run_fsdp2(module: str, workers: int, *, size: str, V: int, B: int, steps: in
     procs = []
     for rank in range(workers):
         cfg = {"rank": rank, "world": workers, "port": store.port, "size": size, "V": V, "B": B, "steps": steps,
-               "sharded": sharded, "threads": 1, "save": save, "as_limit_mib": as_limit_mib}
+               "sharded": sharded, "threads": 1, "save": save}
         procs.append(spawn_child(module, ["--child-fsdp2", json.dumps(cfg)], 1))
     out = collect_children(procs, "FSDP2 rank" if sharded else "plain loop", timeout_s=timeout_s)
     del store
