@@ -14,7 +14,9 @@ process. Every run trains the same model from the same initialisation on the sam
   (``reduction="allreduce"``: the reference the deterministic runs must equal bit for bit).
 
 Measured per process, at the end of the last step (before any final gather): the peak resident
-memory (VmHWM) and peak address space (VmPeak), and the bytes of every tensor storage it holds
+memory (VmHWM) of the whole run and of the steady steps alone (``steady``: the peak is reset after
+the last warm-up step through ``/proc/self/clear_refs``, so building the model and the first steps
+do not count), the peak address space (VmPeak), and the bytes of every tensor storage it holds
 (``live tensors``: a walk of its live tensors, each storage once); for the PyTorch runs also the
 parameters, gradients and optimizer state by name. virtualflow's workers report theirs through a
 ``ranks="all"`` callback (:class:`MemoryProbe`) that writes one file per worker. Step time: the
@@ -24,21 +26,22 @@ is the median over repetitions of the ratio of the same repetition.
 
 Targets (issue 43):
 
-* ``mem_formula`` (W = 1, 2, 4): what sharding leaves per worker, by RSS, is at most 1/W of the
-  unsharded training state U (parameters + gradients + AdamW state, measured in the plain loop)
-  plus the two largest units gathered, plus 10 %:
-  ``(VmHWM_W - VmHWM_unsharded + U) / (1.10 (U / W + L1 + L2)) <= 1``, with VmHWM_unsharded the
-  unsharded virtualflow run's in the default mode (``reduction="allreduce"``, W = 1: its process
-  overhead and activations cancel);
-* ``mem_vs_fsdp2`` (W = 1, 2, 4): virtualflow's largest worker VmHWM / FSDP2's largest rank's <= 1;
+* ``mem_formula`` (W = 1, 2, 4): what sharding leaves per worker in training, by RSS, is at most
+  1/W of the unsharded training state U (parameters + gradients + AdamW state, measured in the
+  plain loop) plus the two largest units gathered, plus 10 %:
+  ``(VmHWM_W - VmHWM_unsharded + U) / (1.10 (U / W + L1 + L2)) <= 1``, both steady-step peaks, with
+  VmHWM_unsharded the unsharded virtualflow run's in the default mode (``reduction="allreduce"``,
+  W = 1: its process overhead and activations cancel);
+* ``mem_vs_fsdp2`` (W = 1, 2, 4): virtualflow's largest worker VmHWM / FSDP2's largest rank's <= 1,
+  over the whole run (start-up included: what a memory limit sees);
 * ``time_ratio`` (W = 2, 4): virtualflow default mode / FSDP2 step time <= 1.05;
 * ``det_ratio`` (W = 1, 2, 4): deterministic / default mode step time <= 1.15;
 * deterministic runs at W = 1, 2 and 4 bit-identical to the unsharded deterministic run;
 * **a model that does not fit**: a per-worker address-space limit (``RLIMIT_AS``, set in each
   worker before the model is built) halfway between the sharded W = 4 workers' peak address space
   during training and the unsharded worker's, both measured in this run (so a final export that
-  gathers more than training holds shows here as a failure at the end): the unsharded run must fail with an
-  out-of-memory error that names ``reduction="fsdp"`` (``--reduction fsdp``), and the sharded
+  gathers more than training holds shows here as a failure at the end): the unsharded run must
+  fail with an out-of-memory error that names ``reduction="fsdp"`` (``--reduction fsdp``), and the sharded
   deterministic run on 4 workers must complete under the same limit, bit-identical to the
   unsharded deterministic run made without it.
 
@@ -66,7 +69,7 @@ import torch
 
 from bench import harness as H
 from bench.harness import gpt
-from bench.harness.fsdp2 import apply_as_limit, fsdp2_rank, run_fsdp2, vmpeak_mib
+from bench.harness.fsdp2 import apply_as_limit, fsdp2_rank, reset_peak_rss, run_fsdp2, vmpeak_mib
 
 NAME = "sharded_params"
 MODULE = "bench.sharded_params"
@@ -90,6 +93,7 @@ VmPeak 600 MiB above the 1-worker run's for the same model; with 1-2 arenas they
 
 PROBE_DIR = "VF_BENCH_PROBE_DIR"
 PROBE_STEP = "VF_BENCH_PROBE_STEP"
+PROBE_RESET = "VF_BENCH_PROBE_RESET"
 LIMIT_ENV = "VF_BENCH_AS_LIMIT_MIB"
 LAUNCHER_ENV = "VF_BENCH_LAUNCHER_PID"
 
@@ -99,27 +103,37 @@ LAUNCHER_ENV = "VF_BENCH_LAUNCHER_PID"
 
 
 class MemoryProbe:
-    """A ``ranks="all"`` callback: at step ``$VF_BENCH_PROBE_STEP`` each worker writes its VmHWM,
-    VmPeak and live tensor bytes to ``$VF_BENCH_PROBE_DIR/rank<r>-step.json`` (the training peak),
-    and when the job ends, after the final state is written, its VmHWM and VmPeak again to
-    ``rank<r>-end.json`` (the peak with the final export); nothing when the variables are unset."""
+    """A ``ranks="all"`` callback measuring each worker's memory (nothing when the variables are unset).
+
+    After step ``$VF_BENCH_PROBE_RESET`` (the last warm-up step) it notes the worker's VmHWM so far
+    and resets it; at step ``$VF_BENCH_PROBE_STEP`` (the last) it writes to
+    ``$VF_BENCH_PROBE_DIR/rank<r>-step.json`` the peak resident memory of the whole run
+    (``vmhwm_mib``) and of the steady steps alone (``steady_vmhwm_mib``), the peak address space
+    (``vmpeak_mib``) and the bytes of its live tensors; when the job ends, after the final state is
+    written, its VmHWM and VmPeak again to ``rank<r>-end.json`` (the final export's peak)."""
 
     ranks = "all"
 
     def __init__(self) -> None:
         self.rank: int | None = None
+        self.early: dict = {}
 
     def _write(self, what: str, record: dict) -> None:
         with open(os.path.join(os.environ[PROBE_DIR], f"rank{self.rank}-{what}.json"), "w") as f:
             json.dump({"rank": self.rank, **record}, f)
 
     def on_step_end(self, info) -> None:
-        step = os.environ.get(PROBE_STEP)
-        if not os.environ.get(PROBE_DIR) or step is None or info.step != int(step):
+        if not os.environ.get(PROBE_DIR):
             return None
-        self.rank = info.rank
-        self._write("step", {"workers": info.workers, "vmhwm_mib": H.vmhwm_mib(), "vmpeak_mib": vmpeak_mib(),
-                             "live_tensor_bytes": gpt.live_tensor_bytes()})
+        if info.step == int(os.environ.get(PROBE_RESET, "-1")):
+            self.early = {"early_vmhwm_mib": H.vmhwm_mib(), "peak_reset": reset_peak_rss()}
+        if info.step == int(os.environ.get(PROBE_STEP, "-1")):
+            self.rank = info.rank
+            steady = H.vmhwm_mib()
+            self._write("step", {"workers": info.workers, "steady_vmhwm_mib": steady,
+                                 "vmhwm_mib": max(steady, self.early.get("early_vmhwm_mib", steady)),
+                                 "vmpeak_mib": vmpeak_mib(), "live_tensor_bytes": gpt.live_tensor_bytes(),
+                                 **self.early})
         return None
 
     def on_train_end(self, step: int) -> None:
@@ -202,21 +216,22 @@ def names_knob(text: str | None) -> bool:
 def check_targets(t: H.Targets, fig: dict) -> list[list]:
     """Check every target on the measured figures (plain numbers, no processes); the table's rows.
 
-    ``fig``: ``unsharded_state_bytes`` (U), ``unit_bytes``, ``vf_unsharded_vmhwm_mib``, ``per_w``
-    {W: ``fsdp2_step_s``, ``vf_step_s``, ``det_step_s`` (lists, one per repetition),
-    ``fsdp2_vmhwm_mib``, ``vf_vmhwm_mib`` (per rank), ``det_bit_identical``}, and ``limit``
+    ``fig``: ``unsharded_state_bytes`` (U), ``unit_bytes``, ``vf_unsharded_steady_vmhwm_mib``,
+    ``per_w`` {W: ``fsdp2_step_s``, ``vf_step_s``, ``det_step_s`` (lists, one per repetition),
+    ``fsdp2_vmhwm_mib``, ``vf_vmhwm_mib`` (whole run), ``fsdp2_steady_vmhwm_mib``,
+    ``vf_steady_vmhwm_mib`` (steady steps; each per rank), ``det_bit_identical``}, and ``limit``
     (None when not run) with ``limit_mib``, ``unsharded_error``, ``sharded_error``,
     ``sharded_bit_identical``."""
     U, units = fig["unsharded_state_bytes"], fig["unit_bytes"]
     rows = []
     for w, r in sorted(fig["per_w"].items()):
         bound = memory_bound(U, units, w)
-        left = (max(r["vf_vmhwm_mib"]) - fig["vf_unsharded_vmhwm_mib"]) * 2 ** 20 + U
-        mem = t.at_most("mem_formula", f"W={w}: virtualflow's state left per worker by RSS (VmHWM_W - VmHWM_unsharded "
-                        f"+ U) / (1.10 (U/W + two largest units))", left / bound, 1.0)
+        left = (max(r["vf_steady_vmhwm_mib"]) - fig["vf_unsharded_steady_vmhwm_mib"]) * 2 ** 20 + U
+        mem = t.at_most("mem_formula", f"W={w}: virtualflow's state left per worker by RSS in the steady steps "
+                        f"(VmHWM_W - VmHWM_unsharded + U) / (1.10 (U/W + two largest units))", left / bound, 1.0)
         vs = max(r["vf_vmhwm_mib"]) / max(r["fsdp2_vmhwm_mib"])
-        mem2 = t.at_most("mem_vs_fsdp2", f"W={w}: virtualflow / FSDP2 peak RSS per worker (largest)", vs,
-                         TARGET_MEM_VS_FSDP2)
+        mem2 = t.at_most("mem_vs_fsdp2", f"W={w}: virtualflow / FSDP2 peak RSS per worker over the whole run "
+                         f"(largest)", vs, TARGET_MEM_VS_FSDP2)
         time_ratio = H.median([a / b for a, b in zip(r["vf_step_s"], r["fsdp2_step_s"])])
         tm = (t.at_most("time_ratio", f"W={w}: virtualflow (default mode) / FSDP2 step time", time_ratio, TARGET_TIME)
               if w in TIME_WORKERS else None)
@@ -226,8 +241,10 @@ def check_targets(t: H.Targets, fig: dict) -> list[list]:
                       r["det_bit_identical"])
         rows.append([w, f"{H.median(r['fsdp2_step_s']):.3f}", f"{H.median(r['vf_step_s']):.3f}",
                      f"{H.median(r['det_step_s']):.3f}", f"{time_ratio:.3f} {'-' if tm is None else H.yes_no(tm)}",
-                     f"{det_ratio:.3f} {H.yes_no(dm)}", f"{max(r['fsdp2_vmhwm_mib']):.0f}",
-                     f"{max(r['vf_vmhwm_mib']):.0f}", f"{vs:.3f} {H.yes_no(mem2)}",
+                     f"{det_ratio:.3f} {H.yes_no(dm)}",
+                     f"{max(r['fsdp2_vmhwm_mib']):.0f} / {max(r['fsdp2_steady_vmhwm_mib']):.0f}",
+                     f"{max(r['vf_vmhwm_mib']):.0f} / {max(r['vf_steady_vmhwm_mib']):.0f}",
+                     f"{vs:.3f} {H.yes_no(mem2)}",
                      f"{left / 2 ** 20:.0f} / {bound / 2 ** 20:.0f} {H.yes_no(mem)}", H.yes_no(bit)])
     lim = fig.get("limit")
     if lim is not None:
@@ -246,7 +263,8 @@ def check_targets(t: H.Targets, fig: dict) -> list[list]:
 
 
 HEADER = ["W", "FSDP2 step s", "vf step s", "vf det step s", "vf / FSDP2 (<= 1.05)", "det / default (<= 1.15)",
-          "FSDP2 VmHWM MiB", "vf VmHWM MiB", "vf / FSDP2 mem (<= 1)", "state left / bound MiB", "det bit-identical"]
+          "FSDP2 VmHWM MiB run / steady", "vf VmHWM MiB run / steady", "vf / FSDP2 mem, run (<= 1)",
+          "state left / bound MiB, steady", "det bit-identical"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,13 +275,13 @@ def run_torch(args, workers: int, *, sharded: bool, save: str | None = None) -> 
     """FSDP2 on ``workers`` ranks (or the plain loop: ``sharded=False``, 1 worker)."""
     with H.LoadMeter() as meter:
         ranks = run_fsdp2(MODULE, workers, size=args.size, V=args.vns, B=args.batch, steps=args.steps,
-                          sharded=sharded, save=save, timeout_s=args.timeout)
+                          warmup=args.warmup, sharded=sharded, save=save, timeout_s=args.timeout)
     return {"ranks": ranks, "other_load_cores": meter.other_cores,
             "median_step_s": H.median(ranks[0]["step_times"][args.warmup:])}
 
 
-def _probe_env(probe_dir: str, step: int, limit_mib: float | None) -> dict[str, str]:
-    env = {PROBE_DIR: probe_dir, PROBE_STEP: str(step)}
+def _probe_env(probe_dir: str, args, limit_mib: float | None) -> dict[str, str]:
+    env = {PROBE_DIR: probe_dir, PROBE_STEP: str(args.steps - 1), PROBE_RESET: str(args.warmup - 1)}
     if limit_mib is not None:
         env.update({LIMIT_ENV: f"{limit_mib:.1f}", LAUNCHER_ENV: str(os.getpid())})
     return env
@@ -275,7 +293,7 @@ def run_vf(args, workers: int, *, reduction: str, deterministic: bool, limit_mib
     import virtualflow as vf
 
     probe_dir = tempfile.mkdtemp(prefix="sharded_params-probe-")
-    env = _probe_env(probe_dir, args.steps - 1, limit_mib)
+    env = _probe_env(probe_dir, args, limit_mib)
     os.environ.update(env)
     try:
         with H.LoadMeter() as meter:
@@ -286,7 +304,8 @@ def run_vf(args, workers: int, *, reduction: str, deterministic: bool, limit_mib
         if limit_mib is None:
             raise
         tb = getattr(exc, "worker_traceback", None)
-        return {"error": f"{type(exc).__name__}: {exc}" + (f"\n{tb}" if tb else "")}
+        return {"error": f"{type(exc).__name__}: {exc}" + (f"\n{tb}" if tb else ""),
+                "failed_at_step": getattr(exc, "step", None)}
     finally:
         for k in env:
             os.environ.pop(k, None)
@@ -303,6 +322,11 @@ def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def rank_figure(run: dict, key: str, rank: int) -> float:
+    """A figure of one rank of a PyTorch run (``ranks``) or one worker of a virtualflow run (``probes``)."""
+    return run["ranks"][rank][key] if "ranks" in run else probe_mib(run, key)[rank]
+
+
 def probe_mib(run: dict, key: str) -> list[float]:
     """Each worker's probed figure (NaN for a worker that wrote none)."""
     return [p.get(key, float("nan")) if p else float("nan") for p in run["probes"]]
@@ -315,17 +339,19 @@ def measure_baselines(args) -> dict:
     plain = run_torch(args, 1, sharded=False)["ranks"][0]
     U = sum(plain["state_bytes"][k] for k in ("params", "grads", "optimizer"))
     print(f"  plain loop (W=1): {H.median(plain['step_times'][args.warmup:]):.3f} s/step, state {H.mib(U)}, "
-          f"VmHWM {plain['vmhwm_mib']:.0f} MiB", flush=True)
+          f"VmHWM {plain['vmhwm_mib']:.0f} MiB (steady steps {plain['steady_vmhwm_mib']:.0f})", flush=True)
     base = run_vf(args, 1, reduction="allreduce", deterministic=False)
     base.pop("state_dict")
     ref = run_vf(args, 1, reduction="allreduce", deterministic=True)
     reference = ref.pop("state_dict")
     for name, r in (("default", base), ("deterministic", ref)):
         print(f"  virtualflow unsharded {name} (W=1): {r['median_step_s']:.3f} s/step, VmHWM "
-              f"{probe_mib(r, 'vmhwm_mib')[0]:.0f} MiB, VmPeak {probe_mib(r, 'vmpeak_mib')[0]:.0f} MiB", flush=True)
+              f"{probe_mib(r, 'vmhwm_mib')[0]:.0f} MiB (steady steps {probe_mib(r, 'steady_vmhwm_mib')[0]:.0f}), "
+              f"VmPeak {probe_mib(r, 'vmpeak_mib')[0]:.0f} MiB", flush=True)
     return {"unsharded_state_bytes": U, "plain_state_bytes": plain["state_bytes"],
             "plain_vmhwm_mib": plain["vmhwm_mib"], "plain_step_s": H.median(plain["step_times"][args.warmup:]),
             "vf_unsharded_vmhwm_mib": probe_mib(base, "vmhwm_mib")[0], "vf_unsharded_step_s": base["median_step_s"],
+            "vf_unsharded_steady_vmhwm_mib": probe_mib(base, "steady_vmhwm_mib")[0],
             "vf_unsharded_det_vmpeak_mib": probe_mib(ref, "vmpeak_mib")[0],
             "vf_unsharded_det_vmhwm_mib": probe_mib(ref, "vmhwm_mib")[0],
             "vf_unsharded_det_step_s": ref["median_step_s"],
@@ -356,9 +382,9 @@ def measure_w(args, workers: int, tmp: str, reference: dict[str, torch.Tensor]) 
         "fsdp2_step_s": [r["median_step_s"] for r in runs["fsdp2"]],
         "vf_step_s": [r["median_step_s"] for r in runs["vf"]],
         "det_step_s": [r["median_step_s"] for r in runs["det"]],
-        "fsdp2_vmhwm_mib": [H.median([r["ranks"][k]["vmhwm_mib"] for r in runs["fsdp2"]]) for k in range(workers)],
-        "vf_vmhwm_mib": [H.median([probe_mib(r, "vmhwm_mib")[k] for r in runs["vf"]]) for k in range(workers)],
-        "det_vmhwm_mib": [H.median([probe_mib(r, "vmhwm_mib")[k] for r in runs["det"]]) for k in range(workers)],
+        **{f"{side}{key}": [H.median([rank_figure(r, key, k) for r in runs[run]]) for k in range(workers)]
+           for side, run in (("fsdp2_", "fsdp2"), ("vf_", "vf"), ("det_", "det"))
+           for key in ("vmhwm_mib", "steady_vmhwm_mib")},
         "det_vmpeak_mib": probe_mib(last["det"], "vmpeak_mib"),
         "det_end_vmpeak_mib": probe_mib(last["det"], "end_vmpeak_mib"),
         "vf_end_vmhwm_mib": probe_mib(last["vf"], "end_vmhwm_mib"),
@@ -390,11 +416,14 @@ def measure_limit(args, sharded_peak: float, unsharded_peak: float, export_peak:
     out["unsharded_error"] = unsharded.get("error") or "completed (no error)"
     sharded = run_vf(args, LIMIT_WORKERS, reduction=args.reduction, deterministic=True, limit_mib=limit)
     out["sharded_error"] = sharded.get("error")
+    out["sharded_failed_at_step"] = sharded.get("failed_at_step")  # == steps: after training, in the final export
     out["sharded_bit_identical"] = "state_dict" in sharded and same_bits(sharded.pop("state_dict"), reference)
     out["sharded_vmpeak_mib"] = probe_mib(sharded, "vmpeak_mib") if "probes" in sharded else None
     print(f"  under the limit: unsharded virtualflow: {out['unsharded_error'].splitlines()[0][:300]}\n"
           f"    sharded virtualflow (W={LIMIT_WORKERS}): {(out['sharded_error'] or 'completed')[:2000]}\n"
-          f"    bit-identical to the unsharded deterministic run: {out['sharded_bit_identical']}", flush=True)
+          f"    bit-identical to the unsharded deterministic run: {out['sharded_bit_identical']}"
+          + (f"\n    (it failed after its last step, {args.steps - 1}: in the final state's export)"
+             if out["sharded_failed_at_step"] == args.steps else ""), flush=True)
     return out
 
 
@@ -413,8 +442,9 @@ def markdown(run: H.Run, args, fig: dict, rows: list[list]) -> str:
         f"training state U = {H.mib(U)} (parameters {H.mib(fig['plain_state_bytes']['params'])}, gradients "
         f"{H.mib(fig['plain_state_bytes']['grads'])}, AdamW {H.mib(fig['plain_state_bytes']['optimizer'])}, "
         f"measured in the plain loop, whose VmHWM is {fig['plain_vmhwm_mib']:.0f} MiB); two largest units "
-        f"{H.mib(two_largest(fig['unit_bytes']))}; unsharded virtualflow worker VmHWM "
-        f"{fig['vf_unsharded_vmhwm_mib']:.0f} MiB.", "",
+        f"{H.mib(two_largest(fig['unit_bytes']))}; unsharded virtualflow worker (default mode) VmHWM "
+        f"{fig['vf_unsharded_vmhwm_mib']:.0f} MiB, {fig['vf_unsharded_steady_vmhwm_mib']:.0f} MiB in the steady "
+        f"steps. VmHWM columns: the whole run's peak / the steady steps' peak (the worker with the largest).", "",
         H.md_table(HEADER, rows), ""]
     if lim is not None:
         lines += [f"Model that does not fit: per-worker RLIMIT_AS {H.num(lim['limit_mib'], '.0f')} MiB, halfway "

@@ -17,11 +17,14 @@ baseline). Samples follow virtualflow's data order (:func:`bench.harness.workloa
 rank ``r`` reads positions ``[r B/W, (r+1) B/W)`` of each step's batch, as virtualflow's worker
 ``r`` runs VNs ``r V/W ...`` with the contiguous assignment.
 
-Measured per rank: its step times (end of step to end of step), its peak resident memory
-(VmHWM) and peak address space (VmPeak) at the end of the last step, before the final weights
-are gathered, and the bytes of parameters, gradients and optimizer state it holds then (local
-shards: :func:`bench.harness.gpt.state_bytes`). :func:`apply_as_limit` and :func:`vmpeak_mib` are
-the address-space limit and its measure that the benchmark applies to virtualflow's workers.
+Measured per rank: its step times (end of step to end of step); its peak resident memory (VmHWM)
+over the whole run up to the end of the last step, before the final weights are gathered, and
+over the steady steps alone (``steady_vmhwm_mib``: the peak is reset with :func:`reset_peak_rss`
+after the last warm-up step, so what building the model and the first steps held does not count);
+its peak address space (VmPeak); and the bytes of parameters, gradients and optimizer state it
+holds at the end of the last step (local shards: :func:`bench.harness.gpt.state_bytes`).
+:func:`apply_as_limit`, :func:`vmpeak_mib` and :func:`reset_peak_rss` serve virtualflow's workers
+too.
 """
 
 from __future__ import annotations
@@ -51,6 +54,17 @@ def apply_as_limit(mib: float | None) -> None:
 def vmpeak_mib() -> float:
     """Peak address space of this process (what ``RLIMIT_AS`` bounds)."""
     return _status_field("self", "VmPeak")
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's VmHWM to its current resident memory (Linux >= 4.0: ``5`` to
+    ``/proc/self/clear_refs``), so that a later VmHWM is the peak since now; False when refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def rank_slices(B: int, V: int, world: int, rank: int) -> tuple[int, int, int]:
@@ -88,7 +102,7 @@ def _train(cfg: dict) -> dict:
     lo, micro, n = rank_slices(cfg["B"], cfg["V"], cfg["world"], rank)
     model = _model(cfg)
     opt = adamw(model)
-    times, losses, held = [], [], {}
+    times, losses, held, early = [], [], {}, {}
     t_prev = time.perf_counter()
     for step in range(steps):
         idx = batch_indices(len(X), cfg["B"], step, lo, lo + micro * n)
@@ -103,11 +117,14 @@ def _train(cfg: dict) -> dict:
         times.append(now - t_prev)
         t_prev = now
         losses.append(total)
+        if step == cfg["warmup"] - 1:  # the steady steps' peak from here on
+            early = {"early_vmhwm_mib": vmhwm_mib(), "peak_reset": reset_peak_rss()}
         if step == steps - 1:  # the state held at the end of a step (gradients still there), after its time
             held = {**state_bytes(model, opt), "live_tensors": live_tensor_bytes()}
         opt.zero_grad(set_to_none=True)
-    out = {"rank": rank, "step_times": times, "losses": losses, "state_bytes": held,
-           "vmhwm_mib": vmhwm_mib(), "vmpeak_mib": vmpeak_mib()}
+    steady = vmhwm_mib()
+    out = {"rank": rank, "step_times": times, "losses": losses, "state_bytes": held, "steady_vmhwm_mib": steady,
+           "vmhwm_mib": max(steady, early.get("early_vmhwm_mib", steady)), "vmpeak_mib": vmpeak_mib(), **early}
     full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
     if rank == 0 and cfg.get("save"):
         torch.save(full, cfg["save"])
@@ -129,8 +146,8 @@ def fsdp2_rank(cfg: dict) -> dict:
     return out
 
 
-def run_fsdp2(module: str, workers: int, *, size: str, V: int, B: int, steps: int, sharded: bool = True,
-              save: str | None = None, timeout_s: float = 900.0) -> list[dict]:
+def run_fsdp2(module: str, workers: int, *, size: str, V: int, B: int, steps: int, warmup: int,
+              sharded: bool = True, save: str | None = None, timeout_s: float = 900.0) -> list[dict]:
     """Run ``workers`` ranks as ``python -m MODULE --child-fsdp2 JSON`` (``MODULE`` calls
     :func:`fsdp2_rank`); their results by rank. ``sharded=False`` with 1 worker: the plain loop."""
     import torch.distributed as dist
@@ -140,7 +157,7 @@ def run_fsdp2(module: str, workers: int, *, size: str, V: int, B: int, steps: in
     procs = []
     for rank in range(workers):
         cfg = {"rank": rank, "world": workers, "port": store.port, "size": size, "V": V, "B": B, "steps": steps,
-               "sharded": sharded, "threads": 1, "save": save}
+               "sharded": sharded, "threads": 1, "save": save, "warmup": warmup}
         procs.append(spawn_child(module, ["--child-fsdp2", json.dumps(cfg)], 1))
     out = collect_children(procs, "FSDP2 rank" if sharded else "plain loop", timeout_s=timeout_s)
     del store
