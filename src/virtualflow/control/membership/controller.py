@@ -115,6 +115,9 @@ class MembershipController:
         self.stages = stages
         """Set for a pipelined job: resizes go in whole replicas of this many stages."""
         self.redundancy = redundancy
+        self.shards_die_with_members = options.reduction == "fsdp"
+        """Sharded parameters keep one copy of each shard: a lost member takes part of the model
+        with it, so the run falls back to its last checkpoint (:class:`FallbackRestart`)."""
         """A pipelined job with Bamboo's redundant stages: a replica that loses a worker fails
         over (:mod:`.failover`) instead of ending."""
         self.tensor = tensor

@@ -56,6 +56,13 @@ class LossHandler:
         breaks = lost or any(ctl.assigned.get(w, -1) == ctl.generation and ctl.busy for w in newcomers_lost)
         if not breaks:
             return
+        if lost and ctl.shards_die_with_members:
+            ctl.coord.abort(ctl.generation)
+            lost_desc = "; ".join(f"worker {w} {failed[w]}" for w in lost)
+            reason = "reduction='fsdp' keeps one copy of each parameter shard and a lost member held some"
+            ctl.coord.event("fallback_restart", step=ctl.last_step, reason=reason, failed=sorted(failed))
+            raise FallbackRestart(f"{lost_desc} at step {ctl.last_step}: {reason}. Resume from the last checkpoint "
+                                  f"(--resume RUN_DIR; --checkpoint-every N keeps one)")
         if ctl.stages is not None and ctl.redundancy and any(w not in failed for w in ctl.members):
             self.fail_over(failed)  # per pipeline replica: fail over, leave whole, or fall back
             return

@@ -32,6 +32,7 @@ class Roster(Protocol):
     # the job's shape and settings
     stages: int | None
     redundancy: bool
+    shards_die_with_members: bool
     balance: bool
     replace_failed: bool
     min_workers: int

@@ -88,6 +88,7 @@ class FsdpBody:
         statistics, the loss and BatchNorm's mean statistics where the tree carries them)."""
         h, red = self.host, self.update.reduction
         V = h.plan.virtual_nodes
+        self.update.store.free_all()  # (rank 0 may hold the whole model since a checkpoint or evaluation)
         red.begin_step(V)
         dtype = self.update.store.units[0].dtype
         tails = torch.zeros(V, self.tail.numel, dtype=dtype)
