@@ -32,6 +32,9 @@ Targets (issue 43):
   ``(VmHWM_W - VmHWM_unsharded + U) / (1.10 (U / W + L1 + L2)) <= 1``, both steady-step peaks, with
   VmHWM_unsharded the unsharded virtualflow run's in the default mode (``reduction="allreduce"``,
   W = 1: its process overhead and activations cancel);
+* ``mem_tensors`` (W = 1, 2, 4): the same bound on the bytes of the tensors a worker holds at the
+  end of a step (the allocator's view: every live tensor storage; RSS also counts memory the C
+  allocator keeps after tensors are freed, such as the whole model built before it is sharded);
 * ``mem_vs_fsdp2`` (W = 1, 2, 4): virtualflow's largest worker VmHWM / FSDP2's largest rank's <= 1,
   over the whole run (start-up included: what a memory limit sees);
 * ``time_ratio`` (W = 2, 4): virtualflow default mode / FSDP2 step time <= 1.05;
@@ -73,7 +76,7 @@ from bench.harness.fsdp2 import apply_as_limit, fsdp2_rank, reset_peak_rss, run_
 
 NAME = "sharded_params"
 MODULE = "bench.sharded_params"
-TARGET_KEYS = ("mem_formula", "mem_vs_fsdp2", "time_ratio", "det_ratio")
+TARGET_KEYS = ("mem_formula", "mem_tensors", "mem_vs_fsdp2", "time_ratio", "det_ratio")
 TARGET_TIME = 1.05
 TARGET_DET = 1.15
 TARGET_MEM_VS_FSDP2 = 1.0
@@ -219,7 +222,8 @@ def check_targets(t: H.Targets, fig: dict) -> list[list]:
     ``fig``: ``unsharded_state_bytes`` (U), ``unit_bytes``, ``vf_unsharded_steady_vmhwm_mib``,
     ``per_w`` {W: ``fsdp2_step_s``, ``vf_step_s``, ``det_step_s`` (lists, one per repetition),
     ``fsdp2_vmhwm_mib``, ``vf_vmhwm_mib`` (whole run), ``fsdp2_steady_vmhwm_mib``,
-    ``vf_steady_vmhwm_mib`` (steady steps; each per rank), ``det_bit_identical``}, and ``limit``
+    ``vf_steady_vmhwm_mib`` (steady steps; each per rank), ``vf_live_tensor_bytes`` (per rank),
+    ``det_bit_identical``}, and ``limit``
     (None when not run) with ``limit_mib``, ``unsharded_error``, ``sharded_error``,
     ``sharded_bit_identical``."""
     U, units = fig["unsharded_state_bytes"], fig["unit_bytes"]
@@ -229,6 +233,9 @@ def check_targets(t: H.Targets, fig: dict) -> list[list]:
         left = (max(r["vf_steady_vmhwm_mib"]) - fig["vf_unsharded_steady_vmhwm_mib"]) * 2 ** 20 + U
         mem = t.at_most("mem_formula", f"W={w}: virtualflow's state left per worker by RSS in the steady steps "
                         f"(VmHWM_W - VmHWM_unsharded + U) / (1.10 (U/W + two largest units))", left / bound, 1.0)
+        held = max(r["vf_live_tensor_bytes"])
+        mem_t = t.at_most("mem_tensors", f"W={w}: virtualflow's tensors held per worker at a step's end (every live "
+                          f"storage) / (1.10 (U/W + two largest units))", held / bound, 1.0)
         vs = max(r["vf_vmhwm_mib"]) / max(r["fsdp2_vmhwm_mib"])
         mem2 = t.at_most("mem_vs_fsdp2", f"W={w}: virtualflow / FSDP2 peak RSS per worker over the whole run "
                          f"(largest)", vs, TARGET_MEM_VS_FSDP2)
@@ -245,7 +252,8 @@ def check_targets(t: H.Targets, fig: dict) -> list[list]:
                      f"{max(r['fsdp2_vmhwm_mib']):.0f} / {max(r['fsdp2_steady_vmhwm_mib']):.0f}",
                      f"{max(r['vf_vmhwm_mib']):.0f} / {max(r['vf_steady_vmhwm_mib']):.0f}",
                      f"{vs:.3f} {H.yes_no(mem2)}",
-                     f"{left / 2 ** 20:.0f} / {bound / 2 ** 20:.0f} {H.yes_no(mem)}", H.yes_no(bit)])
+                     f"{left / 2 ** 20:.0f} / {bound / 2 ** 20:.0f} {H.yes_no(mem)}",
+                     f"{held / 2 ** 20:.0f} {H.yes_no(mem_t)}", H.yes_no(bit)])
     lim = fig.get("limit")
     if lim is not None:
         t.holds(f"no fit: a per-worker limit separates the sharded and unsharded peaks "
@@ -264,7 +272,7 @@ def check_targets(t: H.Targets, fig: dict) -> list[list]:
 
 HEADER = ["W", "FSDP2 step s", "vf step s", "vf det step s", "vf / FSDP2 (<= 1.05)", "det / default (<= 1.15)",
           "FSDP2 VmHWM MiB run / steady", "vf VmHWM MiB run / steady", "vf / FSDP2 mem, run (<= 1)",
-          "state left / bound MiB, steady", "det bit-identical"]
+          "state left / bound MiB, steady", "tensors held MiB", "det bit-identical"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -64,7 +64,8 @@ def _figures(**w4) -> dict:
             "fsdp2_vmhwm_mib": [800.0] * 4, "vf_vmhwm_mib": [650.0] * 4, "det_bit_identical": True},
     }
     for r in per_w.values():  # the steady steps' peaks: the whole run's unless a case says otherwise
-        r.update(vf_steady_vmhwm_mib=r["vf_vmhwm_mib"], fsdp2_steady_vmhwm_mib=r["fsdp2_vmhwm_mib"])
+        r.update(vf_steady_vmhwm_mib=r["vf_vmhwm_mib"], fsdp2_steady_vmhwm_mib=r["fsdp2_vmhwm_mib"],
+                 vf_live_tensor_bytes=[mib(320 / len(r["vf_vmhwm_mib"]))] * len(r["vf_vmhwm_mib"]))
     per_w[4].update(w4)
     return {"unsharded_state_bytes": mib(320), "unit_bytes": [mib(7)] * 10 + [mib(12)],
             "vf_unsharded_steady_vmhwm_mib": 900.0, "per_w": per_w,
@@ -85,6 +86,7 @@ def test_targets_met_on_figures_within_every_bound():
     t, v = _verdicts(_figures())
     assert t.all_met, t.lines()
     assert v["mem_formula"] == [True] * 3 and v["time_ratio"] == [True, True] and v["det_ratio"] == [True] * 3
+    assert v["mem_tensors"] == [True] * 3
     # W=4: state left = (650 - 900) MiB + 320 MiB = 70 MiB against 1.1 (80 + 19) MiB
     formula = [c for c in t.checks if c.key == "mem_formula"][2]
     assert formula.value == pytest.approx(70 / (1.1 * 99))
@@ -96,6 +98,7 @@ def test_targets_met_on_figures_within_every_bound():
     ({"fsdp2_vmhwm_mib": [600.0, 640.0, 600.0, 600.0]}, "mem_vs_fsdp2"),  # 650 MiB above FSDP2's largest 640
     ({"vf_vmhwm_mib": [820.0] * 4}, "mem_vs_fsdp2"),  # a start-up peak above FSDP2's, the steady steps below
     ({"vf_steady_vmhwm_mib": [720.0] * 4}, "mem_formula"),  # 140 MiB left in the steady steps > 1.1 x 99 MiB
+    ({"vf_live_tensor_bytes": [MIB * 110] * 4}, "mem_tensors"),  # 110 MiB held > 1.1 x 99 MiB
 ])
 def test_each_missed_target_is_a_no(change, key):
     t, v = _verdicts(_figures(**change))
@@ -245,8 +248,8 @@ def test_a_run_checks_every_target_and_writes_its_results(tmp_path, monkeypatch,
     assert code == (1 if slow else 0) and out["all_targets_met"] is not slow
     missed = {c["key"] for c in out["target_checks"] if not c["met"]}
     assert missed == ({"time_ratio"} if slow else set())
-    # five per W (no step-time target at W=1), five for the model that does not fit
-    assert len(out["target_checks"]) == 4 + 2 * 5 + 5
+    # six per W (no step-time target at W=1), five for the model that does not fit
+    assert len(out["target_checks"]) == 5 + 2 * 6 + 5
     # the limit lies between the sharded W=4 peak (1400) and the unsharded one (1800), in both limited runs
     limits = {c[-1] for c in fake.calls if c[-1] is not None}
     assert limits == {1600.0}
