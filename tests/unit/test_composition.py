@@ -270,11 +270,11 @@ def test_a_failure_with_balance_on_maps_the_survivors_by_their_measured_speed():
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CAPABILITIES = ["pipeline", "tensor parallel", "sharded reduction", "deterministic", "heterogeneous speeds",
                 "autoscaler", "resize", "failure recovery", "Bamboo", "tied weights", "breakdown",
-                "overlapped input", "mixed precision", "clipping"]
+                "overlapped input", "mixed precision", "clipping", "sharded parameters"]
 
 
 def test_the_composition_page_has_one_row_per_pair_and_names_tests_that_exist():
-    """docs/composition.md: every pair of the 14 capabilities once, each "works" or "refused at
+    """docs/composition.md: every pair of the 15 capabilities once, each "works" or "refused at
     launch" row naming a test, the counts line true, and every test named there defined in its
     file (files of features not in this tree yet are listed in the skip reason)."""
     text = open(os.path.join(ROOT, "docs", "composition.md")).read()
@@ -287,7 +287,7 @@ def test_the_composition_page_has_one_row_per_pair_and_names_tests_that_exist():
     status = [r[2] for r in rows]
     assert set(status) <= {"works", "refused at launch", "unknown"}
     counts = {s: status.count(s) for s in ("works", "refused at launch", "unknown")}
-    assert (f"91 pairs: **{counts['works']} works**, **{counts['refused at launch']} refused at launch**, "
+    assert (f"105 pairs: **{counts['works']} works**, **{counts['refused at launch']} refused at launch**, "
             f"**{counts['unknown']} unknown**") in text
     missing_files = set()
     for a, b, s, cell in rows:

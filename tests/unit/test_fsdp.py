@@ -97,6 +97,41 @@ def test_gathering_in_bf16_is_bit_identical_across_worker_counts():
         torch.testing.assert_close(three.state["model"][k], v, atol=5e-2, rtol=0)
 
 
+def test_loader_threads_and_the_breakdown_keep_the_bits():
+    job = tied_gpt_job(precision="bf16-mixed", max_grad_norm=0.05)
+    got = train(job, 3, loader_workers=2, breakdown=True)
+    assert_same_run(train(job, 1, reduction="allreduce"), got)
+    for o in got.outcomes[1:]:  # per worker (step 0 has no previous step's intervals)
+        assert len(o.breakdown) == 3 and all(w["forward_s"] > 0 and w["backward_s"] > 0 for w in o.breakdown)
+
+
+def test_the_autoscalers_decisions_resize_sharded_parameters_bit_identically():
+    """The real autoscale executor (``efficiency`` policy, step times from a fixed curve) decides
+    the sizes; each decision is the next generation, as the membership controller applies it."""
+    from test_autoscale_composition import STEP_S, Controller, Events
+    from virtualflow.control.autoscale import EfficiencyPolicy, Limits
+    from virtualflow.control.autoscale_executor import AutoscaleExecutor
+    from virtualflow.plan.vnmap import contiguous_assignment
+
+    job, steps = tied_gpt_job(max_grad_norm=0.05), 6
+    ctl = Controller([0])
+    ex = AutoscaleExecutor(EfficiencyPolicy(min_steps=2, warmup_steps=0), ctl, Events(), limits=Limits(1, 3),
+                           global_batch_size=job.global_batch_size, virtual_nodes=job.virtual_nodes,
+                           total_steps=steps, start_time=0.0, clock=lambda: 0.0)
+    sizes = []
+    for step in range(steps):
+        ctl.members = list(range(ctl.target))
+        n = len(ctl.members)
+        sizes.append(n)
+        ex.update([{"type": "step", "step": step, "samples": job.global_batch_size, "step_time_s": STEP_S[n],
+                    "workers": n, "generation": len(set(sizes)) - 1, "members": list(ctl.members),
+                    "time": float(step), "vns": contiguous_assignment(job.virtual_nodes, n), "compute_s": [0.1] * n,
+                    "breakdown": None}])
+    assert sizes == [1, 1, 2, 2, 3, 3]
+    gens = [Generation(members=tuple(range(n)), steps=sizes.count(n)) for n in sorted(set(sizes))]
+    assert_same_run(train(job, 1, steps=steps, reduction="allreduce"), train(job, gens=gens))
+
+
 # -- default mode: a plain accumulation loop's result within float tolerance --------------------
 def test_default_mode_matches_a_plain_accumulation_loop():
     job = tied_gpt_job(max_grad_norm=0.05)
@@ -175,3 +210,13 @@ def test_units_default_to_the_blocks_and_refuse_shared_weights():
     with pytest.raises(ValueError, match="fewer than workers"):
         check_units(units, 10 ** 6)
     assert covering_nodes(8, 0, 8) == [(0, 8)]
+
+
+def test_a_sequential_with_parameterless_layers_shards_its_layers():
+    """The default units of an ``nn.Sequential`` are its layers; an activation holds no parameter
+    and is no unit."""
+    import jobs
+    job = jobs.regression_job(optimizer="adam", max_grad_norm=0.05)
+    assert_same_run(train(job, 1, reduction="allreduce"), train(job, 3))
+    model = job.model()
+    assert [u.name for u in unit_params(model, resolve_units(model, None))] == ["0", "2"]

@@ -101,6 +101,8 @@ def test_command_line_round_trips_every_flagged_option():
         "precision": ("bf16-mixed", "bf16-mixed"), "max_grad_norm": ("1.5", 1.5),
         "activation_checkpointing": ("every", "every"), "compile": (None, True), "peak_tflops": ("312", 312.0),
         "interface": ("eth0", "eth0"),
+        "shard_units": ("Block,head", ("Block", "head")), "keep_gathered": (None, True), "offload": ("cpu", "cpu"),
+        "param_dtype": ("bf16", "bf16"), "reduce_dtype": ("bf16", "bf16"),
     }
     for name, (text, value) in samples.items():
         flag = flag_of(name)
@@ -111,6 +113,8 @@ def test_command_line_round_trips_every_flagged_option():
             argv += ["--checkpoint-format", "dcp"]
         if name == "shard_replicas":
             argv += ["--reduction", "sharded"]
+        if name in ("shard_units", "keep_gathered", "offload", "param_dtype", "reduce_dtype"):
+            argv += ["--reduction", "fsdp"]
         argv += [flag] + ([text] if text is not None else [])
         got = options_from_args(parse(argv))
         assert getattr(got, name) == value, name

@@ -13,7 +13,7 @@ import math
 
 from virtualflow.config.resources import parse_resources
 
-__all__ = ["check_step_timeout", "floats", "parse_profile", "parse_step_timeout", "profile_window", "resources"]
+__all__ = ["check_step_timeout", "floats", "parse_names", "parse_profile", "parse_step_timeout", "profile_window", "resources"]
 
 
 def floats(text: str) -> list[float]:
@@ -73,3 +73,11 @@ def check_step_timeout(value: float | None) -> None:
 def resources(text: str) -> dict[str, float]:
     """``--resources``: JSON or ``NAME=AMOUNT,...`` (:func:`virtualflow.config.resources.parse_resources`)."""
     return parse_resources(text)
+
+
+def parse_names(text: str) -> tuple[str, ...]:
+    """``a,b,c`` -> ``("a", "b", "c")`` (module or class names: ``--shard-units``)."""
+    out = tuple(t.strip() for t in text.split(",") if t.strip())
+    if not out:
+        raise ValueError(f"{text!r} names no module; give module or class names separated by commas")
+    return out

@@ -33,7 +33,7 @@ from virtualflow.config.faults import FaultPlan
 from virtualflow.config.loop import (PRECISIONS, check_activation_checkpointing, check_max_grad_norm,
                                      check_precision)
 from virtualflow.config.network import check_interface_spec, parse_listen
-from virtualflow.config.option_text import (check_step_timeout, floats, parse_profile, parse_step_timeout,
+from virtualflow.config.option_text import (check_step_timeout, floats, parse_names, parse_profile, parse_step_timeout,
                                            profile_window, resources)
 from virtualflow.config.spec import WorkerSpec
 from virtualflow.plan.pipeline.schedules import SCHEDULE_NAMES
@@ -55,14 +55,6 @@ Policy = PolicyLike
 
 BACKENDS = ("local", "ray", "external")
 RAY_ONLY = ("address", "cpus_per_worker", "gpus_per_worker", "resources", "placement_timeout_s")
-
-
-def _names(text: str) -> tuple[str, ...]:
-    """``a,b,c`` -> ``("a", "b", "c")`` (module or class names)."""
-    out = tuple(t.strip() for t in text.split(",") if t.strip())
-    if not out:
-        raise ValueError(f"{text!r} names no module; give module or class names separated by commas")
-    return out
 
 
 def _opt(default: Any, help: str, group: str, *, flag: str | None = "", metavar: str | None = None,
@@ -120,7 +112,7 @@ class LaunchOptions:
     shard_units: tuple[str, ...] | None = _opt(None, "with --reduction fsdp: the sharding units, as module names or "
                                                "class names (default: the blocks of the model's first "
                                                "nn.ModuleList/nn.Sequential; every parameter outside them forms "
-                                               "the root unit)", "training", metavar="NAME,...", parse=_names,
+                                               "the root unit)", "training", metavar="NAME,...", parse=parse_names,
                                                worker=True)
     keep_gathered: bool = _opt(False, "with --reduction fsdp: keep a unit's gathered parameters from its forward to "
                                "its backward (FSDP2's reshard_after_forward=False: less traffic, more memory); "
@@ -338,16 +330,12 @@ class LaunchOptions:
 
     def _check_fsdp_knobs(self) -> None:
         """The knobs of ``reduction="fsdp"`` mean nothing without it: refused rather than ignored."""
-        if self.reduction == "fsdp":
-            return
-        given = [(n, v) for n, v, d in (("shard_units", self.shard_units, None), ("keep_gathered", self.keep_gathered,
-                 False), ("offload", self.offload, None), ("param_dtype", self.param_dtype, None),
-                 ("reduce_dtype", self.reduce_dtype, "fp32")) if v != d]
-        if given:
-            name, value = given[0]
-            raise ValueError(f"{name}={value!r} shapes how sharded parameters are gathered and reduced; it needs "
-                             f"reduction='fsdp' (--reduction fsdp), and reduction={self.reduction!r}: add "
-                             f"--reduction fsdp or drop {_knob(name)}")
+        given = [n for n, d in (("shard_units", None), ("keep_gathered", False), ("offload", None),
+                                ("param_dtype", None), ("reduce_dtype", "fp32")) if getattr(self, n) != d]
+        if given and self.reduction != "fsdp":
+            raise ValueError(f"{given[0]}={getattr(self, given[0])!r} shapes how sharded parameters are gathered and "
+                             f"reduced; it needs reduction='fsdp' (--reduction fsdp), and reduction={self.reduction!r}: "
+                             f"add --reduction fsdp or drop {_knob(given[0])}")
 
     def _check_backend(self) -> None:
         if self.backend not in BACKENDS:

@@ -140,11 +140,7 @@ class VNEngine:
         """``Job.precision``: the forward and loss run under :func:`~virtualflow.runtime.amp.autocast`."""
         self.finish = StepFinish.of(self.params, precision, loss_scale, max_grad_norm)
         """Unscale, the inf/nan verdict, the whole step's norm, clip (:mod:`virtualflow.runtime.step.finish`)."""
-        self.update: WholeUpdate | ShardedUpdate | FsdpUpdate = (
-            fsdp.update(model, optimizer, self.params, deterministic=deterministic, device=device)
-            if reduction == "fsdp" else
-            make_update(reduction, optimizer, self.params, shard_replicas=shard_replicas, cuts=self.finish.cuts()))
-        """The optimizer update, whole or sharded (:mod:`virtualflow.runtime.step.update`)."""
+        self.update = self._update_for(reduction, optimizer, shard_replicas, fsdp)
         self.flat: FlatParams | None = self.update.flat
         """Sharded: the parameters' flat vector (the reduction writes the chunk's gradient there)."""
         self.shard: ShardedOptimizer | None = self.update.shard
@@ -154,9 +150,6 @@ class VNEngine:
                                  scaler=self.scaler, bn=self.bn, clock=self.clock, prefetcher=self.prefetcher)
         """One VN's batch, forward and backward (:mod:`virtualflow.runtime.step.compute`)."""
         self._last_compute_s = 0.0
-        if isinstance(self.update, FsdpUpdate):  # sharded parameters: their own step body, both modes
-            body = FsdpBody(self, self.update, deterministic)
-            self._sum, self._reduction_for = body.sum, body.reduction_for
         self.idle = IdleProbe()
         """A worker with no VN: when it probes (see the module docstring)."""
         self.phase = "idle"
@@ -170,6 +163,17 @@ class VNEngine:
         """Asked before each virtual node's forward: True once the coordinator has declared this
         generation broken (the worker's heartbeat thread watches the flag). The step is then
         abandoned at once instead of after computing the VNs left, whose result nobody can use."""
+
+    def _update_for(self, reduction: str, optimizer: torch.optim.Optimizer, shard_replicas: int,
+                    fsdp: FsdpKnobs | None) -> WholeUpdate | ShardedUpdate | FsdpUpdate:
+        """The optimizer update, whole or sharded (:mod:`virtualflow.runtime.step.update`); sharded
+        parameters (:mod:`virtualflow.runtime.fsdp`) bring their own step body, in both modes."""
+        if fsdp is None:
+            return make_update(reduction, optimizer, self.params, shard_replicas=shard_replicas,
+                               cuts=self.finish.cuts())
+        update = fsdp.update(self.model, optimizer, self.params, deterministic=self.deterministic, device=self.device)
+        self._sum, self._reduction_for = FsdpBody(self, update, self.deterministic).entry_points()
+        return update
 
     @property
     def scaler(self) -> LossScaler | None:

@@ -35,9 +35,9 @@ import torch
 from virtualflow.comm.groups import Group
 from virtualflow.comm.protocol import GenerationRecord
 from virtualflow.runtime.engine import StepOutcome
-from virtualflow.runtime.transfer import Progress
+from virtualflow.runtime.transfer import Progress, Successor
 
-__all__ = ["Boundary", "Engine", "Joining"]
+__all__ = ["Boundary", "Engine", "Joining", "Successor"]
 
 
 @dataclass(slots=True, kw_only=True)
@@ -63,17 +63,6 @@ class Joining:
 
     def __post_init__(self) -> None:
         self.behind = [r for r, s in enumerate(self.steps) if s < self.target]
-
-
-@dataclass(frozen=True)
-class Successor:
-    """The next generation of a planned change, as the old generation's members see it (what a
-    resize of sharded parameters moves the shards by)."""
-
-    previous: tuple[str, ...]
-    """The old generation's members, by rank."""
-    members: tuple[str, ...]
-    """The new generation's members, by rank."""
 
 
 class Boundary(Protocol):

@@ -244,7 +244,7 @@ class ShardedOptimizer:
                     group_pieces.append(view)
             if group_pieces:
                 groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": group_pieces})
-        opt = _same_kind(self.user, groups) if groups else None
+        opt = same_kind(self.user, groups) if groups else None
         if opt is not None:
             for p, st in self.user.state.items():
                 i = self.index[id(p)]
@@ -253,7 +253,7 @@ class ShardedOptimizer:
                 a, view = pieces[i]
                 start = a - self.flat.offsets[i]
                 opt.state[view] = {
-                    k: (v.reshape(-1)[start : start + view.numel()].clone() if _elementwise(v, p) else _copy(v))
+                    k: (v.reshape(-1)[start : start + view.numel()].clone() if elementwise(v, p) else _copy(v))
                     for k, v in st.items()
                 }
         return pieces, opt
@@ -477,14 +477,14 @@ def gather_sharded_state(shard: ShardedOptimizer, comm: Collectives, group: Grou
     return shard.gather_state(everywhere if root is None else to_root, group.all_reduce)
 
 
-def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+def same_kind(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
     """An optimizer of ``optimizer``'s class over ``groups`` (each carrying all its hyperparameters),
     built with the defaults its constructor accepts (AdamW's defaults name one it does not)."""
     accepted = inspect.signature(type(optimizer).__init__).parameters
     return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
 
 
-def _elementwise(v: Any, p: torch.Tensor) -> bool:
+def elementwise(v: Any, p: torch.Tensor) -> bool:
     return isinstance(v, torch.Tensor) and v.shape == p.shape and p.numel() > 0 and v.dim() > 0
 
 

@@ -328,3 +328,14 @@ def _receive_state(group: Group, src: int, device: torch.device, on_started: Cal
         return fill_header(skeleton, received), moved
     except ValueError as exc:
         raise PeerFailure(group.generation, f"the state transfer's header is invalid: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Successor:
+    """The next generation of a planned change, as the old generation's members see it (what a
+    resize of sharded parameters moves the shards by)."""
+
+    previous: tuple[str, ...]
+    """The old generation's members, by rank."""
+    members: tuple[str, ...]
+    """The new generation's members, by rank."""

@@ -55,27 +55,107 @@ class FsdpGeneration:
                 p.grad = None
 
 
+class PlainSums:
+    """Default mode's small vectors: the loss and BatchNorm's statistics ride in the statistics
+    vector (as without sharding)."""
+
+    def __init__(self, host: Any) -> None:
+        self.host = host
+
+    def layout(self, group: Group) -> StatsLayout:
+        h = self.host
+        return StatsLayout(h.plan.virtual_nodes, group.size, group.rank, loss=True, bn_numel=h.bn.numel,
+                           bn_mean=h.batchnorm == "mean")
+
+    def begin(self) -> None:
+        h = self.host
+        self.losses: list[torch.Tensor] = []
+        self.bn = torch.zeros(h.bn.numel) if h.batchnorm == "mean" else None
+
+    def note(self, vn: int, weighted: torch.Tensor) -> None:
+        """A real VN's weighted loss and BatchNorm statistics (summed; ``first``: VN 0's)."""
+        h = self.host
+        self.losses.append(weighted)
+        if h.bn.numel and self.bn is not None:
+            self.bn += h.bn.flat()
+        elif h.bn.numel and vn == 0:
+            self.bn = h.bn.flat()
+
+    def finish(self, bad: torch.Tensor, control: int | Callable[[], int]
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        h = self.host
+        loss = torch.stack(self.losses).sum() if self.losses else torch.zeros(())
+        stats = h.pack_stats(bad, control, loss, self.bn)
+        h.group.all_reduce(stats)
+        return stats, None, None
+
+
+class TreeSums:
+    """Deterministic mode's small vectors: each VN's tail summed along the fixed tree (see the
+    module docstring); BatchNorm's ``first`` statistics ride in the statistics vector."""
+
+    def __init__(self, host: Any, dtype: torch.dtype) -> None:
+        self.host, self.dtype = host, dtype
+        mean = host.batchnorm == "mean"
+        self.tail = Tail(host.bn.numel if mean else 0, True, host.plan.virtual_nodes)
+        """The tree's tail, as the unsharded deterministic run's."""
+
+    def layout(self, group: Group) -> StatsLayout:
+        h = self.host
+        first = h.bn.numel if h.batchnorm == "first" else 0
+        return StatsLayout(h.plan.virtual_nodes, group.size, group.rank, loss=False, bn_numel=first, bn_mean=False)
+
+    def begin(self) -> None:
+        self.tails = torch.zeros(self.host.plan.virtual_nodes, self.tail.numel, dtype=self.dtype)
+        self.first: torch.Tensor | None = None
+
+    def note(self, vn: int, weighted: torch.Tensor) -> None:
+        h = self.host
+        row = [h.bn.flat()] if self.tail.bn_numel else []
+        row.append(weighted.reshape(1))
+        self.tails[vn] = torch.cat(row).to(self.dtype) if len(row) > 1 else row[0].to(self.dtype)
+        if h.bn.numel and h.batchnorm == "first" and vn == 0:
+            self.first = h.bn.flat()
+
+    def finish(self, bad: torch.Tensor, control: int | Callable[[], int]
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        h = self.host
+        if h.group.size > 1:
+            h.group.all_reduce(self.tails)  # one writer per row: exact
+        fold, stack = InOrderFold(h.plan.virtual_nodes), []
+        for row in self.tails:
+            stack.append(row.clone())
+            for _ in fold.push():
+                right = stack.pop()
+                stack[-1].add_(right)
+        bn_mean, loss = self.tail.read(stack[0])
+        stats = h.pack_stats(bad, control, None, self.first)
+        h.group.all_reduce(stats)
+        return stats, loss, bn_mean
+
+
 class FsdpBody:
     """``reduction="fsdp"``'s step body (see the module docstring)."""
 
     def __init__(self, host: Any, update: FsdpUpdate, deterministic: bool) -> None:
         self.host = host
         self.update = update
-        self.deterministic = deterministic
         self.counts: list[int] = []
         self.assignment: list[list[int]] = []
-        mean = host.batchnorm == "mean"
-        self.tail = Tail(host.bn.numel if mean else 0, True, host.plan.virtual_nodes)
-        """Deterministic mode: the tree's tail, as the unsharded deterministic run's."""
-        self.first_bn: torch.Tensor | None = None
+        dtype = update.store.units[0].dtype
+        self.sums: PlainSums | TreeSums = {False: lambda: PlainSums(host),
+                                           True: lambda: TreeSums(host, dtype)}[deterministic]()
+        """The mode's small vectors (chosen once)."""
+
+    def entry_points(self) -> tuple[Callable, Callable]:
+        """What the VN engine calls: (its step body, its reduction factory)."""
+        return self.sum, self.reduction_for
 
     def reduction_for(self, group: Group, assignment: Sequence[Sequence[int]]) -> FsdpGeneration:
         """The generation's statistics layout, VN ids (same counts, consecutive per round) and
         layout of the shards."""
         h = self.host
-        det, first = self.deterministic, h.batchnorm == "first"
-        h.stats = StatsLayout(h.plan.virtual_nodes, group.size, group.rank, loss=not det,
-                              bn_numel=h.bn.numel if (first or not det) else 0, bn_mean=not det and not first)
+        h.stats = self.sums.layout(group)
         self.counts = [len(a) for a in assignment]
         self.assignment = interleaved_assignment(self.counts)
         h.vns = list(self.assignment[group.rank])
@@ -87,48 +167,24 @@ class FsdpBody:
         """The step's rounds, the reductions' end, the small vectors' sums: (the summed
         statistics, the loss and BatchNorm's mean statistics where the tree carries them)."""
         h, red = self.host, self.update.reduction
-        V = h.plan.virtual_nodes
         self.update.store.free_all()  # (rank 0 may hold the whole model since a checkpoint or evaluation)
-        red.begin_step(V)
-        dtype = self.update.store.units[0].dtype
-        tails = torch.zeros(V, self.tail.numel, dtype=dtype)
-        self.first_bn = None
+        red.begin_step(h.plan.virtual_nodes)
+        self.sums.begin()
         t_step = time.perf_counter()
-        losses, bn_acc = self._rounds(step, bad, tails)
-        compute_s = time.perf_counter() - t_step
+        self._rounds(step, bad)
+        h._last_compute_s = time.perf_counter() - t_step
         h.phase = "reduction"
         h.clock.enter_reduction()
         h.point("during_reduction")
         red.finish_step()
-        h._last_compute_s = compute_s
-        if not self.deterministic:
-            loss = torch.stack(losses).sum() if losses else torch.zeros(())
-            stats = h.pack_stats(bad, control, loss, bn_acc if bn_acc is not None else self.first_bn)
-            h.group.all_reduce(stats)
-            h.clock.leave_reduction()
-            return stats, None, None
-        if h.group.size > 1:
-            h.group.all_reduce(tails)
-        fold, stack = InOrderFold(V), []
-        for v in range(V):
-            stack.append(tails[v].clone())
-            for _ in fold.push():
-                right = stack.pop()
-                stack[-1].add_(right)
-        bn_mean, loss = self.tail.read(stack[0])
-        stats = h.pack_stats(bad, control, None, self.first_bn)
-        h.group.all_reduce(stats)
+        out = self.sums.finish(bad, control)
         h.clock.leave_reduction()
-        return stats, loss, bn_mean
+        return out
 
-    def _rounds(self, step: int, bad: torch.Tensor, tails: torch.Tensor
-                ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-        """Every round's VN here (or ghost); returns default mode's weighted losses and summed
-        BatchNorm statistics (``mean``) or VN 0's (``first``)."""
+    def _rounds(self, step: int, bad: torch.Tensor) -> None:
+        """Every round's VN here, or a ghost (see the module docstring)."""
         h, red, store = self.host, self.update.reduction, self.update.store
         mine = h.vns
-        bn_acc = torch.zeros(h.bn.numel) if h.batchnorm == "mean" and not self.deterministic else None
-        losses = []
         at = 0
         for i in range(max(self.counts, default=0)):
             active = [w for w, c in enumerate(self.counts) if c > i]
@@ -156,13 +212,4 @@ class FsdpBody:
             h.compute.emulate(t_vn)
             w = weighted.detach()
             bad[vn] = (~torch.isfinite(w)).to(bad.dtype)
-            losses.append(w)
-            if h.bn.numel and h.batchnorm == "first" and vn == 0:
-                self.first_bn = h.bn.flat()
-            elif bn_acc is not None and h.bn.numel:
-                bn_acc += h.bn.flat()
-            if self.deterministic:
-                row = [h.bn.flat()] if self.tail.bn_numel else []
-                row.append(w.reshape(1))
-                tails[vn] = torch.cat(row).to(tails.dtype) if len(row) > 1 else row[0].to(tails.dtype)
-        return losses, bn_acc
+            self.sums.note(vn, w)

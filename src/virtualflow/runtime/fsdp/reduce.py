@@ -16,6 +16,10 @@ it), in the store's fixed reduction order. Two reductions, chosen once when the 
   (:func:`~virtualflow.plan.param_shards.interleaved_assignment`), so an owner receives each
   round's leaves in VN order and holds at most one partial sum per tree level.
 
+On CUDA the jobs run in the backward's own thread (:class:`_Inline`): NCCL's operations are
+asynchronous already, and a second issuing thread could interleave them differently on different
+ranks.
+
 Invariants: at most :data:`IN_FLIGHT` units' gradients wait for the thread (the worker's memory
 stays bounded when the network is slower than the backward); a failure on the thread is raised
 on the next call from the step (a :class:`~virtualflow.comm.groups.PeerFailure` as any collective's).
@@ -98,6 +102,23 @@ class _Thread:
                 self._slots.release()
 
 
+class _Inline:
+    """Jobs run at once, in the caller's thread: on CUDA, where NCCL's collectives are already
+    asynchronous (they queue on a stream) and every rank must issue them from one ordered thread."""
+
+    def submit(self, job: Callable[[], None]) -> None:
+        job()
+
+    def drain(self) -> None:
+        pass
+
+    def check(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class _Base:
     """What both reductions share: the gradient shards, the generation's group, the thread."""
 
@@ -107,14 +128,15 @@ class _Base:
         self.grads: list[torch.Tensor] = [torch.zeros(0) for _ in self.units]
         """Per unit, this worker's shard of the step's summed gradient (master dtype, on the host)."""
         self.group: Group | None = None
-        self.thread: _Thread | None = None
+        self.thread: _Thread | _Inline | None = None
         self.ghost = False
         """The VN running is a ghost: its gradient counts as nothing."""
 
     def bind(self, group: Group) -> None:
         self.close()
         self.group = group
-        self.thread = _Thread(f"vf-fsdp-reduce-g{group.generation}")
+        on_cuda = self.units[0].full.device.type == "cuda"
+        self.thread = _Inline() if on_cuda else _Thread(f"vf-fsdp-reduce-g{group.generation}")
 
     def close(self) -> None:
         if self.thread is not None:
@@ -228,4 +250,8 @@ def _push(fold: InOrderFold, stack: list[torch.Tensor], leaf: torch.Tensor) -> N
 
 def reduction_of(deterministic: bool, units: Sequence[UnitShard], reduce_dtype: str) -> Any:
     """The mode's reduction (chosen once, when the engine is built)."""
-    return (TreeSum if deterministic else ScatterSum)(units, reduce_dtype)
+    return MODES[deterministic](units, reduce_dtype)
+
+
+MODES: dict[bool, type[ScatterSum] | type[TreeSum]] = {False: ScatterSum, True: TreeSum}
+"""Deterministic mode -> its reduction."""

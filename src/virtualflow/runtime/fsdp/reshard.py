@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import torch
 
 from virtualflow.comm.groups import Group
-from virtualflow.runtime.engines import Successor
+from virtualflow.runtime.transfer import Successor
 from virtualflow.plan.param_shards import moves, unit_bounds
 
 __all__ = ["MOVE_TAG", "Prepared", "Successor", "deputies", "hand_over", "move_shards"]

@@ -103,14 +103,15 @@ def unit_params(model: torch.nn.Module, chosen: Sequence[tuple[str, torch.nn.Mod
             owner[id(p)] = name
             names.append(f"{name}.{pname}")
             params.append(p)
-        units.append(Unit(name, module, names, params))
+        if params:  # (a module without trainable parameters, e.g. an activation in a Sequential, is no unit)
+            units.append(Unit(name, module, names, params))
     root_names, root_params = [], []
     for pname, p in model.named_parameters():
         if p.requires_grad and id(p) not in owner:
             root_names.append(pname)
             root_params.append(p)
     # a weight used both in a unit and outside it (tied to the root): named twice in the model
-    unit_of = {id(p): n for n, u in zip([c[0] for c in chosen], units) for p in u.params}
+    unit_of = {id(p): u.name for u in units for p in u.params}
     for pname, p in model.named_parameters(remove_duplicate=False):
         outside = not any(pname == c[0] or pname.startswith(c[0] + ".") for c in chosen)
         if p.requires_grad and outside and id(p) in unit_of:

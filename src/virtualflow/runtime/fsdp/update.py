@@ -32,7 +32,7 @@ from virtualflow.runtime.fsdp.reduce import reduction_of
 from virtualflow.runtime.fsdp.reshard import Prepared, Successor, hand_over, move_shards
 from virtualflow.runtime.fsdp.store import ParamStore, UnitShard, to_root
 from virtualflow.runtime.fsdp.units import Unit
-from virtualflow.runtime.sharded import STATE_KEYS, ShardLost, _elementwise, _same_kind, check_optimizer
+from virtualflow.runtime.sharded import STATE_KEYS, ShardLost, elementwise, same_kind, check_optimizer
 from virtualflow.runtime.step.finish import Part, StepFinish
 
 __all__ = ["FsdpGrads", "FsdpUpdate"]
@@ -196,13 +196,13 @@ class FsdpUpdate:
                 groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": views})
         if not groups:
             return None
-        opt = _same_kind(self.user, groups)
+        opt = same_kind(self.user, groups)
         for p, st in state.items():
             if id(p) not in by_param:
                 continue
             start, view = by_param[id(p)]
             opt.state[view] = {k: (v.reshape(-1)[start : start + view.numel()].to(view.device, copy=True)
-                                   if _elementwise(v, p) else v) for k, v in st.items()}
+                                   if elementwise(v, p) else v) for k, v in st.items()}
         return opt
 
     # -- a step ---------------------------------------------------------------------------------

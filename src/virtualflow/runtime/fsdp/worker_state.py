@@ -26,7 +26,7 @@ import torch
 
 from virtualflow.comm.groups import Group
 from virtualflow.runtime.dcp import Piece
-from virtualflow.runtime.engines import Successor
+from virtualflow.runtime.transfer import Successor
 from virtualflow.runtime.fsdp.update import FsdpUpdate
 from virtualflow.runtime.transfer import Progress, broadcast_state
 
