@@ -48,6 +48,9 @@ Targets (issue 43):
   deterministic run on 4 workers must complete under the same limit, bit-identical to the
   unsharded deterministic run made without it.
 
+Host offload (``offload="cpu"``, W = 4, default mode) runs once for the record, without a target:
+on this machine the device is the host.
+
 This is a 2-core CPU machine: 2 processes fill it and 4 share it, so the step times are ratios at
 equal worker counts, not scaling results; each run records the CPU other processes used meanwhile.
 From the repository root::
@@ -295,9 +298,10 @@ def _probe_env(probe_dir: str, args, limit_mib: float | None) -> dict[str, str]:
     return env
 
 
-def run_vf(args, workers: int, *, reduction: str, deterministic: bool, limit_mib: float | None = None) -> dict:
-    """``virtualflow.train`` of the job; its step times, per-worker memory, final weights (or the
-    error, under a limit)."""
+def run_vf(args, workers: int, *, reduction: str, deterministic: bool, limit_mib: float | None = None,
+           **knobs) -> dict:
+    """``virtualflow.train`` of the job (``knobs``: more ``LaunchOptions``); its step times,
+    per-worker memory, final weights (or the error, under a limit)."""
     import virtualflow as vf
 
     probe_dir = tempfile.mkdtemp(prefix="sharded_params-probe-")
@@ -307,7 +311,7 @@ def run_vf(args, workers: int, *, reduction: str, deterministic: bool, limit_mib
         with H.LoadMeter() as meter:
             result = vf.train(JOBS[args.size], workers=workers, steps=args.steps, virtual_nodes=args.vns,
                               global_batch_size=args.batch, threads_per_worker=1, reduction=reduction,
-                              deterministic=deterministic)
+                              deterministic=deterministic, **knobs)
     except Exception as exc:  # noqa: BLE001 - under a limit the failure is the measurement
         if limit_mib is None:
             raise
@@ -405,6 +409,20 @@ def measure_w(args, workers: int, tmp: str, reference: dict[str, torch.Tensor]) 
     }
 
 
+def measure_offload(args, workers: int = max(WORKERS)) -> dict:
+    """Host offload (``offload="cpu"``, default mode) for the record: on this CPU machine the device
+    is the host, so it shows the path's cost, not a saving of device memory (no target)."""
+    r = run_vf(args, workers, reduction=args.reduction, deterministic=False, offload="cpu")
+    r.pop("state_dict")
+    out = {"workers": workers, "median_step_s": r["median_step_s"], "vmhwm_mib": probe_mib(r, "vmhwm_mib"),
+           "steady_vmhwm_mib": probe_mib(r, "steady_vmhwm_mib"),
+           "live_tensor_bytes": probe_mib(r, "live_tensor_bytes"), "other_load_cores": r["other_load_cores"]}
+    print(f"  offload='cpu' (W={workers}, default mode): {out['median_step_s']:.3f} s/step, VmHWM "
+          f"{max(out['vmhwm_mib']):.0f} MiB (steady {max(out['steady_vmhwm_mib']):.0f}), tensors held "
+          f"{max(out['live_tensor_bytes']) / 2 ** 20:.0f} MiB", flush=True)
+    return out
+
+
 def measure_limit(args, sharded_peak: float, unsharded_peak: float, export_peak: float,
                   reference: dict[str, torch.Tensor]) -> dict:
     """The model that does not fit: the runs under a per-worker address-space limit between the
@@ -454,6 +472,12 @@ def markdown(run: H.Run, args, fig: dict, rows: list[list]) -> str:
         f"{fig['vf_unsharded_vmhwm_mib']:.0f} MiB, {fig['vf_unsharded_steady_vmhwm_mib']:.0f} MiB in the steady "
         f"steps. VmHWM columns: the whole run's peak / the steady steps' peak (the worker with the largest).", "",
         H.md_table(HEADER, rows), ""]
+    off = fig.get("offload")
+    if off is not None:
+        lines += [f"Host offload (`offload=\"cpu\"`, default mode, W={off['workers']}; the device is the host "
+                  f"here): {off['median_step_s']:.3f} s/step, VmHWM {max(off['vmhwm_mib']):.0f} MiB (steady "
+                  f"{max(off['steady_vmhwm_mib']):.0f}), tensors held {max(off['live_tensor_bytes']) / 2 ** 20:.0f} "
+                  f"MiB.", ""]
     if lim is not None:
         lines += [f"Model that does not fit: per-worker RLIMIT_AS {H.num(lim['limit_mib'], '.0f')} MiB, halfway "
                   f"between the peak address spaces in training (sharded W={LIMIT_WORKERS}: "
@@ -515,12 +539,13 @@ def main(argv: list[str] | None = None) -> int:
     fig = measure_baselines(args)
     reference = fig.pop("reference")
     per_w = {w: measure_w(args, w, tmp, reference) for w in WORKERS}
+    offload = measure_offload(args) if args.reduction == "fsdp" else None
     limit = None
     if not args.no_limit:
         det = per_w[LIMIT_WORKERS]
         limit = measure_limit(args, max(det["det_vmpeak_mib"]), fig["vf_unsharded_det_vmpeak_mib"],
                               max(det["det_end_vmpeak_mib"]), reference)
-    fig.update(params=params, unit_bytes=unit_bytes, per_w=per_w, limit=limit)
+    fig.update(params=params, unit_bytes=unit_bytes, per_w=per_w, limit=limit, offload=offload)
     rows = check_targets(run.targets, fig)
     print()
     print(H.text_table(HEADER, rows))

@@ -219,8 +219,8 @@ class FakeRuns:
                   "vmpeak_mib": 1500.0} for r in range(workers)]
         return {"ranks": ranks, "other_load_cores": 0.0, "median_step_s": 1.0}
 
-    def vf(self, args, workers, *, reduction, deterministic, limit_mib=None):
-        self.calls.append(("vf", workers, reduction, deterministic, limit_mib))
+    def vf(self, args, workers, *, reduction, deterministic, limit_mib=None, **knobs):
+        self.calls.append(("vf", workers, reduction, deterministic, *knobs.values(), limit_mib))
         if limit_mib is not None and reduction == "allreduce":
             return {"error": "TrainingError: worker 0 failed: RuntimeError: DefaultCPUAllocator: can't allocate "
                              "memory (shard the parameters: --reduction fsdp)"}
@@ -255,4 +255,5 @@ def test_a_run_checks_every_target_and_writes_its_results(tmp_path, monkeypatch,
     assert limits == {1600.0}
     limited = [c for c in fake.calls if c[-1] is not None]
     assert limited == [("vf", 1, "allreduce", True, 1600.0), ("vf", 4, "fsdp", True, 1600.0)]
+    assert ("vf", 4, "fsdp", False, "cpu", None) in fake.calls  # host offload, for the record
     assert "Target checks" in (tmp_path / "sharded_params.md").read_text()
