@@ -853,3 +853,99 @@ def test_export_of_the_tiny_lm_example_to_safetensors(tmp_path):
     load_model(fresh, to)
     assert fresh.head.weight is fresh.wte.weight
     assert_state_equal(fresh.state_dict(), model.state_dict())
+
+
+# -- export of a run with sharded parameters (reduction="fsdp") ----------------------------------
+def _gathered_model(engines: list) -> dict:
+    """The model's ``state_dict`` as a sharded-parameter run's last call gathers it to rank 0 for
+    ``final.pt`` (each engine's own ``models.model_state``, a collective over a gloo group of its
+    workers on an in-process store)."""
+    import datetime
+    import torch.distributed as dist
+
+    from virtualflow.comm.groups import make_group
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=60))
+    out: list = [None] * len(engines)
+
+    def gather(rank: int) -> None:
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=60))
+        group = make_group(client, 1, rank, len(engines), 60.0, torch.device("cpu"))
+        try:
+            out[rank] = engines[rank].models.model_state(group)
+        finally:
+            group.close()
+
+    threads = [threading.Thread(target=gather, args=(r,), daemon=True) for r in range(len(engines))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert out[0] is not None and out[1:] == [None] * (len(engines) - 1)
+    return out[0]
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    """tests/fsdp_jobs.py's tied nanoGPT trained 2 steps on 2 sharded-parameter workers (threads
+    over real gloo groups), saved as its workers save it: ``final.pt`` (the model gathered to rank
+    0) in one run directory, a sharded checkpoint (each owner writes its ranges, no gather) in another."""
+    from fsdp_jobs import tied_gpt_job
+    from virtualflow.comm.groups import Group
+    from virtualflow.config.worker_options import WorkerOptions
+    from virtualflow.runtime.checkpoint import save_state
+    from virtualflow.runtime.grid_threads import Generation, train_threads
+
+    run = train_threads(tied_gpt_job(max_grad_norm=0.05), [Generation(members=(0, 1), steps=2)],
+                        options=WorkerOptions(reduction="fsdp"), timeout_s=60)
+    root = tmp_path_factory.mktemp("fsdp_export")
+    model = _gathered_model(run.engines)
+    assert_state_equal(model, run.state["model"])
+    save_state(str(root / "pt" / "final.pt"), {**run.state, "model": model, "step": 2, "job": {}})
+    final = str(root / "dcp" / "checkpoints" / "step-00000002.dcp")
+    held = []
+    for rank, engine in enumerate(run.engines):
+        pieces, meta = engine.sharded_parts(Group(0, rank, 2, None))
+        held.append(sum(p.tensor.numel() for p in pieces if p.fqn.startswith("model/")))
+        write_rank(final, rank, 2, "id/s2", 2, pieces, None if meta is None else {**meta, "step": 2, "job": {}})
+    assert sum(held) == sum(v.numel() for v in model.values()) and 0 not in held  # each wrote its shards only
+    return root, model
+
+
+@pytest.mark.parametrize("source", ["pt", "dcp"])
+@pytest.mark.parametrize("ext", [".pt", ".safetensors"])
+def test_export_of_a_sharded_parameter_run_writes_the_whole_model(tmp_path, fsdp_run, source, ext):
+    from fsdp_jobs import tied_gpt
+
+    root, whole = fsdp_run
+    to = str(tmp_path / f"model{ext}")
+    _, step, n = export_model(str(root / source), to)
+    assert step == 2 and n == len(whole)
+    if ext == ".pt":
+        sd = torch.load(to, weights_only=True)
+    else:
+        from safetensors.torch import load_file
+        sd = load_file(to)
+    model = tied_gpt()
+    assert model.load_state_dict(sd, strict=False).missing_keys in ([], ["lm_head.weight"])  # (safetensors: tied once)
+    assert_state_equal(model.state_dict(), whole)  # every weight, as rank 0 gathered it
+
+
+@pytest.mark.parametrize("source", ["pt", "dcp"])
+def test_export_of_a_sharded_parameter_run_keeps_the_tied_matrix_once(tmp_path, fsdp_run, source):
+    """As an unsharded run's export: safetensors' own ``load_model`` ties the names the model ties."""
+    from safetensors import safe_open
+    from safetensors.torch import load_model
+
+    from fsdp_jobs import tied_gpt
+
+    root, whole = fsdp_run
+    to = str(tmp_path / "model.safetensors")
+    export_model(str(root / source), to)
+    with safe_open(to, framework="pt") as f:
+        assert json.loads(f.metadata().get("aliases", "{}")) == {"lm_head.weight": "transformer.wte.weight"}
+    model = tied_gpt()
+    assert load_model(model, to) == (set(), [])
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert_state_equal(model.state_dict(), whole)

@@ -66,10 +66,10 @@ class ShardedModelState:
         by_id = {}
         for u, whole in zip(store.units, values):
             for p, o, n in zip(u.params, u.offsets, u.numels):
-                by_id[id(p)] = whole[o : o + n].view(p.shape).cpu()
+                by_id[id(p)] = whole[o : o + n].view(p.shape).cpu().clone()
         out = {}
         for k, v in self.vn.model.state_dict(keep_vars=True).items():
-            out[k] = by_id[id(v)].clone() if id(v) in by_id else v.detach().cpu()
+            out[k] = by_id[id(v)] if id(v) in by_id else v.detach().cpu()  # a tied weight: one tensor
         return out
 
     def load(self, state: dict[str, Any]) -> None:
