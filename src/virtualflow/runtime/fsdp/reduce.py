@@ -40,21 +40,16 @@ from virtualflow.runtime.fsdp.store import DTYPES, UnitShard
 
 __all__ = ["IN_FLIGHT", "ScatterSum", "TreeSum", "unit_leaf"]
 
-IN_FLIGHT = 2
-"""Units' gradients queued for the reduction thread at most (a third waits in the backward)."""
+IN_FLIGHT = 1
+"""Units' gradients handed to the reduction thread and not reduced yet, at most (the backward
+fills the next one meanwhile): two units' gradients alive at a time."""
 LEAF_TAG = 1 << 20
 """Point-to-point tags of the deterministic exchange start here (unit ``k``: ``LEAF_TAG + k``)."""
 
 
 def unit_leaf(u: UnitShard, dtype: torch.dtype) -> torch.Tensor:
-    """The unit's gradient of the VN just run, flat in ``dtype`` (zeros where a parameter got
-    none); the parameters' ``.grad`` are dropped (the next VN starts from none)."""
-    parts = []
-    for p in u.params:
-        g = p.grad
-        parts.append(g.reshape(-1) if g is not None else torch.zeros(p.numel(), dtype=dtype, device=p.device))
-        p.grad = None
-    leaf = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
+    """The unit's gradient of the VN just run, flat in ``dtype`` (:meth:`UnitShard.take_grad`)."""
+    leaf = u.take_grad()
     return leaf if leaf.dtype == dtype else leaf.to(dtype)
 
 

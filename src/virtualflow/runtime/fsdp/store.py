@@ -83,6 +83,8 @@ class UnitShard:
         self.lo, self.hi = 0, self.numel
         self.state = State.READY
         self.handle: Handle | None = None
+        self.grad: torch.Tensor | None = None
+        """While the unit's backward runs: its flat gradient (:meth:`attach_grads`)."""
 
     @property
     def nbytes(self) -> int:
@@ -105,6 +107,27 @@ class UnitShard:
             a, b = max(self.lo, o), min(self.hi, o + n)
             if a < b:
                 self.shard[a - self.lo : b - self.lo].copy_(v[a - o : b - o])
+
+    def attach_grads(self) -> None:
+        """A zeroed flat gradient for the unit, its parameters' ``.grad`` views of it: autograd
+        adds each gradient in place (``0 + g``: ``g``'s value, but that ``-0.0`` becomes
+        ``0.0``, which no sum, norm or optimizer state can tell apart), and the unit's gradient is
+        then one vector, reduced without a copy."""
+        self.grad = torch.zeros(self.numel, dtype=self.full.dtype, device=self.full.device)
+        for p, o, n in zip(self.params, self.offsets, self.numels):
+            p.grad = self.grad[o : o + n].view(p.shape)
+
+    def take_grad(self) -> torch.Tensor:
+        """The unit's gradient of the VN just run, flat (a parameter without one: zeros); the
+        parameters' ``.grad`` are dropped."""
+        grad = self.grad
+        if grad is None:  # (no hook attached it: gathered from the parameters)
+            grad = torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel())
+                              for p in self.params])
+        for p in self.params:
+            p.grad = None
+        self.grad = None
+        return grad
 
     def free(self) -> None:
         if self.state is State.PENDING and self.handle is not None:
@@ -222,7 +245,7 @@ class ParamStore:
                 u.full = torch.empty(u.numel, dtype=u.full.dtype, device=u.full.device)
                 u.point_params()
             u.full.untyped_storage().resize_(0)
-            u.state, u.handle = State.FREE, None
+            u.state, u.handle, u.grad = State.FREE, None, None
         self.active = False
 
     def gather_to(self, group: Group | None, root: int = 0) -> list[torch.Tensor] | None:
@@ -260,6 +283,8 @@ class ParamStore:
     # -- a VN -------------------------------------------------------------------------------------
     def begin_vn(self) -> None:
         self.active = True
+        if self.root is not None:  # (its gradient arrives first, from the head, and last)
+            self.root.attach_grads()
         self._cursor = {"forward": 0, "backward": 0}
         self._done = set()
         self._next_reduce = 0
@@ -333,6 +358,7 @@ class ParamStore:
                 return
             if not self.keep_gathered:
                 self._issue_through("backward", order, order.index(u))
+            u.attach_grads()
             u.ready()
         return hook
 
