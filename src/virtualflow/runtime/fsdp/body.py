@@ -186,6 +186,7 @@ class FsdpBody:
         h, red, store = self.host, self.update.reduction, self.update.store
         mine = h.vns
         at = 0
+        kept_batch: tuple[Any, int] | None = None  # a ghost reruns the last real VN's batch (never reads more data)
         for i in range(max(self.counts, default=0)):
             active = [w for w, c in enumerate(self.counts) if c > i]
             red.begin_round(active, at)
@@ -197,7 +198,10 @@ class FsdpBody:
             kept = dict(h.compute.metrics.sums)
             store.begin_vn()
             t_vn = time.perf_counter()
-            weighted = h.compute.forward(step, vn)
+            if kept_batch is None or not ghost:
+                indices = h.plan.vn_indices(step, vn)
+                kept_batch = h.compute.load(step, vn, indices), len(indices)
+            weighted = h.compute.forward(step, vn, *kept_batch)
             if not ghost and i == len(mine) - 1:
                 h.phase = "backward"
                 h._in_last_backward = True
