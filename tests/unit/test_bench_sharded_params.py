@@ -41,7 +41,7 @@ def test_an_out_of_memory_report_is_recognised_and_the_knob_must_be_named():
     assert S.is_oom(torch_oom) and S.is_oom("MemoryError") and not S.is_oom("ValueError: bad shape")
     assert not S.is_oom(None)
     assert not S.names_knob(torch_oom)
-    assert not S.names_knob("reduction='allreduce' holds every parameter; see docs/fsdp.md")
+    assert not S.names_knob("reduction='allreduce' holds every parameter; see the docs")
     assert S.names_knob("worker 0 ran out of memory ... shard the parameters: --reduction fsdp")
     assert S.names_knob('... use reduction="fsdp" (--reduction fsdp)')
 
