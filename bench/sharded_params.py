@@ -39,7 +39,8 @@ Targets (issue 43):
   peak (its shards, gradient shards and AdamW shards, the units gathered, the gradients waiting
   for the reduction). The same figure by RSS (steady-step VmHWM) is printed for the record, with
   no target: RSS also counts what the allocator keeps after a free (the whole model built before
-  it is sharded, freed arenas not returned), so it overstates what is held;
+  it is sharded, freed arenas not returned), so it overstates what is held. FSDP2's figure by the
+  allocator, ``peak_W - peak_plain + U`` (the plain loop its baseline), is printed next to it;
 * ``mem_tensors`` (W = 1, 2, 4): the same bound on the bytes of the tensors a worker holds at the
   end of a step (the allocator's view: every live tensor storage; RSS also counts memory the C
   allocator keeps after tensors are freed, such as the whole model built before it is sharded);
@@ -275,11 +276,11 @@ def check_targets(t: H.Targets, fig: dict) -> list[list]:
     """Check every target on the measured figures (plain numbers, no processes); the table's rows.
 
     ``fig``: ``unsharded_state_bytes`` (U), ``unit_bytes``, ``vf_unsharded_steady_vmhwm_mib``,
-    ``vf_unsharded_alloc_peak_bytes``,
+    ``vf_unsharded_alloc_peak_bytes``, ``plain_alloc_peak_bytes`` (FSDP2's baseline: the plain loop),
     ``per_w`` {W: ``fsdp2_step_s``, ``vf_step_s``, ``det_step_s`` (lists, one per repetition),
     ``fsdp2_vmhwm_mib``, ``vf_vmhwm_mib`` (whole run), ``fsdp2_steady_vmhwm_mib``,
     ``vf_steady_vmhwm_mib`` (steady steps; each per rank), ``vf_live_tensor_bytes``,
-    ``vf_alloc_peak_bytes`` (per rank),
+    ``vf_alloc_peak_bytes``, ``fsdp2_alloc_peak_bytes`` (per rank),
     ``det_bit_identical``}, and ``limit``
     (None when not run) with ``limit_mib``, ``unsharded_error``, ``sharded_error``,
     ``sharded_bit_identical``."""
@@ -291,6 +292,7 @@ def check_targets(t: H.Targets, fig: dict) -> list[list]:
         mem = t.at_most("mem_formula", f"W={w}: virtualflow's state per worker by the allocator's peak in a steady "
                         f"step (peak_W - peak_unsharded + U) / (1.10 (U/W + two largest units))", left / bound, 1.0)
         rss_left = (max(r["vf_steady_vmhwm_mib"]) - fig["vf_unsharded_steady_vmhwm_mib"]) * 2 ** 20 + U
+        fsdp2_left = max(r["fsdp2_alloc_peak_bytes"]) - fig["plain_alloc_peak_bytes"] + U
         held = max(r["vf_live_tensor_bytes"])
         mem_t = t.at_most("mem_tensors", f"W={w}: virtualflow's tensors held per worker at a step's end (every live "
                           f"storage) / (1.10 (U/W + two largest units))", held / bound, 1.0)
@@ -310,7 +312,8 @@ def check_targets(t: H.Targets, fig: dict) -> list[list]:
                      f"{max(r['fsdp2_vmhwm_mib']):.0f} / {max(r['fsdp2_steady_vmhwm_mib']):.0f}",
                      f"{max(r['vf_vmhwm_mib']):.0f} / {max(r['vf_steady_vmhwm_mib']):.0f}",
                      f"{vs:.3f} {H.yes_no(mem2)}",
-                     f"{left / 2 ** 20:.0f} / {bound / 2 ** 20:.0f} {H.yes_no(mem)}", f"{rss_left / 2 ** 20:.0f}",
+                     f"{left / 2 ** 20:.0f} / {bound / 2 ** 20:.0f} {H.yes_no(mem)}", f"{fsdp2_left / 2 ** 20:.0f}",
+                     f"{rss_left / 2 ** 20:.0f}",
                      f"{held / 2 ** 20:.0f} {H.yes_no(mem_t)}", H.yes_no(bit)])
     if fig.get("resize") is not None:
         check_resize(t, fig["resize"])
@@ -332,7 +335,8 @@ def check_targets(t: H.Targets, fig: dict) -> list[list]:
 
 HEADER = ["W", "FSDP2 step s", "vf step s", "vf det step s", "vf / FSDP2 (<= 1.05)", "det / default (<= 1.15)",
           "FSDP2 VmHWM MiB run / steady", "vf VmHWM MiB run / steady", "vf / FSDP2 mem, run (<= 1)",
-          "state by allocator / bound MiB", "state by RSS MiB", "tensors held MiB", "det bit-identical"]
+          "vf state by allocator / bound MiB", "FSDP2 state by allocator MiB", "vf state by RSS MiB",
+          "tensors held MiB", "det bit-identical"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -408,7 +412,8 @@ def measure_baselines(args) -> dict:
     plain = run_torch(args, 1, sharded=False)["ranks"][0]
     U = sum(plain["state_bytes"][k] for k in ("params", "grads", "optimizer"))
     print(f"  plain loop (W=1): {H.median(plain['step_times'][args.warmup:]):.3f} s/step, state {H.mib(U)}, "
-          f"VmHWM {plain['vmhwm_mib']:.0f} MiB (steady steps {plain['steady_vmhwm_mib']:.0f})", flush=True)
+          f"VmHWM {plain['vmhwm_mib']:.0f} MiB (steady steps {plain['steady_vmhwm_mib']:.0f}), allocator "
+          f"{H.mib(plain['alloc_peak_bytes'])} at a steady step's peak", flush=True)
     base = run_vf(args, 1, reduction="allreduce", deterministic=False)
     base.pop("state_dict")
     ref = run_vf(args, 1, reduction="allreduce", deterministic=True)
@@ -419,6 +424,7 @@ def measure_baselines(args) -> dict:
               f"VmPeak {probe_mib(r, 'vmpeak_mib')[0]:.0f} MiB, allocator {H.mib(probe_mib(r, 'alloc_start_bytes')[0])} "
               f"at a steady step's start, {H.mib(probe_mib(r, 'alloc_peak_bytes')[0])} at its peak", flush=True)
     return {"unsharded_state_bytes": U, "plain_state_bytes": plain["state_bytes"],
+            "plain_alloc_peak_bytes": plain["alloc_peak_bytes"],
             "plain_vmhwm_mib": plain["vmhwm_mib"], "plain_step_s": H.median(plain["step_times"][args.warmup:]),
             "vf_unsharded_vmhwm_mib": probe_mib(base, "vmhwm_mib")[0], "vf_unsharded_step_s": base["median_step_s"],
             "vf_unsharded_steady_vmhwm_mib": probe_mib(base, "steady_vmhwm_mib")[0],
@@ -456,13 +462,12 @@ def measure_w(args, workers: int, tmp: str, reference: dict[str, torch.Tensor]) 
         "det_step_s": [r["median_step_s"] for r in runs["det"]],
         **{f"{side}{key}": [H.median([rank_figure(r, key, k) for r in runs[run]]) for k in range(workers)]
            for side, run in (("fsdp2_", "fsdp2"), ("vf_", "vf"), ("det_", "det"))
-           for key in ("vmhwm_mib", "steady_vmhwm_mib")},
+           for key in ("vmhwm_mib", "steady_vmhwm_mib", "alloc_peak_bytes")},
         "det_vmpeak_mib": probe_mib(last["det"], "vmpeak_mib"),
         "det_end_vmpeak_mib": probe_mib(last["det"], "end_vmpeak_mib"),
         "vf_end_vmhwm_mib": probe_mib(last["vf"], "end_vmhwm_mib"),
         "fsdp2_state_bytes": [r["state_bytes"] for r in last["fsdp2"]["ranks"]],
         "vf_live_tensor_bytes": probe_mib(last["vf"], "live_tensor_bytes"),
-        "vf_alloc_peak_bytes": probe_mib(last["vf"], "alloc_peak_bytes"),
         "vf_alloc_start_bytes": probe_mib(last["vf"], "alloc_start_bytes"),
         "vf_optimizer_bytes": last["vf"]["optimizer_bytes"],
         "det_bit_identical": all(bits), "max_abs_weight_diff_vs_fsdp2": max(diffs),
@@ -559,7 +564,10 @@ def markdown(run: H.Run, args, fig: dict, rows: list[list]) -> str:
         f"measured in the plain loop, whose VmHWM is {fig['plain_vmhwm_mib']:.0f} MiB); two largest units "
         f"{H.mib(two_largest(fig['unit_bytes']))}; unsharded virtualflow worker (default mode) VmHWM "
         f"{fig['vf_unsharded_vmhwm_mib']:.0f} MiB, {fig['vf_unsharded_steady_vmhwm_mib']:.0f} MiB in the steady "
-        f"steps. VmHWM columns: the whole run's peak / the steady steps' peak (the worker with the largest).", "",
+        f"steps; the C allocator's peak in a steady step: unsharded virtualflow {H.mib(fig['vf_unsharded_alloc_peak_bytes'])}, "
+        f"plain loop {H.mib(fig['plain_alloc_peak_bytes'])}. VmHWM columns: the whole run's peak / the steady steps' peak "
+        f"(the worker with the largest). State by allocator: peak_W - peak_unsharded + U (FSDP2: - the plain loop's "
+        f"peak); by RSS: steady VmHWM_W - VmHWM_unsharded + U, for the record.", "",
         H.md_table(HEADER, rows), ""]
     off = fig.get("offload")
     if off is not None:

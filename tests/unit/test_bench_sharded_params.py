@@ -68,10 +68,12 @@ def _figures(**w4) -> dict:
         n = len(r["vf_vmhwm_mib"])
         r.update(vf_steady_vmhwm_mib=r["vf_vmhwm_mib"], fsdp2_steady_vmhwm_mib=r["fsdp2_vmhwm_mib"],
                  vf_live_tensor_bytes=[mib(320 / n)] * n,
-                 vf_alloc_peak_bytes=[mib(600 - 320 + 320 / n)] * n)  # the unsharded peak, U replaced by U/W
+                 vf_alloc_peak_bytes=[mib(600 - 320 + 320 / n)] * n,  # the unsharded peak, U replaced by U/W
+                 fsdp2_alloc_peak_bytes=[mib(700 - 320 + 320 / n)] * n)
     per_w[4].update(w4)
     return {"unsharded_state_bytes": mib(320), "unit_bytes": [mib(7)] * 10 + [mib(12)],
-            "vf_unsharded_steady_vmhwm_mib": 900.0, "vf_unsharded_alloc_peak_bytes": mib(600), "per_w": per_w,
+            "vf_unsharded_steady_vmhwm_mib": 900.0, "vf_unsharded_alloc_peak_bytes": mib(600),
+            "plain_alloc_peak_bytes": mib(700), "per_w": per_w,
             "resize": {"bandwidth_bytes_s": mib(100), "failures": [], "pauses": [
                 {"old_members": [0, 1, 2, 3], "new_members": [0, 1, 2], "pause_s": 1.4, "moved_bytes": mib(50)},
                 {"old_members": [0, 1, 2], "new_members": [0, 1, 2, 4], "pause_s": 0.2, "moved_bytes": mib(80)}]},
@@ -247,6 +249,7 @@ class FakeRuns:
                  "optimizer": 320 * MIB // 2 // workers, "live_tensors": 320 * MIB // workers}
         rss = 680 + 320 / workers
         ranks = [{"rank": r, "step_times": [1.0] * args.steps, "state_bytes": state, "vmhwm_mib": rss,
+                  "alloc_peak_bytes": (700 - 320 + 320 // workers) * MIB,
                   "steady_vmhwm_mib": rss,
                   "vmpeak_mib": 1500.0} for r in range(workers)]
         return {"ranks": ranks, "other_load_cores": 0.0, "median_step_s": 1.0}
@@ -338,3 +341,21 @@ def test_a_pause_is_the_gap_between_the_generations_steps_less_an_ordinary_step(
     assert second["gap_s"] == pytest.approx(2.0) and second["pause_s"] == pytest.approx(1.0)
     assert R.pauses(steps[:8], formed)[1]["pause_s"] is None  # the new generation's first step only
     assert S.resize_allowance(50 * MIB, 100 * MIB) == pytest.approx(1.5)
+
+
+def test_the_allocator_counts_a_tensor_of_another_thread_while_alive_and_not_once_freed():
+    import threading
+
+    from bench.harness import alloc
+
+    assert alloc.available()  # glibc >= 2.33 on the machines this benchmark runs on
+    held: list[torch.Tensor] = []
+    sampler = alloc.PeakSampler().start()
+    worker = threading.Thread(target=lambda: held.append(torch.ones(16 * MIB, dtype=torch.uint8)))
+    worker.start()
+    worker.join()
+    sampler.stop()  # the tensor is alive now: the peak counts it
+    assert sampler.peak_bytes - sampler.start_bytes >= 16 * MIB - MIB // 4  # this test's small objects aside
+    before = alloc.in_use_bytes()
+    held.clear()
+    assert alloc.in_use_bytes() <= before - 16 * MIB + MIB // 4
