@@ -421,8 +421,9 @@ def measure_baselines(args) -> dict:
     for name, r in (("default", base), ("deterministic", ref)):
         print(f"  virtualflow unsharded {name} (W=1): {r['median_step_s']:.3f} s/step, VmHWM "
               f"{probe_mib(r, 'vmhwm_mib')[0]:.0f} MiB (steady steps {probe_mib(r, 'steady_vmhwm_mib')[0]:.0f}), "
-              f"VmPeak {probe_mib(r, 'vmpeak_mib')[0]:.0f} MiB, allocator {H.mib(probe_mib(r, 'alloc_start_bytes')[0])} "
-              f"at a steady step's start, {H.mib(probe_mib(r, 'alloc_peak_bytes')[0])} at its peak", flush=True)
+              f"VmPeak {probe_mib(r, 'vmpeak_mib')[0]:.0f} MiB, allocator "
+              f"{H.mib(probe_mib(r, 'alloc_start_bytes')[0])} at a steady step's start, "
+              f"{H.mib(probe_mib(r, 'alloc_peak_bytes')[0])} at its peak", flush=True)
     return {"unsharded_state_bytes": U, "plain_state_bytes": plain["state_bytes"],
             "plain_alloc_peak_bytes": plain["alloc_peak_bytes"],
             "plain_vmhwm_mib": plain["vmhwm_mib"], "plain_step_s": H.median(plain["step_times"][args.warmup:]),
@@ -564,10 +565,11 @@ def markdown(run: H.Run, args, fig: dict, rows: list[list]) -> str:
         f"measured in the plain loop, whose VmHWM is {fig['plain_vmhwm_mib']:.0f} MiB); two largest units "
         f"{H.mib(two_largest(fig['unit_bytes']))}; unsharded virtualflow worker (default mode) VmHWM "
         f"{fig['vf_unsharded_vmhwm_mib']:.0f} MiB, {fig['vf_unsharded_steady_vmhwm_mib']:.0f} MiB in the steady "
-        f"steps; the C allocator's peak in a steady step: unsharded virtualflow {H.mib(fig['vf_unsharded_alloc_peak_bytes'])}, "
-        f"plain loop {H.mib(fig['plain_alloc_peak_bytes'])}. VmHWM columns: the whole run's peak / the steady steps' peak "
-        f"(the worker with the largest). State by allocator: peak_W - peak_unsharded + U (FSDP2: - the plain loop's "
-        f"peak); by RSS: steady VmHWM_W - VmHWM_unsharded + U, for the record.", "",
+        f"steps; the C allocator's peak in a steady step: unsharded virtualflow "
+        f"{H.mib(fig['vf_unsharded_alloc_peak_bytes'])}, plain loop {H.mib(fig['plain_alloc_peak_bytes'])}. VmHWM "
+        f"columns: the whole run's peak / the steady steps' peak (the worker with the largest). State by "
+        f"allocator: peak_W - peak_unsharded + U (FSDP2: - the plain loop's peak); by RSS: steady VmHWM_W - "
+        f"VmHWM_unsharded + U, for the record.", "",
         H.md_table(HEADER, rows), ""]
     off = fig.get("offload")
     if off is not None:
