@@ -23,7 +23,8 @@ over the steady steps alone (``steady_vmhwm_mib``: the peak is reset with :func:
 after the last warm-up step, so what building the model and the first steps held does not count);
 its peak address space (VmPeak); the C allocator's bytes in use at the last step's start and at
 its peak during it, all threads (:class:`bench.harness.alloc.PeakSampler`); and the bytes of
-parameters, gradients and optimizer state it holds at the end of the last step (local shards: :func:`bench.harness.gpt.state_bytes`).
+parameters, gradients and optimizer state it holds at the end of the last step (local shards:
+:func:`bench.harness.gpt.state_bytes`).
 :func:`apply_as_limit`, :func:`vmpeak_mib` and :func:`reset_peak_rss` serve virtualflow's workers
 too.
 """
