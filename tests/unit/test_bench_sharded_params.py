@@ -274,7 +274,7 @@ class FakeRuns:
     def resize_run(self, job, sizes, **knobs):
         """A launched run resized 4 -> 3 -> 4: steps of 1 s, each change's first step 0.3 s late."""
         self.calls.append(("resize", tuple(sizes), knobs["reduction"], knobs["deterministic"], None))
-        steps, t, gen = [], 0.0, 0
+        steps, t = [], 0.0
         for g, n in enumerate(sizes):
             for k in range(3):
                 t += 1.0 + (0.3 if k == 0 and g else 0.0)
