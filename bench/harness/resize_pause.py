@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -141,7 +142,8 @@ def resize_run(job: Any, sizes: Sequence[int], steps_between: int = 3, timeout_s
                **knobs: Any) -> dict[str, Any]:
     """Launch ``job`` on ``sizes[0]`` workers (``knobs``: more ``LaunchOptions``), resize it to each
     later size after ``steps_between`` more steps (``resize(n, wait=True)``), stop it
-    ``steps_between`` steps after the last; its step records and ``formed`` events."""
+    ``steps_between`` steps after the last; its step records and ``formed`` events (its run
+    directory is removed)."""
     import virtualflow as vf
 
     run_dir = tempfile.mkdtemp(prefix="resize-pause-")
@@ -155,4 +157,5 @@ def resize_run(job: Any, sizes: Sequence[int], steps_between: int = 3, timeout_s
         result = handle.stop()
     steps = sorted(read_jsonl(os.path.join(run_dir, "metrics.jsonl")), key=lambda r: r["step"])
     formed = [e for e in read_jsonl(os.path.join(run_dir, "events.jsonl")) if e.get("event") == "formed"]
+    shutil.rmtree(run_dir, ignore_errors=True)  # its final state and logs: hundreds of MiB, not needed
     return {"steps": steps, "formed": formed, "failures": [f["cause"] for f in result.failures]}
