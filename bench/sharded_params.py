@@ -26,12 +26,21 @@ is the median over repetitions of the ratio of the same repetition.
 
 Targets (issue 43):
 
-* ``mem_formula`` (W = 1, 2, 4): what sharding leaves per worker in training, by RSS, is at most
-  1/W of the unsharded training state U (parameters + gradients + AdamW state, measured in the
-  plain loop) plus the two largest units gathered, plus 10 %:
-  ``(VmHWM_W - VmHWM_unsharded + U) / (1.10 (U / W + L1 + L2)) <= 1``, both steady-step peaks, with
-  VmHWM_unsharded the unsharded virtualflow run's in the default mode (``reduction="allreduce"``,
-  W = 1: its process overhead and activations cancel);
+* ``mem_formula`` (W = 1, 2, 4): what sharding leaves per worker in training, measured by the
+  allocator, is at most 1/W of the unsharded training state U (parameters + gradients + AdamW
+  state, measured in the plain loop) plus the two largest units gathered, plus 10 %:
+  ``(peak_W - peak_unsharded + U) / (1.10 (U / W + L1 + L2)) <= 1``. ``peak`` is the largest
+  number of bytes the C allocator has in use during a steady step (the last one), all threads
+  (:mod:`bench.harness.alloc`); ``peak_unsharded`` the unsharded virtualflow run's in the default
+  mode (``reduction="allreduce"``, W = 1), which holds U plus the activations of one micro-batch,
+  the step's transients and the process's own heap (data set, Python, libraries). A micro-batch
+  is B/V sequences at every W, so its activations are the same in every run and cancel, as the
+  heap does: ``peak_W - (peak_unsharded - U)`` is the training state a sharded worker holds at its
+  peak (its shards, gradient shards and AdamW shards, the units gathered, the gradients waiting
+  for the reduction). The same figure by RSS (steady-step VmHWM) is printed for the record, with
+  no target: RSS also counts what the allocator keeps after a free (the whole model built before
+  it is sharded, freed arenas not returned), so it overstates what is held. FSDP2's figure by the
+  allocator, ``peak_W - peak_plain + U`` (the plain loop its baseline), is printed next to it;
 * ``mem_tensors`` (W = 1, 2, 4): the same bound on the bytes of the tensors a worker holds at the
   end of a step (the allocator's view: every live tensor storage; RSS also counts memory the C
   allocator keeps after tensors are freed, such as the whole model built before it is sharded);
@@ -47,6 +56,15 @@ Targets (issue 43):
   fail with an out-of-memory error that names ``reduction="fsdp"`` (``--reduction fsdp``), and the sharded
   deterministic run on 4 workers must complete under the same limit, bit-identical to the
   unsharded deterministic run made without it.
+
+* ``resize_pause`` (each change of a run launched on 4 workers, resized 4 -> 3 -> 4 in the default
+  mode with ``JobHandle.resize(n, wait=True)``): the pause, the wall time between the old
+  generation's last step and the new one's first (``metrics.jsonl``'s step records) minus one
+  ordinary step of the new generation, is at most 1 s plus the bytes the resize moves at the
+  bandwidth measured here (a gloo send of 64 MiB between two processes); the bytes moved are
+  the engine's own plan (:func:`virtualflow.plan.param_shards.moves` per unit: every range of a
+  shard that changes holder, parameter and AdamW moments; a newcomer's shard twice, through its
+  deputy).
 
 Host offload (``offload="cpu"``, W = 4, default mode) runs once for the record, without a target:
 on this machine the device is the host.
@@ -75,11 +93,13 @@ import torch
 
 from bench import harness as H
 from bench.harness import gpt
+from bench.harness import resize_pause as R
+from bench.harness.alloc import PeakSampler
 from bench.harness.fsdp2 import apply_as_limit, fsdp2_rank, reset_peak_rss, run_fsdp2, vmpeak_mib
 
 NAME = "sharded_params"
 MODULE = "bench.sharded_params"
-TARGET_KEYS = ("mem_formula", "mem_tensors", "mem_vs_fsdp2", "time_ratio", "det_ratio")
+TARGET_KEYS = ("mem_formula", "mem_tensors", "mem_vs_fsdp2", "time_ratio", "det_ratio", "resize_pause")
 TARGET_TIME = 1.05
 TARGET_DET = 1.15
 TARGET_MEM_VS_FSDP2 = 1.0
@@ -88,6 +108,12 @@ WORKERS = (1, 2, 4)
 TIME_WORKERS = (2, 4)
 """The worker counts of the step-time target against FSDP2 (at W = 1 the ratio is shown, unchecked)."""
 LIMIT_WORKERS = 4
+RESIZE_SIZES = (4, 3, 4)
+"""The resize measured: launched on 4 workers, shrunk to 3, grown back to 4 (default mode)."""
+RESIZE_FIXED_S = 1.0
+"""The resize pause's allowance on top of the shards' moving time."""
+MOVED_BYTES_PER_ELEMENT = 12
+"""What a resize moves per parameter element: the fp32 parameter and AdamW's two fp32 moments."""
 OOM_WORDS = ("out of memory", "can't allocate", "cannot allocate", "memoryerror", "std::bad_alloc")
 KNOB_FORMS = ("--reduction fsdp", "reduction='fsdp'", 'reduction="fsdp"', "reduction=fsdp")
 
@@ -115,14 +141,18 @@ class MemoryProbe:
     and resets it; at step ``$VF_BENCH_PROBE_STEP`` (the last) it writes to
     ``$VF_BENCH_PROBE_DIR/rank<r>-step.json`` the peak resident memory of the whole run
     (``vmhwm_mib``) and of the steady steps alone (``steady_vmhwm_mib``), the peak address space
-    (``vmpeak_mib``) and the bytes of its live tensors; when the job ends, after the final state is
-    written, its VmHWM and VmPeak again to ``rank<r>-end.json`` (the final export's peak)."""
+    (``vmpeak_mib``), the bytes of its live tensors, and the allocator's bytes in use at the start
+    of the last step and their peak during it (``alloc_start_bytes``, ``alloc_peak_bytes``:
+    :class:`~bench.harness.alloc.PeakSampler`, started at the end of the step before); when the job
+    ends, after the final state is written, its VmHWM and VmPeak again to ``rank<r>-end.json``
+    (the final export's peak)."""
 
     ranks = "all"
 
     def __init__(self) -> None:
         self.rank: int | None = None
         self.early: dict = {}
+        self.sampler: PeakSampler | None = None
 
     def _write(self, what: str, record: dict) -> None:
         with open(os.path.join(os.environ[PROBE_DIR], f"rank{self.rank}-{what}.json"), "w") as f:
@@ -131,12 +161,17 @@ class MemoryProbe:
     def on_step_end(self, info) -> None:
         if not os.environ.get(PROBE_DIR):
             return None
+        last = int(os.environ.get(PROBE_STEP, "-1"))
         if info.step == int(os.environ.get(PROBE_RESET, "-1")):
             self.early = {"early_vmhwm_mib": H.vmhwm_mib(), "peak_reset": reset_peak_rss()}
-        if info.step == int(os.environ.get(PROBE_STEP, "-1")):
+        if info.step == last - 1:
+            self.sampler = PeakSampler().start()
+        if info.step == last:
             self.rank = info.rank
             steady = H.vmhwm_mib()
+            alloc = self.sampler.stop() if self.sampler is not None else PeakSampler()
             self._write("step", {"workers": info.workers, "steady_vmhwm_mib": steady,
+                                 "alloc_start_bytes": alloc.start_bytes, "alloc_peak_bytes": alloc.peak_bytes,
                                  "vmhwm_mib": max(steady, self.early.get("early_vmhwm_mib", steady)),
                                  "vmpeak_mib": vmpeak_mib(), "live_tensor_bytes": gpt.live_tensor_bytes(),
                                  **self.early})
@@ -219,13 +254,33 @@ def names_knob(text: str | None) -> bool:
     return any(form in low for form in KNOB_FORMS)
 
 
+def resize_allowance(moved: int, bandwidth: float) -> float:
+    """The issue's bound on a resize pause: 1 s plus the moved bytes at the measured bandwidth."""
+    return RESIZE_FIXED_S + moved / bandwidth
+
+
+def check_resize(t: H.Targets, resize: dict) -> None:
+    """The resize pause's target, one check per change of generation (a run that lost a worker,
+    or a change without a second step to time, is a miss)."""
+    t.holds("resize: the resized run completed every change without losing a worker",
+            not resize["failures"] and len(resize["pauses"]) == len(RESIZE_SIZES) - 1, "; ".join(resize["failures"]))
+    for p in resize["pauses"]:
+        allowance = resize_allowance(p["moved_bytes"], resize["bandwidth_bytes_s"])
+        pause = float("nan") if p["pause_s"] is None else p["pause_s"]
+        t.at_most("resize_pause", f"resize {len(p['old_members'])} -> {len(p['new_members'])} workers: pause (gap "
+                  f"between the generations' steps - an ordinary step) / (1 s + {H.mib(p['moved_bytes'])} moved "
+                  f"/ measured bandwidth)", pause / allowance, 1.0)
+
+
 def check_targets(t: H.Targets, fig: dict) -> list[list]:
     """Check every target on the measured figures (plain numbers, no processes); the table's rows.
 
     ``fig``: ``unsharded_state_bytes`` (U), ``unit_bytes``, ``vf_unsharded_steady_vmhwm_mib``,
+    ``vf_unsharded_alloc_peak_bytes``, ``plain_alloc_peak_bytes`` (FSDP2's baseline: the plain loop),
     ``per_w`` {W: ``fsdp2_step_s``, ``vf_step_s``, ``det_step_s`` (lists, one per repetition),
     ``fsdp2_vmhwm_mib``, ``vf_vmhwm_mib`` (whole run), ``fsdp2_steady_vmhwm_mib``,
-    ``vf_steady_vmhwm_mib`` (steady steps; each per rank), ``vf_live_tensor_bytes`` (per rank),
+    ``vf_steady_vmhwm_mib`` (steady steps; each per rank), ``vf_live_tensor_bytes``,
+    ``vf_alloc_peak_bytes``, ``fsdp2_alloc_peak_bytes`` (per rank),
     ``det_bit_identical``}, and ``limit``
     (None when not run) with ``limit_mib``, ``unsharded_error``, ``sharded_error``,
     ``sharded_bit_identical``."""
@@ -233,9 +288,11 @@ def check_targets(t: H.Targets, fig: dict) -> list[list]:
     rows = []
     for w, r in sorted(fig["per_w"].items()):
         bound = memory_bound(U, units, w)
-        left = (max(r["vf_steady_vmhwm_mib"]) - fig["vf_unsharded_steady_vmhwm_mib"]) * 2 ** 20 + U
-        mem = t.at_most("mem_formula", f"W={w}: virtualflow's state left per worker by RSS in the steady steps "
-                        f"(VmHWM_W - VmHWM_unsharded + U) / (1.10 (U/W + two largest units))", left / bound, 1.0)
+        left = max(r["vf_alloc_peak_bytes"]) - fig["vf_unsharded_alloc_peak_bytes"] + U
+        mem = t.at_most("mem_formula", f"W={w}: virtualflow's state per worker by the allocator's peak in a steady "
+                        f"step (peak_W - peak_unsharded + U) / (1.10 (U/W + two largest units))", left / bound, 1.0)
+        rss_left = (max(r["vf_steady_vmhwm_mib"]) - fig["vf_unsharded_steady_vmhwm_mib"]) * 2 ** 20 + U
+        fsdp2_left = max(r["fsdp2_alloc_peak_bytes"]) - fig["plain_alloc_peak_bytes"] + U
         held = max(r["vf_live_tensor_bytes"])
         mem_t = t.at_most("mem_tensors", f"W={w}: virtualflow's tensors held per worker at a step's end (every live "
                           f"storage) / (1.10 (U/W + two largest units))", held / bound, 1.0)
@@ -255,8 +312,11 @@ def check_targets(t: H.Targets, fig: dict) -> list[list]:
                      f"{max(r['fsdp2_vmhwm_mib']):.0f} / {max(r['fsdp2_steady_vmhwm_mib']):.0f}",
                      f"{max(r['vf_vmhwm_mib']):.0f} / {max(r['vf_steady_vmhwm_mib']):.0f}",
                      f"{vs:.3f} {H.yes_no(mem2)}",
-                     f"{left / 2 ** 20:.0f} / {bound / 2 ** 20:.0f} {H.yes_no(mem)}",
+                     f"{left / 2 ** 20:.0f} / {bound / 2 ** 20:.0f} {H.yes_no(mem)}", f"{fsdp2_left / 2 ** 20:.0f}",
+                     f"{rss_left / 2 ** 20:.0f}",
                      f"{held / 2 ** 20:.0f} {H.yes_no(mem_t)}", H.yes_no(bit)])
+    if fig.get("resize") is not None:
+        check_resize(t, fig["resize"])
     lim = fig.get("limit")
     if lim is not None:
         t.holds(f"no fit: a per-worker limit separates the sharded and unsharded peaks "
@@ -275,7 +335,8 @@ def check_targets(t: H.Targets, fig: dict) -> list[list]:
 
 HEADER = ["W", "FSDP2 step s", "vf step s", "vf det step s", "vf / FSDP2 (<= 1.05)", "det / default (<= 1.15)",
           "FSDP2 VmHWM MiB run / steady", "vf VmHWM MiB run / steady", "vf / FSDP2 mem, run (<= 1)",
-          "state left / bound MiB, steady", "tensors held MiB", "det bit-identical"]
+          "vf state by allocator / bound MiB", "FSDP2 state by allocator MiB", "vf state by RSS MiB",
+          "tensors held MiB", "det bit-identical"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -340,8 +401,8 @@ def rank_figure(run: dict, key: str, rank: int) -> float:
 
 
 def probe_mib(run: dict, key: str) -> list[float]:
-    """Each worker's probed figure (NaN for a worker that wrote none)."""
-    return [p.get(key, float("nan")) if p else float("nan") for p in run["probes"]]
+    """Each worker's probed figure (NaN for a worker that wrote none, or none of it: no glibc)."""
+    return [float("nan") if not p or p.get(key) is None else p[key] for p in run["probes"]]
 
 
 def measure_baselines(args) -> dict:
@@ -351,7 +412,8 @@ def measure_baselines(args) -> dict:
     plain = run_torch(args, 1, sharded=False)["ranks"][0]
     U = sum(plain["state_bytes"][k] for k in ("params", "grads", "optimizer"))
     print(f"  plain loop (W=1): {H.median(plain['step_times'][args.warmup:]):.3f} s/step, state {H.mib(U)}, "
-          f"VmHWM {plain['vmhwm_mib']:.0f} MiB (steady steps {plain['steady_vmhwm_mib']:.0f})", flush=True)
+          f"VmHWM {plain['vmhwm_mib']:.0f} MiB (steady steps {plain['steady_vmhwm_mib']:.0f}), allocator "
+          f"{H.mib(plain['alloc_peak_bytes'])} at a steady step's peak", flush=True)
     base = run_vf(args, 1, reduction="allreduce", deterministic=False)
     base.pop("state_dict")
     ref = run_vf(args, 1, reduction="allreduce", deterministic=True)
@@ -359,11 +421,16 @@ def measure_baselines(args) -> dict:
     for name, r in (("default", base), ("deterministic", ref)):
         print(f"  virtualflow unsharded {name} (W=1): {r['median_step_s']:.3f} s/step, VmHWM "
               f"{probe_mib(r, 'vmhwm_mib')[0]:.0f} MiB (steady steps {probe_mib(r, 'steady_vmhwm_mib')[0]:.0f}), "
-              f"VmPeak {probe_mib(r, 'vmpeak_mib')[0]:.0f} MiB", flush=True)
+              f"VmPeak {probe_mib(r, 'vmpeak_mib')[0]:.0f} MiB, allocator "
+              f"{H.mib(probe_mib(r, 'alloc_start_bytes')[0])} at a steady step's start, "
+              f"{H.mib(probe_mib(r, 'alloc_peak_bytes')[0])} at its peak", flush=True)
     return {"unsharded_state_bytes": U, "plain_state_bytes": plain["state_bytes"],
+            "plain_alloc_peak_bytes": plain["alloc_peak_bytes"],
             "plain_vmhwm_mib": plain["vmhwm_mib"], "plain_step_s": H.median(plain["step_times"][args.warmup:]),
             "vf_unsharded_vmhwm_mib": probe_mib(base, "vmhwm_mib")[0], "vf_unsharded_step_s": base["median_step_s"],
             "vf_unsharded_steady_vmhwm_mib": probe_mib(base, "steady_vmhwm_mib")[0],
+            "vf_unsharded_alloc_peak_bytes": probe_mib(base, "alloc_peak_bytes")[0],
+            "vf_unsharded_alloc_start_bytes": probe_mib(base, "alloc_start_bytes")[0],
             "vf_unsharded_det_vmpeak_mib": probe_mib(ref, "vmpeak_mib")[0],
             "vf_unsharded_det_vmhwm_mib": probe_mib(ref, "vmhwm_mib")[0],
             "vf_unsharded_det_step_s": ref["median_step_s"],
@@ -396,12 +463,13 @@ def measure_w(args, workers: int, tmp: str, reference: dict[str, torch.Tensor]) 
         "det_step_s": [r["median_step_s"] for r in runs["det"]],
         **{f"{side}{key}": [H.median([rank_figure(r, key, k) for r in runs[run]]) for k in range(workers)]
            for side, run in (("fsdp2_", "fsdp2"), ("vf_", "vf"), ("det_", "det"))
-           for key in ("vmhwm_mib", "steady_vmhwm_mib")},
+           for key in ("vmhwm_mib", "steady_vmhwm_mib", "alloc_peak_bytes")},
         "det_vmpeak_mib": probe_mib(last["det"], "vmpeak_mib"),
         "det_end_vmpeak_mib": probe_mib(last["det"], "end_vmpeak_mib"),
         "vf_end_vmhwm_mib": probe_mib(last["vf"], "end_vmhwm_mib"),
         "fsdp2_state_bytes": [r["state_bytes"] for r in last["fsdp2"]["ranks"]],
         "vf_live_tensor_bytes": probe_mib(last["vf"], "live_tensor_bytes"),
+        "vf_alloc_start_bytes": probe_mib(last["vf"], "alloc_start_bytes"),
         "vf_optimizer_bytes": last["vf"]["optimizer_bytes"],
         "det_bit_identical": all(bits), "max_abs_weight_diff_vs_fsdp2": max(diffs),
         "other_load_cores": max(r["other_load_cores"] for rs in runs.values() for r in rs),
@@ -421,6 +489,33 @@ def measure_offload(args, workers: int = max(WORKERS)) -> dict:
           f"{max(out['vmhwm_mib']):.0f} MiB (steady {max(out['steady_vmhwm_mib']):.0f}), tensors held "
           f"{max(out['live_tensor_bytes']) / 2 ** 20:.0f} MiB", flush=True)
     return out
+
+
+def measure_resize(args) -> dict:
+    """The resize pause (:mod:`bench.harness.resize_pause`): the gloo point-to-point bandwidth on
+    this machine, then the job launched on 4 workers, resized 4 -> 3 -> 4 (default mode), each
+    change's pause from its records and the bytes the engine's plan moves for it."""
+    from virtualflow.runtime.fsdp.units import resolve_units, unit_params
+
+    bandwidth = R.p2p_bandwidth()
+    print(f"  gloo point-to-point bandwidth: {bandwidth / 2 ** 20:.0f} MiB/s (a 64 MiB send between 2 processes)",
+          flush=True)
+    model = gpt.build(args.size)
+    numels = [[p.numel() for p in u.params] for u in unit_params(model, resolve_units(model, None))]
+    del model
+    run = R.resize_run(JOBS[args.size], RESIZE_SIZES, virtual_nodes=args.vns, global_batch_size=args.batch,
+                       threads_per_worker=1, reduction=args.reduction, deterministic=False, timeout_s=args.timeout)
+    pauses = R.pauses(run["steps"], run["formed"])
+    for p in pauses:
+        p["moved_bytes"] = R.moved_bytes(numels, p["old_members"], p["new_members"], MOVED_BYTES_PER_ELEMENT)
+        print(f"  resize {len(p['old_members'])} -> {len(p['new_members'])} after step {p['step'] - 1}: "
+              f"{p['gap_s']:.3f} s between the steps' ends, ordinary step {H.num(p['ordinary_step_s'], '.3f')} s, "
+              f"pause {H.num(p['pause_s'], '.3f')} s; moved {H.mib(p['moved_bytes'])} "
+              f"({p['moved_bytes'] / bandwidth:.3f} s at the bandwidth); the controller's pause from the request "
+              f"{H.num(p['controller_pause_s'])} s",
+              flush=True)
+    return {"bandwidth_bytes_s": bandwidth, "pauses": pauses, "failures": run["failures"],
+            "steps": run["steps"], "formed": run["formed"]}
 
 
 def measure_limit(args, sharded_peak: float, unsharded_peak: float, export_peak: float,
@@ -470,7 +565,11 @@ def markdown(run: H.Run, args, fig: dict, rows: list[list]) -> str:
         f"measured in the plain loop, whose VmHWM is {fig['plain_vmhwm_mib']:.0f} MiB); two largest units "
         f"{H.mib(two_largest(fig['unit_bytes']))}; unsharded virtualflow worker (default mode) VmHWM "
         f"{fig['vf_unsharded_vmhwm_mib']:.0f} MiB, {fig['vf_unsharded_steady_vmhwm_mib']:.0f} MiB in the steady "
-        f"steps. VmHWM columns: the whole run's peak / the steady steps' peak (the worker with the largest).", "",
+        f"steps; the C allocator's peak in a steady step: unsharded virtualflow "
+        f"{H.mib(fig['vf_unsharded_alloc_peak_bytes'])}, plain loop {H.mib(fig['plain_alloc_peak_bytes'])}. VmHWM "
+        f"columns: the whole run's peak / the steady steps' peak (the worker with the largest). State by "
+        f"allocator: peak_W - peak_unsharded + U (FSDP2: - the plain loop's peak); by RSS: steady VmHWM_W - "
+        f"VmHWM_unsharded + U, for the record.", "",
         H.md_table(HEADER, rows), ""]
     off = fig.get("offload")
     if off is not None:
@@ -488,6 +587,15 @@ def markdown(run: H.Run, args, fig: dict, rows: list[list]) -> str:
                   f"- sharded virtualflow on {LIMIT_WORKERS} workers: "
                   f"`{(lim['sharded_error'] or 'completed').splitlines()[0][:300]}`; bit-identical to the "
                   f"unsharded deterministic run: {lim['sharded_bit_identical']}", ""]
+    rz = fig.get("resize")
+    if rz is not None:
+        lines += [f"Resize pause (launched on {RESIZE_SIZES[0]} workers, default mode; gloo point-to-point "
+                  f"bandwidth {rz['bandwidth_bytes_s'] / 2 ** 20:.0f} MiB/s):", ""]
+        lines += [f"- {len(p['old_members'])} -> {len(p['new_members'])} workers after step {p['step'] - 1}: "
+                  f"{p['gap_s']:.3f} s between the steps' ends, an ordinary step {H.num(p['ordinary_step_s'])} s, "
+                  f"pause {H.num(p['pause_s'])} s; {H.mib(p['moved_bytes'])} moved, allowance "
+                  f"{resize_allowance(p['moved_bytes'], rz['bandwidth_bytes_s']):.3f} s" for p in rz["pauses"]]
+        lines += [""]
     lines += [f"Reproduce: `{run.command(NAME)}`"]
     return "\n".join(lines)
 
@@ -503,6 +611,7 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--reduction", default="fsdp", choices=("fsdp", "sharded"),
                    help="virtualflow's layout measured (sharded: ZeRO-1/2, for comparison)")
     p.add_argument("--no-limit", action="store_true", help="skip the model-that-does-not-fit part")
+    p.add_argument("--no-resize", action="store_true", help="skip the resize pause")
     p.add_argument("--timeout", type=float, default=1800.0, help="bound on one run, seconds")
     p.add_argument("--child-fsdp2", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -540,12 +649,13 @@ def main(argv: list[str] | None = None) -> int:
     reference = fig.pop("reference")
     per_w = {w: measure_w(args, w, tmp, reference) for w in WORKERS}
     offload = measure_offload(args) if args.reduction == "fsdp" else None
+    resize = measure_resize(args) if args.reduction == "fsdp" and not args.no_resize else None
     limit = None
     if not args.no_limit:
         det = per_w[LIMIT_WORKERS]
         limit = measure_limit(args, max(det["det_vmpeak_mib"]), fig["vf_unsharded_det_vmpeak_mib"],
                               max(det["det_end_vmpeak_mib"]), reference)
-    fig.update(params=params, unit_bytes=unit_bytes, per_w=per_w, limit=limit, offload=offload)
+    fig.update(params=params, unit_bytes=unit_bytes, per_w=per_w, limit=limit, offload=offload, resize=resize)
     rows = check_targets(run.targets, fig)
     print()
     print(H.text_table(HEADER, rows))

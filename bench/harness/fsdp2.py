@@ -21,8 +21,10 @@ Measured per rank: its step times (end of step to end of step); its peak residen
 over the whole run up to the end of the last step, before the final weights are gathered, and
 over the steady steps alone (``steady_vmhwm_mib``: the peak is reset with :func:`reset_peak_rss`
 after the last warm-up step, so what building the model and the first steps held does not count);
-its peak address space (VmPeak); and the bytes of parameters, gradients and optimizer state it
-holds at the end of the last step (local shards: :func:`bench.harness.gpt.state_bytes`).
+its peak address space (VmPeak); the C allocator's bytes in use at the last step's start and at
+its peak during it, all threads (:class:`bench.harness.alloc.PeakSampler`); and the bytes of
+parameters, gradients and optimizer state it holds at the end of the last step (local shards:
+:func:`bench.harness.gpt.state_bytes`).
 :func:`apply_as_limit`, :func:`vmpeak_mib` and :func:`reset_peak_rss` serve virtualflow's workers
 too.
 """
@@ -37,6 +39,7 @@ import time
 import torch
 
 from bench.harness.gpt import SIZES, adamw, build, live_tensor_bytes, lm_loss, state_bytes, token_data
+from bench.harness.alloc import PeakSampler
 from bench.harness.machine import _status_field, collect_children, spawn_child, vmhwm_mib
 from bench.harness.workloads import SEED, batch_indices
 
@@ -102,7 +105,7 @@ def _train(cfg: dict) -> dict:
     lo, micro, n = rank_slices(cfg["B"], cfg["V"], cfg["world"], rank)
     model = _model(cfg)
     opt = adamw(model)
-    times, losses, held, early = [], [], {}, {}
+    times, losses, held, early, sampler = [], [], {}, {}, PeakSampler()
     t_prev = time.perf_counter()
     for step in range(steps):
         idx = batch_indices(len(X), cfg["B"], step, lo, lo + micro * n)
@@ -120,11 +123,15 @@ def _train(cfg: dict) -> dict:
         if step == cfg["warmup"] - 1:  # the steady steps' peak from here on
             early = {"early_vmhwm_mib": vmhwm_mib(), "peak_reset": reset_peak_rss()}
         if step == steps - 1:  # the state held at the end of a step (gradients still there), after its time
+            sampler.stop()
             held = {**state_bytes(model, opt), "live_tensors": live_tensor_bytes()}
         opt.zero_grad(set_to_none=True)
+        if step == steps - 2:  # the allocator's peak over the last step
+            sampler.start()
     steady = vmhwm_mib()
     out = {"rank": rank, "step_times": times, "losses": losses, "state_bytes": held, "steady_vmhwm_mib": steady,
-           "vmhwm_mib": max(steady, early.get("early_vmhwm_mib", steady)), "vmpeak_mib": vmpeak_mib(), **early}
+           "vmhwm_mib": max(steady, early.get("early_vmhwm_mib", steady)), "vmpeak_mib": vmpeak_mib(),
+           "alloc_start_bytes": sampler.start_bytes, "alloc_peak_bytes": sampler.peak_bytes, **early}
     full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
     if rank == 0 and cfg.get("save"):
         torch.save(full, cfg["save"])
