@@ -122,7 +122,7 @@ class FsdpUpdate:
         for u, _, _, at, view in self.pieces:
             chunk = prepared.mine[u.index]
             if chunk:
-                entry = {k: v[at : at + view.numel()].clone() for k, v in chunk.items()}
+                entry = {k: v[at : at + view.numel()] for k, v in chunk.items()}  # (views: no copy)
                 entry.update({k: torch.tensor(v) for k, v in prepared.scalars.items()})
                 opt.state[view] = entry
         return opt

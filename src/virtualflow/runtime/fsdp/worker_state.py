@@ -58,7 +58,10 @@ class ShardedModelState:
                     group.broadcast(b.data, 0)
 
     def model_state(self, group: Group | None) -> dict[str, torch.Tensor] | None:
-        """The model's ``state_dict`` on rank 0 (collective; None elsewhere), master dtype, on the CPU."""
+        """The model's ``state_dict`` on rank 0 (collective; None elsewhere), master dtype, on the
+        CPU: views of rank 0's gathered buffers (no second copy of the model), valid until its
+        next step, which is after the checkpoint or final state is written; a tied weight is one
+        tensor under each of its names."""
         store = self.update.store
         values = store.gather_to(group, 0)
         if values is None:
@@ -66,7 +69,7 @@ class ShardedModelState:
         by_id = {}
         for u, whole in zip(store.units, values):
             for p, o, n in zip(u.params, u.offsets, u.numels):
-                by_id[id(p)] = whole[o : o + n].view(p.shape).cpu().clone()
+                by_id[id(p)] = whole[o : o + n].view(p.shape).cpu()  # (rank 0's gathered buffers: no copy)
         out = {}
         for k, v in self.vn.model.state_dict(keep_vars=True).items():
             out[k] = by_id[id(v)] if id(v) in by_id else v.detach().cpu()  # a tied weight: one tensor
