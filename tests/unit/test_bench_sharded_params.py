@@ -212,7 +212,8 @@ def test_the_probe_writes_each_workers_figures_at_its_step_and_at_the_end(tmp_pa
     assert probes[0] is None and probes[2] is None
     rec = probes[1]
     assert rec["rank"] == 1 and rec["workers"] == 2 and rec["vmhwm_mib"] > 0 and rec["vmpeak_mib"] >= rec["vmhwm_mib"]
-    assert rec["end_vmpeak_mib"] >= rec["vmpeak_mib"] and rec["end_vmhwm_mib"] >= rec["steady_vmhwm_mib"]
+    # (the kernel updates VmHWM lazily: a later reading may fall a few pages below an earlier one)
+    assert rec["end_vmpeak_mib"] >= rec["vmpeak_mib"] and rec["end_vmhwm_mib"] >= rec["steady_vmhwm_mib"] - 0.5
     assert rec["live_tensor_bytes"] >= held.nbytes and probe.ranks == "all"
     assert rec["peak_reset"] is True  # Linux >= 4.0
     assert rec["vmhwm_mib"] == max(rec["early_vmhwm_mib"], rec["steady_vmhwm_mib"]) > 0
