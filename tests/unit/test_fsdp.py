@@ -232,3 +232,24 @@ def test_an_out_of_memory_failure_names_the_knobs_that_fit_the_model():
     assert "reduction='fsdp' (--reduction fsdp)" in memory_hint(oom, plain)
     assert "--workers" in memory_hint(oom, sharded) and "--offload cpu" in memory_hint(MemoryError(), sharded)
     assert memory_hint(ValueError("a bad batch"), plain) == ""
+
+
+def test_a_checkpoint_that_pins_rank_0s_gathered_values_leaves_the_next_step_working():
+    """A ``.pt`` checkpoint's digest reads the gathered values through numpy, which makes their
+    storage unresizable: the unit then takes a new gather buffer and the state keeps the old."""
+    from virtualflow.comm.groups import Group
+    from virtualflow.runtime.checkpoint import content_digest
+    from virtualflow.runtime.fsdp.store import ParamStore
+
+    model = tied_gpt()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    store = ParamStore(model, unit_params(model, resolve_units(model, None)), device=torch.device("cpu"),
+                       offload=None, param_dtype=None, keep_gathered=False)
+    store.cut(0, 1)
+    values = store.gather_to(Group(0, 0, 1, None))
+    content_digest(values)  # (pins every gathered buffer's storage)
+    store.free_all()  # a new buffer for each unit; the values keep theirs
+    store.gather_all()
+    assert_state_equal({k: v for k, v in model.state_dict().items()}, before)
+    assert all(torch.equal(v, torch.cat([model.state_dict(keep_vars=True)[n].detach().reshape(-1)
+                                          for n in u.unit.names])) for u, v in zip(store.units, values))

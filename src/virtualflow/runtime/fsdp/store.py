@@ -129,9 +129,18 @@ class UnitShard:
         self.grad = None
         return grad
 
+    def own_buffer(self) -> None:
+        """A gather buffer this unit may resize: one whose storage was exported (a checkpoint's
+        digest reads rank 0's gathered values through numpy, which pins the storage) is left to
+        its holders and replaced by a new one."""
+        if not self.full.untyped_storage().resizable():
+            self.full = torch.empty(self.numel, dtype=self.full.dtype, device=self.full.device)
+            self.point_params()
+
     def free(self) -> None:
         if self.state is State.PENDING and self.handle is not None:
             self.handle.wait()
+        self.own_buffer()
         self.full.untyped_storage().resize_(0)
         self.state, self.handle = State.FREE, None
 
@@ -139,6 +148,7 @@ class UnitShard:
         """Allocate the buffer, put this worker's shard in place and start the all-gather."""
         if self.state is not State.FREE:
             return
+        self.own_buffer()
         self.full.untyped_storage().resize_(self.nbytes)
         with torch.no_grad():
             self.full[self.lo : self.hi].copy_(self.shard)
@@ -244,6 +254,7 @@ class ParamStore:
             if u.state is State.PENDING:
                 u.full = torch.empty(u.numel, dtype=u.full.dtype, device=u.full.device)
                 u.point_params()
+            u.own_buffer()
             u.full.untyped_storage().resize_(0)
             u.state, u.handle, u.grad = State.FREE, None, None
         self.active = False
@@ -261,6 +272,7 @@ class ParamStore:
             into = None
             if group.rank == root and u.full.dtype == u.dtype and u.full.device == u.host:
                 if u.state is State.FREE:
+                    u.own_buffer()
                     u.full.untyped_storage().resize_(u.nbytes)
                 into = u.full
             out.append(to_root(group, root, u.shard, u, into))
@@ -270,6 +282,7 @@ class ParamStore:
             assert whole is not None
             if whole is not u.full:
                 if u.state is State.FREE:
+                    u.own_buffer()
                     u.full.untyped_storage().resize_(u.nbytes)
                 with torch.no_grad():
                     u.full.copy_(whole)
