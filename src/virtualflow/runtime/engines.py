@@ -173,6 +173,10 @@ class Engine(Protocol):
         """Collective. A held generation (no training until the coordinator resumes): write a
         checkpoint; returns its path on rank 0, ``None`` elsewhere."""
 
+    wants_successor: bool
+    """Whether :meth:`before_regroup` needs the next generation's members (sharded parameters;
+    an engine without the attribute: no)."""
+
     def before_regroup(self, successor: Successor | None = None) -> None:
         """Collective. A planned regroup follows this step: gather what a leaving member holds
         (``successor``: the next generation's members, when known; sharded parameters move their

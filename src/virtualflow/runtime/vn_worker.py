@@ -192,6 +192,12 @@ class VNWorkerEngine:
     def abandon_step(self) -> None:
         self.vn.abandon_step()
 
+    @property
+    def wants_successor(self) -> bool:
+        """Sharded parameters: a planned change moves the shards by the next generation's members
+        (the worker reads them for :meth:`before_regroup` only then)."""
+        return isinstance(self.models, ShardedModelState)
+
     def before_regroup(self, successor: Successor | None = None) -> None:
         # sharded optimizer state: every member gathers it; sharded parameters: the shards move
         self.models.before_regroup(self.vn.group, successor)

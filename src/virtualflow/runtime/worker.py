@@ -509,7 +509,8 @@ class Worker:
                     return "stop"
                 if "regroup" in ops:
                     # what a leaving member holds is gathered (or, sharded parameters: moved) now
-                    engine.before_regroup(self._successor(record, [c for c in commands if c["op"] == "regroup"][-1]))
+                    nxt = [c for c in commands if c["op"] == "regroup"][-1]
+                    engine.before_regroup(self._successor(record, nxt) if getattr(engine, "wants_successor", False) else None)
                     return "regroup"
         return "done"
 

@@ -306,8 +306,8 @@ class PipelineWorkerEngine:
         return moved, t_transfer
 
     def before_regroup(self, successor: Any = None) -> None:
-        # Every member keeps its own stage's state; a sharded stage optimizer is gathered whole on
-        # every replica now, while the old stage group works (the next generation cuts it again).
+        # Each member keeps its stage's state; a sharded stage optimizer is gathered whole on every
+        # replica now, while the old stage group works (the next generation cuts it again).
         gather_stage_optimizer(self.stage, self.stage_group)  # (nothing to do for a whole one)
 
     def whole_state(self, group: Group) -> dict[str, Any] | None:
