@@ -241,7 +241,12 @@ class VNEngine:
         if self.prefetcher is not None:
             self.prefetcher.clear()
         self.vns = list(assignment[group.rank])
-        self._vn_ids = torch.tensor(self.vns, dtype=torch.long, device=self.device)
+        lo = self.vns[0] if self.vns else 0
+        contiguous = self.vns == list(range(lo, lo + len(self.vns)))
+        self._vn_ids = slice(lo, lo + len(self.vns)) if contiguous else torch.tensor(self.vns, dtype=torch.long,
+                                                                                        device=self.device)
+        """Where this worker's VNs' flags go in the step's ``bad`` vector: a slice (one copy) when
+        they are consecutive, as the planner assigns them, else an index tensor."""
         self._last_compute_s = 0.0
         self.idle.new_generation()
         if self.shard is not None:
@@ -322,7 +327,7 @@ class VNEngine:
         metrics = self.compute.metrics.named(got.metric_values)
         breakdown = None
         if self.clock.enabled and self.group.rank == 0:  # rank 0 reports it
-            breakdown = derive(got.breakdown_raw.tolist())
+            breakdown = derive(got.breakdown_raw)
         loss_value = float(got.loss)
         if bad_vns:
             if self.bn:

@@ -86,8 +86,8 @@ class StatsRead:
     loss: torch.Tensor | None
     bn: torch.Tensor | None
     compute_s: list[float]
-    breakdown_raw: torch.Tensor
-    """The previous step's raw intervals, ``(workers, len(RAW))``."""
+    breakdown_raw: list[list[float]]
+    """The previous step's raw intervals, one row of ``len(RAW)`` per worker."""
 
 
 @dataclass(frozen=True)
@@ -129,9 +129,10 @@ class StatsLayout:
         """The summed ``stats``; ``loss`` and ``bn`` (deterministic mode: from the tree's tail) are
         kept where this layout has no slot for them."""
         V = self.virtual_nodes
-        bad_vns = [int(v) for v in torch.nonzero(stats[:V]).flatten().tolist()]
-        control = int(round(stats[V].item()))
-        metric_values = stats[V + 1 : V + 1 + MAX_METRICS].tolist()
+        values = stats.tolist()  # one conversion, then plain floats (each small op costs ~5 us)
+        bad_vns = [v for v in range(V) if values[v] != 0.0]
+        control = int(round(values[V]))
+        metric_values = values[V + 1 : V + 1 + MAX_METRICS]
         offset = V + 1 + MAX_METRICS
         if self.loss:
             loss = stats[offset]
@@ -141,8 +142,8 @@ class StatsLayout:
             if self.bn_mean:
                 bn = bn / V
             offset += self.bn_numel
-        size = self.size
-        compute_s = stats[offset : offset + size].tolist()
+        size, K = self.size, len(RAW)
+        compute_s = values[offset : offset + size]
         offset += size
-        raw = stats[offset : offset + size * len(RAW)].view(size, len(RAW))
+        raw = [values[offset + r * K : offset + (r + 1) * K] for r in range(size)]
         return StatsRead(bad_vns, control, metric_values, loss, bn, compute_s, raw)

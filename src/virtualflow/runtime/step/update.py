@@ -78,7 +78,11 @@ class WholeUpdate:
 
     # -- a step ----------------------------------------------------------------------------------
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        """Drop every gradient. The optimizer's own ``zero_grad`` (a profiler range and a pass over
+        the groups, about 45 us here) runs only when a gradient is there: after an applied step
+        there is none, and a step starts by calling this."""
+        if any(p.grad is not None for g in self.optimizer.param_groups for p in g["params"]):
+            self.optimizer.zero_grad(set_to_none=True)
 
     @property
     def keeps_gradient(self) -> bool:
