@@ -140,3 +140,16 @@ def test_owners_sends_earlier_partials_during_compute_and_the_last_one_during_ba
         assert after
     # worker 0's first partial (0, 2) left before its last VN even started
     assert [s for s in seen[0] if s[1] == "before_forward"]
+
+
+@pytest.mark.parametrize("reduction", ["allreduce", "sharded"])
+def test_large_parameters_are_sent_from_the_partial_sums_own_tensors_bit_identical_to_one_worker(reduction):
+    # width 300: the middle Linear has 90,000 weights, a piece of its own (send_pieces); the
+    # partial sums are never copied into a flat buffer of the pool (no buffer is ever taken)
+    j = job(12, width=300)
+    one, _ = train(j, contiguous_assignment(12, 1), 2)
+    _, engines = train(j, uneven(12, 3), 2, reduction=reduction, exchange="owners")
+    for e in engines:
+        assert e.exchange_choice[0] == "owners"
+        assert e.leaves.partials._pool == []
+        assert_state_equal(state(e), state(one))

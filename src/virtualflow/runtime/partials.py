@@ -14,8 +14,12 @@ is held, while it is built, as one tensor per parameter (a :class:`Sum`):
   addition; addition is commutative). A parameter the VN leaves without a gradient gets
   ``+ 0.0``, as a leaf of zeros would (it turns ``-0.0`` into ``0.0``);
 * any other node adds its right sum into its left one, tensor by tensor;
-* a finished partial sum is copied once into a flat buffer of a pool (reused every step: a fresh
-  vector of hundreds of MB is faulted in page by page), which the exchange sends from.
+* a finished partial sum is exchanged as it is: the ``owners`` exchange sends its pieces straight
+  from its per-parameter tensors (:class:`Segmented`: a range inside one tensor is a view; the
+  exchange's pieces are cut at large parameters' edges, so only runs of small parameters are
+  gathered); the ``slots`` exchange, which sums whole vectors, has it copied once into a flat
+  buffer of a pool (reused every step: a fresh vector of hundreds of MB is faulted in page by
+  page).
 
 So each node holds the same bits as :func:`virtualflow.comm.reduce.tree_reduce_local` gives it,
 while a worker pays, beyond the default mode's accumulation, one copy per partial sum and an
@@ -25,8 +29,7 @@ The ``owners`` exchange wants the last partial sum piece by piece during the las
 (:meth:`Partials.streamed`): its last VN accumulates into the innermost left sum on the
 partial's right spine (or, with no spine, is copied in bucket by bucket), and as soon as a
 gradient bucket is complete its tensors are added up the spine (``S_1 + (S_2 + (... + leaf))``,
-innermost first, in place into the spine's tensors), copied into the flat result and handed to
-``send(piece)``.
+innermost first, in place into the spine's tensors) and handed to ``send(piece)`` from there.
 
 Used only when every trainable parameter has one dtype and dense strided storage (the statistics
 and the loss are stored in that dtype too); the engine falls back to fresh vectors otherwise.
@@ -34,6 +37,7 @@ and the loss are stored in that dtype too); the engine falls back to fresh vecto
 
 from __future__ import annotations
 
+import bisect
 from typing import Any, Callable, Sequence
 
 import torch
@@ -61,6 +65,43 @@ class Sum:
     def __init__(self, grads: list[torch.Tensor], tail: torch.Tensor) -> None:
         self.grads = grads
         self.tail = tail
+
+
+class Segmented:
+    """A finished partial sum read as one vector ``[gradients | tail]`` without being copied into
+    one: it stays the per-parameter tensors it was summed in (:class:`Sum`). A range inside one of
+    them is a view of it; a range across several (a run of small parameters) is gathered, a copy
+    of that range only. Parameter ``i``'s tensor is set by :meth:`put` (the last partial's are set
+    piece by piece, as the last backward finishes them)."""
+
+    __slots__ = ("parts", "starts", "total", "dtype", "device")
+
+    def __init__(self, starts: Sequence[int], total: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.starts = list(starts)  # each part's first element; the tail's is the last
+        self.parts: list[torch.Tensor | None] = [None] * len(self.starts)
+        self.total = total
+        self.dtype = dtype
+        self.device = device
+
+    def put(self, i: int, tensor: torch.Tensor) -> None:
+        self.parts[i] = tensor.reshape(-1)
+
+    def numel(self) -> int:
+        return self.total
+
+    def __getitem__(self, where: slice) -> torch.Tensor:
+        lo, hi = where.start, where.stop
+        k = bisect.bisect_right(self.starts, lo) - 1
+        out = []
+        while lo < hi:
+            part, start = self.parts[k], self.starts[k]
+            end = start + part.numel()
+            take = part[lo - start:min(hi, end) - start]
+            if not out and hi <= end:
+                return take  # inside one tensor: a view
+            out.append(take)
+            lo, k = min(hi, end), k + 1
+        return torch.cat(out) if out else torch.empty(0, dtype=self.dtype, device=self.device)
 
 
 class Partials:
@@ -95,7 +136,7 @@ class Partials:
 
     def give_back(self, bufs: Any) -> None:
         for b in bufs:
-            if b is not None and b.numel() == self.numel and not any(b is q for q in self._pool):
+            if isinstance(b, torch.Tensor) and b.numel() == self.numel and not any(b is q for q in self._pool):
                 self._pool.append(b)
 
     def detach_grads(self) -> None:
@@ -170,6 +211,16 @@ class Partials:
         buf[self.grad_numel:].copy_(acc.tail)
         return buf
 
+    def segmented(self, acc: "Sum | None" = None) -> Segmented:
+        """``acc`` read as one vector without a copy (:class:`Segmented`); None: an empty one, its
+        tensors put in later."""
+        seg = Segmented([o for o, _ in self.slices] + [self.grad_numel], self.numel, self.dtype, self.device)
+        if acc is not None:
+            for i, g in enumerate(acc.grads):
+                seg.put(i, g)
+            seg.put(len(self.slices), acc.tail)
+        return seg
+
     def partials(self, nodes: Sequence[Node], run_vn: RunVN) -> dict[Node, torch.Tensor]:
         """Each node's sum, in a buffer of the pool (give them back after the exchange)."""
         return {node: self.flatten(self.sum(node, run_vn)) for node in nodes}
@@ -188,7 +239,7 @@ class Partials:
         whole one, ``send(node, vec, piece)`` for a piece of the last."""
         out: dict[Node, torch.Tensor] = {}
         for node in nodes[:-1]:
-            out[node] = self.flatten(self.sum(node, run_vn))
+            out[node] = self.segmented(self.sum(node, run_vn))  # sent from its own tensors: no copy
             send(node, out[node], None)
         last = nodes[-1]
         spine: list[Sum] = []  # sums of the left children along the last node's right spine
@@ -196,7 +247,7 @@ class Partials:
         while node[1] - node[0] > 1:
             left, node = split(node)
             spine.append(self.sum(left, run_vn))
-        result = self.take()
+        result = self.segmented()  # each parameter's final tensor is put in as its piece completes
         if spine:  # the last VN accumulates into the innermost left sibling
             self._point_grads(spine[-1])
         else:  # the last node is the VN itself: copied in piece by piece
@@ -223,8 +274,9 @@ class Partials:
         st = st if st is not None else self._stream
         assert st is not None
         spine: list[Sum] = st["spine"]
-        out = st["result"]
+        out: Segmented = st["result"]
         tail = b == len(self.piece_params)
+        at_tail = len(self.slices)
         if tail:
             parts = [(None, self.grad_numel, self.numel - self.grad_numel)]
         else:
@@ -241,17 +293,14 @@ class Partials:
                     s_j = left.tail if i is None else left.grads[i]
                     s_j.add_(t)
                     t = s_j
-                out[o:o + n].copy_(t.reshape(-1))
+                out.put(at_tail if i is None else i, t)
         else:
             for i, o, n in parts:
                 if i is None:
-                    out[o:o + n].copy_(st["tail"])
+                    out.put(at_tail, st["tail"].to(self.dtype))
                 else:
                     g = self.params[i].grad
-                    if g is None:
-                        out[o:o + n].zero_()
-                    else:
-                        out[o:o + n].copy_(g.reshape(-1))
+                    out.put(i, torch.zeros(n, dtype=self.dtype, device=self.device) if g is None else g)
         st["send"](st["node"], out, b)
 
     def close(self) -> None:

@@ -71,6 +71,45 @@ def bucket_pieces(params: Sequence[torch.Tensor]) -> tuple[list[tuple[int, int]]
     return pieces, piece_params
 
 
+SPLIT_NUMEL = 1 << 16
+"""A parameter of at least this many elements is a piece of its own in the ``owners`` exchange
+(:func:`send_pieces`): a partial sum held per parameter sends it without a copy."""
+
+
+def send_pieces(params: Sequence[torch.Tensor], bucket_params: Sequence[Sequence[int]],
+                split_numel: int = SPLIT_NUMEL) -> tuple[list[tuple[int, int]], list[list[int]]]:
+    """The ``owners`` exchange's pieces: each gradient bucket (``bucket_params``: its parameters'
+    indices, consecutive) cut at the edges of every parameter of at least ``split_numel``
+    elements; smaller neighbours stay together. Returns (the pieces' flat ranges, per bucket the
+    indices of its pieces). A unit of a piece then lies inside one large parameter (sent from that
+    parameter's tensor, no copy) or inside a run of small ones (a short copy)."""
+    offsets, at = [], 0
+    for p in params:
+        offsets.append(at)
+        at += p.numel()
+    pieces: list[tuple[int, int]] = []
+    groups: list[list[int]] = []
+    for idx in bucket_params:
+        mine: list[int] = []
+        run: tuple[int, int] | None = None
+        for i in sorted(idx):
+            lo, hi = offsets[i], offsets[i] + params[i].numel()
+            if params[i].numel() >= split_numel:
+                if run is not None:
+                    mine.append(len(pieces))
+                    pieces.append(run)
+                    run = None
+                mine.append(len(pieces))
+                pieces.append((lo, hi))
+            else:
+                run = (lo, hi) if run is None else (run[0], hi)
+        if run is not None:
+            mine.append(len(pieces))
+            pieces.append(run)
+        groups.append(mine)
+    return pieces, groups
+
+
 def owner_exchange(plan: TreePlan, group: Group, numel: int, *, dtype: torch.dtype, device: torch.device | str,
                    bounds: Ranges | None = None, gather: Ranges | None = None,
                    pieces: Ranges | None = None) -> OwnerExchange:

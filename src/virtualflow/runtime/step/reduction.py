@@ -42,7 +42,8 @@ from virtualflow.comm.ring import Collectives
 from virtualflow.plan.vnmap import Node, TreePlan
 from virtualflow.runtime.partials import Partials, RunVN, direct_possible
 from virtualflow.runtime.sharded import ShardedOptimizer
-from virtualflow.runtime.step.exchange import ExchangeChoice, bucket_pieces, owner_exchange, sharded_bounds
+from virtualflow.runtime.step.exchange import (ExchangeChoice, bucket_pieces, owner_exchange, send_pieces,
+                                               sharded_bounds)
 
 Point = Callable[[str], None]
 """A fault-injection point: called with the phase's name (``"during_reduction"``)."""
@@ -243,9 +244,12 @@ class Owners:
     """The ``owners`` exchange: each owner combines its chunk of every partial sum; the partials
     (and the last one's pieces, during the last backward) are sent as soon as they are final."""
 
-    def __init__(self, exchange: OwnerExchange, grad_numel: int) -> None:
+    def __init__(self, exchange: OwnerExchange, grad_numel: int, groups: Sequence[Sequence[int]] | None = None) -> None:
+        """``groups``: per piece :class:`~virtualflow.runtime.partials.Partials` streams (a gradient
+        bucket, then the tail), the exchange's pieces it consists of (:func:`send_pieces`)."""
         self.exchange = exchange
         self.grad_numel = grad_numel
+        self.groups = [list(g) for g in groups] if groups is not None else None
 
     def begin(self) -> None:
         self.exchange.begin()  # every receive of the step is posted before the first send
@@ -253,8 +257,15 @@ class Owners:
     def send(self, node: Node, vec: torch.Tensor) -> None:
         self.exchange.send(node, vec)
 
+    def _send(self, node: Node, vec: torch.Tensor, piece: int | None = None) -> None:
+        if piece is None or self.groups is None:
+            self.exchange.send(node, vec, piece)
+            return
+        for j in self.groups[piece]:
+            self.exchange.send(node, vec, j)
+
     def partials(self, parts: Partials, nodes: Sequence[Node], run_vn: RunVN) -> dict[Node, torch.Tensor]:
-        return parts.streamed(nodes, run_vn, self.exchange.send)
+        return parts.streamed(nodes, run_vn, self._send)
 
     def finish(self, local: dict[Node, torch.Tensor], like: Callable[[], torch.Tensor],
                where: Whole | Chunk) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,12 +346,15 @@ def tree_reduction(plan: TreePlan, group: Group, params: Sequence[torch.nn.Param
     if picked is None or picked[0] != "owners":
         return TreeReduction(plan, group.rank, slots, where, partials), picked
     pieces, piece_params = bucket_pieces(params)
-    if partials is not None:
+    groups = None
+    if partials is not None:  # partials held per parameter: large parameters are pieces of their own
         partials.set_pieces(pieces, piece_params)
+        pieces, groups = send_pieces(params, piece_params)
+        groups.append([len(pieces)])
     pieces.append((grad_numel, numel))  # the tail: BatchNorm statistics and loss
     ex = owner_exchange(plan, group, numel, dtype=like.dtype, device=like.device, bounds=bounds, gather=gather,
                         pieces=pieces)
-    return TreeReduction(plan, group.rank, Owners(ex, grad_numel), where, partials), picked
+    return TreeReduction(plan, group.rank, Owners(ex, grad_numel, groups), where, partials), picked
 
 
 class TreeLeaves:
