@@ -13,8 +13,8 @@ h0's address, ``GLOO_SOCKET_IFNAME=eth0``) and runs, on command, one of:
                      (``virtualflow.comm.ring.Collectives``, with its byte ledger);
 * ``deterministic``  deterministic mode's default exchange (``owners``,
                      ``virtualflow.comm.exchange``: each worker sends each chunk of its partial sums
-                     to that chunk's owner only; owners send their chunk of the root to everyone),
-                     V=8 VNs;
+                     to that chunk's owner only; owners send each unit of their chunk of the root
+                     to everyone as soon as it is combined), V=8 VNs;
 * ``hop``            pipeline hops: activations sent h0 -> h1 -> ... (point to point; each host
                      forwards an activation with an asynchronous send and receives the next one
                      meanwhile, as the pipeline engine does).
@@ -34,8 +34,10 @@ one delayed ACK per two) at its rate. The prediction is an alpha-beta model: the
 (alpha: the same op on 1 KiB, timed on the same hosts: the latency of its sequential messages,
 which on a loaded machine includes waiting to be scheduled) plus the busiest host direction's
 bytes / rate (beta). Hops run one after another; timed repetitions stream through the chain as
-micro-batches do. Measured: the slowest rank's mean seconds per op over the timed repetitions;
-target within 15 %.
+micro-batches do. The owners exchange's beta is its schedule's model
+(``virtualflow.plan.exchange.owners_seconds``: every link's bytes, or the first phase followed by
+the last unit's second phase, whichever is longer; the second phase is pipelined per unit).
+Measured: the slowest rank's mean seconds per op over the timed repetitions; target within 15 %.
 
 Every figure in bench/results/hosts.* was measured on a shared 2-core machine: a loaded one
 (the markdown records the other load); CPU-bound copies keep 1 Gbit/s from its line rate there.
@@ -180,12 +182,20 @@ def predicted_received(op: str, n: int, world: int, sent: list[int]) -> list[int
     return list(sent)
 
 
-def predicted_time(op: str, sent: list[int], received: list[int], rate_mbit: float, reps: int) -> float:
+def predicted_time(op: str, sent: list[int], received: list[int], rate_mbit: float, reps: int,
+                   numel: int = 0) -> float:
     """Seconds the op's bytes need on the links (without its fixed cost): the busiest direction of
     any host's link bounds a collective (a host's link carries what it sends one way and what it
-    receives the other, each with the other direction's ACKs). The hops' timed repetitions stream
+    receives the other, each with the other direction's ACKs); the owners exchange (``numel``
+    elements) by its schedule's model, on the same links. The hops' timed repetitions stream
     through the chain as a pipeline's micro-batches do: (reps + hops - 1) / reps hops per op."""
     rate = rate_mbit * 1e6 / 8
+    if op == "deterministic":
+        from virtualflow.plan.exchange import OwnerSchedule, owners_seconds
+        from virtualflow.plan.vnmap import TreePlan, contiguous_assignment
+
+        plan = TreePlan.build(contiguous_assignment(V, len(sent)))
+        return owners_seconds(OwnerSchedule.build(plan, numel), 4, lambda out, into: wire_need(out, into) / rate)
     if op == "hop":
         hops = sum(1 for x in sent if x)
         return wire_need(max(sent), max(sent)) / rate * (reps + hops - 1) / reps
@@ -245,7 +255,7 @@ def measure(ranks: Ranks, op: str, n: int, reps: int, world: int, rate: float) -
     wire = [tb / reps for tb, _, _, _ in d]
     sent, source = predicted_payload(op, n, world)
     seconds = max(o["seconds"] for o in out) / reps
-    t_pred = fixed_s + predicted_time(op, sent, predicted_received(op, n, world, sent), rate, reps)
+    t_pred = fixed_s + predicted_time(op, sent, predicted_received(op, n, world, sent), rate, reps, n)
     bytes_ok = all(abs(m - p) <= BYTES_REL * p + BYTES_ABS for m, p in zip(payload, sent))
     row = {"rate_mbit": rate, "hosts": world, "op": op, "numel": n, "predicted_sent": sent, "source": source,
            "measured_payload": payload, "measured_wire": wire,
@@ -326,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         "Payload = interface bytes - 66 x frames (Ethernet 14 + IPv4 20 + TCP 32 per frame); 'equal' = within "
         "0.5 % + 4 KiB per op of the prediction; wire overhead = (bytes - payload) / payload, the headers of data "
         "and ACK frames. Time predicted = the op's fixed cost (the same op on 1 KiB, measured) + the busiest "
-        "host link direction's frames / rate.",
+        "host link direction's frames / rate (the owners exchange: its schedule's model, "
+        "virtualflow.plan.exchange.owners_seconds, on the same links).",
         H.md_table(header, table)])
     return run.finish({"rows": rows, "other_load_cores": meter.other_cores, "quick": run.quick,
                        "environment": H.environment()}, md)

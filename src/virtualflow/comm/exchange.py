@@ -3,16 +3,20 @@
 The schedule (who sends which unit of which partial to whom, and the traffic it costs) is pure
 and lives in :mod:`virtualflow.plan.exchange`; this module runs it on a :class:`Group`:
 
-1. :meth:`OwnerExchange.begin` posts every receive of the step: this worker's chunk of each
-   partial sum other workers hold, and the other owners' chunks of the root in the gathered
+1. :meth:`OwnerExchange.begin` posts every receive of the step: this worker's units of each
+   partial sum other workers hold, and the other owners' units of the root in the gathered
    ranges. Receives are posted before any send, so a message never waits for its receive.
 2. :meth:`OwnerExchange.send` sends a partial's units to their owners as soon as the partial (or
-   one piece of it: a gradient bucket the last backward just finished) is final. Sends are
+   one piece of it: a gradient bucket the last backward just finished) is final, in the
+   schedule's send order (each worker starts with the next owner after itself). Sends are
    asynchronous: they overlap with the VNs still to run.
-3. :meth:`OwnerExchange.finish` waits for this worker's chunk of every partial, combines it along
-   the fixed tree (the same additions, element for element, as :func:`tree_exchange` on the whole
-   vector, so the root is bit-identical), sends its chunk of the root to every other worker and
-   waits for theirs.
+3. :meth:`OwnerExchange.finish` goes through this worker's units in order: it waits for every
+   slot's message of the unit, combines the unit along the fixed tree (the same additions,
+   element for element, as :func:`tree_exchange` on the whole vector, so the root is
+   bit-identical: the additions are element-wise, however the vector is cut) and sends the
+   unit's root to every other worker at once, while its later units are still arriving (the
+   second phase is pipelined per unit; :func:`~virtualflow.plan.exchange.owners_seconds` models
+   it). Then it waits for the other owners' units of the root, each arriving on its own.
 
 Every worker must call ``begin``, ``send`` for each of its partials (every unit exactly once) and
 ``finish`` in every step; the order of the sends does not matter to the receivers (each message
@@ -21,8 +25,8 @@ sends it on. Tags: ``TAG_BASE`` plus the step's parity (two consecutive steps ne
 plus the message's index; they do not meet the other tags used on the worker's group (state
 transfer 1.., gathers 17-18, the ring 2**30..).
 
-Waiting: with an ``abort_check`` on the group (a worker), the step's receives are waited for on a
-daemon thread (:class:`~virtualflow.comm.groups.Arrival`) while the caller watches the
+Waiting: with an ``abort_check`` on the group (a worker), each unit's receives are waited for on
+a daemon thread (:class:`~virtualflow.comm.groups.Arrival`) while the caller watches the
 coordinator's abort flag, as every point-to-point wait of a worker does.
 """
 
@@ -33,7 +37,7 @@ from typing import Any, Sequence
 import torch
 
 from virtualflow.comm.groups import Arrival, Group
-from virtualflow.plan.exchange import OwnerSchedule, gather_parts
+from virtualflow.plan.exchange import OwnerSchedule
 from virtualflow.plan.vnmap import Node, split
 
 TAG_BASE = 1 << 29
@@ -77,15 +81,23 @@ class OwnerExchange:
         self.foreign = [n for n in schedule.plan.slots if n not in set(self.mine)]
         self._row = {n: i for i, n in enumerate(self.foreign)}
         self.to_me = [(j, u) for j, u in enumerate(schedule.units) if u.owner == rank]
-        self.out = [j for j, u in enumerate(schedule.units) if u.owner != rank]
-        self.parts = gather_parts(schedule.bounds, schedule.gather)
+        self.out = schedule.send_order(rank)
+        at = {j: i for i, j in enumerate(self.out)}
         self.pieces_units = [list(p) for p in pieces_units] if pieces_units is not None else None
+        self._piece_out = None if pieces_units is None else [
+            sorted((j for j in p if j in at), key=at.__getitem__) for p in pieces_units]
+        # Per unit of this worker's chunk: its gather messages (index among this owner's, range).
+        self._gather_of: dict[int, list[tuple[int, int, int]]] = {}
+        for i, (j, a, b) in enumerate(schedule.gathers(rank)):
+            self._gather_of.setdefault(j, []).append((i, a, b))
+        self._peers = [(rank + d) % group.size for d in range(1, group.size)]
+        self._from_peers = [(o, i, a, b) for o in self._peers for i, (_, a, b) in enumerate(schedule.gathers(o))]
         n = self.hi - self.lo
         # Persistent buffers (fresh ones each step would be faulted in again, page by page).
         self.inbox = torch.empty((len(self.foreign), n), dtype=dtype, device=device)
         self.root = torch.empty(schedule.numel, dtype=dtype, device=device)
         self._step = 0
-        self._recvs: list[Any] = []
+        self._recvs: list[list[Any]] = []
         self._gathers: list[Any] = []
         self._sends: list[Any] = []
         self._sent: set[tuple[Node, int]] = set()
@@ -110,17 +122,11 @@ class OwnerExchange:
         self._step += 1
         self._sends, self._sent = [], set()
         g = self.group
-        self._recvs = []
-        for node in self.foreign:
-            src, row = self.holder[node], self.inbox[self._row[node]]
-            for j, u in self.to_me:
-                self._recvs.append(g.irecv(row[u.lo - self.lo:u.hi - self.lo], src, self._tag(node, j)))
-        self._gathers = []
-        for o, parts in enumerate(self.parts):
-            if o == self.rank:
-                continue
-            for i, (a, b) in enumerate(parts):
-                self._gathers.append(g.irecv(self.root[a:b], o, self._gather_tag(i)))
+        self._recvs = []  # per unit of this worker's chunk, in the order finish() combines them
+        for j, u in self.to_me:
+            self._recvs.append([g.irecv(self.inbox[self._row[node], u.lo - self.lo:u.hi - self.lo], self.holder[node],
+                                        self._tag(node, j)) for node in self.foreign])
+        self._gathers = [g.irecv(self.root[a:b], o, self._gather_tag(i)) for o, i, a, b in self._from_peers]
 
     def send(self, node: Node, vec: torch.Tensor, piece: int | None = None) -> None:
         """Send the units of partial ``node`` (``vec``: the whole vector; only the units' ranges
@@ -131,21 +137,19 @@ class OwnerExchange:
         if piece is None:
             todo = self.out
         else:
-            if self.pieces_units is None:
+            if self._piece_out is None:
                 raise ValueError("owner exchange: send(piece=) needs the pieces given to the constructor")
-            todo = [j for j in self.pieces_units[piece] if self.schedule.units[j].owner != self.rank]
-        g = self.group
+            todo = self._piece_out[piece]
         for j in todo:
             if (node, j) in self._sent:
                 raise RuntimeError(f"owner exchange: unit {j} of partial {node} sent twice in one step")
-            self._sent.add((node, j))
-            u = self.schedule.units[j]
-            self._sends.append(g.isend(vec[u.lo:u.hi], u.owner, self._tag(node, j)))
+        self._send_units(node, vec, todo)
 
     def finish(self, local: dict[Node, torch.Tensor]) -> torch.Tensor:
-        """Combine this worker's chunk, send it on, and return the root: a vector (a persistent
-        buffer, valid until the next step) whose own chunk and gathered ranges hold the root sum.
-        ``local``: this worker's partials (whole vectors), each sent completely."""
+        """Combine this worker's chunk unit by unit, sending each unit's root on as soon as it is
+        combined, and return the root: a vector (a persistent buffer, valid until the next step)
+        whose own chunk and gathered ranges hold the root sum. ``local``: this worker's partials
+        (whole vectors), each sent completely."""
         if not self._open:
             raise RuntimeError("owner exchange: finish() before begin()")
         if set(local) != set(self.mine):
@@ -158,22 +162,26 @@ class OwnerExchange:
         try:
             if g.on_launch is not None:
                 g.on_launch()  # fault injection: every message of this worker is out, peers are inside
-            self._wait(self._recvs, "deterministic exchange (partial sums)")
-            lo, hi = self.lo, self.hi
-            if hi > lo:
-                known: dict[Node, torch.Tensor] = {n: local[n][lo:hi] for n in self.mine}
-                for n in self.foreign:
-                    known[n] = self.inbox[self._row[n]]
-                self.root[lo:hi].copy_(_combine((0, self.schedule.plan.virtual_nodes), known))
-            for o in range(g.size):
-                if o == self.rank:
-                    continue
-                for i, (a, b) in enumerate(self.parts[self.rank]):
-                    self._sends.append(g.isend(self.root[a:b], o, self._gather_tag(i)))
+            for (j, _), recvs in zip(self.to_me, self._recvs):
+                self._wait(recvs, "deterministic exchange (partial sums)")
+                self._combine_unit(local, j)
+                for i, lo, hi in self._gather_of.get(j, ()):
+                    for o in self._peers:
+                        self._sends.append(g.isend(self.root[lo:hi], o, self._gather_tag(i)))
             self._wait(self._gathers + self._sends, "deterministic exchange (root)")
         finally:
             self._open = False
         return self.root
+
+    def _combine_unit(self, local: dict[Node, torch.Tensor], j: int) -> None:
+        """Unit ``j`` of this worker's chunk of the root, along the fixed tree (element-wise
+        additions: the same bits as the whole vector's)."""
+        u = self.schedule.units[j]
+        a, b = u.lo - self.lo, u.hi - self.lo
+        known: dict[Node, torch.Tensor] = {n: local[n][u.lo:u.hi] for n in self.mine}
+        for n in self.foreign:
+            known[n] = self.inbox[self._row[n], a:b]
+        self.root[u.lo:u.hi].copy_(_combine((0, self.schedule.plan.virtual_nodes), known))
 
     def _send_units(self, node: Node, vec: torch.Tensor, todo: Sequence[int]) -> None:
         for j in todo:

@@ -33,26 +33,42 @@ Two ways to bring the slots together are implemented:
 
 A *unit* is one message of the ``owners`` exchange: the part of one *piece* of the vector (a
 gradient bucket, in the order the last backward completes them, or the tail) inside one owner's
-chunk. Every partial is sent as the same units, so a receiver knows every message it will get.
+chunk, cut into *segments* of at most ``segment`` elements. Every partial is sent as the same
+units, so a receiver knows every message it will get.
+
+The second phase is pipelined per unit: an owner combines a unit of its chunk and sends that
+unit's root to everyone as soon as every slot's message for it has arrived, while the later units
+are still arriving. Senders send in launch order (piece by piece, segment by segment), each
+starting with the next owner after itself (:meth:`OwnerSchedule.send_order`), so the owners'
+chunks fill up together and no owner is everyone's first destination. :func:`owners_seconds` is
+the time model of this schedule.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from virtualflow.plan.shards import check_bounds, shard_bounds
 from virtualflow.plan.vnmap import Node, TreePlan
 
 EXCHANGES = ("auto", "owners", "slots")
+SEGMENT = 1 << 20
+"""Elements per message of the ``owners`` exchange at most (4 MiB of float32): a unit of an owner's
+chunk larger than that is sent as several segments, so the owner's second phase starts after the
+first segment of its chunk, not after the whole chunk (the pipeline's drain costs one segment,
+:func:`owners_seconds`), while the messages stay few (a 25 MiB bucket of float32 gradients inside
+one owner's chunk is 7 messages; each costs a Python call and gloo's rendezvous, tens of µs)."""
 
 @dataclass(frozen=True, slots=True)
 class Unit:
-    """One message of the exchange: elements ``[lo, hi)`` of a partial, for ``owner``."""
+    """One message of the exchange: elements ``[lo, hi)`` of a partial, for ``owner``, inside
+    piece number ``piece`` (in launch order)."""
 
     owner: int
     lo: int
     hi: int
+    piece: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,13 +82,17 @@ class Traffic:
     messages_received: int
 
 
-def units(bounds: Sequence[tuple[int, int]], pieces: Sequence[tuple[int, int]] | None = None) -> list[Unit]:
+def units(bounds: Sequence[tuple[int, int]], pieces: Sequence[tuple[int, int]] | None = None,
+          segment: int | None = None) -> list[Unit]:
     """The messages every partial is cut into: each piece (in launch order) split by the owners'
-    chunks, empty parts dropped. ``pieces`` must cover ``[0, numel)`` exactly once (any order);
-    None: the whole vector as one piece."""
+    chunks, empty parts dropped, each part cut into as few near-even segments of at most
+    ``segment`` elements as it takes (None: not cut). ``pieces`` must cover ``[0, numel)``
+    exactly once (any order); None: the whole vector as one piece."""
     numel = bounds[-1][1] if bounds else 0
     if pieces is None:
         pieces = [(0, numel)]
+    if segment is not None and segment < 1:
+        raise ValueError(f"owner exchange: segment={segment} elements per message must be at least 1")
     covered = sorted(pieces)
     at = 0
     for lo, hi in covered:
@@ -82,25 +102,29 @@ def units(bounds: Sequence[tuple[int, int]], pieces: Sequence[tuple[int, int]] |
     if at != numel:
         raise ValueError(f"exchange pieces {list(pieces)} do not cover [0, {numel}) exactly once")
     out = []
-    for lo, hi in pieces:
+    for p, (lo, hi) in enumerate(pieces):
         for o, (a, b) in enumerate(bounds):
             a2, b2 = max(a, lo), min(b, hi)
             if a2 < b2:
-                out.append(Unit(o, a2, b2))
+                out.extend(Unit(o, x, y, p) for x, y in _segments(a2, b2, segment))
+    return out
+
+
+def _segments(lo: int, hi: int, segment: int | None) -> list[tuple[int, int]]:
+    """``[lo, hi)`` cut into ``ceil((hi - lo) / segment)`` near-even consecutive ranges."""
+    count = 1 if segment is None else -(-(hi - lo) // segment)
+    base, extra = divmod(hi - lo, count)
+    out, at = [], lo
+    for i in range(count):
+        nxt = at + base + (1 if i < extra else 0)
+        out.append((at, nxt))
+        at = nxt
     return out
 
 
 def gather_parts(bounds: Sequence[tuple[int, int]], gather: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
     """Per owner, the parts of its chunk inside the ``gather`` ranges (what it sends to everyone)."""
-    out = []
-    for a, b in bounds:
-        parts = []
-        for lo, hi in gather:
-            a2, b2 = max(a, lo), min(b, hi)
-            if a2 < b2:
-                parts.append((a2, b2))
-        out.append(parts)
-    return out
+    return [_overlaps(a, b, gather) for a, b in bounds]
 
 
 @dataclass(frozen=True)
@@ -115,7 +139,9 @@ class OwnerSchedule:
     @classmethod
     def build(cls, plan: TreePlan, numel: int, *, bounds: Sequence[tuple[int, int]] | None = None,
               pieces: Sequence[tuple[int, int]] | None = None,
-              gather: Sequence[tuple[int, int]] | None = None) -> "OwnerSchedule":
+              gather: Sequence[tuple[int, int]] | None = None, segment: int | None = SEGMENT) -> "OwnerSchedule":
+        """``segment``: elements per message at most (:data:`SEGMENT`; None: one message per
+        piece and owner)."""
         workers = len(plan.per_worker)
         b = list(bounds) if bounds is not None else shard_bounds(numel, workers)
         if len(b) != workers:
@@ -125,7 +151,7 @@ class OwnerSchedule:
         for lo, hi in g:
             if not 0 <= lo < hi <= numel:
                 raise ValueError(f"owner exchange: gather range [{lo}, {hi}) is outside the vector [0, {numel})")
-        return cls(plan, tuple(b), tuple(units(b, pieces)), tuple(g))
+        return cls(plan, tuple(b), tuple(units(b, pieces, segment)), tuple(g))
 
     @property
     def workers(self) -> int:
@@ -142,6 +168,32 @@ class OwnerSchedule:
         """The worker that computes each slot."""
         return {node: w for w, nodes in enumerate(self.plan.per_worker) for node in nodes}
 
+    def send_order(self, rank: int) -> list[int]:
+        """The indices of the units worker ``rank`` sends to other owners, in the order it sends
+        them: piece by piece in launch order; inside a piece, the first segment for every owner,
+        then the second, ...; at each segment the owners after ``rank`` first (``rank + 1``,
+        ``rank + 2``, ... round the ring), so the workers do not all start with the same owner.
+        Each owner gets its units in unit order (what it combines them in)."""
+        w = self.workers
+        seen: dict[tuple[int, int], int] = {}
+        keyed = []
+        for j, u in enumerate(self.units):
+            if u.owner == rank:
+                continue
+            nth = seen[(u.piece, u.owner)] = seen.get((u.piece, u.owner), -1) + 1
+            keyed.append(((u.piece, nth, (u.owner - rank) % w), j))
+        return [j for _, j in sorted(keyed)]
+
+    def gathers(self, owner: int) -> list[tuple[int, int, int]]:
+        """The messages ``owner`` sends to every other worker in the second phase, in order:
+        ``(unit, lo, hi)``, each unit of its chunk's part inside ``gather`` (sent as soon as that
+        unit is combined)."""
+        out = []
+        for j, u in enumerate(self.units):
+            if u.owner == owner:
+                out.extend((j, lo, hi) for lo, hi in _overlaps(u.lo, u.hi, self.gather))
+        return out
+
     def traffic(self, rank: int, itemsize: int) -> Traffic:
         """What worker ``rank`` sends and receives, counted message by message."""
         mine = self.plan.per_worker[rank]
@@ -149,14 +201,24 @@ class OwnerSchedule:
         foreign = n_slots - len(mine)
         to_others = [u for u in self.units if u.owner != rank]
         to_me = [u for u in self.units if u.owner == rank]
-        parts = gather_parts(self.bounds, self.gather)
+        gathers = [self.gathers(o) for o in range(self.workers)]
         w = self.workers
-        sent = len(mine) * sum(u.hi - u.lo for u in to_others) + (w - 1) * sum(b - a for a, b in parts[rank])
+        sent = len(mine) * sum(u.hi - u.lo for u in to_others) + (w - 1) * sum(b - a for _, a, b in gathers[rank])
         received = foreign * sum(u.hi - u.lo for u in to_me) + sum(
-            b - a for o in range(w) if o != rank for a, b in parts[o])
-        msent = len(mine) * len(to_others) + (w - 1) * len(parts[rank])
-        mrecv = foreign * len(to_me) + sum(len(parts[o]) for o in range(w) if o != rank)
+            b - a for o in range(w) if o != rank for _, a, b in gathers[o])
+        msent = len(mine) * len(to_others) + (w - 1) * len(gathers[rank])
+        mrecv = foreign * len(to_me) + sum(len(gathers[o]) for o in range(w) if o != rank)
         return Traffic(sent * itemsize, received * itemsize, msent, mrecv)
+
+
+def _overlaps(lo: int, hi: int, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The non-empty parts of ``[lo, hi)`` inside each of ``ranges``, in their order."""
+    out = []
+    for a, b in ranges:
+        a2, b2 = max(a, lo), min(b, hi)
+        if a2 < b2:
+            out.append((a2, b2))
+    return out
 
 
 def owners_traffic_closed_form(plan: TreePlan, numel: int, rank: int, itemsize: int,
@@ -174,6 +236,45 @@ def owners_traffic_closed_form(plan: TreePlan, numel: int, rank: int, itemsize: 
     sent = k * (numel - n[rank]) + (w - 1) * gs[rank]
     received = (s - k) * n[rank] + (sum(gs) - gs[rank])
     return sent * itemsize, received * itemsize
+
+
+def owners_seconds(schedule: OwnerSchedule, itemsize: int, direction: Callable[[float, float], float]) -> float:
+    """Seconds the ``owners`` exchange's bytes need on the links (a model, without the messages'
+    latency), with the second phase pipelined per unit as :mod:`virtualflow.comm.exchange` runs
+    it. Every worker has its own link (to a switch); ``direction(out, in)``: the seconds one
+    direction of a link needs to carry ``out`` bytes while ``in`` bytes come the other way (their
+    acknowledgements ride on it). With ``L(a, b) = max(direction(a, b), direction(b, a))``, the
+    busier direction of a link sending ``a`` and receiving ``b``::
+
+        T = max( max_r L(sent_r, received_r),                      every byte over every link
+                 max_r L(first_sent_r, first_received_r)          the first phase, then
+                 + max_r L((W - 1) * last_r, sum_(o != r) last_o) )  the last unit's second phase
+
+    (``first_*``: the partials' units, the first phase; ``last_r``: the gathered bytes of owner
+    ``r``'s last unit.) The second phase of every other unit overlaps the first phase's later
+    units, so the pipeline costs one unit's second phase at the end: with :data:`SEGMENT`-sized
+    units that is below the first term unless the chunks are smaller than a few segments. The
+    unpipelined schedule (every owner waits for its whole chunk) would add the whole second phase
+    instead, and an owner whose chunk completes last delays everyone by its second phase."""
+    w = schedule.workers
+    slots = len(schedule.plan.slots)
+
+    def link(out: float, into: float) -> float:
+        return max(direction(out, into), direction(into, out))
+
+    total, first, last = [], [], []
+    for r in range(w):
+        t = schedule.traffic(r, itemsize)
+        total.append(link(t.bytes_sent, t.bytes_received))
+        k = len(schedule.plan.per_worker[r])
+        out = k * sum(u.hi - u.lo for u in schedule.units if u.owner != r) * itemsize
+        into = (slots - k) * sum(u.hi - u.lo for u in schedule.units if u.owner == r) * itemsize
+        first.append(link(out, into))
+        g = schedule.gathers(r)
+        tail = [(lo, hi) for j, lo, hi in g if j == g[-1][0]] if g else []
+        last.append(sum(hi - lo for lo, hi in tail) * itemsize)
+    drain = max(link((w - 1) * last[r], sum(last) - last[r]) for r in range(w))
+    return max(max(total), max(first) + drain)
 
 
 def ring_allreduce_bytes(numel: int, workers: int, rank: int, itemsize: int) -> int:
