@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import gc
+import sys
 import threading
 import types
 
@@ -39,6 +40,8 @@ WARMUP_STEPS = 10
 STEPS = 500
 WIDTH = 192
 GROWTH_BOUND_MIB = 16.0
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads VmRSS from /proc/self/status")
 
 
 def model() -> nn.Module:
