@@ -146,19 +146,43 @@ class BucketReducer:
             h.remove()
 
 
+# The tree walks below are module-level functions, never closures that call themselves: a nested
+# recursive function is a reference cycle (the function's closure cell holds the function), so
+# everything it captures (the exchange's S x numel buffer, through the slots' views) outlived each
+# step until Python's cyclic collector happened to run. Measured: 3 in-process ranks, 2 M-element
+# vectors, 5 slots: RSS 0.4 GB -> 4.4 GB within 100 steps, falling back at each collection.
+
+
 def tree_reduce_local(nodes: Sequence[Node], leaf: Callable[[int], torch.Tensor]) -> dict[Node, torch.Tensor]:
     """Sum leaves along the tree inside each node; at most depth+1 vectors alive at a time."""
+    return {node: _tree_sum(node, leaf) for node in nodes}
 
-    def compute(node: Node) -> torch.Tensor:
-        lo, hi = node
-        if hi - lo == 1:
-            return leaf(lo)
-        left, right = split(node)
-        acc = compute(left)
-        acc = acc.add_(compute(right)) if acc.is_floating_point() else acc + compute(right)
-        return acc
 
-    return {node: compute(node) for node in nodes}
+def _tree_sum(node: Node, leaf: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    lo, hi = node
+    if hi - lo == 1:
+        return leaf(lo)
+    left, right = split(node)
+    acc = _tree_sum(left, leaf)
+    return acc.add_(_tree_sum(right, leaf)) if acc.is_floating_point() else acc + _tree_sum(right, leaf)
+
+
+def _combine(node: Node, known: dict[Node, torch.Tensor]) -> torch.Tensor:
+    """The fixed tree's sum of ``node`` from the slots in ``known``."""
+    if node in known:
+        return known[node]
+    left, right = split(node)
+    return _combine(left, known) + _combine(right, known)
+
+
+def _combine_pairs(node: Node, known: dict[Node, tuple[torch.Tensor, torch.Tensor]]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_combine` of (chunk, tail) pairs, each part with the same additions."""
+    if node in known:
+        return known[node]
+    left, right = split(node)
+    (a1, t1), (a2, t2) = _combine_pairs(left, known), _combine_pairs(right, known)
+    return a1 + a2, t1 + t2
 
 
 def tree_exchange(plan: TreePlan, group: Group, local: dict[Node, torch.Tensor],
@@ -179,15 +203,7 @@ def tree_exchange(plan: TreePlan, group: Group, local: dict[Node, torch.Tensor],
         if node in local:
             buf[i].copy_(local[node])
     group.all_reduce(buf)
-    known = {node: buf[i] for i, node in enumerate(slots)}
-
-    def combine(node: Node) -> torch.Tensor:
-        if node in known:
-            return known[node]
-        left, right = split(node)
-        return combine(left) + combine(right)
-
-    return combine((0, plan.virtual_nodes))
+    return _combine((0, plan.virtual_nodes), {node: buf[i] for i, node in enumerate(slots)})
 
 
 class ShardReducer:
@@ -298,13 +314,5 @@ def tree_exchange_sharded(plan: TreePlan, group: Group, local: dict[Node, torch.
         work.wait()
     mine = body[lo:hi]
     known = {node: (mine[:, i], tail[i]) for i, node in enumerate(slots)}
-
-    def combine(node: Node) -> tuple[torch.Tensor, torch.Tensor]:
-        if node in known:
-            return known[node]
-        left, right = split(node)
-        (a1, t1), (a2, t2) = combine(left), combine(right)
-        return a1 + a2, t1 + t2
-
-    chunk, rest = combine((0, plan.virtual_nodes))
+    chunk, rest = _combine_pairs((0, plan.virtual_nodes), known)
     return chunk.contiguous(), rest
