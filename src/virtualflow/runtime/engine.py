@@ -107,10 +107,8 @@ class VNEngine:
         fsdp: FsdpKnobs | None = None,
     ) -> None:
         self.model = model
-        self._modules = list(model.modules())
-        """Every module, to tell cheaply whether all are in training mode at a step's start."""
-        self.optimizer = optimizer
-        self.scheduler = scheduler
+        self._modules = list(model.modules())  # to tell cheaply whether all are in training mode
+        self.optimizer, self.scheduler = optimizer, scheduler
         self.plan = plan
         self.batchnorm = batchnorm
         self.deterministic = deterministic
