@@ -11,6 +11,9 @@ One run, one table, three parts:
   rotating order, and a ratio is the median over repetitions of (deterministic median / default
   median) of the same repetition. Target (issue 32): owners / default <= 1.15 at every W and
   model. ``slots`` is shown beside it, without a target.
+* **CPU per step** (a diagnostic, W = 3): the CPU seconds all workers spend per step in each
+  mode (a 14-step run minus a 4-step run, from the launcher's ``RUSAGE_CHILDREN``): on 2 cores
+  with 3 workers the step time follows it, and host noise moves it much less than a step time.
 * **bytes per worker per step** (simulated, no processes): what one worker sends in one step's
   exchange, from the closed forms of :mod:`virtualflow.plan.exchange` (the ``owners`` exchange's,
   the ``slots`` exchange's ring all-reduce of one slot per partial sum, and the default mode's
@@ -149,6 +152,39 @@ def measure_steps(args, model: Model, workers: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
+# Part 1b: CPU per step (a diagnostic that host noise moves little).
+
+
+def cpu_per_step(model: Model, workers: int, mode: str, short: int, long: int) -> float:
+    """CPU seconds all ``workers`` processes spend per step in ``mode``: the difference between a
+    run of ``long`` and one of ``short`` steps (start-up cancels), from the launcher's
+    ``RUSAGE_CHILDREN`` (every worker process has exited when ``train`` returns)."""
+    import resource
+
+    import virtualflow as vf
+
+    det = mode != "default"
+    extra = {"deterministic_exchange": mode} if det else {}
+    used = []
+    for steps in (short, long):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        vf.train(model.job, workers=workers, steps=steps, deterministic=det, threads_per_worker=1, **extra)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        used.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+    return (used[1] - used[0]) / (long - short)
+
+
+def measure_cpu(args, model: Model, workers: int) -> dict:
+    """Part 1b's row: CPU seconds per step of every mode, and each deterministic mode's ratio to
+    the default's. On a machine with fewer cores than workers this is what the step time follows."""
+    cpu = {m: cpu_per_step(model, workers, m, args.cpu_steps[0], args.cpu_steps[1]) for m in MODES}
+    print(f"  {model.name} W={workers} CPU per step (all workers): "
+          + ", ".join(f"{m} {cpu[m]:.3f} s" for m in MODES), flush=True)
+    return {"part": "cpu", "model": model.name, "workers": workers, "cpu_s": cpu,
+            "ratio": {m: cpu[m] / cpu["default"] for m in ("owners", "slots")}}
+
+
+# --------------------------------------------------------------------------------------------
 # Part 2: bytes per worker per step, from the closed forms.
 
 
@@ -219,7 +255,7 @@ def mib(x: float) -> str:
 
 
 def check(args, run: H.Run, steps_rows: list[dict], bytes_rows: list[dict], ddp: dict | None,
-          numel: int) -> list[list]:
+          numel: int, cpu_rows: list[dict] = ()) -> list[list]:
     """Checks every target; the table's rows."""
     t = run.targets
     table = []
@@ -233,6 +269,12 @@ def check(args, run: H.Run, steps_rows: list[dict], bytes_rows: list[dict], ddp:
                       f"{r['ratio']['owners']:.3f}", H.num(r["ratio"]["slots"], ".3f", "-"),
                       f"<= {t.limit('time_ratio', TARGET_RATIO):g}", H.yes_no(met),
                       f"{r['other_load_cores']:.2f}"])
+    for r in cpu_rows:
+        c = r["cpu_s"]
+        v = 8 if r["model"] == "mlp-2.6m" else H.RESIZE_VNS
+        table.append(["CPU / step, all workers", r["model"], r["workers"], v, "default mode",
+                      f"{c['default']:.3f} s", f"{c['owners']:.3f} s", f"{c['slots']:.3f} s",
+                      f"{r['ratio']['owners']:.3f}", f"{r['ratio']['slots']:.3f}", "- (diagnostic)", "-", "-"])
     if bytes_rows:
         t.at_most("bytes_bound", f"owners bytes per worker / ((own partials + 1) x gradient), worst of W = "
                   f"{BYTES_WORKERS[0]}..{BYTES_WORKERS[-1]}", max(r["bytes"]["owners"] / r["bound_bytes"]
@@ -288,7 +330,9 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--warmup", type=int, default=8, help="steps excluded from the medians")
     p.add_argument("--models", default="mlp-2.6m,mlp-25m", help="models of the step-time part")
     p.add_argument("--workers", default=",".join(map(str, WORKERS)), help="worker counts of the step-time part")
-    p.add_argument("--parts", default="steps,bytes,ddp", help="which parts to run (steps, bytes, ddp)")
+    p.add_argument("--parts", default="steps,cpu,bytes,ddp", help="which parts to run (steps, cpu, bytes, ddp)")
+    p.add_argument("--cpu-workers", default="3", help="worker counts of the CPU-per-step part")
+    p.add_argument("--cpu-steps", default="4,14", help="the short and the long run of the CPU-per-step part")
     p.add_argument("--max-other-load", type=float, default=0.10,
                    help="repeat a DDP pair when other processes used more CPU cores than this meanwhile")
     p.add_argument("--retries", type=int, default=1, help="repetitions of a disturbed DDP pair")
@@ -309,8 +353,12 @@ def parse_args(argv: list[str] | None):
     if any(w < 2 or w > 6 for w in args.worker_list):
         p.error(f"--workers {args.workers}: each must be 2..6 (V = 6 for the 25 M MLP)")
     args.part_list = [x.strip() for x in args.parts.split(",") if x.strip()]
-    if not set(args.part_list) <= {"steps", "bytes", "ddp"} or not args.part_list:
-        p.error(f"--parts {args.parts!r}: choose from steps, bytes, ddp")
+    if not set(args.part_list) <= {"steps", "cpu", "bytes", "ddp"} or not args.part_list:
+        p.error(f"--parts {args.parts!r}: choose from steps, cpu, bytes, ddp")
+    args.cpu_worker_list = [int(x) for x in args.cpu_workers.split(",") if x.strip()]
+    args.cpu_steps = [int(x) for x in args.cpu_steps.split(",")]
+    if len(args.cpu_steps) != 2 or not 0 < args.cpu_steps[0] < args.cpu_steps[1]:
+        p.error(f"--cpu-steps {args.cpu_steps}: two step counts, the short run's below the long run's")
     return args
 
 
@@ -332,10 +380,16 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.model_list:
             for w in args.worker_list:
                 steps_rows.append(measure_steps(args, mods[name], w))
+    cpu_rows = []
+    if "cpu" in args.part_list:
+        for name in args.model_list:
+            for w in args.cpu_worker_list:
+                H.wait_for_quiet(args.quiet_wait)
+                cpu_rows.append(measure_cpu(args, mods[name], w))
     bytes_rows = [bytes_row(w, numel) for w in BYTES_WORKERS] if "bytes" in args.part_list else []
     ddp = measure_ddp(args, tempfile.mkdtemp(prefix="deterministic-")) if "ddp" in args.part_list else None
 
-    table = check(args, run, steps_rows, bytes_rows, ddp, numel)
+    table = check(args, run, steps_rows, bytes_rows, ddp, numel, cpu_rows)
     loads = [r["other_load_cores"] for r in steps_rows] + ([ddp["other_load_cores"]] if ddp else [])
     loaded = bool(loads) and max(loads) > args.max_other_load
     print()
@@ -349,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
               "bytes": "virtualflow.plan.exchange closed forms: owners_traffic_closed_form (sent), slots_traffic, "
                        "ring_allreduce_bytes; the most any worker sends"}
     payload = {"benchmark": run.name, "environment": H.environment(), "config": config, "loaded_machine": loaded,
-               "results": {"steps": steps_rows, "bytes": bytes_rows, "ddp": ddp}, "table": table}
+               "results": {"steps": steps_rows, "cpu": cpu_rows, "bytes": bytes_rows, "ddp": ddp}, "table": table}
     return run.finish(payload, markdown(run, args, table, ddp, loaded))
 
 
