@@ -43,6 +43,7 @@ from virtualflow.runtime.pipeline.pieces import flat_grads, load_grads
 from virtualflow.plan.vnmap import Node
 from virtualflow.runtime.pipeline.requests import AllSum, Request, StageScatter, StageTree, StepResult
 from virtualflow.runtime.pipeline.schedule import schedule_for
+from virtualflow.runtime.pipeline.tied import tie_traffic
 from virtualflow.runtime.pipeline.tree_fold import StreamedPerVN
 from virtualflow.runtime.step.reduction import Tail
 
@@ -109,11 +110,13 @@ ACCUMULATED = Accumulated()
 class PerVN:
     """Deterministic mode: each micro-batch's parameter gradients are taken out of ``.grad`` after
     its backward (B or W) and kept per VN (``leaves``: VN -> (piece, parts)), to be summed along
-    the fixed VN-id tree at the step's end (with a weight shared between pieces, or Bamboo's job
-    stages; otherwise :class:`~.tree_fold.StreamedPerVN` sums them as they come)."""
+    the fixed VN-id tree at the step's end (Bamboo's job stages, or a shared weight whose per-VN
+    sums cannot be formed as the micro-batches end; otherwise :class:`~.tree_fold.StreamedPerVN`
+    sums them as they come)."""
 
-    def __init__(self, leaves: dict[int, list[Any]]) -> None:
-        self.leaves = leaves
+    def __init__(self, work: "FlushStep") -> None:
+        self.work = work
+        self.leaves = work.leaves
 
     def before(self, params: Sequence[torch.Tensor]) -> None:
         for q in params:
@@ -126,20 +129,30 @@ class PerVN:
         self.leaves.setdefault(vn, []).append((k, parts))
 
     def backward_done(self, k: int, mb: int) -> Generator[Request, Any, None]:
-        yield from ()
+        w = self.work
+        vn = w.vns[mb % w.m]
+        yield from w.tied.after_backward(k, vn, mb % w.m, dict(self.leaves.get(vn, [])), w.step)
 
-    def partials(self, nodes: Sequence[Node], leaf: Callable[[int], torch.Tensor]) -> dict[Node, torch.Tensor]:
-        """This worker's partial sums ``nodes`` of the leaves (``leaf``: a VN's vector, fresh)."""
+    def partials(self, nodes: Sequence[Node]) -> Generator[Request, Any, dict[Node, torch.Tensor]]:
+        """This worker's partial sums ``nodes`` of the leaves (a weight read by two pieces: the
+        other use's per-VN gradients first, :func:`~.tied.tie_traffic`)."""
+        w = self.work
+        remote = yield from w.tied.at_end(self.leaves, w.vns, w.step)
+
+        def leaf(vn: int) -> torch.Tensor:
+            return torch.cat(w.leaf_parts(vn, dict(self.leaves.pop(vn)), remote.pop(vn, None)))
+
         return tree_reduce_local(nodes, leaf)
 
 
 def per_vn(work: "FlushStep") -> PerVN | StreamedPerVN:
-    """Deterministic mode's gradients of ``work``: summed as they come where no weight is shared
-    between pieces and the stage is one stage group (:mod:`.tree_fold`), else at the step's end."""
+    """Deterministic mode's gradients of ``work``: summed as they come where the stage is one stage
+    group and its shared weights (if any) travel per micro-batch (:func:`~.tied.tie_traffic`;
+    :mod:`.tree_fold`), else at the step's end."""
     e = work.engine
-    if e.ties is None and e.reducer.job_stages is None:
+    if e.reducer.job_stages is None and work.tied.streams:
         return StreamedPerVN(work, work.tree_request)
-    return PerVN(work.leaves)
+    return PerVN(work)
 
 
 class FlushStep:
@@ -158,6 +171,8 @@ class FlushStep:
         self.bn_first: dict[int, torch.Tensor] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.leaves: dict[int, list[torch.Tensor]] = {}  # deterministic mode: VN -> parts per piece
+        self.tied = tie_traffic(e.ties, self.schedule)
+        """Deterministic mode: when a shared weight's per-VN gradients travel between workers."""
         self.grads: Accumulated | PerVN | StreamedPerVN = per_vn(self) if e.deterministic else ACCUMULATED
         """Where a backward's parameter gradients go: accumulated in ``.grad`` (default mode), or
         kept apart per VN for the tree (deterministic mode: :func:`per_vn`)."""
@@ -247,15 +262,7 @@ class FlushStep:
         """Deterministic mode: each VN's vector summed along the fixed VN-id tree over the
         replicas; returns (the root sum, where its tail starts)."""
         e = self.engine
-        remote: dict[int, dict[int, torch.Tensor]] = {}
-        if e.ties is not None:  # weights read by two pieces: the other use's per-VN gradients
-            yield from e.ties.send_parts(self.leaves, self.vns, self.step)
-            remote = yield from e.ties.receive_parts(self.vns, self.step)
-
-        def leaf(vn: int) -> torch.Tensor:
-            return torch.cat(self.leaf_parts(vn, dict(self.leaves.pop(vn)), remote.pop(vn, None)))
-
-        nodes = self.grads.partials(e.tree.per_worker[e.replica], leaf)
+        nodes = yield from self.grads.partials(e.tree.per_worker[e.replica])
         like = next(iter(nodes.values()))
         total = yield from e.reducer.tree_by_stage(e.tree, nodes, like, with_bn, is_last, self._chunks())
         offset = load_grads(e.tree_params, total)

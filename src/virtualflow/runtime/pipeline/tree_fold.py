@@ -25,9 +25,16 @@ Invariants:
 - Leaves are kept as the lists of tensors backward produced (owned here: ``.grad`` was cleared),
   so no VN is copied but a partial's first one; the loss and BatchNorm parts are copied (they
   are read again by the step's statistics).
-- Chosen once per step, where it applies: deterministic mode with no weight shared between pieces
-  (their per-VN sums need the other use's gradients, :mod:`.tied`) and one stage group (no Bamboo
-  job stages). Elsewhere :class:`~.flush.PerVN` keeps the leaves and sums them at the step's end.
+- A weight read by two pieces on two workers (:class:`~.tied.ExactTies`): the holder sends each
+  VN's gradients of its copy as soon as its piece's backward of that micro-batch ends (before the
+  piece's input gradient goes out), and the owner takes them when its own backward of the
+  micro-batch ended, so its leaf is complete then too; a tied weight's gradients no longer wait
+  for the step's end.
+- Chosen once per step, where it applies: deterministic mode, one stage group (no Bamboo job
+  stages), and shared weights whose per-VN sums can be formed as the micro-batches end
+  (:meth:`~.tied.ExactTies.streams`: not with zero-bubble's split backward, nor
+  ``reduction="sharded"``'s paired copies). Elsewhere :class:`~.flush.PerVN` keeps the leaves and
+  sums them at the step's end.
 """
 
 from __future__ import annotations
@@ -120,24 +127,32 @@ class StreamedPerVN:
             q.grad = None
 
     def backward_done(self, k: int, mb: int) -> Generator[Request, Any, None]:
-        """After a micro-batch's last backward on piece ``k``: once every piece of this worker ran
-        it, the VN's leaf goes into the tree; a partial it completes goes to the exchange."""
-        vn = self.work.vns[mb % self.work.m]
-        if len(self.by_vn.get(vn, ())) < self.n_pieces:
+        """After a micro-batch's last backward on piece ``k``: a shared weight's gradients of this
+        VN go to its owner (:meth:`~.tied.ExactTies.stream_sends`); once every piece of this worker
+        ran it, the VN's leaf (with the holders' gradients of the weights this worker owns) goes
+        into the tree, and a partial it completes goes to the exchange."""
+        w = self.work
+        index = mb % w.m
+        vn = w.vns[index]
+        got = self.by_vn.get(vn, {})
+        yield from w.tied.after_backward(k, vn, index, got, w.step)
+        if len(got) < self.n_pieces:
             return
-        completed = self.fold.add(vn, self.work.leaf_parts(vn, self.by_vn.pop(vn)))
+        remote = yield from w.tied.receive(index, w.step)
+        completed = self.fold.add(vn, w.leaf_parts(vn, self.by_vn.pop(vn), remote))
         if self.opened is None:  # the first leaf: the exchange may post its receives now
-            like = torch.empty(self.fold.numel, dtype=self.fold.dtype, device=self.work.engine.device)
+            like = torch.empty(self.fold.numel, dtype=self.fold.dtype, device=w.engine.device)
             self.opened = self.request({}, like)
             yield TreeOpen(self.opened)
         for node in completed:
             yield TreePart(self.opened, node, self.fold.done[node])
 
-    def partials(self, nodes: Sequence[Node], leaf: Callable[[int], torch.Tensor]) -> dict[Node, torch.Tensor]:
-        """This worker's partial sums ``nodes``, folded already (complete by the step's reduction;
-        ``leaf`` is not needed)."""
+    def partials(self, nodes: Sequence[Node]) -> Generator[Request, Any, dict[Node, torch.Tensor]]:
+        """This worker's partial sums ``nodes``, folded already (complete by the step's reduction)."""
+        yield from ()
         missing = [n for n in self.fold.partials if n not in self.fold.done]
         if missing:
             raise RuntimeError(f"deterministic pipeline step: partial sums {missing} incomplete after the last "
                                f"backward (leaves of VNs {sorted(self.by_vn)} still waiting)")
         return dict(self.fold.done)
+
