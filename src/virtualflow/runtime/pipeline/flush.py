@@ -110,9 +110,8 @@ ACCUMULATED = Accumulated()
 class PerVN:
     """Deterministic mode: each micro-batch's parameter gradients are taken out of ``.grad`` after
     its backward (B or W) and kept per VN (``leaves``: VN -> (piece, parts)), to be summed along
-    the fixed VN-id tree at the step's end (Bamboo's job stages, or a shared weight whose per-VN
-    sums cannot be formed as the micro-batches end; otherwise :class:`~.tree_fold.StreamedPerVN`
-    sums them as they come)."""
+    the fixed VN-id tree at the step's end (a shared weight whose per-VN sums cannot be formed as
+    the micro-batches end; otherwise :class:`~.tree_fold.StreamedPerVN` sums them as they come)."""
 
     def __init__(self, work: "FlushStep") -> None:
         self.work = work
@@ -146,12 +145,12 @@ class PerVN:
 
 
 def per_vn(work: "FlushStep") -> PerVN | StreamedPerVN:
-    """Deterministic mode's gradients of ``work``: summed as they come where the stage is one stage
-    group and its shared weights (if any) travel per micro-batch (:func:`~.tied.tie_traffic`;
-    :mod:`.tree_fold`), else at the step's end."""
+    """Deterministic mode's gradients of ``work``: summed as they come where its shared weights (if
+    any) travel per micro-batch (:func:`~.tied.tie_traffic`; :mod:`.tree_fold`), else at the
+    step's end."""
     e = work.engine
-    if e.reducer.job_stages is None and work.tied.streams:
-        return StreamedPerVN(work, work.tree_request)
+    if work.tied.streams:
+        return StreamedPerVN(work, work.tree_requests)
     return PerVN(work)
 
 
@@ -291,9 +290,13 @@ class FlushStep:
         e = self.engine
         return e.shard.bounds if e.shard is not None and e.replicas > 1 and not e.loop.checks_grads else None
 
-    def tree_request(self, nodes: dict[Node, torch.Tensor], like: torch.Tensor) -> StageTree:
-        """The step's :class:`StageTree` over this worker's stage group (one stage group)."""
-        return self.engine.reducer.tree_request(self.engine.tree, nodes, like, self._chunks())
+    def tree_requests(self, nodes: dict[Node, torch.Tensor], like: torch.Tensor
+                      ) -> list[tuple[torch.Tensor | None, StageTree]]:
+        """The step's :class:`StageTree` requests (one per job stage after a Bamboo failover), with
+        the indices of each one's elements (:meth:`~.reduction.StageReducer.tree_requests`)."""
+        e = self.engine
+        return e.reducer.tree_requests(e.tree, nodes, like, bool(e.bn_numel and e.batchnorm == "mean"),
+                                       e.last in e.pieces, self._chunks())
 
     def _reduce_sum(self, is_last: bool) -> Generator[Request, Any, tuple[torch.Tensor, int]]:
         """Default mode: [grads | BatchNorm statistics | loss], summed over the replicas in one

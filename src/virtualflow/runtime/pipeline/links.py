@@ -485,14 +485,14 @@ class _StageAnswers:
 
     def answer(self, req: Any) -> Any:
         if isinstance(req, StageSum):
-            (self.stage_group if req.stage is None else self.stage_groups[req.stage]).all_reduce(req.vector)
+            self.over(req.stage).all_reduce(req.vector)
             return req.vector
         if isinstance(req, StageTree):
-            return self.exchanges.run(req, self.stage_group if req.stage is None else self.stage_groups[req.stage])
-        if isinstance(req, TreeOpen):  # (a streamed step: one stage group)
-            return self.exchanges.open(req, self.stage_group)
+            return self.exchanges.run(req, self.over(req.stage))
+        if isinstance(req, TreeOpen):  # (a streamed step, .tree_fold)
+            return self.exchanges.open(req, self.over(req.tree.stage))
         if isinstance(req, TreePart):
-            return self.exchanges.part(req, self.stage_group)
+            return self.exchanges.part(req, self.over(req.tree.stage))
         if isinstance(req, (StageScatter, StageGather)):  # reduction="sharded" (.stage_shard)
             if self.stage_comm is None:
                 from virtualflow.comm.ring import Collectives
@@ -504,6 +504,10 @@ class _StageAnswers:
             _sum_over(self.group, req.vector)
             return req.vector
         raise TypeError(f"unknown pipeline request {req!r}")
+
+    def over(self, stage: int | None) -> Group:
+        """The group a reduction of job stage ``stage`` runs over (``None``: the stage group)."""
+        return self.stage_group if stage is None else self.stage_groups[stage]
 
     def close(self, failed: bool) -> None:
         if self.stage_comm is not None:

@@ -4,7 +4,8 @@ partial handed to the exchange as soon as it is final.
 Purpose: in deterministic mode a worker's gradients of each virtual node (VN, one micro-batch)
 are leaves of the fixed VN-id tree (:mod:`virtualflow.plan.vnmap`); the worker sums them along the
 tree into its *partials* (the tree nodes that cover its VN block) and the replicas' partials are
-brought together over the stage group (:class:`~.requests.StageTree`). Done at the step's end,
+brought together over the stage group, or each job stage's workers after a Bamboo failover
+(:class:`~.requests.StageTree`). Done at the step's end,
 the whole local sum and the exchange wait for the last backward. :class:`StreamedPerVN` instead
 adds each VN's leaf into the tree as soon as every backward of its micro-batch on this worker ran,
 opens the stage group's exchange at the first leaf (:class:`~.requests.TreeOpen`: a process driver
@@ -30,11 +31,12 @@ Invariants:
   piece's input gradient goes out), and the owner takes them when its own backward of the
   micro-batch ended, so its leaf is complete then too; a tied weight's gradients no longer wait
   for the step's end.
-- Chosen once per step, where it applies: deterministic mode, one stage group (no Bamboo job
-  stages), and shared weights whose per-VN sums can be formed as the micro-batches end
-  (:meth:`~.tied.ExactTies.streams`: not with zero-bubble's split backward, nor
-  ``reduction="sharded"``'s paired copies). Elsewhere :class:`~.flush.PerVN` keeps the leaves and
-  sums them at the step's end.
+- After a Bamboo failover a worker running several job stages opens one exchange per job stage
+  (over that stage's workers) and sends each job stage's elements of a completed partial to it.
+- Chosen once per step, where it applies: deterministic mode with shared weights (if any) whose
+  per-VN sums can be formed as the micro-batches end (:func:`~.tied.tie_traffic`: not with
+  zero-bubble's split backward, nor ``reduction="sharded"``'s paired copies). Elsewhere
+  :class:`~.flush.PerVN` keeps the leaves and sums them at the step's end.
 """
 
 from __future__ import annotations
@@ -106,16 +108,19 @@ class StreamedPerVN:
     docstring): the same interface as :class:`~.flush.PerVN` (``before``/``after`` around each
     backward, ``backward_done`` after a micro-batch's last one, ``partials`` at the reduction)."""
 
-    def __init__(self, work: Any, request: Callable[[dict[Node, torch.Tensor], torch.Tensor], StageTree]) -> None:
-        """``work``: the :class:`~.flush.FlushStep`; ``request``: its StageTree for the partials
-        and one vector like theirs (the same exchange for the open, the parts and the finish)."""
+    def __init__(self, work: Any,
+                 requests: Callable[[dict[Node, torch.Tensor], torch.Tensor],
+                                    list[tuple[torch.Tensor | None, StageTree]]]) -> None:
+        """``work``: the :class:`~.flush.FlushStep`; ``requests``: its StageTree requests for the
+        partials and one vector like theirs, each with its elements' indices (one per job stage
+        after a Bamboo failover; the same exchanges for the open, the parts and the finish)."""
         self.work = work
         e = work.engine
-        self.request = request
+        self.requests = requests
         self.fold = TreeFold(e.tree.per_worker[e.replica])
         self.by_vn: dict[int, dict[int, list[torch.Tensor]]] = {}
         self.n_pieces = len(e.pieces)
-        self.opened: StageTree | None = None
+        self.opened: list[tuple[torch.Tensor | None, StageTree]] | None = None
 
     def before(self, params: Sequence[torch.Tensor]) -> None:
         for q in params:
@@ -140,12 +145,15 @@ class StreamedPerVN:
             return
         remote = yield from w.tied.receive(index, w.step)
         completed = self.fold.add(vn, w.leaf_parts(vn, self.by_vn.pop(vn), remote))
-        if self.opened is None:  # the first leaf: the exchange may post its receives now
+        if self.opened is None:  # the first leaf: the exchanges may post their receives now
             like = torch.empty(self.fold.numel, dtype=self.fold.dtype, device=w.engine.device)
-            self.opened = self.request({}, like)
-            yield TreeOpen(self.opened)
+            self.opened = self.requests({}, like)
+            for _, tree in self.opened:
+                yield TreeOpen(tree)
         for node in completed:
-            yield TreePart(self.opened, node, self.fold.done[node])
+            vec = self.fold.done[node]
+            for idx, tree in self.opened:  # (a job stage's elements: a copy, read again at the finish)
+                yield TreePart(tree, node, vec if idx is None else vec.index_select(0, idx))
 
     def partials(self, nodes: Sequence[Node]) -> Generator[Request, Any, dict[Node, torch.Tensor]]:
         """This worker's partial sums ``nodes``, folded already (complete by the step's reduction)."""
