@@ -36,11 +36,11 @@ from typing import Any, Callable, Generator, Protocol, Sequence
 import torch
 
 from virtualflow.comm.reduce import tree_reduce_local
+from virtualflow.plan.vnmap import Node
 from virtualflow.runtime.pipeline.batchnorm import load_statistics
 from virtualflow.runtime.pipeline.loop import metric_header, share_metrics
 from virtualflow.runtime.pipeline.microbatch import MicroBatch
 from virtualflow.runtime.pipeline.pieces import flat_grads, load_grads
-from virtualflow.plan.vnmap import Node
 from virtualflow.runtime.pipeline.requests import AllSum, Request, StageScatter, StageTree, StepResult
 from virtualflow.runtime.pipeline.schedule import schedule_for
 from virtualflow.runtime.pipeline.tied import tie_traffic
@@ -128,9 +128,7 @@ class PerVN:
         self.leaves.setdefault(vn, []).append((k, parts))
 
     def backward_done(self, k: int, mb: int) -> Generator[Request, Any, None]:
-        w = self.work
-        vn = w.vns[mb % w.m]
-        yield from w.tied.after_backward(k, vn, mb % w.m, dict(self.leaves.get(vn, [])), w.step)
+        yield from ()
 
     def partials(self, nodes: Sequence[Node]) -> Generator[Request, Any, dict[Node, torch.Tensor]]:
         """This worker's partial sums ``nodes`` of the leaves (a weight read by two pieces: the
@@ -145,10 +143,9 @@ class PerVN:
 
 
 def per_vn(work: "FlushStep") -> PerVN | StreamedPerVN:
-    """Deterministic mode's gradients of ``work``: summed as they come where its shared weights (if
-    any) travel per micro-batch (:func:`~.tied.tie_traffic`; :mod:`.tree_fold`), else at the
-    step's end."""
-    e = work.engine
+    """Deterministic mode's gradients of ``work``: summed as they come (:mod:`.tree_fold`) unless a
+    weight shared with another piece needs the other use's per-VN gradients first
+    (:func:`~.tied.tie_traffic`), then at the step's end."""
     if work.tied.streams:
         return StreamedPerVN(work, work.tree_requests)
     return PerVN(work)
@@ -170,7 +167,7 @@ class FlushStep:
         self.bn_first: dict[int, torch.Tensor] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.leaves: dict[int, list[torch.Tensor]] = {}  # deterministic mode: VN -> parts per piece
-        self.tied = tie_traffic(e.ties, self.schedule)
+        self.tied = tie_traffic(e.ties)
         """Deterministic mode: when a shared weight's per-VN gradients travel between workers."""
         self.grads: Accumulated | PerVN | StreamedPerVN = per_vn(self) if e.deterministic else ACCUMULATED
         """Where a backward's parameter gradients go: accumulated in ``.grad`` (default mode), or
@@ -264,7 +261,8 @@ class FlushStep:
         nodes = yield from self.grads.partials(e.tree.per_worker[e.replica])
         like = next(iter(nodes.values()))
         total = yield from e.reducer.tree_by_stage(e.tree, nodes, like, with_bn, is_last, self._chunks())
-        offset = load_grads(e.tree_params, total)
+        # views, not copies: the root is this step's own (every driver answers with a fresh vector)
+        offset = load_grads(e.tree_params, total, clone=False)
         e.update.grads_to_flat()  # (sharded: the chunk's update reads the flat gradient)
         return total, offset
 

@@ -188,6 +188,8 @@ class StageExchanges:
         self._owners: dict[tuple[Any, ...], OwnerExchange] = {}
         self._open: dict[int, OwnerExchange] = {}
         """The exchanges a streamed step opened (:meth:`open`) and has not finished yet."""
+        self._sent: list[torch.Tensor] = []
+        """The partials a streamed step sent early (:meth:`part`), until its exchanges finish."""
 
     def choose(self, stage: int | None, plan: TreePlan, like: torch.Tensor) -> str:
         """The exchange for stage group ``stage``'s vector shaped like ``like`` (remembered)."""
@@ -228,6 +230,7 @@ class StageExchanges:
         ex = self._owners_of(req.tree, group)
         if ex is not None:
             ex.send(req.node, req.vec)
+            self._sent.append(req.vec)
 
     def run(self, req: StageTree, group: Group) -> torch.Tensor:
         """The root of ``req``'s tree over ``group`` (every member gets the same bits); an exchange
@@ -239,11 +242,17 @@ class StageExchanges:
             ex.begin()
             for node, vec in req.nodes.items():
                 ex.send(node, vec)
-        return ex.finish(req.nodes).clone()  # the exchange's root buffer is reused next step
+        root = ex.finish(req.nodes).clone()  # the exchange's root buffer is reused next step
+        if not self._open:  # every early send of the step is complete
+            self._sent = []
+        return root
 
     def abandon(self) -> None:
-        """A drive failed: forget the steps its exchanges had open."""
-        self._open = {}
+        """A drive failed: forget the steps its exchanges had open (the partials already sent are
+        kept alive: gloo may still read them)."""
+        _ABANDONED.append(self._sent)
+        del _ABANDONED[:-256]
+        self._open, self._sent = {}, []
         for ex in self._owners.values():
             ex.abandon()
 
