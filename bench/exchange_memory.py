@@ -51,14 +51,6 @@ HEADER = ["exchange", "reduction", "W", "RSS after warm-up (MiB)", "RSS at the e
           "growth, worst worker (MiB)", "tolerance (MiB)", "met"]
 
 
-def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024.0
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
 class RssProbe:
     """Every worker's VmRSS at every step boundary, written to ``folder/rss-RANK.json`` at the end."""
 
@@ -71,7 +63,7 @@ class RssProbe:
 
     def on_step_end(self, info) -> None:
         self.rank = info.rank
-        self.samples.append((info.step, rss_mib()))
+        self.samples.append((info.step, H.rss_mib()))
 
     def on_train_end(self, step: int) -> None:
         with open(os.path.join(self.folder, f"rss-{self.rank}.json"), "w") as f:

@@ -36,6 +36,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import Callable
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -61,15 +62,36 @@ def make_job():
 # (b) the hand-written loop, run as a child process: ``-m bench.vn_overhead --child-hand JSON``.
 
 
+def hand_step(model: torch.nn.Module, X: torch.Tensor, Y: torch.Tensor, B: int, V: int) -> Callable[..., float]:
+    """The hand-written loop's step for ``model`` (its own SGD): ``step_fn(step)`` trains global
+    step ``step`` (V micro-batches of B/V samples in virtualflow's data order) and returns the
+    step's loss, read back as virtualflow reads it."""
+    opt = H.sgd(model.parameters())
+    n = B // V
+
+    def step_fn(step: int, control: int = 0) -> float:
+        idx = H.batch_indices(len(X), B, step)  # same sample order as virtualflow's DataPlan
+        xb, yb = X[idx], Y[idx]
+        opt.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros(())
+        for v in range(V):
+            loss = H.cross_entropy(model, (xb[v * n : (v + 1) * n], yb[v * n : (v + 1) * n])) * (1.0 / V)
+            loss.backward()
+            loss_sum += loss.detach()
+        opt.step()
+        return float(loss_sum)
+
+    return step_fn
+
+
 def hand_loop(cfg: dict) -> dict:
     threads, V, B, steps = cfg["threads"], cfg["V"], cfg["B"], cfg["steps"]
     torch.set_num_threads(threads)
     X, Y = H.bench_data().tensors
     torch.manual_seed(H.SEED)
     model = H.mlp()
-    opt = H.sgd(model.parameters())
     model.train()
-    n = B // V
+    step_fn = hand_step(model, X, Y, B, V)
     times, losses, ends = [], [], []
     setup_mib = H.vmhwm_mib()
     faults_at = {}
@@ -83,16 +105,7 @@ def hand_loop(cfg: dict) -> dict:
             break
         if step == cfg.get("warmup", 0):
             faults_at[step] = H.minor_faults()
-        idx = H.batch_indices(len(X), B, step)  # same sample order as virtualflow's DataPlan
-        xb, yb = X[idx], Y[idx]
-        opt.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros(())
-        for v in range(V):
-            loss = H.cross_entropy(model, (xb[v * n : (v + 1) * n], yb[v * n : (v + 1) * n])) * (1.0 / V)
-            loss.backward()
-            loss_sum += loss.detach()
-        opt.step()
-        losses.append(float(loss_sum))  # logged, as virtualflow reports each step's loss
+        losses.append(step_fn(step))  # logged, as virtualflow reports each step's loss
         now = time.perf_counter()
         times.append(now - t_prev)
         ends.append(time.time())
@@ -171,28 +184,11 @@ def alternating(cfg: dict) -> dict:
     torch.set_num_threads(threads)
     ds = H.bench_data()
     X, Y = ds.tensors
-    n = B // V
-
-    def hand(model: torch.nn.Module):
-        opt = H.sgd(model.parameters())
-
-        def step_fn(step: int, control: int = 0) -> None:
-            idx = H.batch_indices(len(X), B, step)
-            xb, yb = X[idx], Y[idx]
-            opt.zero_grad(set_to_none=True)
-            loss_sum = torch.zeros(())
-            for v in range(V):
-                loss = H.cross_entropy(model, (xb[v * n : (v + 1) * n], yb[v * n : (v + 1) * n])) * (1.0 / V)
-                loss.backward()
-                loss_sum += loss.detach()
-            opt.step()
-            float(loss_sum)
-        return step_fn
 
     torch.manual_seed(H.SEED)
     model = H.mlp()
     if cfg.get("aa"):
-        engine_step = hand(model)
+        engine_step = hand_step(model, X, Y, B, V)
     else:
         engine = VNEngine(model, H.sgd(model.parameters()), None, H.cross_entropy,
                           DataPlan(len(ds), B, V, H.SEED), BatchLoader(ds, None), seed=H.SEED, batchnorm="mean",
@@ -201,14 +197,14 @@ def alternating(cfg: dict) -> dict:
         engine_step = engine.step
     torch.manual_seed(H.SEED)
     ref = H.mlp()
-    hand_step = hand(ref)
+    ref_step = hand_step(ref, X, Y, B, V)
 
     t_engine, t_hand = [], []
     for step in range(steps):
         first_engine = step % 2 == 0  # alternate which goes first, too
         for which in (("e", "h") if first_engine else ("h", "e")):
             t0 = time.perf_counter()
-            engine_step(step, 0) if which == "e" else hand_step(step)
+            engine_step(step, 0) if which == "e" else ref_step(step)
             (t_engine if which == "e" else t_hand).append(time.perf_counter() - t0)
     same = all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
     return {"engine_step_times": t_engine, "hand_step_times": t_hand, "bit_identical": same}

@@ -35,6 +35,11 @@ def vmhwm_mib(pid: int | str = "self") -> float:
     return _status_field(pid, "VmHWM")
 
 
+def rss_mib(pid: int | str = "self") -> float:
+    """Resident set of the process now (VmRSS)."""
+    return _status_field(pid, "VmRSS")
+
+
 def ru_maxrss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
