@@ -205,8 +205,11 @@ def test_a_partitioned_host_is_fenced_and_its_writes_are_refused_when_it_heals(m
     # What the stale worker tried once it was back: report its broken generation 0 (signed with
     # the run key it still holds). The coordinator refused it as a fenced worker's, so nothing it
     # said reached the membership (no abort, no step, no fault recorded from it).
+    # (A step it finished just before the cut may be reported first: where the cut falls in the
+    # step decides, so only the presence of its fault report is asserted, not the order.)
     refused = [e for e in events(run.run_dir, "report_rejected") if e.get("worker") == stale]
-    assert refused and refused[0]["type"] == "fault" and refused[0]["generation"] == 0, refused
+    assert any(e["type"] == "fault" for e in refused), refused
+    assert all(e["generation"] == 0 for e in refused), refused
     assert all("fenced out after generation 0" in e["reason"] for e in refused)
     assert not [e for e in events(run.run_dir, "fault") if e["worker"] == stale]
     assert code == 0
