@@ -443,15 +443,11 @@ def synthetic_overhead(args, targets: H.Targets) -> dict | None:
     ``overhead_share``): <= 2 %."""
     if args.synthetic_steps <= args.warmup:
         return None
-    import importlib.util
-
     import virtualflow as vf
 
-    spec = importlib.util.spec_from_file_location("vf_example_synthetic", H.repo_path(SYNTHETIC_JOB))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     H.wait_for_quiet(args.quiet_wait)
-    result = vf.train(module.make_job, workers=2, steps=args.synthetic_steps, threads_per_worker=1)
+    result = vf.train(H.repo_path(SYNTHETIC_JOB) + ":make_job", workers=2, steps=args.synthetic_steps,
+                      threads_per_worker=1)
     rows = [b for h in result.history[args.warmup:] for b in (h.get("breakdown") or [])]
     if not rows:
         targets.holds("examples/synthetic.py: a step breakdown was reported", False, "no breakdown in the history")
