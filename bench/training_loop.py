@@ -612,6 +612,7 @@ def devices(spec: str) -> tuple[list[torch.device], str | None]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    H.run_under_stable_malloc("bench.training_loop", argv)  # (measured in this process: see its docstring)
     run = H.Run(NAME, args, TARGET_KEYS)
     torch.set_num_threads(args.threads)
     devs, skip = devices(args.device)

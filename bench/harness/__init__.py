@@ -40,7 +40,8 @@ from bench.harness.workloads import (  # noqa: F401
 )
 from bench.harness.machine import (  # noqa: F401
     LoadMeter, MALLOC_STABLE, PeakPoller, apply_malloc_mode, child_command, child_env, collect_children,
-    last_json_line, machine_busy_s, minor_faults, pair_order, rss_mib, ru_maxrss_mib, run_child, run_pair, spawn_child,
+    last_json_line, machine_busy_s, minor_faults, pair_order, rss_mib, ru_maxrss_mib, run_child, run_pair,
+    run_under_stable_malloc, spawn_child,
     tree_cpu_by_pid, tree_cpu_s, vmhwm_mib, wait_for_quiet,
 )
 from bench.harness.ddp import ddp_rank, ddp_stepper, init_rank, run_ddp  # noqa: F401

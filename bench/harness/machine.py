@@ -242,6 +242,18 @@ def apply_malloc_mode(mode: str) -> dict[str, str]:
     return {k: os.environ[k] for k in MALLOC_STABLE if k in os.environ}
 
 
+def run_under_stable_malloc(module: str, argv: list[str] | None) -> None:
+    """Re-execute this process as ``python -m module argv`` with :data:`MALLOC_STABLE` set, unless
+    it already runs with them: glibc reads them only at start-up, and an in-process benchmark
+    compares both sides under the allocator settings virtualflow's workers run with (with glibc's
+    defaults both sides fault in thousands of pages a step, and unequally)."""
+    if all(os.environ.get(k) == v for k, v in MALLOC_STABLE.items()):
+        return
+    env = dict(os.environ, **MALLOC_STABLE)
+    args = list(sys.argv[1:] if argv is None else argv)
+    os.execve(sys.executable, [sys.executable, "-m", module, *args], env)
+
+
 # --------------------------------------------------------------------------------------------
 # Child processes: the PyTorch references run in fresh interpreters, like virtualflow workers,
 # as ``python -m bench.NAME --child-... JSON`` in the repository root.
