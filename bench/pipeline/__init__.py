@@ -1,10 +1,12 @@
 """Pipeline parallelism: virtualflow's pipeline executor against ``torch.distributed.pipelining``,
-its bubbles against the simulator, and its stashed activations against the schedules' bounds.
+its bubbles against the simulator, its stashed activations against the schedules' bounds, and its
+deterministic mode against its default mode.
 
-Three measurements in one run, from the repository root::
+Four measurements in one run, from the repository root::
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m bench.pipeline            # about 2 minutes
-    OMP_NUM_THREADS=1 .venv/bin/python -m bench.pipeline --quick    # under a minute
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.pipeline            # about 3 minutes
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.pipeline --quick    # about a minute
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.pipeline --deterministic-only [--quick]   # (4) alone
 
 virtualflow runs as its executor, **not the worker loop**: ``backends.inprocess.build_engine`` (the
 ``StageEngine`` of a rank) driven by the public ``runtime.pipeline.worker_engine.drive`` over its own
@@ -58,6 +60,10 @@ with ``torch.autograd.graph.saved_tensors_hooks``: a context (one forward of one
 a forward pre-hook on the piece) is live from its forward until the last tensor its graph saved
 is released, i.e. after its last backward part. Peak per rank == the schedule's ``stash_bound``;
 2BW: weight versions used by live contexts == 2.
+
+**(4) Deterministic vs default pipelined step** (real compute, 1F1B, p = 2, d = 2: four processes):
+``bench/pipeline/deterministic.py`` says how; target deterministic / default <= 1.10 (key
+``ratio_deterministic``), and the two replicas' weights bit-identical.
 """
 
 from __future__ import annotations

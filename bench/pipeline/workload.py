@@ -21,7 +21,7 @@ MODULE = "bench.pipeline"
 VS_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 EMU_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "2bw")
 TARGET_KEYS = ("ratio_gpipe", "ratio_1f1b", "ratio_interleaved_1f1b", "weight_diff", "bubble_error",
-               "throughput_2bw")
+               "throughput_2bw", "ratio_deterministic")
 TARGET_RATIO = 1.00
 TARGET_WEIGHT_DIFF = 1e-4
 TARGET_BUBBLE_ERR = 0.05
@@ -59,12 +59,13 @@ def vs_loss(out: torch.Tensor, batch) -> torch.Tensor:
     return nn.functional.cross_entropy(out, batch[1])
 
 
-def vs_job(schedule: str, m: int, mb: int, hidden: int):
+def vs_job(schedule: str, m: int, mb: int, hidden: int, replicas: int = 1):
+    """``m`` micro-batches of ``mb`` samples per pipeline replica (one VN each)."""
     import virtualflow as vf
 
     chunks = 2 if schedule == "interleaved_1f1b" else 1
     return vf.Job(model=lambda: vs_model(hidden), optimizer=H.sgd, output_loss=vs_loss, dataset=vs_data,
-                  global_batch_size=m * mb, virtual_nodes=m, seed=SEED,
+                  global_batch_size=m * mb * replicas, virtual_nodes=m * replicas, seed=SEED,
                   pipeline=vf.Pipeline(stages=VS_P, schedule=schedule, chunks=chunks), name=NAME)
 
 

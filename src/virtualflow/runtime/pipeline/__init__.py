@@ -5,7 +5,8 @@ replica: pieces ``r, r + p, ...``) and runs a :class:`~virtualflow.plan.pipeline
 action list for it, micro-batch ``i`` of step ``t`` being the ``i``-th virtual node this replica
 runs. It never talks to the network itself: :meth:`StageEngine.steps` is a generator that
 *yields* what it needs from outside (:class:`Send`, :class:`Recv`, :class:`StageSum`,
-:class:`StageTree`, :class:`StageScatter`, :class:`StageGather`, :class:`AllSum`) and gets the
+:class:`StageTree` (opened early by :class:`TreeOpen` and :class:`TreePart`), :class:`StageScatter`,
+:class:`StageGather`, :class:`AllSum`) and gets the
 answer back through ``send()``. Two drivers answer those requests:
 :func:`virtualflow.runtime.pipeline.links.drive` in a worker process (torch.distributed point to
 point and collectives over the generation's groups) and
@@ -31,6 +32,7 @@ flush          one step of a flush schedule: forward/backward, reduction, commit
 stream         one window of a no-flush schedule (2BW, asynchronous PipeDream)
 reduction      sums over the replicas: by stage group or job stage, and tied weights (default mode)
 tied           deterministic mode: a weight read by two pieces, its uses summed per VN before the tree
+tree_fold      deterministic mode: VNs folded into the tree as their backward ends, partials sent early
 stage_shard    ``reduction="sharded"``: each stage's optimizer state sharded over its replicas
                (reduce-scatter, the chunk's update, the parameters' all-gather; gathers for the state)
 timing         the step breakdown per stage: compute, p2p, bubble, reduction, update
@@ -90,7 +92,8 @@ from virtualflow.runtime.pipeline.microbatch import MicroBatch, MicroBatchPrep
 from virtualflow.runtime.pipeline.pieces import NoOptimizer
 from virtualflow.runtime.pipeline.redundancy import Eager, Reuse, StageReplica
 from virtualflow.runtime.pipeline.requests import (
-    AllSum, Expect, Poll, Recv, Request, Send, StageGather, StageScatter, StageSum, StageTree, StepResult,
+    AllSum, Expect, Poll, Recv, Request, Send, StageGather, StageScatter, StageSum, StageTree, StepResult, TreeOpen,
+    TreePart,
 )
 from virtualflow.runtime.pipeline.schedule import idle_slots, schedule_for
 from virtualflow.runtime.pipeline.wire import MsgKey
@@ -102,5 +105,6 @@ _Reuse = Reuse
 __all__ = [
     "AllSum", "Eager", "Expect", "LOOKAHEAD", "MicroBatch", "MicroBatchPrep", "MsgKey", "NoOptimizer",
     "PieceBatchNorm", "Poll", "Recv", "Request", "Reuse", "SLACK", "Send", "StageEngine", "StageGather",
-    "StageReplica", "StageScatter", "StageSum", "StageTree", "StepResult", "idle_slots", "run_actions", "schedule_for",
+    "StageReplica", "StageScatter", "StageSum", "StageTree", "StepResult", "TreeOpen", "TreePart", "idle_slots",
+    "run_actions", "schedule_for",
 ]

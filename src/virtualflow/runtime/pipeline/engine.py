@@ -325,7 +325,8 @@ class StageEngine:
             self.replica_of_successor.begin_update(self.replica, self.replicas)
         self.phase = "compute"
         work.compute_s = yield from self._run_actions(work.schedule, step, work.mbs, forward=work.forward,
-                                                      backward=work.backward, eager=self.eager)
+                                                      backward=work.backward, eager=self.eager,
+                                                      on_backward_done=work.backward_done)
         self.reuse = None
         self.phase = "reduction"
         yield from self.tied_sum.before(self.replica)  # (deterministic mode: summed in work.reduce())

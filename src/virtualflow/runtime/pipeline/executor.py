@@ -120,6 +120,7 @@ def run_actions(host: ActionHost, schedule: Schedule, first_step: int, mbs: dict
             host.timeline.append({"kind": a.kind, "stage": a.stage, "mb": a.microbatch,
                                   "step": first_step + a.microbatch // m,
                                   "start": wall_origin + (t0 - t_origin), "end": wall_origin + (t1 - t_origin)})
+        yield from walk.after_action()
     if todo and 0 < idle[-1] < float("inf"):
         # The bubble between this worker's last action and the slowest worker's.
         t_slot = time.perf_counter()
@@ -173,6 +174,8 @@ class _Walk:
         self.todo: deque[tuple[int, int, list[torch.Tensor] | None]] = deque()
         self.sent = self.backed = False
         """The first send / backward passed its fault-injection point."""
+        self.finished: tuple[int, int, Any] | None = None
+        """(piece, micro-batch, context) of a backward that just ended, for ``on_backward_done``."""
 
     def act(self, a: Any) -> Generator[Request, Any, None]:
         """Run action ``a`` (a receive, a send, a forward or a backward)."""
@@ -197,7 +200,7 @@ class _Walk:
         elif a.kind == "F":
             self._forward(a)
         else:  # B, I, W
-            yield from self._backward(a)
+            self._backward(a)
 
     def _forward(self, a: Any) -> None:
         host, local, mbs = self.host, self.local, self.mbs
@@ -213,7 +216,7 @@ class _Walk:
             produced = mbs[a.stage, a.microbatch]
             local[("F", a.stage, a.microbatch)] = forward_message(produced.outputs, produced.rng)
 
-    def _backward(self, a: Any) -> Generator[Request, Any, None]:
+    def _backward(self, a: Any) -> None:
         host, local, mbs = self.host, self.local, self.mbs
         if not self.backed and host.fault_point is not None:
             self.backed = True
@@ -230,6 +233,13 @@ class _Walk:
             ctx.in_grads = None
         if a.kind in ("B", "W"):
             del mbs[a.stage, a.microbatch]
-            if self.on_backward_done is not None:
-                yield from self.on_backward_done(a.stage, a.microbatch, ctx)
+            if self.on_backward_done is not None:  # run by the walk once the action is timed
+                self.finished = (a.stage, a.microbatch, ctx)
         # (a finished micro-batch's graph and weight version go with this frame: the walk keeps no ctx)
+
+    def after_action(self) -> Generator[Request, Any, None]:
+        """The caller's ``on_backward_done`` for the backward that just ended, if any (outside the
+        action's compute time: what it asks of the driver is timed as such)."""
+        if self.finished is not None:
+            (k, mb, ctx), self.finished = self.finished, None
+            yield from self.on_backward_done(k, mb, ctx)

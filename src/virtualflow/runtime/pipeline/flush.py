@@ -36,12 +36,15 @@ from typing import Any, Callable, Generator, Protocol, Sequence
 import torch
 
 from virtualflow.comm.reduce import tree_reduce_local
+from virtualflow.plan.vnmap import Node
 from virtualflow.runtime.pipeline.batchnorm import load_statistics
 from virtualflow.runtime.pipeline.loop import metric_header, share_metrics
 from virtualflow.runtime.pipeline.microbatch import MicroBatch
 from virtualflow.runtime.pipeline.pieces import flat_grads, load_grads
-from virtualflow.runtime.pipeline.requests import AllSum, Request, StageScatter, StepResult
+from virtualflow.runtime.pipeline.requests import AllSum, Request, StageScatter, StageTree, StepResult
 from virtualflow.runtime.pipeline.schedule import schedule_for
+from virtualflow.runtime.pipeline.tied import tie_traffic
+from virtualflow.runtime.pipeline.tree_fold import StreamedPerVN
 from virtualflow.runtime.step.reduction import Tail
 
 
@@ -97,6 +100,9 @@ class Accumulated:
     def after(self, params: Sequence[torch.Tensor], vn: int, k: int) -> None:
         pass
 
+    def backward_done(self, k: int, mb: int) -> Generator[Request, Any, None]:
+        yield from ()
+
 
 ACCUMULATED = Accumulated()
 
@@ -104,10 +110,12 @@ ACCUMULATED = Accumulated()
 class PerVN:
     """Deterministic mode: each micro-batch's parameter gradients are taken out of ``.grad`` after
     its backward (B or W) and kept per VN (``leaves``: VN -> (piece, parts)), to be summed along
-    the fixed VN-id tree."""
+    the fixed VN-id tree at the step's end (a shared weight whose per-VN sums cannot be formed as
+    the micro-batches end; otherwise :class:`~.tree_fold.StreamedPerVN` sums them as they come)."""
 
-    def __init__(self, leaves: dict[int, list[Any]]) -> None:
-        self.leaves = leaves
+    def __init__(self, work: "FlushStep") -> None:
+        self.work = work
+        self.leaves = work.leaves
 
     def before(self, params: Sequence[torch.Tensor]) -> None:
         for q in params:
@@ -118,6 +126,29 @@ class PerVN:
         for q in params:
             q.grad = None
         self.leaves.setdefault(vn, []).append((k, parts))
+
+    def backward_done(self, k: int, mb: int) -> Generator[Request, Any, None]:
+        yield from ()
+
+    def partials(self, nodes: Sequence[Node]) -> Generator[Request, Any, dict[Node, torch.Tensor]]:
+        """This worker's partial sums ``nodes`` of the leaves (a weight read by two pieces: the
+        other use's per-VN gradients first, :func:`~.tied.tie_traffic`)."""
+        w = self.work
+        remote = yield from w.tied.at_end(self.leaves, w.vns, w.step)
+
+        def leaf(vn: int) -> torch.Tensor:
+            return torch.cat(w.leaf_parts(vn, dict(self.leaves.pop(vn)), remote.pop(vn, None)))
+
+        return tree_reduce_local(nodes, leaf)
+
+
+def per_vn(work: "FlushStep") -> PerVN | StreamedPerVN:
+    """Deterministic mode's gradients of ``work``: summed as they come (:mod:`.tree_fold`) unless a
+    weight shared with another piece needs the other use's per-VN gradients first
+    (:func:`~.tied.tie_traffic`), then at the step's end."""
+    if work.tied.streams:
+        return StreamedPerVN(work, work.tree_requests)
+    return PerVN(work)
 
 
 class FlushStep:
@@ -136,9 +167,11 @@ class FlushStep:
         self.bn_first: dict[int, torch.Tensor] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.leaves: dict[int, list[torch.Tensor]] = {}  # deterministic mode: VN -> parts per piece
-        self.grads: Accumulated | PerVN = PerVN(self.leaves) if e.deterministic else ACCUMULATED
+        self.tied = tie_traffic(e.ties)
+        """Deterministic mode: when a shared weight's per-VN gradients travel between workers."""
+        self.grads: Accumulated | PerVN | StreamedPerVN = per_vn(self) if e.deterministic else ACCUMULATED
         """Where a backward's parameter gradients go: accumulated in ``.grad`` (default mode), or
-        kept apart per VN for the tree (deterministic mode)."""
+        kept apart per VN for the tree (deterministic mode: :func:`per_vn`)."""
         self.bn_vn: dict[tuple[int, int], torch.Tensor] = {}  # deterministic mode: (piece, VN) -> statistics
         self.mbs: dict[tuple[int, int], MicroBatch] = {}
         self.compute_s = 0.0
@@ -199,6 +232,11 @@ class FlushStep:
         if kind in ("B", "W"):
             self.grads.after(params, self.vns[mb % self.m], k)
 
+    def backward_done(self, k: int, mb: int, ctx: MicroBatch) -> Generator[Request, Any, None]:
+        """After micro-batch ``mb``'s last backward on piece ``k`` (the executor's hook):
+        deterministic mode may fold its VN into the tree and hand a partial to the exchange."""
+        yield from self.grads.backward_done(k, mb)
+
     # ---- the step's reduction ------------------------------------------------------------------
     def reduce(self) -> Generator[Request, Any, tuple[torch.Tensor | None, torch.Tensor | None]]:
         """Sum this worker's reduction vector [grads of its params | its BatchNorm statistics |
@@ -220,31 +258,43 @@ class FlushStep:
         """Deterministic mode: each VN's vector summed along the fixed VN-id tree over the
         replicas; returns (the root sum, where its tail starts)."""
         e = self.engine
-        remote: dict[int, dict[int, torch.Tensor]] = {}
-        if e.ties is not None:  # weights read by two pieces: the other use's per-VN gradients
-            yield from e.ties.send_parts(self.leaves, self.vns, self.step)
-            remote = yield from e.ties.receive_parts(self.vns, self.step)
-
-        def leaf(vn: int) -> torch.Tensor:
-            by_piece = dict(self.leaves.pop(vn))
-            if e.ties is not None:
-                parts = e.ties.leaf_grads(by_piece, remote.pop(vn, None))
-            else:
-                parts = [x for k in e.pieces for x in by_piece[k]]
-            if with_bn:
-                parts += [self.bn_vn.pop((k, vn)) for k in e.pieces if e.bn[k].numel]
-            if is_last:
-                parts.append(self.losses[vn].reshape(1))
-            return torch.cat(parts) if parts else torch.zeros(0, device=e.device)
-
-        nodes = tree_reduce_local(e.tree.per_worker[e.replica], leaf)
+        nodes = yield from self.grads.partials(e.tree.per_worker[e.replica])
         like = next(iter(nodes.values()))
-        # reduction="sharded": the root's chunk is enough, unless the whole gradient's norm is taken
-        chunks = e.shard.bounds if e.shard is not None and e.replicas > 1 and not e.loop.checks_grads else None
-        total = yield from e.reducer.tree_by_stage(e.tree, nodes, like, with_bn, is_last, chunks)
-        offset = load_grads(e.tree_params, total)
+        total = yield from e.reducer.tree_by_stage(e.tree, nodes, like, with_bn, is_last, self._chunks())
+        # views, not copies: the root is this step's own (every driver answers with a fresh vector)
+        offset = load_grads(e.tree_params, total, clone=False)
         e.update.grads_to_flat()  # (sharded: the chunk's update reads the flat gradient)
         return total, offset
+
+    def leaf_parts(self, vn: int, by_piece: dict[int, list[torch.Tensor]],
+                   remote: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """VN ``vn``'s leaf vector in parts: [gradients of the tree's parameters (``by_piece``: per
+        piece of this worker, its parameters' gradients; ``remote``: a tied weight's other use's) |
+        BatchNorm statistics ("mean") | loss (the last piece; a copy)]."""
+        e = self.engine
+        if e.ties is not None:
+            parts = e.ties.leaf_grads(by_piece, remote)
+        else:
+            parts = [x for k in e.pieces for x in by_piece[k]]
+        if e.bn_numel and e.batchnorm == "mean":
+            parts += [self.bn_vn.pop((k, vn)) for k in e.pieces if e.bn[k].numel]
+        if e.last in e.pieces:
+            parts.append(self.losses[vn].reshape(1).clone())
+        return parts or [torch.zeros(0, device=e.device)]  # (a worker with no parameter: an empty leaf)
+
+    def _chunks(self) -> list[tuple[int, int]] | None:
+        """``reduction="sharded"``: the replicas' chunks of the gradients (the root's chunk is
+        enough, unless the whole gradient's norm is taken); ``None``: the whole root."""
+        e = self.engine
+        return e.shard.bounds if e.shard is not None and e.replicas > 1 and not e.loop.checks_grads else None
+
+    def tree_requests(self, nodes: dict[Node, torch.Tensor], like: torch.Tensor
+                      ) -> list[tuple[torch.Tensor | None, StageTree]]:
+        """The step's :class:`StageTree` requests (one per job stage after a Bamboo failover), with
+        the indices of each one's elements (:meth:`~.reduction.StageReducer.tree_requests`)."""
+        e = self.engine
+        return e.reducer.tree_requests(e.tree, nodes, like, bool(e.bn_numel and e.batchnorm == "mean"),
+                                       e.last in e.pieces, self._chunks())
 
     def _reduce_sum(self, is_last: bool) -> Generator[Request, Any, tuple[torch.Tensor, int]]:
         """Default mode: [grads | BatchNorm statistics | loss], summed over the replicas in one

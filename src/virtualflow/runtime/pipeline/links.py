@@ -14,7 +14,10 @@ whose shapes are known (:class:`Links`) a message is one buffer.
 Deterministic mode's per-stage reduction over the replicas (:class:`StageTree`, and each job
 stage's after a Bamboo failover) runs the exchange :class:`~virtualflow.runtime.step.exchange.ExchangeChoice`
 picks for the stage's vector (or the one the ``deterministic_exchange`` knob names), the VN
-engine's choice: :class:`StageExchanges`. Both give every replica the same root, bit for bit.
+engine's choice: :class:`StageExchanges`. Both give every replica the same root, bit for bit. A
+streamed step (:mod:`.tree_fold`) opens the ``owners`` exchange at its first folded VN
+(:class:`TreeOpen`: the receives are posted) and sends each partial sum as soon as it is final
+(:class:`TreePart`), while its remaining micro-batches compute; the :class:`StageTree` finishes it.
 
 Measured (``bench/pipeline/``): the first protocol, a header then one blocking receive per
 tensor, each posted only when needed, cost 2-3 round trips per hop (1.4-2.0x torch.distributed.
@@ -50,7 +53,7 @@ from virtualflow.plan.pipeline.geometry import Grid
 from virtualflow.plan.vnmap import TreePlan
 from virtualflow.runtime.pipeline.receive_wait import wait_receive
 from virtualflow.runtime.pipeline.requests import (AllSum, Expect, Poll, Recv, Send, StageGather, StageScatter,
-                                                   StageSum, StageTree, StepResult)
+                                                   StageSum, StageTree, StepResult, TreeOpen, TreePart)
 from virtualflow.runtime.step.exchange import ExchangeChoice, owner_exchange
 
 __all__ = ["Links", "Metas", "StageExchanges", "drive", "exchange_choice"]
@@ -183,6 +186,10 @@ class StageExchanges:
         self.choices: dict[int | None, tuple[str, str]] = {}
         self._chosen: dict[tuple[Any, ...], tuple[str, str]] = {}
         self._owners: dict[tuple[Any, ...], OwnerExchange] = {}
+        self._open: dict[int, OwnerExchange] = {}
+        """The exchanges a streamed step opened (:meth:`open`) and has not finished yet."""
+        self._sent: list[torch.Tensor] = []
+        """The partials a streamed step sent early (:meth:`part`), until its exchanges finish."""
 
     def choose(self, stage: int | None, plan: TreePlan, like: torch.Tensor) -> str:
         """The exchange for stage group ``stage``'s vector shaped like ``like`` (remembered)."""
@@ -196,24 +203,56 @@ class StageExchanges:
             self.choices[stage] = (name, reason)
         return name
 
-    def run(self, req: StageTree, group: Group) -> torch.Tensor:
-        """The root of ``req``'s tree over ``group`` (every member gets the same bits)."""
+    def _owners_of(self, req: StageTree, group: Group) -> OwnerExchange | None:
+        """The ``owners`` exchange of ``req``'s vector over ``group`` (made once), or ``None`` where
+        it runs as ``slots`` or alone."""
         like = req.like
         if group.size == 1 or self.choose(req.stage, req.plan, like) == "slots":
-            return tree_exchange(req.plan, group, req.nodes, like=like)
+            return None
         key = (req.stage, req.plan, like.numel(), like.dtype, req.bounds, req.gather)
         ex = self._owners.get(key)
         if ex is None:  # (req.bounds, reduction="sharded": each owner keeps its chunk, the gather goes to all)
             ex = self._owners[key] = owner_exchange(req.plan, group, like.numel(), dtype=like.dtype, device=like.device,
                                                     bounds=req.bounds,
                                                     gather=list(req.gather) if req.bounds is not None else None)
-        ex.begin()
-        for node, vec in req.nodes.items():
-            ex.send(node, vec)
-        return ex.finish(req.nodes).clone()  # the exchange's root buffer is reused next step
+        return ex
+
+    def open(self, req: TreeOpen, group: Group) -> None:
+        """A streamed step (:mod:`.tree_fold`): post the receives of ``req.tree``'s exchange now,
+        before this worker's first partial goes out (``slots``: nothing to do before the sum)."""
+        ex = self._owners_of(req.tree, group)
+        if ex is not None:
+            ex.begin()
+            self._open[id(ex)] = ex
+
+    def part(self, req: TreePart, group: Group) -> None:
+        """Send the final partial ``req.node`` to its owners now (the opened exchange's)."""
+        ex = self._owners_of(req.tree, group)
+        if ex is not None:
+            ex.send(req.node, req.vec)
+            self._sent.append(req.vec)
+
+    def run(self, req: StageTree, group: Group) -> torch.Tensor:
+        """The root of ``req``'s tree over ``group`` (every member gets the same bits); an exchange
+        opened by :meth:`open` sends what is not sent yet and finishes."""
+        ex = self._owners_of(req, group)
+        if ex is None:
+            return tree_exchange(req.plan, group, req.nodes, like=req.like)
+        if self._open.pop(id(ex), None) is None:
+            ex.begin()
+            for node, vec in req.nodes.items():
+                ex.send(node, vec)
+        root = ex.finish(req.nodes).clone()  # the exchange's root buffer is reused next step
+        if not self._open:  # every early send of the step is complete
+            self._sent = []
+        return root
 
     def abandon(self) -> None:
-        """A drive failed: forget the steps its exchanges had open."""
+        """A drive failed: forget the steps its exchanges had open (the partials already sent are
+        kept alive: gloo may still read them)."""
+        _ABANDONED.append(self._sent)
+        del _ABANDONED[:-256]
+        self._open, self._sent = {}, []
         for ex in self._owners.values():
             ex.abandon()
 
@@ -455,10 +494,14 @@ class _StageAnswers:
 
     def answer(self, req: Any) -> Any:
         if isinstance(req, StageSum):
-            (self.stage_group if req.stage is None else self.stage_groups[req.stage]).all_reduce(req.vector)
+            self.over(req.stage).all_reduce(req.vector)
             return req.vector
         if isinstance(req, StageTree):
-            return self.exchanges.run(req, self.stage_group if req.stage is None else self.stage_groups[req.stage])
+            return self.exchanges.run(req, self.over(req.stage))
+        if isinstance(req, TreeOpen):  # (a streamed step, .tree_fold)
+            return self.exchanges.open(req, self.over(req.tree.stage))
+        if isinstance(req, TreePart):
+            return self.exchanges.part(req, self.over(req.tree.stage))
         if isinstance(req, (StageScatter, StageGather)):  # reduction="sharded" (.stage_shard)
             if self.stage_comm is None:
                 from virtualflow.comm.ring import Collectives
@@ -470,6 +513,10 @@ class _StageAnswers:
             _sum_over(self.group, req.vector)
             return req.vector
         raise TypeError(f"unknown pipeline request {req!r}")
+
+    def over(self, stage: int | None) -> Group:
+        """The group a reduction of job stage ``stage`` runs over (``None``: the stage group)."""
+        return self.stage_group if stage is None else self.stage_groups[stage]
 
     def close(self, failed: bool) -> None:
         if self.stage_comm is not None:

@@ -25,7 +25,7 @@ from virtualflow.plan.vnmap import Node, split
 from virtualflow.runtime.pipeline.engine import StageEngine
 from virtualflow.runtime.pipeline.loop import stage_loop
 from virtualflow.runtime.pipeline.requests import (AllSum, Expect, Poll, Recv, Send, StageGather, StageScatter,
-                                                   StageSum, StageTree, StepResult)
+                                                   StageSum, StageTree, StepResult, TreeOpen, TreePart)
 from virtualflow.runtime.pipeline.wire import MsgKey
 
 __all__ = ["LocalDriver", "PipelineDeadlock", "build_engine", "train_local"]
@@ -111,8 +111,8 @@ class LocalDriver:
                 while r in live:
                     req = pending[r]
                     rep, sr = divmod(r, self.p)
-                    if isinstance(req, Expect):
-                        pass  # everything is in this process: nothing to post ahead
+                    if isinstance(req, (Expect, TreeOpen, TreePart)):
+                        pass  # everything is in this process: nothing to post ahead or send early
                     elif isinstance(req, Send):
                         mailbox[rep, req.peer, req.key] = req.tensors
                     elif isinstance(req, Poll):

@@ -102,6 +102,22 @@ class StageReducer:
             out.index_copy_(0, idx, part)
         return out
 
+    def tree_requests(self, tree: TreePlan, nodes: dict[Node, torch.Tensor], like: torch.Tensor, bn: bool,
+                      loss: bool, chunks: Sequence[tuple[int, int]] | None = None
+                      ) -> list[tuple[torch.Tensor | None, StageTree]]:
+        """The :class:`StageTree` requests that sum ``nodes`` (see :meth:`tree_by_stage`), each with
+        the indices of its elements in the vector (``None``: the whole vector, one stage group).
+        A streamed step (:mod:`.tree_fold`) opens the same requests, nodes aside, and sends each
+        partial's elements with them."""
+        if self.job_stages is None and chunks is not None:
+            bounds, tail = sharded_bounds(chunks, like.numel())
+            return [(None, StageTree(tree, nodes, like, bounds=bounds, gather=tail))]
+        if self.job_stages is None:
+            return [(None, StageTree(tree, nodes, like))]
+        return [(idx, StageTree(tree, {node: t.index_select(0, idx) for node, t in nodes.items()},
+                                like.index_select(0, idx), stage=s))
+                for s, idx in self.stage_slices(True, bn, loss)]
+
     def tree_by_stage(self, tree: TreePlan, nodes: dict[Node, torch.Tensor], like: torch.Tensor, bn: bool,
                       loss: bool, chunks: Sequence[tuple[int, int]] | None = None
                       ) -> Generator[Request, Any, torch.Tensor]:
@@ -109,15 +125,12 @@ class StageReducer:
         the tree's sums are element-wise, so each element's sum is the undisturbed run's.
         ``chunks`` (``reduction="sharded"``, one stage group): the replicas' chunks of the
         gradients; each needs only its own and the tail [BatchNorm statistics | loss] of the root."""
-        if self.job_stages is None and chunks is not None:
-            bounds, tail = sharded_bounds(chunks, like.numel())
-            return (yield StageTree(tree, nodes, like, bounds=bounds, gather=tail))
-        if self.job_stages is None:
-            return (yield StageTree(tree, nodes, like))
+        requests = self.tree_requests(tree, nodes, like, bn, loss, chunks)
+        if requests[0][0] is None:
+            return (yield requests[0][1])
         out = torch.empty_like(like)
-        for s, idx in self.stage_slices(True, bn, loss):
-            sub = {node: t.index_select(0, idx) for node, t in nodes.items()}
-            part = yield StageTree(tree, sub, like.index_select(0, idx), stage=s)
+        for idx, req in requests:
+            part = yield req
             out.index_copy_(0, idx, part)
         return out
 

@@ -7,10 +7,11 @@ driver (:func:`virtualflow.runtime.pipeline.worker_engine.drive`, torch.distribu
 generation's groups) and the in-process one (:class:`virtualflow.runtime.pipeline.local.LocalDriver`).
 
 Invariants: a :class:`Send` never blocks; a :class:`Recv` blocks until its message is there (the
-schedule checker proves no deadlock under exactly these rules); :class:`Expect` and :class:`Poll`
-never block; the collectives (:class:`StageSum`, :class:`StageTree`, :class:`AllSum`) complete
-when every member has joined and give every member the same sum (:class:`StageScatter`: each
-member its chunk of it; :class:`StageGather`: every member every chunk).
+schedule checker proves no deadlock under exactly these rules); :class:`Expect`, :class:`Poll`,
+:class:`TreeOpen` and :class:`TreePart` never block; the collectives (:class:`StageSum`,
+:class:`StageTree`, :class:`AllSum`) complete when every member has joined and give every member
+the same sum (:class:`StageScatter`: each member its chunk of it; :class:`StageGather`: every
+member every chunk).
 """
 
 from __future__ import annotations
@@ -82,6 +83,25 @@ class StageTree:
 
 
 @dataclass(slots=True)
+class TreeOpen:
+    """Deterministic mode, streamed (:mod:`.tree_fold`): the step's reduction ``tree`` (its nodes
+    still empty) will come; a driver may start its exchange now (post its receives). Never blocks,
+    no answer."""
+
+    tree: StageTree
+
+
+@dataclass(slots=True)
+class TreePart:
+    """Partial ``node`` of the opened ``tree`` is final: a driver may send it now (``vec`` is not
+    written again before the :class:`StageTree` that finishes the exchange). Never blocks, no answer."""
+
+    tree: StageTree
+    node: Node
+    vec: torch.Tensor
+
+
+@dataclass(slots=True)
 class StageScatter:
     """Reduce-scatter ``vector`` over the pipeline replicas of this stage-rank, in place:
     afterwards ``vector[lo_j:hi_j]`` (``bounds[j]``, ``j`` this worker's replica) holds the sum
@@ -107,7 +127,8 @@ class AllSum:
     vector: torch.Tensor
 
 
-Request = Send | Recv | Expect | Poll | StageSum | StageTree | StageScatter | StageGather | AllSum
+Request = (Send | Recv | Expect | Poll | StageSum | StageTree | TreeOpen | TreePart | StageScatter | StageGather
+           | AllSum)
 
 
 @dataclass(slots=True)

@@ -307,6 +307,43 @@ EXACT_TIES: dict[str, type[ExactTies]] = {"allreduce": ExactTies, "sharded": Pai
 """Deterministic mode's tied-weight exchange per ``reduction``."""
 
 
+# ---- deterministic mode: when the per-VN gradients travel (chosen once per step) ---------------------
+class NoTies:
+    """No weight read by two pieces: nothing travels."""
+
+    streams = True
+    """Can the step sum its leaves as its micro-batches end (:mod:`.tree_fold`)?"""
+
+    def at_end(self, leaves: dict[int, list[tuple[int, list[torch.Tensor]]]], vns: Sequence[int],
+               step: int) -> Generator[Request, Any, dict[int, dict[int, torch.Tensor]]]:
+        yield from ()
+        return {}
+
+
+class StepTies(NoTies):
+    """Once per step, after the last backward: all VNs' gradients of a copy in one message
+    (:meth:`ExactTies.send_parts`); the step sums its leaves at its end."""
+
+    streams = False
+
+    def __init__(self, ties: ExactTies) -> None:
+        self.ties = ties
+
+    def at_end(self, leaves: dict[int, list[tuple[int, list[torch.Tensor]]]], vns: Sequence[int],
+               step: int) -> Generator[Request, Any, dict[int, dict[int, torch.Tensor]]]:
+        yield from self.ties.send_parts(leaves, vns, step)
+        return (yield from self.ties.receive_parts(vns, step))
+
+
+def tie_traffic(ties: ExactTies | None) -> NoTies:
+    """How a deterministic step's shared weights' per-VN gradients travel: not at all, or once per
+    step after the last backward (the same choice on every worker). Sent per micro-batch as each
+    backward ends, they left sends in flight to a member lost mid-step, which held up a threaded
+    run's regroup until the groups' timeout (tests/unit/test_composition_sweep.py); a step with a
+    shared weight therefore sums its leaves at its end."""
+    return NoTies() if ties is None else StepTies(ties)
+
+
 # ---- default mode: the copies' gradients summed over every worker ---------------------------------
 class SumAfterReduction:
     """Default mode, ``reduction="allreduce"``: after the replicas' reduction each copy holds its

@@ -27,12 +27,12 @@ import torch
 
 from virtualflow.runtime.breakdown import RAW, StepClock, derive
 from virtualflow.runtime.pipeline.requests import (AllSum, Expect, Poll, Recv, Send, StageGather, StageScatter,
-                                                   StageSum, StageTree)
+                                                   StageSum, StageTree, TreeOpen, TreePart)
 
 __all__ = ["KINDS", "StageTiming", "write_timeline"]
 
 KINDS: dict[type, str] = {
-    Send: "p2p_s", Expect: "p2p_s", Poll: "p2p_s",
+    Send: "p2p_s", Expect: "p2p_s", Poll: "p2p_s", TreeOpen: "p2p_s", TreePart: "p2p_s",
     Recv: "bubble_s", AllSum: "bubble_s",
     StageSum: "reduction", StageTree: "reduction", StageScatter: "reduction",
     StageGather: "optimizer_s",

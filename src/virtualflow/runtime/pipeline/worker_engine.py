@@ -226,8 +226,8 @@ class PipelineWorkerEngine:
 
     def _close_stage_groups(self) -> None:
         for g in self.stage_groups.values():
-            if g.pg is not None:
-                g.close()
+            if g.pg is not None:  # (bounded: a streamed step a failure ended may leave a send to a lost peer)
+                g.close_soon()
         self.stage_groups = {}
         self.stage_group = None
 
