@@ -178,6 +178,11 @@ class _Run:
         """The step each generation trains up to."""
         self.formed = [threading.Event() for _ in self.generations]
         """Set by generation ``g``'s rank 0 once it has adopted it (a leaver's old groups close then)."""
+        self.broken = [threading.Event() for _ in self.generations]
+        """Set once a member of generation ``g`` gives up on it (the coordinator's ``gen/<g>/abort``
+        flag): its groups' waits end at once. Ranks run as threads cannot shut their groups'
+        connections down, and a survivor keeps its old groups open, so a wait on a member that
+        abandoned the step in the middle would otherwise last until the groups' timeout."""
         self.published = [threading.Event() for _ in self.generations]
         """Set once a member of generation ``g - 1`` is through it (the coordinator publishing ``g``)."""
         self.published[0].set()
@@ -252,6 +257,7 @@ class _Run:
         rank = gen.members.index(wid)
         n = len(gen.members)
         group = make_group(client, g, rank, n, self.timeout_s, self.device, duplex=engine.generation_hops_duplex)
+        group.abort_check = self.broken[g].is_set
         groups.append(group)
         if g and progress.step >= 0:  # after a failure: what only a lost member held (ShardLost)
             # (a worker checks before its rendezvous; here after it, so that the others' waits on
@@ -276,16 +282,18 @@ class _Run:
             step += 1
         progress = Progress(step=step, control=0)
         if gen.lost is not None:
-            return self._lose(wid, gen, group, step, progress)
+            return self._lose(wid, g, group, step, progress)
         if g + 1 < len(self.generations):  # a planned regroup: what a leaving member holds is gathered (moved) now
             nxt = self.generations[g + 1].members
             engine.before_regroup(Successor(tuple(map(str, gen.members)), tuple(map(str, nxt))))
         return progress, True
 
-    def _lose(self, wid: int, gen: Generation, group: Group, step: int,
+    def _lose(self, wid: int, g: int, group: Group, step: int,
               progress: Progress) -> tuple[Progress, bool]:
-        """Step ``step`` with member ``gen.lost`` dying inside it: the lost member leaves, the
-        survivors abandon the step (as the worker does on a :class:`PeerFailure`)."""
+        """Step ``step`` of generation ``g`` with member ``gen.lost`` dying inside it: the lost
+        member leaves, the survivors abandon the step (as the worker does on a
+        :class:`PeerFailure`)."""
+        gen = self.generations[g]
         engine, lost = self.engines[wid], wid == gen.lost
 
         def die(at: int, phase: str) -> None:
@@ -303,6 +311,7 @@ class _Run:
                 progress = Progress(step=step, control=0)
             raise RuntimeError(f"worker {gen.lost} was to be lost at step {step - 2}, but the step went on")
         except (PeerFailure, WorkerLost):
+            self.broken[g].set()
             group.abort()
             engine.abandon_step()
             group.close()

@@ -190,6 +190,12 @@ class StageExchanges:
         """The exchanges a streamed step opened (:meth:`open`) and has not finished yet."""
         self._sent: list[torch.Tensor] = []
         """The partials a streamed step sent early (:meth:`part`), until its exchanges finish."""
+        self._failed: PeerFailure | None = None
+        """An early post or send that failed (a member lost mid-step): raised at the step's
+        :class:`StageTree`, where an unstreamed step would have failed. Raising it at once would
+        leave this worker's pipeline peers waiting for the messages the rest of its micro-batches
+        send (an abort releases them in a worker process; ranks run as threads cannot shut their
+        connections down)."""
 
     def choose(self, stage: int | None, plan: TreePlan, like: torch.Tensor) -> str:
         """The exchange for stage group ``stage``'s vector shaped like ``like`` (remembered)."""
@@ -221,20 +227,28 @@ class StageExchanges:
         """A streamed step (:mod:`.tree_fold`): post the receives of ``req.tree``'s exchange now,
         before this worker's first partial goes out (``slots``: nothing to do before the sum)."""
         ex = self._owners_of(req.tree, group)
-        if ex is not None:
-            ex.begin()
+        if ex is not None and self._failed is None:
             self._open[id(ex)] = ex
+            try:
+                ex.begin()
+            except PeerFailure as exc:
+                self._failed = exc
 
     def part(self, req: TreePart, group: Group) -> None:
         """Send the final partial ``req.node`` to its owners now (the opened exchange's)."""
         ex = self._owners_of(req.tree, group)
-        if ex is not None:
-            ex.send(req.node, req.vec)
+        if ex is not None and self._failed is None:
             self._sent.append(req.vec)
+            try:
+                ex.send(req.node, req.vec)
+            except PeerFailure as exc:
+                self._failed = exc
 
     def run(self, req: StageTree, group: Group) -> torch.Tensor:
         """The root of ``req``'s tree over ``group`` (every member gets the same bits); an exchange
         opened by :meth:`open` sends what is not sent yet and finishes."""
+        if self._failed is not None:
+            raise self._failed
         ex = self._owners_of(req, group)
         if ex is None:
             return tree_exchange(req.plan, group, req.nodes, like=req.like)
@@ -252,7 +266,7 @@ class StageExchanges:
         kept alive: gloo may still read them)."""
         _ABANDONED.append(self._sent)
         del _ABANDONED[:-256]
-        self._open, self._sent = {}, []
+        self._open, self._sent, self._failed = {}, [], None
         for ex in self._owners.values():
             ex.abandon()
 
