@@ -62,14 +62,15 @@ BATCH_KEY = "batch_size"
 _FAMILY = re.compile(r"^(?P<model>.*) \(batch size (?P<b>\d+)\)$")
 
 
-def _sibling(table: ThroughputTable, job: JobSpec, batch: int) -> str | None:
-    """The table's job type for the same model at ``batch`` (Gavel's naming), if it has one and the
-    job's own type is named after its ``batch_size``."""
+def _siblings(table: ThroughputTable, job: JobSpec, batches: tuple[int | None, ...]) -> dict[int, str]:
+    """Column -> the table's job type for the same model at that batch (Gavel's naming), for the
+    batches the table has, when the job's own type is named after its ``batch_size``."""
     m = _FAMILY.match(job.job_type)
     if m is None or int(m["b"]) != job.batch_size:
-        return None
-    name = f"{m['model']} (batch size {batch})"
-    return name if name in table.job_types else None
+        return {}
+    known = set(table.job_types)
+    names = ((c, f"{m['model']} (batch size {b})") for c, b in enumerate(batches) if b != job.batch_size)
+    return {c: name for c, name in names if name in known}
 
 
 def job_rates(table: ThroughputTable, job: JobSpec, acc_type: str, gpus: np.ndarray,
@@ -77,38 +78,38 @@ def job_rates(table: ThroughputTable, job: JobSpec, acc_type: str, gpus: np.ndar
     """(len(gpus), len(batches)) base steps/s of ``job`` at each (g, B) on ``acc_type`` (module
     docstring); 0 where it cannot run. ``gpus`` must be counts the table has for the job's type."""
     g = np.asarray(gpus, dtype=np.int64)
-    m0 = np.array([table.throughput(job.job_type, acc_type, int(x)) for x in g])
-    out = np.zeros((g.size, len(batches)))
+    m0 = table.matrix([job.job_type] * g.size, g, [acc_type])[:, 0]
+    out = np.repeat(m0[:, None], len(batches), axis=1)
     b0, vn = job.batch_size, job.vn_size
-    fit = None
-    if vn is not None and b0 is not None and (m0 > 0).any():
-        v0 = b0 // vn
-        first = int(np.argmax(m0 > 0))
+    if b0 is None or vn is None or not g.size:
+        return out  # only a job with both may have another batch than batch_size
+    B = np.array(batches, dtype=np.int64)
+    V, v0 = B // vn, b0 // vn
+    pos = m0 > 0
+    if pos.any():
+        first = int(np.argmax(pos))
         a = (1.0 / m0[first]) / math.ceil(v0 / g[first])
-        with np.errstate(divide="ignore"):
-            comm = np.where(m0 > 0, np.maximum(1.0 / m0 - a * np.ceil(v0 / g), 0.0), np.inf)
-        fit = (a, comm, v0)
-    for c, b in enumerate(batches):
-        if b is None or b == b0:
-            col = m0.copy()
-        else:
-            assert b0 is not None and vn is not None and fit is not None, "another batch needs batch_size, vn_size"
-            a, comm, v0 = fit
-            col = m0 * (b / b0) * (a * np.ceil(v0 / g) + comm) / (a * np.ceil((b // vn) / g) + comm)
-            sib = _sibling(table, job, b)
-            if sib is not None:
-                known = np.array([table.has(sib, int(x)) for x in g])
-                meas = np.array([table.throughput(sib, acc_type, int(x)) if k else 0.0 for x, k in zip(g, known)])
-                col = np.where(known, meas * b / b0, col)
-            col = np.where(m0 > 0, col, 0.0)
-        if vn is not None and b is not None:
-            v = b // vn
-            ok = g <= v
-            if max_vns_per_gpu is not None:
-                ok &= g * max_vns_per_gpu >= v
-            col = np.where(ok, col, 0.0)
-        out[:, c] = col
-    return out
+        with np.errstate(divide="ignore", invalid="ignore"):
+            comm = np.where(pos, np.maximum(1.0 / m0 - a * np.ceil(v0 / g), 0.0), np.inf)[:, None]
+            fit = (m0[:, None] * (B / b0)[None, :] * (a * np.ceil(v0 / g)[:, None] + comm)
+                   / (a * np.ceil(V[None, :] / g[:, None]) + comm))
+        other = B != b0
+        out[:, other] = fit[:, other]
+    rows, cols, names = [], [], []
+    gl = g.tolist()
+    for c, name in _siblings(table, job, batches).items():
+        have = set(table.scales_of(name))
+        for r, x in enumerate(gl):
+            if x in have:
+                rows.append(r)
+                cols.append(c)
+                names.append(name)
+    if names:  # measured: one lookup for every (sibling, count) the table has
+        out[rows, cols] = table.matrix(names, g[rows], [acc_type])[:, 0] * B[cols] / b0
+    ok = pos[:, None] & (g[:, None] <= V[None, :])
+    if max_vns_per_gpu is not None:
+        ok &= g[:, None] * max_vns_per_gpu >= V[None, :]
+    return np.where(ok, out, 0.0)
 
 
 def batch_rate(table: ThroughputTable, job: JobSpec, acc_type: str, gpus: int, batch: int | None) -> float:
@@ -128,16 +129,23 @@ class JobOptions:
     """The best batch at each count."""
 
 
-def job_options(inp: PolicyInput, i: int, fixed_batch: bool, max_vns_per_gpu: int | None) -> list[JobOptions]:
-    """Job ``i``'s options on each type (module docstring), collapsed to the best batch per GPU count."""
+def job_options(inp: PolicyInput, i: int, fixed_batch: bool, max_vns_per_gpu: int | None,
+                memo: dict | None = None) -> list[JobOptions]:
+    """Job ``i``'s options on each type (module docstring), collapsed to the best batch per GPU count.
+    ``memo`` shares the rate tables of jobs with the same type, GPU range and batch fields."""
     job = inp.jobs[i]
     lo = job.min_gpus if job.elastic else job.scale_factor
     g = np.array([s for s in inp.table.scales_of(job.job_type)
                   if lo <= s <= min(job.scale_factor, inp.capacities.max())], dtype=np.int64)
     batches = (job.batch_size,) if fixed_batch or not job.elastic_batch else job.batch_sizes
     c0 = batches.index(job.batch_size)
-    R = np.stack([job_rates(inp.table, job, t, g, batches, max_vns_per_gpu) * (g <= cap)[:, None]
-                  for t, cap in zip(inp.types, inp.capacities)]) if g.size else np.zeros((1, 0, len(batches)))
+    key = (job.job_type, lo, job.scale_factor, batches, job.batch_size, job.vn_size)
+    R = None if memo is None else memo.get(key)
+    if R is None:
+        R = np.stack([job_rates(inp.table, job, t, g, batches, max_vns_per_gpu) * (g <= cap)[:, None]
+                      for t, cap in zip(inp.types, inp.capacities)]) if g.size else np.zeros((1, 0, len(batches)))
+        if memo is not None:
+            memo[key] = R
     base = [r[np.flatnonzero(r[:, c0] > 0)[-1], c0] for r in R if (r[:, c0] > 0).any()]
     norm = max(base) if base else R.max(initial=0.0)
     if norm <= 0:
@@ -198,7 +206,8 @@ class ElasticBatch:
             raise ValueError(f"max_vns_per_gpu={v!r} must be a positive integer (or None: no limit)")
 
     def allocate(self, inp: PolicyInput) -> Allocation:
-        opts = [job_options(inp, i, self.fixed_batch, self.max_vns_per_gpu) for i in range(inp.n)]
+        memo: dict = {}
+        opts = [job_options(inp, i, self.fixed_batch, self.max_vns_per_gpu, memo) for i in range(inp.n)]
         arrival = np.array([j.arrival_s for j in inp.jobs])
         rank = np.empty(inp.n, dtype=np.int64)
         rank[np.lexsort((inp.job_ids, arrival))] = np.arange(inp.n)
