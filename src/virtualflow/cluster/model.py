@@ -165,9 +165,15 @@ class JobSpec:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
                 raise ValueError(f"{jid}: {name}={v!r} must be a positive integer number of samples")
         b, vn, rng = self.batch_size, self.vn_size, self.batch_size_range
-        if b is not None and vn is not None and b % vn:
-            raise ValueError(f"{jid}: batch_size={b} is not a whole number of virtual nodes of vn_size={vn}; "
-                             f"give a multiple of vn_size")
+        need = self.min_gpus or self.scale_factor
+        if b is not None and vn is not None:
+            if b % vn:
+                raise ValueError(f"{jid}: batch_size={b} is not a whole number of virtual nodes of vn_size={vn}; "
+                                 f"give a multiple of vn_size")
+            if b // vn < need:
+                raise ValueError(f"{jid}: batch_size={b} is {b // vn} virtual nodes of vn_size={vn}, fewer than the "
+                                 f"{need} GPUs the job needs at least (one virtual node per GPU); raise batch_size "
+                                 f"or lower {'min_gpus' if self.min_gpus else 'scale_factor'}")
         if rng is None:
             if self.lr_rule is not None:
                 raise ValueError(f"{jid}: lr_rule={self.lr_rule!r} is set but batch_size_range is not; a job "
@@ -188,11 +194,6 @@ class JobSpec:
         if b is None or not lo <= b <= hi:
             raise ValueError(f"{jid}: batch_size={b!r} must lie in batch_size_range={rng} (the batch the job "
                              f"starts at and the one its lr_rule is relative to)")
-        need = self.min_gpus or self.scale_factor
-        if hi // vn < need:
-            raise ValueError(f"{jid}: batch_size_range={rng} allows at most {hi // vn} virtual nodes of "
-                             f"vn_size={vn}, fewer than the {need} GPUs the job needs at least (one virtual node "
-                             f"per GPU); raise B_max or lower {'min_gpus' if self.min_gpus else 'scale_factor'}")
         rule = self.lr_rule
         if rule is None:
             raise ValueError(f"{jid}: batch_size_range={rng} has no lr_rule; give 'linear', 'sqrt' or "

@@ -76,7 +76,8 @@ def _siblings(table: ThroughputTable, job: JobSpec, batches: tuple[int | None, .
 def job_rates(table: ThroughputTable, job: JobSpec, acc_type: str, gpus: np.ndarray,
               batches: tuple[int | None, ...], max_vns_per_gpu: int | None = None) -> np.ndarray:
     """(len(gpus), len(batches)) base steps/s of ``job`` at each (g, B) on ``acc_type`` (module
-    docstring); 0 where it cannot run. ``gpus`` must be counts the table has for the job's type."""
+    docstring); 0 where it cannot run. ``gpus`` must be counts the table has for the job's type; the
+    fit takes ``a`` from the smallest count the table has, whatever ``gpus`` holds."""
     g = np.asarray(gpus, dtype=np.int64)
     m0 = table.matrix([job.job_type] * g.size, g, [acc_type])[:, 0]
     out = np.repeat(m0[:, None], len(batches), axis=1)
@@ -86,9 +87,11 @@ def job_rates(table: ThroughputTable, job: JobSpec, acc_type: str, gpus: np.ndar
     B = np.array(batches, dtype=np.int64)
     V, v0 = B // vn, b0 // vn
     pos = m0 > 0
-    if pos.any():
-        first = int(np.argmax(pos))
-        a = (1.0 / m0[first]) / math.ceil(v0 / g[first])
+    sc = np.array(table.scales_of(job.job_type), dtype=np.int64)  # the fit uses every measured count
+    ms = table.matrix([job.job_type] * sc.size, sc, [acc_type])[:, 0]
+    if (ms > 0).any():
+        first = int(np.argmax(ms > 0))
+        a = (1.0 / ms[first]) / math.ceil(v0 / sc[first])
         with np.errstate(divide="ignore", invalid="ignore"):
             comm = np.where(pos, np.maximum(1.0 / m0 - a * np.ceil(v0 / g), 0.0), np.inf)[:, None]
             fit = (m0[:, None] * (B / b0)[None, :] * (a * np.ceil(v0 / g)[:, None] + comm)
