@@ -30,7 +30,8 @@ Traces (per seed; every job opts in unless it has only one batch):
   ``vn_size = b``, ``batch_size = s b`` (Gavel's per-GPU batch) and the range ``[max(1, s/2) b,
   min(8, 4 s) b]``, at most 8 GPUs (the table's largest count); the others keep their batch.
 
-Metrics, per seed: jobs completed by the horizon (the last arrival) and average JCT (every job
+A load sweep repeats the generated trace at 12, 48 and 96 arrivals per hour (virtual nodes; one VN
+per GPU). Metrics, per seed: jobs completed by the horizon (the last arrival) and average JCT (every job
 run to completion), each as a ratio elastic / baseline (completed) and baseline / elastic (JCT):
 > 1 means the elastic batch wins. Reported: the mean over seeds with a bootstrap 95 % interval.
 Mechanism: event-driven reallocation (the policy re-solves at every arrival and completion, as
@@ -76,6 +77,8 @@ V0_CHOICES, V0_PROBS = (2, 4, 8, 16), (0.4, 0.3, 0.2, 0.1)
 DURATION_SCALE = 0.05
 """Gavel's durations (hours) x this, so a seed simulates in seconds."""
 SETTINGS = (("virtual nodes", None), ("paper's memory bound", 2), ("one VN per GPU", 1))
+LOADS = (12.0, 48.0, 96.0)
+"""Arrival rates (jobs/h) of the load sweep (the main comparison runs at 24/h)."""
 
 
 def step_time_s(a: float, ratio: float, v: int, g: int) -> float:
@@ -177,6 +180,24 @@ def compare(label: str, make_jobs, cluster: Cluster, table: ThroughputTable, see
     return {"settings": out, "markdown": "\n".join(lines)}
 
 
+def load_sweep(cluster: Cluster, table: ThroughputTable, seeds: list[int], n: int) -> dict:
+    """The generated trace at several arrival rates (virtual nodes; one VN per GPU): mean ratios."""
+    rows, out = [], {}
+    for rate in LOADS:
+        for setting, mv in (SETTINGS[0], SETTINGS[2]):
+            comp, jct = [], []
+            for seed in seeds:
+                jobs = generated_jobs(n, rate, seed)
+                e = run_one(jobs, cluster, table, get_policy("elastic_batch", max_vns_per_gpu=mv))
+                b = run_one(jobs, cluster, table, get_policy("elastic_batch", fixed_batch=True, max_vns_per_gpu=mv))
+                comp.append(e["completed"] / max(b["completed"], 1))
+                jct.append(b["avg_jct_h"] / e["avg_jct_h"])
+            out[f"{rate:g}/h, {setting}"] = {"completed_ratio": float(np.mean(comp)), "jct_ratio": float(np.mean(jct))}
+            rows.append([f"{rate:g}", setting, f"{np.mean(comp):.2f}", f"{np.mean(jct):.2f}"])
+    md = H.md_table(["arrivals / h", "setting", "completed, elastic / baseline", "avg JCT, baseline / elastic"], rows)
+    return {"ratios": out, "markdown": md}
+
+
 def solve_time(table: ThroughputTable, n: int = 1000, reps: int = 3) -> tuple[float, float]:
     """Median seconds of one ``elastic_batch`` solve with ``n`` active opted-in generated jobs on 64
     GPUs (24 kinds of job, whose rate tables the policy shares), and of the same solve with every
@@ -208,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster = Cluster(gpus={"v100": 64}, gpus_per_server={"v100": 8})
     solve, solve_fresh = solve_time(synth)
     gen = compare("generated", lambda s: generated_jobs(n_gen, 24.0, s), cluster, synth, seeds, context=True)
+    sweep = load_sweep(cluster, synth, seeds, n_gen)
     gav = compare("Gavel's trace", lambda s: gavel_jobs(gavel, n_gavel, 40.0, s), cluster, gavel, seeds, False)
     run.targets.at_most("solve_s", "elastic_batch solve time, 1,000 jobs x 64 GPUs", solve, 1.0, " s")
     run.targets.at_most("solve_s", "the same, every job's rates computed afresh", solve_fresh, 1.0, " s")
@@ -222,11 +244,12 @@ def main(argv: list[str] | None = None) -> int:
         f"Solve time at 1,000 jobs x 64 GPUs: {solve * 1e3:.0f} ms (median of 3; 24 kinds of job), "
         f"{solve_fresh * 1e3:.0f} ms with every job's rates computed afresh.", "",
         "## Generated trace (the paper's shape)", "", gen["markdown"], "",
+        "## Generated trace at other loads (mean over seeds)", "", sweep["markdown"], "",
         "## Gavel's trace", "", gav["markdown"], "", H.env_markdown()])
     strip = lambda d: {k: v for k, v in d.items() if k != "markdown"}  # noqa: E731
     payload = {"config": {"seeds": seeds, "generated_jobs": n_gen, "gavel_jobs": n_gavel, "quick": args.quick,
                           "duration_scale": DURATION_SCALE},
-               "solve_s": solve, "solve_fresh_s": solve_fresh, "generated": strip(gen), "gavel": strip(gav), "environment": H.environment()}
+               "solve_s": solve, "solve_fresh_s": solve_fresh, "generated": strip(gen), "load_sweep": strip(sweep), "gavel": strip(gav), "environment": H.environment()}
     print(md)
     return run.finish(payload, md)
 
