@@ -189,3 +189,19 @@ def test_lr_rules():
     assert JobSpec(**BASE).lr_multiplier(32) == 0.5
     plain = JobSpec(job_id=1, job_type="m", scale_factor=1, total_steps=1.0, batch_size=64)
     assert plain.batch_sizes == (64,) and not plain.elastic_batch
+
+
+def test_json_trace_round_trips_batch_fields(tmp_path):
+    from virtualflow.cluster.traces import read_json_trace, write_json_trace
+
+    table = ThroughputTable.from_dict({"throughputs": {"m": {"v100": {1: 10.0, 2: 15.0}}}})
+    jobs = [JobSpec(**{**BASE, "job_id": 0, "lr_rule": {32: 0.5, 64: 1.0, 96: 1.4, 128: 2.0}}),
+            JobSpec(**{**BASE, "job_id": 1}),
+            JobSpec(job_id=2, job_type="m", scale_factor=1, total_steps=5.0)]
+    path = tmp_path / "jobs.json"
+    write_json_trace(path, jobs)
+    assert read_json_trace(path, table) == jobs
+    path.write_text('{"jobs": [{"job_type": "m", "total_steps": 1, "scale_factor": 1, "batch_size": 64, '
+                    '"vn_size": 32, "batch_size_range": [32, 128], "lr_rule": {"x": 1}}]}')
+    with pytest.raises(ValueError, match=r"job 0: lr_rule keys \['x'\] must be batch sizes"):
+        read_json_trace(path, table)
