@@ -249,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     strip = lambda d: {k: v for k, v in d.items() if k != "markdown"}  # noqa: E731
     payload = {"config": {"seeds": seeds, "generated_jobs": n_gen, "gavel_jobs": n_gavel, "quick": args.quick,
                           "duration_scale": DURATION_SCALE},
-               "solve_s": solve, "solve_fresh_s": solve_fresh, "generated": strip(gen), "load_sweep": strip(sweep), "gavel": strip(gav), "environment": H.environment()}
+               "solve_s": solve, "solve_fresh_s": solve_fresh, "generated": strip(gen), "load_sweep": strip(sweep),
+               "gavel": strip(gav), "environment": H.environment()}
     print(md)
     return run.finish(payload, md)
 

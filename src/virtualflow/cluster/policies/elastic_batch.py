@@ -2,13 +2,14 @@
 from its scaling efficiency (the "effective elastic scaling" scheduler), and its baseline, the same
 allocator at each job's fixed batch size.
 
-**Options.** On an accelerator type, job ``i`` may run at ``(g, B)``: ``g`` a GPU count the throughput table has for its type, in
-``[min_gpus, scale_factor]`` (exactly ``scale_factor`` for a rigid job), and ``B`` one of
-``JobSpec.batch_sizes`` (its one ``batch_size`` unless it opted in with ``batch_size_range``; with
-``fixed_batch=True``, the baseline, always ``batch_size``). With ``vn_size`` known, ``B`` runs as
-``V = B / vn_size`` virtual nodes and a GPU holds at least one, so ``g <= V``; ``max_vns_per_gpu``
-(None: any number, virtualflow's accumulation) also bounds ``V <= g * max_vns_per_gpu`` (1: plain
-data parallelism, where a batch needs enough GPUs to hold it: the paper's memory constraint).
+**Options.** On an accelerator type, job ``i`` may run at ``(g, B)``: ``g`` a GPU count the
+throughput table has for its type, in ``[min_gpus, scale_factor]`` (exactly ``scale_factor`` for a
+rigid job), and ``B`` one of ``JobSpec.batch_sizes`` (its one ``batch_size`` unless it opted in
+with ``batch_size_range``; with ``fixed_batch=True``, the baseline, always ``batch_size``). With
+``vn_size`` known, ``B`` runs as ``V = B / vn_size`` virtual nodes and a GPU holds at least one, so
+``g <= V``; ``max_vns_per_gpu`` (None: any number, virtualflow's accumulation) also bounds
+``V <= g * max_vns_per_gpu`` (1: plain data parallelism, where a batch needs enough GPUs to hold
+it: the paper's memory constraint).
 
 **Scaling-efficiency model** (:func:`job_rates`): the rate of ``(g, B)`` in *base steps/s* (samples/s
 divided by ``batch_size``, the unit of ``total_steps``):
