@@ -364,7 +364,7 @@ def test_empty_input(table):
 
 def test_registry():
     assert set(policy_names()) == {"las_agnostic", "las", "finish_time_fairness", "makespan", "max_throughput",
-                                   "min_cost", "min_cost_slo", "fifo", "min_jct", "qssf", "elastic_fair",
+                                   "min_cost", "min_cost_slo", "fifo", "min_jct", "qssf", "elastic_fair", "elastic_batch",
                                    "las_space_sharing"}
     for name in policy_names():
         assert get_policy(name).name == name

@@ -9,6 +9,11 @@ Invariants:
 - A ``JobSpec`` is rigid (runs on exactly ``scale_factor`` GPUs) unless ``min_gpus`` is set, in
   which case it is an elastic virtualflow job that may run at any GPU count in
   ``[min_gpus, scale_factor]`` that the throughput table has.
+- A ``JobSpec`` keeps its one global batch ``batch_size`` unless ``batch_size_range`` is set: then
+  it opts in to batch-size changes, to any multiple of ``vn_size`` in the range (a batch ``B`` runs
+  as ``V = B / vn_size`` virtual nodes of ``vn_size`` samples), with its learning rate following
+  ``lr_rule``. ``total_steps`` counts steps at ``batch_size``: a step at batch ``B`` is
+  ``B / batch_size`` of them (progress is measured in samples).
 """
 
 from __future__ import annotations
@@ -120,6 +125,18 @@ class JobSpec:
     """Deadline, seconds after arrival (SLO policies only)."""
     arrival_s: float = 0.0
     """Arrival time, seconds."""
+    batch_size: int | None = None
+    """Global batch the job was submitted with (samples per step; None: unknown, never changed)."""
+    vn_size: int | None = None
+    """Samples per virtual node: the job runs ``batch_size / vn_size`` virtual nodes, so on at most that
+    many GPUs (None: no virtual-node constraint)."""
+    batch_size_range: tuple[int, int] | None = None
+    """Set => the job allows batch-size changes: any multiple of ``vn_size`` in ``[B_min, B_max]``.
+    Only for jobs that reach the same accuracy at every batch in the range (see docs/cluster.md)."""
+    lr_rule: str | dict[int, float] | None = None
+    """Learning rate at batch ``B`` as a multiple of the rate at ``batch_size``: ``"linear"``
+    (``B / batch_size``), ``"sqrt"`` (``sqrt(B / batch_size)``) or ``{B: multiplier}`` naming every
+    allowed ``B``. Required with ``batch_size_range``."""
 
     def __post_init__(self) -> None:
         if isinstance(self.scale_factor, bool) or not isinstance(self.scale_factor, int) or self.scale_factor <= 0:
@@ -138,8 +155,92 @@ class JobSpec:
                              "after arrival (or None for no SLO)")
         if not math.isfinite(self.arrival_s) or self.arrival_s < 0:
             raise ValueError(f"job {self.job_id}: arrival_s={self.arrival_s!r} must be a time >= 0")
+        self._check_batch()
+
+    def _check_batch(self) -> None:
+        """Batch fields (one line per fault naming value, rule and knob), checked at submit."""
+        jid = f"job {self.job_id}"
+        for name in ("batch_size", "vn_size"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise ValueError(f"{jid}: {name}={v!r} must be a positive integer number of samples")
+        b, vn, rng = self.batch_size, self.vn_size, self.batch_size_range
+        need = self.min_gpus or self.scale_factor
+        if b is not None and vn is not None:
+            if b % vn:
+                raise ValueError(f"{jid}: batch_size={b} is not a whole number of virtual nodes of vn_size={vn}; "
+                                 f"give a multiple of vn_size")
+            if b // vn < need:
+                raise ValueError(f"{jid}: batch_size={b} is {b // vn} virtual nodes of vn_size={vn}, fewer than the "
+                                 f"{need} GPUs the job needs at least (one virtual node per GPU); raise batch_size "
+                                 f"or lower {'min_gpus' if self.min_gpus else 'scale_factor'}")
+        if rng is None:
+            if self.lr_rule is not None:
+                raise ValueError(f"{jid}: lr_rule={self.lr_rule!r} is set but batch_size_range is not; a job "
+                                 f"that keeps its batch has no learning-rate rule (set batch_size_range to opt in)")
+            return
+        if (not isinstance(rng, tuple) or len(rng) != 2
+                or any(isinstance(x, bool) or not isinstance(x, int) or x <= 0 for x in rng)):
+            raise ValueError(f"{jid}: batch_size_range={rng!r} must be a tuple (B_min, B_max) of positive integers")
+        lo, hi = rng
+        if lo > hi:
+            raise ValueError(f"{jid}: batch_size_range={rng} is empty (B_min > B_max); give B_min <= B_max")
+        if vn is None:
+            raise ValueError(f"{jid}: batch_size_range={rng} needs vn_size (samples per virtual node): a batch "
+                             f"size changes by changing the number of virtual nodes")
+        if lo % vn or hi % vn:
+            raise ValueError(f"{jid}: batch_size_range={rng} does not divide into virtual nodes of vn_size={vn}; "
+                             f"B_min and B_max must be multiples of vn_size")
+        if b is None or not lo <= b <= hi:
+            raise ValueError(f"{jid}: batch_size={b!r} must lie in batch_size_range={rng} (the batch the job "
+                             f"starts at and the one its lr_rule is relative to)")
+        rule = self.lr_rule
+        if rule is None:
+            raise ValueError(f"{jid}: batch_size_range={rng} has no lr_rule; give 'linear', 'sqrt' or "
+                             f"{{batch: multiplier}} so the learning rate follows the batch size")
+        if isinstance(rule, str):
+            if rule not in ("linear", "sqrt"):
+                raise ValueError(f"{jid}: lr_rule={rule!r} must be 'linear', 'sqrt' or {{batch: multiplier}}")
+            return
+        if not isinstance(rule, dict):
+            raise ValueError(f"{jid}: lr_rule={rule!r} must be 'linear', 'sqrt' or {{batch: multiplier}}")
+        missing = [x for x in self.batch_sizes if x not in rule]
+        if missing:
+            raise ValueError(f"{jid}: lr_rule has no multiplier for batch sizes {missing[:5]} of "
+                             f"batch_size_range={rng}; a {{batch: multiplier}} rule must name every multiple "
+                             f"of vn_size={vn} in the range")
+        bad = {k: v for k, v in rule.items()
+               if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0}
+        if bad:
+            raise ValueError(f"{jid}: lr_rule multipliers {bad} must be positive finite numbers")
 
     @property
     def elastic(self) -> bool:
         """True for an elastic job (``min_gpus`` set)."""
         return self.min_gpus is not None
+
+    @property
+    def elastic_batch(self) -> bool:
+        """True for a job that allows batch-size changes (``batch_size_range`` set)."""
+        return self.batch_size_range is not None
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        """Batch sizes the job may run at, ascending (its one batch if it did not opt in; () if unknown)."""
+        if self.batch_size_range is None:
+            return () if self.batch_size is None else (self.batch_size,)
+        lo, hi = self.batch_size_range
+        assert self.vn_size is not None
+        return tuple(range(lo, hi + 1, self.vn_size))
+
+    def lr_multiplier(self, batch: int) -> float:
+        """Learning rate at ``batch`` relative to the rate at ``batch_size`` (``lr_rule``)."""
+        if batch not in self.batch_sizes:
+            raise ValueError(f"job {self.job_id}: batch {batch} is not one of its batch sizes "
+                             f"{self.batch_sizes[:8]} (batch_size_range={self.batch_size_range})")
+        rule, b0 = self.lr_rule, self.batch_size
+        if rule is None or b0 is None or batch == b0:
+            return 1.0
+        if isinstance(rule, dict):
+            return float(rule[batch])
+        return batch / b0 if rule == "linear" else math.sqrt(batch / b0)

@@ -18,6 +18,13 @@ Events are job arrivals, job completions and round boundaries. The simulator adv
   when every job of the measurement window is done (later arrivals keep the cluster loaded until
   then, as in Gavel's continuous experiments), or at ``max_sim_s``.
 
+**Batch sizes.** A policy may also decide batch sizes (``Allocation.info["batch_size"]``, job id
+-> batch; ``policies.elastic_batch``). The simulator applies a job's decided batch when it next
+runs: it then progresses at ``elastic_batch.batch_rate`` (base steps/s: ``total_steps`` counts
+steps at the job's ``batch_size``), a change on a job that keeps its GPUs costs ``resize_cost_s``
+(V changes in place at a step boundary), and each change is recorded in ``SimResult.batch_log`` as
+``(time_s, job_id, old_batch, new_batch)``. A batch a job did not allow raises ``ValueError``.
+
 Invariants: a job completes exactly its ``total_steps`` (progress is accumulated per round and
 clamped at completion); the clock never moves backwards; the same inputs give the same result
 (no randomness here; ties broken by job id).
@@ -35,6 +42,7 @@ import numpy as np
 from virtualflow.cluster.mechanism import MechanismConfig, RoundMechanism
 from virtualflow.cluster.model import Cluster, JobSpec
 from virtualflow.cluster.policies.base import Policy, PolicyInput, check_allocation
+from virtualflow.cluster.policies.elastic_batch import BATCH_KEY, batch_rate
 from virtualflow.cluster.throughputs import ThroughputTable
 
 __all__ = ["Clock", "SimClock", "SimConfig", "SimResult", "simulate"]
@@ -125,6 +133,10 @@ class SimResult:
     skipped_fragmented: int
     """Rows passed over by the mechanism for lack of a consolidated placement (summed over rounds)."""
     window: tuple[int, int] | None = None
+    batch_changes: np.ndarray | None = None
+    """Batch-size changes per job (policies that decide batch sizes; zeros otherwise)."""
+    batch_log: list[tuple[float, int, int, int]] = field(default_factory=list)
+    """Every batch change applied: (time_s, job_id, old_batch, new_batch), in time order."""
 
     @property
     def jct_s(self) -> np.ndarray:
@@ -144,6 +156,14 @@ def _rate(table: ThroughputTable, jobs_by_id: dict[int, JobSpec], jid: int, row:
             v = ta if jid == row[0] else tb
         cache[key] = v
     return v
+
+
+def _apply_batches(decided: dict[int, int], by_id: dict[int, JobSpec]) -> None:
+    """Refuse a decided batch the job does not allow (a job that did not opt in keeps its own)."""
+    for jid, b in decided.items():
+        if b not in by_id[jid].batch_sizes:
+            raise ValueError(f"policy gave job {jid} batch {b}, which is not one of its batch sizes "
+                             f"{by_id[jid].batch_sizes[:8]} (batch_size_range={by_id[jid].batch_size_range})")
 
 
 def validate_jobs(jobs: Sequence[JobSpec], cluster: Cluster, table: ThroughputTable) -> None:
@@ -191,6 +211,10 @@ def simulate(jobs: Sequence[JobSpec], cluster: Cluster, table: ThroughputTable, 
             raise ValueError(f"window={lo}:{hi} contains none of the {n} job ids "
                              f"({min(idx)}..{max(idx)}); choose a window inside them")
     window_left = set(window_ids) if window_ids is not None else None
+    batch = {j.job_id: j.batch_size for j in jobs}  # batch each job runs at now
+    target: dict[int, int] = {}  # batch the policy decided, applied when the job next runs
+    batch_changes = np.zeros(n, dtype=np.int64)
+    batch_log: list[tuple[float, int, int, int]] = []
 
     mech = RoundMechanism(cluster, cfg.mechanism)
     events = cfg.mechanism.reallocate_on_events
@@ -239,6 +263,9 @@ def simulate(jobs: Sequence[JobSpec], cluster: Cluster, table: ThroughputTable, 
                 if cfg.check_allocations:
                     check_allocation(alloc, inp)
                 mech.set_allocation(alloc, elastic={jobs[i].job_id: jobs[i].elastic for i in active})
+                decided = alloc.info.get(BATCH_KEY, {})
+                _apply_batches(decided, by_id)
+                target.update(decided)
                 changed = False
             active_ids = {jobs[i].job_id for i in active}
             plan = mech.plan_round(active_ids)
@@ -256,8 +283,21 @@ def simulate(jobs: Sequence[JobSpec], cluster: Cluster, table: ThroughputTable, 
                         resizes[i] += 1
                 # A change cost cut short by an early round end is still owed if the job is kept.
                 cost = owed[i] if (events and p.change == "kept") else min(p.cost_s, R)
-                running.append((i, tix[p.acc_type], p, cost,
-                                _rate(table, by_id, jid, p.row, p.acc_type, p.gpus, cache)))
+                b = target.pop(jid, batch[jid])
+                if b != batch[jid]:
+                    batch_log.append((t, jid, batch[jid], b))
+                    batch_changes[i] += 1
+                    batch[jid] = b
+                    if p.change == "kept":  # V changes in place at a step boundary
+                        cost = min(cost + cfg.mechanism.resize_cost_s, R)
+                if b == by_id[jid].batch_size or len(p.row) > 1:
+                    thr = _rate(table, by_id, jid, p.row, p.acc_type, p.gpus, cache)
+                else:
+                    thr = cache.get((jid, p.acc_type, p.gpus, b))
+                    if thr is None:
+                        thr = cache[(jid, p.acc_type, p.gpus, b)] = batch_rate(table, by_id[jid], p.acc_type,
+                                                                               p.gpus, b)
+                running.append((i, tix[p.acc_type], p, cost, thr))
             owed[:] = 0.0
             if events:  # the round ends early at the first arrival or completion in it
                 if ptr < n:
@@ -319,5 +359,6 @@ def simulate(jobs: Sequence[JobSpec], cluster: Cluster, table: ThroughputTable, 
     return SimResult(jobs=jobs, cluster=cluster, policy=getattr(policy, "name", type(policy).__name__),
                      arrival_s=arrival, finish_s=finish, steps_run=steps_run, restarts=restarts, resizes=resizes,
                      lost_s=lost, gpu_s=gpu_s, contention=contention, isolated_s=iso, end_s=float(t), rounds=rounds,
-                     solves=solves, solve_s=solve_s, skipped_fragmented=skipped_fragmented, window=cfg.window)
+                     solves=solves, solve_s=solve_s, skipped_fragmented=skipped_fragmented, window=cfg.window,
+                     batch_changes=batch_changes, batch_log=batch_log)
 

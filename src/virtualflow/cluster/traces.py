@@ -32,7 +32,8 @@ names::
     {"jobs": [{"job_type": "job-0", "total_steps": 120, "scale_factor": 2, "min_gpus": 1,
                "weight": 1.0, "arrival_s": 0.0, "slo_s": null}, ...]}
 
-(``min_gpus``, ``weight``, ``arrival_s``, ``slo_s`` optional: rigid, 1, 0, none).
+(``min_gpus``, ``weight``, ``arrival_s``, ``slo_s`` optional: rigid, 1, 0, none; so are a job's
+batch fields ``batch_size``, ``vn_size``, ``batch_size_range`` and ``lr_rule``, see ``JobSpec``).
 ``virtualflow cluster replay --export`` writes one for a cluster's finished run.
 
 Invariants: job ids are 0..n-1 in trace order; the same seed and arguments give the same jobs
@@ -181,6 +182,23 @@ def write_gavel_trace(path: str | os.PathLike, jobs: Sequence[JobSpec]) -> None:
 
 
 _JSON_KEYS = {"job_type", "total_steps", "scale_factor", "min_gpus", "weight", "arrival_s", "slo_s"}
+_BATCH_KEYS = ("batch_size", "vn_size", "batch_size_range", "lr_rule")
+"""Optional batch fields of a JSON trace's job (``JobSpec``'s; checked by it)."""
+_JSON_KEYS |= set(_BATCH_KEYS)
+
+
+def _batch_fields(row: dict, where: str) -> dict:
+    """The batch fields of a JSON job as ``JobSpec`` takes them (a range as a tuple, rule keys as ints)."""
+    out = {k: row[k] for k in _BATCH_KEYS if row.get(k) is not None}
+    if isinstance(out.get("batch_size_range"), list):
+        out["batch_size_range"] = tuple(out["batch_size_range"])
+    rule = out.get("lr_rule")
+    if isinstance(rule, dict):
+        try:
+            out["lr_rule"] = {int(b): v for b, v in rule.items()}
+        except ValueError:
+            raise ValueError(f"{where}: lr_rule keys {sorted(rule)[:5]} must be batch sizes (integers)") from None
+    return out
 
 
 def read_json_trace(path: str | os.PathLike, table: ThroughputTable) -> list[JobSpec]:
@@ -227,7 +245,8 @@ def read_json_trace(path: str | os.PathLike, table: ThroughputTable) -> list[Job
                                 meaning="seconds after arrival, ten years at most")
         try:
             job = JobSpec(job_id=i, job_type=job_type, scale_factor=scale, min_gpus=min_gpus,
-                          total_steps=total_steps, weight=weight, arrival_s=arrival, slo_s=slo)
+                          total_steps=total_steps, weight=weight, arrival_s=arrival, slo_s=slo,
+                          **_batch_fields(row, where))
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{where}: {exc}") from None
         if not any(_has_throughput(table, job.job_type, t, job.scale_factor) for t in table.acc_types):
@@ -245,7 +264,9 @@ def write_json_trace(path: str | os.PathLike, jobs: Sequence[JobSpec]) -> None:
     with open(path, "w") as f:
         json.dump({"jobs": [{"job_type": j.job_type, "total_steps": float(j.total_steps),
                              "scale_factor": int(j.scale_factor), "min_gpus": j.min_gpus, "weight": float(j.weight),
-                             "arrival_s": float(j.arrival_s), "slo_s": j.slo_s} for j in jobs]}, f, indent=1)
+                             "arrival_s": float(j.arrival_s), "slo_s": j.slo_s,
+                             **{k: getattr(j, k) for k in _BATCH_KEYS if getattr(j, k) is not None}}
+                            for j in jobs]}, f, indent=1)
         f.write("\n")
 
 

@@ -9,6 +9,8 @@ registry name          module           what it optimises
 ``las_agnostic``       ``fairness``     the same, blind to accelerator speed
 ``finish_time_fairness`` ``fairness``   min of the largest finish-time ratio (Themis)
 ``elastic_fair``       ``elastic``      weighted GPU shares for elastic jobs, then ``las``
+``elastic_batch``      ``elastic_batch`` GPUs and batch size per job by a DP over scaling
+                                        efficiency (``fixed_batch=True``: GPUs only, its baseline)
 ``makespan``           ``efficiency``   min time until the last job finishes
 ``max_throughput``     ``efficiency``   max total normalised throughput
 ``min_jct``            ``efficiency``   linear surrogate of min total JCT (SRPT-like)

@@ -269,6 +269,7 @@ POLICY_NAMES: tuple[tuple[str, str], ...] = (
     ("las", "virtualflow.cluster.policies.fairness:Las"),
     ("finish_time_fairness", "virtualflow.cluster.policies.fairness:FinishTimeFairness"),
     ("elastic_fair", "virtualflow.cluster.policies.elastic:ElasticFair"),
+    ("elastic_batch", "virtualflow.cluster.policies.elastic_batch:ElasticBatch"),
     ("makespan", "virtualflow.cluster.policies.efficiency:Makespan"),
     ("max_throughput", "virtualflow.cluster.policies.efficiency:MaxThroughput"),
     ("min_jct", "virtualflow.cluster.policies.efficiency:MinJct"),
