@@ -8,6 +8,8 @@
   (V = 5 on 2 replicas: replica 0 holds (0, 2) and (2, 3)): the in-process driver sees the
   request before the last backward; over the process driver (``drive`` on an in-process fabric,
   ``owners`` exchange) the partial's point-to-point messages leave before the last backward.
+- A weight shared by two workers (a tied embedding and head): the holder sends each micro-batch's
+  gradient of its copy as that micro-batch's backward ends, not all of them after the last one.
 - The model is still bit-identical to the unpipelined deterministic run.
 """
 
@@ -27,7 +29,7 @@ from virtualflow.plan.pipeline.geometry import Grid, layers_of, resolve_bounds
 from virtualflow.plan.vnmap import contiguous_assignment
 from virtualflow.runtime.pipeline.links import Links, StageExchanges, drive
 from virtualflow.runtime.pipeline.local import LocalDriver, build_engine
-from virtualflow.runtime.pipeline.requests import StageTree, TreeOpen, TreePart
+from virtualflow.runtime.pipeline.requests import Send, StageTree, TreeOpen, TreePart
 
 P, D, V, STEPS = 2, 2, 5, 2
 
@@ -74,6 +76,8 @@ def _logged(steps: Any, log: list):
                     log.append(("part", first_step, req.node))
                 elif isinstance(req, StageTree):
                     log.append(("tree", first_step))
+                elif isinstance(req, Send) and req.key[0] == "T":
+                    log.append(("tied", first_step, req.key))
                 answer = yield req
         except StopIteration as stop:
             return stop.value
@@ -164,3 +168,23 @@ def test_process_driver_sends_a_partial_before_the_last_backward_and_bits_hold()
     assert [h.loss for h in results[0]] == ref_losses
     assert generation.undelivered() == 0 and all(f.undelivered() == 0 for f in stage_fabrics)
 
+
+def test_a_tied_weights_gradients_leave_as_each_micro_batch_ends_and_bits_hold():
+    job = pm.transformer_job(Pipeline(stages=P, schedule="1f1b"), virtual_nodes=4, model=pm.tied_gpt)
+    job, engines = _engines(job, replicas=1)
+    assert engines[0].ties is not None and engines[1].ties.parts_out  # worker 1 holds a copy the owner sums
+    logs = [[] for _ in engines]
+    for e, log in zip(engines, logs):
+        _log_backwards(e, log)
+        e.steps = _logged(e.steps, log)
+    driver = LocalDriver(engines)
+    driver.set_layout([list(range(4))])
+    history = []
+    for t in range(STEPS):
+        history += driver.run(t, 1)
+    for t in range(STEPS):  # the holder: one message per micro-batch, the first before its last backward
+        sent = [i for i, x in enumerate(logs[1]) if x[0] == "tied" and x[1] == t]
+        assert len(sent) == 4 and sent[0] < _last_backward(logs[1], t, 4)
+    ref_state, ref_losses = pm.unpipelined(job, STEPS, True)
+    assert_state_equal(_state(engines), ref_state)
+    assert [h.loss for h in history] == ref_losses

@@ -128,7 +128,11 @@ class PerVN:
         self.leaves.setdefault(vn, []).append((k, parts))
 
     def backward_done(self, k: int, mb: int) -> Generator[Request, Any, None]:
-        yield from ()
+        """A shared weight's gradients of this micro-batch's VN go to its owner as they are final
+        (:func:`~.tied.tie_traffic`: per micro-batch where the schedule allows it)."""
+        w = self.work
+        vn = w.vns[mb % w.m]
+        yield from w.tied.after_backward(k, vn, mb % w.m, dict(self.leaves.get(vn, [])), w.step)
 
     def partials(self, nodes: Sequence[Node]) -> Generator[Request, Any, dict[Node, torch.Tensor]]:
         """This worker's partial sums ``nodes`` of the leaves (a weight read by two pieces: the
@@ -143,9 +147,9 @@ class PerVN:
 
 
 def per_vn(work: "FlushStep") -> PerVN | StreamedPerVN:
-    """Deterministic mode's gradients of ``work``: summed as they come (:mod:`.tree_fold`) unless a
-    weight shared with another piece needs the other use's per-VN gradients first
-    (:func:`~.tied.tie_traffic`), then at the step's end."""
+    """Deterministic mode's gradients of ``work``: summed as they come where its shared weights (if
+    any) travel per micro-batch (:func:`~.tied.tie_traffic`; :mod:`.tree_fold`), else at the
+    step's end."""
     if work.tied.streams:
         return StreamedPerVN(work, work.tree_requests)
     return PerVN(work)
@@ -167,7 +171,7 @@ class FlushStep:
         self.bn_first: dict[int, torch.Tensor] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.leaves: dict[int, list[torch.Tensor]] = {}  # deterministic mode: VN -> parts per piece
-        self.tied = tie_traffic(e.ties)
+        self.tied = tie_traffic(e.ties, self.schedule)
         """Deterministic mode: when a shared weight's per-VN gradients travel between workers."""
         self.grads: Accumulated | PerVN | StreamedPerVN = per_vn(self) if e.deterministic else ACCUMULATED
         """Where a backward's parameter gradients go: accumulated in ``.grad`` (default mode), or

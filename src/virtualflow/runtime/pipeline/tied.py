@@ -55,7 +55,7 @@ import torch
 from virtualflow.plan.pipeline.geometry import EXACT_USES, TiedCopy
 from virtualflow.runtime.pipeline.reduction import sum_tied
 from virtualflow.runtime.pipeline.requests import AllSum, Recv, Request, Send
-from virtualflow.runtime.pipeline.wire import tied_key
+from virtualflow.runtime.pipeline.wire import tied_key, tied_vn_key
 
 PARTS, TOTAL = 0, 1
 """The two messages of a tied weight: per-VN gradients to the owner, the total from it."""
@@ -155,6 +155,43 @@ class ExactTies:
                     f"its uses are in one piece (Pipeline.split), or train with deterministic=False"
                 )
             self.cast[k, id(q)] = cast and self.low is not None
+
+    # ---- streamed: per micro-batch, as its backward ends (.tree_fold) --------------------------------
+    def streams(self, schedule: Any) -> bool:
+        """Can the per-VN sums be formed as the micro-batches end? Yes unless the schedule splits
+        backward (zero-bubble's W): then the holder's W of a micro-batch may come after the
+        owner's, and an owner waiting for it could hold up what the holder waits for."""
+        return not any(a.kind == "W" for actions in schedule.actions for a in actions)
+
+    def stream_sends(self, k: int, vn: int, index: int, got: dict[int, list[torch.Tensor]],
+                     step: int) -> Generator[Request, Any, None]:
+        """After piece ``k``'s backward of micro-batch ``index`` (VN ``vn``; ``got``: its gradients
+        per piece of this worker so far): to each owner whose copies' pieces have all run it, this
+        VN's gradients of those copies (and whether each use read autocast's cast). Sent before
+        the piece's input gradient, so an owner's lower piece never waits for them."""
+        for owner, entries in self.parts_out.items():
+            pieces = {kk for kk, _, _ in entries}
+            if k not in pieces or not pieces <= got.keys():
+                continue
+            chunks = [got[kk][j] for kk, j, _ in entries]
+            chunks.append(torch.tensor([float(self.cast.get((kk, id(q)), False)) for kk, _, q in entries],
+                                       dtype=chunks[0].dtype, device=chunks[0].device))
+            yield Send(owner, tied_vn_key(self.stage_rank, owner, self.p, step, index), [torch.cat(chunks)])
+
+    def stream_receive(self, index: int, step: int) -> Generator[Request, Any, dict[int, torch.Tensor]]:
+        """Once this worker's backward of micro-batch ``index`` ended: the holders' gradients of the
+        weights this worker owns, for that VN (``{id(param): gradient}``); they were sent when the
+        holders' higher pieces ended that micro-batch's backward, before this worker's."""
+        out: dict[int, torch.Tensor] = {}
+        for holder, (got, size) in self.parts_in.items():
+            (flat,) = yield Recv(holder, tied_vn_key(holder, self.stage_rank, self.p, step, index))
+            if flat.numel() != size + len(got):
+                raise RuntimeError(f"tied-weight gradients from pipeline worker {holder}: {flat.numel()} elements, "
+                                   f"expected {size} + {len(got)} flags for micro-batch {index}")
+            for (q, off), flag in zip(got, flat[size:].tolist()):
+                out[id(q)] = flat[off: off + q.numel()]
+                self.remote_cast[id(q)] = flag == 1.0
+        return out
 
     # ---- the step's reduction ---------------------------------------------------------------------
     def send_parts(self, leaves: dict[int, list[tuple[int, list[torch.Tensor]]]], vns: Sequence[int],
@@ -289,6 +326,11 @@ class PairedTies(ExactTies):
             self.parts_in[w] = (list(zip(copies, offsets)), sum(c.numel() for c in copies))
         self.totals_in = {}
 
+    def streams(self, schedule: Any) -> bool:
+        """Never: each side needs the other's gradients of a micro-batch, and the higher piece's
+        worker would wait for the lower's backward, which waits for its input gradient."""
+        return False
+
     def share_totals(self, step: int) -> Generator[Request, Any, None]:
         """Nothing after the tree: each copy's own tree gave it the total (see the class)."""
         yield from ()
@@ -312,12 +354,43 @@ class NoTies:
     """No weight read by two pieces: nothing travels."""
 
     streams = True
-    """Can the step sum its leaves as its micro-batches end (:mod:`.tree_fold`)?"""
+
+    def after_backward(self, k: int, vn: int, index: int, got: dict[int, list[torch.Tensor]],
+                       step: int) -> Generator[Request, Any, None]:
+        yield from ()
+
+    def receive(self, index: int, step: int) -> Generator[Request, Any, dict[int, torch.Tensor]]:
+        yield from ()
+        return {}
 
     def at_end(self, leaves: dict[int, list[tuple[int, list[torch.Tensor]]]], vns: Sequence[int],
                step: int) -> Generator[Request, Any, dict[int, dict[int, torch.Tensor]]]:
         yield from ()
         return {}
+
+
+class StreamedTies(NoTies):
+    """Per micro-batch: each VN's gradients of a copy go to the owner as soon as the holder's
+    piece ran its backward (:meth:`ExactTies.stream_sends`); the owner takes them when its own
+    backward of that micro-batch ended (:meth:`receive`, a streamed step) or at the step's end
+    (:meth:`at_end`, a step that sums its leaves then: Bamboo's job stages)."""
+
+    def __init__(self, ties: ExactTies) -> None:
+        self.ties = ties
+
+    def after_backward(self, k: int, vn: int, index: int, got: dict[int, list[torch.Tensor]],
+                       step: int) -> Generator[Request, Any, None]:
+        yield from self.ties.stream_sends(k, vn, index, got, step)
+
+    def receive(self, index: int, step: int) -> Generator[Request, Any, dict[int, torch.Tensor]]:
+        return (yield from self.ties.stream_receive(index, step))
+
+    def at_end(self, leaves: dict[int, list[tuple[int, list[torch.Tensor]]]], vns: Sequence[int],
+               step: int) -> Generator[Request, Any, dict[int, dict[int, torch.Tensor]]]:
+        out = {}
+        for index, vn in enumerate(vns):
+            out[vn] = yield from self.ties.stream_receive(index, step)
+        return out
 
 
 class StepTies(NoTies):
@@ -335,13 +408,12 @@ class StepTies(NoTies):
         return (yield from self.ties.receive_parts(vns, step))
 
 
-def tie_traffic(ties: ExactTies | None) -> NoTies:
-    """How a deterministic step's shared weights' per-VN gradients travel: not at all, or once per
-    step after the last backward (the same choice on every worker). Sent per micro-batch as each
-    backward ends, they left sends in flight to a member lost mid-step, which held up a threaded
-    run's regroup until the groups' timeout (tests/unit/test_composition_sweep.py); a step with a
-    shared weight therefore sums its leaves at its end."""
-    return NoTies() if ties is None else StepTies(ties)
+def tie_traffic(ties: ExactTies | None, schedule: Any) -> NoTies:
+    """How a deterministic step's shared weights' per-VN gradients travel (the same choice on
+    every worker: it depends on the schedule and the ``reduction`` knob only)."""
+    if ties is None:
+        return NoTies()
+    return StreamedTies(ties) if ties.streams(schedule) else StepTies(ties)
 
 
 # ---- default mode: the copies' gradients summed over every worker ---------------------------------

@@ -26,12 +26,17 @@ Invariants:
 - Leaves are kept as the lists of tensors backward produced (owned here: ``.grad`` was cleared),
   so no VN is copied but a partial's first one; the loss and BatchNorm parts are copied (they
   are read again by the step's statistics).
+- A weight read by two pieces on two workers (:class:`~.tied.ExactTies`): the holder sends each
+  VN's gradients of its copy as soon as its piece's backward of that micro-batch ends (before the
+  piece's input gradient goes out), and the owner takes them when its own backward of the
+  micro-batch ended, so its leaf is complete then too; a tied weight's gradients no longer wait
+  for the step's end.
 - After a Bamboo failover a worker running several job stages opens one exchange per job stage
   (over that stage's workers) and sends each job stage's elements of a completed partial to it.
-- Chosen once per step: deterministic mode without a weight shared between pieces (whose per-VN
-  sums need the other use's gradients, sent once per step after the last backward:
-  :func:`~.tied.tie_traffic`). With one, :class:`~.flush.PerVN` keeps the leaves and sums them at
-  the step's end.
+- Chosen once per step, where it applies: deterministic mode with shared weights (if any) whose
+  per-VN sums can be formed as the micro-batches end (:func:`~.tied.tie_traffic`: not with
+  zero-bubble's split backward, nor ``reduction="sharded"``'s paired copies). Elsewhere
+  :class:`~.flush.PerVN` keeps the leaves and sums them at the step's end.
 """
 
 from __future__ import annotations
@@ -127,13 +132,19 @@ class StreamedPerVN:
             q.grad = None
 
     def backward_done(self, k: int, mb: int) -> Generator[Request, Any, None]:
-        """After a micro-batch's last backward on piece ``k``: once every piece of this worker ran
-        it, the VN's leaf goes into the tree; a partial it completes goes to the exchange."""
+        """After a micro-batch's last backward on piece ``k``: a shared weight's gradients of this
+        VN go to its owner (:meth:`~.tied.ExactTies.stream_sends`); once every piece of this worker
+        ran it, the VN's leaf (with the holders' gradients of the weights this worker owns) goes
+        into the tree, and a partial it completes goes to the exchange."""
         w = self.work
-        vn = w.vns[mb % w.m]
-        if len(self.by_vn.get(vn, ())) < self.n_pieces:
+        index = mb % w.m
+        vn = w.vns[index]
+        got = self.by_vn.get(vn, {})
+        yield from w.tied.after_backward(k, vn, index, got, w.step)
+        if len(got) < self.n_pieces:
             return
-        completed = self.fold.add(vn, w.leaf_parts(vn, self.by_vn.pop(vn)))
+        remote = yield from w.tied.receive(index, w.step)
+        completed = self.fold.add(vn, w.leaf_parts(vn, self.by_vn.pop(vn), remote))
         if self.opened is None:  # the first leaf: the exchanges may post their receives now
             like = torch.empty(self.fold.numel, dtype=self.fold.dtype, device=w.engine.device)
             self.opened = self.requests({}, like)

@@ -16,7 +16,8 @@ Invariants:
 - A backward message is the list of input gradients, one per floating-point input.
 - ``"T"`` (deterministic mode, a weight shared by two workers): per-VN gradients of a copy sent to
   the weight's owner, or the summed gradient sent back (:func:`tied_key`; the second field is
-  then the link, the third the step; :mod:`.tied`).
+  then the link, the third the step; :mod:`.tied`); streamed, one message per micro-batch
+  (:func:`tied_vn_key`).
 - A replica update is ``[reduced gradients (flat) | new BatchNorm statistics (flat, maybe empty) |
   buffers after the step's forwards...]`` (:func:`replica_update`).
 """
@@ -64,6 +65,14 @@ def tied_key(sender: int, receiver: int, phase: int, stages: int, step: int) -> 
     per-VN gradients, 1: the total) in step ``step``: one link per (sender, receiver, phase), so
     the drivers' per-link shape tables never mix two messages."""
     return ("T", (sender * stages + receiver) * 2 + phase, step)
+
+
+def tied_vn_key(sender: int, receiver: int, stages: int, step: int, index: int) -> MsgKey:
+    """The key of a tied weight's per-VN gradients of micro-batch ``index`` (of step ``step``) from
+    stage-rank ``sender`` to ``receiver``, sent as that micro-batch's backward ends (a streamed
+    step, :mod:`.tree_fold`): one link per (sender, receiver, micro-batch), apart from
+    :func:`tied_key`'s."""
+    return ("T", (2 + index) * stages * stages + sender * stages + receiver, step)
 
 
 def replica_update(grads: torch.Tensor, bn_new: torch.Tensor, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
