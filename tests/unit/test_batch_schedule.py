@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import virtualflow as vf
-from jobs import regression_job
+from jobs import bn_job, regression_job
 from pipeline_models import tree_sum
 from reference import order_index
 from virtualflow.config.worker_options import WorkerOptions
@@ -196,3 +196,14 @@ def test_what_a_batch_schedule_does_not_combine_with_is_refused_at_launch(change
     with pytest.raises(ValueError, match=r"^Job.batch_schedule with a streaming dataset"):
         check_batch_schedule(scheduled_job(), True, vf.LaunchOptions(workers=2, steps=1), 2)
     check_batch_schedule(scheduled_job(), False, vf.LaunchOptions(workers=3, steps=1), 3)  # nothing refused
+
+
+def test_batchnorm_running_statistics_are_the_mean_over_the_steps_new_v_in_both_modes():
+    """BatchNorm's ``mean`` rule divides by the step's V: deterministic mode (the tree's tail) and
+    default mode (the statistics vector) keep the same running statistics across the changes."""
+    job = bn_job(batch_schedule=[(2, 16), (4, 4)], lr_rule="linear")
+    gens = [Generation(members=(0,), steps=6)]
+    det = train_threads(job, gens, options=WorkerOptions(deterministic=True)).state["model"]
+    default = train_threads(job, gens).state["model"]
+    for k, v in default.items():
+        torch.testing.assert_close(det[k], v, rtol=1e-5, atol=1e-6)
