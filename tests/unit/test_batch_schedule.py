@@ -22,12 +22,15 @@ from reference import order_index
 from virtualflow.config.worker_options import WorkerOptions
 from virtualflow.control.coordinator import JsonlWriter
 from virtualflow.launching.composition import check_batch_schedule
+from virtualflow.launching.resume import find_resume_state
 from virtualflow.plan.batch_schedule import (BatchSchedule, FixedPositions, SchedulePositions, batch_events,
                                              schedule_from_events)
 from virtualflow.plan.data import DataPlan
 from virtualflow.records.rundir import read_jsonl
 from virtualflow.runtime.batch_change import OneBatch, ScheduledBatch
+from virtualflow.runtime.checkpoint import save_state
 from virtualflow.runtime.grid_threads import Generation, train_threads
+from virtualflow.runtime.step_boundary import job_identity
 
 SCHEDULE = [(3, 16), (7, 3)]
 """V=4 for steps 0-2 (B=16), V=16 for steps 3-6 (B=64: the first epoch of 256 samples ends after
@@ -122,18 +125,25 @@ def test_a_schedule_without_a_change_reads_the_fixed_batch_order():
         (0, 32, 16), (0, 48, 64), (0, 176, 64), (1, 0, 64), (1, 64, 12)]
 
 
-def test_the_checkpoint_records_the_changes_run_and_a_resume_must_repeat_them():
+def test_the_checkpoint_records_the_changes_run_and_a_resume_must_repeat_them(tmp_path):
     job = scheduled_job()
     run = train_threads(job, [Generation(members=(0,), steps=5)])
     assert run.state["batch_schedule"] == [[3, 16]]  # steps 0-4 ran the first change only
-    engine = run.engines[0]
-    engine.batch.check_resume({**run.state, "step": 5})
+    state = {**run.state, "step": 5, "job": job_identity(job)}
+    path = str(tmp_path / "step-5.pt")
+    save_state(path, state)
+    # a later change (a new decision from step 5 on) resumes; another past resumes nowhere
+    assert find_resume_state(path, job.replace(batch_schedule=[(3, 16), (5, 2)])) == (path, 5)
+    run.engines[0].batch.check_resume(state)
+    with pytest.raises(ValueError, match=r"^the checkpoint \(step 5\) ran batch_schedule=\[\(3, 16\)\], the job's "
+                                         r"schedule up to that step is \[\(3, 8\)\]; resume with Job.batch_schedule"):
+        find_resume_state(path, job.replace(batch_schedule=[(3, 8)]))
     with pytest.raises(ValueError, match=r"^the checkpoint \(step 5\) ran batch_schedule=\[\(3, 16\)\], the job's "
                                          r"schedule up to that step is \[\(3, 8\)\]"):
         ScheduledBatch(BatchSchedule(16, 4, ((3, 8),), "sqrt"), torch.optim.SGD([torch.zeros(1)], lr=1.0)
-                       ).check_resume({**run.state, "step": 5})
+                       ).check_resume(state)
     with pytest.raises(ValueError, match=r"ran batch_schedule=\[\(3, 16\)\], the job's schedule up to that step is \[\]"):
-        OneBatch().check_resume({**run.state, "step": 5})
+        OneBatch().check_resume(state)
 
 
 def test_the_batch_events_replay_the_run_bit_for_bit(tmp_path):

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["BatchSchedule", "FixedPositions", "batch_events", "LR_RULES", "SchedulePositions", "schedule_from_events"]
+__all__ = ["BatchSchedule", "FixedPositions", "batch_events", "check_recorded", "LR_RULES", "SchedulePositions", "schedule_from_events"]
 
 LR_RULES = ("linear", "sqrt")
 """The named learning-rate rules (a ``{batch: multiplier}`` mapping is the third form)."""
@@ -136,6 +136,18 @@ def schedule_from_events(events: Iterable[Mapping[str, Any]]) -> tuple[list[tupl
     rule = batch[0]["lr_rule"]
     rule = rule if isinstance(rule, str) else {int(b): float(m) for b, m in rule.items()}
     return [(int(e["step"]), int(e["virtual_nodes"])) for e in batch], rule
+
+
+def check_recorded(state: Mapping[str, Any], changes: Sequence[Sequence[int]]) -> None:
+    """A checkpoint's recorded changes (``state["batch_schedule"]``, the changes its steps ran) must
+    be the job's ``changes`` before its step: the rest of the run reads on from where they left off."""
+    step = state.get("step")
+    expected = [tuple(c) for c in changes if isinstance(step, int) and c[0] < step]
+    recorded = [tuple(c) for c in state.get("batch_schedule") or []]
+    if recorded != expected:
+        raise ValueError(f"the checkpoint (step {step}) ran batch_schedule={recorded}, the job's schedule up to that "
+                         f"step is {expected}; resume with Job.batch_schedule starting {recorded} (a run's batch "
+                         f"changes are part of its result)")
 
 
 def _check_changes(changes: Sequence[Any]) -> None:

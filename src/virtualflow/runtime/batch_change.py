@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from virtualflow.plan.batch_schedule import BatchSchedule
+from virtualflow.plan.batch_schedule import BatchSchedule, check_recorded
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.vnmap import contiguous_assignment
 
@@ -31,18 +31,6 @@ if TYPE_CHECKING:
     from virtualflow.runtime.engine import VNEngine
 
 __all__ = ["OneBatch", "ScheduledBatch", "batch_of"]
-
-_KEY = "batch_schedule"
-"""The checkpoint's entry: the changes the checkpointed steps ran."""
-
-
-def _check_recorded(recorded: Sequence[Sequence[int]], expected: Sequence[Sequence[int]], step: Any) -> None:
-    recorded = [tuple(c) for c in recorded]
-    if recorded != [tuple(c) for c in expected]:
-        raise ValueError(f"the checkpoint (step {step}) ran batch_schedule={recorded}, the job's schedule up to that "
-                         f"step is {[tuple(c) for c in expected]}; resume with Job.batch_schedule starting "
-                         f"{recorded} (a run's batch changes are part of its result)")
-
 
 class OneBatch:
     """A job without ``batch_schedule``: the batch never changes."""
@@ -59,7 +47,7 @@ class OneBatch:
 
     def check_resume(self, state: dict[str, Any]) -> None:
         """A checkpoint of a run whose batch changed does not resume without its schedule."""
-        _check_recorded(state.get(_KEY) or [], [], state.get("step"))
+        check_recorded(state, ())
 
 
 class ScheduledBatch:
@@ -104,13 +92,11 @@ class ScheduledBatch:
 
     def state_entries(self) -> dict[str, Any]:
         """What a checkpoint taken now records: the changes that ran up to the last step."""
-        return {_KEY: [list(c) for c in self.schedule.before(self._last)]}
+        return {"batch_schedule": [list(c) for c in self.schedule.before(self._last)]}
 
     def check_resume(self, state: dict[str, Any]) -> None:
         """Refuse a checkpoint whose recorded changes are not the job's up to its step."""
-        step = state.get("step")
-        expected = self.schedule.before(step - 1) if isinstance(step, int) else ()
-        _check_recorded(state.get(_KEY) or [], expected, step)
+        check_recorded(state, self.schedule.changes)
 
 
 def batch_of(plan: DataPlan, optimizer: torch.optim.Optimizer) -> OneBatch | ScheduledBatch:
