@@ -22,6 +22,7 @@ from reference import order_index
 from virtualflow.config.worker_options import WorkerOptions
 from virtualflow.control.coordinator import JsonlWriter
 from virtualflow.launching.composition import check_batch_schedule
+from virtualflow.launching.requests import ResizeRequests
 from virtualflow.launching.resume import find_resume_state
 from virtualflow.plan.batch_schedule import (BatchSchedule, FixedPositions, SchedulePositions, batch_events,
                                              schedule_from_events)
@@ -217,3 +218,20 @@ def test_batchnorm_running_statistics_are_the_mean_over_the_steps_new_v_in_both_
     default = train_threads(job, gens).state["model"]
     for k, v in default.items():
         torch.testing.assert_close(det[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_a_resize_or_a_join_beyond_the_smallest_scheduled_v_is_refused():
+    """The run's workers are bounded by the smallest V it runs (3, from step 7), not its first V."""
+
+    class Backend:
+        def check_capacity(self, workers):
+            pass
+
+    class Controller:
+        target, members = 3, [0, 1, 2]
+
+    requests = ResizeRequests(scheduled_job(), 1, "token", "job", None, Backend(), Controller(), lambda: None)
+    requests.ask(3)
+    with pytest.raises(ValueError, match=r"^resize to workers=4 is more than virtual_nodes=3"):
+        requests.ask(4)
+    assert requests.grow_for_join().startswith("the job already has 3 workers for virtual_nodes=3")

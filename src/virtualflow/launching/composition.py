@@ -20,6 +20,7 @@ from torch import nn
 
 from virtualflow.config.composition import check
 from virtualflow.config.options import LaunchOptions
+from virtualflow.plan.batch_schedule import fewest_virtual_nodes
 from virtualflow.plan.pipeline.geometry import EXACT_USES, shared_across_pieces, tied_parameters
 
 __all__ = ["check_batch_schedule", "check_fsdp_layout", "check_pipeline_balance", "check_shared_parameters", "check_streaming"]
@@ -48,7 +49,7 @@ def check_batch_schedule(job: Any, streaming: bool, opts: LaunchOptions, max_wor
     state, speed-weighted maps, a stream, and more workers than a change's V (``max_workers``: the
     most the run may have)."""
     schedule = tuple(job.batch_schedule)
-    fewest = min([(job.virtual_nodes, 0)] + [(v, s) for s, v in schedule])
+    fewest = fewest_virtual_nodes(job)
     check("batch_schedule+pipeline", "batch_schedule+sharded", "batch_schedule+balance", "batch_schedule+streaming",
           "batch_schedule+workers", batch_schedule=bool(schedule), pipeline=job.pipeline is not None,
           reduction=opts.reduction, balanced=opts.balanced, streaming=streaming, workers=max_workers,

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["BatchSchedule", "FixedPositions", "batch_events", "check_recorded", "LR_RULES", "SchedulePositions", "schedule_from_events"]
+__all__ = ["BatchSchedule", "FixedPositions", "batch_events", "check_recorded", "fewest_virtual_nodes", "LR_RULES", "SchedulePositions", "schedule_from_events"]
 
 LR_RULES = ("linear", "sqrt")
 """The named learning-rate rules (a ``{batch: multiplier}`` mapping is the third form)."""
@@ -136,6 +136,12 @@ def schedule_from_events(events: Iterable[Mapping[str, Any]]) -> tuple[list[tupl
     rule = batch[0]["lr_rule"]
     rule = rule if isinstance(rule, str) else {int(b): float(m) for b, m in rule.items()}
     return [(int(e["step"]), int(e["virtual_nodes"])) for e in batch], rule
+
+
+def fewest_virtual_nodes(job: Any) -> tuple[int, int]:
+    """``(V, first step)`` of the smallest V a job runs (its own, or a ``batch_schedule`` change's):
+    the most workers it can have at any step, each needing a virtual node."""
+    return min([(job.virtual_nodes, 0)] + [(v, s) for s, v in job.batch_schedule])
 
 
 def check_recorded(state: Mapping[str, Any], changes: Sequence[Sequence[int]]) -> None:
