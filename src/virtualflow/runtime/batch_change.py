@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["OneBatch", "ScheduledBatch", "batch_of"]
 
+
 class OneBatch:
     """A job without ``batch_schedule``: the batch never changes."""
 
