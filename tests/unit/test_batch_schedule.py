@@ -164,6 +164,10 @@ def test_the_batch_events_replay_the_run_bit_for_bit(tmp_path):
     opts = WorkerOptions(deterministic=True)
     _assert_same(train_threads(replay, gens, options=opts).state, train_threads(job, gens, options=opts).state["model"])
     assert batch_events(regression_job()) == [] and schedule_from_events([{"event": "step"}]) == ([], None)
+    # a resumed launch writes its whole schedule again (new decisions after its resume step): it is the run's
+    relaunch = batch_events(job.replace(batch_schedule=[(3, 16), (5, 2)]))
+    log = [{"event": "start"}, *records, {"event": "start"}, *({"event": "batch", **f} for f in relaunch)]
+    assert schedule_from_events(log) == ([(3, 16), (5, 2)], "sqrt")
 
 
 @pytest.mark.parametrize("knobs, message", [

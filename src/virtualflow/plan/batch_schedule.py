@@ -129,8 +129,15 @@ def batch_events(job: Any) -> list[dict[str, Any]]:
 
 def schedule_from_events(events: Iterable[Mapping[str, Any]]) -> tuple[list[tuple[int, int]], Any]:
     """``(batch_schedule, lr_rule)`` recorded by a run's ``batch`` events: the knobs that replay its
-    changes (``job.replace(batch_schedule=..., lr_rule=...)``); ``([], None)`` when it made none."""
-    batch = [e for e in events if e.get("event") == "batch"]
+    changes (``job.replace(batch_schedule=..., lr_rule=...)``); ``([], None)`` when it made none.
+    Each launch (a ``start`` record) writes its whole schedule, whose changes before its resume step
+    are the checkpoint's: the last launch's records are the run's."""
+    batch: list[Mapping[str, Any]] = []
+    for e in events:
+        if e.get("event") == "start":
+            batch = []
+        elif e.get("event") == "batch":
+            batch.append(e)
     if not batch:
         return [], None
     rule = batch[0]["lr_rule"]
