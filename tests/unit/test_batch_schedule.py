@@ -130,6 +130,7 @@ def test_the_checkpoint_records_the_changes_run_and_a_resume_must_repeat_them(tm
     job = scheduled_job()
     run = train_threads(job, [Generation(members=(0,), steps=5)])
     assert run.state["batch_schedule"] == [[3, 16]]  # steps 0-4 ran the first change only
+    assert run.engines[0].learning_rate() == 0.05 * 0.7 * 2.0  # step 5: StepLR's rate x sqrt(64 / 16)
     state = {**run.state, "step": 5, "job": job_identity(job)}
     path = str(tmp_path / "step-5.pt")
     save_state(path, state)

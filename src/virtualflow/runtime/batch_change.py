@@ -43,6 +43,10 @@ class OneBatch:
     def before_step(self, vn: VNEngine, step: int) -> None:
         pass
 
+    def rate(self, lr: float) -> float:
+        """The rate the next step runs at, given the optimizer's."""
+        return lr
+
     def state_entries(self) -> dict[str, Any]:
         return {}
 
@@ -78,6 +82,7 @@ class ScheduledBatch:
         V over ``size`` members (the coordinator's map is of the job's first V); the plan takes the V."""
         v = self.schedule.virtual_nodes_at(step)
         plan.set_virtual_nodes(v)
+        self._last = step - 1
         return contiguous_assignment(v, size)
 
     def before_step(self, vn: VNEngine, step: int) -> None:
@@ -90,6 +95,10 @@ class ScheduledBatch:
             vn.set_membership(vn.group, self.assignment(vn.plan, step, vn.group.size, ()))
             if vn.leaves is not None:  # the tree's BatchNorm statistics are a mean over the step's V
                 vn.leaves.tail.mean_over = v
+
+    def rate(self, lr: float) -> float:
+        """The rate the next step runs at, given the optimizer's (the step's multiplier applied)."""
+        return lr * self.schedule.multiplier_at(self._last + 1)
 
     def state_entries(self) -> dict[str, Any]:
         """What a checkpoint taken now records: the changes that ran up to the last step."""

@@ -258,8 +258,8 @@ class VNWorkerEngine:
         return self.checkpoints.hold(group, step, work)
 
     def learning_rate(self) -> float | None:
-        groups = self.vn.optimizer.param_groups
-        return float(groups[0]["lr"]) if groups and "lr" in groups[0] else None
+        groups = self.vn.optimizer.param_groups  # (a batch schedule's multiplier of the next step applied)
+        return self.batch.rate(float(groups[0]["lr"])) if groups and "lr" in groups[0] else None
 
     def non_finite_note(self, step: int, path: str) -> str:
         return f"the step was not applied and the last good state (before step {step}) is in {path}"
