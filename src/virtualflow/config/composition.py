@@ -239,6 +239,40 @@ REFUSALS: tuple[Refusal, ...] = (
              f"failed worker's shard is restored from the last checkpoint (--checkpoint-every, --resume); drop "
              f"--shard-replicas (it keeps replicas of the optimizer chunks of reduction='sharded')"),
          example=dict(reduction="fsdp", shard_replicas=1), site="config.options.LaunchOptions"),
+    # ---- a batch schedule (Job.batch_schedule; at launch: launching.composition.check_batch_schedule) ----
+    _row("batch_schedule+pipeline", "batch schedule", "pipeline",
+         when=lambda batch_schedule, pipeline, **_: bool(batch_schedule) and bool(pipeline),
+         says=lambda **_: (
+             "Job.batch_schedule with Job.pipeline: a pipeline's micro-batch plan and stage engines are built for "
+             "one V, and changing it in place is not implemented; drop the pipeline or the batch schedule"),
+         example=dict(batch_schedule=True, pipeline=True), site="launching.composition.check_batch_schedule"),
+    _row("batch_schedule+sharded", "batch schedule", "sharded reduction",
+         when=lambda batch_schedule, reduction, **_: bool(batch_schedule) and reduction in ("sharded", "fsdp"),
+         says=lambda reduction, **_: (
+             f"Job.batch_schedule with reduction={reduction!r}: a change of V in place is implemented for the "
+             f"all-reduce only (every worker holds the whole state); use reduction='allreduce' (--reduction) "
+             f"or drop the batch schedule"),
+         example=dict(batch_schedule=True, reduction="sharded"), site="launching.composition.check_batch_schedule"),
+    _row("batch_schedule+balance", "batch schedule", "heterogeneous speeds",
+         when=lambda batch_schedule, balanced, **_: bool(batch_schedule) and bool(balanced),
+         says=lambda **_: (
+             "Job.batch_schedule with balance (speed-weighted VN maps or uneven VN sizes): a change of V maps the "
+             "new V evenly over the workers; drop --balance / --uneven-vn-sizes or the batch schedule"),
+         example=dict(batch_schedule=True, balanced=True), site="launching.composition.check_batch_schedule"),
+    _row("batch_schedule+streaming", "batch schedule", "streaming dataset",
+         when=lambda batch_schedule, streaming, **_: bool(batch_schedule) and bool(streaming),
+         says=lambda **_: (
+             "Job.batch_schedule with a streaming dataset: a stream's shards are split for one global batch; use "
+             "a map-style dataset or drop the batch schedule"),
+         example=dict(batch_schedule=True, streaming=True), site="launching.composition.check_batch_schedule"),
+    _row("batch_schedule+workers", "batch schedule", "workers",
+         when=lambda batch_schedule, workers, fewest, **_: bool(batch_schedule) and workers > fewest,
+         says=lambda workers, fewest, step, **_: (
+             f"Job.batch_schedule runs virtual_nodes={fewest} from step {step}, fewer than the {workers} workers the "
+             f"run may have (--workers, --max-workers); every worker needs a virtual node: lower the workers or "
+             f"raise that change's virtual_nodes"),
+         example=dict(batch_schedule=True, workers=4, fewest=2, step=6),
+         site="launching.composition.check_batch_schedule"),
     # ---- where a worker builds its stage (runtime.pipeline.engine.StageEngine) ------------------
     _row("tied+no_flush", "tied weights", "no-flush schedule",
          when=lambda tied, flush, **_: bool(tied) and not flush,

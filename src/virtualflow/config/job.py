@@ -27,6 +27,7 @@ import torch
 from virtualflow.config import loop
 from virtualflow.config.pipeline import Pipeline
 from virtualflow.config.streaming import StreamingDataset, as_streaming
+from virtualflow.plan.batch_schedule import BatchSchedule
 from virtualflow.plan.data import DATA_ORDERS
 
 BatchNormMode = Literal["mean", "first"]
@@ -110,6 +111,15 @@ class Job:
     """Model FLOPs of one sample's forward and backward (e.g. :func:`virtualflow.transformer_flops`):
     model FLOPs utilisation is then reported against the peak the device reports or
     ``--peak-tflops``."""
+    batch_schedule: Sequence[tuple[int, int]] = ()
+    """Recorded batch-size changes ``[(first_step, virtual_nodes), ...]``: from ``first_step`` on a
+    step runs that many virtual nodes of the fixed size ``global_batch_size / virtual_nodes``, in
+    place at the step boundary (an elastic-batch scheduler's decisions, replayed bit for bit;
+    :mod:`virtualflow.plan.batch_schedule`). Needs ``lr_rule``. Empty: one batch for the run."""
+    lr_rule: str | Mapping[int, float] | None = None
+    """How the learning rate follows the batch ``B`` of a ``batch_schedule`` (relative to
+    ``global_batch_size``): ``"linear"`` (times ``B / global_batch_size``), ``"sqrt"`` (times its
+    square root) or ``{batch: multiplier}`` naming every batch the schedule runs."""
 
     def __post_init__(self) -> None:
         if self.loss is None and self.output_loss is None:
@@ -162,6 +172,7 @@ class Job:
                 f"(e.g. {self.global_batch_size - self.global_batch_size % self.virtual_nodes or self.virtual_nodes}) "
                 f"or a virtual_nodes that divides {self.global_batch_size}"
             )
+        BatchSchedule.of(self.global_batch_size, self.virtual_nodes, self.batch_schedule, self.lr_rule)
         if self.eval_every is not None:
             _check_positive_int("eval_every", self.eval_every)
         if self.batchnorm not in ("mean", "first"):

@@ -20,9 +20,10 @@ from torch import nn
 
 from virtualflow.config.composition import check
 from virtualflow.config.options import LaunchOptions
+from virtualflow.plan.batch_schedule import fewest_virtual_nodes
 from virtualflow.plan.pipeline.geometry import EXACT_USES, shared_across_pieces, tied_parameters
 
-__all__ = ["check_fsdp_layout", "check_pipeline_balance", "check_shared_parameters", "check_streaming"]
+__all__ = ["check_batch_schedule", "check_fsdp_layout", "check_pipeline_balance", "check_shared_parameters", "check_streaming"]
 
 
 def check_pipeline_balance(pipeline: Any, opts: LaunchOptions) -> None:
@@ -41,6 +42,18 @@ def check_fsdp_layout(pipeline: Any, opts: LaunchOptions) -> None:
     if pipeline is not None:
         check("fsdp+bamboo", "fsdp+tensor", "fsdp+pipeline", reduction=opts.reduction,
               redundancy=pipeline.redundancy, tensor=pipeline.tensor, stages=pipeline.stages)
+
+
+def check_batch_schedule(job: Any, streaming: bool, opts: LaunchOptions, max_workers: int) -> None:
+    """What a batch schedule (``Job.batch_schedule``) cannot combine with: a pipeline, a sharded
+    state, speed-weighted maps, a stream, and more workers than a change's V (``max_workers``: the
+    most the run may have)."""
+    schedule = tuple(job.batch_schedule)
+    fewest = fewest_virtual_nodes(job)
+    check("batch_schedule+pipeline", "batch_schedule+sharded", "batch_schedule+balance", "batch_schedule+streaming",
+          "batch_schedule+workers", batch_schedule=bool(schedule), pipeline=job.pipeline is not None,
+          reduction=opts.reduction, balanced=opts.balanced, streaming=streaming, workers=max_workers,
+          fewest=fewest[0], step=fewest[1])
 
 
 def check_streaming(streaming: bool, opts: LaunchOptions) -> None:

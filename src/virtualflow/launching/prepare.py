@@ -29,7 +29,8 @@ from virtualflow.config.job import Job, source_from
 from virtualflow.config.options import LaunchOptions
 from virtualflow.config.pipeline import pipeline_of
 from virtualflow.control.autoscale import FixedPolicy, Limits, make_policy
-from virtualflow.launching.composition import check_fsdp_layout, check_pipeline_balance, check_streaming
+from virtualflow.launching.composition import (check_batch_schedule, check_fsdp_layout, check_pipeline_balance,
+                                               check_streaming)
 from virtualflow.launching.fsdp import FsdpLaunch
 from virtualflow.launching.identity import check_identity, job_label, record_identity, run_identity
 from virtualflow.launching.pipeline import plan_pipeline
@@ -78,6 +79,8 @@ def prepare(job: JobLike, opts: LaunchOptions) -> Iterator[RunSetup]:
     plan = data_plan_of(dataset, job_obj)
     check_streaming(isinstance(plan, StreamPlan), opts)
     workers = opts.start_workers
+    check_batch_schedule(job_obj, isinstance(plan, StreamPlan), opts,
+                         max(workers, limits.max_workers if limits is not None else 0))
     total_steps = opts.steps if opts.steps is not None else opts.epochs * plan.steps_per_epoch
     if pipeline is None:
         assignment = contiguous_assignment(job_obj.virtual_nodes, workers)  # checks workers <= V

@@ -20,6 +20,7 @@ from typing import Any, Callable
 from virtualflow.comm import auth, protocol
 from virtualflow.config.job import Job
 from virtualflow.control.membership import MembershipController, check_resize
+from virtualflow.plan.batch_schedule import fewest_virtual_nodes
 
 __all__ = ["ResizeRequests"]
 
@@ -47,7 +48,7 @@ class ResizeRequests:
     def ask(self, workers: int) -> None:
         """A resize asked in this process (:meth:`JobHandle.resize`); checked, then queued."""
         job = self.job
-        check_resize(workers, job.virtual_nodes, self.min_workers,
+        check_resize(workers, fewest_virtual_nodes(job)[0], self.min_workers,
                      job.pipeline.replica_workers if job.pipeline is not None else None)
         self.backend.check_capacity(workers)
         self.queued.append(workers)
@@ -66,6 +67,8 @@ class ResizeRequests:
             try:
                 workers = req["workers"]
                 self.backend.check_capacity(workers)
+                check_resize(workers, fewest_virtual_nodes(self.job)[0], self.min_workers,  # a schedule's smallest V
+                             self.job.pipeline.replica_workers if self.job.pipeline is not None else None)
                 self.controller.request_resize(workers, source=req["source"][:40])
                 # ``virtualflow resize --wait`` looks for its nonce here: only a status written
                 # after its request was taken tells whether the request has been carried out.
@@ -77,7 +80,7 @@ class ResizeRequests:
     def grow_for_join(self) -> str | None:
         """An external worker asked to join and no slot is open: grow the job by one through
         the ordinary resize path. Returns why not, or None."""
-        ctl, V = self.controller, self.job.virtual_nodes
+        ctl, V = self.controller, fewest_virtual_nodes(self.job)[0]  # (a batch schedule's smallest V)
         want = max(ctl.target, len(ctl.members)) + 1
         if want > V:
             return f"the job already has {want - 1} workers for virtual_nodes={V}; every worker needs at least one virtual node"

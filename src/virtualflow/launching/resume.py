@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from virtualflow.config.job import Job
+from virtualflow.plan.batch_schedule import check_recorded
 from virtualflow.records.rundir import STATE_FILES
 from virtualflow.runtime.checkpoint import CorruptCheckpointError, UntrustedStateError, load_state
 from virtualflow.runtime.dcp import is_dcp, peek_dcp
@@ -153,6 +154,7 @@ def _check_same_job(path: str, state: dict[str, Any], job: Job) -> None:
                 f"{getattr(job, key)!r}. Resume with the same {key} (--{key.replace('_', '-')}), or start a new run"
             )
     _check_same_data_order(path, saved, job)
+    check_recorded(state, job.batch_schedule)  # the batch changes its steps ran (Job.batch_schedule)
     _check_same_pipeline(path, state, job)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(job.seed)

@@ -30,6 +30,7 @@ from virtualflow.control.autoscale_executor import AutoscaleExecutor
 from virtualflow.control.coordinator import Coordinator
 from virtualflow.launching import outcome
 from virtualflow.launching.requests import ResizeRequests
+from virtualflow.plan.batch_schedule import batch_events
 from virtualflow.plan.flops import describe as describe_throughput, run_throughput
 from virtualflow.plan.vnmap import pipeline_assignment
 from virtualflow.control.membership import FallbackRestart, JobFailed, MembershipController, Phase
@@ -216,6 +217,8 @@ class Supervisor:
                 min_workers=s.options.min_workers, resume_path=s.resume_path, resume_step=s.resume_step,
                 autoscale=self.autoscale_info(),
             )
+            for fields in batch_events(job):  # the recorded batch changes (Job.batch_schedule): a replay's input
+                self.coordinator.event("batch", **fields)
             self.write_status(force=True)
         except OSError as exc:
             self._best_effort("closing the records", self.coordinator.close)

@@ -11,7 +11,9 @@ here depends on ranks or worker counts:
   generator=torch.Generator().manual_seed(seed + e))``, one tensor of the whole epoch;
 * each epoch has ``len(dataset) // B`` steps (the incomplete tail is dropped);
 * global step ``s`` uses positions ``[i*B, (i+1)*B)`` of its epoch's order, with
-  ``e = s // steps_per_epoch`` and ``i = s % steps_per_epoch``;
+  ``e = s // steps_per_epoch`` and ``i = s % steps_per_epoch``; a run whose batch changes at
+  recorded steps (``Job.batch_schedule``) reads on from where the previous batch left off, a step
+  that the epoch's rest cannot hold starting the next epoch (:mod:`virtualflow.plan.batch_schedule`);
 * virtual node ``v`` gets the ``v``-th contiguous slice of ``B / V`` of those positions (with
   uneven VN sizes ``s_0..s_{V-1}``, summing to ``B``: the slice ``[s_0+..+s_{v-1}, +s_v)``);
 * randomness inside VN ``v`` of step ``s`` (dropout, augmentation) draws from the global torch
@@ -26,6 +28,7 @@ from typing import Protocol
 
 import torch
 
+from virtualflow.plan.batch_schedule import BatchSchedule, FixedPositions, SchedulePositions
 from virtualflow.plan.permutation import epoch_indices
 
 DATA_ORDERS = ("feistel", "randperm")
@@ -40,6 +43,8 @@ class OrderedJob(Protocol):
     virtual_nodes: int
     seed: int
     data_order: str
+    batch_schedule: object
+    lr_rule: object
 
 
 _BLOCK_POSITIONS = 2048
@@ -78,7 +83,11 @@ def vn_seed(seed: int, step: int, vn: int) -> int:
 
 @dataclass(slots=True)
 class DataPlan:
-    """Which dataset indices each virtual node reads at each global step."""
+    """Which dataset indices each virtual node reads at each global step.
+
+    ``global_batch_size`` and ``virtual_nodes`` are those of the step the engine runs now: with a
+    ``schedule`` they change at its steps (:meth:`set_virtual_nodes`); which samples a step reads
+    depends on the step only."""
 
     dataset_size: int
     global_batch_size: int
@@ -86,6 +95,9 @@ class DataPlan:
     seed: int = 0
     order: str = "feistel"
     """One of :data:`DATA_ORDERS` (``Job.data_order``)."""
+    schedule: BatchSchedule | None = None
+    """The batch's changes (``Job.batch_schedule``); None: one batch for the run."""
+    _positions: FixedPositions | SchedulePositions = field(init=False, repr=False)
     _cache: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _steps: OrderedDict[int, torch.Tensor] = field(default_factory=OrderedDict, repr=False)
     _offsets: list[int] | None = field(default=None, repr=False)
@@ -96,20 +108,32 @@ class DataPlan:
                 f"global_batch_size={self.global_batch_size} is not divisible by "
                 f"virtual_nodes={self.virtual_nodes}; choose a multiple of {self.virtual_nodes}"
             )
-        if self.dataset_size < self.global_batch_size:
+        largest = max(b for _, b in self.schedule.segments) if self.schedule is not None else self.global_batch_size
+        if self.dataset_size < largest:
             raise ValueError(
                 f"the dataset has {self.dataset_size} samples, fewer than "
-                f"global_batch_size={self.global_batch_size}; an epoch needs at least one full "
-                f"global batch: lower global_batch_size or use a larger dataset"
+                f"global_batch_size={largest}; an epoch needs at least one full "
+                f"global batch: lower global_batch_size (or Job.batch_schedule's virtual_nodes) or use a larger dataset"
             )
         if self.order not in DATA_ORDERS:
             raise ValueError(f"data_order={self.order!r} is not one of {', '.join(map(repr, DATA_ORDERS))} "
                              f"(Job.data_order)")
+        self._positions = (FixedPositions(self.dataset_size, self.global_batch_size) if self.schedule is None
+                           else SchedulePositions(self.dataset_size, self.schedule))
 
     @classmethod
     def of_job(cls, job: OrderedJob, dataset_size: int) -> DataPlan:
-        """The plan of a :class:`~virtualflow.config.job.Job` (its B, V, seed and data order)."""
-        return cls(dataset_size, job.global_batch_size, job.virtual_nodes, job.seed, order=job.data_order)
+        """The plan of a :class:`~virtualflow.config.job.Job` (its B, V, seed, data order and batch schedule)."""
+        schedule = BatchSchedule.of(job.global_batch_size, job.virtual_nodes, getattr(job, "batch_schedule", ()),
+                                    getattr(job, "lr_rule", None))
+        return cls(dataset_size, job.global_batch_size, job.virtual_nodes, job.seed, order=job.data_order,
+                   schedule=schedule)
+
+    def set_virtual_nodes(self, virtual_nodes: int) -> None:
+        """The batch of the steps from now on: ``virtual_nodes`` VNs of the fixed per-VN size (a
+        change of the schedule, at a step boundary); even VN sizes."""
+        n = self.vn_batch_size
+        self.virtual_nodes, self.global_batch_size, self._offsets = virtual_nodes, virtual_nodes * n, None
 
     @property
     def steps_per_epoch(self) -> int:
@@ -134,14 +158,13 @@ class DataPlan:
 
     def step_indices(self, step: int) -> torch.Tensor:
         """Dataset indices of the whole global batch of ``step``."""
-        epoch, i = divmod(step, self.steps_per_epoch)
-        b = self.global_batch_size
+        epoch, start, b, run = self._positions.locate(step)
         if self.order == "randperm":
-            return self.epoch_order(epoch)[i * b : (i + 1) * b]
+            return self.epoch_order(epoch)[start : start + b]
         indices = self._steps.get(step)
         if indices is None:
-            count = max(1, min(_BLOCK_STEPS, _BLOCK_POSITIONS // b, self.steps_per_epoch - i))
-            block = epoch_indices(range(i * b, (i + count) * b), self.dataset_size, self.seed, epoch)
+            count = max(1, min(_BLOCK_STEPS, _BLOCK_POSITIONS // b, run))
+            block = epoch_indices(range(start, start + count * b), self.dataset_size, self.seed, epoch)
             for k in range(count):
                 self._steps[step + k] = block[k * b:(k + 1) * b]
             while len(self._steps) > _CACHED_STEPS:

@@ -25,6 +25,7 @@ import torch
 
 from virtualflow.comm.groups import Group
 from virtualflow.plan.data import DataPlan
+from virtualflow.runtime.batch_change import batch_of
 from virtualflow.runtime.engine import StepOutcome, VNEngine
 from virtualflow.runtime.checkpoint import shared_names
 from virtualflow.runtime.dcp import Piece, model_pieces
@@ -102,6 +103,9 @@ class VNWorkerEngine:
         """How the model's state is read, written, moved and written to checkpoints (whole on every
         worker, or sharded parameters: :mod:`virtualflow.runtime.fsdp.worker_state`)."""
         """Who writes a ``.pt`` checkpoint, and when (the optimizer state is whole on every worker, or spread)."""
+        self.batch = batch_of(vn.plan, vn.optimizer)
+        """The run's batch: one, or ``Job.batch_schedule``'s changes at step boundaries
+        (:mod:`virtualflow.runtime.batch_change`)."""
 
     @classmethod
     def build(cls, job: Job, dataset: Any, plan: DataPlan, cfg: WorkerConfig, device: torch.device) -> VNWorkerEngine:
@@ -158,6 +162,7 @@ class VNWorkerEngine:
 
     # -- before joining ---------------------------------------------------------------------------
     def resume_from(self, state: dict[str, Any]) -> None:
+        self.batch.check_resume(state)  # the batch changes the checkpointed steps ran are the job's
         # a pipelined run's state (any stages, split or tensor degree): its optimizer as one, by name
         self.models.load(unstage(state, optimizer_names(self.vn.optimizer, self.vn.model)))
 
@@ -183,10 +188,11 @@ class VNWorkerEngine:
             t_transfer = time.perf_counter() - t1
             joining.transferring = False
         vn.plan.set_vn_sizes(record.vn_sizes)
-        vn.set_membership(group, record.assignment)
+        vn.set_membership(group, self.batch.assignment(vn.plan, joining.target, group.size, record.assignment))
         return moved, t_transfer
 
     def step(self, step: int, control: int | Callable[[], int] = 0) -> StepOutcome:
+        self.batch.before_step(self.vn, step)  # a batch schedule's change takes effect at this boundary
         return self.vn.step(step, control)
 
     def abandon_step(self) -> None:
@@ -218,7 +224,7 @@ class VNWorkerEngine:
         vn = self.vn
         # 16-mixed: the loss scale and its growth counter resume too
         return {"lr_scheduler": vn.scheduler.state_dict() if vn.scheduler is not None else None,
-                **vn.finish.scaling.checkpoint_entries()}
+                **vn.finish.scaling.checkpoint_entries(), **self.batch.state_entries()}
 
     def sharded_parts(self, group: Group) -> tuple[list[Piece], dict[str, Any] | None]:
         """This worker's part of a sharded checkpoint: its share of the model, the optimizer state
@@ -252,8 +258,8 @@ class VNWorkerEngine:
         return self.checkpoints.hold(group, step, work)
 
     def learning_rate(self) -> float | None:
-        groups = self.vn.optimizer.param_groups
-        return float(groups[0]["lr"]) if groups and "lr" in groups[0] else None
+        groups = self.vn.optimizer.param_groups  # (a batch schedule's multiplier of the next step applied)
+        return self.batch.rate(float(groups[0]["lr"])) if groups and "lr" in groups[0] else None
 
     def non_finite_note(self, step: int, path: str) -> str:
         return f"the step was not applied and the last good state (before step {step}) is in {path}"
