@@ -282,12 +282,12 @@ class MembershipController:
         now = self.clock()
         for r in reports:
             self._on_report(r, now)
-        failed = self.liveness.judge(now, self.finished)
+        failed, gather = self.liveness.judge(now, self.finished), True
         if not failed and not self.finished:
-            failed = self.hangs.check(now)
+            failed, gather = self.hangs.check(now), False
         if failed and not self.finished:
-            self.losses.on_failures(failed, now)
-        elif not self.finished:
+            self.losses.on_failures(failed, now, gather=gather)
+        elif not self.finished and not self.losses.settle(now):
             self.losses.retry_broken(now)
             self.changes.plan(now)
 
@@ -406,13 +406,17 @@ class MembershipController:
         self.coord.publish_generation(g, members, assignment, self.last_step, hold=hold, reason=kind,
                                       vn_sizes=self.vn_sizes,
                                       layout=[list(r) for r in self.layout] if self.layout is not None else None)
+        # Every pointer in one store call (W members: one round trip, not W); a set for the
+        # leavers (a list made this loop O(W^2)).
+        pointers = [(w, self.assigned.get(w, -1), str(g)) for w in members]
+        staying = set(members)
         for w in members:
-            self.coord.point(w, self.assigned.get(w, -1), str(g))
             self.assigned[w] = g
         for w in previous:
-            if w not in members and w not in self.liveness.gone:
+            if w not in staying and w not in self.liveness.gone:
                 self.liveness.leave(w)
-                self.coord.point(w, self.assigned[w], f"{protocol.LEAVE} {g}")
+                pointers.append((w, self.assigned[w], f"{protocol.LEAVE} {g}"))
+        self.coord.point_many(pointers)
         self.members, self.assignment, self.generation = list(members), assignment, g
         self.hold_since = self.clock() if hold and self.hold_since is None else (self.hold_since if hold else None)
         self._change = Change(g, kind, self.clock(), dict(detail or {}))
