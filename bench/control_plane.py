@@ -46,7 +46,7 @@ import time
 from typing import Any
 
 from bench.harness import report as H
-from bench.harness.fleet import ControlPlane, FleetSpec, start_fleet
+from bench.harness.fleet import HEARTBEAT_INTERVAL_S, ControlPlane, FleetSpec, start_fleet
 from virtualflow.comm import protocol
 
 NAME = "control_plane"
@@ -187,7 +187,8 @@ def measure(workers: int, args: Any) -> dict[str, Any]:
     run_dir = tempfile.mkdtemp(prefix=f"vf-cp-{workers}-")
     rss0 = rss_mib()
     plane = ControlPlane(workers, ctx.Queue(), ctx.Queue(), run_dir=run_dir, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
-    spec = FleetSpec(step_s=args.step_s, beaters=args.beaters, **plane.spec_fields)
+    spec = FleetSpec(step_s=args.step_s, beaters=args.beaters, heartbeat_interval_s=args.heartbeat_interval_s,
+                     **plane.spec_fields)
     procs, _boxes = start_fleet(spec, plane.inbox, plane.outbox, ctx)
     out: dict[str, Any] = {"workers": workers}
     try:
@@ -381,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--beaters", type=int, default=None, help="heartbeat processes of the fleet (default 4; --quick: 2)")
     p.add_argument("--groups", type=int, nargs="*", default=None, help="gloo group sizes timed with real processes "
                    "(default 2 4 8; none: --groups with no value)")
+    p.add_argument("--heartbeat-interval-s", type=float, default=HEARTBEAT_INTERVAL_S,
+                   help="the simulated workers' heartbeat interval (default: the real worker's, 0.05 s); the "
+                        "store's load is about 3 calls per worker and interval")
     p.add_argument("--plot", default=None, help="write the curves to this PNG")
     args = p.parse_args(argv)
     args.workers = args.workers or ([16, 64, 256] if args.quick else [16, 64, 256, 1024])
@@ -397,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.ERROR)
     random.seed(0)
     print(H.banner(f"control plane at scale: W = {args.workers}, {args.step_s:g} s steps, heartbeat every "
-                   f"50 ms, heartbeat timeout {HEARTBEAT_TIMEOUT_S:g} s"))
+                   f"{args.heartbeat_interval_s * 1e3:g} ms, heartbeat timeout {HEARTBEAT_TIMEOUT_S:g} s"))
     rows = []
     for w in args.workers:
         t0 = time.monotonic()
@@ -421,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.plot}")
     payload = {"benchmark": run.name, "environment": H.environment(),
                "config": {"workers": args.workers, "step_s": args.step_s, "steps": args.steps, "beaters": args.beaters,
+                          "heartbeat_interval_s": args.heartbeat_interval_s,
                           "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S},
                "results": rows, "laws": laws, "groups": {str(k): v for k, v in groups.items()}}
     md = (f"# {NAME}\n\n{H.env_markdown()}\n\nCommand: `{run.command(NAME)}`\n\n"

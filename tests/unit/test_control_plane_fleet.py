@@ -193,3 +193,14 @@ def test_a_fleet_of_32_records_every_step_once_through_a_resize_a_storm_and_host
     finally:
         plane.inbox.put(("stop",))
         plane.stop()
+
+
+def test_the_status_table_estimates_the_speeds_once_not_once_per_worker():
+    ctl, coord, _, _ = counted_controller(40)
+    ctl.start()
+    model = ctl.speed_policy.speed
+    calls, estimates = [], model.estimates
+    model.estimates = lambda: calls.append(1) or estimates()
+    rows = ctl.worker_table()
+    assert [r["id"] for r in rows] == list(range(40)) and len(calls) == 1
+    coord.close()
