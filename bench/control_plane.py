@@ -361,6 +361,9 @@ def plot(path: str, rows: list[dict[str, Any]], groups: dict[int, float]) -> Non
     axes[1].set_ylabel("seconds")
     axes[1].legend(fontsize=7)
     axes[1].set_title("membership changes")
+    for ax in axes[:2]:
+        ax.set_xticks(ws, [str(w) for w in ws])
+        ax.minorticks_off()
     if groups:
         axes[2].plot(list(groups), list(groups.values()), "o-")
         axes[2].set_xlabel("gloo group size (processes)")
