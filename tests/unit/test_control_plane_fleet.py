@@ -14,7 +14,7 @@ from virtualflow.comm import protocol
 from virtualflow.control.coordinator import Coordinator
 from virtualflow.control.membership import MembershipController
 from virtualflow.control.membership.liveness import Liveness
-from virtualflow.control.membership.losses import STORM_SETTLE_S
+from virtualflow.control.membership.losses import STORM_MAX_S, STORM_SETTLE_S
 
 
 class FakeLauncher:
@@ -203,4 +203,21 @@ def test_the_status_table_estimates_the_speeds_once_not_once_per_worker():
     model.estimates = lambda: calls.append(1) or estimates()
     rows = ctl.worker_table()
     assert [r["id"] for r in rows] == list(range(40)) and len(calls) == 1
+    coord.close()
+
+
+def test_a_storm_that_goes_on_is_answered_within_its_bound():
+    clock = Clock()
+    ctl, coord, launcher, _ = counted_controller(40, clock)
+    ctl.start()
+    formed(ctl, list(range(40)), 0)
+    t, w = 1.0, 39
+    while t < 1.0 + STORM_MAX_S:  # a loss every 0.4 s: never quiet for STORM_SETTLE_S
+        clock.t, launcher.codes[w] = t, -9
+        ctl.tick([])
+        assert ctl.generation == 0
+        t, w = t + 0.4, w - 1
+    clock.t = 1.0 + STORM_MAX_S
+    ctl.tick([])
+    assert ctl.generation == 1 and ctl.members == list(range(w + 1))
     coord.close()

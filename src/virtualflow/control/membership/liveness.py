@@ -99,7 +99,8 @@ class Liveness:
             return failed
         for wid in [w for w in self._hb if w in self.gone or w in failed]:
             self._hb.pop(wid, None)
-        for wid, value in zip(list(self._hb), self._beats(list(self._hb))):
+        watched = list(self._hb)
+        for wid, value in zip(watched, self._beats(watched)):
             count, t_seen = self._hb[wid]
             if value != count:
                 self._hb[wid] = (value, now)

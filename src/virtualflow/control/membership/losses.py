@@ -35,6 +35,9 @@ MAX_RETRIES = 3
 STORM_SETTLE_S = 0.5
 """A failure storm: losses are gathered until none came for this long, then answered with one
 generation (not one per loss)."""
+STORM_MAX_S = 2.0
+"""A storm that goes on is answered at the latest this long after its first loss (the next
+losses start the next one)."""
 STORM_MIN_WORKERS = 32
 """From this many members on, even a first loss is gathered (:data:`STORM_SETTLE_S`) before it is
 answered: in a fleet that large a loss is likely one of many (a rack, a switch, a spot
@@ -51,9 +54,9 @@ class LossHandler:
         self.failed_newcomers = 0
         self.fault_at: float | None = None  # a member reported the current generation broken
         self.retries = 0
-        self.storm: tuple[float, dict[int, str]] | None = None
-        """A failure storm being gathered: when its last loss came, and every loss since the last
-        published generation (:meth:`settle`)."""
+        self.storm: tuple[float, float, dict[int, str]] | None = None
+        """A failure storm being gathered: when its first and its last loss came, and every loss
+        since the last published generation (:meth:`settle`)."""
 
     def on_failures(self, failed: dict[int, str], now: float, *, gather: bool = True) -> None:
         """Record and fence the ``failed`` workers (id -> cause), then publish the next
@@ -83,8 +86,9 @@ class LossHandler:
         if ctl.stages is not None and ctl.redundancy and any(w not in failed for w in ctl.members):
             self.fail_over(failed)  # per pipeline replica: fail over, leave whole, or fall back
             return
+        first = now
         if self.storm is not None:
-            failed = {**self.storm[1], **failed}
+            first, failed = self.storm[0], {**self.storm[2], **failed}
         if gather and (self.storm is not None or ctl.phase is Phase.RECOVERING
                        or len(ctl.members) >= STORM_MIN_WORKERS):
             # A loss while the recovery from another has not formed, or in a large fleet: a storm
@@ -92,18 +96,19 @@ class LossHandler:
             # at once (its members stop waiting for the dead), and the next is published when the
             # losses stop (:meth:`settle`).
             ctl.coord.abort(ctl.generation)
-            self.storm = (now, failed)
+            self.storm = (first, now, failed)
             return
         self.storm = None
         self.recover(failed)
 
     def settle(self, now: float) -> bool:
         """While a storm is gathered: publish its one generation once no loss came for
-        :data:`STORM_SETTLE_S`. True while the storm holds the membership (no other change)."""
+        :data:`STORM_SETTLE_S` (at the latest :data:`STORM_MAX_S` after its first). True while the
+        storm holds the membership (no other change)."""
         if self.storm is None:
             return False
-        last, failed = self.storm
-        if now - last < STORM_SETTLE_S:
+        first, last, failed = self.storm
+        if now - last < STORM_SETTLE_S and now - first < STORM_MAX_S:
             return True
         self.storm = None
         self.recover(failed)
