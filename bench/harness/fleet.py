@@ -21,11 +21,9 @@ generation whose abort flag is set or whose member died (``fault``), leave when 
 fleets), each worker with a second connection as in the real worker: every
 ``heartbeat_interval_s`` it bumps ``vf/hb/<id>``, reads the control sequence, follows new
 commands and checks the formed generation's abort flag. What a collective would tell the
-members (a peer died, the agreed step) the fleet knows in memory: no gloo groups.
-
-Deaths are injected by :meth:`FleetClient` messages: ``exit`` (the process is gone: the launcher
-sees an exit code) or ``silent`` (a partition: the worker stops speaking and beating, the
-launcher sees nothing).
+members (a peer died, the agreed step) the fleet knows in memory: no gloo groups. Deaths come
+as messages: ``exit`` (the process is gone: the launcher sees an exit code) or ``silent`` (a
+partition: the worker stops speaking and beating, the launcher sees nothing).
 
 Invariants: every store call of the fleet and of the coordinator is counted (:class:`Counting`:
 calls and bytes), so a benchmark reads the store's load per step; the fleet's training progress
@@ -41,7 +39,7 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch.distributed as dist
@@ -52,9 +50,10 @@ from virtualflow.control.coordinator import Coordinator
 from virtualflow.control.membership import MembershipController
 from virtualflow.records.rundir import write_json
 from virtualflow.runtime.channel import Reporter
+from virtualflow.runtime.worker_config import WorkerConfig
 
-HEARTBEAT_INTERVAL_S = 0.05
-"""The real worker's heartbeat interval (``WorkerConfig.heartbeat_interval_s``)."""
+HEARTBEAT_INTERVAL_S = {f.name: f.default for f in fields(WorkerConfig)}["heartbeat_interval_s"]
+"""The real worker's heartbeat interval (``WorkerConfig.heartbeat_interval_s``'s default)."""
 
 
 class Counting:
@@ -211,6 +210,8 @@ class Beater:
 
 @dataclass(slots=True)
 class SimWorker:
+    """One simulated worker's protocol state (its heartbeat is a :class:`Beater`'s)."""
+
     wid: int
     store: Any
     report: Reporter
@@ -225,11 +226,13 @@ class SimWorker:
 
 @dataclass(slots=True)
 class SimGeneration:
+    """A generation as the fleet knows it: its record, when it formed, its next step boundary and
+    the control position its members have acted on."""
+
     record: protocol.GenerationRecord
     formed_at: float | None = None
     boundary: float = 0.0
     control: int = 0
-    broken: bool = False
 
 
 class FleetClient:
@@ -398,7 +401,7 @@ class FleetClient:
             return
         gen, members = self.gens[g], self._members(g)
         alive = [m for m in members if m.state == "training" and not m.silent]
-        if len(alive) < len(members) or gen.broken:
+        if len(alive) < len(members):
             # A peer is gone: the collective breaks at once for an exit; a silent peer hangs it
             # until the coordinator's abort flag (read by rank 0's heartbeat) tells the members.
             exited = any(m.state == "gone" for m in members)
@@ -458,7 +461,7 @@ def run_client(spec: FleetSpec, inbox: Any, outbox: Any, boxes: list[Any]) -> No
     FleetClient(spec, inbox, outbox, boxes).loop()
 
 
-def run_beater(spec: FleetSpec, inbox: Any, outbox: Any, name: str) -> None:
+def run_beater(spec: FleetSpec, inbox: Any, outbox: Any, name: str) -> None:  # (spawn needs named targets)
     Beater(spec, inbox, outbox, name).loop()
 
 
