@@ -12,7 +12,9 @@ Rules it enforces (its phases: :mod:`.phases`; its policies: :mod:`.speed`, :mod
 * **Failures.** A worker that exits unexpectedly, or whose heartbeat is silent for
   ``heartbeat_timeout_s`` (it is then killed: fencing), is removed; generation ``g`` is marked
   aborted and the survivors get ``g+1`` (phase ``recovering``), where they redo the
-  interrupted step. A fenced worker may still be alive (cut off by a partition, on a machine
+  interrupted step. Losses that come together (a storm: a loss while the recovery has not
+  formed, or any loss among 32 members or more) are answered with one generation once they stop
+  (:mod:`.losses`). A fenced worker may still be alive (cut off by a partition, on a machine
   the launcher cannot kill on): the coordinator refuses its reports from then on and its next
   pointer says ``fail``, so when it comes back it writes nothing that counts and exits.
 * **Hangs in the job's own code.** A worker blocked in a callback or its data keeps beating; the
