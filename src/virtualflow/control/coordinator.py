@@ -136,6 +136,8 @@ class Coordinator:
         self.reports = protocol.ReportReader(self.run)
         self.rejects = RejectLog(self.event, logger)
         """Every refused message of the job is logged through this (bounded)."""
+        self._aborted: set[int] = set()
+        """Generations whose abort flag is written (:meth:`abort`)."""
         self.fenced: dict[int, int] = {}
         """Worker id -> the last generation it was assigned to, for workers fenced out (silent for
         the heartbeat timeout): their reports are refused from then on (:meth:`fence`)."""
@@ -178,6 +180,13 @@ class Coordinator:
         ``leave <g>`` or ``fail`` (``vf/member/<worker>/next/<after>``, signed)."""
         self.store.set(protocol.next_key(worker, after), protocol.seal_next(self.run, worker, after, to))
 
+    def point_many(self, pointers: Sequence[tuple[int, int, str]]) -> None:
+        """:meth:`point` for many ``(worker, after, to)`` at once, in one store round trip
+        (``multi_set``): a generation's pointers are one call, not one per member."""
+        if pointers:
+            self.store.multi_set([protocol.next_key(w, after) for w, after, _ in pointers],
+                                 [protocol.seal_next(self.run, w, after, to) for w, after, to in pointers])
+
     def fence(self, worker: int, generation: int, cause: str = "") -> None:
         """Refuse every later report of ``worker`` (it was fenced out after ``generation``): a
         worker cut off by a partition still holds a valid run key, and when the partition heals
@@ -186,7 +195,12 @@ class Coordinator:
         self.event("fenced", worker=worker, generation=generation, cause=cause)
 
     def abort(self, generation: int) -> None:
-        """Declare generation ``generation`` broken (its members stop waiting on each other)."""
+        """Declare generation ``generation`` broken (its members stop waiting on each other).
+        Written once per generation: every member that saw the break reports a fault, and each
+        asked for this flag again (W signed writes per failure)."""
+        if generation in self._aborted:
+            return
+        self._aborted.add(generation)
         self.store.set(protocol.abort_key(generation), protocol.seal_abort(self.run, generation))
 
     # -- reports ---------------------------------------------------------------------------

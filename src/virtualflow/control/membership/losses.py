@@ -5,7 +5,10 @@ next generation (a recovery, a hold, Bamboo's failover) or the end of the job.
 :mod:`.failover` (``decide_failover``) for its controller, and retries a generation a member
 reported broken when no worker was found lost.
 
-Invariants: failures are handled at once, whatever change is in flight; a worker fenced for
+Invariants: failures are handled at once, whatever change is in flight (a loss that hits an
+unformed recovery generation, or any loss in a fleet of :data:`STORM_MIN_WORKERS`, aborts the
+generation at once, and the losses are answered together once they stop: one generation,
+:data:`STORM_SETTLE_S`); a worker fenced for
 silence is refused from then on and pointed at ``fail``; newcomers that keep failing before they
 join, and generations that keep breaking without a loss or progress, fail the job (bounded). It
 holds only its own counters; members, targets and records are the controller's, and every
@@ -21,6 +24,7 @@ from virtualflow.comm import protocol
 from virtualflow.control.membership.decisions import FallBack, Failover, GiveUp
 from virtualflow.control.membership.failover import decide_failover
 from virtualflow.control.membership.interface import FallbackRestart, JobFailed
+from virtualflow.control.membership.phases import Phase
 from virtualflow.control.membership.roster import Roster
 from virtualflow.control.membership.sizing import decide_loss
 
@@ -28,6 +32,17 @@ logger = logging.getLogger(__name__)
 
 MAX_RETRIES = 3
 """Breaks of one generation without a lost worker and without progress before the job fails."""
+STORM_SETTLE_S = 0.5
+"""A failure storm: losses are gathered until none came for this long, then answered with one
+generation (not one per loss)."""
+STORM_MAX_S = 2.0
+"""A storm that goes on is answered at the latest this long after its first loss (the next
+losses start the next one)."""
+STORM_MIN_WORKERS = 32
+"""From this many members on, even a first loss is gathered (:data:`STORM_SETTLE_S`) before it is
+answered: in a fleet that large a loss is likely one of many (a rack, a switch, a spot
+reclaim), and half a second is small next to forming its next generation; a smaller job answers
+a lone loss at once."""
 
 
 class LossHandler:
@@ -39,10 +54,15 @@ class LossHandler:
         self.failed_newcomers = 0
         self.fault_at: float | None = None  # a member reported the current generation broken
         self.retries = 0
+        self.storm: tuple[float, float, dict[int, str]] | None = None
+        """A failure storm being gathered: when its first and its last loss came, and every loss
+        since the last published generation (:meth:`settle`)."""
 
-    def on_failures(self, failed: dict[int, str], now: float) -> None:
+    def on_failures(self, failed: dict[int, str], now: float, *, gather: bool = True) -> None:
         """Record and fence the ``failed`` workers (id -> cause), then publish the next
-        generation, or raise when the job cannot go on."""
+        generation, or raise when the job cannot go on. ``gather``: the losses may be part of a
+        storm (exits, silence); members judged wedged (False) are answered at once, with the
+        storm gathered so far."""
         ctl = self.ctl
         for wid, cause in failed.items():
             self._record(wid, cause, now)
@@ -66,6 +86,37 @@ class LossHandler:
         if ctl.stages is not None and ctl.redundancy and any(w not in failed for w in ctl.members):
             self.fail_over(failed)  # per pipeline replica: fail over, leave whole, or fall back
             return
+        first = now
+        if self.storm is not None:
+            first, failed = self.storm[0], {**self.storm[2], **failed}
+        if gather and (self.storm is not None or ctl.phase is Phase.RECOVERING
+                       or len(ctl.members) >= STORM_MIN_WORKERS):
+            # A loss while the recovery from another has not formed, or in a large fleet: a storm
+            # may be under way (many workers dying in the same second). The generation is aborted
+            # at once (its members stop waiting for the dead), and the next is published when the
+            # losses stop (:meth:`settle`).
+            ctl.coord.abort(ctl.generation)
+            self.storm = (first, now, failed)
+            return
+        self.storm = None
+        self.recover(failed)
+
+    def settle(self, now: float) -> bool:
+        """While a storm is gathered: publish its one generation once no loss came for
+        :data:`STORM_SETTLE_S` (at the latest :data:`STORM_MAX_S` after its first). True while the
+        storm holds the membership (no other change)."""
+        if self.storm is None:
+            return False
+        first, last, failed = self.storm
+        if now - last < STORM_SETTLE_S and now - first < STORM_MAX_S:
+            return True
+        self.storm = None
+        self.recover(failed)
+        return True
+
+    def recover(self, failed: dict[int, str]) -> None:
+        """The next generation without the ``failed`` members (a recovery or a hold), or the end."""
+        ctl = self.ctl
         decision = decide_loss(members=ctl.members, failed=failed, stages=ctl.stages,
                                pids={w: ctl.launcher.pid(w) for w in failed}, replace_failed=ctl.replace_failed,
                                target=ctl.target, min_workers=ctl.min_workers, step=ctl.last_step,

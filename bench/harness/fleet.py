@@ -1,0 +1,599 @@
+"""A simulated fleet: hundreds of workers that speak the real control-plane protocol to the real
+coordinator and membership controller, and train nothing.
+
+The coordinator side (:class:`ControlPlane`) is the launcher's own loop in miniature: a real
+:class:`~virtualflow.control.coordinator.Coordinator` (its ``TCPStore`` on 127.0.0.1, port 0)
+and :class:`~virtualflow.control.membership.MembershipController`, polled and ticked by one
+monitor thread exactly as ``launching/supervisor.py`` does (poll, tick, ``status.json`` twice a
+second, a 10 ms pause while a generation forms, else 50 ms). Its launcher is a
+:class:`SimLauncher`: starting a worker asks the fleet for one, killing it silences it, exits come
+back as exit codes.
+
+The worker side (:class:`FleetClient`) runs every simulated worker as a small state machine in
+one thread, each with its own store connection, signing its reports with the run key through
+the real :class:`~virtualflow.runtime.channel.Reporter`: join, read the signed next pointer and
+generation record, report ``arrived``, count itself into the rendezvous and poll it (the real
+back-off, 1 ms doubling to 20 ms, checking the abort flag each time), form, train (a step is
+``step_s`` of waiting; rank 0 sends the full step report), follow the control sequence (a
+``regroup`` or ``stop`` takes effect at the step boundary after rank 0 has read it), abandon a
+generation whose abort flag is set or whose member died (``fault``), leave when told, report
+``done``. The heartbeat threads are :class:`Beater` loops (threads, or processes for large
+fleets), each worker with a second connection as in the real worker: every
+``heartbeat_interval_s`` it bumps ``vf/hb/<id>``, reads the control sequence, follows new
+commands and checks the formed generation's abort flag. What a collective would tell the
+members (a peer died, the agreed step) the fleet knows in memory: no gloo groups. Deaths come
+as messages: ``exit`` (the process is gone: the launcher sees an exit code) or ``silent`` (a
+partition: the worker stops speaking and beating, the launcher sees nothing).
+
+Invariants: every store call of the fleet and of the coordinator is counted (:class:`Counting`:
+calls and bytes), so a benchmark reads the store's load per step; the fleet's training progress
+is one counter (``step``), applied once per boundary of the one generation that trains, so a
+step recorded twice or never is the coordinator's doing, not the fleet's.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch.distributed as dist
+
+import virtualflow as vf
+from virtualflow.comm import protocol
+from virtualflow.control.coordinator import Coordinator
+from virtualflow.control.membership import MembershipController
+from virtualflow.records.rundir import write_json
+from virtualflow.runtime.channel import Reporter
+from virtualflow.runtime.worker_config import WorkerConfig
+
+HEARTBEAT_INTERVAL_S = {f.name: f.default for f in fields(WorkerConfig)}["heartbeat_interval_s"]
+"""The real worker's heartbeat interval (``WorkerConfig.heartbeat_interval_s``'s default)."""
+
+
+class Counting:
+    """A store wrapper that counts calls and the bytes of values moved (keys not counted)."""
+
+    def __init__(self, store: Any, counts: dict[str, float]) -> None:
+        self._store, self.counts = store, counts
+
+    def _n(self, nbytes: int = 0) -> None:
+        self.counts["ops"] = self.counts.get("ops", 0) + 1
+        self.counts["bytes"] = self.counts.get("bytes", 0) + nbytes
+
+    def set(self, key: str, value: Any) -> None:
+        self._n(len(value))
+        self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        value = self._store.get(key)
+        self._n(len(value))
+        return value
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self._n(sum(len(v) for v in values))
+        self._store.multi_set(keys, values)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        values = self._store.multi_get(keys)
+        self._n(sum(len(v) for v in values))
+        return values
+
+    def add(self, key: str, n: int) -> int:
+        self._n()
+        return self._store.add(key, n)
+
+    def check(self, keys: list[str]) -> bool:
+        self._n()
+        return self._store.check(keys)
+
+    def queue_push(self, key: str, value: Any) -> None:
+        self._n(len(value))
+        self._store.queue_push(key, value)
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        value = self._store.queue_pop(key, block=block)
+        self._n(len(value))
+        return value
+
+    def queue_len(self, key: str) -> int:
+        self._n()
+        return self._store.queue_len(key)
+
+    def __getattr__(self, name: str) -> Any:  # wait, port, ...: passed through, not counted
+        return getattr(self._store, name)
+
+
+@dataclass(slots=True)
+class FleetSpec:
+    """What every simulated worker needs to reach the job (what a real one gets in its config)."""
+
+    host: str
+    port: int
+    key: str
+    job: str
+    step_s: float
+    total_steps: int
+    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
+    beaters: int = 1
+    """Heartbeat loops (threads in one process; processes with :func:`start_fleet`)."""
+    pool: int = 0
+    """0: every worker has its own connections (two, as a real worker); n: the client's workers
+    share n connections and each beater uses one (small in-process fleets: fewer connections)."""
+
+
+class Connections:
+    """Store connections: a new one per call, or round robin over a pool of ``pool``."""
+
+    def __init__(self, spec: FleetSpec, counts: dict[str, float], pool: int) -> None:
+        self.spec, self.counts, self.pool = spec, counts, pool
+        self._pool: list[Counting] = []
+
+    def __call__(self) -> "Counting":
+        if not self.pool:
+            return Counting(connect(self.spec), self.counts)
+        if len(self._pool) < self.pool:
+            self._pool.append(Counting(connect(self.spec), self.counts))
+            return self._pool[-1]
+        self._pool.append(self._pool.pop(0))
+        return self._pool[-1]
+
+
+def connect(spec: FleetSpec) -> dist.TCPStore:
+    return dist.TCPStore(spec.host, spec.port, is_master=False, timeout=datetime.timedelta(seconds=60))
+
+
+class Beater:
+    """The heartbeat threads of a slice of the fleet, one loop: per worker and interval, what
+    ``runtime/channel.py``'s ``Heartbeat`` does (beat, read the control sequence, follow new
+    commands, check the formed generation's abort flag). Messages: ``("beat", wid)``,
+    ``("quiet", wid)``, ``("watch", g)``, ``("stop",)``."""
+
+    def __init__(self, spec: FleetSpec, inbox: Any, outbox: Any, name: str) -> None:
+        self.spec, self.inbox, self.outbox, self.name = spec, inbox, outbox, name
+        self.counts: dict[str, float] = {}
+        self.connect = Connections(spec, self.counts, 1 if spec.pool else 0)
+        self.run = protocol.RunKey(spec.key, spec.job)
+        self.stores: dict[int, Any] = {}
+        self.seen: dict[int, int] = {}
+        self.watch: int | None = None
+        self.beats = 0
+
+    def loop(self) -> None:
+        try:
+            self._loop()
+        except Exception:  # noqa: BLE001 - the benchmark must see why its fleet stopped
+            self.outbox.put(("error", self.name, traceback.format_exc()))
+
+    def _loop(self) -> None:
+        while True:
+            t0 = time.monotonic()
+            while True:
+                try:
+                    msg = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if msg[0] == "stop":
+                    return
+                if msg[0] == "stats":
+                    self.outbox.put(("stats", self.name, {**self.counts, "beats": self.beats}))
+                elif msg[0] == "beat":
+                    self.stores[msg[1]] = self.connect()
+                    self.seen[msg[1]] = 0
+                elif msg[0] == "quiet":
+                    self.stores.pop(msg[1], None)
+                elif msg[0] == "watch":
+                    self.watch = msg[1]
+            for wid, store in list(self.stores.items()):
+                self.beat(wid, store)
+            time.sleep(max(0.0, self.spec.heartbeat_interval_s - (time.monotonic() - t0)))
+
+    def beat(self, wid: int, store: Any) -> None:
+        store.add(protocol.heartbeat_key(wid), 1)
+        self.beats += 1
+        seq = protocol.parse_seq(store.get(protocol.CONTROL_SEQ_KEY)) or 0
+        while self.seen[wid] < seq:
+            n = self.seen[wid] + 1
+            if not store.check([protocol.control_key(n)]):
+                break
+            protocol.parse_command(self.run, store.get(protocol.control_key(n)), n)
+            self.seen[wid] = n
+        g = self.watch
+        if g is not None and store.check([protocol.abort_key(g)]):
+            protocol.parse_abort(self.run, store.get(protocol.abort_key(g)), g)
+
+
+@dataclass(slots=True)
+class SimWorker:
+    """One simulated worker's protocol state (its heartbeat is a :class:`Beater`'s)."""
+
+    wid: int
+    store: Any
+    report: Reporter
+    state: str = "next"  # next | rendezvous | ready | training | gone
+    after: int = -1  # the generation whose next pointer it reads
+    gen: int = -1
+    rank: int = -1
+    due: float = 0.0  # when it next polls
+    pause: float = 0.001
+    silent: bool = False
+
+
+@dataclass(slots=True)
+class SimGeneration:
+    """A generation as the fleet knows it: its record, when it formed, its next step boundary and
+    the control position its members have acted on."""
+
+    record: protocol.GenerationRecord
+    formed_at: float | None = None
+    boundary: float = 0.0
+    control: int = 0
+
+
+class FleetClient:
+    """Every simulated worker, in one loop (see the module docstring). ``inbox`` takes
+    ``("start", wid)``, ``("kill", wid)``, ``("die", wid, "exit"|"silent")``, ``("stats",)`` and
+    ``("stop",)``; ``outbox`` gets ``("exit", wid, code)`` and ``("stats", source, counts)`` (from
+    the client and from each beater)."""
+
+    def __init__(self, spec: FleetSpec, inbox: Any, outbox: Any, beater_inboxes: list[Any]) -> None:
+        self.spec, self.inbox, self.outbox, self.beaters = spec, inbox, outbox, beater_inboxes
+        self.run = protocol.RunKey(spec.key, spec.job)
+        self.counts: dict[str, float] = {}
+        self.connect = Connections(spec, self.counts, spec.pool)
+        self.workers: dict[int, SimWorker] = {}
+        self.gens: dict[int, SimGeneration] = {}
+        self.step = 0  # the fleet's training state: steps applied
+        self.training: int | None = None  # the generation that trains
+        self.last_report: dict[str, Any] | None = None
+        self.control = Counting(connect(spec), self.counts)  # rank 0's heartbeat, following commands
+        self.control_seq, self.commands = 0, {}
+        self.follow_due = self.abort_due = 0.0
+        self.applied: list[int] = []  # every step applied, in order (the fleet's own check)
+        self.push_s: list[float] = []  # rank 0's step report pushes: what the step path pays
+
+    # -- the loop -------------------------------------------------------------------------------
+    def loop(self) -> None:
+        try:
+            self._loop()
+        except Exception:  # noqa: BLE001 - the benchmark must see why its fleet stopped
+            self.outbox.put(("error", "client", traceback.format_exc()))
+
+    def _loop(self) -> None:
+        while True:
+            now = time.monotonic()
+            if not self._messages():
+                return
+            for w in list(self.workers.values()):
+                if w.state != "gone" and not w.silent and now >= w.due:
+                    self._advance(w, now)
+            self._train(now)
+            time.sleep(0.0005)
+
+    def _messages(self) -> bool:
+        while True:
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return True
+            if msg[0] == "stop":
+                for b in self.beaters:
+                    b.put(("stop",))
+                return False
+            if msg[0] == "stats":
+                for b in self.beaters:
+                    b.put(("stats",))
+                self.outbox.put(("stats", "client", {**self.counts, "step": self.step, "applied": list(self.applied),
+                                                   "push_s": self.push_s[-2000:]}))
+            elif msg[0] == "start":
+                store = self.connect()
+                w = self.workers[msg[1]] = SimWorker(msg[1], store, Reporter(store, self.run, msg[1]))
+                self._beater(w.wid).put(("beat", w.wid))
+                w.report({"type": "join", "setup_s": 0.0, "dataset": None})
+            elif msg[0] in ("kill", "die"):
+                w = self.workers.get(msg[1])
+                if w is not None and w.state != "gone":
+                    self._beater(w.wid).put(("quiet", w.wid))
+                    if msg[0] == "die" and msg[2] == "silent":
+                        w.silent = True
+                    else:
+                        w.state = "gone"
+                        if msg[0] == "die":
+                            self.outbox.put(("exit", w.wid, -9))
+
+    def _beater(self, wid: int) -> Any:
+        return self.beaters[wid % len(self.beaters)]
+
+    def _exit(self, w: SimWorker, code: int) -> None:
+        w.state = "gone"
+        self._beater(w.wid).put(("quiet", w.wid))
+        self.outbox.put(("exit", w.wid, code))
+
+    # -- one worker's protocol --------------------------------------------------------------------
+    def _advance(self, w: SimWorker, now: float) -> None:
+        if w.state == "next":
+            key = protocol.next_key(w.wid, w.after)
+            if not w.store.check([key]):
+                w.due = now + 0.005
+                return
+            to = protocol.parse_next(self.run, w.store.get(key), w.wid, w.after)
+            if to == protocol.FAIL:
+                return self._exit(w, 0)
+            if to.startswith(protocol.LEAVE):
+                w.report({"type": "leave", "step": self.step})
+                return self._exit(w, 0)
+            g = int(to)
+            if g not in self.gens:
+                raw = w.store.get(protocol.generation_key(g))
+                self.gens[g] = SimGeneration(protocol.parse_generation(self.run, raw, g))
+            else:
+                w.store.get(protocol.generation_key(g))  # every member reads the record itself
+            w.gen, w.rank, w.after = g, self.gens[g].record.members.index(w.wid), g
+            w.report({"type": "arrived", "generation": g})
+            w.store.add(protocol.arrived_key(g), 1)
+            w.state, w.pause, w.due = "rendezvous", 0.001, now
+        elif w.state in ("rendezvous", "ready"):
+            if self._aborted(w.store, w.gen):
+                self._fault(w, "regroup")
+                return
+            if w.state == "rendezvous":
+                size = len(self.gens[w.gen].record.members)
+                if w.store.add(protocol.arrived_key(w.gen), 0) >= size:
+                    w.state = "ready"
+                    self._maybe_form(w.gen, now)
+            w.due, w.pause = now + w.pause, min(w.pause * 2, 0.02)
+
+    def _aborted(self, store: Any, g: int) -> bool:
+        key = protocol.abort_key(g)
+        if not store.check([key]):
+            return False
+        protocol.parse_abort(self.run, store.get(key), g)
+        return True
+
+    def _fault(self, w: SimWorker, phase: str) -> None:
+        w.report({"type": "fault", "generation": w.gen, "phase": phase, "step": self.step, "error": "simulated"})
+        w.state, w.after, w.due = "next", w.gen, 0.0
+
+    def _members(self, g: int) -> list[SimWorker]:
+        return [self.workers[m] for m in self.gens[g].record.members]
+
+    def _maybe_form(self, g: int, now: float) -> None:
+        members = self._members(g)
+        if any(m.state != "ready" or m.gen != g for m in members):
+            return
+        gen = self.gens[g]
+        gen.formed_at, gen.boundary, gen.control = now, now + self.spec.step_s, self.control_seq
+        self.training = g
+        for m in members:
+            m.state = "training"
+        for b in self.beaters:
+            b.put(("watch", g))
+        rank0 = members[0]
+        rank0.store.set(protocol.formed_key(g), "1")
+        rank0.report({"type": "formed", "generation": g, "members": gen.record.members, "step": self.step,
+                      "hold": gen.record.hold, "group_s": 0.0, "transfer_s": 0.0, "bytes": 0, "source": None,
+                      "receivers": [], "form_s": now - gen.formed_at, "time": time.time(),
+                      "exchange": None, "exchange_reason": None})
+        if self.last_report is not None:  # the most advanced member re-sends the last step record
+            rank0.report(self.last_report)
+
+    # -- the generation that trains -----------------------------------------------------------------
+    def _follow(self, now: float) -> None:
+        """Rank 0's heartbeat: follow the control sequence (verified, in order)."""
+        if now < self.follow_due:
+            return
+        self.follow_due = now + self.spec.heartbeat_interval_s
+        seq = protocol.parse_seq(self.control.get(protocol.CONTROL_SEQ_KEY)) or 0
+        while self.control_seq < seq:
+            n = self.control_seq + 1
+            self.commands[n] = protocol.parse_command(self.run, self.control.get(protocol.control_key(n)), n)
+            self.control_seq = n
+
+    def _train(self, now: float) -> None:
+        self._follow(now)
+        g = self.training
+        if g is None:
+            return
+        gen, members = self.gens[g], self._members(g)
+        alive = [m for m in members if m.state == "training" and not m.silent]
+        if len(alive) < len(members):
+            # A peer is gone: the collective breaks at once for an exit; a silent peer hangs it
+            # until the coordinator's abort flag (read by rank 0's heartbeat) tells the members.
+            exited = any(m.state == "gone" for m in members)
+            if not exited and now < self.abort_due:
+                return
+            self.abort_due = now + self.spec.heartbeat_interval_s
+            if exited or self._aborted(self.control, g):
+                self.training = None
+                for m in alive:
+                    self._fault(m, "step")
+            return
+        if now < gen.boundary:
+            return
+        self.applied.append(self.step)
+        self.step += 1
+        report = {"type": "step", "step": self.step - 1, "loss": 1.0 / self.step, "samples": len(gen.record.members),
+                  "step_time_s": self.spec.step_s, "workers": len(members), "generation": g,
+                  "vns": gen.record.assignment, "members": gen.record.members,
+                  "compute_s": [self.spec.step_s] * len(members), "vn_sizes": gen.record.vn_sizes, "time": time.time(),
+                  "metrics": {}, "grad_norm": None, "skipped": False, "loss_scale": None, "lr": 0.1,
+                  "peak_tflops": None, "stop_reason": None}
+        self.last_report = report
+        t_push = time.perf_counter()
+        members[0].report(report)
+        self.push_s.append(time.perf_counter() - t_push)
+        gen.boundary += self.spec.step_s
+        ops = [self.commands[n]["op"] for n in range(gen.control + 1, self.control_seq + 1)]
+        gen.control = self.control_seq
+        if self.step >= self.spec.total_steps or "stop" in ops:
+            for m in members:
+                m.report({"type": "done", "step": self.step, "rank": m.rank, "peak_rss_mib": 0.0,
+                          "peak_device_mib": None, "optimizer_bytes": 0, "replica_bytes": 0,
+                          "replica_refresh_s": 0.0, "redundant_forwards": {}})
+                self._exit(m, 0)
+            self.training = None
+        elif "regroup" in ops:
+            self.training = None
+            for m in members:
+                m.state, m.after, m.due = "next", g, 0.0
+
+
+def start_fleet(spec: FleetSpec, inbox: Any, outbox: Any, ctx: Any) -> tuple[list[Any], list[Any]]:
+    """The fleet in processes of ``ctx`` (``multiprocessing`` spawn): the client loop in one, its
+    beaters in ``spec.beaters`` others; returns them (started, daemons) and the beaters' queues,
+    which the caller keeps until the processes end (a queue collected here before a spawned child
+    has opened it is gone for the child)."""
+    boxes = [ctx.Queue() for _ in range(spec.beaters)]
+    procs = [ctx.Process(target=run_beater, args=(spec, box, outbox, f"beater{i}"), daemon=True)
+             for i, box in enumerate(boxes)]
+    procs.append(ctx.Process(target=run_client, args=(spec, inbox, outbox, boxes), daemon=True))
+    for p in procs:
+        p.start()
+    return procs, boxes
+
+
+def run_client(spec: FleetSpec, inbox: Any, outbox: Any, boxes: list[Any]) -> None:
+    FleetClient(spec, inbox, outbox, boxes).loop()
+
+
+def run_beater(spec: FleetSpec, inbox: Any, outbox: Any, name: str) -> None:  # (spawn needs named targets)
+    Beater(spec, inbox, outbox, name).loop()
+
+
+class SimLauncher:
+    """The controller's :class:`~virtualflow.control.membership.WorkerLauncher` over a fleet."""
+
+    def __init__(self, inbox: Any, outbox: Any) -> None:
+        self.inbox, self.outbox = inbox, outbox
+        self.codes: dict[int, int | None] = {}
+        self.stats: dict[str, dict[str, Any]] = {}
+        """The latest counts of the fleet's client and of each beater (after a ``("stats",)``)."""
+
+    def start_worker(self, worker_id: int) -> None:
+        self.codes[worker_id] = None
+        self.inbox.put(("start", worker_id))
+
+    def kill_worker(self, worker_id: int) -> str:
+        self.codes[worker_id] = -9
+        self.inbox.put(("kill", worker_id))
+        return "killed"
+
+    def poll(self) -> dict[int, int | None]:
+        while True:
+            try:
+                msg = self.outbox.get_nowait()
+            except queue.Empty:
+                return dict(self.codes)
+            if msg[0] == "exit" and self.codes.get(msg[1]) is None:
+                self.codes[msg[1]] = msg[2]
+            elif msg[0] == "stats":
+                self.stats[msg[1]] = msg[2]
+            elif msg[0] == "error":
+                raise RuntimeError(f"the fleet's {msg[1]} stopped: {msg[2]}")
+
+    def pid(self, worker_id: int) -> int:
+        return 100000 + worker_id
+
+
+@dataclass
+class ControlPlane:
+    """The coordinator's side: a real coordinator and membership controller over a fleet, run by
+    one monitor thread as the launcher runs them (see the module docstring). ``workers`` start
+    the job; ``virtual_nodes`` default to ``4 x workers`` (room to grow)."""
+
+    workers: int
+    inbox: Any
+    outbox: Any
+    run_dir: str | None = None
+    total_steps: int = 10**6
+    virtual_nodes: int | None = None
+    heartbeat_timeout_s: float = 3.0
+    counts: dict[str, float] = field(default_factory=dict)
+    latencies: dict[int, float] = field(default_factory=dict)
+    """Step -> seconds from its report's making (its ``time``) to the coordinator reading it (the
+    first time: a report re-sent after a regroup is not counted again)."""
+    tick_s: list[float] = field(default_factory=list)
+    """CPU seconds of each monitor loop (the monitor thread's own time)."""
+
+    def __post_init__(self) -> None:
+        self.coord = Coordinator(total_steps=self.total_steps, run_dir=self.run_dir)
+        self.coord.store = Counting(self.coord.store, self.counts)
+        self.launcher = SimLauncher(self.inbox, self.outbox)
+        options = vf.LaunchOptions(workers=self.workers, steps=self.total_steps,
+                                   heartbeat_timeout_s=self.heartbeat_timeout_s, step_timeout_s=600.0)
+        self.ctl = MembershipController(self.coord, self.launcher, options,
+                                        virtual_nodes=self.virtual_nodes or 4 * self.workers)
+        self.spec_fields = {"host": "127.0.0.1", "port": self.coord.port, "key": self.coord.run.key,
+                            "job": self.coord.job_id, "total_steps": self.total_steps}
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.status_bytes = 0
+
+    def start(self) -> None:
+        self.ctl.start()
+        self.thread = threading.Thread(target=self._monitor, name="control-plane", daemon=True)
+        self.thread.start()
+
+    def _monitor(self) -> None:
+        status_at = 0.0
+        try:
+            while not self._stop.is_set():
+                t_cpu = time.thread_time()
+                with self._lock:
+                    reports = self.coord.poll()
+                    now = time.time()
+                    for r in reports:
+                        if r["type"] == "step":
+                            self.latencies.setdefault(r["step"], now - r["time"])
+                    self.ctl.tick(reports)
+                    if time.monotonic() - status_at >= 0.5:
+                        status_at = time.monotonic()
+                        self.write_status()
+                self.tick_s.append(time.thread_time() - t_cpu)
+                time.sleep(0.01 if self.ctl.busy else 0.05)
+        except BaseException as exc:  # noqa: BLE001 - read by the caller
+            self.error = exc
+
+    def write_status(self) -> None:
+        """``status.json``'s per-worker part, as the launcher writes it (its worker table and the
+        recent step times); its size is what grows with the fleet."""
+        data = {"step": self.coord.progress.step, "generation": self.ctl.generation, "phase": self.ctl.phase.value,
+                "workers": self.ctl.worker_table(),
+                "recent_step_times_s": [h["step_time_s"] for h in self.coord.history[-10:]]}
+        if self.run_dir is not None:
+            path = os.path.join(self.run_dir, "status.json")
+            write_json(path, data)
+            self.status_bytes = os.path.getsize(path)
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn(*args)`` between two monitor loops (the controller has one actor at a time)."""
+        with self._lock:
+            return fn(*args)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if hasattr(self, "thread"):
+            self.thread.join(timeout=10)
+        self.coord.close()
+
+
+def in_process_fleet(plane: ControlPlane, step_s: float, beaters: int = 1,
+                     heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S, pool: int = 4) -> tuple[threading.Thread, list[Any]]:
+    """The fleet of ``plane`` as threads of this process (tests, small fleets; ``pool`` shared
+    connections, see :attr:`FleetSpec.pool`): returns the client thread and the beaters' threads
+    (stopped by a ``("stop",)`` in ``plane.inbox``)."""
+    spec = FleetSpec(step_s=step_s, heartbeat_interval_s=heartbeat_interval_s, beaters=beaters, pool=pool,
+                     **plane.spec_fields)
+    boxes: list[Any] = [queue.Queue() for _ in range(beaters)]
+    threads = [threading.Thread(target=Beater(spec, box, plane.outbox, f"beater{i}").loop, daemon=True)
+               for i, box in enumerate(boxes)]
+    client = threading.Thread(target=FleetClient(spec, plane.inbox, plane.outbox, boxes).loop, daemon=True)
+    for t in threads + [client]:
+        t.start()
+    return client, threads
