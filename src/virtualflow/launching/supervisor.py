@@ -260,6 +260,7 @@ class Supervisor:
                     raise outcome.worker_failure(self.coordinator.progress.errors, self.setup)
                 self.backend.serve(reports)
                 self.requests.take()
+                self.requests.observe(reports)  # a batch change's first step: its ``batch`` record
                 if self.stop_reason is not None and ctl.phase in (Phase.NEW, Phase.FORMING):
                     # No generation has formed, so no step boundary will come to stop at (the
                     # workers may never come: external ones): end now; nothing was trained.
@@ -278,7 +279,7 @@ class Supervisor:
                 if progress.state == "starting" and progress.step > self.setup.resume_step:
                     progress.state = "running"
                 if progress.done and self._all_exited():
-                    coord.poll()
+                    self.requests.observe(coord.poll())
                     self.backend.terminate_all()  # newcomers still starting, if any
                     self.result = outcome.collect_result(self.setup, self.coordinator, self.controller, self.autoscaler,
                                                          stop_reason=self.stop_reason,
@@ -357,6 +358,10 @@ class Supervisor:
     def request_resize(self, workers: int) -> None:
         """A resize asked in this process (:meth:`JobHandle.resize`); checked, then queued."""
         self.requests.ask(workers)
+
+    def request_batch(self, virtual_nodes: int, lr_rule: Any) -> None:
+        """A batch change asked in this process (:meth:`JobHandle.change_batch`); checked, then queued."""
+        self.requests.ask_batch(virtual_nodes, lr_rule)
 
     # -- results and records -----------------------------------------------------------------
     def status(self) -> dict[str, Any]:

@@ -7,7 +7,8 @@ The driver imports the job's target, builds and preflights it and starts its wor
 job's handle and the service over two pipes of JSON lines:
 
 - service -> driver (``CMD_FD``): the launch request first (target and launch options), then
-  ``resize``, ``slowdown``, ``stop`` and ``kill`` commands;
+  ``resize``, ``batch`` (:meth:`virtualflow.JobHandle.change_batch`), ``slowdown``, ``stop`` and
+  ``kill`` commands;
 - driver -> service (``MSG_FD``): ``building`` (the job's code runs from now on), ``started``, ``status`` (step, state, members, loss, the
   coordinator's recent step times: about
   five times a second while something changes, once a second otherwise), and one final
@@ -65,7 +66,7 @@ KINDS = ("building", "started", "status", "result", "error", "note")
 DRIVER_START_S = 120.0
 """How long a driver may take to start (its interpreter, torch, virtualflow: no job code yet)
 before it says it builds the job; ``launch_timeout_s`` counts from then."""
-OPS = ("resize", "slowdown", "stop", "kill")
+OPS = ("resize", "batch", "slowdown", "stop", "kill")
 
 
 class JobProcessError(RuntimeError):
@@ -294,6 +295,9 @@ class ChildJob:
     def resize(self, workers: int) -> None:
         self._send({"op": "resize", "workers": int(workers)})
 
+    def change_batch(self, virtual_nodes: int, lr_rule: Any) -> None:
+        self._send({"op": "batch", "virtual_nodes": int(virtual_nodes), "lr_rule": lr_rule})
+
     def set_slowdown(self, worker: int, factor: float) -> None:
         self._send({"op": "slowdown", "worker": int(worker), "factor": float(factor)})
 
@@ -459,6 +463,10 @@ def driver_main(cmd_fd: int, msg_fd: int) -> int:
                 pass
             elif cmd["op"] == "resize" and _int(cmd.get("workers")) is not None:
                 handle.resize(cmd["workers"])
+            elif cmd["op"] == "batch" and _int(cmd.get("virtual_nodes")) is not None:
+                rule = cmd.get("lr_rule")  # (JSON keys are strings: the job's {batch: multiplier} has ints)
+                handle.change_batch(cmd["virtual_nodes"], {int(b): m for b, m in rule.items()} if isinstance(rule, dict)
+                                    else rule)
             elif cmd["op"] == "slowdown" and _int(cmd.get("worker")) is not None and _finite(cmd.get("factor")):
                 handle.set_slowdown(cmd["worker"], cmd["factor"])
             elif cmd["op"] == "stop" and stopping is None:
