@@ -80,9 +80,6 @@ class ResizeRequests:
         first step not yet run when the workers read it, the rate by ``lr_rule``; checked (the
         rule as ``Job.lr_rule`` is), then queued behind the resizes asked before it."""
         job, step = self.job, self.coordinator.progress.step
-        if job.pipeline is not None:
-            raise ValueError(f"batch change to virtual_nodes={virtual_nodes} refused: a pipelined job (Job.pipeline) "
-                             f"keeps its batch")
         if self.lr_rule is not None and lr_rule != self.lr_rule:
             raise ValueError(f"batch change with lr_rule={lr_rule!r} refused: the run's rule is {self.lr_rule!r} "
                              f"(Job.lr_rule); one rule per run")

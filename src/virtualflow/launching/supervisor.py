@@ -19,6 +19,7 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from virtualflow.control.autoscale import Limits
 from virtualflow.control.autoscale_executor import AutoscaleExecutor
 from virtualflow.control.coordinator import Coordinator
 from virtualflow.launching import outcome
+from virtualflow.launching.composition import check_batch_schedule
 from virtualflow.launching.requests import ResizeRequests
 from virtualflow.plan.batch_schedule import batch_events
 from virtualflow.plan.flops import describe as describe_throughput, run_throughput
@@ -73,6 +75,8 @@ class RunSetup:
     autoscale_limits: Limits | None = None
     run_lock: RunLock | None = None
     """The run directory's lock (:class:`virtualflow.records.rundir.RunLock`), released when the run ends."""
+    streaming: bool = False
+    """The job's data plan streams (a batch change is refused then, as a batch schedule is)."""
 
 
 class ProgressRate:
@@ -360,7 +364,11 @@ class Supervisor:
         self.requests.ask(workers)
 
     def request_batch(self, virtual_nodes: int, lr_rule: Any) -> None:
-        """A batch change asked in this process (:meth:`JobHandle.change_batch`); checked, then queued."""
+        """A batch change asked in this process (:meth:`JobHandle.change_batch`); checked (what a
+        batch schedule does not combine with, as at launch), then queued."""
+        asked = SimpleNamespace(batch_schedule=[(self.coordinator.progress.step + 1, max(virtual_nodes, 1))],
+                                virtual_nodes=self.job.virtual_nodes, pipeline=self.job.pipeline)
+        check_batch_schedule(asked, self.setup.streaming, self.setup.options, 1)
         self.requests.ask_batch(virtual_nodes, lr_rule)
 
     # -- results and records -----------------------------------------------------------------
