@@ -134,8 +134,10 @@ class RoundPlay:
                      "the policy%s%s", sw.job_id, sw.slack_s, sw.workers, sw.acc_type,
                      "; shrinks " + ", ".join(f"job {j} to {to}" for j, _, to in sw.shrunk) if sw.shrunk else "",
                      "; preempts " + ", ".join(f"job {j}" for j in sw.preempted) if sw.preempted else "")
+        batches = {j: b for j, b in decision.batches.items() if slots.get(j) == decision.slots.get(j)}
         return (RoundDecision(decision.plan, actions, slots, decision.solved,
-                              decision.decision_s + time.perf_counter() - t0), {sw.job_id for sw in adm.swaps})
+                              decision.decision_s + time.perf_counter() - t0, batches=batches),
+                {sw.job_id for sw in adm.swaps})
 
     def check_deadlines(self, now: float) -> None:
         """Record one ``deadline_missed`` event for each unfinished job whose deadline has passed."""
