@@ -324,14 +324,14 @@ class RoundDecision:
     """Whether the policy was re-solved this round."""
     decision_s: float
     """Wall-clock seconds the decision took (policy + mechanism + diff)."""
-    batches: dict[int, int] = field(default_factory=dict)
-    """Running elastic-batch job -> the batch the policy gives it now, where that differs from the
-    one it was last given (``Allocation.info["batch_size"]``; a job that did not opt in never has
-    one): the service changes it in place (:meth:`virtualflow.JobHandle.change_batch`)."""
     fallback: str | None = None
     """Why the policy's allocation was not used this round (it failed to solve, or raised), or
     None. The scheduler then used :data:`FALLBACK_POLICY`, or, should that fail too, kept what
     runs and started nothing; the service records a ``policy_fallback`` event with this text."""
+    batches: dict[int, int] = field(default_factory=dict)
+    """Running elastic-batch job -> the batch the policy gives it now, where that differs from the
+    one it was last given (``Allocation.info["batch_size"]``; a job that did not opt in never has
+    one): the service changes it in place (:meth:`virtualflow.JobHandle.change_batch`)."""
 
 
 class Scheduler:
