@@ -57,6 +57,8 @@ class ResizeRequests:
         """The most workers the job may have (a batch change sets it to its V)."""
         self.in_flight: int | None = None
         """The V of the batch command issued whose first step is not known yet."""
+        self.issued_at = 0
+        """The steps recorded when it was issued (its first step is not before)."""
         self.taken: list[str] = []
         """The nonces of the last 20 requests from outside taken (``virtualflow resize --wait``)."""
         self.replay = auth.ReplayGuard()
@@ -146,6 +148,7 @@ class ResizeRequests:
         rule = lr_rule if isinstance(lr_rule, str) else {str(b): m for b, m in lr_rule.items()}
         self.coordinator.command("batch", virtual_nodes=virtual_nodes, lr_rule=json.dumps(rule))
         self.in_flight, self.lr_rule, self.vns = virtual_nodes, lr_rule, virtual_nodes
+        self.issued_at = self.coordinator.progress.step
         # later resizes are bounded by the new V, and their maps are of it
         ctl.V = ctl.speed_policy.V = virtual_nodes
         ctl.speed_policy.B = virtual_nodes * (self.job.global_batch_size // self.job.virtual_nodes)
@@ -159,7 +162,7 @@ class ResizeRequests:
         job = self.job
         n = job.global_batch_size // job.virtual_nodes
         for r in reports:
-            if r.get("type") == "step" and r["samples"] == self.in_flight * n:
+            if r.get("type") == "step" and r["step"] >= self.issued_at and r["samples"] == self.in_flight * n:
                 self.changes.append((r["step"], self.in_flight))
                 schedule = BatchSchedule(job.global_batch_size, job.virtual_nodes, tuple(self.changes), self.lr_rule)
                 self.coordinator.event("batch", **schedule.events()[-1])

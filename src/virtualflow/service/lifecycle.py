@@ -140,8 +140,8 @@ class JobLifecycle:
             run, cell = self.running.get(jid), rows[jid].batch
             if run is None or run.handle.done or cell is None:
                 continue
-            v = b // cell["vn_size"]
-            run.handle.change_batch(v, cell["lr_rule"])
+            v, rule = b // cell["vn_size"], cell["lr_rule"]
+            run.handle.change_batch(v, rule if isinstance(rule, str) else {int(k): float(m) for k, m in rule.items()})
             self.db.update_job(jid, batch={**cell, "now": b, "fewest": min(cell.get("fewest", v), v)})
             self.db.event("batch", jid, batch=b, virtual_nodes=v, previous=cell["now"])
             log.info("job %d: batch %d -> %d (%d virtual nodes of %d) from its next step", jid, cell["now"], b, v,
