@@ -155,3 +155,16 @@ def test_the_submit_options_parse_or_are_refused_in_one_line():
     cell = batch_cell((8, 64), "sqrt", 4, global_batch_size=16, virtual_nodes=4, min_workers=1, max_workers=4,
                       elastic=True)
     assert cell == CELL
+
+
+def test_submit_refuses_bad_elastic_batch_options_before_building_the_job(service):
+    from virtualflow.cli.cluster import check_submission
+
+    common = dict(steps=10, workers=None, elastic=True, min_workers=1, max_workers=2, priority=1.0, job_type=None,
+                  checkpoint_every=None)
+    with pytest.raises(ValueError, match=r"^--lr-rule is set but --batch-size-range is not"):
+        check_submission(service.dir, "jobs:make_job", lr_rule="sqrt", **common)
+    with pytest.raises(ValueError, match=r"^--batch-size-range '8' must be B_MIN:B_MAX"):
+        check_submission(service.dir, "jobs:make_job", batch_size_range="8", lr_rule="sqrt", **common)
+    with pytest.raises(ValueError, match=r"^--lr-rule '\{8: 1\}' must be linear, sqrt or a JSON object"):
+        check_submission(service.dir, "jobs:make_job", batch_size_range="8:64", lr_rule="{8: 1}", **common)
