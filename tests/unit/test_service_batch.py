@@ -168,3 +168,18 @@ def test_submit_refuses_bad_elastic_batch_options_before_building_the_job(servic
         check_submission(service.dir, "jobs:make_job", batch_size_range="8", lr_rule="sqrt", **common)
     with pytest.raises(ValueError, match=r"^--lr-rule '\{8: 1\}' must be linear, sqrt or a JSON object"):
         check_submission(service.dir, "jobs:make_job", batch_size_range="8:64", lr_rule="{8: 1}", **common)
+
+
+def test_a_round_measures_a_job_only_at_its_own_batch(service):
+    """The service's estimates are of the job's own batch (the policy fits the others from them):
+    the steps a job made at another batch are not folded in."""
+    s = service
+    a = add(s, elastic=True, max_workers=4, batch=CELL)
+    _decide(s, [Action("start", a, "v100", 2, ("v100-0", "v100-1"))], {})
+    s.running[a].samples = [(0.0, 0), (1.0, 10), (2.0, 20)]
+    s._end_round(2.0)
+    assert s.db.job(a).estimates == {"v100/2": 10.0}
+    s.db.update_job(a, batch={**CELL, "now": 64})
+    s.running[a].samples = [(2.0, 20), (3.0, 22), (4.0, 24)]
+    s._end_round(2.0)
+    assert s.db.job(a).estimates == {"v100/2": 10.0}

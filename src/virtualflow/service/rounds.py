@@ -239,7 +239,9 @@ class RoundPlay:
             received[run.acc_type] = received.get(run.acc_type, 0.0) + held_s
             fields: dict[str, Any] = {"received": received}
             s = run.samples
-            if len(s) >= 3 and s[-1][1] - s[0][1] >= 2 and s[-1][0] > s[0][0]:
+            # (the estimates are of the job's own batch, from which the elastic_batch policy fits the others)
+            own = row.batch is None or row.batch["now"] == row.batch["base"]
+            if own and len(s) >= 3 and s[-1][1] - s[0][1] >= 2 and s[-1][0] > s[0][0]:
                 rate = (s[-1][1] - s[0][1]) / (s[-1][0] - s[0][0])
                 fields["estimates"] = update_estimates(row.estimates, run.acc_type, run.workers, rate)
                 self.db.event("throughput", jid, acc_type=run.acc_type, workers=run.workers, steps_per_s=rate)
