@@ -1,6 +1,6 @@
 """A running job as the user holds it: :class:`JobHandle`.
 
-``status()``, ``resize()``, ``wait()``, ``stop()``, ``kill()`` and ``set_slowdown()`` (emulation).
+``status()``, ``resize()``, ``change_batch()``, ``wait()``, ``stop()``, ``kill()`` and ``set_slowdown()`` (emulation).
 The work is done by the job's :class:`~virtualflow.launching.supervisor.Supervisor` (the monitor loop in a
 thread of this process); the handle is its public face.
 """
@@ -112,6 +112,18 @@ class JobHandle:
                 raise TimeoutError(f"resize to {workers} workers not done after {timeout_s} s "
                                    f"(generation {ctl.generation}, {len(ctl.members)} members)")
             time.sleep(0.02)
+
+    def change_batch(self, virtual_nodes: int, lr_rule: Any) -> None:
+        """Change the global batch to ``virtual_nodes`` VNs of the same size, in place: every
+        worker takes it at the same step boundary, from the first step not yet run, with the
+        learning rate times ``lr_rule``'s multiplier (``"linear"``, ``"sqrt"`` or ``{batch:
+        multiplier}``, relative to the job's own batch, as ``Job.lr_rule``). The step it applied at
+        is written to ``events.jsonl`` as a ``batch`` record once a worker has run it. A smaller V
+        than the workers waits for a resize asked before it; resize after a larger one."""
+        sup = self._sup
+        if sup.finished.is_set():
+            raise RuntimeError(f"the job has {self.coordinator.progress.state}; its batch cannot change")
+        sup.request_batch(virtual_nodes, lr_rule)
 
     def set_slowdown(self, worker: int, factor: float) -> None:
         """Emulation: make worker ``worker`` ``factor`` times slower from the next step boundary

@@ -119,6 +119,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="when the job should be done: a duration after submission (30m, 2h, 1h30m, 5400 seconds) "
                          "or an ISO time (2026-11-25T18:00, local time without a zone); a job that would miss it "
                          "if it waited another round gets priority (earliest deadline first)")
+    sb.add_argument("--batch-size-range", default=None, metavar="B_MIN:B_MAX",
+                    help="let the scheduler change the job's global batch to any multiple of its samples per "
+                         "virtual node in this range (the elastic_batch policy; changed in place at a step boundary); "
+                         "only for a job that reaches its accuracy at every batch of the range")
+    sb.add_argument("--lr-rule", default=None, metavar="RULE",
+                    help="with --batch-size-range: the learning rate at batch B relative to the job's own batch: "
+                         "linear, sqrt or a JSON {\"batch\": multiplier} object")
+    sb.add_argument("--vn-size", type=int, default=None, metavar="N",
+                    help="with --batch-size-range: samples per virtual node (checked: the job's own)")
     sb.set_defaults(func=submit)
 
     q = sub.add_parser("queue", help="the jobs of a cluster: state, placement, progress, JCT")
@@ -369,7 +378,7 @@ def _probe_child(job: str, result: str, output: str) -> None:
 
         built = build_job(job, job)  # imports the file and calls the function
         found: dict[str, Any] = {"name": str(built.name), "virtual_nodes": int(built.virtual_nodes),
-                                 "target": source_from(job).target}
+                                 "global_batch_size": int(built.global_batch_size), "target": source_from(job).target}
     except SystemExit as exc:
         found = {"error": f"the job {job!r} called sys.exit({exc.code!r}) while the file was imported or its function "
                           f"called; nothing was queued (a job file defines its job function, it does not exit)"}
@@ -387,7 +396,8 @@ def _probe_child(job: str, result: str, output: str) -> None:
 def check_submission(cluster_dir: str, job: str, *, steps: int, workers: int | None, elastic: bool,
                      min_workers: int | None, max_workers: int | None, priority: float, job_type: str | None,
                      checkpoint_every: int | None, deadline: str | None = None,
-                     now: float | None = None) -> dict[str, Any]:
+                     now: float | None = None, batch_size_range: str | None = None, lr_rule: str | None = None,
+                     vn_size: int | None = None) -> dict[str, Any]:
     """Every check of a submission, before anything is written; returns the row's fields
     (``now``: the submission time, what a ``deadline`` duration counts from), ``target`` among
     them. The job is imported and built in a child process (:func:`probe_job`)."""
@@ -449,8 +459,19 @@ def check_submission(cluster_dir: str, job: str, *, steps: int, workers: int | N
     elif not 1 <= checkpoint_every <= steps:
         raise ValueError(f"--checkpoint-every {checkpoint_every} must be between 1 and --steps {steps} (a longer "
                          f"interval never checkpoints before the job ends)")
+    from virtualflow.service.batch import batch_cell, parse_range, parse_rule
+
+    rng = parse_range(batch_size_range) if batch_size_range is not None else None
+    rule = parse_rule(lr_rule) if lr_rule is not None else None
+    if rng is None and (rule is not None or vn_size is not None):
+        batch_cell(None, rule, vn_size, global_batch_size=1, virtual_nodes=1, min_workers=lo, max_workers=hi,
+                   elastic=elastic)  # refused before the job is built
     built = probe_job(job)  # its errors (and an exit from the job's own code) are reported now
     V = built["virtual_nodes"]
+    batch = batch_cell(rng, rule, vn_size, global_batch_size=built.get("global_batch_size", V), virtual_nodes=V,
+                       min_workers=lo, max_workers=hi, elastic=elastic)
+    if batch is not None:  # an elastic batch: up to a VN per worker at its largest batch (grown in place)
+        V = batch["range"][1] // batch["vn_size"]
     if hi > V:
         raise ValueError(f"{'--max-workers' if elastic else '--workers'} {hi} is more than the job's virtual_nodes={V}"
                          f": every worker needs at least one virtual node")
@@ -460,7 +481,8 @@ def check_submission(cluster_dir: str, job: str, *, steps: int, workers: int | N
     if not name or name == DEFAULT_JOB_NAME:  # Job.name left as it is: the file (and function) tell jobs apart
         name = default_name(built["target"])
     return dict(name=name, target=built["target"], steps=steps, elastic=elastic, min_workers=lo, max_workers=hi,
-                priority=priority, job_type=job_type, checkpoint_every=checkpoint_every, deadline_s=deadline_s)
+                priority=priority, job_type=job_type, checkpoint_every=checkpoint_every, deadline_s=deadline_s,
+                batch=batch)
 
 
 def submit(args: argparse.Namespace) -> int:
@@ -468,7 +490,8 @@ def submit(args: argparse.Namespace) -> int:
     fields = check_submission(args.dir, args.job, steps=args.steps, workers=args.workers, elastic=args.elastic,
                               min_workers=args.min_workers, max_workers=args.max_workers, priority=args.priority,
                               job_type=args.job_type, checkpoint_every=args.checkpoint_every, deadline=args.deadline,
-                              now=now)
+                              now=now, batch_size_range=args.batch_size_range, lr_rule=args.lr_rule,
+                              vn_size=args.vn_size)
     db = ClusterDB(args.dir)
     job_id = db.add_job(deterministic=args.deterministic, now=now, **fields)
     shape = (f"elastic {fields['min_workers']}-{fields['max_workers']} workers" if args.elastic

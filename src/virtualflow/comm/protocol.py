@@ -7,7 +7,7 @@ Control plane only; tensors travel over process groups. Keys:
 * ``vf/generation``            number of the latest membership generation (decimal string)
 * ``vf/gen/<g>``               signed :class:`GenerationRecord` of generation ``g``
 * ``vf/control/seq``           number of the latest control command (0: none; a plain counter)
-* ``vf/control/<n>``           signed command ``n`` (``stop``, ``regroup``, ``slowdown``)
+* ``vf/control/<n>``           signed command ``n`` (``stop``, ``regroup``, ``slowdown``, ``batch``)
 * ``vf/member/<w>/next/<g>``   signed: where worker ``w`` goes after generation ``g`` ends
                                (planned or broken): the next generation number, or
                                ``leave <g'>``/``fail``. ``g = -1`` is a newcomer's entry point.
@@ -176,6 +176,7 @@ COMMANDS: dict[str, dict[str, Any]] = {
     "stop": {},
     "regroup": {"generation": INT},
     "slowdown": {"worker": INT, "factor": NUM},
+    "batch": {"virtual_nodes": INT, "lr_rule": STR},
 }
 GENERATION = {"generation": INT, "members": LIST(INT), "assignment": LIST(LIST(INT)), "start_step": INT,
               "hold": BOOL, "reason": STR, "vn_sizes": OPT(LIST(INT)), "layout": OPT(LIST(LIST(INT)))}

@@ -145,7 +145,7 @@ def prepare(job: JobLike, opts: LaunchOptions) -> Iterator[RunSetup]:
             assignment=assignment,
             run_dir=run_dir, state_dir=state_dir, own_state_dir=run_dir is None, threads=threads,
             resume_path=resume_path, resume_step=resume_step, token=token, token_path=token_path,
-            autoscale=policy, autoscale_limits=limits, run_lock=lock,
+            autoscale=policy, autoscale_limits=limits, run_lock=lock, streaming=isinstance(plan, StreamPlan),
         )
     except BaseException:
         if lock is not None:

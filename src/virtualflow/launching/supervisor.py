@@ -19,6 +19,7 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from virtualflow.control.autoscale import Limits
 from virtualflow.control.autoscale_executor import AutoscaleExecutor
 from virtualflow.control.coordinator import Coordinator
 from virtualflow.launching import outcome
+from virtualflow.launching.composition import check_batch_schedule
 from virtualflow.launching.requests import ResizeRequests
 from virtualflow.plan.batch_schedule import batch_events
 from virtualflow.plan.flops import describe as describe_throughput, run_throughput
@@ -73,6 +75,8 @@ class RunSetup:
     autoscale_limits: Limits | None = None
     run_lock: RunLock | None = None
     """The run directory's lock (:class:`virtualflow.records.rundir.RunLock`), released when the run ends."""
+    streaming: bool = False
+    """The job's data plan streams (a batch change is refused then, as a batch schedule is)."""
 
 
 class ProgressRate:
@@ -260,6 +264,7 @@ class Supervisor:
                     raise outcome.worker_failure(self.coordinator.progress.errors, self.setup)
                 self.backend.serve(reports)
                 self.requests.take()
+                self.requests.observe(reports)  # a batch change's first step: its ``batch`` record
                 if self.stop_reason is not None and ctl.phase in (Phase.NEW, Phase.FORMING):
                     # No generation has formed, so no step boundary will come to stop at (the
                     # workers may never come: external ones): end now; nothing was trained.
@@ -278,7 +283,7 @@ class Supervisor:
                 if progress.state == "starting" and progress.step > self.setup.resume_step:
                     progress.state = "running"
                 if progress.done and self._all_exited():
-                    coord.poll()
+                    self.requests.observe(coord.poll())
                     self.backend.terminate_all()  # newcomers still starting, if any
                     self.result = outcome.collect_result(self.setup, self.coordinator, self.controller, self.autoscaler,
                                                          stop_reason=self.stop_reason,
@@ -357,6 +362,14 @@ class Supervisor:
     def request_resize(self, workers: int) -> None:
         """A resize asked in this process (:meth:`JobHandle.resize`); checked, then queued."""
         self.requests.ask(workers)
+
+    def request_batch(self, virtual_nodes: int, lr_rule: Any) -> None:
+        """A batch change asked in this process (:meth:`JobHandle.change_batch`); checked (what a
+        batch schedule does not combine with, as at launch), then queued."""
+        asked = SimpleNamespace(batch_schedule=[(self.coordinator.progress.step + 1, max(virtual_nodes, 1))],
+                                virtual_nodes=self.job.virtual_nodes, pipeline=self.job.pipeline)
+        check_batch_schedule(asked, self.setup.streaming, self.setup.options, 1)
+        self.requests.ask_batch(virtual_nodes, lr_rule)
 
     # -- results and records -----------------------------------------------------------------
     def status(self) -> dict[str, Any]:

@@ -135,6 +135,17 @@ class DataPlan:
         n = self.vn_batch_size
         self.virtual_nodes, self.global_batch_size, self._offsets = virtual_nodes, virtual_nodes * n, None
 
+    def set_schedule(self, schedule: BatchSchedule) -> None:
+        """A batch change asked while the run goes on (the cluster service's): the positions
+        follow ``schedule`` from now on. Its changes up to the steps already read must be the
+        plan's (a change is appended for a step not yet run); steps read ahead are dropped."""
+        largest = max(b for _, b in schedule.segments)
+        if self.dataset_size < largest:
+            raise ValueError(f"a batch change to global batch {largest} is more than the dataset's {self.dataset_size} "
+                             f"samples; an epoch needs at least one full global batch (the change's virtual_nodes)")
+        self.schedule, self._positions = schedule, SchedulePositions(self.dataset_size, schedule)
+        self._steps.clear()
+
     @property
     def steps_per_epoch(self) -> int:
         return self.dataset_size // self.global_batch_size

@@ -12,6 +12,12 @@ step's batch is applied around the optimizer's step only (a pre- and a post-hook
 ``lr`` is multiplied before ``optimizer.step()`` and put back, bit for bit, right after it, so an
 LR scheduler keeps stepping the unscaled rate.
 
+A change asked while the run goes on (the cluster service's, through a ``batch`` control
+command: :func:`changed`) is appended to the schedule at the step boundary where every member
+reads the command, so it applies from the first step not yet run, as a change written in
+``Job.batch_schedule`` for that step would; a member that joins later receives the changes from
+the member the state comes from (:func:`adopt_changes`).
+
 Invariants: a generation formed at step ``s`` runs the V of step ``s`` (a member joining after a
 change runs the changed V); a checkpoint records the changes its steps ran
 (:meth:`ScheduledBatch.state_entries`) and a resume whose job's schedule differs there is refused.
@@ -19,10 +25,12 @@ change runs the changed V); a checkpoint records the changes its steps ran
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+import json
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
+from virtualflow.comm.groups import Group
 from virtualflow.plan.batch_schedule import BatchSchedule, check_recorded
 from virtualflow.plan.data import DataPlan
 from virtualflow.plan.vnmap import contiguous_assignment
@@ -30,7 +38,7 @@ from virtualflow.plan.vnmap import contiguous_assignment
 if TYPE_CHECKING:
     from virtualflow.runtime.engine import VNEngine
 
-__all__ = ["OneBatch", "ScheduledBatch", "batch_of"]
+__all__ = ["OneBatch", "ScheduledBatch", "adopt_changes", "batch_of", "changed", "parse_rule"]
 
 
 class OneBatch:
@@ -112,3 +120,59 @@ class ScheduledBatch:
 def batch_of(plan: DataPlan, optimizer: torch.optim.Optimizer) -> OneBatch | ScheduledBatch:
     """The engine's batch behaviour, chosen once from the plan's schedule."""
     return OneBatch() if plan.schedule is None else ScheduledBatch(plan.schedule, optimizer)
+
+
+def parse_rule(text: str) -> str | dict[int, float]:
+    """A ``batch`` command's ``lr_rule`` (JSON text): ``"linear"``, ``"sqrt"`` or ``{batch: multiplier}``."""
+    rule = json.loads(text)
+    return {int(b): float(m) for b, m in rule.items()} if isinstance(rule, Mapping) else rule
+
+
+def changed(batch: OneBatch | ScheduledBatch, plan: DataPlan, optimizer: torch.optim.Optimizer, step: int,
+            virtual_nodes: int, lr_rule: Any) -> ScheduledBatch:
+    """``batch`` with the change ``(step, virtual_nodes)`` appended (``step``: the first step not
+    yet run), the learning rate following ``lr_rule``; the plan's positions follow it. A job
+    without a schedule gets one whose base is its own batch (the plan's, never changed before)."""
+    if isinstance(batch, ScheduledBatch):
+        old = batch.schedule
+        schedule = BatchSchedule(old.base_batch, old.base_vns, (*old.changes, (step, virtual_nodes)), lr_rule)
+    else:
+        schedule = BatchSchedule(plan.global_batch_size, plan.virtual_nodes, ((step, virtual_nodes),), lr_rule)
+    return _with_schedule(batch, plan, optimizer, schedule, step)
+
+
+def adopt_changes(batch: OneBatch | ScheduledBatch, plan: DataPlan, optimizer: torch.optim.Optimizer, group: Group,
+                  src: int, behind: Sequence[int], step: int, device: torch.device) -> OneBatch | ScheduledBatch:
+    """A generation forming with the ranks ``behind`` receiving the state from rank ``src``: they
+    take ``src``'s schedule (changes asked while the run went on are in no job's knobs), as JSON
+    bytes in two broadcasts every member enters. Returns the batch this member runs."""
+    mine = b""
+    if group.rank == src and isinstance(batch, ScheduledBatch):
+        s = batch.schedule
+        rule = s.lr_rule if isinstance(s.lr_rule, str) else {str(b): m for b, m in s.lr_rule.items()}
+        mine = json.dumps([s.base_batch, s.base_vns, [list(c) for c in s.changes], rule]).encode()
+    size = torch.tensor([len(mine)], dtype=torch.int64, device=device)
+    group.broadcast(size, src)
+    n = int(size.item())
+    if not n:
+        return batch
+    data = (torch.tensor(list(mine), dtype=torch.uint8) if group.rank == src else torch.zeros(n, dtype=torch.uint8))
+    data = data.to(device)
+    group.broadcast(data, src)
+    if group.rank not in behind:
+        return batch  # the source, or a member at the target step: it ran the same changes
+    base_batch, base_vns, changes, rule = json.loads(bytes(data.cpu().tolist()).decode())
+    return _with_schedule(batch, plan, optimizer, BatchSchedule(base_batch, base_vns, tuple(map(tuple, changes)),
+                                                                parse_rule(json.dumps(rule))), step)
+
+
+def _with_schedule(batch: OneBatch | ScheduledBatch, plan: DataPlan, optimizer: torch.optim.Optimizer,
+                   schedule: BatchSchedule, step: int) -> ScheduledBatch:
+    """``batch`` running ``schedule`` from ``step`` on (the plan's positions follow it)."""
+    plan.set_schedule(schedule)
+    if isinstance(batch, ScheduledBatch):
+        batch.schedule = schedule
+        return batch
+    out = ScheduledBatch(schedule, optimizer)
+    out._last = step - 1
+    return out

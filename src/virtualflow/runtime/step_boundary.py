@@ -27,6 +27,7 @@ import torch
 from virtualflow.comm import protocol
 from virtualflow.comm.groups import Group
 from virtualflow.config.job import Job
+from virtualflow.runtime.batch_change import parse_rule
 from virtualflow.runtime.channel import Reporter
 from virtualflow.runtime.checkpoint import prune_state_files, save_state
 from virtualflow.runtime.dcp import SUFFIX, DcpSaver, Piece, write_rank
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from virtualflow.runtime.callbacks import Callbacks
     from virtualflow.runtime.engines import Engine
 
-__all__ = ["WorkerBoundary", "checkpoint_path", "evaluate", "job_identity"]
+__all__ = ["WorkerBoundary", "apply_commands", "checkpoint_path", "evaluate", "job_identity"]
 
 
 def checkpoint_path(state_dir: str, step: int, suffix: str = ".pt") -> str:
@@ -148,3 +149,14 @@ class WorkerBoundary:
         self.last_eval_step = step
         if self.callbacks is not None:
             self.callbacks.evaluated(step, metrics)
+
+
+def apply_commands(engine: Engine, commands: list[dict[str, Any]], worker: int, step: int) -> None:
+    """The control commands every member read at the boundary before ``step`` that act on the
+    engine: a ``slowdown`` of this ``worker``, a ``batch`` change (V from ``step`` on, the rate
+    by its rule: :func:`virtualflow.runtime.batch_change.changed`)."""
+    for c in commands:
+        if c["op"] == "slowdown" and c["worker"] == worker:
+            engine.slowdown = float(c["factor"])
+        elif c["op"] == "batch":
+            engine.change_batch(step, int(c["virtual_nodes"]), parse_rule(c["lr_rule"]))  # type: ignore[attr-defined]

@@ -25,7 +25,7 @@ import torch
 
 from virtualflow.comm.groups import Group
 from virtualflow.plan.data import DataPlan
-from virtualflow.runtime.batch_change import batch_of
+from virtualflow.runtime.batch_change import adopt_changes, batch_of, changed
 from virtualflow.runtime.engine import StepOutcome, VNEngine
 from virtualflow.runtime.checkpoint import shared_names
 from virtualflow.runtime.dcp import Piece, model_pieces
@@ -187,9 +187,22 @@ class VNWorkerEngine:
             moved = self.models.transfer(group, joining.src, joining.behind, joining.progress, joining.state_point)
             t_transfer = time.perf_counter() - t1
             joining.transferring = False
+        if joining.behind:  # changes asked while the run went on reach the members behind
+            self.batch = adopt_changes(self.batch, vn.plan, vn.optimizer, group, joining.src, joining.behind,
+                                       joining.target, vn.device)
         vn.plan.set_vn_sizes(record.vn_sizes)
         vn.set_membership(group, self.batch.assignment(vn.plan, joining.target, group.size, record.assignment))
         return moved, t_transfer
+
+    def change_batch(self, step: int, virtual_nodes: int, lr_rule: Any) -> None:
+        """A batch change asked while the run goes on (a ``batch`` command every member read at the
+        boundary before ``step``): ``virtual_nodes`` from ``step`` on, the rate by ``lr_rule``."""
+        self.batch = changed(self.batch, self.vn.plan, self.vn.optimizer, step, virtual_nodes, lr_rule)
+
+    @property
+    def step_samples(self) -> int:
+        """The global batch of the step last begun (what its step record counts)."""
+        return self.vn.plan.global_batch_size
 
     def step(self, step: int, control: int | Callable[[], int] = 0) -> StepOutcome:
         self.batch.before_step(self.vn, step)  # a batch schedule's change takes effect at this boundary

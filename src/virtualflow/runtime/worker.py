@@ -86,7 +86,7 @@ from virtualflow.runtime.engines import Engine, Joining, Successor
 from virtualflow.runtime.factory import build_engine
 from virtualflow.runtime.faults import WorkerFaults
 from virtualflow.runtime.failure_report import failing_step, peak_device_mib, peak_rss_mib, report_failure
-from virtualflow.runtime.step_boundary import WorkerBoundary, checkpoint_path
+from virtualflow.runtime.step_boundary import WorkerBoundary, apply_commands, checkpoint_path
 from virtualflow.runtime.trace_window import StepProfiler
 from virtualflow.runtime.transfer import Progress, agree_progress
 from virtualflow.runtime.worker_config import WorkerConfig
@@ -436,7 +436,7 @@ class Worker:
         """Step ``step``'s record for the coordinator (its time and a callback's stop are filled in
         at the step's end)."""
         report = {
-            "type": "step", "step": step, "loss": outcome.loss, "samples": self.job.global_batch_size,
+            "type": "step", "step": step, "loss": outcome.loss, "samples": getattr(self.engine, "step_samples", self.job.global_batch_size),
             "step_time_s": 0.0, "workers": size, "generation": record.generation,
             "vns": record.assignment, "members": record.members, "compute_s": outcome.compute_s,
             "vn_sizes": record.vn_sizes,
@@ -501,9 +501,7 @@ class Worker:
             if outcome.control > self.progress.control:
                 commands = [self._command(n) for n in range(self.progress.control + 1, outcome.control + 1)]
                 ops = [c["op"] for c in commands]
-                for c in commands:
-                    if c["op"] == "slowdown" and c["worker"] == self.id:
-                        engine.slowdown = float(c["factor"])
+                apply_commands(engine, commands, self.id, step)  # slowdowns, batch changes from this step
                 self.progress = Progress(step=step, control=outcome.control)
                 if "stop" in ops:
                     return "stop"

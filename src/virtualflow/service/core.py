@@ -47,12 +47,13 @@ import numpy as np
 from virtualflow.cluster.mechanism import MechanismConfig, RoundMechanism, RoundPlan
 from virtualflow.cluster.model import Cluster, JobSpec
 from virtualflow.cluster.policies.base import Policy, PolicyInput
+from virtualflow.cluster.policies.elastic_batch import BATCH_KEY
 from virtualflow.cluster.policies.greedy import Fifo
 from virtualflow.cluster.throughputs import ThroughputTable
 
 __all__ = ["PRIOR_STEPS_PER_S", "JobView", "base_rate", "prior_rate", "Action", "RoundDecision", "Scheduler", "type_slowdowns",
            "slot_names", "estimate", "update_estimates", "diff_actions", "recovery_action", "parse_slowdowns",
-           "MECHANISMS", "mechanism_knobs", "mechanism_of", "FALLBACK_POLICY"]
+           "MECHANISMS", "mechanism_knobs", "mechanism_of", "FALLBACK_POLICY", "batch_changes", "batch_fields"]
 
 MECHANISMS = ("default", "lease_first", "gavel")
 """Round mechanics a cluster can be started with: this virtualflow's defaults (what ``virtualflow
@@ -174,6 +175,9 @@ class JobView:
     """(type, workers) it runs on now, or None."""
     slots: tuple[str, ...] = ()
     """The slots it holds now."""
+    batch: dict | None = None
+    """An elastic-batch job's batch (:attr:`virtualflow.service.rows.JobRow.batch`: its own, the
+    per-VN size, the range, the rule and the batch it was last given); None: it keeps its batch."""
 
 
 def base_rate(view: JobView) -> float | None:
@@ -324,6 +328,10 @@ class RoundDecision:
     """Why the policy's allocation was not used this round (it failed to solve, or raised), or
     None. The scheduler then used :data:`FALLBACK_POLICY`, or, should that fail too, kept what
     runs and started nothing; the service records a ``policy_fallback`` event with this text."""
+    batches: dict[int, int] = field(default_factory=dict)
+    """Running elastic-batch job -> the batch the policy gives it now, where that differs from the
+    one it was last given (``Allocation.info["batch_size"]``; a job that did not opt in never has
+    one): the service changes it in place (:meth:`virtualflow.JobHandle.change_batch`)."""
 
 
 class Scheduler:
@@ -341,6 +349,8 @@ class Scheduler:
         self.drift = drift
         self.mechanism = RoundMechanism(self.cluster, mechanism or MechanismConfig(round_s=round_s, start_cost_s=0.0))
         self._solved_for: tuple[int, ...] | None = None
+        self._batches: dict[int, int] = {}
+        """The last solution's batches (``Allocation.info["batch_size"]``), job id -> batch."""
         self._solved_T: dict[tuple[int, str, int], float] = {}
 
     def table(self, views: list[JobView]) -> ThroughputTable:
@@ -390,7 +400,7 @@ class Scheduler:
             table = self.table(active)
             specs = [JobSpec(job_id=v.job_id, job_type=f"job-{v.job_id}", scale_factor=v.max_workers,
                              min_gpus=v.min_workers if v.elastic else None, total_steps=float(v.steps),
-                             weight=v.priority, arrival_s=max(v.arrival_s, 0.0)) for v in active]
+                             weight=v.priority, arrival_s=max(v.arrival_s, 0.0), **batch_fields(v)) for v in active]
             types = self.cluster.types
             inp = PolicyInput(jobs=specs, cluster=self.cluster, table=table, time_s=max(now_s, 0.0),
                               steps_done=np.array([min(v.steps_done, v.steps) for v in active], dtype=float),
@@ -415,6 +425,7 @@ class Scheduler:
                     return RoundDecision(plan, actions, slots, True, time.perf_counter() - t0, fallback)
                 fallback += f"; this allocation is {FALLBACK_POLICY.name}'s (first come, first served)"
             self._solved_for = tuple(sorted(v.job_id for v in active))
+            self._batches = {jid: int(b) for jid, b in (alloc.info or {}).get(BATCH_KEY, {}).items()}
             prior = prior_rate(active)
             self._solved_T = {(v.job_id, t, g): estimate(v, t, g, prior) for v in active for t in types
                               for g in {alloc.gpus.get(v.job_id, v.max_workers)} if g <= self.slots[t]}
@@ -422,7 +433,8 @@ class Scheduler:
         plan = self.mechanism.plan_round({v.job_id for v in active})
         placements = {jid: (p.acc_type, p.gpus) for jid, p in plan.placements.items()}
         actions, slots = diff_actions(views, placements, self.slots, pinned)
-        return RoundDecision(plan, actions, slots, solved, time.perf_counter() - t0, fallback)
+        return RoundDecision(plan, actions, slots, solved, time.perf_counter() - t0,
+                             batches=batch_changes(views, actions, slots, self._batches), fallback=fallback)
 
     def end_round(self) -> None:
         self.mechanism.end_round()
@@ -430,6 +442,32 @@ class Scheduler:
     def finished(self, job_id: int) -> None:
         """The job left the cluster (done, failed, cancelled): its lease and counters go."""
         self.mechanism.stop(job_id)
+
+
+def batch_fields(view: JobView) -> dict:
+    """The :class:`~virtualflow.cluster.model.JobSpec` batch fields of an elastic-batch job (its
+    own batch, the rule relative to it), none for a job that keeps its batch."""
+    b = view.batch
+    if b is None:
+        return {}
+    rule = b["lr_rule"] if isinstance(b["lr_rule"], str) else {int(k): float(m) for k, m in b["lr_rule"].items()}
+    return dict(batch_size=b["base"], vn_size=b["vn_size"], batch_size_range=tuple(b["range"]), lr_rule=rule)
+
+
+def batch_changes(views: list[JobView], actions: list[Action], slots: dict[int, tuple[str, ...]],
+                  decided: dict[int, int]) -> dict[int, int]:
+    """The batches to change in place this round: an elastic-batch job that runs before and after
+    the round (not started, moved or preempted by it) whose decided batch differs from the one it
+    was last given, and whose workers after the round each have a virtual node at that batch."""
+    moved = {a.job_id for a in actions if a.kind != "resize"}
+    out = {}
+    for v in views:
+        b = decided.get(v.job_id)
+        if (v.batch is None or b is None or v.running is None or v.job_id in moved or v.job_id not in slots
+                or b == v.batch["now"] or b // v.batch["vn_size"] < len(slots[v.job_id])):
+            continue
+        out[v.job_id] = b
+    return out
 
 
 def _replace(view: JobView, **fields: object) -> JobView:

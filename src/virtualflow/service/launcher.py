@@ -7,7 +7,8 @@ The driver imports the job's target, builds and preflights it and starts its wor
 job's handle and the service over two pipes of JSON lines:
 
 - service -> driver (``CMD_FD``): the launch request first (target and launch options), then
-  ``resize``, ``slowdown``, ``stop`` and ``kill`` commands;
+  ``resize``, ``batch`` (:meth:`virtualflow.JobHandle.change_batch`), ``slowdown``, ``stop`` and
+  ``kill`` commands;
 - driver -> service (``MSG_FD``): ``building`` (the job's code runs from now on), ``started``, ``status`` (step, state, members, loss, the
   coordinator's recent step times: about
   five times a second while something changes, once a second otherwise), and one final
@@ -35,6 +36,7 @@ A restarted service only ever signals a process that carries its job's marker (r
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -54,7 +56,7 @@ from virtualflow.backends.orphans import MARKER_ENV, is_job_process, job_process
 log = logging.getLogger(__name__)
 
 __all__ = ["MARKER_ENV", "ChildJob", "ChildResult", "JobProcessError", "describe_exit", "is_job_process",
-           "job_processes", "start_time_s", "parse_message"]
+           "job_processes", "job_with_batch", "start_time_s", "parse_message"]
 
 
 MAX_LINE = 1 << 20
@@ -65,7 +67,7 @@ KINDS = ("building", "started", "status", "result", "error", "note")
 DRIVER_START_S = 120.0
 """How long a driver may take to start (its interpreter, torch, virtualflow: no job code yet)
 before it says it builds the job; ``launch_timeout_s`` counts from then."""
-OPS = ("resize", "slowdown", "stop", "kill")
+OPS = ("resize", "batch", "slowdown", "stop", "kill")
 
 
 class JobProcessError(RuntimeError):
@@ -150,6 +152,7 @@ class ChildJob:
                  launch_timeout_s: float = 60.0, env: dict[str, str] | None = None) -> None:
         self.target, self.marker, self.log_path = target, marker, log_path
         self.options = dict(options)
+        batch = self.options.pop("batch", None)  # a resumed elastic-batch job's recorded changes
         self.launch_timeout_s = launch_timeout_s
         self.launched_s = time.monotonic()
         self._status: dict[str, Any] = {"state": "launching", "step": None, "workers": [], "loss": None}
@@ -178,7 +181,7 @@ class ChildJob:
             os.close(msg_w)
         self._cmd = os.fdopen(cmd_w, "wb", buffering=0)
         self._msgs = os.fdopen(msg_r, "rb")
-        self._send({"op": "launch", "target": target, "options": options})  # into an empty pipe: never blocks
+        self._send({"op": "launch", "target": target, "options": self.options, "batch": batch})  # an empty pipe: never blocks
         # From now on a command the driver does not read (it is busy building the job) never blocks
         # the service: each is one write of less than PIPE_BUF bytes, all or nothing.
         os.set_blocking(cmd_w, False)
@@ -294,6 +297,9 @@ class ChildJob:
     def resize(self, workers: int) -> None:
         self._send({"op": "resize", "workers": int(workers)})
 
+    def change_batch(self, virtual_nodes: int, lr_rule: Any) -> None:
+        self._send({"op": "batch", "virtual_nodes": int(virtual_nodes), "lr_rule": lr_rule})
+
     def set_slowdown(self, worker: int, factor: float) -> None:
         self._send({"op": "slowdown", "worker": int(worker), "factor": float(factor)})
 
@@ -369,6 +375,17 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
+def job_with_batch(target: str, batch_schedule: list[list[int]], lr_rule: Any) -> Any:
+    """The job of ``target`` with the batch changes its run recorded (a resumed elastic-batch job
+    of the cluster service: its checkpoint's changes must be the job's, and the run goes on with
+    them); what the driver launches in place of ``target`` then (importable: it reaches the workers
+    by reference)."""
+    from virtualflow.config.job import source_from
+
+    rule = {int(b): float(m) for b, m in lr_rule.items()} if isinstance(lr_rule, dict) else lr_rule
+    return source_from(target).load().replace(batch_schedule=[tuple(c) for c in batch_schedule], lr_rule=rule)
+
+
 def driver_main(cmd_fd: int, msg_fd: int) -> int:
     """The job driver (see the module docstring). Exit status 0 once a result or an error was sent."""
     out = os.fdopen(msg_fd, "wb", buffering=0)
@@ -410,7 +427,11 @@ def driver_main(cmd_fd: int, msg_fd: int) -> int:
     try:
         import virtualflow
 
-        handle = virtualflow.launch(target, **options)
+        batch = req.get("batch")
+        job: Any = target
+        if isinstance(batch, dict) and batch.get("batch_schedule"):
+            job = functools.partial(job_with_batch, target, batch["batch_schedule"], batch["lr_rule"])
+        handle = virtualflow.launch(job, **options)
     except BaseException as exc:  # noqa: BLE001 - SystemExit too: the job's code, the job's failure
         text = _why(exc)
         logging.getLogger("virtualflow").error("the job could not start: %s", text, exc_info=True)
@@ -459,6 +480,10 @@ def driver_main(cmd_fd: int, msg_fd: int) -> int:
                 pass
             elif cmd["op"] == "resize" and _int(cmd.get("workers")) is not None:
                 handle.resize(cmd["workers"])
+            elif cmd["op"] == "batch" and _int(cmd.get("virtual_nodes")) is not None:
+                rule = cmd.get("lr_rule")  # (JSON keys are strings: the job's {batch: multiplier} has ints)
+                handle.change_batch(cmd["virtual_nodes"], {int(b): m for b, m in rule.items()} if isinstance(rule, dict)
+                                    else rule)
             elif cmd["op"] == "slowdown" and _int(cmd.get("worker")) is not None and _finite(cmd.get("factor")):
                 handle.set_slowdown(cmd["worker"], cmd["factor"])
             elif cmd["op"] == "stop" and stopping is None:

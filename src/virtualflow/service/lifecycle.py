@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from virtualflow.backends.placement import Placement
-from virtualflow.records.rundir import read_json
+from virtualflow.plan.batch_schedule import schedule_from_events
+from virtualflow.records.rundir import read_json, read_jsonl
 from virtualflow.service.core import Action, RoundDecision, Scheduler
 from virtualflow.service.failures import (RESOURCE_BACKOFF_S, SERVICE_FREE_BYTES, disk_full, one_line,
                                           short_of_resources)
@@ -124,7 +125,27 @@ class JobLifecycle:
         for a in decision.actions:
             if a.kind in ("resize", "start"):
                 self.pending.append(a)  # a grow, like a start, waits for slots a stopping job holds
+        # a larger batch goes before the job's resize (the new workers need its virtual nodes), a
+        # smaller one after it (the job waits for the shrink before it takes the batch)
+        larger = {j: b for j, b in decision.batches.items()
+                  if j in self.running and b // rows[j].batch["vn_size"] >= self.running[j].workers}
+        self._change_batches(larger, rows)
         self._run_pending()
+        self._change_batches({j: b for j, b in decision.batches.items() if j not in larger}, rows)
+
+    def _change_batches(self, batches: dict[int, int], rows: dict[int, JobRow]) -> None:
+        """Change running elastic-batch jobs' batches in place (:meth:`virtualflow.JobHandle.change_batch`:
+        V from the first step not yet run; the job's run records the step in ``events.jsonl``)."""
+        for jid, b in sorted(batches.items()):
+            run, cell = self.running.get(jid), rows[jid].batch
+            if run is None or run.handle.done or cell is None:
+                continue
+            v, rule = b // cell["vn_size"], cell["lr_rule"]
+            run.handle.change_batch(v, rule if isinstance(rule, str) else {int(k): float(m) for k, m in rule.items()})
+            self.db.update_job(jid, batch={**cell, "now": b, "fewest": min(cell.get("fewest", v), v)})
+            self.db.event("batch", jid, batch=b, virtual_nodes=v, previous=cell["now"])
+            log.info("job %d: batch %d -> %d (%d virtual nodes of %d) from its next step", jid, cell["now"], b, v,
+                     cell["vn_size"])
 
     def _run_pending(self) -> None:
         """Make the waiting starts and resizes whose slots no job being stopped holds any more."""
@@ -171,6 +192,8 @@ class JobLifecycle:
             opts["checkpoint_every"] = row.checkpoint_every
         if factor > 1.0 and self.emulate:
             opts["slowdowns"] = [factor] * a.workers
+        if row.batch is not None and resume is not None:
+            opts["batch"] = self._recorded_batch(row)
         opts.update(self.placement.worker_options(a.acc_type))
         launch = self.launch if self.launch is not None else self._driver_for(row)
         handle = launch(row.target, **opts)
@@ -190,6 +213,18 @@ class JobLifecycle:
         run.start_event = {**{k: v for k, v in fields.items() if isinstance(v, (int, float, str, type(None)))},
                            "resumed": resume is not None}
         self._note_start(row.id, run)
+
+    def _recorded_batch(self, row: JobRow) -> dict[str, Any]:
+        """A resumed elastic-batch job's batch changes as its run recorded them (the ``batch``
+        records of ``events.jsonl``: :func:`~virtualflow.plan.batch_schedule.schedule_from_events`),
+        the launch's ``Job.batch_schedule`` and ``Job.lr_rule``; the row's batch becomes the last
+        one recorded (a change asked but never run is not the run's)."""
+        assert row.batch is not None
+        schedule, rule = schedule_from_events(read_jsonl(os.path.join(row.run_dir, "events.jsonl")))
+        now = schedule[-1][1] * row.batch["vn_size"] if schedule else row.batch["base"]
+        if now != row.batch["now"]:
+            self.db.update_job(row.id, batch={**row.batch, "now": now})
+        return {"batch_schedule": [list(c) for c in schedule], "lr_rule": rule if schedule else None}
 
     def _driver_for(self, row: JobRow) -> Callable[..., Any]:
         """The default ``launch``: the job runs under a driver process of its own, marked with the

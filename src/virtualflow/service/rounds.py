@@ -134,8 +134,10 @@ class RoundPlay:
                      "the policy%s%s", sw.job_id, sw.slack_s, sw.workers, sw.acc_type,
                      "; shrinks " + ", ".join(f"job {j} to {to}" for j, _, to in sw.shrunk) if sw.shrunk else "",
                      "; preempts " + ", ".join(f"job {j}" for j in sw.preempted) if sw.preempted else "")
+        batches = {j: b for j, b in decision.batches.items() if slots.get(j) == decision.slots.get(j)}
         return (RoundDecision(decision.plan, actions, slots, decision.solved,
-                              decision.decision_s + time.perf_counter() - t0), {sw.job_id for sw in adm.swaps})
+                              decision.decision_s + time.perf_counter() - t0, batches=batches),
+                {sw.job_id for sw in adm.swaps})
 
     def check_deadlines(self, now: float) -> None:
         """Record one ``deadline_missed`` event for each unfinished job whose deadline has passed."""
@@ -237,7 +239,9 @@ class RoundPlay:
             received[run.acc_type] = received.get(run.acc_type, 0.0) + held_s
             fields: dict[str, Any] = {"received": received}
             s = run.samples
-            if len(s) >= 3 and s[-1][1] - s[0][1] >= 2 and s[-1][0] > s[0][0]:
+            # (the estimates are of the job's own batch, from which the elastic_batch policy fits the others)
+            own = row.batch is None or row.batch["now"] == row.batch["base"]
+            if own and len(s) >= 3 and s[-1][1] - s[0][1] >= 2 and s[-1][0] > s[0][0]:
                 rate = (s[-1][1] - s[0][1]) / (s[-1][0] - s[0][0])
                 fields["estimates"] = update_estimates(row.estimates, run.acc_type, run.workers, rate)
                 self.db.event("throughput", jid, acc_type=run.acc_type, workers=run.workers, steps_per_s=rate)

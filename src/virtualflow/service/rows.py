@@ -89,6 +89,10 @@ class JobRow:
     """Its deadline passed while it was unfinished (one ``deadline_missed`` event was recorded)."""
     eta_s: float | None = None
     """The service's latest estimate of the seconds it needs to finish (deadline jobs only)."""
+    batch: dict[str, Any] | None = None
+    """An elastic-batch job's batch (``submit --batch-size-range``): ``{"base": its own batch,
+    "vn_size", "range": [B_min, B_max], "lr_rule", "now": the batch it was last given}``; None:
+    the job keeps its batch."""
     quarantine: str | None = None
     """Why the row is quarantined (its defining cells are unusable: ``state`` then reads as
     ``quarantined`` and the unusable cells as defaults), or None for a sound row."""
@@ -109,6 +113,7 @@ class JobRow:
         slots = loads_cell(d.pop("slots"), [], where + ".slots")
         received = loads_cell(d.pop("received"), {}, where + ".received")
         estimates = loads_cell(d.pop("estimates"), {}, where + ".estimates")
+        batch = loads_cell(d.pop("batch", None) or "null", None, where + ".batch")
 
         def number(key: str, default: Any, *, integer: bool = False, lo: float | None = None,
                    above: float | None = None, optional: bool = False, defining: bool = False) -> Any:
@@ -180,10 +185,22 @@ class JobRow:
             out["state"], out["quarantine"] = QUARANTINED, "unusable cell(s): " + ", ".join(bad)
         else:
             out["state"] = state
-        return cls(**out, slots=[str(s) for s in slots] if isinstance(slots, list) else [],
+        if batch is not None and not _batch_cell(batch):
+            bad.append(f"batch={batch!r}"[:200])
+            out["state"], out["quarantine"] = QUARANTINED, "unusable cell(s): " + ", ".join(bad)
+        return cls(**out, batch=batch if _batch_cell(batch) else None,
+                   slots=[str(s) for s in slots] if isinstance(slots, list) else [],
                    received={str(k): float(v) for k, v in received.items()
                              if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
                    if isinstance(received, dict) else {},
                    estimates={str(k): float(v) for k, v in estimates.items()
                               if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
                    if isinstance(estimates, dict) else {})
+
+
+def _batch_cell(cell: Any) -> bool:
+    """Whether a ``batch`` cell is one :func:`virtualflow.cli.cluster.check_submission` writes."""
+    ints = ("base", "vn_size", "now")
+    return (isinstance(cell, dict) and all(isinstance(cell.get(k), int) and cell[k] > 0 for k in ints)
+            and isinstance(cell.get("range"), list) and len(cell["range"]) == 2
+            and all(isinstance(x, int) for x in cell["range"]) and isinstance(cell.get("lr_rule"), (str, dict)))

@@ -346,8 +346,11 @@ class Service(RoundPlay, JobLifecycle):
         run = self.running.get(row.id)
         if run is None and row.id in self.stops:
             run = self.stops[row.id].run  # it holds its slots until it has stopped
+        top = row.max_workers
+        if row.batch is not None and run is None:  # a (re)start runs every recorded batch: a VN per worker
+            top = max(row.min_workers, min(top, row.batch.get("fewest", top)))
         return JobView(job_id=row.id, steps=row.steps, steps_done=row.steps_done, elastic=row.elastic,
-                       min_workers=row.min_workers, max_workers=row.max_workers, priority=row.priority,
+                       min_workers=row.min_workers, max_workers=top, priority=row.priority, batch=row.batch,
                        arrival_s=row.submitted_s - self.epoch_s, slowdowns=self.slowdowns_of(row),
                        estimates=row.estimates, received_s=row.received,
                        running=(run.acc_type, run.workers) if run is not None else None,

@@ -51,7 +51,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     estimates TEXT NOT NULL DEFAULT '{}',
     deadline_s REAL,
     deadline_missed INTEGER NOT NULL DEFAULT 0,
-    eta_s REAL
+    eta_s REAL,
+    batch TEXT
 );
 CREATE TABLE IF NOT EXISTS rounds (
     id INTEGER PRIMARY KEY,
@@ -84,7 +85,8 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_job ON events (job_id);
 """
 
-ADDED_COLUMNS = (("deadline_s", "REAL"), ("deadline_missed", "INTEGER NOT NULL DEFAULT 0"), ("eta_s", "REAL"))
+ADDED_COLUMNS = (("deadline_s", "REAL"), ("deadline_missed", "INTEGER NOT NULL DEFAULT 0"), ("eta_s", "REAL"),
+                 ("batch", "TEXT"))
 """Columns of ``jobs`` added after the first release (a database made before gets them on open)."""
 
 

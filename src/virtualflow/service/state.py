@@ -174,7 +174,7 @@ class ClusterDB:
     # -- jobs -------------------------------------------------------------------------------
     def add_job(self, *, name: str, target: str, steps: int, elastic: bool, min_workers: int, max_workers: int,
                 priority: float, job_type: str | None, deterministic: bool, checkpoint_every: int,
-                now: float | None = None, deadline_s: float | None = None) -> int:
+                now: float | None = None, deadline_s: float | None = None, batch: dict[str, Any] | None = None) -> int:
         """Queue a job; returns its id: above every id this directory has handed out (the
         database's, the high-water mark's and the run directories'), recorded in the mark before
         the row is committed."""
@@ -186,10 +186,11 @@ class ClusterDB:
             run_dir = self.run_dir_of(job_id)
             c.execute(
                 "INSERT INTO jobs (id, name, target, steps, elastic, min_workers, max_workers, priority, job_type, "
-                "deterministic, checkpoint_every, submitted_s, state, deadline_s, run_dir) "
-                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?, 'queued', ?, ?)",
+                "deterministic, checkpoint_every, submitted_s, state, deadline_s, run_dir, batch) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?, 'queued', ?, ?, ?)",
                 (job_id, name, target, steps, int(elastic), min_workers, max_workers, priority, job_type,
-                 int(deterministic), checkpoint_every, now, deadline_s, run_dir))
+                 int(deterministic), checkpoint_every, now, deadline_s, run_dir,
+                 None if batch is None else json.dumps(batch)))
             self._event(c, now, job_id, "submit", {"target": target, "steps": steps, "elastic": elastic,
                                                    "min_workers": min_workers, "max_workers": max_workers,
                                                    "priority": priority, "deadline_s": deadline_s})
