@@ -197,6 +197,8 @@ def facts(k: Knobs) -> dict[str, Any]:
         flush_schedules=("1f1b", "gpipe", "interleaved_1f1b", "zb_h1"), tensor_chunks=1, tied=False,
         deterministic=True, uses=0, exact_uses=2, names="", shard_replicas=k.shard_replicas, reduction=k.reduction,
         j=0, first="", i=0, name="",
+        # a batch schedule is not a knob of the sweep (tests/unit/test_batch_schedule.py): its rows never apply
+        batch_schedule=False, pipeline=k.pipelined, workers=1, fewest=1, step=0,
     )
     if k.pipelined:
         layers = layers_of(_model(k.tied))
