@@ -134,11 +134,12 @@ def store_child(cfg: dict) -> dict:
                 times.append(time.perf_counter() - t0)
         out[op] = times
     # virtualflow's own heartbeat, back to back (interval 0), watching generation 0's abort flag.
-    # It reads only the store address, its interval and the coordinator timeout from the worker's configuration.
+    # It reads only the store address, its interval, the fleet's size and the timeouts from the worker's configuration.
     hb_cfg = SimpleNamespace(store_host="127.0.0.1", store_port=cfg["port"], heartbeat_interval_s=0.0,
-                             options=SimpleNamespace(coordinator_timeout_s=15.0))
+                             initial_workers=2, options=SimpleNamespace(coordinator_timeout_s=15.0,
+                                                                        heartbeat_timeout_s=3.0))
     hb = Heartbeat(hb_cfg, worker_id=cfg["hb_worker"])
-    hb.watch(0)
+    hb.watch(0, rank=0)  # rank 0's beat: the counter, the control sequence, the abort flag
     t0 = time.perf_counter()
     hb.start()
     time.sleep(cfg["hb_seconds"])

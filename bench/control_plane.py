@@ -22,7 +22,8 @@ two store connections as a real one). A step is ``--step-s`` of waiting. Per W, 
 
 Every step the fleet applied is recorded exactly once (checked). Growth laws are fitted as
 log-log slopes over the Ws run. With ``--groups``, gloo group creation is timed with real
-processes for W = 2, 4, 8 (what a generation of that size pays to form; not in the fleet).
+processes for W = 2, 4, 8 (and 16 without ``--quick``): what a generation of that size pays to
+form, and the store calls and bytes of gloo's rendezvous (counted; not in the fleet).
 
 Usage:
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.control_plane --quick --plot docs/img/control_plane.png
@@ -245,9 +246,44 @@ LAWS = ("cpu_ms_per_step", "store_ops_per_s", "store_bytes_per_step", "coord_ops
 
 
 # -- group formation with real processes ----------------------------------------------------------
+def counting_store(inner: Any) -> Any:
+    """``inner`` behind a Python ``dist.Store`` that counts the calls gloo's rendezvous makes and
+    the bytes of the values it reads and writes (``.calls``, ``.bytes``)."""
+    import torch.distributed as dist
+
+    class CountingStore(dist.Store):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls, self.bytes = 0, 0
+
+        def set(self, key: str, value: Any) -> None:
+            self.calls, self.bytes = self.calls + 1, self.bytes + len(value)
+            inner.set(key, value)
+
+        def get(self, key: str) -> bytes:
+            value = inner.get(key)
+            self.calls, self.bytes = self.calls + 1, self.bytes + len(value)
+            return value
+
+        def add(self, key: str, n: int) -> int:
+            self.calls += 1
+            return inner.add(key, n)
+
+        def wait(self, keys: list[str], *timeout: Any) -> None:
+            self.calls += 1
+            inner.wait(keys, *timeout)
+
+        def check(self, keys: list[str]) -> bool:
+            self.calls += 1
+            return inner.check(keys)
+
+    return CountingStore()
+
+
 def group_rank(port: int, rank: int, world: int, out: Any) -> None:
     """One process of :func:`group_formation`: wait for the start, form a gloo group of ``world``
-    on the store, all-reduce once, and send back when it was done (wall clock)."""
+    on the store, all-reduce once, and send back when it was done (wall clock) and the store
+    calls and bytes its rendezvous took."""
     import datetime
 
     import torch
@@ -257,21 +293,23 @@ def group_rank(port: int, rank: int, world: int, out: Any) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=120))
     store.add("ready", 1)
     store.wait(["go"])
-    dist.init_process_group("gloo", store=dist.PrefixStore("gen/0", store), rank=rank, world_size=world,
+    counted = counting_store(dist.PrefixStore("gen/0", store))
+    dist.init_process_group("gloo", store=counted, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     dist.all_reduce(torch.ones(1))
-    out.put((rank, time.time()))
+    out.put((rank, time.time(), counted.calls, counted.bytes))
     dist.destroy_process_group()
 
 
-def group_formation(worlds: list[int]) -> dict[int, float]:
-    """Seconds from the start signal to the last rank done (group formed, one all-reduce), per W."""
+def group_formation(worlds: list[int]) -> dict[int, dict[str, float]]:
+    """Per W: seconds from the start signal to the last rank done (group formed, one all-reduce),
+    and the store calls and bytes of all ranks together."""
     import datetime
 
     import torch.distributed as dist
 
     ctx = mp.get_context("spawn")
-    out: dict[int, float] = {}
+    out: dict[int, dict[str, float]] = {}
     for world in worlds:
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=120))
@@ -284,8 +322,9 @@ def group_formation(worlds: list[int]) -> dict[int, float]:
         time.sleep(0.2)
         t0 = time.time()
         store.set("go", "1")
-        done = [q.get(timeout=120)[1] for _ in range(world)]
-        out[world] = max(done) - t0
+        done = [q.get(timeout=120) for _ in range(world)]
+        out[world] = {"s": max(d[1] for d in done) - t0, "store_calls": sum(d[2] for d in done),
+                      "store_bytes": sum(d[3] for d in done)}
         for p in procs:
             p.join(timeout=30)
     return out
@@ -338,7 +377,7 @@ def check_targets(t: H.Targets, rows: list[dict[str, Any]], laws: dict[str, floa
                 not laws[key] >= 1.5, f"slope {laws[key]:.2f}")
 
 
-def plot(path: str, rows: list[dict[str, Any]], groups: dict[int, float]) -> None:
+def plot(path: str, rows: list[dict[str, Any]], groups: dict[int, dict[str, float]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -365,7 +404,7 @@ def plot(path: str, rows: list[dict[str, Any]], groups: dict[int, float]) -> Non
         ax.set_xticks(ws, [str(w) for w in ws])
         ax.minorticks_off()
     if groups:
-        axes[2].plot(list(groups), list(groups.values()), "o-")
+        axes[2].plot(list(groups), [g["s"] for g in groups.values()], "o-")
         axes[2].set_xlabel("gloo group size (processes)")
         axes[2].set_ylabel("seconds to form + 1 all-reduce")
         axes[2].set_title("group formation (real processes)")
@@ -384,17 +423,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="steady-state steps measured (default 20; --quick: 8)")
     p.add_argument("--beaters", type=int, default=None, help="heartbeat processes of the fleet (default 4; --quick: 2)")
     p.add_argument("--groups", type=int, nargs="*", default=None, help="gloo group sizes timed with real processes "
-                   "(default 2 4 8; none: --groups with no value)")
+                   "(default 2 4 8 16; --quick: 2 4 8; none: --groups with no value)")
     p.add_argument("--heartbeat-interval-s", type=float, default=HEARTBEAT_INTERVAL_S,
-                   help="the simulated workers' heartbeat interval (default: the real worker's, 0.05 s); the "
-                        "store's load is about 3 calls per worker and interval")
+                   help="the base of the simulated workers' heartbeat law (default: the real worker's, 0.05 s; "
+                        "the interval grows with W as virtualflow.runtime.channel.heartbeat_interval_s says)")
     p.add_argument("--plot", default=None, help="write the curves to this PNG")
     args = p.parse_args(argv)
     args.workers = args.workers or ([16, 64, 256] if args.quick else [16, 64, 256, 1024])
     args.step_s = args.step_s or (0.25 if args.quick else 1.0)
     args.steps = args.steps or (8 if args.quick else 20)
     args.beaters = args.beaters or (2 if args.quick else 4)
-    groups_w = [2, 4, 8] if args.groups is None else args.groups
+    groups_w = ([2, 4, 8] if args.quick else [2, 4, 8, 16]) if args.groups is None else args.groups
     run = H.Run(NAME, args, TARGET_KEYS)
     # The store's server looks up the name of every peer that connects (reverse DNS, in its one
     # thread): with a resolver that drops queries (this machine's drops about one in 25) each
@@ -403,8 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
     logging.basicConfig(level=logging.ERROR)
     random.seed(0)
-    print(H.banner(f"control plane at scale: W = {args.workers}, {args.step_s:g} s steps, heartbeat every "
-                   f"{args.heartbeat_interval_s * 1e3:g} ms, heartbeat timeout {HEARTBEAT_TIMEOUT_S:g} s"))
+    print(H.banner(f"control plane at scale: W = {args.workers}, {args.step_s:g} s steps, heartbeat base "
+                   f"{args.heartbeat_interval_s * 1e3:g} ms (the worker's law), heartbeat timeout {HEARTBEAT_TIMEOUT_S:g} s"))
     rows = []
     for w in args.workers:
         t0 = time.monotonic()
@@ -419,9 +458,12 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in laws.items():
         print(f"  {k:28s} W^{v:.2f}")
     if groups:
-        gl = slope(list(groups), list(groups.values()))
-        print("gloo group formation (real processes): " + ", ".join(f"W={w}: {s:.3f} s" for w, s in groups.items())
-              + f"  (W^{gl:.2f})")
+        gws = list(groups)
+        print("gloo group formation (real processes): " + ", ".join(
+            f"W={w}: {g['s']:.3f} s, {g['store_calls']:.0f} store calls, {g['store_bytes'] / 1e3:.1f} KB"
+            for w, g in groups.items()))
+        print("  growth: " + ", ".join(f"{k} W^{slope(gws, [g[k] for g in groups.values()]):.2f}"
+                                        for k in ("s", "store_calls", "store_bytes")))
     check_targets(run.targets, rows, laws, args.step_s)
     if args.plot:
         plot(args.plot, rows, groups)

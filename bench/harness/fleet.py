@@ -17,10 +17,12 @@ back-off, 1 ms doubling to 20 ms, checking the abort flag each time), form, trai
 ``step_s`` of waiting; rank 0 sends the full step report), follow the control sequence (a
 ``regroup`` or ``stop`` takes effect at the step boundary after rank 0 has read it), abandon a
 generation whose abort flag is set or whose member died (``fault``), leave when told, report
-``done``. The heartbeat threads are :class:`Beater` loops (threads, or processes for large
-fleets), each worker with a second connection as in the real worker: every
-``heartbeat_interval_s`` it bumps ``vf/hb/<id>``, reads the control sequence, follows new
-commands and checks the formed generation's abort flag. What a collective would tell the
+``done``; a member other than rank 0 reads each command the step announces itself, as the real
+worker does. The heartbeat threads are :class:`Beater` loops (threads, or processes for large
+fleets), each worker with a second connection as in the real worker, beating at the pace of the
+real worker's law (:func:`~virtualflow.runtime.channel.heartbeat_interval_s`, imported): it
+bumps ``vf/hb/<id>``, on rank 0 reads the control sequence and follows new commands, and
+checks the formed generation's abort flag. What a collective would tell the
 members (a peer died, the agreed step) the fleet knows in memory: no gloo groups. Deaths come
 as messages: ``exit`` (the process is gone: the launcher sees an exit code) or ``silent`` (a
 partition: the worker stops speaking and beating, the launcher sees nothing).
@@ -49,7 +51,7 @@ from virtualflow.comm import protocol
 from virtualflow.control.coordinator import Coordinator
 from virtualflow.control.membership import MembershipController
 from virtualflow.records.rundir import write_json
-from virtualflow.runtime.channel import Reporter
+from virtualflow.runtime.channel import Reporter, heartbeat_interval_s
 from virtualflow.runtime.worker_config import WorkerConfig
 
 HEARTBEAT_INTERVAL_S = {f.name: f.default for f in fields(WorkerConfig)}["heartbeat_interval_s"]
@@ -120,6 +122,11 @@ class FleetSpec:
     step_s: float
     total_steps: int
     heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
+    """The base of the heartbeat's law (the real worker's ``heartbeat_interval_s``)."""
+    timeout_s: float = 3.0
+    """The smaller of the job's heartbeat and coordinator timeouts (the law's cap)."""
+    initial_workers: int = 1
+    """The fleet's size before a worker is in a generation (the real worker's ``initial_workers``)."""
     beaters: int = 1
     """Heartbeat loops (threads in one process; processes with :func:`start_fleet`)."""
     pool: int = 0
@@ -149,10 +156,12 @@ def connect(spec: FleetSpec) -> dist.TCPStore:
 
 
 class Beater:
-    """The heartbeat threads of a slice of the fleet, one loop: per worker and interval, what
-    ``runtime/channel.py``'s ``Heartbeat`` does (beat, read the control sequence, follow new
-    commands, check the formed generation's abort flag). Messages: ``("beat", wid)``,
-    ``("quiet", wid)``, ``("watch", g)``, ``("stop",)``."""
+    """The heartbeat threads of a slice of the fleet, one loop: per worker, at the interval the
+    real worker's law gives it (:func:`~virtualflow.runtime.channel.heartbeat_interval_s`: its
+    rank in the formed generation and that generation's size), what ``runtime/channel.py``'s
+    ``Heartbeat`` does (beat; on rank 0, read the control sequence and follow new commands; check
+    the formed generation's abort flag). Messages: ``("beat", wid)``, ``("quiet", wid)``,
+    ``("watch", g, members)``, ``("stop",)``."""
 
     def __init__(self, spec: FleetSpec, inbox: Any, outbox: Any, name: str) -> None:
         self.spec, self.inbox, self.outbox, self.name = spec, inbox, outbox, name
@@ -162,6 +171,9 @@ class Beater:
         self.stores: dict[int, Any] = {}
         self.seen: dict[int, int] = {}
         self.watch: int | None = None
+        self.ranks: dict[int, int] = {}  # worker -> rank in the watched generation
+        self.size = spec.initial_workers
+        self.due: dict[int, float] = {}  # worker -> when it beats next
         self.beats = 0
 
     def loop(self) -> None:
@@ -172,7 +184,6 @@ class Beater:
 
     def _loop(self) -> None:
         while True:
-            t0 = time.monotonic()
             while True:
                 try:
                     msg = self.inbox.get_nowait()
@@ -184,19 +195,26 @@ class Beater:
                     self.outbox.put(("stats", self.name, {**self.counts, "beats": self.beats}))
                 elif msg[0] == "beat":
                     self.stores[msg[1]] = self.connect()
-                    self.seen[msg[1]] = 0
+                    self.seen[msg[1]], self.due[msg[1]] = 0, 0.0
                 elif msg[0] == "quiet":
                     self.stores.pop(msg[1], None)
                 elif msg[0] == "watch":
-                    self.watch = msg[1]
+                    self.watch, self.size = msg[1], len(msg[2])
+                    self.ranks = {w: r for r, w in enumerate(msg[2])}
+            now = time.monotonic()
             for wid, store in list(self.stores.items()):
-                self.beat(wid, store)
-            time.sleep(max(0.0, self.spec.heartbeat_interval_s - (time.monotonic() - t0)))
+                if now >= self.due[wid]:
+                    follows = self.ranks.get(wid) == 0
+                    self.beat(wid, store, follows)
+                    self.due[wid] = now + heartbeat_interval_s(self.size, self.spec.heartbeat_interval_s,
+                                                               self.spec.timeout_s, follows)
+            wake = min((self.due[w] for w in self.stores), default=now + self.spec.heartbeat_interval_s)
+            time.sleep(min(self.spec.heartbeat_interval_s, max(0.0, wake - time.monotonic())))
 
-    def beat(self, wid: int, store: Any) -> None:
+    def beat(self, wid: int, store: Any, follows: bool) -> None:
         store.add(protocol.heartbeat_key(wid), 1)
         self.beats += 1
-        seq = protocol.parse_seq(store.get(protocol.CONTROL_SEQ_KEY)) or 0
+        seq = (protocol.parse_seq(store.get(protocol.CONTROL_SEQ_KEY)) or 0) if follows else 0
         while self.seen[wid] < seq:
             n = self.seen[wid] + 1
             if not store.check([protocol.control_key(n)]):
@@ -372,7 +390,7 @@ class FleetClient:
         for m in members:
             m.state = "training"
         for b in self.beaters:
-            b.put(("watch", g))
+            b.put(("watch", g, list(gen.record.members)))
         rank0 = members[0]
         rank0.store.set(protocol.formed_key(g), "1")
         rank0.report({"type": "formed", "generation": g, "members": gen.record.members, "step": self.step,
@@ -429,6 +447,9 @@ class FleetClient:
         self.push_s.append(time.perf_counter() - t_push)
         gen.boundary += self.spec.step_s
         ops = [self.commands[n]["op"] for n in range(gen.control + 1, self.control_seq + 1)]
+        for m in members[1:]:  # the others read what the reduction announced (rank 0 followed it)
+            for n in range(gen.control + 1, self.control_seq + 1):
+                protocol.parse_command(self.run, m.store.get(protocol.control_key(n)), n)
         gen.control = self.control_seq
         if self.step >= self.spec.total_steps or "stop" in ops:
             for m in members:
@@ -529,7 +550,9 @@ class ControlPlane:
         self.ctl = MembershipController(self.coord, self.launcher, options,
                                         virtual_nodes=self.virtual_nodes or 4 * self.workers)
         self.spec_fields = {"host": "127.0.0.1", "port": self.coord.port, "key": self.coord.run.key,
-                            "job": self.coord.job_id, "total_steps": self.total_steps}
+                            "job": self.coord.job_id, "total_steps": self.total_steps,
+                            "timeout_s": min(options.heartbeat_timeout_s, options.coordinator_timeout_s),
+                            "initial_workers": self.workers}
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()

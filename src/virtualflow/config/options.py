@@ -191,7 +191,7 @@ class LaunchOptions:
     replace_failed: bool = _opt(False, "start a replacement worker for every worker lost, as a cluster manager "
                                 "would", "elasticity and fault tolerance")
     heartbeat_timeout_s: float = _opt(3.0, "a worker silent this long is declared hung, killed and removed "
-                                      "(seconds)", "elasticity and fault tolerance", metavar="SECONDS")
+                                      "(seconds)", "elasticity and fault tolerance", metavar="SECONDS", worker=True)
     coordinator_timeout_s: float = _opt(15.0, "a worker that cannot reach the coordinator's store for this long "
                                         "exits (code 3): the coordinator is gone or cut off; continue with --resume "
                                         "(seconds)", "elasticity and fault tolerance", metavar="SECONDS", worker=True)

@@ -3,8 +3,9 @@
 :class:`Reporter` signs and numbers this worker's reports; :class:`Rejections` notes (bounded)
 what the worker refused from the store; :class:`Heartbeat` is the thread that beats, follows
 the verified control sequence and watches the current generation's abort flag, off the step's
-critical path; :func:`aborted` reads a verified abort flag; :func:`connect_store` opens the
-worker's connection to the job's store, naming the address when it cannot. Protocol and
+critical path, at the pace :func:`heartbeat_interval_s` sets (its law bounds what a fleet's
+heartbeats cost the store); :func:`aborted` reads a verified abort flag; :func:`connect_store`
+opens the worker's connection to the job's store, naming the address when it cannot. Protocol and
 signatures are in :mod:`virtualflow.comm.protocol`.
 """
 
@@ -100,16 +101,51 @@ def aborted(store: dist.Store, run: protocol.RunKey, generation: int, rejections
         return False
 
 
+HEARTBEATS_PER_S = 1000.0
+"""The beats a second a whole fleet may send the store once it is past ``50`` workers (20 a
+second each at the base interval): the store serves every call on one thread, so its load, not
+the coordinator's own work, is what a thousand workers beating every 50 ms would cost (about
+60,000 calls a second)."""
+
+BEATS_PER_TIMEOUT = 4
+"""A live worker beats at least this many times within ``heartbeat_timeout_s`` (and within
+``coordinator_timeout_s``): a beat or three delayed by a loaded machine is not a death."""
+
+
+def heartbeat_interval_s(workers: int, base_s: float, timeout_s: float, follows: bool) -> float:
+    """Seconds between two beats of one worker of a fleet of ``workers``: the law of the heartbeat.
+
+    ``base_s`` (50 ms) for the worker that follows the control sequence (``follows``: rank 0,
+    whose position goes into the step's reduction, so a command still lands within ``base_s``)
+    and in fleets of up to ``HEARTBEATS_PER_S x base_s`` (50) workers; beyond, ``workers /
+    HEARTBEATS_PER_S``, so the fleet's beats stay at :data:`HEARTBEATS_PER_S` a second whatever
+    its size, but never longer than ``timeout_s / BEATS_PER_TIMEOUT`` (``timeout_s``: the smaller
+    of the heartbeat and coordinator timeouts): failure detection stays bounded by the heartbeat
+    timeout. Past ``HEARTBEATS_PER_S x timeout_s / BEATS_PER_TIMEOUT`` workers (750 with the
+    3 s default) the cap wins and the fleet's rate grows again as ``BEATS_PER_TIMEOUT x workers /
+    timeout_s`` (1,365 a second at 1,024): a larger fleet keeps the store's load bounded by
+    raising ``heartbeat_timeout_s``."""
+    if follows:
+        return base_s
+    return max(base_s, min(workers / HEARTBEATS_PER_S, timeout_s / BEATS_PER_TIMEOUT))
+
+
 class Heartbeat:
-    """A daemon thread on its own store client: bumps ``vf/hb/<id>`` and follows the control
-    sequence every ``heartbeat_interval_s``.
+    """A daemon thread on its own store client: bumps ``vf/hb/<id>`` every
+    :func:`heartbeat_interval_s` (the worker's ``heartbeat_interval_s`` as its base, the fleet's
+    size and the smaller of ``heartbeat_timeout_s`` and ``coordinator_timeout_s``), and, on rank
+    0 only, follows the control sequence.
 
     A stopped or frozen process stops beating and the coordinator fences it. Following the control
-    sequence here keeps the store round trips off the step's critical path: the thread reads and
-    verifies new commands in order (:attr:`control_seq` is the last one that verified, with all
-    before it; :attr:`commands` holds them), rank 0 puts that number into the step's reduction, so
-    every member still acts on a command at the same boundary (a command waits at most one
-    interval longer) and none acts on a forged one. Without ``run`` (a benchmark of the
+    sequence here keeps the store round trips off the step's critical path: rank 0's thread reads
+    and verifies new commands in order (:attr:`control_seq` is the last one that verified, with
+    all before it, or the position the generation agreed on when it formed; :attr:`commands`
+    holds them), rank 0 puts that number into the step's reduction, so every member still acts
+    on a command at the same boundary (a command waits at most one base interval longer) and none
+    acts on a forged one. The other members read a command the reduction announces themselves
+    (:meth:`Worker._command <virtualflow.runtime.worker.Worker._command>`: one round trip per
+    command, which is rare), so their beat is two store calls (the counter and the abort flag)
+    instead of three. Without ``run`` (a benchmark of the
     heartbeat alone) it reads the same keys but follows nothing. If the coordinator itself is gone
     or cut off (the store has not answered for ``coordinator_timeout_s``), the worker exits with
     code 3: an orphan must not keep training (``virtualflow run --resume`` continues the job from
@@ -130,6 +166,10 @@ class Heartbeat:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._generation: int | None = None
+        self._rank: int | None = None  # in the watched generation (None: in none yet)
+        self._workers = cfg.initial_workers  # the fleet's size, for the interval's law
+        self._acted = 0  # the control position the watched generation agreed on when it formed
+        self._timeout_s = min(cfg.options.heartbeat_timeout_s, cfg.options.coordinator_timeout_s)
         self._broken = threading.Event()
         self._thread = threading.Thread(target=self._run, name="virtualflow-heartbeat", daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name="virtualflow-coordinator-watch", daemon=True)
@@ -144,11 +184,21 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
 
-    def watch(self, generation: int) -> None:
-        """From now on, also watch generation ``generation``'s abort flag (see :meth:`broken`)."""
+    def watch(self, generation: int, rank: int | None = None, workers: int | None = None, acted: int = 0) -> None:
+        """From now on, also watch generation ``generation``'s abort flag (see :meth:`broken`), as
+        its member of rank ``rank`` among ``workers`` (they set the pace: :meth:`interval_s`); rank
+        0 follows the control sequence from ``acted`` on (the position the members agreed on)."""
         with self._lock:
-            self._generation = generation
+            self._generation, self._rank, self._acted = generation, rank, acted
+            if workers is not None:
+                self._workers = workers
             self._broken.clear()
+
+    def interval_s(self) -> float:
+        """Seconds until the next beat (:func:`heartbeat_interval_s` for this worker now)."""
+        with self._lock:
+            workers, follows = self._workers, self._rank == 0
+        return heartbeat_interval_s(workers, self.cfg.heartbeat_interval_s, self._timeout_s, follows)
 
     def broken(self) -> bool:
         """True once the watched generation has been declared broken (read on the step path:
@@ -168,20 +218,7 @@ class Heartbeat:
                 if store is None:
                     store = dist.TCPStore(self.cfg.store_host, self.cfg.store_port, is_master=False,
                                           timeout=op_timeout)
-                store.add(self.key, 1)
-                seq = protocol.parse_seq(store.get(protocol.CONTROL_SEQ_KEY))
-                with self._lock:
-                    g = self._generation
-                if self.run is None:
-                    if g is not None:
-                        store.check([protocol.abort_key(g)])
-                else:
-                    if seq is not None and seq > self.control_seq:
-                        self.follow(store, seq)
-                    if g is not None and aborted(store, self.run, g, self.rejections):
-                        with self._lock:
-                            if g == self._generation:
-                                self._broken.set()
+                self._beat(store)
                 self._last_ok = time.monotonic()
                 misses = 0
             except Exception as exc:  # noqa: BLE001 - reconnect on the next beat
@@ -192,7 +229,25 @@ class Heartbeat:
                     print(f"virtualflow worker: the coordinator at {self.cfg.store_host}:{self.cfg.store_port} is "
                           f"unreachable ({self._last_error}); exiting", flush=True)
                     os._exit(3)
-            self._stop.wait(self.cfg.heartbeat_interval_s)
+            self._stop.wait(self.interval_s())
+
+    def _beat(self, store: dist.Store) -> None:
+        """One beat: the counter; on rank 0, the control sequence; the watched abort flag."""
+        store.add(self.key, 1)
+        with self._lock:
+            g, follows, acted = self._generation, self._rank == 0, self._acted
+        seq = protocol.parse_seq(store.get(protocol.CONTROL_SEQ_KEY)) if follows else None
+        if self.run is None:
+            if g is not None:
+                store.check([protocol.abort_key(g)])
+            return
+        self.control_seq = max(self.control_seq, acted)  # what the members acted on needs no reading
+        if seq is not None and seq > self.control_seq:
+            self.follow(store, seq)
+        if g is not None and aborted(store, self.run, g, self.rejections):
+            with self._lock:
+                if g == self._generation:
+                    self._broken.set()
 
     def _watch(self) -> None:
         """Exit the process (code 3) once the store has not answered for ``coordinator_timeout_s``:

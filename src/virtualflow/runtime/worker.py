@@ -399,7 +399,7 @@ class Worker:
             t_transfer += time.perf_counter() - t1
         self.progress = Progress(step=target, control=max(p.control for p in everyone))
         if self.cfg.options.control_plane:
-            self.heartbeat.watch(gen)
+            self.heartbeat.watch(gen, rank=rank, workers=len(record.members), acted=self.progress.control)
             self.engine.generation_broken = self.heartbeat.broken
         if rank == 0:
             self.store.set(protocol.formed_key(gen), "1")
