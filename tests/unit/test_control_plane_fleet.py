@@ -16,31 +16,7 @@ from virtualflow.control.membership import MembershipController
 from virtualflow.control.membership.liveness import Liveness
 from virtualflow.control.membership.losses import STORM_MAX_S, STORM_SETTLE_S
 
-
-class FakeLauncher:
-    def __init__(self) -> None:
-        self.codes: dict[int, int | None] = {}
-
-    def start_worker(self, worker_id: int) -> None:
-        self.codes[worker_id] = None
-
-    def kill_worker(self, worker_id: int) -> str:
-        self.codes[worker_id] = -9
-        return "killed"
-
-    def poll(self) -> dict[int, int | None]:
-        return dict(self.codes)
-
-    def pid(self, worker_id: int) -> int:
-        return 1000 + worker_id
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
+from control_fakes import Clock, FakeLauncher
 
 
 def counted_controller(workers: int, clock: Clock | None = None):

@@ -19,6 +19,8 @@ from virtualflow.control.membership.liveness import Liveness
 from virtualflow.control.membership.sizing import decide_loss
 from virtualflow.launching.outcome import job_failed_message, worker_failure
 
+from control_fakes import FakeLauncher
+
 ERROR = {"worker": 1, "pid": 4242, "error": "RuntimeError: boom", "traceback": "tb", "step": 3}
 
 
@@ -52,28 +54,6 @@ def test_a_silent_external_worker_is_fenced_out_not_killed():
     assert "killed" not in cause and 0 in live.fenced
 
 
-class FakeLauncher:
-    def __init__(self) -> None:
-        self.codes: dict[int, int | None] = {}
-
-    def start_worker(self, worker_id: int) -> None:
-        self.codes[worker_id] = None
-
-    def kill_worker(self, worker_id: int) -> str:
-        self.codes[worker_id] = -9
-        return "killed"
-
-    def poll(self) -> dict[int, int | None]:
-        return dict(self.codes)
-
-    def pid(self, worker_id: int) -> int:
-        return 1000 + worker_id
-
-    def log_tail(self, worker_id: int, lines: int = 15) -> str:
-        return f"last line of worker {worker_id}"
-
-    def logs_where(self) -> str:
-        return "logs in RUN/logs"
 
 
 def formed(g: int, members: list[int], step: int = 0) -> dict:
