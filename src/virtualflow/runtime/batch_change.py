@@ -118,8 +118,10 @@ class ScheduledBatch:
 
 
 def batch_of(plan: DataPlan, optimizer: torch.optim.Optimizer) -> OneBatch | ScheduledBatch:
-    """The engine's batch behaviour, chosen once from the plan's schedule."""
-    return OneBatch() if plan.schedule is None else ScheduledBatch(plan.schedule, optimizer)
+    """The engine's batch behaviour, chosen once from the plan's schedule (a streaming job's
+    :class:`~virtualflow.plan.streams.StreamPlan` has none: a schedule with a stream is refused)."""
+    schedule = getattr(plan, "schedule", None)
+    return OneBatch() if schedule is None else ScheduledBatch(schedule, optimizer)
 
 
 def parse_rule(text: str) -> str | dict[int, float]:
