@@ -11,7 +11,7 @@ if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" -eq 0 ] && command -v apt-get >/de
         || echo "warning: could not install chromium; tests/e2e/test_service_dashboard.py will fail" >&2
 fi
 export OMP_NUM_THREADS=1
-.venv/bin/python -m pytest -q --durations=10 "$@"
+.venv/bin/python -m pytest -q --durations=40 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then
     echo "error: pytest collected no tests (exit code 5)" >&2
