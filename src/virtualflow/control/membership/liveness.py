@@ -1,8 +1,8 @@
 """Which workers are gone: exits seen through the launcher, silence seen through heartbeats.
 
 :class:`Liveness` is the membership controller's watch over its workers. Every tick
-(:meth:`Liveness.judge`) it polls the launcher's exit codes and reads each joined worker's
-heartbeat counter in the store; it returns the workers that failed, each with its cause in
+(:meth:`Liveness.judge`) it polls the launcher's exit codes, and :data:`SWEEPS_PER_TIMEOUT` times
+per heartbeat timeout it reads every joined worker's heartbeat counter in the store (one call); it returns the workers that failed, each with its cause in
 words, and kills a worker silent for longer than ``heartbeat_timeout_s`` (fencing: a worker
 judged dead must not come back and write).
 
@@ -19,6 +19,12 @@ from typing import Any
 from virtualflow.comm import protocol
 from virtualflow.control.membership.interface import WorkerLauncher, describe_exit
 
+SWEEPS_PER_TIMEOUT = 8
+"""How often the heartbeat counters are read: ``SWEEPS_PER_TIMEOUT`` times per
+``heartbeat_timeout_s`` (every 0.375 s with the 3 s default), not at every monitor tick (20 a
+second): the sweep reads W counters, the monitor's largest cost that grows with W. A silent worker
+is judged within ``heartbeat_timeout_s`` x (1 + 1/SWEEPS_PER_TIMEOUT) plus one tick."""
+
 
 class Liveness:
     """Exit codes and heartbeats of the controller's workers (see the module docstring)."""
@@ -34,6 +40,7 @@ class Liveness:
         self.leaving: set[int] = set()  # told to leave: a clean exit is expected
         self._exited_0: set[int] = set()  # seen exiting with code 0 one tick ago
         self._hb: dict[int, tuple[int, float]] = {}  # joined worker -> (heartbeat count, when it last changed)
+        self._swept = float("-inf")  # when the counters were last read (:data:`SWEEPS_PER_TIMEOUT`)
 
     def joined(self, worker: int, now: float) -> None:
         """``worker`` reported ``join``: its heartbeats are watched from now on."""
@@ -99,6 +106,9 @@ class Liveness:
             return failed
         for wid in [w for w in self._hb if w in self.gone or w in failed]:
             self._hb.pop(wid, None)
+        if now - self._swept < self.heartbeat_timeout_s / SWEEPS_PER_TIMEOUT:
+            return failed
+        self._swept = now
         watched = list(self._hb)
         for wid, value in zip(watched, self._beats(watched)):
             count, t_seen = self._hb[wid]
