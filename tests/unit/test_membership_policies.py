@@ -40,6 +40,8 @@ from virtualflow.control.membership.phases import phase_of_change
 from virtualflow.control.membership.sizing import decide_hold, decide_loss, decide_release, decide_resize
 from virtualflow.plan.vnmap import contiguous_assignment
 
+from control_fakes import FakeLauncher
+
 S3 = ((0,), (1,), (2,))
 
 
@@ -270,23 +272,6 @@ def test_a_grow_waits_for_ready_newcomers_and_a_shrink_keeps_the_lowest_ranks():
 
 
 # -- the controller's phases -------------------------------------------------------------------------
-class FakeLauncher:
-    def __init__(self) -> None:
-        self.codes: dict[int, int | None] = {}
-
-    def start_worker(self, worker_id: int) -> None:
-        self.codes[worker_id] = None
-
-    def kill_worker(self, worker_id: int) -> None:
-        self.codes[worker_id] = -9
-
-    def poll(self) -> dict[int, int | None]:
-        return dict(self.codes)
-
-    def pid(self, worker_id: int) -> int:
-        return 1000 + worker_id
-
-
 def formed(g: int, members: list[int], step: int = 0) -> dict:
     return {"type": "formed", "generation": g, "members": members, "step": step, "group_s": 0, "transfer_s": 0,
             "bytes": 0, "source": None, "receivers": []}
