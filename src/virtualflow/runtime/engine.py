@@ -432,7 +432,7 @@ class VNEngine:
             if i == last:
                 ws = torch.stack(losses)
                 loss = ws.sum()
-                bad[self._vn_ids] = (~torch.isfinite(ws)).to(bad.dtype)
+                bad[self._vn_ids] = ~torch.isfinite(ws)  # (the copy converts: True is 1.0)
                 stats = self.pack_stats(bad, control, loss, bn_acc)
                 self.reduction.arm(stats)
                 self.phase = "backward"
