@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 
@@ -197,6 +197,21 @@ class DataPlan:
         for n in sizes:
             offsets.append(offsets[-1] + n)
         self._offsets = offsets
+
+    def vn_block(self, step: int, vns: Sequence[int]) -> tuple[torch.Tensor, list[int]] | None:
+        """The indices of the consecutive VNs ``vns`` at ``step`` as one slice of the step's order
+        (what :meth:`vn_indices` returns for each, back to back) and each VN's sample count; None
+        when ``vns`` are not consecutive."""
+        if not vns or list(vns) != list(range(vns[0], vns[0] + len(vns))):
+            return None
+        first, end = vns[0], vns[0] + len(vns)
+        if not (0 <= first and end <= self.virtual_nodes):
+            raise ValueError(f"vns={list(vns)} are outside 0..{self.virtual_nodes - 1}")
+        if self._offsets is not None:
+            o = self._offsets
+            return self.step_indices(step)[o[first] : o[end]], [o[v + 1] - o[v] for v in range(first, end)]
+        n = self.vn_batch_size
+        return self.step_indices(step)[first * n : end * n], [n] * len(vns)
 
     def vn_indices(self, step: int, vn: int) -> torch.Tensor:
         """Dataset indices read by virtual node ``vn`` at global ``step``."""

@@ -10,7 +10,7 @@ hands back to the worker. Shared by the VN engine and the pipeline stages.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils.data import TensorDataset, default_collate
@@ -135,6 +135,17 @@ class BatchLoader:
             rows = [t[torch.cat(indices)] for t in self._tensors]
             return [[r[k * n : (k + 1) * n] for r in rows] for k in range(len(indices))]
         return [self(i) for i in indices]
+
+    def block_batches(self, block: torch.Tensor, sizes: Sequence[int]) -> list[Any]:
+        """One batch per VN from the VNs' indices back to back (``block``, ``sizes[k]`` each): a
+        tensor dataset gathers the rows once per tensor and hands each VN a view of its rows."""
+        cuts = [0]
+        for n in sizes:
+            cuts.append(cuts[-1] + n)
+        if self._tensors is not None:
+            rows = [t[block] for t in self._tensors]
+            return [[r[a:b] for r in rows] for a, b in zip(cuts, cuts[1:])]
+        return [self(block[a:b]) for a, b in zip(cuts, cuts[1:])]
 
     def __call__(self, indices: torch.Tensor) -> Any:
         if self._tensors is not None:  # fast path: one gather per tensor, same values as collate

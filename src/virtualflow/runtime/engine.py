@@ -414,14 +414,14 @@ class VNEngine:
         bn_acc = torch.zeros(self.bn.numel, device=self.device) if self.batchnorm == "mean" else None
         last = len(self.vns) - 1
         c = self.compute
-        indices, batches = c.batches(step, self.vns)  # (with a prefetcher, each taken when its turn comes)
+        sizes, batches = c.batches(step, self.vns)  # (with a prefetcher, each taken when its turn comes)
         losses = []
         for i, vn in enumerate(self.vns):
             self.check_broken()
             if batches[i] is None:
-                batches[i] = c.load(step, vn, indices[i])
+                batches[i] = c.load(step, vn)
             t_vn = time.perf_counter()
-            weighted = c.forward(step, vn, batches[i], len(indices[i]))
+            weighted = c.forward(step, vn, batches[i], sizes[i])
             batches[i] = None  # drop the VN's inputs with its activations
             losses.append(weighted.detach())
             if self.bn.numel:

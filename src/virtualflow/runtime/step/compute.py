@@ -49,6 +49,8 @@ class VNCompute:
         """The batch stays where it is (``torch.device.type`` costs a few microseconds per read)."""
         self.io = clock.enabled and getattr(loader, "reads_files", True)
         """Whether a load's I/O profile is read (the breakdown is on and the dataset may read files)."""
+        self.block_loads = isinstance(loader, BatchLoader) and hasattr(plan, "vn_block")
+        """Whether a step's VNs are read as one block of indices (:meth:`batches`)."""
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.metrics = MetricSums()
         self.slowdown = 1.0
@@ -59,20 +61,30 @@ class VNCompute:
         self.loss_dtype: torch.dtype | None = None
         """The loss's dtype, once a forward ran here."""
 
-    def batches(self, step: int, vns: Sequence[int]) -> tuple[list[torch.Tensor], list[Any]]:
-        """(the samples' indices, the batches) of ``vns`` in ``step``: loaded now, or None each
-        when a prefetcher hands them over in turn (:meth:`load`)."""
-        indices = [self.plan.vn_indices(step, vn) for vn in vns]
-        if self.prefetcher is not None:
-            return indices, [None] * len(indices)
-        batches, load = measured_load(self.loader.vn_batches, indices, io=self.io)
+    def batches(self, step: int, vns: Sequence[int]) -> tuple[list[int], list[Any]]:
+        """(each VN's sample count, the batches) of ``vns`` in ``step``: loaded now, or None each
+        when a prefetcher hands them over in turn (:meth:`load`). Consecutive VNs of a tensor
+        dataset are read as one block of indices (one gather per tensor, a view per VN)."""
+        block = None
+        if self.prefetcher is None and self.block_loads:
+            block = self.plan.vn_block(step, vns)
+        if block is not None:
+            batches, load = measured_load(self.loader.block_batches, *block, io=self.io)
+            sizes = block[1]
+        else:
+            indices = [self.plan.vn_indices(step, vn) for vn in vns]
+            sizes = [len(i) for i in indices]
+            if self.prefetcher is not None:
+                return sizes, [None] * len(indices)
+            batches, load = measured_load(self.loader.vn_batches, indices, io=self.io)
         self.clock.add("input_s", load.seconds)
         self.clock.add_load(load)
-        return indices, batches
+        return sizes, batches
 
-    def load(self, step: int, vn: int, indices: torch.Tensor) -> Any:
+    def load(self, step: int, vn: int) -> Any:
         """VN ``vn``'s batch of ``step``: from the prefetcher when there is one (the time waited
         for it is the input time), else loaded now."""
+        indices = self.plan.vn_indices(step, vn)
         if self.prefetcher is not None:
             batch, waited, stats = self.prefetcher.take(step, vn, indices)
             self.clock.add("input_s", waited)
@@ -95,8 +107,7 @@ class VNCompute:
             self.bn.restore()
         now = time.perf_counter
         if batch is None:
-            indices = self.plan.vn_indices(step, vn)
-            batch, n = self.load(step, vn, indices), len(indices)
+            batch, n = self.load(step, vn), len(self.plan.vn_indices(step, vn))
         if not self.on_cpu:
             t0 = now()
             batch = to_device(batch, self.device)
