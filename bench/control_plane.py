@@ -47,7 +47,8 @@ import time
 from typing import Any
 
 from bench.harness import report as H
-from bench.harness.fleet import HEARTBEAT_INTERVAL_S, ControlPlane, FleetSpec, start_fleet
+from bench.harness.fleet import HEARTBEAT_INTERVAL_S, FleetSpec, start_fleet
+from bench.harness.fleet_plane import ControlPlane
 from virtualflow.comm import protocol
 
 NAME = "control_plane"
@@ -72,7 +73,7 @@ def fleet_counts(plane: ControlPlane, beaters: int) -> dict[str, float]:
     plane.launcher.stats.clear()
     plane.inbox.put(("stats",))
     if math.isnan(wait_for(lambda: plane.call(plane.launcher.poll) is not None
-                           and len(plane.launcher.stats) == beaters + 1, 60)):
+                           and len(plane.launcher.stats) == beaters + 1, 300)):
         raise RuntimeError(f"the fleet did not answer (stats from {sorted(plane.launcher.stats)})")
     stats = plane.launcher.stats
     return {"ops": sum(s.get("ops", 0) for s in stats.values()), "bytes": sum(s.get("bytes", 0) for s in stats.values()),
