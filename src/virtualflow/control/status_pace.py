@@ -5,9 +5,9 @@ whole file: about 11 ms of CPU at W = 1,024 (``json`` with indentation, the non-
 the atomic write), so two writes a second cost 2 % of a core there and 20 % at W = 10,000.
 :class:`StatusPace` spaces the writes by their own measured cost: at least ``floor_s`` apart
 (0.5 s, what a small job always had), and far enough apart that writing takes at most
-``budget`` of one core (1 %): a write that took ``c`` seconds of CPU makes the next one due
-``max(floor_s, c / budget)`` later. At W = 1,024 that is about every 1.1 s; below W ~ 450 nothing
-changes. A forced write (a state change the file must show at once: a request taken, the job's
+``budget`` of one core (0.5 %): a write that took ``c`` seconds of CPU makes the next one due
+``max(floor_s, c / budget)`` later. At W = 1,024 that is about every 2.2 s; below W ~ 250
+nothing changes. A forced write (a state change the file must show at once: a request taken, the job's
 end) is written whatever the pace, and counts towards it.
 
 Invariants: the pace never holds a write back more than ``max(floor_s, c / budget)`` after the
@@ -21,8 +21,9 @@ from typing import Callable
 
 STATUS_FLOOR_S = 0.5
 """The shortest interval between two paced ``status.json`` writes."""
-STATUS_BUDGET = 0.01
-"""The share of one core the paced writes may take (their CPU time over the interval)."""
+STATUS_BUDGET = 0.005
+"""The share of one core the paced writes may take (their CPU time over the interval): a tenth
+of the coordinator's 5 % at W = 1,024."""
 
 
 class StatusPace:
