@@ -26,7 +26,8 @@ processes for W = 2, 4, 8 (and 16 without ``--quick``): what a generation of tha
 form, and the store calls and bytes of gloo's rendezvous (counted; not in the fleet).
 
 Usage:
-    OMP_NUM_THREADS=1 .venv/bin/python -m bench.control_plane --quick --plot docs/img/control_plane.png
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.control_plane --quick --plot docs/images/control_plane.png
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.control_plane --workers 1024 --groups   # the largest W alone
 """
 
 from __future__ import annotations
