@@ -26,7 +26,8 @@ processes for W = 2, 4, 8 (and 16 without ``--quick``): what a generation of tha
 form, and the store calls and bytes of gloo's rendezvous (counted; not in the fleet).
 
 Usage:
-    OMP_NUM_THREADS=1 .venv/bin/python -m bench.control_plane --quick --plot docs/img/control_plane.png
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.control_plane --quick --plot docs/images/control_plane.png
+    OMP_NUM_THREADS=1 .venv/bin/python -m bench.control_plane --workers 1024 --groups   # the largest W alone
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ import time
 from typing import Any
 
 from bench.harness import report as H
-from bench.harness.fleet import HEARTBEAT_INTERVAL_S, ControlPlane, FleetSpec, start_fleet
+from bench.harness.fleet import HEARTBEAT_INTERVAL_S, FleetSpec, start_fleet
+from bench.harness.fleet_plane import ControlPlane
 from virtualflow.comm import protocol
 
 NAME = "control_plane"
@@ -72,7 +74,7 @@ def fleet_counts(plane: ControlPlane, beaters: int) -> dict[str, float]:
     plane.launcher.stats.clear()
     plane.inbox.put(("stats",))
     if math.isnan(wait_for(lambda: plane.call(plane.launcher.poll) is not None
-                           and len(plane.launcher.stats) == beaters + 1, 60)):
+                           and len(plane.launcher.stats) == beaters + 1, 300)):
         raise RuntimeError(f"the fleet did not answer (stats from {sorted(plane.launcher.stats)})")
     stats = plane.launcher.stats
     return {"ops": sum(s.get("ops", 0) for s in stats.values()), "bytes": sum(s.get("bytes", 0) for s in stats.values()),

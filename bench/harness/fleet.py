@@ -1,13 +1,9 @@
 """A simulated fleet: hundreds of workers that speak the real control-plane protocol to the real
 coordinator and membership controller, and train nothing.
 
-The coordinator side (:class:`ControlPlane`) is the launcher's own loop in miniature: a real
-:class:`~virtualflow.control.coordinator.Coordinator` (its ``TCPStore`` on 127.0.0.1, port 0)
-and :class:`~virtualflow.control.membership.MembershipController`, polled and ticked by one
-monitor thread exactly as ``launching/supervisor.py`` does (poll, tick, ``status.json`` twice a
-second, a 10 ms pause while a generation forms, else 50 ms). Its launcher is a
-:class:`SimLauncher`: starting a worker asks the fleet for one, killing it silences it, exits come
-back as exit codes.
+The coordinator side is :class:`bench.harness.fleet_plane.ControlPlane`, the launcher's own
+loop in miniature over the real coordinator and membership controller; its launcher asks this
+fleet for workers.
 
 The worker side (:class:`FleetClient`) runs every simulated worker as a small state machine in
 one thread, each with its own store connection, signing its reports with the run key through
@@ -22,9 +18,9 @@ worker does. The heartbeat threads are :class:`Beater` loops (threads, or proces
 fleets), each worker with a second connection as in the real worker, beating at the pace of the
 real worker's law (:func:`~virtualflow.runtime.channel.heartbeat_interval_s`, imported): it
 bumps ``vf/hb/<id>``, on rank 0 reads the control sequence and follows new commands, and
-checks the formed generation's abort flag. What a collective would tell the
-members (a peer died, the agreed step) the fleet knows in memory: no gloo groups. Deaths come
-as messages: ``exit`` (the process is gone: the launcher sees an exit code) or ``silent`` (a
+checks the formed generation's abort flag when the counter's abort marks moved (once per
+abort and generation: the beat is one call). What a collective would tell the members (a peer
+died, the agreed step) the fleet knows in memory: no gloo groups. Deaths come as messages: ``exit`` (the process is gone: the launcher sees an exit code) or ``silent`` (a
 partition: the worker stops speaking and beating, the launcher sees nothing).
 
 Invariants: every store call of the fleet and of the coordinator is counted (:class:`Counting`:
@@ -36,22 +32,17 @@ step recorded twice or never is the coordinator's doing, not the fleet's.
 from __future__ import annotations
 
 import datetime
-import os
 import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch.distributed as dist
 
-import virtualflow as vf
 from virtualflow.comm import protocol
-from virtualflow.control.coordinator import Coordinator
-from virtualflow.control.membership import MembershipController
-from virtualflow.records.rundir import write_json
-from virtualflow.runtime.channel import Reporter, heartbeat_interval_s
+from virtualflow.runtime.channel import ABORT_MARK, Reporter, heartbeat_interval_s
 from virtualflow.runtime.worker_config import WorkerConfig
 
 HEARTBEAT_INTERVAL_S = {f.name: f.default for f in fields(WorkerConfig)}["heartbeat_interval_s"]
@@ -160,8 +151,8 @@ class Beater:
     real worker's law gives it (:func:`~virtualflow.runtime.channel.heartbeat_interval_s`: its
     rank in the formed generation and that generation's size), what ``runtime/channel.py``'s
     ``Heartbeat`` does (beat; on rank 0, read the control sequence and follow new commands; check
-    the formed generation's abort flag). Messages: ``("beat", wid)``, ``("quiet", wid)``,
-    ``("watch", g, members)``, ``("stop",)``."""
+    the formed generation's abort flag when the counter's abort marks moved). Messages:
+    ``("beat", wid)``, ``("quiet", wid)``, ``("watch", g, members)``, ``("stop",)``."""
 
     def __init__(self, spec: FleetSpec, inbox: Any, outbox: Any, name: str) -> None:
         self.spec, self.inbox, self.outbox, self.name = spec, inbox, outbox, name
@@ -174,6 +165,7 @@ class Beater:
         self.ranks: dict[int, int] = {}  # worker -> rank in the watched generation
         self.size = spec.initial_workers
         self.due: dict[int, float] = {}  # worker -> when it beats next
+        self.marks: dict[int, tuple[int, int]] = {}  # worker -> (generation, abort marks) its flag was read at
         self.beats = 0
 
     def loop(self) -> None:
@@ -212,7 +204,7 @@ class Beater:
             time.sleep(min(self.spec.heartbeat_interval_s, max(0.0, wake - time.monotonic())))
 
     def beat(self, wid: int, store: Any, follows: bool) -> None:
-        store.add(protocol.heartbeat_key(wid), 1)
+        marks = int(store.add(protocol.heartbeat_key(wid), 1)) // ABORT_MARK
         self.beats += 1
         seq = (protocol.parse_seq(store.get(protocol.CONTROL_SEQ_KEY)) or 0) if follows else 0
         while self.seen[wid] < seq:
@@ -222,8 +214,10 @@ class Beater:
             protocol.parse_command(self.run, store.get(protocol.control_key(n)), n)
             self.seen[wid] = n
         g = self.watch
-        if g is not None and store.check([protocol.abort_key(g)]):
-            protocol.parse_abort(self.run, store.get(protocol.abort_key(g)), g)
+        if g is not None and self.marks.get(wid) != (g, marks):  # the flag, once per mark and generation
+            self.marks[wid] = (g, marks)
+            if store.check([protocol.abort_key(g)]):
+                protocol.parse_abort(self.run, store.get(protocol.abort_key(g)), g)
 
 
 @dataclass(slots=True)
@@ -486,127 +480,7 @@ def run_beater(spec: FleetSpec, inbox: Any, outbox: Any, name: str) -> None:  # 
     Beater(spec, inbox, outbox, name).loop()
 
 
-class SimLauncher:
-    """The controller's :class:`~virtualflow.control.membership.WorkerLauncher` over a fleet."""
-
-    def __init__(self, inbox: Any, outbox: Any) -> None:
-        self.inbox, self.outbox = inbox, outbox
-        self.codes: dict[int, int | None] = {}
-        self.stats: dict[str, dict[str, Any]] = {}
-        """The latest counts of the fleet's client and of each beater (after a ``("stats",)``)."""
-
-    def start_worker(self, worker_id: int) -> None:
-        self.codes[worker_id] = None
-        self.inbox.put(("start", worker_id))
-
-    def kill_worker(self, worker_id: int) -> str:
-        self.codes[worker_id] = -9
-        self.inbox.put(("kill", worker_id))
-        return "killed"
-
-    def poll(self) -> dict[int, int | None]:
-        while True:
-            try:
-                msg = self.outbox.get_nowait()
-            except queue.Empty:
-                return dict(self.codes)
-            if msg[0] == "exit" and self.codes.get(msg[1]) is None:
-                self.codes[msg[1]] = msg[2]
-            elif msg[0] == "stats":
-                self.stats[msg[1]] = msg[2]
-            elif msg[0] == "error":
-                raise RuntimeError(f"the fleet's {msg[1]} stopped: {msg[2]}")
-
-    def pid(self, worker_id: int) -> int:
-        return 100000 + worker_id
-
-
-@dataclass
-class ControlPlane:
-    """The coordinator's side: a real coordinator and membership controller over a fleet, run by
-    one monitor thread as the launcher runs them (see the module docstring). ``workers`` start
-    the job; ``virtual_nodes`` default to ``4 x workers`` (room to grow)."""
-
-    workers: int
-    inbox: Any
-    outbox: Any
-    run_dir: str | None = None
-    total_steps: int = 10**6
-    virtual_nodes: int | None = None
-    heartbeat_timeout_s: float = 3.0
-    counts: dict[str, float] = field(default_factory=dict)
-    latencies: dict[int, float] = field(default_factory=dict)
-    """Step -> seconds from its report's making (its ``time``) to the coordinator reading it (the
-    first time: a report re-sent after a regroup is not counted again)."""
-    tick_s: list[float] = field(default_factory=list)
-    """CPU seconds of each monitor loop (the monitor thread's own time)."""
-
-    def __post_init__(self) -> None:
-        self.coord = Coordinator(total_steps=self.total_steps, run_dir=self.run_dir)
-        self.coord.store = Counting(self.coord.store, self.counts)
-        self.launcher = SimLauncher(self.inbox, self.outbox)
-        options = vf.LaunchOptions(workers=self.workers, steps=self.total_steps,
-                                   heartbeat_timeout_s=self.heartbeat_timeout_s, step_timeout_s=600.0)
-        self.ctl = MembershipController(self.coord, self.launcher, options,
-                                        virtual_nodes=self.virtual_nodes or 4 * self.workers)
-        self.spec_fields = {"host": "127.0.0.1", "port": self.coord.port, "key": self.coord.run.key,
-                            "job": self.coord.job_id, "total_steps": self.total_steps,
-                            "timeout_s": min(options.heartbeat_timeout_s, options.coordinator_timeout_s),
-                            "initial_workers": self.workers}
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self.status_bytes = 0
-
-    def start(self) -> None:
-        self.ctl.start()
-        self.thread = threading.Thread(target=self._monitor, name="control-plane", daemon=True)
-        self.thread.start()
-
-    def _monitor(self) -> None:
-        status_at = 0.0
-        try:
-            while not self._stop.is_set():
-                t_cpu = time.thread_time()
-                with self._lock:
-                    reports = self.coord.poll()
-                    now = time.time()
-                    for r in reports:
-                        if r["type"] == "step":
-                            self.latencies.setdefault(r["step"], now - r["time"])
-                    self.ctl.tick(reports)
-                    if time.monotonic() - status_at >= 0.5:
-                        status_at = time.monotonic()
-                        self.write_status()
-                self.tick_s.append(time.thread_time() - t_cpu)
-                time.sleep(0.01 if self.ctl.busy else 0.05)
-        except BaseException as exc:  # noqa: BLE001 - read by the caller
-            self.error = exc
-
-    def write_status(self) -> None:
-        """``status.json``'s per-worker part, as the launcher writes it (its worker table and the
-        recent step times); its size is what grows with the fleet."""
-        data = {"step": self.coord.progress.step, "generation": self.ctl.generation, "phase": self.ctl.phase.value,
-                "workers": self.ctl.worker_table(),
-                "recent_step_times_s": [h["step_time_s"] for h in self.coord.history[-10:]]}
-        if self.run_dir is not None:
-            path = os.path.join(self.run_dir, "status.json")
-            write_json(path, data)
-            self.status_bytes = os.path.getsize(path)
-
-    def call(self, fn: Any, *args: Any) -> Any:
-        """Run ``fn(*args)`` between two monitor loops (the controller has one actor at a time)."""
-        with self._lock:
-            return fn(*args)
-
-    def stop(self) -> None:
-        self._stop.set()
-        if hasattr(self, "thread"):
-            self.thread.join(timeout=10)
-        self.coord.close()
-
-
-def in_process_fleet(plane: ControlPlane, step_s: float, beaters: int = 1,
+def in_process_fleet(plane: Any, step_s: float, beaters: int = 1,
                      heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S, pool: int = 4) -> tuple[threading.Thread, list[Any]]:
     """The fleet of ``plane`` as threads of this process (tests, small fleets; ``pool`` shared
     connections, see :attr:`FleetSpec.pool`): returns the client thread and the beaters' threads

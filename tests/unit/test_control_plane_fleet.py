@@ -9,12 +9,14 @@ import queue
 import time
 
 import virtualflow as vf
-from bench.harness.fleet import ControlPlane, Counting, in_process_fleet
+from bench.harness.fleet import Counting, in_process_fleet
+from bench.harness.fleet_plane import ControlPlane
 from virtualflow.comm import protocol
 from virtualflow.control.coordinator import Coordinator
 from virtualflow.control.membership import MembershipController
 from virtualflow.control.membership.liveness import Liveness
 from virtualflow.control.membership.losses import STORM_MAX_S, STORM_SETTLE_S
+from virtualflow.control.status_pace import StatusPace
 
 from control_fakes import Clock, FakeLauncher
 
@@ -197,3 +199,26 @@ def test_a_storm_that_goes_on_is_answered_within_its_bound():
     ctl.tick([])
     assert ctl.generation == 1 and ctl.members == list(range(w + 1))
     coord.close()
+
+
+def test_status_writes_are_paced_by_their_own_cost():
+    clock, cpu = Clock(), Clock()
+    pace = StatusPace(floor_s=0.5, budget=0.01, clock=clock, cpu=cpu)
+    written = []
+
+    def write(cost_s):
+        return lambda: (written.append(clock.t), setattr(cpu, "t", cpu.t + cost_s))
+
+    for t in [i / 10 for i in range(30)]:  # a cheap table (small W): every 0.5 s, as before
+        clock.t = t
+        pace.write(write(0.001))
+    assert [round(t, 1) for t in written] == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]
+    written.clear()
+    for t in [i / 10 for i in range(30, 71)]:  # 20 ms a write (a large W): every 2 s, 1 % of a core
+        clock.t = t
+        pace.write(write(0.020))
+    assert [round(t, 1) for t in written] == [3.0, 5.0, 7.0]
+    clock.t = 7.1
+    assert pace.write(write(0.020), force=True) and round(written[-1], 1) == 7.1  # a forced write goes at once
+    clock.t = 8.0
+    assert not pace.write(write(0.020))  # ... and counts towards the pace

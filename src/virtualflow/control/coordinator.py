@@ -27,7 +27,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch.distributed as dist
 
@@ -36,6 +36,7 @@ from virtualflow.comm.rejects import RejectLog
 from virtualflow.plan.flops import throughput
 from virtualflow.records.rundir import json_text
 from virtualflow.runtime import breakdown, dataset_check
+from virtualflow.runtime.channel import ABORT_MARK
 
 logger = logging.getLogger(__name__)
 
@@ -194,14 +195,20 @@ class Coordinator:
         self.fenced[worker] = generation
         self.event("fenced", worker=worker, generation=generation, cause=cause)
 
-    def abort(self, generation: int) -> None:
+    def abort(self, generation: int, beating: Iterable[int] = ()) -> None:
         """Declare generation ``generation`` broken (its members stop waiting on each other).
         Written once per generation: every member that saw the break reports a fault, and each
-        asked for this flag again (W signed writes per failure)."""
+        asked for this flag again (W signed writes per failure). Then every worker of
+        ``beating`` (those whose heartbeats are watched) gets :data:`ABORT_MARK` added to its
+        heartbeat counter, after the flag: its next beat sees the mark and reads the flag, so a
+        beat costs one store call, not one plus an abort check (one call per worker per abort
+        instead of one per worker per beat)."""
         if generation in self._aborted:
             return
         self._aborted.add(generation)
         self.store.set(protocol.abort_key(generation), protocol.seal_abort(self.run, generation))
+        for w in beating:
+            self.store.add(protocol.heartbeat_key(w), ABORT_MARK)
 
     # -- reports ---------------------------------------------------------------------------
     def poll(self) -> list[dict[str, Any]]:

@@ -29,6 +29,7 @@ from virtualflow.comm import auth
 from virtualflow.control.autoscale import Limits
 from virtualflow.control.autoscale_executor import AutoscaleExecutor
 from virtualflow.control.coordinator import Coordinator
+from virtualflow.control.status_pace import StatusPace
 from virtualflow.launching import outcome
 from virtualflow.launching.composition import check_batch_schedule
 from virtualflow.launching.requests import ResizeRequests
@@ -156,7 +157,7 @@ class Supervisor:
         opts = setup.options
         self.job = setup.job
         self.t0 = time.time()
-        self.status_written = 0.0
+        self.status_pace = StatusPace()
         self.result: Result | None = None
         self.error: BaseException | None = None
         self.finished = threading.Event()
@@ -440,12 +441,10 @@ class Supervisor:
         """``status.json`` in the run directory: what ``virtualflow status`` prints, and how
         ``virtualflow resize`` reaches the coordinator (host, port, pid, token file)."""
         run_dir = self.setup.run_dir
-        if run_dir is None:
-            return
-        now = time.monotonic()
-        if not force and now - self.status_written < 0.5:
-            return
-        self.status_written = now
+        if run_dir is not None:  # paced by its cost (control/status_pace.py): O(W) per write
+            self.status_pace.write(lambda: self._write_status(run_dir), force=force)
+
+    def _write_status(self, run_dir: str) -> None:
         data = self.status()
         data.update(
             job=self.job.name,

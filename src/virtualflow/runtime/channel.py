@@ -107,6 +107,14 @@ second each at the base interval): the store serves every call on one thread, so
 the coordinator's own work, is what a thousand workers beating every 50 ms would cost (about
 60,000 calls a second)."""
 
+ABORT_MARK = 1 << 32
+"""What the coordinator adds to the heartbeat counter of every worker it watches when it declares
+a generation broken (:meth:`~virtualflow.control.coordinator.Coordinator.abort`): the beat's own
+``add`` then tells the worker that some abort flag changed, so a beat is one store call and the
+signed flag is read only when the counter's high part moved (once per abort, and once per
+generation watched). The coordinator compares counters below the mark only: the mark is not a
+beat."""
+
 BEATS_PER_TIMEOUT = 4
 """A live worker beats at least this many times within ``heartbeat_timeout_s`` (and within
 ``coordinator_timeout_s``): a beat or three delayed by a loaded machine is not a death."""
@@ -144,8 +152,9 @@ class Heartbeat:
     on a command at the same boundary (a command waits at most one base interval longer) and none
     acts on a forged one. The other members read a command the reduction announces themselves
     (:meth:`Worker._command <virtualflow.runtime.worker.Worker._command>`: one round trip per
-    command, which is rare), so their beat is two store calls (the counter and the abort flag)
-    instead of three. Without ``run`` (a benchmark of the
+    command, which is rare), so their beat is one store call: the counter, whose high part
+    (:data:`ABORT_MARK`) moves when the coordinator aborts a generation; only then is the signed
+    abort flag read. Without ``run`` (a benchmark of the
     heartbeat alone) it reads the same keys but follows nothing. If the coordinator itself is gone
     or cut off (the store has not answered for ``coordinator_timeout_s``), the worker exits with
     code 3: an orphan must not keep training (``virtualflow run --resume`` continues the job from
@@ -169,6 +178,7 @@ class Heartbeat:
         self._rank: int | None = None  # in the watched generation (None: in none yet)
         self._workers = cfg.initial_workers  # the fleet's size, for the interval's law
         self._acted = 0  # the control position the watched generation agreed on when it formed
+        self._marks: int | None = None  # the counter's abort marks when the watched flag was last read
         self._timeout_s = min(cfg.options.heartbeat_timeout_s, cfg.options.coordinator_timeout_s)
         self._broken = threading.Event()
         self._thread = threading.Thread(target=self._run, name="virtualflow-heartbeat", daemon=True)
@@ -190,6 +200,7 @@ class Heartbeat:
         0 follows the control sequence from ``acted`` on (the position the members agreed on)."""
         with self._lock:
             self._generation, self._rank, self._acted = generation, rank, acted
+            self._marks = None  # a new generation's flag is read at the next beat
             if workers is not None:
                 self._workers = workers
             self._broken.clear()
@@ -232,10 +243,12 @@ class Heartbeat:
             self._stop.wait(self.interval_s())
 
     def _beat(self, store: dist.Store) -> None:
-        """One beat: the counter; on rank 0, the control sequence; the watched abort flag."""
-        store.add(self.key, 1)
+        """One beat: the counter; on rank 0, the control sequence; the watched abort flag, when
+        the counter's abort marks moved since it was last read (:data:`ABORT_MARK`)."""
+        marks = int(store.add(self.key, 1)) // ABORT_MARK
         with self._lock:
             g, follows, acted = self._generation, self._rank == 0, self._acted
+            fresh = marks != self._marks
         seq = protocol.parse_seq(store.get(protocol.CONTROL_SEQ_KEY)) if follows else None
         if self.run is None:
             if g is not None:
@@ -244,10 +257,13 @@ class Heartbeat:
         self.control_seq = max(self.control_seq, acted)  # what the members acted on needs no reading
         if seq is not None and seq > self.control_seq:
             self.follow(store, seq)
-        if g is not None and aborted(store, self.run, g, self.rejections):
+        if g is not None and fresh:
+            broken = aborted(store, self.run, g, self.rejections)
             with self._lock:
                 if g == self._generation:
-                    self._broken.set()
+                    self._marks = marks
+                    if broken:
+                        self._broken.set()
 
     def _watch(self) -> None:
         """Exit the process (code 3) once the store has not answered for ``coordinator_timeout_s``:

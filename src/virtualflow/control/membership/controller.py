@@ -333,7 +333,7 @@ class MembershipController:
         elif kind == "fault":
             # A member saw the generation break: tell the others at once, so that none of them
             # waits out a collective timeout on a peer that has already given up.
-            self.coord.abort(r["generation"])
+            self.abort(r["generation"])
             if r["generation"] == self.formed:
                 self.hangs.faulted.add(wid)
             if r["generation"] == self.generation and self.losses.fault_at is None:
@@ -433,6 +433,11 @@ class MembershipController:
         self._enter(phase_of_change(kind, hold=hold), f"{kind} generation {g} of {len(members)} published")
         if command:
             self.coord.command("regroup", generation=g)
+
+    def abort(self, generation: int) -> None:
+        """Declare ``generation`` broken (:meth:`Coordinator.abort
+        <virtualflow.control.coordinator.Coordinator.abort>`), marking the watched heartbeats."""
+        self.coord.abort(generation, beating=self.liveness.watched())
 
     # -- status ---------------------------------------------------------------------------------
     def worker_table(self) -> list[dict[str, Any]]:

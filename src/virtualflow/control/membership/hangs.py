@@ -61,7 +61,7 @@ class HangGuard:
                                stalled.why)
                 ctl.coord.event("stalled", generation=ctl.formed, step=ctl.last_step,
                                 waited_s=round(stalled.waited_s, 3), limit_s=stalled.limit_s, why=stalled.why)
-                ctl.coord.abort(ctl.formed)
+                ctl.abort(ctl.formed)
                 self.stall = (now, stalled)
                 return {}
         if ctl.busy:

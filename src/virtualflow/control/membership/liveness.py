@@ -18,6 +18,7 @@ from typing import Any
 
 from virtualflow.comm import protocol
 from virtualflow.control.membership.interface import WorkerLauncher, describe_exit
+from virtualflow.runtime.channel import ABORT_MARK
 
 SWEEPS_PER_TIMEOUT = 8
 """How often the heartbeat counters are read: ``SWEEPS_PER_TIMEOUT`` times per
@@ -44,7 +45,12 @@ class Liveness:
 
     def joined(self, worker: int, now: float) -> None:
         """``worker`` reported ``join``: its heartbeats are watched from now on."""
-        self._hb[worker] = (self.store.add(protocol.heartbeat_key(worker), 0), now)
+        self._hb[worker] = (_counter(self.store.add(protocol.heartbeat_key(worker), 0)), now)
+
+    def watched(self) -> list[int]:
+        """The workers whose heartbeats are watched (joined, not gone, not leaving): those an
+        abort marks (:meth:`~virtualflow.control.coordinator.Coordinator.abort`)."""
+        return list(self._hb)
 
     def _beats(self, workers: list[int]) -> list[Any]:
         """The heartbeat counters of ``workers`` (each created by :meth:`joined`), read in one round
@@ -55,7 +61,7 @@ class Liveness:
             return []
         multi_get = getattr(self.store, "multi_get", None)
         if multi_get is None:
-            return [self.store.add(protocol.heartbeat_key(w), 0) for w in workers]
+            return [_counter(self.store.add(protocol.heartbeat_key(w), 0)) for w in workers]
         return [_counter(raw) for raw in multi_get([protocol.heartbeat_key(w) for w in workers])]
 
     def forget(self, worker: int) -> None:
@@ -122,10 +128,12 @@ class Liveness:
         return failed
 
 
-def _counter(raw: bytes) -> int | bytes:
-    """A heartbeat counter as the store keeps it (decimal text) as a number; anything else as it
-    is (it still differs from the last value read, so it reads as a change, never as an error)."""
+def _counter(raw: bytes | int) -> int | bytes:
+    """A heartbeat counter as the store keeps it (decimal text) as a number of beats, below the
+    coordinator's abort marks (:data:`~virtualflow.runtime.channel.ABORT_MARK`: a mark is not a
+    beat); anything else as it is (it still differs from the last value read, so it reads as a
+    change, never as an error)."""
     try:
-        return int(raw)
+        return int(raw) % ABORT_MARK
     except ValueError:
         return raw

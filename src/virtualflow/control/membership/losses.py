@@ -77,7 +77,7 @@ class LossHandler:
         if not breaks:
             return
         if lost and ctl.shards_die_with_members:
-            ctl.coord.abort(ctl.generation)
+            ctl.abort(ctl.generation)
             lost_desc = "; ".join(f"worker {w} {failed[w]}" for w in lost)
             reason = "reduction='fsdp' keeps one copy of each parameter shard and a lost member held some"
             ctl.coord.event("fallback_restart", step=ctl.last_step, reason=reason, failed=sorted(failed))
@@ -95,7 +95,7 @@ class LossHandler:
             # may be under way (many workers dying in the same second). The generation is aborted
             # at once (its members stop waiting for the dead), and the next is published when the
             # losses stop (:meth:`settle`).
-            ctl.coord.abort(ctl.generation)
+            ctl.abort(ctl.generation)
             self.storm = (first, now, failed)
             return
         self.storm = None
@@ -121,7 +121,7 @@ class LossHandler:
                                pids={w: ctl.launcher.pid(w) for w in failed}, replace_failed=ctl.replace_failed,
                                target=ctl.target, min_workers=ctl.min_workers, step=ctl.last_step,
                                checkpointed=ctl.checkpointed)
-        ctl.coord.abort(ctl.generation)
+        ctl.abort(ctl.generation)
         if isinstance(decision, GiveUp):
             raise JobFailed(decision.message)
         ctl.target = decision.target
@@ -158,7 +158,7 @@ class LossHandler:
         decision = decide_failover(stages=ctl.stages, members=ctl.members, layout=ctl.layout,
                                    formed=ctl.formed_layout, replace_failed=ctl.replace_failed,
                                    dead={f["worker"] for f in ctl.failures} | set(failed), tensor=ctl.tensor)
-        ctl.coord.abort(ctl.generation)
+        ctl.abort(ctl.generation)
         if isinstance(decision, FallBack):
             lost_desc = "; ".join(f"worker {w} {c}" for w, c in failed.items())
             ctl.coord.event("fallback_restart", step=ctl.last_step, reason=decision.reason, failed=sorted(failed))
@@ -211,6 +211,6 @@ class LossHandler:
                 f"generation {ctl.generation} broke {self.retries} times without a lost worker and without "
                 f"progress; see the fault events in events.jsonl and the worker logs"
             )
-        ctl.coord.abort(ctl.generation)
+        ctl.abort(ctl.generation)
         ctl.publish_next(list(ctl.members), kind="failure", hold=ctl.hold,
                          detail={"failed": [], "causes": {}, "retry": self.retries})
