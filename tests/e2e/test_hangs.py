@@ -77,27 +77,46 @@ class BlockAt:
                 time.sleep(1)
 
 
-def test_a_worker_blocked_in_a_callback_fails_the_job_with_a_clear_message(tmp_path):
+def test_a_worker_blocked_in_a_callback_fails_the_job_with_a_clear_message(tmp_path, monkeypatch):
+    """The grace to answer the abort (at least 10 s by default: tests/e2e/test_membership.py's
+    wedged-member cases, with a fake clock) is cut to 2 s here: a blocked worker never answers."""
+    from virtualflow.control.membership.hangs import HangGuard
+
+    real_init = HangGuard.__init__
+
+    def short_grace(self, *args, **kw):
+        real_init(self, *args, **kw)
+        self.wedge_grace_s = 2.0
+
+    monkeypatch.setattr(HangGuard, "__init__", short_grace)
     job = jobs.regression_job("sgd", callbacks=[BlockAt(2)])
     t0 = time.monotonic()
     with pytest.raises(vf.TrainingError) as err:
         vf.train(job, workers=1, steps=50, run_dir=str(tmp_path / "run"), step_timeout_s=3.0)
     message = str(err.value)
     assert "no step for" in message and "step_timeout_s=3" in message and "wedged" in message, message
-    assert time.monotonic() - t0 < 120  # 3 s without a step + 10 s to answer the abort, on a loaded box
+    assert time.monotonic() - t0 < 120  # 3 s without a step + 2 s to answer the abort, on a loaded box
     events = [json.loads(line) for line in open(tmp_path / "run" / "events.jsonl")]
     stalled = [e for e in events if e["event"] == "stalled"]
     assert len(stalled) == 1 and stalled[0]["step"] == 2  # steps 0 and 1 done, step 2 blocked
     assert [e["worker"] for e in events if e["event"] == "failure"] == [0]
 
 
-def test_an_external_worker_welcomed_that_never_joins_does_not_stall_the_job(tmp_path):
+def test_an_external_worker_welcomed_that_never_joins_does_not_stall_the_job(tmp_path, monkeypatch):
     """A joiner takes a place (it is welcomed) and then says nothing, as a worker that died right
-    after its welcome: the job starts without it once its welcome runs out (30 s) and the
-    worker that did join trains the job to its end (before: ``forming`` for ever)."""
+    after its welcome: the job starts without it once its welcome runs out and the worker that
+    did join trains the job to its end (before: ``forming`` for ever). The real worker joins
+    first (it is beating before the silent one is welcomed), so the welcome's allowance (at least
+    30 s by default: tests/unit/test_welcome_allowance_inproc.py) is cut to 3 s here without a
+    slow start of the real worker ever meeting it."""
     from test_external import free_port, reap, start_worker
+    from virtualflow.backends import external
     from virtualflow.cli.worker import join
+    from virtualflow.comm import protocol
 
+    real_init = external.ExternalBackend.__init__
+    monkeypatch.setattr(external.ExternalBackend, "__init__",
+                        lambda self, listen, **kw: real_init(self, listen, **{**kw, "first_beat_s": 3.0}))
     run_dir, token_file = str(tmp_path / "run"), str(tmp_path / "secret")
     with open(token_file, "w") as f:
         f.write("0123456789abcdef" * 4)
@@ -107,8 +126,16 @@ def test_an_external_worker_welcomed_that_never_joins_does_not_stall_the_job(tmp
                        listen=address, token_file=token_file, heartbeat_timeout_s=2.0)
     procs = []
     try:
-        silent_id, _ = join(address, open(token_file).read().strip(), timeout_s=60)  # welcomed, then silent
         procs.append(start_worker(address, token_file, str(tmp_path / "w.log")))
+        store, deadline = handle.coordinator.store, time.monotonic() + 120
+
+        def beating(w) -> bool:  # welcomed, and its heartbeat has begun
+            return w.pid == procs[0].pid and store.add(protocol.heartbeat_key(w.worker_id), 0) > 0
+
+        while not any(beating(w) for w in list(handle.backend.workers.values())):
+            assert time.monotonic() < deadline and procs[0].poll() is None and not handle.done, handle.status()
+            time.sleep(0.05)
+        silent_id, _ = join(address, open(token_file).read().strip(), timeout_s=60)  # welcomed, then silent
         result = handle.wait(timeout_s=150)
     finally:
         if not handle.done:
@@ -117,7 +144,7 @@ def test_an_external_worker_welcomed_that_never_joins_does_not_stall_the_job(tmp
     assert codes == [0], open(tmp_path / "w.log").read()[-2000:]
     assert result.steps == 4 and {h["workers"] for h in result.history} == {1}
     assert [f["worker"] for f in result.failures] == [silent_id]
-    assert "never started beating (no heartbeat within 30 s of its welcome" in result.failures[0]["cause"]
+    assert "never started beating (no heartbeat within 3 s of its welcome" in result.failures[0]["cause"]
 
 
 def test_a_stop_while_the_first_generation_forms_ends_the_job_at_once(tmp_path):

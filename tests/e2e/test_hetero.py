@@ -93,6 +93,7 @@ from torch import nn
 
 import virtualflow as vf
 from conftest import assert_state_equal
+from vn_reference import deterministic_reference
 import jobs
 from virtualflow.comm.groups import Group, make_group
 from virtualflow.plan.data import DataPlan
@@ -248,7 +249,7 @@ def test_heterogeneous_map_trains_bit_identical_weights_and_follows_a_straggler(
         assert time.monotonic() < deadline + 120 and not handle.done
         time.sleep(0.02)
     result = handle.stop()
-    ref = vf.train(job.replace(loss=jobs.cross_entropy), workers=1, steps=result.steps, deterministic=True)
+    ref = deterministic_reference(job.replace(loss=jobs.cross_entropy), result.steps)
     assert_state_equal(result.state_dict, ref.state_dict)
     kinds = [e["reason"] for e in _events(run_dir, "generation")]
     assert kinds[0] == "start" and set(kinds[1:]) == {"rebalance"}
@@ -287,7 +288,7 @@ def test_a_worker_too_slow_to_help_gets_no_vn_trains_bit_identical_weights_and_c
         assert time.monotonic() < deadline + 60 and not handle.done
         time.sleep(0.02)
     result = handle.stop()
-    ref = vf.train(job.replace(loss=jobs.cross_entropy), workers=1, steps=result.steps, deterministic=True)
+    ref = deterministic_reference(job.replace(loss=jobs.cross_entropy), result.steps)
     assert_state_equal(result.state_dict, ref.state_dict)
     maps = [[len(a) for a in e["assignment"]] for e in _events(run_dir, "generation")]
     assert maps[0] == [3, 3, 2] and [4, 0, 4] in maps and maps[-1][1] > 0

@@ -29,10 +29,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import virtualflow as vf
 from conftest import assert_state_equal, flat_optimizer_state
 from hosts import make_hosts  # noqa: F401 - fixture
 from virtualflow.runtime.checkpoint import load_state
+from vn_reference import Reference, deterministic_reference
 import jobs
 
 pytestmark = pytest.mark.slow
@@ -125,15 +125,15 @@ def wait(predicate, what: str, proc: subprocess.Popen | None = None, timeout_s: 
         time.sleep(0.05)
 
 
-_REFERENCES: dict[tuple[str, int], vf.Result] = {}
+_REFERENCES: dict[tuple[str, int], Reference] = {}
 
 
-def reference(steps: int, job=jobs.elastic_job) -> vf.Result:
-    """The undisturbed deterministic run of ``steps`` steps (one local worker: deterministic mode
-    is bit-identical for any worker count)."""
+def reference(steps: int, job=jobs.elastic_job) -> Reference:
+    """The undisturbed deterministic run of ``steps`` steps (the VN engine in this process, its
+    loss unpaced: deterministic mode is bit-identical for any worker count)."""
     key = (job.__name__, steps)
     if key not in _REFERENCES:
-        _REFERENCES[key] = vf.train(job, workers=1, steps=steps, deterministic=True)
+        _REFERENCES[key] = deterministic_reference(job().replace(loss=jobs.cross_entropy), steps)
     return _REFERENCES[key]
 
 

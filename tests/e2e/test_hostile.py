@@ -43,6 +43,7 @@ from virtualflow.runtime import transfer
 from virtualflow.runtime.channel import Heartbeat, Reporter
 from virtualflow.config.worker_options import WorkerOptions
 from virtualflow.runtime.worker import Worker, WorkerConfig
+from vn_reference import deterministic_reference
 import jobs
 
 KEY = "k" * 64
@@ -465,9 +466,8 @@ def test_a_job_under_a_hostile_store_trains_bit_identical_and_logs_every_refusal
     assert not result.failures and result.generations == 2
     sizes = [h["workers"] for h in result.history]
     assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [2, 3]
-    ref = vf.train(jobs.elastic_job().replace(loss=jobs.cross_entropy), workers=2, steps=result.steps,
-                   deterministic=True)
-    assert_same_training(result, ref)
+    assert_same_training(result, deterministic_reference(jobs.elastic_job().replace(loss=jobs.cross_entropy),
+                                                         result.steps))
 
     log = events(run_dir)
     refused = [e for e in log if e["event"].endswith("_rejected")]
@@ -526,8 +526,8 @@ def test_an_external_job_under_hostile_joins_trains_bit_identical_with_a_bounded
         codes = reap(procs)
     assert codes == [0, 0]
     assert not result.failures and {h["workers"] for h in result.history} == {2}
-    assert_same_training(result, vf.train(jobs.elastic_job().replace(loss=jobs.cross_entropy), workers=2,
-                                          steps=result.steps, deterministic=True))
+    assert_same_training(result, deterministic_reference(jobs.elastic_job().replace(loss=jobs.cross_entropy),
+                                                         result.steps))
     log = events(run_dir)
     rejected = [e for e in log if e["event"] == "join_rejected"]
     suppressed = sum(e["count"] for e in log if e["event"] == "rejections_suppressed" and e["of"] == "join_rejected")

@@ -223,11 +223,12 @@ def test_nothing_left_behind_a_failing_pytest_test(tmp_path):
 
 @pytest.fixture(scope="module")
 def reference():
-    """The job's deterministic run on one local worker (this machine, loopback)."""
+    """The job's undisturbed deterministic run (the VN engine in this process: :mod:`vn_reference`)."""
     H.skip_unless_available()
-    import virtualflow as vf
+    import jobs
+    from vn_reference import deterministic_reference
 
-    return vf.train(JOB, workers=1, steps=STEPS, deterministic=True, progress=False)
+    return deterministic_reference(jobs.make_job(), STEPS)
 
 
 def _assert_matches(run_dir: Path, reference) -> None:

@@ -31,6 +31,7 @@ import torch
 import virtualflow as vf
 from virtualflow.runtime.breakdown import PARTS
 from conftest import assert_state_equal, wait_for_step
+from vn_reference import deterministic_reference
 import gpt_grid_jobs as g
 
 FOREVER = 1_000_000
@@ -55,8 +56,9 @@ T2_LAYOUTS = {  # (D, P): the pipeline knobs; every flush schedule trains the sa
 
 @pytest.fixture(scope="module")
 def single():
-    """The single-worker, unpipelined run: the reference of every layout."""
-    return vf.train(g.single_job, workers=1, steps=STEPS, deterministic=True)
+    """The single-worker, unpipelined run: the reference of every layout (in this process:
+    :mod:`vn_reference`)."""
+    return deterministic_reference(g.single_job(), STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +155,7 @@ def test_clipping_sums_the_shards_norms_over_the_tensor_parallel_group(run_dir):
     (1, 1, 2) run's bit for bit, and the single worker's within float64 rounding (the model is
     float64, so is the norm: docs/training.md)."""
     kw = dict(max_grad_norm=0.05)
-    a = vf.train(lambda: g.single_job().replace(**kw), workers=1, steps=STEPS, deterministic=True)
+    a = deterministic_reference(g.single_job().replace(**kw), STEPS)
     b = vf.train(lambda: g.grid_job(stages=2, tensor=2, schedule="gpipe").replace(**kw), workers=4, steps=STEPS,
                  deterministic=True, run_dir=run_dir)
     c = vf.train(lambda: g.grid_job(tensor=2, schedule="gpipe").replace(**kw), workers=2, steps=STEPS,

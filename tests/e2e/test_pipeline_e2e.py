@@ -24,6 +24,7 @@ import torch
 
 import virtualflow as vf
 from conftest import assert_state_equal, wait_for_step
+from vn_reference import Reference, deterministic_reference
 import jobs
 
 FOREVER = 1_000_000
@@ -50,8 +51,9 @@ def _events(run_dir: str, kind: str) -> list[dict]:
         return [e for e in map(json.loads, f) if e["event"] == kind]
 
 
-def unpipelined(steps: int) -> vf.Result:
-    return vf.train(jobs.pipelined_job().replace(pipeline=None), workers=1, steps=steps, deterministic=True)
+def unpipelined(steps: int) -> Reference:
+    """The unpipelined deterministic run of the job, in this process (:mod:`vn_reference`)."""
+    return deterministic_reference(jobs.pipelined_job(), steps)
 
 
 def test_two_stages_two_replicas_bit_identical_to_unpipelined(run_dir):
@@ -59,7 +61,7 @@ def test_two_stages_two_replicas_bit_identical_to_unpipelined(run_dir):
     # runs in the other deterministic tests here)
     result = vf.train(jobs.pipelined_job, workers=4, steps=5, deterministic=True, run_dir=run_dir,
                       deterministic_exchange="slots")
-    ref = unpipelined(5)
+    ref = vf.train(jobs.pipelined_job().replace(pipeline=None), workers=1, steps=5, deterministic=True)
     assert_state_equal(result.state_dict, ref.state_dict)
     assert [e["algorithm"] for e in _events(run_dir, "exchange")] == ["slots"]
     assert [h["loss"] for h in result.history] == [h["loss"] for h in ref.history]

@@ -6,7 +6,8 @@ only it has). Workers ask for ``vf_slot=1`` so the custom resource passes throug
 half a CPU where three must fit.
 
 The standard of proof is the local backend's (tests/test_elastic.py): deterministic mode, and
-weights plus optimizer state bit-identical to an undisturbed local run of as many steps.
+weights plus optimizer state bit-identical to an undisturbed run of as many steps (the VN engine
+in this process, :mod:`vn_reference`: deterministic mode's bits do not depend on the workers).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from conftest import assert_same_training, assert_state_equal, flat_optimizer_st
 from virtualflow.backends.ray import WorkersUnavailable, parse_resources
 from virtualflow.control.coordinator import Coordinator
 from virtualflow.runtime.checkpoint import load_state
+from vn_reference import deterministic_reference
 import jobs
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -148,7 +150,7 @@ def test_resize_2_3_2_on_ray_keeps_training_in_place(cluster, run_dir, launch):
     assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [2, 3, 2]
     # The newcomer was an actor on the cluster; the worker that left gave its actor back.
     assert len(handle.backend.workers) == 3 and all(w.code == 0 for w in handle.backend.workers.values())
-    assert_same_training(result, vf.train(unpaced(), workers=2, steps=result.steps, deterministic=True))
+    assert_same_training(result, deterministic_reference(unpaced(), result.steps))
 
 
 def test_actor_killed_mid_run_survivors_redo_the_step(cluster, run_dir, launch):
@@ -167,7 +169,7 @@ def test_actor_killed_mid_run_survivors_redo_the_step(cluster, run_dir, launch):
     assert "SIGKILL" in result.failures[0]["cause"]
     assert result.generations == 2
     assert {h["workers"] for h in result.history[-5:]} == {2}
-    assert_same_training(result, vf.train(unpaced(), workers=2, steps=result.steps, deterministic=True))
+    assert_same_training(result, deterministic_reference(unpaced(), result.steps))
 
 
 def test_sigterm_to_an_actor_is_a_preemption_notice(cluster, run_dir, launch):
@@ -189,7 +191,7 @@ def test_sigterm_to_an_actor_is_a_preemption_notice(cluster, run_dir, launch):
     assert [h["step"] for h in result.history] == list(range(result.steps))
     sizes = [h["workers"] for h in result.history]
     assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [3, 2]
-    assert_same_training(result, vf.train(unpaced(), workers=2, steps=result.steps, deterministic=True))
+    assert_same_training(result, deterministic_reference(unpaced(), result.steps))
 
 
 def test_hung_actor_is_fenced_through_ray_and_the_run_stays_identical(cluster, run_dir, launch):
@@ -202,7 +204,7 @@ def test_hung_actor_is_fenced_through_ray_and_the_run_stays_identical(cluster, r
     result = handle.wait(timeout_s=240)
     assert [f["worker"] for f in result.failures] == [2]
     assert "stopped responding" in result.failures[0]["cause"]
-    assert_same_training(result, vf.train(unpaced(), workers=2, steps=20, deterministic=True))
+    assert_same_training(result, deterministic_reference(unpaced(), 20))
     pid = handle.backend.pid(2)  # this cluster's nodes are this machine: the process is visible here
     deadline = time.monotonic() + 30
     while os.path.exists(f"/proc/{pid}"):
@@ -221,7 +223,7 @@ def test_worker_specs_place_each_worker_on_its_device_type(cluster, run_dir, lau
     result = handle.wait(timeout_s=240)
     accel_node = next(n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("accel_x"))
     assert handle.backend.workers[1].node_id == accel_node
-    ref = vf.train(unpaced(), workers=2, steps=8, deterministic=True)
+    ref = deterministic_reference(unpaced(), 8)
     assert_same_training(result, ref)
     # A device type nobody has is refused before anything starts, naming it; and per-worker
     # resources mean nothing to the local backend.

@@ -3,7 +3,8 @@ background), ``virtualflow submit``, the service killed with SIGKILL mid-trace a
 (with another policy), every job to completion.
 
 The standard of proof: every job's final weights and optimizer state are bit-identical
-(deterministic mode) to a standalone run of the same job, however often the service resized,
+(deterministic mode) to a standalone run of the same job (unpaced, by the VN engine in this
+process: :mod:`vn_reference`), however often the service resized,
 preempted or moved it and although the service died; each job completed once (one ``done``
 event) and recorded every step exactly once in its ``metrics.jsonl``.
 """
@@ -20,11 +21,12 @@ import time
 import pytest
 import torch
 
-import virtualflow as vf
 from conftest import assert_state_equal, flat_optimizer_state
 from virtualflow.cli import main as cli_main
 from virtualflow.records.rundir import pid_alive
 from virtualflow.service.state import ClusterDB
+from jobs import cross_entropy, elastic_job, mse, paced_regression_job
+from vn_reference import deterministic_reference
 
 pytestmark = pytest.mark.slow
 
@@ -72,13 +74,13 @@ def submit(d, *args):
 
 
 TRACE = (("paced_slow", 100), ("paced_adam", 30), ("paced", 60))
+# Each job's standalone run: the same job unpaced (the pace only sleeps), in this process.
+UNPACED = {"paced_slow": paced_regression_job().replace(loss=mse), "paced": paced_regression_job().replace(loss=mse),
+           "paced_adam": elastic_job().replace(loss=cross_entropy)}
 
 
 def test_trace_survives_sigkill_and_every_job_matches_its_standalone_run(tmp_path):
     T0[0] = time.monotonic()
-    # The standalone references run meanwhile (the paced jobs mostly sleep: they overlap well).
-    handles = {(name, steps): vf.launch(f"{JOBS}:{name}", workers=1, steps=steps, deterministic=True)
-               for name, steps in set(TRACE)}
     d = str(tmp_path / "cluster")
     slots = ["--slots", "v100=2,k80=1", "--slowdowns", "k80=2", "--round-s", "2"]
     cli("cluster", "start", "--dir", d, "--policy", "elastic_fair", *slots)
@@ -132,10 +134,8 @@ def test_trace_survives_sigkill_and_every_job_matches_its_standalone_run(tmp_pat
     assert changes, "no job was resized or preempted: the trace does not test the service"
     assert {a["acc_type"] for a in db.allocations()} == {"v100", "k80"}
     # Every job equals its standalone run; every step recorded once.
-    refs = {key: h.wait(timeout_s=120) for key, h in handles.items()}
-    print(f"{time.monotonic() - T0[0]:6.1f} s: references")
-    for j, key in zip(jobs, TRACE):
-        ref = refs[key]
+    for j, (name, steps) in zip(jobs, TRACE):
+        ref = deterministic_reference(UNPACED[name], steps)
         final = torch.load(os.path.join(j.run_dir, "final.pt"), weights_only=False)
         assert final["step"] == j.steps and final["lr_scheduler"] == ref.lr_scheduler_state_dict
         assert_state_equal(final["model"], ref.state_dict)

@@ -434,16 +434,14 @@ def test_hostile_rows_and_a_stale_run_directory_leave_the_other_jobs_bit_identic
 
     import torch
 
-    import virtualflow as vf
+    import jobs
     from conftest import assert_state_equal, flat_optimizer_state
+    from vn_reference import deterministic_reference
 
     jobs_file = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "service_jobs.py")
     d = str(tmp_path / "c")
     check_cluster_dir(d, create=True)
     steps = 12
-    # The standalone reference runs meanwhile (the paced job mostly sleeps: they overlap well).
-    reference = vf.launch(f"{jobs_file}:paced", workers=1, steps=steps, deterministic=True,
-                          run_dir=str(tmp_path / "ref"), checkpoint_every=4)
     old_dir = os.path.join(d, "jobs", "1")  # what "job 1" of the emptied database left
     os.makedirs(old_dir, mode=0o700)
     old_bytes = b"job 1's state at step 10 of 70"
@@ -470,7 +468,8 @@ def test_hostile_rows_and_a_stale_run_directory_leave_the_other_jobs_bit_identic
         db.set_meta("stop_requested", True)
         thread.join(60)
     assert not thread.is_alive()
-    ref = reference.wait(timeout_s=120)
+    # The standalone run: the job unpaced (the pace only sleeps), in this process.
+    ref = deterministic_reference(jobs.paced_regression_job().replace(loss=jobs.mse), steps)
     assert [db.job(j).state for j in (good, tiny, broken)] == ["done", "done", "quarantined"]
     assert db.events(kind="policy_fallback") and db.events(kind="quarantined")[0]["job_id"] == broken
     for jid in (good, tiny):

@@ -20,8 +20,9 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
-import virtualflow as vf
 from conftest import assert_state_equal, flat_optimizer_state
+from vn_reference import deterministic_reference
+import jobs
 from virtualflow.cli import main as cli_main
 from virtualflow.service.runner import Service, init_cluster, ray_slot_shortage
 from virtualflow.service.state import ClusterDB
@@ -62,7 +63,6 @@ def test_slots_the_ray_cluster_lacks_are_refused(ray_cluster, tmp_path, capsys):
 
 @pytest.mark.timeout(600)
 def test_a_job_runs_on_its_types_ray_resource_and_matches_its_standalone_run(ray_cluster, tmp_path):
-    reference = vf.launch(JOB, workers=1, steps=20, deterministic=True)  # local processes, meanwhile
     d = str(tmp_path / "c")
     init_cluster(d, slots={"v100": 1, "k80": 2}, policy="fifo", round_s=2.0, slowdowns={"k80": 2.0},
                  backend="ray", address=ray_cluster.address, cpus_per_worker=0.5, emulate_slowdowns=True).close()
@@ -105,7 +105,7 @@ def test_a_job_runs_on_its_types_ray_resource_and_matches_its_standalone_run(ray
     assert asked and all(a == ({"k80": 1.0}, {0: 2.0, 1: 2.0}) for a in asked)
     assert min(free_k80) == 0.0 and min(free_v100) == 1.0
     assert ray_actors and max(ray_actors) == 2  # two Ray actors, placed (Ray gave them a node)
-    ref = reference.wait(timeout_s=120)
+    ref = deterministic_reference(jobs.paced_regression_job().replace(loss=jobs.mse), 20)  # JOB unpaced
     final = torch.load(os.path.join(row.run_dir, "final.pt"), weights_only=False)
     assert final["step"] == 20
     assert_state_equal(final["model"], ref.state_dict)

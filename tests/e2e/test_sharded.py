@@ -21,6 +21,7 @@ from torch import nn
 import virtualflow as vf
 from virtualflow.runtime.sharded import FlatParams, ShardedOptimizer, ShardLost, check_optimizer
 from conftest import assert_same_training, assert_state_close, flat_optimizer_state, wait_for_step
+from vn_reference import deterministic_reference
 import jobs
 
 
@@ -307,8 +308,7 @@ def test_sharded_deterministic_run_with_resizes_and_an_uneven_map_is_bit_identic
     assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [2, 3, 2], "\n".join(
         generations_run(result))
     assert any(len(set(map(len, h["vns"]))) > 1 for h in result.history), "the map never became uneven"
-    ref = vf.train(jobs.elastic_job().replace(loss=jobs.cross_entropy), workers=2, steps=result.steps,
-                   deterministic=True)
+    ref = deterministic_reference(jobs.elastic_job().replace(loss=jobs.cross_entropy), result.steps)
     try:
         assert [h["loss"] for h in result.history] == [h["loss"] for h in ref.history]
         assert_same_training(result, ref)
@@ -350,5 +350,5 @@ def test_a_failure_with_sharded_state_stops_with_the_way_out_and_resume_continue
     result = vf.train(jobs.elastic_job().replace(loss=jobs.cross_entropy), workers=2, steps=12, deterministic=True,
                       reduction="sharded", resume=run_dir)
     assert result.history[0]["step"] == 4
-    ref = vf.train(jobs.elastic_job().replace(loss=jobs.cross_entropy), workers=3, steps=12, deterministic=True)
+    ref = deterministic_reference(jobs.elastic_job().replace(loss=jobs.cross_entropy), 12)
     assert_same_training(result, ref, first_step=4)
