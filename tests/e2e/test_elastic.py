@@ -34,8 +34,10 @@ def unpaced():
     return jobs.elastic_job().replace(loss=jobs.cross_entropy)
 
 
-def reference(steps: int, deterministic: bool = True) -> vf.Result:
-    return vf.train(unpaced(), workers=2, steps=steps, deterministic=deterministic)
+def reference(steps: int):
+    """The unpaced job's deterministic run: one worker, in this process (its bits are those of
+    any worker count's)."""
+    return one_worker(unpaced(), steps)
 
 
 def events(run_dir: str, kind: str) -> list[dict]:
