@@ -112,26 +112,12 @@ def test_snippets_run(page, tmp_path, monkeypatch):
         runpy.run_path(str(write_script(page, tmp_path)), run_name="__main__")
 
 
-def lanes(scripts: list[Path], count: int) -> list[list[Path]]:
-    """``scripts`` dealt to ``count`` lanes, each script (most process-starting calls first) to the
-    lane with the fewest calls so far: a page's time is mostly its workers' start-ups."""
-    out: list[list[Path]] = [[] for _ in range(count)]
-    load = [0] * count
-    for path in sorted(scripts, key=lambda p: -len(STARTS_PROCESSES.findall(p.read_text()))):
-        lane = load.index(min(load))
-        out[lane].append(path)
-        load[lane] += len(STARTS_PROCESSES.findall(path.read_text()))
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(SUBPROCESS_TIMEOUT_S + 30)
 def test_snippets_that_start_workers_run(tmp_path):
-    """The pages whose blocks train (worker processes) run, as ``python page.py`` would run them,
-    in fresh interpreters started in the checkout: two at a time (a page spends much of its time
-    waiting for its workers to start and meet), each running its lane's pages one after the
-    other."""
-    scripts = [write_script(p, tmp_path) for p in pages_with_code(processes=True)]
+    """The pages whose blocks train (worker processes) run, one page after the other, in one
+    fresh interpreter started in the checkout, as ``python page.py`` would run them."""
+    scripts = [str(write_script(p, tmp_path)) for p in pages_with_code(processes=True)]
     assert len(scripts) >= 4, scripts  # README, training, pipeline, elasticity, coconet, gnn
     runner = ("import runpy, sys, time\n"
               "for path in sys.argv[1:]:\n"
@@ -140,16 +126,9 @@ def test_snippets_that_start_workers_run(tmp_path):
               "    runpy.run_path(path, run_name='__main__')\n"
               "    print(f'{path}: {time.monotonic() - start:.1f} s', flush=True)\n")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
-    procs = [subprocess.Popen([sys.executable, "-c", runner, *map(str, lane)], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for lane in lanes(scripts, 2)]
-    try:
-        outputs = [proc.communicate(timeout=SUBPROCESS_TIMEOUT_S) for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
-    for proc, (out, err) in zip(procs, outputs):
-        assert proc.returncode == 0, f"{out[-3000:]}\n{err[-6000:]}"
+    proc = subprocess.run([sys.executable, "-c", runner, *scripts], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
 # -- signatures ---------------------------------------------------------------------------------
