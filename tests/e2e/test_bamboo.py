@@ -46,9 +46,8 @@ def undisturbed(stages: int, steps: int) -> dict[str, torch.Tensor]:
     without redundancy on ``stages`` stages (3: 1F1B; 4: GPipe, as
     :func:`jobs.pipelined_redundant_job_4`): what every failover of the process tests must train,
     run in this process once per module (several tests compare with the same run)."""
-    schedule = {3: "1f1b", 4: "gpipe"}[stages]
-    return undisturbed_pipeline(jobs.pipelined_redundant_job().replace(pipeline=Pipeline(stages=stages, schedule=schedule)),
-                                steps)
+    pipeline = Pipeline(stages=stages, schedule={3: "1f1b", 4: "gpipe"}[stages])
+    return undisturbed_pipeline(jobs.pipelined_redundant_job().replace(pipeline=pipeline), steps)
 
 
 def engines_of(j: vf.Job, replicas: int = 1, deterministic: bool = False):
