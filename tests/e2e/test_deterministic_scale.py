@@ -19,8 +19,7 @@ different depths. The V = 12 run uses the default exchange (``owners``), the V =
 ``slots`` exchange, forced. The two runs go side by side (one's start-ups fill the other's idle
 time), and they are paced (rank 0 sleeps after each step) so that they take a few dozen steps
 while newcomers start; each 1-worker reference runs the same job unpaced for the same number of
-steps, as soon as its run has stopped, in this process (``inproc_runs.one_worker``: the worker's
-own engine, no process to start).
+steps, as soon as its run has stopped.
 """
 
 from __future__ import annotations
@@ -28,12 +27,10 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from types import SimpleNamespace
 
 import virtualflow as vf
 from virtualflow.records.rundir import read_jsonl
 from conftest import assert_same_training, wait_for_step
-from inproc_runs import one_worker
 import jobs
 
 FOREVER = 1_000_000
@@ -68,7 +65,7 @@ def wait_for_failure(handle, timeout_s: float = 120.0) -> None:
         time.sleep(0.02)
 
 
-def run_and_reference(v: int, run_dir: str, handles: dict) -> tuple[vf.Result, SimpleNamespace]:
+def run_and_reference(v: int, run_dir: str, handles: dict) -> tuple[vf.Result, vf.Result]:
     """The V = ``v`` run through its sizes, stopped as soon as it has been through them; then its
     1-worker reference for the same number of steps."""
     plan = vf.FaultPlan([vf.Fault(worker=VICTIM, step=1, phase="during_reduction")])
@@ -81,7 +78,7 @@ def run_and_reference(v: int, run_dir: str, handles: dict) -> tuple[vf.Result, S
         handle.resize(n, wait=True, timeout_s=120)
         wait_for_step(handle, handle.status()["step"] + 2)  # at least two steps at n
     result = handle.stop()
-    return result, one_worker(jobs.mlp_and_lm_job(v), result.steps)
+    return result, vf.train(jobs.mlp_and_lm_job(v), workers=1, steps=result.steps, deterministic=True)
 
 
 def test_every_size_a_sigkill_and_resizes_train_what_one_worker_trains(tmp_path):
