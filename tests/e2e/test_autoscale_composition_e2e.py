@@ -20,6 +20,7 @@ import pytest
 import virtualflow as vf
 from virtualflow.control.autoscale import Resize, Stay
 from conftest import assert_same_training, wait_for_step
+from inproc_runs import one_worker
 import jobs
 
 FOREVER = 1_000_000
@@ -74,6 +75,6 @@ def test_the_autoscaler_regrows_a_sharded_bf16_clipped_job_with_loaders_after_a_
     sizes = [h["workers"] for h in result.history]
     assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [1, 2, 1, 2]
     assert [(d["from"], d["to"]) for d in result.autoscale["decisions"]] == [(1, 2), (1, 2)]
-    ref = vf.train(job(paced=False), workers=1, steps=result.steps, deterministic=True)
+    ref = one_worker(job(paced=False), result.steps)
     assert_same_training(result, ref)
     assert [h["loss"] for h in result.history] == [h["loss"] for h in ref.history]

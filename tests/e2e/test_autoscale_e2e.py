@@ -23,6 +23,7 @@ import pytest
 
 import virtualflow as vf
 from conftest import assert_state_equal, flat_optimizer_state
+from inproc_runs import one_worker
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
 sys.path.insert(0, EXAMPLES)
@@ -99,8 +100,9 @@ def test_efficiency_settles_at_the_known_optimum_with_static_weights(run_dir, tm
 
     # Bit-identical to a static run of the same number of steps (the sleep-free job computes
     # the same model; deterministic mode makes it independent of the worker count).
-    # One worker suffices: deterministic mode is independent of the worker count (one process fewer).
-    ref = vf.train(emu.reference_job(), workers=1, steps=result.steps, deterministic=True)
+    # One worker suffices (deterministic mode is independent of the worker count), run in this
+    # process (its engine, no worker process to start).
+    ref = one_worker(emu.reference_job(), result.steps)
     assert_state_equal(result.state_dict, ref.state_dict)
     assert_state_equal(flat_optimizer_state(result.optimizer_state_dict), flat_optimizer_state(ref.optimizer_state_dict))
     print(f"emulated autoscaling: settled at {a['settled_at']} after {a['resizes']} resizes, "
@@ -144,5 +146,5 @@ def test_straggler_is_replaced_in_place_with_static_weights(run_dir):
     assert gens[-1]["reason"] == "shrink"
     sizes = [h["workers"] for h in result.history]
     assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [3, 4, 3]
-    ref = vf.train(emu.reference_job(), workers=1, steps=result.steps, deterministic=True)
+    ref = one_worker(emu.reference_job(), result.steps)
     assert_state_equal(result.state_dict, ref.state_dict)

@@ -17,6 +17,7 @@ import pytest
 import virtualflow as vf
 from virtualflow.control.autoscale import Resize, Stay
 from conftest import assert_state_equal, wait_for_step
+from inproc_runs import one_worker
 import jobs
 
 FOREVER = 1_000_000
@@ -52,6 +53,6 @@ def test_the_autoscaler_grows_a_pipelined_job_by_a_whole_replica_bit_identically
     with open(os.path.join(run_dir, "events.jsonl")) as f:
         notes = [e["message"] for e in map(json.loads, f) if e["event"] == "autoscale_note"]
     assert any("asked for 3 workers; applying 4 (whole replicas of 2" in n for n in notes), notes
-    ref = vf.train(jobs.pipelined_job().replace(pipeline=None), workers=1, steps=result.steps, deterministic=True)
+    ref = one_worker(jobs.pipelined_job().replace(pipeline=None), result.steps)
     assert_state_equal(result.state_dict, ref.state_dict)
     assert [h["loss"] for h in result.history] == [h["loss"] for h in ref.history]

@@ -14,6 +14,7 @@ import pytest
 
 import virtualflow as vf
 from conftest import assert_state_equal
+from inproc_runs import one_worker
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -44,5 +45,5 @@ def test_efficiency_autoscales_ray_actors_with_static_weights(run_dir):
     assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [1, 2, 3]
     assert a["settled_at"] == 3 and a["resizes"] == 2
     assert sum(1 for h in result.history if h.get("breakdown")) >= len(result.history) - 3
-    ref = vf.train(emu.reference_job(), workers=2, steps=result.steps, deterministic=True)
+    ref = one_worker(emu.reference_job(), result.steps)
     assert_state_equal(result.state_dict, ref.state_dict)

@@ -15,6 +15,7 @@ import pytest
 
 import virtualflow as vf
 from conftest import assert_state_equal
+from inproc_runs import one_worker
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
 sys.path.insert(0, EXAMPLES)
@@ -67,5 +68,5 @@ def test_straggler_gets_fewer_vns_in_a_live_job_with_static_weights(run_dir):
     gens = events(run_dir, "generation")
     assert any(g["reason"] == "rebalance" for g in gens) and gens[-1]["members"] == [0, 1, 2]
     assert len(gens[-1]["assignment"][1]) < len(gens[-1]["assignment"][0])
-    ref = vf.train(emu.reference_job(), workers=1, steps=result.steps, deterministic=True)
+    ref = one_worker(emu.reference_job(), result.steps)
     assert_state_equal(result.state_dict, ref.state_dict)

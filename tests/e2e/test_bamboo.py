@@ -8,6 +8,8 @@ buffers (BatchNorm statistics and counters), optimizer state and LR schedule.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -17,6 +19,7 @@ from virtualflow.config.pipeline import Pipeline
 from virtualflow.plan.pipeline.geometry import layers_of, resolve_bounds
 from virtualflow.plan.vnmap import contiguous_assignment
 from virtualflow.backends.inprocess import LocalDriver, build_engine, train_local
+from inproc_runs import one_worker, undisturbed_pipeline
 import jobs
 
 
@@ -35,6 +38,16 @@ def job(stages: int, schedule: str = "1f1b", redundancy: bool = True, chunks: in
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
         pipeline=Pipeline(stages=stages, schedule=schedule, redundancy=redundancy, chunks=chunks),
     )
+
+
+@functools.lru_cache(maxsize=None)
+def undisturbed(stages: int, steps: int) -> dict[str, torch.Tensor]:
+    """The model after ``steps`` deterministic steps of :func:`jobs.pipelined_redundant_job`
+    without redundancy on ``stages`` stages (3: 1F1B; 4: GPipe, as
+    :func:`jobs.pipelined_redundant_job_4`): what every failover of the process tests must train,
+    run in this process once per module (several tests compare with the same run)."""
+    pipeline = Pipeline(stages=stages, schedule={3: "1f1b", 4: "gpipe"}[stages])
+    return undisturbed_pipeline(jobs.pipelined_redundant_job().replace(pipeline=pipeline), steps)
 
 
 def engines_of(j: vf.Job, replicas: int = 1, deterministic: bool = False):
@@ -296,9 +309,7 @@ def test_redundant_pipeline_trains_the_same_model_in_processes_across_a_grow(run
     wait_for_step(handle, handle.status()["step"] + 3)
     result = handle.stop()
     assert {h["workers"] for h in result.history} == {3, 6}
-    ref = vf.train(jobs.pipelined_redundant_job().replace(pipeline=Pipeline(stages=3)), workers=3,
-                   steps=result.steps, deterministic=True)
-    assert_state_equal(result.state_dict, ref.state_dict)
+    assert_state_equal(result.state_dict, undisturbed(3, result.steps))
 
 
 @pytest.mark.slow
@@ -338,9 +349,7 @@ def test_a_preemption_notice_releases_the_worker_at_a_step_boundary(reduction, r
     formed = [e for e in events if e["event"] == "formed" and e.get("change") == "preempted"]
     assert len(formed) == 1 and formed[0]["noticed"] == [victim["id"]]
     assert [e["worker"] for e in events if e["event"] == "leave"] == [victim["id"]]
-    ref = vf.train(jobs.elastic_job().replace(loss=jobs.cross_entropy), workers=2, steps=result.steps,
-                   deterministic=True)
-    assert_same_training(result, ref)
+    assert_same_training(result, one_worker(jobs.elastic_job().replace(loss=jobs.cross_entropy), result.steps))
 
 
 # -- failover and reconfiguration decisions (pure) -------------------------------------------
@@ -420,9 +429,7 @@ def test_a_single_pipeline_fails_over_in_any_phase_and_trains_the_undisturbed_mo
     assert all(c["forwards"] > 0 for c in result.redundant_forwards.values())
     if phase in ("mid_backward", "during_reduction"):
         assert result.redundant_forwards[0]["reused"] > 0
-    ref = vf.train(jobs.pipelined_redundant_job().replace(pipeline=Pipeline(stages=3)), workers=3, steps=7,
-                   deterministic=True)
-    assert_state_equal(result.state_dict, ref.state_dict)
+    assert_state_equal(result.state_dict, undisturbed(3, 7))
 
 
 @pytest.mark.slow
@@ -441,9 +448,7 @@ def test_four_stages_fail_over_mid_backward_reusing_eager_forwards(run_dir, monk
     # GPipe runs every forward before any backward: stage 2's forwards were all sent before it died.
     assert result.redundant_forwards[1]["reused"] > 0
     assert all(c["peak_bytes"] > 0 for c in result.redundant_forwards.values())
-    ref = vf.train(jobs.pipelined_redundant_job_4().replace(pipeline=Pipeline(stages=4, schedule="gpipe")),
-                   workers=4, steps=5, deterministic=True)
-    assert_state_equal(result.state_dict, ref.state_dict)
+    assert_state_equal(result.state_dict, undisturbed(4, 5))
 
 
 @pytest.mark.slow
@@ -482,9 +487,7 @@ def test_a_failed_over_pipeline_reconfigures_to_full_depth_when_a_worker_returns
     assert "failover at step" in text and "[[0], [1, 2]]" in text and "reconfigure at step" in text
     png = os.path.join(run_dir, "timeline.png")
     assert main(["plot", run_dir, "--timeline", "-o", png]) == 0 and os.path.getsize(png) > 0
-    ref = vf.train(jobs.pipelined_redundant_job().replace(pipeline=Pipeline(stages=3)), workers=3,
-                   steps=result.steps, deterministic=True)
-    assert_state_equal(result.state_dict, ref.state_dict)
+    assert_state_equal(result.state_dict, undisturbed(3, result.steps))
 
 
 @pytest.mark.slow
@@ -516,9 +519,7 @@ def test_a_preemption_notice_hands_the_stage_to_the_predecessor_at_a_step_bounda
     expected = [[0, 1], [2]] if rank == 0 else [[0], [1, 2]]
     assert len(failover) == 1 and failover[0]["noticed"] == [victim["id"]] and failover[0]["layout"] == expected
     assert [e["worker"] for e in events if e["event"] == "leave"] == [victim["id"]]
-    ref = vf.train(jobs.pipelined_redundant_job().replace(pipeline=Pipeline(stages=3)), workers=3,
-                   steps=result.steps, deterministic=True)
-    assert_state_equal(result.state_dict, ref.state_dict)
+    assert_state_equal(result.state_dict, undisturbed(3, result.steps))
 
 
 @pytest.mark.slow
@@ -535,9 +536,7 @@ def test_the_first_stage_fails_over_to_the_second_worker_from_the_last_ones_repl
         events = [json.loads(line) for line in f]
     assert [(e["layout"], e["taken_over"]) for e in events if e["event"] == "failover"] == [([[0, 1], [2]], {"0": 1})]
     assert [h["step"] for h in result.history] == list(range(6))
-    ref = vf.train(jobs.pipelined_redundant_job().replace(pipeline=Pipeline(stages=3)), workers=3, steps=6,
-                   deterministic=True)
-    assert_state_equal(result.state_dict, ref.state_dict)
+    assert_state_equal(result.state_dict, undisturbed(3, 6))
 
 
 @pytest.mark.slow
@@ -559,9 +558,7 @@ def test_a_failover_after_a_commit_that_reached_only_some_members(run_dir):
     assert [e["layout"] for e in events if e["event"] == "failover"] == [[[0], [1, 2]]]
     assert [f["worker"] for f in result.failures] == [2]
     assert [h["step"] for h in result.history] == list(range(6))
-    ref = vf.train(jobs.pipelined_redundant_job().replace(pipeline=Pipeline(stages=3)), workers=3, steps=6,
-                   deterministic=True)
-    assert_state_equal(result.state_dict, ref.state_dict)
+    assert_state_equal(result.state_dict, undisturbed(3, 6))
 
 
 @pytest.mark.slow
@@ -587,9 +584,7 @@ def test_a_loss_redundancy_cannot_cover_restarts_from_the_last_checkpoint(run_di
                                    or "consecutive stages 1 and 2" in fallback[0]["reason"]), fallback
     assert [e["resume_step"] for e in events if e["event"] == "start"] == [0, 4]
     assert [h["step"] for h in result.history] == list(range(4, 8))
-    ref = vf.train(jobs.pipelined_redundant_job().replace(pipeline=Pipeline(stages=3)), workers=3, steps=8,
-                   deterministic=True)
-    assert_state_equal(result.state_dict, ref.state_dict)
+    assert_state_equal(result.state_dict, undisturbed(3, 8))
     with pytest.raises(vf.TrainingError, match=r"redundancy cannot cover the loss.*--resume"):
         vf.train(jobs.pipelined_redundant_job, workers=3, steps=8, deterministic=True, fault_plan=plan,
                  run_dir=os.path.join(run_dir, "no-checkpoint"))
@@ -653,8 +648,7 @@ def test_a_sharded_stage_fails_over_with_its_chunk_from_the_predecessors_replica
     with open(os.path.join(run_dir, "events.jsonl")) as f:
         failover = [e for e in map(json.loads, f) if e["event"] == "failover"]
     assert [(e["replica"], e["layout"], e["taken_over"]) for e in failover] == [(0, [[0, 1]], {"1": 0})]
-    ref = vf.train(job.replace(pipeline=None), workers=1, steps=6, deterministic=True)
-    assert_state_equal(result.state_dict, ref.state_dict)
+    assert_state_equal(result.state_dict, one_worker(job.replace(pipeline=None), 6).state_dict)
 
 
 def tied_redundant_job() -> vf.Job:

@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 from conftest import assert_same_training
+from inproc_runs import one_worker
 
 import jobs
 import virtualflow as vf
@@ -34,7 +35,7 @@ def test_killed_during_an_async_save_then_resumed_on_3_allreduce_workers_is_bit_
     assert (os.path.basename(path), step) == ("step-00000004.dcp", 4)
     result = vf.train(job, workers=3, steps=12, deterministic=True, resume=run_dir)
     assert result.history[0]["step"] == 4
-    ref = vf.train(job, workers=3, steps=12, deterministic=True)
+    ref = one_worker(job, 12)
     assert_same_training(result, ref, first_step=4)
 
 
@@ -54,7 +55,7 @@ def test_a_pipelined_sharded_checkpoint_resumes_on_another_replica_count_and_sta
     shutil.copytree(first, second)  # each resume continues in its run directory
     result = vf.train(jobs.pipelined_job, workers=2, steps=7, deterministic=True, resume=first)
     assert result.history[0]["step"] == 2
-    ref = vf.train(jobs.pipelined_job().replace(pipeline=None), workers=1, steps=7, deterministic=True)
+    ref = one_worker(jobs.pipelined_job().replace(pipeline=None), 7)
     assert_state_equal(result.state_dict, ref.state_dict)
     four = vf.train(jobs.pipelined_job, workers=4, steps=7, deterministic=True, pipeline_stages=4, resume=second)
     assert four.history[0]["step"] == 2

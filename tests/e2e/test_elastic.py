@@ -22,6 +22,7 @@ import pytest
 
 import virtualflow as vf
 from conftest import assert_same_training, assert_state_close, wait_for_step
+from inproc_runs import one_worker
 import jobs
 
 pytestmark = pytest.mark.slow
@@ -33,8 +34,10 @@ def unpaced():
     return jobs.elastic_job().replace(loss=jobs.cross_entropy)
 
 
-def reference(steps: int, deterministic: bool = True) -> vf.Result:
-    return vf.train(unpaced(), workers=2, steps=steps, deterministic=deterministic)
+def reference(steps: int):
+    """The unpaced job's deterministic run: one worker, in this process (its bits are those of
+    any worker count's)."""
+    return one_worker(unpaced(), steps)
 
 
 def events(run_dir: str, kind: str) -> list[dict]:
@@ -89,7 +92,7 @@ def test_a_step_applied_before_a_callbacks_collective_broke_is_recorded_once(run
     job = lambda: jobs.regression_job(callbacks=[jobs.StepPace(0.0)])  # noqa: E731 - a callback: the agreement runs
     result = vf.train(job, workers=2, steps=6, deterministic=True, fault_plan=plan, run_dir=run_dir)
     assert [f["worker"] for f in result.failures] == [1]
-    ref = vf.train(job, workers=1, steps=6, deterministic=True)
+    ref = one_worker(job(), 6)
     assert_same_training(result, ref)
 
 
@@ -261,7 +264,7 @@ def test_grow_with_a_large_state_receives_in_place_and_trains_identically(run_di
     grow = {e["generation"]: e for e in events(run_dir, "formed")}[1]
     assert grow["change"] == "grow" and grow["transfer_bytes"] > 40e6
     assert {h["workers"] for h in result.history} == {2, 3}
-    ref = vf.train(jobs.big_state_job(), workers=2, steps=result.steps, deterministic=True)
+    ref = one_worker(jobs.big_state_job(), result.steps)
     assert_same_training(result, ref)
 
 
@@ -278,5 +281,5 @@ def test_survivors_abandon_a_doomed_step_between_virtual_nodes(run_dir):
     survivors = [f for f in events(run_dir, "fault") if f["worker"] != 1 and f["step"] == 3]
     # during the VNs (the flag read before a VN, or a failed send of a partial sum), not in the reduction
     assert survivors and all(f["phase"] == "before_forward" for f in survivors), survivors
-    ref = vf.train(jobs.slow_vn_job().replace(loss=jobs.cross_entropy), workers=2, steps=6, deterministic=True)
+    ref = one_worker(jobs.slow_vn_job().replace(loss=jobs.cross_entropy), 6)
     assert_same_training(result, ref)

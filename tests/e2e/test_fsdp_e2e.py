@@ -21,6 +21,7 @@ import os
 
 import pytest
 from conftest import assert_same_training, wait_for_step
+from inproc_runs import one_worker
 
 import lm_jobs
 import virtualflow as vf
@@ -32,11 +33,11 @@ def job() -> vf.Job:
 
 @pytest.mark.timeout(240)
 def test_sharded_checkpoints_resume_on_any_worker_count_and_unsharded(run_dir, tmp_path):
-    ref = vf.train(job(), workers=1, steps=6, deterministic=True)
+    ref = one_worker(job(), 6)
     sharded = vf.train(job(), workers=3, steps=4, deterministic=True, reduction="fsdp", checkpoint_every=2,
                        checkpoint_format="dcp", run_dir=run_dir)
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step-00000002.dcp"]
-    assert_same_training(sharded, vf.train(job(), workers=1, steps=4, deterministic=True))
+    assert_same_training(sharded, one_worker(job(), 4))
     os.remove(os.path.join(run_dir, "final.pt"))  # (resume from the sharded checkpoint, not the final state)
     for workers, reduction in ((2, "fsdp"), (1, "allreduce")):
         resumed = vf.train(job(), workers=workers, steps=6, deterministic=True, reduction=reduction, resume=run_dir,
