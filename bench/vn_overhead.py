@@ -62,11 +62,12 @@ def make_job():
 # (b) the hand-written loop, run as a child process: ``-m bench.vn_overhead --child-hand JSON``.
 
 
-def hand_step(model: torch.nn.Module, X: torch.Tensor, Y: torch.Tensor, B: int, V: int) -> Callable[..., float]:
-    """The hand-written loop's step for ``model`` (its own SGD): ``step_fn(step)`` trains global
+def hand_step(model: torch.nn.Module, X: torch.Tensor, Y: torch.Tensor, B: int, V: int,
+              loss_fn: Callable = H.cross_entropy, make_optimizer: Callable = H.sgd) -> Callable[..., float]:
+    """The hand-written loop's step for ``model`` (its own optimizer): ``step_fn(step)`` trains global
     step ``step`` (V micro-batches of B/V samples in virtualflow's data order) and returns the
     step's loss, read back as virtualflow reads it."""
-    opt = H.sgd(model.parameters())
+    opt = make_optimizer(model.parameters())
     n = B // V
 
     def step_fn(step: int, control: int = 0) -> float:
@@ -75,7 +76,7 @@ def hand_step(model: torch.nn.Module, X: torch.Tensor, Y: torch.Tensor, B: int, 
         opt.zero_grad(set_to_none=True)
         loss_sum = torch.zeros(())
         for v in range(V):
-            loss = H.cross_entropy(model, (xb[v * n : (v + 1) * n], yb[v * n : (v + 1) * n])) * (1.0 / V)
+            loss = loss_fn(model, (xb[v * n : (v + 1) * n], yb[v * n : (v + 1) * n])) * (1.0 / V)
             loss.backward()
             loss_sum += loss.detach()
         opt.step()
@@ -182,22 +183,26 @@ def alternating(cfg: dict) -> dict:
 
     threads, V, B, steps = cfg["threads"], cfg["V"], cfg["B"], cfg["steps"]
     torch.set_num_threads(threads)
-    ds = H.bench_data()
+    if cfg.get("workload") == "synthetic":  # examples/synthetic.py's model, data, loss and optimizer
+        job = H.load_file(SYNTHETIC_JOB)
+        ds, make_model, loss_fn, make_opt = job.make_dataset(), job.make_model, job.mse_loss, job.make_optimizer
+    else:
+        ds, make_model, loss_fn, make_opt = H.bench_data(), H.mlp, H.cross_entropy, H.sgd
     X, Y = ds.tensors
 
     torch.manual_seed(H.SEED)
-    model = H.mlp()
+    model = make_model()
     if cfg.get("aa"):
-        engine_step = hand_step(model, X, Y, B, V)
+        engine_step = hand_step(model, X, Y, B, V, loss_fn, make_opt)
     else:
-        engine = VNEngine(model, H.sgd(model.parameters()), None, H.cross_entropy,
+        engine = VNEngine(model, make_opt(model.parameters()), None, loss_fn,
                           DataPlan(len(ds), B, V, H.SEED), BatchLoader(ds, None), seed=H.SEED, batchnorm="mean",
                           deterministic=False, device=torch.device("cpu"))
         engine.set_membership(Group(0, 0, 1, None), [list(range(V))])
         engine_step = engine.step
     torch.manual_seed(H.SEED)
-    ref = H.mlp()
-    ref_step = hand_step(ref, X, Y, B, V)
+    ref = make_model()
+    ref_step = hand_step(ref, X, Y, B, V, loss_fn, make_opt)
 
     t_engine, t_hand = [], []
     for step in range(steps):
@@ -407,12 +412,16 @@ def alternating_diagnostic(args, targets: H.Targets) -> list[dict]:
     rows = []
     if args.alt_steps <= args.warmup:
         return rows
-    for V in args.vns:
+    # The bench MLP at every V (the targets), then examples/synthetic.py's model and batches (B = 64
+    # in 8 VNs of 8 samples, a step of well under a millisecond on one worker): a diagnostic of the
+    # engine's own cost where its per-VN work weighs most (the overhead_s share below is measured there).
+    cases = [("mlp", V, args.batch) for V in args.vns] + ([("synthetic", 8, 64)] if args.synthetic_steps else [])
+    for workload, V, B in cases:
         ratios: dict[str, list[float]] = {"engine": [], "aa": []}
         raws, same = [], True
         for rep in range(args.alt_reps):
             for kind in ("engine", "aa"):
-                cfg = {"V": V, "B": args.batch, "threads": 1, "steps": args.alt_steps, "aa": kind == "aa"}
+                cfg = {"V": V, "B": B, "threads": 1, "steps": args.alt_steps, "aa": kind == "aa", "workload": workload}
                 H.wait_for_quiet(args.quiet_wait)
                 r = H.run_child(MODULE, ["--child-alternating", json.dumps(cfg)], 1)
                 e, h = r["engine_step_times"][args.warmup:], r["hand_step_times"][args.warmup:]
@@ -423,16 +432,18 @@ def alternating_diagnostic(args, targets: H.Targets) -> list[dict]:
         e = [x for r in raws for x in r["engine_step_times"][args.warmup:]]
         h = [x for r in raws for x in r["hand_step_times"][args.warmup:]]
         ratio = H.median(ratios["engine"])
-        rows.append({"threads": 1, "virtual_nodes": V, "engine_median_step_s": H.median(e),
+        rows.append({"workload": workload, "batch": B, "threads": 1, "virtual_nodes": V, "engine_median_step_s": H.median(e),
                      "hand_median_step_s": H.median(h), "time_ratio": ratio, "ratios": ratios["engine"],
                      "aa_ratios": ratios["aa"], "p25_time_ratio": H.p25(e) / H.p25(h),
                      "extra_per_vn_us": 1e6 * (H.median(e) - H.median(h)) / V, "bit_identical": same, "raw": raws})
-        print(f"  alternating V={V:>2}: engine {1e3 * H.median(e):7.2f} ms, hand {1e3 * H.median(h):7.2f} ms, "
+        name = f"V={V:>2}" if workload == "mlp" else f"examples/synthetic.py (B={B}, V={V})"
+        print(f"  alternating {name}: engine {1e3 * H.median(e):7.2f} ms, hand {1e3 * H.median(h):7.2f} ms, "
               f"ratios {' '.join(f'{x:.3f}' for x in ratios['engine'])} (A/A "
               f"{' '.join(f'{x:.3f}' for x in ratios['aa'])})", flush=True)
-        targets.at_most("alt_time_ratio", f"alternating in one process, V={V}: VNEngine.step / hand loop step "
-                        f"(median of {args.alt_reps} processes)", ratio, TARGET_RATIO)
-        targets.holds(f"alternating V={V}: the engine's weights equal the hand loop's, bit for bit", same)
+        if workload == "mlp":
+            targets.at_most("alt_time_ratio", f"alternating in one process, V={V}: VNEngine.step / hand loop step "
+                            f"(median of {args.alt_reps} processes)", ratio, TARGET_RATIO)
+        targets.holds(f"alternating {name.strip()}: the engine's weights equal the hand loop's, bit for bit", same)
     return rows
 
 
@@ -471,7 +482,7 @@ TIMING_HEADER = ["threads", "V", "B/V", "virtualflow ms", "hand ms", "time ratio
                  "faults/step vf, hand"]
 MEM_HEADER = ["B", "V", "B/V", "vf VmHWM MiB", "hand VmHWM MiB", "mem ratio", "vf reported peak MiB",
               "hand ru_maxrss MiB"]
-ALT_HEADER = ["V", "engine ms", "hand ms", "ratio", "per-process ratios", "A/A ratios", "extra us/VN",
+ALT_HEADER = ["workload", "V", "engine ms", "hand ms", "ratio", "per-process ratios", "A/A ratios", "extra us/VN",
               "bit-identical"]
 CONC_HEADER = ["V", "virtualflow ms", "hand ms", "ratio", "per-rep ratios"]
 
@@ -486,7 +497,8 @@ def tables(rows, mem_rows, alt_rows, conc_rows) -> dict[str, tuple[list, list]]:
     mem = [[r["global_batch"], r["virtual_nodes"], r["micro_batch"], f"{r['vf_vmhwm_mib']:.1f}",
             f"{r['hand_vmhwm_mib']:.1f}", f"{r['mem_ratio']:.3f}", f"{r['vf_reported_peak_rss_mib']:.1f}",
             f"{r['hand_ru_maxrss_mib']:.1f}"] for r in mem_rows]
-    alt = [[r["virtual_nodes"], f"{1e3 * r['engine_median_step_s']:.2f}", f"{1e3 * r['hand_median_step_s']:.2f}",
+    alt = [[("examples/synthetic.py (B=64, diagnostic)" if r.get("workload") == "synthetic" else f"MLP (B={r.get('batch', '')})"),
+            r["virtual_nodes"], f"{1e3 * r['engine_median_step_s']:.2f}", f"{1e3 * r['hand_median_step_s']:.2f}",
             f"{r['time_ratio']:.3f}", " ".join(f"{x:.3f}" for x in r["ratios"]),
             " ".join(f"{x:.3f}" for x in r["aa_ratios"]), f"{r['extra_per_vn_us']:.0f}",
             H.yes_no(r["bit_identical"])] for r in alt_rows]

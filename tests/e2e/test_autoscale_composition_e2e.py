@@ -20,7 +20,7 @@ import pytest
 import virtualflow as vf
 from virtualflow.control.autoscale import Resize, Stay
 from conftest import assert_same_training, wait_for_step
-from inproc_runs import one_worker
+from vn_reference import one_worker
 import jobs
 
 FOREVER = 1_000_000

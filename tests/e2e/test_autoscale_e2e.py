@@ -23,7 +23,7 @@ import pytest
 
 import virtualflow as vf
 from conftest import assert_state_equal, flat_optimizer_state
-from inproc_runs import one_worker
+from vn_reference import one_worker
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
 sys.path.insert(0, EXAMPLES)

@@ -17,7 +17,7 @@ import pytest
 import virtualflow as vf
 from virtualflow.control.autoscale import Resize, Stay
 from conftest import assert_state_equal, wait_for_step
-from inproc_runs import one_worker
+from vn_reference import one_worker
 import jobs
 
 FOREVER = 1_000_000

@@ -14,7 +14,7 @@ import pytest
 
 import virtualflow as vf
 from conftest import assert_state_equal
-from inproc_runs import one_worker
+from vn_reference import one_worker
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402

@@ -19,7 +19,7 @@ from virtualflow.config.pipeline import Pipeline
 from virtualflow.plan.pipeline.geometry import layers_of, resolve_bounds
 from virtualflow.plan.vnmap import contiguous_assignment
 from virtualflow.backends.inprocess import LocalDriver, build_engine, train_local
-from inproc_runs import one_worker, undisturbed_pipeline
+from vn_reference import one_worker, undisturbed_pipeline
 import jobs
 
 

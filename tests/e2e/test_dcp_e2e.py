@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 from conftest import assert_same_training
-from inproc_runs import one_worker
+from vn_reference import one_worker
 
 import jobs
 import virtualflow as vf

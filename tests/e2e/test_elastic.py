@@ -22,7 +22,7 @@ import pytest
 
 import virtualflow as vf
 from conftest import assert_same_training, assert_state_close, wait_for_step
-from inproc_runs import one_worker
+from vn_reference import one_worker
 import jobs
 
 pytestmark = pytest.mark.slow

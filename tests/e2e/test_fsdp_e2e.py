@@ -21,7 +21,7 @@ import os
 
 import pytest
 from conftest import assert_same_training, wait_for_step
-from inproc_runs import one_worker
+from vn_reference import one_worker
 
 import lm_jobs
 import virtualflow as vf
