@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import TensorDataset, default_collate
 
 __all__ = ["BatchLoader", "LossShapeError", "NonFiniteLossError", "StepOutcome", "check_loss",
-           "seed_random_streams", "split_loss", "to_device"]
+           "seed_random_streams", "split_loss", "to_device", "vn_generators"]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -97,11 +97,19 @@ def seed_random_streams(seed: int, device: torch.device) -> None:
 
     Not ``torch.manual_seed``: it also seeds every CUDA/MPS/XPU backend lazily and records a
     Python stack trace for each on a CPU-only process (about 0.1-0.3 ms per call measured here,
-    paid once per virtual node).
+    paid once per virtual node). A caller that seeds at every VN keeps :func:`vn_generators`
+    instead (reading ``device.type`` costs microseconds).
     """
-    torch.default_generator.manual_seed(seed)
+    for gen in vn_generators(device):
+        gen.manual_seed(seed)
+
+
+def vn_generators(device: torch.device) -> tuple[torch.Generator, ...]:
+    """The generators :func:`seed_random_streams` seeds on ``device``."""
     if device.type == "cuda":
-        torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()].manual_seed(seed)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.default_generator, torch.cuda.default_generators[index]
+    return (torch.default_generator,)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

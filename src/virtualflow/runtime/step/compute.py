@@ -23,7 +23,7 @@ import torch
 
 from virtualflow.plan.data import DataPlan, vn_seed
 from virtualflow.runtime.amp import LossScaler, autocast
-from virtualflow.runtime.batches import BatchLoader, check_loss, seed_random_streams, split_loss, to_device
+from virtualflow.runtime.batches import BatchLoader, check_loss, split_loss, to_device, vn_generators
 from virtualflow.runtime.batchnorm import BatchNormState
 from virtualflow.runtime.breakdown import StepClock, measured_load
 from virtualflow.runtime.prefetch import Prefetcher
@@ -45,8 +45,13 @@ class VNCompute:
         self.scale_loss = scaler.scale_loss if scaler is not None else _as_is
         """The loss backward runs on (``16-mixed``: times the loss scale)."""
         self.bn, self.clock, self.prefetcher = bn, clock, prefetcher
+        self.has_bn = bool(bn)
         self.on_cpu = device.type == "cpu"
         """The batch stays where it is (``torch.device.type`` costs a few microseconds per read)."""
+        self.generators = vn_generators(device)
+        """What each VN's seed seeds (``runtime/batches.py``)."""
+        self.autocast = autocast(device, precision) if precision != "32" else None
+        """The forward's ``torch.autocast`` (entered anew each VN), or None in full precision."""
         self.io = clock.enabled and getattr(loader, "reads_files", True)
         """Whether a load's I/O profile is read (the breakdown is on and the dataset may read files)."""
         self.block_loads = isinstance(loader, BatchLoader) and hasattr(plan, "vn_block")
@@ -103,7 +108,7 @@ class VNCompute:
 
     def forward(self, step: int, vn: int, batch: Any = None, n: int = 0) -> torch.Tensor:
         """Forward of one VN from the step's starting BN statistics; returns the weighted loss."""
-        if self.bn:
+        if self.has_bn:
             self.bn.restore()
         now = time.perf_counter
         if batch is None:
@@ -112,10 +117,15 @@ class VNCompute:
             t0 = now()
             batch = to_device(batch, self.device)
             self.clock.add("input_s", now() - t0)
-        seed_random_streams(vn_seed(self.seed, step, vn), self.device)
+        seed = vn_seed(self.seed, step, vn)
+        for gen in self.generators:
+            gen.manual_seed(seed)
         t0 = now()
-        with autocast(self.device, self.precision):
+        if self.autocast is None:
             out = self.loss_fn(self.model, batch)
+        else:
+            with self.autocast:
+                out = self.loss_fn(self.model, batch)
         self.clock.add("forward_s", now() - t0)
         where = f"at step {step} in virtual node {vn}"
         loss, metrics = split_loss(out, where)

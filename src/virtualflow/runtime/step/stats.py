@@ -52,6 +52,8 @@ class MetricSums:
 
     def note(self, metrics: dict[str, Any], share: float, where: str) -> None:
         """Add a VN's metrics, weighted by its share of the global batch, to the step's sums."""
+        if not metrics and not self.names:
+            return
         names = sorted(metrics)
         if not self.names and names:
             if len(names) > MAX_METRICS:
