@@ -40,7 +40,7 @@ from virtualflow.backends import external
 from virtualflow.comm import auth, protocol
 from virtualflow.comm.rejects import RejectLog
 from virtualflow.runtime import transfer
-from virtualflow.runtime.channel import Heartbeat, Reporter
+from virtualflow.runtime.channel import ABORT_MARK, Heartbeat, Reporter
 from virtualflow.config.worker_options import WorkerOptions
 from virtualflow.runtime.worker import Worker, WorkerConfig
 from vn_reference import deterministic_reference
@@ -441,6 +441,8 @@ def test_a_job_under_a_hostile_store_trains_bit_identical_and_logs_every_refusal
         time.sleep(0.2)
         store.set(protocol.CONTROL_SEQ_KEY, str(10**15))
         store.set(protocol.abort_key(0), '{"t":"A1"}')
+        for w in (0, 1):  # the mark a real abort adds: each member reads the forged flag at its next beat
+            store.add(protocol.heartbeat_key(w), ABORT_MARK)
         store.set(protocol.generation_key(1), json.dumps({"generation": 1, "members": [0], "assignment": [[0]],
                                                           "start_step": 0, "t": "G1"}))
         store.set(protocol.GENERATION_KEY, "1")
