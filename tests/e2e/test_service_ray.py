@@ -83,8 +83,8 @@ def test_a_job_runs_on_its_types_ray_resource_and_matches_its_standalone_run(ray
     free_k80, free_v100, asked, ray_actors = [], [], [], []
     deadline = time.monotonic() + 240  # a liveness bound: under load (two busy processes beside it) 90 s were not enough
     try:
-        while db.job(1).state != "done":
-            assert not errors and db.job(1).state in ("queued", "running"), (errors, db.job(1).error)
+        while (row := db.job(1)).state != "done":  # read once: it may turn "done" between two reads
+            assert not errors and row.state in ("queued", "running"), (errors, row.error)
             assert time.monotonic() < deadline, "the job did not finish in 240 s"
             run_ = services[0].running.get(1) if services else None
             if run_ is not None:

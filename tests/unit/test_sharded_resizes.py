@@ -44,7 +44,7 @@ _forward_lock = threading.Lock()
 _seed = threading.local()
 
 
-def _record_seed(seed: int, device: torch.device) -> None:
+def _record_seed(seed: int, generators) -> None:
     _seed.value = seed
 
 
@@ -57,7 +57,7 @@ def serialized_cross_entropy(model, batch):
 
 @pytest.fixture(autouse=True)
 def per_thread_seeds(monkeypatch):
-    monkeypatch.setattr(compute_mod, "seed_random_streams", _record_seed)
+    monkeypatch.setattr(compute_mod, "seed_generators", _record_seed)
 
 
 def the_job():

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import TensorDataset, default_collate
 
 __all__ = ["BatchLoader", "LossShapeError", "NonFiniteLossError", "StepOutcome", "check_loss",
-           "seed_random_streams", "split_loss", "to_device", "vn_generators"]
+           "seed_generators", "seed_random_streams", "split_loss", "to_device", "vn_generators"]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -100,7 +100,12 @@ def seed_random_streams(seed: int, device: torch.device) -> None:
     paid once per virtual node). A caller that seeds at every VN keeps :func:`vn_generators`
     instead (reading ``device.type`` costs microseconds).
     """
-    for gen in vn_generators(device):
+    seed_generators(seed, vn_generators(device))
+
+
+def seed_generators(seed: int, generators: Sequence[torch.Generator]) -> None:
+    """Seed each of ``generators`` (what :func:`vn_generators` returned) with ``seed``."""
+    for gen in generators:
         gen.manual_seed(seed)
 
 

@@ -23,7 +23,7 @@ import torch
 
 from virtualflow.plan.data import DataPlan, vn_seed
 from virtualflow.runtime.amp import LossScaler, autocast
-from virtualflow.runtime.batches import BatchLoader, check_loss, split_loss, to_device, vn_generators
+from virtualflow.runtime.batches import BatchLoader, check_loss, seed_generators, split_loss, to_device, vn_generators
 from virtualflow.runtime.batchnorm import BatchNormState
 from virtualflow.runtime.breakdown import StepClock, measured_load
 from virtualflow.runtime.prefetch import Prefetcher
@@ -50,8 +50,8 @@ class VNCompute:
         """The batch stays where it is (``torch.device.type`` costs a few microseconds per read)."""
         self.generators = vn_generators(device)
         """What each VN's seed seeds (``runtime/batches.py``)."""
-        self.autocast = autocast(device, precision) if precision != "32" else None
-        """The forward's ``torch.autocast`` (entered anew each VN), or None in full precision."""
+        self.autocast = autocast(device, precision)
+        """The forward's ``torch.autocast`` (a null context in full precision), entered anew each VN."""
         self.io = clock.enabled and getattr(loader, "reads_files", True)
         """Whether a load's I/O profile is read (the breakdown is on and the dataset may read files)."""
         self.block_loads = isinstance(loader, BatchLoader) and hasattr(plan, "vn_block")
@@ -117,15 +117,10 @@ class VNCompute:
             t0 = now()
             batch = to_device(batch, self.device)
             self.clock.add("input_s", now() - t0)
-        seed = vn_seed(self.seed, step, vn)
-        for gen in self.generators:
-            gen.manual_seed(seed)
+        seed_generators(vn_seed(self.seed, step, vn), self.generators)
         t0 = now()
-        if self.autocast is None:
+        with self.autocast:
             out = self.loss_fn(self.model, batch)
-        else:
-            with self.autocast:
-                out = self.loss_fn(self.model, batch)
         self.clock.add("forward_s", now() - t0)
         where = f"at step {step} in virtual node {vn}"
         loss, metrics = split_loss(out, where)
