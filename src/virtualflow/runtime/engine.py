@@ -419,7 +419,7 @@ class VNEngine:
         for i, vn in enumerate(self.vns):
             self.check_broken()
             if batches[i] is None:
-                batches[i] = c.load(step, vn)
+                batches[i] = c.load(step, vn)[0]
             t_vn = time.perf_counter()
             weighted = c.forward(step, vn, batches[i], sizes[i])
             batches[i] = None  # drop the VN's inputs with its activations

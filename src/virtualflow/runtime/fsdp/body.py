@@ -199,7 +199,7 @@ class FsdpBody:
             store.begin_vn()
             t_vn = time.perf_counter()
             if kept_batch is None or not ghost:
-                kept_batch = h.compute.load(step, vn), len(h.plan.vn_indices(step, vn))
+                kept_batch = h.compute.load(step, vn)
             weighted = h.compute.forward(step, vn, *kept_batch)
             if not ghost and i == len(mine) - 1:
                 h.phase = "backward"

@@ -86,9 +86,9 @@ class VNCompute:
         self.clock.add_load(load)
         return sizes, batches
 
-    def load(self, step: int, vn: int) -> Any:
-        """VN ``vn``'s batch of ``step``: from the prefetcher when there is one (the time waited
-        for it is the input time), else loaded now."""
+    def load(self, step: int, vn: int) -> tuple[Any, int]:
+        """VN ``vn``'s batch of ``step`` and its sample count: from the prefetcher when there is
+        one (the time waited for it is the input time), else loaded now."""
         indices = self.plan.vn_indices(step, vn)
         if self.prefetcher is not None:
             batch, waited, stats = self.prefetcher.take(step, vn, indices)
@@ -97,7 +97,7 @@ class VNCompute:
             batch, stats = measured_load(self.loader, indices, io=self.io)
             self.clock.add("input_s", stats.seconds)
         self.clock.add_load(stats)
-        return batch
+        return batch, len(indices)
 
     def prefetch(self, step: int, vns: Sequence[int]) -> None:
         """Start loading this step's VNs (what is not under way yet) and the next step's."""
@@ -112,7 +112,7 @@ class VNCompute:
             self.bn.restore()
         now = time.perf_counter
         if batch is None:
-            batch, n = self.load(step, vn), len(self.plan.vn_indices(step, vn))
+            batch, n = self.load(step, vn)
         if not self.on_cpu:
             t0 = now()
             batch = to_device(batch, self.device)
