@@ -22,6 +22,8 @@ here depends on ranks or worker counts:
 
 from __future__ import annotations
 
+import functools
+
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
@@ -75,10 +77,15 @@ def vn_seed(seed: int, step: int, vn: int) -> int:
     A fixed mix of the three integers (splitmix64), kept below 2**63 so that
     ``torch.manual_seed`` accepts it. Public: tests and users' references may call it.
     """
-    x = _splitmix64(seed & _MASK64)
-    x = _splitmix64(x ^ (step & _MASK64))
-    x = _splitmix64(x ^ (vn & _MASK64))
+    x = _splitmix64(_step_mix(seed, step) ^ (vn & _MASK64))
     return x & ((1 << 63) - 1)
+
+
+@functools.lru_cache(maxsize=256)
+def _step_mix(seed: int, step: int) -> int:
+    """The part of :func:`vn_seed` shared by a step's VNs (kept for the last few steps: a worker
+    seeds each of its VNs in turn, 3 mixes of Python integers each otherwise)."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64))
 
 
 @dataclass(slots=True)

@@ -122,13 +122,22 @@ class VNCompute:
         with self.autocast:
             out = self.loss_fn(self.model, batch)
         self.clock.add("forward_s", now() - t0)
+        share = n / self.plan.global_batch_size
+        if type(out) is torch.Tensor and not self.metrics.names and out.dim() == 0 and out.is_floating_point():
+            loss = out  # a bare scalar loss and no metrics: nothing to split, check or name
+        else:
+            loss = self._checked(out, share, step, vn)
+        self.loss_dtype = loss.dtype
+        return loss * share
+
+    def _checked(self, out: Any, share: float, step: int, vn: int) -> torch.Tensor:
+        """``Job.loss``'s result split into the loss (checked) and its metrics (added to the step's
+        sums, weighted by ``share``)."""
         where = f"at step {step} in virtual node {vn}"
         loss, metrics = split_loss(out, where)
         check_loss(loss, where)
-        self.loss_dtype = loss.dtype
-        share = n / self.plan.global_batch_size
         self.metrics.note(metrics, share, where)
-        return loss * share
+        return loss
 
     def backward(self, weighted: torch.Tensor) -> None:
         t0 = time.perf_counter()
