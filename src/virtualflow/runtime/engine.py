@@ -432,7 +432,9 @@ class VNEngine:
             if i == last:
                 ws = torch.stack(losses)
                 loss = ws.sum()
-                bad[self._vn_ids] = ~torch.isfinite(ws)  # (the copy converts: True is 1.0)
+                # x - x is NaN exactly when x is inf or NaN: two kernels (isfinite's composite runs
+                # five); the copy converts, True is 1.0
+                bad[self._vn_ids] = torch.isnan(ws - ws)
                 stats = self.pack_stats(bad, control, loss, bn_acc)
                 self.reduction.arm(stats)
                 self.phase = "backward"
