@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 import threading
 import time
 import traceback
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch.distributed as dist
@@ -255,10 +255,12 @@ its rendezvous: the generation is given up, as the real worker does after ``stor
 
 @dataclass(slots=True)
 class SimGeneration:
-    """A generation as the fleet knows it: its record, when it formed, its next step boundary and
-    the control position its members have acted on."""
+    """A generation as the fleet knows it: its record, its members through the rendezvous
+    (``ready``: the group is checked only once they all are, not once per member), when it
+    formed, its next step boundary and the control position its members have acted on."""
 
     record: protocol.GenerationRecord
+    ready: set[int] = field(default_factory=set)
     formed_at: float | None = None
     boundary: float = 0.0
     control: int = 0
@@ -288,6 +290,7 @@ class FleetClient:
         # A regrouping worker holds a thread: at most every worker of the fleet (W + W/8 <= 1,152
         # in the benchmark) regroups at once.
         self.threads = ThreadPoolExecutor(max_workers=4096, thread_name_prefix="fleet-member")
+        self.pending: list[SimWorker] = []  # in state "next", not regrouping yet
         self.forming: set[int] = set()  # generations with a released member, not formed yet
         self.forming_due = 0.0
         self.applied: list[int] = []  # every step applied, in order (the fleet's own check)
@@ -306,8 +309,9 @@ class FleetClient:
             if not self._messages():
                 return
             self._regrouped(now)
-            for w in list(self.workers.values()):
-                if w.state == "next" and not w.silent:
+            while self.pending:  # workers due to look for their next generation
+                w = self.pending.pop()
+                if w.state == "next" and not w.silent and self.workers.get(w.wid) is w:
                     self._regroup(w)
             self._forming(now)
             self._train(now)
@@ -333,6 +337,7 @@ class FleetClient:
                 w = self.workers[msg[1]] = SimWorker(msg[1], store, Reporter(store, self.run, msg[1]))
                 self._beater(w.wid).put(("beat", w.wid))
                 w.report({"type": "join", "setup_s": 0.0, "dataset": None})
+                self.pending.append(w)
             elif msg[0] in ("kill", "die"):
                 w = self.workers.get(msg[1])
                 if w is not None and w.state != "gone":
@@ -419,7 +424,10 @@ class FleetClient:
             else:
                 w.state = "ready"
                 self.forming.add(w.gen)
-                self._maybe_form(w.gen, now)
+                gen = self.gens[w.gen]
+                gen.ready.add(w.wid)
+                if len(gen.ready) == len(gen.record.members):
+                    self._maybe_form(w.gen, now)
 
     def _forming(self, now: float) -> None:
         """What a forming group tells its ready members, at the heartbeat's pace: a peer that
@@ -450,6 +458,9 @@ class FleetClient:
     def _fault(self, w: SimWorker, phase: str) -> None:
         w.report({"type": "fault", "generation": w.gen, "phase": phase, "step": self.step, "error": "simulated"})
         w.state, w.after = "next", w.gen
+        self.pending.append(w)
+        if w.gen in self.gens:
+            self.gens[w.gen].ready.discard(w.wid)
 
     def _members(self, g: int) -> list[SimWorker]:
         return [self.workers[m] for m in self.gens[g].record.members]
@@ -536,6 +547,7 @@ class FleetClient:
             self.training = None
             for m in members:
                 m.state, m.after = "next", g
+                self.pending.append(m)
 
 
 def start_fleet(spec: FleetSpec, inbox: Any, outbox: Any, ctx: Any) -> tuple[list[Any], list[Any]]:
