@@ -85,7 +85,8 @@ def fleet_counts(plane: ControlPlane, beaters: int) -> dict[str, float]:
     stats = plane.launcher.stats
     return {"ops": sum(s.get("ops", 0) for s in stats.values()), "bytes": sum(s.get("bytes", 0) for s in stats.values()),
             "beats": sum(s.get("beats", 0) for s in stats.values()),
-            "client_ops": stats.get("client", {}).get("ops", 0), "applied": stats.get("client", {}).get("applied", []),
+            "member_ops": stats.get("client", {}).get("member_ops", 0),
+            "applied": stats.get("client", {}).get("applied", []),
             "push_s": stats.get("client", {}).get("push_s", [])}
 
 
@@ -211,12 +212,13 @@ def measure(workers: int, args: Any) -> dict[str, Any]:
         out["rss_growth_mib"] = out["rss_mib"] - rss0
         grows, shrinks = [], []
         for _ in range(RESIZES):
-            before, cpu0 = fleet_counts(plane, args.beaters)["client_ops"], cpu_s()
+            before, cpu0 = fleet_counts(plane, args.beaters)["member_ops"], cpu_s()
             grows.append(resize(plane, workers + max(1, workers // 8), 60))
             # the coordinator's CPU (monitor and store threads) for the grow: the control plane's own part of it
             out["grow_cpu_s"] = max(out.get("grow_cpu_s", 0.0), cpu_s() - cpu0)
             # every store call the workers made for the grow but their heartbeats, per member of the new generation
-            out["grow_calls_per_member"] = (fleet_counts(plane, args.beaters)["client_ops"] - before) / len(plane.ctl.members)
+            grown = fleet_counts(plane, args.beaters)["member_ops"] - before
+            out["grow_calls_per_member"] = grown / len(plane.ctl.members)
             shrinks.append(resize(plane, workers, 60))
         out["grow_s"], out["shrink_s"] = max(grows), max(shrinks)  # the worst: a resize waits for a step boundary
         members = list(plane.ctl.members)

@@ -283,7 +283,9 @@ class FleetClient:
         self.step = 0  # the fleet's training state: steps applied
         self.training: int | None = None  # the generation that trains
         self.last_report: dict[str, Any] | None = None
-        self.control = Counting(connect(spec), self.counts)  # rank 0's heartbeat, following commands
+        # rank 0's heartbeat, following commands (counted apart: heartbeat calls, not the members')
+        self.control_counts: dict[str, float] = {}
+        self.control = Counting(connect(spec), self.control_counts)
         self.control_seq, self.commands = 0, {}
         self.follow_due = self.abort_due = 0.0
         self.done: queue.Queue[tuple[SimWorker, str]] = queue.Queue()  # (worker, how its regroup ended)
@@ -330,7 +332,11 @@ class FleetClient:
             if msg[0] == "stats":
                 for b in self.beaters:
                     b.put(("stats",))
-                self.outbox.put(("stats", "client", {**self.counts, "step": self.step, "applied": list(self.applied),
+                c = self.control_counts
+                ops = self.counts.get("ops", 0)
+                self.outbox.put(("stats", "client", {"ops": ops + c.get("ops", 0), "member_ops": ops,
+                                                   "bytes": self.counts.get("bytes", 0) + c.get("bytes", 0),
+                                                   "step": self.step, "applied": list(self.applied),
                                                    "push_s": self.push_s[-2000:]}))
             elif msg[0] == "start":
                 store = self.connect()

@@ -1,17 +1,20 @@
 """A generation's rendezvous (:func:`virtualflow.runtime.channel.rendezvous`): members wait on one
 key the store wakes them on, so the store's calls per member are a constant whatever the others
-take, and the coordinator's abort releases the members still waiting (counted on a real
-in-process store; no timing thresholds)."""
+take, and the coordinator's abort releases the members still waiting; the simulated fleet's
+members make the same few calls per resize at any size (counted on a real in-process store; no
+timing thresholds)."""
 
 from __future__ import annotations
 
 import datetime
+import queue
 import threading
 import time
 
 import torch.distributed as dist
 
-from bench.harness.fleet import Counting
+from bench.harness.fleet import Counting, in_process_fleet
+from bench.harness.fleet_plane import ControlPlane
 from virtualflow.comm import protocol
 from virtualflow.control.coordinator import Coordinator
 from virtualflow.runtime.channel import Rejections, aborted, rendezvous
@@ -102,3 +105,31 @@ def test_a_forged_release_does_not_abort_and_a_lone_member_does_not_wait():
         assert out == [True, True] and counts["ops"] == 4 + 1
     finally:
         coord.close()
+
+
+def client_ops(plane: ControlPlane) -> float:
+    plane.launcher.stats.clear()
+    plane.inbox.put(("stats",))
+    until(lambda: plane.call(plane.launcher.poll) is not None and "client" in plane.launcher.stats)
+    return plane.launcher.stats["client"]["member_ops"]
+
+
+def test_a_members_store_calls_for_a_resize_of_the_simulated_fleet_do_not_grow_with_it():
+    per_member = []
+    for workers in (8, 24):
+        plane = ControlPlane(workers, queue.Queue(), queue.Queue(), run_dir=None, heartbeat_timeout_s=60.0)
+        in_process_fleet(plane, step_s=0.5)
+        plane.start()
+        try:
+            until(lambda: plane.ctl.formed == 0 and plane.coord.progress.step >= 1)
+            before = client_ops(plane)
+            plane.call(plane.ctl.request_resize, workers + workers // 8)
+            until(lambda: plane.ctl.formed == plane.ctl.generation == 1)
+            per_member.append((client_ops(plane) - before) / len(plane.ctl.members))
+            assert plane.error is None
+        finally:
+            plane.inbox.put(("stop",))
+            plane.stop()
+    # each member: the announced command, its pointer (wait, read), the record, arrived, the count,
+    # the wait, the abort check; the joiners' join and the steps meanwhile add well under one each
+    assert all(8 <= c < 9.5 for c in per_member), per_member
