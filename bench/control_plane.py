@@ -11,7 +11,10 @@ two store connections as a real one). A step is ``--step-s`` of waiting. Per W, 
    store calls and bytes per step (the coordinator's own, and the whole fleet's: the store
    server's load), step-path cost (rank 0's report push), report-to-read latency, record bytes
    per step (``events.jsonl``, ``metrics.jsonl``), ``status.json`` size, this process's RSS;
-3. resize W -> W + W/8 and back: request to the new generation formed;
+3. resize W -> W + W/8 and back, twice (the slowest of each reported): request to the new
+   generation formed; the coordinator process's CPU for a grow; the workers' store calls
+   for the grow (all but their heartbeats: the regroup command, next pointer, record, rendezvous,
+   and the steps meanwhile) per member;
 4. one death (an exit): death to the next step recorded;
 5. a failure storm: 10 % of the workers exit within one second: generations published and
    formed, and first death to the next step (target: one regroup, within the heartbeat timeout
@@ -55,6 +58,9 @@ from virtualflow.comm import protocol
 NAME = "control_plane"
 TARGET_KEYS = ("cpu_share", "step_path_ms", "first_generation_s", "resize_s", "storm_regroups", "storm_s")
 HEARTBEAT_TIMEOUT_S = 3.0
+RESIZES = 2
+"""Grow-and-shrink pairs per W; the slowest of each is reported (a planned resize waits for the
+step boundary: anywhere from nothing to one step)."""
 
 
 def wait_for(cond: Any, timeout_s: float, plane: ControlPlane | None = None) -> float:
@@ -78,7 +84,9 @@ def fleet_counts(plane: ControlPlane, beaters: int) -> dict[str, float]:
         raise RuntimeError(f"the fleet did not answer (stats from {sorted(plane.launcher.stats)})")
     stats = plane.launcher.stats
     return {"ops": sum(s.get("ops", 0) for s in stats.values()), "bytes": sum(s.get("bytes", 0) for s in stats.values()),
-            "beats": sum(s.get("beats", 0) for s in stats.values()), "applied": stats.get("client", {}).get("applied", []),
+            "beats": sum(s.get("beats", 0) for s in stats.values()),
+            "member_ops": stats.get("client", {}).get("member_ops", 0),
+            "applied": stats.get("client", {}).get("applied", []),
             "push_s": stats.get("client", {}).get("push_s", [])}
 
 
@@ -202,8 +210,17 @@ def measure(workers: int, args: Any) -> dict[str, Any]:
         out["start_to_first_generation_s"] = time.monotonic() - t0
         out.update(steady(plane, args, run_dir))
         out["rss_growth_mib"] = out["rss_mib"] - rss0
-        out["grow_s"] = resize(plane, workers + max(1, workers // 8), 60)
-        out["shrink_s"] = resize(plane, workers, 60)
+        grows, shrinks = [], []
+        for _ in range(RESIZES):
+            before, cpu0 = fleet_counts(plane, args.beaters)["member_ops"], cpu_s()
+            grows.append(resize(plane, workers + max(1, workers // 8), 60))
+            # the coordinator's CPU (monitor and store threads) for the grow: the control plane's own part of it
+            out["grow_cpu_s"] = max(out.get("grow_cpu_s", 0.0), cpu_s() - cpu0)
+            # every store call the workers made for the grow but their heartbeats, per member of the new generation
+            grown = fleet_counts(plane, args.beaters)["member_ops"] - before
+            out["grow_calls_per_member"] = grown / len(plane.ctl.members)
+            shrinks.append(resize(plane, workers, 60))
+        out["grow_s"], out["shrink_s"] = max(grows), max(shrinks)  # the worst: a resize waits for a step boundary
         members = list(plane.ctl.members)
         one = deaths(plane, random.sample(members[1:], 1), 0.0, "exit", 60)
         out["death_to_step_s"] = one["to_next_step_s"]
@@ -242,7 +259,7 @@ def slope(ws: list[int], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
 
 
-LAWS = ("cpu_ms_per_step", "store_ops_per_s", "store_bytes_per_step", "coord_ops_per_step",
+LAWS = ("cpu_ms_per_step", "grow_calls_per_member", "store_ops_per_s", "store_bytes_per_step", "coord_ops_per_step",
         "events_bytes_per_step", "metrics_bytes_per_step", "status_bytes", "generation_record_bytes",
         "first_generation_s", "grow_s", "storm_to_next_step_s")
 
@@ -334,7 +351,7 @@ def group_formation(worlds: list[int]) -> dict[int, dict[str, float]]:
 
 # -- the report ---------------------------------------------------------------------------------
 HEADER = ["W", "first gen s", "CPU ms/step", "CPU share", "monitor share", "store ops/s", "store KB/step", "coord ops/step",
-          "push p99 ms", "read p50 ms", "events B/step", "metrics B/step", "status KB", "grow s", "shrink s",
+          "push p99 ms", "read p50 ms", "events B/step", "metrics B/step", "status KB", "grow s", "grow CPU s", "grow calls/member", "shrink s",
           "death->step s", "storm gens (formed)", "storm s", "fence 1% s", "rejected", "exactly once"]
 
 
@@ -344,7 +361,7 @@ def row(r: dict[str, Any]) -> list[str]:
             H.num(r["coord_ops_per_step"], ".0f"), H.num(r["step_path_ms_p99"], ".2f"),
             H.num(r["read_latency_ms_p50"], ".1f"), H.num(r["events_bytes_per_step"], ".0f"),
             H.num(r["metrics_bytes_per_step"], ".0f"), H.num(r["status_bytes"] / 1e3, ".1f"), H.num(r["grow_s"], ".2f"),
-            H.num(r["shrink_s"], ".2f"), H.num(r["death_to_step_s"], ".2f"), f"{r['storm_published']} ({r['storm_formed']})",
+            H.num(r["grow_cpu_s"], ".2f"), H.num(r["grow_calls_per_member"], ".1f"), H.num(r["shrink_s"], ".2f"), H.num(r["death_to_step_s"], ".2f"), f"{r['storm_published']} ({r['storm_formed']})",
             H.num(r["storm_to_next_step_s"], ".2f"), H.num(r["partition_fence_s"], ".2f"),
             f"{r['hostile_rejected']}/{r['hostile_bad_reports']}", H.yes_no(r["steps_exactly_once"])]
 
@@ -373,6 +390,8 @@ def check_targets(t: H.Targets, rows: list[dict[str, Any]], laws: dict[str, floa
                 f"{r['hostile_step_rate']:.2f}/s (steady {r['step_rate']:.2f}/s)")
         t.holds(f"W={w}: steps go on under hostile input (>= 80 % of the steady rate)",
                 r["hostile_step_rate"] >= 0.8 * r["step_rate"])
+    t.holds("a member's store calls for a resize do not grow with W (log-log slope < 0.5: nobody polls)",
+            not laws["grow_calls_per_member"] >= 0.5, f"slope {laws['grow_calls_per_member']:.2f}")
     for key in ("cpu_ms_per_step", "coord_ops_per_step", "store_bytes_per_step", "events_bytes_per_step",
                 "metrics_bytes_per_step", "status_bytes", "generation_record_bytes"):
         t.holds(f"{key} grows at most linearly in W (log-log slope < 1.5, nothing O(W^2))",

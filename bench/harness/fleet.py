@@ -7,9 +7,12 @@ fleet for workers.
 
 The worker side (:class:`FleetClient`) runs every simulated worker as a small state machine in
 one thread, each with its own store connection, signing its reports with the run key through
-the real :class:`~virtualflow.runtime.channel.Reporter`: join, read the signed next pointer and
-generation record, report ``arrived``, count itself into the rendezvous and poll it (the real
-back-off, 1 ms doubling to 20 ms, checking the abort flag each time), form, train (a step is
+the real :class:`~virtualflow.runtime.channel.Reporter`: join, then, on a thread of its own
+while it regroups (the real worker's main thread blocks there; a fleet's members regroup at the
+same time, not one after another), wait for the signed next pointer (the store's ``wait``), read
+it and the generation record, report ``arrived`` and take part in the rendezvous as the real
+worker does (:func:`~virtualflow.runtime.channel.rendezvous`, imported: count in, wait on the
+generation's ready key, one abort check), form, train (a step is
 ``step_s`` of waiting; rank 0 sends the full step report), follow the control sequence (a
 ``regroup`` or ``stop`` takes effect at the step boundary after rank 0 has read it), abandon a
 generation whose abort flag is set or whose member died (``fault``), leave when told, report
@@ -20,7 +23,8 @@ real worker's law (:func:`~virtualflow.runtime.channel.heartbeat_interval_s`, im
 bumps ``vf/hb/<id>``, on rank 0 reads the control sequence and follows new commands, and
 checks the formed generation's abort flag when the counter's abort marks moved (once per
 abort and generation: the beat is one call). What a collective would tell the members (a peer
-died, the agreed step) the fleet knows in memory: no gloo groups. Deaths come as messages: ``exit`` (the process is gone: the launcher sees an exit code) or ``silent`` (a
+died, the agreed step) the fleet knows in memory: no gloo groups. Nobody polls the store but the
+heartbeats. Deaths come as messages: ``exit`` (the process is gone: the launcher sees an exit code) or ``silent`` (a
 partition: the worker stops speaking and beating, the launcher sees nothing).
 
 Invariants: every store call of the fleet and of the coordinator is counted (:class:`Counting`:
@@ -33,31 +37,37 @@ from __future__ import annotations
 
 import datetime
 import queue
+from concurrent.futures import ThreadPoolExecutor
 import threading
 import time
 import traceback
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch.distributed as dist
 
 from virtualflow.comm import protocol
-from virtualflow.runtime.channel import ABORT_MARK, Reporter, heartbeat_interval_s
+from virtualflow.runtime.channel import ABORT_MARK, Reporter, heartbeat_interval_s, rendezvous
 from virtualflow.runtime.worker_config import WorkerConfig
 
 HEARTBEAT_INTERVAL_S = {f.name: f.default for f in fields(WorkerConfig)}["heartbeat_interval_s"]
 """The real worker's heartbeat interval (``WorkerConfig.heartbeat_interval_s``'s default)."""
 
 
+_COUNT_LOCK = threading.Lock()
+
+
 class Counting:
-    """A store wrapper that counts calls and the bytes of values moved (keys not counted)."""
+    """A store wrapper that counts calls and the bytes of values moved (keys not counted);
+    thread-safe counting (the fleet's waits run on threads of their own)."""
 
     def __init__(self, store: Any, counts: dict[str, float]) -> None:
         self._store, self.counts = store, counts
 
     def _n(self, nbytes: int = 0) -> None:
-        self.counts["ops"] = self.counts.get("ops", 0) + 1
-        self.counts["bytes"] = self.counts.get("bytes", 0) + nbytes
+        with _COUNT_LOCK:
+            self.counts["ops"] = self.counts.get("ops", 0) + 1
+            self.counts["bytes"] = self.counts.get("bytes", 0) + nbytes
 
     def set(self, key: str, value: Any) -> None:
         self._n(len(value))
@@ -98,7 +108,11 @@ class Counting:
         self._n()
         return self._store.queue_len(key)
 
-    def __getattr__(self, name: str) -> Any:  # wait, port, ...: passed through, not counted
+    def wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
+        self._n()
+        self._store.wait(keys, timeout)
+
+    def __getattr__(self, name: str) -> Any:  # port, ...: passed through, not counted
         return getattr(self._store, name)
 
 
@@ -227,21 +241,26 @@ class SimWorker:
     wid: int
     store: Any
     report: Reporter
-    state: str = "next"  # next | rendezvous | ready | training | gone
+    state: str = "next"  # next | regrouping | ready | training | gone
     after: int = -1  # the generation whose next pointer it reads
     gen: int = -1
     rank: int = -1
-    due: float = 0.0  # when it next polls
-    pause: float = 0.001
     silent: bool = False
+
+
+WAIT_TIMEOUT_S = 60.0
+"""How long a simulated worker waits in one store ``wait`` (its next pointer: it waits again;
+its rendezvous: the generation is given up, as the real worker does after ``store_timeout_s``)."""
 
 
 @dataclass(slots=True)
 class SimGeneration:
-    """A generation as the fleet knows it: its record, when it formed, its next step boundary and
-    the control position its members have acted on."""
+    """A generation as the fleet knows it: its record, its members through the rendezvous
+    (``ready``: the group is checked only once they all are, not once per member), when it
+    formed, its next step boundary and the control position its members have acted on."""
 
     record: protocol.GenerationRecord
+    ready: set[int] = field(default_factory=set)
     formed_at: float | None = None
     boundary: float = 0.0
     control: int = 0
@@ -260,12 +279,22 @@ class FleetClient:
         self.connect = Connections(spec, self.counts, spec.pool)
         self.workers: dict[int, SimWorker] = {}
         self.gens: dict[int, SimGeneration] = {}
+        self.lock = threading.Lock()  # self.gens, between the members' regroup threads
         self.step = 0  # the fleet's training state: steps applied
         self.training: int | None = None  # the generation that trains
         self.last_report: dict[str, Any] | None = None
-        self.control = Counting(connect(spec), self.counts)  # rank 0's heartbeat, following commands
+        # rank 0's heartbeat, following commands (counted apart: heartbeat calls, not the members')
+        self.control_counts: dict[str, float] = {}
+        self.control = Counting(connect(spec), self.control_counts)
         self.control_seq, self.commands = 0, {}
         self.follow_due = self.abort_due = 0.0
+        self.done: queue.Queue[tuple[SimWorker, str]] = queue.Queue()  # (worker, how its regroup ended)
+        # A regrouping worker holds a thread: at most every worker of the fleet (W + W/8 <= 1,152
+        # in the benchmark) regroups at once.
+        self.threads = ThreadPoolExecutor(max_workers=4096, thread_name_prefix="fleet-member")
+        self.pending: list[SimWorker] = []  # in state "next", not regrouping yet
+        self.forming: set[int] = set()  # generations with a released member, not formed yet
+        self.forming_due = 0.0
         self.applied: list[int] = []  # every step applied, in order (the fleet's own check)
         self.push_s: list[float] = []  # rank 0's step report pushes: what the step path pays
 
@@ -281,9 +310,12 @@ class FleetClient:
             now = time.monotonic()
             if not self._messages():
                 return
-            for w in list(self.workers.values()):
-                if w.state != "gone" and not w.silent and now >= w.due:
-                    self._advance(w, now)
+            self._regrouped(now)
+            while self.pending:  # workers due to look for their next generation
+                w = self.pending.pop()
+                if w.state == "next" and not w.silent and self.workers.get(w.wid) is w:
+                    self._regroup(w)
+            self._forming(now)
             self._train(now)
             time.sleep(0.0005)
 
@@ -300,13 +332,18 @@ class FleetClient:
             if msg[0] == "stats":
                 for b in self.beaters:
                     b.put(("stats",))
-                self.outbox.put(("stats", "client", {**self.counts, "step": self.step, "applied": list(self.applied),
+                c = self.control_counts
+                ops = self.counts.get("ops", 0)
+                self.outbox.put(("stats", "client", {"ops": ops + c.get("ops", 0), "member_ops": ops,
+                                                   "bytes": self.counts.get("bytes", 0) + c.get("bytes", 0),
+                                                   "step": self.step, "applied": list(self.applied),
                                                    "push_s": self.push_s[-2000:]}))
             elif msg[0] == "start":
                 store = self.connect()
                 w = self.workers[msg[1]] = SimWorker(msg[1], store, Reporter(store, self.run, msg[1]))
                 self._beater(w.wid).put(("beat", w.wid))
                 w.report({"type": "join", "setup_s": 0.0, "dataset": None})
+                self.pending.append(w)
             elif msg[0] in ("kill", "die"):
                 w = self.workers.get(msg[1])
                 if w is not None and w.state != "gone":
@@ -327,38 +364,95 @@ class FleetClient:
         self.outbox.put(("exit", w.wid, code))
 
     # -- one worker's protocol --------------------------------------------------------------------
-    def _advance(self, w: SimWorker, now: float) -> None:
-        if w.state == "next":
-            key = protocol.next_key(w.wid, w.after)
-            if not w.store.check([key]):
-                w.due = now + 0.005
-                return
-            to = protocol.parse_next(self.run, w.store.get(key), w.wid, w.after)
-            if to == protocol.FAIL:
-                return self._exit(w, 0)
-            if to.startswith(protocol.LEAVE):
-                w.report({"type": "leave", "step": self.step})
-                return self._exit(w, 0)
-            g = int(to)
+    def _regroup(self, w: SimWorker) -> None:
+        """Hand ``w``'s way into its next generation to a thread of its own, as the real worker's
+        main thread does it (it blocks in the store's ``wait``; the members of a fleet do it at
+        the same time, not one after another)."""
+        w.state = "regrouping"
+        if self.spec.pool and w.after == -1:  # blocking calls need the worker's own connection
+            w.store = w.report.store = Counting(connect(self.spec), self.counts)
+        self.threads.submit(self._regroup_thread, w)
+
+    def _regroup_thread(self, w: SimWorker) -> None:
+        try:
+            self.done.put((w, self._next_generation(w)))
+        except Exception:  # noqa: BLE001 - the benchmark must see why its fleet stopped
+            self.outbox.put(("error", f"worker {w.wid}", traceback.format_exc()))
+
+    def _next_generation(self, w: SimWorker) -> str:
+        """The real worker's ``next_generation`` and ``_form`` up to its group: wait for the
+        signed next pointer, read it and the generation record, report ``arrived``, and
+        :func:`~virtualflow.runtime.channel.rendezvous` (imported). Returns ``ready``, ``fault``,
+        ``leave``, ``exit`` or ``stopped`` (the worker died or fell silent meanwhile)."""
+        key = protocol.next_key(w.wid, w.after)
+        while True:
+            try:
+                w.store.wait([key], datetime.timedelta(seconds=WAIT_TIMEOUT_S))
+                break
+            except Exception:  # noqa: BLE001 - torch's DistStoreError: timed out; wait again
+                if w.state != "regrouping" or w.silent:
+                    return "stopped"
+        if w.state != "regrouping" or w.silent:
+            return "stopped"
+        to = protocol.parse_next(self.run, w.store.get(key), w.wid, w.after)
+        if to == protocol.FAIL:
+            return "exit"
+        if to.startswith(protocol.LEAVE):
+            return "leave"
+        g = int(to)
+        raw = w.store.get(protocol.generation_key(g))  # every member reads the record itself
+        with self.lock:
             if g not in self.gens:
-                raw = w.store.get(protocol.generation_key(g))
                 self.gens[g] = SimGeneration(protocol.parse_generation(self.run, raw, g))
-            else:
-                w.store.get(protocol.generation_key(g))  # every member reads the record itself
-            w.gen, w.rank, w.after = g, self.gens[g].record.members.index(w.wid), g
-            w.report({"type": "arrived", "generation": g})
-            w.store.add(protocol.arrived_key(g), 1)
-            w.state, w.pause, w.due = "rendezvous", 0.001, now
-        elif w.state in ("rendezvous", "ready"):
-            if self._aborted(w.store, w.gen):
-                self._fault(w, "regroup")
+            record = self.gens[g].record
+        w.gen, w.rank, w.after = g, record.members.index(w.wid), g
+        w.report({"type": "arrived", "generation": g})
+        if not rendezvous(w.store, g, len(record.members), WAIT_TIMEOUT_S, lambda: self._aborted(w.store, g)):
+            return "fault"
+        return "ready"
+
+    def _regrouped(self, now: float) -> None:
+        """Workers whose regroup ended go on (one gone or silent meanwhile stays so)."""
+        while True:
+            try:
+                w, outcome = self.done.get_nowait()
+            except queue.Empty:
                 return
-            if w.state == "rendezvous":
-                size = len(self.gens[w.gen].record.members)
-                if w.store.add(protocol.arrived_key(w.gen), 0) >= size:
-                    w.state = "ready"
+            if w.state != "regrouping" or w.silent or self.workers.get(w.wid) is not w or outcome == "stopped":
+                continue
+            if outcome == "exit":
+                self._exit(w, 0)
+            elif outcome == "leave":
+                w.report({"type": "leave", "step": self.step})
+                self._exit(w, 0)
+            elif outcome == "fault":
+                self._fault(w, "regroup")
+            else:
+                w.state = "ready"
+                self.forming.add(w.gen)
+                gen = self.gens[w.gen]
+                gen.ready.add(w.wid)
+                if len(gen.ready) == len(gen.record.members):
                     self._maybe_form(w.gen, now)
-            w.due, w.pause = now + w.pause, min(w.pause * 2, 0.02)
+
+    def _forming(self, now: float) -> None:
+        """What a forming group tells its ready members, at the heartbeat's pace: a peer that
+        exited breaks it at once (gloo's connection fails); a silent one, once the coordinator's
+        abort flag says so (one check per generation: members share what a collective would)."""
+        if now < self.forming_due or not self.forming:
+            return
+        self.forming_due = now + self.spec.heartbeat_interval_s
+        for g in list(self.forming):
+            members = self._members(g)
+            if any(m.state == "training" for m in members) or all(m.state != "ready" for m in members):
+                self.forming.discard(g)
+                continue
+            if any(m.state == "gone" for m in members) or (any(m.silent for m in members)
+                                                           and self._aborted(self.control, g)):
+                self.forming.discard(g)
+                for m in members:
+                    if m.state == "ready" and m.gen == g:
+                        self._fault(m, "regroup")
 
     def _aborted(self, store: Any, g: int) -> bool:
         key = protocol.abort_key(g)
@@ -369,7 +463,10 @@ class FleetClient:
 
     def _fault(self, w: SimWorker, phase: str) -> None:
         w.report({"type": "fault", "generation": w.gen, "phase": phase, "step": self.step, "error": "simulated"})
-        w.state, w.after, w.due = "next", w.gen, 0.0
+        w.state, w.after = "next", w.gen
+        self.pending.append(w)
+        if w.gen in self.gens:
+            self.gens[w.gen].ready.discard(w.wid)
 
     def _members(self, g: int) -> list[SimWorker]:
         return [self.workers[m] for m in self.gens[g].record.members]
@@ -455,7 +552,8 @@ class FleetClient:
         elif "regroup" in ops:
             self.training = None
             for m in members:
-                m.state, m.after, m.due = "next", g, 0.0
+                m.state, m.after = "next", g
+                self.pending.append(m)
 
 
 def start_fleet(spec: FleetSpec, inbox: Any, outbox: Any, ctx: Any) -> tuple[list[Any], list[Any]]:

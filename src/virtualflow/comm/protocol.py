@@ -106,6 +106,12 @@ def arrived_key(generation: int) -> str:
     return f"vf/gen/{generation}/arrived"
 
 
+def ready_key(generation: int) -> str:
+    """Set once every member of ``generation`` has arrived (by the member whose arrival completed
+    the count) or once the coordinator aborted it: the one key the members wait on, server side."""
+    return f"vf/gen/{generation}/ready"
+
+
 def formed_key(generation: int) -> str:
     return f"vf/gen/{generation}/formed"
 

@@ -202,11 +202,14 @@ class Coordinator:
         ``beating`` (those whose heartbeats are watched) gets :data:`ABORT_MARK` added to its
         heartbeat counter, after the flag: its next beat sees the mark and reads the flag, so a
         beat costs one store call, not one plus an abort check (one call per worker per abort
-        instead of one per worker per beat)."""
+        instead of one per worker per beat). The generation's rendezvous key is set with the flag,
+        after it, in the same call (:func:`~virtualflow.runtime.channel.rendezvous`): members still
+        waiting for the others wake, read the flag and give the generation up."""
         if generation in self._aborted:
             return
         self._aborted.add(generation)
-        self.store.set(protocol.abort_key(generation), protocol.seal_abort(self.run, generation))
+        self.store.multi_set([protocol.abort_key(generation), protocol.ready_key(generation)],
+                             [protocol.seal_abort(self.run, generation), "1"])
         for w in beating:
             self.store.add(protocol.heartbeat_key(w), ABORT_MARK)
 

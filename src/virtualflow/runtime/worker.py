@@ -77,7 +77,7 @@ from virtualflow.comm.net import resolve_interface
 from virtualflow.config.job import Job
 from virtualflow.plan.flops import peak_tflops
 from virtualflow.runtime.callbacks import Callbacks, StepInfo
-from virtualflow.runtime.channel import Heartbeat, Rejections, Reporter, aborted, connect_store
+from virtualflow.runtime.channel import Heartbeat, Rejections, Reporter, aborted, connect_store, rendezvous
 from virtualflow.runtime import dataset_check
 from virtualflow.runtime.checkpoint import save_state
 from virtualflow.runtime.dcp import load_checkpoint
@@ -172,23 +172,6 @@ def device_peak_tflops(device: torch.device, precision: str) -> float | None:
 
 class _Aborted(Exception):
     """The generation was abandoned before it formed (a member failed during the rendezvous)."""
-
-
-def _rendezvous(store: dist.Store, cfg: WorkerConfig, generation: int, size: int,
-                aborted: Callable[[], bool]) -> None:
-    """Wait until every member of ``generation`` has arrived (or the generation is aborted)."""
-    store.add(protocol.arrived_key(generation), 1)
-    if size == 1:
-        return
-    deadline = time.monotonic() + cfg.store_timeout_s
-    pause = 0.001
-    while store.add(protocol.arrived_key(generation), 0) < size:
-        if aborted():
-            raise _Aborted()
-        if time.monotonic() > deadline:
-            raise _Aborted()
-        time.sleep(pause)
-        pause = min(pause * 2, 0.02)
 
 
 class Worker:
@@ -362,7 +345,8 @@ class Worker:
         # Tell the coordinator this worker is here and alive (its step watchdog judges members
         # that say nothing while a generation forms as wedged in their own code).
         self.report({"type": "arrived", "generation": gen})
-        _rendezvous(self.store, cfg, gen, len(record.members), lambda: self.aborted(gen))
+        if not rendezvous(self.store, gen, len(record.members), cfg.store_timeout_s, lambda: self.aborted(gen)):
+            raise _Aborted()
         group = make_group(self.store, gen, rank, len(record.members), cfg.options.collective_timeout_s, self.device,
                            bind=cfg.gloo_bind(), duplex=self.engine.generation_hops_duplex)
         group.abort_check = lambda: self.aborted(gen)
