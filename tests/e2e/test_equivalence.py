@@ -83,13 +83,3 @@ def test_deterministic_mode_is_bit_identical_for_any_worker_count():
                            flat_optimizer_state(base.optimizer_state_dict))
         assert [h["loss"] for h in r.history] == [h["loss"] for h in base.history]
 
-
-def test_deterministic_mode_adam_bit_identical():
-    job = regression_job("adam", virtual_nodes=8)
-    base = one_worker(job, 12)  # vf.train(job, workers=1, steps=12, deterministic=True), in this process
-    r = vf.train(job, workers=3, steps=12, deterministic=True)
-    assert_state_equal(r.state_dict, base.state_dict)
-    assert_state_equal(flat_optimizer_state(r.optimizer_state_dict), flat_optimizer_state(base.optimizer_state_dict))
-    # and it is still the same training as the default mode, within float tolerance
-    ref, _, _ = reference_train(job, 12)
-    assert_state_close(r.state_dict, ref.state_dict(), rtol=1e-5, atol=1e-6)
