@@ -53,7 +53,7 @@ def test_a_worker_killed_mid_backward_falls_back_to_the_checkpoint_bit_identical
                    fault_plan=plan, run_dir=run_dir)
     events = [line for line in open(os.path.join(run_dir, "events.jsonl")) if '"fallback_restart"' in line]
     assert events, "the loss did not fall back to the checkpoint"
-    assert_same_training(got, vf.train(job(), workers=1, steps=6, deterministic=True), first_step=None)
+    assert_same_training(got, one_worker(job(), 6), first_step=None)
 
 
 @pytest.mark.timeout(240)
@@ -67,5 +67,4 @@ def test_resized_while_training_the_shards_move_and_the_bits_stay(run_dir):
     result = handle.stop()
     sizes = [h["workers"] for h in result.history]
     assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [3, 2, 4]
-    assert_same_training(result, vf.train(lm_jobs.make_paced_job_checkpointed(), workers=1, steps=result.steps,
-                                          deterministic=True))
+    assert_same_training(result, one_worker(lm_jobs.make_job_checkpointed(), result.steps))  # (unpaced: the same model)

@@ -182,17 +182,21 @@ def test_a_weight_tied_across_workers_trains_like_the_unpipelined_model(run_dir)
     """Default mode: each worker holds a copy of the shared weight; their gradients are summed
     before every update, so the copies stay equal and the model is the unpipelined one."""
     from virtualflow.backends.inprocess import train_local
+    from virtualflow.config.worker_options import WorkerOptions
+    from virtualflow.runtime.grid_threads import Generation, train_threads
 
     job = jobs.pipelined_job().replace(model=_tied_model, evaluate=None)
-    ref = vf.train(job.replace(pipeline=None), workers=1, steps=4)
+    # vf.train(job.replace(pipeline=None), workers=1, steps=4): the worker's engine, in this process
+    ref = train_threads(job.replace(pipeline=None), [Generation(members=(0,), steps=4)],
+                        options=WorkerOptions(deterministic=False, breakdown=False)).state["model"]
     for replicas in (1, 2):
         state, _ = train_local(job, 4, replicas=replicas)
         torch.testing.assert_close(state["4.weight"], state["0.weight"], rtol=0, atol=0)  # the copies agree
-        for k in ref.state_dict:
-            torch.testing.assert_close(state[k], ref.state_dict[k], rtol=1e-5, atol=1e-6)
+        for k in ref:
+            torch.testing.assert_close(state[k], ref[k], rtol=1e-5, atol=1e-6)
     result = vf.train(job, workers=4, steps=4, run_dir=run_dir)
-    for k in ref.state_dict:
-        torch.testing.assert_close(result.state_dict[k], ref.state_dict[k], rtol=1e-5, atol=1e-6)
+    for k in ref:
+        torch.testing.assert_close(result.state_dict[k], ref[k], rtol=1e-5, atol=1e-6)
 
 
 def test_a_weight_tied_across_workers_deterministic_bit_identical(run_dir):

@@ -21,6 +21,7 @@ import pytest
 import virtualflow as vf
 from conftest import assert_same_training, assert_state_close, wait_for_step
 import stream_jobs
+import vn_reference
 from test_streams import reference_batches, reference_loop
 
 FOREVER = 1_000_000
@@ -29,7 +30,9 @@ STEPS = 20  # two and a half epochs
 
 @pytest.fixture(scope="module")
 def one_worker():
-    return vf.train("stream_jobs:stream_job", workers=1, steps=STEPS, deterministic=True)
+    """``vf.train("stream_jobs:stream_job", workers=1, steps=STEPS, deterministic=True)``, in this
+    process (:mod:`vn_reference`: the worker's engine reading the stream)."""
+    return vn_reference.one_worker(stream_jobs.stream_job(), STEPS)
 
 
 def test_two_workers_equal_one_and_the_single_process_reference(one_worker):
@@ -66,14 +69,13 @@ def test_exactly_once_across_a_sigkill_a_resize_and_a_resume_on_another_count(tm
     sizes = [h["workers"] for h in stopped.history]
     assert [n for i, n in enumerate(sizes) if i == 0 or sizes[i - 1] != n] == [3, 2, 3]
     steps = stopped.steps + 6
-    # the uninterrupted 1-worker run, beside the resume on 1 worker
-    ref_run = vf.launch("stream_jobs:stream_job", workers=1, steps=steps, deterministic=True)
     # Another job function (the same training, without the pacing): it starts from that run's state
     # in a run directory of its own (the stopped run's directory records the paced job's identity).
     resumed = vf.launch("stream_jobs:ledger_stream_job", workers=1, steps=steps, deterministic=True, resume=run_dir,
                         run_dir=str(tmp_path / "resumed"))
     result = resumed.wait(timeout_s=120)
-    assert_same_training(result, ref_run.wait(timeout_s=120), first_step=stopped.steps)
+    # the uninterrupted 1-worker run, in this process (vn_reference)
+    assert_same_training(result, vn_reference.one_worker(stream_jobs.stream_job(), steps), first_step=stopped.steps)
 
     # Every batch trained on (a redone step repeats its own) is the rule's, and all of them were:
     # over each epoch every sample id appears exactly once but the documented drop of 4.

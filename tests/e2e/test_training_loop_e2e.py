@@ -14,6 +14,7 @@ import torch
 import virtualflow as vf
 from conftest import assert_same_training, assert_state_close, assert_state_equal, wait_for_step
 from loop_reference import loop_train
+import vn_reference
 import lm_jobs
 
 FOREVER = 1_000_000
@@ -70,5 +71,6 @@ def test_sigkill_and_resize_mid_run_stay_bit_identical(run_dir):
     assert [f["worker"] for f in result.failures] == [1] and "SIGKILL" in result.failures[0]["cause"]
     sizes = [h["workers"] for h in result.history]
     assert 2 in sizes and sizes[-1] == 3
-    ref = vf.train("lm_jobs:make_job_checkpointed", workers=1, steps=result.steps, deterministic=True)
+    # vf.train("lm_jobs:make_job_checkpointed", workers=1, ..., deterministic=True), in this process
+    ref = vn_reference.one_worker(lm_jobs.make_job_checkpointed(), result.steps)
     assert_same_training(result, ref)
