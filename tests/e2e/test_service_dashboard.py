@@ -123,6 +123,7 @@ def test_pages_in_headless_chromium(dashboard):
             assert "elastic_fair" in page.locator("#service").inner_text()
             assert "v100-0: job 2" in page.locator("table#slots").inner_text()
             page.click("text=timeline")
+            page.wait_for_load_state("load")  # the click waits for the navigation to start, not to finish
             assert page.url == url + "/timeline"
             bars = page.locator("svg#timeline rect.alloc")
             assert bars.count() == 2 + 1 + 1 + 1 + 2  # one bar per (round, job, slot)
