@@ -47,7 +47,7 @@ from typing import Any
 import torch.distributed as dist
 
 from virtualflow.comm import protocol
-from virtualflow.runtime.channel import ABORT_MARK, Reporter, heartbeat_interval_s, rendezvous
+from virtualflow.runtime.channel import ABORT_MARK, Reporter, heartbeat_interval_s, next_beat_at, rendezvous
 from virtualflow.runtime.worker_config import WorkerConfig
 
 HEARTBEAT_INTERVAL_S = {f.name: f.default for f in fields(WorkerConfig)}["heartbeat_interval_s"]
@@ -166,7 +166,10 @@ class Beater:
     rank in the formed generation and that generation's size), what ``runtime/channel.py``'s
     ``Heartbeat`` does (beat; on rank 0, read the control sequence and follow new commands; check
     the formed generation's abort flag when the counter's abort marks moved). Messages:
-    ``("beat", wid)``, ``("quiet", wid)``, ``("watch", g, members)``, ``("stop",)``."""
+    ``("beat", wid)``, ``("quiet", wid)``, ``("watch", g, members)``, ``("stepped", g, t)`` (the
+    members of ``g`` completed a step at ``time.monotonic()`` ``t``: a member other than rank 0
+    beats next an interval after it, as the real worker does:
+    :func:`~virtualflow.runtime.channel.next_beat_at`), ``("stop",)``."""
 
     def __init__(self, spec: FleetSpec, inbox: Any, outbox: Any, name: str) -> None:
         self.spec, self.inbox, self.outbox, self.name = spec, inbox, outbox, name
@@ -178,7 +181,8 @@ class Beater:
         self.watch: int | None = None
         self.ranks: dict[int, int] = {}  # worker -> rank in the watched generation
         self.size = spec.initial_workers
-        self.due: dict[int, float] = {}  # worker -> when it beats next
+        self.due: dict[int, float] = {}  # worker -> when it last beat
+        self.stepped = float("-inf")  # when the watched generation last completed a step
         self.marks: dict[int, tuple[int, int]] = {}  # worker -> (generation, abort marks) its flag was read at
         self.beats = 0
 
@@ -207,14 +211,22 @@ class Beater:
                 elif msg[0] == "watch":
                     self.watch, self.size = msg[1], len(msg[2])
                     self.ranks = {w: r for r, w in enumerate(msg[2])}
+                    self.stepped = float("-inf")
+                elif msg[0] == "stepped" and msg[1] == self.watch:
+                    self.stepped = msg[2]
             now = time.monotonic()
+            wake = now + self.spec.heartbeat_interval_s
+            paces = [heartbeat_interval_s(self.size, self.spec.heartbeat_interval_s, self.spec.timeout_s, follows)
+                     for follows in (False, True)]
             for wid, store in list(self.stores.items()):
-                if now >= self.due[wid]:
-                    follows = self.ranks.get(wid) == 0
-                    self.beat(wid, store, follows)
-                    self.due[wid] = now + heartbeat_interval_s(self.size, self.spec.heartbeat_interval_s,
-                                                               self.spec.timeout_s, follows)
-            wake = min((self.due[w] for w in self.stores), default=now + self.spec.heartbeat_interval_s)
+                rank = self.ranks.get(wid)
+                interval = paces[rank == 0]
+                due = next_beat_at(self.due[wid], self.stepped, interval, rank is None or rank == 0)
+                if now >= due:
+                    self.beat(wid, store, rank == 0)
+                    self.due[wid] = now
+                    due = now + interval
+                wake = min(wake, due)
             time.sleep(min(self.spec.heartbeat_interval_s, max(0.0, wake - time.monotonic())))
 
     def beat(self, wid: int, store: Any, follows: bool) -> None:
@@ -526,6 +538,8 @@ class FleetClient:
             return
         self.applied.append(self.step)
         self.step += 1
+        for b in self.beaters:  # every member completed the step's all-reduce: their next beats move on
+            b.put(("stepped", g, time.monotonic()))
         report = {"type": "step", "step": self.step - 1, "loss": 1.0 / self.step, "samples": len(gen.record.members),
                   "step_time_s": self.spec.step_s, "workers": len(members), "generation": g,
                   "vns": gen.record.assignment, "members": gen.record.members,

@@ -162,6 +162,22 @@ def heartbeat_interval_s(workers: int, base_s: float, timeout_s: float, follows:
     return max(base_s, min(workers / HEARTBEATS_PER_S, timeout_s / BEATS_PER_TIMEOUT))
 
 
+def next_beat_at(last_beat: float, stepped: float, interval_s: float, follows: bool) -> float:
+    """When a worker's next beat is due: ``interval_s`` after its last beat or, for a member
+    that does not follow the control sequence (``follows``: rank 0 beats at its own pace
+    whatever its steps do), after the last step it completed, whichever came later.
+
+    A completed step is a liveness event of every member: the step's statistics all-reduce (the
+    one-step core, every layout) returns on no member until all of them have entered it, so
+    rank 0's step report tells the coordinator that each member was alive then
+    (:meth:`Liveness.stepped <virtualflow.control.membership.liveness.Liveness.stepped>`). Beats
+    and steps together stay at most ``interval_s`` apart, the same evidence the coordinator had
+    from beats alone, and a fleet whose steps are shorter than the interval stops beating at steady
+    state (one beat per step at most otherwise): the store's heartbeat load falls from
+    ``W / interval`` to what the steps leave, and comes back at once when the steps stop."""
+    return (last_beat if follows else max(last_beat, stepped)) + interval_s
+
+
 class Heartbeat:
     """A daemon thread on its own store client: bumps ``vf/hb/<id>`` every
     :func:`heartbeat_interval_s` (the worker's ``heartbeat_interval_s`` as its base, the fleet's
@@ -209,6 +225,7 @@ class Heartbeat:
         self._watchdog = threading.Thread(target=self._watch, name="virtualflow-coordinator-watch", daemon=True)
         self._last_ok = time.monotonic()
         self._last_error = ""
+        self._stepped = float("-inf")  # when this member last completed a step (:meth:`stepped`)
 
     def start(self) -> None:
         self._last_ok = time.monotonic()
@@ -225,6 +242,7 @@ class Heartbeat:
         with self._lock:
             self._generation, self._rank, self._acted = generation, rank, acted
             self._marks = None  # a new generation's flag is read at the next beat
+            self._stepped = float("-inf")  # only this generation's steps are liveness events
             if workers is not None:
                 self._workers = workers
             self._broken.clear()
@@ -234,6 +252,12 @@ class Heartbeat:
         with self._lock:
             workers, follows = self._workers, self._rank == 0
         return heartbeat_interval_s(workers, self.cfg.heartbeat_interval_s, self._timeout_s, follows)
+
+    def stepped(self) -> None:
+        """This member completed a step of the watched generation (its statistics all-reduce
+        returned): a liveness event the coordinator also learns from rank 0's step report, so
+        the next beat is due an interval after it (:func:`next_beat_at`)."""
+        self._stepped = time.monotonic()
 
     def broken(self) -> bool:
         """True once the watched generation has been declared broken (read on the step path:
@@ -264,7 +288,18 @@ class Heartbeat:
                     print(f"virtualflow worker: the coordinator at {self.cfg.store_host}:{self.cfg.store_port} is "
                           f"unreachable ({self._last_error}); exiting", flush=True)
                     os._exit(3)
-            self._stop.wait(self.interval_s())
+            self._wait_for_next_beat(time.monotonic())
+
+    def _wait_for_next_beat(self, last_beat: float) -> None:
+        """Sleep until the next beat is due (:func:`next_beat_at`), looking again when a wait
+        ends: a step completed meanwhile moves the time on."""
+        while True:
+            with self._lock:
+                follows = self._rank == 0 or self._rank is None  # outside a generation: no steps
+            due = next_beat_at(last_beat, self._stepped, self.interval_s(), follows)
+            wait_s = due - time.monotonic()
+            if wait_s <= 0 or self._stop.wait(wait_s):
+                return
 
     def _beat(self, store: dist.Store) -> None:
         """One beat: the counter; on rank 0, the control sequence; the watched abort flag, when
@@ -294,7 +329,10 @@ class Heartbeat:
         the coordinator is gone or cut off. A shorter outage is survived."""
         limit_s = self.cfg.options.coordinator_timeout_s
         while not self._stop.wait(min(0.25, limit_s / 10)):
-            silent_s = time.monotonic() - self._last_ok
+            # A member whose steps complete skips its beats (:func:`next_beat_at`) and is not
+            # blocked in any call: only time without either counts. An orphan still stops:
+            # rank 0 always beats, exits when the coordinator is gone, and its peers' steps stop.
+            silent_s = time.monotonic() - max(self._last_ok, self._stepped)
             if silent_s >= limit_s:
                 why = f"; last error: {self._last_error}" if self._last_error else " (no answer)"
                 print(f"virtualflow worker: the coordinator at {self.cfg.store_host}:{self.cfg.store_port} has been "

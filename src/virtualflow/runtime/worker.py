@@ -449,6 +449,7 @@ class Worker:
             if profiler is not None:
                 profiler.before(step)
             outcome = engine.step(step, control)
+            self.heartbeat.stepped()  # every member entered the step's all-reduce: a liveness event
             if profiler is not None:
                 profiler.after(step)
             if outcome.bad_vns:

@@ -356,7 +356,8 @@ class MembershipController:
         elif kind == "checkpoint":
             self.checkpointed = True
         elif kind == "step":
-            if r["step"] + 1 > self.last_step:
+            if r["step"] + 1 > self.last_step:  # a new step (not one re-sent after a regroup)
+                self.liveness.stepped(r.get("members") or (), now)
                 self.watchdog.step(now)
                 if self.hangs.form_since is not None:  # the old generation still trains (a planned change)
                     self.hangs.form_since = now

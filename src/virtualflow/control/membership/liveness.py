@@ -2,8 +2,10 @@
 
 :class:`Liveness` is the membership controller's watch over its workers. Every tick
 (:meth:`Liveness.judge`) it polls the launcher's exit codes, and :data:`SWEEPS_PER_TIMEOUT` times
-per heartbeat timeout it reads every joined worker's heartbeat counter in the store (one call); it returns the workers that failed, each with its cause in
-words, and kills a worker silent for longer than ``heartbeat_timeout_s`` (fencing: a worker
+per heartbeat timeout it reads every joined worker's heartbeat counter in the store (one call);
+a step recorded for the first time is a beat of each of its members (:meth:`Liveness.stepped`:
+they all entered its all-reduce, and they skip the beats their steps stand in for). It returns
+the workers that failed, each with its cause in words, and kills a worker silent for longer than ``heartbeat_timeout_s`` (fencing: a worker
 judged dead must not come back and write).
 
 Invariants: a worker is judged once (``gone`` holds every worker whose exit or kill was
@@ -14,7 +16,7 @@ judged one tick later, after those reports.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from virtualflow.comm import protocol
 from virtualflow.control.membership.interface import WorkerLauncher, describe_exit
@@ -44,8 +46,22 @@ class Liveness:
         self._swept = float("-inf")  # when the counters were last read (:data:`SWEEPS_PER_TIMEOUT`)
 
     def joined(self, worker: int, now: float) -> None:
-        """``worker`` reported ``join``: its heartbeats are watched from now on."""
+        """``worker`` reported ``join``: its heartbeats are watched from now on (not once it is
+        gone: a join read after its exit was judged)."""
+        if worker in self.gone:
+            return
         self._hb[worker] = (_counter(self.store.add(protocol.heartbeat_key(worker), 0)), now)
+
+    def stepped(self, members: Iterable[int], now: float) -> None:
+        """A step of ``members`` was recorded for the first time (rank 0's report, read at
+        ``now``): each of them was alive when it entered the step's all-reduce, so it counts as
+        a beat (the members skip the beats their steps stand in for:
+        :func:`~virtualflow.runtime.channel.next_beat_at`). O(members) per step."""
+        hb = self._hb
+        for w in members:
+            seen = hb.get(w)
+            if seen is not None:
+                hb[w] = (seen[0], now)
 
     def watched(self) -> list[int]:
         """The workers whose heartbeats are watched (joined, not gone, not leaving): those an
@@ -88,6 +104,7 @@ class Liveness:
     def judge(self, now: float, finished: bool) -> dict[int, str]:
         """The workers that failed since the last tick, each with its cause (silent ones killed)."""
         failed: dict[int, str] = {}
+        ended: list[int] = []  # judged gone at this tick (the others left ``_hb`` when they were)
         for wid, code in self.launcher.poll().items():
             if code is None or wid in self.gone:
                 continue
@@ -97,6 +114,7 @@ class Liveness:
                 self._exited_0.add(wid)
                 continue
             self.gone.add(wid)
+            ended.append(wid)
             if wid in self.leaving and code == 0:
                 self.leaving.discard(wid)
                 continue
@@ -110,7 +128,7 @@ class Liveness:
             failed[wid] = cause or describe_exit(code)
         if finished:
             return failed
-        for wid in [w for w in self._hb if w in self.gone or w in failed]:
+        for wid in ended:  # O(exits) a tick, not O(W)
             self._hb.pop(wid, None)
         if now - self._swept < self.heartbeat_timeout_s / SWEEPS_PER_TIMEOUT:
             return failed
@@ -125,6 +143,7 @@ class Liveness:
                 failed[wid] = f"stopped responding (no heartbeat for {now - t_seen:.1f} s); {done}"
                 self.gone.add(wid)
                 self.fenced.add(wid)
+                del self._hb[wid]
         return failed
 
 
