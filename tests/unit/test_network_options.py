@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import virtualflow as vf
@@ -104,6 +105,11 @@ def test_gloo_socket_ifname_applies_where_the_job_left_auto():
 
 def test_a_worker_that_cannot_reach_the_store_says_where_it_looked():
     port = _free_port()  # nothing listens there
-    with pytest.raises(ConnectionError, match=rf"worker 3 \(.*\) cannot reach the job's store at 127.0.0.1:{port}: "
-                                              r".*listen= / --listen"):
-        run_worker(_config(store_port=port, store_timeout_s=0.5), 3)
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    try:  # run_worker sets the process's torch settings, as a worker process should: put them back
+        with pytest.raises(ConnectionError, match=rf"worker 3 \(.*\) cannot reach the job's store at 127.0.0.1:{port}: "
+                                                  r".*listen= / --listen"):
+            run_worker(_config(store_port=port, store_timeout_s=0.5), 3)
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
