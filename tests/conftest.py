@@ -115,7 +115,8 @@ def pytest_runtest_setup(item):
 # cluster, a reference run) are built once. Files that share something machine-wide form one
 # unit, run one after the other in one process: the hosts tests (network namespaces, bridges,
 # tc: never two at once) and the Ray tests (each starts a Ray cluster on this machine; Ray test
-# files are named test_ray.py or *_ray.py, which pytest_collection_modifyitems checks).
+# files are named test_ray.py or *_ray.py). pytest_collection_modifyitems refuses a ray-marked
+# test or a test of the hosts fixtures in any other file.
 
 _HOSTS_FILES = ("test_hosts.py", "test_host_faults.py")
 
@@ -144,6 +145,10 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.get_closest_marker("ray") is not None and _unit_of_work(item.nodeid.split("::", 1)[0]) not in ("ray", "hosts"):
+        unit = _unit_of_work(item.nodeid.split("::", 1)[0])
+        if item.get_closest_marker("ray") is not None and unit not in ("ray", "hosts"):
             raise pytest.UsageError(f"{item.nodeid} is marked ray: put it in a file named test_ray.py or *_ray.py "
                                     "(tests/conftest.py runs those files one after the other)")
+        if {"hosts", "make_hosts"} & set(getattr(item, "fixturenames", ())) and unit != "hosts":
+            raise pytest.UsageError(f"{item.nodeid} builds hosts: add its file to _HOSTS_FILES in tests/conftest.py "
+                                    "(hosts tests run one after the other)")
