@@ -107,3 +107,48 @@ def _no_cuda_reason() -> str:
 def pytest_runtest_setup(item):
     if item.get_closest_marker("gpu") is not None and _no_cuda_reason():
         pytest.skip(_no_cuda_reason())
+
+
+# --------------------------------------------------------------------------------------------
+# Two pytest processes (scripts/test.sh: pytest-xdist, ``-n 2 --dist loadfile``). A test file is
+# one unit of work: its tests never run side by side and its module-scoped fixtures (a Ray
+# cluster, a reference run) are built once. Files that share something machine-wide form one
+# unit, run one after the other in one process: the hosts tests (network namespaces, bridges,
+# tc: never two at once) and the Ray tests (each starts a Ray cluster on this machine; Ray test
+# files are named test_ray.py or *_ray.py). pytest_collection_modifyitems refuses a ray-marked
+# test or a test of the hosts fixtures in any other file.
+
+_HOSTS_FILES = ("test_hosts.py", "test_host_faults.py")
+
+
+def _unit_of_work(path: str) -> str:
+    name = os.path.basename(path)
+    if name in _HOSTS_FILES:
+        return "hosts"
+    if name == "test_ray.py" or name.endswith("_ray.py"):
+        return "ray"
+    return path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesAndGroups(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit_of_work(nodeid.split("::", 1)[0])
+
+    return FilesAndGroups(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        unit = _unit_of_work(item.nodeid.split("::", 1)[0])
+        if item.get_closest_marker("ray") is not None and unit not in ("ray", "hosts"):
+            raise pytest.UsageError(f"{item.nodeid} is marked ray: put it in a file named test_ray.py or *_ray.py "
+                                    "(tests/conftest.py runs those files one after the other)")
+        if {"hosts", "make_hosts"} & set(getattr(item, "fixturenames", ())) and unit != "hosts":
+            raise pytest.UsageError(f"{item.nodeid} builds hosts: add its file to _HOSTS_FILES in tests/conftest.py "
+                                    "(hosts tests run one after the other)")
