@@ -24,7 +24,7 @@ import virtualflow as vf
 from bench.harness.fleet import Counting
 from virtualflow.control.coordinator import Coordinator
 from virtualflow.control.membership import MembershipController
-from virtualflow.control.status_pace import StatusPace
+from virtualflow.control.status_pace import StatusPace, monitor_tick_s
 from virtualflow.records.rundir import write_json
 
 
@@ -119,7 +119,7 @@ class ControlPlane:
                     self.ctl.tick(reports)
                     self.status_pace.write(self.write_status)
                 self.tick_s.append(time.thread_time() - t_cpu)
-                time.sleep(0.01 if self.ctl.busy else 0.05)
+                time.sleep(monitor_tick_s(len(self.ctl.members), self.ctl.busy))
         except BaseException as exc:  # noqa: BLE001 - read by the caller
             self.error = exc
 

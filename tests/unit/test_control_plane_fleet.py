@@ -8,6 +8,8 @@ from __future__ import annotations
 import queue
 import time
 
+import pytest
+
 import virtualflow as vf
 from bench.harness.fleet import Counting, in_process_fleet
 from bench.harness.fleet_plane import ControlPlane
@@ -225,3 +227,14 @@ def test_status_writes_are_paced_by_their_own_cost():
     assert pace.write(write(0.020), force=True) and round(written[-1], 1) == 7.1  # a forced write goes at once
     clock.t = 8.0
     assert not pace.write(write(0.020))  # ... and counts towards the pace
+
+
+def test_the_monitor_ticks_keep_their_per_worker_part_a_fixed_share_of_a_core():
+    from virtualflow.control.status_pace import BUSY_TICK_S, TICK_S, monitor_tick_s
+
+    assert [monitor_tick_s(w, busy=False) for w in (1, 8, 64, 500)] == [TICK_S] * 4  # small jobs: as before
+    assert monitor_tick_s(4096, busy=True) == BUSY_TICK_S  # a change forming: looked at closely at any size
+    per_worker_s = 3e-6  # what one worker's exit-code check costs a tick (its order of magnitude)
+    shares = [w * per_worker_s / monitor_tick_s(w, busy=False) for w in (500, 1024, 4096, 10_000, 100_000)]
+    assert max(shares) == pytest.approx(min(shares))  # the same share however large the fleet
+    assert monitor_tick_s(1024, busy=False) == pytest.approx(0.1024) and monitor_tick_s(10_000, False) == pytest.approx(1.0)

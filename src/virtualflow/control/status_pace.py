@@ -1,4 +1,5 @@
-"""When the launcher rewrites ``status.json``: often enough to watch, never a cost that grows with W.
+"""When the launcher rewrites ``status.json`` and how often its monitor ticks: often enough to watch,
+never a cost that grows with W.
 
 ``status.json`` holds a row per worker (about 200 bytes each), and each rewrite serialises the
 whole file: about 11 ms of CPU at W = 1,024 (``json`` with indentation, the non-finite check,
@@ -10,6 +11,14 @@ the atomic write), so two writes a second cost 2 % of a core there and 20 % at W
 nothing changes. A forced write (a state change the file must show at once: a request taken, the job's
 end) is written whatever the pace, and counts towards it.
 
+:func:`monitor_tick_s` paces the launcher's monitor loop the same way: every 50 ms (10 ms while
+a change is forming), and past 500 workers every ``W / 10,000`` seconds, because part of each
+tick is O(W) (the launcher's exit codes of every worker, the liveness judge over them): spaced
+by W, that part stays the same share of a core at any W (about 1 % at W = 1,024 in
+``bench.control_plane``) instead of growing with it. The price is latency off the step's path: the
+coordinator reads a report or an exit up to ``W / 10,000`` s after it came (0.1 s at W = 1,024,
+1 s at 10,000); silent workers are judged by the heartbeat sweep's own clock, changes at 10 ms.
+
 Invariants: the pace never holds a write back more than ``max(floor_s, c / budget)`` after the
 last one (``c`` its cost), and it reads no clock but the two it is given (tests pass fakes).
 """
@@ -18,6 +27,21 @@ from __future__ import annotations
 
 import time
 from typing import Callable
+
+TICK_S = 0.05
+"""The monitor's interval at steady state up to :data:`TICK_WORKERS` workers."""
+BUSY_TICK_S = 0.01
+"""The monitor's interval while a published generation forms (it looks closer during changes)."""
+TICK_WORKERS = 500
+"""Past this many workers the steady interval grows as ``W x TICK_S / TICK_WORKERS``."""
+
+
+def monitor_tick_s(workers: int, busy: bool) -> float:
+    """Seconds the launcher's monitor sleeps between two ticks (see the module docstring)."""
+    if busy:
+        return BUSY_TICK_S
+    return max(TICK_S, workers * TICK_S / TICK_WORKERS)
+
 
 STATUS_FLOOR_S = 0.5
 """The shortest interval between two paced ``status.json`` writes."""

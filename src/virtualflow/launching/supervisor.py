@@ -29,7 +29,7 @@ from virtualflow.comm import auth
 from virtualflow.control.autoscale import Limits
 from virtualflow.control.autoscale_executor import AutoscaleExecutor
 from virtualflow.control.coordinator import Coordinator
-from virtualflow.control.status_pace import StatusPace
+from virtualflow.control.status_pace import StatusPace, monitor_tick_s
 from virtualflow.launching import outcome
 from virtualflow.launching.composition import check_batch_schedule
 from virtualflow.launching.requests import ResizeRequests
@@ -298,7 +298,7 @@ class Supervisor:
                     return
                 self.write_status()
                 # The launcher must not take CPU from the workers; it looks closer during changes.
-                time.sleep(0.01 if ctl.busy else 0.05)
+                time.sleep(monitor_tick_s(len(ctl.members), ctl.busy))
         except BaseException as exc:  # noqa: BLE001 - reported through wait()
             full = disk_full_error(exc, getattr(exc, "filename", None) or self.setup.state_dir)
             if full is not None and not isinstance(exc, TrainingError):  # the launcher's own records
