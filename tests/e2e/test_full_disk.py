@@ -190,10 +190,18 @@ def test_checkpoints_filling_a_real_small_filesystem(tmp_path):
         err = info.value
         msg = str(err)
         assert err.disk_full and err.worker_traceback is None and "\n" not in msg
-        assert f"failed: No space left on device writing {run_dir}/checkpoints/step-0000000{err.step}.pt (" in msg
-        assert " free there; it needs about 25" in msg and f"continue with --resume {run_dir} (at step {err.step}" in msg
         kept = sorted(os.listdir(os.path.join(run_dir, "checkpoints")))
-        assert kept == [f"step-{s:08d}.pt" for s in range(err.step - 2, err.step)]
+        if msg.startswith("the run's records cannot be written"):
+            # The third state filled the disk and the launcher's next record (written at the same
+            # moment) met the full disk before the worker's report of it arrived: the same error,
+            # told by the other writer, with the same advice and nothing lost.
+            assert "No space left on device" in msg and f"continue with --resume {run_dir}" in msg, msg
+            steps = [int(name[len("step-"):-len(".pt")]) for name in kept]
+            assert 1 <= len(kept) <= 2 and kept == [f"step-{s:08d}.pt" for s in range(steps[0], steps[0] + len(kept))]
+        else:
+            assert f"failed: No space left on device writing {run_dir}/checkpoints/step-0000000{err.step}.pt (" in msg
+            assert " free there; it needs about 25" in msg and f"continue with --resume {run_dir} (at step {err.step}" in msg
+            assert kept == [f"step-{s:08d}.pt" for s in range(err.step - 2, err.step)]
         job = resolve_spec(f"{job_file}:make_job")()
         for name in kept:  # every state written is whole, and the one an undisturbed run has
             state = load_state(os.path.join(run_dir, "checkpoints", name))

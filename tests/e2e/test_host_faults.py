@@ -186,13 +186,15 @@ def test_a_partitioned_host_is_fenced_and_its_writes_are_refused_when_it_heals(m
         hosts["h2"].link_down()  # mid-step: steps run back to back
         wait(lambda: events(run.run_dir, "fenced"), "h2's worker fenced", run.coordinator, 30)
         fenced_s = time.monotonic() - t_cut
-        gens = events(run.run_dir, "generation")
-        assert stale not in gens[-1]["members"] and len(gens[-1]["members"]) == 1
+        # The fence and the generation after it are two records: wait for the second too.
+        wait(lambda: stale not in events(run.run_dir, "generation")[-1]["members"], "a generation without h2",
+             run.coordinator, 30)
+        assert len(events(run.run_dir, "generation")[-1]["members"]) == 1
         n = len(run.steps())
         run.wait_steps(n + 3, "3 steps without h2")  # the job goes on while h2 is cut off
         assert procs["h2"].poll() is None  # still alive behind the partition
         hosts["h2"].link_up()
-        code = procs["h2"].wait(timeout=30)  # it comes back, is refused, and exits cleanly
+        code = procs["h2"].wait(timeout=45)  # it comes back, is refused, and exits cleanly
         n = len(run.steps())
         run.wait_steps(n + 3, "3 more steps after the heal")
         assert run.stop() == 128 + signal.SIGTERM, run.output()
