@@ -117,14 +117,15 @@ def test_owners_sends_earlier_partials_during_compute_and_the_last_one_during_ba
 
     def body(r, group):
         e = engines[r]
-        send = group.isend
-
-        def watched(tensor, dst, tag=0):
-            seen[r].append((tensor.numel(), e.phase, e._in_last_backward))
-            return send(tensor, dst, tag)
-
-        group.isend = watched
         e.set_membership(group, assignment)
+        sender = e.reduction.exchange.exchange._sender  # sends are handed to it, and started in turn
+        post = sender.post
+
+        def watched(g, tensor, dst, tag):
+            seen[r].append((tensor.numel(), e.phase, e._in_last_backward))
+            return post(g, tensor, dst, tag)
+
+        sender.post = watched
         e.step(0)
         return len(e.leaves.partials.pieces)
 

@@ -9,7 +9,9 @@ and lives in :mod:`virtualflow.plan.exchange`; this module runs it on a :class:`
 2. :meth:`OwnerExchange.send` sends a partial's units to their owners as soon as the partial (or
    one piece of it: a gradient bucket the last backward just finished) is final, in the
    schedule's send order (each worker starts with the next owner after itself). Sends are
-   asynchronous: they overlap with the VNs still to run.
+   asynchronous: they overlap with the VNs still to run. gloo writes a message into the socket
+   on the thread that starts the send, so the sends of CPU tensors are started by the
+   exchange's own thread (:class:`_Sender`), in the order they are handed over.
 3. :meth:`OwnerExchange.finish` goes through this worker's units in order: it waits for every
    slot's message of the unit, combines the unit along the fixed tree (the same additions,
    element for element, as :func:`tree_exchange` on the whole vector, so the root is
@@ -32,6 +34,8 @@ coordinator's abort flag, as every point-to-point wait of a worker does.
 
 from __future__ import annotations
 
+import queue
+import threading
 from typing import Any, Sequence
 
 import torch
@@ -43,6 +47,8 @@ from virtualflow.plan.vnmap import Node, split
 TAG_BASE = 1 << 29
 _PARITY = 1 << 27
 _GATHER = 1 << 26
+SENDER_IDLE_S = 10.0
+"""A send thread with nothing to send for this long ends (a new one starts with the next send)."""
 
 
 class _All:
@@ -57,6 +63,90 @@ class _All:
         for w in self.works:
             w.wait()
         return True
+
+
+class _Sender:
+    """A daemon thread that starts one exchange's sends, in the order they are handed over.
+
+    gloo's ``send`` writes into the socket on the caller's thread until the socket's buffer is
+    full (measured over loopback: 2.1 ms of a 6.8 MB message's 3.0 ms are spent inside the call).
+    The exchange hands its sends here instead, so the step's thread goes on with the next VN's
+    forward and backward, or the next unit's combination, while the bytes are written: the
+    sends overlap the compute on a machine with a core to spare. The sends of a step are still
+    started in the order the exchange hands them over, so the order of the messages on each
+    connection is what it was; which bytes are sent is unchanged (same vectors, same tags)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending = 0
+        self._works: list[Any] = []
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def post(self, group: Group, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        """Start ``group.isend(tensor, dst, tag)`` on the thread (the caller keeps ``tensor`` unchanged
+        until :meth:`drain`). A device tensor's send is started here: NCCL's is queued on a stream
+        and returns at once, and a communicator is not to be driven from two threads."""
+        if tensor.device.type != "cpu":
+            work = group.isend(tensor, dst, tag)
+            with self._lock:
+                self._works.append(work)
+            return
+        with self._lock:
+            self._pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, daemon=True, name="vf-exchange-send")
+                self._thread.start()
+        self._jobs.put((group, tensor, dst, tag))
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                group, tensor, dst, tag = self._jobs.get(timeout=SENDER_IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._pending == 0:  # (an exchange no longer used leaves no thread behind)
+                        self._thread = None
+                        return
+                continue
+            work, error = None, None
+            with self._lock:
+                failed = self._error is not None
+            if not failed:  # after a failed send the step is lost: the rest are not started
+                try:
+                    work = group.isend(tensor, dst, tag)
+                except BaseException as exc:  # handed to the step's thread by drain()
+                    error = exc
+            with self._lock:
+                if work is not None:
+                    self._works.append(work)
+                if error is not None and self._error is None:
+                    self._error = error
+                self._pending -= 1
+                if self._pending == 0:
+                    self._idle.notify_all()
+
+    def drain(self) -> list[Any]:
+        """Wait until every send handed over was started; returns their works (to be waited
+        for) and forgets them; raises the first send that failed."""
+        with self._lock:
+            while self._pending:
+                self._idle.wait()
+            works, error = self._works, self._error
+            self._works, self._error = [], None
+        if error is not None:
+            raise error
+        return works
+
+    def forget(self) -> None:
+        """After a failed step: wait until nothing handed over is still being started (a send on
+        an aborted group fails at once) and drop the works and the error."""
+        try:
+            self.drain()
+        except BaseException:  # noqa: BLE001 - the step is abandoned anyway
+            pass
 
 
 class OwnerExchange:
@@ -101,6 +191,7 @@ class OwnerExchange:
         self._recvs: list[list[Any]] = []
         self._gathers: list[Any] = []
         self._sends: list[Any] = []
+        self._sender = _Sender()
         self._sent: set[tuple[Node, int]] = set()
         self._open = False
 
@@ -121,6 +212,7 @@ class OwnerExchange:
             raise RuntimeError("owner exchange: begin() twice without finish()")
         self._open = True
         self._step += 1
+        self._sender.forget()  # (a step abandoned after its sends were handed over)
         self._sends, self._sent = [], set()
         g = self.group
         self._recvs = []  # per unit of this worker's chunk, in the order finish() combines them
@@ -168,7 +260,8 @@ class OwnerExchange:
                 self._combine_unit(local, j)
                 for i, lo, hi in self._gather_of.get(j, ()):
                     for o in self._peers:
-                        self._sends.append(g.isend(self.root[lo:hi], o, self._gather_tag(i)))
+                        self._sender.post(g, self.root[lo:hi], o, self._gather_tag(i))
+            self._sends = self._sender.drain()
             self._wait(self._gathers + self._sends, "deterministic exchange (root)")
         finally:
             self._open = False
@@ -202,7 +295,7 @@ class OwnerExchange:
         for j in todo:
             self._sent.add((node, j))
             u = self.schedule.units[j]
-            self._sends.append(self.group.isend(vec[u.lo:u.hi], u.owner, self._tag(node, j)))
+            self._sender.post(self.group, vec[u.lo:u.hi], u.owner, self._tag(node, j))
 
     def _wait(self, works: list[Any], what: str) -> None:
         if not works:
