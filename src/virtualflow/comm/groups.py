@@ -66,9 +66,9 @@ import torch.distributed as dist
 from virtualflow.config.network import is_ip
 
 WAIT_SLICE_S = 0.05
+"""A collective wait's slice: how often a waiting member reads the abort flag."""
 CLOSE_WAIT_S = 2.0
 """How long :meth:`Group.close` waits for gloo to release a group before moving on."""
-"""A collective wait's slice: how often a waiting member reads the abort flag."""
 ARRIVAL_POLL_S = 0.2
 """How often a point-to-point wait with an ``abort_check`` reads the abort flag."""
 DRAIN_S = 10.0
