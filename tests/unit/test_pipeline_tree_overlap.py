@@ -24,6 +24,7 @@ from torch import nn
 import pipeline_models as pm
 from conftest import assert_state_equal
 from fabric import Fabric, run_ranks
+from virtualflow.comm import exchange as exchange_module
 from virtualflow.config.pipeline import Pipeline
 from virtualflow.plan.pipeline.geometry import Grid, layers_of, resolve_bounds
 from virtualflow.plan.vnmap import contiguous_assignment
@@ -128,24 +129,28 @@ def test_in_process_partials_go_before_the_last_backward_and_bits_hold():
     assert [h.loss for h in history] == ref_losses
 
 
-def test_process_driver_sends_a_partial_before_the_last_backward_and_bits_hold():
+def test_process_driver_sends_a_partial_before_the_last_backward_and_bits_hold(monkeypatch):
     job, engines = _engines()
     assignment = contiguous_assignment(V, D)
     generation = Fabric(P * D)
     stage_fabrics = [Fabric(D) for _ in range(P)]
     logs = [[] for _ in engines]
+    by_group: dict[int, list] = {}
     for r, e in enumerate(engines):
         e.set_layout(r // P, assignment)
         _log_backwards(e, logs[r])
         e.steps = _logged(e.steps, logs[r])
-        stage_group = stage_fabrics[r % P].groups[r // P]
-        isend = stage_group.isend
+        by_group[id(stage_fabrics[r % P].groups[r // P])] = logs[r]
+    # A send is logged when the exchange hands it over (its send thread starts it right after).
+    post = exchange_module._Sender.post
 
-        def logged_isend(tensor, dst, tag=0, _isend=isend, _log=logs[r]):
-            _log.append(("stage_send", tensor.numel()))
-            return _isend(tensor, dst, tag)
+    def logged_post(self, group, tensor, dst, tag):
+        log = by_group.get(id(group))
+        if log is not None:
+            log.append(("stage_send", tensor.numel()))
+        return post(self, group, tensor, dst, tag)
 
-        stage_group.isend = logged_isend
+    monkeypatch.setattr(exchange_module._Sender, "post", logged_post)
 
     def worker(r: int, group) -> list:
         e = engines[r]
