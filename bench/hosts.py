@@ -37,7 +37,13 @@ bytes / rate (beta). Hops run one after another; timed repetitions stream throug
 micro-batches do. The owners exchange's beta is its schedule's model
 (``virtualflow.plan.exchange.owners_seconds``: every link's bytes, or the first phase followed by
 the last unit's second phase, whichever is longer; the second phase is pipelined per unit).
-Measured: the slowest rank's mean seconds per op over the timed repetitions; target within 15 %.
+Measured: each repetition of a collective or exchange starts from a common point (a one-element
+all-reduce before it, untimed: a step's reduction starts when the workers' backward passes end, not
+while the previous one's last bytes are still arriving) and is timed by its slowest rank; its
+buffers, and the owners exchange with its schedule, are made before the timing, once, as the
+runtime makes them once per generation. The hops stream all their repetitions after one common
+start, five streams per measurement. Seconds per op: the median over the repetitions (the hops:
+over the streams, each stream's seconds per activation); target within 15 %.
 
 Every figure in bench/results/hosts.* was measured on a shared 2-core machine: a loaded one
 (the markdown records the other load); CPU-bound copies keep 1 Gbit/s from its line rate there.
@@ -48,11 +54,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from bench import harness as H
 
@@ -66,6 +73,8 @@ OPS = ("allreduce", "sharded", "deterministic", "hop")
 PORT = 29471
 BYTES_REL, BYTES_ABS = 0.005, 4096
 TIME_TOL = 0.15
+STREAMS = 5
+"""Streams of hops timed per measurement (each of ``reps`` activations)."""
 SMALL = 256
 """Elements of the op that measures its fixed cost (1 KiB)."""
 
@@ -81,7 +90,7 @@ def rank_main(rank: int, world: int, store_host: str) -> None:
     import torch.distributed as dist
 
     from virtualflow.comm.groups import make_group
-    from virtualflow.comm.exchange import owner_exchange
+    from virtualflow.comm.exchange import OwnerExchange
     from virtualflow.plan.exchange import OwnerSchedule
     from virtualflow.comm.ring import Collectives, Ledger
     from virtualflow.plan.shards import shard_bounds
@@ -95,23 +104,34 @@ def rank_main(rank: int, world: int, store_host: str) -> None:
     plan = TreePlan.build(contiguous_assignment(V, world))
     print("ready", flush=True)
 
-    def once(op: str, n: int) -> None:
+    def prepare(op: str, n: int) -> Callable[[], None]:
+        """One op on ``n`` elements, with its buffers (and the exchange, with its schedule) made
+        beforehand, once, as the runtime makes them once per generation: the timed part is the op."""
         if op == "allreduce":
-            group.all_reduce(torch.ones(n))
-        elif op == "sharded":
+            x = torch.ones(n)
+            return lambda: group.all_reduce(x)
+        if op == "sharded":
             x, bounds = torch.ones(n), shard_bounds(n, world)
-            coll.reduce_scatter(x, bounds)
-            coll.all_gather(x, bounds)
-        elif op == "deterministic":
-            owner_exchange(OwnerSchedule.build(plan, n), group, {node: torch.ones(n) for node in plan.per_worker[rank]},
-                           like=torch.ones(1))
-        else:
-            raise ValueError(op)
 
-    def hops(n: int, reps: int) -> None:
-        """``reps`` activations down the chain: receive one, forward it asynchronously, receive the
+            def sharded() -> None:
+                coll.reduce_scatter(x, bounds)
+                coll.all_gather(x, bounds)
+            return sharded
+        if op == "deterministic":
+            ex = OwnerExchange(OwnerSchedule.build(plan, n), group)
+            local = {node: torch.ones(n) for node in plan.per_worker[rank]}
+
+            def exchange() -> None:
+                ex.begin()
+                for node, vec in local.items():
+                    ex.send(node, vec)
+                ex.finish(local)
+            return exchange
+        raise ValueError(op)
+
+    def hops(bufs: list) -> None:
+        """The activations down the chain: receive one, forward it asynchronously, receive the
         next while it goes out (the links stream, as a pipeline's micro-batches do)."""
-        bufs = [torch.ones(n) for _ in range(reps)]
         pending = []
         for x in bufs:
             if rank > 0:
@@ -121,20 +141,35 @@ def rank_main(rank: int, world: int, store_host: str) -> None:
         for w in pending:
             w.wait()
 
+    def barrier() -> None:
+        group.all_reduce(torch.zeros(1))
+
+    prepared: dict[tuple[str, int], Callable[[], None]] = {}
     for line in sys.stdin:
         verb, op, n, reps = line.split()
         n, reps = int(n), int(reps)
         if verb == "quit":
             break
         ledger.clear()
-        t0 = time.perf_counter()
-        if op == "hop":
-            hops(n, reps)
-        else:
+        per = []
+        if op == "hop":  # streams of ``reps`` activations, each timed whole, per activation
+            bufs = [torch.ones(n) for _ in range(reps)]
+            for _ in range(STREAMS):
+                barrier()
+                t0 = time.perf_counter()
+                hops(bufs)
+                per.append((time.perf_counter() - t0) / reps)
+        else:  # each repetition from a common start, as a step's exchange starts after its backward
+            if (op, n) not in prepared:  # (the warm-up's: its buffers faulted in)
+                prepared[(op, n)] = prepare(op, n)
+            run_op = prepared[(op, n)]
             for _ in range(reps):
-                once(op, n)
-        dt = time.perf_counter() - t0
-        print(json.dumps({"seconds": dt, "ledger_sent": ledger.totals().get("bytes_sent", 0.0)}), flush=True)
+                barrier()
+                t0 = time.perf_counter()
+                run_op()
+                per.append(time.perf_counter() - t0)
+        barrier()
+        print(json.dumps({"per": per, "ledger_sent": ledger.totals().get("bytes_sent", 0.0)}), flush=True)
     coll.close()
     group.close()
 
@@ -244,17 +279,24 @@ class Ranks:
                 p.kill()
 
 
+def per_op(out: list[dict]) -> float:
+    """Seconds per op: each timed part (a repetition; a stream of hops over its activations) by
+    its slowest rank, the median over the parts."""
+    return statistics.median(max(times) for times in zip(*(o["per"] for o in out)))
+
+
 def measure(ranks: Ranks, op: str, n: int, reps: int, world: int, rate: float) -> dict[str, Any]:
     ranks.run(op, n, 1)  # warm-up: connections made, buffers faulted in
     small, _ = ranks.run(op, SMALL, reps)  # the op's fixed cost: its messages' latency, no bytes to speak of
-    fixed_s = max(o["seconds"] for o in small) / reps
+    fixed_s = per_op(small)
     before = [counters(h) for h in ranks.hosts]
     out, after = ranks.run(op, n, reps)
     d = [[a - b for a, b in zip(x, y)] for x, y in zip(after, before)]
-    payload = [(tb - HEADER * tp) / reps for tb, tp, _, _ in d]
-    wire = [tb / reps for tb, _, _, _ in d]
+    ops = reps * (STREAMS if op == "hop" else 1)
+    payload = [(tb - HEADER * tp) / ops for tb, tp, _, _ in d]
+    wire = [tb / ops for tb, _, _, _ in d]
     sent, source = predicted_payload(op, n, world)
-    seconds = max(o["seconds"] for o in out) / reps
+    seconds = per_op(out)
     t_pred = fixed_s + predicted_time(op, sent, predicted_received(op, n, world, sent), rate, reps, n)
     bytes_ok = all(abs(m - p) <= BYTES_REL * p + BYTES_ABS for m, p in zip(payload, sent))
     row = {"rate_mbit": rate, "hosts": world, "op": op, "numel": n, "predicted_sent": sent, "source": source,
@@ -296,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     run = H.Run("hosts", args, target_keys=())
     worlds = (2, 4) if run.quick else (2, 3, 4)
     rates = (1000.0, 100.0)
-    reps = 2 if run.quick else 4
+    reps = 3 if run.quick else 5
     seconds = 0.15 if run.quick else 0.4
     rows: list[dict[str, Any]] = []
     meter = H.LoadMeter()

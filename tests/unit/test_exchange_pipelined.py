@@ -15,7 +15,8 @@ from fabric import Fabric, run_ranks
 from test_exchange import leaves, one_worker_sum, uneven
 from virtualflow.comm.exchange import OwnerExchange, owner_exchange
 from virtualflow.comm.reduce import tree_reduce_local
-from virtualflow.plan.exchange import OwnerSchedule, owners_seconds, owners_traffic_closed_form, units
+from virtualflow.plan.exchange import (DEPTH, MIN_SEGMENT, SEGMENT, OwnerSchedule, owners_seconds,
+                                       owners_traffic_closed_form, segment_for, units)
 from virtualflow.plan.shards import shard_bounds
 from virtualflow.plan.vnmap import TreePlan, contiguous_assignment
 
@@ -38,6 +39,32 @@ def test_units_are_cut_into_near_even_segments_in_launch_order():
     assert len(units(bounds, pieces)) == 4  # no segment: one message per piece and owner
     with pytest.raises(ValueError, match="segment=0"):
         units(bounds, pieces, segment=0)
+
+
+def test_a_chunk_is_cut_into_depth_segments_unless_they_would_fall_below_the_floor():
+    # a chunk of 78,125 elements (4 hosts, 100 Mbit/s in bench.hosts): DEPTH messages, not one
+    assert segment_for(78_125, SEGMENT) == -(-78_125 // DEPTH)
+    # never below MIN_SEGMENT: a chunk shorter than DEPTH floors is one message, or a few
+    assert segment_for(MIN_SEGMENT, SEGMENT) == MIN_SEGMENT
+    assert segment_for(3 * MIN_SEGMENT, SEGMENT) == MIN_SEGMENT
+    # never above SEGMENT (a 25 M vector on 3 workers keeps 2^20-element messages)
+    assert segment_for(25_000_000 // 3, SEGMENT) == SEGMENT
+    # an explicit small segment is kept as it is
+    assert segment_for(34, 10) == 10
+    n = 4 * 78_125
+    plan = TreePlan.build(contiguous_assignment(8, 4))
+    sched = OwnerSchedule.build(plan, n)
+    for o, (lo, hi) in enumerate(sched.bounds):
+        mine = [u for u in sched.units if u.owner == o]
+        assert len(mine) == DEPTH and (mine[0].lo, mine[-1].hi) == (lo, hi)
+        assert max(u.hi - u.lo for u in mine) - min(u.hi - u.lo for u in mine) <= 1
+    # the bytes do not depend on the cut: the closed form holds message by message
+    for r in range(4):
+        t = sched.traffic(r, 4)
+        assert (t.bytes_sent, t.bytes_received) == owners_traffic_closed_form(plan, n, r, 4)
+    # a piece inside a chunk is cut by its owner's segment length, not into DEPTH more
+    small = OwnerSchedule.build(plan, n, pieces=[(0, 1000), (1000, n)])
+    assert [u.hi - u.lo for u in small.units if u.piece == 0] == [1000]
 
 
 @pytest.mark.parametrize("w", [2, 3, 5])

@@ -33,8 +33,9 @@ Two ways to bring the slots together are implemented:
 
 A *unit* is one message of the ``owners`` exchange: the part of one *piece* of the vector (a
 gradient bucket, in the order the last backward completes them, or the tail) inside one owner's
-chunk, cut into *segments* of at most ``segment`` elements. Every partial is sent as the same
-units, so a receiver knows every message it will get.
+chunk, cut into *segments*: at most :data:`SEGMENT` elements, and each owner's chunk into at
+least :data:`DEPTH` of them where they stay :data:`MIN_SEGMENT` long (:func:`segment_for`). Every
+partial is sent as the same units, so a receiver knows every message it will get.
 
 The second phase is pipelined per unit: an owner combines a unit of its chunk and sends that
 unit's root to everyone as soon as every slot's message for it has arrived, while the later units
@@ -59,6 +60,16 @@ chunk larger than that is sent as several segments, so the owner's second phase 
 first segment of its chunk, not after the whole chunk (the pipeline's drain costs one segment,
 :func:`owners_seconds`), while the messages stay few (a 25 MiB bucket of float32 gradients inside
 one owner's chunk is 7 messages; each costs a Python call and gloo's rendezvous, tens of µs)."""
+DEPTH = 4
+"""Segments an owner's chunk is cut into at least, while each stays at least :data:`MIN_SEGMENT`
+long: the pipeline's drain is then a quarter of the chunk's second phase, not all of it. Measured on
+4 hosts at 100 Mbit/s (``bench.hosts``, six runs each): with a chunk of 78 K elements as one
+message, 1.09-1.21x the model; cut into 4, 1.09-1.14x. The senders' TCP flows share the links
+unevenly, so the owners' chunks do not complete together, and an owner whose whole chunk is one
+message cannot start its second phase until its slowest sender is done."""
+MIN_SEGMENT = 1 << 14
+"""Elements (64 KiB of float32) below which :data:`DEPTH` cuts no further: a smaller message's
+Python call and rendezvous cost more than the pipelining saves, even on a fast link."""
 
 @dataclass(frozen=True, slots=True)
 class Unit:
@@ -86,8 +97,9 @@ def units(bounds: Sequence[tuple[int, int]], pieces: Sequence[tuple[int, int]] |
           segment: int | None = None) -> list[Unit]:
     """The messages every partial is cut into: each piece (in launch order) split by the owners'
     chunks, empty parts dropped, each part cut into as few near-even segments of at most
-    ``segment`` elements as it takes (None: not cut). ``pieces`` must cover ``[0, numel)``
-    exactly once (any order); None: the whole vector as one piece."""
+    :func:`segment_for` its owner's chunk elements as it takes (``segment`` None: not cut).
+    ``pieces`` must cover ``[0, numel)`` exactly once (any order); None: the whole vector as one
+    piece."""
     numel = bounds[-1][1] if bounds else 0
     if pieces is None:
         pieces = [(0, numel)]
@@ -101,13 +113,21 @@ def units(bounds: Sequence[tuple[int, int]], pieces: Sequence[tuple[int, int]] |
         at = hi
     if at != numel:
         raise ValueError(f"exchange pieces {list(pieces)} do not cover [0, {numel}) exactly once")
+    sizes = [None if segment is None else segment_for(b - a, segment) for a, b in bounds]
     out = []
     for p, (lo, hi) in enumerate(pieces):
         for o, (a, b) in enumerate(bounds):
             a2, b2 = max(a, lo), min(b, hi)
             if a2 < b2:
-                out.extend(Unit(o, x, y, p) for x, y in _segments(a2, b2, segment))
+                out.extend(Unit(o, x, y, p) for x, y in _segments(a2, b2, sizes[o]))
     return out
+
+
+def segment_for(chunk: int, segment: int) -> int:
+    """The longest message for an owner's chunk of ``chunk`` elements: ``segment`` at most, and
+    short enough to cut the chunk into :data:`DEPTH` messages unless they would fall below
+    :data:`MIN_SEGMENT`."""
+    return min(segment, max(MIN_SEGMENT, -(-chunk // DEPTH)))
 
 
 def _segments(lo: int, hi: int, segment: int | None) -> list[tuple[int, int]]:
@@ -252,8 +272,9 @@ def owners_seconds(schedule: OwnerSchedule, itemsize: int, direction: Callable[[
 
     (``first_*``: the partials' units, the first phase; ``last_r``: the gathered bytes of owner
     ``r``'s last unit.) The second phase of every other unit overlaps the first phase's later
-    units, so the pipeline costs one unit's second phase at the end: with :data:`SEGMENT`-sized
-    units that is below the first term unless the chunks are smaller than a few segments. The
+    units, so the pipeline costs one unit's second phase at the end: with each chunk cut into
+    :data:`DEPTH` segments or more that is below the first term unless the chunks are shorter than
+    a few :data:`MIN_SEGMENT`. The
     unpipelined schedule (every owner waits for its whole chunk) would add the whole second phase
     instead, and an owner whose chunk completes last delays everyone by its second phase."""
     w = schedule.workers
