@@ -129,7 +129,11 @@ def test_resize_2_3_2_on_ray_keeps_training_in_place(cluster, run_dir, launch):
         handle.resize(5)
     wait_for_step(handle, 3)
     handle.resize(3, wait=True, timeout_s=120)
-    assert len([w for w in handle.status()["workers"] if w["rank"] is not None]) == 3
+    members = [w for w in handle.status()["workers"] if w["rank"] is not None]
+    assert len(members) == 3
+    # Ray starts worker processes at niceness 15; ours, the first two and the one the resize
+    # started, run at the normal 0 (at 15, two busy processes left an actor ~5 % of a core).
+    assert {w["id"]: os.getpriority(os.PRIO_PROCESS, w["pid"]) for w in members} == {w["id"]: 0 for w in members}
     # The command line reaches the coordinator at the node's address (from status.json).
     wait_for_step(handle, handle.status()["step"] + 3)
     from virtualflow.cli.main import main
@@ -309,3 +313,26 @@ def test_local_coordinator_store_listens_on_loopback_only():
             socket.create_connection(("127.0.0.1", ray_coord.port), timeout=5).close()
     finally:
         ray_coord.close()
+
+
+def test_ray_shut_down_under_a_running_job_ends_it_without_starting_ray_again(cluster, run_dir, launch):
+    # The driver leaves Ray while the job runs: its actors die with it. The job must end (not
+    # wait for workers forever), and virtualflow must not start or join Ray again behind the
+    # user's back (Ray's auto-init): a cluster cannot be shut down while a driver holds it.
+    wait_for_free_cpus(1)
+    handle = launch(unpaced(), workers=2, steps=FOREVER, run_dir=run_dir, backend="ray", address=cluster.address,
+                    cpus_per_worker=0.5, resources=SLOT)
+    wait_for_step(handle, 2)
+    ray.shutdown()
+    try:
+        deadline = time.monotonic() + 60
+        while not handle.done:
+            assert time.monotonic() < deadline, f"the job outlived Ray by 60 s: {handle.status()}"
+            time.sleep(0.05)
+        assert not ray.is_initialized()
+        st = handle.status()
+        assert st["state"] == "failed", st
+    finally:
+        if not ray.is_initialized():
+            ray.init(address=cluster.address, logging_level="WARNING")  # for the module's other tests
+

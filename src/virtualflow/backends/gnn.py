@@ -364,7 +364,9 @@ class RayTensorPool:
         self.ray = import_ray()
         connect(RayOptions(address=address))
         self.slots, self.limits, self.stats = slots, limits, stats
-        self.fn = self.ray.remote(num_cpus=0, max_retries=0)(ray_tensor_task)
+        # At the normal niceness, not Ray's 15 for worker processes (see RayBackend._env).
+        self.fn = self.ray.remote(num_cpus=0, max_retries=0,
+                                  runtime_env={"env_vars": {"RAY_worker_niceness": "0"}})(ray_tensor_task)
         self.specs_ref = self.ray.put(tuple(specs))
         self.activation = activation
         self.queue: collections.deque = collections.deque()
