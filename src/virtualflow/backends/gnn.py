@@ -359,14 +359,13 @@ class RayTensorPool:
 
     def __init__(self, slots: int, specs, activation: str, limits: WorkerLimits, stats: ExecutorStats,
                  address: str | None) -> None:
-        from virtualflow.backends.ray import RayOptions, connect, import_ray
+        from virtualflow.backends.ray import NORMAL_NICENESS, RayOptions, connect, import_ray
 
         self.ray = import_ray()
         connect(RayOptions(address=address))
         self.slots, self.limits, self.stats = slots, limits, stats
-        # At the normal niceness, not Ray's 15 for worker processes (see RayBackend._env).
         self.fn = self.ray.remote(num_cpus=0, max_retries=0,
-                                  runtime_env={"env_vars": {"RAY_worker_niceness": "0"}})(ray_tensor_task)
+                                  runtime_env={"env_vars": dict(NORMAL_NICENESS)})(ray_tensor_task)
         self.specs_ref = self.ray.put(tuple(specs))
         self.activation = activation
         self.queue: collections.deque = collections.deque()

@@ -137,6 +137,14 @@ class RayOptions:
         return max(1, int(self.cpus_per_worker))
 
 
+NORMAL_NICENESS = {"RAY_worker_niceness": "0"}
+"""Runtime-environment variables that start a Ray worker process at niceness 0. Ray starts its
+worker processes at 15 (its ``worker_niceness``); a training worker is the job itself, and at 15
+two other busy processes on its node left it about 5 % of a core (measured: 60 s later it was
+still importing torch). The raylet honours this variable per worker (as for Ray's own job
+supervisor), on every cluster and without privileges."""
+
+
 def connect(options: RayOptions) -> str:
     """Make sure this process is a Ray driver; returns the address of this node that the
     workers will reach the coordinator on (Ray's node IP, never loopback unless Ray says so)."""
@@ -359,12 +367,7 @@ class RayBackend:
     def _env(self) -> dict[str, str]:
         threads = str(self.config.threads)
         env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"}
-        # Ray starts its worker processes at niceness 15 (its ``worker_niceness``). A training
-        # worker is the job itself: at 15, two other busy processes on its node left it about 5 % of
-        # a core (measured: 60 s later it was still importing torch). The raylet starts a worker
-        # whose runtime environment sets this variable at that niceness instead (as Ray's own job
-        # supervisor does), so ours run at the normal 0 on every cluster, without privileges.
-        env["RAY_worker_niceness"] = "0"
+        env.update(NORMAL_NICENESS)
         # As on the local backend: keep freed tensor memory in the process (a user's own setting wins).
         env["MALLOC_MMAP_THRESHOLD_"] = os.environ.get("MALLOC_MMAP_THRESHOLD_", str(32 * 1024 * 1024))
         env["MALLOC_TRIM_THRESHOLD_"] = os.environ.get("MALLOC_TRIM_THRESHOLD_", str(1024 * 1024 * 1024))
