@@ -17,6 +17,12 @@ from virtualflow.runtime.checkpoint import load_state
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOBS = os.path.join(ROOT, "tests", "jobs.py")
+# `virtualflow` as started from a terminal, whatever started this test: a shell without job control
+# starts its background commands with SIGINT ignored, and a child inherits that (the CLI then keeps
+# ignoring Ctrl-C, as a background command should), so the Ctrl-C tests set it back to Python's
+# default first.
+CLI_AS_FROM_A_TERMINAL = [sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, "
+                          "signal.default_int_handler); from virtualflow.cli.main import main; sys.exit(main())"]
 
 BROKEN = '''
 import torch, virtualflow as vf
@@ -72,7 +78,7 @@ def test_errors_in_the_job_code_are_one_line_naming_the_part(tmp_path, fn, messa
                                              (signal.SIGTERM, 143, "terminated (SIGTERM)")])
 def test_interrupt_stops_at_a_step_boundary_with_the_final_state(tmp_path, sig, code, reason):
     run_dir = str(tmp_path / "run")
-    proc = subprocess.Popen([sys.executable, "-m", "virtualflow.cli.main", "run", f"{JOBS}:elastic_job",
+    proc = subprocess.Popen([*CLI_AS_FROM_A_TERMINAL, "run", f"{JOBS}:elastic_job",
                              "--workers", "2", "--steps", "100000", "--run-dir", run_dir, "--no-progress"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -145,7 +151,7 @@ def test_ctrl_c_during_a_step_stops_at_that_steps_boundary(tmp_path):
     job.write_text(SLOW)
     run_dir = str(tmp_path / "run")
     metrics = os.path.join(run_dir, "metrics.jsonl")
-    proc = subprocess.Popen([sys.executable, "-m", "virtualflow.cli.main", "run", str(job), "--workers", "2",
+    proc = subprocess.Popen([*CLI_AS_FROM_A_TERMINAL, "run", str(job), "--workers", "2",
                              "--steps", "50", "--run-dir", run_dir, "--no-progress"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
