@@ -63,12 +63,16 @@ def make_job():
 
 
 def hand_step(model: torch.nn.Module, X: torch.Tensor, Y: torch.Tensor, B: int, V: int,
-              loss_fn: Callable = H.cross_entropy, make_optimizer: Callable = H.sgd) -> Callable[..., float]:
+              loss_fn: Callable = H.cross_entropy, make_optimizer: Callable = H.sgd,
+              promises: bool = False) -> Callable[..., float]:
     """The hand-written loop's step for ``model`` (its own optimizer): ``step_fn(step)`` trains global
     step ``step`` (V micro-batches of B/V samples in virtualflow's data order) and returns the
-    step's loss, read back as virtualflow reads it."""
+    step's loss, read back as virtualflow reads it. ``promises``: the same loop doing, besides, only
+    what the engine's step promises (:func:`promises_step`): the floor of its bookkeeping."""
     opt = make_optimizer(model.parameters())
     n = B // V
+    if promises:
+        return promises_step(model, opt, X, Y, B, V, loss_fn)
 
     def step_fn(step: int, control: int = 0) -> float:
         idx = H.batch_indices(len(X), B, step)  # same sample order as virtualflow's DataPlan
@@ -81,6 +85,49 @@ def hand_step(model: torch.nn.Module, X: torch.Tensor, Y: torch.Tensor, B: int, 
             loss_sum += loss.detach()
         opt.step()
         return float(loss_sum)
+
+    return step_fn
+
+
+def promises_step(model: torch.nn.Module, opt: torch.optim.Optimizer, X: torch.Tensor, Y: torch.Tensor, B: int,
+                  V: int, loss_fn: Callable) -> Callable[..., float]:
+    """The hand loop plus the bookkeeping the engine's step cannot leave out, written as plainly as
+    it can be: each VN's random streams seeded with ``vn_seed(seed, step, vn)`` (dropout masks
+    independent of the worker), each VN's weighted loss kept and checked for inf/NaN (a bad VN
+    skips the step on every worker), the small statistics vector (bad VNs, the loss, control and
+    timing slots) packed as a tensor (it rides in the reduction) and read back, and the clock
+    reads of the step breakdown. No reduction, no hooks, no failure handling, no BatchNorm or
+    metrics: the floor of ``overhead_s`` for this job, not an engine."""
+    from virtualflow.plan.data import vn_seed
+    from virtualflow.runtime.batches import seed_generators, vn_generators
+
+    gens = vn_generators(torch.device("cpu"))
+    n = B // V
+    now = time.perf_counter
+    slots = [0.0] * 16  # control, compute and the breakdown's intervals of one worker
+
+    def step_fn(step: int, control: int = 0) -> float:
+        marks = [now()]
+        idx = H.batch_indices(len(X), B, step)
+        xb, yb = X[idx], Y[idx]
+        opt.zero_grad(set_to_none=True)
+        bad, losses = torch.zeros(V), []
+        for v in range(V):
+            seed_generators(vn_seed(H.SEED, step, v), gens)
+            marks.append(now())
+            loss = loss_fn(model, (xb[v * n : (v + 1) * n], yb[v * n : (v + 1) * n])) * (1.0 / V)
+            marks.append(now())
+            loss.backward()
+            marks.append(now())
+            losses.append(loss.detach())
+        ws = torch.stack(losses)
+        bad[:] = torch.isnan(ws - ws)
+        values = torch.cat([bad, ws.sum().reshape(1), torch.tensor(slots)]).tolist()
+        if any(values[:V]):
+            raise FloatingPointError(f"a non-finite loss at step {step}")
+        opt.step()
+        marks.append(now())
+        return values[V]
 
     return step_fn
 
@@ -176,7 +223,9 @@ def run_concurrent(V: int, B: int, steps: int, warmup: int, tmp: str) -> dict:
 def alternating(cfg: dict) -> dict:
     """Alternating steps in this process: the engine against the hand loop, or (``cfg["aa"]``) the
     hand loop against a second hand loop on its own model: the A/A check, which measures how far
-    two identical loops differ here (placement of their tensors in memory, the machine)."""
+    two identical loops differ here (placement of their tensors in memory, the machine), or
+    (``cfg["floor"]``) the hand loop doing what the engine promises (:func:`promises_step`)
+    against the bare hand loop."""
     from virtualflow.comm.groups import Group
     from virtualflow.plan.data import DataPlan
     from virtualflow.runtime.engine import BatchLoader, VNEngine
@@ -192,8 +241,8 @@ def alternating(cfg: dict) -> dict:
 
     torch.manual_seed(H.SEED)
     model = make_model()
-    if cfg.get("aa"):
-        engine_step = hand_step(model, X, Y, B, V, loss_fn, make_opt)
+    if cfg.get("aa") or cfg.get("floor"):
+        engine_step = hand_step(model, X, Y, B, V, loss_fn, make_opt, promises=bool(cfg.get("floor")))
     else:
         engine = VNEngine(model, make_opt(model.parameters()), None, loss_fn,
                           DataPlan(len(ds), B, V, H.SEED), BatchLoader(ds, None), seed=H.SEED, batchnorm="mean",
@@ -265,6 +314,9 @@ def parse_args(argv: list[str] | None):
                    help="fresh child processes per V for the alternating check (and as many A/A children)")
     p.add_argument("--synthetic-steps", type=int, default=300,
                    help="steps of examples/synthetic.py for the overhead_s share (0: skip)")
+    p.add_argument("--floor-steps", type=int, default=1000,
+                   help="steps of the promises' floor beside overhead_s (a hand loop doing only what the "
+                        "engine promises, against the bare loop, in one process; 0: skip)")
     p.add_argument("--alt-steps", type=int, default=60,
                    help="steps of the in-process alternating diagnostic, per V, 1 thread (0: skip)")
     p.add_argument("--concurrent-steps", type=int, default=0,
@@ -277,7 +329,7 @@ def parse_args(argv: list[str] | None):
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.reps, args.threads, args.mem_steps, args.alt_steps = 16, 4, 2, [1], 2, 40
-        args.synthetic_steps, args.alt_reps = 150, 2
+        args.synthetic_steps, args.alt_reps, args.floor_steps = 150, 2, 500
     if not (args.child_hand or args.child_alternating) and (args.steps <= args.warmup or args.warmup < 1):
         p.error(f"--steps={args.steps} must exceed --warmup={args.warmup} (at least 1)")
     return args
@@ -471,7 +523,37 @@ def synthetic_overhead(args, targets: H.Targets) -> dict | None:
     targets.at_most("overhead_share", "examples/synthetic.py (2 workers): the breakdown's overhead_s / step_s "
                     "(median)", share, TARGET_OVERHEAD_SHARE)
     return {"steps": args.synthetic_steps, "median_ms": {k: 1e3 * v for k, v in parts.items()},
-            "overhead_share": share}
+            "overhead_share": share, "floor": promises_floor(args, parts["step_s"])}
+
+
+def promises_floor(args, step_s: float) -> dict | None:
+    """Diagnostic beside ``overhead_share``: what the engine's promises cost at the least
+    (:func:`promises_step`, a hand loop doing only them) against the bare hand loop, alternating in
+    one process on one worker's share of examples/synthetic.py at 2 workers (4 VNs of 8 samples),
+    in ``--alt-reps`` fresh processes; with the A/A check beside it. ``step_s``: the 2-worker step
+    measured by :func:`synthetic_overhead`, of which the target allows 2 %."""
+    if args.floor_steps <= args.warmup:
+        return None
+    V, B = 4, 32
+    out: dict[str, list[float]] = {"floor_us": [], "floor_share": [], "aa_share": []}
+    for _ in range(args.alt_reps):
+        for kind in ("floor", "aa"):
+            cfg = {"V": V, "B": B, "threads": 1, "steps": args.floor_steps, "workload": "synthetic", kind: True}
+            H.wait_for_quiet(args.quiet_wait)
+            r = H.run_child(MODULE, ["--child-alternating", json.dumps(cfg)], 1)
+            e, h = H.median(r["engine_step_times"][args.warmup:]), H.median(r["hand_step_times"][args.warmup:])
+            if kind == "floor":
+                out["floor_us"].append(1e6 * (e - h))
+                out["floor_share"].append(e / h - 1)
+            else:
+                out["aa_share"].append(e / h - 1)
+    floor = {k: H.median(v) for k, v in out.items()} | {"runs": out, "steps": args.floor_steps, "V": V, "B": B}
+    floor["of_step_share"] = 1e-6 * floor["floor_us"] / step_s
+    print(f"  the floor of the engine's promises (examples/synthetic.py, one worker's 4 VNs of 8 samples, in one "
+          f"process): {floor['floor_us']:.0f} us a step = {100 * floor['of_step_share']:.1f} % of the 2-worker step "
+          f"({100 * floor['floor_share']:.1f} % of the bare loop's; A/A "
+          f"{' '.join(f'{100 * x:+.1f}' for x in out['aa_share'])} %)", flush=True)
+    return floor
 
 
 # --------------------------------------------------------------------------------------------
@@ -508,7 +590,8 @@ def tables(rows, mem_rows, alt_rows, conc_rows) -> dict[str, tuple[list, list]]:
             "side_by_side": (CONC_HEADER, conc)}
 
 
-def markdown(run: H.Run, args, malloc_env: dict, t: dict, mem_claim: dict | None) -> str:
+def markdown(run: H.Run, args, malloc_env: dict, t: dict, mem_claim: dict | None,
+             synthetic: dict | None = None) -> str:
     md = [f"# {run.name}: one virtualflow worker vs a hand-written accumulation loop", "", H.env_markdown(), "",
           f"Workload: {H.MLP_DESCRIPTION} ({H.param_count() / 1e6:.2f} M params), SGD lr=0.01 momentum=0.9, "
           f"global batch {args.batch}, {args.steps} steps ({args.warmup} warm-up), {args.reps} interleaved "
@@ -536,6 +619,21 @@ def markdown(run: H.Run, args, malloc_env: dict, t: dict, mem_claim: dict | None
                    f"worker-process effects. The hand loop reads the data order one epoch at a time (as a "
                    f"sampler does); the engine computes it a block of steps at a time.", "",
                H.md_table(*t["alternating"])]
+    if synthetic:
+        md += ["", f"`overhead_s` on examples/synthetic.py (2 workers, {synthetic['steps']} steps): "
+                   f"{synthetic['median_ms']['overhead_s']:.3f} ms of a {synthetic['median_ms']['step_s']:.2f} ms step, "
+                   f"{100 * synthetic['overhead_share']:.1f} % (target <= {100 * TARGET_OVERHEAD_SHARE:.0f} %)."]
+        f = synthetic.get("floor")
+        if f:
+            md += ["", f"The floor of the engine's promises (diagnostic): a hand loop doing only what the step "
+                       f"promises (each VN's random streams seeded, its weighted loss kept and checked for inf/NaN, "
+                       f"the statistics vector packed and read back, the breakdown's clock reads) against the bare "
+                       f"loop, alternating in one process on one worker's share at 2 workers ({f['V']} VNs of "
+                       f"{f['B'] // f['V']} samples), {f['steps']} steps, {len(f['runs']['floor_us'])} processes: "
+                       f"{f['floor_us']:.0f} us a step, **{100 * f['of_step_share']:.1f} %** of the 2-worker step "
+                       f"above ({100 * f['floor_share']:.1f} % of the bare loop's) "
+                       f"(per process {' '.join(f'{100 * x:.1f}' for x in f['runs']['floor_share'])} %; A/A "
+                       f"{' '.join(f'{100 * x:+.1f}' for x in f['runs']['aa_share'])} %)."]
     md += ["", "`vf reported peak` is `Result.peak_rss_mib` as virtualflow reports it, read when the worker "
                "exits (after writing the final state). Up to commit e402a8c it was ru_maxrss, which on Linux "
                "carries the launching process's RSS across exec; from b277f06 on it is the worker's own VmHWM.",
@@ -616,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
                "synthetic_overhead": synthetic,
                "memory_probe": mem_rows, "memory_claim": mem_claim, "target_time_ratio": TARGET_RATIO}
     print_tables(t, rows, mem_claim, args)
-    return run.finish(payload, markdown(run, args, malloc_env, t, mem_claim))
+    return run.finish(payload, markdown(run, args, malloc_env, t, mem_claim, synthetic))
 
 
 if __name__ == "__main__":
