@@ -63,16 +63,12 @@ def make_job():
 
 
 def hand_step(model: torch.nn.Module, X: torch.Tensor, Y: torch.Tensor, B: int, V: int,
-              loss_fn: Callable = H.cross_entropy, make_optimizer: Callable = H.sgd,
-              promises: bool = False) -> Callable[..., float]:
+              loss_fn: Callable = H.cross_entropy, make_optimizer: Callable = H.sgd) -> Callable[..., float]:
     """The hand-written loop's step for ``model`` (its own optimizer): ``step_fn(step)`` trains global
     step ``step`` (V micro-batches of B/V samples in virtualflow's data order) and returns the
-    step's loss, read back as virtualflow reads it. ``promises``: the same loop doing, besides, only
-    what the engine's step promises (:func:`promises_step`): the floor of its bookkeeping."""
+    step's loss, read back as virtualflow reads it."""
     opt = make_optimizer(model.parameters())
     n = B // V
-    if promises:
-        return promises_step(model, opt, X, Y, B, V, loss_fn)
 
     def step_fn(step: int, control: int = 0) -> float:
         idx = H.batch_indices(len(X), B, step)  # same sample order as virtualflow's DataPlan
@@ -241,8 +237,10 @@ def alternating(cfg: dict) -> dict:
 
     torch.manual_seed(H.SEED)
     model = make_model()
-    if cfg.get("aa") or cfg.get("floor"):
-        engine_step = hand_step(model, X, Y, B, V, loss_fn, make_opt, promises=bool(cfg.get("floor")))
+    if cfg.get("aa"):
+        engine_step = hand_step(model, X, Y, B, V, loss_fn, make_opt)
+    elif cfg.get("floor"):
+        engine_step = promises_step(model, make_opt(model.parameters()), X, Y, B, V, loss_fn)
     else:
         engine = VNEngine(model, make_opt(model.parameters()), None, loss_fn,
                           DataPlan(len(ds), B, V, H.SEED), BatchLoader(ds, None), seed=H.SEED, batchnorm="mean",
