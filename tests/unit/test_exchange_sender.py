@@ -79,3 +79,34 @@ def test_an_idle_thread_ends_and_a_new_one_starts_with_the_next_send(monkeypatch
     assert sender._thread is None
     sender.post(group, torch.zeros(4), 1, 1)
     assert sender.drain() == [("work", 1, 1)]
+
+
+class Work:
+    """A stand-in for gloo's work object, which can be referred to weakly."""
+
+
+def test_the_thread_never_holds_a_works_last_reference_and_close_stops_it():
+    """gloo's work releases the interpreter lock while it is destroyed, and a daemon thread that
+    destroys one as the interpreter exits aborts the process: the works go to the caller, whose
+    dropping them destroys them while the send thread is still alive; close() ends the thread."""
+    import gc
+    import weakref
+
+    class Group:
+        def isend(self, tensor, dst, tag=0):
+            return Work()
+
+    sender = exchange._Sender()
+    sender.post(Group(), torch.zeros(4), 1, 0)
+    works = sender.drain()
+    ref = weakref.ref(works[0])
+    thread = sender._thread
+    assert thread is not None and thread.is_alive()
+    del works
+    gc.collect()
+    assert ref() is None  # the caller held the last reference, not the (still running) thread
+    sender.close()
+    assert not thread.is_alive() and sender._thread is None
+    sender.post(Group(), torch.zeros(4), 1, 1)  # a send after close starts a new thread
+    assert len(sender.drain()) == 1 and sender._thread is not thread
+    sender.close()

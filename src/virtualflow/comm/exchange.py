@@ -96,37 +96,62 @@ class _Sender:
             return
         with self._lock:
             self._pending += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, daemon=True, name="vf-exchange-send")
+            if self._thread is None:  # (each thread has its own queue: a stale stop never reaches the next)
+                self._jobs = queue.SimpleQueue()
+                self._thread = threading.Thread(target=self._loop, args=(self._jobs,), daemon=True,
+                                                name="vf-exchange-send")
                 self._thread.start()
-        self._jobs.put((group, tensor, dst, tag))
+            jobs = self._jobs
+        jobs.put((group, tensor, dst, tag))
 
-    def _loop(self) -> None:
+    def _loop(self, jobs: queue.SimpleQueue) -> None:
         while True:
             try:
-                group, tensor, dst, tag = self._jobs.get(timeout=SENDER_IDLE_S)
+                job = jobs.get(timeout=SENDER_IDLE_S)
             except queue.Empty:
                 with self._lock:
+                    if self._thread is not threading.current_thread():
+                        continue  # closed meanwhile: its stop is on the way (after any send still queued)
                     if self._pending == 0:  # (an exchange no longer used leaves no thread behind)
                         self._thread = None
                         return
                 continue
-            work, error = None, None
-            with self._lock:
-                failed = self._error is not None
-            if not failed:  # after a failed send the step is lost: the rest are not started
-                try:
-                    work = group.isend(tensor, dst, tag)
-                except BaseException as exc:  # handed to the step's thread by drain()
-                    error = exc
-            with self._lock:
-                if work is not None:
-                    self._works.append(work)
-                if error is not None and self._error is None:
-                    self._error = error
-                self._pending -= 1
-                if self._pending == 0:
-                    self._idle.notify_all()
+            if job is None:  # closed
+                return
+            self._start(*job)
+            del job  # (this thread never holds a send's last reference: see _start)
+
+    def _start(self, group: Group, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        """Start one send and hand its work over. The work's last reference is dropped by the
+        step's thread, never by this one: gloo's work releases the interpreter lock while it is
+        destroyed, and a daemon thread that does so as the interpreter exits aborts the process."""
+        work, error = None, None
+        with self._lock:
+            failed = self._error is not None
+        if not failed:  # after a failed send the step is lost: the rest are not started
+            try:
+                work = group.isend(tensor, dst, tag)
+            except BaseException as exc:  # handed to the step's thread by drain()
+                error = exc
+        with self._lock:
+            if work is not None:
+                self._works.append(work)
+                work = None
+            if error is not None and self._error is None:
+                self._error = error
+            self._pending -= 1
+            if self._pending == 0:
+                self._idle.notify_all()
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Stop the thread once the sends handed over are started (the exchange is done with;
+        a later :meth:`post` starts a new one). A send on an aborted group fails at once, so the
+        bound is only a safeguard."""
+        with self._lock:
+            thread, self._thread, jobs = self._thread, None, self._jobs
+        if thread is not None:
+            jobs.put(None)
+            thread.join(timeout_s)
 
     def drain(self) -> list[Any]:
         """Wait until every send handed over was started; returns their works (to be waited
@@ -311,6 +336,11 @@ class OwnerExchange:
         self._open = False
         self._recvs, self._gathers, self._sends = [], [], []
 
+    def close(self) -> None:
+        """:meth:`abandon`, and the send thread stops (the generation is over)."""
+        self.abandon()
+        self._sender.close()
+
 
 def _combine_into(node: Node, known: dict[Node, torch.Tensor], out: torch.Tensor, scratch: Sequence[torch.Tensor],
                   depth: int = 0) -> torch.Tensor:
@@ -343,7 +373,10 @@ def owner_exchange(schedule: OwnerSchedule, group: Group, local: dict[Node, torc
     if some is None:
         raise ValueError("owner_exchange: a worker without virtual nodes must pass like= (one node's shape)")
     ex = OwnerExchange(schedule, group, dtype=some.dtype, device=some.device)
-    ex.begin()
-    for node, vec in local.items():
-        ex.send(node, vec)
-    return ex.finish(local).clone()
+    try:
+        ex.begin()
+        for node, vec in local.items():
+            ex.send(node, vec)
+        return ex.finish(local).clone()
+    finally:
+        ex.close()

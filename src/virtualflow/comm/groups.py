@@ -19,7 +19,7 @@ receive from this process blocked until the timeout, although the group was shut
 dropped; a reference cycle through a stored exception's traceback keeps it until Python's cyclic
 collector happens to run, which is why such stalls came and went). So a group remembers its own
 TCP connections when it is built (the sockets this process opened while gloo connected the full
-mesh, :class:`Connections`) and :meth:`Group.abort` shuts them down (``shutdown(2)``, the socket
+mesh, :class:`~virtualflow.comm.connections.Connections`) and :meth:`Group.abort` shuts them down (``shutdown(2)``, the socket
 stays gloo's to close): every operation of this process on the group, and every operation of a
 peer on a connection with this process, fails at once with "Connection closed by peer", exactly
 as when a process is killed. :meth:`Group.close` aborts first, so a close never waits for an
@@ -46,15 +46,14 @@ NCCL, :meth:`Group.abort` is a no-op and the timeouts bound the waits as before.
 built, sockets opened by other threads of the process would be taken for the group's; the worker
 opens none then except a heartbeat's reconnection to the store, which is excluded by its port.
 Groups built at the same time in one process (ranks run as threads) track nothing: their
-sockets cannot be told apart, so their waits are bounded by the timeouts alone.
+sockets cannot be told apart, so an abort shuts none down; the threaded runner
+(:mod:`virtualflow.runtime.grid_threads`) shuts a broken generation's connections down itself.
 """
 
 from __future__ import annotations
 
 import datetime
-import os
-import socket
-import stat
+import logging
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -63,7 +62,10 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from virtualflow.comm.connections import NATIVE, Connections
 from virtualflow.config.network import is_ip
+
+logger = logging.getLogger("virtualflow")
 
 WAIT_SLICE_S = 0.05
 """A collective wait's slice: how often a waiting member reads the abort flag."""
@@ -82,110 +84,6 @@ class PeerFailure(RuntimeError):
     def __init__(self, generation: int, message: str) -> None:
         super().__init__(f"collective of generation {generation} failed: {message}")
         self.generation = generation
-
-
-class Connections:
-    """The TCP connections of one gloo group: ``(fd, inode)`` of each connected socket this process
-    opened while the group was built (its listening socket is left alone: gloo owns it and a peer
-    never waits on it). The inode is checked again before a shutdown, so a descriptor that gloo has
-    closed and the process has reused for something else is never touched."""
-
-    __slots__ = ("sockets",)
-
-    def __init__(self, sockets: tuple[tuple[int, int], ...] = ()) -> None:
-        self.sockets = sockets
-
-    def __len__(self) -> int:
-        return len(self.sockets)
-
-    def __repr__(self) -> str:
-        return f"Connections({len(self.sockets)} sockets)"
-
-    @staticmethod
-    def snapshot() -> dict[int, int]:
-        """This process's open sockets, descriptor -> inode (empty where ``/proc`` is missing)."""
-        out: dict[int, int] = {}
-        try:
-            names = os.listdir("/proc/self/fd")
-        except OSError:
-            return out
-        for name in names:
-            try:
-                st = os.stat(f"/proc/self/fd/{name}")
-            except (OSError, ValueError):
-                continue
-            if stat.S_ISSOCK(st.st_mode):
-                out[int(name)] = st.st_ino
-        return out
-
-    @classmethod
-    def opened_between(cls, before: dict[int, int], after: dict[int, int], exclude_port: int | None) -> "Connections":
-        """The connected TCP sockets in ``after`` and not in ``before``, except those with an end
-        at port ``exclude_port`` (the store's: a heartbeat thread may reconnect meanwhile, and a
-        process hosting the store accepts connections to it)."""
-        found = []
-        for fd, ino in sorted(after.items()):
-            if before.get(fd) == ino:
-                continue
-            ends = _ends_of(fd, ino)
-            if ends is not None and exclude_port not in ends:
-                found.append((fd, ino))
-        return cls(tuple(found))
-
-    def shut_down(self) -> int:
-        """``shutdown(SHUT_RDWR)`` every connection still open; returns how many. Safe to repeat
-        and from any thread; the descriptors stay gloo's to close."""
-        done = 0
-        for fd, ino in self.sockets:
-            try:
-                dup = os.dup(fd)
-            except OSError:
-                continue  # gloo closed it already
-            try:
-                if os.fstat(dup).st_ino != ino:
-                    continue  # the number was reused by another file
-                sock = socket.socket(fileno=dup)
-                dup = -1  # the socket object owns it now
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                    done += 1
-                except OSError:
-                    pass  # not connected any more
-                finally:
-                    sock.close()  # closes the duplicate only
-            except OSError:
-                pass
-            finally:
-                if dup >= 0:
-                    os.close(dup)
-        return done
-
-
-def _ends_of(fd: int, ino: int) -> tuple[int, int] | None:
-    """(local port, peer port) of the connected TCP socket ``fd`` (inode ``ino``), else None."""
-    try:
-        dup = os.dup(fd)
-    except OSError:
-        return None
-    try:
-        if os.fstat(dup).st_ino != ino:
-            return None
-        sock = socket.socket(fileno=dup)
-        dup = -1
-        try:
-            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
-                return None
-            peer = sock.getpeername()  # OSError for a listening socket
-            return int(sock.getsockname()[1]), int(peer[1])
-        except OSError:
-            return None
-        finally:
-            sock.close()
-    except OSError:
-        return None
-    finally:
-        if dup >= 0:
-            os.close(dup)
 
 
 class _Builds:
@@ -344,11 +242,12 @@ class Group:
         done = threading.Event()
 
         def release(held: list) -> None:
-            try:
-                held[0].shutdown()
-            except Exception:
-                pass
-            held.clear()  # the last reference: gloo's destructor runs here, not in the caller
+            with NATIVE:
+                try:
+                    held[0].shutdown()
+                except Exception:
+                    pass
+                held.clear()  # the last reference: gloo's destructor runs here, not in the caller
             done.set()
 
         held = [pg]
@@ -425,7 +324,10 @@ class Arrival:
             check = group.abort_check
             while not self.done.wait(ARRIVAL_POLL_S):  # short waits: the abort flag is read in between
                 if check is not None and check():  # the group is aborted: the wait ends at once
-                    self.done.wait(DRAIN_S)
+                    if not self.done.wait(DRAIN_S):
+                        logger.warning("generation %d: a %s on the aborted group did not end within %.0f s "
+                                       "(its connections were not shut down); giving it up anyway",
+                                       group.generation, what, DRAIN_S)
                     raise PeerFailure(group.generation, f"the coordinator declared the generation broken (a member "
                                                         f"failed) during a {what}")
         if self.error is not None:
@@ -447,6 +349,10 @@ class _Work:
         return self.group.generation
 
     def wait(self) -> bool:
+        with NATIVE:  # (a thread waiting here must not outlive a run that cut its connections)
+            return self._wait()
+
+    def _wait(self) -> bool:
         group = self.group
         check = group.abort_check if self.sliced else None
         if check is None:

@@ -17,7 +17,9 @@ workers here talk over real gloo groups on an in-process ``TCPStore``, so tensor
 whose collectives run inside their forward and backward, work as in worker processes.
 
 Limits: gloo groups of a pipelined generation broken by a loss are not all released (measured:
-their connections to the store stay open after the run, a few dozen descriptors per loss); no checkpoints,
+their connections to the store stay open after the run, a few dozen descriptors per loss), but
+no gloo wait outlives :func:`train_threads` (it shuts the run's connections down and waits,
+at most the groups' timeout, for every wait to end: see :func:`_settle`); no checkpoints,
 evaluations or callbacks (the worker's step-boundary work), no control plane.
 
 Invariants: every engine is built before any thread starts, one after another, and a model built
@@ -39,6 +41,7 @@ import copy
 import dataclasses
 import datetime
 import gc
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -47,6 +50,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from virtualflow.comm.connections import NATIVE, Connections
 from virtualflow.comm.groups import Group, PeerFailure, make_group
 from virtualflow.comm.protocol import GenerationRecord
 from virtualflow.config.job import JobSource
@@ -58,6 +62,8 @@ from virtualflow.runtime.engines import Joining, Successor
 from virtualflow.runtime.factory import build_engine
 from virtualflow.runtime.transfer import Progress, agree_progress
 from virtualflow.runtime.worker_config import WorkerConfig
+
+logger = logging.getLogger("virtualflow")
 
 __all__ = ["Generation", "ThreadedRun", "WorkerLost", "train_threads"]
 
@@ -171,7 +177,7 @@ class _Run:
     """The shared side of a threaded run: the generations, the results, the errors."""
 
     def __init__(self, job: Any, generations: Sequence[Generation], engines: list[Any], port: int,
-                 device: torch.device, timeout_s: float) -> None:
+                 device: torch.device, timeout_s: float, sockets: dict[int, int]) -> None:
         self.job, self.generations, self.engines = job, list(generations), engines
         self.port, self.device, self.timeout_s = port, device, timeout_s
         self.ends = [sum(gen.steps for gen in self.generations[:g + 1]) for g in range(len(self.generations))]
@@ -180,9 +186,17 @@ class _Run:
         """Set by generation ``g``'s rank 0 once it has adopted it (a leaver's old groups close then)."""
         self.broken = [threading.Event() for _ in self.generations]
         """Set once a member of generation ``g`` gives up on it (the coordinator's ``gen/<g>/abort``
-        flag): its groups' waits end at once. Ranks run as threads cannot shut their groups'
-        connections down, and a survivor keeps its old groups open, so a wait on a member that
-        abandoned the step in the middle would otherwise last until the groups' timeout."""
+        flag): its groups' waits end at once, and :meth:`_break` shuts their connections down
+        (a survivor keeps its old groups open, so a wait on a member that abandoned the step in the
+        middle would otherwise last until the drain bound or the groups' timeout)."""
+        self.sockets_before: dict[int, dict[int, int]] = {0: sockets}
+        """Per generation, the process's sockets before the first of its groups was built
+        (:meth:`_break`; the first generation's include the groups the engines built)."""
+        self.cut: set[int] = set()
+        """The generations whose connections :meth:`_break` has shut down."""
+        self.losing = [0 for _ in self.generations]
+        """Members of each generation that have finished the steps before the one a member dies in."""
+        self.entered = threading.Condition()
         self.published = [threading.Event() for _ in self.generations]
         """Set once a member of generation ``g - 1`` is through it (the coordinator publishing ``g``)."""
         self.published[0].set()
@@ -256,6 +270,8 @@ class _Run:
         engine = self.engines[wid]
         rank = gen.members.index(wid)
         n = len(gen.members)
+        with self.lock:  # the first member here: before any group of the generation is built
+            self.sockets_before.setdefault(g, Connections.snapshot())
         group = make_group(client, g, rank, n, self.timeout_s, self.device, duplex=engine.generation_hops_duplex)
         group.abort_check = self.broken[g].is_set
         groups.append(group)
@@ -302,6 +318,9 @@ class _Run:
 
         if lost:
             engine.install_fault_point(die)
+        with self.entered:
+            self.losing[g] += 1
+            self.entered.notify_all()
         try:
             for _ in range(2):  # a step the lost member finished (it died after it) is applied by all
                 outcome = engine.step(step)
@@ -311,11 +330,34 @@ class _Run:
                 progress = Progress(step=step, control=0)
             raise RuntimeError(f"worker {gen.lost} was to be lost at step {step - 2}, but the step went on")
         except (PeerFailure, WorkerLost):
-            self.broken[g].set()
+            self._break(g)
             group.abort()
             engine.abandon_step()
             group.close()
             return progress, not lost
+
+    def _break(self, g: int) -> None:
+        """Give generation ``g`` up (its :attr:`broken` flag) and shut down every connection its
+        groups opened. Groups built by threads of one process at once cannot tell their sockets
+        apart (:mod:`virtualflow.comm.groups`), so an abort alone shuts none down, and a survivor's
+        give-up waited the whole drain bound (10 s) for an operation on the lost member. Every
+        connection opened since the generation's first group was built belongs to its groups
+        when both its ends are in this process (the store's, and any socket to elsewhere, are left
+        alone): cutting them all ends every wait on the generation at once, as a killed process's
+        closed sockets end its peers' waits. The cut is made once, before the flag is raised (every
+        member reaches the next generation through this call, so no socket of a later generation's
+        groups exists yet), and only once every member has finished the steps before the one the
+        member dies in: a cut shuts down both ends of a connection, so it would also drop what the
+        lost member sent in an earlier step and a slower survivor has not read yet."""
+        with self.lock:  # once, when every member is in the step (see above)
+            before = self.sockets_before.get(g) if g not in self.cut else None
+            self.cut.add(g)
+        if before is not None:
+            members = len(self.generations[g].members)
+            with self.entered:
+                self.entered.wait_for(lambda: self.losing[g] >= members, self.timeout_s)
+            Connections.paired_between(before, Connections.snapshot(), self.port).shut_down()
+        self.broken[g].set()
 
     def _finish(self, engine: Any, group: Group) -> None:
         """The end (as the worker's ``_finish``): the whole state on rank 0, then a last all-reduce
@@ -367,21 +409,46 @@ def train_threads(job: Any, generations: Sequence[Generation], *, options: Worke
     workers = max(w for gen in generations for w in gen.members) + 1
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
-    engines = build_engines(job, workers, options, store.port, device,
-                            total_steps=sum(gen.steps for gen in generations), eager_every_wait=eager_every_wait)
-    run = _Run(job, generations, engines, store.port, device, timeout_s)
-    threads = [threading.Thread(target=run.worker, args=(w,), daemon=True, name=f"vf-worker-{w}")
-               for w in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s * (len(generations) + 1))
+    sockets = Connections.snapshot()
+    try:
+        engines = build_engines(job, workers, options, store.port, device,
+                                total_steps=sum(gen.steps for gen in generations), eager_every_wait=eager_every_wait)
+        run = _Run(job, generations, engines, store.port, device, timeout_s, sockets)
+        threads = [threading.Thread(target=run.worker, args=(w,), daemon=True, name=f"vf-worker-{w}")
+                   for w in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout_s * (len(generations) + 1))
+    finally:
+        _settle(sockets, store.port, timeout_s)
     first = _first_error(run.errors)
     if first is not None:
         raise first
     if any(t.is_alive() for t in threads) or run.state is None:
         raise RuntimeError(f"a worker thread did not finish within {timeout_s:g} s per generation")
     return ThreadedRun(run.state, [run.outcomes[s] for s in sorted(run.outcomes)], engines)
+
+
+def _settle(before: dict[int, int], port: int, timeout_s: float) -> None:
+    """Leave nothing of the run waiting in gloo. A wait that outlives the run (a survivor's old
+    group kept open, a pipelined generation's groups not all released, a collectives thread
+    blocked on a member that left) runs on a daemon thread with the interpreter lock released; if
+    the interpreter exits meanwhile, Python ends that thread inside a C++ frame and the process
+    aborts. So every connection the run opened between two of its own threads is shut down
+    (every wait on one fails at once), and the waits are given the groups' timeout to end: a
+    receive posted on a connection just as :meth:`_Run._break` shuts it down is sometimes not
+    ended by it (gloo, measured about once a composition sweep), and gloo closing the group's
+    own sockets does not end it either; the group's timeout does."""
+    Connections.paired_between(before, Connections.snapshot(), port).shut_down()
+    if NATIVE.settle(1.0):
+        return
+    t0 = time.monotonic()
+    if NATIVE.settle(timeout_s):
+        logger.info("train_threads: a gloo wait outlived the run by %.1f s", 1.0 + time.monotonic() - t0)
+    else:
+        logger.warning("train_threads: %d gloo wait(s) still pending %.0f s after the run; they end at the groups' "
+                       "timeout", len(NATIVE), 1.0 + timeout_s)
 
 
 def _check_members(generations: Sequence[Generation]) -> None:

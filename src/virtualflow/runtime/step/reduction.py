@@ -223,6 +223,9 @@ class Slots:
     def abandon(self) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
 
 class ShardedSlots(Slots):
     """The ``slots`` exchange for ``reduction="sharded"``: the crossing partial sums laid out
@@ -275,6 +278,9 @@ class Owners:
     def abandon(self) -> None:
         self.exchange.abandon()
 
+    def close(self) -> None:
+        self.exchange.close()  # (its send thread stops)
+
 
 class TreeReduction:
     """Deterministic mode's reduction for one generation: this worker's partial sums along the
@@ -325,7 +331,7 @@ class TreeReduction:
         self.exchange.abandon()
 
     def close(self) -> None:
-        self.exchange.abandon()
+        self.exchange.close()
 
 
 def tree_reduction(plan: TreePlan, group: Group, params: Sequence[torch.nn.Parameter], like: torch.Tensor,
