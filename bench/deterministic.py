@@ -1,7 +1,7 @@
 """What deterministic mode costs: step time against the default mode and against DDP, and the
 bytes its exchange moves, with the ``owners`` exchange beside today's first one (``slots``).
 
-One run, one table, three parts:
+One run, one table, these parts:
 
 * **step time** (processes, gloo, 1 thread per worker): the same job in the default mode and in
   deterministic mode with ``deterministic_exchange="owners"`` (the default) and ``"slots"``, at
@@ -14,6 +14,15 @@ One run, one table, three parts:
 * **CPU per step** (a diagnostic, W = 3): the CPU seconds all workers spend per step in each
   mode (a 14-step run minus a 4-step run, from the launcher's ``RUSAGE_CHILDREN``): on 2 cores
   with 3 workers the step time follows it, and host noise moves it much less than a step time.
+* **CPU per exchange, the exchange alone** (a diagnostic, W = 3, :mod:`bench.harness.exchange_cpu`):
+  three processes exchange a 2.6 M-element vector, ``--exchange-steps`` times per repetition,
+  with gloo's ring all-reduce (the default mode) and with the ``owners`` exchange of the partial
+  sums V = 8 VNs give on the map the planner publishes, (3, 3, 2), whose blocks straddle the
+  tree (two partial sums on a worker: 1.33 x the all-reduce's bytes in all, 1.5 x on the busiest
+  worker), and on one aligned to the tree, (4, 2, 2) (the all-reduce's bytes); the CPU all three
+  spend per exchange. Where the
+  owners exchange's extra CPU goes (bytes, gloo's point-to-point path, its own threads):
+  docs/benchmarks.md.
 * **bytes per worker per step** (simulated, no processes): what one worker sends in one step's
   exchange, from the closed forms of :mod:`virtualflow.plan.exchange` (the ``owners`` exchange's,
   the ``slots`` exchange's ring all-reduce of one slot per partial sum, and the default mode's
@@ -188,6 +197,30 @@ def measure_cpu(args, model: Model, workers: int) -> dict:
 # Part 2: bytes per worker per step, from the closed forms.
 
 
+EXCHANGE_NUMEL = 2_600_000
+EXCHANGE_MAPS = {"(3, 3, 2)": ((0, 1, 2), (3, 4, 5), (6, 7)), "(4, 2, 2)": ((0, 1, 2, 3), (4, 5), (6, 7))}
+"""The ``exchange`` part's VN maps of V = 8 on 3 workers: the planner's (equal blocks,
+straddling the tree) and one aligned to the tree."""
+
+
+def measure_exchange(args) -> list[dict]:
+    """Part 1c's rows: CPU per exchange alone, each map's owners exchange against the all-reduce."""
+    from bench.harness.exchange_cpu import measure_exchange_cpu
+
+    got = measure_exchange_cpu(3, EXCHANGE_NUMEL, {f"owners {k}": v for k, v in EXCHANGE_MAPS.items()},
+                               steps=args.exchange_steps, reps=2)
+    base = got.pop("gloo all-reduce")
+    rows = []
+    for name, r in got.items():
+        rows.append({"part": "exchange", "map": name.removeprefix("owners "), "allreduce": base, "owners": r,
+                     "cpu_ratio": r["cpu_s"] / base["cpu_s"], "bytes_ratio": r["total_bytes"] / base["total_bytes"],
+                     "worker_bytes_ratio": r["bytes"] / base["bytes"]})
+        print(f"  exchange alone, map {rows[-1]['map']}: owners {1e3 * r['cpu_s']:.1f} ms CPU, gloo all-reduce "
+              f"{1e3 * base['cpu_s']:.1f} ms (bytes: {rows[-1]['bytes_ratio']:.2f} x in all, "
+              f"{rows[-1]['worker_bytes_ratio']:.2f} x the busiest worker's)", flush=True)
+    return rows
+
+
 def bytes_row(workers: int, numel: int) -> dict:
     """The most any worker sends in one step's exchange at ``workers`` workers, V = 4 W."""
     from virtualflow.plan.exchange import owners_traffic_closed_form, ring_allreduce_bytes, slots_traffic
@@ -255,7 +288,7 @@ def mib(x: float) -> str:
 
 
 def check(args, run: H.Run, steps_rows: list[dict], bytes_rows: list[dict], ddp: dict | None,
-          numel: int, cpu_rows: list[dict] = ()) -> list[list]:
+          numel: int, cpu_rows: list[dict] = (), exchange_rows: list[dict] = ()) -> list[list]:
     """Checks every target; the table's rows."""
     t = run.targets
     table = []
@@ -275,6 +308,11 @@ def check(args, run: H.Run, steps_rows: list[dict], bytes_rows: list[dict], ddp:
         table.append(["CPU / step, all workers", r["model"], r["workers"], v, "default mode",
                       f"{c['default']:.3f} s", f"{c['owners']:.3f} s", f"{c['slots']:.3f} s",
                       f"{r['ratio']['owners']:.3f}", f"{r['ratio']['slots']:.3f}", "- (diagnostic)", "-", "-"])
+    for r in exchange_rows:
+        a, o = r["allreduce"], r["owners"]
+        table.append(["CPU / exchange alone, all workers", f"2.6 M floats, map {r['map']}", 3, 8, "gloo all-reduce",
+                      f"{1e3 * a['cpu_s']:.1f} ms", f"{1e3 * o['cpu_s']:.1f} ms ({r['bytes_ratio']:.2f} x bytes in all)", "-",
+                      f"{r['cpu_ratio']:.3f}", "-", "- (diagnostic)", "-", "-"])
     if bytes_rows:
         t.at_most("bytes_bound", f"owners bytes per worker / ((own partials + 1) x gradient), worst of W = "
                   f"{BYTES_WORKERS[0]}..{BYTES_WORKERS[-1]}", max(r["bytes"]["owners"] / r["bound_bytes"]
@@ -330,7 +368,9 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--warmup", type=int, default=8, help="steps excluded from the medians")
     p.add_argument("--models", default="mlp-2.6m,mlp-25m", help="models of the step-time part")
     p.add_argument("--workers", default=",".join(map(str, WORKERS)), help="worker counts of the step-time part")
-    p.add_argument("--parts", default="steps,cpu,bytes,ddp", help="which parts to run (steps, cpu, bytes, ddp)")
+    p.add_argument("--parts", default="steps,cpu,exchange,bytes,ddp",
+                   help="which parts to run (steps, cpu, exchange, bytes, ddp)")
+    p.add_argument("--exchange-steps", type=int, default=40, help="exchanges per repetition of the exchange part")
     p.add_argument("--cpu-workers", default="3", help="worker counts of the CPU-per-step part")
     p.add_argument("--cpu-steps", default="4,14", help="the short and the long run of the CPU-per-step part")
     p.add_argument("--max-other-load", type=float, default=0.10,
@@ -342,6 +382,7 @@ def parse_args(argv: list[str] | None):
         return args
     if args.quick:
         args.steps, args.warmup, args.reps, args.quiet_wait = 14, 4, 1, min(args.quiet_wait, 10.0)
+        args.exchange_steps = min(args.exchange_steps, 10)
     if args.steps <= args.warmup or args.warmup < 1:
         p.error(f"--steps={args.steps} must exceed --warmup={args.warmup} (at least 1)")
     known = models()
@@ -353,8 +394,10 @@ def parse_args(argv: list[str] | None):
     if any(w < 2 or w > 6 for w in args.worker_list):
         p.error(f"--workers {args.workers}: each must be 2..6 (V = 6 for the 25 M MLP)")
     args.part_list = [x.strip() for x in args.parts.split(",") if x.strip()]
-    if not set(args.part_list) <= {"steps", "cpu", "bytes", "ddp"} or not args.part_list:
-        p.error(f"--parts {args.parts!r}: choose from steps, cpu, bytes, ddp")
+    if not set(args.part_list) <= {"steps", "cpu", "exchange", "bytes", "ddp"} or not args.part_list:
+        p.error(f"--parts {args.parts!r}: choose from steps, cpu, exchange, bytes, ddp")
+    if args.exchange_steps < 1:
+        p.error(f"--exchange-steps={args.exchange_steps} must be at least 1")
     args.cpu_worker_list = [int(x) for x in args.cpu_workers.split(",") if x.strip()]
     args.cpu_steps = [int(x) for x in args.cpu_steps.split(",")]
     if len(args.cpu_steps) != 2 or not 0 < args.cpu_steps[0] < args.cpu_steps[1]:
@@ -386,10 +429,14 @@ def main(argv: list[str] | None = None) -> int:
             for w in args.cpu_worker_list:
                 H.wait_for_quiet(args.quiet_wait)
                 cpu_rows.append(measure_cpu(args, mods[name], w))
+    exchange_rows = []
+    if "exchange" in args.part_list:
+        H.wait_for_quiet(args.quiet_wait)
+        exchange_rows = measure_exchange(args)
     bytes_rows = [bytes_row(w, numel) for w in BYTES_WORKERS] if "bytes" in args.part_list else []
     ddp = measure_ddp(args, tempfile.mkdtemp(prefix="deterministic-")) if "ddp" in args.part_list else None
 
-    table = check(args, run, steps_rows, bytes_rows, ddp, numel, cpu_rows)
+    table = check(args, run, steps_rows, bytes_rows, ddp, numel, cpu_rows, exchange_rows)
     loads = [r["other_load_cores"] for r in steps_rows] + ([ddp["other_load_cores"]] if ddp else [])
     loaded = bool(loads) and max(loads) > args.max_other_load
     print()
@@ -403,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
               "bytes": "virtualflow.plan.exchange closed forms: owners_traffic_closed_form (sent), slots_traffic, "
                        "ring_allreduce_bytes; the most any worker sends"}
     payload = {"benchmark": run.name, "environment": H.environment(), "config": config, "loaded_machine": loaded,
-               "results": {"steps": steps_rows, "cpu": cpu_rows, "bytes": bytes_rows, "ddp": ddp}, "table": table}
+               "results": {"steps": steps_rows, "cpu": cpu_rows, "exchange": exchange_rows, "bytes": bytes_rows,
+                           "ddp": ddp}, "table": table}
     return run.finish(payload, markdown(run, args, table, ddp, loaded))
 
 

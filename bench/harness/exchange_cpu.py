@@ -1,0 +1,114 @@
+"""The deterministic exchange alone, in worker processes: the CPU one exchange costs all of them,
+against gloo's ring all-reduce of the same vector (``bench.deterministic``'s ``exchange`` part).
+
+On a machine with fewer cores than workers, the workers' CPU is their step time, so this is where
+deterministic mode's extra time at W = 3 comes from, without the model's compute around it. Each
+of ``workers`` processes (spawned, one thread, a gloo group over loopback) runs, ``reps`` times:
+``steps`` gloo all-reduces of a ``numel``-element float32 vector (the default mode's exchange),
+then ``steps`` ``owners`` exchanges of the partial sums its VNs give under each VN map asked for
+(:class:`~virtualflow.comm.exchange.OwnerExchange`: begin, send every partial, finish, as the
+engine's step does after its last backward). Figures: CPU seconds (``time.process_time``) per
+exchange summed over the processes, and wall seconds per exchange on rank 0, from the last
+repetition (the first pays for page faults and connections); the bytes (the most one worker
+sends per exchange, and all of them together) are from the closed forms of
+:mod:`virtualflow.plan.exchange`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from typing import Any, Sequence
+
+__all__ = ["measure_exchange_cpu"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, workers: int, port: int, numel: int, steps: int, reps: int,
+          maps: dict[str, Sequence[Sequence[int]]], out: Any) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    from virtualflow.comm.exchange import OwnerExchange
+    from virtualflow.comm.groups import Group
+    from virtualflow.comm.reduce import tree_reduce_local
+    from virtualflow.plan.exchange import OwnerSchedule
+    from virtualflow.plan.vnmap import TreePlan
+
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=120)
+    store = dist.TCPStore("127.0.0.1", port, workers, rank == 0, timeout=timeout)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("exchange_cpu", store), rank, workers, timeout)
+    group = Group(0, rank, workers, pg)
+    gen = torch.Generator().manual_seed(rank)
+    grad = torch.randn(numel, generator=gen)
+    runs: dict[str, Any] = {"gloo all-reduce": None}
+    for name, assignment in maps.items():
+        plan = TreePlan.build([list(a) for a in assignment])
+        vns = plan.per_worker[rank]
+        local = tree_reduce_local(vns, lambda i: torch.randn(numel, generator=gen)) if vns else {}
+        ex = OwnerExchange(OwnerSchedule.build(plan, numel), group)
+        runs[name] = (ex, local)
+    result: dict[str, Any] = {}
+    for name, held in runs.items():
+        for _ in range(reps):
+            pg.barrier().wait()
+            c0, t0 = time.process_time(), time.perf_counter()
+            for _ in range(steps):
+                if held is None:
+                    pg.allreduce([grad]).wait()
+                else:
+                    ex, local = held
+                    ex.begin()
+                    for node, vec in local.items():
+                        ex.send(node, vec)
+                    ex.finish(local)
+            c1, t1 = time.process_time(), time.perf_counter()
+            result[name] = {"cpu_s": (c1 - c0) / steps, "wall_s": (t1 - t0) / steps}
+        if held is not None:
+            ex, local = held
+            result[name]["partials"] = len(local)
+            held[0].close()
+    pg.barrier().wait()
+    out.put((rank, result))
+
+
+def measure_exchange_cpu(workers: int, numel: int, maps: dict[str, Sequence[Sequence[int]]], *, steps: int,
+                         reps: int = 2) -> dict[str, dict[str, float]]:
+    """Per exchange (``gloo all-reduce`` and each of ``maps``, a name -> VN map): the CPU
+    seconds all ``workers`` processes spend, rank 0's wall seconds, the most partial sums one
+    worker holds, and the bytes the most one worker sends and all send (float32)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, workers, port, numel, steps, reps, maps, out), daemon=True)
+             for r in range(workers)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(out.get(timeout=600) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    from virtualflow.plan.exchange import owners_traffic_closed_form, ring_allreduce_bytes
+    from virtualflow.plan.vnmap import TreePlan
+
+    sent = {"gloo all-reduce": [ring_allreduce_bytes(numel, workers, r, 4) for r in range(workers)]}
+    for name, assignment in maps.items():
+        plan = TreePlan.build([list(a) for a in assignment])
+        sent[name] = [owners_traffic_closed_form(plan, numel, r, 4)[0] for r in range(workers)]
+    return {n: {"cpu_s": sum(got[r][n]["cpu_s"] for r in got), "wall_s": got[0][n]["wall_s"],
+                "partials": max(got[r][n].get("partials", 1) for r in got), "bytes": max(sent[n]),
+                "total_bytes": sum(sent[n])} for n in got[0]}
