@@ -93,26 +93,15 @@ class Connections:
         """The connected TCP sockets in ``after`` and not in ``before``, except those with an end
         at port ``exclude_port`` (the store's: a heartbeat thread may reconnect meanwhile, and a
         process hosting the store accepts connections to it)."""
-        found = []
-        for fd, ino in sorted(after.items()):
-            if before.get(fd) == ino:
-                continue
-            ends = _ends_of(fd, ino)
-            if ends is not None and exclude_port not in ends:
-                found.append((fd, ino))
-        return cls(tuple(found))
+        return cls(tuple(_new_ends(before, after, exclude_port)))
 
     @classmethod
     def paired_between(cls, before: dict[int, int], after: dict[int, int], exclude_port: int | None) -> "Connections":
         """:meth:`opened_between`, only the connections both of whose ends are in this process
         (ranks run as threads of it, talking to each other over loopback): a socket to anywhere
         else that was opened meanwhile is never among them."""
-        ends = {}
-        for fd, ino in Connections.opened_between(before, after, exclude_port).sockets:
-            pair = _ends_of(fd, ino)
-            if pair is not None:
-                ends[(fd, ino)] = pair
-        local = {pair[0] for pair in ends.values()}
+        ends = _new_ends(before, after, exclude_port)
+        local = {mine for mine, _ in ends.values()}
         return cls(tuple(key for key, (_, peer) in ends.items() if peer in local))
 
     def shut_down(self) -> int:
@@ -142,6 +131,20 @@ class Connections:
                 if dup >= 0:
                     os.close(dup)
         return done
+
+
+def _new_ends(before: dict[int, int], after: dict[int, int],
+              exclude_port: int | None) -> dict[tuple[int, int], tuple[int, int]]:
+    """(fd, inode) -> (local port, peer port) of each connected TCP socket in ``after`` and not in
+    ``before`` with no end at ``exclude_port``, in descriptor order."""
+    found = {}
+    for fd, ino in sorted(after.items()):
+        if before.get(fd) == ino:
+            continue
+        ends = _ends_of(fd, ino)
+        if ends is not None and exclude_port not in ends:
+            found[(fd, ino)] = ends
+    return found
 
 
 def _ends_of(fd: int, ino: int) -> tuple[int, int] | None:
