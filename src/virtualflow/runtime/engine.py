@@ -58,7 +58,7 @@ from virtualflow.runtime.step.compute import VNCompute
 from virtualflow.runtime.step.exchange import ExchangeChoice
 from virtualflow.runtime.step.finish import StepFinish
 from virtualflow.runtime.step.reduction import Reduction, TreeLeaves, TreeReduction, default_reduction
-from virtualflow.runtime.step.stats import MAX_METRICS, StatsLayout
+from virtualflow.runtime.step.stats import MAX_METRICS, BadFlags, StatsLayout
 from virtualflow.runtime.step.tree_body import TreeBody
 from virtualflow.runtime.step.update import ShardedUpdate, WholeUpdate, make_update
 
@@ -299,7 +299,7 @@ class VNEngine:
         c = self.compute
         return self.idle.compute(c.vn_s * c.slowdown, c.loss_dtype is not None, lambda: c.probe(step))
 
-    def pack_stats(self, bad: torch.Tensor, control: int | Callable[[], int], loss: torch.Tensor | None,
+    def pack_stats(self, bad: BadFlags, control: int | Callable[[], int], loss: torch.Tensor | None,
                     bn: torch.Tensor | None) -> torch.Tensor:
         """This worker's statistics vector (:class:`~virtualflow.runtime.step.stats.StatsLayout`). A
         callable ``control`` is read here, as late as the step allows: a command (a stop) given
@@ -321,7 +321,7 @@ class VNEngine:
         assert self.group is not None, "set_membership() first"
         self.update.raise_deferred()  # shard_replicas=1: the last step's all-gather failed after it applied
         self._begin(step)
-        bad = torch.zeros(self.plan.virtual_nodes, device=self.device)
+        bad = BadFlags(self.plan.virtual_nodes, None if self.compute.on_cpu else self.device)
         got = self.stats.read(*self._sum(step, bad, control))  # the mode's body (_sum_buckets, _sum_tree)
         bad_vns, control_sum, compute_s, bn_new = got.bad_vns, got.control, got.compute_s, got.bn
         metrics = self.compute.metrics.named(got.metric_values)
@@ -383,7 +383,7 @@ class VNEngine:
         self.point("before_forward")
 
     # -- default mode: VNs in order, the last backward overlapped with the reduction ---------------
-    def _sum_buckets(self, step: int, bad: torch.Tensor, control: int | Callable[[], int]
+    def _sum_buckets(self, step: int, bad: BadFlags, control: int | Callable[[], int]
                      ) -> tuple[torch.Tensor, None, None]:
         """This worker's VNs (or, with none, maybe a probe and zeros), then the reduction; returns
         the summed statistics vector (the loss and BatchNorm statistics are in it)."""
@@ -408,7 +408,7 @@ class VNEngine:
             self.idle.note_idle(t_step, probed)
         return stats, None, None
 
-    def _run_vns(self, step: int, bad: torch.Tensor, control: int | Callable[[], int]) -> torch.Tensor:
+    def _run_vns(self, step: int, bad: BadFlags, control: int | Callable[[], int]) -> torch.Tensor:
         """Forward and backward of each VN here, accumulating into ``.grad``; the statistics are
         packed, and the reduction armed with them, before the last backward. Returns them."""
         bn_acc = torch.zeros(self.bn.numel, device=self.device) if self.batchnorm == "mean" else None
@@ -432,9 +432,7 @@ class VNEngine:
             if i == last:
                 ws = torch.stack(losses)
                 loss = ws.sum()
-                # x - x is NaN exactly when x is inf or NaN: two kernels (isfinite's composite runs
-                # five); the copy converts, True is 1.0
-                bad[self._vn_ids] = torch.isnan(ws - ws)
+                bad.note_block(self.vns, self._vn_ids, ws)
                 stats = self.pack_stats(bad, control, loss, bn_acc)
                 self.reduction.arm(stats)
                 self.phase = "backward"
@@ -447,7 +445,7 @@ class VNEngine:
         return stats
 
     # -- deterministic mode: per-VN vectors summed along the fixed tree -----------------------------
-    def _sum_tree(self, step: int, bad: torch.Tensor, control: int | Callable[[], int]
+    def _sum_tree(self, step: int, bad: BadFlags, control: int | Callable[[], int]
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Deterministic mode's body (:class:`~virtualflow.runtime.step.tree_body.TreeBody`): (the
         summed statistics, the loss, BatchNorm's mean statistics or None); the whole flat sum, when

@@ -33,7 +33,7 @@ from virtualflow.comm.groups import Group
 from virtualflow.plan.param_shards import InOrderFold, interleaved_assignment
 from virtualflow.runtime.fsdp.update import FsdpUpdate
 from virtualflow.runtime.step.reduction import Tail
-from virtualflow.runtime.step.stats import StatsLayout
+from virtualflow.runtime.step.stats import BadFlags, StatsLayout
 
 __all__ = ["FsdpBody", "FsdpGeneration"]
 
@@ -81,7 +81,7 @@ class PlainSums:
         elif h.bn.numel and vn == 0:
             self.bn = h.bn.flat()
 
-    def finish(self, bad: torch.Tensor, control: int | Callable[[], int]
+    def finish(self, bad: BadFlags, control: int | Callable[[], int]
                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         h = self.host
         loss = torch.stack(self.losses).sum() if self.losses else torch.zeros(())
@@ -117,7 +117,7 @@ class TreeSums:
         if h.bn.numel and h.batchnorm == "first" and vn == 0:
             self.first = h.bn.flat()
 
-    def finish(self, bad: torch.Tensor, control: int | Callable[[], int]
+    def finish(self, bad: BadFlags, control: int | Callable[[], int]
                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         h = self.host
         if h.group.size > 1:
@@ -162,7 +162,7 @@ class FsdpBody:
         self.update.cut(group)
         return FsdpGeneration(self.update)
 
-    def sum(self, step: int, bad: torch.Tensor, control: int | Callable[[], int]
+    def sum(self, step: int, bad: BadFlags, control: int | Callable[[], int]
             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The step's rounds, the reductions' end, the small vectors' sums: (the summed
         statistics, the loss and BatchNorm's mean statistics where the tree carries them)."""
@@ -181,7 +181,7 @@ class FsdpBody:
         h.clock.leave_reduction()
         return out
 
-    def _rounds(self, step: int, bad: torch.Tensor) -> None:
+    def _rounds(self, step: int, bad: BadFlags) -> None:
         """Every round's VN here, or a ghost (see the module docstring)."""
         h, red, store = self.host, self.update.reduction, self.update.store
         mine = h.vns
@@ -214,5 +214,5 @@ class FsdpBody:
                 continue
             h.compute.emulate(t_vn)
             w = weighted.detach()
-            bad[vn] = (~torch.isfinite(w)).to(bad.dtype)
+            bad.note(vn, w)
             self.sums.note(vn, w)

@@ -5,13 +5,15 @@ a non-finite loss, the control sequence, the loss function's metrics, the loss a
 statistics (where they do not travel with the gradients) and each worker's timing. They travel in
 one small vector, summed over the workers (riding in the last gradient bucket in default mode):
 
-    [bad flag per VN (V) | loss? | BatchNorm statistics? | metric sums (MAX_METRICS) | control |
+    [BatchNorm statistics? | loss? | bad flag per VN (V) | metric sums (MAX_METRICS) | control |
      compute seconds per worker | previous step's breakdown per worker (len(RAW) each)]
 
-The tensors of the step come first; the numbers this worker holds in Python (the control
-sequence, its timings and, when the loss function returns no metrics, the metric slots' zeros)
-become one tensor, so a step's packing costs a handful of operations (each small operation costs
-microseconds: on a model of a few thousand parameters the packing was a measurable part of the step).
+The numbers this worker holds in Python (the control sequence, its timings, the metric slots'
+zeros when the loss function returns no metrics and, on CPU, the loss and the bad flags) become
+one tensor, so a step's packing costs a handful of operations: each small operation costs
+microseconds, several times more right after a backward than in a loop of its own, and on a model
+of a few thousand parameters the packing was a measurable part of the step. On an accelerator the
+loss and the flags stay tensors (reading them would wait for the device before the reduction).
 
 :class:`StatsLayout` is that layout for one generation (the loss and statistics slots are present
 as the reduction decides: deterministic mode carries the loss, and BatchNorm's ``mean``
@@ -27,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from virtualflow.runtime.batches import LossShapeError
@@ -86,6 +89,52 @@ class MetricSums:
         return {name: values[i] for i, name in enumerate(self.names)} or None
 
 
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
+
+
+def floats(numbers: list[float], dtype: torch.dtype, device: torch.device | None) -> torch.Tensor:
+    """A tensor of Python floats (on CPU through NumPy: a third of ``torch.tensor``'s cost on a
+    list); each number is rounded to ``dtype`` as ``torch.tensor`` rounds it."""
+    if device is None and dtype in _NUMPY:
+        return torch.from_numpy(np.array(numbers, dtype=_NUMPY[dtype]))
+    return torch.tensor(numbers, dtype=dtype, device=device)
+
+
+class BadFlags:
+    """This worker's flags of a step's VNs, 1.0 where a VN's weighted loss is inf or NaN, in their
+    slots of the statistics vector (summed over the workers: a VN is bad on every worker). On CPU
+    (``device`` None) Python floats, read from the losses with one conversion and packed with the
+    other numbers; on an accelerator a tensor on it, so that nothing waits for the device before
+    the reduction. The statistics vector has the default dtype, as before the flags were typed."""
+
+    __slots__ = ("values", "device", "dtype")
+
+    def __init__(self, virtual_nodes: int, device: torch.device | None) -> None:
+        self.device = device
+        self.dtype = torch.get_default_dtype()
+        self.values: list[float] | torch.Tensor = (
+            [0.0] * virtual_nodes if device is None else torch.zeros(virtual_nodes, device=device))
+
+    def note(self, vn: int, weighted: torch.Tensor) -> None:
+        """VN ``vn``'s weighted loss (a scalar)."""
+        if self.device is None:
+            x = weighted.item()
+            self.values[vn] = 0.0 if x - x == 0.0 else 1.0  # x - x is NaN exactly when x is inf or NaN
+        else:
+            self.values[vn] = torch.isnan(weighted - weighted)  # two kernels (isfinite's composite runs five)
+
+    def note_block(self, vns: Sequence[int], where: slice | torch.Tensor, weighted: torch.Tensor) -> None:
+        """The weighted losses of ``vns`` (``weighted[i]``: VN ``vns[i]``'s); ``where``: their
+        slots as a slice or index tensor (the device's copy)."""
+        if self.device is None:
+            values = self.values
+            for vn, x in zip(vns, weighted.tolist()):
+                if x - x != 0.0:
+                    values[vn] = 1.0
+        else:
+            self.values[where] = torch.isnan(weighted - weighted)  # the copy converts: True is 1.0
+
+
 @dataclass(frozen=True)
 class StatsRead:
     """One step's summed statistics vector, read."""
@@ -93,7 +142,8 @@ class StatsRead:
     bad_vns: list[int]
     control: int
     metric_values: list[float]
-    loss: torch.Tensor | None
+    loss: float | torch.Tensor | None
+    """The summed loss (a number, read from the vector) or the ``loss`` handed to :meth:`StatsLayout.read`."""
     bn: torch.Tensor | None
     compute_s: list[float]
     breakdown_raw: list[list[float]]
@@ -115,29 +165,40 @@ class StatsLayout:
     bn_mean: bool
     """The statistics here are summed over the VNs and read as their mean (BatchNorm ``mean``)."""
 
-    def pack(self, bad: torch.Tensor, control: int, metrics: torch.Tensor | None, loss: torch.Tensor | None,
+    def pack(self, bad: BadFlags, control: int, metrics: torch.Tensor | None, loss: torch.Tensor | None,
              bn: torch.Tensor | None, compute_s: float, previous: Sequence[float] | None) -> torch.Tensor:
-        """This worker's vector, in ``bad``'s dtype and device (``metrics`` None: zeros; ``bn``
-        None: zeros; ``previous``: this worker's previous step's intervals, or None)."""
+        """This worker's vector, in ``bad``'s dtype on ``bad``'s device (``metrics`` None: zeros;
+        ``bn`` None: zeros; ``previous``: this worker's previous step's intervals, or None)."""
         dtype, device = bad.dtype, bad.device
-        parts = [bad]
-        if self.loss:
-            parts.append(loss.reshape(1) if loss.dtype == dtype else loss.reshape(1).to(dtype))
+        items: list[torch.Tensor | list[float]] = []
         if self.bn_numel:
-            parts.append(bn.to(dtype) if bn is not None else torch.zeros(self.bn_numel, device=device, dtype=dtype))
+            items.append(bn.to(dtype) if bn is not None else torch.zeros(self.bn_numel, device=device, dtype=dtype))
+        if self.loss:
+            # on CPU the loss's value as a Python float (exact), rounded to dtype as .to(dtype) rounds it
+            items.append([loss.item()] if device is None else loss.reshape(1).to(dtype))
+        items.append(bad.values)
+        items.append(metrics if metrics is not None else [0.0] * MAX_METRICS)
         size, K = self.size, len(RAW)
-        numbers = [0.0] * (MAX_METRICS + 1 + size * (1 + K))
-        if metrics is not None:
-            parts.append(metrics)
-            del numbers[:MAX_METRICS]
-        base = len(numbers) - size * (1 + K)  # the control slot is just before the timings
-        numbers[base - 1] = float(control)
-        numbers[base + self.rank] = compute_s
+        numbers = [0.0] * (1 + size * (1 + K))
+        numbers[0] = float(control)
+        numbers[1 + self.rank] = compute_s
         if previous is not None:
-            start = base + size + self.rank * K
+            start = 1 + size + self.rank * K
             numbers[start : start + K] = previous
-        parts.append(torch.tensor(numbers, dtype=dtype, device=device))
-        return torch.cat(parts)
+        items.append(numbers)
+        parts: list[torch.Tensor] = []
+        run: list[float] = []
+        for item in items:  # consecutive numbers become one tensor
+            if isinstance(item, list):
+                run += item
+                continue
+            if run:
+                parts.append(floats(run, dtype, device))
+                run = []
+            parts.append(item)
+        if run:
+            parts.append(floats(run, dtype, device))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def read(self, stats: torch.Tensor, loss: torch.Tensor | None = None,
              bn: torch.Tensor | None = None) -> StatsRead:
@@ -145,16 +206,17 @@ class StatsLayout:
         kept where this layout has no slot for them."""
         V = self.virtual_nodes
         values = stats.tolist()  # one conversion, then plain floats (each small op costs ~5 us)
-        bad_vns = [v for v in range(V) if values[v] != 0.0]
-        offset = V
-        if self.loss:
-            loss = stats[offset]
-            offset += 1
+        offset = 0
         if self.bn_numel:
-            bn = stats[offset : offset + self.bn_numel]
+            bn = stats[: self.bn_numel]
             if self.bn_mean:
                 bn = bn / V
-            offset += self.bn_numel
+            offset = self.bn_numel
+        if self.loss:
+            loss = values[offset]
+            offset += 1
+        bad_vns = [v for v in range(V) if values[offset + v] != 0.0]
+        offset += V
         metric_values = values[offset : offset + MAX_METRICS]
         control = int(round(values[offset + MAX_METRICS]))
         offset += MAX_METRICS + 1

@@ -33,7 +33,7 @@ from virtualflow.runtime.probe import IdleProbe
 from virtualflow.runtime.step.compute import VNCompute
 from virtualflow.runtime.step.exchange import ExchangeChoice
 from virtualflow.runtime.step.reduction import TreeLeaves, TreeReduction
-from virtualflow.runtime.step.stats import StatsLayout
+from virtualflow.runtime.step.stats import BadFlags, StatsLayout
 
 __all__ = ["TreeBody", "TreeHost"]
 
@@ -70,7 +70,7 @@ class TreeHost(Protocol):
 
     def idle_compute(self, step: int) -> tuple[float, bool]: ...
 
-    def pack_stats(self, bad: torch.Tensor, control: int | Callable[[], int], loss: torch.Tensor | None,
+    def pack_stats(self, bad: BadFlags, control: int | Callable[[], int], loss: torch.Tensor | None,
                    bn: torch.Tensor | None) -> torch.Tensor: ...
 
 
@@ -98,7 +98,7 @@ class TreeBody:
                                                         h.exchange, h.shard, h.comm)
         return tree
 
-    def sum(self, step: int, bad: torch.Tensor, control: int | Callable[[], int]
+    def sum(self, step: int, bad: BadFlags, control: int | Callable[[], int]
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, float]:
         """The tree's sums, then the statistics' all-reduce: (the summed statistics, the loss,
         BatchNorm's mean statistics or None, the whole flat gradient sum or None (sharded: this
@@ -114,7 +114,7 @@ class TreeBody:
         h.group.on_launch = None
         return stats, loss, bn_mean, flat, self.compute_s
 
-    def _tree_sums(self, step: int, bad: torch.Tensor
+    def _tree_sums(self, step: int, bad: BadFlags
                    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """Per-VN vectors [grads | BN stats | weighted loss] summed along the fixed tree and
         brought together by this generation's :class:`~virtualflow.runtime.step.reduction.TreeReduction`;
@@ -140,7 +140,7 @@ class TreeBody:
             h._in_last_backward = False
             h.compute.emulate(t_vn)
             weighted = weighted.detach()
-            bad[vn] = (~torch.isfinite(weighted)).to(bad.dtype)
+            bad.note(vn, weighted)
             tail = []
             if with_bn:
                 tail.append(h.bn.flat())
