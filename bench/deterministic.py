@@ -20,7 +20,9 @@ One run, one table, these parts:
   sums V = 8 VNs give on the map the planner publishes, (3, 3, 2), whose blocks straddle the
   tree (two partial sums on a worker: 1.33 x the all-reduce's bytes in all, 1.5 x on the busiest
   worker), and on one aligned to the tree, (4, 2, 2) (the all-reduce's bytes); the CPU all three
-  spend per exchange. Where the
+  spend per exchange; beside each map, its *point-to-point floor*: the same bytes and additions
+  as plain gloo ``send``/``recv`` calls from one thread (no segments, threads or tree order),
+  what any exchange of that map over gloo's point-to-point path costs at the least. Where the
   owners exchange's extra CPU goes (bytes, gloo's point-to-point path, its own threads):
   docs/benchmarks.md.
 * **bytes per worker per step** (simulated, no processes): what one worker sends in one step's
@@ -211,13 +213,17 @@ def measure_exchange(args) -> list[dict]:
                                steps=args.exchange_steps, reps=2)
     base = got.pop("gloo all-reduce")
     rows = []
-    for name, r in got.items():
+    for name, r in [(n, r) for n, r in got.items() if not n.startswith("p2p floor ")]:
+        floor = got[f"p2p floor {name}"]
         rows.append({"part": "exchange", "map": name.removeprefix("owners "), "allreduce": base, "owners": r,
-                     "cpu_ratio": r["cpu_s"] / base["cpu_s"], "bytes_ratio": r["total_bytes"] / base["total_bytes"],
+                     "floor": floor, "cpu_ratio": r["cpu_s"] / base["cpu_s"],
+                     "floor_ratio": floor["cpu_s"] / base["cpu_s"],
+                     "bytes_ratio": r["total_bytes"] / base["total_bytes"],
                      "worker_bytes_ratio": r["bytes"] / base["bytes"]})
-        print(f"  exchange alone, map {rows[-1]['map']}: owners {1e3 * r['cpu_s']:.1f} ms CPU, gloo all-reduce "
-              f"{1e3 * base['cpu_s']:.1f} ms (bytes: {rows[-1]['bytes_ratio']:.2f} x in all, "
-              f"{rows[-1]['worker_bytes_ratio']:.2f} x the busiest worker's)", flush=True)
+        print(f"  exchange alone, map {rows[-1]['map']}: owners {1e3 * r['cpu_s']:.1f} ms CPU, its point-to-point "
+              f"floor {1e3 * floor['cpu_s']:.1f} ms, gloo all-reduce {1e3 * base['cpu_s']:.1f} ms (bytes: "
+              f"{rows[-1]['bytes_ratio']:.2f} x in all, {rows[-1]['worker_bytes_ratio']:.2f} x the busiest "
+              f"worker's)", flush=True)
     return rows
 
 
@@ -313,6 +319,11 @@ def check(args, run: H.Run, steps_rows: list[dict], bytes_rows: list[dict], ddp:
         table.append(["CPU / exchange alone, all workers", f"2.6 M floats, map {r['map']}", 3, 8, "gloo all-reduce",
                       f"{1e3 * a['cpu_s']:.1f} ms", f"{1e3 * o['cpu_s']:.1f} ms ({r['bytes_ratio']:.2f} x bytes in all)", "-",
                       f"{r['cpu_ratio']:.3f}", "-", "- (diagnostic)", "-", "-"])
+        if "floor" in r:  # rows recorded before the floor was measured have none
+            table.append(["CPU / exchange alone, all workers", f"2.6 M floats, map {r['map']}: point-to-point floor",
+                          3, 8, "gloo all-reduce", f"{1e3 * a['cpu_s']:.1f} ms",
+                          f"{1e3 * r['floor']['cpu_s']:.1f} ms (same bytes, plain send/recv)", "-",
+                          f"{r['floor_ratio']:.3f}", "-", "- (diagnostic)", "-", "-"])
     if bytes_rows:
         t.at_most("bytes_bound", f"owners bytes per worker / ((own partials + 1) x gradient), worst of W = "
                   f"{BYTES_WORKERS[0]}..{BYTES_WORKERS[-1]}", max(r["bytes"]["owners"] / r["bound_bytes"]

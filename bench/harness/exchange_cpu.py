@@ -7,7 +7,11 @@ of ``workers`` processes (spawned, one thread, a gloo group over loopback) runs,
 ``steps`` gloo all-reduces of a ``numel``-element float32 vector (the default mode's exchange),
 then ``steps`` ``owners`` exchanges of the partial sums its VNs give under each VN map asked for
 (:class:`~virtualflow.comm.exchange.OwnerExchange`: begin, send every partial, finish, as the
-engine's step does after its last backward). Figures: CPU seconds (``time.process_time``) per
+engine's step does after its last backward) and, per map, the *point-to-point floor*: the same
+messages' bytes as plain gloo ``send``/``recv`` calls from one thread, one message per partial sum
+and owner, each owner adding every partial's chunk into one buffer, then sending it to every
+other worker (no segments, no send thread, no tree order: what gloo's point-to-point path costs
+for those bytes and additions with next to no Python around it). Figures: CPU seconds (``time.process_time``) per
 exchange summed over the processes, and wall seconds per exchange on rank 0, from the last
 repetition (the first pays for page faults and connections); the bytes (the most one worker
 sends per exchange, and all of them together) are from the closed forms of
@@ -57,6 +61,9 @@ def _rank(rank: int, workers: int, port: int, numel: int, steps: int, reps: int,
         local = tree_reduce_local(vns, lambda i: torch.randn(numel, generator=gen)) if vns else {}
         ex = OwnerExchange(OwnerSchedule.build(plan, numel), group)
         runs[name] = (ex, local)
+        counts = [len(tree_reduce_local(plan.per_worker[r], lambda i: torch.zeros(1))) if plan.per_worker[r] else 0
+                  for r in range(workers)]
+        runs[f"p2p floor {name}"] = _Floor(pg, rank, workers, numel, list(local.values()), counts)
     result: dict[str, Any] = {}
     for name, held in runs.items():
         for _ in range(reps):
@@ -65,6 +72,8 @@ def _rank(rank: int, workers: int, port: int, numel: int, steps: int, reps: int,
             for _ in range(steps):
                 if held is None:
                     pg.allreduce([grad]).wait()
+                elif isinstance(held, _Floor):
+                    held.run()
                 else:
                     ex, local = held
                     ex.begin()
@@ -73,12 +82,43 @@ def _rank(rank: int, workers: int, port: int, numel: int, steps: int, reps: int,
                     ex.finish(local)
             c1, t1 = time.process_time(), time.perf_counter()
             result[name] = {"cpu_s": (c1 - c0) / steps, "wall_s": (t1 - t0) / steps}
-        if held is not None:
+        if isinstance(held, tuple):
             ex, local = held
             result[name]["partials"] = len(local)
             held[0].close()
     pg.barrier().wait()
     out.put((rank, result))
+
+
+class _Floor:
+    """The point-to-point floor of one VN map on one rank (see the module docstring)."""
+
+    def __init__(self, pg: Any, rank: int, workers: int, numel: int, partials: list, counts: list[int]) -> None:
+        import torch
+
+        self.pg, self.rank, self.workers, self.partials, self.counts = pg, rank, workers, partials, counts
+        self.bounds = [(numel * j // workers, numel * (j + 1) // workers) for j in range(workers)]
+        a, b = self.bounds[rank]
+        self.inbox = {src: [torch.empty(b - a) for _ in range(counts[src])] for src in range(workers) if src != rank}
+        self.acc = torch.empty(b - a)
+        self.result = torch.empty(numel)
+
+    def run(self) -> None:
+        pg, rank, others = self.pg, self.rank, [j for j in range(self.workers) if j != self.rank]
+        arriving = [pg.recv([buf], src, 11) for src in others for buf in self.inbox[src]]
+        sent = [pg.send([p[slice(*self.bounds[j])]], j, 11) for p in self.partials for j in others]
+        a, b = self.bounds[rank]
+        held = [p[a:b] for p in self.partials] + [buf for src in others for buf in self.inbox[src]]
+        self.acc.copy_(held[0])
+        k = len(self.partials)
+        for i, x in enumerate(held[1:], 1):
+            if i >= k:
+                arriving[i - k].wait()
+            self.acc.add_(x)
+        results = [pg.recv([self.result[slice(*self.bounds[j])]], j, 12) for j in others]
+        sent += [pg.send([self.acc], j, 12) for j in others]
+        for w in results + sent:
+            w.wait()
 
 
 def measure_exchange_cpu(workers: int, numel: int, maps: dict[str, Sequence[Sequence[int]]], *, steps: int,
@@ -109,6 +149,7 @@ def measure_exchange_cpu(workers: int, numel: int, maps: dict[str, Sequence[Sequ
     for name, assignment in maps.items():
         plan = TreePlan.build([list(a) for a in assignment])
         sent[name] = [owners_traffic_closed_form(plan, numel, r, 4)[0] for r in range(workers)]
+        sent[f"p2p floor {name}"] = sent[name]
     return {n: {"cpu_s": sum(got[r][n]["cpu_s"] for r in got), "wall_s": got[0][n]["wall_s"],
                 "partials": max(got[r][n].get("partials", 1) for r in got), "bytes": max(sent[n]),
                 "total_bytes": sum(sent[n])} for n in got[0]}
