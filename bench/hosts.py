@@ -91,7 +91,7 @@ def rank_main(rank: int, world: int, store_host: str) -> None:
 
     from virtualflow.comm.groups import make_group
     from virtualflow.comm.exchange import OwnerExchange
-    from virtualflow.plan.exchange import OwnerSchedule
+    from virtualflow.plan.exchange import OwnerSchedule, depth_for
     from virtualflow.comm.ring import Collectives, Ledger
     from virtualflow.plan.shards import shard_bounds
     from virtualflow.plan.vnmap import TreePlan, contiguous_assignment
@@ -118,7 +118,7 @@ def rank_main(rank: int, world: int, store_host: str) -> None:
                 coll.all_gather(x, bounds)
             return sharded
         if op == "deterministic":
-            ex = OwnerExchange(OwnerSchedule.build(plan, n), group)
+            ex = OwnerExchange(OwnerSchedule.build(plan, n, depth=depth_for(group.local)), group)  # as the runtime cuts
             local = {node: torch.ones(n) for node in plan.per_worker[rank]}
 
             def exchange() -> None:

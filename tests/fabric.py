@@ -61,6 +61,8 @@ class FakeGroup:
     on_launch: Callable[[], None] | None = None
     abort_check: Any = None
     pg: Any = field(default=True)
+    local: bool = False
+    """As :attr:`virtualflow.comm.groups.Group.local`: the fabric stands for links between machines."""
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> _Sent:
         assert dst != self.rank and 0 <= dst < self.size

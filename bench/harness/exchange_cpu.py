@@ -7,7 +7,7 @@ of ``workers`` processes (spawned, one thread, a gloo group over loopback) runs,
 ``steps`` gloo all-reduces of a ``numel``-element float32 vector (the default mode's exchange),
 then ``steps`` ``owners`` exchanges of the partial sums its VNs give under each VN map asked for
 (:class:`~virtualflow.comm.exchange.OwnerExchange`: begin, send every partial, finish, as the
-engine's step does after its last backward) and, per map, the *point-to-point floor*: the same
+engine's step does after its last backward, its chunks cut as the runtime cuts them on one machine) and, per map, the *point-to-point floor*: the same
 messages' bytes as plain gloo ``send``/``recv`` calls from one thread, one message per partial sum
 and owner, each owner adding every partial's chunk into one buffer, then sending it to every
 other worker (no segments, no send thread, no tree order: what gloo's point-to-point path costs
@@ -44,14 +44,15 @@ def _rank(rank: int, workers: int, port: int, numel: int, steps: int, reps: int,
     from virtualflow.comm.exchange import OwnerExchange
     from virtualflow.comm.groups import Group
     from virtualflow.comm.reduce import tree_reduce_local
-    from virtualflow.plan.exchange import OwnerSchedule
+    from virtualflow.comm.net import loopback_store
+    from virtualflow.plan.exchange import OwnerSchedule, depth_for
     from virtualflow.plan.vnmap import TreePlan
 
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=120)
     store = dist.TCPStore("127.0.0.1", port, workers, rank == 0, timeout=timeout)
     pg = dist.ProcessGroupGloo(dist.PrefixStore("exchange_cpu", store), rank, workers, timeout)
-    group = Group(0, rank, workers, pg)
+    group = Group(0, rank, workers, pg, local=loopback_store(store))  # as the runtime's groups decide it
     gen = torch.Generator().manual_seed(rank)
     grad = torch.randn(numel, generator=gen)
     runs: dict[str, Any] = {"gloo all-reduce": None}
@@ -59,7 +60,7 @@ def _rank(rank: int, workers: int, port: int, numel: int, steps: int, reps: int,
         plan = TreePlan.build([list(a) for a in assignment])
         vns = plan.per_worker[rank]
         local = tree_reduce_local(vns, lambda i: torch.randn(numel, generator=gen)) if vns else {}
-        ex = OwnerExchange(OwnerSchedule.build(plan, numel), group)
+        ex = OwnerExchange(OwnerSchedule.build(plan, numel, depth=depth_for(group.local)), group)
         runs[name] = (ex, local)
         counts = [len(tree_reduce_local(plan.per_worker[r], lambda i: torch.zeros(1))) if plan.per_worker[r] else 0
                   for r in range(workers)]

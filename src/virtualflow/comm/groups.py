@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 
 from virtualflow.comm.connections import NATIVE, Connections
+from virtualflow.comm.net import loopback_store
 from virtualflow.config.network import is_ip
 
 logger = logging.getLogger("virtualflow")
@@ -128,6 +129,12 @@ class Group:
     waited on, i.e. while the peers are inside it."""
     connections: Connections = field(default_factory=Connections)
     """This group's TCP connections (what :meth:`abort` shuts down)."""
+    local: bool = False
+    """Every member reached the rendezvous store over loopback, so all share this machine's network
+    stack: a message between them is a copy by the kernel, not a transfer over a link (the
+    ``owners`` exchange cuts its messages by it: :func:`virtualflow.plan.exchange.depth_for`). The
+    same on every member: each votes before the group is built, and the count is read once the
+    group is up, when every member has voted. False for NCCL groups and stores other than TCP."""
     _check: Callable[[], bool] | None = field(default=None, repr=False)
     _broken: bool = field(default=False, repr=False)
 
@@ -441,6 +448,11 @@ def gloo_options(timeout: datetime.timedelta, bind: Sequence[str] | None, duplex
     return opts
 
 
+_REMOTE_VOTES = "vf/remote_members"
+"""Key, in a group's own prefix, counting the members that reached the store other than over
+loopback (:attr:`Group.local`)."""
+
+
 def _build(store: dist.Store, prefix_name: str, generation: int, rank: int, size: int, timeout_s: float,
            device: torch.device, bind: Sequence[str] | None = None, duplex: bool = False) -> Group:
     if size == 1:
@@ -448,12 +460,14 @@ def _build(store: dist.Store, prefix_name: str, generation: int, rank: int, size
     prefix = dist.PrefixStore(prefix_name, store)
     timeout = datetime.timedelta(seconds=timeout_s)
     connections = Connections()
+    local = False
     try:
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             pg = dist.ProcessGroupNCCL(prefix, rank, size, opts)
         else:
+            prefix.add(_REMOTE_VOTES, 0 if loopback_store(store) else 1)  # before this member's gloo rendezvous
             ticket = _BUILDS.begin()
             alone = False
             try:
@@ -466,6 +480,8 @@ def _build(store: dist.Store, prefix_name: str, generation: int, rank: int, size
             if alone:
                 port = getattr(store, "port", None)
                 connections = Connections.opened_between(before, after, port if isinstance(port, int) else None)
+            # the group is up, so every member has voted (each votes before its rendezvous)
+            local = prefix.add(_REMOTE_VOTES, 0) == 0
     except RuntimeError as exc:  # a peer died or vanished while the group was being built
         raise PeerFailure(generation, _first_line(str(exc))) from exc
-    return Group(generation, rank, size, pg, connections=connections)
+    return Group(generation, rank, size, pg, connections=connections, local=local)

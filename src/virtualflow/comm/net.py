@@ -23,13 +23,15 @@ environment is read by the workers' entry points (``backends/``, ``cli/``), not 
 from __future__ import annotations
 
 import errno
+import ipaddress
 import socket
 import sys
+from typing import Any
 
 from virtualflow.config.network import check_interface_spec, is_ip
 
-__all__ = ["check_interface_spec", "interface_address", "interfaces", "is_local_address", "resolve_interface",
-           "route_source"]
+__all__ = ["check_interface_spec", "interface_address", "interfaces", "is_local_address", "loopback_store",
+           "resolve_interface", "route_source"]
 
 
 def interfaces() -> list[str]:
@@ -111,3 +113,17 @@ def resolve_interface(spec: str, store_host: str, store_port: int, *, knob: str 
                              f"name another ({', '.join(interfaces())}) or give an address")
         out.append(addr if addr is not None else part)
     return out
+
+
+def loopback_store(store: Any) -> bool:
+    """Whether ``store`` (a ``TCPStore``, possibly under ``PrefixStore``s) is reached over loopback:
+    this process then shares the store's machine and network stack. Any other store: False."""
+    import torch.distributed as dist
+
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    host = store.host if isinstance(store, dist.TCPStore) else ""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -34,8 +34,10 @@ Two ways to bring the slots together are implemented:
 A *unit* is one message of the ``owners`` exchange: the part of one *piece* of the vector (a
 gradient bucket, in the order the last backward completes them, or the tail) inside one owner's
 chunk, cut into *segments*: at most :data:`SEGMENT` elements, and each owner's chunk into at
-least :data:`DEPTH` of them where they stay :data:`MIN_SEGMENT` long (:func:`segment_for`). Every
-partial is sent as the same units, so a receiver knows every message it will get.
+least :data:`DEPTH` of them where they stay :data:`MIN_SEGMENT` long (:func:`segment_for`); when
+every worker of the group shares one machine's network stack, :data:`LOCAL_DEPTH` of them
+(:func:`depth_for`). Every partial is sent as the same units, so a receiver knows every message
+it will get.
 
 The second phase is pipelined per unit: an owner combines a unit of its chunk and sends that
 unit's root to everyone as soon as every slot's message for it has arrived, while the later units
@@ -67,6 +69,15 @@ long: the pipeline's drain is then a quarter of the chunk's second phase, not al
 message, 1.09-1.21x the model; cut into 4, 1.09-1.14x. The senders' TCP flows share the links
 unevenly, so the owners' chunks do not complete together, and an owner whose whole chunk is one
 message cannot start its second phase until its slowest sender is done."""
+LOCAL_DEPTH = 1
+"""Segments an owner's chunk is cut into at least when every worker of the group reached the
+rendezvous over loopback (:attr:`virtualflow.comm.groups.Group.local`): a message is then a copy
+by this machine's kernel, not a transfer over a link, so there is no link time for the second
+phase to overlap, and every extra message costs its Python call and gloo's rendezvous on cores
+the workers share. Measured on a 2-core machine (``bench.deterministic``, the 2.6 M MLP, gloo over
+loopback): the ``owners`` exchange alone at W = 3 cost 32.0-32.1 ms of CPU uncut against
+33.8-35.5 ms cut in 4, its point-to-point floor being 30.2-31.8 ms; the deterministic step at W = 3
+61.5-62.6 ms against 64.0-64.7 ms, at W = 4 67.3-75.4 ms against 76.5-78.7 ms, at W = 2 even."""
 MIN_SEGMENT = 1 << 14
 """Elements (64 KiB of float32) below which :data:`DEPTH` cuts no further: a smaller message's
 Python call and rendezvous cost more than the pipelining saves, even on a fast link."""
@@ -93,8 +104,14 @@ class Traffic:
     messages_received: int
 
 
+def depth_for(local: bool) -> int:
+    """Segments an owner's chunk is cut into at least: :data:`LOCAL_DEPTH` when every worker of the
+    group shares this machine's network stack, else :data:`DEPTH`."""
+    return LOCAL_DEPTH if local else DEPTH
+
+
 def units(bounds: Sequence[tuple[int, int]], pieces: Sequence[tuple[int, int]] | None = None,
-          segment: int | None = None) -> list[Unit]:
+          segment: int | None = None, depth: int = DEPTH) -> list[Unit]:
     """The messages every partial is cut into: each piece (in launch order) split by the owners'
     chunks, empty parts dropped, each part cut into as few near-even segments of at most
     :func:`segment_for` its owner's chunk elements as it takes (``segment`` None: not cut).
@@ -105,6 +122,8 @@ def units(bounds: Sequence[tuple[int, int]], pieces: Sequence[tuple[int, int]] |
         pieces = [(0, numel)]
     if segment is not None and segment < 1:
         raise ValueError(f"owner exchange: segment={segment} elements per message must be at least 1")
+    if depth < 1:
+        raise ValueError(f"owner exchange: depth={depth} segments per owner's chunk must be at least 1")
     covered = sorted(pieces)
     at = 0
     for lo, hi in covered:
@@ -113,7 +132,7 @@ def units(bounds: Sequence[tuple[int, int]], pieces: Sequence[tuple[int, int]] |
         at = hi
     if at != numel:
         raise ValueError(f"exchange pieces {list(pieces)} do not cover [0, {numel}) exactly once")
-    sizes = [None if segment is None else segment_for(b - a, segment) for a, b in bounds]
+    sizes = [None if segment is None else segment_for(b - a, segment, depth) for a, b in bounds]
     out = []
     for p, (lo, hi) in enumerate(pieces):
         for o, (a, b) in enumerate(bounds):
@@ -123,11 +142,11 @@ def units(bounds: Sequence[tuple[int, int]], pieces: Sequence[tuple[int, int]] |
     return out
 
 
-def segment_for(chunk: int, segment: int) -> int:
+def segment_for(chunk: int, segment: int, depth: int = DEPTH) -> int:
     """The longest message for an owner's chunk of ``chunk`` elements: ``segment`` at most, and
-    short enough to cut the chunk into :data:`DEPTH` messages unless they would fall below
+    short enough to cut the chunk into ``depth`` messages unless they would fall below
     :data:`MIN_SEGMENT`."""
-    return min(segment, max(MIN_SEGMENT, -(-chunk // DEPTH)))
+    return min(segment, max(MIN_SEGMENT, -(-chunk // depth)))
 
 
 def _segments(lo: int, hi: int, segment: int | None) -> list[tuple[int, int]]:
@@ -159,9 +178,11 @@ class OwnerSchedule:
     @classmethod
     def build(cls, plan: TreePlan, numel: int, *, bounds: Sequence[tuple[int, int]] | None = None,
               pieces: Sequence[tuple[int, int]] | None = None,
-              gather: Sequence[tuple[int, int]] | None = None, segment: int | None = SEGMENT) -> "OwnerSchedule":
+              gather: Sequence[tuple[int, int]] | None = None, segment: int | None = SEGMENT,
+              depth: int = DEPTH) -> "OwnerSchedule":
         """``segment``: elements per message at most (:data:`SEGMENT`; None: one message per
-        piece and owner)."""
+        piece and owner); ``depth``: segments an owner's chunk is cut into at least
+        (:func:`depth_for`)."""
         workers = len(plan.per_worker)
         b = list(bounds) if bounds is not None else shard_bounds(numel, workers)
         if len(b) != workers:
@@ -171,7 +192,7 @@ class OwnerSchedule:
         for lo, hi in g:
             if not 0 <= lo < hi <= numel:
                 raise ValueError(f"owner exchange: gather range [{lo}, {hi}) is outside the vector [0, {numel})")
-        return cls(plan, tuple(b), tuple(units(b, pieces, segment)), tuple(g))
+        return cls(plan, tuple(b), tuple(units(b, pieces, segment, depth)), tuple(g))
 
     @property
     def workers(self) -> int:

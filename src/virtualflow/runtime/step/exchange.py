@@ -23,7 +23,7 @@ import torch
 from virtualflow.comm.exchange import OwnerExchange
 from virtualflow.comm.groups import Group
 from virtualflow.comm.reduce import plan_buckets
-from virtualflow.plan.exchange import EXCHANGES, OwnerSchedule, choose_exchange
+from virtualflow.plan.exchange import EXCHANGES, OwnerSchedule, choose_exchange, depth_for
 from virtualflow.plan.vnmap import TreePlan
 
 Ranges = Sequence[tuple[int, int]]
@@ -115,8 +115,11 @@ def owner_exchange(plan: TreePlan, group: Group, numel: int, *, dtype: torch.dty
                    pieces: Ranges | None = None) -> OwnerExchange:
     """This worker's side of the ``owners`` exchange of ``plan``'s vectors of ``numel`` elements
     (``bounds``/``gather``: :func:`sharded_bounds`, or even chunks gathered whole; ``pieces``:
-    the ranges :meth:`~virtualflow.comm.exchange.OwnerExchange.send` may send one at a time)."""
-    schedule = OwnerSchedule.build(plan, numel, bounds=bounds, pieces=pieces, gather=gather)
+    the ranges :meth:`~virtualflow.comm.exchange.OwnerExchange.send` may send one at a time); the
+    chunks are cut into fewer messages when the group shares one machine (:attr:`Group.local
+    <virtualflow.comm.groups.Group.local>`)."""
+    schedule = OwnerSchedule.build(plan, numel, bounds=bounds, pieces=pieces, gather=gather,
+                                   depth=depth_for(group.local))
     pieces_units = None
     if pieces is not None:
         pieces_units = [[j for j, u in enumerate(schedule.units) if lo <= u.lo and u.hi <= hi] for lo, hi in pieces]
