@@ -415,30 +415,30 @@ class VNEngine:
         last = len(self.vns) - 1
         c = self.compute
         sizes, batches = c.batches(step, self.vns)  # (with a prefetcher, each taken when its turn comes)
-        losses = []
+        losses, shares = [], []
         for i, vn in enumerate(self.vns):
             self.check_broken()
             if batches[i] is None:
                 batches[i] = c.load(step, vn)[0]
             t_vn = time.perf_counter()
-            weighted = c.forward(step, vn, batches[i], sizes[i])
+            loss, share = c.forward(step, vn, batches[i], sizes[i])
             batches[i] = None  # drop the VN's inputs with its activations
-            losses.append(weighted.detach())
+            losses.append(loss)
+            shares.append(share)
             if self.bn.numel:
                 if self.batchnorm == "mean":
                     bn_acc += self.bn.flat()
                 elif vn == 0:
                     bn_acc = self.bn.flat()
             if i == last:
-                ws = torch.stack(losses)
-                loss = ws.sum()
+                ws = c.weighted_block(losses, shares)
                 bad.note_block(self.vns, self._vn_ids, ws)
-                stats = self.pack_stats(bad, control, loss, bn_acc)
+                stats = self.pack_stats(bad, control, ws.sum(), bn_acc)
                 self.reduction.arm(stats)
                 self.phase = "backward"
                 self._in_last_backward = True
                 c.sleep_before_last_backward(t_vn)
-            c.backward(weighted)
+            c.backward(loss, share)
             if i != last:
                 c.emulate(t_vn)
         self._in_last_backward = False

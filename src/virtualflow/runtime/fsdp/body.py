@@ -200,11 +200,11 @@ class FsdpBody:
             t_vn = time.perf_counter()
             if kept_batch is None or not ghost:
                 kept_batch = h.compute.load(step, vn)
-            weighted = h.compute.forward(step, vn, *kept_batch)
+            loss, share = h.compute.forward(step, vn, *kept_batch)
             if not ghost and i == len(mine) - 1:
                 h.phase = "backward"
                 h._in_last_backward = True
-            h.compute.backward(weighted)
+            h.compute.backward(loss, share)
             h._in_last_backward = False
             store.end_vn()
             if ghost:
@@ -213,6 +213,6 @@ class FsdpBody:
                     h.bn.restore()  # (the engine advances a VN-less worker's counters itself)
                 continue
             h.compute.emulate(t_vn)
-            w = weighted.detach()
+            w = h.compute.weighted(loss, share)
             bad.note(vn, w)
             self.sums.note(vn, w)

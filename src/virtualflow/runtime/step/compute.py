@@ -9,6 +9,14 @@ step's sums (:class:`~virtualflow.runtime.step.stats.MetricSums`); backward of t
 (scaled by ``16-mixed``'s loss scale). A worker with no VN times a *probe* VN with the same forward
 (nothing accumulated, see :mod:`virtualflow.runtime.probe`).
 
+The weighting is folded into the backward where that gives the same bits: for a float32 or
+float64 loss and no loss scale, ``(loss * share).backward()`` hands ``loss``'s backward the
+gradient ``dtype(share)`` (one times the share, exact), so :meth:`VNCompute.backward` hands it that
+tensor directly (``loss.backward(dtype(share))``) and spares each VN a multiplication, its
+autograd node and a detach. The weighted loss itself (for the statistics) is ``loss * share`` of
+the detached loss, the same operation; a block of VNs multiplies them element-wise at once
+(:meth:`VNCompute.weighted_block`). Half-precision losses and ``16-mixed`` keep the multiplication.
+
 Invariants: a VN's random streams and BatchNorm statistics depend only on (seed, step, VN), never
 on the worker or on the VNs before it; every interval is added to the step's clock
 (:class:`~virtualflow.runtime.breakdown.StepClock`) under the name the breakdown reports.
@@ -32,6 +40,10 @@ from virtualflow.runtime.step.stats import MetricSums
 
 def _as_is(weighted: torch.Tensor) -> torch.Tensor:
     return weighted
+
+
+_FOLDED = (torch.float32, torch.float64)
+"""Loss dtypes whose weighting is folded into the backward's seed gradient (module docstring)."""
 
 
 class VNCompute:
@@ -65,6 +77,12 @@ class VNCompute:
         """Smoothed compute time of one VN, without emulated sleep."""
         self.loss_dtype: torch.dtype | None = None
         """The loss's dtype, once a forward ran here."""
+        self.folds = scaler is None
+        """Whether the weighting can fold into the backward (no loss scale; see the module docstring)."""
+        self._seeds: dict[tuple[float, torch.dtype], torch.Tensor] = {}
+        """The backward's seed gradient per (share, dtype): ``dtype(share)`` on the device."""
+        self._shares: tuple[tuple[float, ...], torch.dtype, torch.Tensor | None] = ((), torch.float32, None)
+        """The last block's shares as a tensor (:meth:`weighted_block`): the same every step."""
 
     def batches(self, step: int, vns: Sequence[int]) -> tuple[list[int], list[Any]]:
         """(each VN's sample count, the batches) of ``vns`` in ``step``: loaded now, or None each
@@ -106,8 +124,10 @@ class VNCompute:
             for vn in vns:
                 self.prefetcher.schedule(s, vn, self.plan.vn_indices(s, vn))
 
-    def forward(self, step: int, vn: int, batch: Any = None, n: int = 0) -> torch.Tensor:
-        """Forward of one VN from the step's starting BN statistics; returns the weighted loss."""
+    def forward(self, step: int, vn: int, batch: Any = None, n: int = 0) -> tuple[torch.Tensor, float]:
+        """Forward of one VN from the step's starting BN statistics; returns (the loss, the VN's
+        share ``n_v / B``): :meth:`backward` weights the loss's gradient by the share and
+        :meth:`weighted` the loss's value."""
         if self.has_bn:
             self.bn.restore()
         now = time.perf_counter
@@ -128,7 +148,7 @@ class VNCompute:
         else:
             loss = self._checked(out, share, step, vn)
         self.loss_dtype = loss.dtype
-        return loss * share
+        return loss, share
 
     def _checked(self, out: Any, share: float, step: int, vn: int) -> torch.Tensor:
         """``Job.loss``'s result split into the loss (checked) and its metrics (added to the step's
@@ -139,10 +159,41 @@ class VNCompute:
         self.metrics.note(metrics, share, where)
         return loss
 
-    def backward(self, weighted: torch.Tensor) -> None:
+    def _root(self, loss: torch.Tensor, share: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the tensor the backward starts from, its seed gradient or None for ones): the loss and
+        ``dtype(share)`` where the weighting folds, else the weighted (and scaled) loss."""
+        if self.folds and loss.dtype in _FOLDED:
+            key = (share, loss.dtype)
+            seed = self._seeds.get(key)
+            if seed is None:
+                seed = self._seeds[key] = torch.tensor(share, dtype=loss.dtype, device=loss.device)
+            return loss, seed
+        return self.scale_loss(loss * share), None
+
+    def backward(self, loss: torch.Tensor, share: float) -> None:
+        """Backward of the VN's loss weighted by ``share`` (and scaled by ``16-mixed``'s loss scale)."""
         t0 = time.perf_counter()
-        self.scale_loss(weighted).backward()
+        root, seed = self._root(loss, share)
+        root.backward(seed)
         self.clock.add("backward_s", time.perf_counter() - t0)
+
+    @staticmethod
+    def weighted(loss: torch.Tensor, share: float) -> torch.Tensor:
+        """The VN's weighted loss ``loss * share``, detached (the statistics' value)."""
+        return loss.detach() * share
+
+    def weighted_block(self, losses: Sequence[torch.Tensor], shares: Sequence[float]) -> torch.Tensor:
+        """The weighted losses of a block of VNs as one detached vector, element ``i`` equal to
+        :meth:`weighted` of ``losses[i]`` (one multiplication where the dtypes fold)."""
+        with torch.no_grad():
+            dtype = losses[0].dtype
+            if dtype not in _FOLDED or any(x.dtype != dtype for x in losses):
+                return torch.stack([x * s for x, s in zip(losses, shares)])
+            key, kept_dtype, t = self._shares
+            if t is None or kept_dtype != dtype or key != tuple(shares):
+                t = torch.tensor(shares, dtype=dtype, device=losses[0].device)
+                self._shares = (tuple(shares), dtype, t)
+            return torch.stack(losses) * t
 
     def sleep(self, seconds: float) -> None:
         """Emulated slowness (counted as compute, split between forward and backward)."""
@@ -166,14 +217,15 @@ class VNCompute:
         """Time one VN's forward and backward without contributing it; returns the seconds."""
         vn = step % self.plan.virtual_nodes
         t0 = time.perf_counter()
-        weighted = self.forward(step, vn)
+        loss, share = self.forward(step, vn)
         self.metrics.reset()  # a probe contributes nothing
-        if weighted.requires_grad:
+        if loss.requires_grad:
             t_b = time.perf_counter()
-            torch.autograd.grad(weighted, self.params, allow_unused=True)
+            root, seed = self._root(loss, share)
+            torch.autograd.grad(root, self.params, seed, allow_unused=True)
             self.clock.add("backward_s", time.perf_counter() - t_b)
         self.emulate(t0)
-        del weighted
+        del loss
         if self.bn:
             self.bn.restore()
         return time.perf_counter() - t0

@@ -132,14 +132,15 @@ class TreeBody:
             loss]; the VN's gradient is in (or was accumulated into) ``p.grad``."""
             h.check_broken()
             t_vn = time.perf_counter()
-            weighted = h.compute.forward(step, vn)
+            loss, share = h.compute.forward(step, vn)
             if vn == last_vn:
                 h.phase = "backward"
                 h._in_last_backward = True
-            h.compute.backward(weighted)
+            h.compute.backward(loss, share)
             h._in_last_backward = False
             h.compute.emulate(t_vn)
-            weighted = weighted.detach()
+            weighted = h.compute.weighted(loss, share)
+            del loss
             bad.note(vn, weighted)
             tail = []
             if with_bn:
