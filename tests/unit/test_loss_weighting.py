@@ -52,9 +52,20 @@ def test_folded_backward_and_weighted_losses_equal_the_multiplied_ones(dtype):
         compute.backward(loss, share)
     for a, b in zip(_grads(model), plain):
         assert a.dtype == b.dtype and torch.equal(a, b)
-    block = compute.weighted_block(losses, SHARES)
-    assert block.dtype == dtype and not block.requires_grad
-    assert torch.equal(block, torch.stack(plain_weighted))
+    plain_block = torch.stack(plain_weighted)
+    ws, total = compute.weighted_block(losses, SHARES)  # on CPU: Python floats, exact products
+    if dtype == torch.bfloat16:  # (kept as tensors)
+        assert ws.dtype == dtype and not ws.requires_grad and torch.equal(ws, plain_block)
+        assert torch.equal(total, plain_block.sum())
+    else:
+        assert all(type(x) is float for x in ws) and total == sum(ws)
+        assert torch.equal(torch.tensor(ws, dtype=dtype), plain_block)  # rounded: the multiplied losses
+        if dtype == torch.float32:  # and they are the exact products (no rounding before the sum)
+            assert any(x != float(y) for x, y in zip(ws, plain_block.tolist()))
+    compute.on_cpu = False  # an accelerator's block: a tensor on the device
+    ws, total = compute.weighted_block(losses, SHARES)
+    assert ws.dtype == dtype and not ws.requires_grad and torch.equal(ws, plain_block)
+    assert torch.equal(total, plain_block.sum())
     for i, (loss, share) in enumerate(zip(losses, SHARES)):
         assert torch.equal(compute.weighted(loss, share), plain_weighted[i])
     assert compute.folds and (dtype in (torch.float32, torch.float64)) == (compute._root(losses[0], 0.5)[1] is not None)
@@ -78,15 +89,41 @@ def test_a_loss_scale_keeps_the_multiplication():
     assert all(torch.equal(a, b) for a, b in zip(_grads(model), plain))
 
 
-def test_the_block_keeps_its_shares_tensor_until_the_shares_change():
+@pytest.mark.parametrize("on_cpu", [True, False])
+def test_the_block_keeps_its_shares_until_they_change(on_cpu):
     model = nn.Linear(4, 1)
     compute = _compute(model)
+    compute.on_cpu = on_cpu
     losses = _losses(model, torch.float32)
     compute.weighted_block(losses, SHARES)
     kept = compute._shares[2]
     compute.weighted_block(losses, SHARES)
     assert compute._shares[2] is kept
     other = (0.25,) * len(SHARES)
-    got = compute.weighted_block(losses, other)
+    got, _ = compute.weighted_block(losses, other)
     assert compute._shares[2] is not kept
-    assert torch.equal(got, torch.stack([x.detach() * 0.25 for x in losses]))
+    assert torch.equal(torch.as_tensor(got, dtype=torch.float32), torch.stack([x.detach() * 0.25 for x in losses]))
+
+
+def test_non_finite_losses_flag_the_same_vns_and_a_huge_sum_packs_as_infinity():
+    from virtualflow.runtime.step.stats import BadFlags, StatsLayout
+
+    model = nn.Linear(4, 1)
+    compute = _compute(model)
+    big = torch.finfo(torch.float32).max
+    losses = [torch.tensor(x) for x in (1.0, float("inf"), float("nan"), big, big, -float("inf"))]
+    shares = (0.5, 0.25, 1 / 3, 1.0, 1.0, 0.125)
+    flags = {}
+    for on_cpu in (True, False):
+        compute.on_cpu = on_cpu
+        ws, total = compute.weighted_block(losses, shares)
+        bad = BadFlags(len(losses), None)
+        bad.note_block(range(len(losses)), slice(None), ws)
+        flags[on_cpu] = bad.values
+    assert flags[True] == flags[False] == [0.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+    compute.on_cpu = True
+    ws, total = compute.weighted_block(losses[3:5], shares[3:5])  # finite in a Python float, not in float32
+    assert total == 2 * big
+    layout = StatsLayout(2, 1, 0, loss=True, bn_numel=0, bn_mean=False)
+    packed = layout.pack(BadFlags(2, None), 0, None, total, None, 0.0, None)
+    assert packed[0].item() == float("inf") and packed.dtype == torch.float32

@@ -299,7 +299,7 @@ class VNEngine:
         c = self.compute
         return self.idle.compute(c.vn_s * c.slowdown, c.loss_dtype is not None, lambda: c.probe(step))
 
-    def pack_stats(self, bad: BadFlags, control: int | Callable[[], int], loss: torch.Tensor | None,
+    def pack_stats(self, bad: BadFlags, control: int | Callable[[], int], loss: float | torch.Tensor | None,
                     bn: torch.Tensor | None) -> torch.Tensor:
         """This worker's statistics vector (:class:`~virtualflow.runtime.step.stats.StatsLayout`). A
         callable ``control`` is read here, as late as the step allows: a command (a stop) given
@@ -431,9 +431,9 @@ class VNEngine:
                 elif vn == 0:
                     bn_acc = self.bn.flat()
             if i == last:
-                ws = c.weighted_block(losses, shares)
+                ws, total = c.weighted_block(losses, shares)
                 bad.note_block(self.vns, self._vn_ids, ws)
-                stats = self.pack_stats(bad, control, ws.sum(), bn_acc)
+                stats = self.pack_stats(bad, control, total, bn_acc)
                 self.reduction.arm(stats)
                 self.phase = "backward"
                 self._in_last_backward = True

@@ -14,8 +14,11 @@ float64 loss and no loss scale, ``(loss * share).backward()`` hands ``loss``'s b
 gradient ``dtype(share)`` (one times the share, exact), so :meth:`VNCompute.backward` hands it that
 tensor directly (``loss.backward(dtype(share))``) and spares each VN a multiplication, its
 autograd node and a detach. The weighted loss itself (for the statistics) is ``loss * share`` of
-the detached loss, the same operation; a block of VNs multiplies them element-wise at once
-(:meth:`VNCompute.weighted_block`). Half-precision losses and ``16-mixed`` keep the multiplication.
+the detached loss, the same operation. A block of VNs on CPU reads its losses as Python floats
+(:meth:`VNCompute.weighted_block`): a float32 loss times its share rounded to float32 is exact in
+a Python float, so the flags are those of the weighted losses and their sum is rounded once (to
+the statistics vector's dtype, when it is packed); on an accelerator the block stays on the
+device. Half-precision losses and ``16-mixed`` keep the multiplication.
 
 Invariants: a VN's random streams and BatchNorm statistics depend only on (seed, step, VN), never
 on the worker or on the VNs before it; every interval is added to the step's clock
@@ -27,6 +30,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from virtualflow.plan.data import DataPlan, vn_seed
@@ -81,8 +85,9 @@ class VNCompute:
         """Whether the weighting can fold into the backward (no loss scale; see the module docstring)."""
         self._seeds: dict[tuple[float, torch.dtype], torch.Tensor] = {}
         """The backward's seed gradient per (share, dtype): ``dtype(share)`` on the device."""
-        self._shares: tuple[tuple[float, ...], torch.dtype, torch.Tensor | None] = ((), torch.float32, None)
-        """The last block's shares as a tensor (:meth:`weighted_block`): the same every step."""
+        self._shares: tuple[tuple[float, ...], torch.dtype, Any] = ((), torch.float32, None)
+        """The last block's shares (the same every step) as :meth:`weighted_block` multiplies by
+        them: a tensor on an accelerator, Python floats rounded to the loss's dtype on CPU."""
 
     def batches(self, step: int, vns: Sequence[int]) -> tuple[list[int], list[Any]]:
         """(each VN's sample count, the batches) of ``vns`` in ``step``: loaded now, or None each
@@ -182,18 +187,31 @@ class VNCompute:
         """The VN's weighted loss ``loss * share``, detached (the statistics' value)."""
         return loss.detach() * share
 
-    def weighted_block(self, losses: Sequence[torch.Tensor], shares: Sequence[float]) -> torch.Tensor:
-        """The weighted losses of a block of VNs as one detached vector, element ``i`` equal to
-        :meth:`weighted` of ``losses[i]`` (one multiplication where the dtypes fold)."""
+    def weighted_block(self, losses: Sequence[torch.Tensor], shares: Sequence[float]
+                       ) -> tuple[list[float] | torch.Tensor, float | torch.Tensor]:
+        """(the weighted losses of a block of VNs, their sum). On CPU with float32/float64 losses:
+        Python floats, ``x * s`` with the share ``s`` rounded to the loss's dtype, which is exact
+        (two float32 significands fit a Python float's), so each is finite exactly where
+        :meth:`weighted` is, and the sum is taken in double precision. Otherwise a detached
+        vector, element ``i`` equal to :meth:`weighted` of ``losses[i]``, and its sum."""
+        dtype = losses[0].dtype
+        if dtype not in _FOLDED or any(x.dtype != dtype for x in losses):
+            with torch.no_grad():
+                ws = torch.stack([x * s for x, s in zip(losses, shares)])
+            return ws, ws.sum()
+        key, kept_dtype, factors = self._shares
+        if factors is None or kept_dtype != dtype or key != tuple(shares) or self.on_cpu != isinstance(factors, list):
+            if self.on_cpu:
+                factors = np.array(shares, dtype=np.float32 if dtype == torch.float32 else np.float64).tolist()
+            else:
+                factors = torch.tensor(shares, dtype=dtype, device=losses[0].device)
+            self._shares = (tuple(shares), dtype, factors)
+        if self.on_cpu:
+            ws = [x.item() * s for x, s in zip(losses, factors)]
+            return ws, sum(ws)
         with torch.no_grad():
-            dtype = losses[0].dtype
-            if dtype not in _FOLDED or any(x.dtype != dtype for x in losses):
-                return torch.stack([x * s for x, s in zip(losses, shares)])
-            key, kept_dtype, t = self._shares
-            if t is None or kept_dtype != dtype or key != tuple(shares):
-                t = torch.tensor(shares, dtype=dtype, device=losses[0].device)
-                self._shares = (tuple(shares), dtype, t)
-            return torch.stack(losses) * t
+            ws = torch.stack(losses) * factors
+        return ws, ws.sum()
 
     def sleep(self, seconds: float) -> None:
         """Emulated slowness (counted as compute, split between forward and backward)."""

@@ -26,6 +26,7 @@ writes only its own per-worker slots, so the sum is each worker's value there.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -89,7 +90,19 @@ class MetricSums:
         return {name: values[i] for i, name in enumerate(self.names)} or None
 
 
-_NUMPY = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+_OVERFLOW = {torch.float32: math.ldexp(1 - 2.0**-25, 128)}
+"""The least magnitude that rounds to infinity in float32 (its largest value plus half an ulp: the
+tie goes to the even infinity); float64 is a Python float's own range."""
+
+
+def in_range(x: float, dtype: torch.dtype) -> float:
+    """``x``, or the infinity of its sign where rounding it to ``dtype`` overflows (as
+    ``torch.tensor`` rounds it; NumPy would warn)."""
+    limit = _OVERFLOW.get(dtype)
+    return math.copysign(math.inf, x) if limit is not None and abs(x) >= limit else x
 
 
 def floats(numbers: list[float], dtype: torch.dtype, device: torch.device | None) -> torch.Tensor:
@@ -123,12 +136,13 @@ class BadFlags:
         else:
             self.values[vn] = torch.isnan(weighted - weighted)  # two kernels (isfinite's composite runs five)
 
-    def note_block(self, vns: Sequence[int], where: slice | torch.Tensor, weighted: torch.Tensor) -> None:
-        """The weighted losses of ``vns`` (``weighted[i]``: VN ``vns[i]``'s); ``where``: their
-        slots as a slice or index tensor (the device's copy)."""
+    def note_block(self, vns: Sequence[int], where: slice | torch.Tensor,
+                   weighted: Sequence[float] | torch.Tensor) -> None:
+        """The weighted losses of ``vns`` (``weighted[i]``: VN ``vns[i]``'s; on CPU Python floats
+        or a tensor); ``where``: their slots as a slice or index tensor (the device's copy)."""
         if self.device is None:
             values = self.values
-            for vn, x in zip(vns, weighted.tolist()):
+            for vn, x in zip(vns, weighted.tolist() if isinstance(weighted, torch.Tensor) else weighted):
                 if x - x != 0.0:
                     values[vn] = 1.0
         else:
@@ -165,7 +179,7 @@ class StatsLayout:
     bn_mean: bool
     """The statistics here are summed over the VNs and read as their mean (BatchNorm ``mean``)."""
 
-    def pack(self, bad: BadFlags, control: int, metrics: torch.Tensor | None, loss: torch.Tensor | None,
+    def pack(self, bad: BadFlags, control: int, metrics: torch.Tensor | None, loss: float | torch.Tensor | None,
              bn: torch.Tensor | None, compute_s: float, previous: Sequence[float] | None) -> torch.Tensor:
         """This worker's vector, in ``bad``'s dtype on ``bad``'s device (``metrics`` None: zeros;
         ``bn`` None: zeros; ``previous``: this worker's previous step's intervals, or None)."""
@@ -175,7 +189,10 @@ class StatsLayout:
             items.append(bn.to(dtype) if bn is not None else torch.zeros(self.bn_numel, device=device, dtype=dtype))
         if self.loss:
             # on CPU the loss's value as a Python float (exact), rounded to dtype as .to(dtype) rounds it
-            items.append([loss.item()] if device is None else loss.reshape(1).to(dtype))
+            if device is None:
+                items.append([in_range(loss if isinstance(loss, float) else loss.item(), dtype)])
+            else:
+                items.append(loss.reshape(1).to(dtype))
         items.append(bad.values)
         items.append(metrics if metrics is not None else [0.0] * MAX_METRICS)
         size, K = self.size, len(RAW)
