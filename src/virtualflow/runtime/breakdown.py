@@ -83,6 +83,9 @@ from typing import Any, Iterable, Sequence
 RAW = ("input_s", "forward_s", "backward_s", "emulated_s", "blocked_s", "optimizer_s", "period_s", "arrive_s",
        "read_calls", "read_bytes", "loaded_s", "loop_s", "p2p_s", "bubble_s")
 """What each worker measures per step, in this order (the vector that rides in the reduction)."""
+assert RAW == ("input_s", "forward_s", "backward_s", "emulated_s", "blocked_s", "optimizer_s", "period_s", "arrive_s",
+               "read_calls", "read_bytes", "loaded_s", "loop_s", "p2p_s", "bubble_s"), "derive() unpacks RAW in order"
+_PERIOD, _ARRIVE = RAW.index("period_s"), RAW.index("arrive_s")
 
 PARTS = ("input_s", "forward_s", "backward_s", "p2p_s", "bubble_s", "reduction_s", "straggler_s", "optimizer_s",
          "overhead_s", "control_s")
@@ -239,34 +242,33 @@ def derive(raw: Sequence[Sequence[float]], groups: Sequence[int] | None = None) 
     group to arrive (default: one group)."""
     if not raw or any(len(v) != len(RAW) for v in raw):
         return None
-    rows = [dict(zip(RAW, (float(x) for x in v))) for v in raw]
-    if any(r["period_s"] <= 0 or not all(math.isfinite(x) for x in r.values()) for r in rows):
+    rows = [[float(x) for x in v] for v in raw]
+    # (a sum is finite only when every term is: one check per row; a sum that overflows is no period)
+    if any(r[_PERIOD] <= 0 or not math.isfinite(sum(r)) for r in rows):
         return None
     groups = list(groups) if groups is not None else [0] * len(rows)
     if len(groups) != len(rows):
         return None
     last_of: dict[int, float] = {}
     for g, r in zip(groups, rows):
-        last_of[g] = max(last_of.get(g, r["arrive_s"]), r["arrive_s"])
+        last_of[g] = max(last_of.get(g, r[_ARRIVE]), r[_ARRIVE])
     out = []
     for g, r in zip(groups, rows):
-        last = last_of[g]
-        compute = r["forward_s"] + r["backward_s"]
-        fwd_share = r["forward_s"] / compute if compute > 0 else 0.5
-        forward = r["forward_s"] + r["emulated_s"] * fwd_share
-        backward = r["backward_s"] + r["emulated_s"] * (1 - fwd_share)
-        straggler = min(max(0.0, last - r["arrive_s"]), r["blocked_s"])
-        measured = r["input_s"] + forward + backward + r["p2p_s"] + r["bubble_s"] + r["blocked_s"] + r["optimizer_s"]
-        rest = max(0.0, r["period_s"] - measured)
-        control = min(max(0.0, r["loop_s"]), rest)
+        (input_s, forward_s, backward_s, emulated_s, blocked_s, optimizer_s, period_s, arrive_s, read_calls,
+         read_bytes, loaded_s, loop_s, p2p_s, bubble_s) = r
+        compute = forward_s + backward_s
+        fwd_share = forward_s / compute if compute > 0 else 0.5
+        forward = forward_s + emulated_s * fwd_share
+        backward = backward_s + emulated_s * (1 - fwd_share)
+        straggler = min(max(0.0, last_of[g] - arrive_s), blocked_s)
+        measured = input_s + forward + backward + p2p_s + bubble_s + blocked_s + optimizer_s
+        rest = max(0.0, period_s - measured)
+        control = min(max(0.0, loop_s), rest)
         out.append({
-            "input_s": r["input_s"], "forward_s": forward, "backward_s": backward,
-            "p2p_s": r["p2p_s"], "bubble_s": r["bubble_s"],
-            "reduction_s": r["blocked_s"] - straggler, "straggler_s": straggler,
-            "optimizer_s": r["optimizer_s"], "overhead_s": rest - control, "control_s": control,
-            "step_s": r["period_s"],
-            "read_calls": int(round(r["read_calls"])), "read_bytes": int(round(r["read_bytes"])),
-            "loaded_s": r["loaded_s"],
+            "input_s": input_s, "forward_s": forward, "backward_s": backward, "p2p_s": p2p_s, "bubble_s": bubble_s,
+            "reduction_s": blocked_s - straggler, "straggler_s": straggler, "optimizer_s": optimizer_s,
+            "overhead_s": rest - control, "control_s": control, "step_s": period_s,
+            "read_calls": int(round(read_calls)), "read_bytes": int(round(read_bytes)), "loaded_s": loaded_s,
         })
     return out
 

@@ -265,6 +265,11 @@ class VNEngine:
     def _zero_grad(self) -> None:
         self.update.zero_grad()
 
+    def _bn_sum(self) -> torch.Tensor | None:
+        """A step's sum of BatchNorm statistics over this worker's VNs (``mean``), or None where
+        there is none to sum (a model without BatchNorm: no empty tensor per step)."""
+        return torch.zeros(self.bn.numel, device=self.device) if self.bn.numel and self.batchnorm == "mean" else None
+
     # -- the optimizer's state is read, gathered, loaded and sized through ``update`` -------------
     def before_regroup(self) -> None:
         """A planned membership change follows this step: with the sharded reduction, every member
@@ -395,7 +400,7 @@ class VNEngine:
             compute_s, probed = time.perf_counter() - t_step, False
         else:  # no VN here: maybe a probe, then zeros into every bucket (finish() launches them all)
             compute_s, probed = self.idle_compute(step)
-            bn_acc = torch.zeros(self.bn.numel, device=self.device) if self.batchnorm == "mean" else None
+            bn_acc = self._bn_sum()
             stats = self.pack_stats(bad, control, torch.zeros((), device=self.device), bn_acc)
         self.phase = "reduction"
         self.clock.enter_reduction()
@@ -411,7 +416,7 @@ class VNEngine:
     def _run_vns(self, step: int, bad: BadFlags, control: int | Callable[[], int]) -> torch.Tensor:
         """Forward and backward of each VN here, accumulating into ``.grad``; the statistics are
         packed, and the reduction armed with them, before the last backward. Returns them."""
-        bn_acc = torch.zeros(self.bn.numel, device=self.device) if self.batchnorm == "mean" else None
+        bn_acc = self._bn_sum()
         last = len(self.vns) - 1
         c = self.compute
         sizes, batches = c.batches(step, self.vns)  # (with a prefetcher, each taken when its turn comes)
