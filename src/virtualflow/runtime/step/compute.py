@@ -171,6 +171,8 @@ class VNCompute:
             key = (share, loss.dtype)
             seed = self._seeds.get(key)
             if seed is None:
+                if len(self._seeds) >= 64:  # (shares change only with the global batch size)
+                    self._seeds.clear()
                 seed = self._seeds[key] = torch.tensor(share, dtype=loss.dtype, device=loss.device)
             return loss, seed
         return self.scale_loss(loss * share), None
