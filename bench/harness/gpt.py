@@ -176,10 +176,11 @@ def live_tensor_bytes() -> int:
         t = obj.to_local() if hasattr(obj, "to_local") else obj
         if t.device.type != "cpu" or t.is_sparse:
             continue
-        try:
+        try:  # (a tensor subclass without storage; a fake tensor torch.compile left behind has no data)
             storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
+            nbytes, ptr = storage.nbytes(), storage.data_ptr()
+        except (RuntimeError, NotImplementedError):
             continue
-        if storage.nbytes():
-            seen[storage.data_ptr()] = max(seen.get(storage.data_ptr(), 0), storage.nbytes())
+        if nbytes:
+            seen[ptr] = max(seen.get(ptr, 0), nbytes)
     return sum(seen.values())
