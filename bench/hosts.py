@@ -42,8 +42,9 @@ all-reduce before it, untimed: a step's reduction starts when the workers' backw
 while the previous one's last bytes are still arriving) and is timed by its slowest rank; its
 buffers, and the owners exchange with its schedule, are made before the timing, once, as the
 runtime makes them once per generation. The hops stream all their repetitions after one common
-start, five streams per measurement. Seconds per op: the median over the repetitions (the hops:
-over the streams, each stream's seconds per activation); target within 15 %.
+start, nine streams per measurement. Seconds per op: the median over the repetitions (nine in the
+full run; the hops: over the streams, each stream's seconds per activation, five activations per
+stream); target within 15 %.
 
 Every figure in bench/results/hosts.* was measured on a shared 2-core machine: a loaded one
 (the markdown records the other load); CPU-bound copies keep 1 Gbit/s from its line rate there.
@@ -73,10 +74,16 @@ OPS = ("allreduce", "sharded", "deterministic", "hop")
 PORT = 29471
 BYTES_REL, BYTES_ABS = 0.005, 4096
 TIME_TOL = 0.15
-STREAMS = 5
+STREAMS = 9
 """Streams of hops timed per measurement (each of ``reps`` activations)."""
 SMALL = 256
 """Elements of the op that measures its fixed cost (1 KiB)."""
+REPS = 9
+"""Timed repetitions of a collective or exchange in the full run, of which the median is taken
+(single repetitions at 100 Mbit/s scatter by 10-20 %: docs/benchmarks.md)."""
+HOP_ACTIVATIONS = 5
+"""Activations per stream of hops in the full run (a longer stream is a different measurement: the
+pipeline's fill weighs less in it; the median is over the :data:`STREAMS`)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     run = H.Run("hosts", args, target_keys=())
     worlds = (2, 4) if run.quick else (2, 3, 4)
     rates = (1000.0, 100.0)
-    reps = 3 if run.quick else 5
+    reps = 3 if run.quick else REPS
     seconds = 0.15 if run.quick else 0.4
     rows: list[dict[str, Any]] = []
     meter = H.LoadMeter()
@@ -350,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
                     for h in hosts:
                         h.set_rate(rate)
                     for op in OPS:
-                        rows.append(measure(ranks, op, numel_for(op, rate, seconds), reps, world, rate))
+                        n_reps = reps if run.quick or op != "hop" else HOP_ACTIVATIONS
+                        rows.append(measure(ranks, op, numel_for(op, rate, seconds), n_reps, world, rate))
             finally:
                 ranks.close()
     t = run.targets
