@@ -1,7 +1,7 @@
-"""A VN's loss weighting folded into its backward (runtime/step/compute.py): the gradients and the
-weighted losses are bit for bit those of ``(loss * share).backward()``, the plain PyTorch way, for
-shares that are not exact binary fractions; half-precision losses and a loss scale keep the
-multiplication."""
+"""A VN's loss weighting folded into its backward (runtime/step/weighting.py: the VN engine's
+compute and the pipeline's last piece use it): the gradients and the weighted losses are bit for bit
+those of ``(loss * share).backward()``, the plain PyTorch way, for shares that are not exact binary
+fractions; half-precision losses and a loss scale keep the multiplication."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def test_folded_backward_and_weighted_losses_equal_the_multiplied_ones(dtype):
     assert torch.equal(total, plain_block.sum())
     for i, (loss, share) in enumerate(zip(losses, SHARES)):
         assert torch.equal(compute.weighted(loss, share), plain_weighted[i])
-    assert compute.folds and (dtype in (torch.float32, torch.float64)) == (compute._root(losses[0], 0.5)[1] is not None)
+    assert compute.weighting.folds and (dtype in (torch.float32, torch.float64)) == (compute.weighting.root(losses[0], 0.5)[1] is not None)
 
 
 def test_a_loss_scale_keeps_the_multiplication():
@@ -76,14 +76,14 @@ def test_a_loss_scale_keeps_the_multiplication():
     model = nn.Sequential(nn.Linear(4, 1))
     scaler = LossScaler({"init_scale": 2.0**7})
     compute = _compute(model, scaler)
-    assert not compute.folds
+    assert not compute.weighting.folds
     plain_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**7)
     for loss, share in zip(_losses(model, torch.float32), SHARES):
         plain_scaler.scale(loss * share).backward()
     plain = _grads(model)
     model.zero_grad(set_to_none=True)
     for loss, share in zip(_losses(model, torch.float32), SHARES):
-        root, seed = compute._root(loss, share)
+        root, seed = compute.weighting.root(loss, share)
         assert seed is None
         compute.backward(loss, share)
     assert all(torch.equal(a, b) for a, b in zip(_grads(model), plain))

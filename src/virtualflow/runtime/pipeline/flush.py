@@ -207,7 +207,7 @@ class FlushStep:
         if e.ties is not None:  # the first forward of each piece: a shared weight read once
             e.ties.check_uses(k, e.piece_params[k], ctx.outputs)
         if k == e.last:
-            self.losses[vn] = ctx.outputs[0].detach()
+            self.losses[vn] = e.loop.weighting.weighted(ctx.outputs[0], ctx.share)
             if ctx.metrics:
                 self.metrics[vn] = ctx.metrics
         return ctx
@@ -215,8 +215,9 @@ class FlushStep:
     def backward(self, kind: str, k: int, mb: int, ctx: MicroBatch) -> None:
         e = self.engine
         outs, grads = e.prep.grad_pairs(ctx)
-        if grads is None:  # the last piece: its weighted loss, times the loss scale (16-mixed)
-            outs = [e.loop.scale_loss(outs[0])]
+        if grads is None:  # the last piece: its loss weighted by the VN's share (times the loss scale)
+            root, seed = e.loop.weighting.root(outs[0], ctx.share)
+            outs, grads = [root], (None if seed is None else [seed])
         params = e.piece_params[k]
         wants_input = [t for t in ctx.inputs if t.is_floating_point()]
         if kind in ("B", "W"):

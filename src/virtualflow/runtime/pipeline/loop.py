@@ -54,6 +54,7 @@ from virtualflow.runtime.clipping import NormBlocks, norm_dtype
 from virtualflow.runtime.model_prep import prepare_model
 from virtualflow.runtime.pipeline.requests import AllSum, Request
 from virtualflow.runtime.step.finish import ONE_SLOT, OneSlot, StepFinish, TensorSlots
+from virtualflow.runtime.step.weighting import LossWeighting
 
 __all__ = ["StageLoop", "check_checkpoint_spec", "check_schedule", "checkpoint_spec_for", "model_norm_blocks",
            "share_metrics", "stage_loop", "weighted_metrics"]
@@ -86,10 +87,14 @@ class StageLoop:
     finish: StepFinish = field(init=False)
     """The step finish of these settings (:mod:`virtualflow.runtime.step.finish`): the norm is
     taken to clip only (a stage learns an inf/nan from the flags in the stats)."""
+    weighting: LossWeighting = field(init=False)
+    """What the last piece's backward starts from: its loss weighted by the VN's share (and, with
+    ``16-mixed``, scaled), as the VN engine's (:mod:`virtualflow.runtime.step.weighting`)."""
 
     def __post_init__(self) -> None:
         self.finish = StepFinish(self.scaler, self.max_grad_norm,
                                  self.blocks if self.max_grad_norm is not None else None)
+        self.weighting = LossWeighting(self.scaler)
 
     @property
     def checks_grads(self) -> bool:
@@ -114,9 +119,6 @@ class StageLoop:
         for piece in pieces.values():
             prepare_model(piece, activation_checkpointing=checkpoint_spec_for(piece, self.activation_checkpointing),
                           compile=self.compile)
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.finish.scale_loss(loss)
 
     def norm_params(self, model: nn.Module) -> list[tuple[int, torch.Tensor]]:
         """A stage module's trainable parameters the norm counts, as (index in the whole model's

@@ -55,6 +55,9 @@ class MicroBatch:
     in_grads: list[torch.Tensor] | None = None
     metrics: dict[str, float] | None = None
     """The last piece: the loss function's metrics times the VN's share of the global batch."""
+    share: float = 0.0
+    """The last piece: the VN's share of the global batch, which weights its loss (``outputs[0]``)
+    in the backward (:mod:`virtualflow.runtime.step.weighting`)."""
 
 
 def starts_in_place(module: nn.Module) -> bool:
@@ -121,8 +124,8 @@ class MicroBatchPrep:
         return x[0] if len(x) == 1 else tuple(x)
 
     def finish_forward(self, k: int, step: int, vn: int, out: Any, ctx: MicroBatch) -> None:
-        """Keep piece ``k``'s output: the weighted loss on the last piece, the activations on the
-        others; and the generator state(s) after the forward."""
+        """Keep piece ``k``'s output: the loss and the VN's share on the last piece, the activations
+        on the others; and the generator state(s) after the forward."""
         if k == self.last:
             if ctx.batch is None:
                 indices = self.plan.vn_indices(step, vn)
@@ -130,9 +133,9 @@ class MicroBatchPrep:
             where = f"Job.output_loss at step {step} in virtual node {vn}"
             loss, metrics = split_loss(self.output_loss(out, ctx.batch), where)
             check_loss(loss, where)
-            weight = ctx.n / self.plan.global_batch_size
-            ctx.outputs = (loss * weight,)
-            ctx.metrics = weighted_metrics(metrics, weight) if metrics else None
+            ctx.share = ctx.n / self.plan.global_batch_size
+            ctx.outputs = (loss,)  # weighted by ctx.share in the backward (StageLoop.weighting)
+            ctx.metrics = weighted_metrics(metrics, ctx.share) if metrics else None
         else:
             ctx.outputs = tensors_of(out)
         if k != self.first:
@@ -143,8 +146,9 @@ class MicroBatchPrep:
 
     @staticmethod
     def grad_pairs(ctx: MicroBatch) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """(outputs that need a backward, their gradients)."""
-        if ctx.out_grads is None:  # the last piece: the weighted loss
+        """(outputs that need a backward, their gradients): on the last piece the loss and None
+        (the caller weights it by ``ctx.share``: :meth:`StageLoop.weighting.root`)."""
+        if ctx.out_grads is None:  # the last piece: the loss
             return [ctx.outputs[0]], None
         outs, grads = [], []
         floats = [o for o in ctx.outputs if o.is_floating_point()]

@@ -86,7 +86,7 @@ class StreamWindow:
             out = torch.func.functional_call(self.piece, ctx.version, (x,), strict=False)
             e.prep.finish_forward(k_, step, vn, out, ctx)
         if k_ == e.last:
-            self.losses.setdefault(step, {})[vn] = ctx.outputs[0].detach()
+            self.losses.setdefault(step, {})[vn] = e.loop.weighting.weighted(ctx.outputs[0], ctx.share)
             if ctx.metrics:
                 self.metrics.setdefault(step, {})[vn] = ctx.metrics
         return ctx
@@ -94,6 +94,9 @@ class StreamWindow:
     def backward(self, kind: str, k_: int, mb: int, ctx: MicroBatch) -> None:
         e = self.engine
         outs, grads = e.prep.grad_pairs(ctx)
+        if grads is None:  # the last piece: its loss weighted by the VN's share (no loss scale here)
+            root, seed = e.loop.weighting.root(outs[0], ctx.share)
+            outs, grads = [root], (None if seed is None else [seed])
         wants_input = [t for t in ctx.inputs if t.is_floating_point()]
         weights = [ctx.version[n] for n in self.names]
         got = torch.autograd.grad(outs, weights + wants_input, grads, allow_unused=True)

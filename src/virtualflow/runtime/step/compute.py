@@ -9,12 +9,12 @@ step's sums (:class:`~virtualflow.runtime.step.stats.MetricSums`); backward of t
 (scaled by ``16-mixed``'s loss scale). A worker with no VN times a *probe* VN with the same forward
 (nothing accumulated, see :mod:`virtualflow.runtime.probe`).
 
-The weighting is folded into the backward where that gives the same bits: for a float32 or
-float64 loss and no loss scale, ``(loss * share).backward()`` hands ``loss``'s backward the
-gradient ``dtype(share)`` (one times the share, exact), so :meth:`VNCompute.backward` hands it that
-tensor directly (``loss.backward(dtype(share))``) and spares each VN a multiplication, its
-autograd node and a detach. The weighted loss itself (for the statistics) is ``loss * share`` of
-the detached loss, the same operation. A block of VNs on CPU reads its losses as Python floats
+The weighting is folded into the backward where that gives the same bits
+(:mod:`.weighting`, shared with the pipeline's last piece): for a float32 or float64 loss and no
+loss scale, :meth:`VNCompute.backward` starts from ``loss`` with the seed gradient
+``dtype(share)``, which is what ``(loss * share).backward()`` hands ``loss``'s backward. The
+weighted loss itself (for the statistics) is ``loss * share`` of the detached loss, the same
+operation. A block of VNs on CPU reads its losses as Python floats
 (:meth:`VNCompute.weighted_block`): a float32 loss times its share rounded to float32 is exact in
 a Python float, so the flags are those of the weighted losses and their sum is rounded once (to
 the statistics vector's dtype, when it is packed); on an accelerator the block stays on the
@@ -40,14 +40,7 @@ from virtualflow.runtime.batchnorm import BatchNormState
 from virtualflow.runtime.breakdown import StepClock, measured_load
 from virtualflow.runtime.prefetch import Prefetcher
 from virtualflow.runtime.step.stats import MetricSums
-
-
-def _as_is(weighted: torch.Tensor) -> torch.Tensor:
-    return weighted
-
-
-_FOLDED = (torch.float32, torch.float64)
-"""Loss dtypes whose weighting is folded into the backward's seed gradient (module docstring)."""
+from virtualflow.runtime.step.weighting import FOLDED, LossWeighting
 
 
 class VNCompute:
@@ -58,8 +51,8 @@ class VNCompute:
                  clock: StepClock, prefetcher: Prefetcher | None) -> None:
         self.model, self.loss_fn, self.plan, self.loader = model, loss_fn, plan, loader
         self.seed, self.device, self.precision = seed, device, precision
-        self.scale_loss = scaler.scale_loss if scaler is not None else _as_is
-        """The loss backward runs on (``16-mixed``: times the loss scale)."""
+        self.weighting = LossWeighting(scaler)
+        """What each VN's backward starts from (``16-mixed``: the weighted loss times the loss scale)."""
         self.bn, self.clock, self.prefetcher = bn, clock, prefetcher
         self.has_bn = bool(bn)
         self.on_cpu = device.type == "cpu"
@@ -81,10 +74,6 @@ class VNCompute:
         """Smoothed compute time of one VN, without emulated sleep."""
         self.loss_dtype: torch.dtype | None = None
         """The loss's dtype, once a forward ran here."""
-        self.folds = scaler is None
-        """Whether the weighting can fold into the backward (no loss scale; see the module docstring)."""
-        self._seeds: dict[tuple[float, torch.dtype], torch.Tensor] = {}
-        """The backward's seed gradient per (share, dtype): ``dtype(share)`` on the device."""
         self._shares: tuple[tuple[float, ...], torch.dtype, Any] = ((), torch.float32, None)
         """The last block's shares (the same every step) as :meth:`weighted_block` multiplies by
         them: a tensor on an accelerator, Python floats rounded to the loss's dtype on CPU."""
@@ -164,30 +153,15 @@ class VNCompute:
         self.metrics.note(metrics, share, where)
         return loss
 
-    def _root(self, loss: torch.Tensor, share: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(the tensor the backward starts from, its seed gradient or None for ones): the loss and
-        ``dtype(share)`` where the weighting folds, else the weighted (and scaled) loss."""
-        if self.folds and loss.dtype in _FOLDED:
-            key = (share, loss.dtype)
-            seed = self._seeds.get(key)
-            if seed is None:
-                if len(self._seeds) >= 64:  # (shares change only with the global batch size)
-                    self._seeds.clear()
-                seed = self._seeds[key] = torch.tensor(share, dtype=loss.dtype, device=loss.device)
-            return loss, seed
-        return self.scale_loss(loss * share), None
-
     def backward(self, loss: torch.Tensor, share: float) -> None:
         """Backward of the VN's loss weighted by ``share`` (and scaled by ``16-mixed``'s loss scale)."""
         t0 = time.perf_counter()
-        root, seed = self._root(loss, share)
+        root, seed = self.weighting.root(loss, share)
         root.backward(seed)
         self.clock.add("backward_s", time.perf_counter() - t0)
 
-    @staticmethod
-    def weighted(loss: torch.Tensor, share: float) -> torch.Tensor:
-        """The VN's weighted loss ``loss * share``, detached (the statistics' value)."""
-        return loss.detach() * share
+    weighted = staticmethod(LossWeighting.weighted)
+    """The VN's weighted loss ``loss * share``, detached (the statistics' value)."""
 
     def weighted_block(self, losses: Sequence[torch.Tensor], shares: Sequence[float]
                        ) -> tuple[list[float] | torch.Tensor, float | torch.Tensor]:
@@ -197,7 +171,7 @@ class VNCompute:
         :meth:`weighted` is, and the sum is taken in double precision. Otherwise a detached
         vector, element ``i`` equal to :meth:`weighted` of ``losses[i]``, and its sum."""
         dtype = losses[0].dtype
-        if dtype not in _FOLDED or any(x.dtype != dtype for x in losses):
+        if dtype not in FOLDED or any(x.dtype != dtype for x in losses):
             with torch.no_grad():
                 ws = torch.stack([x * s for x, s in zip(losses, shares)])
             return ws, ws.sum()
@@ -241,7 +215,7 @@ class VNCompute:
         self.metrics.reset()  # a probe contributes nothing
         if loss.requires_grad:
             t_b = time.perf_counter()
-            root, seed = self._root(loss, share)
+            root, seed = self.weighting.root(loss, share)
             torch.autograd.grad(root, self.params, seed, allow_unused=True)
             self.clock.add("backward_s", time.perf_counter() - t_b)
         self.emulate(t0)

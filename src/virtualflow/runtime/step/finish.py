@@ -213,9 +213,6 @@ class StepFinish:
         (``None``: anywhere, no norm is taken)."""
         return self.blocks.cuts() if self.blocks is not None else None
 
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaling.scale_loss(loss)
-
     # ---- the whole gradient held (VN engine) -----------------------------------------------------
     def finish(self, held: HeldGradient) -> tuple[float | None, bool]:
         """Unscale, take the norm, decide the skip and clip ``held``; returns (norm, skipped)."""
