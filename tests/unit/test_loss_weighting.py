@@ -68,7 +68,8 @@ def test_folded_backward_and_weighted_losses_equal_the_multiplied_ones(dtype):
     assert torch.equal(total, plain_block.sum())
     for i, (loss, share) in enumerate(zip(losses, SHARES)):
         assert torch.equal(compute.weighted(loss, share), plain_weighted[i])
-    assert compute.weighting.folds and (dtype in (torch.float32, torch.float64)) == (compute.weighting.root(losses[0], 0.5)[1] is not None)
+    folded = compute.weighting.root(losses[0], 0.5)[1] is not None
+    assert compute.weighting.folds and folded == (dtype in (torch.float32, torch.float64))
 
 
 def test_a_loss_scale_keeps_the_multiplication():
