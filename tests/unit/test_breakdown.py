@@ -299,6 +299,75 @@ def test_a_missing_worker_vector_means_no_breakdown():
     assert breakdown.derive([]) is None
 
 
+def test_rank_0_hands_the_raw_rows_on_and_the_coordinator_derives_what_rank_0_did():
+    """The report carries the raw rows (rank 0 derives nothing in its step); the coordinator's
+    derivation equals the one rank 0 made before, record for record, through JSON."""
+    import json
+
+    fast = raw(input_s=0.01, forward_s=0.02, backward_s=0.03, blocked_s=0.035, optimizer_s=0.002,
+               period_s=0.1, arrive_s=0.062, read_calls=3.0, read_bytes=4096.0)
+    slow = raw(input_s=0.01, forward_s=0.035, backward_s=0.045, blocked_s=0.005, optimizer_s=0.002,
+               period_s=0.1, arrive_s=0.092)
+    members = [7, 3]
+    before = [{"worker": w, **parts} for w, parts in zip(members, breakdown.derive([fast, slow]))]
+    wire = json.loads(json.dumps(breakdown.Raw([fast, slow]).to_report()))
+    assert breakdown.from_report(wire, members) == breakdown.clean(before)
+    assert breakdown.Raw([fast, slow]).derive() == breakdown.derive([fast, slow])
+
+
+def test_tensor_planes_report_their_first_plane_and_stages_wait_for_their_own_group():
+    """A tensor-parallel grid reports plane 0's rows (ranks 0, T, 2T, ...): the others are None
+    and absent from the report; each stage's straggler wait is against its own group."""
+    a = raw(forward_s=0.01, blocked_s=0.02, period_s=0.05, arrive_s=0.02)
+    b = raw(forward_s=0.01, blocked_s=0.01, period_s=0.05, arrive_s=0.03)
+    spread = breakdown.Raw([a, b], groups=[1, 2]).spread(2)
+    assert spread.rows == [a, None, b, None] and spread.groups == [1, 0, 2, 0]
+    derived = spread.derive()
+    assert derived[1] is None and derived[3] is None
+    assert derived[0] == breakdown.derive([a, b], groups=[1, 2])[0]
+    assert derived[0]["straggler_s"] == 0.0  # alone in its stage: no one to wait for
+    assert breakdown.derive([a, b])[0]["straggler_s"] == pytest.approx(0.01)  # one group: waits for b
+    got = breakdown.from_report(spread.to_report(), [10, 11, 12, 13])
+    assert [r["worker"] for r in got] == [10, 12]
+
+
+@pytest.mark.parametrize("bad", [
+    None, "x", {"rows": "x"}, {"rows": []},
+    {"rows": [raw(period_s=0.1)[:-1]]}, {"rows": [[True] * len(breakdown.RAW)]},
+    {"rows": [raw(period_s=0.1)], "groups": [1, 2]}, {"rows": [raw(period_s=0.1)], "groups": [True]},
+    {"rows": [raw(period_s=0.1), raw(period_s=0.1)]},  # more rows than members
+    {"rows": [raw()]},  # no finished step
+])
+def test_malformed_raw_reports_are_dropped(bad):
+    assert breakdown.from_report(bad, [0]) is None
+
+
+def test_the_coordinator_derives_a_step_reports_raw_rows_into_its_record(tmp_path):
+    """End to end through the signed report channel: rank 0's raw rows become the step record's
+    ``breakdown`` on the coordinator (metrics.jsonl), keyed by worker id."""
+    import json
+
+    from virtualflow.comm import protocol
+    from virtualflow.control.coordinator import Coordinator
+
+    rows = [raw(forward_s=0.01, blocked_s=0.02, period_s=0.05, arrive_s=0.02),
+            raw(forward_s=0.02, blocked_s=0.01, period_s=0.05, arrive_s=0.03)]
+    report = {"type": "step", "step": 1, "loss": 0.5, "samples": 32, "step_time_s": 0.05, "workers": 2,
+              "generation": 0, "vns": [[0, 1], [2, 3]], "members": [4, 9], "compute_s": None, "vn_sizes": None,
+              "time": 1.0, "worker": 4, "pid": 1, "seq": 1, "breakdown_raw": breakdown.Raw(rows).to_report(),
+              "breakdown_step": 0}
+    coord = Coordinator(total_steps=10, run_dir=str(tmp_path))
+    try:
+        protocol.push_report(coord.store, coord.run, report)
+        coord.poll()
+    finally:
+        coord.close()
+    (record,) = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    want = [{"worker": w, **parts} for w, parts in zip([4, 9], breakdown.derive(rows))]
+    assert record["breakdown_step"] == 0 and record["breakdown"] == want  # JSON keeps floats exactly
+    assert "breakdown_raw" not in record
+
+
 @pytest.mark.parametrize("bad", [None, [], [{"worker": 0}], [{"worker": "0"}], "x",
                                  [{"worker": 0, **{k: -1.0 for k in breakdown.PARTS + ("step_s",)
                                                    + breakdown.IO_FIELDS}}],

@@ -117,7 +117,7 @@ def test_engines_other_than_rank_0_report_nothing():
     driver.set_layout([[0, 1, 2, 3]])
     assert [e.timing.slot for e in engines] == [(0, 2), (1, 2)]
     block = torch.zeros(engines[1].timing.block_numel, dtype=torch.float64)
-    assert engines[1].timing.derive(block) is None
+    assert engines[1].timing.raw(block) is None
 
 
 def test_old_records_read_and_tables_show_pipeline_parts_only_for_pipelines():

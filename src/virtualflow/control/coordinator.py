@@ -234,6 +234,8 @@ class Coordinator:
         for r in reports:
             kind = r.get("type")
             if kind == "step":
+                if "breakdown_raw" in r:  # rank 0 sends every rank's raw timing: the parts are derived here
+                    r["breakdown"] = breakdown.from_report(r.pop("breakdown_raw"), r.get("members"))
                 self._on_step(r)
             elif kind == "join":
                 self.progress.workers[r["worker"]] = {"pid": r["pid"], "setup_s": r["setup_s"]}

@@ -15,6 +15,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.utils.data import TensorDataset, default_collate
 
+from virtualflow.runtime.breakdown import Raw
+
 __all__ = ["BatchLoader", "LossShapeError", "NonFiniteLossError", "StepOutcome", "check_loss",
            "seed_generators", "seed_random_streams", "split_loss", "to_device", "vn_generators"]
 
@@ -39,10 +41,11 @@ class StepOutcome:
     profiler's input, free since it rides in the step's reduction (the current step's time is
     not known when that reduction starts: the profiler pairs it with the previous step's
     duration)."""
-    breakdown: list[dict[str, float]] | None = None
-    """Where the *previous* step's time went on each rank (rank order;
-    :func:`virtualflow.runtime.breakdown.derive`), reported by rank 0 only; None on a generation's
-    first step or with the breakdown off. It rides in this step's reduction, like ``compute_s``."""
+    breakdown_raw: Raw | None = None
+    """Every rank's raw timing of the *previous* step (:class:`virtualflow.runtime.breakdown.Raw`),
+    held by rank 0 only; None elsewhere, on a generation's first step or with the breakdown off.
+    It rides in this step's reduction, like ``compute_s``, and is derived where it is read (the
+    coordinator, for the step report; :attr:`breakdown` in process), not in the step."""
     metrics: dict[str, float] | None = None
     """The loss function's extra metrics (``loss`` returned ``(loss, {name: value})``), each the
     mean over the global batch (VN values weighted by their share of it, as the loss is)."""
@@ -53,6 +56,12 @@ class StepOutcome:
     """``16-mixed``: the step had an inf/nan gradient and was not applied (on any worker)."""
     loss_scale: float | None = None
     """``16-mixed``: the loss scale this step used (the next step's may differ)."""
+
+    @property
+    def breakdown(self) -> list[dict[str, float] | None] | None:
+        """Where the *previous* step's time went on each rank (rank order, None for a rank with
+        no row; :func:`virtualflow.runtime.breakdown.derive`), derived from :attr:`breakdown_raw`."""
+        return self.breakdown_raw.derive() if self.breakdown_raw is not None else None
 
 
 MAX_METRIC_NAME = 200

@@ -42,7 +42,9 @@ Transport. Worker ``r``'s raw numbers of step ``s`` are known once step ``s+1`` 
 in step ``s+1``'s reduction (a few floats per worker appended to the small statistics vector that
 travels anyway), so rank 0 learns everybody's and reports them with step ``s+1`` as
 ``breakdown_step = s``. A generation's last step is therefore not broken down (it has no next step
-in that group). Cost: two ``perf_counter`` reads per interval and, for file-backed datasets, two
+in that group). Rank 0 hands the raw rows on (:class:`Raw`, the report's ``breakdown_raw``) and
+the coordinator derives the parts when the report arrives (:func:`from_report`): every worker
+waits for rank 0 at the next reduction, so its step does not pay for the derivation. Cost: two ``perf_counter`` reads per interval and, for file-backed datasets, two
 reads of ``/proc/thread-self/io`` per batch loaded (the I/O profile), measured in
 ``bench/input_pipeline.py``.
 
@@ -271,6 +273,72 @@ def derive(raw: Sequence[Sequence[float]], groups: Sequence[int] | None = None) 
             "read_calls": int(round(read_calls)), "read_bytes": int(round(read_bytes)), "loaded_s": loaded_s,
         })
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class Raw:
+    """Every worker's :data:`RAW` vector of one step, as rank 0 holds them after the reduction, not
+    yet derived: the parts are derived where they are read (:meth:`derive`), on the coordinator
+    for the step report (:func:`from_report`), so rank 0's step does not pay for them.
+
+    ``rows[r]`` is rank ``r``'s vector, or None for a rank whose row is not reported (a
+    tensor-parallel stage's members other than tensor rank 0); ``groups[r]`` is rank ``r``'s
+    reduction group (a pipeline's stage, :func:`derive`'s ``groups``), None for one group."""
+
+    rows: list[list[float] | None]
+    groups: list[int] | None = None
+
+    def derive(self) -> list[dict[str, float] | None] | None:
+        """The parts of each rank (None where ``rows`` has none), or None when the step has no
+        breakdown (a generation's first step, or a row that is not a measured step)."""
+        present = [i for i, row in enumerate(self.rows) if row is not None]
+        groups = None if self.groups is None else [self.groups[i] for i in present]
+        got = derive([self.rows[i] for i in present], groups)  # type: ignore[misc]
+        if got is None:
+            return None
+        out: list[dict[str, float] | None] = [None] * len(self.rows)
+        for i, parts in zip(present, got):
+            out[i] = parts
+        return out
+
+    def spread(self, every: int) -> Raw:
+        """The rows placed at ranks ``0, every, 2 every, ...`` of a generation ``every`` times as
+        large (a tensor-parallel grid's plane 0), None at the others."""
+        if every == 1:
+            return self
+        rows: list[list[float] | None] = [None] * (len(self.rows) * every)
+        groups = None if self.groups is None else [0] * len(rows)
+        for i, row in enumerate(self.rows):
+            rows[i * every] = row
+            if groups is not None and self.groups is not None:
+                groups[i * every] = self.groups[i]
+        return Raw(rows, groups)
+
+    def to_report(self) -> dict[str, Any]:
+        """The step report's ``breakdown_raw`` field."""
+        return {"rows": self.rows, "groups": self.groups}
+
+
+def from_report(value: Any, members: Any, max_workers: int = 4096) -> list[dict[str, Any]] | None:
+    """A step report's ``breakdown_raw`` (:meth:`Raw.to_report`) derived into the report's
+    ``breakdown``: one record per reported rank, ``{"worker": id, **parts}`` with ``members[r]``
+    the id of rank ``r``; None for anything malformed or a step with no breakdown."""
+    if not isinstance(value, dict) or not isinstance(members, list) or not 0 < len(members) <= max_workers:
+        return None
+    rows, groups = value.get("rows"), value.get("groups")
+    if not isinstance(rows, list) or len(rows) != len(members):
+        return None
+    for row in rows:
+        if row is not None and (not isinstance(row, list) or len(row) != len(RAW) or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) for x in row)):
+            return None
+    if groups is not None and (not isinstance(groups, list) or len(groups) != len(rows) or not all(
+            isinstance(g, int) and not isinstance(g, bool) for g in groups)):
+        return None
+    derived = Raw(rows, groups).derive()
+    if derived is None:
+        return None
+    return clean([{"worker": w, **parts} for w, parts in zip(members, derived) if parts is not None], max_workers)
 
 
 def clean(value: Any, max_workers: int = 4096) -> list[dict[str, float]] | None:

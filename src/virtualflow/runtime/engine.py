@@ -47,7 +47,7 @@ from virtualflow.runtime.amp import LossScaler
 from virtualflow.runtime.batches import (BatchLoader, LossShapeError, NonFiniteLossError, StepOutcome, check_loss,
                                          seed_random_streams, to_device)
 from virtualflow.runtime.batchnorm import BatchNormState
-from virtualflow.runtime.breakdown import StepClock, derive
+from virtualflow.runtime.breakdown import Raw, StepClock
 from virtualflow.runtime.fsdp import FsdpKnobs
 from virtualflow.runtime.fsdp.body import FsdpBody
 from virtualflow.runtime.fsdp.update import FsdpUpdate
@@ -330,9 +330,9 @@ class VNEngine:
         got = self.stats.read(*self._sum(step, bad, control))  # the mode's body (_sum_buckets, _sum_tree)
         bad_vns, control_sum, compute_s, bn_new = got.bad_vns, got.control, got.compute_s, got.bn
         metrics = self.compute.metrics.named(got.metric_values)
-        breakdown = None
-        if self.clock.enabled and self.group.rank == 0:  # rank 0 reports it
-            breakdown = derive(got.breakdown_raw)
+        # rank 0 reports every rank's timing; the parts are derived where they are read (the
+        # coordinator), not here: rank 0's step is every worker's wait
+        breakdown = Raw(got.breakdown_raw) if self.clock.enabled and self.group.rank == 0 else None
         loss_value = float(got.loss)
         if bad_vns:
             if self.bn:

@@ -430,9 +430,9 @@ class Worker:
             "grad_norm": outcome.grad_norm, "skipped": bool(outcome.skipped),
             "loss_scale": outcome.loss_scale, "lr": lr, "peak_tflops": self.peak_tflops, "stop_reason": None,
         }
-        if outcome.breakdown is not None:  # of the previous step (it rode in this one's reduction)
-            report["breakdown"] = [{"worker": w, **parts} for w, parts in zip(record.members, outcome.breakdown)
-                                   if parts is not None]  # (tensor-parallel stages: tensor rank 0's rows)
+        if outcome.breakdown_raw is not None:  # of the previous step (it rode in this one's reduction)
+            # raw: the coordinator derives the parts (breakdown.from_report), off rank 0's step
+            report["breakdown_raw"] = outcome.breakdown_raw.to_report()
             report["breakdown_step"] = step - 1
         return report
 

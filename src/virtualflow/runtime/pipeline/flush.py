@@ -410,7 +410,7 @@ class FlushStep:
         if first_bn:
             bn_new = yield from e.reducer.sum_by_stage(vec, False, True, False)
         result = self.commit(stats, bn_new, shared[0] if shared else None)
-        result.breakdown = e.timing.derive(stats[base:])
+        result.breakdown_raw = e.timing.raw(stats[base:])
         if self.applied:  # reduction="sharded": every replica updated its chunk; all of them, everywhere
             yield from e.update.gather(e.replicas)
             if e.replica_of_successor is not None:  # (Bamboo: so did the replicas of the successor's chunks)

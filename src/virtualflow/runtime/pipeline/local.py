@@ -267,6 +267,6 @@ def _train_threads(job: Any, steps: int, *, replicas: int, deterministic: bool,
         engines_out.extend(run.engines)
     history = [StepResult(step=t, loss=o.loss, bad_vns=list(o.bad_vns), control=o.control, compute_s=0.0,
                           metrics=o.metrics, grad_norm=o.grad_norm, skipped=o.skipped, loss_scale=o.loss_scale,
-                          breakdown=o.breakdown)
+                          breakdown_raw=o.breakdown_raw)
                for t, o in enumerate(run.outcomes)]
     return dict(run.state["model"]), history

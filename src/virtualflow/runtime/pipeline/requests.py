@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from virtualflow.plan.vnmap import Node, TreePlan
+from virtualflow.runtime.breakdown import Raw
 from virtualflow.runtime.pipeline.wire import MsgKey
 
 
@@ -151,7 +152,13 @@ class StepResult:
     """``16-mixed``: an inf/nan gradient on some stage; the step was applied nowhere."""
     loss_scale: float | None = None
     """``16-mixed``: the scale this step's loss was multiplied by."""
-    breakdown: list[dict[str, float]] | None = None
-    """Rank 0: where every worker's time went in the *previous* step (rank order;
-    :mod:`virtualflow.runtime.breakdown`, per stage: :mod:`.timing`); ``None`` elsewhere, on a
-    generation's first step, with the breakdown off or a no-flush schedule."""
+    breakdown_raw: Raw | None = None
+    """Rank 0: every worker's raw timing of the *previous* step, with its stage
+    (:class:`virtualflow.runtime.breakdown.Raw`, per stage: :mod:`.timing`); ``None`` elsewhere,
+    on a generation's first step, with the breakdown off or a no-flush schedule."""
+
+    @property
+    def breakdown(self) -> list[dict[str, float] | None] | None:
+        """Where every worker's time went in the *previous* step (rank order), derived from
+        :attr:`breakdown_raw`."""
+        return self.breakdown_raw.derive() if self.breakdown_raw is not None else None

@@ -36,6 +36,7 @@ from torch import nn
 from virtualflow.comm.groups import Group
 from virtualflow.config.pipeline import Pipeline
 from virtualflow.plan.pipeline.geometry import layers_of, piece_module
+from virtualflow.runtime.breakdown import Raw
 from virtualflow.runtime.pipeline.engine import StageEngine
 from virtualflow.runtime.step.finish import TensorSlots
 from virtualflow.runtime.pipeline.loop import StageLoop
@@ -103,7 +104,7 @@ class TensorStage:
         """:func:`~.stage_state.transfer_stages` over the pipeline's group; returns the bytes moved."""
         return transfer_stages(stage, self.pipeline, group, steps, target, self.device)
 
-    def generation_rows(self, rows: list[dict[str, float]] | None) -> list[dict[str, float] | None] | None:
+    def generation_rows(self, rows: Raw | None) -> Raw | None:
         """The step breakdown's rows in generation-rank order."""
         return rows
 
@@ -222,15 +223,10 @@ class TensorParallelStage(TensorStage):
         return transfer_stages(stage, self.pipeline, self.planes.plane, self.planes.plane_steps(steps), target,
                                self.device, state_of=named_stage_state)
 
-    def generation_rows(self, rows: list[dict[str, float]] | None) -> list[dict[str, float] | None] | None:
+    def generation_rows(self, rows: Raw | None) -> Raw | None:
         """The rows of plane 0 (tensor rank 0 of every stage, generation ranks ``0, T, 2T, ...``; the
         stage's other workers run the same schedule on the same shapes), ``None`` for the others."""
-        if rows is None:
-            return rows
-        out: list[dict[str, float] | None] = [None] * (len(rows) * self.tensor)
-        for i, row in enumerate(rows):
-            out[i * self.tensor] = row
-        return out
+        return None if rows is None else rows.spread(self.tensor)
 
     def generation_rank(self, group: Group) -> int:
         return self.planes.generation_group.rank

@@ -12,7 +12,8 @@ and the sharded parameters' all-gather is ``optimizer_s``. What each part means 
 
 Transport, as the VN engine's: a worker's raw vector of step ``s`` is known when step ``s+1``
 starts; it rides in step ``s+1``'s statistics all-reduce (each worker in its rank's slot, with
-its stage), and rank 0 derives every worker's parts from it (:meth:`StageTiming.derive`).
+its stage), and rank 0 hands every worker's raw vector and stage on (:meth:`StageTiming.raw`); the
+parts are derived where they are read (the coordinator, for the step report).
 
 Invariants: the intervals partition the step period (the rest is ``overhead_s``/``control_s``),
 so a worker's parts add up to its ``step_s``; the slot block has the same size on every worker of
@@ -25,7 +26,7 @@ from typing import Any, Generator
 
 import torch
 
-from virtualflow.runtime.breakdown import RAW, StepClock, derive
+from virtualflow.runtime.breakdown import RAW, Raw, StepClock
 from virtualflow.runtime.pipeline.requests import (AllSum, Expect, Poll, Recv, Send, StageGather, StageScatter,
                                                    StageSum, StageTree, TreeOpen, TreePart)
 
@@ -113,16 +114,17 @@ class StageTiming:
         out[rank * k] = float(self.stage_rank + 1)
         out[rank * k + 1: (rank + 1) * k] = torch.tensor(prev, dtype=out.dtype)
 
-    def derive(self, block: torch.Tensor) -> list[dict[str, float]] | None:
-        """Rank 0: every worker's parts of the previous step, from the summed block (None unless
-        every worker had one, or elsewhere than rank 0)."""
+    def raw(self, block: torch.Tensor) -> Raw | None:
+        """Rank 0: every worker's raw vector of the previous step and its stage, from the summed
+        block (None unless every worker had one, or elsewhere than rank 0); derived where it is
+        read (:meth:`Raw.derive`)."""
         if self.slot is None or self.slot[0] != 0 or not block.numel():
             return None
         k = 1 + len(RAW)
-        rows = block.view(self.slot[1], k)
-        if bool((rows[:, 0] <= 0).any()):
+        rows = block.view(self.slot[1], k).tolist()
+        if any(row[0] <= 0 for row in rows):
             return None
-        return derive(rows[:, 1:].tolist(), groups=[int(s) for s in rows[:, 0].tolist()])
+        return Raw([row[1:] for row in rows], groups=[int(row[0]) for row in rows])
 
 
 def write_timeline(timeline: list[dict[str, Any]], timeline_dir: str | None, rank: int, replica: int, stage_rank: int,

@@ -401,7 +401,7 @@ class PipelineWorkerEngine:
         if self.stage.timeline:
             write_timeline(self.stage.timeline, self.timeline_dir, self.tensor.generation_rank(self.group),
                            self.grid.replica, self.grid.stage_rank, self.group.generation)
-        out = {r.step: StepOutcome(r.loss, r.bad_vns, r.control, None, self.tensor.generation_rows(r.breakdown),
+        out = {r.step: StepOutcome(r.loss, r.bad_vns, r.control, None, self.tensor.generation_rows(r.breakdown_raw),
                                    metrics=r.metrics, grad_norm=r.grad_norm, skipped=r.skipped,
                                    loss_scale=r.loss_scale) for r in results}
         first = out.pop(step)
